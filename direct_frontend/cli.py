@@ -1,0 +1,115 @@
+"""Command line: ``run``, ``check``, ``simulate-engine``.
+
+``trio_asyncio`` is imported first on purpose: grpclib captures asyncio
+internals at import time, so on Python >= 3.12 it must see the patched ones.
+"""
+
+from __future__ import annotations
+
+import trio_asyncio  # noqa: F401,I001  (must precede every grpclib import)
+
+import json
+import pathlib
+import sys
+from typing import Annotated, Literal, Optional, cast
+
+import typer
+
+from direct_frontend import __version__
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="OpenAI-compatible router that talks gRPC directly to stock inference engines.",
+)
+
+FleetPath = Annotated[pathlib.Path, typer.Argument(help="The fleet file (TOML).")]
+
+
+def _load_or_exit(path: pathlib.Path):  # type: ignore[no-untyped-def]
+    from direct_frontend.fleet.load import FleetError, load_fleet
+
+    try:
+        return load_fleet(path)
+    except FleetError as exc:
+        typer.echo(str(exc), err=True)
+        raise typer.Exit(2) from None
+
+
+@app.command()
+def run(
+    fleet: FleetPath,
+    log_json: Annotated[
+        Optional[bool],  # noqa: UP045  (typer needs Optional here)
+        typer.Option("--log-json/--log-text", help="One JSON object per log line."),
+    ] = None,
+    log_level: Annotated[str, typer.Option(help="DEBUG, INFO, WARNING or ERROR.")] = "INFO",
+) -> None:
+    """Serve the OpenAI API for the fleet described in FLEET."""
+    from direct_frontend.daemon import run_daemon
+    from direct_frontend.observability.logging import configure_logging
+
+    config = _load_or_exit(fleet)
+    configure_logging(json=config.frontend.log_json if log_json is None else log_json,
+                      level=log_level.upper())
+    sys.exit(run_daemon(config))
+
+
+@app.command()
+def check(
+    fleet: FleetPath,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the resolved fleet as JSON.")] = False,
+) -> None:
+    """Validate FLEET and print the resolved fleet (exit 2 on errors)."""
+    from direct_frontend.fleet.describe import describe_fleet, to_jsonable
+
+    config = _load_or_exit(fleet)
+    if as_json:
+        typer.echo(json.dumps(to_jsonable(config), indent=2))
+    else:
+        typer.echo(describe_fleet(config))
+
+
+@app.command("simulate-engine")
+def simulate_engine(
+    kind: Annotated[str, typer.Option(help="sglang, vllm or trtllm.")] = "sglang",
+    host: Annotated[str, typer.Option()] = "127.0.0.1",
+    port: Annotated[int, typer.Option()] = 50051,
+    model_dir: Annotated[
+        Optional[pathlib.Path],  # noqa: UP045
+        typer.Option(help="Model directory with tokenizer.json (vocab and EOS come from it)."),
+    ] = None,
+    served_model_name: Annotated[str, typer.Option()] = "demo",
+    context_length: Annotated[int, typer.Option()] = 4096,
+    prefill_us_per_token: Annotated[float, typer.Option()] = 20.0,
+    decode_us_per_token: Annotated[float, typer.Option()] = 2000.0,
+    max_running: Annotated[int, typer.Option()] = 64,
+    eos_probability: Annotated[float, typer.Option()] = 0.02,
+    role: Annotated[str, typer.Option(help="both, prefill or decode.")] = "both",
+) -> None:
+    """Serve a simulated engine speaking the stock gRPC contract of KIND."""
+    from direct_frontend.simulator.cli import run as run_simulator
+
+    if kind not in ("sglang", "vllm", "trtllm"):
+        raise typer.BadParameter(f"{kind!r}: expected sglang, vllm or trtllm", param_hint="--kind")
+    if role not in ("both", "prefill", "decode"):
+        raise typer.BadParameter(f"{role!r}: expected both, prefill or decode", param_hint="--role")
+    run_simulator(
+        kind=cast(Literal["sglang", "vllm", "trtllm"], kind), host=host, port=port,
+        model_dir=str(model_dir) if model_dir else None,
+        served_model_name=served_model_name, context_length=context_length,
+        prefill_us_per_token=prefill_us_per_token, decode_us_per_token=decode_us_per_token,
+        max_running=max_running, eos_probability=eos_probability,
+        role=cast(Literal["both", "prefill", "decode"], role),
+    )
+
+
+@app.command()
+def version() -> None:
+    """Print the version."""
+    typer.echo(__version__)
+
+
+def main() -> None:
+    app()

@@ -1,0 +1,1 @@
+"""Engines: the neutral request/event types, per-kind dialects and the I/O that drives them."""

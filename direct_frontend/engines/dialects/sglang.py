@@ -1,0 +1,157 @@
+"""SGLang's SMG contract (``sglang.grpc.scheduler.SglangScheduler``).
+
+Quirks handled here (engine-contracts.md §4): the prompt must be token ids;
+``temperature`` and ``max_new_tokens`` are always sent (an unset cap means no
+cap at all); chunk counts are cumulative; in streaming mode the terminal
+``complete`` repeats the last delta, so its ``output_ids`` are never appended;
+``max_context_length`` is the KV pool size, not the model window, so it is not
+used as the context length. The contract has no ``seed`` field.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+from google.protobuf import json_format
+
+from direct_frontend.engines.dialects.base import (
+    FINISH_REASONS,
+    Capabilities,
+    Dialect,
+    HealthResult,
+    Rpc,
+    StreamDecoder,
+    unusual_finish,
+)
+from direct_frontend.engines.neutral import (
+    EngineEvent,
+    EngineInfo,
+    EngineRole,
+    Finished,
+    FinishReason,
+    GenerateCall,
+    TokenDelta,
+)
+from direct_frontend.errors import EngineError, ErrorKind
+from protos import sglang_scheduler_pb2 as pb
+
+SERVICE = "/sglang.grpc.scheduler.SglangScheduler"
+ROLES = {"prefill": EngineRole.PREFILL, "decode": EngineRole.DECODE, "null": EngineRole.BOTH}
+
+
+class SglangStreamDecoder(StreamDecoder):
+    """Decoder for one SGLang Generate stream."""
+
+    def __init__(self, stream: bool) -> None:
+        self._stream = stream
+        self._delivered = 0
+        self._prompt = 0
+        self._cached = 0
+        self.finished = False
+
+    def feed(self, message: Any) -> EngineEvent | None:
+        which = message.WhichOneof("response")
+        if which == "chunk":
+            chunk = message.chunk
+            ids = tuple(chunk.token_ids)
+            self._delivered += len(ids)
+            self._prompt = chunk.prompt_tokens
+            self._cached = chunk.cached_tokens
+            return TokenDelta(ids, chunk.prompt_tokens, self._delivered, chunk.cached_tokens)
+        if which == "complete":
+            done = message.complete
+            self.finished = True
+            problem = unusual_finish(done.finish_reason)
+            if problem is not None:
+                raise problem
+            # Streaming: output_ids repeat the last chunk. Non-streaming: the whole output.
+            extra = () if self._stream else tuple(done.output_ids)
+            completion = max(done.completion_tokens, self._delivered + len(extra))
+            matched = done.WhichOneof("matched_stop")
+            return Finished(
+                reason=FINISH_REASONS.get(done.finish_reason, FinishReason.STOP),
+                prompt_tokens=done.prompt_tokens or self._prompt,
+                completion_tokens=completion,
+                cached_tokens=done.cached_tokens or self._cached,
+                token_ids=extra,
+                matched_token_id=done.matched_token_id if matched == "matched_token_id" else None,
+                matched_stop_str=done.matched_stop_str if matched == "matched_stop_str" else None,
+            )
+        raise EngineError(ErrorKind.PROTOCOL, "GenerateResponse with neither chunk nor complete")
+
+
+class SglangDialect(Dialect):
+    kind: ClassVar[str] = "sglang"
+    capabilities: ClassVar[Capabilities] = Capabilities(prefill_decode=True)
+
+    def generate(self, call: GenerateCall) -> Rpc:
+        s = call.sampling
+        params = pb.SamplingParams(
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k if s.top_k > 0 else -1,
+            min_p=s.min_p,
+            frequency_penalty=s.frequency_penalty,
+            presence_penalty=s.presence_penalty,
+            repetition_penalty=s.repetition_penalty,
+            max_new_tokens=s.max_tokens,
+            stop_token_ids=s.stop_token_ids,
+            min_new_tokens=s.min_tokens,
+            ignore_eos=s.ignore_eos,
+            skip_special_tokens=True,
+        )
+        request = pb.GenerateRequest(
+            request_id=call.request_id,
+            tokenized=pb.TokenizedInput(original_text=call.original_text, input_ids=call.input_ids),
+            sampling_params=params,
+            stream=call.stream,
+        )
+        return Rpc(f"{SERVICE}/Generate", request, pb.GenerateResponse)
+
+    def stream_decoder(self, call: GenerateCall) -> StreamDecoder:
+        return SglangStreamDecoder(call.stream)
+
+    def abort(self, request_id: str, reason: str = "") -> Rpc:
+        request = pb.AbortRequest(request_id=request_id, reason=reason or "client cancelled")
+        return Rpc(f"{SERVICE}/Abort", request, pb.AbortResponse)
+
+    def health(self) -> Rpc:
+        return Rpc(f"{SERVICE}/HealthCheck", pb.HealthCheckRequest(), pb.HealthCheckResponse)
+
+    def health_result(self, response: Any) -> HealthResult:
+        return HealthResult(bool(response.healthy), response.message)
+
+    def discovery(self) -> Sequence[Rpc]:
+        return (
+            Rpc(f"{SERVICE}/GetModelInfo", pb.GetModelInfoRequest(), pb.GetModelInfoResponse),
+            Rpc(f"{SERVICE}/GetServerInfo", pb.GetServerInfoRequest(), pb.GetServerInfoResponse),
+        )
+
+    def engine_info(self, responses: Sequence[Any]) -> EngineInfo:
+        model, server = responses
+        has_args = server.HasField("server_args")
+        args = json_format.MessageToDict(server.server_args) if has_args else {}
+        role = ROLES.get(str(args.get("disaggregation_mode", "null")), EngineRole.BOTH)
+        window = args.get("context_length")
+        page = args.get("page_size")
+        incarnation = (
+            server.start_time.ToJsonString() if server.HasField("start_time") else ""
+        )
+        return EngineInfo(
+            served_model_name=model.served_model_name,
+            model_path=model.model_path,
+            # max_context_length is the KV pool size; only server_args has the window.
+            context_length=int(window) if isinstance(window, (int, float)) and window else None,
+            max_input_length=model.max_req_input_len or None,
+            eos_token_ids=tuple(model.eos_token_ids),
+            block_size=int(page) if isinstance(page, (int, float)) and page else None,
+            role=role,
+            data_parallel_size=int(args.get("dp_size", 1) or 1),
+            incarnation=incarnation,
+            details=(
+                ("kv_pool_tokens", str(model.max_context_length)),
+                ("bootstrap_port", str(args.get("disaggregation_bootstrap_port", ""))),
+                ("sglang_version", server.sglang_version),
+            ),
+        )

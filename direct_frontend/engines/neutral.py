@@ -1,0 +1,111 @@
+"""The neutral request and event types: the only engine vocabulary above the dialects.
+
+Plain frozen dataclasses with no I/O, so dispatch, migration and postprocess
+are tested with data alone. A dialect turns a :class:`GenerateCall` into its
+engine's proto and that engine's stream back into :data:`EngineEvent` items.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SamplingOptions:
+    """Sampling settings in OpenAI terms; dialects apply each engine's defaults."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = disabled
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    min_tokens: int = 0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class GenerateCall:
+    """One generation as sent to one engine.
+
+    Stop *strings* are handled by the frontend (postprocess), not sent to the
+    engine, so every engine kind stops at exactly the same place.
+    """
+
+    request_id: str
+    input_ids: tuple[int, ...]
+    sampling: SamplingOptions
+    stream: bool = True
+    original_text: str = ""
+
+
+class FinishReason(enum.Enum):
+    """Why an engine stopped generating."""
+
+    STOP = "stop"  # EOS or a stop token id
+    LENGTH = "length"  # max_tokens reached
+    ABORT = "abort"  # the engine aborted the request
+    ERROR = "error"  # the engine failed the request
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TokenDelta:
+    """New output tokens, in order; never a repeat of tokens already reported."""
+
+    token_ids: tuple[int, ...]
+    prompt_tokens: int = 0
+    completion_tokens: int = 0  # running total so far, whatever the engine reports
+    cached_tokens: int = 0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Finished:
+    """The terminal event of a stream: carries the final usage and why it ended.
+
+    ``token_ids`` holds tokens not yet reported by a :class:`TokenDelta` (the
+    whole output for a non-streaming call, usually empty for a streaming one).
+    """
+
+    reason: FinishReason
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+    token_ids: tuple[int, ...] = ()
+    matched_token_id: int | None = None
+    matched_stop_str: str | None = None
+
+
+EngineEvent = TokenDelta | Finished
+
+
+class EngineRole(enum.Enum):
+    """What part of a request an engine serves."""
+
+    BOTH = "both"
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EngineInfo:
+    """What discovery learnt about an engine when it joined.
+
+    ``context_length`` is what the engine reported; the fleet file may
+    override it (see :mod:`direct_frontend.fleet`).
+    """
+
+    served_model_name: str
+    model_path: str = ""
+    context_length: int | None = None
+    max_input_length: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    block_size: int | None = None
+    role: EngineRole | None = None
+    data_parallel_size: int = 1
+    incarnation: str = ""  # changes when the engine restarts (start time, uptime)
+    details: tuple[tuple[str, str], ...] = ()  # extra facts, for `check` and /fleet

@@ -1,0 +1,193 @@
+"""Render a loaded fleet for people (``direct-frontend check``) and for JSON.
+
+The text view shows every setting with its default filled in and, per engine,
+which facts discovery will read from that engine kind and which the fleet
+file overrides: the engine kinds differ in what they report and how far it
+can be trusted, and that is the usual reason a fleet needs an override.
+"""
+
+from __future__ import annotations
+
+from direct_frontend.engines.neutral import EngineRole
+from direct_frontend.fleet.schema import EngineConfig, FleetConfig, FrontendConfig
+
+JsonValue = None | bool | int | float | str | list["JsonValue"] | dict[str, "JsonValue"]
+
+# What discovery reads per engine kind: (source, advice when there is no override).
+_CONTEXT_LENGTH: dict[str, tuple[str, str]] = {
+    "sglang": ("reported value is the KV pool size, not trusted", "set context_length"),
+    "vllm": ("reported max_model_len", ""),
+    "trtllm": ("reported value may be a default", "set context_length"),
+}
+_BLOCK_SIZE: dict[str, tuple[str, str]] = {
+    "sglang": ("--page-size, not reported", "set block_size for KV routing"),
+    "vllm": ("GetServerInfo.block_size", ""),
+    "trtllm": ("tokens_per_block, not reported", "set block_size for KV routing"),
+}
+_ROLE: dict[str, str] = {
+    "sglang": "server_args.disaggregation_mode",
+    "vllm": "kv_role",
+    "trtllm": "none (no P/D)",
+}
+
+
+def describe_fleet(cfg: FleetConfig) -> str:
+    """The resolved fleet as aligned text, one section for the frontend and one per engine."""
+    out = [f"fleet {cfg.source}", "", "frontend"]
+    out += _rows(_frontend_rows(cfg.frontend), indent=2)
+    out.append("")
+    if not cfg.engines:
+        out.append("engines: none yet (add [[engine]] tables)")
+    for index, engine in enumerate(cfg.engines, 1):
+        if index > 1:
+            out.append("")
+        out.append(f"engine[{index}] {engine.name}")
+        out += _engine_lines(engine)
+    return "\n".join(out)
+
+
+def engine_facts(engine: EngineConfig) -> tuple[tuple[str, str], ...]:
+    """Per fact, what discovery reads from this engine kind and what the fleet file overrides."""
+    kind = engine.kind
+    role_override = None if engine.role is EngineRole.BOTH else engine.role.value
+    return (
+        ("context_length", _fact(kind, *_CONTEXT_LENGTH[kind], engine.context_length)),
+        ("block_size", _fact(kind, *_BLOCK_SIZE[kind], engine.block_size)),
+        ("role", _fact(kind, _ROLE[kind], "", role_override)),
+    )
+
+
+def to_jsonable(cfg: FleetConfig) -> dict[str, JsonValue]:
+    """The resolved fleet as JSON-ready data, keyed like the fleet file."""
+    frontend = cfg.frontend
+    probe = frontend.probe
+    knobs: dict[str, JsonValue] = dict(frontend.routing.knobs)
+    engines: list[JsonValue] = [_engine_json(engine) for engine in cfg.engines]
+    return {
+        "source": str(cfg.source),
+        "frontend": {
+            "listen": frontend.listen,
+            "served_model_name": frontend.served_model_name,
+            "tokenizer": str(frontend.tokenizer),
+            "max_body_bytes": frontend.max_body_bytes,
+            "max_tokens_default": frontend.max_tokens_default,
+            "request_timeout_s": frontend.request_timeout_s,
+            "log_json": frontend.log_json,
+            "routing": {"policy": frontend.routing.policy, "knobs": knobs},
+            "probe": {
+                "interval_s": probe.interval_s,
+                "timeout_s": probe.timeout_s,
+                "failure_threshold": probe.failure_threshold,
+                "success_threshold": probe.success_threshold,
+                "join_timeout_s": probe.join_timeout_s,
+            },
+        },
+        "engines": engines,
+    }
+
+
+def _engine_json(engine: EngineConfig) -> JsonValue:
+    sim = engine.simulator
+    simulator: JsonValue = None
+    if engine.simulate:
+        simulator = {
+            "prefill_us_per_token": sim.prefill_us_per_token,
+            "decode_us_per_token": sim.decode_us_per_token,
+            "max_running": sim.max_running,
+            "vocab_size": sim.vocab_size,
+            "eos_probability": sim.eos_probability,
+            "context_length": sim.context_length,
+        }
+    kv_events: list[JsonValue] = list(engine.kv_events)
+    kv_replay: list[JsonValue] = list(engine.kv_replay)
+    return {
+        "name": engine.name,
+        "url": engine.url,
+        "kind": engine.kind,
+        "role": engine.role.value,
+        "kv_events": kv_events,
+        "kv_replay": kv_replay,
+        "context_length": engine.context_length,
+        "block_size": engine.block_size,
+        "bootstrap_port": engine.bootstrap_port,
+        "simulate": engine.simulate,
+        "simulator": simulator,
+    }
+
+
+def _fact(kind: str, source: str, advice: str, override: int | str | None) -> str:
+    if override is not None:
+        return f"{kind}: {source}; override: {override}"
+    return f"{kind}: {source}; {advice}" if advice else f"{kind}: {source}"
+
+
+def _frontend_rows(frontend: FrontendConfig) -> list[tuple[str, str]]:
+    routing, probe = frontend.routing, frontend.probe
+    knobs = ", ".join(f"{key} = {_scalar(value)}" for key, value in routing.knobs.items())
+    return [
+        ("listen", frontend.listen),
+        ("served_model_name", frontend.served_model_name),
+        ("tokenizer", str(frontend.tokenizer)),
+        ("max_body_bytes", f"{frontend.max_body_bytes} ({_size(frontend.max_body_bytes)})"),
+        ("max_tokens_default", str(frontend.max_tokens_default)),
+        ("request_timeout_s", _scalar(frontend.request_timeout_s)),
+        ("log_json", _scalar(frontend.log_json)),
+        ("routing.policy", routing.policy),
+        ("routing.knobs", knobs or "none"),
+        ("probe.interval_s", _scalar(probe.interval_s)),
+        ("probe.timeout_s", _scalar(probe.timeout_s)),
+        ("probe.failure_threshold", str(probe.failure_threshold)),
+        ("probe.success_threshold", str(probe.success_threshold)),
+        ("probe.join_timeout_s", _scalar(probe.join_timeout_s)),
+    ]
+
+
+def _engine_lines(engine: EngineConfig) -> list[str]:
+    kind = f"{engine.kind}, simulated" if engine.simulate else engine.kind
+    rows = [("url", engine.url), ("kind", kind), ("role", engine.role.value)]
+    if engine.kv_events:
+        for rank, endpoint in enumerate(engine.kv_events):
+            replay = f" (replay {engine.kv_replay[rank]})" if rank < len(engine.kv_replay) else ""
+            rows.append((f"kv_events[rank {rank}]", endpoint + replay))
+    else:
+        rows.append(("kv_events", "none"))
+    if engine.bootstrap_port is not None:
+        rows.append(("bootstrap_port", str(engine.bootstrap_port)))
+    lines = _rows(rows, indent=2)
+    lines.append("  discovery (what the engine reports; what this file overrides)")
+    lines += _rows(list(engine_facts(engine)), indent=4)
+    if engine.simulate:
+        sim = engine.simulator
+        vocab = "from the tokenizer" if sim.vocab_size is None else str(sim.vocab_size)
+        lines.append("  simulator")
+        sim_rows = [
+            ("prefill_us_per_token", _scalar(sim.prefill_us_per_token)),
+            ("decode_us_per_token", _scalar(sim.decode_us_per_token)),
+            ("max_running", str(sim.max_running)),
+            ("vocab_size", vocab),
+            ("eos_probability", _scalar(sim.eos_probability)),
+            ("context_length", str(sim.context_length)),
+        ]
+        lines += _rows(sim_rows, indent=4)
+    return lines
+
+
+def _rows(rows: list[tuple[str, str]], indent: int) -> list[str]:
+    width = max(len(key) for key, _ in rows) + 2
+    return [f"{' ' * indent}{key.ljust(width)}{value}".rstrip() for key, value in rows]
+
+
+def _scalar(value: float | int | str | bool) -> str:
+    """Values as the fleet file spells them."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return f'"{value}"'
+    return str(value)
+
+
+def _size(count: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if count >= scale:
+            return f"{count / scale:g} {unit}"
+    return f"{count} B"

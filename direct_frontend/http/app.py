@@ -1,0 +1,421 @@
+"""The ASGI application: OpenAI endpoints, health, readiness and metrics.
+
+A raw ASGI app (no framework) because the relay is the hot path: each
+streamed response drains every event already queued from the engine and
+writes them in one ``send`` (hypercorn's per-send cost dominates, stack.md §5).
+Every generation runs beside a disconnect watcher: hypercorn drops sends to a
+gone client silently, so without it the engine would keep generating.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+import trio
+
+from direct_frontend.engines.neutral import Finished, GenerateCall, TokenDelta
+from direct_frontend.errors import EngineError, NoEngineAvailable
+from direct_frontend.fleet.schema import FrontendConfig
+from direct_frontend.http.openai_schema import (
+    ChatRequest,
+    CompletionRequest,
+    OpenAIHTTPError,
+    error_body,
+    from_engine_error,
+    internal_error,
+    method_not_allowed,
+    model_not_found,
+    no_engine_available,
+    parse_chat_request,
+    parse_completion_request,
+    request_too_large,
+    unknown_route,
+)
+from direct_frontend.http.render import ChunkRenderer, Usage, render_full, render_models
+from direct_frontend.observability.logging import current_request_id, new_request_id
+from direct_frontend.observability.metrics import Metrics
+from direct_frontend.pipeline.dispatch import Dispatcher, Generation
+from direct_frontend.pipeline.postprocess import OutputProcessor, OutputStep
+from direct_frontend.pipeline.preprocess import (
+    Kind,
+    PreparedRequest,
+    build_call,
+    prepare,
+    token_budget,
+)
+from direct_frontend.routing.catalog import EngineHandle
+from direct_frontend.supervisor import Supervisor
+from direct_frontend.text.model_dir import TextModel
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+log = logging.getLogger("direct_frontend.http")
+
+JSON = b"application/json"
+SSE_HEADERS = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),
+]
+
+
+class ClientGone(Exception):
+    """The client disconnected before the response was complete."""
+
+
+class App:
+    """One instance per daemon; holds references to the planes, no per-request state."""
+
+    def __init__(
+        self,
+        frontend: FrontendConfig,
+        text_model: TextModel,
+        supervisor: Supervisor,
+        dispatcher: Dispatcher,
+        metrics: Metrics,
+    ) -> None:
+        self.frontend = frontend
+        self.text_model = text_model
+        self.supervisor = supervisor
+        self.dispatcher = dispatcher
+        self.metrics = metrics
+        self.bound_urls: list[str] = []
+        self.http_stopped = trio.Event()
+        self.started_at = int(time.time())
+        self._routes: dict[str, dict[str, Callable[[Scope, Receive, Send], Awaitable[int]]]] = {
+            "/v1/chat/completions": {"POST": self._chat},
+            "/v1/completions": {"POST": self._completions},
+            "/v1/models": {"GET": self._models},
+            "/health": {"GET": self._health},
+            "/ready": {"GET": self._ready},
+            "/metrics": {"GET": self._metrics},
+        }
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await _lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        path, method = scope["path"], scope["method"]
+        started = time.perf_counter()
+        methods = self._routes.get(path)
+        handler = methods.get(method) if methods else None
+        if handler is None:
+            err = (
+                method_not_allowed(method, path, tuple(methods))
+                if methods else unknown_route(method, path)
+            )
+            await send_error(send, err)
+            self.metrics.request_started()
+            self.metrics.request_finished(path if methods else "other", err.status, 0.0)
+            return
+        status = 500
+        self.metrics.request_started()
+        try:
+            status = await handler(scope, receive, send)
+        finally:
+            self.metrics.request_finished(path, status, time.perf_counter() - started)
+
+    # -- small endpoints --------------------------------------------------------------
+
+    async def _models(self, scope: Scope, receive: Receive, send: Send) -> int:
+        body = render_models([self.frontend.served_model_name], self.started_at)
+        await send_body(send, 200, body)
+        return 200
+
+    async def _health(self, scope: Scope, receive: Receive, send: Send) -> int:
+        await send_body(send, 200, b'{"status":"ok"}')
+        return 200
+
+    async def _ready(self, scope: Scope, receive: Receive, send: Send) -> int:
+        serving = self.supervisor.serving_count
+        total = len(self.supervisor.children)
+        status = 200 if serving else 503
+        body = b'{"ready":%s,"serving":%d,"engines":%d}' % (
+            b"true" if serving else b"false", serving, total,
+        )
+        await send_body(send, status, body)
+        return status
+
+    async def _metrics(self, scope: Scope, receive: Receive, send: Send) -> int:
+        for name, child in self.supervisor.children.items():
+            self.metrics.set_engine_state(name, child.state.value)  # type: ignore[arg-type]
+            load = child.handle.load.in_flight if child.handle is not None else 0
+            self.metrics.set_engine_in_flight(name, load)
+        body, content_type = self.metrics.render()
+        await send_body(send, 200, body, content_type.encode())
+        return 200
+
+    # -- generation -------------------------------------------------------------------
+
+    async def _chat(self, scope: Scope, receive: Receive, send: Send) -> int:
+        return await self._generate("chat", scope, receive, send)
+
+    async def _completions(self, scope: Scope, receive: Receive, send: Send) -> int:
+        return await self._generate("completion", scope, receive, send)
+
+    async def _generate(self, kind: Kind, scope: Scope, receive: Receive, send: Send) -> int:
+        request_id = new_request_id()
+        token = current_request_id.set(request_id)
+        headers = [(b"x-request-id", request_id.encode())]
+        try:
+            try:
+                body = await read_body(receive, self.frontend.max_body_bytes)
+                request: ChatRequest | CompletionRequest = (
+                    parse_chat_request(body) if kind == "chat" else parse_completion_request(body)
+                )
+                if request.model != self.frontend.served_model_name:
+                    raise model_not_found(request.model)
+                prepared = await prepare(kind, request, request_id, self.text_model)
+                try:
+                    engine = self.dispatcher.choose(
+                        prepared.input_ids, request.max_tokens or 0
+                    )
+                except NoEngineAvailable:
+                    raise no_engine_available(request.model) from None
+                max_tokens = token_budget(prepared, engine, self.frontend.max_tokens_default)
+            except OpenAIHTTPError as err:
+                await send_error(send, err, headers)
+                return err.status
+            except ClientGone:
+                self.metrics.request_cancelled()
+                return 499
+            # Engine-side stop strings are not used: we stop all engine kinds the same way.
+            # A non-streaming request without stop strings lets the engine send one message.
+            engine_streams = request.stream or bool(request.stop)
+            call = build_call(prepared, max_tokens, stream=engine_streams)
+            relay = Relay(self, prepared, engine, call, headers, max_tokens)
+            return await relay.run(receive, send)
+        finally:
+            current_request_id.reset(token)
+
+
+class Relay:
+    """One generation from engine events to the client, streaming or not."""
+
+    def __init__(
+        self,
+        app: App,
+        prepared: PreparedRequest,
+        engine: EngineHandle,
+        call: GenerateCall,
+        headers: list[tuple[bytes, bytes]],
+        max_tokens: int,
+    ) -> None:
+        self.app = app
+        self.prepared = prepared
+        self.request = prepared.request
+        self.engine = engine
+        self.call = call
+        self.headers = headers
+        eos = () if self.request.ignore_eos else app.text_model.eos_token_ids
+        self.processor = OutputProcessor(
+            app.text_model.new_detokenizer(skip_special_tokens=self.request.skip_special_tokens),
+            self.request.stop,
+            max_tokens,
+            stop_token_ids=(*eos, *self.request.stop_token_ids),
+        )
+        self.cached_tokens = 0
+        self.final: OutputStep | None = None
+        self.started = time.perf_counter()
+        self.last_emit = 0.0
+        self.disconnected = False
+
+    async def run(self, receive: Receive, send: Send) -> int:
+        status = 200
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._watch_disconnect, receive, nursery.cancel_scope)
+            if self.request.stream:
+                status = await self._stream(send)
+            else:
+                status = await self._complete(send)
+            nursery.cancel_scope.cancel()
+        if self.disconnected:
+            self.app.metrics.request_cancelled()
+            return 499
+        usage_completion = self.processor.completion_tokens
+        self.app.metrics.add_tokens(len(self.call.input_ids), usage_completion)
+        return status
+
+    async def _watch_disconnect(self, receive: Receive, scope: trio.CancelScope) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        self.disconnected = True
+        scope.cancel()
+
+    def _apply(self, event: TokenDelta | Finished) -> OutputStep:
+        self.cached_tokens = event.cached_tokens or self.cached_tokens
+        if isinstance(event, TokenDelta):
+            return self.processor.on_tokens(event.token_ids)
+        text = ""
+        if event.token_ids:
+            first = self.processor.on_tokens(event.token_ids)
+            text = first.text
+            if first.finished:
+                return first
+        step = self.processor.on_finish(
+            event.reason, event.matched_token_id, event.matched_stop_str
+        )
+        if text:
+            return OutputStep(
+                text + step.text, step.finished, step.completion_tokens, step.matched_stop,
+                step.finish_reason, step.stop_reason,
+            )
+        return step
+
+    async def _events(self, generation: Generation) -> tuple[str, int, bool]:
+        """Wait for the next event, then take every event already queued.
+
+        Returns the new text, how many tokens it covers, and whether the
+        output is finished.
+        """
+        receiver = generation.events
+        event = await receiver.receive()
+        pieces: list[str] = []
+        before = self.processor.completion_tokens
+        while event is not None:
+            step = self._apply(event)
+            if step.text:
+                pieces.append(step.text)
+            if step.finished:
+                self.final = step
+                break
+            event = receiver.receive_nowait()
+        return "".join(pieces), self.processor.completion_tokens - before, self.final is not None
+
+    def _observe(self, tokens: int) -> None:
+        now = time.perf_counter()
+        metrics = self.app.metrics
+        if self.last_emit == 0.0:
+            metrics.observe_ttft(now - self.started)
+        elif tokens:
+            metrics.observe_inter_token(now - self.last_emit, tokens)
+        self.last_emit = now
+
+    async def _stream(self, send: Send) -> int:
+        renderer = ChunkRenderer(
+            self.prepared.kind, self.prepared.request_id, self.request.model,
+            int(time.time()), self.request.include_usage,
+        )
+        await send({
+            "type": "http.response.start", "status": 200,
+            "headers": [*SSE_HEADERS, *self.headers],
+        })
+        out = bytearray(renderer.role_chunk())
+        try:
+            async with self.app.dispatcher.run(self.engine, self.call) as generation:
+                while True:
+                    text, tokens, finished = await self._events(generation)
+                    if text:
+                        out += renderer.text(text)
+                    self._observe(tokens)
+                    if finished:
+                        break
+                    if out:
+                        await send({"type": "http.response.body", "body": bytes(out),
+                                    "more_body": True})
+                        out.clear()
+        except EngineError as exc:
+            log.warning("engine %s failed mid-stream: %s", self.engine.name, exc)
+            self.app.metrics.engine_error(self.engine.name, exc.kind)
+            out += renderer.error(from_engine_error(exc))
+            out += renderer.done()
+            await send({"type": "http.response.body", "body": bytes(out), "more_body": False})
+            return 200
+        final = self.final
+        assert final is not None
+        out += renderer.finish(final.finish_reason or "stop", final.stop_reason)
+        out += renderer.usage(
+            len(self.call.input_ids), self.processor.completion_tokens, self.cached_tokens
+        )
+        out += renderer.done()
+        await send({"type": "http.response.body", "body": bytes(out), "more_body": False})
+        return 200
+
+    async def _complete(self, send: Send) -> int:
+        pieces: list[str] = []
+        try:
+            async with self.app.dispatcher.run(self.engine, self.call) as generation:
+                while True:
+                    text, tokens, finished = await self._events(generation)
+                    pieces.append(text)
+                    self._observe(tokens)
+                    if finished:
+                        break
+        except EngineError as exc:
+            log.warning("engine %s failed: %s", self.engine.name, exc)
+            self.app.metrics.engine_error(self.engine.name, exc.kind)
+            err = from_engine_error(exc)
+            await send_error(send, err, self.headers)
+            return err.status
+        final = self.final
+        assert final is not None
+        usage = Usage(len(self.call.input_ids), self.processor.completion_tokens, self.cached_tokens)
+        body = render_full(
+            self.prepared.kind, self.prepared.request_id, self.request.model, int(time.time()),
+            "".join(pieces), final.finish_reason or "stop", final.stop_reason, usage,
+        )
+        await send_body(send, 200, body, JSON, self.headers)
+        return 200
+
+
+# -- ASGI helpers -----------------------------------------------------------------------
+
+
+async def read_body(receive: Receive, limit: int) -> bytes:
+    """The whole request body, or a 413 past ``limit`` (counted as it arrives)."""
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone()
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise request_too_large(limit)
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+async def send_body(
+    send: Send,
+    status: int,
+    body: bytes,
+    content_type: bytes = JSON,
+    headers: list[tuple[bytes, bytes]] | tuple[tuple[bytes, bytes], ...] = (),
+) -> None:
+    await send({
+        "type": "http.response.start",
+        "status": status,
+        "headers": [(b"content-type", content_type),
+                    (b"content-length", str(len(body)).encode()), *headers],
+    })
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+async def send_error(
+    send: Send, err: OpenAIHTTPError, headers: list[tuple[bytes, bytes]] | None = None
+) -> None:
+    await send_body(send, err.status, error_body(err), JSON, [*err.headers, *(headers or [])])
+
+
+async def _lifespan(receive: Receive, send: Send) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+
+
+__all__ = ["App", "internal_error"]

@@ -1,0 +1,245 @@
+"""Response bodies: streamed SSE chunks, full responses and the model list.
+
+Streaming renders one event per engine delta, so :class:`ChunkRenderer`
+pre-builds every constant byte of a chunk once per request; a text chunk is
+then two concatenations around one msgspec string encode (well under 1 µs).
+The shapes are those the official ``openai`` client parses; ``stop_reason``
+(the matched stop string or token id) is the vLLM extension, which the
+client keeps as an extra field.
+"""
+
+from __future__ import annotations
+
+from typing import Final, Literal
+
+import msgspec
+
+from direct_frontend.http.openai_schema import OpenAIHTTPError, error_body
+
+Kind = Literal["chat", "completion"]
+
+_encode: Final = msgspec.json.Encoder().encode
+
+_DONE: Final = b"data: [DONE]\n\n"
+_SSE_END: Final = b"}\n\n"
+
+
+def _scrub(text: str) -> str:
+    """Replace lone surrogates, which JSON (UTF-8) cannot carry."""
+    return text.encode("utf-8", "replace").decode("utf-8")
+
+
+def _response_id(kind: Kind, request_id: str) -> str:
+    return ("chatcmpl-" if kind == "chat" else "cmpl-") + request_id
+
+
+def _usage_json(prompt: int, completion: int, cached: int) -> bytes:
+    return (
+        b'{"prompt_tokens":%d,"completion_tokens":%d,"total_tokens":%d,'
+        b'"prompt_tokens_details":{"cached_tokens":%d}}'
+        % (prompt, completion, prompt + completion, cached)
+    )
+
+
+class ChunkRenderer:
+    """Renders the SSE events of one streamed response.
+
+    ``id`` is ``chatcmpl-<request_id>`` or ``cmpl-<request_id>``. With
+    ``include_usage`` every chunk carries ``"usage":null`` and :meth:`usage`
+    renders the final usage chunk, as OpenAI does; without it :meth:`usage`
+    returns ``b""`` so callers need not branch.
+    """
+
+    __slots__ = (
+        "_finish_prefix",
+        "_finish_suffix",
+        "_head",
+        "_include_usage",
+        "_role",
+        "_text_prefix",
+        "_text_suffix",
+        "kind",
+    )
+
+    def __init__(
+        self, kind: Kind, request_id: str, model: str, created: int, include_usage: bool
+    ) -> None:
+        if kind not in ("chat", "completion"):
+            raise ValueError(f"unknown response kind {kind!r}")
+        self.kind: Kind = kind
+        self._include_usage = include_usage
+        obj = b"chat.completion.chunk" if kind == "chat" else b"text_completion"
+        self._head = (
+            b'data: {"id":%b,"object":"%b","created":%d,"model":%b,'
+            % (
+                _encode(_response_id(kind, request_id)),
+                obj,
+                created,
+                _encode(model),
+            )
+            + b'"system_fingerprint":null,"choices":['
+        )
+        tail = b"]" + (b',"usage":null' if include_usage else b"") + _SSE_END
+        if kind == "chat":
+            self._text_prefix = self._head + b'{"index":0,"delta":{"content":'
+            self._text_suffix = b'},"logprobs":null,"finish_reason":null}' + tail
+            self._finish_prefix = self._head + b'{"index":0,"delta":{},"logprobs":null,'
+            self._role = (
+                self._head + b'{"index":0,"delta":{"role":"assistant","content":""},'
+                b'"logprobs":null,"finish_reason":null}' + tail
+            )
+        else:
+            self._text_prefix = self._head + b'{"index":0,"text":'
+            self._text_suffix = b',"logprobs":null,"finish_reason":null}' + tail
+            self._finish_prefix = self._head + b'{"index":0,"text":"","logprobs":null,'
+            self._role = b""
+        self._finish_suffix = b"}" + tail
+
+    def text(self, delta: str) -> bytes:
+        """One chunk carrying new text (``delta.content`` or ``text``)."""
+        try:
+            return self._text_prefix + _encode(delta) + self._text_suffix
+        except UnicodeEncodeError:  # a lone surrogate; never on the normal path
+            return self._text_prefix + _encode(_scrub(delta)) + self._text_suffix
+
+    def role_chunk(self) -> bytes:
+        """The first chat chunk, announcing the assistant role; ``b""`` for completions."""
+        return self._role
+
+    def finish(self, finish_reason: str, stop_reason: str | int | None) -> bytes:
+        """The chunk that ends the choice, with an empty delta."""
+        return (
+            self._finish_prefix
+            + b'"finish_reason":%b,"stop_reason":%b'
+            % (_encode(finish_reason), _encode(stop_reason))
+            + self._finish_suffix
+        )
+
+    def usage(self, prompt: int, completion: int, cached: int = 0) -> bytes:
+        """The final chunk with ``choices: []`` and the usage; ``b""`` if not requested."""
+        if not self._include_usage:
+            return b""
+        return self._head + b'],"usage":' + _usage_json(prompt, completion, cached) + _SSE_END
+
+    @staticmethod
+    def done() -> bytes:
+        """The stream terminator the client waits for."""
+        return _DONE
+
+    @staticmethod
+    def error(err: OpenAIHTTPError) -> bytes:
+        """An error after the stream started (status already sent); the client raises it."""
+        return b"data: " + error_body(err) + b"\n\n"
+
+
+class Usage(msgspec.Struct, frozen=True):
+    """Token counts of one request; ``cached_tokens`` are prompt tokens served from cache."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+
+class _PromptDetails(msgspec.Struct):
+    cached_tokens: int
+
+
+class _UsageOut(msgspec.Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: _PromptDetails
+
+
+class _Message(msgspec.Struct):
+    role: str
+    content: str
+
+
+class _ChatChoice(msgspec.Struct):
+    index: int
+    message: _Message
+    logprobs: None
+    finish_reason: str
+    stop_reason: str | int | None
+
+
+class _TextChoice(msgspec.Struct):
+    index: int
+    text: str
+    logprobs: None
+    finish_reason: str
+    stop_reason: str | int | None
+
+
+class _Full(msgspec.Struct):
+    id: str
+    object: str
+    created: int
+    model: str
+    system_fingerprint: None
+    choices: list[_ChatChoice] | list[_TextChoice]
+    usage: _UsageOut
+
+
+def render_full(
+    kind: Kind,
+    request_id: str,
+    model: str,
+    created: int,
+    text: str,
+    finish_reason: str,
+    stop_reason: str | int | None,
+    usage: Usage,
+) -> bytes:
+    """The non-streaming ``chat.completion`` or ``text_completion`` body."""
+    choices: list[_ChatChoice] | list[_TextChoice]
+    if kind == "chat":
+        choices = [_ChatChoice(0, _Message("assistant", text), None, finish_reason, stop_reason)]
+        obj = "chat.completion"
+    elif kind == "completion":
+        choices = [_TextChoice(0, text, None, finish_reason, stop_reason)]
+        obj = "text_completion"
+    else:
+        raise ValueError(f"unknown response kind {kind!r}")
+    u = usage
+    body = _Full(
+        _response_id(kind, request_id),
+        obj,
+        created,
+        model,
+        None,
+        choices,
+        _UsageOut(
+            u.prompt_tokens,
+            u.completion_tokens,
+            u.prompt_tokens + u.completion_tokens,
+            _PromptDetails(u.cached_tokens),
+        ),
+    )
+    try:
+        return _encode(body)
+    except UnicodeEncodeError:  # a lone surrogate from detokenisation; never normally
+        clean = _scrub(text)
+        if clean == text:
+            raise
+        return render_full(
+            kind, request_id, model, created, clean, finish_reason, stop_reason, usage
+        )
+
+
+class _Model(msgspec.Struct):
+    id: str
+    object: str
+    created: int
+    owned_by: str
+
+
+class _ModelList(msgspec.Struct):
+    object: str
+    data: list[_Model]
+
+
+def render_models(model_ids: list[str], created: int, owned_by: str = "direct-frontend") -> bytes:
+    """The ``GET /v1/models`` body."""
+    return _encode(_ModelList("list", [_Model(m, "model", created, owned_by) for m in model_ids]))

@@ -1,0 +1,235 @@
+"""Prometheus metrics for the frontend, in a registry owned by :class:`Metrics`.
+
+A fresh :class:`Metrics` per app (and per test) avoids the duplicate-name
+errors of prometheus_client's global registry. Label children are cached,
+because ``.labels()`` costs microseconds. Inter-token latency is observed per
+streamed chunk, so it uses a small histogram of our own that records ``n``
+tokens in one bucket increment rather than ``n`` observe calls.
+
+Not thread-safe beyond what the GIL gives: the app updates and renders metrics
+from one Trio thread.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable, Sequence
+from typing import Final, Literal, TypeVar, get_args
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+from prometheus_client.metrics_core import HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from direct_frontend.errors import ErrorKind
+
+PREFIX: Final = "direct_frontend_"
+
+EngineState = Literal["joining", "serving", "unhealthy", "draining", "refused"]
+ENGINE_STATES: Final[tuple[EngineState, ...]] = get_args(EngineState)
+
+#: Time to first token: sub-millisecond (cache hits, tiny prompts) to a minute (queued).
+TTFT_BUCKETS: Final = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+    1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0,
+)  # fmt: skip
+#: Whole requests: as above, plus long generations of several minutes.
+REQUEST_BUCKETS: Final = (*TTFT_BUCKETS, 120.0, 300.0, 600.0)
+#: Per-token decode latency: dense around the usual 5-100 ms.
+INTER_TOKEN_BUCKETS: Final = (
+    0.0005, 0.001, 0.002, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05,
+    0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+)  # fmt: skip
+
+
+_M = TypeVar("_M", Counter, Gauge)
+
+
+class PerTokenHistogram(Collector):
+    """A label-less histogram that can record ``n`` equal observations at once.
+
+    Exposed with the standard ``_bucket``/``_sum``/``_count`` series, so it
+    reads like any Prometheus histogram.
+    """
+
+    def __init__(self, name: str, documentation: str, buckets: Sequence[float]) -> None:
+        bounds = sorted(float(b) for b in buckets if b != float("inf"))
+        self._name = name
+        self._doc = documentation
+        self._bounds = tuple(bounds)
+        self._le = (*(repr(b) for b in bounds), "+Inf")  # Go float format for these bounds
+        self._counts = [0] * (len(bounds) + 1)
+        self._sum = 0.0
+
+    def observe(self, gap: float, n: int = 1) -> None:
+        """Record ``n`` tokens that arrived together after ``gap`` seconds: ``gap/n`` each."""
+        if n > 0:
+            self._counts[bisect.bisect_left(self._bounds, gap / n)] += n
+            self._sum += gap
+
+    def collect(self) -> Iterable[Metric]:
+        """Cumulative buckets, as the exposition format wants."""
+        total = 0
+        buckets: list[tuple[str, float]] = []
+        for le, count in zip(self._le, self._counts, strict=True):
+            total += count
+            buckets.append((le, total))
+        yield HistogramMetricFamily(self._name, self._doc, buckets=buckets, sum_value=self._sum)
+
+    def describe(self) -> Iterable[Metric]:
+        """Names only, so registering does not call :meth:`collect`."""
+        yield HistogramMetricFamily(self._name, self._doc, labels=())
+
+
+class Metrics:
+    """Every frontend metric, registered in its own :attr:`registry`.
+
+    Label values must come from small fixed sets (route names, status codes,
+    engine names, error kinds) to keep cardinality bounded.
+    """
+
+    def __init__(self) -> None:
+        # The ``*_created`` series double the exposition for nothing Prometheus uses;
+        # the switch is process-wide in prometheus_client, which suits a daemon.
+        disable_created_metrics()  # type: ignore[no-untyped-call]  # untyped upstream
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        p = PREFIX
+        self.requests_total = Counter(
+            p + "requests_total", "HTTP requests by endpoint and status.",
+            ("endpoint", "status"), registry=r,
+        )  # fmt: skip
+        self.request_duration_seconds = Histogram(
+            p + "request_duration_seconds", "Time from request start to the last byte sent.",
+            ("endpoint",), buckets=REQUEST_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.time_to_first_token_seconds = Histogram(
+            p + "time_to_first_token_seconds", "Time from request start to the first token.",
+            buckets=TTFT_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.inter_token_latency_seconds = PerTokenHistogram(
+            p + "inter_token_latency_seconds",
+            "Gap between streamed tokens (a chunk's gap split evenly over its tokens).",
+            INTER_TOKEN_BUCKETS,
+        )
+        r.register(self.inter_token_latency_seconds)
+        self.in_flight_requests = Gauge(
+            p + "in_flight_requests", "Requests being served now.", registry=r
+        )
+        self.engine_state = Gauge(
+            p + "engine_state", "1 for the engine's current state, 0 for the others.",
+            ("engine", "state"), registry=r,
+        )  # fmt: skip
+        self.engine_in_flight = Gauge(
+            p + "engine_in_flight", "Requests in flight on each engine.", ("engine",), registry=r
+        )
+        self.engine_requests_total = Counter(
+            p + "engine_requests_total", "Engine calls by outcome.",
+            ("engine", "outcome"), registry=r,
+        )  # fmt: skip
+        self.prompt_tokens_total = Counter(
+            p + "prompt_tokens_total", "Prompt tokens of finished requests.", registry=r
+        )
+        self.completion_tokens_total = Counter(
+            p + "completion_tokens_total", "Generated tokens of finished requests.", registry=r
+        )
+        self.cancelled_requests_total = Counter(
+            p + "cancelled_requests_total", "Requests the client abandoned.", registry=r
+        )
+        self.malformed_engine_messages_total = Counter(
+            p + "malformed_engine_messages_total", "Engine messages we could not interpret.",
+            ("engine",), registry=r,
+        )  # fmt: skip
+        self.engine_errors_total = Counter(
+            p + "engine_errors_total", "Engine call failures by error kind.",
+            ("engine", "kind"), registry=r,
+        )  # fmt: skip
+        self._requests: dict[tuple[str, int], Counter] = {}
+        self._durations: dict[str, Histogram] = {}
+        self._engine_labels: dict[str, set[tuple[Counter | Gauge, tuple[str, ...]]]] = {}
+
+    # -- requests --------------------------------------------------------------
+
+    def request_started(self) -> None:
+        """Count a request in flight; pair with :meth:`request_finished`."""
+        self.in_flight_requests.inc()
+
+    def request_finished(self, endpoint: str, status: int, duration: float) -> None:
+        """Count a finished request and its duration (seconds)."""
+        self.in_flight_requests.dec()
+        key = (endpoint, status)
+        counter = self._requests.get(key)
+        if counter is None:
+            counter = self._requests[key] = self.requests_total.labels(endpoint, str(status))
+        counter.inc()
+        hist = self._durations.get(endpoint)
+        if hist is None:
+            hist = self._durations[endpoint] = self.request_duration_seconds.labels(endpoint)
+        hist.observe(duration)
+
+    def observe_ttft(self, seconds: float) -> None:
+        """Record the time to the first token of one request."""
+        self.time_to_first_token_seconds.observe(seconds)
+
+    def observe_inter_token(self, gap: float, n_tokens: int) -> None:
+        """Record one streamed chunk of ``n_tokens`` that came ``gap`` seconds after the last."""
+        self.inter_token_latency_seconds.observe(gap, n_tokens)
+
+    def add_tokens(self, prompt: int, completion: int) -> None:
+        """Add a finished request's token usage."""
+        if prompt:
+            self.prompt_tokens_total.inc(prompt)
+        if completion:
+            self.completion_tokens_total.inc(completion)
+
+    def request_cancelled(self) -> None:
+        """Count a request the client abandoned (disconnect mid-generation)."""
+        self.cancelled_requests_total.inc()
+
+    # -- engines ---------------------------------------------------------------
+
+    def _child(self, metric: _M, engine: str, *rest: str) -> _M:
+        self._engine_labels.setdefault(engine, set()).add((metric, rest))
+        return metric.labels(engine, *rest)
+
+    def set_engine_state(self, engine: str, state: EngineState) -> None:
+        """Set 1 on ``state`` and 0 on every other state, so one series is 1 per engine."""
+        if state not in ENGINE_STATES:
+            raise ValueError(f"unknown engine state {state!r}")
+        for s in ENGINE_STATES:
+            self._child(self.engine_state, engine, s).set(1 if s == state else 0)
+
+    def set_engine_in_flight(self, engine: str, count: int) -> None:
+        """Set how many requests the engine is serving now."""
+        self._child(self.engine_in_flight, engine).set(count)
+
+    def engine_request(self, engine: str, outcome: str) -> None:
+        """Count one engine call by outcome (e.g. ok, error, cancelled, migrated)."""
+        self._child(self.engine_requests_total, engine, outcome).inc()
+
+    def malformed_engine_message(self, engine: str) -> None:
+        """Count an engine message that could not be interpreted."""
+        self._child(self.malformed_engine_messages_total, engine).inc()
+
+    def engine_error(self, engine: str, kind: ErrorKind | str) -> None:
+        """Count an engine failure by :class:`ErrorKind` (or its value)."""
+        label = kind.value if isinstance(kind, ErrorKind) else kind
+        self._child(self.engine_errors_total, engine, label).inc()
+
+    def forget_engine(self, engine: str) -> None:
+        """Drop every series of an engine that left the fleet, to bound cardinality."""
+        for metric, rest in self._engine_labels.pop(engine, ()):
+            metric.remove(engine, *rest)
+
+    # -- exposition ------------------------------------------------------------
+
+    def render(self) -> tuple[bytes, str]:
+        """The ``/metrics`` body and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,99 @@
+"""Dispatch: pick an engine from the catalog, run one generation on it, clean up.
+
+This is the seam where retries and migration (fault tolerance) wrap one
+engine call. Whatever happens, the engine's load is released, an engine that
+failed at the transport is reported to the supervisor, and a stream left
+before its end is aborted explicitly on the engine (never relying on the
+stream reset alone: not every contract aborts on cancel).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from collections.abc import AsyncIterator, Collection
+from typing import Protocol
+
+import trio
+
+from direct_frontend.engines.dialects.base import Dialect
+from direct_frontend.engines.neutral import GenerateCall
+from direct_frontend.engines.transport import EngineChannel, EventReceiver
+from direct_frontend.errors import EngineError, NoEngineAvailable
+from direct_frontend.routing.catalog import Catalog, EngineHandle
+from direct_frontend.routing.policies import Policy, RequestView
+
+log = logging.getLogger("direct_frontend.dispatch")
+
+ABORT_TIMEOUT_S = 1.0
+
+
+class FleetView(Protocol):
+    """What dispatch needs from the control plane."""
+
+    @property
+    def catalog(self) -> Catalog: ...
+
+    def report_fault(self, engine: EngineHandle, error: EngineError) -> None: ...
+
+
+@dataclasses.dataclass(slots=True)
+class Generation:
+    """One running engine call, as the relay sees it."""
+
+    engine: EngineHandle
+    call: GenerateCall
+    events: EventReceiver
+
+
+class Dispatcher:
+    def __init__(self, fleet: FleetView, policy: Policy) -> None:
+        self.fleet = fleet
+        self.policy = policy
+
+    def choose(
+        self, input_ids: tuple[int, ...], max_tokens: int, exclude: Collection[str] = ()
+    ) -> EngineHandle:
+        engine = self.policy.choose(self.fleet.catalog, RequestView(input_ids, max_tokens), exclude)
+        if engine is None:
+            raise NoEngineAvailable("no engine is serving")
+        return engine
+
+    @contextlib.asynccontextmanager
+    async def run(self, engine: EngineHandle, call: GenerateCall) -> AsyncIterator[Generation]:
+        """Run ``call`` on ``engine``; leaving early aborts it on the engine."""
+        channel: EngineChannel = engine.transport
+        dialect: Dialect = channel.dialect
+        decoder = dialect.stream_decoder(call)
+        prompt = len(call.input_ids)
+        engine.load.begin(prompt)
+        receiver: EventReceiver | None = None
+        try:
+            async with channel.stream(dialect.generate(call), decoder) as receiver:
+                yield Generation(engine, call, receiver)
+        except EngineError as error:
+            error.engine = engine.name
+            if error.kind.engine_is_down:
+                self.fleet.report_fault(engine, error)
+            raise
+        finally:
+            engine.load.end(prompt)
+            failed = receiver is not None and receiver.error is not None
+            down = (
+                failed
+                and receiver is not None
+                and receiver.error is not None
+                and (receiver.error.kind.engine_is_down)
+            )
+            if not decoder.finished and not down:
+                await _abort(channel, dialect, call.request_id)
+
+
+async def _abort(channel: EngineChannel, dialect: Dialect, request_id: str) -> None:
+    """Tell the engine to drop ``request_id``; bounded, and immune to our own cancellation."""
+    with trio.CancelScope(shield=True), trio.move_on_after(ABORT_TIMEOUT_S):
+        try:
+            await channel.unary(dialect.abort(request_id), ABORT_TIMEOUT_S)
+        except EngineError as exc:
+            log.debug("abort of %s failed: %s", request_id, exc)

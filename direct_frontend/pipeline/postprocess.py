@@ -1,0 +1,221 @@
+"""Output postprocessing: engine token ids in, client text and finish reason out.
+
+Sans-IO and per request. The engine only knows max_tokens and stop token
+ids; stop strings, token accounting and the OpenAI finish reason are decided
+here, so the answer is the same whichever engine kind produced the tokens,
+and a stream migrated to another engine continues from :attr:`generated_ids`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Collection, Sequence
+from typing import Literal, Protocol
+
+from direct_frontend.engines.neutral import FinishReason
+from direct_frontend.text.stops import StopStringMatcher
+
+OpenAIFinishReason = Literal["stop", "length", "abort", "error"]
+
+_FINISH_REASONS: dict[FinishReason, OpenAIFinishReason] = {
+    FinishReason.STOP: "stop",
+    FinishReason.LENGTH: "length",
+    FinishReason.ABORT: "abort",
+    FinishReason.ERROR: "error",
+}
+
+
+class Detokenizer(Protocol):
+    """What the processor needs from a detokenizer (see ``IncrementalDetokenizer``)."""
+
+    def push(self, token_ids: Sequence[int]) -> str: ...
+
+    def flush(self) -> str: ...
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class OutputStep:
+    """The result of feeding the processor: text to send and whether output is complete.
+
+    ``finish_reason`` and ``stop_reason`` are set once ``finished``;
+    ``stop_reason`` is the stop string or stop token id behind a "stop", or
+    None when the engine stopped on EOS without saying which token.
+    """
+
+    text: str
+    finished: bool
+    completion_tokens: int
+    matched_stop: str | None = None
+    finish_reason: OpenAIFinishReason | None = None
+    stop_reason: str | int | None = None
+
+
+class OutputProcessor:
+    """Detokenizes, applies stop strings and max_tokens, and counts usage for one request.
+
+    When :meth:`on_tokens` returns ``finished=True`` the output is complete:
+    after a stop string the caller must abort the engine (it does not know
+    stop strings); after max_tokens the engine is stopping anyway. Tokens fed
+    after that are ignored.
+
+    ``stop_token_ids`` (EOS ids unless ``ignore_eos``, plus the request's
+    stop_token_ids) are tokens whose text is never shown and that end the
+    output with "stop", even when they are also the max_tokens-th token.
+    """
+
+    __slots__ = (
+        "_detokenizer",
+        "_finish_reason",
+        "_finished",
+        "_ids",
+        "_matched_stop",
+        "_matcher",
+        "_max_tokens",
+        "_stop_reason",
+        "_stop_token_ids",
+    )
+
+    def __init__(
+        self,
+        detokenizer: Detokenizer,
+        stop: Sequence[str],
+        max_tokens: int,
+        *,
+        stop_token_ids: Collection[int] = (),
+    ) -> None:
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
+        self._detokenizer = detokenizer
+        matcher = StopStringMatcher(stop)
+        self._matcher: StopStringMatcher | None = matcher if matcher.stops else None
+        self._max_tokens = max_tokens
+        self._stop_token_ids = frozenset(stop_token_ids)
+        self._ids: list[int] = []
+        self._finished = False
+        self._finish_reason: OpenAIFinishReason | None = None
+        self._stop_reason: str | int | None = None
+        self._matched_stop: str | None = None
+
+    @property
+    def generated_ids(self) -> tuple[int, ...]:
+        """Every output token consumed so far: what a resumed request continues after."""
+        return tuple(self._ids)
+
+    @property
+    def completion_tokens(self) -> int:
+        """Output tokens counted for usage."""
+        return len(self._ids)
+
+    @property
+    def remaining_tokens(self) -> int:
+        """The max_tokens to give an engine that resumes this request."""
+        return self._max_tokens - len(self._ids)
+
+    @property
+    def finished(self) -> bool:
+        """Whether the output is complete."""
+        return self._finished
+
+    def on_tokens(self, token_ids: Sequence[int]) -> OutputStep:
+        """Consume new output ids from the engine; return the text they release."""
+        if self._finished or not token_ids:
+            return self._step("")
+        room = self._max_tokens - len(self._ids)
+        if len(token_ids) > room:
+            token_ids = token_ids[:room]
+
+        if self._matcher is None and not self._stop_token_ids:
+            self._ids.extend(token_ids)
+            text = self._detokenizer.push(token_ids)
+        else:
+            text = self._consume_one_by_one(token_ids)
+        if not self._finished and len(self._ids) >= self._max_tokens:
+            text += self._drain()
+            if not self._finished:
+                self._finish("length", None)
+        return self._step(text)
+
+    def on_finish(
+        self,
+        reason: FinishReason,
+        matched_token_id: int | None = None,
+        matched_stop_str: str | None = None,
+    ) -> OutputStep:
+        """The engine ended the stream: release held text and settle the finish reason.
+
+        A finish already decided here (a stop string, max_tokens) stands; the
+        engine's reason only applies to a stream it ended first.
+        """
+        if self._finished:
+            return self._step("")
+        text = self._drain()
+        if not self._finished:
+            finish_reason = _FINISH_REASONS[reason]
+            if finish_reason == "stop":
+                self._matched_stop = matched_stop_str
+                stop_reason: str | int | None = (
+                    matched_stop_str if matched_stop_str is not None else matched_token_id
+                )
+            else:
+                stop_reason = None
+            self._finish(finish_reason, stop_reason)
+        return self._step(text)
+
+    def _consume_one_by_one(self, token_ids: Sequence[int]) -> str:
+        """Token by token, so usage stops at exactly the token that completed a stop."""
+        ids = self._ids
+        push = self._detokenizer.push
+        matcher = self._matcher
+        stop_token_ids = self._stop_token_ids
+        pieces: list[str] = []
+        for token_id in token_ids:
+            ids.append(token_id)
+            if token_id in stop_token_ids:
+                pieces.append(self._drain())
+                if not self._finished:
+                    self._finish("stop", token_id)
+                break
+            piece = push((token_id,))
+            if matcher is not None:
+                result = matcher.push(piece)
+                pieces.append(result.text)
+                if result.matched is not None:
+                    self._matched_stop = result.matched
+                    self._finish("stop", result.matched)
+                    break
+            else:
+                pieces.append(piece)
+        return "".join(pieces)
+
+    def _drain(self) -> str:
+        """Flush the detokenizer through the stop matcher, then the matcher itself.
+
+        The flushed tail can still complete a stop string, which then finishes
+        the output with "stop".
+        """
+        text = self._detokenizer.flush()
+        if self._matcher is None:
+            return text
+        result = self._matcher.push(text)
+        if result.matched is not None:
+            self._matched_stop = result.matched
+            self._finish("stop", result.matched)
+            return result.text
+        return result.text + self._matcher.flush()
+
+    def _finish(self, reason: OpenAIFinishReason, stop_reason: str | int | None) -> None:
+        self._finished = True
+        self._finish_reason = reason
+        self._stop_reason = stop_reason
+
+    def _step(self, text: str) -> OutputStep:
+        if not self._finished:
+            return OutputStep(text, False, len(self._ids))
+        return OutputStep(
+            text,
+            True,
+            len(self._ids),
+            self._matched_stop,
+            self._finish_reason,
+            self._stop_reason,
+        )

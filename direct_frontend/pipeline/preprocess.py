@@ -1,0 +1,147 @@
+"""Preprocess: an OpenAI request → token ids, a token budget and the engine call.
+
+Templating is cheap and stays on the event loop; tokenizing a long prompt is
+sent to a worker thread (the tokenizer's Rust code releases the GIL) so one
+big prompt never stalls every other stream.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import trio
+
+from direct_frontend.engines.neutral import GenerateCall
+from direct_frontend.http.openai_schema import (
+    ChatMessage,
+    ChatRequest,
+    CompletionRequest,
+    OpenAIHTTPError,
+    context_length_exceeded,
+    invalid_request,
+)
+from direct_frontend.routing.catalog import EngineHandle
+from direct_frontend.text.model_dir import ChatTemplateError, TextModel
+
+Kind = Literal["chat", "completion"]
+
+# Below this many characters a thread hop costs more than tokenizing inline.
+INLINE_TOKENIZE_CHARS = 4096
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PreparedRequest:
+    """A request ready for dispatch on any engine."""
+
+    kind: Kind
+    request_id: str
+    request: ChatRequest | CompletionRequest
+    input_ids: tuple[int, ...]
+    prompt_text: str
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        return self.request.stop_token_ids
+
+
+def message_dict(message: ChatMessage) -> dict[str, object]:
+    """The HF chat-template view of one message."""
+    out: dict[str, object] = {"role": message.role, "content": message.content}
+    if message.name is not None:
+        out["name"] = message.name
+    if message.tool_calls:
+        out["tool_calls"] = [
+            {"id": c.id, "type": c.type,
+             "function": {"name": c.function.name, "arguments": c.function.arguments}}
+            for c in message.tool_calls
+        ]
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    return out
+
+
+async def _encode(text_model: TextModel, text: str, *, add_special_tokens: bool) -> list[int]:
+    if len(text) < INLINE_TOKENIZE_CHARS:
+        return text_model.encode(text, add_special_tokens=add_special_tokens)
+    return await trio.to_thread.run_sync(
+        lambda: text_model.encode(text, add_special_tokens=add_special_tokens)
+    )
+
+
+async def prepare(
+    kind: Kind, request: ChatRequest | CompletionRequest, request_id: str, text_model: TextModel
+) -> PreparedRequest:
+    """Template and tokenize; template failures are the client's 400."""
+    if isinstance(request, ChatRequest):
+        try:
+            prompt = text_model.render_chat(
+                [message_dict(m) for m in request.messages],
+                tools=[{"type": t.type, "function": _function(t)} for t in request.tools] or None,
+                extra=request.chat_template_kwargs,
+            )
+        except ChatTemplateError as exc:
+            raise invalid_request(str(exc), "messages") from None
+        ids = await _encode(text_model, prompt, add_special_tokens=False)
+    elif isinstance(request.prompt, str):
+        prompt = request.prompt
+        ids = await _encode(text_model, prompt, add_special_tokens=True)
+    else:
+        prompt = ""
+        ids = list(request.prompt)
+        vocab = text_model.vocab_size
+        if any(t < 0 or t >= vocab for t in ids):
+            raise invalid_request(f"prompt token ids must be in [0, {vocab})", "prompt")
+    if not ids:
+        raise invalid_request("the prompt is empty", _prompt_param(kind))
+    return PreparedRequest(kind, request_id, request, tuple(ids), prompt)
+
+
+def _prompt_param(kind: Kind) -> str:
+    return "messages" if kind == "chat" else "prompt"
+
+
+def _function(tool: object) -> dict[str, object]:
+    fn = tool.function  # type: ignore[attr-defined]
+    out: dict[str, object] = {"name": fn.name}
+    if fn.description is not None:
+        out["description"] = fn.description
+    if fn.parameters is not None:
+        out["parameters"] = fn.parameters
+    return out
+
+
+def token_budget(prepared: PreparedRequest, engine: EngineHandle, default_max: int) -> int:
+    """How many tokens to ask for on ``engine``; a 400 when the prompt cannot fit.
+
+    An explicit ``max_tokens`` that overflows the context is an error (as in
+    OpenAI); an unset one is clamped to what is left of the context.
+    """
+    prompt = len(prepared.input_ids)
+    limit = engine.context_length
+    asked = prepared.request.max_tokens
+    if limit is None:
+        return asked or default_max
+    if prompt >= limit:
+        raise context_length_exceeded(prompt, limit, _prompt_param(prepared.kind))
+    if asked is None:
+        return min(default_max, limit - prompt)
+    if prompt + asked > limit:
+        raise OpenAIHTTPError(
+            400,
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{prompt + asked} tokens ({prompt} in the prompt, {asked} for the completion). "
+            "Please reduce the prompt or max_tokens.",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+    return asked
+
+
+def build_call(prepared: PreparedRequest, max_tokens: int, *, stream: bool) -> GenerateCall:
+    return GenerateCall(
+        request_id=prepared.request_id,
+        input_ids=prepared.input_ids,
+        sampling=prepared.request.sampling_options(max_tokens),
+        stream=stream,
+    )

@@ -1,0 +1,1 @@
+"""Engine selection: the catalog snapshot, load accounting and routing policies (sans-IO)."""

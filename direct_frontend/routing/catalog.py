@@ -1,0 +1,65 @@
+"""The catalog: an immutable, versioned snapshot of the engines that may take requests.
+
+The control plane builds a new :class:`Catalog` on every state change and
+swaps it in whole; a request holds one snapshot for its whole decision. An
+:class:`EngineHandle` is what a dispatch borrows: the engine's identity, what
+discovery learnt, its transport and its live load counters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from direct_frontend.engines.neutral import EngineInfo, EngineRole
+
+
+@dataclasses.dataclass(eq=False, slots=True)
+class EngineLoad:
+    """Our own accounting of one engine's work (never an engine report)."""
+
+    in_flight: int = 0
+    prompt_tokens_in_flight: int = 0
+    requests_total: int = 0
+
+    def begin(self, prompt_tokens: int) -> None:
+        self.in_flight += 1
+        self.prompt_tokens_in_flight += prompt_tokens
+        self.requests_total += 1
+
+    def end(self, prompt_tokens: int) -> None:
+        self.in_flight -= 1
+        self.prompt_tokens_in_flight -= prompt_tokens
+
+
+@dataclasses.dataclass(eq=False, slots=True)
+class EngineHandle:
+    """One serving engine incarnation as seen by the data plane.
+
+    ``generation`` distinguishes incarnations of the same engine id (the same
+    URL removed and re-added), so late callbacks of an old one are ignored.
+    ``transport`` is the engine's channel; routing code never touches it.
+    """
+
+    name: str
+    kind: str
+    url: str
+    generation: int
+    role: EngineRole
+    info: EngineInfo
+    context_length: int | None
+    transport: Any
+    load: EngineLoad = dataclasses.field(default_factory=EngineLoad)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Catalog:
+    """The serving engines at one moment. Never mutated; replaced."""
+
+    version: int = 0
+    engines: tuple[EngineHandle, ...] = ()
+
+    def serving(self, role: EngineRole | None = None) -> tuple[EngineHandle, ...]:
+        if role is None:
+            return self.engines
+        return tuple(e for e in self.engines if e.role in (role, EngineRole.BOTH))

@@ -1,0 +1,32 @@
+"""A GPU-free stand-in for stock SGLang, vLLM and TensorRT-LLM engines.
+
+Serves the real SMG gRPC contracts with each engine's stream quirks, a
+deterministic token model and a simple timing model, so the router can be
+tested end to end without GPUs.
+"""
+
+from direct_frontend.simulator.core import EngineKind, EngineRole, EngineStats
+from direct_frontend.simulator.engine import SimEngine, TokenizerFacts, read_tokenizer_dir
+from direct_frontend.simulator.model import (
+    Finish,
+    Generation,
+    SimModel,
+    SimSequence,
+    StopCriteria,
+    TimingModel,
+)
+
+__all__ = [
+    "EngineKind",
+    "EngineRole",
+    "EngineStats",
+    "Finish",
+    "Generation",
+    "SimEngine",
+    "SimModel",
+    "SimSequence",
+    "StopCriteria",
+    "TimingModel",
+    "TokenizerFacts",
+    "read_tokenizer_dir",
+]

@@ -1,0 +1,157 @@
+"""Run one simulated engine as a standalone process.
+
+This is the only place the simulator owns an event loop: the daemon embeds
+:class:`SimEngine` on its own (trio-asyncio) loop instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import signal
+import sys
+from collections.abc import Sequence
+from typing import get_args
+
+from direct_frontend.simulator.core import EngineKind, EngineRole
+from direct_frontend.simulator.engine import SimEngine
+from direct_frontend.simulator.model import TimingModel
+
+
+def build_engine(
+    kind: EngineKind,
+    *,
+    model_dir: str | None = None,
+    vocab_size: int | None = None,
+    eos_token_id: int | None = None,
+    served_model_name: str | None = None,
+    context_length: int = 4096,
+    role: EngineRole = "both",
+    prefill_us_per_token: float = 0.0,
+    decode_us_per_token: float = 0.0,
+    max_running: int = 256,
+    eos_probability: float = 0.02,
+    seed: int = 0,
+) -> SimEngine:
+    """An engine from a tokenizer directory, or from an explicit vocabulary size and EOS."""
+    timing = TimingModel(prefill_us_per_token, decode_us_per_token, max_running)
+    if model_dir is not None:
+        return SimEngine.from_model_dir(
+            kind,
+            model_dir,
+            served_model_name=served_model_name,
+            context_length=context_length,
+            role=role,
+            timing=timing,
+            eos_probability=eos_probability,
+            seed=seed,
+        )
+    if vocab_size is None or eos_token_id is None:
+        raise ValueError("give either model_dir, or both vocab_size and eos_token_id")
+    return SimEngine(
+        kind,
+        served_model_name=served_model_name or "sim",
+        vocab_size=vocab_size,
+        eos_token_id=eos_token_id,
+        context_length=context_length,
+        role=role,
+        timing=timing,
+        eos_probability=eos_probability,
+        seed=seed,
+    )
+
+
+async def _serve(engine: SimEngine, host: str, port: int) -> None:
+    def ready() -> None:
+        loop = asyncio.get_running_loop()
+        with contextlib.suppress(NotImplementedError, RuntimeError):  # not the main thread
+            loop.add_signal_handler(signal.SIGTERM, engine.close)
+        # A parent process (tests, the demo fleet) waits for this line.
+        print(f"sim {engine.kind} engine listening on {engine.address}", flush=True)
+
+    await engine.serve_forever(host, port, ready=ready)
+
+
+def run(
+    kind: EngineKind,
+    host: str,
+    port: int,
+    *,
+    model_dir: str | None = None,
+    vocab_size: int | None = None,
+    eos_token_id: int | None = None,
+    served_model_name: str | None = None,
+    context_length: int = 4096,
+    role: EngineRole = "both",
+    prefill_us_per_token: float = 0.0,
+    decode_us_per_token: float = 0.0,
+    max_running: int = 256,
+    eos_probability: float = 0.02,
+    seed: int = 0,
+) -> None:
+    """Serve one simulated engine until SIGINT/SIGTERM; only for a standalone process."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        pass
+    else:
+        raise RuntimeError("run() owns its event loop; embed SimEngine on a running loop instead")
+    engine = build_engine(
+        kind,
+        model_dir=model_dir,
+        vocab_size=vocab_size,
+        eos_token_id=eos_token_id,
+        served_model_name=served_model_name,
+        context_length=context_length,
+        role=role,
+        prefill_us_per_token=prefill_us_per_token,
+        decode_us_per_token=decode_us_per_token,
+        max_running=max_running,
+        eos_probability=eos_probability,
+        seed=seed,
+    )
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(_serve(engine, host, port))  # ok: standalone simulator process
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Command line: ``python -m direct_frontend.simulator.cli KIND --port N ...``."""
+    parser = argparse.ArgumentParser(description="Serve a simulated inference engine over gRPC.")
+    parser.add_argument("kind", choices=get_args(EngineKind))
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--model-dir")
+    parser.add_argument("--vocab-size", type=int)
+    parser.add_argument("--eos-token-id", type=int)
+    parser.add_argument("--served-model-name")
+    parser.add_argument("--context-length", type=int, default=4096)
+    parser.add_argument("--role", choices=get_args(EngineRole), default="both")
+    parser.add_argument("--prefill-us-per-token", type=float, default=0.0)
+    parser.add_argument("--decode-us-per-token", type=float, default=0.0)
+    parser.add_argument("--max-running", type=int, default=256)
+    parser.add_argument("--eos-probability", type=float, default=0.02)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.model_dir is None and (args.vocab_size is None or args.eos_token_id is None):
+        parser.error("give --model-dir, or both --vocab-size and --eos-token-id")
+    run(
+        args.kind,
+        args.host,
+        args.port,
+        model_dir=args.model_dir,
+        vocab_size=args.vocab_size,
+        eos_token_id=args.eos_token_id,
+        served_model_name=args.served_model_name,
+        context_length=args.context_length,
+        role=args.role,
+        prefill_us_per_token=args.prefill_us_per_token,
+        decode_us_per_token=args.decode_us_per_token,
+        max_running=args.max_running,
+        eos_probability=args.eos_probability,
+        seed=args.seed,
+    )
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,348 @@
+"""The kind-neutral engine core: admission, pacing, abort and bookkeeping.
+
+The three servicers only translate their contract to and from this core, so
+batching limits, cancellation and statistics behave the same on every kind.
+Everything here runs on whatever asyncio loop is current (plain asyncio in
+the standalone simulator, trio-asyncio inside the daemon) and never creates
+a loop of its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import dataclasses
+import enum
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Literal
+
+from direct_frontend.simulator.model import Finish, Generation, SimModel, StopCriteria, TimingModel
+
+EngineKind = Literal["sglang", "vllm", "trtllm"]
+EngineRole = Literal["both", "prefill", "decode"]
+
+# Instant engines yield to the loop this often so other streams and
+# cancellations still get a turn during a long generation.
+_YIELD_EVERY = 32
+
+Emit = Callable[[Sequence[int], Finish | None], Awaitable[None]]
+"""Called with each new delta (one token, or none for a zero-token finish) and
+the finish once the sequence has ended."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """What an engine reports about itself and the limits it enforces."""
+
+    kind: EngineKind
+    served_model_name: str
+    model_path: str
+    vocab_size: int
+    eos_token_id: int
+    context_length: int
+    kv_pool_tokens: int  # SGLang reports this as "max_context_length", like the real server
+    role: EngineRole = "both"
+    page_size: int = 1  # SGLang --page-size
+    block_size: int = 16  # vLLM cache_config.block_size
+    kv_connector: str = ""
+    kv_engine_id: str = ""
+    bootstrap_port: int = 8998
+    trtllm_reported_max_len: int = 1024  # TRT-LLM max_input_len / max_seq_len as reported
+    trtllm_empty_finish_reason: bool = False
+    tokenizer_path: str = ""
+    bos_token_id: int = 0
+    pad_token_id: int = 0
+    health_timeout: float = 20.0
+
+    @property
+    def sglang_max_req_len(self) -> int:
+        """SGLang's cap on prompt plus output (one below the window and the pool)."""
+        return min(self.context_length - 1, self.kv_pool_tokens - 1)
+
+    @property
+    def sglang_max_req_input_len(self) -> int:
+        """SGLang's prompt limit: ``max_req_len - 5``."""
+        return self.sglang_max_req_len - 5
+
+
+@dataclasses.dataclass(slots=True)
+class EngineStats:
+    """Observable counters, so tests can prove what reached the engine.
+
+    ``aborts_received`` counts request ids named by Abort RPCs (known or not);
+    ``aborted`` counts sequences an abort actually stopped; ``cancellations``
+    counts Generate calls the client cancelled (not those ended by shutdown).
+    """
+
+    running: int = 0
+    waiting: int = 0
+    requests: int = 0
+    completed: int = 0
+    aborts_received: int = 0
+    aborted: int = 0
+    cancellations: int = 0
+    health_checks: int = 0
+    request_ids: list[str] = dataclasses.field(default_factory=list)
+    abort_request_ids: list[str] = dataclasses.field(default_factory=list)
+    cancelled_request_ids: list[str] = dataclasses.field(default_factory=list)
+
+
+class JobState(enum.Enum):
+    """Where a sequence is in its life."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    DONE = "done"
+
+
+class Job:
+    """One sequence inside the engine, findable by request id for Abort."""
+
+    def __init__(self, request_id: str, generation: Generation, *, internal: bool) -> None:
+        self.request_id = request_id
+        self.generation = generation
+        self.internal = internal  # health probes: use a slot, stay out of the stats
+        self.state = JobState.WAITING
+        self.aborted = False
+        self._signal: asyncio.Future[None] | None = None
+
+    @property
+    def signal(self) -> asyncio.Future[None]:
+        """Resolved on abort, so a sleeping or queued sequence wakes at once."""
+        if self._signal is None:
+            self._signal = asyncio.get_running_loop().create_future()
+        return self._signal
+
+    def abort(self) -> None:
+        """Stop the sequence at its next step (or while it waits for a slot)."""
+        self.aborted = True
+        if self._signal is not None and not self._signal.done():
+            self._signal.set_result(None)
+
+
+class _Slots:
+    """A FIFO batch limit whose waiters can be woken by an abort."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+        self._queue: collections.deque[asyncio.Future[None]] = collections.deque()
+
+    async def acquire(self, abort_signal: asyncio.Future[None]) -> bool:
+        """Take a slot; False if ``abort_signal`` fired first."""
+        if self.used < self.limit and not self._queue:
+            self.used += 1
+            return True
+        turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._queue.append(turn)
+        try:
+            await asyncio.wait((turn, abort_signal), return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            self._give_back(turn)
+            raise
+        if turn.done():
+            return True  # the caller sees the abort itself and releases
+        self._give_back(turn)
+        return False
+
+    def _give_back(self, turn: asyncio.Future[None]) -> None:
+        if turn.done() and not turn.cancelled():
+            self.release()  # the slot was handed over just as we left
+            return
+        turn.cancel()
+        with contextlib.suppress(ValueError):
+            self._queue.remove(turn)
+
+    def release(self) -> None:
+        """Hand the slot to the oldest waiter, or free it."""
+        while self._queue:
+            turn = self._queue.popleft()
+            if not turn.done():
+                turn.set_result(None)
+                return
+        self.used -= 1
+
+
+class SimCore:
+    """Runs sequences for one engine: FIFO admission, paced steps, abort, stats."""
+
+    def __init__(self, config: EngineConfig, model: SimModel, timing: TimingModel) -> None:
+        self.config = config
+        self.model = model
+        self.timing = timing
+        self.stats = EngineStats()
+        self.healthy = True
+        self.closing = False
+        self.start_time = time.time()
+        self.start_monotonic = time.monotonic()
+        self.last_receive_time = 0.0
+        self._slots = _Slots(timing.max_running)
+        self._jobs: dict[str, list[Job]] = {}
+
+    # -- bookkeeping -------------------------------------------------------
+
+    def mark_started(self) -> None:
+        """Restart the clock that start_time and uptime report (engine restart fencing)."""
+        self.start_time = time.time()
+        self.start_monotonic = time.monotonic()
+
+    @property
+    def uptime(self) -> float:
+        """Seconds since the engine started serving."""
+        return time.monotonic() - self.start_monotonic
+
+    def note_request(self, request_id: str) -> None:
+        """Record a Generate call as soon as it arrives, valid or not."""
+        self.stats.request_ids.append(request_id)
+        self.last_receive_time = time.time()
+
+    def note_abort_rpc(self, request_ids: Sequence[str]) -> bool:
+        """Record an Abort RPC and abort every named request; True if any was known."""
+        found = False
+        for request_id in request_ids:
+            self.stats.aborts_received += 1
+            self.stats.abort_request_ids.append(request_id)
+            for job in self._jobs.get(request_id, ()):
+                job.abort()
+                found = True
+        return found
+
+    def jobs(self, state: JobState) -> list[Job]:
+        """The user sequences currently in ``state``."""
+        return [job for jobs in self._jobs.values() for job in jobs if job.state is state]
+
+    def used_tokens(self) -> int:
+        """KV tokens held by running sequences (prompt plus output)."""
+        return sum(
+            job.generation.prompt_len + len(job.generation.output_ids)
+            for job in self.jobs(JobState.RUNNING)
+        )
+
+    def waiting_tokens(self) -> int:
+        """Prompt tokens queued but not yet prefilled."""
+        return sum(job.generation.prompt_len for job in self.jobs(JobState.WAITING))
+
+    # -- running sequences -------------------------------------------------
+
+    def new_job(
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        criteria: StopCriteria,
+        *,
+        internal: bool = False,
+    ) -> Job:
+        """Prepare a sequence; :meth:`run` admits it."""
+        return Job(request_id, Generation(self.model, prompt_ids, criteria), internal=internal)
+
+    async def run(self, job: Job, emit: Emit | None) -> Finish | None:
+        """Wait for a slot, generate, and return the finish (None if aborted).
+
+        Client cancellation propagates as ``CancelledError`` after the slot
+        and the registration are given back.
+        """
+        signal = job.signal
+        self._register(job)
+        try:
+            finish: Finish | None = None
+            if await self._slots.acquire(signal):
+                try:
+                    self._set_state(job, JobState.RUNNING)
+                    if not job.aborted:
+                        finish = await self._generate(job, emit)
+                finally:
+                    self._slots.release()
+            if not job.internal:
+                if finish is None:
+                    self.stats.aborted += 1
+                else:
+                    self.stats.completed += 1
+            return finish
+        except asyncio.CancelledError:
+            if not job.internal and not self.closing:
+                self.stats.cancellations += 1
+                self.stats.cancelled_request_ids.append(job.request_id)
+            raise
+        finally:
+            self._set_state(job, JobState.DONE)
+            self._unregister(job)
+
+    async def _generate(self, job: Job, emit: Emit | None) -> Finish | None:
+        generation = job.generation
+        timing = self.timing
+        instant = timing.instant
+        decode = timing.decode_seconds
+        deadline = time.monotonic() + timing.prefill_seconds(generation.prompt_len)
+        since_yield = 0
+        while True:
+            delay = 0.0 if instant else deadline - time.monotonic()
+            if delay > 0:
+                await asyncio.wait((job.signal,), timeout=delay)
+                since_yield = 0
+            else:
+                since_yield += 1
+                if since_yield >= _YIELD_EVERY:
+                    since_yield = 0
+                    await asyncio.sleep(0)
+            if job.aborted:
+                return None
+            if generation.finish is not None:  # a zero-token budget: prefill only
+                if emit is not None:
+                    await emit((), generation.finish)
+                return generation.finish
+            token_id = generation.step()
+            if emit is not None:
+                await emit((token_id,), generation.finish)
+            if generation.finish is not None:
+                return generation.finish
+            deadline += decode
+
+    async def probe(self) -> bool:
+        """A one-token generation through the normal queue, as SGLang's HealthCheck does."""
+        self.stats.health_checks += 1
+        job = self.new_job("HEALTH_CHECK", (0,), StopCriteria(max_tokens=1), internal=True)
+        try:
+            finish = await asyncio.wait_for(self.run(job, None), self.config.health_timeout)
+        except TimeoutError:
+            return False
+        return finish is not None
+
+    def _register(self, job: Job) -> None:
+        if job.internal:
+            return  # health probes are not abortable by id, as on SGLang
+        self._jobs.setdefault(job.request_id, []).append(job)
+        self.stats.requests += 1
+        self.stats.waiting += 1
+
+    def _unregister(self, job: Job) -> None:
+        if job.internal:
+            return
+        jobs = self._jobs.get(job.request_id)
+        if jobs is not None:
+            jobs.remove(job)
+            if not jobs:
+                del self._jobs[job.request_id]
+
+    def _set_state(self, job: Job, state: JobState) -> None:
+        old = job.state
+        if old is state:
+            return
+        job.state = state
+        if job.internal:
+            return
+        if old is JobState.WAITING:
+            self.stats.waiting -= 1
+        elif old is JobState.RUNNING:
+            self.stats.running -= 1
+        if state is JobState.RUNNING:
+            self.stats.running += 1
+        elif state is JobState.WAITING:
+            self.stats.waiting += 1
+
+    def abort_all(self) -> None:
+        """Stop every sequence (engine shutdown)."""
+        for jobs in self._jobs.values():
+            for job in jobs:
+                job.abort()

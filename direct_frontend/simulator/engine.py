@@ -1,0 +1,322 @@
+"""``SimEngine``: one simulated stock engine serving its real gRPC contract.
+
+It runs on the asyncio loop that is current when :meth:`SimEngine.start` is
+awaited and never creates one, so the daemon can embed engines under
+trio-asyncio while the standalone CLI uses plain asyncio.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import socket
+import uuid
+import weakref
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any, get_args
+
+import grpclib.protocol
+import grpclib.server
+from tokenizers import Tokenizer
+
+from direct_frontend.simulator.core import (
+    EngineConfig,
+    EngineKind,
+    EngineRole,
+    EngineStats,
+    SimCore,
+)
+from direct_frontend.simulator.model import SimModel, TimingModel
+from direct_frontend.simulator.servers import SglangServicer, TrtllmServicer, VllmServicer
+
+
+class _Server(grpclib.server.Server):
+    """A grpclib server that can drop its open connections on close.
+
+    grpclib's own ``close`` cancels handlers but leaves idle HTTP/2
+    connections serving new calls; a closed engine must look dead instead.
+    """
+
+    def __init__(self, handlers: Iterable[Any]) -> None:
+        super().__init__(list(handlers))
+        self._protocols: weakref.WeakSet[grpclib.protocol.H2Protocol] = weakref.WeakSet()
+
+    def _protocol_factory(self) -> grpclib.protocol.H2Protocol:
+        protocol = super()._protocol_factory()
+        self._protocols.add(protocol)
+        return protocol
+
+    def drop_connections(self) -> None:
+        for protocol in list(self._protocols):
+            processor = getattr(protocol, "processor", None)  # set once connected
+            if processor is not None:
+                processor.close("Server closed")
+
+
+class SimEngine:
+    """A simulated SGLang, vLLM or TensorRT-LLM engine on a real gRPC port.
+
+    Timing, batching and the token stream come from :class:`TimingModel` and
+    :class:`SimModel`; :attr:`stats` shows what reached the engine. Set
+    :attr:`healthy` to False to make health checks fail.
+    """
+
+    def __init__(
+        self,
+        kind: EngineKind,
+        *,
+        served_model_name: str,
+        model_path: str = "sim",
+        vocab_size: int,
+        eos_token_id: int,
+        special_ids: Iterable[int] = frozenset(),
+        context_length: int = 4096,
+        role: EngineRole = "both",
+        timing: TimingModel | None = None,
+        seed: int = 0,
+        eos_probability: float = 0.02,
+        kv_pool_tokens: int | None = None,
+        page_size: int = 1,
+        block_size: int = 16,
+        kv_connector: str | None = None,
+        trtllm_reported_max_len: int = 1024,
+        trtllm_empty_finish_reason: bool = False,
+        tokenizer_path: str = "",
+        bos_token_id: int = 0,
+        pad_token_id: int = 0,
+        health_timeout: float = 20.0,
+    ) -> None:
+        if kind not in get_args(EngineKind):
+            raise ValueError(f"unknown engine kind {kind!r}")
+        if role not in get_args(EngineRole):
+            raise ValueError(f"unknown role {role!r}")
+        if kind == "trtllm" and role != "both":
+            raise ValueError("the TRT-LLM contract has no disaggregation role")
+        if context_length < 2:
+            raise ValueError("context_length must be at least 2")
+        disaggregated = role != "both"
+        self.kind: EngineKind = kind
+        self.model = SimModel(vocab_size, eos_token_id, special_ids, eos_probability, seed)
+        self.timing = timing if timing is not None else TimingModel()
+        self.config = EngineConfig(
+            kind=kind,
+            served_model_name=served_model_name,
+            model_path=model_path,
+            vocab_size=vocab_size,
+            eos_token_id=eos_token_id,
+            context_length=context_length,
+            # Deliberately not the window: SGLang reports this as max_context_length.
+            kv_pool_tokens=kv_pool_tokens if kv_pool_tokens is not None else 8 * context_length,
+            role=role,
+            page_size=page_size,
+            block_size=block_size,
+            kv_connector=(
+                kv_connector
+                if kv_connector is not None
+                else ("NixlConnector" if disaggregated else "")
+            ),
+            kv_engine_id=str(uuid.uuid4()) if disaggregated else "",
+            trtllm_reported_max_len=trtllm_reported_max_len,
+            trtllm_empty_finish_reason=trtllm_empty_finish_reason,
+            tokenizer_path=tokenizer_path,
+            bos_token_id=bos_token_id,
+            pad_token_id=pad_token_id,
+            health_timeout=health_timeout,
+        )
+        self.core = SimCore(self.config, self.model, self.timing)
+        self.host = ""
+        self.port = 0
+        self._server: _Server | None = None
+        self._stopped: asyncio.Event | None = None
+
+    @classmethod
+    def from_model_dir(
+        cls,
+        kind: EngineKind,
+        model_dir: str | Path,
+        *,
+        served_model_name: str | None = None,
+        vocab_size: int | None = None,
+        **options: Any,
+    ) -> SimEngine:
+        """An engine whose vocabulary, EOS and special ids match a HF tokenizer directory.
+
+        Reads ``tokenizer.json`` plus ``generation_config.json`` /
+        ``tokenizer_config.json``, so sampled ids decode to real words with the
+        frontend's tokenizer. ``vocab_size`` overrides the tokenizer's; ``options``
+        are the other constructor arguments.
+        """
+        facts = read_tokenizer_dir(model_dir)
+        directory = str(Path(model_dir).resolve())
+        options.setdefault("model_path", directory)
+        options.setdefault("tokenizer_path", directory)
+        if facts.bos_token_id is not None:
+            options.setdefault("bos_token_id", facts.bos_token_id)
+        if facts.pad_token_id is not None:
+            options.setdefault("pad_token_id", facts.pad_token_id)
+        return cls(
+            kind,
+            served_model_name=served_model_name or Path(directory).name,
+            vocab_size=facts.vocab_size if vocab_size is None else vocab_size,
+            eos_token_id=facts.eos_token_id,
+            special_ids=facts.special_ids,
+            **options,
+        )
+
+    # -- observation ------------------------------------------------------------
+
+    @property
+    def stats(self) -> EngineStats:
+        """Live counters: running/waiting sequences, aborts, cancellations, ids seen."""
+        return self.core.stats
+
+    @property
+    def healthy(self) -> bool:
+        """What health checks report (the server keeps serving either way)."""
+        return self.core.healthy
+
+    @healthy.setter
+    def healthy(self, value: bool) -> None:
+        self.core.healthy = value
+
+    @property
+    def address(self) -> str:
+        """``host:port`` once started."""
+        return f"{self.host}:{self.port}"
+
+    # -- lifecycle --------------------------------------------------------------
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> None:
+        """Listen on ``host:port`` (0 picks a free port, see :attr:`port`).
+
+        Returns once the socket is listening, so a client may connect at once.
+        """
+        if self._server is not None:
+            raise RuntimeError("the engine is already running")
+        servicer: SglangServicer | VllmServicer | TrtllmServicer
+        if self.kind == "sglang":
+            servicer = SglangServicer(self.core)
+        elif self.kind == "vllm":
+            servicer = VllmServicer(self.core)
+        else:
+            servicer = TrtllmServicer(self.core)
+        loop = asyncio.get_running_loop()
+        infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, sock_type, proto, _, address = infos[0]
+        sock = socket.socket(family, sock_type, proto)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(address)
+            sock.setblocking(False)
+            server = _Server([servicer])
+            await server.start(sock=sock)  # asyncio listens before this returns
+        except BaseException:
+            sock.close()
+            raise
+        self._server = server
+        self._stopped = asyncio.Event()
+        self.host = host
+        self.port = int(sock.getsockname()[1])
+        self.core.closing = False
+        self.core.mark_started()
+
+    def close(self) -> None:
+        """Stop like a dying process: refuse connections, drop open ones, end every call."""
+        server = self._server
+        if server is None or self.core.closing:
+            return
+        self.core.closing = True
+        self.core.abort_all()
+        server.close()
+        server.drop_connections()
+        if self._stopped is not None:
+            self._stopped.set()
+
+    async def wait_closed(self) -> None:
+        """Wait until every call handler has ended; the engine may then start again."""
+        server = self._server
+        if server is None:
+            return
+        await server.wait_closed()
+        self._server = None
+
+    async def serve_forever(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        ready: Callable[[], None] | None = None,
+    ) -> None:
+        """Start, call ``ready``, then serve until :meth:`close` or cancellation."""
+        await self.start(host, port)
+        if ready is not None:
+            ready()
+        stopped = self._stopped
+        assert stopped is not None
+        try:
+            await stopped.wait()
+        finally:
+            self.close()
+            await self.wait_closed()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TokenizerFacts:
+    """What a simulated engine needs to know about a real tokenizer."""
+
+    vocab_size: int
+    eos_token_id: int
+    special_ids: frozenset[int]
+    bos_token_id: int | None = None
+    pad_token_id: int | None = None
+
+
+def read_tokenizer_dir(model_dir: str | Path) -> TokenizerFacts:
+    """Vocabulary size, EOS, BOS/PAD and special ids of a HF tokenizer directory.
+
+    EOS comes from ``generation_config.json`` (the first id when it is a
+    list), else from ``tokenizer_config.json``'s ``eos_token``.
+    """
+    root = Path(model_dir)
+    tokenizer = Tokenizer.from_file(str(root / "tokenizer.json"))
+    vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+    special_ids = {
+        token_id
+        for token_id, added in tokenizer.get_added_tokens_decoder().items()
+        if added.special
+    }
+    generation = _read_json(root / "generation_config.json")
+    tokenizer_config = _read_json(root / "tokenizer_config.json")
+
+    def token_id(key: str) -> int | None:
+        value = generation.get(f"{key}_token_id")
+        if isinstance(value, list):
+            value = value[0] if value else None
+        if isinstance(value, int):
+            return value
+        token = tokenizer_config.get(f"{key}_token")
+        if isinstance(token, Mapping):
+            token = token.get("content")
+        if isinstance(token, str):
+            return tokenizer.token_to_id(token)
+        return None
+
+    eos = token_id("eos")
+    if eos is None:
+        raise ValueError(f"no EOS token id found in {root}")
+    return TokenizerFacts(
+        vocab_size=vocab_size,
+        eos_token_id=eos,
+        special_ids=frozenset(special_ids),
+        bos_token_id=token_id("bos"),
+        pad_token_id=token_id("pad"),
+    )
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    value = json.loads(path.read_text(encoding="utf-8"))
+    return value if isinstance(value, dict) else {}

@@ -1,0 +1,236 @@
+"""A fake language model: deterministic tokens, stop criteria and timing, with no I/O.
+
+Every token is a pure function of the token prefix (prompt plus the tokens
+generated so far) and the model seed. So a request that carries a prompt plus
+the first ``k`` generated tokens continues exactly where the uninterrupted run
+would have gone, which is what migration and prefill/decode tests need to prove
+the router resumes a stream without losing or repeating text.
+
+The simulator is greedy-deterministic: temperature, top-p, seeds and penalties
+are accepted by the servers and ignored here.
+"""
+
+from __future__ import annotations
+
+import array
+import dataclasses
+from collections.abc import Iterable, Sequence, Set
+from typing import Literal
+
+_MASK64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+# Independent salts so the EOS decision and the token choice use unrelated bits.
+_SALT_EOS = 0xD1B54A32D192ED03
+_SALT_TOKEN = 0x8CB92BA72F3D8DD7
+_REDRAWS = 16
+
+
+def _mix64(x: int) -> int:
+    """splitmix64's finaliser: a cheap bijection on 64 bits with good avalanche."""
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+class SimModel:
+    """The token distribution: which token follows a given prefix.
+
+    Ordinary tokens are drawn uniformly (by hash) from the ids that are neither
+    special nor EOS, so sampled text decodes to words; EOS is chosen with
+    ``eos_probability`` per step, also from the prefix hash.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        eos_token_id: int,
+        special_ids: Iterable[int] = frozenset(),
+        eos_probability: float = 0.02,
+        seed: int = 0,
+    ) -> None:
+        if vocab_size <= 0:
+            raise ValueError("vocab_size must be positive")
+        if not 0 <= eos_token_id < vocab_size:
+            raise ValueError(f"eos_token_id {eos_token_id} is outside the vocabulary")
+        if not 0.0 <= eos_probability <= 1.0:
+            raise ValueError("eos_probability must be within [0, 1]")
+        self.vocab_size = vocab_size
+        self.eos_token_id = eos_token_id
+        self.special_ids = frozenset(special_ids)
+        self.eos_probability = eos_probability
+        self.seed = seed
+        excluded = self.special_ids | {eos_token_id}
+        # An array keeps a 150k-entry vocabulary at ~1 MB per engine.
+        self._candidates = array.array("q", (i for i in range(vocab_size) if i not in excluded))
+        if not self._candidates:
+            raise ValueError("the vocabulary has no ordinary (non-special) tokens")
+        self._eos_threshold = int(eos_probability * (1 << 64))
+        self.initial_state = _mix64((seed * _GOLDEN + 0x5851F42D4C957F2D) & _MASK64)
+
+    @staticmethod
+    def advance(state: int, token_id: int) -> int:
+        """Fold one more token into a prefix hash (O(1), so a sequence is O(n))."""
+        return _mix64(state ^ (((token_id + 1) * _GOLDEN) & _MASK64))
+
+    def state_of(self, prefix: Iterable[int]) -> int:
+        """The hash state after ``prefix``."""
+        state = self.initial_state
+        for token_id in prefix:
+            state = self.advance(state, token_id)
+        return state
+
+    def draw(self, state: int, banned: Set[int] = frozenset()) -> int:
+        """The token that follows the prefix whose hash is ``state``.
+
+        ``banned`` masks tokens the way an engine masks logits (EOS under
+        ``min_tokens`` or ``ignore_eos``): a banned choice is replaced by a
+        deterministic redraw among the allowed ordinary tokens.
+        """
+        if _mix64(state ^ _SALT_EOS) < self._eos_threshold:
+            choice = self.eos_token_id
+        else:
+            choice = self._pick(state, 0)
+        if choice not in banned:
+            return choice
+        # Attempt 0 is the ordinary choice, so a masked EOS becomes the token it displaced.
+        for attempt in range(_REDRAWS + 1):
+            choice = self._pick(state, attempt)
+            if choice not in banned:
+                return choice
+        # Nearly everything is banned: scan from a hashed start for the first allowed id.
+        count = len(self._candidates)
+        start = _mix64(state ^ _SALT_TOKEN) % count
+        for offset in range(count):
+            choice = self._candidates[(start + offset) % count]
+            if choice not in banned:
+                return choice
+        return self._candidates[start]  # every ordinary token banned: nothing better to do
+
+    def _pick(self, state: int, attempt: int) -> int:
+        mixed = _mix64(state ^ ((_SALT_TOKEN + attempt * _GOLDEN) & _MASK64))
+        return self._candidates[mixed % len(self._candidates)]
+
+    def next_token(self, prefix: Sequence[int]) -> int:
+        """The unmasked next token after ``prefix`` (O(len(prefix)); see :class:`SimSequence`)."""
+        return self.draw(self.state_of(prefix))
+
+
+class SimSequence:
+    """A running prefix hash, so each further token costs O(1)."""
+
+    def __init__(self, model: SimModel, prompt_ids: Iterable[int]) -> None:
+        self.model = model
+        self.state = model.state_of(prompt_ids)
+
+    def step(self, banned: Set[int] = frozenset()) -> int:
+        """Draw the next token and append it to the prefix."""
+        token_id = self.model.draw(self.state, banned)
+        self.state = SimModel.advance(self.state, token_id)
+        return token_id
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StopCriteria:
+    """When a sequence ends, already resolved from the engine's own defaults.
+
+    ``max_tokens`` is the effective cap (request cap clamped to the context
+    window). Stop strings are not modelled: the frontend handles them.
+    """
+
+    max_tokens: int
+    min_tokens: int = 0
+    stop_token_ids: frozenset[int] = frozenset()
+    ignore_eos: bool = False
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Finish:
+    """Why a sequence ended.
+
+    ``matched_token_id`` is the EOS or stop token that ended it; ``matched_eos``
+    tells which, because engines differ in whether they report an EOS match.
+    """
+
+    reason: Literal["stop", "length"]
+    matched_token_id: int | None = None
+    matched_eos: bool = False
+
+
+class Generation:
+    """One sequence under its stop criteria: the sans-IO core every server paces.
+
+    The matched EOS or stop token is part of the output (and of the counts), as
+    the engines report it in ``token_ids``.
+    """
+
+    def __init__(self, model: SimModel, prompt_ids: Sequence[int], criteria: StopCriteria) -> None:
+        self.criteria = criteria
+        self.prompt_len = len(prompt_ids)
+        self.output_ids: list[int] = []
+        self.finish: Finish | None = None
+        self._sequence = SimSequence(model, prompt_ids)
+        self._eos = model.eos_token_id
+        stops = criteria.stop_token_ids
+        # Below min_tokens every way to stop is masked; afterwards only an ignored EOS is.
+        self._banned_early = stops | {self._eos}
+        self._banned_late: frozenset[int] = (
+            frozenset({self._eos}) if criteria.ignore_eos else frozenset()
+        )
+        if criteria.max_tokens <= 0:
+            self.finish = Finish("length")
+
+    def step(self) -> int:
+        """Generate one token and update :attr:`finish`."""
+        if self.finish is not None:
+            raise RuntimeError("the sequence has already finished")
+        early = len(self.output_ids) < self.criteria.min_tokens
+        token_id = self._sequence.step(self._banned_early if early else self._banned_late)
+        self.output_ids.append(token_id)
+        if token_id == self._eos and not self.criteria.ignore_eos:
+            self.finish = Finish("stop", token_id, matched_eos=True)
+        elif token_id in self.criteria.stop_token_ids:
+            self.finish = Finish("stop", token_id)
+        elif len(self.output_ids) >= self.criteria.max_tokens:
+            self.finish = Finish("length")
+        return token_id
+
+    def run(self) -> list[int]:
+        """Generate to the end (for tests and non-paced callers)."""
+        while self.finish is None:
+            self.step()
+        return self.output_ids
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TimingModel:
+    """How long generation takes: a linear prefill, a fixed decode step, a batch limit.
+
+    Time to first token is ``prefill_us_per_token`` × prompt tokens, then one
+    token per ``decode_us_per_token``. At most ``max_running`` sequences
+    generate at once; the rest wait in FIFO order. With both times 0 the
+    server never sleeps (the overhead benchmark relies on it).
+    """
+
+    prefill_us_per_token: float = 0.0
+    decode_us_per_token: float = 0.0
+    max_running: int = 256
+
+    def __post_init__(self) -> None:
+        if self.prefill_us_per_token < 0 or self.decode_us_per_token < 0:
+            raise ValueError("timings must not be negative")
+        if self.max_running < 1:
+            raise ValueError("max_running must be at least 1")
+
+    @property
+    def instant(self) -> bool:
+        """Whether generation never sleeps."""
+        return self.prefill_us_per_token == 0 and self.decode_us_per_token == 0
+
+    def prefill_seconds(self, prompt_tokens: int) -> float:
+        """Time from admission to the first token."""
+        return self.prefill_us_per_token * prompt_tokens / 1e6
+
+    @property
+    def decode_seconds(self) -> float:
+        """Time between two tokens of one sequence."""
+        return self.decode_us_per_token / 1e6

@@ -1,0 +1,1 @@
+"""Text handling done in the frontend: tokenization, chat templates, detokenization, stops."""

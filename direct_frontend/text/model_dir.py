@@ -1,0 +1,334 @@
+"""A model's text side, loaded from a Hugging Face style model directory.
+
+The frontend tokenizes and templates itself (engines only see token ids), so
+this must match what ``transformers`` does with the same files: the same
+chat template environment, the same special tokens, and the rendered chat
+encoded *without* adding special tokens (the template already wrote them).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+import jinja2.parser
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+from direct_frontend.text.detokenize import IncrementalDetokenizer
+
+# The special-token names transformers passes to chat templates as variables.
+_TEMPLATE_TOKEN_NAMES = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
+_RESERVED_TEMPLATE_VARS = frozenset({"messages", "tools", "add_generation_prompt"})
+
+
+class ModelDirError(Exception):
+    """A model directory is missing a file or holds one that cannot be used."""
+
+
+class ChatTemplateError(Exception):
+    """The chat template refused or failed on the request's messages: a 400 for the client."""
+
+
+def _raise_exception(message: str) -> None:
+    """The ``raise_exception`` templates call to reject a conversation."""
+    raise jinja2.TemplateError(message)
+
+
+def _strftime_now(fmt: str) -> str:
+    """Templates put today's date in system prompts (Llama 3)."""
+    return datetime.datetime.now().strftime(fmt)
+
+
+def _tojson(
+    value: object,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    """Plain ``json.dumps``, as transformers uses: jinja's own tojson HTML-escapes ``<>&'``."""
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """Accept ``{% generation %}...{% endgeneration %}`` and render its body as is.
+
+    transformers uses the tag to mark assistant tokens for training masks; some
+    shipped templates contain it and would not even parse without it.
+    """
+
+    tags = {"generation"}  # noqa: RUF012 - the attribute jinja2 reads
+
+    def parse(self, parser: jinja2.parser.Parser) -> list[jinja2.nodes.Node]:
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
+def _new_environment() -> ImmutableSandboxedEnvironment:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=[jinja2.ext.loopcontrols, _GenerationTag],
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+def _read_optional_json(path: Path) -> dict[str, Any] | None:
+    return _read_json(path) if path.is_file() else None
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ModelDirError(f"{path}: file missing")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ModelDirError(f"{path}: cannot read JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ModelDirError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _token_content(value: object) -> str | None:
+    """A special token as tokenizer_config.json spells it: a string or an AddedToken dict."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return str(value["content"])
+    return None
+
+
+def _int_ids(value: object) -> list[int]:
+    """``eos_token_id`` as configs spell it: an int, a list of ints, or null."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return [value]
+    if isinstance(value, list):
+        return [v for v in value if isinstance(v, int) and not isinstance(v, bool)]
+    return []
+
+
+def _load_templates(
+    path: Path, tokenizer_config: Mapping[str, Any]
+) -> tuple[dict[str, str], Path | None]:
+    """Find the chat templates, by name, with the precedence transformers uses."""
+    jinja_file = path / "chat_template.jinja"
+    if jinja_file.is_file():
+        try:
+            return {"default": jinja_file.read_text(encoding="utf-8")}, jinja_file
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ModelDirError(f"{jinja_file}: cannot read: {exc}") from exc
+    config_file = path / "tokenizer_config.json"
+    raw = tokenizer_config.get("chat_template")
+    if raw is None:
+        # Processor-style models keep it next to the tokenizer files.
+        config_file = path / "chat_template.json"
+        processor_config = _read_optional_json(config_file)
+        raw = processor_config.get("chat_template") if processor_config else None
+    if raw is None:
+        return {}, None
+    if isinstance(raw, str):
+        return {"default": raw}, config_file
+    if isinstance(raw, list):
+        templates: dict[str, str] = {}
+        for entry in raw:
+            if not (
+                isinstance(entry, dict)
+                and isinstance(entry.get("name"), str)
+                and isinstance(entry.get("template"), str)
+            ):
+                raise ModelDirError(
+                    f"{config_file}: chat_template entries need a name and template"
+                )
+            templates[entry["name"]] = entry["template"]
+        return templates, config_file
+    raise ModelDirError(f"{config_file}: chat_template must be a string or a list")
+
+
+class TextModel:
+    """Tokenizer, chat templates and special tokens of one model; immutable once loaded.
+
+    Safe to share between threads: ``encode`` runs in worker threads for long
+    prompts, and nothing here mutates the tokenizer after :meth:`load`.
+    """
+
+    def __init__(
+        self,
+        *,
+        path: Path,
+        tokenizer: Tokenizer,
+        tokenizer_config: Mapping[str, Any],
+        templates: Mapping[str, jinja2.Template],
+        eos_token_ids: Sequence[int],
+        max_position_embeddings: int | None,
+    ) -> None:
+        self.path = path
+        self._tokenizer = tokenizer
+        self._templates = dict(templates)
+        self.max_position_embeddings = max_position_embeddings
+
+        self._template_tokens: dict[str, str] = {}
+        for name in _TEMPLATE_TOKEN_NAMES:
+            content = _token_content(tokenizer_config.get(name))
+            if content is not None:
+                self._template_tokens[name] = content
+        self.bos_token: str | None = self._template_tokens.get("bos_token")
+        self.eos_token: str | None = self._template_tokens.get("eos_token")
+
+        added = tokenizer.get_added_tokens_decoder()
+        self.special_token_ids: frozenset[int] = frozenset(
+            token_id for token_id, token in added.items() if token.special
+        )
+        # Model ids are dense from 0; added tokens may sit past the end or reuse ids.
+        self.vocab_size: int = (
+            max([tokenizer.get_vocab_size(with_added_tokens=False) - 1, *added]) + 1
+        )
+
+        ids = list(eos_token_ids)
+        if self.eos_token is not None:
+            eos_id = tokenizer.token_to_id(self.eos_token)
+            if eos_id is not None:
+                ids.append(eos_id)
+        self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(ids))
+
+    @classmethod
+    def load(cls, path: str | Path) -> TextModel:
+        """Load ``tokenizer.json`` and ``tokenizer_config.json`` (plus optional configs).
+
+        A chat template that does not compile fails the load: a broken file is
+        the operator's to fix, better found at startup than on the first chat.
+        """
+        path = Path(path)
+        if not path.is_dir():
+            raise ModelDirError(f"{path}: not a model directory")
+
+        tokenizer_file = path / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            raise ModelDirError(f"{tokenizer_file}: file missing")
+        try:
+            tokenizer = Tokenizer.from_file(str(tokenizer_file))
+        except Exception as exc:  # the Rust side raises plain Exception
+            raise ModelDirError(f"{tokenizer_file}: cannot load tokenizer: {exc}") from exc
+        # Some tokenizer.json files carry training-time truncation or padding;
+        # transformers overrides both per call, so prompts must not be cut here.
+        tokenizer.no_truncation()
+        tokenizer.no_padding()
+
+        tokenizer_config = _read_json(path / "tokenizer_config.json")
+        generation_config = _read_optional_json(path / "generation_config.json") or {}
+        config = _read_optional_json(path / "config.json") or {}
+        text_config = config.get("text_config")
+        if isinstance(text_config, dict):  # multimodal configs nest the language model
+            config = {**config, **text_config}
+
+        eos_ids = _int_ids(generation_config.get("eos_token_id")) or _int_ids(
+            config.get("eos_token_id")
+        )
+        max_positions = config.get("max_position_embeddings")
+        if not isinstance(max_positions, int) or isinstance(max_positions, bool):
+            max_positions = None
+
+        sources, template_file = _load_templates(path, tokenizer_config)
+        env = _new_environment()
+        templates: dict[str, jinja2.Template] = {}
+        for name, source in sources.items():
+            try:
+                templates[name] = env.from_string(source)
+            except jinja2.TemplateSyntaxError as exc:
+                raise ModelDirError(
+                    f"{template_file}: chat template {name!r} does not compile: "
+                    f"{exc.message} (template line {exc.lineno})"
+                ) from exc
+
+        return cls(
+            path=path,
+            tokenizer=tokenizer,
+            tokenizer_config=tokenizer_config,
+            templates=templates,
+            eos_token_ids=eos_ids,
+            max_position_embeddings=max_positions,
+        )
+
+    @property
+    def has_chat_template(self) -> bool:
+        """Whether chat requests can be served (completions work regardless)."""
+        return bool(self._templates)
+
+    def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
+        """Token ids for ``text``; pass a rendered chat as is, its special tokens are in it."""
+        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """The text of ``ids`` in one go (streams use :meth:`new_detokenizer`)."""
+        return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        """The id of a token string (e.g. a special token), or None if not in the vocabulary."""
+        return self._tokenizer.token_to_id(token)
+
+    def new_detokenizer(self, *, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
+        """A fresh per-request incremental detokenizer."""
+        return IncrementalDetokenizer(self._tokenizer, skip_special_tokens=skip_special_tokens)
+
+    def render_chat(
+        self,
+        messages: list[dict[str, object]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, object]] | None = None,
+        extra: dict[str, object] | None = None,
+    ) -> str:
+        """Render ``messages`` with the model's chat template, as transformers would.
+
+        ``extra`` carries request-specific template variables (e.g.
+        ``enable_thinking``); it may override special-token variables but not
+        the messages, tools or generation-prompt flag.
+        """
+        template = self._pick_template(tools)
+        variables: dict[str, object] = {**self._template_tokens}
+        if extra:
+            variables.update((k, v) for k, v in extra.items() if k not in _RESERVED_TEMPLATE_VARS)
+        variables["messages"] = messages
+        variables["tools"] = tools
+        variables["add_generation_prompt"] = add_generation_prompt
+        try:
+            return template.render(variables)
+        except jinja2.TemplateError as exc:
+            # raise_exception() lands here with the template's own wording.
+            raise ChatTemplateError(exc.message or type(exc).__name__) from exc
+        except Exception as exc:
+            # Templates index and concatenate client data freely; a TypeError
+            # on e.g. null content is the request's fault, not the server's.
+            raise ChatTemplateError(f"chat template failed on these messages: {exc}") from exc
+
+    def _pick_template(self, tools: object) -> jinja2.Template:
+        if not self._templates:
+            raise ChatTemplateError(
+                "this model has no chat template; use the completions endpoint instead"
+            )
+        if tools and "tool_use" in self._templates:
+            return self._templates["tool_use"]
+        template = self._templates.get("default")
+        if template is None:
+            names = ", ".join(sorted(self._templates))
+            raise ChatTemplateError(f"this model has no default chat template (it has: {names})")
+        return template
