@@ -49,11 +49,12 @@ async def serve_fleet(
     fleet: FleetConfig,
     *,
     shutdown: trio.Event | None = None,
+    handle_signals: bool = True,
     task_status: trio.TaskStatus[App] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run the whole daemon until ``shutdown`` is set (or SIGINT/SIGTERM)."""
     started = time.perf_counter()
-    shutdown = shutdown or trio.Event()
+    shutdown = trio.Event() if shutdown is None else shutdown
     async with trio_asyncio.open_loop():
         text_model = await trio.to_thread.run_sync(TextModel.load, fleet.frontend.tokenizer)
         supervisor = Supervisor(fleet)
@@ -61,7 +62,8 @@ async def serve_fleet(
         dispatcher = Dispatcher(supervisor, make_policy(fleet.frontend.routing.policy))
         app = App(fleet.frontend, text_model, supervisor, dispatcher, metrics)
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(_watch_signals, shutdown)
+            if handle_signals:  # only the main thread may install signal handlers
+                nursery.start_soon(_watch_signals, shutdown)
             await nursery.start(supervisor.run)
             config = hypercorn_config(fleet)
             app.bound_urls = await nursery.start(_serve_http, app, config, shutdown)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Callable
+from typing import Any
 
 import trio
 
@@ -36,6 +37,7 @@ class Supervisor:
         self.listeners: list[Callable[[EngineChild], None]] = []
         self._generations = itertools.count(1)
         self._scopes: dict[str, trio.CancelScope] = {}
+        self.simulators: dict[str, Any] = {}  # embedded simulated engines, by engine name
 
     # -- data-plane hooks -------------------------------------------------------------
 
@@ -55,7 +57,9 @@ class Supervisor:
         async with trio.open_nursery() as nursery:
             for cfg in self.fleet.engines:
                 if cfg.simulate:
-                    await nursery.start(run_embedded_simulator, self.fleet, cfg)
+                    self.simulators[cfg.name] = await nursery.start(
+                        run_embedded_simulator, self.fleet, cfg
+                    )
             for cfg in self.fleet.engines:
                 self._start_child(nursery, cfg)
             task_status.started()
@@ -102,7 +106,7 @@ class Supervisor:
 
 
 async def run_embedded_simulator(
-    fleet: FleetConfig, cfg: EngineConfig, *, task_status: trio.TaskStatus[None]
+    fleet: FleetConfig, cfg: EngineConfig, *, task_status: trio.TaskStatus[Any]
 ) -> None:
     """Serve a simulated engine on the engine's own URL, over real gRPC on loopback."""
     import trio_asyncio
@@ -116,7 +120,7 @@ async def run_embedded_simulator(
     engine = SimEngine.from_model_dir(
         cfg.kind,
         fleet.frontend.tokenizer,
-        served_model_name=fleet.frontend.served_model_name,
+        served_model_name=sim.served_model_name or fleet.frontend.served_model_name,
         context_length=sim.context_length,
         role=cfg.role.value,
         vocab_size=sim.vocab_size,
@@ -125,7 +129,7 @@ async def run_embedded_simulator(
     )
     await trio_asyncio.aio_as_trio(engine.start)(host, port)
     log.info("simulated %s engine listening on %s:%d", cfg.kind, host, port)
-    task_status.started()
+    task_status.started(engine)
     try:
         await trio.sleep_forever()
     finally:

@@ -369,7 +369,8 @@ def run_alternative(kind: str, venv: str, plugin: str, job: dict[str, Any]) -> d
         except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
             stderr = exc.stderr or b""
             text = stderr.decode(errors="replace") if isinstance(stderr, bytes) else stderr
-            return f"not installed (codegen failed: {text.strip()[-80:]})"
+            last = (text.strip().splitlines() or ["?"])[-1]
+            return f"not installed (codegen failed: {last[:60]})"
         proc = subprocess.run(
             [str(python), __file__, "--worker", kind, "--gen-parent", tmp],
             input=json.dumps(job),
@@ -467,20 +468,25 @@ def main() -> int:
 
 
 def print_table(rows: list[tuple[str, dict[str, float] | str]], columns: list[str]) -> None:
+    """One row per codec; a row without figures shows why, spanning the figure columns."""
     base = rows[0][1]
     assert isinstance(base, dict)
-    header = ["codec"] + [f"{c} µs (×pb)" for c in columns]
-    lines = [header]
+    header = ["codec", *(f"{c} µs (×pb)" for c in columns)]
+    lines: list[list[str]] = [header]
     for label, result in rows:
         if isinstance(result, str):
-            lines.append([label, result] + [""] * (len(columns) - 1))
+            lines.append([label, result])
         else:
             lines.append(
-                [label] + [f"{result[c]:8.2f} ({result[c] / base[c]:5.1f}×)" for c in columns]
+                [label, *(f"{result[c]:8.2f} ({result[c] / base[c]:5.1f}×)" for c in columns)]
             )
-    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    widths = [len(h) for h in header]
+    for line in lines:
+        widths[0] = max(widths[0], len(line[0]))
+        if len(line) == len(header):
+            widths[1:] = [max(w, len(cell)) for w, cell in zip(widths[1:], line[1:], strict=True)]
     for n, line in enumerate(lines):
-        print(" | ".join(cell.ljust(widths[i]) for i, cell in enumerate(line)).rstrip())
+        print(" | ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=False)).rstrip())
         if n == 0:
             print("-+-".join("-" * w for w in widths))
 

@@ -24,6 +24,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
+import trio
+import trio_asyncio
 from google.protobuf.message import DecodeError
 from grpclib import GRPCError, Status
 from grpclib.client import Channel
@@ -94,7 +96,7 @@ class Reply:
 
     responses: list[Any]
     chunks: list[Any]
-    complete: Any | None
+    complete: Any
 
 
 def build_request(
@@ -475,6 +477,12 @@ def test_sglang_needs_tokens_and_has_no_default_cap() -> None:
             reply = await generate("sglang", channel, max_tokens=None, ignore_eos=True)
             assert reply.complete.completion_tokens == 63 - len(PROMPT)
 
+            # Zero new tokens: a prefill-only request still ends with chunk + complete.
+            empty = await generate("sglang", channel, max_tokens=0)
+            assert [len(c.token_ids) for c in empty.chunks] == [0]
+            assert empty.complete.finish_reason == "length"
+            assert empty.complete.completion_tokens == 0
+
             with pytest.raises(GRPCError) as too_long:
                 await generate("sglang", channel, list(range(20, 80)))
             assert too_long.value.status is Status.INVALID_ARGUMENT
@@ -649,19 +657,14 @@ def test_sglang_health_and_info() -> None:
             assert loads.loads[0].disaggregation.mode == "prefill"
             assert loads.loads[0].num_running_reqs == 0
 
-            # A restart is visible in start_time (restart fencing).
+            # A restart on the same port is visible in start_time (restart fencing);
+            # the old channel reconnects by itself.
+            port = engine.port
             engine.close()
             await engine.wait_closed()
             await asyncio.sleep(0.01)
-            await engine.start("127.0.0.1", 0)
-            channel.close()
-            fresh = Channel("127.0.0.1", engine.port)
-            try:
-                again = await SglangSchedulerStub(fresh).GetServerInfo(
-                    sglang_scheduler_pb2.GetServerInfoRequest()
-                )
-            finally:
-                fresh.close()
+            await engine.start("127.0.0.1", port)
+            again = await stub.GetServerInfo(sglang_scheduler_pb2.GetServerInfoRequest())
             assert again.start_time.ToNanoseconds() > server.start_time.ToNanoseconds()
         async with serving("sglang") as (_, channel):
             plain = await SglangSchedulerStub(channel).GetServerInfo(
@@ -844,3 +847,27 @@ def test_embedded_engines_need_a_running_loop_and_start_fast() -> None:
         return elapsed
 
     assert run(body()) < 0.5
+
+
+def test_runs_on_a_trio_asyncio_loop() -> None:
+    """The daemon embeds engines under trio-asyncio: nothing may assume plain asyncio."""
+
+    async def aio_body() -> tuple[list[int], int]:
+        async with serving("vllm", timing=SLOW) as (engine, channel):
+            reply = await generate("vllm", channel, max_tokens=3, ignore_eos=True)
+            request = build_request("vllm", "leaver", PROMPT, max_tokens=1000, stream=True)
+            async with generate_method("vllm", channel).open() as call:
+                await call.send_message(request, end=True)
+                assert await call.recv_message() is not None
+                await call.cancel()
+            await until(lambda: engine.stats.running == 0)
+            return output_of("vllm", reply, stream=True), engine.stats.cancellations
+
+    async def trio_main() -> tuple[list[int], int]:
+        async with trio_asyncio.open_loop():
+            result: tuple[list[int], int] = await trio_asyncio.aio_as_trio(aio_body)()
+            return result
+
+    tokens, cancellations = trio.run(trio_main)
+    expected = Generation(reference_model(), PROMPT, StopCriteria(max_tokens=3, ignore_eos=True))
+    assert tokens == expected.run() and cancellations == 1

@@ -84,6 +84,7 @@ _SIMULATOR_KEYS = (
     "vocab_size",
     "eos_probability",
     "context_length",
+    "served_model_name",
 )
 _ROLES = tuple(role.value for role in EngineRole)
 
@@ -655,6 +656,7 @@ class _Checker:
             context_length=_or(
                 self.integer(tbl, path, "context_length", minimum=1), default.context_length
             ),
+            served_model_name=self.string(tbl, path, "served_model_name"),
         )
 
     def cross_check(self, drafts: list[_Draft]) -> None:

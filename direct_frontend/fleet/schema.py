@@ -115,6 +115,7 @@ class SimulatorConfig:
     vocab_size: int | None = None  # None: the tokenizer's vocabulary
     eos_probability: float = 0.02
     context_length: int = 4096
+    served_model_name: str | None = None  # None: the frontend's (set it to demo a refusal)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

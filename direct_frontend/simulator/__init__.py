@@ -5,7 +5,7 @@ deterministic token model and a simple timing model, so the router can be
 tested end to end without GPUs.
 """
 
-from direct_frontend.simulator.core import EngineKind, EngineRole, EngineStats
+from direct_frontend.simulator.core import EngineKind, EngineStats, SimRole
 from direct_frontend.simulator.engine import SimEngine, TokenizerFacts, read_tokenizer_dir
 from direct_frontend.simulator.model import (
     Finish,
@@ -18,12 +18,12 @@ from direct_frontend.simulator.model import (
 
 __all__ = [
     "EngineKind",
-    "EngineRole",
     "EngineStats",
     "Finish",
     "Generation",
     "SimEngine",
     "SimModel",
+    "SimRole",
     "SimSequence",
     "StopCriteria",
     "TimingModel",

@@ -14,7 +14,7 @@ import sys
 from collections.abc import Sequence
 from typing import get_args
 
-from direct_frontend.simulator.core import EngineKind, EngineRole
+from direct_frontend.simulator.core import EngineKind, SimRole
 from direct_frontend.simulator.engine import SimEngine
 from direct_frontend.simulator.model import TimingModel
 
@@ -27,7 +27,7 @@ def build_engine(
     eos_token_id: int | None = None,
     served_model_name: str | None = None,
     context_length: int = 4096,
-    role: EngineRole = "both",
+    role: SimRole = "both",
     prefill_us_per_token: float = 0.0,
     decode_us_per_token: float = 0.0,
     max_running: int = 256,
@@ -83,7 +83,7 @@ def run(
     eos_token_id: int | None = None,
     served_model_name: str | None = None,
     context_length: int = 4096,
-    role: EngineRole = "both",
+    role: SimRole = "both",
     prefill_us_per_token: float = 0.0,
     decode_us_per_token: float = 0.0,
     max_running: int = 256,
@@ -126,7 +126,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--eos-token-id", type=int)
     parser.add_argument("--served-model-name")
     parser.add_argument("--context-length", type=int, default=4096)
-    parser.add_argument("--role", choices=get_args(EngineRole), default="both")
+    parser.add_argument("--role", choices=get_args(SimRole), default="both")
     parser.add_argument("--prefill-us-per-token", type=float, default=0.0)
     parser.add_argument("--decode-us-per-token", type=float, default=0.0)
     parser.add_argument("--max-running", type=int, default=256)

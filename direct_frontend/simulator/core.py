@@ -21,7 +21,7 @@ from typing import Literal
 from direct_frontend.simulator.model import Finish, Generation, SimModel, StopCriteria, TimingModel
 
 EngineKind = Literal["sglang", "vllm", "trtllm"]
-EngineRole = Literal["both", "prefill", "decode"]
+SimRole = Literal["both", "prefill", "decode"]
 
 # Instant engines yield to the loop this often so other streams and
 # cancellations still get a turn during a long generation.
@@ -43,7 +43,7 @@ class EngineConfig:
     eos_token_id: int
     context_length: int
     kv_pool_tokens: int  # SGLang reports this as "max_context_length", like the real server
-    role: EngineRole = "both"
+    role: SimRole = "both"
     page_size: int = 1  # SGLang --page-size
     block_size: int = 16  # vLLM cache_config.block_size
     kv_connector: str = ""

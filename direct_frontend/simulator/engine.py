@@ -24,9 +24,9 @@ from tokenizers import Tokenizer
 from direct_frontend.simulator.core import (
     EngineConfig,
     EngineKind,
-    EngineRole,
     EngineStats,
     SimCore,
+    SimRole,
 )
 from direct_frontend.simulator.model import SimModel, TimingModel
 from direct_frontend.simulator.servers import SglangServicer, TrtllmServicer, VllmServicer
@@ -73,7 +73,7 @@ class SimEngine:
         eos_token_id: int,
         special_ids: Iterable[int] = frozenset(),
         context_length: int = 4096,
-        role: EngineRole = "both",
+        role: SimRole = "both",
         timing: TimingModel | None = None,
         seed: int = 0,
         eos_probability: float = 0.02,
@@ -90,7 +90,7 @@ class SimEngine:
     ) -> None:
         if kind not in get_args(EngineKind):
             raise ValueError(f"unknown engine kind {kind!r}")
-        if role not in get_args(EngineRole):
+        if role not in get_args(SimRole):
             raise ValueError(f"unknown role {role!r}")
         if kind == "trtllm" and role != "both":
             raise ValueError("the TRT-LLM contract has no disaggregation role")

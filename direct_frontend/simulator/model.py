@@ -160,7 +160,9 @@ class Generation:
     """One sequence under its stop criteria: the sans-IO core every server paces.
 
     The matched EOS or stop token is part of the output (and of the counts), as
-    the engines report it in ``token_ids``.
+    the engines report it in ``token_ids``. Resuming from the prompt plus the
+    first ``k`` tokens reproduces the rest when ``max_tokens`` and
+    ``min_tokens`` are reduced by ``k``, as a migrating router does.
     """
 
     def __init__(self, model: SimModel, prompt_ids: Sequence[int], criteria: StopCriteria) -> None:

@@ -87,24 +87,24 @@ class SglangDialect(Dialect):
 
     def generate(self, call: GenerateCall) -> Rpc:
         s = call.sampling
-        params = pb.SamplingParams(
-            temperature=s.temperature,
-            top_p=s.top_p,
-            top_k=s.top_k if s.top_k > 0 else -1,
-            min_p=s.min_p,
-            frequency_penalty=s.frequency_penalty,
-            presence_penalty=s.presence_penalty,
-            repetition_penalty=s.repetition_penalty,
-            max_new_tokens=s.max_tokens,
-            stop_token_ids=s.stop_token_ids,
-            min_new_tokens=s.min_tokens,
-            ignore_eos=s.ignore_eos,
-            skip_special_tokens=True,
-        )
+        # Sub-messages as dicts: protobuf builds them in place instead of copying.
         request = pb.GenerateRequest(
             request_id=call.request_id,
-            tokenized=pb.TokenizedInput(original_text=call.original_text, input_ids=call.input_ids),
-            sampling_params=params,
+            tokenized={"original_text": call.original_text, "input_ids": call.input_ids},
+            sampling_params={
+                "temperature": s.temperature,
+                "top_p": s.top_p,
+                "top_k": s.top_k if s.top_k > 0 else -1,
+                "min_p": s.min_p,
+                "frequency_penalty": s.frequency_penalty,
+                "presence_penalty": s.presence_penalty,
+                "repetition_penalty": s.repetition_penalty,
+                "max_new_tokens": s.max_tokens,
+                "stop_token_ids": s.stop_token_ids,
+                "min_new_tokens": s.min_tokens,
+                "ignore_eos": s.ignore_eos,
+                "skip_special_tokens": True,
+            },
             stream=call.stream,
         )
         return Rpc(f"{SERVICE}/Generate", request, pb.GenerateResponse)

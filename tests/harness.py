@@ -1,0 +1,170 @@
+"""Run the real daemon in-process (its own thread and Trio loop) for end-to-end tests.
+
+Tests talk to it over real loopback sockets (HTTP and gRPC); the thread only
+lets them look inside (engine states, the simulators' counters).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import textwrap
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import trio
+
+import trio_asyncio  # noqa: F401,I001  (before grpclib)
+
+from direct_frontend.daemon import serve_fleet
+from direct_frontend.fleet.load import load_fleet
+from direct_frontend.http.app import App
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
+    """Poll until ``predicate`` holds; fail with ``what`` after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+def fleet_text(
+    model_dir: Path,
+    engines: list[dict[str, Any]],
+    *,
+    frontend_extra: str = "",
+    probe: str = "interval_s = 0.2\ntimeout_s = 1.0",
+) -> str:
+    """A fleet file listening on a free port, with the given [[engine]] tables."""
+    parts = [
+        textwrap.dedent(f"""\
+        [frontend]
+        listen = "127.0.0.1:0"
+        served_model_name = "demo"
+        tokenizer = "{model_dir}"
+        {frontend_extra}
+
+        [frontend.probe]
+        {probe}
+        """)
+    ]
+    for engine in engines:
+        simulator = engine.pop("simulator", None)
+        lines = ["[[engine]]"]
+        for key, value in engine.items():
+            lines.append(f"{key} = {_toml(value)}")
+        if simulator:
+            lines.append("[engine.simulator]")
+            lines.extend(f"{k} = {_toml(v)}" for k, v in simulator.items())
+        parts.append("\n".join(lines))
+    return "\n\n".join(parts) + "\n"
+
+
+def _toml(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return f'"{value}"'
+    return str(value)
+
+
+def sim_engine(name: str, kind: str = "sglang", **simulator: Any) -> dict[str, Any]:
+    """An [[engine]] table for a simulated engine on a free port."""
+    table: dict[str, Any] = {
+        "name": name,
+        "url": f"grpc://127.0.0.1:{free_port()}",
+        "kind": kind,
+        "simulate": True,
+    }
+    if simulator:
+        table["simulator"] = simulator
+    return table
+
+
+class Daemon:
+    """The daemon on a background thread; ``url`` is its HTTP base URL."""
+
+    def __init__(self, fleet_path: Path) -> None:
+        self.fleet = load_fleet(fleet_path)
+        self.app: App | None = None
+        self.token: trio.lowlevel.TrioToken | None = None
+        self.shutdown: trio.Event | None = None
+        self.error: BaseException | None = None
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._main, name="daemon", daemon=True)
+
+    def _main(self) -> None:
+        async def main() -> None:
+            self.token = trio.lowlevel.current_trio_token()
+            self.shutdown = trio.Event()
+            async with trio.open_nursery() as nursery:
+                self.app = await nursery.start(
+                    lambda task_status: serve_fleet(
+                        self.fleet, shutdown=self.shutdown, handle_signals=False,
+                        task_status=task_status,
+                    )
+                )
+                self._ready.set()
+
+        try:
+            trio.run(main)
+        except BaseException as exc:  # reported to the test by stop()
+            self.error = exc
+        finally:
+            self._ready.set()
+
+    def start(self) -> Daemon:
+        self._thread.start()
+        self._ready.wait(30)
+        if self.error is not None:
+            raise self.error
+        return self
+
+    @property
+    def url(self) -> str:
+        assert self.app is not None
+        return self.app.bound_urls[0]
+
+    @property
+    def supervisor(self) -> Any:
+        assert self.app is not None
+        return self.app.supervisor
+
+    def run_sync(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Call ``fn`` on the daemon's Trio thread."""
+        return trio.from_thread.run_sync(fn, *args, trio_token=self.token)
+
+    def wait_serving(self, count: int, timeout: float = 10.0) -> None:
+        wait_for(lambda: self.supervisor.serving_count == count, timeout,
+                 f"{count} serving engines")
+
+    def stop(self) -> None:
+        if self.token is not None and self.shutdown is not None and self._thread.is_alive():
+            with contextlib.suppress(trio.RunFinishedError):
+                self.run_sync(self.shutdown.set)
+        self._thread.join(30)
+        assert not self._thread.is_alive(), "daemon did not stop"
+        if self.error is not None:
+            raise self.error
+
+
+@contextlib.contextmanager
+def running_daemon(tmp_path: Path, text: str) -> Iterator[Daemon]:
+    path = tmp_path / "fleet.toml"
+    path.write_text(text)
+    daemon = Daemon(path).start()
+    try:
+        yield daemon
+    finally:
+        daemon.stop()
