@@ -9,6 +9,7 @@ gone client silently, so without it the engine would keep generating.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
@@ -17,7 +18,7 @@ from typing import Any
 import trio
 
 from direct_frontend.engines.neutral import Finished, GenerateCall, TokenDelta
-from direct_frontend.errors import EngineError, NoEngineAvailable
+from direct_frontend.errors import EngineError, ErrorKind, NoEngineAvailable
 from direct_frontend.fleet.schema import FrontendConfig
 from direct_frontend.http.openai_schema import (
     ChatRequest,
@@ -31,13 +32,21 @@ from direct_frontend.http.openai_schema import (
     no_engine_available,
     parse_chat_request,
     parse_completion_request,
+    rate_limited,
     request_too_large,
     unknown_route,
 )
 from direct_frontend.http.render import ChunkRenderer, Usage, render_full, render_models
 from direct_frontend.observability.logging import current_request_id, new_request_id
 from direct_frontend.observability.metrics import Metrics
+from direct_frontend.pipeline.admission import Admission, AdmissionConfig, Rejected
 from direct_frontend.pipeline.dispatch import Dispatcher, Generation
+from direct_frontend.pipeline.failover import (
+    Decision,
+    FailoverConfig,
+    FailoverState,
+    continuation,
+)
 from direct_frontend.pipeline.postprocess import OutputProcessor, OutputStep
 from direct_frontend.pipeline.preprocess import (
     Kind,
@@ -85,6 +94,8 @@ class App:
         self.supervisor = supervisor
         self.dispatcher = dispatcher
         self.metrics = metrics
+        self.failover = FailoverConfig()
+        self.admission = Admission(AdmissionConfig())
         self.bound_urls: list[str] = []
         self.http_stopped = trio.Event()
         self.started_at = int(time.time())
@@ -192,13 +203,29 @@ class App:
             engine_streams = request.stream or bool(request.stop)
             call = build_call(prepared, max_tokens, stream=engine_streams)
             relay = Relay(self, prepared, engine, call, headers, max_tokens)
-            return await relay.run(receive, send)
+            try:
+                async with self.admission.slot():
+                    return await relay.run(receive, send)
+            except Rejected as rejected:
+                refusal = rate_limited(
+                    f"The frontend is saturated: {rejected.reason}.", retry_after=1
+                )
+                await send_error(send, refusal, headers)
+                return refusal.status
         finally:
             current_request_id.reset(token)
 
 
 class Relay:
-    """One generation from engine events to the client, streaming or not."""
+    """One generation from engine events to the client, streaming or not.
+
+    The relay owns the request's output state (detokenizer, stop strings,
+    tokens produced), so when an engine fails it can retry the request on
+    another engine before the first token, or migrate it after: continue on
+    another engine from the tokens already produced. The client sees one
+    unbroken stream. Streaming headers are sent with the first output, so a
+    request that fails before producing anything still gets a proper HTTP error.
+    """
 
     def __init__(
         self,
@@ -222,11 +249,13 @@ class Relay:
             max_tokens,
             stop_token_ids=(*eos, *self.request.stop_token_ids),
         )
-        self.cached_tokens = 0
+        self.failover = FailoverState(app.failover)
+        self.cached_tokens: int | None = None
         self.final: OutputStep | None = None
         self.started = time.perf_counter()
         self.last_emit = 0.0
         self.disconnected = False
+        self.response_started = False
 
     async def run(self, receive: Receive, send: Send) -> int:
         status = 200
@@ -240,8 +269,7 @@ class Relay:
         if self.disconnected:
             self.app.metrics.request_cancelled()
             return 499
-        usage_completion = self.processor.completion_tokens
-        self.app.metrics.add_tokens(len(self.call.input_ids), usage_completion)
+        self.app.metrics.add_tokens(len(self.call.input_ids), self.processor.completion_tokens)
         return status
 
     async def _watch_disconnect(self, receive: Receive, scope: trio.CancelScope) -> None:
@@ -250,8 +278,12 @@ class Relay:
         self.disconnected = True
         scope.cancel()
 
+    # -- engine side ------------------------------------------------------------------
+
     def _apply(self, event: TokenDelta | Finished) -> OutputStep:
-        self.cached_tokens = event.cached_tokens or self.cached_tokens
+        if self.cached_tokens is None or not self.failover.migrations:
+            # The original prompt's cache hits; a continuation's prompt is not the client's.
+            self.cached_tokens = event.cached_tokens
         if isinstance(event, TokenDelta):
             return self.processor.on_tokens(event.token_ids)
         text = ""
@@ -264,31 +296,80 @@ class Relay:
             event.reason, event.matched_token_id, event.matched_stop_str
         )
         if text:
-            return OutputStep(
-                text + step.text, step.finished, step.completion_tokens, step.matched_stop,
-                step.finish_reason, step.stop_reason,
-            )
+            return dataclasses.replace(step, text=text + step.text)
         return step
 
-    async def _events(self, generation: Generation) -> tuple[str, int, bool]:
+    async def _next_batch(self, generation: Generation) -> tuple[str, int, bool]:
         """Wait for the next event, then take every event already queued.
 
         Returns the new text, how many tokens it covers, and whether the
-        output is finished.
+        output is finished. An engine silent for longer than the stall
+        timeout has failed.
         """
         receiver = generation.events
-        event = await receiver.receive()
-        pieces: list[str] = []
-        before = self.processor.completion_tokens
-        while event is not None:
-            step = self._apply(event)
-            if step.text:
-                pieces.append(step.text)
-            if step.finished:
-                self.final = step
-                break
-            event = receiver.receive_nowait()
-        return "".join(pieces), self.processor.completion_tokens - before, self.final is not None
+        with trio.move_on_after(self.app.failover.stall_timeout_s):
+            event = await receiver.receive()
+            pieces: list[str] = []
+            before = self.processor.completion_tokens
+            while event is not None:
+                step = self._apply(event)
+                if step.text:
+                    pieces.append(step.text)
+                if step.finished:
+                    self.final = step
+                    break
+                event = receiver.receive_nowait()
+            tokens = self.processor.completion_tokens - before
+            return "".join(pieces), tokens, self.final is not None
+        raise EngineError(ErrorKind.TIMEOUT, "the stream stalled", engine=generation.engine.name)
+
+    async def _generate(self, emit: Callable[[str, int, bool], Awaitable[None]]) -> None:
+        """Drive the request to its end across engines; ``emit`` gets each batch of output."""
+        dispatcher = self.app.dispatcher
+        while True:
+            try:
+                async with dispatcher.run(self.engine, self.call) as generation:
+                    while True:
+                        text, tokens, finished = await self._next_batch(generation)
+                        self._observe(tokens)
+                        await emit(text, tokens, finished)
+                        if finished:
+                            self.app.metrics.engine_request(self.engine.name, "ok")
+                            return
+            except EngineError as error:
+                self.app.metrics.engine_error(self.engine.name, error.kind)
+                self._next_attempt(error)
+                await trio.sleep(self.failover.backoff())
+
+    def _next_attempt(self, error: EngineError) -> None:
+        """Pick the engine and call for the next attempt, or re-raise ``error``."""
+        error.engine = error.engine or self.engine.name
+        produced = self.processor.generated_ids
+        decision = self.failover.decide(error, len(produced))
+        if decision is Decision.GIVE_UP:
+            raise error
+        try:
+            engine = self.app.dispatcher.choose(
+                self.prepared.input_ids, self.processor.remaining_tokens, self.failover.tried
+            )
+        except NoEngineAvailable:
+            raise error from None
+        call = continuation(self.call, produced, self.failover.retries + self.failover.migrations)
+        limit = engine.context_length
+        if limit is not None and len(call.input_ids) + call.sampling.max_tokens > limit:
+            raise EngineError(
+                error.kind, f"{error.message}; cannot resume on {engine.name}: context too short",
+                engine=error.engine,
+            ) from None
+        outcome = "retried" if decision is Decision.RETRY else "migrated"
+        self.app.metrics.engine_request(self.engine.name, outcome)
+        log.warning(
+            "engine %s failed (%s); %s on %s after %d tokens",
+            error.engine, error, outcome, engine.name, len(produced),
+            extra={"engine": error.engine, "to_engine": engine.name},
+        )
+        self.engine = engine
+        self.call = call
 
     def _observe(self, tokens: int) -> None:
         now = time.perf_counter()
@@ -299,41 +380,57 @@ class Relay:
             metrics.observe_inter_token(now - self.last_emit, tokens)
         self.last_emit = now
 
+    def _error_for(self, error: EngineError) -> OpenAIHTTPError:
+        if self.failover.all_overloaded:
+            return rate_limited("Every engine is saturated; retry later.", retry_after=1)
+        return from_engine_error(error)
+
+    # -- client side ------------------------------------------------------------------
+
     async def _stream(self, send: Send) -> int:
         renderer = ChunkRenderer(
             self.prepared.kind, self.prepared.request_id, self.request.model,
             int(time.time()), self.request.include_usage,
         )
-        await send({
-            "type": "http.response.start", "status": 200,
-            "headers": [*SSE_HEADERS, *self.headers],
-        })
-        out = bytearray(renderer.role_chunk())
+        out = bytearray()
+
+        async def start() -> None:
+            await send({
+                "type": "http.response.start", "status": 200,
+                "headers": [*SSE_HEADERS, *self.headers],
+            })
+            self.response_started = True
+            out.extend(renderer.role_chunk())
+
+        async def emit(text: str, tokens: int, finished: bool) -> None:
+            if not self.response_started:
+                await start()
+            if text:
+                out.extend(renderer.text(text))
+            if out and not finished:  # the last batch goes out with the finish chunk
+                await send({"type": "http.response.body", "body": bytes(out), "more_body": True})
+                out.clear()
+
         try:
-            async with self.app.dispatcher.run(self.engine, self.call) as generation:
-                while True:
-                    text, tokens, finished = await self._events(generation)
-                    if text:
-                        out += renderer.text(text)
-                    self._observe(tokens)
-                    if finished:
-                        break
-                    if out:
-                        await send({"type": "http.response.body", "body": bytes(out),
-                                    "more_body": True})
-                        out.clear()
+            await self._generate(emit)
         except EngineError as exc:
-            log.warning("engine %s failed mid-stream: %s", self.engine.name, exc)
-            self.app.metrics.engine_error(self.engine.name, exc.kind)
-            out += renderer.error(from_engine_error(exc))
+            log.warning("request failed on engine %s: %s", exc.engine, exc)
+            if not self.response_started:
+                err = self._error_for(exc)
+                await send_error(send, err, self.headers)
+                return err.status
+            out += renderer.error(self._error_for(exc))
             out += renderer.done()
             await send({"type": "http.response.body", "body": bytes(out), "more_body": False})
             return 200
         final = self.final
         assert final is not None
+        if not self.response_started:
+            await start()
         out += renderer.finish(final.finish_reason or "stop", final.stop_reason)
         out += renderer.usage(
-            len(self.call.input_ids), self.processor.completion_tokens, self.cached_tokens
+            len(self.prepared.input_ids), self.processor.completion_tokens,
+            self.cached_tokens or 0,
         )
         out += renderer.done()
         await send({"type": "http.response.body", "body": bytes(out), "more_body": False})
@@ -341,23 +438,23 @@ class Relay:
 
     async def _complete(self, send: Send) -> int:
         pieces: list[str] = []
+
+        async def emit(text: str, tokens: int, finished: bool) -> None:
+            pieces.append(text)
+
         try:
-            async with self.app.dispatcher.run(self.engine, self.call) as generation:
-                while True:
-                    text, tokens, finished = await self._events(generation)
-                    pieces.append(text)
-                    self._observe(tokens)
-                    if finished:
-                        break
+            await self._generate(emit)
         except EngineError as exc:
-            log.warning("engine %s failed: %s", self.engine.name, exc)
-            self.app.metrics.engine_error(self.engine.name, exc.kind)
-            err = from_engine_error(exc)
+            log.warning("request failed on engine %s: %s", exc.engine, exc)
+            err = self._error_for(exc)
             await send_error(send, err, self.headers)
             return err.status
         final = self.final
         assert final is not None
-        usage = Usage(len(self.call.input_ids), self.processor.completion_tokens, self.cached_tokens)
+        usage = Usage(
+            len(self.prepared.input_ids), self.processor.completion_tokens,
+            self.cached_tokens or 0,
+        )
         body = render_full(
             self.prepared.kind, self.prepared.request_id, self.request.model, int(time.time()),
             "".join(pieces), final.finish_reason or "stop", final.stop_reason, usage,

@@ -20,13 +20,14 @@ import trio
 from direct_frontend.engines.dialects.base import Dialect
 from direct_frontend.engines.neutral import GenerateCall
 from direct_frontend.engines.transport import EngineChannel, EventReceiver
-from direct_frontend.errors import EngineError, NoEngineAvailable
+from direct_frontend.errors import EngineError, ErrorKind, NoEngineAvailable
 from direct_frontend.routing.catalog import Catalog, EngineHandle
 from direct_frontend.routing.policies import Policy, RequestView
 
 log = logging.getLogger("direct_frontend.dispatch")
 
 ABORT_TIMEOUT_S = 1.0
+UNREACHABLE = frozenset({ErrorKind.UNAVAILABLE, ErrorKind.PROTOCOL})
 
 
 class FleetView(Protocol):
@@ -68,25 +69,20 @@ class Dispatcher:
         decoder = dialect.stream_decoder(call)
         prompt = len(call.input_ids)
         engine.load.begin(prompt)
-        receiver: EventReceiver | None = None
+        failure: EngineError | None = None
         try:
             async with channel.stream(dialect.generate(call), decoder) as receiver:
                 yield Generation(engine, call, receiver)
         except EngineError as error:
-            error.engine = engine.name
+            failure = error
+            error.engine = error.engine or engine.name
             if error.kind.engine_is_down:
                 self.fleet.report_fault(engine, error)
             raise
         finally:
             engine.load.end(prompt)
-            failed = receiver is not None and receiver.error is not None
-            down = (
-                failed
-                and receiver is not None
-                and receiver.error is not None
-                and (receiver.error.kind.engine_is_down)
-            )
-            if not decoder.finished and not down:
+            # A dead connection cannot take an Abort; a hung or live engine must get one.
+            if not decoder.finished and (failure is None or failure.kind not in UNREACHABLE):
                 await _abort(channel, dialect, call.request_id)
 
 

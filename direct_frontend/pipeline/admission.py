@@ -1,0 +1,65 @@
+"""Admission control: a cap on requests in flight and a bounded, timed queue in front of it.
+
+The daemon must never melt down under a burst: past ``max_in_flight`` a
+request waits in a FIFO queue of at most ``max_queue`` places for at most
+``queue_timeout_s``; beyond that it is refused at once with a 429, which
+costs almost nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import AsyncIterator
+
+import trio
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class AdmissionConfig:
+    max_in_flight: int = 1024
+    max_queue: int = 1024
+    queue_timeout_s: float = 10.0
+
+
+class Rejected(Exception):
+    """Not admitted: the queue is full or the wait timed out."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class Admission:
+    def __init__(self, config: AdmissionConfig) -> None:
+        self.config = config
+        self._slots = trio.Semaphore(config.max_in_flight)
+        self.waiting = 0
+        self.rejected = 0
+
+    @property
+    def in_flight(self) -> int:
+        return self.config.max_in_flight - self._slots.value
+
+    @contextlib.asynccontextmanager
+    async def slot(self) -> AsyncIterator[None]:
+        """Hold one in-flight slot for the duration of the block."""
+        try:
+            self._slots.acquire_nowait()
+        except trio.WouldBlock:
+            if self.waiting >= self.config.max_queue:
+                self.rejected += 1
+                raise Rejected("the request queue is full") from None
+            self.waiting += 1
+            try:
+                with trio.move_on_after(self.config.queue_timeout_s) as wait:
+                    await self._slots.acquire()
+            finally:
+                self.waiting -= 1
+            if wait.cancelled_caught:
+                self.rejected += 1
+                raise Rejected("timed out waiting for a free slot")
+        try:
+            yield
+        finally:
+            self._slots.release()

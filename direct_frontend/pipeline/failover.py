@@ -1,0 +1,100 @@
+"""When an engine call fails, what happens next: retry, migrate, or give up (sans-IO).
+
+Before the first output token a failed request is simply retried on another
+engine. After it, the request *migrates*: it continues on another engine
+with the original prompt plus every token already generated, and a budget
+reduced by what was produced, so the client's stream goes on unbroken (the
+detokenizer and stop-string state live in the frontend and carry across).
+Both are bounded. An overloaded engine is never marked down, only skipped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import random
+
+from direct_frontend.engines.neutral import GenerateCall
+from direct_frontend.errors import EngineError, ErrorKind
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class FailoverConfig:
+    """Bounds on retries and migrations (``[frontend.faults]``)."""
+
+    max_retries: int = 2  # extra attempts before the first token
+    max_migrations: int = 3  # continuations after tokens were streamed
+    stall_timeout_s: float = 30.0  # no event for this long counts as an engine fault
+    backoff_base_s: float = 0.02
+    backoff_max_s: float = 0.5
+
+
+class Decision(enum.Enum):
+    RETRY = "retry"  # nothing was produced: same request on another engine
+    MIGRATE = "migrate"  # continue on another engine from the tokens produced so far
+    GIVE_UP = "give_up"
+
+
+RETRYABLE = frozenset(
+    {ErrorKind.UNAVAILABLE, ErrorKind.TIMEOUT, ErrorKind.PROTOCOL, ErrorKind.OVERLOADED}
+)
+
+
+class FailoverState:
+    """The failure history of one request."""
+
+    def __init__(self, config: FailoverConfig, rng: random.Random | None = None) -> None:
+        self.config = config
+        self.retries = 0
+        self.migrations = 0
+        self.tried: set[str] = set()
+        self.overloaded: set[str] = set()
+        self._rng = rng or random.Random()
+
+    def decide(self, error: EngineError, produced_tokens: int) -> Decision:
+        """Record ``error`` from engine ``error.engine`` and decide what to do."""
+        if error.engine:
+            self.tried.add(error.engine)
+            if error.kind is ErrorKind.OVERLOADED:
+                self.overloaded.add(error.engine)
+        if error.kind not in RETRYABLE:
+            return Decision.GIVE_UP
+        if produced_tokens == 0:
+            if self.retries >= self.config.max_retries:
+                return Decision.GIVE_UP
+            self.retries += 1
+            return Decision.RETRY
+        if self.migrations >= self.config.max_migrations:
+            return Decision.GIVE_UP
+        self.migrations += 1
+        return Decision.MIGRATE
+
+    def backoff(self) -> float:
+        """Seconds to wait before the next attempt: exponential, with full jitter."""
+        attempt = self.retries + self.migrations
+        cap = min(self.config.backoff_max_s, self.config.backoff_base_s * (2 ** (attempt - 1)))
+        return self._rng.uniform(0, cap)
+
+    @property
+    def all_overloaded(self) -> bool:
+        return bool(self.overloaded) and self.overloaded == self.tried
+
+
+def continuation(call: GenerateCall, generated: tuple[int, ...], attempt: int) -> GenerateCall:
+    """The call that resumes ``call`` after ``generated`` tokens, token-exactly.
+
+    The engine sees the original prompt followed by the generated tokens as
+    its prompt, and only the remaining budget. A fresh request id keeps it
+    distinct from the failed attempt, which may still linger on its engine.
+    """
+    sampling = dataclasses.replace(
+        call.sampling,
+        max_tokens=call.sampling.max_tokens - len(generated),
+        min_tokens=max(0, call.sampling.min_tokens - len(generated)),
+    )
+    return dataclasses.replace(
+        call,
+        request_id=f"{call.request_id.split('~')[0]}~{attempt}",
+        input_ids=call.input_ids + generated,
+        sampling=sampling,
+    )

@@ -1,0 +1,65 @@
+"""Retry/migrate decisions and token-exact continuations (sans-IO)."""
+
+from __future__ import annotations
+
+import random
+
+from direct_frontend.engines.neutral import GenerateCall, SamplingOptions
+from direct_frontend.errors import EngineError, ErrorKind
+from direct_frontend.pipeline.failover import (
+    Decision,
+    FailoverConfig,
+    FailoverState,
+    continuation,
+)
+
+
+def err(kind: ErrorKind, engine: str = "a") -> EngineError:
+    return EngineError(kind, "boom", engine=engine)
+
+
+def test_failure_before_the_first_token_is_retried_a_bounded_number_of_times() -> None:
+    state = FailoverState(FailoverConfig(max_retries=2))
+    assert state.decide(err(ErrorKind.UNAVAILABLE, "a"), 0) is Decision.RETRY
+    assert state.decide(err(ErrorKind.TIMEOUT, "b"), 0) is Decision.RETRY
+    assert state.decide(err(ErrorKind.UNAVAILABLE, "c"), 0) is Decision.GIVE_UP
+    assert state.tried == {"a", "b", "c"}
+
+
+def test_failure_after_tokens_migrates_up_to_the_limit() -> None:
+    state = FailoverState(FailoverConfig(max_migrations=1))
+    assert state.decide(err(ErrorKind.PROTOCOL), 5) is Decision.MIGRATE
+    assert state.decide(err(ErrorKind.PROTOCOL, "b"), 9) is Decision.GIVE_UP
+
+
+def test_client_errors_and_cancellation_are_never_retried() -> None:
+    for kind in (ErrorKind.BAD_REQUEST, ErrorKind.CANCELLED, ErrorKind.INTERNAL):
+        assert FailoverState(FailoverConfig()).decide(err(kind), 0) is Decision.GIVE_UP
+
+
+def test_overload_is_tracked_so_the_client_can_get_a_429() -> None:
+    state = FailoverState(FailoverConfig(max_retries=5))
+    state.decide(err(ErrorKind.OVERLOADED, "a"), 0)
+    assert state.all_overloaded
+    state.decide(err(ErrorKind.UNAVAILABLE, "b"), 0)
+    assert not state.all_overloaded
+
+
+def test_backoff_is_jittered_and_capped() -> None:
+    config = FailoverConfig(backoff_base_s=0.1, backoff_max_s=0.3)
+    state = FailoverState(config, random.Random(7))
+    for _ in range(6):
+        state.decide(err(ErrorKind.UNAVAILABLE), 0)
+        assert 0 <= state.backoff() <= 0.3
+
+
+def test_continuation_resumes_from_the_generated_tokens() -> None:
+    call = GenerateCall("req", (1, 2, 3), SamplingOptions(max_tokens=10, min_tokens=4))
+    first = continuation(call, (7, 8, 9), 1)
+    assert first.input_ids == (1, 2, 3, 7, 8, 9)
+    assert first.sampling.max_tokens == 7 and first.sampling.min_tokens == 1
+    assert first.request_id == "req~1"
+    second = continuation(call, (7, 8, 9, 10, 11), 2)  # always from the original call
+    assert second.input_ids == (1, 2, 3, 7, 8, 9, 10, 11)
+    assert second.sampling.max_tokens == 5 and second.sampling.min_tokens == 0
+    assert second.request_id == "req~2"

@@ -1,0 +1,48 @@
+"""Routing policies over catalog snapshots (sans-IO)."""
+
+from __future__ import annotations
+
+from direct_frontend.engines.neutral import EngineInfo, EngineRole
+from direct_frontend.routing.catalog import Catalog, EngineHandle
+from direct_frontend.routing.policies import LeastLoaded, RequestView, RoundRobin, make_policy
+
+VIEW = RequestView((1, 2, 3), 16)
+
+
+def handle(name: str, in_flight: int = 0) -> EngineHandle:
+    h = EngineHandle(name, "sglang", f"grpc://{name}:1", 1, EngineRole.BOTH,
+                     EngineInfo("demo"), 4096, None)
+    h.load.in_flight = in_flight
+    return h
+
+
+def test_round_robin_cycles_and_skips_excluded() -> None:
+    catalog = Catalog(1, (handle("a"), handle("b"), handle("c")))
+    policy = RoundRobin()
+    picks = [policy.choose(catalog, VIEW) for _ in range(6)]
+    assert [p.name for p in picks if p] == ["a", "b", "c", "a", "b", "c"]
+    assert (chosen := policy.choose(catalog, VIEW, {"a"})) is not None and chosen.name == "b"
+    assert policy.choose(catalog, VIEW, {"a", "b", "c"}) is None
+    assert policy.choose(Catalog(), VIEW) is None
+
+
+def test_least_loaded_prefers_idle_engines_and_spreads_ties() -> None:
+    catalog = Catalog(1, (handle("a", 3), handle("b", 1), handle("c", 1)))
+    policy = LeastLoaded()
+    names = {p.name for p in (policy.choose(catalog, VIEW) for _ in range(4)) if p}
+    assert names == {"b", "c"}
+    only = policy.choose(catalog, VIEW, {"b", "c"})
+    assert only is not None and only.name == "a"
+
+
+def test_load_accounting_is_symmetric() -> None:
+    h = handle("a")
+    h.load.begin(100)
+    h.load.begin(50)
+    h.load.end(100)
+    assert (h.load.in_flight, h.load.prompt_tokens_in_flight, h.load.requests_total) == (1, 50, 2)
+
+
+def test_make_policy_names() -> None:
+    assert make_policy("round_robin").name == "round_robin"
+    assert make_policy("least_loaded").name == "least_loaded"
