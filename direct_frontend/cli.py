@@ -1,4 +1,4 @@
-"""Command line: ``run``, ``check``, ``simulate-engine``.
+"""Command line: ``run``, ``check``, ``top``, ``simulate-engine``.
 
 ``trio_asyncio`` is imported first on purpose: grpclib captures asyncio
 internals at import time, so on Python >= 3.12 it must see the patched ones.
@@ -6,9 +6,12 @@ internals at import time, so on Python >= 3.12 it must see the patched ones.
 
 from __future__ import annotations
 
-import trio_asyncio  # noqa: F401,I001  (must precede every grpclib import)
+# isort: split
+import trio_asyncio  # noqa: F401  (must precede every grpclib import)
 
+# isort: split
 import json
+import os
 import pathlib
 import sys
 from typing import Annotated, Literal, Optional, cast
@@ -45,30 +48,104 @@ def run(
         typer.Option("--log-json/--log-text", help="One JSON object per log line."),
     ] = None,
     log_level: Annotated[str, typer.Option(help="DEBUG, INFO, WARNING or ERROR.")] = "INFO",
+    watch: Annotated[
+        bool, typer.Option("--watch/--no-watch", help="Reload FLEET when the file changes.")
+    ] = True,
 ) -> None:
-    """Serve the OpenAI API for the fleet described in FLEET."""
+    """Serve the OpenAI API for the fleet described in FLEET.
+
+    SIGHUP (systemctl reload) reloads FLEET; so does saving it, unless --no-watch.
+    """
     from direct_frontend.daemon import run_daemon
     from direct_frontend.observability.logging import configure_logging
 
     config = _load_or_exit(fleet)
     configure_logging(json=config.frontend.log_json if log_json is None else log_json,
                       level=log_level.upper())
-    sys.exit(run_daemon(config))
+    sys.exit(run_daemon(config, watch=watch))
+
+
+AdminToken = Annotated[
+    Optional[str],  # noqa: UP045
+    typer.Option("--admin-token", envvar="DIRECT_FRONTEND_ADMIN_TOKEN", show_envvar=True,
+                 help="The daemon's [frontend.admin] token (prefer the environment variable)."),
+]
 
 
 @app.command()
 def check(
     fleet: FleetPath,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the resolved fleet as JSON.")] = False,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print the resolved fleet (or the diff) as JSON.")
+    ] = False,
+    against: Annotated[
+        Optional[str],  # noqa: UP045
+        typer.Option(help="A running daemon's URL: print what reloading FLEET there would "
+                          "change (a dry run; nothing is applied)."),
+    ] = None,
+    admin_token: AdminToken = None,
 ) -> None:
-    """Validate FLEET and print the resolved fleet (exit 2 on errors)."""
+    """Validate FLEET and print the resolved fleet (exit 2 on errors).
+
+    With --against URL, print what a reload would change instead (exit 1 if
+    the daemon cannot be asked). Secrets are compared by presence only.
+    """
     from direct_frontend.fleet.describe import describe_fleet, to_jsonable
 
     config = _load_or_exit(fleet)
+    if against is not None:
+        _check_against(config, against, admin_token, as_json)
+        return
     if as_json:
         typer.echo(json.dumps(to_jsonable(config), indent=2))
     else:
         typer.echo(describe_fleet(config))
+
+
+def _check_against(config: object, url: str, token: str | None, as_json: bool) -> None:
+    import urllib.error
+    import urllib.request
+
+    from direct_frontend.fleet.describe import to_jsonable
+    from direct_frontend.fleet.diff import diff_fleet_data
+    from direct_frontend.fleet.schema import FleetConfig
+
+    assert isinstance(config, FleetConfig)
+    base = url if "://" in url else f"http://{url}"
+    request = urllib.request.Request(base.rstrip("/") + "/fleet")
+    if token:
+        request.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            running = json.load(response)
+    except urllib.error.HTTPError as exc:
+        hint = {401: " (give --admin-token)", 404: " (is [frontend.admin] enabled?)"}
+        typer.echo(f"{base}: HTTP {exc.code}{hint.get(exc.code, '')}", err=True)
+        raise typer.Exit(1) from None
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        typer.echo(f"{base}: cannot fetch /fleet: {exc}", err=True)
+        raise typer.Exit(1) from None
+    diff = diff_fleet_data(running["fleet"], to_jsonable(config))
+    if as_json:
+        typer.echo(json.dumps(diff.to_json(), indent=2))
+        return
+    version = running.get("config", {}).get("version", "?")
+    typer.echo(f"{config.source} against {base} (running config v{version}):")
+    for line in diff.lines():
+        typer.echo(f"  {line}")
+
+
+@app.command()
+def top(
+    url: Annotated[str, typer.Argument(help="The daemon's base URL, e.g. http://127.0.0.1:8000")],
+    admin_token: AdminToken = None,
+    colour: Annotated[bool, typer.Option("--colour/--no-colour")] = True,
+) -> None:
+    """Show the fleet live (engines, states, load, reloads); follows daemon restarts."""
+    from direct_frontend.top import run_top
+
+    sys.exit(run_top(url, admin_token, sys.stdout,
+                     colour=colour and sys.stdout.isatty() and "NO_COLOR" not in os.environ))
 
 
 @app.command("simulate-engine")

@@ -23,7 +23,6 @@ import hashlib
 import importlib.metadata
 import pathlib
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -73,7 +72,7 @@ def generate(out: pathlib.Path, scratch: pathlib.Path) -> None:
         sums.append(f"{hashlib.sha256(data).hexdigest()}  {name}\n")
     (src_out / "SHA256SUMS").write_text("".join(sums))
 
-    import grpc_tools  # noqa: PLC0415  (codegen-only dependency)
+    import grpc_tools
 
     well_known = pathlib.Path(grpc_tools.__file__).parent / "_proto"
     subprocess.run(
@@ -116,7 +115,8 @@ def main() -> int:
         fresh = _generated_files(out)
         if args.check:
             current = _generated_files(PROTOS)
-            stale = sorted(k for k in fresh.keys() | current.keys() if fresh.get(k) != current.get(k))
+            names = fresh.keys() | current.keys()
+            stale = sorted(k for k in names if fresh.get(k) != current.get(k))
             for name in stale:
                 print(f"protos/{name}: differs from a fresh generation", file=sys.stderr)
             return 1 if stale else 0

@@ -16,8 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import trio
-
-import trio_asyncio  # noqa: F401,I001  (before grpclib)
+import trio_asyncio  # noqa: F401  (before grpclib)
 
 from direct_frontend.daemon import serve_fleet
 from direct_frontend.fleet.load import load_fleet
@@ -95,8 +94,9 @@ def sim_engine(name: str, kind: str = "sglang", **simulator: Any) -> dict[str, A
 class Daemon:
     """The daemon on a background thread; ``url`` is its HTTP base URL."""
 
-    def __init__(self, fleet_path: Path) -> None:
+    def __init__(self, fleet_path: Path, **options: Any) -> None:
         self.fleet = load_fleet(fleet_path)
+        self.options = options  # more serve_fleet keyword arguments
         self.app: App | None = None
         self.token: trio.lowlevel.TrioToken | None = None
         self.shutdown: trio.Event | None = None
@@ -112,7 +112,7 @@ class Daemon:
                 self.app = await nursery.start(
                     lambda task_status: serve_fleet(
                         self.fleet, shutdown=self.shutdown, handle_signals=False,
-                        task_status=task_status,
+                        task_status=task_status, **self.options,
                     )
                 )
                 self._ready.set()
@@ -160,10 +160,10 @@ class Daemon:
 
 
 @contextlib.contextmanager
-def running_daemon(tmp_path: Path, text: str) -> Iterator[Daemon]:
+def running_daemon(tmp_path: Path, text: str, **options: Any) -> Iterator[Daemon]:
     path = tmp_path / "fleet.toml"
     path.write_text(text)
-    daemon = Daemon(path).start()
+    daemon = Daemon(path, **options).start()
     try:
         yield daemon
     finally:

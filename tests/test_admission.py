@@ -30,7 +30,8 @@ async def test_cap_queue_and_rejection() -> None:
             async with admission.slot():
                 pass
         release.set()
-    assert sorted(admitted) == [1, 2, 3] and admitted[-1] == 3 and admission.in_flight == 0 and admission.rejected == 1
+    assert sorted(admitted) == [1, 2, 3] and admitted[-1] == 3
+    assert admission.in_flight == 0 and admission.rejected == 1
 
 
 async def test_queue_timeout() -> None:

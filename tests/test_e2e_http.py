@@ -42,7 +42,8 @@ CHAT = [{"role": "user", "content": "Tell me about the sea."}]
 
 
 def stream_chat(client: openai.OpenAI, **kwargs: object) -> tuple[str, list[object]]:
-    chunks = list(client.chat.completions.create(model="demo", messages=CHAT, stream=True, **kwargs))
+    stream = client.chat.completions.create(model="demo", messages=CHAT, stream=True, **kwargs)
+    chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     return text, chunks
 

@@ -302,8 +302,8 @@ def test_unknown_keys_in_every_table() -> None:
     assert found == [
         "fleet.toml:1: engines: unknown key (expected one of: frontend, engine)",
         "fleet.toml:5: frontend.port: unknown key (expected one of: listen, served_model_name, "
-        "tokenizer, max_body_bytes, max_tokens_default, request_timeout_s, log_json, routing, "
-        "probe)",
+        "tokenizer, max_body_bytes, max_tokens_default, request_timeout_s, log_json, "
+        "drain_timeout_s, routing, probe, admin, auth)",
         "fleet.toml:7: frontend.routing.polcy: unknown key (expected one of: policy, knobs)",
         "fleet.toml:9: frontend.probe.interval: unknown key (expected one of: interval_s, "
         "timeout_s, failure_threshold, success_threshold, join_timeout_s)",
@@ -862,17 +862,25 @@ def test_describe_shows_resolved_settings_and_facts() -> None:
     assert "  max_body_bytes           16777216 (16 MiB)\n" in text
     assert "  probe.failure_threshold  3\n" in text
     assert (
-        "    context_length  sglang: reported value is the KV pool size, not trusted; "
-        "override: 131072\n" in text
+        "    context_length  sglang: server_args.context_length, if set "
+        "(max_context_length is the KV pool); override: 131072\n" in text
     )
-    assert "    context_length  vllm: reported max_model_len\n" in text
-    assert "    context_length  trtllm: reported value may be a default; override: 131072\n" in text
-    assert "    block_size      vllm: GetServerInfo.block_size\n" in text
-    assert "    block_size      sglang: --page-size, not reported; override: 64\n" in text
+    assert "    context_length  vllm: GetModelInfo.max_context_length = max_model_len\n" in text
+    assert (
+        "    context_length  trtllm: not read (max_seq_len is a flag default); override: 131072\n"
+        in text
+    )
+    assert "    block_size      vllm: GetServerInfo.block_size (0 until resolved)\n" in text
+    assert "    block_size      sglang: server_args.page_size; override: 64\n" in text
+    assert (
+        "    model           trtllm: not reported (GetModelInfo.model_id is the launch path)\n"
+        in text
+    )
     assert (
         "    role            sglang: server_args.disaggregation_mode; override: prefill\n" in text
     )
-    assert "    role            vllm: kv_role\n" in text
+    assert "    role            vllm: GetServerInfo.kv_role\n" in text
+    assert "    restarts        vllm: GetServerInfo.uptime_seconds\n" in text
     assert "    role            trtllm: none (no P/D)" in text
     assert "engine[4] gpu-node-4:50051\n" in text
     assert "  kv_events[rank 1]  tcp://gpu-node-3:5558 (replay tcp://gpu-node-3:5568)\n" in text
@@ -881,10 +889,7 @@ def test_describe_shows_resolved_settings_and_facts() -> None:
 
 def test_describe_simulated_and_empty_fleets() -> None:
     demo = describe_fleet(load_fleet(ROOT / "config" / "fleet.toml"))
-    assert (
-        "    block_size      sglang: --page-size, not reported; set block_size for KV routing\n"
-        in demo
-    )
+    assert "    block_size      sglang: server_args.page_size\n" in demo
     assert "  kind       sglang, simulated\n" in demo
     assert "    max_running           32\n" in demo
     assert "    vocab_size            from the tokenizer\n" in demo

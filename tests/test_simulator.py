@@ -319,7 +319,10 @@ def test_streaming_and_non_streaming_give_the_same_tokens(kind: EngineKind) -> N
             assert whole.complete.finish_reason == "length"
             assert whole.complete.prompt_tokens == len(PROMPT)
             assert whole.complete.completion_tokens == 40
-            assert whole.complete.cached_tokens == 0
+            # the repeat hits the prefix cache where blocks are one token (SGLang's page size 1);
+            # an engine always recomputes at least the last prompt token
+            cached = len(PROMPT) - 1 if kind == "sglang" else 0
+            assert whole.complete.cached_tokens == cached
             expected = Generation(
                 reference_model(), PROMPT, StopCriteria(max_tokens=40, ignore_eos=True)
             ).run()

@@ -1,7 +1,10 @@
-"""One engine's task: owns its channel, joins it (discovery + first probe), probes it.
+"""One engine incarnation's task: owns its channel, joins it (discovery + first probe), probes it.
 
 The child publishes its state through ``on_change``; the supervisor turns
-the serving children into a new catalog. Nothing here decides routing.
+the serving children into a new catalog. Nothing here decides routing. The
+channel outlives :meth:`EngineChild.run` (a crash restart reuses it, a drain
+lets in-flight streams finish on it); the supervisor closes it when the
+incarnation is gone.
 """
 
 from __future__ import annotations
@@ -15,12 +18,17 @@ from urllib.parse import urlsplit
 import trio
 
 from direct_frontend.engines.dialects import dialect_for
-from direct_frontend.engines.lifecycle import EngineState, ProbeTracker
+from direct_frontend.engines.lifecycle import (
+    EngineState,
+    ProbeTracker,
+    check_transition,
+    is_retired,
+)
 from direct_frontend.engines.neutral import EngineInfo, EngineRole
 from direct_frontend.engines.transport import EngineChannel
 from direct_frontend.errors import EngineError
 from direct_frontend.fleet.schema import EngineConfig, FrontendConfig
-from direct_frontend.routing.catalog import EngineHandle
+from direct_frontend.routing.catalog import EngineHandle, EngineLoad
 
 log = logging.getLogger("direct_frontend.engine")
 
@@ -30,6 +38,22 @@ def host_port(url: str) -> tuple[str, int]:
     if parts.hostname is None or parts.port is None:
         raise ValueError(f"engine url {url!r} has no host:port")
     return parts.hostname, parts.port
+
+
+def engine_id(url: str) -> str:
+    """The engine's stable identity: its endpoint, the same whenever the URL is re-added."""
+    host, port = host_port(url)
+    host = host.lower()
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def serves_fleet_model(info: EngineInfo, served_model_name: str) -> bool:
+    """Whether the engine serves the fleet's model.
+
+    TensorRT-LLM reports only the path it was launched with, not a served
+    name, so for it there is nothing to compare.
+    """
+    return not info.served_name_known or info.served_model_name == served_model_name
 
 
 def effective_context_length(cfg: EngineConfig, info: EngineInfo) -> int | None:
@@ -52,12 +76,13 @@ class EngineChild:
         cfg: EngineConfig,
         frontend: FrontendConfig,
         generation: int,
-        on_change: Callable[[EngineChild], None],
+        on_change: Callable[[EngineChild, EngineState], None],
     ) -> None:
         self.cfg = cfg
         self.frontend = frontend
         self.generation = generation
-        self.on_change = on_change
+        self.on_change = on_change  # (child, previous state)
+        self.id = engine_id(cfg.url)
         self.dialect = dialect_for(cfg.kind)
         self.probe = frontend.probe
         self.tracker = ProbeTracker(self.probe.failure_threshold, self.probe.success_threshold)
@@ -69,40 +94,81 @@ class EngineChild:
         self.since = time.time()
         self.restarts = 0
         self.channel: EngineChannel | None = None
+        self.load = EngineLoad()
         self._wake = trio.Event()
 
     @property
     def name(self) -> str:
         return self.cfg.name
 
+    @property
+    def in_flight(self) -> int:
+        """Requests still running on this incarnation (a drain waits for zero)."""
+        return self.load.in_flight
+
     def _set_state(self, state: EngineState, reason: str = "") -> None:
+        if is_retired(self.state) and state is not EngineState.GONE:
+            return  # a late probe result or fault: a retired engine stays out
+        check_transition(self.state, state)
         if state is self.state and not reason:
             return
-        changed = state is not self.state
+        previous = self.state
         self.state = state
-        if changed:
+        if state is not previous:
             self.since = time.time()
             log.info(
                 "engine %s is %s", self.name, state.value,
                 extra={"engine": self.name, "generation": self.generation, "reason": reason},
             )
-        self.on_change(self)
+        self.on_change(self, previous)
 
     def report_fault(self, error: EngineError) -> None:
         """A request saw this engine fail at the transport: take it out now."""
+        if is_retired(self.state):
+            return
         self.last_error = str(error)
         if self.tracker.fault() is not None:
             self._set_state(EngineState.UNHEALTHY, self.last_error)
             self._wake.set()
 
-    async def run(self) -> None:
-        host, port = host_port(self.cfg.url)
-        self.channel = EngineChannel(host, port, self.dialect)
-        try:
-            await self._join()
-            await self._probe_forever()
-        finally:
+    def crashed(self, error: BaseException) -> None:
+        """The task died; it will run again from joining (the channel is kept)."""
+        self.restarts += 1
+        self.last_error = f"crashed: {error!r}"
+        self.handle = None
+        self.tracker.state = EngineState.JOINING
+        self._set_state(EngineState.JOINING, self.last_error)
+
+    def retire(self, reason: str) -> None:
+        """Take no new requests from now on (the supervisor drains, then ends us)."""
+        self._set_state(EngineState.DRAINING, reason)
+
+    def gone(self, reason: str) -> None:
+        self._set_state(EngineState.GONE, reason)
+
+    def retune(self, frontend: FrontendConfig) -> None:
+        """Apply a reloaded ``[frontend]`` (probe settings) without touching the connection."""
+        self.frontend = frontend
+        self.probe = frontend.probe
+        self.tracker.retune(self.probe.failure_threshold, self.probe.success_threshold)
+        self._wake.set()  # the next probe follows the new interval
+
+    def open_channel(self) -> EngineChannel:
+        """The incarnation's channel (call inside the trio-asyncio loop)."""
+        if self.channel is None:
+            host, port = host_port(self.cfg.url)
+            self.channel = EngineChannel(host, port, self.dialect)
+        return self.channel
+
+    def close_channel(self) -> None:
+        if self.channel is not None:
             self.channel.close()
+
+    async def run(self) -> None:
+        """Join, then probe until cancelled (draining or shutdown cancels us)."""
+        self.open_channel()
+        await self._join()
+        await self._probe_forever()
 
     async def _join(self) -> None:
         """Discover the engine until it answers with our model and passes one probe."""
@@ -112,7 +178,7 @@ class EngineChild:
             try:
                 with trio.fail_after(self.probe.join_timeout_s):
                     info = await self._discover()
-                    if info.served_model_name != self.frontend.served_model_name:
+                    if not serves_fleet_model(info, self.frontend.served_model_name):
                         self.last_error = (
                             f"serves model {info.served_model_name!r}, "
                             f"the fleet serves {self.frontend.served_model_name!r}"
@@ -136,8 +202,9 @@ class EngineChild:
         return self.dialect.engine_info(replies)
 
     def _serve(self, info: EngineInfo) -> None:
-        role = self.cfg.role if self.cfg.role is not EngineRole.BOTH else (info.role or self.cfg.role)
-        previous = self.handle
+        role = self.cfg.role
+        if role is EngineRole.BOTH:
+            role = info.role or role
         self.info = info
         self.handle = EngineHandle(
             name=self.name,
@@ -148,9 +215,8 @@ class EngineChild:
             info=info,
             context_length=effective_context_length(self.cfg, info),
             transport=self.channel,
+            load=self.load,  # one per incarnation: a re-join keeps the requests in flight
         )
-        if previous is not None:  # a re-join keeps the load of requests still in flight
-            self.handle.load = previous.load
         self.tracker.joined()
         self.last_error = ""
         self._set_state(EngineState.SERVING)
@@ -171,7 +237,7 @@ class EngineChild:
 
     async def _probe_forever(self) -> None:
         while True:
-            with trio.move_on_after(self.probe.interval_s):
+            with trio.move_on_after(self.tracker.next_delay(self.probe.interval_s)):
                 await self._wake.wait()
             self._wake = trio.Event()
             ok = await self._probe_once()
@@ -190,7 +256,7 @@ class EngineChild:
             self.last_error = str(exc) or "discovery timed out"
             self.tracker.fault()
             return
-        if info.served_model_name != self.frontend.served_model_name:
+        if not serves_fleet_model(info, self.frontend.served_model_name):
             self.last_error = f"now serves model {info.served_model_name!r}"
             self._set_state(EngineState.REFUSED, self.last_error)
             await self._join()

@@ -109,3 +109,5 @@ class EngineInfo:
     data_parallel_size: int = 1
     incarnation: str = ""  # changes when the engine restarts (start time, uptime)
     details: tuple[tuple[str, str], ...] = ()  # extra facts, for `check` and /fleet
+    started_at: float | None = None  # engine start (epoch s) when reported or derivable
+    served_name_known: bool = True  # False: the kind reports no served name (TRT-LLM)

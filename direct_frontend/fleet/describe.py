@@ -14,20 +14,34 @@ from direct_frontend.fleet.schema import EngineConfig, FleetConfig, FrontendConf
 JsonValue = None | bool | int | float | str | list["JsonValue"] | dict[str, "JsonValue"]
 
 # What discovery reads per engine kind: (source, advice when there is no override).
+# Keep in step with each dialect's engine_info (direct_frontend/engines/dialects).
+_MODEL: dict[str, str] = {
+    "sglang": "GetModelInfo.served_model_name",
+    "vllm": "GetModelInfo.served_model_name",
+    "trtllm": "not reported (GetModelInfo.model_id is the launch path)",
+}
 _CONTEXT_LENGTH: dict[str, tuple[str, str]] = {
-    "sglang": ("reported value is the KV pool size, not trusted", "set context_length"),
-    "vllm": ("reported max_model_len", ""),
-    "trtllm": ("reported value may be a default", "set context_length"),
+    "sglang": (
+        "server_args.context_length, if set (max_context_length is the KV pool)",
+        "set context_length",
+    ),
+    "vllm": ("GetModelInfo.max_context_length = max_model_len", ""),
+    "trtllm": ("not read (max_seq_len is a flag default)", "set context_length"),
 }
 _BLOCK_SIZE: dict[str, tuple[str, str]] = {
-    "sglang": ("--page-size, not reported", "set block_size for KV routing"),
-    "vllm": ("GetServerInfo.block_size", ""),
+    "sglang": ("server_args.page_size", ""),
+    "vllm": ("GetServerInfo.block_size (0 until resolved)", ""),
     "trtllm": ("tokens_per_block, not reported", "set block_size for KV routing"),
 }
 _ROLE: dict[str, str] = {
     "sglang": "server_args.disaggregation_mode",
-    "vllm": "kv_role",
+    "vllm": "GetServerInfo.kv_role",
     "trtllm": "none (no P/D)",
+}
+_RESTARTS: dict[str, str] = {
+    "sglang": "GetServerInfo.start_time",
+    "vllm": "GetServerInfo.uptime_seconds",
+    "trtllm": "not reported",
 }
 
 
@@ -51,15 +65,27 @@ def engine_facts(engine: EngineConfig) -> tuple[tuple[str, str], ...]:
     kind = engine.kind
     role_override = None if engine.role is EngineRole.BOTH else engine.role.value
     return (
+        ("model", _fact(kind, _MODEL[kind], "", None)),
         ("context_length", _fact(kind, *_CONTEXT_LENGTH[kind], engine.context_length)),
         ("block_size", _fact(kind, *_BLOCK_SIZE[kind], engine.block_size)),
         ("role", _fact(kind, _ROLE[kind], "", role_override)),
+        ("restarts", _fact(kind, _RESTARTS[kind], "", None)),
     )
 
 
-def to_jsonable(cfg: FleetConfig) -> dict[str, JsonValue]:
-    """The resolved fleet as JSON-ready data, keyed like the fleet file."""
+REDACTED = "<redacted>"
+
+
+def to_jsonable(cfg: FleetConfig, *, redact: bool = True) -> dict[str, JsonValue]:
+    """The resolved fleet as JSON-ready data, keyed like the fleet file.
+
+    Secrets show as ``"<redacted>"`` unless ``redact`` is false (only for
+    in-process comparisons such as a reload's diff; never print that form).
+    """
     frontend = cfg.frontend
+    admin, auth = frontend.admin, frontend.auth
+    token: JsonValue = admin.token if not redact or admin.token is None else REDACTED
+    api_keys: list[JsonValue] = [key if not redact else REDACTED for key in auth.api_keys]
     probe = frontend.probe
     knobs: dict[str, JsonValue] = dict(frontend.routing.knobs)
     engines: list[JsonValue] = [_engine_json(engine) for engine in cfg.engines]
@@ -73,6 +99,7 @@ def to_jsonable(cfg: FleetConfig) -> dict[str, JsonValue]:
             "max_tokens_default": frontend.max_tokens_default,
             "request_timeout_s": frontend.request_timeout_s,
             "log_json": frontend.log_json,
+            "drain_timeout_s": frontend.drain_timeout_s,
             "routing": {"policy": frontend.routing.policy, "knobs": knobs},
             "probe": {
                 "interval_s": probe.interval_s,
@@ -81,6 +108,8 @@ def to_jsonable(cfg: FleetConfig) -> dict[str, JsonValue]:
                 "success_threshold": probe.success_threshold,
                 "join_timeout_s": probe.join_timeout_s,
             },
+            "admin": {"enabled": admin.enabled, "token": token},
+            "auth": {"api_keys": api_keys},
         },
         "engines": engines,
     }
@@ -97,6 +126,7 @@ def _engine_json(engine: EngineConfig) -> JsonValue:
             "vocab_size": sim.vocab_size,
             "eos_probability": sim.eos_probability,
             "context_length": sim.context_length,
+            "served_model_name": sim.served_model_name,
         }
     kv_events: list[JsonValue] = list(engine.kv_events)
     kv_replay: list[JsonValue] = list(engine.kv_replay)
@@ -122,7 +152,7 @@ def _fact(kind: str, source: str, advice: str, override: int | str | None) -> st
 
 
 def _frontend_rows(frontend: FrontendConfig) -> list[tuple[str, str]]:
-    routing, probe = frontend.routing, frontend.probe
+    routing, probe, api_keys = frontend.routing, frontend.probe, frontend.auth.api_keys
     knobs = ", ".join(f"{key} = {_scalar(value)}" for key, value in routing.knobs.items())
     return [
         ("listen", frontend.listen),
@@ -132,6 +162,7 @@ def _frontend_rows(frontend: FrontendConfig) -> list[tuple[str, str]]:
         ("max_tokens_default", str(frontend.max_tokens_default)),
         ("request_timeout_s", _scalar(frontend.request_timeout_s)),
         ("log_json", _scalar(frontend.log_json)),
+        ("drain_timeout_s", _scalar(frontend.drain_timeout_s)),
         ("routing.policy", routing.policy),
         ("routing.knobs", knobs or "none"),
         ("probe.interval_s", _scalar(probe.interval_s)),
@@ -139,6 +170,9 @@ def _frontend_rows(frontend: FrontendConfig) -> list[tuple[str, str]]:
         ("probe.failure_threshold", str(probe.failure_threshold)),
         ("probe.success_threshold", str(probe.success_threshold)),
         ("probe.join_timeout_s", _scalar(probe.join_timeout_s)),
+        ("admin.enabled", _scalar(frontend.admin.enabled)),
+        ("admin.token", "set (redacted)" if frontend.admin.token else "none"),
+        ("auth.api_keys", f"{len(api_keys)} (redacted)" if api_keys else "none (open)"),
     ]
 
 

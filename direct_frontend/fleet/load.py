@@ -26,6 +26,8 @@ from direct_frontend.fleet.problems import FleetError, FleetProblem
 from direct_frontend.fleet.schema import (
     ENGINE_KINDS,
     ROUTING_POLICIES,
+    AdminConfig,
+    AuthConfig,
     EngineConfig,
     EngineKind,
     FleetConfig,
@@ -38,7 +40,9 @@ from direct_frontend.fleet.schema import (
     SimulatorConfig,
 )
 
-__all__ = ["FleetError", "FleetProblem", "field_name", "load_fleet", "parse_fleet"]
+__all__ = [
+    "FleetError", "FleetProblem", "field_name", "load_fleet", "parse_fleet", "parse_fleet_bytes",
+]
 
 _T = TypeVar("_T")
 Table = dict[str, object]
@@ -53,9 +57,14 @@ _FRONTEND_KEYS = (
     "max_tokens_default",
     "request_timeout_s",
     "log_json",
+    "drain_timeout_s",
     "routing",
     "probe",
+    "admin",
+    "auth",
 )
+_ADMIN_KEYS = ("enabled", "token")
+_AUTH_KEYS = ("api_keys",)
 _ROUTING_KEYS = ("policy", "knobs")
 _PROBE_KEYS = (
     "interval_s",
@@ -106,13 +115,19 @@ def load_fleet(path: Path) -> FleetConfig:
         raise FleetError(
             [FleetProblem(file, None, "", f"cannot read the file: {reason}")]
         ) from None
+    return parse_fleet_bytes(raw, path)
+
+
+def parse_fleet_bytes(raw: bytes, source: Path) -> FleetConfig:
+    """Check the fleet file's bytes (already read, e.g. to hash them for a reload)."""
+    file = str(source)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         line = raw.count(b"\n", 0, exc.start) + 1
         message = f"not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start})"
         raise FleetError([FleetProblem(file, line, "", message)]) from None
-    return parse_fleet(text.removeprefix("\ufeff"), path)
+    return parse_fleet(text.removeprefix("\ufeff"), source)
 
 
 def parse_fleet(text: str, source: Path) -> FleetConfig:
@@ -199,6 +214,11 @@ def _describe(value: object) -> str:
     else:  # not reachable from tomllib
         return type(value).__name__
     return f"{kind} {_literal(value)}"
+
+
+def _kind(value: object) -> str:
+    """The type of a value without the value itself (for secrets)."""
+    return _describe(value).split(" ", 1)[0]
 
 
 def _range_message(value: float, minimum: float | None, maximum: float | None, above: bool) -> str:
@@ -490,9 +510,48 @@ class _Checker:
                 self.number(tbl, path, "request_timeout_s", above=True), default.request_timeout_s
             ),
             log_json=_or(self.boolean(tbl, path, "log_json"), default.log_json),
+            drain_timeout_s=_or(
+                self.number(tbl, path, "drain_timeout_s"), default.drain_timeout_s
+            ),
             routing=self.routing(tbl.get("routing", {}), (*path, "routing")),
             probe=self.probe(tbl.get("probe", {}), (*path, "probe")),
+            admin=self.admin(tbl.get("admin", {}), (*path, "admin")),
+            auth=self.auth(tbl.get("auth", {}), (*path, "auth")),
         )
+
+    def admin(self, value: object, path: KeyPath) -> AdminConfig:
+        tbl = self.table(value, path, _ADMIN_KEYS)
+        if tbl is None:
+            return AdminConfig()
+        return AdminConfig(
+            enabled=_or(self.boolean(tbl, path, "enabled"), AdminConfig().enabled),
+            token=self.secret(tbl["token"], (*path, "token")) if "token" in tbl else None,
+        )
+
+    def auth(self, value: object, path: KeyPath) -> AuthConfig:
+        tbl = self.table(value, path, _AUTH_KEYS)
+        if tbl is None or "api_keys" not in tbl:
+            return AuthConfig()
+        raw = tbl["api_keys"]
+        if not isinstance(raw, list):
+            self.report((*path, "api_keys"), f"expected an array of strings, got {_kind(raw)}")
+            return AuthConfig()
+        keys = [
+            key
+            for index, item in enumerate(raw, 1)
+            if (key := self.secret(item, (*path, "api_keys", index))) is not None
+        ]
+        return AuthConfig(api_keys=tuple(keys))
+
+    def secret(self, value: object, where: KeyPath) -> str | None:
+        """A bearer secret; messages never quote it (they end up in logs)."""
+        if not isinstance(value, str):
+            self.report(where, f"expected a string, got {_kind(value)}")
+            return None
+        if not value or any(ch.isspace() or not ch.isprintable() for ch in value):
+            self.report(where, "must be non-empty, without spaces or control characters")
+            return None
+        return value
 
     def routing(self, value: object, path: KeyPath) -> RoutingConfig:
         tbl = self.table(value, path, _ROUTING_KEYS)

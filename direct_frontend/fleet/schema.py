@@ -84,6 +84,24 @@ class ProbeConfig:
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class AdminConfig:
+    """``[frontend.admin]``: the fleet view and control endpoints (``/fleet``...).
+
+    ``token`` is a secret: it is kept out of ``repr`` so it never reaches a log.
+    """
+
+    enabled: bool = True
+    token: str | None = dataclasses.field(default=None, repr=False)  # bearer token, if required
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class AuthConfig:
+    """``[frontend.auth]``: bearer keys the OpenAI endpoints require (none: open)."""
+
+    api_keys: tuple[str, ...] = dataclasses.field(default=(), repr=False)
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class FrontendConfig:
     """``[frontend]``: the OpenAI-facing side of the daemon."""
 
@@ -97,6 +115,9 @@ class FrontendConfig:
     routing: RoutingConfig = RoutingConfig()
     probe: ProbeConfig = ProbeConfig()
     log_json: bool = False
+    drain_timeout_s: float = 30.0  # a removed engine's in-flight requests get this long
+    admin: AdminConfig = AdminConfig()
+    auth: AuthConfig = AuthConfig()
 
     @property
     def listen(self) -> str:

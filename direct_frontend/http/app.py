@@ -10,6 +10,7 @@ gone client silently, so without it the engine would keep generating.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
@@ -20,6 +21,7 @@ import trio
 from direct_frontend.engines.neutral import Finished, GenerateCall, TokenDelta
 from direct_frontend.errors import EngineError, ErrorKind, NoEngineAvailable
 from direct_frontend.fleet.schema import FrontendConfig
+from direct_frontend.http.admin import ControlView, credential_ok, events_socket, unauthorized
 from direct_frontend.http.openai_schema import (
     ChatRequest,
     CompletionRequest,
@@ -88,8 +90,10 @@ class App:
         supervisor: Supervisor,
         dispatcher: Dispatcher,
         metrics: Metrics,
+        control: ControlView | None = None,
     ) -> None:
-        self.frontend = frontend
+        self.frontend = frontend  # replaced whole when a reload changes [frontend]
+        self.control = control  # the admin endpoints' view of the control plane
         self.text_model = text_model
         self.supervisor = supervisor
         self.dispatcher = dispatcher
@@ -106,18 +110,30 @@ class App:
             "/health": {"GET": self._health},
             "/ready": {"GET": self._ready},
             "/metrics": {"GET": self._metrics},
+            "/fleet": {"GET": self._fleet},
+            "/fleet/reload": {"POST": self._fleet_reload},
         }
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
             await _lifespan(receive, send)
             return
+        if scope["type"] == "websocket":
+            await self._websocket(scope, receive, send)
+            return
         if scope["type"] != "http":
             return
         path, method = scope["path"], scope["method"]
         started = time.perf_counter()
         methods = self._routes.get(path)
+        if methods is not None and path.startswith("/fleet") and not self._admin_enabled:
+            methods = None  # admin disabled: the routes do not exist
         handler = methods.get(method) if methods else None
+        if handler is not None and (denied := self._denied(scope)) is not None:
+            await send_error(send, denied)
+            self.metrics.request_started()
+            self.metrics.request_finished(path, denied.status, 0.0)
+            return
         if handler is None:
             err = (
                 method_not_allowed(method, path, tuple(methods))
@@ -129,10 +145,57 @@ class App:
             return
         status = 500
         self.metrics.request_started()
+        receive, send = _hide_recycle_disconnect(receive, send)
         try:
             status = await handler(scope, receive, send)
         finally:
             self.metrics.request_finished(path, status, time.perf_counter() - started)
+
+    # -- auth and admin ---------------------------------------------------------------
+
+    @property
+    def _admin_enabled(self) -> bool:
+        return self.control is not None and self.frontend.admin.enabled
+
+    def _denied(self, scope: Scope) -> OpenAIHTTPError | None:
+        """401 unless the request carries the credential its endpoint needs (if any)."""
+        path = scope["path"]
+        if path.startswith("/v1/"):
+            keys = self.frontend.auth.api_keys
+            if keys and not credential_ok(scope, keys):
+                return unauthorized()
+        elif path.startswith("/fleet"):
+            token = self.frontend.admin.token
+            if token is not None and not credential_ok(scope, (token,)):
+                return unauthorized("admin token")
+        return None
+
+    def apply_frontend(self, frontend: FrontendConfig) -> None:
+        """Switch to a reloaded ``[frontend]``: later requests see the new limits and keys."""
+        self.frontend = frontend
+
+    async def _fleet(self, scope: Scope, receive: Receive, send: Send) -> int:
+        assert self.control is not None
+        body = json.dumps(self.control.status(), separators=(",", ":")).encode()
+        await send_body(send, 200, body)
+        return 200
+
+    async def _fleet_reload(self, scope: Scope, receive: Receive, send: Send) -> int:
+        assert self.control is not None
+        result = await self.control.reload("api")
+        status = 200 if result.get("ok") else 422
+        await send_body(send, status, json.dumps(result, separators=(",", ":")).encode())
+        return status
+
+    async def _websocket(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["path"] != "/fleet/events" or not self._admin_enabled:
+            await receive()  # websocket.connect
+            await send({"type": "websocket.close", "code": 1008})
+            return
+        assert self.control is not None
+        token = self.frontend.admin.token
+        authorized = token is None or credential_ok(scope, (token,))
+        await events_socket(self.control, scope, receive, send, authorized)
 
     # -- small endpoints --------------------------------------------------------------
 
@@ -241,6 +304,7 @@ class Relay:
         self.request = prepared.request
         self.engine = engine
         self.call = call
+        self.original_call = call  # every continuation starts from the client's own prompt
         self.headers = headers
         eos = () if self.request.ignore_eos else app.text_model.eos_token_ids
         self.processor = OutputProcessor(
@@ -354,7 +418,8 @@ class Relay:
             )
         except NoEngineAvailable:
             raise error from None
-        call = continuation(self.call, produced, self.failover.retries + self.failover.migrations)
+        attempt = self.failover.retries + self.failover.migrations
+        call = continuation(self.original_call, produced, attempt)
         limit = engine.context_length
         if limit is not None and len(call.input_ids) + call.sampling.max_tokens > limit:
             raise EngineError(
@@ -464,6 +529,34 @@ class Relay:
 
 
 # -- ASGI helpers -----------------------------------------------------------------------
+
+
+def _hide_recycle_disconnect(receive: Receive, send: Send) -> tuple[Receive, Send]:
+    """Keep the ``http.disconnect`` hypercorn sends *during* our last ``send`` from the app.
+
+    Hypercorn recycles (or, shutting down, closes) the connection inside the
+    final body ``send`` and tells the app ``http.disconnect`` as part of it.
+    A disconnect watcher woken by that would count a finished response as
+    abandoned, and cancel the rest of hypercorn's work in our task: the
+    connection would then stay open until the shutdown grace period ends.
+    After the last body a disconnect is not the client leaving, so it is
+    never delivered (the watcher waits until its owner cancels it).
+    """
+    finished = False
+
+    async def tracked_send(message: Message) -> None:
+        nonlocal finished
+        if message["type"] == "http.response.body" and not message.get("more_body", False):
+            finished = True  # before the send: the disconnect arrives inside it
+        await send(message)
+
+    async def tracked_receive() -> Message:
+        message = await receive()
+        if finished and message["type"] == "http.disconnect":
+            await trio.sleep_forever()
+        return message
+
+    return tracked_receive, tracked_send
 
 
 async def read_body(receive: Receive, limit: int) -> bytes:

@@ -46,10 +46,13 @@ class Admission:
         """Hold one in-flight slot for the duration of the block."""
         try:
             self._slots.acquire_nowait()
+            queued = False
         except trio.WouldBlock:
+            queued = True
+        if queued:
             if self.waiting >= self.config.max_queue:
                 self.rejected += 1
-                raise Rejected("the request queue is full") from None
+                raise Rejected("the request queue is full")
             self.waiting += 1
             try:
                 with trio.move_on_after(self.config.queue_timeout_s) as wait:

@@ -7,6 +7,7 @@ tested end to end without GPUs.
 
 from direct_frontend.simulator.core import EngineKind, EngineStats, SimRole
 from direct_frontend.simulator.engine import SimEngine, TokenizerFacts, read_tokenizer_dir
+from direct_frontend.simulator.faults import FaultPlan, FaultStats
 from direct_frontend.simulator.model import (
     Finish,
     Generation,
@@ -15,10 +16,13 @@ from direct_frontend.simulator.model import (
     StopCriteria,
     TimingModel,
 )
+from direct_frontend.simulator.vocab import TextVocab
 
 __all__ = [
     "EngineKind",
     "EngineStats",
+    "FaultPlan",
+    "FaultStats",
     "Finish",
     "Generation",
     "SimEngine",
@@ -26,6 +30,7 @@ __all__ = [
     "SimRole",
     "SimSequence",
     "StopCriteria",
+    "TextVocab",
     "TimingModel",
     "TokenizerFacts",
     "read_tokenizer_dir",

@@ -14,8 +14,10 @@ import sys
 from collections.abc import Sequence
 from typing import get_args
 
+from direct_frontend.simulator.control import serve_control
 from direct_frontend.simulator.core import EngineKind, SimRole
 from direct_frontend.simulator.engine import SimEngine
+from direct_frontend.simulator.faults import FaultPlan, parse_status
 from direct_frontend.simulator.model import TimingModel
 
 
@@ -33,6 +35,7 @@ def build_engine(
     max_running: int = 256,
     eos_probability: float = 0.02,
     seed: int = 0,
+    faults: FaultPlan | None = None,
 ) -> SimEngine:
     """An engine from a tokenizer directory, or from an explicit vocabulary size and EOS."""
     timing = TimingModel(prefill_us_per_token, decode_us_per_token, max_running)
@@ -46,6 +49,7 @@ def build_engine(
             timing=timing,
             eos_probability=eos_probability,
             seed=seed,
+            faults=faults,
         )
     if vocab_size is None or eos_token_id is None:
         raise ValueError("give either model_dir, or both vocab_size and eos_token_id")
@@ -59,18 +63,49 @@ def build_engine(
         timing=timing,
         eos_probability=eos_probability,
         seed=seed,
+        faults=faults,
     )
 
 
-async def _serve(engine: SimEngine, host: str, port: int) -> None:
+def fault_plan(
+    *,
+    die_after: int | None = None,
+    hang_after: int | None = None,
+    status: str | None = None,
+    status_after: int = 0,
+    token_delay_ms: float = 0.0,
+    only_request: int | None = None,
+) -> FaultPlan | None:
+    """The plan the ``--fault-*`` flags describe, or None when they describe none."""
+    plan = FaultPlan(
+        die_after_tokens=die_after,
+        hang_after_tokens=hang_after,
+        status=parse_status(status) if status else None,
+        status_after_tokens=status_after,
+        token_delay_s=token_delay_ms / 1000,
+        only_request=only_request,
+    )
+    return None if plan == FaultPlan(only_request=only_request) else plan
+
+
+async def _serve(engine: SimEngine, host: str, port: int, control_port: int | None) -> None:
+    control = await serve_control(engine, host, control_port) if control_port is not None else None
+
     def ready() -> None:
         loop = asyncio.get_running_loop()
         with contextlib.suppress(NotImplementedError, RuntimeError):  # not the main thread
             loop.add_signal_handler(signal.SIGTERM, engine.close)
         # A parent process (tests, the demo fleet) waits for this line.
         print(f"sim {engine.kind} engine listening on {engine.address}", flush=True)
+        if control is not None:  # second, so parents reading one line still get the engine's
+            bound = control.sockets[0].getsockname()[1]
+            print(f"sim control listening on {host}:{bound}", flush=True)
 
-    await engine.serve_forever(host, port, ready=ready)
+    try:
+        await engine.serve_forever(host, port, ready=ready)
+    finally:
+        if control is not None:
+            control.close()
 
 
 def run(
@@ -89,8 +124,28 @@ def run(
     max_running: int = 256,
     eos_probability: float = 0.02,
     seed: int = 0,
+    fault_die_after: int | None = None,
+    fault_hang_after: int | None = None,
+    fault_status: str | None = None,
+    fault_status_after: int = 0,
+    fault_token_delay_ms: float = 0.0,
+    fault_only_request: int | None = None,
+    control_port: int | None = None,
 ) -> None:
-    """Serve one simulated engine until SIGINT/SIGTERM; only for a standalone process."""
+    """Serve one simulated engine until SIGINT/SIGTERM; only for a standalone process.
+
+    The ``fault_*`` options set the engine's initial :class:`FaultPlan`;
+    ``control_port`` (0 picks one) serves the JSON-lines control channel of
+    :mod:`direct_frontend.simulator.control` on the same host.
+    """
+    faults = fault_plan(
+        die_after=fault_die_after,
+        hang_after=fault_hang_after,
+        status=fault_status,
+        status_after=fault_status_after,
+        token_delay_ms=fault_token_delay_ms,
+        only_request=fault_only_request,
+    )
     try:
         asyncio.get_running_loop()
     except RuntimeError:
@@ -110,9 +165,10 @@ def run(
         max_running=max_running,
         eos_probability=eos_probability,
         seed=seed,
+        faults=faults,
     )
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(_serve(engine, host, port))  # ok: standalone simulator process
+        asyncio.run(_serve(engine, host, port, control_port))  # ok: standalone simulator process
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -132,9 +188,28 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--max-running", type=int, default=256)
     parser.add_argument("--eos-probability", type=float, default=0.02)
     parser.add_argument("--seed", type=int, default=0)
+    faults = parser.add_argument_group("fault injection (see direct_frontend.simulator.faults)")
+    faults.add_argument(
+        "--fault-die-after", type=int, metavar="N", help="drop the connection after N tokens"
+    )
+    faults.add_argument(
+        "--fault-hang-after", type=int, metavar="N", help="stop sending after N tokens"
+    )
+    faults.add_argument(
+        "--fault-status", metavar="NAME", help="fail Generate with this gRPC status"
+    )
+    faults.add_argument("--fault-status-after", type=int, default=0, metavar="N")
+    faults.add_argument("--fault-token-delay-ms", type=float, default=0.0, metavar="MS")
+    faults.add_argument("--fault-only-request", type=int, metavar="N", help="only the Nth Generate")
+    parser.add_argument("--control-port", type=int, help="JSON-lines control channel (0: any)")
     args = parser.parse_args(argv)
     if args.model_dir is None and (args.vocab_size is None or args.eos_token_id is None):
         parser.error("give --model-dir, or both --vocab-size and --eos-token-id")
+    if args.fault_status:
+        try:
+            parse_status(args.fault_status)
+        except ValueError as exc:
+            parser.error(str(exc))
     run(
         args.kind,
         args.host,
@@ -150,6 +225,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         max_running=args.max_running,
         eos_probability=args.eos_probability,
         seed=args.seed,
+        fault_die_after=args.fault_die_after,
+        fault_hang_after=args.fault_hang_after,
+        fault_status=args.fault_status,
+        fault_status_after=args.fault_status_after,
+        fault_token_delay_ms=args.fault_token_delay_ms,
+        fault_only_request=args.fault_only_request,
+        control_port=args.control_port,
     )
 
 

@@ -18,6 +18,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Literal
 
+from direct_frontend.simulator.faults import FaultPlan
+from direct_frontend.simulator.kvcache import KvAllocation, SimPrefixCache
 from direct_frontend.simulator.model import Finish, Generation, SimModel, StopCriteria, TimingModel
 
 EngineKind = Literal["sglang", "vllm", "trtllm"]
@@ -107,6 +109,9 @@ class Job:
         self.state = JobState.WAITING
         self.aborted = False
         self._signal: asyncio.Future[None] | None = None
+        self.prompt_ids: Sequence[int] = ()
+        self.cached_tokens = 0  # prompt tokens the prefix cache served (set on admission)
+        self.kv: KvAllocation | None = None
 
     @property
     def signal(self) -> asyncio.Future[None]:
@@ -180,6 +185,8 @@ class SimCore:
         self.last_receive_time = 0.0
         self._slots = _Slots(timing.max_running)
         self._jobs: dict[str, list[Job]] = {}
+        self.faults = FaultPlan()  # the live plan; SimEngine.faults replaces it
+        self.kv_cache: SimPrefixCache | None = None  # SimEngine sets it (see kvcache.py)
 
     # -- bookkeeping -------------------------------------------------------
 
@@ -235,7 +242,9 @@ class SimCore:
         internal: bool = False,
     ) -> Job:
         """Prepare a sequence; :meth:`run` admits it."""
-        return Job(request_id, Generation(self.model, prompt_ids, criteria), internal=internal)
+        job = Job(request_id, Generation(self.model, prompt_ids, criteria), internal=internal)
+        job.prompt_ids = prompt_ids
+        return job
 
     async def run(self, job: Job, emit: Emit | None) -> Finish | None:
         """Wait for a slot, generate, and return the finish (None if aborted).
@@ -250,9 +259,14 @@ class SimCore:
             if await self._slots.acquire(signal):
                 try:
                     self._set_state(job, JobState.RUNNING)
+                    if self.kv_cache is not None and not job.internal:
+                        job.kv = self.kv_cache.admit(job.prompt_ids)
+                        job.cached_tokens = job.kv.cached_tokens
                     if not job.aborted:
                         finish = await self._generate(job, emit)
                 finally:
+                    if job.kv is not None and self.kv_cache is not None:
+                        self.kv_cache.release(job.kv)
                     self._slots.release()
             if not job.internal:
                 if finish is None:
@@ -274,9 +288,15 @@ class SimCore:
         timing = self.timing
         instant = timing.instant
         decode = timing.decode_seconds
-        deadline = time.monotonic() + timing.prefill_seconds(generation.prompt_len)
+        # Only the tokens the prefix cache did not serve are prefilled.
+        uncached = generation.prompt_len - job.cached_tokens
+        deadline = time.monotonic() + timing.prefill_seconds(uncached)
         since_yield = 0
         while True:
+            extra = self.faults.token_delay_s  # read every step: tests flip it mid-stream
+            if extra > 0:
+                await asyncio.wait((job.signal,), timeout=extra)
+                deadline += extra
             delay = 0.0 if instant else deadline - time.monotonic()
             if delay > 0:
                 await asyncio.wait((job.signal,), timeout=delay)
@@ -293,6 +313,8 @@ class SimCore:
                     await emit((), generation.finish)
                 return generation.finish
             token_id = generation.step()
+            if job.kv is not None and self.kv_cache is not None:
+                self.kv_cache.extend(job.kv, token_id)  # a block that fills gets cached
             if emit is not None:
                 await emit((token_id,), generation.finish)
             if generation.finish is not None:

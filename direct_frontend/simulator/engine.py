@@ -21,6 +21,7 @@ import grpclib.protocol
 import grpclib.server
 from tokenizers import Tokenizer
 
+from direct_frontend.simulator import faults as _faults
 from direct_frontend.simulator.core import (
     EngineConfig,
     EngineKind,
@@ -28,8 +29,11 @@ from direct_frontend.simulator.core import (
     SimCore,
     SimRole,
 )
+from direct_frontend.simulator.faults import FaultInjector, FaultPlan, FaultStats
+from direct_frontend.simulator.kv_publisher import KvEventPublisher, SimKvEvents
 from direct_frontend.simulator.model import SimModel, TimingModel
 from direct_frontend.simulator.servers import SglangServicer, TrtllmServicer, VllmServicer
+from direct_frontend.simulator.vocab import TextVocab
 
 
 class _Server(grpclib.server.Server):
@@ -60,7 +64,8 @@ class SimEngine:
 
     Timing, batching and the token stream come from :class:`TimingModel` and
     :class:`SimModel`; :attr:`stats` shows what reached the engine. Set
-    :attr:`healthy` to False to make health checks fail.
+    :attr:`healthy` to False to make health checks fail, and :attr:`faults`
+    to make it die, hang, slow down or fail (see :mod:`.faults`).
     """
 
     def __init__(
@@ -87,6 +92,13 @@ class SimEngine:
         bos_token_id: int = 0,
         pad_token_id: int = 0,
         health_timeout: float = 20.0,
+        text_vocab: TextVocab | None = None,
+        unit_probability: float = 0.05,
+        faults: FaultPlan | None = None,
+        enable_prefix_cache: bool = True,
+        kv_capacity_blocks: int | None = None,
+        kv_events_port: int | None = None,
+        kv_replay_port: int | None = None,
     ) -> None:
         if kind not in get_args(EngineKind):
             raise ValueError(f"unknown engine kind {kind!r}")
@@ -98,7 +110,15 @@ class SimEngine:
             raise ValueError("context_length must be at least 2")
         disaggregated = role != "both"
         self.kind: EngineKind = kind
-        self.model = SimModel(vocab_size, eos_token_id, special_ids, eos_probability, seed)
+        self.model = SimModel(
+            vocab_size,
+            eos_token_id,
+            special_ids,
+            eos_probability,
+            seed,
+            text=text_vocab,
+            unit_probability=unit_probability,
+        )
         self.timing = timing if timing is not None else TimingModel()
         self.config = EngineConfig(
             kind=kind,
@@ -126,6 +146,20 @@ class SimEngine:
             health_timeout=health_timeout,
         )
         self.core = SimCore(self.config, self.model, self.timing)
+        # The prefix cache (and KV events when a port is given; 0 picks one): kvcache.py.
+        cache_block = page_size if kind == "sglang" else block_size
+        self.kv = SimKvEvents(
+            kind,
+            block_size=cache_block,
+            capacity_blocks=kv_capacity_blocks or self.config.kv_pool_tokens // cache_block,
+            enabled=enable_prefix_cache,
+            events_port=kv_events_port,
+            replay_port=kv_replay_port,
+        )
+        self.core.kv_cache = self.kv.cache
+        self._injector = FaultInjector(self.core)
+        if faults is not None:
+            self._injector.install(faults)
         self.host = ""
         self.port = 0
         self._server: _Server | None = None
@@ -145,11 +179,17 @@ class SimEngine:
 
         Reads ``tokenizer.json`` plus ``generation_config.json`` /
         ``tokenizer_config.json``, so sampled ids decode to real words with the
-        frontend's tokenizer. ``vocab_size`` overrides the tokenizer's; ``options``
-        are the other constructor arguments.
+        frontend's tokenizer. Output is valid text, as a real model's is: only
+        ids that decode cleanly, plus whole multi-token characters (pass
+        ``text_vocab=None`` to sample every ordinary id). ``vocab_size``
+        overrides the tokenizer's; ``options`` are the other constructor arguments.
         """
         facts = read_tokenizer_dir(model_dir)
         directory = str(Path(model_dir).resolve())
+        if "text_vocab" not in options:
+            options["text_vocab"] = TextVocab.from_model_dir(
+                directory, special_ids=facts.special_ids
+            )
         options.setdefault("model_path", directory)
         options.setdefault("tokenizer_path", directory)
         if facts.bos_token_id is not None:
@@ -182,6 +222,42 @@ class SimEngine:
         self.core.healthy = value
 
     @property
+    def faults(self) -> FaultPlan:
+        """The live fault plan; mutate it, or assign a new one (from any thread)."""
+        return self.core.faults
+
+    @faults.setter
+    def faults(self, plan: FaultPlan) -> None:
+        self._injector.install(plan)
+
+    @property
+    def fault_stats(self) -> FaultStats:
+        """Which calls the faults hit: Generate calls seen, died, hung, failed."""
+        return self._injector.stats
+
+    @property
+    def listening(self) -> bool:
+        """Whether new connections are accepted."""
+        return self._server is not None and _faults.is_listening(self._server)
+
+    @property
+    def kv_publisher(self) -> KvEventPublisher | None:
+        """The KV-event publisher while running (test helpers: drop_next, reset_sequence)."""
+        return self.kv.publisher
+
+    @property
+    def kv_events_endpoint(self) -> str | None:
+        """``tcp://host:port`` of the KV-event PUB once started, if enabled."""
+        publisher = self.kv.publisher
+        return None if publisher is None else publisher.endpoint
+
+    @property
+    def kv_replay_endpoint(self) -> str | None:
+        """``tcp://host:port`` of the replay ROUTER once started, if enabled."""
+        publisher = self.kv.publisher
+        return None if publisher is None else publisher.replay_endpoint
+
+    @property
     def address(self) -> str:
         """``host:port`` once started."""
         return f"{self.host}:{self.port}"
@@ -211,6 +287,7 @@ class SimEngine:
             sock.bind(address)
             sock.setblocking(False)
             server = _Server([servicer])
+            self._injector.attach(server)
             await server.start(sock=sock)  # asyncio listens before this returns
         except BaseException:
             sock.close()
@@ -221,6 +298,7 @@ class SimEngine:
         self.port = int(sock.getsockname()[1])
         self.core.closing = False
         self.core.mark_started()
+        self.kv.start(host)
 
     def close(self) -> None:
         """Stop like a dying process: refuse connections, drop open ones, end every call."""
@@ -229,6 +307,7 @@ class SimEngine:
             return
         self.core.closing = True
         self.core.abort_all()
+        self.kv.close()
         server.close()
         server.drop_connections()
         if self._stopped is not None:
@@ -241,6 +320,38 @@ class SimEngine:
             return
         await server.wait_closed()
         self._server = None
+
+    async def stop_listening(self) -> None:
+        """Refuse new connections, as a wedged or restarting process does; open ones serve on."""
+        if self._server is None:
+            raise RuntimeError("the engine is not running")
+        _faults.stop_listening(self._server)
+
+    async def resume_listening(self) -> None:
+        """Accept connections on the same port again (a no-op while listening)."""
+        if self._server is None:
+            raise RuntimeError("the engine is not running")
+        await _faults.resume_listening(self._server, self.host, self.port)
+
+    async def restart(self) -> None:
+        """Come back on the same port like a restarted process.
+
+        Every connection is dropped and every running request forgotten; the
+        new incarnation reports a new start time and uptime (restart fencing).
+        Stats, the fault plan and :meth:`serve_forever` carry on.
+        """
+        if self._server is None:
+            raise RuntimeError("the engine is not running")
+        stopped, self._stopped = self._stopped, None  # not a shutdown: serve_forever keeps going
+        try:
+            self.close()
+            await self.wait_closed()
+            await self.start(self.host, self.port)
+        except BaseException:
+            if stopped is not None:
+                stopped.set()  # could not come back: let serve_forever end
+            raise
+        self._stopped = stopped
 
     async def serve_forever(
         self,

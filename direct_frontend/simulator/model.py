@@ -13,15 +13,19 @@ are accepted by the servers and ignored here.
 from __future__ import annotations
 
 import array
+import collections
 import dataclasses
 from collections.abc import Iterable, Sequence, Set
 from typing import Literal
+
+from direct_frontend.simulator.vocab import TextVocab
 
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
 # Independent salts so the EOS decision and the token choice use unrelated bits.
 _SALT_EOS = 0xD1B54A32D192ED03
 _SALT_TOKEN = 0x8CB92BA72F3D8DD7
+_SALT_UNIT = 0x2545F4914F6CDD1D
 _REDRAWS = 16
 
 
@@ -38,6 +42,11 @@ class SimModel:
     Ordinary tokens are drawn uniformly (by hash) from the ids that are neither
     special nor EOS, so sampled text decodes to words; EOS is chosen with
     ``eos_probability`` per step, also from the prefix hash.
+
+    With a :class:`TextVocab` the ordinary ids are only its clean ones, and
+    with ``unit_probability`` per step a multi-token character starts
+    instead; a prefix that ends inside one is always continued, so output
+    decodes to valid UTF-8 (see :mod:`direct_frontend.simulator.vocab`).
     """
 
     def __init__(
@@ -47,6 +56,8 @@ class SimModel:
         special_ids: Iterable[int] = frozenset(),
         eos_probability: float = 0.02,
         seed: int = 0,
+        text: TextVocab | None = None,
+        unit_probability: float = 0.05,
     ) -> None:
         if vocab_size <= 0:
             raise ValueError("vocab_size must be positive")
@@ -54,14 +65,22 @@ class SimModel:
             raise ValueError(f"eos_token_id {eos_token_id} is outside the vocabulary")
         if not 0.0 <= eos_probability <= 1.0:
             raise ValueError("eos_probability must be within [0, 1]")
+        if not 0.0 <= unit_probability <= 1.0:
+            raise ValueError("unit_probability must be within [0, 1]")
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
         self.special_ids = frozenset(special_ids)
         self.eos_probability = eos_probability
         self.seed = seed
         excluded = self.special_ids | {eos_token_id}
+        self.text = text.within(vocab_size, excluded) if text is not None else None
+        ordinary = range(vocab_size) if self.text is None else self.text.clean_ids
         # An array keeps a 150k-entry vocabulary at ~1 MB per engine.
-        self._candidates = array.array("q", (i for i in range(vocab_size) if i not in excluded))
+        self._candidates = array.array("q", (i for i in ordinary if i not in excluded))
+        # How many trailing ids decide whether a prefix ends inside a unit (0: no units).
+        self.window = self.text.window if self.text is not None and self.text.units else 0
+        self._unit_threshold = int(unit_probability * (1 << 64)) if self.window else 0
+        self._unit_starts = self.text.starts if self.text is not None and self.window else ()
         if not self._candidates:
             raise ValueError("the vocabulary has no ordinary (non-special) tokens")
         self._eos_threshold = int(eos_probability * (1 << 64))
@@ -79,15 +98,24 @@ class SimModel:
             state = self.advance(state, token_id)
         return state
 
-    def draw(self, state: int, banned: Set[int] = frozenset()) -> int:
+    def draw(self, state: int, banned: Set[int] = frozenset(), tail: Sequence[int] = ()) -> int:
         """The token that follows the prefix whose hash is ``state``.
 
         ``banned`` masks tokens the way an engine masks logits (EOS under
         ``min_tokens`` or ``ignore_eos``): a banned choice is replaced by a
-        deterministic redraw among the allowed ordinary tokens.
+        deterministic redraw among the allowed ordinary tokens. ``tail`` is
+        the prefix's last :attr:`window` ids, which decide whether the prefix
+        ends inside a multi-token character (only with a :class:`TextVocab`).
         """
-        if _mix64(state ^ _SALT_EOS) < self._eos_threshold:
+        nexts = self.text.continuation(tail) if self.window and self.text is not None else None
+        if nexts is not None:
+            # Inside a multi-token character: finish it before anything else, even EOS.
+            choice = nexts[_mix64(state ^ _SALT_UNIT) % len(nexts)]
+        elif _mix64(state ^ _SALT_EOS) < self._eos_threshold:
             choice = self.eos_token_id
+        elif _mix64(state ^ _SALT_UNIT) < self._unit_threshold:
+            starts = self._unit_starts
+            choice = starts[_mix64(state ^ _SALT_UNIT ^ _SALT_TOKEN) % len(starts)]
         else:
             choice = self._pick(state, 0)
         if choice not in banned:
@@ -112,7 +140,8 @@ class SimModel:
 
     def next_token(self, prefix: Sequence[int]) -> int:
         """The unmasked next token after ``prefix`` (O(len(prefix)); see :class:`SimSequence`)."""
-        return self.draw(self.state_of(prefix))
+        tail = prefix[len(prefix) - self.window :] if self.window else ()
+        return self.draw(self.state_of(prefix), tail=tail)
 
 
 class SimSequence:
@@ -120,12 +149,21 @@ class SimSequence:
 
     def __init__(self, model: SimModel, prompt_ids: Iterable[int]) -> None:
         self.model = model
-        self.state = model.state_of(prompt_ids)
+        ids = prompt_ids if isinstance(prompt_ids, Sequence) else list(prompt_ids)
+        self.state = model.state_of(ids)
+        # The last few ids: enough to tell whether the prefix ends inside a unit.
+        window = model.window
+        self._tail: collections.deque[int] = collections.deque(
+            ids[len(ids) - window :] if window else (), maxlen=window
+        )
 
     def step(self, banned: Set[int] = frozenset()) -> int:
         """Draw the next token and append it to the prefix."""
-        token_id = self.model.draw(self.state, banned)
+        tail = self._tail
+        token_id = self.model.draw(self.state, banned, tuple(tail) if tail else ())
         self.state = SimModel.advance(self.state, token_id)
+        if self.model.window:
+            tail.append(token_id)
         return token_id
 
 

@@ -190,14 +190,16 @@ class SglangServicer(SglangSchedulerBase):
                 token_ids=delta,
                 prompt_tokens=prompt_tokens,
                 completion_tokens=len(output),
-                cached_tokens=0,
+                cached_tokens=job.cached_tokens,
             )
             await stream.send_message(
                 sglang_scheduler_pb2.GenerateResponse(request_id=request_id, chunk=chunk)
             )
             if finish is not None:  # the final delta goes out again as the complete
                 await stream.send_message(
-                    self._complete(request_id, delta, finish, prompt_tokens, len(output))
+                    self._complete(
+                        request_id, delta, finish, prompt_tokens, len(output), job.cached_tokens
+                    )
                 )
 
         finish = await core.run(job, emit if request.stream else None)
@@ -206,7 +208,9 @@ class SglangServicer(SglangSchedulerBase):
             raise GRPCError(Status.INTERNAL, "Request aborted")
         if not request.stream:
             await stream.send_message(
-                self._complete(request_id, output, finish, prompt_tokens, len(output))
+                self._complete(
+                    request_id, output, finish, prompt_tokens, len(output), job.cached_tokens
+                )
             )
 
     @staticmethod
@@ -216,13 +220,14 @@ class SglangServicer(SglangSchedulerBase):
         finish: Finish,
         prompt_tokens: int,
         completion_tokens: int,
+        cached_tokens: int = 0,
     ) -> sglang_scheduler_pb2.GenerateResponse:
         complete = sglang_scheduler_pb2.GenerateComplete(
             output_ids=output_ids,
             finish_reason=finish.reason,
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
-            cached_tokens=0,
+            cached_tokens=cached_tokens,
         )
         if finish.matched_token_id is not None:  # SGLang reports EOS matches too
             complete.matched_token_id = finish.matched_token_id
@@ -408,6 +413,8 @@ class SglangServicer(SglangSchedulerBase):
         stream: grpclib.server.Stream[common_pb2.FlushCacheRequest, common_pb2.FlushCacheResponse],
     ) -> None:
         await stream.recv_message()
+        if self.core.kv_cache is not None:
+            self.core.kv_cache.clear()  # publishes AllBlocksCleared
         await stream.send_message(
             common_pb2.FlushCacheResponse(success=True, message="Cache flushed")
         )
@@ -523,12 +530,12 @@ class VllmServicer(VllmEngineBase):
                 token_ids=delta,
                 prompt_tokens=prompt_tokens,
                 completion_tokens=len(delta),
-                cached_tokens=0,
+                cached_tokens=job.cached_tokens,
             )
             await stream.send_message(vllm_engine_pb2.GenerateResponse(chunk=chunk))
             if finish is not None:  # repeats the last delta, counted alone
                 await stream.send_message(
-                    _vllm_complete(delta, finish.reason, finish, prompt_tokens)
+                    _vllm_complete(delta, finish.reason, finish, prompt_tokens, job.cached_tokens)
                 )
 
         finish = await core.run(job, emit if request.stream else None)
@@ -536,11 +543,17 @@ class VllmServicer(VllmEngineBase):
             # vLLM ends an aborted request with a final "abort" output.
             if request.stream:
                 await emit((), None)
-                await stream.send_message(_vllm_complete((), "abort", None, prompt_tokens))
+                await stream.send_message(
+                    _vllm_complete((), "abort", None, prompt_tokens, job.cached_tokens)
+                )
             else:
-                await stream.send_message(_vllm_complete(output, "abort", None, prompt_tokens))
+                await stream.send_message(
+                    _vllm_complete(output, "abort", None, prompt_tokens, job.cached_tokens)
+                )
         elif not request.stream:
-            await stream.send_message(_vllm_complete(output, finish.reason, finish, prompt_tokens))
+            await stream.send_message(
+                _vllm_complete(output, finish.reason, finish, prompt_tokens, job.cached_tokens)
+            )
 
     async def Embed(
         self,
@@ -568,6 +581,8 @@ class VllmServicer(VllmEngineBase):
         stream: grpclib.server.Stream[common_pb2.FlushCacheRequest, common_pb2.FlushCacheResponse],
     ) -> None:
         await stream.recv_message()
+        if self.core.kv_cache is not None:
+            self.core.kv_cache.clear()  # publishes AllBlocksCleared
         await stream.send_message(
             common_pb2.FlushCacheResponse(success=True, message="Cache flushed")
         )
@@ -703,14 +718,18 @@ def _matched_stop_token(finish: Finish | None) -> int | None:
 
 
 def _vllm_complete(
-    output_ids: Sequence[int], reason: str, finish: Finish | None, prompt_tokens: int
+    output_ids: Sequence[int],
+    reason: str,
+    finish: Finish | None,
+    prompt_tokens: int,
+    cached_tokens: int = 0,
 ) -> vllm_engine_pb2.GenerateResponse:
     complete = vllm_engine_pb2.GenerateComplete(
         output_ids=output_ids,
         finish_reason=reason,
         prompt_tokens=prompt_tokens,
         completion_tokens=len(output_ids),
-        cached_tokens=0,
+        cached_tokens=cached_tokens,
     )
     matched = _matched_stop_token(finish)
     if matched is not None:
@@ -764,7 +783,7 @@ class TrtllmServicer(TrtllmServiceBase):
                 finish_reason=reason,
                 prompt_tokens=prompt_tokens,
                 completion_tokens=len(output),
-                cached_tokens=0,
+                cached_tokens=job.cached_tokens,
             )
             matched = _matched_stop_token(finish)
             if matched is not None:
@@ -781,7 +800,7 @@ class TrtllmServicer(TrtllmServiceBase):
                     sequence_index=0,
                     prompt_tokens=prompt_tokens,
                     completion_tokens=len(output),
-                    cached_tokens=0,
+                    cached_tokens=job.cached_tokens,
                 )
                 await stream.send_message(
                     trtllm_service_pb2.GenerateResponse(request_id=request_id, chunk=chunk)

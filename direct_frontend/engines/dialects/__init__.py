@@ -14,6 +14,14 @@ def dialect_for(kind: str) -> Dialect:
         from direct_frontend.engines.dialects.sglang import SglangDialect
 
         return SglangDialect()
+    if kind == "vllm":
+        from direct_frontend.engines.dialects.vllm import VllmDialect
+
+        return VllmDialect()
+    if kind == "trtllm":
+        from direct_frontend.engines.dialects.trtllm import TrtllmDialect
+
+        return TrtllmDialect()
     raise ValueError(f"no dialect for engine kind {kind!r}")
 
 

@@ -91,13 +91,54 @@ def classify_exception(exc: BaseException) -> EngineError:
     return EngineError(ErrorKind.INTERNAL, f"unexpected: {exc!r}")
 
 
+ENGINE_ABORTED = "the engine aborted the request"
+
+
+def engine_aborted() -> EngineError:
+    """The one error every kind reports for an abort seen on the stream.
+
+    SGLang ends an aborted stream with a status, vLLM with finish_reason
+    "abort", TRT-LLM with "cancelled": the layers above see one error for all
+    three. Our own aborts are sent after the stream is dropped, so an abort
+    seen here was the engine's (or another client's): a 500, not a cancel.
+    """
+    return EngineError(ErrorKind.INTERNAL, ENGINE_ABORTED)
+
+
 def unusual_finish(reason: str) -> EngineError | None:
     """An engine-side abort or error ends a stream without a usable result."""
-    if reason == "abort":
-        return EngineError(ErrorKind.INTERNAL, "the engine aborted the request")
+    if reason in ("abort", "cancelled"):  # "cancelled" is TensorRT-LLM's spelling
+        return engine_aborted()
     if reason == "error":
         return EngineError(ErrorKind.INTERNAL, "the engine failed the request")
     return None
+
+
+def streamed_tail(
+    last_delta: Sequence[int], delivered: int, output_ids: Sequence[int]
+) -> tuple[int, ...]:
+    """Tokens of a streaming terminal ``complete`` that no chunk delivered yet.
+
+    SGLang and vLLM repeat the last chunk's delta in the complete, so normally
+    nothing is new. A complete with no chunk before it carries new tokens; any
+    other difference would silently drop or duplicate output, so it is a
+    protocol fault.
+    """
+    ids = tuple(output_ids)
+    if not ids or ids == tuple(last_delta):
+        return ()
+    if delivered == 0:
+        return ids
+    raise EngineError(
+        ErrorKind.PROTOCOL,
+        f"the terminal message's {len(ids)} tokens do not repeat the last delta "
+        f"({len(last_delta)} tokens)",
+    )
+
+
+def after_terminal() -> EngineError:
+    """A message after the terminal one: the stream no longer matches its contract."""
+    return EngineError(ErrorKind.PROTOCOL, "a message arrived after the terminal message")
 
 
 class StreamDecoder(abc.ABC):

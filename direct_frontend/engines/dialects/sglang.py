@@ -5,7 +5,12 @@ Quirks handled here (engine-contracts.md §4): the prompt must be token ids;
 cap at all); chunk counts are cumulative; in streaming mode the terminal
 ``complete`` repeats the last delta, so its ``output_ids`` are never appended;
 ``max_context_length`` is the KV pool size, not the model window, so it is not
-used as the context length. The contract has no ``seed`` field.
+used as the context length; an engine-side abort ends the stream with status
+INTERNAL "Request aborted", classified like the other kinds' in-band aborts.
+
+A request's ``seed`` cannot be sent: ``SamplingParams`` has no seed field
+(``custom_params`` feed a custom logit processor, not the sampler), so SGLang
+samples unseeded. Stop strings are applied by the frontend, as for every kind.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ from collections.abc import Sequence
 from typing import Any, ClassVar
 
 from google.protobuf import json_format
+from grpclib.const import Status
+from grpclib.exceptions import GRPCError
 
 from direct_frontend.engines.dialects.base import (
     FINISH_REASONS,
@@ -22,6 +29,10 @@ from direct_frontend.engines.dialects.base import (
     HealthResult,
     Rpc,
     StreamDecoder,
+    after_terminal,
+    classify_exception,
+    engine_aborted,
+    streamed_tail,
     unusual_finish,
 )
 from direct_frontend.engines.neutral import (
@@ -41,24 +52,32 @@ ROLES = {"prefill": EngineRole.PREFILL, "decode": EngineRole.DECODE, "null": Eng
 
 
 class SglangStreamDecoder(StreamDecoder):
-    """Decoder for one SGLang Generate stream."""
+    """Decoder for one SGLang Generate stream (chunk counts are cumulative)."""
 
     def __init__(self, stream: bool) -> None:
         self._stream = stream
         self._delivered = 0
+        self._last: tuple[int, ...] = ()
         self._prompt = 0
+        self._completion = 0
         self._cached = 0
         self.finished = False
 
     def feed(self, message: Any) -> EngineEvent | None:
+        if self.finished:
+            raise after_terminal()
         which = message.WhichOneof("response")
         if which == "chunk":
             chunk = message.chunk
             ids = tuple(chunk.token_ids)
             self._delivered += len(ids)
+            self._last = ids
             self._prompt = chunk.prompt_tokens
+            self._completion = max(chunk.completion_tokens, self._delivered)
             self._cached = chunk.cached_tokens
-            return TokenDelta(ids, chunk.prompt_tokens, self._delivered, chunk.cached_tokens)
+            if not ids:
+                return None
+            return TokenDelta(ids, self._prompt, self._completion, self._cached)
         if which == "complete":
             done = message.complete
             self.finished = True
@@ -66,7 +85,10 @@ class SglangStreamDecoder(StreamDecoder):
             if problem is not None:
                 raise problem
             # Streaming: output_ids repeat the last chunk. Non-streaming: the whole output.
-            extra = () if self._stream else tuple(done.output_ids)
+            if self._stream:
+                extra = streamed_tail(self._last, self._delivered, done.output_ids)
+            else:
+                extra = tuple(done.output_ids)
             completion = max(done.completion_tokens, self._delivered + len(extra))
             matched = done.WhichOneof("matched_stop")
             return Finished(
@@ -135,9 +157,8 @@ class SglangDialect(Dialect):
         role = ROLES.get(str(args.get("disaggregation_mode", "null")), EngineRole.BOTH)
         window = args.get("context_length")
         page = args.get("page_size")
-        incarnation = (
-            server.start_time.ToJsonString() if server.HasField("start_time") else ""
-        )
+        started = server.HasField("start_time")
+        incarnation = server.start_time.ToJsonString() if started else ""
         return EngineInfo(
             served_model_name=model.served_model_name,
             model_path=model.model_path,
@@ -149,9 +170,20 @@ class SglangDialect(Dialect):
             role=role,
             data_parallel_size=int(args.get("dp_size", 1) or 1),
             incarnation=incarnation,
+            started_at=server.start_time.ToNanoseconds() / 1e9 if started else None,
             details=(
                 ("kv_pool_tokens", str(model.max_context_length)),
                 ("bootstrap_port", str(args.get("disaggregation_bootstrap_port", ""))),
                 ("sglang_version", server.sglang_version),
             ),
         )
+
+    def classify(self, exc: BaseException) -> EngineError:
+        """SGLang reports an engine-side abort as INTERNAL; read it as the others' abort."""
+        if (
+            isinstance(exc, GRPCError)
+            and exc.status is Status.INTERNAL
+            and "abort" in (exc.message or "").lower()
+        ):
+            return engine_aborted()
+        return classify_exception(exc)

@@ -1,0 +1,208 @@
+"""TensorRT-LLM's SMG contract (``trtllm.TrtllmService``).
+
+Quirks handled here (engine-contracts.md §6): the prompt goes in
+``tokenized.input_token_ids``; ``max_tokens`` is required; the stream flag is
+``streaming``; sampling fields are optional and the adapter defaults unset
+ones, so ours are sent explicitly (a ``seed`` is uint64 here: a negative one
+is sent as its two's complement, so it still always reproduces the same
+output). Chunk counts are cumulative. The terminal ``complete`` carries the
+whole output (cumulative), in both modes: only tokens no chunk delivered are
+emitted from it (normally none when streaming), and it is cross-checked
+against what was delivered. ``finish_reason`` is TensorRT-LLM's own string
+or "": an empty one is derived (a matched stop, else the budget used up,
+else a stop); "cancelled" (an abort), "abort", "error" and "timeout" are
+engine-side failures.
+
+Stop strings (field 21) are never sent: the frontend applies stop strings
+itself for every engine kind, so all kinds stop at the same place and
+TensorRT-LLM's own tokenization of them never matters.
+
+Discovery: the contract reports no served model name, only ``model_id``,
+the model path or name the engine was started with: it fills
+``served_model_name`` with ``served_name_known=False``, so the fleet file,
+not the engine, vouches for the model. ``max_seq_len``/``max_input_len`` are
+flag defaults (1024 on the PyTorch path, whatever the model), so they are
+kept in the details only and the context length must come from the fleet
+file. There is no disaggregation role, no start time and no EOS ids, and
+prefill/decode is not possible through this contract.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+from direct_frontend.engines.dialects.base import (
+    Capabilities,
+    Dialect,
+    HealthResult,
+    Rpc,
+    StreamDecoder,
+    after_terminal,
+    unusual_finish,
+)
+from direct_frontend.engines.neutral import (
+    EngineEvent,
+    EngineInfo,
+    EngineRole,
+    Finished,
+    FinishReason,
+    GenerateCall,
+    TokenDelta,
+)
+from direct_frontend.errors import EngineError, ErrorKind
+from protos import trtllm_service_pb2 as pb
+
+SERVICE = "/trtllm.TrtllmService"
+NORMAL_FINISHES = {"stop": FinishReason.STOP, "stop_word": FinishReason.STOP,
+                   "length": FinishReason.LENGTH}
+
+
+def finish_reason(reason: str, matched: bool, completion: int, max_tokens: int) -> FinishReason:
+    """TensorRT-LLM's finish string as ours; an empty (or unknown) one is derived."""
+    problem = unusual_finish(reason)
+    if problem is not None:
+        raise problem
+    if reason == "timeout":
+        raise EngineError(ErrorKind.INTERNAL, "the engine timed the request out")
+    known = NORMAL_FINISHES.get(reason)
+    if known is not None:
+        return known
+    if matched:
+        return FinishReason.STOP
+    return FinishReason.LENGTH if completion >= max_tokens else FinishReason.STOP
+
+
+class TrtllmStreamDecoder(StreamDecoder):
+    """Decoder for one TensorRT-LLM Generate stream (the complete is cumulative)."""
+
+    def __init__(self, max_tokens: int) -> None:
+        self._max_tokens = max_tokens
+        self._delivered: list[int] = []
+        self._prompt = 0
+        self._completion = 0
+        self._cached = 0
+        self.finished = False
+
+    def feed(self, message: Any) -> EngineEvent | None:
+        if self.finished:
+            raise after_terminal()
+        which = message.WhichOneof("response")
+        if which == "chunk":
+            chunk = message.chunk
+            ids = tuple(chunk.token_ids)
+            self._delivered.extend(ids)
+            self._prompt = chunk.prompt_tokens
+            self._completion = max(chunk.completion_tokens, len(self._delivered))
+            self._cached = chunk.cached_tokens
+            if not ids:  # the adapter may send an empty chunk before the first output
+                return None
+            return TokenDelta(ids, self._prompt, self._completion, self._cached)
+        if which == "complete":
+            done = message.complete
+            self.finished = True
+            output = tuple(done.output_token_ids)
+            delivered = len(self._delivered)
+            matched = done.WhichOneof("matched_stop")
+            reason = finish_reason(
+                done.finish_reason,
+                matched is not None,
+                max(done.completion_tokens, len(output)),
+                self._max_tokens,
+            )
+            if len(output) < delivered or list(output[:delivered]) != self._delivered:
+                raise EngineError(
+                    ErrorKind.PROTOCOL,
+                    f"the terminal output ({len(output)} tokens) does not extend the "
+                    f"{delivered} tokens streamed",
+                )
+            extra = output[delivered:]
+            return Finished(
+                reason=reason,
+                prompt_tokens=done.prompt_tokens or self._prompt,
+                completion_tokens=max(done.completion_tokens, len(output)),
+                cached_tokens=done.cached_tokens or self._cached,
+                token_ids=extra,
+                matched_token_id=done.matched_token_id if matched == "matched_token_id" else None,
+                matched_stop_str=done.matched_stop_str if matched == "matched_stop_str" else None,
+            )
+        raise EngineError(ErrorKind.PROTOCOL, "GenerateResponse with neither chunk nor complete")
+
+
+class TrtllmDialect(Dialect):
+    kind: ClassVar[str] = "trtllm"
+    capabilities: ClassVar[Capabilities] = Capabilities(prefill_decode=False)
+
+    def generate(self, call: GenerateCall) -> Rpc:
+        s = call.sampling
+        # Unset temperature/top_p/repetition_penalty default to 1.0 on the adapter:
+        # always send ours. The others are sent only when they do something.
+        config: dict[str, Any] = {
+            "beam_width": 1,
+            "num_return_sequences": 1,
+            "temperature": s.temperature,
+            "top_p": s.top_p,
+            "repetition_penalty": s.repetition_penalty,
+        }
+        if s.top_k > 0:
+            config["top_k"] = s.top_k
+        if s.min_p > 0:
+            config["min_p"] = s.min_p
+        if s.presence_penalty:
+            config["presence_penalty"] = s.presence_penalty
+        if s.frequency_penalty:
+            config["frequency_penalty"] = s.frequency_penalty
+        if s.min_tokens > 0:
+            config["min_tokens"] = s.min_tokens
+        if s.seed is not None:
+            config["seed"] = s.seed & 0xFFFFFFFFFFFFFFFF  # uint64
+        request = pb.GenerateRequest(
+            request_id=call.request_id,
+            tokenized={"original_text": call.original_text, "input_token_ids": call.input_ids},
+            sampling_config=config,
+            max_tokens=s.max_tokens,
+            streaming=call.stream,
+            stop_token_ids=s.stop_token_ids,
+            ignore_eos=s.ignore_eos,
+        )
+        return Rpc(f"{SERVICE}/Generate", request, pb.GenerateResponse)
+
+    def stream_decoder(self, call: GenerateCall) -> StreamDecoder:
+        return TrtllmStreamDecoder(call.sampling.max_tokens)
+
+    def abort(self, request_id: str, reason: str = "") -> Rpc:
+        # Whether a cancelled RPC aborts on TensorRT-LLM is unconfirmed: always send this.
+        return Rpc(f"{SERVICE}/Abort", pb.AbortRequest(request_id=request_id), pb.AbortResponse)
+
+    def health(self) -> Rpc:
+        return Rpc(f"{SERVICE}/HealthCheck", pb.HealthCheckRequest(), pb.HealthCheckResponse)
+
+    def health_result(self, response: Any) -> HealthResult:
+        status = response.status
+        return HealthResult(status == "OK", status)
+
+    def discovery(self) -> Sequence[Rpc]:
+        return (
+            Rpc(f"{SERVICE}/GetModelInfo", pb.GetModelInfoRequest(), pb.GetModelInfoResponse),
+            Rpc(f"{SERVICE}/GetServerInfo", pb.GetServerInfoRequest(), pb.GetServerInfoResponse),
+        )
+
+    def engine_info(self, responses: Sequence[Any]) -> EngineInfo:
+        model, server = responses
+        return EngineInfo(
+            served_model_name=model.model_id,
+            served_name_known=False,  # model_id is whatever path trtllm-serve was given
+            model_path=model.model_id,
+            context_length=None,  # max_seq_len is a flag default, never the window
+            max_input_length=None,
+            role=EngineRole.BOTH,  # aggregated only: no P/D through this contract
+            details=(
+                ("reported_max_seq_len", str(model.max_seq_len)),
+                ("reported_max_input_len", str(model.max_input_len)),
+                ("vocab_size", str(model.vocab_size)),
+                ("backend", server.backend),
+                ("version", server.version),
+                ("tensor_parallel_size", str(server.tensor_parallel_size)),
+                ("pipeline_parallel_size", str(server.pipeline_parallel_size)),
+            ),
+        )

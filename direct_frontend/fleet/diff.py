@@ -1,0 +1,151 @@
+"""What a new fleet file changes against the running fleet (sans-IO).
+
+Works on the JSON form of a fleet (:func:`~direct_frontend.fleet.describe.to_jsonable`),
+so the same code diffs a reload in the daemon (two loaded files) and
+``check --against`` (a file against a daemon's ``GET /fleet``). Engines are
+matched by name: one whose settings differ in any way is *changed* (replaced
+by a new incarnation), one with no match is added or removed. ``[frontend]``
+settings are compared leaf by leaf and split into those a running daemon
+applies at once and those that need a restart.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from direct_frontend.fleet.describe import JsonValue, to_jsonable
+from direct_frontend.fleet.schema import FleetConfig
+
+#: ``[frontend]`` settings a running daemon cannot change: the listening socket, the
+#: tokenizer loaded at start, the model name every engine was admitted against, and the
+#: log format chosen at start (the command line may override it).
+RESTART_FIELDS = ("listen", "tokenizer", "served_model_name", "log_json")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EngineChange:
+    """An engine present in both fleets whose settings differ (``fields``: dotted names)."""
+
+    name: str
+    fields: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class FleetDiff:
+    """The engine and frontend changes between a running fleet and a new file."""
+
+    added: tuple[str, ...] = ()
+    removed: tuple[str, ...] = ()
+    changed: tuple[EngineChange, ...] = ()
+    unchanged: tuple[str, ...] = ()
+    live: tuple[str, ...] = ()  # [frontend] fields applied without a restart
+    restart: tuple[str, ...] = ()  # [frontend] fields that need a restart
+
+    @property
+    def empty(self) -> bool:
+        return not (self.added or self.removed or self.changed or self.live or self.restart)
+
+    @property
+    def changed_names(self) -> tuple[str, ...]:
+        return tuple(change.name for change in self.changed)
+
+    def lines(self) -> list[str]:
+        """The diff for people, one change per line (``+`` add, ``-`` remove, ``~`` replace)."""
+        if self.empty:
+            return ["no changes"]
+        out = [f"+ engine {name} (joins: probe first, then serves)" for name in self.added]
+        out += [f"- engine {name} (drains, then leaves)" for name in self.removed]
+        out += [
+            f"~ engine {c.name} (replaced: {', '.join(c.fields)})" for c in self.changed
+        ]
+        out += [f"~ frontend.{name} (applies live)" for name in self.live]
+        out += [f"! frontend.{name} (needs a restart; keeps its running value)"
+                for name in self.restart]
+        if self.unchanged:
+            out.append(f"= {len(self.unchanged)} engine(s) unchanged: {', '.join(self.unchanged)}")
+        return out
+
+    def to_json(self) -> dict[str, JsonValue]:
+        return {
+            "added": list(self.added),
+            "removed": list(self.removed),
+            "changed": [{"name": c.name, "fields": list(c.fields)} for c in self.changed],
+            "unchanged": list(self.unchanged),
+            "live": list(self.live),
+            "restart": list(self.restart),
+        }
+
+
+def diff_fleets(old: FleetConfig, new: FleetConfig) -> FleetDiff:
+    """Diff two loaded fleets, secrets included (so a rotated token is a change)."""
+    return diff_fleet_data(to_jsonable(old, redact=False), to_jsonable(new, redact=False))
+
+
+def diff_fleet_data(old: Mapping[str, Any], new: Mapping[str, Any]) -> FleetDiff:
+    """Diff two fleets in their JSON form (``to_jsonable``)."""
+    old_engines = _engines_by_name(old)
+    new_engines = _engines_by_name(new)
+    added = tuple(name for name in new_engines if name not in old_engines)
+    removed = tuple(name for name in old_engines if name not in new_engines)
+    changed: list[EngineChange] = []
+    unchanged: list[str] = []
+    for name, engine in new_engines.items():
+        before = old_engines.get(name)
+        if before is None:
+            continue
+        fields = tuple(_changed_leaves(before, engine))
+        if fields:
+            changed.append(EngineChange(name, fields))
+        else:
+            unchanged.append(name)
+    live: list[str] = []
+    restart: list[str] = []
+    for name in _changed_leaves(old.get("frontend", {}), new.get("frontend", {})):
+        (restart if name.split(".", 1)[0] in RESTART_FIELDS else live).append(name)
+    return FleetDiff(added, removed, tuple(changed), tuple(unchanged), tuple(live),
+                     tuple(restart))
+
+
+def _engines_by_name(fleet: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:
+    return {engine["name"]: engine for engine in fleet.get("engines", [])}
+
+
+def _changed_leaves(old: Any, new: Any, prefix: str = "") -> Iterator[str]:
+    """Dotted names of the values that differ; tables are walked, arrays compared whole."""
+    if isinstance(old, Mapping) and isinstance(new, Mapping):
+        for key in (*old, *(k for k in new if k not in old)):
+            if key == "name" and not prefix:
+                continue  # engines are matched by name; a rename is a remove and an add
+            yield from _changed_leaves(old.get(key), new.get(key), f"{prefix}{key}.")
+    elif old != new:
+        yield prefix.removesuffix(".")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ReloadResult:
+    """The outcome of one reload: applied (with its diff) or rejected (with its problems).
+
+    ``version`` is the config version running afterwards: it grows by one
+    whenever a reload applied something, and stays put when one is rejected.
+    """
+
+    ok: bool
+    trigger: str  # "file", "signal" or "api"
+    at: float
+    version: int
+    digest: str  # sha256 of the file read, "" if it could not be read
+    errors: tuple[str, ...] = ()
+    diff: FleetDiff | None = None
+
+    def to_json(self) -> dict[str, JsonValue]:
+        return {
+            "ok": self.ok,
+            "trigger": self.trigger,
+            "at": self.at,
+            "version": self.version,
+            "digest": self.digest,
+            "errors": list(self.errors),
+            "diff": None if self.diff is None else self.diff.to_json(),
+        }

@@ -1,0 +1,207 @@
+"""KV-cache-aware selection: send a request where its prefix is already cached (sans-IO).
+
+Cost per engine, lower is better (after Dynamo's classic form, kv-events.md §13.2)::
+
+    cost = overlap_weight × blocks to prefill (request blocks − cached leading blocks)
+         + decode load in blocks (our own accounting of prompt tokens in flight)
+
+argmin at ``temperature == 0`` (ties → fewer requests in flight → round robin),
+else softmax sampling over the min–max-normalised costs. A load guard (smg's
+imbalance gate) spills a request to the least-loaded engine when the chosen
+one is far above the mean, so a hot system prompt cannot herd all traffic to
+one engine.
+
+Overlap comes from an :class:`OverlapSource`: the KV-event index (exact) or,
+for engines without KV events, :class:`ApproxPrefixIndex`, which remembers
+what the router itself sent where.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import random
+import time
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import Protocol
+
+from direct_frontend.kv.index import prefix_hashes
+from direct_frontend.routing.catalog import Catalog, EngineHandle
+from direct_frontend.routing.policies import RequestView
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class KvKnobs:
+    """``[frontend.routing.knobs]`` for ``policy = "kv_aware"`` (defaults in the README)."""
+
+    block_size: int = 16  # = the engines' KV block size (vLLM block_size, SGLang page size)
+    overlap_weight: float = 1.0
+    temperature: float = 0.0
+    balance_abs_threshold: float = 8.0  # in-flight requests above the mean …
+    balance_rel_threshold: float = 1.5  # … and this many times the mean: spill
+    approx_ttl_s: float = 120.0
+    approx_max_blocks: int = 1 << 20
+
+    @classmethod
+    def from_mapping(cls, knobs: Mapping[str, object]) -> KvKnobs:
+        """Build from the fleet file's knobs table; unknown names are an error."""
+        fields = {f.name: f.type for f in dataclasses.fields(cls)}
+        unknown = sorted(set(knobs) - set(fields))
+        if unknown:
+            raise ValueError(f"unknown kv_aware knob(s): {', '.join(unknown)}")
+        values: dict[str, object] = {}
+        for name, value in knobs.items():
+            default = getattr(cls(), name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"kv_aware knob {name} must be a number")
+            values[name] = int(value) if isinstance(default, int) else float(value)
+        return cls(**values)  # type: ignore[arg-type]
+
+
+class OverlapSource(Protocol):
+    def lookup_hashes(self, hashes: Sequence[int]) -> dict[str, int]:
+        """Leading blocks of the request (given as prefix hashes) each engine holds."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class KvChoice:
+    """What the policy decided, kept for the hit-rate check."""
+
+    engine: EngineHandle
+    predicted_blocks: int
+    spilled: bool
+
+
+class ApproxPrefixIndex:
+    """Which prefixes the router sent where, for engines that publish no KV events.
+
+    Entries expire after ``ttl_s`` (the engine has probably evicted them by
+    then) and the whole map is capped at ``max_blocks`` (oldest first).
+    """
+
+    def __init__(self, ttl_s: float, max_blocks: int) -> None:
+        self.ttl_s = ttl_s
+        self.max_blocks = max_blocks
+        # prefix hash → {engine: expiry}; insertion order ≈ age, for the cap
+        self._entries: collections.OrderedDict[int, dict[str, float]] = collections.OrderedDict()
+
+    def record(self, engine: str, hashes: Sequence[int], now: float) -> None:
+        expiry = now + self.ttl_s
+        entries = self._entries
+        for h in hashes:
+            holders = entries.get(h)
+            if holders is None:
+                entries[h] = {engine: expiry}
+            else:
+                holders[engine] = expiry
+                entries.move_to_end(h)
+        while len(entries) > self.max_blocks:
+            entries.popitem(last=False)
+
+    def lookup_at(self, hashes: Sequence[int], now: float) -> dict[str, int]:
+        result: dict[str, int] = {}
+        alive: set[str] | None = None
+        for depth, h in enumerate(hashes):
+            holders = self._entries.get(h)
+            here = {e for e, expiry in holders.items() if expiry > now} if holders else set()
+            if alive is not None:
+                here &= alive
+            for gone in (alive or set()) - here:
+                result[gone] = depth
+            if not here:
+                return result
+            alive = here
+        for engine in alive or ():
+            result[engine] = len(hashes)
+        return result
+
+    def forget_engine(self, engine: str) -> None:
+        for holders in self._entries.values():
+            holders.pop(engine, None)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+class KvAware:
+    """The ``kv_aware`` routing policy."""
+
+    name = "kv_aware"
+
+    def __init__(
+        self,
+        knobs: KvKnobs,
+        exact: OverlapSource | None = None,
+        approx: ApproxPrefixIndex | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.clock = clock
+        self.knobs = knobs
+        self.exact = exact
+        self.approx = approx or ApproxPrefixIndex(knobs.approx_ttl_s, knobs.approx_max_blocks)
+        self.uses_events: Collection[str] = ()  # engines whose overlap comes from KV events
+        self._rng = rng or random.Random()
+        self._tie = 0
+        self.last: KvChoice | None = None
+
+    def hashes(self, input_ids: Sequence[int]) -> list[int]:
+        return prefix_hashes(input_ids, self.knobs.block_size)
+
+    def overlaps(self, hashes: Sequence[int], now: float) -> dict[str, int]:
+        """Cached leading blocks per engine: exact for engines with events, else approximate."""
+        exact = self.exact.lookup_hashes(hashes) if self.exact is not None and hashes else {}
+        approx = self.approx.lookup_at(hashes, now) if hashes else {}
+        merged = {e: n for e, n in approx.items() if e not in self.uses_events}
+        merged.update({e: n for e, n in exact.items() if e in self.uses_events})
+        return merged
+
+    def choose(
+        self, catalog: Catalog, request: RequestView, exclude: Collection[str] = ()
+    ) -> EngineHandle | None:
+        return self.choose_at(catalog, request, exclude, now=self.clock())
+
+    def choose_at(
+        self, catalog: Catalog, request: RequestView, exclude: Collection[str], now: float
+    ) -> EngineHandle | None:
+        candidates = [e for e in catalog.engines if e.name not in exclude]
+        if not candidates:
+            self.last = None
+            return None
+        knobs = self.knobs
+        hashes = self.hashes(request.input_ids)
+        overlaps = self.overlaps(hashes, now)
+        request_blocks = math.ceil(len(request.input_ids) / knobs.block_size)
+        costs = [
+            knobs.overlap_weight * (request_blocks - overlaps.get(e.name, 0))
+            + e.load.prompt_tokens_in_flight / knobs.block_size
+            for e in candidates
+        ]
+        chosen = self._pick(candidates, costs)
+        spilled = False
+        loads = [e.load.in_flight for e in candidates]
+        mean = sum(loads) / len(loads)
+        if (
+            chosen.load.in_flight > mean * knobs.balance_rel_threshold
+            and chosen.load.in_flight > mean + knobs.balance_abs_threshold
+        ):
+            chosen = min(candidates, key=lambda e: e.load.in_flight)
+            spilled = True
+        self.last = KvChoice(chosen, overlaps.get(chosen.name, 0), spilled)
+        if chosen.name not in self.uses_events:
+            self.approx.record(chosen.name, hashes, now)
+        return chosen
+
+    def _pick(self, candidates: Sequence[EngineHandle], costs: Sequence[float]) -> EngineHandle:
+        low, high = min(costs), max(costs)
+        if self.knobs.temperature <= 0 or high - low < 1e-9:
+            best = [e for e, c in zip(candidates, costs, strict=True) if c - low < 1e-5]
+            least = min(e.load.in_flight for e in best)
+            tied = [e for e in best if e.load.in_flight == least]
+            self._tie += 1
+            return tied[self._tie % len(tied)]
+        span = high - low
+        weights = [math.exp(-(c - low) / span / self.knobs.temperature) for c in costs]
+        return self._rng.choices(list(candidates), weights)[0]

@@ -1,0 +1,250 @@
+#!/usr/bin/env python3
+"""Soak: concurrent streams while engines are killed and restarted at random.
+
+Starts ``--engines`` standalone simulator processes and a ``direct-frontend
+run`` daemon in front of them, records the expected text of every prompt
+(the simulator is deterministic from its token prefix), then runs
+``--concurrency`` streaming clients for ``--seconds`` while a chaos task
+SIGKILLs a random engine every ``--kill-every`` seconds and restarts it on the
+same port ``--down-for`` seconds later (never the last engine up).
+
+Prints requests completed, failed, retried and migrated (from the daemon's
+metrics), and any duplicated or lost output (each stream's text against the
+uninterrupted text, and its usage against max_tokens). Exits 1 unless: 0
+failed, 0 duplicated, 0 lost.
+
+Usage::
+
+    python scripts/soak.py                       # 3 engines, 16 streams, 30 s
+    python scripts/soak.py --engines 4 --concurrency 32 --seconds 120
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import difflib
+import json
+import pathlib
+import random
+import re
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import httpx
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from bench_overhead import HOST, MODEL_DIR, Child, cli_argv, free_ports, wait_for_port, wait_ready
+
+PROMPTS = [
+    "Tell me about the sea.",
+    "Write a short poem about mountains.",
+    "What is the capital of a country you like?",
+    "Explain how rain forms.",
+    "Give me three ideas for dinner.",
+    "Describe a city at night.",
+    "Why do cats purr?",
+    "Summarise a book you know.",
+]
+
+
+@dataclass
+class Tally:
+    completed: int = 0
+    failed: int = 0
+    mismatched: int = 0
+    duplicated_chars: int = 0
+    lost_chars: int = 0
+    usage_wrong: int = 0
+    kills: int = 0
+    restarts: int = 0
+    errors: list[str] = field(default_factory=list)
+
+
+def fleet(listen: int, engine_ports: Sequence[int]) -> str:
+    engines = "".join(
+        f'\n[[engine]]\nname = "e{i}"\nurl = "grpc://{HOST}:{port}"\nkind = "sglang"\n'
+        for i, port in enumerate(engine_ports)
+    )
+    return (
+        f'[frontend]\nlisten = "{HOST}:{listen}"\nserved_model_name = "demo"\n'
+        f"tokenizer = {json.dumps(str(MODEL_DIR))}\n"
+        "\n[frontend.probe]\ninterval_s = 0.25\ntimeout_s = 0.5\n" + engines
+    )
+
+
+def engine_argv(port: int, decode_us: float) -> list[str]:
+    return [
+        *cli_argv(), "simulate-engine", "--kind", "sglang", "--port", str(port),
+        "--model-dir", str(MODEL_DIR), "--served-model-name", "demo",
+        "--decode-us-per-token", str(decode_us), "--prefill-us-per-token", "5",
+        "--eos-probability", "0",
+    ]
+
+
+async def stream_once(
+    client: httpx.AsyncClient, base: str, prompt: str, max_tokens: int
+) -> tuple[str, int | None, str | None]:
+    """One streaming chat request: (text, usage completion tokens, error)."""
+    body = {
+        "model": "demo", "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens, "stream": True, "stream_options": {"include_usage": True},
+    }
+    text: list[str] = []
+    usage: int | None = None
+    async with client.stream("POST", base + "/v1/chat/completions", json=body) as response:
+        if response.status_code != 200:
+            return "", None, f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                return "".join(text), usage, f"error event: {event['error']['message']}"
+            if event.get("usage"):
+                usage = event["usage"]["completion_tokens"]
+            for choice in event.get("choices", []):
+                text.append(choice.get("delta", {}).get("content") or "")
+    return "".join(text), usage, None
+
+
+def compare(expected: str, got: str) -> tuple[int, int]:
+    """(duplicated, lost) characters of ``got`` against ``expected``."""
+    duplicated = lost = 0
+    matcher = difflib.SequenceMatcher(a=expected, b=got, autojunk=False)
+    for tag, i1, i2, j1, j2 in matcher.get_opcodes():
+        if tag in ("insert", "replace"):
+            duplicated += j2 - j1
+        if tag in ("delete", "replace"):
+            lost += i2 - i1
+    return duplicated, lost
+
+
+async def chaos(
+    engines: dict[int, Child], args: argparse.Namespace, tally: Tally, stop: asyncio.Event,
+    logdir: pathlib.Path,
+) -> None:
+    rng = random.Random(args.seed)
+    down: dict[int, float] = {}
+    while not stop.is_set():
+        await asyncio.sleep(args.kill_every)
+        now = time.monotonic()
+        for port, since in list(down.items()):
+            if now - since >= args.down_for:
+                engines[port] = Child(f"engine:{port}", engine_argv(port, args.decode_us),
+                                      logdir / f"engine-{port}-{now:.0f}.log")
+                await wait_for_port(engines[port], port)
+                del down[port]
+                tally.restarts += 1
+        up = [p for p in engines if p not in down]
+        if len(up) > 1:
+            victim = rng.choice(up)
+            engines[victim].popen.send_signal(signal.SIGKILL)
+            engines[victim].popen.wait()
+            down[victim] = time.monotonic()
+            tally.kills += 1
+
+
+async def main(args: argparse.Namespace) -> int:
+    logdir = pathlib.Path(tempfile.mkdtemp(prefix="df-soak-"))
+    listen, *ports = free_ports(1 + args.engines)
+    fleet_path = logdir / "fleet.toml"
+    fleet_path.write_text(fleet(listen, ports))
+    engines = {
+        p: Child(f"engine:{p}", engine_argv(p, args.decode_us), logdir / f"engine-{p}.log")
+        for p in ports
+    }
+    daemon = Child("daemon", [*cli_argv(), "run", str(fleet_path)], logdir / "daemon.log")
+    tally = Tally()
+    base = f"http://{HOST}:{listen}"
+    try:
+        for port, child in engines.items():
+            await wait_for_port(child, port)
+        await wait_ready(daemon, listen)
+        async with httpx.AsyncClient(timeout=60) as client:
+            expected = {}
+            for prompt in PROMPTS:
+                text, usage, error = await stream_once(client, base, prompt, args.max_tokens)
+                assert error is None and usage == args.max_tokens, (error, usage)
+                expected[prompt] = text
+            stop = asyncio.Event()
+            deadline = time.monotonic() + args.seconds
+
+            async def worker(seed: int) -> None:
+                rng = random.Random(seed)
+                while time.monotonic() < deadline:
+                    prompt = rng.choice(PROMPTS)
+                    try:
+                        text, usage, error = await stream_once(
+                            client, base, prompt, args.max_tokens
+                        )
+                    except httpx.HTTPError as exc:
+                        text, usage, error = "", None, repr(exc)
+                    if error is not None:
+                        tally.failed += 1
+                        tally.errors.append(error)
+                        continue
+                    tally.completed += 1
+                    if usage != args.max_tokens:
+                        tally.usage_wrong += 1
+                    if text != expected[prompt]:
+                        tally.mismatched += 1
+                        dup, lost = compare(expected[prompt], text)
+                        tally.duplicated_chars += dup
+                        tally.lost_chars += lost
+
+            chaos_task = asyncio.create_task(chaos(engines, args, tally, stop, logdir))
+            await asyncio.gather(*(worker(args.seed + i) for i in range(args.concurrency)))
+            stop.set()
+            chaos_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await chaos_task
+            metrics = (await client.get(base + "/metrics")).text
+    finally:
+        daemon.stop()
+        for child in engines.values():
+            child.stop()
+
+    def outcome(name: str) -> int:
+        return int(sum(float(v) for v in re.findall(
+            rf'direct_frontend_engine_requests_total{{[^}}]*outcome="{name}"[^}}]*}} (\S+)',
+            metrics)))
+
+    print(f"soak: {args.engines} engines, {args.concurrency} streams, {args.seconds:.0f} s, "
+          f"{args.max_tokens} tokens each; logs in {logdir}")
+    print(f"  engines killed / restarted: {tally.kills} / {tally.restarts}")
+    print(f"  requests completed:         {tally.completed}")
+    print(f"  requests failed:            {tally.failed}")
+    print(f"  attempts retried:           {outcome('retried')}")
+    print(f"  streams migrated:           {outcome('migrated')}")
+    print(f"  streams with other text:    {tally.mismatched}")
+    print(f"  duplicated characters:      {tally.duplicated_chars}")
+    print(f"  lost characters:            {tally.lost_chars}")
+    print(f"  usage not equal max_tokens: {tally.usage_wrong}")
+    for error in tally.errors[:5]:
+        print(f"  e.g. {error}")
+    ok = not (tally.failed or tally.duplicated_chars or tally.lost_chars or tally.usage_wrong)
+    print("PASS" if ok else "FAIL")
+    return 0 if ok else 1
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--engines", type=int, default=3)
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--seconds", type=float, default=30.0)
+    p.add_argument("--max-tokens", type=int, default=200)
+    p.add_argument("--decode-us", type=float, default=2000.0, help="engine time per token")
+    p.add_argument("--kill-every", type=float, default=2.0)
+    p.add_argument("--down-for", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=1)
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(asyncio.run(main(parse_args())))

@@ -1,0 +1,374 @@
+"""The Trio KV-event subscriber over real loopback sockets.
+
+The publisher is the simulator's (a real PUB plus a replay ROUTER on the
+trio-asyncio loop, as in the daemon), or a bare PUB for malformed input. Every
+wait polls a condition with a deadline; nothing sleeps and hopes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import random
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import trio
+import trio_asyncio
+import zmq
+
+from direct_frontend.kv.index import KvIndex
+from direct_frontend.kv.subscriber import KvSubscription, run_kv_subscriber
+from direct_frontend.simulator.kv_publisher import KvEventPublisher, PublisherKind
+from direct_frontend.simulator.kvcache import CacheCleared, StoredRun
+
+BS = 4
+
+
+def run(body: Callable[[], Awaitable[None]], timeout: float = 60.0) -> None:
+    """One test body under Trio with a trio-asyncio loop (the daemon's arrangement)."""
+
+    async def main() -> None:
+        with trio.fail_after(timeout):
+            async with trio_asyncio.open_loop():
+                await body()
+
+    trio.run(main)
+
+
+async def until(predicate: Callable[[], bool], within: float = 10.0, what: str = "") -> None:
+    """Poll ``predicate`` until it holds."""
+    deadline = trio.current_time() + within
+    while not predicate():
+        if trio.current_time() > deadline:
+            raise AssertionError(f"not reached in {within}s: {what or predicate}")
+        await trio.sleep(0.002)
+
+
+def tokens_of(i: int) -> list[int]:
+    """One block of tokens unique to batch ``i``."""
+    return [i * BS + k + 1 for k in range(BS)]
+
+
+def block(i: int) -> StoredRun:
+    return StoredRun([i + 1], None, tokens_of(i), BS)
+
+
+@contextlib.asynccontextmanager
+async def publishing(
+    kind: PublisherKind = "vllm", **options: Any
+) -> AsyncIterator[KvEventPublisher]:
+    options.setdefault("replay_port", 0)
+    pub = KvEventPublisher(kind, **options)
+
+    async def start() -> None:
+        pub.start()  # binds, and starts the replay task on the asyncio loop
+
+    await trio_asyncio.aio_as_trio(start)()
+    try:
+        yield pub
+    finally:
+        pub.close()
+
+
+class Subscribed:
+    """A running subscriber and what it reported."""
+
+    def __init__(self, sub: KvSubscription, malformed: list[str], clears: list[str]) -> None:
+        self.sub = sub
+        self.malformed = malformed
+        self.clears = clears
+
+
+@contextlib.asynccontextmanager
+async def subscribed(
+    index: KvIndex,
+    endpoint: str,
+    replay_endpoint: str | None,
+    **options: Any,
+) -> AsyncIterator[Subscribed]:
+    malformed: list[str] = []
+    clears: list[str] = []
+    async with trio.open_nursery() as nursery:
+        sub = await nursery.start(
+            functools.partial(
+                run_kv_subscriber,
+                "e",
+                endpoint,
+                replay_endpoint,
+                index,
+                BS,
+                on_malformed=malformed.append,
+                on_clear=lambda engine, reason: clears.append(reason),
+                **options,
+            )
+        )
+        yield Subscribed(sub, malformed, clears)
+        nursery.cancel_scope.cancel()
+
+
+def indexed(index: KvIndex, *batches: int) -> bool:
+    return all(index.lookup(tokens_of(i)) == {"e": 1} for i in batches)
+
+
+async def warm_up(pub: KvEventPublisher, s: Subscribed) -> None:
+    """Publish until one live message got through: the subscription is in place."""
+    while s.sub.messages == 0:
+        pub.publish([block(pub.next_seq)])
+        await trio.sleep(0.005)
+    await until(lambda: s.sub.tracker.next_seq == pub.next_seq, what="caught up")
+
+
+def test_startup_replay_indexes_an_idle_engines_history() -> None:
+    """An engine that cached blocks before we subscribed, then went quiet."""
+
+    async def body() -> None:
+        index = KvIndex(BS)
+        async with publishing() as pub:
+            for i in range(5):
+                pub.publish([block(i)])
+            async with subscribed(index, pub.endpoint, pub.replay_endpoint) as s:
+                await until(lambda: indexed(index, 0, 1, 2, 3, 4), what="history replayed")
+                assert s.sub.replay_messages == 5 and s.sub.tracker.next_seq == 5
+                assert s.clears == ["start"] and s.malformed == []
+
+    run(body)
+
+
+def test_flood_arrives_whole_without_gaps_or_starving_trio() -> None:
+    async def body() -> None:
+        index = KvIndex(BS)
+        lateness: list[float] = []
+
+        async def heartbeat() -> None:
+            while True:
+                start = trio.current_time()
+                await trio.sleep(0.005)
+                lateness.append(trio.current_time() - start - 0.005)
+
+        async with publishing() as pub, subscribed(index, pub.endpoint, pub.replay_endpoint) as s:
+            await warm_up(pub, s)
+            gaps = s.sub.tracker.stats.gaps
+            first = pub.next_seq
+            total = 30_000
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(heartbeat)
+                for i in range(first, first + total):
+                    pub.publish([block(i)])
+                    if i % 2000 == 0:
+                        await trio.lowlevel.checkpoint()
+                await until(
+                    lambda: s.sub.tracker.next_seq == pub.next_seq, within=60, what="flood"
+                )
+                nursery.cancel_scope.cancel()
+            assert s.sub.tracker.stats.gaps == gaps  # nothing lost under the flood
+            assert s.sub.tracker.stats.replays_requested <= 2  # start-up + a warm-up gap
+            assert indexed(index, first, first + total // 2, first + total - 1)
+            assert len(index) == pub.next_seq
+            assert lateness and max(lateness) < 0.5, max(lateness)
+
+    run(body, timeout=120)
+
+
+def test_slow_trickle_delivers_every_batch_promptly() -> None:
+    """The edge-triggered FD: a naive loop would hang on one of these."""
+
+    async def body() -> None:
+        index = KvIndex(BS)
+        rng = random.Random(3)
+        async with publishing() as pub, subscribed(index, pub.endpoint, pub.replay_endpoint) as s:
+            await warm_up(pub, s)
+            gaps = s.sub.tracker.stats.gaps
+            for _ in range(150):
+                i = pub.next_seq
+                pub.publish([block(i)])
+                await until(functools.partial(indexed, index, i), within=2.0, what=f"batch {i}")
+                await trio.sleep(rng.uniform(0, 0.003))
+            assert s.sub.tracker.stats.gaps == gaps
+
+    run(body)
+
+
+def test_a_gap_is_filled_by_replay_in_order() -> None:
+    async def body() -> None:
+        index = KvIndex(BS)
+        async with publishing() as pub, subscribed(index, pub.endpoint, pub.replay_endpoint) as s:
+            await warm_up(pub, s)
+            before = pub.next_seq
+            gaps = s.sub.tracker.stats.gaps
+            pub.drop_next(3)  # lost on the PUB, kept in the replay buffer
+            for i in range(before, before + 6):
+                pub.publish([block(i)])
+            await until(lambda: s.sub.tracker.next_seq == pub.next_seq, what="gap filled")
+            assert indexed(index, *range(before + 6))
+            assert s.sub.tracker.stats.gaps == gaps + 1
+            assert "history_lost" not in s.clears and "gap" not in s.clears
+
+    run(body)
+
+
+def test_the_older_three_frame_replay_form_works() -> None:
+    async def body() -> None:
+        index = KvIndex(BS)
+        async with publishing(replay_frames=3) as pub:
+            for i in range(3):
+                pub.publish([block(i)])
+            async with subscribed(index, pub.endpoint, pub.replay_endpoint) as s:
+                await until(lambda: indexed(index, 0, 1, 2), what="3-frame replay")
+                pub.drop_next(1)
+                pub.publish([block(3)])
+                pub.publish([block(4)])
+                await until(lambda: indexed(index, 3, 4), what="3-frame gap fill")
+                assert s.malformed == []
+
+    run(body)
+
+
+def test_a_gap_without_replay_clears_and_carries_on() -> None:
+    async def body() -> None:
+        index = KvIndex(BS)
+        async with publishing(replay_port=None) as pub, subscribed(index, pub.endpoint, None) as s:
+            await warm_up(pub, s)
+            before = pub.next_seq - 1
+            assert indexed(index, before)
+            pub.drop_next(1)
+            pub.publish([block(pub.next_seq)])
+            after = pub.next_seq
+            pub.publish([block(after)])
+            await until(lambda: indexed(index, after), what="after the gap")
+            assert not indexed(index, before)  # the gap cleared what came before
+            assert "gap" in s.clears
+
+    run(body)
+
+
+def test_history_loss_clears_then_applies_what_is_left() -> None:
+    async def body() -> None:
+        index = KvIndex(BS)
+        async with publishing() as pub, subscribed(index, pub.endpoint, pub.replay_endpoint) as s:
+            await warm_up(pub, s)
+            old = pub.next_seq - 1
+            pub.drop_next(1)
+            pub.publish([block(pub.next_seq)])
+            pub.forget_history()  # the ring buffer wrapped past the missing batch
+            last = pub.next_seq
+            pub.publish([block(last)])
+            await until(lambda: indexed(index, last), what="post-loss batch")
+            assert "history_lost" in s.clears
+            assert not indexed(index, old)
+            assert s.sub.tracker.stats.history_lost == 1
+
+    run(body)
+
+
+def test_a_sequence_reset_is_a_restart() -> None:
+    async def body() -> None:
+        index = KvIndex(BS)
+        async with publishing() as pub, subscribed(index, pub.endpoint, pub.replay_endpoint) as s:
+            await warm_up(pub, s)
+            old = pub.next_seq - 1
+            pub.reset_sequence()
+            pub.publish([block(1000)])  # seq 0 again
+            await until(lambda: indexed(index, 1000), what="new incarnation")
+            assert not indexed(index, old)
+            assert s.clears[-1] == "restart" and s.sub.tracker.stats.restarts == 1
+
+    run(body)
+
+
+def test_all_blocks_cleared_empties_the_engine() -> None:
+    async def body() -> None:
+        index = KvIndex(BS)
+        async with publishing() as pub, subscribed(index, pub.endpoint, pub.replay_endpoint) as s:
+            await warm_up(pub, s)
+            assert len(index) > 0
+            pub.publish([CacheCleared()])
+            pub.publish([block(500)])
+            await until(lambda: indexed(index, 500), what="after the clear")
+            assert len(index) == 1 and s.sub.tracker.stats.clears == 1  # only the start
+
+    run(body)
+
+
+def test_resync_rebuilds_from_the_replay_buffer() -> None:
+    async def body() -> None:
+        index = KvIndex(BS)
+        async with publishing() as pub, subscribed(index, pub.endpoint, pub.replay_endpoint) as s:
+            await warm_up(pub, s)
+            n = len(index)
+            index.clear_engine("e")
+            s.sub.resync()
+            await until(lambda: len(index) == n, what="rebuilt")
+            assert s.clears.count("start") == 2
+
+    run(body)
+
+
+def test_a_silent_replay_endpoint_times_out_and_live_events_still_flow() -> None:
+    async def body() -> None:
+        index = KvIndex(BS)
+        with socket.socket() as silent:  # accepts TCP, never speaks ZMTP: replies never come
+            silent.bind(("127.0.0.1", 0))
+            silent.listen()
+            dead = f"tcp://127.0.0.1:{silent.getsockname()[1]}"
+            async with publishing(replay_port=None) as pub, subscribed(
+                index, pub.endpoint, dead, replay_timeout=0.1
+            ) as s:
+                await until(
+                    lambda: s.sub.tracker.stats.replay_failures == 1, what="gave up on replay"
+                )
+                assert s.sub.tracker.stats.replay_timeouts == 3
+                await warm_up(pub, s)
+                assert indexed(index, pub.next_seq - 1)
+
+    run(body)
+
+
+def test_malformed_messages_are_counted_and_skipped() -> None:
+    async def body() -> None:
+        index = KvIndex(BS)
+        context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        pub = context.socket(zmq.PUB)
+        try:
+            port = pub.bind_to_random_port("tcp://127.0.0.1")
+            seq = 0
+
+            def send_good() -> int:
+                nonlocal seq
+                from direct_frontend.simulator.kv_publisher import vllm_batch
+
+                pub.send_multipart([b"", seq.to_bytes(8, "big"), vllm_batch([block(seq)], 0.0)])
+                seq += 1
+                return seq - 1
+
+            async with subscribed(index, f"tcp://127.0.0.1:{port}", None) as s:
+                while s.sub.messages == 0:
+                    send_good()
+                    await trio.sleep(0.005)
+                pub.send_multipart([b"", seq.to_bytes(8, "big")])  # two frames
+                pub.send_multipart([b"", b"\x00", b"x"])  # short seq
+                pub.send_multipart([b"", seq.to_bytes(8, "big"), b"\xc1"])  # bad payload
+                seq += 1  # that one had a valid seq: the tracker steps past it
+                last = send_good()
+                await until(lambda: indexed(index, last), what="good message after bad ones")
+                assert len(s.malformed) == 3 and set(s.malformed) == {"e"}
+                assert s.sub.malformed == 3 and "gap" not in s.clears
+        finally:
+            pub.close(linger=0)
+
+    run(body)
+
+
+def test_the_block_size_must_match_the_index() -> None:
+    async def body() -> None:
+        try:
+            await run_kv_subscriber(
+                "e", "tcp://127.0.0.1:1", None, KvIndex(16), 32, on_malformed=lambda e: None
+            )
+        except ValueError as exc:
+            assert "block size" in str(exc)
+        else:
+            raise AssertionError("mismatched block size accepted")
+
+    run(body)
