@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
@@ -58,6 +59,7 @@ from direct_frontend.pipeline.preprocess import (
     token_budget,
 )
 from direct_frontend.routing.catalog import EngineHandle
+from direct_frontend.routing.hitrate import HitRateMonitor
 from direct_frontend.supervisor import Supervisor
 from direct_frontend.text.model_dir import TextModel
 
@@ -100,6 +102,8 @@ class App:
         self.metrics = metrics
         self.failover = FailoverConfig()
         self.admission = Admission(AdmissionConfig())
+        self.hit_rate = HitRateMonitor()
+        self._divergence_logged_at = -math.inf
         self.bound_urls: list[str] = []
         self.http_stopped = trio.Event()
         self.started_at = int(time.time())
@@ -197,6 +201,19 @@ class App:
         authorized = token is None or credential_ok(scope, (token,))
         await events_socket(self.control, scope, receive, send, authorized)
 
+    def record_kv_prediction(self, predicted: int, reported: int) -> None:
+        """The hit-rate check: predicted vs engine-reported cached tokens, loud when they drift."""
+        self.metrics.kv_predicted_cached_tokens_total.inc(predicted)
+        self.metrics.kv_reported_cached_tokens_total.inc(reported)
+        divergence = self.hit_rate.record(predicted, reported)
+        self.metrics.kv_prediction_diverged.set(1 if divergence else 0)
+        now = time.monotonic()
+        if divergence is not None and now - self._divergence_logged_at > 60:
+            self._divergence_logged_at = now
+            log.warning("%s", divergence.message, extra={
+                "predicted_tokens": divergence.predicted, "reported_tokens": divergence.actual,
+            })
+
     # -- small endpoints --------------------------------------------------------------
 
     async def _models(self, scope: Scope, receive: Receive, send: Send) -> int:
@@ -254,6 +271,9 @@ class App:
                     )
                 except NoEngineAvailable:
                     raise no_engine_available(request.model) from None
+                predicted = self.dispatcher.predicted_cached_tokens(
+                    engine, len(prepared.input_ids)
+                )
                 max_tokens = token_budget(prepared, engine, self.frontend.max_tokens_default)
             except OpenAIHTTPError as err:
                 await send_error(send, err, headers)
@@ -266,6 +286,7 @@ class App:
             engine_streams = request.stream or bool(request.stop)
             call = build_call(prepared, max_tokens, stream=engine_streams)
             relay = Relay(self, prepared, engine, call, headers, max_tokens)
+            relay.predicted_cached_tokens = predicted
             try:
                 async with self.admission.slot():
                     return await relay.run(receive, send)
@@ -320,6 +341,7 @@ class Relay:
         self.last_emit = 0.0
         self.disconnected = False
         self.response_started = False
+        self.predicted_cached_tokens: int | None = None
 
     async def run(self, receive: Receive, send: Send) -> int:
         status = 200
@@ -333,7 +355,10 @@ class Relay:
         if self.disconnected:
             self.app.metrics.request_cancelled()
             return 499
-        self.app.metrics.add_tokens(len(self.call.input_ids), self.processor.completion_tokens)
+        self.app.metrics.add_tokens(len(self.prepared.input_ids), self.processor.completion_tokens)
+        predicted = self.predicted_cached_tokens
+        if status == 200 and predicted is not None and not self.failover.tried:
+            self.app.record_kv_prediction(predicted, self.cached_tokens or 0)
         return status
 
     async def _watch_disconnect(self, receive: Receive, scope: trio.CancelScope) -> None:

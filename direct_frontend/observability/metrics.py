@@ -151,6 +151,31 @@ class Metrics:
             p + "engine_errors_total", "Engine call failures by error kind.",
             ("engine", "kind"), registry=r,
         )  # fmt: skip
+        self.kv_predicted_cached_tokens_total = Counter(
+            p + "kv_predicted_cached_tokens_total",
+            "Prompt tokens the KV-aware router predicted the chosen engine had cached.",
+            registry=r,
+        )
+        self.kv_reported_cached_tokens_total = Counter(
+            p + "kv_reported_cached_tokens_total",
+            "Prompt tokens the engines reported as cached, for KV-routed requests.",
+            registry=r,
+        )
+        self.kv_prediction_diverged = Gauge(
+            p + "kv_prediction_diverged",
+            "1 while predicted and reported cache hits disagree over the recent window.",
+            registry=r,
+        )
+        self.kv_index_blocks = Gauge(
+            p + "kv_index_blocks", "Blocks held in the KV-event index.", registry=r
+        )
+        self.kv_index_bytes = Gauge(
+            p + "kv_index_bytes", "Estimated memory of the KV-event index.", registry=r
+        )
+        self.kv_malformed_events_total = Counter(
+            p + "kv_malformed_events_total", "KV-event messages that could not be decoded.",
+            ("engine",), registry=r,
+        )  # fmt: skip
         self._requests: dict[tuple[str, int], Counter] = {}
         self._durations: dict[str, Histogram] = {}
         self._engine_labels: dict[str, set[tuple[Counter | Gauge, tuple[str, ...]]]] = {}

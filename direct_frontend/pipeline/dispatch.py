@@ -22,6 +22,7 @@ from direct_frontend.engines.neutral import GenerateCall
 from direct_frontend.engines.transport import EngineChannel, EventReceiver
 from direct_frontend.errors import EngineError, ErrorKind, NoEngineAvailable
 from direct_frontend.routing.catalog import Catalog, EngineHandle
+from direct_frontend.routing.kv_aware import KvAware
 from direct_frontend.routing.policies import Policy, RequestView
 
 log = logging.getLogger("direct_frontend.dispatch")
@@ -60,6 +61,21 @@ class Dispatcher:
         if engine is None:
             raise NoEngineAvailable("no engine is serving")
         return engine
+
+    def predicted_cached_tokens(self, engine: EngineHandle, prompt_tokens: int) -> int | None:
+        """What the KV-aware policy expects ``engine`` to have cached of the prompt just chosen.
+
+        Engines always recompute at least the last prompt token, so the
+        prediction is capped at the last full block before it. ``None`` when
+        the policy makes no prediction.
+        """
+        if not isinstance(self.policy, KvAware):
+            return None
+        last = self.policy.last
+        if last is None or last.engine is not engine:
+            return None
+        block = self.policy.knobs.block_size
+        return min(last.predicted_blocks * block, (prompt_tokens - 1) // block * block)
 
     @contextlib.asynccontextmanager
     async def run(self, engine: EngineHandle, call: GenerateCall) -> AsyncIterator[Generation]:

@@ -171,9 +171,14 @@ class VllmDialect(Dialect):
     def engine_info(self, responses: Sequence[Any]) -> EngineInfo:
         model, server = responses
         # Only the uptime is reported: the start it implies is stable across calls to
-        # within the call latency, so whole seconds name one incarnation.
-        started = self._clock() - server.uptime_seconds
-        incarnation = datetime.fromtimestamp(round(started), UTC).isoformat()
+        # within the call latency, so whole seconds name one incarnation. A stock
+        # servicer (0.14.1) leaves uptime at 0: then the restart is unknowable here
+        # (the KV-event sequence reset still reveals it) and the incarnation is empty.
+        if server.uptime_seconds > 0:
+            started = self._clock() - server.uptime_seconds
+            incarnation = datetime.fromtimestamp(round(started), UTC).isoformat()
+        else:
+            started, incarnation = None, ""
         return EngineInfo(
             served_model_name=model.served_model_name,
             model_path=model.model_path,
