@@ -46,3 +46,15 @@ def test_load_accounting_is_symmetric() -> None:
 def test_make_policy_names() -> None:
     assert make_policy("round_robin").name == "round_robin"
     assert make_policy("least_loaded").name == "least_loaded"
+
+
+def test_prefill_or_decode_only_engines_never_take_whole_requests() -> None:
+    prefill = handle("p")
+    prefill.role = EngineRole.PREFILL
+    decode = handle("d")
+    decode.role = EngineRole.DECODE
+    catalog = Catalog(1, (prefill, decode, handle("a")))
+    for policy in (RoundRobin(), LeastLoaded()):
+        picks = {p.name for p in (policy.choose(catalog, VIEW) for _ in range(5)) if p}
+        assert picks == {"a"}
+    assert RoundRobin().choose(Catalog(1, (prefill, decode)), VIEW) is None

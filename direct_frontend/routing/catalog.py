@@ -59,6 +59,15 @@ class Catalog:
     version: int = 0
     engines: tuple[EngineHandle, ...] = ()
 
+    @property
+    def aggregated(self) -> tuple[EngineHandle, ...]:
+        """Engines that serve a whole request (prefill and decode) on their own.
+
+        Prefill-only and decode-only engines are left out: a request may only
+        reach them through a disaggregated flow that pairs one of each.
+        """
+        return tuple(e for e in self.engines if e.role is EngineRole.BOTH)
+
     def serving(self, role: EngineRole | None = None) -> tuple[EngineHandle, ...]:
         if role is None:
             return self.engines

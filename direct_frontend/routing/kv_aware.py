@@ -166,7 +166,7 @@ class KvAware:
     def choose_at(
         self, catalog: Catalog, request: RequestView, exclude: Collection[str], now: float
     ) -> EngineHandle | None:
-        candidates = [e for e in catalog.engines if e.name not in exclude]
+        candidates = [e for e in catalog.aggregated if e.name not in exclude]
         if not candidates:
             self.last = None
             return None

@@ -41,7 +41,7 @@ class RoundRobin:
     def choose(
         self, catalog: Catalog, request: RequestView, exclude: Collection[str] = ()
     ) -> EngineHandle | None:
-        engines = catalog.engines
+        engines = catalog.aggregated
         count = len(engines)
         for offset in range(count):
             engine = engines[(self._next + offset) % count]
@@ -62,7 +62,7 @@ class LeastLoaded:
     def choose(
         self, catalog: Catalog, request: RequestView, exclude: Collection[str] = ()
     ) -> EngineHandle | None:
-        candidates = [e for e in catalog.engines if e.name not in exclude]
+        candidates = [e for e in catalog.aggregated if e.name not in exclude]
         if not candidates:
             return None
         least = min(e.load.in_flight for e in candidates)
