@@ -231,9 +231,8 @@ def _read(path: Path) -> bytes:
     try:
         return path.read_bytes()
     except OSError as exc:
-        reason = exc.strerror or str(exc)
-        raise FleetError([FleetProblem(str(path), None, "", f"cannot read the file: {reason}")]) \
-            from None
+        problem = FleetProblem(str(path), None, "", f"cannot read the file: {exc.strerror or exc}")
+        raise FleetError([problem]) from None
 
 
 async def serve_fleet(

@@ -11,6 +11,7 @@ import asyncio
 import json
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from pathlib import Path
@@ -363,3 +364,110 @@ def test_an_engine_that_never_answers_delays_neither_others_nor_the_reload(
             assert r.json()["ok"] and r.elapsed.total_seconds() < 1
             daemon.wait_serving(2, timeout=5)  # "second" joins while "silent" hangs
             assert daemon.supervisor.children["silent"].state.value == "joining"
+
+
+class _Exploding:
+    """A dialect whose health check raises a plain bug (not an EngineError) a few times."""
+
+    def __init__(self, inner: Any, times: int) -> None:
+        self._inner = inner
+        self.left = times
+
+    def health(self) -> Any:
+        if self.left > 0:
+            self.left -= 1
+            raise RuntimeError("a bug in the child")
+        return self._inner.health()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+def test_a_crashing_child_is_restarted_and_never_touches_the_daemon_or_others(
+    model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    fast = {"decode_us_per_token": 0, "prefill_us_per_token": 0, "eos_probability": 0.0}
+    text = fleet_text(model_dir, [sim_engine("a", **fast), sim_engine("b", **fast)],
+                      probe=FAST_PROBE)
+    with running_daemon(tmp_path, text, watch_interval_s=None) as daemon:
+        daemon.wait_serving(2)
+        a, b = daemon.supervisor.children["a"], daemon.supervisor.children["b"]
+        exploding = _Exploding(a.dialect, times=2)
+        daemon.run_sync(setattr, a, "dialect", exploding)
+        wait_for(lambda: a.restarts == 2 and a.state.value == "serving", 10,
+                 "a to crash twice and serve again")
+        assert daemon.supervisor.children["a"] is a  # restarted in place: same generation
+        assert daemon.supervisor.children["b"] is b and b.state.value == "serving"
+        assert b.channel is not None and b.channel.connections_opened == 1
+        assert a.channel is not None and a.channel.connections_opened == 1  # kept
+        for _ in range(4):
+            r = httpx.post(daemon.url + "/v1/completions",
+                           json={"model": "demo", "prompt": "hi", "max_tokens": 2})
+            assert r.status_code == 200
+        assert "engine a child crashed; restarting in" in caplog.text
+        assert fleet_status(daemon)["engines"][0]["restarts"] == 2
+
+
+def test_new_simulator_settings_restart_the_simulator_after_the_old_one_drains(
+    model_dir: Path, tmp_path: Path,
+) -> None:
+    slow = sim_engine("s", decode_us_per_token=10000, prefill_us_per_token=0,
+                      eos_probability=0.0)
+    text = fleet_text(model_dir, [dict(slow, simulator=dict(slow["simulator"]))],
+                      probe=FAST_PROBE)
+    with running_daemon(tmp_path, text, watch_interval_s=None) as daemon:
+        daemon.wait_serving(1)
+        sup = daemon.supervisor
+        old, old_sim = sup.children["s"], sup.simulators["s"]
+        body = {"model": "demo", "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 30, "stream": True}
+        with httpx.Client(timeout=30) as client, client.stream(
+            "POST", daemon.url + "/v1/chat/completions", json=body,
+        ) as stream:
+            lines = stream.iter_lines()
+            next(lines)
+            faster = {**slow, "simulator": {**slow["simulator"], "decode_us_per_token": 0}}
+            daemon.fleet.source.write_text(fleet_text(model_dir, [faster], probe=FAST_PROBE))
+            result = httpx.post(daemon.url + "/fleet/reload").json()
+            assert result["diff"]["changed"] == [
+                {"name": "s", "fields": ["simulator.decode_us_per_token"]}]
+            new = sup.children["s"]
+            assert new.state.value == "joining"  # waits for the port: the old one is draining
+            text_out = "\n".join(lines)
+        assert text_out.rstrip().endswith("data: [DONE]")
+        wait_for(lambda: new.state.value == "serving", 10, "the new incarnation to serve")
+        assert old.state.value == "gone"
+        assert sup.simulators["s"] is not old_sim and old_sim.core.closing
+        assert sup.simulators["s"].timing.decode_us_per_token == 0
+
+
+def test_a_drain_that_outlasts_drain_timeout_s_ends_anyway(
+    model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    slow = sim_engine("slow", decode_us_per_token=20000, prefill_us_per_token=0,
+                      eos_probability=0.0)
+    other = sim_engine("other", decode_us_per_token=1000, prefill_us_per_token=0,
+                       eos_probability=0.0)
+    extra = "drain_timeout_s = 0.3"
+    with running_daemon(tmp_path, fleet_text(model_dir, [dict(slow)], probe=FAST_PROBE,
+                                             frontend_extra=extra),
+                        watch_interval_s=None) as daemon:
+        daemon.wait_serving(1)
+        child = daemon.supervisor.children["slow"]
+        body = {"model": "demo", "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 200, "stream": True}  # 4 s on the slow engine
+        with httpx.Client(timeout=30) as client, client.stream(
+            "POST", daemon.url + "/v1/chat/completions", json=body,
+        ) as stream:
+            lines = stream.iter_lines()
+            next(lines)
+            daemon.fleet.source.write_text(fleet_text(
+                model_dir, [dict(other)], probe=FAST_PROBE, frontend_extra=extra))
+            assert httpx.post(daemon.url + "/fleet/reload").json()["ok"]
+            started = time.monotonic()
+            wait_for(lambda: child.state.value == "gone", 5, "the drain to time out")
+            assert time.monotonic() - started < 2
+            text = "\n".join(lines)
+        # The cut stream moved to the remaining engine and finished there.
+        assert text.rstrip().endswith("data: [DONE]") and '"error"' not in text
+        assert "engine slow drain timed out after 0.3s with 1 requests in flight" in caplog.text
