@@ -44,10 +44,14 @@ from direct_frontend.fleet.schema import FleetConfig, FrontendConfig
 from direct_frontend.fleet.watch import POLL_INTERVAL_S, FileStamp, stamp_of, watch_file
 from direct_frontend.http.admin import EventHub, engine_status
 from direct_frontend.http.app import App
+from direct_frontend.kv.index import KvIndex
+from direct_frontend.kv.plane import KvPlane
 from direct_frontend.observability.metrics import Metrics
 from direct_frontend.observability.sdnotify import Notifier
 from direct_frontend.pipeline.dispatch import Dispatcher
-from direct_frontend.routing.policies import Policy, make_policy
+from direct_frontend.routing.factory import make_policy
+from direct_frontend.routing.kv_aware import KvKnobs
+from direct_frontend.routing.policies import Policy
 from direct_frontend.supervisor import Supervisor
 from direct_frontend.text.model_dir import TextModel
 
@@ -202,8 +206,15 @@ class ControlPlane:
         """A new policy object if routing changed (built first: it may refuse the file)."""
         if new.frontend.routing == self.running.frontend.routing:
             return None
+        kv = self.supervisor.kv
         try:
-            return make_policy(new.frontend.routing.policy)
+            block = kv_block_size(new)
+            if kv is not None and block != kv.index.block_size:
+                raise ValueError(
+                    f"the KV block size ({kv.index.block_size}) can only change with a restart"
+                )
+            return make_policy(new.frontend.routing, kv.index if kv else None,
+                               kv.live if kv else ())
         except ValueError as exc:
             raise FleetError([FleetProblem(str(new.source), None, "frontend.routing.policy",
                                            str(exc))]) from None
@@ -225,6 +236,12 @@ class ControlPlane:
         self.supervisor.apply(fleet, removed=diff.removed, changed=diff.changed_names,
                               added=diff.added)
         log.info("fleet reloaded (config v%d): %s", self.version, "; ".join(diff.lines()))
+
+
+def kv_block_size(fleet: FleetConfig) -> int:
+    """The KV index's block size: the kv_aware knob (or its default)."""
+    knobs = fleet.frontend.routing.knobs if fleet.frontend.routing.policy == "kv_aware" else {}
+    return KvKnobs.from_mapping(knobs).block_size
 
 
 def _read(path: Path) -> bytes:
@@ -257,9 +274,11 @@ async def serve_fleet(
     digest = file_digest(await trio.to_thread.run_sync(_read_or_empty, fleet.source))
     async with trio_asyncio.open_loop():
         text_model = await trio.to_thread.run_sync(TextModel.load, fleet.frontend.tokenizer)
-        supervisor = Supervisor(fleet)
         metrics = Metrics()
-        dispatcher = Dispatcher(supervisor, make_policy(fleet.frontend.routing.policy))
+        kv = KvPlane(KvIndex(kv_block_size(fleet)), metrics)
+        supervisor = Supervisor(fleet, kv=kv)
+        policy = make_policy(fleet.frontend.routing, kv.index, kv.live)
+        dispatcher = Dispatcher(supervisor, policy)
         app = App(fleet.frontend, text_model, supervisor, dispatcher, metrics)
         control = ControlPlane(fleet, supervisor, app, dispatcher, metrics, notifier, digest)
         app.control = control

@@ -29,6 +29,7 @@ from direct_frontend.engines.child import EngineChild, host_port
 from direct_frontend.engines.lifecycle import EngineState
 from direct_frontend.errors import EngineError
 from direct_frontend.fleet.schema import EngineConfig, FleetConfig, FrontendConfig
+from direct_frontend.kv.plane import KvPlane
 from direct_frontend.routing.catalog import Catalog, EngineHandle
 
 log = logging.getLogger("direct_frontend.supervisor")
@@ -49,8 +50,9 @@ class Supervisor:
     draining ones included (by generation, which is never reused).
     """
 
-    def __init__(self, fleet: FleetConfig) -> None:
+    def __init__(self, fleet: FleetConfig, *, kv: KvPlane | None = None) -> None:
         self.fleet = fleet
+        self.kv = kv
         self.children: dict[str, EngineChild] = {}
         self.incarnations: dict[int, EngineChild] = {}
         self.catalog = Catalog()
@@ -146,6 +148,8 @@ class Supervisor:
             child.open_channel()
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._supervise, child)
+                if self.kv is not None:
+                    nursery.start_soon(self.kv.run_for, child)
                 await retire.wait()
                 nursery.cancel_scope.cancel()
             await self._drain(child)
@@ -210,6 +214,11 @@ class Supervisor:
     def _on_change(self, child: EngineChild, previous: EngineState) -> None:
         if self.incarnations.get(child.generation) is not child:
             return  # a late callback from an incarnation already forgotten
+        if self.kv is not None:
+            if child.state is EngineState.UNHEALTHY:
+                self.kv.fence(child, "the engine is unhealthy")
+            elif child.state is EngineState.SERVING:
+                self.kv.note_serving(child)
         self._publish()
         for listener in self.listeners:
             listener(child, previous)
@@ -322,10 +331,19 @@ async def start_embedded_simulator(frontend: FrontendConfig, cfg: EngineConfig) 
         vocab_size=sim.vocab_size,
         timing=TimingModel(sim.prefill_us_per_token, sim.decode_us_per_token, sim.max_running),
         eos_probability=sim.eos_probability,
+        block_size=cfg.block_size or 16,
+        page_size=cfg.block_size or 16,
+        # publish KV events where the fleet file says the engine publishes them (rank 0)
+        kv_events_port=_port_of(cfg.kv_events[0]) if cfg.kv_events else None,
+        kv_replay_port=_port_of(cfg.kv_replay[0]) if cfg.kv_replay else None,
     )
     await trio_asyncio.aio_as_trio(engine.start)(host, port)
     log.info("simulated %s engine listening on %s:%d", cfg.kind, host, port)
     return engine
+
+
+def _port_of(endpoint: str) -> int:
+    return int(endpoint.rsplit(":", 1)[1])
 
 
 async def stop_embedded_simulator(engine: Any) -> None:

@@ -19,9 +19,15 @@ copy of the demo fleet with free ports. ``--profile FILE`` samples the daemon
 with py-spy during the frontend phase of the highest level and summarises the
 hot spots in ``direct_frontend``.
 
+Daemon, engine and client share the machine, so the "cores busy" row shows
+each one's share and "other" (everything else running): with a busy
+neighbour the latencies are not comparable between runs; the daemon's CPU per
+request is the steadier figure. Under load the direct path is bounded by the
+engine and this client, not by any frontend.
+
 Usage::
 
-    python scripts/bench_overhead.py                      # ~1 min
+    python scripts/bench_overhead.py                      # ~20 s on 2 cores
     python scripts/bench_overhead.py --concurrency 32 --profile /tmp/df.txt
     python scripts/bench_overhead.py --json               # also one JSON line at the end
 """

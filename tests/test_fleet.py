@@ -79,7 +79,7 @@ def test_full_file_parses_to_expected_objects() -> None:
 
         [frontend.routing.knobs]
         overlap_weight = 2.5
-        mode = "fast"
+        temperature = 0.5
 
         [frontend.probe]
         interval_s = 1.5
@@ -125,7 +125,7 @@ def test_full_file_parses_to_expected_objects() -> None:
             max_tokens_default=256,
             request_timeout_s=30.0,
             log_json=True,
-            routing=RoutingConfig(policy="kv_aware", knobs={"overlap_weight": 2.5, "mode": "fast"}),
+            routing=RoutingConfig(policy="kv_aware", knobs={"overlap_weight": 2.5, "temperature": 0.5}),
             probe=ProbeConfig(
                 interval_s=1.5,
                 timeout_s=10.0,
@@ -926,3 +926,20 @@ def test_configs_are_immutable_and_hashable() -> None:
         knobs["a"] = 2  # type: ignore[index]
     assert hash(cfg) == hash(load_fleet(ROOT / "config" / "examples" / "production.toml"))
     assert RoutingConfig(knobs={"a": 1}) == RoutingConfig(knobs=Knobs({"a": 1}))
+
+
+def test_kv_aware_knobs_are_checked_with_their_lines() -> None:
+    text = (
+        '[frontend]\nserved_model_name = "x"\ntokenizer = "t"\n'
+        '[frontend.routing]\npolicy = "kv_aware"\n[frontend.routing.knobs]\n'
+        'block_size = 0\ncolour = 3\ntemperature = "hot"\noverlap_weight = 2\n'
+    )
+    with pytest.raises(FleetError) as info:
+        parse_fleet(text, Path("fleet.toml"))
+    lines = str(info.value).splitlines()
+    assert lines[0] == "fleet.toml:7: frontend.routing.knobs.block_size: must be at least 1"
+    assert lines[1].startswith("fleet.toml:8: frontend.routing.knobs.colour: unknown key")
+    assert lines[2] == (
+        'fleet.toml:9: frontend.routing.knobs.temperature: expected a number, got string "hot"'
+    )
+    assert len(lines) == 3

@@ -16,8 +16,11 @@ from direct_frontend.routing.policies import RequestView
 BS = 4
 
 
+GENERATION = {"a": 1, "b": 2, "c": 3}
+
+
 def handle(name: str, in_flight: int = 0, prompt_tokens: int = 0) -> EngineHandle:
-    h = EngineHandle(name, "vllm", f"grpc://{name}:1", 1, EngineRole.BOTH,
+    h = EngineHandle(name, "vllm", f"grpc://{name}:1", GENERATION[name], EngineRole.BOTH,
                      EngineInfo("demo"), 4096, None)
     h.load.in_flight = in_flight
     h.load.prompt_tokens_in_flight = prompt_tokens
@@ -25,8 +28,10 @@ def handle(name: str, in_flight: int = 0, prompt_tokens: int = 0) -> EngineHandl
 
 
 class FakeIndex:
+    """Keys like the real index: one per incarnation and rank (``g<generation>r<rank>``)."""
+
     def __init__(self, held: dict[str, list[int]]) -> None:
-        self.held = {e: set(hs) for e, hs in held.items()}
+        self.held = {f"g{GENERATION[e]}r0": set(hs) for e, hs in held.items()}
 
     def lookup_hashes(self, hashes: list[int]) -> dict[str, int]:
         out = {}
@@ -50,7 +55,7 @@ HASHES = prefix_hashes(PROMPT, BS)
 def test_routes_to_the_engine_holding_the_longest_prefix() -> None:
     index = FakeIndex({"b": HASHES[:6], "c": HASHES[:2]})
     policy = KvAware(KvKnobs(block_size=BS), index)
-    policy.uses_events = {"a", "b", "c"}
+    policy.uses_events = {1, 2, 3}
     catalog = Catalog(1, (handle("a"), handle("b"), handle("c")))
     chosen = policy.choose(catalog, view(PROMPT))
     assert chosen is not None and chosen.name == "b"
@@ -60,7 +65,7 @@ def test_routes_to_the_engine_holding_the_longest_prefix() -> None:
 def test_decode_load_outweighs_a_small_overlap() -> None:
     index = FakeIndex({"b": HASHES[:1]})
     policy = KvAware(KvKnobs(block_size=BS), index)
-    policy.uses_events = {"a", "b"}
+    policy.uses_events = {1, 2}
     catalog = Catalog(1, (handle("a"), handle("b", in_flight=3, prompt_tokens=40)))
     chosen = policy.choose(catalog, view(PROMPT))
     assert chosen is not None and chosen.name == "a"
@@ -71,7 +76,7 @@ def test_load_guard_stops_herding_on_a_hot_prefix() -> None:
     knobs = KvKnobs(block_size=BS, balance_abs_threshold=2, balance_rel_threshold=1.5,
                     overlap_weight=100)
     policy = KvAware(knobs, index)
-    policy.uses_events = {"a", "b", "c"}
+    policy.uses_events = {1, 2, 3}
     catalog = Catalog(1, (handle("a", 0), handle("b", 12), handle("c", 1)))
     chosen = policy.choose(catalog, view(PROMPT))
     assert chosen is not None and chosen.name == "a"
@@ -89,7 +94,7 @@ def test_ties_go_to_the_less_loaded_engine_and_exclusions_hold() -> None:
 def test_temperature_samples_but_prefers_cheap_engines() -> None:
     index = FakeIndex({"b": HASHES})
     policy = KvAware(KvKnobs(block_size=BS, temperature=0.5), index, rng=random.Random(3))
-    policy.uses_events = {"a", "b"}
+    policy.uses_events = {1, 2}
     catalog = Catalog(1, (handle("a"), handle("b")))
     picks = [policy.choose(catalog, view(PROMPT)) for _ in range(300)]
     b = sum(1 for p in picks if p is not None and p.name == "b")
@@ -105,9 +110,10 @@ def test_approximate_mode_remembers_where_prefixes_went_and_forgets_after_ttl() 
     for _ in range(5):
         again = policy.choose(catalog, view([*PROMPT, 7, 7, 7, 7]))
         assert again is first  # the shared prefix sticks
-    assert policy.overlaps(HASHES, now[0]) == {first.name: len(HASHES)}
+    engines = catalog.engines
+    assert policy.overlaps(HASHES, now[0], engines) == {first.name: len(HASHES)}
     now[0] += 11
-    assert policy.overlaps(HASHES, now[0]) == {}
+    assert policy.overlaps(HASHES, now[0], engines) == {}
 
 
 def test_approx_index_cap_and_forget() -> None:
@@ -137,3 +143,14 @@ def test_hit_rate_monitor_warns_when_prediction_and_engines_diverge() -> None:
         divergence = monitor.record(64, 0)
     assert divergence is not None and "lost KV events" in divergence.message
     assert monitor.predicted_total == 60 * 64
+
+
+def test_ranks_of_one_engine_combine_and_other_incarnations_do_not_count() -> None:
+    class Ranked:
+        def lookup_hashes(self, hashes: list[int]) -> dict[str, int]:
+            return {"g2r0": 2, "g2r1": 5, "g9r0": 8}  # g9: a retired incarnation of "b"
+
+    policy = KvAware(KvKnobs(block_size=BS), Ranked())
+    policy.uses_events = {1, 2}
+    catalog = Catalog(1, (handle("a"), handle("b")))
+    assert policy.overlaps(HASHES, 0.0, catalog.engines) == {"b": 5}

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from direct_frontend.engines.neutral import EngineInfo, EngineRole
 from direct_frontend.routing.catalog import Catalog, EngineHandle
-from direct_frontend.routing.policies import LeastLoaded, RequestView, RoundRobin, make_policy
+from direct_frontend.fleet.schema import RoutingConfig
+from direct_frontend.routing.factory import make_policy
+from direct_frontend.routing.policies import LeastLoaded, RequestView, RoundRobin
 
 VIEW = RequestView((1, 2, 3), 16)
 
@@ -44,8 +46,9 @@ def test_load_accounting_is_symmetric() -> None:
 
 
 def test_make_policy_names() -> None:
-    assert make_policy("round_robin").name == "round_robin"
-    assert make_policy("least_loaded").name == "least_loaded"
+    assert make_policy(RoutingConfig(policy="round_robin")).name == "round_robin"
+    assert make_policy(RoutingConfig(policy="least_loaded")).name == "least_loaded"
+    assert make_policy(RoutingConfig(policy="kv_aware")).name == "kv_aware"
 
 
 def test_prefill_or_decode_only_engines_never_take_whole_requests() -> None:

@@ -570,7 +570,28 @@ class _Checker:
             else:
                 message = f"expected a string, number or boolean, got {_describe(knob)}"
                 self.report((*path, "knobs", key), message)
+        if policy == "kv_aware":
+            self.kv_knobs(knobs, (*path, "knobs"))
         return RoutingConfig(policy=policy, knobs=Knobs(knobs))
+
+    def kv_knobs(self, knobs: dict[str, KnobValue], path: KeyPath) -> None:
+        """The kv_aware policy's knobs: known names, numbers, sensible ranges."""
+        from direct_frontend.routing.kv_aware import KvKnobs
+
+        defaults = KvKnobs()
+        known = {name: getattr(defaults, name) for name in KvKnobs.__dataclass_fields__}
+        for key, value in knobs.items():
+            where = (*path, key)
+            if key not in known:
+                self.report(where, f"unknown key (expected one of: {', '.join(sorted(known))})")
+            elif isinstance(value, bool) or not isinstance(value, int | float):
+                self.report(where, f"expected a number, got {_describe(value)}")
+            elif isinstance(known[key], int) and not isinstance(value, int):
+                self.report(where, f"expected an integer, got {_describe(value)}")
+            elif key in ("block_size", "approx_max_blocks") and value < 1:
+                self.report(where, "must be at least 1")
+            elif value < 0:
+                self.report(where, "must not be negative")
 
     def probe(self, value: object, path: KeyPath) -> ProbeConfig:
         tbl = self.table(value, path, _PROBE_KEYS)

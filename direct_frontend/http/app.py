@@ -240,6 +240,8 @@ class App:
             self.metrics.set_engine_state(name, child.state.value)  # type: ignore[arg-type]
             load = child.handle.load.in_flight if child.handle is not None else 0
             self.metrics.set_engine_in_flight(name, load)
+        if self.supervisor.kv is not None:
+            self.supervisor.kv.export()
         body, content_type = self.metrics.render()
         await send_body(send, 200, body, content_type.encode())
         return 200

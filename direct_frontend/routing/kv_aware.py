@@ -27,6 +27,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Protocol
 
 from direct_frontend.kv.index import prefix_hashes
+from direct_frontend.kv.keys import generation_of
 from direct_frontend.routing.catalog import Catalog, EngineHandle
 from direct_frontend.routing.policies import RequestView
 
@@ -142,7 +143,8 @@ class KvAware:
         self.knobs = knobs
         self.exact = exact
         self.approx = approx or ApproxPrefixIndex(knobs.approx_ttl_s, knobs.approx_max_blocks)
-        self.uses_events: Collection[str] = ()  # engines whose overlap comes from KV events
+        #: incarnations (generations) whose overlap comes from KV events
+        self.uses_events: Collection[int] = ()
         self._rng = rng or random.Random()
         self._tie = 0
         self.last: KvChoice | None = None
@@ -150,13 +152,31 @@ class KvAware:
     def hashes(self, input_ids: Sequence[int]) -> list[int]:
         return prefix_hashes(input_ids, self.knobs.block_size)
 
-    def overlaps(self, hashes: Sequence[int], now: float) -> dict[str, int]:
-        """Cached leading blocks per engine: exact for engines with events, else approximate."""
-        exact = self.exact.lookup_hashes(hashes) if self.exact is not None and hashes else {}
-        approx = self.approx.lookup_at(hashes, now) if hashes else {}
-        merged = {e: n for e, n in approx.items() if e not in self.uses_events}
-        merged.update({e: n for e, n in exact.items() if e in self.uses_events})
-        return merged
+    def overlaps(
+        self, hashes: Sequence[int], now: float, candidates: Sequence[EngineHandle]
+    ) -> dict[str, int]:
+        """Cached leading blocks per engine: exact where KV events flow, else approximate.
+
+        The exact index is keyed per incarnation and rank (``g<generation>r<rank>``);
+        an engine's overlap is its best rank's.
+        """
+        if not hashes:
+            return {}
+        by_generation: dict[int, int] = {}
+        if self.exact is not None and self.uses_events:
+            for key, blocks in self.exact.lookup_hashes(hashes).items():
+                generation = generation_of(key)
+                by_generation[generation] = max(blocks, by_generation.get(generation, 0))
+        approx = self.approx.lookup_at(hashes, now)
+        out: dict[str, int] = {}
+        for engine in candidates:
+            if engine.generation in self.uses_events:
+                blocks = by_generation.get(engine.generation, 0)
+            else:
+                blocks = approx.get(engine.name, 0)
+            if blocks:
+                out[engine.name] = blocks
+        return out
 
     def choose(
         self, catalog: Catalog, request: RequestView, exclude: Collection[str] = ()
@@ -172,7 +192,7 @@ class KvAware:
             return None
         knobs = self.knobs
         hashes = self.hashes(request.input_ids)
-        overlaps = self.overlaps(hashes, now)
+        overlaps = self.overlaps(hashes, now, candidates)
         request_blocks = math.ceil(len(request.input_ids) / knobs.block_size)
         costs = [
             knobs.overlap_weight * (request_blocks - overlaps.get(e.name, 0))
@@ -190,7 +210,7 @@ class KvAware:
             chosen = min(candidates, key=lambda e: e.load.in_flight)
             spilled = True
         self.last = KvChoice(chosen, overlaps.get(chosen.name, 0), spilled)
-        if chosen.name not in self.uses_events:
+        if chosen.generation not in self.uses_events:
             self.approx.record(chosen.name, hashes, now)
         return chosen
 

@@ -69,12 +69,3 @@ class LeastLoaded:
         tied = [e for e in candidates if e.load.in_flight == least]
         self._tie += 1
         return tied[self._tie % len(tied)]
-
-
-def make_policy(name: str) -> Policy:
-    """The policy named in the fleet file's ``[frontend.routing]``."""
-    if name == "round_robin":
-        return RoundRobin()
-    if name == "least_loaded":
-        return LeastLoaded()
-    raise ValueError(f"routing policy {name!r} is not available yet")
