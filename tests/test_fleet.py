@@ -125,7 +125,9 @@ def test_full_file_parses_to_expected_objects() -> None:
             max_tokens_default=256,
             request_timeout_s=30.0,
             log_json=True,
-            routing=RoutingConfig(policy="kv_aware", knobs={"overlap_weight": 2.5, "temperature": 0.5}),
+            routing=RoutingConfig(
+                policy="kv_aware", knobs={"overlap_weight": 2.5, "temperature": 0.5}
+            ),
             probe=ProbeConfig(
                 interval_s=1.5,
                 timeout_s=10.0,

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from direct_frontend.engines.neutral import EngineInfo, EngineRole
-from direct_frontend.routing.catalog import Catalog, EngineHandle
 from direct_frontend.fleet.schema import RoutingConfig
+from direct_frontend.routing.catalog import Catalog, EngineHandle
 from direct_frontend.routing.factory import make_policy
 from direct_frontend.routing.policies import LeastLoaded, RequestView, RoundRobin
 
