@@ -9,7 +9,6 @@ gone client silently, so without it the engine would keep generating.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import math
@@ -344,6 +343,7 @@ class Relay:
         self.disconnected = False
         self.response_started = False
         self.predicted_cached_tokens: int | None = None
+        self.pending_error: EngineError | None = None
 
     async def run(self, receive: Receive, send: Send) -> int:
         status = 200
@@ -371,48 +371,82 @@ class Relay:
 
     # -- engine side ------------------------------------------------------------------
 
-    def _apply(self, event: TokenDelta | Finished) -> OutputStep:
+    def _note_cached(self, event: TokenDelta | Finished) -> None:
         if self.cached_tokens is None or not self.failover.migrations:
             # The original prompt's cache hits; a continuation's prompt is not the client's.
             self.cached_tokens = event.cached_tokens
-        if isinstance(event, TokenDelta):
-            return self.processor.on_tokens(event.token_ids)
-        text = ""
-        if event.token_ids:
-            first = self.processor.on_tokens(event.token_ids)
-            text = first.text
-            if first.finished:
-                return first
+
+    def _take(self, token_ids: list[int], pieces: list[str]) -> bool:
+        """Feed merged token ids to the output processor; True once the output is finished."""
+        step = self.processor.on_tokens(token_ids)
+        if step.text:
+            pieces.append(step.text)
+        if step.finished:
+            self.final = step
+        return step.finished
+
+    def _finish(self, event: Finished, pieces: list[str]) -> None:
+        if event.token_ids and self._take(list(event.token_ids), pieces):
+            return
         step = self.processor.on_finish(
             event.reason, event.matched_token_id, event.matched_stop_str
         )
-        if text:
-            return dataclasses.replace(step, text=text + step.text)
-        return step
+        if step.text:
+            pieces.append(step.text)
+        self.final = step
 
-    async def _next_batch(self, generation: Generation) -> tuple[str, int, bool]:
+    async def _next_batch(
+        self, generation: Generation, stall: trio.CancelScope
+    ) -> tuple[str, int, bool]:
         """Wait for the next event, then take every event already queued.
 
-        Returns the new text, how many tokens it covers, and whether the
-        output is finished. An engine silent for longer than the stall
-        timeout has failed.
+        Consecutive token deltas are merged into one call of the output
+        processor (the per-call cost dominates at high token rates). Returns the
+        new text, how many tokens it covers, and whether the output is finished.
+        ``stall`` fires if the engine stays silent past the stall timeout.
         """
         receiver = generation.events
-        with trio.move_on_after(self.app.failover.stall_timeout_s):
-            event = await receiver.receive()
-            pieces: list[str] = []
-            before = self.processor.completion_tokens
-            while event is not None:
-                step = self._apply(event)
-                if step.text:
-                    pieces.append(step.text)
-                if step.finished:
-                    self.final = step
+        if self.pending_error is not None:
+            error, self.pending_error = self.pending_error, None
+            raise error
+        stall.deadline = trio.current_time() + self.app.failover.stall_timeout_s
+        event: TokenDelta | Finished | None = await receiver.receive()
+        stall.deadline = math.inf
+        before = self.processor.completion_tokens
+        pieces: list[str] = []
+        tokens: list[int] = []
+        while event is not None:
+            self._note_cached(event)
+            if isinstance(event, TokenDelta):
+                tokens.extend(event.token_ids)
+            else:
+                if tokens and self._take(tokens, pieces):
+                    tokens = []
                     break
+                tokens = []
+                self._finish(event, pieces)
+                break
+            try:
                 event = receiver.receive_nowait()
-            tokens = self.processor.completion_tokens - before
-            return "".join(pieces), tokens, self.final is not None
-        raise EngineError(ErrorKind.TIMEOUT, "the stream stalled", engine=generation.engine.name)
+            except EngineError as error:  # surfaces after the tokens before it are taken
+                self.pending_error = error
+                break
+        if tokens:
+            self._take(tokens, pieces)
+        finished = self.final is not None
+        return "".join(pieces), self.processor.completion_tokens - before, finished
+
+    def _engine_ends_by_itself(self, generation: Generation) -> bool:
+        """Whether the engine stops on its own where the output stopped (no Abort needed)."""
+        final = self.final
+        if final is None:
+            return False
+        if final.finish_reason == "length":
+            return True  # the engine's budget ends at the same token
+        stop = final.stop_reason
+        return isinstance(stop, int) and (
+            stop in generation.engine.info.eos_token_ids or stop in self.request.stop_token_ids
+        )
 
     async def _generate(self, emit: Callable[[str, int, bool], Awaitable[None]]) -> None:
         """Drive the request to its end across engines; ``emit`` gets each batch of output."""
@@ -420,14 +454,24 @@ class Relay:
         while True:
             try:
                 async with dispatcher.run(self.engine, self.call) as generation:
-                    while True:
-                        text, tokens, finished = await self._next_batch(generation)
-                        self._observe(tokens)
-                        await emit(text, tokens, finished)
-                        if finished:
-                            self.app.metrics.engine_request(self.engine.name, "ok")
-                            return
+                    with trio.CancelScope() as stall:
+                        while True:
+                            text, tokens, finished = await self._next_batch(generation, stall)
+                            self._observe(tokens)
+                            if finished:
+                                generation.ends_by_itself = self._engine_ends_by_itself(
+                                    generation
+                                )
+                                self.app.metrics.engine_request(self.engine.name, "ok")
+                            # the final bytes go out before any Abort of the engine call
+                            await emit(text, tokens, finished)
+                            if finished:
+                                return
+                    raise EngineError(
+                        ErrorKind.TIMEOUT, "the stream stalled", engine=self.engine.name
+                    )
             except EngineError as error:
+                self.pending_error = None
                 self.app.metrics.engine_error(self.engine.name, error.kind)
                 self._next_attempt(error)
                 await trio.sleep(self.failover.backoff())
@@ -499,7 +543,18 @@ class Relay:
                 await start()
             if text:
                 out.extend(renderer.text(text))
-            if out and not finished:  # the last batch goes out with the finish chunk
+            if finished:  # the last text, the finish chunk, usage and [DONE]: one write
+                final = self.final
+                assert final is not None
+                out.extend(renderer.finish(final.finish_reason or "stop", final.stop_reason))
+                out.extend(renderer.usage(
+                    len(self.prepared.input_ids), self.processor.completion_tokens,
+                    self.cached_tokens or 0,
+                ))
+                out.extend(renderer.done())
+                await send({"type": "http.response.body", "body": bytes(out),
+                            "more_body": False})
+            elif out:
                 await send({"type": "http.response.body", "body": bytes(out), "more_body": True})
                 out.clear()
 
@@ -515,17 +570,6 @@ class Relay:
             out += renderer.done()
             await send({"type": "http.response.body", "body": bytes(out), "more_body": False})
             return 200
-        final = self.final
-        assert final is not None
-        if not self.response_started:
-            await start()
-        out += renderer.finish(final.finish_reason or "stop", final.stop_reason)
-        out += renderer.usage(
-            len(self.prepared.input_ids), self.processor.completion_tokens,
-            self.cached_tokens or 0,
-        )
-        out += renderer.done()
-        await send({"type": "http.response.body", "body": bytes(out), "more_body": False})
         return 200
 
     async def _complete(self, send: Send) -> int:

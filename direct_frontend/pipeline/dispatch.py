@@ -47,6 +47,9 @@ class Generation:
     engine: EngineHandle
     call: GenerateCall
     events: EventReceiver
+    #: set by the relay when the engine is about to end the call itself (its token
+    #: budget is used up, or it produced a stop token): no Abort is needed then
+    ends_by_itself: bool = False
 
 
 class Dispatcher:
@@ -86,9 +89,11 @@ class Dispatcher:
         prompt = len(call.input_ids)
         engine.load.begin(prompt)
         failure: EngineError | None = None
+        generation: Generation | None = None
         try:
             async with channel.stream(dialect.generate(call), decoder) as receiver:
-                yield Generation(engine, call, receiver)
+                generation = Generation(engine, call, receiver)
+                yield generation
         except EngineError as error:
             failure = error
             error.engine = error.engine or engine.name
@@ -98,7 +103,9 @@ class Dispatcher:
         finally:
             engine.load.end(prompt)
             # A dead connection cannot take an Abort; a hung or live engine must get one.
-            if not decoder.finished and (failure is None or failure.kind not in UNREACHABLE):
+            natural_end = generation is not None and generation.ends_by_itself
+            reachable = failure is None or failure.kind not in UNREACHABLE
+            if not decoder.finished and not natural_end and reachable:
                 await _abort(channel, dialect, call.request_id)
 
 

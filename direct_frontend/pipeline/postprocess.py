@@ -124,7 +124,7 @@ class OutputProcessor:
         if len(token_ids) > room:
             token_ids = token_ids[:room]
 
-        if self._matcher is None and not self._stop_token_ids:
+        if self._matcher is None and self._stop_token_ids.isdisjoint(token_ids):
             self._ids.extend(token_ids)
             text = self._detokenizer.push(token_ids)
         else:
