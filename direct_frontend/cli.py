@@ -164,6 +164,35 @@ def simulate_engine(
     max_running: Annotated[int, typer.Option()] = 64,
     eos_probability: Annotated[float, typer.Option()] = 0.02,
     role: Annotated[str, typer.Option(help="both, prefill or decode.")] = "both",
+    block_size: Annotated[int, typer.Option(help="KV block (page) size of the prefix cache.")] = 16,
+    kv_capacity_blocks: Annotated[
+        Optional[int], typer.Option(help="Prefix-cache capacity in blocks.")  # noqa: UP045
+    ] = None,
+    kv_events_port: Annotated[
+        Optional[int], typer.Option(help="Publish KV events on tcp://HOST:PORT.")  # noqa: UP045
+    ] = None,
+    kv_replay_port: Annotated[
+        Optional[int], typer.Option(help="Serve KV-event replay on this port.")  # noqa: UP045
+    ] = None,
+    fault_die_after: Annotated[
+        Optional[int], typer.Option(help="Drop the connection after N tokens.")  # noqa: UP045
+    ] = None,
+    fault_hang_after: Annotated[
+        Optional[int], typer.Option(help="Stop sending after N tokens.")  # noqa: UP045
+    ] = None,
+    fault_status: Annotated[
+        Optional[str],  # noqa: UP045
+        typer.Option(help="End Generate with this gRPC status (e.g. UNAVAILABLE)."),
+    ] = None,
+    fault_status_after: Annotated[int, typer.Option(help="... after N tokens.")] = 0,
+    fault_token_delay_ms: Annotated[float, typer.Option(help="Extra delay per token.")] = 0.0,
+    fault_only_request: Annotated[
+        Optional[int], typer.Option(help="Apply the faults to the Nth request only.")  # noqa: UP045
+    ] = None,
+    control_port: Annotated[
+        Optional[int],  # noqa: UP045
+        typer.Option(help="JSON-lines control socket for faults at run time (0: any port)."),
+    ] = None,
 ) -> None:
     """Serve a simulated engine speaking the stock gRPC contract of KIND."""
     from direct_frontend.simulator.cli import run as run_simulator
@@ -179,6 +208,15 @@ def simulate_engine(
         prefill_us_per_token=prefill_us_per_token, decode_us_per_token=decode_us_per_token,
         max_running=max_running, eos_probability=eos_probability,
         role=cast(Literal["both", "prefill", "decode"], role),
+        fault_die_after=fault_die_after, fault_hang_after=fault_hang_after,
+        fault_status=fault_status, fault_status_after=fault_status_after,
+        fault_token_delay_ms=fault_token_delay_ms, fault_only_request=fault_only_request,
+        control_port=control_port,
+        options={
+            "block_size": block_size, "page_size": block_size,
+            "kv_capacity_blocks": kv_capacity_blocks,
+            "kv_events_port": kv_events_port, "kv_replay_port": kv_replay_port,
+        },
     )
 
 

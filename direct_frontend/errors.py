@@ -19,6 +19,7 @@ class ErrorKind(enum.Enum):
     CANCELLED = "cancelled"  # cancelled on purpose: never retried
     INTERNAL = "internal"  # engine-side failure: a 500
     PROTOCOL = "protocol"  # the engine broke its contract (e.g. no terminal message)
+    DRAINING = "draining"  # the engine is leaving the fleet: move the stream, engine is fine
 
     @property
     def engine_is_down(self) -> bool:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import math
 from collections.abc import Callable, Hashable, Iterable
 from typing import Any
 
@@ -184,10 +185,21 @@ class Supervisor:
     async def _drain(self, child: EngineChild) -> None:
         """Wait for the retired incarnation's requests, at most ``drain_timeout_s``."""
         timeout = self.fleet.frontend.drain_timeout_s
+        migrate_after = self.fleet.frontend.faults.drain_migrate_after_s
+        move_at = trio.current_time() + migrate_after if migrate_after > 0 else math.inf
         with trio.move_on_after(timeout) as scope:
             idle_polls = 0
             while idle_polls < 2:
                 idle_polls = idle_polls + 1 if child.in_flight == 0 else 0
+                if child.in_flight and trio.current_time() >= move_at:
+                    move_at = math.inf  # once: streams that cannot move finish here
+                    moved = child.load.move_all()
+                    log.info(
+                        "engine %s still has %d streams after %.1fs of draining: "
+                        "migrating %d to other engines", child.name, child.in_flight,
+                        migrate_after, moved,
+                        extra={"engine": child.name, "generation": child.generation},
+                    )
                 await trio.sleep(DRAIN_POLL_S)
         if scope.cancelled_caught:
             log.warning(

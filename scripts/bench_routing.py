@@ -266,8 +266,9 @@ def fleet_text(mode: str, listen: int, engines: Sequence[EnginePorts], block_siz
         "[frontend.routing]", f'policy = "{POLICY[mode]}"', "",
     ]
     if POLICY[mode] == "kv_aware":
-        lines += ["[frontend.routing.knobs]", f"block_size = {block_size}"]
-        lines += [f"{name} = {value}" for name, value in knobs.items()] + [""]
+        merged = {"block_size": str(block_size), **knobs}  # a --knob block_size=N wins
+        lines += ["[frontend.routing.knobs]"]
+        lines += [f"{name} = {value}" for name, value in merged.items()] + [""]
     lines += ["[frontend.probe]", "interval_s = 0.5", "timeout_s = 2.0", ""]
     for e in engines:
         lines += ["[[engine]]", f'name = "{e.name}"', f'url = "grpc://{HOST}:{e.grpc}"',
@@ -297,8 +298,10 @@ async def wait_all_serving(daemon: Child, client: httpx.AsyncClient, base: str, 
     """Poll ``/ready`` until it reports every engine serving; fail fast if the daemon dies."""
     deadline = time.monotonic() + limit_s
     while True:
-        if daemon.popen.poll() is not None:
-            raise ModeUnavailable(refusal_reason(daemon.log_path.read_text(errors="replace")))
+        code = daemon.popen.poll()
+        if code is not None:
+            reason = refusal_reason(daemon.log_path.read_text(errors="replace"))
+            raise ModeUnavailable(f"the daemon exited ({code}) before serving: {reason}")
         with contextlib.suppress(httpx.HTTPError, ValueError):
             body = (await client.get(base + "/ready")).json()
             if body.get("serving") == engines:
@@ -621,8 +624,8 @@ def fmt_pct(x: float) -> str:
 
 
 def table(results: Sequence[dict[str, Any]]) -> str:
-    head = ("| mode | TTFT mean (ms) | TTFT p90 (ms) | modelled prefill mean (ms) | cache hit rate | "
-            "requests per engine (min–max) | spread CV |")
+    head = ("| mode | TTFT mean (ms) | TTFT p90 (ms) | modelled prefill mean (ms) | "
+            "cache hit rate | requests per engine (min–max) | spread CV |")
     lines = [head, "|---|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         if r["status"] == "unavailable":
@@ -631,8 +634,9 @@ def table(results: Sequence[dict[str, Any]]) -> str:
         mark = " ⚠ events not consumed" if r["status"] != "ok" else ""
         lines.append(
             f"| {r['mode']}{mark} | {r['ttft_mean_ms']:.1f} | {r['ttft_p90_ms']:.1f} | "
-            f"{r['prefill_mean_ms']:.1f} | {fmt_pct(r['hit_rate'])} | {r['requests_per_engine_min']}–"
-            f"{r['requests_per_engine_max']} | {r['spread_cv']:.2f} |"
+            f"{r['prefill_mean_ms']:.1f} | {fmt_pct(r['hit_rate'])} | "
+            f"{r['requests_per_engine_min']}–{r['requests_per_engine_max']} | "
+            f"{r['spread_cv']:.2f} |"
         )
     return "\n".join(lines)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import re
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -171,3 +172,67 @@ def test_engine_restart_mid_stream_and_recovery(model_dir: Path, tmp_path: Path)
         dead = next(name for name, sim in sims.items() if sim.fault_stats.died)
         child = daemon.supervisor.children[dead]
         wait_for(lambda: child.state.value == "serving", what="the engine to rejoin")
+
+
+def test_streams_on_a_removed_engine_migrate_after_the_drain_grace(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    slow = {"decode_us_per_token": 8000, "prefill_us_per_token": 0, "eos_probability": 0.0}
+    keep, leave = sim_engine("keep", **slow), sim_engine("leave", **slow)
+    extra = "drain_timeout_s = 30\n[frontend.faults]\ndrain_migrate_after_s = 0.2"
+
+    def fleet(*engines: dict[str, Any]) -> str:
+        return fleet_text(model_dir, [dict(e) for e in engines], frontend_extra=extra)
+
+    with running_daemon(tmp_path, fleet(keep, leave)) as daemon:
+        daemon.wait_serving(2)
+        api = client(daemon)
+        expected = api.completions.create(model="demo", prompt="Once", max_tokens=TOKENS)
+        sims = daemon.supervisor.simulators
+        leaving = sims["leave"]
+        done: list[str] = []
+
+        def long_stream() -> None:
+            parts = api.completions.create(model="demo", prompt="Once", max_tokens=TOKENS,
+                                           stream=True)
+            done.append("".join(p.choices[0].text for p in parts if p.choices))
+
+        # make sure the stream lands on the engine that will leave
+        while leaving.stats.running == 0:
+            worker = threading.Thread(target=long_stream)
+            worker.start()
+            wait_for(lambda: sims["keep"].stats.running + leaving.stats.running > 0,
+                     what="the stream to start")
+            if leaving.stats.running == 0:
+                worker.join()
+        (tmp_path / "fleet.toml").write_text(fleet(keep))
+        assert httpx.post(daemon.url + "/fleet/reload").json()["ok"]
+        worker.join(10)
+        assert done[-1] == expected.choices[0].text
+        # continued on the other engine from the tokens produced (a "~1" continuation)
+        assert any(rid.endswith("~1") for rid in sims["keep"].stats.request_ids)
+        # the engine left long before its stream would have ended there
+        assert leaving.stats.aborts_received >= 1
+        wait_for(lambda: "leave" not in daemon.supervisor.children, what="the engine to go")
+
+
+def test_admission_control_refuses_past_the_queue_with_a_429(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    slow = {"decode_us_per_token": 20000, "prefill_us_per_token": 0, "eos_probability": 0.0}
+    extra = "[frontend.limits]\nmax_in_flight = 1\nmax_queue = 0"
+    with running_daemon(tmp_path, fleet_text(model_dir, [sim_engine("a", **slow)],
+                                             frontend_extra=extra)) as daemon:
+        daemon.wait_serving(1)
+        sim = daemon.supervisor.simulators["a"]
+        body = {"model": "demo", "messages": CHAT, "max_tokens": 30, "stream": True}
+        with httpx.Client(base_url=daemon.url) as http, http.stream(
+            "POST", "/v1/chat/completions", json=body
+        ) as first:
+            assert first.status_code == 200
+            wait_for(lambda: sim.stats.running == 1, what="the first request to run")
+            second = http.post("/v1/chat/completions", json=body)
+            assert second.status_code == 429
+            assert second.headers["retry-after"] == "1"
+            assert "saturated" in second.json()["error"]["message"]
+            first.read()

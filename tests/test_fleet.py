@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import textwrap
 from pathlib import Path
 
@@ -305,7 +306,7 @@ def test_unknown_keys_in_every_table() -> None:
         "fleet.toml:1: engines: unknown key (expected one of: frontend, engine)",
         "fleet.toml:5: frontend.port: unknown key (expected one of: listen, served_model_name, "
         "tokenizer, max_body_bytes, max_tokens_default, request_timeout_s, log_json, "
-        "drain_timeout_s, routing, probe, admin, auth)",
+        "drain_timeout_s, routing, probe, admin, auth, faults, limits)",
         "fleet.toml:7: frontend.routing.polcy: unknown key (expected one of: policy, knobs)",
         "fleet.toml:9: frontend.probe.interval: unknown key (expected one of: interval_s, "
         "timeout_s, failure_threshold, success_threshold, join_timeout_s)",
@@ -861,8 +862,9 @@ def test_examples_parse(name: str) -> None:
 def test_describe_shows_resolved_settings_and_facts() -> None:
     cfg = load_fleet(ROOT / "config" / "examples" / "production.toml")
     text = describe_fleet(cfg)
-    assert "  max_body_bytes           16777216 (16 MiB)\n" in text
-    assert "  probe.failure_threshold  3\n" in text
+    assert re.search(r"^  max_body_bytes +16777216 \(16 MiB\)$", text, re.M)
+    assert re.search(r"^  probe.failure_threshold +3$", text, re.M)
+    assert re.search(r"^  faults.drain_migrate_after_s +10.0$", text, re.M)
     assert (
         "    context_length  sglang: server_args.context_length, if set "
         "(max_context_length is the KV pool); override: 131072\n" in text
@@ -945,3 +947,20 @@ def test_kv_aware_knobs_are_checked_with_their_lines() -> None:
         'fleet.toml:9: frontend.routing.knobs.temperature: expected a number, got string "hot"'
     )
     assert len(lines) == 3
+
+
+def test_faults_and_limits_tables() -> None:
+    text = (
+        '[frontend]\nserved_model_name = "x"\ntokenizer = "t"\n'
+        "[frontend.faults]\nmax_retries = 0\nstall_timeout_s = 5\n"
+        "[frontend.limits]\nmax_in_flight = 8\nqueue_timeout_s = 1.5\n"
+    )
+    frontend = parse_fleet(text, Path("fleet.toml")).frontend
+    assert frontend.faults.max_retries == 0 and frontend.faults.stall_timeout_s == 5
+    assert frontend.faults.max_migrations == 3 and frontend.faults.drain_migrate_after_s == 10
+    assert frontend.limits.max_in_flight == 8 and frontend.limits.queue_timeout_s == 1.5
+    with pytest.raises(FleetError) as info:
+        parse_fleet(text.replace("max_in_flight = 8", "max_in_flight = 0"), Path("fleet.toml"))
+    assert str(info.value) == (
+        "fleet.toml:8: frontend.limits.max_in_flight: must be at least 1, got 0"
+    )

@@ -110,6 +110,17 @@ def to_jsonable(cfg: FleetConfig, *, redact: bool = True) -> dict[str, JsonValue
             },
             "admin": {"enabled": admin.enabled, "token": token},
             "auth": {"api_keys": api_keys},
+            "faults": {
+                "max_retries": frontend.faults.max_retries,
+                "max_migrations": frontend.faults.max_migrations,
+                "stall_timeout_s": frontend.faults.stall_timeout_s,
+                "drain_migrate_after_s": frontend.faults.drain_migrate_after_s,
+            },
+            "limits": {
+                "max_in_flight": frontend.limits.max_in_flight,
+                "max_queue": frontend.limits.max_queue,
+                "queue_timeout_s": frontend.limits.queue_timeout_s,
+            },
         },
         "engines": engines,
     }
@@ -173,6 +184,13 @@ def _frontend_rows(frontend: FrontendConfig) -> list[tuple[str, str]]:
         ("admin.enabled", _scalar(frontend.admin.enabled)),
         ("admin.token", "set (redacted)" if frontend.admin.token else "none"),
         ("auth.api_keys", f"{len(api_keys)} (redacted)" if api_keys else "none (open)"),
+        ("faults.max_retries", str(frontend.faults.max_retries)),
+        ("faults.max_migrations", str(frontend.faults.max_migrations)),
+        ("faults.stall_timeout_s", _scalar(frontend.faults.stall_timeout_s)),
+        ("faults.drain_migrate_after_s", _scalar(frontend.faults.drain_migrate_after_s)),
+        ("limits.max_in_flight", str(frontend.limits.max_in_flight)),
+        ("limits.max_queue", str(frontend.limits.max_queue)),
+        ("limits.queue_timeout_s", _scalar(frontend.limits.queue_timeout_s)),
     ]
 
 

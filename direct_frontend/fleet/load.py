@@ -30,10 +30,12 @@ from direct_frontend.fleet.schema import (
     AuthConfig,
     EngineConfig,
     EngineKind,
+    FaultsConfig,
     FleetConfig,
     FrontendConfig,
     Knobs,
     KnobValue,
+    LimitsConfig,
     ProbeConfig,
     RoutingConfig,
     RoutingPolicy,
@@ -62,7 +64,11 @@ _FRONTEND_KEYS = (
     "probe",
     "admin",
     "auth",
+    "faults",
+    "limits",
 )
+_FAULTS_KEYS = ("max_retries", "max_migrations", "stall_timeout_s", "drain_migrate_after_s")
+_LIMITS_KEYS = ("max_in_flight", "max_queue", "queue_timeout_s")
 _ADMIN_KEYS = ("enabled", "token")
 _AUTH_KEYS = ("api_keys",)
 _ROUTING_KEYS = ("policy", "knobs")
@@ -517,6 +523,43 @@ class _Checker:
             probe=self.probe(tbl.get("probe", {}), (*path, "probe")),
             admin=self.admin(tbl.get("admin", {}), (*path, "admin")),
             auth=self.auth(tbl.get("auth", {}), (*path, "auth")),
+            faults=self.faults(tbl.get("faults", {}), (*path, "faults")),
+            limits=self.limits(tbl.get("limits", {}), (*path, "limits")),
+        )
+
+    def faults(self, value: object, path: KeyPath) -> FaultsConfig:
+        tbl = self.table(value, path, _FAULTS_KEYS)
+        default = FaultsConfig()
+        if tbl is None:
+            return default
+        return FaultsConfig(
+            max_retries=_or(
+                self.integer(tbl, path, "max_retries", minimum=0), default.max_retries
+            ),
+            max_migrations=_or(
+                self.integer(tbl, path, "max_migrations", minimum=0), default.max_migrations
+            ),
+            stall_timeout_s=_or(
+                self.number(tbl, path, "stall_timeout_s", above=True), default.stall_timeout_s
+            ),
+            drain_migrate_after_s=_or(
+                self.number(tbl, path, "drain_migrate_after_s"), default.drain_migrate_after_s
+            ),
+        )
+
+    def limits(self, value: object, path: KeyPath) -> LimitsConfig:
+        tbl = self.table(value, path, _LIMITS_KEYS)
+        default = LimitsConfig()
+        if tbl is None:
+            return default
+        return LimitsConfig(
+            max_in_flight=_or(
+                self.integer(tbl, path, "max_in_flight", minimum=1), default.max_in_flight
+            ),
+            max_queue=_or(self.integer(tbl, path, "max_queue", minimum=0), default.max_queue),
+            queue_timeout_s=_or(
+                self.number(tbl, path, "queue_timeout_s"), default.queue_timeout_s
+            ),
         )
 
     def admin(self, value: object, path: KeyPath) -> AdminConfig:

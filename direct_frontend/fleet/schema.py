@@ -69,6 +69,37 @@ class RoutingConfig:
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class FaultsConfig:
+    """``[frontend.faults]``: how requests survive engine failures.
+
+    A request that fails before its first token is retried on another engine
+    (``max_retries`` times); one that fails after it is migrated, continuing
+    from the tokens already produced (``max_migrations`` times). An engine
+    silent for ``stall_timeout_s`` mid-stream counts as failed. A removed
+    engine's streams still running ``drain_migrate_after_s`` into its drain
+    are migrated to other engines (0 disables: they run until the drain timeout).
+    """
+
+    max_retries: int = 2
+    max_migrations: int = 3
+    stall_timeout_s: float = 30.0
+    drain_migrate_after_s: float = 10.0
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class LimitsConfig:
+    """``[frontend.limits]``: admission control, so a burst never melts the daemon down.
+
+    Past ``max_in_flight`` requests wait in a FIFO queue of ``max_queue``
+    places for at most ``queue_timeout_s``; beyond that they get a 429.
+    """
+
+    max_in_flight: int = 1024
+    max_queue: int = 1024
+    queue_timeout_s: float = 10.0
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class ProbeConfig:
     """``[frontend.probe]``: how engines are health-checked.
 
@@ -118,6 +149,8 @@ class FrontendConfig:
     drain_timeout_s: float = 30.0  # a removed engine's in-flight requests get this long
     admin: AdminConfig = AdminConfig()
     auth: AuthConfig = AuthConfig()
+    faults: FaultsConfig = FaultsConfig()
+    limits: LimitsConfig = LimitsConfig()
 
     @property
     def listen(self) -> str:

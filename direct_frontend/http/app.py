@@ -9,6 +9,7 @@ gone client silently, so without it the engine would keep generating.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -41,7 +42,7 @@ from direct_frontend.http.openai_schema import (
 from direct_frontend.http.render import ChunkRenderer, Usage, render_full, render_models
 from direct_frontend.observability.logging import current_request_id, new_request_id
 from direct_frontend.observability.metrics import Metrics
-from direct_frontend.pipeline.admission import Admission, AdmissionConfig, Rejected
+from direct_frontend.pipeline.admission import Admission, Rejected, admission_config
 from direct_frontend.pipeline.dispatch import Dispatcher, Generation
 from direct_frontend.pipeline.failover import (
     Decision,
@@ -99,8 +100,8 @@ class App:
         self.supervisor = supervisor
         self.dispatcher = dispatcher
         self.metrics = metrics
-        self.failover = FailoverConfig()
-        self.admission = Admission(AdmissionConfig())
+        self.failover = FailoverConfig.from_fleet(frontend.faults)
+        self.admission = Admission(admission_config(frontend.limits))
         self.hit_rate = HitRateMonitor()
         self._divergence_logged_at = -math.inf
         self.bound_urls: list[str] = []
@@ -175,6 +176,10 @@ class App:
 
     def apply_frontend(self, frontend: FrontendConfig) -> None:
         """Switch to a reloaded ``[frontend]``: later requests see the new limits and keys."""
+        if frontend.limits != self.frontend.limits:
+            # requests admitted under the old limits finish under them
+            self.admission = Admission(admission_config(frontend.limits))
+        self.failover = FailoverConfig.from_fleet(frontend.faults)
         self.frontend = frontend
 
     async def _fleet(self, scope: Scope, receive: Receive, send: Send) -> int:
@@ -344,6 +349,8 @@ class Relay:
         self.response_started = False
         self.predicted_cached_tokens: int | None = None
         self.pending_error: EngineError | None = None
+        self.moving = False  # asked to move off a draining engine
+        self.awaiting_engine = False
 
     async def run(self, receive: Receive, send: Send) -> int:
         status = 200
@@ -410,7 +417,11 @@ class Relay:
             error, self.pending_error = self.pending_error, None
             raise error
         stall.deadline = trio.current_time() + self.app.failover.stall_timeout_s
-        event: TokenDelta | Finished | None = await receiver.receive()
+        self.awaiting_engine = True
+        try:
+            event: TokenDelta | Finished | None = await receiver.receive()
+        finally:
+            self.awaiting_engine = False
         stall.deadline = math.inf
         before = self.processor.completion_tokens
         pieces: list[str] = []
@@ -436,6 +447,16 @@ class Relay:
         finished = self.final is not None
         return "".join(pieces), self.processor.completion_tokens - before, finished
 
+    def _move_off(self, stall: trio.CancelScope) -> None:
+        """A planned migration: leave this engine at the next safe point.
+
+        Only a wait on the engine is interrupted, never a write to the client
+        (a write cut short would corrupt the response).
+        """
+        self.moving = True
+        if self.awaiting_engine:
+            stall.cancel()
+
     def _engine_ends_by_itself(self, generation: Generation) -> bool:
         """Whether the engine stops on its own where the output stopped (no Abort needed)."""
         final = self.final
@@ -454,19 +475,29 @@ class Relay:
         while True:
             try:
                 async with dispatcher.run(self.engine, self.call) as generation:
+                    movers = self.engine.load.movers
                     with trio.CancelScope() as stall:
-                        while True:
-                            text, tokens, finished = await self._next_batch(generation, stall)
-                            self._observe(tokens)
-                            if finished:
-                                generation.ends_by_itself = self._engine_ends_by_itself(
-                                    generation
-                                )
-                                self.app.metrics.engine_request(self.engine.name, "ok")
-                            # the final bytes go out before any Abort of the engine call
-                            await emit(text, tokens, finished)
-                            if finished:
-                                return
+                        move = functools.partial(self._move_off, stall)
+                        movers.add(move)
+                        try:
+                            while not self.moving:
+                                text, tokens, finished = await self._next_batch(generation, stall)
+                                self._observe(tokens)
+                                if finished:
+                                    generation.ends_by_itself = self._engine_ends_by_itself(
+                                        generation
+                                    )
+                                    self.app.metrics.engine_request(self.engine.name, "ok")
+                                # the final bytes go out before any Abort of the engine call
+                                await emit(text, tokens, finished)
+                                if finished:
+                                    return
+                        finally:
+                            movers.discard(move)
+                    if self.moving:
+                        self.moving = False
+                        raise EngineError(ErrorKind.DRAINING, "the engine is draining",
+                                          engine=self.engine.name)
                     raise EngineError(
                         ErrorKind.TIMEOUT, "the stream stalled", engine=self.engine.name
                     )
@@ -499,11 +530,18 @@ class Relay:
             ) from None
         outcome = "retried" if decision is Decision.RETRY else "migrated"
         self.app.metrics.engine_request(self.engine.name, outcome)
-        log.warning(
-            "engine %s failed (%s); %s on %s after %d tokens",
-            error.engine, error, outcome, engine.name, len(produced),
-            extra={"engine": error.engine, "to_engine": engine.name},
-        )
+        if error.kind is ErrorKind.DRAINING:
+            log.info(
+                "moved a stream off draining engine %s to %s after %d tokens",
+                error.engine, engine.name, len(produced),
+                extra={"engine": error.engine, "to_engine": engine.name},
+            )
+        else:
+            log.warning(
+                "engine %s failed (%s); %s on %s after %d tokens",
+                error.engine, error, outcome, engine.name, len(produced),
+                extra={"engine": error.engine, "to_engine": engine.name},
+            )
         self.engine = engine
         self.call = call
 

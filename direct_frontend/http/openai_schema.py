@@ -206,7 +206,7 @@ def from_engine_error(err: EngineError) -> OpenAIHTTPError:
                 None,
                 "cancelled",
             )
-        case ErrorKind.UNAVAILABLE | ErrorKind.PROTOCOL:
+        case ErrorKind.UNAVAILABLE | ErrorKind.PROTOCOL | ErrorKind.DRAINING:
             return engine_failed(f"The inference engine failed: {err.message}")
 
 

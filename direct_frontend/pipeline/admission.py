@@ -14,12 +14,18 @@ from collections.abc import AsyncIterator
 
 import trio
 
+from direct_frontend.fleet.schema import LimitsConfig
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class AdmissionConfig:
     max_in_flight: int = 1024
     max_queue: int = 1024
     queue_timeout_s: float = 10.0
+
+
+def admission_config(limits: LimitsConfig) -> AdmissionConfig:
+    return AdmissionConfig(limits.max_in_flight, limits.max_queue, limits.queue_timeout_s)
 
 
 class Rejected(Exception):

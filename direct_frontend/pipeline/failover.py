@@ -16,6 +16,7 @@ import random
 
 from direct_frontend.engines.neutral import GenerateCall
 from direct_frontend.errors import EngineError, ErrorKind
+from direct_frontend.fleet.schema import FaultsConfig
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -28,6 +29,14 @@ class FailoverConfig:
     backoff_base_s: float = 0.02
     backoff_max_s: float = 0.5
 
+    @classmethod
+    def from_fleet(cls, faults: FaultsConfig) -> FailoverConfig:
+        return cls(
+            max_retries=faults.max_retries,
+            max_migrations=faults.max_migrations,
+            stall_timeout_s=faults.stall_timeout_s,
+        )
+
 
 class Decision(enum.Enum):
     RETRY = "retry"  # nothing was produced: same request on another engine
@@ -35,9 +44,10 @@ class Decision(enum.Enum):
     GIVE_UP = "give_up"
 
 
-RETRYABLE = frozenset(
-    {ErrorKind.UNAVAILABLE, ErrorKind.TIMEOUT, ErrorKind.PROTOCOL, ErrorKind.OVERLOADED}
-)
+RETRYABLE = frozenset({
+    ErrorKind.UNAVAILABLE, ErrorKind.TIMEOUT, ErrorKind.PROTOCOL, ErrorKind.OVERLOADED,
+    ErrorKind.DRAINING,
+})
 
 
 class FailoverState:

@@ -9,6 +9,7 @@ discovery learnt, its transport and its live load counters.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 from direct_frontend.engines.neutral import EngineInfo, EngineRole
@@ -21,6 +22,16 @@ class EngineLoad:
     in_flight: int = 0
     prompt_tokens_in_flight: int = 0
     requests_total: int = 0
+    #: one callback per running stream that asks it to move to another engine
+    #: (a planned migration off a draining engine)
+    movers: set[Callable[[], None]] = dataclasses.field(default_factory=set)
+
+    def move_all(self) -> int:
+        """Ask every stream running here to continue elsewhere; returns how many were asked."""
+        movers = list(self.movers)
+        for move in movers:
+            move()
+        return len(movers)
 
     def begin(self, prompt_tokens: int) -> None:
         self.in_flight += 1

@@ -12,7 +12,7 @@ import contextlib
 import signal
 import sys
 from collections.abc import Sequence
-from typing import get_args
+from typing import Any, get_args
 
 from direct_frontend.simulator.control import serve_control
 from direct_frontend.simulator.core import EngineKind, SimRole
@@ -36,8 +36,13 @@ def build_engine(
     eos_probability: float = 0.02,
     seed: int = 0,
     faults: FaultPlan | None = None,
+    options: dict[str, Any] | None = None,
 ) -> SimEngine:
-    """An engine from a tokenizer directory, or from an explicit vocabulary size and EOS."""
+    """An engine from a tokenizer directory, or from an explicit vocabulary size and EOS.
+
+    ``options`` are further :class:`SimEngine` arguments (KV-event ports, block size...).
+    """
+    extra = options or {}
     timing = TimingModel(prefill_us_per_token, decode_us_per_token, max_running)
     if model_dir is not None:
         return SimEngine.from_model_dir(
@@ -50,6 +55,7 @@ def build_engine(
             eos_probability=eos_probability,
             seed=seed,
             faults=faults,
+            **extra,
         )
     if vocab_size is None or eos_token_id is None:
         raise ValueError("give either model_dir, or both vocab_size and eos_token_id")
@@ -64,6 +70,7 @@ def build_engine(
         eos_probability=eos_probability,
         seed=seed,
         faults=faults,
+        **extra,
     )
 
 
@@ -131,6 +138,7 @@ def run(
     fault_token_delay_ms: float = 0.0,
     fault_only_request: int | None = None,
     control_port: int | None = None,
+    options: dict[str, Any] | None = None,
 ) -> None:
     """Serve one simulated engine until SIGINT/SIGTERM; only for a standalone process.
 
@@ -166,6 +174,7 @@ def run(
         eos_probability=eos_probability,
         seed=seed,
         faults=faults,
+        options=options,
     )
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(_serve(engine, host, port, control_port))  # ok: standalone simulator process
