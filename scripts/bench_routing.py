@@ -27,20 +27,25 @@ prompt token, so cache hits show up in TTFT; each engine's prefix cache holds
 ``--capacity-factor`` × (whole working set / engines) blocks: one engine's share,
 not everything, so placement matters.
 
-Figures: TTFT (client-side, request sent → first content token), hit rate =
-Σ ``usage.prompt_tokens_details.cached_tokens`` / Σ ``prompt_tokens`` as the
-frontend reports them, requests per engine from the engines' own counters
-(cross-checked with the daemon's ``direct_frontend_engine_requests_total``).
+Figures: TTFT (client-side, request sent → first content token); the modelled
+prefill (uncached tokens × ``--prefill-us``: the part of TTFT routing controls,
+immune to CPU noise on a shared machine); hit rate = Σ
+``usage.prompt_tokens_details.cached_tokens`` / Σ ``prompt_tokens`` as the
+frontend reports them; requests per engine from the engines' own counters
+(cross-checked with the daemon's ``direct_frontend_engine_requests_total``); and,
+to explain hit rates, how many later turns found their own history cached.
 For ``kv-events`` the daemon's ``direct_frontend_kv_index_blocks`` must be non-zero,
-else the row is flagged: the KV events were not consumed.
+else the row is flagged: the KV events were not consumed. Each mode runs
+``--repeat`` times, interleaved with the others, and the figures are pooled.
 
 Exit status: 0 ok, 1 request errors or a workload mismatch, 2 a mode could not
 run (e.g. the daemon refused the policy) or its KV events were not consumed.
 
 Usage::
 
-    python scripts/bench_routing.py                    # 4 engines, 256 requests per mode
-    python scripts/bench_routing.py --modes round_robin,kv-events --conversations 32
+    python scripts/bench_routing.py                    # 4 engines, 2 × 256 requests per mode, ~70 s
+    python scripts/bench_routing.py --repeat 1 --conversations 32      # ~20 s
+    python scripts/bench_routing.py --modes kv-events --knob overlap_weight=4
     python scripts/bench_routing.py --json             # also one JSON line at the end
 """
 
@@ -559,8 +564,8 @@ async def run_mode(mode: str, args: argparse.Namespace, workload: Workload, capa
         result["status"] = "kv-events-not-consumed"
         result["reason"] = (
             "the daemon ran kv_aware but its KV index stayed empty "
-            f"(direct_frontend_kv_index_blocks = {index_blocks}); the fleet file's kv_events "
-            "were not consumed, so this row measured approximate routing"
+            f"(direct_frontend_kv_index_blocks = {index_blocks}): the fleet file's kv_events "
+            "were not consumed, so this row did not measure KV-event routing"
         )
     return result
 
@@ -692,8 +697,8 @@ def notes(results: Sequence[dict[str, Any]]) -> list[str]:
                         for run in busy)
             out.append(f"{r['mode']}: CPU-bound in {len(busy)} of {len(r['runs'])} runs (up to "
                        f"{max(run['machine_cores_busy'] for run in busy):.2f} of {cores} cores "
-                       f"busy, up to {max(0.0, other):.2f} by other processes): TTFT is "
-                       "inflated; the modelled prefill is not")
+                       f"busy, up to {max(0.0, other):.2f} by other processes or the kernel): "
+                       "TTFT is inflated; the modelled prefill is not")
     return out
 
 
