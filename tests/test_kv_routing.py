@@ -19,11 +19,11 @@ BS = 4
 GENERATION = {"a": 1, "b": 2, "c": 3}
 
 
-def handle(name: str, in_flight: int = 0, prompt_tokens: int = 0) -> EngineHandle:
+def handle(name: str, in_flight: int = 0, active_blocks: int = 0) -> EngineHandle:
     h = EngineHandle(name, "vllm", f"grpc://{name}:1", GENERATION[name], EngineRole.BOTH,
                      EngineInfo("demo"), 4096, None)
     h.load.in_flight = in_flight
-    h.load.prompt_tokens_in_flight = prompt_tokens
+    h.load.active_blocks = {10_000 + i: 1 for i in range(active_blocks)}
     return h
 
 
@@ -66,7 +66,7 @@ def test_decode_load_outweighs_a_small_overlap() -> None:
     index = FakeIndex({"b": HASHES[:1]})
     policy = KvAware(KvKnobs(block_size=BS), index)
     policy.uses_events = {1, 2}
-    catalog = Catalog(1, (handle("a"), handle("b", in_flight=3, prompt_tokens=40)))
+    catalog = Catalog(1, (handle("a"), handle("b", in_flight=3, active_blocks=10)))
     chosen = policy.choose(catalog, view(PROMPT))
     assert chosen is not None and chosen.name == "a"
 
@@ -154,3 +154,26 @@ def test_ranks_of_one_engine_combine_and_other_incarnations_do_not_count() -> No
     policy.uses_events = {1, 2}
     catalog = Catalog(1, (handle("a"), handle("b")))
     assert policy.overlaps(HASHES, 0.0, catalog.engines) == {"b": 5}
+
+
+def test_blocks_shared_by_requests_in_flight_count_once() -> None:
+    h = handle("a")
+    h.load.begin(32, HASHES)
+    h.load.begin(32, HASHES)
+    assert len(h.load.active_blocks) == len(HASHES)
+    assert h.load.new_blocks(HASHES) == 0 and h.load.new_blocks([1, 2]) == 2
+    h.load.end(32, HASHES)
+    h.load.end(32, HASHES)
+    assert h.load.active_blocks == {}
+
+
+def test_a_busy_engine_holding_the_prefix_still_wins_over_idle_cold_ones() -> None:
+    """Its requests in flight share the prefix, so they add no decode load for it."""
+    index = FakeIndex({"b": HASHES})
+    policy = KvAware(KvKnobs(block_size=BS), index)
+    policy.uses_events = {1, 2}
+    busy = handle("b", in_flight=2)
+    busy.load.begin(32, HASHES)
+    catalog = Catalog(1, (handle("a"), busy))
+    chosen = policy.choose(catalog, view(PROMPT))
+    assert chosen is not None and chosen.name == "b"

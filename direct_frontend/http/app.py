@@ -280,6 +280,9 @@ class App:
                 predicted = self.dispatcher.predicted_cached_tokens(
                     engine, len(prepared.input_ids)
                 )
+                blocks = self.dispatcher.request_blocks()
+                if self.dispatcher.spilled():
+                    self.metrics.kv_load_guard_spills_total.inc()
                 max_tokens = token_budget(prepared, engine, self.frontend.max_tokens_default)
             except OpenAIHTTPError as err:
                 await send_error(send, err, headers)
@@ -293,6 +296,7 @@ class App:
             call = build_call(prepared, max_tokens, stream=engine_streams)
             relay = Relay(self, prepared, engine, call, headers, max_tokens)
             relay.predicted_cached_tokens = predicted
+            relay.blocks = blocks
             try:
                 async with self.admission.slot():
                     return await relay.run(receive, send)
@@ -349,6 +353,7 @@ class Relay:
         self.response_started = False
         self.predicted_cached_tokens: int | None = None
         self.pending_error: EngineError | None = None
+        self.blocks: list[int] = []  # the prompt's KV block hashes (kv_aware routing)
         self.moving = False  # asked to move off a draining engine
         self.awaiting_engine = False
 
@@ -365,6 +370,10 @@ class Relay:
             self.app.metrics.request_cancelled()
             return 499
         self.app.metrics.add_tokens(len(self.prepared.input_ids), self.processor.completion_tokens)
+        if status == 200:
+            self.app.dispatcher.remember_output(
+                self.engine, self.prepared.input_ids + self.processor.generated_ids
+            )
         predicted = self.predicted_cached_tokens
         if status == 200 and predicted is not None and not self.failover.tried:
             self.app.record_kv_prediction(predicted, self.cached_tokens or 0)
@@ -474,7 +483,7 @@ class Relay:
         dispatcher = self.app.dispatcher
         while True:
             try:
-                async with dispatcher.run(self.engine, self.call) as generation:
+                async with dispatcher.run(self.engine, self.call, self.blocks) as generation:
                     movers = self.engine.load.movers
                     with trio.CancelScope() as stall:
                         move = functools.partial(self._move_off, stall)

@@ -97,6 +97,17 @@ class KvPlane:
     def note_serving(self, child: EngineChild) -> None:
         """On (re)joining: rebuild after a fence or a restart, from the engine's history."""
         info = child.info
+        if info is not None and info.block_size and info.block_size != self.index.block_size:
+            if child.generation in self.live:
+                log.error(
+                    "engine %s reports KV block size %d but the KV index uses %d "
+                    "([frontend.routing.knobs] block_size): its KV events cannot match "
+                    "requests, so it is routed by the approximate prefix memory instead",
+                    child.name, info.block_size, self.index.block_size,
+                    extra={"engine": child.name},
+                )
+            self.live.discard(child.generation)
+            return
         incarnation = info.incarnation if info is not None else ""
         previous = self._incarnations.get(child.generation)
         self._incarnations[child.generation] = incarnation

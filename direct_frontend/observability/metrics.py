@@ -166,6 +166,11 @@ class Metrics:
             "1 while predicted and reported cache hits disagree over the recent window.",
             registry=r,
         )
+        self.kv_load_guard_spills_total = Counter(
+            p + "kv_load_guard_spills_total",
+            "Requests the load guard sent away from the engine with the best cache overlap.",
+            registry=r,
+        )
         self.kv_index_blocks = Gauge(
             p + "kv_index_blocks", "Blocks held in the KV-event index.", registry=r
         )

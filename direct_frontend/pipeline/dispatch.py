@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from collections.abc import AsyncIterator, Collection
+from collections.abc import AsyncIterator, Collection, Sequence
 from typing import Protocol
 
 import trio
@@ -65,6 +65,22 @@ class Dispatcher:
             raise NoEngineAvailable("no engine is serving")
         return engine
 
+    def request_blocks(self) -> list[int]:
+        """The KV block hashes the policy computed for the request it just placed."""
+        if isinstance(self.policy, KvAware) and self.policy.last is not None:
+            return self.policy.last.hashes
+        return []
+
+    def spilled(self) -> bool:
+        """Whether the last choice was the load guard overriding the cache."""
+        last = self.policy.last if isinstance(self.policy, KvAware) else None
+        return last is not None and last.spilled
+
+    def remember_output(self, engine: EngineHandle, token_ids: Sequence[int]) -> None:
+        """Approximate mode: the engine now also holds the answer's blocks."""
+        if isinstance(self.policy, KvAware) and engine.generation not in self.policy.uses_events:
+            self.policy.remember(engine.name, token_ids)
+
     def predicted_cached_tokens(self, engine: EngineHandle, prompt_tokens: int) -> int | None:
         """What the KV-aware policy expects ``engine`` to have cached of the prompt just chosen.
 
@@ -81,13 +97,19 @@ class Dispatcher:
         return min(last.predicted_blocks * block, (prompt_tokens - 1) // block * block)
 
     @contextlib.asynccontextmanager
-    async def run(self, engine: EngineHandle, call: GenerateCall) -> AsyncIterator[Generation]:
-        """Run ``call`` on ``engine``; leaving early aborts it on the engine."""
+    async def run(
+        self, engine: EngineHandle, call: GenerateCall, blocks: Sequence[int] = ()
+    ) -> AsyncIterator[Generation]:
+        """Run ``call`` on ``engine``; leaving early aborts it on the engine.
+
+        ``blocks`` are the request's KV block hashes, counted in the engine's
+        load while the call runs.
+        """
         channel: EngineChannel = engine.transport
         dialect: Dialect = channel.dialect
         decoder = dialect.stream_decoder(call)
         prompt = len(call.input_ids)
-        engine.load.begin(prompt)
+        engine.load.begin(prompt, blocks)
         failure: EngineError | None = None
         generation: Generation | None = None
         try:
@@ -101,7 +123,7 @@ class Dispatcher:
                 self.fleet.report_fault(engine, error)
             raise
         finally:
-            engine.load.end(prompt)
+            engine.load.end(prompt, blocks)
             # A dead connection cannot take an Abort; a hung or live engine must get one.
             natural_end = generation is not None and generation.ends_by_itself
             reachable = failure is None or failure.kind not in UNREACHABLE

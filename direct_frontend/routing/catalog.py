@@ -9,7 +9,7 @@ discovery learnt, its transport and its live load counters.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from direct_frontend.engines.neutral import EngineInfo, EngineRole
@@ -33,14 +33,33 @@ class EngineLoad:
             move()
         return len(movers)
 
-    def begin(self, prompt_tokens: int) -> None:
+    #: KV blocks (prefix hashes) the requests in flight occupy, counted once however
+    #: many requests share them: the decode load a KV-aware policy weighs
+    active_blocks: dict[int, int] = dataclasses.field(default_factory=dict)
+
+    def begin(self, prompt_tokens: int, blocks: Sequence[int] = ()) -> None:
         self.in_flight += 1
         self.prompt_tokens_in_flight += prompt_tokens
         self.requests_total += 1
+        active = self.active_blocks
+        for block in blocks:
+            active[block] = active.get(block, 0) + 1
 
-    def end(self, prompt_tokens: int) -> None:
+    def end(self, prompt_tokens: int, blocks: Sequence[int] = ()) -> None:
         self.in_flight -= 1
         self.prompt_tokens_in_flight -= prompt_tokens
+        active = self.active_blocks
+        for block in blocks:
+            left = active[block] - 1
+            if left:
+                active[block] = left
+            else:
+                del active[block]
+
+    def new_blocks(self, blocks: Sequence[int]) -> int:
+        """How many of ``blocks`` are not already held by a request in flight."""
+        active = self.active_blocks
+        return sum(1 for block in blocks if block not in active)
 
 
 @dataclasses.dataclass(eq=False, slots=True)

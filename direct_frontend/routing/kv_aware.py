@@ -39,7 +39,7 @@ class KvKnobs:
     block_size: int = 16  # = the engines' KV block size (vLLM block_size, SGLang page size)
     overlap_weight: float = 1.0
     temperature: float = 0.0
-    balance_abs_threshold: float = 8.0  # in-flight requests above the mean …
+    balance_abs_threshold: float = 2.0  # in-flight requests above the mean …
     balance_rel_threshold: float = 1.5  # … and this many times the mean: spill
     approx_ttl_s: float = 120.0
     approx_max_blocks: int = 1 << 20
@@ -72,6 +72,7 @@ class KvChoice:
     engine: EngineHandle
     predicted_blocks: int
     spilled: bool
+    hashes: list[int]
 
 
 class ApproxPrefixIndex:
@@ -148,6 +149,7 @@ class KvAware:
         self._rng = rng or random.Random()
         self._tie = 0
         self.last: KvChoice | None = None
+        self.spills = 0  # load-guard overrides, exported as a metric
 
     def hashes(self, input_ids: Sequence[int]) -> list[int]:
         return prefix_hashes(input_ids, self.knobs.block_size)
@@ -194,9 +196,11 @@ class KvAware:
         hashes = self.hashes(request.input_ids)
         overlaps = self.overlaps(hashes, now, candidates)
         request_blocks = math.ceil(len(request.input_ids) / knobs.block_size)
+        # decode load: the blocks the engine's requests in flight hold (shared ones
+        # once), plus the blocks this request would add there
         costs = [
             knobs.overlap_weight * (request_blocks - overlaps.get(e.name, 0))
-            + e.load.prompt_tokens_in_flight / knobs.block_size
+            + len(e.load.active_blocks) + e.load.new_blocks(hashes)
             for e in candidates
         ]
         chosen = self._pick(candidates, costs)
@@ -209,10 +213,16 @@ class KvAware:
         ):
             chosen = min(candidates, key=lambda e: e.load.in_flight)
             spilled = True
-        self.last = KvChoice(chosen, overlaps.get(chosen.name, 0), spilled)
+        self.last = KvChoice(chosen, overlaps.get(chosen.name, 0), spilled, hashes)
+        if spilled:
+            self.spills += 1
         if chosen.generation not in self.uses_events:
             self.approx.record(chosen.name, hashes, now)
         return chosen
+
+    def remember(self, engine: str, token_ids: Sequence[int]) -> None:
+        """Approximate mode: ``engine`` holds these tokens' blocks now (prompt + answer)."""
+        self.approx.record(engine, self.hashes(token_ids), self.clock())
 
     def _pick(self, candidates: Sequence[EngineHandle], costs: Sequence[float]) -> EngineHandle:
         low, high = min(costs), max(costs)
