@@ -236,3 +236,21 @@ def test_admission_control_refuses_past_the_queue_with_a_429(
             assert second.headers["retry-after"] == "1"
             assert "saturated" in second.json()["error"]["message"]
             first.read()
+
+
+def test_request_timeout_ends_the_request_and_frees_the_engine(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    slow = {"decode_us_per_token": 20000, "prefill_us_per_token": 0, "eos_probability": 0.0}
+    text = fleet_text(model_dir, [sim_engine("a", **slow)],
+                      frontend_extra="request_timeout_s = 0.3")
+    with running_daemon(tmp_path, text) as daemon:
+        daemon.wait_serving(1)
+        sim = daemon.supervisor.simulators["a"]
+        r = httpx.post(daemon.url + "/v1/chat/completions",
+                       json={"model": "demo", "messages": CHAT, "max_tokens": 200})
+        assert r.status_code == 504, r.text
+        assert "0.3" in r.json()["error"]["message"]
+        wait_for(lambda: sim.stats.running == 0, what="the engine slot to be freed")
+        assert sim.stats.aborts_received == 1
+        assert daemon.supervisor.children["a"].state.value == "serving"  # not the engine's fault

@@ -27,6 +27,7 @@ from direct_frontend.http.openai_schema import (
     ChatRequest,
     CompletionRequest,
     OpenAIHTTPError,
+    engine_timeout,
     error_body,
     from_engine_error,
     internal_error,
@@ -348,6 +349,9 @@ class Relay:
         self.cached_tokens: int | None = None
         self.final: OutputStep | None = None
         self.started = time.perf_counter()
+        # the engine-side time allowed for the whole request ([frontend] request_timeout_s)
+        self.deadline = trio.current_time() + app.frontend.request_timeout_s
+        self.timed_out = False
         self.last_emit = 0.0
         self.disconnected = False
         self.response_started = False
@@ -425,7 +429,9 @@ class Relay:
         if self.pending_error is not None:
             error, self.pending_error = self.pending_error, None
             raise error
-        stall.deadline = trio.current_time() + self.app.failover.stall_timeout_s
+        stall.deadline = min(
+            trio.current_time() + self.app.failover.stall_timeout_s, self.deadline
+        )
         self.awaiting_engine = True
         try:
             event: TokenDelta | Finished | None = await receiver.receive()
@@ -507,6 +513,10 @@ class Relay:
                         self.moving = False
                         raise EngineError(ErrorKind.DRAINING, "the engine is draining",
                                           engine=self.engine.name)
+                    if trio.current_time() >= self.deadline:
+                        self.timed_out = True  # the whole request's time is up: no retry
+                        raise EngineError(ErrorKind.CANCELLED, "request_timeout_s passed",
+                                          engine=self.engine.name)
                     raise EngineError(
                         ErrorKind.TIMEOUT, "the stream stalled", engine=self.engine.name
                     )
@@ -564,6 +574,10 @@ class Relay:
         self.last_emit = now
 
     def _error_for(self, error: EngineError) -> OpenAIHTTPError:
+        if self.timed_out:
+            return engine_timeout(
+                f"The request did not finish within {self.app.frontend.request_timeout_s:g} s."
+            )
         if self.failover.all_overloaded:
             return rate_limited("Every engine is saturated; retry later.", retry_after=1)
         return from_engine_error(error)
