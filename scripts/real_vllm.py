@@ -15,8 +15,18 @@ What it does (the recipe and its pitfalls: /work/shared/docs/real-vllm.md):
    offline by ``scripts/real_vllm/make_tiny_llama.py`` with the peer's Python; cached.
 3. The engine: ``python -m vllm.entrypoints.launchers.grpc_server`` in its own process
    group, gated on grpc.health.v1 SERVING, stopped (group and all) at the end.
-4. A temporary fleet file and ``direct-frontend run`` on it, gated on ``GET /ready``.
+4. A temporary fleet file (``policy = "kv_aware"``, ``block_size`` = the engine's
+   GetServerInfo.block_size, the engine's KV-event PUB and replay endpoints) and
+   ``direct-frontend run`` on it, gated on ``GET /ready``.
 5. Checks through the official ``openai`` client, cross-checked against the engine.
+6. KV-aware routing: the daemon's index follows the engine's KV events (its size moves by
+   exactly the blocks the engine published), and a request sharing a long prefix is
+   predicted by the index (``direct_frontend_kv_predicted_cached_tokens_total``) to hit
+   exactly the ``cached_tokens`` the engine reports.
+7. Only the frontend is restarted (the engine keeps its cache), now with a simulated vLLM
+   engine (``direct-frontend simulate-engine``, its own KV events) in the fleet: the new
+   index is rebuilt from the engine's replay endpoint alone, and a shared-prefix request
+   goes to the real engine that holds the prefix, not to the simulated one.
 
 The cache dir defaults to ``$XDG_CACHE_HOME/direct-frontend/real-vllm`` (``~/.cache/...``);
 override with ``--cache-dir`` or ``DIRECT_FRONTEND_REAL_VLLM_CACHE``. Each run keeps its
@@ -76,6 +86,8 @@ MODEL_MARKER = ".direct-frontend-model.json"
 # --- engine launch (real-vllm.md §4) --------------------------------------------------
 SERVICE = "vllm.grpc.engine.VllmEngine"
 BLOCK_SIZE = 32
+REAL_NAME = "real-vllm"  # the engines' names in the fleet file
+SIM_NAME = "sim-vllm"
 MAX_MODEL_LEN = 512
 ENGINE_ENV = {
     "VLLM_TARGET_DEVICE": "cpu",
@@ -435,6 +447,66 @@ def _group_alive(pgid: int) -> bool:
     return False
 
 
+@dataclasses.dataclass
+class SimEngine:
+    """A simulated vLLM engine (``direct-frontend simulate-engine``) next to the real one."""
+
+    proc: subprocess.Popen[bytes]
+    grpc_port: int
+    pub_port: int
+    replay_port: int
+    log: Path
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+
+def start_sim_engine(run_dir: Path, model: Path, served: str, timeout: float = 30.0) -> SimEngine:
+    """Same model and block size as the real engine, its own prefix cache and KV events."""
+    import grpc
+
+    grpc_port, pub_port, replay_port = free_ports(3)
+    cmd = [
+        *frontend_cli(), "simulate-engine", "--kind", "vllm",
+        "--host", "127.0.0.1", "--port", str(grpc_port),
+        "--model-dir", str(model), "--served-model-name", served,
+        "--context-length", str(MAX_MODEL_LEN), "--block-size", str(BLOCK_SIZE),
+        "--kv-capacity-blocks", "256", "--eos-probability", "0",
+        "--kv-events-port", str(pub_port), "--kv-replay-port", str(replay_port),
+    ]  # fmt: skip
+    log = run_dir / "sim-engine.log"
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen(
+            cmd,
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            cwd=run_dir,
+            start_new_session=True,
+        )
+    sim = SimEngine(proc, grpc_port, pub_port, replay_port, log)
+    deadline = time.monotonic() + timeout
+    client = EngineClient(sim.address)
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise SetupError(f"the simulated engine exited with {proc.returncode}\n{tail(log)}")
+            try:
+                client.model_info()
+                return sim
+            except grpc.RpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise SetupError(f"the simulated engine did not answer in {timeout:.0f} s")
+            time.sleep(0.2)
+    except BaseException:
+        stop_group(proc, "simulated engine", grace=5)
+        raise
+    finally:
+        client.close()
+
+
 class EngineClient:
     """A small grpcio client of the engine's own contract, for cross-checks."""
 
@@ -714,26 +786,55 @@ def toml_str(value: str) -> str:
     return json.dumps(value)  # a JSON string of printable text is a valid TOML basic string
 
 
-def write_fleet(run_dir: Path, engine: Engine, served: str, port: int) -> Path:
-    fleet = run_dir / "fleet.toml"
-    fleet.write_text(
-        textwrap.dedent(
-            f"""\
-            # Written by scripts/real_vllm.py for one run against a real vLLM engine.
-            [frontend]
-            listen = "127.0.0.1:{port}"
-            served_model_name = {toml_str(served)}
-            tokenizer = {toml_str(str(engine.model))}
+def write_fleet(
+    run_dir: Path,
+    engine: Engine,
+    served: str,
+    port: int,
+    *,
+    sim: SimEngine | None = None,
+    name: str = "fleet.toml",
+) -> Path:
+    """The run's fleet: kv_aware routing on the engine's block size, its KV events + replay.
 
-            [[engine]]
-            name = "real-vllm"
-            url = "grpc://{engine.address}"
+    ``sim`` adds a simulated vLLM engine (its own KV events) next to the real one.
+    """
+    block = (engine.server_info.block_size if engine.server_info is not None else 0) or BLOCK_SIZE
+    text = textwrap.dedent(
+        f"""\
+        # Written by scripts/real_vllm.py for one run against a real vLLM engine.
+        [frontend]
+        listen = "127.0.0.1:{port}"
+        served_model_name = {toml_str(served)}
+        tokenizer = {toml_str(str(engine.model))}
+
+        [frontend.routing]
+        policy = "kv_aware"
+
+        [frontend.routing.knobs]
+        block_size = {block}           # = the engine's GetServerInfo.block_size
+
+        [[engine]]
+        name = "{REAL_NAME}"
+        url = "grpc://{engine.address}"
+        kind = "vllm"
+        kv_events = ["tcp://127.0.0.1:{engine.pub_port}"]
+        kv_replay = ["tcp://127.0.0.1:{engine.replay_port}"]
+        """
+    )
+    if sim is not None:
+        text += textwrap.dedent(
+            f"""
+            [[engine]]                     # `direct-frontend simulate-engine --kind vllm`
+            name = "{SIM_NAME}"
+            url = "grpc://{sim.address}"
             kind = "vllm"
-            kv_events = ["tcp://127.0.0.1:{engine.pub_port}"]
-            kv_replay = ["tcp://127.0.0.1:{engine.replay_port}"]
+            kv_events = ["tcp://127.0.0.1:{sim.pub_port}"]
+            kv_replay = ["tcp://127.0.0.1:{sim.replay_port}"]
             """
         )
-    )
+    fleet = run_dir / name
+    fleet.write_text(text)
     return fleet
 
 
@@ -748,19 +849,31 @@ def frontend_blocker() -> str | None:
     return None
 
 
-def start_frontend(run_dir: Path, engine: Engine, served: str, timeout: float) -> Frontend:
+def frontend_cli() -> list[str]:
+    cli = Path(sys.executable).with_name("direct-frontend")
+    return [str(cli)] if cli.exists() else [sys.executable, "-m", "direct_frontend.cli"]
+
+
+def start_frontend(
+    run_dir: Path,
+    engine: Engine,
+    served: str,
+    timeout: float,
+    *,
+    sim: SimEngine | None = None,
+    tag: str = "",
+) -> Frontend:
     import httpx
 
     (port,) = free_ports(1)
-    fleet = write_fleet(run_dir, engine, served, port)
-    cli = Path(sys.executable).with_name("direct-frontend")
-    base = [str(cli)] if cli.exists() else [sys.executable, "-m", "direct_frontend.cli"]
+    fleet = write_fleet(run_dir, engine, served, port, sim=sim, name=f"fleet{tag}.toml")
+    base = frontend_cli()
     check = subprocess.run(
         [*base, "check", str(fleet)], capture_output=True, text=True, check=False
     )
     if check.returncode != 0:
         raise SetupError(f"direct-frontend check refused the fleet:\n{check.stdout}{check.stderr}")
-    log = run_dir / "frontend.log"
+    log = run_dir / f"frontend{tag}.log"
     with open(log, "wb") as fh:
         proc = subprocess.Popen(
             [*base, "run", str(fleet)],
@@ -783,7 +896,9 @@ def start_frontend(run_dir: Path, engine: Engine, served: str, timeout: float) -
             try:
                 r = httpx.get(f"{fe.base_url}/ready", timeout=2)
                 last = f"{r.status_code} {r.text[:200]}"
-                if r.status_code == 200 and r.json().get("ready") is True:
+                body = r.json() if r.status_code in (200, 503) else {}
+                # every engine of the fleet serving, not just one
+                if body.get("ready") is True and body.get("serving") == body.get("engines"):
                     return fe
             except httpx.HTTPError as exc:
                 last = f"{type(exc).__name__}"
@@ -843,12 +958,16 @@ def _stream_text(stream: Any, chat: bool) -> tuple[str, str | None, Any, list[st
     return "".join(parts), finish, usage, ids
 
 
+def openai_client(fe: Frontend) -> Any:
+    import openai
+
+    return openai.OpenAI(base_url=f"{fe.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
 def frontend_checks(
     report: Report, engine: Engine, client: EngineClient, fe: Frontend, served: str
 ) -> None:
-    import openai
-
-    oa = openai.OpenAI(base_url=f"{fe.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    oa = openai_client(fe)
     texts = Texts(engine.model)
     chat_msgs = [{"role": "user", "content": "Write a short poem about routers and queues."}]
     comp_prompt = "def route(request, engines):\n    "
@@ -1027,50 +1146,69 @@ def frontend_checks(
         msgs = [{"role": "user", "content": "Count to one thousand."}]
         budget = MAX_MODEL_LEN - len(texts.chat_ids(msgs)) - 1
         expect(client.running() == 0, "the engine was busy before the cancel check")
-        mark = engine.log_size()
-        # ignore_eos: this random model does emit EOS for some prompts (this one after
-        # 18 tokens), and a request that ends by itself before the hang-up proves nothing.
-        stream = oa.chat.completions.create(
-            model=served,
-            messages=msgs,
-            temperature=0,
-            max_tokens=budget,
-            stream=True,
-            extra_body={"ignore_eos": True},
-        )
-        seen, rid = 0, ""
-        for chunk in stream:
-            rid = rid or chunk.id
-            if any(c.delta.content for c in chunk.choices):
-                seen += 1
-            if seen == 3:
-                break
-        in_flight = client.running()
-        t0 = time.monotonic()
-        stream.close()  # the client hangs up mid-stream
-        short = rid.split("-", 1)[-1]
-        expect(
-            in_flight > 0,
-            f"the engine had already finished {short} when the client closed (nothing to abort)",
-        )
-        while client.running() > 0:
-            if time.monotonic() - t0 > 10:
-                raise CheckFailed(f"engine still running {short} 10 s after the client closed")
-            time.sleep(0.02)
-        freed = time.monotonic() - t0
-        pattern = rf"(Request {re.escape(short)}\S* aborted|Abort requests: .*{re.escape(short)})"
-        if not _wait_log(engine, mark, pattern, 3.0):
+        # This engine delivers its stream in bursts: on this 2-core box its gRPC stream
+        # (direct or through us) often stalls ~1 s while it keeps decoding, then flushes
+        # everything at once, and an Abort can wait out the same stall. So hang up at the
+        # first content chunk, and try again (up to 3 times) until the engine aborts the
+        # request mid-generation ("Request <id> aborted."); the servicer's own "Abort
+        # requests: [<id>]" line alone only shows that our Abort arrived.
+        tries: list[str] = []
+        weak: tuple[str, float, str] | None = None
+        for _attempt in range(3):
+            mark = engine.log_size()
+            # ignore_eos: this random model does emit EOS for some prompts (this one after
+            # 18 tokens), and a request that ends by itself before the hang-up proves nothing.
+            stream = oa.chat.completions.create(
+                model=served,
+                messages=msgs,
+                temperature=0,
+                max_tokens=budget,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
+            rid = ""
+            for chunk in stream:
+                rid = rid or chunk.id
+                if any(c.delta.content for c in chunk.choices):
+                    break
+            in_flight = client.running()
+            t0 = time.monotonic()
+            stream.close()  # the client hangs up mid-stream
+            short = rid.split("-", 1)[-1]
+            while client.running() > 0:
+                if time.monotonic() - t0 > 10:
+                    raise CheckFailed(f"engine still running {short} 10 s after the client closed")
+                time.sleep(0.02)
+            freed = time.monotonic() - t0
+            if in_flight == 0:
+                tries.append(f"{short}: finished before the hang-up")
+                continue
+            strong = rf"Request {re.escape(short)}\S* aborted"
+            if _wait_log(engine, mark, strong, 1.0):
+                line = next(
+                    ln.split("]", 1)[-1].strip()
+                    for ln in engine.log_text(mark).splitlines()
+                    if re.search(strong, ln)
+                )
+                retried = f" (after {'; '.join(tries)})" if tries else ""
+                return (
+                    f"max_tokens {budget} + ignore_eos, closed at the first content chunk; "
+                    f"engine aborted it mid-generation, idle {freed * 1000:.0f} ms later; "
+                    f"log: {line[:60]}{retried}"
+                )
+            if _wait_log(engine, mark, rf"Abort requests: .*{re.escape(short)}", 2.0):
+                weak = weak or (short, freed, "Abort requests")
+                tries.append(f"{short}: our Abort came after it finished ({freed:.2f} s)")
+                continue
             raise CheckFailed(
                 f"the engine went idle {freed:.2f} s after close but logged no abort of {short!r}"
             )
-        lines = [
-            ln.split("]", 1)[-1].strip()
-            for ln in engine.log_text(mark).splitlines()
-            if re.search(pattern, ln)
-        ]
+        if weak is None:
+            raise CheckFailed(f"nothing to abort in 3 tries: {'; '.join(tries)}")
         return (
-            f"max_tokens {budget} + ignore_eos, closed after 3 chunks; engine idle "
-            f"{freed * 1000:.0f} ms later; log: {lines[0][:60]}"
+            f"max_tokens {budget} + ignore_eos, closed at the first content chunk; the engine "
+            f"logged our Abort ('Abort requests: [{weak[0]}]') but never aborted mid-generation "
+            f"in 3 tries: {'; '.join(tries)}"
         )
 
     def cached_tokens() -> str:
@@ -1127,6 +1265,365 @@ def frontend_checks(
     report.check("frontend: max_tokens (finish length, exact count)", max_tokens)
     report.check("frontend: client disconnect aborts the engine request", cancel)
     report.check("frontend: prefix cache hit -> usage cached_tokens", cached_tokens)
+
+
+# --- KV-aware routing through the frontend --------------------------------------------
+
+
+_SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(?:\{(.*)\})?\s+(\S+)$")
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+KV_METRICS = {
+    "index": "direct_frontend_kv_index_blocks",
+    "predicted": "direct_frontend_kv_predicted_cached_tokens_total",
+    "reported": "direct_frontend_kv_reported_cached_tokens_total",
+    "diverged": "direct_frontend_kv_prediction_diverged",
+    "spills": "direct_frontend_kv_load_guard_spills_total",
+}
+CHAT_PATH = "/v1/chat/completions"
+
+
+def scrape(fe: Frontend) -> list[tuple[str, dict[str, str], float]]:
+    """The frontend's /metrics as (name, labels, value) samples."""
+    import httpx
+
+    text = httpx.get(f"{fe.base_url}/metrics", timeout=5).text
+    samples = []
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if m and not line.startswith("#"):
+            samples.append((m[1], dict(_LABEL.findall(m[2] or "")), float(m[3])))
+    return samples
+
+
+def kv_metrics(fe: Frontend) -> dict[str, float]:
+    """The KV routing metrics, plus finished chat requests (``done``)."""
+    samples = scrape(fe)
+
+    def total(name: str, **labels: str) -> float:
+        return sum(
+            v
+            for n, lab, v in samples
+            if n == name and all(lab.get(k) == x for k, x in labels.items())
+        )
+
+    out = {key: total(name) for key, name in KV_METRICS.items()}
+    out["done"] = total("direct_frontend_requests_total", endpoint=CHAT_PATH)
+    return out
+
+
+def fleet_view(fe: Frontend) -> dict[str, Any]:
+    import httpx
+
+    return httpx.get(f"{fe.base_url}/fleet", timeout=5).json()
+
+
+def engine_requests(fe: Frontend) -> dict[str, int]:
+    """Requests the frontend has sent to each engine (``/fleet``)."""
+    return {e["name"]: int(e.get("requests") or 0) for e in fleet_view(fe)["engines"]}
+
+
+def poll(
+    fn: Callable[[], Any], done: Callable[[Any], bool], timeout: float, every: float = 0.02
+) -> tuple[Any, float, bool]:
+    """Call ``fn`` until ``done(value)``: (last value, seconds waited, whether it got there)."""
+    t0 = time.monotonic()
+    while True:
+        value = fn()
+        if done(value):
+            return value, time.monotonic() - t0, True
+        if time.monotonic() - t0 > timeout:
+            return value, time.monotonic() - t0, False
+        time.sleep(every)
+
+
+def settled_index(fe: Frontend, quiet: float = 0.6, timeout: float = 5.0) -> float:
+    """The index size once it has not moved for ``quiet`` seconds."""
+    last, since, t0 = kv_metrics(fe)["index"], time.monotonic(), time.monotonic()
+    while time.monotonic() - since < quiet and time.monotonic() - t0 < timeout:
+        time.sleep(0.05)
+        now = kv_metrics(fe)["index"]
+        if now != last:
+            last, since = now, time.monotonic()
+    return last
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    return next(
+        (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
+    )
+
+
+@dataclasses.dataclass
+class KvState:
+    """What the first frontend's KV checks leave for the restarted one."""
+
+    shared: str = ""
+    prompts: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+    index_after: float | None = None  # the index size once B's events were in
+
+
+class KvRun:
+    """KV-aware routing checks: the index follows the engine's events, predicts its cache hits."""
+
+    def __init__(self, engine: Engine, texts: Texts, served: str) -> None:
+        self.engine = engine
+        self.texts = texts
+        self.served = served
+        self.state = KvState()
+        self.answered_at = 0.0  # wall clock of the last response
+
+    def msgs(self, tail: str) -> list[dict[str, str]]:
+        return [{"role": "user", "content": self.state.shared + tail}]
+
+    def build_shared(self, min_tokens: int = 300) -> None:
+        """A system-prompt-like text of about ``min_tokens`` tokens, fresh for this engine."""
+        words: list[str] = []
+        while len(self.texts.chat_ids([{"role": "user", "content": " ".join(words)}])) < min_tokens:
+            i = len(words)
+            words.append(f"kvsys{i} shard{i % 5}")
+        self.state.shared = " ".join(words)
+
+    def chat(
+        self, fe: Frontend, oa: Any, msgs: list[dict[str, str]]
+    ) -> tuple[Any, dict[str, float]]:
+        """One greedy chat request; the KV counters' deltas once the frontend has recorded it."""
+        before = kv_metrics(fe)
+        r = oa.chat.completions.create(
+            model=self.served, messages=msgs, temperature=0, max_tokens=4
+        )
+        self.answered_at = time.time()
+        after, _, ok = poll(lambda: kv_metrics(fe), lambda m: m["done"] >= before["done"] + 1, 5.0)
+        expect(ok, "the frontend did not count the request as finished within 5 s")
+        delta = {k: after[k] - before[k] for k in ("predicted", "reported", "spills")}
+        delta["diverged"] = after["diverged"]
+        delta["index"] = after["index"]
+        return r, delta
+
+    @staticmethod
+    def cached(r: Any) -> int | None:
+        details = r.usage.prompt_tokens_details if r.usage is not None else None
+        return getattr(details, "cached_tokens", None) if details is not None else None
+
+    # -- the first frontend: the real engine alone -------------------------------------
+
+    def first_checks(self, report: Report, fe: Frontend, oa: Any, index_at_ready: float) -> None:
+        engine, texts = self.engine, self.texts
+        state = self.state
+
+        def index_fills() -> str:
+            bs = engine.server_info.block_size
+            expect(bs == BLOCK_SIZE, f"GetServerInfo.block_size {bs}, launched with {BLOCK_SIZE}")
+            routing = fleet_view(fe)["fleet"]["frontend"]["routing"]
+            knob = routing.get("knobs", {}).get("block_size")
+            expect(
+                routing.get("policy") == "kv_aware" and knob == bs,
+                f"the running fleet has routing {routing}, wanted kv_aware with block_size {bs}",
+            )
+            following = f"following KV events on tcp://127.0.0.1:{engine.pub_port}"
+            expect(following in fe.log.read_text(errors="replace"), f"no {following!r} in {fe.log}")
+            self.build_shared()
+            a_ids = texts.chat_ids(self.msgs(" First question: which engine holds this?"))
+            expect(len(a_ids) + 4 <= MAX_MODEL_LEN, f"prompt A too long ({len(a_ids)})")
+            state.prompts["A"] = a_ids
+            i0 = kv_metrics(fe)["index"]
+
+            def send_a() -> tuple[Any, dict[str, float], float, bool, float, float]:
+                sent = time.time()
+                r, delta = self.chat(fe, oa, self.msgs(" First question: which engine holds this?"))
+                answered = self.answered_at
+                _, lag, moved = poll(lambda: kv_metrics(fe)["index"], lambda i: i != i0, 3.0)
+                return r, delta, lag, moved, sent, answered
+
+            (r, delta, lag, moved, sent, answered), frames, replay = _kv_events_during(
+                engine, send_a
+            )
+            events = [e for _, batch in frames for e in batch[1]]
+            stored = [e for e in events if e.get("type") == "BlockStored"]
+            n_stored = sum(len(e["block_hashes"]) for e in stored)
+            n_removed = sum(
+                len(e["block_hashes"]) for e in events if e.get("type") == "BlockRemoved"
+            )
+            expect(moved, f"the index stayed at {i0} blocks for 3 s after request A")
+            want = i0 + n_stored - n_removed
+            i1, _, ok = poll(lambda: kv_metrics(fe)["index"], lambda i: i == want, 3.0)
+            expect(
+                ok,
+                f"index {i0} -> {i1} blocks, but the engine published +{n_stored} -{n_removed}",
+            )
+            # the engine hashed exactly the tokens the frontend sent (its own template/tokenizer)
+            tokens = [t for e in stored for t in e["token_ids"]]
+            full = len(a_ids) // BLOCK_SIZE * BLOCK_SIZE
+            expect(
+                tokens[:full] == a_ids[:full],
+                "the engine's BlockStored tokens are not the prompt the frontend computed",
+            )
+            expect(all(e.get("block_size") == bs for e in stored), "a BlockStored block_size != 32")
+            got = self.cached(r)
+            expect(got == 0, f"A was not fresh: cached_tokens {got}")
+            expect(
+                delta["predicted"] == 0 and delta["reported"] == 0,
+                f"A: predicted {delta['predicted']:.0f}, reported {delta['reported']:.0f}"
+                " (wanted 0)",
+            )
+            first_replayed = replay[0] if replay else None
+            # when the engine published what (its batch ts), relative to sending A
+            timeline = ", ".join(
+                f"{sum(len(e['block_hashes']) for e in batch[1] if e.get('type') == 'BlockStored')}"
+                f" at +{(batch[0] - sent) * 1000:.0f} ms"
+                for _, batch in frames
+            )
+            seen = (
+                "already in the index when the frontend counted A finished"
+                if delta["index"] != i0
+                else f"in the index {lag * 1000:.0f} ms after A finished"
+            )
+            return (
+                f"block_size {bs} (GetServerInfo) = knob; index {index_at_ready:.0f} blocks at "
+                f"/ready (from replay), {i0:.0f} -> {i1:.0f} after A ({len(a_ids)} tokens) = "
+                f"+{n_stored} -{n_removed} the engine published; its BlockStored tokens = the "
+                f"frontend's prompt ids; blocks stored per batch: {timeline}, A's response at "
+                f"+{(answered - sent) * 1000:.0f} ms; {seen}; A cached 0, predicted 0; engine "
+                f"replay holds {len(replay) - 1} batches from seq {first_replayed}"
+            )
+
+        def shared_prefix() -> str:
+            a_ids = state.prompts.get("A")
+            if a_ids is None:
+                raise CheckFailed("needs prompt A of the previous check")
+            b_msgs = self.msgs(" Second question: how busy is it?")
+            b_ids = texts.chat_ids(b_msgs)
+            state.prompts["B"] = b_ids
+            common = common_prefix(a_ids, b_ids)
+            want = common // BLOCK_SIZE * BLOCK_SIZE
+            expect(want >= 4 * BLOCK_SIZE, f"B shares only {common} tokens with A")
+            r, delta = self.chat(fe, oa, b_msgs)
+            got = self.cached(r)
+            pred, rep = int(delta["predicted"]), int(delta["reported"])
+            expect(got is not None and got > 0, f"B: cached_tokens {got!r}")
+            expect(got == want, f"B: cached_tokens {got}, expected {want} ({common} shared)")
+            expect(rep == got, f"reported counter +{rep}, but usage says cached_tokens {got}")
+            expect(pred > 0, f"the index predicted nothing for B (engine cached {got})")
+            expect(pred == got, f"index predicted {pred} cached tokens, engine reported {got}")
+            expect(delta["diverged"] == 0, "direct_frontend_kv_prediction_diverged is 1")
+            state.index_after = settled_index(fe)
+            totals = kv_metrics(fe)
+            return (
+                f"B ({len(b_ids)} tokens) shares {common} with A: index predicted {pred} "
+                f"({pred // BLOCK_SIZE} blocks on {REAL_NAME}), engine cached_tokens {got} "
+                f"(= shared floored to blocks); diverged 0; whole run so far: predicted "
+                f"{totals['predicted']:.0f} / reported {totals['reported']:.0f} cached tokens"
+            )
+
+        report.check("kv: block size; index follows the engine's KV events", index_fills)
+        report.check("kv: shared prefix -> predicted == engine cached_tokens", shared_prefix)
+
+    # -- the restarted frontend: real engine + simulated engine ------------------------
+
+    def second_checks(
+        self, report: Report, fe: Frontend, oa: Any, sim: SimEngine, ready_at: float
+    ) -> None:
+        engine, texts, state = self.engine, self.texts, self.state
+        ctx: dict[str, float] = {}
+
+        def replay_rebuild() -> str:
+            if state.index_after is None:
+                raise CheckFailed("needs the index size the first frontend ended with")
+            want = state.index_after
+            for name, port in ((REAL_NAME, engine.pub_port), (SIM_NAME, sim.pub_port)):
+                line = f"following KV events on tcp://127.0.0.1:{port}"
+                expect(line in fe.log.read_text(errors="replace"), f"{name}: no {line!r}")
+            # nothing was sent through this frontend: an idle engine publishes no live event,
+            # so only the replay endpoint can tell the new subscriber what the engine holds
+            got, waited, ok = poll(lambda: kv_metrics(fe)["index"], lambda i: i == want, 10.0)
+            expect(
+                ok,
+                f"index {got:.0f} blocks {waited:.1f} s after /ready, wanted {want:.0f} "
+                "(what the first frontend held)",
+            )
+            sent = sum(engine_requests(fe).values())
+            expect(sent == 0, f"{sent} requests went through the new frontend already")
+            ctx["index"] = got
+            since_ready = time.monotonic() - ready_at
+            return (
+                f"index back to {got:.0f} blocks (= the first frontend's) within "
+                f"{since_ready:.2f} s of /ready, with no request sent: rebuilt from replay"
+            )
+
+        def routed_by_index() -> str:
+            if "index" not in ctx or "A" not in state.prompts or "B" not in state.prompts:
+                raise CheckFailed("needs the previous KV checks")
+            c_msgs = self.msgs(" Third question: where should this go?")
+            c_ids = texts.chat_ids(c_msgs)
+            common = max(common_prefix(c_ids, state.prompts[k]) for k in ("A", "B"))
+            want = common // BLOCK_SIZE * BLOCK_SIZE
+            # the simulated engine holds C's first 2 blocks (sent to it directly, not via us)
+            sim_client = EngineClient(sim.address)
+            try:
+                warm_ids = c_ids[: 2 * BLOCK_SIZE + 8]
+                sim_client.generate("rv-sim-warm", warm_ids, 1, stream=False)
+            finally:
+                sim_client.close()
+            i0 = ctx["index"]
+            i1, _, ok = poll(lambda: kv_metrics(fe)["index"], lambda i: i >= i0 + 2, 3.0)
+            expect(
+                ok, f"the index did not take the simulated engine's blocks ({i0:.0f} -> {i1:.0f})"
+            )
+            expect(want > 2 * BLOCK_SIZE, f"C shares only {common} tokens with A/B")
+            before = engine_requests(fe)
+            mark = engine.log_size()
+            r, delta = self.chat(fe, oa, c_msgs)
+            after = engine_requests(fe)
+            went = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+            short = r.id.split("-", 1)[-1]
+            in_log = _wait_log(engine, mark, rf"Generate request {re.escape(short)}\b", 2.0)
+            got = self.cached(r)
+            pred, rep = int(delta["predicted"]), int(delta["reported"])
+            expect(
+                went.get(REAL_NAME) == 1 and went.get(SIM_NAME) == 0,
+                f"C went to {went} (the index has {want // BLOCK_SIZE} blocks on {REAL_NAME}, "
+                f"2 on {SIM_NAME})",
+            )
+            expect(in_log, f"the real engine's log has no 'Generate request {short}'")
+            expect(got == want, f"C: cached_tokens {got}, expected {want} ({common} shared)")
+            expect(pred == got and rep == got, f"C: predicted {pred}, reported {rep}, usage {got}")
+            # control: fresh prompts (no cached prefix anywhere) do go to the simulated engine
+            fresh = []
+            for i in range(2):
+                b0 = engine_requests(fe)
+                rf, df = self.chat(
+                    fe,
+                    oa,
+                    [
+                        {
+                            "role": "user",
+                            "content": f"Fresh {i}: "
+                            + " ".join(f"novel{i}x{j} topic{j % 3}" for j in range(12)),
+                        }
+                    ],
+                )
+                b1 = engine_requests(fe)
+                where = [k for k in b1 if b1[k] > b0.get(k, 0)]
+                fresh.append(
+                    f"{where[0] if where else '?'} (pred {df['predicted']:.0f}, "
+                    f"cached {self.cached(rf)})"
+                )
+            expect(
+                any(SIM_NAME in f for f in fresh),
+                f"no fresh prompt went to {SIM_NAME}: {fresh} (is it in rotation?)",
+            )
+            end = kv_metrics(fe)
+            expect(end["diverged"] == 0, "direct_frontend_kv_prediction_diverged is 1")
+            return (
+                f"C ({len(c_ids)} tokens, {common} shared with A/B) -> {REAL_NAME} "
+                f"(index: {want // BLOCK_SIZE} blocks there, 2 on {SIM_NAME}); predicted {pred} "
+                f"= engine cached_tokens {got}; {SIM_NAME} warmed directly with C's first "
+                f"{len(warm_ids)} tokens; "
+                f"fresh prompts -> {', '.join(fresh)}; diverged 0, totals predicted "
+                f"{end['predicted']:.0f} / reported {end['reported']:.0f}"
+            )
+
+        report.check("kv: restarted frontend rebuilds the index from replay", replay_rebuild)
+        report.check("kv: index routes a shared prefix to its engine (real/sim)", routed_by_index)
 
 
 def _expect_usage(usage: Any, prompt: int, completion: int, how: str) -> None:
@@ -1219,6 +1716,7 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.monotonic()
     engine: Engine | None = None
     frontend: Frontend | None = None
+    sim: SimEngine | None = None
     client: EngineClient | None = None
 
     def on_term(signum: int, _frame: Any) -> None:
@@ -1276,12 +1774,40 @@ def main(argv: list[str] | None = None) -> int:
         else:
             t = time.monotonic()
             frontend = start_frontend(run_dir, engine, served, args.frontend_timeout)
+            index_at_ready = kv_metrics(frontend)["index"]
             report.timing(
                 "frontend start (run -> /ready)",
                 time.monotonic() - t,
-                f"{frontend.base_url}, fleet {frontend.fleet}",
+                f"{frontend.base_url}, kv_aware, fleet {frontend.fleet}",
             )
             frontend_checks(report, engine, client, frontend, served)
+            kv = KvRun(engine, Texts(engine.model), served)
+            kv.first_checks(report, frontend, openai_client(frontend), index_at_ready)
+
+            # Restart only the frontend (the engine keeps its cache and its KV-event
+            # history), now with a simulated vLLM engine next to the real one.
+            t = time.monotonic()
+            sim = start_sim_engine(run_dir, model, served)
+            report.timing(
+                "simulated vLLM engine start",
+                time.monotonic() - t,
+                f"grpc {sim.address}, kv pub :{sim.pub_port}, replay :{sim.replay_port}",
+            )
+            report.timing(
+                "frontend stop (for the restart)", stop_group(frontend.proc, "frontend", grace=15)
+            )
+            frontend = None
+            t = time.monotonic()
+            frontend = start_frontend(
+                run_dir, engine, served, args.frontend_timeout, sim=sim, tag="-2"
+            )
+            ready_at = time.monotonic()
+            report.timing(
+                "frontend restart (run -> /ready, 2 engines)",
+                ready_at - t,
+                f"{frontend.base_url}, fleet {frontend.fleet}",
+            )
+            kv.second_checks(report, frontend, openai_client(frontend), sim, ready_at)
     except SetupError as exc:
         say(f"SETUP FAILED: {exc}")
         code = 2
@@ -1303,9 +1829,14 @@ def main(argv: list[str] | None = None) -> int:
                 say(f"  frontend {frontend.base_url}/v1  pgid {frontend.proc.pid}")
                 say(f"           log {frontend.log}")
                 say(f"           kill -TERM {frontend.proc.pid}")
+            if sim is not None and sim.proc.poll() is None:
+                say(f"  sim      grpc://{sim.address}  pgid {sim.proc.pid}  log {sim.log}")
+                say(f"           kill -TERM {sim.proc.pid}")
         else:
             if frontend is not None:
                 report.timing("frontend stop", stop_group(frontend.proc, "frontend", grace=15))
+            if sim is not None:
+                report.timing("simulated engine stop", stop_group(sim.proc, "sim", grace=10))
             if engine is not None:
                 report.timing(
                     "engine stop (SIGTERM -> group gone)", stop_group(engine.proc, "engine")
