@@ -42,6 +42,7 @@ from direct_frontend.fleet.load import parse_fleet_bytes
 from direct_frontend.fleet.problems import FleetError, FleetProblem
 from direct_frontend.fleet.schema import FleetConfig, FrontendConfig
 from direct_frontend.fleet.watch import POLL_INTERVAL_S, FileStamp, stamp_of, watch_file
+from direct_frontend.http import coalesce
 from direct_frontend.http.admin import EventHub, engine_status
 from direct_frontend.http.app import App
 from direct_frontend.kv.index import KvIndex
@@ -233,6 +234,7 @@ class ControlPlane:
         if policy is not None:
             self.dispatcher.policy = policy
         self.app.apply_frontend(fleet.frontend)
+        self.dispatcher.disagg.stall_timeout_s = fleet.frontend.faults.stall_timeout_s
         self.supervisor.apply(fleet, removed=diff.removed, changed=diff.changed_names,
                               added=diff.added)
         log.info("fleet reloaded (config v%d): %s", self.version, "; ".join(diff.lines()))
@@ -279,6 +281,7 @@ async def serve_fleet(
         supervisor = Supervisor(fleet, kv=kv)
         policy = make_policy(fleet.frontend.routing, kv.index, kv.live)
         dispatcher = Dispatcher(supervisor, policy)
+        dispatcher.disagg.stall_timeout_s = fleet.frontend.faults.stall_timeout_s
         app = App(fleet.frontend, text_model, supervisor, dispatcher, metrics)
         control = ControlPlane(fleet, supervisor, app, dispatcher, metrics, notifier, digest)
         app.control = control
@@ -328,6 +331,7 @@ async def _serve_http(
     app: App, config: HypercornConfig, shutdown: trio.Event,
     *, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
+    coalesce.install()  # response head and first body bytes in one write (http/coalesce.py)
     try:
         await serve(app, config,  # type: ignore[arg-type]
                     shutdown_trigger=shutdown.wait, task_status=task_status)

@@ -216,6 +216,7 @@ class EngineChild:
             context_length=effective_context_length(self.cfg, info),
             transport=self.channel,
             load=self.load,  # one per incarnation: a re-join keeps the requests in flight
+            bootstrap_port=self.cfg.bootstrap_port or info.bootstrap_port,
         )
         self.tracker.joined()
         self.last_error = ""

@@ -30,6 +30,22 @@ class SamplingOptions:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class Disaggregation:
+    """What one leg of a disaggregated (prefill/decode) request carries (engine-contracts §9).
+
+    SGLang pairs its legs by a bootstrap rendezvous sent identically on both
+    (the prefill engine's bootstrap server and a room); vLLM hands the KV over
+    through ``kv_transfer_params_json``, a JSON object passed to the engine
+    verbatim. A leg sets the fields of its engine kind only.
+    """
+
+    bootstrap_host: str = ""
+    bootstrap_port: int = 0
+    bootstrap_room: int | None = None  # SGLang: set means "send DisaggregatedParams"
+    kv_transfer_params_json: str | None = None  # vLLM
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class GenerateCall:
     """One generation as sent to one engine.
 
@@ -42,6 +58,7 @@ class GenerateCall:
     sampling: SamplingOptions
     stream: bool = True
     original_text: str = ""
+    disaggregation: Disaggregation | None = None  # one leg of a prefill/decode pair
 
 
 class FinishReason(enum.Enum):
@@ -78,6 +95,8 @@ class Finished:
     token_ids: tuple[int, ...] = ()
     matched_token_id: int | None = None
     matched_stop_str: str | None = None
+    #: a vLLM prefill leg's handoff to its decode leg (relayed verbatim)
+    kv_transfer_params_json: str | None = None
 
 
 EngineEvent = TokenDelta | Finished
@@ -111,3 +130,4 @@ class EngineInfo:
     details: tuple[tuple[str, str], ...] = ()  # extra facts, for `check` and /fleet
     started_at: float | None = None  # engine start (epoch s) when reported or derivable
     served_name_known: bool = True  # False: the kind reports no served name (TRT-LLM)
+    bootstrap_port: int | None = None  # SGLang: the P/D bootstrap server a prefill engine runs

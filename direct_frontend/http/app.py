@@ -79,6 +79,11 @@ SSE_HEADERS = [
 ]
 
 
+#: what the app's ``receive`` gives instead of the ``http.disconnect`` hypercorn
+#: sends once the response is complete (see :func:`_hide_recycle_disconnect`)
+RESPONSE_DONE = "direct_frontend.response_done"
+
+
 class ClientGone(Exception):
     """The client disconnected before the response was complete."""
 
@@ -384,8 +389,9 @@ class Relay:
         return status
 
     async def _watch_disconnect(self, receive: Receive, scope: trio.CancelScope) -> None:
-        while (await receive())["type"] != "http.disconnect":
-            pass
+        while (kind := (await receive())["type"]) != "http.disconnect":
+            if kind == RESPONSE_DONE:
+                return  # nothing left to watch: ending here is cheaper than being cancelled
         self.disconnected = True
         scope.cancel()
 
@@ -489,7 +495,9 @@ class Relay:
         dispatcher = self.app.dispatcher
         while True:
             try:
-                async with dispatcher.run(self.engine, self.call, self.blocks) as generation:
+                async with dispatcher.run(
+                    self.engine, self.call, self.blocks, exclude=self.failover.tried
+                ) as generation:  # on a decode engine: its prefill leg first (P/D)
                     movers = self.engine.load.movers
                     with trio.CancelScope() as stall:
                         move = functools.partial(self._move_off, stall)
@@ -672,7 +680,8 @@ def _hide_recycle_disconnect(receive: Receive, send: Send) -> tuple[Receive, Sen
     abandoned, and cancel the rest of hypercorn's work in our task: the
     connection would then stay open until the shutdown grace period ends.
     After the last body a disconnect is not the client leaving, so it is
-    never delivered (the watcher waits until its owner cancels it).
+    never delivered as one: it comes as a ``RESPONSE_DONE`` message, on
+    which the watcher simply ends.
     """
     finished = False
 
@@ -685,7 +694,7 @@ def _hide_recycle_disconnect(receive: Receive, send: Send) -> tuple[Receive, Sen
     async def tracked_receive() -> Message:
         message = await receive()
         if finished and message["type"] == "http.disconnect":
-            await trio.sleep_forever()
+            return {"type": RESPONSE_DONE}
         return message
 
     return tracked_receive, tracked_send

@@ -59,7 +59,7 @@ class FailoverState:
         self.migrations = 0
         self.tried: set[str] = set()
         self.overloaded: set[str] = set()
-        self._rng = rng or random.Random()
+        self._rng = rng  # made on first use: seeding one costs a syscall, most requests never retry
 
     def decide(self, error: EngineError, produced_tokens: int) -> Decision:
         """Record ``error`` from engine ``error.engine`` and decide what to do."""
@@ -83,6 +83,8 @@ class FailoverState:
         """Seconds to wait before the next attempt: exponential, with full jitter."""
         attempt = self.retries + self.migrations
         cap = min(self.config.backoff_max_s, self.config.backoff_base_s * (2 ** (attempt - 1)))
+        if self._rng is None:
+            self._rng = random.Random()
         return self._rng.uniform(0, cap)
 
     @property

@@ -80,6 +80,8 @@ class EngineHandle:
     context_length: int | None
     transport: Any
     load: EngineLoad = dataclasses.field(default_factory=EngineLoad)
+    #: SGLang prefill engines: the bootstrap server's port (the fleet file's, else discovery's)
+    bootstrap_port: int | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -89,6 +89,10 @@ class EngineStats:
     request_ids: list[str] = dataclasses.field(default_factory=list)
     abort_request_ids: list[str] = dataclasses.field(default_factory=list)
     cancelled_request_ids: list[str] = dataclasses.field(default_factory=list)
+    #: P/D legs, by request id: the rendezvous or kv_transfer_params_json received, and the
+    #: handoff a vLLM prefill leg returned (see simulator/disagg.py)
+    kv_params_received: dict[str, str] = dataclasses.field(default_factory=dict)
+    kv_params_returned: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 class JobState(enum.Enum):
@@ -110,7 +114,7 @@ class Job:
         self.aborted = False
         self._signal: asyncio.Future[None] | None = None
         self.prompt_ids: Sequence[int] = ()
-        self.cached_tokens = 0  # prompt tokens the prefix cache served (set on admission)
+        self.cached_tokens = 0  # prompt tokens already held (prefix cache, or a P/D handoff)
         self.kv: KvAllocation | None = None
 
     @property
@@ -261,7 +265,8 @@ class SimCore:
                     self._set_state(job, JobState.RUNNING)
                     if self.kv_cache is not None and not job.internal:
                         job.kv = self.kv_cache.admit(job.prompt_ids)
-                        job.cached_tokens = job.kv.cached_tokens
+                        # a decode leg's KV may have arrived from a prefill engine already
+                        job.cached_tokens = max(job.cached_tokens, job.kv.cached_tokens)
                     if not job.aborted:
                         finish = await self._generate(job, emit)
                 finally:

@@ -21,6 +21,7 @@ import grpclib.protocol
 import grpclib.server
 from tokenizers import Tokenizer
 
+from direct_frontend.simulator import disagg as _disagg
 from direct_frontend.simulator import faults as _faults
 from direct_frontend.simulator.core import (
     EngineConfig,
@@ -299,6 +300,7 @@ class SimEngine:
         self.core.closing = False
         self.core.mark_started()
         self.kv.start(host)
+        _disagg.attach(self.core, host)  # P/D rendezvous between engines on this loop
 
     def close(self) -> None:
         """Stop like a dying process: refuse connections, drop open ones, end every call."""
@@ -306,6 +308,7 @@ class SimEngine:
         if server is None or self.core.closing:
             return
         self.core.closing = True
+        _disagg.detach(self.core)
         self.core.abort_all()
         self.kv.close()
         server.close()

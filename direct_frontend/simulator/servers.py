@@ -30,6 +30,7 @@ import grpclib.server
 from google.protobuf import struct_pb2, timestamp_pb2
 from grpclib import GRPCError, Status
 
+from direct_frontend.simulator import disagg
 from direct_frontend.simulator.core import SimCore
 from direct_frontend.simulator.model import Finish, StopCriteria
 from protos import common_pb2, sglang_scheduler_pb2, trtllm_service_pb2, vllm_engine_pb2
@@ -173,15 +174,17 @@ class SglangServicer(SglangSchedulerBase):
         params = request.sampling_params
         if params.n > 1:
             raise GRPCError(Status.UNIMPLEMENTED, "The simulator does not support n > 1")
+        handoff = await disagg.sglang_leg(core, request, len(prompt))  # P/D roles
         # Unset max_new_tokens means no cap: only the window stops it.
         requested = params.max_new_tokens if params.HasField("max_new_tokens") else None
         criteria = StopCriteria(
-            max_tokens=_capped(requested, config.sglang_max_req_len - len(prompt)),
+            max_tokens=handoff.cap(_capped(requested, config.sglang_max_req_len - len(prompt))),
             min_tokens=params.min_new_tokens,
             stop_token_ids=frozenset(params.stop_token_ids),
             ignore_eos=params.ignore_eos,
         )
         job = core.new_job(request_id, prompt, criteria)
+        job.cached_tokens = handoff.transferred
         output = job.generation.output_ids
         prompt_tokens = len(prompt)
 
@@ -206,6 +209,7 @@ class SglangServicer(SglangSchedulerBase):
         if finish is None:
             # The servicer turns a scheduler abort into an error status, never a complete.
             raise GRPCError(Status.INTERNAL, "Request aborted")
+        handoff.prefilled()  # a prefill leg's KV is ready for its decode leg
         if not request.stream:
             await stream.send_message(
                 self._complete(
@@ -504,6 +508,7 @@ class VllmServicer(VllmEngineBase):
         _check_prompt(core, prompt, config.context_length)
         if request.HasField("kv_transfer_params_json"):
             _check_kv_transfer_params(request.kv_transfer_params_json)
+        handoff = disagg.vllm_leg(core, request, len(prompt))  # P/D roles
         params = request.sampling_params
         if params.n > 1:
             raise GRPCError(Status.UNIMPLEMENTED, "The simulator does not support n > 1")
@@ -521,6 +526,7 @@ class VllmServicer(VllmEngineBase):
             ignore_eos=params.ignore_eos,
         )
         job = core.new_job(request.request_id, prompt, criteria)
+        job.cached_tokens = handoff.transferred
         output = job.generation.output_ids
         prompt_tokens = len(prompt)
 
@@ -534,9 +540,9 @@ class VllmServicer(VllmEngineBase):
             )
             await stream.send_message(vllm_engine_pb2.GenerateResponse(chunk=chunk))
             if finish is not None:  # repeats the last delta, counted alone
-                await stream.send_message(
-                    _vllm_complete(delta, finish.reason, finish, prompt_tokens, job.cached_tokens)
-                )
+                await stream.send_message(_vllm_complete(
+                    delta, finish.reason, finish, prompt_tokens, job.cached_tokens, handoff.returns
+                ))
 
         finish = await core.run(job, emit if request.stream else None)
         if finish is None:
@@ -551,9 +557,9 @@ class VllmServicer(VllmEngineBase):
                     _vllm_complete(output, "abort", None, prompt_tokens, job.cached_tokens)
                 )
         elif not request.stream:
-            await stream.send_message(
-                _vllm_complete(output, finish.reason, finish, prompt_tokens, job.cached_tokens)
-            )
+            await stream.send_message(_vllm_complete(
+                output, finish.reason, finish, prompt_tokens, job.cached_tokens, handoff.returns
+            ))
 
     async def Embed(
         self,
@@ -723,6 +729,7 @@ def _vllm_complete(
     finish: Finish | None,
     prompt_tokens: int,
     cached_tokens: int = 0,
+    kv_transfer_params_json: str | None = None,
 ) -> vllm_engine_pb2.GenerateResponse:
     complete = vllm_engine_pb2.GenerateComplete(
         output_ids=output_ids,
@@ -730,6 +737,7 @@ def _vllm_complete(
         prompt_tokens=prompt_tokens,
         completion_tokens=len(output_ids),
         cached_tokens=cached_tokens,
+        kv_transfer_params_json=kv_transfer_params_json,
     )
     matched = _matched_stop_token(finish)
     if matched is not None:

@@ -8,6 +8,10 @@ cap at all); chunk counts are cumulative; in streaming mode the terminal
 used as the context length; an engine-side abort ends the stream with status
 INTERNAL "Request aborted", classified like the other kinds' in-band aborts.
 
+A leg of a prefill/decode pair carries ``DisaggregatedParams`` (request
+field 10: the prefill engine's bootstrap host and port, and a room), the
+same on both legs (§9.1).
+
 A request's ``seed`` cannot be sent: ``SamplingParams`` has no seed field
 (``custom_params`` feed a custom logit processor, not the sampler), so SGLang
 samples unseeded. Stop strings are applied by the frontend, as for every kind.
@@ -129,6 +133,12 @@ class SglangDialect(Dialect):
             },
             stream=call.stream,
         )
+        pd = call.disaggregation
+        if pd is not None and pd.bootstrap_room is not None:
+            # The same rendezvous goes on both legs of a P/D pair (§9.1).
+            request.disaggregated_params.bootstrap_host = pd.bootstrap_host
+            request.disaggregated_params.bootstrap_port = pd.bootstrap_port
+            request.disaggregated_params.bootstrap_room = pd.bootstrap_room
         return Rpc(f"{SERVICE}/Generate", request, pb.GenerateResponse)
 
     def stream_decoder(self, call: GenerateCall) -> StreamDecoder:
@@ -155,6 +165,8 @@ class SglangDialect(Dialect):
         has_args = server.HasField("server_args")
         args = json_format.MessageToDict(server.server_args) if has_args else {}
         role = ROLES.get(str(args.get("disaggregation_mode", "null")), EngineRole.BOTH)
+        bootstrap = args.get("disaggregation_bootstrap_port")
+        bootstrap_port = int(bootstrap) if isinstance(bootstrap, (int, float)) else 0
         window = args.get("context_length")
         page = args.get("page_size")
         started = server.HasField("start_time")
@@ -171,6 +183,7 @@ class SglangDialect(Dialect):
             data_parallel_size=int(args.get("dp_size", 1) or 1),
             incarnation=incarnation,
             started_at=server.start_time.ToNanoseconds() / 1e9 if started else None,
+            bootstrap_port=bootstrap_port or None,
             details=(
                 ("kv_pool_tokens", str(model.max_context_length)),
                 ("bootstrap_port", str(args.get("disaggregation_bootstrap_port", ""))),

@@ -12,6 +12,10 @@ the only message and holds every token. ``finish_reason`` may be "abort" or
 "error" (engine-side failures). ``max_context_length`` is ``max_model_len``,
 the real window.
 
+A leg of a prefill/decode pair carries ``kv_transfer_params_json`` (request
+field 8, a JSON object passed verbatim); a prefill leg's handoff comes back
+in the complete's field 12 and is surfaced on :class:`Finished` (§9.2).
+
 ``seed`` is an int32 here while OpenAI allows int64: a seed outside int32 is
 folded to its low 32 bits (two's complement), so a given seed still always
 reproduces the same output. Stop strings are applied by the frontend, as for
@@ -113,6 +117,10 @@ class VllmStreamDecoder(StreamDecoder):
                 token_ids=extra,
                 matched_token_id=done.matched_token_id if matched == "matched_token_id" else None,
                 matched_stop_str=done.matched_stop_str if matched == "matched_stop_str" else None,
+                kv_transfer_params_json=(
+                    done.kv_transfer_params_json
+                    if done.HasField("kv_transfer_params_json") else None
+                ),
             )
         raise EngineError(ErrorKind.PROTOCOL, "GenerateResponse with neither chunk nor complete")
 
@@ -147,6 +155,9 @@ class VllmDialect(Dialect):
             sampling_params=params,
             stream=call.stream,
         )
+        pd = call.disaggregation
+        if pd is not None and pd.kv_transfer_params_json is not None:
+            request.kv_transfer_params_json = pd.kv_transfer_params_json  # verbatim (§9.2)
         return Rpc(f"{SERVICE}/Generate", request, pb.GenerateResponse)
 
     def stream_decoder(self, call: GenerateCall) -> StreamDecoder:
