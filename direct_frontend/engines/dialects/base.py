@@ -105,6 +105,18 @@ def engine_aborted() -> EngineError:
     return EngineError(ErrorKind.INTERNAL, ENGINE_ABORTED)
 
 
+def matched_stop(complete: Any) -> tuple[int | None, str | None]:
+    """A terminal message's ``matched_stop`` oneof (the same names in every contract).
+
+    Returns the stop token id or the stop string that ended the output, or neither.
+    """
+    which = complete.WhichOneof("matched_stop")
+    return (
+        complete.matched_token_id if which == "matched_token_id" else None,
+        complete.matched_stop_str if which == "matched_stop_str" else None,
+    )
+
+
 def unusual_finish(reason: str) -> EngineError | None:
     """An engine-side abort or error ends a stream without a usable result."""
     if reason in ("abort", "cancelled"):  # "cancelled" is TensorRT-LLM's spelling

@@ -39,6 +39,7 @@ from direct_frontend.engines.dialects.base import (
     Rpc,
     StreamDecoder,
     after_terminal,
+    matched_stop,
     unusual_finish,
 )
 from direct_frontend.engines.neutral import (
@@ -103,10 +104,10 @@ class TrtllmStreamDecoder(StreamDecoder):
             self.finished = True
             output = tuple(done.output_token_ids)
             delivered = len(self._delivered)
-            matched = done.WhichOneof("matched_stop")
+            stop_token, stop_text = matched_stop(done)
             reason = finish_reason(
                 done.finish_reason,
-                matched is not None,
+                stop_token is not None or stop_text is not None,
                 max(done.completion_tokens, len(output)),
                 self._max_tokens,
             )
@@ -123,8 +124,8 @@ class TrtllmStreamDecoder(StreamDecoder):
                 completion_tokens=max(done.completion_tokens, len(output)),
                 cached_tokens=done.cached_tokens or self._cached,
                 token_ids=extra,
-                matched_token_id=done.matched_token_id if matched == "matched_token_id" else None,
-                matched_stop_str=done.matched_stop_str if matched == "matched_stop_str" else None,
+                matched_token_id=stop_token,
+                matched_stop_str=stop_text,
             )
         raise EngineError(ErrorKind.PROTOCOL, "GenerateResponse with neither chunk nor complete")
 

@@ -38,6 +38,7 @@ from direct_frontend.engines.dialects.base import (
     Rpc,
     StreamDecoder,
     after_terminal,
+    matched_stop,
     streamed_tail,
     unusual_finish,
 )
@@ -108,15 +109,15 @@ class VllmStreamDecoder(StreamDecoder):
             else:
                 extra = tuple(done.output_ids)
                 completion = max(done.completion_tokens, len(extra))
-            matched = done.WhichOneof("matched_stop")
+            stop_token, stop_text = matched_stop(done)
             return Finished(
                 reason=FINISH_REASONS.get(done.finish_reason, FinishReason.STOP),
                 prompt_tokens=done.prompt_tokens or self._prompt,
                 completion_tokens=completion,
                 cached_tokens=done.cached_tokens or self._cached,
                 token_ids=extra,
-                matched_token_id=done.matched_token_id if matched == "matched_token_id" else None,
-                matched_stop_str=done.matched_stop_str if matched == "matched_stop_str" else None,
+                matched_token_id=stop_token,
+                matched_stop_str=stop_text,
                 kv_transfer_params_json=(
                     done.kv_transfer_params_json
                     if done.HasField("kv_transfer_params_json") else None
