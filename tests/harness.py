@@ -7,6 +7,7 @@ lets them look inside (engine states, the simulators' counters).
 from __future__ import annotations
 
 import contextlib
+import json
 import socket
 import textwrap
 import threading
@@ -168,3 +169,22 @@ def running_daemon(tmp_path: Path, text: str, **options: Any) -> Iterator[Daemon
         yield daemon
     finally:
         daemon.stop()
+
+
+@contextlib.contextmanager
+def raw_stream(url: str, body: dict[str, Any], events: int) -> Iterator[None]:
+    """POST a streaming chat request on a bare socket, read ``events`` SSE events, then hang up.
+
+    A bare socket, so leaving the block is exactly a client vanishing mid-stream.
+    """
+    host, port = url.removeprefix("http://").split(":")
+    data = json.dumps(body).encode()
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+            b"\r\nContent-Length: %d\r\n\r\n%s" % (len(data), data)
+        )
+        received = b""
+        while received.count(b"data:") < events:
+            received += sock.recv(65536)
+        yield

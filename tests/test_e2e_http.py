@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,7 +9,14 @@ import httpx
 import openai
 import pytest
 
-from tests.harness import Daemon, fleet_text, running_daemon, sim_engine, wait_for
+from tests.harness import (
+    Daemon,
+    fleet_text,
+    raw_stream,
+    running_daemon,
+    sim_engine,
+    wait_for,
+)
 
 FAST = {"decode_us_per_token": 0, "prefill_us_per_token": 0, "eos_probability": 0.0}
 
@@ -183,18 +188,8 @@ def test_client_disconnect_aborts_the_engine_request(model_dir: Path, tmp_path: 
     with running_daemon(tmp_path, fleet_text(model_dir, [slow])) as d:
         d.wait_serving(1)
         engine = d.supervisor.simulators["slow"]
-        host, port = d.url.removeprefix("http://").split(":")
-        body = json.dumps(
-            {"model": "demo", "messages": CHAT, "max_tokens": 1000, "stream": True}
-        ).encode()
-        with socket.create_connection((host, int(port))) as sock:
-            sock.sendall(
-                b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
-                b"\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
-            )
-            received = b""
-            while received.count(b"data:") < 4:
-                received += sock.recv(65536)
+        body = {"model": "demo", "messages": CHAT, "max_tokens": 1000, "stream": True}
+        with raw_stream(d.url, body, events=4):
             wait_for(lambda: engine.stats.running == 1, what="the engine to run the request")
         wait_for(lambda: engine.stats.running == 0, what="the engine slot to be freed")
         wait_for(lambda: engine.stats.aborts_received == 1, what="the engine to get an Abort")

@@ -15,8 +15,6 @@ reports its launch path.
 
 from __future__ import annotations
 
-import json
-import socket
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -25,7 +23,7 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
-from tests.harness import Daemon, fleet_text, running_daemon, sim_engine, wait_for
+from tests.harness import Daemon, fleet_text, raw_stream, running_daemon, sim_engine, wait_for
 
 KINDS = ("sglang", "vllm", "trtllm")
 FAST = {"decode_us_per_token": 0, "prefill_us_per_token": 0, "eos_probability": 0.0}
@@ -165,18 +163,8 @@ def test_client_disconnect_aborts_on_every_kind(
     with running_daemon(tmp_path, text) as d:
         d.wait_serving(1)
         engine = d.supervisor.simulators[kind]
-        host, port = d.url.removeprefix("http://").split(":")
-        body = json.dumps(
-            {"model": name, "messages": CHAT, "max_tokens": 1000, "stream": True}
-        ).encode()
-        with socket.create_connection((host, int(port))) as sock:
-            sock.sendall(
-                b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
-                b"\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
-            )
-            received = b""
-            while received.count(b"data:") < 3:
-                received += sock.recv(65536)
+        body = {"model": name, "messages": CHAT, "max_tokens": 1000, "stream": True}
+        with raw_stream(d.url, body, events=3):
             wait_for(lambda: engine.stats.running == 1, what="the engine to run the request")
         wait_for(lambda: engine.stats.running == 0, what="the engine slot to be freed")
         wait_for(lambda: engine.stats.aborts_received == 1, what="the engine to get an Abort")

@@ -277,35 +277,17 @@ class App:
                 if request.model != self.frontend.served_model_name:
                     raise model_not_found(request.model)
                 prepared = await prepare(kind, request, request_id, self.text_model)
-                try:
-                    engine = self.dispatcher.choose(
-                        prepared.input_ids, request.max_tokens or 0
-                    )
-                except NoEngineAvailable:
-                    raise no_engine_available(request.model) from None
-                predicted = self.dispatcher.predicted_cached_tokens(
-                    engine, len(prepared.input_ids)
-                )
-                blocks = self.dispatcher.request_blocks()
-                if self.dispatcher.spilled():
-                    self.metrics.kv_load_guard_spills_total.inc()
-                max_tokens = token_budget(prepared, engine, self.frontend.max_tokens_default)
             except OpenAIHTTPError as err:
                 await send_error(send, err, headers)
                 return err.status
             except ClientGone:
                 self.metrics.request_cancelled()
                 return 499
-            # Engine-side stop strings are not used: we stop all engine kinds the same way.
-            # A non-streaming request without stop strings lets the engine send one message.
-            engine_streams = request.stream or bool(request.stop)
-            call = build_call(prepared, max_tokens, stream=engine_streams)
-            relay = Relay(self, prepared, engine, call, headers, max_tokens)
-            relay.predicted_cached_tokens = predicted
-            relay.blocks = blocks
             try:
+                # Admitted before an engine is chosen, so a request that waited in the
+                # queue is placed on the fleet as it is when it leaves the queue.
                 async with self.admission.slot():
-                    return await relay.run(receive, send)
+                    return await self._dispatch(prepared, headers, receive, send)
             except Rejected as rejected:
                 refusal = rate_limited(
                     f"The frontend is saturated: {rejected.reason}.", retry_after=1
@@ -314,6 +296,34 @@ class App:
                 return refusal.status
         finally:
             current_request_id.reset(token)
+
+    async def _dispatch(
+        self, prepared: PreparedRequest, headers: list[tuple[bytes, bytes]],
+        receive: Receive, send: Send,
+    ) -> int:
+        """Choose an engine for an admitted request and relay its generation."""
+        request = prepared.request
+        try:
+            try:
+                engine = self.dispatcher.choose(prepared.input_ids, request.max_tokens or 0)
+            except NoEngineAvailable:
+                raise no_engine_available(request.model) from None
+            predicted = self.dispatcher.predicted_cached_tokens(engine, len(prepared.input_ids))
+            blocks = self.dispatcher.request_blocks()
+            if self.dispatcher.spilled():
+                self.metrics.kv_load_guard_spills_total.inc()
+            max_tokens = token_budget(prepared, engine, self.frontend.max_tokens_default)
+        except OpenAIHTTPError as err:
+            await send_error(send, err, headers)
+            return err.status
+        # Engine-side stop strings are not used: we stop all engine kinds the same way.
+        # A non-streaming request without stop strings lets the engine send one message.
+        engine_streams = request.stream or bool(request.stop)
+        call = build_call(prepared, max_tokens, stream=engine_streams)
+        relay = Relay(self, prepared, engine, call, headers, max_tokens)
+        relay.predicted_cached_tokens = predicted
+        relay.blocks = blocks
+        return await relay.run(receive, send)
 
 
 class Relay:
