@@ -47,7 +47,7 @@ class FleetModel:
     """What the terminal shows, built from the events stream."""
 
     def __init__(self) -> None:
-        self.engines: dict[tuple[str, int], dict[str, Any]] = {}  # (name, generation)
+        self.engines: dict[tuple[str, int], dict[str, Any]] = {}  # (name, incarnation)
         self.config: dict[str, Any] = {}
         self.last_reload: dict[str, Any] | None = None
         self.serving = 0
@@ -60,13 +60,13 @@ class FleetModel:
         kind = event.get("type")
         if kind == "snapshot":
             fleet = event["fleet"]
-            self.engines = {(e["name"], e["generation"]): e for e in fleet["engines"]}
+            self.engines = {(e["name"], e["incarnation"]): e for e in fleet["engines"]}
             self.config = fleet.get("config", {})
             self.last_reload = fleet.get("last_reload")
             self.dropped += int(event.get("dropped", 0))
         elif kind == "engine":
             engine = event["engine"]
-            key = (engine["name"], engine["generation"])
+            key = (engine["name"], engine["incarnation"])
             if engine["state"] == "gone":
                 self.engines.pop(key, None)
             else:
@@ -77,8 +77,8 @@ class FleetModel:
                 self.config["version"] = self.last_reload.get("version")
         elif kind == "load":
             for key, load in event.get("engines", {}).items():
-                name, _, generation = key.rpartition("#")
-                engine = self.engines.get((name, int(generation)))
+                name, _, incarnation = key.rpartition("#")
+                engine = self.engines.get((name, int(incarnation)))
                 if engine is not None:
                     engine["load"] = load
         live = [e for e in self.engines.values() if e["state"] != "draining"]
@@ -106,13 +106,13 @@ class FleetModel:
         lines.append("")
         header = ("NAME", "STATE", "GEN", "LOAD", "REQS", "ROLE", "KIND", "URL", "FOR", "PROBE")
         rows = [header]
-        for engine in sorted(self.engines.values(), key=lambda e: (e["name"], e["generation"])):
+        for engine in sorted(self.engines.values(), key=lambda e: (e["name"], e["incarnation"])):
             probe = engine.get("last_probe")
             probe_text = "-" if probe is None else ("ok" if probe["ok"] else probe["message"])
             if engine.get("last_error") and engine["state"] != "serving":
                 probe_text = engine["last_error"]
             rows.append((
-                engine["name"], engine["state"], str(engine["generation"]),
+                engine["name"], engine["state"], str(engine["incarnation"]),
                 str(engine.get("load", 0)), str(engine.get("requests", 0)), engine["role"],
                 engine["kind"], engine["url"], _age(now - engine["since"]), probe_text[:60],
             ))

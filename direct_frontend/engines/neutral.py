@@ -31,7 +31,9 @@ class SamplingOptions:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Disaggregation:
-    """What one leg of a disaggregated (prefill/decode) request carries (engine-contracts §9).
+    """What one leg of a disaggregated (prefill/decode) request carries.
+
+    The contracts are in docs/engine-contracts.md §9.
 
     SGLang pairs its legs by a bootstrap rendezvous sent identically on both
     (the prefill engine's bootstrap server and a room); vLLM hands the KV over
@@ -47,7 +49,7 @@ class Disaggregation:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class GenerateCall:
-    """One generation as sent to one engine.
+    """One request as sent to one engine.
 
     Stop *strings* are handled by the frontend (postprocess), not sent to the
     engine, so every engine kind stops at exactly the same place.

@@ -5,7 +5,7 @@ streaming call is pumped by one asyncio task that decodes each reply with the
 stream's dialect decoder and pushes neutral events (or a classified
 :class:`EngineError`) into an unbounded Trio channel; errors travel in-band so
 no nursery ever sees them. Leaving the context early cancels the asyncio task,
-which resets the HTTP/2 stream (the engine sees a cancel). See stack.md §3.
+which resets the HTTP/2 stream (the engine sees a cancel). See docs/stack.md §3.
 
 The per-token hot path is kept short: the pump takes every whole message
 grpclib has already received in one go (:class:`_MessageReader`) and pushes
@@ -35,9 +35,9 @@ from direct_frontend.engines.dialects.base import Dialect, Rpc, StreamDecoder
 from direct_frontend.engines.neutral import EngineEvent
 from direct_frontend.errors import EngineError
 
-# Stock servers accept client pings no more often than every 10 s (engine-contracts §12.2).
+# Stock servers accept client pings no more often than every 10 s (docs/engine-contracts.md §12.2).
 KEEPALIVE = Configuration(_keepalive_time=20.0, _keepalive_timeout=10.0)
-YIELD_EVERY = 16  # a tight asyncio loop must give Trio a turn (stack.md §3.1 rule 3)
+YIELD_EVERY = 16  # a tight asyncio loop must give Trio a turn (docs/stack.md §3.1 rule 3)
 #: most messages decoded per channel item. The batched pump waits for data after every
 #: batch (it takes all that was buffered), except after a full one, where it yields
 #: instead: Trio gets a turn at least every BATCH_MAX messages. 16 cost ≈ 10 % more CPU

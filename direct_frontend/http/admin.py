@@ -10,28 +10,25 @@ ends up right, just later.
 
 from __future__ import annotations
 
-import contextlib
 import hmac
 import json
 import logging
-from collections.abc import Awaitable, Callable, Iterator, MutableMapping, Sequence
+from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 from typing import Any, Protocol
 
 import trio
 
-from direct_frontend.engines.child import EngineChild
+from direct_frontend.control.events import Event, EventHub, Subscriber
 from direct_frontend.fleet.describe import JsonValue
-from direct_frontend.http.openai_schema import OpenAIHTTPError
+from direct_frontend.openai.errors import OpenAIHTTPError
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
-Event = dict[str, JsonValue]
 
 log = logging.getLogger("direct_frontend.admin")
 
-SUBSCRIBER_BUFFER = 256
 LOAD_TICK_S = 1.0  # the events stream reports in-flight counts this often
 
 
@@ -72,76 +69,6 @@ def unauthorized(what: str = "API key") -> OpenAIHTTPError:
     )
 
 
-# -- the broadcast ------------------------------------------------------------------------
-
-
-class Subscriber:
-    """One viewer's bounded queue; ``dropped`` counts events it missed."""
-
-    def __init__(self, buffer: int) -> None:
-        self._tx, self.rx = trio.open_memory_channel[Event](buffer)
-        self.dropped = 0
-        self.lagging = False
-
-    def offer(self, event: Event) -> bool:
-        """Queue ``event`` without waiting; False if it was dropped because we are behind."""
-        try:
-            self._tx.send_nowait(event)
-        except trio.WouldBlock:
-            self.dropped += 1
-            self.lagging = True
-            return False
-        except trio.ClosedResourceError:
-            pass  # the viewer is leaving
-        return True
-
-    def close(self) -> None:
-        self._tx.close()
-
-    def take_lag(self) -> int | None:
-        """If events were dropped since the last call: discard the stale queue, return the count."""
-        if not self.lagging:
-            return None
-        self.lagging = False
-        with contextlib.suppress(trio.WouldBlock, trio.EndOfChannel):
-            while True:
-                self.rx.receive_nowait()
-        return self.dropped
-
-
-class EventHub:
-    """Fan-out of control-plane events to any number of viewers, never blocking."""
-
-    def __init__(self, buffer: int = SUBSCRIBER_BUFFER) -> None:
-        self.buffer = buffer
-        self.subscribers: set[Subscriber] = set()
-        self.dropped_total = 0
-        self.closed = False
-
-    @contextlib.contextmanager
-    def subscribe(self) -> Iterator[Subscriber]:
-        sub = Subscriber(self.buffer)
-        if self.closed:
-            sub.close()
-        self.subscribers.add(sub)
-        try:
-            yield sub
-        finally:
-            self.subscribers.discard(sub)
-            sub.close()
-
-    def publish(self, event: Event) -> None:
-        for sub in list(self.subscribers):
-            if not sub.offer(event):
-                self.dropped_total += 1
-
-    def close(self) -> None:
-        """Shutdown: every viewer's stream ends (so HTTP shutdown does not wait for them)."""
-        self.closed = True
-        for sub in self.subscribers:
-            sub.close()
-
-
 # -- what the endpoints show --------------------------------------------------------------
 
 
@@ -155,33 +82,6 @@ class ControlView(Protocol):
     def loads(self) -> dict[str, JsonValue]: ...
 
     async def reload(self, trigger: str) -> dict[str, JsonValue]: ...
-
-
-def engine_status(child: EngineChild) -> dict[str, JsonValue]:
-    """One incarnation for ``/fleet`` and the events stream (no secrets here)."""
-    probe = child.last_probe
-    handle = child.handle
-    channel = child.channel
-    return {
-        "name": child.name,
-        "id": child.id,
-        "url": child.cfg.url,
-        "kind": child.cfg.kind,
-        "role": (handle.role if handle is not None else child.cfg.role).value,
-        "state": child.state.value,
-        "generation": child.generation,
-        "model": child.info.served_model_name if child.info is not None else None,
-        "load": child.in_flight,
-        "requests": child.load.requests_total,
-        "last_probe": None if probe is None else {
-            "ok": probe.ok, "message": probe.message, "at": probe.at,
-        },
-        "last_error": child.last_error or None,
-        "since": child.since,
-        "restarts": child.restarts,
-        "connections_opened": channel.connections_opened if channel is not None else 0,
-        "simulated": child.cfg.simulate,
-    }
 
 
 def encode(event: Event) -> str:

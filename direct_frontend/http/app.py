@@ -2,8 +2,8 @@
 
 A raw ASGI app (no framework) because the relay is the hot path: each
 streamed response drains every event already queued from the engine and
-writes them in one ``send`` (hypercorn's per-send cost dominates, stack.md §5).
-Every generation runs beside a disconnect watcher: hypercorn drops sends to a
+writes them in one ``send`` (hypercorn's per-send cost dominates, docs/stack.md §5).
+Every engine call runs beside a disconnect watcher: hypercorn drops sends to a
 gone client silently, so without it the engine would keep generating.
 """
 
@@ -19,13 +19,20 @@ from typing import Any
 
 import trio
 
+from direct_frontend.control.supervisor import Supervisor
 from direct_frontend.engines.neutral import Finished, GenerateCall, TokenDelta
 from direct_frontend.errors import EngineError, ErrorKind, NoEngineAvailable
 from direct_frontend.fleet.schema import FrontendConfig
-from direct_frontend.http.admin import ControlView, credential_ok, events_socket, unauthorized
-from direct_frontend.http.openai_schema import (
-    ChatRequest,
-    CompletionRequest,
+from direct_frontend.http.admin import (
+    ControlView,
+    credential_ok,
+    events_socket,
+    unauthorized,
+)
+from direct_frontend.http.render import ChunkRenderer, Usage, render_full, render_models
+from direct_frontend.observability.logging import current_request_id, new_request_id
+from direct_frontend.observability.metrics import Metrics
+from direct_frontend.openai.errors import (
     OpenAIHTTPError,
     engine_timeout,
     error_body,
@@ -34,17 +41,20 @@ from direct_frontend.http.openai_schema import (
     method_not_allowed,
     model_not_found,
     no_engine_available,
-    parse_chat_request,
-    parse_completion_request,
     rate_limited,
     request_too_large,
     unknown_route,
 )
-from direct_frontend.http.render import ChunkRenderer, Usage, render_full, render_models
-from direct_frontend.observability.logging import current_request_id, new_request_id
-from direct_frontend.observability.metrics import Metrics
+from direct_frontend.openai.parse import (
+    parse_chat_request,
+    parse_completion_request,
+)
+from direct_frontend.openai.types import (
+    ChatRequest,
+    CompletionRequest,
+)
 from direct_frontend.pipeline.admission import Admission, Rejected, admission_config
-from direct_frontend.pipeline.dispatch import Dispatcher, Generation
+from direct_frontend.pipeline.dispatch import Dispatcher, EngineCall
 from direct_frontend.pipeline.failover import (
     Decision,
     FailoverConfig,
@@ -61,7 +71,6 @@ from direct_frontend.pipeline.preprocess import (
 )
 from direct_frontend.routing.catalog import EngineHandle
 from direct_frontend.routing.hitrate import HitRateMonitor
-from direct_frontend.supervisor import Supervisor
 from direct_frontend.text.model_dir import TextModel
 
 Scope = MutableMapping[str, Any]
@@ -256,7 +265,7 @@ class App:
         await send_body(send, 200, body, content_type.encode())
         return 200
 
-    # -- generation -------------------------------------------------------------------
+    # -- generation --------------------------------------------------------------------
 
     async def _chat(self, scope: Scope, receive: Receive, send: Send) -> int:
         return await self._generate("chat", scope, receive, send)
@@ -301,7 +310,7 @@ class App:
         self, prepared: PreparedRequest, headers: list[tuple[bytes, bytes]],
         receive: Receive, send: Send,
     ) -> int:
-        """Choose an engine for an admitted request and relay its generation."""
+        """Choose an engine for an admitted request and relay its output."""
         request = prepared.request
         try:
             try:
@@ -327,7 +336,7 @@ class App:
 
 
 class Relay:
-    """One generation from engine events to the client, streaming or not.
+    """One request from engine events to the client, streaming or not.
 
     The relay owns the request's output state (detokenizer, stop strings,
     tokens produced), so when an engine fails it can retry the request on
@@ -432,7 +441,7 @@ class Relay:
         self.final = step
 
     async def _next_batch(
-        self, generation: Generation, stall: trio.CancelScope
+        self, engine_call: EngineCall, stall: trio.CancelScope
     ) -> tuple[str, int, bool]:
         """Wait for the next event, then take every event already queued.
 
@@ -441,7 +450,7 @@ class Relay:
         new text, how many tokens it covers, and whether the output is finished.
         ``stall`` fires if the engine stays silent past the stall timeout.
         """
-        receiver = generation.events
+        receiver = engine_call.events
         if self.pending_error is not None:
             error, self.pending_error = self.pending_error, None
             raise error
@@ -488,7 +497,7 @@ class Relay:
         if self.awaiting_engine:
             stall.cancel()
 
-    def _engine_ends_by_itself(self, generation: Generation) -> bool:
+    def _engine_ends_by_itself(self, engine_call: EngineCall) -> bool:
         """Whether the engine stops on its own where the output stopped (no Abort needed)."""
         final = self.final
         if final is None:
@@ -497,7 +506,7 @@ class Relay:
             return True  # the engine's budget ends at the same token
         stop = final.stop_reason
         return isinstance(stop, int) and (
-            stop in generation.engine.info.eos_token_ids or stop in self.request.stop_token_ids
+            stop in engine_call.engine.info.eos_token_ids or stop in self.request.stop_token_ids
         )
 
     async def _generate(self, emit: Callable[[str, int, bool], Awaitable[None]]) -> None:
@@ -507,18 +516,18 @@ class Relay:
             try:
                 async with dispatcher.run(
                     self.engine, self.call, self.blocks, exclude=self.failover.tried
-                ) as generation:  # on a decode engine: its prefill leg first (P/D)
+                ) as engine_call:  # on a decode engine: its prefill leg first (P/D)
                     movers = self.engine.load.movers
                     with trio.CancelScope() as stall:
                         move = functools.partial(self._move_off, stall)
                         movers.add(move)
                         try:
                             while not self.moving:
-                                text, tokens, finished = await self._next_batch(generation, stall)
+                                text, tokens, finished = await self._next_batch(engine_call, stall)
                                 self._observe(tokens)
                                 if finished:
-                                    generation.ends_by_itself = self._engine_ends_by_itself(
-                                        generation
+                                    engine_call.ends_by_itself = self._engine_ends_by_itself(
+                                        engine_call
                                     )
                                     self.app.metrics.engine_request(self.engine.name, "ok")
                                 # the final bytes go out before any Abort of the engine call

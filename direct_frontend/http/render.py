@@ -14,7 +14,10 @@ from typing import Final, Literal
 
 import msgspec
 
-from direct_frontend.http.openai_schema import OpenAIHTTPError, error_body
+from direct_frontend.openai.errors import (
+    OpenAIHTTPError,
+    error_body,
+)
 
 Kind = Literal["chat", "completion"]
 

@@ -1,6 +1,6 @@
 """Decoding of the KV-cache events stock engines publish over ZeroMQ (sans-IO).
 
-One decoder for every layout vLLM and SGLang put on the wire (kv-events.md
+One decoder for every layout vLLM and SGLang put on the wire (docs/kv-events.md
 §3–§7): a batch is a 3- or 2-element msgpack array ``[ts, events, rank]`` (or,
 in one main-branch vLLM, a map); each event is a map tagged with ``"type"`` or a
 legacy tag-first array. Block hashes arrive as unsigned ints (vLLM), signed
@@ -71,7 +71,7 @@ class BlockStored:
     ``token_ids`` holds all listed blocks' tokens as a u32 array (cheap to hash
     and compact). ``bigram`` marks SGLang Eagle ``[t, t+1]`` pairs: their first
     elements are kept in ``token_ids`` but the index skips such events
-    (kv-events.md §10, UNCONFIRMED layout).
+    (docs/kv-events.md §10, UNCONFIRMED layout).
     """
 
     block_hashes: tuple[int, ...]
@@ -167,7 +167,7 @@ def encode_replay_request(start_seq: int) -> list[bytes]:
 
 
 def parse_replay_reply(frames: Sequence[bytes]) -> ReplayReply:
-    """Read a replay reply in either form the engines send (kv-events.md §8.1).
+    """Read a replay reply in either form the engines send (docs/kv-events.md §8.1).
 
     4 frames ``["", topic, seq, payload]`` (vLLM 0.32, SGLang 0.5.23) or 3 frames
     ``["", seq, payload]`` (older releases); the end marker has seq ``END_SEQ``
@@ -256,7 +256,7 @@ def decode_payload(payload: bytes, *, seq: int = 0, topic: bytes = b"") -> KvEve
     )
 
 
-# Declaration order, for the legacy tag-first arrays (vLLM's order; kv-events.md §5.2).
+# Declaration order, for the legacy tag-first arrays (vLLM's order; docs/kv-events.md §5.2).
 _STORED_FIELDS: Final = (
     "block_hashes",
     "parent_block_hash",

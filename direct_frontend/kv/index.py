@@ -2,7 +2,7 @@
 
 Engine block hashes differ between engines, configurations and (before 2026)
 processes, so prefixes are matched on a hash we compute ourselves from the
-token ids, the same way for stored blocks and for requests (kv-events.md §9.4):
+token ids, the same way for stored blocks and for requests (docs/kv-events.md §9.4):
 
 - a block's content is its token ids as little-endian u32 bytes;
 - a prefix hash chains the blocks: ``h_1 = XXH3_64(block_1, seed=root)``,
@@ -79,7 +79,7 @@ def namespace_seed(lora_name: str | None) -> int:
 
 
 def block_content_hash(token_ids: Sequence[int], seed: int = ROOT_SEED) -> int:
-    """XXH3-64 over one block's token ids as LE u32 (kv-events.md §12.4)."""
+    """XXH3-64 over one block's token ids as LE u32 (docs/kv-events.md §12.4)."""
     return _xxh3(array.array("I", token_ids).tobytes(), seed)
 
 
@@ -214,7 +214,7 @@ class KvIndex:
             self.sweep()
 
     def store(self, engine: str, event: BlockStored) -> int:
-        """Index a BlockStored after the kv-events.md §10 filters; returns blocks added."""
+        """Index a BlockStored after the docs/kv-events.md §10 filters; returns blocks added."""
         reason = self._reject(event)
         if reason is not None:
             self._skip(reason)
@@ -480,7 +480,7 @@ class KvIndex:
     # -- internals ---------------------------------------------------------
 
     def _reject(self, event: BlockStored) -> str | None:
-        """Why a store cannot be indexed (kv-events.md §10), or None."""
+        """Why a store cannot be indexed (docs/kv-events.md §10), or None."""
         if event.bigram:
             return "bigram_tokens"
         if event.group_idx not in (None, 0) or event.kv_cache_spec_kind in _NON_PREFIX_KINDS:

@@ -9,7 +9,7 @@ connection) and carries out the actions it returns, in order:
   ``start_seq`` on (replies of older attempts must be discarded);
 - :class:`ClearEngine` — drop everything the index holds for this publisher.
 
-The rules are kv-events.md §8: apply in order; on a gap, buffer live messages
+The rules are docs/kv-events.md §8: apply in order; on a gap, buffer live messages
 and replay (or clear and restart from the message when there is no replay
 endpoint); merge replayed and buffered batches by seq, dropping duplicates; a
 first replayed seq above the one asked for, or an end marker that leaves a gap

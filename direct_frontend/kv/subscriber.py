@@ -6,7 +6,7 @@ dropped connection (an engine restart) fences the index. All decisions are
 the sans-IO :class:`~direct_frontend.kv.sequence.SequenceTracker`'s; this module
 only moves bytes and carries out its actions.
 
-ZMQ's FD is edge-like (stack.md §6): every socket is read with ``NOBLOCK``
+ZMQ's FD is edge-like (docs/stack.md §6): every socket is read with ``NOBLOCK``
 until ``zmq.Again``, ``zmq.EVENTS`` is asked before every wait, and the reader
 yields every 64 messages so a flood cannot starve the other Trio tasks.
 """
@@ -77,7 +77,7 @@ async def _read(sock: zmq.Socket[bytes], on_message: Callable[[list[bytes]], boo
     """Hand every message of ``sock`` to ``on_message`` until it returns True.
 
     A callback rather than an async generator: a cancelled generator would be
-    left for the garbage collector to finalise (stack.md §3.1).
+    left for the garbage collector to finalise (docs/stack.md §3.1).
     """
     fd = sock.fileno()
     n = 0

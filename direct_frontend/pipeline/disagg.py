@@ -1,7 +1,7 @@
 """Disaggregated serving, the decisions (sans-IO): which engines pair, and what each leg carries.
 
 A fleet with prefill-only and decode-only engines serves a request as two
-legs (engine-contracts §9). The rule, documented in the README: a request
+legs (docs/engine-contracts.md §9). The rule, documented in the README: a request
 goes P/D whenever some prefill engine and some decode engine of the same
 pairing group serve (not excluded by failover); aggregated engines are the
 fallback when no pair is left. A pairing group is an engine kind that can do

@@ -1,8 +1,8 @@
 """Disaggregated serving, the I/O: run a prefill leg and a decode leg as one engine call.
 
-The relay gets one :class:`~direct_frontend.pipeline.dispatch.Generation`,
+The relay gets one :class:`~direct_frontend.pipeline.dispatch.EngineCall`,
 the decode leg's, so retries, migration, stop handling and the client's
-stream work as for any engine. What the pairing adds (engine-contracts §9.4):
+stream work as for any engine. What the pairing adds (docs/engine-contracts.md §9.4):
 
 - SGLang runs both legs at once. The prefill leg's result is drained beside
   the decode stream; if it fails before the decode leg has produced
@@ -30,7 +30,7 @@ from direct_frontend.engines.neutral import EngineEvent, Finished, GenerateCall
 from direct_frontend.engines.transport import EventReceiver
 from direct_frontend.errors import EngineError, ErrorKind
 from direct_frontend.pipeline.disagg import PairPlan
-from direct_frontend.pipeline.dispatch import Dispatcher, Generation, abort_request
+from direct_frontend.pipeline.dispatch import Dispatcher, EngineCall, abort_request
 from direct_frontend.routing.catalog import EngineHandle
 
 log = logging.getLogger("direct_frontend.disagg")
@@ -95,7 +95,7 @@ class _PrefillState:
     finished: Finished | None = None
 
 
-async def _drain(leg: Generation, state: _PrefillState) -> None:
+async def _drain(leg: EngineCall, state: _PrefillState) -> None:
     """Read a prefill leg to its end, noting its terminal event in ``state``.
 
     Cancelled after the engine's terminal message was decoded (so the
@@ -121,7 +121,7 @@ async def run_pair(
     call: GenerateCall,
     blocks: Sequence[int] = (),
     exclude: Collection[str] = (),
-) -> AsyncIterator[Generation]:
+) -> AsyncIterator[EngineCall]:
     """One disaggregated attempt of ``call`` with ``decode`` serving the client."""
     plan = dispatcher.disagg.plan(dispatcher.fleet.catalog, decode, call, exclude)
     if plan is None:
@@ -132,22 +132,22 @@ async def run_pair(
     events: PairedEvents | None = None
     try:
         if plan.parallel:
-            async with _parallel(dispatcher, plan, blocks, state) as generation:
-                events = _paired(generation)
-                yield generation
+            async with _parallel(dispatcher, plan, blocks, state) as engine_call:
+                events = _paired(engine_call)
+                yield engine_call
         else:
             decode_call = plan.decode_after(await _prefill(dispatcher, plan, state))
-            async with _decode(dispatcher, plan, decode_call, blocks) as generation:
-                events = _paired(generation)
-                yield generation
+            async with _decode(dispatcher, plan, decode_call, blocks) as engine_call:
+                events = _paired(engine_call)
+                yield engine_call
     finally:
         if state.finished is not None and (events is None or not events.started):
             await abort_request(plan.prefill, plan.prefill_call.request_id)
 
 
-def _paired(generation: Generation) -> PairedEvents:
-    assert isinstance(generation.events, PairedEvents)
-    return generation.events
+def _paired(engine_call: EngineCall) -> PairedEvents:
+    assert isinstance(engine_call.events, PairedEvents)
+    return engine_call.events
 
 
 async def _prefill(dispatcher: Dispatcher, plan: PairPlan, state: _PrefillState) -> Finished:
@@ -169,10 +169,10 @@ async def _prefill(dispatcher: Dispatcher, plan: PairPlan, state: _PrefillState)
 @contextlib.asynccontextmanager
 async def _decode(
     dispatcher: Dispatcher, plan: PairPlan, call: GenerateCall, blocks: Sequence[int]
-) -> AsyncIterator[Generation]:
-    """The decode leg, as the relay's generation (``ends_by_itself`` passed back to the leg)."""
+) -> AsyncIterator[EngineCall]:
+    """The decode leg, as the relay's engine call (``ends_by_itself`` passed back to the leg)."""
     async with dispatcher.run_leg(plan.decode, call, blocks) as leg:
-        outer = Generation(plan.decode, call, PairedEvents(leg.events))
+        outer = EngineCall(plan.decode, call, PairedEvents(leg.events))
         try:
             yield outer
         finally:
@@ -182,16 +182,16 @@ async def _decode(
 @contextlib.asynccontextmanager
 async def _parallel(
     dispatcher: Dispatcher, plan: PairPlan, blocks: Sequence[int], state: _PrefillState
-) -> AsyncIterator[Generation]:
-    """SGLang: the decode leg as the generation, the prefill leg drained beside it."""
+) -> AsyncIterator[EngineCall]:
+    """SGLang: the decode leg as the engine call, the prefill leg drained beside it."""
     prefill_scope = trio.CancelScope()
     try:
         async with trio.open_nursery() as nursery, \
-                _decode(dispatcher, plan, plan.decode_call, blocks) as generation:
-            events = _paired(generation)
+                _decode(dispatcher, plan, plan.decode_call, blocks) as engine_call:
+            events = _paired(engine_call)
             nursery.start_soon(_prefill_beside, dispatcher, plan, events, state, prefill_scope)
             try:
-                yield generation
+                yield engine_call
             except BaseException:
                 prefill_scope.cancel()  # still running: the dispatcher aborts it
                 raise

@@ -1,4 +1,4 @@
-"""Dispatch: pick an engine from the catalog, run one generation on it, clean up.
+"""Dispatch: pick an engine from the catalog, run one engine call on it, clean up.
 
 This is the seam where retries and migration (fault tolerance) wrap one
 engine call. Whatever happens, the engine's load is released, an engine that
@@ -48,7 +48,7 @@ class FleetView(Protocol):
 
 
 @dataclasses.dataclass(slots=True)
-class Generation:
+class EngineCall:
     """One running engine call, as the relay sees it."""
 
     engine: EngineHandle
@@ -101,7 +101,7 @@ class Dispatcher:
         if (
             isinstance(self.policy, KvAware)
             and engine.role is EngineRole.BOTH
-            and engine.generation not in self.policy.uses_events
+            and engine.incarnation not in self.policy.uses_events
         ):
             self.policy.remember(engine.name, token_ids)
 
@@ -127,11 +127,11 @@ class Dispatcher:
         blocks: Sequence[int] = (),
         *,
         exclude: Collection[str] = (),
-    ) -> AbstractAsyncContextManager[Generation]:
+    ) -> AbstractAsyncContextManager[EngineCall]:
         """Run ``call`` on ``engine``; leaving early aborts it on the engine.
 
         On a decode engine this is a disaggregated call: a prefill engine
-        (not in ``exclude``) runs the prefill leg and the generation is the
+        (not in ``exclude``) runs the prefill leg and the engine call is the
         decode leg's. ``blocks`` are the request's KV block hashes, counted in
         the engine's load while the call runs.
         """
@@ -144,7 +144,7 @@ class Dispatcher:
     @contextlib.asynccontextmanager
     async def run_leg(
         self, engine: EngineHandle, call: GenerateCall, blocks: Sequence[int] = ()
-    ) -> AsyncIterator[Generation]:
+    ) -> AsyncIterator[EngineCall]:
         """Run ``call`` on ``engine`` alone (one leg, whatever the engine's role)."""
         channel: EngineChannel = engine.transport
         dialect: Dialect = channel.dialect
@@ -152,11 +152,11 @@ class Dispatcher:
         prompt = len(call.input_ids)
         engine.load.begin(prompt, blocks)
         failure: EngineError | None = None
-        generation: Generation | None = None
+        engine_call: EngineCall | None = None
         try:
             async with channel.stream(dialect.generate(call), decoder) as receiver:
-                generation = Generation(engine, call, receiver)
-                yield generation
+                engine_call = EngineCall(engine, call, receiver)
+                yield engine_call
         except EngineError as error:
             error.engine = error.engine or engine.name
             if error.engine == engine.name:  # not another leg's failure passing through
@@ -167,7 +167,7 @@ class Dispatcher:
         finally:
             engine.load.end(prompt, blocks)
             # A dead connection cannot take an Abort; a hung or live engine must get one.
-            natural_end = generation is not None and generation.ends_by_itself
+            natural_end = engine_call is not None and engine_call.ends_by_itself
             reachable = failure is None or failure.kind not in UNREACHABLE
             if not decoder.finished and not natural_end and reachable:
                 await _abort(channel, dialect, call.request_id)

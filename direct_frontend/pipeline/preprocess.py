@@ -13,13 +13,15 @@ from typing import Literal
 import trio
 
 from direct_frontend.engines.neutral import GenerateCall
-from direct_frontend.http.openai_schema import (
-    ChatMessage,
-    ChatRequest,
-    CompletionRequest,
+from direct_frontend.openai.errors import (
     OpenAIHTTPError,
     context_length_exceeded,
     invalid_request,
+)
+from direct_frontend.openai.types import (
+    ChatMessage,
+    ChatRequest,
+    CompletionRequest,
 )
 from direct_frontend.routing.catalog import EngineHandle
 from direct_frontend.text.model_dir import ChatTemplateError, TextModel

@@ -66,7 +66,7 @@ class EngineLoad:
 class EngineHandle:
     """One serving engine incarnation as seen by the data plane.
 
-    ``generation`` distinguishes incarnations of the same engine id (the same
+    ``incarnation`` distinguishes incarnations of the same engine id (the same
     URL removed and re-added), so late callbacks of an old one are ignored.
     ``transport`` is the engine's channel; routing code never touches it.
     """
@@ -74,7 +74,7 @@ class EngineHandle:
     name: str
     kind: str
     url: str
-    generation: int
+    incarnation: int
     role: EngineRole
     info: EngineInfo
     context_length: int | None

@@ -1,6 +1,6 @@
 """KV-cache-aware selection: send a request where its prefix is already cached (sans-IO).
 
-Cost per engine, lower is better (after Dynamo's classic form, kv-events.md §13.2)::
+Cost per engine, lower is better (after Dynamo's classic form, docs/kv-events.md §13.2)::
 
     cost = overlap_weight × blocks to prefill (request blocks − cached leading blocks)
          + decode load in blocks (our own accounting of prompt tokens in flight)
@@ -27,7 +27,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Protocol
 
 from direct_frontend.kv.index import prefix_hashes
-from direct_frontend.kv.keys import generation_of
+from direct_frontend.kv.keys import incarnation_of
 from direct_frontend.routing.catalog import Catalog, EngineHandle
 from direct_frontend.routing.policies import RequestView
 
@@ -144,7 +144,7 @@ class KvAware:
         self.knobs = knobs
         self.exact = exact
         self.approx = approx or ApproxPrefixIndex(knobs.approx_ttl_s, knobs.approx_max_blocks)
-        #: incarnations (generations) whose overlap comes from KV events
+        #: incarnations whose overlap comes from KV events
         self.uses_events: Collection[int] = ()
         self._rng = rng or random.Random()
         self._tie = 0
@@ -159,21 +159,21 @@ class KvAware:
     ) -> dict[str, int]:
         """Cached leading blocks per engine: exact where KV events flow, else approximate.
 
-        The exact index is keyed per incarnation and rank (``g<generation>r<rank>``);
+        The exact index is keyed per incarnation and rank (``g<incarnation>r<rank>``);
         an engine's overlap is its best rank's.
         """
         if not hashes:
             return {}
-        by_generation: dict[int, int] = {}
+        by_incarnation: dict[int, int] = {}
         if self.exact is not None and self.uses_events:
             for key, blocks in self.exact.lookup_hashes(hashes).items():
-                generation = generation_of(key)
-                by_generation[generation] = max(blocks, by_generation.get(generation, 0))
+                incarnation = incarnation_of(key)
+                by_incarnation[incarnation] = max(blocks, by_incarnation.get(incarnation, 0))
         approx = self.approx.lookup_at(hashes, now)
         out: dict[str, int] = {}
         for engine in candidates:
-            if engine.generation in self.uses_events:
-                blocks = by_generation.get(engine.generation, 0)
+            if engine.incarnation in self.uses_events:
+                blocks = by_incarnation.get(engine.incarnation, 0)
             else:
                 blocks = approx.get(engine.name, 0)
             if blocks:
@@ -216,7 +216,7 @@ class KvAware:
         self.last = KvChoice(chosen, overlaps.get(chosen.name, 0), spilled, hashes)
         if spilled:
             self.spills += 1
-        if chosen.generation not in self.uses_events:
+        if chosen.incarnation not in self.uses_events:
             self.approx.record(chosen.name, hashes, now)
         return chosen
 

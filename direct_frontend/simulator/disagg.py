@@ -1,7 +1,7 @@
 """Prefill/decode roles in the simulator: what each leg must carry, and an observable handoff.
 
 Real engines move the KV between GPUs; the simulator cannot, so it makes the
-handoff checkable instead (engine-contracts §9):
+handoff checkable instead (docs/engine-contracts.md §9):
 
 - vLLM: a prefill engine (``kv_producer``) asked for ``do_remote_decode``
   returns NIXL-shaped handoff parameters in its terminal ``complete``; a

@@ -1,7 +1,7 @@
 """The simulated engines' KV-event publisher: a ZMQ PUB plus a replay ROUTER.
 
-It puts on the wire what the stock engines do (kv-events.md §3–§8,
-real-vllm.md §7): 3-frame messages ``[topic, seq u64 BE, msgpack batch]``, the
+It puts on the wire what the stock engines do (docs/kv-events.md §3–§8,
+docs/real-vllm.md §7): 3-frame messages ``[topic, seq u64 BE, msgpack batch]``, the
 seq counting batches from 0 per process, and a ROUTER answering
 ``[identity, "", start_seq]`` with every buffered batch from ``start_seq`` on,
 then the ``ff``×8 end marker, in the 4-frame form (vLLM 0.32, SGLang 0.5.23) or
@@ -19,7 +19,7 @@ match theirs (the doc's §12 vectors are encoded by them in the tests):
 It runs on whatever asyncio loop is current (plain asyncio, or trio-asyncio in
 the daemon). Publishing never blocks (a PUB drops past its high-water mark);
 the ROUTER is read with the same edge-triggered-FD discipline as the router's
-subscriber (stack.md §6), through ``loop.add_reader``.
+subscriber (docs/stack.md §6), through ``loop.add_reader``.
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ class VllmEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
 
 # -- the legacy layout: tag-first arrays, the fields of the releases that used it --
 # (msgspec writes trailing defaults of array_like structs, so the older field set is
-# declared as it was rather than with defaults; this reproduces kv-events.md §12.2.)
+# declared as it was rather than with defaults; this reproduces docs/kv-events.md §12.2.)
 
 
 class _LegacyEvent(msgspec.Struct, tag=True, array_like=True, gc=False):
@@ -454,7 +454,7 @@ class SimKvEvents:
 
     :meth:`start` is a process start: the cache is empty and the seq begins at
     0, on the same ports as before after the first start (a restarted engine).
-    TRT-LLM's KV-event layout is unconfirmed (kv-events.md §11.3), so only
+    TRT-LLM's KV-event layout is unconfirmed (docs/kv-events.md §11.3), so only
     vLLM and SGLang engines publish; every kind gets the cache.
     """
 

@@ -14,7 +14,7 @@ tokens, and produces the KV events a stock engine would publish:
 Block hashes are chained the way each engine kind chains them, and are only ids
 for the router: ``sglang`` is SGLang 0.5.23's exact scheme (SHA-256 over the
 previous digest and the page's LE u32 tokens, the first 8 bytes as a signed
-int64, kv-events.md §7.2); ``vllm`` is vLLM-like (SHA-256 chained from a fixed
+int64, docs/kv-events.md §7.2); ``vllm`` is vLLM-like (SHA-256 chained from a fixed
 root, published as the digest's low 64 bits, unsigned, or as the raw digest).
 """
 

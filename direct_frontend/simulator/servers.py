@@ -1,7 +1,7 @@
 """grpclib servicers that speak each stock engine's SMG contract, quirks included.
 
 Each servicer reproduces what the stock servicer puts on the wire (see
-``engine-contracts.md`` §4–§6), because the point of the simulator is to
+``docs/engine-contracts.md`` §4–§6), because the point of the simulator is to
 catch a router that decodes one engine's stream with another's rules:
 
 - SGLang: ``request_id`` on every message; chunk counts cumulative; the last

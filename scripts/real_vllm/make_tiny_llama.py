@@ -6,7 +6,7 @@ tokenizers); ``scripts/real_vllm.py`` does that for you::
 
     <peer-venv>/bin/python scripts/real_vllm/make_tiny_llama.py OUT_DIR
 
-The recipe is /work/shared/docs/real-vllm.md §3: a byte-level BPE tokenizer
+The recipe is docs/real-vllm.md §3: a byte-level BPE tokenizer
 trained on the interpreter's own standard library (no download), a BOS-adding
 post-processor, a minimal chat template, and a 2-layer LlamaForCausalLM with
 head_dim 32 (one of the head sizes vLLM's CPU attention accepts), seeded, in

@@ -1,6 +1,6 @@
 """SGLang's SMG contract (``sglang.grpc.scheduler.SglangScheduler``).
 
-Quirks handled here (engine-contracts.md §4): the prompt must be token ids;
+Quirks handled here (docs/engine-contracts.md §4): the prompt must be token ids;
 ``temperature`` and ``max_new_tokens`` are always sent (an unset cap means no
 cap at all); chunk counts are cumulative; in streaming mode the terminal
 ``complete`` repeats the last delta, so its ``output_ids`` are never appended;

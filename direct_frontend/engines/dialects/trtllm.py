@@ -1,6 +1,6 @@
 """TensorRT-LLM's SMG contract (``trtllm.TrtllmService``).
 
-Quirks handled here (engine-contracts.md §6): the prompt goes in
+Quirks handled here (docs/engine-contracts.md §6): the prompt goes in
 ``tokenized.input_token_ids``; ``max_tokens`` is required; the stream flag is
 ``streaming``; sampling fields are optional and the adapter defaults unset
 ones, so ours are sent explicitly (a ``seed`` is uint64 here: a negative one

@@ -1,6 +1,6 @@
 """vLLM's SMG contract (``vllm.grpc.engine.VllmEngine``).
 
-Quirks handled here (engine-contracts.md §5): the response oneof numbers
+Quirks handled here (docs/engine-contracts.md §5): the response oneof numbers
 chunk/complete 1/2 and carries no ``request_id`` (the generated class knows
 the numbers; nothing here may reuse another kind's messages); ``temperature``
 is optional and unset means 1.0, and ``max_tokens`` unset means "up to

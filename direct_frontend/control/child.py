@@ -1,0 +1,265 @@
+"""One engine incarnation's task: owns its channel, joins it (discovery + first probe), probes it.
+
+The child publishes its state through ``on_change``; the supervisor turns
+the serving children into a new catalog. Nothing here decides routing. The
+channel outlives :meth:`EngineChild.run` (a crash restart reuses it, a drain
+lets in-flight streams finish on it); the supervisor closes it when the
+incarnation is gone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+from urllib.parse import urlsplit
+
+import trio
+
+from direct_frontend.control.lifecycle import (
+    EngineState,
+    ProbeTracker,
+    check_transition,
+    is_retired,
+)
+from direct_frontend.engines.dialects import dialect_for
+from direct_frontend.engines.neutral import EngineInfo, EngineRole
+from direct_frontend.engines.transport import EngineChannel
+from direct_frontend.errors import EngineError
+from direct_frontend.fleet.schema import EngineConfig, FrontendConfig
+from direct_frontend.routing.catalog import EngineHandle, EngineLoad
+
+log = logging.getLogger("direct_frontend.engine")
+
+
+def host_port(url: str) -> tuple[str, int]:
+    parts = urlsplit(url)
+    if parts.hostname is None or parts.port is None:
+        raise ValueError(f"engine url {url!r} has no host:port")
+    return parts.hostname, parts.port
+
+
+def engine_id(url: str) -> str:
+    """The engine's stable identity: its endpoint, the same whenever the URL is re-added."""
+    host, port = host_port(url)
+    host = host.lower()
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def serves_fleet_model(info: EngineInfo, served_model_name: str) -> bool:
+    """Whether the engine serves the fleet's model.
+
+    TensorRT-LLM reports only the path it was launched with, not a served
+    name, so for it there is nothing to compare.
+    """
+    return not info.served_name_known or info.served_model_name == served_model_name
+
+
+def effective_context_length(cfg: EngineConfig, info: EngineInfo) -> int | None:
+    """The fleet file's override wins; otherwise what the dialect trusts from discovery."""
+    return cfg.context_length or info.context_length
+
+
+@dataclasses.dataclass(slots=True)
+class ProbeRecord:
+    ok: bool
+    message: str
+    at: float
+
+
+class EngineChild:
+    """The lifecycle of one engine incarnation (one numbered life of one engine id)."""
+
+    def __init__(
+        self,
+        cfg: EngineConfig,
+        frontend: FrontendConfig,
+        incarnation: int,
+        on_change: Callable[[EngineChild, EngineState], None],
+    ) -> None:
+        self.cfg = cfg
+        self.frontend = frontend
+        self.incarnation = incarnation
+        self.on_change = on_change  # (child, previous state)
+        self.id = engine_id(cfg.url)
+        self.dialect = dialect_for(cfg.kind)
+        self.probe = frontend.probe
+        self.tracker = ProbeTracker(self.probe.failure_threshold, self.probe.success_threshold)
+        self.state = EngineState.JOINING
+        self.info: EngineInfo | None = None
+        self.handle: EngineHandle | None = None
+        self.last_probe: ProbeRecord | None = None
+        self.last_error = ""
+        self.since = time.time()
+        self.restarts = 0
+        self.channel: EngineChannel | None = None
+        self.load = EngineLoad()
+        self._wake = trio.Event()
+
+    @property
+    def name(self) -> str:
+        return self.cfg.name
+
+    @property
+    def in_flight(self) -> int:
+        """Requests still running on this incarnation (a drain waits for zero)."""
+        return self.load.in_flight
+
+    def _set_state(self, state: EngineState, reason: str = "") -> None:
+        if is_retired(self.state) and state is not EngineState.GONE:
+            return  # a late probe result or fault: a retired engine stays out
+        check_transition(self.state, state)
+        if state is self.state and not reason:
+            return
+        previous = self.state
+        self.state = state
+        if state is not previous:
+            self.since = time.time()
+            log.info(
+                "engine %s is %s", self.name, state.value,
+                extra={"engine": self.name, "incarnation": self.incarnation, "reason": reason},
+            )
+        self.on_change(self, previous)
+
+    def report_fault(self, error: EngineError) -> None:
+        """A request saw this engine fail at the transport: take it out now."""
+        if is_retired(self.state):
+            return
+        self.last_error = str(error)
+        if self.tracker.fault() is not None:
+            self._set_state(EngineState.UNHEALTHY, self.last_error)
+            self._wake.set()
+
+    def crashed(self, error: BaseException) -> None:
+        """The task died; it will run again from joining (the channel is kept)."""
+        self.restarts += 1
+        self.last_error = f"crashed: {error!r}"
+        self.handle = None
+        self.tracker.state = EngineState.JOINING
+        self._set_state(EngineState.JOINING, self.last_error)
+
+    def retire(self, reason: str) -> None:
+        """Take no new requests from now on (the supervisor drains, then ends us)."""
+        self._set_state(EngineState.DRAINING, reason)
+
+    def gone(self, reason: str) -> None:
+        self._set_state(EngineState.GONE, reason)
+
+    def retune(self, frontend: FrontendConfig) -> None:
+        """Apply a reloaded ``[frontend]`` (probe settings) without touching the connection."""
+        self.frontend = frontend
+        self.probe = frontend.probe
+        self.tracker.retune(self.probe.failure_threshold, self.probe.success_threshold)
+        self._wake.set()  # the next probe follows the new interval
+
+    def open_channel(self) -> EngineChannel:
+        """The incarnation's channel (call inside the trio-asyncio loop)."""
+        if self.channel is None:
+            host, port = host_port(self.cfg.url)
+            self.channel = EngineChannel(host, port, self.dialect)
+        return self.channel
+
+    def close_channel(self) -> None:
+        if self.channel is not None:
+            self.channel.close()
+
+    async def run(self) -> None:
+        """Join, then probe until cancelled (draining or shutdown cancels us)."""
+        self.open_channel()
+        await self._join()
+        await self._probe_forever()
+
+    async def _join(self) -> None:
+        """Discover the engine until it answers with our model and passes one probe."""
+        assert self.channel is not None
+        delay = min(0.05, self.probe.interval_s)
+        while True:
+            try:
+                with trio.fail_after(self.probe.join_timeout_s):
+                    info = await self._discover()
+                    if not serves_fleet_model(info, self.frontend.served_model_name):
+                        self.last_error = (
+                            f"serves model {info.served_model_name!r}, "
+                            f"the fleet serves {self.frontend.served_model_name!r}"
+                        )
+                        self._set_state(EngineState.REFUSED, self.last_error)
+                    elif await self._probe_once():
+                        self._serve(info)
+                        return
+            except (EngineError, trio.TooSlowError) as exc:
+                self.last_error = str(exc) or "discovery timed out"
+                if self.state is not EngineState.JOINING:
+                    self._set_state(EngineState.JOINING, self.last_error)
+            await trio.sleep(delay)
+            delay = min(delay * 2, self.probe.interval_s)
+
+    async def _discover(self) -> EngineInfo:
+        assert self.channel is not None
+        replies = [
+            await self.channel.unary(rpc, self.probe.timeout_s) for rpc in self.dialect.discovery()
+        ]
+        return self.dialect.engine_info(replies)
+
+    def _serve(self, info: EngineInfo) -> None:
+        role = self.cfg.role
+        if role is EngineRole.BOTH:
+            role = info.role or role
+        self.info = info
+        self.handle = EngineHandle(
+            name=self.name,
+            kind=self.cfg.kind,
+            url=self.cfg.url,
+            incarnation=self.incarnation,
+            role=role,
+            info=info,
+            context_length=effective_context_length(self.cfg, info),
+            transport=self.channel,
+            load=self.load,  # one per incarnation: a re-join keeps the requests in flight
+            bootstrap_port=self.cfg.bootstrap_port or info.bootstrap_port,
+        )
+        self.tracker.joined()
+        self.last_error = ""
+        self._set_state(EngineState.SERVING)
+
+    async def _probe_once(self) -> bool:
+        assert self.channel is not None
+        try:
+            with trio.fail_after(self.probe.timeout_s + 0.5):
+                reply = await self.channel.unary(self.dialect.health(), self.probe.timeout_s)
+            result = self.dialect.health_result(reply)
+            ok, message = result.healthy, result.message
+        except (EngineError, trio.TooSlowError) as exc:
+            ok, message = False, str(exc) or "probe timed out"
+        self.last_probe = ProbeRecord(ok, message, time.time())
+        if not ok:
+            self.last_error = message
+        return ok
+
+    async def _probe_forever(self) -> None:
+        while True:
+            with trio.move_on_after(self.tracker.next_delay(self.probe.interval_s)):
+                await self._wake.wait()
+            self._wake = trio.Event()
+            ok = await self._probe_once()
+            changed = self.tracker.record(ok)
+            if changed is EngineState.UNHEALTHY:
+                self._set_state(changed, self.last_error)
+            elif changed is EngineState.SERVING:
+                await self._rejoin()
+
+    async def _rejoin(self) -> None:
+        """Back from unhealthy: re-discover, since the engine may have restarted."""
+        try:
+            with trio.fail_after(self.probe.join_timeout_s):
+                info = await self._discover()
+        except (EngineError, trio.TooSlowError) as exc:
+            self.last_error = str(exc) or "discovery timed out"
+            self.tracker.fault()
+            return
+        if not serves_fleet_model(info, self.frontend.served_model_name):
+            self.last_error = f"now serves model {info.served_model_name!r}"
+            self._set_state(EngineState.REFUSED, self.last_error)
+            await self._join()
+            return
+        self._serve(info)

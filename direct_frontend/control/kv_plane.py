@@ -1,0 +1,132 @@
+"""The KV-event plane: one index for the fleet, one subscription per engine rank.
+
+Each engine incarnation with ``kv_events`` in the fleet file gets one
+subscriber per data-parallel rank, run inside that incarnation's nursery (so
+removing or replacing the engine cancels it). Index keys name the
+incarnation (``g<incarnation>r<rank>``), so a replaced engine's late events or
+clean-up never touch its successor. Fencing: an engine that goes unhealthy
+or restarts is resynced (its entries cleared, replayed from the start when
+the engine keeps history); a gone one is removed from the index.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import TYPE_CHECKING
+
+import trio
+
+from direct_frontend.kv.index import KvIndex
+from direct_frontend.kv.keys import index_key
+from direct_frontend.kv.subscriber import KvSubscription, run_kv_subscriber
+from direct_frontend.observability.logging import log_once
+
+if TYPE_CHECKING:
+    from direct_frontend.control.child import EngineChild
+    from direct_frontend.observability.metrics import Metrics
+
+log = logging.getLogger("direct_frontend.kv")
+
+
+class KvPlane:
+    def __init__(self, index: KvIndex, metrics: Metrics | None = None) -> None:
+        self.index = index
+        self.metrics = metrics
+        self.subscriptions: dict[str, KvSubscription] = {}
+        #: incarnations whose overlap comes from KV events (read by the kv_aware policy)
+        self.live: set[int] = set()
+        #: what each incarnation's engine reports as its own start identity (restart detection)
+        self._reported: dict[int, str] = {}
+        self._fenced: set[int] = set()
+
+    async def run_for(self, child: EngineChild) -> None:
+        """Follow ``child``'s KV events until cancelled; its entries go with it."""
+        cfg = child.cfg
+        if not cfg.kv_events:
+            return
+        block = cfg.block_size or self.index.block_size
+        if block != self.index.block_size:
+            log.error(
+                "engine %s: block_size %d differs from the KV index's %d "
+                "([frontend.routing.knobs] block_size); its KV events are ignored",
+                child.name, block, self.index.block_size, extra={"engine": child.name},
+            )
+            return
+        keys = [index_key(child.incarnation, rank) for rank in range(len(cfg.kv_events))]
+        try:
+            async with trio.open_nursery() as nursery:
+                for rank, endpoint in enumerate(cfg.kv_events):
+                    replay = cfg.kv_replay[rank] if cfg.kv_replay else None
+                    subscription = await nursery.start(
+                        functools.partial(
+                            run_kv_subscriber, keys[rank], endpoint, replay, self.index, block,
+                            on_malformed=functools.partial(self._malformed, child.name),
+                        )
+                    )
+                    self.subscriptions[keys[rank]] = subscription
+                self.live.add(child.incarnation)
+                log.info("engine %s: following KV events on %s", child.name,
+                         ", ".join(cfg.kv_events), extra={"engine": child.name})
+        finally:
+            self.live.discard(child.incarnation)
+            self._reported.pop(child.incarnation, None)
+            self._fenced.discard(child.incarnation)
+            for key in keys:
+                self.subscriptions.pop(key, None)
+                self.index.remove_engine(key)
+
+    def fence(self, child: EngineChild, reason: str) -> None:
+        """Drop what the index believes ``child`` holds (it went unhealthy)."""
+        for rank in range(len(child.cfg.kv_events)):
+            self.index.clear_engine(index_key(child.incarnation, rank))
+        self._fenced.add(child.incarnation)
+        if child.cfg.kv_events:
+            log.info("engine %s: KV index entries cleared (%s)", child.name, reason,
+                     extra={"engine": child.name})
+
+    def _resync(self, child: EngineChild, reason: str) -> None:
+        """Clear and rebuild from the engine's own history (replay from the start)."""
+        for rank in range(len(child.cfg.kv_events)):
+            subscription = self.subscriptions.get(index_key(child.incarnation, rank))
+            if subscription is not None:
+                subscription.resync()
+        if child.cfg.kv_events:
+            log.info("engine %s: KV index entries rebuilt (%s)", child.name, reason,
+                     extra={"engine": child.name})
+
+    def note_serving(self, child: EngineChild) -> None:
+        """On (re)joining: rebuild after a fence or a restart, from the engine's history."""
+        info = child.info
+        if info is not None and info.block_size and info.block_size != self.index.block_size:
+            if child.incarnation in self.live:
+                log.error(
+                    "engine %s reports KV block size %d but the KV index uses %d "
+                    "([frontend.routing.knobs] block_size): its KV events cannot match "
+                    "requests, so it is routed by the approximate prefix memory instead",
+                    child.name, info.block_size, self.index.block_size,
+                    extra={"engine": child.name},
+                )
+            self.live.discard(child.incarnation)
+            return
+        reported = info.incarnation if info is not None else ""
+        previous = self._reported.get(child.incarnation)
+        self._reported[child.incarnation] = reported
+        if child.incarnation in self._fenced:
+            self._fenced.discard(child.incarnation)
+            self._resync(child, "the engine is back")
+        elif previous and reported and previous != reported:
+            self._resync(child, "the engine restarted")
+
+    def _malformed(self, engine: str, key: str) -> None:
+        if self.metrics is not None:
+            self.metrics.kv_malformed_events_total.labels(engine).inc()
+        log_once(log, f"kv-malformed:{engine}",
+                 "engine %s sent a malformed KV event (counted, skipped)", engine)
+
+    def export(self) -> None:
+        """Publish the index's size (called when metrics are scraped)."""
+        if self.metrics is not None:
+            stats = self.index.stats()
+            self.metrics.kv_index_blocks.set(stats.blocks)
+            self.metrics.kv_index_bytes.set(stats.bytes_estimate)

@@ -1,0 +1,254 @@
+"""Reloads and the fleet view: what ``/fleet``, ``/fleet/events`` and SIGHUP reach.
+
+A reload reads and validates the whole file first (a bad file changes
+nothing), diffs it against the running fleet and applies it without awaiting
+any engine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import time
+from pathlib import Path
+from typing import Protocol
+
+import trio
+
+from direct_frontend.control.child import EngineChild
+from direct_frontend.control.events import EventHub
+from direct_frontend.control.lifecycle import EngineState
+from direct_frontend.control.supervisor import Supervisor
+from direct_frontend.fleet.describe import JsonValue, to_jsonable
+from direct_frontend.fleet.diff import FleetDiff, ReloadResult, diff_fleets
+from direct_frontend.fleet.load import parse_fleet_bytes
+from direct_frontend.fleet.problems import FleetError, FleetProblem
+from direct_frontend.fleet.schema import FleetConfig, FrontendConfig
+from direct_frontend.observability.metrics import Metrics
+from direct_frontend.observability.sdnotify import Notifier
+from direct_frontend.pipeline.dispatch import Dispatcher
+from direct_frontend.routing.factory import make_policy
+from direct_frontend.routing.kv_aware import KvKnobs
+from direct_frontend.routing.policies import Policy
+
+log = logging.getLogger("direct_frontend")
+
+
+class FrontendSink(Protocol):
+    """Where a reloaded ``[frontend]`` goes (the HTTP app, for now)."""
+
+    def apply_frontend(self, frontend: FrontendConfig) -> None: ...
+
+
+def engine_status(child: EngineChild) -> dict[str, JsonValue]:
+    """One incarnation for ``/fleet`` and the events stream (no secrets here)."""
+    probe = child.last_probe
+    handle = child.handle
+    channel = child.channel
+    return {
+        "name": child.name,
+        "id": child.id,
+        "url": child.cfg.url,
+        "kind": child.cfg.kind,
+        "role": (handle.role if handle is not None else child.cfg.role).value,
+        "state": child.state.value,
+        "incarnation": child.incarnation,
+        "model": child.info.served_model_name if child.info is not None else None,
+        "load": child.in_flight,
+        "requests": child.load.requests_total,
+        "last_probe": None if probe is None else {
+            "ok": probe.ok, "message": probe.message, "at": probe.at,
+        },
+        "last_error": child.last_error or None,
+        "since": child.since,
+        "restarts": child.restarts,
+        "connections_opened": channel.connections_opened if channel is not None else 0,
+        "simulated": child.cfg.simulate,
+    }
+
+
+
+def file_digest(raw: bytes) -> str:
+    return hashlib.sha256(raw).hexdigest()[:16]
+
+
+def keep_restart_fields(new: FrontendConfig, running: FrontendConfig) -> FrontendConfig:
+    """``new`` with the settings that need a restart (``RESTART_FIELDS``) kept as running."""
+    return dataclasses.replace(
+        new,
+        listen_host=running.listen_host,
+        listen_port=running.listen_port,
+        tokenizer=running.tokenizer,
+        served_model_name=running.served_model_name,
+        log_json=running.log_json,
+    )
+
+
+class ControlPlane:
+    """Reloads and the fleet view: what ``/fleet``, ``/fleet/events`` and SIGHUP reach.
+
+    Reloads are serialised. Each one reads and validates the whole file
+    first; a bad file changes nothing. A good one is diffed against the
+    running fleet and applied without awaiting any engine.
+    """
+
+    def __init__(
+        self,
+        fleet: FleetConfig,
+        supervisor: Supervisor,
+        app: FrontendSink,
+        dispatcher: Dispatcher,
+        metrics: Metrics,
+        notifier: Notifier,
+        digest: str = "",
+    ) -> None:
+        self.running = fleet
+        self.supervisor = supervisor
+        self.app = app
+        self.dispatcher = dispatcher
+        self.metrics = metrics
+        self.notifier = notifier
+        self.hub = EventHub()
+        self.version = 1
+        self.digest = digest
+        self.loaded_at = time.time()
+        self.last_reload: ReloadResult | None = None
+        self._lock = trio.Lock()
+        supervisor.listeners.append(self._on_engine)
+
+    # -- the view ---------------------------------------------------------------------
+
+    def _children(self) -> list[EngineChild]:
+        """Current incarnations in fleet-file order, then the draining ones."""
+        order = {cfg.name: i for i, cfg in enumerate(self.running.engines)}
+        active = sorted(self.supervisor.children.values(), key=lambda c: order.get(c.name, 0))
+        return active + self.supervisor.draining()
+
+    def status(self) -> dict[str, JsonValue]:
+        """``GET /fleet``: engines, the running config and the last reload (secrets redacted)."""
+        engines: list[JsonValue] = [engine_status(child) for child in self._children()]
+        return {
+            "config": {
+                "version": self.version,
+                "digest": self.digest,
+                "source": str(self.running.source),
+                "loaded_at": self.loaded_at,
+            },
+            "last_reload": None if self.last_reload is None else self.last_reload.to_json(),
+            "catalog_version": self.supervisor.catalog.version,
+            "serving": self.supervisor.serving_count,
+            "total": len(self.supervisor.children),
+            "engines": engines,
+            "fleet": to_jsonable(self.running),
+            "events": {"subscribers": len(self.hub.subscribers),
+                       "dropped": self.hub.dropped_total},
+        }
+
+    def loads(self) -> dict[str, JsonValue]:
+        return {f"{c.name}#{c.incarnation}": c.in_flight for c in self._children()}
+
+    def status_line(self) -> str:
+        line = (f"{self.supervisor.serving_count}/{len(self.supervisor.children)} engines serving;"
+                f" config v{self.version}")
+        if self.last_reload is not None and not self.last_reload.ok:
+            line += "; last reload rejected (see logs)"
+        return line
+
+    def _on_engine(self, child: EngineChild, previous: EngineState) -> None:
+        self.hub.publish({
+            "type": "engine", "previous": previous.value, "engine": engine_status(child),
+        })
+        if child.state is EngineState.GONE and child.name not in self.supervisor.children:
+            self.metrics.forget_engine(child.name)
+        self.notifier.status(self.status_line())
+
+    # -- reloads ----------------------------------------------------------------------
+
+    async def reload(self, trigger: str) -> dict[str, JsonValue]:
+        """Reload the fleet file; the result as JSON (also logged and broadcast)."""
+        async with self._lock:
+            self.notifier.reloading()
+            try:
+                result = await self._reload(trigger)
+            finally:
+                self.notifier.ready(self.status_line())
+        self.last_reload = result
+        self.notifier.status(self.status_line())
+        event = result.to_json()
+        self.hub.publish({"type": "reload", "reload": event})
+        return event
+
+    async def _reload(self, trigger: str) -> ReloadResult:
+        path = self.running.source
+        digest = ""
+        try:
+            raw = await trio.to_thread.run_sync(_read, path)
+            digest = file_digest(raw)
+            new = parse_fleet_bytes(raw, path)
+            policy = self._policy_for(new)
+        except FleetError as exc:
+            for problem in exc.problems:
+                log.error("fleet reload rejected, keeping the running fleet: %s", problem,
+                          extra={"trigger": trigger})
+            errors = tuple(str(p) for p in exc.problems)
+            return ReloadResult(False, trigger, time.time(), self.version, digest, errors)
+        diff = diff_fleets(self.running, new)
+        effective = dataclasses.replace(
+            new, frontend=keep_restart_fields(new.frontend, self.running.frontend)
+        )
+        self._apply(effective, diff, policy)
+        self.digest = digest
+        return ReloadResult(True, trigger, time.time(), self.version, digest, diff=diff)
+
+    def _policy_for(self, new: FleetConfig) -> Policy | None:
+        """A new policy object if routing changed (built first: it may refuse the file)."""
+        if new.frontend.routing == self.running.frontend.routing:
+            return None
+        kv = self.supervisor.kv
+        try:
+            block = kv_block_size(new)
+            if kv is not None and block != kv.index.block_size:
+                raise ValueError(
+                    f"the KV block size ({kv.index.block_size}) can only change with a restart"
+                )
+            return make_policy(new.frontend.routing, kv.index if kv else None,
+                               kv.live if kv else ())
+        except ValueError as exc:
+            raise FleetError([FleetProblem(str(new.source), None, "frontend.routing.policy",
+                                           str(exc))]) from None
+
+    def _apply(self, fleet: FleetConfig, diff: FleetDiff, policy: Policy | None) -> None:
+        for name in diff.restart:
+            log.warning("frontend.%s changed: needs a restart; the running value is kept", name)
+        applies = diff.added or diff.removed or diff.changed or diff.live
+        if not applies:
+            log.info("fleet file reloaded: no changes to apply")
+            self.running = fleet
+            return
+        self.version += 1
+        self.loaded_at = time.time()
+        self.running = fleet
+        if policy is not None:
+            self.dispatcher.policy = policy
+        self.app.apply_frontend(fleet.frontend)
+        self.dispatcher.disagg.stall_timeout_s = fleet.frontend.faults.stall_timeout_s
+        self.supervisor.apply(fleet, removed=diff.removed, changed=diff.changed_names,
+                              added=diff.added)
+        log.info("fleet reloaded (config v%d): %s", self.version, "; ".join(diff.lines()))
+
+
+def kv_block_size(fleet: FleetConfig) -> int:
+    """The KV index's block size: the kv_aware knob (or its default)."""
+    knobs = fleet.frontend.routing.knobs if fleet.frontend.routing.policy == "kv_aware" else {}
+    return KvKnobs.from_mapping(knobs).block_size
+
+
+def _read(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as exc:
+        problem = FleetProblem(str(path), None, "", f"cannot read the file: {exc.strerror or exc}")
+        raise FleetError([problem]) from None
+
+

@@ -1,0 +1,312 @@
+"""Request validation for ``/v1/chat/completions`` and ``/v1/completions``.
+
+Bodies are decoded in one pass by msgspec into private *wire* structs (which
+check types and ranges, and ignore unknown fields since OpenAI clients send
+extras), then checked for what we do not support and normalised into frozen
+public requests (:mod:`.types`). Every failure is an
+:class:`~direct_frontend.openai.errors.OpenAIHTTPError`.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Final, Literal, TypeVar
+
+import msgspec
+
+from direct_frontend.openai.errors import OpenAIHTTPError, invalid_request
+from direct_frontend.openai.types import (
+    ROLES,
+    ChatMessage,
+    ChatRequest,
+    CompletionRequest,
+    Role,
+    Tool,
+    ToolCall,
+)
+
+_PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+_NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
+_Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
+_Int64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
+_MAX_STOP: Final = 16
+
+
+class _ContentPart(msgspec.Struct):
+    type: str
+    text: str | None = None
+
+
+class _MessageWire(msgspec.Struct):
+    role: Role
+    content: str | list[_ContentPart] | None = None
+    name: str | None = None
+    tool_calls: tuple[ToolCall, ...] | None = None
+    tool_call_id: str | None = None
+
+
+class _StreamOptionsWire(msgspec.Struct):
+    include_usage: bool | None = None
+
+
+class _ResponseFormatWire(msgspec.Struct):
+    type: str
+
+
+class _NamedToolChoiceWire(msgspec.Struct):
+    type: str
+
+
+class _WireBase(msgspec.Struct, kw_only=True):
+    model: str
+    max_tokens: _PositiveInt | None = None
+    max_completion_tokens: _PositiveInt | None = None
+    min_tokens: _NonNegInt | None = None
+    temperature: Annotated[float, msgspec.Meta(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, msgspec.Meta(ge=-1)] | None = None
+    min_p: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] | None = None
+    frequency_penalty: _Penalty | None = None
+    presence_penalty: _Penalty | None = None
+    repetition_penalty: Annotated[float, msgspec.Meta(gt=0.0)] | None = None
+    seed: _Int64 | None = None
+    stop: str | Annotated[list[str], msgspec.Meta(max_length=_MAX_STOP)] | None = None
+    stop_token_ids: list[_NonNegInt] | None = None
+    ignore_eos: bool | None = None
+    n: _PositiveInt | None = None
+    stream: bool | None = None
+    stream_options: _StreamOptionsWire | None = None
+    user: str | None = None
+    skip_special_tokens: bool | None = None
+    response_format: _ResponseFormatWire | None = None
+
+
+class _ChatWire(_WireBase, kw_only=True):
+    messages: Annotated[list[_MessageWire], msgspec.Meta(min_length=1)]
+    logprobs: bool | None = None
+    top_logprobs: _NonNegInt | None = None
+    tools: list[Tool] | None = None
+    tool_choice: str | _NamedToolChoiceWire | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class _CompletionWire(_WireBase, kw_only=True):
+    prompt: str | list[Any]
+    logprobs: bool | int | None = None
+    echo: bool | None = None
+    suffix: str | None = None
+    best_of: _PositiveInt | None = None
+
+
+_W = TypeVar("_W", bound=_WireBase)
+
+_chat_decoder: Final = msgspec.json.Decoder(_ChatWire)
+_completion_decoder: Final = msgspec.json.Decoder(_CompletionWire)
+
+_MISSING_FIELD = re.compile(r"Object missing required field `([^`]*)`")
+
+
+def _lower_first(text: str) -> str:
+    return text[:1].lower() + text[1:]
+
+
+def _from_validation_error(exc: msgspec.ValidationError) -> OpenAIHTTPError:
+    """Turn msgspec's ``"<detail> - at `$.a[0].b`"`` into a message and an OpenAI param."""
+    detail, sep, where = str(exc).rpartition(" - at `")
+    if not sep:
+        detail, where = str(exc), "$`"
+    path = where.rstrip("`")
+    param: str | None = path[2:] if path.startswith("$.") else None
+    missing = _MISSING_FIELD.fullmatch(detail)
+    if missing is not None:
+        param = f"{param}.{missing.group(1)}" if param else missing.group(1)
+        return invalid_request(f"Missing required parameter: '{param}'.", param)
+    if param is None:
+        return invalid_request(f"The request body must be a JSON object: {_lower_first(detail)}.")
+    if detail.startswith("Invalid enum value") and param.endswith(".role"):
+        detail += f"; expected one of {', '.join(ROLES)}"
+    kind = "type" if ", got `" in detail else "value"
+    return invalid_request(f"Invalid {kind} for '{param}': {_lower_first(detail)}.", param)
+
+
+def _decode(decoder: msgspec.json.Decoder[_W], body: bytes) -> _W:
+    try:
+        return decoder.decode(body)
+    except msgspec.ValidationError as exc:
+        raise _from_validation_error(exc) from None
+    except msgspec.DecodeError as exc:
+        if not body.strip():
+            raise invalid_request("The request body is empty; expected a JSON object.") from None
+        raise invalid_request(
+            f"The request body is not valid JSON: {_lower_first(str(exc))}."
+        ) from None
+
+
+def _unsupported(what: str, param: str) -> OpenAIHTTPError:
+    return invalid_request(f"{what} is not supported yet.", param)
+
+
+def _common(w: _WireBase) -> dict[str, Any]:
+    """Checks shared by both endpoints; returns the normalised shared fields."""
+    if w.n is not None and w.n != 1:
+        raise invalid_request(
+            f"n={w.n} is not supported; only one choice per request (n=1) is.", "n"
+        )
+    stream = bool(w.stream)
+    if w.stream_options is not None and not stream:
+        raise invalid_request(
+            "The 'stream_options' parameter is only allowed when 'stream' is true.",
+            "stream_options",
+        )
+    if w.response_format is not None and w.response_format.type != "text":
+        raise _unsupported(
+            f"response_format type '{w.response_format.type}' (structured output)",
+            "response_format.type",
+        )
+    if isinstance(w.stop, str):
+        stop: tuple[str, ...] = (w.stop,)
+        stop_param = "stop"
+    else:
+        stop = tuple(w.stop or ())
+        stop_param = "stop[{}]"
+    for i, s in enumerate(stop):
+        if not s:
+            raise invalid_request("Stop strings must not be empty.", stop_param.format(i))
+    max_tokens = w.max_completion_tokens if w.max_completion_tokens is not None else w.max_tokens
+    min_tokens = w.min_tokens or 0
+    if max_tokens is not None and min_tokens > max_tokens:
+        raise invalid_request(
+            f"min_tokens ({min_tokens}) must not exceed max_tokens ({max_tokens}).",
+            "min_tokens",
+        )
+    return {
+        "model": w.model,
+        "max_tokens": max_tokens,
+        "min_tokens": min_tokens,
+        "temperature": w.temperature,
+        "top_p": w.top_p,
+        "top_k": w.top_k,
+        "min_p": w.min_p,
+        "frequency_penalty": w.frequency_penalty,
+        "presence_penalty": w.presence_penalty,
+        "repetition_penalty": w.repetition_penalty,
+        "seed": w.seed,
+        "stop": stop,
+        "stop_token_ids": tuple(w.stop_token_ids or ()),
+        "ignore_eos": bool(w.ignore_eos),
+        "stream": stream,
+        "include_usage": bool(w.stream_options and w.stream_options.include_usage),
+        "skip_special_tokens": w.skip_special_tokens is not False,
+        "user": w.user,
+    }
+
+
+def _message(i: int, m: _MessageWire) -> ChatMessage:
+    parts: tuple[str, ...] | None = None
+    if m.content is None or isinstance(m.content, str):
+        content = m.content
+    else:
+        texts: list[str] = []
+        for j, part in enumerate(m.content):
+            where = f"messages[{i}].content[{j}]"
+            if part.type != "text":
+                raise invalid_request(
+                    f"Content part type '{part.type}' is not supported; only 'text' parts are.",
+                    f"{where}.type",
+                )
+            if part.text is None:
+                raise invalid_request(
+                    f"Missing required parameter: '{where}.text'.", f"{where}.text"
+                )
+            texts.append(part.text)
+        parts = tuple(texts)
+        content = "\n".join(parts)
+    if content is None and m.role != "assistant":
+        raise invalid_request(
+            f"Missing required parameter: 'messages[{i}].content' (required for role '{m.role}').",
+            f"messages[{i}].content",
+        )
+    return ChatMessage(
+        role=m.role,
+        content=content if content is not None or m.tool_calls else "",
+        content_parts=parts,
+        name=m.name,
+        tool_calls=m.tool_calls or (),
+        tool_call_id=m.tool_call_id,
+    )
+
+
+def parse_chat_request(body: bytes) -> ChatRequest:
+    """Validate a chat completions body; raises :class:`OpenAIHTTPError` (400) on any problem."""
+    w = _decode(_chat_decoder, body)
+    common = _common(w)
+    if w.logprobs:
+        raise _unsupported("logprobs", "logprobs")
+    if w.top_logprobs:
+        raise _unsupported("top_logprobs", "top_logprobs")
+    tool_choice: Literal["auto", "none"] | None = None
+    if w.tool_choice == "auto":
+        tool_choice = "auto"
+    elif w.tool_choice == "none":
+        tool_choice = "none"
+    elif w.tool_choice == "required" or isinstance(w.tool_choice, _NamedToolChoiceWire):
+        raise _unsupported(
+            "Forcing tool calls (tool_choice 'required' or a named tool)", "tool_choice"
+        )
+    elif w.tool_choice is not None:
+        raise invalid_request(
+            f"Invalid value for 'tool_choice': '{w.tool_choice}'; expected 'none', 'auto', "
+            "'required' or an object.",
+            "tool_choice",
+        )
+    return ChatRequest(
+        **common,
+        messages=tuple(_message(i, m) for i, m in enumerate(w.messages)),
+        tools=tuple(w.tools or ()),
+        tool_choice=tool_choice,
+        chat_template_kwargs=w.chat_template_kwargs,
+    )
+
+
+def _prompt(raw: str | list[Any]) -> str | tuple[int, ...]:
+    """Accept one prompt as text or token ids; a batch of prompts is a 400."""
+    if isinstance(raw, str):
+        return raw
+    if not raw:
+        raise invalid_request("The prompt must not be empty.", "prompt")
+    first = raw[0]
+    if isinstance(first, str | list) and len(raw) > 1:
+        raise invalid_request(
+            "Batched prompts are not supported; send one prompt per request.", "prompt"
+        )
+    if isinstance(first, str):
+        return first
+    ids = first if isinstance(first, list) else raw
+    where = "prompt[0]" if ids is first else "prompt"
+    if not ids:
+        raise invalid_request("The prompt must not be empty.", where)
+    for k, tok in enumerate(ids):
+        if type(tok) is not int or tok < 0:
+            raise invalid_request(
+                f"Invalid type for '{where}[{k}]': expected a string, a list of one string, "
+                "a list of token ids (integers >= 0) or a list of one such list.",
+                f"{where}[{k}]",
+            )
+    return tuple(ids)
+
+
+def parse_completion_request(body: bytes) -> CompletionRequest:
+    """Validate a (legacy) completions body; raises :class:`OpenAIHTTPError` (400)."""
+    w = _decode(_completion_decoder, body)
+    common = _common(w)
+    if w.logprobs is not None and w.logprobs is not False:
+        raise _unsupported("logprobs", "logprobs")
+    if w.echo:
+        raise _unsupported("echo", "echo")
+    if w.suffix:
+        raise _unsupported("suffix", "suffix")
+    if w.best_of is not None and w.best_of != 1:
+        raise invalid_request(
+            f"best_of={w.best_of} is not supported; only best_of=1 is.", "best_of"
+        )
+    return CompletionRequest(**common, prompt=_prompt(w.prompt))

@@ -1,0 +1,133 @@
+"""The public, normalised requests the pipeline works from (frozen, already validated)."""
+
+from __future__ import annotations
+
+from typing import Any, Final, Literal
+
+import msgspec
+
+from direct_frontend.engines.neutral import SamplingOptions
+
+Role = Literal["system", "user", "assistant", "tool", "developer"]
+ROLES: Final = ("system", "user", "assistant", "tool", "developer")
+
+
+class ToolCallFunction(msgspec.Struct, frozen=True):
+    """The function an assistant message called; ``arguments`` is a JSON string."""
+
+    name: str
+    arguments: str
+
+
+class ToolCall(msgspec.Struct, frozen=True, kw_only=True):
+    """A tool call in an earlier assistant message (history sent back by the client)."""
+
+    id: str
+    function: ToolCallFunction
+    type: Literal["function"] = "function"
+
+
+class FunctionDefinition(msgspec.Struct, frozen=True, kw_only=True):
+    """A tool's declaration, passed through to the chat template as is."""
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(msgspec.Struct, frozen=True, kw_only=True):
+    """One entry of ``tools``."""
+
+    function: FunctionDefinition
+    type: Literal["function"] = "function"
+
+
+class ChatMessage(msgspec.Struct, frozen=True, kw_only=True):
+    """A validated chat message.
+
+    ``content`` is the text, with the parts of an array content joined by
+    ``"\\n"`` (as vLLM does for string-format templates); ``content_parts`` keeps
+    the parts for templates that iterate them. ``content`` is ``None`` only for
+    an assistant message that carries tool calls and no text.
+    """
+
+    role: Role
+    content: str | None
+    content_parts: tuple[str, ...] | None = None
+    name: str | None = None
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str | None = None
+
+
+class _RequestBase(msgspec.Struct, frozen=True, kw_only=True):
+    """Fields shared by both endpoints.
+
+    Sampling fields are ``None`` when the client did not set them, so a layer
+    that knows the model's generation defaults can still tell "unset" from an
+    explicit value; :meth:`sampling_options` applies OpenAI defaults to the rest.
+    """
+
+    model: str
+    max_tokens: int | None = None  # max_completion_tokens wins over max_tokens
+    min_tokens: int = 0
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # -1 and 0 both mean disabled
+    min_p: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    stream: bool = False
+    include_usage: bool = False  # stream_options.include_usage
+    skip_special_tokens: bool = True
+    user: str | None = None
+
+    def sampling_options(self, max_tokens: int) -> SamplingOptions:
+        """The neutral sampling settings; ``max_tokens`` is the budget the caller settled on.
+
+        The caller decides the budget because it depends on the prompt length
+        and the engine's context length, which this layer does not know.
+        """
+        top_k = self.top_k if self.top_k is not None and self.top_k > 0 else 0
+        return SamplingOptions(
+            max_tokens=max_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=top_k,
+            min_p=0.0 if self.min_p is None else self.min_p,
+            frequency_penalty=0.0 if self.frequency_penalty is None else self.frequency_penalty,
+            presence_penalty=0.0 if self.presence_penalty is None else self.presence_penalty,
+            repetition_penalty=(
+                1.0 if self.repetition_penalty is None else self.repetition_penalty
+            ),
+            seed=self.seed,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens,
+        )
+
+
+class ChatRequest(_RequestBase, frozen=True, kw_only=True):
+    """A validated ``POST /v1/chat/completions`` body.
+
+    ``tools`` are kept for the chat template, but tool calls in the output are
+    not parsed, so ``tool_choice`` may only be ``"auto"`` or ``"none"``.
+    """
+
+    messages: tuple[ChatMessage, ...]
+    tools: tuple[Tool, ...] = ()
+    tool_choice: Literal["auto", "none"] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class CompletionRequest(_RequestBase, frozen=True, kw_only=True):
+    """A validated ``POST /v1/completions`` body; ``prompt`` is text or token ids."""
+
+    prompt: str | tuple[int, ...]
+
+

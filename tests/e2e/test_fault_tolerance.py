@@ -1,0 +1,256 @@
+"""Fault tolerance end to end: engines die, hang, fail and overload mid-stream.
+
+The simulator is deterministic from its token prefix, so a stream that
+survives a failure must equal the uninterrupted text exactly (nothing lost,
+nothing repeated) with usage counting each output token once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import re
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from grpclib import Status
+
+from direct_frontend.pipeline.failover import FailoverConfig
+from direct_frontend.simulator.faults import FaultPlan
+from tests.support.daemon import Daemon, fleet_text, running_daemon, sim_engine, wait_for
+
+KINDS = ["sglang", "vllm", "trtllm"]
+PACED = {"decode_us_per_token": 300, "prefill_us_per_token": 0, "eos_probability": 0.0}
+CHAT = [{"role": "user", "content": "Tell me a long story about the sea."}]
+TOKENS = 60
+
+
+@contextlib.contextmanager
+def engines(model_dir: Path, tmp: Path, kind: str, names: str = "abc") -> Iterator[Daemon]:
+    text = fleet_text(model_dir, [sim_engine(n, kind, **PACED) for n in names],
+                      probe="interval_s = 0.1\ntimeout_s = 1.0")
+    with running_daemon(tmp, text) as daemon:
+        daemon.wait_serving(len(names))
+        yield daemon
+
+
+@pytest.fixture(params=KINDS)
+def daemon(request: pytest.FixtureRequest, model_dir: Path, tmp_path: Path) -> Iterator[Daemon]:
+    # Every engine fails its next request in the tests below: the stream must survive
+    # two failures in a row (the third engine serves it).
+    with engines(model_dir, tmp_path, request.param) as running:
+        yield running
+
+
+def client(daemon: Daemon) -> openai.OpenAI:
+    return openai.OpenAI(base_url=daemon.url + "/v1", api_key="-", max_retries=0)
+
+
+def streamed(daemon: Daemon, **kwargs: object) -> tuple[str, int]:
+    chunks = client(daemon).chat.completions.create(
+        model="demo", messages=CHAT, max_tokens=TOKENS, stream=True,
+        stream_options={"include_usage": True}, **kwargs,
+    )
+    text, usage = [], 0
+    for chunk in chunks:
+        if chunk.usage is not None:
+            usage = chunk.usage.completion_tokens
+        text.extend(c.delta.content or "" for c in chunk.choices)
+    return "".join(text), usage
+
+
+def metric(daemon: Daemon, pattern: str) -> float:
+    body = httpx.get(daemon.url + "/metrics").text
+    return sum(float(v) for v in re.findall(pattern + r"\S* (\S+)", body))
+
+
+def reference(daemon: Daemon) -> str:
+    text, usage = streamed(daemon)
+    assert usage == TOKENS
+    return text
+
+
+def faulty(daemon: Daemon, plan: FaultPlan, healthy: str = "c") -> None:
+    """Every engine but ``healthy`` fails its next request as ``plan`` says."""
+    for name, sim in daemon.supervisor.simulators.items():
+        if name != healthy:
+            sim.faults = dataclasses.replace(plan)
+
+
+def test_engine_dying_mid_stream_migrates_token_exactly(daemon: Daemon) -> None:
+    expected = reference(daemon)
+    sims = daemon.supervisor.simulators
+    faulty(daemon, FaultPlan(die_after_tokens=17, only_request=1))
+    for _ in range(3):  # round robin reaches a failing engine within three requests
+        text, usage = streamed(daemon)
+        assert text == expected
+        assert usage == TOKENS
+    died = [name for name, sim in sims.items() if sim.fault_stats.died]
+    assert len(died) >= 1
+    assert metric(daemon, r'direct_frontend_engine_requests_total\{[^}]*outcome="migrated"') >= 1
+    # the dead engine was taken out at once and the probes bring it back
+    wait_for(lambda: daemon.supervisor.serving_count == 3, what="the engines to come back")
+
+
+def test_non_streaming_request_survives_a_dying_engine(daemon: Daemon) -> None:
+    api = client(daemon)
+    expected = api.chat.completions.create(model="demo", messages=CHAT, max_tokens=TOKENS)
+    faulty(daemon, FaultPlan(die_after_tokens=0, only_request=1))
+    for _ in range(3):
+        again = api.chat.completions.create(model="demo", messages=CHAT, max_tokens=TOKENS)
+        assert again.choices[0].message.content == expected.choices[0].message.content
+        assert again.usage is not None and again.usage.completion_tokens == TOKENS
+    assert any(s.fault_stats.died for s in daemon.supervisor.simulators.values())
+
+
+def test_a_hung_engine_is_detected_by_the_stall_timeout(daemon: Daemon) -> None:
+    expected = reference(daemon)
+    assert daemon.app is not None
+    daemon.app.failover = FailoverConfig(stall_timeout_s=0.3)
+    faulty(daemon, FaultPlan(hang_after_tokens=9, only_request=1))
+    for _ in range(3):
+        text, usage = streamed(daemon)
+        assert text == expected and usage == TOKENS
+    hung = [s for s in daemon.supervisor.simulators.values() if s.fault_stats.hung]
+    assert hung
+    # the hung request was aborted on its engine, so its slot is free again
+    wait_for(lambda: all(s.stats.running == 0 for s in hung), what="the hung slot to be freed")
+
+
+def test_overloaded_engine_is_skipped_but_not_marked_down(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    with engines(model_dir, tmp_path, "sglang", "ab") as daemon:
+        sims = daemon.supervisor.simulators
+        sims["a"].faults = FaultPlan(status=Status.RESOURCE_EXHAUSTED)
+        for _ in range(4):
+            text, usage = streamed(daemon)
+            assert usage == TOKENS and text
+        assert sims["a"].fault_stats.failed
+        assert daemon.supervisor.children["a"].state.value == "serving"
+        # every engine saturated: a 429 with Retry-After, before any byte of the stream
+        sims["b"].faults = FaultPlan(status=Status.RESOURCE_EXHAUSTED)
+        r = httpx.post(daemon.url + "/v1/chat/completions",
+                       json={"model": "demo", "messages": CHAT, "stream": True})
+        assert r.status_code == 429, r.text
+        assert r.headers["retry-after"] == "1"
+
+
+def test_unavailable_before_the_first_token_is_retried_and_marks_the_engine_down(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    with engines(model_dir, tmp_path, "vllm") as daemon:
+        expected = reference(daemon)
+        sims = daemon.supervisor.simulators
+        states: list[str] = []
+        def note(child: Any, previous: Any) -> None:
+            states.append(f"{child.name}:{child.state.value}")
+
+        daemon.run_sync(daemon.supervisor.listeners.append, note)
+        faulty(daemon, FaultPlan(status=Status.UNAVAILABLE, only_request=1))
+        for _ in range(3):
+            text, usage = streamed(daemon)
+            assert text == expected and usage == TOKENS
+        assert any(s.fault_stats.failed for s in sims.values())
+        assert any(s.endswith(":unhealthy") for s in states)
+        assert metric(daemon, r'direct_frontend_engine_requests_total\{[^}]*outcome="retried"') >= 1
+
+
+def test_engine_restart_mid_stream_and_recovery(model_dir: Path, tmp_path: Path) -> None:
+    with engines(model_dir, tmp_path, "sglang") as daemon:
+        expected = reference(daemon)
+        sims = daemon.supervisor.simulators
+        faulty(daemon, FaultPlan(die_after_tokens=5, only_request=1))
+        for _ in range(3):
+            text, _ = streamed(daemon)
+            assert text == expected
+        dead = next(name for name, sim in sims.items() if sim.fault_stats.died)
+        child = daemon.supervisor.children[dead]
+        wait_for(lambda: child.state.value == "serving", what="the engine to rejoin")
+
+
+def test_streams_on_a_removed_engine_migrate_after_the_drain_grace(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    slow = {"decode_us_per_token": 8000, "prefill_us_per_token": 0, "eos_probability": 0.0}
+    keep, leave = sim_engine("keep", **slow), sim_engine("leave", **slow)
+    extra = "drain_timeout_s = 30\n[frontend.faults]\ndrain_migrate_after_s = 0.2"
+
+    def fleet(*engines: dict[str, Any]) -> str:
+        return fleet_text(model_dir, [dict(e) for e in engines], frontend_extra=extra)
+
+    with running_daemon(tmp_path, fleet(keep, leave)) as daemon:
+        daemon.wait_serving(2)
+        api = client(daemon)
+        expected = api.completions.create(model="demo", prompt="Once", max_tokens=TOKENS)
+        sims = daemon.supervisor.simulators
+        leaving = sims["leave"]
+        done: list[str] = []
+
+        def long_stream() -> None:
+            parts = api.completions.create(model="demo", prompt="Once", max_tokens=TOKENS,
+                                           stream=True)
+            done.append("".join(p.choices[0].text for p in parts if p.choices))
+
+        # make sure the stream lands on the engine that will leave
+        while leaving.stats.running == 0:
+            worker = threading.Thread(target=long_stream)
+            worker.start()
+            wait_for(lambda: sims["keep"].stats.running + leaving.stats.running > 0,
+                     what="the stream to start")
+            if leaving.stats.running == 0:
+                worker.join()
+        (tmp_path / "fleet.toml").write_text(fleet(keep))
+        assert httpx.post(daemon.url + "/fleet/reload").json()["ok"]
+        worker.join(10)
+        assert done[-1] == expected.choices[0].text
+        # continued on the other engine from the tokens produced (a "~1" continuation)
+        assert any(rid.endswith("~1") for rid in sims["keep"].stats.request_ids)
+        # the engine left long before its stream would have ended there
+        assert leaving.stats.aborts_received >= 1
+        wait_for(lambda: "leave" not in daemon.supervisor.children, what="the engine to go")
+
+
+def test_admission_control_refuses_past_the_queue_with_a_429(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    slow = {"decode_us_per_token": 20000, "prefill_us_per_token": 0, "eos_probability": 0.0}
+    extra = "[frontend.limits]\nmax_in_flight = 1\nmax_queue = 0"
+    with running_daemon(tmp_path, fleet_text(model_dir, [sim_engine("a", **slow)],
+                                             frontend_extra=extra)) as daemon:
+        daemon.wait_serving(1)
+        sim = daemon.supervisor.simulators["a"]
+        body = {"model": "demo", "messages": CHAT, "max_tokens": 30, "stream": True}
+        with httpx.Client(base_url=daemon.url) as http, http.stream(
+            "POST", "/v1/chat/completions", json=body
+        ) as first:
+            assert first.status_code == 200
+            wait_for(lambda: sim.stats.running == 1, what="the first request to run")
+            second = http.post("/v1/chat/completions", json=body)
+            assert second.status_code == 429
+            assert second.headers["retry-after"] == "1"
+            assert "saturated" in second.json()["error"]["message"]
+            first.read()
+
+
+def test_request_timeout_ends_the_request_and_frees_the_engine(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    slow = {"decode_us_per_token": 20000, "prefill_us_per_token": 0, "eos_probability": 0.0}
+    text = fleet_text(model_dir, [sim_engine("a", **slow)],
+                      frontend_extra="request_timeout_s = 0.3")
+    with running_daemon(tmp_path, text) as daemon:
+        daemon.wait_serving(1)
+        sim = daemon.supervisor.simulators["a"]
+        r = httpx.post(daemon.url + "/v1/chat/completions",
+                       json={"model": "demo", "messages": CHAT, "max_tokens": 200})
+        assert r.status_code == 504, r.text
+        assert "0.3" in r.json()["error"]["message"]
+        wait_for(lambda: sim.stats.running == 0, what="the engine slot to be freed")
+        assert sim.stats.aborts_received == 1
+        assert daemon.supervisor.children["a"].state.value == "serving"  # not the engine's fault

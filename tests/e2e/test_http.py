@@ -1,0 +1,209 @@
+"""End to end: the real daemon on loopback, simulated SGLang engines, the official openai client."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.support.daemon import (
+    Daemon,
+    fleet_text,
+    raw_stream,
+    running_daemon,
+    sim_engine,
+    wait_for,
+)
+
+FAST = {"decode_us_per_token": 0, "prefill_us_per_token": 0, "eos_probability": 0.0}
+
+
+@pytest.fixture(scope="module")
+def daemon(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    tmp = tmp_path_factory.mktemp("e2e")
+    text = fleet_text(
+        model_dir,
+        [
+            sim_engine("a", **FAST, context_length=512),
+            sim_engine("b", **FAST, context_length=512),
+            sim_engine("wrong", **FAST, served_model_name="other-model"),
+        ],
+        frontend_extra="max_body_bytes = 20000",
+    )
+    with running_daemon(tmp, text) as d:
+        d.wait_serving(2)
+        yield d
+
+
+@pytest.fixture()
+def client(daemon: Daemon) -> openai.OpenAI:
+    return openai.OpenAI(base_url=daemon.url + "/v1", api_key="unused", max_retries=0)
+
+
+CHAT = [{"role": "user", "content": "Tell me about the sea."}]
+
+
+def stream_chat(client: openai.OpenAI, **kwargs: object) -> tuple[str, list[object]]:
+    stream = client.chat.completions.create(model="demo", messages=CHAT, stream=True, **kwargs)
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    return text, chunks
+
+
+def test_streaming_and_non_streaming_give_the_same_text(client: openai.OpenAI) -> None:
+    full = client.chat.completions.create(model="demo", messages=CHAT, max_tokens=40)
+    streamed, chunks = stream_chat(client, max_tokens=40)
+    assert full.choices[0].message.content == streamed
+    assert len(streamed) > 20
+    assert full.choices[0].finish_reason == "length"
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert full.usage is not None and full.usage.completion_tokens == 40
+
+
+def test_streaming_usage_is_reported_once_at_the_end(client: openai.OpenAI) -> None:
+    _, chunks = stream_chat(client, max_tokens=12, stream_options={"include_usage": True})
+    usage = [c.usage for c in chunks if c.usage is not None]
+    assert len(usage) == 1 and chunks[-1].usage is usage[0]
+    assert usage[0].completion_tokens == 12
+    assert usage[0].prompt_tokens > 5
+
+
+def test_completions_endpoint_streaming_and_not(client: openai.OpenAI) -> None:
+    full = client.completions.create(model="demo", prompt="Once upon a time", max_tokens=25)
+    parts = client.completions.create(
+        model="demo", prompt="Once upon a time", max_tokens=25, stream=True
+    )
+    streamed = "".join(p.choices[0].text for p in parts if p.choices)
+    assert full.choices[0].text == streamed and streamed
+
+
+def test_stop_string_is_not_emitted_and_ends_the_stream(client: openai.OpenAI) -> None:
+    reference = client.chat.completions.create(model="demo", messages=CHAT, max_tokens=60)
+    text = reference.choices[0].message.content or ""
+    words = text.split()
+    stop = " ".join(words[4:6])  # spans several tokens, so it crosses chunk boundaries
+    cut = text.index(stop)
+    full = client.chat.completions.create(model="demo", messages=CHAT, max_tokens=60, stop=[stop])
+    streamed, chunks = stream_chat(client, max_tokens=60, stop=[stop])
+    assert full.choices[0].message.content == text[:cut] == streamed
+    assert full.choices[0].finish_reason == "stop"
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    assert full.usage is not None and full.usage.completion_tokens < 60
+
+
+def test_models_health_ready_metrics_and_request_id(daemon: Daemon, client: openai.OpenAI) -> None:
+    assert [m.id for m in client.models.list()] == ["demo"]
+    assert httpx.get(daemon.url + "/health").status_code == 200
+    ready = httpx.get(daemon.url + "/ready").json()
+    assert ready == {"ready": True, "serving": 2, "engines": 3}
+    response = httpx.post(
+        daemon.url + "/v1/chat/completions",
+        json={"model": "demo", "messages": CHAT, "max_tokens": 3},
+    )
+    assert response.status_code == 200
+    assert len(response.headers["x-request-id"]) >= 8
+    metrics = httpx.get(daemon.url + "/metrics").text
+    for name in (
+        "direct_frontend_requests_total",
+        "direct_frontend_time_to_first_token_seconds",
+        "direct_frontend_inter_token_latency_seconds",
+        "direct_frontend_in_flight_requests",
+        'direct_frontend_engine_state{engine="wrong",state="refused"} 1.0',
+        'direct_frontend_engine_state{engine="a",state="serving"} 1.0',
+        "direct_frontend_engine_in_flight",
+    ):
+        assert name in metrics
+
+
+def test_an_engine_serving_another_model_is_never_selected(daemon: Daemon) -> None:
+    wrong = daemon.supervisor.simulators["wrong"]
+    before = wrong.stats.requests
+    for _ in range(6):
+        r = httpx.post(
+            daemon.url + "/v1/completions",
+            json={"model": "demo", "prompt": "hello", "max_tokens": 2},
+        )
+        assert r.status_code == 200
+    assert wrong.stats.requests == before
+    child = daemon.supervisor.children["wrong"]
+    assert child.state.value == "refused"
+    assert "other-model" in child.last_error
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param"),
+    [
+        (b"{not json", 400, None),
+        (b'{"model":"demo"}', 400, "messages"),
+        (b'{"model":"demo","messages":"hi"}', 400, "messages"),
+        (b'{"model":"demo","messages":[{"role":"user","content":"x"}],"temperature":9}', 400,
+         "temperature"),
+        (b'{"model":"nope","messages":[{"role":"user","content":"x"}]}', 404, "model"),
+        (b'{"model":"demo","messages":[{"role":"user","content":"' + b"x" * 30000 + b'"}]}', 413,
+         None),
+        (b'{"model":"demo","messages":[{"role":"user","content":"x"}],"max_tokens":100000}', 400,
+         "max_tokens"),
+    ],
+)
+def test_bad_requests_get_openai_errors(
+    daemon: Daemon, body: bytes, status: int, param: str | None
+) -> None:
+    r = httpx.post(daemon.url + "/v1/chat/completions", content=body)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["message"] and error["type"]
+    if param is not None:
+        assert error["param"] == param
+
+
+def test_unknown_route_and_wrong_method(daemon: Daemon) -> None:
+    assert httpx.get(daemon.url + "/v1/nothing").status_code == 404
+    r = httpx.get(daemon.url + "/v1/chat/completions")
+    assert r.status_code == 405 and "POST" in r.headers["allow"]
+
+
+def test_prompt_longer_than_the_context_is_rejected_before_dispatch(daemon: Daemon) -> None:
+    sims = daemon.supervisor.simulators
+    before = sims["a"].stats.requests + sims["b"].stats.requests
+    r = httpx.post(
+        daemon.url + "/v1/completions",
+        json={"model": "demo", "prompt": list(range(10, 700)), "max_tokens": 1},
+    )
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert sims["a"].stats.requests + sims["b"].stats.requests == before
+
+
+def test_multibyte_text_round_trips_through_the_stream(client: openai.OpenAI) -> None:
+    streamed, _ = stream_chat(client, max_tokens=80)
+    streamed.encode("utf-8")  # never half a character
+    assert "\ufffd" not in streamed
+
+
+def test_client_disconnect_aborts_the_engine_request(model_dir: Path, tmp_path: Path) -> None:
+    slow = sim_engine("slow", decode_us_per_token=20000, prefill_us_per_token=0,
+                      eos_probability=0.0)
+    with running_daemon(tmp_path, fleet_text(model_dir, [slow])) as d:
+        d.wait_serving(1)
+        engine = d.supervisor.simulators["slow"]
+        body = {"model": "demo", "messages": CHAT, "max_tokens": 1000, "stream": True}
+        with raw_stream(d.url, body, events=4):
+            wait_for(lambda: engine.stats.running == 1, what="the engine to run the request")
+        wait_for(lambda: engine.stats.running == 0, what="the engine slot to be freed")
+        wait_for(lambda: engine.stats.aborts_received == 1, what="the engine to get an Abort")
+        assert engine.stats.abort_request_ids == engine.stats.request_ids[-1:]
+        metrics = httpx.get(d.url + "/metrics").text
+        assert "direct_frontend_cancelled_requests_total 1.0" in metrics
+
+
+def test_no_serving_engine_gives_503(model_dir: Path, tmp_path: Path) -> None:
+    nobody = {"name": "down", "url": "grpc://127.0.0.1:1", "kind": "sglang"}
+    with running_daemon(tmp_path, fleet_text(model_dir, [nobody])) as d:
+        r = httpx.post(
+            d.url + "/v1/chat/completions", json={"model": "demo", "messages": CHAT}
+        )
+        assert r.status_code == 503
+        assert "retry-after" in r.headers
+        assert httpx.get(d.url + "/ready").status_code == 503

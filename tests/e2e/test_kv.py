@@ -1,0 +1,88 @@
+"""KV-aware routing end to end: simulated engines publish KV events, the daemon indexes them."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import httpx
+
+from tests.support.daemon import Daemon, fleet_text, free_port, running_daemon, sim_engine, wait_for
+
+TIMING = {"decode_us_per_token": 0, "prefill_us_per_token": 0, "eos_probability": 0.0}
+
+
+def kv_engine(name: str, kind: str = "vllm") -> dict[str, object]:
+    table = sim_engine(name, kind, **TIMING)
+    table["kv_events"] = f"tcp://127.0.0.1:{free_port()}"
+    table["kv_replay"] = f"tcp://127.0.0.1:{free_port()}"
+    table["block_size"] = 16
+    return table
+
+
+def kv_fleet(model_dir: Path, engines: list[dict[str, object]]) -> str:
+    text = fleet_text(model_dir, engines)
+    text = text.replace("[frontend.probe]",
+                        '[frontend.routing]\npolicy = "kv_aware"\n\n'
+                        "[frontend.routing.knobs]\nblock_size = 16\n\n[frontend.probe]")
+    # kv_events / kv_replay are arrays in the fleet file
+    return re.sub(r'^(kv_events|kv_replay) = "([^"]+)"$', r'\1 = ["\2"]', text, flags=re.M)
+
+
+def complete(daemon: Daemon, prompt: list[int]) -> dict[str, object]:
+    r = httpx.post(daemon.url + "/v1/completions",
+                   json={"model": "demo", "prompt": prompt, "max_tokens": 4})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def metric(daemon: Daemon, name: str) -> float:
+    body = httpx.get(daemon.url + "/metrics").text
+    match = re.search(rf"^{name} (\S+)$", body, re.M)
+    return float(match.group(1)) if match else 0.0
+
+
+def test_requests_sharing_a_prefix_follow_the_cache(model_dir: Path, tmp_path: Path) -> None:
+    engines = [kv_engine("a"), kv_engine("b"), kv_engine("c")]
+    with running_daemon(tmp_path, kv_fleet(model_dir, engines)) as daemon:
+        daemon.wait_serving(3)
+        kv = daemon.supervisor.kv
+        wait_for(lambda: len(kv.live) == 3, what="three KV subscriptions")
+        sims = daemon.supervisor.simulators
+        system = list(range(300, 300 + 160))  # ten full blocks shared by every request
+        first = complete(daemon, [*system, 1, 2, 3])
+        holder = next(n for n, s in sims.items() if s.stats.requests == 1)
+        wait_for(lambda: len(kv.index) >= 10, what="the index to learn the prefix")
+        before = {n: s.stats.requests for n, s in sims.items()}
+        for i in range(6):
+            usage = complete(daemon, [*system, 50 + i, 7, 8, 9])["usage"]
+            assert usage["prompt_tokens_details"]["cached_tokens"] == 160  # type: ignore[index]
+        after = {n: s.stats.requests for n, s in sims.items()}
+        assert after[holder] - before[holder] == 6, (before, after)
+        assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # type: ignore[index]
+        predicted = metric(daemon, "direct_frontend_kv_predicted_cached_tokens_total")
+        reported = metric(daemon, "direct_frontend_kv_reported_cached_tokens_total")
+        assert predicted == reported == 6 * 160
+        assert metric(daemon, "direct_frontend_kv_index_blocks") >= 10
+        assert metric(daemon, "direct_frontend_kv_prediction_diverged") == 0
+
+
+def test_an_unhealthy_engine_is_fenced_out_of_the_index(model_dir: Path, tmp_path: Path) -> None:
+    engines = [kv_engine("a"), kv_engine("b")]
+    with running_daemon(tmp_path, kv_fleet(model_dir, engines)) as daemon:
+        daemon.wait_serving(2)
+        kv = daemon.supervisor.kv
+        wait_for(lambda: len(kv.live) == 2, what="two KV subscriptions")
+        complete(daemon, list(range(400, 400 + 64)))
+        wait_for(lambda: len(kv.index) >= 4, what="the index to learn the prompt")
+        holder = next(n for n, s in daemon.supervisor.simulators.items() if s.stats.requests)
+        sim = daemon.supervisor.simulators[holder]
+        sim.healthy = False  # probes fail: unhealthy after the failure threshold
+        child = daemon.supervisor.children[holder]
+        wait_for(lambda: child.state.value == "unhealthy", what="the engine to go unhealthy")
+        key = f"g{child.incarnation}r0"
+        assert kv.index.blocks_of(key) == 0  # cleared the moment it went unhealthy
+        sim.healthy = True
+        wait_for(lambda: child.state.value == "serving", what="the engine to come back")
+        # back: rebuilt from the engine's replay history (its cache survived)
+        wait_for(lambda: kv.index.blocks_of(key) >= 4, what="the entries to be rebuilt")

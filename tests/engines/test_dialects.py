@@ -1,0 +1,779 @@
+"""The three dialects: requests, stream decoding, errors, health and discovery.
+
+Part one is sans-IO. Every request a dialect builds is parsed by
+``smg-grpc-proto``'s own classes, and every response shape the stock servers
+send is built with those classes (docs/engine-contracts.md §4–§7), then decoded by
+our dialects. Our ``protos`` modules and ``smg_grpc_proto.generated`` register
+the same descriptors in protobuf's default pool, so in one process they are
+the same classes and the check would be vacuous: the package side runs in a
+child process that never imports ``protos`` (as in test_wire_compat.py).
+
+Part two runs each dialect against the simulator over real loopback gRPC
+(a grpclib channel on plain asyncio).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import pickle
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+from grpclib import GRPCError, Status
+from grpclib.client import Channel, UnaryStreamMethod, UnaryUnaryMethod
+
+from direct_frontend.engines.dialects import dialect_for
+from direct_frontend.engines.dialects.base import ENGINE_ABORTED, Dialect, Rpc
+from direct_frontend.engines.dialects.vllm import VllmDialect, int32_seed
+from direct_frontend.engines.neutral import (
+    EngineEvent,
+    EngineInfo,
+    EngineRole,
+    Finished,
+    FinishReason,
+    GenerateCall,
+    SamplingOptions,
+    TokenDelta,
+)
+from direct_frontend.errors import EngineError, ErrorKind
+from direct_frontend.simulator import SimEngine, TimingModel
+
+KINDS = ("sglang", "vllm", "trtllm")
+TESTS = Path(__file__).resolve().parent
+T = TypeVar("T")
+
+# ---------------------------------------------------------------------------
+# The package side: smg-grpc-proto's classes only, in a child process.
+# ---------------------------------------------------------------------------
+
+PACKAGE_SIDE = r"""
+import importlib, pickle, sys
+from google.protobuf.json_format import MessageToDict
+
+MODULES = {"sglang": "sglang_scheduler_pb2", "vllm": "vllm_engine_pb2",
+           "trtllm": "trtllm_service_pb2"}
+mods = {k: importlib.import_module(f"smg_grpc_proto.generated.{m}") for k, m in MODULES.items()}
+assert not any(n == "protos" or n.startswith("protos.") for n in sys.modules), "protos leaked"
+job = pickle.loads(sys.stdin.buffer.read())
+parsed = {}
+for key, kind, name, data in job["parse"]:
+    message = getattr(mods[kind], name).FromString(data)
+    oneofs = {o.name: message.WhichOneof(o.name) for o in message.DESCRIPTOR.oneofs}
+    parsed[key] = (MessageToDict(message, preserving_proto_field_name=True), oneofs)
+built = {}
+for key, kind, name, kwargs in job["build"]:
+    built[key] = getattr(mods[kind], name)(**kwargs).SerializeToString()
+sys.stdout.buffer.write(pickle.dumps({"parsed": parsed, "built": built}))
+"""
+
+
+def package_side(
+    parse: Sequence[tuple[str, str, str, bytes]],
+    build: Sequence[tuple[str, str, str, dict[str, Any]]],
+) -> dict[str, Any]:
+    """Parse our bytes and build stock-server messages with the package's classes."""
+    proc = subprocess.run(
+        [sys.executable, "-c", PACKAGE_SIDE],
+        input=pickle.dumps({"parse": list(parse), "build": list(build)}),
+        capture_output=True,
+        timeout=60,
+        cwd=TESTS,
+    )
+    assert proc.returncode == 0, proc.stderr.decode(errors="replace")
+    result: dict[str, Any] = pickle.loads(proc.stdout)
+    return result
+
+
+# ---------------------------------------------------------------------------
+# Part one (a): the requests we build, as the package parses them.
+# ---------------------------------------------------------------------------
+
+PROMPT = (11, 12, 13, 14, 15)
+FULL = SamplingOptions(
+    max_tokens=64,
+    temperature=0.0,
+    top_p=0.9,
+    top_k=40,
+    min_p=0.05,
+    frequency_penalty=0.25,
+    presence_penalty=0.5,
+    repetition_penalty=1.1,
+    seed=42,
+    stop_token_ids=(7, 9),
+    ignore_eos=True,
+    min_tokens=3,
+)
+PLAIN = SamplingOptions(max_tokens=16)  # every OpenAI default
+HUGE_SEED = SamplingOptions(max_tokens=1, seed=-(2**40) - 5)
+
+REQUESTS: dict[str, GenerateCall] = {
+    "full-stream": GenerateCall("req-full", PROMPT, FULL, stream=True, original_text="hi"),
+    "plain-whole": GenerateCall("req-plain", PROMPT, PLAIN, stream=False),
+    "huge-seed": GenerateCall("req-seed", PROMPT, HUGE_SEED, stream=True),
+}
+
+
+@pytest.fixture(scope="module")
+def parsed_requests() -> dict[str, tuple[dict[str, Any], dict[str, str | None]]]:
+    parse: list[tuple[str, str, str, bytes]] = []
+    for kind in KINDS:
+        dialect = dialect_for(kind)
+        rpcs = {name: dialect.generate(call) for name, call in REQUESTS.items()}
+        rpcs["abort"] = dialect.abort("req-full", "gone")
+        rpcs["health"] = dialect.health()
+        for name, rpc in rpcs.items():
+            message = type(rpc.request).__name__
+            parse.append((f"{kind}/{name}", kind, message, rpc.request.SerializeToString()))
+    result: dict[str, tuple[dict[str, Any], dict[str, str | None]]] = package_side(parse, [])[
+        "parsed"
+    ]
+    return result
+
+
+def test_sglang_requests_parse_as_intended(parsed_requests: dict[str, Any]) -> None:
+    full, _ = parsed_requests["sglang/full-stream"]
+    assert full["request_id"] == "req-full" and full["stream"] is True
+    assert full["tokenized"] == {"original_text": "hi", "input_ids": list(PROMPT)}
+    params = full["sampling_params"]
+    assert params.get("temperature", 0.0) == 0.0  # a plain float: absent on the wire is 0
+    assert params["max_new_tokens"] == 64  # optional: present means capped
+    assert params["top_k"] == 40 and params["min_new_tokens"] == 3 and params["ignore_eos"]
+    assert params["stop_token_ids"] == [7, 9]
+    assert "stop" not in params  # stop strings stay in the frontend
+    assert "seed" not in str(params)  # the contract has no seed
+
+    plain, _ = parsed_requests["sglang/plain-whole"]
+    assert "stream" not in plain  # False
+    assert plain["sampling_params"]["temperature"] == 1.0
+    assert plain["sampling_params"]["top_k"] == -1  # SGLang's "disabled"
+    assert plain["sampling_params"]["max_new_tokens"] == 16
+
+    abort, _ = parsed_requests["sglang/abort"]
+    assert abort == {"request_id": "req-full", "reason": "gone"}
+
+
+def test_vllm_requests_parse_as_intended(parsed_requests: dict[str, Any]) -> None:
+    full, oneofs = parsed_requests["vllm/full-stream"]
+    assert oneofs["input"] == "tokenized"
+    assert full["tokenized"]["input_ids"] == list(PROMPT)
+    assert full["stream"] is True
+    params = full["sampling_params"]
+    assert params["temperature"] == 0.0  # optional: greedy must be explicit (unset = 1.0)
+    assert params["max_tokens"] == 64  # optional: unset would be up to max_model_len
+    assert params["seed"] == 42
+    assert params["top_k"] == 40 and params["min_tokens"] == 3 and params["ignore_eos"]
+    assert params["stop_token_ids"] == [7, 9]
+    assert params["frequency_penalty"] == 0.25 and params["presence_penalty"] == 0.5
+    assert "stop" not in params
+
+    plain, _ = parsed_requests["vllm/plain-whole"]
+    assert plain["sampling_params"]["temperature"] == 1.0
+    assert plain["sampling_params"]["max_tokens"] == 16
+    assert "seed" not in plain["sampling_params"]
+    assert "stream" not in plain
+
+    seeded, _ = parsed_requests["vllm/huge-seed"]
+    assert seeded["sampling_params"]["seed"] == int32_seed(-(2**40) - 5)
+
+    abort, _ = parsed_requests["vllm/abort"]
+    assert abort == {"request_ids": ["req-full"]}
+
+
+def test_trtllm_requests_parse_as_intended(parsed_requests: dict[str, Any]) -> None:
+    full, _ = parsed_requests["trtllm/full-stream"]
+    assert full["tokenized"] == {"original_text": "hi", "input_token_ids": list(PROMPT)}
+    assert full["max_tokens"] == 64 and full["streaming"] is True
+    assert full["stop_token_ids"] == [7, 9] and full["ignore_eos"] is True
+    assert "stop" not in full  # field 21 is never sent
+    config = full["sampling_config"]
+    assert config["temperature"] == 0.0  # optional: present even when greedy
+    assert config["top_k"] == 40 and config["min_tokens"] == 3
+    assert config["seed"] == "42"  # uint64 (JSON spells 64-bit ints as strings)
+    assert config["min_p"] == pytest.approx(0.05)
+    assert config["beam_width"] == 1 and config["num_return_sequences"] == 1
+
+    plain, _ = parsed_requests["trtllm/plain-whole"]
+    assert plain["max_tokens"] == 16 and "streaming" not in plain
+    config = plain["sampling_config"]
+    assert config["temperature"] == 1.0 and config["top_p"] == 1.0
+    assert config["repetition_penalty"] == 1.0
+    for unset in ("top_k", "min_p", "seed", "min_tokens", "presence_penalty"):
+        assert unset not in config
+
+    seeded, _ = parsed_requests["trtllm/huge-seed"]
+    assert int(seeded["sampling_config"]["seed"]) == (-(2**40) - 5) % 2**64
+
+    abort, _ = parsed_requests["trtllm/abort"]
+    assert abort == {"request_id": "req-full"}
+
+
+def test_int32_seed_folds_deterministically() -> None:
+    assert [int32_seed(s) for s in (0, 7, -7, 2**31 - 1, -(2**31))] == [
+        0, 7, -7, 2**31 - 1, -(2**31)
+    ]
+    assert int32_seed(2**31) == -(2**31) and int32_seed(2**32 + 5) == 5
+
+
+# ---------------------------------------------------------------------------
+# Part one (b): what the stock servers send, decoded.
+# ---------------------------------------------------------------------------
+
+
+def sg_chunk(ids: list[int], completion: int, cached: int = 4) -> dict[str, Any]:
+    return {"request_id": "r", "chunk": {"token_ids": ids, "prompt_tokens": 5,
+                                         "completion_tokens": completion, "cached_tokens": cached}}
+
+
+def sg_complete(ids: list[int], reason: str, completion: int, **extra: Any) -> dict[str, Any]:
+    return {"request_id": "r", "complete": {"output_ids": ids, "finish_reason": reason,
+                                            "prompt_tokens": 5, "completion_tokens": completion,
+                                            "cached_tokens": 4, **extra}}
+
+
+def vl_chunk(ids: list[int], cached: int = 4) -> dict[str, Any]:
+    # completion_tokens is this chunk's own count.
+    return {"chunk": {"token_ids": ids, "prompt_tokens": 5, "completion_tokens": len(ids),
+                      "cached_tokens": cached}}
+
+
+def vl_complete(ids: list[int], reason: str, **extra: Any) -> dict[str, Any]:
+    return {"complete": {"output_ids": ids, "finish_reason": reason, "prompt_tokens": 5,
+                         "completion_tokens": len(ids), "cached_tokens": 4, **extra}}
+
+
+def trt_chunk(ids: list[int], completion: int) -> dict[str, Any]:
+    return {"request_id": "r", "chunk": {"token_ids": ids, "prompt_tokens": 5,
+                                         "completion_tokens": completion, "cached_tokens": 4}}
+
+
+def trt_complete(ids: list[int], reason: str, **extra: Any) -> dict[str, Any]:
+    return {"request_id": "r", "complete": {"output_token_ids": ids, "finish_reason": reason,
+                                            "prompt_tokens": 5, "completion_tokens": len(ids),
+                                            "cached_tokens": 4, **extra}}
+
+
+OUT = [21, 22, 23, 24]  # the output every "normal" stream below carries
+
+# (case id, kind, stream?, max_tokens, messages, expected outcome)
+# An outcome is (tokens, reason, completion, matched token, matched str) or an error kind.
+Outcome = tuple[list[int], FinishReason, int, int | None, str | None] | ErrorKind
+STREAMS: list[tuple[str, str, bool, int, list[dict[str, Any]], Outcome]] = [
+    # SGLang: cumulative counts; the streaming complete repeats the last delta.
+    ("sglang-stream-repeat", "sglang", True, 16,
+     [sg_chunk([21], 1), sg_chunk([22, 23], 3), sg_chunk([24], 4),
+      sg_complete([24], "stop", 4, matched_token_id=24)],
+     (OUT, FinishReason.STOP, 4, 24, None)),
+    ("sglang-whole", "sglang", False, 16,
+     [sg_complete(OUT, "length", 4)], (OUT, FinishReason.LENGTH, 4, None, None)),
+    ("sglang-stop-str", "sglang", True, 16,
+     [sg_chunk([21, 22], 2), sg_chunk([23, 24], 4),
+      sg_complete([23, 24], "stop", 4, matched_stop_str="</s>")],
+     (OUT, FinishReason.STOP, 4, None, "</s>")),
+    ("sglang-matched-token-zero", "sglang", False, 16,
+     [sg_complete(OUT, "stop", 4, matched_token_id=0)], (OUT, FinishReason.STOP, 4, 0, None)),
+    ("sglang-empty-last-delta", "sglang", True, 16,
+     [sg_chunk(OUT, 4), sg_chunk([], 4), sg_complete([], "length", 4)],
+     (OUT, FinishReason.LENGTH, 4, None, None)),
+    ("sglang-abort-finish", "sglang", True, 16,
+     [sg_chunk([21], 1), sg_complete([], "abort", 1)], ErrorKind.INTERNAL),
+    ("sglang-no-terminal", "sglang", True, 16,
+     [sg_chunk([21], 1), sg_chunk([22], 2)], ErrorKind.PROTOCOL),
+    ("sglang-bad-repeat", "sglang", True, 16,
+     [sg_chunk([21], 1), sg_chunk([22], 2), sg_complete([21, 22], "stop", 2)],
+     ErrorKind.PROTOCOL),
+    ("sglang-after-terminal", "sglang", False, 16,
+     [sg_complete(OUT, "stop", 4), sg_complete(OUT, "stop", 4)], ErrorKind.PROTOCOL),
+    # vLLM: 1/2 oneof, no request_id, delta counts, repeated last delta counted alone.
+    ("vllm-stream-repeat", "vllm", True, 16,
+     [vl_chunk([21]), vl_chunk([22, 23]), vl_chunk([24]),
+      vl_complete([24], "stop", matched_token_id=24)],
+     (OUT, FinishReason.STOP, 4, 24, None)),
+    ("vllm-whole", "vllm", False, 4,
+     [vl_complete(OUT, "length")], (OUT, FinishReason.LENGTH, 4, None, None)),
+    ("vllm-stop-str", "vllm", True, 16,
+     [vl_chunk([21, 22, 23]), vl_chunk([24]), vl_complete([24], "stop", matched_stop_str="END")],
+     (OUT, FinishReason.STOP, 4, None, "END")),
+    ("vllm-complete-without-chunks", "vllm", True, 16,
+     [vl_complete(OUT, "stop")], (OUT, FinishReason.STOP, 4, None, None)),
+    ("vllm-abort", "vllm", True, 16,
+     [vl_chunk([21]), vl_chunk([]), vl_complete([], "abort")], ErrorKind.INTERNAL),
+    ("vllm-abort-whole", "vllm", False, 16, [vl_complete([21], "abort")], ErrorKind.INTERNAL),
+    ("vllm-error", "vllm", True, 16,
+     [vl_chunk([21]), vl_complete([21], "error")], ErrorKind.INTERNAL),
+    ("vllm-no-terminal", "vllm", True, 16, [vl_chunk([21])], ErrorKind.PROTOCOL),
+    ("vllm-bad-repeat", "vllm", True, 16,
+     [vl_chunk([21]), vl_chunk([22]), vl_complete([23], "stop")], ErrorKind.PROTOCOL),
+    ("vllm-empty-response", "vllm", True, 16, [{}], ErrorKind.PROTOCOL),
+    # TRT-LLM: cumulative counts, cumulative complete, its own finish strings.
+    ("trtllm-stream", "trtllm", True, 16,
+     [trt_chunk([], 0), trt_chunk([21], 1), trt_chunk([22, 23], 3), trt_chunk([24], 4),
+      trt_complete(OUT, "stop", matched_token_id=24)],
+     (OUT, FinishReason.STOP, 4, 24, None)),
+    ("trtllm-whole", "trtllm", False, 4,
+     [trt_complete(OUT, "length")], (OUT, FinishReason.LENGTH, 4, None, None)),
+    ("trtllm-complete-adds-tokens", "trtllm", True, 16,
+     [trt_chunk([21, 22], 2), trt_complete(OUT, "stop_word", matched_stop_str="##")],
+     (OUT, FinishReason.STOP, 4, None, "##")),
+    ("trtllm-empty-reason-matched", "trtllm", True, 4,
+     [trt_chunk(OUT, 4), trt_complete(OUT, "", matched_token_id=24)],
+     (OUT, FinishReason.STOP, 4, 24, None)),
+    ("trtllm-empty-reason-budget", "trtllm", True, 4,
+     [trt_chunk(OUT, 4), trt_complete(OUT, "")], (OUT, FinishReason.LENGTH, 4, None, None)),
+    ("trtllm-empty-reason-short", "trtllm", False, 16,
+     [trt_complete(OUT, "")], (OUT, FinishReason.STOP, 4, None, None)),
+    ("trtllm-cancelled", "trtllm", True, 16,
+     [trt_chunk([21], 1), trt_complete([21], "cancelled")], ErrorKind.INTERNAL),
+    ("trtllm-error", "trtllm", False, 16, [trt_complete([], "error")], ErrorKind.INTERNAL),
+    ("trtllm-shorter-complete", "trtllm", True, 16,
+     [trt_chunk(OUT, 4), trt_complete([21, 22], "stop")], ErrorKind.PROTOCOL),
+    ("trtllm-diverging-complete", "trtllm", True, 16,
+     [trt_chunk([21, 22], 2), trt_complete([21, 99, 23], "stop")], ErrorKind.PROTOCOL),
+    ("trtllm-no-terminal", "trtllm", True, 16, [trt_chunk([21], 1)], ErrorKind.PROTOCOL),
+]
+
+# Counts that differ from the tokens seen (an engine may count tokens it does not
+# send): each kind's own counting rule decides the running and final totals.
+COUNTS: list[tuple[str, str, list[dict[str, Any]], list[int], int]] = [
+    ("sglang-counts", "sglang",  # cumulative, complete cumulative
+     [sg_chunk([21], 2), sg_chunk([22], 4), sg_complete([22], "stop", 4)], [2, 4], 4),
+    ("vllm-counts", "vllm",  # per-chunk deltas; the complete counts its repeat alone
+     [{"chunk": {"token_ids": [21], "completion_tokens": 2}},
+      {"chunk": {"token_ids": [22], "completion_tokens": 2}},
+      {"complete": {"output_ids": [22], "finish_reason": "stop", "completion_tokens": 2}}],
+     [2, 4], 4),
+    ("trtllm-counts", "trtllm",  # cumulative; the complete is the whole output
+     [trt_chunk([21], 2), trt_chunk([22], 4),
+      {"complete": {"output_token_ids": [21, 22], "finish_reason": "stop",
+                    "completion_tokens": 4}}],
+     [2, 4], 4),
+]
+
+DISCOVERY: dict[str, list[tuple[str, dict[str, Any]]]] = {
+    "sglang": [
+        ("GetModelInfoResponse", {"model_path": "/m/qwen", "served_model_name": "qwen",
+                                  "max_context_length": 300000, "eos_token_ids": [2, 7],
+                                  "max_req_input_len": 32000}),
+        ("GetServerInfoResponse", {"server_args": {"context_length": 32768, "page_size": 16,
+                                                   "disaggregation_mode": "prefill",
+                                                   "disaggregation_bootstrap_port": 8998,
+                                                   "dp_size": 2},
+                                   "sglang_version": "0.5.23",
+                                   "start_time": {"seconds": 1_800_000_000, "nanos": 5}}),
+    ],
+    "vllm": [
+        ("GetModelInfoResponse", {"model_path": "/m/qwen", "served_model_name": "qwen",
+                                  "max_context_length": 32768, "eos_token_ids": [2],
+                                  "max_req_input_len": 32768}),
+        ("GetServerInfoResponse", {"uptime_seconds": 100.25, "kv_role": "kv_consumer",
+                                   "kv_connector": "NixlConnector", "data_parallel_size": 2,
+                                   "block_size": 0, "server_type": ""}),
+    ],
+    "trtllm": [
+        ("GetModelInfoResponse", {"model_id": "Qwen/Qwen3-8B", "max_input_len": 1024,
+                                  "max_seq_len": 1024, "vocab_size": 151936}),
+        ("GetServerInfoResponse", {"version": "1.3.0rc21", "backend": "tensorrt-llm",
+                                   "tensor_parallel_size": 2, "pipeline_parallel_size": 1}),
+    ],
+}
+HEALTH: list[tuple[str, str, dict[str, Any], bool]] = [
+    ("sglang-ok", "sglang", {"healthy": True, "message": "OK"}, True),
+    ("sglang-bad", "sglang", {"healthy": False, "message": "Server is shutting down"}, False),
+    ("vllm-ok", "vllm", {"healthy": True, "message": "Health"}, True),
+    ("vllm-bad", "vllm", {"healthy": False}, False),
+    ("trtllm-ok", "trtllm", {"status": "OK"}, True),
+    ("trtllm-bad", "trtllm", {"status": "Executor is unhealthy"}, False),
+    ("trtllm-empty", "trtllm", {}, False),
+]
+
+
+@pytest.fixture(scope="module")
+def stock() -> dict[str, bytes]:
+    """Every stock-server message above, serialized by smg-grpc-proto's own classes."""
+    build: list[tuple[str, str, str, dict[str, Any]]] = []
+    for case, kind, _, _, messages, _ in STREAMS:
+        build += [(f"{case}/{i}", kind, "GenerateResponse", m) for i, m in enumerate(messages)]
+    for case, kind, messages, _, _ in COUNTS:
+        build += [(f"{case}/{i}", kind, "GenerateResponse", m) for i, m in enumerate(messages)]
+    for kind, replies in DISCOVERY.items():
+        build += [(f"{kind}/discovery/{i}", kind, name, m) for i, (name, m) in enumerate(replies)]
+    build += [(f"health/{case}", kind, "HealthCheckResponse", m) for case, kind, m, _ in HEALTH]
+    built: dict[str, bytes] = package_side([], build)["built"]
+    return built
+
+
+def decode(dialect: Dialect, call: GenerateCall, wire: Sequence[bytes]) -> list[EngineEvent]:
+    """Decode raw stream messages the way the transport does; ``end`` at the close."""
+    rpc = dialect.generate(call)
+    decoder = dialect.stream_decoder(call)
+    events = []
+    for data in wire:
+        event = decoder.feed(rpc.response_type.FromString(data))
+        if event is not None:
+            events.append(event)
+    decoder.end()
+    return events
+
+
+@pytest.mark.parametrize(
+    ("case", "kind", "stream", "max_tokens", "messages", "outcome"),
+    STREAMS,
+    ids=[s[0] for s in STREAMS],
+)
+def test_stock_streams_decode_to_the_intended_events(
+    stock: dict[str, bytes],
+    case: str,
+    kind: str,
+    stream: bool,
+    max_tokens: int,
+    messages: list[dict[str, Any]],
+    outcome: Outcome,
+) -> None:
+    call = GenerateCall("r", PROMPT, SamplingOptions(max_tokens=max_tokens), stream=stream)
+    wire = [stock[f"{case}/{i}"] for i in range(len(messages))]
+    if isinstance(outcome, ErrorKind):
+        with pytest.raises(EngineError) as raised:
+            decode(dialect_for(kind), call, wire)
+        assert raised.value.kind is outcome
+        if case.endswith(("abort", "abort-whole", "cancelled", "abort-finish")):
+            assert raised.value.message == ENGINE_ABORTED  # one error for every kind
+        return
+    events = decode(dialect_for(kind), call, wire)
+    *deltas, final = events
+    assert isinstance(final, Finished)
+    assert all(isinstance(d, TokenDelta) and d.token_ids for d in deltas)
+    tokens = [t for d in deltas if isinstance(d, TokenDelta) for t in d.token_ids]
+    tokens += final.token_ids
+    expected_tokens, reason, completion, matched_id, matched_str = outcome
+    assert tokens == expected_tokens  # nothing duplicated or dropped at the end
+    if not stream:
+        assert deltas == [] and list(final.token_ids) == expected_tokens
+    assert final.reason is reason
+    assert (final.prompt_tokens, final.completion_tokens, final.cached_tokens) == (
+        5, completion, 4,
+    )
+    assert (final.matched_token_id, final.matched_stop_str) == (matched_id, matched_str)
+    running = [d.completion_tokens for d in deltas if isinstance(d, TokenDelta)]
+    delivered = [sum(len(d.token_ids) for d in deltas[: i + 1] if isinstance(d, TokenDelta))
+                 for i in range(len(deltas))]
+    assert running == delivered  # running totals, whatever the engine's counting
+
+
+@pytest.mark.parametrize(
+    ("case", "kind", "messages", "running", "final"), COUNTS, ids=[c[0] for c in COUNTS]
+)
+def test_each_kind_counts_by_its_own_rule(
+    stock: dict[str, bytes],
+    case: str,
+    kind: str,
+    messages: list[dict[str, Any]],
+    running: list[int],
+    final: int,
+) -> None:
+    call = GenerateCall("r", PROMPT, SamplingOptions(max_tokens=16), stream=True)
+    *deltas, last = decode(dialect_for(kind), call, [stock[f"{case}/{i}"] for i in range(3)])
+    assert [d.completion_tokens for d in deltas] == running
+    assert isinstance(last, Finished) and last.completion_tokens == final
+    assert last.token_ids == ()
+
+
+def test_sglang_status_abort_reads_like_the_other_kinds_abort() -> None:
+    sglang = dialect_for("sglang")
+    aborted = sglang.classify(GRPCError(Status.INTERNAL, "Request aborted"))
+    assert (aborted.kind, aborted.message) == (ErrorKind.INTERNAL, ENGINE_ABORTED)
+    other = sglang.classify(GRPCError(Status.INTERNAL, "CUDA error"))
+    assert other.kind is ErrorKind.INTERNAL and other.message != ENGINE_ABORTED
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize(
+    ("status", "error_kind"),
+    [
+        (Status.INVALID_ARGUMENT, ErrorKind.BAD_REQUEST),
+        (Status.UNAVAILABLE, ErrorKind.UNAVAILABLE),
+        (Status.DEADLINE_EXCEEDED, ErrorKind.TIMEOUT),
+        (Status.RESOURCE_EXHAUSTED, ErrorKind.OVERLOADED),
+        (Status.CANCELLED, ErrorKind.CANCELLED),
+        (Status.INTERNAL, ErrorKind.INTERNAL),
+        (Status.UNIMPLEMENTED, ErrorKind.BAD_REQUEST),
+    ],
+)
+def test_statuses_map_the_same_for_every_kind(
+    kind: str, status: Status, error_kind: ErrorKind
+) -> None:
+    assert dialect_for(kind).classify(GRPCError(status, "x")).kind is error_kind
+    assert dialect_for(kind).classify(ConnectionResetError()).kind is ErrorKind.UNAVAILABLE
+
+
+@pytest.mark.parametrize(("case", "kind", "message", "healthy"), HEALTH, ids=[h[0] for h in HEALTH])
+def test_health_replies(
+    stock: dict[str, bytes], case: str, kind: str, message: dict[str, Any], healthy: bool
+) -> None:
+    dialect = dialect_for(kind)
+    reply = dialect.health().response_type.FromString(stock[f"health/{case}"])
+    assert dialect.health_result(reply).healthy is healthy
+
+
+def discovered(dialect: Dialect, stock: dict[str, bytes], kind: str) -> EngineInfo:
+    replies = [
+        rpc.response_type.FromString(stock[f"{kind}/discovery/{i}"])
+        for i, rpc in enumerate(dialect.discovery())
+    ]
+    return dialect.engine_info(replies)
+
+
+def test_sglang_discovery(stock: dict[str, bytes]) -> None:
+    info = discovered(dialect_for("sglang"), stock, "sglang")
+    assert info.served_model_name == "qwen" and info.model_path == "/m/qwen"
+    assert info.served_name_known
+    assert info.context_length == 32768  # server_args, not the KV pool size
+    assert dict(info.details)["kv_pool_tokens"] == "300000"
+    assert info.max_input_length == 32000 and info.eos_token_ids == (2, 7)
+    assert info.block_size == 16 and info.role is EngineRole.PREFILL
+    assert info.data_parallel_size == 2
+    assert info.incarnation and info.started_at == pytest.approx(1_800_000_000)
+
+
+def test_vllm_discovery_and_restart_detection(stock: dict[str, bytes]) -> None:
+    now = [1_800_000_000.0]
+    dialect = VllmDialect(clock=lambda: now[0])
+    info = discovered(dialect, stock, "vllm")
+    assert info.served_model_name == "qwen" and info.context_length == 32768
+    assert info.max_input_length == 32768 and info.eos_token_ids == (2,)
+    assert info.block_size is None  # 0: not resolved yet
+    assert info.role is EngineRole.DECODE and info.data_parallel_size == 2
+    assert dict(info.details)["kv_connector"] == "NixlConnector"
+    assert info.started_at == pytest.approx(1_800_000_000 - 100.25)
+    # The same engine asked again a little later (uptime grew with the clock): same incarnation.
+    now[0] += 0.2
+    model, server = (
+        rpc.response_type.FromString(stock[f"vllm/discovery/{i}"])
+        for i, rpc in enumerate(dialect.discovery())
+    )
+    server.uptime_seconds += 0.2 + 0.03  # call latency
+    assert dialect.engine_info([model, server]).incarnation == info.incarnation
+    # Restarted: a small uptime now means a later start.
+    server.uptime_seconds = 3.0
+    assert dialect.engine_info([model, server]).incarnation != info.incarnation
+    for kv_role, role in (("kv_producer", EngineRole.PREFILL), ("kv_both", EngineRole.BOTH),
+                          ("", EngineRole.BOTH)):
+        server.kv_role = kv_role
+        assert dialect.engine_info([model, server]).role is role
+    server.block_size = 32
+    assert dialect.engine_info([model, server]).block_size == 32
+
+
+def test_trtllm_discovery(stock: dict[str, bytes]) -> None:
+    info = discovered(dialect_for("trtllm"), stock, "trtllm")
+    assert info.served_model_name == "Qwen/Qwen3-8B" and not info.served_name_known
+    assert info.context_length is None and info.max_input_length is None  # never trusted
+    details = dict(info.details)
+    assert details["reported_max_seq_len"] == "1024"
+    assert details["reported_max_input_len"] == "1024"
+    assert details["backend"] == "tensorrt-llm" and details["tensor_parallel_size"] == "2"
+    assert info.role is EngineRole.BOTH and info.block_size is None and info.incarnation == ""
+
+
+def test_registry_and_capabilities() -> None:
+    assert [dialect_for(kind).kind for kind in KINDS] == list(KINDS)
+    assert dialect_for("sglang").capabilities.prefill_decode
+    assert dialect_for("vllm").capabilities.prefill_decode
+    assert not dialect_for("trtllm").capabilities.prefill_decode
+    with pytest.raises(ValueError, match="mlx"):
+        dialect_for("mlx")
+
+
+# ---------------------------------------------------------------------------
+# Part two: each dialect against the simulator over real gRPC.
+# ---------------------------------------------------------------------------
+
+VOCAB = 500
+EOS = 2
+SLOW = TimingModel(prefill_us_per_token=0, decode_us_per_token=20_000, max_running=4)
+
+
+def run(coro: Coroutine[Any, Any, T], timeout: float = 30.0) -> T:
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+@contextlib.asynccontextmanager
+async def serving(kind: str, **options: Any) -> AsyncIterator[tuple[SimEngine, Channel]]:
+    engine = SimEngine(
+        kind,  # type: ignore[arg-type]
+        served_model_name="sim-model",
+        vocab_size=VOCAB,
+        eos_token_id=EOS,
+        special_ids=frozenset({0, 1, 3}),
+        context_length=2048,
+        **options,
+    )
+    await engine.start("127.0.0.1", 0)
+    channel = Channel("127.0.0.1", engine.port)
+    try:
+        yield engine, channel
+    finally:
+        channel.close()
+        engine.close()
+        await engine.wait_closed()
+
+
+async def until(predicate: Callable[[], bool], within: float = 5.0) -> None:
+    """Poll until ``predicate`` holds (the engine's bookkeeping is asynchronous)."""
+    deadline = time.monotonic() + within
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.005)
+
+
+async def unary(channel: Channel, rpc: Rpc) -> Any:
+    method: UnaryUnaryMethod[Any, Any] = UnaryUnaryMethod(
+        channel, rpc.path, type(rpc.request), rpc.response_type
+    )
+    return await method(rpc.request, timeout=5)
+
+
+async def generate(channel: Channel, dialect: Dialect, call: GenerateCall) -> list[EngineEvent]:
+    """One Generate call decoded by the dialect; errors come back classified."""
+    rpc = dialect.generate(call)
+    decoder = dialect.stream_decoder(call)
+    method: UnaryStreamMethod[Any, Any] = UnaryStreamMethod(
+        channel, rpc.path, type(rpc.request), rpc.response_type
+    )
+    events: list[EngineEvent] = []
+    try:
+        async with method.open(timeout=10) as stream:
+            await stream.send_message(rpc.request, end=True)
+            async for reply in stream:
+                event = decoder.feed(reply)
+                if event is not None:
+                    events.append(event)
+    except EngineError:
+        raise
+    except Exception as exc:
+        raise dialect.classify(exc) from exc
+    decoder.end()
+    return events
+
+
+def output(events: list[EngineEvent]) -> tuple[list[int], Finished]:
+    *deltas, final = events
+    assert isinstance(final, Finished)
+    tokens = [t for d in deltas if isinstance(d, TokenDelta) for t in d.token_ids]
+    return tokens + list(final.token_ids), final
+
+
+LONG_PROMPT = tuple(range(10, 50))  # ten 4-token blocks: a repeat hits the prefix cache
+
+
+def call(
+    request_id: str, stream: bool, max_tokens: int = 24, prompt: tuple[int, ...] = PROMPT,
+    **sampling: Any,
+) -> GenerateCall:
+    options = SamplingOptions(max_tokens=max_tokens, temperature=0.0, **sampling)
+    return GenerateCall(request_id, prompt, options, stream=stream)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_simulated_engine_streaming_and_not_agree(kind: str) -> None:
+    async def body() -> None:
+        dialect = dialect_for(kind)
+        cache = {"page_size": 4, "block_size": 4, "eos_probability": 0.0}
+        async with serving(kind, **cache) as (engine, channel):
+            # Cold, then twice from the prefix cache: once streaming, once not.
+            cold, c_final = output(
+                await generate(channel, dialect, call("c", True, prompt=LONG_PROMPT))
+            )
+            events = await generate(channel, dialect, call("s", True, prompt=LONG_PROMPT))
+            streamed, s_final = output(events)
+            whole, w_final = output(
+                await generate(channel, dialect, call("w", False, prompt=LONG_PROMPT))
+            )
+            assert cold == streamed == whole and len(whole) == 24
+            assert engine.stats.request_ids == ["c", "s", "w"]
+            assert c_final.cached_tokens == 0
+            hit = s_final.cached_tokens
+            assert 0 < hit < len(LONG_PROMPT) and w_final.cached_tokens == hit
+            assert {e.cached_tokens for e in events} == {hit}  # the deltas agree
+            for final in (c_final, s_final, w_final):
+                assert final.reason is FinishReason.LENGTH
+                assert (final.prompt_tokens, final.completion_tokens) == (len(LONG_PROMPT), 24)
+
+            # A stop token: both modes end on it, with the matched token reported.
+            stop = whole[9]
+            cut = whole.index(stop) + 1
+            for stream in (True, False):
+                tokens, final = output(await generate(
+                    channel, dialect,
+                    call(f"stop-{stream}", stream, prompt=LONG_PROMPT, stop_token_ids=(stop,)),
+                ))
+                assert tokens == whole[:cut]
+                assert final.reason is FinishReason.STOP and final.matched_token_id == stop
+                assert final.completion_tokens == cut
+
+    run(body())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_simulated_engine_abort_reaches_the_engine(kind: str) -> None:
+    async def body() -> None:
+        dialect = dialect_for(kind)
+        async with serving(kind, timing=SLOW, eos_probability=0.0) as (engine, channel):
+            task = asyncio.create_task(
+                generate(channel, dialect, call("victim", True, max_tokens=1000))
+            )
+            await until(lambda: engine.stats.running == 1)  # the request is on the engine
+            await unary(channel, dialect.abort("victim", "test"))
+            with pytest.raises(EngineError) as raised:
+                await task
+            # Every kind reports an abort on the stream the same way.
+            assert (raised.value.kind, raised.value.message) == (
+                ErrorKind.INTERNAL, ENGINE_ABORTED,
+            )
+            assert engine.stats.abort_request_ids == ["victim"]
+            assert engine.stats.aborted == 1
+
+    run(body())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_simulated_engine_health_and_discovery(kind: str) -> None:
+    async def body() -> None:
+        dialect = dialect_for(kind)
+        role = "decode" if kind == "vllm" else "both"
+        async with serving(kind, role=role, block_size=32, page_size=8) as (engine, channel):
+            assert dialect.health_result(await unary(channel, dialect.health())).healthy
+            engine.healthy = False
+            assert not dialect.health_result(await unary(channel, dialect.health())).healthy
+            replies = [await unary(channel, rpc) for rpc in dialect.discovery()]
+            info = dialect.engine_info(replies)
+            if kind == "trtllm":
+                assert info.served_model_name == "sim"  # model_id: the model path
+                assert info.context_length is None and info.eos_token_ids == ()
+                assert dict(info.details)["reported_max_seq_len"] == "1024"
+                assert info.incarnation == ""
+                return
+            assert info.served_model_name == "sim-model"
+            assert info.context_length == 2048 and info.eos_token_ids == (EOS,)
+            assert info.incarnation
+            assert info.started_at == pytest.approx(engine.core.start_time, abs=0.5)
+            if kind == "vllm":
+                assert info.role is EngineRole.DECODE and info.block_size == 32
+                assert dict(info.details)["kv_connector"] == "NixlConnector"
+            else:
+                assert info.role is EngineRole.BOTH and info.block_size == 8
+                assert int(dict(info.details)["kv_pool_tokens"]) == 8 * 2048
+            # The same incarnation when asked again; a new one after a restart.
+            again = dialect.engine_info([await unary(channel, rpc) for rpc in dialect.discovery()])
+            assert again.incarnation == info.incarnation
+            engine.core.start_time -= 5  # SGLang reports the start...
+            engine.core.start_monotonic -= 5  # ...vLLM the uptime: both as if older
+            older = dialect.engine_info([await unary(channel, rpc) for rpc in dialect.discovery()])
+            assert older.incarnation != info.incarnation
+            assert time.time() - (older.started_at or 0) >= 5
+
+    run(body())

@@ -1,0 +1,323 @@
+"""The engine transport's hot path: the batched message reader, the pump's fallback, the h2 shim."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import httpx
+import pytest
+import trio
+import trio_asyncio
+from grpclib.encoding.proto import ProtoCodec
+from grpclib.protocol import Buffer
+from grpclib.utils import Wrapper
+
+from direct_frontend.engines import transport
+from direct_frontend.engines.dialects.sglang import SglangDialect
+from direct_frontend.engines.neutral import GenerateCall, SamplingOptions
+from direct_frontend.engines.transport import EngineChannel, EventReceiver, _MessageReader
+from direct_frontend.errors import EngineError, ErrorKind
+from protos import sglang_scheduler_pb2 as pb
+from tests.support.daemon import Daemon, fleet_text, free_port, running_daemon, sim_engine
+
+FAST = {"decode_us_per_token": 0, "prefill_us_per_token": 0, "eos_probability": 0.0}
+
+
+# -- _MessageReader on a real grpclib receive buffer ----------------------------------------
+
+
+def _messages(n: int) -> list[pb.GenerateResponse]:
+    out = []
+    for i in range(n):
+        m = pb.GenerateResponse()
+        m.chunk.token_ids.extend(range(i % 7 + 1))  # varying sizes
+        m.chunk.completion_tokens = i
+        out.append(m)
+    return out
+
+
+def _wire(messages: list[pb.GenerateResponse]) -> bytes:
+    parts = []
+    for m in messages:
+        body = m.SerializeToString()
+        parts.append(b"\0" + len(body).to_bytes(4, "big") + body)
+    return b"".join(parts)
+
+
+def _fake_call(buffer: Buffer) -> Any:
+    return SimpleNamespace(
+        _stream=SimpleNamespace(buffer=buffer), _wrapper=Wrapper(), _codec=ProtoCodec(),
+        _recv_type=pb.GenerateResponse,
+    )
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_reader_cuts_messages_at_any_chunk_boundary(seed: int) -> None:
+    """DATA frames split and join messages arbitrarily; every message comes out once, in order,
+    and every received byte is acked exactly once."""
+    rng = random.Random(seed)
+    messages = _messages(200)
+    wire = _wire(messages)
+    acked: list[int] = []
+    sent: list[int] = []
+
+    async def main() -> list[pb.GenerateResponse]:
+        buffer = Buffer(acked.append)
+        reader = _MessageReader.attach(_fake_call(buffer))
+        assert reader is not None
+        got: list[pb.GenerateResponse] = []
+
+        async def feed() -> None:
+            pos = 0
+            while pos < len(wire):
+                size = rng.choice([1, 2, 5, 6, 17, 60, 400])
+                chunk = wire[pos : pos + size]
+                sent.append(len(chunk) + rng.choice([0, 0, 3]))  # padding counts too
+                buffer.add(chunk, sent[-1])
+                pos += size
+                if rng.random() < 0.5:
+                    await asyncio.sleep(0)
+            buffer.eof()
+
+        feeder = asyncio.ensure_future(feed())
+        while (batch := await reader.batch(rng.choice([1, 3, 64]))) is not None:
+            got.extend(batch)
+        await feeder
+        return got
+
+    got = asyncio.run(main())
+    assert got == messages
+    assert sum(acked) == sum(sent)  # every chunk acked once, with its padding
+    assert len(acked) < len(sent)  # ...and mostly several at once
+
+
+def test_reader_reports_a_truncated_last_message_like_grpclib() -> None:
+    wire = _wire(_messages(3))[:-2]
+
+    async def main() -> None:
+        buffer = Buffer(lambda size: None)
+        reader = _MessageReader.attach(_fake_call(buffer))
+        assert reader is not None
+        buffer.add(wire, len(wire))
+        buffer.eof()
+        assert len(await reader.batch(64) or []) == 2
+        with pytest.raises(AssertionError, match="less data"):
+            await reader.batch(64)
+
+    asyncio.run(main())
+
+
+def test_reader_wait_is_interrupted_by_the_wrapper_like_grpclib() -> None:
+    """A lost connection cancels grpclib's wrapper: a reader waiting for data sees its error."""
+
+    async def main() -> None:
+        buffer = Buffer(lambda size: None)
+        call = _fake_call(buffer)
+        reader = _MessageReader.attach(call)
+        assert reader is not None
+        waiting = asyncio.ensure_future(reader.batch(64))
+        await asyncio.sleep(0)
+        call._wrapper.cancel(ConnectionResetError("gone"))
+        with pytest.raises(ConnectionResetError):
+            await waiting
+
+    asyncio.run(main())
+
+
+def test_reader_decodes_with_any_grpclib_codec() -> None:
+    """Our ProtoCodec short-cut aside, the reader decodes with the call's own codec."""
+    decoded: list[bytes] = []
+
+    class Recording(ProtoCodec):
+        def decode(self, data: bytes, message_type: Any) -> Any:
+            decoded.append(data)
+            return super().decode(data, message_type)
+
+    messages = _messages(5)
+    wire = _wire(messages)
+
+    async def main() -> list[Any]:
+        buffer = Buffer(lambda size: None)
+        call = _fake_call(buffer)
+        call._codec = Recording()
+        reader = _MessageReader.attach(call)
+        assert reader is not None
+        buffer.add(wire, len(wire))
+        buffer.eof()
+        return await reader.batch(64) or []
+
+    assert asyncio.run(main()) == messages
+    assert len(decoded) == 5
+
+
+def test_reader_refuses_a_grpclib_without_the_expected_internals() -> None:
+    assert _MessageReader.attach(SimpleNamespace()) is None
+    call = _fake_call(Buffer(lambda size: None))
+    call._stream.buffer._unacked = []  # not an asyncio.Queue
+    assert _MessageReader.attach(call) is None
+
+
+# -- EventReceiver: batches in, events out ----------------------------------------------------
+
+
+def test_receiver_hands_out_batched_events_in_order_then_the_error() -> None:
+    async def main() -> None:
+        tx, rx = trio.open_memory_channel[transport.StreamItem](10)
+        receiver = EventReceiver(rx)
+        error = EngineError(ErrorKind.INTERNAL, "boom")
+        tx.send_nowait([1, 2, 3])  # type: ignore[list-item]
+        tx.send_nowait([4])  # type: ignore[list-item]
+        tx.send_nowait(error)
+        assert await receiver.receive() == 1
+        assert receiver.receive_nowait() == 2
+        assert await receiver.receive() == 3
+        assert receiver.receive_nowait() == 4
+        with pytest.raises(EngineError):
+            receiver.receive_nowait()
+        assert receiver.error is error
+        tx.close()
+        assert await receiver.receive() is None
+        assert receiver.receive_nowait() is None
+
+    trio.run(main)
+
+
+# -- end to end, with and without the fast paths ----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def daemon(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    text = fleet_text(model_dir, [sim_engine("a", **FAST, context_length=4096)])
+    with running_daemon(tmp_path_factory.mktemp("transport"), text) as d:
+        d.wait_serving(1)
+        yield d
+
+
+def _completion(daemon: Daemon, max_tokens: int, stream: bool) -> tuple[str, int]:
+    body = {"model": "demo", "prompt": "The sea", "max_tokens": max_tokens,
+            "temperature": 0, "stream": stream}
+    if not stream:
+        r = httpx.post(daemon.url + "/v1/completions", json=body, timeout=30)
+        r.raise_for_status()
+        data = r.json()
+        return data["choices"][0]["text"], data["usage"]["completion_tokens"]
+    body["stream_options"] = {"include_usage": True}
+    text, usage = [], 0
+    with httpx.stream("POST", daemon.url + "/v1/completions", json=body, timeout=30) as r:
+        r.raise_for_status()
+        import json
+
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if event.get("usage"):
+                usage = event["usage"]["completion_tokens"]
+            for choice in event["choices"]:
+                text.append(choice["text"])
+    return "".join(text), usage
+
+
+def test_long_streams_match_the_non_streaming_answer(daemon: Daemon) -> None:
+    """Hundreds of messages per stream go through the batched reader (many per batch)."""
+    for tokens in (1, 64, 700):
+        streamed, usage = _completion(daemon, tokens, stream=True)
+        whole, whole_usage = _completion(daemon, tokens, stream=False)
+        assert usage == whole_usage == tokens
+        assert streamed == whole
+
+
+def test_the_public_grpclib_path_gives_the_same_answers(
+    daemon: Daemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With grpclib internals the reader does not know, the pump iterates grpclib's stream."""
+    expected = _completion(daemon, 200, stream=True)
+    used: list[bool] = []
+    fallback = transport._pump_public
+
+    async def counting(*args: Any) -> None:
+        used.append(True)
+        await fallback(*args)
+
+    monkeypatch.setattr(transport._MessageReader, "attach", classmethod(lambda cls, call: None))
+    monkeypatch.setattr(transport, "_pump_public", counting)
+    assert _completion(daemon, 200, stream=True) == expected
+    assert used
+
+
+@pytest.fixture(scope="module")
+def flood_engine(model_dir: Path) -> Iterator[int]:
+    """A zero-time simulated SGLang engine in its own process: it floods as fast as it can."""
+    port = free_port()
+    argv = [sys.executable, "-c", "from direct_frontend.cli import main; main()",
+            "simulate-engine", "--kind", "sglang",
+            "--port", str(port), "--model-dir", str(model_dir), "--context-length", "20000",
+            "--prefill-us-per-token", "0", "--decode-us-per-token", "0",
+            "--eos-probability", "0"]
+    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        assert process.stdout is not None
+        line = process.stdout.readline()  # printed once the engine listens
+        assert b"listening" in line, line
+        yield port
+    finally:
+        process.terminate()
+        process.wait(10)
+        if process.stdout is not None:
+            process.stdout.close()
+
+
+def test_a_flooding_engine_does_not_starve_trio(flood_engine: int) -> None:
+    """A 2 ms Trio heartbeat stays near its schedule while 30k messages are pumped and read.
+
+    Without yields in the pump a heartbeat was late by 100+ ms (docs/stack.md §3.1 rule 3); the
+    pump yields after every full batch and otherwise waits for data after each one.
+    """
+    tokens = 10_000
+
+    async def main() -> tuple[int, list[float]]:
+        async with trio_asyncio.open_loop():
+            channel = EngineChannel("127.0.0.1", flood_engine, SglangDialect())
+            lateness: list[float] = []
+            received = 0
+            try:
+                async def heartbeat(done: trio.Event) -> None:
+                    while not done.is_set():
+                        start = trio.current_time()
+                        await trio.sleep(0.002)
+                        lateness.append(trio.current_time() - start - 0.002)
+
+                async def consume(i: int) -> None:
+                    nonlocal received
+                    call = GenerateCall(f"flood-{i}", tuple(range(100, 116)),
+                                        SamplingOptions(max_tokens=tokens, temperature=0.0))
+                    dialect = channel.dialect
+                    async with channel.stream(dialect.generate(call),
+                                              dialect.stream_decoder(call)) as events:
+                        while await events.receive() is not None:
+                            received += 1
+                            while events.receive_nowait() is not None:
+                                received += 1
+
+                done = trio.Event()
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(heartbeat, done)
+                    async with trio.open_nursery() as streams:
+                        for i in range(3):
+                            streams.start_soon(consume, i)
+                    done.set()
+            finally:
+                channel.close()
+            return received, sorted(lateness)
+
+    received, lateness = trio.run(main)
+    assert received == 3 * (tokens + 1)  # every delta and the three terminal events
+    p99 = lateness[int(len(lateness) * 0.99)]
+    assert p99 < 0.06, f"heartbeat p99 {p99 * 1e3:.0f} ms late"

@@ -1,0 +1,133 @@
+"""The hypercorn shim that writes a response head with the first body bytes (http/coalesce.py)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import h11
+import hypercorn.protocol
+import pytest
+import trio
+from hypercorn.config import Config
+from hypercorn.events import Closed, RawData, Updated
+from hypercorn.protocol.events import Body, EndBody, Response, StreamClosed
+from hypercorn.protocol.h11 import H11Protocol
+from hypercorn.trio.worker_context import WorkerContext
+
+from direct_frontend.http import coalesce
+from tests.support.daemon import Daemon, fleet_text, running_daemon, sim_engine
+
+FAST = {"decode_us_per_token": 0, "prefill_us_per_token": 0, "eos_probability": 0.0}
+pytestmark = pytest.mark.skipif(
+    importlib.metadata.version("hypercorn") not in coalesce.CHECKED,
+    reason="the shim is off on this hypercorn release",
+)
+
+
+def _protocol(cls: type[H11Protocol], writes: list[Any]) -> H11Protocol:
+    """An HTTP/1.1 protocol that has just read a GET, writing into ``writes``."""
+
+    async def send(event: Any) -> None:
+        writes.append(event)
+
+    protocol = cls(None, Config(), WorkerContext(None), None, None, False, None, None, send)  # type: ignore[arg-type]
+    protocol.connection.receive_data(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert isinstance(protocol.connection.next_event(), h11.Request)
+    assert isinstance(protocol.connection.next_event(), h11.EndOfMessage)
+    return protocol
+
+
+def _play(cls: type[H11Protocol], events: list[Any]) -> list[Any]:
+    writes: list[Any] = []
+
+    async def main() -> None:
+        protocol = _protocol(cls, writes)
+        for event in events:
+            await protocol.stream_send(event)
+
+    trio.run(main)
+    return writes
+
+
+def _bytes(writes: list[Any]) -> bytes:
+    return b"".join(w.data for w in writes if isinstance(w, RawData))
+
+
+HEAD = Response(stream_id=1, status_code=200, headers=[(b"content-type", b"text/plain")])
+
+
+def test_the_head_goes_out_with_the_first_body_bytes() -> None:
+    events = [HEAD, Body(stream_id=1, data=b"one"), Body(stream_id=1, data=b"two"),
+              EndBody(stream_id=1)]
+    ours = _play(coalesce.CoalescingH11Protocol, events)
+    stock = _play(H11Protocol, events)
+    assert _bytes(ours) == _bytes(stock)  # the same bytes on the wire...
+    assert len(stock) == 4 and len(ours) == 3  # ...in one write fewer
+    assert ours[0].data.startswith(b"HTTP/1.1 200") and ours[0].data.endswith(b"one\r\n")
+
+
+def test_an_empty_body_goes_out_with_the_head() -> None:
+    events = [HEAD, EndBody(stream_id=1)]
+    ours = _play(coalesce.CoalescingH11Protocol, events)
+    assert _bytes(ours) == _bytes(_play(H11Protocol, events))
+    assert len(ours) == 1
+
+
+def test_a_stream_closed_after_the_head_writes_the_head_first() -> None:
+    """The app left after the head: the head is written alone, then hypercorn closes as ever."""
+    events = [HEAD, StreamClosed(stream_id=1)]
+    ours = _play(coalesce.CoalescingH11Protocol, events)
+    stock = _play(H11Protocol, events)
+    assert [type(w) for w in ours] == [type(w) for w in stock] == [RawData, Closed]
+    assert _bytes(ours) == _bytes(stock)
+
+
+def test_a_finished_response_recycles_the_connection_as_before() -> None:
+    events = [HEAD, Body(stream_id=1, data=b"x"), EndBody(stream_id=1), StreamClosed(stream_id=1)]
+    ours = _play(coalesce.CoalescingH11Protocol, events)
+    stock = _play(H11Protocol, events)
+    assert _bytes(ours) == _bytes(stock)
+    assert isinstance(ours[-1], Updated) and isinstance(stock[-1], Updated)
+
+
+def test_install_switches_hypercorn_and_is_idempotent(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(hypercorn.protocol, "H11Protocol", H11Protocol)
+    assert coalesce.install() and coalesce.install()
+    assert hypercorn.protocol.H11Protocol is coalesce.CoalescingH11Protocol
+
+
+def test_install_leaves_another_hypercorn_release_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(hypercorn.protocol, "H11Protocol", H11Protocol)
+    monkeypatch.setattr(coalesce, "CHECKED", ("0.0.0",))
+    assert not coalesce.install()
+    assert hypercorn.protocol.H11Protocol is H11Protocol
+
+
+# -- on the wire ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def daemon(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    text = fleet_text(model_dir, [sim_engine("a", **FAST)])
+    with running_daemon(tmp_path_factory.mktemp("coalesce"), text) as d:
+        d.wait_serving(1)
+        yield d
+
+
+def test_a_streamed_response_starts_with_head_and_first_event_together(daemon: Daemon) -> None:
+    host, port = daemon.url.removeprefix("http://").split(":")
+    body = b'{"model":"demo","prompt":"The sea","max_tokens":8,"stream":true}'
+    request = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(request)
+        first = sock.recv(65536)  # one write of the server's: it holds both
+    assert first.startswith(b"HTTP/1.1 200")
+    assert b"text/event-stream" in first and b"\r\n\r\n" in first
+    assert b"data: {" in first.split(b"\r\n\r\n", 1)[1]

@@ -1,0 +1,177 @@
+"""Response rendering (checked with the official openai types), metrics and logging."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from openai.types import Completion, Model
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+from direct_frontend.http.render import ChunkRenderer, Usage, render_full, render_models
+from direct_frontend.openai.errors import (
+    engine_failed,
+    error_body,
+)
+
+MODEL = 'org/model "v2"'  # quotes prove the model name is JSON-escaped
+
+
+def sse_data(event: bytes) -> str:
+    """The payload of exactly one SSE ``data:`` event."""
+    assert event.startswith(b"data: ")
+    assert event.endswith(b"\n\n")
+    assert event.count(b"\n\n") == 1
+    return event[len(b"data: ") : -2].decode()
+
+
+# ---------------------------------------------------------------- streamed chat chunks
+
+
+@pytest.mark.parametrize("include_usage", [False, True])
+def test_chat_stream_parses_with_openai_types(include_usage: bool) -> None:
+    r = ChunkRenderer("chat", "abc123", MODEL, 1_700_000_000, include_usage)
+    texts = ["Hel", "lo, ", 'wörld "quoted"\n', "\u2028 \t\\ </s>", ""]
+    chunks = [ChatCompletionChunk.model_validate_json(sse_data(r.role_chunk()))]
+    chunks += [ChatCompletionChunk.model_validate_json(sse_data(r.text(t))) for t in texts]
+    chunks.append(ChatCompletionChunk.model_validate_json(sse_data(r.finish("stop", "</s>"))))
+    for c in chunks:
+        assert c.id == "chatcmpl-abc123"
+        assert c.object == "chat.completion.chunk"
+        assert c.created == 1_700_000_000
+        assert c.model == MODEL
+        assert len(c.choices) == 1
+        assert c.choices[0].index == 0
+        assert c.usage is None
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[0].choices[0].delta.content == ""
+    assert [c.choices[0].delta.content for c in chunks[1:-1]] == texts
+    assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
+    last = chunks[-1].choices[0]
+    assert last.finish_reason == "stop"
+    assert last.delta.content is None
+    assert last.model_extra == {"stop_reason": "</s>"}
+
+    usage_event = r.usage(10, 5, 4)
+    if not include_usage:
+        assert usage_event == b""
+    else:
+        u = ChatCompletionChunk.model_validate_json(sse_data(usage_event))
+        assert u.choices == []
+        assert u.usage is not None
+        assert (u.usage.prompt_tokens, u.usage.completion_tokens, u.usage.total_tokens) == (
+            10,
+            5,
+            15,
+        )
+        assert u.usage.prompt_tokens_details is not None
+        assert u.usage.prompt_tokens_details.cached_tokens == 4
+        # OpenAI sends "usage": null on every other chunk when usage was asked for.
+        assert '"usage":null' in sse_data(r.text("x"))
+    assert r.done() == b"data: [DONE]\n\n"
+
+
+def test_finish_with_token_id_stop_reason_and_length() -> None:
+    r = ChunkRenderer("chat", "x", "m", 1, False)
+    c = ChatCompletionChunk.model_validate_json(sse_data(r.finish("stop", 128009)))
+    assert c.choices[0].model_extra == {"stop_reason": 128009}
+    c = ChatCompletionChunk.model_validate_json(sse_data(r.finish("length", None)))
+    assert c.choices[0].finish_reason == "length"
+    assert c.choices[0].model_extra == {"stop_reason": None}
+
+
+def test_error_event_carries_the_openai_error() -> None:
+    r = ChunkRenderer("chat", "x", "m", 1, True)
+    err = engine_failed("engine went away")
+    data = json.loads(sse_data(r.error(err)))
+    assert data == json.loads(error_body(err))
+    assert data["error"]["message"] == "engine went away"
+    assert data["error"]["code"] == "engine_error"
+
+
+def test_lone_surrogate_does_not_break_the_stream() -> None:
+    r = ChunkRenderer("chat", "x", "m", 1, False)
+    c = ChatCompletionChunk.model_validate_json(sse_data(r.text("a\ud800b")))
+    assert c.choices[0].delta.content == "a?b"
+
+
+# ---------------------------------------------------------------- streamed completion chunks
+
+
+def test_completion_stream_parses_with_openai_types() -> None:
+    r = ChunkRenderer("completion", "abc", MODEL, 42, True)
+    assert r.role_chunk() == b""
+    raw = json.loads(sse_data(r.text('one "two"\n')))
+    # Streamed text chunks carry finish_reason null (as OpenAI and vLLM send), which the
+    # client reads without validation; Completion's strict model demands a reason, so
+    # validate the rest of the chunk with a reason filled in.
+    assert raw["choices"][0]["finish_reason"] is None
+    raw["choices"][0]["finish_reason"] = "stop"
+    c = Completion.model_validate(raw)
+    assert (c.id, c.object, c.created, c.model) == ("cmpl-abc", "text_completion", 42, MODEL)
+    assert c.choices[0].text == 'one "two"\n'
+
+    fin = Completion.model_validate_json(sse_data(r.finish("length", None)))
+    assert fin.choices[0].finish_reason == "length"
+    assert fin.choices[0].text == ""
+
+    u = Completion.model_validate_json(sse_data(r.usage(3, 2, 0)))
+    assert u.choices == []
+    assert u.usage is not None
+    assert u.usage.total_tokens == 5
+
+
+def test_unknown_kind_is_rejected() -> None:
+    with pytest.raises(ValueError, match="unknown response kind"):
+        ChunkRenderer("embedding", "x", "m", 1, False)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- full responses and models
+
+
+def test_render_full_chat() -> None:
+    body = render_full("chat", "r1", MODEL, 7, "Hi there", "stop", "\n\n", Usage(12, 3, 8))
+    c = ChatCompletion.model_validate_json(body)
+    assert (c.id, c.object, c.created, c.model) == ("chatcmpl-r1", "chat.completion", 7, MODEL)
+    assert c.choices[0].message.role == "assistant"
+    assert c.choices[0].message.content == "Hi there"
+    assert c.choices[0].finish_reason == "stop"
+    assert c.choices[0].model_extra == {"stop_reason": "\n\n"}
+    assert c.usage is not None
+    assert (c.usage.prompt_tokens, c.usage.completion_tokens, c.usage.total_tokens) == (12, 3, 15)
+    assert c.usage.prompt_tokens_details is not None
+    assert c.usage.prompt_tokens_details.cached_tokens == 8
+
+
+def test_render_full_completion() -> None:
+    body = render_full("completion", "r2", "m", 7, "text", "length", None, Usage(1, 16))
+    c = Completion.model_validate_json(body)
+    assert (c.id, c.object) == ("cmpl-r2", "text_completion")
+    assert c.choices[0].text == "text"
+    assert c.choices[0].finish_reason == "length"
+    assert c.usage is not None
+    assert c.usage.total_tokens == 17
+
+
+def test_render_full_scrubs_surrogates() -> None:
+    c = ChatCompletion.model_validate_json(
+        render_full("chat", "r", "m", 1, "x\udcff", "stop", None, Usage(1, 1))
+    )
+    assert c.choices[0].message.content == "x?"
+
+
+def test_render_models() -> None:
+    body = json.loads(render_models(["a", "b/c"], 99))
+    assert body["object"] == "list"
+    models = [Model.model_validate(m) for m in body["data"]]
+    assert [(m.id, m.object, m.created, m.owned_by) for m in models] == [
+        ("a", "model", 99, "direct-frontend"),
+        ("b/c", "model", 99, "direct-frontend"),
+    ]
+    assert json.loads(render_models([], 1, owned_by="x")) == {"object": "list", "data": []}
+
+
+# ---------------------------------------------------------------- metrics
+
+
+

@@ -1,0 +1,109 @@
+"""Response rendering (checked with the official openai types), metrics and logging."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from direct_frontend.errors import ErrorKind
+from direct_frontend.observability.metrics import ENGINE_STATES, Metrics
+from tests.support.metrics import sample
+
+MODEL = 'org/model "v2"'  # quotes prove the model name is JSON-escaped
+
+
+def test_metrics_render_all_names() -> None:
+    m = Metrics()
+    m.request_started()
+    m.request_finished("chat", 200, 0.5)
+    m.observe_ttft(0.05)
+    m.observe_inter_token(0.02, 1)
+    m.add_tokens(10, 20)
+    m.request_cancelled()
+    m.set_engine_state("e1", "serving")
+    m.set_engine_in_flight("e1", 3)
+    m.engine_request("e1", "ok")
+    m.malformed_engine_message("e1")
+    m.engine_error("e1", ErrorKind.TIMEOUT)
+    body, content_type = m.render()
+    text = body.decode()
+    assert content_type.startswith("text/plain")
+    for name in (
+        "requests_total",
+        "request_duration_seconds",
+        "time_to_first_token_seconds",
+        "inter_token_latency_seconds",
+        "in_flight_requests",
+        "engine_state",
+        "engine_in_flight",
+        "engine_requests_total",
+        "prompt_tokens_total",
+        "completion_tokens_total",
+        "cancelled_requests_total",
+        "malformed_engine_messages_total",
+        "engine_errors_total",
+    ):
+        base = "direct_frontend_" + name.removesuffix("_total")
+        assert re.search(rf"^# TYPE {base}(_total)? ", text, re.MULTILINE), name
+    assert "_created" not in text  # noise series are off
+    assert sample(text, "direct_frontend_requests_total", endpoint="chat", status="200") == 1
+    assert sample(text, "direct_frontend_request_duration_seconds_count", endpoint="chat") == 1
+    assert sample(text, "direct_frontend_in_flight_requests") == 0
+    assert sample(text, "direct_frontend_prompt_tokens_total") == 10
+    assert sample(text, "direct_frontend_completion_tokens_total") == 20
+    assert sample(text, "direct_frontend_cancelled_requests_total") == 1
+    assert sample(text, "direct_frontend_engine_in_flight", engine="e1") == 3
+    assert sample(text, "direct_frontend_engine_requests_total", engine="e1", outcome="ok") == 1
+    assert sample(text, "direct_frontend_malformed_engine_messages_total", engine="e1") == 1
+    assert sample(text, "direct_frontend_engine_errors_total", engine="e1", kind="timeout") == 1
+    assert sample(text, "direct_frontend_time_to_first_token_seconds_count") == 1
+
+
+def test_fresh_instances_do_not_share_state() -> None:
+    a, b = Metrics(), Metrics()
+    a.request_cancelled()
+    assert sample(a.render()[0].decode(), "direct_frontend_cancelled_requests_total") == 1
+    assert sample(b.render()[0].decode(), "direct_frontend_cancelled_requests_total") == 0
+
+
+def test_inter_token_latency_splits_the_gap_per_token() -> None:
+    m = Metrics()
+    m.observe_inter_token(0.04, 4)  # four tokens at 10 ms each
+    m.observe_inter_token(0.5, 1)
+    m.observe_inter_token(0.1, 0)  # nothing to attribute
+    text = m.render()[0].decode()
+    name = "direct_frontend_inter_token_latency_seconds"
+    assert sample(text, name + "_count") == 5
+    assert sample(text, name + "_sum") == pytest.approx(0.54)
+    assert sample(text, name + "_bucket", le="0.005") == 0
+    assert sample(text, name + "_bucket", le="0.01") == 4  # le is inclusive
+    assert sample(text, name + "_bucket", le="0.3") == 4
+    assert sample(text, name + "_bucket", le="0.5") == 5
+    assert sample(text, name + "_bucket", le="+Inf") == 5
+
+
+def test_engine_state_is_one_hot_and_forget_engine_drops_series() -> None:
+    m = Metrics()
+    m.set_engine_state("e1", "joining")
+    m.set_engine_state("e1", "draining")
+    m.set_engine_state("e2", "serving")
+    m.engine_error("e1", "protocol")
+    text = m.render()[0].decode()
+    for state in ENGINE_STATES:
+        want = 1 if state == "draining" else 0
+        assert sample(text, "direct_frontend_engine_state", engine="e1", state=state) == want
+    assert sample(text, "direct_frontend_engine_state", engine="e2", state="serving") == 1
+    with pytest.raises(ValueError, match="unknown engine state"):
+        m.set_engine_state("e1", "sleeping")  # type: ignore[arg-type]
+
+    m.forget_engine("e1")
+    m.forget_engine("never-seen")
+    text = m.render()[0].decode()
+    assert 'engine="e1"' not in text
+    assert sample(text, "direct_frontend_engine_state", engine="e2", state="serving") == 1
+
+
+# ---------------------------------------------------------------- logging
+
+

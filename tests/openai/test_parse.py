@@ -1,0 +1,510 @@
+"""Request validation and OpenAI error bodies (direct_frontend.openai)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from direct_frontend.engines.neutral import SamplingOptions
+from direct_frontend.errors import EngineError, ErrorKind
+from direct_frontend.openai.errors import (
+    OpenAIHTTPError,
+    context_length_exceeded,
+    engine_failed,
+    engine_timeout,
+    error_body,
+    from_engine_error,
+    internal_error,
+    method_not_allowed,
+    model_not_found,
+    no_engine_available,
+    rate_limited,
+    request_too_large,
+    unknown_route,
+)
+from direct_frontend.openai.parse import (
+    parse_chat_request,
+    parse_completion_request,
+)
+from direct_frontend.openai.types import (
+    ChatMessage,
+    ChatRequest,
+    CompletionRequest,
+    ToolCall,
+    ToolCallFunction,
+)
+
+USER = {"role": "user", "content": "hi"}
+
+
+def chat(**fields: Any) -> bytes:
+    body: dict[str, Any] = {"model": "m", "messages": [USER]}
+    body.update(fields)
+    return json.dumps(body).encode()
+
+
+def completion(**fields: Any) -> bytes:
+    body: dict[str, Any] = {"model": "m", "prompt": "Once upon"}
+    body.update(fields)
+    return json.dumps(body).encode()
+
+
+def chat_error(body: bytes) -> OpenAIHTTPError:
+    with pytest.raises(OpenAIHTTPError) as info:
+        parse_chat_request(body)
+    err = info.value
+    assert err.status == 400
+    assert err.type == "invalid_request_error"
+    assert err.code is None
+    return err
+
+
+def completion_error(body: bytes) -> OpenAIHTTPError:
+    with pytest.raises(OpenAIHTTPError) as info:
+        parse_completion_request(body)
+    assert info.value.status == 400
+    return info.value
+
+
+# ---------------------------------------------------------------- valid chat requests
+
+
+def test_minimal_chat_request_has_defaults() -> None:
+    req = parse_chat_request(chat())
+    assert req == ChatRequest(
+        model="m", messages=(ChatMessage(role="user", content="hi"),), max_tokens=None
+    )
+    assert req.stream is False
+    assert req.include_usage is False
+    assert req.skip_special_tokens is True
+    assert req.ignore_eos is False
+    assert req.stop == ()
+    assert req.stop_token_ids == ()
+    assert req.temperature is None
+    assert req.tools == ()
+    assert req.tool_choice is None
+
+
+def test_full_chat_request_parses_every_field() -> None:
+    req = parse_chat_request(
+        chat(
+            messages=[
+                {"role": "developer", "content": "be brief"},
+                {
+                    "role": "system",
+                    "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+                },
+                {"role": "user", "content": "hi", "name": "bob"},
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {
+                            "id": "c1",
+                            "type": "function",
+                            "function": {"name": "f", "arguments": "{}"},
+                        }
+                    ],
+                },
+                {"role": "tool", "content": "42", "tool_call_id": "c1"},
+            ],
+            max_tokens=7,
+            temperature=0,
+            top_p=0.9,
+            top_k=40,
+            min_p=0.05,
+            frequency_penalty=-2,
+            presence_penalty=2,
+            repetition_penalty=1.1,
+            seed=-5,
+            stop=["\n\n", "END"],
+            stop_token_ids=[2, 3],
+            ignore_eos=True,
+            n=1,
+            stream=True,
+            stream_options={"include_usage": True},
+            user="u1",
+            logprobs=False,
+            response_format={"type": "text"},
+            tools=[
+                {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+            ],
+            tool_choice="auto",
+            skip_special_tokens=False,
+            min_tokens=2,
+            chat_template_kwargs={"enable_thinking": False},
+            some_future_openai_field={"x": 1},
+        )
+    )
+    assert [m.role for m in req.messages] == ["developer", "system", "user", "assistant", "tool"]
+    assert req.messages[1].content == "a\nb"
+    assert req.messages[1].content_parts == ("a", "b")
+    assert req.messages[2].name == "bob"
+    assert req.messages[3].content is None
+    assert req.messages[3].tool_calls == (
+        ToolCall(id="c1", function=ToolCallFunction(name="f", arguments="{}")),
+    )
+    assert req.messages[4].tool_call_id == "c1"
+    assert req.max_tokens == 7
+    assert req.temperature == 0.0
+    assert isinstance(req.temperature, float)
+    assert (req.top_p, req.top_k, req.min_p) == (0.9, 40, 0.05)
+    assert (req.frequency_penalty, req.presence_penalty, req.repetition_penalty) == (-2, 2, 1.1)
+    assert req.seed == -5
+    assert req.stop == ("\n\n", "END")
+    assert req.stop_token_ids == (2, 3)
+    assert req.ignore_eos is True
+    assert req.stream is True
+    assert req.include_usage is True
+    assert req.user == "u1"
+    assert req.tools[0].function.name == "f"
+    assert req.tool_choice == "auto"
+    assert req.skip_special_tokens is False
+    assert req.min_tokens == 2
+    assert req.chat_template_kwargs == {"enable_thinking": False}
+
+
+def test_max_completion_tokens_wins_over_max_tokens() -> None:
+    assert parse_chat_request(chat(max_tokens=5, max_completion_tokens=9)).max_tokens == 9
+    assert parse_chat_request(chat(max_completion_tokens=3)).max_tokens == 3
+
+
+def test_nulls_mean_unset() -> None:
+    """Some clients send every optional field as null."""
+    req = parse_chat_request(
+        chat(
+            temperature=None, top_p=None, max_tokens=None, stop=None, n=None, stream=None,
+            stream_options=None, logprobs=None, tools=None, tool_choice=None, seed=None,
+            response_format=None, user=None, skip_special_tokens=None,
+        )
+    )  # fmt: skip
+    assert req.temperature is None
+    assert req.stop == ()
+    assert req.stream is False
+    assert req.skip_special_tokens is True
+
+
+def test_single_stop_string_and_assistant_without_content() -> None:
+    req = parse_chat_request(chat(stop="###", messages=[USER, {"role": "assistant"}]))
+    assert req.stop == ("###",)
+    assert req.messages[1].content == ""
+
+
+def test_stream_options_without_include_usage() -> None:
+    assert parse_chat_request(chat(stream=True, stream_options={})).include_usage is False
+
+
+def test_sampling_options_apply_openai_defaults() -> None:
+    req = parse_chat_request(chat())
+    assert req.sampling_options(max_tokens=100) == SamplingOptions(max_tokens=100)
+    req = parse_chat_request(
+        chat(temperature=0.5, top_k=-1, seed=3, stop_token_ids=[7], ignore_eos=True, min_tokens=4)
+    )
+    opts = req.sampling_options(max_tokens=10)
+    assert opts.temperature == 0.5
+    assert opts.top_k == 0  # vLLM-style -1 means disabled, as does the neutral 0
+    assert opts.seed == 3
+    assert opts.stop_token_ids == (7,)
+    assert opts.ignore_eos is True
+    assert opts.min_tokens == 4
+    assert parse_chat_request(chat(top_k=20)).sampling_options(1).top_k == 20
+
+
+# ---------------------------------------------------------------- chat validation errors
+
+
+@pytest.mark.parametrize(
+    ("body", "fragment"),
+    [
+        (b"", "empty"),
+        (b"   ", "empty"),
+        (b"{", "not valid JSON"),
+        (b'{"model": "m", }', "not valid JSON"),
+        (b"\xff\xfe", "not valid JSON"),
+        (b"[]", "must be a JSON object"),
+        (b'"hello"', "must be a JSON object"),
+    ],
+)
+def test_malformed_body(body: bytes, fragment: str) -> None:
+    err = chat_error(body)
+    assert fragment in err.message
+    assert err.param is None
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "fragment"),
+    [
+        (b'{"messages": [{"role": "user", "content": "x"}]}', "model", "Missing required"),
+        (b'{"model": "m"}', "messages", "Missing required"),
+        (chat(messages=[{"content": "x"}]), "messages[0].role", "Missing required"),
+        (chat(messages=[{"role": "user"}]), "messages[0].content", "required for role 'user'"),
+        (chat(messages=[{"role": "system", "content": None}]), "messages[0].content", "Missing"),
+        (
+            chat(messages=[{"role": "user", "content": [{"type": "text"}]}]),
+            "messages[0].content[0].text",
+            "Missing required",
+        ),
+        (
+            chat(messages=[{"role": "user", "content": [{"text": "x"}]}]),
+            "messages[0].content[0].type",
+            "Missing required",
+        ),
+        (b'{"model": "m", "prompt": "x"}', "messages", "Missing required"),
+    ],
+)
+def test_missing_required(body: bytes, param: str, fragment: str) -> None:
+    err = chat_error(body)
+    assert err.param == param
+    assert fragment in err.message
+    assert param in err.message
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"model": 5}, "model"),
+        ({"messages": "hi"}, "messages"),
+        ({"messages": [5]}, "messages[0]"),
+        ({"messages": [USER, {"role": "user", "content": 5}]}, "messages[1].content"),
+        ({"messages": [{"role": "user", "content": [5]}]}, "messages[0].content[0]"),
+        ({"messages": [{"role": "user", "content": "x", "name": 1}]}, "messages[0].name"),
+        ({"max_tokens": "10"}, "max_tokens"),
+        ({"max_tokens": 1.5}, "max_tokens"),
+        ({"max_tokens": True}, "max_tokens"),
+        ({"temperature": "hot"}, "temperature"),
+        ({"stream": "true"}, "stream"),
+        ({"stop": 5}, "stop"),
+        ({"stop": ["a", 5]}, "stop[1]"),
+        ({"stop_token_ids": ["a"]}, "stop_token_ids[0]"),
+        (
+            {"stream_options": {"include_usage": "yes"}, "stream": True},
+            "stream_options.include_usage",
+        ),
+        ({"seed": 1.5}, "seed"),
+        ({"ignore_eos": 1}, "ignore_eos"),
+        ({"logprobs": 1}, "logprobs"),
+        ({"tools": [{"type": "function"}]}, "tools[0].function"),
+    ],
+)
+def test_wrong_type_names_the_field_path(fields: dict[str, Any], param: str) -> None:
+    err = chat_error(chat(**fields))
+    assert err.param == param
+    assert f"'{param}'" in err.message
+
+
+def test_wrong_type_message_says_type() -> None:
+    err = chat_error(chat(messages=[{"role": "user", "content": 5}]))
+    assert err.message.startswith("Invalid type for 'messages[0].content'")
+    assert "got `int`" in err.message
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_completion_tokens": -1}, "max_completion_tokens"),
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": 2.5}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_p": 1.01}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"frequency_penalty": 2.1}, "frequency_penalty"),
+        ({"presence_penalty": -3}, "presence_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"seed": 2**64}, "seed"),
+        ({"stop": [str(i) for i in range(17)]}, "stop"),
+        ({"stop_token_ids": [1, -1]}, "stop_token_ids[1]"),
+        ({"n": 0}, "n"),
+        ({"min_tokens": -1}, "min_tokens"),
+    ],
+)
+def test_out_of_range(fields: dict[str, Any], param: str) -> None:
+    err = chat_error(chat(**fields))
+    assert err.param == param
+    assert err.message.startswith(f"Invalid value for '{param}'")
+
+
+def test_bad_role_lists_the_roles() -> None:
+    err = chat_error(chat(messages=[{"role": "wizard", "content": "x"}]))
+    assert "'wizard'" in err.message
+    assert "developer" in err.message
+
+
+def test_sixteen_stop_strings_are_fine() -> None:
+    assert len(parse_chat_request(chat(stop=[str(i) for i in range(16)])).stop) == 16
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "fragment"),
+    [
+        ({"n": 2}, "n", "n=2 is not supported"),
+        ({"stream_options": {"include_usage": True}}, "stream_options", "only allowed when"),
+        ({"stream": False, "stream_options": {"include_usage": True}}, "stream_options", "stream"),
+        ({"logprobs": True}, "logprobs", "not supported yet"),
+        ({"top_logprobs": 3}, "top_logprobs", "not supported yet"),
+        ({"response_format": {"type": "json_object"}}, "response_format.type", "not supported"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+            "response_format.type",
+            "json_schema",
+        ),
+        ({"tool_choice": "required"}, "tool_choice", "not supported"),
+        ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice", "not"),
+        ({"tool_choice": "sometimes"}, "tool_choice", "'sometimes'"),
+        ({"stop": ["ok", ""]}, "stop[1]", "must not be empty"),
+        ({"stop": ""}, "stop", "must not be empty"),
+        ({"max_tokens": 3, "min_tokens": 5}, "min_tokens", "must not exceed"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+            "messages[0].content[0].type",
+            "'image_url' is not supported",
+        ),
+    ],
+)
+def test_unsupported_or_inconsistent(fields: dict[str, Any], param: str, fragment: str) -> None:
+    err = chat_error(chat(**fields))
+    assert err.param == param
+    assert fragment in err.message
+
+
+# ---------------------------------------------------------------- completions
+
+
+@pytest.mark.parametrize(
+    ("prompt", "expected"),
+    [
+        ("Once upon", "Once upon"),
+        ("", ""),
+        (["Once upon"], "Once upon"),
+        ([1, 2, 3], (1, 2, 3)),
+        ([[4, 5]], (4, 5)),
+    ],
+)
+def test_completion_prompt_forms(prompt: Any, expected: str | tuple[int, ...]) -> None:
+    req = parse_completion_request(completion(prompt=prompt))
+    assert req.prompt == expected
+
+
+def test_completion_defaults_and_fields() -> None:
+    req = parse_completion_request(completion())
+    assert req == CompletionRequest(model="m", prompt="Once upon")
+    req = parse_completion_request(
+        completion(max_tokens=16, stream=True, stream_options={"include_usage": True}, echo=False,
+                   logprobs=None, suffix=None, best_of=1, stop="\n", top_k=-1)
+    )  # fmt: skip
+    assert (req.max_tokens, req.stream, req.include_usage, req.stop, req.top_k) == (
+        16, True, True, ("\n",), -1,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "fragment"),
+    [
+        ({"prompt": ["a", "b"]}, "prompt", "Batched prompts"),
+        ({"prompt": [[1], [2]]}, "prompt", "Batched prompts"),
+        ({"prompt": []}, "prompt", "must not be empty"),
+        ({"prompt": [[]]}, "prompt[0]", "must not be empty"),
+        ({"prompt": [1, -2]}, "prompt[1]", "Invalid type"),
+        ({"prompt": [1, "a"]}, "prompt[1]", "Invalid type"),
+        ({"prompt": [1.5]}, "prompt[0]", "Invalid type"),
+        ({"prompt": [True]}, "prompt[0]", "Invalid type"),
+        ({"prompt": [[1, None]]}, "prompt[0][1]", "Invalid type"),
+        ({"prompt": 5}, "prompt", "Invalid type"),
+        ({"prompt": None}, "prompt", "Invalid type"),
+        ({"echo": True}, "echo", "not supported yet"),
+        ({"logprobs": 2}, "logprobs", "not supported yet"),
+        ({"logprobs": True}, "logprobs", "not supported yet"),
+        ({"suffix": "end"}, "suffix", "not supported yet"),
+        ({"best_of": 2}, "best_of", "not supported"),
+        ({"n": 3}, "n", "n=3"),
+        ({"temperature": 9}, "temperature", "Invalid value"),
+        ({"response_format": {"type": "json_object"}}, "response_format.type", "not supported"),
+        ({"stream_options": {"include_usage": True}}, "stream_options", "only allowed"),
+    ],
+)
+def test_completion_errors(fields: dict[str, Any], param: str, fragment: str) -> None:
+    err = completion_error(completion(**fields))
+    assert err.param == param
+    assert fragment in err.message
+
+
+def test_completion_missing_prompt() -> None:
+    err = completion_error(b'{"model": "m"}')
+    assert err.param == "prompt"
+    assert "Missing required" in err.message
+
+
+# ---------------------------------------------------------------- error bodies and helpers
+
+
+def test_error_body_is_the_openai_shape() -> None:
+    err = chat_error(chat(temperature=3))
+    body = json.loads(error_body(err))
+    assert body == {
+        "error": {
+            "message": err.message,
+            "type": "invalid_request_error",
+            "param": "temperature",
+            "code": None,
+        }
+    }
+
+
+@pytest.mark.parametrize(
+    ("err", "status", "type_", "code"),
+    [
+        (model_not_found("gpt-x"), 404, "invalid_request_error", "model_not_found"),
+        (request_too_large(1024), 413, "invalid_request_error", "request_too_large"),
+        (rate_limited(), 429, "rate_limit_exceeded", "rate_limit_exceeded"),
+        (no_engine_available("m"), 503, "server_error", "no_engine_available"),
+        (internal_error(), 500, "server_error", "internal_error"),
+        (engine_failed("boom"), 502, "server_error", "engine_error"),
+        (engine_timeout(), 504, "server_error", "engine_timeout"),
+        (method_not_allowed("GET", "/v1/completions", ("POST",)), 405, "invalid_request_error",
+         "method_not_allowed"),
+        (unknown_route("GET", "/v2/x"), 404, "invalid_request_error", "unknown_url"),
+        (context_length_exceeded(9000, 8192, "messages"), 400, "invalid_request_error",
+         "context_length_exceeded"),
+    ],
+)  # fmt: skip
+def test_helper_constructors(err: OpenAIHTTPError, status: int, type_: str, code: str) -> None:
+    assert (err.status, err.type, err.code) == (status, type_, code)
+    body = json.loads(error_body(err))["error"]
+    assert body["message"] == err.message
+    assert body["code"] == code
+
+
+def test_helper_details() -> None:
+    err = model_not_found("gpt-x")
+    assert err.param == "model"
+    assert "'gpt-x'" in err.message
+    assert "1024" in request_too_large(1024).message
+    assert method_not_allowed("GET", "/v1/completions", ("POST",)).headers == ((b"allow", b"POST"),)
+    assert unknown_route("GET", "/v2/x").message == "Invalid URL (GET /v2/x)"
+    assert rate_limited(retry_after=3).headers == ((b"retry-after", b"3"),)
+    assert rate_limited().headers == ()
+    assert no_engine_available("m").headers == ((b"retry-after", b"1"),)
+    assert str(engine_failed("boom")) == "boom"
+
+
+@pytest.mark.parametrize(
+    ("kind", "status"),
+    [
+        (ErrorKind.BAD_REQUEST, 400),
+        (ErrorKind.UNAVAILABLE, 502),
+        (ErrorKind.PROTOCOL, 502),
+        (ErrorKind.TIMEOUT, 504),
+        (ErrorKind.OVERLOADED, 503),
+        (ErrorKind.INTERNAL, 500),
+        (ErrorKind.CANCELLED, 503),
+    ],
+)
+def test_from_engine_error(kind: ErrorKind, status: int) -> None:
+    err = from_engine_error(EngineError(kind, "details here", engine="e1"))
+    assert err.status == status
+    assert "details here" in err.message

@@ -1,0 +1,179 @@
+"""KV-aware selection, approximate mode and the hit-rate check (sans-IO)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from direct_frontend.engines.neutral import EngineInfo, EngineRole
+from direct_frontend.kv.index import prefix_hashes
+from direct_frontend.routing.catalog import Catalog, EngineHandle
+from direct_frontend.routing.hitrate import HitRateMonitor
+from direct_frontend.routing.kv_aware import ApproxPrefixIndex, KvAware, KvKnobs
+from direct_frontend.routing.policies import RequestView
+
+BS = 4
+
+
+GENERATION = {"a": 1, "b": 2, "c": 3}
+
+
+def handle(name: str, in_flight: int = 0, active_blocks: int = 0) -> EngineHandle:
+    h = EngineHandle(name, "vllm", f"grpc://{name}:1", GENERATION[name], EngineRole.BOTH,
+                     EngineInfo("demo"), 4096, None)
+    h.load.in_flight = in_flight
+    h.load.active_blocks = {10_000 + i: 1 for i in range(active_blocks)}
+    return h
+
+
+class FakeIndex:
+    """Keys like the real index: one per incarnation and rank (``g<incarnation>r<rank>``)."""
+
+    def __init__(self, held: dict[str, list[int]]) -> None:
+        self.held = {f"g{GENERATION[e]}r0": set(hs) for e, hs in held.items()}
+
+    def lookup_hashes(self, hashes: list[int]) -> dict[str, int]:
+        out = {}
+        for engine, held in self.held.items():
+            n = 0
+            while n < len(hashes) and hashes[n] in held:
+                n += 1
+            if n:
+                out[engine] = n
+        return out
+
+
+def view(ids: list[int]) -> RequestView:
+    return RequestView(tuple(ids), 16)
+
+
+PROMPT = list(range(100, 132))  # 8 blocks of 4
+HASHES = prefix_hashes(PROMPT, BS)
+
+
+def test_routes_to_the_engine_holding_the_longest_prefix() -> None:
+    index = FakeIndex({"b": HASHES[:6], "c": HASHES[:2]})
+    policy = KvAware(KvKnobs(block_size=BS), index)
+    policy.uses_events = {1, 2, 3}
+    catalog = Catalog(1, (handle("a"), handle("b"), handle("c")))
+    chosen = policy.choose(catalog, view(PROMPT))
+    assert chosen is not None and chosen.name == "b"
+    assert policy.last is not None and policy.last.predicted_blocks == 6
+
+
+def test_decode_load_outweighs_a_small_overlap() -> None:
+    index = FakeIndex({"b": HASHES[:1]})
+    policy = KvAware(KvKnobs(block_size=BS), index)
+    policy.uses_events = {1, 2}
+    catalog = Catalog(1, (handle("a"), handle("b", in_flight=3, active_blocks=10)))
+    chosen = policy.choose(catalog, view(PROMPT))
+    assert chosen is not None and chosen.name == "a"
+
+
+def test_load_guard_stops_herding_on_a_hot_prefix() -> None:
+    index = FakeIndex({"b": HASHES})
+    knobs = KvKnobs(block_size=BS, balance_abs_threshold=2, balance_rel_threshold=1.5,
+                    overlap_weight=100)
+    policy = KvAware(knobs, index)
+    policy.uses_events = {1, 2, 3}
+    catalog = Catalog(1, (handle("a", 0), handle("b", 12), handle("c", 1)))
+    chosen = policy.choose(catalog, view(PROMPT))
+    assert chosen is not None and chosen.name == "a"
+    assert policy.last is not None and policy.last.spilled
+
+
+def test_ties_go_to_the_less_loaded_engine_and_exclusions_hold() -> None:
+    policy = KvAware(KvKnobs(block_size=BS), FakeIndex({}))
+    catalog = Catalog(1, (handle("a", 2), handle("b", 1)))
+    chosen = policy.choose(catalog, view([1, 2, 3]))
+    assert chosen is not None and chosen.name == "b"
+    assert policy.choose(catalog, view(PROMPT), {"a", "b"}) is None
+
+
+def test_temperature_samples_but_prefers_cheap_engines() -> None:
+    index = FakeIndex({"b": HASHES})
+    policy = KvAware(KvKnobs(block_size=BS, temperature=0.5), index, rng=random.Random(3))
+    policy.uses_events = {1, 2}
+    catalog = Catalog(1, (handle("a"), handle("b")))
+    picks = [policy.choose(catalog, view(PROMPT)) for _ in range(300)]
+    b = sum(1 for p in picks if p is not None and p.name == "b")
+    assert 180 < b < 300
+
+
+def test_approximate_mode_remembers_where_prefixes_went_and_forgets_after_ttl() -> None:
+    now = [1000.0]
+    policy = KvAware(KvKnobs(block_size=BS, approx_ttl_s=10), clock=lambda: now[0])
+    catalog = Catalog(1, (handle("a"), handle("b"), handle("c")))
+    first = policy.choose(catalog, view(PROMPT))
+    assert first is not None
+    for _ in range(5):
+        again = policy.choose(catalog, view([*PROMPT, 7, 7, 7, 7]))
+        assert again is first  # the shared prefix sticks
+    engines = catalog.engines
+    assert policy.overlaps(HASHES, now[0], engines) == {first.name: len(HASHES)}
+    now[0] += 11
+    assert policy.overlaps(HASHES, now[0], engines) == {}
+
+
+def test_approx_index_cap_and_forget() -> None:
+    approx = ApproxPrefixIndex(ttl_s=100, max_blocks=5)
+    approx.record("a", HASHES, now=0)
+    assert len(approx) == 5
+    assert approx.lookup_at(HASHES, now=1) == {}  # the first blocks were evicted
+    approx.record("b", HASHES[:3], now=0)
+    assert approx.lookup_at(HASHES, now=1) == {"b": 3}
+    approx.forget_engine("b")
+    assert approx.lookup_at(HASHES, now=1) == {}
+
+
+def test_knobs_from_the_fleet_file() -> None:
+    knobs = KvKnobs.from_mapping({"block_size": 32, "temperature": 0.2})
+    assert knobs.block_size == 32 and knobs.temperature == 0.2
+    with pytest.raises(ValueError, match="unknown"):
+        KvKnobs.from_mapping({"colour": 1})
+
+
+def test_hit_rate_monitor_warns_when_prediction_and_engines_diverge() -> None:
+    monitor = HitRateMonitor(window=50, min_requests=10)
+    for _ in range(20):
+        assert monitor.record(64, 60) is None
+    divergence = None
+    for _ in range(40):
+        divergence = monitor.record(64, 0)
+    assert divergence is not None and "lost KV events" in divergence.message
+    assert monitor.predicted_total == 60 * 64
+
+
+def test_ranks_of_one_engine_combine_and_other_incarnations_do_not_count() -> None:
+    class Ranked:
+        def lookup_hashes(self, hashes: list[int]) -> dict[str, int]:
+            return {"g2r0": 2, "g2r1": 5, "g9r0": 8}  # g9: a retired incarnation of "b"
+
+    policy = KvAware(KvKnobs(block_size=BS), Ranked())
+    policy.uses_events = {1, 2}
+    catalog = Catalog(1, (handle("a"), handle("b")))
+    assert policy.overlaps(HASHES, 0.0, catalog.engines) == {"b": 5}
+
+
+def test_blocks_shared_by_requests_in_flight_count_once() -> None:
+    h = handle("a")
+    h.load.begin(32, HASHES)
+    h.load.begin(32, HASHES)
+    assert len(h.load.active_blocks) == len(HASHES)
+    assert h.load.new_blocks(HASHES) == 0 and h.load.new_blocks([1, 2]) == 2
+    h.load.end(32, HASHES)
+    h.load.end(32, HASHES)
+    assert h.load.active_blocks == {}
+
+
+def test_a_busy_engine_holding_the_prefix_still_wins_over_idle_cold_ones() -> None:
+    """Its requests in flight share the prefix, so they add no decode load for it."""
+    index = FakeIndex({"b": HASHES})
+    policy = KvAware(KvKnobs(block_size=BS), index)
+    policy.uses_events = {1, 2}
+    busy = handle("b", in_flight=2)
+    busy.load.begin(32, HASHES)
+    catalog = Catalog(1, (handle("a"), busy))
+    chosen = policy.choose(catalog, view(PROMPT))
+    assert chosen is not None and chosen.name == "b"

@@ -1,0 +1,172 @@
+"""The package's floors: every import between rooms points down, and no module cycle exists.
+
+The floor order is written down once, here. A room may import rooms on lower
+floors only; rooms on one floor are siblings and never import each other.
+Lazy imports inside functions count (they are still a dependency), and so do
+``TYPE_CHECKING`` imports for the floor rule; only the cycle check skips
+those, since a type-only import never runs.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+from collections.abc import Iterator
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "direct_frontend"
+
+#: top to ground; a room is a subpackage or a top-level module of direct_frontend
+FLOORS: tuple[frozenset[str], ...] = tuple(frozenset(f.split()) for f in (
+    "cli",                   # the commands
+    "daemon top",            # the composition root; the fleet viewer (a client)
+    "http control",          # the ASGI shell; the long-lived tasks (siblings)
+    "pipeline",              # one request's walk, sans HTTP
+    "routing",               # policies over the catalog
+    "fleet openai",          # the fleet file's model; the OpenAI API model
+    "kv engines",            # the KV index and events; engine dialects and transport
+    "simulator observability text",
+    "errors __init__",
+))
+
+#: upward arrows still to be removed by the restructure (issue 9); must end empty
+KNOWN: frozenset[tuple[str, str]] = frozenset({
+    ("fleet", "routing"), ("http", "control"),
+})
+#: module cycles still to be removed (issue 9); must end empty
+KNOWN_CYCLES: frozenset[frozenset[str]] = frozenset({
+    frozenset({"direct_frontend.pipeline.dispatch", "direct_frontend.pipeline.disagg_driver"}),
+})
+
+
+def floor_of(room: str) -> int:
+    for level, rooms in enumerate(FLOORS):
+        if room in rooms:
+            return level
+    raise AssertionError(f"room {room!r} is on no floor: add it to FLOORS")
+
+
+@dataclasses.dataclass(frozen=True)
+class Import:
+    source: str  # dotted module name
+    target: str
+    line: int
+    type_only: bool
+    names: tuple[str, ...] = ()  # what ``from target import ...`` takes
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def room_of(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def _type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def imports_of(path: Path) -> Iterator[Import]:
+    source = module_name(path)
+    package = source if path.name == "__init__.py" else source.rpartition(".")[0]
+
+    def walk(node: ast.AST, type_only: bool) -> Iterator[Import]:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and _type_checking(child):
+                for stmt in child.body:
+                    yield from walk_one(stmt, True)
+                for stmt in child.orelse:
+                    yield from walk_one(stmt, type_only)
+            else:
+                yield from walk_one(child, type_only)
+
+    def walk_one(node: ast.AST, type_only: bool) -> Iterator[Import]:
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("direct_frontend"):
+                    yield Import(source, alias.name, node.lineno, type_only)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                target = f"{base}.{node.module}" if node.module else base
+            else:
+                target = node.module or ""
+            if target.startswith("direct_frontend"):
+                names = tuple(alias.name for alias in node.names)
+                yield Import(source, target, node.lineno, type_only, names)
+        else:
+            yield from walk(node, type_only)
+
+    yield from walk(ast.parse(path.read_text(encoding="utf-8")), False)
+
+
+def all_imports() -> list[Import]:
+    return [imp for path in sorted(PACKAGE.rglob("*.py")) for imp in imports_of(path)]
+
+
+def test_every_import_between_rooms_points_down() -> None:
+    upward = []
+    for imp in all_imports():
+        src, dst = room_of(imp.source), room_of(imp.target)
+        if src == dst or (src, dst) in KNOWN:
+            continue
+        if floor_of(dst) <= floor_of(src):
+            upward.append(f"{imp.source}:{imp.line} imports {imp.target} ({src} -> {dst})")
+    assert not upward, "imports that do not point down:\n" + "\n".join(upward)
+
+
+def test_known_exceptions_are_still_real() -> None:
+    """An allowed upward arrow that no longer exists must leave ``KNOWN``."""
+    seen = {(room_of(i.source), room_of(i.target)) for i in all_imports()}
+    assert not KNOWN - seen
+
+
+def test_no_module_imports_itself_round_about() -> None:
+    graph: dict[str, set[str]] = {}
+    modules = {module_name(p) for p in PACKAGE.rglob("*.py")}
+    for imp in all_imports():
+        if imp.type_only:
+            continue
+        target = imp.target
+        while target not in modules and "." in target:
+            target = target.rpartition(".")[0]  # ``from pkg.mod import name``
+        # ``from pkg import submodule`` depends on the submodule, not on the package
+        targets = {f"{target}.{n}" for n in imp.names if f"{target}.{n}" in modules}
+        if len(targets) < len(imp.names):
+            targets.add(target)
+        graph.setdefault(imp.source, set()).update(targets - {imp.source})
+    cycles: list[list[str]] = []
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                cycle = [*stack[stack.index(nxt):], nxt]
+                if frozenset(cycle) not in KNOWN_CYCLES:
+                    cycles.append(cycle)
+            elif nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[node] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module)
+    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_every_room_has_a_floor() -> None:
+    rooms = {room_of(module_name(p)) for p in PACKAGE.rglob("*.py")}
+    for room in rooms:
+        floor_of(room)
+    placed = set().union(*FLOORS)
+    assert not placed - rooms, f"floors name rooms that do not exist: {placed - rooms}"
