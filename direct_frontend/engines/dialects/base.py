@@ -41,6 +41,8 @@ class Capabilities:
 
     prefill_decode: bool
     text_input: bool = False
+    #: the fleet file may name a prefill engine's bootstrap server port (SGLang)
+    bootstrap_server: bool = False
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

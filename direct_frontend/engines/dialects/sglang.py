@@ -110,7 +110,7 @@ class SglangStreamDecoder(StreamDecoder):
 
 class SglangDialect(Dialect):
     kind: ClassVar[str] = "sglang"
-    capabilities: ClassVar[Capabilities] = Capabilities(prefill_decode=True)
+    capabilities: ClassVar[Capabilities] = Capabilities(prefill_decode=True, bootstrap_server=True)
 
     def generate(self, call: GenerateCall) -> Rpc:
         s = call.sampling
