@@ -37,14 +37,30 @@ PB: dict[EngineKind, Any] = {
     "trtllm": trtllm_service_pb2,
 }
 NO_KV_EVENTS = "KV events are not enabled (the engine has no --kv-events-config)"
+NOT_EMBEDDING = "The simulated model is not an embedding model"
+NO_TOKENIZER = "The simulator was started without a tokenizer"
+NO_LORA = "The simulator has no LoRA support"
 
-
-async def refused(call: Any) -> str:
-    """The message of the ``UNIMPLEMENTED`` a call must end with."""
-    with pytest.raises(GRPCError) as error:
-        await call
-    assert error.value.status is Status.UNIMPLEMENTED
-    return str(error.value.message)
+#: (kind, RPC, request, the message of its UNIMPLEMENTED)
+REFUSALS: list[tuple[EngineKind, str, Any, str]] = [
+    ("sglang", "Embed", sglang_scheduler_pb2.EmbedRequest(), NOT_EMBEDDING),
+    ("vllm", "Embed", vllm_engine_pb2.EmbedRequest(), NOT_EMBEDDING),
+    ("trtllm", "Embed", trtllm_service_pb2.EmbedRequest(), "Embed RPC not yet implemented"),
+    ("sglang", "GetTokenizer", common_pb2.GetTokenizerRequest(), NO_TOKENIZER),
+    ("vllm", "GetTokenizer", common_pb2.GetTokenizerRequest(), NO_TOKENIZER),
+    (
+        "trtllm",
+        "GetTokenizer",
+        common_pb2.GetTokenizerRequest(),
+        "GetTokenizer is not served by the TRT-LLM adapter",
+    ),
+    *(
+        (kind, "SubscribeKvEvents", common_pb2.SubscribeKvEventsRequest(), NO_KV_EVENTS)
+        for kind in STUBS
+    ),
+    ("sglang", "LoadLoRAAdapter", sglang_scheduler_pb2.LoadLoRAAdapterRequest(), NO_LORA),
+    ("sglang", "UnloadLoRAAdapter", sglang_scheduler_pb2.UnloadLoRAAdapterRequest(), NO_LORA),
+]
 
 
 def test_each_kind_gets_its_own_servicer() -> None:
@@ -54,53 +70,40 @@ def test_each_kind_gets_its_own_servicer() -> None:
         assert type(servicer_for(engine.core)) is servicer
 
 
+@pytest.mark.parametrize(("kind", "rpc", "message_in", "message"), REFUSALS)
+def test_what_each_kind_refuses(kind: EngineKind, rpc: str, message_in: Any, message: str) -> None:
+    async def body() -> None:
+        async with serving(kind) as (_, channel):
+            with pytest.raises(GRPCError) as error:
+                await getattr(STUBS[kind](channel), rpc)(message_in)
+            assert error.value.status is Status.UNIMPLEMENTED
+            assert error.value.message == message
+
+    run(body())
+
+
 @pytest.mark.parametrize("kind", ["sglang", "vllm"])
-def test_smg_servicers_answer_the_side_rpcs_alike(kind: EngineKind) -> None:
+def test_smg_servicers_flush_and_profile_alike(kind: EngineKind) -> None:
     async def body() -> None:
         async with serving(kind) as (_, channel):
             stub = STUBS[kind](channel)
-            embed = stub.Embed(PB[kind].EmbedRequest())
-            assert await refused(embed) == "The simulated model is not an embedding model"
             flushed = await stub.FlushCache(common_pb2.FlushCacheRequest())
             assert (flushed.success, flushed.message) == (True, "Cache flushed")
             started = await stub.StartProfile(common_pb2.StartProfileRequest())
             stopped = await stub.StopProfile(common_pb2.StopProfileRequest())
             assert (started.success, started.message) == (stopped.success, stopped.message)
             assert (started.success, started.message) == (True, "OK")
-            tokenizer = stub.GetTokenizer(common_pb2.GetTokenizerRequest())
-            assert await refused(tokenizer) == "The simulator was started without a tokenizer"
-            events = stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest())
-            assert await refused(events) == NO_KV_EVENTS
 
     run(body())
 
 
-def test_sglang_refuses_lora_and_lists_no_adapters() -> None:
+def test_sglang_lists_no_lora_adapters() -> None:
     async def body() -> None:
         async with serving("sglang") as (_, channel):
-            stub = SglangSchedulerStub(channel)
-            load = stub.LoadLoRAAdapter(sglang_scheduler_pb2.LoadLoRAAdapterRequest())
-            unload = stub.UnloadLoRAAdapter(sglang_scheduler_pb2.UnloadLoRAAdapterRequest())
-            assert await refused(load) == "The simulator has no LoRA support"
-            assert await refused(unload) == "The simulator has no LoRA support"
-            listed = await stub.ListLoadedLoRAAdapters(
+            listed = await SglangSchedulerStub(channel).ListLoadedLoRAAdapters(
                 sglang_scheduler_pb2.ListLoadedLoRAAdaptersRequest()
             )
             assert listed == sglang_scheduler_pb2.ListLoadedLoRAAdaptersResponse()
-
-    run(body())
-
-
-def test_trtllm_adapter_refuses_what_it_does_not_serve() -> None:
-    async def body() -> None:
-        async with serving("trtllm") as (_, channel):
-            stub = TrtllmServiceStub(channel)
-            embed = stub.Embed(trtllm_service_pb2.EmbedRequest())
-            assert await refused(embed) == "Embed RPC not yet implemented"
-            tokenizer = stub.GetTokenizer(common_pb2.GetTokenizerRequest())
-            assert await refused(tokenizer) == "GetTokenizer is not served by the TRT-LLM adapter"
-            events = stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest())
-            assert await refused(events) == NO_KV_EVENTS
 
     run(body())
 
