@@ -15,14 +15,14 @@ Part two runs each dialect against the simulator over real loopback gRPC
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import functools
 import pickle
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 from grpclib import GRPCError, Status
@@ -42,11 +42,12 @@ from direct_frontend.engines.neutral import (
     TokenDelta,
 )
 from direct_frontend.errors import EngineError, ErrorKind
-from direct_frontend.simulator import SimEngine, TimingModel
+from direct_frontend.simulator import TimingModel
+from tests.support import sim
+from tests.support.sim import EOS, run, until
 
 KINDS = ("sglang", "vllm", "trtllm")
 TESTS = Path(__file__).resolve().parent
-T = TypeVar("T")
 
 # ---------------------------------------------------------------------------
 # The package side: smg-grpc-proto's classes only, in a child process.
@@ -592,42 +593,10 @@ def test_registry_and_capabilities() -> None:
 # Part two: each dialect against the simulator over real gRPC.
 # ---------------------------------------------------------------------------
 
-VOCAB = 500
-EOS = 2
 SLOW = TimingModel(prefill_us_per_token=0, decode_us_per_token=20_000, max_running=4)
 
 
-def run(coro: Coroutine[Any, Any, T], timeout: float = 30.0) -> T:
-    return asyncio.run(asyncio.wait_for(coro, timeout))
-
-
-@contextlib.asynccontextmanager
-async def serving(kind: str, **options: Any) -> AsyncIterator[tuple[SimEngine, Channel]]:
-    engine = SimEngine(
-        kind,  # type: ignore[arg-type]
-        served_model_name="sim-model",
-        vocab_size=VOCAB,
-        eos_token_id=EOS,
-        special_ids=frozenset({0, 1, 3}),
-        context_length=2048,
-        **options,
-    )
-    await engine.start("127.0.0.1", 0)
-    channel = Channel("127.0.0.1", engine.port)
-    try:
-        yield engine, channel
-    finally:
-        channel.close()
-        engine.close()
-        await engine.wait_closed()
-
-
-async def until(predicate: Callable[[], bool], within: float = 5.0) -> None:
-    """Poll until ``predicate`` holds (the engine's bookkeeping is asynchronous)."""
-    deadline = time.monotonic() + within
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.005)
+serving = functools.partial(sim.serving, context_length=2048)  # the simulator's test model
 
 
 async def unary(channel: Channel, rpc: Rpc) -> Any:
