@@ -23,7 +23,8 @@ import pytest
 from grpclib import Status
 from openai.types.chat import ChatCompletionMessageParam
 
-from direct_frontend.pipeline.disagg import PREFILL_PARAMS, ROOM_LIMIT
+from direct_frontend.engines.dialects.sglang import ROOM_LIMIT
+from direct_frontend.engines.dialects.vllm import PREFILL_PARAMS
 from direct_frontend.simulator.faults import FaultPlan
 from tests.support.daemon import Daemon, fleet_text, running_daemon, sim_engine, wait_for
 
