@@ -18,6 +18,7 @@ from direct_frontend.fleet import (
     FleetProblem,
     FrontendConfig,
     Knobs,
+    KvAwareKnobs,
     ProbeConfig,
     RoutingConfig,
     SimulatorConfig,
@@ -127,7 +128,9 @@ def test_full_file_parses_to_expected_objects() -> None:
             request_timeout_s=30.0,
             log_json=True,
             routing=RoutingConfig(
-                policy="kv_aware", knobs={"overlap_weight": 2.5, "temperature": 0.5}
+                policy="kv_aware",
+                knobs={"overlap_weight": 2.5, "temperature": 0.5},
+                kv_aware=KvAwareKnobs(overlap_weight=2.5, temperature=0.5),
             ),
             probe=ProbeConfig(
                 interval_s=1.5,
