@@ -212,6 +212,8 @@ class Checker:
         key, kind, rules = spec.key, spec.type, spec.rules
         if key is None:
             raise TypeError(f"{cls.__name__}.{name} is not read from the file")
+        if sum(other.key == key for other in specs(cls).values()) > 1:
+            raise TypeError(f"{cls.__name__}.{name} shares the key {key!r}; read it by hand")
         if dataclasses.is_dataclass(kind) and isinstance(kind, type):
             return self.section(kind, tbl.get(key, {}), (*path, key))
         noun = rules.noun or name
