@@ -153,11 +153,12 @@ def required_keys(cls: type) -> tuple[str, ...]:
 
 
 def default_of(cls: type, name: str) -> Any:
+    """The schema's default for ``cls.name`` (``dataclasses.MISSING`` if it has none)."""
     return specs(cls)[name].default
 
 
 def _placeholder(spec: FieldSpec) -> Any:
-    """Stands in for a required value that is missing; the file is refused anyway."""
+    """The default, or for a required field a value of its type (the file is refused anyway)."""
     if spec.default is not dataclasses.MISSING:
         return spec.default
     if typing.get_origin(spec.type) is Literal:
