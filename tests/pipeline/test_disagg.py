@@ -22,6 +22,7 @@ from direct_frontend.engines.neutral import (
     SamplingOptions,
 )
 from direct_frontend.errors import EngineError, ErrorKind
+from direct_frontend.fleet.schema import KvAwareKnobs
 from direct_frontend.pipeline.disagg import (
     DisaggPlanner,
     pairable_groups,
@@ -29,7 +30,7 @@ from direct_frontend.pipeline.disagg import (
     role_policies,
 )
 from direct_frontend.routing.catalog import Catalog, EngineHandle
-from direct_frontend.routing.kv_aware import KvAware, KvKnobs
+from direct_frontend.routing.kv_aware import KvAware
 from direct_frontend.routing.policies import LeastLoaded, RequestView, RoundRobin
 
 P, D, B = EngineRole.PREFILL, EngineRole.DECODE, EngineRole.BOTH
@@ -122,7 +123,7 @@ def test_each_role_has_its_own_round_robin_and_honours_exclusions() -> None:
 def test_role_policies_follow_the_fleet_policy() -> None:
     prefill, decode = role_policies(LeastLoaded())
     assert isinstance(prefill, LeastLoaded) and isinstance(decode, LeastLoaded)
-    kv = KvAware(KvKnobs(block_size=4))
+    kv = KvAware(KvAwareKnobs(block_size=4))
     kv.uses_events = {7}
     prefill, decode = role_policies(kv)
     # the prefix cache that saves work is the prefill engine's; decode goes least loaded
@@ -140,7 +141,7 @@ def test_role_policies_follow_the_fleet_policy() -> None:
 
 def test_kv_aware_prefill_blocks_count_in_the_prefill_engines_load() -> None:
     planner = DisaggPlanner()
-    planner.follow(KvAware(KvKnobs(block_size=2)))
+    planner.follow(KvAware(KvAwareKnobs(block_size=2)))
     catalog = Catalog(1, (engine("p", "sglang", P), engine("d", "sglang", D)))
     plan = planner.plan(catalog, catalog.engines[1], CALL)
     assert plan is not None and len(plan.prefill_blocks) == 2  # 4 prompt tokens / 2
