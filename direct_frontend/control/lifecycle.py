@@ -1,4 +1,4 @@
-"""Engine lifecycle states, their legal transitions, and the probe rules (sans-IO).
+"""Engine lifecycle states, their legal transitions, the probe and hand-over rules (sans-IO).
 
 ::
 
@@ -17,6 +17,7 @@ here, not in the child's task, lets a test walk every edge without sockets.
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 
 
 class EngineState(enum.Enum):
@@ -166,3 +167,27 @@ class ProbeTracker:
         self.failure_threshold = failure_threshold
         self.success_threshold = success_threshold
 
+
+def may_leave(
+    successors: Iterable[EngineState],
+    *,
+    serving: bool,
+    port_wanted: bool,
+    others_serving: bool,
+    others_coming: bool,
+) -> bool:
+    """Whether an incarnation an edit replaced or removed may stop taking requests now.
+
+    Make before break: one that serves keeps serving until every engine it waits for
+    (``successors``: its own successor, or the engines the same edit added)
+    has joined, i.e. is no longer ``joining`` (serving, or refused, or already
+    out again); the supervisor bounds the wait. An embedded simulator's port
+    holds one simulator, so when a successor waits for the port this
+    incarnation holds (``port_wanted``), waiting only delays it: it leaves as
+    soon as another engine serves, or at once when no other engine is on its
+    way (``others_coming``) to serve in the meantime. One that does not serve
+    has nothing to hand over.
+    """
+    if not serving or all(state is not EngineState.JOINING for state in successors):
+        return True
+    return port_wanted and (others_serving or not others_coming)

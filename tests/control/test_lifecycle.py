@@ -1,4 +1,4 @@
-"""The lifecycle rules with data only: the state table, probe counting and backoff."""
+"""The lifecycle rules with data only: the state table, probe counting and backoff, hand-over."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from direct_frontend.control.lifecycle import (
     ProbeOutcome,
     ProbeTracker,
     check_transition,
+    may_leave,
     retry_delay,
 )
 
@@ -135,3 +136,31 @@ def test_retune_keeps_the_counts() -> None:
     tracker.record(BAD)
     assert tracker.needed == 4
 
+
+# -- hand-over ----------------------------------------------------------------------------
+
+
+def leaves(*successors: EngineState, serving: bool = True, port_wanted: bool = False,
+           others_serving: bool = False, others_coming: bool = False) -> bool:
+    return may_leave(successors, serving=serving, port_wanted=port_wanted,
+                     others_serving=others_serving, others_coming=others_coming)
+
+
+def test_an_outgoing_incarnation_serves_until_every_successor_has_joined() -> None:
+    assert not leaves(S.JOINING)
+    assert not leaves(S.SERVING, S.JOINING, others_serving=True)
+    assert leaves(S.SERVING)
+    assert leaves(S.SERVING, S.SERVING)
+    assert leaves(S.REFUSED)  # a refused successor will not serve: no point waiting
+    assert leaves(S.UNHEALTHY)  # it joined, then failed: out of our hands
+    assert leaves()  # nothing to wait for (removed, and the edit added nothing)
+    assert leaves(S.JOINING, serving=False)  # unhealthy, refused, joining: nothing to hand over
+
+
+def test_an_outgoing_simulator_whose_port_is_wanted_leaves_as_soon_as_it_can() -> None:
+    # the successor can only start once this incarnation has left its port
+    assert leaves(S.JOINING, port_wanted=True, others_serving=True)
+    assert leaves(S.JOINING, port_wanted=True)  # nobody else could serve meanwhile anyway
+    # ... but not while it is the last engine serving and another is about to serve
+    assert not leaves(S.JOINING, port_wanted=True, others_coming=True)
+    assert leaves(S.JOINING, port_wanted=True, others_serving=True, others_coming=True)
