@@ -107,6 +107,8 @@ class EngineChild:
         self._wake = trio.Event()
         #: failed tries to join since this incarnation last started joining
         self.join_failures = 0
+        #: no engine of the fleet serves: try without backing off (set by the supervisor)
+        self.hurry = False
 
     @property
     def name(self) -> str:
@@ -164,6 +166,13 @@ class EngineChild:
         self.tracker.retune(self.probe.failure_threshold, self.probe.success_threshold)
         self._wake.set()  # the next probe follows the new interval
 
+    def hurry_up(self, hurry: bool) -> None:
+        """Whether no engine serves: while none does, an engine that is out is tried fast."""
+        if hurry != self.hurry:
+            self.hurry = hurry
+            if hurry:
+                self._wake.set()  # the wait under way may be a long backoff
+
     def open_channel(self) -> EngineChannel:
         """The incarnation's channel (call inside the trio-asyncio loop)."""
         if self.channel is None:
@@ -215,10 +224,13 @@ class EngineChild:
                     extra={"engine": self.name, "incarnation": self.incarnation},
                 )
             if self.state is EngineState.REFUSED:
-                await trio.sleep(self.probe.interval_s)
+                delay = self.probe.interval_s
             else:
-                await trio.sleep(retry_delay(self.join_failures, self.probe.interval_s))
+                delay = retry_delay(self.join_failures, self.probe.interval_s, hurry=self.hurry)
             self.join_failures += 1
+            with trio.move_on_after(delay):
+                await self._wake.wait()
+            self._wake = trio.Event()
 
     async def _discover(self) -> EngineInfo:
         assert self.channel is not None
@@ -267,7 +279,8 @@ class EngineChild:
 
     async def _probe_forever(self) -> None:
         while True:
-            with trio.move_on_after(self.tracker.next_delay(self.probe.interval_s)):
+            delay = self.tracker.next_delay(self.probe.interval_s, hurry=self.hurry)
+            with trio.move_on_after(delay):
                 await self._wake.wait()
             self._wake = trio.Event()
             changed = self.tracker.record(await self._probe_once())

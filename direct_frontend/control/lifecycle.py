@@ -75,8 +75,14 @@ FIRST_RETRY_S = 0.05
 MAX_RETRY_S = 0.5
 
 
-def retry_delay(failures: int, interval_s: float) -> float:
-    """Seconds before trying an engine again after ``failures`` failed tries since it went out."""
+def retry_delay(failures: int, interval_s: float, *, hurry: bool = False) -> float:
+    """Seconds before trying an engine again after ``failures`` failed tries since it went out.
+
+    ``hurry``: no engine of the fleet serves, so every moment one could be
+    serving counts and backing off saves nothing worth it: always the first delay.
+    """
+    if hurry:
+        return min(FIRST_RETRY_S, interval_s)
     return min(FIRST_RETRY_S * 2.0 ** min(failures, 16), MAX_RETRY_S, interval_s)
 
 
@@ -149,18 +155,19 @@ class ProbeTracker:
         self._failures_out = 0
         return self.state
 
-    def next_delay(self, interval_s: float) -> float:
+    def next_delay(self, interval_s: float, *, hurry: bool = False) -> float:
         """Seconds until the next probe.
 
         Serving: the interval. Out and failing: :func:`retry_delay`, from
-        ``FIRST_RETRY_S`` up to ``MAX_RETRY_S``. Out, answering, but not yet
-        trusted (it misbehaved): the interval between the good probes it needs.
+        ``FIRST_RETRY_S`` up to ``MAX_RETRY_S`` (``hurry``: no engine serves,
+        no backoff). Out, answering, but not yet trusted (it misbehaved): the
+        interval between the good probes it needs, hurry or not.
         """
         if self.state is not EngineState.UNHEALTHY:
             return interval_s
         if self._successes:
             return interval_s
-        return retry_delay(self._failures_out, interval_s)
+        return retry_delay(self._failures_out, interval_s, hurry=hurry)
 
     def retune(self, failure_threshold: int, success_threshold: int) -> None:
         """New thresholds from a reloaded fleet file; the counts so far are kept."""

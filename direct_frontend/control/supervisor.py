@@ -96,6 +96,7 @@ class Supervisor:
         self._exits: dict[int, _Exit] = {}
         self._changed = _Pulse()  # any engine state or the catalog changed
         self._settling = False
+        self._nothing_serves = True
         self._nursery: trio.Nursery | None = None
         self._sims = SimulatorPool(lambda: self.fleet.frontend)
 
@@ -188,6 +189,7 @@ class Supervisor:
         child = EngineChild(
             cfg, self.fleet.frontend, next(self._incarnation_numbers), self._on_change
         )
+        child.hurry_up(self._nothing_serves)
         self.children[cfg.name] = child
         self.incarnations[child.incarnation] = child
         self._exits[child.incarnation] = _Exit()
@@ -393,3 +395,7 @@ class Supervisor:
         if serving != self.catalog.engines:
             self.catalog = Catalog(self.catalog.version + 1, serving)
             self._changed.fire()
+        if self._nothing_serves != (not serving):
+            self._nothing_serves = not serving
+            for child in self.incarnations.values():
+                child.hurry_up(self._nothing_serves)

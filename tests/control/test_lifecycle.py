@@ -49,6 +49,23 @@ def test_retry_delay_starts_fast_doubles_and_stops_at_the_cap_or_the_interval() 
     assert retry_delay(0, 0.01) == 0.01  # never slower than the probe interval
 
 
+def test_while_no_engine_serves_there_is_no_backoff() -> None:
+    assert [retry_delay(n, 5.0, hurry=True) for n in (0, 3, 100)] == [FIRST_RETRY_S] * 3
+    assert retry_delay(0, 0.01, hurry=True) == 0.01
+    tracker = serving()
+    tracker.fault(GONE)
+    for _ in range(6):
+        tracker.record(GONE)
+    assert tracker.next_delay(5.0) == MAX_RETRY_S
+    assert tracker.next_delay(5.0, hurry=True) == FIRST_RETRY_S
+    assert tracker.next_delay(5.0) == MAX_RETRY_S  # hurrying counts nothing
+    misbehaved = serving()
+    misbehaved.fault(BAD)
+    misbehaved.record(OK)
+    assert misbehaved.next_delay(5.0, hurry=True) == 5.0  # the flap guard holds regardless
+    assert serving().next_delay(5.0, hurry=True) == 5.0  # serving engines: the interval
+
+
 def test_a_serving_engine_leaves_after_failure_threshold_failed_probes_in_a_row() -> None:
     tracker = serving()
     assert tracker.next_delay(5.0) == 5.0

@@ -95,6 +95,43 @@ def test_the_data_plane_can_wait_for_an_engine_and_for_the_next_catalog(
     supervised(fleet_of(model_dir, tmp_path, port), body)
 
 
+def test_while_no_engine_serves_one_that_is_out_is_tried_without_backoff(
+    model_dir: Path, tmp_path: Path,
+) -> None:
+    port = free_port()
+
+    async def body(supervisor: Supervisor) -> None:
+        engine = await start_engine(port)
+        with trio.fail_after(5):
+            catalog = await supervisor.wait_for_serving()
+        child = supervisor.children["e"]
+        assert not child.hurry
+        await stop_engine(engine)
+        supervisor.report_fault(catalog.engines[0], EngineError(ErrorKind.UNAVAILABLE, "gone"))
+        assert supervisor.catalog.engines == () and child.hurry
+        probes: list[float] = []
+
+        def probed(count: int) -> bool:
+            if child.last_probe is not None and child.last_probe.at not in probes:
+                probes.append(child.last_probe.at)
+            return len(probes) >= count
+
+        await until_trio(lambda: probed(1), what="the first probe")
+        started = trio.current_time()
+        await until_trio(lambda: probed(9), what="eight more probes")
+        # 8 × 50 ms; backing off (0.1, 0.2, 0.4, then 0.5 s) they would take over 2.5 s
+        assert trio.current_time() - started < 1.5
+        engine = await start_engine(port)
+        try:
+            with trio.fail_after(5):
+                await supervisor.wait_for_serving()
+            assert not child.hurry
+        finally:
+            await stop_engine(engine)
+
+    supervised(fleet_of(model_dir, tmp_path, port), body)
+
+
 def test_an_engine_that_does_not_join_says_why_once_and_again_when_the_reason_changes(
     model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture,
 ) -> None:
