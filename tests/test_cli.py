@@ -215,3 +215,16 @@ def test_help_reads_naturally(command: str) -> None:
     assert "<bool>" not in shown.stdout
     if command in ("check", "top"):
         assert "[frontend.admin] token" in " ".join(shown.stdout.split())
+
+
+def test_only_failures_of_the_machine_become_one_line() -> None:
+    from direct_frontend.cli import _start_failure
+
+    busy = OSError(98, "Address already in use")
+    nested = ExceptionGroup("nursery", [ExceptionGroup("inner", [busy]), busy])
+    assert _start_failure(nested) == "[Errno 98] Address already in use"
+    denied = PermissionError(13, "Permission denied")
+    assert _start_failure(denied) == "[Errno 13] Permission denied"
+    # Anything else is a defect of ours: the traceback stays.
+    assert _start_failure(ExceptionGroup("nursery", [busy, KeyError("x")])) is None
+    assert _start_failure(RuntimeError("bug")) is None
