@@ -11,33 +11,69 @@ import trio_asyncio  # noqa: F401  (must precede every grpclib import)
 
 # isort: split
 import json
+import logging
 import os
 import pathlib
 import sys
-from typing import Annotated, Optional, cast, get_args
+from collections.abc import Callable
+from enum import StrEnum
+from typing import TYPE_CHECKING, Annotated, Optional, TypeVar, cast, get_args
 
 import typer
 
 from direct_frontend import __version__
 
+if TYPE_CHECKING:
+    from direct_frontend.fleet.schema import FleetConfig
+
+_T = TypeVar("_T")
+
 app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
+    # Plain help: rich's renders every flag as "<bool>" and eats "[frontend.admin]" as markup.
+    rich_markup_mode=None,
     help="OpenAI-compatible router that talks gRPC directly to stock inference engines.",
 )
 
-FleetPath = Annotated[pathlib.Path, typer.Argument(help="The fleet file (TOML).")]
+FleetPath = Annotated[
+    pathlib.Path, typer.Argument(metavar="FLEET", help="The fleet file (TOML).", show_default=False)
+]
 
 
-def _load_or_exit(path: pathlib.Path):  # type: ignore[no-untyped-def]
-    from direct_frontend.fleet.load import FleetError, load_fleet
+class LogLevel(StrEnum):
+    """``--log-level`` choices (typer lists an enum's values in the help)."""
+
+    DEBUG = "DEBUG"
+    INFO = "INFO"
+    WARNING = "WARNING"
+    ERROR = "ERROR"
+
+
+def _or_exit(load: Callable[[_T], object], what: _T) -> object:
+    """``load(what)``, or each fleet-file problem on its own line and exit 2."""
+    from direct_frontend.fleet.problems import FleetError
 
     try:
-        return load_fleet(path)
+        return load(what)
     except FleetError as exc:
         typer.echo(str(exc), err=True)
         raise typer.Exit(2) from None
+
+
+def _load_or_exit(path: pathlib.Path) -> FleetConfig:
+    from direct_frontend.fleet.load import load_fleet
+    from direct_frontend.fleet.schema import FleetConfig
+
+    return cast(FleetConfig, _or_exit(load_fleet, path))
+
+
+def _warnings(config: FleetConfig) -> list[str]:
+    """The fleet's exposure warnings, one line each."""
+    from direct_frontend.fleet.preflight import exposure_warnings
+
+    return [str(problem) for problem in exposure_warnings(config)]
 
 
 @app.command()
@@ -45,11 +81,16 @@ def run(
     fleet: FleetPath,
     log_json: Annotated[
         Optional[bool],  # noqa: UP045  (typer needs Optional here)
-        typer.Option("--log-json/--log-text", help="One JSON object per log line."),
+        typer.Option("--log-json/--log-text",
+                     help="One JSON object per log line, or text  [default: the fleet's log_json]"),
     ] = None,
-    log_level: Annotated[str, typer.Option(help="DEBUG, INFO, WARNING or ERROR.")] = "INFO",
+    log_level: Annotated[
+        LogLevel, typer.Option(case_sensitive=False, metavar="LEVEL",
+                               help="DEBUG, INFO, WARNING or ERROR.")
+    ] = LogLevel.INFO,
     watch: Annotated[
-        bool, typer.Option("--watch/--no-watch", help="Reload FLEET when the file changes.")
+        bool, typer.Option("--watch/--no-watch", show_default=False,
+                           help="Reload FLEET when the file changes (the default), or not.")
     ] = True,
 ) -> None:
     """Serve the OpenAI API for the fleet described in FLEET.
@@ -57,17 +98,57 @@ def run(
     SIGHUP (systemctl reload) reloads FLEET; so does saving it, unless --no-watch.
     """
     from direct_frontend.daemon import run_daemon
+    from direct_frontend.fleet.preflight import busy_addresses, load_text_model
     from direct_frontend.observability.logging import configure_logging
+    from direct_frontend.text.model_dir import TextModel
 
     config = _load_or_exit(fleet)
+    text_model = cast(TextModel, _or_exit(load_text_model, config))
     configure_logging(json=config.frontend.log_json if log_json is None else log_json,
-                      level=log_level.upper())
-    sys.exit(run_daemon(config, watch=watch))
+                      level=log_level.value)
+    log = logging.getLogger("direct_frontend")
+    for warning in _warnings(config):
+        log.warning("%s", warning)
+    busy = busy_addresses(config)
+    if busy:
+        typer.echo("\n".join(str(problem) for problem in busy), err=True)
+        raise typer.Exit(1)
+    try:
+        code = run_daemon(config, watch=watch, text_model=text_model)
+    except Exception as exc:
+        reason = _start_failure(exc)
+        if reason is None:
+            raise
+        log.debug("the daemon could not start", exc_info=exc)
+        typer.echo(f"direct-frontend: cannot start: {reason}"
+                   " (--log-level DEBUG shows where)", err=True)
+        raise typer.Exit(1) from None
+    sys.exit(code)
+
+
+def _start_failure(exc: BaseException) -> str | None:
+    """One line for a daemon that failed on the system (a port, a file), None for a bug.
+
+    Trio nests what failed in exception groups; only when every failure in
+    them is an ``OSError`` is it the machine's answer rather than our defect.
+    """
+    leaves: list[BaseException] = []
+    pending = [exc]
+    while pending:
+        current = pending.pop()
+        if isinstance(current, BaseExceptionGroup):
+            pending.extend(current.exceptions)
+        else:
+            leaves.append(current)
+    if leaves and all(isinstance(leaf, OSError) for leaf in leaves):
+        return "; ".join(dict.fromkeys(str(leaf) for leaf in leaves))
+    return None
 
 
 AdminToken = Annotated[
     Optional[str],  # noqa: UP045
     typer.Option("--admin-token", envvar="DIRECT_FRONTEND_ADMIN_TOKEN", show_envvar=True,
+                 metavar="TOKEN",
                  help="The daemon's [frontend.admin] token (prefer the environment variable)."),
 ]
 
@@ -80,37 +161,48 @@ def check(
     ] = False,
     against: Annotated[
         Optional[str],  # noqa: UP045
-        typer.Option(help="A running daemon's URL: print what reloading FLEET there would "
+        typer.Option(metavar="URL",
+                     help="A running daemon's URL: print what reloading FLEET there would "
                           "change (a dry run; nothing is applied)."),
     ] = None,
     admin_token: AdminToken = None,
+    no_tokenizer: Annotated[
+        bool, typer.Option("--no-tokenizer", help="Check the file alone, without loading the "
+                                                  "tokenizer (on a machine without the model).")
+    ] = False,
 ) -> None:
-    """Validate FLEET and print the resolved fleet (exit 2 on errors).
+    """Validate FLEET, load its tokenizer and print the resolved fleet (exit 2 on errors).
 
-    With --against URL, print what a reload would change instead (exit 1 if
-    the daemon cannot be asked). Secrets are compared by presence only.
+    Warnings (a daemon open to the network) go to stderr. With --against URL,
+    print what a reload would change instead (exit 1 if the daemon cannot be
+    asked); the tokenizer is not loaded then, as it may live on the daemon's
+    machine only (and changing it needs a restart anyway). Secrets are
+    compared by presence only.
     """
     from direct_frontend.fleet.describe import describe_fleet, to_jsonable
+    from direct_frontend.fleet.preflight import load_text_model
 
     config = _load_or_exit(fleet)
+    for warning in _warnings(config):
+        typer.echo(f"warning: {warning}", err=True)
     if against is not None:
         _check_against(config, against, admin_token, as_json)
         return
+    if not no_tokenizer:
+        _or_exit(load_text_model, config)
     if as_json:
         typer.echo(json.dumps(to_jsonable(config), indent=2))
     else:
         typer.echo(describe_fleet(config))
 
 
-def _check_against(config: object, url: str, token: str | None, as_json: bool) -> None:
+def _check_against(config: FleetConfig, url: str, token: str | None, as_json: bool) -> None:
     import urllib.error
     import urllib.request
 
     from direct_frontend.fleet.describe import to_jsonable
     from direct_frontend.fleet.diff import diff_fleet_data
-    from direct_frontend.fleet.schema import FleetConfig
 
-    assert isinstance(config, FleetConfig)
     base = url if "://" in url else f"http://{url}"
     request = urllib.request.Request(base.rstrip("/") + "/fleet")
     if token:
@@ -137,9 +229,12 @@ def _check_against(config: object, url: str, token: str | None, as_json: bool) -
 
 @app.command()
 def top(
-    url: Annotated[str, typer.Argument(help="The daemon's base URL, e.g. http://127.0.0.1:8000")],
+    url: Annotated[str, typer.Argument(
+        metavar="URL", help="The daemon's base URL, e.g. http://127.0.0.1:8000")],
     admin_token: AdminToken = None,
-    colour: Annotated[bool, typer.Option("--colour/--no-colour")] = True,
+    colour: Annotated[bool, typer.Option(
+        "--colour/--no-colour", show_default=False,
+        help="Colour on a terminal unless NO_COLOR is set (the default), or never.")] = True,
 ) -> None:
     """Show the fleet live (engines, states, load, reloads); follows daemon restarts."""
     from direct_frontend.top import run_top
@@ -155,7 +250,8 @@ def simulate_engine(
     port: Annotated[int, typer.Option()] = 50051,
     model_dir: Annotated[
         Optional[pathlib.Path],  # noqa: UP045
-        typer.Option(help="Model directory with tokenizer.json (vocab and EOS come from it)."),
+        typer.Option(metavar="DIR", help="Model directory with tokenizer.json (vocab and EOS "
+                                         "come from it)  [default: the bundled demo model]"),
     ] = None,
     served_model_name: Annotated[str, typer.Option()] = "demo",
     context_length: Annotated[int, typer.Option()] = 4096,
@@ -194,32 +290,41 @@ def simulate_engine(
         typer.Option(help="JSON-lines control socket for faults at run time (0: any port)."),
     ] = None,
 ) -> None:
-    """Serve a simulated engine speaking the stock gRPC contract of KIND."""
+    """Serve a simulated engine speaking the stock gRPC contract of --kind."""
     from direct_frontend.simulator.cli import run as run_simulator
     from direct_frontend.simulator.core import EngineKind, SimRole
+    from direct_frontend.text.demo_model import BUNDLED_DIR
 
     kinds, roles = get_args(EngineKind), get_args(SimRole)
     if kind not in kinds:
         raise typer.BadParameter(f"{kind!r}: expected {_one_of(kinds)}", param_hint="--kind")
     if role not in roles:
         raise typer.BadParameter(f"{role!r}: expected {_one_of(roles)}", param_hint="--role")
-    run_simulator(
-        kind=cast(EngineKind, kind), host=host, port=port,
-        model_dir=str(model_dir) if model_dir else None,
-        served_model_name=served_model_name, context_length=context_length,
-        prefill_us_per_token=prefill_us_per_token, decode_us_per_token=decode_us_per_token,
-        max_running=max_running, eos_probability=eos_probability,
-        role=cast(SimRole, role),
-        fault_die_after=fault_die_after, fault_hang_after=fault_hang_after,
-        fault_status=fault_status, fault_status_after=fault_status_after,
-        fault_token_delay_ms=fault_token_delay_ms, fault_only_request=fault_only_request,
-        control_port=control_port,
-        options={
-            "block_size": block_size, "page_size": block_size,
-            "kv_capacity_blocks": kv_capacity_blocks,
-            "kv_events_port": kv_events_port, "kv_replay_port": kv_replay_port,
-        },
-    )
+    model_dir = BUNDLED_DIR if model_dir is None else model_dir
+    if not (model_dir / "tokenizer.json").is_file():
+        raise typer.BadParameter(f"{model_dir}: no tokenizer.json there", param_hint="--model-dir")
+    try:
+        run_simulator(
+            kind=cast(EngineKind, kind), host=host, port=port, model_dir=str(model_dir),
+            served_model_name=served_model_name, context_length=context_length,
+            prefill_us_per_token=prefill_us_per_token, decode_us_per_token=decode_us_per_token,
+            max_running=max_running, eos_probability=eos_probability,
+            role=cast(SimRole, role),
+            fault_die_after=fault_die_after, fault_hang_after=fault_hang_after,
+            fault_status=fault_status, fault_status_after=fault_status_after,
+            fault_token_delay_ms=fault_token_delay_ms, fault_only_request=fault_only_request,
+            control_port=control_port,
+            options={
+                "block_size": block_size, "page_size": block_size,
+                "kv_capacity_blocks": kv_capacity_blocks,
+                "kv_events_port": kv_events_port, "kv_replay_port": kv_replay_port,
+            },
+        )
+    except OSError as exc:  # a busy or unknown address: the machine's answer, not a bug
+        reason = exc.strerror or str(exc)
+        typer.echo(f"direct-frontend simulate-engine: cannot listen on {host}:{port}: {reason}",
+                   err=True)
+        raise typer.Exit(1) from None
 
 
 def _one_of(choices: tuple[str, ...]) -> str:

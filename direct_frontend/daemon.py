@@ -72,12 +72,14 @@ async def serve_fleet(
     watch_interval_s: float | None = POLL_INTERVAL_S,
     shutdown_grace_s: float = SHUTDOWN_GRACE_S,
     notifier: Notifier | None = None,
+    text_model: TextModel | None = None,
     task_status: trio.TaskStatus[App] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run the whole daemon until ``shutdown`` is set (or SIGINT/SIGTERM).
 
     ``watch_interval_s=None`` turns the file watcher off (reloads then come
-    from SIGHUP or ``POST /fleet/reload`` only).
+    from SIGHUP or ``POST /fleet/reload`` only). ``text_model`` is the fleet's
+    tokenizer when the caller has loaded it already (``run`` checks it first).
     """
     started = time.perf_counter()
     descriptors.raise_soft_limit()  # every connection is a descriptor; 1,024 is not many
@@ -86,7 +88,8 @@ async def serve_fleet(
     stamp = stamp_of(fleet.source)
     digest = file_digest(await trio.to_thread.run_sync(_read_or_empty, fleet.source))
     async with trio_asyncio.open_loop():
-        text_model = await trio.to_thread.run_sync(TextModel.load, fleet.frontend.tokenizer)
+        if text_model is None:
+            text_model = await trio.to_thread.run_sync(TextModel.load, fleet.frontend.tokenizer)
         metrics = Metrics()
         kv = KvPlane(KvIndex(kv_block_size(fleet)), metrics)
         supervisor = Supervisor(fleet, kv=kv)
@@ -170,7 +173,10 @@ async def _watch_signals(
                 root.cancel()
 
 
-def run_daemon(fleet: FleetConfig, *, watch: bool = True) -> int:
+def run_daemon(
+    fleet: FleetConfig, *, watch: bool = True, text_model: TextModel | None = None
+) -> int:
     """Blocking entry point for ``direct-frontend run``; returns the exit code."""
-    trio.run(partial(serve_fleet, fleet, watch_interval_s=POLL_INTERVAL_S if watch else None))
+    interval = POLL_INTERVAL_S if watch else None
+    trio.run(partial(serve_fleet, fleet, watch_interval_s=interval, text_model=text_model))
     return 0

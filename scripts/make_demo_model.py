@@ -1,5 +1,8 @@
 #!/usr/bin/env python3
-"""Write the demo model directory used by the demo fleet to ``config/demo-model/``.
+"""Write the demo model directory to ``direct_frontend/text/demo-model/``.
+
+The demo fleet reads it through the ``config/demo-model`` link; it ships in
+the package so ``simulate-engine`` finds it without ``--model-dir``.
 
 The output is deterministic, so the directory is committed and this script
 only needs rerunning when :mod:`direct_frontend.text.demo_model` changes.
@@ -17,10 +20,10 @@ import pathlib
 import sys
 import tempfile
 
-from direct_frontend.text.demo_model import build_model_dir
+from direct_frontend.text.demo_model import BUNDLED_DIR, build_model_dir
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-TARGET = ROOT / "config" / "demo-model"
+TARGET = BUNDLED_DIR
 
 
 def main() -> int:

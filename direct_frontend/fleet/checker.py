@@ -384,6 +384,10 @@ class Checker:
         if not value or any(ch.isspace() or not ch.isprintable() for ch in value):
             self.report(where, "must be non-empty, without spaces or control characters")
             return None
+        if not value.isascii():
+            # A header is bytes; a client's could never equal this secret's UTF-8.
+            self.report(where, "must be ASCII (an Authorization header cannot carry it otherwise)")
+            return None
         return value
 
     def secrets(self, tbl: Table, path: KeyPath, key: str) -> tuple[str, ...] | None:

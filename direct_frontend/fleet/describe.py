@@ -100,6 +100,7 @@ def to_jsonable(cfg: FleetConfig, *, redact: bool = True) -> dict[str, JsonValue
             "request_timeout_s": frontend.request_timeout_s,
             "log_json": frontend.log_json,
             "drain_timeout_s": frontend.drain_timeout_s,
+            "allow_empty_fleet": frontend.allow_empty_fleet,
             "routing": {"policy": frontend.routing.policy, "knobs": knobs},
             "probe": {
                 "interval_s": probe.interval_s,
@@ -174,6 +175,7 @@ def _frontend_rows(frontend: FrontendConfig) -> list[tuple[str, str]]:
         ("request_timeout_s", _scalar(frontend.request_timeout_s)),
         ("log_json", _scalar(frontend.log_json)),
         ("drain_timeout_s", _scalar(frontend.drain_timeout_s)),
+        ("allow_empty_fleet", _scalar(frontend.allow_empty_fleet)),
         ("routing.policy", routing.policy),
         ("routing.knobs", knobs or "none"),
         ("probe.interval_s", _scalar(probe.interval_s)),

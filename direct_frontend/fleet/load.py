@@ -163,9 +163,29 @@ class _Checker(Checker):
         self.table(data, (), keys_of(FleetConfig))
         frontend = self.frontend(data.get("frontend", {}), source)
         drafts = self.engines(data.get("engine", []))
+        if data.get("engine", []) == [] and not frontend.allow_empty_fleet:
+            self.refuse_empty(data)
         self.cross_check(drafts)
         engines = tuple(draft.config for draft in drafts)
         return FleetConfig(frontend=frontend, engines=engines, source=source)
+
+    def refuse_empty(self, data: Table) -> None:
+        """No engines is far more often a file cut short than a wish: say so, unless allowed.
+
+        A reload of such a file would drain the whole fleet; a start would
+        serve nothing. The problem sits where the engines are missing: on
+        ``engine = []`` if written, else at the end of the file.
+        """
+        message = (
+            "no [[engine]] tables (is the file cut short?); add engines, or set"
+            " allow_empty_fleet = true in [frontend] to run with none"
+        )
+        if "engine" in data:
+            self.report(("engine",), message)
+        else:
+            self.problems.append(
+                FleetProblem(self.file, self.locator.last_line, "engine", message)
+            )
 
     def frontend(self, value: object, source: Path) -> FrontendConfig:
         path: KeyPath = ("frontend",)

@@ -33,6 +33,8 @@ class Locator:
 
     def __init__(self, text: str) -> None:
         self._lines: dict[KeyPath, int] = {}
+        # Where a truncated file ends: its last line with anything on it.
+        self.last_line = max(1, len(text.rstrip().splitlines()))
         self._scanner = _Scanner(text, self._lines)
         with contextlib.suppress(_Unfollowable, IndexError):
             self._scanner.document()

@@ -209,6 +209,8 @@ class FrontendConfig:
     log_json: bool = False
     # a removed engine's in-flight requests get this long
     drain_timeout_s: float = setting(30.0, NON_NEGATIVE)
+    # a file with no [[engine]] is refused (a truncated file would empty the fleet) unless true
+    allow_empty_fleet: bool = False
     routing: RoutingConfig = RoutingConfig()
     probe: ProbeConfig = ProbeConfig()
     admin: AdminConfig = AdminConfig()

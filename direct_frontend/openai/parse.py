@@ -110,6 +110,9 @@ _MISSING_FIELD = re.compile(r"Object missing required field `([^`]*)`")
 
 
 def _lower_first(text: str) -> str:
+    """msgspec's sentence, continued after a colon: "Expected…" → "expected…", "JSON…" stays."""
+    if text[1:2].isupper():  # an acronym
+        return text
     return text[:1].lower() + text[1:]
 
 

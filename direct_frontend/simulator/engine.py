@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import uuid
 import weakref
 from collections.abc import Callable, Iterable, Mapping
@@ -34,6 +35,23 @@ from direct_frontend.simulator.kv_publisher import KvEventPublisher, SimKvEvents
 from direct_frontend.simulator.model import SimModel, TimingModel
 from direct_frontend.simulator.servicers import servicer_for
 from direct_frontend.simulator.vocab import TextVocab
+
+
+class _QuietCancels(logging.Filter):
+    """grpclib logs every call its client cancels at INFO; for an engine that is routine.
+
+    The frontend cancels the call at every stop-string hit and every client
+    that hangs up (and counts those itself), so the line becomes DEBUG.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno == logging.INFO and record.msg == "Request was cancelled: %s":
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+            return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+        return True
+
+
+_QUIET_CANCELS = _QuietCancels()
 
 
 class _Server(grpclib.server.Server):
@@ -272,6 +290,9 @@ class SimEngine:
         if self._server is not None:
             raise RuntimeError("the engine is already running")
         servicer = servicer_for(self.core)
+        server_log = logging.getLogger(grpclib.server.__name__)
+        if _QUIET_CANCELS not in server_log.filters:
+            server_log.addFilter(_QUIET_CANCELS)
         sock = await _faults.listen_socket(host, port)
         try:
             server = _Server([servicer])

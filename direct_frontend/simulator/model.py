@@ -43,10 +43,11 @@ class SimModel:
     special nor EOS, so sampled text decodes to words; EOS is chosen with
     ``eos_probability`` per step, also from the prefix hash.
 
-    With a :class:`TextVocab` the ordinary ids are only its clean ones, and
-    with ``unit_probability`` per step a multi-token character starts
-    instead; a prefix that ends inside one is always continued, so output
-    decodes to valid UTF-8 (see :mod:`direct_frontend.simulator.vocab`).
+    With a :class:`TextVocab` the ordinary ids are only its whole words (or
+    its clean ids, if it has too few words), and with ``unit_probability``
+    per step a multi-token character starts instead; a prefix that ends
+    inside one is always continued, so output decodes to valid UTF-8 and
+    reads as words (see :mod:`direct_frontend.simulator.vocab`).
     """
 
     def __init__(
@@ -74,7 +75,7 @@ class SimModel:
         self.seed = seed
         excluded = self.special_ids | {eos_token_id}
         self.text = text.within(vocab_size, excluded) if text is not None else None
-        ordinary = range(vocab_size) if self.text is None else self.text.clean_ids
+        ordinary = range(vocab_size) if self.text is None else self.text.ordinary_ids
         # An array keeps a 150k-entry vocabulary at ~1 MB per engine.
         self._candidates = array.array("q", (i for i in ordinary if i not in excluded))
         # How many trailing ids decide whether a prefix ends inside a unit (0: no units).

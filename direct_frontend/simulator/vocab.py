@@ -8,6 +8,12 @@ a multi-byte character the tokenizer splits over several tokens. Streams then
 still carry characters split across tokens, which the frontend's incremental
 detokenizer must reassemble, but never broken ones.
 
+Clean ids are still mostly fragments ("ation", a lone "\t", a control
+byte), so a vocabulary also names its "words": the clean ids that spell a
+space and a common English word (" router", from :data:`WORDS`: a token
+alone cannot tell " calcul" from " cache"). A model samples those when there
+are enough of them, so a demo prints readable (if aimless) text.
+
 The model stays a pure function of the token prefix: once a prefix ends
 inside a unit (its longest suffix that is a proper prefix of a unit), the next
 token continues that unit. Looking at the last ``window`` tokens is enough,
@@ -34,10 +40,45 @@ UNIT_CHARACTERS: tuple[str, ...] = (
 )
 """Characters whose tokenization becomes a unit when it takes two or more ids."""
 
+_COMMON_WORDS = """
+    about across after again all almost along already also always an and animals another
+    answer any apples are around as ask asleep at autumn away back band be because become
+    before begins best better between big birds blue boats book box bread bridge bright
+    bring build but by cache can cards carry cat cells change check children choose city
+    clean clear client close cold colour come common could count cross cut dark dawn day
+    deep do document dog door down draw each early earth east easy eat end energy engine
+    evening every everyone far fast feathers few field fill find fine finish fire first
+    fish five for forest forget found four fox friend from full garden gather give go
+    good grass great green grey grow half hand harbour have heat heavy help here high hill
+    hold home honey how however idea in into is island it its just keep kind know lake
+    land large last later learn leaves left lemon light like line list listen little live
+    long look low make many map market matter may me measure model moon more morning most
+    mountain move much music must my name narrow near need never new next night north not
+    nothing now number of often old on once one only open or order other our out over own
+    pack paper part people pick piece place plain plan plant play point quick quickly
+    quiet rain rare rather read ready red request rest return right rise river road rock
+    roof room round router run salt same say sea season see send set several shape share
+    short should side sign simple simply sing single small smell smoke snow so soft some
+    something soon south speak split spoon spring stand star start state step still stone
+    stop store story stream string study such summer sun table take talk tell test text
+    than thank that the their them then there these they thing this those three through
+    time to today together token too top total tree true turn two under until up us use
+    valley village visit voice wait walk want warm was watch water way we weather well
+    went west what when where which while white who whole why wide wind window winter with
+    wood word work world would year yellow yes you young your
+"""
+WORDS: frozenset[str] = frozenset(_COMMON_WORDS.split())
+"""Common English words: a vocabulary's ids that spell one of them after a space are
+the words a simulated model says (the demo tokenizer has a few hundred)."""
+
+MIN_WORDS = 64
+"""Fewer word ids than this (a tokenizer in another language, or one that decodes
+ids without their space) and the model samples every clean id instead."""
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class TextVocab:
-    """Clean ids to sample, and multi-token units that spell whole characters.
+    """Clean ids to sample, whole words among them, and units that spell whole characters.
 
     Build it with :meth:`from_tokenizer` or :meth:`from_model_dir`; the
     constructor validates that units cannot overlap, which is what makes the
@@ -46,6 +87,7 @@ class TextVocab:
 
     clean_ids: tuple[int, ...]
     units: tuple[tuple[int, ...], ...] = ()
+    words: tuple[int, ...] = ()  # clean ids spelling " word"; empty: sample every clean id
     continuations: Mapping[tuple[int, ...], tuple[int, ...]] = dataclasses.field(
         init=False, repr=False, compare=False
     )
@@ -54,6 +96,8 @@ class TextVocab:
 
     def __post_init__(self) -> None:
         clean = set(self.clean_ids)
+        if not clean.issuperset(self.words):
+            raise ValueError("every word must be a clean id")
         starts = {unit[0] for unit in self.units}
         for unit in self.units:
             if len(unit) < 2:
@@ -74,6 +118,11 @@ class TextVocab:
         object.__setattr__(self, "continuations", frozen)
         object.__setattr__(self, "starts", tuple(sorted(starts)))
         object.__setattr__(self, "window", max((len(u) for u in self.units), default=1) - 1)
+
+    @property
+    def ordinary_ids(self) -> tuple[int, ...]:
+        """What a model samples outside units: the words, or every clean id without them."""
+        return self.words or self.clean_ids
 
     def continuation(self, tail: Sequence[int]) -> tuple[int, ...] | None:
         """The ids that may follow a prefix ending in ``tail``, if it ends inside a unit.
@@ -96,9 +145,10 @@ class TextVocab:
 
         clean = tuple(i for i in self.clean_ids if allowed(i))
         units = tuple(u for u in self.units if all(allowed(i) for i in u))
-        if clean == self.clean_ids and units == self.units:
+        words = tuple(i for i in self.words if allowed(i))
+        if clean == self.clean_ids and units == self.units and words == self.words:
             return self
-        return TextVocab(clean, units)
+        return TextVocab(clean, units, words if len(words) >= MIN_WORDS else ())
 
     @classmethod
     def from_tokenizer(
@@ -112,7 +162,9 @@ class TextVocab:
 
         A character becomes a unit when it encodes to 2+ ids that decode back
         to it and are none of them clean; units whose inner ids start another
-        unit are dropped, so units never overlap.
+        unit are dropped, so units never overlap. A clean id is a word when it
+        decodes to a space and one of :data:`WORDS` (kept if there are
+        :data:`MIN_WORDS` of them).
         """
         special = set(special_ids)
         size = tokenizer.get_vocab_size(with_added_tokens=True)
@@ -121,6 +173,7 @@ class TextVocab:
             i for i, text in enumerate(texts) if i not in special and _REPLACEMENT not in text
         )
         clean_set = set(clean)
+        words = tuple(i for i in clean if texts[i][:1] == " " and texts[i][1:] in WORDS)
         candidates: dict[tuple[int, ...], None] = {}  # ordered and deduplicated
         for character in characters:
             ids = tuple(tokenizer.encode(character, add_special_tokens=False).ids)
@@ -136,7 +189,7 @@ class TextVocab:
         units = [u for u in units if not starts.intersection(u[1:])]
         complete = set(units)
         units = [u for u in units if not any(u[:k] in complete for k in range(1, len(u)))]
-        return cls(clean, tuple(units))
+        return cls(clean, tuple(units), words if len(words) >= MIN_WORDS else ())
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, *, special_ids: Iterable[int] = ()) -> TextVocab:

@@ -5,6 +5,11 @@ milliseconds on a built-in corpus, yet behaves like the real thing where it
 matters to the frontend: byte-level BPE, ChatML special tokens, and rare
 multi-byte characters (CJK, emoji) split over several tokens, so incremental
 detokenization is exercised on every test run.
+
+The built directory is committed inside the package (:data:`BUNDLED_DIR`,
+written by ``scripts/make_demo_model.py``), so an installed frontend still has
+it: the demo fleet's ``config/demo-model`` links to it and ``simulate-engine``
+uses it when given no ``--model-dir``.
 """
 
 from __future__ import annotations
@@ -18,6 +23,9 @@ SPECIAL_TOKENS: tuple[str, ...] = ("<|endoftext|>", "<|im_start|>", "<|im_end|>"
 EOS_TOKEN = "<|im_end|>"
 PAD_TOKEN = "<|endoftext|>"
 MAX_POSITION_EMBEDDINGS = 4096
+
+BUNDLED_DIR = Path(__file__).resolve().with_name("demo-model")
+"""The demo model as shipped (package data)."""
 
 # ChatML, as Qwen-style models ship it: an optional tools block in the system
 # turn, string or text-part content, and a raise_exception for unknown roles so

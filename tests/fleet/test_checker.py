@@ -106,6 +106,7 @@ def test_unknown_keys_are_still_errors() -> None:
         ("token = 5", "expected a string, got integer"),
         ('token = "two words"', "must be non-empty, without spaces or control characters"),
         ('keys = "k"', "expected an array of strings, got string"),
+        ('token = "clé"', "must be ASCII (an Authorization header cannot carry it otherwise)"),
     ],
 )
 def test_a_rule_in_the_metadata_reads_like_the_hand_written_check(line: str, message: str) -> None:

@@ -38,10 +38,19 @@ served_model_name = "demo"
 tokenizer = "demo-model"
 """
 
+# One engine, for tests about the frontend: a file with none is refused (after the
+# lines under test, so their numbers stay).
+ENGINE = '[[engine]]\nurl = "grpc://10.0.0.9:50051"\nkind = "vllm"\n'
+
 ENGINE_KEYS = (
     "name, url, kind, role, kv_events, kv_replay, context_length, block_size, "
     "bootstrap_port, simulate, simulator"
 )
+
+
+def with_an_engine(text: str) -> str:
+    """``text`` (dedented) followed by :data:`ENGINE`."""
+    return textwrap.dedent(text).rstrip("\n") + "\n\n" + ENGINE
 
 
 def parse(text: str, source: Path = SOURCE) -> FleetConfig:
@@ -210,9 +219,23 @@ def test_simulated_engine_without_simulator_table_gets_defaults() -> None:
     assert cfg.engines[0].simulator == SimulatorConfig()
 
 
-def test_a_fleet_may_start_without_engines() -> None:
-    assert parse(FRONTEND).engines == ()
-    assert parse("engine = []\n" + FRONTEND).engines == ()
+def test_a_fleet_without_engines_is_refused_unless_it_says_so() -> None:
+    # Cut short after [frontend] (or its last table): the problem is where the engines are not.
+    refusal = (
+        "engine: no [[engine]] tables (is the file cut short?); add engines, or set"
+        " allow_empty_fleet = true in [frontend] to run with none"
+    )
+    assert only_problem(FRONTEND) == f"fleet.toml:3: {refusal}"
+    assert only_problem(FRONTEND + "\n[frontend.probe]\ninterval_s = 1\n\n\n") == (
+        f"fleet.toml:6: {refusal}"
+    )
+    assert only_problem("engine = []\n" + FRONTEND) == f"fleet.toml:1: {refusal}"
+    # Engine tables that are all invalid are reported as such, not as "none".
+    assert "no [[engine]]" not in "".join(problems(FRONTEND + "[[engine]]\n"))
+    allowed = FRONTEND + "allow_empty_fleet = true\n"
+    assert parse(allowed).engines == ()
+    assert parse(allowed).frontend.allow_empty_fleet
+    assert parse("engine = []\n" + allowed).engines == ()
 
 
 def test_ipv6_addresses_in_brackets() -> None:
@@ -226,7 +249,8 @@ def test_ipv6_addresses_in_brackets() -> None:
 
 
 def test_listen_port_zero_picks_a_free_port() -> None:
-    cfg = parse(FRONTEND.replace("[frontend]", '[frontend]\nlisten = "127.0.0.1:0"'))
+    text = FRONTEND.replace("[frontend]", '[frontend]\nlisten = "127.0.0.1:0"')
+    cfg = parse(with_an_engine(text))
     assert cfg.frontend.listen_port == 0
 
 
@@ -261,20 +285,20 @@ def test_dotted_and_inline_tables_mean_the_same() -> None:
 def test_tokenizer_resolves_against_the_fleet_file(
     source: Path, tokenizer: str, expected: Path
 ) -> None:
-    text = f'[frontend]\nserved_model_name = "x"\ntokenizer = "{tokenizer}"\n'
+    text = f'[frontend]\nserved_model_name = "x"\ntokenizer = "{tokenizer}"\n' + ENGINE
     assert parse_fleet(text, source).frontend.tokenizer == expected
 
 
 def test_tokenizer_tilde_is_not_expanded() -> None:
     text = FRONTEND.replace('"demo-model"', '"~/models/m"')
-    assert only_problem(text) == (
+    assert only_problem(with_an_engine(text)) == (
         "fleet.toml:3: frontend.tokenizer: '~/models/m': '~' is not expanded; write the full path"
     )
 
 
 def test_tokenizer_directory_need_not_exist(tmp_path: Path) -> None:
     fleet = tmp_path / "fleet.toml"
-    fleet.write_text(FRONTEND)
+    fleet.write_text(with_an_engine(FRONTEND))
     cfg = load_fleet(fleet)
     assert cfg.frontend.tokenizer == tmp_path / "demo-model"
     assert not cfg.frontend.tokenizer.exists()
@@ -282,6 +306,21 @@ def test_tokenizer_directory_need_not_exist(tmp_path: Path) -> None:
 
 
 # -- error messages --------------------------------------------------------------
+
+
+def test_non_ascii_secrets_are_refused_without_being_quoted() -> None:
+    # A client's header arrives as bytes; no UTF-8 key could ever match it.
+    text = with_an_engine(
+        FRONTEND + '[frontend.admin]\ntoken = "jeton-\u00e9t\u00e9"\n'
+        '[frontend.auth]\napi_keys = ["sk-ok", "sk-\u043a\u043b\u044e\u0447"]\n'
+    )
+    ascii_only = "must be ASCII (an Authorization header cannot carry it otherwise)"
+    assert problems(text) == [
+        f"fleet.toml:5: frontend.admin.token: {ascii_only}",
+        f"fleet.toml:7: frontend.auth.api_keys[2]: {ascii_only}",
+    ]
+    assert "\u00e9" not in "".join(problems(text))
+
 
 
 def test_unknown_key() -> None:
@@ -292,7 +331,7 @@ def test_unknown_key() -> None:
 
 
 def test_unknown_keys_in_every_table() -> None:
-    found = problems(
+    found = problems(with_an_engine(
         """\
         engines = 1
         [frontend]
@@ -304,12 +343,12 @@ def test_unknown_keys_in_every_table() -> None:
         [frontend.probe]
         interval = 5
         """
-    )
+    ))
     assert found == [
         "fleet.toml:1: engines: unknown key (expected one of: frontend, engine)",
         "fleet.toml:5: frontend.port: unknown key (expected one of: listen, served_model_name, "
         "tokenizer, max_body_bytes, max_tokens_default, request_timeout_s, log_json, "
-        "drain_timeout_s, routing, probe, admin, auth, faults, limits)",
+        "drain_timeout_s, allow_empty_fleet, routing, probe, admin, auth, faults, limits)",
         "fleet.toml:7: frontend.routing.polcy: unknown key (expected one of: policy, knobs)",
         "fleet.toml:9: frontend.probe.interval: unknown key (expected one of: interval_s, "
         "timeout_s, failure_threshold, success_threshold, join_timeout_s)",
@@ -350,7 +389,7 @@ def test_bad_url(url: str, reason: str) -> None:
 
 def test_bad_listen_address() -> None:
     text = FRONTEND + 'listen = "localhost"\n'
-    assert only_problem(text) == (
+    assert only_problem(with_an_engine(text)) == (
         "fleet.toml:4: frontend.listen: 'localhost' is not a valid listen address: "
         "the port is missing (expected host:port)"
     )
@@ -489,7 +528,7 @@ def test_wrong_type(line: str, message: str) -> None:
     if not line.startswith("served_model_name"):
         text += 'served_model_name = "d"\n'
     key = line.split(" ")[0]
-    assert only_problem(text) == f"fleet.toml:3: frontend.{key}: {message}"
+    assert only_problem(with_an_engine(text)) == f"fleet.toml:3: frontend.{key}: {message}"
 
 
 def test_wrong_types_in_engines() -> None:
@@ -545,7 +584,7 @@ def test_out_of_range_frontend(setting: str, message: str) -> None:
     else:
         expected = f"fleet.toml:5: frontend.probe.{key}: {message}"
         text = FRONTEND + table + "\n" + line + "\n"
-    assert only_problem(text) == expected
+    assert only_problem(with_an_engine(text)) == expected
 
 
 @pytest.mark.parametrize(
@@ -685,7 +724,7 @@ def test_role_rules() -> None:
 
 def test_knobs_must_be_scalars() -> None:
     text = FRONTEND + "[frontend.routing.knobs]\nok = 1\nweights = [1, 2]\n"
-    assert only_problem(text) == (
+    assert only_problem(with_an_engine(text)) == (
         "fleet.toml:6: frontend.routing.knobs.weights: expected a string, number or boolean, "
         "got array"
     )
@@ -693,7 +732,9 @@ def test_knobs_must_be_scalars() -> None:
 
 def test_quoted_keys_are_quoted_in_messages() -> None:
     text = FRONTEND + '"served model" = "x"\n'
-    assert only_problem(text).startswith('fleet.toml:4: frontend."served model": unknown key')
+    assert only_problem(with_an_engine(text)).startswith(
+        'fleet.toml:4: frontend."served model": unknown key'
+    )
 
 
 @pytest.mark.parametrize(
@@ -746,7 +787,7 @@ def test_many_problems_are_reported_together_in_file_order() -> None:
 
 
 def test_file_name_is_used_as_given(tmp_path: Path) -> None:
-    text = '[frontend]\nserved_model_name = "d"\ntokenizer = "m"\nlog_json = 1\n'
+    text = '[frontend]\nserved_model_name = "d"\ntokenizer = "m"\nlog_json = 1\n' + ENGINE
     with pytest.raises(FleetError) as caught:
         parse_fleet(text, Path("conf/prod.toml"))
     assert str(caught.value) == (
@@ -769,7 +810,7 @@ def test_unreadable_and_undecodable_files(tmp_path: Path) -> None:
 
 def test_utf8_bom_is_accepted(tmp_path: Path) -> None:
     fleet = tmp_path / "fleet.toml"
-    fleet.write_bytes(b"\xef\xbb\xbf" + FRONTEND.encode())
+    fleet.write_bytes(b"\xef\xbb\xbf" + with_an_engine(FRONTEND).encode())
     assert load_fleet(fleet).frontend.served_model_name == "demo"
 
 
@@ -900,7 +941,7 @@ def test_describe_simulated_and_empty_fleets() -> None:
     assert "  kind       sglang, simulated\n" in demo
     assert "    max_running           32\n" in demo
     assert "    vocab_size            from the tokenizer\n" in demo
-    assert "engines: none yet" in describe_fleet(parse(FRONTEND))
+    assert "engines: none yet" in describe_fleet(parse(FRONTEND + "allow_empty_fleet = true\n"))
 
 
 def test_to_jsonable() -> None:
@@ -939,7 +980,7 @@ def test_kv_aware_knobs_are_checked_with_their_lines() -> None:
     text = (
         '[frontend]\nserved_model_name = "x"\ntokenizer = "t"\n'
         '[frontend.routing]\npolicy = "kv_aware"\n[frontend.routing.knobs]\n'
-        'block_size = 0\ncolour = 3\ntemperature = "hot"\noverlap_weight = 2\n'
+        'block_size = 0\ncolour = 3\ntemperature = "hot"\noverlap_weight = 2\n' + ENGINE
     )
     with pytest.raises(FleetError) as info:
         parse_fleet(text, Path("fleet.toml"))
@@ -956,7 +997,7 @@ def test_faults_and_limits_tables() -> None:
     text = (
         '[frontend]\nserved_model_name = "x"\ntokenizer = "t"\n'
         "[frontend.faults]\nmax_retries = 0\nstall_timeout_s = 5\n"
-        "[frontend.limits]\nmax_in_flight = 8\nqueue_timeout_s = 1.5\n"
+        "[frontend.limits]\nmax_in_flight = 8\nqueue_timeout_s = 1.5\n" + ENGINE
     )
     frontend = parse_fleet(text, Path("fleet.toml")).frontend
     assert frontend.faults.max_retries == 0 and frontend.faults.stall_timeout_s == 5
@@ -974,11 +1015,11 @@ def test_kv_aware_knobs_are_typed_by_the_loader() -> None:
         FRONTEND + '[frontend.routing]\npolicy = "kv_aware"\n'
         "[frontend.routing.knobs]\noverlap_weight = 2\nblock_size = 32\n"
     )
-    routing = parse(text).frontend.routing
+    routing = parse(with_an_engine(text)).frontend.routing
     assert routing.kv_aware == KvAwareKnobs(overlap_weight=2.0, block_size=32)
     assert isinstance(routing.kv_aware.overlap_weight, float)
     assert dict(routing.knobs) == {"overlap_weight": 2, "block_size": 32}  # as written
     # Other policies take no knobs: whatever is written stays as written, unchecked.
-    other = parse(text.replace('"kv_aware"', '"least_loaded"') + 'colour = "red"\n')
+    other = parse(with_an_engine(text.replace('"kv_aware"', '"least_loaded"') + 'colour = "red"'))
     assert other.frontend.routing.kv_aware == KvAwareKnobs()
     assert other.frontend.routing.knobs["colour"] == "red"

@@ -97,7 +97,7 @@ def test_fleet_needs_the_admin_token_and_never_shows_secrets(secured: Daemon) ->
 
 def test_admin_can_be_disabled(model_dir: Path, tmp_path: Path) -> None:
     text = fleet_text(model_dir, [], probe=PROBE,
-                      frontend_extra="[frontend.admin]\nenabled = false")
+                      frontend_extra="allow_empty_fleet = true\n[frontend.admin]\nenabled = false")
     with running_daemon(tmp_path, text, watch_interval_s=None) as daemon:
         assert httpx.get(daemon.url + "/fleet").status_code == 404
         assert httpx.post(daemon.url + "/fleet/reload").status_code == 404

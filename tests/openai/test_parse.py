@@ -234,6 +234,12 @@ def test_malformed_body(body: bytes, fragment: str) -> None:
     assert err.param is None
 
 
+def test_a_detail_starting_with_an_acronym_keeps_its_capitals() -> None:
+    message = chat_error(b"x").message
+    assert "not valid JSON: JSON is malformed" in message and "jSON" not in message
+    assert "must be a JSON object: expected `object`" in chat_error(b"[]").message
+
+
 @pytest.mark.parametrize(
     ("body", "param", "fragment"),
     [

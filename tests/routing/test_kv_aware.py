@@ -133,7 +133,7 @@ def test_approx_index_cap_and_forget() -> None:
 
 def kv_aware_fleet(knobs: str) -> str:
     return (
-        '[frontend]\nserved_model_name = "x"\ntokenizer = "t"\n'
+        '[frontend]\nserved_model_name = "x"\ntokenizer = "t"\nallow_empty_fleet = true\n'
         f'[frontend.routing]\npolicy = "kv_aware"\n[frontend.routing.knobs]\n{knobs}\n'
     )
 

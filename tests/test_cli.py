@@ -1,0 +1,230 @@
+"""The commands as a newcomer meets them: real processes, one line per problem, no traceback."""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.support.daemon import fleet_text, free_port, sim_engine, wait_for
+
+ROOT = Path(__file__).resolve().parents[1]
+DAEMON = str(Path(sys.executable).with_name("direct-frontend"))
+
+
+def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([DAEMON, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def one_line(text: str) -> str:
+    assert "Traceback" not in text, text
+    lines = text.strip().splitlines()
+    assert len(lines) == 1, text
+    return lines[0]
+
+
+@pytest.fixture()
+def listening() -> Iterator[int]:
+    """A port another process holds, as a second daemon finds it."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield sock.getsockname()[1]
+
+
+def fleet_file(tmp_path: Path, model_dir: Path, listen: str,
+               engine: dict[str, object] | None = None) -> Path:
+    """A fleet of one simulated engine listening on ``listen``."""
+    fleet = tmp_path / "fleet.toml"
+    fleet.write_text(fleet_text(model_dir, [engine or sim_engine("a")]).replace(
+        'listen = "127.0.0.1:0"', f'listen = "{listen}"'))
+    return fleet
+
+
+def copied_demo(tmp_path: Path) -> Path:
+    """config/fleet.toml copied out of config/, as a newcomer does first."""
+    fleet = tmp_path / "fleet.toml"
+    shutil.copy(ROOT / "config" / "fleet.toml", fleet)
+    return fleet
+
+
+# -- a fleet file copied out of config/ ---------------------------------------------------
+
+
+def test_check_and_run_name_a_tokenizer_that_is_not_there_in_one_line(tmp_path: Path) -> None:
+    fleet = copied_demo(tmp_path)
+    expected = (
+        f"{fleet}:15: frontend.tokenizer: {tmp_path}/demo-model: not a model directory"
+        f" (a relative path starts at the fleet file's directory, {tmp_path})"
+    )
+    checked = cli("check", str(fleet))
+    assert checked.returncode == 2 and one_line(checked.stderr) == expected
+    assert checked.stdout == ""
+    ran = cli("run", str(fleet), timeout=60)
+    assert ran.returncode == 2 and one_line(ran.stderr) == expected
+    # Without the tokenizer, check still validates the file (a machine without the model).
+    assert cli("check", "--no-tokenizer", str(fleet)).returncode == 0
+
+
+def test_the_demo_fleet_checks_clean_with_its_tokenizer() -> None:
+    checked = cli("check", str(ROOT / "config" / "fleet.toml"))
+    assert checked.returncode == 0, checked.stderr
+    assert checked.stderr == ""
+
+
+# -- busy ports -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("binder", ["run: listen", "run: simulated engine", "simulate-engine"])
+def test_a_busy_port_is_one_line_naming_the_address(
+    binder: str, tmp_path: Path, model_dir: Path, listening: int
+) -> None:
+    busy = f"127.0.0.1:{listening}"
+    in_use = "the address is already in use (is another daemon running?)"
+    if binder == "run: listen":
+        fleet = fleet_file(tmp_path, model_dir, busy)
+        args = ["run", str(fleet)]
+        expected = f"{fleet}:2: frontend.listen: cannot listen on {busy}: {in_use}"
+    elif binder == "run: simulated engine":
+        engine = sim_engine("a") | {"url": f"grpc://{busy}"}
+        fleet = fleet_file(tmp_path, model_dir, f"127.0.0.1:{free_port()}", engine)
+        line = fleet.read_text().splitlines().index(f'url = "grpc://{busy}"') + 1
+        args = ["run", str(fleet)]
+        expected = f"{fleet}:{line}: engine[1].url: cannot listen on {busy}: {in_use}"
+    else:
+        args = ["simulate-engine", "--port", str(listening)]
+        reason = "Address already in use"
+        expected = f"direct-frontend simulate-engine: cannot listen on {busy}: {reason}"
+    ran = cli(*args, timeout=60)
+    assert ran.returncode == 1
+    assert one_line(ran.stderr) == expected
+
+
+# -- exposure -------------------------------------------------------------------------------
+
+
+def test_an_open_admin_side_beyond_loopback_is_warned_about(
+    tmp_path: Path, model_dir: Path, listening: int
+) -> None:
+    production = cli("check", "--no-tokenizer", str(ROOT / "config" / "examples" /
+                                                     "production.toml"))
+    assert production.returncode == 0 and production.stderr == ""  # the example is closed
+    fleet = fleet_file(tmp_path, model_dir, f"0.0.0.0:{listening}")
+    warning = (
+        f"{fleet}:2: frontend.listen: 0.0.0.0:{listening} is reachable beyond loopback"
+        " and the admin endpoints (/fleet, /fleet/reload, /fleet/events) need no token"
+    )
+    checked = cli("check", str(fleet))
+    assert checked.returncode == 0
+    assert one_line(checked.stderr).startswith(f"warning: {warning}")
+    # run says it as a WARNING log line at start (here just before the busy port stops it).
+    ran = cli("run", str(fleet), timeout=60)
+    assert ran.returncode == 1
+    logged = [line for line in ran.stderr.splitlines() if " WARNING " in line]
+    assert len(logged) == 1 and warning in logged[0], ran.stderr
+
+
+# -- an empty fleet --------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def daemon(fleet: Path) -> Iterator[tuple[str, list[str]]]:
+    """``run --no-watch FLEET`` until the block ends; the list then holds its stderr."""
+    port = int(fleet.read_text().split('listen = "127.0.0.1:')[1].split('"')[0])
+    proc = subprocess.Popen([DAEMON, "run", "--no-watch", str(fleet)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+
+    def ready() -> bool:
+        assert proc.poll() is None, proc.communicate()[1]
+        try:
+            return httpx.get(url + "/ready").status_code == 200
+        except httpx.TransportError:
+            return False
+
+    log: list[str] = []
+    try:
+        wait_for(ready, 30, "the daemon to serve")
+        yield url, log
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        log.append(proc.communicate(timeout=60)[1])
+
+
+def test_a_truncated_file_is_refused_at_start_and_on_reload(
+    tmp_path: Path, model_dir: Path
+) -> None:
+    fleet = fleet_file(tmp_path, model_dir, f"127.0.0.1:{free_port()}")
+    full = fleet.read_text()
+    truncated = full[: full.index("[[engine]]")]
+    last_line = len(truncated.rstrip().splitlines())
+    refusal = (
+        f"{fleet}:{last_line}: engine: no [[engine]] tables (is the file cut short?); add"
+        " engines, or set allow_empty_fleet = true in [frontend] to run with none"
+    )
+    fleet.write_text(truncated)
+    ran = cli("run", str(fleet), timeout=60)
+    assert ran.returncode == 2 and one_line(ran.stderr) == refusal
+
+    fleet.write_text(full)
+    with daemon(fleet) as (url, log):
+        fleet.write_text(truncated)
+        httpx.post(url + "/fleet/reload")
+        status = httpx.get(url + "/fleet").json()
+        assert status["last_reload"]["ok"] is False
+        assert status["last_reload"]["errors"] == [refusal]
+        assert [e["name"] for e in status["engines"]] == ["a"]
+        assert httpx.get(url + "/ready").status_code == 200
+        # Said so explicitly, an empty fleet is a fleet.
+        fleet.write_text(truncated.replace("[frontend.probe]",
+                                           "allow_empty_fleet = true\n\n[frontend.probe]"))
+        reload = httpx.post(url + "/fleet/reload").json()
+        assert reload["ok"] is True and reload["diff"]["removed"] == ["a"]
+    assert refusal in log[0]  # the log names the line and field too
+
+
+# -- simulate-engine and --help -------------------------------------------------------------
+
+
+def test_simulate_engine_defaults_to_the_bundled_demo_model() -> None:
+    port = free_port()
+    proc = subprocess.Popen([DAEMON, "simulate-engine", "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == f"sim sglang engine listening on 127.0.0.1:{port}"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and "Traceback" not in err
+
+
+@pytest.mark.parametrize("command", ["run", "check", "top", "simulate-engine"])
+def test_help_reads_naturally(command: str) -> None:
+    shown = cli(command, "--help")
+    assert shown.returncode == 0
+    assert "<bool>" not in shown.stdout
+    if command in ("check", "top"):
+        assert "[frontend.admin] token" in " ".join(shown.stdout.split())
+
+
+def test_only_failures_of_the_machine_become_one_line() -> None:
+    from direct_frontend.cli import _start_failure
+
+    busy = OSError(98, "Address already in use")
+    nested = ExceptionGroup("nursery", [ExceptionGroup("inner", [busy]), busy])
+    assert _start_failure(nested) == "[Errno 98] Address already in use"
+    denied = PermissionError(13, "Permission denied")
+    assert _start_failure(denied) == "[Errno 13] Permission denied"
+    # Anything else is a defect of ours: the traceback stays.
+    assert _start_failure(ExceptionGroup("nursery", [busy, KeyError("x")])) is None
+    assert _start_failure(RuntimeError("bug")) is None
