@@ -34,9 +34,7 @@ KNOWN: frozenset[tuple[str, str]] = frozenset({
     ("fleet", "routing"), ("http", "control"),
 })
 #: module cycles still to be removed (issue 9); must end empty
-KNOWN_CYCLES: frozenset[frozenset[str]] = frozenset({
-    frozenset({"direct_frontend.pipeline.dispatch", "direct_frontend.pipeline.disagg_driver"}),
-})
+KNOWN_CYCLES: frozenset[frozenset[str]] = frozenset()
 
 
 def floor_of(room: str) -> int:

@@ -69,8 +69,8 @@ from direct_frontend.pipeline.preprocess import (
     prepare,
     token_budget,
 )
-from direct_frontend.routing.catalog import EngineHandle
 from direct_frontend.routing.hitrate import HitRateMonitor
+from direct_frontend.routing.policies import Placement
 from direct_frontend.text.model_dir import TextModel
 
 Scope = MutableMapping[str, Any]
@@ -314,14 +314,14 @@ class App:
         request = prepared.request
         try:
             try:
-                engine = self.dispatcher.choose(prepared.input_ids, request.max_tokens or 0)
+                placement = self.dispatcher.choose(prepared.input_ids, request.max_tokens or 0)
             except NoEngineAvailable:
                 raise no_engine_available(request.model) from None
-            predicted = self.dispatcher.predicted_cached_tokens(engine, len(prepared.input_ids))
-            blocks = self.dispatcher.request_blocks()
-            if self.dispatcher.spilled():
+            if placement.spilled:
                 self.metrics.kv_load_guard_spills_total.inc()
-            max_tokens = token_budget(prepared, engine, self.frontend.max_tokens_default)
+            max_tokens = token_budget(
+                prepared, placement.engine, self.frontend.max_tokens_default
+            )
         except OpenAIHTTPError as err:
             await send_error(send, err, headers)
             return err.status
@@ -329,9 +329,7 @@ class App:
         # A non-streaming request without stop strings lets the engine send one message.
         engine_streams = request.stream or bool(request.stop)
         call = build_call(prepared, max_tokens, stream=engine_streams)
-        relay = Relay(self, prepared, engine, call, headers, max_tokens)
-        relay.predicted_cached_tokens = predicted
-        relay.blocks = blocks
+        relay = Relay(self, prepared, placement, call, headers, max_tokens)
         return await relay.run(receive, send)
 
 
@@ -350,7 +348,7 @@ class Relay:
         self,
         app: App,
         prepared: PreparedRequest,
-        engine: EngineHandle,
+        placement: Placement,
         call: GenerateCall,
         headers: list[tuple[bytes, bytes]],
         max_tokens: int,
@@ -358,7 +356,7 @@ class Relay:
         self.app = app
         self.prepared = prepared
         self.request = prepared.request
-        self.engine = engine
+        self.placement = placement  # the first one's predictions are checked (kv_aware)
         self.call = call
         self.original_call = call  # every continuation starts from the client's own prompt
         self.headers = headers
@@ -379,9 +377,7 @@ class Relay:
         self.last_emit = 0.0
         self.disconnected = False
         self.response_started = False
-        self.predicted_cached_tokens: int | None = None
         self.pending_error: EngineError | None = None
-        self.blocks: list[int] = []  # the prompt's KV block hashes (kv_aware routing)
         self.moving = False  # asked to move off a draining engine
         self.awaiting_engine = False
 
@@ -399,10 +395,10 @@ class Relay:
             return 499
         self.app.metrics.add_tokens(len(self.prepared.input_ids), self.processor.completion_tokens)
         if status == 200:
-            self.app.dispatcher.remember_output(
-                self.engine, self.prepared.input_ids + self.processor.generated_ids
+            self.app.dispatcher.complete(
+                self.placement, self.prepared.input_ids + self.processor.generated_ids
             )
-        predicted = self.predicted_cached_tokens
+        predicted = self.placement.predicted_cached_tokens
         if status == 200 and predicted is not None and not self.failover.tried:
             self.app.record_kv_prediction(predicted, self.cached_tokens or 0)
         return status
@@ -513,11 +509,12 @@ class Relay:
         """Drive the request to its end across engines; ``emit`` gets each batch of output."""
         dispatcher = self.app.dispatcher
         while True:
+            engine = self.placement.engine
             try:
                 async with dispatcher.run(
-                    self.engine, self.call, self.blocks, exclude=self.failover.tried
+                    self.placement, self.call, exclude=self.failover.tried
                 ) as engine_call:  # on a decode engine: its prefill leg first (P/D)
-                    movers = self.engine.load.movers
+                    movers = engine.load.movers
                     with trio.CancelScope() as stall:
                         move = functools.partial(self._move_off, stall)
                         movers.add(move)
@@ -529,7 +526,7 @@ class Relay:
                                     engine_call.ends_by_itself = self._engine_ends_by_itself(
                                         engine_call
                                     )
-                                    self.app.metrics.engine_request(self.engine.name, "ok")
+                                    self.app.metrics.engine_request(engine.name, "ok")
                                 # the final bytes go out before any Abort of the engine call
                                 await emit(text, tokens, finished)
                                 if finished:
@@ -539,56 +536,58 @@ class Relay:
                     if self.moving:
                         self.moving = False
                         raise EngineError(ErrorKind.DRAINING, "the engine is draining",
-                                          engine=self.engine.name)
+                                          engine=engine.name)
                     if trio.current_time() >= self.deadline:
                         self.timed_out = True  # the whole request's time is up: no retry
                         raise EngineError(ErrorKind.CANCELLED, "request_timeout_s passed",
-                                          engine=self.engine.name)
+                                          engine=engine.name)
                     raise EngineError(
-                        ErrorKind.TIMEOUT, "the stream stalled", engine=self.engine.name
+                        ErrorKind.TIMEOUT, "the stream stalled", engine=engine.name
                     )
             except EngineError as error:
                 self.pending_error = None
-                self.app.metrics.engine_error(self.engine.name, error.kind)
+                self.app.metrics.engine_error(engine.name, error.kind)
                 self._next_attempt(error)
                 await trio.sleep(self.failover.backoff())
 
     def _next_attempt(self, error: EngineError) -> None:
         """Pick the engine and call for the next attempt, or re-raise ``error``."""
-        error.engine = error.engine or self.engine.name
+        engine = self.placement.engine
+        error.engine = error.engine or engine.name
         produced = self.processor.generated_ids
         decision = self.failover.decide(error, len(produced))
         if decision is Decision.GIVE_UP:
             raise error
         try:
-            engine = self.app.dispatcher.choose(
+            placement = self.app.dispatcher.choose(
                 self.prepared.input_ids, self.processor.remaining_tokens, self.failover.tried
             )
         except NoEngineAvailable:
             raise error from None
         attempt = self.failover.retries + self.failover.migrations
         call = continuation(self.original_call, produced, attempt)
-        limit = engine.context_length
+        to = placement.engine
+        limit = to.context_length
         if limit is not None and len(call.input_ids) + call.sampling.max_tokens > limit:
             raise EngineError(
-                error.kind, f"{error.message}; cannot resume on {engine.name}: context too short",
+                error.kind, f"{error.message}; cannot resume on {to.name}: context too short",
                 engine=error.engine,
             ) from None
         outcome = "retried" if decision is Decision.RETRY else "migrated"
-        self.app.metrics.engine_request(self.engine.name, outcome)
+        self.app.metrics.engine_request(engine.name, outcome)
         if error.kind is ErrorKind.DRAINING:
             log.info(
                 "moved a stream off draining engine %s to %s after %d tokens",
-                error.engine, engine.name, len(produced),
-                extra={"engine": error.engine, "to_engine": engine.name},
+                error.engine, to.name, len(produced),
+                extra={"engine": error.engine, "to_engine": to.name},
             )
         else:
             log.warning(
                 "engine %s failed (%s); %s on %s after %d tokens",
-                error.engine, error, outcome, engine.name, len(produced),
-                extra={"engine": error.engine, "to_engine": engine.name},
+                error.engine, error, outcome, to.name, len(produced),
+                extra={"engine": error.engine, "to_engine": to.name},
             )
-        self.engine = engine
+        self.placement = placement
         self.call = call
 
     def _observe(self, tokens: int) -> None:

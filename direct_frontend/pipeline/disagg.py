@@ -42,7 +42,13 @@ from direct_frontend.engines.neutral import Disaggregation, EngineRole, Finished
 from direct_frontend.errors import EngineError, ErrorKind
 from direct_frontend.routing.catalog import Catalog, EngineHandle
 from direct_frontend.routing.kv_aware import KvAware
-from direct_frontend.routing.policies import LeastLoaded, Policy, RequestView, RoundRobin
+from direct_frontend.routing.policies import (
+    LeastLoaded,
+    Placement,
+    Policy,
+    RequestView,
+    RoundRobin,
+)
 
 ROOM_LIMIT = 2**31 - 1  # bootstrap_room is an int32: rooms are drawn from [0, ROOM_LIMIT)
 DEFAULT_BOOTSTRAP_PORT = 8998  # SGLang's --disaggregation-bootstrap-port (and Mooncake's) default
@@ -233,8 +239,8 @@ class DisaggPlanner:
         request: RequestView,
         exclude: Collection[str] = (),
         fleet_policy: Policy | None = None,
-    ) -> EngineHandle | None:
-        """The decode engine of a P/D pair, or ``None``: serve the request aggregated."""
+    ) -> Placement | None:
+        """The decode engine's placement for a P/D pair, or ``None``: serve it aggregated."""
         if fleet_policy is not None:
             self.follow(fleet_policy)
         groups = pairable_groups(catalog, exclude)
@@ -264,12 +270,10 @@ class DisaggPlanner:
             return None
         pool = _Pool(catalog.version, tuple(_members(catalog, EngineRole.PREFILL, group)))
         request = RequestView(call.input_ids, call.sampling.max_tokens)
-        policy = self.prefill_policy
-        prefill = policy.choose(pool, request, exclude)
-        if prefill is None:
+        placement = self.prefill_policy.choose(pool, request, exclude)
+        if placement is None:
             return None
-        last = policy.last if isinstance(policy, KvAware) else None
-        blocks = tuple(last.hashes) if last is not None and last.engine is prefill else ()
+        prefill, blocks = placement.engine, placement.blocks
         if decode.kind == "sglang":
             prefill_call, decode_call = sglang_legs(call, prefill, self.mint_room())
             return PairPlan(prefill, decode, prefill_call, decode_call, True, False, blocks)

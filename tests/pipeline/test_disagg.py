@@ -30,7 +30,7 @@ from direct_frontend.pipeline.disagg import (
 )
 from direct_frontend.routing.catalog import Catalog, EngineHandle
 from direct_frontend.routing.kv_aware import KvAware, KvKnobs
-from direct_frontend.routing.policies import LeastLoaded, RequestView, RoundRobin
+from direct_frontend.routing.policies import LeastLoaded, Placement, RequestView, RoundRobin
 from protos import vllm_engine_pb2
 
 P, D, B = EngineRole.PREFILL, EngineRole.DECODE, EngineRole.BOTH
@@ -54,8 +54,8 @@ def engine(
                         bootstrap_port=bootstrap_port)
 
 
-def names(engines: list[EngineHandle | None]) -> list[str]:
-    return [e.name for e in engines if e is not None]
+def names(placements: list[Placement | None]) -> list[str]:
+    return [p.engine.name for p in placements if p is not None]
 
 
 # -- which engines pair ---------------------------------------------------------------
@@ -95,7 +95,7 @@ def test_pd_is_preferred_and_aggregated_engines_are_the_fallback() -> None:
     catalog = Catalog(1, (engine("agg", "sglang", B), engine("sp", "sglang", P),
                           engine("sd", "sglang", D)))
     chosen = planner.choose_decode(catalog, VIEW)
-    assert chosen is not None and chosen.name == "sd"
+    assert chosen is not None and chosen.engine.name == "sd"
     # the prefill failed (failover excludes it): no pair left, serve aggregated
     assert planner.choose_decode(catalog, VIEW, exclude={"sp"}) is None
     assert planner.choose_decode(catalog, VIEW, exclude={"sd"}) is None
