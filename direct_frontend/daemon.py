@@ -43,7 +43,9 @@ from direct_frontend.kv.index import KvIndex
 from direct_frontend.observability.metrics import Metrics
 from direct_frontend.observability.sdnotify import Notifier
 from direct_frontend.pipeline.dispatch import Dispatcher
+from direct_frontend.pipeline.relay import Relay
 from direct_frontend.routing.factory import make_policy
+from direct_frontend.routing.hitrate import HitRateWatch
 from direct_frontend.text.model_dir import TextModel
 
 log = logging.getLogger("direct_frontend")
@@ -89,7 +91,8 @@ async def serve_fleet(
         policy = make_policy(fleet.frontend.routing, kv.index, kv.live)
         dispatcher = Dispatcher(supervisor, policy)
         dispatcher.disagg.stall_timeout_s = fleet.frontend.faults.stall_timeout_s
-        app = App(fleet.frontend, text_model, supervisor, dispatcher, metrics)
+        relay = Relay(dispatcher, text_model, metrics, HitRateWatch(metrics))
+        app = App(fleet.frontend, text_model, supervisor, relay, metrics)
         control = ControlPlane(fleet, supervisor, app, dispatcher, metrics, notifier, digest)
         app.control = control
         async with trio.open_nursery() as nursery:

@@ -13,19 +13,15 @@ from __future__ import annotations
 import hmac
 import json
 import logging
-from collections.abc import Awaitable, Callable, MutableMapping, Sequence
-from typing import Any, Protocol
+from collections.abc import Sequence
+from typing import Protocol
 
 import trio
 
 from direct_frontend.control.events import Event, EventHub, Subscriber
 from direct_frontend.fleet.describe import JsonValue
+from direct_frontend.http.asgi import Receive, Scope, Send
 from direct_frontend.openai.errors import OpenAIHTTPError
-
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
 
 log = logging.getLogger("direct_frontend.admin")
 

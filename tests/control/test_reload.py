@@ -330,7 +330,7 @@ def test_frontend_settings_apply_live_and_restart_ones_are_reported(
         }
         assert daemon.supervisor.children["e"] is child  # untouched
         assert child.probe.interval_s == 0.3 and child.tracker.failure_threshold == 5
-        assert daemon.app.dispatcher.policy.name == "least_loaded"
+        assert daemon.app.relay.dispatcher.policy.name == "least_loaded"
         r = httpx.post(daemon.url + "/v1/completions", json={**body, "prompt": "hi " * 50})
         assert r.status_code == 413  # the new max_body_bytes
         daemon.fleet.source.write_text(edited.replace("max_body_bytes = 100\n", ""))

@@ -2,35 +2,19 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
-from direct_frontend.engines.neutral import EngineInfo, EngineRole
-from direct_frontend.errors import EngineError, NoEngineAvailable
+from direct_frontend.engines.neutral import EngineRole
+from direct_frontend.errors import NoEngineAvailable
 from direct_frontend.kv.index import prefix_hashes
 from direct_frontend.pipeline.dispatch import Dispatcher
-from direct_frontend.routing.catalog import Catalog, EngineHandle
+from direct_frontend.routing.catalog import Catalog
 from direct_frontend.routing.kv_aware import KvAware, KvKnobs
 from direct_frontend.routing.policies import LeastLoaded
+from tests.support.fleet import StaticFleet as Fleet
+from tests.support.fleet import engine
 
 PROMPT = tuple(range(100, 116))  # 4 blocks of 4
-
-
-def engine(name: str, role: EngineRole = EngineRole.BOTH, incarnation: int = 1) -> EngineHandle:
-    return EngineHandle(name, "sglang", f"grpc://{name}:1", incarnation, role,
-                        EngineInfo("demo", role=role), 4096, None)
-
-
-@dataclasses.dataclass
-class Fleet:
-    """A fixed catalog standing in for the control plane."""
-
-    catalog: Catalog
-    faults: list[str] = dataclasses.field(default_factory=list)
-
-    def report_fault(self, engine: EngineHandle, error: EngineError) -> None:
-        self.faults.append(engine.name)
 
 
 def test_an_aggregated_placement_carries_the_fleet_policys_predictions() -> None:
