@@ -14,14 +14,8 @@ from collections.abc import Awaitable, Callable
 
 import trio
 
-from direct_frontend.control.supervisor import Supervisor
 from direct_frontend.fleet.schema import FrontendConfig
-from direct_frontend.http.admin import (
-    ControlView,
-    credential_ok,
-    events_socket,
-    unauthorized,
-)
+from direct_frontend.http.admin import credential_ok, events_socket, unauthorized
 from direct_frontend.http.asgi import (
     ClientGone,
     Receive,
@@ -33,6 +27,7 @@ from direct_frontend.http.asgi import (
     send_body,
     send_error,
 )
+from direct_frontend.http.control_view import ControlView
 from direct_frontend.http.render import render_models
 from direct_frontend.http.responses import respond
 from direct_frontend.observability.logging import current_request_id, new_request_id
@@ -46,37 +41,34 @@ from direct_frontend.openai.errors import (
 )
 from direct_frontend.openai.parse import parse_chat_request, parse_completion_request
 from direct_frontend.openai.types import ChatRequest, CompletionRequest
-from direct_frontend.pipeline.admission import Admission, Rejected, admission_config
-from direct_frontend.pipeline.failover import FailoverConfig
+from direct_frontend.pipeline.admission import Rejected
 from direct_frontend.pipeline.preprocess import Kind, prepare
 from direct_frontend.pipeline.relay import Relay
+from direct_frontend.pipeline.settings import Settings
 from direct_frontend.text.model_dir import TextModel
+
+#: an endpoint: the request's settings snapshot and its ASGI triple in, the HTTP status out
+Handler = Callable[[Settings, Scope, Receive, Send], Awaitable[int]]
 
 
 class App:
-    """One instance per daemon; holds references to the planes, no per-request state."""
+    """One instance per daemon; holds references to the planes, no per-request state.
+
+    Each request reads the control plane's settings snapshot once, on arrival,
+    and keeps it to its end.
+    """
 
     def __init__(
-        self,
-        frontend: FrontendConfig,
-        text_model: TextModel,
-        supervisor: Supervisor,
-        relay: Relay,
-        metrics: Metrics,
-        control: ControlView | None = None,
+        self, control: ControlView, relay: Relay, text_model: TextModel, metrics: Metrics
     ) -> None:
-        self.frontend = frontend  # replaced whole when a reload changes [frontend]
-        self.control = control  # the admin endpoints' view of the control plane
-        self.text_model = text_model
-        self.supervisor = supervisor
+        self.control = control
         self.relay = relay
+        self.text_model = text_model
         self.metrics = metrics
-        self.failover = FailoverConfig.from_fleet(frontend.faults)
-        self.admission = Admission(admission_config(frontend.limits))
         self.bound_urls: list[str] = []
         self.http_stopped = trio.Event()
         self.started_at = int(time.time())
-        self._routes: dict[str, dict[str, Callable[[Scope, Receive, Send], Awaitable[int]]]] = {
+        self._routes: dict[str, dict[str, Handler]] = {
             "/v1/chat/completions": {"POST": self._chat},
             "/v1/completions": {"POST": self._completions},
             "/v1/models": {"GET": self._models},
@@ -91,18 +83,20 @@ class App:
         if scope["type"] == "lifespan":
             await lifespan(receive, send)
             return
+        settings = self.control.settings
         if scope["type"] == "websocket":
-            await self._websocket(scope, receive, send)
+            await self._websocket(settings.frontend, scope, receive, send)
             return
         if scope["type"] != "http":
             return
         path, method = scope["path"], scope["method"]
         started = time.perf_counter()
         methods = self._routes.get(path)
-        if methods is not None and path.startswith("/fleet") and not self._admin_enabled:
+        admin_enabled = settings.frontend.admin.enabled
+        if methods is not None and path.startswith("/fleet") and not admin_enabled:
             methods = None  # admin disabled: the routes do not exist
         handler = methods.get(method) if methods else None
-        if handler is not None and (denied := self._denied(scope)) is not None:
+        if handler is not None and (denied := _denied(settings.frontend, scope)) is not None:
             await send_error(send, denied)
             self.metrics.request_started()
             self.metrics.request_finished(path, denied.status, 0.0)
@@ -120,74 +114,49 @@ class App:
         self.metrics.request_started()
         receive, send = hide_recycle_disconnect(receive, send)
         try:
-            status = await handler(scope, receive, send)
+            status = await handler(settings, scope, receive, send)
         finally:
             self.metrics.request_finished(path, status, time.perf_counter() - started)
 
-    # -- auth and admin ---------------------------------------------------------------
+    # -- admin -------------------------------------------------------------------------
 
-    @property
-    def _admin_enabled(self) -> bool:
-        return self.control is not None and self.frontend.admin.enabled
-
-    def _denied(self, scope: Scope) -> OpenAIHTTPError | None:
-        """401 unless the request carries the credential its endpoint needs (if any)."""
-        path = scope["path"]
-        if path.startswith("/v1/"):
-            keys = self.frontend.auth.api_keys
-            if keys and not credential_ok(scope, keys):
-                return unauthorized()
-        elif path.startswith("/fleet"):
-            token = self.frontend.admin.token
-            if token is not None and not credential_ok(scope, (token,)):
-                return unauthorized("admin token")
-        return None
-
-    def apply_frontend(self, frontend: FrontendConfig) -> None:
-        """Switch to a reloaded ``[frontend]``: later requests see the new limits and keys."""
-        if frontend.limits != self.frontend.limits:
-            # requests admitted under the old limits finish under them
-            self.admission = Admission(admission_config(frontend.limits))
-        self.failover = FailoverConfig.from_fleet(frontend.faults)
-        self.frontend = frontend
-
-    async def _fleet(self, scope: Scope, receive: Receive, send: Send) -> int:
-        assert self.control is not None
+    async def _fleet(self, settings: Settings, scope: Scope, receive: Receive, send: Send) -> int:
         body = json.dumps(self.control.status(), separators=(",", ":")).encode()
         await send_body(send, 200, body)
         return 200
 
-    async def _fleet_reload(self, scope: Scope, receive: Receive, send: Send) -> int:
-        assert self.control is not None
+    async def _fleet_reload(
+        self, settings: Settings, scope: Scope, receive: Receive, send: Send
+    ) -> int:
         result = await self.control.reload("api")
         status = 200 if result.get("ok") else 422
         await send_body(send, status, json.dumps(result, separators=(",", ":")).encode())
         return status
 
-    async def _websocket(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["path"] != "/fleet/events" or not self._admin_enabled:
+    async def _websocket(
+        self, frontend: FrontendConfig, scope: Scope, receive: Receive, send: Send
+    ) -> None:
+        if scope["path"] != "/fleet/events" or not frontend.admin.enabled:
             await receive()  # websocket.connect
             await send({"type": "websocket.close", "code": 1008})
             return
-        assert self.control is not None
-        token = self.frontend.admin.token
+        token = frontend.admin.token
         authorized = token is None or credential_ok(scope, (token,))
         await events_socket(self.control, scope, receive, send, authorized)
 
     # -- small endpoints --------------------------------------------------------------
 
-    async def _models(self, scope: Scope, receive: Receive, send: Send) -> int:
-        body = render_models([self.frontend.served_model_name], self.started_at)
+    async def _models(self, settings: Settings, scope: Scope, receive: Receive, send: Send) -> int:
+        body = render_models([settings.frontend.served_model_name], self.started_at)
         await send_body(send, 200, body)
         return 200
 
-    async def _health(self, scope: Scope, receive: Receive, send: Send) -> int:
+    async def _health(self, settings: Settings, scope: Scope, receive: Receive, send: Send) -> int:
         await send_body(send, 200, b'{"status":"ok"}')
         return 200
 
-    async def _ready(self, scope: Scope, receive: Receive, send: Send) -> int:
-        serving = self.supervisor.serving_count
-        total = len(self.supervisor.children)
+    async def _ready(self, settings: Settings, scope: Scope, receive: Receive, send: Send) -> int:
+        serving, total = self.control.ready()
         status = 200 if serving else 503
         body = b'{"ready":%s,"serving":%d,"engines":%d}' % (
             b"true" if serving else b"false", serving, total,
@@ -195,30 +164,27 @@ class App:
         await send_body(send, status, body)
         return status
 
-    async def _metrics(self, scope: Scope, receive: Receive, send: Send) -> int:
-        for name, child in self.supervisor.children.items():
-            self.metrics.set_engine_state(name, child.state.value)  # type: ignore[arg-type]
-            load = child.handle.load.in_flight if child.handle is not None else 0
-            self.metrics.set_engine_in_flight(name, load)
-        if self.supervisor.kv is not None:
-            self.supervisor.kv.export()
+    async def _metrics(self, settings: Settings, scope: Scope, receive: Receive, send: Send) -> int:
+        self.control.collect_metrics()
         body, content_type = self.metrics.render()
         await send_body(send, 200, body, content_type.encode())
         return 200
 
     # -- generation --------------------------------------------------------------------
 
-    async def _chat(self, scope: Scope, receive: Receive, send: Send) -> int:
-        return await self._generate("chat", scope, receive, send)
+    async def _chat(self, settings: Settings, scope: Scope, receive: Receive, send: Send) -> int:
+        return await self._generate("chat", settings, receive, send)
 
-    async def _completions(self, scope: Scope, receive: Receive, send: Send) -> int:
-        return await self._generate("completion", scope, receive, send)
+    async def _completions(
+        self, settings: Settings, scope: Scope, receive: Receive, send: Send
+    ) -> int:
+        return await self._generate("completion", settings, receive, send)
 
-    async def _generate(self, kind: Kind, scope: Scope, receive: Receive, send: Send) -> int:
+    async def _generate(self, kind: Kind, settings: Settings, receive: Receive, send: Send) -> int:
         request_id = new_request_id()
         token = current_request_id.set(request_id)
         headers = [(b"x-request-id", request_id.encode())]
-        frontend, failover, admission = self.frontend, self.failover, self.admission
+        frontend = settings.frontend
         try:
             try:
                 body = await read_body(receive, frontend.max_body_bytes)
@@ -237,9 +203,9 @@ class App:
             try:
                 # Admitted before an engine is chosen, so a request that waited in the
                 # queue is placed on the fleet as it is when it leaves the queue.
-                async with admission.slot():
+                async with settings.admission.slot():
                     try:
-                        state = self.relay.begin(prepared, frontend, failover)
+                        state = self.relay.begin(settings, prepared)
                     except OpenAIHTTPError as err:
                         await send_error(send, err, headers)
                         return err.status
@@ -252,3 +218,17 @@ class App:
                 return refusal.status
         finally:
             current_request_id.reset(token)
+
+
+def _denied(frontend: FrontendConfig, scope: Scope) -> OpenAIHTTPError | None:
+    """401 unless the request carries the credential its endpoint needs (if any)."""
+    path = scope["path"]
+    if path.startswith("/v1/"):
+        keys = frontend.auth.api_keys
+        if keys and not credential_ok(scope, keys):
+            return unauthorized()
+    elif path.startswith("/fleet"):
+        token = frontend.admin.token
+        if token is not None and not credential_ok(scope, (token,)):
+            return unauthorized("admin token")
+    return None

@@ -54,7 +54,6 @@ ROOM_LIMIT = 2**31 - 1  # bootstrap_room is an int32: rooms are drawn from [0, R
 DEFAULT_BOOTSTRAP_PORT = 8998  # SGLang's --disaggregation-bootstrap-port (and Mooncake's) default
 MOONCAKE = "MooncakeConnector"
 NIXL = "NixlConnector"
-DEFAULT_STALL_TIMEOUT_S = 30.0
 
 
 def _json(value: dict[str, object]) -> str:
@@ -217,8 +216,7 @@ class DisaggPlanner:
     """Picks prefill/decode pairs and builds their legs; one per dispatcher.
 
     It follows the fleet's policy: when a reload replaces that policy, the
-    per-role policies are rebuilt from the new one. ``stall_timeout_s``
-    bounds a sequential prefill leg, which no client-side stall watch covers.
+    per-role policies are rebuilt from the new one.
     """
 
     def __init__(self, rng: random.Random | None = None) -> None:
@@ -226,12 +224,24 @@ class DisaggPlanner:
         self._source: Policy | None = None
         self.prefill_policy: Policy = RoundRobin()
         self.decode_policy: Policy = RoundRobin()
-        self.stall_timeout_s = DEFAULT_STALL_TIMEOUT_S
+        self._before: tuple[Policy | None, Policy, Policy] = (None, RoundRobin(), RoundRobin())
 
     def follow(self, policy: Policy) -> None:
-        if policy is not self._source:
+        """Pair with per-role policies modelled on ``policy``, the fleet policy of a request.
+
+        Requests admitted before a reload still carry the fleet policy before
+        it, so the role policies of that one are kept too: a retry of such a
+        request going back to them loses no routing state.
+        """
+        if policy is self._source:
+            return
+        before = (self._source, self.prefill_policy, self.decode_policy)
+        if policy is self._before[0]:
+            _, self.prefill_policy, self.decode_policy = self._before
+        else:
             self.prefill_policy, self.decode_policy = role_policies(policy)
-            self._source = policy
+        self._source = policy
+        self._before = before
 
     def choose_decode(
         self,

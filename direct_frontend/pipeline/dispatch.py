@@ -24,15 +24,22 @@ __all__ = ["Dispatcher", "EngineCall", "FleetView"]
 
 
 class Dispatcher:
-    def __init__(
-        self, fleet: FleetView, policy: Policy, disagg: DisaggPlanner | None = None
-    ) -> None:
+    """Places requests with the fleet policy of their settings; one per daemon.
+
+    It holds no settings of its own: each call gets the policy (or stall
+    timeout) of the request's snapshot.
+    """
+
+    def __init__(self, fleet: FleetView, disagg: DisaggPlanner | None = None) -> None:
         self.fleet = fleet
-        self.policy = policy
         self.disagg = disagg if disagg is not None else DisaggPlanner()
 
     def choose(
-        self, input_ids: tuple[int, ...], max_tokens: int, exclude: Collection[str] = ()
+        self,
+        policy: Policy,
+        input_ids: tuple[int, ...],
+        max_tokens: int,
+        exclude: Collection[str] = (),
     ) -> Placement:
         """Where a request goes: a pair's decode engine when P/D serves, else an aggregated one.
 
@@ -41,32 +48,35 @@ class Dispatcher:
         """
         catalog = self.fleet.catalog
         request = RequestView(input_ids, max_tokens)
-        placement = self.disagg.choose_decode(catalog, request, exclude, self.policy)
+        placement = self.disagg.choose_decode(catalog, request, exclude, policy)
         if placement is None:
-            placement = self.policy.choose(catalog, request, exclude)
+            placement = policy.choose(catalog, request, exclude)
         if placement is None:
             raise NoEngineAvailable("no engine is serving")
         return placement
 
-    def complete(self, placement: Placement, token_ids: Sequence[int]) -> None:
+    def complete(self, policy: Policy, placement: Placement, token_ids: Sequence[int]) -> None:
         """A request ended well at ``placement``: tell the policy that placed it."""
         if placement.engine.role is EngineRole.DECODE:
             self.disagg.decode_policy.on_complete(placement, token_ids)
         else:
-            self.policy.on_complete(placement, token_ids)
+            policy.on_complete(placement, token_ids)
 
     def run(
-        self, placement: Placement, call: GenerateCall, *, exclude: Collection[str] = ()
+        self,
+        placement: Placement,
+        call: GenerateCall,
+        *,
+        exclude: Collection[str] = (),
+        stall_timeout_s: float,
     ) -> AbstractAsyncContextManager[EngineCall]:
         """Run ``call`` at ``placement``; leaving early aborts it on the engine.
 
         On a decode engine this is a disaggregated call: a prefill engine
-        (not in ``exclude``) runs the prefill leg and the engine call is the
-        decode leg's. The placement's KV blocks count in the engine's load
-        while the call runs.
+        (not in ``exclude``) runs the prefill leg, bounded by ``stall_timeout_s``
+        when it runs first, and the engine call is the decode leg's. The
+        placement's KV blocks count in the engine's load while the call runs.
         """
         if placement.engine.role is EngineRole.DECODE:
-            return run_pair(
-                self.fleet, self.disagg, placement, call, exclude, self.disagg.stall_timeout_s
-            )
+            return run_pair(self.fleet, self.disagg, placement, call, exclude, stall_timeout_s)
         return run_leg(self.fleet, placement.engine, call, placement.blocks)

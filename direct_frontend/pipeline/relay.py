@@ -33,7 +33,6 @@ import trio
 
 from direct_frontend.engines.neutral import EngineEvent, Finished, GenerateCall, TokenDelta
 from direct_frontend.errors import EngineError, ErrorKind, NoEngineAvailable
-from direct_frontend.fleet.schema import FrontendConfig
 from direct_frontend.observability.metrics import Metrics
 from direct_frontend.openai.errors import (
     OpenAIHTTPError,
@@ -44,17 +43,13 @@ from direct_frontend.openai.errors import (
 )
 from direct_frontend.openai.types import ChatRequest, CompletionRequest
 from direct_frontend.pipeline.dispatch import Dispatcher
-from direct_frontend.pipeline.failover import (
-    Decision,
-    FailoverConfig,
-    FailoverState,
-    continuation,
-)
+from direct_frontend.pipeline.failover import Decision, FailoverState, continuation
 from direct_frontend.pipeline.postprocess import OutputProcessor, OutputStep
 from direct_frontend.pipeline.preprocess import PreparedRequest, build_call, token_budget
+from direct_frontend.pipeline.settings import Settings
 from direct_frontend.routing.catalog import EngineHandle
 from direct_frontend.routing.hitrate import HitRateWatch
-from direct_frontend.routing.policies import Placement
+from direct_frontend.routing.policies import Placement, Policy
 from direct_frontend.text.model_dir import TextModel
 
 log = logging.getLogger("direct_frontend.http")  # the request log's name, as it always was
@@ -86,12 +81,19 @@ class EventQueue(Protocol):
 
 class Placer(Protocol):
     def choose(
-        self, input_ids: tuple[int, ...], max_tokens: int, exclude: Collection[str] = ()
+        self,
+        policy: Policy,
+        input_ids: tuple[int, ...],
+        max_tokens: int,
+        exclude: Collection[str] = (),
     ) -> Placement: ...
 
 
 class RelayState:
-    """The decisions of one request's relay (sans-IO; the clock is passed in)."""
+    """The decisions of one request's relay (sans-IO; the clock is passed in).
+
+    ``settings`` is the snapshot the request arrived under; it keeps it to its end.
+    """
 
     __slots__ = (
         "cached_tokens",
@@ -106,33 +108,33 @@ class RelayState:
         "prepared",
         "processor",
         "request",
-        "request_timeout_s",
+        "settings",
         "stall_timeout_s",
         "started",
     )
 
     def __init__(
         self,
+        settings: Settings,
         prepared: PreparedRequest,
         placement: Placement,
         call: GenerateCall,
         processor: OutputProcessor,
-        failover: FailoverState,
         *,
         now: float,
-        request_timeout_s: float,
         started: float = 0.0,
     ) -> None:
+        self.settings = settings
         self.prepared = prepared
         self.request: ChatRequest | CompletionRequest = prepared.request
         self.placement = placement  # this attempt's; the first one's predictions are checked
         self.call = call
         self.original_call = call  # every continuation starts from the client's own prompt
         self.processor = processor
-        self.failover = failover
-        self.stall_timeout_s = failover.config.stall_timeout_s
-        self.request_timeout_s = request_timeout_s
-        self.deadline = now + request_timeout_s  # the engine-side time for the whole request
+        self.failover = FailoverState(settings.failover)
+        self.stall_timeout_s = settings.failover.stall_timeout_s
+        # the engine-side time for the whole request
+        self.deadline = now + settings.frontend.request_timeout_s
         self.phase = Phase.RELAYING
         self.cached_tokens: int | None = None
         self.final: OutputStep | None = None
@@ -259,7 +261,8 @@ class RelayState:
             raise error
         try:
             placement = placer.choose(
-                self.prepared.input_ids, self.processor.remaining_tokens, self.failover.tried
+                self.settings.policy, self.prepared.input_ids, self.processor.remaining_tokens,
+                self.failover.tried,
             )
         except NoEngineAvailable:
             self._give_up()
@@ -286,9 +289,8 @@ class RelayState:
     def error_for(self, error: EngineError) -> OpenAIHTTPError:
         """What the client is told when the request gave up after ``error``."""
         if self.phase is Phase.TIMED_OUT:
-            return engine_timeout(
-                f"The request did not finish within {self.request_timeout_s:g} s."
-            )
+            timeout = self.settings.frontend.request_timeout_s
+            return engine_timeout(f"The request did not finish within {timeout:g} s.")
         if self.failover.all_overloaded:
             return rate_limited("Every engine is saturated; retry later.", retry_after=1)
         return from_engine_error(error)
@@ -309,18 +311,20 @@ class Relay:
         self.metrics = metrics
         self.hit_rate = hit_rate
 
-    def begin(
-        self, prepared: PreparedRequest, frontend: FrontendConfig, failover: FailoverConfig
-    ) -> RelayState:
+    def begin(self, settings: Settings, prepared: PreparedRequest) -> RelayState:
         """Place an admitted request; a 503 when no engine serves, a 400 when it cannot fit."""
         request = prepared.request
         try:
-            placement = self.dispatcher.choose(prepared.input_ids, request.max_tokens or 0)
+            placement = self.dispatcher.choose(
+                settings.policy, prepared.input_ids, request.max_tokens or 0
+            )
         except NoEngineAvailable:
             raise no_engine_available(request.model) from None
         if placement.spilled:
             self.metrics.kv_load_guard_spills_total.inc()
-        max_tokens = token_budget(prepared, placement.engine, frontend.max_tokens_default)
+        max_tokens = token_budget(
+            prepared, placement.engine, settings.frontend.max_tokens_default
+        )
         # Engine-side stop strings are not used: we stop all engine kinds the same way.
         # A non-streaming request without stop strings lets the engine send one message.
         call = build_call(prepared, max_tokens, stream=request.stream or bool(request.stop))
@@ -332,9 +336,8 @@ class Relay:
             stop_token_ids=(*eos, *request.stop_token_ids),
         )
         return RelayState(
-            prepared, placement, call, processor, FailoverState(failover),
-            now=trio.current_time(), request_timeout_s=frontend.request_timeout_s,
-            started=time.perf_counter(),
+            settings, prepared, placement, call, processor,
+            now=trio.current_time(), started=time.perf_counter(),
         )
 
     async def run(self, state: RelayState, emit: Emit) -> None:
@@ -350,7 +353,8 @@ class Relay:
             engine = placement.engine
             try:
                 async with self.dispatcher.run(
-                    placement, state.call, exclude=state.failover.tried
+                    placement, state.call, exclude=state.failover.tried,
+                    stall_timeout_s=state.stall_timeout_s,
                 ) as engine_call:  # on a decode engine: its prefill leg first (P/D)
                     receiver = engine_call.events
                     movers = engine.load.movers
@@ -395,7 +399,9 @@ class Relay:
         if not ok:
             return
         placement = state.placement
-        self.dispatcher.complete(placement, prepared.input_ids + state.processor.generated_ids)
+        self.dispatcher.complete(
+            state.settings.policy, placement, prepared.input_ids + state.processor.generated_ids
+        )
         predicted = placement.predicted_cached_tokens
         if predicted is not None and not state.failover.tried:
             self.hit_rate.record(predicted, state.cached_tokens or 0)

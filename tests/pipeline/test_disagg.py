@@ -139,6 +139,19 @@ def test_role_policies_follow_the_fleet_policy() -> None:
     assert isinstance(planner.prefill_policy, RoundRobin)
 
 
+def test_role_policies_of_the_fleet_policy_before_a_reload_are_kept() -> None:
+    planner = DisaggPlanner()
+    old, new = KvAware(KvKnobs(block_size=4)), KvAware(KvKnobs(block_size=4))
+    planner.follow(old)
+    before = planner.prefill_policy
+    planner.follow(new)  # a reload; requests admitted before it still carry ``old``
+    after = planner.prefill_policy
+    planner.follow(old)
+    assert planner.prefill_policy is before  # its routing state is still there
+    planner.follow(new)
+    assert planner.prefill_policy is after
+
+
 def test_kv_aware_prefill_blocks_count_in_the_prefill_engines_load() -> None:
     planner = DisaggPlanner()
     planner.follow(KvAware(KvKnobs(block_size=2)))

@@ -19,43 +19,44 @@ PROMPT = tuple(range(100, 116))  # 4 blocks of 4
 
 def test_an_aggregated_placement_carries_the_fleet_policys_predictions() -> None:
     policy = KvAware(KvKnobs(block_size=4))
-    dispatcher = Dispatcher(Fleet(Catalog(1, (engine("a"),))), policy)
-    placement = dispatcher.choose(PROMPT, 16)
+    dispatcher = Dispatcher(Fleet(Catalog(1, (engine("a"),))))
+    placement = dispatcher.choose(policy, PROMPT, 16)
     assert placement.engine.name == "a"
     assert placement.blocks == tuple(prefix_hashes(PROMPT, 4))
     assert placement.predicted_cached_tokens == 0  # nothing sent there yet
-    again = dispatcher.choose(PROMPT, 16)  # approximate mode: the router remembers
+    again = dispatcher.choose(policy, PROMPT, 16)  # approximate mode: the router remembers
     assert again.predicted_cached_tokens == 3 * 4
 
 
 def test_a_pair_is_placed_by_its_decode_engine_and_predicts_nothing() -> None:
     catalog = Catalog(1, (engine("agg"), engine("p", EngineRole.PREFILL),
                           engine("d", EngineRole.DECODE)))
-    dispatcher = Dispatcher(Fleet(catalog), KvAware(KvKnobs(block_size=4)))
-    placement = dispatcher.choose(PROMPT, 16)
+    policy = KvAware(KvKnobs(block_size=4))
+    dispatcher = Dispatcher(Fleet(catalog))
+    placement = dispatcher.choose(policy, PROMPT, 16)
     assert placement.engine.name == "d"
     # a decode engine's cached tokens are the transferred KV: no prediction, no blocks
     assert (placement.blocks, placement.predicted_cached_tokens, placement.spilled) == (
         (), None, False
     )
     # the prefill engine excluded (it failed): no pair left, the aggregated engine serves
-    assert dispatcher.choose(PROMPT, 16, exclude={"p"}).engine.name == "agg"
+    assert dispatcher.choose(policy, PROMPT, 16, exclude={"p"}).engine.name == "agg"
     with pytest.raises(NoEngineAvailable):
-        dispatcher.choose(PROMPT, 16, exclude={"p", "agg"})
+        dispatcher.choose(policy, PROMPT, 16, exclude={"p", "agg"})
 
 
 def test_completion_reaches_the_policy_that_placed_the_request() -> None:
     policy = KvAware(KvKnobs(block_size=4))
     catalog = Catalog(1, (engine("a", incarnation=1), engine("p", EngineRole.PREFILL, 2),
                           engine("d", EngineRole.DECODE, 3)))
-    dispatcher = Dispatcher(Fleet(catalog), policy)
+    dispatcher = Dispatcher(Fleet(catalog))
     answer = (7,) * 8
     whole = prefix_hashes(PROMPT + answer, 4)
-    pair = dispatcher.choose(PROMPT, 16)
+    pair = dispatcher.choose(policy, PROMPT, 16)
     assert pair.engine.name == "d"
-    dispatcher.complete(pair, PROMPT + answer)
+    dispatcher.complete(policy, pair, PROMPT + answer)
     assert policy.overlaps(whole, policy.clock(), catalog.engines) == {}  # not the fleet's
-    aggregated = dispatcher.choose(PROMPT, 16, exclude={"p"})
-    dispatcher.complete(aggregated, PROMPT + answer)
+    aggregated = dispatcher.choose(policy, PROMPT, 16, exclude={"p"})
+    dispatcher.complete(policy, aggregated, PROMPT + answer)
     assert policy.overlaps(whole, policy.clock(), catalog.engines) == {"a": len(whole)}
     assert isinstance(dispatcher.disagg.decode_policy, LeastLoaded)

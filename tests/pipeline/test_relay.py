@@ -3,27 +3,29 @@
 from __future__ import annotations
 
 import collections
+from pathlib import Path
 
 import pytest
 
 from direct_frontend.engines.neutral import EngineEvent, Finished, FinishReason, TokenDelta
 from direct_frontend.errors import EngineError, ErrorKind
-from direct_frontend.fleet.schema import FaultsConfig
+from direct_frontend.fleet.schema import FaultsConfig, FrontendConfig
 from direct_frontend.openai.types import CompletionRequest
 from direct_frontend.pipeline.dispatch import Dispatcher
-from direct_frontend.pipeline.failover import Decision, FailoverConfig, FailoverState
+from direct_frontend.pipeline.failover import Decision
 from direct_frontend.pipeline.postprocess import OutputProcessor
 from direct_frontend.pipeline.preprocess import PreparedRequest, build_call
 from direct_frontend.pipeline.relay import Phase, RelayState
+from direct_frontend.pipeline.settings import Settings
 from direct_frontend.routing.catalog import Catalog
 from direct_frontend.routing.policies import RoundRobin
 from direct_frontend.text.model_dir import TextModel
 from tests.support.fleet import StaticFleet, engine
 
 PROMPT = (11, 12, 13, 14)
-STALL_S = 30.0
-TIMEOUT_S = 600.0
 DEFAULT_FAULTS = FaultsConfig()
+STALL_S = DEFAULT_FAULTS.stall_timeout_s
+TIMEOUT_S = 90.0
 
 
 class Queued:
@@ -50,15 +52,16 @@ def relay_state(
     faults: FaultsConfig = DEFAULT_FAULTS,
 ) -> tuple[RelayState, Dispatcher]:
     """A request placed on the catalog's first engine, as the relay starts it."""
+    frontend = FrontendConfig(served_model_name="demo", tokenizer=Path("demo-model"),
+                              request_timeout_s=TIMEOUT_S, faults=faults)
+    settings = Settings.first(frontend, RoundRobin())
     request = CompletionRequest(model="demo", prompt=PROMPT, max_tokens=max_tokens, stop=stop)
     prepared = PreparedRequest("completion", "req", request, PROMPT, "")
-    dispatcher = Dispatcher(StaticFleet(catalog), RoundRobin())
-    placement = dispatcher.choose(PROMPT, max_tokens)
+    dispatcher = Dispatcher(StaticFleet(catalog))
+    placement = dispatcher.choose(settings.policy, PROMPT, max_tokens)
     processor = OutputProcessor(text_model.new_detokenizer(), stop, max_tokens)
-    state = RelayState(
-        prepared, placement, build_call(prepared, max_tokens, stream=True), processor,
-        FailoverState(FailoverConfig.from_fleet(faults)), now=100.0, request_timeout_s=TIMEOUT_S,
-    )
+    call = build_call(prepared, max_tokens, stream=True)
+    state = RelayState(settings, prepared, placement, call, processor, now=100.0)
     return state, dispatcher
 
 
@@ -100,7 +103,7 @@ def test_an_error_behind_tokens_is_raised_at_the_next_wait(text_model: TextModel
 
 def test_the_stall_watch_never_outlasts_the_request(text_model: TextModel) -> None:
     state, _ = relay_state(text_model, two_engines())
-    assert state.wait(200.0) == 200.0 + STALL_S
+    assert state.wait(110.0) == 110.0 + STALL_S
     assert state.wait(state.deadline - 1.0) == state.deadline
 
 
