@@ -14,7 +14,7 @@ import json
 import os
 import pathlib
 import sys
-from typing import Annotated, Literal, Optional, cast
+from typing import Annotated, Optional, cast, get_args
 
 import typer
 
@@ -196,18 +196,20 @@ def simulate_engine(
 ) -> None:
     """Serve a simulated engine speaking the stock gRPC contract of KIND."""
     from direct_frontend.simulator.cli import run as run_simulator
+    from direct_frontend.simulator.core import EngineKind, SimRole
 
-    if kind not in ("sglang", "vllm", "trtllm"):
-        raise typer.BadParameter(f"{kind!r}: expected sglang, vllm or trtllm", param_hint="--kind")
-    if role not in ("both", "prefill", "decode"):
-        raise typer.BadParameter(f"{role!r}: expected both, prefill or decode", param_hint="--role")
+    kinds, roles = get_args(EngineKind), get_args(SimRole)
+    if kind not in kinds:
+        raise typer.BadParameter(f"{kind!r}: expected {_one_of(kinds)}", param_hint="--kind")
+    if role not in roles:
+        raise typer.BadParameter(f"{role!r}: expected {_one_of(roles)}", param_hint="--role")
     run_simulator(
-        kind=cast(Literal["sglang", "vllm", "trtllm"], kind), host=host, port=port,
+        kind=cast(EngineKind, kind), host=host, port=port,
         model_dir=str(model_dir) if model_dir else None,
         served_model_name=served_model_name, context_length=context_length,
         prefill_us_per_token=prefill_us_per_token, decode_us_per_token=decode_us_per_token,
         max_running=max_running, eos_probability=eos_probability,
-        role=cast(Literal["both", "prefill", "decode"], role),
+        role=cast(SimRole, role),
         fault_die_after=fault_die_after, fault_hang_after=fault_hang_after,
         fault_status=fault_status, fault_status_after=fault_status_after,
         fault_token_delay_ms=fault_token_delay_ms, fault_only_request=fault_only_request,
@@ -218,6 +220,11 @@ def simulate_engine(
             "kv_events_port": kv_events_port, "kv_replay_port": kv_replay_port,
         },
     )
+
+
+def _one_of(choices: tuple[str, ...]) -> str:
+    """``a, b or c``."""
+    return f"{', '.join(choices[:-1])} or {choices[-1]}"
 
 
 @app.command()

@@ -40,6 +40,7 @@ from direct_frontend.fleet.watch import POLL_INTERVAL_S, FileStamp, stamp_of, wa
 from direct_frontend.http import coalesce
 from direct_frontend.http.app import App
 from direct_frontend.kv.index import KvIndex
+from direct_frontend.observability import shims
 from direct_frontend.observability.metrics import Metrics
 from direct_frontend.observability.sdnotify import Notifier
 from direct_frontend.pipeline.dispatch import Dispatcher
@@ -142,6 +143,7 @@ async def _serve_http(
     *, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     coalesce.install()  # response head and first body bytes in one write (http/coalesce.py)
+    shims.log_report(log)  # which hot-path shims are in use, and if not, why (ADR 0002)
     try:
         await serve(app, config,  # type: ignore[arg-type]
                     shutdown_trigger=shutdown.wait, task_status=task_status)

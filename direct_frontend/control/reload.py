@@ -30,7 +30,6 @@ from direct_frontend.observability.metrics import Metrics
 from direct_frontend.observability.sdnotify import Notifier
 from direct_frontend.pipeline.settings import Settings
 from direct_frontend.routing.factory import make_policy
-from direct_frontend.routing.kv_aware import KvKnobs
 from direct_frontend.routing.policies import Policy
 
 log = logging.getLogger("direct_frontend")
@@ -245,8 +244,7 @@ class ControlPlane:
 
 def kv_block_size(fleet: FleetConfig) -> int:
     """The KV index's block size: the kv_aware knob (or its default)."""
-    knobs = fleet.frontend.routing.knobs if fleet.frontend.routing.policy == "kv_aware" else {}
-    return KvKnobs.from_mapping(knobs).block_size
+    return fleet.frontend.routing.kv_aware.block_size
 
 
 def _read(path: Path) -> bytes:

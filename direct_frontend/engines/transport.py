@@ -8,7 +8,8 @@ no nursery ever sees them. Leaving the context early cancels the asyncio task,
 which resets the HTTP/2 stream (the engine sees a cancel). See docs/stack.md §3.
 
 The per-token hot path is kept short: the pump takes every whole message
-grpclib has already received in one go (:class:`_MessageReader`) and pushes
+grpclib has already received in one go (:mod:`~direct_frontend.engines.grpclib_reader`,
+a shim over grpclib's internals, the public iteration when it is off) and pushes
 their events as one channel item, and the asyncio task is owned by the
 context manager itself (created on entry, cancelled and awaited on exit), so
 a stream costs no Trio task or nursery of its own.
@@ -17,21 +18,18 @@ a stream costs no Trio task or nursery of its own.
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
-import functools
 import math
-import struct
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import trio
 import trio_asyncio
 from grpclib.client import Channel, UnaryStreamMethod, UnaryUnaryMethod
 from grpclib.config import Configuration
-from grpclib.encoding.proto import ProtoCodec
 
 from direct_frontend.engines.dialects.base import Dialect, Rpc, StreamDecoder
+from direct_frontend.engines.grpclib_reader import MessageReader
 from direct_frontend.engines.neutral import EngineEvent
 from direct_frontend.errors import EngineError
 
@@ -47,8 +45,6 @@ BATCH_MAX = 64
 
 #: one channel item: the events of the messages taken together, or the stream's error
 StreamItem = list[EngineEvent] | EngineError
-#: a gRPC message prefix: compressed flag, length
-_PREFIX = struct.Struct(">BI").unpack_from
 
 
 class EventReceiver:
@@ -95,142 +91,6 @@ class EventReceiver:
         event = item.pop()
         self._batch = item
         return event
-
-
-class _MessageReader:
-    """Whole gRPC messages taken straight from grpclib's receive buffer of one stream.
-
-    grpclib reads a stream one message at a time: two buffer reads, its
-    deadline/termination wrapper, an event dispatch and a flow-control ack
-    per DATA frame, about 10 µs per message on our cores. Engines send one
-    message per token and several have usually arrived by the time the pump
-    runs, so this reader takes *everything* already received in one go (one
-    ack for all of it), then cuts it at the 5-byte gRPC message prefixes. It
-    awaits only when no whole message is buffered, and then inside grpclib's
-    wrapper, so a lost connection, a stream reset or a deadline interrupts
-    the wait exactly as in grpclib's own ``recv_message``.
-
-    A shim over grpclib 0.4 internals (``Stream._stream.buffer``: an
-    ``asyncio.Queue`` of ``(data, data_size, ack_size)`` chunks, an empty one
-    at the end of the stream): :meth:`attach` returns ``None`` when they are
-    not there, and the pump then uses grpclib's public iteration. Event
-    listeners on the channel (``grpclib.events.RecvMessage``) are not called
-    for messages read this way; ours registers none.
-    """
-
-    __slots__ = ("_ack", "_buffer", "_chunks", "_decode", "_ended", "_need", "_queue",
-                 "_size", "_wrapper")
-
-    def __init__(self, call: Any) -> None:
-        buffer = call._stream.buffer
-        self._buffer = buffer
-        self._queue: asyncio.Queue[Any] = buffer._unacked
-        self._ack: Callable[[int], None] = buffer._ack_callback
-        self._wrapper: contextlib.AbstractContextManager[None] = call._wrapper
-        codec, message_type = call._codec, call._recv_type
-        self._decode: Callable[[bytes], Any] = (
-            message_type.FromString  # what ProtoCodec.decode calls, one call less per message
-            if type(codec) is ProtoCodec
-            else functools.partial(codec.decode, message_type=message_type)
-        )
-        self._chunks: list[bytes] = []  # received bytes not yet cut into messages
-        self._size = 0
-        self._need = 5  # bytes the next message needs, as far as known
-        self._ended = False
-        for chunk in buffer._acked:  # grpclib's own reads moved these already (none do)
-            self._append(bytes(chunk.data))
-        buffer._acked.clear()
-        buffer._acked_size = 0
-
-    @classmethod
-    def attach(cls, call: Any) -> _MessageReader | None:
-        """A reader for ``call`` (initial metadata received), or ``None`` if grpclib differs."""
-        try:
-            buffer = call._stream.buffer
-            ok = (
-                isinstance(buffer._unacked, asyncio.Queue)
-                and isinstance(buffer._acked, collections.deque)
-                and callable(buffer._ack_callback)
-                and isinstance(buffer._eof, bool)
-                and call._wrapper is not None
-                and callable(call._codec.decode)
-                and call._recv_type is not None
-                and (type(call._codec) is not ProtoCodec or callable(call._recv_type.FromString))
-            )
-        except AttributeError:
-            return None
-        return cls(call) if ok else None
-
-    def _append(self, data: bytes) -> None:
-        if data:
-            self._chunks.append(data)
-            self._size += len(data)
-
-    def _take_queued(self) -> None:
-        """Move every chunk grpclib has queued into our buffer, acking them all at once."""
-        queue = self._queue
-        ack = 0
-        while not queue.empty():
-            data, size, ack_size = queue.get_nowait()
-            ack += ack_size
-            if size:
-                self._chunks.append(data)
-                self._size += size
-            elif not ack_size and self._buffer._eof and queue.empty():
-                self._ended = True  # grpclib's end-of-stream marker (always last)
-        if ack:
-            self._ack(ack)
-
-    def _cut(self, limit: int) -> list[Any]:
-        """Decode up to ``limit`` whole messages from the buffered bytes."""
-        if self._size < self._need:
-            return []
-        chunks = self._chunks
-        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-        end_of_data = len(data)
-        decode = self._decode
-        messages: list[Any] = []
-        pos = 0
-        need = 5
-        while end_of_data - pos >= 5:
-            compressed, length = _PREFIX(data, pos)
-            if compressed:
-                raise NotImplementedError("Compression not implemented")  # as grpclib
-            end = pos + 5 + length
-            if end > end_of_data:
-                need = end - pos
-                break
-            messages.append(decode(data[pos + 5 : end]))
-            pos = end
-            if len(messages) >= limit:
-                break
-        rest = data[pos:] if pos else data
-        self._chunks = [rest] if rest else []
-        self._size = len(rest)
-        self._need = need
-        return messages
-
-    async def batch(self, limit: int) -> list[Any] | None:
-        """The next 1..``limit`` messages, waiting for one if none is buffered; ``None`` at
-        the end of the stream."""
-        while True:
-            self._take_queued()
-            messages = self._cut(limit)
-            if messages:
-                return messages
-            if self._ended:
-                if self._size:
-                    raise AssertionError("Received less data than expected")  # as grpclib
-                return None
-            with self._wrapper:
-                data, size, ack_size = await self._queue.get()
-            if ack_size:
-                self._ack(ack_size)
-            if size:
-                self._chunks.append(data)
-                self._size += size
-            elif not ack_size and self._buffer._eof and self._queue.empty():
-                self._ended = True
 
 
 class EngineChannel:
@@ -293,7 +153,7 @@ class EngineChannel:
                         await call.send_message(rpc.request, end=True)
                         self._note_connection()
                         await call.recv_initial_metadata()
-                        reader = _MessageReader.attach(call)
+                        reader = MessageReader.attach(call)
                         if reader is None:
                             await _pump_public(call, decoder, tx)
                         else:

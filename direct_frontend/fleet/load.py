@@ -1,7 +1,11 @@
 """Read a fleet file into a :class:`~direct_frontend.fleet.schema.FleetConfig`.
 
-Every rule of the fleet file lives here. The checker keeps going after a
-problem (substituting the default so later checks still run) and raises one
+The schema says what each table holds, and :class:`~.checker.Checker` reads
+it by that; the rules here are the ones that are not a field's type or range:
+the listen address and the tokenizer path, URLs and KV endpoints, P/D roles
+and bootstrap ports (by what each engine kind's dialect can do), the
+simulator gate, and the rules between engines. The checker keeps going after
+a problem (substituting the default so later checks still run) and raises one
 :class:`FleetError` with all of them, so an operator fixes a file in one
 pass. Only :func:`load_fleet` touches the filesystem, and only to read the
 file: whether the tokenizer directory exists is a run-time question.
@@ -10,35 +14,42 @@ file: whether the tokenizer directory exists is a run-time question.
 from __future__ import annotations
 
 import dataclasses
-import datetime
-import ipaddress
-import json
-import math
 import re
 import tomllib
-from collections.abc import Sequence
 from pathlib import Path
-from typing import TypeVar
+from typing import TypeVar, cast
 
+from direct_frontend.engines.dialects import dialect_for
+from direct_frontend.engines.dialects.base import Capabilities
 from direct_frontend.engines.neutral import EngineRole
+from direct_frontend.fleet.address import (
+    Endpoint,
+    endpoint_key,
+    endpoint_text,
+    host_port,
+    is_loopback,
+    split_url,
+)
+from direct_frontend.fleet.checker import (
+    Checker,
+    Table,
+    default_of,
+    described,
+    field_name,
+    keys_of,
+    required_keys,
+)
 from direct_frontend.fleet.locate import KeyPath, Locator
 from direct_frontend.fleet.problems import FleetError, FleetProblem
 from direct_frontend.fleet.schema import (
     ENGINE_KINDS,
-    ROUTING_POLICIES,
-    AdminConfig,
-    AuthConfig,
     EngineConfig,
-    EngineKind,
-    FaultsConfig,
     FleetConfig,
     FrontendConfig,
     Knobs,
     KnobValue,
-    LimitsConfig,
-    ProbeConfig,
+    KvAwareKnobs,
     RoutingConfig,
-    RoutingPolicy,
     SimulatorConfig,
 )
 
@@ -46,66 +57,8 @@ __all__ = [
     "FleetError", "FleetProblem", "field_name", "load_fleet", "parse_fleet", "parse_fleet_bytes",
 ]
 
-_T = TypeVar("_T")
-Table = dict[str, object]
-Endpoint = tuple[str, int]  # host (IPv6 without brackets), port
+_D = TypeVar("_D")
 
-_TOP_KEYS = ("frontend", "engine")
-_FRONTEND_KEYS = (
-    "listen",
-    "served_model_name",
-    "tokenizer",
-    "max_body_bytes",
-    "max_tokens_default",
-    "request_timeout_s",
-    "log_json",
-    "drain_timeout_s",
-    "routing",
-    "probe",
-    "admin",
-    "auth",
-    "faults",
-    "limits",
-)
-_FAULTS_KEYS = ("max_retries", "max_migrations", "stall_timeout_s", "drain_migrate_after_s")
-_LIMITS_KEYS = ("max_in_flight", "max_queue", "queue_timeout_s")
-_ADMIN_KEYS = ("enabled", "token")
-_AUTH_KEYS = ("api_keys",)
-_ROUTING_KEYS = ("policy", "knobs")
-_PROBE_KEYS = (
-    "interval_s",
-    "timeout_s",
-    "failure_threshold",
-    "success_threshold",
-    "join_timeout_s",
-)
-_ENGINE_KEYS = (
-    "name",
-    "url",
-    "kind",
-    "role",
-    "kv_events",
-    "kv_replay",
-    "context_length",
-    "block_size",
-    "bootstrap_port",
-    "simulate",
-    "simulator",
-)
-_SIMULATOR_KEYS = (
-    "prefill_us_per_token",
-    "decode_us_per_token",
-    "max_running",
-    "vocab_size",
-    "eos_probability",
-    "context_length",
-    "served_model_name",
-)
-_ROLES = tuple(role.value for role in EngineRole)
-
-_BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
-_HOST_LABEL = r"[A-Za-z0-9_](?:[A-Za-z0-9_-]*[A-Za-z0-9_])?"
-_HOSTNAME = re.compile(rf"{_HOST_LABEL}(?:\.{_HOST_LABEL})*")
 _SYNTAX_AT = re.compile(
     r"^(?P<msg>.*) \(at (?:line (?P<line>\d+), column (?P<col>\d+)|end of document)\)$"
 )
@@ -156,18 +109,6 @@ def parse_fleet(text: str, source: Path) -> FleetConfig:
     return fleet
 
 
-def field_name(path: KeyPath) -> str:
-    """The dotted name of ``path`` as messages show it: ``engine[2].simulator.max_running``."""
-    out = ""
-    for part in path:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        else:
-            key = part if _BARE_KEY.fullmatch(part) else json.dumps(part, ensure_ascii=False)
-            out += f".{key}" if out else key
-    return out
-
-
 def _syntax_problem(file: str, text: str, exc: tomllib.TOMLDecodeError) -> FleetProblem:
     """Turn tomllib's message into a problem carrying its line and column."""
     found = _SYNTAX_AT.match(str(exc))
@@ -183,144 +124,8 @@ def _syntax_problem(file: str, text: str, exc: tomllib.TOMLDecodeError) -> Fleet
     return FleetProblem(file, line, "", f"invalid TOML: {message}", column)
 
 
-def _literal(value: object) -> str:
-    """A TOML-looking rendering of a scalar, for messages."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)  # inf, -inf, nan: TOML spells them the same
-    if isinstance(value, str):
-        shown = value if len(value) <= 60 else value[:57] + "..."
-        return json.dumps(shown, ensure_ascii=False)
-    if isinstance(value, datetime.date | datetime.time):
-        return value.isoformat()
-    return repr(value)
-
-
-def _describe(value: object) -> str:
-    """What a TOML value is, for "expected X, got Y" messages."""
-    if isinstance(value, bool):
-        kind = "boolean"
-    elif isinstance(value, int):
-        kind = "integer"
-    elif isinstance(value, float):
-        kind = "float"
-    elif isinstance(value, str):
-        kind = "string"
-    elif isinstance(value, datetime.datetime):
-        kind = "datetime"
-    elif isinstance(value, datetime.date):
-        kind = "date"
-    elif isinstance(value, datetime.time):
-        kind = "time"
-    elif isinstance(value, dict):
-        return "table"
-    elif isinstance(value, list):
-        return "array"
-    else:  # not reachable from tomllib
-        return type(value).__name__
-    return f"{kind} {_literal(value)}"
-
-
-def _kind(value: object) -> str:
-    """The type of a value without the value itself (for secrets)."""
-    return _describe(value).split(" ", 1)[0]
-
-
-def _range_message(value: float, minimum: float | None, maximum: float | None, above: bool) -> str:
-    got = _literal(value)
-    if minimum is not None and maximum is not None:
-        return f"must be between {minimum} and {maximum}, got {got}"
-    if minimum is not None:
-        return f"must be {'greater than' if above else 'at least'} {minimum}, got {got}"
-    return f"must be at most {maximum}, got {got}"
-
-
-def _valid_host(host: str) -> bool:
-    """A hostname or an IP literal; all-numeric names must be real IPv4 addresses."""
-    if not _HOSTNAME.fullmatch(host):
-        return False
-    if all(label.isdigit() for label in host.split(".")):
-        try:
-            ipaddress.IPv4Address(host)
-        except ValueError:
-            return False
-    return True
-
-
-def _host_port(text: str, *, min_port: int, scheme: str) -> Endpoint | str:
-    """Split ``host:port`` (IPv6 in brackets); a reason string when it is not one."""
-    form = f"{scheme}://host:port" if scheme else "host:port"
-    if text.startswith("["):
-        close = text.find("]")
-        if close < 0:
-            return "the IPv6 address has no closing ']'"
-        host, rest = text[1:close], text[close + 1 :]
-        try:
-            ipaddress.IPv6Address(host)
-        except ValueError:
-            return f"{host!r} is not an IPv6 address"
-        if not rest.startswith(":"):
-            return f"the port is missing (expected {form})"
-        port_text = rest[1:]
-    else:
-        if ":" not in text:
-            return f"the port is missing (expected {form})"
-        host, _, port_text = text.rpartition(":")
-        if ":" in host:
-            return "an IPv6 address must be in brackets, like [::1]:port"
-        if not host:
-            return f"the host is missing (expected {form})"
-        if not _valid_host(host):
-            return f"{host!r} is not a valid host name or IP address"
-    if not port_text:
-        return f"the port is missing (expected {form})"
-    if not (port_text.isascii() and port_text.isdigit()):
-        return f"the port {port_text!r} is not a number"
-    port = int(port_text)
-    if not min_port <= port <= 65535:
-        return f"the port must be between {min_port} and 65535, got {port}"
-    return host, port
-
-
-def _split_url(text: str, scheme: str) -> Endpoint | str | None:
-    """Parse ``scheme://host:port``: the endpoint, a reason, or None if not URL-shaped."""
-    sep = text.find("://")
-    if sep <= 0:
-        return None
-    if text[:sep] != scheme:
-        return f"the scheme must be {scheme}://, not {text[:sep]}://"
-    rest = text[sep + 3 :]
-    if any(ch in rest for ch in "/?#"):
-        return f"only {scheme}://host:port is allowed (no path, query or fragment)"
-    if "@" in rest:
-        return "user info is not allowed"
-    if rest.startswith("*:"):
-        return f"'*' is a bind address; give the host to connect to ({scheme}://host:port)"
-    return _host_port(rest, min_port=1, scheme=scheme)
-
-
-def _endpoint_text(endpoint: Endpoint) -> str:
-    host, port = endpoint
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def _endpoint_key(endpoint: Endpoint) -> Endpoint:
-    """Endpoints compare case-insensitively by host (DNS names are case-blind)."""
-    return endpoint[0].lower(), endpoint[1]
-
-
-def _is_loopback(host: str) -> bool:
-    if host.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def _or(value: _T | None, default: _T) -> _T:
-    return default if value is None else value
+def _capabilities(kind: str) -> Capabilities:
+    return dialect_for(kind).capabilities
 
 
 def _plural(count: int, noun: str) -> str:
@@ -338,142 +143,24 @@ class _Draft:
     kv: list[tuple[KeyPath, Endpoint]]
 
 
-class _Checker:
-    """Walks the parsed TOML, recording every problem with its line."""
-
-    def __init__(self, file: str, locator: Locator) -> None:
-        self.file = file
-        self.locator = locator
-        self.problems: list[FleetProblem] = []
-
-    def report(self, path: KeyPath, message: str) -> None:
-        line = self.locator.line_of(path)
-        self.problems.append(FleetProblem(self.file, line, field_name(path), message))
-
-    # -- typed getters: None when absent or invalid (invalid is reported) ----
-
-    def table(self, value: object, path: KeyPath, keys: Sequence[str] | None) -> Table | None:
-        if not isinstance(value, dict):
-            self.report(path, f"expected a table, got {_describe(value)}")
-            return None
-        if keys is not None:
-            expected = ", ".join(keys)
-            for key in value:
-                if key not in keys:
-                    self.report((*path, key), f"unknown key (expected one of: {expected})")
-        return value
-
-    def required(self, tbl: Table, path: KeyPath, *keys: str) -> None:
-        for key in keys:
-            if key not in tbl:
-                self.report((*path, key), "required key is missing")
-
-    def string(self, tbl: Table, path: KeyPath, key: str) -> str | None:
-        if key not in tbl:
-            return None
-        value = tbl[key]
-        if not isinstance(value, str):
-            self.report((*path, key), f"expected a string, got {_describe(value)}")
-            return None
-        if not value.strip():
-            self.report((*path, key), "must not be empty")
-            return None
-        return value
-
-    def choice(
-        self, tbl: Table, path: KeyPath, key: str, choices: Sequence[str], noun: str
-    ) -> str | None:
-        value = self.string(tbl, path, key)
-        if value is None or value in choices:
-            return value
-        expected = ", ".join(choices)
-        self.report((*path, key), f"{value!r} is not a valid {noun} (expected one of: {expected})")
-        return None
-
-    def boolean(self, tbl: Table, path: KeyPath, key: str) -> bool | None:
-        if key not in tbl:
-            return None
-        value = tbl[key]
-        if not isinstance(value, bool):
-            self.report((*path, key), f"expected a boolean, got {_describe(value)}")
-            return None
-        return value
-
-    def integer(
-        self,
-        tbl: Table,
-        path: KeyPath,
-        key: str,
-        *,
-        minimum: int | None = None,
-        maximum: int | None = None,
-    ) -> int | None:
-        if key not in tbl:
-            return None
-        value = tbl[key]
-        if isinstance(value, bool) or not isinstance(value, int):
-            self.report((*path, key), f"expected an integer, got {_describe(value)}")
-            return None
-        if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
-            self.report((*path, key), _range_message(value, minimum, maximum, above=False))
-            return None
-        return value
-
-    def number(
-        self,
-        tbl: Table,
-        path: KeyPath,
-        key: str,
-        *,
-        minimum: float = 0,
-        above: bool = False,
-        maximum: float | None = None,
-    ) -> float | None:
-        """A finite float; integers are accepted (``interval_s = 5``)."""
-        if key not in tbl:
-            return None
-        value = tbl[key]
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            self.report((*path, key), f"expected a number, got {_describe(value)}")
-            return None
-        if not math.isfinite(value):
-            self.report((*path, key), f"must be a finite number, got {_literal(value)}")
-            return None
-        too_low = value <= minimum if above else value < minimum
-        if too_low or (maximum is not None and value > maximum):
-            self.report((*path, key), _range_message(value, minimum, maximum, above))
-            return None
-        return float(value)
-
-    def strings(self, tbl: Table, path: KeyPath, key: str) -> list[tuple[KeyPath, str]] | None:
-        """An array of strings, each with its own path for messages."""
-        if key not in tbl:
-            return None
-        value = tbl[key]
-        if not isinstance(value, list):
-            self.report((*path, key), f"expected an array of strings, got {_describe(value)}")
-            return None
-        items: list[tuple[KeyPath, str]] = []
-        for index, item in enumerate(value, 1):
-            where = (*path, key, index)
-            if isinstance(item, str):
-                items.append((where, item))
-            else:
-                self.report(where, f"expected a string, got {_describe(item)}")
-        return items
+class _Checker(Checker):
+    """The fleet file's own rules, on top of the schema-driven reads."""
 
     def url(self, text: str, path: KeyPath, scheme: str, noun: str) -> Endpoint | None:
-        parsed = _split_url(text, scheme)
+        parsed = split_url(text, scheme)
         if isinstance(parsed, tuple):
             return parsed
         reason = "" if parsed is None else f": {parsed}"
         self.report(path, f"{text!r} is not a valid {noun}{reason}")
         return None
 
-    # -- sections --------------------------------------------------------------
+    def section(self, cls: type[_D], value: object, path: KeyPath) -> _D:
+        if cls is RoutingConfig:
+            return cast(_D, self.routing(value, path))
+        return super().section(cls, value, path)
 
     def fleet(self, data: Table, source: Path) -> FleetConfig:
-        self.table(data, (), _TOP_KEYS)
+        self.table(data, (), keys_of(FleetConfig))
         frontend = self.frontend(data.get("frontend", {}), source)
         drafts = self.engines(data.get("engine", []))
         self.cross_check(drafts)
@@ -482,15 +169,15 @@ class _Checker:
 
     def frontend(self, value: object, source: Path) -> FrontendConfig:
         path: KeyPath = ("frontend",)
-        tbl = self.table(value, path, _FRONTEND_KEYS)
+        tbl = self.table(value, path, keys_of(FrontendConfig))
         if tbl is None:
             tbl = {}
-        self.required(tbl, path, "served_model_name", "tokenizer")
-        default = FrontendConfig(served_model_name="", tokenizer=Path())
-        host, port = default.listen_host, default.listen_port
+        self.required(tbl, path, required_keys(FrontendConfig))
+        host = default_of(FrontendConfig, "listen_host")
+        port = default_of(FrontendConfig, "listen_port")
         listen = self.string(tbl, path, "listen")
         if listen is not None:
-            parsed = _host_port(listen, min_port=0, scheme="")
+            parsed = host_port(listen, min_port=0, scheme="")
             if isinstance(parsed, str):
                 message = f"{listen!r} is not a valid listen address: {parsed}"
                 self.report((*path, "listen"), message)
@@ -500,164 +187,36 @@ class _Checker:
         if tokenizer is not None and tokenizer.startswith("~"):
             message = f"{tokenizer!r}: '~' is not expanded; write the full path"
             self.report((*path, "tokenizer"), message)
-        return FrontendConfig(
-            listen_host=host,
-            listen_port=port,
-            served_model_name=_or(self.string(tbl, path, "served_model_name"), ""),
+        by_hand = {
+            "listen_host": host,
+            "listen_port": port,
             # Relative to the fleet file, so a fleet directory can be moved whole.
-            tokenizer=source.parent / tokenizer if tokenizer is not None else Path(),
-            max_body_bytes=_or(
-                self.integer(tbl, path, "max_body_bytes", minimum=1), default.max_body_bytes
-            ),
-            max_tokens_default=_or(
-                self.integer(tbl, path, "max_tokens_default", minimum=1), default.max_tokens_default
-            ),
-            request_timeout_s=_or(
-                self.number(tbl, path, "request_timeout_s", above=True), default.request_timeout_s
-            ),
-            log_json=_or(self.boolean(tbl, path, "log_json"), default.log_json),
-            drain_timeout_s=_or(
-                self.number(tbl, path, "drain_timeout_s"), default.drain_timeout_s
-            ),
-            routing=self.routing(tbl.get("routing", {}), (*path, "routing")),
-            probe=self.probe(tbl.get("probe", {}), (*path, "probe")),
-            admin=self.admin(tbl.get("admin", {}), (*path, "admin")),
-            auth=self.auth(tbl.get("auth", {}), (*path, "auth")),
-            faults=self.faults(tbl.get("faults", {}), (*path, "faults")),
-            limits=self.limits(tbl.get("limits", {}), (*path, "limits")),
-        )
-
-    def faults(self, value: object, path: KeyPath) -> FaultsConfig:
-        tbl = self.table(value, path, _FAULTS_KEYS)
-        default = FaultsConfig()
-        if tbl is None:
-            return default
-        return FaultsConfig(
-            max_retries=_or(
-                self.integer(tbl, path, "max_retries", minimum=0), default.max_retries
-            ),
-            max_migrations=_or(
-                self.integer(tbl, path, "max_migrations", minimum=0), default.max_migrations
-            ),
-            stall_timeout_s=_or(
-                self.number(tbl, path, "stall_timeout_s", above=True), default.stall_timeout_s
-            ),
-            drain_migrate_after_s=_or(
-                self.number(tbl, path, "drain_migrate_after_s"), default.drain_migrate_after_s
-            ),
-        )
-
-    def limits(self, value: object, path: KeyPath) -> LimitsConfig:
-        tbl = self.table(value, path, _LIMITS_KEYS)
-        default = LimitsConfig()
-        if tbl is None:
-            return default
-        return LimitsConfig(
-            max_in_flight=_or(
-                self.integer(tbl, path, "max_in_flight", minimum=1), default.max_in_flight
-            ),
-            max_queue=_or(self.integer(tbl, path, "max_queue", minimum=0), default.max_queue),
-            queue_timeout_s=_or(
-                self.number(tbl, path, "queue_timeout_s"), default.queue_timeout_s
-            ),
-        )
-
-    def admin(self, value: object, path: KeyPath) -> AdminConfig:
-        tbl = self.table(value, path, _ADMIN_KEYS)
-        if tbl is None:
-            return AdminConfig()
-        return AdminConfig(
-            enabled=_or(self.boolean(tbl, path, "enabled"), AdminConfig().enabled),
-            token=self.secret(tbl["token"], (*path, "token")) if "token" in tbl else None,
-        )
-
-    def auth(self, value: object, path: KeyPath) -> AuthConfig:
-        tbl = self.table(value, path, _AUTH_KEYS)
-        if tbl is None or "api_keys" not in tbl:
-            return AuthConfig()
-        raw = tbl["api_keys"]
-        if not isinstance(raw, list):
-            self.report((*path, "api_keys"), f"expected an array of strings, got {_kind(raw)}")
-            return AuthConfig()
-        keys = [
-            key
-            for index, item in enumerate(raw, 1)
-            if (key := self.secret(item, (*path, "api_keys", index))) is not None
-        ]
-        return AuthConfig(api_keys=tuple(keys))
-
-    def secret(self, value: object, where: KeyPath) -> str | None:
-        """A bearer secret; messages never quote it (they end up in logs)."""
-        if not isinstance(value, str):
-            self.report(where, f"expected a string, got {_kind(value)}")
-            return None
-        if not value or any(ch.isspace() or not ch.isprintable() for ch in value):
-            self.report(where, "must be non-empty, without spaces or control characters")
-            return None
-        return value
+            "tokenizer": None if tokenizer is None else source.parent / tokenizer,
+        }
+        return FrontendConfig(**self.fields(FrontendConfig, tbl, path, by_hand))
 
     def routing(self, value: object, path: KeyPath) -> RoutingConfig:
-        tbl = self.table(value, path, _ROUTING_KEYS)
+        tbl = self.table(value, path, keys_of(RoutingConfig))
         if tbl is None:
             return RoutingConfig()
-        policy: RoutingPolicy = "round_robin"
-        policy_text = self.choice(tbl, path, "policy", ROUTING_POLICIES, "policy")
-        for known in ROUTING_POLICIES:  # narrows the string to the Literal
-            if policy_text == known:
-                policy = known
+        policy: str | None = self.read(RoutingConfig, "policy", tbl, path)
         knobs: dict[str, KnobValue] = {}
         raw_knobs = self.table(tbl.get("knobs", {}), (*path, "knobs"), None)
         for key, knob in (raw_knobs or {}).items():
             if isinstance(knob, str | int | float | bool):
                 knobs[key] = knob
             else:
-                message = f"expected a string, number or boolean, got {_describe(knob)}"
+                message = f"expected a string, number or boolean, got {described(knob)}"
                 self.report((*path, "knobs", key), message)
+        kv_aware = None
         if policy == "kv_aware":
-            self.kv_knobs(knobs, (*path, "knobs"))
-        return RoutingConfig(policy=policy, knobs=Knobs(knobs))
-
-    def kv_knobs(self, knobs: dict[str, KnobValue], path: KeyPath) -> None:
-        """The kv_aware policy's knobs: known names, numbers, sensible ranges."""
-        from direct_frontend.routing.kv_aware import KvKnobs
-
-        defaults = KvKnobs()
-        known = {name: getattr(defaults, name) for name in KvKnobs.__dataclass_fields__}
-        for key, value in knobs.items():
-            where = (*path, key)
-            if key not in known:
-                self.report(where, f"unknown key (expected one of: {', '.join(sorted(known))})")
-            elif isinstance(value, bool) or not isinstance(value, int | float):
-                self.report(where, f"expected a number, got {_describe(value)}")
-            elif isinstance(known[key], int) and not isinstance(value, int):
-                self.report(where, f"expected an integer, got {_describe(value)}")
-            elif key in ("block_size", "approx_max_blocks") and value < 1:
-                self.report(where, "must be at least 1")
-            elif value < 0:
-                self.report(where, "must not be negative")
-
-    def probe(self, value: object, path: KeyPath) -> ProbeConfig:
-        tbl = self.table(value, path, _PROBE_KEYS)
-        if tbl is None:
-            return ProbeConfig()
-        default = ProbeConfig()
-        return ProbeConfig(
-            interval_s=_or(self.number(tbl, path, "interval_s", above=True), default.interval_s),
-            timeout_s=_or(self.number(tbl, path, "timeout_s", above=True), default.timeout_s),
-            failure_threshold=_or(
-                self.integer(tbl, path, "failure_threshold", minimum=1), default.failure_threshold
-            ),
-            success_threshold=_or(
-                self.integer(tbl, path, "success_threshold", minimum=1), default.success_threshold
-            ),
-            join_timeout_s=_or(
-                self.number(tbl, path, "join_timeout_s", above=True), default.join_timeout_s
-            ),
-        )
+            kv_aware = self.knobs(KvAwareKnobs, knobs, (*path, "knobs"))
+        by_hand = {"policy": policy, "knobs": Knobs(knobs), "kv_aware": kv_aware}
+        return RoutingConfig(**self.fields(RoutingConfig, tbl, path, by_hand))
 
     def engines(self, value: object) -> list[_Draft]:
         if not isinstance(value, list):
-            message = f"expected an array of tables ([[engine]]), got {_describe(value)}"
+            message = f"expected an array of tables ([[engine]]), got {described(value)}"
             self.report(("engine",), message)
             return []
         drafts = [self.engine(item, index) for index, item in enumerate(value, 1)]
@@ -665,29 +224,25 @@ class _Checker:
 
     def engine(self, value: object, index: int) -> _Draft | None:
         path: KeyPath = ("engine", index)
-        tbl = self.table(value, path, _ENGINE_KEYS)
+        tbl = self.table(value, path, keys_of(EngineConfig))
         if tbl is None:
             return None
-        self.required(tbl, path, "url", "kind")
+        self.required(tbl, path, required_keys(EngineConfig))
 
-        url = self.string(tbl, path, "url")
+        url: str | None = self.read(EngineConfig, "url", tbl, path)
         endpoint = None if url is None else self.url(url, (*path, "url"), "grpc", "URL")
 
-        kind: EngineKind = "sglang"
-        kind_text = self.choice(tbl, path, "kind", ENGINE_KINDS, "engine kind")
-        for known in ENGINE_KINDS:  # narrows the string to the Literal
-            if kind_text == known:
-                kind = known
-        role_text = self.choice(tbl, path, "role", _ROLES, "role")
-        role = EngineRole.BOTH if role_text is None else EngineRole(role_text)
-        if kind_text == "trtllm" and role is not EngineRole.BOTH:
-            self.report((*path, "role"), 'trtllm engines have no P/D roles; use role = "both"')
+        kind: str | None = self.read(EngineConfig, "kind", tbl, path)
+        role: EngineRole | None = self.read(EngineConfig, "role", tbl, path)
+        paired = role not in (None, EngineRole.BOTH)
+        if paired and kind is not None and not _capabilities(kind).prefill_decode:
+            self.report((*path, "role"), f'{kind} engines have no P/D roles; use role = "both"')
 
-        name = self.string(tbl, path, "name")
+        name: str | None = self.read(EngineConfig, "name", tbl, path)
         if name is not None and any(ch.isspace() or not ch.isprintable() for ch in name):
             self.report((*path, "name"), f"{name!r} has spaces or control characters")
         if name is None and "name" not in tbl and endpoint is not None:
-            name = _endpoint_text(endpoint)  # the documented default: host:port
+            name = endpoint_text(endpoint)  # the documented default: host:port
 
         kv: list[tuple[KeyPath, Endpoint]] = []
         events = self.endpoints(tbl, path, "kv_events", kv)
@@ -702,34 +257,33 @@ class _Checker:
                 )
                 self.report((*path, "kv_replay"), message)
 
-        bootstrap_port = self.integer(tbl, path, "bootstrap_port", minimum=1, maximum=65535)
+        bootstrap_port: int | None = self.read(EngineConfig, "bootstrap_port", tbl, path)
         if bootstrap_port is not None:
-            self.check_bootstrap(path, bootstrap_port, kind_text, role, endpoint)
+            self.check_bootstrap(path, bootstrap_port, kind, role, endpoint)
 
-        simulate = self.boolean(tbl, path, "simulate")
-        simulator = SimulatorConfig()
+        simulate: bool | None = self.read(EngineConfig, "simulate", tbl, path)
+        simulator = None
         if "simulator" in tbl:
             if simulate:
-                simulator = self.simulator(tbl["simulator"], (*path, "simulator"))
+                simulator = self.section(SimulatorConfig, tbl["simulator"], (*path, "simulator"))
             elif "simulate" not in tbl or simulate is False:
                 self.report((*path, "simulator"), "only allowed with simulate = true")
-        if simulate and endpoint is not None and not _is_loopback(endpoint[0]):
+        if simulate and endpoint is not None and not is_loopback(endpoint[0]):
             message = f"a simulated engine listens on 127.0.0.1; use grpc://127.0.0.1:{endpoint[1]}"
             self.report((*path, "url"), message)
 
-        config = EngineConfig(
-            name=_or(name, ""),
-            url=_or(url, ""),
-            kind=kind,
-            role=role,
-            kv_events=events,
-            kv_replay=replay,
-            context_length=self.integer(tbl, path, "context_length", minimum=1),
-            block_size=self.integer(tbl, path, "block_size", minimum=1),
-            bootstrap_port=bootstrap_port,
-            simulate=_or(simulate, False),
-            simulator=simulator,
-        )
+        by_hand = {
+            "name": name,
+            "url": url,
+            "kind": kind,
+            "role": role,
+            "kv_events": events,
+            "kv_replay": replay,
+            "bootstrap_port": bootstrap_port,
+            "simulate": simulate,
+            "simulator": simulator,
+        }
+        config = EngineConfig(**self.fields(EngineConfig, tbl, path, by_hand))
         return _Draft(index, config, "name" in tbl, endpoint, kv)
 
     def endpoints(
@@ -748,39 +302,17 @@ class _Checker:
         path: KeyPath,
         port: int,
         kind: str | None,
-        role: EngineRole,
+        role: EngineRole | None,
         endpoint: Endpoint | None,
     ) -> None:
         where = (*path, "bootstrap_port")
-        if kind is not None and kind != "sglang":
-            self.report(where, f"only sglang engines have a bootstrap port (this one is {kind})")
+        if kind is not None and not _capabilities(kind).bootstrap_server:
+            served = ", ".join(k for k in ENGINE_KINDS if _capabilities(k).bootstrap_server)
+            self.report(where, f"only {served} engines have a bootstrap port (this one is {kind})")
         elif role is EngineRole.DECODE:
             self.report(where, "only prefill engines run a bootstrap server (role is decode)")
         if endpoint is not None and endpoint[1] == port:
             self.report(where, f"must differ from the gRPC port in url ({port})")
-
-    def simulator(self, value: object, path: KeyPath) -> SimulatorConfig:
-        tbl = self.table(value, path, _SIMULATOR_KEYS)
-        if tbl is None:
-            return SimulatorConfig()
-        default = SimulatorConfig()
-        return SimulatorConfig(
-            prefill_us_per_token=_or(
-                self.number(tbl, path, "prefill_us_per_token"), default.prefill_us_per_token
-            ),
-            decode_us_per_token=_or(
-                self.number(tbl, path, "decode_us_per_token"), default.decode_us_per_token
-            ),
-            max_running=_or(self.integer(tbl, path, "max_running", minimum=1), default.max_running),
-            vocab_size=self.integer(tbl, path, "vocab_size", minimum=1),
-            eos_probability=_or(
-                self.number(tbl, path, "eos_probability", maximum=1), default.eos_probability
-            ),
-            context_length=_or(
-                self.integer(tbl, path, "context_length", minimum=1), default.context_length
-            ),
-            served_model_name=self.string(tbl, path, "served_model_name"),
-        )
 
     def cross_check(self, drafts: list[_Draft]) -> None:
         """Rules between engines: unique URLs, names, simulator ports and KV endpoints."""
@@ -792,7 +324,7 @@ class _Checker:
             cfg, url_path = draft.config, ("engine", draft.index, "url")
             url_clash = False
             if draft.endpoint is not None:
-                first = urls.setdefault(_endpoint_key(draft.endpoint), draft.index)
+                first = urls.setdefault(endpoint_key(draft.endpoint), draft.index)
                 if first != draft.index:
                     url_clash = True
                     self.report(url_path, f"{cfg.url!r} is already used by engine[{first}]")
@@ -809,7 +341,7 @@ class _Checker:
                     message = f"{cfg.name!r}{derived} is already used by engine[{first}]"
                     self.report(("engine", draft.index, "name"), message)
             for where, endpoint in draft.kv:
-                first_kv = kv_seen.setdefault(_endpoint_key(endpoint), where)
+                first_kv = kv_seen.setdefault(endpoint_key(endpoint), where)
                 if first_kv != where:
-                    text = f"tcp://{_endpoint_text(endpoint)}"
+                    text = f"tcp://{endpoint_text(endpoint)}"
                     self.report(where, f"{text!r} is already used by {field_name(first_kv)}")

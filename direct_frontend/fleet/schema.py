@@ -3,16 +3,21 @@
 Everything is a frozen dataclass so a loaded fleet can be shared between
 tasks, compared against a reloaded one and hashed without copying. Nothing
 here reads files or validates: :mod:`direct_frontend.fleet.load` builds these
-from TOML and is where every rule lives; the defaults below are the documented
-defaults of the fleet file.
+from TOML. The schema is written down once, here: the fields are the keys of
+each table (in the order messages list them), their types and defaults are the
+fleet file's, and each field's :class:`Rules` (its metadata) carry its bounds,
+which :mod:`direct_frontend.fleet.checker` checks. Only the rules that are not
+a field's type or range (addresses, URLs, rules between fields and between
+engines) are written by hand, in :mod:`direct_frontend.fleet.load`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import typing
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Literal
+from typing import Literal, TypeVar
 
 from direct_frontend.engines.neutral import EngineRole
 
@@ -20,8 +25,37 @@ RoutingPolicy = Literal["round_robin", "least_loaded", "kv_aware"]
 EngineKind = Literal["sglang", "vllm", "trtllm"]
 KnobValue = float | int | str | bool
 
-ROUTING_POLICIES: tuple[RoutingPolicy, ...] = ("round_robin", "least_loaded", "kv_aware")
-ENGINE_KINDS: tuple[EngineKind, ...] = ("sglang", "vllm", "trtllm")
+ROUTING_POLICIES: tuple[RoutingPolicy, ...] = typing.get_args(RoutingPolicy)
+ENGINE_KINDS: tuple[EngineKind, ...] = typing.get_args(EngineKind)
+
+_T = TypeVar("_T")
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Rules:
+    """How the loader reads one field (kept in the field's metadata under ``"rules"``).
+
+    Numbers are checked against ``at_least``, ``above`` (strictly) and
+    ``at_most``; a choice (a ``Literal`` or an enum) is called ``noun`` in
+    messages.
+    """
+
+    key: str | None = None  # the TOML key, when it is not the field's name
+    in_file: bool = True  # False: not a key of the file at all (FleetConfig.source)
+    derived: bool = False  # no default, yet optional: the loader derives it when absent
+    at_least: float | None = None
+    above: float | None = None
+    at_most: float | None = None
+    noun: str | None = None
+    secret: bool = False  # never quoted in a message, kept out of repr
+
+
+def setting(default: _T, rules: Rules) -> _T:
+    """A field with a default and the :class:`Rules` the loader checks it against."""
+    field: _T = dataclasses.field(
+        default=default, repr=not rules.secret, metadata={"rules": rules}
+    )
+    return field
 
 
 class Knobs(Mapping[str, KnobValue]):
@@ -52,16 +86,39 @@ class Knobs(Mapping[str, KnobValue]):
         return f"Knobs({self._items!r})"
 
 
+NON_NEGATIVE = Rules(at_least=0)
+POSITIVE = Rules(above=0)
+AT_LEAST_ONE = Rules(at_least=1)
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class KvAwareKnobs:
+    """``[frontend.routing.knobs]`` for ``policy = "kv_aware"`` (the README's knob table)."""
+
+    # = the engines' KV block size (vLLM block_size, SGLang page size)
+    block_size: int = setting(16, AT_LEAST_ONE)
+    overlap_weight: float = setting(1.0, NON_NEGATIVE)
+    temperature: float = setting(0.0, NON_NEGATIVE)
+    # the load guard spills when the chosen engine has this many requests above the mean …
+    balance_abs_threshold: float = setting(2.0, NON_NEGATIVE)
+    # … and this many times the mean
+    balance_rel_threshold: float = setting(1.5, NON_NEGATIVE)
+    approx_ttl_s: float = setting(120.0, NON_NEGATIVE)
+    approx_max_blocks: int = setting(1 << 20, AT_LEAST_ONE)
+
+
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class RoutingConfig:
     """``[frontend.routing]``: the policy and its knobs (``[frontend.routing.knobs]``).
 
-    Knobs are kept as plain values because each policy defines its own; the
-    policy, not the loader, interprets them.
+    ``knobs`` is the table as written (what ``check`` shows and a reload
+    compares); ``kv_aware`` is what the ``kv_aware`` policy reads, built from
+    it by the loader (the defaults under any other policy, which takes no knobs).
     """
 
-    policy: RoutingPolicy = "round_robin"
+    policy: RoutingPolicy = setting("round_robin", Rules(noun="policy"))
     knobs: Mapping[str, KnobValue] = Knobs()
+    kv_aware: KvAwareKnobs = setting(KvAwareKnobs(), Rules(key="knobs"))
 
     def __post_init__(self) -> None:
         if not isinstance(self.knobs, Knobs):
@@ -80,10 +137,10 @@ class FaultsConfig:
     are migrated to other engines (0 disables: they run until the drain timeout).
     """
 
-    max_retries: int = 2
-    max_migrations: int = 3
-    stall_timeout_s: float = 30.0
-    drain_migrate_after_s: float = 10.0
+    max_retries: int = setting(2, NON_NEGATIVE)
+    max_migrations: int = setting(3, NON_NEGATIVE)
+    stall_timeout_s: float = setting(30.0, POSITIVE)
+    drain_migrate_after_s: float = setting(10.0, NON_NEGATIVE)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -94,9 +151,9 @@ class LimitsConfig:
     places for at most ``queue_timeout_s``; beyond that they get a 429.
     """
 
-    max_in_flight: int = 1024
-    max_queue: int = 1024
-    queue_timeout_s: float = 10.0
+    max_in_flight: int = setting(1024, AT_LEAST_ONE)
+    max_queue: int = setting(1024, NON_NEGATIVE)
+    queue_timeout_s: float = setting(10.0, NON_NEGATIVE)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -107,11 +164,13 @@ class ProbeConfig:
     one-token generation, which queues behind a busy batch.
     """
 
-    interval_s: float = 5.0
-    timeout_s: float = 2.0
-    failure_threshold: int = 3  # consecutive failures before an engine is taken out
-    success_threshold: int = 2  # consecutive successes before it is put back
-    join_timeout_s: float = 30.0  # discovery + first probe of a new engine
+    interval_s: float = setting(5.0, POSITIVE)
+    timeout_s: float = setting(2.0, POSITIVE)
+    # consecutive failures before an engine is taken out
+    failure_threshold: int = setting(3, AT_LEAST_ONE)
+    # consecutive successes before it is put back
+    success_threshold: int = setting(2, AT_LEAST_ONE)
+    join_timeout_s: float = setting(30.0, POSITIVE)  # discovery + first probe of a new engine
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -122,31 +181,32 @@ class AdminConfig:
     """
 
     enabled: bool = True
-    token: str | None = dataclasses.field(default=None, repr=False)  # bearer token, if required
+    token: str | None = setting(None, Rules(secret=True))  # bearer token, if required
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class AuthConfig:
     """``[frontend.auth]``: bearer keys the OpenAI endpoints require (none: open)."""
 
-    api_keys: tuple[str, ...] = dataclasses.field(default=(), repr=False)
+    api_keys: tuple[str, ...] = setting((), Rules(secret=True))
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class FrontendConfig:
     """``[frontend]``: the OpenAI-facing side of the daemon."""
 
-    listen_host: str = "127.0.0.1"
-    listen_port: int = 8000
+    listen_host: str = setting("127.0.0.1", Rules(key="listen"))
+    listen_port: int = setting(8000, Rules(key="listen"))
     served_model_name: str
     tokenizer: Path  # model directory with tokenizer.json, resolved against the fleet file
-    max_body_bytes: int = 4 * 1024 * 1024
-    max_tokens_default: int = 1024  # used when a request gives no max_tokens
-    request_timeout_s: float = 600.0
+    max_body_bytes: int = setting(4 * 1024 * 1024, AT_LEAST_ONE)
+    max_tokens_default: int = setting(1024, AT_LEAST_ONE)  # used when a request gives no max_tokens
+    request_timeout_s: float = setting(600.0, POSITIVE)
+    log_json: bool = False
+    # a removed engine's in-flight requests get this long
+    drain_timeout_s: float = setting(30.0, NON_NEGATIVE)
     routing: RoutingConfig = RoutingConfig()
     probe: ProbeConfig = ProbeConfig()
-    log_json: bool = False
-    drain_timeout_s: float = 30.0  # a removed engine's in-flight requests get this long
     admin: AdminConfig = AdminConfig()
     auth: AuthConfig = AuthConfig()
     faults: FaultsConfig = FaultsConfig()
@@ -163,13 +223,14 @@ class FrontendConfig:
 class SimulatorConfig:
     """``[engine.simulator]``: the timing and shape of an embedded simulated engine."""
 
-    prefill_us_per_token: float = 20.0
-    decode_us_per_token: float = 2000.0
-    max_running: int = 64
-    vocab_size: int | None = None  # None: the tokenizer's vocabulary
-    eos_probability: float = 0.02
-    context_length: int = 4096
-    served_model_name: str | None = None  # None: the frontend's (set it to demo a refusal)
+    prefill_us_per_token: float = setting(20.0, NON_NEGATIVE)
+    decode_us_per_token: float = setting(2000.0, NON_NEGATIVE)
+    max_running: int = setting(64, AT_LEAST_ONE)
+    vocab_size: int | None = setting(None, AT_LEAST_ONE)  # None: the tokenizer's vocabulary
+    eos_probability: float = setting(0.02, Rules(at_least=0, at_most=1))
+    context_length: int = setting(4096, AT_LEAST_ONE)
+    # None: the frontend's (set it to demo a refusal)
+    served_model_name: str | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -181,15 +242,17 @@ class EngineConfig:
     do not report these facts or report a misleading value.
     """
 
-    name: str
+    # absent: the url's host:port
+    name: str = dataclasses.field(metadata={"rules": Rules(derived=True)})
     url: str  # grpc://host:port
-    kind: EngineKind
-    role: EngineRole = EngineRole.BOTH
+    kind: EngineKind = dataclasses.field(metadata={"rules": Rules(noun="engine kind")})
+    role: EngineRole = setting(EngineRole.BOTH, Rules(noun="role"))
     kv_events: tuple[str, ...] = ()  # ZMQ tcp://host:port, one per data-parallel rank
     kv_replay: tuple[str, ...] = ()  # empty, or one per kv_events endpoint
-    context_length: int | None = None
-    block_size: int | None = None
-    bootstrap_port: int | None = None  # SGLang P/D bootstrap server of a prefill engine
+    context_length: int | None = setting(None, AT_LEAST_ONE)
+    block_size: int | None = setting(None, AT_LEAST_ONE)
+    # SGLang P/D bootstrap server of a prefill engine
+    bootstrap_port: int | None = setting(None, Rules(at_least=1, at_most=65535))
     simulate: bool = False  # run an embedded simulator on url's port instead
     simulator: SimulatorConfig = SimulatorConfig()
 
@@ -199,5 +262,5 @@ class FleetConfig:
     """A whole fleet file: the frontend and its engines (possibly none yet)."""
 
     frontend: FrontendConfig
-    engines: tuple[EngineConfig, ...] = ()
-    source: Path
+    engines: tuple[EngineConfig, ...] = setting((), Rules(key="engine"))
+    source: Path = dataclasses.field(metadata={"rules": Rules(in_file=False)})

@@ -14,15 +14,16 @@ Anything else (the stream closing without a body, say) writes the held head
 first, on its own, exactly as hypercorn would have.
 
 Our app always follows ``http.response.start`` with a body message at once
-(:func:`~direct_frontend.http.app.send_body`, the relay's first output), so
+(:func:`~direct_frontend.http.asgi.send_body`, the relay's first output), so
 nothing is delayed. Only HTTP/1.1 is affected (hypercorn's h2 protocol is
-left alone), and :func:`install` does nothing on a hypercorn release other
-than the one this was checked against (:data:`CHECKED`).
+left alone). :func:`install` does nothing unless hypercorn is a release this
+was checked against (:data:`CHECKED`) *and* has the shape it relies on; whether
+it is in use is part of :func:`~direct_frontend.observability.shims.shims_active`.
 """
 
 from __future__ import annotations
 
-import importlib.metadata
+import inspect
 
 import hypercorn.protocol
 from hypercorn.events import Event, RawData
@@ -30,6 +31,9 @@ from hypercorn.protocol.events import Body, EndBody, Response
 from hypercorn.protocol.events import Event as StreamEvent
 from hypercorn.protocol.h11 import H11Protocol
 
+from direct_frontend.observability.shims import ShimStatus, gate, register
+
+SHIM = "hypercorn_coalesce"
 #: hypercorn releases whose ``H11Protocol.stream_send`` this shim was checked against
 CHECKED = ("0.18.0",)
 
@@ -80,13 +84,48 @@ class CoalescingH11Protocol(H11Protocol):
         return b"".join(rendered)
 
 
+def _shape_problem() -> str | None:
+    """What differs from the hypercorn this shim relies on (``None``: nothing)."""
+    if "H11Protocol" not in hypercorn.protocol.ProtocolWrapper.__init__.__code__.co_names:
+        return "its ProtocolWrapper no longer builds hypercorn.protocol.H11Protocol"
+    if not inspect.iscoroutinefunction(H11Protocol.stream_send):
+        return "H11Protocol.stream_send is not a coroutine function"
+    if "send" not in inspect.signature(H11Protocol.__init__).parameters:
+        return "H11Protocol no longer writes through a send callable"
+    return None
+
+
+def check() -> ShimStatus:
+    """The gate, judged on the hypercorn installed now."""
+    return gate(SHIM, "hypercorn", CHECKED, _shape_problem)
+
+
+#: the gate as :func:`install` last judged it (judging reads package metadata: once)
+_judged: ShimStatus | None = None
+
+
 def install() -> bool:
     """Make hypercorn serve HTTP/1.1 with :class:`CoalescingH11Protocol` (process-wide).
 
-    Returns whether it is in use: not on a hypercorn release outside :data:`CHECKED`.
+    Returns whether it is in use: not where :func:`check` says the shim is off.
     Idempotent.
     """
-    if importlib.metadata.version("hypercorn") not in CHECKED:
+    global _judged
+    _judged = check()
+    if not _judged.active:
         return False
     hypercorn.protocol.H11Protocol = CoalescingH11Protocol  # type: ignore[attr-defined]
     return True
+
+
+def status() -> ShimStatus:
+    """Whether hypercorn serves HTTP/1.1 through the shim now, and if not, why (cheap)."""
+    if _judged is None:
+        return ShimStatus(SHIM, False, "not installed")
+    in_use = hypercorn.protocol.H11Protocol is CoalescingH11Protocol  # type: ignore[attr-defined]
+    if _judged.active and not in_use:
+        return ShimStatus(SHIM, False, f"{_judged.reason}: replaced since it was installed")
+    return _judged
+
+
+register(SHIM, status)

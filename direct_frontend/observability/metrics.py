@@ -13,7 +13,7 @@ from one Trio thread.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Final, Literal, TypeVar, get_args
 
 from prometheus_client import (
@@ -25,10 +25,11 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
-from prometheus_client.metrics_core import HistogramMetricFamily, Metric
+from prometheus_client.metrics_core import GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from direct_frontend.errors import ErrorKind
+from direct_frontend.observability.shims import ShimStatus, shims_active
 
 PREFIX: Final = "direct_frontend_"
 
@@ -86,6 +87,26 @@ class PerTokenHistogram(Collector):
     def describe(self) -> Iterable[Metric]:
         """Names only, so registering does not call :meth:`collect`."""
         yield HistogramMetricFamily(self._name, self._doc, labels=())
+
+
+class ShimGauge(Collector):
+    """1 per hot-path shim in use, 0 per shim that is off: read from the shims at each scrape."""
+
+    def __init__(
+        self, name: str, documentation: str, report: Callable[[], Iterable[ShimStatus]]
+    ) -> None:
+        self._name = name
+        self._doc = documentation
+        self._report = report
+
+    def collect(self) -> Iterable[Metric]:
+        family = GaugeMetricFamily(self._name, self._doc, labels=("shim",))
+        for status in self._report():
+            family.add_metric((status.shim,), 1.0 if status.active else 0.0)
+        yield family
+
+    def describe(self) -> Iterable[Metric]:
+        yield GaugeMetricFamily(self._name, self._doc, labels=("shim",))
 
 
 class Metrics:
@@ -181,6 +202,12 @@ class Metrics:
             p + "kv_malformed_events_total", "KV-event messages that could not be decoded.",
             ("engine",), registry=r,
         )  # fmt: skip
+        r.register(ShimGauge(
+            p + "shim_active",
+            "1 while a hot-path shim over a library's internals is in use, by shim "
+            "(docs/decisions/0002-hot-path-shims.md); 0: the library's own, slower code runs.",
+            shims_active,
+        ))
         self._requests: dict[tuple[str, int], Counter] = {}
         self._durations: dict[str, Histogram] = {}
         self._engine_labels: dict[str, set[tuple[Counter | Gauge, tuple[str, ...]]]] = {}

@@ -1,12 +1,12 @@
-"""Disaggregated serving, the decisions (sans-IO): which engines pair, and what each leg carries.
+"""Disaggregated serving, the decisions (sans-IO): which engines pair, and which pair serves.
 
 A fleet with prefill-only and decode-only engines serves a request as two
 legs (docs/engine-contracts.md §9). The rule, documented in the README: a request
 goes P/D whenever some prefill engine and some decode engine of the same
 pairing group serve (not excluded by failover); aggregated engines are the
-fallback when no pair is left. A pairing group is an engine kind that can do
-P/D through its contract (never TensorRT-LLM), and for vLLM also the KV
-connector, since a NIXL prefill cannot hand its KV to a Mooncake decode.
+fallback when no pair is left. Each engine's dialect names its pairing group
+(``None`` for a kind that cannot do P/D through its contract) and says whether
+it can be a named prefill engine.
 
 Each role is routed by its own instance of the fleet's policy, so a pair is
 picked like any engine: the decode engine first (it is the one the client is
@@ -14,30 +14,20 @@ served from, and the one a retry or migration excludes when it fails), then a
 prefill engine beside it. KV-aware routing places the prefill leg (the prefix
 cache that saves work lives there); decode engines go least loaded.
 
-The legs:
-
-- SGLang: both legs carry the same bootstrap rendezvous (the prefill
-  engine's host and bootstrap port, a random room in ``[0, 2^31 - 1)``) and
-  run in parallel; the client is served from the decode leg.
-- vLLM: the prefill leg runs first with ``max_tokens = 1`` and
-  ``{"do_remote_decode": true, "do_remote_prefill": false}``; NIXL (and any
-  connector but Mooncake) returns handoff parameters in its terminal message,
-  relayed verbatim to the decode leg. Mooncake instead pairs the legs by a
-  router-minted ``transfer_id``, and the decode leg names the prefill engine.
-
-The I/O that runs the legs is :mod:`direct_frontend.pipeline.disagg_driver`.
+What each leg carries, and whether the legs run at once or one after the
+other, is the decode engine's dialect's (:meth:`Dialect.pair_legs
+<direct_frontend.engines.dialects.base.Dialect.pair_legs>`). The I/O that runs
+the legs is :mod:`direct_frontend.pipeline.disagg_driver`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import random
 from collections.abc import Collection
-from urllib.parse import urlsplit
 
-from direct_frontend.engines.dialects import dialect_for
+from direct_frontend.engines.dialects import Dialect, dialect_for
 from direct_frontend.engines.neutral import Disaggregation, EngineRole, Finished, GenerateCall
 from direct_frontend.errors import EngineError, ErrorKind
 from direct_frontend.routing.catalog import Catalog, EngineHandle
@@ -50,47 +40,19 @@ from direct_frontend.routing.policies import (
     RoundRobin,
 )
 
-ROOM_LIMIT = 2**31 - 1  # bootstrap_room is an int32: rooms are drawn from [0, ROOM_LIMIT)
-DEFAULT_BOOTSTRAP_PORT = 8998  # SGLang's --disaggregation-bootstrap-port (and Mooncake's) default
-MOONCAKE = "MooncakeConnector"
-NIXL = "NixlConnector"
-
-
-def _json(value: dict[str, object]) -> str:
-    return json.dumps(value, separators=(",", ":"))
-
-
-#: what a vLLM prefill leg asks of its engine: compute the KV, keep it for a remote decode
-PREFILL_PARAMS = _json({"do_remote_decode": True, "do_remote_prefill": False})
-
 
 @functools.cache
-def _can_pair(kind: str) -> bool:
-    return dialect_for(kind).capabilities.prefill_decode
-
-
-def kv_connector(engine: EngineHandle) -> str:
-    """A vLLM engine's KV connector as discovery reported it (NIXL when unreported)."""
-    return dict(engine.info.details).get("kv_connector") or NIXL
+def _dialect(kind: str) -> Dialect:
+    return dialect_for(kind)
 
 
 def pairing_group(engine: EngineHandle) -> str | None:
     """Engines of one group can pair; ``None`` for kinds that cannot do P/D at all."""
-    if not _can_pair(engine.kind):
-        return None
-    if engine.kind == "vllm":
-        return f"vllm/{kv_connector(engine)}"
-    return engine.kind
+    return _dialect(engine.kind).pairing_group(engine)
 
 
 def _can_prefill(engine: EngineHandle) -> bool:
-    # Mooncake names the prefill engine by id, which gets a _dp<rank> suffix with DP > 1;
-    # we do not pin ranks, so such an engine cannot be named reliably.
-    return not (
-        engine.kind == "vllm"
-        and kv_connector(engine) == MOONCAKE
-        and engine.info.data_parallel_size > 1
-    )
+    return _dialect(engine.kind).can_prefill(engine)
 
 
 def _members(catalog: Catalog, role: EngineRole, group: str | None = None) -> list[EngineHandle]:
@@ -136,14 +98,14 @@ def role_policies(policy: Policy) -> tuple[Policy, Policy]:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class PairPlan:
-    """The two legs of one attempt of a disaggregated request."""
+    """The two legs of one attempt of a disaggregated request (the dialect's legs, placed)."""
 
     prefill: EngineHandle
     decode: EngineHandle
     prefill_call: GenerateCall
-    #: NIXL-style vLLM: still without the prefill's handoff (see :meth:`decode_after`)
+    #: with ``relays_kv_params``: still without the prefill's handoff (see :meth:`decode_after`)
     decode_call: GenerateCall
-    parallel: bool  # SGLang: both legs at once; vLLM: the prefill leg first
+    parallel: bool  # both legs at once, or the prefill leg first
     relays_kv_params: bool  # the decode leg carries what the prefill leg returned
     prefill_blocks: tuple[int, ...] = ()  # the prompt's KV blocks, in the prefill engine's load
 
@@ -163,57 +125,8 @@ class PairPlan:
         )
 
 
-def sglang_legs(
-    call: GenerateCall, prefill: EngineHandle, room: int
-) -> tuple[GenerateCall, GenerateCall]:
-    """(prefill, decode) legs sharing one rendezvous; the prefill result is only drained."""
-    rendezvous = Disaggregation(
-        bootstrap_host=urlsplit(prefill.url).hostname or "",
-        bootstrap_port=prefill.bootstrap_port or DEFAULT_BOOTSTRAP_PORT,
-        bootstrap_room=room,
-    )
-    return (
-        dataclasses.replace(call, stream=False, disaggregation=rendezvous),
-        dataclasses.replace(call, disaggregation=rendezvous),
-    )
-
-
-def vllm_prefill_leg(call: GenerateCall, params_json: str = PREFILL_PARAMS) -> GenerateCall:
-    """The prefill leg: one token (discarded), the KV kept for the decode engine."""
-    sampling = dataclasses.replace(call.sampling, max_tokens=1, min_tokens=0)
-    return dataclasses.replace(
-        call, sampling=sampling, stream=False,
-        disaggregation=Disaggregation(kv_transfer_params_json=params_json),
-    )
-
-
-def mooncake_legs(
-    call: GenerateCall, prefill: EngineHandle, transfer_id: str
-) -> tuple[GenerateCall, GenerateCall]:
-    """Mooncake: both legs name the router's ``transfer_id``; the decode names the prefill."""
-    host = urlsplit(prefill.url).hostname or ""
-    host = f"[{host}]" if ":" in host else host
-    port = prefill.bootstrap_port or DEFAULT_BOOTSTRAP_PORT
-    prefill_params = _json(
-        {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": transfer_id}
-    )
-    decode_params = _json({
-        "do_remote_decode": False,
-        "do_remote_prefill": True,
-        "transfer_id": transfer_id,
-        "remote_engine_id": dict(prefill.info.details).get("kv_engine_id", ""),
-        "remote_bootstrap_addr": f"http://{host}:{port}",
-    })
-    return (
-        vllm_prefill_leg(call, prefill_params),
-        dataclasses.replace(
-            call, disaggregation=Disaggregation(kv_transfer_params_json=decode_params)
-        ),
-    )
-
-
 class DisaggPlanner:
-    """Picks prefill/decode pairs and builds their legs; one per dispatcher.
+    """Picks prefill/decode pairs and has their dialect build the legs; one per dispatcher.
 
     It follows the fleet's policy: when a reload replaces that policy, the
     per-role policies are rebuilt from the new one.
@@ -261,12 +174,6 @@ class DisaggPlanner:
         )
         return self.decode_policy.choose(_Pool(catalog.version, decodes), request, exclude)
 
-    def mint_room(self) -> int:
-        return self._rng.randrange(ROOM_LIMIT)
-
-    def mint_transfer_id(self) -> str:
-        return f"{self._rng.getrandbits(128):032x}"
-
     def plan(
         self,
         catalog: Catalog,
@@ -284,10 +191,6 @@ class DisaggPlanner:
         if placement is None:
             return None
         prefill, blocks = placement.engine, placement.blocks
-        if decode.kind == "sglang":
-            prefill_call, decode_call = sglang_legs(call, prefill, self.mint_room())
-            return PairPlan(prefill, decode, prefill_call, decode_call, True, False, blocks)
-        if kv_connector(prefill) == MOONCAKE:
-            prefill_call, decode_call = mooncake_legs(call, prefill, self.mint_transfer_id())
-            return PairPlan(prefill, decode, prefill_call, decode_call, False, False, blocks)
-        return PairPlan(prefill, decode, vllm_prefill_leg(call), call, False, True, blocks)
+        legs = _dialect(decode.kind).pair_legs(call, prefill, self._rng)
+        return PairPlan(prefill, decode, legs.prefill_call, legs.decode_call, legs.parallel,
+                        legs.relays_kv_params, blocks)

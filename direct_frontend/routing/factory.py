@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Collection
 
 from direct_frontend.fleet.schema import RoutingConfig
-from direct_frontend.routing.kv_aware import KvAware, KvKnobs, OverlapSource
+from direct_frontend.routing.kv_aware import KvAware, OverlapSource
 from direct_frontend.routing.policies import LeastLoaded, Policy, RoundRobin
 
 
@@ -16,12 +16,12 @@ def make_policy(
 ) -> Policy:
     """The policy object; ``exact``/``live`` are the KV-event index and the incarnations it covers.
 
-    Raises ``ValueError`` for knobs the policy does not know.
+    The knobs were checked when the fleet file was loaded.
     """
     if routing.policy == "round_robin":
         return RoundRobin()
     if routing.policy == "least_loaded":
         return LeastLoaded()
-    policy = KvAware(KvKnobs.from_mapping(routing.knobs), exact)
+    policy = KvAware(routing.kv_aware, exact)
     policy.uses_events = live
     return policy

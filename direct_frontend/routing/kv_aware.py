@@ -19,45 +19,17 @@ what the router itself sent where.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import math
 import random
 import time
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Protocol
 
+from direct_frontend.fleet.schema import KvAwareKnobs
 from direct_frontend.kv.index import prefix_hashes
 from direct_frontend.kv.keys import incarnation_of
 from direct_frontend.routing.catalog import Catalog, EngineHandle
 from direct_frontend.routing.policies import Placement, RequestView
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class KvKnobs:
-    """``[frontend.routing.knobs]`` for ``policy = "kv_aware"`` (defaults in the README)."""
-
-    block_size: int = 16  # = the engines' KV block size (vLLM block_size, SGLang page size)
-    overlap_weight: float = 1.0
-    temperature: float = 0.0
-    balance_abs_threshold: float = 2.0  # in-flight requests above the mean …
-    balance_rel_threshold: float = 1.5  # … and this many times the mean: spill
-    approx_ttl_s: float = 120.0
-    approx_max_blocks: int = 1 << 20
-
-    @classmethod
-    def from_mapping(cls, knobs: Mapping[str, object]) -> KvKnobs:
-        """Build from the fleet file's knobs table; unknown names are an error."""
-        fields = {f.name: f.type for f in dataclasses.fields(cls)}
-        unknown = sorted(set(knobs) - set(fields))
-        if unknown:
-            raise ValueError(f"unknown kv_aware knob(s): {', '.join(unknown)}")
-        values: dict[str, object] = {}
-        for name, value in knobs.items():
-            default = getattr(cls(), name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ValueError(f"kv_aware knob {name} must be a number")
-            values[name] = int(value) if isinstance(default, int) else float(value)
-        return cls(**values)  # type: ignore[arg-type]
 
 
 class OverlapSource(Protocol):
@@ -123,7 +95,7 @@ class KvAware:
 
     def __init__(
         self,
-        knobs: KvKnobs,
+        knobs: KvAwareKnobs,
         exact: OverlapSource | None = None,
         approx: ApproxPrefixIndex | None = None,
         *,

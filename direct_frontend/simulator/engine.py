@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import socket
 import uuid
 import weakref
 from collections.abc import Callable, Iterable, Mapping
@@ -33,7 +32,7 @@ from direct_frontend.simulator.core import (
 from direct_frontend.simulator.faults import FaultInjector, FaultPlan, FaultStats
 from direct_frontend.simulator.kv_publisher import KvEventPublisher, SimKvEvents
 from direct_frontend.simulator.model import SimModel, TimingModel
-from direct_frontend.simulator.servers import SglangServicer, TrtllmServicer, VllmServicer
+from direct_frontend.simulator.servicers import servicer_for
 from direct_frontend.simulator.vocab import TextVocab
 
 
@@ -272,21 +271,9 @@ class SimEngine:
         """
         if self._server is not None:
             raise RuntimeError("the engine is already running")
-        servicer: SglangServicer | VllmServicer | TrtllmServicer
-        if self.kind == "sglang":
-            servicer = SglangServicer(self.core)
-        elif self.kind == "vllm":
-            servicer = VllmServicer(self.core)
-        else:
-            servicer = TrtllmServicer(self.core)
-        loop = asyncio.get_running_loop()
-        infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-        family, sock_type, proto, _, address = infos[0]
-        sock = socket.socket(family, sock_type, proto)
+        servicer = servicer_for(self.core)
+        sock = await _faults.listen_socket(host, port)
         try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind(address)
-            sock.setblocking(False)
             server = _Server([servicer])
             self._injector.attach(server)
             await server.start(sock=sock)  # asyncio listens before this returns

@@ -247,9 +247,10 @@ class _FaultyCall:
 # -- listening on and off -------------------------------------------------------
 
 
-def listen_socket(host: str, port: int) -> socket.socket:
+async def listen_socket(host: str, port: int) -> socket.socket:
     """A bound, non-blocking TCP socket for ``host:port``, reusable across restarts."""
-    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    loop = asyncio.get_running_loop()
+    infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     family, sock_type, proto, _, address = infos[0]
     sock = socket.socket(family, sock_type, proto)
     try:
@@ -279,7 +280,7 @@ async def resume_listening(server: grpclib.server.Server, host: str, port: int) 
     """Listen again on ``host:port`` with the same grpclib server and handlers."""
     if is_listening(server):
         return
-    sock = listen_socket(host, port)
+    sock = await listen_socket(host, port)
     try:
         listener = await asyncio.get_running_loop().create_server(
             server._protocol_factory, sock=sock

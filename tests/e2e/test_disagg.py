@@ -1,6 +1,6 @@
 """Disaggregated serving end to end: prefill and decode engines of SGLang and vLLM.
 
-The daemon runs in-process on loopback (tests/harness.py) with simulated
+The daemon runs in-process on loopback (tests/support/daemon.py) with simulated
 engines whose roles are set in the fleet file; the simulator is deterministic
 from its token prefix, so a disaggregated request must give exactly the text
 and usage an aggregated engine gives. Each engine's stats show what its leg
@@ -23,7 +23,8 @@ import pytest
 from grpclib import Status
 from openai.types.chat import ChatCompletionMessageParam
 
-from direct_frontend.pipeline.disagg import PREFILL_PARAMS, ROOM_LIMIT
+from direct_frontend.engines.dialects.sglang import ROOM_LIMIT
+from direct_frontend.engines.dialects.vllm import PREFILL_PARAMS
 from direct_frontend.simulator.faults import FaultPlan
 from tests.support.daemon import Daemon, fleet_text, running_daemon, sim_engine, wait_for
 

@@ -1,6 +1,6 @@
 """End to end with a mixed fleet: one simulated SGLang, vLLM and TensorRT-LLM engine.
 
-The daemon runs in-process on loopback (tests/harness.py), each simulator
+The daemon runs in-process on loopback (tests/support/daemon.py), each simulator
 speaks its own kind's real gRPC contract with its quirks, and the official
 ``openai`` client talks to the daemon. Round robin over the three engines
 puts each batch of three requests on each engine once (checked on the

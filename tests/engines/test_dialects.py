@@ -1,4 +1,4 @@
-"""The three dialects: requests, stream decoding, errors, health and discovery.
+"""The three dialects: requests, stream decoding, errors, health, discovery and P/D legs.
 
 Part one is sans-IO. Every request a dialect builds is parsed by
 ``smg-grpc-proto``'s own classes, and every response shape the stock servers
@@ -15,23 +15,38 @@ Part two runs each dialect against the simulator over real loopback gRPC
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import dataclasses
+import functools
+import json
 import pickle
+import random
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 from grpclib import GRPCError, Status
 from grpclib.client import Channel, UnaryStreamMethod, UnaryUnaryMethod
 
 from direct_frontend.engines.dialects import dialect_for
-from direct_frontend.engines.dialects.base import ENGINE_ABORTED, Dialect, Rpc
-from direct_frontend.engines.dialects.vllm import VllmDialect, int32_seed
+from direct_frontend.engines.dialects.base import (
+    DEFAULT_BOOTSTRAP_PORT,
+    ENGINE_ABORTED,
+    Dialect,
+    Rpc,
+)
+from direct_frontend.engines.dialects.sglang import ROOM_LIMIT, SglangDialect
+from direct_frontend.engines.dialects.vllm import (
+    PREFILL_PARAMS,
+    VllmDialect,
+    VllmStreamDecoder,
+    int32_seed,
+)
 from direct_frontend.engines.neutral import (
+    Disaggregation,
     EngineEvent,
     EngineInfo,
     EngineRole,
@@ -42,11 +57,13 @@ from direct_frontend.engines.neutral import (
     TokenDelta,
 )
 from direct_frontend.errors import EngineError, ErrorKind
-from direct_frontend.simulator import SimEngine, TimingModel
+from direct_frontend.simulator import TimingModel
+from protos import vllm_engine_pb2
+from tests.support import sim
+from tests.support.sim import EOS, run, until
 
 KINDS = ("sglang", "vllm", "trtllm")
 TESTS = Path(__file__).resolve().parent
-T = TypeVar("T")
 
 # ---------------------------------------------------------------------------
 # The package side: smg-grpc-proto's classes only, in a child process.
@@ -589,45 +606,163 @@ def test_registry_and_capabilities() -> None:
 
 
 # ---------------------------------------------------------------------------
+# Part one (c): prefill/decode pairs, what each kind's legs carry.
+# ---------------------------------------------------------------------------
+
+LEG_CALL = GenerateCall("req-1", (5, 6, 7, 8), SamplingOptions(max_tokens=40, min_tokens=3))
+MOONCAKE = "MooncakeConnector"
+
+
+@dataclasses.dataclass(frozen=True)
+class Engine:
+    """The facts a dialect pairs by (routing's EngineHandle carries the same)."""
+
+    url: str
+    info: EngineInfo = dataclasses.field(default_factory=lambda: EngineInfo("demo"))
+    bootstrap_port: int | None = None
+
+
+def vllm_engine(connector: str | None = "NixlConnector", dp: int = 1,
+                engine_id: str = "", url: str = "grpc://vp.lan:50051") -> Engine:
+    details = (("kv_engine_id", engine_id),)
+    if connector is not None:
+        details += (("kv_connector", connector),)
+    return Engine(url, EngineInfo("demo", data_parallel_size=dp, details=details))
+
+
+def test_pairing_groups_and_who_can_be_a_named_prefill() -> None:
+    sglang, vllm, trtllm = (dialect_for(kind) for kind in KINDS)
+    assert sglang.pairing_group(Engine("grpc://s:1")) == "sglang"
+    assert trtllm.pairing_group(Engine("grpc://t:1")) is None  # no P/D through its contract
+    # vLLM pairs per KV connector: a NIXL prefill cannot hand its KV to a Mooncake decode
+    assert vllm.pairing_group(vllm_engine()) == "vllm/NixlConnector"
+    assert vllm.pairing_group(vllm_engine(MOONCAKE)) == "vllm/MooncakeConnector"
+    assert vllm.pairing_group(vllm_engine(None)) == "vllm/NixlConnector"  # unreported: NIXL
+    assert vllm.pairing_group(vllm_engine("")) == "vllm/NixlConnector"
+    # Mooncake names the prefill by engine id, which data-parallel ranks suffix
+    assert not vllm.can_prefill(vllm_engine(MOONCAKE, dp=2))
+    assert vllm.can_prefill(vllm_engine(MOONCAKE)) and vllm.can_prefill(vllm_engine(dp=2))
+    assert sglang.can_prefill(Engine("grpc://s:1", EngineInfo("demo", data_parallel_size=2)))
+    with pytest.raises(NotImplementedError):
+        trtllm.pair_legs(LEG_CALL, Engine("grpc://t:1"), random.Random(1))
+
+
+def test_sglang_legs_share_one_rendezvous_and_the_client_is_served_from_decode() -> None:
+    prefill = Engine("grpc://sp.lan:50051", bootstrap_port=9100)
+    legs = dialect_for("sglang").pair_legs(LEG_CALL, prefill, random.Random(3))
+    assert legs.parallel and not legs.relays_kv_params
+    rendezvous = legs.decode_call.disaggregation
+    assert rendezvous is not None and legs.prefill_call.disaggregation == rendezvous
+    assert (rendezvous.bootstrap_host, rendezvous.bootstrap_port) == ("sp.lan", 9100)
+    assert rendezvous.bootstrap_room is not None and 0 <= rendezvous.bootstrap_room < ROOM_LIMIT
+    assert legs.prefill_call.stream is False and legs.decode_call.stream is True
+    assert legs.decode_call.sampling == LEG_CALL.sampling
+    assert legs.decode_call.request_id == "req-1"
+    assert legs.prefill_call.sampling == LEG_CALL.sampling  # the prefill leg is only drained
+
+
+def test_sglang_bootstrap_port_defaults_to_the_engines_default() -> None:
+    legs = dialect_for("sglang").pair_legs(LEG_CALL, Engine("grpc://sp:1"), random.Random(1))
+    assert legs.decode_call.disaggregation is not None
+    assert legs.decode_call.disaggregation.bootstrap_port == DEFAULT_BOOTSTRAP_PORT == 8998
+
+
+def test_rooms_are_drawn_from_int32_below_its_maximum() -> None:
+    assert ROOM_LIMIT == 2**31 - 1  # [0, i32::MAX), as smg draws them
+    rng, dialect, prefill = random.Random(11), dialect_for("sglang"), Engine("grpc://sp:1")
+    rooms = set()
+    for _ in range(2000):
+        rendezvous = dialect.pair_legs(LEG_CALL, prefill, rng).decode_call.disaggregation
+        assert rendezvous is not None and rendezvous.bootstrap_room is not None
+        rooms.add(rendezvous.bootstrap_room)
+    assert len(rooms) == 2000 and all(0 <= room < ROOM_LIMIT for room in rooms)
+
+
+def test_vllm_nixl_prefill_leg_first_then_the_decode_relays_its_handoff() -> None:
+    legs = dialect_for("vllm").pair_legs(LEG_CALL, vllm_engine(), random.Random(1))
+    assert not legs.parallel and legs.relays_kv_params
+    leg = legs.prefill_call
+    assert leg.sampling.max_tokens == 1 and leg.sampling.min_tokens == 0 and leg.stream is False
+    assert leg.disaggregation == Disaggregation(kv_transfer_params_json=PREFILL_PARAMS)
+    assert json.loads(PREFILL_PARAMS) == {"do_remote_decode": True, "do_remote_prefill": False}
+    assert legs.decode_call == LEG_CALL  # the handoff is added once the prefill returned it
+
+
+def test_vllm_mooncake_legs_share_a_router_minted_transfer_id() -> None:
+    prefill = vllm_engine(MOONCAKE, engine_id="engine-p")
+    legs = dialect_for("vllm").pair_legs(LEG_CALL, prefill, random.Random(5))
+    assert not legs.parallel and not legs.relays_kv_params
+    assert legs.prefill_call.disaggregation is not None
+    assert legs.decode_call.disaggregation is not None
+    assert legs.prefill_call.sampling.max_tokens == 1 and legs.prefill_call.stream is False
+    first = json.loads(legs.prefill_call.disaggregation.kv_transfer_params_json or "")
+    second = json.loads(legs.decode_call.disaggregation.kv_transfer_params_json or "")
+    assert first["transfer_id"] == second["transfer_id"] and len(first["transfer_id"]) == 32
+    assert first == {"do_remote_decode": True, "do_remote_prefill": False,
+                     "transfer_id": first["transfer_id"]}
+    assert second == {
+        "do_remote_decode": False, "do_remote_prefill": True, "transfer_id": first["transfer_id"],
+        "remote_engine_id": "engine-p", "remote_bootstrap_addr": "http://vp.lan:8998",
+    }
+    again = dialect_for("vllm").pair_legs(LEG_CALL, prefill, random.Random(6))
+    assert again.decode_call.disaggregation != legs.decode_call.disaggregation  # a new id
+
+
+def test_vllm_mooncake_names_an_ipv6_prefill_in_brackets() -> None:
+    prefill = dataclasses.replace(vllm_engine(MOONCAKE, url="grpc://[fd00::7]:50051"),
+                                  bootstrap_port=9200)
+    legs = dialect_for("vllm").pair_legs(LEG_CALL, prefill, random.Random(1))
+    assert legs.decode_call.disaggregation is not None
+    params = json.loads(legs.decode_call.disaggregation.kv_transfer_params_json or "")
+    assert params["remote_bootstrap_addr"] == "http://[fd00::7]:9200"
+
+
+def test_sglang_dialect_sends_disaggregated_params_only_on_legs() -> None:
+    dialect = SglangDialect()
+    assert not dialect.generate(LEG_CALL).request.HasField("disaggregated_params")
+    leg = GenerateCall("r", (1,), SamplingOptions(max_tokens=2), disaggregation=Disaggregation(
+        bootstrap_host="10.0.0.1", bootstrap_port=8998, bootstrap_room=0,
+    ))
+    request = dialect.generate(leg).request
+    params = request.disaggregated_params
+    assert request.HasField("disaggregated_params")
+    assert (params.bootstrap_host, params.bootstrap_port, params.bootstrap_room) == (
+        "10.0.0.1", 8998, 0
+    )
+    assert type(request).DESCRIPTOR.fields_by_name["disaggregated_params"].number == 10
+
+
+def test_vllm_dialect_sends_and_reads_kv_transfer_params() -> None:
+    dialect = VllmDialect()
+    assert not dialect.generate(LEG_CALL).request.HasField("kv_transfer_params_json")
+    leg = GenerateCall("r", (1,), SamplingOptions(max_tokens=1), stream=False,
+                       disaggregation=Disaggregation(kv_transfer_params_json=PREFILL_PARAMS))
+    request = dialect.generate(leg).request
+    assert request.kv_transfer_params_json == PREFILL_PARAMS
+    assert type(request).DESCRIPTOR.fields_by_name["kv_transfer_params_json"].number == 8
+    handoff = '{"do_remote_prefill":true}'
+    complete = vllm_engine_pb2.GenerateResponse(complete=vllm_engine_pb2.GenerateComplete(
+        output_ids=[9], finish_reason="length", prompt_tokens=1, completion_tokens=1,
+        kv_transfer_params_json=handoff,
+    ))
+    assert complete.complete.DESCRIPTOR.fields_by_name["kv_transfer_params_json"].number == 12
+    finished = VllmStreamDecoder(stream=False).feed(complete)
+    assert isinstance(finished, Finished) and finished.kv_transfer_params_json == handoff
+    plain = vllm_engine_pb2.GenerateResponse(complete=vllm_engine_pb2.GenerateComplete(
+        output_ids=[9], finish_reason="length", prompt_tokens=1, completion_tokens=1,
+    ))
+    finished = VllmStreamDecoder(stream=False).feed(plain)
+    assert isinstance(finished, Finished) and finished.kv_transfer_params_json is None
+
+
+# ---------------------------------------------------------------------------
 # Part two: each dialect against the simulator over real gRPC.
 # ---------------------------------------------------------------------------
 
-VOCAB = 500
-EOS = 2
 SLOW = TimingModel(prefill_us_per_token=0, decode_us_per_token=20_000, max_running=4)
 
 
-def run(coro: Coroutine[Any, Any, T], timeout: float = 30.0) -> T:
-    return asyncio.run(asyncio.wait_for(coro, timeout))
-
-
-@contextlib.asynccontextmanager
-async def serving(kind: str, **options: Any) -> AsyncIterator[tuple[SimEngine, Channel]]:
-    engine = SimEngine(
-        kind,  # type: ignore[arg-type]
-        served_model_name="sim-model",
-        vocab_size=VOCAB,
-        eos_token_id=EOS,
-        special_ids=frozenset({0, 1, 3}),
-        context_length=2048,
-        **options,
-    )
-    await engine.start("127.0.0.1", 0)
-    channel = Channel("127.0.0.1", engine.port)
-    try:
-        yield engine, channel
-    finally:
-        channel.close()
-        engine.close()
-        await engine.wait_closed()
-
-
-async def until(predicate: Callable[[], bool], within: float = 5.0) -> None:
-    """Poll until ``predicate`` holds (the engine's bookkeeping is asynchronous)."""
-    deadline = time.monotonic() + within
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.005)
+serving = functools.partial(sim.serving, context_length=2048)  # the simulator's test model
 
 
 async def unary(channel: Channel, rpc: Rpc) -> Any:

@@ -1,8 +1,11 @@
-"""The engine transport's hot path: the batched message reader, the pump's fallback, the h2 shim."""
+"""The engine transport's hot path: the batched message reader (engines/grpclib_reader.py),
+its gate, and the pump's fallback to grpclib's own reads."""
 
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
+import logging
 import random
 import subprocess
 import sys
@@ -11,6 +14,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import grpclib.client
+import grpclib.protocol
 import httpx
 import pytest
 import trio
@@ -19,18 +24,21 @@ from grpclib.encoding.proto import ProtoCodec
 from grpclib.protocol import Buffer
 from grpclib.utils import Wrapper
 
-from direct_frontend.engines import transport
+from direct_frontend.engines import grpclib_reader, transport
 from direct_frontend.engines.dialects.sglang import SglangDialect
+from direct_frontend.engines.grpclib_reader import MessageReader
 from direct_frontend.engines.neutral import GenerateCall, SamplingOptions
-from direct_frontend.engines.transport import EngineChannel, EventReceiver, _MessageReader
+from direct_frontend.engines.transport import EngineChannel, EventReceiver
 from direct_frontend.errors import EngineError, ErrorKind
+from direct_frontend.observability.shims import shims_active
 from protos import sglang_scheduler_pb2 as pb
 from tests.support.daemon import Daemon, fleet_text, free_port, running_daemon, sim_engine
+from tests.support.metrics import sample
 
 FAST = {"decode_us_per_token": 0, "prefill_us_per_token": 0, "eos_probability": 0.0}
 
 
-# -- _MessageReader on a real grpclib receive buffer ----------------------------------------
+# -- MessageReader on a real grpclib receive buffer -----------------------------------------
 
 
 def _messages(n: int) -> list[pb.GenerateResponse]:
@@ -70,7 +78,7 @@ def test_reader_cuts_messages_at_any_chunk_boundary(seed: int) -> None:
 
     async def main() -> list[pb.GenerateResponse]:
         buffer = Buffer(acked.append)
-        reader = _MessageReader.attach(_fake_call(buffer))
+        reader = MessageReader.attach(_fake_call(buffer))
         assert reader is not None
         got: list[pb.GenerateResponse] = []
 
@@ -103,7 +111,7 @@ def test_reader_reports_a_truncated_last_message_like_grpclib() -> None:
 
     async def main() -> None:
         buffer = Buffer(lambda size: None)
-        reader = _MessageReader.attach(_fake_call(buffer))
+        reader = MessageReader.attach(_fake_call(buffer))
         assert reader is not None
         buffer.add(wire, len(wire))
         buffer.eof()
@@ -120,7 +128,7 @@ def test_reader_wait_is_interrupted_by_the_wrapper_like_grpclib() -> None:
     async def main() -> None:
         buffer = Buffer(lambda size: None)
         call = _fake_call(buffer)
-        reader = _MessageReader.attach(call)
+        reader = MessageReader.attach(call)
         assert reader is not None
         waiting = asyncio.ensure_future(reader.batch(64))
         await asyncio.sleep(0)
@@ -147,7 +155,7 @@ def test_reader_decodes_with_any_grpclib_codec() -> None:
         buffer = Buffer(lambda size: None)
         call = _fake_call(buffer)
         call._codec = Recording()
-        reader = _MessageReader.attach(call)
+        reader = MessageReader.attach(call)
         assert reader is not None
         buffer.add(wire, len(wire))
         buffer.eof()
@@ -157,11 +165,69 @@ def test_reader_decodes_with_any_grpclib_codec() -> None:
     assert len(decoded) == 5
 
 
-def test_reader_refuses_a_grpclib_without_the_expected_internals() -> None:
-    assert _MessageReader.attach(SimpleNamespace()) is None
-    call = _fake_call(Buffer(lambda size: None))
-    call._stream.buffer._unacked = []  # not an asyncio.Queue
-    assert _MessageReader.attach(call) is None
+def test_reader_refuses_a_grpclib_without_the_expected_internals(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A call unlike the gate promised: grpclib reads it, and the shim is off from then on."""
+    monkeypatch.setattr(grpclib_reader, "STATUS", grpclib_reader.STATUS)  # restored after
+    assert grpclib_reader.STATUS.active
+    with caplog.at_level(logging.WARNING, logger="direct_frontend.shims"):
+        assert MessageReader.attach(SimpleNamespace()) is None
+        call = _fake_call(Buffer(lambda size: None))
+        call._stream.buffer._unacked = []  # not an asyncio.Queue
+        assert MessageReader.attach(call) is None
+    assert not grpclib_reader.STATUS.active
+    assert grpclib_reader.STATUS.reason.endswith("a stream's call differs from what it reads")
+    assert len(caplog.records) == 1  # said once
+    assert MessageReader.attach(_fake_call(Buffer(lambda size: None))) is None  # off for good
+    [report] = [s for s in shims_active() if s.shim == "grpclib_reader"]
+    assert report == grpclib_reader.STATUS
+
+
+# -- the gate: a checked grpclib release and the internals' shape ------------------------------
+
+
+def test_the_reader_is_on_for_the_installed_grpclib() -> None:
+    version = importlib.metadata.version("grpclib")
+    assert version in grpclib_reader.CHECKED
+    assert grpclib_reader.check() == grpclib_reader.STATUS
+    assert grpclib_reader.STATUS.active and grpclib_reader.STATUS.reason == f"grpclib {version}"
+
+
+def test_a_grpclib_release_outside_the_allow_list_turns_the_reader_off(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(grpclib_reader, "CHECKED", ("0.4.0",))
+    status = grpclib_reader.check()
+    assert not status.active and "not a release it was checked against (0.4.0)" in status.reason
+    monkeypatch.setattr(grpclib_reader, "STATUS", status)
+    assert MessageReader.attach(_fake_call(Buffer(lambda size: None))) is None
+    assert [s for s in shims_active() if s.shim == "grpclib_reader"] == [status]
+
+
+def test_a_receive_buffer_of_another_shape_turns_the_reader_off(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    class NoEndMarker(Buffer):
+        def eof(self) -> None:  # a grpclib that flags the end without queueing a marker
+            self._eof = True
+
+    monkeypatch.setattr(grpclib.protocol, "Buffer", NoEndMarker)
+    status = grpclib_reader.check()
+    assert not status.active and status.reason.endswith("queues received data differently")
+
+
+def test_a_client_stream_of_another_shape_turns_the_reader_off(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    class Renamed:  # a grpclib whose client stream keeps its parts under other names
+        def __init__(self) -> None:
+            self._codec = self._recv_type = self._h2_stream = None
+
+    monkeypatch.setattr(grpclib.client, "Stream", Renamed)
+    status = grpclib_reader.check()
+    assert not status.active
+    assert status.reason.endswith("grpclib's streams no longer use _stream, _wrapper")
 
 
 # -- EventReceiver: batches in, events out ----------------------------------------------------
@@ -246,10 +312,36 @@ def test_the_public_grpclib_path_gives_the_same_answers(
         used.append(True)
         await fallback(*args)
 
-    monkeypatch.setattr(transport._MessageReader, "attach", classmethod(lambda cls, call: None))
+    monkeypatch.setattr(MessageReader, "attach", classmethod(lambda cls, call: None))
     monkeypatch.setattr(transport, "_pump_public", counting)
     assert _completion(daemon, 200, stream=True) == expected
     assert used
+
+
+def _shim_gauge(daemon: Daemon) -> float:
+    text = httpx.get(daemon.url + "/metrics", timeout=10).text
+    return sample(text, "direct_frontend_shim_active", shim="grpclib_reader")
+
+
+def test_an_unchecked_grpclib_is_read_by_grpclib_itself_and_says_so(
+    daemon: Daemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The gate off (a grpclib release nobody checked): the same answers, the gauge at 0."""
+    expected = _completion(daemon, 200, stream=True)
+    assert _shim_gauge(daemon) == 1
+    used: list[bool] = []
+    fallback = transport._pump_public
+
+    async def counting(*args: Any) -> None:
+        used.append(True)
+        await fallback(*args)
+
+    monkeypatch.setattr(grpclib_reader, "CHECKED", ("0.4.0",))
+    monkeypatch.setattr(grpclib_reader, "STATUS", grpclib_reader.check())
+    monkeypatch.setattr(transport, "_pump_public", counting)
+    assert _completion(daemon, 200, stream=True) == expected
+    assert used
+    assert _shim_gauge(daemon) == 0
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,7 @@ from direct_frontend.fleet import (
     FleetProblem,
     FrontendConfig,
     Knobs,
+    KvAwareKnobs,
     ProbeConfig,
     RoutingConfig,
     SimulatorConfig,
@@ -127,7 +128,9 @@ def test_full_file_parses_to_expected_objects() -> None:
             request_timeout_s=30.0,
             log_json=True,
             routing=RoutingConfig(
-                policy="kv_aware", knobs={"overlap_weight": 2.5, "temperature": 0.5}
+                policy="kv_aware",
+                knobs={"overlap_weight": 2.5, "temperature": 0.5},
+                kv_aware=KvAwareKnobs(overlap_weight=2.5, temperature=0.5),
             ),
             probe=ProbeConfig(
                 interval_s=1.5,
@@ -964,3 +967,18 @@ def test_faults_and_limits_tables() -> None:
     assert str(info.value) == (
         "fleet.toml:8: frontend.limits.max_in_flight: must be at least 1, got 0"
     )
+
+
+def test_kv_aware_knobs_are_typed_by_the_loader() -> None:
+    text = (
+        FRONTEND + '[frontend.routing]\npolicy = "kv_aware"\n'
+        "[frontend.routing.knobs]\noverlap_weight = 2\nblock_size = 32\n"
+    )
+    routing = parse(text).frontend.routing
+    assert routing.kv_aware == KvAwareKnobs(overlap_weight=2.0, block_size=32)
+    assert isinstance(routing.kv_aware.overlap_weight, float)
+    assert dict(routing.knobs) == {"overlap_weight": 2, "block_size": 32}  # as written
+    # Other policies take no knobs: whatever is written stays as written, unchecked.
+    other = parse(text.replace('"kv_aware"', '"least_loaded"') + 'colour = "red"\n')
+    assert other.frontend.routing.kv_aware == KvAwareKnobs()
+    assert other.frontend.routing.knobs["colour"] == "red"

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import importlib.metadata
+import logging
 import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import h11
+import httpx
 import hypercorn.protocol
 import pytest
 import trio
@@ -19,7 +21,9 @@ from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.trio.worker_context import WorkerContext
 
 from direct_frontend.http import coalesce
+from direct_frontend.observability.shims import ShimStatus, shims_active
 from tests.support.daemon import Daemon, fleet_text, running_daemon, sim_engine
+from tests.support.metrics import sample
 
 FAST = {"decode_us_per_token": 0, "prefill_us_per_token": 0, "eos_probability": 0.0}
 pytestmark = pytest.mark.skipif(
@@ -94,17 +98,69 @@ def test_a_finished_response_recycles_the_connection_as_before() -> None:
     assert isinstance(ours[-1], Updated) and isinstance(stock[-1], Updated)
 
 
-def test_install_switches_hypercorn_and_is_idempotent(monkeypatch: pytest.MonkeyPatch) -> None:
+def _reported() -> ShimStatus:
+    [status] = [s for s in shims_active() if s.shim == "hypercorn_coalesce"]
+    return status
+
+
+@pytest.fixture
+def stock_hypercorn(monkeypatch: pytest.MonkeyPatch) -> None:
+    """hypercorn as it comes, the shim not installed; put back as it was afterwards."""
     monkeypatch.setattr(hypercorn.protocol, "H11Protocol", H11Protocol)
+    monkeypatch.setattr(coalesce, "_judged", None)
+
+
+@pytest.mark.usefixtures("stock_hypercorn")
+def test_install_switches_hypercorn_and_is_idempotent() -> None:
+    assert _reported() == ShimStatus("hypercorn_coalesce", False, "not installed")
     assert coalesce.install() and coalesce.install()
     assert hypercorn.protocol.H11Protocol is coalesce.CoalescingH11Protocol
+    version = importlib.metadata.version("hypercorn")
+    assert _reported() == ShimStatus("hypercorn_coalesce", True, f"hypercorn {version}")
 
 
+@pytest.mark.usefixtures("stock_hypercorn")
 def test_install_leaves_another_hypercorn_release_alone(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(hypercorn.protocol, "H11Protocol", H11Protocol)
     monkeypatch.setattr(coalesce, "CHECKED", ("0.0.0",))
     assert not coalesce.install()
     assert hypercorn.protocol.H11Protocol is H11Protocol
+    status = _reported()
+    assert not status.active
+    assert "not a release it was checked against (0.0.0)" in status.reason
+
+
+@pytest.mark.usefixtures("stock_hypercorn")
+def test_install_leaves_a_hypercorn_of_another_shape_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def stream_send(self: H11Protocol, event: Any) -> None:  # no longer a coroutine
+        pass
+
+    monkeypatch.setattr(H11Protocol, "stream_send", stream_send)
+    assert not coalesce.install()
+    assert hypercorn.protocol.H11Protocol is H11Protocol
+    assert _reported().reason.endswith("H11Protocol.stream_send is not a coroutine function")
+
+
+@pytest.mark.usefixtures("stock_hypercorn")
+def test_a_hypercorn_that_builds_its_protocol_elsewhere_is_left_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    class Wrapper:  # a ProtocolWrapper that no longer reads hypercorn.protocol.H11Protocol
+        def __init__(self) -> None:
+            self.protocol = None
+
+    monkeypatch.setattr(hypercorn.protocol, "ProtocolWrapper", Wrapper)
+    assert not coalesce.install()
+    assert _reported().reason.endswith("no longer builds hypercorn.protocol.H11Protocol")
+
+
+@pytest.mark.usefixtures("stock_hypercorn")
+def test_the_report_says_when_the_shim_was_replaced_since() -> None:
+    assert coalesce.install()
+    hypercorn.protocol.H11Protocol = H11Protocol  # type: ignore[attr-defined]
+    status = _reported()
+    assert not status.active and status.reason.endswith("replaced since it was installed")
 
 
 # -- on the wire ----------------------------------------------------------------------------
@@ -131,3 +187,21 @@ def test_a_streamed_response_starts_with_head_and_first_event_together(daemon: D
     assert first.startswith(b"HTTP/1.1 200")
     assert b"text/event-stream" in first and b"\r\n\r\n" in first
     assert b"data: {" in first.split(b"\r\n\r\n", 1)[1]
+
+
+def test_the_daemon_reports_both_shims_in_use(daemon: Daemon) -> None:
+    text = httpx.get(daemon.url + "/metrics", timeout=10).text
+    assert sample(text, "direct_frontend_shim_active", shim="hypercorn_coalesce") == 1
+    assert sample(text, "direct_frontend_shim_active", shim="grpclib_reader") == 1
+
+
+def test_the_daemon_logs_the_shims_once_at_start(
+    model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    text = fleet_text(model_dir, [sim_engine("a", **FAST)])
+    with caplog.at_level(logging.INFO, logger="direct_frontend"), running_daemon(tmp_path, text):
+        pass
+    lines = [r for r in caplog.records if r.getMessage().startswith("hot-path shims:")]
+    assert len(lines) == 1 and lines[0].levelno == logging.INFO
+    assert "grpclib_reader on (grpclib " in lines[0].getMessage()
+    assert "hypercorn_coalesce on (hypercorn " in lines[0].getMessage()

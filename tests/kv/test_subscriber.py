@@ -11,7 +11,7 @@ import contextlib
 import functools
 import random
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import trio
@@ -22,28 +22,10 @@ from direct_frontend.kv.index import KvIndex
 from direct_frontend.kv.subscriber import KvSubscription, run_kv_subscriber
 from direct_frontend.simulator.kv_publisher import KvEventPublisher, PublisherKind
 from direct_frontend.simulator.kvcache import CacheCleared, StoredRun
+from tests.support.sim import run_trio as run
+from tests.support.sim import until_trio as until
 
 BS = 4
-
-
-def run(body: Callable[[], Awaitable[None]], timeout: float = 60.0) -> None:
-    """One test body under Trio with a trio-asyncio loop (the daemon's arrangement)."""
-
-    async def main() -> None:
-        with trio.fail_after(timeout):
-            async with trio_asyncio.open_loop():
-                await body()
-
-    trio.run(main)
-
-
-async def until(predicate: Callable[[], bool], within: float = 10.0, what: str = "") -> None:
-    """Poll ``predicate`` until it holds."""
-    deadline = trio.current_time() + within
-    while not predicate():
-        if trio.current_time() > deadline:
-            raise AssertionError(f"not reached in {within}s: {what or predicate}")
-        await trio.sleep(0.002)
 
 
 def tokens_of(i: int) -> list[int]:

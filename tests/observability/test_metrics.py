@@ -7,7 +7,9 @@ import re
 import pytest
 
 from direct_frontend.errors import ErrorKind
+from direct_frontend.observability import shims
 from direct_frontend.observability.metrics import ENGINE_STATES, Metrics
+from direct_frontend.observability.shims import ShimStatus
 from tests.support.metrics import sample
 
 MODEL = 'org/model "v2"'  # quotes prove the model name is JSON-escaped
@@ -43,6 +45,7 @@ def test_metrics_render_all_names() -> None:
         "cancelled_requests_total",
         "malformed_engine_messages_total",
         "engine_errors_total",
+        "shim_active",
     ):
         base = "direct_frontend_" + name.removesuffix("_total")
         assert re.search(rf"^# TYPE {base}(_total)? ", text, re.MULTILINE), name
@@ -58,6 +61,23 @@ def test_metrics_render_all_names() -> None:
     assert sample(text, "direct_frontend_malformed_engine_messages_total", engine="e1") == 1
     assert sample(text, "direct_frontend_engine_errors_total", engine="e1", kind="timeout") == 1
     assert sample(text, "direct_frontend_time_to_first_token_seconds_count") == 1
+
+
+def test_shim_active_is_read_from_the_shims_at_each_scrape(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(shims, "_REPORTS", {})
+    reader = [ShimStatus("grpclib_reader", True, "grpclib 0.4.9")]
+    shims.register("grpclib_reader", lambda: reader[0])
+    shims.register("hypercorn_coalesce", lambda: ShimStatus("hypercorn_coalesce", False, "x"))
+    m = Metrics()
+    text = m.render()[0].decode()
+    assert "# TYPE direct_frontend_shim_active gauge" in text
+    assert sample(text, "direct_frontend_shim_active", shim="grpclib_reader") == 1
+    assert sample(text, "direct_frontend_shim_active", shim="hypercorn_coalesce") == 0
+    reader[0] = ShimStatus("grpclib_reader", False, "a stream differed")  # switched off since
+    text = m.render()[0].decode()
+    assert sample(text, "direct_frontend_shim_active", shim="grpclib_reader") == 0
 
 
 def test_fresh_instances_do_not_share_state() -> None:

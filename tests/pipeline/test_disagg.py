@@ -1,4 +1,7 @@
-"""Disaggregated serving decisions (sans-IO): pairing, per-role routing, what each leg carries."""
+"""Disaggregated serving decisions (sans-IO): pairing, per-role routing, placing the legs.
+
+What each kind's legs carry is its dialect's (tests/engines/test_dialects.py).
+"""
 
 from __future__ import annotations
 
@@ -7,8 +10,8 @@ import random
 
 import pytest
 
-from direct_frontend.engines.dialects.sglang import SglangDialect
-from direct_frontend.engines.dialects.vllm import VllmDialect, VllmStreamDecoder
+from direct_frontend.engines.dialects.sglang import ROOM_LIMIT, SglangDialect
+from direct_frontend.engines.dialects.vllm import PREFILL_PARAMS, VllmDialect
 from direct_frontend.engines.neutral import (
     Disaggregation,
     EngineInfo,
@@ -19,19 +22,16 @@ from direct_frontend.engines.neutral import (
     SamplingOptions,
 )
 from direct_frontend.errors import EngineError, ErrorKind
+from direct_frontend.fleet.schema import KvAwareKnobs
 from direct_frontend.pipeline.disagg import (
-    DEFAULT_BOOTSTRAP_PORT,
-    PREFILL_PARAMS,
-    ROOM_LIMIT,
     DisaggPlanner,
     pairable_groups,
     pairing_group,
     role_policies,
 )
 from direct_frontend.routing.catalog import Catalog, EngineHandle
-from direct_frontend.routing.kv_aware import KvAware, KvKnobs
+from direct_frontend.routing.kv_aware import KvAware
 from direct_frontend.routing.policies import LeastLoaded, Placement, RequestView, RoundRobin
-from protos import vllm_engine_pb2
 
 P, D, B = EngineRole.PREFILL, EngineRole.DECODE, EngineRole.BOTH
 VIEW = RequestView((1, 2, 3), 16)
@@ -123,7 +123,7 @@ def test_each_role_has_its_own_round_robin_and_honours_exclusions() -> None:
 def test_role_policies_follow_the_fleet_policy() -> None:
     prefill, decode = role_policies(LeastLoaded())
     assert isinstance(prefill, LeastLoaded) and isinstance(decode, LeastLoaded)
-    kv = KvAware(KvKnobs(block_size=4))
+    kv = KvAware(KvAwareKnobs(block_size=4))
     kv.uses_events = {7}
     prefill, decode = role_policies(kv)
     # the prefix cache that saves work is the prefill engine's; decode goes least loaded
@@ -141,7 +141,7 @@ def test_role_policies_follow_the_fleet_policy() -> None:
 
 def test_role_policies_of_the_fleet_policy_before_a_reload_are_kept() -> None:
     planner = DisaggPlanner()
-    old, new = KvAware(KvKnobs(block_size=4)), KvAware(KvKnobs(block_size=4))
+    old, new = KvAware(KvAwareKnobs(block_size=4)), KvAware(KvAwareKnobs(block_size=4))
     planner.follow(old)
     before = planner.prefill_policy
     planner.follow(new)  # a reload; requests admitted before it still carry ``old``
@@ -154,44 +154,30 @@ def test_role_policies_of_the_fleet_policy_before_a_reload_are_kept() -> None:
 
 def test_kv_aware_prefill_blocks_count_in_the_prefill_engines_load() -> None:
     planner = DisaggPlanner()
-    planner.follow(KvAware(KvKnobs(block_size=2)))
+    planner.follow(KvAware(KvAwareKnobs(block_size=2)))
     catalog = Catalog(1, (engine("p", "sglang", P), engine("d", "sglang", D)))
     plan = planner.plan(catalog, catalog.engines[1], CALL)
     assert plan is not None and len(plan.prefill_blocks) == 2  # 4 prompt tokens / 2
 
 
-# -- the legs -------------------------------------------------------------------------
+# -- the decode engine's dialect builds the legs -----------------------------------------
 
 
-def test_sglang_legs_share_one_rendezvous_and_the_client_is_served_from_decode() -> None:
+def test_sglang_legs_run_at_once_and_the_client_is_served_from_decode() -> None:
     planner = DisaggPlanner(random.Random(3))
     prefill = engine("sp", "sglang", P, bootstrap_port=9100)
     decode = engine("sd", "sglang", D)
     plan = planner.plan(Catalog(1, (prefill, decode)), decode, CALL)
     assert plan is not None and plan.parallel and not plan.relays_kv_params
+    assert (plan.prefill, plan.decode) == (prefill, decode)
+    legs = SglangDialect().pair_legs(CALL, prefill, random.Random(3))  # what the planner drew
+    assert (plan.prefill_call, plan.decode_call) == (legs.prefill_call, legs.decode_call)
     rendezvous = plan.decode_call.disaggregation
     assert rendezvous is not None and plan.prefill_call.disaggregation == rendezvous
-    assert (rendezvous.bootstrap_host, rendezvous.bootstrap_port) == ("sp.lan", 9100)
     assert rendezvous.bootstrap_room is not None and 0 <= rendezvous.bootstrap_room < ROOM_LIMIT
-    assert plan.prefill_call.stream is False and plan.decode_call.stream is True
-    assert plan.decode_call.sampling == CALL.sampling and plan.decode_call.request_id == "req-1"
     assert plan.decode_after(Finished(FinishReason.LENGTH, 4, 1)) == plan.decode_call
     other = planner.plan(Catalog(1, (prefill, decode)), decode, CALL)
     assert other is not None and other.decode_call.disaggregation != rendezvous  # a new room
-
-
-def test_sglang_bootstrap_port_defaults_to_the_engines_default() -> None:
-    prefill, decode = engine("sp", "sglang", P), engine("sd", "sglang", D)
-    plan = DisaggPlanner().plan(Catalog(1, (prefill, decode)), decode, CALL)
-    assert plan is not None and plan.decode_call.disaggregation is not None
-    assert plan.decode_call.disaggregation.bootstrap_port == DEFAULT_BOOTSTRAP_PORT
-
-
-def test_rooms_are_drawn_from_int32_below_its_maximum() -> None:
-    assert ROOM_LIMIT == 2**31 - 1  # [0, i32::MAX), as smg draws them
-    planner = DisaggPlanner(random.Random(11))
-    rooms = {planner.mint_room() for _ in range(2000)}
-    assert len(rooms) == 2000 and all(0 <= room < ROOM_LIMIT for room in rooms)
 
 
 def test_vllm_nixl_prefill_leg_then_the_handoff_verbatim() -> None:
@@ -201,7 +187,6 @@ def test_vllm_nixl_prefill_leg_then_the_handoff_verbatim() -> None:
     leg = plan.prefill_call
     assert leg.sampling.max_tokens == 1 and leg.sampling.min_tokens == 0 and leg.stream is False
     assert leg.disaggregation == Disaggregation(kv_transfer_params_json=PREFILL_PARAMS)
-    assert json.loads(PREFILL_PARAMS) == {"do_remote_decode": True, "do_remote_prefill": False}
     handoff = '{"remote_block_ids": [1, 2], "do_remote_prefill": true}'  # odd spacing kept
     decode_call = plan.decode_after(Finished(FinishReason.LENGTH, 4, 1,
                                              kv_transfer_params_json=handoff))
@@ -212,61 +197,15 @@ def test_vllm_nixl_prefill_leg_then_the_handoff_verbatim() -> None:
     assert missing.value.kind is ErrorKind.INTERNAL and missing.value.engine == "vp"
 
 
-def test_vllm_mooncake_legs_share_a_router_minted_transfer_id() -> None:
+def test_vllm_mooncake_legs_run_one_after_the_other_without_a_relay() -> None:
     mooncake = "MooncakeConnector"
     prefill = engine("vp", "vllm", P, connector=mooncake, engine_id="engine-p")
     decode = engine("vd", "vllm", D, connector=mooncake)
     plan = DisaggPlanner(random.Random(5)).plan(Catalog(1, (prefill, decode)), decode, CALL)
     assert plan is not None and not plan.parallel and not plan.relays_kv_params
-    assert plan.prefill_call.disaggregation is not None
+    legs = VllmDialect().pair_legs(CALL, prefill, random.Random(5))  # what the planner drew
+    assert (plan.prefill_call, plan.decode_call) == (legs.prefill_call, legs.decode_call)
+    assert plan.decode_after(Finished(FinishReason.LENGTH, 4, 1)) == plan.decode_call
     assert plan.decode_call.disaggregation is not None
-    first = json.loads(plan.prefill_call.disaggregation.kv_transfer_params_json or "")
     second = json.loads(plan.decode_call.disaggregation.kv_transfer_params_json or "")
-    assert first["transfer_id"] == second["transfer_id"] and len(first["transfer_id"]) == 32
-    assert first == {"do_remote_decode": True, "do_remote_prefill": False,
-                     "transfer_id": first["transfer_id"]}
-    assert second == {
-        "do_remote_decode": False, "do_remote_prefill": True, "transfer_id": first["transfer_id"],
-        "remote_engine_id": "engine-p", "remote_bootstrap_addr": "http://vp.lan:8998",
-    }
-
-
-# -- the dialects carry the legs ------------------------------------------------------
-
-
-def test_sglang_dialect_sends_disaggregated_params_only_on_legs() -> None:
-    dialect = SglangDialect()
-    assert not dialect.generate(CALL).request.HasField("disaggregated_params")
-    leg = GenerateCall("r", (1,), SamplingOptions(max_tokens=2), disaggregation=Disaggregation(
-        bootstrap_host="10.0.0.1", bootstrap_port=8998, bootstrap_room=0,
-    ))
-    request = dialect.generate(leg).request
-    params = request.disaggregated_params
-    assert request.HasField("disaggregated_params")
-    assert (params.bootstrap_host, params.bootstrap_port, params.bootstrap_room) == (
-        "10.0.0.1", 8998, 0
-    )
-    assert type(request).DESCRIPTOR.fields_by_name["disaggregated_params"].number == 10
-
-
-def test_vllm_dialect_sends_and_reads_kv_transfer_params() -> None:
-    dialect = VllmDialect()
-    assert not dialect.generate(CALL).request.HasField("kv_transfer_params_json")
-    leg = GenerateCall("r", (1,), SamplingOptions(max_tokens=1), stream=False,
-                       disaggregation=Disaggregation(kv_transfer_params_json=PREFILL_PARAMS))
-    request = dialect.generate(leg).request
-    assert request.kv_transfer_params_json == PREFILL_PARAMS
-    assert type(request).DESCRIPTOR.fields_by_name["kv_transfer_params_json"].number == 8
-    handoff = '{"do_remote_prefill":true}'
-    complete = vllm_engine_pb2.GenerateResponse(complete=vllm_engine_pb2.GenerateComplete(
-        output_ids=[9], finish_reason="length", prompt_tokens=1, completion_tokens=1,
-        kv_transfer_params_json=handoff,
-    ))
-    assert complete.complete.DESCRIPTOR.fields_by_name["kv_transfer_params_json"].number == 12
-    finished = VllmStreamDecoder(stream=False).feed(complete)
-    assert isinstance(finished, Finished) and finished.kv_transfer_params_json == handoff
-    plain = vllm_engine_pb2.GenerateResponse(complete=vllm_engine_pb2.GenerateComplete(
-        output_ids=[9], finish_reason="length", prompt_tokens=1, completion_tokens=1,
-    ))
-    finished = VllmStreamDecoder(stream=False).feed(plain)
-    assert isinstance(finished, Finished) and finished.kv_transfer_params_json is None
+    assert second["remote_engine_id"] == "engine-p"

@@ -6,10 +6,11 @@ import pytest
 
 from direct_frontend.engines.neutral import EngineRole
 from direct_frontend.errors import NoEngineAvailable
+from direct_frontend.fleet.schema import KvAwareKnobs
 from direct_frontend.kv.index import prefix_hashes
 from direct_frontend.pipeline.dispatch import Dispatcher
 from direct_frontend.routing.catalog import Catalog
-from direct_frontend.routing.kv_aware import KvAware, KvKnobs
+from direct_frontend.routing.kv_aware import KvAware
 from direct_frontend.routing.policies import LeastLoaded
 from tests.support.fleet import StaticFleet as Fleet
 from tests.support.fleet import engine
@@ -18,7 +19,7 @@ PROMPT = tuple(range(100, 116))  # 4 blocks of 4
 
 
 def test_an_aggregated_placement_carries_the_fleet_policys_predictions() -> None:
-    policy = KvAware(KvKnobs(block_size=4))
+    policy = KvAware(KvAwareKnobs(block_size=4))
     dispatcher = Dispatcher(Fleet(Catalog(1, (engine("a"),))))
     placement = dispatcher.choose(policy, PROMPT, 16)
     assert placement.engine.name == "a"
@@ -31,7 +32,7 @@ def test_an_aggregated_placement_carries_the_fleet_policys_predictions() -> None
 def test_a_pair_is_placed_by_its_decode_engine_and_predicts_nothing() -> None:
     catalog = Catalog(1, (engine("agg"), engine("p", EngineRole.PREFILL),
                           engine("d", EngineRole.DECODE)))
-    policy = KvAware(KvKnobs(block_size=4))
+    policy = KvAware(KvAwareKnobs(block_size=4))
     dispatcher = Dispatcher(Fleet(catalog))
     placement = dispatcher.choose(policy, PROMPT, 16)
     assert placement.engine.name == "d"
@@ -46,7 +47,7 @@ def test_a_pair_is_placed_by_its_decode_engine_and_predicts_nothing() -> None:
 
 
 def test_completion_reaches_the_policy_that_placed_the_request() -> None:
-    policy = KvAware(KvKnobs(block_size=4))
+    policy = KvAware(KvAwareKnobs(block_size=4))
     catalog = Catalog(1, (engine("a", incarnation=1), engine("p", EngineRole.PREFILL, 2),
                           engine("d", EngineRole.DECODE, 3)))
     dispatcher = Dispatcher(Fleet(catalog))

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 
 from direct_frontend.engines.neutral import EngineInfo, EngineRole
+from direct_frontend.fleet.load import FleetError, parse_fleet
+from direct_frontend.fleet.schema import KvAwareKnobs
 from direct_frontend.kv.index import prefix_hashes
 from direct_frontend.routing.catalog import Catalog, EngineHandle
+from direct_frontend.routing.factory import make_policy
 from direct_frontend.routing.hitrate import HitRateMonitor
-from direct_frontend.routing.kv_aware import ApproxPrefixIndex, KvAware, KvKnobs
+from direct_frontend.routing.kv_aware import ApproxPrefixIndex, KvAware
 from direct_frontend.routing.policies import RequestView
 
 BS = 4
@@ -54,7 +58,7 @@ HASHES = prefix_hashes(PROMPT, BS)
 
 def test_routes_to_the_engine_holding_the_longest_prefix() -> None:
     index = FakeIndex({"b": HASHES[:6], "c": HASHES[:2]})
-    policy = KvAware(KvKnobs(block_size=BS), index)
+    policy = KvAware(KvAwareKnobs(block_size=BS), index)
     policy.uses_events = {1, 2, 3}
     catalog = Catalog(1, (handle("a"), handle("b"), handle("c")))
     chosen = policy.choose(catalog, view(PROMPT))
@@ -64,7 +68,7 @@ def test_routes_to_the_engine_holding_the_longest_prefix() -> None:
 
 def test_decode_load_outweighs_a_small_overlap() -> None:
     index = FakeIndex({"b": HASHES[:1]})
-    policy = KvAware(KvKnobs(block_size=BS), index)
+    policy = KvAware(KvAwareKnobs(block_size=BS), index)
     policy.uses_events = {1, 2}
     catalog = Catalog(1, (handle("a"), handle("b", in_flight=3, active_blocks=10)))
     chosen = policy.choose(catalog, view(PROMPT))
@@ -73,7 +77,7 @@ def test_decode_load_outweighs_a_small_overlap() -> None:
 
 def test_load_guard_stops_herding_on_a_hot_prefix() -> None:
     index = FakeIndex({"b": HASHES})
-    knobs = KvKnobs(block_size=BS, balance_abs_threshold=2, balance_rel_threshold=1.5,
+    knobs = KvAwareKnobs(block_size=BS, balance_abs_threshold=2, balance_rel_threshold=1.5,
                     overlap_weight=100)
     policy = KvAware(knobs, index)
     policy.uses_events = {1, 2, 3}
@@ -84,7 +88,7 @@ def test_load_guard_stops_herding_on_a_hot_prefix() -> None:
 
 
 def test_ties_go_to_the_less_loaded_engine_and_exclusions_hold() -> None:
-    policy = KvAware(KvKnobs(block_size=BS), FakeIndex({}))
+    policy = KvAware(KvAwareKnobs(block_size=BS), FakeIndex({}))
     catalog = Catalog(1, (handle("a", 2), handle("b", 1)))
     chosen = policy.choose(catalog, view([1, 2, 3]))
     assert chosen is not None and chosen.engine.name == "b"
@@ -93,7 +97,7 @@ def test_ties_go_to_the_less_loaded_engine_and_exclusions_hold() -> None:
 
 def test_temperature_samples_but_prefers_cheap_engines() -> None:
     index = FakeIndex({"b": HASHES})
-    policy = KvAware(KvKnobs(block_size=BS, temperature=0.5), index, rng=random.Random(3))
+    policy = KvAware(KvAwareKnobs(block_size=BS, temperature=0.5), index, rng=random.Random(3))
     policy.uses_events = {1, 2}
     catalog = Catalog(1, (handle("a"), handle("b")))
     picks = [policy.choose(catalog, view(PROMPT)) for _ in range(300)]
@@ -103,7 +107,7 @@ def test_temperature_samples_but_prefers_cheap_engines() -> None:
 
 def test_approximate_mode_remembers_where_prefixes_went_and_forgets_after_ttl() -> None:
     now = [1000.0]
-    policy = KvAware(KvKnobs(block_size=BS, approx_ttl_s=10), clock=lambda: now[0])
+    policy = KvAware(KvAwareKnobs(block_size=BS, approx_ttl_s=10), clock=lambda: now[0])
     catalog = Catalog(1, (handle("a"), handle("b"), handle("c")))
     first = policy.choose(catalog, view(PROMPT))
     assert first is not None
@@ -127,11 +131,21 @@ def test_approx_index_cap_and_forget() -> None:
     assert approx.lookup_at(HASHES, now=1) == {}
 
 
+def kv_aware_fleet(knobs: str) -> str:
+    return (
+        '[frontend]\nserved_model_name = "x"\ntokenizer = "t"\n'
+        f'[frontend.routing]\npolicy = "kv_aware"\n[frontend.routing.knobs]\n{knobs}\n'
+    )
+
+
 def test_knobs_from_the_fleet_file() -> None:
-    knobs = KvKnobs.from_mapping({"block_size": 32, "temperature": 0.2})
-    assert knobs.block_size == 32 and knobs.temperature == 0.2
-    with pytest.raises(ValueError, match="unknown"):
-        KvKnobs.from_mapping({"colour": 1})
+    fleet = parse_fleet(kv_aware_fleet("block_size = 32\ntemperature = 0.2"), Path("f"))
+    policy = make_policy(fleet.frontend.routing)
+    assert isinstance(policy, KvAware)
+    assert policy.knobs.block_size == 32 and policy.knobs.temperature == 0.2
+    assert policy.knobs == KvAwareKnobs(block_size=32, temperature=0.2)
+    with pytest.raises(FleetError, match="unknown"):
+        parse_fleet(kv_aware_fleet("colour = 1"), Path("f"))
 
 
 def test_hit_rate_monitor_warns_when_prediction_and_engines_diverge() -> None:
@@ -150,7 +164,7 @@ def test_ranks_of_one_engine_combine_and_other_incarnations_do_not_count() -> No
         def lookup_hashes(self, hashes: list[int]) -> dict[str, int]:
             return {"g2r0": 2, "g2r1": 5, "g9r0": 8}  # g9: a retired incarnation of "b"
 
-    policy = KvAware(KvKnobs(block_size=BS), Ranked())
+    policy = KvAware(KvAwareKnobs(block_size=BS), Ranked())
     policy.uses_events = {1, 2}
     catalog = Catalog(1, (handle("a"), handle("b")))
     assert policy.overlaps(HASHES, 0.0, catalog.engines) == {"b": 5}
@@ -170,7 +184,7 @@ def test_blocks_shared_by_requests_in_flight_count_once() -> None:
 def test_a_busy_engine_holding_the_prefix_still_wins_over_idle_cold_ones() -> None:
     """Its requests in flight share the prefix, so they add no decode load for it."""
     index = FakeIndex({"b": HASHES})
-    policy = KvAware(KvKnobs(block_size=BS), index)
+    policy = KvAware(KvAwareKnobs(block_size=BS), index)
     policy.uses_events = {1, 2}
     busy = handle("b", in_flight=2)
     busy.load.begin(32, HASHES)
@@ -181,7 +195,7 @@ def test_a_busy_engine_holding_the_prefix_still_wins_over_idle_cold_ones() -> No
 
 def test_a_placement_carries_the_blocks_and_never_predicts_the_last_prompt_token() -> None:
     index = FakeIndex({"a": HASHES})  # all 8 blocks of the 32-token prompt
-    policy = KvAware(KvKnobs(block_size=BS), index)
+    policy = KvAware(KvAwareKnobs(block_size=BS), index)
     policy.uses_events = {1}
     placement = policy.choose(Catalog(1, (handle("a"),)), view(PROMPT))
     assert placement is not None and placement.blocks == tuple(HASHES)
@@ -195,7 +209,7 @@ def test_a_placement_carries_the_blocks_and_never_predicts_the_last_prompt_token
 def test_on_complete_remembers_the_answer_only_where_no_kv_events_flow() -> None:
     answer = [9] * (2 * BS)
     whole = prefix_hashes([*PROMPT, *answer], BS)
-    policy = KvAware(KvKnobs(block_size=BS))
+    policy = KvAware(KvAwareKnobs(block_size=BS))
     policy.uses_events = {2}  # b publishes KV events, a does not
     a, b = handle("a"), handle("b")
     for engine in (a, b):

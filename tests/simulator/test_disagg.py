@@ -7,11 +7,9 @@ called with grpclib and the generated stubs.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import time
-from collections.abc import AsyncIterator, Callable, Coroutine
-from typing import Any, TypeVar
+from contextlib import AbstractAsyncContextManager
+from typing import Any
 
 import pytest
 from grpclib import GRPCError, Status
@@ -23,36 +21,14 @@ from protos import sglang_scheduler_pb2 as sg
 from protos import vllm_engine_pb2 as vl
 from protos.sglang_scheduler_grpc import SglangSchedulerStub
 from protos.vllm_engine_grpc import VllmEngineStub
+from tests.support.sim import connected, run, until
 
 PROMPT = list(range(10, 50))  # 40 tokens
-T = TypeVar("T")
 
 
-def run(coro: Coroutine[Any, Any, T]) -> T:
-    return asyncio.run(asyncio.wait_for(coro, 30))
-
-
-async def until(predicate: Callable[[], bool], within: float = 5.0) -> None:
-    """Poll until ``predicate`` holds."""
-    deadline = time.monotonic() + within
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.005)
-
-
-@contextlib.asynccontextmanager
-async def engine(kind: Any, role: SimRole) -> AsyncIterator[tuple[SimEngine, Channel]]:
-    sim = SimEngine(kind, served_model_name="m", vocab_size=500, eos_token_id=2,
-                    role=role, eos_probability=0.0, block_size=16)
-    await sim.start("127.0.0.1", 0)
-    channel = Channel("127.0.0.1", sim.port)
-    try:
-        yield sim, channel
-    finally:
-        channel.close()
-        sim.close()
-        await sim.wait_closed()
+def engine(kind: Any, role: SimRole) -> AbstractAsyncContextManager[tuple[SimEngine, Channel]]:
+    return connected(SimEngine(kind, served_model_name="m", vocab_size=500, eos_token_id=2,
+                               role=role, eos_probability=0.0, block_size=16))
 
 
 def vllm_request(rid: str, max_tokens: int, params: str | None = None) -> vl.GenerateRequest:

@@ -13,18 +13,13 @@ import contextlib
 import dataclasses
 import hashlib
 import io
-import os
-import signal
-import subprocess
-import sys
 import time
 import zipfile
-from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
-import trio
 import trio_asyncio
 from google.protobuf.message import DecodeError
 from grpclib import GRPCError, Status
@@ -45,46 +40,22 @@ from protos import common_pb2, sglang_scheduler_pb2, trtllm_service_pb2, vllm_en
 from protos.sglang_scheduler_grpc import SglangSchedulerStub
 from protos.trtllm_service_grpc import TrtllmServiceStub
 from protos.vllm_engine_grpc import VllmEngineStub
+from tests.support.sim import (
+    EOS,
+    SPECIAL,
+    VOCAB,
+    connected,
+    run,
+    run_trio,
+    serving,
+    start_cli,
+    stop_cli,
+    until,
+)
 
-VOCAB = 500
-EOS = 2
-SPECIAL = frozenset({0, 1, 3})
 KINDS: tuple[EngineKind, ...] = ("sglang", "vllm", "trtllm")
 PROMPT = (11, 12, 13, 14, 15)
 SLOW = TimingModel(prefill_us_per_token=0, decode_us_per_token=20_000, max_running=8)
-
-T = TypeVar("T")
-
-
-def run(coro: Coroutine[Any, Any, T], timeout: float = 30.0) -> T:
-    """Run one test body on a fresh asyncio loop (pytest-asyncio is not used)."""
-    return asyncio.run(asyncio.wait_for(coro, timeout))
-
-
-@contextlib.asynccontextmanager
-async def serving(kind: EngineKind, **options: Any) -> AsyncIterator[tuple[SimEngine, Channel]]:
-    """A started engine and a channel to it; both closed afterwards."""
-    options.setdefault("special_ids", SPECIAL)
-    engine = SimEngine(
-        kind, served_model_name="sim-model", vocab_size=VOCAB, eos_token_id=EOS, **options
-    )
-    await engine.start("127.0.0.1", 0)
-    channel = Channel("127.0.0.1", engine.port)
-    try:
-        yield engine, channel
-    finally:
-        channel.close()
-        engine.close()
-        await engine.wait_closed()
-
-
-async def until(predicate: Callable[[], bool], within: float = 5.0) -> None:
-    """Poll until ``predicate`` holds (engine bookkeeping settles asynchronously)."""
-    deadline = time.monotonic() + within
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.005)
 
 
 # -- a minimal per-kind client ------------------------------------------------
@@ -761,9 +732,7 @@ def test_from_model_dir(model_dir: Path) -> None:
         engine = SimEngine.from_model_dir("sglang", model_dir, served_model_name="demo")
         assert engine.config.vocab_size == facts.vocab_size
         assert engine.config.eos_token_id == facts.eos_token_id
-        await engine.start("127.0.0.1", 0)
-        channel = Channel("127.0.0.1", engine.port)
-        try:
+        async with connected(engine) as (_, channel):
             stub = SglangSchedulerStub(channel)
             info = await stub.GetModelInfo(sglang_scheduler_pb2.GetModelInfoRequest())
             assert list(info.eos_token_ids) == [facts.eos_token_id]
@@ -779,10 +748,6 @@ def test_from_model_dir(model_dir: Path) -> None:
             assert all(c.sha256 == "" for c in chunks[:-1])
             names = zipfile.ZipFile(io.BytesIO(archive)).namelist()
             assert "tokenizer.json" in names and "tokenizer_config.json" in names
-        finally:
-            channel.close()
-            engine.close()
-            await engine.wait_closed()
 
     run(body())
 
@@ -795,42 +760,19 @@ async def _tokenizer_chunks(
 
 
 def test_cli_serves_until_sigterm() -> None:
-    command = [
-        sys.executable,
-        "-m",
-        "direct_frontend.simulator.cli",
-        "trtllm",
-        "--port",
-        "0",
-        "--vocab-size",
-        str(VOCAB),
-        "--eos-token-id",
-        str(EOS),
-    ]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    with subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=env) as process:
-        try:
-            assert process.stdout is not None
-            ready = process.stdout.readline()
-            assert "listening on 127.0.0.1:" in ready, ready
-            port = int(ready.rsplit(":", 1)[1])
+    process, (port,) = start_cli("trtllm")  # asserts its "listening on 127.0.0.1:" line
 
-            async def body() -> str:
-                channel = Channel("127.0.0.1", port)
-                try:
-                    health = await TrtllmServiceStub(channel).HealthCheck(
-                        trtllm_service_pb2.HealthCheckRequest()
-                    )
-                    return health.status
-                finally:
-                    channel.close()
+    async def body() -> str:
+        async with Channel("127.0.0.1", port) as channel:
+            health = await TrtllmServiceStub(channel).HealthCheck(
+                trtllm_service_pb2.HealthCheckRequest()
+            )
+            return health.status
 
-            assert run(body()) == "OK"
-            process.send_signal(signal.SIGTERM)
-            assert process.wait(timeout=10) == 0
-        finally:
-            if process.poll() is None:
-                process.kill()
+    try:
+        assert run(body()) == "OK"
+    finally:
+        stop_cli(process)  # SIGTERM; asserts the exit status is 0
 
 
 def test_embedded_engines_need_a_running_loop_and_start_fast() -> None:
@@ -866,11 +808,6 @@ def test_runs_on_a_trio_asyncio_loop() -> None:
             await until(lambda: engine.stats.running == 0)
             return output_of("vllm", reply, stream=True), engine.stats.cancellations
 
-    async def trio_main() -> tuple[list[int], int]:
-        async with trio_asyncio.open_loop():
-            result: tuple[list[int], int] = await trio_asyncio.aio_as_trio(aio_body)()
-            return result
-
-    tokens, cancellations = trio.run(trio_main)
+    tokens, cancellations = run_trio(trio_asyncio.aio_as_trio(aio_body))
     expected = Generation(reference_model(), PROMPT, StopCriteria(max_tokens=3, ignore_eos=True))
     assert tokens == expected.run() and cancellations == 1

@@ -8,10 +8,8 @@ then a dropped connection, silence, or a status, never a terminal complete.
 from __future__ import annotations
 
 import asyncio
-import os
 import socket
 import subprocess
-import sys
 import threading
 import time
 from typing import Any
@@ -30,17 +28,22 @@ from protos import sglang_scheduler_pb2, vllm_engine_pb2
 from protos.sglang_scheduler_grpc import SglangSchedulerStub
 from protos.vllm_engine_grpc import VllmEngineStub
 from tests.simulator.test_engine import (
-    EOS,
     KINDS,
     PROMPT,
     SLOW,
-    VOCAB,
     build_request,
     generate,
     generate_method,
     output_of,
+)
+from tests.support.sim import (
+    EOS,
+    VOCAB,
+    cli_command,
     run,
     serving,
+    start_cli,
+    stop_cli,
     until,
 )
 
@@ -393,43 +396,6 @@ def test_plan_validation_and_parsing() -> None:
         plan_from_json({"explode": True})
 
 
-def _start_cli(*flags: str) -> tuple[subprocess.Popen[str], list[int]]:
-    """A standalone simulator with ``flags``; returns it and the ports it printed."""
-    command = [
-        sys.executable,
-        "-m",
-        "direct_frontend.simulator.cli",
-        "vllm",
-        "--port",
-        "0",
-        "--vocab-size",
-        str(VOCAB),
-        "--eos-token-id",
-        str(EOS),
-        *flags,
-    ]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=env)
-    assert process.stdout is not None
-    ports = []
-    for _ in range(2 if "--control-port" in flags else 1):
-        line = process.stdout.readline()
-        assert "listening on 127.0.0.1:" in line, line
-        ports.append(int(line.rsplit(":", 1)[1]))
-    return process, ports
-
-
-def _stop(process: subprocess.Popen[str]) -> None:
-    process.terminate()
-    try:
-        assert process.wait(timeout=10) == 0
-    finally:
-        if process.poll() is None:
-            process.kill()
-        if process.stdout is not None:
-            process.stdout.close()
-
-
 @pytest.mark.parametrize(
     ("flags", "expect"),
     [
@@ -439,12 +405,11 @@ def _stop(process: subprocess.Popen[str]) -> None:
     ],
 )
 def test_cli_fault_flags(flags: tuple[str, ...], expect: str) -> None:
-    process, (port,) = _start_cli(*flags)
+    process, (port,) = start_cli("vllm", *flags)
     try:
 
         async def body() -> None:
-            channel = Channel("127.0.0.1", port)
-            try:
+            async with Channel("127.0.0.1", port) as channel:
                 if expect == "hung":
                     request = build_request("vllm", "cli", PROMPT, max_tokens=8, stream=True)
                     async with generate_method("vllm", channel).open() as call:
@@ -464,30 +429,15 @@ def test_cli_fault_flags(flags: tuple[str, ...], expect: str) -> None:
                 else:
                     assert isinstance(error, GRPCError)
                     assert error.status is Status.RESOURCE_EXHAUSTED and not kinds
-            finally:
-                channel.close()
 
         run(body())
     finally:
-        _stop(process)
+        stop_cli(process)
 
 
 def test_cli_rejects_an_unknown_status() -> None:
     result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "direct_frontend.simulator.cli",
-            "vllm",
-            "--port",
-            "0",
-            "--vocab-size",
-            "10",
-            "--eos-token-id",
-            "2",
-            "--fault-status",
-            "SOMETIMES",
-        ],
+        cli_command("vllm", "--fault-status", "SOMETIMES", vocab_size=10),
         capture_output=True,
         text=True,
         timeout=30,
@@ -496,7 +446,7 @@ def test_cli_rejects_an_unknown_status() -> None:
 
 
 def test_control_channel_drives_a_standalone_engine() -> None:
-    process, (port, control) = _start_cli("--control-port", "0")
+    process, (port, control) = start_cli("vllm", "--control-port", "0")
     try:
 
         def command(**message: Any) -> dict[str, Any]:
@@ -508,12 +458,9 @@ def test_control_channel_drives_a_standalone_engine() -> None:
         assert reply["faults"]["die_after_tokens"] == 2
 
         async def died() -> None:
-            channel = Channel("127.0.0.1", port)
-            try:
+            async with Channel("127.0.0.1", port) as channel:
                 kinds, _, error = await collect("vllm", channel, "ctl")
                 assert kinds == ["chunk", "chunk"] and isinstance(error, DROPPED)
-            finally:
-                channel.close()
 
         run(died())
         assert command(op="get")["fault_stats"]["died"] == ["ctl"]
@@ -526,21 +473,18 @@ def test_control_channel_drives_a_standalone_engine() -> None:
         assert command(op="set_healthy", healthy=False)["healthy"] is False
 
         async def sick() -> bool:
-            channel = Channel("127.0.0.1", port)
-            try:
+            async with Channel("127.0.0.1", port) as channel:
                 health = await VllmEngineStub(channel).HealthCheck(
                     vllm_engine_pb2.HealthCheckRequest()
                 )
                 return health.healthy
-            finally:
-                channel.close()
 
         assert run(sick()) is False
         bad = command(op="set_faults", faults={"status": "WHATEVER"})
         assert not bad["ok"] and "WHATEVER" in bad["error"]
         assert not command(op="fly")["ok"]
     finally:
-        _stop(process)
+        stop_cli(process)
 
 
 def connect_once(port: int) -> None:

@@ -11,11 +11,10 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import functools
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import pytest
@@ -39,6 +38,7 @@ from protos import common_pb2, sglang_scheduler_pb2, trtllm_service_pb2, vllm_en
 from protos.sglang_scheduler_grpc import SglangSchedulerStub
 from protos.trtllm_service_grpc import TrtllmServiceStub
 from protos.vllm_engine_grpc import VllmEngineStub
+from tests.support.sim import run, run_trio, started, started_from_trio, until_trio
 
 VOCAB = 2000
 EOS = 2
@@ -237,15 +237,9 @@ async def generate(
         channel.close()
 
 
-@contextlib.asynccontextmanager
-async def engine_on_asyncio(kind: EngineKind, **options: Any) -> AsyncIterator[SimEngine]:
-    engine = SimEngine(kind, served_model_name="m", vocab_size=VOCAB, eos_token_id=EOS, **options)
-    await engine.start("127.0.0.1", 0)
-    try:
-        yield engine
-    finally:
-        engine.close()
-        await engine.wait_closed()
+def new_engine(kind: EngineKind, **options: Any) -> SimEngine:
+    """An engine of this file's model (not yet started)."""
+    return SimEngine(kind, served_model_name="m", vocab_size=VOCAB, eos_token_id=EOS, **options)
 
 
 LONG = [(7 * i + 11) % 1900 + 10 for i in range(256)]  # 16 blocks of 16
@@ -255,50 +249,34 @@ LONG = [(7 * i + 11) % 1900 + 10 for i in range(256)]  # 16 blocks of 16
                                              ("trtllm", {})])
 def test_cached_tokens_are_reported(kind: EngineKind, sizes: dict[str, int]) -> None:
     async def body() -> None:
-        async with engine_on_asyncio(kind, **sizes) as engine:
+        async with started(new_engine(kind, **sizes)) as engine:
             first, _ = await generate(kind, engine.port, LONG)
             again, _ = await generate(kind, engine.port, LONG)
             shared, _ = await generate(kind, engine.port, [*LONG[:100], 5, 6, 7])
             assert (first, again, shared) == (0, 240, 96)  # capped, and block-aligned
 
-    asyncio.run(asyncio.wait_for(body(), 30))
+    run(body())
 
 
 def test_prefill_time_follows_the_uncached_tokens() -> None:
     async def body() -> None:
         timing = TimingModel(prefill_us_per_token=1000, decode_us_per_token=0)
-        async with engine_on_asyncio("vllm", timing=timing) as engine:
+        async with started(new_engine("vllm", timing=timing)) as engine:
             _, cold = await generate("vllm", engine.port, LONG, max_tokens=1)
             cached, warm = await generate("vllm", engine.port, LONG, max_tokens=1)
             assert cached == 240
             assert cold >= 0.25  # 256 tokens at 1 ms
             assert warm < cold / 3  # 16 uncached tokens
-        async with engine_on_asyncio("vllm", timing=timing, enable_prefix_cache=False) as engine:
+        engine = new_engine("vllm", timing=timing, enable_prefix_cache=False)
+        async with started(engine):
             await generate("vllm", engine.port, LONG, max_tokens=1)
             cached, again = await generate("vllm", engine.port, LONG, max_tokens=1)
             assert cached == 0 and again >= 0.25
 
-    asyncio.run(asyncio.wait_for(body(), 30))
+    run(body())
 
 
 # -- end to end: simulator → ZMQ → subscriber → index ------------------------------------
-
-
-def run_trio(body: Callable[[], Awaitable[None]], timeout: float = 60.0) -> None:
-    async def main() -> None:
-        with trio.fail_after(timeout):
-            async with trio_asyncio.open_loop():
-                await body()
-
-    trio.run(main)
-
-
-async def until(predicate: Callable[[], bool], within: float = 10.0, what: str = "") -> None:
-    deadline = trio.current_time() + within
-    while not predicate():
-        if trio.current_time() > deadline:
-            raise AssertionError(f"not reached in {within}s: {what}")
-        await trio.sleep(0.002)
 
 
 @contextlib.asynccontextmanager
@@ -306,20 +284,11 @@ async def fleet(
     index: KvIndex, specs: dict[str, tuple[EngineKind, dict[str, Any]]]
 ) -> AsyncIterator[dict[str, tuple[SimEngine, KvSubscription]]]:
     """Engines on the trio-asyncio loop, each with a subscriber into ``index``."""
-    engines: dict[str, SimEngine] = {}
-    try:
+    async with contextlib.AsyncExitStack() as stack:
+        engines: dict[str, SimEngine] = {}
         for name, (kind, options) in specs.items():
-            engine = SimEngine(
-                kind,
-                served_model_name="m",
-                vocab_size=VOCAB,
-                eos_token_id=EOS,
-                kv_events_port=0,
-                kv_replay_port=0,
-                **options,
-            )
-            await trio_asyncio.aio_as_trio(engine.start)("127.0.0.1", 0)
-            engines[name] = engine
+            engine = new_engine(kind, kv_events_port=0, kv_replay_port=0, **options)
+            engines[name] = await stack.enter_async_context(started_from_trio(engine))
         async with trio.open_nursery() as nursery:
             out = {}
             for name, engine in engines.items():
@@ -338,10 +307,6 @@ async def fleet(
                 out[name] = (engine, sub)
             yield out
             nursery.cancel_scope.cancel()
-    finally:
-        for engine in engines.values():
-            engine.close()
-            await trio_asyncio.aio_as_trio(engine.wait_closed)()
 
 
 async def serve(engine: SimEngine, prompt: Sequence[int], max_tokens: int = 4) -> int:
@@ -373,8 +338,8 @@ def test_lookup_names_the_engine_that_served_a_shared_prefix() -> None:
             def seq_of(engine: SimEngine) -> Callable[[], int]:
                 return lambda: engine.kv_publisher.next_seq if engine.kv_publisher else -1
 
-            await until(lambda: synced(index, "a", sub_a, seq_of(a)), what="a indexed")
-            await until(lambda: synced(index, "b", sub_b, seq_of(b)), what="b indexed")
+            await until_trio(lambda: synced(index, "a", sub_a, seq_of(a)), what="a indexed")
+            await until_trio(lambda: synced(index, "b", sub_b, seq_of(b)), what="b indexed")
             follow_up = [*system, *range(1000, 1016), 1, 2, 3]  # 11 blocks shared with A
             predicted = index.lookup(follow_up)
             assert predicted == {"vllm-a": 11}
@@ -400,7 +365,7 @@ def test_restart_flush_and_history_replay_through_the_simulator() -> None:
                 return pub is not None and synced(index, "v", sub, lambda: pub.next_seq)
 
             await serve(engine, prompt)
-            await until(caught_up, what="indexed")
+            await until_trio(caught_up, what="indexed")
             assert index.lookup(prompt) == {"v": 8}
             # A forced gap: the batch is lost live and recovered by replay.
             assert engine.kv_publisher is not None
@@ -408,18 +373,18 @@ def test_restart_flush_and_history_replay_through_the_simulator() -> None:
             other = LONG[128:]
             await serve(engine, other)
             await serve(engine, list(range(1500, 1540)))  # a later batch reveals the gap
-            await until(caught_up, what="gap replayed")
+            await until_trio(caught_up, what="gap replayed")
             assert index.lookup(other) == {"v": 8}
             # FlushCache: AllBlocksCleared empties the index.
             await trio_asyncio.aio_as_trio(flush)(engine.port)
-            await until(lambda: len(index) == 0, what="flushed")
+            await until_trio(lambda: len(index) == 0, what="flushed")
             # A restart: the connection drops, the index is cleared, then rebuilt.
             await serve(engine, prompt)
-            await until(lambda: index.lookup(prompt) == {"v": 8}, what="re-indexed")
+            await until_trio(lambda: index.lookup(prompt) == {"v": 8}, what="re-indexed")
             await trio_asyncio.aio_as_trio(engine.restart)()
-            await until(lambda: len(index) == 0, what="cleared on restart")
+            await until_trio(lambda: len(index) == 0, what="cleared on restart")
             assert await serve(engine, prompt) == 0  # the new process has a cold cache
-            await until(lambda: index.lookup(prompt) == {"v": 8}, what="new incarnation")
+            await until_trio(lambda: index.lookup(prompt) == {"v": 8}, what="new incarnation")
             assert sub.tracker.stats.restarts + sub.tracker.stats.clears >= 3
 
     run_trio(body)
@@ -439,16 +404,8 @@ def test_published_payloads_decode_per_kind() -> None:
     async def body() -> None:
         kinds: tuple[tuple[EngineKind, int], ...] = (("vllm", 1), ("sglang", 16))
         for kind, page_size in kinds:
-            engine = SimEngine(
-                kind,
-                served_model_name="m",
-                vocab_size=VOCAB,
-                eos_token_id=EOS,
-                kv_events_port=0,
-                page_size=page_size,
-            )
-            await engine.start("127.0.0.1", 0)
-            try:
+            engine = new_engine(kind, kv_events_port=0, page_size=page_size)
+            async with started(engine):
                 pub = engine.kv_publisher
                 assert pub is not None
                 await generate(engine.kind, engine.port, LONG[:40])
@@ -458,8 +415,5 @@ def test_published_payloads_decode_per_kind() -> None:
                 assert stores and all(e.block_size == 16 for e in stores)  # type: ignore[union-attr]
                 assert batch.dp_rank == (0 if kind == "vllm" else None)
                 assert len(stores) == (1 if kind == "vllm" else 2)  # SGLang: one per page
-            finally:
-                engine.close()
-                await engine.wait_closed()
 
-    asyncio.run(asyncio.wait_for(body(), 30))
+    run(body())

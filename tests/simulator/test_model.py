@@ -11,7 +11,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from grpclib.client import Channel
 from tokenizers import Tokenizer
 
 from direct_frontend.simulator import (
@@ -24,7 +23,8 @@ from direct_frontend.simulator import (
 )
 from direct_frontend.simulator.vocab import TextVocab
 from direct_frontend.text.detokenize import IncrementalDetokenizer
-from tests.simulator.test_engine import KINDS, generate, output_of, run
+from tests.simulator.test_engine import KINDS, generate, output_of
+from tests.support.sim import connected, run
 
 PROMPT = [100, 101, 102]
 REPLACEMENT = "\ufffd"
@@ -74,10 +74,7 @@ def test_a_long_stream_decodes_to_valid_text_with_split_characters(
     kind: EngineKind, model_dir: Path, tokenizer: Tokenizer
 ) -> None:
     async def body() -> list[int]:
-        engine = SimEngine.from_model_dir(kind, model_dir)
-        await engine.start("127.0.0.1", 0)
-        channel = Channel("127.0.0.1", engine.port)
-        try:
+        async with connected(SimEngine.from_model_dir(kind, model_dir)) as (_, channel):
             reply = await generate(
                 kind,
                 channel,
@@ -86,10 +83,6 @@ def test_a_long_stream_decodes_to_valid_text_with_split_characters(
                 ignore_eos=True,
             )
             return output_of(kind, reply, stream=True)
-        finally:
-            channel.close()
-            engine.close()
-            await engine.wait_closed()
 
     ids = run(body())
     assert len(ids) == 3000
@@ -139,10 +132,7 @@ def test_resuming_mid_character_over_grpc_gives_the_same_text(
     cut = next(k for k in range(1, len(full)) if full[k - 1] in starts)
 
     async def body() -> list[int]:
-        engine = SimEngine.from_model_dir(kind, model_dir)
-        await engine.start("127.0.0.1", 0)
-        channel = Channel("127.0.0.1", engine.port)
-        try:
+        async with connected(SimEngine.from_model_dir(kind, model_dir)) as (_, channel):
             rest = await generate(
                 kind,
                 channel,
@@ -151,10 +141,6 @@ def test_resuming_mid_character_over_grpc_gives_the_same_text(
                 ignore_eos=True,
             )
             return output_of(kind, rest, stream=True)
-        finally:
-            channel.close()
-            engine.close()
-            await engine.wait_closed()
 
     assert run(body()) == full[cut:]
     assert tokenizer.decode([*full[:cut], *full[cut:]]) == tokenizer.decode(full)

@@ -1,4 +1,4 @@
-"""One module per engine kind: neutral request ↔ that engine's proto, status → error kind.
+"""One module per engine kind: neutral request ↔ that engine's proto, status → error kind, P/D legs.
 
 Nothing outside this package imports a proto module for the data path.
 """

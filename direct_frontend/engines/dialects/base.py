@@ -1,18 +1,22 @@
-"""The dialect seam: what every engine kind must provide, and shared status mapping.
+"""The dialect seam: what every engine kind must provide, and what the kinds share.
 
 A dialect is sans-IO. It builds request messages, decodes response messages
 into neutral events (one decoder per stream, because engines differ in whether
-counts are cumulative and whether the terminal message repeats tokens) and
+counts are cumulative and whether the terminal message repeats tokens),
 classifies failures into :class:`~direct_frontend.errors.ErrorKind` once, so
-the layers above never see a gRPC status code.
+the layers above never see a gRPC status code, and builds the two legs of a
+prefill/decode pair, so nothing above it knows how a kind hands KV over.
 """
 
 from __future__ import annotations
 
 import abc
 import dataclasses
+import random
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from types import ModuleType
+from typing import Any, ClassVar, Protocol
+from urllib.parse import urlsplit
 
 from grpclib.const import Status
 from grpclib.exceptions import GRPCError, ProtocolError, StreamTerminatedError
@@ -20,8 +24,10 @@ from grpclib.exceptions import GRPCError, ProtocolError, StreamTerminatedError
 from direct_frontend.engines.neutral import (
     EngineEvent,
     EngineInfo,
+    Finished,
     FinishReason,
     GenerateCall,
+    TokenDelta,
 )
 from direct_frontend.errors import EngineError, ErrorKind
 
@@ -49,6 +55,44 @@ class Capabilities:
 class HealthResult:
     healthy: bool
     message: str
+
+
+#: the bootstrap server port SGLang (``--disaggregation-bootstrap-port``) and vLLM's
+#: Mooncake connector both listen on unless told otherwise
+DEFAULT_BOOTSTRAP_PORT = 8998
+
+
+class PairingFacts(Protocol):
+    """What a dialect reads of an engine to pair it: where it is and what discovery said.
+
+    Routing's ``EngineHandle`` is one; the dialects stay below the catalog that holds it.
+    """
+
+    @property
+    def url(self) -> str: ...
+
+    @property
+    def info(self) -> EngineInfo: ...
+
+    @property
+    def bootstrap_port(self) -> int | None:
+        """The prefill engine's bootstrap server port, if the fleet file or discovery gave one."""
+
+
+def bootstrap_address(prefill: PairingFacts) -> tuple[str, int]:
+    """The host and port of ``prefill``'s bootstrap server, as its partner reaches it."""
+    return urlsplit(prefill.url).hostname or "", prefill.bootstrap_port or DEFAULT_BOOTSTRAP_PORT
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LegPlan:
+    """The two legs of one disaggregated attempt, as the decode engine's kind runs them."""
+
+    prefill_call: GenerateCall
+    #: with ``relays_kv_params``: still without the handoff the prefill leg returns
+    decode_call: GenerateCall
+    parallel: bool  # both legs at once (SGLang), or the prefill leg first (vLLM)
+    relays_kv_params: bool  # the decode leg carries the prefill's kv_transfer_params
 
 
 STATUS_KINDS: dict[Status, ErrorKind] = {
@@ -174,6 +218,81 @@ class StreamDecoder(abc.ABC):
             raise EngineError(ErrorKind.PROTOCOL, "stream ended without a terminal message")
 
 
+class SmgStreamDecoder(StreamDecoder):
+    """One Generate stream of SGLang's or vLLM's contract, which read alike but for counts.
+
+    Chunk ``completion_tokens`` are cumulative, or each chunk's own count when
+    :attr:`counts_per_chunk` (summed here); a kind's terminal count and any
+    extra field of its terminal message are its subclass's
+    (:meth:`_final_count`, :meth:`_handoff`). In streaming mode the terminal
+    ``complete`` repeats the last delta, so its ``output_ids`` are never
+    appended; in non-streaming mode it is the whole output.
+    """
+
+    counts_per_chunk: ClassVar[bool] = False
+
+    def __init__(self, stream: bool) -> None:
+        self._stream = stream
+        self._delivered = 0
+        self._last: tuple[int, ...] = ()
+        self._prompt = 0
+        self._completion = 0
+        self._cached = 0
+        self._summed = self.counts_per_chunk  # per message, an instance read is the cheaper
+        self.finished = False
+
+    def feed(self, message: Any) -> EngineEvent | None:
+        if self.finished:
+            raise after_terminal()
+        which = message.WhichOneof("response")
+        if which == "chunk":
+            chunk = message.chunk
+            ids = tuple(chunk.token_ids)
+            self._delivered = delivered = self._delivered + len(ids)
+            self._last = ids
+            self._prompt = prompt = chunk.prompt_tokens
+            counted = chunk.completion_tokens
+            if self._summed:
+                counted += self._completion
+            self._completion = completion = max(counted, delivered)
+            self._cached = cached = chunk.cached_tokens
+            if not ids:  # e.g. the empty output vLLM sends before an abort
+                return None
+            return TokenDelta(ids, prompt, completion, cached)
+        if which == "complete":
+            return self._finish(message.complete)
+        raise EngineError(ErrorKind.PROTOCOL, "GenerateResponse with neither chunk nor complete")
+
+    def _finish(self, done: Any) -> Finished:
+        self.finished = True
+        problem = unusual_finish(done.finish_reason)
+        if problem is not None:
+            raise problem
+        if self._stream:
+            extra = streamed_tail(self._last, self._delivered, done.output_ids)
+        else:
+            extra = tuple(done.output_ids)
+        stop_token, stop_text = matched_stop(done)
+        return Finished(
+            reason=FINISH_REASONS.get(done.finish_reason, FinishReason.STOP),
+            prompt_tokens=done.prompt_tokens or self._prompt,
+            completion_tokens=self._final_count(done, extra),
+            cached_tokens=done.cached_tokens or self._cached,
+            token_ids=extra,
+            matched_token_id=stop_token,
+            matched_stop_str=stop_text,
+            kv_transfer_params_json=self._handoff(done),
+        )
+
+    @abc.abstractmethod
+    def _final_count(self, done: Any, extra: tuple[int, ...]) -> int:
+        """The whole output's token count, given the terminal message and its new tokens."""
+
+    def _handoff(self, done: Any) -> str | None:
+        """What a prefill leg's terminal message hands to the decode leg (vLLM)."""
+        return None
+
+
 class Dialect(abc.ABC):
     """One engine kind's side of the seam."""
 
@@ -204,3 +323,45 @@ class Dialect(abc.ABC):
 
     def classify(self, exc: BaseException) -> EngineError:
         return classify_exception(exc)
+
+    # -- prefill/decode pairs (only for kinds whose capabilities say prefill_decode) --
+
+    def pairing_group(self, engine: PairingFacts) -> str | None:
+        """Engines of one group can pair; ``None``: this kind cannot do P/D at all."""
+        return self.kind if self.capabilities.prefill_decode else None
+
+    def can_prefill(self, engine: PairingFacts) -> bool:
+        """Whether ``engine`` can be the named prefill engine of a pair of its group."""
+        return True
+
+    def pair_legs(self, call: GenerateCall, prefill: PairingFacts, rng: random.Random) -> LegPlan:
+        """The legs of ``call`` with ``prefill`` (of this kind and group) computing the KV.
+
+        ``rng`` draws whatever a pair needs to be told apart (a room, a transfer id).
+        """
+        raise NotImplementedError(f"{self.kind} engines cannot serve prefill/decode legs")
+
+
+class SmgDialect(Dialect):
+    """A dialect over one of the SMG gRPC contracts, which share health and discovery.
+
+    Each contract has its own service and messages (never another kind's,
+    even where they look alike): :attr:`service` and :attr:`pb` name them.
+    """
+
+    service: ClassVar[str]  # the gRPC service path, e.g. "/vllm.grpc.engine.VllmEngine"
+    pb: ClassVar[ModuleType]  # the contract's generated message classes
+
+    def health(self) -> Rpc:
+        pb = self.pb
+        return Rpc(f"{self.service}/HealthCheck", pb.HealthCheckRequest(), pb.HealthCheckResponse)
+
+    def health_result(self, response: Any) -> HealthResult:
+        return HealthResult(bool(response.healthy), response.message)
+
+    def discovery(self) -> Sequence[Rpc]:
+        pb, service = self.pb, self.service
+        return (
+            Rpc(f"{service}/GetModelInfo", pb.GetModelInfoRequest(), pb.GetModelInfoResponse),
+            Rpc(f"{service}/GetServerInfo", pb.GetServerInfoRequest(), pb.GetServerInfoResponse),
+        )

@@ -9,8 +9,9 @@ used as the context length; an engine-side abort ends the stream with status
 INTERNAL "Request aborted", classified like the other kinds' in-band aborts.
 
 A leg of a prefill/decode pair carries ``DisaggregatedParams`` (request
-field 10: the prefill engine's bootstrap host and port, and a room), the
-same on both legs (§9.1).
+field 10: the prefill engine's bootstrap host and port, and a random room in
+``[0, 2^31 - 1)``), the same on both legs, which run in parallel; the client
+is served from the decode leg (§9.1).
 
 A request's ``seed`` cannot be sent: ``SamplingParams`` has no seed field
 (``custom_params`` feed a custom logit processor, not the sampler), so SGLang
@@ -19,7 +20,10 @@ samples unseeded. Stop strings are applied by the frontend, as for every kind.
 
 from __future__ import annotations
 
+import dataclasses
+import random
 from collections.abc import Sequence
+from types import ModuleType
 from typing import Any, ClassVar
 
 from google.protobuf import json_format
@@ -27,90 +31,39 @@ from grpclib.const import Status
 from grpclib.exceptions import GRPCError
 
 from direct_frontend.engines.dialects.base import (
-    FINISH_REASONS,
     Capabilities,
-    Dialect,
-    HealthResult,
+    LegPlan,
+    PairingFacts,
     Rpc,
+    SmgDialect,
+    SmgStreamDecoder,
     StreamDecoder,
-    after_terminal,
+    bootstrap_address,
     classify_exception,
     engine_aborted,
-    matched_stop,
-    streamed_tail,
-    unusual_finish,
 )
-from direct_frontend.engines.neutral import (
-    EngineEvent,
-    EngineInfo,
-    EngineRole,
-    Finished,
-    FinishReason,
-    GenerateCall,
-    TokenDelta,
-)
-from direct_frontend.errors import EngineError, ErrorKind
+from direct_frontend.engines.neutral import Disaggregation, EngineInfo, EngineRole, GenerateCall
+from direct_frontend.errors import EngineError
 from protos import sglang_scheduler_pb2 as pb
 
 SERVICE = "/sglang.grpc.scheduler.SglangScheduler"
 ROLES = {"prefill": EngineRole.PREFILL, "decode": EngineRole.DECODE, "null": EngineRole.BOTH}
+ROOM_LIMIT = 2**31 - 1  # bootstrap_room is an int32: rooms are drawn from [0, ROOM_LIMIT)
 
 
-class SglangStreamDecoder(StreamDecoder):
+class SglangStreamDecoder(SmgStreamDecoder):
     """Decoder for one SGLang Generate stream (chunk counts are cumulative)."""
 
-    def __init__(self, stream: bool) -> None:
-        self._stream = stream
-        self._delivered = 0
-        self._last: tuple[int, ...] = ()
-        self._prompt = 0
-        self._completion = 0
-        self._cached = 0
-        self.finished = False
-
-    def feed(self, message: Any) -> EngineEvent | None:
-        if self.finished:
-            raise after_terminal()
-        which = message.WhichOneof("response")
-        if which == "chunk":
-            chunk = message.chunk
-            ids = tuple(chunk.token_ids)
-            self._delivered += len(ids)
-            self._last = ids
-            self._prompt = chunk.prompt_tokens
-            self._completion = max(chunk.completion_tokens, self._delivered)
-            self._cached = chunk.cached_tokens
-            if not ids:
-                return None
-            return TokenDelta(ids, self._prompt, self._completion, self._cached)
-        if which == "complete":
-            done = message.complete
-            self.finished = True
-            problem = unusual_finish(done.finish_reason)
-            if problem is not None:
-                raise problem
-            # Streaming: output_ids repeat the last chunk. Non-streaming: the whole output.
-            if self._stream:
-                extra = streamed_tail(self._last, self._delivered, done.output_ids)
-            else:
-                extra = tuple(done.output_ids)
-            completion = max(done.completion_tokens, self._delivered + len(extra))
-            stop_token, stop_text = matched_stop(done)
-            return Finished(
-                reason=FINISH_REASONS.get(done.finish_reason, FinishReason.STOP),
-                prompt_tokens=done.prompt_tokens or self._prompt,
-                completion_tokens=completion,
-                cached_tokens=done.cached_tokens or self._cached,
-                token_ids=extra,
-                matched_token_id=stop_token,
-                matched_stop_str=stop_text,
-            )
-        raise EngineError(ErrorKind.PROTOCOL, "GenerateResponse with neither chunk nor complete")
+    def _final_count(self, done: Any, extra: tuple[int, ...]) -> int:
+        count: int = max(done.completion_tokens, self._delivered + len(extra))
+        return count
 
 
-class SglangDialect(Dialect):
+class SglangDialect(SmgDialect):
     kind: ClassVar[str] = "sglang"
     capabilities: ClassVar[Capabilities] = Capabilities(prefill_decode=True, bootstrap_server=True)
+    service: ClassVar[str] = SERVICE
+    pb: ClassVar[ModuleType] = pb
 
     def generate(self, call: GenerateCall) -> Rpc:
         s = call.sampling
@@ -149,18 +102,6 @@ class SglangDialect(Dialect):
         request = pb.AbortRequest(request_id=request_id, reason=reason or "client cancelled")
         return Rpc(f"{SERVICE}/Abort", request, pb.AbortResponse)
 
-    def health(self) -> Rpc:
-        return Rpc(f"{SERVICE}/HealthCheck", pb.HealthCheckRequest(), pb.HealthCheckResponse)
-
-    def health_result(self, response: Any) -> HealthResult:
-        return HealthResult(bool(response.healthy), response.message)
-
-    def discovery(self) -> Sequence[Rpc]:
-        return (
-            Rpc(f"{SERVICE}/GetModelInfo", pb.GetModelInfoRequest(), pb.GetModelInfoResponse),
-            Rpc(f"{SERVICE}/GetServerInfo", pb.GetServerInfoRequest(), pb.GetServerInfoResponse),
-        )
-
     def engine_info(self, responses: Sequence[Any]) -> EngineInfo:
         model, server = responses
         has_args = server.HasField("server_args")
@@ -190,6 +131,19 @@ class SglangDialect(Dialect):
                 ("bootstrap_port", str(args.get("disaggregation_bootstrap_port", ""))),
                 ("sglang_version", server.sglang_version),
             ),
+        )
+
+    def pair_legs(self, call: GenerateCall, prefill: PairingFacts, rng: random.Random) -> LegPlan:
+        """Both legs carry one rendezvous and run at once; the prefill result is only drained."""
+        host, port = bootstrap_address(prefill)
+        rendezvous = Disaggregation(
+            bootstrap_host=host, bootstrap_port=port, bootstrap_room=rng.randrange(ROOM_LIMIT)
+        )
+        return LegPlan(
+            prefill_call=dataclasses.replace(call, stream=False, disaggregation=rendezvous),
+            decode_call=dataclasses.replace(call, disaggregation=rendezvous),
+            parallel=True,
+            relays_kv_params=False,
         )
 
     def classify(self, exc: BaseException) -> EngineError:

@@ -30,13 +30,14 @@ prefill/decode is not possible through this contract.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from types import ModuleType
 from typing import Any, ClassVar
 
 from direct_frontend.engines.dialects.base import (
     Capabilities,
-    Dialect,
     HealthResult,
     Rpc,
+    SmgDialect,
     StreamDecoder,
     after_terminal,
     matched_stop,
@@ -130,9 +131,11 @@ class TrtllmStreamDecoder(StreamDecoder):
         raise EngineError(ErrorKind.PROTOCOL, "GenerateResponse with neither chunk nor complete")
 
 
-class TrtllmDialect(Dialect):
+class TrtllmDialect(SmgDialect):
     kind: ClassVar[str] = "trtllm"
     capabilities: ClassVar[Capabilities] = Capabilities(prefill_decode=False)
+    service: ClassVar[str] = SERVICE
+    pb: ClassVar[ModuleType] = pb
 
     def generate(self, call: GenerateCall) -> Rpc:
         s = call.sampling
@@ -175,18 +178,9 @@ class TrtllmDialect(Dialect):
         # Whether a cancelled RPC aborts on TensorRT-LLM is unconfirmed: always send this.
         return Rpc(f"{SERVICE}/Abort", pb.AbortRequest(request_id=request_id), pb.AbortResponse)
 
-    def health(self) -> Rpc:
-        return Rpc(f"{SERVICE}/HealthCheck", pb.HealthCheckRequest(), pb.HealthCheckResponse)
-
     def health_result(self, response: Any) -> HealthResult:
         status = response.status
         return HealthResult(status == "OK", status)
-
-    def discovery(self) -> Sequence[Rpc]:
-        return (
-            Rpc(f"{SERVICE}/GetModelInfo", pb.GetModelInfoRequest(), pb.GetModelInfoResponse),
-            Rpc(f"{SERVICE}/GetServerInfo", pb.GetServerInfoRequest(), pb.GetServerInfoResponse),
-        )
 
     def engine_info(self, responses: Sequence[Any]) -> EngineInfo:
         model, server = responses

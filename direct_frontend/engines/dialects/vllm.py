@@ -14,7 +14,14 @@ the real window.
 
 A leg of a prefill/decode pair carries ``kv_transfer_params_json`` (request
 field 8, a JSON object passed verbatim); a prefill leg's handoff comes back
-in the complete's field 12 and is surfaced on :class:`Finished` (§9.2).
+in the complete's field 12 and is surfaced on :class:`Finished` (§9.2). The
+prefill leg runs first, with ``max_tokens = 1`` and ``{"do_remote_decode":
+true, "do_remote_prefill": false}``. NIXL (and any connector but Mooncake)
+returns handoff parameters in its terminal message, relayed verbatim to the
+decode leg; Mooncake instead pairs the legs by a router-minted
+``transfer_id``, and the decode leg names the prefill engine. Pairs form
+per connector, and a Mooncake engine with data-parallel ranks cannot be a
+named prefill engine.
 
 ``seed`` is an int32 here while OpenAI allows int64: a seed outside int32 is
 folded to its low 32 bits (two's complement), so a given seed still always
@@ -25,33 +32,26 @@ detokenizer for nothing).
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import random
 import time
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
+from types import ModuleType
 from typing import Any, ClassVar
 
 from direct_frontend.engines.dialects.base import (
-    FINISH_REASONS,
     Capabilities,
-    Dialect,
-    HealthResult,
+    LegPlan,
+    PairingFacts,
     Rpc,
+    SmgDialect,
+    SmgStreamDecoder,
     StreamDecoder,
-    after_terminal,
-    matched_stop,
-    streamed_tail,
-    unusual_finish,
+    bootstrap_address,
 )
-from direct_frontend.engines.neutral import (
-    EngineEvent,
-    EngineInfo,
-    EngineRole,
-    Finished,
-    FinishReason,
-    GenerateCall,
-    TokenDelta,
-)
-from direct_frontend.errors import EngineError, ErrorKind
+from direct_frontend.engines.neutral import Disaggregation, EngineInfo, EngineRole, GenerateCall
 from protos import vllm_engine_pb2 as pb
 
 SERVICE = "/vllm.grpc.engine.VllmEngine"
@@ -63,72 +63,82 @@ ROLES = {
 }
 
 
+MOONCAKE = "MooncakeConnector"
+NIXL = "NixlConnector"
+
+
+def _json(value: dict[str, object]) -> str:
+    return json.dumps(value, separators=(",", ":"))
+
+
+#: what a prefill leg asks of its engine: compute the KV, keep it for a remote decode
+PREFILL_PARAMS = _json({"do_remote_decode": True, "do_remote_prefill": False})
+
+
+def kv_connector(info: EngineInfo) -> str:
+    """An engine's KV connector as discovery reported it (NIXL when unreported)."""
+    return dict(info.details).get("kv_connector") or NIXL
+
+
+def prefill_leg(call: GenerateCall, params_json: str = PREFILL_PARAMS) -> GenerateCall:
+    """The prefill leg: one token (discarded), the KV kept for the decode engine."""
+    sampling = dataclasses.replace(call.sampling, max_tokens=1, min_tokens=0)
+    return dataclasses.replace(
+        call, sampling=sampling, stream=False,
+        disaggregation=Disaggregation(kv_transfer_params_json=params_json),
+    )
+
+
+def mooncake_legs(call: GenerateCall, prefill: PairingFacts, transfer_id: str) -> LegPlan:
+    """Both legs name the router's ``transfer_id``; the decode leg names the prefill engine."""
+    host, port = bootstrap_address(prefill)
+    host = f"[{host}]" if ":" in host else host
+    prefill_params = _json(
+        {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": transfer_id}
+    )
+    decode_params = _json({
+        "do_remote_decode": False,
+        "do_remote_prefill": True,
+        "transfer_id": transfer_id,
+        "remote_engine_id": dict(prefill.info.details).get("kv_engine_id", ""),
+        "remote_bootstrap_addr": f"http://{host}:{port}",
+    })
+    return LegPlan(
+        prefill_call=prefill_leg(call, prefill_params),
+        decode_call=dataclasses.replace(
+            call, disaggregation=Disaggregation(kv_transfer_params_json=decode_params)
+        ),
+        parallel=False,
+        relays_kv_params=False,
+    )
+
+
 def int32_seed(seed: int) -> int:
     """Fold any integer seed into int32 deterministically (identity within range)."""
     low = seed & 0xFFFFFFFF
     return low - (1 << 32) if low >= 1 << 31 else low
 
 
-class VllmStreamDecoder(StreamDecoder):
+class VllmStreamDecoder(SmgStreamDecoder):
     """Decoder for one vLLM Generate stream (chunk counts are per-chunk deltas)."""
 
-    def __init__(self, stream: bool) -> None:
-        self._stream = stream
-        self._delivered = 0
-        self._last: tuple[int, ...] = ()
-        self._prompt = 0
-        self._completion = 0  # the sum of chunk counts
-        self._cached = 0
-        self.finished = False
+    counts_per_chunk: ClassVar[bool] = True
 
-    def feed(self, message: Any) -> EngineEvent | None:
-        if self.finished:
-            raise after_terminal()
-        which = message.WhichOneof("response")
-        if which == "chunk":
-            chunk = message.chunk
-            ids = tuple(chunk.token_ids)
-            self._delivered += len(ids)
-            self._last = ids
-            self._prompt = chunk.prompt_tokens
-            self._completion = max(self._completion + chunk.completion_tokens, self._delivered)
-            self._cached = chunk.cached_tokens
-            if not ids:  # e.g. the empty output vLLM sends before an abort
-                return None
-            return TokenDelta(ids, self._prompt, self._completion, self._cached)
-        if which == "complete":
-            done = message.complete
-            self.finished = True
-            problem = unusual_finish(done.finish_reason)
-            if problem is not None:
-                raise problem
-            if self._stream:
-                # output_ids and completion_tokens describe the last delta only.
-                extra = streamed_tail(self._last, self._delivered, done.output_ids)
-                completion = self._completion + len(extra)
-            else:
-                extra = tuple(done.output_ids)
-                completion = max(done.completion_tokens, len(extra))
-            stop_token, stop_text = matched_stop(done)
-            return Finished(
-                reason=FINISH_REASONS.get(done.finish_reason, FinishReason.STOP),
-                prompt_tokens=done.prompt_tokens or self._prompt,
-                completion_tokens=completion,
-                cached_tokens=done.cached_tokens or self._cached,
-                token_ids=extra,
-                matched_token_id=stop_token,
-                matched_stop_str=stop_text,
-                kv_transfer_params_json=(
-                    done.kv_transfer_params_json
-                    if done.HasField("kv_transfer_params_json") else None
-                ),
-            )
-        raise EngineError(ErrorKind.PROTOCOL, "GenerateResponse with neither chunk nor complete")
+    def _final_count(self, done: Any, extra: tuple[int, ...]) -> int:
+        if self._stream:  # output_ids and completion_tokens describe the last delta only
+            return self._completion + len(extra)
+        count: int = max(done.completion_tokens, len(extra))
+        return count
+
+    def _handoff(self, done: Any) -> str | None:
+        return done.kv_transfer_params_json if done.HasField("kv_transfer_params_json") else None
 
 
-class VllmDialect(Dialect):
+class VllmDialect(SmgDialect):
     kind: ClassVar[str] = "vllm"
     capabilities: ClassVar[Capabilities] = Capabilities(prefill_decode=True, text_input=True)
+    service: ClassVar[str] = SERVICE
+    pb: ClassVar[ModuleType] = pb
 
     def __init__(self, clock: Callable[[], float] = time.time) -> None:
         self._clock = clock  # wall clock, to turn the reported uptime into a start time
@@ -168,18 +178,6 @@ class VllmDialect(Dialect):
         # The contract takes a list and no reason; the reply is empty (errors are statuses).
         return Rpc(f"{SERVICE}/Abort", pb.AbortRequest(request_ids=[request_id]), pb.AbortResponse)
 
-    def health(self) -> Rpc:
-        return Rpc(f"{SERVICE}/HealthCheck", pb.HealthCheckRequest(), pb.HealthCheckResponse)
-
-    def health_result(self, response: Any) -> HealthResult:
-        return HealthResult(bool(response.healthy), response.message)
-
-    def discovery(self) -> Sequence[Rpc]:
-        return (
-            Rpc(f"{SERVICE}/GetModelInfo", pb.GetModelInfoRequest(), pb.GetModelInfoResponse),
-            Rpc(f"{SERVICE}/GetServerInfo", pb.GetServerInfoRequest(), pb.GetServerInfoResponse),
-        )
-
     def engine_info(self, responses: Sequence[Any]) -> EngineInfo:
         model, server = responses
         # Only the uptime is reported: the start it implies is stable across calls to
@@ -211,3 +209,19 @@ class VllmDialect(Dialect):
                 ("server_type", server.server_type),
             ),
         )
+
+    def pairing_group(self, engine: PairingFacts) -> str | None:
+        """By KV connector too: a NIXL prefill cannot hand its KV to a Mooncake decode."""
+        return f"vllm/{kv_connector(engine.info)}"
+
+    def can_prefill(self, engine: PairingFacts) -> bool:
+        # Mooncake names the prefill engine by id, which gets a _dp<rank> suffix with DP > 1;
+        # we do not pin ranks, so such an engine cannot be named reliably.
+        return not (kv_connector(engine.info) == MOONCAKE and engine.info.data_parallel_size > 1)
+
+    def pair_legs(self, call: GenerateCall, prefill: PairingFacts, rng: random.Random) -> LegPlan:
+        """The prefill leg first; then NIXL (and any connector but Mooncake) relays the
+        handoff the prefill leg returns, while Mooncake pairs by a minted transfer id."""
+        if kv_connector(prefill.info) == MOONCAKE:
+            return mooncake_legs(call, prefill, f"{rng.getrandbits(128):032x}")
+        return LegPlan(prefill_leg(call), call, parallel=False, relays_kv_params=True)

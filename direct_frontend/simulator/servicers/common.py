@@ -1,0 +1,204 @@
+"""What the simulated servicers share: the checks every engine makes, and common.proto's RPCs.
+
+Only what is the same on every contract is written here (or the same on both
+contracts smg-grpc-servicer serves, SGLang's and vLLM's); each kind's module
+keeps its own messages and quirks, so a difference between engines stays
+visible as a difference between modules.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import zipfile
+from collections.abc import Callable, Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, NoReturn, Protocol, TypeVar
+
+import grpclib.server
+from grpclib import GRPCError, Status
+
+from direct_frontend.simulator.core import SimCore
+from direct_frontend.simulator.model import Finish
+from protos import common_pb2
+
+SIM_VERSION = "0.0.0-sim"
+_CHUNK_BYTES = 64 * 1024  # the stock servicers' GetTokenizer chunk size
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "config.json",
+    "generation_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.json",
+)
+
+
+class _Named(Protocol):
+    """A request naming one request id (every Generate, SGLang's and TRT-LLM's Abort)."""
+
+    request_id: str
+
+
+NamedT = TypeVar("NamedT", bound=_Named)
+ReplyT = TypeVar("ReplyT")
+
+
+# -- requests ------------------------------------------------------------------
+
+
+async def generate_request(core: SimCore, stream: grpclib.server.Stream[NamedT, Any]) -> NamedT:
+    """The Generate request, its id noted before any check (a refused request was still seen)."""
+    request = await stream.recv_message()
+    assert request is not None
+    core.note_request(request.request_id)
+    return request
+
+
+def check_prompt(core: SimCore, prompt: Sequence[int], limit: int) -> None:
+    """Refuse what the real engines refuse, as ``INVALID_ARGUMENT``."""
+    if not prompt:
+        raise GRPCError(Status.INVALID_ARGUMENT, "The prompt cannot be empty")
+    if len(prompt) >= limit:
+        raise GRPCError(
+            Status.INVALID_ARGUMENT,
+            f"Input length ({len(prompt)} tokens) exceeds the maximum allowed length "
+            f"({limit - 1} tokens)",
+        )
+    highest = max(prompt)
+    if highest >= core.config.vocab_size:
+        raise GRPCError(Status.INVALID_ARGUMENT, f"Token id {highest} is out of vocabulary")
+
+
+def capped(requested: int | None, budget: int) -> int:
+    """The effective output cap: the request's, clamped to what the window leaves."""
+    return budget if requested is None else min(requested, budget)
+
+
+def matched_stop_token(finish: Finish | None) -> int | None:
+    """The stop token vLLM and TRT-LLM report: their stop_reason stays None for EOS."""
+    if finish is None or finish.matched_eos:
+        return None
+    return finish.matched_token_id
+
+
+def now_iso() -> str:
+    """The ``timestamp`` of a GetLoads reply."""
+    return datetime.now(UTC).isoformat()
+
+
+async def refuse(stream: grpclib.server.Stream[Any, Any], message: str) -> NoReturn:
+    """Read the request, then answer ``UNIMPLEMENTED``: what a stock servicer does for a gap."""
+    await stream.recv_message()
+    raise GRPCError(Status.UNIMPLEMENTED, message)
+
+
+async def abort_named(
+    core: SimCore,
+    stream: grpclib.server.Stream[NamedT, ReplyT],
+    reply: Callable[..., ReplyT],
+) -> None:
+    """An Abort naming one request (SGLang, TRT-LLM): ``success`` says whether it was found."""
+    request = await stream.recv_message()
+    assert request is not None
+    found = core.note_abort_rpc([request.request_id])
+    await stream.send_message(
+        reply(
+            success=found,
+            message=f"Request {request.request_id} {'aborted' if found else 'not found'}",
+        )
+    )
+
+
+# -- the tokenizer bundle ----------------------------------------------------------
+
+_bundles: dict[str, tuple[bytes, str]] = {}
+
+
+def _tokenizer_bundle(directory: str) -> tuple[bytes, str]:
+    """The zip archive GetTokenizer streams, and its sha256 (cached per directory)."""
+    cached = _bundles.get(directory)
+    if cached is not None:
+        return cached
+    root = Path(directory)
+    buffer = io.BytesIO()
+    added = 0
+    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as archive:
+        names = [*_TOKENIZER_FILES, *sorted(p.name for p in root.glob("*.jinja"))]
+        for name in names:
+            path = root / name
+            if path.is_file():
+                archive.write(path, name)
+                added += 1
+    if not added:
+        raise GRPCError(Status.NOT_FOUND, f"No tokenizer files found in {directory}")
+    data = buffer.getvalue()
+    bundle = (data, hashlib.sha256(data).hexdigest())
+    _bundles[directory] = bundle
+    return bundle
+
+
+# -- the servicers' common ground ----------------------------------------------------
+
+
+class SimServicer:
+    """A servicer over one :class:`SimCore`, with the RPCs every contract answers alike."""
+
+    def __init__(self, core: SimCore) -> None:
+        self.core = core
+
+    async def SubscribeKvEvents(
+        self,
+        stream: grpclib.server.Stream[common_pb2.SubscribeKvEventsRequest, common_pb2.KvEventBatch],
+    ) -> None:
+        await refuse(
+            stream, "KV events are not enabled (the engine has no --kv-events-config)"
+        )
+
+
+class SmgServicer(SimServicer):
+    """What smg-grpc-servicer 0.14.1 serves alike for SGLang and vLLM."""
+
+    async def Embed(self, stream: grpclib.server.Stream[Any, Any]) -> None:
+        # Any: each contract has its own EmbedRequest, which is read and dropped.
+        await refuse(stream, "The simulated model is not an embedding model")
+
+    async def FlushCache(
+        self,
+        stream: grpclib.server.Stream[common_pb2.FlushCacheRequest, common_pb2.FlushCacheResponse],
+    ) -> None:
+        await stream.recv_message()
+        if self.core.kv_cache is not None:
+            self.core.kv_cache.clear()  # publishes AllBlocksCleared
+        await stream.send_message(
+            common_pb2.FlushCacheResponse(success=True, message="Cache flushed")
+        )
+
+    async def StartProfile(
+        self, stream: grpclib.server.Stream[Any, common_pb2.ProfileResponse]
+    ) -> None:
+        # Any: Start and Stop take their own request messages; both are read and dropped.
+        await stream.recv_message()
+        await stream.send_message(common_pb2.ProfileResponse(success=True, message="OK"))
+
+    StopProfile = StartProfile  # there is no profiler: stopping says OK as starting does
+
+    async def GetTokenizer(
+        self,
+        stream: grpclib.server.Stream[common_pb2.GetTokenizerRequest, common_pb2.GetTokenizerChunk],
+    ) -> None:
+        await stream.recv_message()
+        if not self.core.config.tokenizer_path:
+            raise GRPCError(Status.UNIMPLEMENTED, "The simulator was started without a tokenizer")
+        data, digest = _tokenizer_bundle(self.core.config.tokenizer_path)
+        for start in range(0, len(data), _CHUNK_BYTES):
+            last = start + _CHUNK_BYTES >= len(data)
+            await stream.send_message(
+                common_pb2.GetTokenizerChunk(
+                    data=data[start : start + _CHUNK_BYTES], sha256=digest if last else ""
+                )
+            )

@@ -1,0 +1,299 @@
+"""SGLang's ``SglangScheduler`` as smg-grpc-servicer 0.14.1 serves it.
+
+``request_id`` on every message; chunk counts are cumulative; the last delta is
+sent as a chunk *and again* as the streaming ``complete``; an aborted request
+ends in an error status, never a complete (docs/engine-contracts.md §4).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import grpclib.server
+from google.protobuf import struct_pb2, timestamp_pb2
+from grpclib import GRPCError, Status
+
+from direct_frontend.simulator import disagg
+from direct_frontend.simulator.model import Finish, StopCriteria
+from direct_frontend.simulator.servicers.common import (
+    SIM_VERSION,
+    SmgServicer,
+    abort_named,
+    capped,
+    check_prompt,
+    generate_request,
+    now_iso,
+    refuse,
+)
+from protos import sglang_scheduler_pb2
+from protos.sglang_scheduler_grpc import SglangSchedulerBase
+
+_ROLE = {"both": "null", "prefill": "prefill", "decode": "decode"}  # disaggregation_mode
+
+
+def _timestamp(seconds: float) -> timestamp_pb2.Timestamp:
+    stamp = timestamp_pb2.Timestamp()
+    stamp.FromNanoseconds(int(seconds * 1e9))
+    return stamp
+
+
+def _struct(values: dict[str, str | int | float | bool | None]) -> struct_pb2.Struct:
+    result = struct_pb2.Struct()
+    result.update(values)
+    return result
+
+
+def _complete(
+    request_id: str,
+    output_ids: Sequence[int],
+    finish: Finish,
+    prompt_tokens: int,
+    completion_tokens: int,
+    cached_tokens: int = 0,
+) -> sglang_scheduler_pb2.GenerateResponse:
+    complete = sglang_scheduler_pb2.GenerateComplete(
+        output_ids=output_ids,
+        finish_reason=finish.reason,
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        cached_tokens=cached_tokens,
+    )
+    if finish.matched_token_id is not None:  # SGLang reports EOS matches too
+        complete.matched_token_id = finish.matched_token_id
+    return sglang_scheduler_pb2.GenerateResponse(request_id=request_id, complete=complete)
+
+
+class SglangServicer(SmgServicer, SglangSchedulerBase):
+    """``sglang.grpc.scheduler.SglangScheduler`` as smg-grpc-servicer 0.14.1 serves it."""
+
+    async def Generate(
+        self,
+        stream: grpclib.server.Stream[
+            sglang_scheduler_pb2.GenerateRequest, sglang_scheduler_pb2.GenerateResponse
+        ],
+    ) -> None:
+        core, config = self.core, self.core.config
+        request = await generate_request(core, stream)
+        request_id = request.request_id
+        if not request.HasField("tokenized"):
+            raise GRPCError(Status.INVALID_ARGUMENT, "Tokenized input must be provided")
+        prompt = list(request.tokenized.input_ids)
+        check_prompt(core, prompt, config.sglang_max_req_input_len)
+        params = request.sampling_params
+        if params.n > 1:
+            raise GRPCError(Status.UNIMPLEMENTED, "The simulator does not support n > 1")
+        handoff = await disagg.sglang_leg(core, request, len(prompt))  # P/D roles
+        # Unset max_new_tokens means no cap: only the window stops it.
+        requested = params.max_new_tokens if params.HasField("max_new_tokens") else None
+        criteria = StopCriteria(
+            max_tokens=handoff.cap(capped(requested, config.sglang_max_req_len - len(prompt))),
+            min_tokens=params.min_new_tokens,
+            stop_token_ids=frozenset(params.stop_token_ids),
+            ignore_eos=params.ignore_eos,
+        )
+        job = core.new_job(request_id, prompt, criteria)
+        job.cached_tokens = handoff.transferred
+        output = job.generation.output_ids
+        prompt_tokens = len(prompt)
+
+        async def emit(delta: Sequence[int], finish: Finish | None) -> None:
+            chunk = sglang_scheduler_pb2.GenerateStreamChunk(
+                token_ids=delta,
+                prompt_tokens=prompt_tokens,
+                completion_tokens=len(output),
+                cached_tokens=job.cached_tokens,
+            )
+            await stream.send_message(
+                sglang_scheduler_pb2.GenerateResponse(request_id=request_id, chunk=chunk)
+            )
+            if finish is not None:  # the final delta goes out again as the complete
+                await stream.send_message(
+                    _complete(
+                        request_id, delta, finish, prompt_tokens, len(output), job.cached_tokens
+                    )
+                )
+
+        finish = await core.run(job, emit if request.stream else None)
+        if finish is None:
+            # The servicer turns a scheduler abort into an error status, never a complete.
+            raise GRPCError(Status.INTERNAL, "Request aborted")
+        handoff.prefilled()  # a prefill leg's KV is ready for its decode leg
+        if not request.stream:
+            await stream.send_message(
+                _complete(request_id, output, finish, prompt_tokens, len(output), job.cached_tokens)
+            )
+
+    async def HealthCheck(
+        self,
+        stream: grpclib.server.Stream[
+            sglang_scheduler_pb2.HealthCheckRequest, sglang_scheduler_pb2.HealthCheckResponse
+        ],
+    ) -> None:
+        await stream.recv_message()
+        core = self.core
+        if core.closing:
+            reply = sglang_scheduler_pb2.HealthCheckResponse(
+                healthy=False, message="Server is shutting down"
+            )
+        elif not core.healthy:
+            reply = sglang_scheduler_pb2.HealthCheckResponse(
+                healthy=False, message="Health check failed"
+            )
+        elif await core.probe():  # a real 1-token generation, queued like any other
+            reply = sglang_scheduler_pb2.HealthCheckResponse(healthy=True, message="OK")
+        else:
+            timeout = core.config.health_timeout
+            reply = sglang_scheduler_pb2.HealthCheckResponse(
+                healthy=False, message=f"Health check timeout after {timeout:g}s"
+            )
+        await stream.send_message(reply)
+
+    async def Abort(
+        self,
+        stream: grpclib.server.Stream[
+            sglang_scheduler_pb2.AbortRequest, sglang_scheduler_pb2.AbortResponse
+        ],
+    ) -> None:
+        await abort_named(self.core, stream, sglang_scheduler_pb2.AbortResponse)
+
+    async def GetModelInfo(
+        self,
+        stream: grpclib.server.Stream[
+            sglang_scheduler_pb2.GetModelInfoRequest, sglang_scheduler_pb2.GetModelInfoResponse
+        ],
+    ) -> None:
+        await stream.recv_message()
+        config = self.core.config
+        await stream.send_message(
+            sglang_scheduler_pb2.GetModelInfoResponse(
+                model_path=config.model_path,
+                tokenizer_path=config.tokenizer_path,
+                is_generation=True,
+                preferred_sampling_params="",
+                weight_version="default",
+                served_model_name=config.served_model_name,
+                # The KV pool size, not the window: the stock server's quirk.
+                max_context_length=config.kv_pool_tokens,
+                vocab_size=config.vocab_size,
+                supports_vision=False,
+                model_type="sim",
+                eos_token_ids=[config.eos_token_id],
+                pad_token_id=config.pad_token_id,
+                bos_token_id=config.bos_token_id,
+                max_req_input_len=config.sglang_max_req_input_len,
+                architectures=["SimForCausalLM"],
+                default_sampling_params_json="{}",
+            )
+        )
+
+    async def GetServerInfo(
+        self,
+        stream: grpclib.server.Stream[
+            sglang_scheduler_pb2.GetServerInfoRequest, sglang_scheduler_pb2.GetServerInfoResponse
+        ],
+    ) -> None:
+        await stream.recv_message()
+        core, config = self.core, self.core.config
+        server_args = _struct(
+            {
+                "model_path": config.model_path,
+                "tokenizer_path": config.tokenizer_path,
+                "served_model_name": config.served_model_name,
+                "context_length": config.context_length,
+                "page_size": config.page_size,
+                "disaggregation_mode": _ROLE[config.role],
+                "disaggregation_bootstrap_port": config.bootstrap_port,
+                "max_running_requests": core.timing.max_running,
+                "tp_size": 1,
+                "dp_size": 1,
+                "skip_tokenizer_init": True,
+                "kv_events_config": None,
+                "pairing_protocol": "",
+            }
+        )
+        scheduler_info = _struct(
+            {
+                "max_total_num_tokens": config.kv_pool_tokens,
+                "max_req_input_len": config.sglang_max_req_input_len,
+                "is_generation": True,
+            }
+        )
+        await stream.send_message(
+            sglang_scheduler_pb2.GetServerInfoResponse(
+                server_args=server_args,
+                scheduler_info=scheduler_info,
+                active_requests=core.stats.running + core.stats.waiting,
+                is_paused=False,
+                last_receive_timestamp=core.last_receive_time,
+                uptime_seconds=core.uptime,
+                sglang_version=SIM_VERSION,
+                server_type="grpc",
+                start_time=_timestamp(core.start_time),
+                max_total_num_tokens=config.kv_pool_tokens,
+            )
+        )
+
+    async def GetLoads(
+        self,
+        stream: grpclib.server.Stream[
+            sglang_scheduler_pb2.GetLoadsRequest, sglang_scheduler_pb2.GetLoadsResponse
+        ],
+    ) -> None:
+        request = await stream.recv_message()
+        assert request is not None
+        core, config = self.core, self.core.config
+        running, waiting = core.stats.running, core.stats.waiting
+        used = core.used_tokens()
+        load = sglang_scheduler_pb2.SchedulerLoad(
+            dp_rank=0,
+            num_running_reqs=running,
+            num_waiting_reqs=waiting,
+            num_total_reqs=running + waiting,
+            num_used_tokens=used,
+            max_total_num_tokens=config.kv_pool_tokens,
+            token_usage=used / config.kv_pool_tokens,
+            utilization=running / core.timing.max_running,
+            max_running_requests=core.timing.max_running,
+            num_waiting_uncached_tokens=core.waiting_tokens(),
+        )
+        sections = set(request.include) or {"all"}
+        if sections & {"all", "memory"}:
+            load.memory.token_capacity = config.kv_pool_tokens
+        if sections & {"all", "disagg"}:
+            load.disaggregation.mode = _ROLE[config.role]
+        if sections & {"all", "queues"}:
+            load.queues.waiting = waiting
+        loads = [load] if not request.HasField("dp_rank") or request.dp_rank == 0 else []
+        aggregate = sglang_scheduler_pb2.AggregateMetrics(
+            total_running_reqs=running,
+            total_waiting_reqs=waiting,
+            total_reqs=running + waiting,
+            avg_token_usage=load.token_usage,
+            avg_utilization=load.utilization,
+        )
+        await stream.send_message(
+            sglang_scheduler_pb2.GetLoadsResponse(
+                timestamp=now_iso(),
+                version=SIM_VERSION,
+                dp_rank_count=1,
+                loads=loads,
+                aggregate=aggregate,
+            )
+        )
+
+    async def LoadLoRAAdapter(self, stream: grpclib.server.Stream[Any, Any]) -> None:
+        # Any: Load and Unload take their own messages; both are refused unread.
+        await refuse(stream, "The simulator has no LoRA support")
+
+    UnloadLoRAAdapter = LoadLoRAAdapter
+
+    async def ListLoadedLoRAAdapters(
+        self,
+        stream: grpclib.server.Stream[
+            sglang_scheduler_pb2.ListLoadedLoRAAdaptersRequest,
+            sglang_scheduler_pb2.ListLoadedLoRAAdaptersResponse,
+        ],
+    ) -> None:
+        await stream.recv_message()
+        await stream.send_message(sglang_scheduler_pb2.ListLoadedLoRAAdaptersResponse())

