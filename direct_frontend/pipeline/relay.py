@@ -26,7 +26,7 @@ import functools
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable, Collection
+from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 import trio
@@ -49,7 +49,7 @@ from direct_frontend.pipeline.preprocess import PreparedRequest, build_call, tok
 from direct_frontend.pipeline.settings import Settings
 from direct_frontend.routing.catalog import EngineHandle
 from direct_frontend.routing.hitrate import HitRateWatch
-from direct_frontend.routing.policies import Placement, Policy
+from direct_frontend.routing.policies import Placement
 from direct_frontend.text.model_dir import TextModel
 
 log = logging.getLogger("direct_frontend.http")  # the request log's name, as it always was
@@ -77,16 +77,6 @@ class EventQueue(Protocol):
     """The events an engine call has already delivered (an ``EventReceiver``'s sync side)."""
 
     def receive_nowait(self) -> EngineEvent | None: ...
-
-
-class Placer(Protocol):
-    def choose(
-        self,
-        policy: Policy,
-        input_ids: tuple[int, ...],
-        max_tokens: int,
-        exclude: Collection[str] = (),
-    ) -> Placement: ...
 
 
 class RelayState:
@@ -251,7 +241,7 @@ class RelayState:
             return EngineError(ErrorKind.CANCELLED, "request_timeout_s passed", engine=engine)
         return EngineError(ErrorKind.TIMEOUT, "the stream stalled", engine=engine)
 
-    def next_attempt(self, error: EngineError, placer: Placer) -> Decision:
+    def next_attempt(self, error: EngineError, dispatcher: Dispatcher) -> Decision:
         """Place the next attempt after ``error`` (retry or migrate), or re-raise ``error``."""
         error.engine = error.engine or self.placement.engine.name
         produced = self.processor.generated_ids
@@ -260,7 +250,7 @@ class RelayState:
             self._give_up()
             raise error
         try:
-            placement = placer.choose(
+            placement = dispatcher.choose(
                 self.settings.policy, self.prepared.input_ids, self.processor.remaining_tokens,
                 self.failover.tried,
             )
