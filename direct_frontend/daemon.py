@@ -37,10 +37,10 @@ from direct_frontend.control.reload import ControlPlane, file_digest, kv_block_s
 from direct_frontend.control.supervisor import Supervisor
 from direct_frontend.fleet.schema import FleetConfig
 from direct_frontend.fleet.watch import POLL_INTERVAL_S, FileStamp, stamp_of, watch_file
-from direct_frontend.http import coalesce
+from direct_frontend.http import coalesce, keepalive
 from direct_frontend.http.app import App
 from direct_frontend.kv.index import KvIndex
-from direct_frontend.observability import shims
+from direct_frontend.observability import descriptors, shims
 from direct_frontend.observability.metrics import Metrics
 from direct_frontend.observability.sdnotify import Notifier
 from direct_frontend.pipeline.dispatch import Dispatcher
@@ -61,6 +61,8 @@ def hypercorn_config(fleet: FleetConfig, grace_s: float = SHUTDOWN_GRACE_S) -> H
     config.accesslog = None
     config.errorlog = logging.getLogger("hypercorn.error")
     config.graceful_timeout = grace_s
+    # Longer than the 60 s idle timeout of common load balancers and proxies, so they close
+    # first; idle connections are capped, and closed once the peer closes (http/keepalive.py).
     config.keep_alive_timeout = 75
     return config
 
@@ -81,6 +83,7 @@ async def serve_fleet(
     from SIGHUP or ``POST /fleet/reload`` only).
     """
     started = time.perf_counter()
+    descriptors.raise_soft_limit()  # every connection is a descriptor; 1,024 is not many
     shutdown = trio.Event() if shutdown is None else shutdown
     notifier = Notifier() if notifier is None else notifier
     stamp = stamp_of(fleet.source)
@@ -143,6 +146,7 @@ async def _serve_http(
     *, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     coalesce.install()  # response head and first body bytes in one write (http/coalesce.py)
+    keepalive.install()  # close connections the peer closed at once (http/keepalive.py)
     shims.log_report(log)  # which hot-path shims are in use, and if not, why (ADR 0002)
     try:
         await serve(app, config,  # type: ignore[arg-type]

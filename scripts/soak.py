@@ -17,6 +17,7 @@ Usage::
 
     python scripts/soak.py                       # 3 engines, 16 streams, 30 s
     python scripts/soak.py --engines 4 --concurrency 32 --seconds 120
+    python scripts/soak.py --probe-interval 5 --probe-timeout 2   # the default probe settings
 """
 
 from __future__ import annotations
@@ -66,7 +67,8 @@ class Tally:
     errors: list[str] = field(default_factory=list)
 
 
-def fleet(listen: int, engine_ports: Sequence[int]) -> str:
+def fleet(listen: int, engine_ports: Sequence[int], probe_interval: float,
+          probe_timeout: float) -> str:
     engines = "".join(
         f'\n[[engine]]\nname = "e{i}"\nurl = "grpc://{HOST}:{port}"\nkind = "sglang"\n'
         for i, port in enumerate(engine_ports)
@@ -74,7 +76,8 @@ def fleet(listen: int, engine_ports: Sequence[int]) -> str:
     return (
         f'[frontend]\nlisten = "{HOST}:{listen}"\nserved_model_name = "demo"\n'
         f"tokenizer = {json.dumps(str(MODEL_DIR))}\n"
-        "\n[frontend.probe]\ninterval_s = 0.25\ntimeout_s = 0.5\n" + engines
+        f"\n[frontend.probe]\ninterval_s = {probe_interval}\ntimeout_s = {probe_timeout}\n"
+        + engines
     )
 
 
@@ -154,7 +157,7 @@ async def main(args: argparse.Namespace) -> int:
     logdir = pathlib.Path(tempfile.mkdtemp(prefix="df-soak-"))
     listen, *ports = free_ports(1 + args.engines)
     fleet_path = logdir / "fleet.toml"
-    fleet_path.write_text(fleet(listen, ports))
+    fleet_path.write_text(fleet(listen, ports, args.probe_interval, args.probe_timeout))
     engines = {
         p: Child(f"engine:{p}", engine_argv(p, args.decode_us), logdir / f"engine-{p}.log")
         for p in ports
@@ -243,6 +246,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kill-every", type=float, default=2.0)
     p.add_argument("--down-for", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--probe-interval", type=float, default=0.25,
+                   help="[frontend.probe] interval_s (the fleet file's default is 5.0)")
+    p.add_argument("--probe-timeout", type=float, default=0.5,
+                   help="[frontend.probe] timeout_s (the fleet file's default is 2.0)")
     return p.parse_args(argv)
 
 

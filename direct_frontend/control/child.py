@@ -19,14 +19,16 @@ import trio
 
 from direct_frontend.control.lifecycle import (
     EngineState,
+    ProbeOutcome,
     ProbeTracker,
     check_transition,
     is_retired,
+    retry_delay,
 )
 from direct_frontend.engines.dialects import dialect_for
 from direct_frontend.engines.neutral import EngineInfo, EngineRole
 from direct_frontend.engines.transport import EngineChannel
-from direct_frontend.errors import EngineError
+from direct_frontend.errors import EngineError, ErrorKind
 from direct_frontend.fleet.schema import EngineConfig, FrontendConfig
 from direct_frontend.routing.catalog import EngineHandle, EngineLoad
 
@@ -54,6 +56,13 @@ def serves_fleet_model(info: EngineInfo, served_model_name: str) -> bool:
     name, so for it there is nothing to compare.
     """
     return not info.served_name_known or info.served_model_name == served_model_name
+
+
+def outcome_of(error: EngineError | trio.TooSlowError) -> ProbeOutcome:
+    """A failed call as a probe result: a lost connection is a process gone, not misbehaving."""
+    if isinstance(error, EngineError) and error.kind is ErrorKind.UNAVAILABLE:
+        return ProbeOutcome.UNREACHABLE
+    return ProbeOutcome.FAILED
 
 
 def effective_context_length(cfg: EngineConfig, info: EngineInfo) -> int | None:
@@ -96,6 +105,10 @@ class EngineChild:
         self.channel: EngineChannel | None = None
         self.load = EngineLoad()
         self._wake = trio.Event()
+        #: failed tries to join since this incarnation last started joining
+        self.join_failures = 0
+        #: no engine of the fleet serves: try without backing off (set by the supervisor)
+        self.hurry = False
 
     @property
     def name(self) -> str:
@@ -127,7 +140,7 @@ class EngineChild:
         if is_retired(self.state):
             return
         self.last_error = str(error)
-        if self.tracker.fault() is not None:
+        if self.tracker.fault(outcome_of(error)) is not None:
             self._set_state(EngineState.UNHEALTHY, self.last_error)
             self._wake.set()
 
@@ -153,6 +166,13 @@ class EngineChild:
         self.tracker.retune(self.probe.failure_threshold, self.probe.success_threshold)
         self._wake.set()  # the next probe follows the new interval
 
+    def hurry_up(self, hurry: bool) -> None:
+        """Whether no engine serves: while none does, an engine that is out is tried fast."""
+        if hurry != self.hurry:
+            self.hurry = hurry
+            if hurry:
+                self._wake.set()  # the wait under way may be a long backoff
+
     def open_channel(self) -> EngineChannel:
         """The incarnation's channel (call inside the trio-asyncio loop)."""
         if self.channel is None:
@@ -171,9 +191,15 @@ class EngineChild:
         await self._probe_forever()
 
     async def _join(self) -> None:
-        """Discover the engine until it answers with our model and passes one probe."""
+        """Discover the engine until it answers with our model and passes one probe.
+
+        Tried again fast while it fails (:func:`retry_delay`); a refused engine
+        answers, so it is re-checked every probe interval. Why it has not
+        joined is logged once, and again whenever the reason changes.
+        """
         assert self.channel is not None
-        delay = min(0.05, self.probe.interval_s)
+        self.join_failures = 0
+        logged = ""
         while True:
             try:
                 with trio.fail_after(self.probe.join_timeout_s):
@@ -184,15 +210,27 @@ class EngineChild:
                             f"the fleet serves {self.frontend.served_model_name!r}"
                         )
                         self._set_state(EngineState.REFUSED, self.last_error)
-                    elif await self._probe_once():
+                    elif await self._probe_once() is ProbeOutcome.HEALTHY:
                         self._serve(info)
                         return
             except (EngineError, trio.TooSlowError) as exc:
                 self.last_error = str(exc) or "discovery timed out"
                 if self.state is not EngineState.JOINING:
                     self._set_state(EngineState.JOINING, self.last_error)
-            await trio.sleep(delay)
-            delay = min(delay * 2, self.probe.interval_s)
+            if self.last_error != logged:
+                logged = self.last_error
+                log.warning(
+                    "engine %s has not joined: %s", self.name, logged,
+                    extra={"engine": self.name, "incarnation": self.incarnation},
+                )
+            if self.state is EngineState.REFUSED:
+                delay = self.probe.interval_s
+            else:
+                delay = retry_delay(self.join_failures, self.probe.interval_s, hurry=self.hurry)
+            self.join_failures += 1
+            with trio.move_on_after(delay):
+                await self._wake.wait()
+            self._wake = trio.Event()
 
     async def _discover(self) -> EngineInfo:
         assert self.channel is not None
@@ -222,27 +260,30 @@ class EngineChild:
         self.last_error = ""
         self._set_state(EngineState.SERVING)
 
-    async def _probe_once(self) -> bool:
+    async def _probe_once(self) -> ProbeOutcome:
         assert self.channel is not None
         try:
             with trio.fail_after(self.probe.timeout_s + 0.5):
                 reply = await self.channel.unary(self.dialect.health(), self.probe.timeout_s)
             result = self.dialect.health_result(reply)
-            ok, message = result.healthy, result.message
+            message = result.message
+            outcome = ProbeOutcome.HEALTHY if result.healthy else ProbeOutcome.FAILED
         except (EngineError, trio.TooSlowError) as exc:
-            ok, message = False, str(exc) or "probe timed out"
+            message = str(exc) or "probe timed out"
+            outcome = outcome_of(exc)
+        ok = outcome is ProbeOutcome.HEALTHY
         self.last_probe = ProbeRecord(ok, message, time.time())
         if not ok:
             self.last_error = message
-        return ok
+        return outcome
 
     async def _probe_forever(self) -> None:
         while True:
-            with trio.move_on_after(self.tracker.next_delay(self.probe.interval_s)):
+            delay = self.tracker.next_delay(self.probe.interval_s, hurry=self.hurry)
+            with trio.move_on_after(delay):
                 await self._wake.wait()
             self._wake = trio.Event()
-            ok = await self._probe_once()
-            changed = self.tracker.record(ok)
+            changed = self.tracker.record(await self._probe_once())
             if changed is EngineState.UNHEALTHY:
                 self._set_state(changed, self.last_error)
             elif changed is EngineState.SERVING:
@@ -255,7 +296,7 @@ class EngineChild:
                 info = await self._discover()
         except (EngineError, trio.TooSlowError) as exc:
             self.last_error = str(exc) or "discovery timed out"
-            self.tracker.fault()
+            self.tracker.record(outcome_of(exc))  # still out: a failed try like any other
             return
         if not serves_fleet_model(info, self.frontend.served_model_name):
             self.last_error = f"now serves model {info.served_model_name!r}"

@@ -49,6 +49,21 @@ class SimulatorPool:
         slot = self._by_generation.get(incarnation)
         return None if slot is None else slot.engine
 
+    def blocks(self, holder: EngineChild, child: EngineChild) -> bool:
+        """Whether ``child`` must wait for ``holder``'s simulator to stop to get its port.
+
+        True when ``child`` is simulated on the port ``holder``'s simulator
+        listens on, with other simulator settings, and has no simulator yet.
+        """
+        slot = self._by_generation.get(holder.incarnation)
+        return (
+            slot is not None
+            and child.cfg.simulate
+            and child.incarnation not in self._by_generation
+            and self._slots.get(host_port(child.cfg.url)[1]) is slot
+            and slot.key != self._key(child.cfg)
+        )
+
     def _key(self, cfg: EngineConfig) -> Hashable:
         frontend = self._frontend()
         return (cfg.kind, cfg.role, cfg.simulator, str(frontend.tokenizer),

@@ -135,12 +135,16 @@ class FaultsConfig:
     silent for ``stall_timeout_s`` mid-stream counts as failed. A removed
     engine's streams still running ``drain_migrate_after_s`` into its drain
     are migrated to other engines (0 disables: they run until the drain timeout).
+    A request that needs an engine (to start, retry or migrate) when none it
+    can use serves waits up to ``wait_for_engine_s`` for one to come back
+    (0: it fails at once).
     """
 
     max_retries: int = setting(2, NON_NEGATIVE)
     max_migrations: int = setting(3, NON_NEGATIVE)
     stall_timeout_s: float = setting(30.0, POSITIVE)
     drain_migrate_after_s: float = setting(10.0, NON_NEGATIVE)
+    wait_for_engine_s: float = setting(5.0, NON_NEGATIVE)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

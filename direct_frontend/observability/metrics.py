@@ -29,6 +29,7 @@ from prometheus_client.metrics_core import GaugeMetricFamily, HistogramMetricFam
 from prometheus_client.registry import Collector
 
 from direct_frontend.errors import ErrorKind
+from direct_frontend.observability import descriptors
 from direct_frontend.observability.shims import ShimStatus, shims_active
 
 PREFIX: Final = "direct_frontend_"
@@ -208,6 +209,15 @@ class Metrics:
             "(docs/decisions/0002-hot-path-shims.md); 0: the library's own, slower code runs.",
             shims_active,
         ))
+        # Read at scrape time: every HTTP connection holds one (see http/keepalive.py).
+        self.open_fds = Gauge(
+            p + "open_fds", "File descriptors the process has open.", registry=r
+        )
+        self.open_fds.set_function(descriptors.open_count)
+        self.max_fds = Gauge(
+            p + "max_fds", "The process's soft limit on open file descriptors.", registry=r
+        )
+        self.max_fds.set_function(descriptors.soft_limit)
         self._requests: dict[tuple[str, int], Counter] = {}
         self._durations: dict[str, Histogram] = {}
         self._engine_labels: dict[str, set[tuple[Counter | Gauge, tuple[str, ...]]]] = {}

@@ -4,7 +4,9 @@ Two shims read or replace library internals to save CPU or latency per token
 (docs/decisions/0002-hot-path-shims.md): :mod:`direct_frontend.engines.grpclib_reader`
 and :mod:`direct_frontend.http.coalesce`. Both are gated alike by :func:`gate`:
 the installed release must be on the shim's allow-list *and* the internals must
-have the shape the shim reads; otherwise the library's own code runs. Each
+have the shape the shim reads; otherwise the library's own code runs. (A
+third, :mod:`direct_frontend.http.keepalive`, stops hypercorn leaking closed
+connections rather than saving CPU; it goes through the same gate.) Each
 shim module registers how to read its state, so :func:`shims_active` is one
 report, logged at start and exported as ``direct_frontend_shim_active``: a
 dependency bump that switches a shim off is seen, not just paid for.

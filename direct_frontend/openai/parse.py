@@ -30,6 +30,9 @@ _NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
 _Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
 _Int64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 _MAX_STOP: Final = 16
+#: Characters in all of a request's stop strings together (README, "HTTP API"). Matching
+#: is linear in it, but every request's matcher holds it, so client input stays bounded.
+MAX_STOP_CHARS: Final = 8192
 
 
 class _ContentPart(msgspec.Struct):
@@ -172,6 +175,13 @@ def _common(w: _WireBase) -> dict[str, Any]:
     for i, s in enumerate(stop):
         if not s:
             raise invalid_request("Stop strings must not be empty.", stop_param.format(i))
+    stop_chars = sum(map(len, stop))
+    if stop_chars > MAX_STOP_CHARS:
+        raise invalid_request(
+            f"Invalid value for 'stop': the stop strings may hold at most {MAX_STOP_CHARS} "
+            f"characters in total, got {stop_chars}.",
+            "stop",
+        )
     max_tokens = w.max_completion_tokens if w.max_completion_tokens is not None else w.max_tokens
     min_tokens = w.min_tokens or 0
     if max_tokens is not None and min_tokens > max_tokens:

@@ -136,6 +136,33 @@ class Load:
         wait_for(lambda: self.ok >= start + count, 20, f"{count} more requests")
 
 
+class ReadyWatch:
+    """Polls ``/ready`` back to back on its own thread; every status that is not 200 is kept."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.polls = 0
+        self.not_ready: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+
+    def __enter__(self) -> ReadyWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    def _poll(self) -> None:
+        with httpx.Client(timeout=10) as client:
+            while not self._stop.is_set():
+                r = client.get(self.url + "/ready")
+                self.polls += 1
+                if r.status_code != 200:
+                    self.not_ready.append(f"{r.status_code} {r.text}")
+
+
 def fleet_status(daemon: Daemon) -> dict[str, Any]:
     response = httpx.get(daemon.url + "/fleet")
     assert response.status_code == 200, response.text
@@ -278,7 +305,9 @@ def test_removing_and_re_adding_a_url_never_lets_the_old_incarnation_touch_the_n
             assert old.in_flight == 1
             daemon.fleet.source.write_text(without_x)
             assert httpx.post(daemon.url + "/fleet/reload").json()["ok"]
-            assert old.state.value == "draining"
+            # Make before break: x serves on until y, which the same edit added, has joined.
+            wait_for(lambda: old.state.value == "draining", 10, "the old x to drain")
+            assert sup.children["y"].state.value == "serving"
             daemon.fleet.source.write_text(with_x)
             assert httpx.post(daemon.url + "/fleet/reload").json()["ok"]
             new = sup.children["x"]
@@ -474,6 +503,124 @@ def test_a_drain_that_outlasts_drain_timeout_s_ends_anyway(
         # The cut stream moved to the remaining engine and finished there.
         assert text.rstrip().endswith("data: [DONE]") and '"error"' not in text
         assert "engine slow drain timed out after 0.3s with 1 requests in flight" in caplog.text
+
+
+def replaced(daemon: Daemon, old: dict[str, int]) -> Callable[[dict[str, Any]], bool]:
+    """Whether every engine in ``old`` (name → incarnation) serves as a new incarnation, alone."""
+
+    def done(status: dict[str, Any]) -> bool:
+        engines = status["engines"]
+        return len(engines) == len(old) and all(
+            e["state"] == "serving" and e["incarnation"] != old.get(e["name"]) for e in engines
+        )
+
+    return done
+
+
+def incarnations(daemon: Daemon) -> dict[str, int]:
+    return {name: child.incarnation for name, child in daemon.supervisor.children.items()}
+
+
+def test_edits_that_replace_every_engine_make_before_they_break(
+    model_dir: Path, tmp_path: Path, farm: SimFarm,
+) -> None:
+    """Replaced (settings changed) and swapped (removed + added): /ready never says 503."""
+    a, b, c, d = (farm.start(name, decode_us=1000) for name in "abcd")
+
+    def text(*engines: dict[str, Any]) -> str:
+        return fleet_text(model_dir, [dict(e) for e in engines], probe=FAST_PROBE)
+
+    with running_daemon(tmp_path, text(a, b), watch_interval_s=None) as daemon:
+        daemon.wait_serving(2)
+        with Load(daemon.url, clients=4) as load, ReadyWatch(daemon.url) as ready:
+            load.wait_more(5)
+            before = incarnations(daemon)
+            daemon.fleet.source.write_text(
+                text({**a, "context_length": 2048}, {**b, "context_length": 2048}))
+            result = httpx.post(daemon.url + "/fleet/reload").json()
+            assert [c["name"] for c in result["diff"]["changed"]] == ["a", "b"]
+            wait_status(daemon, replaced(daemon, before), "a and b to be replaced")
+            load.wait_more(5)
+
+            daemon.fleet.source.write_text(text(c, d))  # every engine removed, two added
+            result = httpx.post(daemon.url + "/fleet/reload").json()
+            assert result["diff"]["removed"] == ["a", "b"]
+            wait_status(daemon, lambda s: {e["name"] for e in s["engines"]} == {"c", "d"},
+                        "a and b to be gone")
+            load.wait_more(5)
+        assert ready.not_ready == []
+        assert ready.polls > 20
+        assert load.failures == []
+        assert farm.engines["c"].stats.requests > 0 and farm.engines["d"].stats.requests > 0
+
+
+def test_replacing_every_embedded_simulator_keeps_one_serving(
+    model_dir: Path, tmp_path: Path,
+) -> None:
+    """Embedded: a kept simulator serves both incarnations; a new one must wait for its port."""
+    fast = {"decode_us_per_token": 1000, "prefill_us_per_token": 0, "eos_probability": 0.0}
+    x, y = sim_engine("x", **fast), sim_engine("y", **fast)
+
+    def text(*engines: dict[str, Any]) -> str:
+        return fleet_text(model_dir, [dict(e, simulator=dict(e["simulator"])) for e in engines],
+                          probe=FAST_PROBE)
+
+    with running_daemon(tmp_path, text(x, y), watch_interval_s=None) as daemon:
+        daemon.wait_serving(2)
+        sims = dict(daemon.supervisor.simulators)
+        with Load(daemon.url, clients=4) as load, ReadyWatch(daemon.url) as ready:
+            load.wait_more(5)
+            # 1. an engine setting: the same simulators serve the old and the new incarnations
+            before = incarnations(daemon)
+            daemon.fleet.source.write_text(
+                text({**x, "context_length": 2048}, {**y, "context_length": 2048}))
+            assert httpx.post(daemon.url + "/fleet/reload").json()["ok"]
+            wait_status(daemon, replaced(daemon, before), "x and y to be replaced")
+            assert daemon.supervisor.simulators == sims
+            load.wait_more(5)
+            # 2. a simulator setting: one port, one simulator; they take turns
+            before = incarnations(daemon)
+            slower = {**fast, "decode_us_per_token": 1500}
+            daemon.fleet.source.write_text(text(
+                {**x, "context_length": 2048, "simulator": slower},
+                {**y, "context_length": 2048, "simulator": slower}))
+            assert httpx.post(daemon.url + "/fleet/reload").json()["ok"]
+            wait_status(daemon, replaced(daemon, before), "x and y to get new simulators")
+            load.wait_more(5)
+        new_sims = daemon.supervisor.simulators
+        assert all(new_sims[name] is not sims[name] for name in "xy")
+        assert ready.not_ready == []
+        assert ready.polls > 20
+        assert load.failures == []
+
+
+def test_an_embedded_simulator_that_cannot_listen_is_tried_again(
+    model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    first = sim_engine("first", decode_us_per_token=0, prefill_us_per_token=0)
+    late = sim_engine("late", decode_us_per_token=0, prefill_us_per_token=0)
+    port = int(late["url"].rsplit(":", 1)[1])
+    with running_daemon(tmp_path, fleet_text(model_dir, [dict(first)], probe=FAST_PROBE),
+                        watch_interval_s=None) as daemon:
+        daemon.wait_serving(1)
+        squatter = socket.socket()
+        try:
+            squatter.bind(("127.0.0.1", port))
+            squatter.listen(1)
+            daemon.fleet.source.write_text(
+                fleet_text(model_dir, [dict(first), dict(late)], probe=FAST_PROBE))
+            assert httpx.post(daemon.url + "/fleet/reload").json()["ok"]
+            wait_for(lambda: "engine late: the embedded simulator did not start" in caplog.text,
+                     10, "the failed start to be logged")
+            child = daemon.supervisor.children["late"]
+            assert child.state.value == "joining" and "did not start" in child.last_error
+        finally:
+            squatter.close()
+        wait_for(lambda: child.state.value == "serving", 10, "the simulator to listen at last")
+        failures = [r for r in caplog.records if "did not start" in r.getMessage()]
+        assert len(failures) == 1  # the same reason each try: said once
+        assert failures[0].levelname == "WARNING"
+        daemon.wait_serving(2)
 
 
 def test_a_reload_keeps_exactly_the_settings_that_need_a_restart() -> None:

@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import re
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,8 +21,17 @@ import openai
 import pytest
 from grpclib import Status
 
+from direct_frontend.control.lifecycle import MAX_RETRY_S
 from direct_frontend.simulator.faults import FaultPlan
-from tests.support.daemon import Daemon, fleet_text, running_daemon, sim_engine, wait_for
+from tests.support.daemon import (
+    Daemon,
+    fleet_text,
+    free_port,
+    running_daemon,
+    sim_engine,
+    wait_for,
+)
+from tests.support.sim import start_cli, stop_cli
 
 KINDS = ["sglang", "vllm", "trtllm"]
 PACED = {"decode_us_per_token": 300, "prefill_us_per_token": 0, "eos_probability": 0.0}
@@ -173,6 +183,53 @@ def test_engine_restart_mid_stream_and_recovery(model_dir: Path, tmp_path: Path)
         dead = next(name for name, sim in sims.items() if sim.fault_stats.died)
         child = daemon.supervisor.children[dead]
         wait_for(lambda: child.state.value == "serving", what="the engine to rejoin")
+
+
+def test_a_killed_engine_restarted_on_its_port_serves_again_within_a_second(
+    model_dir: Path, tmp_path: Path,
+) -> None:
+    """With the default probe settings (every 5 s) a restarted engine is back at once.
+
+    Once out, an engine is probed fast, and one that was out because its
+    connection failed serves again on its first answer (discovery + one probe).
+    """
+    port = free_port()
+    flags = ("--port", str(port), "--model-dir", str(model_dir), "--served-model-name", "demo",
+             "--eos-probability", "0")
+    process, _ = start_cli("sglang", *flags)
+    try:
+        engines = [{"name": "victim", "url": f"grpc://127.0.0.1:{port}", "kind": "sglang"},
+                   sim_engine("other", "sglang", **PACED)]
+        with running_daemon(tmp_path, fleet_text(model_dir, engines, probe="")) as daemon:
+            daemon.wait_serving(2)
+            victim = daemon.supervisor.children["victim"]
+            assert victim.probe.interval_s == 5.0  # the defaults
+            process.kill()
+            process.wait()
+            assert process.stdout is not None
+            process.stdout.close()
+
+            def request_served_and_victim_out() -> bool:
+                r = httpx.post(daemon.url + "/v1/completions",
+                               json={"model": "demo", "prompt": "hi", "max_tokens": 4})
+                assert r.status_code == 200, r.text  # retried on the other engine
+                return victim.state.value == "unhealthy"
+
+            wait_for(request_served_and_victim_out, what="a request to find the victim gone")
+            # Down long enough for the retry backoff to reach its cap: the slowest case.
+            wait_for(lambda: victim.tracker.next_delay(5.0) == MAX_RETRY_S,
+                     what="the probes to back off")
+            assert victim.state.value == "unhealthy"
+            process, _ = start_cli("sglang", *flags)  # returns once it listens
+            restarted = time.monotonic()
+            wait_for(lambda: victim.state.value == "serving", 5, "the victim to serve again")
+            assert time.monotonic() - restarted < 1.0
+            r = httpx.post(daemon.url + "/v1/completions",
+                           json={"model": "demo", "prompt": "hi", "max_tokens": 4})
+            assert r.status_code == 200
+    finally:
+        if process.poll() is None:
+            stop_cli(process)
 
 
 def test_streams_on_a_removed_engine_migrate_after_the_drain_grace(

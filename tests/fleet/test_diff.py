@@ -1,4 +1,4 @@
-"""The sans-IO parts of live reload: the fleet diff, change detection, the lifecycle table."""
+"""The sans-IO parts of live reload: the fleet diff and change detection."""
 
 from __future__ import annotations
 
@@ -9,13 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from direct_frontend.control.lifecycle import (
-    TRANSITIONS,
-    EngineState,
-    IllegalTransition,
-    ProbeTracker,
-    check_transition,
-)
 from direct_frontend.fleet.describe import describe_fleet, to_jsonable
 from direct_frontend.fleet.diff import RESTART_FIELDS, diff_fleet_data, diff_fleets
 from direct_frontend.fleet.load import FleetError, parse_fleet
@@ -165,36 +158,3 @@ def test_change_detector_sees_an_editor_rename_and_a_missing_file(tmp_path: Path
     os.replace(replacement, path)  # same size and mtime, new inode
     assert not detector.feed(stamp_of(path))
     assert detector.feed(stamp_of(path))
-
-
-# -- lifecycle -----------------------------------------------------------------------
-
-
-def test_lifecycle_edges() -> None:
-    s = EngineState
-    for old, new in [(s.JOINING, s.SERVING), (s.SERVING, s.UNHEALTHY), (s.UNHEALTHY, s.SERVING),
-                     (s.SERVING, s.DRAINING), (s.REFUSED, s.DRAINING), (s.DRAINING, s.GONE),
-                     (s.JOINING, s.REFUSED), (s.SERVING, s.JOINING), (s.JOINING, s.GONE)]:
-        check_transition(old, new)
-    for old, new in [(s.DRAINING, s.SERVING), (s.GONE, s.JOINING), (s.DRAINING, s.UNHEALTHY),
-                     (s.GONE, s.DRAINING)]:
-        with pytest.raises(IllegalTransition):
-            check_transition(old, new)
-    assert TRANSITIONS[s.GONE] == frozenset()
-
-
-def test_probe_backoff_grows_while_down_and_resets_on_success() -> None:
-    tracker = ProbeTracker(3, 2)
-    tracker.joined()
-    assert tracker.next_delay(1.0) == 1.0
-    for _ in range(3):
-        tracker.record(False)
-    assert tracker.state is EngineState.UNHEALTHY
-    delays = []
-    for _ in range(5):
-        delays.append(tracker.next_delay(1.0))
-        tracker.record(False)
-    assert delays == [1.0, 2.0, 4.0, 8.0, 8.0]
-    tracker.record(True)
-    assert tracker.next_delay(1.0) == 1.0  # probing quickly again once it answers
-    assert tracker.record(True) is EngineState.SERVING

@@ -63,6 +63,8 @@ def test_the_report_reads_every_shim_now_and_warns_when_one_is_off(
 
 
 def test_the_daemons_shims_register_themselves() -> None:
-    import direct_frontend.daemon  # noqa: F401  (what the daemon imports registers both)
+    import direct_frontend.daemon  # noqa: F401  (what the daemon imports registers them)
 
-    assert {s.shim for s in shims.shims_active()} >= {"grpclib_reader", "hypercorn_coalesce"}
+    assert {s.shim for s in shims.shims_active()} >= {
+        "grpclib_reader", "hypercorn_coalesce", "hypercorn_keepalive"
+    }

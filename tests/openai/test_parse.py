@@ -25,6 +25,7 @@ from direct_frontend.openai.errors import (
     unknown_route,
 )
 from direct_frontend.openai.parse import (
+    MAX_STOP_CHARS,
     parse_chat_request,
     parse_completion_request,
 )
@@ -337,6 +338,28 @@ def test_bad_role_lists_the_roles() -> None:
 
 def test_sixteen_stop_strings_are_fine() -> None:
     assert len(parse_chat_request(chat(stop=[str(i) for i in range(16)])).stop) == 16
+
+
+@pytest.mark.parametrize(
+    "stop",
+    [
+        "x" * (MAX_STOP_CHARS + 1),
+        ["x" * (MAX_STOP_CHARS // 2), "y" * (MAX_STOP_CHARS // 2 + 1)],
+        ["🦜" * 100_000],
+    ],
+)
+def test_stop_strings_longer_than_the_bound_in_total_are_refused(stop: str | list[str]) -> None:
+    for err in (chat_error(chat(stop=stop)), completion_error(completion(stop=stop))):
+        assert err.param == "stop"
+        assert err.message.startswith("Invalid value for 'stop'")
+        assert f"at most {MAX_STOP_CHARS} characters in total" in err.message
+
+
+def test_stop_strings_up_to_the_bound_are_fine() -> None:
+    # Characters, not bytes: 8,192 four-byte characters are within the bound.
+    stop = ["🦜" * (MAX_STOP_CHARS - 10), "0123456789"]
+    assert parse_chat_request(chat(stop=stop)).stop == tuple(stop)
+    assert parse_completion_request(completion(stop=stop[0])).stop == (stop[0],)
 
 
 @pytest.mark.parametrize(

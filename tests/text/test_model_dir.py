@@ -1,4 +1,4 @@
-"""Tokenizer, chat template, incremental detokenizer and stop strings, on the demo model."""
+"""Tokenizer, chat template and incremental detokenizer, on the demo model."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ from tokenizers import pre_tokenizers
 
 from direct_frontend.text.demo_model import build_model_dir
 from direct_frontend.text.model_dir import ChatTemplateError, ModelDirError, TextModel
-from direct_frontend.text.stops import StopResult, StopStringMatcher
 
 # Characters rare in the demo corpus, so their bytes are split over several tokens.
 RARE_CHARS = "🦜🧬🪐😀漢鬱東∑"
@@ -359,113 +358,6 @@ def test_detokenizer_speed(text_model: TextModel) -> None:
     per_token = (time.perf_counter() - start) / len(ids)
     assert text == text_model.decode(ids)
     assert per_token < 50e-6
-
-
-# --- stop strings -------------------------------------------------------------------
-
-
-def _reference_stop(text: str, stops: list[str]) -> tuple[str, str | None]:
-    """Character by character: the first stop string to complete, longest on ties."""
-    for end in range(1, len(text) + 1):
-        done = [s for s in stops if s and text[:end].endswith(s)]
-        if done:
-            best = max(done, key=len)
-            return text[: end - len(best)], best
-    return text, None
-
-
-def _held_len(text: str, stops: list[str]) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of a stop."""
-    for start in range(len(text)):
-        tail = text[start:]
-        if any(len(s) > len(tail) and s.startswith(tail) for s in stops):
-            return len(tail)
-    return 0
-
-
-def test_stop_across_chunk_boundary() -> None:
-    matcher = StopStringMatcher(["END"])
-    assert matcher.push("The EN") == StopResult("The ", None)
-    assert matcher.push("D and more") == StopResult("", "END")
-    assert matcher.push("ignored") == StopResult("", None)
-    assert matcher.flush() == ""
-
-
-def test_stop_split_over_three_chunks() -> None:
-    matcher = StopStringMatcher(["<stop>"])
-    assert matcher.push("a<s").text == "a"
-    assert matcher.push("to").text == ""
-    assert matcher.push("p>b") == StopResult("", "<stop>")
-
-
-def test_held_prefix_released_when_it_cannot_match() -> None:
-    matcher = StopStringMatcher(["abc"])
-    assert matcher.push("xxab").text == "xx"
-    assert matcher.push("d").text == "abd"
-    assert matcher.push("a").text == ""
-    assert matcher.flush() == "a"
-    assert matcher.flush() == ""
-
-
-def test_earliest_match_wins() -> None:
-    assert StopStringMatcher(["b", "a"]).push("xaby") == StopResult("x", "a")
-    # "BC" completes before "ABCD" does, whether or not the text comes in one chunk.
-    assert StopStringMatcher(["ABCD", "BC"]).push("ABCD") == StopResult("A", "BC")
-    chunked = StopStringMatcher(["ABCD", "BC"])
-    assert chunked.push("AB") == StopResult("", None)
-    assert chunked.push("CD") == StopResult("A", "BC")
-    # Completing at the same character: the longer one (earlier start) wins.
-    assert StopStringMatcher(["ND", "END"]).push("THE END") == StopResult("THE ", "END")
-
-
-def test_stop_at_the_very_first_characters() -> None:
-    assert StopStringMatcher(["Hi"]).push("Hi there") == StopResult("", "Hi")
-    matcher = StopStringMatcher(["Hi"])
-    assert matcher.push("H") == StopResult("", None)
-    assert matcher.push("i") == StopResult("", "Hi")
-
-
-def test_empty_and_duplicate_stops_ignored() -> None:
-    matcher = StopStringMatcher(["", "x", "x"])
-    assert matcher.stops == ("x",)
-    assert StopStringMatcher([""]).push("anything") == StopResult("anything", None)
-    assert StopStringMatcher([]).push("") == StopResult("", None)
-
-
-def test_multichar_unicode_stop() -> None:
-    matcher = StopStringMatcher(["🦜!"])
-    assert matcher.push("hello 🦜") == StopResult("hello ", None)
-    assert matcher.push("!") == StopResult("", "🦜!")
-
-
-def test_stop_matcher_agrees_with_reference_on_random_streams() -> None:
-    rng = random.Random(7)
-    for _ in range(3000):
-        stops = [
-            "".join(rng.choices("abc", k=rng.randrange(0, 5))) for _ in range(rng.randint(1, 3))
-        ]
-        text = "".join(rng.choices("abcd", k=rng.randrange(0, 30)))
-        expected_text, expected_stop = _reference_stop(text, stops)
-        matcher = StopStringMatcher(stops)
-        out = ""
-        consumed = ""
-        matched: str | None = None
-        pos = 0
-        while pos < len(text) and matched is None:
-            size = rng.randrange(1, 6)
-            chunk = text[pos : pos + size]
-            pos += size
-            consumed += chunk
-            result = matcher.push(chunk)
-            out += result.text
-            matched = result.matched
-            assert expected_text.startswith(out), (text, stops)
-            if matched is None:
-                # Holds back exactly the longest tail that could still start a stop.
-                assert len(consumed) - len(out) == _held_len(consumed, stops), (consumed, stops)
-        if matched is None:
-            out += matcher.flush()
-        assert (out, matched) == (expected_text, expected_stop), (text, stops)
 
 
 # --- demo model -----------------------------------------------------------------------

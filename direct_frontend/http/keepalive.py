@@ -1,0 +1,185 @@
+"""A shim for hypercorn's Trio server: close an idle connection once its peer has, and cap them.
+
+hypercorn's Trio ``TCPServer`` runs each connection in a nursery that also
+holds the keep-alive timer (``_idle_timeout``, started whenever the
+connection goes idle: after accept, and after each response through an
+``Updated(idle=True)`` event). The read loop (``_read_data``) ends when the
+peer closes or resets the connection, but the nursery then waits for the
+timer, so our side of the socket stays open (CLOSE_WAIT) for the whole
+``keep_alive_timeout``:
+
+* when the peer closes an idle connection (the timer is running);
+* when the peer resets the connection while a response is being written
+  (h11 lets the read loop read on once the request is in, so it sees the
+  reset): the finished response then recycles the connection and starts the
+  timer anyway, for a connection nobody can use.
+
+A client that opens a connection per request and closes it after the
+response (Python's ``http.client``, many health checkers) thus leaves one
+descriptor behind per request; at a 1,024-descriptor limit ``accept`` fails
+with EMFILE. A bare hypercorn app on Trio does the same; no setting
+changes it (``read_timeout`` bounds reads, not this wait).
+
+:class:`PromptClosingTCPServer` stops the timer once the read loop has
+ended, and starts none after that. Nothing more can arrive then; a response
+being written still finishes (the timer never runs during a request), and
+the connection closes when it has.
+
+It also keeps the idle connections (those waiting for a request, new or
+kept alive) in one process-wide :class:`IdleConnections` with a cap, like
+the descriptor limit it protects: going over the cap closes the connection
+that has been idle longest, as the keep-alive timeout would have, only sooner.
+That bounds what clients that open connections and leave them open can hold.
+
+:func:`install` does nothing unless hypercorn is a release this was checked
+against (:data:`CHECKED`) *and* has the shape it relies on (the gate of
+:mod:`direct_frontend.observability.shims`); hypercorn then behaves as it
+always did. Whether it is in use is part of ``shims_active()``: logged at
+start, exported as ``direct_frontend_shim_active{shim="hypercorn_keepalive"}``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import resource
+from typing import Final, Protocol
+
+import hypercorn.trio.run
+import trio
+from hypercorn.events import Event, Updated
+from hypercorn.trio.tcp_server import TCPServer
+
+from direct_frontend.observability.shims import ShimStatus, gate, register
+
+log = logging.getLogger(__name__)
+
+SHIM = "hypercorn_keepalive"
+#: hypercorn releases whose Trio ``TCPServer`` this shim was checked against
+CHECKED = ("0.18.0",)
+
+#: Most idle connections kept, and the share of the descriptor limit they may take.
+MAX_IDLE: Final = 4096
+IDLE_SHARE_OF_DESCRIPTORS: Final = 4
+
+
+class Closable(Protocol):
+    """What the idle registry needs of a connection's keep-alive timer (a cancel scope)."""
+
+    def cancel(self) -> None: ...
+
+
+class IdleConnections:
+    """The keep-alive timers of idle connections, oldest first, at most ``cap`` of them.
+
+    Adding one over the cap cancels the oldest timer, which closes that
+    connection at once (cancelling the timer is its timeout arriving early).
+    """
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self._timers: dict[Closable, None] = {}  # insertion-ordered: the oldest first
+
+    def __len__(self) -> int:
+        return len(self._timers)
+
+    def add(self, timer: Closable) -> None:
+        """A connection went idle; close the longest-idle ones over the cap."""
+        self._timers[timer] = None
+        while len(self._timers) > self.cap:
+            oldest = next(iter(self._timers))
+            del self._timers[oldest]
+            oldest.cancel()
+
+    def discard(self, timer: Closable) -> None:
+        """A connection is no longer idle (a request came, or it closed)."""
+        self._timers.pop(timer, None)
+
+
+#: Every idle HTTP connection of this process (one daemon per process).
+IDLE = IdleConnections(MAX_IDLE)
+
+
+class PromptClosingTCPServer(TCPServer):
+    """hypercorn's Trio connection, closed as soon as its peer closed it, idle ones capped."""
+
+    _read_ended = False
+
+    async def _read_data(self) -> None:
+        await super()._read_data()
+        # The peer closed or reset the connection (or the read failed): nothing can come.
+        self._read_ended = True
+        await self.idle_task.stop()
+
+    async def protocol_send(self, event: Event) -> None:
+        if self._read_ended and isinstance(event, Updated) and event.idle:
+            return  # no keep-alive wait for a request that cannot come: close when done
+        await super().protocol_send(event)
+
+    async def _idle_timeout(self) -> None:
+        # hypercorn's own, with the timer registered as idle while it runs.
+        with trio.move_on_after(self.config.keep_alive_timeout) as timer:
+            IDLE.add(timer)
+            try:
+                await self.context.terminated.wait()
+            finally:
+                IDLE.discard(timer)
+        with trio.CancelScope(shield=True):
+            await self._initiate_server_close()
+
+
+def _shape_problem() -> str | None:
+    """What differs from the hypercorn this shim relies on (``None``: nothing)."""
+    if getattr(hypercorn.trio.run, "TCPServer", None) not in (TCPServer, PromptClosingTCPServer):
+        return "hypercorn.trio.run no longer serves with hypercorn.trio.tcp_server.TCPServer"
+    for name in ("run", "protocol_send", "_read_data", "_idle_timeout", "_initiate_server_close"):
+        if not inspect.iscoroutinefunction(getattr(TCPServer, name, None)):
+            return f"TCPServer.{name} is not a coroutine function"
+    if "idle_task" not in TCPServer.__init__.__code__.co_names:
+        return "TCPServer no longer keeps its keep-alive timer in idle_task"
+    return None
+
+
+def check() -> ShimStatus:
+    """The gate, judged on the hypercorn installed now."""
+    return gate(SHIM, "hypercorn", CHECKED, _shape_problem)
+
+
+def idle_cap(descriptor_limit: int) -> int:
+    """How many idle connections to keep under a soft descriptor limit."""
+    return max(1, min(MAX_IDLE, descriptor_limit // IDLE_SHARE_OF_DESCRIPTORS))
+
+
+#: the gate as :func:`install` last judged it (judging reads package metadata: once)
+_judged: ShimStatus | None = None
+
+
+def install() -> bool:
+    """Make hypercorn's Trio server use :class:`PromptClosingTCPServer` (process-wide).
+
+    Call it after raising the descriptor limit: the idle cap is a share of
+    it. Returns whether the shim is in use: not where :func:`check` says it
+    is off. Idempotent.
+    """
+    global _judged
+    _judged = check()
+    if not _judged.active:
+        return False
+    IDLE.cap = idle_cap(resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+    hypercorn.trio.run.TCPServer = PromptClosingTCPServer  # type: ignore[attr-defined]
+    log.info("at most %d idle HTTP connections are kept open (the longest idle close first)",
+             IDLE.cap)
+    return True
+
+
+def status() -> ShimStatus:
+    """Whether hypercorn serves connections through the shim now, and if not, why (cheap)."""
+    if _judged is None:
+        return ShimStatus(SHIM, False, "not installed")
+    in_use = getattr(hypercorn.trio.run, "TCPServer", None) is PromptClosingTCPServer
+    if _judged.active and not in_use:
+        return ShimStatus(SHIM, False, f"{_judged.reason}: replaced since it was installed")
+    return _judged
+
+
+register(SHIM, status)
