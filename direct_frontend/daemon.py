@@ -44,7 +44,10 @@ from direct_frontend.observability import descriptors, shims
 from direct_frontend.observability.metrics import Metrics
 from direct_frontend.observability.sdnotify import Notifier
 from direct_frontend.pipeline.dispatch import Dispatcher
+from direct_frontend.pipeline.relay import Relay
+from direct_frontend.pipeline.settings import Settings
 from direct_frontend.routing.factory import make_policy
+from direct_frontend.routing.hitrate import HitRateWatch
 from direct_frontend.text.model_dir import TextModel
 
 log = logging.getLogger("direct_frontend")
@@ -93,12 +96,12 @@ async def serve_fleet(
         metrics = Metrics()
         kv = KvPlane(KvIndex(kv_block_size(fleet)), metrics)
         supervisor = Supervisor(fleet, kv=kv)
-        policy = make_policy(fleet.frontend.routing, kv.index, kv.live)
-        dispatcher = Dispatcher(supervisor, policy)
-        dispatcher.disagg.stall_timeout_s = fleet.frontend.faults.stall_timeout_s
-        app = App(fleet.frontend, text_model, supervisor, dispatcher, metrics)
-        control = ControlPlane(fleet, supervisor, app, dispatcher, metrics, notifier, digest)
-        app.control = control
+        settings = Settings.first(
+            fleet.frontend, make_policy(fleet.frontend.routing, kv.index, kv.live)
+        )
+        control = ControlPlane(fleet, supervisor, settings, metrics, notifier, digest)
+        relay = Relay(Dispatcher(supervisor), text_model, metrics, HitRateWatch(metrics))
+        app = App(control, relay, text_model, metrics)
         async with trio.open_nursery() as nursery:
             if handle_signals:  # only the main thread may install signal handlers
                 nursery.start_soon(_watch_signals, shutdown, control, nursery.cancel_scope)

@@ -2,42 +2,37 @@
 
 A reload reads and validates the whole file first (a bad file changes
 nothing), diffs it against the running fleet and applies it without awaiting
-any engine.
+any engine: the supervisor gets the engine changes, and the data plane a new
+:class:`~direct_frontend.pipeline.settings.Settings` snapshot, published whole.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import logging
 import time
 from pathlib import Path
-from typing import Protocol
 
 import trio
 
 from direct_frontend.control.child import EngineChild
-from direct_frontend.control.events import EventHub
+from direct_frontend.control.events import EventHub, Subscriber
 from direct_frontend.control.lifecycle import EngineState
 from direct_frontend.control.supervisor import Supervisor
 from direct_frontend.fleet.describe import JsonValue, to_jsonable
-from direct_frontend.fleet.diff import FleetDiff, ReloadResult, diff_fleets
+from direct_frontend.fleet.diff import RESTART_FIELDS, FleetDiff, ReloadResult, diff_fleets
 from direct_frontend.fleet.load import parse_fleet_bytes
 from direct_frontend.fleet.problems import FleetError, FleetProblem
 from direct_frontend.fleet.schema import FleetConfig, FrontendConfig
 from direct_frontend.observability.metrics import Metrics
 from direct_frontend.observability.sdnotify import Notifier
-from direct_frontend.pipeline.dispatch import Dispatcher
+from direct_frontend.pipeline.settings import Settings
 from direct_frontend.routing.factory import make_policy
 from direct_frontend.routing.policies import Policy
 
 log = logging.getLogger("direct_frontend")
-
-
-class FrontendSink(Protocol):
-    """Where a reloaded ``[frontend]`` goes (the HTTP app, for now)."""
-
-    def apply_frontend(self, frontend: FrontendConfig) -> None: ...
 
 
 def engine_status(child: EngineChild) -> dict[str, JsonValue]:
@@ -72,16 +67,14 @@ def file_digest(raw: bytes) -> str:
     return hashlib.sha256(raw).hexdigest()[:16]
 
 
+#: ``RESTART_FIELDS`` names as the fleet file spells them, where the schema splits one
+_SCHEMA_FIELDS = {"listen": ("listen_host", "listen_port")}
+
+
 def keep_restart_fields(new: FrontendConfig, running: FrontendConfig) -> FrontendConfig:
     """``new`` with the settings that need a restart (``RESTART_FIELDS``) kept as running."""
-    return dataclasses.replace(
-        new,
-        listen_host=running.listen_host,
-        listen_port=running.listen_port,
-        tokenizer=running.tokenizer,
-        served_model_name=running.served_model_name,
-        log_json=running.log_json,
-    )
+    names = [field for name in RESTART_FIELDS for field in _SCHEMA_FIELDS.get(name, (name,))]
+    return dataclasses.replace(new, **{name: getattr(running, name) for name in names})
 
 
 class ControlPlane:
@@ -89,23 +82,22 @@ class ControlPlane:
 
     Reloads are serialised. Each one reads and validates the whole file
     first; a bad file changes nothing. A good one is diffed against the
-    running fleet and applied without awaiting any engine.
+    running fleet and applied without awaiting any engine. ``settings`` is
+    the snapshot new requests run under; a reload replaces it, never edits it.
     """
 
     def __init__(
         self,
         fleet: FleetConfig,
         supervisor: Supervisor,
-        app: FrontendSink,
-        dispatcher: Dispatcher,
+        settings: Settings,
         metrics: Metrics,
         notifier: Notifier,
         digest: str = "",
     ) -> None:
         self.running = fleet
         self.supervisor = supervisor
-        self.app = app
-        self.dispatcher = dispatcher
+        self.settings = settings
         self.metrics = metrics
         self.notifier = notifier
         self.hub = EventHub()
@@ -146,6 +138,22 @@ class ControlPlane:
 
     def loads(self) -> dict[str, JsonValue]:
         return {f"{c.name}#{c.incarnation}": c.in_flight for c in self._children()}
+
+    def ready(self) -> tuple[int, int]:
+        """(engines serving, engines in the fleet file): what ``/ready`` reports."""
+        return self.supervisor.serving_count, len(self.supervisor.children)
+
+    def subscribe(self) -> contextlib.AbstractContextManager[Subscriber]:
+        return self.hub.subscribe()
+
+    def collect_metrics(self) -> None:
+        """Bring the engine gauges up to date before a scrape of ``/metrics``."""
+        for name, child in self.supervisor.children.items():
+            self.metrics.set_engine_state(name, child.state.value)  # type: ignore[arg-type]
+            load = child.handle.load.in_flight if child.handle is not None else 0
+            self.metrics.set_engine_in_flight(name, load)
+        if self.supervisor.kv is not None:
+            self.supervisor.kv.export()
 
     def status_line(self) -> str:
         line = (f"{self.supervisor.serving_count}/{len(self.supervisor.children)} engines serving;"
@@ -228,10 +236,7 @@ class ControlPlane:
         self.version += 1
         self.loaded_at = time.time()
         self.running = fleet
-        if policy is not None:
-            self.dispatcher.policy = policy
-        self.app.apply_frontend(fleet.frontend)
-        self.dispatcher.disagg.stall_timeout_s = fleet.frontend.faults.stall_timeout_s
+        self.settings = self.settings.reloaded(fleet.frontend, policy)
         self.supervisor.apply(fleet, removed=diff.removed, changed=diff.changed_names,
                               added=diff.added)
         log.info("fleet reloaded (config v%d): %s", self.version, "; ".join(diff.lines()))

@@ -13,19 +13,13 @@ from __future__ import annotations
 import hmac
 import json
 import logging
-from collections.abc import Awaitable, Callable, MutableMapping, Sequence
-from typing import Any, Protocol
+from collections.abc import Sequence
 
 import trio
 
-from direct_frontend.control.events import Event, EventHub, Subscriber
-from direct_frontend.fleet.describe import JsonValue
+from direct_frontend.http.asgi import Receive, Scope, Send
+from direct_frontend.http.control_view import ControlView, Event, EventFeed
 from direct_frontend.openai.errors import OpenAIHTTPError
-
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
 
 log = logging.getLogger("direct_frontend.admin")
 
@@ -69,26 +63,11 @@ def unauthorized(what: str = "API key") -> OpenAIHTTPError:
     )
 
 
-# -- what the endpoints show --------------------------------------------------------------
-
-
-class ControlView(Protocol):
-    """What the admin endpoints need from the daemon's control plane."""
-
-    hub: EventHub
-
-    def status(self) -> dict[str, JsonValue]: ...
-
-    def loads(self) -> dict[str, JsonValue]: ...
-
-    async def reload(self, trigger: str) -> dict[str, JsonValue]: ...
+# -- endpoints ----------------------------------------------------------------------------
 
 
 def encode(event: Event) -> str:
     return json.dumps(event, separators=(",", ":"))
-
-
-# -- endpoints ----------------------------------------------------------------------------
 
 
 async def events_socket(
@@ -103,14 +82,14 @@ async def events_socket(
         await _deny(scope, send)
         return
     await send({"type": "websocket.accept"})
-    with control.hub.subscribe() as sub:
+    with control.subscribe() as sub:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_watch_ws_disconnect, receive, nursery.cancel_scope)
             await _write_events(control, sub, send)
             nursery.cancel_scope.cancel()
 
 
-async def _write_events(control: ControlView, sub: Subscriber, send: Send) -> None:
+async def _write_events(control: ControlView, sub: EventFeed, send: Send) -> None:
     async def emit(event: Event) -> None:
         await send({"type": "websocket.send", "text": encode(event)})
 

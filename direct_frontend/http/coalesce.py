@@ -14,7 +14,7 @@ Anything else (the stream closing without a body, say) writes the held head
 first, on its own, exactly as hypercorn would have.
 
 Our app always follows ``http.response.start`` with a body message at once
-(:func:`~direct_frontend.http.app.send_body`, the relay's first output), so
+(:func:`~direct_frontend.http.asgi.send_body`, the relay's first output), so
 nothing is delayed. Only HTTP/1.1 is affected (hypercorn's h2 protocol is
 left alone). :func:`install` does nothing unless hypercorn is a release this
 was checked against (:data:`CHECKED`) *and* has the shape it relies on; whether

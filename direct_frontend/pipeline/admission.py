@@ -19,9 +19,11 @@ from direct_frontend.fleet.schema import LimitsConfig
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class AdmissionConfig:
-    max_in_flight: int = 1024
-    max_queue: int = 1024
-    queue_timeout_s: float = 10.0
+    """``[frontend.limits]`` (whose defaults are the schema's)."""
+
+    max_in_flight: int
+    max_queue: int
+    queue_timeout_s: float
 
 
 def admission_config(limits: LimitsConfig) -> AdmissionConfig:

@@ -32,9 +32,13 @@ from direct_frontend.engines.neutral import Disaggregation, EngineRole, Finished
 from direct_frontend.errors import EngineError, ErrorKind
 from direct_frontend.routing.catalog import Catalog, EngineHandle
 from direct_frontend.routing.kv_aware import KvAware
-from direct_frontend.routing.policies import LeastLoaded, Policy, RequestView, RoundRobin
-
-DEFAULT_STALL_TIMEOUT_S = 30.0
+from direct_frontend.routing.policies import (
+    LeastLoaded,
+    Placement,
+    Policy,
+    RequestView,
+    RoundRobin,
+)
 
 
 @functools.cache
@@ -125,8 +129,7 @@ class DisaggPlanner:
     """Picks prefill/decode pairs and has their dialect build the legs; one per dispatcher.
 
     It follows the fleet's policy: when a reload replaces that policy, the
-    per-role policies are rebuilt from the new one. ``stall_timeout_s``
-    bounds a sequential prefill leg, which no client-side stall watch covers.
+    per-role policies are rebuilt from the new one.
     """
 
     def __init__(self, rng: random.Random | None = None) -> None:
@@ -134,12 +137,24 @@ class DisaggPlanner:
         self._source: Policy | None = None
         self.prefill_policy: Policy = RoundRobin()
         self.decode_policy: Policy = RoundRobin()
-        self.stall_timeout_s = DEFAULT_STALL_TIMEOUT_S
+        self._before: tuple[Policy | None, Policy, Policy] = (None, RoundRobin(), RoundRobin())
 
     def follow(self, policy: Policy) -> None:
-        if policy is not self._source:
+        """Pair with per-role policies modelled on ``policy``, the fleet policy of a request.
+
+        Requests admitted before a reload still carry the fleet policy before
+        it, so the role policies of that one are kept too: a retry of such a
+        request going back to them loses no routing state.
+        """
+        if policy is self._source:
+            return
+        before = (self._source, self.prefill_policy, self.decode_policy)
+        if policy is self._before[0]:
+            _, self.prefill_policy, self.decode_policy = self._before
+        else:
             self.prefill_policy, self.decode_policy = role_policies(policy)
-            self._source = policy
+        self._source = policy
+        self._before = before
 
     def choose_decode(
         self,
@@ -147,8 +162,8 @@ class DisaggPlanner:
         request: RequestView,
         exclude: Collection[str] = (),
         fleet_policy: Policy | None = None,
-    ) -> EngineHandle | None:
-        """The decode engine of a P/D pair, or ``None``: serve the request aggregated."""
+    ) -> Placement | None:
+        """The decode engine's placement for a P/D pair, or ``None``: serve it aggregated."""
         if fleet_policy is not None:
             self.follow(fleet_policy)
         groups = pairable_groups(catalog, exclude)
@@ -172,12 +187,10 @@ class DisaggPlanner:
             return None
         pool = _Pool(catalog.version, tuple(_members(catalog, EngineRole.PREFILL, group)))
         request = RequestView(call.input_ids, call.sampling.max_tokens)
-        policy = self.prefill_policy
-        prefill = policy.choose(pool, request, exclude)
-        if prefill is None:
+        placement = self.prefill_policy.choose(pool, request, exclude)
+        if placement is None:
             return None
-        last = policy.last if isinstance(policy, KvAware) else None
-        blocks = tuple(last.hashes) if last is not None and last.engine is prefill else ()
+        prefill, blocks = placement.engine, placement.blocks
         legs = _dialect(decode.kind).pair_legs(call, prefill, self._rng)
         return PairPlan(prefill, decode, legs.prefill_call, legs.decode_call, legs.parallel,
                         legs.relays_kv_params, blocks)

@@ -1,6 +1,6 @@
 """Disaggregated serving, the I/O: run a prefill leg and a decode leg as one engine call.
 
-The relay gets one :class:`~direct_frontend.pipeline.dispatch.EngineCall`,
+The relay gets one :class:`~direct_frontend.pipeline.leg.EngineCall`,
 the decode leg's, so retries, migration, stop handling and the client's
 stream work as for any engine. What the pairing adds (docs/engine-contracts.md ยง9.4):
 
@@ -11,10 +11,11 @@ stream work as for any engine. What the pairing adds (docs/engine-contracts.md ย
   output, the KV was handed over and a late prefill failure is only logged.
 - vLLM runs the prefill leg to its end (bounded by the stall timeout, which
   no client-side watch covers here), then the decode leg with the handoff.
-- Leaving a pair early aborts whichever leg still runs (the dispatcher does
-  that per leg); a prefill leg that finished but whose KV no decode leg took
-  (the client left between the phases, or the decode leg failed before its
-  first token) is aborted explicitly too, so its KV is not stranded.
+- Leaving a pair early aborts whichever leg still runs (each leg does that
+  itself, :mod:`~direct_frontend.pipeline.leg`); a prefill leg that finished
+  but whose KV no decode leg took (the client left between the phases, or
+  the decode leg failed before its first token) is aborted explicitly too,
+  so its KV is not stranded.
 """
 
 from __future__ import annotations
@@ -29,9 +30,9 @@ import trio
 from direct_frontend.engines.neutral import EngineEvent, Finished, GenerateCall
 from direct_frontend.engines.transport import EventReceiver
 from direct_frontend.errors import EngineError, ErrorKind
-from direct_frontend.pipeline.disagg import PairPlan
-from direct_frontend.pipeline.dispatch import Dispatcher, EngineCall, abort_request
-from direct_frontend.routing.catalog import EngineHandle
+from direct_frontend.pipeline.disagg import DisaggPlanner, PairPlan
+from direct_frontend.pipeline.leg import EngineCall, FaultSink, FleetView, abort_request, run_leg
+from direct_frontend.routing.policies import Placement
 
 log = logging.getLogger("direct_frontend.disagg")
 
@@ -99,7 +100,7 @@ async def _drain(leg: EngineCall, state: _PrefillState) -> None:
     """Read a prefill leg to its end, noting its terminal event in ``state``.
 
     Cancelled after the engine's terminal message was decoded (so the
-    dispatcher sends no Abort) but before it was read here, the events
+    leg sends no Abort) but before it was read here, the events
     already queued still tell that the leg ended.
     """
     try:
@@ -116,14 +117,20 @@ async def _drain(leg: EngineCall, state: _PrefillState) -> None:
 
 @contextlib.asynccontextmanager
 async def run_pair(
-    dispatcher: Dispatcher,
-    decode: EngineHandle,
+    fleet: FleetView,
+    planner: DisaggPlanner,
+    placement: Placement,
     call: GenerateCall,
-    blocks: Sequence[int] = (),
-    exclude: Collection[str] = (),
+    exclude: Collection[str],
+    stall_timeout_s: float,
 ) -> AsyncIterator[EngineCall]:
-    """One disaggregated attempt of ``call`` with ``decode`` serving the client."""
-    plan = dispatcher.disagg.plan(dispatcher.fleet.catalog, decode, call, exclude)
+    """One disaggregated attempt of ``call``, its decode leg at ``placement`` serving the client.
+
+    ``stall_timeout_s`` bounds a sequential prefill leg, which no client-side
+    stall watch covers.
+    """
+    decode, blocks = placement.engine, placement.blocks
+    plan = planner.plan(fleet.catalog, decode, call, exclude)
     if plan is None:
         raise EngineError(
             ErrorKind.UNAVAILABLE, "no prefill engine serves to pair with it", engine=decode.name
@@ -132,12 +139,12 @@ async def run_pair(
     events: PairedEvents | None = None
     try:
         if plan.parallel:
-            async with _parallel(dispatcher, plan, blocks, state) as engine_call:
+            async with _parallel(fleet, plan, blocks, state) as engine_call:
                 events = _paired(engine_call)
                 yield engine_call
         else:
-            decode_call = plan.decode_after(await _prefill(dispatcher, plan, state))
-            async with _decode(dispatcher, plan, decode_call, blocks) as engine_call:
+            finished = await _prefill(fleet, plan, state, stall_timeout_s)
+            async with _decode(fleet, plan, plan.decode_after(finished), blocks) as engine_call:
                 events = _paired(engine_call)
                 yield engine_call
     finally:
@@ -150,10 +157,12 @@ def _paired(engine_call: EngineCall) -> PairedEvents:
     return engine_call.events
 
 
-async def _prefill(dispatcher: Dispatcher, plan: PairPlan, state: _PrefillState) -> Finished:
+async def _prefill(
+    faults: FaultSink, plan: PairPlan, state: _PrefillState, stall_timeout_s: float
+) -> Finished:
     """Run the prefill leg to its end; its terminal event carries the handoff (vLLM)."""
-    async with dispatcher.run_leg(plan.prefill, plan.prefill_call, plan.prefill_blocks) as leg:
-        with trio.move_on_after(dispatcher.disagg.stall_timeout_s) as stall:
+    async with run_leg(faults, plan.prefill, plan.prefill_call, plan.prefill_blocks) as leg:
+        with trio.move_on_after(stall_timeout_s) as stall:
             await _drain(leg, state)
         if state.finished is not None:
             return state.finished
@@ -168,10 +177,10 @@ async def _prefill(dispatcher: Dispatcher, plan: PairPlan, state: _PrefillState)
 
 @contextlib.asynccontextmanager
 async def _decode(
-    dispatcher: Dispatcher, plan: PairPlan, call: GenerateCall, blocks: Sequence[int]
+    faults: FaultSink, plan: PairPlan, call: GenerateCall, blocks: Sequence[int]
 ) -> AsyncIterator[EngineCall]:
     """The decode leg, as the relay's engine call (``ends_by_itself`` passed back to the leg)."""
-    async with dispatcher.run_leg(plan.decode, call, blocks) as leg:
+    async with run_leg(faults, plan.decode, call, blocks) as leg:
         outer = EngineCall(plan.decode, call, PairedEvents(leg.events))
         try:
             yield outer
@@ -181,19 +190,19 @@ async def _decode(
 
 @contextlib.asynccontextmanager
 async def _parallel(
-    dispatcher: Dispatcher, plan: PairPlan, blocks: Sequence[int], state: _PrefillState
+    faults: FaultSink, plan: PairPlan, blocks: Sequence[int], state: _PrefillState
 ) -> AsyncIterator[EngineCall]:
     """SGLang: the decode leg as the engine call, the prefill leg drained beside it."""
     prefill_scope = trio.CancelScope()
     try:
         async with trio.open_nursery() as nursery, \
-                _decode(dispatcher, plan, plan.decode_call, blocks) as engine_call:
+                _decode(faults, plan, plan.decode_call, blocks) as engine_call:
             events = _paired(engine_call)
-            nursery.start_soon(_prefill_beside, dispatcher, plan, events, state, prefill_scope)
+            nursery.start_soon(_prefill_beside, faults, plan, events, state, prefill_scope)
             try:
                 yield engine_call
             except BaseException:
-                prefill_scope.cancel()  # still running: the dispatcher aborts it
+                prefill_scope.cancel()  # still running: its leg aborts it
                 raise
             # The decode leg ended well, so the KV was handed over long ago: a prefill
             # leg still running gets a moment to end by itself before it is aborted.
@@ -206,7 +215,7 @@ async def _parallel(
 
 
 async def _prefill_beside(
-    dispatcher: Dispatcher,
+    faults: FaultSink,
     plan: PairPlan,
     events: PairedEvents,
     state: _PrefillState,
@@ -214,9 +223,7 @@ async def _prefill_beside(
 ) -> None:
     with scope:
         try:
-            async with dispatcher.run_leg(
-                plan.prefill, plan.prefill_call, plan.prefill_blocks
-            ) as leg:
+            async with run_leg(faults, plan.prefill, plan.prefill_call, plan.prefill_blocks) as leg:
                 await _drain(leg, state)
         except EngineError as error:
             if not events.fail(error):

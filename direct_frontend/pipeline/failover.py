@@ -19,13 +19,15 @@ from direct_frontend.errors import EngineError, ErrorKind
 from direct_frontend.fleet.schema import FaultsConfig
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class FailoverConfig:
-    """Bounds on retries and migrations (``[frontend.faults]``)."""
+    """Bounds on retries and migrations: ``[frontend.faults]`` (whose defaults are the
+    schema's), and the backoff between attempts, which the fleet file does not set.
+    """
 
-    max_retries: int = 2  # extra attempts before the first token
-    max_migrations: int = 3  # continuations after tokens were streamed
-    stall_timeout_s: float = 30.0  # no event for this long counts as an engine fault
+    max_retries: int  # extra attempts before the first token
+    max_migrations: int  # continuations after tokens were streamed
+    stall_timeout_s: float  # no event for this long counts as an engine fault
     backoff_base_s: float = 0.02
     backoff_max_s: float = 0.5
 

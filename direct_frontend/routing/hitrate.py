@@ -12,6 +12,17 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
+import math
+import time
+from collections.abc import Callable
+
+from direct_frontend.observability.metrics import Metrics
+
+log = logging.getLogger("direct_frontend.http")  # the name these warnings always had
+
+#: a drifting prediction is logged at most this often (it is also a gauge)
+WARN_EVERY_S = 60.0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -64,3 +75,33 @@ class HitRateMonitor:
             f"KV routing prediction diverges from the engines: predicted {predicted} cached "
             f"tokens, engines reported {actual} over the last {len(relevant)} requests; {cause}",
         )
+
+
+class HitRateWatch:
+    """The hit-rate check of every request the router predicted, in the metrics and the log."""
+
+    def __init__(
+        self,
+        metrics: Metrics,
+        monitor: HitRateMonitor | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.metrics = metrics
+        self.monitor = monitor if monitor is not None else HitRateMonitor()
+        self.clock = clock
+        self._warned_at = -math.inf
+
+    def record(self, predicted: int, reported: int) -> None:
+        """One request: predicted vs engine-reported cached tokens; loud when they drift."""
+        metrics = self.metrics
+        metrics.kv_predicted_cached_tokens_total.inc(predicted)
+        metrics.kv_reported_cached_tokens_total.inc(reported)
+        divergence = self.monitor.record(predicted, reported)
+        metrics.kv_prediction_diverged.set(1 if divergence else 0)
+        now = self.clock()
+        if divergence is not None and now - self._warned_at > WARN_EVERY_S:
+            self._warned_at = now
+            log.warning("%s", divergence.message, extra={
+                "predicted_tokens": divergence.predicted, "reported_tokens": divergence.actual,
+            })

@@ -19,7 +19,6 @@ what the router itself sent where.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import math
 import random
 import time
@@ -30,22 +29,12 @@ from direct_frontend.fleet.schema import KvAwareKnobs
 from direct_frontend.kv.index import prefix_hashes
 from direct_frontend.kv.keys import incarnation_of
 from direct_frontend.routing.catalog import Catalog, EngineHandle
-from direct_frontend.routing.policies import RequestView
+from direct_frontend.routing.policies import Placement, RequestView
 
 
 class OverlapSource(Protocol):
     def lookup_hashes(self, hashes: Sequence[int]) -> dict[str, int]:
         """Leading blocks of the request (given as prefix hashes) each engine holds."""
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class KvChoice:
-    """What the policy decided, kept for the hit-rate check."""
-
-    engine: EngineHandle
-    predicted_blocks: int
-    spilled: bool
-    hashes: list[int]
 
 
 class ApproxPrefixIndex:
@@ -121,7 +110,6 @@ class KvAware:
         self.uses_events: Collection[int] = ()
         self._rng = rng or random.Random()
         self._tie = 0
-        self.last: KvChoice | None = None
         self.spills = 0  # load-guard overrides, exported as a metric
 
     def hashes(self, input_ids: Sequence[int]) -> list[int]:
@@ -155,15 +143,19 @@ class KvAware:
 
     def choose(
         self, catalog: Catalog, request: RequestView, exclude: Collection[str] = ()
-    ) -> EngineHandle | None:
+    ) -> Placement | None:
         return self.choose_at(catalog, request, exclude, now=self.clock())
 
     def choose_at(
         self, catalog: Catalog, request: RequestView, exclude: Collection[str], now: float
-    ) -> EngineHandle | None:
+    ) -> Placement | None:
+        """The placement, predicting the cached tokens from the chosen engine's overlap.
+
+        Engines always recompute at least the last prompt token, so the
+        prediction is capped at the last full block before it.
+        """
         candidates = [e for e in catalog.aggregated if e.name not in exclude]
         if not candidates:
-            self.last = None
             return None
         knobs = self.knobs
         hashes = self.hashes(request.input_ids)
@@ -186,16 +178,21 @@ class KvAware:
         ):
             chosen = min(candidates, key=lambda e: e.load.in_flight)
             spilled = True
-        self.last = KvChoice(chosen, overlaps.get(chosen.name, 0), spilled, hashes)
         if spilled:
             self.spills += 1
         if chosen.incarnation not in self.uses_events:
             self.approx.record(chosen.name, hashes, now)
-        return chosen
+        block = knobs.block_size
+        predicted = min(
+            overlaps.get(chosen.name, 0) * block, (len(request.input_ids) - 1) // block * block
+        )
+        return Placement(chosen, tuple(hashes), predicted, spilled)
 
-    def remember(self, engine: str, token_ids: Sequence[int]) -> None:
-        """Approximate mode: ``engine`` holds these tokens' blocks now (prompt + answer)."""
-        self.approx.record(engine, self.hashes(token_ids), self.clock())
+    def on_complete(self, placement: Placement, token_ids: Sequence[int]) -> None:
+        """Approximate mode: the engine holds these tokens' blocks now (prompt + answer)."""
+        engine = placement.engine
+        if engine.incarnation not in self.uses_events:
+            self.approx.record(engine.name, self.hashes(token_ids), self.clock())
 
     def _pick(self, candidates: Sequence[EngineHandle], costs: Sequence[float]) -> EngineHandle:
         low, high = min(costs), max(costs)

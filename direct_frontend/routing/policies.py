@@ -1,14 +1,17 @@
-"""Routing policies behind one interface, so KV-aware routing slots in later.
+"""Routing policies behind one interface: a request in, a :class:`Placement` out.
 
 A policy is pure: it reads the catalog snapshot and our load accounting and
-returns an engine (or ``None`` when nothing fits). ``exclude`` names engines
-already tried for this request.
+returns where the request goes, with whatever it predicted there (or
+``None`` when nothing fits). ``exclude`` names engines already tried for the
+request. When a request it placed has finished well, the policy hears of it
+(:meth:`Policy.on_complete`), so a policy that learns from what it sent
+where needs no side channel.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from typing import Protocol
 
 from direct_frontend.routing.catalog import Catalog, EngineHandle
@@ -22,12 +25,51 @@ class RequestView:
     max_tokens: int
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Placement:
+    """Where a policy put a request, and what it expected to find there."""
+
+    engine: EngineHandle
+    #: the request's KV block hashes (KV-aware routing), counted in the engine's load
+    blocks: tuple[int, ...] = ()
+    #: prompt tokens the policy expects the engine to have cached; ``None``: no prediction
+    predicted_cached_tokens: int | None = None
+    #: the load guard overrode the cache: the engine holding the prefix was too busy
+    spilled: bool = False
+
+
 class Policy(Protocol):
     name: str
 
     def choose(
         self, catalog: Catalog, request: RequestView, exclude: Collection[str] = ()
-    ) -> EngineHandle | None: ...
+    ) -> Placement | None: ...
+
+    def on_complete(self, placement: Placement, token_ids: Sequence[int]) -> None:
+        """A request placed at ``placement`` ended well; ``token_ids``: its prompt and answer."""
+
+
+class BarePlacements:
+    """One engine-only placement per engine, made once per catalog version.
+
+    For the policies that predict nothing: placing a request is then a
+    lookup, not an allocation, on the hot path.
+    """
+
+    __slots__ = ("_of", "_version")
+
+    def __init__(self) -> None:
+        self._version = -1
+        self._of: dict[EngineHandle, Placement] = {}
+
+    def of(self, catalog: Catalog, engine: EngineHandle) -> Placement:
+        if catalog.version != self._version:
+            self._version = catalog.version
+            self._of = {}  # handles of earlier versions may be gone: let them go
+        placement = self._of.get(engine)
+        if placement is None:
+            placement = self._of[engine] = Placement(engine)
+        return placement
 
 
 class RoundRobin:
@@ -37,18 +79,22 @@ class RoundRobin:
 
     def __init__(self) -> None:
         self._next = 0
+        self._placements = BarePlacements()
 
     def choose(
         self, catalog: Catalog, request: RequestView, exclude: Collection[str] = ()
-    ) -> EngineHandle | None:
+    ) -> Placement | None:
         engines = catalog.aggregated
         count = len(engines)
         for offset in range(count):
             engine = engines[(self._next + offset) % count]
             if engine.name not in exclude:
                 self._next = (self._next + offset + 1) % count
-                return engine
+                return self._placements.of(catalog, engine)
         return None
+
+    def on_complete(self, placement: Placement, token_ids: Sequence[int]) -> None:
+        pass
 
 
 class LeastLoaded:
@@ -58,14 +104,18 @@ class LeastLoaded:
 
     def __init__(self) -> None:
         self._tie = 0
+        self._placements = BarePlacements()
 
     def choose(
         self, catalog: Catalog, request: RequestView, exclude: Collection[str] = ()
-    ) -> EngineHandle | None:
+    ) -> Placement | None:
         candidates = [e for e in catalog.aggregated if e.name not in exclude]
         if not candidates:
             return None
         least = min(e.load.in_flight for e in candidates)
         tied = [e for e in candidates if e.load.in_flight == least]
         self._tie += 1
-        return tied[self._tie % len(tied)]
+        return self._placements.of(catalog, tied[self._tie % len(tied)])
+
+    def on_complete(self, placement: Placement, token_ids: Sequence[int]) -> None:
+        pass

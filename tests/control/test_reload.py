@@ -20,7 +20,10 @@ from typing import Any
 import httpx
 import pytest
 
+from direct_frontend.control.reload import keep_restart_fields
 from direct_frontend.errors import EngineError, ErrorKind
+from direct_frontend.fleet.diff import RESTART_FIELDS, diff_fleets
+from direct_frontend.fleet.schema import FleetConfig, FrontendConfig
 from direct_frontend.simulator.engine import SimEngine
 from direct_frontend.simulator.model import TimingModel
 from tests.support.daemon import Daemon, fleet_text, running_daemon, sim_engine, wait_for
@@ -359,7 +362,7 @@ def test_frontend_settings_apply_live_and_restart_ones_are_reported(
         }
         assert daemon.supervisor.children["e"] is child  # untouched
         assert child.probe.interval_s == 0.3 and child.tracker.failure_threshold == 5
-        assert daemon.app.dispatcher.policy.name == "least_loaded"
+        assert daemon.control.settings.policy.name == "least_loaded"
         r = httpx.post(daemon.url + "/v1/completions", json={**body, "prompt": "hi " * 50})
         assert r.status_code == 413  # the new max_body_bytes
         daemon.fleet.source.write_text(edited.replace("max_body_bytes = 100\n", ""))
@@ -618,3 +621,23 @@ def test_an_embedded_simulator_that_cannot_listen_is_tried_again(
         assert len(failures) == 1  # the same reason each try: said once
         assert failures[0].levelname == "WARNING"
         daemon.wait_serving(2)
+
+
+def test_a_reload_keeps_exactly_the_settings_that_need_a_restart() -> None:
+    running = FrontendConfig(served_model_name="a", tokenizer=Path("t1"), listen_port=1,
+                             max_tokens_default=5)
+    new = FrontendConfig(served_model_name="b", tokenizer=Path("t2"), listen_host="::1",
+                         listen_port=2, log_json=True, max_tokens_default=9)
+    kept = keep_restart_fields(new, running)
+    assert (kept.listen, kept.tokenizer, kept.served_model_name, kept.log_json) == (
+        "127.0.0.1:1", Path("t1"), "a", False
+    )
+    assert kept.max_tokens_default == 9  # a live setting: the new value
+
+    def fleet(frontend: FrontendConfig) -> FleetConfig:
+        return FleetConfig(frontend=frontend, source=Path("fleet.toml"))
+
+    # what the diff calls a restart field is exactly what is kept
+    assert set(diff_fleets(fleet(running), fleet(new)).restart) == set(RESTART_FIELDS)
+    kept_diff = diff_fleets(fleet(running), fleet(kept))
+    assert kept_diff.restart == () and kept_diff.live == ("max_tokens_default",)

@@ -22,7 +22,6 @@ import pytest
 from grpclib import Status
 
 from direct_frontend.control.lifecycle import MAX_RETRY_S
-from direct_frontend.pipeline.failover import FailoverConfig
 from direct_frontend.simulator.faults import FaultPlan
 from tests.support.daemon import (
     Daemon,
@@ -120,8 +119,10 @@ def test_non_streaming_request_survives_a_dying_engine(daemon: Daemon) -> None:
 
 def test_a_hung_engine_is_detected_by_the_stall_timeout(daemon: Daemon) -> None:
     expected = reference(daemon)
-    assert daemon.app is not None
-    daemon.app.failover = FailoverConfig(stall_timeout_s=0.3)
+    settings = daemon.control.settings
+    failover = dataclasses.replace(settings.failover, stall_timeout_s=0.3)
+    daemon.run_sync(setattr, daemon.control, "settings",
+                    dataclasses.replace(settings, failover=failover))
     faulty(daemon, FaultPlan(hang_after_tokens=9, only_request=1))
     for _ in range(3):
         text, usage = streamed(daemon)

@@ -31,7 +31,7 @@ from direct_frontend.pipeline.disagg import (
 )
 from direct_frontend.routing.catalog import Catalog, EngineHandle
 from direct_frontend.routing.kv_aware import KvAware
-from direct_frontend.routing.policies import LeastLoaded, RequestView, RoundRobin
+from direct_frontend.routing.policies import LeastLoaded, Placement, RequestView, RoundRobin
 
 P, D, B = EngineRole.PREFILL, EngineRole.DECODE, EngineRole.BOTH
 VIEW = RequestView((1, 2, 3), 16)
@@ -54,8 +54,8 @@ def engine(
                         bootstrap_port=bootstrap_port)
 
 
-def names(engines: list[EngineHandle | None]) -> list[str]:
-    return [e.name for e in engines if e is not None]
+def names(placements: list[Placement | None]) -> list[str]:
+    return [p.engine.name for p in placements if p is not None]
 
 
 # -- which engines pair ---------------------------------------------------------------
@@ -95,7 +95,7 @@ def test_pd_is_preferred_and_aggregated_engines_are_the_fallback() -> None:
     catalog = Catalog(1, (engine("agg", "sglang", B), engine("sp", "sglang", P),
                           engine("sd", "sglang", D)))
     chosen = planner.choose_decode(catalog, VIEW)
-    assert chosen is not None and chosen.name == "sd"
+    assert chosen is not None and chosen.engine.name == "sd"
     # the prefill failed (failover excludes it): no pair left, serve aggregated
     assert planner.choose_decode(catalog, VIEW, exclude={"sp"}) is None
     assert planner.choose_decode(catalog, VIEW, exclude={"sd"}) is None
@@ -137,6 +137,19 @@ def test_role_policies_follow_the_fleet_policy() -> None:
     assert planner.prefill_policy is first  # same fleet policy: same per-role state
     planner.follow(RoundRobin())  # a reload replaced it
     assert isinstance(planner.prefill_policy, RoundRobin)
+
+
+def test_role_policies_of_the_fleet_policy_before_a_reload_are_kept() -> None:
+    planner = DisaggPlanner()
+    old, new = KvAware(KvAwareKnobs(block_size=4)), KvAware(KvAwareKnobs(block_size=4))
+    planner.follow(old)
+    before = planner.prefill_policy
+    planner.follow(new)  # a reload; requests admitted before it still carry ``old``
+    after = planner.prefill_policy
+    planner.follow(old)
+    assert planner.prefill_policy is before  # its routing state is still there
+    planner.follow(new)
+    assert planner.prefill_policy is after
 
 
 def test_kv_aware_prefill_blocks_count_in_the_prefill_engines_load() -> None:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 from direct_frontend.engines.neutral import GenerateCall, SamplingOptions
 from direct_frontend.errors import EngineError, ErrorKind
+from direct_frontend.fleet.schema import FaultsConfig
 from direct_frontend.pipeline.failover import (
     Decision,
     FailoverConfig,
@@ -19,7 +21,7 @@ def err(kind: ErrorKind, engine: str = "a") -> EngineError:
 
 
 def test_failure_before_the_first_token_is_retried_a_bounded_number_of_times() -> None:
-    state = FailoverState(FailoverConfig(max_retries=2))
+    state = FailoverState(FailoverConfig.from_fleet(FaultsConfig(max_retries=2)))
     assert state.decide(err(ErrorKind.UNAVAILABLE, "a"), 0) is Decision.RETRY
     assert state.decide(err(ErrorKind.TIMEOUT, "b"), 0) is Decision.RETRY
     assert state.decide(err(ErrorKind.UNAVAILABLE, "c"), 0) is Decision.GIVE_UP
@@ -27,18 +29,19 @@ def test_failure_before_the_first_token_is_retried_a_bounded_number_of_times() -
 
 
 def test_failure_after_tokens_migrates_up_to_the_limit() -> None:
-    state = FailoverState(FailoverConfig(max_migrations=1))
+    state = FailoverState(FailoverConfig.from_fleet(FaultsConfig(max_migrations=1)))
     assert state.decide(err(ErrorKind.PROTOCOL), 5) is Decision.MIGRATE
     assert state.decide(err(ErrorKind.PROTOCOL, "b"), 9) is Decision.GIVE_UP
 
 
 def test_client_errors_and_cancellation_are_never_retried() -> None:
     for kind in (ErrorKind.BAD_REQUEST, ErrorKind.CANCELLED, ErrorKind.INTERNAL):
-        assert FailoverState(FailoverConfig()).decide(err(kind), 0) is Decision.GIVE_UP
+        state = FailoverState(FailoverConfig.from_fleet(FaultsConfig()))
+        assert state.decide(err(kind), 0) is Decision.GIVE_UP
 
 
 def test_overload_is_tracked_so_the_client_can_get_a_429() -> None:
-    state = FailoverState(FailoverConfig(max_retries=5))
+    state = FailoverState(FailoverConfig.from_fleet(FaultsConfig(max_retries=5)))
     state.decide(err(ErrorKind.OVERLOADED, "a"), 0)
     assert state.all_overloaded
     state.decide(err(ErrorKind.UNAVAILABLE, "b"), 0)
@@ -46,7 +49,8 @@ def test_overload_is_tracked_so_the_client_can_get_a_429() -> None:
 
 
 def test_backoff_is_jittered_and_capped() -> None:
-    config = FailoverConfig(backoff_base_s=0.1, backoff_max_s=0.3)
+    default = FailoverConfig.from_fleet(FaultsConfig())
+    config = dataclasses.replace(default, backoff_base_s=0.1, backoff_max_s=0.3)
     state = FailoverState(config, random.Random(7))
     for _ in range(6):
         state.decide(err(ErrorKind.UNAVAILABLE), 0)

@@ -62,8 +62,8 @@ def test_routes_to_the_engine_holding_the_longest_prefix() -> None:
     policy.uses_events = {1, 2, 3}
     catalog = Catalog(1, (handle("a"), handle("b"), handle("c")))
     chosen = policy.choose(catalog, view(PROMPT))
-    assert chosen is not None and chosen.name == "b"
-    assert policy.last is not None and policy.last.predicted_blocks == 6
+    assert chosen is not None and chosen.engine.name == "b"
+    assert chosen.predicted_cached_tokens == 6 * BS  # the 6 leading blocks b holds
 
 
 def test_decode_load_outweighs_a_small_overlap() -> None:
@@ -72,7 +72,7 @@ def test_decode_load_outweighs_a_small_overlap() -> None:
     policy.uses_events = {1, 2}
     catalog = Catalog(1, (handle("a"), handle("b", in_flight=3, active_blocks=10)))
     chosen = policy.choose(catalog, view(PROMPT))
-    assert chosen is not None and chosen.name == "a"
+    assert chosen is not None and chosen.engine.name == "a"
 
 
 def test_load_guard_stops_herding_on_a_hot_prefix() -> None:
@@ -83,15 +83,15 @@ def test_load_guard_stops_herding_on_a_hot_prefix() -> None:
     policy.uses_events = {1, 2, 3}
     catalog = Catalog(1, (handle("a", 0), handle("b", 12), handle("c", 1)))
     chosen = policy.choose(catalog, view(PROMPT))
-    assert chosen is not None and chosen.name == "a"
-    assert policy.last is not None and policy.last.spilled
+    assert chosen is not None and chosen.engine.name == "a"
+    assert chosen.spilled
 
 
 def test_ties_go_to_the_less_loaded_engine_and_exclusions_hold() -> None:
     policy = KvAware(KvAwareKnobs(block_size=BS), FakeIndex({}))
     catalog = Catalog(1, (handle("a", 2), handle("b", 1)))
     chosen = policy.choose(catalog, view([1, 2, 3]))
-    assert chosen is not None and chosen.name == "b"
+    assert chosen is not None and chosen.engine.name == "b"
     assert policy.choose(catalog, view(PROMPT), {"a", "b"}) is None
 
 
@@ -101,7 +101,7 @@ def test_temperature_samples_but_prefers_cheap_engines() -> None:
     policy.uses_events = {1, 2}
     catalog = Catalog(1, (handle("a"), handle("b")))
     picks = [policy.choose(catalog, view(PROMPT)) for _ in range(300)]
-    b = sum(1 for p in picks if p is not None and p.name == "b")
+    b = sum(1 for p in picks if p is not None and p.engine.name == "b")
     assert 180 < b < 300
 
 
@@ -113,9 +113,9 @@ def test_approximate_mode_remembers_where_prefixes_went_and_forgets_after_ttl() 
     assert first is not None
     for _ in range(5):
         again = policy.choose(catalog, view([*PROMPT, 7, 7, 7, 7]))
-        assert again is first  # the shared prefix sticks
+        assert again is not None and again.engine is first.engine  # the shared prefix sticks
     engines = catalog.engines
-    assert policy.overlaps(HASHES, now[0], engines) == {first.name: len(HASHES)}
+    assert policy.overlaps(HASHES, now[0], engines) == {first.engine.name: len(HASHES)}
     now[0] += 11
     assert policy.overlaps(HASHES, now[0], engines) == {}
 
@@ -190,4 +190,30 @@ def test_a_busy_engine_holding_the_prefix_still_wins_over_idle_cold_ones() -> No
     busy.load.begin(32, HASHES)
     catalog = Catalog(1, (handle("a"), busy))
     chosen = policy.choose(catalog, view(PROMPT))
-    assert chosen is not None and chosen.name == "b"
+    assert chosen is not None and chosen.engine.name == "b"
+
+
+def test_a_placement_carries_the_blocks_and_never_predicts_the_last_prompt_token() -> None:
+    index = FakeIndex({"a": HASHES})  # all 8 blocks of the 32-token prompt
+    policy = KvAware(KvAwareKnobs(block_size=BS), index)
+    policy.uses_events = {1}
+    placement = policy.choose(Catalog(1, (handle("a"),)), view(PROMPT))
+    assert placement is not None and placement.blocks == tuple(HASHES)
+    # engines recompute the last prompt token: at most the 7 full blocks before it
+    assert placement.predicted_cached_tokens == 7 * BS
+    assert not placement.spilled
+    none = policy.choose(Catalog(1, (handle("b"),)), view(PROMPT))
+    assert none is not None and none.predicted_cached_tokens == 0
+
+
+def test_on_complete_remembers_the_answer_only_where_no_kv_events_flow() -> None:
+    answer = [9] * (2 * BS)
+    whole = prefix_hashes([*PROMPT, *answer], BS)
+    policy = KvAware(KvAwareKnobs(block_size=BS))
+    policy.uses_events = {2}  # b publishes KV events, a does not
+    a, b = handle("a"), handle("b")
+    for engine in (a, b):
+        placement = policy.choose(Catalog(1, (engine,)), view(PROMPT))
+        assert placement is not None
+        policy.on_complete(placement, [*PROMPT, *answer])
+    assert policy.overlaps(whole, policy.clock(), (a, b)) == {"a": len(whole)}

@@ -22,8 +22,9 @@ def test_round_robin_cycles_and_skips_excluded() -> None:
     catalog = Catalog(1, (handle("a"), handle("b"), handle("c")))
     policy = RoundRobin()
     picks = [policy.choose(catalog, VIEW) for _ in range(6)]
-    assert [p.name for p in picks if p] == ["a", "b", "c", "a", "b", "c"]
-    assert (chosen := policy.choose(catalog, VIEW, {"a"})) is not None and chosen.name == "b"
+    assert [p.engine.name for p in picks if p] == ["a", "b", "c", "a", "b", "c"]
+    assert (chosen := policy.choose(catalog, VIEW, {"a"})) is not None
+    assert chosen.engine.name == "b"
     assert policy.choose(catalog, VIEW, {"a", "b", "c"}) is None
     assert policy.choose(Catalog(), VIEW) is None
 
@@ -31,10 +32,10 @@ def test_round_robin_cycles_and_skips_excluded() -> None:
 def test_least_loaded_prefers_idle_engines_and_spreads_ties() -> None:
     catalog = Catalog(1, (handle("a", 3), handle("b", 1), handle("c", 1)))
     policy = LeastLoaded()
-    names = {p.name for p in (policy.choose(catalog, VIEW) for _ in range(4)) if p}
+    names = {p.engine.name for p in (policy.choose(catalog, VIEW) for _ in range(4)) if p}
     assert names == {"b", "c"}
     only = policy.choose(catalog, VIEW, {"b", "c"})
-    assert only is not None and only.name == "a"
+    assert only is not None and only.engine.name == "a"
 
 
 def test_load_accounting_is_symmetric() -> None:
@@ -58,6 +59,23 @@ def test_prefill_or_decode_only_engines_never_take_whole_requests() -> None:
     decode.role = EngineRole.DECODE
     catalog = Catalog(1, (prefill, decode, handle("a")))
     for policy in (RoundRobin(), LeastLoaded()):
-        picks = {p.name for p in (policy.choose(catalog, VIEW) for _ in range(5)) if p}
+        picks = {p.engine.name for p in (policy.choose(catalog, VIEW) for _ in range(5)) if p}
         assert picks == {"a"}
     assert RoundRobin().choose(Catalog(1, (prefill, decode)), VIEW) is None
+
+
+def test_placements_without_predictions_are_made_once_per_engine_and_catalog_version() -> None:
+    a, b = handle("a"), handle("b")
+    policy = RoundRobin()
+    first = [policy.choose(Catalog(1, (a, b)), VIEW) for _ in range(4)]
+    assert [p.engine.name for p in first if p] == ["a", "b", "a", "b"]
+    assert first[0] is first[2] and first[1] is first[3]  # a lookup, not an allocation
+    placement = first[0]
+    assert placement is not None
+    assert (placement.blocks, placement.predicted_cached_tokens, placement.spilled) == (
+        (), None, False
+    )
+    again = policy.choose(Catalog(2, (a, b)), VIEW)  # a new catalog: fresh placements
+    assert again is not None and again.engine is a and again is not placement
+    least = LeastLoaded()
+    assert least.choose(Catalog(1, (a,)), VIEW) is least.choose(Catalog(1, (a,)), VIEW)

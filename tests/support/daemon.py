@@ -138,9 +138,14 @@ class Daemon:
         return self.app.bound_urls[0]
 
     @property
-    def supervisor(self) -> Any:
+    def control(self) -> Any:
+        """The control plane (``ControlPlane``): settings, reloads, the supervisor."""
         assert self.app is not None
-        return self.app.supervisor
+        return self.app.control
+
+    @property
+    def supervisor(self) -> Any:
+        return self.control.supervisor
 
     def run_sync(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Call ``fn`` on the daemon's Trio thread."""

@@ -1,0 +1,104 @@
+"""The ASGI plumbing every endpoint shares: types, body reading and writing, lifespan.
+
+Also the guard that keeps the ``http.disconnect`` hypercorn sends while
+recycling a finished connection from looking like a client that left.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from direct_frontend.openai.errors import OpenAIHTTPError, error_body, request_too_large
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+Headers = list[tuple[bytes, bytes]]
+
+JSON = b"application/json"
+
+#: what the app's ``receive`` gives instead of the ``http.disconnect`` hypercorn
+#: sends once the response is complete (see :func:`hide_recycle_disconnect`)
+RESPONSE_DONE = "direct_frontend.response_done"
+
+
+class ClientGone(Exception):
+    """The client disconnected before the response was complete."""
+
+
+def hide_recycle_disconnect(receive: Receive, send: Send) -> tuple[Receive, Send]:
+    """Keep the ``http.disconnect`` hypercorn sends *during* our last ``send`` from the app.
+
+    Hypercorn recycles (or, shutting down, closes) the connection inside the
+    final body ``send`` and tells the app ``http.disconnect`` as part of it.
+    A disconnect watcher woken by that would count a finished response as
+    abandoned, and cancel the rest of hypercorn's work in our task: the
+    connection would then stay open until the shutdown grace period ends.
+    After the last body a disconnect is not the client leaving, so it is
+    never delivered as one: it comes as a ``RESPONSE_DONE`` message, on
+    which the watcher simply ends.
+    """
+    finished = False
+
+    async def tracked_send(message: Message) -> None:
+        nonlocal finished
+        if message["type"] == "http.response.body" and not message.get("more_body", False):
+            finished = True  # before the send: the disconnect arrives inside it
+        await send(message)
+
+    async def tracked_receive() -> Message:
+        message = await receive()
+        if finished and message["type"] == "http.disconnect":
+            return {"type": RESPONSE_DONE}
+        return message
+
+    return tracked_receive, tracked_send
+
+
+async def read_body(receive: Receive, limit: int) -> bytes:
+    """The whole request body, or a 413 past ``limit`` (counted as it arrives)."""
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone()
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise request_too_large(limit)
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+async def send_body(
+    send: Send,
+    status: int,
+    body: bytes,
+    content_type: bytes = JSON,
+    headers: Headers | tuple[tuple[bytes, bytes], ...] = (),
+) -> None:
+    await send({
+        "type": "http.response.start",
+        "status": status,
+        "headers": [(b"content-type", content_type),
+                    (b"content-length", str(len(body)).encode()), *headers],
+    })
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+async def send_error(send: Send, err: OpenAIHTTPError, headers: Headers | None = None) -> None:
+    await send_body(send, err.status, error_body(err), JSON, [*err.headers, *(headers or [])])
+
+
+async def lifespan(receive: Receive, send: Send) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return
