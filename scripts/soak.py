@@ -6,18 +6,26 @@ run`` daemon in front of them, records the expected text of every prompt
 (the simulator is deterministic from its token prefix), then runs
 ``--concurrency`` streaming clients for ``--seconds`` while a chaos task
 SIGKILLs a random engine every ``--kill-every`` seconds and restarts it on the
-same port ``--down-for`` seconds later (never the last engine up).
+same port ``--down-for`` seconds later (at most ``--max-down`` down at once,
+never the last engine up).
 
-Prints requests completed, failed, retried and migrated (from the daemon's
-metrics), and any duplicated or lost output (each stream's text against the
-uninterrupted text, and its usage against max_tokens). Exits 1 unless: 0
-failed, 0 duplicated, 0 lost.
+Prints requests completed, failed (and how many of those failed while an
+engine process was up: listening, not yet killed), retried and migrated
+(from the daemon's metrics), and any duplicated or lost output (each
+stream's text against the uninterrupted text, and its usage against
+max_tokens). Exits 1 unless: 0 failed while an engine process was up, 0
+duplicated, 0 lost.
+
+``--churn`` is the harsh churn of issue 17: three engines, up to two down at
+once, each restarted two seconds after its kill, 12 streaming clients, the
+fleet file's default probe settings.
 
 Usage::
 
     python scripts/soak.py                       # 3 engines, 16 streams, 30 s
     python scripts/soak.py --engines 4 --concurrency 32 --seconds 120
     python scripts/soak.py --probe-interval 5 --probe-timeout 2   # the default probe settings
+    python scripts/soak.py --churn --seconds 120  # two of three engines down at once
 """
 
 from __future__ import annotations
@@ -58,6 +66,7 @@ PROMPTS = [
 class Tally:
     completed: int = 0
     failed: int = 0
+    failed_while_up: int = 0  # an engine process was up when the client saw the failure
     mismatched: int = 0
     duplicated_chars: int = 0
     lost_chars: int = 0
@@ -65,6 +74,8 @@ class Tally:
     kills: int = 0
     restarts: int = 0
     errors: list[str] = field(default_factory=list)
+    #: engine processes listening and not killed (the chaos task keeps it)
+    up: set[int] = field(default_factory=set)
 
 
 def fleet(listen: int, engine_ports: Sequence[int], probe_interval: float,
@@ -142,11 +153,13 @@ async def chaos(
                 engines[port] = Child(f"engine:{port}", engine_argv(port, args.decode_us),
                                       logdir / f"engine-{port}-{now:.0f}.log")
                 await wait_for_port(engines[port], port)
+                tally.up.add(port)
                 del down[port]
                 tally.restarts += 1
         up = [p for p in engines if p not in down]
-        if len(up) > 1:
+        if len(up) > 1 and len(down) < (args.max_down or len(engines) - 1):
             victim = rng.choice(up)
+            tally.up.discard(victim)  # down from the moment the signal is sent
             engines[victim].popen.send_signal(signal.SIGKILL)
             engines[victim].popen.wait()
             down[victim] = time.monotonic()
@@ -168,6 +181,7 @@ async def main(args: argparse.Namespace) -> int:
     try:
         for port, child in engines.items():
             await wait_for_port(child, port)
+            tally.up.add(port)
         await wait_ready(daemon, listen)
         async with httpx.AsyncClient(timeout=60) as client:
             expected = {}
@@ -190,6 +204,8 @@ async def main(args: argparse.Namespace) -> int:
                         text, usage, error = "", None, repr(exc)
                     if error is not None:
                         tally.failed += 1
+                        if tally.up:
+                            tally.failed_while_up += 1
                         tally.errors.append(error)
                         continue
                     tally.completed += 1
@@ -213,25 +229,28 @@ async def main(args: argparse.Namespace) -> int:
         for child in engines.values():
             child.stop()
 
-    def outcome(name: str) -> int:
+    def outcome(name: str, metric: str = "engine_requests_total") -> int:
         return int(sum(float(v) for v in re.findall(
-            rf'direct_frontend_engine_requests_total{{[^}}]*outcome="{name}"[^}}]*}} (\S+)',
-            metrics)))
+            rf'direct_frontend_{metric}{{[^}}]*outcome="{name}"[^}}]*}} (\S+)', metrics)))
 
     print(f"soak: {args.engines} engines, {args.concurrency} streams, {args.seconds:.0f} s, "
           f"{args.max_tokens} tokens each; logs in {logdir}")
     print(f"  engines killed / restarted: {tally.kills} / {tally.restarts}")
     print(f"  requests completed:         {tally.completed}")
     print(f"  requests failed:            {tally.failed}")
+    print(f"    while an engine was up:   {tally.failed_while_up}")
     print(f"  attempts retried:           {outcome('retried')}")
     print(f"  streams migrated:           {outcome('migrated')}")
+    waits = {name: outcome(name, "engine_waits_total") for name in ("served", "expired")}
+    print(f"  waits for an engine:        {waits['served']} served, {waits['expired']} expired")
     print(f"  streams with other text:    {tally.mismatched}")
     print(f"  duplicated characters:      {tally.duplicated_chars}")
     print(f"  lost characters:            {tally.lost_chars}")
     print(f"  usage not equal max_tokens: {tally.usage_wrong}")
     for error in tally.errors[:5]:
         print(f"  e.g. {error}")
-    ok = not (tally.failed or tally.duplicated_chars or tally.lost_chars or tally.usage_wrong)
+    ok = not (tally.failed_while_up or tally.duplicated_chars or tally.lost_chars
+              or tally.usage_wrong)
     print("PASS" if ok else "FAIL")
     return 0 if ok else 1
 
@@ -245,11 +264,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--decode-us", type=float, default=2000.0, help="engine time per token")
     p.add_argument("--kill-every", type=float, default=2.0)
     p.add_argument("--down-for", type=float, default=1.0)
+    p.add_argument("--max-down", type=int, default=None,
+                   help="engines down at once at most (default: all but one)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--probe-interval", type=float, default=0.25,
                    help="[frontend.probe] interval_s (the fleet file's default is 5.0)")
     p.add_argument("--probe-timeout", type=float, default=0.5,
                    help="[frontend.probe] timeout_s (the fleet file's default is 2.0)")
+    p.add_argument("--churn", action="store_true",
+                   help="issue 17's churn: 3 engines, up to 2 down at once, 12 streams, "
+                        "default probe settings (options given as well still win)")
+    if p.parse_known_args(argv)[0].churn:
+        p.set_defaults(engines=3, concurrency=12, kill_every=1.0, down_for=2.0, max_down=2,
+                       probe_interval=5.0, probe_timeout=2.0)
     return p.parse_args(argv)
 
 

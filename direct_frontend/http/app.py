@@ -204,12 +204,7 @@ class App:
                 # Admitted before an engine is chosen, so a request that waited in the
                 # queue is placed on the fleet as it is when it leaves the queue.
                 async with settings.admission.slot():
-                    try:
-                        state = self.relay.begin(settings, prepared)
-                    except OpenAIHTTPError as err:
-                        await send_error(send, err, headers)
-                        return err.status
-                    return await respond(self.relay, state, receive, send, headers)
+                    return await respond(self.relay, settings, prepared, receive, send, headers)
             except Rejected as rejected:
                 refusal = rate_limited(
                     f"The frontend is saturated: {rejected.reason}.", retry_after=1

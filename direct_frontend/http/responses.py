@@ -5,7 +5,9 @@ writes them in one ``send`` (hypercorn's per-send cost dominates,
 docs/stack.md §5); its headers go out with the first output, so a request
 that fails before producing anything still gets a proper HTTP error. Every
 response is written beside a disconnect watcher: hypercorn drops sends to a
-gone client silently, so without it the engine would keep generating.
+gone client silently, so without it the engine would keep generating. The
+watcher is on from the placement: a request waiting for an engine to serve
+ends at once when its client leaves.
 """
 
 from __future__ import annotations
@@ -26,7 +28,10 @@ from direct_frontend.http.asgi import (
     send_error,
 )
 from direct_frontend.http.render import ChunkRenderer, Usage, render_full
+from direct_frontend.openai.errors import OpenAIHTTPError
+from direct_frontend.pipeline.preprocess import PreparedRequest
 from direct_frontend.pipeline.relay import Relay, RelayState
+from direct_frontend.pipeline.settings import Settings
 
 log = logging.getLogger("direct_frontend.http")
 
@@ -38,22 +43,31 @@ SSE_HEADERS = [
 
 
 async def respond(
-    relay: Relay, state: RelayState, receive: Receive, send: Send, headers: Headers
+    relay: Relay, settings: Settings, prepared: PreparedRequest, receive: Receive, send: Send,
+    headers: Headers,
 ) -> int:
-    """Relay ``state``'s request to the client; the HTTP status (499: the client left)."""
+    """Place the request and relay it to the client; the HTTP status (499: the client left)."""
     status = 200
+    state: RelayState | None = None
     client = _Client()
     async with trio.open_nursery() as nursery:
         nursery.start_soon(client.watch, receive, nursery.cancel_scope)
-        if state.request.stream:
-            status = await _stream(relay, state, send, headers)
+        try:
+            state = await relay.begin(settings, prepared)
+        except OpenAIHTTPError as err:
+            await send_error(send, err, headers)
+            status = err.status
         else:
-            status = await _complete(relay, state, send, headers)
+            if state.request.stream:
+                status = await _stream(relay, state, send, headers)
+            else:
+                status = await _complete(relay, state, send, headers)
         nursery.cancel_scope.cancel()
     if client.gone:
         relay.metrics.request_cancelled()
         return 499
-    relay.settle(state, ok=status == 200)
+    if state is not None:
+        relay.settle(state, ok=status == 200)
     return status
 
 

@@ -169,6 +169,12 @@ class Metrics:
             p + "malformed_engine_messages_total", "Engine messages we could not interpret.",
             ("engine",), registry=r,
         )  # fmt: skip
+        self.engine_waits_total = Counter(
+            p + "engine_waits_total",
+            "Waits of a request for an engine to serve, by how they ended "
+            "(served, expired, cancelled).",
+            ("outcome",), registry=r,
+        )  # fmt: skip
         self.engine_errors_total = Counter(
             p + "engine_errors_total", "Engine call failures by error kind.",
             ("engine", "kind"), registry=r,
@@ -284,6 +290,10 @@ class Metrics:
     def malformed_engine_message(self, engine: str) -> None:
         """Count an engine message that could not be interpreted."""
         self._child(self.malformed_engine_messages_total, engine).inc()
+
+    def engine_wait(self, outcome: str) -> None:
+        """Count one wait of a request for an engine to serve, by how it ended."""
+        self.engine_waits_total.labels(outcome).inc()
 
     def engine_error(self, engine: str, kind: ErrorKind | str) -> None:
         """Count an engine failure by :class:`ErrorKind` (or its value)."""

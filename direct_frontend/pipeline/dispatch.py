@@ -5,22 +5,33 @@ engine call (:mod:`direct_frontend.pipeline.leg`). A placement on a decode
 engine heads a prefill/decode pair: the request goes disaggregated
 (:mod:`direct_frontend.pipeline.disagg`), and running it runs the prefill
 leg too (:mod:`~direct_frontend.pipeline.disagg_driver`), so the relay above
-sees one engine call either way.
+sees one engine call either way. A request that finds no engine it may use
+waits on the fleet for the catalog to change (:class:`WaitableFleet`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 from contextlib import AbstractAsyncContextManager
+from typing import Protocol
 
 from direct_frontend.engines.neutral import EngineRole, GenerateCall
 from direct_frontend.errors import NoEngineAvailable
 from direct_frontend.pipeline.disagg import DisaggPlanner
 from direct_frontend.pipeline.disagg_driver import run_pair
 from direct_frontend.pipeline.leg import EngineCall, FleetView, run_leg
+from direct_frontend.routing.catalog import Catalog
 from direct_frontend.routing.policies import Placement, Policy, RequestView
 
-__all__ = ["Dispatcher", "EngineCall", "FleetView"]
+__all__ = ["Dispatcher", "EngineCall", "FleetView", "WaitableFleet"]
+
+
+class WaitableFleet(FleetView, Protocol):
+    """The fleet as requests see it, and a wait for it to change (the control plane's)."""
+
+    async def wait_for_catalog(self, newer_than: int) -> Catalog:
+        """The catalog once its version is past ``newer_than``; the caller bounds the wait."""
+        ...
 
 
 class Dispatcher:
@@ -30,7 +41,7 @@ class Dispatcher:
     timeout) of the request's snapshot.
     """
 
-    def __init__(self, fleet: FleetView, disagg: DisaggPlanner | None = None) -> None:
+    def __init__(self, fleet: WaitableFleet, disagg: DisaggPlanner | None = None) -> None:
         self.fleet = fleet
         self.disagg = disagg if disagg is not None else DisaggPlanner()
 

@@ -6,6 +6,13 @@ with the original prompt plus every token already generated, and a budget
 reduced by what was produced, so the client's stream goes on unbroken (the
 detokenizer and stop-string state live in the frontend and carry across).
 Both are bounded. An overloaded engine is never marked down, only skipped.
+
+A request does not go back to an engine it failed on, with one exception: an
+engine that left the catalog and came back (a restart, a rejoin) is a new
+chance. The rule is by serving stint: the control plane builds a new
+:class:`EngineHandle` each time an engine starts serving, and a request only
+excludes the handles it failed on. So a stream survives "every engine down
+for a while, then one back" even when the one back is an engine it tried.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import random
 from direct_frontend.engines.neutral import GenerateCall
 from direct_frontend.errors import EngineError, ErrorKind
 from direct_frontend.fleet.schema import FaultsConfig
+from direct_frontend.routing.catalog import Catalog, EngineHandle
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -61,12 +69,17 @@ class FailoverState:
         self.migrations = 0
         self.tried: set[str] = set()
         self.overloaded: set[str] = set()
+        #: the serving stint each tried engine failed in (None: not known)
+        self.failed_in: dict[str, EngineHandle | None] = {}
         self._rng = rng  # made on first use: seeding one costs a syscall, most requests never retry
 
-    def decide(self, error: EngineError, produced_tokens: int) -> Decision:
-        """Record ``error`` from engine ``error.engine`` and decide what to do."""
+    def decide(
+        self, error: EngineError, produced_tokens: int, stint: EngineHandle | None = None
+    ) -> Decision:
+        """Record ``error`` from engine ``error.engine`` (serving as ``stint``) and decide."""
         if error.engine:
             self.tried.add(error.engine)
+            self.failed_in[error.engine] = stint
             if error.kind is ErrorKind.OVERLOADED:
                 self.overloaded.add(error.engine)
         if error.kind not in RETRYABLE:
@@ -88,6 +101,17 @@ class FailoverState:
         if self._rng is None:
             self._rng = random.Random()
         return self._rng.uniform(0, cap)
+
+    def excluded(self, catalog: Catalog) -> set[str]:
+        """The engines of ``catalog`` this request may not use: still in the stint it failed in.
+
+        A tried engine whose stint is not known is excluded whatever its stint.
+        """
+        failed_in = self.failed_in
+        return {
+            engine.name for engine in catalog.engines
+            if engine.name in failed_in and failed_in[engine.name] in (None, engine)
+        }
 
     @property
     def all_overloaded(self) -> bool:

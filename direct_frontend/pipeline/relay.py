@@ -12,11 +12,15 @@ Two halves:
   in, what a batch of engine events yields, what a failure leads to (the
   next attempt, via :mod:`~direct_frontend.pipeline.failover`, or giving up),
   what an interrupted wait means (a stall, the request's deadline, a planned
-  migration off a draining engine) and which error the client gets.
+  migration off a draining engine) and which error the client gets. When no
+  engine the request may use serves (to start, retry or migrate), it waits
+  for one, bounded (:class:`EngineWait`), instead of failing at once.
 - :class:`Relay` is the thin async driver: it runs each attempt's engine
   call (:meth:`Dispatcher.run`) and hands every batch of output to an
   ``emit(text, tokens, finished)`` callback of the HTTP side. Per batch it
-  adds nothing to what the work needs: no task, channel or allocation.
+  adds nothing to what the work needs: no task, channel or allocation. While
+  a request waits for an engine it sleeps on the fleet's catalog
+  (:meth:`WaitableFleet.wait_for_catalog`), trying again at each change.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import functools
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from typing import Protocol
 
 import trio
@@ -65,6 +69,7 @@ class Phase(enum.Enum):
     WAITING = "waiting"  # for the engine's next event (the stall watch is armed)
     MOVING = "moving"  # asked off a draining engine: leaves at the next safe point
     FINISHED = "finished"  # the output is complete
+    NO_ENGINE = "no_engine"  # none it may use serves: waits for the catalog to change
     TIMED_OUT = "timed_out"  # request_timeout_s passed: no further attempt
     FAILED = "failed"  # gave up: no engine left that could serve the rest
 
@@ -79,6 +84,58 @@ class EventQueue(Protocol):
     def receive_nowait(self) -> EngineEvent | None: ...
 
 
+class EngineWait:
+    """Whether a request that finds no engine it may use waits for one, and until when.
+
+    A wait begins when the request finds none (to start, retry or migrate)
+    and ends when it is placed; each lasts at most ``faults.wait_for_engine_s``
+    of the request's settings (0: it never waits), and never past the
+    request's deadline. Sans-IO: the clock is passed in.
+    """
+
+    __slots__ = ("deadline", "limit_s", "since", "until", "waits")
+
+    def __init__(self, limit_s: float, deadline: float) -> None:
+        self.limit_s = limit_s
+        self.deadline = deadline
+        self.until: float | None = None  # while a wait is under way: when it ends
+        self.since = 0.0  # when it began
+        self.waits = 0  # how many began
+
+    def may_wait(self, now: float) -> bool:
+        """No engine serves the request at ``now``: whether it waits (on) for one."""
+        if self.until is None:
+            if self.limit_s <= 0 or now >= self.deadline:
+                return False
+            self.until = min(now + self.limit_s, self.deadline)
+            self.since = now
+            self.waits += 1
+        return now < self.until
+
+    def placed(self) -> None:
+        """The request has an engine: the wait (if any) is over."""
+        self.until = None
+
+
+def first_placement(
+    dispatcher: Dispatcher, settings: Settings, prepared: PreparedRequest, wait: EngineWait,
+    now: float,
+) -> Placement | None:
+    """Where a new request goes; None: no engine serves, and it waits (``wait.until``).
+
+    A 503 when no engine serves and it may not wait (any more).
+    """
+    request = prepared.request
+    try:
+        placement = dispatcher.choose(settings.policy, prepared.input_ids, request.max_tokens or 0)
+    except NoEngineAvailable:
+        if wait.may_wait(now):
+            return None
+        raise no_engine_available(request.model) from None
+    wait.placed()
+    return placement
+
+
 class RelayState:
     """The decisions of one request's relay (sans-IO; the clock is passed in).
 
@@ -89,6 +146,9 @@ class RelayState:
         "cached_tokens",
         "call",
         "deadline",
+        "engine_wait",
+        "excluded",
+        "failed",
         "failover",
         "final",
         "original_call",
@@ -113,6 +173,7 @@ class RelayState:
         *,
         now: float,
         started: float = 0.0,
+        engine_wait: EngineWait | None = None,
     ) -> None:
         self.settings = settings
         self.prepared = prepared
@@ -125,6 +186,12 @@ class RelayState:
         self.stall_timeout_s = settings.failover.stall_timeout_s
         # the engine-side time for the whole request
         self.deadline = now + settings.frontend.request_timeout_s
+        self.engine_wait = engine_wait or EngineWait(
+            settings.frontend.faults.wait_for_engine_s, self.deadline
+        )
+        #: the engines this attempt may not use (and a P/D pair's prefill engine neither)
+        self.excluded: Collection[str] = ()
+        self.failed: EngineError | None = None  # the last failure, told if no engine takes over
         self.phase = Phase.RELAYING
         self.cached_tokens: int | None = None
         self.final: OutputStep | None = None
@@ -241,24 +308,53 @@ class RelayState:
             return EngineError(ErrorKind.CANCELLED, "request_timeout_s passed", engine=engine)
         return EngineError(ErrorKind.TIMEOUT, "the stream stalled", engine=engine)
 
-    def next_attempt(self, error: EngineError, dispatcher: Dispatcher) -> Decision:
-        """Place the next attempt after ``error`` (retry or migrate), or re-raise ``error``."""
-        error.engine = error.engine or self.placement.engine.name
-        produced = self.processor.generated_ids
-        decision = self.failover.decide(error, len(produced))
+    def next_attempt(self, error: EngineError, dispatcher: Dispatcher, now: float) -> Decision:
+        """Decide what follows ``error`` (retry or migrate) and :meth:`place` it.
+
+        Re-raises ``error`` when the request gives up.
+        """
+        name = error.engine = error.engine or self.placement.engine.name
+        engine = self.placement.engine
+        # the stint it failed in; another leg's (a prefill engine) as the catalog has it
+        stint = engine if name == engine.name else next(
+            (e for e in dispatcher.fleet.catalog.engines if e.name == name), None
+        )
+        decision = self.failover.decide(error, len(self.processor.generated_ids), stint)
         if decision is Decision.GIVE_UP:
             self._give_up()
             raise error
+        self.failed = error
+        self.place(dispatcher, now)
+        return decision
+
+    def place(self, dispatcher: Dispatcher, now: float) -> Placement | None:
+        """Place the attempt the last failure asked for, on an engine it may use.
+
+        None: no such engine serves and the request waits for the catalog to
+        change (phase ``NO_ENGINE``, until ``engine_wait.until``). Raises the
+        last failure when it may not wait, or no longer: every engine it tried
+        was saturated (a 429 at once, as ever), or ``wait_for_engine_s`` or the
+        request's own time is up.
+        """
+        error = self.failed
+        assert error is not None, "place() before a failure"
+        self.excluded = self.failover.excluded(dispatcher.fleet.catalog)
         try:
             placement = dispatcher.choose(
                 self.settings.policy, self.prepared.input_ids, self.processor.remaining_tokens,
-                self.failover.tried,
+                self.excluded,
             )
         except NoEngineAvailable:
+            if not self.failover.all_overloaded and self.engine_wait.may_wait(now):
+                self.phase = Phase.NO_ENGINE
+                return None
+            if now >= self.deadline:
+                self.phase = Phase.TIMED_OUT
             self._give_up()
             raise error from None
+        self.engine_wait.placed()
         attempt = self.failover.retries + self.failover.migrations
-        call = continuation(self.original_call, produced, attempt)
+        call = continuation(self.original_call, self.processor.generated_ids, attempt)
         engine = placement.engine
         limit = engine.context_length
         if limit is not None and len(call.input_ids) + call.sampling.max_tokens > limit:
@@ -270,7 +366,7 @@ class RelayState:
         self.placement = placement
         self.call = call
         self.phase = Phase.RELAYING
-        return decision
+        return placement
 
     def _give_up(self) -> None:
         if self.phase is not Phase.TIMED_OUT:
@@ -301,15 +397,20 @@ class Relay:
         self.metrics = metrics
         self.hit_rate = hit_rate
 
-    def begin(self, settings: Settings, prepared: PreparedRequest) -> RelayState:
-        """Place an admitted request; a 503 when no engine serves, a 400 when it cannot fit."""
+    async def begin(self, settings: Settings, prepared: PreparedRequest) -> RelayState:
+        """Place an admitted request; a 400 when it cannot fit.
+
+        While no engine serves it waits for one (:class:`EngineWait`), then a 503.
+        """
         request = prepared.request
-        try:
-            placement = self.dispatcher.choose(
-                settings.policy, prepared.input_ids, request.max_tokens or 0
-            )
-        except NoEngineAvailable:
-            raise no_engine_available(request.model) from None
+        now = trio.current_time()
+        wait = EngineWait(
+            settings.frontend.faults.wait_for_engine_s, now + settings.frontend.request_timeout_s
+        )
+        place = functools.partial(first_placement, self.dispatcher, settings, prepared, wait)
+        placement = place(now)
+        if placement is None:
+            placement = await self._wait_for_engine(wait, place)
         if placement.spilled:
             self.metrics.kv_load_guard_spills_total.inc()
         max_tokens = token_budget(
@@ -327,7 +428,7 @@ class Relay:
         )
         return RelayState(
             settings, prepared, placement, call, processor,
-            now=trio.current_time(), started=time.perf_counter(),
+            now=now, started=time.perf_counter(), engine_wait=wait,
         )
 
     async def run(self, state: RelayState, emit: Emit) -> None:
@@ -343,7 +444,7 @@ class Relay:
             engine = placement.engine
             try:
                 async with self.dispatcher.run(
-                    placement, state.call, exclude=state.failover.tried,
+                    placement, state.call, exclude=state.excluded,
                     stall_timeout_s=state.stall_timeout_s,
                 ) as engine_call:  # on a decode engine: its prefill leg first (P/D)
                     receiver = engine_call.events
@@ -376,11 +477,45 @@ class Relay:
             except EngineError as error:
                 state.pending_error = None
                 metrics.engine_error(engine.name, error.kind)
-                decision = state.next_attempt(error, self.dispatcher)
+                decision = state.next_attempt(error, self.dispatcher, trio.current_time())
+                if state.phase is Phase.NO_ENGINE:
+                    place = functools.partial(state.place, self.dispatcher)
+                    await self._wait_for_engine(state.engine_wait, place)
                 outcome = "retried" if decision is Decision.RETRY else "migrated"
                 metrics.engine_request(engine.name, outcome)
                 _log_attempt(error, outcome, state)
                 await trio.sleep(state.failover.backoff())
+
+    async def _wait_for_engine(
+        self, wait: EngineWait, place: Callable[[float], Placement | None]
+    ) -> Placement:
+        """No engine the request may use serves: wait until ``place`` finds one.
+
+        Each change of the catalog is a new try; ``place`` raises when the
+        wait is over. A cancellation (the client left) ends it at once, and
+        nothing has been sent to any engine for it.
+        """
+        fleet = self.dispatcher.fleet
+        outcome = "cancelled"
+        try:
+            while True:
+                assert wait.until is not None
+                with trio.move_on_at(wait.until):
+                    # the catalog ``place`` found wanting: no checkpoint since
+                    await fleet.wait_for_catalog(fleet.catalog.version)
+                outcome = "expired"
+                placement = place(trio.current_time())
+                if placement is not None:
+                    outcome = "served"
+                    return placement
+                outcome = "cancelled"
+        finally:
+            self.metrics.engine_wait(outcome)
+            if wait.waits == 1:  # once per request: later waits are only counted
+                log.info(
+                    "no engine could take the request: waited %.2f s (%s)",
+                    trio.current_time() - wait.since, outcome, extra={"outcome": outcome},
+                )
 
     def settle(self, state: RelayState, ok: bool) -> None:
         """The response is out (``ok``: in full): usage, and what the policy learns from it."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -200,10 +201,13 @@ def test_client_disconnect_aborts_the_engine_request(model_dir: Path, tmp_path: 
 
 def test_no_serving_engine_gives_503(model_dir: Path, tmp_path: Path) -> None:
     nobody = {"name": "down", "url": "grpc://127.0.0.1:1", "kind": "sglang"}
-    with running_daemon(tmp_path, fleet_text(model_dir, [nobody])) as d:
+    extra = "[frontend.faults]\nwait_for_engine_s = 0.2"  # after waiting that long for one
+    with running_daemon(tmp_path, fleet_text(model_dir, [nobody], frontend_extra=extra)) as d:
+        started = time.monotonic()
         r = httpx.post(
             d.url + "/v1/chat/completions", json={"model": "demo", "messages": CHAT}
         )
+        assert time.monotonic() - started >= 0.2
         assert r.status_code == 503
         assert "retry-after" in r.headers
         assert httpx.get(d.url + "/ready").status_code == 503

@@ -14,6 +14,8 @@ from direct_frontend.pipeline.failover import (
     FailoverState,
     continuation,
 )
+from direct_frontend.routing.catalog import Catalog
+from tests.support.fleet import engine
 
 
 def err(kind: ErrorKind, engine: str = "a") -> EngineError:
@@ -67,3 +69,14 @@ def test_continuation_resumes_from_the_generated_tokens() -> None:
     assert second.input_ids == (1, 2, 3, 7, 8, 9, 10, 11)
     assert second.sampling.max_tokens == 5 and second.sampling.min_tokens == 0
     assert second.request_id == "req~2"
+
+
+def test_a_request_excludes_the_serving_stints_it_failed_in() -> None:
+    a, b = engine("a"), engine("b")
+    state = FailoverState(FailoverConfig.from_fleet(FaultsConfig()))
+    state.decide(err(ErrorKind.UNAVAILABLE, "a"), 0, a)
+    state.decide(err(ErrorKind.UNAVAILABLE, "b"), 0)  # its stint not known: by name
+    assert state.excluded(Catalog(1, (a, b))) == {"a", "b"}
+    a_back, b_back = engine("a"), engine("b")  # both restarted: new handles
+    assert state.excluded(Catalog(2, (a_back, b_back))) == {"b"}
+    assert state.excluded(Catalog(3, ())) == set()

@@ -1,4 +1,5 @@
-"""The relay's decisions, with data only: batches, waits, moves, stalls, the next attempt."""
+"""The relay's decisions, with data only: batches, waits, moves, stalls, the next attempt,
+waiting for an engine."""
 
 from __future__ import annotations
 
@@ -10,12 +11,13 @@ import pytest
 from direct_frontend.engines.neutral import EngineEvent, Finished, FinishReason, TokenDelta
 from direct_frontend.errors import EngineError, ErrorKind
 from direct_frontend.fleet.schema import FaultsConfig, FrontendConfig
+from direct_frontend.openai.errors import OpenAIHTTPError
 from direct_frontend.openai.types import CompletionRequest
 from direct_frontend.pipeline.dispatch import Dispatcher
 from direct_frontend.pipeline.failover import Decision
 from direct_frontend.pipeline.postprocess import OutputProcessor
 from direct_frontend.pipeline.preprocess import PreparedRequest, build_call
-from direct_frontend.pipeline.relay import Phase, RelayState
+from direct_frontend.pipeline.relay import EngineWait, Phase, RelayState, first_placement
 from direct_frontend.pipeline.settings import Settings
 from direct_frontend.routing.catalog import Catalog
 from direct_frontend.routing.policies import RoundRobin
@@ -25,6 +27,7 @@ from tests.support.fleet import StaticFleet, engine
 PROMPT = (11, 12, 13, 14)
 DEFAULT_FAULTS = FaultsConfig()
 STALL_S = DEFAULT_FAULTS.stall_timeout_s
+WAIT_S = DEFAULT_FAULTS.wait_for_engine_s
 TIMEOUT_S = 90.0
 
 
@@ -152,7 +155,7 @@ def test_a_silent_engine_stalls_and_a_late_request_times_out(text_model: TextMod
     error = late.interrupted(now=late.deadline)
     assert error.kind is ErrorKind.CANCELLED and late.phase is Phase.TIMED_OUT
     with pytest.raises(EngineError):
-        late.next_attempt(error, dispatcher)  # no retry once the time is up
+        late.next_attempt(error, dispatcher, 100.0)  # no retry once the time is up
     assert late.phase is Phase.TIMED_OUT
     refusal = late.error_for(error)
     assert refusal.status == 504 and f"within {TIMEOUT_S:g} s" in refusal.message
@@ -164,7 +167,7 @@ def test_a_silent_engine_stalls_and_a_late_request_times_out(text_model: TextMod
 def test_a_failure_before_output_retries_the_same_call_elsewhere(text_model: TextModel) -> None:
     state, dispatcher = relay_state(text_model, two_engines())
     error = EngineError(ErrorKind.UNAVAILABLE, "refused", engine="a")
-    assert state.next_attempt(error, dispatcher) is Decision.RETRY
+    assert state.next_attempt(error, dispatcher, 100.0) is Decision.RETRY
     assert state.placement.engine.name == "b" and state.phase is Phase.RELAYING
     assert state.call.input_ids == PROMPT and state.call.request_id == "req~1"
     assert state.call.sampling.max_tokens == 16
@@ -175,7 +178,7 @@ def test_a_failure_after_output_migrates_with_the_tokens_produced(text_model: Te
     ids = word_ids(text_model, "hello there")
     state.take(TokenDelta(ids, cached_tokens=3), Queued())
     error = EngineError(ErrorKind.TIMEOUT, "the stream stalled")  # no engine named: this one
-    assert state.next_attempt(error, dispatcher) is Decision.MIGRATE
+    assert state.next_attempt(error, dispatcher, 100.0) is Decision.MIGRATE
     assert error.engine == "a" and state.failover.tried == {"a"}
     assert state.call.input_ids == PROMPT + ids
     assert state.call.sampling.max_tokens == 16 - len(ids)
@@ -187,24 +190,118 @@ def test_a_failure_after_output_migrates_with_the_tokens_produced(text_model: Te
 def test_the_retry_budget_is_bounded(text_model: TextModel) -> None:
     catalog = Catalog(1, tuple(engine(name) for name in "abcd"))
     state, dispatcher = relay_state(text_model, catalog, faults=FaultsConfig(max_retries=1))
-    state.next_attempt(EngineError(ErrorKind.OVERLOADED, "busy", engine="a"), dispatcher)
+    state.next_attempt(EngineError(ErrorKind.OVERLOADED, "busy", engine="a"), dispatcher, 100.0)
     last = EngineError(ErrorKind.OVERLOADED, "busy", engine="b")
     with pytest.raises(EngineError) as raised:
-        state.next_attempt(last, dispatcher)
+        state.next_attempt(last, dispatcher, 100.0)
     assert raised.value is last and state.phase is Phase.FAILED
     assert state.error_for(last).status == 429  # every engine tried was saturated
 
 
-def test_no_engine_left_or_too_short_a_context_gives_up(text_model: TextModel) -> None:
+def test_no_engine_left_waits_for_one_and_too_short_a_context_gives_up(
+    text_model: TextModel,
+) -> None:
     alone, dispatcher = relay_state(text_model, Catalog(1, (engine("a"),)))
     error = EngineError(ErrorKind.UNAVAILABLE, "refused", engine="a")
+    assert alone.next_attempt(error, dispatcher, 100.0) is Decision.RETRY
+    assert alone.phase is Phase.NO_ENGINE and alone.engine_wait.until == 100.0 + WAIT_S
+    impatient, dispatcher = relay_state(
+        text_model, Catalog(1, (engine("a"),)), faults=FaultsConfig(wait_for_engine_s=0)
+    )
     with pytest.raises(EngineError) as raised:
-        alone.next_attempt(error, dispatcher)
-    assert raised.value is error and alone.phase is Phase.FAILED
+        impatient.next_attempt(error, dispatcher, 100.0)
+    assert raised.value is error and impatient.phase is Phase.FAILED
     short = Catalog(1, (engine("a"), engine("b", context_length=len(PROMPT) + 4)))
     state, dispatcher = relay_state(text_model, short)
     with pytest.raises(EngineError) as cannot:
-        state.next_attempt(EngineError(ErrorKind.UNAVAILABLE, "refused"), dispatcher)
+        state.next_attempt(EngineError(ErrorKind.UNAVAILABLE, "refused"), dispatcher, 100.0)
     assert "cannot resume on b: context too short" in cannot.value.message
     assert state.placement.engine.name == "a" and state.phase is Phase.FAILED
 
+
+# -- waiting for an engine -----------------------------------------------------------------
+
+
+def fleet_of(dispatcher: Dispatcher) -> StaticFleet:
+    fleet = dispatcher.fleet
+    assert isinstance(fleet, StaticFleet)
+    return fleet
+
+
+def test_a_new_request_waits_for_an_engine_bounded_then_gets_a_503() -> None:
+    dispatcher = Dispatcher(StaticFleet(Catalog(1, ())))
+    frontend = FrontendConfig(served_model_name="demo", tokenizer=Path("demo-model"))
+    settings = Settings.first(frontend, RoundRobin())
+    request = CompletionRequest(model="demo", prompt=PROMPT, max_tokens=4)
+    prepared = PreparedRequest("completion", "req", request, PROMPT, "")
+    wait = EngineWait(WAIT_S, deadline=100.0 + TIMEOUT_S)
+    assert first_placement(dispatcher, settings, prepared, wait, 100.0) is None
+    assert wait.until == 100.0 + WAIT_S and wait.waits == 1
+    assert first_placement(dispatcher, settings, prepared, wait, 102.0) is None  # the same wait
+    assert wait.until == 100.0 + WAIT_S and wait.waits == 1
+    fleet_of(dispatcher).catalog = Catalog(2, (engine("a"),))
+    placed = first_placement(dispatcher, settings, prepared, wait, 103.0)
+    assert placed is not None and placed.engine.name == "a" and wait.until is None
+    fleet_of(dispatcher).catalog = Catalog(3, ())
+    assert first_placement(dispatcher, settings, prepared, wait, 150.0) is None
+    assert wait.until == 150.0 + WAIT_S and wait.waits == 2  # a new wait, as long
+    with pytest.raises(OpenAIHTTPError) as refused:
+        first_placement(dispatcher, settings, prepared, wait, 150.0 + WAIT_S)
+    assert refused.value.status == 503 and refused.value.code == "no_engine_available"
+    never = EngineWait(0.0, deadline=100.0 + TIMEOUT_S)  # wait_for_engine_s = 0: at once
+    with pytest.raises(OpenAIHTTPError):
+        first_placement(dispatcher, settings, prepared, never, 100.0)
+    late = EngineWait(WAIT_S, deadline=101.0)  # never past the request's own deadline
+    assert late.may_wait(100.0) and late.until == 101.0
+    assert not late.may_wait(101.0)
+
+
+def test_a_retry_waits_for_an_engine_then_gives_up_with_the_last_failure(
+    text_model: TextModel,
+) -> None:
+    state, dispatcher = relay_state(text_model, Catalog(1, (engine("a"),)))
+    error = EngineError(ErrorKind.UNAVAILABLE, "refused", engine="a")
+    fleet_of(dispatcher).catalog = Catalog(2, ())  # the fault took it out
+    state.next_attempt(error, dispatcher, 100.0)
+    assert state.phase is Phase.NO_ENGINE
+    assert state.place(dispatcher, 101.0) is None and state.phase is Phase.NO_ENGINE
+    with pytest.raises(EngineError) as raised:
+        state.place(dispatcher, 100.0 + WAIT_S)
+    assert raised.value is error and state.phase is Phase.FAILED
+    assert state.error_for(error).status == 502  # as without the wait
+    late, dispatcher = relay_state(text_model, Catalog(1, (engine("a"),)))
+    fleet_of(dispatcher).catalog = Catalog(2, ())
+    late.next_attempt(error, dispatcher, late.deadline - 1.0)
+    assert late.engine_wait.until == late.deadline
+    with pytest.raises(EngineError):
+        late.place(dispatcher, late.deadline)
+    assert late.phase is Phase.TIMED_OUT and late.error_for(error).status == 504
+
+
+def test_a_stream_goes_back_to_a_tried_engine_once_it_came_back(text_model: TextModel) -> None:
+    state, dispatcher = relay_state(text_model, two_engines())
+    ids = word_ids(text_model, "hello there")
+    state.take(TokenDelta(ids), Queued())
+    a, b = fleet_of(dispatcher).catalog.engines
+    assert state.next_attempt(EngineError(ErrorKind.UNAVAILABLE, "lost"), dispatcher, 100.0) \
+        is Decision.MIGRATE
+    assert state.placement.engine is b and state.excluded == {"a"}  # a is still listed
+    fleet_of(dispatcher).catalog = Catalog(2, (a,))  # b fails too; a is in the same stint
+    state.next_attempt(EngineError(ErrorKind.UNAVAILABLE, "lost"), dispatcher, 101.0)
+    assert state.phase is Phase.NO_ENGINE and state.excluded == {"a"}
+    a_again = engine("a")  # a restarted: it serves again in a new stint
+    fleet_of(dispatcher).catalog = Catalog(3, (a_again, b))
+    placed = state.place(dispatcher, 102.0)
+    assert placed is not None and placed.engine is a_again and state.phase is Phase.RELAYING
+    assert state.excluded == {"b"} and state.engine_wait.until is None
+    assert state.call.input_ids == PROMPT + ids  # the same continuation, on a new chance
+
+
+def test_saturated_everywhere_is_a_429_at_once_not_a_wait(text_model: TextModel) -> None:
+    state, dispatcher = relay_state(text_model, two_engines())
+    state.next_attempt(EngineError(ErrorKind.OVERLOADED, "busy", engine="a"), dispatcher, 100.0)
+    last = EngineError(ErrorKind.OVERLOADED, "busy", engine="b")
+    with pytest.raises(EngineError) as raised:
+        state.next_attempt(last, dispatcher, 100.0)
+    assert raised.value is last and state.phase is Phase.FAILED
+    assert state.error_for(last).status == 429

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import trio
+
 from direct_frontend.engines.neutral import EngineInfo, EngineRole
 from direct_frontend.errors import EngineError
 from direct_frontend.routing.catalog import Catalog, EngineHandle
@@ -32,3 +34,7 @@ class StaticFleet:
 
     def report_fault(self, engine: EngineHandle, error: EngineError) -> None:
         self.faults.append(engine.name)
+
+    async def wait_for_catalog(self, newer_than: int) -> Catalog:
+        await trio.sleep_forever()  # it never changes
+        raise AssertionError("unreachable")
