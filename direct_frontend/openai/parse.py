@@ -5,10 +5,18 @@ check types and ranges, and ignore unknown fields since OpenAI clients send
 extras), then checked for what we do not support and normalised into frozen
 public requests (:mod:`.types`). Every failure is an
 :class:`~direct_frontend.openai.errors.OpenAIHTTPError`.
+
+Numeric bounds are the OpenAI API's documented ranges where it has them, else
+the widest type any engine contract carries the field in (docs/engine-contracts.md:
+token counts and ids are uint32 everywhere, floats are float32); each engine
+kind's dialect refuses what its own contract cannot carry. A body nested
+deeper than :data:`MAX_JSON_DEPTH` is refused before it is decoded, so no
+client can make the decoder (or a chat template after it) recurse without end.
 """
 
 from __future__ import annotations
 
+import itertools
 import re
 from typing import Annotated, Any, Final, Literal, TypeVar
 
@@ -25,10 +33,19 @@ from direct_frontend.openai.types import (
     ToolCall,
 )
 
-_PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
-_NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
+#: the largest uint32 / float32: what every engine contract carries counts, token ids
+#: and sampling floats in
+UINT32_MAX: Final = 2**32 - 1
+FLOAT32_MAX: Final = 3.4028234663852886e38
+#: how deeply a body's arrays and objects may nest (a real request needs about 10)
+MAX_JSON_DEPTH: Final = 64
+
+_Count = Annotated[int, msgspec.Meta(ge=1, le=UINT32_MAX)]
+_NonNegCount = Annotated[int, msgspec.Meta(ge=0, le=UINT32_MAX)]
+_TokenId = Annotated[int, msgspec.Meta(ge=0, le=UINT32_MAX)]
 _Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
 _Int64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
+_Choices = Annotated[int, msgspec.Meta(ge=1, le=128)]  # OpenAI: n is 1..128
 _MAX_STOP: Final = 16
 #: Characters in all of a request's stop strings together (README, "HTTP API"). Matching
 #: is linear in it, but every request's matcher holds it, so client input stays bounded.
@@ -62,21 +79,21 @@ class _NamedToolChoiceWire(msgspec.Struct):
 
 class _WireBase(msgspec.Struct, kw_only=True):
     model: str
-    max_tokens: _PositiveInt | None = None
-    max_completion_tokens: _PositiveInt | None = None
-    min_tokens: _NonNegInt | None = None
+    max_tokens: _Count | None = None
+    max_completion_tokens: _Count | None = None
+    min_tokens: _NonNegCount | None = None
     temperature: Annotated[float, msgspec.Meta(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] | None = None
-    top_k: Annotated[int, msgspec.Meta(ge=-1)] | None = None
+    top_k: Annotated[int, msgspec.Meta(ge=-1, le=UINT32_MAX)] | None = None
     min_p: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] | None = None
     frequency_penalty: _Penalty | None = None
     presence_penalty: _Penalty | None = None
-    repetition_penalty: Annotated[float, msgspec.Meta(gt=0.0)] | None = None
+    repetition_penalty: Annotated[float, msgspec.Meta(gt=0.0, le=FLOAT32_MAX)] | None = None
     seed: _Int64 | None = None
     stop: str | Annotated[list[str], msgspec.Meta(max_length=_MAX_STOP)] | None = None
-    stop_token_ids: list[_NonNegInt] | None = None
+    stop_token_ids: list[_TokenId] | None = None
     ignore_eos: bool | None = None
-    n: _PositiveInt | None = None
+    n: _Choices | None = None
     stream: bool | None = None
     stream_options: _StreamOptionsWire | None = None
     user: str | None = None
@@ -87,7 +104,7 @@ class _WireBase(msgspec.Struct, kw_only=True):
 class _ChatWire(_WireBase, kw_only=True):
     messages: Annotated[list[_MessageWire], msgspec.Meta(min_length=1)]
     logprobs: bool | None = None
-    top_logprobs: _NonNegInt | None = None
+    top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None  # OpenAI: 0..20
     tools: list[Tool] | None = None
     tool_choice: str | _NamedToolChoiceWire | None = None
     chat_template_kwargs: dict[str, Any] | None = None
@@ -95,10 +112,10 @@ class _ChatWire(_WireBase, kw_only=True):
 
 class _CompletionWire(_WireBase, kw_only=True):
     prompt: str | list[Any]
-    logprobs: bool | int | None = None
+    logprobs: bool | Annotated[int, msgspec.Meta(ge=0, le=5)] | None = None  # OpenAI: 0..5
     echo: bool | None = None
     suffix: str | None = None
-    best_of: _PositiveInt | None = None
+    best_of: Annotated[int, msgspec.Meta(ge=1, le=20)] | None = None  # OpenAI: up to 20
 
 
 _W = TypeVar("_W", bound=_WireBase)
@@ -135,7 +152,37 @@ def _from_validation_error(exc: msgspec.ValidationError) -> OpenAIHTTPError:
     return invalid_request(f"Invalid {kind} for '{param}': {_lower_first(detail)}.", param)
 
 
+#: a JSON string (escapes and all): brackets inside one do not nest anything
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+#: every byte but the brackets, deleted by ``bytes.translate``; ``{}`` read as ``[]``
+_NOT_BRACKETS: Final = bytes(b for b in range(256) if b not in b"[]{}")
+_AS_SQUARE: Final = bytes.maketrans(b"{}", b"[]")
+_DEPTH_STEP: Final = {ord("["): 1, ord("]"): -1}
+
+
+def nesting_depth_exceeds(body: bytes, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Whether the JSON in ``body`` nests arrays and objects deeper than ``limit``.
+
+    A scan of the raw bytes that skips strings, in C-speed steps: a body with
+    no more than ``limit`` opening brackets (almost every request) costs two
+    ``count`` calls. Malformed JSON is left for the decoder to name.
+    """
+    if body.count(b"[") + body.count(b"{") <= limit:
+        return False
+    brackets = _JSON_STRING.sub(b"", body).translate(_AS_SQUARE, _NOT_BRACKETS)
+    if len(brackets) <= limit:
+        return False
+    if b"[" * (limit + 1) in brackets:  # the usual attack, found without the walk below
+        return True
+    depth = itertools.accumulate(map(_DEPTH_STEP.__getitem__, brackets))
+    return max(depth) > limit
+
+
 def _decode(decoder: msgspec.json.Decoder[_W], body: bytes) -> _W:
+    if nesting_depth_exceeds(body):
+        raise invalid_request(
+            f"The request body nests arrays and objects more than {MAX_JSON_DEPTH} levels deep."
+        )
     try:
         return decoder.decode(body)
     except msgspec.ValidationError as exc:
@@ -303,6 +350,12 @@ def _prompt(raw: str | list[Any]) -> str | tuple[int, ...]:
             raise invalid_request(
                 f"Invalid type for '{where}[{k}]': expected a string, a list of one string, "
                 "a list of token ids (integers >= 0) or a list of one such list.",
+                f"{where}[{k}]",
+            )
+        if tok > UINT32_MAX:
+            raise invalid_request(
+                f"Invalid value for '{where}[{k}]': a token id is an integer from 0 to "
+                f"{UINT32_MAX}, got {tok}.",
                 f"{where}[{k}]",
             )
     return tuple(ids)

@@ -31,6 +31,7 @@ from grpclib.const import Status
 from grpclib.exceptions import GRPCError
 
 from direct_frontend.engines.dialects.base import (
+    INT32_MAX,
     Capabilities,
     LegPlan,
     PairingFacts,
@@ -38,6 +39,7 @@ from direct_frontend.engines.dialects.base import (
     SmgDialect,
     SmgStreamDecoder,
     StreamDecoder,
+    WireLimits,
     bootstrap_address,
     classify_exception,
     engine_aborted,
@@ -62,10 +64,12 @@ class SglangStreamDecoder(SmgStreamDecoder):
 class SglangDialect(SmgDialect):
     kind: ClassVar[str] = "sglang"
     capabilities: ClassVar[Capabilities] = Capabilities(prefill_decode=True, bootstrap_server=True)
+    limits: ClassVar[WireLimits] = WireLimits(top_k=INT32_MAX)  # top_k is an int32 here
     service: ClassVar[str] = SERVICE
     pb: ClassVar[ModuleType] = pb
 
     def generate(self, call: GenerateCall) -> Rpc:
+        self.check(call)
         s = call.sampling
         # Sub-messages as dicts: protobuf builds them in place instead of copying.
         request = pb.GenerateRequest(
@@ -74,7 +78,7 @@ class SglangDialect(SmgDialect):
             sampling_params={
                 "temperature": s.temperature,
                 "top_p": s.top_p,
-                "top_k": s.top_k if s.top_k > 0 else -1,
+                "top_k": s.top_k if 0 < s.top_k <= INT32_MAX else -1,  # beyond: all tokens
                 "min_p": s.min_p,
                 "frequency_penalty": s.frequency_penalty,
                 "presence_penalty": s.presence_penalty,

@@ -42,6 +42,7 @@ from types import ModuleType
 from typing import Any, ClassVar
 
 from direct_frontend.engines.dialects.base import (
+    UINT32_MAX,
     Capabilities,
     LegPlan,
     PairingFacts,
@@ -49,6 +50,7 @@ from direct_frontend.engines.dialects.base import (
     SmgDialect,
     SmgStreamDecoder,
     StreamDecoder,
+    WireLimits,
     bootstrap_address,
 )
 from direct_frontend.engines.neutral import Disaggregation, EngineInfo, EngineRole, GenerateCall
@@ -137,6 +139,7 @@ class VllmStreamDecoder(SmgStreamDecoder):
 class VllmDialect(SmgDialect):
     kind: ClassVar[str] = "vllm"
     capabilities: ClassVar[Capabilities] = Capabilities(prefill_decode=True, text_input=True)
+    limits: ClassVar[WireLimits] = WireLimits(top_k=UINT32_MAX)  # top_k is a uint32 here
     service: ClassVar[str] = SERVICE
     pb: ClassVar[ModuleType] = pb
 
@@ -144,6 +147,7 @@ class VllmDialect(SmgDialect):
         self._clock = clock  # wall clock, to turn the reported uptime into a start time
 
     def generate(self, call: GenerateCall) -> Rpc:
+        self.check(call)
         s = call.sampling
         params: dict[str, Any] = {
             "temperature": s.temperature,  # unset would mean 1.0, not our value
