@@ -23,6 +23,7 @@ from typing import Any
 
 import httpx
 import pytest
+import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -189,3 +190,29 @@ def test_the_reported_overflows_are_answered(
             else:
                 assert response.status_code == 400
                 assert response.json()["error"]["param"] == param
+
+
+def test_an_unexpected_failure_is_an_openai_500_logged_once(
+    daemon: Daemon, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A body the server hands over wrongly (an int, not bytes) breaks the handler itself."""
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": 42, "more_body": False}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "path": "/v1/chat/completions", "method": "POST", "headers": []}
+    assert daemon.app is not None
+    with caplog.at_level("ERROR", logger="direct_frontend.http"):
+        trio.from_thread.run(daemon.app, scope, receive, send, trio_token=daemon.token)
+    start, body = sent
+    assert start["status"] == 500
+    request_id = dict(start["headers"])[b"x-request-id"]
+    assert len(request_id) == 16
+    assert json.loads(body["body"])["error"]["code"] == "internal_error"
+    failures = [r for r in caplog.records if r.name == "direct_frontend.http"]
+    assert len(failures) == 1 and failures[0].exc_info is not None
+    assert "TypeError" in caplog.text
