@@ -21,6 +21,7 @@ from typing import Annotated, Any, Final, Literal, TypeVar
 
 import msgspec
 
+from direct_frontend.engines.neutral import FLOAT32_MAX, UINT32_MAX
 from direct_frontend.openai.errors import OpenAIHTTPError, invalid_request
 from direct_frontend.openai.types import (
     ROLES,
@@ -32,10 +33,6 @@ from direct_frontend.openai.types import (
     ToolCall,
 )
 
-#: the largest uint32 / float32: what every engine contract carries counts, token ids
-#: and sampling floats in
-UINT32_MAX: Final = 2**32 - 1
-FLOAT32_MAX: Final = 3.4028234663852886e38
 #: how deeply a body's arrays and objects may nest (a real request needs about 10)
 MAX_JSON_DEPTH: Final = 64
 

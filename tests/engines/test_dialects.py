@@ -35,8 +35,6 @@ from direct_frontend.engines.dialects import dialect_for
 from direct_frontend.engines.dialects.base import (
     DEFAULT_BOOTSTRAP_PORT,
     ENGINE_ABORTED,
-    INT32_MAX,
-    UINT32_MAX,
     Dialect,
     Rpc,
 )
@@ -48,6 +46,8 @@ from direct_frontend.engines.dialects.vllm import (
     int32_seed,
 )
 from direct_frontend.engines.neutral import (
+    INT32_MAX,
+    UINT32_MAX,
     Disaggregation,
     EngineEvent,
     EngineInfo,

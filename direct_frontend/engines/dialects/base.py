@@ -23,6 +23,9 @@ from grpclib.const import Status
 from grpclib.exceptions import GRPCError, ProtocolError, StreamTerminatedError
 
 from direct_frontend.engines.neutral import (
+    FLOAT32_MAX,
+    INT32_MAX,
+    UINT32_MAX,
     EngineEvent,
     EngineInfo,
     Finished,
@@ -94,11 +97,6 @@ class LegPlan:
     decode_call: GenerateCall
     parallel: bool  # both legs at once (SGLang), or the prefill leg first (vLLM)
     relays_kv_params: bool  # the decode leg carries the prefill's kv_transfer_params
-
-
-INT32_MAX = 2**31 - 1
-UINT32_MAX = 2**32 - 1
-FLOAT32_MAX = 3.4028234663852886e38
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -31,7 +31,6 @@ from grpclib.const import Status
 from grpclib.exceptions import GRPCError
 
 from direct_frontend.engines.dialects.base import (
-    INT32_MAX,
     Capabilities,
     LegPlan,
     PairingFacts,
@@ -44,7 +43,13 @@ from direct_frontend.engines.dialects.base import (
     classify_exception,
     engine_aborted,
 )
-from direct_frontend.engines.neutral import Disaggregation, EngineInfo, EngineRole, GenerateCall
+from direct_frontend.engines.neutral import (
+    INT32_MAX,
+    Disaggregation,
+    EngineInfo,
+    EngineRole,
+    GenerateCall,
+)
 from direct_frontend.errors import EngineError
 from protos import sglang_scheduler_pb2 as pb
 

@@ -34,7 +34,6 @@ from types import ModuleType
 from typing import Any, ClassVar
 
 from direct_frontend.engines.dialects.base import (
-    INT32_MAX,
     Capabilities,
     HealthResult,
     Rpc,
@@ -46,6 +45,7 @@ from direct_frontend.engines.dialects.base import (
     unusual_finish,
 )
 from direct_frontend.engines.neutral import (
+    INT32_MAX,
     EngineEvent,
     EngineInfo,
     EngineRole,

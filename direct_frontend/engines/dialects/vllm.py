@@ -42,7 +42,6 @@ from types import ModuleType
 from typing import Any, ClassVar
 
 from direct_frontend.engines.dialects.base import (
-    UINT32_MAX,
     Capabilities,
     LegPlan,
     PairingFacts,
@@ -53,7 +52,13 @@ from direct_frontend.engines.dialects.base import (
     WireLimits,
     bootstrap_address,
 )
-from direct_frontend.engines.neutral import Disaggregation, EngineInfo, EngineRole, GenerateCall
+from direct_frontend.engines.neutral import (
+    UINT32_MAX,
+    Disaggregation,
+    EngineInfo,
+    EngineRole,
+    GenerateCall,
+)
 from protos import vllm_engine_pb2 as pb
 
 SERVICE = "/vllm.grpc.engine.VllmEngine"
