@@ -30,11 +30,15 @@ class ErrorKind(enum.Enum):
 class EngineError(Exception):
     """A failure of one engine call, already classified by the engine's dialect."""
 
-    def __init__(self, kind: ErrorKind, message: str, *, engine: str = "") -> None:
+    def __init__(
+        self, kind: ErrorKind, message: str, *, engine: str = "", param: str | None = None
+    ) -> None:
         super().__init__(message)
         self.kind = kind
         self.message = message
         self.engine = engine
+        #: the request field to blame, for a request refused before it was sent
+        self.param = param
 
     def __str__(self) -> str:
         where = f" ({self.engine})" if self.engine else ""

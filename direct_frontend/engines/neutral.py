@@ -10,6 +10,12 @@ from __future__ import annotations
 import dataclasses
 import enum
 
+#: the wire types every engine contract uses for counts and token ids (uint32), for
+#: context lengths (int32) and for sampling floats (float32): their largest values
+INT32_MAX = 2**31 - 1
+UINT32_MAX = 2**32 - 1
+FLOAT32_MAX = 3.4028234663852886e38
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class SamplingOptions:

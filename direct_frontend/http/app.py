@@ -9,6 +9,7 @@ generation request is parsed here, then walks the pipeline
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Awaitable, Callable
 
@@ -19,6 +20,7 @@ from direct_frontend.http.admin import credential_ok, events_socket, unauthorize
 from direct_frontend.http.asgi import (
     ClientGone,
     Receive,
+    ResponseProgress,
     Scope,
     Send,
     hide_recycle_disconnect,
@@ -46,6 +48,8 @@ from direct_frontend.pipeline.preprocess import Kind, prepare
 from direct_frontend.pipeline.relay import Relay
 from direct_frontend.pipeline.settings import Settings
 from direct_frontend.text.model_dir import TextModel
+
+log = logging.getLogger("direct_frontend.http")
 
 #: an endpoint: the request's settings snapshot and its ASGI triple in, the HTTP status out
 Handler = Callable[[Settings, Scope, Receive, Send], Awaitable[int]]
@@ -112,10 +116,18 @@ class App:
             return
         status = 500
         self.metrics.request_started()
-        receive, send = hide_recycle_disconnect(receive, send)
+        request_id = new_request_id()  # here, so even a failed handler's 500 names it
+        token = current_request_id.set(request_id)
+        progress = ResponseProgress(send)
+        receive, send = hide_recycle_disconnect(receive, progress.send)
         try:
             status = await handler(settings, scope, receive, send)
+        except Exception:  # a bug: answered and logged here, once, never an empty 500
+            log.exception("unexpected error serving %s %s", method, path)
+            status = 500
+            await progress.fail([(b"x-request-id", request_id.encode())])
         finally:
+            current_request_id.reset(token)
             self.metrics.request_finished(path, status, time.perf_counter() - started)
 
     # -- admin -------------------------------------------------------------------------
@@ -181,7 +193,7 @@ class App:
         return await self._generate("completion", settings, receive, send)
 
     async def _generate(self, kind: Kind, settings: Settings, receive: Receive, send: Send) -> int:
-        request_id = new_request_id()
+        request_id = current_request_id.get() or new_request_id()  # set on arrival
         token = current_request_id.set(request_id)
         headers = [(b"x-request-id", request_id.encode())]
         frontend = settings.frontend

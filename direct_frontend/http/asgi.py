@@ -1,7 +1,8 @@
 """The ASGI plumbing every endpoint shares: types, body reading and writing, lifespan.
 
 Also the guard that keeps the ``http.disconnect`` hypercorn sends while
-recycling a finished connection from looking like a client that left.
+recycling a finished connection from looking like a client that left, and
+the last resort that answers a request whose handler failed unexpectedly.
 """
 
 from __future__ import annotations
@@ -9,7 +10,12 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from direct_frontend.openai.errors import OpenAIHTTPError, error_body, request_too_large
+from direct_frontend.openai.errors import (
+    OpenAIHTTPError,
+    error_body,
+    internal_error,
+    request_too_large,
+)
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -55,6 +61,40 @@ def hide_recycle_disconnect(receive: Receive, send: Send) -> tuple[Receive, Send
         return message
 
     return tracked_receive, tracked_send
+
+
+class ResponseProgress:
+    """How far a response got, so a handler that failed unexpectedly can still be answered.
+
+    ``send`` is the wrapped send the handler uses.
+    """
+
+    __slots__ = ("_send", "finished", "started")
+
+    def __init__(self, send: Send) -> None:
+        self._send = send
+        self.started = False
+        self.finished = False
+
+    async def send(self, message: Message) -> None:
+        if message["type"] == "http.response.start":
+            self.started = True
+        elif message["type"] == "http.response.body" and not message.get("more_body", False):
+            self.finished = True
+        await self._send(message)
+
+    async def fail(self, headers: Headers) -> None:
+        """End the response after an unexpected error: a 500 if nothing was sent yet.
+
+        Never the empty 500 the server would write: an OpenAI error with
+        ``headers`` (the request id). A response already under way is ended
+        as it stands; a stream writes its own error event before getting here.
+        """
+        if not self.started:
+            await send_error(self._send, internal_error(), headers)
+        elif not self.finished:
+            await self._send({"type": "http.response.body", "body": b"", "more_body": False})
+        self.started = self.finished = True
 
 
 async def read_body(receive: Receive, limit: int) -> bytes:

@@ -28,7 +28,7 @@ from direct_frontend.http.asgi import (
     send_error,
 )
 from direct_frontend.http.render import ChunkRenderer, Usage, render_full
-from direct_frontend.openai.errors import OpenAIHTTPError
+from direct_frontend.openai.errors import OpenAIHTTPError, internal_error
 from direct_frontend.pipeline.preprocess import PreparedRequest
 from direct_frontend.pipeline.relay import Relay, RelayState
 from direct_frontend.pipeline.settings import Settings
@@ -131,6 +131,14 @@ async def _stream(relay: Relay, state: RelayState, send: Send, headers: Headers)
         out += renderer.error(state.error_for(exc))
         out += renderer.done()
         await send({"type": "http.response.body", "body": bytes(out), "more_body": False})
+    except Exception:
+        if not started:
+            raise  # the app answers it with an OpenAI 500 (and logs it)
+        log.exception("unexpected error while streaming")  # the stream ends with an error event
+        out += renderer.error(internal_error())
+        out += renderer.done()
+        await send({"type": "http.response.body", "body": bytes(out), "more_body": False})
+        return 500
     return 200
 
 

@@ -170,6 +170,8 @@ def unknown_route(method: str, path: str) -> OpenAIHTTPError:
 def from_engine_error(err: EngineError) -> OpenAIHTTPError:
     """Map a classified engine failure (after retries gave up) to a client error."""
     match err.kind:
+        case ErrorKind.BAD_REQUEST if err.param is not None:  # refused before it was sent
+            return invalid_request(err.message, err.param)
         case ErrorKind.BAD_REQUEST:
             return invalid_request(f"The engine rejected the request: {err.message}")
         case ErrorKind.TIMEOUT:

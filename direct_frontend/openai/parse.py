@@ -5,6 +5,13 @@ check types and ranges, and ignore unknown fields since OpenAI clients send
 extras), then checked for what we do not support and normalised into frozen
 public requests (:mod:`.types`). Every failure is an
 :class:`~direct_frontend.openai.errors.OpenAIHTTPError`.
+
+Numeric bounds are the OpenAI API's documented ranges where it has them, else
+the widest type any engine contract carries the field in (docs/engine-contracts.md:
+token counts and ids are uint32 everywhere, floats are float32); each engine
+kind's dialect refuses what its own contract cannot carry. A body nested
+deeper than :data:`MAX_JSON_DEPTH` is refused before it is decoded, so no
+client can make the decoder (or a chat template after it) recurse without end.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ from typing import Annotated, Any, Final, Literal, TypeVar
 
 import msgspec
 
+from direct_frontend.engines.neutral import FLOAT32_MAX, UINT32_MAX
 from direct_frontend.openai.errors import OpenAIHTTPError, invalid_request
 from direct_frontend.openai.types import (
     ROLES,
@@ -25,10 +33,15 @@ from direct_frontend.openai.types import (
     ToolCall,
 )
 
-_PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
-_NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
+#: how deeply a body's arrays and objects may nest (a real request needs about 10)
+MAX_JSON_DEPTH: Final = 64
+
+_Count = Annotated[int, msgspec.Meta(ge=1, le=UINT32_MAX)]
+_NonNegCount = Annotated[int, msgspec.Meta(ge=0, le=UINT32_MAX)]
+_TokenId = Annotated[int, msgspec.Meta(ge=0, le=UINT32_MAX)]
 _Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
 _Int64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
+_Choices = Annotated[int, msgspec.Meta(ge=1, le=128)]  # OpenAI: n is 1..128
 _MAX_STOP: Final = 16
 #: Characters in all of a request's stop strings together (README, "HTTP API"). Matching
 #: is linear in it, but every request's matcher holds it, so client input stays bounded.
@@ -62,21 +75,21 @@ class _NamedToolChoiceWire(msgspec.Struct):
 
 class _WireBase(msgspec.Struct, kw_only=True):
     model: str
-    max_tokens: _PositiveInt | None = None
-    max_completion_tokens: _PositiveInt | None = None
-    min_tokens: _NonNegInt | None = None
+    max_tokens: _Count | None = None
+    max_completion_tokens: _Count | None = None
+    min_tokens: _NonNegCount | None = None
     temperature: Annotated[float, msgspec.Meta(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] | None = None
-    top_k: Annotated[int, msgspec.Meta(ge=-1)] | None = None
+    top_k: Annotated[int, msgspec.Meta(ge=-1, le=UINT32_MAX)] | None = None
     min_p: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] | None = None
     frequency_penalty: _Penalty | None = None
     presence_penalty: _Penalty | None = None
-    repetition_penalty: Annotated[float, msgspec.Meta(gt=0.0)] | None = None
+    repetition_penalty: Annotated[float, msgspec.Meta(gt=0.0, le=FLOAT32_MAX)] | None = None
     seed: _Int64 | None = None
     stop: str | Annotated[list[str], msgspec.Meta(max_length=_MAX_STOP)] | None = None
-    stop_token_ids: list[_NonNegInt] | None = None
+    stop_token_ids: list[_TokenId] | None = None
     ignore_eos: bool | None = None
-    n: _PositiveInt | None = None
+    n: _Choices | None = None
     stream: bool | None = None
     stream_options: _StreamOptionsWire | None = None
     user: str | None = None
@@ -87,7 +100,7 @@ class _WireBase(msgspec.Struct, kw_only=True):
 class _ChatWire(_WireBase, kw_only=True):
     messages: Annotated[list[_MessageWire], msgspec.Meta(min_length=1)]
     logprobs: bool | None = None
-    top_logprobs: _NonNegInt | None = None
+    top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None  # OpenAI: 0..20
     tools: list[Tool] | None = None
     tool_choice: str | _NamedToolChoiceWire | None = None
     chat_template_kwargs: dict[str, Any] | None = None
@@ -95,10 +108,10 @@ class _ChatWire(_WireBase, kw_only=True):
 
 class _CompletionWire(_WireBase, kw_only=True):
     prompt: str | list[Any]
-    logprobs: bool | int | None = None
+    logprobs: bool | Annotated[int, msgspec.Meta(ge=0, le=5)] | None = None  # OpenAI: 0..5
     echo: bool | None = None
     suffix: str | None = None
-    best_of: _PositiveInt | None = None
+    best_of: Annotated[int, msgspec.Meta(ge=1, le=20)] | None = None  # OpenAI: up to 20
 
 
 _W = TypeVar("_W", bound=_WireBase)
@@ -135,7 +148,47 @@ def _from_validation_error(exc: msgspec.ValidationError) -> OpenAIHTTPError:
     return invalid_request(f"Invalid {kind} for '{param}': {_lower_first(detail)}.", param)
 
 
+#: every byte but quotes and brackets, deleted by ``bytes.translate``; ``{}`` read as ``[]``
+_NOT_STRUCTURE: Final = bytes(b for b in range(256) if b not in b'"[]{}')
+_AS_SQUARE: Final = bytes.maketrans(b"{}", b"[]")
+
+
+def nesting_depth_exceeds(body: bytes, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Whether the JSON in ``body`` nests arrays and objects deeper than ``limit``.
+
+    A scan of the raw bytes in C-speed steps (no Python loop per byte): a body
+    with at most ``limit`` opening brackets (almost every request) costs two
+    ``count`` calls. Otherwise strings are cut out (escaped backslashes, then
+    escaped quotes, then what is between quotes), leaving the brackets,
+    and empty pairs are removed one level per pass: after ``limit`` passes a
+    pair left means a deeper nest; a run of more than ``limit`` opening
+    brackets (an unclosed nest) is found on the way. Malformed JSON that is
+    not too deep is left for the decoder to name.
+    """
+    if body.count(b"[") + body.count(b"{") <= limit:
+        return False
+    if b"\\" in body:
+        body = body.replace(b"\\\\", b"").replace(b'\\"', b"")
+    # Quotes and brackets only; two adjacent quotes go together (an empty string, or
+    # the nothing between two strings), so what is left between quotes is in strings.
+    structure = body.translate(_AS_SQUARE, _NOT_STRUCTURE).replace(b'""', b"")
+    brackets = b"".join(structure.split(b'"')[::2]) if b'"' in structure else structure
+    too_deep = b"[" * (limit + 1)
+    for _ in range(limit):
+        if too_deep in brackets:
+            return True
+        shallower = brackets.replace(b"[]", b"")  # the innermost level of every nest
+        if len(shallower) == len(brackets):
+            return False
+        brackets = shallower
+    return b"[]" in brackets
+
+
 def _decode(decoder: msgspec.json.Decoder[_W], body: bytes) -> _W:
+    if nesting_depth_exceeds(body):
+        raise invalid_request(
+            f"The request body nests arrays and objects more than {MAX_JSON_DEPTH} levels deep."
+        )
     try:
         return decoder.decode(body)
     except msgspec.ValidationError as exc:
@@ -303,6 +356,12 @@ def _prompt(raw: str | list[Any]) -> str | tuple[int, ...]:
             raise invalid_request(
                 f"Invalid type for '{where}[{k}]': expected a string, a list of one string, "
                 "a list of token ids (integers >= 0) or a list of one such list.",
+                f"{where}[{k}]",
+            )
+        if tok > UINT32_MAX:
+            raise invalid_request(
+                f"Invalid value for '{where}[{k}]': a token id is an integer from 0 to "
+                f"{UINT32_MAX}, got {tok}.",
                 f"{where}[{k}]",
             )
     return tuple(ids)

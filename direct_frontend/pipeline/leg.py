@@ -64,13 +64,18 @@ async def run_leg(
     """
     channel: EngineChannel = engine.transport
     dialect: Dialect = channel.dialect
+    try:
+        rpc = dialect.generate(call)  # a value the contract cannot carry is refused here
+    except EngineError as refused:
+        refused.engine = engine.name
+        raise
     decoder = dialect.stream_decoder(call)
     prompt = len(call.input_ids)
     engine.load.begin(prompt, blocks)
     failure: EngineError | None = None
     engine_call: EngineCall | None = None
     try:
-        async with channel.stream(dialect.generate(call), decoder) as receiver:
+        async with channel.stream(rpc, decoder) as receiver:
             engine_call = EngineCall(engine, call, receiver)
             yield engine_call
     except EngineError as error:

@@ -46,6 +46,8 @@ from direct_frontend.engines.dialects.vllm import (
     int32_seed,
 )
 from direct_frontend.engines.neutral import (
+    INT32_MAX,
+    UINT32_MAX,
     Disaggregation,
     EngineEvent,
     EngineInfo,
@@ -57,6 +59,7 @@ from direct_frontend.engines.neutral import (
     TokenDelta,
 )
 from direct_frontend.errors import EngineError, ErrorKind
+from direct_frontend.openai.errors import from_engine_error
 from direct_frontend.simulator import TimingModel
 from protos import vllm_engine_pb2
 from tests.support import sim
@@ -912,3 +915,73 @@ def test_simulated_engine_health_and_discovery(kind: str) -> None:
             assert time.time() - (older.started_at or 0) >= 5
 
     run(body())
+
+
+# ---------------------------------------------------------------------------
+# What each contract can carry: refused before a request is built.
+# ---------------------------------------------------------------------------
+
+
+def bounded(prompt: tuple[int, ...] = PROMPT, **sampling: Any) -> GenerateCall:
+    options = dataclasses.replace(PLAIN, **sampling)
+    return GenerateCall("req-limits", prompt, options, stream=True)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize(
+    ("sampling", "param"),
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": UINT32_MAX + 1}, "max_tokens"),
+        ({"max_tokens": INT32_MAX - len(PROMPT) + 1}, "max_tokens"),  # prompt + budget
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"min_tokens": UINT32_MAX + 1}, "min_tokens"),
+        ({"stop_token_ids": (7, UINT32_MAX + 1)}, "stop_token_ids[1]"),
+        ({"stop_token_ids": (-1,)}, "stop_token_ids[0]"),
+        ({"top_k": UINT32_MAX + 1}, "top_k"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"top_p": float("inf")}, "top_p"),
+        ({"repetition_penalty": 1e39}, "repetition_penalty"),  # beyond float32
+        ({"presence_penalty": -1e39}, "presence_penalty"),
+    ],
+)
+def test_values_no_contract_carries_are_refused_naming_the_field(
+    kind: str, sampling: dict[str, Any], param: str
+) -> None:
+    with pytest.raises(EngineError) as info:
+        dialect_for(kind).generate(bounded(**sampling))
+    assert info.value.kind is ErrorKind.BAD_REQUEST
+    assert info.value.param == param
+    assert param.split("[")[0] in info.value.message
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_edges_every_contract_carries_are_built(kind: str) -> None:
+    dialect = dialect_for(kind)
+    edges = bounded(
+        max_tokens=INT32_MAX - len(PROMPT), min_tokens=UINT32_MAX,
+        stop_token_ids=(0, UINT32_MAX), top_k=UINT32_MAX, repetition_penalty=3.4e38,
+        seed=2**63 - 1,
+    )
+    dialect.check(edges)
+    dialect.generate(edges).request.SerializeToString()
+
+
+def test_a_top_k_beyond_int32_is_sent_as_disabled_where_the_field_is_an_int32() -> None:
+    """Beyond any vocabulary, so every token is kept either way (no kind refuses it)."""
+    wide = bounded(top_k=INT32_MAX + 1)
+    assert dialect_for("vllm").generate(wide).request.sampling_params.top_k == INT32_MAX + 1
+    assert dialect_for("sglang").generate(wide).request.sampling_params.top_k == -1
+    assert not dialect_for("trtllm").generate(wide).request.sampling_config.HasField("top_k")
+    assert dialect_for("sglang").generate(bounded(top_k=INT32_MAX)).request.sampling_params.top_k \
+        == INT32_MAX
+
+
+def test_a_refusal_reaches_the_client_as_a_400_naming_the_field() -> None:
+    with pytest.raises(EngineError) as info:
+        dialect_for("trtllm").generate(bounded(max_tokens=UINT32_MAX))
+    err = from_engine_error(info.value)
+    assert (err.status, err.param, err.type) == (400, "max_tokens", "invalid_request_error")
+    assert "engine rejected" not in err.message  # our refusal, not the engine's
+    engine_side = from_engine_error(EngineError(ErrorKind.BAD_REQUEST, "INVALID_ARGUMENT: x"))
+    assert (engine_side.status, engine_side.param) == (400, None)

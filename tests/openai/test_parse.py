@@ -6,6 +6,8 @@ import json
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from direct_frontend.engines.neutral import SamplingOptions
 from direct_frontend.errors import EngineError, ErrorKind
@@ -25,7 +27,11 @@ from direct_frontend.openai.errors import (
     unknown_route,
 )
 from direct_frontend.openai.parse import (
+    FLOAT32_MAX,
+    MAX_JSON_DEPTH,
     MAX_STOP_CHARS,
+    UINT32_MAX,
+    nesting_depth_exceeds,
     parse_chat_request,
     parse_completion_request,
 )
@@ -537,3 +543,140 @@ def test_from_engine_error(kind: ErrorKind, status: int) -> None:
     err = from_engine_error(EngineError(kind, "details here", engine="e1"))
     assert err.status == status
     assert "details here" in err.message
+
+
+# ---------------------------------------------------------------- numeric ranges
+
+
+@pytest.mark.parametrize(
+    ("field", "highest"),
+    [
+        ("max_tokens", UINT32_MAX),
+        ("max_completion_tokens", UINT32_MAX),
+        ("min_tokens", UINT32_MAX),
+        ("top_k", UINT32_MAX),
+        ("seed", 2**63 - 1),
+        ("temperature", 2.0),
+        ("top_p", 1.0),
+        ("min_p", 1.0),
+        ("frequency_penalty", 2.0),
+        ("presence_penalty", 2.0),
+        ("repetition_penalty", FLOAT32_MAX),
+    ],
+)
+def test_each_numeric_field_takes_its_highest_value_and_nothing_beyond(
+    field: str, highest: float
+) -> None:
+    parse_chat_request(chat(**{field: highest}))
+    beyond = highest + 1 if isinstance(highest, int) else highest * 1.0001
+    err = chat_error(chat(**{field: beyond}))
+    assert err.param == field
+    assert "Invalid value" in err.message
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"stop_token_ids": [1, UINT32_MAX + 1]}, "stop_token_ids[1]"),
+        ({"n": 129}, "n"),
+        ({"top_logprobs": 21}, "top_logprobs"),
+        ({"seed": -(2**63) - 1}, "seed"),
+        ({"top_k": -2}, "top_k"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+    ],
+)
+def test_chat_values_outside_their_range_are_refused(fields: dict[str, Any], param: str) -> None:
+    assert chat_error(chat(**fields)).param == param
+
+
+def test_a_number_beyond_a_double_is_refused() -> None:
+    body = chat().replace(b'"model"', b'"temperature": 1e999, "model"')
+    err = chat_error(body)
+    assert err.param == "temperature"
+
+
+def test_nan_and_infinity_literals_are_not_json() -> None:
+    for literal in (b"NaN", b"Infinity", b"-Infinity"):
+        err = chat_error(chat().replace(b'"model"', b'"top_p": ' + literal + b', "model"'))
+        assert "not valid JSON" in err.message
+
+
+def test_completion_token_ids_and_counts_are_bounded() -> None:
+    assert parse_completion_request(completion(prompt=[0, UINT32_MAX])).prompt == (0, UINT32_MAX)
+    err = completion_error(completion(prompt=[[1, UINT32_MAX + 1]]))
+    assert err.param == "prompt[0][1]"
+    assert "Invalid value" in err.message
+    assert completion_error(completion(best_of=21)).param == "best_of"
+    assert completion_error(completion(logprobs=6)).param == "logprobs"
+
+
+# ---------------------------------------------------------------- nesting depth
+
+
+def nest(depth: int, inner: bytes = b"1") -> bytes:
+    return b'{"k":' * depth + inner + b"}" * depth
+
+
+def test_a_body_nested_beyond_the_limit_is_refused_before_decoding() -> None:
+    inside = nest(MAX_JSON_DEPTH - 1)  # the body's own object makes the limit exactly
+    parse_chat_request(chat().replace(b'"model"', b'"x": ' + inside + b', "model"'))
+    for depth in (MAX_JSON_DEPTH, 1000, 100_000):  # 1000 once overflowed the decoder's stack
+        body = chat().replace(b'"model"', b'"x": ' + nest(depth) + b', "model"')
+        err = chat_error(body)
+        assert err.param is None
+        assert f"more than {MAX_JSON_DEPTH} levels" in err.message
+
+
+@pytest.mark.parametrize(
+    ("body", "deep"),
+    [
+        (b"[" * 5 + b"]" * 5, False),
+        (b"[" * 6 + b"]" * 6, True),
+        (b"[[],[],[],[],[],[],[],[],[],[]]", False),  # many brackets, shallow
+        (b"[[[[[1]]]],[[[[[1]]]]]]", True),  # deep after a shallow start
+        (b'{"a": "[[[[[[[[[[{{{{{{"}', False),  # brackets in a string
+        (b'{"a": "\\"[[[[[[[[[[", "b": [1]}', False),  # after an escaped quote
+        (b'{"a": "\\\\", "b": [[[[[[1]]]]]]}', True),  # an escaped backslash ends the string
+        (b"[[[[[[[", True),  # unbalanced but already too deep
+        (b"]]]]]]][", False),  # malformed: the decoder names it
+    ],
+)
+def test_nesting_depth_scan(body: bytes, deep: bool) -> None:
+    assert nesting_depth_exceeds(body, 5) is deep
+
+
+def depth_by_walking(body: bytes) -> int:
+    """The deepest nest in ``body``, by a plain walk over its characters (the reference)."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for char in body.decode():
+        if in_string:
+            if escaped:
+                escaped = False
+            elif char == "\\":
+                escaped = True
+            elif char == '"':
+                in_string = False
+        elif char == '"':
+            in_string = True
+        elif char in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif char in "]}":
+            depth -= 1
+    return deepest
+
+
+json_texts = st.text(alphabet='[]{}"\\ab', max_size=6)
+json_values = st.recursive(
+    st.one_of(st.integers(), json_texts),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(json_texts, inner, max_size=3),
+    max_leaves=40,
+)
+
+
+@settings(max_examples=300, derandomize=True, database=None)
+@given(value=json_values, limit=st.integers(0, 8))
+def test_the_depth_scan_agrees_with_a_plain_walk(value: Any, limit: int) -> None:
+    body = json.dumps(value).encode()
+    assert nesting_depth_exceeds(body, limit) is (depth_by_walking(body) > limit)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import math
 import random
 from collections.abc import Sequence
 from types import ModuleType
@@ -22,6 +23,9 @@ from grpclib.const import Status
 from grpclib.exceptions import GRPCError, ProtocolError, StreamTerminatedError
 
 from direct_frontend.engines.neutral import (
+    FLOAT32_MAX,
+    INT32_MAX,
+    UINT32_MAX,
     EngineEvent,
     EngineInfo,
     Finished,
@@ -93,6 +97,68 @@ class LegPlan:
     decode_call: GenerateCall
     parallel: bool  # both legs at once (SGLang), or the prefill leg first (vLLM)
     relays_kv_params: bool  # the decode leg carries the prefill's kv_transfer_params
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class WireLimits:
+    """The largest values one contract's Generate request carries (docs/engine-contracts.md).
+
+    Every contract sends token counts and token ids as uint32 and sampling
+    floats as float32, and reports context windows as int32, so a prompt plus
+    its budget beyond int32 can fit no engine. They differ in ``top_k``
+    (int32 or uint32), and a kind that cannot carry a ``top_k`` sends it as
+    "disabled" instead: a ``top_k`` beyond int32 exceeds any vocabulary
+    (vocabulary sizes are int32 too), so it keeps every token either way.
+    That is why no value is refused by one kind and carried by another, and
+    routing need not know these limits. Seeds are folded into each kind's
+    type by its dialect.
+    """
+
+    top_k: int
+    count: int = UINT32_MAX  # max_tokens, min_tokens
+    token_id: int = UINT32_MAX  # stop_token_ids (prompt ids are checked by the parser)
+    sequence: int = INT32_MAX  # prompt + max_tokens
+
+
+_FLOATS = (
+    "temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty",
+    "repetition_penalty",
+)
+
+
+def _refused(param: str, value: object, limit: str) -> EngineError:
+    return EngineError(
+        ErrorKind.BAD_REQUEST, f"Invalid value for '{param}': {value} is beyond {limit}.",
+        param=param,
+    )
+
+
+def check_limits(call: GenerateCall, limits: WireLimits) -> None:
+    """Refuse (a BAD_REQUEST naming the field) what the contract of ``limits`` cannot carry.
+
+    Run before a request is built, so an out-of-range value is the client's
+    400, never a protobuf overflow; it costs a few comparisons per request.
+    """
+    s = call.sampling
+    if not 1 <= s.max_tokens <= limits.count:
+        raise _refused("max_tokens", s.max_tokens, f"the engine's range 1..{limits.count}")
+    if not 0 <= s.min_tokens <= limits.count:
+        raise _refused("min_tokens", s.min_tokens, f"the engine's range 0..{limits.count}")
+    if len(call.input_ids) + s.max_tokens > limits.sequence:
+        raise _refused(
+            "max_tokens", s.max_tokens,
+            f"what any engine can hold after a {len(call.input_ids)}-token prompt "
+            f"({limits.sequence} tokens in all)",
+        )
+    for i, token in enumerate(s.stop_token_ids):
+        if not 0 <= token <= limits.token_id:
+            raise _refused(f"stop_token_ids[{i}]", token, f"the token ids 0..{limits.token_id}")
+    if not 0 <= s.top_k <= UINT32_MAX:
+        raise _refused("top_k", s.top_k, f"the engine's range 0..{UINT32_MAX}")
+    for name in _FLOATS:
+        value = getattr(s, name)
+        if not (math.isfinite(value) and abs(value) <= FLOAT32_MAX):
+            raise _refused(name, value, "what a float32 holds")
 
 
 STATUS_KINDS: dict[Status, ErrorKind] = {
@@ -298,9 +364,15 @@ class Dialect(abc.ABC):
 
     kind: ClassVar[str]
     capabilities: ClassVar[Capabilities]
+    limits: ClassVar[WireLimits]
+
+    def check(self, call: GenerateCall) -> None:
+        """Raise a BAD_REQUEST :class:`EngineError` for what this contract cannot carry."""
+        check_limits(call, self.limits)
 
     @abc.abstractmethod
-    def generate(self, call: GenerateCall) -> Rpc: ...
+    def generate(self, call: GenerateCall) -> Rpc:
+        """The Generate call for ``call``; runs :meth:`check` first."""
 
     @abc.abstractmethod
     def stream_decoder(self, call: GenerateCall) -> StreamDecoder: ...

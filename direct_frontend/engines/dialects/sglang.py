@@ -38,11 +38,18 @@ from direct_frontend.engines.dialects.base import (
     SmgDialect,
     SmgStreamDecoder,
     StreamDecoder,
+    WireLimits,
     bootstrap_address,
     classify_exception,
     engine_aborted,
 )
-from direct_frontend.engines.neutral import Disaggregation, EngineInfo, EngineRole, GenerateCall
+from direct_frontend.engines.neutral import (
+    INT32_MAX,
+    Disaggregation,
+    EngineInfo,
+    EngineRole,
+    GenerateCall,
+)
 from direct_frontend.errors import EngineError
 from protos import sglang_scheduler_pb2 as pb
 
@@ -62,10 +69,12 @@ class SglangStreamDecoder(SmgStreamDecoder):
 class SglangDialect(SmgDialect):
     kind: ClassVar[str] = "sglang"
     capabilities: ClassVar[Capabilities] = Capabilities(prefill_decode=True, bootstrap_server=True)
+    limits: ClassVar[WireLimits] = WireLimits(top_k=INT32_MAX)  # top_k is an int32 here
     service: ClassVar[str] = SERVICE
     pb: ClassVar[ModuleType] = pb
 
     def generate(self, call: GenerateCall) -> Rpc:
+        self.check(call)
         s = call.sampling
         # Sub-messages as dicts: protobuf builds them in place instead of copying.
         request = pb.GenerateRequest(
@@ -74,7 +83,7 @@ class SglangDialect(SmgDialect):
             sampling_params={
                 "temperature": s.temperature,
                 "top_p": s.top_p,
-                "top_k": s.top_k if s.top_k > 0 else -1,
+                "top_k": s.top_k if 0 < s.top_k <= INT32_MAX else -1,  # beyond: all tokens
                 "min_p": s.min_p,
                 "frequency_penalty": s.frequency_penalty,
                 "presence_penalty": s.presence_penalty,

@@ -39,11 +39,13 @@ from direct_frontend.engines.dialects.base import (
     Rpc,
     SmgDialect,
     StreamDecoder,
+    WireLimits,
     after_terminal,
     matched_stop,
     unusual_finish,
 )
 from direct_frontend.engines.neutral import (
+    INT32_MAX,
     EngineEvent,
     EngineInfo,
     EngineRole,
@@ -134,10 +136,12 @@ class TrtllmStreamDecoder(StreamDecoder):
 class TrtllmDialect(SmgDialect):
     kind: ClassVar[str] = "trtllm"
     capabilities: ClassVar[Capabilities] = Capabilities(prefill_decode=False)
+    limits: ClassVar[WireLimits] = WireLimits(top_k=INT32_MAX)  # top_k is an int32 here
     service: ClassVar[str] = SERVICE
     pb: ClassVar[ModuleType] = pb
 
     def generate(self, call: GenerateCall) -> Rpc:
+        self.check(call)
         s = call.sampling
         # Unset temperature/top_p/repetition_penalty default to 1.0 on the adapter:
         # always send ours. The others are sent only when they do something.
@@ -148,7 +152,7 @@ class TrtllmDialect(SmgDialect):
             "top_p": s.top_p,
             "repetition_penalty": s.repetition_penalty,
         }
-        if s.top_k > 0:
+        if 0 < s.top_k <= INT32_MAX:  # beyond int32 keeps every token: unset does too
             config["top_k"] = s.top_k
         if s.min_p > 0:
             config["min_p"] = s.min_p

@@ -49,9 +49,16 @@ from direct_frontend.engines.dialects.base import (
     SmgDialect,
     SmgStreamDecoder,
     StreamDecoder,
+    WireLimits,
     bootstrap_address,
 )
-from direct_frontend.engines.neutral import Disaggregation, EngineInfo, EngineRole, GenerateCall
+from direct_frontend.engines.neutral import (
+    UINT32_MAX,
+    Disaggregation,
+    EngineInfo,
+    EngineRole,
+    GenerateCall,
+)
 from protos import vllm_engine_pb2 as pb
 
 SERVICE = "/vllm.grpc.engine.VllmEngine"
@@ -137,6 +144,7 @@ class VllmStreamDecoder(SmgStreamDecoder):
 class VllmDialect(SmgDialect):
     kind: ClassVar[str] = "vllm"
     capabilities: ClassVar[Capabilities] = Capabilities(prefill_decode=True, text_input=True)
+    limits: ClassVar[WireLimits] = WireLimits(top_k=UINT32_MAX)  # top_k is a uint32 here
     service: ClassVar[str] = SERVICE
     pb: ClassVar[ModuleType] = pb
 
@@ -144,6 +152,7 @@ class VllmDialect(SmgDialect):
         self._clock = clock  # wall clock, to turn the reported uptime into a start time
 
     def generate(self, call: GenerateCall) -> Rpc:
+        self.check(call)
         s = call.sampling
         params: dict[str, Any] = {
             "temperature": s.temperature,  # unset would mean 1.0, not our value
