@@ -34,6 +34,7 @@ import trio
 from direct_frontend.engines.neutral import EngineEvent, Finished, GenerateCall, TokenDelta
 from direct_frontend.errors import EngineError, ErrorKind, NoEngineAvailable
 from direct_frontend.observability.metrics import Metrics
+from direct_frontend.observability.tracing import RequestTrace
 from direct_frontend.openai.errors import (
     OpenAIHTTPError,
     engine_timeout,
@@ -101,6 +102,7 @@ class RelayState:
         "settings",
         "stall_timeout_s",
         "started",
+        "trace",
     )
 
     def __init__(
@@ -113,6 +115,7 @@ class RelayState:
         *,
         now: float,
         started: float = 0.0,
+        trace: RequestTrace | None = None,
     ) -> None:
         self.settings = settings
         self.prepared = prepared
@@ -131,6 +134,7 @@ class RelayState:
         #: an error met after tokens of the same batch: raised at the next wait
         self.pending_error: EngineError | None = None
         self.started = started  # perf_counter() at the start, for the time to first token
+        self.trace = trace  # None unless tracing is on
 
     # -- one batch -----------------------------------------------------------------------
 
@@ -301,9 +305,13 @@ class Relay:
         self.metrics = metrics
         self.hit_rate = hit_rate
 
-    def begin(self, settings: Settings, prepared: PreparedRequest) -> RelayState:
+    def begin(
+        self, settings: Settings, prepared: PreparedRequest, trace: RequestTrace | None = None
+    ) -> RelayState:
         """Place an admitted request; a 503 when no engine serves, a 400 when it cannot fit."""
         request = prepared.request
+        if trace is not None:
+            trace.enter("route")
         try:
             placement = self.dispatcher.choose(
                 settings.policy, prepared.input_ids, request.max_tokens or 0
@@ -312,12 +320,17 @@ class Relay:
             raise no_engine_available(request.model) from None
         if placement.spilled:
             self.metrics.kv_load_guard_spills_total.inc()
+        if trace is not None:
+            trace.routed(settings.policy.name, placement.engine.name,
+                         placement.predicted_cached_tokens, placement.spilled)
         max_tokens = token_budget(
             prepared, placement.engine, settings.frontend.max_tokens_default
         )
         # Engine-side stop strings are not used: we stop all engine kinds the same way.
         # A non-streaming request without stop strings lets the engine send one message.
-        call = build_call(prepared, max_tokens, stream=request.stream or bool(request.stop))
+        call = build_call(
+            prepared, max_tokens, stream=request.stream or bool(request.stop), trace=trace
+        )
         eos = () if request.ignore_eos else self.text_model.eos_token_ids
         processor = OutputProcessor(
             self.text_model.new_detokenizer(skip_special_tokens=request.skip_special_tokens),
@@ -327,7 +340,7 @@ class Relay:
         )
         return RelayState(
             settings, prepared, placement, call, processor,
-            now=trio.current_time(), started=time.perf_counter(),
+            now=trio.current_time(), started=time.perf_counter(), trace=trace,
         )
 
     async def run(self, state: RelayState, emit: Emit) -> None:
@@ -360,6 +373,8 @@ class Relay:
                                 now = time.perf_counter()
                                 if last_emit == 0.0:
                                     metrics.observe_ttft(now - state.started)
+                                    if state.trace is not None:
+                                        state.trace.first_token()
                                 elif tokens:
                                     metrics.observe_inter_token(now - last_emit, tokens)
                                 last_emit = now
@@ -380,12 +395,17 @@ class Relay:
                 outcome = "retried" if decision is Decision.RETRY else "migrated"
                 metrics.engine_request(engine.name, outcome)
                 _log_attempt(error, outcome, state)
+                if state.trace is not None:
+                    state.trace.moved(outcome, error, engine.name, state.placement.engine.name,
+                                      state.processor.completion_tokens)
                 await trio.sleep(state.failover.backoff())
 
     def settle(self, state: RelayState, ok: bool) -> None:
         """The response is out (``ok``: in full): usage, and what the policy learns from it."""
         prepared = state.prepared
         self.metrics.add_tokens(len(prepared.input_ids), state.processor.completion_tokens)
+        if state.trace is not None:
+            state.trace.usage(len(prepared.input_ids), state.processor.completion_tokens)
         if not ok:
             return
         placement = state.placement
