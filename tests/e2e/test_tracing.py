@@ -147,3 +147,32 @@ def test_tracing_off_sends_no_trace_metadata(model_dir: Path, tmp_path: Path) ->
         sims = daemon.supervisor.simulators.values()
         assert sum(len(sim.stats.request_ids) for sim in sims) == 1
         assert all(sim.stats.traceparents == {} for sim in sims)
+
+
+@pytest.mark.parametrize("kind", ["sglang", "vllm"])
+def test_both_legs_of_a_prefill_decode_pair_have_their_own_spans(
+    model_dir: Path, tmp_path: Path, receiver: OtlpReceiver, kind: str
+) -> None:
+    engines = [{**sim_engine("p", kind, **PACED), "role": "prefill"},
+               {**sim_engine("d", kind, **PACED), "role": "decode"}]
+    tracing = f'\n[frontend.tracing]\notlp_endpoint = "{receiver.endpoint}"\n'
+    text = fleet_text(model_dir, engines, frontend_extra=tracing,
+                      probe="interval_s = 0.1\ntimeout_s = 1.0")
+    with running_daemon(tmp_path, text) as daemon:
+        daemon.wait_serving(2)
+        stream(daemon)
+        sims = daemon.supervisor.simulators
+        received_metadata = {name: dict(sim.stats.traceparents) for name, sim in sims.items()}
+    spans = receiver.received()
+    (root,) = [s for s in spans if s.name == "POST /v1/chat/completions"]
+    legs = {s.attributes["engine.role"]: s for s in children(spans, root)
+            if s.name == "engine leg"}
+    assert sorted(legs) == ["decode", "prefill"]
+    assert legs["prefill"].attributes["engine.name"] == "p"
+    assert legs["decode"].attributes["engine.name"] == "d"
+    for leg in legs.values():
+        assert leg.attributes["leg.disaggregated"] is True
+        assert leg.attributes["engine.kind"] == kind
+        engine, request_id = leg.attributes["engine.name"], leg.attributes["engine.request_id"]
+        assert received_metadata[engine][request_id].split("-")[1:3] == [leg.trace_id,
+                                                                          leg.span_id]
