@@ -35,7 +35,7 @@ from hypercorn.trio import serve
 from direct_frontend.control.kv_plane import KvPlane
 from direct_frontend.control.reload import ControlPlane, file_digest, kv_block_size
 from direct_frontend.control.supervisor import Supervisor
-from direct_frontend.fleet.schema import FleetConfig
+from direct_frontend.fleet.schema import FleetConfig, TracingConfig
 from direct_frontend.fleet.watch import POLL_INTERVAL_S, FileStamp, stamp_of, watch_file
 from direct_frontend.http import coalesce, keepalive
 from direct_frontend.http.app import App
@@ -43,6 +43,7 @@ from direct_frontend.kv.index import KvIndex
 from direct_frontend.observability import descriptors, shims
 from direct_frontend.observability.metrics import Metrics
 from direct_frontend.observability.sdnotify import Notifier
+from direct_frontend.observability.tracing import Tracing
 from direct_frontend.pipeline.dispatch import Dispatcher
 from direct_frontend.pipeline.relay import Relay
 from direct_frontend.pipeline.settings import Settings
@@ -101,7 +102,8 @@ async def serve_fleet(
         )
         control = ControlPlane(fleet, supervisor, settings, metrics, notifier, digest)
         relay = Relay(Dispatcher(supervisor), text_model, metrics, HitRateWatch(metrics))
-        app = App(control, relay, text_model, metrics)
+        tracing = _open_tracing(fleet.frontend.tracing)
+        app = App(control, relay, text_model, metrics, tracing)
         async with trio.open_nursery() as nursery:
             if handle_signals:  # only the main thread may install signal handlers
                 nursery.start_soon(_watch_signals, shutdown, control, nursery.cancel_scope)
@@ -125,7 +127,17 @@ async def serve_fleet(
             with trio.move_on_after(shutdown_grace_s + 1):
                 await app.http_stopped.wait()
             nursery.cancel_scope.cancel()
+        if tracing is not None:  # what is still buffered goes out (a crash: at exit)
+            await trio.to_thread.run_sync(tracing.shutdown)
     notifier.close()
+
+
+def _open_tracing(config: TracingConfig) -> Tracing | None:
+    """The daemon's tracer if ``[frontend.tracing]`` configures one (read once, at start)."""
+    if config.otlp_endpoint is None:
+        return None
+    log.info("tracing: spans go to %s", config.otlp_endpoint)
+    return Tracing(config.otlp_endpoint, config.service_name, config.sample_ratio)
 
 
 def _read_or_empty(path: Path) -> bytes:

@@ -217,8 +217,11 @@ async def wait_ready(child: Child, port: int, limit_s: float = 60.0) -> float:
         await asyncio.sleep(0.005)
 
 
-def bench_fleet(listen_port: int, engine_port: int) -> str:
-    """One real (non-simulated) SGLang engine behind the frontend."""
+def bench_fleet(listen_port: int, engine_port: int, otlp_endpoint: str | None = None) -> str:
+    """One real (non-simulated) SGLang engine behind the frontend (tracing to a collector)."""
+    tracing = "" if otlp_endpoint is None else (
+        f"\n[frontend.tracing]\notlp_endpoint = {json.dumps(otlp_endpoint)}\n"
+    )
     return (
         "[frontend]\n"
         f'listen = "{HOST}:{listen_port}"\n'
@@ -228,6 +231,7 @@ def bench_fleet(listen_port: int, engine_port: int) -> str:
         'name = "bench-engine"\n'
         f'url = "grpc://{HOST}:{engine_port}"\n'
         'kind = "sglang"\n'
+        f"{tracing}"
     )
 
 
@@ -673,6 +677,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--daemon-cmd", default=None,
                    help="command that stands for `direct-frontend` when starting the daemon under "
                         "test (shell-quoted), e.g. to A/B a patched daemon")
+    p.add_argument("--otlp-endpoint", default=None,
+                   help="trace every request to this OTLP/HTTP collector ([frontend.tracing])")
     p.add_argument("--json", action="store_true", help="also print the results as one JSON line")
     p.add_argument("--keep-logs", action="store_true", help="keep the temp dir with the logs")
     return p.parse_args(argv)
@@ -746,7 +752,7 @@ async def bench(
     await wait_for_port(engine, engine_port)
 
     fleet = tmp / "bench-fleet.toml"
-    fleet.write_text(bench_fleet(listen_port, engine_port))
+    fleet.write_text(bench_fleet(listen_port, engine_port, args.otlp_endpoint))
     daemon_cmd = shlex.split(args.daemon_cmd) if args.daemon_cmd else cli_argv()
     daemon = Child("daemon", [*daemon_cmd, "run", str(fleet), "--log-level", "WARNING"],
                    tmp / "daemon.log")

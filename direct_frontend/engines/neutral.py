@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from direct_frontend.observability.tracing import RequestTrace
 
 #: the wire types every engine contract uses for counts and token ids (uint32), for
 #: context lengths (int32) and for sampling floats (float32): their largest values
@@ -67,6 +71,8 @@ class GenerateCall:
     stream: bool = True
     original_text: str = ""
     disaggregation: Disaggregation | None = None  # one leg of a prefill/decode pair
+    #: the request's spans when tracing is on: each leg opens its own under it
+    trace: RequestTrace | None = dataclasses.field(default=None, compare=False, repr=False)
 
 
 class FinishReason(enum.Enum):

@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import trio
@@ -136,9 +136,16 @@ class EngineChannel:
 
     @contextlib.asynccontextmanager
     async def stream(
-        self, rpc: Rpc, decoder: StreamDecoder, deadline_s: float | None = None
+        self,
+        rpc: Rpc,
+        decoder: StreamDecoder,
+        deadline_s: float | None = None,
+        metadata: Mapping[str, str] | None = None,
     ) -> AsyncIterator[EventReceiver]:
-        """Open a server-streaming call and yield the receiver of its neutral events."""
+        """Open a server-streaming call and yield the receiver of its neutral events.
+
+        ``metadata`` goes out with the call (a trace's ``traceparent``).
+        """
         tx, rx = trio.open_memory_channel[StreamItem](math.inf)
         method: UnaryStreamMethod[Any, Any] = UnaryStreamMethod(
             self._channel, rpc.path, type(rpc.request), rpc.response_type
@@ -149,7 +156,7 @@ class EngineChannel:
             with tx:
                 events: list[EngineEvent] = []
                 try:
-                    async with method.open(timeout=deadline_s) as call:
+                    async with method.open(timeout=deadline_s, metadata=metadata) as call:
                         await call.send_message(rpc.request, end=True)
                         self._note_connection()
                         await call.recv_initial_metadata()

@@ -9,7 +9,7 @@ can be trusted, and that is the usual reason a fleet needs an override.
 from __future__ import annotations
 
 from direct_frontend.engines.neutral import EngineRole
-from direct_frontend.fleet.schema import EngineConfig, FleetConfig, FrontendConfig
+from direct_frontend.fleet.schema import EngineConfig, FleetConfig, FrontendConfig, TracingConfig
 
 JsonValue = None | bool | int | float | str | list["JsonValue"] | dict[str, "JsonValue"]
 
@@ -86,7 +86,7 @@ def to_jsonable(cfg: FleetConfig, *, redact: bool = True) -> dict[str, JsonValue
     admin, auth = frontend.admin, frontend.auth
     token: JsonValue = admin.token if not redact or admin.token is None else REDACTED
     api_keys: list[JsonValue] = [key if not redact else REDACTED for key in auth.api_keys]
-    probe = frontend.probe
+    probe, tracing = frontend.probe, frontend.tracing
     knobs: dict[str, JsonValue] = dict(frontend.routing.knobs)
     engines: list[JsonValue] = [_engine_json(engine) for engine in cfg.engines]
     return {
@@ -121,6 +121,11 @@ def to_jsonable(cfg: FleetConfig, *, redact: bool = True) -> dict[str, JsonValue
                 "max_in_flight": frontend.limits.max_in_flight,
                 "max_queue": frontend.limits.max_queue,
                 "queue_timeout_s": frontend.limits.queue_timeout_s,
+            },
+            "tracing": {
+                "otlp_endpoint": tracing.otlp_endpoint,
+                "service_name": tracing.service_name,
+                "sample_ratio": tracing.sample_ratio,
             },
         },
         "engines": engines,
@@ -193,7 +198,15 @@ def _frontend_rows(frontend: FrontendConfig) -> list[tuple[str, str]]:
         ("limits.max_in_flight", str(frontend.limits.max_in_flight)),
         ("limits.max_queue", str(frontend.limits.max_queue)),
         ("limits.queue_timeout_s", _scalar(frontend.limits.queue_timeout_s)),
+        ("tracing", _tracing_row(frontend.tracing)),
     ]
+
+
+def _tracing_row(tracing: TracingConfig) -> str:
+    if tracing.otlp_endpoint is None:
+        return "off"
+    return (f"{tracing.otlp_endpoint} (service {tracing.service_name},"
+            f" sampling {_scalar(tracing.sample_ratio)})")
 
 
 def _engine_lines(engine: EngineConfig) -> list[str]:

@@ -20,8 +20,8 @@ from direct_frontend.fleet.schema import FleetConfig
 
 #: ``[frontend]`` settings a running daemon cannot change: the listening socket, the
 #: tokenizer loaded at start, the model name every engine was admitted against, and the
-#: log format chosen at start (the command line may override it).
-RESTART_FIELDS = ("listen", "tokenizer", "served_model_name", "log_json")
+#: log format chosen at start (the command line may override it), and the tracer built at start.
+RESTART_FIELDS = ("listen", "tokenizer", "served_model_name", "log_json", "tracing")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

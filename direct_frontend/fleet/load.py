@@ -18,6 +18,7 @@ import re
 import tomllib
 from pathlib import Path
 from typing import TypeVar, cast
+from urllib.parse import urlsplit
 
 from direct_frontend.engines.dialects import dialect_for
 from direct_frontend.engines.dialects.base import Capabilities
@@ -52,6 +53,7 @@ from direct_frontend.fleet.schema import (
     RoutingConfig,
     SimulatorConfig,
 )
+from direct_frontend.observability import tracing
 
 __all__ = [
     "FleetError", "FleetProblem", "field_name", "load_fleet", "parse_fleet", "parse_fleet_bytes",
@@ -213,7 +215,19 @@ class _Checker(Checker):
             # Relative to the fleet file, so a fleet directory can be moved whole.
             "tokenizer": None if tokenizer is None else source.parent / tokenizer,
         }
-        return FrontendConfig(**self.fields(FrontendConfig, tbl, path, by_hand))
+        frontend = FrontendConfig(**self.fields(FrontendConfig, tbl, path, by_hand))
+        self.check_tracing(frontend.tracing.otlp_endpoint, (*path, "tracing", "otlp_endpoint"))
+        return frontend
+
+    def check_tracing(self, endpoint: str | None, where: KeyPath) -> None:
+        """An OTLP/HTTP endpoint is an http(s) URL, and sending to it needs the tracing extra."""
+        if endpoint is None:
+            return
+        parts = urlsplit(endpoint)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            self.report(where, f"{endpoint!r} is not an http:// or https:// URL")
+        elif not tracing.available():
+            self.report(where, f"tracing needs the OpenTelemetry packages: {tracing.EXTRA_HINT}")
 
     def routing(self, value: object, path: KeyPath) -> RoutingConfig:
         tbl = self.table(value, path, keys_of(RoutingConfig))

@@ -196,6 +196,20 @@ class AuthConfig:
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class TracingConfig:
+    """``[frontend.tracing]``: OpenTelemetry spans of each request, sent over OTLP/HTTP.
+
+    Off while ``otlp_endpoint`` is unset (the default); needs the
+    ``direct-frontend[tracing]`` extra. Built at start: a change needs a restart.
+    """
+
+    otlp_endpoint: str | None = None  # e.g. http://127.0.0.1:4318/v1/traces
+    service_name: str = "direct-frontend"
+    # the share of new traces kept; a client's sampled traceparent is always followed
+    sample_ratio: float = setting(1.0, Rules(at_least=0, at_most=1))
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class FrontendConfig:
     """``[frontend]``: the OpenAI-facing side of the daemon."""
 
@@ -217,6 +231,7 @@ class FrontendConfig:
     auth: AuthConfig = AuthConfig()
     faults: FaultsConfig = FaultsConfig()
     limits: LimitsConfig = LimitsConfig()
+    tracing: TracingConfig = TracingConfig()
 
     @property
     def listen(self) -> str:

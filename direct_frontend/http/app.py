@@ -34,6 +34,7 @@ from direct_frontend.http.render import render_models
 from direct_frontend.http.responses import respond
 from direct_frontend.observability.logging import current_request_id, new_request_id
 from direct_frontend.observability.metrics import Metrics
+from direct_frontend.observability.tracing import RequestTrace, Tracing
 from direct_frontend.openai.errors import (
     OpenAIHTTPError,
     method_not_allowed,
@@ -63,9 +64,15 @@ class App:
     """
 
     def __init__(
-        self, control: ControlView, relay: Relay, text_model: TextModel, metrics: Metrics
+        self,
+        control: ControlView,
+        relay: Relay,
+        text_model: TextModel,
+        metrics: Metrics,
+        tracing: Tracing | None = None,
     ) -> None:
         self.control = control
+        self.tracing = tracing  # None: tracing is off, and costs nothing
         self.relay = relay
         self.text_model = text_model
         self.metrics = metrics
@@ -185,46 +192,79 @@ class App:
     # -- generation --------------------------------------------------------------------
 
     async def _chat(self, settings: Settings, scope: Scope, receive: Receive, send: Send) -> int:
-        return await self._generate("chat", settings, receive, send)
+        return await self._generate("chat", settings, scope, receive, send)
 
     async def _completions(
         self, settings: Settings, scope: Scope, receive: Receive, send: Send
     ) -> int:
-        return await self._generate("completion", settings, receive, send)
+        return await self._generate("completion", settings, scope, receive, send)
 
-    async def _generate(self, kind: Kind, settings: Settings, receive: Receive, send: Send) -> int:
+    async def _generate(
+        self, kind: Kind, settings: Settings, scope: Scope, receive: Receive, send: Send
+    ) -> int:
         request_id = current_request_id.get() or new_request_id()  # set on arrival
         token = current_request_id.set(request_id)
+        tracing = self.tracing
+        trace = None if tracing is None else tracing.begin(
+            scope["path"], scope["headers"], request_id
+        )
+        status = 500
+        try:
+            status = await self._walk(kind, settings, receive, send, request_id, trace)
+            return status
+        finally:
+            current_request_id.reset(token)
+            if trace is not None:
+                trace.end(status)
+
+    async def _walk(
+        self,
+        kind: Kind,
+        settings: Settings,
+        receive: Receive,
+        send: Send,
+        request_id: str,
+        trace: RequestTrace | None,
+    ) -> int:
+        """One generation request from its body to its last byte; returns the HTTP status."""
         headers = [(b"x-request-id", request_id.encode())]
         frontend = settings.frontend
         try:
-            try:
-                body = await read_body(receive, frontend.max_body_bytes)
-                request: ChatRequest | CompletionRequest = (
-                    parse_chat_request(body) if kind == "chat" else parse_completion_request(body)
+            body = await read_body(receive, frontend.max_body_bytes)
+            request: ChatRequest | CompletionRequest = (
+                parse_chat_request(body) if kind == "chat" else parse_completion_request(body)
+            )
+            if request.model != frontend.served_model_name:
+                raise model_not_found(request.model)
+            if trace is not None:
+                trace.model(request.model)
+                trace.enter("preprocess")
+            prepared = await prepare(kind, request, request_id, self.text_model)
+            if trace is not None:
+                trace.leave(prompt_tokens=len(prepared.input_ids))
+        except OpenAIHTTPError as err:
+            await send_error(send, err, headers)
+            return err.status
+        except ClientGone:
+            self.metrics.request_cancelled()
+            return 499
+        if trace is not None:
+            trace.enter("admission")
+        try:
+            # Admitted before an engine is chosen, so a request that waited in the
+            # queue is placed on the fleet as it is when it leaves the queue.
+            async with settings.admission.slot():
+                if trace is not None:
+                    trace.leave()
+                return await respond(
+                    self.relay, settings, prepared, receive, send, headers, trace
                 )
-                if request.model != frontend.served_model_name:
-                    raise model_not_found(request.model)
-                prepared = await prepare(kind, request, request_id, self.text_model)
-            except OpenAIHTTPError as err:
-                await send_error(send, err, headers)
-                return err.status
-            except ClientGone:
-                self.metrics.request_cancelled()
-                return 499
-            try:
-                # Admitted before an engine is chosen, so a request that waited in the
-                # queue is placed on the fleet as it is when it leaves the queue.
-                async with settings.admission.slot():
-                    return await respond(self.relay, settings, prepared, receive, send, headers)
-            except Rejected as rejected:
-                refusal = rate_limited(
-                    f"The frontend is saturated: {rejected.reason}.", retry_after=1
-                )
-                await send_error(send, refusal, headers)
-                return refusal.status
-        finally:
-            current_request_id.reset(token)
+        except Rejected as rejected:
+            refusal = rate_limited(
+                f"The frontend is saturated: {rejected.reason}.", retry_after=1
+            )
+            await send_error(send, refusal, headers)
+            return refusal.status
 
 
 def _denied(frontend: FrontendConfig, scope: Scope) -> OpenAIHTTPError | None:

@@ -28,6 +28,7 @@ from direct_frontend.http.asgi import (
     send_error,
 )
 from direct_frontend.http.render import ChunkRenderer, Usage, render_full
+from direct_frontend.observability.tracing import RequestTrace
 from direct_frontend.openai.errors import OpenAIHTTPError, internal_error
 from direct_frontend.pipeline.preprocess import PreparedRequest
 from direct_frontend.pipeline.relay import Relay, RelayState
@@ -44,7 +45,7 @@ SSE_HEADERS = [
 
 async def respond(
     relay: Relay, settings: Settings, prepared: PreparedRequest, receive: Receive, send: Send,
-    headers: Headers,
+    headers: Headers, trace: RequestTrace | None = None,
 ) -> int:
     """Place the request and relay it to the client; the HTTP status (499: the client left)."""
     status = 200
@@ -53,7 +54,7 @@ async def respond(
     async with trio.open_nursery() as nursery:
         nursery.start_soon(client.watch, receive, nursery.cancel_scope)
         try:
-            state = await relay.begin(settings, prepared)
+            state = await relay.begin(settings, prepared, trace)
         except OpenAIHTTPError as err:
             await send_error(send, err, headers)
             status = err.status

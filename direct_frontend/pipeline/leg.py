@@ -71,11 +71,17 @@ async def run_leg(
         raise
     decoder = dialect.stream_decoder(call)
     prompt = len(call.input_ids)
+    trace = call.trace
+    span = None if trace is None else trace.leg(
+        engine.name, engine.kind, engine.role.value, call.request_id, prompt,
+        call.disaggregation is not None,
+    )
     engine.load.begin(prompt, blocks)
     failure: EngineError | None = None
     engine_call: EngineCall | None = None
     try:
-        async with channel.stream(rpc, decoder) as receiver:
+        metadata = None if span is None else span.metadata
+        async with channel.stream(rpc, decoder, metadata=metadata) as receiver:
             engine_call = EngineCall(engine, call, receiver)
             yield engine_call
     except EngineError as error:
@@ -87,6 +93,8 @@ async def run_leg(
         raise
     finally:
         engine.load.end(prompt, blocks)
+        if span is not None:
+            span.end(failure)
         # A dead connection cannot take an Abort; a hung or live engine must get one.
         natural_end = engine_call is not None and engine_call.ends_by_itself
         reachable = failure is None or failure.kind not in UNREACHABLE

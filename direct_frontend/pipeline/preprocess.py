@@ -13,6 +13,7 @@ from typing import Literal
 import trio
 
 from direct_frontend.engines.neutral import GenerateCall
+from direct_frontend.observability.tracing import RequestTrace
 from direct_frontend.openai.errors import (
     OpenAIHTTPError,
     context_length_exceeded,
@@ -140,10 +141,13 @@ def token_budget(prepared: PreparedRequest, engine: EngineHandle, default_max: i
     return asked
 
 
-def build_call(prepared: PreparedRequest, max_tokens: int, *, stream: bool) -> GenerateCall:
+def build_call(
+    prepared: PreparedRequest, max_tokens: int, *, stream: bool, trace: RequestTrace | None = None
+) -> GenerateCall:
     return GenerateCall(
         request_id=prepared.request_id,
         input_ids=prepared.input_ids,
         sampling=prepared.request.sampling_options(max_tokens),
         stream=stream,
+        trace=trace,
     )

@@ -38,6 +38,7 @@ import trio
 from direct_frontend.engines.neutral import EngineEvent, Finished, GenerateCall, TokenDelta
 from direct_frontend.errors import EngineError, ErrorKind, NoEngineAvailable
 from direct_frontend.observability.metrics import Metrics
+from direct_frontend.observability.tracing import RequestTrace
 from direct_frontend.openai.errors import (
     OpenAIHTTPError,
     engine_timeout,
@@ -161,6 +162,7 @@ class RelayState:
         "settings",
         "stall_timeout_s",
         "started",
+        "trace",
     )
 
     def __init__(
@@ -174,6 +176,7 @@ class RelayState:
         now: float,
         started: float = 0.0,
         engine_wait: EngineWait | None = None,
+        trace: RequestTrace | None = None,
     ) -> None:
         self.settings = settings
         self.prepared = prepared
@@ -198,6 +201,7 @@ class RelayState:
         #: an error met after tokens of the same batch: raised at the next wait
         self.pending_error: EngineError | None = None
         self.started = started  # perf_counter() at the start, for the time to first token
+        self.trace = trace  # None unless tracing is on
 
     # -- one batch -----------------------------------------------------------------------
 
@@ -397,12 +401,16 @@ class Relay:
         self.metrics = metrics
         self.hit_rate = hit_rate
 
-    async def begin(self, settings: Settings, prepared: PreparedRequest) -> RelayState:
+    async def begin(
+        self, settings: Settings, prepared: PreparedRequest, trace: RequestTrace | None = None
+    ) -> RelayState:
         """Place an admitted request; a 400 when it cannot fit.
 
         While no engine serves it waits for one (:class:`EngineWait`), then a 503.
         """
         request = prepared.request
+        if trace is not None:
+            trace.enter("route")
         now = trio.current_time()
         wait = EngineWait(
             settings.frontend.faults.wait_for_engine_s, now + settings.frontend.request_timeout_s
@@ -413,12 +421,17 @@ class Relay:
             placement = await self._wait_for_engine(wait, place)
         if placement.spilled:
             self.metrics.kv_load_guard_spills_total.inc()
+        if trace is not None:
+            trace.routed(settings.policy.name, placement.engine.name,
+                         placement.predicted_cached_tokens, placement.spilled)
         max_tokens = token_budget(
             prepared, placement.engine, settings.frontend.max_tokens_default
         )
         # Engine-side stop strings are not used: we stop all engine kinds the same way.
         # A non-streaming request without stop strings lets the engine send one message.
-        call = build_call(prepared, max_tokens, stream=request.stream or bool(request.stop))
+        call = build_call(
+            prepared, max_tokens, stream=request.stream or bool(request.stop), trace=trace
+        )
         eos = () if request.ignore_eos else self.text_model.eos_token_ids
         processor = OutputProcessor(
             self.text_model.new_detokenizer(skip_special_tokens=request.skip_special_tokens),
@@ -428,7 +441,7 @@ class Relay:
         )
         return RelayState(
             settings, prepared, placement, call, processor,
-            now=now, started=time.perf_counter(), engine_wait=wait,
+            now=now, started=time.perf_counter(), engine_wait=wait, trace=trace,
         )
 
     async def run(self, state: RelayState, emit: Emit) -> None:
@@ -461,6 +474,8 @@ class Relay:
                                 now = time.perf_counter()
                                 if last_emit == 0.0:
                                     metrics.observe_ttft(now - state.started)
+                                    if state.trace is not None:
+                                        state.trace.first_token()
                                 elif tokens:
                                     metrics.observe_inter_token(now - last_emit, tokens)
                                 last_emit = now
@@ -484,6 +499,9 @@ class Relay:
                 outcome = "retried" if decision is Decision.RETRY else "migrated"
                 metrics.engine_request(engine.name, outcome)
                 _log_attempt(error, outcome, state)
+                if state.trace is not None:
+                    state.trace.moved(outcome, error, engine.name, state.placement.engine.name,
+                                      state.processor.completion_tokens)
                 await trio.sleep(state.failover.backoff())
 
     async def _wait_for_engine(
@@ -521,6 +539,8 @@ class Relay:
         """The response is out (``ok``: in full): usage, and what the policy learns from it."""
         prepared = state.prepared
         self.metrics.add_tokens(len(prepared.input_ids), state.processor.completion_tokens)
+        if state.trace is not None:
+            state.trace.usage(len(prepared.input_ids), state.processor.completion_tokens)
         if not ok:
             return
         placement = state.placement

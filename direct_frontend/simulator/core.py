@@ -89,6 +89,8 @@ class EngineStats:
     request_ids: list[str] = dataclasses.field(default_factory=list)
     abort_request_ids: list[str] = dataclasses.field(default_factory=list)
     cancelled_request_ids: list[str] = dataclasses.field(default_factory=list)
+    #: the W3C ``traceparent`` metadata of Generate calls that carried one, by request id
+    traceparents: dict[str, str] = dataclasses.field(default_factory=dict)
     #: P/D legs, by request id: the rendezvous or kv_transfer_params_json received, and the
     #: handoff a vLLM prefill leg returned (see simulator/disagg.py)
     kv_params_received: dict[str, str] = dataclasses.field(default_factory=dict)
@@ -204,9 +206,11 @@ class SimCore:
         """Seconds since the engine started serving."""
         return time.monotonic() - self.start_monotonic
 
-    def note_request(self, request_id: str) -> None:
+    def note_request(self, request_id: str, traceparent: str | None = None) -> None:
         """Record a Generate call as soon as it arrives, valid or not."""
         self.stats.request_ids.append(request_id)
+        if traceparent is not None:
+            self.stats.traceparents[request_id] = traceparent
         self.last_receive_time = time.time()
 
     def note_abort_rpc(self, request_ids: Sequence[str]) -> bool:

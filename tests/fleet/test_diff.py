@@ -122,8 +122,10 @@ def test_secret_errors_never_quote_the_value() -> None:
 
 def test_restart_fields_name_real_frontend_fields() -> None:
     fields = set(FrontendConfig.__dataclass_fields__)
-    assert {"listen_host", "tokenizer", "served_model_name", "log_json"} <= fields
-    assert set(RESTART_FIELDS) == {"listen", "tokenizer", "served_model_name", "log_json"}
+    assert {"listen_host", "tokenizer", "served_model_name", "log_json", "tracing"} <= fields
+    assert set(RESTART_FIELDS) == {
+        "listen", "tokenizer", "served_model_name", "log_json", "tracing",
+    }
 
 
 def test_drain_timeout_defaults_to_30_and_is_checked() -> None:
@@ -158,3 +160,9 @@ def test_change_detector_sees_an_editor_rename_and_a_missing_file(tmp_path: Path
     os.replace(replacement, path)  # same size and mtime, new inode
     assert not detector.feed(stamp_of(path))
     assert detector.feed(stamp_of(path))
+
+
+def test_tracing_is_built_at_start_so_a_change_needs_a_restart() -> None:
+    new = fleet(frontend='[frontend.tracing]\notlp_endpoint = "http://127.0.0.1:4318/v1/traces"')
+    diff = diff_fleets(fleet(), new)
+    assert diff.restart == ("tracing.otlp_endpoint",) and not diff.live

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import sys
 import textwrap
 from pathlib import Path
 
@@ -348,7 +349,7 @@ def test_unknown_keys_in_every_table() -> None:
         "fleet.toml:1: engines: unknown key (expected one of: frontend, engine)",
         "fleet.toml:5: frontend.port: unknown key (expected one of: listen, served_model_name, "
         "tokenizer, max_body_bytes, max_tokens_default, request_timeout_s, log_json, "
-        "drain_timeout_s, allow_empty_fleet, routing, probe, admin, auth, faults, limits)",
+        "drain_timeout_s, allow_empty_fleet, routing, probe, admin, auth, faults, limits, tracing)",
         "fleet.toml:7: frontend.routing.polcy: unknown key (expected one of: policy, knobs)",
         "fleet.toml:9: frontend.probe.interval: unknown key (expected one of: interval_s, "
         "timeout_s, failure_threshold, success_threshold, join_timeout_s)",
@@ -1023,3 +1024,42 @@ def test_kv_aware_knobs_are_typed_by_the_loader() -> None:
     other = parse(with_an_engine(text.replace('"kv_aware"', '"least_loaded"') + 'colour = "red"'))
     assert other.frontend.routing.kv_aware == KvAwareKnobs()
     assert other.frontend.routing.knobs["colour"] == "red"
+
+
+# -- tracing ---------------------------------------------------------------------------
+
+TRACING = FRONTEND + "[frontend.tracing]\n"
+
+
+def test_tracing_is_off_unless_an_endpoint_is_named() -> None:
+    tracing = parse(with_an_engine(FRONTEND)).frontend.tracing
+    assert tracing.otlp_endpoint is None
+    assert (tracing.service_name, tracing.sample_ratio) == ("direct-frontend", 1.0)
+    text = TRACING + 'otlp_endpoint = "http://127.0.0.1:4318/v1/traces"\nsample_ratio = 0.25\n'
+    tracing = parse(with_an_engine(text)).frontend.tracing
+    assert tracing.otlp_endpoint == "http://127.0.0.1:4318/v1/traces"
+    assert tracing.sample_ratio == 0.25
+
+
+def test_tracing_endpoint_and_ratio_are_checked() -> None:
+    assert problems(with_an_engine(
+        TRACING + 'otlp_endpoint = "grpc://127.0.0.1:4317"\nsample_ratio = 1.5\n'
+    )) == [
+        "fleet.toml:5: frontend.tracing.otlp_endpoint: 'grpc://127.0.0.1:4317' is not an"
+        " http:// or https:// URL",
+        "fleet.toml:6: frontend.tracing.sample_ratio: must be between 0 and 1, got 1.5",
+    ]
+
+
+def test_tracing_without_the_extra_installed_is_one_line(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # as if `pip install direct-frontend` had run without the [tracing] extra
+    for name in ("opentelemetry.sdk.trace",
+                 "opentelemetry.exporter.otlp.proto.http.trace_exporter"):
+        monkeypatch.setitem(sys.modules, name, None)
+    text = TRACING + 'otlp_endpoint = "http://127.0.0.1:4318/v1/traces"\n'
+    assert only_problem(with_an_engine(text)) == (
+        "fleet.toml:5: frontend.tracing.otlp_endpoint: tracing needs the OpenTelemetry"
+        " packages: pip install 'direct-frontend[tracing]'"
+    )

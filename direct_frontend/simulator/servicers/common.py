@@ -55,7 +55,8 @@ async def generate_request(core: SimCore, stream: grpclib.server.Stream[NamedT, 
     """The Generate request, its id noted before any check (a refused request was still seen)."""
     request = await stream.recv_message()
     assert request is not None
-    core.note_request(request.request_id)
+    traceparent = stream.metadata.get("traceparent") if stream.metadata else None
+    core.note_request(request.request_id, None if traceparent is None else str(traceparent))
     return request
 
 
