@@ -25,6 +25,7 @@ from direct_frontend.control.lifecycle import (
     is_retired,
     retry_delay,
 )
+from direct_frontend.control.restarts import RestartCount
 from direct_frontend.engines.dialects import dialect_for
 from direct_frontend.engines.neutral import EngineInfo, EngineRole
 from direct_frontend.engines.transport import EngineChannel
@@ -101,7 +102,10 @@ class EngineChild:
         self.last_probe: ProbeRecord | None = None
         self.last_error = ""
         self.since = time.time()
-        self.restarts = 0
+        self.crashes = 0  # of this task (each restarted it in place)
+        self.engine_restarts = RestartCount()  # of the engine process (control/restarts.py)
+        #: whether the last (re)join found a restarted engine (the KV plane then resyncs)
+        self.restarted_at_join = False
         self.channel: EngineChannel | None = None
         self.load = EngineLoad()
         self._wake = trio.Event()
@@ -113,6 +117,25 @@ class EngineChild:
     @property
     def name(self) -> str:
         return self.cfg.name
+
+    @property
+    def restarts(self) -> int:
+        """Times this engine started over: its process, or its task in the daemon."""
+        return self.crashes + self.engine_restarts.total
+
+    def publisher_restarted(self, rank: int) -> None:
+        """The KV plane saw rank ``rank``'s KV-event publisher start over: a new process."""
+        before = self.engine_restarts.total
+        self.engine_restarts.publisher_restarted(rank)
+        self._log_restart(before, "its KV-event publisher started over")
+
+    def _log_restart(self, before: int, witness: str) -> None:
+        if self.engine_restarts.total > before:
+            log.info(
+                "engine %s restarted (%s); %d restart(s) so far", self.name, witness,
+                self.engine_restarts.total,
+                extra={"engine": self.name, "incarnation": self.incarnation},
+            )
 
     @property
     def in_flight(self) -> int:
@@ -146,7 +169,7 @@ class EngineChild:
 
     def crashed(self, error: BaseException) -> None:
         """The task died; it will run again from joining (the channel is kept)."""
-        self.restarts += 1
+        self.crashes += 1
         self.last_error = f"crashed: {error!r}"
         self.handle = None
         self.tracker.state = EngineState.JOINING
@@ -240,6 +263,13 @@ class EngineChild:
         return self.dialect.engine_info(replies)
 
     def _serve(self, info: EngineInfo) -> None:
+        assert self.channel is not None
+        before = self.engine_restarts.total
+        self.restarted_at_join = self.engine_restarts.discovered(
+            info.incarnation, self.channel.connections_opened
+        )
+        self._log_restart(before, "its reported start changed" if info.incarnation
+                          else "it was reached again over a new connection")
         role = self.cfg.role
         if role is EngineRole.BOTH:
             role = info.role or role

@@ -6,7 +6,9 @@ removing or replacing the engine cancels it). Index keys name the
 incarnation (``g<incarnation>r<rank>``), so a replaced engine's late events or
 clean-up never touch its successor. Fencing: an engine that goes unhealthy
 or restarts is resynced (its entries cleared, replayed from the start when
-the engine keeps history); a gone one is removed from the index.
+the engine keeps history); a gone one is removed from the index. A publisher
+that starts over is also a witness of its engine's restart, which the child
+counts (control/restarts.py).
 """
 
 from __future__ import annotations
@@ -36,8 +38,6 @@ class KvPlane:
         self.subscriptions: dict[str, KvSubscription] = {}
         #: incarnations whose overlap comes from KV events (read by the kv_aware policy)
         self.live: set[int] = set()
-        #: what each incarnation's engine reports as its own start identity (restart detection)
-        self._reported: dict[int, str] = {}
         self._fenced: set[int] = set()
 
     async def run_for(self, child: EngineChild) -> None:
@@ -62,15 +62,17 @@ class KvPlane:
                         functools.partial(
                             run_kv_subscriber, keys[rank], endpoint, replay, self.index, block,
                             on_malformed=functools.partial(self._malformed, child.name),
+                            on_restart=functools.partial(self._restarted, child, rank),
                         )
                     )
                     self.subscriptions[keys[rank]] = subscription
                 self.live.add(child.incarnation)
+                child.engine_restarts.follows_publisher = True
                 log.info("engine %s: following KV events on %s", child.name,
                          ", ".join(cfg.kv_events), extra={"engine": child.name})
         finally:
             self.live.discard(child.incarnation)
-            self._reported.pop(child.incarnation, None)
+            child.engine_restarts.follows_publisher = False
             self._fenced.discard(child.incarnation)
             for key in keys:
                 self.subscriptions.pop(key, None)
@@ -109,14 +111,17 @@ class KvPlane:
                 )
             self.live.discard(child.incarnation)
             return
-        reported = info.incarnation if info is not None else ""
-        previous = self._reported.get(child.incarnation)
-        self._reported[child.incarnation] = reported
         if child.incarnation in self._fenced:
             self._fenced.discard(child.incarnation)
-            self._resync(child, "the engine is back")
-        elif previous and reported and previous != reported:
+            self._resync(child, "the engine restarted" if child.restarted_at_join
+                         else "the engine is back")
+        elif child.restarted_at_join:
             self._resync(child, "the engine restarted")
+
+    @staticmethod
+    def _restarted(child: EngineChild, rank: int, key: str) -> None:
+        """A rank's publisher started over (its subscriber has cleared and resynced it)."""
+        child.publisher_restarted(rank)
 
     def _malformed(self, engine: str, key: str) -> None:
         if self.metrics is not None:

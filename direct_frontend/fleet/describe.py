@@ -38,10 +38,12 @@ _ROLE: dict[str, str] = {
     "vllm": "GetServerInfo.kv_role",
     "trtllm": "none (no P/D)",
 }
+# How a restart shows (control/restarts.py): the stock vLLM servicer reports uptime 0.
 _RESTARTS: dict[str, str] = {
     "sglang": "GetServerInfo.start_time",
-    "vllm": "GetServerInfo.uptime_seconds",
-    "trtllm": "not reported",
+    "vllm": "GetServerInfo.uptime_seconds when above 0, the KV-event publisher starting over; "
+    "with neither, a new connection after an outage",
+    "trtllm": "not reported: a new connection after an outage",
 }
 
 

@@ -59,6 +59,9 @@ class KvSubscription:
     messages: int = 0
     replay_messages: int = 0
     malformed: int = 0
+    #: times the publisher started over: it came back after its connection dropped, or its
+    #: seq went back (one publisher process only ever counts up)
+    publisher_restarts: int = 0
     connected: bool = False
     _resync: Callable[[], None] | None = dataclasses.field(default=None, repr=False)
 
@@ -66,8 +69,8 @@ class KvSubscription:
         """Clear this engine's entries and rebuild them (replay from 0 if possible).
 
         For fencing the KV stream cannot see: a restart the gRPC side noticed
-        (SGLang ``start_time`` changed, vLLM ``uptime_seconds`` went down).
-        Call it from the Trio thread.
+        (the start an engine reports changed, or it was rediscovered over a new
+        connection). Call it from the Trio thread.
         """
         if self._resync is not None:
             self._resync()
@@ -114,6 +117,7 @@ class _Shell:
         replay_timeout: float,
         on_malformed: Callable[[str], None],
         on_clear: Callable[[str, ClearReason], None] | None,
+        on_restart: Callable[[str], None] | None,
     ) -> None:
         self.sub = sub
         self.index = index
@@ -122,6 +126,7 @@ class _Shell:
         self.replay_timeout = replay_timeout
         self.on_malformed = on_malformed
         self.on_clear = on_clear
+        self.on_restart = on_restart
         self.replay_scope: trio.CancelScope | None = None
         self.logged_malformed = False
         self.dropped = False  # the SUB lost its connection and has not reconnected
@@ -143,6 +148,8 @@ class _Shell:
                     )
                 if self.on_clear is not None:
                     self.on_clear(self.sub.engine_id, action.reason)
+                if action.reason == "restart" and not self.dropped:
+                    self.publisher_restarted()  # (after a drop, the reconnection counts it)
             elif isinstance(action, RequestReplay):
                 self.request_replay(action.start_seq, action.attempt)
         if self.replay_scope is not None and self.sub.tracker.state != "replaying":
@@ -159,6 +166,11 @@ class _Shell:
         if batch.malformed_events:
             self.malformed(f"{batch.malformed_events} malformed event(s) in batch {seq}")
         self.index.apply(self.sub.engine_id, batch)
+
+    def publisher_restarted(self) -> None:
+        self.sub.publisher_restarts += 1
+        if self.on_restart is not None:
+            self.on_restart(self.sub.engine_id)
 
     def malformed(self, reason: str) -> None:
         """Count it, log the first one loudly, never stop."""
@@ -245,12 +257,17 @@ class _Shell:
         await _read(sock, self.on_monitor)
 
     def on_monitor(self, frames: list[bytes]) -> bool:
-        """Connection events of the SUB: a drop clears, a reconnect resubscribes."""
+        """Connection events of the SUB: a drop clears, a reconnect resubscribes.
+
+        A PUB's connection drops only when its process closes it, so one that
+        comes back is a new publisher: a restart, whatever its seq says.
+        """
         event = zmq.utils.monitor.parse_monitor_message(frames)["event"]
         if event == zmq.EVENT_CONNECTED:
             self.sub.connected = True
             if self.dropped:
                 self.dropped = False
+                self.publisher_restarted()
                 self.run(self.sub.tracker.start())
         elif event == zmq.EVENT_DISCONNECTED:
             self.sub.connected = False
@@ -274,6 +291,7 @@ async def run_kv_subscriber(
     *,
     on_malformed: Callable[[str], None],
     on_clear: Callable[[str, ClearReason], None] | None = None,
+    on_restart: Callable[[str], None] | None = None,
     topic: bytes = b"",
     replay_timeout: float = 5.0,
     max_buffer: int = 100_000,
@@ -286,7 +304,8 @@ async def run_kv_subscriber(
     rank), ``replay_endpoint`` its ROUTER or None. ``engine_id`` is the index
     key; use a distinct one per rank. ``block_size`` must equal the index's.
     Malformed messages are reported through ``on_malformed(engine_id)`` and
-    skipped; every index clear through ``on_clear(engine_id, reason)``.
+    skipped; every index clear through ``on_clear(engine_id, reason)``; each time
+    the publisher starts over (a new process) through ``on_restart(engine_id)``.
     Returns only by cancellation; the engine's entries stay in the index (call
     ``index.clear_engine`` or ``remove_engine`` when fencing it).
     """
@@ -311,7 +330,8 @@ async def run_kv_subscriber(
         sub.connect(endpoint)
         async with trio.open_nursery() as nursery:
             shell = _Shell(
-                subscription, index, ctx, nursery, replay_timeout, on_malformed, on_clear
+                subscription, index, ctx, nursery, replay_timeout, on_malformed, on_clear,
+                on_restart,
             )
             subscription._resync = lambda: shell.run(tracker.start())
             nursery.start_soon(shell.monitor, monitor)

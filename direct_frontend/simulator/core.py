@@ -57,6 +57,9 @@ class EngineConfig:
     bos_token_id: int = 0
     pad_token_id: int = 0
     health_timeout: float = 20.0
+    #: vLLM: False reports uptime_seconds 0, as the stock servicer 0.14.1 does (its
+    #: restarts then show only in its KV events and its connections)
+    report_uptime: bool = True
 
     @property
     def sglang_max_req_len(self) -> int:

@@ -110,6 +110,7 @@ class SimEngine:
         bos_token_id: int = 0,
         pad_token_id: int = 0,
         health_timeout: float = 20.0,
+        report_uptime: bool = True,
         text_vocab: TextVocab | None = None,
         unit_probability: float = 0.05,
         faults: FaultPlan | None = None,
@@ -162,6 +163,7 @@ class SimEngine:
             bos_token_id=bos_token_id,
             pad_token_id=pad_token_id,
             health_timeout=health_timeout,
+            report_uptime=report_uptime,
         )
         self.core = SimCore(self.config, self.model, self.timing)
         # The prefix cache (and KV events when a port is given; 0 picks one): kvcache.py.

@@ -7,7 +7,14 @@ from pathlib import Path
 
 import httpx
 
-from tests.support.daemon import Daemon, fleet_text, free_port, running_daemon, sim_engine, wait_for
+from tests.support.daemon import (
+    Daemon,
+    free_port,
+    kv_fleet_text,
+    running_daemon,
+    sim_engine,
+    wait_for,
+)
 
 TIMING = {"decode_us_per_token": 0, "prefill_us_per_token": 0, "eos_probability": 0.0}
 
@@ -18,15 +25,6 @@ def kv_engine(name: str, kind: str = "vllm") -> dict[str, object]:
     table["kv_replay"] = f"tcp://127.0.0.1:{free_port()}"
     table["block_size"] = 16
     return table
-
-
-def kv_fleet(model_dir: Path, engines: list[dict[str, object]]) -> str:
-    text = fleet_text(model_dir, engines)
-    text = text.replace("[frontend.probe]",
-                        '[frontend.routing]\npolicy = "kv_aware"\n\n'
-                        "[frontend.routing.knobs]\nblock_size = 16\n\n[frontend.probe]")
-    # kv_events / kv_replay are arrays in the fleet file
-    return re.sub(r'^(kv_events|kv_replay) = "([^"]+)"$', r'\1 = ["\2"]', text, flags=re.M)
 
 
 def complete(daemon: Daemon, prompt: list[int]) -> dict[str, object]:
@@ -44,7 +42,7 @@ def metric(daemon: Daemon, name: str) -> float:
 
 def test_requests_sharing_a_prefix_follow_the_cache(model_dir: Path, tmp_path: Path) -> None:
     engines = [kv_engine("a"), kv_engine("b"), kv_engine("c")]
-    with running_daemon(tmp_path, kv_fleet(model_dir, engines)) as daemon:
+    with running_daemon(tmp_path, kv_fleet_text(model_dir, engines)) as daemon:
         daemon.wait_serving(3)
         kv = daemon.supervisor.kv
         wait_for(lambda: len(kv.live) == 3, what="three KV subscriptions")
@@ -69,7 +67,7 @@ def test_requests_sharing_a_prefix_follow_the_cache(model_dir: Path, tmp_path: P
 
 def test_an_unhealthy_engine_is_fenced_out_of_the_index(model_dir: Path, tmp_path: Path) -> None:
     engines = [kv_engine("a"), kv_engine("b")]
-    with running_daemon(tmp_path, kv_fleet(model_dir, engines)) as daemon:
+    with running_daemon(tmp_path, kv_fleet_text(model_dir, engines)) as daemon:
         daemon.wait_serving(2)
         kv = daemon.supervisor.kv
         wait_for(lambda: len(kv.live) == 2, what="two KV subscriptions")

@@ -929,7 +929,10 @@ def test_describe_shows_resolved_settings_and_facts() -> None:
         "    role            sglang: server_args.disaggregation_mode; override: prefill\n" in text
     )
     assert "    role            vllm: GetServerInfo.kv_role\n" in text
-    assert "    restarts        vllm: GetServerInfo.uptime_seconds\n" in text
+    assert (
+        "    restarts        vllm: GetServerInfo.uptime_seconds when above 0, the KV-event "
+        "publisher starting over; with neither, a new connection after an outage\n" in text
+    )
     assert "    role            trtllm: none (no P/D)" in text
     assert "engine[4] gpu-node-4:50051\n" in text
     assert "  kv_events[rank 1]  tcp://gpu-node-3:5558 (replay tcp://gpu-node-3:5568)\n" in text

