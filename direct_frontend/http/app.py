@@ -42,7 +42,13 @@ from direct_frontend.openai.errors import (
 from direct_frontend.openai.parse import parse_chat_request, parse_completion_request
 from direct_frontend.openai.types import ChatRequest, CompletionRequest
 from direct_frontend.pipeline.admission import Rejected
-from direct_frontend.pipeline.preprocess import Kind, prepare
+from direct_frontend.pipeline.preprocess import (
+    Kind,
+    Tokenizing,
+    context_limit,
+    new_tokenize_limiter,
+    prepare,
+)
 from direct_frontend.pipeline.relay import Relay
 from direct_frontend.pipeline.settings import Settings
 from direct_frontend.text.model_dir import TextModel
@@ -65,6 +71,7 @@ class App:
         self.relay = relay
         self.text_model = text_model
         self.metrics = metrics
+        self.tokenize_limiter = new_tokenize_limiter()
         self.bound_urls: list[str] = []
         self.http_stopped = trio.Event()
         self.started_at = int(time.time())
@@ -193,7 +200,11 @@ class App:
                 )
                 if request.model != frontend.served_model_name:
                     raise model_not_found(request.model)
-                prepared = await prepare(kind, request, request_id, self.text_model)
+                tokenizing = Tokenizing(
+                    self.text_model, context_limit(self.relay.dispatcher.fleet.catalog),
+                    self.tokenize_limiter,
+                )
+                prepared = await prepare(kind, request, request_id, tokenizing)
             except OpenAIHTTPError as err:
                 await send_error(send, err, headers)
                 return err.status

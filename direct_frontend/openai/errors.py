@@ -95,12 +95,17 @@ def request_too_large(limit_bytes: int) -> OpenAIHTTPError:
     )
 
 
-def context_length_exceeded(prompt_tokens: int, limit: int, param: str) -> OpenAIHTTPError:
-    """400 for a prompt that leaves no room to generate; OpenAI's code for it."""
+def context_length_exceeded(
+    prompt_tokens: int, limit: int, param: str, *, at_least: bool = False
+) -> OpenAIHTTPError:
+    """400 for a prompt that leaves no room to generate; OpenAI's code for it.
+
+    ``at_least``: ``prompt_tokens`` is a lower bound (the prompt was refused untokenized).
+    """
     return OpenAIHTTPError(
         400,
         f"This model's maximum context length is {limit} tokens, "
-        f"but the prompt has {prompt_tokens} tokens.",
+        f"but the prompt has {'at least ' if at_least else ''}{prompt_tokens} tokens.",
         "invalid_request_error",
         param,
         "context_length_exceeded",
