@@ -118,12 +118,16 @@ class App:
             self.metrics.request_finished(path if methods else "other", err.status, 0.0)
             return
         status = 500
-        self.metrics.request_started()
+        in_flight = path != "/metrics"  # a scrape must not count itself in flight
+        if in_flight:
+            self.metrics.request_started()
         receive, send = hide_recycle_disconnect(receive, send)
         try:
             status = await handler(settings, scope, receive, send)
         finally:
-            self.metrics.request_finished(path, status, time.perf_counter() - started)
+            self.metrics.request_finished(
+                path, status, time.perf_counter() - started, was_in_flight=in_flight
+            )
 
     # -- admin -------------------------------------------------------------------------
 
