@@ -42,13 +42,14 @@ from __future__ import annotations
 
 import inspect
 import logging
+import math
 import resource
 from typing import Final, Protocol
 
 import hypercorn.trio.run
 import trio
-from hypercorn.events import Event, Updated
-from hypercorn.trio.tcp_server import TCPServer
+from hypercorn.events import Closed, Event, RawData, Updated
+from hypercorn.trio.tcp_server import MAX_RECV, TCPServer
 
 from direct_frontend.observability.shims import ShimStatus, gate, register
 
@@ -101,19 +102,43 @@ IDLE = IdleConnections(MAX_IDLE)
 
 
 class PromptClosingTCPServer(TCPServer):
-    """hypercorn's Trio connection, closed as soon as its peer closed it, idle ones capped."""
+    """hypercorn's Trio connection, closed as soon as its peer closed it, idle ones capped.
+
+    A peer that half-closes (sends its whole request, then shuts down its
+    writing side) still reads: its request is answered. hypercorn would tell
+    the app ``http.disconnect`` at the end of the data and the response would
+    be cancelled; here the end of the data only ends the reading while a
+    request is being served. A peer that really left makes a write fail, and
+    hypercorn reports that as the disconnect.
+    """
 
     _read_ended = False
+    _serving = False
 
     async def _read_data(self) -> None:
-        await super()._read_data()
+        half_closed = False
+        while True:
+            try:
+                with trio.fail_after(self.config.read_timeout or math.inf):
+                    data = await self.stream.receive_some(MAX_RECV)
+            except (trio.ClosedResourceError, trio.BrokenResourceError, trio.TooSlowError):
+                break
+            await self.protocol.handle(RawData(bytes(data)))
+            if not data:
+                half_closed = self._serving
+                break
         # The peer closed or reset the connection (or the read failed): nothing can come.
         self._read_ended = True
         await self.idle_task.stop()
+        if not half_closed:
+            await self.protocol.handle(Closed())
+        # else the response is written, then the connection closes (run() waits for it)
 
     async def protocol_send(self, event: Event) -> None:
-        if self._read_ended and isinstance(event, Updated) and event.idle:
-            return  # no keep-alive wait for a request that cannot come: close when done
+        if isinstance(event, Updated):
+            self._serving = not event.idle
+            if self._read_ended and event.idle:
+                return  # no keep-alive wait for a request that cannot come: close when done
         await super().protocol_send(event)
 
     async def _idle_timeout(self) -> None:
