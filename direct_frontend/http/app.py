@@ -198,7 +198,7 @@ class App:
         frontend = settings.frontend
         try:
             try:
-                body = await read_body(receive, frontend.max_body_bytes)
+                body = await read_body(receive, frontend.max_body_bytes, frontend.body_timeout_s)
                 request: ChatRequest | CompletionRequest = (
                     parse_chat_request(body) if kind == "chat" else parse_completion_request(body)
                 )

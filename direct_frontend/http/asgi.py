@@ -6,10 +6,18 @@ recycling a finished connection from looking like a client that left.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from direct_frontend.openai.errors import OpenAIHTTPError, error_body, request_too_large
+import trio
+
+from direct_frontend.openai.errors import (
+    OpenAIHTTPError,
+    body_timeout,
+    error_body,
+    request_too_large,
+)
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -57,21 +65,24 @@ def hide_recycle_disconnect(receive: Receive, send: Send) -> tuple[Receive, Send
     return tracked_receive, tracked_send
 
 
-async def read_body(receive: Receive, limit: int) -> bytes:
-    """The whole request body, or a 413 past ``limit`` (counted as it arrives)."""
+async def read_body(receive: Receive, limit: int, timeout_s: float = math.inf) -> bytes:
+    """The whole request body; a 413 past ``limit`` (counted as it arrives), a 408 after
+    ``timeout_s`` (a client trickling its body would hold the connection forever)."""
     chunks: list[bytes] = []
     size = 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise ClientGone()
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            raise request_too_large(limit)
-        chunks.append(chunk)
-        if not message.get("more_body", False):
-            return b"".join(chunks)
+    with trio.move_on_after(timeout_s):
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise ClientGone()
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise request_too_large(limit)
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+    raise body_timeout(timeout_s)
 
 
 async def send_body(

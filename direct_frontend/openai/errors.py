@@ -148,6 +148,18 @@ def engine_failed(message: str) -> OpenAIHTTPError:
     return OpenAIHTTPError(502, message, "server_error", None, "engine_error")
 
 
+def body_timeout(timeout_s: float) -> OpenAIHTTPError:
+    """408: the request body did not arrive within ``body_timeout_s``; the connection closes."""
+    return OpenAIHTTPError(
+        408,
+        f"The request body did not arrive within {timeout_s:g} s.",
+        "invalid_request_error",
+        None,
+        "request_timeout",
+        headers=((b"connection", b"close"),),
+    )
+
+
 def engine_timeout(message: str = "The inference engine timed out.") -> OpenAIHTTPError:
     """504: the engine did not answer (or stalled) within its deadline."""
     return OpenAIHTTPError(504, message, "server_error", None, "engine_timeout")
