@@ -48,6 +48,7 @@ from typing import Final, Protocol
 
 import hypercorn.trio.run
 import trio
+from hypercorn.config import Config as HypercornConfig
 from hypercorn.events import Closed, Event, RawData, Updated
 from hypercorn.trio.tcp_server import MAX_RECV, TCPServer
 
@@ -101,6 +102,13 @@ class IdleConnections:
 IDLE = IdleConnections(MAX_IDLE)
 
 
+class ServerConfig(HypercornConfig):
+    """hypercorn's settings plus what only the shim applies."""
+
+    #: a request head must arrive within this long of its first byte (hypercorn has no such limit)
+    header_timeout_s: float = math.inf
+
+
 class PromptClosingTCPServer(TCPServer):
     """hypercorn's Trio connection, closed as soon as its peer closed it, idle ones capped.
 
@@ -114,6 +122,7 @@ class PromptClosingTCPServer(TCPServer):
 
     _read_ended = False
     _serving = False
+    _idle_timer: trio.CancelScope | None = None
 
     async def _read_data(self) -> None:
         half_closed = False
@@ -123,6 +132,10 @@ class PromptClosingTCPServer(TCPServer):
                     data = await self.stream.receive_some(MAX_RECV)
             except (trio.ClosedResourceError, trio.BrokenResourceError, trio.TooSlowError):
                 break
+            if data and not self._serving and self._idle_timer is not None:
+                # a request has begun: its head gets header_timeout_s, not the keep-alive wait
+                head_by = trio.current_time() + getattr(self.config, "header_timeout_s", math.inf)
+                self._idle_timer.deadline = min(self._idle_timer.deadline, head_by)
             await self.protocol.handle(RawData(bytes(data)))
             if not data:
                 half_closed = self._serving
@@ -145,10 +158,12 @@ class PromptClosingTCPServer(TCPServer):
         # hypercorn's own, with the timer registered as idle while it runs.
         with trio.move_on_after(self.config.keep_alive_timeout) as timer:
             IDLE.add(timer)
+            self._idle_timer = timer
             try:
                 await self.context.terminated.wait()
             finally:
                 IDLE.discard(timer)
+                self._idle_timer = None
         with trio.CancelScope(shield=True):
             await self._initiate_server_close()
 
