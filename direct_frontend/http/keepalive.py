@@ -112,12 +112,9 @@ class ServerConfig(HypercornConfig):
 class PromptClosingTCPServer(TCPServer):
     """hypercorn's Trio connection, closed as soon as its peer closed it, idle ones capped.
 
-    A peer that half-closes (sends its whole request, then shuts down its
-    writing side) still reads: its request is answered. hypercorn would tell
-    the app ``http.disconnect`` at the end of the data and the response would
-    be cancelled; here the end of the data only ends the reading while a
-    request is being served. A peer that really left makes a write fail, and
-    hypercorn reports that as the disconnect.
+    A request head must arrive within ``header_timeout_s`` of its first byte
+    (:class:`ServerConfig`): the keep-alive timer, still running then, is
+    brought forward.
     """
 
     _read_ended = False
@@ -125,7 +122,6 @@ class PromptClosingTCPServer(TCPServer):
     _idle_timer: trio.CancelScope | None = None
 
     async def _read_data(self) -> None:
-        half_closed = False
         while True:
             try:
                 with trio.fail_after(self.config.read_timeout or math.inf):
@@ -138,14 +134,11 @@ class PromptClosingTCPServer(TCPServer):
                 self._idle_timer.deadline = min(self._idle_timer.deadline, head_by)
             await self.protocol.handle(RawData(bytes(data)))
             if not data:
-                half_closed = self._serving
                 break
         # The peer closed or reset the connection (or the read failed): nothing can come.
         self._read_ended = True
         await self.idle_task.stop()
-        if not half_closed:
-            await self.protocol.handle(Closed())
-        # else the response is written, then the connection closes (run() waits for it)
+        await self.protocol.handle(Closed())
 
     async def protocol_send(self, event: Event) -> None:
         if isinstance(event, Updated):
