@@ -57,7 +57,8 @@ SHUTDOWN_GRACE_S = 10.0
 
 
 def hypercorn_config(fleet: FleetConfig, grace_s: float = SHUTDOWN_GRACE_S) -> HypercornConfig:
-    config = HypercornConfig()
+    config = keepalive.ServerConfig()
+    config.header_timeout_s = fleet.frontend.header_timeout_s
     config.bind = [fleet.frontend.listen]
     config.accesslog = None
     config.errorlog = logging.getLogger("hypercorn.error")

@@ -220,6 +220,10 @@ class FrontendConfig:
     max_body_bytes: int = setting(4 * 1024 * 1024, AT_LEAST_ONE)
     max_tokens_default: int = setting(1024, AT_LEAST_ONE)  # used when a request gives no max_tokens
     request_timeout_s: float = setting(600.0, POSITIVE)
+    # a request head must arrive whole within this long of its first byte (the connection closes)
+    header_timeout_s: float = setting(10.0, POSITIVE)
+    # a request body must arrive whole within this long (else a 408), however slowly it trickles
+    body_timeout_s: float = setting(30.0, POSITIVE)
     log_json: bool = False
     # a removed engine's in-flight requests get this long
     drain_timeout_s: float = setting(30.0, NON_NEGATIVE)

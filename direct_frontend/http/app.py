@@ -45,7 +45,13 @@ from direct_frontend.openai.errors import (
 from direct_frontend.openai.parse import parse_chat_request, parse_completion_request
 from direct_frontend.openai.types import ChatRequest, CompletionRequest
 from direct_frontend.pipeline.admission import Rejected
-from direct_frontend.pipeline.preprocess import Kind, prepare
+from direct_frontend.pipeline.preprocess import (
+    Kind,
+    Tokenizing,
+    context_limit,
+    new_tokenize_limiter,
+    prepare,
+)
 from direct_frontend.pipeline.relay import Relay
 from direct_frontend.pipeline.settings import Settings
 from direct_frontend.text.model_dir import TextModel
@@ -76,6 +82,7 @@ class App:
         self.relay = relay
         self.text_model = text_model
         self.metrics = metrics
+        self.tokenize_limiter = new_tokenize_limiter()
         self.bound_urls: list[str] = []
         self.http_stopped = trio.Event()
         self.started_at = int(time.time())
@@ -122,7 +129,9 @@ class App:
             self.metrics.request_finished(path if methods else "other", err.status, 0.0)
             return
         status = 500
-        self.metrics.request_started()
+        in_flight = path != "/metrics"  # a scrape must not count itself in flight
+        if in_flight:
+            self.metrics.request_started()
         request_id = new_request_id()  # here, so even a failed handler's 500 names it
         token = current_request_id.set(request_id)
         progress = ResponseProgress(send)
@@ -135,7 +144,9 @@ class App:
             await progress.fail([(b"x-request-id", request_id.encode())])
         finally:
             current_request_id.reset(token)
-            self.metrics.request_finished(path, status, time.perf_counter() - started)
+            self.metrics.request_finished(
+                path, status, time.perf_counter() - started, was_in_flight=in_flight
+            )
 
     # -- admin -------------------------------------------------------------------------
 
@@ -230,7 +241,7 @@ class App:
         headers = [(b"x-request-id", request_id.encode())]
         frontend = settings.frontend
         try:
-            body = await read_body(receive, frontend.max_body_bytes)
+            body = await read_body(receive, frontend.max_body_bytes, frontend.body_timeout_s)
             request: ChatRequest | CompletionRequest = (
                 parse_chat_request(body) if kind == "chat" else parse_completion_request(body)
             )
@@ -239,7 +250,11 @@ class App:
             if trace is not None:
                 trace.model(request.model)
                 trace.enter("preprocess")
-            prepared = await prepare(kind, request, request_id, self.text_model)
+            tokenizing = Tokenizing(
+                self.text_model, context_limit(self.relay.dispatcher.fleet.catalog),
+                self.tokenize_limiter,
+            )
+            prepared = await prepare(kind, request, request_id, tokenizing)
             if trace is not None:
                 trace.leave(prompt_tokens=len(prepared.input_ids))
         except OpenAIHTTPError as err:

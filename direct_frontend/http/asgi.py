@@ -7,11 +7,15 @@ the last resort that answers a request whose handler failed unexpectedly.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
+import trio
+
 from direct_frontend.openai.errors import (
     OpenAIHTTPError,
+    body_timeout,
     error_body,
     internal_error,
     request_too_large,
@@ -97,21 +101,24 @@ class ResponseProgress:
         self.started = self.finished = True
 
 
-async def read_body(receive: Receive, limit: int) -> bytes:
-    """The whole request body, or a 413 past ``limit`` (counted as it arrives)."""
+async def read_body(receive: Receive, limit: int, timeout_s: float = math.inf) -> bytes:
+    """The whole request body; a 413 past ``limit`` (counted as it arrives), a 408 after
+    ``timeout_s`` (a client trickling its body would hold the connection forever)."""
     chunks: list[bytes] = []
     size = 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise ClientGone()
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            raise request_too_large(limit)
-        chunks.append(chunk)
-        if not message.get("more_body", False):
-            return b"".join(chunks)
+    with trio.move_on_after(timeout_s):
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise ClientGone()
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise request_too_large(limit)
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+    raise body_timeout(timeout_s)
 
 
 async def send_body(

@@ -42,13 +42,15 @@ from __future__ import annotations
 
 import inspect
 import logging
+import math
 import resource
 from typing import Final, Protocol
 
 import hypercorn.trio.run
 import trio
-from hypercorn.events import Event, Updated
-from hypercorn.trio.tcp_server import TCPServer
+from hypercorn.config import Config as HypercornConfig
+from hypercorn.events import Closed, Event, RawData, Updated
+from hypercorn.trio.tcp_server import MAX_RECV, TCPServer
 
 from direct_frontend.observability.shims import ShimStatus, gate, register
 
@@ -100,30 +102,61 @@ class IdleConnections:
 IDLE = IdleConnections(MAX_IDLE)
 
 
+class ServerConfig(HypercornConfig):
+    """hypercorn's settings plus what only the shim applies."""
+
+    #: a request head must arrive within this long of its first byte (hypercorn has no such limit)
+    header_timeout_s: float = math.inf
+
+
 class PromptClosingTCPServer(TCPServer):
-    """hypercorn's Trio connection, closed as soon as its peer closed it, idle ones capped."""
+    """hypercorn's Trio connection, closed as soon as its peer closed it, idle ones capped.
+
+    A request head must arrive within ``header_timeout_s`` of its first byte
+    (:class:`ServerConfig`): the keep-alive timer, still running then, is
+    brought forward.
+    """
 
     _read_ended = False
+    _serving = False
+    _idle_timer: trio.CancelScope | None = None
 
     async def _read_data(self) -> None:
-        await super()._read_data()
+        while True:
+            try:
+                with trio.fail_after(self.config.read_timeout or math.inf):
+                    data = await self.stream.receive_some(MAX_RECV)
+            except (trio.ClosedResourceError, trio.BrokenResourceError, trio.TooSlowError):
+                break
+            if data and not self._serving and self._idle_timer is not None:
+                # a request has begun: its head gets header_timeout_s, not the keep-alive wait
+                head_by = trio.current_time() + getattr(self.config, "header_timeout_s", math.inf)
+                self._idle_timer.deadline = min(self._idle_timer.deadline, head_by)
+            await self.protocol.handle(RawData(bytes(data)))
+            if not data:
+                break
         # The peer closed or reset the connection (or the read failed): nothing can come.
         self._read_ended = True
         await self.idle_task.stop()
+        await self.protocol.handle(Closed())
 
     async def protocol_send(self, event: Event) -> None:
-        if self._read_ended and isinstance(event, Updated) and event.idle:
-            return  # no keep-alive wait for a request that cannot come: close when done
+        if isinstance(event, Updated):
+            self._serving = not event.idle
+            if self._read_ended and event.idle:
+                return  # no keep-alive wait for a request that cannot come: close when done
         await super().protocol_send(event)
 
     async def _idle_timeout(self) -> None:
         # hypercorn's own, with the timer registered as idle while it runs.
         with trio.move_on_after(self.config.keep_alive_timeout) as timer:
             IDLE.add(timer)
+            self._idle_timer = timer
             try:
                 await self.context.terminated.wait()
             finally:
                 IDLE.discard(timer)
+                self._idle_timer = None
         with trio.CancelScope(shield=True):
             await self._initiate_server_close()
 

@@ -234,9 +234,15 @@ class Metrics:
         """Count a request in flight; pair with :meth:`request_finished`."""
         self.in_flight_requests.inc()
 
-    def request_finished(self, endpoint: str, status: int, duration: float) -> None:
-        """Count a finished request and its duration (seconds)."""
-        self.in_flight_requests.dec()
+    def request_finished(
+        self, endpoint: str, status: int, duration: float, *, was_in_flight: bool = True
+    ) -> None:
+        """Count a finished request and its duration (seconds).
+
+        ``was_in_flight``: False for one never counted by :meth:`request_started`.
+        """
+        if was_in_flight:
+            self.in_flight_requests.dec()
         key = (endpoint, status)
         counter = self._requests.get(key)
         if counter is None:

@@ -95,12 +95,17 @@ def request_too_large(limit_bytes: int) -> OpenAIHTTPError:
     )
 
 
-def context_length_exceeded(prompt_tokens: int, limit: int, param: str) -> OpenAIHTTPError:
-    """400 for a prompt that leaves no room to generate; OpenAI's code for it."""
+def context_length_exceeded(
+    prompt_tokens: int, limit: int, param: str, *, at_least: bool = False
+) -> OpenAIHTTPError:
+    """400 for a prompt that leaves no room to generate; OpenAI's code for it.
+
+    ``at_least``: ``prompt_tokens`` is a lower bound (the prompt was refused untokenized).
+    """
     return OpenAIHTTPError(
         400,
         f"This model's maximum context length is {limit} tokens, "
-        f"but the prompt has {prompt_tokens} tokens.",
+        f"but the prompt has {'at least ' if at_least else ''}{prompt_tokens} tokens.",
         "invalid_request_error",
         param,
         "context_length_exceeded",
@@ -141,6 +146,18 @@ def internal_error(message: str = "Internal server error.") -> OpenAIHTTPError:
 def engine_failed(message: str) -> OpenAIHTTPError:
     """502: the engine failed or broke its protocol."""
     return OpenAIHTTPError(502, message, "server_error", None, "engine_error")
+
+
+def body_timeout(timeout_s: float) -> OpenAIHTTPError:
+    """408: the request body did not arrive within ``body_timeout_s``; the connection closes."""
+    return OpenAIHTTPError(
+        408,
+        f"The request body did not arrive within {timeout_s:g} s.",
+        "invalid_request_error",
+        None,
+        "request_timeout",
+        headers=((b"connection", b"close"),),
+    )
 
 
 def engine_timeout(message: str = "The inference engine timed out.") -> OpenAIHTTPError:

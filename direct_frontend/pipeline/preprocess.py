@@ -2,7 +2,10 @@
 
 Templating is cheap and stays on the event loop; tokenizing a long prompt is
 sent to a worker thread (the tokenizer's Rust code releases the GIL) so one
-big prompt never stalls every other stream.
+big prompt never stalls every other stream. Tokenizing costs far more memory
+than the text (a 4 MiB prompt: ≈ 0.75 GB for 3 s), so a prompt that certainly
+cannot fit the largest context in the fleet is refused before it is tokenized,
+and long tokenizations take turns (:data:`TOKENIZE_THREADS` at a time).
 """
 
 from __future__ import annotations
@@ -24,13 +27,28 @@ from direct_frontend.openai.types import (
     ChatRequest,
     CompletionRequest,
 )
-from direct_frontend.routing.catalog import EngineHandle
+from direct_frontend.routing.catalog import Catalog, EngineHandle
 from direct_frontend.text.model_dir import ChatTemplateError, TextModel
 
 Kind = Literal["chat", "completion"]
 
 # Below this many characters a thread hop costs more than tokenizing inline.
 INLINE_TOKENIZE_CHARS = 4096
+#: long prompts tokenized at once, daemon-wide (a bound on their memory and cores)
+TOKENIZE_THREADS = 2
+
+
+def new_tokenize_limiter() -> trio.CapacityLimiter:
+    """The limiter every request of a daemon tokenizes its long prompt under."""
+    return trio.CapacityLimiter(TOKENIZE_THREADS)
+
+
+def context_limit(catalog: Catalog) -> int | None:
+    """The largest context a serving engine offers; None if one has no limit, or none serves."""
+    limits = [engine.context_length for engine in catalog.engines]
+    if not limits or None in limits:
+        return None
+    return max(limit for limit in limits if limit is not None)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -64,18 +82,35 @@ def message_dict(message: ChatMessage) -> dict[str, object]:
     return out
 
 
-async def _encode(text_model: TextModel, text: str, *, add_special_tokens: bool) -> list[int]:
-    if len(text) < INLINE_TOKENIZE_CHARS:
-        return text_model.encode(text, add_special_tokens=add_special_tokens)
-    return await trio.to_thread.run_sync(
-        lambda: text_model.encode(text, add_special_tokens=add_special_tokens)
-    )
+@dataclasses.dataclass(frozen=True, slots=True)
+class Tokenizing:
+    """How a daemon tokenizes: its model, the fleet's largest context, the shared limiter."""
+
+    text_model: TextModel
+    #: see :func:`context_limit`; None skips the early refusal
+    context_limit: int | None
+    limiter: trio.CapacityLimiter
+
+    async def encode(self, text: str, param: str, *, add_special_tokens: bool) -> list[int]:
+        """Token ids of ``text``; a 400 without tokenizing when it certainly cannot fit."""
+        text_model = self.text_model
+        if len(text) < INLINE_TOKENIZE_CHARS:
+            return text_model.encode(text, add_special_tokens=add_special_tokens)
+        limit = self.context_limit
+        if limit is not None and (fewest := text_model.fewest_tokens(text)) >= limit:
+            raise context_length_exceeded(fewest, limit, param, at_least=True)
+        return await trio.to_thread.run_sync(
+            lambda: text_model.encode(text, add_special_tokens=add_special_tokens),
+            limiter=self.limiter,
+        )
 
 
 async def prepare(
-    kind: Kind, request: ChatRequest | CompletionRequest, request_id: str, text_model: TextModel
+    kind: Kind, request: ChatRequest | CompletionRequest, request_id: str, tokenizing: Tokenizing
 ) -> PreparedRequest:
     """Template and tokenize; template failures are the client's 400."""
+    text_model = tokenizing.text_model
+    param = _prompt_param(kind)
     if isinstance(request, ChatRequest):
         try:
             prompt = text_model.render_chat(
@@ -85,10 +120,10 @@ async def prepare(
             )
         except ChatTemplateError as exc:
             raise invalid_request(str(exc), "messages") from None
-        ids = await _encode(text_model, prompt, add_special_tokens=False)
+        ids = await tokenizing.encode(prompt, param, add_special_tokens=False)
     elif isinstance(request.prompt, str):
         prompt = request.prompt
-        ids = await _encode(text_model, prompt, add_special_tokens=True)
+        ids = await tokenizing.encode(prompt, param, add_special_tokens=True)
     else:
         prompt = ""
         ids = list(request.prompt)
@@ -96,7 +131,7 @@ async def prepare(
         if any(t < 0 or t >= vocab for t in ids):
             raise invalid_request(f"prompt token ids must be in [0, {vocab})", "prompt")
     if not ids:
-        raise invalid_request("the prompt is empty", _prompt_param(kind))
+        raise invalid_request("the prompt is empty", param)
     return PreparedRequest(kind, request_id, request, tuple(ids), prompt)
 
 

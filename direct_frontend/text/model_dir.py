@@ -127,6 +127,64 @@ def _int_ids(value: object) -> list[int]:
     return []
 
 
+# Steps that never make the text shorter in UTF-8 bytes nor drop any of it.
+_KEEPING_PRE_TOKENIZERS = frozenset({"ByteLevel", "Metaspace", "Split", "Digits", "Punctuation"})
+
+
+def _keeps_length(step: object, keeping: frozenset[str]) -> bool:
+    """Whether a normalizer or pre-tokenizer (as tokenizer.json spells it) keeps every byte."""
+    if step is None:
+        return True
+    if not isinstance(step, dict):
+        return False
+    kind = step.get("type")
+    if kind == "Sequence":
+        parts = step.get("normalizers", step.get("pretokenizers"))
+        return isinstance(parts, list) and all(_keeps_length(p, keeping) for p in parts)
+    if kind == "Replace":  # a literal replaced by something at least as long
+        pattern, content = step.get("pattern"), step.get("content")
+        return (
+            isinstance(pattern, dict) and isinstance(pattern.get("String"), str)
+            and isinstance(content, str)
+            and len(content.encode()) >= len(pattern["String"].encode())
+        )
+    if kind in ("Split", "Punctuation") and step.get("behavior") == "Removed":
+        return False
+    return kind in keeping
+
+
+def _max_bytes_per_token(spec: Mapping[str, Any], tokenizer: Tokenizer) -> int | None:
+    """The most input bytes one token can stand for, when the tokenizer's shape bounds it.
+
+    Then a text of ``n`` UTF-8 bytes has at least ``n / max`` tokens, which lets
+    a prompt that cannot fit be refused without tokenizing it. Bounded only for
+    BPE (each token spells its own bytes) behind steps that drop nothing and
+    shrink nothing; an unknown token fused over a run, or an added token that
+    strips the whitespace around it, can stand for any length: no bound.
+    """
+    model = spec.get("model")
+    if not isinstance(model, dict) or model.get("type") != "BPE":
+        return None
+    if model.get("unk_token") is not None and model.get("fuse_unk") and not model.get(
+        "byte_fallback"
+    ):
+        return None
+    if not _keeps_length(spec.get("normalizer"), frozenset({"Prepend"})):
+        return None
+    if not _keeps_length(spec.get("pre_tokenizer"), _KEEPING_PRE_TOKENIZERS):
+        return None
+    added = tokenizer.get_added_tokens_decoder().values()
+    if any(token.lstrip or token.rstrip for token in added):
+        return None
+    # A ByteLevel vocabulary spells each byte as one character, others spell the
+    # text itself; an unknown character (if not fused) is one token of at most 4 bytes.
+    byte_level = "ByteLevel" in json.dumps(spec.get("pre_tokenizer"))
+    vocab = tokenizer.get_vocab(with_added_tokens=False)
+    longest = max((len(t) if byte_level else len(t.encode()) for t in vocab), default=0)
+    longest_added = max((len(t.content.encode()) for t in added), default=0)
+    return max(longest, longest_added, 4)
+
+
 def _load_templates(
     path: Path, tokenizer_config: Mapping[str, Any]
 ) -> tuple[dict[str, str], Path | None]:
@@ -180,8 +238,11 @@ class TextModel:
         templates: Mapping[str, jinja2.Template],
         eos_token_ids: Sequence[int],
         max_position_embeddings: int | None,
+        max_bytes_per_token: int | None = None,
     ) -> None:
         self.path = path
+        #: see :func:`_max_bytes_per_token`; None when the tokenizer does not bound it
+        self.max_bytes_per_token = max_bytes_per_token
         self._tokenizer = tokenizer
         self._templates = dict(templates)
         self.max_position_embeddings = max_position_embeddings
@@ -226,6 +287,7 @@ class TextModel:
             raise ModelDirError(f"{tokenizer_file}: file missing")
         try:
             tokenizer = Tokenizer.from_file(str(tokenizer_file))
+            spec = json.loads(tokenizer_file.read_text(encoding="utf-8"))
         except Exception as exc:  # the Rust side raises plain Exception
             raise ModelDirError(f"{tokenizer_file}: cannot load tokenizer: {exc}") from exc
         # Some tokenizer.json files carry training-time truncation or padding;
@@ -266,6 +328,7 @@ class TextModel:
             templates=templates,
             eos_token_ids=eos_ids,
             max_position_embeddings=max_positions,
+            max_bytes_per_token=_max_bytes_per_token(spec, tokenizer),
         )
 
     @property
@@ -276,6 +339,12 @@ class TextModel:
     def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
         """Token ids for ``text``; pass a rendered chat as is, its special tokens are in it."""
         return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def fewest_tokens(self, text: str) -> int:
+        """A lower bound on ``len(self.encode(text))`` without tokenizing (0 if unbounded)."""
+        if self.max_bytes_per_token is None:
+            return 0
+        return -(-len(text.encode()) // self.max_bytes_per_token)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """The text of ``ids`` in one go (streams use :meth:`new_detokenizer`)."""

@@ -18,6 +18,7 @@ from tests.support.daemon import (
     sim_engine,
     wait_for,
 )
+from tests.support.metrics import sample
 
 FAST = {"decode_us_per_token": 0, "prefill_us_per_token": 0, "eos_probability": 0.0}
 
@@ -117,6 +118,12 @@ def test_models_health_ready_metrics_and_request_id(daemon: Daemon, client: open
         "direct_frontend_engine_in_flight",
     ):
         assert name in metrics
+    # once the chat above has finished, nothing is in flight: a scrape does not count itself
+    wait_for(
+        lambda: sample(httpx.get(daemon.url + "/metrics").text,
+                       "direct_frontend_in_flight_requests") == 0,
+        what="no request in flight",
+    )  # fmt: skip
 
 
 def test_an_engine_serving_another_model_is_never_selected(daemon: Daemon) -> None:

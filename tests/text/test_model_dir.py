@@ -10,6 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tokenizers import pre_tokenizers
 
 from direct_frontend.text.demo_model import build_model_dir
@@ -387,3 +389,59 @@ def test_demo_model_vocab_size_parameter(tmp_path: Path) -> None:
     model = TextModel.load(build_model_dir(tmp_path, vocab_size=600))
     assert model.vocab_size == 603
     assert model.decode(model.encode("Grüße 🦜")) == "Grüße 🦜"
+
+
+# -- a lower bound on the token count, without tokenizing ---------------------------------
+
+PIECES = st.sampled_from([*"ab c\n.-", *RARE_CHARS, "<|im_start|>", "  ", "interactions"])
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(PIECES).map("".join))
+def test_fewest_tokens_never_exceeds_the_real_count(text_model: TextModel, text: str) -> None:
+    assert text_model.max_bytes_per_token is not None
+    assert text_model.fewest_tokens(text) <= len(text_model.encode(text))
+
+
+def _tokenizer_edited(model_dir: Path, dest: Path, edit: dict[str, object]) -> TextModel:
+    target = _copy_model(model_dir, dest)
+    spec_file = target / "tokenizer.json"
+    spec = json.loads(spec_file.read_text())
+    for key, value in edit.items():
+        section, _, field = key.partition(".")
+        if field:
+            spec[section][field] = value
+        else:
+            spec[section] = value
+    spec_file.write_text(json.dumps(spec))
+    return TextModel.load(target)
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        {"pre_tokenizer": {"type": "WhitespaceSplit"}},  # drops whitespace
+        {"normalizer": {"type": "NFKC"}},  # may shrink
+        {"normalizer": {"type": "Replace", "pattern": {"String": "  "}, "content": " "}},
+        {"pre_tokenizer": {"type": "Split", "pattern": {"String": " "}, "behavior": "Removed",
+                           "invert": False}},
+        {"model.unk_token": "<|endoftext|>", "model.fuse_unk": True},  # one token, any run
+    ],
+)  # fmt: skip
+def test_no_bound_when_a_token_can_stand_for_any_length(
+    model_dir: Path, tmp_path: Path, edit: dict[str, object]
+) -> None:
+    text_model = _tokenizer_edited(model_dir, tmp_path, edit)
+    assert text_model.max_bytes_per_token is None
+    assert text_model.fewest_tokens("word " * 1000) == 0
+
+
+def test_bound_kept_behind_steps_that_only_grow_the_text(model_dir: Path, tmp_path: Path) -> None:
+    grow = {"type": "Sequence", "normalizers": [
+        {"type": "Prepend", "prepend": "▁"},
+        {"type": "Replace", "pattern": {"String": " "}, "content": "▁"},
+    ]}  # fmt: skip
+    text_model = _tokenizer_edited(model_dir, tmp_path, {"normalizer": grow})
+    assert text_model.max_bytes_per_token is not None
+    text = "word " * 1000
+    assert 0 < text_model.fewest_tokens(text) <= len(text_model.encode(text))
