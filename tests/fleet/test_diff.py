@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import textwrap
@@ -166,3 +167,25 @@ def test_tracing_is_built_at_start_so_a_change_needs_a_restart() -> None:
     new = fleet(frontend='[frontend.tracing]\notlp_endpoint = "http://127.0.0.1:4318/v1/traces"')
     diff = diff_fleets(fleet(), new)
     assert diff.restart == ("tracing.otlp_endpoint",) and not diff.live
+
+
+
+def test_every_frontend_setting_is_in_the_json_form_the_diff_reads() -> None:
+    """A setting missing from ``to_jsonable`` would be a reload edit the diff cannot see."""
+    aliases = {"listen_host": "listen", "listen_port": "listen", "kv_aware": "knobs"}
+
+    def missing(config: object, shown: object, path: str) -> list[str]:
+        assert isinstance(shown, dict), path
+        gaps = []
+        for field in dataclasses.fields(config):  # type: ignore[arg-type]
+            key = aliases.get(field.name, field.name)
+            if key not in shown:
+                gaps.append(path + key)
+                continue
+            value = getattr(config, field.name)
+            if dataclasses.is_dataclass(value) and key != "knobs" and shown[key] is not None:
+                gaps += missing(value, shown[key], f"{path}{key}.")
+        return gaps
+
+    loaded = fleet()
+    assert missing(loaded.frontend, to_jsonable(loaded)["frontend"], "frontend.") == []
