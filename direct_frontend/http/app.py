@@ -23,7 +23,6 @@ from direct_frontend.http.asgi import (
     ResponseProgress,
     Scope,
     Send,
-    hide_recycle_disconnect,
     lifespan,
     read_body,
     send_body,
@@ -48,8 +47,6 @@ from direct_frontend.pipeline.admission import Rejected
 from direct_frontend.pipeline.preprocess import (
     Kind,
     Tokenizing,
-    context_limit,
-    new_tokenize_limiter,
     prepare,
 )
 from direct_frontend.pipeline.relay import Relay
@@ -82,7 +79,8 @@ class App:
         self.relay = relay
         self.text_model = text_model
         self.metrics = metrics
-        self.tokenize_limiter = new_tokenize_limiter()
+        fleet = relay.dispatcher.fleet
+        self.tokenizing = Tokenizing(text_model, lambda: fleet.catalog)
         self.bound_urls: list[str] = []
         self.http_stopped = trio.Event()
         self.started_at = int(time.time())
@@ -135,7 +133,7 @@ class App:
         request_id = new_request_id()  # here, so even a failed handler's 500 names it
         token = current_request_id.set(request_id)
         progress = ResponseProgress(send)
-        receive, send = hide_recycle_disconnect(receive, progress.send)
+        receive, send = progress.receiving(receive), progress.send
         try:
             status = await handler(settings, scope, receive, send)
         except Exception:  # a bug: answered and logged here, once, never an empty 500
@@ -250,11 +248,7 @@ class App:
             if trace is not None:
                 trace.model(request.model)
                 trace.enter("preprocess")
-            tokenizing = Tokenizing(
-                self.text_model, context_limit(self.relay.dispatcher.fleet.catalog),
-                self.tokenize_limiter,
-            )
-            prepared = await prepare(kind, request, request_id, tokenizing)
+            prepared = await prepare(kind, request, request_id, self.tokenizing)
             if trace is not None:
                 trace.leave(prompt_tokens=len(prepared.input_ids))
         except OpenAIHTTPError as err:

@@ -30,7 +30,7 @@ Headers = list[tuple[bytes, bytes]]
 JSON = b"application/json"
 
 #: what the app's ``receive`` gives instead of the ``http.disconnect`` hypercorn
-#: sends once the response is complete (see :func:`hide_recycle_disconnect`)
+#: sends once the response is complete (see :meth:`ResponseProgress.receiving`)
 RESPONSE_DONE = "direct_frontend.response_done"
 
 
@@ -38,39 +38,13 @@ class ClientGone(Exception):
     """The client disconnected before the response was complete."""
 
 
-def hide_recycle_disconnect(receive: Receive, send: Send) -> tuple[Receive, Send]:
-    """Keep the ``http.disconnect`` hypercorn sends *during* our last ``send`` from the app.
-
-    Hypercorn recycles (or, shutting down, closes) the connection inside the
-    final body ``send`` and tells the app ``http.disconnect`` as part of it.
-    A disconnect watcher woken by that would count a finished response as
-    abandoned, and cancel the rest of hypercorn's work in our task: the
-    connection would then stay open until the shutdown grace period ends.
-    After the last body a disconnect is not the client leaving, so it is
-    never delivered as one: it comes as a ``RESPONSE_DONE`` message, on
-    which the watcher simply ends.
-    """
-    finished = False
-
-    async def tracked_send(message: Message) -> None:
-        nonlocal finished
-        if message["type"] == "http.response.body" and not message.get("more_body", False):
-            finished = True  # before the send: the disconnect arrives inside it
-        await send(message)
-
-    async def tracked_receive() -> Message:
-        message = await receive()
-        if finished and message["type"] == "http.disconnect":
-            return {"type": RESPONSE_DONE}
-        return message
-
-    return tracked_receive, tracked_send
-
-
 class ResponseProgress:
-    """How far a response got, so a handler that failed unexpectedly can still be answered.
+    """How far a response got: one wrapper around a request's ``send`` (and its ``receive``).
 
-    ``send`` is the wrapped send the handler uses.
+    ``send`` is the wrapped send the handler uses. Knowing whether the response
+    started lets a handler that failed unexpectedly still be answered
+    (:meth:`fail`); knowing whether it finished keeps the ``http.disconnect``
+    hypercorn sends *during* our last ``send`` from the app (:meth:`receiving`).
     """
 
     __slots__ = ("_send", "finished", "started")
@@ -86,6 +60,28 @@ class ResponseProgress:
         elif message["type"] == "http.response.body" and not message.get("more_body", False):
             self.finished = True
         await self._send(message)
+
+    def receiving(self, receive: Receive) -> Receive:
+        """``receive``, with the disconnect that follows a finished response hidden.
+
+        Hypercorn recycles (or, shutting down, closes) the connection inside the
+        final body ``send`` and tells the app ``http.disconnect`` as part of it.
+        A disconnect watcher woken by that would count a finished response as
+        abandoned, and cancel the rest of hypercorn's work in our task: the
+        connection would then stay open until the shutdown grace period ends.
+        After the last body a disconnect is not the client leaving, so it is
+        never delivered as one: it comes as a ``RESPONSE_DONE`` message, on
+        which the watcher simply ends. (:meth:`send` marks the response finished
+        before passing the last body on: the disconnect arrives inside it.)
+        """
+
+        async def tracked_receive() -> Message:
+            message = await receive()
+            if self.finished and message["type"] == "http.disconnect":
+                return {"type": RESPONSE_DONE}
+            return message
+
+        return tracked_receive
 
     async def fail(self, headers: Headers) -> None:
         """End the response after an unexpected error: a 500 if nothing was sent yet.

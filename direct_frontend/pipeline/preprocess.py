@@ -11,6 +11,7 @@ and long tokenizations take turns (:data:`TOKENIZE_THREADS` at a time).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Literal
 
 import trio
@@ -84,19 +85,22 @@ def message_dict(message: ChatMessage) -> dict[str, object]:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Tokenizing:
-    """How a daemon tokenizes: its model, the fleet's largest context, the shared limiter."""
+    """How a daemon tokenizes: its model, the fleet it serves, one limiter for all requests.
+
+    Made once per daemon. The fleet's largest context (:func:`context_limit`) is read
+    only for a long prompt, the one case that needs it.
+    """
 
     text_model: TextModel
-    #: see :func:`context_limit`; None skips the early refusal
-    context_limit: int | None
-    limiter: trio.CapacityLimiter
+    catalog: Callable[[], Catalog]  # the catalog in force
+    limiter: trio.CapacityLimiter = dataclasses.field(default_factory=new_tokenize_limiter)
 
     async def encode(self, text: str, param: str, *, add_special_tokens: bool) -> list[int]:
         """Token ids of ``text``; a 400 without tokenizing when it certainly cannot fit."""
         text_model = self.text_model
         if len(text) < INLINE_TOKENIZE_CHARS:
             return text_model.encode(text, add_special_tokens=add_special_tokens)
-        limit = self.context_limit
+        limit = context_limit(self.catalog())
         if limit is not None and (fewest := text_model.fewest_tokens(text)) >= limit:
             raise context_length_exceeded(fewest, limit, param, at_least=True)
         return await trio.to_thread.run_sync(
