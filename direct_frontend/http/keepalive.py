@@ -31,6 +31,22 @@ the descriptor limit it protects: going over the cap closes the connection
 that has been idle longest, as the keep-alive timeout would have, only sooner.
 That bounds what clients that open connections and leave them open can hold.
 
+A peer's FIN reaches an ASGI app as ``http.disconnect`` whether the client
+hung up or only *half-closed* (sent its whole request, then
+``shutdown(SHUT_WR)``, and waits for the answer, as ``nc -N`` and some
+batch clients do). The generation endpoints cancel on ``http.disconnect``
+(so the engine stops), which would leave a half-closing client without an
+answer. Only a write can tell the two apart: a socket that was closed
+answers data with a reset, a half-closed one acknowledges it. So when the
+FIN comes after a complete HTTP/1.1 POST whose response has not started,
+the shim writes an interim ``100 Continue`` (every HTTP/1.1 client must
+accept 1xx responses before the final one) and watches the socket
+(:func:`peer_after_probe`): acknowledged, the request is answered as if
+nothing happened, and the connection closes after the response; reset, or
+no answer within :data:`PROBE_WAIT_S`, the app hears ``http.disconnect``
+as before. A hang-up after the response started is still a hang-up, and a
+half-closed client that goes away later is found by the next writes.
+
 :func:`install` does nothing unless hypercorn is a release this was checked
 against (:data:`CHECKED`) *and* has the shape it relies on (the gate of
 :mod:`direct_frontend.observability.shims`); hypercorn then behaves as it
@@ -40,12 +56,17 @@ start, exported as ``direct_frontend_shim_active{shim="hypercorn_keepalive"}``.
 
 from __future__ import annotations
 
+import enum
+import fcntl
 import inspect
 import logging
 import math
 import resource
-from typing import Final, Protocol
+import socket
+import struct
+from typing import Any, Final, Protocol
 
+import h11
 import hypercorn.trio.run
 import trio
 from hypercorn.config import Config as HypercornConfig
@@ -63,6 +84,38 @@ CHECKED = ("0.18.0",)
 #: Most idle connections kept, and the share of the descriptor limit they may take.
 MAX_IDLE: Final = 4096
 IDLE_SHARE_OF_DESCRIPTORS: Final = 4
+
+
+#: how long a half-closed peer gets to acknowledge the interim response (then: it left)
+PROBE_WAIT_S: Final = 1.0
+_TCP_CLOSE: Final = 7  # tcpi_state values (linux/tcp_states.h)
+_TCP_CLOSE_WAIT: Final = 8
+_SIOCOUTQ: Final = 0x5411  # bytes not yet acknowledged by the peer (linux/sockios.h)
+
+
+class Peer(enum.Enum):
+    """What a peer that sent a FIN did with the bytes written after it."""
+
+    LISTENING = "listening"  # acknowledged them: it half-closed and reads on
+    GONE = "gone"  # reset the connection: it closed its socket
+    UNKNOWN = "unknown"  # not yet (or this platform cannot tell)
+
+
+def peer_after_probe(sock: socket.socket) -> Peer:
+    """Read the kernel's view of a socket in CLOSE_WAIT after a write (Linux ``TCP_INFO``)."""
+    tcp_info = getattr(socket, "TCP_INFO", None)
+    if tcp_info is None:
+        return Peer.UNKNOWN
+    try:
+        state = sock.getsockopt(socket.IPPROTO_TCP, tcp_info, 8)[0]
+        if state == _TCP_CLOSE:
+            return Peer.GONE
+        if state != _TCP_CLOSE_WAIT:
+            return Peer.UNKNOWN
+        unacknowledged = struct.unpack("i", fcntl.ioctl(sock.fileno(), _SIOCOUTQ, b"\0" * 4))[0]
+    except OSError:
+        return Peer.GONE  # the descriptor is gone with the connection
+    return Peer.LISTENING if unacknowledged == 0 else Peer.UNKNOWN
 
 
 class Closable(Protocol):
@@ -134,11 +187,45 @@ class PromptClosingTCPServer(TCPServer):
                 self._idle_timer.deadline = min(self._idle_timer.deadline, head_by)
             await self.protocol.handle(RawData(bytes(data)))
             if not data:
+                if await self._half_closed():
+                    self._read_ended = True
+                    await self.idle_task.stop()
+                    return  # the response is written; the connection closes after it
                 break
         # The peer closed or reset the connection (or the read failed): nothing can come.
         self._read_ended = True
         await self.idle_task.stop()
         await self.protocol.handle(Closed())
+
+    async def _half_closed(self) -> bool:
+        """After the peer's FIN: whether it awaits the response of a request it sent whole."""
+        h11_protocol: Any = getattr(self.protocol, "protocol", None)
+        connection = getattr(h11_protocol, "connection", None)
+        scope = getattr(getattr(h11_protocol, "stream", None), "scope", None)
+        if (
+            not isinstance(connection, h11.Connection)
+            or connection.their_http_version != b"1.1"
+            or connection.our_state is not h11.SEND_RESPONSE
+            or connection.their_state not in (h11.DONE, h11.CLOSED)
+            or not isinstance(scope, dict)
+            or scope.get("method") != "POST"
+        ):
+            return False
+        raw = getattr(self.stream, "socket", None)
+        if raw is None:  # TLS: the probe would be encrypted into a record; not attempted
+            return False
+        # h11 moves on synchronously, so the app cannot start its response in between.
+        interim = h11.InformationalResponse(status_code=100, headers=[], reason=b"Continue")
+        probe = connection.send(interim)
+        assert probe is not None
+        await self.protocol_send(RawData(probe))
+        wait = 0.001
+        with trio.move_on_after(PROBE_WAIT_S):
+            while (peer := peer_after_probe(raw)) is Peer.UNKNOWN:
+                await trio.sleep(wait)
+                wait = min(wait * 2, 0.05)
+            return peer is Peer.LISTENING
+        return False
 
     async def protocol_send(self, event: Event) -> None:
         if isinstance(event, Updated):

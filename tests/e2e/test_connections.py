@@ -196,3 +196,52 @@ def test_the_descriptor_limit_was_raised_and_both_are_metrics(daemon: Daemon) ->
     conn.close()
     assert abs(sample(text, "direct_frontend_open_fds") - during) <= 2
     assert sample(text, "direct_frontend_max_fds") == hard
+
+
+def _post(path: str, body: dict[str, object]) -> bytes:
+    data = json.dumps(body).encode()
+    return (
+        b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (path.encode(), len(data), data)
+    )
+
+
+def _read_to_eof(sock: socket.socket) -> bytes:
+    received = b""
+    while chunk := sock.recv(65536):
+        received += chunk
+    return received
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_half_closes_after_its_request_gets_the_answer(
+    daemon: Daemon, stream: bool
+) -> None:
+    body = {"model": "demo", "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 40, "stream": stream}
+    with socket.create_connection(_address(daemon), timeout=10) as sock:
+        sock.sendall(_post("/v1/chat/completions", body))
+        sock.shutdown(socket.SHUT_WR)
+        received = _read_to_eof(sock)  # the daemon closes the connection after the answer
+    interim, _, rest = received.partition(b"\r\n\r\n")
+    assert interim == b"HTTP/1.1 100 Continue"
+    head, _, payload = rest.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200")
+    if stream:
+        assert b"data: [DONE]" in payload
+        assert b'"finish_reason":"length"' in payload
+    else:
+        assert b'"completion_tokens":40' in payload
+
+
+def test_a_client_that_hangs_up_before_the_answer_still_aborts_the_engine(
+    daemon: Daemon,
+) -> None:
+    engine = daemon.supervisor.simulators["a"]
+    aborted = engine.stats.aborts_received
+    body = {"model": "demo", "prompt": "x", "max_tokens": 2000}  # 4 s, not streamed
+    with socket.create_connection(_address(daemon), timeout=10) as sock:
+        sock.sendall(_post("/v1/completions", body))
+        wait_for(lambda: engine.stats.running == 1, what="the engine to run the request")
+    wait_for(lambda: engine.stats.aborts_received == aborted + 1, what="the engine's Abort")
+    wait_for(lambda: engine.stats.running == 0, what="the engine slot to be freed")

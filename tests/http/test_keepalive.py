@@ -6,6 +6,8 @@ On the wire, against the real daemon: tests/e2e/test_connections.py.
 from __future__ import annotations
 
 import importlib.metadata
+import socket
+import time
 
 import hypercorn.trio.run
 import pytest
@@ -136,3 +138,34 @@ def test_the_report_says_when_the_shim_was_replaced_since() -> None:
     hypercorn.trio.run.TCPServer = TCPServer  # type: ignore[attr-defined]
     status = _reported()
     assert not status.active and status.reason.endswith("replaced since it was installed")
+
+
+def _connected_pair() -> tuple[socket.socket, socket.socket]:
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        client = socket.create_connection(server.getsockname())
+        ours, _ = server.accept()
+    return client, ours
+
+
+def _probe(ours: socket.socket) -> keepalive.Peer:
+    ours.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
+    deadline = time.monotonic() + 5
+    while (peer := keepalive.peer_after_probe(ours)) is keepalive.Peer.UNKNOWN:
+        assert time.monotonic() < deadline, "the kernel never settled the probe"
+        time.sleep(0.001)
+    return peer
+
+
+@pytest.mark.skipif(not hasattr(socket, "TCP_INFO"), reason="Linux TCP_INFO")
+def test_a_probe_tells_a_half_closed_peer_from_a_gone_one() -> None:
+    client, ours = _connected_pair()
+    with client, ours:
+        client.shutdown(socket.SHUT_WR)
+        assert ours.recv(1) == b""  # the FIN
+        assert _probe(ours) is keepalive.Peer.LISTENING
+        assert client.recv(64) == b"HTTP/1.1 100 Continue\r\n\r\n"
+    client, ours = _connected_pair()
+    with ours:
+        client.close()
+        assert ours.recv(1) == b""
+        assert _probe(ours) is keepalive.Peer.GONE
