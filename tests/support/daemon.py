@@ -25,10 +25,22 @@ from direct_frontend.fleet.load import load_fleet
 from direct_frontend.http.app import App
 
 
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A loopback port nothing listens on, never one this process was given before.
+
+    The kernel may hand the same ephemeral port to two binds in a row once the
+    first is closed, so two engines of one fleet could otherwise share a port.
+    """
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
 
 
 def wait_for(predicate: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
