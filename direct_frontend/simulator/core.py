@@ -253,7 +253,7 @@ class SimCore:
         internal: bool = False,
         sample_seed: int | None = None,
     ) -> Job:
-        """Prepare a sequence (``sample_seed``: the request samples with it); :meth:`run` admits it."""
+        """Prepare a sequence (sampled with ``sample_seed``, if any); :meth:`run` admits it."""
         generation = Generation(self.model, prompt_ids, criteria, sample_seed)
         job = Job(request_id, generation, internal=internal)
         job.prompt_ids = prompt_ids

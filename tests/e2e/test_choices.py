@@ -178,7 +178,7 @@ def test_stop_strings_apply_to_each_choice_alone(daemon: Daemon) -> None:
     got = [(c.message.content, c.finish_reason) for c in answer.choices]
     assert got == expected
     assert got[1][1] == "stop"
-    texts, finishes, usage = streamed_chat(daemon, n=3, stop=[word], **SAMPLED)
+    texts, finishes, _ = streamed_chat(daemon, n=3, stop=[word], **SAMPLED)
     assert [(texts[i], finishes[i]) for i in range(3)] == expected
 
 
@@ -202,6 +202,7 @@ def test_one_choice_migrates_alone_and_exactly(model_dir: Path, tmp_path: Path) 
         sims["b"].faults = FaultPlan(die_after_tokens=17, only_request=1)
         texts, finishes, usage = streamed_chat(daemon, n=3, **SAMPLED)
         assert [texts[i] for i in range(3)] == expected
+        assert finishes == {0: "length", 1: "length", 2: "length"}
         assert usage.completion_tokens == 3 * TOKENS  # the migrated choice's tokens once
         assert sims["b"].fault_stats.died
         resumed = [rid for s in sims.values() for rid in s.stats.request_ids if "~" in rid]
