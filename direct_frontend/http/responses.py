@@ -125,23 +125,62 @@ class _Client:
         scope.cancel()
 
 
+class _Progress:
+    """How far a response got: whether its headers are out, and the bytes not yet written."""
+
+    __slots__ = ("out", "started")
+
+    def __init__(self, out: bytes = b"") -> None:
+        self.out = bytearray(out)
+        self.started = False
+
+
+async def _until_end(
+    run: Awaitable[None], error_for: Callable[[EngineError], OpenAIHTTPError],
+    progress: _Progress, send: Send, headers: Headers,
+) -> int:
+    """Await ``run``; a failure is an HTTP error before the headers, an error event after."""
+    try:
+        await run
+    except EngineError as exc:
+        log.warning("request failed on engine %s: %s", exc.engine, exc)
+        err = error_for(exc)
+        if not progress.started:
+            await send_error(send, err, headers)
+            return err.status
+        await _end_with_error(send, progress.out, err)
+    except Exception:
+        if not progress.started:
+            raise  # the app answers it with an OpenAI 500 (and logs it)
+        log.exception("unexpected error while streaming")  # the stream ends with an error event
+        await _end_with_error(send, progress.out, internal_error())
+        return 500
+    return 200
+
+
+async def _end_with_error(send: Send, out: bytearray, err: OpenAIHTTPError) -> None:
+    out += ChunkRenderer.error(err)
+    out += ChunkRenderer.done()
+    await send({"type": "http.response.body", "body": bytes(out), "more_body": False})
+
+
+async def _start(send: Send, headers: Headers) -> None:
+    await send({"type": "http.response.start", "status": 200, "headers": [*SSE_HEADERS, *headers]})
+
+
 async def _stream(relay: Relay, state: RelayState, *, send: Send, headers: Headers) -> int:
     prepared = state.prepared
     renderer = ChunkRenderer(
         prepared.kind, prepared.request_id, state.request.model,
         int(time.time()), state.request.include_usage,
     )
-    out = bytearray()
-    started = False
+    progress = _Progress()
+    out = progress.out
 
     async def emit(text: str, tokens: int, finished: bool) -> None:
-        nonlocal started
-        if not started:
-            await send({
-                "type": "http.response.start", "status": 200,
-                "headers": [*SSE_HEADERS, *headers],
-            })
-            started = True
+        if not progress.started:
+            await _start(send, headers)
+            progress.started = True
             out.extend(renderer.role_chunk())
         if text:
             out.extend(renderer.text(text))
@@ -159,26 +198,7 @@ async def _stream(relay: Relay, state: RelayState, *, send: Send, headers: Heade
             await send({"type": "http.response.body", "body": bytes(out), "more_body": True})
             out.clear()
 
-    try:
-        await relay.run(state, emit)
-    except EngineError as exc:
-        log.warning("request failed on engine %s: %s", exc.engine, exc)
-        if not started:
-            err = state.error_for(exc)
-            await send_error(send, err, headers)
-            return err.status
-        out += renderer.error(state.error_for(exc))
-        out += renderer.done()
-        await send({"type": "http.response.body", "body": bytes(out), "more_body": False})
-    except Exception:
-        if not started:
-            raise  # the app answers it with an OpenAI 500 (and logs it)
-        log.exception("unexpected error while streaming")  # the stream ends with an error event
-        out += renderer.error(internal_error())
-        out += renderer.done()
-        await send({"type": "http.response.body", "body": bytes(out), "more_body": False})
-        return 500
-    return 200
+    return await _until_end(relay.run(state, emit), state.error_for, progress, send, headers)
 
 
 async def _complete(relay: Relay, state: RelayState, *, send: Send, headers: Headers) -> int:
@@ -187,13 +207,9 @@ async def _complete(relay: Relay, state: RelayState, *, send: Send, headers: Hea
     async def emit(text: str, tokens: int, finished: bool) -> None:
         pieces.append(text)
 
-    try:
-        await relay.run(state, emit)
-    except EngineError as exc:
-        log.warning("request failed on engine %s: %s", exc.engine, exc)
-        err = state.error_for(exc)
-        await send_error(send, err, headers)
-        return err.status
+    status = await _until_end(relay.run(state, emit), state.error_for, _Progress(), send, headers)
+    if status != 200:
+        return status
     final = state.final
     assert final is not None
     prepared = state.prepared
@@ -218,12 +234,13 @@ async def _stream_choices(relay: Relay, choices: Choices, *, send: Send, headers
         for index in range(request.n)
     ]
     # Every choice announces its role first (chat), as a lone choice does.
-    out = bytearray(b"".join(renderer.role_chunk() for renderer in renderers))
-    writing = trio.Lock()  # one write at a time; a waiting writer finds its bytes sent
-    started = ended = False
+    progress = _Progress(b"".join(renderer.role_chunk() for renderer in renderers))
+    out = progress.out
+    writing = trio.Lock()  # one write at a time; a waiting writer may find its bytes sent
+    ended = False
 
     async def emit(index: int, text: str, tokens: int, finished: bool) -> None:
-        nonlocal started, ended
+        nonlocal ended
         renderer = renderers[index]
         if text:
             out.extend(renderer.text(text))
@@ -236,37 +253,16 @@ async def _stream_choices(relay: Relay, choices: Choices, *, send: Send, headers
                 out.extend(renderer.done())
                 ended = True
         async with writing:
-            if not started:
-                await send({
-                    "type": "http.response.start", "status": 200,
-                    "headers": [*SSE_HEADERS, *headers],
-                })
-                started = True
+            if not progress.started:
+                await _start(send, headers)
+                progress.started = True
             if out:
                 body = bytes(out)
                 out.clear()
                 await send({"type": "http.response.body", "body": body, "more_body": not ended})
 
-    try:
-        await choices.run(relay, emit, writing)
-    except EngineError as exc:
-        log.warning("request failed on engine %s: %s", exc.engine, exc)
-        err = choices.error_for(exc)
-        if not started:
-            await send_error(send, err, headers)
-            return err.status
-        out.extend(renderers[0].error(err))
-        out.extend(renderers[0].done())
-        await send({"type": "http.response.body", "body": bytes(out), "more_body": False})
-    except Exception:
-        if not started:
-            raise  # the app answers it with an OpenAI 500 (and logs it)
-        log.exception("unexpected error while streaming")  # the stream ends with an error event
-        out.extend(renderers[0].error(internal_error()))
-        out.extend(renderers[0].done())
-        await send({"type": "http.response.body", "body": bytes(out), "more_body": False})
-        return 500
-    return 200
+    run = choices.run(relay, emit, writing)
+    return await _until_end(run, choices.error_for, progress, send, headers)
 
 
 async def _complete_choices(
@@ -277,13 +273,10 @@ async def _complete_choices(
     async def emit(index: int, text: str, tokens: int, finished: bool) -> None:
         pieces[index].append(text)
 
-    try:
-        await choices.run(relay, emit)
-    except EngineError as exc:
-        log.warning("request failed on engine %s: %s", exc.engine, exc)
-        err = choices.error_for(exc)
-        await send_error(send, err, headers)
-        return err.status
+    status = await _until_end(choices.run(relay, emit), choices.error_for, _Progress(), send,
+                              headers)
+    if status != 200:
+        return status
     outputs = []
     for state, texts in zip(choices.states, pieces, strict=True):
         final = state.final
