@@ -240,6 +240,6 @@ def test_client_disconnect_aborts_every_choice(model_dir: Path, tmp_path: Path) 
         wait_for(lambda: sum(s.stats.aborts_received for s in sims) == 3,
                  what="an Abort for every choice")
         aborted = sorted(rid for s in sims for rid in s.stats.abort_request_ids)
-        assert aborted == sorted(rid for s in sims for rid in s.stats.request_ids[-3:]
-                                 if rid in aborted)
+        # one Abort per choice of the one request, each naming its own engine call
         assert [rid.rsplit("-", 1)[1] for rid in aborted] == ["0", "1", "2"]
+        assert len({rid.rsplit("-", 1)[0] for rid in aborted}) == 1
