@@ -251,9 +251,11 @@ class SimCore:
         criteria: StopCriteria,
         *,
         internal: bool = False,
+        sample_seed: int | None = None,
     ) -> Job:
-        """Prepare a sequence; :meth:`run` admits it."""
-        job = Job(request_id, Generation(self.model, prompt_ids, criteria), internal=internal)
+        """Prepare a sequence (sampled with ``sample_seed``, if any); :meth:`run` admits it."""
+        generation = Generation(self.model, prompt_ids, criteria, sample_seed)
+        job = Job(request_id, generation, internal=internal)
         job.prompt_ids = prompt_ids
         return job
 
