@@ -198,6 +198,7 @@ class CallParser:
         self._sent_header = False
         self._pending: list[ToolCallDelta] = []
         self._after_call = False
+        self._last_ok = True  # whether the last call ended well-formed
 
     # -- the interface ------------------------------------------------------------
     def feed(self, text: str) -> ParsedDelta:
@@ -283,6 +284,7 @@ class CallParser:
         self._body = None
         self._raw.append(closing)
         rest = None if body.failed else body.close()
+        self._last_ok = rest is not None
         if rest is None:
             self.malformed += 1
             self._pending = []
@@ -301,17 +303,21 @@ class CallParser:
         self.tool_calls_made += 1
         self._after_call = True
 
-    def _call_until(self, closing: str, final: bool) -> bool:
-        """Feed the open call up to ``closing``; end the call there. True if it ended."""
-        j = self._buf.find(closing)
+    def _call_until(self, closing: str | tuple[str, ...], final: bool, *, keep: bool = True) -> bool:
+        """Feed the open call up to ``closing`` (one of them); end the call there. True if it ended.
+
+        ``keep`` puts the closing marker into a malformed call's content text.
+        """
+        closings = (closing,) if isinstance(closing, str) else closing
+        j, marker = find_first(self._buf, closings)
         if j == -1:
-            k = len(self._buf) if final else safe_end(self._buf, (closing,))
+            k = len(self._buf) if final else safe_end(self._buf, closings)
             self._feed_call(self._buf[:k])
             self._buf = self._buf[k:]
             return False
         self._feed_call(self._buf[:j])
-        self._buf = self._buf[j + len(closing):]
-        self._end_call(closing)
+        self._buf = self._buf[j + len(marker):]
+        self._end_call(marker if keep else "")
         return True
 
     def _call_self_delimited(self) -> bool:
