@@ -21,6 +21,7 @@ from typing import Literal
 from direct_frontend.simulator.faults import FaultPlan
 from direct_frontend.simulator.kvcache import KvAllocation, SimPrefixCache
 from direct_frontend.simulator.model import Finish, Generation, SimModel, StopCriteria, TimingModel
+from direct_frontend.simulator.scripted import ScriptBook
 
 EngineKind = Literal["sglang", "vllm", "trtllm"]
 SimRole = Literal["both", "prefill", "decode"]
@@ -196,6 +197,7 @@ class SimCore:
         self._jobs: dict[str, list[Job]] = {}
         self.faults = FaultPlan()  # the live plan; SimEngine.faults replaces it
         self.kv_cache: SimPrefixCache | None = None  # SimEngine sets it (see kvcache.py)
+        self.scripts: ScriptBook | None = None  # canned completions by prompt marker (scripted.py)
 
     # -- bookkeeping -------------------------------------------------------
 
@@ -253,7 +255,8 @@ class SimCore:
         internal: bool = False,
     ) -> Job:
         """Prepare a sequence; :meth:`run` admits it."""
-        job = Job(request_id, Generation(self.model, prompt_ids, criteria), internal=internal)
+        script = None if self.scripts is None or internal else self.scripts.completion_for(prompt_ids)
+        job = Job(request_id, Generation(self.model, prompt_ids, criteria, script), internal=internal)
         job.prompt_ids = prompt_ids
         return job
 
