@@ -36,8 +36,9 @@ ARGS = [{"city": "San Francisco", "note": "a windy day, bring a coat"},
 
 
 def _calls_hermes() -> str:
-    return "".join(f'<tool_call>\n{json.dumps({"name": f"tool_{i}", "arguments": a})}\n</tool_call>\n'
-                   for i, a in enumerate(ARGS))
+    return "".join(
+        f'<tool_call>\n{json.dumps({"name": f"tool_{i}", "arguments": a})}\n</tool_call>\n'
+        for i, a in enumerate(ARGS))
 
 
 def _calls_qwen3_coder() -> str:
@@ -64,8 +65,8 @@ def _calls_mistral() -> str:
 
 
 def _calls_deepseek_v3() -> str:
-    body = "".join(f"<｜tool▁call▁begin｜>function<｜tool▁sep｜>tool_{i}\n```json\n{json.dumps(a)}\n```"
-                   "<｜tool▁call▁end｜>" for i, a in enumerate(ARGS))
+    body = "".join(f"<｜tool▁call▁begin｜>function<｜tool▁sep｜>tool_{i}\n```json\n"
+                   f"{json.dumps(a)}\n```<｜tool▁call▁end｜>" for i, a in enumerate(ARGS))
     return f"<｜tool▁calls▁begin｜>{body}<｜tool▁calls▁end｜>"
 
 
@@ -82,8 +83,9 @@ def _calls_kimi_k2() -> str:
 
 
 def _calls_harmony() -> str:
-    return "".join(f"<|start|>assistant<|channel|>commentary to=functions.tool_{i} <|constrain|>json"
-                   f"<|message|>{json.dumps(a)}<|call|>" for i, a in enumerate(ARGS))
+    return "".join(f"<|start|>assistant<|channel|>commentary to=functions.tool_{i} "
+                   f"<|constrain|>json<|message|>{json.dumps(a)}<|call|>"
+                   for i, a in enumerate(ARGS))
 
 
 TOOL_OUTPUTS: dict[str, Callable[[], str]] = {
@@ -132,8 +134,8 @@ def main() -> None:
 
         def make(n: str = name) -> ChoiceParser:
             return ChoiceParser(tool_parser=n)
-        print(f"{name:<14}{per_token_us(make, a, rounds):>14.2f}{per_token_us(make, b, rounds):>14.2f}"
-              f"{len(b):>8}")
+        prose_us, calls_us = per_token_us(make, a, rounds), per_token_us(make, b, rounds)
+        print(f"{name:<14}{prose_us:>14.2f}{calls_us:>14.2f}{len(b):>8}")
     print(f"\n{'reasoning':<14}{'µs/tok':>14}{'+hermes':>14}{'tokens':>8}")
     for name, (open_tag, close_tag) in REASONING.items():
         pieces = PIECE.findall(f"{open_tag}{text}{close_tag}\n\n{text}")

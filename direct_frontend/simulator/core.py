@@ -255,8 +255,10 @@ class SimCore:
         internal: bool = False,
     ) -> Job:
         """Prepare a sequence; :meth:`run` admits it."""
-        script = None if self.scripts is None or internal else self.scripts.completion_for(prompt_ids)
-        job = Job(request_id, Generation(self.model, prompt_ids, criteria, script), internal=internal)
+        scripts = None if internal else self.scripts
+        script = None if scripts is None else scripts.completion_for(prompt_ids)
+        generation = Generation(self.model, prompt_ids, criteria, script)
+        job = Job(request_id, generation, internal=internal)
         job.prompt_ids = prompt_ids
         return job
 

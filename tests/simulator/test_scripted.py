@@ -22,7 +22,7 @@ def tokenizer(model_dir: Path) -> Tokenizer:
 @pytest.fixture
 def engine(model_dir: Path, tokenizer: Tokenizer) -> SimEngine:
     engine = SimEngine.from_model_dir("vllm", model_dir)
-    engine.core.scripts = ScriptBook(tokenizer, {"[weather]": CALL, "[think]": "<think>hm</think>ok"})
+    engine.core.scripts = ScriptBook(tokenizer, {"[weather]": CALL, "[think]": "<think>a</think>b"})
     return engine
 
 

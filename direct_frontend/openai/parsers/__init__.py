@@ -1,4 +1,4 @@
-"""Tool-call and reasoning parsers: model text in, OpenAI ``tool_calls`` and ``reasoning_content`` out.
+"""Tool-call and reasoning parsers: model text in, ``tool_calls`` and ``reasoning_content`` out.
 
 Sans-IO, one module per model family, picked by name from :mod:`.registry`
 or by :func:`.detect.detect` from the chat template. The pipeline feeds each

@@ -76,7 +76,8 @@ class ParsedDelta:
         for piece in pieces:
             if calls and piece.id is None and calls[-1].index == piece.index:
                 last = calls[-1]
-                calls[-1] = ToolCallDelta(last.index, last.arguments + piece.arguments, last.id, last.name)
+                calls[-1] = ToolCallDelta(last.index, last.arguments + piece.arguments,
+                                          last.id, last.name)
             else:
                 calls.append(piece)
 

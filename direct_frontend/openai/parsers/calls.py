@@ -149,7 +149,9 @@ class JsonArgsBody:
 
     def close(self) -> str | None:
         text = "".join(self._args)
-        if self.failed or self.name is None or self._scanner.depth > 0 or not _valid_arguments(text):
+        if self.failed or self.name is None or self._scanner.depth > 0:
+            return None
+        if not _valid_arguments(text):
             return None
         tail = self._tail_text
         if self._closer and not tail.endswith(self._closer):
@@ -234,7 +236,7 @@ class CallParser:
         self._out.content += text
 
     def _content_until(self, markers: tuple[str, ...], final: bool) -> str | None:
-        """Send content up to the first marker and return it (consumed), else hold the ambiguous tail."""
+        """Content up to the first marker and return it (consumed); else hold the ambiguous tail."""
         i, marker = find_first(self._buf, markers)
         if i == -1:
             k = len(self._buf) if final else safe_end(self._buf, markers)
@@ -303,7 +305,8 @@ class CallParser:
         self.tool_calls_made += 1
         self._after_call = True
 
-    def _call_until(self, closing: str | tuple[str, ...], final: bool, *, keep: bool = True) -> bool:
+    def _call_until(self, closing: str | tuple[str, ...], final: bool, *,
+                    keep: bool = True) -> bool:
         """Feed the open call up to ``closing`` (one of them); end the call there. True if it ended.
 
         ``keep`` puts the closing marker into a malformed call's content text.
@@ -321,7 +324,7 @@ class CallParser:
         return True
 
     def _call_self_delimited(self) -> bool:
-        """Feed the open self-delimited call all held text; end it where it ends. True if it ended."""
+        """Feed the open self-delimited call all held text; end it where it ends (True then)."""
         buf, self._buf = self._buf, ""
         end = self._feed_call(buf)
         body = self._body
@@ -345,7 +348,7 @@ def json_string(text: str) -> str | None:
 
 
 class SectionCallParser(CallParser):
-    """Calls marked one by one inside a section: ``SECTION_OPEN (CALL_OPEN body CALL_CLOSE)* SECTION_CLOSE``.
+    """Calls marked one by one inside a section: ``SECTION_OPEN (CALL_OPEN body CALL_CLOSE)*``.
 
     Whitespace between calls in the section is dropped; a call marker found
     outside any section is taken too, since models skip the section at times.

@@ -1,4 +1,4 @@
-"""DeepSeek V3 / R1 calls: ``<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME`` + a fenced JSON block.
+"""DeepSeek V3 / R1 calls: ``<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME`` + fenced JSON.
 
 Fits DeepSeek-V3, V3-0324 and R1 / R1-0528 (whose templates write the
 arguments as a ```json block); V3.1 and later dropped the fence: see

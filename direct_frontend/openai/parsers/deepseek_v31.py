@@ -1,4 +1,4 @@
-"""DeepSeek V3.1 and later calls: ``<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{json}<｜tool▁call▁end｜>``.
+"""DeepSeek V3.1+ calls: ``<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{json}<｜tool▁call▁end｜>``.
 
 Fits DeepSeek-V3.1, V3.1-Terminus and V3.2(-Exp), in thinking and
 non-thinking mode (reasoning itself is the ``deepseek_r1`` reasoning parser).

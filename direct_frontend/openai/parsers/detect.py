@@ -21,7 +21,8 @@ class Detection:
 #: (markers that must all be in the template, tool parser, why)
 _TOOL_RULES: tuple[tuple[tuple[str, ...], str, str], ...] = (
     (("<|channel|>", "<|message|>"), "harmony", "Harmony channels (gpt-oss)"),
-    (("<｜tool▁calls▁begin｜>", "```json"), "deepseek_v3", "DeepSeek tool markers with a ```json block"),
+    (("<｜tool▁calls▁begin｜>", "```json"), "deepseek_v3",
+     "DeepSeek tool markers with a ```json block"),
     (("<｜tool▁calls▁begin｜>",), "deepseek_v31", "DeepSeek tool markers without a ```json block"),
     (("<|tool_calls_section_begin|>",), "kimi_k2", "Kimi K2 tool-call section markers"),
     (("<function=", "<parameter="), "qwen3_coder", "Qwen3-Coder XML function markers"),
@@ -53,7 +54,8 @@ _MODEL_TYPES: dict[str, tuple[str | None, str | None]] = {
 }
 
 
-def _first(template: str, rules: tuple[tuple[tuple[str, ...], str, str], ...]) -> tuple[str, str] | None:
+def _first(template: str, rules: tuple[tuple[tuple[str, ...], str, str], ...],
+           ) -> tuple[str, str] | None:
     for markers, parser, why in rules:
         if all(m in template for m in markers):
             return parser, why

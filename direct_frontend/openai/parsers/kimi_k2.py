@@ -1,4 +1,4 @@
-"""Kimi K2 calls: ``<|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>{json}<|tool_call_end|>``.
+"""Kimi K2 calls: ``<|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>{json}``.
 
 Fits Kimi-K2-Instruct (0711, 0905) and Kimi-K2-Thinking, inside
 ``<|tool_calls_section_begin|>`` ... ``<|tool_calls_section_end|>``. The

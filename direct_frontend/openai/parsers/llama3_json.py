@@ -1,4 +1,4 @@
-"""Llama 3.1 / 3.2 / 3.3 JSON calls: ``{"name": ..., "parameters": {...}}``, maybe after ``<|python_tag|>``.
+"""Llama 3.x JSON calls: ``{"name": ..., "parameters": {...}}``, maybe after ``<|python_tag|>``.
 
 The templates ask for a bare JSON object as the whole reply; the model
 sometimes puts ``<|python_tag|>`` first (a special token: keep special tokens

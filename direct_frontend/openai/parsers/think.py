@@ -1,4 +1,4 @@
-"""Reasoning between an opening and a closing tag: ``<think>...</think>``, Mistral's ``[THINK]...[/THINK]``.
+"""Reasoning between two tags: ``<think>...</think>``, or Mistral's ``[THINK]...[/THINK]``.
 
 A reply may start inside the block: DeepSeek-R1-0528, Qwen3-Thinking-2507
 and Kimi-K2-Thinking templates end the prompt with the opening tag, so the
@@ -20,7 +20,8 @@ from direct_frontend.openai.parsers.scan import safe_end
 _WS = " \t\r\n"
 
 
-def prompt_opens_reasoning(prompt: str, open_tag: str = "<think>", close_tag: str = "</think>") -> bool:
+def prompt_opens_reasoning(prompt: str, open_tag: str = "<think>",
+                           close_tag: str = "</think>") -> bool:
     """Whether the rendered prompt ends inside an open reasoning block."""
     i = prompt.rfind(open_tag)
     return i != -1 and prompt.find(close_tag, i) == -1
@@ -73,7 +74,8 @@ class ThinkParser:
                     self._mode = "content"
                 continue
             j = self._buf.find(self.CLOSE)
-            end = j if j != -1 else (len(self._buf) if final else safe_end(self._buf, (self.CLOSE,)))
+            held = len(self._buf) if final else safe_end(self._buf, (self.CLOSE,))
+            end = j if j != -1 else held
             self._reasoning(out, self._buf[:end])
             if j == -1:
                 self._buf = self._buf[end:]
@@ -104,7 +106,7 @@ class ThinkParser:
 
 
 class MistralThinkParser(ThinkParser):
-    """Magistral's ``[THINK]...[/THINK]`` (control tokens: keep special tokens when detokenizing)."""
+    """Magistral's ``[THINK]...[/THINK]`` (control tokens: detokenize keeping special tokens)."""
 
     name = "mistral"
     OPEN = "[THINK]"

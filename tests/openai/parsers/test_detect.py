@@ -5,7 +5,12 @@ from __future__ import annotations
 import pytest
 
 from direct_frontend.openai.parsers.detect import detect
-from direct_frontend.openai.parsers.registry import ChoiceParser, resolve, TOOL_ALIASES, TOOL_PARSERS
+from direct_frontend.openai.parsers.registry import (
+    TOOL_ALIASES,
+    TOOL_PARSERS,
+    ChoiceParser,
+    resolve,
+)
 
 
 @pytest.mark.parametrize(("template", "tool", "reasoning"), [
@@ -13,7 +18,8 @@ from direct_frontend.openai.parsers.registry import ChoiceParser, resolve, TOOL_
      "hermes", "qwen3"),
     ("<tool_call>\n<function={{ name }}>\n<parameter={{ k }}>", "qwen3_coder", None),
     ("<|start|>{{ role }}<|channel|>analysis<|message|>", "harmony", "harmony"),
-    ("<｜Assistant｜><｜tool▁calls▁begin｜><｜tool▁call▁begin｜>{{ t }}<｜tool▁sep｜>\n```json\n<think>",
+    ("<｜Assistant｜><｜tool▁calls▁begin｜><｜tool▁call▁begin｜>{{ t }}<｜tool▁sep｜>"
+     "\n```json\n<think>",
      "deepseek_v3", "deepseek_r1"),
     ("<｜Assistant｜><｜tool▁calls▁begin｜><｜tool▁call▁begin｜>{{ name }}<｜tool▁sep｜>",
      "deepseek_v31", None),

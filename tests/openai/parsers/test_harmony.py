@@ -34,5 +34,6 @@ def test_the_harmony_reasoning_parser_alone_does_the_same() -> None:
 
 
 def test_a_call_with_bad_json_is_content() -> None:
-    text = ANALYSIS + '<|start|>assistant<|channel|>commentary to=functions.f<|message|>{"a": }<|call|>'
+    text = (ANALYSIS + "<|start|>assistant<|channel|>commentary to=functions.f"
+            '<|message|>{"a": }<|call|>')
     check_malformed(harmony, text, '{"a": }')

@@ -14,13 +14,15 @@ MARKERS = ("<tool_call>", "</tool_call>")
     ("Plain answer, no tools.", ("Plain answer, no tools.", "", [])),
     ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
      ("", "", [("get_weather", {"city": "Paris"})])),
-    ('Checking both.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Zürich 🌧"}}\n'
+    ('Checking both.\n<tool_call>\n{"name": "get_weather", '
+     '"arguments": {"city": "Zürich 🌧"}}\n'
      '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"tz": "a\\"}b"}}\n</tool_call>',
-     ("Checking both.\n", "", [("get_weather", {"city": "Zürich 🌧"}), ("get_time", {"tz": 'a"}b'})])),
+     ("Checking both.\n", "", [("get_weather", {"city": "Zürich 🌧"}),
+                              ("get_time", {"tz": 'a"}b'})])),
     ('<tool_call>{"name": "nested", "arguments": {"a": [1, {"b": "</tool"}], "c": {}}}</tool_call>'
      " and then a remark",
      ("and then a remark", "", [("nested", {"a": [1, {"b": "</tool"}], "c": {}})])),
-    ("a < b <tool and <tool_cal are just text", ("a < b <tool and <tool_cal are just text", "", [])),
+    ("a < b <tool and <tool_cal are text", ("a < b <tool and <tool_cal are text", "", [])),
 ])
 def test_every_split_parses_alike(text: str, expected: tuple) -> None:
     check_output(hermes, text, expected, markers=MARKERS)

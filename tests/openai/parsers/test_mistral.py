@@ -20,7 +20,8 @@ CALLS = [("get_weather", {"city": "Paris"}), ("get_time", {})]
     "[TOOL_CALLS]get_time[CALL_ID]f5g6h7i8j[ARGS]{}",
 ])
 def test_both_forms_with_parallel_calls(text: str) -> None:
-    check_output(mistral, "Sure. " + text, ("Sure. ", "", CALLS), markers=("[TOOL_CALLS]", "[ARGS]"))
+    check_output(mistral, "Sure. " + text, ("Sure. ", "", CALLS),
+                 markers=("[TOOL_CALLS]", "[ARGS]"))
 
 
 def test_text_after_v11_calls_is_content() -> None:

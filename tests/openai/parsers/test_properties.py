@@ -49,7 +49,8 @@ arguments = st.dictionaries(st.text(min_size=1, max_size=6), values, max_size=3)
 @settings(max_examples=300, deadline=None)
 @given(st.sampled_from(sorted(RENDER)), content, st.lists(st.tuples(names, arguments), max_size=3),
        st.data())
-def test_streaming_equals_the_whole(parser: str, prose: str, calls: Calls, data: st.DataObject) -> None:
+def test_streaming_equals_the_whole(parser: str, prose: str, calls: Calls,
+                                    data: st.DataObject) -> None:
     text = prose + RENDER[parser](calls)
     cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=8)))
     pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]

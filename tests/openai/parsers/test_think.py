@@ -9,7 +9,8 @@ from tests.support.parsers import check_output, make
 
 
 @pytest.mark.parametrize(("reasoning", "text", "expected"), [
-    ("qwen3", "<think>\nLet me add: 2+2.\n</think>\n\nIt is 4.", ("It is 4.", "Let me add: 2+2.", [])),
+    ("qwen3", "<think>\nLet me add: 2+2.\n</think>\n\nIt is 4.",
+     ("It is 4.", "Let me add: 2+2.", [])),
     ("qwen3", "It is 4.", ("It is 4.", "", [])),  # enable_thinking off
     ("qwen3", "<think>cut by max_tokens", ("", "cut by max_tokens", [])),
     ("deepseek_r1", "Let me add: 2+2.\n</think>\n\nIt is 4.", ("It is 4.", "Let me add: 2+2.", [])),
