@@ -385,3 +385,57 @@ class SectionCallParser(CallParser):
                 self._in_section = False
             else:
                 self._begin_call(self._new_body(), marker)
+
+
+class LeadingCallsParser(CallParser):
+    """Calls that are the reply's own structure (a list, a run of objects), not marked spans.
+
+    Content runs until ``TRIGGER`` (or the reply starts in ``first_mode``);
+    then :meth:`_structure` reads separators and starts self-delimited calls.
+    Text consumed between calls is kept in ``_opening``, so a call that turns
+    out malformed comes back as content with it; after one, the rest is content.
+    """
+
+    TRIGGER: ClassVar[str]
+    AFTER_TRIGGER: ClassVar[str]
+
+    def __init__(self, first_mode: str, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._mode = first_mode
+        self._opening = ""
+
+    def _scan(self, final: bool) -> None:
+        while True:
+            if self._body is not None:
+                if not self._call_self_delimited():
+                    return
+                self._opening = ""
+                if not self._last_ok:
+                    self._mode = "content"
+                continue
+            if self._mode == "content":
+                if self._content_until((self.TRIGGER,), final) is None:
+                    return
+                self._mode, self._opening = self.AFTER_TRIGGER, self.TRIGGER
+                continue
+            stripped = self._buf.lstrip(_WS)
+            if not stripped:
+                if final:
+                    self._to_content()
+                return
+            self._opening += self._buf[: len(self._buf) - len(stripped)]
+            self._buf = stripped
+            if not self._structure(stripped, final):
+                return
+
+    def _to_content(self) -> None:
+        """What was consumed is content after all; so is the rest."""
+        self._content(self._opening)
+        self._opening, self._mode = "", "content"
+
+    def _consume(self, n: int) -> None:
+        self._opening, self._buf = self._opening + self._buf[:n], self._buf[n:]
+
+    def _structure(self, text: str, final: bool) -> bool:
+        """Read the structure at the start of ``text`` (== the buffer); False to wait for more."""
+        raise NotImplementedError

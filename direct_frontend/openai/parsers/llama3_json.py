@@ -10,41 +10,30 @@ from __future__ import annotations
 
 from typing import Any
 
-from direct_frontend.openai.parsers.calls import CallParser, envelope_body
+from direct_frontend.openai.parsers.calls import LeadingCallsParser, envelope_body
 
 TAG = "<|python_tag|>"
-_WS = " \t\r\n"
 
 
-class Llama3JsonParser(CallParser):
+class Llama3JsonParser(LeadingCallsParser):
     name = "llama3_json"
+    TRIGGER = TAG
+    AFTER_TRIGGER = "calls"
 
     def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self._mode = "start"  # start | calls | content
+        super().__init__("start", **kwargs)
 
-    def _scan(self, final: bool) -> None:
-        while True:
-            if self._body is not None:
-                if not self._call_self_delimited():
-                    return
-                if not self._last_ok:
-                    self._mode = "content"
-                continue
-            if self._mode == "content":
-                if self._content_until((TAG,), final) is None:
-                    return
-                self._mode = "calls"
-                continue
-            stripped = self._buf.lstrip(_WS + (";" if self._mode == "calls" else ""))
-            if not stripped:
-                return
-            if self._mode == "start" and stripped.startswith(TAG):
-                self._buf, self._mode = stripped[len(TAG):], "calls"
-            elif self._mode == "start" and TAG.startswith(stripped) and not final:
-                return
-            elif stripped[0] == "{":
-                self._buf, self._mode = stripped, "calls"
-                self._begin_call(envelope_body(self_delimited=True), "")
-            else:
-                self._mode = "content"
+    def _structure(self, text: str, final: bool) -> bool:
+        if self._mode == "start" and text.startswith(TAG):
+            self._mode = "calls"
+            self._consume(len(TAG))
+        elif self._mode == "start" and TAG.startswith(text) and not final:
+            return False
+        elif text[0] == "{":
+            self._mode = "calls"
+            self._begin_call(envelope_body(self_delimited=True), self._opening)
+        elif self._mode == "calls" and text[0] == ";":
+            self._consume(1)
+        else:
+            self._to_content()
+        return True

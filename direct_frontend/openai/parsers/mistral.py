@@ -16,56 +16,35 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from direct_frontend.openai.parsers.calls import CallParser, JsonArgsBody, envelope_body
+from direct_frontend.openai.parsers.calls import JsonArgsBody, LeadingCallsParser, envelope_body
 
 MARKER = "[TOOL_CALLS]"
 _NAMED = re.compile(r"\s*(?P<name>[^\s\[{]+)\s*(?:\[CALL_ID\][^\[{]*)?(?:\[ARGS\])?\s*(?=\{)")
-_WS = " \t\r\n"
 
 
-class MistralParser(CallParser):
+class MistralParser(LeadingCallsParser):
     name = "mistral"
+    TRIGGER = MARKER
+    AFTER_TRIGGER = "marker"  # the form is not known yet
 
     def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self._mode = "content"  # content | marker (form not known yet) | array
-        self._opening = ""  # text consumed since the last call, for a malformed one's content
+        super().__init__("content", **kwargs)
 
-    def _scan(self, final: bool) -> None:
-        while True:
-            if self._body is not None:
-                if not self._call_self_delimited():
-                    return
-                self._opening = ""
-                if not self._last_ok:
-                    self._mode = "content"
-                continue
-            if self._mode == "content":
-                if self._content_until((MARKER,), final) is None:
-                    return
-                self._mode, self._opening = "marker", MARKER
-                continue
-            stripped = self._buf.lstrip(_WS)
-            if not stripped:
-                if final:
-                    self._content(self._opening)
-                    self._opening, self._mode = "", "content"
-                return
-            self._opening += self._buf[: len(self._buf) - len(stripped)]
-            self._buf = stripped
-            head = stripped[0]
-            if self._mode == "marker" and head == "[":
-                self._mode, self._opening, self._buf = "array", self._opening + "[", stripped[1:]
-            elif self._mode == "marker":
-                self._mode = "content"
-                self._begin_call(JsonArgsBody(_NAMED, self_delimited=True), self._opening)
-            elif head == ",":
-                self._opening, self._buf = self._opening + ",", stripped[1:]
-            elif head == "]":
-                self._mode, self._opening, self._buf = "content", "", stripped[1:]
-            elif head == "{":
-                self._begin_call(envelope_body(self_delimited=True), self._opening)
-            else:  # not a call array after all
-                self.malformed += 1
-                self._content(self._opening)
+    def _structure(self, text: str, final: bool) -> bool:
+        head = text[0]
+        if self._mode == "marker" and head == "[":
+            self._mode = "array"
+            self._consume(1)
+        elif self._mode == "marker":
+            self._mode = "content"
+            self._begin_call(JsonArgsBody(_NAMED, self_delimited=True), self._opening)
+        elif head in ",]":
+            self._consume(1)
+            if head == "]":
                 self._mode, self._opening = "content", ""
+        elif head == "{":
+            self._begin_call(envelope_body(self_delimited=True), self._opening)
+        else:  # not a call array after all
+            self.malformed += 1
+            self._to_content()
+        return True

@@ -13,7 +13,7 @@ import json
 import re
 from typing import Any
 
-from direct_frontend.openai.parsers.calls import CallParser
+from direct_frontend.openai.parsers.calls import LeadingCallsParser
 from direct_frontend.openai.parsers.scan import BracketScanner
 
 START_TAG = "<|python_start|>"
@@ -76,52 +76,34 @@ class PythonCallBody:
         return _arguments(self._text)
 
 
-class PythonicParser(CallParser):
+class PythonicParser(LeadingCallsParser):
     name = "pythonic"
+    TRIGGER = START_TAG
+    AFTER_TRIGGER = "start"
 
     def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self._mode = "start"  # start | list | content
-        self._opening = ""
+        super().__init__("start", **kwargs)
 
-    def _scan(self, final: bool) -> None:
-        while True:
-            if self._body is not None:
-                if not self._call_self_delimited():
-                    return
-                self._opening = ""
-                if not self._last_ok:
-                    self._mode = "content"
-                continue
-            if self._mode == "content":
-                if self._content_until((START_TAG,), final) is None:
-                    return
-                self._mode, self._opening = "start", START_TAG
-                continue
-            stripped = self._buf.lstrip(_WS)
-            if not stripped:
-                return
-            self._opening += self._buf[: len(self._buf) - len(stripped)]
-            self._buf = stripped
-            if self._mode == "start":
-                if stripped.startswith(START_TAG):
-                    self._opening, self._buf = self._opening + START_TAG, stripped[len(START_TAG):]
-                elif START_TAG.startswith(stripped) and not final:
-                    return
-                elif stripped[0] == "[":
-                    self._mode, self._opening, self._buf = "list", self._opening + "[", stripped[1:]
-                else:
-                    self._mode = "content"
-                    self._content(self._opening)
-                    self._opening = ""
-            elif stripped[0] == ",":
-                self._opening, self._buf = self._opening + ",", stripped[1:]
-            elif stripped[0] == "]":
-                rest = stripped[1:].lstrip(_WS)
-                if END_TAG.startswith(rest) and not final and len(rest) < len(END_TAG):
-                    return
-                self._buf = rest.removeprefix(END_TAG)
-                self._mode, self._opening = "content", ""
-                self._after_call = True
+    def _structure(self, text: str, final: bool) -> bool:
+        if self._mode == "start":
+            if text.startswith(START_TAG):
+                self._consume(len(START_TAG))
+            elif START_TAG.startswith(text) and not final:
+                return False
+            elif text[0] == "[":
+                self._mode = "list"
+                self._consume(1)
             else:
-                self._begin_call(PythonCallBody(), self._opening)
+                self._to_content()
+        elif text[0] == ",":
+            self._consume(1)
+        elif text[0] == "]":
+            rest = text[1:].lstrip(_WS)
+            if END_TAG.startswith(rest) and not final and len(rest) < len(END_TAG):
+                return False
+            self._buf = rest.removeprefix(END_TAG)
+            self._mode, self._opening = "content", ""
+            self._after_call = True
+        else:
+            self._begin_call(PythonCallBody(), self._opening)
+        return True
