@@ -439,3 +439,22 @@ class LeadingCallsParser(CallParser):
     def _structure(self, text: str, final: bool) -> bool:
         """Read the structure at the start of ``text`` (== the buffer); False to wait for more."""
         raise NotImplementedError
+
+
+class TaggedCallParser(CallParser):
+    """Each call between an ``OPEN`` and a ``CLOSE`` tag, content around them."""
+
+    OPEN: ClassVar[str]
+    CLOSE: ClassVar[str]
+
+    def _new_body(self) -> CallBody:
+        raise NotImplementedError
+
+    def _scan(self, final: bool) -> None:
+        while True:
+            if self._body is None:
+                if self._content_until((self.OPEN,), final) is None:
+                    return
+                self._begin_call(self._new_body(), self.OPEN)
+            elif not self._call_until(self.CLOSE, final):
+                return

@@ -7,20 +7,13 @@ calls are consecutive pairs.
 
 from __future__ import annotations
 
-from direct_frontend.openai.parsers.calls import CallParser, envelope_body
-
-OPEN = "<tool_call>"
-CLOSE = "</tool_call>"
+from direct_frontend.openai.parsers.calls import CallBody, TaggedCallParser, envelope_body
 
 
-class HermesParser(CallParser):
+class HermesParser(TaggedCallParser):
     name = "hermes"
+    OPEN = "<tool_call>"
+    CLOSE = "</tool_call>"
 
-    def _scan(self, final: bool) -> None:
-        while True:
-            if self._body is None:
-                if self._content_until((OPEN,), final) is None:
-                    return
-                self._begin_call(envelope_body(), OPEN)
-            elif not self._call_until(CLOSE, final):
-                return
+    def _new_body(self) -> CallBody:
+        return envelope_body()

@@ -14,11 +14,9 @@ import re
 from typing import Any
 
 from direct_frontend.openai.parsers.base import ToolSchemas
-from direct_frontend.openai.parsers.calls import CallParser
+from direct_frontend.openai.parsers.calls import CallBody, TaggedCallParser
 from direct_frontend.openai.parsers.scan import find_first
 
-OPEN = "<tool_call>"
-CLOSE = "</tool_call>"
 _FUNCTION = re.compile(r"\s*<function=([^>\n]+)>")
 _PARAMETER = re.compile(r"\s*<parameter=([^>\n]+)>")
 _FUNCTION_END = re.compile(r"\s*</function>")
@@ -120,14 +118,10 @@ class XmlFunctionBody:
         return self.take_arguments() + ("}" if self._count else "{}")
 
 
-class Qwen3CoderParser(CallParser):
+class Qwen3CoderParser(TaggedCallParser):
     name = "qwen3_coder"
+    OPEN = "<tool_call>"
+    CLOSE = "</tool_call>"
 
-    def _scan(self, final: bool) -> None:
-        while True:
-            if self._body is None:
-                if self._content_until((OPEN,), final) is None:
-                    return
-                self._begin_call(XmlFunctionBody(self.tools), OPEN)
-            elif not self._call_until(CLOSE, final):
-                return
+    def _new_body(self) -> CallBody:
+        return XmlFunctionBody(self.tools)
