@@ -21,6 +21,7 @@ from typing import Literal
 from direct_frontend.simulator.faults import FaultPlan
 from direct_frontend.simulator.kvcache import KvAllocation, SimPrefixCache
 from direct_frontend.simulator.model import Finish, Generation, SimModel, StopCriteria, TimingModel
+from direct_frontend.simulator.scripted import ScriptBook
 
 EngineKind = Literal["sglang", "vllm", "trtllm"]
 SimRole = Literal["both", "prefill", "decode"]
@@ -196,6 +197,7 @@ class SimCore:
         self._jobs: dict[str, list[Job]] = {}
         self.faults = FaultPlan()  # the live plan; SimEngine.faults replaces it
         self.kv_cache: SimPrefixCache | None = None  # SimEngine sets it (see kvcache.py)
+        self.scripts: ScriptBook | None = None  # canned completions by prompt marker (scripted.py)
 
     # -- bookkeeping -------------------------------------------------------
 
@@ -254,7 +256,9 @@ class SimCore:
         sample_seed: int | None = None,
     ) -> Job:
         """Prepare a sequence (sampled with ``sample_seed``, if any); :meth:`run` admits it."""
-        generation = Generation(self.model, prompt_ids, criteria, sample_seed)
+        scripts = None if internal else self.scripts
+        script = None if scripts is None else scripts.completion_for(prompt_ids)
+        generation = Generation(self.model, prompt_ids, criteria, sample_seed, script)
         job = Job(request_id, generation, internal=internal)
         job.prompt_ids = prompt_ids
         return job

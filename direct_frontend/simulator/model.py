@@ -218,9 +218,10 @@ class Generation:
 
     def __init__(
         self, model: SimModel, prompt_ids: Sequence[int], criteria: StopCriteria,
-        sample_seed: int | None = None,
+        sample_seed: int | None = None, script: Sequence[int] | None = None,
     ) -> None:
         self.criteria = criteria
+        self._script = script  # given tokens to emit before EOS (see scripted.py)
         self.prompt_len = len(prompt_ids)
         self.output_ids: list[int] = []
         self.finish: Finish | None = None
@@ -240,7 +241,11 @@ class Generation:
         if self.finish is not None:
             raise RuntimeError("the sequence has already finished")
         early = len(self.output_ids) < self.criteria.min_tokens
-        token_id = self._sequence.step(self._banned_early if early else self._banned_late)
+        if self._script is not None:
+            n = len(self.output_ids)
+            token_id = self._script[n] if n < len(self._script) else self._eos
+        else:
+            token_id = self._sequence.step(self._banned_early if early else self._banned_late)
         self.output_ids.append(token_id)
         if token_id == self._eos and not self.criteria.ignore_eos:
             self.finish = Finish("stop", token_id, matched_eos=True)
