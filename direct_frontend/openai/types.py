@@ -86,6 +86,10 @@ class _RequestBase(msgspec.Struct, frozen=True, kw_only=True):
     include_usage: bool = False  # stream_options.include_usage
     skip_special_tokens: bool = True
     user: str | None = None
+    #: top alternatives per output token with its logprob (None: no logprobs)
+    logprobs: int | None = None
+    #: likewise per prompt token (completions ``echo`` with ``logprobs``)
+    prompt_logprobs: int | None = None
 
     def sampling_options(self, max_tokens: int) -> SamplingOptions:
         """The neutral sampling settings; ``max_tokens`` is the budget the caller settled on.
@@ -109,6 +113,8 @@ class _RequestBase(msgspec.Struct, frozen=True, kw_only=True):
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens,
+            logprobs=self.logprobs,
+            prompt_logprobs=self.prompt_logprobs,
         )
 
 
@@ -129,5 +135,6 @@ class CompletionRequest(_RequestBase, frozen=True, kw_only=True):
     """A validated ``POST /v1/completions`` body; ``prompt`` is text or token ids."""
 
     prompt: str | tuple[int, ...]
+    echo: bool = False  # the prompt leads the output text
 
 
