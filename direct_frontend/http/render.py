@@ -10,7 +10,7 @@ client keeps as an extra field.
 
 from __future__ import annotations
 
-from typing import Final, Literal
+from typing import Any, Final, Literal
 
 import msgspec
 
@@ -58,6 +58,8 @@ class ChunkRenderer:
         "_finish_suffix",
         "_head",
         "_include_usage",
+        "_logprobs_prefix",
+        "_logprobs_suffix",
         "_role",
         "_text_prefix",
         "_text_suffix",
@@ -83,9 +85,11 @@ class ChunkRenderer:
             + b'"system_fingerprint":null,"choices":['
         )
         tail = b"]" + (b',"usage":null' if include_usage else b"") + _SSE_END
+        self._logprobs_suffix = b',"finish_reason":null}' + tail
         if kind == "chat":
             self._text_prefix = self._head + b'{"index":0,"delta":{"content":'
             self._text_suffix = b'},"logprobs":null,"finish_reason":null}' + tail
+            self._logprobs_prefix = b'},"logprobs":'
             self._finish_prefix = self._head + b'{"index":0,"delta":{},"logprobs":null,'
             self._role = (
                 self._head + b'{"index":0,"delta":{"role":"assistant","content":""},'
@@ -94,6 +98,7 @@ class ChunkRenderer:
         else:
             self._text_prefix = self._head + b'{"index":0,"text":'
             self._text_suffix = b',"logprobs":null,"finish_reason":null}' + tail
+            self._logprobs_prefix = b',"logprobs":'
             self._finish_prefix = self._head + b'{"index":0,"text":"","logprobs":null,'
             self._role = b""
         self._finish_suffix = b"}" + tail
@@ -104,6 +109,13 @@ class ChunkRenderer:
             return self._text_prefix + _encode(delta) + self._text_suffix
         except UnicodeEncodeError:  # a lone surrogate; never on the normal path
             return self._text_prefix + _encode(_scrub(delta)) + self._text_suffix
+
+    def text_with_logprobs(self, delta: str, logprobs: dict[str, Any]) -> bytes:
+        """A chunk carrying new text (maybe none) and the logprobs of its tokens."""
+        return (
+            self._text_prefix + _encode(_scrub(delta)) + self._logprobs_prefix
+            + _encode(logprobs) + self._logprobs_suffix
+        )
 
     def role_chunk(self) -> bytes:
         """The first chat chunk, announcing the assistant role; ``b""`` for completions."""
@@ -162,7 +174,7 @@ class _Message(msgspec.Struct):
 class _ChatChoice(msgspec.Struct):
     index: int
     message: _Message
-    logprobs: None
+    logprobs: dict[str, Any] | None
     finish_reason: str
     stop_reason: str | int | None
 
@@ -170,7 +182,7 @@ class _ChatChoice(msgspec.Struct):
 class _TextChoice(msgspec.Struct):
     index: int
     text: str
-    logprobs: None
+    logprobs: dict[str, Any] | None
     finish_reason: str
     stop_reason: str | int | None
 
@@ -194,14 +206,17 @@ def render_full(
     finish_reason: str,
     stop_reason: str | int | None,
     usage: Usage,
+    logprobs: dict[str, Any] | None = None,
 ) -> bytes:
     """The non-streaming ``chat.completion`` or ``text_completion`` body."""
     choices: list[_ChatChoice] | list[_TextChoice]
     if kind == "chat":
-        choices = [_ChatChoice(0, _Message("assistant", text), None, finish_reason, stop_reason)]
+        choices = [
+            _ChatChoice(0, _Message("assistant", text), logprobs, finish_reason, stop_reason)
+        ]
         obj = "chat.completion"
     elif kind == "completion":
-        choices = [_TextChoice(0, text, None, finish_reason, stop_reason)]
+        choices = [_TextChoice(0, text, logprobs, finish_reason, stop_reason)]
         obj = "text_completion"
     else:
         raise ValueError(f"unknown response kind {kind!r}")
@@ -227,7 +242,7 @@ def render_full(
         if clean == text:
             raise
         return render_full(
-            kind, request_id, model, created, clean, finish_reason, stop_reason, usage
+            kind, request_id, model, created, clean, finish_reason, stop_reason, usage, logprobs
         )
 
 
