@@ -15,6 +15,7 @@ import grpclib.server
 from grpclib import GRPCError, Status
 
 from direct_frontend.simulator import disagg
+from direct_frontend.simulator.logprobs import RANKS, RequestLogprobs, smg_output, smg_prompt
 from direct_frontend.simulator.model import Finish, StopCriteria
 from direct_frontend.simulator.servicers.common import (
     SIM_VERSION,
@@ -41,6 +42,39 @@ def _check_kv_transfer_params(text: str) -> None:
         ) from exc
     if not isinstance(value, dict):
         raise GRPCError(Status.INVALID_ARGUMENT, "kv_transfer_params_json must be a JSON object")
+
+
+MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
+
+
+def _logprob_count(params: vllm_engine_pb2.SamplingParams, field: str) -> int | None:
+    """A logprobs count as vLLM takes it: unset is none, -1 all, above the cap refused."""
+    if not params.HasField(field):
+        return None
+    count: int = getattr(params, field)
+    if count > MAX_LOGPROBS:
+        what = "sample" if field == "logprobs" else "prompt"
+        raise GRPCError(
+            Status.INVALID_ARGUMENT,
+            f"Requested {what} logprobs of {count}, which is greater than max allowed: "
+            f"{MAX_LOGPROBS}",
+        )
+    return RANKS if count == -1 else count
+
+
+def _with_logprobs(
+    message: vllm_engine_pb2.GenerateStreamChunk | vllm_engine_pb2.GenerateComplete,
+    logprobs: RequestLogprobs, start: int, end: int, prompt: bool,
+) -> None:
+    """Fill a message's logprobs: output tokens ``[start:end]``, and the prompt's."""
+    if logprobs.top is not None and end > start:
+        message.output_logprobs.CopyFrom(vllm_engine_pb2.OutputLogProbs(
+            **smg_output(logprobs.output(start, end), logprobs.top, vllm=True)
+        ))
+    if prompt and logprobs.prompt_top is not None:
+        message.input_logprobs.CopyFrom(vllm_engine_pb2.InputLogProbs(
+            **smg_prompt(logprobs.prompt, logprobs.prompt_rows(), logprobs.prompt_top, vllm=True)
+        ))
 
 
 def _complete(
@@ -106,8 +140,13 @@ class VllmServicer(SmgServicer, VllmEngineBase):
         job.cached_tokens = handoff.transferred
         output = job.generation.output_ids
         prompt_tokens = len(prompt)
+        logprobs = core.logprobs(
+            job, _logprob_count(params, "logprobs"), _logprob_count(params, "prompt_logprobs")
+        )
+        first = True
 
         async def emit(delta: Sequence[int], finish: Finish | None) -> None:
+            nonlocal first
             # completion_tokens is this chunk's own count: the client sums them.
             chunk = vllm_engine_pb2.GenerateStreamChunk(
                 token_ids=delta,
@@ -115,11 +154,16 @@ class VllmServicer(SmgServicer, VllmEngineBase):
                 completion_tokens=len(delta),
                 cached_tokens=job.cached_tokens,
             )
+            start = len(output) - len(delta)
+            _with_logprobs(chunk, logprobs, start, len(output), first)  # the prompt's: once
+            first = False
             await stream.send_message(vllm_engine_pb2.GenerateResponse(chunk=chunk))
             if finish is not None:  # repeats the last delta, counted alone
-                await stream.send_message(_complete(
+                done = _complete(
                     delta, finish.reason, finish, prompt_tokens, job.cached_tokens, handoff.returns
-                ))
+                )
+                _with_logprobs(done.complete, logprobs, start, len(output), True)
+                await stream.send_message(done)
 
         finish = await core.run(job, emit if request.stream else None)
         if finish is None:
@@ -134,9 +178,11 @@ class VllmServicer(SmgServicer, VllmEngineBase):
                     _complete(output, "abort", None, prompt_tokens, job.cached_tokens)
                 )
         elif not request.stream:
-            await stream.send_message(_complete(
+            done = _complete(
                 output, finish.reason, finish, prompt_tokens, job.cached_tokens, handoff.returns
-            ))
+            )
+            _with_logprobs(done.complete, logprobs, 0, len(output), True)
+            await stream.send_message(done)
 
     async def HealthCheck(
         self,
