@@ -45,7 +45,7 @@ class TokenBytes:
 
     def __init__(self, tokenizer: Tokenizer, decoder_spec: Mapping[str, Any] | None) -> None:
         self._tokenizer = tokenizer
-        spec = json.dumps(decoder_spec or {})
+        spec = json.dumps(decoder_spec or {}, ensure_ascii=False)
         self._byte_level = '"ByteLevel"' in spec
         self._byte_fallback = '"ByteFallback"' in spec
         self._metaspace = '"Metaspace"' in spec or "\u2581" in spec
