@@ -1524,7 +1524,10 @@ def _logprobs_check(
     token first) are the engine's 3 best, highest first.
     """
     ids = texts.completion_ids(comp_prompt)
+    started = time.monotonic()
     direct = client.logprobs("rv-logprobs-direct", ids, 8, 5, prompt=True)
+    direct_s = time.monotonic() - started
+    started = time.monotonic()
     r = oa.completions.create(model=served, prompt=comp_prompt, temperature=0, max_tokens=8,
                               logprobs=3, echo=True)
     lp = r.choices[0].logprobs
@@ -1548,6 +1551,7 @@ def _logprobs_check(
         expect(value >= max(v for _, v in alternatives) - LOGPROB_TOLERANCE,
                f"greedy token {token} has logprob {value} below its alternatives")
     expect(worst <= LOGPROB_TOLERANCE, f"logprobs differ from the engine's by {worst:.2e}")
+    frontend_s = time.monotonic() - started
     expect(r.choices[0].text.startswith(comp_prompt), "echo did not lead with the prompt")
 
     chunks = oa.chat.completions.create(model=served, messages=chat_msgs, temperature=0,
@@ -1562,7 +1566,9 @@ def _logprobs_check(
         expect(len(values) == 3 and e.logprob >= values[0] - LOGPROB_TOLERANCE,
                f"sampled {e.logprob} below its alternatives {values}")
     return (f"echo + {n} prompt + 8 output positions within {worst:.1e} of the engine's own; "
-            "chat top_logprobs sorted, greedy token on top")
+            "chat top_logprobs sorted, greedy token on top; "
+            f"the engine's first logprobs request {direct_s:.1f} s, "
+            f"the frontend's {frontend_s:.1f} s")
 
 
 # --- KV-aware routing through the frontend --------------------------------------------
