@@ -136,7 +136,10 @@ def first_placement(
     """
     request = prepared.request
     try:
-        placement = dispatcher.choose(settings.policy, prepared.input_ids, request.max_tokens or 0)
+        placement = dispatcher.choose(
+            settings.policy, prepared.input_ids, request.max_tokens or 0,
+            prompt_logprobs=request.prompt_logprobs is not None,
+        )
     except NoEngineAvailable:
         if wait.may_wait(now):
             return None
@@ -391,7 +394,10 @@ class RelayState:
         try:
             placement = dispatcher.choose(
                 self.settings.policy, self.prepared.input_ids, self.processor.remaining_tokens,
-                self.excluded,
+                self.excluded, prompt_logprobs=(  # a migration's are the prompt's already
+                    self.original_call.sampling.prompt_logprobs is not None
+                    and not self.processor.generated_ids
+                ),
             )
         except NoEngineAvailable:
             if not self.failover.all_overloaded and self.engine_wait.may_wait(now):

@@ -226,3 +226,22 @@ def test_a_migrated_stream_keeps_its_logprobs_exact(daemon: Daemon) -> None:
     assert 'outcome="migrated"' in metrics
     assert again == text
     assert [e.model_dump() for e in entries] == [e.model_dump() for e in expected]
+
+
+def test_a_mixed_fleet_sends_prompt_logprobs_only_where_they_come_back(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    engines = [sim_engine("t", "trtllm", **SIM), sim_engine("v", "vllm", **SIM)]
+    with running_daemon(tmp_path, fleet_text(model_dir, engines)) as daemon:
+        daemon.wait_serving(2)
+        api = client(daemon)
+        for _ in range(4):  # round robin would reach the TensorRT-LLM engine
+            r = api.completions.create(model="demo", prompt=PROMPT, max_tokens=2, logprobs=1,
+                                       echo=True)
+            assert r.choices[0].logprobs is not None
+            assert r.choices[0].logprobs.token_logprobs[0] is None
+        sims = daemon.supervisor.simulators
+        assert sims["t"].stats.requests == 0 and sims["v"].stats.requests == 4
+        for _ in range(2):  # without echo both serve
+            api.completions.create(model="demo", prompt=PROMPT, max_tokens=2, logprobs=1)
+        assert sims["t"].stats.requests == 1
