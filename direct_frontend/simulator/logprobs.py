@@ -11,6 +11,7 @@ values are multiples of 1/1024 above -64, so float32 wires carry them exactly.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from types import ModuleType
 from typing import Any
 
 from direct_frontend.simulator.model import SimModel, mix64
@@ -132,3 +133,20 @@ def trtllm_output(rows: Sequence[tuple[int, Row]], n: int) -> list[dict[str, Any
         }
         for token, (value, ranked) in rows
     ]
+
+
+def fill_smg(
+    message: Any, pb: ModuleType, logprobs: RequestLogprobs, start: int, end: int, *,
+    prompt: bool, vllm: bool,
+) -> None:
+    """Fill an SGLang or vLLM chunk or complete (``pb``: its contract's messages):
+    output tokens ``[start:end]``, and with ``prompt`` the prompt's."""
+    if logprobs.top is not None and end > start:
+        message.output_logprobs.CopyFrom(
+            pb.OutputLogProbs(**smg_output(logprobs.output(start, end), logprobs.top, vllm))
+        )
+    if prompt and logprobs.prompt_top is not None:
+        rows = logprobs.prompt_rows()
+        message.input_logprobs.CopyFrom(
+            pb.InputLogProbs(**smg_prompt(logprobs.prompt, rows, logprobs.prompt_top, vllm))
+        )

@@ -15,7 +15,7 @@ from google.protobuf import struct_pb2, timestamp_pb2
 from grpclib import GRPCError, Status
 
 from direct_frontend.simulator import disagg
-from direct_frontend.simulator.logprobs import RequestLogprobs, smg_output, smg_prompt
+from direct_frontend.simulator.logprobs import fill_smg
 from direct_frontend.simulator.model import Finish, StopCriteria
 from direct_frontend.simulator.servicers.common import (
     SIM_VERSION,
@@ -65,21 +65,6 @@ def _complete(
     return sglang_scheduler_pb2.GenerateResponse(request_id=request_id, complete=complete)
 
 
-def _with_logprobs(
-    message: sglang_scheduler_pb2.GenerateStreamChunk | sglang_scheduler_pb2.GenerateComplete,
-    logprobs: RequestLogprobs, start: int, end: int, prompt: bool,
-) -> None:
-    """Fill a message's logprobs: output tokens ``[start:end]``, and the prompt's."""
-    if logprobs.top is not None and end > start:
-        message.output_logprobs.CopyFrom(sglang_scheduler_pb2.OutputLogProbs(
-            **smg_output(logprobs.output(start, end), logprobs.top, vllm=False)
-        ))
-    if prompt and logprobs.prompt_top is not None:
-        message.input_logprobs.CopyFrom(sglang_scheduler_pb2.InputLogProbs(
-            **smg_prompt(logprobs.prompt, logprobs.prompt_rows(), logprobs.prompt_top, vllm=False)
-        ))
-
-
 class SglangServicer(SmgServicer, SglangSchedulerBase):
     """``sglang.grpc.scheduler.SglangScheduler`` as smg-grpc-servicer 0.14.1 serves it."""
 
@@ -116,6 +101,14 @@ class SglangServicer(SmgServicer, SglangSchedulerBase):
         top = request.top_logprobs_num if request.return_logprob else None
         prompt_top = top if request.return_logprob and request.logprob_start_len >= 0 else None
         logprobs = core.logprobs(job, top, prompt_top)
+
+        def fill(message: Any, start: int, prompt: bool) -> None:
+            """Output tokens from ``start`` to now, and with ``prompt`` the prompt's."""
+            fill_smg(
+                message, sglang_scheduler_pb2, logprobs, start, len(output),
+                prompt=prompt, vllm=False,
+            )
+
         first = True
 
         async def emit(delta: Sequence[int], finish: Finish | None) -> None:
@@ -128,7 +121,7 @@ class SglangServicer(SmgServicer, SglangSchedulerBase):
             )
             # incremental: this delta's logprobs; the prompt's in the first chunk only
             start = len(output) - len(delta)
-            _with_logprobs(chunk, logprobs, start, len(output), first)
+            fill(chunk, start, first)
             with_prompt, first = first, False
             await stream.send_message(
                 sglang_scheduler_pb2.GenerateResponse(request_id=request_id, chunk=chunk)
@@ -137,7 +130,7 @@ class SglangServicer(SmgServicer, SglangSchedulerBase):
                 done = _complete(
                     request_id, delta, finish, prompt_tokens, len(output), job.cached_tokens
                 )
-                _with_logprobs(done.complete, logprobs, start, len(output), with_prompt)
+                fill(done.complete, start, with_prompt)
                 await stream.send_message(done)
 
         finish = await core.run(job, emit if request.stream else None)
@@ -149,7 +142,7 @@ class SglangServicer(SmgServicer, SglangSchedulerBase):
             done = _complete(
                 request_id, output, finish, prompt_tokens, len(output), job.cached_tokens
             )
-            _with_logprobs(done.complete, logprobs, 0, len(output), True)  # cumulative
+            fill(done.complete, 0, True)  # cumulative
             await stream.send_message(done)
 
     async def HealthCheck(

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from typing import Any
 
 import grpclib.server
 from grpclib import GRPCError, Status
 
 from direct_frontend.simulator import disagg
-from direct_frontend.simulator.logprobs import RANKS, RequestLogprobs, smg_output, smg_prompt
+from direct_frontend.simulator.logprobs import RANKS, fill_smg
 from direct_frontend.simulator.model import Finish, StopCriteria
 from direct_frontend.simulator.servicers.common import (
     SIM_VERSION,
@@ -60,21 +61,6 @@ def _logprob_count(params: vllm_engine_pb2.SamplingParams, field: str) -> int | 
             f"{MAX_LOGPROBS}",
         )
     return RANKS if count == -1 else count
-
-
-def _with_logprobs(
-    message: vllm_engine_pb2.GenerateStreamChunk | vllm_engine_pb2.GenerateComplete,
-    logprobs: RequestLogprobs, start: int, end: int, prompt: bool,
-) -> None:
-    """Fill a message's logprobs: output tokens ``[start:end]``, and the prompt's."""
-    if logprobs.top is not None and end > start:
-        message.output_logprobs.CopyFrom(vllm_engine_pb2.OutputLogProbs(
-            **smg_output(logprobs.output(start, end), logprobs.top, vllm=True)
-        ))
-    if prompt and logprobs.prompt_top is not None:
-        message.input_logprobs.CopyFrom(vllm_engine_pb2.InputLogProbs(
-            **smg_prompt(logprobs.prompt, logprobs.prompt_rows(), logprobs.prompt_top, vllm=True)
-        ))
 
 
 def _complete(
@@ -143,6 +129,13 @@ class VllmServicer(SmgServicer, VllmEngineBase):
         logprobs = core.logprobs(
             job, _logprob_count(params, "logprobs"), _logprob_count(params, "prompt_logprobs")
         )
+
+        def fill(message: Any, start: int, prompt: bool) -> None:
+            """Output tokens from ``start`` to now, and with ``prompt`` the prompt's."""
+            fill_smg(
+                message, vllm_engine_pb2, logprobs, start, len(output), prompt=prompt, vllm=True
+            )
+
         first = True
 
         async def emit(delta: Sequence[int], finish: Finish | None) -> None:
@@ -155,14 +148,14 @@ class VllmServicer(SmgServicer, VllmEngineBase):
                 cached_tokens=job.cached_tokens,
             )
             start = len(output) - len(delta)
-            _with_logprobs(chunk, logprobs, start, len(output), first)  # the prompt's: once
+            fill(chunk, start, first)  # the prompt's: once
             first = False
             await stream.send_message(vllm_engine_pb2.GenerateResponse(chunk=chunk))
             if finish is not None:  # repeats the last delta, counted alone
                 done = _complete(
                     delta, finish.reason, finish, prompt_tokens, job.cached_tokens, handoff.returns
                 )
-                _with_logprobs(done.complete, logprobs, start, len(output), True)
+                fill(done.complete, start, True)
                 await stream.send_message(done)
 
         finish = await core.run(job, emit if request.stream else None)
@@ -181,7 +174,7 @@ class VllmServicer(SmgServicer, VllmEngineBase):
             done = _complete(
                 output, finish.reason, finish, prompt_tokens, job.cached_tokens, handoff.returns
             )
-            _with_logprobs(done.complete, logprobs, 0, len(output), True)
+            fill(done.complete, 0, True)
             await stream.send_message(done)
 
     async def HealthCheck(
