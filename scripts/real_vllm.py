@@ -686,6 +686,40 @@ class EngineClient:
         return out
 
 
+    def logprobs(
+        self, rid: str, ids: list[int], max_tokens: int, top: int, *, prompt: bool = False
+    ) -> dict[str, Any]:
+        """One greedy non-streaming request with ``logprobs=top`` (and ``prompt_logprobs``):
+        the engine's own rows, as (token, logprob, [(id, logprob), ...]) per position."""
+        params = self.pb.SamplingParams(
+            temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=top
+        )
+        if prompt:
+            params.prompt_logprobs = top
+        request = self.pb.GenerateRequest(
+            request_id=rid, tokenized=self.pb.TokenizedInput(input_ids=ids),
+            sampling_params=params, stream=False,
+        )
+        out: dict[str, Any] = {}
+        for msg in self.stub.Generate(request, timeout=60):
+            if msg.WhichOneof("response") != "complete":
+                continue
+            done = msg.complete
+            lp = done.output_logprobs
+            out["tokens"] = list(done.output_ids)
+            out["rows"] = [
+                (t, v, list(zip(lp.top_logprobs[i].token_ids, lp.top_logprobs[i].values,
+                                strict=True)))
+                for i, (t, v) in enumerate(zip(lp.token_ids, lp.token_logprobs, strict=True))
+            ]
+            ip = done.input_logprobs
+            out["prompt"] = [
+                (t, ip.token_logprobs[i].value if ip.token_logprobs[i].HasField("value") else None)
+                for i, t in enumerate(ip.token_ids)
+            ]
+        return out
+
+
 # ======================================================================================
 # Checks and the report
 # ======================================================================================
@@ -1514,6 +1548,72 @@ def frontend_checks(
     report.check("frontend: max_tokens (finish length, exact count)", max_tokens)
     report.check("frontend: client disconnect aborts the engine request", cancel)
     report.check("frontend: prefix cache hit -> usage cached_tokens", cached_tokens)
+    report.check("frontend: logprobs/top_logprobs carry the engine's values", lambda: (
+        _logprobs_check(oa, client, texts, served, chat_msgs, comp_prompt)
+    ))
+
+
+#: how far the same position's logprob may differ between two runs of the engine (batch
+#: shapes and the prefix cache change the CPU kernels' summation order)
+LOGPROB_TOLERANCE = 1e-3
+
+
+def _logprobs_check(
+    oa: Any, client: EngineClient, texts: Texts, served: str,
+    chat_msgs: list[dict[str, str]], comp_prompt: str,
+) -> str:
+    """Completions logprobs (and echo) against the engine's own over gRPC; chat's consistency.
+
+    Greedy: the sampled token's logprob is its row's highest, and the top 3
+    the frontend lists (it asks the engine for one more: vLLM lists the sampled
+    token first) are the engine's 3 best, highest first.
+    """
+    ids = texts.completion_ids(comp_prompt)
+    started = time.monotonic()
+    direct = client.logprobs("rv-logprobs-direct", ids, 8, 5, prompt=True)
+    direct_s = time.monotonic() - started
+    started = time.monotonic()
+    r = oa.completions.create(model=served, prompt=comp_prompt, temperature=0, max_tokens=8,
+                              logprobs=3, echo=True)
+    lp = r.choices[0].logprobs
+    expect(lp is not None, "no logprobs in the completions answer")
+    n = len(ids)
+    expect(len(lp.token_logprobs) == n + 8, f"{len(lp.token_logprobs)} positions, wanted {n}+8")
+    expect(lp.token_logprobs[0] is None, "the first prompt token has a logprob")
+    expect(len(direct["prompt"]) == n and len(direct["rows"]) == 8,
+           f"the engine sent {len(direct['prompt'])} prompt and {len(direct['rows'])} rows")
+    worst = 0.0
+    for (_, want), got in zip(direct["prompt"][1:], lp.token_logprobs[1:n], strict=True):
+        worst = max(worst, abs(want - got))
+    for (token, value, alternatives), got, top in zip(
+        direct["rows"], lp.token_logprobs[n:], lp.top_logprobs[n:], strict=True
+    ):
+        worst = max(worst, abs(value - got))
+        best = sorted((v for _, v in alternatives), reverse=True)[:3]
+        # the top 3 and the token (a dict by token string: two tokens may share one)
+        expect(1 <= len(top) <= 4, f"{len(top)} entries in a top_logprobs dict")
+        worst = max(worst, *(min(abs(v - b) for b in best) for v in top.values()))
+        expect(value >= max(v for _, v in alternatives) - LOGPROB_TOLERANCE,
+               f"greedy token {token} has logprob {value} below its alternatives")
+    expect(worst <= LOGPROB_TOLERANCE, f"logprobs differ from the engine's by {worst:.2e}")
+    frontend_s = time.monotonic() - started
+    expect(r.choices[0].text.startswith(comp_prompt), "echo did not lead with the prompt")
+
+    chunks = oa.chat.completions.create(model=served, messages=chat_msgs, temperature=0,
+                                        max_tokens=12, logprobs=True, top_logprobs=3,
+                                        stream=True)
+    entries = [e for c in chunks for ch in c.choices if ch.logprobs and ch.logprobs.content
+               for e in ch.logprobs.content]
+    expect(len(entries) == 12, f"{len(entries)} chat logprobs for 12 tokens")
+    for e in entries:
+        values = [a.logprob for a in e.top_logprobs]
+        expect(values == sorted(values, reverse=True), f"top_logprobs not sorted: {values}")
+        expect(len(values) == 3 and e.logprob >= values[0] - LOGPROB_TOLERANCE,
+               f"sampled {e.logprob} below its alternatives {values}")
+    return (f"echo + {n} prompt + 8 output positions within {worst:.1e} of the engine's own; "
+            "chat top_logprobs sorted, greedy token on top; "
+            f"the engine's first logprobs request {direct_s:.1f} s, "
+            f"the frontend's {frontend_s:.1f} s")
 
 
 # --- KV-aware routing through the frontend --------------------------------------------

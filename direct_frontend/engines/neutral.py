@@ -37,6 +37,11 @@ class SamplingOptions:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     min_tokens: int = 0
+    # -- logprobs (chat logprobs/top_logprobs, completions logprobs/echo) --
+    #: None: no output logprobs; n: each output token's logprob and its n top alternatives
+    logprobs: int | None = None
+    #: None: no prompt logprobs; n: each prompt token's logprob and n top alternatives
+    prompt_logprobs: int | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -75,6 +80,23 @@ class GenerateCall:
     trace: RequestTrace | None = dataclasses.field(default=None, compare=False, repr=False)
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """One position's log probability: the token there and its top alternatives.
+
+    ``top`` holds (token id, logprob) pairs sorted by logprob, highest first,
+    at most as many as the request asked for; the dialects sort and trim them.
+    """
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+#: a prompt's logprobs, one per prompt token; None where the engine has none (the first)
+PromptLogprobs = tuple[TokenLogprob | None, ...]
+
+
 class FinishReason(enum.Enum):
     """Why an engine stopped generating."""
 
@@ -92,6 +114,10 @@ class TokenDelta:
     prompt_tokens: int = 0
     completion_tokens: int = 0  # running total so far, whatever the engine reports
     cached_tokens: int = 0
+    #: with ``sampling.logprobs``: one per token of ``token_ids``, in order
+    logprobs: tuple[TokenLogprob, ...] = ()
+    #: with ``sampling.prompt_logprobs``: on the first event that has them, once
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -111,6 +137,9 @@ class Finished:
     matched_stop_str: str | None = None
     #: a vLLM prefill leg's handoff to its decode leg (relayed verbatim)
     kv_transfer_params_json: str | None = None
+    #: as on :class:`TokenDelta`: one per token of ``token_ids``
+    logprobs: tuple[TokenLogprob, ...] = ()
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 EngineEvent = TokenDelta | Finished

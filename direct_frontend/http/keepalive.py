@@ -40,11 +40,12 @@ answer. Only a write can tell the two apart: a socket that was closed
 answers data with a reset, a half-closed one acknowledges it. So when the
 FIN comes after a complete HTTP/1.1 POST whose response has not started,
 the shim writes an interim ``100 Continue`` (every HTTP/1.1 client must
-accept 1xx responses before the final one) and watches the socket
+accept 1xx responses before the final one; a stream that had already
+started gets an SSE comment line, which every SSE client skips) and watches the socket
 (:func:`peer_after_probe`): acknowledged, the request is answered as if
 nothing happened, and the connection closes after the response; reset, or
 no answer within :data:`PROBE_WAIT_S`, the app hears ``http.disconnect``
-as before. A hang-up after the response started is still a hang-up, and a
+as before. A FIN during any other response is a hang-up, and a
 half-closed client that goes away later is found by the next writes.
 
 :func:`install` does nothing unless hypercorn is a release this was checked
@@ -91,6 +92,20 @@ PROBE_WAIT_S: Final = 1.0
 _TCP_CLOSE: Final = 7  # tcpi_state values (linux/tcp_states.h)
 _TCP_CLOSE_WAIT: Final = 8
 _SIOCOUTQ: Final = 0x5411  # bytes not yet acknowledged by the peer (linux/sockios.h)
+
+
+#: what probes a stream that had started when the FIN came: an SSE comment line
+SSE_PROBE: Final = b":\n\n"
+
+
+def _is_event_stream(stream: Any) -> bool:
+    """Whether the response being written is Server-Sent Events (so a comment fits in)."""
+    start = getattr(stream, "response", None)
+    headers = start.get("headers", ()) if isinstance(start, dict) else ()
+    return any(
+        name.lower() == b"content-type" and value.startswith(b"text/event-stream")
+        for name, value in headers
+    )
 
 
 class Peer(enum.Enum):
@@ -201,11 +216,11 @@ class PromptClosingTCPServer(TCPServer):
         """After the peer's FIN: whether it awaits the response of a request it sent whole."""
         h11_protocol: Any = getattr(self.protocol, "protocol", None)
         connection = getattr(h11_protocol, "connection", None)
-        scope = getattr(getattr(h11_protocol, "stream", None), "scope", None)
+        stream = getattr(h11_protocol, "stream", None)
+        scope = getattr(stream, "scope", None)
         if (
             not isinstance(connection, h11.Connection)
             or connection.their_http_version != b"1.1"
-            or connection.our_state is not h11.SEND_RESPONSE
             or connection.their_state not in (h11.DONE, h11.CLOSED)
             or not isinstance(scope, dict)
             or scope.get("method") != "POST"
@@ -214,9 +229,14 @@ class PromptClosingTCPServer(TCPServer):
         raw = getattr(self.stream, "socket", None)
         if raw is None:  # TLS: the probe would be encrypted into a record; not attempted
             return False
-        # h11 moves on synchronously, so the app cannot start its response in between.
-        interim = h11.InformationalResponse(status_code=100, headers=[], reason=b"Continue")
-        probe = connection.send(interim)
+        # h11 moves on synchronously, so the app cannot write in between.
+        if connection.our_state is h11.SEND_RESPONSE:
+            interim = h11.InformationalResponse(status_code=100, headers=[], reason=b"Continue")
+            probe = connection.send(interim)
+        elif connection.our_state is h11.SEND_BODY and _is_event_stream(stream):
+            probe = connection.send(h11.Data(data=SSE_PROBE))  # a comment: clients skip it
+        else:
+            return False
         assert probe is not None
         await self.protocol_send(RawData(probe))
         wait = 0.001

@@ -10,7 +10,7 @@ client keeps as an extra field.
 
 from __future__ import annotations
 
-from typing import Final, Literal
+from typing import Any, Final, Literal
 
 import msgspec
 
@@ -59,6 +59,8 @@ class ChunkRenderer:
         "_finish_suffix",
         "_head",
         "_include_usage",
+        "_logprobs_prefix",
+        "_logprobs_suffix",
         "_role",
         "_text_prefix",
         "_text_suffix",
@@ -86,9 +88,11 @@ class ChunkRenderer:
         )
         tail = b"]" + (b',"usage":null' if include_usage else b"") + _SSE_END
         choice = self._head + b'{"index":%d,' % index
+        self._logprobs_suffix = b',"finish_reason":null}' + tail
         if kind == "chat":
             self._text_prefix = choice + b'"delta":{"content":'
             self._text_suffix = b'},"logprobs":null,"finish_reason":null}' + tail
+            self._logprobs_prefix = b'},"logprobs":'
             self._finish_prefix = choice + b'"delta":{},"logprobs":null,'
             self._role = (
                 choice + b'"delta":{"role":"assistant","content":""},'
@@ -97,6 +101,7 @@ class ChunkRenderer:
         else:
             self._text_prefix = choice + b'"text":'
             self._text_suffix = b',"logprobs":null,"finish_reason":null}' + tail
+            self._logprobs_prefix = b',"logprobs":'
             self._finish_prefix = choice + b'"text":"","logprobs":null,'
             self._role = b""
         self._finish_suffix = b"}" + tail
@@ -107,6 +112,13 @@ class ChunkRenderer:
             return self._text_prefix + _encode(delta) + self._text_suffix
         except UnicodeEncodeError:  # a lone surrogate; never on the normal path
             return self._text_prefix + _encode(_scrub(delta)) + self._text_suffix
+
+    def text_with_logprobs(self, delta: str, logprobs: dict[str, Any]) -> bytes:
+        """A chunk carrying new text (maybe none) and the logprobs of its tokens."""
+        return (
+            self._text_prefix + _encode(_scrub(delta)) + self._logprobs_prefix
+            + _encode(logprobs) + self._logprobs_suffix
+        )
 
     def role_chunk(self) -> bytes:
         """The first chat chunk, announcing the assistant role; ``b""`` for completions."""
@@ -165,7 +177,7 @@ class _Message(msgspec.Struct):
 class _ChatChoice(msgspec.Struct):
     index: int
     message: _Message
-    logprobs: None
+    logprobs: dict[str, Any] | None
     finish_reason: str
     stop_reason: str | int | None
 
@@ -173,7 +185,7 @@ class _ChatChoice(msgspec.Struct):
 class _TextChoice(msgspec.Struct):
     index: int
     text: str
-    logprobs: None
+    logprobs: dict[str, Any] | None
     finish_reason: str
     stop_reason: str | int | None
 
@@ -194,6 +206,7 @@ class ChoiceOutput(msgspec.Struct, frozen=True):
     text: str
     finish_reason: str
     stop_reason: str | int | None = None
+    logprobs: dict[str, Any] | None = None
 
 
 def render_full(
@@ -205,10 +218,12 @@ def render_full(
     finish_reason: str,
     stop_reason: str | int | None,
     usage: Usage,
+    logprobs: dict[str, Any] | None = None,
 ) -> bytes:
     """The non-streaming ``chat.completion`` or ``text_completion`` body of one choice."""
     return render_choices(
-        kind, request_id, model, created, [ChoiceOutput(text, finish_reason, stop_reason)], usage
+        kind, request_id, model, created,
+        [ChoiceOutput(text, finish_reason, stop_reason, logprobs)], usage,
     )
 
 
@@ -224,13 +239,15 @@ def render_choices(
     choices: list[_ChatChoice] | list[_TextChoice]
     if kind == "chat":
         choices = [
-            _ChatChoice(i, _Message("assistant", c.text), None, c.finish_reason, c.stop_reason)
+            _ChatChoice(
+                i, _Message("assistant", c.text), c.logprobs, c.finish_reason, c.stop_reason
+            )
             for i, c in enumerate(outputs)
         ]
         obj = "chat.completion"
     elif kind == "completion":
         choices = [
-            _TextChoice(i, c.text, None, c.finish_reason, c.stop_reason)
+            _TextChoice(i, c.text, c.logprobs, c.finish_reason, c.stop_reason)
             for i, c in enumerate(outputs)
         ]
         obj = "text_completion"

@@ -23,11 +23,12 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
 
 import trio
 
+from direct_frontend.engines.neutral import TokenLogprob
 from direct_frontend.errors import EngineError
 from direct_frontend.http.asgi import (
     JSON,
@@ -38,6 +39,7 @@ from direct_frontend.http.asgi import (
     send_body,
     send_error,
 )
+from direct_frontend.http.logprobs import ChoiceLogprobs, prompt_offsets
 from direct_frontend.http.render import (
     ChoiceOutput,
     ChunkRenderer,
@@ -47,6 +49,7 @@ from direct_frontend.http.render import (
 )
 from direct_frontend.observability.tracing import RequestTrace
 from direct_frontend.openai.errors import OpenAIHTTPError, internal_error
+from direct_frontend.openai.types import CompletionRequest
 from direct_frontend.pipeline.choices import Choices
 from direct_frontend.pipeline.preprocess import PreparedRequest
 from direct_frontend.pipeline.relay import Relay, RelayState
@@ -176,13 +179,21 @@ async def _stream(relay: Relay, state: RelayState, *, send: Send, headers: Heade
     )
     progress = _Progress()
     out = progress.out
+    echo = _echo(relay, state)
+    choice_logprobs = _logprobs(relay, state, echo)
 
-    async def emit(text: str, tokens: int, finished: bool) -> None:
+    async def emit(
+        text: str, tokens: int, finished: bool, logprobs: Sequence[TokenLogprob]
+    ) -> None:
         if not progress.started:
             await _start(send, headers)
             progress.started = True
             out.extend(renderer.role_chunk())
-        if text:
+            if echo is not None:
+                out.extend(_echo_chunk(renderer, relay, state, echo, choice_logprobs))
+        if choice_logprobs is not None and logprobs:
+            out.extend(renderer.text_with_logprobs(text, choice_logprobs.batch(logprobs)))
+        elif text:
             out.extend(renderer.text(text))
         if finished:  # the last text, the finish chunk, usage and [DONE]: one write
             final = state.final
@@ -203,9 +214,15 @@ async def _stream(relay: Relay, state: RelayState, *, send: Send, headers: Heade
 
 async def _complete(relay: Relay, state: RelayState, *, send: Send, headers: Headers) -> int:
     pieces: list[str] = []
+    echo = _echo(relay, state)
+    choice_logprobs = _logprobs(relay, state, echo)
 
-    async def emit(text: str, tokens: int, finished: bool) -> None:
+    async def emit(
+        text: str, tokens: int, finished: bool, logprobs: Sequence[TokenLogprob]
+    ) -> None:
         pieces.append(text)
+        if choice_logprobs is not None and logprobs:
+            choice_logprobs.batch(logprobs)
 
     status = await _until_end(relay.run(state, emit), state.error_for, _Progress(), send, headers)
     if status != 200:
@@ -216,9 +233,14 @@ async def _complete(relay: Relay, state: RelayState, *, send: Send, headers: Hea
     usage = Usage(
         len(prepared.input_ids), state.processor.completion_tokens, state.cached_tokens or 0
     )
+    if echo is not None:
+        pieces.insert(0, echo)
+        if choice_logprobs is not None:
+            _prompt_logprobs(relay, state, choice_logprobs)
     body = render_full(
         prepared.kind, prepared.request_id, state.request.model, int(time.time()),
         "".join(pieces), final.finish_reason or "stop", final.stop_reason, usage,
+        None if choice_logprobs is None else choice_logprobs.whole(),
     )
     await send_body(send, 200, body, JSON, headers)
     return 200
@@ -238,11 +260,23 @@ async def _stream_choices(relay: Relay, choices: Choices, *, send: Send, headers
     out = progress.out
     writing = trio.Lock()  # one write at a time; a waiting writer may find its bytes sent
     ended = False
+    echo = _echo(relay, choices.states[0])
+    builders = [_logprobs(relay, state, echo) for state in choices.states]
+    echoed = [False] * len(renderers)
 
-    async def emit(index: int, text: str, tokens: int, finished: bool) -> None:
+    async def emit(
+        index: int, text: str, tokens: int, finished: bool, logprobs: Sequence[TokenLogprob]
+    ) -> None:
         nonlocal ended
         renderer = renderers[index]
-        if text:
+        choice_logprobs = builders[index]
+        if echo is not None and not echoed[index]:
+            echoed[index] = True
+            state = choices.states[index]
+            out.extend(_echo_chunk(renderer, relay, state, echo, choice_logprobs))
+        if choice_logprobs is not None and logprobs:
+            out.extend(renderer.text_with_logprobs(text, choice_logprobs.batch(logprobs)))
+        elif text:
             out.extend(renderer.text(text))
         if finished:
             final = choices.states[index].final
@@ -269,21 +303,33 @@ async def _complete_choices(
     relay: Relay, choices: Choices, *, send: Send, headers: Headers
 ) -> int:
     pieces: list[list[str]] = [[] for _ in choices.states]
+    echo = _echo(relay, choices.states[0])
+    builders = [_logprobs(relay, state, echo) for state in choices.states]
 
-    async def emit(index: int, text: str, tokens: int, finished: bool) -> None:
+    async def emit(
+        index: int, text: str, tokens: int, finished: bool, logprobs: Sequence[TokenLogprob]
+    ) -> None:
         pieces[index].append(text)
+        choice_logprobs = builders[index]
+        if choice_logprobs is not None and logprobs:
+            choice_logprobs.batch(logprobs)
 
     status = await _until_end(choices.run(relay, emit), choices.error_for, _Progress(), send,
                               headers)
     if status != 200:
         return status
     outputs = []
-    for state, texts in zip(choices.states, pieces, strict=True):
+    for state, texts, choice_logprobs in zip(choices.states, pieces, builders, strict=True):
         final = state.final
         assert final is not None
-        outputs.append(
-            ChoiceOutput("".join(texts), final.finish_reason or "stop", final.stop_reason)
-        )
+        if echo is not None:
+            texts.insert(0, echo)
+            if choice_logprobs is not None:
+                _prompt_logprobs(relay, state, choice_logprobs)
+        outputs.append(ChoiceOutput(
+            "".join(texts), final.finish_reason or "stop", final.stop_reason,
+            None if choice_logprobs is None else choice_logprobs.whole(),
+        ))
     prepared = choices.prepared
     body = render_choices(
         prepared.kind, prepared.request_id, prepared.request.model, int(time.time()),
@@ -291,3 +337,44 @@ async def _complete_choices(
     )
     await send_body(send, 200, body, JSON, headers)
     return 200
+
+
+def _echo(relay: Relay, state: RelayState) -> str | None:
+    """The prompt text a completions ``echo`` leads the choice with (None: no echo)."""
+    request = state.request
+    if not isinstance(request, CompletionRequest) or not request.echo:
+        return None
+    if isinstance(request.prompt, str):
+        return request.prompt
+    return relay.text_model.decode(request.prompt, request.skip_special_tokens)
+
+
+def _logprobs(relay: Relay, state: RelayState, echo: str | None) -> ChoiceLogprobs | None:
+    """The choice's logprobs builder when the request asked for logprobs."""
+    if state.request.logprobs is None:
+        return None
+    return ChoiceLogprobs(
+        state.prepared.kind == "chat", relay.text_model.token_bytes,
+        state.processor.token_start, len(echo or ""),
+    )
+
+
+def _prompt_logprobs(
+    relay: Relay, state: RelayState, logprobs: ChoiceLogprobs
+) -> dict[str, Any]:
+    """The echoed prompt's logprobs, from what the engine sent with its first output."""
+    ids = state.prepared.input_ids
+    push = relay.text_model.new_detokenizer(
+        skip_special_tokens=state.request.skip_special_tokens
+    ).push
+    return logprobs.prompt(ids, state.prompt_logprobs, prompt_offsets(push, ids))
+
+
+def _echo_chunk(
+    renderer: ChunkRenderer, relay: Relay, state: RelayState, echo: str,
+    logprobs: ChoiceLogprobs | None,
+) -> bytes:
+    """The first chunk of an echoing stream: the prompt (with its logprobs if asked for)."""
+    if logprobs is None:
+        return renderer.text(echo)
+    return renderer.text_with_logprobs(echo, _prompt_logprobs(relay, state, logprobs))

@@ -303,10 +303,10 @@ def parse_chat_request(body: bytes) -> ChatRequest:
     """Validate a chat completions body; raises :class:`OpenAIHTTPError` (400) on any problem."""
     w = _decode(_chat_decoder, body)
     common = _common(w)
-    if w.logprobs:
-        raise _unsupported("logprobs", "logprobs")
-    if w.top_logprobs:
-        raise _unsupported("top_logprobs", "top_logprobs")
+    if w.top_logprobs is not None and not w.logprobs:
+        raise invalid_request(
+            "'top_logprobs' requires 'logprobs' to be true.", "top_logprobs"
+        )
     tool_choice: Literal["auto", "none"] | None = None
     if w.tool_choice == "auto":
         tool_choice = "auto"
@@ -328,6 +328,7 @@ def parse_chat_request(body: bytes) -> ChatRequest:
         tools=tuple(w.tools or ()),
         tool_choice=tool_choice,
         chat_template_kwargs=w.chat_template_kwargs,
+        logprobs=(w.top_logprobs or 0) if w.logprobs else None,
     )
 
 
@@ -368,10 +369,13 @@ def parse_completion_request(body: bytes) -> CompletionRequest:
     """Validate a (legacy) completions body; raises :class:`OpenAIHTTPError` (400)."""
     w = _decode(_completion_decoder, body)
     common = _common(w)
-    if w.logprobs is not None and w.logprobs is not False:
-        raise _unsupported("logprobs", "logprobs")
-    if w.echo:
-        raise _unsupported("echo", "echo")
+    if w.logprobs is True:
+        raise invalid_request(
+            "Invalid type for 'logprobs': expected an integer from 0 to 5 (the number of "
+            "top alternatives per token), got a boolean.",
+            "logprobs",
+        )
+    logprobs = None if w.logprobs is None or w.logprobs is False else w.logprobs
     if w.suffix:
         raise _unsupported("suffix", "suffix")
     n = common["n"]
@@ -382,4 +386,7 @@ def parse_completion_request(body: bytes) -> CompletionRequest:
             f"best_of={w.best_of} is not supported; only best_of equal to n ({n}) is.",
             "best_of",
         )
-    return CompletionRequest(**common, prompt=_prompt(w.prompt))
+    return CompletionRequest(
+        **common, prompt=_prompt(w.prompt), echo=bool(w.echo), logprobs=logprobs,
+        prompt_logprobs=logprobs if w.echo else None,
+    )

@@ -87,6 +87,10 @@ class _RequestBase(msgspec.Struct, frozen=True, kw_only=True):
     skip_special_tokens: bool = True
     user: str | None = None
     n: int = 1  # choices: each one its own engine call (pipeline/choices.py)
+    #: top alternatives per output token with its logprob (None: no logprobs)
+    logprobs: int | None = None
+    #: likewise per prompt token (completions ``echo`` with ``logprobs``)
+    prompt_logprobs: int | None = None
 
     def sampling_options(self, max_tokens: int) -> SamplingOptions:
         """The neutral sampling settings; ``max_tokens`` is the budget the caller settled on.
@@ -110,6 +114,8 @@ class _RequestBase(msgspec.Struct, frozen=True, kw_only=True):
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens,
+            logprobs=self.logprobs,
+            prompt_logprobs=self.prompt_logprobs,
         )
 
 
@@ -130,5 +136,6 @@ class CompletionRequest(_RequestBase, frozen=True, kw_only=True):
     """A validated ``POST /v1/completions`` body; ``prompt`` is text or token ids."""
 
     prompt: str | tuple[int, ...]
+    echo: bool = False  # the prompt leads the output text
 
 

@@ -25,20 +25,21 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 import msgspec
 import trio
 
+from direct_frontend.engines.neutral import TokenLogprob
 from direct_frontend.errors import EngineError
 from direct_frontend.observability.tracing import RequestTrace
 from direct_frontend.openai.errors import OpenAIHTTPError
 from direct_frontend.pipeline.preprocess import PreparedRequest
-from direct_frontend.pipeline.relay import Relay, RelayState
+from direct_frontend.pipeline.relay import Emit, Relay, RelayState
 from direct_frontend.pipeline.settings import Settings
 
 #: the HTTP side's writer of several choices: the choice's index, then a batch as in ``Emit``
-ChoiceEmit = Callable[[int, str, int, bool], Awaitable[None]]
+ChoiceEmit = Callable[[int, str, int, bool, Sequence[TokenLogprob]], Awaitable[None]]
 
 _INT64 = 1 << 64
 _INT64_MIN = -(1 << 63)
@@ -104,7 +105,7 @@ class Choices:
             raise self.error
 
     async def _run_one(
-        self, relay: Relay, state: RelayState, emit: Callable[[str, int, bool], Awaitable[None]],
+        self, relay: Relay, state: RelayState, emit: Emit,
         everyone: trio.CancelScope, writing: trio.Lock | None,
     ) -> None:
         try:

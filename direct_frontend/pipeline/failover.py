@@ -122,13 +122,17 @@ def continuation(call: GenerateCall, generated: tuple[int, ...], attempt: int) -
     """The call that resumes ``call`` after ``generated`` tokens, token-exactly.
 
     The engine sees the original prompt followed by the generated tokens as
-    its prompt, and only the remaining budget. A fresh request id keeps it
+    its prompt, and only the remaining budget, so its logprobs start at the
+    first new token: positions neither repeat nor go missing. A fresh request id keeps it
     distinct from the failed attempt, which may still linger on its engine.
     """
     sampling = dataclasses.replace(
         call.sampling,
         max_tokens=call.sampling.max_tokens - len(generated),
         min_tokens=max(0, call.sampling.min_tokens - len(generated)),
+        # output logprobs are asked again (for the new tokens only: the old are the
+        # prompt now); the prompt's came with the first tokens, so only a retry asks
+        prompt_logprobs=call.sampling.prompt_logprobs if not generated else None,
     )
     return dataclasses.replace(
         call,

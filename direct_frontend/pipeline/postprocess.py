@@ -8,6 +8,7 @@ and a stream migrated to another engine continues from :attr:`generated_ids`.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from collections.abc import Collection, Sequence
 from typing import Literal, Protocol
@@ -61,18 +62,27 @@ class OutputProcessor:
     ``stop_token_ids`` (EOS ids unless ``ignore_eos``, plus the request's
     stop_token_ids) are tokens whose text is never shown and that end the
     output with "stop", even when they are also the max_tokens-th token.
+
+    With ``track_tokens`` (a request with logprobs) it also keeps where each
+    token's text ends in the output, so :meth:`tokens_out` can say which
+    tokens' text is out: their logprobs go with it, and those of tokens whose
+    text a stop string cut are never sent.
     """
 
     __slots__ = (
         "_detokenizer",
+        "_ends",
         "_finish_reason",
         "_finished",
         "_ids",
         "_matched_stop",
         "_matcher",
         "_max_tokens",
+        "_raw",
+        "_sent",
         "_stop_reason",
         "_stop_token_ids",
+        "_track",
     )
 
     def __init__(
@@ -82,6 +92,7 @@ class OutputProcessor:
         max_tokens: int,
         *,
         stop_token_ids: Collection[int] = (),
+        track_tokens: bool = False,
     ) -> None:
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
@@ -95,6 +106,11 @@ class OutputProcessor:
         self._finish_reason: OpenAIFinishReason | None = None
         self._stop_reason: str | int | None = None
         self._matched_stop: str | None = None
+        self._track = track_tokens
+        #: per token whose text the detokenizer released: the output length after it
+        self._ends: list[int] = []
+        self._raw = 0  # characters the detokenizer released
+        self._sent = 0  # characters handed out in steps
 
     @property
     def generated_ids(self) -> tuple[int, ...]:
@@ -116,6 +132,23 @@ class OutputProcessor:
         """Whether the output is complete."""
         return self._finished
 
+    def token_start(self, index: int) -> int:
+        """Where output token ``index``'s text starts in the output (with ``track_tokens``)."""
+        return self._ends[index - 1] if index > 0 else 0
+
+    def tokens_out(self) -> int:
+        """How many leading tokens have their text out (with ``track_tokens``).
+
+        A token counts once all its text is out; when the output is finished,
+        also one whose text a stop string cut midway (its start is out).
+        Tokens that only begin a character count once the character is out.
+        """
+        ends, sent = self._ends, self._sent
+        count = bisect.bisect_right(ends, sent)
+        if self._finished and count < len(ends) and self.token_start(count) < sent:
+            count += 1  # the token straddling the cut: its text starts before it
+        return count
+
     def on_tokens(self, token_ids: Sequence[int]) -> OutputStep:
         """Consume new output ids from the engine; return the text they release."""
         if self._finished or not token_ids:
@@ -124,7 +157,10 @@ class OutputProcessor:
         if len(token_ids) > room:
             token_ids = token_ids[:room]
 
-        if self._matcher is None and self._stop_token_ids.isdisjoint(token_ids):
+        if (
+            self._matcher is None and not self._track
+            and self._stop_token_ids.isdisjoint(token_ids)
+        ):
             self._ids.extend(token_ids)
             text = self._detokenizer.push(token_ids)
         else:
@@ -164,7 +200,7 @@ class OutputProcessor:
     def _consume_one_by_one(self, token_ids: Sequence[int]) -> str:
         """Token by token, so usage stops at exactly the token that completed a stop."""
         ids = self._ids
-        push = self._detokenizer.push
+        push = self._push if self._track else self._detokenizer.push
         matcher = self._matcher
         stop_token_ids = self._stop_token_ids
         pieces: list[str] = []
@@ -187,6 +223,18 @@ class OutputProcessor:
                 pieces.append(piece)
         return "".join(pieces)
 
+    def _push(self, token_ids: Sequence[int]) -> str:
+        """The detokenizer's push, noting where the text of each token ends."""
+        piece = self._detokenizer.push(token_ids)
+        if piece:
+            self._settle(len(piece))
+        return piece
+
+    def _settle(self, released: int) -> None:
+        """Text was released: every token pushed so far ends at the new output length."""
+        self._raw += released
+        self._ends.extend([self._raw] * (len(self._ids) - len(self._ends)))
+
     def _drain(self) -> str:
         """Flush the detokenizer through the stop matcher, then the matcher itself.
 
@@ -194,6 +242,8 @@ class OutputProcessor:
         the output with "stop".
         """
         text = self._detokenizer.flush()
+        if self._track:
+            self._settle(len(text))
         if self._matcher is None:
             return text
         result = self._matcher.push(text)
@@ -209,6 +259,7 @@ class OutputProcessor:
         self._stop_reason = stop_reason
 
     def _step(self, text: str) -> OutputStep:
+        self._sent += len(text)
         if not self._finished:
             return OutputStep(text, False, len(self._ids))
         return OutputStep(

@@ -17,7 +17,7 @@ Two halves:
   for one, bounded (:class:`EngineWait`), instead of failing at once.
 - :class:`Relay` is the thin async driver: it runs each attempt's engine
   call (:meth:`Dispatcher.run`) and hands every batch of output to an
-  ``emit(text, tokens, finished)`` callback of the HTTP side. Per batch it
+  ``emit(text, tokens, finished, logprobs)`` callback of the HTTP side. Per batch it
   adds nothing to what the work needs: no task, channel or allocation. While
   a request waits for an engine it sleeps on the fleet's catalog
   (:meth:`WaitableFleet.wait_for_catalog`), trying again at each change.
@@ -30,12 +30,19 @@ import functools
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable, Collection
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from typing import Protocol
 
 import trio
 
-from direct_frontend.engines.neutral import EngineEvent, Finished, GenerateCall, TokenDelta
+from direct_frontend.engines.neutral import (
+    EngineEvent,
+    Finished,
+    GenerateCall,
+    PromptLogprobs,
+    TokenDelta,
+    TokenLogprob,
+)
 from direct_frontend.errors import EngineError, ErrorKind, NoEngineAvailable
 from direct_frontend.observability.metrics import Metrics
 from direct_frontend.observability.tracing import RequestTrace
@@ -59,8 +66,9 @@ from direct_frontend.text.model_dir import TextModel
 
 log = logging.getLogger("direct_frontend.http")  # the request log's name, as it always was
 
-#: the HTTP side's writer: new text, how many tokens it covers, whether the output is complete
-Emit = Callable[[str, int, bool], Awaitable[None]]
+#: the HTTP side's writer: new text, how many tokens it covers, whether the output is
+#: complete, and the logprobs of the tokens whose text is now out (empty unless asked for)
+Emit = Callable[[str, int, bool, Sequence[TokenLogprob]], Awaitable[None]]
 
 
 class Phase(enum.Enum):
@@ -128,7 +136,10 @@ def first_placement(
     """
     request = prepared.request
     try:
-        placement = dispatcher.choose(settings.policy, prepared.input_ids, request.max_tokens or 0)
+        placement = dispatcher.choose(
+            settings.policy, prepared.input_ids, request.max_tokens or 0,
+            prompt_logprobs=request.prompt_logprobs is not None,
+        )
     except NoEngineAvailable:
         if wait.may_wait(now):
             return None
@@ -152,12 +163,15 @@ class RelayState:
         "failed",
         "failover",
         "final",
+        "logprobs",
+        "logprobs_sent",
         "original_call",
         "pending_error",
         "phase",
         "placement",
         "prepared",
         "processor",
+        "prompt_logprobs",
         "request",
         "settings",
         "stall_timeout_s",
@@ -202,6 +216,12 @@ class RelayState:
         self.pending_error: EngineError | None = None
         self.started = started  # perf_counter() at the start, for the time to first token
         self.trace = trace  # None unless tracing is on
+        #: with logprobs asked for: one per token the processor consumed (None: not asked)
+        self.logprobs: list[TokenLogprob] | None = (
+            None if call.sampling.logprobs is None else []
+        )
+        self.logprobs_sent = 0  # how many of them went out
+        self.prompt_logprobs: PromptLogprobs | None = None
 
     # -- one batch -----------------------------------------------------------------------
 
@@ -229,8 +249,11 @@ class RelayState:
         before = self.processor.completion_tokens
         pieces: list[str] = []
         tokens: list[int] = []
+        logprobs = self.logprobs
         while event is not None:
             self._note_cached(event)
+            if logprobs is not None:
+                self._note_logprobs(event)
             if isinstance(event, TokenDelta):
                 tokens.extend(event.token_ids)
             else:
@@ -251,6 +274,31 @@ class RelayState:
         if finished:
             self.phase = Phase.FINISHED
         return "".join(pieces), self.processor.completion_tokens - before, finished
+
+    def _note_logprobs(self, event: TokenDelta | Finished) -> None:
+        """Queue an event's logprobs behind those of the tokens before it.
+
+        Kept in step with the tokens fed to the processor (which stop
+        consuming once the output is finished): entries past what it consumed
+        are dropped in :meth:`logprobs_out`.
+        """
+        assert self.logprobs is not None
+        self.logprobs.extend(event.logprobs)
+        if event.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = event.prompt_logprobs
+
+    def logprobs_out(self) -> Sequence[TokenLogprob]:
+        """The logprobs of the tokens whose text went out since the last call."""
+        logprobs = self.logprobs
+        if logprobs is None:
+            return ()
+        consumed = self.processor.completion_tokens
+        if len(logprobs) > consumed:  # tokens past the output's end (a stop, max_tokens)
+            del logprobs[consumed:]
+        ready = min(self.processor.tokens_out(), len(logprobs))
+        out = logprobs[self.logprobs_sent:ready]
+        self.logprobs_sent = max(ready, self.logprobs_sent)
+        return out
 
     def _note_cached(self, event: TokenDelta | Finished) -> None:
         if self.cached_tokens is None or not self.failover.migrations:
@@ -346,7 +394,10 @@ class RelayState:
         try:
             placement = dispatcher.choose(
                 self.settings.policy, self.prepared.input_ids, self.processor.remaining_tokens,
-                self.excluded,
+                self.excluded, prompt_logprobs=(  # a migration's are the prompt's already
+                    self.original_call.sampling.prompt_logprobs is not None
+                    and not self.processor.generated_ids
+                ),
             )
         except NoEngineAvailable:
             if not self.failover.all_overloaded and self.engine_wait.may_wait(now):
@@ -438,6 +489,7 @@ class Relay:
             request.stop,
             max_tokens,
             stop_token_ids=(*eos, *request.stop_token_ids),
+            track_tokens=request.logprobs is not None,
         )
         return RelayState(
             settings, prepared, placement, call, processor,
@@ -483,7 +535,7 @@ class Relay:
                                     engine_call.ends_by_itself = state.ends_by_itself(engine)
                                     metrics.engine_request(engine.name, "ok")
                                 # the final bytes go out before any Abort of the engine call
-                                await emit(text, tokens, finished)
+                                await emit(text, tokens, finished, state.logprobs_out())
                                 if finished:
                                     return
                         finally:

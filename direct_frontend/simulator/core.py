@@ -20,6 +20,7 @@ from typing import Literal
 
 from direct_frontend.simulator.faults import FaultPlan
 from direct_frontend.simulator.kvcache import KvAllocation, SimPrefixCache
+from direct_frontend.simulator.logprobs import RequestLogprobs
 from direct_frontend.simulator.model import Finish, Generation, SimModel, StopCriteria, TimingModel
 from direct_frontend.simulator.scripted import ScriptBook
 
@@ -262,6 +263,14 @@ class SimCore:
         job = Job(request_id, generation, internal=internal)
         job.prompt_ids = prompt_ids
         return job
+
+    def logprobs(self, job: Job, top: int | None, prompt_top: int | None) -> RequestLogprobs:
+        """What ``job`` reports as logprobs (``top``/``prompt_top`` None: not asked for)."""
+        generation = job.generation
+        return RequestLogprobs(
+            self.model, self.config.vocab_size, job.prompt_ids, generation.states,
+            generation.output_ids, top, prompt_top,
+        )
 
     async def run(self, job: Job, emit: Emit | None) -> Finish | None:
         """Wait for a slot, generate, and return the finish (None if aborted).

@@ -33,7 +33,7 @@ _SALT_SEED = 0x4F1BBCDCBFA53E0B
 _REDRAWS = 16
 
 
-def _mix64(x: int) -> int:
+def mix64(x: int) -> int:
     """splitmix64's finaliser: a cheap bijection on 64 bits with good avalanche."""
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
@@ -89,18 +89,18 @@ class SimModel:
         if not self._candidates:
             raise ValueError("the vocabulary has no ordinary (non-special) tokens")
         self._eos_threshold = int(eos_probability * (1 << 64))
-        self.initial_state = _mix64((seed * _GOLDEN + 0x5851F42D4C957F2D) & _MASK64)
+        self.initial_state = mix64((seed * _GOLDEN + 0x5851F42D4C957F2D) & _MASK64)
 
     @staticmethod
     def advance(state: int, token_id: int) -> int:
         """Fold one more token into a prefix hash (O(1), so a sequence is O(n))."""
-        return _mix64(state ^ (((token_id + 1) * _GOLDEN) & _MASK64))
+        return mix64(state ^ (((token_id + 1) * _GOLDEN) & _MASK64))
 
     def seeded_state(self, sample_seed: int | None) -> int:
         """The state before any token of a request sampled with ``sample_seed`` (None: greedy)."""
         if sample_seed is None:
             return self.initial_state
-        return _mix64(self.initial_state ^ ((sample_seed * _GOLDEN + _SALT_SEED) & _MASK64))
+        return mix64(self.initial_state ^ ((sample_seed * _GOLDEN + _SALT_SEED) & _MASK64))
 
     def state_of(self, prefix: Iterable[int], sample_seed: int | None = None) -> int:
         """The hash state after ``prefix`` (of a request sampled with ``sample_seed``)."""
@@ -121,12 +121,12 @@ class SimModel:
         nexts = self.text.continuation(tail) if self.window and self.text is not None else None
         if nexts is not None:
             # Inside a multi-token character: finish it before anything else, even EOS.
-            choice = nexts[_mix64(state ^ _SALT_UNIT) % len(nexts)]
-        elif _mix64(state ^ _SALT_EOS) < self._eos_threshold:
+            choice = nexts[mix64(state ^ _SALT_UNIT) % len(nexts)]
+        elif mix64(state ^ _SALT_EOS) < self._eos_threshold:
             choice = self.eos_token_id
-        elif _mix64(state ^ _SALT_UNIT) < self._unit_threshold:
+        elif mix64(state ^ _SALT_UNIT) < self._unit_threshold:
             starts = self._unit_starts
-            choice = starts[_mix64(state ^ _SALT_UNIT ^ _SALT_TOKEN) % len(starts)]
+            choice = starts[mix64(state ^ _SALT_UNIT ^ _SALT_TOKEN) % len(starts)]
         else:
             choice = self._pick(state, 0)
         if choice not in banned:
@@ -138,7 +138,7 @@ class SimModel:
                 return choice
         # Nearly everything is banned: scan from a hashed start for the first allowed id.
         count = len(self._candidates)
-        start = _mix64(state ^ _SALT_TOKEN) % count
+        start = mix64(state ^ _SALT_TOKEN) % count
         for offset in range(count):
             choice = self._candidates[(start + offset) % count]
             if choice not in banned:
@@ -146,7 +146,7 @@ class SimModel:
         return self._candidates[start]  # every ordinary token banned: nothing better to do
 
     def _pick(self, state: int, attempt: int) -> int:
-        mixed = _mix64(state ^ ((_SALT_TOKEN + attempt * _GOLDEN) & _MASK64))
+        mixed = mix64(state ^ ((_SALT_TOKEN + attempt * _GOLDEN) & _MASK64))
         return self._candidates[mixed % len(self._candidates)]
 
     def next_token(self, prefix: Sequence[int]) -> int:
@@ -224,6 +224,8 @@ class Generation:
         self._script = script  # given tokens to emit before EOS (see scripted.py)
         self.prompt_len = len(prompt_ids)
         self.output_ids: list[int] = []
+        #: the prefix hash before each output token (what its logprobs derive from)
+        self.states: list[int] = []
         self.finish: Finish | None = None
         self._sequence = SimSequence(model, prompt_ids, sample_seed)
         self._eos = model.eos_token_id
@@ -241,6 +243,7 @@ class Generation:
         if self.finish is not None:
             raise RuntimeError("the sequence has already finished")
         early = len(self.output_ids) < self.criteria.min_tokens
+        self.states.append(self._sequence.state)
         if self._script is not None:
             n = len(self.output_ids)
             token_id = self._script[n] if n < len(self._script) else self._eos

@@ -22,6 +22,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from direct_frontend.text.detokenize import IncrementalDetokenizer
+from direct_frontend.text.token_bytes import TokenBytes
 
 # The special-token names transformers passes to chat templates as variables.
 _TEMPLATE_TOKEN_NAMES = (
@@ -239,8 +240,11 @@ class TextModel:
         eos_token_ids: Sequence[int],
         max_position_embeddings: int | None,
         max_bytes_per_token: int | None = None,
+        decoder_spec: Mapping[str, Any] | None = None,
     ) -> None:
         self.path = path
+        #: each token's bytes and logprob strings (tokenizer.json's "decoder" says how)
+        self.token_bytes = TokenBytes(tokenizer, decoder_spec)
         #: see :func:`_max_bytes_per_token`; None when the tokenizer does not bound it
         self.max_bytes_per_token = max_bytes_per_token
         self._tokenizer = tokenizer
@@ -329,6 +333,7 @@ class TextModel:
             eos_token_ids=eos_ids,
             max_position_embeddings=max_positions,
             max_bytes_per_token=_max_bytes_per_token(spec, tokenizer),
+            decoder_spec=spec.get("decoder"),
         )
 
     @property

@@ -61,7 +61,7 @@ from direct_frontend.engines.neutral import (
 from direct_frontend.errors import EngineError, ErrorKind
 from direct_frontend.openai.errors import from_engine_error
 from direct_frontend.simulator import TimingModel
-from protos import vllm_engine_pb2
+from protos import sglang_scheduler_pb2, trtllm_service_pb2, vllm_engine_pb2
 from tests.support import sim
 from tests.support.sim import EOS, run, until
 
@@ -985,3 +985,149 @@ def test_a_refusal_reaches_the_client_as_a_400_naming_the_field() -> None:
     assert "engine rejected" not in err.message  # our refusal, not the engine's
     engine_side = from_engine_error(EngineError(ErrorKind.BAD_REQUEST, "INVALID_ARGUMENT: x"))
     assert (engine_side.status, engine_side.param) == (400, None)
+
+
+# ---------------------------------------------------------------------------
+# Logprobs: what each kind asks for, and its wire shape decoded position-exactly.
+# ---------------------------------------------------------------------------
+
+WITH_LOGPROBS = SamplingOptions(max_tokens=8, logprobs=2)
+WITH_PROMPT = SamplingOptions(max_tokens=8, logprobs=3, prompt_logprobs=3)
+
+
+def smg_top(pairs: Sequence[tuple[int, float]]) -> dict[str, Any]:
+    return {"token_ids": [t for t, _ in pairs], "values": [v for _, v in pairs]}
+
+
+def smg_out(rows: Sequence[tuple[int, float, Sequence[tuple[int, float]]]]) -> dict[str, Any]:
+    return {"token_ids": [t for t, _, _ in rows], "token_logprobs": [v for _, v, _ in rows],
+            "top_logprobs": [smg_top(top) for _, _, top in rows]}
+
+
+#: two positions whose alternatives come in no particular order, one of them -inf
+ROW_A = (21, -0.5, [(30, -2.0), (21, -0.5), (31, -1.0)])
+ROW_B = (22, -0.25, [(22, -0.25), (40, float("-inf")), (41, -3.0)])
+DECODED_A = (21, -0.5, ((21, -0.5), (31, -1.0)))
+DECODED_B = (22, -0.25, ((22, -0.25), (41, -3.0)))
+
+
+def flat(events: Sequence[EngineEvent]) -> list[tuple[int, float, tuple[tuple[int, float], ...]]]:
+    return [(lp.token_id, lp.logprob, lp.top) for e in events for lp in e.logprobs]
+
+
+@pytest.mark.parametrize("kind", ["sglang", "vllm"])
+def test_smg_streams_carry_each_positions_logprobs_once(kind: str) -> None:
+    """Chunks carry their delta's logprobs; the streaming complete repeats the last one's."""
+    pb = sglang_scheduler_pb2 if kind == "sglang" else vllm_engine_pb2
+    dialect = dialect_for(kind)
+    call = GenerateCall("r", PROMPT, WITH_LOGPROBS, stream=True)
+    counts = {"sglang": (1, 2), "vllm": (1, 1)}[kind]  # cumulative or per chunk
+    wire = [
+        pb.GenerateResponse(chunk={"token_ids": [21], "completion_tokens": counts[0],
+                                   "output_logprobs": smg_out([ROW_A])}),
+        pb.GenerateResponse(chunk={"token_ids": [22], "completion_tokens": counts[1],
+                                   "output_logprobs": smg_out([ROW_B])}),
+        pb.GenerateResponse(complete={"output_ids": [22], "finish_reason": "length",
+                                      "output_logprobs": smg_out([ROW_B])}),
+    ]
+    events = decode(dialect, call, [m.SerializeToString() for m in wire])
+    assert flat(events) == [DECODED_A, DECODED_B]  # sorted, trimmed, -inf gone, no repeat
+    assert isinstance(events[-1], Finished) and events[-1].logprobs == ()
+    whole = pb.GenerateResponse(complete={"output_ids": [21, 22], "finish_reason": "length",
+                                          "output_logprobs": smg_out([ROW_A, ROW_B])})
+    events = decode(dialect, dataclasses.replace(call, stream=False), [whole.SerializeToString()])
+    assert flat(events) == [DECODED_A, DECODED_B]
+
+
+@pytest.mark.parametrize("kind", ["sglang", "vllm"])
+def test_smg_prompt_logprobs_come_once_with_the_first_output(kind: str) -> None:
+    pb = sglang_scheduler_pb2 if kind == "sglang" else vllm_engine_pb2
+    call = GenerateCall("r", (5, 6, 7), WITH_PROMPT, stream=True)
+    prompt = {"token_ids": [5, 6, 7], "token_logprobs": [{}, {"value": -4.0}, {"value": -1.5}],
+              "top_logprobs": [smg_top([]), smg_top([(9, -0.125)]), smg_top([(8, -0.25)])]}
+    wire = [
+        pb.GenerateResponse(chunk={"token_ids": [21], "completion_tokens": 1,
+                                   "output_logprobs": smg_out([ROW_A]), "input_logprobs": prompt}),
+        pb.GenerateResponse(complete={"output_ids": [21], "finish_reason": "length",
+                                      "output_logprobs": smg_out([ROW_A]),
+                                      "input_logprobs": prompt}),
+    ]
+    first, final = decode(dialect_for(kind), call, [m.SerializeToString() for m in wire])
+    assert first.prompt_logprobs is not None
+    assert [None if p is None else (p.token_id, p.logprob, p.top)
+            for p in first.prompt_logprobs] == [None, (6, -4.0, ((9, -0.125),)),
+                                                (7, -1.5, ((8, -0.25),))]
+    assert isinstance(final, Finished) and final.prompt_logprobs is None  # not twice
+
+
+def test_trtllm_chunks_and_cumulative_complete_decode_each_position_once() -> None:
+    def entry(row: tuple[int, float, Sequence[tuple[int, float]]]) -> dict[str, Any]:
+        token, value, top = row
+        return {"token_id": token, "logprob": value,
+                "top_logprobs": [{"token_id": t, "logprob": v} for t, v in top]}
+
+    row_c = (23, -0.75, [(23, -0.75)])
+    wire = [
+        trtllm_service_pb2.GenerateResponse(chunk={"token_ids": [21], "completion_tokens": 1,
+                                                   "logprobs": [entry(ROW_A)]}),
+        trtllm_service_pb2.GenerateResponse(chunk={"token_ids": [22], "completion_tokens": 2,
+                                                   "logprobs": [entry(ROW_B)]}),
+        # cumulative, with one token no chunk delivered
+        trtllm_service_pb2.GenerateResponse(complete={
+            "output_token_ids": [21, 22, 23], "finish_reason": "length",
+            "logprobs": [entry(ROW_A), entry(ROW_B), entry(row_c)],
+        }),
+    ]
+    call = GenerateCall("r", PROMPT, WITH_LOGPROBS, stream=True)
+    events = decode(dialect_for("trtllm"), call, [m.SerializeToString() for m in wire])
+    assert flat(events) == [DECODED_A, DECODED_B, (23, -0.75, ((23, -0.75),))]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_logprobs_that_do_not_match_their_tokens_are_a_protocol_fault(kind: str) -> None:
+    call = GenerateCall("r", PROMPT, WITH_LOGPROBS, stream=True)
+    if kind == "trtllm":
+        message: Any = trtllm_service_pb2.GenerateResponse(chunk={"token_ids": [21, 22]})
+    else:
+        pb = sglang_scheduler_pb2 if kind == "sglang" else vllm_engine_pb2
+        message = pb.GenerateResponse(chunk={"token_ids": [21, 22],
+                                             "output_logprobs": smg_out([ROW_A])})
+    rpc = dialect_for(kind).generate(call)
+    decoder = dialect_for(kind).stream_decoder(call)
+    with pytest.raises(EngineError) as raised:
+        decoder.feed(rpc.response_type.FromString(message.SerializeToString()))
+    assert raised.value.kind is ErrorKind.PROTOCOL
+
+
+def test_each_kind_asks_for_logprobs_in_its_own_fields() -> None:
+    def request(kind: str, sampling: SamplingOptions) -> Any:
+        return dialect_for(kind).generate(GenerateCall("r", PROMPT, sampling)).request
+
+    plain = request("sglang", PLAIN)
+    assert (plain.return_logprob, plain.top_logprobs_num, plain.logprob_start_len) == (False, 0, 0)
+    sglang = request("sglang", WITH_LOGPROBS)
+    # -1: no prompt logprobs (0, the proto default, would score the whole prompt)
+    assert (sglang.return_logprob, sglang.top_logprobs_num, sglang.logprob_start_len) == (
+        True, 2, -1
+    )
+    assert request("sglang", WITH_PROMPT).logprob_start_len == 0
+
+    assert not request("vllm", PLAIN).sampling_params.HasField("logprobs")
+    vllm = request("vllm", WITH_PROMPT).sampling_params
+    # one more than asked: vLLM lists the sampled token first, then the ranked ones
+    assert (vllm.logprobs, vllm.prompt_logprobs) == (4, 4)
+    assert request("vllm", SamplingOptions(max_tokens=8, logprobs=0)).sampling_params.logprobs == 0
+    top20 = request("vllm", SamplingOptions(max_tokens=8, logprobs=20)).sampling_params
+    assert top20.logprobs == 20  # the engine's default --max-logprobs caps it
+
+    assert not request("trtllm", PLAIN).HasField("output_config")
+    assert request("trtllm", WITH_LOGPROBS).output_config.logprobs == 2
+    assert request("trtllm", SamplingOptions(max_tokens=8, logprobs=0)).output_config.logprobs == 1
+
+
+def test_trtllm_refuses_prompt_logprobs_naming_echo() -> None:
+    with pytest.raises(EngineError) as raised:
+        dialect_for("trtllm").generate(GenerateCall("r", PROMPT, WITH_PROMPT))
+    assert raised.value.kind is ErrorKind.BAD_REQUEST
+    err = from_engine_error(raised.value)
+    assert (err.status, err.param) == (400, "echo")

@@ -379,8 +379,8 @@ def test_stop_strings_up_to_the_bound_are_fine() -> None:
     [
         ({"stream_options": {"include_usage": True}}, "stream_options", "only allowed when"),
         ({"stream": False, "stream_options": {"include_usage": True}}, "stream_options", "stream"),
-        ({"logprobs": True}, "logprobs", "not supported yet"),
-        ({"top_logprobs": 3}, "top_logprobs", "not supported yet"),
+        ({"top_logprobs": 3}, "top_logprobs", "requires 'logprobs'"),
+        ({"logprobs": False, "top_logprobs": 0}, "top_logprobs", "requires 'logprobs'"),
         ({"response_format": {"type": "json_object"}}, "response_format.type", "not supported"),
         (
             {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
@@ -457,9 +457,7 @@ def test_completion_defaults_and_fields() -> None:
         ({"prompt": [[1, None]]}, "prompt[0][1]", "Invalid type"),
         ({"prompt": 5}, "prompt", "Invalid type"),
         ({"prompt": None}, "prompt", "Invalid type"),
-        ({"echo": True}, "echo", "not supported yet"),
-        ({"logprobs": 2}, "logprobs", "not supported yet"),
-        ({"logprobs": True}, "logprobs", "not supported yet"),
+        ({"logprobs": True}, "logprobs", "expected an integer from 0 to 5"),
         ({"suffix": "end"}, "suffix", "not supported yet"),
         ({"best_of": 2}, "best_of", "not supported"),
         ({"n": 3, "best_of": 2}, "best_of", "must not be less than n (3)"),
@@ -687,3 +685,32 @@ json_values = st.recursive(
 def test_the_depth_scan_agrees_with_a_plain_walk(value: Any, limit: int) -> None:
     body = json.dumps(value).encode()
     assert nesting_depth_exceeds(body, limit) is (depth_by_walking(body) > limit)
+
+
+@pytest.mark.parametrize(
+    ("fields", "logprobs"),
+    [({}, None), ({"logprobs": False}, None), ({"logprobs": True}, 0),
+     ({"logprobs": True, "top_logprobs": 0}, 0), ({"logprobs": True, "top_logprobs": 20}, 20)],
+)
+def test_chat_logprobs_reach_the_sampling_options(
+    fields: dict[str, Any], logprobs: int | None
+) -> None:
+    request = parse_chat_request(chat(**fields))
+    sampling = request.sampling_options(16)
+    assert (sampling.logprobs, sampling.prompt_logprobs) == (logprobs, None)
+
+
+@pytest.mark.parametrize(
+    ("fields", "logprobs", "prompt_logprobs", "echo"),
+    [({}, None, None, False), ({"logprobs": 0}, 0, None, False), ({"logprobs": 5}, 5, None, False),
+     ({"echo": True}, None, None, True), ({"echo": True, "logprobs": 2}, 2, 2, True),
+     ({"logprobs": False, "echo": False}, None, None, False)],
+)
+def test_completion_logprobs_and_echo(
+    fields: dict[str, Any], logprobs: int | None, prompt_logprobs: int | None, echo: bool
+) -> None:
+    request = parse_completion_request(completion(**fields))
+    sampling = request.sampling_options(16)
+    assert (sampling.logprobs, sampling.prompt_logprobs, request.echo) == (
+        logprobs, prompt_logprobs, echo
+    )

@@ -80,3 +80,12 @@ def test_a_request_excludes_the_serving_stints_it_failed_in() -> None:
     a_back, b_back = engine("a"), engine("b")  # both restarted: new handles
     assert state.excluded(Catalog(2, (a_back, b_back))) == {"b"}
     assert state.excluded(Catalog(3, ())) == set()
+
+
+def test_a_continuation_asks_for_logprobs_again_and_not_for_the_prompts() -> None:
+    sampling = SamplingOptions(max_tokens=10, logprobs=3, prompt_logprobs=3)
+    call = GenerateCall("req", (1, 2, 3), sampling)
+    retry = continuation(call, (), 1)  # nothing out yet: the same request again
+    assert (retry.sampling.logprobs, retry.sampling.prompt_logprobs) == (3, 3)
+    moved = continuation(call, (7, 8), 2)  # the prompt's came with the first tokens
+    assert (moved.sampling.logprobs, moved.sampling.prompt_logprobs) == (3, None)

@@ -250,3 +250,46 @@ def test_empty_delta_is_a_no_op(text_model: TextModel) -> None:
 def test_max_tokens_must_be_positive(text_model: TextModel) -> None:
     with pytest.raises(ValueError, match="max_tokens"):
         _processor(text_model, max_tokens=0)
+
+
+# -- which tokens' text is out (logprobs go with it) ------------------------------------
+
+
+def _tracked(model: TextModel, stop: list[str] | None = None) -> OutputProcessor:
+    return OutputProcessor(model.new_detokenizer(), stop or [], 1000, track_tokens=True)
+
+
+def test_tokens_count_as_out_once_their_whole_text_is(text_model: TextModel) -> None:
+    char, ids = _split_char(text_model)
+    proc = _tracked(text_model)
+    head = list(text_model.encode(" sea"))
+    proc.on_tokens(head)
+    assert proc.tokens_out() == len(head)
+    proc.on_tokens(ids[:-1])  # the character is not complete: its tokens wait
+    assert proc.tokens_out() == len(head)
+    step = proc.on_tokens(ids[-1:])
+    assert step.text == char and proc.tokens_out() == len(head) + len(ids)
+    assert proc.token_start(len(head)) == len(text_model.decode(head))  # where the char starts
+
+
+def test_a_stop_string_keeps_the_tokens_it_cut_out(text_model: TextModel) -> None:
+    ids = list(text_model.encode("the blue whale sings at night"))
+    text = text_model.decode(ids)
+    stop = "whale"
+    proc = _tracked(text_model, [stop])
+    out = "".join(proc.on_tokens([t]).text for t in ids)
+    assert out == text[: text.index(stop)]
+    out_tokens = proc.tokens_out()
+    # every token that starts before the cut is out, none that starts after it
+    starts = [len(text_model.decode(ids[:i])) for i in range(len(ids))]
+    assert out_tokens == sum(1 for s in starts[: proc.completion_tokens] if s < len(out))
+
+
+def test_held_text_counts_only_once_it_is_released(text_model: TextModel) -> None:
+    ids = list(text_model.encode("a whale"))
+    proc = _tracked(text_model, ["whales"])  # "whale" may still become the stop: held back
+    steps = [proc.on_tokens([t]) for t in ids]
+    held = len(text_model.decode(ids)) - sum(len(s.text) for s in steps)
+    assert held > 0 and proc.tokens_out() < len(ids)
+    final = proc.on_finish(FinishReason.LENGTH)
+    assert final.text and proc.tokens_out() == len(ids)

@@ -8,7 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from direct_frontend.engines.neutral import EngineEvent, Finished, FinishReason, TokenDelta
+from direct_frontend.engines.neutral import (
+    EngineEvent,
+    Finished,
+    FinishReason,
+    TokenDelta,
+    TokenLogprob,
+)
 from direct_frontend.errors import EngineError, ErrorKind
 from direct_frontend.fleet.schema import FaultsConfig, FrontendConfig
 from direct_frontend.openai.errors import OpenAIHTTPError
@@ -53,16 +59,21 @@ def relay_state(
     max_tokens: int = 16,
     stop: tuple[str, ...] = (),
     faults: FaultsConfig = DEFAULT_FAULTS,
+    logprobs: int | None = None,
 ) -> tuple[RelayState, Dispatcher]:
     """A request placed on the catalog's first engine, as the relay starts it."""
     frontend = FrontendConfig(served_model_name="demo", tokenizer=Path("demo-model"),
                               request_timeout_s=TIMEOUT_S, faults=faults)
     settings = Settings.first(frontend, RoundRobin())
-    request = CompletionRequest(model="demo", prompt=PROMPT, max_tokens=max_tokens, stop=stop)
+    request = CompletionRequest(
+        model="demo", prompt=PROMPT, max_tokens=max_tokens, stop=stop, logprobs=logprobs
+    )
     prepared = PreparedRequest("completion", "req", request, PROMPT, "")
     dispatcher = Dispatcher(StaticFleet(catalog))
     placement = dispatcher.choose(settings.policy, PROMPT, max_tokens)
-    processor = OutputProcessor(text_model.new_detokenizer(), stop, max_tokens)
+    processor = OutputProcessor(
+        text_model.new_detokenizer(), stop, max_tokens, track_tokens=logprobs is not None
+    )
     call = build_call(prepared, max_tokens, stream=True)
     state = RelayState(settings, prepared, placement, call, processor, now=100.0)
     return state, dispatcher
@@ -305,3 +316,39 @@ def test_saturated_everywhere_is_a_429_at_once_not_a_wait(text_model: TextModel)
         state.next_attempt(last, dispatcher, 100.0)
     assert raised.value is last and state.phase is Phase.FAILED
     assert state.error_for(last).status == 429
+
+
+def logprobs_of(ids: tuple[int, ...], first: int) -> tuple[TokenLogprob, ...]:
+    """Distinct logprobs per position (``first`` is the position of ``ids[0]``)."""
+    return tuple(TokenLogprob(t, -(first + i + 1) / 8) for i, t in enumerate(ids))
+
+
+def test_logprobs_go_out_with_their_text_once_across_a_migration(
+    text_model: TextModel,
+) -> None:
+    state, dispatcher = relay_state(text_model, two_engines(), logprobs=1, max_tokens=8)
+    ids = word_ids(text_model, "hello there world at sea")
+    head, tail = ids[:2], ids[2:]
+    state.take(TokenDelta(head, logprobs=logprobs_of(head, 0)), Queued())
+    assert [lp.token_id for lp in state.logprobs_out()] == list(head)
+    error = EngineError(ErrorKind.UNAVAILABLE, "gone", engine="a")
+    assert state.next_attempt(error, dispatcher, 100.0) is Decision.MIGRATE
+    assert state.call.sampling.logprobs == 1  # asked again of the next engine
+    # the new engine's logprobs start at its first new token: none repeated, none lost
+    state.take(TokenDelta(tail, logprobs=logprobs_of(tail, len(head))), Queued(
+        Finished(FinishReason.LENGTH, 4, len(ids))
+    ))
+    rest = state.logprobs_out()
+    assert [lp.logprob for lp in rest] == [-(i + 1) / 8 for i in range(len(head), len(ids))]
+    assert state.logprobs_out() == []
+
+
+def test_logprobs_past_a_stop_string_are_not_sent(text_model: TextModel) -> None:
+    state, _ = relay_state(text_model, two_engines(), logprobs=0, stop=(" world",))
+    ids = word_ids(text_model, "hello there world at sea")
+    text, _, finished = state.take(TokenDelta(ids, logprobs=logprobs_of(ids, 0)), Queued())
+    assert finished and text == "hello there"
+    out = state.logprobs_out()
+    starts = [len(text_model.decode(ids[:i])) for i in range(len(ids))]
+    assert len(out) == sum(1 for start in starts if start < len(text)) < len(ids)
+    assert [lp.token_id for lp in out] == list(ids[: len(out)])

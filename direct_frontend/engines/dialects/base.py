@@ -31,7 +31,9 @@ from direct_frontend.engines.neutral import (
     Finished,
     FinishReason,
     GenerateCall,
+    PromptLogprobs,
     TokenDelta,
+    TokenLogprob,
 )
 from direct_frontend.errors import EngineError, ErrorKind
 
@@ -53,6 +55,8 @@ class Capabilities:
     text_input: bool = False
     #: the fleet file may name a prefill engine's bootstrap server port (SGLang)
     bootstrap_server: bool = False
+    #: the contract returns prompt logprobs with the first output (completions ``echo``)
+    prompt_logprobs: bool = True
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -265,6 +269,55 @@ def after_terminal() -> EngineError:
     return EngineError(ErrorKind.PROTOCOL, "a message arrived after the terminal message")
 
 
+#: what stands for -inf (a token the sampler masked out), as vLLM's OpenAI server writes it
+LOGPROB_FLOOR = -9999.0
+
+
+def ranked(ids: Sequence[int], values: Sequence[float], n: int) -> tuple[tuple[int, float], ...]:
+    """The ``n`` most likely of a position's alternatives, highest first (floored)."""
+    pairs = sorted(zip(ids, values, strict=False), key=lambda pair: -pair[1])[:n]
+    return tuple((token, max(value, LOGPROB_FLOOR)) for token, value in pairs)
+
+
+def smg_output_logprobs(wire: Any, ids: Sequence[int], n: int) -> tuple[TokenLogprob, ...]:
+    """SGLang's or vLLM's ``OutputLogProbs`` for the tokens ``ids`` (same shape in both).
+
+    One entry per token is the contract; a message that breaks it would shift
+    every later position, so it is a protocol fault (the stream migrates).
+    """
+    values, wire_ids, tops = wire.token_logprobs, wire.token_ids, wire.top_logprobs
+    if len(values) != len(ids) or list(wire_ids) != list(ids):
+        raise EngineError(
+            ErrorKind.PROTOCOL,
+            f"logprobs for {len(wire_ids)} tokens came with {len(ids)} tokens",
+        )
+    return tuple(
+        TokenLogprob(
+            token, max(value, LOGPROB_FLOOR),
+            ranked(tops[i].token_ids, tops[i].values, n) if i < len(tops) else (),
+        )
+        for i, (token, value) in enumerate(zip(ids, values, strict=True))
+    )
+
+
+def smg_prompt_logprobs(wire: Any, prompt_len: int, n: int) -> PromptLogprobs:
+    """SGLang's or vLLM's ``InputLogProbs``, one entry per prompt token.
+
+    The first token has no value; an engine that starts later (SGLang's
+    ``logprob_start_len``) leaves the leading positions without one too.
+    """
+    tops = wire.top_logprobs
+    entries: list[TokenLogprob | None] = []
+    for i, (token, value) in enumerate(zip(wire.token_ids, wire.token_logprobs, strict=False)):
+        if not value.HasField("value"):
+            entries.append(None)
+            continue
+        top = ranked(tops[i].token_ids, tops[i].values, n) if i < len(tops) else ()
+        entries.append(TokenLogprob(token, max(value.value, LOGPROB_FLOOR), top))
+    missing = max(0, prompt_len - len(entries))
+    return (None,) * missing + tuple(entries[-prompt_len:] if prompt_len else entries)
+
+
 class StreamDecoder(abc.ABC):
     """Turns one Generate stream's messages into neutral events, in order.
 
@@ -297,8 +350,15 @@ class SmgStreamDecoder(StreamDecoder):
 
     counts_per_chunk: ClassVar[bool] = False
 
-    def __init__(self, stream: bool) -> None:
+    def __init__(
+        self, stream: bool, *, logprobs: int | None = None, prompt_logprobs: int | None = None,
+        prompt_len: int = 0,
+    ) -> None:
         self._stream = stream
+        self._top = logprobs  # None: the call asked for no logprobs
+        self._prompt_top = prompt_logprobs
+        self._prompt_len = prompt_len
+        self._prompt_pending: PromptLogprobs | None = None  # read, not yet on an event
         self._delivered = 0
         self._last: tuple[int, ...] = ()
         self._prompt = 0
@@ -322,9 +382,17 @@ class SmgStreamDecoder(StreamDecoder):
                 counted += self._completion
             self._completion = completion = max(counted, delivered)
             self._cached = cached = chunk.cached_tokens
+            if self._prompt_top is not None:
+                self._read_prompt(chunk)
             if not ids:  # e.g. the empty output vLLM sends before an abort
                 return None
-            return TokenDelta(ids, prompt, completion, cached)
+            if self._top is None and self._prompt_pending is None:
+                return TokenDelta(ids, prompt, completion, cached)
+            logprobs = (
+                () if self._top is None
+                else smg_output_logprobs(chunk.output_logprobs, ids, self._top)
+            )
+            return TokenDelta(ids, prompt, completion, cached, logprobs, self._take_prompt())
         if which == "complete":
             return self._finish(message.complete)
         raise EngineError(ErrorKind.PROTOCOL, "GenerateResponse with neither chunk nor complete")
@@ -339,6 +407,13 @@ class SmgStreamDecoder(StreamDecoder):
         else:
             extra = tuple(done.output_ids)
         stop_token, stop_text = matched_stop(done)
+        # Streaming, the complete's logprobs repeat the last delta's, as its ids do.
+        logprobs = (
+            smg_output_logprobs(done.output_logprobs, extra, self._top)
+            if self._top is not None and extra else ()
+        )
+        if self._prompt_top is not None:
+            self._read_prompt(done)
         return Finished(
             reason=FINISH_REASONS.get(done.finish_reason, FinishReason.STOP),
             prompt_tokens=done.prompt_tokens or self._prompt,
@@ -348,7 +423,21 @@ class SmgStreamDecoder(StreamDecoder):
             matched_token_id=stop_token,
             matched_stop_str=stop_text,
             kv_transfer_params_json=self._handoff(done),
+            logprobs=logprobs,
+            prompt_logprobs=self._take_prompt(),
         )
+
+    def _read_prompt(self, message: Any) -> None:
+        """Keep the first prompt logprobs a message carries (later copies repeat them)."""
+        if self._prompt_top is not None and message.HasField("input_logprobs"):
+            self._prompt_pending = smg_prompt_logprobs(
+                message.input_logprobs, self._prompt_len, self._prompt_top
+            )
+            self._prompt_top = None  # read once
+
+    def _take_prompt(self) -> PromptLogprobs | None:
+        pending, self._prompt_pending = self._prompt_pending, None
+        return pending
 
     @abc.abstractmethod
     def _final_count(self, done: Any, extra: tuple[int, ...]) -> int:
@@ -369,6 +458,13 @@ class Dialect(abc.ABC):
     def check(self, call: GenerateCall) -> None:
         """Raise a BAD_REQUEST :class:`EngineError` for what this contract cannot carry."""
         check_limits(call, self.limits)
+        if call.sampling.prompt_logprobs is not None and not self.capabilities.prompt_logprobs:
+            raise EngineError(
+                ErrorKind.BAD_REQUEST,
+                f"Prompt logprobs ('echo' with 'logprobs') are not available from {self.kind} "
+                "engines: their contract returns them only with the last message.",
+                param="echo",
+            )
 
     @abc.abstractmethod
     def generate(self, call: GenerateCall) -> Rpc:

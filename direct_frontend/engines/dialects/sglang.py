@@ -16,6 +16,13 @@ is served from the decode leg (§9.1).
 A request's ``seed`` cannot be sent: ``SamplingParams`` has no seed field
 (``custom_params`` feed a custom logit processor, not the sampler), so SGLang
 samples unseeded. Stop strings are applied by the frontend, as for every kind.
+
+Logprobs: ``return_logprob`` with ``top_logprobs_num`` (one count for output
+and prompt) and ``logprob_start_len`` -1 unless the prompt's are wanted (0, its
+proto default, would score the whole prompt). Chunks carry each delta's own
+logprobs (the servicer's "incremental"), the streaming ``complete`` repeats the
+last delta's, a non-streaming one holds all; prompt logprobs come once, with
+the first chunk that has them.
 """
 
 from __future__ import annotations
@@ -96,6 +103,11 @@ class SglangDialect(SmgDialect):
             },
             stream=call.stream,
         )
+        if s.logprobs is not None:  # logprobs: one top count serves output and prompt
+            request.return_logprob = True
+            request.top_logprobs_num = max(s.logprobs, s.prompt_logprobs or 0)
+            # 0 would score the whole prompt: -1 is "no prompt logprobs"
+            request.logprob_start_len = -1 if s.prompt_logprobs is None else 0
         pd = call.disaggregation
         if pd is not None and pd.bootstrap_room is not None:
             # The same rendezvous goes on both legs of a P/D pair (§9.1).
@@ -105,7 +117,11 @@ class SglangDialect(SmgDialect):
         return Rpc(f"{SERVICE}/Generate", request, pb.GenerateResponse)
 
     def stream_decoder(self, call: GenerateCall) -> StreamDecoder:
-        return SglangStreamDecoder(call.stream)
+        s = call.sampling
+        return SglangStreamDecoder(
+            call.stream, logprobs=s.logprobs, prompt_logprobs=s.prompt_logprobs,
+            prompt_len=len(call.input_ids),
+        )
 
     def abort(self, request_id: str, reason: str = "") -> Rpc:
         request = pb.AbortRequest(request_id=request_id, reason=reason or "client cancelled")

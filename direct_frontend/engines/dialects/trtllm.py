@@ -25,6 +25,11 @@ flag defaults (1024 on the PyTorch path, whatever the model), so they are
 kept in the details only and the context length must come from the fleet
 file. There is no disaggregation role, no start time and no EOS ids, and
 prefill/decode is not possible through this contract.
+
+Logprobs: ``output_config.logprobs`` (at least 1); chunks carry a
+``TokenLogprob`` per token, the complete all of them (only those no chunk
+delivered are read). Prompt logprobs are refused: this contract returns them
+in the terminal message only, after the echo they belong to.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from types import ModuleType
 from typing import Any, ClassVar
 
 from direct_frontend.engines.dialects.base import (
+    LOGPROB_FLOOR,
     Capabilities,
     HealthResult,
     Rpc,
@@ -42,6 +48,7 @@ from direct_frontend.engines.dialects.base import (
     WireLimits,
     after_terminal,
     matched_stop,
+    ranked,
     unusual_finish,
 )
 from direct_frontend.engines.neutral import (
@@ -53,6 +60,7 @@ from direct_frontend.engines.neutral import (
     FinishReason,
     GenerateCall,
     TokenDelta,
+    TokenLogprob,
 )
 from direct_frontend.errors import EngineError, ErrorKind
 from protos import trtllm_service_pb2 as pb
@@ -77,11 +85,27 @@ def finish_reason(reason: str, matched: bool, completion: int, max_tokens: int) 
     return FinishReason.LENGTH if completion >= max_tokens else FinishReason.STOP
 
 
+def token_logprobs(entries: Any, ids: Sequence[int], n: int) -> tuple[TokenLogprob, ...]:
+    """TensorRT-LLM's ``TokenLogprob`` list for ``ids``: one entry per token, or a fault."""
+    if len(entries) != len(ids) or any(e.token_id != t for e, t in zip(entries, ids, strict=True)):
+        raise EngineError(
+            ErrorKind.PROTOCOL, f"logprobs for {len(entries)} tokens came with {len(ids)} tokens"
+        )
+    return tuple(
+        TokenLogprob(
+            e.token_id, max(e.logprob, LOGPROB_FLOOR),
+            ranked([t.token_id for t in e.top_logprobs], [t.logprob for t in e.top_logprobs], n),
+        )
+        for e in entries
+    )
+
+
 class TrtllmStreamDecoder(StreamDecoder):
     """Decoder for one TensorRT-LLM Generate stream (the complete is cumulative)."""
 
-    def __init__(self, max_tokens: int) -> None:
+    def __init__(self, max_tokens: int, logprobs: int | None = None) -> None:
         self._max_tokens = max_tokens
+        self._top = logprobs
         self._delivered: list[int] = []
         self._prompt = 0
         self._completion = 0
@@ -101,7 +125,12 @@ class TrtllmStreamDecoder(StreamDecoder):
             self._cached = chunk.cached_tokens
             if not ids:  # the adapter may send an empty chunk before the first output
                 return None
-            return TokenDelta(ids, self._prompt, self._completion, self._cached)
+            if self._top is None:
+                return TokenDelta(ids, self._prompt, self._completion, self._cached)
+            return TokenDelta(
+                ids, self._prompt, self._completion, self._cached,
+                token_logprobs(chunk.logprobs, ids, self._top),
+            )
         if which == "complete":
             done = message.complete
             self.finished = True
@@ -121,6 +150,12 @@ class TrtllmStreamDecoder(StreamDecoder):
                     f"{delivered} tokens streamed",
                 )
             extra = output[delivered:]
+            logprobs: tuple[TokenLogprob, ...] = ()
+            if self._top is not None and extra:
+                # cumulative like the ids; a complete holding only its new tokens' is read too
+                wire = done.logprobs
+                tail = wire[delivered:] if len(wire) == len(output) else wire
+                logprobs = token_logprobs(tail, extra, self._top)
             return Finished(
                 reason=reason,
                 prompt_tokens=done.prompt_tokens or self._prompt,
@@ -129,13 +164,17 @@ class TrtllmStreamDecoder(StreamDecoder):
                 token_ids=extra,
                 matched_token_id=stop_token,
                 matched_stop_str=stop_text,
+                logprobs=logprobs,
             )
         raise EngineError(ErrorKind.PROTOCOL, "GenerateResponse with neither chunk nor complete")
 
 
 class TrtllmDialect(SmgDialect):
     kind: ClassVar[str] = "trtllm"
-    capabilities: ClassVar[Capabilities] = Capabilities(prefill_decode=False)
+    #: prompt logprobs come only in the terminal message, after the text they would lead
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        prefill_decode=False, prompt_logprobs=False
+    )
     limits: ClassVar[WireLimits] = WireLimits(top_k=INT32_MAX)  # top_k is an int32 here
     service: ClassVar[str] = SERVICE
     pb: ClassVar[ModuleType] = pb
@@ -168,6 +207,8 @@ class TrtllmDialect(SmgDialect):
             request_id=call.request_id,
             tokenized={"original_text": call.original_text, "input_token_ids": call.input_ids},
             sampling_config=config,
+            # at least 1: whether 0 returns the sampled token's logprob is unconfirmed
+            output_config=None if s.logprobs is None else {"logprobs": max(1, s.logprobs)},
             max_tokens=s.max_tokens,
             streaming=call.stream,
             stop_token_ids=s.stop_token_ids,
@@ -176,7 +217,7 @@ class TrtllmDialect(SmgDialect):
         return Rpc(f"{SERVICE}/Generate", request, pb.GenerateResponse)
 
     def stream_decoder(self, call: GenerateCall) -> StreamDecoder:
-        return TrtllmStreamDecoder(call.sampling.max_tokens)
+        return TrtllmStreamDecoder(call.sampling.max_tokens, call.sampling.logprobs)
 
     def abort(self, request_id: str, reason: str = "") -> Rpc:
         # Whether a cancelled RPC aborts on TensorRT-LLM is unconfirmed: always send this.

@@ -28,6 +28,11 @@ folded to its low 32 bits (two's complement), so a given seed still always
 reproduces the same output. Stop strings are applied by the frontend, as for
 every kind, so ``stop`` is never sent (it would also switch on the servicer's
 detokenizer for nothing).
+
+Logprobs: ``logprobs``/``prompt_logprobs`` ask one more than the client's
+top count (:func:`logprob_count`). Chunks carry their delta's logprobs, the
+streaming ``complete`` repeats the last delta's (never appended), a
+non-streaming one holds all; prompt logprobs come with the first chunk.
 """
 
 from __future__ import annotations
@@ -126,6 +131,21 @@ def int32_seed(seed: int) -> int:
     return low - (1 << 32) if low >= 1 << 31 else low
 
 
+#: the engine's default ``--max-logprobs``: a request asking more is refused
+MAX_LOGPROBS = 20
+
+
+def logprob_count(top: int) -> int:
+    """What to ask for ``top`` alternatives per position.
+
+    The servicer sends a position's first n entries, and vLLM lists the
+    sampled token first, then the ranked ones: asking one more always covers
+    the true top ``top`` (sorted and trimmed on decoding), within the engine's
+    cap.
+    """
+    return min(top + 1, MAX_LOGPROBS) if top > 0 else 0
+
+
 class VllmStreamDecoder(SmgStreamDecoder):
     """Decoder for one vLLM Generate stream (chunk counts are per-chunk deltas)."""
 
@@ -169,6 +189,10 @@ class VllmDialect(SmgDialect):
         }
         if s.seed is not None:
             params["seed"] = int32_seed(s.seed)
+        if s.logprobs is not None:
+            params["logprobs"] = logprob_count(s.logprobs)
+        if s.prompt_logprobs is not None:
+            params["prompt_logprobs"] = logprob_count(s.prompt_logprobs)
         request = pb.GenerateRequest(
             request_id=call.request_id,
             tokenized={"original_text": call.original_text, "input_ids": call.input_ids},
@@ -181,7 +205,11 @@ class VllmDialect(SmgDialect):
         return Rpc(f"{SERVICE}/Generate", request, pb.GenerateResponse)
 
     def stream_decoder(self, call: GenerateCall) -> StreamDecoder:
-        return VllmStreamDecoder(call.stream)
+        s = call.sampling
+        return VllmStreamDecoder(
+            call.stream, logprobs=s.logprobs, prompt_logprobs=s.prompt_logprobs,
+            prompt_len=len(call.input_ids),
+        )
 
     def abort(self, request_id: str, reason: str = "") -> Rpc:
         # The contract takes a list and no reason; the reply is empty (errors are statuses).

@@ -15,6 +15,7 @@ from google.protobuf import struct_pb2, timestamp_pb2
 from grpclib import GRPCError, Status
 
 from direct_frontend.simulator import disagg
+from direct_frontend.simulator.logprobs import fill_smg
 from direct_frontend.simulator.model import Finish, StopCriteria
 from direct_frontend.simulator.servicers.common import (
     SIM_VERSION,
@@ -96,23 +97,41 @@ class SglangServicer(SmgServicer, SglangSchedulerBase):
         job.cached_tokens = handoff.transferred
         output = job.generation.output_ids
         prompt_tokens = len(prompt)
+        # top_logprobs_num serves output and prompt; a start of -1 means no prompt logprobs
+        top = request.top_logprobs_num if request.return_logprob else None
+        prompt_top = top if request.return_logprob and request.logprob_start_len >= 0 else None
+        logprobs = core.logprobs(job, top, prompt_top)
+
+        def fill(message: Any, start: int, prompt: bool) -> None:
+            """Output tokens from ``start`` to now, and with ``prompt`` the prompt's."""
+            fill_smg(
+                message, sglang_scheduler_pb2, logprobs, start, len(output),
+                prompt=prompt, vllm=False,
+            )
+
+        first = True
 
         async def emit(delta: Sequence[int], finish: Finish | None) -> None:
+            nonlocal first
             chunk = sglang_scheduler_pb2.GenerateStreamChunk(
                 token_ids=delta,
                 prompt_tokens=prompt_tokens,
                 completion_tokens=len(output),
                 cached_tokens=job.cached_tokens,
             )
+            # incremental: this delta's logprobs; the prompt's in the first chunk only
+            start = len(output) - len(delta)
+            fill(chunk, start, first)
+            with_prompt, first = first, False
             await stream.send_message(
                 sglang_scheduler_pb2.GenerateResponse(request_id=request_id, chunk=chunk)
             )
             if finish is not None:  # the final delta goes out again as the complete
-                await stream.send_message(
-                    _complete(
-                        request_id, delta, finish, prompt_tokens, len(output), job.cached_tokens
-                    )
+                done = _complete(
+                    request_id, delta, finish, prompt_tokens, len(output), job.cached_tokens
                 )
+                fill(done.complete, start, with_prompt)
+                await stream.send_message(done)
 
         finish = await core.run(job, emit if request.stream else None)
         if finish is None:
@@ -120,9 +139,11 @@ class SglangServicer(SmgServicer, SglangSchedulerBase):
             raise GRPCError(Status.INTERNAL, "Request aborted")
         handoff.prefilled()  # a prefill leg's KV is ready for its decode leg
         if not request.stream:
-            await stream.send_message(
-                _complete(request_id, output, finish, prompt_tokens, len(output), job.cached_tokens)
+            done = _complete(
+                request_id, output, finish, prompt_tokens, len(output), job.cached_tokens
             )
+            fill(done.complete, 0, True)  # cumulative
+            await stream.send_message(done)
 
     async def HealthCheck(
         self,

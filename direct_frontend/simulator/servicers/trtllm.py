@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import grpclib.server
 from grpclib import GRPCError, Status
 
+from direct_frontend.simulator.logprobs import trtllm_output
 from direct_frontend.simulator.model import Finish, StopCriteria
 from direct_frontend.simulator.servicers.common import (
     SIM_VERSION,
@@ -62,6 +63,9 @@ class TrtllmServicer(SimServicer, TrtllmServiceBase):
         )
         output = job.generation.output_ids
         prompt_tokens = len(prompt)
+        config_out = request.output_config
+        top = config_out.logprobs if config_out.HasField("logprobs") else None
+        logprobs = core.logprobs(job, top, None)  # prompt logprobs are not simulated here
 
         def complete(reason: str, finish: Finish | None) -> trtllm_service_pb2.GenerateResponse:
             message = trtllm_service_pb2.GenerateComplete(
@@ -72,6 +76,11 @@ class TrtllmServicer(SimServicer, TrtllmServiceBase):
                 completion_tokens=len(output),
                 cached_tokens=job.cached_tokens,
             )
+            if top is not None:  # cumulative, as the ids are
+                message.logprobs.extend(
+                    trtllm_service_pb2.TokenLogprob(**e)
+                    for e in trtllm_output(logprobs.output(0), top)
+                )
             matched = matched_stop_token(finish)
             if matched is not None:
                 message.matched_token_id = matched
@@ -89,6 +98,11 @@ class TrtllmServicer(SimServicer, TrtllmServiceBase):
                     completion_tokens=len(output),
                     cached_tokens=job.cached_tokens,
                 )
+                if top is not None:
+                    chunk.logprobs.extend(
+                        trtllm_service_pb2.TokenLogprob(**e)
+                        for e in trtllm_output(logprobs.output(len(output) - len(delta)), top)
+                    )
                 await stream.send_message(
                     trtllm_service_pb2.GenerateResponse(request_id=request_id, chunk=chunk)
                 )

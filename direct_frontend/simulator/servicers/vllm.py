@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from typing import Any
 
 import grpclib.server
 from grpclib import GRPCError, Status
 
 from direct_frontend.simulator import disagg
+from direct_frontend.simulator.logprobs import RANKS, fill_smg
 from direct_frontend.simulator.model import Finish, StopCriteria
 from direct_frontend.simulator.servicers.common import (
     SIM_VERSION,
@@ -41,6 +43,24 @@ def _check_kv_transfer_params(text: str) -> None:
         ) from exc
     if not isinstance(value, dict):
         raise GRPCError(Status.INVALID_ARGUMENT, "kv_transfer_params_json must be a JSON object")
+
+
+MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
+
+
+def _logprob_count(params: vllm_engine_pb2.SamplingParams, field: str) -> int | None:
+    """A logprobs count as vLLM takes it: unset is none, -1 all, above the cap refused."""
+    if not params.HasField(field):
+        return None
+    count: int = getattr(params, field)
+    if count > MAX_LOGPROBS:
+        what = "sample" if field == "logprobs" else "prompt"
+        raise GRPCError(
+            Status.INVALID_ARGUMENT,
+            f"Requested {what} logprobs of {count}, which is greater than max allowed: "
+            f"{MAX_LOGPROBS}",
+        )
+    return RANKS if count == -1 else count
 
 
 def _complete(
@@ -110,8 +130,20 @@ class VllmServicer(SmgServicer, VllmEngineBase):
         job.cached_tokens = handoff.transferred
         output = job.generation.output_ids
         prompt_tokens = len(prompt)
+        logprobs = core.logprobs(
+            job, _logprob_count(params, "logprobs"), _logprob_count(params, "prompt_logprobs")
+        )
+
+        def fill(message: Any, start: int, prompt: bool) -> None:
+            """Output tokens from ``start`` to now, and with ``prompt`` the prompt's."""
+            fill_smg(
+                message, vllm_engine_pb2, logprobs, start, len(output), prompt=prompt, vllm=True
+            )
+
+        first = True
 
         async def emit(delta: Sequence[int], finish: Finish | None) -> None:
+            nonlocal first
             # completion_tokens is this chunk's own count: the client sums them.
             chunk = vllm_engine_pb2.GenerateStreamChunk(
                 token_ids=delta,
@@ -119,11 +151,16 @@ class VllmServicer(SmgServicer, VllmEngineBase):
                 completion_tokens=len(delta),
                 cached_tokens=job.cached_tokens,
             )
+            start = len(output) - len(delta)
+            fill(chunk, start, first)  # the prompt's: once
+            first = False
             await stream.send_message(vllm_engine_pb2.GenerateResponse(chunk=chunk))
             if finish is not None:  # repeats the last delta, counted alone
-                await stream.send_message(_complete(
+                done = _complete(
                     delta, finish.reason, finish, prompt_tokens, job.cached_tokens, handoff.returns
-                ))
+                )
+                fill(done.complete, start, True)
+                await stream.send_message(done)
 
         finish = await core.run(job, emit if request.stream else None)
         if finish is None:
@@ -138,9 +175,11 @@ class VllmServicer(SmgServicer, VllmEngineBase):
                     _complete(output, "abort", None, prompt_tokens, job.cached_tokens)
                 )
         elif not request.stream:
-            await stream.send_message(_complete(
+            done = _complete(
                 output, finish.reason, finish, prompt_tokens, job.cached_tokens, handoff.returns
-            ))
+            )
+            fill(done.complete, 0, True)
+            await stream.send_message(done)
 
     async def HealthCheck(
         self,
