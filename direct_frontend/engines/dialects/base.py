@@ -26,11 +26,13 @@ from direct_frontend.engines.neutral import (
     FLOAT32_MAX,
     INT32_MAX,
     UINT32_MAX,
+    ConstraintKind,
     EngineEvent,
     EngineInfo,
     Finished,
     FinishReason,
     GenerateCall,
+    SamplingOptions,
     TokenDelta,
 )
 from direct_frontend.errors import EngineError, ErrorKind
@@ -53,6 +55,52 @@ class Capabilities:
     text_input: bool = False
     #: the fleet file may name a prefill engine's bootstrap server port (SGLang)
     bootstrap_server: bool = False
+    #: the structured-output constraints the contract carries (natively or translated)
+    constraints: frozenset[ConstraintKind] = frozenset(ConstraintKind)
+    #: sampling fields only some contracts carry, that this one does (see :data:`OPTIONAL`)
+    optional: frozenset[str] = frozenset()
+
+
+#: sampling fields some contracts lack: a request that sets one goes to a kind that carries it
+OPTIONAL: tuple[str, ...] = ("seed", "logit_bias")
+
+
+def missing_capability(capabilities: Capabilities, sampling: SamplingOptions) -> str | None:
+    """The request field ``sampling`` sets that a kind with ``capabilities`` cannot carry.
+
+    Routing avoids such engines (pipeline/capable.py); the dialect refuses
+    the request outright if it is sent one anyway.
+    """
+    constraint = sampling.constraint
+    if constraint is not None and constraint.kind not in capabilities.constraints:
+        return constraint.param
+    optional = capabilities.optional
+    if sampling.seed is not None and "seed" not in optional:
+        return "seed"
+    if sampling.logit_bias and "logit_bias" not in optional:
+        return "logit_bias"
+    return None
+
+
+def escape_choice(choice: str) -> str:
+    """``choice`` as a regex that matches it literally, in the grammar backends' regex syntax.
+
+    Only the characters special in that syntax are escaped (Python's
+    ``re.escape`` escapes more, such as spaces, which not every backend reads).
+    """
+    return "".join("\\" + c if c in _REGEX_SPECIAL else c for c in choice)
+
+
+_REGEX_SPECIAL = frozenset("\\.^$|?*+()[]{}/")
+
+
+def choice_regex(choices: Sequence[str]) -> str:
+    """A regex matching exactly one of ``choices``: a choice for kinds without that constraint."""
+    return "(" + "|".join(escape_choice(c) for c in choices) + ")"
+
+
+#: the schema a json_object request stands for, for a contract without its own json_object
+ANY_OBJECT_SCHEMA = '{"type":"object"}'
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -369,6 +417,14 @@ class Dialect(abc.ABC):
     def check(self, call: GenerateCall) -> None:
         """Raise a BAD_REQUEST :class:`EngineError` for what this contract cannot carry."""
         check_limits(call, self.limits)
+        param = missing_capability(self.capabilities, call.sampling)
+        if param is not None:
+            raise EngineError(
+                ErrorKind.BAD_REQUEST,
+                f"'{param}' is not supported by {self.kind} engines (their contract cannot "
+                "carry it).",
+                param=param,
+            )
 
     @abc.abstractmethod
     def generate(self, call: GenerateCall) -> Rpc:

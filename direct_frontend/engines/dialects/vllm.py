@@ -23,11 +23,13 @@ decode leg; Mooncake instead pairs the legs by a router-minted
 per connector, and a Mooncake engine with data-parallel ranks cannot be a
 named prefill engine.
 
-``seed`` is an int32 here while OpenAI allows int64: a seed outside int32 is
-folded to its low 32 bits (two's complement), so a given seed still always
-reproduces the same output. Stop strings are applied by the frontend, as for
-every kind, so ``stop`` is never sent (it would also switch on the servicer's
-detokenizer for nothing).
+Every constraint kind has its own member of the ``constraint`` oneof
+(``choice`` a ``ChoiceConstraint``, ``json_object`` a bool); ``logit_bias``
+is a map keyed by token id. ``seed`` is an int32 here while OpenAI allows
+int64: a seed outside int32 is folded to its low 32 bits (two's complement),
+so a given seed still always reproduces the same output. Stop strings are
+applied by the frontend, as for every kind, so ``stop`` is never sent (it
+would also switch on the servicer's detokenizer for nothing).
 """
 
 from __future__ import annotations
@@ -54,6 +56,8 @@ from direct_frontend.engines.dialects.base import (
 )
 from direct_frontend.engines.neutral import (
     UINT32_MAX,
+    Constraint,
+    ConstraintKind,
     Disaggregation,
     EngineInfo,
     EngineRole,
@@ -120,6 +124,16 @@ def mooncake_legs(call: GenerateCall, prefill: PairingFacts, transfer_id: str) -
     )
 
 
+def constraint_field(constraint: Constraint) -> tuple[str, object]:
+    """The ``constraint`` oneof member and value a neutral constraint is sent as."""
+    kind = constraint.kind
+    if kind is ConstraintKind.JSON_OBJECT:
+        return "json_object", True
+    if kind is ConstraintKind.CHOICE:
+        return "choice", {"choices": constraint.choices}
+    return kind.value, constraint.text  # json_schema, regex, grammar, structural_tag
+
+
 def int32_seed(seed: int) -> int:
     """Fold any integer seed into int32 deterministically (identity within range)."""
     low = seed & 0xFFFFFFFF
@@ -143,7 +157,9 @@ class VllmStreamDecoder(SmgStreamDecoder):
 
 class VllmDialect(SmgDialect):
     kind: ClassVar[str] = "vllm"
-    capabilities: ClassVar[Capabilities] = Capabilities(prefill_decode=True, text_input=True)
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        prefill_decode=True, text_input=True, optional=frozenset({"seed", "logit_bias"})
+    )
     limits: ClassVar[WireLimits] = WireLimits(top_k=UINT32_MAX)  # top_k is a uint32 here
     service: ClassVar[str] = SERVICE
     pb: ClassVar[ModuleType] = pb
@@ -166,9 +182,15 @@ class VllmDialect(SmgDialect):
             "min_tokens": s.min_tokens,
             "stop_token_ids": s.stop_token_ids,
             "ignore_eos": s.ignore_eos,
+            "skip_special_tokens": s.skip_special_tokens,
         }
         if s.seed is not None:
             params["seed"] = int32_seed(s.seed)
+        if s.logit_bias:
+            params["logit_bias"] = dict(s.logit_bias)
+        if s.constraint is not None:
+            field, value = constraint_field(s.constraint)
+            params[field] = value
         request = pb.GenerateRequest(
             request_id=call.request_id,
             tokenized={"original_text": call.original_text, "input_ids": call.input_ids},
