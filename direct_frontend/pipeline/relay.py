@@ -47,6 +47,7 @@ from direct_frontend.openai.errors import (
     rate_limited,
 )
 from direct_frontend.openai.types import ChatRequest, CompletionRequest
+from direct_frontend.pipeline.capable import incapable, none_capable
 from direct_frontend.pipeline.dispatch import Dispatcher
 from direct_frontend.pipeline.failover import Decision, FailoverState, continuation
 from direct_frontend.pipeline.postprocess import OutputProcessor, OutputStep
@@ -61,6 +62,10 @@ log = logging.getLogger("direct_frontend.http")  # the request log's name, as it
 
 #: the HTTP side's writer: new text, how many tokens it covers, whether the output is complete
 Emit = Callable[[str, int, bool], Awaitable[None]]
+
+
+#: why a constrained stream is not migrated (failover.py), as the metric's reason
+UNMIGRATABLE_CONSTRAINT = "constraint"
 
 
 class Phase(enum.Enum):
@@ -127,9 +132,16 @@ def first_placement(
     A 503 when no engine serves and it may not wait (any more).
     """
     request = prepared.request
+    catalog = dispatcher.fleet.catalog
+    lacking = incapable(catalog, request)
     try:
-        placement = dispatcher.choose(settings.policy, prepared.input_ids, request.max_tokens or 0)
+        placement = dispatcher.choose(
+            settings.policy, prepared.input_ids, request.max_tokens or 0, lacking
+        )
     except NoEngineAvailable:
+        refusal = none_capable(catalog, lacking)
+        if refusal is not None:
+            raise refusal from None
         if wait.may_wait(now):
             return None
         raise no_engine_available(request.model) from None
@@ -185,7 +197,10 @@ class RelayState:
         self.call = call
         self.original_call = call  # every continuation starts from the client's own prompt
         self.processor = processor
-        self.failover = FailoverState(settings.failover)
+        self.failover = FailoverState(
+            settings.failover,
+            unmigratable=UNMIGRATABLE_CONSTRAINT if call.sampling.constraint is not None else None,
+        )
         self.stall_timeout_s = settings.failover.stall_timeout_s
         # the engine-side time for the whole request
         self.deadline = now + settings.frontend.request_timeout_s
@@ -326,6 +341,13 @@ class RelayState:
         decision = self.failover.decide(error, len(self.processor.generated_ids), stint)
         if decision is Decision.GIVE_UP:
             self._give_up()
+            if self.failover.refused_migration:
+                raise EngineError(
+                    error.kind,
+                    f"{error.message}; the stream cannot continue on another engine, which "
+                    "could not enforce its structured-output constraint on the rest",
+                    engine=error.engine,
+                ) from error
             raise error
         self.failed = error
         self.place(dispatcher, now)
@@ -342,7 +364,8 @@ class RelayState:
         """
         error = self.failed
         assert error is not None, "place() before a failure"
-        self.excluded = self.failover.excluded(dispatcher.fleet.catalog)
+        catalog = dispatcher.fleet.catalog
+        self.excluded = self.failover.excluded(catalog) | incapable(catalog, self.request).keys()
         try:
             placement = dispatcher.choose(
                 self.settings.policy, self.prepared.input_ids, self.processor.remaining_tokens,
@@ -539,6 +562,8 @@ class Relay:
         """The response is out (``ok``: in full): usage, and what the policy learns from it."""
         prepared = state.prepared
         self.metrics.add_tokens(len(prepared.input_ids), state.processor.completion_tokens)
+        if state.failover.refused_migration:
+            self.metrics.migrations_refused_total.labels(state.failover.unmigratable).inc()
         if state.trace is not None:
             state.trace.usage(len(prepared.input_ids), state.processor.completion_tokens)
         if not ok:

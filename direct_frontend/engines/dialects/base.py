@@ -26,13 +26,13 @@ from direct_frontend.engines.neutral import (
     FLOAT32_MAX,
     INT32_MAX,
     UINT32_MAX,
+    Constraint,
     ConstraintKind,
     EngineEvent,
     EngineInfo,
     Finished,
     FinishReason,
     GenerateCall,
-    SamplingOptions,
     TokenDelta,
 )
 from direct_frontend.errors import EngineError, ErrorKind
@@ -65,7 +65,20 @@ class Capabilities:
 OPTIONAL: tuple[str, ...] = ("seed", "logit_bias")
 
 
-def missing_capability(capabilities: Capabilities, sampling: SamplingOptions) -> str | None:
+class OptionalFields(Protocol):
+    """The fields only some kinds carry: on :class:`SamplingOptions`, and on a parsed request."""
+
+    @property
+    def seed(self) -> int | None: ...
+
+    @property
+    def logit_bias(self) -> tuple[tuple[int, float], ...]: ...
+
+    @property
+    def constraint(self) -> Constraint | None: ...
+
+
+def missing_capability(capabilities: Capabilities, sampling: OptionalFields) -> str | None:
     """The request field ``sampling`` sets that a kind with ``capabilities`` cannot carry.
 
     Routing avoids such engines (pipeline/capable.py); the dialect refuses
