@@ -61,6 +61,7 @@ class ChunkRenderer:
         "_role",
         "_text_prefix",
         "_text_suffix",
+        "_text_suffix_open",
         "kind",
     )
 
@@ -97,6 +98,7 @@ class ChunkRenderer:
             self._finish_prefix = self._head + b'{"index":0,"text":"","logprobs":null,'
             self._role = b""
         self._finish_suffix = b"}" + tail
+        self._text_suffix_open = self._text_suffix[: -len(tail)] + b'],"usage":'
 
     def text(self, delta: str) -> bytes:
         """One chunk carrying new text (``delta.content`` or ``text``)."""
@@ -104,6 +106,13 @@ class ChunkRenderer:
             return self._text_prefix + _encode(delta) + self._text_suffix
         except UnicodeEncodeError:  # a lone surrogate; never on the normal path
             return self._text_prefix + _encode(_scrub(delta)) + self._text_suffix
+
+    def text_with_usage(self, delta: str, prompt: int, completion: int, cached: int) -> bytes:
+        """A text chunk carrying the usage so far (vLLM's ``continuous_usage_stats``)."""
+        return (
+            self._text_prefix + _encode(_scrub(delta)) + self._text_suffix_open
+            + _usage_json(prompt, completion, cached) + _SSE_END
+        )
 
     def role_chunk(self) -> bytes:
         """The first chat chunk, announcing the assistant role; ``b""`` for completions."""

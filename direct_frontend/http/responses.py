@@ -95,6 +95,7 @@ async def _stream(relay: Relay, state: RelayState, send: Send, headers: Headers)
     )
     out = bytearray()
     started = False
+    continuous_usage = state.request.include_usage and state.request.continuous_usage_stats
 
     async def emit(text: str, tokens: int, finished: bool) -> None:
         nonlocal started
@@ -105,7 +106,12 @@ async def _stream(relay: Relay, state: RelayState, send: Send, headers: Headers)
             })
             started = True
             out.extend(renderer.role_chunk())
-        if text:
+        if text and continuous_usage:
+            out.extend(renderer.text_with_usage(
+                text, len(prepared.input_ids), state.processor.completion_tokens,
+                state.cached_tokens or 0,
+            ))
+        elif text:
             out.extend(renderer.text(text))
         if finished:  # the last text, the finish chunk, usage and [DONE]: one write
             final = state.final

@@ -29,6 +29,7 @@ import enum
 import functools
 import logging
 import math
+import re
 import time
 from collections.abc import Awaitable, Callable, Collection
 from typing import Protocol
@@ -43,6 +44,7 @@ from direct_frontend.openai.errors import (
     OpenAIHTTPError,
     engine_timeout,
     from_engine_error,
+    invalid_request,
     no_engine_available,
     rate_limited,
 )
@@ -66,6 +68,11 @@ Emit = Callable[[str, int, bool], Awaitable[None]]
 
 #: why a constrained stream is not migrated (failover.py), as the metric's reason
 UNMIGRATABLE_CONSTRAINT = "constraint"
+#: an engine's refusal of a constrained request that names the constraint: the client's 400
+#: then names the field it sent the constraint in
+CONSTRAINT_WORDS = re.compile(
+    r"regex|grammar|schema|json|choice|structural|guided|constraint|xgrammar", re.IGNORECASE
+)
 
 
 class Phase(enum.Enum):
@@ -406,6 +413,15 @@ class RelayState:
             return engine_timeout(f"The request did not finish within {timeout:g} s.")
         if self.failover.all_overloaded:
             return rate_limited("Every engine is saturated; retry later.", retry_after=1)
+        constraint = self.call.sampling.constraint
+        if (
+            error.kind is ErrorKind.BAD_REQUEST and error.param is None and constraint is not None
+            and CONSTRAINT_WORDS.search(error.message)  # the engine could not compile it
+        ):
+            return invalid_request(
+                f"The engine could not take '{constraint.param}': {error.message}",
+                constraint.param,
+            )
         return from_engine_error(error)
 
 

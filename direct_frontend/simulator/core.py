@@ -16,7 +16,7 @@ import dataclasses
 import enum
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Literal
+from typing import Any, Literal
 
 from direct_frontend.simulator.faults import FaultPlan
 from direct_frontend.simulator.kvcache import KvAllocation, SimPrefixCache
@@ -98,6 +98,19 @@ class EngineStats:
     #: handoff a vLLM prefill leg returned (see simulator/disagg.py)
     kv_params_received: dict[str, str] = dataclasses.field(default_factory=dict)
     kv_params_returned: dict[str, str] = dataclasses.field(default_factory=dict)
+    #: the last :data:`KEPT_REQUESTS` Generate requests as received (the contract's message),
+    #: by request id, so tests can assert what reached the engine
+    received: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def receive(self, request_id: str, request: Any) -> None:
+        received = self.received
+        received[request_id] = request
+        if len(received) > KEPT_REQUESTS:
+            del received[next(iter(received))]
+
+
+#: how many Generate requests :class:`EngineStats` keeps (a soak run sends millions)
+KEPT_REQUESTS = 1024
 
 
 class JobState(enum.Enum):
@@ -251,9 +264,11 @@ class SimCore:
         criteria: StopCriteria,
         *,
         internal: bool = False,
+        forced: Sequence[int] | None = None,
     ) -> Job:
-        """Prepare a sequence; :meth:`run` admits it."""
-        job = Job(request_id, Generation(self.model, prompt_ids, criteria), internal=internal)
+        """Prepare a sequence (``forced``: a constrained output); :meth:`run` admits it."""
+        generation = Generation(self.model, prompt_ids, criteria, forced)
+        job = Job(request_id, generation, internal=internal)
         job.prompt_ids = prompt_ids
         return job
 

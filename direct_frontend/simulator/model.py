@@ -204,8 +204,17 @@ class Generation:
     ``min_tokens`` are reduced by ``k``, as a migrating router does.
     """
 
-    def __init__(self, model: SimModel, prompt_ids: Sequence[int], criteria: StopCriteria) -> None:
+    def __init__(
+        self,
+        model: SimModel,
+        prompt_ids: Sequence[int],
+        criteria: StopCriteria,
+        forced: Sequence[int] | None = None,
+    ) -> None:
         self.criteria = criteria
+        #: a constrained request's whole output (simulator/constraints.py), then EOS: what a
+        #: grammar leaves the engine once the text is complete
+        self.forced = forced
         self.prompt_len = len(prompt_ids)
         self.output_ids: list[int] = []
         self.finish: Finish | None = None
@@ -224,6 +233,8 @@ class Generation:
         """Generate one token and update :attr:`finish`."""
         if self.finish is not None:
             raise RuntimeError("the sequence has already finished")
+        if self.forced is not None:
+            return self._forced_step(self.forced)
         early = len(self.output_ids) < self.criteria.min_tokens
         token_id = self._sequence.step(self._banned_early if early else self._banned_late)
         self.output_ids.append(token_id)
@@ -231,6 +242,16 @@ class Generation:
             self.finish = Finish("stop", token_id, matched_eos=True)
         elif token_id in self.criteria.stop_token_ids:
             self.finish = Finish("stop", token_id)
+        elif len(self.output_ids) >= self.criteria.max_tokens:
+            self.finish = Finish("length")
+        return token_id
+
+    def _forced_step(self, forced: Sequence[int]) -> int:
+        done = len(self.output_ids)
+        token_id = forced[done] if done < len(forced) else self._eos
+        self.output_ids.append(token_id)
+        if done == len(forced):
+            self.finish = Finish("stop", token_id, matched_eos=True)
         elif len(self.output_ids) >= self.criteria.max_tokens:
             self.finish = Finish("length")
         return token_id

@@ -302,7 +302,7 @@ CONSTRAINT_FIELDS: dict[str, dict[str, tuple[str, object]]] = {
 def test_constraints_reach_each_contract(
     parsed_requests: dict[str, Any], kind: str, name: str
 ) -> None:
-    request, oneofs = parsed_requests[f"{kind}/{name}"]
+    request, _ = parsed_requests[f"{kind}/{name}"]
     member, value = CONSTRAINT_FIELDS[kind][name]
     if kind == "trtllm":
         assert request["guided_decoding"] == {"guide_type": member, "guide": value}

@@ -21,6 +21,7 @@ from direct_frontend.simulator.servicers.common import (
     SmgServicer,
     capped,
     check_prompt,
+    constrained_output,
     generate_request,
     matched_stop_token,
     now_iso,
@@ -41,6 +42,23 @@ def _check_kv_transfer_params(text: str) -> None:
         ) from exc
     if not isinstance(value, dict):
         raise GRPCError(Status.INVALID_ARGUMENT, "kv_transfer_params_json must be a JSON object")
+
+
+def _constraint(
+    params: vllm_engine_pb2.SamplingParams,
+) -> tuple[str, str | Sequence[str]] | None:
+    """The ``constraint`` oneof as the simulator's (kind, value), a choice's being its list."""
+    which = params.WhichOneof("constraint")
+    if which is None:
+        return None
+    if which == "choice":
+        return which, list(params.choice.choices)
+    if which == "json_object":
+        return which, ""
+    if which == "grammar":
+        return "ebnf_grammar", params.grammar
+    value: str = getattr(params, which)
+    return which, value
 
 
 def _complete(
@@ -102,7 +120,10 @@ class VllmServicer(SmgServicer, VllmEngineBase):
             stop_token_ids=frozenset(params.stop_token_ids),
             ignore_eos=params.ignore_eos,
         )
-        job = core.new_job(request.request_id, prompt, criteria)
+        job = core.new_job(
+            request.request_id, prompt, criteria,
+            forced=constrained_output(core, _constraint(params), prompt),
+        )
         job.cached_tokens = handoff.transferred
         output = job.generation.output_ids
         prompt_tokens = len(prompt)
