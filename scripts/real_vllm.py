@@ -430,7 +430,7 @@ def start_engine(
         "--enable-log-requests",  # logs "Request <id> aborted." on a client cancel
         "--kv-events-config", json.dumps(kv_cfg, separators=(",", ":")),
         # compact JSON under a JSON grammar: a random model never pads it without end
-        "--structured-outputs-config", '{"disable_any_whitespace":true}',
+        "--structured-outputs-config", '{"backend":"xgrammar","disable_any_whitespace":true}',
     ]  # fmt: skip
     log = run_dir / f"engine{tag}.log"
     (run_dir / f"engine{tag}.cmd").write_text(" ".join(cmd) + "\n")
@@ -1491,7 +1491,7 @@ PERSON_SCHEMA: dict[str, Any] = {
 
 
 def structured_checks(report: Report, fe: Frontend, served: str, model: Path) -> None:
-    """Constraints reach the engine's grammar: its output satisfies them (docs/real-vllm.md §12)."""
+    """Constraints reach the engine's grammar: its output satisfies them (docs/real-vllm.md §10)."""
     import jsonschema
 
     oa = openai_client(fe)
