@@ -92,8 +92,13 @@ def kv_connector(info: EngineInfo) -> str:
 
 
 def prefill_leg(call: GenerateCall, params_json: str = PREFILL_PARAMS) -> GenerateCall:
-    """The prefill leg: one token (discarded), the KV kept for the decode engine."""
-    sampling = dataclasses.replace(call.sampling, max_tokens=1, min_tokens=0)
+    """The prefill leg: one token (discarded), the KV kept for the decode engine.
+
+    Its token is never output, so it carries no constraint (the decode leg's
+    grammar starts at the first token the client sees), and no grammar is
+    compiled on the prefill engine for nothing.
+    """
+    sampling = dataclasses.replace(call.sampling, max_tokens=1, min_tokens=0, constraint=None)
     return dataclasses.replace(
         call, sampling=sampling, stream=False,
         disaggregation=Disaggregation(kv_transfer_params_json=params_json),
