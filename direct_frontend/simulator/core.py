@@ -110,7 +110,7 @@ class EngineStats:
 
 
 #: how many Generate requests :class:`EngineStats` keeps (a soak run sends millions)
-KEPT_REQUESTS = 1024
+KEPT_REQUESTS = 256
 
 
 class JobState(enum.Enum):
