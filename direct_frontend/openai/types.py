@@ -87,6 +87,7 @@ class _RequestBase(msgspec.Struct, frozen=True, kw_only=True):
     continuous_usage_stats: bool = False  # stream_options.continuous_usage_stats (vLLM's)
     skip_special_tokens: bool = True
     user: str | None = None  # accepted and not used (as metadata, which is not kept)
+    n: int = 1  # choices: each one its own engine call (pipeline/choices.py)
     logit_bias: tuple[tuple[int, float], ...] = ()  # sorted by token id
     constraint: Constraint | None = None  # structured output (openai/structured.py)
 

@@ -574,10 +574,15 @@ class Relay:
                     trio.current_time() - wait.since, outcome, extra={"outcome": outcome},
                 )
 
-    def settle(self, state: RelayState, ok: bool) -> None:
-        """The response is out (``ok``: in full): usage, and what the policy learns from it."""
+    def settle(self, state: RelayState, ok: bool, *, count_prompt: bool = True) -> None:
+        """The response is out (``ok``: in full): usage, and what the policy learns from it.
+
+        ``count_prompt``: False for a request's further choices (its prompt counts once).
+        """
         prepared = state.prepared
-        self.metrics.add_tokens(len(prepared.input_ids), state.processor.completion_tokens)
+        self.metrics.add_tokens(
+            len(prepared.input_ids) if count_prompt else 0, state.processor.completion_tokens
+        )
         if state.failover.refused_migration:
             self.metrics.migrations_refused_total.labels(state.failover.unmigratable).inc()
         if state.trace is not None:

@@ -21,6 +21,7 @@ from typing import Any, Literal
 from direct_frontend.simulator.faults import FaultPlan
 from direct_frontend.simulator.kvcache import KvAllocation, SimPrefixCache
 from direct_frontend.simulator.model import Finish, Generation, SimModel, StopCriteria, TimingModel
+from direct_frontend.simulator.scripted import ScriptBook
 
 EngineKind = Literal["sglang", "vllm", "trtllm"]
 SimRole = Literal["both", "prefill", "decode"]
@@ -209,6 +210,7 @@ class SimCore:
         self._jobs: dict[str, list[Job]] = {}
         self.faults = FaultPlan()  # the live plan; SimEngine.faults replaces it
         self.kv_cache: SimPrefixCache | None = None  # SimEngine sets it (see kvcache.py)
+        self.scripts: ScriptBook | None = None  # canned completions by prompt marker (scripted.py)
 
     # -- bookkeeping -------------------------------------------------------
 
@@ -264,10 +266,17 @@ class SimCore:
         criteria: StopCriteria,
         *,
         internal: bool = False,
+        sample_seed: int | None = None,
         forced: Sequence[int] | None = None,
     ) -> Job:
-        """Prepare a sequence (``forced``: a constrained output); :meth:`run` admits it."""
-        generation = Generation(self.model, prompt_ids, criteria, forced)
+        """Prepare a sequence; :meth:`run` admits it.
+
+        ``sample_seed`` seeds its sampling; ``forced`` is a constrained request's
+        output (simulator/constraints.py), which wins over any script.
+        """
+        scripts = None if internal or forced is not None else self.scripts
+        script = forced if scripts is None else scripts.completion_for(prompt_ids)
+        generation = Generation(self.model, prompt_ids, criteria, sample_seed, script)
         job = Job(request_id, generation, internal=internal)
         job.prompt_ids = prompt_ids
         return job

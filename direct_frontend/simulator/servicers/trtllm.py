@@ -70,8 +70,12 @@ class TrtllmServicer(SimServicer, TrtllmServiceBase):
         if request.HasField("guided_decoding"):
             guide = request.guided_decoding
             constraint = (_GUIDE_KINDS.get(guide.guide_type, "unspecified"), guide.guide)
-        forced = constrained_output(core, constraint, prompt)
-        job = core.new_job(request_id, prompt, criteria, forced=forced)
+        temperature = sampling.temperature if sampling.HasField("temperature") else 1.0
+        seeded = sampling.HasField("seed") and temperature > 0
+        job = core.new_job(
+            request_id, prompt, criteria, sample_seed=sampling.seed if seeded else None,
+            forced=constrained_output(core, constraint, prompt),
+        )
         output = job.generation.output_ids
         prompt_tokens = len(prompt)
 

@@ -120,8 +120,10 @@ class VllmServicer(SmgServicer, VllmEngineBase):
             stop_token_ids=frozenset(params.stop_token_ids),
             ignore_eos=params.ignore_eos,
         )
+        temperature = params.temperature if params.HasField("temperature") else 1.0
+        seeded = params.HasField("seed") and temperature > 0
         job = core.new_job(
-            request.request_id, prompt, criteria,
+            request.request_id, prompt, criteria, sample_seed=params.seed if seeded else None,
             forced=constrained_output(core, _constraint(params), prompt),
         )
         job.cached_tokens = handoff.transferred
