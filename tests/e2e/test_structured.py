@@ -172,6 +172,26 @@ def test_usage_on_every_chunk_with_continuous_usage_stats(daemon: Daemon) -> Non
     assert chunks[-1].usage.completion_tokens == 6
 
 
+def test_continuous_usage_stats_with_several_choices(daemon: Daemon) -> None:
+    chunks = list(client(daemon).chat.completions.create(
+        model="demo", messages=CHAT, max_tokens=4, stream=True, n=2,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},  # type: ignore[typeddict-unknown-key]
+    ))
+    content = [c for c in chunks if c.choices and c.choices[0].delta.content]
+    assert {c.choices[0].index for c in content} == {0, 1}
+    assert all(c.usage is not None for c in content)
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 8
+
+
+def test_constrained_choices_each_satisfy_the_constraint(daemon: Daemon) -> None:
+    reply = client(daemon).chat.completions.create(
+        model="demo", messages=CHAT, max_tokens=300, n=3, response_format=RESPONSE_FORMAT,
+    )
+    assert len(reply.choices) == 3
+    for choice in reply.choices:
+        jsonschema.validate(json.loads(choice.message.content or ""), SCHEMA)
+
+
 # -- which engine can carry a request ----------------------------------------------------
 
 
