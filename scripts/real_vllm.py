@@ -429,6 +429,8 @@ def start_engine(
         "--num-gpu-blocks-override", str(blocks),
         "--enable-log-requests",  # logs "Request <id> aborted." on a client cancel
         "--kv-events-config", json.dumps(kv_cfg, separators=(",", ":")),
+        # compact JSON under a JSON grammar: a random model never pads it without end
+        "--structured-outputs-config", '{"backend":"xgrammar","disable_any_whitespace":true}',
     ]  # fmt: skip
     log = run_dir / f"engine{tag}.log"
     (run_dir / f"engine{tag}.cmd").write_text(" ".join(cmd) + "\n")
@@ -1616,6 +1618,120 @@ def _logprobs_check(
             f"the frontend's {frontend_s:.1f} s")
 
 
+# --- structured outputs and sampling fields through the frontend ------------------------
+
+#: tight enough that a random-weight model under the engine's grammar must end it: enums,
+#: a bounded integer, a short string (the engine runs with compact JSON: no free whitespace)
+PERSON_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "colour": {"enum": ["red", "green", "blue"]},
+        "ok": {"type": "boolean"},
+        "age": {"type": "integer", "minimum": 0, "maximum": 99},
+        "code": {"type": "string", "pattern": "^[a-z]{2,4}$"},
+    },
+    "required": ["colour", "ok", "age", "code"],
+    "additionalProperties": False,
+}
+
+
+def structured_checks(report: Report, fe: Frontend, served: str, model: Path) -> None:
+    """Constraints reach the engine's grammar: its output satisfies them (docs/real-vllm.md §10)."""
+    import jsonschema
+
+    oa = openai_client(fe)
+    msgs = [{"role": "user", "content": "Describe a person as JSON."}]
+    fmt = {"type": "json_schema",
+           "json_schema": {"name": "person", "schema": PERSON_SCHEMA, "strict": True}}
+
+    def json_schema() -> str:
+        r = oa.chat.completions.create(
+            model=served, messages=msgs, temperature=0, max_tokens=200, response_format=fmt
+        )
+        text = r.choices[0].message.content or ""
+        s_text, _, _, _ = _stream_text(oa.chat.completions.create(
+            model=served, messages=msgs, temperature=0, max_tokens=200, response_format=fmt,
+            stream=True,
+        ), chat=True)
+        expect(r.choices[0].finish_reason == "stop", f"finish {r.choices[0].finish_reason!r}")
+        jsonschema.validate(json.loads(text), PERSON_SCHEMA)
+        expect(s_text == text, f"stream {s_text!r} != non-stream {text!r}")
+        c = oa.completions.create(
+            model=served, prompt="A person:", temperature=0, max_tokens=200,
+            extra_body={"response_format": fmt},
+        )
+        jsonschema.validate(json.loads(c.choices[0].text), PERSON_SCHEMA)
+        return f"chat {text!r} validates (stream equal); completions {c.choices[0].text!r}"
+
+    def json_object() -> str:
+        r = oa.chat.completions.create(
+            model=served, messages=msgs, temperature=0, max_tokens=200,
+            response_format={"type": "json_object"},
+        )
+        text = r.choices[0].message.content or ""
+        if r.choices[0].finish_reason == "length":
+            raise Note(f"the random model did not close its object in 200 tokens: {text[:80]!r}")
+        expect(isinstance(json.loads(text), dict), f"{text!r} is not a JSON object")
+        return f"{text[:60]!r}"
+
+    def regex() -> str:
+        pattern = "[a-z]{3,6}-[0-9]{2}"
+        r = oa.chat.completions.create(
+            model=served, messages=msgs, temperature=0, max_tokens=30,
+            extra_body={"guided_regex": pattern},
+        )
+        text = r.choices[0].message.content or ""
+        expect(re.fullmatch(pattern, text) is not None, f"{text!r} does not match {pattern!r}")
+        return f"{text!r} matches {pattern!r}"
+
+    def choice() -> str:
+        choices = ["red pill", "blue pill", "no (thanks)"]
+        got = []
+        for extra in ({"guided_choice": choices}, {"structured_outputs": {"choice": choices}}):
+            r = oa.chat.completions.create(
+                model=served, messages=msgs, temperature=1.0, seed=7, max_tokens=30,
+                extra_body=extra,
+            )
+            got.append(r.choices[0].message.content or "")
+        expect(all(g in choices for g in got), f"{got!r} not all among {choices!r}")
+        return f"{got!r}"
+
+    def refused() -> str:
+        try:
+            oa.chat.completions.create(
+                model=served, messages=msgs, max_tokens=5, extra_body={"guided_regex": "(a"}
+            )
+        except Exception as exc:  # openai.BadRequestError: the script imports openai lazily
+            body = getattr(exc, "body", None) or {}
+            status = getattr(exc, "status_code", None)
+            expect(status == 400, f"status {status}: {exc}")
+            param = body.get("param") if isinstance(body, dict) else None
+            expect(param == "guided_regex", f"param {param!r}: {body}")
+            return f"400 naming guided_regex: {str(body.get('message'))[:100]!r}"
+        raise CheckFailed("a regex the engine cannot compile was accepted")
+
+    def seed_and_bias() -> str:
+        ask = {"model": served, "messages": msgs, "temperature": 1.0, "max_tokens": 12}
+        one = oa.chat.completions.create(seed=11, **ask).choices[0].message.content
+        two = oa.chat.completions.create(seed=11, **ask).choices[0].message.content
+        expect(one == two, f"the same seed gave {one!r} and {two!r}")
+        texts = Texts(model)
+        token = texts.tok.encode(" pill", add_special_tokens=False).ids[0]
+        r = oa.chat.completions.create(
+            logit_bias={str(token): 100}, **{**ask, "temperature": 0}
+        )
+        text = r.choices[0].message.content or ""
+        expect(text == texts.decode([token] * 12), f"logit_bias +100 on {token} gave {text!r}")
+        return f"seed 11 twice: {one!r}; logit_bias +100 on {token}: {text!r}"
+
+    report.check("frontend: json_schema output validates (chat, stream, completions)", json_schema)
+    report.check("frontend: json_object output is an object", json_object)
+    report.check("frontend: guided_regex output matches", regex)
+    report.check("frontend: guided_choice / structured_outputs.choice", choice)
+    report.check("frontend: a regex the engine cannot compile is a 400 naming it", refused)
+    report.check("frontend: seed reproduces; logit_bias reaches the sampler", seed_and_bias)
+
+
 # --- KV-aware routing through the frontend --------------------------------------------
 
 
@@ -2118,6 +2234,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="start the engine, run the direct gRPC checks, print its address; no frontend",
     )
+    p.add_argument(
+        "--structured-only",
+        action="store_true",
+        help="through the frontend, only the structured-output and sampling-field checks",
+    )
     p.add_argument("--rebuild-env", action="store_true", help="reinstall the peer venv")
     p.add_argument("--rebuild-model", action="store_true", help="rebuild the tiny model")
     p.add_argument(
@@ -2222,56 +2343,62 @@ def main(argv: list[str] | None = None) -> int:
                 time.monotonic() - t,
                 f"{frontend.base_url}, kv_aware, fleet {frontend.fleet}",
             )
-            frontend_checks(report, engine, client, frontend, served)
-            kv = KvRun(engine, client, Texts(engine.model), served)
-            kv.first_checks(report, frontend, openai_client(frontend), index_at_ready)
+            if not args.structured_only:
+                frontend_checks(report, engine, client, frontend, served)
+            structured_checks(report, frontend, served, engine.model)
+            if args.structured_only:
+                report.skip("KV-aware routing checks", "--structured-only")
+            else:
+                kv = KvRun(engine, client, Texts(engine.model), served)
+                kv.first_checks(report, frontend, openai_client(frontend), index_at_ready)
 
-            # Restart only the frontend (the engine keeps its cache and its KV-event
-            # history), now with a simulated vLLM engine next to the real one.
-            t = time.monotonic()
-            sim = start_sim_engine(run_dir, model, served)
-            report.timing(
-                "simulated vLLM engine start",
-                time.monotonic() - t,
-                f"grpc {sim.address}, kv pub :{sim.pub_port}, replay :{sim.replay_port}",
-            )
-            report.timing(
-                "frontend stop (for the restart)", stop_group(frontend.proc, "frontend", grace=15)
-            )
-            frontend = None
-            t = time.monotonic()
-            frontend = start_frontend(
-                run_dir,
-                engine,
-                served,
-                args.frontend_timeout,
-                sim=sim,
-                tag="-2",
-                fast_probe=args.restart_check,
-            )
-            ready_at = time.monotonic()
-            report.timing(
-                "frontend restart (run -> /ready, 2 engines)",
-                ready_at - t,
-                f"{frontend.base_url}, fleet {frontend.fleet}",
-            )
-            kv.second_checks(report, frontend, openai_client(frontend), sim, ready_at)
-            if args.restart_check:
-                first = engine
+                # Restart only the frontend (the engine keeps its cache and its KV-event
+                # history), now with a simulated vLLM engine next to the real one.
+                t = time.monotonic()
+                sim = start_sim_engine(run_dir, model, served)
+                report.timing(
+                    "simulated vLLM engine start",
+                    time.monotonic() - t,
+                    f"grpc {sim.address}, kv pub :{sim.pub_port}, replay :{sim.replay_port}",
+                )
+                report.timing(
+                    "frontend stop (for the restart)",
+                    stop_group(frontend.proc, "frontend", grace=15),
+                )
+                frontend = None
+                t = time.monotonic()
+                frontend = start_frontend(
+                    run_dir,
+                    engine,
+                    served,
+                    args.frontend_timeout,
+                    sim=sim,
+                    tag="-2",
+                    fast_probe=args.restart_check,
+                )
+                ready_at = time.monotonic()
+                report.timing(
+                    "frontend restart (run -> /ready, 2 engines)",
+                    ready_at - t,
+                    f"{frontend.base_url}, fleet {frontend.fleet}",
+                )
+                kv.second_checks(report, frontend, openai_client(frontend), sim, ready_at)
+                if args.restart_check:
+                    first = engine
 
-                def relaunch() -> Engine:
-                    ports = (first.grpc_port, first.pub_port, first.replay_port)
-                    new = start_engine(
-                        cache, model, run_dir, blocks=args.kv_blocks,
-                        timeout=args.start_timeout, ports=ports, tag="-2",
-                    )  # fmt: skip
-                    new.model_info, new.server_info = first.model_info, first.server_info
-                    return new
+                    def relaunch() -> Engine:
+                        ports = (first.grpc_port, first.pub_port, first.replay_port)
+                        new = start_engine(
+                            cache, model, run_dir, blocks=args.kv_blocks,
+                            timeout=args.start_timeout, ports=ports, tag="-2",
+                        )  # fmt: skip
+                        new.model_info, new.server_info = first.model_info, first.server_info
+                        return new
 
-                try:
-                    kv.restart_checks(report, frontend, openai_client(frontend), relaunch)
-                finally:
-                    engine = kv.engine  # the relaunched one, if any, is stopped below
+                    try:
+                        kv.restart_checks(report, frontend, openai_client(frontend), relaunch)
+                    finally:
+                        engine = kv.engine  # the relaunched one, if any, is stopped below
     except SetupError as exc:
         say(f"SETUP FAILED: {exc}")
         code = 2

@@ -21,6 +21,31 @@ UINT32_MAX = 2**32 - 1
 FLOAT32_MAX = 3.4028234663852886e38
 
 
+class ConstraintKind(enum.Enum):
+    """What a structured-output constraint holds; each dialect maps the kinds its contract has."""
+
+    JSON_SCHEMA = "json_schema"  # text: a JSON schema (serialised)
+    JSON_OBJECT = "json_object"  # any JSON object; text is empty
+    REGEX = "regex"  # text: a regular expression
+    GRAMMAR = "grammar"  # text: an EBNF grammar (the engines' grammar backends read it)
+    CHOICE = "choice"  # choices: exactly one of these strings
+    STRUCTURAL_TAG = "structural_tag"  # text: the structural tag object (serialised)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Constraint:
+    """A request's structured-output constraint, whatever field the client named it in.
+
+    ``param`` is that field (``response_format``, ``guided_regex``, ...), so an
+    engine's refusal names what the client sent.
+    """
+
+    kind: ConstraintKind
+    text: str = ""
+    choices: tuple[str, ...] = ()
+    param: str = "response_format"
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class SamplingOptions:
     """Sampling settings in OpenAI terms; dialects apply each engine's defaults."""
@@ -42,6 +67,11 @@ class SamplingOptions:
     logprobs: int | None = None
     #: None: no prompt logprobs; n: each prompt token's logprob and n top alternatives
     prompt_logprobs: int | None = None
+    #: (token id, bias) pairs, sorted by token id; OpenAI's -100..100
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    #: the engine's own detokenization only (ours is the frontend's, which reads the request)
+    skip_special_tokens: bool = True
+    constraint: Constraint | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -64,6 +64,7 @@ class ChunkRenderer:
         "_role",
         "_text_prefix",
         "_text_suffix",
+        "_text_suffix_open",
         "kind",
     )
 
@@ -105,6 +106,7 @@ class ChunkRenderer:
             self._finish_prefix = choice + b'"text":"","logprobs":null,'
             self._role = b""
         self._finish_suffix = b"}" + tail
+        self._text_suffix_open = self._text_suffix[: -len(tail)] + b'],"usage":'
 
     def text(self, delta: str) -> bytes:
         """One chunk carrying new text (``delta.content`` or ``text``)."""
@@ -118,6 +120,13 @@ class ChunkRenderer:
         return (
             self._text_prefix + _encode(_scrub(delta)) + self._logprobs_prefix
             + _encode(logprobs) + self._logprobs_suffix
+        )
+
+    def text_with_usage(self, delta: str, prompt: int, completion: int, cached: int) -> bytes:
+        """A text chunk carrying the usage so far (vLLM's ``continuous_usage_stats``)."""
+        return (
+            self._text_prefix + _encode(_scrub(delta)) + self._text_suffix_open
+            + _usage_json(prompt, completion, cached) + _SSE_END
         )
 
     def role_chunk(self) -> bytes:

@@ -181,6 +181,7 @@ async def _stream(relay: Relay, state: RelayState, *, send: Send, headers: Heade
     out = progress.out
     echo = _echo(relay, state)
     choice_logprobs = _logprobs(relay, state, echo)
+    continuous_usage = state.request.include_usage and state.request.continuous_usage_stats
 
     async def emit(
         text: str, tokens: int, finished: bool, logprobs: Sequence[TokenLogprob]
@@ -193,6 +194,11 @@ async def _stream(relay: Relay, state: RelayState, *, send: Send, headers: Heade
                 out.extend(_echo_chunk(renderer, relay, state, echo, choice_logprobs))
         if choice_logprobs is not None and logprobs:
             out.extend(renderer.text_with_logprobs(text, choice_logprobs.batch(logprobs)))
+        elif text and continuous_usage:
+            out.extend(renderer.text_with_usage(
+                text, len(prepared.input_ids), state.processor.completion_tokens,
+                state.cached_tokens or 0,
+            ))
         elif text:
             out.extend(renderer.text(text))
         if finished:  # the last text, the finish chunk, usage and [DONE]: one write
@@ -263,6 +269,7 @@ async def _stream_choices(relay: Relay, choices: Choices, *, send: Send, headers
     echo = _echo(relay, choices.states[0])
     builders = [_logprobs(relay, state, echo) for state in choices.states]
     echoed = [False] * len(renderers)
+    continuous_usage = request.include_usage and request.continuous_usage_stats
 
     async def emit(
         index: int, text: str, tokens: int, finished: bool, logprobs: Sequence[TokenLogprob]
@@ -276,6 +283,8 @@ async def _stream_choices(relay: Relay, choices: Choices, *, send: Send, headers
             out.extend(_echo_chunk(renderer, relay, state, echo, choice_logprobs))
         if choice_logprobs is not None and logprobs:
             out.extend(renderer.text_with_logprobs(text, choice_logprobs.batch(logprobs)))
+        elif text and continuous_usage:
+            out.extend(renderer.text_with_usage(text, *choices.usage()))
         elif text:
             out.extend(renderer.text(text))
         if finished:

@@ -169,6 +169,11 @@ class Metrics:
             p + "malformed_engine_messages_total", "Engine messages we could not interpret.",
             ("engine",), registry=r,
         )  # fmt: skip
+        self.migrations_refused_total = Counter(
+            p + "migrations_refused_total",
+            "Streams ended instead of migrating, by why no other engine could continue them.",
+            ("reason",), registry=r,
+        )  # fmt: skip
         self.engine_waits_total = Counter(
             p + "engine_waits_total",
             "Waits of a request for an engine to serve, by how they ended "

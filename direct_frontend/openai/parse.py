@@ -23,6 +23,7 @@ import msgspec
 
 from direct_frontend.engines.neutral import FLOAT32_MAX, UINT32_MAX
 from direct_frontend.openai.errors import OpenAIHTTPError, invalid_request
+from direct_frontend.openai.structured import EXTENSIONS, constraint_of
 from direct_frontend.openai.types import (
     ROLES,
     ChatMessage,
@@ -63,10 +64,7 @@ class _MessageWire(msgspec.Struct):
 
 class _StreamOptionsWire(msgspec.Struct):
     include_usage: bool | None = None
-
-
-class _ResponseFormatWire(msgspec.Struct):
-    type: str
+    continuous_usage_stats: bool | None = None  # vLLM's: usage on every chunk
 
 
 class _NamedToolChoiceWire(msgspec.Struct):
@@ -94,7 +92,17 @@ class _WireBase(msgspec.Struct, kw_only=True):
     stream_options: _StreamOptionsWire | None = None
     user: str | None = None
     skip_special_tokens: bool | None = None
-    response_format: _ResponseFormatWire | None = None
+    logit_bias: dict[str, float] | None = None
+    # structured outputs (openai/structured.py): response_format and the engines' extensions
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    regex: str | None = None
+    guided_grammar: str | None = None
+    ebnf: str | None = None
+    guided_choice: list[str] | None = None
+    structural_tag: dict[str, Any] | str | None = None
 
 
 class _ChatWire(_WireBase, kw_only=True):
@@ -213,11 +221,11 @@ def _common(w: _WireBase) -> dict[str, Any]:
             "The 'stream_options' parameter is only allowed when 'stream' is true.",
             "stream_options",
         )
-    if w.response_format is not None and w.response_format.type != "text":
-        raise _unsupported(
-            f"response_format type '{w.response_format.type}' (structured output)",
-            "response_format.type",
-        )
+    constraint = constraint_of(
+        w.response_format,
+        w.structured_outputs,
+        {name: getattr(w, name) for name, _ in EXTENSIONS},
+    )
     if isinstance(w.stop, str):
         stop: tuple[str, ...] = (w.stop,)
         stop_param = "stop"
@@ -258,10 +266,41 @@ def _common(w: _WireBase) -> dict[str, Any]:
         "ignore_eos": bool(w.ignore_eos),
         "stream": stream,
         "include_usage": bool(w.stream_options and w.stream_options.include_usage),
+        "continuous_usage_stats": bool(
+            w.stream_options and w.stream_options.continuous_usage_stats
+        ),
+        "logit_bias": _logit_bias(w.logit_bias),
+        "constraint": constraint,
         "skip_special_tokens": w.skip_special_tokens is not False,
         "user": w.user,
         "n": w.n or 1,
     }
+
+
+#: OpenAI's range for a logit bias
+LOGIT_BIAS_LIMIT: Final = 100.0
+
+
+def _logit_bias(raw: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``{"<token id>": bias}`` as (id, bias) pairs sorted by id; a 400 naming the key."""
+    if not raw:
+        return ()
+    pairs = []
+    for key, bias in raw.items():
+        param = f"logit_bias.{key}"
+        token = int(key) if key.isascii() and key.isdigit() else -1
+        if not 0 <= token <= UINT32_MAX:
+            raise invalid_request(
+                f"Invalid key in 'logit_bias': '{key}' is not a token id (an integer from 0 "
+                f"to {UINT32_MAX}).",
+                param,
+            )
+        if not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
+            raise invalid_request(
+                f"Invalid value for '{param}': a bias is from -100 to 100, got {bias}.", param
+            )
+        pairs.append((token, float(bias)))
+    return tuple(sorted(pairs))
 
 
 def _message(i: int, m: _MessageWire) -> ChatMessage:

@@ -6,7 +6,7 @@ from typing import Any, Final, Literal
 
 import msgspec
 
-from direct_frontend.engines.neutral import SamplingOptions
+from direct_frontend.engines.neutral import Constraint, SamplingOptions
 
 Role = Literal["system", "user", "assistant", "tool", "developer"]
 ROLES: Final = ("system", "user", "assistant", "tool", "developer")
@@ -84,13 +84,16 @@ class _RequestBase(msgspec.Struct, frozen=True, kw_only=True):
     ignore_eos: bool = False
     stream: bool = False
     include_usage: bool = False  # stream_options.include_usage
+    continuous_usage_stats: bool = False  # stream_options.continuous_usage_stats (vLLM's)
     skip_special_tokens: bool = True
-    user: str | None = None
+    user: str | None = None  # accepted and not used (as metadata, which is not kept)
     n: int = 1  # choices: each one its own engine call (pipeline/choices.py)
     #: top alternatives per output token with its logprob (None: no logprobs)
     logprobs: int | None = None
     #: likewise per prompt token (completions ``echo`` with ``logprobs``)
     prompt_logprobs: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()  # sorted by token id
+    constraint: Constraint | None = None  # structured output (openai/structured.py)
 
     def sampling_options(self, max_tokens: int) -> SamplingOptions:
         """The neutral sampling settings; ``max_tokens`` is the budget the caller settled on.
@@ -116,6 +119,9 @@ class _RequestBase(msgspec.Struct, frozen=True, kw_only=True):
             min_tokens=self.min_tokens,
             logprobs=self.logprobs,
             prompt_logprobs=self.prompt_logprobs,
+            logit_bias=self.logit_bias,
+            skip_special_tokens=self.skip_special_tokens,
+            constraint=self.constraint,
         )
 
 

@@ -15,7 +15,6 @@ from collections.abc import Collection, Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import Protocol
 
-from direct_frontend.engines.dialects import dialect_for
 from direct_frontend.engines.neutral import EngineRole, GenerateCall
 from direct_frontend.errors import NoEngineAvailable
 from direct_frontend.pipeline.disagg import DisaggPlanner
@@ -52,24 +51,14 @@ class Dispatcher:
         input_ids: tuple[int, ...],
         max_tokens: int,
         exclude: Collection[str] = (),
-        *,
-        prompt_logprobs: bool = False,
     ) -> Placement:
         """Where a request goes: a pair's decode engine when P/D serves, else an aggregated one.
 
         A pair's placement is its decode engine's; the prefill engine is placed
-        when the attempt runs (:meth:`DisaggPlanner.plan`). A request that needs
-        prompt logprobs avoids the kinds that cannot return them while another
-        engine can (if none can, it goes on and its dialect answers a 400 why).
+        when the attempt runs (:meth:`DisaggPlanner.plan`). Engines whose kind
+        cannot carry the request are in ``exclude`` (pipeline/capable.py).
         """
         catalog = self.fleet.catalog
-        if prompt_logprobs:
-            unable = {
-                e.name for e in catalog.engines
-                if not dialect_for(e.kind).capabilities.prompt_logprobs
-            }
-            if unable and any(e.name not in unable for e in catalog.engines):
-                exclude = {*exclude, *unable}
         request = RequestView(input_ids, max_tokens)
         placement = self.disagg.choose_decode(catalog, request, exclude, policy)
         if placement is None:

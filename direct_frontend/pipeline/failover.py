@@ -13,6 +13,14 @@ chance. The rule is by serving stint: the control plane builds a new
 :class:`EngineHandle` each time an engine starts serving, and a request only
 excludes the handles it failed on. So a stream survives "every engine down
 for a while, then one back" even when the one back is an engine it tried.
+
+A request under a structured-output constraint never migrates: no contract
+can start an engine's grammar part-way (vLLM's ``grammar_from_first_token``
+only says where a grammar starts, and a continuation's generated tokens are
+prompt to the new engine, so its grammar would start over on the rest). It
+is retried before its first token as any other; after it, the stream ends
+with an error rather than go on unconstrained (``unmigratable`` says why,
+and the relay counts it).
 """
 
 from __future__ import annotations
@@ -63,8 +71,14 @@ RETRYABLE = frozenset({
 class FailoverState:
     """The failure history of one request."""
 
-    def __init__(self, config: FailoverConfig, rng: random.Random | None = None) -> None:
+    def __init__(
+        self, config: FailoverConfig, rng: random.Random | None = None, *,
+        unmigratable: str | None = None,
+    ) -> None:
         self.config = config
+        #: why this request cannot continue on another engine once it has output (None: it can)
+        self.unmigratable = unmigratable
+        self.refused_migration = False  # it gave up for that reason
         self.retries = 0
         self.migrations = 0
         self.tried: set[str] = set()
@@ -89,6 +103,9 @@ class FailoverState:
                 return Decision.GIVE_UP
             self.retries += 1
             return Decision.RETRY
+        if self.unmigratable is not None:
+            self.refused_migration = True
+            return Decision.GIVE_UP
         if self.migrations >= self.config.max_migrations:
             return Decision.GIVE_UP
         self.migrations += 1

@@ -29,6 +29,7 @@ import enum
 import functools
 import logging
 import math
+import re
 import time
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from typing import Protocol
@@ -50,10 +51,12 @@ from direct_frontend.openai.errors import (
     OpenAIHTTPError,
     engine_timeout,
     from_engine_error,
+    invalid_request,
     no_engine_available,
     rate_limited,
 )
 from direct_frontend.openai.types import ChatRequest, CompletionRequest
+from direct_frontend.pipeline.capable import incapable, none_capable
 from direct_frontend.pipeline.dispatch import Dispatcher
 from direct_frontend.pipeline.failover import Decision, FailoverState, continuation
 from direct_frontend.pipeline.postprocess import OutputProcessor, OutputStep
@@ -69,6 +72,15 @@ log = logging.getLogger("direct_frontend.http")  # the request log's name, as it
 #: the HTTP side's writer: new text, how many tokens it covers, whether the output is
 #: complete, and the logprobs of the tokens whose text is now out (empty unless asked for)
 Emit = Callable[[str, int, bool, Sequence[TokenLogprob]], Awaitable[None]]
+
+
+#: why a constrained stream is not migrated (failover.py), as the metric's reason
+UNMIGRATABLE_CONSTRAINT = "constraint"
+#: an engine's refusal of a constrained request that names the constraint: the client's 400
+#: then names the field it sent the constraint in
+CONSTRAINT_WORDS = re.compile(
+    r"regex|grammar|schema|json|choice|structural|guided|constraint|xgrammar", re.IGNORECASE
+)
 
 
 class Phase(enum.Enum):
@@ -135,12 +147,16 @@ def first_placement(
     A 503 when no engine serves and it may not wait (any more).
     """
     request = prepared.request
+    catalog = dispatcher.fleet.catalog
+    lacking = incapable(catalog, request)
     try:
         placement = dispatcher.choose(
-            settings.policy, prepared.input_ids, request.max_tokens or 0,
-            prompt_logprobs=request.prompt_logprobs is not None,
+            settings.policy, prepared.input_ids, request.max_tokens or 0, lacking
         )
     except NoEngineAvailable:
+        refusal = none_capable(catalog, lacking)
+        if refusal is not None:
+            raise refusal from None
         if wait.may_wait(now):
             return None
         raise no_engine_available(request.model) from None
@@ -199,7 +215,10 @@ class RelayState:
         self.call = call
         self.original_call = call  # every continuation starts from the client's own prompt
         self.processor = processor
-        self.failover = FailoverState(settings.failover)
+        self.failover = FailoverState(
+            settings.failover,
+            unmigratable=UNMIGRATABLE_CONSTRAINT if call.sampling.constraint is not None else None,
+        )
         self.stall_timeout_s = settings.failover.stall_timeout_s
         # the engine-side time for the whole request
         self.deadline = now + settings.frontend.request_timeout_s
@@ -374,6 +393,13 @@ class RelayState:
         decision = self.failover.decide(error, len(self.processor.generated_ids), stint)
         if decision is Decision.GIVE_UP:
             self._give_up()
+            if self.failover.refused_migration:
+                raise EngineError(
+                    error.kind,
+                    f"{error.message}; the stream cannot continue on another engine, which "
+                    "could not enforce its structured-output constraint on the rest",
+                    engine=error.engine,
+                ) from error
             raise error
         self.failed = error
         self.place(dispatcher, now)
@@ -390,14 +416,12 @@ class RelayState:
         """
         error = self.failed
         assert error is not None, "place() before a failure"
-        self.excluded = self.failover.excluded(dispatcher.fleet.catalog)
+        catalog = dispatcher.fleet.catalog
+        self.excluded = self.failover.excluded(catalog) | incapable(catalog, self.request).keys()
         try:
             placement = dispatcher.choose(
                 self.settings.policy, self.prepared.input_ids, self.processor.remaining_tokens,
-                self.excluded, prompt_logprobs=(  # a migration's are the prompt's already
-                    self.original_call.sampling.prompt_logprobs is not None
-                    and not self.processor.generated_ids
-                ),
+                self.excluded,
             )
         except NoEngineAvailable:
             if not self.failover.all_overloaded and self.engine_wait.may_wait(now):
@@ -434,6 +458,15 @@ class RelayState:
             return engine_timeout(f"The request did not finish within {timeout:g} s.")
         if self.failover.all_overloaded:
             return rate_limited("Every engine is saturated; retry later.", retry_after=1)
+        constraint = self.call.sampling.constraint
+        if (
+            error.kind is ErrorKind.BAD_REQUEST and error.param is None and constraint is not None
+            and CONSTRAINT_WORDS.search(error.message)  # the engine could not compile it
+        ):
+            return invalid_request(
+                f"The engine could not take '{constraint.param}': {error.message}",
+                constraint.param,
+            )
         return from_engine_error(error)
 
 
@@ -596,6 +629,8 @@ class Relay:
         self.metrics.add_tokens(
             len(prepared.input_ids) if count_prompt else 0, state.processor.completion_tokens
         )
+        if state.failover.refused_migration:
+            self.metrics.migrations_refused_total.labels(state.failover.unmigratable).inc()
         if state.trace is not None:
             state.trace.usage(len(prepared.input_ids), state.processor.completion_tokens)
         if not ok:

@@ -16,7 +16,7 @@ import dataclasses
 import enum
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Literal
+from typing import Any, Literal
 
 from direct_frontend.simulator.faults import FaultPlan
 from direct_frontend.simulator.kvcache import KvAllocation, SimPrefixCache
@@ -100,6 +100,19 @@ class EngineStats:
     #: handoff a vLLM prefill leg returned (see simulator/disagg.py)
     kv_params_received: dict[str, str] = dataclasses.field(default_factory=dict)
     kv_params_returned: dict[str, str] = dataclasses.field(default_factory=dict)
+    #: the last :data:`KEPT_REQUESTS` Generate requests as received (the contract's message),
+    #: by request id, so tests can assert what reached the engine
+    received: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def receive(self, request_id: str, request: Any) -> None:
+        received = self.received
+        received[request_id] = request
+        if len(received) > KEPT_REQUESTS:
+            del received[next(iter(received))]
+
+
+#: how many Generate requests :class:`EngineStats` keeps (a soak run sends millions)
+KEPT_REQUESTS = 256
 
 
 class JobState(enum.Enum):
@@ -255,10 +268,15 @@ class SimCore:
         *,
         internal: bool = False,
         sample_seed: int | None = None,
+        forced: Sequence[int] | None = None,
     ) -> Job:
-        """Prepare a sequence (sampled with ``sample_seed``, if any); :meth:`run` admits it."""
-        scripts = None if internal else self.scripts
-        script = None if scripts is None else scripts.completion_for(prompt_ids)
+        """Prepare a sequence; :meth:`run` admits it.
+
+        ``sample_seed`` seeds its sampling; ``forced`` is a constrained request's
+        output (simulator/constraints.py), which wins over any script.
+        """
+        scripts = None if internal or forced is not None else self.scripts
+        script = forced if scripts is None else scripts.completion_for(prompt_ids)
         generation = Generation(self.model, prompt_ids, criteria, sample_seed, script)
         job = Job(request_id, generation, internal=internal)
         job.prompt_ids = prompt_ids

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -153,6 +154,23 @@ def test_pd_text_and_usage_equal_the_aggregated_reference(
             handoff = source.stats.kv_params_returned[rid]
             assert decode[rid] == handoff  # relayed verbatim
             assert json.loads(handoff)["remote_engine_id"] == source.config.kv_engine_id
+
+
+def test_a_constraint_rides_on_the_decode_leg(pd: Daemon, sims: dict[str, Any]) -> None:
+    """The decode leg's output is the client's: it carries the constraint (and satisfies it)."""
+    pattern = "[a-z]{5}-[0-9]{3}"
+    reply = client(pd).chat.completions.create(
+        model="demo", messages=CHAT, max_tokens=TOKENS, extra_body={"guided_regex": pattern},
+    )
+    assert re.fullmatch(pattern, reply.choices[0].message.content or "")
+    rid = list(sims["d"].stats.received)[-1]
+    decode = sims["d"].stats.received[rid].sampling_params
+    assert decode.regex == pattern
+    prefill = next(s.stats.received[rid] for s in (sims["p1"], sims["p2"])
+                   if rid in s.stats.received).sampling_params
+    # vLLM's prefill leg's one token is discarded, so it compiles no grammar; SGLang sends
+    # one request to both legs
+    assert prefill.regex == ("" if kind_of(pd) == "vllm" else pattern)
 
 
 def test_pairs_rotate_over_the_prefill_engines(pd: Daemon, sims: dict[str, Any]) -> None:

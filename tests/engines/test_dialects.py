@@ -37,6 +37,8 @@ from direct_frontend.engines.dialects.base import (
     ENGINE_ABORTED,
     Dialect,
     Rpc,
+    choice_regex,
+    missing_capability,
 )
 from direct_frontend.engines.dialects.sglang import ROOM_LIMIT, SglangDialect
 from direct_frontend.engines.dialects.vllm import (
@@ -48,6 +50,8 @@ from direct_frontend.engines.dialects.vllm import (
 from direct_frontend.engines.neutral import (
     INT32_MAX,
     UINT32_MAX,
+    Constraint,
+    ConstraintKind,
     Disaggregation,
     EngineEvent,
     EngineInfo,
@@ -128,15 +132,40 @@ FULL = SamplingOptions(
     stop_token_ids=(7, 9),
     ignore_eos=True,
     min_tokens=3,
+    logit_bias=((7, -100.0), (42, 2.5)),
+    skip_special_tokens=False,
 )
 PLAIN = SamplingOptions(max_tokens=16)  # every OpenAI default
 HUGE_SEED = SamplingOptions(max_tokens=1, seed=-(2**40) - 5)
+SCHEMA = '{"type":"object","properties":{"a":{"type":"integer"}}}'
+CONSTRAINTS = {
+    "json-schema": Constraint(ConstraintKind.JSON_SCHEMA, SCHEMA),
+    "json-object": Constraint(ConstraintKind.JSON_OBJECT),
+    "regex": Constraint(ConstraintKind.REGEX, "[a-z]+"),
+    "grammar": Constraint(ConstraintKind.GRAMMAR, 'root ::= "yes" | "no"'),
+    "choice": Constraint(ConstraintKind.CHOICE, choices=("a.b", "c|d (e)")),
+    "tag": Constraint(ConstraintKind.STRUCTURAL_TAG, '{"type":"structural_tag"}'),
+}
 
 REQUESTS: dict[str, GenerateCall] = {
     "full-stream": GenerateCall("req-full", PROMPT, FULL, stream=True, original_text="hi"),
     "plain-whole": GenerateCall("req-plain", PROMPT, PLAIN, stream=False),
     "huge-seed": GenerateCall("req-seed", PROMPT, HUGE_SEED, stream=True),
+    **{
+        name: GenerateCall(f"req-{name}", PROMPT, dataclasses.replace(PLAIN, constraint=c))
+        for name, c in CONSTRAINTS.items()
+    },
 }
+
+
+def carried(kind: str, call: GenerateCall) -> GenerateCall:
+    """``call`` less what ``kind``'s contract cannot carry (a seed, a logit bias)."""
+    capabilities = dialect_for(kind).capabilities
+    while (missing := missing_capability(capabilities, call.sampling)) is not None:
+        call = dataclasses.replace(call, sampling=dataclasses.replace(
+            call.sampling, **{missing: None if missing == "seed" else ()}
+        ))
+    return call
 
 
 @pytest.fixture(scope="module")
@@ -144,7 +173,7 @@ def parsed_requests() -> dict[str, tuple[dict[str, Any], dict[str, str | None]]]
     parse: list[tuple[str, str, str, bytes]] = []
     for kind in KINDS:
         dialect = dialect_for(kind)
-        rpcs = {name: dialect.generate(call) for name, call in REQUESTS.items()}
+        rpcs = {name: dialect.generate(carried(kind, call)) for name, call in REQUESTS.items()}
         rpcs["abort"] = dialect.abort("req-full", "gone")
         rpcs["health"] = dialect.health()
         for name, rpc in rpcs.items():
@@ -167,6 +196,8 @@ def test_sglang_requests_parse_as_intended(parsed_requests: dict[str, Any]) -> N
     assert params["stop_token_ids"] == [7, 9]
     assert "stop" not in params  # stop strings stay in the frontend
     assert "seed" not in str(params)  # the contract has no seed
+    assert params["logit_bias"] == {"7": -100.0, "42": 2.5}  # keyed by the id's string
+    assert "skip_special_tokens" not in params  # False
 
     plain, _ = parsed_requests["sglang/plain-whole"]
     assert "stream" not in plain  # False
@@ -190,6 +221,8 @@ def test_vllm_requests_parse_as_intended(parsed_requests: dict[str, Any]) -> Non
     assert params["top_k"] == 40 and params["min_tokens"] == 3 and params["ignore_eos"]
     assert params["stop_token_ids"] == [7, 9]
     assert params["frequency_penalty"] == 0.25 and params["presence_penalty"] == 0.5
+    assert params["logit_bias"] == {"7": -100.0, "42": 2.5}
+    assert "skip_special_tokens" not in params  # False
     assert "stop" not in params
 
     plain, _ = parsed_requests["vllm/plain-whole"]
@@ -231,6 +264,73 @@ def test_trtllm_requests_parse_as_intended(parsed_requests: dict[str, Any]) -> N
 
     abort, _ = parsed_requests["trtllm/abort"]
     assert abort == {"request_id": "req-full"}
+
+
+ANY_OBJECT = '{"type":"object"}'
+CHOICE_REGEX = r"(a\.b|c\|d \(e\))"
+#: per kind, each constraint's (oneof member, value) as the package parses it
+CONSTRAINT_FIELDS: dict[str, dict[str, tuple[str, object]]] = {
+    "sglang": {
+        "json-schema": ("json_schema", SCHEMA),
+        "json-object": ("json_schema", ANY_OBJECT),
+        "regex": ("regex", "[a-z]+"),
+        "grammar": ("ebnf_grammar", 'root ::= "yes" | "no"'),
+        "choice": ("regex", CHOICE_REGEX),
+        "tag": ("structural_tag", '{"type":"structural_tag"}'),
+    },
+    "vllm": {
+        "json-schema": ("json_schema", SCHEMA),
+        "json-object": ("json_object", True),
+        "regex": ("regex", "[a-z]+"),
+        "grammar": ("grammar", 'root ::= "yes" | "no"'),
+        "choice": ("choice", {"choices": ["a.b", "c|d (e)"]}),
+        "tag": ("structural_tag", '{"type":"structural_tag"}'),
+    },
+    "trtllm": {
+        "json-schema": ("GUIDE_TYPE_JSON_SCHEMA", SCHEMA),
+        "json-object": ("GUIDE_TYPE_JSON_SCHEMA", ANY_OBJECT),
+        "regex": ("GUIDE_TYPE_REGEX", "[a-z]+"),
+        "grammar": ("GUIDE_TYPE_EBNF_GRAMMAR", 'root ::= "yes" | "no"'),
+        "choice": ("GUIDE_TYPE_REGEX", CHOICE_REGEX),
+        "tag": ("GUIDE_TYPE_STRUCTURAL_TAG", '{"type":"structural_tag"}'),
+    },
+}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("name", sorted(CONSTRAINTS))
+def test_constraints_reach_each_contract(
+    parsed_requests: dict[str, Any], kind: str, name: str
+) -> None:
+    request, _ = parsed_requests[f"{kind}/{name}"]
+    member, value = CONSTRAINT_FIELDS[kind][name]
+    if kind == "trtllm":
+        assert request["guided_decoding"] == {"guide_type": member, "guide": value}
+        return
+    params = request["sampling_params"]
+    assert params[member] == value
+    assert sum(field in params for field in ("json_schema", "regex", "grammar", "ebnf_grammar",
+                                             "choice", "json_object", "structural_tag")) == 1
+
+
+@pytest.mark.parametrize(
+    ("kind", "missing"), [("sglang", "seed"), ("trtllm", "logit_bias")]
+)
+def test_a_field_the_contract_lacks_is_refused_naming_it(kind: str, missing: str) -> None:
+    """Routing keeps such requests off the kind; sent one anyway, the dialect says no."""
+    sampling = dataclasses.replace(PLAIN, **{missing: 7 if missing == "seed" else ((1, 1.0),)})
+    with pytest.raises(EngineError) as raised:
+        dialect_for(kind).generate(GenerateCall("r", PROMPT, sampling))
+    assert raised.value.kind is ErrorKind.BAD_REQUEST and raised.value.param == missing
+
+
+def test_a_choice_regex_matches_each_choice_literally() -> None:
+    import re
+
+    choices = ("a.b", "c|d (e)", "x*+?^$[]{}\\/")
+    pattern = re.compile(choice_regex(choices))
+    assert all(pattern.fullmatch(c) for c in choices)
+    assert not pattern.fullmatch("axb") and not pattern.fullmatch("c")
 
 
 def test_int32_seed_folds_deterministically() -> None:
@@ -963,6 +1063,7 @@ def test_the_edges_every_contract_carries_are_built(kind: str) -> None:
         stop_token_ids=(0, UINT32_MAX), top_k=UINT32_MAX, repetition_penalty=3.4e38,
         seed=2**63 - 1,
     )
+    edges = carried(kind, edges)  # SGLang takes no seed at all
     dialect.check(edges)
     dialect.generate(edges).request.SerializeToString()
 

@@ -381,11 +381,10 @@ def test_stop_strings_up_to_the_bound_are_fine() -> None:
         ({"stream": False, "stream_options": {"include_usage": True}}, "stream_options", "stream"),
         ({"top_logprobs": 3}, "top_logprobs", "requires 'logprobs'"),
         ({"logprobs": False, "top_logprobs": 0}, "top_logprobs", "requires 'logprobs'"),
-        ({"response_format": {"type": "json_object"}}, "response_format.type", "not supported"),
         (
             {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
-            "response_format.type",
-            "json_schema",
+            "response_format.json_schema.schema",
+            "Missing required parameter",
         ),
         ({"tool_choice": "required"}, "tool_choice", "not supported"),
         ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice", "not"),
@@ -463,7 +462,7 @@ def test_completion_defaults_and_fields() -> None:
         ({"n": 3, "best_of": 2}, "best_of", "must not be less than n (3)"),
         ({"n": 2, "best_of": 3}, "best_of", "only best_of equal to n (2)"),
         ({"temperature": 9}, "temperature", "Invalid value"),
-        ({"response_format": {"type": "json_object"}}, "response_format.type", "not supported"),
+        ({"response_format": {"type": "yaml"}}, "response_format.type", "'yaml'"),
         ({"stream_options": {"include_usage": True}}, "stream_options", "only allowed"),
     ],
 )

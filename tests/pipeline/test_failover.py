@@ -36,6 +36,17 @@ def test_failure_after_tokens_migrates_up_to_the_limit() -> None:
     assert state.decide(err(ErrorKind.PROTOCOL, "b"), 9) is Decision.GIVE_UP
 
 
+def test_a_constrained_request_is_retried_but_never_migrated() -> None:
+    state = FailoverState(
+        FailoverConfig.from_fleet(FaultsConfig(max_retries=2, max_migrations=3)),
+        unmigratable="constraint",
+    )
+    assert state.decide(err(ErrorKind.UNAVAILABLE), 0) is Decision.RETRY
+    assert not state.refused_migration
+    assert state.decide(err(ErrorKind.UNAVAILABLE, "b"), 4) is Decision.GIVE_UP
+    assert state.refused_migration and state.migrations == 0
+
+
 def test_client_errors_and_cancellation_are_never_retried() -> None:
     for kind in (ErrorKind.BAD_REQUEST, ErrorKind.CANCELLED, ErrorKind.INTERNAL):
         state = FailoverState(FailoverConfig.from_fleet(FaultsConfig()))

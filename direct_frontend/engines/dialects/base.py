@@ -26,6 +26,8 @@ from direct_frontend.engines.neutral import (
     FLOAT32_MAX,
     INT32_MAX,
     UINT32_MAX,
+    Constraint,
+    ConstraintKind,
     EngineEvent,
     EngineInfo,
     Finished,
@@ -57,6 +59,70 @@ class Capabilities:
     bootstrap_server: bool = False
     #: the contract returns prompt logprobs with the first output (completions ``echo``)
     prompt_logprobs: bool = True
+    #: the structured-output constraints the contract carries (natively or translated)
+    constraints: frozenset[ConstraintKind] = frozenset(ConstraintKind)
+    #: sampling fields only some contracts carry, that this one does (see :data:`OPTIONAL`)
+    optional: frozenset[str] = frozenset()
+
+
+#: sampling fields some contracts lack: a request that sets one goes to a kind that carries it
+OPTIONAL: tuple[str, ...] = ("seed", "logit_bias")
+
+
+class OptionalFields(Protocol):
+    """The fields only some kinds carry: on :class:`SamplingOptions`, and on a parsed request."""
+
+    @property
+    def seed(self) -> int | None: ...
+
+    @property
+    def logit_bias(self) -> tuple[tuple[int, float], ...]: ...
+
+    @property
+    def constraint(self) -> Constraint | None: ...
+
+    @property
+    def prompt_logprobs(self) -> int | None: ...
+
+
+def missing_capability(capabilities: Capabilities, sampling: OptionalFields) -> str | None:
+    """The request field ``sampling`` sets that a kind with ``capabilities`` cannot carry.
+
+    Routing avoids such engines (pipeline/capable.py); the dialect refuses
+    the request outright if it is sent one anyway.
+    """
+    constraint = sampling.constraint
+    if constraint is not None and constraint.kind not in capabilities.constraints:
+        return constraint.param
+    optional = capabilities.optional
+    if sampling.seed is not None and "seed" not in optional:
+        return "seed"
+    if sampling.logit_bias and "logit_bias" not in optional:
+        return "logit_bias"
+    if sampling.prompt_logprobs is not None and not capabilities.prompt_logprobs:
+        return "echo"  # prompt logprobs are asked for by echo with logprobs
+    return None
+
+
+def escape_choice(choice: str) -> str:
+    """``choice`` as a regex that matches it literally, in the grammar backends' regex syntax.
+
+    Only the characters special in that syntax are escaped (Python's
+    ``re.escape`` escapes more, such as spaces, which not every backend reads).
+    """
+    return "".join("\\" + c if c in _REGEX_SPECIAL else c for c in choice)
+
+
+_REGEX_SPECIAL = frozenset("\\.^$|?*+()[]{}/")
+
+
+def choice_regex(choices: Sequence[str]) -> str:
+    """A regex matching exactly one of ``choices``: a choice for kinds without that constraint."""
+    return "(" + "|".join(escape_choice(c) for c in choices) + ")"
+
+
+#: the schema a json_object request stands for, for a contract without its own json_object
+ANY_OBJECT_SCHEMA = '{"type":"object"}'
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -464,6 +530,14 @@ class Dialect(abc.ABC):
                 f"Prompt logprobs ('echo' with 'logprobs') are not available from {self.kind} "
                 "engines: their contract returns them only with the last message.",
                 param="echo",
+            )
+        param = missing_capability(self.capabilities, call.sampling)
+        if param is not None:
+            raise EngineError(
+                ErrorKind.BAD_REQUEST,
+                f"'{param}' is not supported by {self.kind} engines (their contract cannot "
+                "carry it).",
+                param=param,
             )
 
     @abc.abstractmethod

@@ -13,9 +13,19 @@ field 10: the prefill engine's bootstrap host and port, and a random room in
 ``[0, 2^31 - 1)``), the same on both legs, which run in parallel; the client
 is served from the decode leg (§9.1).
 
-A request's ``seed`` cannot be sent: ``SamplingParams`` has no seed field
-(``custom_params`` feed a custom logit processor, not the sampler), so SGLang
-samples unseeded. Stop strings are applied by the frontend, as for every kind.
+A request's ``seed`` cannot be sent: ``SamplingParams`` has no seed field.
+SGLang's engine has one (``sampling_seed``, used by its deterministic
+sampling), but its gRPC servicer builds the engine's sampling parameters
+from the contract's fields only, and ``custom_params`` feed a custom logit
+processor, not the sampler. So the capability is missing: a seeded request
+goes to another kind, or is refused with a 400 naming ``seed``, instead of
+being sampled unseeded behind the client's back.
+
+Structured outputs go in the ``constraint`` oneof (regex, json_schema,
+ebnf_grammar, structural_tag); as SGLang's own server does, ``json_object``
+is the schema ``{"type":"object"}``, and a choice becomes the regex of its
+alternatives. ``logit_bias`` is a map keyed by the token id's decimal
+string. Stop strings are applied by the frontend, as for every kind.
 
 Logprobs: ``return_logprob`` with ``top_logprobs_num`` (one count for output
 and prompt) and ``logprob_start_len`` -1 unless the prompt's are wanted (0, its
@@ -38,6 +48,7 @@ from grpclib.const import Status
 from grpclib.exceptions import GRPCError
 
 from direct_frontend.engines.dialects.base import (
+    ANY_OBJECT_SCHEMA,
     Capabilities,
     LegPlan,
     PairingFacts,
@@ -47,11 +58,14 @@ from direct_frontend.engines.dialects.base import (
     StreamDecoder,
     WireLimits,
     bootstrap_address,
+    choice_regex,
     classify_exception,
     engine_aborted,
 )
 from direct_frontend.engines.neutral import (
     INT32_MAX,
+    Constraint,
+    ConstraintKind,
     Disaggregation,
     EngineInfo,
     EngineRole,
@@ -65,6 +79,22 @@ ROLES = {"prefill": EngineRole.PREFILL, "decode": EngineRole.DECODE, "null": Eng
 ROOM_LIMIT = 2**31 - 1  # bootstrap_room is an int32: rooms are drawn from [0, ROOM_LIMIT)
 
 
+def constraint_field(constraint: Constraint) -> tuple[str, str]:
+    """The ``constraint`` oneof member and value a neutral constraint is sent as."""
+    kind = constraint.kind
+    if kind is ConstraintKind.JSON_SCHEMA:
+        return "json_schema", constraint.text
+    if kind is ConstraintKind.JSON_OBJECT:
+        return "json_schema", ANY_OBJECT_SCHEMA
+    if kind is ConstraintKind.REGEX:
+        return "regex", constraint.text
+    if kind is ConstraintKind.CHOICE:
+        return "regex", choice_regex(constraint.choices)
+    if kind is ConstraintKind.GRAMMAR:
+        return "ebnf_grammar", constraint.text
+    return "structural_tag", constraint.text
+
+
 class SglangStreamDecoder(SmgStreamDecoder):
     """Decoder for one SGLang Generate stream (chunk counts are cumulative)."""
 
@@ -75,7 +105,9 @@ class SglangStreamDecoder(SmgStreamDecoder):
 
 class SglangDialect(SmgDialect):
     kind: ClassVar[str] = "sglang"
-    capabilities: ClassVar[Capabilities] = Capabilities(prefill_decode=True, bootstrap_server=True)
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        prefill_decode=True, bootstrap_server=True, optional=frozenset({"logit_bias"})
+    )
     limits: ClassVar[WireLimits] = WireLimits(top_k=INT32_MAX)  # top_k is an int32 here
     service: ClassVar[str] = SERVICE
     pb: ClassVar[ModuleType] = pb
@@ -83,24 +115,30 @@ class SglangDialect(SmgDialect):
     def generate(self, call: GenerateCall) -> Rpc:
         self.check(call)
         s = call.sampling
+        params: dict[str, Any] = {
+            "temperature": s.temperature,
+            "top_p": s.top_p,
+            "top_k": s.top_k if 0 < s.top_k <= INT32_MAX else -1,  # beyond: all tokens
+            "min_p": s.min_p,
+            "frequency_penalty": s.frequency_penalty,
+            "presence_penalty": s.presence_penalty,
+            "repetition_penalty": s.repetition_penalty,
+            "max_new_tokens": s.max_tokens,
+            "stop_token_ids": s.stop_token_ids,
+            "min_new_tokens": s.min_tokens,
+            "ignore_eos": s.ignore_eos,
+            "skip_special_tokens": s.skip_special_tokens,
+        }
+        if s.logit_bias:
+            params["logit_bias"] = {str(token): bias for token, bias in s.logit_bias}
+        if s.constraint is not None:
+            field, value = constraint_field(s.constraint)
+            params[field] = value
         # Sub-messages as dicts: protobuf builds them in place instead of copying.
         request = pb.GenerateRequest(
             request_id=call.request_id,
             tokenized={"original_text": call.original_text, "input_ids": call.input_ids},
-            sampling_params={
-                "temperature": s.temperature,
-                "top_p": s.top_p,
-                "top_k": s.top_k if 0 < s.top_k <= INT32_MAX else -1,  # beyond: all tokens
-                "min_p": s.min_p,
-                "frequency_penalty": s.frequency_penalty,
-                "presence_penalty": s.presence_penalty,
-                "repetition_penalty": s.repetition_penalty,
-                "max_new_tokens": s.max_tokens,
-                "stop_token_ids": s.stop_token_ids,
-                "min_new_tokens": s.min_tokens,
-                "ignore_eos": s.ignore_eos,
-                "skip_special_tokens": True,
-            },
+            sampling_params=params,
             stream=call.stream,
         )
         if s.logprobs is not None:  # logprobs: one top count serves output and prompt

@@ -13,6 +13,14 @@ or "": an empty one is derived (a matched stop, else the budget used up,
 else a stop); "cancelled" (an abort), "abort", "error" and "timeout" are
 engine-side failures.
 
+Structured outputs go in ``guided_decoding`` (field 11: a guide type and
+its text). ``json_object`` is sent as the schema ``{"type":"object"}``
+(``GUIDE_TYPE_JSON`` would allow any JSON value, not only an object), and a
+choice as the regex of its alternatives; the engine must run with a guided
+decoding backend (``guided_decoding_backend: xgrammar``) or it refuses them.
+``logit_bias`` has no place here (``embedding_bias`` is a whole-vocabulary
+tensor), so it is a missing capability: such requests go to other kinds.
+
 Stop strings (field 21) are never sent: the frontend applies stop strings
 itself for every engine kind, so all kinds stop at the same place and
 TensorRT-LLM's own tokenization of them never matters.
@@ -39,6 +47,7 @@ from types import ModuleType
 from typing import Any, ClassVar
 
 from direct_frontend.engines.dialects.base import (
+    ANY_OBJECT_SCHEMA,
     LOGPROB_FLOOR,
     Capabilities,
     HealthResult,
@@ -47,12 +56,15 @@ from direct_frontend.engines.dialects.base import (
     StreamDecoder,
     WireLimits,
     after_terminal,
+    choice_regex,
     matched_stop,
     ranked,
     unusual_finish,
 )
 from direct_frontend.engines.neutral import (
     INT32_MAX,
+    Constraint,
+    ConstraintKind,
     EngineEvent,
     EngineInfo,
     EngineRole,
@@ -66,6 +78,29 @@ from direct_frontend.errors import EngineError, ErrorKind
 from protos import trtllm_service_pb2 as pb
 
 SERVICE = "/trtllm.TrtllmService"
+_GUIDES = pb.GuidedDecodingParams
+GUIDE_TYPES = {
+    ConstraintKind.JSON_SCHEMA: _GUIDES.GUIDE_TYPE_JSON_SCHEMA,
+    ConstraintKind.JSON_OBJECT: _GUIDES.GUIDE_TYPE_JSON_SCHEMA,
+    ConstraintKind.REGEX: _GUIDES.GUIDE_TYPE_REGEX,
+    ConstraintKind.CHOICE: _GUIDES.GUIDE_TYPE_REGEX,
+    ConstraintKind.GRAMMAR: _GUIDES.GUIDE_TYPE_EBNF_GRAMMAR,
+    ConstraintKind.STRUCTURAL_TAG: _GUIDES.GUIDE_TYPE_STRUCTURAL_TAG,
+}
+
+
+def guided_decoding(constraint: Constraint) -> tuple[pb.GuidedDecodingParams.GuideType, str]:
+    """The ``GuidedDecodingParams`` guide type and guide for a neutral constraint."""
+    kind = constraint.kind
+    if kind is ConstraintKind.JSON_OBJECT:
+        guide = ANY_OBJECT_SCHEMA
+    elif kind is ConstraintKind.CHOICE:
+        guide = choice_regex(constraint.choices)
+    else:
+        guide = constraint.text
+    return GUIDE_TYPES[kind], guide
+
+
 NORMAL_FINISHES = {"stop": FinishReason.STOP, "stop_word": FinishReason.STOP,
                    "length": FinishReason.LENGTH}
 
@@ -173,7 +208,7 @@ class TrtllmDialect(SmgDialect):
     kind: ClassVar[str] = "trtllm"
     #: prompt logprobs come only in the terminal message, after the text they would lead
     capabilities: ClassVar[Capabilities] = Capabilities(
-        prefill_decode=False, prompt_logprobs=False
+        prefill_decode=False, prompt_logprobs=False, optional=frozenset({"seed"})
     )
     limits: ClassVar[WireLimits] = WireLimits(top_k=INT32_MAX)  # top_k is an int32 here
     service: ClassVar[str] = SERVICE
@@ -214,6 +249,10 @@ class TrtllmDialect(SmgDialect):
             stop_token_ids=s.stop_token_ids,
             ignore_eos=s.ignore_eos,
         )
+        if s.constraint is not None:
+            guide_type, guide = guided_decoding(s.constraint)
+            request.guided_decoding.guide_type = guide_type
+            request.guided_decoding.guide = guide
         return Rpc(f"{SERVICE}/Generate", request, pb.GenerateResponse)
 
     def stream_decoder(self, call: GenerateCall) -> StreamDecoder:

@@ -23,11 +23,13 @@ decode leg; Mooncake instead pairs the legs by a router-minted
 per connector, and a Mooncake engine with data-parallel ranks cannot be a
 named prefill engine.
 
-``seed`` is an int32 here while OpenAI allows int64: a seed outside int32 is
-folded to its low 32 bits (two's complement), so a given seed still always
-reproduces the same output. Stop strings are applied by the frontend, as for
-every kind, so ``stop`` is never sent (it would also switch on the servicer's
-detokenizer for nothing).
+Every constraint kind has its own member of the ``constraint`` oneof
+(``choice`` a ``ChoiceConstraint``, ``json_object`` a bool); ``logit_bias``
+is a map keyed by token id. ``seed`` is an int32 here while OpenAI allows
+int64: a seed outside int32 is folded to its low 32 bits (two's complement),
+so a given seed still always reproduces the same output. Stop strings are
+applied by the frontend, as for every kind, so ``stop`` is never sent (it
+would also switch on the servicer's detokenizer for nothing).
 
 Logprobs: ``logprobs``/``prompt_logprobs`` ask one more than the client's
 top count (:func:`logprob_count`). Chunks carry their delta's logprobs, the
@@ -59,6 +61,8 @@ from direct_frontend.engines.dialects.base import (
 )
 from direct_frontend.engines.neutral import (
     UINT32_MAX,
+    Constraint,
+    ConstraintKind,
     Disaggregation,
     EngineInfo,
     EngineRole,
@@ -93,8 +97,13 @@ def kv_connector(info: EngineInfo) -> str:
 
 
 def prefill_leg(call: GenerateCall, params_json: str = PREFILL_PARAMS) -> GenerateCall:
-    """The prefill leg: one token (discarded), the KV kept for the decode engine."""
-    sampling = dataclasses.replace(call.sampling, max_tokens=1, min_tokens=0)
+    """The prefill leg: one token (discarded), the KV kept for the decode engine.
+
+    Its token is never output, so it carries no constraint (the decode leg's
+    grammar starts at the first token the client sees), and no grammar is
+    compiled on the prefill engine for nothing.
+    """
+    sampling = dataclasses.replace(call.sampling, max_tokens=1, min_tokens=0, constraint=None)
     return dataclasses.replace(
         call, sampling=sampling, stream=False,
         disaggregation=Disaggregation(kv_transfer_params_json=params_json),
@@ -123,6 +132,16 @@ def mooncake_legs(call: GenerateCall, prefill: PairingFacts, transfer_id: str) -
         parallel=False,
         relays_kv_params=False,
     )
+
+
+def constraint_field(constraint: Constraint) -> tuple[str, object]:
+    """The ``constraint`` oneof member and value a neutral constraint is sent as."""
+    kind = constraint.kind
+    if kind is ConstraintKind.JSON_OBJECT:
+        return "json_object", True
+    if kind is ConstraintKind.CHOICE:
+        return "choice", {"choices": constraint.choices}
+    return kind.value, constraint.text  # json_schema, regex, grammar, structural_tag
 
 
 def int32_seed(seed: int) -> int:
@@ -163,7 +182,9 @@ class VllmStreamDecoder(SmgStreamDecoder):
 
 class VllmDialect(SmgDialect):
     kind: ClassVar[str] = "vllm"
-    capabilities: ClassVar[Capabilities] = Capabilities(prefill_decode=True, text_input=True)
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        prefill_decode=True, text_input=True, optional=frozenset({"seed", "logit_bias"})
+    )
     limits: ClassVar[WireLimits] = WireLimits(top_k=UINT32_MAX)  # top_k is a uint32 here
     service: ClassVar[str] = SERVICE
     pb: ClassVar[ModuleType] = pb
@@ -186,6 +207,7 @@ class VllmDialect(SmgDialect):
             "min_tokens": s.min_tokens,
             "stop_token_ids": s.stop_token_ids,
             "ignore_eos": s.ignore_eos,
+            "skip_special_tokens": s.skip_special_tokens,
         }
         if s.seed is not None:
             params["seed"] = int32_seed(s.seed)
@@ -193,6 +215,11 @@ class VllmDialect(SmgDialect):
             params["logprobs"] = logprob_count(s.logprobs)
         if s.prompt_logprobs is not None:
             params["prompt_logprobs"] = logprob_count(s.prompt_logprobs)
+        if s.logit_bias:
+            params["logit_bias"] = dict(s.logit_bias)
+        if s.constraint is not None:
+            field, value = constraint_field(s.constraint)
+            params[field] = value
         request = pb.GenerateRequest(
             request_id=call.request_id,
             tokenized={"original_text": call.original_text, "input_ids": call.input_ids},

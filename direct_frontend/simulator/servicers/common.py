@@ -18,7 +18,9 @@ from typing import Any, NoReturn, Protocol, TypeVar
 
 import grpclib.server
 from grpclib import GRPCError, Status
+from tokenizers import Tokenizer
 
+from direct_frontend.simulator.constraints import InvalidConstraint, Unsupported, constrained_text
 from direct_frontend.simulator.core import SimCore
 from direct_frontend.simulator.model import Finish
 from protos import common_pb2
@@ -57,7 +59,41 @@ async def generate_request(core: SimCore, stream: grpclib.server.Stream[NamedT, 
     assert request is not None
     traceparent = stream.metadata.get("traceparent") if stream.metadata else None
     core.note_request(request.request_id, None if traceparent is None else str(traceparent))
+    core.stats.receive(request.request_id, request)
     return request
+
+
+_tokenizers: dict[str, Tokenizer] = {}
+
+
+def constrained_output(
+    core: SimCore, constraint: tuple[str, str | Sequence[str]] | None, prompt: Sequence[int]
+) -> tuple[int, ...] | None:
+    """A constrained request's output tokens (None: no constraint), or the engine's refusal.
+
+    ``constraint`` is the contract's constraint kind and value. The text is
+    drawn from the prompt's hash, so every engine of one model writes the same.
+    """
+    if constraint is None:
+        return None
+    kind, value = constraint
+    try:
+        text = constrained_text(kind, value, core.model.state_of(prompt))
+    except Unsupported as exc:
+        raise GRPCError(Status.UNIMPLEMENTED, str(exc)) from None
+    except InvalidConstraint as exc:
+        raise GRPCError(Status.INVALID_ARGUMENT, f"Invalid {kind} constraint: {exc}") from None
+    directory = core.config.tokenizer_path
+    if not directory:
+        raise GRPCError(
+            Status.UNIMPLEMENTED, "The simulator needs a tokenizer to honour a constraint"
+        )
+    tokenizer = _tokenizers.get(directory)
+    if tokenizer is None:
+        tokenizer = _tokenizers[directory] = Tokenizer.from_file(
+            str(Path(directory) / "tokenizer.json")
+        )
+    return tuple(tokenizer.encode(text, add_special_tokens=False).ids)
 
 
 def check_prompt(core: SimCore, prompt: Sequence[int], limit: int) -> None:

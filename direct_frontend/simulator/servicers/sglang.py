@@ -23,6 +23,7 @@ from direct_frontend.simulator.servicers.common import (
     abort_named,
     capped,
     check_prompt,
+    constrained_output,
     generate_request,
     now_iso,
     refuse,
@@ -93,7 +94,10 @@ class SglangServicer(SmgServicer, SglangSchedulerBase):
             stop_token_ids=frozenset(params.stop_token_ids),
             ignore_eos=params.ignore_eos,
         )
-        job = core.new_job(request_id, prompt, criteria)
+        which = params.WhichOneof("constraint")
+        constraint = None if which is None else (which, getattr(params, which))
+        forced = constrained_output(core, constraint, prompt)
+        job = core.new_job(request_id, prompt, criteria, forced=forced)
         job.cached_tokens = handoff.transferred
         output = job.generation.output_ids
         prompt_tokens = len(prompt)

@@ -21,12 +21,23 @@ from direct_frontend.simulator.servicers.common import (
     abort_named,
     capped,
     check_prompt,
+    constrained_output,
     generate_request,
     matched_stop_token,
     refuse,
 )
 from protos import common_pb2, trtllm_service_pb2
 from protos.trtllm_service_grpc import TrtllmServiceBase
+
+_GUIDES = trtllm_service_pb2.GuidedDecodingParams
+#: a guide type as the simulator's constraint kind (any JSON: an object is some)
+_GUIDE_KINDS = {
+    _GUIDES.GUIDE_TYPE_JSON: "json_object",
+    _GUIDES.GUIDE_TYPE_JSON_SCHEMA: "json_schema",
+    _GUIDES.GUIDE_TYPE_REGEX: "regex",
+    _GUIDES.GUIDE_TYPE_EBNF_GRAMMAR: "ebnf_grammar",
+    _GUIDES.GUIDE_TYPE_STRUCTURAL_TAG: "structural_tag",
+}
 
 
 class TrtllmServicer(SimServicer, TrtllmServiceBase):
@@ -56,10 +67,15 @@ class TrtllmServicer(SimServicer, TrtllmServiceBase):
             stop_token_ids=frozenset(request.stop_token_ids),
             ignore_eos=request.ignore_eos,
         )
+        constraint = None
+        if request.HasField("guided_decoding"):
+            guide = request.guided_decoding
+            constraint = (_GUIDE_KINDS.get(guide.guide_type, "unspecified"), guide.guide)
         temperature = sampling.temperature if sampling.HasField("temperature") else 1.0
         seeded = sampling.HasField("seed") and temperature > 0
         job = core.new_job(
-            request_id, prompt, criteria, sample_seed=sampling.seed if seeded else None
+            request_id, prompt, criteria, sample_seed=sampling.seed if seeded else None,
+            forced=constrained_output(core, constraint, prompt),
         )
         output = job.generation.output_ids
         prompt_tokens = len(prompt)

@@ -23,6 +23,7 @@ from direct_frontend.simulator.servicers.common import (
     SmgServicer,
     capped,
     check_prompt,
+    constrained_output,
     generate_request,
     matched_stop_token,
     now_iso,
@@ -61,6 +62,21 @@ def _logprob_count(params: vllm_engine_pb2.SamplingParams, field: str) -> int | 
             f"{MAX_LOGPROBS}",
         )
     return RANKS if count == -1 else count
+def _constraint(
+    params: vllm_engine_pb2.SamplingParams,
+) -> tuple[str, str | Sequence[str]] | None:
+    """The ``constraint`` oneof as the simulator's (kind, value), a choice's being its list."""
+    which = params.WhichOneof("constraint")
+    if which is None:
+        return None
+    if which == "choice":
+        return which, list(params.choice.choices)
+    if which == "json_object":
+        return which, ""
+    if which == "grammar":
+        return "ebnf_grammar", params.grammar
+    value: str = getattr(params, which)
+    return which, value
 
 
 def _complete(
@@ -125,7 +141,8 @@ class VllmServicer(SmgServicer, VllmEngineBase):
         temperature = params.temperature if params.HasField("temperature") else 1.0
         seeded = params.HasField("seed") and temperature > 0
         job = core.new_job(
-            request.request_id, prompt, criteria, sample_seed=params.seed if seeded else None
+            request.request_id, prompt, criteria, sample_seed=params.seed if seeded else None,
+            forced=constrained_output(core, _constraint(params), prompt),
         )
         job.cached_tokens = handoff.transferred
         output = job.generation.output_ids
