@@ -32,7 +32,6 @@ from direct_frontend.fleet.address import (
     split_url,
 )
 from direct_frontend.fleet.checker import (
-    Checker,
     Table,
     default_of,
     described,

@@ -13,8 +13,10 @@ across the fleet. These are the checks of the tables themselves and of the
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from pathlib import Path
 
+from direct_frontend.engines.neutral import EngineInfo
 from direct_frontend.fleet.checker import (
     Checker,
     Table,
@@ -57,7 +59,22 @@ class ModelTables(Checker):
                 if first != index or sum(n == name for _, n in named) > 1:
                     self.report(where, f"{name!r} is already used by model[{first}]")
             models.append(model)
+        self.one_block_size(models)
         return models
+
+    def one_block_size(self, models: list[ModelConfig]) -> None:
+        """Models routed ``kv_aware`` share the fleet's one KV index, so one block size."""
+        first: tuple[int, int] | None = None
+        for index, model in enumerate(models, 1):
+            if model.routing.policy != "kv_aware":
+                continue
+            block = model.routing.kv_aware.block_size
+            if first is None:
+                first = (index, block)
+            elif block != first[1]:
+                message = (f"must be model[{first[0]}]'s {first[1]}: the models routed kv_aware"
+                           " share one KV index")
+                self.report(("model", index, "routing", "knobs", "block_size"), message)
 
     def model(
         self, value: object, index: int, frontend: FrontendConfig, source: Path
@@ -156,3 +173,36 @@ class ModelTables(Checker):
             elif engine.kind == "trtllm":
                 self.report(("engine", index), 'trtllm engines do not report their served model;'
                             ' set model = "..." in a fleet of several models')
+
+
+def engine_model(
+    engine: EngineConfig, info: EngineInfo, models: Sequence[ModelConfig]
+) -> ModelConfig | str:
+    """The model a joining engine serves, or why it is refused (a sentence).
+
+    The fleet file's ``model`` key and what discovery reports must agree; an
+    engine that says nothing of its model (TensorRT-LLM) is taken at the file's
+    word, or as the fleet's only model.
+    """
+    known = ", ".join(model.name for model in models)
+    reported = info.served_model_name if info.served_name_known else None
+    by_report = None if reported is None else next(
+        (model for model in models if reported in model.names), None
+    )
+    if engine.model is not None:
+        wanted = next((model for model in models if engine.model in model.names), None)
+        if wanted is None:
+            return f"the fleet file says model {engine.model!r}, which no model of the fleet is"
+        if reported is not None and by_report is not wanted:
+            return (f"discovery reports model {reported!r} but the fleet file says"
+                    f" model = {engine.model!r}")
+        return wanted
+    if by_report is not None:
+        return by_report
+    if reported is None:
+        if len(models) == 1:
+            return models[0]
+        return f'the engine does not report its model; set model = "..." (models: {known})'
+    if len(models) == 1:
+        return f"serves model {reported!r}, the fleet serves {models[0].name!r}"
+    return f"serves model {reported!r}, which no [[model]] of the fleet names ({known})"

@@ -37,7 +37,7 @@ import trio
 
 from direct_frontend.engines.neutral import EngineEvent, Finished, GenerateCall, TokenDelta
 from direct_frontend.errors import EngineError, ErrorKind, NoEngineAvailable
-from direct_frontend.observability.metrics import Metrics
+from direct_frontend.observability.metrics import Metrics, ModelSeries
 from direct_frontend.observability.tracing import RequestTrace
 from direct_frontend.openai.errors import (
     OpenAIHTTPError,
@@ -395,11 +395,13 @@ class Relay:
         text_model: TextModel,
         metrics: Metrics,
         hit_rate: HitRateWatch,
+        series: ModelSeries | None = None,
     ) -> None:
         self.dispatcher = dispatcher
         self.text_model = text_model
         self.metrics = metrics
         self.hit_rate = hit_rate
+        self.series = series  # the model's own series, when the relay serves one model
 
     async def begin(
         self, settings: Settings, prepared: PreparedRequest, trace: RequestTrace | None = None
@@ -474,6 +476,8 @@ class Relay:
                                 now = time.perf_counter()
                                 if last_emit == 0.0:
                                     metrics.observe_ttft(now - state.started)
+                                    if self.series is not None:
+                                        self.series.first_token(now - state.started)
                                     if state.trace is not None:
                                         state.trace.first_token()
                                 elif tokens:
@@ -539,6 +543,9 @@ class Relay:
         """The response is out (``ok``: in full): usage, and what the policy learns from it."""
         prepared = state.prepared
         self.metrics.add_tokens(len(prepared.input_ids), state.processor.completion_tokens)
+        if self.series is not None:
+            self.series.usage(len(prepared.input_ids), state.processor.completion_tokens,
+                              state.cached_tokens or 0)
         if state.trace is not None:
             state.trace.usage(len(prepared.input_ids), state.processor.completion_tokens)
         if not ok:
