@@ -225,3 +225,22 @@ def test_a_model_added_and_removed_live_under_load(
         stop.set()
         worker.join(30)
     assert not failures, failures
+
+
+def test_the_shipped_multi_model_example_runs_as_it_is(tmp_path: Path) -> None:
+    """config/examples/multi-model.toml on free ports: every model listed, each answers."""
+    example = Path(__file__).resolve().parents[2] / "config" / "examples" / "multi-model.toml"
+    text = example.read_text().replace("127.0.0.1:8000", "127.0.0.1:0")
+    text = text.replace('"../demo-model"', f'"{example.parent.parent / "demo-model"}"')
+    for port in range(50081, 50086):
+        text = text.replace(f"127.0.0.1:{port}", f"127.0.0.1:{free_port()}")
+    with running_daemon(tmp_path, text) as daemon:
+        daemon.wait_serving(5, timeout=20)
+        listed = {m["id"] for m in get_json(daemon.url + "/v1/models")["data"]}
+        assert listed == {"chat", "assistant", "coder", "small"}
+        with openai.OpenAI(base_url=daemon.url + "/v1", api_key="-", max_retries=0) as client:
+            for model in sorted(listed):
+                reply = client.chat.completions.create(
+                    model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=4
+                )
+                assert reply.choices[0].message.content

@@ -24,7 +24,6 @@ from direct_frontend.daemon import serve_fleet
 from direct_frontend.fleet.load import load_fleet
 from direct_frontend.http.app import App
 
-
 _handed_out: set[int] = set()
 
 
