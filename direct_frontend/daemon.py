@@ -96,7 +96,8 @@ async def serve_fleet(
         kv = KvPlane(KvIndex(kv_block_size(fleet)), metrics)
         supervisor = Supervisor(fleet, kv=kv)
         builder = ModelBuilder(
-            supervisor, metrics, lambda routing: make_policy(routing, kv.index, kv.live),
+            supervisor, metrics,
+            lambda routing, exact: make_policy(routing, kv.index if exact else None, kv.live),
             text_models,
         )
         await builder.load(fleet)

@@ -146,6 +146,8 @@ async def start_embedded_simulator(fleet: FleetConfig, cfg: EngineConfig) -> Any
         # publish KV events where the fleet file says the engine publishes them (rank 0)
         kv_events_port=_port_of(cfg.kv_events[0]) if cfg.kv_events else None,
         kv_replay_port=_port_of(cfg.kv_replay[0]) if cfg.kv_replay else None,
+        max_loras=sim.max_loras,
+        lora_load_s=sim.lora_load_ms / 1000,
     )
     await trio_asyncio.aio_as_trio(engine.start)(host, port)
     log.info("simulated %s engine listening on %s:%d", cfg.kind, host, port)

@@ -201,6 +201,8 @@ def _engine_json(engine: EngineConfig) -> JsonValue:
             "eos_probability": sim.eos_probability,
             "context_length": sim.context_length,
             "served_model_name": sim.served_model_name,
+            "max_loras": sim.max_loras,
+            "lora_load_ms": sim.lora_load_ms,
         }
     kv_events: list[JsonValue] = list(engine.kv_events)
     kv_replay: list[JsonValue] = list(engine.kv_replay)
@@ -333,6 +335,7 @@ def _engine_lines(engine: EngineConfig) -> list[str]:
             ("vocab_size", vocab),
             ("eos_probability", _scalar(sim.eos_probability)),
             ("context_length", str(sim.context_length)),
+            ("max_loras", f"{sim.max_loras} (load {_scalar(sim.lora_load_ms)} ms)"),
         ]
         lines += _rows(sim_rows, indent=4)
     return lines

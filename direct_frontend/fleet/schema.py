@@ -259,6 +259,9 @@ class SimulatorConfig:
     context_length: int = setting(4096, AT_LEAST_ONE)
     # None: the frontend's (set it to demo a refusal)
     served_model_name: str | None = None
+    # LoRA adapters it holds at once (0: none; SGLang only: the contract that loads them)
+    max_loras: int = setting(0, NON_NEGATIVE)
+    lora_load_ms: float = setting(50.0, NON_NEGATIVE)  # how long loading one takes
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

@@ -23,6 +23,7 @@ import trio
 from direct_frontend.errors import EngineError
 from direct_frontend.fleet.preflight import TextModelKey, load_text_models, text_model_key
 from direct_frontend.fleet.schema import (
+    AdapterConfig,
     FleetConfig,
     FrontendConfig,
     ModelConfig,
@@ -31,6 +32,12 @@ from direct_frontend.fleet.schema import (
 )
 from direct_frontend.observability.metrics import Metrics, ModelSeries
 from direct_frontend.openai.types import ChatRequest, CompletionRequest
+from direct_frontend.pipeline.adapters import (
+    AdapterDispatcher,
+    AdapterPolicy,
+    Residency,
+    carries_adapters,
+)
 from direct_frontend.pipeline.dispatch import Dispatcher, WaitableFleet
 from direct_frontend.pipeline.preprocess import Tokenizing, new_tokenize_limiter
 from direct_frontend.pipeline.relay import Relay
@@ -40,8 +47,9 @@ from direct_frontend.routing.hitrate import HitRateWatch
 from direct_frontend.routing.policies import Policy
 from direct_frontend.text.model_dir import TextModel
 
-#: builds a policy for a model's ``routing`` (the daemon's, with its KV index)
-PolicyFactory = Callable[[RoutingConfig], Policy]
+#: builds a policy for a model's ``routing``; with the fleet's KV-event index when told to
+#: (an adapter's policy never reads it: its blocks carry no adapter)
+PolicyFactory = Callable[[RoutingConfig, bool], Policy]
 
 
 class ModelFleet:
@@ -52,11 +60,15 @@ class ModelFleet:
     wake-up that finds nothing new, and the wait goes on).
     """
 
-    __slots__ = ("_seen", "fleet", "model")
+    __slots__ = ("_seen", "fleet", "keep", "model")
 
-    def __init__(self, fleet: WaitableFleet, model: str) -> None:
+    def __init__(
+        self, fleet: WaitableFleet, model: str,
+        keep: Callable[[EngineHandle], bool] | None = None,
+    ) -> None:
         self.fleet = fleet
         self.model = model
+        self.keep = keep  # a further filter (an adapter's: engines that can carry it)
         self._seen: tuple[Catalog, Catalog] | None = None  # (the fleet's, ours)
 
     @property
@@ -64,7 +76,10 @@ class ModelFleet:
         whole = self.fleet.catalog
         seen = self._seen
         if seen is None or seen[0] is not whole:
-            seen = self._seen = (whole, whole.of_model(self.model))
+            ours = whole.of_model(self.model)
+            if self.keep is not None:
+                ours = Catalog(ours.version, tuple(filter(self.keep, ours.engines)))
+            seen = self._seen = (whole, ours)
         return seen[1]
 
     async def wait_for_catalog(self, newer_than: int) -> Catalog:
@@ -108,10 +123,11 @@ class ServedModel:
     relay: Relay  # its dispatcher (its engines only), tokenizer and metric series
     tokenizing: Tokenizing
     text_model_key: TextModelKey
+    adapter: AdapterConfig | None = None  # set: requests run under this LoRA adapter
 
     @property
     def name(self) -> str:
-        return self.config.name
+        return self.config.name if self.adapter is None else self.adapter.name
 
     @property
     def series(self) -> ModelSeries:
@@ -140,19 +156,25 @@ class ModelCard:
 class ModelTable:
     """The models served, by every name a request may use (names, aliases, adapters)."""
 
-    def __init__(self, models: Iterable[ServedModel] = ()) -> None:
+    def __init__(
+        self, models: Iterable[ServedModel] = (), adapters: Iterable[ServedModel] = ()
+    ) -> None:
         self.models: tuple[ServedModel, ...] = tuple(models)
+        self.adapters: tuple[ServedModel, ...] = tuple(adapters)
         self._by_name: dict[str, ServedModel] = {}
         for model in self.models:
-            for name in (*model.config.names, *(a.name for a in model.config.adapters)):
+            for name in model.config.names:
                 self._by_name[name] = model
+        for adapter in self.adapters:
+            self._by_name[adapter.name] = adapter
 
     def get(self, name: str) -> ServedModel | None:
         return self._by_name.get(name)
 
     def replaced(self, model: ServedModel) -> ModelTable:
         """The table with ``model`` in place of the model of the same name."""
-        return ModelTable(model if m.name == model.name else m for m in self.models)
+        return ModelTable((model if m.name == model.name else m for m in self.models),
+                          self.adapters)
 
     def __iter__(self) -> Iterator[ServedModel]:
         return iter(self.models)
@@ -194,6 +216,8 @@ class ModelBuilder:
         self.make_policy = make_policy
         self.limiter = new_tokenize_limiter()
         self.text_models: dict[TextModelKey, TextModel] = dict(text_models or {})
+        #: per base model: which adapters its engines hold, and one lock per engine
+        self._residency: dict[str, tuple[Residency, dict[int, trio.Lock]]] = {}
 
     async def load(self, fleet: FleetConfig) -> None:
         """Load the tokenizers ``fleet`` needs that are not loaded yet, in a worker thread.
@@ -214,12 +238,45 @@ class ModelBuilder:
     ) -> ModelTable:
         """The table for ``fleet``'s models (tokenizers :meth:`load`-ed first)."""
         built = [self._model(model, frontend, previous) for model in fleet.models]
+        adapters = [self._adapter(model, adapter, previous)
+                    for model in built for adapter in model.config.adapters]
         keep = {model.text_model_key for model in built}
         self.text_models = {k: v for k, v in self.text_models.items() if k in keep}
-        old = {m.name for m in previous.models} if previous is not None else set()
-        for gone in old - {m.name for m in built}:
+        self._residency = {m.name: self._residency_of(m.config) for m in built}
+        old = set() if previous is None else {
+            m.name for m in (*previous.models, *previous.adapters)
+        }
+        for gone in old - {m.name for m in (*built, *adapters)}:
             self.metrics.forget_model(gone)
-        return ModelTable(built)
+        return ModelTable(built, adapters)
+
+    def _residency_of(self, config: ModelConfig) -> tuple[Residency, dict[int, trio.Lock]]:
+        held = self._residency.get(config.name)
+        if held is None or held[0].capacity != config.max_adapters_per_engine:
+            held = (Residency(config.max_adapters_per_engine), {})
+            self._residency[config.name] = held
+        return held
+
+    def _adapter(
+        self, base: ServedModel, adapter: AdapterConfig, previous: ModelTable | None
+    ) -> ServedModel:
+        """An adapter of ``base``: its engines that can carry it, its queue, its own policy."""
+        before = previous.get(adapter.name) if previous is not None else None
+        if (before is not None and before.adapter == adapter and before.config == base.config
+                and before.relay.text_model is base.relay.text_model):
+            # unchanged: its policy and prefix memory go on, under the base model's settings
+            return dataclasses.replace(
+                before, settings=dataclasses.replace(base.settings, policy=before.settings.policy)
+            )
+        residency, locks = self._residency_of(base.config)
+        policy = AdapterPolicy(self.make_policy(base.config.routing, False), residency, adapter)
+        fleet = ModelFleet(self.fleet, base.config.name, carries_adapters)
+        dispatcher = AdapterDispatcher(fleet, adapter, residency, locks)
+        relay = Relay(dispatcher, base.relay.text_model, self.metrics,
+                      HitRateWatch(self.metrics), self.metrics.model_series(adapter.name))
+        settings = dataclasses.replace(base.settings, policy=policy)  # the base model's queue
+        return ServedModel(base.config, settings, relay, base.tokenizing, base.text_model_key,
+                           adapter)
 
     def _model(
         self, config: ModelConfig, frontend: FrontendConfig, previous: ModelTable | None
@@ -230,11 +287,11 @@ class ModelBuilder:
         scoped = model_frontend(frontend, config)
         key = text_model_key(config)
         if before is None:
-            settings = Settings.first(scoped, self.make_policy(config.routing))
+            settings = Settings.first(scoped, self.make_policy(config.routing, True))
         else:
             routing_changed = config.routing != before.config.routing
             settings = before.settings.reloaded(
-                scoped, self.make_policy(config.routing) if routing_changed else None
+                scoped, self.make_policy(config.routing, True) if routing_changed else None
             )
         if before is not None and before.text_model_key == key:
             relay, tokenizing = before.relay, before.tokenizing

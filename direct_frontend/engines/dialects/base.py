@@ -53,6 +53,17 @@ class Capabilities:
     text_input: bool = False
     #: the fleet file may name a prefill engine's bootstrap server port (SGLang)
     bootstrap_server: bool = False
+    #: a request may name a LoRA adapter, which the router may load and unload (SGLang)
+    lora_adapters: bool = False
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LoraReply:
+    """An engine's answer to a LoRA load or unload: and which adapter ids it holds now."""
+
+    ok: bool
+    message: str
+    loaded: tuple[str, ...]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -369,6 +380,25 @@ class Dialect(abc.ABC):
     def check(self, call: GenerateCall) -> None:
         """Raise a BAD_REQUEST :class:`EngineError` for what this contract cannot carry."""
         check_limits(call, self.limits)
+        if call.lora_id is not None and not self.capabilities.lora_adapters:
+            raise EngineError(ErrorKind.BAD_REQUEST,
+                              f"{self.kind} engines' contract carries no LoRA adapter",
+                              param="model")
+
+    # -- LoRA adapters (only for kinds whose capabilities say lora_adapters) --
+
+    def load_lora(self, lora_id: str, name: str, path: str) -> Rpc:
+        raise NotImplementedError(f"{self.kind} engines cannot load LoRA adapters")
+
+    def unload_lora(self, lora_id: str, name: str) -> Rpc:
+        raise NotImplementedError(f"{self.kind} engines cannot unload LoRA adapters")
+
+    def list_loras(self) -> Rpc:
+        raise NotImplementedError(f"{self.kind} engines cannot list LoRA adapters")
+
+    def lora_reply(self, reply: Any) -> LoraReply:
+        """A load's or unload's reply; for a list's, every adapter id it holds (``ok``)."""
+        raise NotImplementedError(f"{self.kind} engines have no LoRA replies")
 
     @abc.abstractmethod
     def generate(self, call: GenerateCall) -> Rpc:
