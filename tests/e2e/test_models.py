@@ -237,7 +237,7 @@ def test_the_shipped_multi_model_example_runs_as_it_is(tmp_path: Path) -> None:
     with running_daemon(tmp_path, text) as daemon:
         daemon.wait_serving(5, timeout=20)
         listed = {m["id"] for m in get_json(daemon.url + "/v1/models")["data"]}
-        assert listed == {"chat", "assistant", "coder", "small"}
+        assert listed == {"chat", "assistant", "chat-sql", "coder", "small"}
         with openai.OpenAI(base_url=daemon.url + "/v1", api_key="-", max_retries=0) as client:
             for model in sorted(listed):
                 reply = client.chat.completions.create(
