@@ -9,7 +9,6 @@ simulators hold and how often they loaded is read from the simulators.
 
 from __future__ import annotations
 
-import json
 import textwrap
 import urllib.request
 from collections.abc import Iterator
@@ -18,24 +17,23 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.support.daemon import Daemon, free_port, running_daemon
+from tests.support.daemon import Daemon, running_daemon
+from tests.support.models import (
+    FAST,
+    engine_requests,
+    engine_table,
+    get_json,
+    openai_client,
+    simulators,
+)
 
-FAST = "decode_us_per_token = 0\nprefill_us_per_token = 0\neos_probability = 0.0"
 #: long enough for several 16-token blocks of prefix cache
 PROMPT = " ".join(["the quick brown fox jumps over the lazy dog"] * 12)
 
 
 def engine(name: str, kind: str, model: str, max_loras: int = 0) -> str:
     lora = f"\nmax_loras = {max_loras}\nlora_load_ms = 5" if max_loras else ""
-    return textwrap.dedent(f"""\
-        [[engine]]
-        name = "{name}"
-        url = "grpc://127.0.0.1:{free_port()}"
-        kind = "{kind}"
-        model = "{model}"
-        simulate = true
-        [engine.simulator]
-        """) + FAST + lora
+    return engine_table(name, kind, model, FAST + lora)
 
 
 def lora_fleet(model_dir: Path) -> str:
@@ -89,26 +87,18 @@ def daemon(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 
 @pytest.fixture()
 def client(daemon: Daemon) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=daemon.url + "/v1", api_key="unused", max_retries=0) as client:
+    with openai_client(daemon) as client:
         yield client
-
-
-def sims(daemon: Daemon) -> dict[str, object]:
-    return daemon.run_sync(lambda: dict(daemon.supervisor.simulators))  # type: ignore[no-any-return]
 
 
 def held(daemon: Daemon) -> dict[str, list[str]]:
     """The adapter ids each simulated SGLang engine holds."""
     out: dict[str, list[str]] = {}
-    for name, sim in sims(daemon).items():
+    for name, sim in simulators(daemon).items():
         loras = sim.core.loras  # type: ignore[attr-defined]
         if loras is not None:
             out[name] = loras.ids
     return out
-
-
-def requests(daemon: Daemon) -> dict[str, int]:
-    return {name: sim.stats.requests for name, sim in sims(daemon).items()}  # type: ignore[attr-defined]
 
 
 def cached(client: openai.OpenAI, model: str) -> int:
@@ -119,8 +109,7 @@ def cached(client: openai.OpenAI, model: str) -> int:
 
 
 def test_adapters_are_listed_as_models_of_their_base(daemon: Daemon) -> None:
-    with urllib.request.urlopen(daemon.url + "/v1/models", timeout=10) as response:
-        listing = {m["id"]: m for m in json.loads(response.read())["data"]}
+    listing = {m["id"]: m for m in get_json(daemon.url + "/v1/models")["data"]}
     assert listing["chat-sql"]["parent"] == "chat"
     assert listing["solo-a"]["parent"] == "solo"
     assert "parent" not in listing["chat"]
@@ -129,15 +118,15 @@ def test_adapters_are_listed_as_models_of_their_base(daemon: Daemon) -> None:
 def test_an_adapter_loads_on_demand_then_sticks_to_the_engine_holding_it(
     daemon: Daemon, client: openai.OpenAI
 ) -> None:
-    before = requests(daemon)
+    before = engine_requests(daemon)
     for _ in range(4):
         client.completions.create(model="chat-sql", prompt="select", max_tokens=2)
-    after = requests(daemon)
+    after = engine_requests(daemon)
     grew = {n for n in after if after[n] > before.get(n, 0)}
     assert len(grew) == 1 and grew <= {"sg-1", "sg-2"}, grew  # never vLLM: no LoRA field
     (engine,) = grew
     assert held(daemon)[engine] == ["chat-sql"]
-    assert sims(daemon)[engine].core.loras.stats.loads == 1  # type: ignore[attr-defined]
+    assert simulators(daemon)[engine].core.loras.stats.loads == 1  # type: ignore[attr-defined]
 
 
 def test_loads_stay_within_each_engines_cap(daemon: Daemon, client: openai.OpenAI) -> None:

@@ -10,39 +10,33 @@ by editing the file under load fails no request of another model.
 
 from __future__ import annotations
 
-import json
 import textwrap
 import threading
-import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import openai
 import pytest
 
 from tests.support.daemon import Daemon, free_port, running_daemon, wait_for
+from tests.support.models import (
+    FAST,
+    engine_requests,
+    engine_table,
+    get_json,
+    openai_client,
+)
 
-FAST = "decode_us_per_token = 0\nprefill_us_per_token = 0\neos_probability = 0.0"
+SLOW = FAST.replace("decode_us_per_token = 0", "decode_us_per_token = 20000")
 
 
-def engine(
-    name: str, kind: str, model: str | None = None, *, sim_model: str | None = None,
-    slow: bool = False,
-) -> str:
-    lines = [
-        "[[engine]]", f'name = "{name}"', f'url = "grpc://127.0.0.1:{free_port()}"',
-        f'kind = "{kind}"', "simulate = true",
-    ]
-    if model is not None:
-        lines.append(f'model = "{model}"')
-    lines += ["[engine.simulator]",
-              FAST.replace("decode_us_per_token = 0", "decode_us_per_token = 20000") if slow
-              else FAST]
+def engine(name: str, kind: str, model: str | None = None, *, sim_model: str | None = None,
+           slow: bool = False) -> str:
+    simulator = SLOW if slow else FAST
     if sim_model is not None:
-        lines.append(f'served_model_name = "{sim_model}"')
-    return "\n".join(lines)
+        simulator += f'\nserved_model_name = "{sim_model}"'
+    return engine_table(name, kind, model, simulator)
 
 
 def models_fleet(model_dir: Path, *, extra_model: bool = False) -> str:
@@ -101,18 +95,12 @@ def daemon(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 
 @pytest.fixture()
 def client(daemon: Daemon) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=daemon.url + "/v1", api_key="unused", max_retries=0) as client:
+    with openai_client(daemon) as client:
         yield client
 
 
 def requests_by_engine(daemon: Daemon) -> dict[str, int]:
-    sims = daemon.run_sync(lambda: dict(daemon.supervisor.simulators))
-    return {name: sim.stats.requests for name, sim in sims.items()}
-
-
-def get_json(url: str) -> Any:
-    with urllib.request.urlopen(url, timeout=10) as response:
-        return json.loads(response.read())
+    return engine_requests(daemon)
 
 
 def test_each_request_lands_only_on_its_models_engines(
@@ -238,7 +226,7 @@ def test_the_shipped_multi_model_example_runs_as_it_is(tmp_path: Path) -> None:
         daemon.wait_serving(5, timeout=20)
         listed = {m["id"] for m in get_json(daemon.url + "/v1/models")["data"]}
         assert listed == {"chat", "assistant", "chat-sql", "coder", "small"}
-        with openai.OpenAI(base_url=daemon.url + "/v1", api_key="-", max_retries=0) as client:
+        with openai_client(daemon) as client:
             for model in sorted(listed):
                 reply = client.chat.completions.create(
                     model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=4

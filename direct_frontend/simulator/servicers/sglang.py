@@ -7,7 +7,8 @@ ends in an error status, never a complete (docs/engine-contracts.md §4).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
 import grpclib.server
 from google.protobuf import struct_pb2, timestamp_pb2
@@ -16,6 +17,7 @@ from grpclib import GRPCError, Status
 from direct_frontend.simulator import disagg
 from direct_frontend.simulator.core import SimCore
 from direct_frontend.simulator.kvcache import SimPrefixCache
+from direct_frontend.simulator.lora import LoraSlots
 from direct_frontend.simulator.model import Finish, StopCriteria
 from direct_frontend.simulator.servicers.common import (
     SIM_VERSION,
@@ -292,16 +294,10 @@ class SglangServicer(SmgServicer, SglangSchedulerBase):
             sglang_scheduler_pb2.LoadLoRAAdapterResponse,
         ],
     ) -> None:
-        loras = self.core.loras
-        if loras is None:
-            await refuse(stream, "The simulator has no LoRA support")
-            return
-        request = await stream.recv_message()
-        assert request is not None
-        problem = await loras.load(request.lora_id, request.lora_name, request.lora_path)
-        await stream.send_message(sglang_scheduler_pb2.LoadLoRAAdapterResponse(
-            success=not problem, message=problem, loaded_lora_ids=loras.ids,
-        ))
+        async def load(loras: LoraSlots, request: Any) -> str:
+            return await loras.load(request.lora_id, request.lora_name, request.lora_path)
+
+        await self._lora_change(stream, load, sglang_scheduler_pb2.LoadLoRAAdapterResponse)
 
     async def UnloadLoRAAdapter(
         self,
@@ -310,16 +306,27 @@ class SglangServicer(SmgServicer, SglangSchedulerBase):
             sglang_scheduler_pb2.UnloadLoRAAdapterResponse,
         ],
     ) -> None:
+        async def unload(loras: LoraSlots, request: Any) -> str:
+            return loras.unload(request.lora_id, request.lora_name)
+
+        await self._lora_change(stream, unload, sglang_scheduler_pb2.UnloadLoRAAdapterResponse)
+
+    async def _lora_change(
+        self,
+        stream: grpclib.server.Stream[Any, Any],
+        change: Callable[[LoraSlots, Any], Awaitable[str]],
+        reply: type[Any],
+    ) -> None:
+        """A load or unload: refused without LoRA support; else done, and what is held now."""
         loras = self.core.loras
         if loras is None:
             await refuse(stream, "The simulator has no LoRA support")
             return
         request = await stream.recv_message()
         assert request is not None
-        problem = loras.unload(request.lora_id, request.lora_name)
-        await stream.send_message(sglang_scheduler_pb2.UnloadLoRAAdapterResponse(
-            success=not problem, message=problem, loaded_lora_ids=loras.ids,
-        ))
+        problem = await change(loras, request)
+        await stream.send_message(reply(success=not problem, message=problem,
+                                        loaded_lora_ids=loras.ids))
 
     async def ListLoadedLoRAAdapters(
         self,
