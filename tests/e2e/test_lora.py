@@ -23,7 +23,6 @@ from tests.support.models import (
     engine_requests,
     engine_table,
     get_json,
-    openai_client,
     simulators,
 )
 
@@ -83,12 +82,6 @@ def daemon(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     with running_daemon(tmp_path_factory.mktemp("lora"), lora_fleet(model_dir)) as d:
         d.wait_serving(4)
         yield d
-
-
-@pytest.fixture()
-def client(daemon: Daemon) -> Iterator[openai.OpenAI]:
-    with openai_client(daemon) as client:
-        yield client
 
 
 def held(daemon: Daemon) -> dict[str, list[str]]:

@@ -93,12 +93,6 @@ def daemon(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         yield d
 
 
-@pytest.fixture()
-def client(daemon: Daemon) -> Iterator[openai.OpenAI]:
-    with openai_client(daemon) as client:
-        yield client
-
-
 def requests_by_engine(daemon: Daemon) -> dict[str, int]:
     return engine_requests(daemon)
 
