@@ -642,23 +642,30 @@ class EngineClient:
         loads = self.stub.GetLoads(self.pb.GetLoadsRequest(), timeout=10)
         return sum(load.num_running_reqs + load.num_waiting_reqs for load in loads.loads)
 
-    def request(self, rid: str, ids: list[int], max_tokens: int, *, stream: bool) -> Any:
+    def request(
+        self, rid: str, ids: list[int], max_tokens: int, *, stream: bool,
+        sampling: dict[str, Any] | None = None,
+    ) -> Any:
         return self.pb.GenerateRequest(
             request_id=rid,
             tokenized=self.pb.TokenizedInput(input_ids=ids),
             sampling_params=self.pb.SamplingParams(
-                temperature=0.0, max_tokens=max_tokens, ignore_eos=True
+                **{"temperature": 0.0, **(sampling or {})}, max_tokens=max_tokens,
+                ignore_eos=True,
             ),
             stream=stream,
         )
 
-    def generate(self, rid: str, ids: list[int], max_tokens: int, *, stream: bool) -> dict:
-        """Tokens, finish reason and usage of one greedy request, as the contract defines them."""
+    def generate(
+        self, rid: str, ids: list[int], max_tokens: int, *, stream: bool,
+        sampling: dict[str, Any] | None = None,
+    ) -> dict:
+        """Tokens, finish reason and usage of one request (greedy unless ``sampling`` says)."""
         tokens: list[int] = []
         chunk_completion = 0
         out: dict[str, Any] = {}
         for msg in self.stub.Generate(
-            self.request(rid, ids, max_tokens, stream=stream), timeout=60
+            self.request(rid, ids, max_tokens, stream=stream, sampling=sampling), timeout=60
         ):
             kind = msg.WhichOneof("response")
             if kind == "chunk":
@@ -1462,8 +1469,46 @@ def frontend_checks(
             f"streamed B again: {s_got}"
         )
 
+    def two_choices() -> str:
+        # n=2 sampled with seed 41: choice i is the engine's own sample with seed 41 + i
+        seed, tokens = 41, 16
+        want_prompt = len(texts.chat_ids(chat_msgs))
+        fields: dict[str, Any] = dict(
+            model=served, messages=chat_msgs, n=2, temperature=1.0, seed=seed,
+            max_tokens=tokens, extra_body={"ignore_eos": True},
+        )
+        r = oa.chat.completions.create(**fields)
+        got = [c.message.content or "" for c in r.choices]
+        expect([c.index for c in r.choices] == [0, 1], f"choice indices {r.choices!r}")
+        _expect_usage(r.usage, want_prompt, 2 * tokens, "non-stream n=2")
+        streamed: dict[int, str] = {}
+        s_usage = None
+        for chunk in oa.chat.completions.create(
+            **fields, stream=True, stream_options={"include_usage": True}
+        ):
+            if chunk.usage is not None:
+                s_usage = chunk.usage
+            for choice in chunk.choices:
+                streamed[choice.index] = streamed.get(choice.index, "") + (
+                    choice.delta.content or ""
+                )
+        expect([streamed.get(0), streamed.get(1)] == got, f"stream {streamed!r} != {got!r}")
+        _expect_usage(s_usage, want_prompt, 2 * tokens, "stream n=2")
+        sampling = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
+                    "repetition_penalty": 1.0}
+        for i, text in enumerate(got):
+            direct = client.generate(
+                f"rv-n2-direct-{i}", texts.chat_ids(chat_msgs), tokens, stream=False,
+                sampling={**sampling, "seed": seed + i},
+            )
+            own = texts.decode(direct["tokens"])
+            expect(own == text, f"choice {i}: {text!r}, the engine's own seed {seed + i}: {own!r}")
+        expect(got[0] != got[1], f"both choices are {got[0]!r}")
+        return f"two choices = the engine's samples with seeds {seed}, {seed + 1}; usage exact"
+
     report.check("frontend: /v1/models", models)
     report.check("frontend: chat, stream == non-stream, usage", chat_same)
+    report.check("frontend: n=2, each choice the engine's own seeded sample", two_choices)
     report.check("frontend: completions, stream == non-stream, usage", completion_same)
     report.check("frontend: stop strings", stop_strings)
     report.check("frontend: max_tokens (finish length, exact count)", max_tokens)

@@ -262,7 +262,7 @@ class App:
         try:
             # Admitted before an engine is chosen, so a request that waited in the
             # queue is placed on the fleet as it is when it leaves the queue.
-            async with settings.admission.slot():
+            async with settings.admission.slot(prepared.request.n):  # a slot per choice
                 if trace is not None:
                     trace.leave()
                 return await respond(

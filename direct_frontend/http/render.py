@@ -52,7 +52,8 @@ class ChunkRenderer:
     ``id`` is ``chatcmpl-<request_id>`` or ``cmpl-<request_id>``. With
     ``include_usage`` every chunk carries ``"usage":null`` and :meth:`usage`
     renders the final usage chunk, as OpenAI does; without it :meth:`usage`
-    returns ``b""`` so callers need not branch.
+    returns ``b""`` so callers need not branch. A response of several choices
+    has one renderer per choice (``index``).
     """
 
     __slots__ = (
@@ -67,7 +68,8 @@ class ChunkRenderer:
     )
 
     def __init__(
-        self, kind: Kind, request_id: str, model: str, created: int, include_usage: bool
+        self, kind: Kind, request_id: str, model: str, created: int, include_usage: bool,
+        index: int = 0,
     ) -> None:
         if kind not in ("chat", "completion"):
             raise ValueError(f"unknown response kind {kind!r}")
@@ -85,18 +87,19 @@ class ChunkRenderer:
             + b'"system_fingerprint":null,"choices":['
         )
         tail = b"]" + (b',"usage":null' if include_usage else b"") + _SSE_END
+        choice = self._head + b'{"index":%d,' % index
         if kind == "chat":
-            self._text_prefix = self._head + b'{"index":0,"delta":{"content":'
+            self._text_prefix = choice + b'"delta":{"content":'
             self._text_suffix = b'},"logprobs":null,"finish_reason":null}' + tail
-            self._finish_prefix = self._head + b'{"index":0,"delta":{},"logprobs":null,'
+            self._finish_prefix = choice + b'"delta":{},"logprobs":null,'
             self._role = (
-                self._head + b'{"index":0,"delta":{"role":"assistant","content":""},'
+                choice + b'"delta":{"role":"assistant","content":""},'
                 b'"logprobs":null,"finish_reason":null}' + tail
             )
         else:
-            self._text_prefix = self._head + b'{"index":0,"text":'
+            self._text_prefix = choice + b'"text":'
             self._text_suffix = b',"logprobs":null,"finish_reason":null}' + tail
-            self._finish_prefix = self._head + b'{"index":0,"text":"","logprobs":null,'
+            self._finish_prefix = choice + b'"text":"","logprobs":null,'
             self._role = b""
         self._finish_suffix = b"}" + tail
 
@@ -187,6 +190,14 @@ class _Full(msgspec.Struct):
     usage: _UsageOut
 
 
+class ChoiceOutput(msgspec.Struct, frozen=True):
+    """One choice of a full response: its text and why it ended."""
+
+    text: str
+    finish_reason: str
+    stop_reason: str | int | None = None
+
+
 def render_full(
     kind: Kind,
     request_id: str,
@@ -197,13 +208,33 @@ def render_full(
     stop_reason: str | int | None,
     usage: Usage,
 ) -> bytes:
-    """The non-streaming ``chat.completion`` or ``text_completion`` body."""
+    """The non-streaming ``chat.completion`` or ``text_completion`` body of one choice."""
+    return render_choices(
+        kind, request_id, model, created, [ChoiceOutput(text, finish_reason, stop_reason)], usage
+    )
+
+
+def render_choices(
+    kind: Kind,
+    request_id: str,
+    model: str,
+    created: int,
+    outputs: list[ChoiceOutput],
+    usage: Usage,
+) -> bytes:
+    """The non-streaming body with every choice, ``index`` in the order given."""
     choices: list[_ChatChoice] | list[_TextChoice]
     if kind == "chat":
-        choices = [_ChatChoice(0, _Message("assistant", text), None, finish_reason, stop_reason)]
+        choices = [
+            _ChatChoice(i, _Message("assistant", c.text), None, c.finish_reason, c.stop_reason)
+            for i, c in enumerate(outputs)
+        ]
         obj = "chat.completion"
     elif kind == "completion":
-        choices = [_TextChoice(0, text, None, finish_reason, stop_reason)]
+        choices = [
+            _TextChoice(i, c.text, None, c.finish_reason, c.stop_reason)
+            for i, c in enumerate(outputs)
+        ]
         obj = "text_completion"
     else:
         raise ValueError(f"unknown response kind {kind!r}")
@@ -225,12 +256,10 @@ def render_full(
     try:
         return _encode(body)
     except UnicodeEncodeError:  # a lone surrogate from detokenisation; never normally
-        clean = _scrub(text)
-        if clean == text:
+        clean = [msgspec.structs.replace(c, text=_scrub(c.text)) for c in outputs]
+        if clean == outputs:
             raise
-        return render_full(
-            kind, request_id, model, created, clean, finish_reason, stop_reason, usage
-        )
+        return render_choices(kind, request_id, model, created, clean, usage)
 
 
 class _Model(msgspec.Struct, omit_defaults=True):

@@ -8,12 +8,23 @@ response is written beside a disconnect watcher: hypercorn drops sends to a
 gone client silently, so without it the engine would keep generating. The
 watcher is on from the placement: a request waiting for an engine to serve
 ends at once when its client leaves.
+
+A request of several choices (``n > 1``) runs them side by side
+(:mod:`direct_frontend.pipeline.choices`): its stream interleaves the
+choices' chunks as they come, each carrying its index, and ends once, with
+one usage chunk and ``[DONE]``; its full body holds every choice. A choice
+that gives up after the stream started ends the whole stream with an error
+event (the others are cancelled), as OpenAI-compatible servers do and as
+the ``openai`` client expects: it raises at the first error event.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import trio
 
@@ -27,9 +38,16 @@ from direct_frontend.http.asgi import (
     send_body,
     send_error,
 )
-from direct_frontend.http.render import ChunkRenderer, Usage, render_full
+from direct_frontend.http.render import (
+    ChoiceOutput,
+    ChunkRenderer,
+    Usage,
+    render_choices,
+    render_full,
+)
 from direct_frontend.observability.tracing import RequestTrace
 from direct_frontend.openai.errors import OpenAIHTTPError, internal_error
+from direct_frontend.pipeline.choices import Choices
 from direct_frontend.pipeline.preprocess import PreparedRequest
 from direct_frontend.pipeline.relay import Relay, RelayState
 from direct_frontend.pipeline.settings import Settings
@@ -43,32 +61,52 @@ SSE_HEADERS = [
 ]
 
 
+_Run = TypeVar("_Run", RelayState, Choices)
+
+
 async def respond(
     relay: Relay, settings: Settings, prepared: PreparedRequest, receive: Receive, send: Send,
     headers: Headers, trace: RequestTrace | None = None,
 ) -> int:
     """Place the request and relay it to the client; the HTTP status (499: the client left)."""
+    if prepared.request.n == 1:
+        write = _stream if prepared.request.stream else _complete
+        return await _answer(
+            relay, functools.partial(relay.begin, settings, prepared, trace),
+            functools.partial(write, relay, send=send, headers=headers),
+            relay.settle, receive, send, headers,
+        )
+    several = _stream_choices if prepared.request.stream else _complete_choices
+    return await _answer(
+        relay, functools.partial(Choices.begin, relay, settings, prepared, trace),
+        functools.partial(several, relay, send=send, headers=headers),
+        lambda choices, ok: choices.settle(relay, ok), receive, send, headers,
+    )
+
+
+async def _answer(
+    relay: Relay, begin: Callable[[], Awaitable[_Run]], write: Callable[[_Run], Awaitable[int]],
+    settle: Callable[[_Run, bool], None], receive: Receive, send: Send, headers: Headers,
+) -> int:
+    """Place (``begin``), ``write`` the response beside the disconnect watcher, ``settle``."""
     status = 200
-    state: RelayState | None = None
+    run: _Run | None = None
     client = _Client()
     async with trio.open_nursery() as nursery:
         nursery.start_soon(client.watch, receive, nursery.cancel_scope)
         try:
-            state = await relay.begin(settings, prepared, trace)
+            run = await begin()
         except OpenAIHTTPError as err:
             await send_error(send, err, headers)
             status = err.status
         else:
-            if state.request.stream:
-                status = await _stream(relay, state, send, headers)
-            else:
-                status = await _complete(relay, state, send, headers)
+            status = await write(run)
         nursery.cancel_scope.cancel()
     if client.gone:
         relay.metrics.request_cancelled()
         return 499
-    if state is not None:
-        relay.settle(state, ok=status == 200)
+    if run is not None:
+        settle(run, status == 200)
     return status
 
 
@@ -87,23 +125,62 @@ class _Client:
         scope.cancel()
 
 
-async def _stream(relay: Relay, state: RelayState, send: Send, headers: Headers) -> int:
+class _Progress:
+    """How far a response got: whether its headers are out, and the bytes not yet written."""
+
+    __slots__ = ("out", "started")
+
+    def __init__(self, out: bytes = b"") -> None:
+        self.out = bytearray(out)
+        self.started = False
+
+
+async def _until_end(
+    run: Awaitable[None], error_for: Callable[[EngineError], OpenAIHTTPError],
+    progress: _Progress, send: Send, headers: Headers,
+) -> int:
+    """Await ``run``; a failure is an HTTP error before the headers, an error event after."""
+    try:
+        await run
+    except EngineError as exc:
+        log.warning("request failed on engine %s: %s", exc.engine, exc)
+        err = error_for(exc)
+        if not progress.started:
+            await send_error(send, err, headers)
+            return err.status
+        await _end_with_error(send, progress.out, err)
+    except Exception:
+        if not progress.started:
+            raise  # the app answers it with an OpenAI 500 (and logs it)
+        log.exception("unexpected error while streaming")  # the stream ends with an error event
+        await _end_with_error(send, progress.out, internal_error())
+        return 500
+    return 200
+
+
+async def _end_with_error(send: Send, out: bytearray, err: OpenAIHTTPError) -> None:
+    out += ChunkRenderer.error(err)
+    out += ChunkRenderer.done()
+    await send({"type": "http.response.body", "body": bytes(out), "more_body": False})
+
+
+async def _start(send: Send, headers: Headers) -> None:
+    await send({"type": "http.response.start", "status": 200, "headers": [*SSE_HEADERS, *headers]})
+
+
+async def _stream(relay: Relay, state: RelayState, *, send: Send, headers: Headers) -> int:
     prepared = state.prepared
     renderer = ChunkRenderer(
         prepared.kind, prepared.request_id, state.request.model,
         int(time.time()), state.request.include_usage,
     )
-    out = bytearray()
-    started = False
+    progress = _Progress()
+    out = progress.out
 
     async def emit(text: str, tokens: int, finished: bool) -> None:
-        nonlocal started
-        if not started:
-            await send({
-                "type": "http.response.start", "status": 200,
-                "headers": [*SSE_HEADERS, *headers],
-            })
-            started = True
+        if not progress.started:
+            await _start(send, headers)
+            progress.started = True
             out.extend(renderer.role_chunk())
         if text:
             out.extend(renderer.text(text))
@@ -121,41 +198,18 @@ async def _stream(relay: Relay, state: RelayState, send: Send, headers: Headers)
             await send({"type": "http.response.body", "body": bytes(out), "more_body": True})
             out.clear()
 
-    try:
-        await relay.run(state, emit)
-    except EngineError as exc:
-        log.warning("request failed on engine %s: %s", exc.engine, exc)
-        if not started:
-            err = state.error_for(exc)
-            await send_error(send, err, headers)
-            return err.status
-        out += renderer.error(state.error_for(exc))
-        out += renderer.done()
-        await send({"type": "http.response.body", "body": bytes(out), "more_body": False})
-    except Exception:
-        if not started:
-            raise  # the app answers it with an OpenAI 500 (and logs it)
-        log.exception("unexpected error while streaming")  # the stream ends with an error event
-        out += renderer.error(internal_error())
-        out += renderer.done()
-        await send({"type": "http.response.body", "body": bytes(out), "more_body": False})
-        return 500
-    return 200
+    return await _until_end(relay.run(state, emit), state.error_for, progress, send, headers)
 
 
-async def _complete(relay: Relay, state: RelayState, send: Send, headers: Headers) -> int:
+async def _complete(relay: Relay, state: RelayState, *, send: Send, headers: Headers) -> int:
     pieces: list[str] = []
 
     async def emit(text: str, tokens: int, finished: bool) -> None:
         pieces.append(text)
 
-    try:
-        await relay.run(state, emit)
-    except EngineError as exc:
-        log.warning("request failed on engine %s: %s", exc.engine, exc)
-        err = state.error_for(exc)
-        await send_error(send, err, headers)
-        return err.status
+    status = await _until_end(relay.run(state, emit), state.error_for, _Progress(), send, headers)
+    if status != 200:
+        return status
     final = state.final
     assert final is not None
     prepared = state.prepared
@@ -165,6 +219,75 @@ async def _complete(relay: Relay, state: RelayState, send: Send, headers: Header
     body = render_full(
         prepared.kind, prepared.request_id, state.request.model, int(time.time()),
         "".join(pieces), final.finish_reason or "stop", final.stop_reason, usage,
+    )
+    await send_body(send, 200, body, JSON, headers)
+    return 200
+
+
+async def _stream_choices(relay: Relay, choices: Choices, *, send: Send, headers: Headers) -> int:
+    prepared = choices.prepared
+    request = prepared.request
+    created = int(time.time())
+    renderers = [
+        ChunkRenderer(prepared.kind, prepared.request_id, request.model, created,
+                      request.include_usage, index)
+        for index in range(request.n)
+    ]
+    # Every choice announces its role first (chat), as a lone choice does.
+    progress = _Progress(b"".join(renderer.role_chunk() for renderer in renderers))
+    out = progress.out
+    writing = trio.Lock()  # one write at a time; a waiting writer may find its bytes sent
+    ended = False
+
+    async def emit(index: int, text: str, tokens: int, finished: bool) -> None:
+        nonlocal ended
+        renderer = renderers[index]
+        if text:
+            out.extend(renderer.text(text))
+        if finished:
+            final = choices.states[index].final
+            assert final is not None
+            out.extend(renderer.finish(final.finish_reason or "stop", final.stop_reason))
+            if choices.finished:  # the last choice: usage and [DONE] go with its finish
+                out.extend(renderer.usage(*choices.usage()))
+                out.extend(renderer.done())
+                ended = True
+        async with writing:
+            if not progress.started:
+                await _start(send, headers)
+                progress.started = True
+            if out:
+                body = bytes(out)
+                out.clear()
+                await send({"type": "http.response.body", "body": body, "more_body": not ended})
+
+    run = choices.run(relay, emit, writing)
+    return await _until_end(run, choices.error_for, progress, send, headers)
+
+
+async def _complete_choices(
+    relay: Relay, choices: Choices, *, send: Send, headers: Headers
+) -> int:
+    pieces: list[list[str]] = [[] for _ in choices.states]
+
+    async def emit(index: int, text: str, tokens: int, finished: bool) -> None:
+        pieces[index].append(text)
+
+    status = await _until_end(choices.run(relay, emit), choices.error_for, _Progress(), send,
+                              headers)
+    if status != 200:
+        return status
+    outputs = []
+    for state, texts in zip(choices.states, pieces, strict=True):
+        final = state.final
+        assert final is not None
+        outputs.append(
+            ChoiceOutput("".join(texts), final.finish_reason or "stop", final.stop_reason)
+        )
+    prepared = choices.prepared
+    body = render_choices(
+        prepared.kind, prepared.request_id, prepared.request.model, int(time.time()),
+        outputs, Usage(*choices.usage()),
     )
     await send_body(send, 200, body, JSON, headers)
     return 200

@@ -207,10 +207,6 @@ def _unsupported(what: str, param: str) -> OpenAIHTTPError:
 
 def _common(w: _WireBase) -> dict[str, Any]:
     """Checks shared by both endpoints; returns the normalised shared fields."""
-    if w.n is not None and w.n != 1:
-        raise invalid_request(
-            f"n={w.n} is not supported; only one choice per request (n=1) is.", "n"
-        )
     stream = bool(w.stream)
     if w.stream_options is not None and not stream:
         raise invalid_request(
@@ -264,6 +260,7 @@ def _common(w: _WireBase) -> dict[str, Any]:
         "include_usage": bool(w.stream_options and w.stream_options.include_usage),
         "skip_special_tokens": w.skip_special_tokens is not False,
         "user": w.user,
+        "n": w.n or 1,
     }
 
 
@@ -377,8 +374,12 @@ def parse_completion_request(body: bytes) -> CompletionRequest:
         raise _unsupported("echo", "echo")
     if w.suffix:
         raise _unsupported("suffix", "suffix")
-    if w.best_of is not None and w.best_of != 1:
+    n = common["n"]
+    if w.best_of is not None and w.best_of < n:
+        raise invalid_request(f"best_of ({w.best_of}) must not be less than n ({n}).", "best_of")
+    if w.best_of is not None and w.best_of != n:
         raise invalid_request(
-            f"best_of={w.best_of} is not supported; only best_of=1 is.", "best_of"
+            f"best_of={w.best_of} is not supported; only best_of equal to n ({n}) is.",
+            "best_of",
         )
     return CompletionRequest(**common, prompt=_prompt(w.prompt))

@@ -86,6 +86,7 @@ class _RequestBase(msgspec.Struct, frozen=True, kw_only=True):
     include_usage: bool = False  # stream_options.include_usage
     skip_special_tokens: bool = True
     user: str | None = None
+    n: int = 1  # choices: each one its own engine call (pipeline/choices.py)
 
     def sampling_options(self, max_tokens: int) -> SamplingOptions:
         """The neutral sampling settings; ``max_tokens`` is the budget the caller settled on.

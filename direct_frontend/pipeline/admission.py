@@ -42,6 +42,7 @@ class Admission:
     def __init__(self, config: AdmissionConfig) -> None:
         self.config = config
         self._slots = trio.Semaphore(config.max_in_flight)
+        self._gathering = trio.Lock()  # held by the one request gathering several slots
         self.waiting = 0
         self.rejected = 0
 
@@ -50,10 +51,15 @@ class Admission:
         return self.config.max_in_flight - self._slots.value
 
     @contextlib.asynccontextmanager
-    async def slot(self) -> AsyncIterator[None]:
-        """Hold one in-flight slot for the duration of the block."""
+    async def slot(self, count: int = 1) -> AsyncIterator[None]:
+        """Hold ``count`` in-flight slots (one per choice) for the duration of the block.
+
+        A request of more choices than ``max_in_flight`` takes every slot, so
+        it waits for the daemon to drain rather than never running.
+        """
+        count = min(count, self.config.max_in_flight)
         try:
-            self._slots.acquire_nowait()
+            self._take_nowait(count)
             queued = False
         except trio.WouldBlock:
             queued = True
@@ -64,7 +70,7 @@ class Admission:
             self.waiting += 1
             try:
                 with trio.move_on_after(self.config.queue_timeout_s) as wait:
-                    await self._slots.acquire()
+                    await self._take(count)
             finally:
                 self.waiting -= 1
             if wait.cancelled_caught:
@@ -73,4 +79,36 @@ class Admission:
         try:
             yield
         finally:
-            self._slots.release()
+            for _ in range(count):
+                self._slots.release()
+
+    def _take_nowait(self, count: int) -> None:
+        """All ``count`` slots at once, or none (``WouldBlock``)."""
+        if count == 1:
+            self._slots.acquire_nowait()
+            return
+        if self._slots.value < count or self._gathering.locked():
+            raise trio.WouldBlock
+        for _ in range(count):
+            self._slots.acquire_nowait()
+
+    async def _take(self, count: int) -> None:
+        """Wait for ``count`` slots, FIFO with every other waiter.
+
+        Requests of several slots gather theirs one at a time, one such
+        request at a time, so two of them never hold part of what the other
+        waits for (no deadlock); a cancelled gathering gives its slots back.
+        """
+        if count == 1:
+            await self._slots.acquire()
+            return
+        async with self._gathering:
+            taken = 0
+            try:
+                while taken < count:
+                    await self._slots.acquire()
+                    taken += 1
+            except BaseException:
+                for _ in range(taken):
+                    self._slots.release()
+                raise

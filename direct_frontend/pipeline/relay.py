@@ -539,13 +539,17 @@ class Relay:
                     trio.current_time() - wait.since, outcome, extra={"outcome": outcome},
                 )
 
-    def settle(self, state: RelayState, ok: bool) -> None:
-        """The response is out (``ok``: in full): usage, and what the policy learns from it."""
+    def settle(self, state: RelayState, ok: bool, *, count_prompt: bool = True) -> None:
+        """The response is out (``ok``: in full): usage, and what the policy learns from it.
+
+        ``count_prompt``: False for a request's further choices (its prompt counts once).
+        """
         prepared = state.prepared
-        self.metrics.add_tokens(len(prepared.input_ids), state.processor.completion_tokens)
-        if self.series is not None:
-            self.series.usage(len(prepared.input_ids), state.processor.completion_tokens,
-                              state.cached_tokens or 0)
+        prompt = len(prepared.input_ids) if count_prompt else 0
+        self.metrics.add_tokens(prompt, state.processor.completion_tokens)
+        if self.series is not None:  # a choice's cached prompt counts once, like its prompt
+            cached = (state.cached_tokens or 0) if count_prompt else 0
+            self.series.usage(prompt, state.processor.completion_tokens, cached)
         if state.trace is not None:
             state.trace.usage(len(prepared.input_ids), state.processor.completion_tokens)
         if not ok:

@@ -22,6 +22,7 @@ from direct_frontend.simulator.faults import FaultPlan
 from direct_frontend.simulator.kvcache import KvAllocation, SimPrefixCache
 from direct_frontend.simulator.lora import LoraSlots
 from direct_frontend.simulator.model import Finish, Generation, SimModel, StopCriteria, TimingModel
+from direct_frontend.simulator.scripted import ScriptBook
 
 EngineKind = Literal["sglang", "vllm", "trtllm"]
 SimRole = Literal["both", "prefill", "decode"]
@@ -200,6 +201,7 @@ class SimCore:
         self.faults = FaultPlan()  # the live plan; SimEngine.faults replaces it
         self.kv_cache: SimPrefixCache | None = None  # SimEngine sets it (see kvcache.py)
         self.loras: LoraSlots | None = None  # SimEngine sets it when it serves adapters
+        self.scripts: ScriptBook | None = None  # canned completions by prompt marker (scripted.py)
 
     # -- bookkeeping -------------------------------------------------------
 
@@ -255,9 +257,13 @@ class SimCore:
         criteria: StopCriteria,
         *,
         internal: bool = False,
+        sample_seed: int | None = None,
     ) -> Job:
-        """Prepare a sequence; :meth:`run` admits it."""
-        job = Job(request_id, Generation(self.model, prompt_ids, criteria), internal=internal)
+        """Prepare a sequence (sampled with ``sample_seed``, if any); :meth:`run` admits it."""
+        scripts = None if internal else self.scripts
+        script = None if scripts is None else scripts.completion_for(prompt_ids)
+        generation = Generation(self.model, prompt_ids, criteria, sample_seed, script)
+        job = Job(request_id, generation, internal=internal)
         job.prompt_ids = prompt_ids
         return job
 

@@ -6,8 +6,11 @@ the first ``k`` generated tokens continues exactly where the uninterrupted run
 would have gone, which is what migration and prefill/decode tests need to prove
 the router resumes a stream without losing or repeating text.
 
-The simulator is greedy-deterministic: temperature, top-p, seeds and penalties
-are accepted by the servers and ignored here.
+The simulator is greedy-deterministic: temperature, top-p and penalties are
+accepted by the servers and ignored here. A request's own sampling seed (where
+its contract carries one, and it samples: temperature > 0) starts the hash
+from a state of its own, so seeded requests are reproducible and differ by
+seed (as the choices of one request do), and still resume token-exactly.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ _GOLDEN = 0x9E3779B97F4A7C15
 _SALT_EOS = 0xD1B54A32D192ED03
 _SALT_TOKEN = 0x8CB92BA72F3D8DD7
 _SALT_UNIT = 0x2545F4914F6CDD1D
+_SALT_SEED = 0x4F1BBCDCBFA53E0B
 _REDRAWS = 16
 
 
@@ -92,9 +96,15 @@ class SimModel:
         """Fold one more token into a prefix hash (O(1), so a sequence is O(n))."""
         return _mix64(state ^ (((token_id + 1) * _GOLDEN) & _MASK64))
 
-    def state_of(self, prefix: Iterable[int]) -> int:
-        """The hash state after ``prefix``."""
-        state = self.initial_state
+    def seeded_state(self, sample_seed: int | None) -> int:
+        """The state before any token of a request sampled with ``sample_seed`` (None: greedy)."""
+        if sample_seed is None:
+            return self.initial_state
+        return _mix64(self.initial_state ^ ((sample_seed * _GOLDEN + _SALT_SEED) & _MASK64))
+
+    def state_of(self, prefix: Iterable[int], sample_seed: int | None = None) -> int:
+        """The hash state after ``prefix`` (of a request sampled with ``sample_seed``)."""
+        state = self.seeded_state(sample_seed)
         for token_id in prefix:
             state = self.advance(state, token_id)
         return state
@@ -148,10 +158,12 @@ class SimModel:
 class SimSequence:
     """A running prefix hash, so each further token costs O(1)."""
 
-    def __init__(self, model: SimModel, prompt_ids: Iterable[int]) -> None:
+    def __init__(
+        self, model: SimModel, prompt_ids: Iterable[int], sample_seed: int | None = None
+    ) -> None:
         self.model = model
         ids = prompt_ids if isinstance(prompt_ids, Sequence) else list(prompt_ids)
-        self.state = model.state_of(ids)
+        self.state = model.state_of(ids, sample_seed)
         # The last few ids: enough to tell whether the prefix ends inside a unit.
         window = model.window
         self._tail: collections.deque[int] = collections.deque(
@@ -204,12 +216,16 @@ class Generation:
     ``min_tokens`` are reduced by ``k``, as a migrating router does.
     """
 
-    def __init__(self, model: SimModel, prompt_ids: Sequence[int], criteria: StopCriteria) -> None:
+    def __init__(
+        self, model: SimModel, prompt_ids: Sequence[int], criteria: StopCriteria,
+        sample_seed: int | None = None, script: Sequence[int] | None = None,
+    ) -> None:
         self.criteria = criteria
+        self._script = script  # given tokens to emit before EOS (see scripted.py)
         self.prompt_len = len(prompt_ids)
         self.output_ids: list[int] = []
         self.finish: Finish | None = None
-        self._sequence = SimSequence(model, prompt_ids)
+        self._sequence = SimSequence(model, prompt_ids, sample_seed)
         self._eos = model.eos_token_id
         stops = criteria.stop_token_ids
         # Below min_tokens every way to stop is masked; afterwards only an ignored EOS is.
@@ -225,7 +241,11 @@ class Generation:
         if self.finish is not None:
             raise RuntimeError("the sequence has already finished")
         early = len(self.output_ids) < self.criteria.min_tokens
-        token_id = self._sequence.step(self._banned_early if early else self._banned_late)
+        if self._script is not None:
+            n = len(self.output_ids)
+            token_id = self._script[n] if n < len(self._script) else self._eos
+        else:
+            token_id = self._sequence.step(self._banned_early if early else self._banned_late)
         self.output_ids.append(token_id)
         if token_id == self._eos and not self.criteria.ignore_eos:
             self.finish = Finish("stop", token_id, matched_eos=True)

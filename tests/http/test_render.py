@@ -8,7 +8,14 @@ import pytest
 from openai.types import Completion, Model
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from direct_frontend.http.render import ChunkRenderer, Usage, render_full, render_models
+from direct_frontend.http.render import (
+    ChoiceOutput,
+    ChunkRenderer,
+    Usage,
+    render_choices,
+    render_full,
+    render_models,
+)
 from direct_frontend.openai.errors import (
     engine_failed,
     error_body,
@@ -159,6 +166,33 @@ def test_render_full_scrubs_surrogates() -> None:
         render_full("chat", "r", "m", 1, "x\udcff", "stop", None, Usage(1, 1))
     )
     assert c.choices[0].message.content == "x?"
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+def test_each_choice_renders_with_its_index(kind: str) -> None:
+    r = ChunkRenderer(kind, "abc", MODEL, 1, True, index=2)  # type: ignore[arg-type]
+    events = [r.text("x"), r.finish("length", None)] + ([r.role_chunk()] if kind == "chat" else [])
+    for event in events:
+        chunk = json.loads(sse_data(event))
+        assert [c["index"] for c in chunk["choices"]] == [2]
+        if kind == "chat":
+            ChatCompletionChunk.model_validate(chunk)
+
+
+def test_render_choices_keeps_every_choice_in_order() -> None:
+    outputs = [ChoiceOutput("one", "stop", "\n"), ChoiceOutput("two", "length"),
+               ChoiceOutput("thr\udcffee", "stop", 2)]
+    chat = ChatCompletion.model_validate_json(
+        render_choices("chat", "r", "m", 1, outputs, Usage(5, 9, 4))
+    )
+    assert [(c.index, c.message.content, c.finish_reason) for c in chat.choices] == [
+        (0, "one", "stop"), (1, "two", "length"), (2, "thr?ee", "stop"),
+    ]
+    assert chat.usage is not None and chat.usage.total_tokens == 14
+    text = Completion.model_validate_json(
+        render_choices("completion", "r", "m", 1, outputs[:2], Usage(5, 9))
+    )
+    assert [(c.index, c.text) for c in text.choices] == [(0, "one"), (1, "two")]
 
 
 def test_render_models() -> None:

@@ -377,7 +377,6 @@ def test_stop_strings_up_to_the_bound_are_fine() -> None:
 @pytest.mark.parametrize(
     ("fields", "param", "fragment"),
     [
-        ({"n": 2}, "n", "n=2 is not supported"),
         ({"stream_options": {"include_usage": True}}, "stream_options", "only allowed when"),
         ({"stream": False, "stream_options": {"include_usage": True}}, "stream_options", "stream"),
         ({"logprobs": True}, "logprobs", "not supported yet"),
@@ -408,6 +407,13 @@ def test_unsupported_or_inconsistent(fields: dict[str, Any], param: str, fragmen
 
 
 # ---------------------------------------------------------------- completions
+
+
+def test_n_choices_parse_on_both_endpoints() -> None:
+    assert parse_chat_request(chat()).n == 1
+    assert parse_chat_request(chat(n=3)).n == 3
+    assert parse_completion_request(completion(n=128)).n == 128
+    assert parse_completion_request(completion(n=4, best_of=4)).n == 4
 
 
 @pytest.mark.parametrize(
@@ -456,7 +462,8 @@ def test_completion_defaults_and_fields() -> None:
         ({"logprobs": True}, "logprobs", "not supported yet"),
         ({"suffix": "end"}, "suffix", "not supported yet"),
         ({"best_of": 2}, "best_of", "not supported"),
-        ({"n": 3}, "n", "n=3"),
+        ({"n": 3, "best_of": 2}, "best_of", "must not be less than n (3)"),
+        ({"n": 2, "best_of": 3}, "best_of", "only best_of equal to n (2)"),
         ({"temperature": 9}, "temperature", "Invalid value"),
         ({"response_format": {"type": "json_object"}}, "response_format.type", "not supported"),
         ({"stream_options": {"include_usage": True}}, "stream_options", "only allowed"),

@@ -41,3 +41,58 @@ async def test_queue_timeout() -> None:
             async with admission.slot():
                 pass
     assert admission.waiting == 0
+
+
+async def test_a_request_of_several_choices_holds_one_slot_each() -> None:
+    admission = Admission(AdmissionConfig(max_in_flight=4, max_queue=4, queue_timeout_s=5))
+    release = trio.Event()
+    admitted: list[str] = []
+
+    async def hold(name: str, count: int) -> None:
+        async with admission.slot(count):
+            admitted.append(name)
+            await release.wait()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(hold, "three", 3)
+        await trio.testing.wait_all_tasks_blocked()
+        assert admission.in_flight == 3
+        nursery.start_soon(hold, "two", 2)  # one slot is free: it waits, holding that one
+        await trio.testing.wait_all_tasks_blocked()
+        assert admitted == ["three"] and admission.waiting == 1 and admission.in_flight == 4
+        release.set()
+    assert admitted == ["three", "two"] and admission.in_flight == 0
+
+
+async def test_two_gathering_requests_never_deadlock() -> None:
+    admission = Admission(AdmissionConfig(max_in_flight=3, max_queue=4, queue_timeout_s=5))
+    done: list[str] = []
+
+    async def hold(name: str, count: int) -> None:
+        async with admission.slot(count):
+            await trio.sleep(0.01)
+            done.append(name)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(hold, "one", 1)
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.start_soon(hold, "a", 3)  # each needs every slot: served in turn
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.start_soon(hold, "b", 3)
+    assert done == ["one", "a", "b"] and admission.in_flight == 0
+
+
+async def test_more_choices_than_slots_take_every_slot() -> None:
+    admission = Admission(AdmissionConfig(max_in_flight=2, max_queue=1, queue_timeout_s=5))
+    async with admission.slot(128):
+        assert admission.in_flight == 2
+
+
+async def test_a_gathering_that_times_out_gives_its_slots_back() -> None:
+    admission = Admission(AdmissionConfig(max_in_flight=3, max_queue=2, queue_timeout_s=0.05))
+    async with admission.slot(2):
+        with pytest.raises(Rejected, match="timed out"):
+            async with admission.slot(2):
+                pass
+        assert admission.in_flight == 2
+    assert admission.in_flight == 0

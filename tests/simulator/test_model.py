@@ -194,3 +194,16 @@ def test_text_vocab_rejects_units_that_could_overlap() -> None:
     assert vocab.continuation([10, 11]) is None  # complete: free again
     narrowed = vocab.within(20, {2})
     assert narrowed.clean_ids == (1, 3) and narrowed.units == ((10, 11), (10, 12, 13))
+
+
+def test_a_sampling_seed_picks_its_own_stream_and_still_resumes_exactly(model: SimModel) -> None:
+    criteria = StopCriteria(max_tokens=30, ignore_eos=True)
+    greedy = Generation(model, PROMPT, criteria).run()
+    assert Generation(model, PROMPT, criteria, sample_seed=None).run() == greedy
+    seeded = [Generation(model, PROMPT, criteria, sample_seed=s).run() for s in (7, 8, 7)]
+    assert seeded[0] == seeded[2] != seeded[1] and greedy not in seeded
+    resumed = Generation(
+        model, [*PROMPT, *seeded[0][:11]], StopCriteria(max_tokens=19, ignore_eos=True),
+        sample_seed=7,
+    ).run()
+    assert seeded[0][:11] + resumed == seeded[0]

@@ -15,7 +15,8 @@ one engine's stream with another's rules:
   (cumulative), after the final delta chunk.
 
 Stop strings are accepted and ignored (the frontend applies them), as are
-temperature, seeds and the other sampling knobs: the model is deterministic.
+temperature and the other sampling knobs: the model is deterministic, but a
+sampling request's seed (vLLM, TRT-LLM) picks its own deterministic stream.
 """
 
 from __future__ import annotations

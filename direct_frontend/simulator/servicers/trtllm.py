@@ -55,7 +55,11 @@ class TrtllmServicer(SimServicer, TrtllmServiceBase):
             stop_token_ids=frozenset(request.stop_token_ids),
             ignore_eos=request.ignore_eos,
         )
-        job = core.new_job(request_id, prompt, criteria)
+        temperature = sampling.temperature if sampling.HasField("temperature") else 1.0
+        seeded = sampling.HasField("seed") and temperature > 0
+        job = core.new_job(
+            request_id, prompt, criteria, sample_seed=sampling.seed if seeded else None
+        )
         output = job.generation.output_ids
         prompt_tokens = len(prompt)
 

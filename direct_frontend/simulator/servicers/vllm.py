@@ -102,7 +102,11 @@ class VllmServicer(SmgServicer, VllmEngineBase):
             stop_token_ids=frozenset(params.stop_token_ids),
             ignore_eos=params.ignore_eos,
         )
-        job = core.new_job(request.request_id, prompt, criteria)
+        temperature = params.temperature if params.HasField("temperature") else 1.0
+        seeded = params.HasField("seed") and temperature > 0
+        job = core.new_job(
+            request.request_id, prompt, criteria, sample_seed=params.seed if seeded else None
+        )
         job.cached_tokens = handoff.transferred
         output = job.generation.output_ids
         prompt_tokens = len(prompt)

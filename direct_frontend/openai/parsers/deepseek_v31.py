@@ -1,0 +1,21 @@
+"""DeepSeek V3.1+ calls: ``<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{json}<｜tool▁call▁end｜>``.
+
+Fits DeepSeek-V3.1, V3.1-Terminus and V3.2(-Exp), in thinking and
+non-thinking mode (reasoning itself is the ``deepseek_r1`` reasoning parser).
+"""
+
+from __future__ import annotations
+
+import re
+
+from direct_frontend.openai.parsers.calls import CallBody, JsonArgsBody
+from direct_frontend.openai.parsers.deepseek_v3 import DeepSeekV3Parser
+
+_HEADER = re.compile(r"\s*(?P<name>[^\s<]+?)\s*<｜tool▁sep｜>\s*(?=\{)")
+
+
+class DeepSeekV31Parser(DeepSeekV3Parser):
+    name = "deepseek_v31"
+
+    def _new_body(self) -> CallBody:
+        return JsonArgsBody(_HEADER)

@@ -1,0 +1,127 @@
+"""Qwen3-Coder's XML calls: ``<tool_call><function=NAME><parameter=KEY>value</parameter>...``.
+
+Parameter values are bare text, so their JSON type comes from the tool's
+parameter schema when the request gave one (a ``string`` stays text; numbers,
+booleans, arrays and objects are read as JSON); without a schema a value that
+reads as JSON is taken as such. Arguments stream one parameter at a time,
+since a value's type is known only once it is complete.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from direct_frontend.openai.parsers.base import ToolSchemas
+from direct_frontend.openai.parsers.calls import CallBody, TaggedCallParser
+from direct_frontend.openai.parsers.scan import find_first
+
+_FUNCTION = re.compile(r"\s*<function=([^>\n]+)>")
+_PARAMETER = re.compile(r"\s*<parameter=([^>\n]+)>")
+_FUNCTION_END = re.compile(r"\s*</function>")
+_VALUE_ENDS = ("</parameter>", "\n<parameter=", "\n</function>")
+_PREFIXES = ("<function=", "<parameter=", "</function>")
+
+
+def _value(raw: str, schema: Any) -> Any:
+    """The JSON value of a parameter's text, typed by its schema where there is one."""
+    kind = schema.get("type") if isinstance(schema, dict) else None
+    if kind == "string" or (isinstance(kind, list) and "string" in kind and len(kind) == 1):
+        return raw
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return raw
+
+
+class XmlFunctionBody:
+    """One ``<function=...>`` element, parsed as its parameters complete."""
+
+    __slots__ = ("_closed", "_count", "_from", "_pos", "_ready", "_schemas", "_tail", "_text",
+                 "failed", "name")
+
+    def __init__(self, schemas: ToolSchemas | None) -> None:
+        self._schemas = schemas
+        self._text = ""
+        self._pos = 0  # parsed up to here
+        self._from = 0  # where to look for the end of the open value
+        self._ready: list[str] = []
+        self._count = 0
+        self._closed = False
+        self._tail = ""
+        self.name: str | None = None
+        self.failed = False
+
+    def push(self, text: str) -> int:
+        if self._closed:
+            self._tail += text
+        elif not self.failed:
+            self._text += text
+            self._parse()
+        return -1
+
+    def _parse(self) -> None:
+        text = self._text
+        if self.name is None:
+            m = _FUNCTION.match(text)
+            if m is None:
+                self._check_prefix(text.lstrip())
+                return
+            self.name = m.group(1).strip()
+            self._pos = m.end()
+        while not self.failed:
+            m = _PARAMETER.match(text, self._pos)
+            if m is not None:
+                i, marker = find_first(text, _VALUE_ENDS, max(m.end(), self._from))
+                if i == -1:
+                    self._from = max(m.end(), len(text) - len(_VALUE_ENDS[0]))
+                    return
+                self._add(m.group(1).strip(), text[m.end():i])
+                self._pos = i + (len(marker) if marker == "</parameter>" else 0)
+                self._from = 0
+                continue
+            m = _FUNCTION_END.match(text, self._pos)
+            if m is not None:
+                self._closed = True
+                self._tail = text[m.end():]
+                return
+            self._check_prefix(text[self._pos:].lstrip())
+            return
+
+    def _check_prefix(self, rest: str) -> None:
+        if rest and not any(p.startswith(rest) or rest.startswith(p) for p in _PREFIXES):
+            self.failed = True
+
+    def _add(self, key: str, raw: str) -> None:
+        raw = raw.removeprefix("\n").removesuffix("\n")
+        schema: Any = None
+        if self._schemas is not None and self.name is not None:
+            tool = self._schemas.get(self.name) or {}
+            schema = (tool.get("properties") or {}).get(key)
+        value = _value(raw, schema)
+        lead = "{" if self._count == 0 else ", "
+        self._count += 1
+        self._ready.append(lead + json.dumps(key, ensure_ascii=False) + ": "
+                           + json.dumps(value, ensure_ascii=False))
+
+    def take_arguments(self) -> str:
+        if self.name is None:
+            return ""
+        out = "".join(self._ready)
+        self._ready = []
+        return out
+
+    def close(self) -> str | None:
+        if self.failed or not self._closed or self._tail.strip():
+            return None
+        return self.take_arguments() + ("}" if self._count else "{}")
+
+
+class Qwen3CoderParser(TaggedCallParser):
+    name = "qwen3_coder"
+    OPEN = "<tool_call>"
+    CLOSE = "</tool_call>"
+
+    def _new_body(self) -> CallBody:
+        return XmlFunctionBody(self.tools)

@@ -1,0 +1,149 @@
+"""Several choices (``n > 1``): one relay per choice, each its own engine call.
+
+Every choice is a request of its own to the fleet: placed by the routing
+policy (the KV-aware one sends them where the prompt is cached, so the
+engine computes the prompt once), with its own output state (detokenizer,
+stop strings) and its own failover, so an engine failing moves only the
+choices it ran. The engines' own ``n`` is not used: its samples share one
+call, so one failure would end them all, and a continuation resumes one
+sample's tokens, not several (docs/architecture.md, "Several choices").
+
+With a ``seed``, choice ``i`` samples with ``seed + i`` (wrapped to int64):
+each choice is reproducible and differs from its siblings. Each choice's
+engine call has its own request id (``<request id>-<i>``), so an Abort
+reaches exactly the call it means.
+
+:class:`Choices` is the driver: it places every choice before any starts
+(a request no engine can take gets its HTTP error before any engine call),
+then runs them in one nursery, handing every batch on with its choice's
+index. The first choice to give up ends the request, as a lone request's
+failure would: the other choices are cancelled (their engine calls
+aborted) and its error is raised.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Awaitable, Callable
+
+import msgspec
+import trio
+
+from direct_frontend.errors import EngineError
+from direct_frontend.observability.tracing import RequestTrace
+from direct_frontend.openai.errors import OpenAIHTTPError
+from direct_frontend.pipeline.preprocess import PreparedRequest
+from direct_frontend.pipeline.relay import Relay, RelayState
+from direct_frontend.pipeline.settings import Settings
+
+#: the HTTP side's writer of several choices: the choice's index, then a batch as in ``Emit``
+ChoiceEmit = Callable[[int, str, int, bool], Awaitable[None]]
+
+_INT64 = 1 << 64
+_INT64_MIN = -(1 << 63)
+
+
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """The seed choice ``index`` samples with: ``seed + index``, wrapped into int64."""
+    if seed is None:
+        return None
+    return (seed + index - _INT64_MIN) % _INT64 + _INT64_MIN
+
+
+def choice_request(prepared: PreparedRequest, index: int) -> PreparedRequest:
+    """Choice ``index`` of ``prepared`` as a request of its own (its engine id and seed)."""
+    request = prepared.request
+    return dataclasses.replace(
+        prepared,
+        request_id=f"{prepared.request_id}-{index}",
+        request=msgspec.structs.replace(request, seed=choice_seed(request.seed, index)),
+    )
+
+
+class Choices:
+    """The choices of one request, in index order, and the failure that ended them (if any)."""
+
+    __slots__ = ("error", "failed", "prepared", "states")
+
+    def __init__(self, prepared: PreparedRequest, states: list[RelayState]) -> None:
+        self.prepared = prepared  # the client's request (its id names the response)
+        self.states = states
+        self.failed: RelayState | None = None  # the choice that gave up first
+        self.error: EngineError | None = None  # and why
+
+    @classmethod
+    async def begin(
+        cls, relay: Relay, settings: Settings, prepared: PreparedRequest,
+        trace: RequestTrace | None = None,
+    ) -> Choices:
+        """Place every choice; the first that cannot be placed raises its HTTP error.
+
+        Placing starts nothing on any engine, so a refusal leaves nothing to abort.
+        """
+        states = [
+            await relay.begin(settings, choice_request(prepared, i), trace)
+            for i in range(prepared.request.n)
+        ]
+        return cls(prepared, states)
+
+    async def run(self, relay: Relay, emit: ChoiceEmit, writing: trio.Lock | None = None) -> None:
+        """Run every choice to its end; ``emit`` gets each batch with the choice's index.
+
+        Raises the :class:`EngineError` of the first choice that gave up,
+        after cancelling the others (:meth:`error_for` says what the client
+        is told). ``writing`` is the lock ``emit`` holds while it writes to
+        the client: the failing choice takes it before cancelling the others,
+        so no write is cut short.
+        """
+        async with trio.open_nursery() as nursery:
+            for index, state in enumerate(self.states):
+                nursery.start_soon(self._run_one, relay, state, functools.partial(emit, index),
+                                   nursery.cancel_scope, writing)
+        if self.error is not None:
+            raise self.error
+
+    async def _run_one(
+        self, relay: Relay, state: RelayState, emit: Callable[[str, int, bool], Awaitable[None]],
+        everyone: trio.CancelScope, writing: trio.Lock | None,
+    ) -> None:
+        try:
+            await relay.run(state, emit)
+        except EngineError as error:
+            if self.failed is not None:
+                return  # another choice failed first: this one was being cancelled
+            self.failed, self.error = state, error
+            if writing is not None:
+                await writing.acquire()  # no write under way; the others wait for it, then stop
+                everyone.cancel()
+                writing.release()
+            else:
+                everyone.cancel()
+
+    def error_for(self, error: EngineError) -> OpenAIHTTPError:
+        """What the client is told when a choice gave up after ``error``."""
+        failed = self.failed or self.states[0]
+        return failed.error_for(error)
+
+    @property
+    def finished(self) -> bool:
+        """Whether every choice's output is complete."""
+        return all(state.final is not None for state in self.states)
+
+    def usage(self) -> tuple[int, int, int]:
+        """Prompt tokens once, completion tokens of every choice, the prompt's cached tokens.
+
+        The cached count is the first choice's: the prompt's, as a lone request reports it.
+        """
+        first = self.states[0]
+        completion = sum(state.processor.completion_tokens for state in self.states)
+        return len(self.prepared.input_ids), completion, first.cached_tokens or 0
+
+    def settle(self, relay: Relay, ok: bool) -> None:
+        """The response is out: every choice settles, the prompt counted once."""
+        for index, state in enumerate(self.states):
+            relay.settle(state, ok, count_prompt=index == 0)
+        trace = self.states[0].trace
+        if trace is not None:
+            prompt, completion, _ = self.usage()
+            trace.usage(prompt, completion)
