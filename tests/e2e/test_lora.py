@@ -22,6 +22,7 @@ from tests.support.models import (
     FAST,
     engine_requests,
     engine_table,
+    frontend_table,
     get_json,
     simulators,
 )
@@ -36,15 +37,7 @@ def engine(name: str, kind: str, model: str, max_loras: int = 0) -> str:
 
 
 def lora_fleet(model_dir: Path) -> str:
-    head = textwrap.dedent(f"""\
-        [frontend]
-        listen = "127.0.0.1:0"
-        tokenizer = "{model_dir}"
-
-        [frontend.probe]
-        interval_s = 0.2
-        timeout_s = 1.0
-
+    head = frontend_table(model_dir, textwrap.dedent("""\
         [frontend.faults]
         wait_for_engine_s = 0.2
 
@@ -67,7 +60,7 @@ def lora_fleet(model_dir: Path) -> str:
         path = "/adapters/b"
         [[model.adapter]]
         name = "solo-preloaded"
-        """)
+        """))
     engines = [
         engine("sg-1", "sglang", "chat", max_loras=1),
         engine("sg-2", "sglang", "chat", max_loras=1),

@@ -24,6 +24,7 @@ from tests.support.models import (
     FAST,
     engine_requests,
     engine_table,
+    frontend_table,
     get_json,
     openai_client,
 )
@@ -41,15 +42,7 @@ def engine(name: str, kind: str, model: str | None = None, *, sim_model: str | N
 
 def models_fleet(model_dir: Path, *, extra_model: bool = False) -> str:
     """Three models (four with ``extra_model``), their engines after them."""
-    head = textwrap.dedent(f"""\
-        [frontend]
-        listen = "127.0.0.1:0"
-        tokenizer = "{model_dir}"
-
-        [frontend.probe]
-        interval_s = 0.2
-        timeout_s = 1.0
-
+    head = frontend_table(model_dir, textwrap.dedent("""\
         [[model]]
         name = "chat"
         owned_by = "team-chat"
@@ -68,7 +61,7 @@ def models_fleet(model_dir: Path, *, extra_model: bool = False) -> str:
         [model.limits]
         max_in_flight = 1
         max_queue = 0
-        """)
+        """))
     if extra_model:
         head += '\n[[model]]\nname = "extra"\n'
     engines = [

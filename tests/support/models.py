@@ -17,6 +17,19 @@ from tests.support.daemon import Daemon, free_port
 FAST = "decode_us_per_token = 0\nprefill_us_per_token = 0\neos_probability = 0.0"
 
 
+def frontend_table(model_dir: object, extra: str = "") -> str:
+    """``[frontend]`` on a free port with fast probes; ``extra``: more tables after it."""
+    return textwrap.dedent(f"""\
+        [frontend]
+        listen = "127.0.0.1:0"
+        tokenizer = "{model_dir}"
+
+        [frontend.probe]
+        interval_s = 0.2
+        timeout_s = 1.0
+        """) + extra
+
+
 def engine_table(name: str, kind: str, model: str | None, simulator: str = FAST) -> str:
     """A simulated [[engine]] of ``model`` (None: no model key) on a free port."""
     model_line = "" if model is None else f'model = "{model}"\n'
