@@ -98,12 +98,12 @@ def run(
     SIGHUP (systemctl reload) reloads FLEET; so does saving it, unless --no-watch.
     """
     from direct_frontend.daemon import run_daemon
-    from direct_frontend.fleet.preflight import busy_addresses, load_text_model
+    from direct_frontend.fleet.preflight import TextModelKey, busy_addresses, load_text_models
     from direct_frontend.observability.logging import configure_logging
     from direct_frontend.text.model_dir import TextModel
 
     config = _load_or_exit(fleet)
-    text_model = cast(TextModel, _or_exit(load_text_model, config))
+    text_models = cast(dict[TextModelKey, TextModel], _or_exit(load_text_models, config))
     configure_logging(json=config.frontend.log_json if log_json is None else log_json,
                       level=log_level.value)
     log = logging.getLogger("direct_frontend")
@@ -114,7 +114,7 @@ def run(
         typer.echo("\n".join(str(problem) for problem in busy), err=True)
         raise typer.Exit(1)
     try:
-        code = run_daemon(config, watch=watch, text_model=text_model)
+        code = run_daemon(config, watch=watch, text_models=text_models)
     except Exception as exc:
         reason = _start_failure(exc)
         if reason is None:
@@ -180,7 +180,7 @@ def check(
     compared by presence only.
     """
     from direct_frontend.fleet.describe import describe_fleet, to_jsonable
-    from direct_frontend.fleet.preflight import load_text_model
+    from direct_frontend.fleet.preflight import load_text_models
 
     config = _load_or_exit(fleet)
     for warning in _warnings(config):
@@ -189,7 +189,7 @@ def check(
         _check_against(config, against, admin_token, as_json)
         return
     if not no_tokenizer:
-        _or_exit(load_text_model, config)
+        _or_exit(load_text_models, config)
     if as_json:
         typer.echo(json.dumps(to_jsonable(config), indent=2))
     else:

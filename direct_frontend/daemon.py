@@ -25,6 +25,7 @@ import trio_asyncio  # before grpclib, see cli.py
 import logging
 import signal
 import time
+from collections.abc import Mapping
 from functools import partial
 from pathlib import Path
 
@@ -35,6 +36,7 @@ from hypercorn.trio import serve
 from direct_frontend.control.kv_plane import KvPlane
 from direct_frontend.control.reload import ControlPlane, file_digest, kv_block_size
 from direct_frontend.control.supervisor import Supervisor
+from direct_frontend.fleet.preflight import TextModelKey
 from direct_frontend.fleet.schema import FleetConfig, TracingConfig
 from direct_frontend.fleet.watch import POLL_INTERVAL_S, FileStamp, stamp_of, watch_file
 from direct_frontend.http import coalesce, keepalive
@@ -44,11 +46,8 @@ from direct_frontend.observability import descriptors, shims
 from direct_frontend.observability.metrics import Metrics
 from direct_frontend.observability.sdnotify import Notifier
 from direct_frontend.observability.tracing import Tracing
-from direct_frontend.pipeline.dispatch import Dispatcher
-from direct_frontend.pipeline.relay import Relay
-from direct_frontend.pipeline.settings import Settings
+from direct_frontend.pipeline.models import ModelBuilder
 from direct_frontend.routing.factory import make_policy
-from direct_frontend.routing.hitrate import HitRateWatch
 from direct_frontend.text.model_dir import TextModel
 
 log = logging.getLogger("direct_frontend")
@@ -77,14 +76,14 @@ async def serve_fleet(
     watch_interval_s: float | None = POLL_INTERVAL_S,
     shutdown_grace_s: float = SHUTDOWN_GRACE_S,
     notifier: Notifier | None = None,
-    text_model: TextModel | None = None,
+    text_models: Mapping[TextModelKey, TextModel] | None = None,
     task_status: trio.TaskStatus[App] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run the whole daemon until ``shutdown`` is set (or SIGINT/SIGTERM).
 
     ``watch_interval_s=None`` turns the file watcher off (reloads then come
-    from SIGHUP or ``POST /fleet/reload`` only). ``text_model`` is the fleet's
-    tokenizer when the caller has loaded it already (``run`` checks it first).
+    from SIGHUP or ``POST /fleet/reload`` only). ``text_models`` are the fleet's
+    tokenizers when the caller has loaded them already (``run`` checks them first).
     """
     started = time.perf_counter()
     descriptors.raise_soft_limit()  # every connection is a descriptor; 1,024 is not many
@@ -93,18 +92,18 @@ async def serve_fleet(
     stamp = stamp_of(fleet.source)
     digest = file_digest(await trio.to_thread.run_sync(_read_or_empty, fleet.source))
     async with trio_asyncio.open_loop():
-        if text_model is None:
-            text_model = await trio.to_thread.run_sync(TextModel.load, fleet.frontend.tokenizer)
         metrics = Metrics()
         kv = KvPlane(KvIndex(kv_block_size(fleet)), metrics)
         supervisor = Supervisor(fleet, kv=kv)
-        settings = Settings.first(
-            fleet.frontend, make_policy(fleet.frontend.routing, kv.index, kv.live)
+        builder = ModelBuilder(
+            supervisor, metrics,
+            lambda routing, exact: make_policy(routing, kv.index if exact else None, kv.live),
+            text_models,
         )
-        control = ControlPlane(fleet, supervisor, settings, metrics, notifier, digest)
-        relay = Relay(Dispatcher(supervisor), text_model, metrics, HitRateWatch(metrics))
+        await builder.load(fleet)
+        control = ControlPlane(fleet, supervisor, builder, metrics, notifier, digest)
         tracing = _open_tracing(fleet.frontend.tracing)
-        app = App(control, relay, text_model, metrics, tracing)
+        app = App(control, metrics, tracing)
         async with trio.open_nursery() as nursery:
             if handle_signals:  # only the main thread may install signal handlers
                 nursery.start_soon(_watch_signals, shutdown, control, nursery.cancel_scope)
@@ -190,9 +189,10 @@ async def _watch_signals(
 
 
 def run_daemon(
-    fleet: FleetConfig, *, watch: bool = True, text_model: TextModel | None = None
+    fleet: FleetConfig, *, watch: bool = True,
+    text_models: Mapping[TextModelKey, TextModel] | None = None,
 ) -> int:
     """Blocking entry point for ``direct-frontend run``; returns the exit code."""
     interval = POLL_INTERVAL_S if watch else None
-    trio.run(partial(serve_fleet, fleet, watch_interval_s=interval, text_model=text_model))
+    trio.run(partial(serve_fleet, fleet, watch_interval_s=interval, text_models=text_models))
     return 0

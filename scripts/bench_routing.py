@@ -47,6 +47,8 @@ Usage::
     python scripts/bench_routing.py --repeat 1 --conversations 32      # ~20 s
     python scripts/bench_routing.py --modes kv-events --knob overlap_weight=4
     python scripts/bench_routing.py --json             # also one JSON line at the end
+    python scripts/bench_routing.py --multi-model      # per-model TTFT and hit rate
+                                                       # (scripts/bench_models.py)
 """
 
 from __future__ import annotations
@@ -860,5 +862,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "engine":
         engine_main(sys.argv[2:])
+    elif "--multi-model" in sys.argv:  # several models, one daemon: per-model figures
+        from bench_models import main as multi_model
+        sys.exit(multi_model([a for a in sys.argv[1:] if a != "--multi-model"]))
     else:
         sys.exit(main())

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from urllib.parse import urlsplit
 
 import trio
@@ -30,7 +30,13 @@ from direct_frontend.engines.dialects import dialect_for
 from direct_frontend.engines.neutral import EngineInfo, EngineRole
 from direct_frontend.engines.transport import EngineChannel
 from direct_frontend.errors import EngineError, ErrorKind
-from direct_frontend.fleet.schema import EngineConfig, FrontendConfig
+from direct_frontend.fleet.models import engine_model
+from direct_frontend.fleet.schema import (
+    EngineConfig,
+    FrontendConfig,
+    ModelConfig,
+    implicit_model,
+)
 from direct_frontend.routing.catalog import EngineHandle, EngineLoad
 
 log = logging.getLogger("direct_frontend.engine")
@@ -50,15 +56,6 @@ def engine_id(url: str) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def serves_fleet_model(info: EngineInfo, served_model_name: str) -> bool:
-    """Whether the engine serves the fleet's model.
-
-    TensorRT-LLM reports only the path it was launched with, not a served
-    name, so for it there is nothing to compare.
-    """
-    return not info.served_name_known or info.served_model_name == served_model_name
-
-
 def outcome_of(error: EngineError | trio.TooSlowError) -> ProbeOutcome:
     """A failed call as a probe result: a lost connection is a process gone, not misbehaving."""
     if isinstance(error, EngineError) and error.kind is ErrorKind.UNAVAILABLE:
@@ -66,9 +63,11 @@ def outcome_of(error: EngineError | trio.TooSlowError) -> ProbeOutcome:
     return ProbeOutcome.FAILED
 
 
-def effective_context_length(cfg: EngineConfig, info: EngineInfo) -> int | None:
-    """The fleet file's override wins; otherwise what the dialect trusts from discovery."""
-    return cfg.context_length or info.context_length
+def effective_context_length(
+    cfg: EngineConfig, info: EngineInfo, model: ModelConfig | None = None
+) -> int | None:
+    """The engine's override wins, then its model's; otherwise what discovery says."""
+    return cfg.context_length or (model and model.context_length) or info.context_length
 
 
 @dataclasses.dataclass(slots=True)
@@ -87,8 +86,11 @@ class EngineChild:
         frontend: FrontendConfig,
         incarnation: int,
         on_change: Callable[[EngineChild, EngineState], None],
+        models: Callable[[], Sequence[ModelConfig]] = tuple,
     ) -> None:
         self.cfg = cfg
+        #: the fleet's models as they are now (a reload may change them); checked at each join
+        self.models = models
         self.frontend = frontend
         self.incarnation = incarnation
         self.on_change = on_change  # (child, previous state)
@@ -227,14 +229,12 @@ class EngineChild:
             try:
                 with trio.fail_after(self.probe.join_timeout_s):
                     info = await self._discover()
-                    if not serves_fleet_model(info, self.frontend.served_model_name):
-                        self.last_error = (
-                            f"serves model {info.served_model_name!r}, "
-                            f"the fleet serves {self.frontend.served_model_name!r}"
-                        )
+                    model = self._model_of(info)
+                    if isinstance(model, str):
+                        self.last_error = model
                         self._set_state(EngineState.REFUSED, self.last_error)
                     elif await self._probe_once() is ProbeOutcome.HEALTHY:
-                        self._serve(info)
+                        self._serve(info, model)
                         return
             except (EngineError, trio.TooSlowError) as exc:
                 self.last_error = str(exc) or "discovery timed out"
@@ -255,6 +255,11 @@ class EngineChild:
                 await self._wake.wait()
             self._wake = trio.Event()
 
+    def _model_of(self, info: EngineInfo) -> ModelConfig | str:
+        """The model the engine joins, or why it is refused."""
+        models = self.models() or (implicit_model(self.frontend),)
+        return engine_model(self.cfg, info, models)
+
     async def _discover(self) -> EngineInfo:
         assert self.channel is not None
         replies = [
@@ -262,7 +267,7 @@ class EngineChild:
         ]
         return self.dialect.engine_info(replies)
 
-    def _serve(self, info: EngineInfo) -> None:
+    def _serve(self, info: EngineInfo, model: ModelConfig) -> None:
         assert self.channel is not None
         before = self.engine_restarts.total
         self.restarted_at_join = self.engine_restarts.discovered(
@@ -281,10 +286,11 @@ class EngineChild:
             incarnation=self.incarnation,
             role=role,
             info=info,
-            context_length=effective_context_length(self.cfg, info),
+            context_length=effective_context_length(self.cfg, info, model),
             transport=self.channel,
             load=self.load,  # one per incarnation: a re-join keeps the requests in flight
             bootstrap_port=self.cfg.bootstrap_port or info.bootstrap_port,
+            model=model.name,
         )
         self.tracker.joined()
         self.last_error = ""
@@ -328,9 +334,11 @@ class EngineChild:
             self.last_error = str(exc) or "discovery timed out"
             self.tracker.record(outcome_of(exc))  # still out: a failed try like any other
             return
-        if not serves_fleet_model(info, self.frontend.served_model_name):
-            self.last_error = f"now serves model {info.served_model_name!r}"
+        model = self._model_of(info)
+        if isinstance(model, str):
+            self.last_error = f"now refused: {model}"
             self._set_state(EngineState.REFUSED, self.last_error)
             await self._join()
             return
-        self._serve(info)
+        self._serve(info, model)
+

@@ -10,12 +10,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable, Hashable
+from pathlib import Path
 from typing import Any
 
 import trio
 
 from direct_frontend.control.child import EngineChild, host_port
-from direct_frontend.fleet.schema import EngineConfig, FrontendConfig
+from direct_frontend.fleet.schema import EngineConfig, FleetConfig
 
 log = logging.getLogger("direct_frontend.supervisor")
 
@@ -39,8 +40,8 @@ class SimulatorPool:
     gets a new simulator once the old incarnation has drained off the port.
     """
 
-    def __init__(self, frontend: Callable[[], FrontendConfig]) -> None:
-        self._frontend = frontend
+    def __init__(self, fleet: Callable[[], FleetConfig]) -> None:
+        self._fleet = fleet
         self._slots: dict[int, _SimSlot] = {}
         self._locks: dict[int, trio.Lock] = {}
         self._by_generation: dict[int, _SimSlot] = {}
@@ -65,9 +66,7 @@ class SimulatorPool:
         )
 
     def _key(self, cfg: EngineConfig) -> Hashable:
-        frontend = self._frontend()
-        return (cfg.kind, cfg.role, cfg.simulator, str(frontend.tokenizer),
-                frontend.served_model_name)
+        return (cfg.kind, cfg.role, cfg.simulator, *simulated_model(self._fleet(), cfg))
 
     async def acquire(self, nursery: trio.Nursery, child: EngineChild) -> None:
         port = host_port(child.cfg.url)[1]
@@ -100,7 +99,7 @@ class SimulatorPool:
     ) -> None:
         try:
             with slot.stop:
-                slot.engine = await start_embedded_simulator(self._frontend(), cfg)
+                slot.engine = await start_embedded_simulator(self._fleet(), cfg)
                 try:
                     task_status.started()
                     await trio.sleep_forever()
@@ -112,7 +111,18 @@ class SimulatorPool:
             slot.stopped.set()
 
 
-async def start_embedded_simulator(frontend: FrontendConfig, cfg: EngineConfig) -> Any:
+def simulated_model(fleet: FleetConfig, cfg: EngineConfig) -> tuple[Path, str]:
+    """(tokenizer, served name) a simulated engine serves: its model's, else [frontend]'s.
+
+    ``simulator.served_model_name`` wins for the name (set it to demo a refusal).
+    """
+    model = fleet.engine_model(cfg)
+    tokenizer = fleet.frontend.tokenizer if model is None else model.tokenizer
+    name = model.name if model is not None else fleet.frontend.served_model_name
+    return tokenizer, cfg.simulator.served_model_name or name
+
+
+async def start_embedded_simulator(fleet: FleetConfig, cfg: EngineConfig) -> Any:
     """Serve a simulated engine on the engine's own URL, over real gRPC on loopback."""
     import trio_asyncio
 
@@ -121,10 +131,11 @@ async def start_embedded_simulator(frontend: FrontendConfig, cfg: EngineConfig) 
 
     host, port = host_port(cfg.url)
     sim = cfg.simulator
+    tokenizer, served_model_name = simulated_model(fleet, cfg)
     engine = SimEngine.from_model_dir(
         cfg.kind,
-        frontend.tokenizer,
-        served_model_name=sim.served_model_name or frontend.served_model_name,
+        tokenizer,
+        served_model_name=served_model_name,
         context_length=sim.context_length,
         role=cfg.role.value,
         vocab_size=sim.vocab_size,
@@ -135,6 +146,8 @@ async def start_embedded_simulator(frontend: FrontendConfig, cfg: EngineConfig) 
         # publish KV events where the fleet file says the engine publishes them (rank 0)
         kv_events_port=_port_of(cfg.kv_events[0]) if cfg.kv_events else None,
         kv_replay_port=_port_of(cfg.kv_replay[0]) if cfg.kv_replay else None,
+        max_loras=sim.max_loras,
+        lora_load_s=sim.lora_load_ms / 1000,
     )
     await trio_asyncio.aio_as_trio(engine.start)(host, port)
     log.info("simulated %s engine listening on %s:%d", cfg.kind, host, port)

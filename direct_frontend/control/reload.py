@@ -28,9 +28,8 @@ from direct_frontend.fleet.problems import FleetError, FleetProblem
 from direct_frontend.fleet.schema import FleetConfig, FrontendConfig
 from direct_frontend.observability.metrics import Metrics
 from direct_frontend.observability.sdnotify import Notifier
+from direct_frontend.pipeline.models import ModelBuilder, ModelTable, serving_counts
 from direct_frontend.pipeline.settings import Settings
-from direct_frontend.routing.factory import make_policy
-from direct_frontend.routing.policies import Policy
 
 log = logging.getLogger("direct_frontend")
 
@@ -90,14 +89,16 @@ class ControlPlane:
         self,
         fleet: FleetConfig,
         supervisor: Supervisor,
-        settings: Settings,
+        builder: ModelBuilder,
         metrics: Metrics,
         notifier: Notifier,
         digest: str = "",
     ) -> None:
         self.running = fleet
         self.supervisor = supervisor
-        self.settings = settings
+        self.builder = builder
+        #: the models served, each with its settings snapshot (replaced whole on reload)
+        self.models: ModelTable = builder.build(fleet, fleet.frontend)
         self.metrics = metrics
         self.notifier = notifier
         self.hub = EventHub()
@@ -107,6 +108,17 @@ class ControlPlane:
         self.last_reload: ReloadResult | None = None
         self._lock = trio.Lock()
         supervisor.listeners.append(self._on_engine)
+
+    @property
+    def settings(self) -> Settings:
+        """The first model's snapshot: ``[frontend]`` as every request reads it on arrival."""
+        return self.models.models[0].settings
+
+    @settings.setter
+    def settings(self, settings: Settings) -> None:
+        """Publish ``settings`` as the first model's snapshot (a fleet of one: its only one)."""
+        first = self.models.models[0]
+        self.models = self.models.replaced(dataclasses.replace(first, settings=settings))
 
     # -- the view ---------------------------------------------------------------------
 
@@ -131,10 +143,26 @@ class ControlPlane:
             "serving": self.supervisor.serving_count,
             "total": len(self.supervisor.children),
             "engines": engines,
+            "models": self._models_status(),
             "fleet": to_jsonable(self.running),
             "events": {"subscribers": len(self.hub.subscribers),
                        "dropped": self.hub.dropped_total},
         }
+
+    def _models_status(self) -> list[JsonValue]:
+        serving = serving_counts(self.models)
+        out: list[JsonValue] = []
+        for model in self.models.models:
+            engines: list[JsonValue] = [*sorted({e.name for e in model.catalog.engines})]
+            adapters: list[JsonValue] = [a.name for a in model.config.adapters]
+            aliases: list[JsonValue] = list(model.config.aliases)
+            out.append({
+                "name": model.name, "aliases": aliases, "adapters": adapters,
+                "serving": serving[model.name], "engines": engines,
+                "policy": model.settings.policy.name,
+                "in_flight": model.settings.admission.in_flight,
+            })
+        return out
 
     def loads(self) -> dict[str, JsonValue]:
         return {f"{c.name}#{c.incarnation}": c.in_flight for c in self._children()}
@@ -152,6 +180,8 @@ class ControlPlane:
             self.metrics.set_engine_state(name, child.state.value)  # type: ignore[arg-type]
             load = child.handle.load.in_flight if child.handle is not None else 0
             self.metrics.set_engine_in_flight(name, load)
+        for model, count in serving_counts(self.models).items():
+            self.metrics.model_series(model).engines_serving(count)
         if self.supervisor.kv is not None:
             self.supervisor.kv.export()
 
@@ -193,7 +223,8 @@ class ControlPlane:
             raw = await trio.to_thread.run_sync(_read, path)
             digest = file_digest(raw)
             new = parse_fleet_bytes(raw, path)
-            policy = self._policy_for(new)
+            self._check_kv_block_size(new)
+            await self.builder.load(new)  # new tokenizers, in a worker thread
         except FleetError as exc:
             for problem in exc.problems:
                 log.error("fleet reload rejected, keeping the running fleet: %s", problem,
@@ -204,31 +235,23 @@ class ControlPlane:
         effective = dataclasses.replace(
             new, frontend=keep_restart_fields(new.frontend, self.running.frontend)
         )
-        self._apply(effective, diff, policy)
+        self._apply(effective, diff)
         self.digest = digest
         return ReloadResult(True, trigger, time.time(), self.version, digest, diff=diff)
 
-    def _policy_for(self, new: FleetConfig) -> Policy | None:
-        """A new policy object if routing changed (built first: it may refuse the file)."""
-        if new.frontend.routing == self.running.frontend.routing:
-            return None
+    def _check_kv_block_size(self, new: FleetConfig) -> None:
+        """The KV index's block size is set at start: a reload may not change it."""
         kv = self.supervisor.kv
-        try:
-            block = kv_block_size(new)
-            if kv is not None and block != kv.index.block_size:
-                raise ValueError(
-                    f"the KV block size ({kv.index.block_size}) can only change with a restart"
-                )
-            return make_policy(new.frontend.routing, kv.index if kv else None,
-                               kv.live if kv else ())
-        except ValueError as exc:
-            raise FleetError([FleetProblem(str(new.source), None, "frontend.routing.policy",
-                                           str(exc))]) from None
+        if kv is None or kv_block_size(new) == kv.index.block_size:
+            return
+        message = f"the KV block size ({kv.index.block_size}) can only change with a restart"
+        raise FleetError([FleetProblem(str(new.source), None, "frontend.routing.policy",
+                                       message)])
 
-    def _apply(self, fleet: FleetConfig, diff: FleetDiff, policy: Policy | None) -> None:
+    def _apply(self, fleet: FleetConfig, diff: FleetDiff) -> None:
         for name in diff.restart:
             log.warning("frontend.%s changed: needs a restart; the running value is kept", name)
-        applies = diff.added or diff.removed or diff.changed or diff.live
+        applies = diff.added or diff.removed or diff.changed or diff.live or diff.models_differ
         if not applies:
             log.info("fleet file reloaded: no changes to apply")
             self.running = fleet
@@ -236,14 +259,17 @@ class ControlPlane:
         self.version += 1
         self.loaded_at = time.time()
         self.running = fleet
-        self.settings = self.settings.reloaded(fleet.frontend, policy)
+        self.models = self.builder.build(fleet, fleet.frontend, self.models)
         self.supervisor.apply(fleet, removed=diff.removed, changed=diff.changed_names,
                               added=diff.added)
         log.info("fleet reloaded (config v%d): %s", self.version, "; ".join(diff.lines()))
 
 
 def kv_block_size(fleet: FleetConfig) -> int:
-    """The KV index's block size: the kv_aware knob (or its default)."""
+    """The KV index's block size: the kv_aware knob of the models routed by it (one value)."""
+    for model in fleet.models:
+        if model.routing.policy == "kv_aware":
+            return model.routing.kv_aware.block_size
     return fleet.frontend.routing.kv_aware.block_size
 
 

@@ -98,7 +98,7 @@ class Supervisor:
         self._settling = False
         self._nothing_serves = True
         self._nursery: trio.Nursery | None = None
-        self._sims = SimulatorPool(lambda: self.fleet.frontend)
+        self._sims = SimulatorPool(lambda: self.fleet)
 
     # -- data-plane hooks -------------------------------------------------------------
 
@@ -187,7 +187,8 @@ class Supervisor:
 
     def _new_child(self, cfg: EngineConfig) -> EngineChild:
         child = EngineChild(
-            cfg, self.fleet.frontend, next(self._incarnation_numbers), self._on_change
+            cfg, self.fleet.frontend, next(self._incarnation_numbers), self._on_change,
+            lambda: self.fleet.models,
         )
         child.hurry_up(self._nothing_serves)
         self.children[cfg.name] = child

@@ -106,6 +106,8 @@ class GenerateCall:
     stream: bool = True
     original_text: str = ""
     disaggregation: Disaggregation | None = None  # one leg of a prefill/decode pair
+    #: the LoRA adapter to run under (the id it was loaded with); None: the base model
+    lora_id: str | None = None
     #: the request's spans when tracing is on: each leg opens its own under it
     trace: RequestTrace | None = dataclasses.field(default=None, compare=False, repr=False)
 

@@ -9,7 +9,14 @@ can be trusted, and that is the usual reason a fleet needs an override.
 from __future__ import annotations
 
 from direct_frontend.engines.neutral import EngineRole
-from direct_frontend.fleet.schema import EngineConfig, FleetConfig, FrontendConfig, TracingConfig
+from direct_frontend.fleet.schema import (
+    EngineConfig,
+    FleetConfig,
+    FrontendConfig,
+    ModelConfig,
+    RoutingConfig,
+    TracingConfig,
+)
 
 JsonValue = None | bool | int | float | str | list["JsonValue"] | dict[str, "JsonValue"]
 
@@ -51,6 +58,10 @@ def describe_fleet(cfg: FleetConfig) -> str:
     """The resolved fleet as aligned text, one section for the frontend and one per engine."""
     out = [f"fleet {cfg.source}", "", "frontend"]
     out += _rows(_frontend_rows(cfg.frontend), indent=2)
+    for index, model in enumerate(cfg.models, 1):
+        source = " (the one model [frontend] describes)" if model.implicit else ""
+        out += ["", f"model[{index}] {model.name}{source}"]
+        out += _rows(_model_rows(model), indent=2)
     out.append("")
     if not cfg.engines:
         out.append("engines: none yet (add [[engine]] tables)")
@@ -89,8 +100,8 @@ def to_jsonable(cfg: FleetConfig, *, redact: bool = True) -> dict[str, JsonValue
     token: JsonValue = admin.token if not redact or admin.token is None else REDACTED
     api_keys: list[JsonValue] = [key if not redact else REDACTED for key in auth.api_keys]
     probe, tracing = frontend.probe, frontend.tracing
-    knobs: dict[str, JsonValue] = dict(frontend.routing.knobs)
     engines: list[JsonValue] = [_engine_json(engine) for engine in cfg.engines]
+    models: list[JsonValue] = [model_json(model) for model in cfg.models]
     return {
         "source": str(cfg.source),
         "frontend": {
@@ -105,7 +116,7 @@ def to_jsonable(cfg: FleetConfig, *, redact: bool = True) -> dict[str, JsonValue
             "log_json": frontend.log_json,
             "drain_timeout_s": frontend.drain_timeout_s,
             "allow_empty_fleet": frontend.allow_empty_fleet,
-            "routing": {"policy": frontend.routing.policy, "knobs": knobs},
+            "routing": _routing_json(frontend.routing),
             "probe": {
                 "interval_s": probe.interval_s,
                 "timeout_s": probe.timeout_s,
@@ -133,7 +144,48 @@ def to_jsonable(cfg: FleetConfig, *, redact: bool = True) -> dict[str, JsonValue
                 "sample_ratio": tracing.sample_ratio,
             },
         },
+        "models": models,
         "engines": engines,
+    }
+
+
+def _routing_json(routing: RoutingConfig) -> JsonValue:
+    knobs: dict[str, JsonValue] = dict(routing.knobs)
+    return {"policy": routing.policy, "knobs": knobs}
+
+
+def model_json(model: ModelConfig) -> dict[str, JsonValue]:
+    """One model as JSON, keyed like its ``[[model]]`` table (``implicit``: from [frontend])."""
+    sampling = model.sampling
+    limits = model.limits
+    aliases: list[JsonValue] = list(model.aliases)
+    adapters: list[JsonValue] = [{"name": a.name, "path": a.path} for a in model.adapters]
+    return {
+        "name": model.name,
+        "aliases": aliases,
+        "tokenizer": str(model.tokenizer),
+        "chat_template": None if model.chat_template is None else str(model.chat_template),
+        "context_length": model.context_length,
+        "owned_by": model.owned_by,
+        "tool_parser": model.tool_parser,
+        "reasoning_parser": model.reasoning_parser,
+        "sampling": {
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "top_k": sampling.top_k,
+            "min_p": sampling.min_p,
+            "repetition_penalty": sampling.repetition_penalty,
+            "max_tokens": sampling.max_tokens,
+        },
+        "routing": _routing_json(model.routing),
+        "limits": {
+            "max_in_flight": limits.max_in_flight,
+            "max_queue": limits.max_queue,
+            "queue_timeout_s": limits.queue_timeout_s,
+        },
+        "max_adapters_per_engine": model.max_adapters_per_engine,
+        "adapter": adapters,
+        "implicit": model.implicit,
     }
 
 
@@ -149,6 +201,8 @@ def _engine_json(engine: EngineConfig) -> JsonValue:
             "eos_probability": sim.eos_probability,
             "context_length": sim.context_length,
             "served_model_name": sim.served_model_name,
+            "max_loras": sim.max_loras,
+            "lora_load_ms": sim.lora_load_ms,
         }
     kv_events: list[JsonValue] = list(engine.kv_events)
     kv_replay: list[JsonValue] = list(engine.kv_replay)
@@ -164,6 +218,7 @@ def _engine_json(engine: EngineConfig) -> JsonValue:
         "bootstrap_port": engine.bootstrap_port,
         "simulate": engine.simulate,
         "simulator": simulator,
+        "model": engine.model,
     }
 
 
@@ -210,6 +265,43 @@ def _frontend_rows(frontend: FrontendConfig) -> list[tuple[str, str]]:
     ]
 
 
+def _model_rows(model: ModelConfig) -> list[tuple[str, str]]:
+    sampling = [
+        f"{name} = {_scalar(value)}"
+        for name, value in (
+            ("temperature", model.sampling.temperature), ("top_p", model.sampling.top_p),
+            ("top_k", model.sampling.top_k), ("min_p", model.sampling.min_p),
+            ("repetition_penalty", model.sampling.repetition_penalty),
+            ("max_tokens", model.sampling.max_tokens),
+        )
+        if value is not None
+    ]
+    knobs = ", ".join(f"{key} = {_scalar(value)}" for key, value in model.routing.knobs.items())
+    adapters = ", ".join(
+        a.name + (f" ({a.path})" if a.path else " (preloaded on the engines)")
+        for a in model.adapters
+    )
+    limits = model.limits
+    return [
+        ("aliases", ", ".join(model.aliases) or "none"),
+        ("tokenizer", str(model.tokenizer)),
+        ("chat_template", "the tokenizer's" if model.chat_template is None
+         else str(model.chat_template)),
+        ("context_length", "what the engines report" if model.context_length is None
+         else str(model.context_length)),
+        ("owned_by", model.owned_by),
+        ("tool_parser", model.tool_parser or "none"),
+        ("reasoning_parser", model.reasoning_parser or "none"),
+        ("sampling", ", ".join(sampling) or "the request's (OpenAI defaults)"),
+        ("routing.policy", model.routing.policy),
+        ("routing.knobs", knobs or "none"),
+        ("limits", f"max_in_flight = {limits.max_in_flight}, max_queue = {limits.max_queue},"
+                   f" queue_timeout_s = {_scalar(limits.queue_timeout_s)}"),
+        ("adapters", adapters or "none"),
+        ("max_adapters_per_engine", str(model.max_adapters_per_engine)),
+    ]
+
+
 def _tracing_row(tracing: TracingConfig) -> str:
     if tracing.otlp_endpoint is None:
         return "off"
@@ -219,7 +311,8 @@ def _tracing_row(tracing: TracingConfig) -> str:
 
 def _engine_lines(engine: EngineConfig) -> list[str]:
     kind = f"{engine.kind}, simulated" if engine.simulate else engine.kind
-    rows = [("url", engine.url), ("kind", kind), ("role", engine.role.value)]
+    rows = [("url", engine.url), ("kind", kind), ("role", engine.role.value),
+            ("model", engine.model or "what discovery reports")]
     if engine.kv_events:
         for rank, endpoint in enumerate(engine.kv_events):
             replay = f" (replay {engine.kv_replay[rank]})" if rank < len(engine.kv_replay) else ""
@@ -242,6 +335,7 @@ def _engine_lines(engine: EngineConfig) -> list[str]:
             ("vocab_size", vocab),
             ("eos_probability", _scalar(sim.eos_probability)),
             ("context_length", str(sim.context_length)),
+            ("max_loras", f"{sim.max_loras} (load {_scalar(sim.lora_load_ms)} ms)"),
         ]
         lines += _rows(sim_rows, indent=4)
     return lines

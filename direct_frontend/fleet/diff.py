@@ -42,10 +42,19 @@ class FleetDiff:
     unchanged: tuple[str, ...] = ()
     live: tuple[str, ...] = ()  # [frontend] fields applied without a restart
     restart: tuple[str, ...] = ()  # [frontend] fields that need a restart
+    #: [[model]] tables by name (a file without them has none to diff: [frontend] is its model)
+    models_added: tuple[str, ...] = ()
+    models_removed: tuple[str, ...] = ()
+    models_changed: tuple[EngineChange, ...] = ()
+
+    @property
+    def models_differ(self) -> bool:
+        return bool(self.models_added or self.models_removed or self.models_changed)
 
     @property
     def empty(self) -> bool:
-        return not (self.added or self.removed or self.changed or self.live or self.restart)
+        return not (self.added or self.removed or self.changed or self.live or self.restart
+                    or self.models_differ)
 
     @property
     def changed_names(self) -> tuple[str, ...]:
@@ -55,7 +64,11 @@ class FleetDiff:
         """The diff for people, one change per line (``+`` add, ``-`` remove, ``~`` replace)."""
         if self.empty:
             return ["no changes"]
-        out = [f"+ engine {name} (joins: probe first, then serves)" for name in self.added]
+        out = [f"+ model {name} (serves once an engine of it joins)" for name in self.models_added]
+        out += [f"- model {name} (new requests get a 404; its requests finish)"
+                for name in self.models_removed]
+        out += [f"~ model {c.name} ({', '.join(c.fields)})" for c in self.models_changed]
+        out += [f"+ engine {name} (joins: probe first, then serves)" for name in self.added]
         out += [f"- engine {name} (drains, then leaves)" for name in self.removed]
         out += [
             f"~ engine {c.name} (replaced: {', '.join(c.fields)})" for c in self.changed
@@ -75,6 +88,10 @@ class FleetDiff:
             "unchanged": list(self.unchanged),
             "live": list(self.live),
             "restart": list(self.restart),
+            "models_added": list(self.models_added),
+            "models_removed": list(self.models_removed),
+            "models_changed": [{"name": c.name, "fields": list(c.fields)}
+                               for c in self.models_changed],
         }
 
 
@@ -85,31 +102,43 @@ def diff_fleets(old: FleetConfig, new: FleetConfig) -> FleetDiff:
 
 def diff_fleet_data(old: Mapping[str, Any], new: Mapping[str, Any]) -> FleetDiff:
     """Diff two fleets in their JSON form (``to_jsonable``)."""
-    old_engines = _engines_by_name(old)
-    new_engines = _engines_by_name(new)
-    added = tuple(name for name in new_engines if name not in old_engines)
-    removed = tuple(name for name in old_engines if name not in new_engines)
+    added, removed, changed, unchanged = _match(_by_name(old, "engines"), _by_name(new, "engines"))
+    models = _match(_by_name(old, "models"), _by_name(new, "models"))
+    live: list[str] = []
+    restart: list[str] = []
+    # With [[model]] tables these two are the first model's, and models change live.
+    derived = ("served_model_name", "tokenizer") if _by_name(new, "models") else ()
+    for name in _changed_leaves(old.get("frontend", {}), new.get("frontend", {})):
+        if name in derived:
+            continue
+        (restart if name.split(".", 1)[0] in RESTART_FIELDS else live).append(name)
+    return FleetDiff(added, removed, changed, unchanged, tuple(live), tuple(restart),
+                     models_added=models[0], models_removed=models[1], models_changed=models[2])
+
+
+def _by_name(fleet: Mapping[str, Any], key: str) -> dict[str, Mapping[str, Any]]:
+    """Engines, or the ``[[model]]`` tables (an implicit model is [frontend]'s: not listed)."""
+    return {item["name"]: item for item in fleet.get(key, []) if not item.get("implicit")}
+
+
+def _match(
+    old: Mapping[str, Mapping[str, Any]], new: Mapping[str, Mapping[str, Any]]
+) -> tuple[tuple[str, ...], tuple[str, ...], tuple[EngineChange, ...], tuple[str, ...]]:
+    """(added, removed, changed, unchanged) names between two sets of tables matched by name."""
+    added = tuple(name for name in new if name not in old)
+    removed = tuple(name for name in old if name not in new)
     changed: list[EngineChange] = []
     unchanged: list[str] = []
-    for name, engine in new_engines.items():
-        before = old_engines.get(name)
+    for name, item in new.items():
+        before = old.get(name)
         if before is None:
             continue
-        fields = tuple(_changed_leaves(before, engine))
+        fields = tuple(_changed_leaves(before, item))
         if fields:
             changed.append(EngineChange(name, fields))
         else:
             unchanged.append(name)
-    live: list[str] = []
-    restart: list[str] = []
-    for name in _changed_leaves(old.get("frontend", {}), new.get("frontend", {})):
-        (restart if name.split(".", 1)[0] in RESTART_FIELDS else live).append(name)
-    return FleetDiff(added, removed, tuple(changed), tuple(unchanged), tuple(live),
-                     tuple(restart))
-
-
-def _engines_by_name(fleet: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:
-    return {engine["name"]: engine for engine in fleet.get("engines", [])}
+    return added, removed, tuple(changed), tuple(unchanged)
 
 
 def _changed_leaves(old: Any, new: Any, prefix: str = "") -> Iterator[str]:

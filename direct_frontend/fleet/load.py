@@ -32,7 +32,6 @@ from direct_frontend.fleet.address import (
     split_url,
 )
 from direct_frontend.fleet.checker import (
-    Checker,
     Table,
     default_of,
     described,
@@ -41,6 +40,7 @@ from direct_frontend.fleet.checker import (
     required_keys,
 )
 from direct_frontend.fleet.locate import KeyPath, Locator
+from direct_frontend.fleet.models import ModelTables
 from direct_frontend.fleet.problems import FleetError, FleetProblem
 from direct_frontend.fleet.schema import (
     ENGINE_KINDS,
@@ -145,7 +145,7 @@ class _Draft:
     kv: list[tuple[KeyPath, Endpoint]]
 
 
-class _Checker(Checker):
+class _Checker(ModelTables):
     """The fleet file's own rules, on top of the schema-driven reads."""
 
     def url(self, text: str, path: KeyPath, scheme: str, noun: str) -> Endpoint | None:
@@ -163,13 +163,17 @@ class _Checker(Checker):
 
     def fleet(self, data: Table, source: Path) -> FleetConfig:
         self.table(data, (), keys_of(FleetConfig))
-        frontend = self.frontend(data.get("frontend", {}), source)
+        frontend = self.frontend(data.get("frontend", {}), source, "model" in data)
+        models = self.models(data.get("model", []), frontend, source)
+        frontend = self.resolve_frontend(frontend, models)
         drafts = self.engines(data.get("engine", []))
         if data.get("engine", []) == [] and not frontend.allow_empty_fleet:
             self.refuse_empty(data)
         self.cross_check(drafts)
+        self.engine_models([(draft.index, draft.config) for draft in drafts], models)
         engines = tuple(draft.config for draft in drafts)
-        return FleetConfig(frontend=frontend, engines=engines, source=source)
+        return FleetConfig(frontend=frontend, models=tuple(models), engines=engines,
+                           source=source)
 
     def refuse_empty(self, data: Table) -> None:
         """No engines is far more often a file cut short than a wish: say so, unless allowed.
@@ -189,12 +193,13 @@ class _Checker(Checker):
                 FleetProblem(self.file, self.locator.last_line, "engine", message)
             )
 
-    def frontend(self, value: object, source: Path) -> FrontendConfig:
+    def frontend(self, value: object, source: Path, has_models: bool) -> FrontendConfig:
         path: KeyPath = ("frontend",)
         tbl = self.table(value, path, keys_of(FrontendConfig))
         if tbl is None:
             tbl = {}
         self.required(tbl, path, required_keys(FrontendConfig))
+        self.frontend_model_keys(tbl, has_models)
         host = default_of(FrontendConfig, "listen_host")
         port = default_of(FrontendConfig, "listen_port")
         listen = self.string(tbl, path, "listen")

@@ -18,9 +18,10 @@ import tomllib
 from pathlib import Path
 
 from direct_frontend.fleet.address import is_loopback, split_url
+from direct_frontend.fleet.checker import field_name
 from direct_frontend.fleet.locate import KeyPath, Locator
 from direct_frontend.fleet.problems import FleetError, FleetProblem
-from direct_frontend.fleet.schema import FleetConfig
+from direct_frontend.fleet.schema import FleetConfig, ModelConfig
 from direct_frontend.text.model_dir import ModelDirError, TextModel
 
 
@@ -41,20 +42,72 @@ class _Where:
         return FleetProblem(self.file, line, field, message)
 
 
+#: what a model's text handling is loaded from: its tokenizer directory and template file
+TextModelKey = tuple[Path, Path | None]
+
+
+def text_model_key(model: ModelConfig) -> TextModelKey:
+    return model.tokenizer, model.chat_template
+
+
 def load_text_model(fleet: FleetConfig) -> TextModel:
-    """Load the fleet's tokenizer, or raise :class:`FleetError` naming ``frontend.tokenizer``."""
-    try:
-        return TextModel.load(fleet.frontend.tokenizer)
-    except ModelDirError as exc:
-        where = _Where(fleet.source)
-        message = str(exc)
-        frontend = where.data.get("frontend")
-        written = frontend.get("tokenizer") if isinstance(frontend, dict) else None
-        if isinstance(written, str) and not Path(written).is_absolute():
-            base = fleet.source.parent.absolute()
-            message += f" (a relative path starts at the fleet file's directory, {base})"
-        path: KeyPath = ("frontend", "tokenizer")
-        raise FleetError([where.problem(path, "frontend.tokenizer", message)]) from None
+    """Load the fleet's first model's tokenizer (see :func:`load_text_models`)."""
+    return load_text_models(fleet)[text_model_key(fleet.models[0])]
+
+
+def load_text_models(
+    fleet: FleetConfig, loaded: dict[TextModelKey, TextModel] | None = None
+) -> dict[TextModelKey, TextModel]:
+    """Every model's tokenizer, each loaded once (``loaded`` ones are reused).
+
+    Raises :class:`FleetError` naming the tokenizer (``frontend.tokenizer`` or
+    ``model[i].tokenizer``) or template that does not load, one problem each.
+    """
+    out: dict[TextModelKey, TextModel] = {}
+    problems: list[FleetProblem] = []
+    where: _Where | None = None
+    for index, model in enumerate(fleet.models, 1):
+        key = text_model_key(model)
+        if key in out:
+            continue
+        if loaded is not None and key in loaded:
+            out[key] = loaded[key]
+            continue
+        try:
+            out[key] = TextModel.load(model.tokenizer, model.chat_template)
+        except ModelDirError as exc:
+            where = where or _Where(fleet.source)
+            table: KeyPath = ("frontend",) if model.implicit else ("model", index)
+            template = model.chat_template
+            key_name = (
+                "chat_template" if template is not None and str(exc).startswith(str(template))
+                else "tokenizer"
+            )
+            if _written(where.data, table).get(key_name) is None:
+                table = ("frontend",)  # the model falls back on frontend.tokenizer
+            message = str(exc)
+            text = _written(where.data, table).get(key_name)
+            if isinstance(text, str) and not Path(text).is_absolute():
+                base = fleet.source.parent.absolute()
+                message += f" (a relative path starts at the fleet file's directory, {base})"
+            path: KeyPath = (*table, key_name)
+            problems.append(where.problem(path, field_name(path), message))
+    if problems:
+        raise FleetError(problems)
+    return out
+
+
+def _written(data: dict[str, object], table: KeyPath) -> dict[str, object]:
+    """The table at ``table`` as written in the file ({} if it is not there)."""
+    value: object = data
+    for part in table:
+        if isinstance(value, dict):
+            value = value.get(str(part))
+        elif isinstance(value, list) and isinstance(part, int) and 0 < part <= len(value):
+            value = value[part - 1]
+        else:
+            return {}
+    return value if isinstance(value, dict) else {}
 
 
 def busy_addresses(fleet: FleetConfig) -> list[FleetProblem]:

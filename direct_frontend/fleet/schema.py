@@ -215,8 +215,11 @@ class FrontendConfig:
 
     listen_host: str = setting("127.0.0.1", Rules(key="listen"))
     listen_port: int = setting(8000, Rules(key="listen"))
-    served_model_name: str
-    tokenizer: Path  # model directory with tokenizer.json, resolved against the fleet file
+    # a fleet of one model; with [[model]] tables, absent: the first model's
+    served_model_name: str = dataclasses.field(metadata={"rules": Rules(derived=True)})
+    # model directory with tokenizer.json, resolved against the fleet file; with [[model]]
+    # tables, the tokenizer of a model that names none (absent: the first model's)
+    tokenizer: Path = dataclasses.field(metadata={"rules": Rules(derived=True)})
     max_body_bytes: int = setting(4 * 1024 * 1024, AT_LEAST_ONE)
     max_tokens_default: int = setting(1024, AT_LEAST_ONE)  # used when a request gives no max_tokens
     request_timeout_s: float = setting(600.0, POSITIVE)
@@ -256,6 +259,9 @@ class SimulatorConfig:
     context_length: int = setting(4096, AT_LEAST_ONE)
     # None: the frontend's (set it to demo a refusal)
     served_model_name: str | None = None
+    # LoRA adapters it holds at once (0: none; SGLang only: the contract that loads them)
+    max_loras: int = setting(0, NON_NEGATIVE)
+    lora_load_ms: float = setting(50.0, NON_NEGATIVE)  # how long loading one takes
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -280,12 +286,102 @@ class EngineConfig:
     bootstrap_port: int | None = setting(None, Rules(at_least=1, at_most=65535))
     simulate: bool = False  # run an embedded simulator on url's port instead
     simulator: SimulatorConfig = SimulatorConfig()
+    # the [[model]] it serves (a name or alias); absent: what its discovery reports
+    model: str | None = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class SamplingDefaults:
+    """``[model.sampling]``: what a request of the model gets for a field it leaves unset."""
+
+    temperature: float | None = setting(None, Rules(at_least=0, at_most=2))
+    top_p: float | None = setting(None, Rules(above=0, at_most=1))
+    top_k: int | None = setting(None, Rules(at_least=0))
+    min_p: float | None = setting(None, Rules(at_least=0, at_most=1))
+    repetition_penalty: float | None = setting(None, Rules(above=0))
+    max_tokens: int | None = setting(None, AT_LEAST_ONE)  # default: frontend.max_tokens_default
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class AdapterConfig:
+    """One ``[[model.adapter]]``: a LoRA adapter of the model, served under its own name.
+
+    ``path`` is what an engine loads it from (``LoadLoRAAdapter``); absent, the
+    adapter must be loaded on the engines already (it is routed, never loaded).
+    """
+
+    name: str
+    path: str | None = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class ModelConfig:
+    """One ``[[model]]``: a model the fleet serves, with its own engines and routing.
+
+    ``routing`` and ``limits`` default to ``[frontend]``'s, ``tokenizer`` to
+    ``frontend.tokenizer``. ``tool_parser`` and ``reasoning_parser`` are kept
+    for the output parsers (not applied yet). ``implicit``: made from
+    ``[frontend]`` for a file without ``[[model]]`` tables (a fleet of one model).
+    """
+
+    name: str
+    aliases: tuple[str, ...] = ()
+    tokenizer: Path = dataclasses.field(metadata={"rules": Rules(derived=True)})
+    chat_template: Path | None = None  # a Jinja file instead of the tokenizer's own template
+    context_length: int | None = setting(None, AT_LEAST_ONE)  # over what engines report
+    owned_by: str = "direct-frontend"  # as /v1/models shows it
+    tool_parser: str | None = None
+    reasoning_parser: str | None = None
+    sampling: SamplingDefaults = SamplingDefaults()
+    routing: RoutingConfig = RoutingConfig()
+    limits: LimitsConfig = LimitsConfig()
+    # LoRA adapters an engine may hold at once (least recently used unloaded past it)
+    max_adapters_per_engine: int = setting(4, AT_LEAST_ONE)
+    adapters: tuple[AdapterConfig, ...] = setting((), Rules(key="adapter"))
+    implicit: bool = setting(False, Rules(in_file=False))
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Every name a request may ask for this model by (adapters aside)."""
+        return (self.name, *self.aliases)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class FleetConfig:
-    """A whole fleet file: the frontend and its engines (possibly none yet)."""
+    """A whole fleet file: the frontend, its models and its engines (possibly none yet).
+
+    ``models`` is never empty: without ``[[model]]`` tables it holds the one
+    model ``[frontend]`` describes.
+    """
 
     frontend: FrontendConfig
     engines: tuple[EngineConfig, ...] = setting((), Rules(key="engine"))
+    models: tuple[ModelConfig, ...] = setting((), Rules(key="model"))
     source: Path = dataclasses.field(metadata={"rules": Rules(in_file=False)})
+
+    def __post_init__(self) -> None:
+        if not self.models:
+            object.__setattr__(self, "models", (implicit_model(self.frontend),))
+
+    def model(self, name: str) -> ModelConfig | None:
+        """The model ``name`` (a name or alias) names, if any."""
+        return next((m for m in self.models if name in m.names), None)
+
+    def engine_model(self, engine: EngineConfig) -> ModelConfig | None:
+        """The model ``engine`` serves as far as the file says (None: discovery decides)."""
+        if engine.model is not None:
+            return self.model(engine.model)
+        if engine.simulate and engine.simulator.served_model_name is not None:
+            return self.model(engine.simulator.served_model_name)
+        return self.models[0] if len(self.models) == 1 else None
+
+
+def implicit_model(frontend: FrontendConfig) -> ModelConfig:
+    """The one model of a file without ``[[model]]`` tables: ``[frontend]``'s."""
+    return ModelConfig(
+        name=frontend.served_model_name,
+        tokenizer=frontend.tokenizer,
+        routing=frontend.routing,
+        limits=frontend.limits,
+        implicit=True,
+    )

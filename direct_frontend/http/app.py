@@ -44,14 +44,9 @@ from direct_frontend.openai.errors import (
 from direct_frontend.openai.parse import parse_chat_request, parse_completion_request
 from direct_frontend.openai.types import ChatRequest, CompletionRequest
 from direct_frontend.pipeline.admission import Rejected
-from direct_frontend.pipeline.preprocess import (
-    Kind,
-    Tokenizing,
-    prepare,
-)
-from direct_frontend.pipeline.relay import Relay
+from direct_frontend.pipeline.models import ServedModel
+from direct_frontend.pipeline.preprocess import Kind, prepare
 from direct_frontend.pipeline.settings import Settings
-from direct_frontend.text.model_dir import TextModel
 
 log = logging.getLogger("direct_frontend.http")
 
@@ -69,18 +64,12 @@ class App:
     def __init__(
         self,
         control: ControlView,
-        relay: Relay,
-        text_model: TextModel,
         metrics: Metrics,
         tracing: Tracing | None = None,
     ) -> None:
         self.control = control
         self.tracing = tracing  # None: tracing is off, and costs nothing
-        self.relay = relay
-        self.text_model = text_model
         self.metrics = metrics
-        fleet = relay.dispatcher.fleet
-        self.tokenizing = Tokenizing(text_model, lambda: fleet.catalog)
         self.bound_urls: list[str] = []
         self.http_stopped = trio.Event()
         self.started_at = int(time.time())
@@ -175,7 +164,7 @@ class App:
     # -- small endpoints --------------------------------------------------------------
 
     async def _models(self, settings: Settings, scope: Scope, receive: Receive, send: Send) -> int:
-        body = render_models([settings.frontend.served_model_name], self.started_at)
+        body = render_models(self.control.models.cards(), self.started_at)
         await send_body(send, 200, body)
         return 200
 
@@ -218,11 +207,14 @@ class App:
             scope["path"], scope["headers"], request_id
         )
         status = 500
+        found: list[ServedModel] = []  # the model the request asked for, once resolved
         try:
-            status = await self._walk(kind, settings, receive, send, request_id, trace)
+            status = await self._walk(kind, settings, receive, send, request_id, trace, found)
             return status
         finally:
             current_request_id.reset(token)
+            if found:
+                found[0].series.request(status)
             if trace is not None:
                 trace.end(status)
 
@@ -234,8 +226,12 @@ class App:
         send: Send,
         request_id: str,
         trace: RequestTrace | None,
+        found: list[ServedModel],
     ) -> int:
-        """One generation request from its body to its last byte; returns the HTTP status."""
+        """One generation request from its body to its last byte; returns the HTTP status.
+
+        The model it asks for goes into ``found`` as soon as it is known.
+        """
         headers = [(b"x-request-id", request_id.encode())]
         frontend = settings.frontend
         try:
@@ -243,12 +239,16 @@ class App:
             request: ChatRequest | CompletionRequest = (
                 parse_chat_request(body) if kind == "chat" else parse_completion_request(body)
             )
-            if request.model != frontend.served_model_name:
+            served = self.control.models.get(request.model)
+            if served is None:
                 raise model_not_found(request.model)
+            found.append(served)
+            request = served.prepare_request(request)  # the model's sampling defaults
+            settings = served.settings  # the model's policy, queue and limits from here on
             if trace is not None:
                 trace.model(request.model)
                 trace.enter("preprocess")
-            prepared = await prepare(kind, request, request_id, self.tokenizing)
+            prepared = await prepare(kind, request, request_id, served.tokenizing)
             if trace is not None:
                 trace.leave(prompt_tokens=len(prepared.input_ids))
         except OpenAIHTTPError as err:
@@ -266,7 +266,7 @@ class App:
                 if trace is not None:
                     trace.leave()
                 return await respond(
-                    self.relay, settings, prepared, receive, send, headers, trace
+                    found[0].relay, settings, prepared, receive, send, headers, trace
                 )
         except Rejected as rejected:
             refusal = rate_limited(

@@ -12,6 +12,7 @@ from typing import Protocol
 import trio
 
 from direct_frontend.fleet.describe import JsonValue
+from direct_frontend.pipeline.models import ModelTable
 from direct_frontend.pipeline.settings import Settings
 
 Event = dict[str, JsonValue]
@@ -32,6 +33,10 @@ class ControlView(Protocol):
     @property
     def settings(self) -> Settings:
         """The snapshot new requests run under (replaced whole on reload)."""
+
+    @property
+    def models(self) -> ModelTable:
+        """The models served, each with its own settings snapshot (replaced whole on reload)."""
 
     def ready(self) -> tuple[int, int]:
         """(engines serving, engines in the fleet file)."""

@@ -10,6 +10,7 @@ client keeps as an extra field.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any, Final, Literal
 
 import msgspec
@@ -18,6 +19,7 @@ from direct_frontend.openai.errors import (
     OpenAIHTTPError,
     error_body,
 )
+from direct_frontend.pipeline.models import ModelCard
 
 Kind = Literal["chat", "completion"]
 
@@ -286,11 +288,13 @@ def render_choices(
         return render_choices(kind, request_id, model, created, clean, usage)
 
 
-class _Model(msgspec.Struct):
+class _Model(msgspec.Struct, omit_defaults=True):
     id: str
     object: str
     created: int
     owned_by: str
+    max_model_len: int | None = None  # the context length, named as vLLM names it
+    parent: str | None = None  # an adapter's base model
 
 
 class _ModelList(msgspec.Struct):
@@ -298,6 +302,8 @@ class _ModelList(msgspec.Struct):
     data: list[_Model]
 
 
-def render_models(model_ids: list[str], created: int, owned_by: str = "direct-frontend") -> bytes:
-    """The ``GET /v1/models`` body."""
-    return _encode(_ModelList("list", [_Model(m, "model", created, owned_by) for m in model_ids]))
+def render_models(cards: Iterable[ModelCard], created: int) -> bytes:
+    """The ``GET /v1/models`` body: every model, alias and adapter served."""
+    return _encode(_ModelList("list", [
+        _Model(c.id, "model", created, c.owned_by, c.context_length, c.parent) for c in cards
+    ]))

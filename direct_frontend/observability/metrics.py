@@ -229,6 +229,31 @@ class Metrics:
             p + "max_fds", "The process's soft limit on open file descriptors.", registry=r
         )
         self.max_fds.set_function(descriptors.soft_limit)
+        self.model_requests_total = Counter(
+            p + "model_requests_total", "Generation requests by the model they asked for.",
+            ("model", "status"), registry=r,
+        )  # fmt: skip
+        self.model_time_to_first_token_seconds = Histogram(
+            p + "model_time_to_first_token_seconds", "Time to the first token, by model.",
+            ("model",), buckets=TTFT_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.model_prompt_tokens_total = Counter(
+            p + "model_prompt_tokens_total", "Prompt tokens of finished requests, by model.",
+            ("model",), registry=r,
+        )  # fmt: skip
+        self.model_completion_tokens_total = Counter(
+            p + "model_completion_tokens_total",
+            "Generated tokens of finished requests, by model.", ("model",), registry=r,
+        )  # fmt: skip
+        self.model_cached_tokens_total = Counter(
+            p + "model_cached_tokens_total",
+            "Prompt tokens the engines reported as cached, by model (the hit rate's numerator).",
+            ("model",), registry=r,
+        )  # fmt: skip
+        self.model_engines_serving = Gauge(
+            p + "model_engines_serving", "Engines serving each model.", ("model",), registry=r
+        )
+        self._models: dict[str, ModelSeries] = {}
         self._requests: dict[tuple[str, int], Counter] = {}
         self._durations: dict[str, Histogram] = {}
         self._engine_labels: dict[str, set[tuple[Counter | Gauge, tuple[str, ...]]]] = {}
@@ -277,6 +302,27 @@ class Metrics:
         """Count a request the client abandoned (disconnect mid-generation)."""
         self.cancelled_requests_total.inc()
 
+    # -- models ----------------------------------------------------------------
+
+    def model_series(self, model: str) -> ModelSeries:
+        """The per-model series of ``model`` (made once, so the hot path skips ``.labels``)."""
+        series = self._models.get(model)
+        if series is None:
+            series = self._models[model] = ModelSeries(self, model)
+        return series
+
+    def forget_model(self, model: str) -> None:
+        """Drop the series of a model the fleet no longer serves (bounded cardinality)."""
+        series = self._models.pop(model, None)
+        if series is None:
+            return
+        for metric in (self.model_time_to_first_token_seconds, self.model_prompt_tokens_total,
+                       self.model_completion_tokens_total, self.model_cached_tokens_total,
+                       self.model_engines_serving):
+            metric.remove(model)
+        for status in series.statuses:
+            self.model_requests_total.remove(model, str(status))
+
     # -- engines ---------------------------------------------------------------
 
     def _child(self, metric: _M, engine: str, *rest: str) -> _M:
@@ -321,3 +367,46 @@ class Metrics:
     def render(self) -> tuple[bytes, str]:
         """The ``/metrics`` body and its content type."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class ModelSeries:
+    """One model's label children of the ``model_*`` metrics."""
+
+    __slots__ = (
+        "_cached",
+        "_completion",
+        "_prompt",
+        "_requests",
+        "_serving",
+        "_ttft",
+        "model",
+        "statuses",
+    )
+
+    def __init__(self, metrics: Metrics, model: str) -> None:
+        self.model = model
+        self._requests = metrics.model_requests_total
+        self._ttft = metrics.model_time_to_first_token_seconds.labels(model)
+        self._prompt = metrics.model_prompt_tokens_total.labels(model)
+        self._completion = metrics.model_completion_tokens_total.labels(model)
+        self._cached = metrics.model_cached_tokens_total.labels(model)
+        self._serving = metrics.model_engines_serving.labels(model)
+        self.statuses: set[int] = set()
+
+    def request(self, status: int) -> None:
+        self.statuses.add(status)
+        self._requests.labels(self.model, str(status)).inc()
+
+    def first_token(self, seconds: float) -> None:
+        self._ttft.observe(seconds)
+
+    def usage(self, prompt: int, completion: int, cached: int) -> None:
+        if prompt:
+            self._prompt.inc(prompt)
+        if completion:
+            self._completion.inc(completion)
+        if cached:
+            self._cached.inc(cached)
+
+    def engines_serving(self, count: int) -> None:
+        self._serving.set(count)

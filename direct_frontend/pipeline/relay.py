@@ -45,7 +45,7 @@ from direct_frontend.engines.neutral import (
     TokenLogprob,
 )
 from direct_frontend.errors import EngineError, ErrorKind, NoEngineAvailable
-from direct_frontend.observability.metrics import Metrics
+from direct_frontend.observability.metrics import Metrics, ModelSeries
 from direct_frontend.observability.tracing import RequestTrace
 from direct_frontend.openai.errors import (
     OpenAIHTTPError,
@@ -479,11 +479,13 @@ class Relay:
         text_model: TextModel,
         metrics: Metrics,
         hit_rate: HitRateWatch,
+        series: ModelSeries | None = None,
     ) -> None:
         self.dispatcher = dispatcher
         self.text_model = text_model
         self.metrics = metrics
         self.hit_rate = hit_rate
+        self.series = series  # the model's own series, when the relay serves one model
 
     async def begin(
         self, settings: Settings, prepared: PreparedRequest, trace: RequestTrace | None = None
@@ -559,6 +561,8 @@ class Relay:
                                 now = time.perf_counter()
                                 if last_emit == 0.0:
                                     metrics.observe_ttft(now - state.started)
+                                    if self.series is not None:
+                                        self.series.first_token(now - state.started)
                                     if state.trace is not None:
                                         state.trace.first_token()
                                 elif tokens:
@@ -626,9 +630,11 @@ class Relay:
         ``count_prompt``: False for a request's further choices (its prompt counts once).
         """
         prepared = state.prepared
-        self.metrics.add_tokens(
-            len(prepared.input_ids) if count_prompt else 0, state.processor.completion_tokens
-        )
+        prompt = len(prepared.input_ids) if count_prompt else 0
+        self.metrics.add_tokens(prompt, state.processor.completion_tokens)
+        if self.series is not None:  # a choice's cached prompt counts once, like its prompt
+            cached = (state.cached_tokens or 0) if count_prompt else 0
+            self.series.usage(prompt, state.processor.completion_tokens, cached)
         if state.failover.refused_migration:
             self.metrics.migrations_refused_total.labels(state.failover.unmigratable).inc()
         if state.trace is not None:

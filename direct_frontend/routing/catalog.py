@@ -82,6 +82,8 @@ class EngineHandle:
     load: EngineLoad = dataclasses.field(default_factory=EngineLoad)
     #: SGLang prefill engines: the bootstrap server's port (the fleet file's, else discovery's)
     bootstrap_port: int | None = None
+    #: the model it serves (its ``[[model]]`` name); requests for other models never reach it
+    model: str = ""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -99,6 +101,10 @@ class Catalog:
         reach them through a disaggregated flow that pairs one of each.
         """
         return tuple(e for e in self.engines if e.role is EngineRole.BOTH)
+
+    def of_model(self, model: str) -> Catalog:
+        """The engines serving ``model``, as a catalog of the same version."""
+        return Catalog(self.version, tuple(e for e in self.engines if e.model == model))
 
     def serving(self, role: EngineRole | None = None) -> tuple[EngineHandle, ...]:
         if role is None:

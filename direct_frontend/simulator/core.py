@@ -21,6 +21,7 @@ from typing import Any, Literal
 from direct_frontend.simulator.faults import FaultPlan
 from direct_frontend.simulator.kvcache import KvAllocation, SimPrefixCache
 from direct_frontend.simulator.logprobs import RequestLogprobs
+from direct_frontend.simulator.lora import LoraSlots
 from direct_frontend.simulator.model import Finish, Generation, SimModel, StopCriteria, TimingModel
 from direct_frontend.simulator.scripted import ScriptBook
 
@@ -136,6 +137,8 @@ class Job:
         self.prompt_ids: Sequence[int] = ()
         self.cached_tokens = 0  # prompt tokens already held (prefix cache, or a P/D handoff)
         self.kv: KvAllocation | None = None
+        #: a LoRA adapter's own prefix cache (None: the engine's)
+        self.cache: SimPrefixCache | None = None
 
     @property
     def signal(self) -> asyncio.Future[None]:
@@ -211,6 +214,7 @@ class SimCore:
         self._jobs: dict[str, list[Job]] = {}
         self.faults = FaultPlan()  # the live plan; SimEngine.faults replaces it
         self.kv_cache: SimPrefixCache | None = None  # SimEngine sets it (see kvcache.py)
+        self.loras: LoraSlots | None = None  # SimEngine sets it when it serves adapters
         self.scripts: ScriptBook | None = None  # canned completions by prompt marker (scripted.py)
 
     # -- bookkeeping -------------------------------------------------------
@@ -303,15 +307,16 @@ class SimCore:
             if await self._slots.acquire(signal):
                 try:
                     self._set_state(job, JobState.RUNNING)
-                    if self.kv_cache is not None and not job.internal:
-                        job.kv = self.kv_cache.admit(job.prompt_ids)
+                    cache = self.kv_cache if job.cache is None else job.cache
+                    if cache is not None and not job.internal:
+                        job.kv = cache.admit(job.prompt_ids)
                         # a decode leg's KV may have arrived from a prefill engine already
                         job.cached_tokens = max(job.cached_tokens, job.kv.cached_tokens)
                     if not job.aborted:
                         finish = await self._generate(job, emit)
                 finally:
-                    if job.kv is not None and self.kv_cache is not None:
-                        self.kv_cache.release(job.kv)
+                    if job.kv is not None and cache is not None:
+                        cache.release(job.kv)
                     self._slots.release()
             if not job.internal:
                 if finish is None:
@@ -358,8 +363,9 @@ class SimCore:
                     await emit((), generation.finish)
                 return generation.finish
             token_id = generation.step()
-            if job.kv is not None and self.kv_cache is not None:
-                self.kv_cache.extend(job.kv, token_id)  # a block that fills gets cached
+            cache = self.kv_cache if job.cache is None else job.cache
+            if job.kv is not None and cache is not None:
+                cache.extend(job.kv, token_id)  # a block that fills gets cached
             if emit is not None:
                 await emit((token_id,), generation.finish)
             if generation.finish is not None:

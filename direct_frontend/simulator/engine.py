@@ -32,6 +32,8 @@ from direct_frontend.simulator.core import (
 )
 from direct_frontend.simulator.faults import FaultInjector, FaultPlan, FaultStats
 from direct_frontend.simulator.kv_publisher import KvEventPublisher, SimKvEvents
+from direct_frontend.simulator.kvcache import SimPrefixCache
+from direct_frontend.simulator.lora import LoraSlots
 from direct_frontend.simulator.model import SimModel, TimingModel
 from direct_frontend.simulator.servicers import servicer_for
 from direct_frontend.simulator.vocab import TextVocab
@@ -118,6 +120,8 @@ class SimEngine:
         kv_capacity_blocks: int | None = None,
         kv_events_port: int | None = None,
         kv_replay_port: int | None = None,
+        max_loras: int = 0,
+        lora_load_s: float = 0.05,
     ) -> None:
         if kind not in get_args(EngineKind):
             raise ValueError(f"unknown engine kind {kind!r}")
@@ -177,6 +181,8 @@ class SimEngine:
             replay_port=kv_replay_port,
         )
         self.core.kv_cache = self.kv.cache
+        if max_loras > 0 and kind == "sglang":  # the one contract with LoadLoRAAdapter
+            self.core.loras = LoraSlots(max_loras, lora_load_s, self._adapter_cache)
         self._injector = FaultInjector(self.core)
         if faults is not None:
             self._injector.install(faults)
@@ -184,6 +190,12 @@ class SimEngine:
         self.port = 0
         self._server: _Server | None = None
         self._stopped: asyncio.Event | None = None
+
+    def _adapter_cache(self) -> SimPrefixCache:
+        """A prefix cache for one LoRA adapter, shaped like the engine's (events unpublished)."""
+        cache = self.kv.cache
+        return SimPrefixCache(cache.capacity_blocks, cache.block_size, cache.style,
+                              enabled=cache.enabled)
 
     @classmethod
     def from_model_dir(

@@ -276,8 +276,10 @@ class TextModel:
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(ids))
 
     @classmethod
-    def load(cls, path: str | Path) -> TextModel:
+    def load(cls, path: str | Path, chat_template: Path | None = None) -> TextModel:
         """Load ``tokenizer.json`` and ``tokenizer_config.json`` (plus optional configs).
+
+        ``chat_template``: a Jinja file used instead of the directory's own templates.
 
         A chat template that does not compile fails the load: a broken file is
         the operator's to fix, better found at startup than on the first chat.
@@ -313,7 +315,14 @@ class TextModel:
         if not isinstance(max_positions, int) or isinstance(max_positions, bool):
             max_positions = None
 
-        sources, template_file = _load_templates(path, tokenizer_config)
+        if chat_template is None:
+            sources, template_file = _load_templates(path, tokenizer_config)
+        else:
+            template_file = chat_template
+            try:
+                sources = {"default": chat_template.read_text(encoding="utf-8")}
+            except (OSError, UnicodeDecodeError) as exc:
+                raise ModelDirError(f"{chat_template}: cannot read: {exc}") from exc
         env = _new_environment()
         templates: dict[str, jinja2.Template] = {}
         for name, source in sources.items():

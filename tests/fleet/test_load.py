@@ -45,7 +45,7 @@ ENGINE = '[[engine]]\nurl = "grpc://10.0.0.9:50051"\nkind = "vllm"\n'
 
 ENGINE_KEYS = (
     "name, url, kind, role, kv_events, kv_replay, context_length, block_size, "
-    "bootstrap_port, simulate, simulator"
+    "bootstrap_port, simulate, simulator, model"
 )
 
 
@@ -346,7 +346,7 @@ def test_unknown_keys_in_every_table() -> None:
         """
     ))
     assert found == [
-        "fleet.toml:1: engines: unknown key (expected one of: frontend, engine)",
+        "fleet.toml:1: engines: unknown key (expected one of: frontend, engine, model)",
         "fleet.toml:5: frontend.port: unknown key (expected one of: listen, served_model_name, "
         "tokenizer, max_body_bytes, max_tokens_default, request_timeout_s, "
         "header_timeout_s, body_timeout_s, log_json, drain_timeout_s, allow_empty_fleet, "

@@ -20,6 +20,7 @@ from direct_frontend.openai.errors import (
     engine_failed,
     error_body,
 )
+from direct_frontend.pipeline.models import ModelCard
 
 MODEL = 'org/model "v2"'  # quotes prove the model name is JSON-escaped
 
@@ -195,14 +196,17 @@ def test_render_choices_keeps_every_choice_in_order() -> None:
 
 
 def test_render_models() -> None:
-    body = json.loads(render_models(["a", "b/c"], 99))
+    cards = [ModelCard("a", "direct-frontend", 4096), ModelCard("b/c", "team", None, "a")]
+    body = json.loads(render_models(cards, 99))
     assert body["object"] == "list"
     models = [Model.model_validate(m) for m in body["data"]]
     assert [(m.id, m.object, m.created, m.owned_by) for m in models] == [
         ("a", "model", 99, "direct-frontend"),
-        ("b/c", "model", 99, "direct-frontend"),
+        ("b/c", "model", 99, "team"),
     ]
-    assert json.loads(render_models([], 1, owned_by="x")) == {"object": "list", "data": []}
+    assert body["data"][0]["max_model_len"] == 4096 and "parent" not in body["data"][0]
+    assert body["data"][1]["parent"] == "a" and "max_model_len" not in body["data"][1]
+    assert json.loads(render_models([], 1)) == {"object": "list", "data": []}
 
 
 # ---------------------------------------------------------------- metrics

@@ -63,6 +63,8 @@ class Capabilities:
     constraints: frozenset[ConstraintKind] = frozenset(ConstraintKind)
     #: sampling fields only some contracts carry, that this one does (see :data:`OPTIONAL`)
     optional: frozenset[str] = frozenset()
+    #: a request may name a LoRA adapter, which the router may load and unload (SGLang)
+    lora_adapters: bool = False
 
 
 #: sampling fields some contracts lack: a request that sets one goes to a kind that carries it
@@ -123,6 +125,15 @@ def choice_regex(choices: Sequence[str]) -> str:
 
 #: the schema a json_object request stands for, for a contract without its own json_object
 ANY_OBJECT_SCHEMA = '{"type":"object"}'
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LoraReply:
+    """An engine's answer to a LoRA load or unload: and which adapter ids it holds now."""
+
+    ok: bool
+    message: str
+    loaded: tuple[str, ...]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -539,6 +550,25 @@ class Dialect(abc.ABC):
                 "carry it).",
                 param=param,
             )
+        if call.lora_id is not None and not self.capabilities.lora_adapters:
+            raise EngineError(ErrorKind.BAD_REQUEST,
+                              f"{self.kind} engines' contract carries no LoRA adapter",
+                              param="model")
+
+    # -- LoRA adapters (only for kinds whose capabilities say lora_adapters) --
+
+    def load_lora(self, lora_id: str, name: str, path: str) -> Rpc:
+        raise NotImplementedError(f"{self.kind} engines cannot load LoRA adapters")
+
+    def unload_lora(self, lora_id: str, name: str) -> Rpc:
+        raise NotImplementedError(f"{self.kind} engines cannot unload LoRA adapters")
+
+    def list_loras(self) -> Rpc:
+        raise NotImplementedError(f"{self.kind} engines cannot list LoRA adapters")
+
+    def lora_reply(self, reply: Any) -> LoraReply:
+        """A load's or unload's reply; for a list's, every adapter id it holds (``ok``)."""
+        raise NotImplementedError(f"{self.kind} engines have no LoRA replies")
 
     @abc.abstractmethod
     def generate(self, call: GenerateCall) -> Rpc:

@@ -51,6 +51,7 @@ from direct_frontend.engines.dialects.base import (
     ANY_OBJECT_SCHEMA,
     Capabilities,
     LegPlan,
+    LoraReply,
     PairingFacts,
     Rpc,
     SmgDialect,
@@ -106,7 +107,8 @@ class SglangStreamDecoder(SmgStreamDecoder):
 class SglangDialect(SmgDialect):
     kind: ClassVar[str] = "sglang"
     capabilities: ClassVar[Capabilities] = Capabilities(
-        prefill_decode=True, bootstrap_server=True, optional=frozenset({"logit_bias"})
+        prefill_decode=True, bootstrap_server=True, optional=frozenset({"logit_bias"}),
+        lora_adapters=True,
     )
     limits: ClassVar[WireLimits] = WireLimits(top_k=INT32_MAX)  # top_k is an int32 here
     service: ClassVar[str] = SERVICE
@@ -146,6 +148,8 @@ class SglangDialect(SmgDialect):
             request.top_logprobs_num = max(s.logprobs, s.prompt_logprobs or 0)
             # 0 would score the whole prompt: -1 is "no prompt logprobs"
             request.logprob_start_len = -1 if s.prompt_logprobs is None else 0
+        if call.lora_id is not None:
+            request.lora_id = call.lora_id
         pd = call.disaggregation
         if pd is not None and pd.bootstrap_room is not None:
             # The same rendezvous goes on both legs of a P/D pair (§9.1).
@@ -164,6 +168,24 @@ class SglangDialect(SmgDialect):
     def abort(self, request_id: str, reason: str = "") -> Rpc:
         request = pb.AbortRequest(request_id=request_id, reason=reason or "client cancelled")
         return Rpc(f"{SERVICE}/Abort", request, pb.AbortResponse)
+
+    def load_lora(self, lora_id: str, name: str, path: str) -> Rpc:
+        request = pb.LoadLoRAAdapterRequest(lora_name=name, lora_path=path, lora_id=lora_id)
+        return Rpc(f"{SERVICE}/LoadLoRAAdapter", request, pb.LoadLoRAAdapterResponse)
+
+    def unload_lora(self, lora_id: str, name: str) -> Rpc:
+        request = pb.UnloadLoRAAdapterRequest(lora_name=name, lora_id=lora_id)
+        return Rpc(f"{SERVICE}/UnloadLoRAAdapter", request, pb.UnloadLoRAAdapterResponse)
+
+    def list_loras(self) -> Rpc:
+        request = pb.ListLoadedLoRAAdaptersRequest()
+        return Rpc(f"{SERVICE}/ListLoadedLoRAAdapters", request,
+                   pb.ListLoadedLoRAAdaptersResponse)
+
+    def lora_reply(self, reply: Any) -> LoraReply:
+        if isinstance(reply, pb.ListLoadedLoRAAdaptersResponse):
+            return LoraReply(True, "", tuple(a.lora_id for a in reply.loaded_adapters))
+        return LoraReply(bool(reply.success), reply.message, tuple(reply.loaded_lora_ids))
 
     def engine_info(self, responses: Sequence[Any]) -> EngineInfo:
         model, server = responses

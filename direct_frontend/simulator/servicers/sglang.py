@@ -7,7 +7,7 @@ ends in an error status, never a complete (docs/engine-contracts.md §4).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import grpclib.server
@@ -15,7 +15,10 @@ from google.protobuf import struct_pb2, timestamp_pb2
 from grpclib import GRPCError, Status
 
 from direct_frontend.simulator import disagg
+from direct_frontend.simulator.core import SimCore
+from direct_frontend.simulator.kvcache import SimPrefixCache
 from direct_frontend.simulator.logprobs import fill_smg
+from direct_frontend.simulator.lora import LoraSlots
 from direct_frontend.simulator.model import Finish, StopCriteria
 from direct_frontend.simulator.servicers.common import (
     SIM_VERSION,
@@ -98,6 +101,8 @@ class SglangServicer(SmgServicer, SglangSchedulerBase):
         constraint = None if which is None else (which, getattr(params, which))
         forced = constrained_output(core, constraint, prompt)
         job = core.new_job(request_id, prompt, criteria, forced=forced)
+        if request.lora_id:
+            job.cache = adapter_cache(core, request.lora_id)
         job.cached_tokens = handoff.transferred
         output = job.generation.output_ids
         prompt_tokens = len(prompt)
@@ -307,11 +312,46 @@ class SglangServicer(SmgServicer, SglangSchedulerBase):
             )
         )
 
-    async def LoadLoRAAdapter(self, stream: grpclib.server.Stream[Any, Any]) -> None:
-        # Any: Load and Unload take their own messages; both are refused unread.
-        await refuse(stream, "The simulator has no LoRA support")
+    async def LoadLoRAAdapter(
+        self,
+        stream: grpclib.server.Stream[
+            sglang_scheduler_pb2.LoadLoRAAdapterRequest,
+            sglang_scheduler_pb2.LoadLoRAAdapterResponse,
+        ],
+    ) -> None:
+        async def load(loras: LoraSlots, request: Any) -> str:
+            return await loras.load(request.lora_id, request.lora_name, request.lora_path)
 
-    UnloadLoRAAdapter = LoadLoRAAdapter
+        await self._lora_change(stream, load, sglang_scheduler_pb2.LoadLoRAAdapterResponse)
+
+    async def UnloadLoRAAdapter(
+        self,
+        stream: grpclib.server.Stream[
+            sglang_scheduler_pb2.UnloadLoRAAdapterRequest,
+            sglang_scheduler_pb2.UnloadLoRAAdapterResponse,
+        ],
+    ) -> None:
+        async def unload(loras: LoraSlots, request: Any) -> str:
+            return loras.unload(request.lora_id, request.lora_name)
+
+        await self._lora_change(stream, unload, sglang_scheduler_pb2.UnloadLoRAAdapterResponse)
+
+    async def _lora_change(
+        self,
+        stream: grpclib.server.Stream[Any, Any],
+        change: Callable[[LoraSlots, Any], Awaitable[str]],
+        reply: type[Any],
+    ) -> None:
+        """A load or unload: refused without LoRA support; else done, and what is held now."""
+        loras = self.core.loras
+        if loras is None:
+            await refuse(stream, "The simulator has no LoRA support")
+            return
+        request = await stream.recv_message()
+        assert request is not None
+        problem = await change(loras, request)
+        await stream.send_message(reply(success=not problem, message=problem,
+                                        loaded_lora_ids=loras.ids))
 
     async def ListLoadedLoRAAdapters(
         self,
@@ -321,4 +361,19 @@ class SglangServicer(SmgServicer, SglangSchedulerBase):
         ],
     ) -> None:
         await stream.recv_message()
-        await stream.send_message(sglang_scheduler_pb2.ListLoadedLoRAAdaptersResponse())
+        loaded = [] if self.core.loras is None else [
+            sglang_scheduler_pb2.LoadedLoRAAdapter(lora_id=a.lora_id, lora_name=a.name,
+                                                   lora_path=a.path)
+            for a in self.core.loras.loaded.values()
+        ]
+        await stream.send_message(
+            sglang_scheduler_pb2.ListLoadedLoRAAdaptersResponse(loaded_adapters=loaded)
+        )
+
+
+def adapter_cache(core: SimCore, lora_id: str) -> SimPrefixCache:
+    """The prefix cache of the adapter a request names; a request for one not loaded is refused."""
+    cache = None if core.loras is None else core.loras.cache_of(lora_id)
+    if cache is None:
+        raise GRPCError(Status.INVALID_ARGUMENT, f"LoRA adapter {lora_id!r} is not loaded")
+    return cache

@@ -1,0 +1,64 @@
+"""Helpers for fleets of several models: [[engine]] tables, simulator counters, clients."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import textwrap
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import openai
+
+from tests.support.daemon import Daemon, free_port
+
+#: simulator settings for tests that count tokens, not time
+FAST = "decode_us_per_token = 0\nprefill_us_per_token = 0\neos_probability = 0.0"
+
+
+def frontend_table(model_dir: object, extra: str = "") -> str:
+    """``[frontend]`` on a free port with fast probes; ``extra``: more tables after it."""
+    return textwrap.dedent(f"""\
+        [frontend]
+        listen = "127.0.0.1:0"
+        tokenizer = "{model_dir}"
+
+        [frontend.probe]
+        interval_s = 0.2
+        timeout_s = 1.0
+        """) + extra
+
+
+def engine_table(name: str, kind: str, model: str | None, simulator: str = FAST) -> str:
+    """A simulated [[engine]] of ``model`` (None: no model key) on a free port."""
+    model_line = "" if model is None else f'model = "{model}"\n'
+    return textwrap.dedent(f"""\
+        [[engine]]
+        name = "{name}"
+        url = "grpc://127.0.0.1:{free_port()}"
+        kind = "{kind}"
+        {model_line}simulate = true
+        [engine.simulator]
+        """).replace("\n\n", "\n") + simulator
+
+
+@contextlib.contextmanager
+def openai_client(daemon: Daemon) -> Iterator[openai.OpenAI]:
+    """The official client on the daemon; closed after use (idle keep-alives hold up a stop)."""
+    with openai.OpenAI(base_url=daemon.url + "/v1", api_key="unused", max_retries=0) as client:
+        yield client
+
+
+def simulators(daemon: Daemon) -> dict[str, Any]:
+    return dict(daemon.run_sync(lambda: dict(daemon.supervisor.simulators)))
+
+
+def engine_requests(daemon: Daemon) -> dict[str, int]:
+    """Generate calls each simulated engine has seen (its own counter)."""
+    return {name: sim.stats.requests for name, sim in simulators(daemon).items()}
+
+
+def get_json(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return json.loads(response.read())
