@@ -46,6 +46,14 @@ class FleetDiff:
     models_added: tuple[str, ...] = ()
     models_removed: tuple[str, ...] = ()
     models_changed: tuple[EngineChange, ...] = ()
+    #: [[pool]] tables by name: a changed one is watched anew (its pods relisted)
+    pools_added: tuple[str, ...] = ()
+    pools_removed: tuple[str, ...] = ()
+    pools_changed: tuple[EngineChange, ...] = ()
+
+    @property
+    def pools_differ(self) -> bool:
+        return bool(self.pools_added or self.pools_removed or self.pools_changed)
 
     @property
     def models_differ(self) -> bool:
@@ -54,7 +62,7 @@ class FleetDiff:
     @property
     def empty(self) -> bool:
         return not (self.added or self.removed or self.changed or self.live or self.restart
-                    or self.models_differ)
+                    or self.models_differ or self.pools_differ)
 
     @property
     def changed_names(self) -> tuple[str, ...]:
@@ -68,6 +76,9 @@ class FleetDiff:
         out += [f"- model {name} (new requests get a 404; its requests finish)"
                 for name in self.models_removed]
         out += [f"~ model {c.name} ({', '.join(c.fields)})" for c in self.models_changed]
+        out += [f"+ pool {name} (its Ready pods join)" for name in self.pools_added]
+        out += [f"- pool {name} (its engines drain, then leave)" for name in self.pools_removed]
+        out += [f"~ pool {c.name} (relisted: {', '.join(c.fields)})" for c in self.pools_changed]
         out += [f"+ engine {name} (joins: probe first, then serves)" for name in self.added]
         out += [f"- engine {name} (drains, then leaves)" for name in self.removed]
         out += [
@@ -92,6 +103,10 @@ class FleetDiff:
             "models_removed": list(self.models_removed),
             "models_changed": [{"name": c.name, "fields": list(c.fields)}
                                for c in self.models_changed],
+            "pools_added": list(self.pools_added),
+            "pools_removed": list(self.pools_removed),
+            "pools_changed": [{"name": c.name, "fields": list(c.fields)}
+                              for c in self.pools_changed],
         }
 
 
@@ -104,6 +119,7 @@ def diff_fleet_data(old: Mapping[str, Any], new: Mapping[str, Any]) -> FleetDiff
     """Diff two fleets in their JSON form (``to_jsonable``)."""
     added, removed, changed, unchanged = _match(_by_name(old, "engines"), _by_name(new, "engines"))
     models = _match(_by_name(old, "models"), _by_name(new, "models"))
+    pools = _match(_by_name(old, "pools"), _by_name(new, "pools"))
     live: list[str] = []
     restart: list[str] = []
     # With [[model]] tables these two are the first model's, and models change live.
@@ -113,7 +129,8 @@ def diff_fleet_data(old: Mapping[str, Any], new: Mapping[str, Any]) -> FleetDiff
             continue
         (restart if name.split(".", 1)[0] in RESTART_FIELDS else live).append(name)
     return FleetDiff(added, removed, changed, unchanged, tuple(live), tuple(restart),
-                     models_added=models[0], models_removed=models[1], models_changed=models[2])
+                     models_added=models[0], models_removed=models[1], models_changed=models[2],
+                     pools_added=pools[0], pools_removed=pools[1], pools_changed=pools[2])
 
 
 def _by_name(fleet: Mapping[str, Any], key: str) -> dict[str, Mapping[str, Any]]:
