@@ -223,7 +223,7 @@ def test_simulated_engine_without_simulator_table_gets_defaults() -> None:
 def test_a_fleet_without_engines_is_refused_unless_it_says_so() -> None:
     # Cut short after [frontend] (or its last table): the problem is where the engines are not.
     refusal = (
-        "engine: no [[engine]] tables (is the file cut short?); add engines, or set"
+        "engine: no [[engine]] or [[pool]] tables (is the file cut short?); add engines, or set"
         " allow_empty_fleet = true in [frontend] to run with none"
     )
     assert only_problem(FRONTEND) == f"fleet.toml:3: {refusal}"
