@@ -6,6 +6,7 @@ Shape (every task has a parent)::
       └─ trio_asyncio loop          grpclib channels and embedded simulators live here
           └─ root nursery
               ├─ supervisor         engine incarnations, catalog
+              ├─ pod discovery      [[pool]] list/watch → the supervisor's adds/removes
               ├─ HTTP server        hypercorn, the data plane's entry (and /fleet)
               ├─ file watcher       fleet file changed → reload
               ├─ signal watcher     SIGHUP → reload; SIGINT/SIGTERM → graceful shutdown
@@ -34,6 +35,7 @@ from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve
 
 from direct_frontend.control.kv_plane import KvPlane
+from direct_frontend.control.pods import PodDiscovery
 from direct_frontend.control.reload import ControlPlane, file_digest, kv_block_size
 from direct_frontend.control.supervisor import Supervisor
 from direct_frontend.fleet.preflight import TextModelKey
@@ -108,6 +110,8 @@ async def serve_fleet(
             if handle_signals:  # only the main thread may install signal handlers
                 nursery.start_soon(_watch_signals, shutdown, control, nursery.cancel_scope)
             await nursery.start(supervisor.run)
+            control.pods = PodDiscovery(fleet, metrics, control.apply_membership)
+            await nursery.start(control.pods.run)
             config = hypercorn_config(fleet, shutdown_grace_s)
             app.bound_urls = await nursery.start(_serve_http, app, config, shutdown)
             log.info(
