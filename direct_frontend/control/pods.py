@@ -48,6 +48,8 @@ log = logging.getLogger("direct_frontend.pods")
 LIST_PAGE = 500
 #: a watch silent this much longer than it asked the server to run is a lost connection
 WATCH_SLACK_S = 30.0
+#: a watch that ends sooner than this without an event is retried with backoff
+QUICK_WATCH_S = 0.5
 #: membership changes this close together reach the supervisor as one edit
 COALESCE_S = 0.02
 
@@ -196,15 +198,23 @@ class PoolWatch:
     async def _watch_until_relist(self, client: httpx.AsyncClient) -> str:
         """Watch, resuming from the last version, until a relist is due (or a 410 asks for one)."""
         with trio.move_on_after(self.settings.relist_interval_s):
+            quick = 0
             try:
                 while True:
-                    await self._watch_once(client)
+                    if await self._watch_once(client):
+                        quick = 0
+                    else:  # ended at once with nothing: a server that does so would spin us
+                        await trio.sleep(backoff_s(quick, self.settings.max_backoff_s))
+                        quick += 1
             except Gone:
                 return "gone"
         return "periodic"
 
-    async def _watch_once(self, client: httpx.AsyncClient) -> None:
-        """One watch request, until the server ends it; 410 raises :class:`Gone`."""
+    async def _watch_once(self, client: httpx.AsyncClient) -> bool:
+        """One watch request, until the server ends it; 410 raises :class:`Gone`.
+
+        False when it ended at once without an event.
+        """
         version = self.membership.resource_version or ""
         params = watch_params(self.pool, version, self.settings.watch_timeout_s)
         started = trio.current_time()
@@ -229,9 +239,7 @@ class PoolWatch:
                 self.membership.event(event.type, event.object)
                 if event.type != "BOOKMARK":
                     self._changed()
-        if not seen and trio.current_time() - started < 0.5:
-            # a server that ends watches at once would spin this loop: count it as failing
-            raise ApiFailure("the watch ended at once")
+        return bool(seen) or trio.current_time() - started >= QUICK_WATCH_S
 
 
 def _json_of(response: httpx.Response) -> dict[str, Any]:

@@ -142,7 +142,7 @@ def test_a_pod_missing_at_a_relist_is_withdrawn(
 
 
 def test_an_ip_change_is_a_new_engine(tmp_path: Path, model_dir: Path, api: ApiServer) -> None:
-    with engine(model_dir) as a, engine(model_dir, host="0.0.0.0") as b:  # noqa: S104
+    with engine(model_dir) as a, engine(model_dir, host="0.0.0.0") as b:
         api.put(pod("a", "127.0.0.1", a.engine.port))
         first = api.put(pod("b", "127.0.0.1", b.engine.port))
         text = pod_fleet(model_dir, api.kubeconfig(tmp_path / "kubeconfig"))
@@ -184,10 +184,7 @@ def test_a_ready_pod_not_answering_or_serving_another_model_never_serves(
                 assert httpx.get(daemon.url + "/ready").status_code == 200
                 late = SimEngine.from_model_dir("sglang", model_dir, served_model_name="demo",
                                                 timing=TimingModel(), eos_probability=0.0)
-                late.port = silent_port
-                with EngineThread(late) as started:
-                    started.stop()
-                    started.start()  # on silent_port, the port its pod advertises
+                with EngineThread(late, port=silent_port):  # the port its pod advertises
                     wait_serving(daemon, {"web/a", "web/silent"})
                     api.delete("silent")
                     wait_serving(daemon, {"web/a"})
@@ -303,7 +300,7 @@ def test_a_thousand_pods_churning_leave_nothing_behind(
     tmp_path: Path, model_dir: Path, api: ApiServer
 ) -> None:
     """1,000 pods through Ready and deletion in waves; every incarnation and series is freed."""
-    with engine(model_dir) as a, engine(model_dir, host="0.0.0.0") as many:  # noqa: S104
+    with engine(model_dir) as a, engine(model_dir, host="0.0.0.0") as many:
         api.put(pod("a", "127.0.0.1", a.engine.port))
         text = pod_fleet(model_dir, api.kubeconfig(tmp_path / "kubeconfig"))
         with running_daemon(tmp_path, text) as daemon:

@@ -168,6 +168,7 @@ class ApiServer:
         """Forget the history (etcd compaction): a watch from an older version gets 410."""
         with self.cond:
             self.history.clear()
+            self.version += 1
             self.oldest = self.version
             self._generation += 1  # open watches end, as a compaction's do
             self.cond.notify_all()

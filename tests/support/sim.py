@@ -125,15 +125,15 @@ class EngineThread:
     restarted and started again on the same ports (gRPC and KV events).
     """
 
-    def __init__(self, engine: SimEngine, host: str = HOST) -> None:
+    def __init__(self, engine: SimEngine, host: str = HOST, port: int = 0) -> None:
         self.engine = engine
-        self.host = host
+        self.host, self.port = host, port
         self.loop = asyncio.SelectorEventLoop()  # a plain one, whatever policy trio-asyncio set
         self._thread = threading.Thread(target=self.loop.run_forever, name="engine", daemon=True)
 
     def __enter__(self) -> EngineThread:
         self._thread.start()
-        self.call(self.engine.start, self.host, 0)
+        self.call(self.engine.start, self.host, self.port)
         return self
 
     def __exit__(self, *exc: object) -> None:
