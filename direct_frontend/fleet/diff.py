@@ -133,6 +133,12 @@ def diff_fleet_data(old: Mapping[str, Any], new: Mapping[str, Any]) -> FleetDiff
                      pools_added=pools[0], pools_removed=pools[1], pools_changed=pools[2])
 
 
+def as_in_file(fleet: Mapping[str, Any]) -> dict[str, Any]:
+    """A running fleet's JSON form without the engines its pools found (not in any file)."""
+    engines = [engine for engine in fleet.get("engines", []) if not engine.get("pool")]
+    return {**fleet, "engines": engines}
+
+
 def _by_name(fleet: Mapping[str, Any], key: str) -> dict[str, Mapping[str, Any]]:
     """Engines, or the ``[[model]]`` tables (an implicit model is [frontend]'s: not listed)."""
     return {item["name"]: item for item in fleet.get(key, []) if not item.get("implicit")}

@@ -50,6 +50,7 @@ from direct_frontend.fleet.schema import (
     KvAwareKnobs,
     RoutingConfig,
     SimulatorConfig,
+    implicit_model,
 )
 from direct_frontend.observability import tracing
 
@@ -161,7 +162,7 @@ class _Checker(PoolTables, ModelTables):
         models = self.models(data.get("model", []), frontend, source)
         frontend = self.resolve_frontend(frontend, models)
         drafts = self.engines(data.get("engine", []))
-        pools = self.pools(data.get("pool", []), models)
+        pools = self.pools(data.get("pool", []), models or [implicit_model(frontend)])
         if data.get("engine", []) == [] and not data.get("pool") and not frontend.allow_empty_fleet:
             self.refuse_empty(data)
         self.cross_check(drafts)
