@@ -17,6 +17,7 @@ from direct_frontend.fleet.schema import (
     EngineConfig,
     FleetConfig,
     FrontendConfig,
+    KubernetesConfig,
     ModelConfig,
     PoolConfig,
     RoutingConfig,
@@ -284,7 +285,18 @@ def _frontend_rows(frontend: FrontendConfig) -> list[tuple[str, str]]:
         ("limits.max_queue", str(frontend.limits.max_queue)),
         ("limits.queue_timeout_s", _scalar(frontend.limits.queue_timeout_s)),
         ("tracing", _tracing_row(frontend.tracing)),
+        ("kubernetes", _kubernetes_row(frontend.kubernetes)),
     ]
+
+
+def _kubernetes_row(kube: KubernetesConfig) -> str:
+    """How [[pool]] tables reach the API server (unused without pools)."""
+    where = (f"kubeconfig {kube.kubeconfig}" if kube.kubeconfig is not None
+             else "in-cluster service account, else $KUBECONFIG or ~/.kube/config")
+    context = f", context {kube.context}" if kube.context else ""
+    waits = ", wait_for_pods" if kube.wait_for_pods else ""
+    return (f"{where}{context}; watch {_scalar(kube.watch_timeout_s)} s, relist every"
+            f" {_scalar(kube.relist_interval_s)} s{waits}")
 
 
 def _model_rows(model: ModelConfig) -> list[tuple[str, str]]:

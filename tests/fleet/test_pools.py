@@ -251,3 +251,12 @@ def test_check_shows_the_pools() -> None:
     assert "namespace inference, selector 'app=vllm,role in (decode, both)'" in text
     assert "annotation direct-frontend.io/grpc-port, else 50051" in text
     assert "pool[2] prefill" in text and "bootstrap_port  8998" in text
+
+
+def test_the_kubernetes_example_loads() -> None:
+    root = Path(__file__).resolve().parents[2]
+    fleet = parse_fleet((root / "config/examples/kubernetes.toml").read_text(),
+                        root / "config/examples/kubernetes.toml")
+    assert [p.name for p in fleet.pools] == ["vllm", "prefill", "decode"]
+    assert [e.name for e in fleet.engines] == ["edge"]
+    assert {p.role for p in fleet.pools} == set(EngineRole)
