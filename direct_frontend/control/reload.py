@@ -24,7 +24,13 @@ from direct_frontend.control.lifecycle import EngineState
 from direct_frontend.control.pods import PodDiscovery
 from direct_frontend.control.supervisor import Supervisor
 from direct_frontend.fleet.describe import JsonValue, to_jsonable
-from direct_frontend.fleet.diff import RESTART_FIELDS, FleetDiff, ReloadResult, diff_fleets
+from direct_frontend.fleet.diff import (
+    RESTART_FIELDS,
+    FleetDiff,
+    ReloadResult,
+    diff_engines,
+    diff_fleets,
+)
 from direct_frontend.fleet.load import parse_fleet_bytes
 from direct_frontend.fleet.pools import with_pool_engines
 from direct_frontend.fleet.problems import FleetError, FleetProblem
@@ -274,14 +280,15 @@ class ControlPlane:
         :meth:`~Supervisor.apply`); the config version stays, the file did not change.
         """
         fleet = with_pool_engines(self.running, members)
-        diff = diff_fleets(self.running, fleet)
+        diff = diff_engines(self.running, fleet)
         if not (diff.added or diff.removed or diff.changed):
             return
         self.running = fleet
         self.supervisor.apply(fleet, removed=diff.removed, changed=diff.changed_names,
                               added=diff.added)
         lines = [line for line in diff.lines() if not line.startswith("=")]
-        log.info("pool membership changed: %s", "; ".join(lines))
+        log.info("pool membership changed: %s", "; ".join(lines[:20])
+                 + (f"; … {len(lines) - 20} more" if len(lines) > 20 else ""))
         self.hub.publish({"type": "membership", "diff": diff.to_json()})
         self.notifier.status(self.status_line())
 

@@ -10,7 +10,7 @@ import pytest
 from direct_frontend.engines.neutral import EngineRole
 from direct_frontend.fleet import FleetError, describe_fleet, parse_fleet
 from direct_frontend.fleet.describe import to_jsonable
-from direct_frontend.fleet.diff import as_in_file, diff_fleet_data, diff_fleets
+from direct_frontend.fleet.diff import as_in_file, diff_engines, diff_fleet_data, diff_fleets
 from direct_frontend.fleet.pools import (
     PoolMembership,
     backoff_s,
@@ -260,3 +260,18 @@ def test_the_kubernetes_example_loads() -> None:
     assert [p.name for p in fleet.pools] == ["vllm", "prefill", "decode"]
     assert [e.name for e in fleet.engines] == ["edge"]
     assert {p.role for p in fleet.pools} == set(EngineRole)
+
+
+def test_the_membership_diff_names_what_changed_of_each_engine() -> None:
+    fleet = parse(FRONTEND + '\n[[pool]]\nname = "web"\nselector = "app=x"\nkind = "sglang"\n'
+                  "port = 1\n")
+    pool = fleet.pools[0]
+    a, b = pod("a", "10.0.0.1", None), pod("b", "10.0.0.2", None)
+    moved = {**b, "status": {**b["status"], "podIP": "10.0.0.3"}}
+    engines = [pod_engine(pool, item) for item in (a, b, moved)]
+    assert all(not isinstance(e, str) for e in engines)
+    before = with_pool_engines(fleet, {"web": (engines[0], engines[1])})  # type: ignore[dict-item]
+    after = with_pool_engines(fleet, {"web": (engines[2],)})  # type: ignore[dict-item]
+    diff = diff_engines(before, after)
+    assert (diff.added, diff.removed, diff.unchanged) == ((), ("web/a",), ())
+    assert [(c.name, c.fields) for c in diff.changed] == [("web/b", ("url",))]
