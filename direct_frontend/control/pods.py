@@ -226,19 +226,24 @@ class PoolWatch:
             if response.status_code != 200:
                 await response.aread()
                 raise ApiFailure(f"watch answered HTTP {response.status_code}")
-            async for line in response.aiter_lines():
-                event = parse_event(line)
-                if event is None:
-                    continue
-                if event.gone:
-                    raise Gone
-                if event.type == "ERROR":
-                    raise ApiFailure(f"watch error: {event.object.get('message', '')}")
-                seen += 1
-                self.events += 1
-                self.membership.event(event.type, event.object)
-                if event.type != "BOOKMARK":
-                    self._changed()
+            lines = response.aiter_lines()
+            try:
+                async for line in lines:
+                    event = parse_event(line)
+                    if event is None:
+                        continue
+                    if event.gone:
+                        raise Gone
+                    if event.type == "ERROR":
+                        raise ApiFailure(f"watch error: {event.object.get('message', '')}")
+                    seen += 1
+                    self.events += 1
+                    self.membership.event(event.type, event.object)
+                    if event.type != "BOOKMARK":
+                        self._changed()
+            finally:
+                with trio.CancelScope(shield=True):  # closed here, not by the garbage collector
+                    await lines.aclose()  # type: ignore[attr-defined]
         return bool(seen) or trio.current_time() - started >= QUICK_WATCH_S
 
 
