@@ -78,6 +78,19 @@ def wait_serving(daemon: Daemon, names: set[str], timeout: float = 15.0) -> None
 
 
 @contextlib.contextmanager
+def two_pods(tmp_path: Path, model_dir: Path,
+             api: ApiServer) -> Iterator[tuple[Daemon, EngineThread]]:
+    """A daemon serving pods a and b of pool web (b's engine is yielded with the daemon)."""
+    with engine(model_dir) as a, engine(model_dir) as b:
+        api.put(pod("a", "127.0.0.1", a.engine.port))
+        api.put(pod("b", "127.0.0.1", b.engine.port))
+        text = pod_fleet(model_dir, api.kubeconfig(tmp_path / "kubeconfig"))
+        with running_daemon(tmp_path, text) as daemon:
+            wait_serving(daemon, {"web/a", "web/b"})
+            yield daemon, b
+
+
+@contextlib.contextmanager
 def under_load(daemon: Daemon) -> Iterator[Load]:
     with Load(daemon.url, clients=3) as load:
         load.wait_more(3)
@@ -194,57 +207,47 @@ def test_a_ready_pod_not_answering_or_serving_another_model_never_serves(
 def test_the_api_server_going_away_removes_nothing(
     tmp_path: Path, model_dir: Path, api: ApiServer
 ) -> None:
-    with engine(model_dir) as a, engine(model_dir) as b:
-        api.put(pod("a", "127.0.0.1", a.engine.port))
-        api.put(pod("b", "127.0.0.1", b.engine.port))
-        text = pod_fleet(model_dir, api.kubeconfig(tmp_path / "kubeconfig"))
-        with running_daemon(tmp_path, text) as daemon:
-            wait_serving(daemon, {"web/a", "web/b"})
-            with under_load(daemon) as load:
-                api.stop()
-                wait_for(lambda: fleet_view(daemon)["pools"][0]["stale"], 10, "stale")
-                metrics = httpx.get(daemon.url + "/metrics").text
-                assert 'pool_membership_stale{pool="web"} 1.0' in metrics
-
-                def errors() -> float:
-                    text = httpx.get(daemon.url + "/metrics").text
-                    found = re.search(r'pool_watch_errors_total\{pool="web"\} (\S+)', text)
-                    return float(found[1]) if found else 0.0
-
-                wait_for(lambda: errors() >= 5, 15, "several failed reconnects")
-                load.wait_more(5)
-                assert serving(daemon) == {"web/a", "web/b"}  # down a while: nothing removed
-                api.delete("b", silent=True)  # what happened while it was away ...
-                api.start()  # ... the relist after it comes back finds
-                wait_serving(daemon, {"web/a"})
-                wait_for(lambda: not fleet_view(daemon)["pools"][0]["stale"], 10, "fresh")
+    with two_pods(tmp_path, model_dir, api) as (daemon, _):
+        with under_load(daemon) as load:
+            api.stop()
+            wait_for(lambda: fleet_view(daemon)["pools"][0]["stale"], 10, "stale")
             metrics = httpx.get(daemon.url + "/metrics").text
-            assert 'pool_membership_stale{pool="web"} 0.0' in metrics
+            assert 'pool_membership_stale{pool="web"} 1.0' in metrics
+
+            def errors() -> float:
+                text = httpx.get(daemon.url + "/metrics").text
+                found = re.search(r'pool_watch_errors_total\{pool="web"\} (\S+)', text)
+                return float(found[1]) if found else 0.0
+
+            wait_for(lambda: errors() >= 5, 15, "several failed reconnects")
+            load.wait_more(5)
+            assert serving(daemon) == {"web/a", "web/b"}  # down a while: nothing removed
+            api.delete("b", silent=True)  # what happened while it was away ...
+            api.start()  # ... the relist after it comes back finds
+            wait_serving(daemon, {"web/a"})
+            wait_for(lambda: not fleet_view(daemon)["pools"][0]["stale"], 10, "fresh")
+        metrics = httpx.get(daemon.url + "/metrics").text
+        assert 'pool_membership_stale{pool="web"} 0.0' in metrics
 
 
 def test_the_same_address_removed_and_readded_fast_is_fenced_by_incarnation(
     tmp_path: Path, model_dir: Path, api: ApiServer
 ) -> None:
-    with engine(model_dir) as a, engine(model_dir) as b:
-        api.put(pod("a", "127.0.0.1", a.engine.port))
-        api.put(pod("b", "127.0.0.1", b.engine.port))
-        text = pod_fleet(model_dir, api.kubeconfig(tmp_path / "kubeconfig"))
-        with running_daemon(tmp_path, text) as daemon:
-            wait_serving(daemon, {"web/a", "web/b"})
-            with under_load(daemon):
-                for _ in range(5):  # a StatefulSet pod recreated: same name, IP and port
-                    old = daemon.supervisor.children["web/b"]
-                    api.delete("b")
-                    again = api.put(pod("b", "127.0.0.1", b.engine.port))
-                    uid = again["metadata"]["uid"]
-                    wait_for(lambda uid=uid: daemon.supervisor.children.get("web/b") is not None
-                             and daemon.supervisor.children["web/b"].cfg.pod_uid == uid, 10,
-                             "the new b")
-                    assert daemon.supervisor.children["web/b"].incarnation > old.incarnation
-                    wait_serving(daemon, {"web/a", "web/b"})
-            wait_for(lambda: len(daemon.supervisor.incarnations) == 2, 10, "old ones gone")
-            owners = {e.name: e.incarnation for e in daemon.supervisor.catalog.engines}
-            assert owners["web/b"] == daemon.supervisor.children["web/b"].incarnation
+    with two_pods(tmp_path, model_dir, api) as (daemon, b):
+        with under_load(daemon):
+            for _ in range(5):  # a StatefulSet pod recreated: same name, IP and port
+                old = daemon.supervisor.children["web/b"]
+                api.delete("b")
+                again = api.put(pod("b", "127.0.0.1", b.engine.port))
+                uid = again["metadata"]["uid"]
+                wait_for(lambda uid=uid: daemon.supervisor.children.get("web/b") is not None
+                         and daemon.supervisor.children["web/b"].cfg.pod_uid == uid, 10,
+                         "the new b")
+                assert daemon.supervisor.children["web/b"].incarnation > old.incarnation
+                wait_serving(daemon, {"web/a", "web/b"})
+        wait_for(lambda: len(daemon.supervisor.incarnations) == 2, 10, "old ones gone")
+        owners = {e.name: e.incarnation for e in daemon.supervisor.catalog.engines}
+        assert owners["web/b"] == daemon.supervisor.children["web/b"].incarnation
 
 
 def test_a_reload_that_changes_the_selector_reconciles_the_pool(
