@@ -27,7 +27,7 @@ from typing import Any
 import httpx2 as httpx
 import trio
 from lightkube.config.client_adapter import AsyncClient, ConnectionParams
-from lightkube.config.kubeconfig import KubeConfig
+from lightkube.config.kubeconfig import SERVICE_ACCOUNT, KubeConfig
 from lightkube.core.exceptions import ConfigError
 
 from direct_frontend.fleet.describe import JsonValue
@@ -64,15 +64,20 @@ class Gone(Exception):
     """410 Gone: the resourceVersion is too old to watch from; relist."""
 
 
-def kube_client(settings: KubernetesConfig, source: Path) -> httpx.AsyncClient:
+def kube_client(
+    settings: KubernetesConfig, source: Path, service_account: Path = Path(SERVICE_ACCOUNT)
+) -> httpx.AsyncClient:
     """An HTTP client for the API server: the kubeconfig given, else in-cluster, else ~/.kube.
 
-    Reads files (kubeconfig, service-account token and CA): call it from a worker thread.
+    In the cluster: the pod's service account (``service_account``: its token,
+    re-read when the server says 401 as the kubelet rotates it, its CA and
+    namespace) and the ``KUBERNETES_SERVICE_HOST``/``_PORT`` the kubelet sets.
+    Reads files: call it from a worker thread.
     """
     if settings.kubeconfig is not None:
         config = KubeConfig.from_file(source.parent / settings.kubeconfig)
     else:
-        config = KubeConfig.from_env()
+        config = KubeConfig.from_env(service_account=service_account)
     single = config.get(context_name=settings.context)
     if single is None:
         raise ApiFailure(f"no kubeconfig context {settings.context!r}")

@@ -13,7 +13,7 @@ from direct_frontend.control import pods
 from direct_frontend.control.pods import PoolWatch, kube_client
 from direct_frontend.fleet.schema import KubernetesConfig, PoolConfig
 from direct_frontend.observability.metrics import Metrics
-from tests.support.kube import ApiServer, pod
+from tests.support.kube import ApiServer, pod, service_account
 from tests.support.sim import until_trio
 
 POOL = PoolConfig(name="web", selector="app=engine", kind="sglang", port=50051)
@@ -101,3 +101,32 @@ def test_a_relative_kubeconfig_is_found_beside_the_fleet_file(
     api.kubeconfig(tmp_path / "kubeconfig")
     client = kube_client(KubernetesConfig(kubeconfig="kubeconfig"), tmp_path / "fleet.toml")
     assert str(client.base_url).rstrip("/") == api.url
+
+
+def test_in_the_cluster_the_service_account_is_used(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No kubeconfig: the token, CA and address a kubelet gives a pod reach the server (HTTPS)."""
+    account = tmp_path / "serviceaccount"
+    api = ApiServer().start(tls=service_account(account))
+    try:
+        api.put(pod("a", "10.0.0.1", None))
+        monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "127.0.0.1")
+        monkeypatch.setenv("KUBERNETES_SERVICE_PORT", str(api.port))
+        client = kube_client(KubernetesConfig(), tmp_path / "fleet.toml", account)
+        assert str(client.base_url).startswith(f"https://127.0.0.1:{api.port}")
+        watch = PoolWatch(POOL, SETTINGS, Metrics(), lambda: None)
+
+        async def client_of() -> httpx2.AsyncClient:
+            return client
+
+        async def main() -> None:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(watch.run, client_of)
+                await until_trio(lambda: watch.listed, what="listed over HTTPS")
+                nursery.cancel_scope.cancel()
+
+        trio.run(main)
+        assert [e.name for e in watch.engines] == ["web/a"]
+    finally:
+        api.stop()

@@ -23,6 +23,8 @@ import copy
 import http.server
 import json
 import re
+import ssl
+import subprocess
 import threading
 import time
 import uuid
@@ -179,9 +181,12 @@ class ApiServer:
 
     # -- running ------------------------------------------------------------------------
 
-    def start(self) -> ApiServer:
+    def start(self, tls: ssl.SSLContext | None = None) -> ApiServer:
+        """Listen (again, on the same port after :meth:`stop`); HTTPS with ``tls``."""
         server = http.server.ThreadingHTTPServer(("127.0.0.1", self.port), _handler(self))
         server.daemon_threads = True
+        if tls is not None:
+            server.socket = tls.wrap_socket(server.socket, server_side=True)
         self.port = server.server_address[1]
         self._server = server
         self._thread = threading.Thread(target=server.serve_forever, name="apiserver",
@@ -282,6 +287,27 @@ class ApiServer:
         finally:
             with self.cond:
                 self.watching -= 1
+
+
+def service_account(directory: Path, namespace: str = "default") -> ssl.SSLContext:
+    """A pod's service-account directory for the double (token, ca.crt, namespace).
+
+    Returns the server side of its TLS: a self-signed certificate for
+    127.0.0.1, which ``ca.crt`` trusts, as a cluster's CA does its API server's.
+    """
+    directory.mkdir(parents=True, exist_ok=True)
+    cert, key = directory / "ca.crt", directory / "server.key"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+         "-keyout", str(key), "-out", str(cert), "-subj", "/CN=127.0.0.1",
+         "-addext", "subjectAltName=IP:127.0.0.1"],
+        check=True, capture_output=True,
+    )
+    (directory / "token").write_text("test-token")
+    (directory / "namespace").write_text(namespace)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    return context
 
 
 def _handler(api: ApiServer) -> type[http.server.BaseHTTPRequestHandler]:
