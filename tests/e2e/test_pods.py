@@ -264,6 +264,13 @@ def test_a_reload_that_changes_the_selector_reconciles_the_pool(
             wait_serving(daemon, {"web/blue"})
             with under_load(daemon):
                 path = tmp_path / "fleet.toml"
+                blue_life = daemon.supervisor.children["web/blue"].incarnation
+                path.write_text(text.replace("relist_interval_s = 300.0",
+                                             "relist_interval_s = 200.0"))
+                result = httpx.post(daemon.url + "/fleet/reload").json()
+                assert result["ok"] and result["diff"]["removed"] == []  # the pods' engines stay
+                assert result["diff"]["live"] == ["kubernetes.relist_interval_s"]
+                assert daemon.supervisor.children["web/blue"].incarnation == blue_life
                 path.write_text(pod_fleet(model_dir, kubeconfig, selector="track in (green)"))
                 result = httpx.post(daemon.url + "/fleet/reload").json()
                 assert result["ok"] and result["diff"]["pools_changed"] == [
