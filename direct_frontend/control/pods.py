@@ -292,16 +292,17 @@ class PodDiscovery:
     def status(self) -> list[JsonValue]:
         return [watch.status() for watch in self.watches.values()]
 
-    def pending(self, serving: set[str]) -> list[str]:
-        """Pools still without a first serving engine, while ``wait_for_pods`` holds /ready."""
+    def pending(self, serving_pools: set[str]) -> list[str]:
+        """Pools still without a first serving engine, while ``wait_for_pods`` holds /ready.
+
+        ``serving_pools``: the pools with an engine serving now.
+        """
         if not self.wait_for_pods:
             return []
-        for pool in self.watches:
-            if any(name.startswith(pool + "/") for name in serving):
-                self._had_engine.add(pool)
+        self._had_engine |= serving_pools
         waiting = [pool for pool in self.watches if pool not in self._had_engine]
         if not waiting:
-            self.wait_for_pods = False  # start-up only: later, a pool may empty and /ready holds
+            self.wait_for_pods = False  # start-up only: a pool emptied later holds nothing
         return waiting
 
     def _mark(self) -> None:

@@ -190,7 +190,10 @@ class ControlPlane:
         """Pools ``wait_for_pods`` still holds ``/ready`` for (start-up only)."""
         if self.pods is None:
             return []
-        return self.pods.pending({engine.name for engine in self.supervisor.catalog.engines})
+        return self.pods.pending({
+            child.cfg.pool for child in self.supervisor.incarnations.values()
+            if child.cfg.pool is not None and child.state is EngineState.SERVING
+        })
 
     def subscribe(self) -> contextlib.AbstractContextManager[Subscriber]:
         return self.hub.subscribe()
