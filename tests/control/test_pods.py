@@ -59,6 +59,9 @@ def test_a_list_in_pages_then_bookmarks_carry_the_version(
             api.put(pod("elsewhere", "10.9.9.9", None, namespace="other"))
             await until_trio(lambda: watch.membership.resource_version == str(api.version),
                              what="a bookmark carrying the version")
+            # the server ends each watch after timeoutSeconds (1 s): resumed, not relisted
+            await until_trio(lambda: watch.watches >= 2, what="a second watch")
+            assert watch.relists == 1 and api.requests.count("list") == 3
             nursery.cancel_scope.cancel()
 
     trio.run(main)
