@@ -19,6 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
+from direct_frontend.simulator import EngineKind
 from direct_frontend.simulator.engine import SimEngine
 from direct_frontend.simulator.model import TimingModel
 from tests.support.daemon import Daemon, fleet_text, free_port, running_daemon, wait_for
@@ -39,10 +40,11 @@ def api() -> Iterator[ApiServer]:
 
 
 @contextlib.contextmanager
-def engine(model_dir: Path, host: str = "127.0.0.1", name: str = "demo") -> Iterator[EngineThread]:
+def engine(model_dir: Path, host: str = "127.0.0.1", name: str = "demo",
+           kind: EngineKind = "sglang") -> Iterator[EngineThread]:
     """A pod's engine: a simulator streaming a token every 2 ms, listening on ``host``."""
     sim = SimEngine.from_model_dir(
-        "sglang", model_dir, served_model_name=name,
+        kind, model_dir, served_model_name=name,
         timing=TimingModel(decode_us_per_token=2000), eos_probability=0.0,
     )
     with EngineThread(sim, host) as running:
@@ -334,3 +336,42 @@ def test_a_thousand_pods_churning_leave_nothing_behind(
             assert pool["events"] >= 1000
             metrics = httpx.get(daemon.url + "/metrics").text
             assert 'engine="web/p' not in metrics  # the engines' series forgotten
+
+
+def test_a_pods_kv_events_feed_the_index_until_it_leaves(
+    tmp_path: Path, model_dir: Path, api: ApiServer
+) -> None:
+    """KV-event and replay ports from the pod's annotations; a withdrawn pod leaves the index."""
+    sim = SimEngine.from_model_dir(
+        "vllm", model_dir, served_model_name="demo", timing=TimingModel(),
+        eos_probability=0.0, block_size=16, kv_events_port=0, kv_replay_port=0,
+    )
+    with engine(model_dir, kind="vllm") as other, EngineThread(sim) as cached:
+        assert sim.kv_events_endpoint is not None and sim.kv_replay_endpoint is not None
+        events = sim.kv_events_endpoint.rsplit(":", 1)[1]
+        replay = sim.kv_replay_endpoint.rsplit(":", 1)[1]
+        api.put(pod("kv", "127.0.0.1", cached.engine.port, annotations={
+            "direct-frontend.io/kv-events-port": events,
+            "direct-frontend.io/kv-replay-port": replay,
+        }))
+        text = pod_fleet(model_dir, api.kubeconfig(tmp_path / "kubeconfig")).replace(
+            "[frontend.probe]", '[frontend.routing]\npolicy = "kv_aware"\n\n'
+            "[frontend.routing.knobs]\nblock_size = 16\n\n[frontend.probe]")
+        text = text.replace('kind = "sglang"', 'kind = "vllm"\nblock_size = 16')
+        with running_daemon(tmp_path, text) as daemon:
+            wait_serving(daemon, {"web/kv"})
+            kv = daemon.supervisor.kv
+            child = daemon.supervisor.children["web/kv"]
+            assert child.cfg.kv_events == (f"tcp://127.0.0.1:{events}",)
+            wait_for(lambda: len(kv.live) == 1, 10, "the pod's KV subscription")
+            r = httpx.post(daemon.url + "/v1/completions", json={
+                "model": "demo", "prompt": list(range(300, 364)), "max_tokens": 2})
+            assert r.status_code == 200, r.text
+            key = f"g{child.incarnation}r0"
+            wait_for(lambda: kv.index.blocks_of(key) >= 4, 10, "the index to learn the prompt")
+            api.put(pod("other", "127.0.0.1", other.engine.port))
+            wait_serving(daemon, {"web/kv", "web/other"})
+            api.put(set_ready(api.get("kv"), False))
+            wait_serving(daemon, {"web/other"})
+            wait_for(lambda: kv.index.blocks_of(key) == 0 and not kv.live, 10,
+                     "the withdrawn pod out of the index")
