@@ -18,6 +18,7 @@ kubeconfig or the pod's service account (docs/decisions/0003-pod-watch-client.md
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -332,7 +333,10 @@ class PodDiscovery:
         self.fleet = fleet
         settings = fleet.frontend.kubernetes
         wanted = {pool.name: pool for pool in fleet.pools}
-        restart_all = settings != self._client_settings
+        # wait_for_pods is read once, at start: changing it restarts no watch
+        restart_all = self._client_settings is None or dataclasses.replace(
+            settings, wait_for_pods=False
+        ) != dataclasses.replace(self._client_settings, wait_for_pods=False)
         if restart_all and self._client is not None:
             await self._client.aclose()
             self._client = None
