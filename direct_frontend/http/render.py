@@ -117,12 +117,20 @@ class ChunkRenderer:
         except UnicodeEncodeError:  # a lone surrogate; never on the normal path
             return self._text_prefix + _encode(_scrub(delta)) + self._text_suffix
 
-    def text_with_logprobs(self, delta: str, logprobs: dict[str, Any]) -> bytes:
-        """A chunk carrying new text (maybe none) and the logprobs of its tokens."""
-        return (
-            self._text_prefix + _encode(_scrub(delta)) + self._logprobs_prefix
-            + _encode(logprobs) + self._logprobs_suffix
+    def text_with_logprobs(
+        self, delta: str, logprobs: dict[str, Any], usage: tuple[int, int, int] | None = None
+    ) -> bytes:
+        """A chunk carrying new text (maybe none) and the logprobs of its tokens.
+
+        ``usage`` (prompt, completion, cached) puts the usage so far on it too
+        (``continuous_usage_stats``).
+        """
+        head = (
+            self._text_prefix + _encode(_scrub(delta)) + self._logprobs_prefix + _encode(logprobs)
         )
+        if usage is None:
+            return head + self._logprobs_suffix
+        return head + b',"finish_reason":null}],"usage":' + _usage_json(*usage) + _SSE_END
 
     def text_with_usage(self, delta: str, prompt: int, completion: int, cached: int) -> bytes:
         """A text chunk carrying the usage so far (vLLM's ``continuous_usage_stats``)."""

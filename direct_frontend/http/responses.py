@@ -192,13 +192,14 @@ async def _stream(relay: Relay, state: RelayState, *, send: Send, headers: Heade
             out.extend(renderer.role_chunk())
             if echo is not None:
                 out.extend(_echo_chunk(renderer, relay, state, echo, choice_logprobs))
+        usage = (
+            (len(prepared.input_ids), state.processor.completion_tokens, state.cached_tokens or 0)
+            if continuous_usage else None
+        )
         if choice_logprobs is not None and logprobs:
-            out.extend(renderer.text_with_logprobs(text, choice_logprobs.batch(logprobs)))
-        elif text and continuous_usage:
-            out.extend(renderer.text_with_usage(
-                text, len(prepared.input_ids), state.processor.completion_tokens,
-                state.cached_tokens or 0,
-            ))
+            out.extend(renderer.text_with_logprobs(text, choice_logprobs.batch(logprobs), usage))
+        elif text and usage is not None:
+            out.extend(renderer.text_with_usage(text, *usage))
         elif text:
             out.extend(renderer.text(text))
         if finished:  # the last text, the finish chunk, usage and [DONE]: one write
@@ -282,7 +283,10 @@ async def _stream_choices(relay: Relay, choices: Choices, *, send: Send, headers
             state = choices.states[index]
             out.extend(_echo_chunk(renderer, relay, state, echo, choice_logprobs))
         if choice_logprobs is not None and logprobs:
-            out.extend(renderer.text_with_logprobs(text, choice_logprobs.batch(logprobs)))
+            out.extend(renderer.text_with_logprobs(
+                text, choice_logprobs.batch(logprobs),
+                choices.usage() if continuous_usage else None,
+            ))
         elif text and continuous_usage:
             out.extend(renderer.text_with_usage(text, *choices.usage()))
         elif text:
