@@ -887,7 +887,23 @@ def engine_checks(report: Report, engine: Engine, client: EngineClient) -> None:
             "the same batches"
         )
 
+    def lora_adapters() -> str:
+        # README "LoRA adapters": why this run serves no adapter (issue 12 asks to show it).
+        pb = client.pb
+        fields = [f.name for f in pb.GenerateRequest.DESCRIPTOR.fields]
+        fields += [f.name for f in pb.SamplingParams.DESCRIPTOR.fields]
+        rpcs = [m.name for m in pb.DESCRIPTOR.services_by_name["VllmEngine"].methods]
+        found = [n for n in fields + rpcs if "lora" in n.lower() or "adapter" in n.lower()]
+        if found:
+            return f"the contract now names adapters ({', '.join(found)}): wire them in"
+        raise Note(
+            "the vLLM contract has no adapter field in GenerateRequest/SamplingParams and no "
+            f"LoRA RPC ({len(rpcs)} RPCs: {', '.join(rpcs)}): a stock engine serves its base "
+            "model only through it, whatever its CPU build could load"
+        )
+
     report.check("engine: KV and gRPC sockets listen on loopback only", loopback_only)
+    report.check("engine: LoRA adapters through the contract", lora_adapters)
     report.check("engine: greedy Generate, stream == non-stream", greedy)
     report.check("engine: gRPC cancel frees the request", cancel)
     report.check("engine: prefix cache + KV events (PUB, replay)", prefix_cache)
