@@ -5,6 +5,7 @@ Shape (every task has a parent)::
     trio.run
       └─ trio_asyncio loop          grpclib channels and embedded simulators live here
           └─ root nursery
+              ├─ replica link       [frontend.replicas]: load, faults, KV snapshots over NATS
               ├─ supervisor         engine incarnations, catalog
               ├─ HTTP server        hypercorn, the data plane's entry (and /fleet)
               ├─ file watcher       fleet file changed → reload
@@ -34,6 +35,7 @@ from hypercorn.trio import serve
 
 from direct_frontend.control.kv_plane import KvPlane
 from direct_frontend.control.reload import ControlPlane, file_digest, kv_block_size
+from direct_frontend.control.replicas import ReplicaLink
 from direct_frontend.control.supervisor import Supervisor
 from direct_frontend.fleet.schema import FleetConfig, TracingConfig
 from direct_frontend.fleet.watch import POLL_INTERVAL_S, FileStamp, stamp_of, watch_file
@@ -49,6 +51,7 @@ from direct_frontend.pipeline.relay import Relay
 from direct_frontend.pipeline.settings import Settings
 from direct_frontend.routing.factory import make_policy
 from direct_frontend.routing.hitrate import HitRateWatch
+from direct_frontend.routing.peers import PlacementShare
 from direct_frontend.text.model_dir import TextModel
 
 log = logging.getLogger("direct_frontend")
@@ -98,16 +101,25 @@ async def serve_fleet(
         metrics = Metrics()
         kv = KvPlane(KvIndex(kv_block_size(fleet)), metrics)
         supervisor = Supervisor(fleet, kv=kv)
+        placements = PlacementShare()
         settings = Settings.first(
-            fleet.frontend, make_policy(fleet.frontend.routing, kv.index, kv.live)
+            fleet.frontend, make_policy(fleet.frontend.routing, kv.index, kv.live, placements)
         )
-        control = ControlPlane(fleet, supervisor, settings, metrics, notifier, digest)
+        replicas = fleet.frontend.replicas
+        link = None if replicas.nats is None else ReplicaLink(
+            replicas, supervisor, placements, kv=kv, metrics=metrics
+        )
+        control = ControlPlane(fleet, supervisor, settings, metrics, notifier, digest,
+                               placements=placements,
+                               replicas=None if link is None else link.status)
         relay = Relay(Dispatcher(supervisor), text_model, metrics, HitRateWatch(metrics))
         tracing = _open_tracing(fleet.frontend.tracing)
         app = App(control, relay, text_model, metrics, tracing)
         async with trio.open_nursery() as nursery:
             if handle_signals:  # only the main thread may install signal handlers
                 nursery.start_soon(_watch_signals, shutdown, control, nursery.cancel_scope)
+            if link is not None:  # first: a sibling's KV index is in before engines start
+                await nursery.start(link.run)
             await nursery.start(supervisor.run)
             config = hypercorn_config(fleet, shutdown_grace_s)
             app.bound_urls = await nursery.start(_serve_http, app, config, shutdown)

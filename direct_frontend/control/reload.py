@@ -13,6 +13,7 @@ import dataclasses
 import hashlib
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import trio
@@ -30,6 +31,7 @@ from direct_frontend.observability.metrics import Metrics
 from direct_frontend.observability.sdnotify import Notifier
 from direct_frontend.pipeline.settings import Settings
 from direct_frontend.routing.factory import make_policy
+from direct_frontend.routing.peers import PlacementShare
 from direct_frontend.routing.policies import Policy
 
 log = logging.getLogger("direct_frontend")
@@ -94,6 +96,9 @@ class ControlPlane:
         metrics: Metrics,
         notifier: Notifier,
         digest: str = "",
+        *,
+        placements: PlacementShare | None = None,
+        replicas: Callable[[], JsonValue] | None = None,
     ) -> None:
         self.running = fleet
         self.supervisor = supervisor
@@ -106,6 +111,8 @@ class ControlPlane:
         self.loaded_at = time.time()
         self.last_reload: ReloadResult | None = None
         self._lock = trio.Lock()
+        self.placements = placements  # a new kv_aware policy shares its placements here
+        self._replicas = replicas  # the replica link's view, for /fleet
         supervisor.listeners.append(self._on_engine)
 
     # -- the view ---------------------------------------------------------------------
@@ -134,6 +141,7 @@ class ControlPlane:
             "fleet": to_jsonable(self.running),
             "events": {"subscribers": len(self.hub.subscribers),
                        "dropped": self.hub.dropped_total},
+            "replicas": None if self._replicas is None else self._replicas(),
         }
 
     def loads(self) -> dict[str, JsonValue]:
@@ -220,7 +228,7 @@ class ControlPlane:
                     f"the KV block size ({kv.index.block_size}) can only change with a restart"
                 )
             return make_policy(new.frontend.routing, kv.index if kv else None,
-                               kv.live if kv else ())
+                               kv.live if kv else (), self.placements)
         except ValueError as exc:
             raise FleetError([FleetProblem(str(new.source), None, "frontend.routing.policy",
                                            str(exc))]) from None

@@ -9,7 +9,13 @@ can be trusted, and that is the usual reason a fleet needs an override.
 from __future__ import annotations
 
 from direct_frontend.engines.neutral import EngineRole
-from direct_frontend.fleet.schema import EngineConfig, FleetConfig, FrontendConfig, TracingConfig
+from direct_frontend.fleet.schema import (
+    EngineConfig,
+    FleetConfig,
+    FrontendConfig,
+    ReplicasConfig,
+    TracingConfig,
+)
 
 JsonValue = None | bool | int | float | str | list["JsonValue"] | dict[str, "JsonValue"]
 
@@ -88,7 +94,7 @@ def to_jsonable(cfg: FleetConfig, *, redact: bool = True) -> dict[str, JsonValue
     admin, auth = frontend.admin, frontend.auth
     token: JsonValue = admin.token if not redact or admin.token is None else REDACTED
     api_keys: list[JsonValue] = [key if not redact else REDACTED for key in auth.api_keys]
-    probe, tracing = frontend.probe, frontend.tracing
+    probe, tracing, replicas = frontend.probe, frontend.tracing, frontend.replicas
     knobs: dict[str, JsonValue] = dict(frontend.routing.knobs)
     engines: list[JsonValue] = [_engine_json(engine) for engine in cfg.engines]
     return {
@@ -131,6 +137,13 @@ def to_jsonable(cfg: FleetConfig, *, redact: bool = True) -> dict[str, JsonValue
                 "otlp_endpoint": tracing.otlp_endpoint,
                 "service_name": tracing.service_name,
                 "sample_ratio": tracing.sample_ratio,
+            },
+            "replicas": {
+                "nats": replicas.nats,
+                "cluster": replicas.cluster,
+                "publish_interval_s": replicas.publish_interval_s,
+                "peer_timeout_s": replicas.peer_timeout_s,
+                "snapshot_timeout_s": replicas.snapshot_timeout_s,
             },
         },
         "engines": engines,
@@ -207,6 +220,7 @@ def _frontend_rows(frontend: FrontendConfig) -> list[tuple[str, str]]:
         ("limits.max_queue", str(frontend.limits.max_queue)),
         ("limits.queue_timeout_s", _scalar(frontend.limits.queue_timeout_s)),
         ("tracing", _tracing_row(frontend.tracing)),
+        ("replicas", _replicas_row(frontend.replicas)),
     ]
 
 
@@ -215,6 +229,12 @@ def _tracing_row(tracing: TracingConfig) -> str:
         return "off"
     return (f"{tracing.otlp_endpoint} (service {tracing.service_name},"
             f" sampling {_scalar(tracing.sample_ratio)})")
+
+
+def _replicas_row(replicas: ReplicasConfig) -> str:
+    if replicas.nats is None:
+        return "alone (shares nothing with other replicas)"
+    return f"share over {replicas.nats} (cluster {replicas.cluster})"
 
 
 def _engine_lines(engine: EngineConfig) -> list[str]:

@@ -382,6 +382,46 @@ class KvIndex:
                 self._compact_table()
         return done
 
+    # -- snapshots (a late replica warms from a sibling's) -------------------
+
+    def export_engine(self, engine: str) -> tuple[dict[int, int], dict[int, int]]:
+        """Copies of one engine's entries: its hash → our prefix hash, and extra copies."""
+        state = self._engines.get(engine)
+        if state is None:
+            return {}, {}
+        return dict(state.blocks), dict(state.copies)
+
+    def import_engine(
+        self, engine: str, blocks: Iterable[tuple[int, int]], copies: Iterable[tuple[int, int]]
+    ) -> int:
+        """Replace one engine's entries with exported ones; returns the entries loaded.
+
+        The engine's own hashes come along, so its later removals and stores
+        (whose parents are engine hashes) apply as if we had seen every event.
+        """
+        self.clear_engine(engine)
+        state = self._engine(engine)
+        table = self._table
+        bit = state.bit
+        added = 0
+        for engine_hash, h in blocks:
+            if engine_hash in state.blocks:
+                continue
+            state.blocks[engine_hash] = h
+            mask = table.get(h, 0)
+            if mask & bit:
+                state.aliases[h] = state.aliases.get(h, 0) + 1
+            else:
+                table[h] = mask | bit
+            added += 1
+        state.copies = {eh: n for eh, n in copies if eh in state.blocks and n > 1}
+        state.peak = len(state.blocks)
+        self._total += added
+        self._table_peak = max(self._table_peak, len(table))
+        if self._total > self.max_blocks:
+            self._evict()
+        return added
+
     # -- lookup ------------------------------------------------------------
 
     def request_hashes(

@@ -22,9 +22,18 @@ class EngineLoad:
     in_flight: int = 0
     prompt_tokens_in_flight: int = 0
     requests_total: int = 0
+    #: what the other replicas of this router have in flight here (control/replicas.py):
+    #: requests, and the KV blocks they hold; 0 without replicas
+    peer_in_flight: int = 0
+    peer_blocks: int = 0
     #: one callback per running stream that asks it to move to another engine
     #: (a planned migration off a draining engine)
     movers: set[Callable[[], None]] = dataclasses.field(default_factory=set)
+
+    @property
+    def fleet_in_flight(self) -> int:
+        """Requests in flight here from every replica: the load a policy weighs."""
+        return self.in_flight + self.peer_in_flight
 
     def move_all(self) -> int:
         """Ask every stream running here to continue elsewhere; returns how many were asked."""
