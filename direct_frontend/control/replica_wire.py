@@ -18,12 +18,25 @@ from direct_frontend.errors import EngineError, ErrorKind
 
 
 class LoadReport(msgspec.Struct, frozen=True):
-    """A replica's in-flight requests and blocks per engine name; ``leaving``: its last word."""
+    """A replica's in-flight requests and blocks (packed u64) per engine name.
+
+    ``leaving``: its last word (its load goes at once).
+    """
 
     replica: str
     seq: int
-    loads: dict[str, tuple[int, int]]
+    loads: dict[str, tuple[int, bytes]]
     leaving: bool = False
+
+    @classmethod
+    def of(cls, replica: str, seq: int, loads: dict[str, tuple[int, frozenset[int]]],
+           *, leaving: bool = False) -> LoadReport:
+        packed = {name: (requests, _pack(blocks)) for name, (requests, blocks) in loads.items()}
+        return cls(replica, seq, packed, leaving)
+
+    def unpacked(self) -> dict[str, tuple[int, frozenset[int]]]:
+        return {name: (requests, frozenset(_unpack(blocks)))
+                for name, (requests, blocks) in self.loads.items()}
 
 
 class FaultReport(msgspec.Struct, frozen=True):
@@ -59,15 +72,21 @@ class Placements(msgspec.Struct, frozen=True):
 
     @classmethod
     def of(cls, replica: str, placed: list[tuple[str, tuple[int, ...]]]) -> Placements:
-        return cls(replica, [(name, array.array("Q", hashes).tobytes()) for name, hashes in placed])
+        return cls(replica, [(name, _pack(hashes)) for name, hashes in placed])
 
     def each(self) -> list[tuple[str, list[int]]]:
-        out = []
-        for name, packed in self.placed:
-            hashes = array.array("Q")
-            hashes.frombytes(packed[: len(packed) // 8 * 8])
-            out.append((name, hashes.tolist()))
-        return out
+        return [(name, _unpack(packed)) for name, packed in self.placed]
+
+
+def _pack(hashes: tuple[int, ...] | frozenset[int]) -> bytes:
+    return array.array("Q", hashes).tobytes()
+
+
+def _unpack(packed: bytes) -> list[int]:
+    """Packed u64s; a ragged tail (a malformed message) is dropped."""
+    hashes = array.array("Q")
+    hashes.frombytes(packed[: len(packed) // 8 * 8])
+    return hashes.tolist()
 
 
 Message = LoadReport | FaultReport | Placements

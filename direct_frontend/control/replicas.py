@@ -108,7 +108,9 @@ class ReplicaLink:
         self._seq = 0
         self._last_sent: Loads | None = None
         self._last_sent_at = -math.inf
+        self._wake = trio.Event()  # news to send before the next tick: a placement, a fault
         supervisor.fault_listeners.append(self._on_fault)
+        placements.notify = self._wake.set
 
     # -- the view ---------------------------------------------------------------------
 
@@ -135,6 +137,7 @@ class ReplicaLink:
     def _on_fault(self, engine: EngineHandle, error: EngineError) -> None:
         if len(self._faults) < MAX_PENDING_FAULTS:
             self._faults.append(FaultReport.of(self.replica, engine.name, engine.url, error))
+            self._wake.set()
 
     # -- the task -----------------------------------------------------------------------
 
@@ -244,7 +247,7 @@ class ReplicaLink:
             if self.connected and due:
                 self._seq += 1
                 if await self._publish(self.subjects.load,
-                                       encode(LoadReport(self.replica, self._seq, loads))):
+                                       encode(LoadReport.of(self.replica, self._seq, loads))):
                     self._last_sent, self._last_sent_at = loads, now
             faults, self._faults = self._faults, []
             for fault in faults:
@@ -255,7 +258,12 @@ class ReplicaLink:
                 await self._publish(self.subjects.placements,
                                     encode(Placements.of(self.replica, placed)))
             self._export()
-            await trio.sleep(self.config.publish_interval_s)
+            with trio.move_on_after(self.config.publish_interval_s):
+                await self._wake.wait()
+            if self._wake.is_set():
+                self._wake = trio.Event()
+                self.placements.notify = self._wake.set
+                await trio.lowlevel.checkpoint()  # the request that placed it books its load
 
     async def _goodbye(self) -> None:
         nc, self._nc = self._nc, None
@@ -263,7 +271,7 @@ class ReplicaLink:
             return
         if self.connected:
             self._seq += 1
-            report = LoadReport(self.replica, self._seq, {}, leaving=True)
+            report = LoadReport.of(self.replica, self._seq, {}, leaving=True)
             try:
                 await trio_asyncio.aio_as_trio(nc.publish)(self.subjects.load, encode(report))
                 await trio_asyncio.aio_as_trio(nc.flush)(0.5)
@@ -302,7 +310,7 @@ class ReplicaLink:
         if report.leaving:
             self.peers.leave(report.replica)
         else:
-            self.peers.update(report.replica, report.seq, report.loads, time.monotonic())
+            self.peers.update(report.replica, report.seq, report.unpacked(), time.monotonic())
         self._apply_peers()
         return None
 

@@ -15,13 +15,17 @@ policy is current (a reload builds a new one).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from direct_frontend.routing.catalog import EngineHandle
 from direct_frontend.routing.kv_aware import ApproxPrefixIndex
 
-#: engine name → (requests in flight, KV blocks they hold)
-Loads = dict[str, tuple[int, int]]
+#: engine name → (requests in flight, the KV blocks they hold). The blocks themselves, not
+#: a count: requests sharing a prefix hold its blocks once, whichever replica sent them,
+#: so a prompt in flight elsewhere does not make its own cache look busy.
+Loads = dict[str, tuple[int, frozenset[int]]]
+
+_NONE: tuple[int, frozenset[int]] = (0, frozenset())
 
 
 def local_loads(engines: Iterable[EngineHandle]) -> Loads:
@@ -29,19 +33,21 @@ def local_loads(engines: Iterable[EngineHandle]) -> Loads:
     out: Loads = {}
     for engine in engines:
         load = engine.load
-        requests, blocks = out.get(engine.name, (0, 0))
-        out[engine.name] = (requests + load.in_flight, blocks + len(load.active_blocks))
+        requests, blocks = out.get(engine.name, _NONE)
+        out[engine.name] = (requests + load.in_flight, blocks | load.active_blocks.keys())
     return out
 
 
 def apply_peer_loads(
-    engines: Iterable[EngineHandle], totals: Mapping[str, tuple[int, int]]
+    engines: Iterable[EngineHandle], totals: Mapping[str, tuple[int, frozenset[int]]]
 ) -> None:
-    """Set every engine's peer counters to what the peers say (0 where they say nothing)."""
+    """Set every engine's peer counters to what the peers say (none where they say nothing)."""
     for engine in engines:
-        requests, blocks = totals.get(engine.name, (0, 0))
-        engine.load.peer_in_flight = requests
-        engine.load.peer_blocks = blocks
+        requests, blocks = totals.get(engine.name, _NONE)
+        load = engine.load
+        load.peer_in_flight = requests
+        load.peer_active = blocks
+        load.peer_blocks = len(blocks)
 
 
 @dataclasses.dataclass(slots=True)
@@ -84,8 +90,8 @@ class PeerLoads:
         out: Loads = {}
         for peer in self._peers.values():
             for name, (requests, blocks) in peer.loads.items():
-                have_requests, have_blocks = out.get(name, (0, 0))
-                out[name] = (have_requests + requests, have_blocks + blocks)
+                have_requests, have_blocks = out.get(name, _NONE)
+                out[name] = (have_requests + requests, have_blocks | blocks)
         return out
 
     @property
@@ -109,6 +115,8 @@ class PlacementShare:
         self.approx: ApproxPrefixIndex | None = None
         self._outbox: list[tuple[str, tuple[int, ...]]] = []
         self.dropped = 0
+        #: called on each new placement, so the link can send it now rather than next tick
+        self.notify: Callable[[], None] | None = None
 
     def attach(self, approx: ApproxPrefixIndex) -> None:
         """A new policy's index: its placements go out, peers' come in to it."""
@@ -120,6 +128,8 @@ class PlacementShare:
             self.dropped += 1
             return
         self._outbox.append((engine, tuple(hashes)))
+        if self.notify is not None:
+            self.notify()
 
     def take(self) -> list[tuple[str, tuple[int, ...]]]:
         """What was placed since the last call (and forget it)."""

@@ -14,8 +14,10 @@ from direct_frontend.errors import EngineError, ErrorKind
 
 
 def test_messages_round_trip_and_garbage_is_none() -> None:
-    report = LoadReport("r1", 7, {"a": (2, 30)})
-    assert decode(LoadReport, encode(report)) == report
+    report = LoadReport.of("r1", 7, {"a": (2, frozenset({5, 2**64 - 1}))})
+    decoded_report = decode(LoadReport, encode(report))
+    assert decoded_report == report
+    assert decoded_report.unpacked() == {"a": (2, frozenset({5, 2**64 - 1}))}
     assert decode(LoadReport, b"\x93garbage") is None
     assert decode(FaultReport, encode(report)) is None
     placements = Placements.of("r1", [("a", (1, 2**64 - 1))])

@@ -25,12 +25,13 @@ def handle(name: str, incarnation: int = 1) -> EngineHandle:
 
 def test_peer_reports_sum_by_engine_and_expire() -> None:
     peers = PeerLoads(timeout_s=3.0)
-    assert peers.update("r1", 1, {"a": (2, 10), "b": (1, 4)}, now=0.0)
-    assert peers.update("r2", 1, {"a": (1, 3)}, now=1.0)
-    assert not peers.update("r1", 1, {"a": (9, 9)}, now=1.5)  # reordered: older word
-    assert peers.totals() == {"a": (3, 13), "b": (1, 4)}
+    assert peers.update("r1", 1, {"a": (2, frozenset({1, 2})), "b": (1, frozenset({4}))}, 0.0)
+    assert peers.update("r2", 1, {"a": (1, frozenset({2, 3}))}, now=1.0)
+    assert not peers.update("r1", 1, {"a": (9, frozenset())}, now=1.5)  # reordered: older
+    # a prefix two replicas both have in flight holds its blocks once
+    assert peers.totals() == {"a": (3, frozenset({1, 2, 3})), "b": (1, frozenset({4}))}
     assert peers.expire(now=3.5) == ["r1"]
-    assert peers.totals() == {"a": (1, 3)}
+    assert peers.totals() == {"a": (1, frozenset({2, 3}))}
     peers.leave("r2")
     assert peers.totals() == {} and len(peers) == 0
 
@@ -38,7 +39,7 @@ def test_peer_reports_sum_by_engine_and_expire() -> None:
 def test_peer_load_steers_least_loaded_as_one_router() -> None:
     a, b = handle("a"), handle("b")
     catalog = Catalog(1, (a, b))
-    apply_peer_loads(catalog.engines, {"a": (2, 0)})
+    apply_peer_loads(catalog.engines, {"a": (2, frozenset())})
     assert (a.load.peer_in_flight, b.load.peer_in_flight) == (2, 0)
     picks = [LeastLoaded().choose(catalog, VIEW) for _ in range(2)]
     assert {p.engine.name for p in picks if p} == {"b"}
@@ -50,18 +51,23 @@ def test_peer_blocks_are_part_of_the_kv_aware_cost() -> None:
     a, b = handle("a"), handle("b")
     catalog = Catalog(1, (a, b))
     policy = make_policy(RoutingConfig(policy="kv_aware"))
-    apply_peer_loads(catalog.engines, {"b": (1, 50)})
+    apply_peer_loads(catalog.engines, {"b": (1, frozenset(range(1000, 1050)))})
+    assert b.load.peer_blocks == 50
     request = RequestView(tuple(range(64)), 8)
     for _ in range(3):
         placement = policy.choose(catalog, request)
         assert placement is not None and placement.engine.name == "a"
+    # the same prompt in flight on b from a sibling: its blocks are no extra load there
+    hashes = frozenset(policy.hashes(request.input_ids))  # type: ignore[attr-defined]
+    apply_peer_loads(catalog.engines, {"b": (1, hashes)})
+    assert b.load.new_blocks(sorted(hashes)) == 0 and a.load.new_blocks(sorted(hashes)) == 4
 
 
 def test_local_loads_sum_an_engines_incarnations() -> None:
     old, new = handle("a", 1), handle("a", 2)
     old.load.begin(10, [1, 2])
     new.load.begin(10, [3])
-    assert local_loads([old, new]) == {"a": (2, 3)}
+    assert local_loads([old, new]) == {"a": (2, frozenset({1, 2, 3}))}
 
 
 def test_placements_go_out_and_peers_come_in_without_echo() -> None:
