@@ -35,7 +35,6 @@ import math
 import pathlib
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -122,7 +121,8 @@ def round_robin_client(fleet: Fleet, concurrency: int) -> httpx.AsyncClient:
             request.url = request.url.copy_with(host=base.host, port=base.port)
             request.headers["host"] = f"{base.host}:{base.port}"
 
-    limits = httpx.Limits(max_connections=concurrency * 4, max_keepalive_connections=concurrency * 4)
+    room = concurrency * 4
+    limits = httpx.Limits(max_connections=room, max_keepalive_connections=room)
     return httpx.AsyncClient(timeout=120, limits=limits, event_hooks={"request": [rotate]})
 
 
@@ -218,8 +218,9 @@ async def bench(ours: argparse.Namespace, args: argparse.Namespace, tmp: pathlib
     capacity = args.capacity_blocks or math.ceil(
         args.capacity_factor * workload.working_set_blocks / args.engines)
     (port,) = free_ports(1)
-    server = subprocess.Popen([nats_binary(), "-a", HOST, "-p", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = Child("nats-server", [nats_binary(), "-a", HOST, "-p", str(port)],
+                   tmp / "nats.log")
+    await wait_for_port(server, port)
     nats = f"nats://{HOST}:{port}"
     counts = [int(r) for r in ours.replicas.split(",")]
     scenarios = [Scenario("R=1", 1, False)] + [
@@ -238,8 +239,7 @@ async def bench(ours: argparse.Namespace, args: argparse.Namespace, tmp: pathlib
         (tmp / "late").mkdir()
         late = await run_late(args, workload, second, capacity, nats, tmp / "late")
     finally:
-        server.kill()
-        server.wait()
+        server.stop()
     print(f"\nlate replica (kv-events, NATS): joined in {late['join_s']:.1f} s, "
           f"warm start: {late['warm']}")
     print(f"  hit rate of its requests {late['late_hit_rate']:.1%}, the old replica's "
