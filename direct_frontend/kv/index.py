@@ -237,7 +237,6 @@ class KvIndex:
         lora = event.lora_name
         salt = event.cache_salt if parent is None else None
         table = self._table
-        bit = state.bit
         blocks = state.blocks
         added = 0
         for i, engine_hash in enumerate(hashes):
@@ -257,11 +256,7 @@ class KvIndex:
                     self._conflicts += 1
                 continue
             blocks[engine_hash] = h
-            mask = table.get(h, 0)
-            if mask & bit:
-                state.aliases[h] = state.aliases.get(h, 0) + 1
-            else:
-                table[h] = mask | bit
+            self._hold(state, h)
             added += 1
         self._total += added
         if len(blocks) > state.peak:
@@ -401,23 +396,17 @@ class KvIndex:
         """
         self.clear_engine(engine)
         state = self._engine(engine)
-        table = self._table
-        bit = state.bit
         added = 0
         for engine_hash, h in blocks:
             if engine_hash in state.blocks:
                 continue
             state.blocks[engine_hash] = h
-            mask = table.get(h, 0)
-            if mask & bit:
-                state.aliases[h] = state.aliases.get(h, 0) + 1
-            else:
-                table[h] = mask | bit
+            self._hold(state, h)
             added += 1
         state.copies = {eh: n for eh, n in copies if eh in state.blocks and n > 1}
         state.peak = len(state.blocks)
         self._total += added
-        self._table_peak = max(self._table_peak, len(table))
+        self._table_peak = max(self._table_peak, len(self._table))
         if self._total > self.max_blocks:
             self._evict()
         return added
@@ -556,6 +545,15 @@ class KvIndex:
             self._engines[name] = state
             self._live |= state.bit
         return state
+
+    def _hold(self, state: _Engine, h: int) -> None:
+        """``state`` holds prefix ``h`` (once more, if another of its blocks has it already)."""
+        table = self._table
+        mask = table.get(h, 0)
+        if mask & state.bit:
+            state.aliases[h] = state.aliases.get(h, 0) + 1
+        else:
+            table[h] = mask | state.bit
 
     def _release(self, state: _Engine, h: int) -> None:
         aliases = state.aliases.get(h)

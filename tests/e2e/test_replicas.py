@@ -200,12 +200,15 @@ def test_a_late_replica_warms_from_a_sibling_and_predicts_what_it_predicts(
 ) -> None:
     engines = [kv_engine("a"), kv_engine("b")]
     prompts = [[100 + 300 * p + i for i in range(16 * (2 + p))] for p in range(6)]
+    def start(name: str, nats: str, embeds: bool) -> Daemon:
+        directory = tmp_path / name
+        directory.mkdir()
+        (directory / "fleet.toml").write_text(
+            fleet_for(model_dir, engines, nats, embeds=embeds, kv=True))
+        return Daemon(directory / "fleet.toml").start()
+
     with running_nats() as nats:
-        first_dir = tmp_path / "first"
-        first_dir.mkdir()
-        (first_dir / "fleet.toml").write_text(
-            fleet_for(model_dir, engines, nats.url, embeds=True, kv=True))
-        first = Daemon(first_dir / "fleet.toml").start()
+        first = start("first", nats.url, embeds=True)
         try:
             first.wait_serving(2)
             wait_for(lambda: len(first.supervisor.kv.live) == 2, what="KV subscriptions")
@@ -217,11 +220,7 @@ def test_a_late_replica_warms_from_a_sibling_and_predicts_what_it_predicts(
                      what="the first replica's index to learn every prompt")
             for sim in first.supervisor.simulators.values():
                 sim.kv_publisher.forget_history()  # a cold replica could not replay any of it
-            second_dir = tmp_path / "second"
-            second_dir.mkdir()
-            (second_dir / "fleet.toml").write_text(
-                fleet_for(model_dir, engines, nats.url, embeds=False, kv=True))
-            second = Daemon(second_dir / "fleet.toml").start()
+            second = start("second", nats.url, embeds=False)
             try:
                 second.wait_serving(2)
                 wait_for(lambda: len(second.supervisor.kv.live) == 2, what="KV subscriptions")
