@@ -1,4 +1,4 @@
-"""The KV-event plane: one index for the fleet, one subscription per engine rank.
+r"""The KV-event plane: one index for the fleet, one subscription per engine rank.
 
 Each engine incarnation with ``kv_events`` in the fleet file gets one
 subscriber per data-parallel rank, run inside that incarnation's nursery (so
@@ -9,6 +9,12 @@ or restarts is resynced (its entries cleared, replayed from the start when
 the engine keeps history); a gone one is removed from the index. A publisher
 that starts over is also a witness of its engine's restart, which the child
 counts (control/restarts.py).
+
+Replicas (control/replicas.py): :meth:`KvPlane.snapshot` is what this
+replica's index holds of the ranks it follows live; a late replica
+:meth:`KvPlane.offer`\ s a sibling's before its engines start, and each rank
+found there is loaded and continued from the sibling's seq instead of
+replayed from the start.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import trio
 
 from direct_frontend.kv.index import KvIndex
 from direct_frontend.kv.keys import index_key
+from direct_frontend.kv.snapshot import IndexSnapshot, RankKey, RankSnapshot
 from direct_frontend.kv.subscriber import KvSubscription, run_kv_subscriber
 from direct_frontend.observability.logging import log_once
 
@@ -39,6 +46,12 @@ class KvPlane:
         #: incarnations whose overlap comes from KV events (read by the kv_aware policy)
         self.live: set[int] = set()
         self._fenced: set[int] = set()
+        #: index key → the rank as every replica names it
+        self.ranks: dict[str, RankKey] = {}
+        #: a sibling's ranks, waiting for their engine's subscription to start
+        self._warm: dict[RankKey, RankSnapshot] = {}
+        self.warmed_ranks = 0  # ranks started from a sibling's snapshot
+        self.warmed_blocks = 0
 
     async def run_for(self, child: EngineChild) -> None:
         """Follow ``child``'s KV events until cancelled; its entries go with it."""
@@ -58,11 +71,13 @@ class KvPlane:
             async with trio.open_nursery() as nursery:
                 for rank, endpoint in enumerate(cfg.kv_events):
                     replay = cfg.kv_replay[rank] if cfg.kv_replay else None
+                    self.ranks[keys[rank]] = (child.name, cfg.url, endpoint, rank)
                     subscription = await nursery.start(
                         functools.partial(
                             run_kv_subscriber, keys[rank], endpoint, replay, self.index, block,
                             on_malformed=functools.partial(self._malformed, child.name),
                             on_restart=functools.partial(self._restarted, child, rank),
+                            warm_next_seq=self._load_warm(keys[rank]),
                         )
                     )
                     self.subscriptions[keys[rank]] = subscription
@@ -76,7 +91,60 @@ class KvPlane:
             self._fenced.discard(child.incarnation)
             for key in keys:
                 self.subscriptions.pop(key, None)
+                self.ranks.pop(key, None)
                 self.index.remove_engine(key)
+
+    # -- replicas: snapshots ------------------------------------------------------
+
+    def snapshot(self, replica: str) -> IndexSnapshot:
+        """The ranks this index follows live, each with the seq it would apply next.
+
+        Ranks replaying, idle or disconnected are left out: what they hold
+        is not known to be whole. Synchronous, so entries and seqs agree.
+        """
+        ranks = []
+        for key, subscription in self.subscriptions.items():
+            tracker = subscription.tracker
+            where = self.ranks.get(key)
+            next_seq = tracker.next_seq
+            if where is None or tracker.state != "live" or next_seq is None:
+                continue
+            if not subscription.connected:
+                continue
+            blocks, copies = self.index.export_engine(key)
+            ranks.append(RankSnapshot.of(where, next_seq, blocks, copies))
+        return IndexSnapshot(replica, self.index.block_size, ranks)
+
+    def offer(self, snapshot: IndexSnapshot) -> str | None:
+        """Keep a sibling's ranks for when their engines start; why it was refused, or None."""
+        if snapshot.block_size != self.index.block_size:
+            return (f"its KV block size {snapshot.block_size} differs from ours "
+                    f"{self.index.block_size}")
+        for rank in snapshot.ranks:
+            self._warm[rank.key] = rank
+        return None
+
+    def _load_warm(self, key: str) -> int | None:
+        """Load the sibling's entries for ``key``'s rank; the seq to continue from, or None."""
+        where = self.ranks.get(key)
+        rank = self._warm.pop(where, None) if where is not None else None
+        if rank is None:
+            return None
+        try:
+            loaded = self.index.import_engine(key, rank.blocks(), rank.copies)
+        except ValueError as exc:
+            log.warning("engine %s: a sibling's KV snapshot is malformed (%s); not used",
+                        rank.engine, exc, extra={"engine": rank.engine})
+            self.index.clear_engine(key)
+            return None
+        self.warmed_ranks += 1
+        self.warmed_blocks += loaded
+        log.info("engine %s rank %d: %d KV blocks from a sibling's snapshot, continuing "
+                 "from seq %d", rank.engine, rank.rank, loaded, rank.next_seq,
+                 extra={"engine": rank.engine})
+        return rank.next_seq
+
+    # -- fencing ------------------------------------------------------------------
 
     def fence(self, child: EngineChild, reason: str) -> None:
         """Drop what the index believes ``child`` holds (it went unhealthy)."""

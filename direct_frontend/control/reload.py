@@ -13,6 +13,7 @@ import dataclasses
 import hashlib
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import trio
@@ -30,6 +31,7 @@ from direct_frontend.observability.metrics import Metrics
 from direct_frontend.observability.sdnotify import Notifier
 from direct_frontend.pipeline.models import ModelBuilder, ModelTable, serving_counts
 from direct_frontend.pipeline.settings import Settings
+from direct_frontend.routing.peers import PlacementShare
 
 log = logging.getLogger("direct_frontend")
 
@@ -93,6 +95,9 @@ class ControlPlane:
         metrics: Metrics,
         notifier: Notifier,
         digest: str = "",
+        *,
+        placements: PlacementShare | None = None,
+        replicas: Callable[[], JsonValue] | None = None,
     ) -> None:
         self.running = fleet
         self.supervisor = supervisor
@@ -107,6 +112,8 @@ class ControlPlane:
         self.loaded_at = time.time()
         self.last_reload: ReloadResult | None = None
         self._lock = trio.Lock()
+        self.placements = placements  # a new kv_aware policy shares its placements here
+        self._replicas = replicas  # the replica link's view, for /fleet
         supervisor.listeners.append(self._on_engine)
 
     @property
@@ -147,6 +154,7 @@ class ControlPlane:
             "fleet": to_jsonable(self.running),
             "events": {"subscribers": len(self.hub.subscribers),
                        "dropped": self.hub.dropped_total},
+            "replicas": None if self._replicas is None else self._replicas(),
         }
 
     def _models_status(self) -> list[JsonValue]:

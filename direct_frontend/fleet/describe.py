@@ -14,6 +14,7 @@ from direct_frontend.fleet.schema import (
     FleetConfig,
     FrontendConfig,
     ModelConfig,
+    ReplicasConfig,
     RoutingConfig,
     TracingConfig,
 )
@@ -99,7 +100,7 @@ def to_jsonable(cfg: FleetConfig, *, redact: bool = True) -> dict[str, JsonValue
     admin, auth = frontend.admin, frontend.auth
     token: JsonValue = admin.token if not redact or admin.token is None else REDACTED
     api_keys: list[JsonValue] = [key if not redact else REDACTED for key in auth.api_keys]
-    probe, tracing = frontend.probe, frontend.tracing
+    probe, tracing, replicas = frontend.probe, frontend.tracing, frontend.replicas
     engines: list[JsonValue] = [_engine_json(engine) for engine in cfg.engines]
     models: list[JsonValue] = [model_json(model) for model in cfg.models]
     return {
@@ -142,6 +143,13 @@ def to_jsonable(cfg: FleetConfig, *, redact: bool = True) -> dict[str, JsonValue
                 "otlp_endpoint": tracing.otlp_endpoint,
                 "service_name": tracing.service_name,
                 "sample_ratio": tracing.sample_ratio,
+            },
+            "replicas": {
+                "nats": replicas.nats,
+                "cluster": replicas.cluster,
+                "publish_interval_s": replicas.publish_interval_s,
+                "peer_timeout_s": replicas.peer_timeout_s,
+                "snapshot_timeout_s": replicas.snapshot_timeout_s,
             },
         },
         "models": models,
@@ -262,6 +270,7 @@ def _frontend_rows(frontend: FrontendConfig) -> list[tuple[str, str]]:
         ("limits.max_queue", str(frontend.limits.max_queue)),
         ("limits.queue_timeout_s", _scalar(frontend.limits.queue_timeout_s)),
         ("tracing", _tracing_row(frontend.tracing)),
+        ("replicas", _replicas_row(frontend.replicas)),
     ]
 
 
@@ -307,6 +316,12 @@ def _tracing_row(tracing: TracingConfig) -> str:
         return "off"
     return (f"{tracing.otlp_endpoint} (service {tracing.service_name},"
             f" sampling {_scalar(tracing.sample_ratio)})")
+
+
+def _replicas_row(replicas: ReplicasConfig) -> str:
+    if replicas.nats is None:
+        return "alone (shares nothing with other replicas)"
+    return f"share over {replicas.nats} (cluster {replicas.cluster})"
 
 
 def _engine_lines(engine: EngineConfig) -> list[str]:

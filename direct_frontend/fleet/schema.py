@@ -210,6 +210,28 @@ class TracingConfig:
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class ReplicasConfig:
+    """``[frontend.replicas]``: several daemons in front of one fleet, routing as one.
+
+    With ``nats`` unset (the default) a daemon shares nothing with its
+    siblings. With it, each replica tells the others over that NATS server
+    what only it knows (its in-flight load per engine, its approximate-mode
+    placements, the transport faults it saw) and a replica that starts late
+    asks a sibling for its KV index. ``cluster`` names the subjects, so
+    unrelated fleets can share one NATS server. Built at start.
+    """
+
+    nats: str | None = None  # e.g. nats://127.0.0.1:4222
+    cluster: str = "direct-frontend"
+    # how often changed load is sent (a peer's view lags by about this much)
+    publish_interval_s: float = setting(0.02, POSITIVE)
+    # a peer silent this long is forgotten (its load no longer counts)
+    peer_timeout_s: float = setting(3.0, POSITIVE)
+    # how long a late replica waits for a sibling's KV index snapshot at start
+    snapshot_timeout_s: float = setting(2.0, NON_NEGATIVE)
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class FrontendConfig:
     """``[frontend]``: the OpenAI-facing side of the daemon."""
 
@@ -239,6 +261,7 @@ class FrontendConfig:
     faults: FaultsConfig = FaultsConfig()
     limits: LimitsConfig = LimitsConfig()
     tracing: TracingConfig = TracingConfig()
+    replicas: ReplicasConfig = ReplicasConfig()
 
     @property
     def listen(self) -> str:

@@ -237,7 +237,6 @@ class KvIndex:
         lora = event.lora_name
         salt = event.cache_salt if parent is None else None
         table = self._table
-        bit = state.bit
         blocks = state.blocks
         added = 0
         for i, engine_hash in enumerate(hashes):
@@ -257,11 +256,7 @@ class KvIndex:
                     self._conflicts += 1
                 continue
             blocks[engine_hash] = h
-            mask = table.get(h, 0)
-            if mask & bit:
-                state.aliases[h] = state.aliases.get(h, 0) + 1
-            else:
-                table[h] = mask | bit
+            self._hold(state, h)
             added += 1
         self._total += added
         if len(blocks) > state.peak:
@@ -381,6 +376,40 @@ class KvIndex:
                 self._slots[grave.slot] = None
                 self._compact_table()
         return done
+
+    # -- snapshots (a late replica warms from a sibling's) -------------------
+
+    def export_engine(self, engine: str) -> tuple[dict[int, int], dict[int, int]]:
+        """Copies of one engine's entries: its hash → our prefix hash, and extra copies."""
+        state = self._engines.get(engine)
+        if state is None:
+            return {}, {}
+        return dict(state.blocks), dict(state.copies)
+
+    def import_engine(
+        self, engine: str, blocks: Iterable[tuple[int, int]], copies: Iterable[tuple[int, int]]
+    ) -> int:
+        """Replace one engine's entries with exported ones; returns the entries loaded.
+
+        The engine's own hashes come along, so its later removals and stores
+        (whose parents are engine hashes) apply as if we had seen every event.
+        """
+        self.clear_engine(engine)
+        state = self._engine(engine)
+        added = 0
+        for engine_hash, h in blocks:
+            if engine_hash in state.blocks:
+                continue
+            state.blocks[engine_hash] = h
+            self._hold(state, h)
+            added += 1
+        state.copies = {eh: n for eh, n in copies if eh in state.blocks and n > 1}
+        state.peak = len(state.blocks)
+        self._total += added
+        self._table_peak = max(self._table_peak, len(self._table))
+        if self._total > self.max_blocks:
+            self._evict()
+        return added
 
     # -- lookup ------------------------------------------------------------
 
@@ -516,6 +545,15 @@ class KvIndex:
             self._engines[name] = state
             self._live |= state.bit
         return state
+
+    def _hold(self, state: _Engine, h: int) -> None:
+        """``state`` holds prefix ``h`` (once more, if another of its blocks has it already)."""
+        table = self._table
+        mask = table.get(h, 0)
+        if mask & state.bit:
+            state.aliases[h] = state.aliases.get(h, 0) + 1
+        else:
+            table[h] = mask | state.bit
 
     def _release(self, state: _Engine, h: int) -> None:
         aliases = state.aliases.get(h)

@@ -296,6 +296,7 @@ async def run_kv_subscriber(
     replay_timeout: float = 5.0,
     max_buffer: int = 100_000,
     context: zmq.Context[zmq.Socket[bytes]] | None = None,
+    warm_next_seq: int | None = None,
     task_status: trio.TaskStatus[KvSubscription] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Keep ``index`` in step with one engine rank's KV events until cancelled.
@@ -307,7 +308,10 @@ async def run_kv_subscriber(
     skipped; every index clear through ``on_clear(engine_id, reason)``; each time
     the publisher starts over (a new process) through ``on_restart(engine_id)``.
     Returns only by cancellation; the engine's entries stay in the index (call
-    ``index.clear_engine`` or ``remove_engine`` when fencing it).
+    ``index.clear_engine`` or ``remove_engine`` when fencing it). With
+    ``warm_next_seq`` the index already holds a sibling's entries for
+    ``engine_id`` up to that seq: they are kept and only what follows is
+    fetched (:meth:`SequenceTracker.warm`).
     """
     if block_size != index.block_size:
         raise ValueError(
@@ -336,7 +340,8 @@ async def run_kv_subscriber(
             subscription._resync = lambda: shell.run(tracker.start())
             nursery.start_soon(shell.monitor, monitor)
             nursery.start_soon(shell.live, sub)
-            shell.run(tracker.start())
+            shell.run(tracker.start() if warm_next_seq is None
+                      else tracker.warm(warm_next_seq))
             task_status.started(subscription)
     finally:
         subscription._resync = None

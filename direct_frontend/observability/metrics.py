@@ -214,6 +214,14 @@ class Metrics:
             p + "kv_malformed_events_total", "KV-event messages that could not be decoded.",
             ("engine",), registry=r,
         )  # fmt: skip
+        self.replica_degraded = Gauge(
+            p + "replica_degraded",
+            "1 while [frontend.replicas] is set but NATS is out of reach: routing on "
+            "this replica's own state only.", registry=r,
+        )  # fmt: skip
+        self.replica_peers = Gauge(
+            p + "replica_peers", "Sibling replicas heard from recently.", registry=r
+        )
         r.register(ShimGauge(
             p + "shim_active",
             "1 while a hot-path shim over a library's internals is in use, by shim "

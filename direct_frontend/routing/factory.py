@@ -6,6 +6,7 @@ from collections.abc import Collection
 
 from direct_frontend.fleet.schema import RoutingConfig
 from direct_frontend.routing.kv_aware import KvAware, OverlapSource
+from direct_frontend.routing.peers import PlacementShare
 from direct_frontend.routing.policies import LeastLoaded, Policy, RoundRobin
 
 
@@ -13,8 +14,11 @@ def make_policy(
     routing: RoutingConfig,
     exact: OverlapSource | None = None,
     live: Collection[int] = (),
+    placements: PlacementShare | None = None,
 ) -> Policy:
     """The policy object; ``exact``/``live`` are the KV-event index and the incarnations it covers.
+
+    ``placements`` (replicas) shares a ``kv_aware`` policy's approximate placements.
 
     The knobs were checked when the fleet file was loaded.
     """
@@ -24,4 +28,6 @@ def make_policy(
         return LeastLoaded()
     policy = KvAware(routing.kv_aware, exact)
     policy.uses_events = live
+    if placements is not None:
+        placements.attach(policy.approx)
     return policy

@@ -3,7 +3,8 @@
 Cost per engine, lower is better (after Dynamo's classic form, docs/kv-events.md §13.2)::
 
     cost = overlap_weight × blocks to prefill (request blocks − cached leading blocks)
-         + decode load in blocks (our own accounting of prompt tokens in flight)
+         + decode load in blocks (our own accounting of prompt tokens in flight,
+           plus the blocks sibling replicas say they hold there)
 
 argmin at ``temperature == 0`` (ties → fewer requests in flight → round robin),
 else softmax sampling over the min–max-normalised costs. A load guard (smg's
@@ -47,10 +48,19 @@ class ApproxPrefixIndex:
     def __init__(self, ttl_s: float, max_blocks: int) -> None:
         self.ttl_s = ttl_s
         self.max_blocks = max_blocks
+        #: told of every placement this router makes (replicas share them); a peer's
+        #: placements come in through :meth:`record_peer`, which does not tell it
+        self.on_record: Callable[[str, Sequence[int]], None] | None = None
         # prefix hash → {engine: expiry}; insertion order ≈ age, for the cap
         self._entries: collections.OrderedDict[int, dict[str, float]] = collections.OrderedDict()
 
     def record(self, engine: str, hashes: Sequence[int], now: float) -> None:
+        if self.on_record is not None and hashes:
+            self.on_record(engine, hashes)
+        self.record_peer(engine, hashes, now)
+
+    def record_peer(self, engine: str, hashes: Sequence[int], now: float) -> None:
+        """Remember a placement (a sibling replica's, or our own via :meth:`record`)."""
         expiry = now + self.ttl_s
         entries = self._entries
         for h in hashes:
@@ -165,18 +175,18 @@ class KvAware:
         # once), plus the blocks this request would add there
         costs = [
             knobs.overlap_weight * (request_blocks - overlaps.get(e.name, 0))
-            + len(e.load.active_blocks) + e.load.new_blocks(hashes)
+            + len(e.load.active_blocks) + e.load.peer_blocks + e.load.new_blocks(hashes)
             for e in candidates
         ]
         chosen = self._pick(candidates, costs)
         spilled = False
-        loads = [e.load.in_flight for e in candidates]
+        loads = [e.load.fleet_in_flight for e in candidates]
         mean = sum(loads) / len(loads)
         if (
-            chosen.load.in_flight > mean * knobs.balance_rel_threshold
-            and chosen.load.in_flight > mean + knobs.balance_abs_threshold
+            chosen.load.fleet_in_flight > mean * knobs.balance_rel_threshold
+            and chosen.load.fleet_in_flight > mean + knobs.balance_abs_threshold
         ):
-            chosen = min(candidates, key=lambda e: e.load.in_flight)
+            chosen = min(candidates, key=lambda e: e.load.fleet_in_flight)
             spilled = True
         if spilled:
             self.spills += 1
@@ -198,8 +208,8 @@ class KvAware:
         low, high = min(costs), max(costs)
         if self.knobs.temperature <= 0 or high - low < 1e-9:
             best = [e for e, c in zip(candidates, costs, strict=True) if c - low < 1e-5]
-            least = min(e.load.in_flight for e in best)
-            tied = [e for e in best if e.load.in_flight == least]
+            least = min(e.load.fleet_in_flight for e in best)
+            tied = [e for e in best if e.load.fleet_in_flight == least]
             self._tie += 1
             return tied[self._tie % len(tied)]
         span = high - low
