@@ -21,6 +21,7 @@ import trio
 
 from direct_frontend.kv.index import KvIndex
 from direct_frontend.kv.keys import index_key
+from direct_frontend.kv.regroup import compatible
 from direct_frontend.kv.subscriber import KvSubscription, run_kv_subscriber
 from direct_frontend.observability.logging import log_once
 
@@ -29,6 +30,17 @@ if TYPE_CHECKING:
     from direct_frontend.observability.metrics import Metrics
 
 log = logging.getLogger("direct_frontend.kv")
+
+
+def engine_page_size(file: int | None, discovered: int | None, ours: int) -> int:
+    """An engine's KV page size: the fleet file's when set, else discovery's, else ours.
+
+    The file wins because some engines report none or a misleading one
+    (TensorRT-LLM reports none). A page size other than ours is fine when it
+    divides ours or is a multiple of it: the index re-cuts such pages into its
+    blocks (kv/regroup.py).
+    """
+    return file or discovered or ours
 
 
 class KvPlane:
@@ -45,12 +57,13 @@ class KvPlane:
         cfg = child.cfg
         if not cfg.kv_events:
             return
-        block = cfg.block_size or self.index.block_size
-        if block != self.index.block_size:
+        ours = self.index.block_size
+        page = engine_page_size(cfg.block_size, None, ours)
+        if not compatible(page, ours):
             log.error(
-                "engine %s: block_size %d differs from the KV index's %d "
-                "([frontend.routing.knobs] block_size); its KV events are ignored",
-                child.name, block, self.index.block_size, extra={"engine": child.name},
+                "engine %s: block_size %d neither divides nor is a multiple of the KV "
+                "index's %d ([frontend.routing.knobs] block_size); its KV events are ignored",
+                child.name, page, ours, extra={"engine": child.name},
             )
             return
         keys = [index_key(child.incarnation, rank) for rank in range(len(cfg.kv_events))]
@@ -60,7 +73,7 @@ class KvPlane:
                     replay = cfg.kv_replay[rank] if cfg.kv_replay else None
                     subscription = await nursery.start(
                         functools.partial(
-                            run_kv_subscriber, keys[rank], endpoint, replay, self.index, block,
+                            run_kv_subscriber, keys[rank], endpoint, replay, self.index, page,
                             on_malformed=functools.partial(self._malformed, child.name),
                             on_restart=functools.partial(self._restarted, child, rank),
                         )
@@ -100,14 +113,17 @@ class KvPlane:
     def note_serving(self, child: EngineChild) -> None:
         """On (re)joining: rebuild after a fence or a restart, from the engine's history."""
         info = child.info
-        if info is not None and info.block_size and info.block_size != self.index.block_size:
+        ours = self.index.block_size
+        page = engine_page_size(child.cfg.block_size, info.block_size if info else None, ours)
+        if not compatible(page, ours):
             if child.incarnation in self.live:
                 log.error(
-                    "engine %s reports KV block size %d but the KV index uses %d "
-                    "([frontend.routing.knobs] block_size): its KV events cannot match "
-                    "requests, so it is routed by the approximate prefix memory instead",
-                    child.name, info.block_size, self.index.block_size,
-                    extra={"engine": child.name},
+                    "engine %s reports KV page size %d, which neither divides nor is a "
+                    "multiple of the KV index's %d ([frontend.routing.knobs] block_size): "
+                    "its KV events cannot match requests, so it is routed by the approximate "
+                    "prefix memory instead (set block_size for it in the fleet file if the "
+                    "report is wrong)",
+                    child.name, page, ours, extra={"engine": child.name},
                 )
             self.live.discard(child.incarnation)
             return
