@@ -21,7 +21,7 @@ from typing import Literal, TypeVar
 
 from direct_frontend.engines.neutral import EngineRole
 
-RoutingPolicy = Literal["round_robin", "least_loaded", "kv_aware"]
+RoutingPolicy = Literal["round_robin", "least_loaded", "kv_aware", "cache_affinity"]
 EngineKind = Literal["sglang", "vllm", "trtllm"]
 KnobValue = float | int | str | bool
 

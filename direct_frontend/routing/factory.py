@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Collection
 
 from direct_frontend.fleet.schema import RoutingConfig
-from direct_frontend.routing.kv_aware import KvAware, OverlapSource
+from direct_frontend.routing.kv_aware import CacheAffinity, KvAware, OverlapSource
 from direct_frontend.routing.policies import LeastLoaded, Policy, RoundRobin
 
 
@@ -22,6 +22,7 @@ def make_policy(
         return RoundRobin()
     if routing.policy == "least_loaded":
         return LeastLoaded()
-    policy = KvAware(routing.kv_aware, exact)
+    kind = CacheAffinity if routing.policy == "cache_affinity" else KvAware
+    policy = kind(routing.kv_aware, exact)
     policy.uses_events = live
     return policy

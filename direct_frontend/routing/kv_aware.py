@@ -160,24 +160,7 @@ class KvAware:
         knobs = self.knobs
         hashes = self.hashes(request.input_ids)
         overlaps = self.overlaps(hashes, now, candidates)
-        request_blocks = math.ceil(len(request.input_ids) / knobs.block_size)
-        # decode load: the blocks the engine's requests in flight hold (shared ones
-        # once), plus the blocks this request would add there
-        costs = [
-            knobs.overlap_weight * (request_blocks - overlaps.get(e.name, 0))
-            + len(e.load.active_blocks) + e.load.new_blocks(hashes)
-            for e in candidates
-        ]
-        chosen = self._pick(candidates, costs)
-        spilled = False
-        loads = [e.load.in_flight for e in candidates]
-        mean = sum(loads) / len(loads)
-        if (
-            chosen.load.in_flight > mean * knobs.balance_rel_threshold
-            and chosen.load.in_flight > mean + knobs.balance_abs_threshold
-        ):
-            chosen = min(candidates, key=lambda e: e.load.in_flight)
-            spilled = True
+        chosen, spilled = self.select(candidates, request, hashes, overlaps)
         if spilled:
             self.spills += 1
         if chosen.incarnation not in self.uses_events:
@@ -187,6 +170,33 @@ class KvAware:
             overlaps.get(chosen.name, 0) * block, (len(request.input_ids) - 1) // block * block
         )
         return Placement(chosen, tuple(hashes), predicted, spilled)
+
+    def select(
+        self,
+        candidates: Sequence[EngineHandle],
+        request: RequestView,
+        hashes: Sequence[int],
+        overlaps: dict[str, int],
+    ) -> tuple[EngineHandle, bool]:
+        """The engine for the request, and whether the load guard overrode the cache."""
+        knobs = self.knobs
+        request_blocks = math.ceil(len(request.input_ids) / knobs.block_size)
+        # decode load: the blocks the engine's requests in flight hold (shared ones
+        # once), plus the blocks this request would add there
+        costs = [
+            knobs.overlap_weight * (request_blocks - overlaps.get(e.name, 0))
+            + len(e.load.active_blocks) + e.load.new_blocks(hashes)
+            for e in candidates
+        ]
+        chosen = self._pick(candidates, costs)
+        loads = [e.load.in_flight for e in candidates]
+        mean = sum(loads) / len(loads)
+        if (
+            chosen.load.in_flight > mean * knobs.balance_rel_threshold
+            and chosen.load.in_flight > mean + knobs.balance_abs_threshold
+        ):
+            return min(candidates, key=lambda e: e.load.in_flight), True
+        return chosen, False
 
     def on_complete(self, placement: Placement, token_ids: Sequence[int]) -> None:
         """Approximate mode: the engine holds these tokens' blocks now (prompt + answer)."""
@@ -205,3 +215,31 @@ class KvAware:
         span = high - low
         weights = [math.exp(-(c - low) / span / self.knobs.temperature) for c in costs]
         return self._rng.choices(list(candidates), weights)[0]
+
+
+class CacheAffinity(KvAware):
+    """``cache_affinity``: the longest cached prefix, balance only when it is badly off.
+
+    The baseline issue 15 measured against: the engine holding the longest
+    cached prefix of the request (ties → fewer requests in flight); only when
+    the busiest candidate has more than 64 requests above the idlest *and*
+    1.5× its count does a request go to the least-loaded engine. It weighs no
+    load below that gate, so it herds; kept as a selectable policy to compare with.
+    """
+
+    name = "cache_affinity"
+    GATE_ABS = 64
+    GATE_REL = 1.5
+
+    def select(
+        self,
+        candidates: Sequence[EngineHandle],
+        request: RequestView,
+        hashes: Sequence[int],
+        overlaps: dict[str, int],
+    ) -> tuple[EngineHandle, bool]:
+        loads = [e.load.in_flight for e in candidates]
+        busiest, idlest = max(loads), min(loads)
+        if busiest - idlest > self.GATE_ABS and busiest > self.GATE_REL * idlest:
+            return candidates[loads.index(idlest)], True
+        return self._pick(candidates, [-overlaps.get(e.name, 0) for e in candidates]), False
