@@ -106,7 +106,7 @@ class Point:
         return max(1, round(self.cache * self.working_set_blocks() / self.engines))
 
     def capacity_rps(self) -> float:
-        """Requests/s the fleet serves if only each new message is prefilled (decode at batch 16)."""
+        """Requests/s the fleet serves if only each new message were prefilled (batch 16)."""
         prefill_s = (self.mean_user + self.block_size) * self.prefill_us * 1e-6
         decode_s = self.mean_answer * (self.decode_us * 1e-6 + self.step_ms * 1e-3 / 16)
         return self.engines / (prefill_s + decode_s)
@@ -215,7 +215,7 @@ class ModelEngine:
                 self.lru[h] = None
 
     def _store(self, request: Request, hashes: Sequence[int], tokens: Sequence[int]) -> None:
-        """The request's full blocks ``hashes`` are in the cache now (pinned); new ones are stored."""
+        """The request's full blocks ``hashes`` are cached now (pinned); new ones are stored."""
         held = len(request.pinned)  # its leading blocks already pinned
         new: list[int] = []
         first = 0

@@ -97,12 +97,16 @@ class KvAwareKnobs:
 
     # = the engines' KV block size (vLLM block_size, SGLang page size)
     block_size: int = setting(16, AT_LEAST_ONE)
-    overlap_weight: float = setting(1.0, NON_NEGATIVE)
+    overlap_weight: float = setting(3.0, NON_NEGATIVE)
+    # blocks of prefill one request in flight is worth (its decode slows every step)
+    in_flight_weight: float = setting(4.0, NON_NEGATIVE)
     temperature: float = setting(0.0, NON_NEGATIVE)
     # the load guard spills when the chosen engine has this many requests above the mean …
-    balance_abs_threshold: float = setting(2.0, NON_NEGATIVE)
+    balance_abs_threshold: float = setting(32.0, NON_NEGATIVE)
     # … and this many times the mean
     balance_rel_threshold: float = setting(1.5, NON_NEGATIVE)
+    # where KV events flow, a prefix we sent an engine counts this much of a cached one
+    memory_weight: float = setting(0.5, Rules(at_least=0, at_most=1))
     approx_ttl_s: float = setting(120.0, NON_NEGATIVE)
     approx_max_blocks: int = setting(1 << 20, AT_LEAST_ONE)
 

@@ -1,15 +1,32 @@
 """KV-cache-aware selection: send a request where its prefix is already cached (sans-IO).
 
-Cost per engine, lower is better (after Dynamo's classic form, docs/kv-events.md §13.2)::
+Cost per engine, lower is better, in blocks of prefill work::
 
-    cost = overlap_weight × blocks to prefill (request blocks − cached leading blocks)
-         + decode load in blocks (our own accounting of prompt tokens in flight)
+    cost = overlap_weight × blocks to prefill there (request blocks − cached leading blocks)
+         + prefill queue there (blocks we sent it that it has not prefilled yet)
+         + in_flight_weight × requests in flight there (each decode slows every step)
+
+These terms are what TTFT is made of on an engine that prefills first come,
+first served: the request waits for the queue ahead of it, then prefills its
+own miss, in steps that every running request makes longer.
+``overlap_weight`` > 1 makes a prefix stay where it lives until the queue
+there outweighs the prefill it saves several times over, because moving costs
+more than this request's miss: the prefix is then cached twice and evicts
+something else (issue 15: a weight of 1 spread each tenant over every
+engine under cache pressure). The queue is our own accounting: a request's
+miss counts from its dispatch until the engine's KV events show its last
+prompt block stored (exact), or, for engines without KV events, until it
+finishes (an overestimate: decode included, so approximate mode balances
+earlier). Where KV events flow, the overlap steered by also counts, at
+``memory_weight``, what we sent an engine (:meth:`KvAware.remembered`). No
+engine speed enters, so no knob depends on the hardware.
 
 argmin at ``temperature == 0`` (ties → fewer requests in flight → round robin),
 else softmax sampling over the min–max-normalised costs. A load guard (smg's
 imbalance gate) spills a request to the least-loaded engine when the chosen
-one is far above the mean, so a hot system prompt cannot herd all traffic to
-one engine.
+one is far above the mean: a safety net, as the queue terms balance.
+:class:`CacheAffinity` is the baseline these defaults were measured against
+(``scripts/routing_sim.py``).
 
 Overlap comes from an :class:`OverlapSource`: the KV-event index (exact) or,
 for engines without KV events, :class:`ApproxPrefixIndex`, which remembers
@@ -88,10 +105,59 @@ class ApproxPrefixIndex:
         return len(self._entries)
 
 
+#: a queued prefill nobody heard of again (its request failed early) stops counting after this
+PREFILL_FORGET_S = 60.0
+
+
+class PrefillQueue:
+    """Per engine, the prefill work (blocks) we sent it that it has not finished, as we know it."""
+
+    def __init__(self) -> None:
+        #: engine → token → (the request's last prompt block hash, blocks to prefill, sent at)
+        self._queued: dict[str, collections.OrderedDict[int, tuple[int, int, float]]] = {}
+        self._of: dict[int, tuple[str, int]] = {}  # id(placement) → (engine, token)
+        self._next = 0
+
+    def add(self, engine: str, last_block: int, blocks: int, now: float) -> int:
+        self._next += 1
+        self._queued.setdefault(engine, collections.OrderedDict())[self._next] = (
+            last_block, blocks, now)
+        return self._next
+
+    def bind(self, placement: Placement, engine: str, token: int) -> None:
+        self._of[id(placement)] = (engine, token)
+
+    def finished(self, placement: Placement) -> None:
+        engine, token = self._of.pop(id(placement), ("", 0))
+        queued = self._queued.get(engine)
+        if queued is not None:
+            queued.pop(token, None)
+
+    def depth(self, engine: str, now: float, stored: Callable[[int], bool] | None) -> int:
+        """Blocks still to prefill; ``stored(h)``: the engine's events show block ``h`` stored."""
+        queued = self._queued.get(engine)
+        if not queued:
+            return 0
+        while queued:  # oldest first: forget what we will never hear of again
+            token, (_, _, sent) = next(iter(queued.items()))
+            if now - sent <= PREFILL_FORGET_S:
+                break
+            del queued[token]
+        total = 0
+        for token, (last_block, blocks, _) in list(queued.items()):
+            if stored is not None and stored(last_block):
+                del queued[token]  # prefilled: the engine stored its last block
+            else:
+                total += blocks
+        return total
+
+
 class KvAware:
     """The ``kv_aware`` routing policy."""
 
     name = "kv_aware"
+    #: steer by the memory of where prefixes were sent, too (see :meth:`remembered`)
+    memory = True
 
     def __init__(
         self,
@@ -111,6 +177,7 @@ class KvAware:
         self._rng = rng or random.Random()
         self._tie = 0
         self.spills = 0  # load-guard overrides, exported as a metric
+        self.queue = PrefillQueue()
 
     def hashes(self, input_ids: Sequence[int]) -> list[int]:
         return prefix_hashes(input_ids, self.knobs.block_size)
@@ -160,16 +227,58 @@ class KvAware:
         knobs = self.knobs
         hashes = self.hashes(request.input_ids)
         overlaps = self.overlaps(hashes, now, candidates)
-        chosen, spilled = self.select(candidates, request, hashes, overlaps)
+        steer = self.remembered(overlaps, hashes, now, candidates) if self.memory else overlaps
+        chosen, spilled = self.select(candidates, request, hashes, steer)
         if spilled:
             self.spills += 1
-        if chosen.incarnation not in self.uses_events:
-            self.approx.record(chosen.name, hashes, now)
+        self.approx.record(chosen.name, hashes, now)
         block = knobs.block_size
-        predicted = min(
-            overlaps.get(chosen.name, 0) * block, (len(request.input_ids) - 1) // block * block
-        )
-        return Placement(chosen, tuple(hashes), predicted, spilled)
+        held = overlaps.get(chosen.name, 0)
+        predicted = min(held * block, (len(request.input_ids) - 1) // block * block)
+        placement = Placement(chosen, tuple(hashes), predicted, spilled)
+        if hashes and held < len(hashes):
+            token = self.queue.add(chosen.name, hashes[-1], len(hashes) - held, now)
+            self.queue.bind(placement, chosen.name, token)
+        return placement
+
+    def remembered(
+        self,
+        overlaps: dict[str, int],
+        hashes: Sequence[int],
+        now: float,
+        candidates: Sequence[EngineHandle],
+    ) -> dict[str, int]:
+        """Overlaps to steer by: where KV events flow, also ``memory_weight`` of what we sent.
+
+        The events show what an engine holds now; our memory of where we sent a
+        prefix also covers what it is about to hold (a request in flight: events
+        come after its prefill) and is a prefix's home after an eviction, where
+        sending it again re-caches it once instead of copying it to a second
+        engine. Counting it at a fraction keeps a real hit worth more.
+        """
+        weight = self.knobs.memory_weight
+        if weight <= 0 or not self.uses_events:
+            return overlaps
+        sent = self.approx.lookup_at(hashes, now)
+        out = dict(overlaps)
+        for engine in candidates:
+            if engine.incarnation in self.uses_events:
+                blocks = int(sent.get(engine.name, 0) * weight)
+                if blocks > out.get(engine.name, 0):
+                    out[engine.name] = blocks
+        return out
+
+    def _stored_at(self, engine: EngineHandle) -> Callable[[int], bool] | None:
+        """Whether the KV events show a block stored on ``engine`` (None: no events flow)."""
+        exact = self.exact
+        if exact is None or engine.incarnation not in self.uses_events:
+            return None
+        incarnation = engine.incarnation
+
+        def stored(block: int) -> bool:
+            return any(incarnation_of(key) == incarnation for key in exact.lookup_hashes([block]))
+
+        return stored
 
     def select(
         self,
@@ -181,11 +290,11 @@ class KvAware:
         """The engine for the request, and whether the load guard overrode the cache."""
         knobs = self.knobs
         request_blocks = math.ceil(len(request.input_ids) / knobs.block_size)
-        # decode load: the blocks the engine's requests in flight hold (shared ones
-        # once), plus the blocks this request would add there
+        now = self.clock()
         costs = [
             knobs.overlap_weight * (request_blocks - overlaps.get(e.name, 0))
-            + len(e.load.active_blocks) + e.load.new_blocks(hashes)
+            + self.queue.depth(e.name, now, self._stored_at(e))
+            + knobs.in_flight_weight * e.load.in_flight
             for e in candidates
         ]
         chosen = self._pick(candidates, costs)
@@ -199,10 +308,9 @@ class KvAware:
         return chosen, False
 
     def on_complete(self, placement: Placement, token_ids: Sequence[int]) -> None:
-        """Approximate mode: the engine holds these tokens' blocks now (prompt + answer)."""
-        engine = placement.engine
-        if engine.incarnation not in self.uses_events:
-            self.approx.record(engine.name, self.hashes(token_ids), self.clock())
+        """The engine holds these tokens' blocks now (prompt + answer): remembered, and dequeued."""
+        self.queue.finished(placement)
+        self.approx.record(placement.engine.name, self.hashes(token_ids), self.clock())
 
     def _pick(self, candidates: Sequence[EngineHandle], costs: Sequence[float]) -> EngineHandle:
         low, high = min(costs), max(costs)
@@ -228,6 +336,7 @@ class CacheAffinity(KvAware):
     """
 
     name = "cache_affinity"
+    memory = False
     GATE_ABS = 64
     GATE_REL = 1.5
 

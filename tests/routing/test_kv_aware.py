@@ -14,7 +14,7 @@ from direct_frontend.kv.index import prefix_hashes
 from direct_frontend.routing.catalog import Catalog, EngineHandle
 from direct_frontend.routing.factory import make_policy
 from direct_frontend.routing.hitrate import HitRateMonitor
-from direct_frontend.routing.kv_aware import ApproxPrefixIndex, KvAware
+from direct_frontend.routing.kv_aware import ApproxPrefixIndex, CacheAffinity, KvAware
 from direct_frontend.routing.policies import RequestView
 
 BS = 4
@@ -217,3 +217,41 @@ def test_on_complete_remembers_the_answer_only_where_no_kv_events_flow() -> None
         assert placement is not None
         policy.on_complete(placement, [*PROMPT, *answer])
     assert policy.overlaps(whole, policy.clock(), (a, b)) == {"a": len(whole)}
+
+
+def test_a_queued_prefill_counts_until_the_events_show_it_stored() -> None:
+    index = FakeIndex({"a": HASHES[:2]})
+    policy = KvAware(KvAwareKnobs(block_size=BS, memory_weight=0, in_flight_weight=0), index)
+    policy.uses_events = {1, 2}
+    catalog = Catalog(1, (handle("a"), handle("b")))
+    a = catalog.engines[0]
+    first = policy.choose(catalog, view(PROMPT))
+    assert first is not None and first.engine is a
+    assert policy.queue.depth("a", 0.0, policy._stored_at(a)) == 6  # its 6 uncached blocks
+    index.held["g1r0"] = set(HASHES)  # once the events show it stored, it is off the queue
+    assert policy.queue.depth("a", 0.0, policy._stored_at(a)) == 0
+
+
+def test_the_memory_of_what_was_sent_steers_but_never_predicts() -> None:
+    index = FakeIndex({})
+    policy = KvAware(KvAwareKnobs(block_size=BS, in_flight_weight=0), index)
+    policy.uses_events = {1, 2}
+    catalog = Catalog(1, (handle("a"), handle("b")))
+    first = policy.choose(catalog, view(PROMPT))
+    assert first is not None
+    policy.on_complete(first, PROMPT)  # done, but its events have not arrived yet
+    again = policy.choose(catalog, view([*PROMPT, 7, 7, 7, 7]))
+    assert again is not None and again.engine is first.engine
+    assert again.predicted_cached_tokens == 0  # the events show nothing cached there
+
+
+def test_cache_affinity_follows_the_longest_prefix_until_the_gate() -> None:
+    index = FakeIndex({"b": HASHES})
+    policy = CacheAffinity(KvAwareKnobs(block_size=BS), index)
+    policy.uses_events = {1, 2}
+    busy = Catalog(1, (handle("a"), handle("b", in_flight=60)))
+    chosen = policy.choose(busy, view(PROMPT))
+    assert chosen is not None and chosen.engine.name == "b" and not chosen.spilled
+    herded = Catalog(2, (handle("a", in_flight=1), handle("b", in_flight=70)))
+    chosen = policy.choose(herded, view(PROMPT))
+    assert chosen is not None and chosen.engine.name == "a" and chosen.spilled
