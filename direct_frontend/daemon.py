@@ -99,10 +99,11 @@ async def serve_fleet(
         kv = KvPlane(KvIndex(kv_block_size(fleet)), metrics)
         supervisor = Supervisor(fleet, kv=kv)
         settings = Settings.first(
-            fleet.frontend, make_policy(fleet.frontend.routing, kv.index, kv.live)
+            fleet.frontend, make_policy(fleet.frontend.routing, kv.index, kv.live, kv.diverged)
         )
         control = ControlPlane(fleet, supervisor, settings, metrics, notifier, digest)
-        relay = Relay(Dispatcher(supervisor), text_model, metrics, HitRateWatch(metrics))
+        hit_rate = HitRateWatch(metrics, kv.diverged)
+        relay = Relay(Dispatcher(supervisor), text_model, metrics, hit_rate)
         tracing = _open_tracing(fleet.frontend.tracing)
         app = App(control, relay, text_model, metrics, tracing)
         async with trio.open_nursery() as nursery:

@@ -38,10 +38,12 @@ length, divided by the engines).
 
 from __future__ import annotations
 
+import argparse
 import array
 import collections
 import dataclasses
 import heapq
+import json
 import math
 import random
 import statistics
@@ -354,9 +356,12 @@ def run(point: Point, seed: int, mode: str, knobs: dict[str, Any] | None = None)
         for n in range(point.engines))
     catalog = Catalog(1, handles)
     now = [0.0]
-    policy = make_policy(mode, KvAwareKnobs(block_size=bs, **(knobs or {})), index,
+    # the engines' cache capacity, as an operator (or discovery) would tell the router
+    given = {"approx_capacity_blocks": point.capacity_blocks(), **(knobs or {})}
+    policy = make_policy(mode, KvAwareKnobs(block_size=bs, **given), index,
                          point.engines, lambda: now[0])
-    monitor = HitRateMonitor()
+    monitors = [HitRateMonitor() for _ in range(point.engines)]
+    diverged: set[int] = set()
     heap: list[tuple[float, int, int, Any]] = []
     seq = 0
 
@@ -407,7 +412,9 @@ def run(point: Point, seed: int, mode: str, knobs: dict[str, Any] | None = None)
                 policy.on_complete(placement, tuple(request.tokens + request.answer))
                 if placement.predicted_cached_tokens is not None:
                     predicted_total += placement.predicted_cached_tokens
-                    monitor.record(placement.predicted_cached_tokens, request.cached_tokens)
+                    if monitors[request.engine].record(placement.predicted_cached_tokens,
+                                                       request.cached_tokens):
+                        diverged.add(request.engine)
                 finished.append(request)
             if engine.busy:
                 push(engine.begin_step(t), _STEP, obj)
@@ -425,6 +432,7 @@ def run(point: Point, seed: int, mode: str, knobs: dict[str, Any] | None = None)
         "spills": getattr(policy, "spills", 0),
         "predicted_cached_tokens": predicted_total if isinstance(policy, KvAware) else None,
         "reported_cached_tokens": cached,
+        "diverged_engines": len(diverged),
         "rate_rps": len(finished) / max(1e-9, max(r.arrival for r in finished)
                                         - min(r.arrival for r in finished)),
     }
@@ -451,6 +459,7 @@ def default_grid() -> list[Point]:
         dataclasses.replace(base, tenants=16, skew=1.0),
         dataclasses.replace(base, tenants=16, system_tokens=1800, load=0.9, cache=0.25),
         dataclasses.replace(base, system_tokens=500),
+        dataclasses.replace(base, cache=1.5, load=0.3),  # the one roomy point
     ]
     return points
 
@@ -475,6 +484,7 @@ def pooled(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "prediction_ratio": (None if None in predicted else
                              sum(predicted) / max(1, prompt_cached)),
         "rate_rps": statistics.fmean(r["rate_rps"] for r in runs),
+        "diverged_engines": max(r["diverged_engines"] for r in runs),
     }
 
 
@@ -523,3 +533,59 @@ def summary_line(point: Point, results: dict[str, dict[str, Any]]) -> str:
     if "approx_over_events" in v:
         parts.append(f"approximate/events {v['approx_over_events']:.2f}")
     return ", ".join(parts)
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="bench_routing.py grid",
+                                description="Routing policies against modelled engines.")
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {MODES}")
+    p.add_argument("--seeds", default="1,2", help="workload seeds, pooled per point")
+    p.add_argument("--points", default=None,
+                   help="comma-separated indices into the default grid (default: all)")
+    p.add_argument("--requests", type=int, default=None, help="per run (default 1200)")
+    p.add_argument("--knob", action="append", default=[], metavar="NAME=VALUE",
+                   help="a [frontend.routing.knobs] entry for the KV modes (repeatable)")
+    p.add_argument("--json", action="store_true", help="also one JSON line per point")
+    args = p.parse_args(argv)
+    args.modes = [m for m in args.modes.split(",") if m]
+    unknown = set(args.modes) - set(MODES)
+    if unknown:
+        p.error(f"unknown mode(s) {sorted(unknown)}; choose from {MODES}")
+    args.seeds = [int(s) for s in args.seeds.split(",") if s]
+    knobs: dict[str, Any] = {}
+    for knob in args.knob:
+        name, eq, value = knob.partition("=")
+        if not eq:
+            p.error(f"--knob {knob!r} is not NAME=VALUE")
+        knobs[name.strip()] = float(value) if "." in value or "e" in value else int(value)
+    args.knobs = knobs
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    grid = default_grid()
+    if args.points:
+        grid = [grid[int(i)] for i in args.points.split(",")]
+    if args.requests:
+        grid = [dataclasses.replace(p, requests=args.requests) for p in grid]
+    first = grid[0]
+    print(f"routing_sim: {first.engines} modelled engines, block {first.block_size}; step "
+          f"{first.step_ms:g} ms + {first.prefill_us:g} µs per prefilled token (chunk "
+          f"{first.chunk}) + {first.decode_us:g} µs per decoding request; max_running "
+          f"{first.max_running}; {first.requests} requests per run, seeds {args.seeds}; "
+          f"users' turns {first.user_tokens} tokens, answers {first.answer_tokens}, "
+          f"{first.turns} turns per conversation", flush=True)
+    lines = []
+    for point in grid:
+        results = run_point(point, args.seeds, args.modes, args.knobs or None)
+        print_point(point, results)
+        lines.append(summary_line(point, results))
+        print(lines[-1], flush=True)
+        if args.json:
+            print(json.dumps({"point": dataclasses.asdict(point),
+                              "verdict": verdict(point, results), "results": results},
+                             separators=(",", ":")))
+    print("\n## Summary (ours = kv-events; ratios > 1: ours faster)")
+    print("\n".join(f"- {line}" for line in lines))
+    return 0

@@ -50,6 +50,9 @@ class KvPlane:
         self.subscriptions: dict[str, KvSubscription] = {}
         #: incarnations whose overlap comes from KV events (read by the kv_aware policy)
         self.live: set[int] = set()
+        #: of those, incarnations whose predictions drifted (routing/hitrate.py fills it):
+        #: routed by the approximate memory until their entries are rebuilt
+        self.diverged: set[int] = set()
         self._fenced: set[int] = set()
 
     async def run_for(self, child: EngineChild) -> None:
@@ -85,6 +88,7 @@ class KvPlane:
                          ", ".join(cfg.kv_events), extra={"engine": child.name})
         finally:
             self.live.discard(child.incarnation)
+            self.diverged.discard(child.incarnation)
             child.engine_restarts.follows_publisher = False
             self._fenced.discard(child.incarnation)
             for key in keys:
@@ -102,6 +106,7 @@ class KvPlane:
 
     def _resync(self, child: EngineChild, reason: str) -> None:
         """Clear and rebuild from the engine's own history (replay from the start)."""
+        self.diverged.discard(child.incarnation)  # judged afresh on the rebuilt entries
         for rank in range(len(child.cfg.kv_events)):
             subscription = self.subscriptions.get(index_key(child.incarnation, rank))
             if subscription is not None:
@@ -133,6 +138,12 @@ class KvPlane:
                          else "the engine is back")
         elif child.restarted_at_join:
             self._resync(child, "the engine restarted")
+
+    def routing_of(self, incarnation: int) -> str:
+        """How KV-aware routing sees this incarnation, for ``/fleet``."""
+        if incarnation in self.diverged:
+            return "approximate (prediction diverged from the engine's reports)"
+        return "events" if incarnation in self.live else "approximate"
 
     @staticmethod
     def _restarted(child: EngineChild, rank: int, key: str) -> None:

@@ -118,7 +118,13 @@ class ControlPlane:
 
     def status(self) -> dict[str, JsonValue]:
         """``GET /fleet``: engines, the running config and the last reload (secrets redacted)."""
-        engines: list[JsonValue] = [engine_status(child) for child in self._children()]
+        kv = self.supervisor.kv
+        engines: list[JsonValue] = []
+        for child in self._children():
+            status = engine_status(child)
+            if kv is not None:
+                status["kv_routing"] = kv.routing_of(child.incarnation)
+            engines.append(status)
         return {
             "config": {
                 "version": self.version,
@@ -220,7 +226,7 @@ class ControlPlane:
                     f"the KV block size ({kv.index.block_size}) can only change with a restart"
                 )
             return make_policy(new.frontend.routing, kv.index if kv else None,
-                               kv.live if kv else ())
+                               kv.live if kv else (), kv.diverged if kv else ())
         except ValueError as exc:
             raise FleetError([FleetProblem(str(new.source), None, "frontend.routing.policy",
                                            str(exc))]) from None

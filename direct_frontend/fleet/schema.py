@@ -109,6 +109,9 @@ class KvAwareKnobs:
     memory_weight: float = setting(0.5, Rules(at_least=0, at_most=1))
     approx_ttl_s: float = setting(120.0, NON_NEGATIVE)
     approx_max_blocks: int = setting(1 << 20, AT_LEAST_ONE)
+    # an engine's prefix-cache capacity in blocks, for the approximate memory's LRU model
+    # (0: unknown, trust the TTL)
+    approx_capacity_blocks: int = setting(0, NON_NEGATIVE)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

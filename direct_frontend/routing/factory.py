@@ -13,8 +13,11 @@ def make_policy(
     routing: RoutingConfig,
     exact: OverlapSource | None = None,
     live: Collection[int] = (),
+    diverged: Collection[int] = (),
 ) -> Policy:
     """The policy object; ``exact``/``live`` are the KV-event index and the incarnations it covers.
+
+    ``diverged``: of those, the ones the hit-rate check found drifting (routed approximately).
 
     The knobs were checked when the fleet file was loaded.
     """
@@ -25,4 +28,5 @@ def make_policy(
     kind = CacheAffinity if routing.policy == "cache_affinity" else KvAware
     policy = kind(routing.kv_aware, exact)
     policy.uses_events = live
+    policy.diverged = diverged
     return policy

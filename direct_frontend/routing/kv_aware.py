@@ -58,14 +58,22 @@ class ApproxPrefixIndex:
     """Which prefixes the router sent where, for engines that publish no KV events.
 
     Entries expire after ``ttl_s`` (the engine has probably evicted them by
-    then) and the whole map is capped at ``max_blocks`` (oldest first).
+    then) and the whole map is capped at ``max_blocks`` (oldest first). With
+    ``capacity_blocks`` (an engine's prefix cache, when known) each engine's
+    share is modelled as the engine's own LRU: what we sent is touched tail
+    first (so a prefix's root stays longest, as vLLM's free queue and SGLang's
+    radix tree evict leaves first) and the least recently sent blocks beyond
+    the capacity are forgotten, as the engine forgets them. What it cannot
+    know: prefixes other routers sent, and eviction order under pinning.
     """
 
-    def __init__(self, ttl_s: float, max_blocks: int) -> None:
+    def __init__(self, ttl_s: float, max_blocks: int, capacity_blocks: int = 0) -> None:
         self.ttl_s = ttl_s
         self.max_blocks = max_blocks
+        self.capacity_blocks = capacity_blocks
         # prefix hash → {engine: expiry}; insertion order ≈ age, for the cap
         self._entries: collections.OrderedDict[int, dict[str, float]] = collections.OrderedDict()
+        self._lru: dict[str, collections.OrderedDict[int, None]] = {}
 
     def record(self, engine: str, hashes: Sequence[int], now: float) -> None:
         expiry = now + self.ttl_s
@@ -79,6 +87,22 @@ class ApproxPrefixIndex:
                 entries.move_to_end(h)
         while len(entries) > self.max_blocks:
             entries.popitem(last=False)
+        if self.capacity_blocks:
+            self._touch(engine, hashes)
+
+    def _touch(self, engine: str, hashes: Sequence[int]) -> None:
+        lru = self._lru.setdefault(engine, collections.OrderedDict())
+        for h in reversed(hashes):
+            lru[h] = None
+            lru.move_to_end(h)
+        entries = self._entries
+        while len(lru) > self.capacity_blocks:
+            h, _ = lru.popitem(last=False)
+            holders = entries.get(h)
+            if holders is not None:
+                holders.pop(engine, None)
+                if not holders:
+                    del entries[h]
 
     def lookup_at(self, hashes: Sequence[int], now: float) -> dict[str, int]:
         result: dict[str, int] = {}
@@ -98,6 +122,7 @@ class ApproxPrefixIndex:
         return result
 
     def forget_engine(self, engine: str) -> None:
+        self._lru.pop(engine, None)
         for holders in self._entries.values():
             holders.pop(engine, None)
 
@@ -171,9 +196,17 @@ class KvAware:
         self.clock = clock
         self.knobs = knobs
         self.exact = exact
-        self.approx = approx or ApproxPrefixIndex(knobs.approx_ttl_s, knobs.approx_max_blocks)
+        self.approx = approx or ApproxPrefixIndex(
+            knobs.approx_ttl_s, knobs.approx_max_blocks, knobs.approx_capacity_blocks)
+        #: where prefixes were sent, unbounded by the LRU model (a prefix's home): the
+        #: approximate memory itself when it models no capacity
+        self.sent = (ApproxPrefixIndex(knobs.approx_ttl_s, knobs.approx_max_blocks)
+                     if self.approx.capacity_blocks else self.approx)
         #: incarnations whose overlap comes from KV events
         self.uses_events: Collection[int] = ()
+        #: of those, incarnations whose predictions drifted from the engine's reports
+        #: (routing/hitrate.py): routed by the approximate memory instead
+        self.diverged: Collection[int] = ()
         self._rng = rng or random.Random()
         self._tie = 0
         self.spills = 0  # load-guard overrides, exported as a metric
@@ -181,6 +214,11 @@ class KvAware:
 
     def hashes(self, input_ids: Sequence[int]) -> list[int]:
         return prefix_hashes(input_ids, self.knobs.block_size)
+
+    def by_events(self, engine: EngineHandle) -> bool:
+        """Whether ``engine``'s overlap comes from its KV events (else the approximate memory)."""
+        incarnation = engine.incarnation
+        return incarnation in self.uses_events and incarnation not in self.diverged
 
     def overlaps(
         self, hashes: Sequence[int], now: float, candidates: Sequence[EngineHandle]
@@ -200,7 +238,7 @@ class KvAware:
         approx = self.approx.lookup_at(hashes, now)
         out: dict[str, int] = {}
         for engine in candidates:
-            if engine.incarnation in self.uses_events:
+            if self.by_events(engine):
                 blocks = by_incarnation.get(engine.incarnation, 0)
             else:
                 blocks = approx.get(engine.name, 0)
@@ -231,13 +269,15 @@ class KvAware:
         chosen, spilled = self.select(candidates, request, hashes, steer)
         if spilled:
             self.spills += 1
-        self.approx.record(chosen.name, hashes, now)
+        self._remember(chosen.name, hashes, now)
         block = knobs.block_size
         held = overlaps.get(chosen.name, 0)
         predicted = min(held * block, (len(request.input_ids) - 1) // block * block)
         placement = Placement(chosen, tuple(hashes), predicted, spilled)
-        if hashes and held < len(hashes):
-            token = self.queue.add(chosen.name, hashes[-1], len(hashes) - held, now)
+        # queued as the cost weighed it (a miss the memory expects to be short is short)
+        queued = len(hashes) - max(held, steer.get(chosen.name, 0))
+        if queued > 0:
+            token = self.queue.add(chosen.name, hashes[-1], queued, now)
             self.queue.bind(placement, chosen.name, token)
         return placement
 
@@ -248,30 +288,33 @@ class KvAware:
         now: float,
         candidates: Sequence[EngineHandle],
     ) -> dict[str, int]:
-        """Overlaps to steer by: where KV events flow, also ``memory_weight`` of what we sent.
+        """Overlaps to steer by: also what we sent an engine, at ``memory_weight`` with events.
 
-        The events show what an engine holds now; our memory of where we sent a
-        prefix also covers what it is about to hold (a request in flight: events
-        come after its prefill) and is a prefix's home after an eviction, where
-        sending it again re-caches it once instead of copying it to a second
-        engine. Counting it at a fraction keeps a real hit worth more.
+        What an engine holds (its events, or our LRU model of it) is not all that
+        counts: our memory of where we sent a prefix also covers what it is
+        about to hold (a request in flight: events come after its prefill) and
+        is a prefix's home after an eviction, where sending it again re-caches
+        it once instead of copying it to a second engine. Where events flow it
+        counts at a fraction, so a real hit is worth more; without events it
+        counts whole (the LRU model only predicts): there the queue we account
+        lasts until a request ends, decode included, and a weaker home would
+        let that overestimate push conversations off their engines.
         """
-        weight = self.knobs.memory_weight
-        if weight <= 0 or not self.uses_events:
-            return overlaps
-        sent = self.approx.lookup_at(hashes, now)
+        if self.sent is self.approx and not self.uses_events:
+            return overlaps  # nothing the overlaps do not already say
+        sent = self.sent.lookup_at(hashes, now)
         out = dict(overlaps)
         for engine in candidates:
-            if engine.incarnation in self.uses_events:
-                blocks = int(sent.get(engine.name, 0) * weight)
-                if blocks > out.get(engine.name, 0):
-                    out[engine.name] = blocks
+            weight = self.knobs.memory_weight if self.by_events(engine) else 1.0
+            blocks = int(sent.get(engine.name, 0) * weight)
+            if blocks > out.get(engine.name, 0):
+                out[engine.name] = blocks
         return out
 
     def _stored_at(self, engine: EngineHandle) -> Callable[[int], bool] | None:
         """Whether the KV events show a block stored on ``engine`` (None: no events flow)."""
         exact = self.exact
-        if exact is None or engine.incarnation not in self.uses_events:
+        if exact is None or not self.by_events(engine):
             return None
         incarnation = engine.incarnation
 
@@ -310,7 +353,12 @@ class KvAware:
     def on_complete(self, placement: Placement, token_ids: Sequence[int]) -> None:
         """The engine holds these tokens' blocks now (prompt + answer): remembered, and dequeued."""
         self.queue.finished(placement)
-        self.approx.record(placement.engine.name, self.hashes(token_ids), self.clock())
+        self._remember(placement.engine.name, self.hashes(token_ids), self.clock())
+
+    def _remember(self, engine: str, hashes: Sequence[int], now: float) -> None:
+        self.approx.record(engine, hashes, now)
+        if self.sent is not self.approx:
+            self.sent.record(engine, hashes, now)
 
     def _pick(self, candidates: Sequence[EngineHandle], costs: Sequence[float]) -> EngineHandle:
         low, high = min(costs), max(costs)

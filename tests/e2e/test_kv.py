@@ -119,4 +119,6 @@ def test_an_engine_with_one_token_pages_is_indexed_in_our_blocks(
             reported = usage["prompt_tokens_details"]["cached_tokens"]  # type: ignore[index]
             assert reported >= 160
             assert child.incarnation in kv.live  # never dropped for its page size
+            fleet = httpx.get(daemon.url + "/fleet").json()
+            assert fleet["engines"][0]["kv_routing"] == "events"
             assert metric(daemon, "direct_frontend_kv_predicted_cached_tokens_total") == 160
