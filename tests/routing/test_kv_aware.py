@@ -255,3 +255,38 @@ def test_cache_affinity_follows_the_longest_prefix_until_the_gate() -> None:
     herded = Catalog(2, (handle("a", in_flight=1), handle("b", in_flight=70)))
     chosen = policy.choose(herded, view(PROMPT))
     assert chosen is not None and chosen.engine.name == "a" and chosen.spilled
+
+
+def test_the_approximate_memory_models_an_engines_lru_when_its_capacity_is_known() -> None:
+    memory = ApproxPrefixIndex(ttl_s=60, max_blocks=1000, capacity_blocks=10)
+    old = prefix_hashes(list(range(100, 132)), BS)  # 8 blocks
+    memory.record("a", old, 0.0)
+    shared = prefix_hashes(list(range(300, 312)), BS)  # 3 blocks: 11 > 10
+    memory.record("a", shared, 1.0)
+    # the oldest block beyond the capacity is forgotten: the old prompt's tail, not its root
+    assert memory.lookup_at(old, 2.0) == {"a": 7}
+    memory.record("a", old[:2], 3.0)  # its root sent again: the most recent now
+    memory.record("a", prefix_hashes(list(range(500, 504)), BS), 3.0)
+    # its middle is the least recently sent: it goes next; the shared prompt stays
+    assert memory.lookup_at(shared, 4.0) == {"a": 3} and memory.lookup_at(old, 4.0) == {"a": 6}
+    unbounded = ApproxPrefixIndex(ttl_s=60, max_blocks=1000)
+    unbounded.record("a", old, 0.0)
+    unbounded.record("a", shared, 1.0)
+    assert unbounded.lookup_at(old, 2.0) == {"a": 8}
+
+
+def test_without_events_the_prediction_follows_the_lru_model_and_the_home_steers() -> None:
+    knobs = KvAwareKnobs(block_size=BS, approx_capacity_blocks=8, in_flight_weight=0)
+    policy = KvAware(knobs)
+    catalog = Catalog(1, (handle("a"), handle("b")))
+    first = policy.choose(catalog, view(PROMPT))
+    assert first is not None
+    policy.on_complete(first, PROMPT)
+    other = list(range(700, 732))  # 8 more blocks there: the model says the first prompt is gone
+    elsewhere = {e.name for e in catalog.engines} - {first.engine.name}
+    placed = policy.choose(catalog, view(other), exclude=elsewhere)
+    assert placed is not None and placed.engine is first.engine
+    policy.on_complete(placed, other)
+    again = policy.choose(catalog, view(PROMPT))
+    assert again is not None and again.engine is first.engine  # its home steers …
+    assert again.predicted_cached_tokens == 0  # … but it is predicted evicted there
