@@ -99,7 +99,7 @@ class KvAwareKnobs:
     block_size: int = setting(16, AT_LEAST_ONE)
     overlap_weight: float = setting(3.0, NON_NEGATIVE)
     # blocks of prefill one request in flight is worth (its decode slows every step)
-    in_flight_weight: float = setting(4.0, NON_NEGATIVE)
+    in_flight_weight: float = setting(8.0, NON_NEGATIVE)
     temperature: float = setting(0.0, NON_NEGATIVE)
     # the load guard spills when the chosen engine has this many requests above the mean …
     balance_abs_threshold: float = setting(32.0, NON_NEGATIVE)

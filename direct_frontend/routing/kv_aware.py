@@ -4,7 +4,8 @@ Cost per engine, lower is better, in blocks of prefill work::
 
     cost = overlap_weight × blocks to prefill there (request blocks − cached leading blocks)
          + prefill queue there (blocks we sent it that it has not prefilled yet)
-         + in_flight_weight × requests in flight there (each decode slows every step)
+         + in_flight_weight × requests in flight there (each decode slows every step;
+           half that without KV events, where the queue already lasts a request's life)
 
 These terms are what TTFT is made of on an engine that prefills first come,
 first served: the request waits for the queue ahead of it, then prefills its
@@ -334,12 +335,16 @@ class KvAware:
         knobs = self.knobs
         request_blocks = math.ceil(len(request.input_ids) / knobs.block_size)
         now = self.clock()
-        costs = [
-            knobs.overlap_weight * (request_blocks - overlaps.get(e.name, 0))
-            + self.queue.depth(e.name, now, self._stored_at(e))
-            + knobs.in_flight_weight * e.load.in_flight
-            for e in candidates
-        ]
+        costs = []
+        for e in candidates:
+            stored = self._stored_at(e)
+            # without events the queue already lasts each request's whole life: half the weight
+            in_flight = knobs.in_flight_weight * (1.0 if stored is not None else 0.5)
+            costs.append(
+                knobs.overlap_weight * (request_blocks - overlaps.get(e.name, 0))
+                + self.queue.depth(e.name, now, stored)
+                + in_flight * e.load.in_flight
+            )
         chosen = self._pick(candidates, costs)
         loads = [e.load.in_flight for e in candidates]
         mean = sum(loads) / len(loads)

@@ -181,16 +181,16 @@ def test_blocks_shared_by_requests_in_flight_count_once() -> None:
     assert h.load.active_blocks == {}
 
 
-def test_a_busy_engine_holding_the_prefix_still_wins_over_idle_cold_ones() -> None:
-    """Its requests in flight share the prefix, so they add no decode load for it."""
+def test_a_busy_engine_holding_the_prefix_wins_until_its_load_outweighs_the_saving() -> None:
+    """8 cached blocks save 3 × 8 = 24 blocks of work; each request in flight costs 8."""
     index = FakeIndex({"b": HASHES})
     policy = KvAware(KvAwareKnobs(block_size=BS), index)
     policy.uses_events = {1, 2}
-    busy = handle("b", in_flight=2)
-    busy.load.begin(32, HASHES)
-    catalog = Catalog(1, (handle("a"), busy))
-    chosen = policy.choose(catalog, view(PROMPT))
-    assert chosen is not None and chosen.engine.name == "b"
+    for in_flight, winner in ((2, "b"), (4, "a")):
+        catalog = Catalog(in_flight, (handle("a"), handle("b", in_flight=in_flight)))
+        chosen = policy.choose(catalog, view(PROMPT))
+        assert chosen is not None and chosen.engine.name == winner, in_flight
+        policy.queue.finished(chosen)
 
 
 def test_a_placement_carries_the_blocks_and_never_predicts_the_last_prompt_token() -> None:
