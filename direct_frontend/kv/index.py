@@ -221,10 +221,13 @@ class KvIndex:
         """Index a BlockStored after the docs/kv-events.md §10 filters; returns blocks added."""
         reason = self._reject(event)
         if reason == "block_size" and compatible(event.block_size, self.block_size):
+            # one page size per engine: a store of another (SGLang's partial last page of a
+            # radix node) is not a full page and is skipped, never a reason to start over
             regrouper = self._regroupers.get(engine)
-            if regrouper is None or regrouper.page_size != event.block_size:
+            if regrouper is None:
                 regrouper = self._regroupers[engine] = Regrouper(event.block_size, self.block_size)
-            return sum(self.store(engine, block) for block in regrouper.stored(event))
+            if regrouper.page_size == event.block_size:
+                return sum(self.store(engine, block) for block in regrouper.stored(event))
         if reason is not None:
             self._skip(reason)
             return 0

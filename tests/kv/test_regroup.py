@@ -86,3 +86,13 @@ def test_clearing_forgets_the_pages_too() -> None:
     # the continuation's parent page was forgotten: it cannot be placed
     assert index.store("a", pages(list(range(106, 110)), 1, 7, 6)) == 0
     assert index.lookup(list(range(100, 110))) == {}
+
+
+def test_a_partial_page_is_skipped_not_a_reason_to_start_over() -> None:
+    index = KvIndex(BS)
+    index.store("a", pages(list(range(100, 106)), 2, 1, None))  # pages 1-3: a block and a page
+    partial = BlockStored(block_hashes=(9,), parent_block_hash=3,
+                          token_ids=array.array("I", [106]), block_size=1, medium="GPU")
+    index.store("a", partial)  # a radix node's last, partial page
+    index.store("a", pages(list(range(106, 108)), 2, 4, 3))  # page 4 completes block 2
+    assert index.lookup(list(range(100, 108))) == {"a": 2}
