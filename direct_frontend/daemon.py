@@ -102,9 +102,10 @@ async def serve_fleet(
         builder = ModelBuilder(
             supervisor, metrics,
             lambda routing, exact: make_policy(
-                routing, kv.index if exact else None, kv.live, placements
+                routing, kv.index if exact else None, kv.live, placements, kv.diverged
             ),
             text_models,
+            kv.diverged,
         )
         await builder.load(fleet)
         replicas = fleet.frontend.replicas

@@ -137,7 +137,13 @@ class ControlPlane:
 
     def status(self) -> dict[str, JsonValue]:
         """``GET /fleet``: engines, the running config and the last reload (secrets redacted)."""
-        engines: list[JsonValue] = [engine_status(child) for child in self._children()]
+        kv = self.supervisor.kv
+        engines: list[JsonValue] = []
+        for child in self._children():
+            status = engine_status(child)
+            if kv is not None:
+                status["kv_routing"] = kv.routing_of(child.incarnation)
+            engines.append(status)
         return {
             "config": {
                 "version": self.version,

@@ -21,7 +21,7 @@ from typing import Literal, TypeVar
 
 from direct_frontend.engines.neutral import EngineRole
 
-RoutingPolicy = Literal["round_robin", "least_loaded", "kv_aware"]
+RoutingPolicy = Literal["round_robin", "least_loaded", "kv_aware", "cache_affinity"]
 EngineKind = Literal["sglang", "vllm", "trtllm"]
 KnobValue = float | int | str | bool
 
@@ -97,14 +97,21 @@ class KvAwareKnobs:
 
     # = the engines' KV block size (vLLM block_size, SGLang page size)
     block_size: int = setting(16, AT_LEAST_ONE)
-    overlap_weight: float = setting(1.0, NON_NEGATIVE)
+    overlap_weight: float = setting(3.0, NON_NEGATIVE)
+    # blocks of prefill one request in flight is worth (its decode slows every step)
+    in_flight_weight: float = setting(8.0, NON_NEGATIVE)
     temperature: float = setting(0.0, NON_NEGATIVE)
     # the load guard spills when the chosen engine has this many requests above the mean …
-    balance_abs_threshold: float = setting(2.0, NON_NEGATIVE)
+    balance_abs_threshold: float = setting(32.0, NON_NEGATIVE)
     # … and this many times the mean
     balance_rel_threshold: float = setting(1.5, NON_NEGATIVE)
+    # where KV events flow, a prefix we sent an engine counts this much of a cached one
+    memory_weight: float = setting(0.5, Rules(at_least=0, at_most=1))
     approx_ttl_s: float = setting(120.0, NON_NEGATIVE)
     approx_max_blocks: int = setting(1 << 20, AT_LEAST_ONE)
+    # an engine's prefix-cache capacity in blocks, for the approximate memory's LRU model
+    # (0: unknown, trust the TTL)
+    approx_capacity_blocks: int = setting(0, NON_NEGATIVE)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

@@ -196,7 +196,8 @@ class Metrics:
         )
         self.kv_prediction_diverged = Gauge(
             p + "kv_prediction_diverged",
-            "1 while predicted and reported cache hits disagree over the recent window.",
+            "Engines whose predicted and reported cache hits disagree over their recent window "
+            "(routed by the approximate prefix memory).",
             registry=r,
         )
         self.kv_load_guard_spills_total = Counter(

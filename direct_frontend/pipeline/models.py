@@ -210,10 +210,14 @@ class ModelBuilder:
         metrics: Metrics,
         make_policy: PolicyFactory,
         text_models: Mapping[TextModelKey, TextModel] | None = None,
+        diverged: set[int] | None = None,
     ) -> None:
         self.fleet = fleet
         self.metrics = metrics
         self.make_policy = make_policy
+        #: the KV plane's engines whose predictions drifted: every model's hit-rate check
+        #: adds to the one set the policies read
+        self.diverged: set[int] = set() if diverged is None else diverged
         self.limiter = new_tokenize_limiter()
         self.text_models: dict[TextModelKey, TextModel] = dict(text_models or {})
         #: per base model: which adapters its engines hold, and one lock per engine
@@ -273,7 +277,8 @@ class ModelBuilder:
         fleet = ModelFleet(self.fleet, base.config.name, carries_adapters)
         dispatcher = AdapterDispatcher(fleet, adapter, residency, locks)
         relay = Relay(dispatcher, base.relay.text_model, self.metrics,
-                      HitRateWatch(self.metrics), self.metrics.model_series(adapter.name))
+                      HitRateWatch(self.metrics, self.diverged),
+                      self.metrics.model_series(adapter.name))
         settings = dataclasses.replace(base.settings, policy=policy)  # the base model's queue
         return ServedModel(base.config, settings, relay, base.tokenizing, base.text_model_key,
                            adapter)
@@ -298,7 +303,8 @@ class ModelBuilder:
         else:
             text_model = self.text_models[key]
             fleet = ModelFleet(self.fleet, config.name)
-            relay = Relay(Dispatcher(fleet), text_model, self.metrics, HitRateWatch(self.metrics),
+            relay = Relay(Dispatcher(fleet), text_model, self.metrics,
+                          HitRateWatch(self.metrics, self.diverged),
                           self.metrics.model_series(config.name))
             tokenizing = Tokenizing(text_model, lambda: fleet.catalog, self.limiter)
         return ServedModel(config, settings, relay, tokenizing, key)

@@ -647,7 +647,7 @@ class Relay:
         )
         predicted = placement.predicted_cached_tokens
         if predicted is not None and not state.failover.tried:
-            self.hit_rate.record(predicted, state.cached_tokens or 0)
+            self.hit_rate.record(predicted, state.cached_tokens or 0, placement.engine)
 
 
 def _move_off(state: RelayState, stall: trio.CancelScope) -> None:

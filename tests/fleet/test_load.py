@@ -493,7 +493,7 @@ def test_bad_policy_and_role() -> None:
     )
     assert found == [
         "fleet.toml:4: frontend.routing.policy: 'random' is not a valid policy "
-        "(expected one of: round_robin, least_loaded, kv_aware)",
+        "(expected one of: round_robin, least_loaded, kv_aware, cache_affinity)",
         "fleet.toml:8: engine[1].role: 'both-ish' is not a valid role "
         "(expected one of: both, prefill, decode)",
     ]
