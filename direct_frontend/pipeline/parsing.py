@@ -120,8 +120,11 @@ def choice_parser(parsers: ModelParsers, request: ChatRequest,
     reasoning = parsers.reasoning_parser
     if tool is None and reasoning is None:
         return None
+    # A stream sends a call's name and arguments as they come; a full reply waits for
+    # the call to close well, so a malformed one is content there.
     return ChoiceParser(
         tool_parser=tool, reasoning_parser=reasoning, tools=schemas,
+        stream_arguments=request.stream,
         starts_in_reasoning=prompt_opens_reasoning(prompt) or None,
     )
 
