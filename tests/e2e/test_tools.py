@@ -22,8 +22,9 @@ import openai
 import pytest
 from tokenizers import Tokenizer
 
+from direct_frontend.simulator.faults import FaultPlan
 from direct_frontend.simulator.scripted import ScriptBook
-from tests.support.daemon import Daemon, fleet_text, running_daemon, sim_engine
+from tests.support.daemon import Daemon, fleet_text, running_daemon, sim_engine, wait_for
 from tests.support.models import engine_table, frontend_table, openai_client, simulators
 
 TOOLS: list[Any] = [
@@ -64,7 +65,9 @@ CASES: dict[str, tuple[str, str, tuple[str, str, list[tuple[str, dict[str, Any]]
 def fleet(model_dir: Path) -> str:
     models = "".join(f'[[model]]\nname = "{name}"\n{keys}\n\n'
                      for name, (keys, _, _) in CASES.items())
+    models += '[[model]]\nname = "migrating"\ntool_parser = "hermes"\nreasoning_parser = "none"\n'
     engines = "\n".join(engine_table(f"sim-{name}", "vllm", name) for name in CASES)
+    engines += "\n" + "\n".join(engine_table(f"mig-{x}", "sglang", "migrating") for x in "ab")
     return frontend_table(model_dir, textwrap.dedent(models)) + "\n" + engines
 
 
@@ -72,7 +75,7 @@ def fleet(model_dir: Path) -> str:
 def daemon(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     with running_daemon(tmp_path_factory.mktemp("tools"), fleet(model_dir)) as daemon:
-        daemon.wait_serving(len(CASES))
+        daemon.wait_serving(len(CASES) + 2)
         for sim in simulators(daemon).values():
             sim.core.scripts = ScriptBook(tokenizer, SCRIPTS)
         yield daemon
@@ -149,9 +152,13 @@ def test_malformed_output_is_content_and_counted(daemon: Daemon, client: openai.
     # a full reply holds a call back until it closed well: a cut one is content
     message, finish = read_full(client, "hermes", "[cut]")
     assert message.tool_calls is None and message.content == SCRIPTS["[cut]"]
+    wait_for(lambda: 'direct_frontend_parser_malformed_total{parser="hermes"} 3.0'
+             in metrics_text(daemon), what="three malformed calls counted")
+
+
+def metrics_text(daemon: Daemon) -> str:
     with urllib.request.urlopen(daemon.url + "/metrics", timeout=10) as response:
-        metrics = response.read().decode()
-    assert 'direct_frontend_parser_malformed_total{parser="hermes"} 3.0' in metrics
+        return str(response.read().decode())
 
 
 def test_tool_choice_none_offers_no_tools_and_parses_no_calls(
@@ -182,6 +189,22 @@ def test_a_tool_round_trip_renders_through_the_template(
     reply = client.chat.completions.create(model="hermes", messages=history, tools=TOOLS,
                                            max_tokens=5)
     assert reply.choices[0].finish_reason in ("length", "stop")
+
+
+def test_a_stream_migrating_mid_call_keeps_its_parser(
+    daemon: Daemon, client: openai.OpenAI
+) -> None:
+    sims = simulators(daemon)
+    expected = read_stream(client, "migrating", "[hermes]")[0]
+    sims["mig-a"].faults = FaultPlan(die_after_tokens=12, only_request=1)
+    for _ in range(2):  # round robin reaches the failing engine within two requests
+        streamed, finish, _ = read_stream(client, "migrating", "[hermes]")
+        ids = [c.pop("id") for c in streamed["calls"]]
+        assert streamed == {**expected, "calls": [
+            {k: v for k, v in c.items() if k != "id"} for c in expected["calls"]]}
+        assert finish == "tool_calls" and len(set(ids)) == 2
+    assert sims["mig-a"].fault_stats.died
+    daemon.wait_serving(len(CASES) + 2)
 
 
 # -- the quick-start fleet: forced calls ----------------------------------------------------
