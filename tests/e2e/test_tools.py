@@ -239,3 +239,21 @@ def test_forced_tool_choice_on_the_demo_fleet(demo: Daemon, stream: bool, choice
     assert all(n == name for n, _ in calls)
     key = "city" if name == "get_weather" else "zone"
     assert all(isinstance(args[key], str) for _, args in calls)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("choice", ["required", "named"])
+def test_forced_tool_choice_through_responses_on_the_demo_fleet(
+    demo: Daemon, stream: bool, choice: str
+) -> None:
+    flat = [{"type": "function", **tool["function"]} for tool in TOOLS]
+    tool_choice: Any = "required" if choice == "required" else {"type": "function",
+                                                                 "name": "get_time"}
+    with openai_client(demo) as client:
+        made = client.responses.create(model="demo", input="The time?", tools=flat,
+                                       tool_choice=tool_choice, stream=stream)
+        response = list(made)[-1].response if stream else made
+    calls = [item for item in response.output if item.type == "function_call"]
+    assert calls and all(item.type == "function_call" for item in response.output)
+    name = "get_weather" if choice == "required" else "get_time"
+    assert all(c.name == name and isinstance(json.loads(c.arguments), dict) for c in calls)
