@@ -50,6 +50,7 @@ def required_calls_schema(tools: Sequence[Tool], parallel: bool) -> dict[str, An
                     "parameters": parameters_of(tool),
                 },
                 "required": ["name", "parameters"],
+                "additionalProperties": False,
             }
             for tool in tools
         ]},
