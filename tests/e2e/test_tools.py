@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
 from tokenizers import Tokenizer
@@ -257,3 +258,28 @@ def test_forced_tool_choice_through_responses_on_the_demo_fleet(
     assert calls and all(item.type == "function_call" for item in response.output)
     name = "get_weather" if choice == "required" else "get_time"
     assert all(c.name == name and isinstance(json.loads(c.arguments), dict) for c in calls)
+
+
+def test_a_reload_changes_a_models_parser_and_refuses_an_unknown_one(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    def text(parser: str) -> str:
+        return (frontend_table(model_dir, f'[[model]]\nname = "m"\ntool_parser = "{parser}"\n')
+                + "\n" + engine_table("sim-m", "vllm", "m"))
+
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    with running_daemon(tmp_path, text("hermes")) as daemon, openai_client(daemon) as client:
+        daemon.wait_serving(1)
+        for sim in simulators(daemon).values():
+            sim.core.scripts = ScriptBook(tokenizer, SCRIPTS)
+        assert read_full(client, "m", "[hermes]")[0].tool_calls
+        fleet_file = tmp_path / "fleet.toml"
+        fleet_file.write_text(text("hermez"))
+        refused = httpx.post(daemon.url + "/fleet/reload").json()
+        assert not refused["ok"] and "unknown parser 'hermez'" in json.dumps(refused)
+        assert read_full(client, "m", "[hermes]")[0].tool_calls  # the running fleet serves on
+        fleet_file.write_text(text("none"))
+        assert httpx.post(daemon.url + "/fleet/reload").json()["ok"]
+        message, finish = read_full(client, "m", "[hermes]")
+        assert message.tool_calls is None and message.content == SCRIPTS["[hermes]"]
+        assert finish == "stop"
