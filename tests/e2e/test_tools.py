@@ -162,6 +162,27 @@ def metrics_text(daemon: Daemon) -> str:
         return str(response.read().decode())
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_each_of_several_choices_has_its_own_parser(
+    daemon: Daemon, client: openai.OpenAI, stream: bool
+) -> None:
+    reply = client.chat.completions.create(model="thinker", messages=ask("[think]"), tools=TOOLS,
+                                           n=2, stream=stream)
+    reasoning = ["", ""]
+    content = ["", ""]
+    if stream:
+        for chunk in reply:
+            for choice in chunk.choices:
+                reasoning[choice.index] += getattr(choice.delta, "reasoning_content", None) or ""
+                content[choice.index] += choice.delta.content or ""
+    else:
+        for choice in reply.choices:
+            reasoning[choice.index] = getattr(choice.message, "reasoning_content", None) or ""
+            content[choice.index] = choice.message.content or ""
+    _, _, (want_content, want_reasoning, _) = CASES["thinker"]
+    assert content == [want_content] * 2 and reasoning == [want_reasoning] * 2
+
+
 def test_tool_choice_none_offers_no_tools_and_parses_no_calls(
     daemon: Daemon, client: openai.OpenAI
 ) -> None:
