@@ -169,6 +169,12 @@ class Metrics:
             p + "malformed_engine_messages_total", "Engine messages we could not interpret.",
             ("engine",), registry=r,
         )  # fmt: skip
+        self.parser_malformed_total = Counter(
+            p + "parser_malformed_total",
+            "Tool calls or reasoning blocks of model output a parser could not read "
+            "(sent as content), by parser.",
+            ("parser",), registry=r,
+        )  # fmt: skip
         self.migrations_refused_total = Counter(
             p + "migrations_refused_total",
             "Streams ended instead of migrating, by why no other engine could continue them.",
