@@ -49,6 +49,23 @@ SCRIPTS = {
                 "</function>\n</tool_call>"),
     "[mistral]": '[TOOL_CALLS]get_weather[ARGS]{"city": "Zürich"}',
     "[think]": "<think>They want the weather; 天气 first.</think>It is sunny in Zürich.",
+    "[llama]": '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Zürich"}}',
+    "[llama-bare]": '{"name": "get_time", "parameters": {"zone": "CET"}}',
+    "[pythonic]": "[get_weather(city='Zürich'), get_time(zone='CET')]",
+    "[mistral-old]": '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Zürich"}}]',
+    "[ds3]": ("Let me look. <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>"
+              'get_weather\n```json\n{"city": "Zürich"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>'),
+    "[ds31]": ('<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Zürich"}'
+               "<｜tool▁call▁end｜><｜tool▁call▁begin｜>get_time<｜tool▁sep｜>"
+               '{"zone": "CET"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>'),
+    "[kimi]": ("<|tool_calls_section_begin|>\n<|tool_call_begin|>functions.get_weather:0"
+               '<|tool_call_argument_begin|>{"city": "Zürich"}<|tool_call_end|>\n'
+               "<|tool_calls_section_end|>"),
+    "[harmony]": ("<|channel|>analysis<|message|>Call the weather tool.<|end|><|start|>assistant"
+                  "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
+                  '{"city": "Zürich"}<|call|>'),
+    "[magistral]": "[THINK]Weather first.[/THINK]It is sunny.",
+    "[r1]": "<think>Weather first.</think>It is sunny.",
     "[broken]": '<tool_call>\n{"name": get_weather, "arguments": {}}\n</tool_call> sorry',
     "[cut]": '<tool_call>\n{"name": "get_weather", "arguments": {"city": </tool_call>',
 }
@@ -60,6 +77,26 @@ CASES: dict[str, tuple[str, str, tuple[str, str, list[tuple[str, dict[str, Any]]
                 ("", "", [WEATHER])),
     "thinker": ('tool_parser = "hermes"\nreasoning_parser = "qwen3"', "[think]",
                 ("It is sunny in Zürich.", "They want the weather; 天气 first.", [])),
+    "llama": ('tool_parser = "llama3_json"\nreasoning_parser = "none"', "[llama]",
+              ("", "", [WEATHER])),
+    "llama-bare": ('tool_parser = "llama3_json"\nreasoning_parser = "none"', "[llama-bare]",
+                   ("", "", [TIME])),
+    "pythonic": ('tool_parser = "pythonic"\nreasoning_parser = "none"', "[pythonic]",
+                 ("", "", [WEATHER, TIME])),
+    "mistral-old": ('tool_parser = "mistral"\nreasoning_parser = "none"', "[mistral-old]",
+                    ("", "", [WEATHER])),
+    "ds3": ('tool_parser = "deepseek_v3"\nreasoning_parser = "none"', "[ds3]",
+            ("Let me look. ", "", [WEATHER])),
+    "ds31": ('tool_parser = "deepseek_v31"\nreasoning_parser = "none"', "[ds31]",
+             ("", "", [WEATHER, TIME])),
+    "kimi": ('tool_parser = "kimi_k2"\nreasoning_parser = "none"', "[kimi]",
+             ("", "", [WEATHER])),
+    "harmony": ('tool_parser = "harmony"\nreasoning_parser = "harmony"', "[harmony]",
+                ("", "Call the weather tool.", [WEATHER])),
+    "magistral": ('tool_parser = "mistral"\nreasoning_parser = "mistral"', "[magistral]",
+                  ("It is sunny.", "Weather first.", [])),
+    "r1": ('tool_parser = "none"\nreasoning_parser = "deepseek_r1"', "[r1]",
+           ("It is sunny.", "Weather first.", [])),
 }
 
 
