@@ -299,8 +299,8 @@ def _model_rows(model: ModelConfig) -> list[tuple[str, str]]:
         ("context_length", "what the engines report" if model.context_length is None
          else str(model.context_length)),
         ("owned_by", model.owned_by),
-        ("tool_parser", model.tool_parser or "none"),
-        ("reasoning_parser", model.reasoning_parser or "none"),
+        ("tool_parser", model.tool_parser or "detected from the chat template"),
+        ("reasoning_parser", model.reasoning_parser or "detected from the chat template"),
         ("sampling", ", ".join(sampling) or "the request's (OpenAI defaults)"),
         ("routing.policy", model.routing.policy),
         ("routing.knobs", knobs or "none"),

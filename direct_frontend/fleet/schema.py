@@ -349,9 +349,10 @@ class ModelConfig:
     """One ``[[model]]``: a model the fleet serves, with its own engines and routing.
 
     ``routing`` and ``limits`` default to ``[frontend]``'s, ``tokenizer`` to
-    ``frontend.tokenizer``. ``tool_parser`` and ``reasoning_parser`` are kept
-    for the output parsers (not applied yet). ``implicit``: made from
-    ``[frontend]`` for a file without ``[[model]]`` tables (a fleet of one model).
+    ``frontend.tokenizer``. ``tool_parser`` and ``reasoning_parser`` name the
+    output parsers (pipeline/parsing.py; unset: detected from the chat template).
+    ``implicit``: made from ``[frontend]`` for a file without ``[[model]]``
+    tables (a fleet of one model).
     """
 
     name: str

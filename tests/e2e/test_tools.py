@@ -52,11 +52,14 @@ SCRIPTS = {
     "[llama]": '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Zürich"}}',
     "[llama-bare]": '{"name": "get_time", "parameters": {"zone": "CET"}}',
     "[pythonic]": "[get_weather(city='Zürich'), get_time(zone='CET')]",
-    "[mistral-old]": '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Zürich"}}]',
+    "[mistral-old]": ('[TOOL_CALLS] [{"name": "get_weather", '
+                      '"arguments": {"city": "Zürich"}}]'),
     "[ds3]": ("Let me look. <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>"
-              'get_weather\n```json\n{"city": "Zürich"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>'),
-    "[ds31]": ('<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Zürich"}'
-               "<｜tool▁call▁end｜><｜tool▁call▁begin｜>get_time<｜tool▁sep｜>"
+              'get_weather\n```json\n{"city": "Zürich"}\n```<｜tool▁call▁end｜>'
+              "<｜tool▁calls▁end｜>"),
+    "[ds31]": ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>"
+               '{"city": "Zürich"}<｜tool▁call▁end｜>'
+               "<｜tool▁call▁begin｜>get_time<｜tool▁sep｜>"
                '{"zone": "CET"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>'),
     "[kimi]": ("<|tool_calls_section_begin|>\n<|tool_call_begin|>functions.get_weather:0"
                '<|tool_call_argument_begin|>{"city": "Zürich"}<|tool_call_end|>\n'
