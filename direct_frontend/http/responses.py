@@ -138,11 +138,20 @@ class _Progress:
         self.started = False
 
 
+def chat_error_tail(err: OpenAIHTTPError) -> bytes:
+    """How a started chat or completions stream ends on a failure: an error event, [DONE]."""
+    return ChunkRenderer.error(err) + ChunkRenderer.done()
+
+
 async def _until_end(
     run: Awaitable[None], error_for: Callable[[EngineError], OpenAIHTTPError],
     progress: _Progress, send: Send, headers: Headers,
+    error_tail: Callable[[OpenAIHTTPError], bytes] = chat_error_tail,
 ) -> int:
-    """Await ``run``; a failure is an HTTP error before the headers, an error event after."""
+    """Await ``run``; a failure is an HTTP error before the headers, an error event after.
+
+    ``error_tail`` writes that event in the stream's own shape.
+    """
     try:
         await run
     except EngineError as exc:
@@ -151,19 +160,18 @@ async def _until_end(
         if not progress.started:
             await send_error(send, err, headers)
             return err.status
-        await _end_with_error(send, progress.out, err)
+        await _end_with_error(send, progress.out, error_tail(err))
     except Exception:
         if not progress.started:
             raise  # the app answers it with an OpenAI 500 (and logs it)
         log.exception("unexpected error while streaming")  # the stream ends with an error event
-        await _end_with_error(send, progress.out, internal_error())
+        await _end_with_error(send, progress.out, error_tail(internal_error()))
         return 500
     return 200
 
 
-async def _end_with_error(send: Send, out: bytearray, err: OpenAIHTTPError) -> None:
-    out += ChunkRenderer.error(err)
-    out += ChunkRenderer.done()
+async def _end_with_error(send: Send, out: bytearray, tail: bytes) -> None:
+    out += tail
     await send({"type": "http.response.body", "body": bytes(out), "more_body": False})
 
 

@@ -21,6 +21,7 @@ from direct_frontend.engines.neutral import TokenLogprob
 from direct_frontend.http.asgi import JSON, Headers, Receive, Send, send_body
 from direct_frontend.http.responses import _answer, _Progress, _start, _until_end
 from direct_frontend.observability.tracing import RequestTrace
+from direct_frontend.openai.errors import OpenAIHTTPError
 from direct_frontend.openai.parsers.base import ParsedDelta
 from direct_frontend.openai.responses_api import ResponsesRequest
 from direct_frontend.pipeline.preprocess import PreparedRequest
@@ -244,4 +245,15 @@ async def _stream(relay: Relay, state: RelayState, builder: ResponseBuilder, sen
             await send({"type": "http.response.body", "body": bytes(out), "more_body": True})
             out.clear()
 
-    return await _until_end(relay.run(state, emit), state.error_for, progress, send, headers)
+    def failed(err: OpenAIHTTPError) -> bytes:
+        """A started Responses stream ends as the API ends one: ``error``, ``response.failed``."""
+        code = err.code or err.type
+        response = builder.response("failed", _usage(state))
+        response["error"] = {"code": code, "message": err.message}
+        return sse.render([
+            {"type": "error", "code": code, "message": err.message, "param": err.param},
+            {"type": "response.failed", "response": response},
+        ])
+
+    return await _until_end(relay.run(state, emit), state.error_for, progress, send, headers,
+                            failed)

@@ -16,8 +16,10 @@ from typing import Any
 
 import openai
 import pytest
+from grpclib.const import Status
 from tokenizers import Tokenizer
 
+from direct_frontend.simulator.faults import FaultPlan
 from direct_frontend.simulator.scripted import ScriptBook
 from tests.support.daemon import Daemon, running_daemon
 from tests.support.models import engine_table, frontend_table, simulators
@@ -121,3 +123,23 @@ def test_nothing_is_stored(daemon: Daemon, client: openai.OpenAI) -> None:
     assert "previous_response_id" in str(caught.value)
     with pytest.raises(openai.BadRequestError):
         client.responses.create(model="agent", input=[{"type": "web_search_call"}])
+
+
+def test_a_failure_after_the_stream_started_ends_it_as_the_api_does(
+    daemon: Daemon, client: openai.OpenAI
+) -> None:
+    sim = simulators(daemon)["sim"]
+    sim.faults = FaultPlan(status=Status.INVALID_ARGUMENT, status_after_tokens=2)
+    try:
+        events = list(client.responses.create(
+            model="agent", input="Tell me a story.", max_output_tokens=50, stream=True,
+        ))
+    finally:
+        sim.faults = FaultPlan()
+    types = [e.type for e in events]
+    assert types[0] == "response.created" and "response.output_text.delta" in types
+    assert types[-2:] == ["error", "response.failed"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    failed = events[-1].response
+    assert failed.status == "failed" and failed.error is not None
+    assert failed.error.message == events[-2].message and failed.error.code == events[-2].code
