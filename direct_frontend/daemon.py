@@ -5,6 +5,7 @@ Shape (every task has a parent)::
     trio.run
       └─ trio_asyncio loop          grpclib channels and embedded simulators live here
           └─ root nursery
+              ├─ replica link       [frontend.replicas]: load, faults, KV snapshots over NATS
               ├─ supervisor         engine incarnations, catalog
               ├─ pod discovery      [[pool]] list/watch → the supervisor's adds/removes
               ├─ HTTP server        hypercorn, the data plane's entry (and /fleet)
@@ -37,6 +38,7 @@ from hypercorn.trio import serve
 from direct_frontend.control.kv_plane import KvPlane
 from direct_frontend.control.pods import PodDiscovery
 from direct_frontend.control.reload import ControlPlane, file_digest, kv_block_size
+from direct_frontend.control.replicas import ReplicaLink
 from direct_frontend.control.supervisor import Supervisor
 from direct_frontend.fleet.preflight import TextModelKey
 from direct_frontend.fleet.schema import FleetConfig, TracingConfig
@@ -50,6 +52,7 @@ from direct_frontend.observability.sdnotify import Notifier
 from direct_frontend.observability.tracing import Tracing
 from direct_frontend.pipeline.models import ModelBuilder
 from direct_frontend.routing.factory import make_policy
+from direct_frontend.routing.peers import PlacementShare
 from direct_frontend.text.model_dir import TextModel
 
 log = logging.getLogger("direct_frontend")
@@ -97,18 +100,30 @@ async def serve_fleet(
         metrics = Metrics()
         kv = KvPlane(KvIndex(kv_block_size(fleet)), metrics)
         supervisor = Supervisor(fleet, kv=kv)
+        placements = PlacementShare()
         builder = ModelBuilder(
             supervisor, metrics,
-            lambda routing, exact: make_policy(routing, kv.index if exact else None, kv.live),
+            lambda routing, exact: make_policy(
+                routing, kv.index if exact else None, kv.live, placements, kv.diverged
+            ),
             text_models,
+            kv.diverged,
         )
         await builder.load(fleet)
-        control = ControlPlane(fleet, supervisor, builder, metrics, notifier, digest)
+        replicas = fleet.frontend.replicas
+        link = None if replicas.nats is None else ReplicaLink(
+            replicas, supervisor, placements, kv=kv, metrics=metrics
+        )
+        control = ControlPlane(fleet, supervisor, builder, metrics, notifier, digest,
+                               placements=placements,
+                               replicas=None if link is None else link.status)
         tracing = _open_tracing(fleet.frontend.tracing)
         app = App(control, metrics, tracing)
         async with trio.open_nursery() as nursery:
             if handle_signals:  # only the main thread may install signal handlers
                 nursery.start_soon(_watch_signals, shutdown, control, nursery.cancel_scope)
+            if link is not None:  # first: a sibling's KV index is in before engines start
+                await nursery.start(link.run)
             await nursery.start(supervisor.run)
             control.pods = PodDiscovery(fleet, metrics, control.apply_membership)
             await nursery.start(control.pods.run)

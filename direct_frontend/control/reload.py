@@ -13,7 +13,7 @@ import dataclasses
 import hashlib
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import trio
@@ -39,6 +39,7 @@ from direct_frontend.observability.metrics import Metrics
 from direct_frontend.observability.sdnotify import Notifier
 from direct_frontend.pipeline.models import ModelBuilder, ModelTable, serving_counts
 from direct_frontend.pipeline.settings import Settings
+from direct_frontend.routing.peers import PlacementShare
 
 log = logging.getLogger("direct_frontend")
 
@@ -104,6 +105,9 @@ class ControlPlane:
         metrics: Metrics,
         notifier: Notifier,
         digest: str = "",
+        *,
+        placements: PlacementShare | None = None,
+        replicas: Callable[[], JsonValue] | None = None,
     ) -> None:
         self.running = fleet
         self.supervisor = supervisor
@@ -118,6 +122,8 @@ class ControlPlane:
         self.loaded_at = time.time()
         self.last_reload: ReloadResult | None = None
         self._lock = trio.Lock()
+        self.placements = placements  # a new kv_aware policy shares its placements here
+        self._replicas = replicas  # the replica link's view, for /fleet
         #: the [[pool]] watches, when the daemon runs them (their engines join ``running``)
         self.pods: PodDiscovery | None = None
         supervisor.listeners.append(self._on_engine)
@@ -143,7 +149,13 @@ class ControlPlane:
 
     def status(self) -> dict[str, JsonValue]:
         """``GET /fleet``: engines, the running config and the last reload (secrets redacted)."""
-        engines: list[JsonValue] = [engine_status(child) for child in self._children()]
+        kv = self.supervisor.kv
+        engines: list[JsonValue] = []
+        for child in self._children():
+            status = engine_status(child)
+            if kv is not None:
+                status["kv_routing"] = kv.routing_of(child.incarnation)
+            engines.append(status)
         return {
             "config": {
                 "version": self.version,
@@ -162,6 +174,7 @@ class ControlPlane:
             "fleet": to_jsonable(self.running),
             "events": {"subscribers": len(self.hub.subscribers),
                        "dropped": self.hub.dropped_total},
+            "replicas": None if self._replicas is None else self._replicas(),
         }
 
     def _models_status(self) -> list[JsonValue]:

@@ -46,6 +46,7 @@ RESTART_BACKOFF_S = (0.1, 0.5, 1.0, 2.0, 5.0)
 DRAIN_POLL_S = 0.05
 
 Listener = Callable[[EngineChild, EngineState], None]
+FaultListener = Callable[[EngineHandle, EngineError], None]
 
 
 class _Pulse:
@@ -92,6 +93,8 @@ class Supervisor:
         self.incarnations: dict[int, EngineChild] = {}
         self.catalog = Catalog()
         self.listeners: list[Listener] = []
+        #: told of every transport fault a request of ours saw (the replica link shares them)
+        self.fault_listeners: list[FaultListener] = []
         self._incarnation_numbers = itertools.count(1)
         self._exits: dict[int, _Exit] = {}
         self._changed = _Pulse()  # any engine state or the catalog changed
@@ -107,6 +110,21 @@ class Supervisor:
         child = self.incarnations.get(engine.incarnation)
         if child is not None and child.name == engine.name:
             child.report_fault(error)
+            for listener in self.fault_listeners:
+                listener(engine, error)
+
+    def report_peer_fault(self, name: str, url: str, error: EngineError) -> bool:
+        """A sibling replica saw engine ``name`` at ``url`` fail: act as if we had.
+
+        Matched by name and URL (incarnation numbers are per replica); the
+        engine comes back through its probes as after a fault of our own.
+        Returns whether a serving engine was taken out.
+        """
+        child = self.children.get(name)
+        if child is None or child.cfg.url != url or child.state is not EngineState.SERVING:
+            return False
+        child.report_fault(error)
+        return child.state is not EngineState.SERVING
 
     @property
     def serving_count(self) -> int:

@@ -20,6 +20,7 @@ from direct_frontend.fleet.schema import (
     KubernetesConfig,
     ModelConfig,
     PoolConfig,
+    ReplicasConfig,
     RoutingConfig,
     TracingConfig,
 )
@@ -109,7 +110,7 @@ def to_jsonable(cfg: FleetConfig, *, redact: bool = True) -> dict[str, JsonValue
     admin, auth = frontend.admin, frontend.auth
     token: JsonValue = admin.token if not redact or admin.token is None else REDACTED
     api_keys: list[JsonValue] = [key if not redact else REDACTED for key in auth.api_keys]
-    probe, tracing = frontend.probe, frontend.tracing
+    probe, tracing, replicas = frontend.probe, frontend.tracing, frontend.replicas
     engines: list[JsonValue] = [_engine_json(engine) for engine in cfg.engines]
     models: list[JsonValue] = [model_json(model) for model in cfg.models]
     return {
@@ -152,6 +153,13 @@ def to_jsonable(cfg: FleetConfig, *, redact: bool = True) -> dict[str, JsonValue
                 "otlp_endpoint": tracing.otlp_endpoint,
                 "service_name": tracing.service_name,
                 "sample_ratio": tracing.sample_ratio,
+            },
+            "replicas": {
+                "nats": replicas.nats,
+                "cluster": replicas.cluster,
+                "publish_interval_s": replicas.publish_interval_s,
+                "peer_timeout_s": replicas.peer_timeout_s,
+                "snapshot_timeout_s": replicas.snapshot_timeout_s,
             },
             "kubernetes": _plain(frontend.kubernetes),
         },
@@ -285,6 +293,7 @@ def _frontend_rows(frontend: FrontendConfig) -> list[tuple[str, str]]:
         ("limits.max_queue", str(frontend.limits.max_queue)),
         ("limits.queue_timeout_s", _scalar(frontend.limits.queue_timeout_s)),
         ("tracing", _tracing_row(frontend.tracing)),
+        ("replicas", _replicas_row(frontend.replicas)),
         ("kubernetes", _kubernetes_row(frontend.kubernetes)),
     ]
 
@@ -324,8 +333,8 @@ def _model_rows(model: ModelConfig) -> list[tuple[str, str]]:
         ("context_length", "what the engines report" if model.context_length is None
          else str(model.context_length)),
         ("owned_by", model.owned_by),
-        ("tool_parser", model.tool_parser or "none"),
-        ("reasoning_parser", model.reasoning_parser or "none"),
+        ("tool_parser", model.tool_parser or "detected from the chat template"),
+        ("reasoning_parser", model.reasoning_parser or "detected from the chat template"),
         ("sampling", ", ".join(sampling) or "the request's (OpenAI defaults)"),
         ("routing.policy", model.routing.policy),
         ("routing.knobs", knobs or "none"),
@@ -361,6 +370,12 @@ def _tracing_row(tracing: TracingConfig) -> str:
         return "off"
     return (f"{tracing.otlp_endpoint} (service {tracing.service_name},"
             f" sampling {_scalar(tracing.sample_ratio)})")
+
+
+def _replicas_row(replicas: ReplicasConfig) -> str:
+    if replicas.nats is None:
+        return "alone (shares nothing with other replicas)"
+    return f"share over {replicas.nats} (cluster {replicas.cluster})"
 
 
 def _engine_lines(engine: EngineConfig) -> list[str]:

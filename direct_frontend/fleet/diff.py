@@ -20,8 +20,11 @@ from direct_frontend.fleet.schema import FleetConfig
 
 #: ``[frontend]`` settings a running daemon cannot change: the listening socket, the
 #: tokenizer loaded at start, the model name every engine was admitted against, and the
-#: log format chosen at start (the command line may override it), and the tracer built at start.
-RESTART_FIELDS = ("listen", "tokenizer", "served_model_name", "log_json", "tracing")
+#: log format chosen at start (the command line may override it), the tracer and the replica
+#: link built at start.
+RESTART_FIELDS = (
+    "listen", "tokenizer", "served_model_name", "log_json", "tracing", "replicas",
+)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -244,7 +244,7 @@ class _Checker(PoolTables, ModelTables):
                 message = f"expected a string, number or boolean, got {described(knob)}"
                 self.report((*path, "knobs", key), message)
         kv_aware = None
-        if policy == "kv_aware":
+        if policy in ("kv_aware", "cache_affinity"):  # the baseline reads the same knobs
             kv_aware = self.knobs(KvAwareKnobs, knobs, (*path, "knobs"))
         by_hand = {"policy": policy, "knobs": Knobs(knobs), "kv_aware": kv_aware}
         return RoutingConfig(**self.fields(RoutingConfig, tbl, path, by_hand))

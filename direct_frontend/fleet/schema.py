@@ -21,7 +21,7 @@ from typing import Literal, TypeVar
 
 from direct_frontend.engines.neutral import EngineRole
 
-RoutingPolicy = Literal["round_robin", "least_loaded", "kv_aware"]
+RoutingPolicy = Literal["round_robin", "least_loaded", "kv_aware", "cache_affinity"]
 EngineKind = Literal["sglang", "vllm", "trtllm"]
 KnobValue = float | int | str | bool
 
@@ -97,14 +97,21 @@ class KvAwareKnobs:
 
     # = the engines' KV block size (vLLM block_size, SGLang page size)
     block_size: int = setting(16, AT_LEAST_ONE)
-    overlap_weight: float = setting(1.0, NON_NEGATIVE)
+    overlap_weight: float = setting(3.0, NON_NEGATIVE)
+    # blocks of prefill one request in flight is worth (its decode slows every step)
+    in_flight_weight: float = setting(8.0, NON_NEGATIVE)
     temperature: float = setting(0.0, NON_NEGATIVE)
     # the load guard spills when the chosen engine has this many requests above the mean …
-    balance_abs_threshold: float = setting(2.0, NON_NEGATIVE)
+    balance_abs_threshold: float = setting(32.0, NON_NEGATIVE)
     # … and this many times the mean
     balance_rel_threshold: float = setting(1.5, NON_NEGATIVE)
+    # where KV events flow, a prefix we sent an engine counts this much of a cached one
+    memory_weight: float = setting(0.5, Rules(at_least=0, at_most=1))
     approx_ttl_s: float = setting(120.0, NON_NEGATIVE)
     approx_max_blocks: int = setting(1 << 20, AT_LEAST_ONE)
+    # an engine's prefix-cache capacity in blocks, for the approximate memory's LRU model
+    # (0: unknown, trust the TTL)
+    approx_capacity_blocks: int = setting(0, NON_NEGATIVE)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -210,6 +217,28 @@ class TracingConfig:
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class ReplicasConfig:
+    """``[frontend.replicas]``: several daemons in front of one fleet, routing as one.
+
+    With ``nats`` unset (the default) a daemon shares nothing with its
+    siblings. With it, each replica tells the others over that NATS server
+    what only it knows (its in-flight load per engine, its approximate-mode
+    placements, the transport faults it saw) and a replica that starts late
+    asks a sibling for its KV index. ``cluster`` names the subjects, so
+    unrelated fleets can share one NATS server. Built at start.
+    """
+
+    nats: str | None = None  # e.g. nats://127.0.0.1:4222
+    cluster: str = "direct-frontend"
+    # how often changed load is sent (a peer's view lags by about this much)
+    publish_interval_s: float = setting(0.02, POSITIVE)
+    # a peer silent this long is forgotten (its load no longer counts)
+    peer_timeout_s: float = setting(3.0, POSITIVE)
+    # how long a late replica waits for a sibling's KV index snapshot at start
+    snapshot_timeout_s: float = setting(2.0, NON_NEGATIVE)
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class KubernetesConfig:
     """``[frontend.kubernetes]``: how ``[[pool]]`` tables reach the Kubernetes API server.
 
@@ -260,6 +289,7 @@ class FrontendConfig:
     faults: FaultsConfig = FaultsConfig()
     limits: LimitsConfig = LimitsConfig()
     tracing: TracingConfig = TracingConfig()
+    replicas: ReplicasConfig = ReplicasConfig()
     kubernetes: KubernetesConfig = KubernetesConfig()
 
     @property
@@ -379,9 +409,10 @@ class ModelConfig:
     """One ``[[model]]``: a model the fleet serves, with its own engines and routing.
 
     ``routing`` and ``limits`` default to ``[frontend]``'s, ``tokenizer`` to
-    ``frontend.tokenizer``. ``tool_parser`` and ``reasoning_parser`` are kept
-    for the output parsers (not applied yet). ``implicit``: made from
-    ``[frontend]`` for a file without ``[[model]]`` tables (a fleet of one model).
+    ``frontend.tokenizer``. ``tool_parser`` and ``reasoning_parser`` name the
+    output parsers (pipeline/parsing.py; unset: detected from the chat template).
+    ``implicit``: made from ``[frontend]`` for a file without ``[[model]]``
+    tables (a fleet of one model).
     """
 
     name: str

@@ -159,6 +159,24 @@ class SequenceTracker(Generic[T]):
             self._state = "idle"
         return actions
 
+    def warm(self, next_seq: int) -> list[Action[T]]:
+        """Continue from a sibling's snapshot, already loaded, that applied up to ``next_seq - 1``.
+
+        Nothing is cleared. The gap since the snapshot is replayed from
+        ``next_seq`` (or, without replay, the next live seq must be exactly
+        ``next_seq``), so the usual fencing refuses a stale snapshot: a replay
+        that starts later is lost history, and a live seq at or below the
+        snapshot's last is a publisher that restarted since.
+        """
+        self._buffer.clear()
+        self._anchor_freely = False
+        self._last_live = next_seq - 1 if next_seq > 0 else None
+        if self.replay:
+            return [self._request(next_seq)]
+        self._state = "live"
+        self._next = next_seq
+        return []
+
     def on_disconnected(self) -> list[Action[T]]:
         """The connection dropped: the engine may be gone with its cache; clear.
 

@@ -170,6 +170,12 @@ class Metrics:
             p + "malformed_engine_messages_total", "Engine messages we could not interpret.",
             ("engine",), registry=r,
         )  # fmt: skip
+        self.parser_malformed_total = Counter(
+            p + "parser_malformed_total",
+            "Tool calls or reasoning blocks of model output a parser could not read "
+            "(sent as content), by parser.",
+            ("parser",), registry=r,
+        )  # fmt: skip
         self.migrations_refused_total = Counter(
             p + "migrations_refused_total",
             "Streams ended instead of migrating, by why no other engine could continue them.",
@@ -197,7 +203,8 @@ class Metrics:
         )
         self.kv_prediction_diverged = Gauge(
             p + "kv_prediction_diverged",
-            "1 while predicted and reported cache hits disagree over the recent window.",
+            "Engines whose predicted and reported cache hits disagree over their recent window "
+            "(routed by the approximate prefix memory).",
             registry=r,
         )
         self.kv_load_guard_spills_total = Counter(
@@ -215,6 +222,14 @@ class Metrics:
             p + "kv_malformed_events_total", "KV-event messages that could not be decoded.",
             ("engine",), registry=r,
         )  # fmt: skip
+        self.replica_degraded = Gauge(
+            p + "replica_degraded",
+            "1 while [frontend.replicas] is set but NATS is out of reach: routing on "
+            "this replica's own state only.", registry=r,
+        )  # fmt: skip
+        self.replica_peers = Gauge(
+            p + "replica_peers", "Sibling replicas heard from recently.", registry=r
+        )
         r.register(ShimGauge(
             p + "shim_active",
             "1 while a hot-path shim over a library's internals is in use, by shim "

@@ -22,9 +22,19 @@ class EngineLoad:
     in_flight: int = 0
     prompt_tokens_in_flight: int = 0
     requests_total: int = 0
+    #: what the other replicas of this router have in flight here (control/replicas.py):
+    #: requests, and the KV blocks they hold (``peer_blocks`` of them); none without replicas
+    peer_in_flight: int = 0
+    peer_active: frozenset[int] = frozenset()
+    peer_blocks: int = 0
     #: one callback per running stream that asks it to move to another engine
     #: (a planned migration off a draining engine)
     movers: set[Callable[[], None]] = dataclasses.field(default_factory=set)
+
+    @property
+    def fleet_in_flight(self) -> int:
+        """Requests in flight here from every replica: the load a policy weighs."""
+        return self.in_flight + self.peer_in_flight
 
     def move_all(self) -> int:
         """Ask every stream running here to continue elsewhere; returns how many were asked."""
@@ -57,8 +67,11 @@ class EngineLoad:
                 del active[block]
 
     def new_blocks(self, blocks: Sequence[int]) -> int:
-        """How many of ``blocks`` are not already held by a request in flight."""
+        """How many of ``blocks`` are not already held by a request in flight (any replica's)."""
         active = self.active_blocks
+        peer = self.peer_active
+        if peer:
+            return sum(1 for block in blocks if block not in active and block not in peer)
         return sum(1 for block in blocks if block not in active)
 
 

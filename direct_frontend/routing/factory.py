@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Collection
 
 from direct_frontend.fleet.schema import RoutingConfig
-from direct_frontend.routing.kv_aware import KvAware, OverlapSource
+from direct_frontend.routing.kv_aware import CacheAffinity, KvAware, OverlapSource
+from direct_frontend.routing.peers import PlacementShare
 from direct_frontend.routing.policies import LeastLoaded, Policy, RoundRobin
 
 
@@ -13,8 +14,14 @@ def make_policy(
     routing: RoutingConfig,
     exact: OverlapSource | None = None,
     live: Collection[int] = (),
+    placements: PlacementShare | None = None,
+    diverged: Collection[int] = (),
 ) -> Policy:
     """The policy object; ``exact``/``live`` are the KV-event index and the incarnations it covers.
+
+    ``placements`` (replicas) shares a ``kv_aware`` policy's approximate placements;
+    ``diverged``: of the incarnations, the ones the hit-rate check found drifting
+    (routed approximately).
 
     The knobs were checked when the fleet file was loaded.
     """
@@ -22,6 +29,10 @@ def make_policy(
         return RoundRobin()
     if routing.policy == "least_loaded":
         return LeastLoaded()
-    policy = KvAware(routing.kv_aware, exact)
+    kind = CacheAffinity if routing.policy == "cache_affinity" else KvAware
+    policy = kind(routing.kv_aware, exact)
     policy.uses_events = live
+    policy.diverged = diverged
+    if placements is not None:
+        placements.attach(policy.approx)
     return policy

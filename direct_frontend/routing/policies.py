@@ -98,7 +98,7 @@ class RoundRobin:
 
 
 class LeastLoaded:
-    """The engine with the fewest in-flight requests; ties go round-robin."""
+    """The engine with the fewest in-flight requests (all replicas'); ties go round-robin."""
 
     name = "least_loaded"
 
@@ -112,8 +112,8 @@ class LeastLoaded:
         candidates = [e for e in catalog.aggregated if e.name not in exclude]
         if not candidates:
             return None
-        least = min(e.load.in_flight for e in candidates)
-        tied = [e for e in candidates if e.load.in_flight == least]
+        least = min(e.load.fleet_in_flight for e in candidates)
+        tied = [e for e in candidates if e.load.fleet_in_flight == least]
         self._tie += 1
         return self._placements.of(catalog, tied[self._tie % len(tied)])
 

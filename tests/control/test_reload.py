@@ -23,7 +23,12 @@ import pytest
 from direct_frontend.control.reload import keep_restart_fields
 from direct_frontend.errors import EngineError, ErrorKind
 from direct_frontend.fleet.diff import RESTART_FIELDS, diff_fleets
-from direct_frontend.fleet.schema import FleetConfig, FrontendConfig, TracingConfig
+from direct_frontend.fleet.schema import (
+    FleetConfig,
+    FrontendConfig,
+    ReplicasConfig,
+    TracingConfig,
+)
 from direct_frontend.simulator.engine import SimEngine
 from direct_frontend.simulator.model import TimingModel
 from tests.support.daemon import Daemon, fleet_text, running_daemon, sim_engine, wait_for
@@ -575,9 +580,11 @@ def test_a_reload_keeps_exactly_the_settings_that_need_a_restart() -> None:
                              max_tokens_default=5)
     new = FrontendConfig(served_model_name="b", tokenizer=Path("t2"), listen_host="::1",
                          listen_port=2, log_json=True, max_tokens_default=9,
-                         tracing=TracingConfig(otlp_endpoint="http://127.0.0.1:4318/v1/traces"))
+                         tracing=TracingConfig(otlp_endpoint="http://127.0.0.1:4318/v1/traces"),
+                         replicas=ReplicasConfig(nats="nats://127.0.0.1:4222"))
     kept = keep_restart_fields(new, running)
     assert kept.tracing == running.tracing  # the tracer is built at start
+    assert kept.replicas == running.replicas  # so is the replica link
     assert (kept.listen, kept.tokenizer, kept.served_model_name, kept.log_json) == (
         "127.0.0.1:1", Path("t1"), "a", False
     )

@@ -219,3 +219,55 @@ def test_the_shipped_multi_model_example_runs_as_it_is(tmp_path: Path) -> None:
                     model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=4
                 )
                 assert reply.choices[0].message.content
+
+
+def test_an_engine_whose_discovery_disagrees_with_the_file_is_refused(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    head = frontend_table(model_dir, '[[model]]\nname = "chat"\n\n[[model]]\nname = "coder"\n')
+    engines = [
+        engine("chat-1", "sglang", "chat"),
+        engine("liar", "vllm", "chat", sim_model="coder"),  # says chat, serves coder
+    ]
+    with running_daemon(tmp_path, head + "\n" + "\n\n".join(engines) + "\n") as daemon:
+        daemon.wait_serving(1)
+
+        def liar() -> dict[str, object]:
+            view = get_json(daemon.url + "/fleet")
+            return next(e for e in view["engines"] if e["name"] == "liar")
+
+        wait_for(lambda: liar()["state"] == "refused", what="the engine refused")
+        assert liar()["last_error"] == (
+            "discovery reports model 'coder' but the fleet file says model = 'chat'"
+        )
+        with openai_client(daemon) as client:
+            for _ in range(4):
+                client.completions.create(model="chat", prompt="hi", max_tokens=2)
+        assert engine_requests(daemon)["liar"] == 0
+
+
+def test_a_stream_of_a_removed_model_runs_to_its_end(model_dir: Path, tmp_path: Path) -> None:
+    head = frontend_table(model_dir, '[[model]]\nname = "chat"\n\n[[model]]\nname = "extra"\n')
+    kept = engine("chat-1", "sglang", "chat")
+    text = head + "\n" + kept + "\n\n" + engine("extra-1", "vllm", "extra", slow=True) + "\n"
+    with running_daemon(tmp_path, text) as daemon, openai_client(daemon) as client:
+        daemon.wait_serving(2)
+        stream = client.completions.create(
+            model="extra", prompt="long", max_tokens=60, stream=True,  # 1.2 s at 20 ms a token
+            stream_options={"include_usage": True},
+        )
+        pieces = [next(iter(stream)).choices[0].text]
+        chat_before = engine_requests(daemon)["chat-1"]
+        daemon.fleet.source.write_text(head.replace('\n\n[[model]]\nname = "extra"\n', "\n")
+                                       + "\n" + kept + "\n")
+        wait_for(lambda: daemon.control.models.get("extra") is None, what="extra removed")
+        finish, completion = None, None
+        for chunk in stream:
+            if chunk.choices:
+                pieces.append(chunk.choices[0].text)
+                finish = chunk.choices[0].finish_reason or finish
+            if chunk.usage is not None:
+                completion = chunk.usage.completion_tokens
+        assert (finish, completion) == ("length", 60)  # drained, not cut
+        assert "".join(pieces)
+        assert engine_requests(daemon)["chat-1"] == chat_before  # never on another model's engine

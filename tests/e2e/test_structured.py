@@ -265,3 +265,15 @@ def test_a_constrained_stream_never_continues_unconstrained(
         assert not any("~" in rid for sim in sims.values() for rid in sim.stats.received)
         body = httpx.get(daemon.url + "/metrics").text
         assert 'direct_frontend_migrations_refused_total{reason="constraint"} 1.0' in body
+
+
+def test_continuous_usage_stats_with_logprobs(daemon: Daemon) -> None:
+    chunks = list(client(daemon).chat.completions.create(
+        model="demo", messages=CHAT, max_tokens=5, stream=True, logprobs=True, top_logprobs=2,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},  # type: ignore[typeddict-unknown-key]
+    ))
+    content = [c for c in chunks if c.choices and c.choices[0].logprobs is not None]
+    assert content and all(c.usage is not None for c in content)
+    positions = [p for c in content for p in (c.choices[0].logprobs.content or [])]  # type: ignore[union-attr]
+    assert len(positions) == 5 and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == 5

@@ -123,9 +123,10 @@ def test_secret_errors_never_quote_the_value() -> None:
 
 def test_restart_fields_name_real_frontend_fields() -> None:
     fields = set(FrontendConfig.__dataclass_fields__)
-    assert {"listen_host", "tokenizer", "served_model_name", "log_json", "tracing"} <= fields
+    assert {"listen_host", "tokenizer", "served_model_name", "log_json", "tracing",
+            "replicas"} <= fields
     assert set(RESTART_FIELDS) == {
-        "listen", "tokenizer", "served_model_name", "log_json", "tracing",
+        "listen", "tokenizer", "served_model_name", "log_json", "tracing", "replicas",
     }
 
 

@@ -350,7 +350,7 @@ def test_unknown_keys_in_every_table() -> None:
         "fleet.toml:5: frontend.port: unknown key (expected one of: listen, served_model_name, "
         "tokenizer, max_body_bytes, max_tokens_default, request_timeout_s, "
         "header_timeout_s, body_timeout_s, log_json, drain_timeout_s, allow_empty_fleet, "
-        "routing, probe, admin, auth, faults, limits, tracing, kubernetes)",
+        "routing, probe, admin, auth, faults, limits, tracing, replicas, kubernetes)",
         "fleet.toml:7: frontend.routing.polcy: unknown key (expected one of: policy, knobs)",
         "fleet.toml:9: frontend.probe.interval: unknown key (expected one of: interval_s, "
         "timeout_s, failure_threshold, success_threshold, join_timeout_s)",
@@ -493,7 +493,7 @@ def test_bad_policy_and_role() -> None:
     )
     assert found == [
         "fleet.toml:4: frontend.routing.policy: 'random' is not a valid policy "
-        "(expected one of: round_robin, least_loaded, kv_aware)",
+        "(expected one of: round_robin, least_loaded, kv_aware, cache_affinity)",
         "fleet.toml:8: engine[1].role: 'both-ish' is not a valid role "
         "(expected one of: both, prefill, decode)",
     ]

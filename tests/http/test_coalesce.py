@@ -38,7 +38,9 @@ def _protocol(cls: type[H11Protocol], writes: list[Any]) -> H11Protocol:
     async def send(event: Any) -> None:
         writes.append(event)
 
-    protocol = cls(None, Config(), WorkerContext(None), None, None, False, None, None, send)  # type: ignore[arg-type]
+    config = Config()
+    config.include_date_header = False  # two plays a second apart would differ in it
+    protocol = cls(None, config, WorkerContext(None), None, None, False, None, None, send)  # type: ignore[arg-type]
     protocol.connection.receive_data(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
     assert isinstance(protocol.connection.next_event(), h11.Request)
     assert isinstance(protocol.connection.next_event(), h11.EndOfMessage)

@@ -311,7 +311,7 @@ def test_removals_really_give_memory_back() -> None:
         (stored([1], seq_tokens(1), medium="CPU"), "tier"),
         (stored([1], seq_tokens(1), medium="WEIRD"), "tier"),
         (stored([1], [], block_size=0), "placeholder"),
-        (stored([1], seq_tokens(1)[:2], block_size=2), "block_size"),
+        (stored([1], seq_tokens(1)[:3], block_size=3), "block_size"),
         (stored([1, 2], seq_tokens(1)), "unaligned"),
         (stored([1], seq_tokens(1), parent=1), "self_parent"),
         (stored([1, 1], seq_tokens(2)), "self_parent"),
@@ -418,3 +418,53 @@ def test_clearing_a_big_engine_is_immediate_and_swept_in_steps() -> None:
     for _ in range(10):
         index.apply_events("b", ())
     assert index.stats().pending_sweep == 0 and index.stats().prefixes == 10
+
+
+# -- snapshots --------------------------------------------------------------------
+
+
+def test_an_exported_engine_imports_to_the_same_lookups_and_keeps_applying() -> None:
+    from direct_frontend.kv.snapshot import (
+        IndexSnapshot,
+        RankSnapshot,
+        Reassembly,
+        decode_snapshot,
+        encode_snapshot,
+        split,
+    )
+
+    old = KvIndex(BS)
+    tokens = seq_tokens(6)
+    hashes = store_chain(old, "g1r0", tokens, salt=7)
+    store_chain(old, "g1r0", seq_tokens(2, base=900), salt=8)
+    old.store("g1r0", stored([hashes[0]], tokens[:BS]))  # a second copy of block 0
+    blocks, copies = old.export_engine("g1r0")
+    rank = RankSnapshot.of(("a", "grpc://a:1", "tcp://a:2", 0), 12, blocks, copies)
+    snapshot = IndexSnapshot("sibling", BS, [rank])
+    assembly = Reassembly()
+    for chunk in reversed(split(encode_snapshot(snapshot), size=64)):
+        assembly.add(chunk)
+    assert assembly.done
+    received = decode_snapshot(assembly.data())
+    assert received == snapshot and len(received.ranks[0]) == 8
+
+    new = KvIndex(BS)
+    loaded = new.import_engine("g5r0", received.ranks[0].blocks(), received.ranks[0].copies)
+    assert loaded == 8 and len(new) == len(old)
+    for prompt in (tokens, seq_tokens(2, base=900), tokens[: 3 * BS]):
+        assert new.lookup(prompt) == {"g5r0": old.lookup(prompt)["g1r0"]}
+    # the engine's own hashes came along: a child stored under an old parent chains on
+    child = seq_tokens(1, base=2000)
+    for index, key in ((old, "g1r0"), (new, "g5r0")):
+        index.store(key, stored([99_999], child, parent=hashes[-1]))
+        index.remove(key, BlockRemoved(block_hashes=(hashes[0],), medium="GPU"))
+    assert new.lookup([*tokens, *child]) == {"g5r0": 7}
+    assert old.lookup([*tokens, *child]) == {"g1r0": 7}  # block 0 had two copies: still held
+
+
+def test_a_malformed_snapshot_rank_says_so() -> None:
+    from direct_frontend.kv.snapshot import RankSnapshot
+
+    rank = RankSnapshot("a", "u", "e", 0, 1, b"\0" * 16, b"\0" * 8)
+    with pytest.raises(ValueError, match="differ in number"):
+        list(rank.blocks())

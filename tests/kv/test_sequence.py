@@ -227,3 +227,41 @@ def test_a_jump_inside_the_replay_is_a_loss() -> None:
     request = replay_of(live(tracker, 9))
     actions = replayed(tracker, request.attempt, 0, 1, 5)
     assert applied(actions) == [0, 1, 5] and clears(actions) == ["history_lost"]
+
+
+# -- a late replica warmed from a sibling's snapshot ---------------------------------
+
+
+def test_warm_start_replays_only_what_followed_the_snapshot() -> None:
+    tracker: SequenceTracker[str] = SequenceTracker(replay=True)
+    actions = tracker.warm(40)
+    assert clears(actions) == []  # the sibling's entries stay
+    request = replay_of(actions)
+    assert request.start_seq == 40
+    assert replayed(tracker, request.attempt, 40, 41) == [Apply(40, "r40"), Apply(41, "r41")]
+    assert tracker.on_replay_end(request.attempt) == []
+    assert applied(live(tracker, 42)) == [42]
+
+
+def test_a_stale_snapshot_whose_history_is_gone_is_refused() -> None:
+    tracker: SequenceTracker[str] = SequenceTracker(replay=True)
+    request = replay_of(tracker.warm(40))
+    actions = replayed(tracker, request.attempt, 55)  # the ring buffer moved past 40
+    assert clears(actions) == ["history_lost"] and applied(actions) == [55]
+
+
+def test_a_snapshot_from_before_the_publisher_restarted_is_refused() -> None:
+    tracker: SequenceTracker[str] = SequenceTracker(replay=True)
+    request = replay_of(tracker.warm(40))
+    assert tracker.on_replay_end(request.attempt) == []  # nothing at or past 40
+    actions = live(tracker, 3)  # a new process counting from 0
+    assert clears(actions) == ["restart"]
+
+
+def test_warm_start_without_replay_needs_the_very_next_seq() -> None:
+    tracker: SequenceTracker[str] = SequenceTracker(replay=False)
+    assert tracker.warm(10) == []
+    assert applied(live(tracker, 10)) == [10]
+    fresh: SequenceTracker[str] = SequenceTracker(replay=False)
+    fresh.warm(10)
+    assert clears(live(fresh, 12)) == ["gap"]

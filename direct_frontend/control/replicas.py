@@ -1,0 +1,415 @@
+"""The replica link: several daemons in front of one fleet, routing as one, over NATS.
+
+Each replica still follows every engine itself (probes, KV events); over
+NATS it tells its siblings only what nobody else can know
+(control/replica_wire.py): its in-flight requests and blocks per engine (the
+load term of the routing cost, routing/peers.py), the approximate-mode
+placements it makes, and the transport faults its requests see, which every
+sibling acts on at once. A replica that starts late asks one sibling (a
+queue group picks it) for its KV index before its engines start
+(control/kv_plane.py ``offer``).
+
+nats-py is asyncio; like the engines' gRPC channels (engines/transport.py)
+it runs on the trio-asyncio loop, every call through ``aio_as_trio``, and
+its message callbacks only hand messages to a Trio channel, so every
+decision is taken in a Trio task. Nothing a request does ever waits on
+NATS: the data plane only appends to in-memory outboxes, and a link that is
+down (degraded: ``/fleet`` and ``direct_frontend_replica_degraded`` say so)
+means routing on local state alone until it is back, when the next report
+resyncs everyone.
+"""
+
+from __future__ import annotations
+
+# isort: split
+import trio_asyncio  # before nats and grpclib, see cli.py
+
+# isort: split
+import logging
+import math
+import os
+import secrets
+import socket
+import time
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import trio
+
+from direct_frontend.control.replica_wire import (
+    FaultReport,
+    LoadReport,
+    Placements,
+    Subjects,
+    decode,
+    encode,
+)
+from direct_frontend.errors import EngineError
+from direct_frontend.fleet.describe import JsonValue
+from direct_frontend.fleet.schema import ReplicasConfig
+from direct_frontend.kv.snapshot import Reassembly, decode_snapshot, encode_snapshot, split
+from direct_frontend.routing.catalog import EngineHandle
+from direct_frontend.routing.peers import (
+    Loads,
+    PeerLoads,
+    PlacementShare,
+    apply_peer_loads,
+    local_loads,
+)
+
+if TYPE_CHECKING:
+    from direct_frontend.control.kv_plane import KvPlane
+    from direct_frontend.control.supervisor import Supervisor
+    from direct_frontend.observability.metrics import Metrics
+
+log = logging.getLogger("direct_frontend.replicas")
+
+RECONNECT_WAIT_S = 0.25
+CONNECT_TIMEOUT_S = 1.0
+GOODBYE_TIMEOUT_S = 1.0
+#: faults kept while the link is down (they are only news for a short while)
+MAX_PENDING_FAULTS = 64
+
+Inbound = tuple[str, bytes, str]  # subject, data, reply subject
+
+
+class ReplicaLink:
+    """One replica's side of the link; :meth:`run` owns the NATS connection."""
+
+    def __init__(
+        self,
+        config: ReplicasConfig,
+        supervisor: Supervisor,
+        placements: PlacementShare,
+        *,
+        kv: KvPlane | None = None,
+        metrics: Metrics | None = None,
+        replica_id: str | None = None,
+    ) -> None:
+        assert config.nats is not None
+        self.config = config
+        self.url = config.nats
+        self.supervisor = supervisor
+        self.placements = placements
+        self.kv = kv
+        self.metrics = metrics
+        self.subjects = Subjects(config.cluster)
+        self.replica = replica_id or (
+            f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+        )
+        self.peers = PeerLoads(config.peer_timeout_s)
+        self.connected = False
+        self.warm = "not asked"  # how the KV index started: from whom, or why not
+        self.counts = {"received": 0, "malformed": 0, "faults_shared": 0,
+                       "faults_acted_on": 0, "snapshots_served": 0, "outages": 0}
+        self._nc: Any = None
+        self._faults: list[FaultReport] = []
+        self._tx, self._rx = trio.open_memory_channel[Inbound](math.inf)
+        self._seq = 0
+        self._last_sent: Loads | None = None
+        self._last_sent_at = -math.inf
+        self._wake = trio.Event()  # news to send before the next tick: a placement, a fault
+        supervisor.fault_listeners.append(self._on_fault)
+        placements.notify = self._wake.set
+
+    # -- the view ---------------------------------------------------------------------
+
+    @property
+    def degraded(self) -> bool:
+        """The link is down: routing uses this replica's own state only."""
+        return not self.connected
+
+    def status(self) -> JsonValue:
+        """The ``replicas`` part of ``GET /fleet``."""
+        return {
+            "replica": self.replica,
+            "nats": self.url,
+            "cluster": self.config.cluster,
+            "connected": self.connected,
+            "degraded": self.degraded,
+            "peers": list(self.peers.replicas),
+            "kv_warm_start": self.warm,
+            "counts": dict(self.counts),
+        }
+
+    # -- data-plane hooks (synchronous: never wait on NATS) ------------------------------
+
+    def _on_fault(self, engine: EngineHandle, error: EngineError) -> None:
+        if len(self._faults) < MAX_PENDING_FAULTS:
+            self._faults.append(FaultReport.of(self.replica, engine.name, engine.url, error))
+            self._wake.set()
+
+    # -- the task -----------------------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Connect, warm the KV index from a sibling, then share until cancelled.
+
+        Started before the engines, so a sibling's snapshot is in place when
+        their KV subscriptions start. NATS down at start costs one connect
+        timeout; the link keeps trying in the background.
+        """
+        try:
+            async with trio.open_nursery() as nursery:
+                if await self._connect():
+                    await self._warm_start()
+                    await self._subscribe()
+                else:
+                    self.warm = "NATS unreachable at start"
+                    nursery.start_soon(self._connect_later)
+                task_status.started()
+                nursery.start_soon(self._receive_loop)
+                await self._publish_loop()
+        finally:
+            with trio.CancelScope(shield=True), trio.move_on_after(GOODBYE_TIMEOUT_S):
+                await self._goodbye()
+
+    async def _connect(self) -> bool:
+        import nats  # the replicas extra: imported only when configured
+
+        async def disconnected() -> None:
+            if self.connected:
+                self.counts["outages"] += 1
+                log.warning("replicas: lost NATS at %s; routing on local state until it "
+                            "is back", self.url)
+            self.connected = False
+            self.peers.clear()  # their word is stale from now on
+            self._apply_peers()
+
+        async def reconnected() -> None:
+            self.connected = True
+            self._last_sent = None  # resync: everyone hears our whole state at once
+            log.info("replicas: NATS at %s is back", self.url)
+
+        async def error(exc: Exception) -> None:
+            log.debug("replicas: NATS client error: %s", exc)
+
+        try:
+            with trio.fail_after(CONNECT_TIMEOUT_S * 2):
+                self._nc = await trio_asyncio.aio_as_trio(nats.connect)(
+                    servers=[self.url], name=self.replica, no_echo=True,
+                    allow_reconnect=True, max_reconnect_attempts=-1,
+                    reconnect_time_wait=RECONNECT_WAIT_S, connect_timeout=CONNECT_TIMEOUT_S,
+                    ping_interval=5, max_outstanding_pings=2,
+                    disconnected_cb=disconnected, reconnected_cb=reconnected, error_cb=error,
+                )
+        except Exception as exc:
+            log.warning("replicas: cannot reach NATS at %s (%s); routing on local state",
+                        self.url, exc.__class__.__name__)
+            return False
+        self.connected = True
+        log.info("replicas: replica %s sharing over %s (cluster %s)", self.replica, self.url,
+                 self.config.cluster)
+        return True
+
+    async def _connect_later(self) -> None:
+        connected = False
+        while not connected:
+            await trio.sleep(RECONNECT_WAIT_S * 4)  # a retry cadence, not a wait for an event
+            connected = await self._connect()
+        await self._subscribe()
+
+    async def _subscribe(self) -> None:
+        nc = self._nc
+        tx = self._tx
+
+        async def deliver(msg: Any) -> None:  # asyncio side: hand over, decide nothing
+            tx.send_nowait((msg.subject, msg.data, msg.reply))
+
+        subscribe = trio_asyncio.aio_as_trio(nc.subscribe)
+        for subject in (self.subjects.load, self.subjects.fault, self.subjects.placements):
+            await subscribe(subject, cb=deliver)
+        if self.kv is not None:
+            # a queue group: one sibling answers each late replica
+            await subscribe(self.subjects.snapshot, queue="kv-snapshot", cb=deliver)
+
+    async def _publish(self, subject: str, data: bytes) -> bool:
+        if self._nc is None or not self.connected:
+            return False
+        try:
+            await trio_asyncio.aio_as_trio(self._nc.publish)(subject, data)
+        except Exception as exc:  # never let the link fail the daemon
+            log.debug("replicas: publish on %s failed: %s", subject, exc)
+            return False
+        return True
+
+    # -- sending --------------------------------------------------------------------------
+
+    async def _publish_loop(self) -> None:
+        heartbeat = self.config.peer_timeout_s / 3
+        while True:
+            now = time.monotonic()
+            if self.peers.expire(now):
+                self._apply_peers()
+            else:  # the catalog may hold new handles: keep their peer counters current
+                apply_peer_loads(self.supervisor.catalog.engines, self.peers.totals())
+            loads = local_loads(self.supervisor.catalog.engines)
+            due = loads != self._last_sent or now - self._last_sent_at > heartbeat
+            if self.connected and due:
+                self._seq += 1
+                if await self._publish(self.subjects.load,
+                                       encode(LoadReport.of(self.replica, self._seq, loads))):
+                    self._last_sent, self._last_sent_at = loads, now
+            faults, self._faults = self._faults, []
+            for fault in faults:
+                if await self._publish(self.subjects.fault, encode(fault)):
+                    self.counts["faults_shared"] += 1
+            placed = self.placements.take()
+            if placed:
+                await self._publish(self.subjects.placements,
+                                    encode(Placements.of(self.replica, placed)))
+            self._export()
+            with trio.move_on_after(self.config.publish_interval_s):
+                await self._wake.wait()
+            if self._wake.is_set():
+                self._wake = trio.Event()
+                self.placements.notify = self._wake.set
+                await trio.lowlevel.checkpoint()  # the request that placed it books its load
+
+    async def _goodbye(self) -> None:
+        nc, self._nc = self._nc, None
+        if nc is None:
+            return
+        if self.connected:
+            self._seq += 1
+            report = LoadReport.of(self.replica, self._seq, {}, leaving=True)
+            try:
+                await trio_asyncio.aio_as_trio(nc.publish)(self.subjects.load, encode(report))
+                await trio_asyncio.aio_as_trio(nc.flush)(0.5)
+            except Exception as exc:
+                log.debug("replicas: goodbye not sent: %s", exc)
+        self.connected = False
+        try:
+            await trio_asyncio.aio_as_trio(nc.close)()
+        except Exception as exc:
+            log.debug("replicas: NATS close: %s", exc)
+
+    # -- receiving ----------------------------------------------------------------------
+
+    async def _receive_loop(self) -> None:
+        async for subject, data, reply in self._rx:
+            self.counts["received"] += 1
+            if subject == self.subjects.load:
+                self._on_load(data)
+            elif subject == self.subjects.fault:
+                self._on_peer_fault(data)
+            elif subject == self.subjects.placements:
+                self._on_placements(data)
+            elif subject == self.subjects.snapshot:
+                await self._serve_snapshot(data, reply)
+
+    def _malformed(self, what: str) -> None:
+        self.counts["malformed"] += 1
+        log.debug("replicas: a malformed %s message (skipped)", what)
+
+    def _on_load(self, data: bytes) -> None:
+        report = decode(LoadReport, data)
+        if report is None:
+            return self._malformed("load")
+        if report.replica == self.replica:
+            return None
+        if report.leaving:
+            self.peers.leave(report.replica)
+        else:
+            self.peers.update(report.replica, report.seq, report.unpacked(), time.monotonic())
+        self._apply_peers()
+        return None
+
+    def _apply_peers(self) -> None:
+        apply_peer_loads(self.supervisor.catalog.engines, self.peers.totals())
+
+    def _on_peer_fault(self, data: bytes) -> None:
+        report = decode(FaultReport, data)
+        if report is None:
+            return self._malformed("fault")
+        error = report.error()
+        if report.replica == self.replica or error is None:
+            return None
+        if self.supervisor.report_peer_fault(report.engine, report.url, error):
+            self.counts["faults_acted_on"] += 1
+            log.info("engine %s: out of rotation, replica %s saw it fail (%s)", report.engine,
+                     report.replica, report.message, extra={"engine": report.engine})
+        return None
+
+    def _on_placements(self, data: bytes) -> None:
+        message = decode(Placements, data)
+        if message is None:
+            return self._malformed("placements")
+        if message.replica == self.replica:
+            return None
+        now = time.monotonic()
+        for engine, hashes in message.each():
+            self.placements.from_peer(engine, hashes, now)
+        return None
+
+    # -- KV index snapshots -------------------------------------------------------------
+
+    async def _serve_snapshot(self, inbox: bytes, reply: str) -> None:
+        """A late sibling asks: say yes, then send our index to its inbox in chunks."""
+        if self.kv is None or not reply:
+            return
+        data = encode_snapshot(self.kv.snapshot(self.replica))  # one synchronous look
+        await self._publish(reply, b"ok")
+        target = inbox.decode(errors="replace")
+        for chunk in split(data):
+            await self._publish(target, chunk)
+        self.counts["snapshots_served"] += 1
+
+    async def _warm_start(self) -> None:
+        """Ask one sibling for its KV index; load it, or say why not (then start cold)."""
+        if self.kv is None:
+            self.warm = "no KV index"
+            return
+        import nats.errors
+
+        timeout = self.config.snapshot_timeout_s
+        nc = self._nc
+        inbox = nc.new_inbox()
+        chunks_tx, chunks_rx = trio.open_memory_channel[bytes](math.inf)
+
+        async def deliver(msg: Any) -> None:
+            chunks_tx.send_nowait(msg.data)
+
+        subscription = await trio_asyncio.aio_as_trio(nc.subscribe)(inbox, cb=deliver)
+        try:
+            with trio.move_on_after(timeout) as scope:
+                try:
+                    await trio_asyncio.aio_as_trio(nc.request)(
+                        self.subjects.snapshot, inbox.encode(), timeout=timeout
+                    )
+                except nats.errors.NoRespondersError:
+                    self.warm = "cold: no sibling to ask"
+                    return
+                except nats.errors.TimeoutError:
+                    self.warm = "cold: no sibling answered"
+                    return
+                assembly = Reassembly()
+                while not assembly.done:
+                    assembly.add(await chunks_rx.receive())
+                snapshot = decode_snapshot(assembly.data())
+            if scope.cancelled_caught:
+                self.warm = f"cold: the snapshot did not arrive within {timeout:g}s"
+                return
+        except (ValueError, msgspec.DecodeError) as exc:
+            self.warm = f"cold: a malformed snapshot ({exc})"
+            return
+        finally:
+            try:
+                await trio_asyncio.aio_as_trio(subscription.unsubscribe)()
+            except Exception as exc:
+                log.debug("replicas: unsubscribe: %s", exc)
+        refused = self.kv.offer(snapshot)
+        blocks = sum(len(rank) for rank in snapshot.ranks)
+        if refused is not None:
+            self.warm = f"refused {snapshot.replica}'s snapshot: {refused}"
+            log.warning("replicas: %s", self.warm)
+        else:
+            self.warm = (f"from {snapshot.replica}: {len(snapshot.ranks)} rank(s), "
+                         f"{blocks} blocks")
+            log.info("replicas: KV index warm %s", self.warm)
+
+    # -- metrics ------------------------------------------------------------------------
+
+    def _export(self) -> None:
+        if self.metrics is not None:
+            self.metrics.replica_degraded.set(1 if self.degraded else 0)
+            self.metrics.replica_peers.set(len(self.peers))

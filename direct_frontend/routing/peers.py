@@ -1,0 +1,141 @@
+"""What sibling replicas of this router tell it, as the policies read it (sans-IO).
+
+Several daemons in front of one fleet each know only their own requests.
+Over the replica link (control/replicas.py) each one sends, every time it
+changes, its in-flight requests and KV blocks per engine (by engine name:
+incarnation numbers are local) and the approximate-mode placements it
+makes. :class:`PeerLoads` keeps the latest word of every peer and forgets a
+peer that fell silent; :func:`apply_peer_loads` writes the sums into the
+catalog's load counters, where the cost functions read them
+(``EngineLoad.fleet_in_flight``, ``EngineLoad.peer_blocks``).
+:class:`PlacementShare` sits between the link and whichever ``kv_aware``
+policy is current (a reload builds a new one).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Mapping, Sequence
+
+from direct_frontend.routing.catalog import EngineHandle
+from direct_frontend.routing.kv_aware import ApproxPrefixIndex
+
+#: engine name → (requests in flight, the KV blocks they hold). The blocks themselves, not
+#: a count: requests sharing a prefix hold its blocks once, whichever replica sent them,
+#: so a prompt in flight elsewhere does not make its own cache look busy.
+Loads = dict[str, tuple[int, frozenset[int]]]
+
+_NONE: tuple[int, frozenset[int]] = (0, frozenset())
+
+
+def local_loads(engines: Iterable[EngineHandle]) -> Loads:
+    """This replica's own load per engine name (an engine's incarnations summed)."""
+    out: Loads = {}
+    for engine in engines:
+        load = engine.load
+        requests, blocks = out.get(engine.name, _NONE)
+        out[engine.name] = (requests + load.in_flight, blocks | load.active_blocks.keys())
+    return out
+
+
+def apply_peer_loads(
+    engines: Iterable[EngineHandle], totals: Mapping[str, tuple[int, frozenset[int]]]
+) -> None:
+    """Set every engine's peer counters to what the peers say (none where they say nothing)."""
+    for engine in engines:
+        requests, blocks = totals.get(engine.name, _NONE)
+        load = engine.load
+        load.peer_in_flight = requests
+        load.peer_active = blocks
+        load.peer_blocks = len(blocks)
+
+
+@dataclasses.dataclass(slots=True)
+class _Peer:
+    loads: Loads
+    seen: float
+    seq: int
+
+
+class PeerLoads:
+    """The latest load each peer reported; a peer silent for ``timeout_s`` no longer counts."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self._peers: dict[str, _Peer] = {}
+
+    def update(self, replica: str, seq: int, loads: Loads, now: float) -> bool:
+        """A peer's report; an older one than already held (reordered) is ignored."""
+        peer = self._peers.get(replica)
+        if peer is not None and seq <= peer.seq:
+            return False
+        self._peers[replica] = _Peer(loads, now, seq)
+        return True
+
+    def leave(self, replica: str) -> None:
+        """A peer said goodbye: its load goes at once."""
+        self._peers.pop(replica, None)
+
+    def expire(self, now: float) -> list[str]:
+        """Forget peers not heard from for ``timeout_s``; the ones forgotten."""
+        gone = [r for r, p in self._peers.items() if now - p.seen > self.timeout_s]
+        for replica in gone:
+            del self._peers[replica]
+        return gone
+
+    def clear(self) -> None:
+        self._peers.clear()
+
+    def totals(self) -> Loads:
+        out: Loads = {}
+        for peer in self._peers.values():
+            for name, (requests, blocks) in peer.loads.items():
+                have_requests, have_blocks = out.get(name, _NONE)
+                out[name] = (have_requests + requests, have_blocks | blocks)
+        return out
+
+    @property
+    def replicas(self) -> list[str]:
+        return sorted(self._peers)
+
+    def __len__(self) -> int:
+        return len(self._peers)
+
+
+class PlacementShare:
+    """The current ``kv_aware`` policy's approximate index, and what it placed since last asked.
+
+    The outbox is bounded (``max_pending`` placements): while the link is
+    down, or slow, the oldest word is simply not sent; a peer then learns of
+    that prefix when a request for it comes its own way.
+    """
+
+    def __init__(self, max_pending: int = 4096) -> None:
+        self.max_pending = max_pending
+        self.approx: ApproxPrefixIndex | None = None
+        self._outbox: list[tuple[str, tuple[int, ...]]] = []
+        self.dropped = 0
+        #: called on each new placement, so the link can send it now rather than next tick
+        self.notify: Callable[[], None] | None = None
+
+    def attach(self, approx: ApproxPrefixIndex) -> None:
+        """A new policy's index: its placements go out, peers' come in to it."""
+        approx.on_record = self._placed
+        self.approx = approx
+
+    def _placed(self, engine: str, hashes: Sequence[int]) -> None:
+        if len(self._outbox) >= self.max_pending:
+            self.dropped += 1
+            return
+        self._outbox.append((engine, tuple(hashes)))
+        if self.notify is not None:
+            self.notify()
+
+    def take(self) -> list[tuple[str, tuple[int, ...]]]:
+        """What was placed since the last call (and forget it)."""
+        out, self._outbox = self._outbox, []
+        return out
+
+    def from_peer(self, engine: str, hashes: Sequence[int], now: float) -> None:
+        if self.approx is not None:
+            self.approx.record_peer(engine, hashes, now)

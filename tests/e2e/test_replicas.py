@@ -1,0 +1,293 @@
+"""Router replicas that route as one, over a real nats-server the test starts.
+
+Every replica is the real daemon in-process; the first one embeds the
+simulated engines, the others reach the same engines over gRPC (their fleet
+file says ``simulate = false``), exactly as replicas on other machines would.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.support.daemon import (
+    Daemon,
+    fleet_text,
+    free_port,
+    kv_fleet_text,
+    raw_stream,
+    sim_engine,
+    wait_for,
+)
+from tests.support.nats import NatsServer, nats_binary, running_nats
+
+pytestmark = pytest.mark.skipif(nats_binary() is None, reason="needs nats-server")
+
+SLOW = {"decode_us_per_token": 20_000, "prefill_us_per_token": 0, "eos_probability": 0.0}
+FAST = {"decode_us_per_token": 0, "prefill_us_per_token": 0, "eos_probability": 0.0}
+
+
+def replicas_table(nats: str | None) -> str:
+    if nats is None:
+        return ""
+    return f'[frontend.replicas]\nnats = "{nats}"\npeer_timeout_s = 2.0\n'
+
+
+def fleet_for(
+    model_dir: Path, engines: list[dict[str, Any]], nats: str | None, *, embeds: bool,
+    policy: str = "least_loaded", kv: bool = False,
+) -> str:
+    """One replica's fleet file; only the replica that ``embeds`` runs the simulators."""
+    tables = copy.deepcopy(engines)
+    for table in tables:
+        table["simulate"] = embeds
+        if not embeds:
+            table.pop("simulator", None)
+    extra = replicas_table(nats)
+    if kv:
+        return kv_fleet_text(model_dir, tables, frontend_extra=extra)
+    text = fleet_text(model_dir, tables, frontend_extra=extra)
+    return text.replace("[frontend.probe]",
+                        f'[frontend.routing]\npolicy = "{policy}"\n\n[frontend.probe]')
+
+
+@contextlib.contextmanager
+def replicas(
+    tmp_path: Path, model_dir: Path, engines: list[dict[str, Any]], nats: str | None,
+    count: int, **options: Any,
+) -> Iterator[list[Daemon]]:
+    """``count`` replicas of one fleet, the first embedding the engines; all serving."""
+    started: list[Daemon] = []
+    try:
+        for index in range(count):
+            directory = tmp_path / f"replica{index}"
+            directory.mkdir()
+            path = directory / "fleet.toml"
+            path.write_text(fleet_for(model_dir, engines, nats, embeds=index == 0, **options))
+            started.append(Daemon(path).start())
+        for daemon in started:
+            daemon.wait_serving(len(engines))
+        yield started
+    finally:
+        for daemon in reversed(started):
+            daemon.stop()
+
+
+def fleet(daemon: Daemon) -> dict[str, Any]:
+    body: dict[str, Any] = httpx.get(daemon.url + "/fleet").json()
+    return body
+
+
+def peers_of(daemon: Daemon) -> list[str]:
+    view = fleet(daemon)["replicas"]
+    return list(view["peers"]) if view else []
+
+
+def placed(daemons: list[Daemon]) -> dict[str, int]:
+    """Requests in flight per engine name, summed over the replicas that placed them."""
+    out: dict[str, int] = {}
+    for daemon in daemons:
+        for engine in daemon.supervisor.catalog.engines:
+            out[engine.name] = out.get(engine.name, 0) + engine.load.in_flight
+    return out
+
+
+def peer_view(daemon: Daemon) -> int:
+    return sum(e.load.peer_in_flight for e in daemon.supervisor.catalog.engines)
+
+
+def burst(daemons: list[Daemon], per_replica: int, stack: contextlib.ExitStack,
+          shared: bool) -> None:
+    """Long streams sent round-robin over the replicas, each one placed before the next.
+
+    With sharing, each replica has heard of the others' streams before it
+    places its next one (what "as one router" means across machines).
+    """
+    body = {"model": "demo", "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 400, "stream": True}
+    total = 0
+    for _ in range(per_replica):
+        for daemon in daemons:
+            stack.enter_context(raw_stream(daemon.url, body, 2))
+            total += 1
+            wait_for(lambda n=total: sum(placed(daemons).values()) == n, what="the stream placed")
+            if shared:
+                for other in daemons:
+                    mine = sum(e.load.in_flight for e in other.supervisor.catalog.engines)
+                    wait_for(lambda o=other, m=mine, n=total: peer_view(o) == n - m,
+                             what="the siblings to hear of it")
+
+
+@pytest.mark.parametrize(("count", "policy"), [(2, "kv_aware"), (3, "least_loaded")])
+def test_replicas_share_in_flight_load_and_balance_as_one_router(
+    model_dir: Path, tmp_path: Path, count: int, policy: str
+) -> None:
+    engines = [sim_engine(f"e{i}", "sglang", **SLOW) for i in range(count)]
+    with running_nats() as nats, \
+            replicas(tmp_path, model_dir, engines, nats.url, count, policy=policy) as daemons:
+        for daemon in daemons:
+            wait_for(lambda d=daemon: len(peers_of(d)) == count - 1, what="every sibling heard")
+        with contextlib.ExitStack() as stack:
+            burst(daemons, 2, stack, shared=True)
+            assert sorted(placed(daemons).values()) == [2] * count  # as one router would
+        view = fleet(daemons[0])["replicas"]
+        assert view["connected"] and not view["degraded"]
+
+
+def test_without_nats_replicas_share_nothing_and_herd(model_dir: Path, tmp_path: Path) -> None:
+    """What not sharing costs: each replica alone sends its first stream to the same engine."""
+    engines = [sim_engine(f"e{i}", "sglang", **SLOW) for i in range(3)]
+    with replicas(tmp_path, model_dir, engines, None, 3) as daemons, contextlib.ExitStack() as s:
+        burst(daemons, 1, s, shared=False)
+        assert sorted(placed(daemons).values()) == [0, 0, 3]
+        assert fleet(daemons[0])["replicas"] is None
+
+
+def test_a_fault_seen_by_one_replica_is_acted_on_by_the_other(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    from direct_frontend.simulator.faults import FaultPlan
+
+    engines = [sim_engine("a", "sglang", **FAST), sim_engine("b", "sglang", **FAST)]
+    with running_nats() as nats, \
+            replicas(tmp_path, model_dir, engines, nats.url, 2, policy="round_robin") as (
+                first, second):
+        wait_for(lambda: peers_of(first) and peers_of(second), what="siblings")
+        states: list[str] = []
+        first.run_sync(first.supervisor.listeners.append,
+                       lambda child, _: states.append(f"{child.name}:{child.state.value}"))
+        first.supervisor.simulators["a"].faults = FaultPlan(die_after_tokens=1)
+        body = {"model": "demo", "prompt": "x", "max_tokens": 8}
+        for _ in range(2):  # round robin: one of them reaches a, which dies under it
+            r = httpx.post(second.url + "/v1/completions", json=body)
+            assert r.status_code == 200, r.text  # migrated to b
+        first.supervisor.simulators["a"].faults = FaultPlan()
+        wait_for(lambda: fleet(first)["replicas"]["counts"]["faults_acted_on"] >= 1,
+                 what="the first replica to act on the second's fault")
+        assert "a:unhealthy" in states  # taken out though none of its own requests failed
+        assert fleet(second)["replicas"]["counts"]["faults_shared"] >= 1
+        first.wait_serving(2)  # its probes bring it back
+
+
+def kv_engine(name: str) -> dict[str, Any]:
+    table = sim_engine(name, "vllm", **FAST)
+    table["kv_events"] = f"tcp://127.0.0.1:{free_port()}"
+    table["kv_replay"] = f"tcp://127.0.0.1:{free_port()}"
+    table["block_size"] = 16
+    return table
+
+
+def overlaps(daemon: Daemon, prompt: list[int]) -> dict[str, int]:
+    """The cached leading blocks the replica's KV index predicts, per engine name."""
+    kv = daemon.supervisor.kv
+
+    def look() -> dict[str, int]:
+        return {kv.ranks[key][0]: blocks for key, blocks in kv.index.lookup(prompt).items()}
+
+    result: dict[str, int] = daemon.run_sync(look)
+    return result
+
+
+def test_a_late_replica_warms_from_a_sibling_and_predicts_what_it_predicts(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    engines = [kv_engine("a"), kv_engine("b")]
+    prompts = [[100 + 300 * p + i for i in range(16 * (2 + p))] for p in range(6)]
+    def start(name: str, nats: str, embeds: bool) -> Daemon:
+        directory = tmp_path / name
+        directory.mkdir()
+        (directory / "fleet.toml").write_text(
+            fleet_for(model_dir, engines, nats, embeds=embeds, kv=True))
+        return Daemon(directory / "fleet.toml").start()
+
+    with running_nats() as nats:
+        first = start("first", nats.url, embeds=True)
+        try:
+            first.wait_serving(2)
+            wait_for(lambda: len(first.supervisor.kv.live) == 2, what="KV subscriptions")
+            for prompt in prompts:
+                r = httpx.post(first.url + "/v1/completions",
+                               json={"model": "demo", "prompt": prompt, "max_tokens": 2})
+                assert r.status_code == 200, r.text
+            wait_for(lambda: len(first.supervisor.kv.index) >= sum(len(p) // 16 for p in prompts),
+                     what="the first replica's index to learn every prompt")
+            for sim in first.supervisor.simulators.values():
+                sim.kv_publisher.forget_history()  # a cold replica could not replay any of it
+            second = start("second", nats.url, embeds=False)
+            try:
+                second.wait_serving(2)
+                wait_for(lambda: len(second.supervisor.kv.live) == 2, what="KV subscriptions")
+                warm = fleet(second)["replicas"]["kv_warm_start"]
+                assert warm.startswith("from "), warm
+                for prompt in prompts:
+                    expected = overlaps(first, prompt)
+                    assert expected, "the first replica predicts a hit"
+                    assert overlaps(second, prompt) == expected
+                # and it stays in step: a new prompt reaches both through live events
+                fresh = [1850 + i for i in range(64)]
+                httpx.post(second.url + "/v1/completions",
+                           json={"model": "demo", "prompt": fresh, "max_tokens": 2})
+                wait_for(lambda: overlaps(first, fresh) and
+                         overlaps(second, fresh) == overlaps(first, fresh),
+                         what="both replicas to learn the new prompt")
+            finally:
+                second.stop()
+        finally:
+            first.stop()
+
+
+def test_nats_killed_and_restarted_under_load_fails_no_request(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    engines = [sim_engine("a", "sglang", **FAST), sim_engine("b", "sglang", **FAST)]
+    nats = NatsServer().start()
+    try:
+        with replicas(tmp_path, model_dir, engines, nats.url, 2) as daemons:
+            for daemon in daemons:
+                wait_for(lambda d=daemon: len(peers_of(d)) == 1, what="siblings")
+            failures: list[str] = []
+            done = threading.Event()
+            sent = [0]
+
+            def load() -> None:
+                with httpx.Client(timeout=10) as client:
+                    while not done.is_set():
+                        daemon = daemons[sent[0] % 2]
+                        r = client.post(daemon.url + "/v1/completions",
+                                        json={"model": "demo", "prompt": "x", "max_tokens": 4})
+                        sent[0] += 1
+                        if r.status_code != 200:
+                            failures.append(r.text)
+
+            worker = threading.Thread(target=load)
+            worker.start()
+            try:
+                wait_for(lambda: sent[0] >= 20, what="load running")
+                nats.kill()
+                for daemon in daemons:
+                    wait_for(lambda d=daemon: fleet(d)["replicas"]["degraded"], what="degraded")
+                assert "direct_frontend_replica_degraded 1.0" in httpx.get(
+                    daemons[0].url + "/metrics").text
+                during = sent[0]
+                wait_for(lambda: sent[0] >= during + 20, what="requests served while degraded")
+                nats.start()
+                for daemon in daemons:
+                    wait_for(lambda d=daemon: not fleet(d)["replicas"]["degraded"]
+                             and len(peers_of(d)) == 1, timeout=15, what="resynced")
+                after = sent[0]
+                wait_for(lambda: sent[0] >= after + 20, what="requests after the resync")
+            finally:
+                done.set()
+                worker.join(30)
+            assert failures == []
+            assert "direct_frontend_replica_degraded 0.0" in httpx.get(
+                daemons[0].url + "/metrics").text
+    finally:
+        nats.kill()
