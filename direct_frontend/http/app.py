@@ -179,9 +179,11 @@ class App:
 
     async def _ready(self, settings: Settings, scope: Scope, receive: Receive, send: Send) -> int:
         serving, total = self.control.ready()
-        status = 200 if serving else 503
-        body = b'{"ready":%s,"serving":%d,"engines":%d}' % (
-            b"true" if serving else b"false", serving, total,
+        waiting = self.control.waiting_for_pools()  # [frontend.kubernetes] wait_for_pods
+        ready = bool(serving) and not waiting
+        status = 200 if ready else 503
+        body = b'{"ready":%s,"serving":%d,"engines":%d,"waiting_for_pools":%s}' % (
+            b"true" if ready else b"false", serving, total, json.dumps(waiting).encode(),
         )
         await send_body(send, status, body)
         return status
