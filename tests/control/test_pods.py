@@ -38,7 +38,14 @@ async def run_watch(api: ApiServer, tmp_path: Path, watch: PoolWatch,
     async def client_of() -> httpx2.AsyncClient:
         return client
 
-    nursery.start_soon(watch.run, client_of)
+    async def owned() -> None:  # the client is closed with the watch, as the daemon's is
+        try:
+            await watch.run(client_of)
+        finally:
+            with trio.CancelScope(shield=True):
+                await client.aclose()
+
+    nursery.start_soon(owned)
 
 
 def test_a_list_in_pages_then_bookmarks_carry_the_version(
