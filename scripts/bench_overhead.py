@@ -164,6 +164,14 @@ def proc_cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
+def rss_mb(pid: int) -> float:
+    """Resident set size of the process in MiB (``VmRSS``)."""
+    for line in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return math.nan
+
+
 def machine_busy_seconds() -> float:
     """CPU seconds the whole machine was not idle (all cores; steal counts as busy)."""
     fields = [int(x) for x in pathlib.Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
@@ -405,7 +413,7 @@ class HttpConnection:
                     usage = json.loads(payload)["usage"]
                 elif payload.startswith(b'{"error"'):
                     raise BenchError(f"frontend: error event {payload!r}")
-                elif b'"text":""' not in payload:
+                elif _has_text(payload):
                     if not chunks:
                         ttft = now - start
                     chunks += 1
@@ -419,17 +427,36 @@ class HttpConnection:
         return Sample(ttft, total, chunks)
 
 
-def completion_request(port: int, ids: Sequence[int], tokens: int, stream: bool = True) -> bytes:
+def _has_text(payload: bytes) -> bool:
+    """Whether an SSE event (completions or chat) carries output text."""
+    return (b'"text":"' in payload and b'"text":""' not in payload) or (
+        b'"content":"' in payload and b'"content":""' not in payload
+    )
+
+
+#: a short chat: the system prompt and one question, rendered with the demo model's template
+CHAT_MESSAGES = [
+    {"role": "system", "content": "You are a helpful assistant."},
+    {"role": "user", "content": PROMPT_TEXT},
+]
+
+
+def completion_request(
+    port: int, ids: Sequence[int], tokens: int, stream: bool = True, chat: bool = False,
+) -> bytes:
     """The whole HTTP request, built once: the client's per-request cost stays a write."""
-    fields: dict[str, Any] = {
-        "model": MODEL, "prompt": list(ids), "max_tokens": tokens, "temperature": 0,
-        "stream": stream,
-    }
+    fields: dict[str, Any] = {"model": MODEL, "max_tokens": tokens, "temperature": 0,
+                              "stream": stream}
+    if chat:
+        fields["messages"] = CHAT_MESSAGES
+    else:
+        fields["prompt"] = list(ids)
     if stream:
         fields["stream_options"] = {"include_usage": True}
     body = json.dumps(fields, separators=(",", ":")).encode()
+    path = "/v1/chat/completions" if chat else "/v1/completions"
     return (
-        f"POST /v1/completions HTTP/1.1\r\nHost: {HOST}:{port}\r\n"
+        f"POST {path} HTTP/1.1\r\nHost: {HOST}:{port}\r\n"
         f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
     ).encode() + body
 
@@ -679,32 +706,37 @@ def report_profile(summary: dict[str, Any]) -> str:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Cell:
-    """One measured configuration: streamed or not, ``max_tokens``, concurrency."""
+    """One measured configuration: streamed or not, ``max_tokens``, concurrency, chat or not."""
 
     stream: bool
     tokens: int
     concurrency: int
+    chat: bool = False
 
     @property
     def name(self) -> str:
-        return f"{'stream' if self.stream else 'full'} {self.tokens}, c={self.concurrency}"
+        kind = "chat" if self.chat else "stream" if self.stream else "full"
+        return f"{kind} {self.tokens}, c={self.concurrency}"
 
     @classmethod
     def parse(cls, text: str) -> Cell:
-        """``s16@32`` (a 16-token stream at concurrency 32) or ``f16@32`` (non-streaming)."""
-        m = re.fullmatch(r"([sf])(\d+)@(\d+)", text.strip())
+        """``s16@32``: a 16-token completions stream (token-id prompt) at concurrency 32;
+        ``f16@32``: the same as one JSON body; ``c16@32``: a chat stream (rendered and
+        tokenized by the daemon)."""
+        m = re.fullmatch(r"([sfc])(\d+)@(\d+)", text.strip())
         if m is None:
-            raise argparse.ArgumentTypeError(f"a cell is s<tokens>@<c> or f<tokens>@<c>: {text!r}")
-        return cls(m[1] == "s", int(m[2]), int(m[3]))
+            raise argparse.ArgumentTypeError(f"a cell is [sfc]<tokens>@<c>: {text!r}")
+        return cls(m[1] != "f", int(m[2]), int(m[3]), m[1] == "c")
 
 
-DEFAULT_CELLS = "s16@1,s16@8,s16@32,s64@32,f16@32"
+DEFAULT_CELLS = "s16@1,s16@8,s16@32,s64@32,f16@32,c16@32"
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cells", default=DEFAULT_CELLS,
-                   help="comma-separated s<tokens>@<c> (stream) / f<tokens>@<c> (one JSON body); "
+                   help="comma-separated s<tokens>@<c> (stream), f<tokens>@<c> (one JSON body), "
+                        "c<tokens>@<c> (chat stream); "
                         f"default {DEFAULT_CELLS}")
     p.add_argument("--rounds", type=int, default=3,
                    help="rounds over every cell; figures are the medians of the rounds")
@@ -841,7 +873,7 @@ async def measure_cell(
     if profile is not None:
         n = args.profile_requests
     warm = args.warmup if args.warmup is not None else max(20, 2 * cell.concurrency)
-    request = completion_request(side.port, ids, cell.tokens, cell.stream)
+    request = completion_request(side.port, ids, cell.tokens, cell.stream, cell.chat)
     conns = [HttpConnection(side.port, request, cell.tokens, cell.stream)
              for _ in range(cell.concurrency)]
     try:
@@ -858,7 +890,7 @@ async def measure_cell(
     finally:
         for conn in conns:
             await conn.close()
-    return summarize(phase, cell.tokens)
+    return {**summarize(phase, cell.tokens), "daemon_rss_mb": rss_mb(side.daemon.pid)}
 
 
 async def bench(
@@ -886,7 +918,7 @@ async def bench(
     for side in sides:
         await start_side(side, engine_port, args, tmp, children)
 
-    direct_cells = [c for c in cells if c.concurrency == 1 and c.stream]
+    direct_cells = [c for c in cells if c.concurrency == 1 and c.stream and not c.chat]
     direct: dict[Cell, list[dict[str, float]]] = {c: [] for c in direct_cells}
     for round_no in range(args.rounds):
         order = sides if round_no % 2 == 0 else sides[::-1]
@@ -932,6 +964,7 @@ def figures(
             "daemon_cpu_ms_per_request", "daemon_cpu_us_per_token", "req_per_s",
             "ttft_p50_ms", "total_p50_ms", "chunks_per_request", "other_cores",
         )}
+        row["daemon_rss_mb"] = runs[-1]["daemon_rss_mb"]  # where it is after the last round
         if cell in direct:
             row["added_ttft_p50_ms"] = _median([
                 r["ttft_p50_ms"] - d["ttft_p50_ms"] for r, d in zip(runs, direct[cell],
@@ -945,7 +978,7 @@ def figures(
     # Fixed + per-token cost: two stream cells of one concurrency, different lengths.
     by_c: dict[int, list[Cell]] = {}
     for cell in cells:
-        if cell.stream:
+        if cell.stream and not cell.chat:
             by_c.setdefault(cell.concurrency, []).append(cell)
     for c, group in sorted(by_c.items(), reverse=True):
         if len({g.tokens for g in group}) >= 2:
@@ -972,6 +1005,7 @@ ROWS = (
     ("added_total_p50_ms", "added total p50 (ms)", ".3f"),
     ("chunks_per_request", "SSE text events / request", ".1f"),
     ("other_cores", "other load (cores)", ".2f"),
+    ("daemon_rss_mb", "daemon RSS after (MiB)", ".1f"),
 )
 
 
@@ -994,7 +1028,8 @@ def report(results: dict[str, Any]) -> str:
             if values[0] is None or (cell.startswith("full") and key in PER_STREAM):
                 continue
             row = f"  {cell:<16}{label:<28}" + "".join(f"{v:>12{fmt}}" for v in values)
-            if both and key not in ("added_ttft_p50_ms", "added_total_p50_ms", "other_cores"):
+            if both and key not in ("added_ttft_p50_ms", "added_total_p50_ms", "other_cores",
+                                     "daemon_rss_mb"):
                 row += f"{values[0] / values[1]:>8.2f}" if values[1] else ""
             lines.append(row)
     for n in names:

@@ -241,8 +241,12 @@ class TextModel:
         max_position_embeddings: int | None,
         max_bytes_per_token: int | None = None,
         decoder_spec: Mapping[str, Any] | None = None,
+        templates_read_clock: bool = False,
     ) -> None:
         self.path = path
+        #: whether a chat template may read the clock (``strftime_now``): its render of the
+        #: same messages then changes over time, so it must not be cached
+        self.templates_read_clock = templates_read_clock
         #: each token's bytes and logprob strings (tokenizer.json's "decoder" says how)
         self.token_bytes = TokenBytes(tokenizer, decoder_spec)
         #: see :func:`_max_bytes_per_token`; None when the tokenizer does not bound it
@@ -343,6 +347,7 @@ class TextModel:
             max_position_embeddings=max_positions,
             max_bytes_per_token=_max_bytes_per_token(spec, tokenizer),
             decoder_spec=spec.get("decoder"),
+            templates_read_clock=any("strftime_now" in source for source in sources.values()),
         )
 
     @property
