@@ -391,11 +391,11 @@ class ModelSeries:
     """One model's label children of the ``model_*`` metrics."""
 
     __slots__ = (
+        "_by_status",
         "_cached",
         "_completion",
         "_prompt",
         "_requests",
-        "_by_status",
         "_serving",
         "_ttft",
         "model",
