@@ -12,6 +12,11 @@ The internals read (grpclib 0.4): ``Stream._stream.buffer``, an
 ``asyncio.Queue`` (``_unacked``) of ``(data, data_size, ack_size)`` chunks with
 an empty one at the end of the stream (``_eof`` set), its ``_ack_callback``
 and ``_acked`` deque; the call's ``_wrapper``, ``_codec`` and ``_recv_type``.
+
+The same gate covers :func:`one_write`, which writes a call's HEADERS and
+request DATA in one socket write (issue 16): it reads ``Channel._protocol``,
+``H2Protocol.connection`` and ``Connection._transport`` (each with a default:
+missing, nothing is held).
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import functools
 import inspect
 import logging
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpclib.client
@@ -234,3 +239,52 @@ class MessageReader:
                 self._size += size
             elif not ack_size and self._buffer._eof and self._queue.empty():
                 self._ended = True
+
+
+def _connection_transport(channel: Any) -> Any:
+    """The asyncio transport under ``channel``'s live connection, or None (not connected)."""
+    protocol = getattr(channel, "_protocol", None)
+    connection = getattr(protocol, "connection", None)
+    transport = getattr(connection, "_transport", None)
+    if transport is None or transport.is_closing() or "write" in vars(transport):
+        return None  # not connected, closing, or its writes are held already
+    return transport
+
+
+@contextlib.contextmanager
+def one_write(channel: Any) -> Iterator[None]:
+    """Hold what grpclib writes to ``channel``'s connection in the block, and write it at once.
+
+    grpclib writes a call's HEADERS and its request's DATA frame in two socket
+    writes; inside this block they go out in one. If the block suspends (the
+    connection's write buffer is full, or its flow-control window), what is
+    held goes out at the loop's next turn, so nothing waits on it; writes keep
+    their order because every write made while the block runs is held in one
+    list. Nothing is held where the shim is off, the channel has not
+    connected yet, or another block holds its writes already.
+    """
+    transport = _connection_transport(channel) if STATUS.active else None
+    if transport is None:
+        yield
+        return
+    pending: list[bytes] = []
+    write = type(transport).write  # the transport's own
+
+    def flush() -> None:
+        if pending:
+            data = b"".join(pending)
+            pending.clear()
+            write(transport, data)
+
+    def hold(data: bytes) -> None:
+        if not pending:
+            asyncio.get_running_loop().call_soon(flush)  # should the block suspend
+        pending.append(bytes(data))
+
+    transport.write = hold
+    try:
+        yield
+    finally:
+        if vars(transport).get("write") is hold:
+            del transport.write
+        flush()
