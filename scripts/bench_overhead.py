@@ -555,6 +555,32 @@ class Profiler:
             raise RuntimeError(f"py-spy wrote nothing: {err.decode(errors='replace')}")
 
 
+class SyscallCounter:
+    """``strace -c -f`` attached to the daemon for one phase: system calls by name."""
+
+    def __init__(self, pid: int) -> None:
+        exe = shutil.which("strace")
+        if exe is None:
+            raise SystemExit("--syscalls needs strace")
+        self.popen = subprocess.Popen(
+            [exe, "-c", "-f", "-p", str(pid)], stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
+        time.sleep(0.5)  # attached to every thread before the phase starts
+
+    def stop(self) -> dict[str, int]:
+        self.popen.send_signal(signal.SIGINT)
+        _, err = self.popen.communicate(timeout=30)
+        counts: dict[str, int] = {}
+        for line in err.decode(errors="replace").splitlines():
+            parts = line.split()
+            # % time, seconds, usecs/call, calls, [errors,] syscall
+            if len(parts) >= 5 and parts[3].isdigit() and parts[-1].isidentifier():
+                counts[parts[-1]] = int(parts[3])
+        return counts
+
+
 # -- profile summary ------------------------------------------------------------------------
 
 _FRAME = re.compile(r"^(?P<func>.*?) \((?P<file>[^()]*?)(?::(?P<line>\d+))?\)$")
@@ -757,6 +783,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--profile-cell", type=Cell.parse, default=Cell(True, 16, 32))
     p.add_argument("--profile-rate", type=int, default=250, help="py-spy samples per second")
     p.add_argument("--profile-requests", type=int, default=2000)
+    p.add_argument("--syscalls", action="store_true",
+                   help="after the rounds, count each daemon's system calls per request on the "
+                        "profile cell with `strace -c` (exact counts; strace slows the daemon)")
     p.add_argument("--daemon-cmd", default=None,
                    help="command that stands for `direct-frontend` when starting the daemon under "
                         "test (shell-quoted)")
@@ -865,12 +894,13 @@ async def start_side(
 
 async def measure_cell(
     side: Side, cell: Cell, ids: Sequence[int], args: argparse.Namespace, engine: Child,
-    profile: pathlib.Path | None = None,
+    profile: pathlib.Path | None = None, syscalls: dict[str, int] | None = None,
 ) -> dict[str, float]:
-    """Warm up, then one measured phase of ``cell`` against ``side``'s daemon."""
+    """Warm up, then one measured phase of ``cell`` against ``side``'s daemon (profiled, or
+    its system calls counted into ``syscalls``, if asked)."""
     assert side.daemon is not None
     n = args.requests or (150 if cell.concurrency == 1 else 400)
-    if profile is not None:
+    if profile is not None or syscalls is not None:
         n = args.profile_requests
     warm = args.warmup if args.warmup is not None else max(20, 2 * cell.concurrency)
     request = completion_request(side.port, ids, cell.tokens, cell.stream, cell.chat)
@@ -882,11 +912,14 @@ async def measure_cell(
             await run_phase(workers, warm, engine, side.daemon)
         profiler = None if profile is None else Profiler(side.daemon.pid, profile,
                                                          args.profile_rate)
+        counter = None if syscalls is None else SyscallCounter(side.daemon.pid)
         try:
             phase = await run_phase(workers, n, engine, side.daemon)
         finally:
             if profiler is not None:
                 profiler.stop()
+            if counter is not None and syscalls is not None:
+                syscalls.update({k: v / n for k, v in counter.stop().items()})
     finally:
         for conn in conns:
             await conn.close()
@@ -935,13 +968,22 @@ async def bench(
                 side.phases.setdefault(cell, []).append(
                     await measure_cell(side, cell, ids, args, engine)
                 )
-        print(f"round {round_no + 1}/{args.rounds} done", flush=True)
+        rss = ", ".join(f"{side.name} {rss_mb(side.daemon.pid):.1f} MiB" for side in sides
+                        if side.daemon is not None)
+        print(f"round {round_no + 1}/{args.rounds} done; daemon RSS: {rss}", flush=True)
     for side in sides:
         assert side.daemon is not None
         side.daemon.check_alive()
     results["sides"] = {
         side.name: figures(side, cells, direct) for side in sides
     }
+    if args.syscalls:
+        results["syscalls"] = {}
+        for side in sides:
+            counts: dict[str, int] = {}
+            await measure_cell(side, args.profile_cell, ids, args, engine, syscalls=counts)
+            results["syscalls"][side.name] = counts
+        results["profile_cell"] = args.profile_cell.name
     if args.profile is not None:
         await measure_cell(sides[0], args.profile_cell, ids, args, engine, args.profile)
         results["profile"] = summarize_profile(args.profile)
@@ -1091,6 +1133,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     if startups:
         print(f"\ndaemon start-up on the demo fleet (process start → GET /ready 200), "
               f"{len(startups)} runs: " + ", ".join(f"{s:.3f} s" for s in startups))
+    if "syscalls" in results:
+        print(f"\nsystem calls per request ({results['profile_cell']}, strace -c):")
+        names = sorted({k for counts in results["syscalls"].values() for k in counts},
+                       key=lambda k: -results["syscalls"]["candidate"].get(k, 0))
+        print(f"  {'':20}" + "".join(f"{side:>12}" for side in results["syscalls"]))
+        for name in names:
+            print(f"  {name:20}" + "".join(
+                f"{counts.get(name, 0):>12.2f}" for counts in results["syscalls"].values()))
     if "profile" in results:
         print(f"\n[{results['profile_cell']}, candidate] ", end="")
         print(report_profile(results["profile"]))
