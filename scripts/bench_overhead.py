@@ -607,31 +607,27 @@ def _package(file: str) -> str:
 
 
 #: libraries, by the first part of the innermost frame's path (anything else: "other")
-LIBRARIES = {
-    "hypercorn": "hypercorn/h11 (HTTP server)", "h11": "hypercorn/h11 (HTTP server)",
-    "trio": "trio (+trio-asyncio, outcome)", "trio_asyncio": "trio (+trio-asyncio, outcome)",
-    "outcome": "trio (+trio-asyncio, outcome)", "sniffio": "trio (+trio-asyncio, outcome)",
-    "asyncio": "asyncio (grpclib's loop)",
-    "grpclib": "grpclib/h2/hpack/hyperframe (gRPC client)",
-    "h2": "grpclib/h2/hpack/hyperframe (gRPC client)",
-    "hpack": "grpclib/h2/hpack/hyperframe (gRPC client)",
-    "hyperframe": "grpclib/h2/hpack/hyperframe (gRPC client)",
-    "multidict": "grpclib/h2/hpack/hyperframe (gRPC client)",
-    "direct_frontend": "direct_frontend (ours)", "protos": "protobuf (+generated protos)",
-    "google": "protobuf (+generated protos)", "msgspec": "msgspec",
-    "tokenizers": "tokenizers/jinja2 (prompt)", "jinja2": "tokenizers/jinja2 (prompt)",
-    "prometheus_client": "prometheus_client (metrics)", "opentelemetry": "opentelemetry",
-    "contextlib": "stdlib: contextlib, dataclasses, typing, enum, functools",
-    "dataclasses": "stdlib: contextlib, dataclasses, typing, enum, functools",
-    "typing": "stdlib: contextlib, dataclasses, typing, enum, functools",
-    "enum": "stdlib: contextlib, dataclasses, typing, enum, functools",
-    "functools": "stdlib: contextlib, dataclasses, typing, enum, functools",
-    "<string>": "stdlib: contextlib, dataclasses, typing, enum, functools",  # dataclass __init__
-    "selectors": "stdlib: selectors, socket, ssl", "socket": "stdlib: selectors, socket, ssl",
-    "threading": "stdlib: threading, queue (worker threads)",
-    "queue": "stdlib: threading, queue (worker threads)",
-    "logging": "stdlib: logging",
+LIBRARY_GROUPS = {
+    "hypercorn/h11 (HTTP server)": ("hypercorn", "h11"),
+    "trio (+trio-asyncio, outcome)": ("trio", "trio_asyncio", "outcome", "sniffio"),
+    "asyncio (grpclib's loop)": ("asyncio",),
+    "grpclib/h2/hpack/hyperframe (gRPC client)": ("grpclib", "h2", "hpack", "hyperframe",
+                                                  "multidict"),
+    "direct_frontend (ours)": ("direct_frontend",),
+    "protobuf (+generated protos)": ("protos", "google"),
+    "msgspec": ("msgspec",),
+    "tokenizers/jinja2 (prompt)": ("tokenizers", "jinja2"),
+    "prometheus_client (metrics)": ("prometheus_client",),
+    "opentelemetry": ("opentelemetry",),
+    # "<string>": the __init__ dataclasses generate
+    "stdlib: contextlib, dataclasses, typing, enum, functools": (
+        "contextlib", "dataclasses", "typing", "enum", "functools", "<string>"),
+    "stdlib: selectors, socket, ssl": ("selectors", "socket", "ssl"),
+    "stdlib: threading, queue (worker threads)": ("threading", "queue"),
+    "stdlib: logging": ("logging",),
 }
+LIBRARIES = {package: group for group, packages in LIBRARY_GROUPS.items()
+             for package in packages}
 
 
 def _library(file: str) -> str:
