@@ -28,8 +28,8 @@ import functools
 import inspect
 import logging
 import struct
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Awaitable, Callable, Generator
+from typing import Any, Generic, TypeVar, cast
 
 import grpclib.client
 import grpclib.protocol
@@ -45,6 +45,7 @@ SHIM = "grpclib_reader"
 CHECKED = ("0.4.8", "0.4.9")
 #: a gRPC message prefix: compressed flag, length
 _PREFIX = struct.Struct(">BI").unpack_from
+T = TypeVar("T")
 
 
 def _buffer_ok(buffer: Any) -> bool:
@@ -251,40 +252,73 @@ def _connection_transport(channel: Any) -> Any:
     return transport
 
 
-@contextlib.contextmanager
-def one_write(channel: Any) -> Iterator[None]:
-    """Hold what grpclib writes to ``channel``'s connection in the block, and write it at once.
+async def one_write(channel: Any, send: Awaitable[T]) -> T:
+    """Await ``send``; what grpclib writes to ``channel``'s connection meanwhile goes out once.
 
     grpclib writes a call's HEADERS and its request's DATA frame in two socket
-    writes; inside this block they go out in one. If the block suspends (the
-    connection's write buffer is full, or its flow-control window), what is
-    held goes out at the loop's next turn, so nothing waits on it; writes keep
-    their order because every write made while the block runs is held in one
-    list. Nothing is held where the shim is off, the channel has not
-    connected yet, or another block holds its writes already.
+    writes; awaited through this, they go out in one. Writes are held only
+    while ``send`` runs without suspending: at its first suspension (the
+    connection's write buffer or flow-control window is full) what is held
+    goes out, in order, and the rest runs as grpclib wrote it, so nothing it
+    waits for can be stuck behind a held write. Nothing is held where the shim
+    is off, the channel has not connected yet, or another send holds its
+    writes already.
     """
     transport = _connection_transport(channel) if STATUS.active else None
     if transport is None:
-        yield
-        return
-    pending: list[bytes] = []
-    write = type(transport).write  # the transport's own
+        return await send
+    return await _HeldWrites(transport, send)
 
-    def flush() -> None:
-        if pending:
-            data = b"".join(pending)
-            pending.clear()
-            write(transport, data)
 
-    def hold(data: bytes) -> None:
-        if not pending:
-            asyncio.get_running_loop().call_soon(flush)  # should the block suspend
-        pending.append(bytes(data))
+class _HeldWrites(Generic[T]):
+    """Runs an awaitable's synchronous first step with the transport's writes held."""
 
-    transport.write = hold
-    try:
-        yield
-    finally:
-        if vars(transport).get("write") is hold:
+    __slots__ = ("_pending", "_send", "_transport")
+
+    def __init__(self, transport: Any, send: Awaitable[T]) -> None:
+        self._transport = transport
+        self._send = send
+        self._pending: list[bytes] = []
+
+    def _hold(self, data: bytes) -> None:
+        self._pending.append(bytes(data))
+
+    def _release(self) -> None:
+        transport = self._transport
+        if vars(transport).get("write") == self._hold:
             del transport.write
-        flush()
+        if self._pending:
+            data = b"".join(self._pending)
+            self._pending.clear()
+            transport.write(data)
+
+    def __await__(self) -> Generator[Any, Any, T]:
+        steps = self._send.__await__()
+        self._transport.write = self._hold
+        try:
+            signal = steps.send(None)  # up to its end, or its first suspension
+        except StopIteration as done:
+            return cast(T, done.value)
+        finally:
+            self._release()
+        return (yield from _delegate(steps, signal))
+
+
+def _delegate(steps: Generator[Any, Any, T], signal: Any) -> Generator[Any, Any, T]:
+    """``yield from steps`` for an iterator already started (its first yield: ``signal``)."""
+    while True:
+        try:
+            value = yield signal
+        except GeneratorExit:
+            steps.close()
+            raise
+        except BaseException as exc:  # a cancellation: into the awaitable, as yield from does
+            try:
+                signal = steps.throw(exc)
+            except StopIteration as done:
+                return cast(T, done.value)
+        else:
+            try:
+                signal = steps.send(value)
+            except StopIteration as done:
+                return cast(T, done.value)

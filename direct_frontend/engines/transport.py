@@ -157,8 +157,8 @@ class EngineChannel:
                 events: list[EngineEvent] = []
                 try:
                     async with method.open(timeout=deadline_s, metadata=metadata) as call:
-                        with one_write(self._channel):  # HEADERS and DATA: one socket write
-                            await call.send_message(rpc.request, end=True)
+                        # HEADERS and DATA: one socket write
+                        await one_write(self._channel, call.send_message(rpc.request, end=True))
                         self._note_connection()
                         await call.recv_initial_metadata()
                         reader = MessageReader.attach(call)

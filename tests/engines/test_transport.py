@@ -274,11 +274,14 @@ def _one_write_play(body: Any, monkeypatch: pytest.MonkeyPatch) -> tuple[list[by
     return writes, received
 
 
-def test_writes_in_the_block_go_out_as_one(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_writes_of_a_send_go_out_as_one(monkeypatch: pytest.MonkeyPatch) -> None:
     async def body(channel: Any, transport: Any, writes: list[bytes]) -> None:
-        with grpclib_reader.one_write(channel):
+        async def send() -> int:
             transport.write(b"HEADERS")
             transport.write(b"DATA")
+            return 7
+
+        assert await grpclib_reader.one_write(channel, send()) == 7
         assert "write" not in vars(transport)  # the transport's own write again
         transport.write(b"after")
 
@@ -287,38 +290,64 @@ def test_writes_in_the_block_go_out_as_one(monkeypatch: pytest.MonkeyPatch) -> N
     assert received == b"HEADERSDATAafter"
 
 
-def test_a_block_that_suspends_lets_its_writes_out_at_the_next_turn(
+def test_a_send_that_suspends_lets_its_writes_out_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    async def body(channel: Any, transport: Any, writes: list[bytes]) -> None:
+        async def send() -> str:
+            transport.write(b"one")
+            transport.write(b"two")
+            await asyncio.sleep(0)  # e.g. waiting for flow control: nothing stays held
+            assert writes == [b"onetwo"]
+            transport.write(b"three")
+            await asyncio.sleep(0)
+            return "sent"
+
+        assert await grpclib_reader.one_write(channel, send()) == "sent"
+
+    writes, received = _one_write_play(body, monkeypatch)
+    assert writes == [b"onetwo", b"three"] and received == b"onetwothree"
+
+
+def test_a_cancelled_send_is_cancelled_inside_and_leaves_nothing_held(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    async def body(channel: Any, transport: Any, writes: list[bytes]) -> None:
-        with grpclib_reader.one_write(channel):
-            transport.write(b"one")
-            await asyncio.sleep(0)  # e.g. waiting for flow control: nothing stays held
-            await asyncio.sleep(0)
-            assert writes == [b"one"]
-            with grpclib_reader.one_write(channel):  # held already: holds nothing more
-                transport.write(b"two")
-            transport.write(b"three")
+    seen: list[str] = []
 
-    got, received = _one_write_play(body, monkeypatch)
-    assert received == b"onetwothree"  # in order
-    assert got == [b"one", b"twothree"]
+    async def body(channel: Any, transport: Any, writes: list[bytes]) -> None:
+        async def send() -> None:
+            transport.write(b"held")
+            try:
+                await asyncio.get_running_loop().create_future()  # never done
+            except asyncio.CancelledError:
+                seen.append("cancelled inside")
+                raise
+
+        task = asyncio.ensure_future(grpclib_reader.one_write(channel, send()))
+        await asyncio.sleep(0)
+        assert writes == [b"held"]
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert "write" not in vars(transport)
+
+    _, received = _one_write_play(body, monkeypatch)
+    assert seen == ["cancelled inside"] and received == b"held"
 
 
 def test_nothing_is_held_with_the_shim_off_or_no_connection(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     async def body(channel: Any, transport: Any, writes: list[bytes]) -> None:
-        with grpclib_reader.one_write(SimpleNamespace(_protocol=None)):
-            transport.write(b"a")
-        monkeypatch.setattr(grpclib_reader, "STATUS", grpclib_reader.ShimStatus(
-            grpclib_reader.SHIM, False, "off"))
-        with grpclib_reader.one_write(channel):
+        async def send() -> None:
             transport.write(b"b")
             transport.write(b"c")
 
+        await grpclib_reader.one_write(SimpleNamespace(_protocol=None), send())
+        monkeypatch.setattr(grpclib_reader, "STATUS", grpclib_reader.ShimStatus(
+            grpclib_reader.SHIM, False, "off"))
+        await grpclib_reader.one_write(channel, send())
+
     writes, received = _one_write_play(body, monkeypatch)
-    assert writes == [b"a", b"b", b"c"] and received == b"abc"
+    assert writes == [b"b", b"c", b"b", b"c"] and received == b"bcbc"
 
 
 # -- EventReceiver: batches in, events out ----------------------------------------------------
