@@ -1,35 +1,32 @@
 #!/usr/bin/env python3
-"""Measure the latency and CPU the frontend adds over calling an engine directly.
+"""Measure the CPU and latency the frontend adds over calling an engine directly.
 
 One simulated SGLang engine runs with zero engine time (no prefill or decode
-delay, never EOS), so whatever separates the two paths below is our cost:
+delay, never EOS), so whatever the daemon spends is our cost. Each *cell* is a
+kind of request and a concurrency: ``s16@32`` is a 16-token
+``/v1/completions`` stream (HTTP/1.1, SSE) with 32 requests in flight,
+``f16@32`` the same as one JSON body; a lean raw-socket client sends them, so
+the client costs little next to the server. At concurrency 1 a pure-asyncio
+grpclib client also streams ``Generate`` from the engine directly, for the
+added latency.
 
-* **direct**: a pure-asyncio grpclib client in this process streams
-  ``SglangScheduler/Generate`` from the engine;
-* **frontend**: the same prompt (token ids) and ``max_tokens`` as an OpenAI
-  ``/v1/completions`` stream through ``direct-frontend run`` (HTTP/1.1, SSE),
-  read by a lean raw-socket client so that the client costs little next to
-  the server.
-
-For each concurrency level it prints TTFT and total latency (p50/p99) of both
-paths, the added latency, throughput, and the daemon's CPU per request and per
-streamed token (utime+stime from ``/proc/<pid>/stat``), next to the targets.
-It also times the daemon's start-up (process start → ``GET /ready`` 200) on a
-copy of the demo fleet with free ports. ``--profile FILE`` samples the daemon
-with py-spy during the frontend phase of the highest level and summarises the
-hot spots in ``direct_frontend``.
-
-Daemon, engine and client share the machine, so the "cores busy" row shows
-each one's share and "other" (everything else running): with a busy
-neighbour the latencies are not comparable between runs; the daemon's CPU per
-request is the steadier figure. Under load the direct path is bounded by the
-engine and this client, not by any frontend.
+The daemon's CPU (utime+stime from ``/proc/<pid>/stat``) per request is the
+figure to trust on a shared machine; latencies and throughput move with other
+load (the "other load" row). So the script runs every cell in ``--rounds``
+rounds and reports medians, and with ``--baseline REV`` runs a second daemon
+(a ``git worktree`` checkout of ``REV``, or a directory) behind the same engine
+in the same run, cell by cell in alternating order, with the ratio candidate /
+baseline: compare figures within one run, not between runs. From two stream
+lengths at one concurrency it fits the fixed and per-token cost per request.
+``--profile FILE`` then samples the candidate daemon with py-spy (the
+``bench`` extra) on one cell and summarises it by library and by our code.
 
 Usage::
 
-    python scripts/bench_overhead.py                      # ~20 s on 2 cores
-    python scripts/bench_overhead.py --concurrency 32 --profile /tmp/df.txt
-    python scripts/bench_overhead.py --json               # also one JSON line at the end
+    python scripts/bench_overhead.py                          # ~1-2 min on 2 cores
+    python scripts/bench_overhead.py --baseline main --rounds 3
+    python scripts/bench_overhead.py --rounds 1 --profile /tmp/df.txt --profile-cell s64@32
+    python scripts/bench_overhead.py --json                   # also one JSON line at the end
 """
 
 from __future__ import annotations
@@ -41,6 +38,7 @@ import contextlib
 import dataclasses
 import itertools
 import json
+import math
 import os
 import pathlib
 import re
@@ -48,6 +46,7 @@ import shlex
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -73,11 +72,11 @@ PROMPT_TOKENS = 16
 HOST = "127.0.0.1"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
-# Targets (figures to print beside the measurements, not assertions).
-TARGET_ADDED_TTFT_P50_MS = 2.0  # at c=1
-TARGET_ADDED_TOTAL_P50_MS = 3.0  # at c=1, 64-token stream
-TARGET_CPU_PER_TOKEN_US = 50.0  # under load
-TARGET_CPU_PER_REQUEST_MS = 1.5  # under load
+# Targets of issue 16 (figures to print beside the measurements, not assertions).
+TARGETS = (
+    "targets (issue 16): CPU / request at c=32 <= 0.5 ms (stream 16) and <= 0.3 ms (full 16); "
+    "<= 11 µs per streamed token; added TTFT p50 at c=1 <= 0.8 ms; req/s at c=32 2.5× today's"
+)
 
 
 # -- child processes ------------------------------------------------------------------------
@@ -114,7 +113,10 @@ def cli_argv() -> list[str]:
 class Child:
     """A process we started: its own session (Ctrl-C reaches only us), stopped by its pid."""
 
-    def __init__(self, name: str, argv: Sequence[str], log_path: pathlib.Path) -> None:
+    def __init__(
+        self, name: str, argv: Sequence[str], log_path: pathlib.Path,
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.name = name
         self.log_path = log_path
         self._log = log_path.open("wb")
@@ -122,6 +124,7 @@ class Child:
         self.popen = subprocess.Popen(
             list(argv), cwd=ROOT, stdin=subprocess.DEVNULL, stdout=self._log,
             stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent,
+            env=env,
         )
 
     @property
@@ -159,6 +162,14 @@ def proc_cpu_seconds(pid: int) -> float:
     stat = pathlib.Path(f"/proc/{pid}/stat").read_text()
     fields = stat[stat.rindex(")") + 2 :].split()
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def rss_mb(pid: int) -> float:
+    """Resident set size of the process in MiB (``VmRSS``)."""
+    for line in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return math.nan
 
 
 def machine_busy_seconds() -> float:
@@ -324,16 +335,17 @@ class DirectClient:
 
 
 class HttpConnection:
-    """One keep-alive HTTP/1.1 connection with a minimal chunked + SSE reader.
+    """One keep-alive HTTP/1.1 connection with a minimal chunked + SSE (or JSON body) reader.
 
-    Parses only what is needed to time the stream and check it: the first
-    text event, the usage event and ``[DONE]``.
+    Parses only what is needed to time the response and check it: the first
+    text event, the usage event and ``[DONE]`` of a stream; the usage of a body.
     """
 
-    def __init__(self, port: int, request: bytes, tokens: int) -> None:
+    def __init__(self, port: int, request: bytes, tokens: int, stream: bool = True) -> None:
         self.port = port
         self.request = request
         self.tokens = tokens
+        self.stream = stream
         self.reader: asyncio.StreamReader | None = None
         self.writer: asyncio.StreamWriter | None = None
 
@@ -353,8 +365,30 @@ class HttpConnection:
         writer.write(self.request)
         head = await reader.readuntil(b"\r\n\r\n")
         lower = head.lower()
-        if not head.startswith(b"HTTP/1.1 200") or b"transfer-encoding: chunked" not in lower:
+        if not head.startswith(b"HTTP/1.1 200"):
             raise BenchError(f"frontend: unexpected response head {head!r}")
+        if self.stream:
+            sample = await self._events(reader, lower, start)
+        else:
+            sample = await self._body(reader, lower, start)
+        if b"connection: close" in lower:
+            await self.close()
+        return sample
+
+    async def _body(self, reader: asyncio.StreamReader, lower: bytes, start: float) -> Sample:
+        found = re.search(rb"content-length: *(\d+)", lower)
+        if found is None:
+            raise BenchError(f"frontend: no content-length in {lower!r}")
+        body = json.loads(await reader.readexactly(int(found[1])))
+        total = time.perf_counter() - start
+        completion = body.get("usage", {}).get("completion_tokens")
+        if completion != self.tokens:
+            raise BenchError(f"frontend: completion_tokens={completion}; wanted {self.tokens}")
+        return Sample(total, total, 1)
+
+    async def _events(self, reader: asyncio.StreamReader, lower: bytes, start: float) -> Sample:
+        if b"transfer-encoding: chunked" not in lower:
+            raise BenchError(f"frontend: a stream that is not chunked: {lower!r}")
         ttft = 0.0
         chunks = 0
         done = False
@@ -379,13 +413,11 @@ class HttpConnection:
                     usage = json.loads(payload)["usage"]
                 elif payload.startswith(b'{"error"'):
                     raise BenchError(f"frontend: error event {payload!r}")
-                elif b'"text":""' not in payload:
+                elif _has_text(payload):
                     if not chunks:
                         ttft = now - start
                     chunks += 1
         total = time.perf_counter() - start
-        if b"connection: close" in lower:
-            await self.close()
         completion = usage.get("completion_tokens") if usage else None
         if not done or completion != self.tokens or not chunks:
             raise BenchError(
@@ -395,14 +427,36 @@ class HttpConnection:
         return Sample(ttft, total, chunks)
 
 
-def completion_request(port: int, ids: Sequence[int], tokens: int) -> bytes:
+def _has_text(payload: bytes) -> bool:
+    """Whether an SSE event (completions or chat) carries output text."""
+    return (b'"text":"' in payload and b'"text":""' not in payload) or (
+        b'"content":"' in payload and b'"content":""' not in payload
+    )
+
+
+#: a short chat: the system prompt and one question, rendered with the demo model's template
+CHAT_MESSAGES = [
+    {"role": "system", "content": "You are a helpful assistant."},
+    {"role": "user", "content": PROMPT_TEXT},
+]
+
+
+def completion_request(
+    port: int, ids: Sequence[int], tokens: int, stream: bool = True, chat: bool = False,
+) -> bytes:
     """The whole HTTP request, built once: the client's per-request cost stays a write."""
-    body = json.dumps({
-        "model": MODEL, "prompt": list(ids), "max_tokens": tokens, "temperature": 0,
-        "stream": True, "stream_options": {"include_usage": True},
-    }, separators=(",", ":")).encode()
+    fields: dict[str, Any] = {"model": MODEL, "max_tokens": tokens, "temperature": 0,
+                              "stream": stream}
+    if chat:
+        fields["messages"] = CHAT_MESSAGES
+    else:
+        fields["prompt"] = list(ids)
+    if stream:
+        fields["stream_options"] = {"include_usage": True}
+    body = json.dumps(fields, separators=(",", ":")).encode()
+    path = "/v1/chat/completions" if chat else "/v1/completions"
     return (
-        f"POST /v1/completions HTTP/1.1\r\nHost: {HOST}:{port}\r\n"
+        f"POST {path} HTTP/1.1\r\nHost: {HOST}:{port}\r\n"
         f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
     ).encode() + body
 
@@ -501,6 +555,32 @@ class Profiler:
             raise RuntimeError(f"py-spy wrote nothing: {err.decode(errors='replace')}")
 
 
+class SyscallCounter:
+    """``strace -c -f`` attached to the daemon for one phase: system calls by name."""
+
+    def __init__(self, pid: int) -> None:
+        exe = shutil.which("strace")
+        if exe is None:
+            raise SystemExit("--syscalls needs strace")
+        self.popen = subprocess.Popen(
+            [exe, "-c", "-f", "-p", str(pid)], stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
+        time.sleep(0.5)  # attached to every thread before the phase starts
+
+    def stop(self) -> dict[str, int]:
+        self.popen.send_signal(signal.SIGINT)
+        _, err = self.popen.communicate(timeout=30)
+        counts: dict[str, int] = {}
+        for line in err.decode(errors="replace").splitlines():
+            parts = line.split()
+            # % time, seconds, usecs/call, calls, [errors,] syscall
+            if len(parts) >= 5 and parts[3].isdigit() and parts[-1].isidentifier():
+                counts[parts[-1]] = int(parts[3])
+        return counts
+
+
 # -- profile summary ------------------------------------------------------------------------
 
 _FRAME = re.compile(r"^(?P<func>.*?) \((?P<file>[^()]*?)(?::(?P<line>\d+))?\)$")
@@ -526,6 +606,34 @@ def _package(file: str) -> str:
     return short.split("/", 1)[0] if "/" in short else short.removesuffix(".py")
 
 
+#: libraries, by the first part of the innermost frame's path (anything else: "other")
+LIBRARY_GROUPS = {
+    "hypercorn/h11 (HTTP server)": ("hypercorn", "h11"),
+    "trio (+trio-asyncio, outcome)": ("trio", "trio_asyncio", "outcome", "sniffio"),
+    "asyncio (grpclib's loop)": ("asyncio",),
+    "grpclib/h2/hpack/hyperframe (gRPC client)": ("grpclib", "h2", "hpack", "hyperframe",
+                                                  "multidict"),
+    "direct_frontend (ours)": ("direct_frontend",),
+    "protobuf (+generated protos)": ("protos", "google"),
+    "msgspec": ("msgspec",),
+    "tokenizers/jinja2 (prompt)": ("tokenizers", "jinja2"),
+    "prometheus_client (metrics)": ("prometheus_client",),
+    "opentelemetry": ("opentelemetry",),
+    # "<string>": the __init__ dataclasses generate
+    "stdlib: contextlib, dataclasses, typing, enum, functools": (
+        "contextlib", "dataclasses", "typing", "enum", "functools", "<string>"),
+    "stdlib: selectors, socket, ssl": ("selectors", "socket", "ssl"),
+    "stdlib: threading, queue (worker threads)": ("threading", "queue"),
+    "stdlib: logging": ("logging",),
+}
+LIBRARIES = {package: group for group, packages in LIBRARY_GROUPS.items()
+             for package in packages}
+
+
+def _library(file: str) -> str:
+    return LIBRARIES.get(_package(file), "other")
+
+
 def _ours(file: str) -> bool:
     return "direct_frontend/" in file and not file.endswith(_ENTRY)
 
@@ -544,6 +652,7 @@ def _task_root(frames: Sequence[Frame]) -> str:
 def summarize_profile(path: pathlib.Path, top: int = 12) -> dict[str, Any]:
     """Where the daemon's samples went, seen from our code (py-spy ``--format raw``).
 
+    * ``by_library``: self time by library (:data:`LIBRARIES`), innermost frame;
     * ``by_package``: self time by the package of the innermost frame;
     * ``ours_plus_callees``: each sample charged to the innermost ``direct_frontend``
       frame (entry points excluded), so library work our code asks for counts
@@ -555,6 +664,7 @@ def summarize_profile(path: pathlib.Path, top: int = 12) -> dict[str, Any]:
     """
     total = 0
     by_package: collections.Counter[str] = collections.Counter()
+    by_library: collections.Counter[str] = collections.Counter()
     deepest: collections.Counter[str] = collections.Counter()
     inclusive: collections.Counter[str] = collections.Counter()
     not_ours: collections.Counter[str] = collections.Counter()
@@ -572,6 +682,7 @@ def summarize_profile(path: pathlib.Path, top: int = 12) -> dict[str, Any]:
         count = int(count_text)
         total += count
         by_package[_package(frames[-1][1])] += count
+        by_library[_library(frames[-1][1])] += count
         ours = [f for f in frames if _ours(f[1])]
         if ours:
             func, file, line = ours[-1]
@@ -586,6 +697,7 @@ def summarize_profile(path: pathlib.Path, top: int = 12) -> dict[str, Any]:
 
     return {
         "samples": total,
+        "by_library": table(by_library),
         "by_package": table(by_package),
         "ours_plus_callees": table(deepest),
         "ours_inclusive": table(inclusive),
@@ -596,56 +708,10 @@ def summarize_profile(path: pathlib.Path, top: int = 12) -> dict[str, Any]:
 # -- report -------------------------------------------------------------------------------
 
 
-def report_level(level: dict[str, Any]) -> str:
-    """The per-level table; targets beside the figures they concern (latency at c=1, CPU under
-    load)."""
-    c, d, f = level["concurrency"], level["direct"], level["frontend"]
-    under_load = c > 1
-    lines = [
-        f"concurrency {c}: {f['requests']} requests × {level['tokens']} tokens per path, "
-        f"warm-up {level['warmup']}"
-        + ("   [daemon profiled by py-spy]" if level["profiled"] else ""),
-        f"  {'':34}{'direct':>10}{'frontend':>10}{'added':>10}   target",
-    ]
-
-    def row(name: str, key: str, fmt: str, added: bool, target: str = "") -> None:
-        dv, fv = d[key], f[key]
-        add = f"{fv - dv:+{fmt}}" if added else ""
-        lines.append(f"  {name:34}{dv:>10{fmt}}{fv:>10{fmt}}{add:>10}   {target}".rstrip())
-
-    row("TTFT p50 (ms)", "ttft_p50_ms", ".3f", True,
-        "" if under_load else f"added <= {TARGET_ADDED_TTFT_P50_MS:g} ms")
-    row("TTFT p99 (ms)", "ttft_p99_ms", ".3f", True)
-    row("total p50 (ms)", "total_p50_ms", ".3f", True,
-        "" if under_load else f"added <= {TARGET_ADDED_TOTAL_P50_MS:g} ms")
-    row("total p99 (ms)", "total_p99_ms", ".3f", True)
-    row("throughput (req/s)", "req_per_s", ".1f", False)
-    lines.append(
-        f"  {'frontend CPU per request (ms)':34}{'':>10}{f['daemon_cpu_ms_per_request']:>10.3f}"
-        f"{'':>10}   " + (f"<= {TARGET_CPU_PER_REQUEST_MS:g} ms (under load)" if under_load else "")
-    )
-    lines.append(
-        f"  {'frontend CPU per token (µs)':34}{'':>10}{f['daemon_cpu_us_per_token']:>10.1f}"
-        f"{'':>10}   " + (f"<= {TARGET_CPU_PER_TOKEN_US:g} µs (under load)" if under_load else "")
-    )
-    lines.append(
-        f"  {'chunks per request':34}{d['chunks_per_request']:>10.1f}"
-        f"{f['chunks_per_request']:>10.1f}   (gRPC chunks / SSE text events)"
-    )
-    lines.append(
-        f"  {'cores busy: daemon/engine/client/other':40}"
-        + "   ".join(
-            f"{name} {p['daemon_cores']:.2f}/{p['engine_cores']:.2f}/{p['client_cores']:.2f}/"
-            f"{p['other_cores']:.2f}"
-            for name, p in (("direct", d), ("frontend", f))
-        )
-    )
-    return "\n".join(line.rstrip() for line in lines)
-
-
 def report_profile(summary: dict[str, Any]) -> str:
     out = [f"py-spy profile of the daemon: {summary['samples']} samples (non-idle)"]
     for title, key in (
+        ("self time by library", "by_library"),
         ("self time by package", "by_package"),
         ("innermost direct_frontend frame (its own work + the libraries it calls)",
          "ours_plus_callees"),
@@ -660,36 +726,105 @@ def report_profile(summary: dict[str, Any]) -> str:
 # -- main ---------------------------------------------------------------------------------
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Cell:
+    """One measured configuration: streamed or not, ``max_tokens``, concurrency, chat or not."""
+
+    stream: bool
+    tokens: int
+    concurrency: int
+    chat: bool = False
+
+    @property
+    def name(self) -> str:
+        kind = "chat" if self.chat else "stream" if self.stream else "full"
+        return f"{kind} {self.tokens}, c={self.concurrency}"
+
+    @classmethod
+    def parse(cls, text: str) -> Cell:
+        """``s16@32``: a 16-token completions stream (token-id prompt) at concurrency 32;
+        ``f16@32``: the same as one JSON body; ``c16@32``: a chat stream (rendered and
+        tokenized by the daemon)."""
+        m = re.fullmatch(r"([sfc])(\d+)@(\d+)", text.strip())
+        if m is None:
+            raise argparse.ArgumentTypeError(f"a cell is [sfc]<tokens>@<c>: {text!r}")
+        return cls(m[1] != "f", int(m[2]), int(m[3]), m[1] == "c")
+
+
+DEFAULT_CELLS = "s16@1,s16@8,s16@32,s64@32,f16@32,c16@32"
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--concurrency", default="1,8,32", help="comma-separated levels")
+    p.add_argument("--cells", default=DEFAULT_CELLS,
+                   help="comma-separated s<tokens>@<c> (stream), f<tokens>@<c> (one JSON body), "
+                        "c<tokens>@<c> (chat stream); "
+                        f"default {DEFAULT_CELLS}")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="rounds over every cell; figures are the medians of the rounds")
     p.add_argument("--requests", type=int, default=None,
-                   help="measured requests per level and path (default 200 at c=1, else 400)")
+                   help="measured requests per cell, daemon and round (default 150 at c=1, "
+                        "else 400)")
     p.add_argument("--warmup", type=int, default=None,
-                   help="warm-up requests per level and path (default max(20, 2×c))")
-    p.add_argument("--tokens", type=int, default=64, help="max_tokens / max_new_tokens")
-    p.add_argument("--startup-runs", type=int, default=3,
-                   help="daemon start-ups to time on the demo fleet (0: skip)")
+                   help="warm-up requests per cell and daemon (default max(20, 2×c))")
+    p.add_argument("--baseline", default=None, metavar="REV_OR_DIR",
+                   help="also run a baseline daemon in the same run, cell by cell in alternating "
+                        "order: a directory holding a direct_frontend package, or a git revision "
+                        "(checked out once with `git worktree add` under /tmp)")
+    p.add_argument("--startup-runs", type=int, default=0,
+                   help="daemon start-ups to time on the demo fleet")
     p.add_argument("--profile", type=pathlib.Path, default=None,
-                   help="py-spy raw output file: profile the daemon during the frontend phase "
-                        "of the highest level (its CPU figures then include py-spy's reads)")
+                   help="after the rounds, profile the candidate daemon with py-spy on one cell "
+                        "(--profile-cell) and write its raw output here")
+    p.add_argument("--profile-cell", type=Cell.parse, default=Cell(True, 16, 32))
     p.add_argument("--profile-rate", type=int, default=250, help="py-spy samples per second")
+    p.add_argument("--profile-requests", type=int, default=2000)
+    p.add_argument("--syscalls", action="store_true",
+                   help="after the rounds, count each daemon's system calls per request on the "
+                        "profile cell with `strace -c` (exact counts; strace slows the daemon)")
     p.add_argument("--daemon-cmd", default=None,
                    help="command that stands for `direct-frontend` when starting the daemon under "
-                        "test (shell-quoted), e.g. to A/B a patched daemon")
+                        "test (shell-quoted)")
     p.add_argument("--otlp-endpoint", default=None,
                    help="trace every request to this OTLP/HTTP collector ([frontend.tracing])")
     p.add_argument("--json", action="store_true", help="also print the results as one JSON line")
     p.add_argument("--keep-logs", action="store_true", help="keep the temp dir with the logs")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.cells = [Cell.parse(c) for c in args.cells.split(",") if c.strip()]
+    return args
 
 
-def code_under_test() -> str:
-    """Which direct_frontend the daemon will import and which commit it is, for the record."""
-    import importlib.util
+def baseline_source(spec: str) -> pathlib.Path:
+    """A directory with a ``direct_frontend`` package: ``spec`` itself, or a checkout of it."""
+    given = pathlib.Path(spec)
+    if (given / "direct_frontend").is_dir():
+        return given.resolve()
+    rev = subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "--verify", f"{spec}^{{commit}}"],
+        capture_output=True, text=True, check=False,
+    )
+    if rev.returncode != 0:
+        raise SystemExit(f"--baseline {spec!r}: neither a checkout nor a git revision")
+    sha = rev.stdout.strip()
+    where = pathlib.Path(tempfile.gettempdir()) / f"bench-baseline-{sha[:12]}"
+    if not (where / "direct_frontend").is_dir():
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(where), sha],
+                       check=True, capture_output=True)
+    return where
 
-    spec = importlib.util.find_spec("direct_frontend")
-    where = pathlib.Path(spec.origin).parent.parent if spec and spec.origin else "?"
+
+def daemon_env(source: pathlib.Path) -> dict[str, str]:
+    """This environment, importing ``direct_frontend`` from ``source``."""
+    return dict(os.environ, PYTHONPATH=str(source))
+
+
+def code_under_test(where: pathlib.Path | None = None) -> str:
+    """Which direct_frontend a daemon imports and which commit it is, for the record."""
+    if where is None:
+        import importlib.util
+
+        spec = importlib.util.find_spec("direct_frontend")
+        where = pathlib.Path(spec.origin).parent.parent if spec and spec.origin else ROOT
     try:
         rev = subprocess.run(
             ["git", "-C", str(where), "describe", "--always", "--dirty"],
@@ -725,88 +860,227 @@ async def time_startups(runs: int, tmp: pathlib.Path, children: list[Child]) -> 
     return times
 
 
+@dataclasses.dataclass
+class Side:
+    """One daemon under test (the candidate, or the baseline) and its phases, by cell."""
+
+    name: str
+    source: pathlib.Path | None  # None: whatever this process imports
+    daemon: Child | None = None
+    port: int = 0
+    phases: dict[Cell, list[dict[str, float]]] = dataclasses.field(default_factory=dict)
+
+
+async def start_side(
+    side: Side, engine_port: int, args: argparse.Namespace, tmp: pathlib.Path,
+    children: list[Child],
+) -> None:
+    (side.port,) = free_ports(1)
+    fleet = tmp / f"bench-fleet-{side.name}.toml"
+    fleet.write_text(bench_fleet(side.port, engine_port, args.otlp_endpoint))
+    cmd = shlex.split(args.daemon_cmd) if args.daemon_cmd and side.name == "candidate" else (
+        cli_argv()
+    )
+    env = None if side.source is None else daemon_env(side.source)
+    side.daemon = Child(f"daemon ({side.name})", [*cmd, "run", str(fleet), "--log-level",
+                                                  "WARNING"], tmp / f"daemon-{side.name}.log", env)
+    children.append(side.daemon)
+    await wait_ready(side.daemon, side.port)
+
+
+async def measure_cell(
+    side: Side, cell: Cell, ids: Sequence[int], args: argparse.Namespace, engine: Child,
+    profile: pathlib.Path | None = None, syscalls: dict[str, int] | None = None,
+) -> dict[str, float]:
+    """Warm up, then one measured phase of ``cell`` against ``side``'s daemon (profiled, or
+    its system calls counted into ``syscalls``, if asked)."""
+    assert side.daemon is not None
+    n = args.requests or (150 if cell.concurrency == 1 else 400)
+    if profile is not None or syscalls is not None:
+        n = args.profile_requests
+    warm = args.warmup if args.warmup is not None else max(20, 2 * cell.concurrency)
+    request = completion_request(side.port, ids, cell.tokens, cell.stream, cell.chat)
+    conns = [HttpConnection(side.port, request, cell.tokens, cell.stream)
+             for _ in range(cell.concurrency)]
+    try:
+        workers = [conn.one for conn in conns]
+        if warm:
+            await run_phase(workers, warm, engine, side.daemon)
+        profiler = None if profile is None else Profiler(side.daemon.pid, profile,
+                                                         args.profile_rate)
+        counter = None if syscalls is None else SyscallCounter(side.daemon.pid)
+        try:
+            phase = await run_phase(workers, n, engine, side.daemon)
+        finally:
+            if profiler is not None:
+                profiler.stop()
+            if counter is not None and syscalls is not None:
+                syscalls.update({k: v / n for k, v in counter.stop().items()})
+    finally:
+        for conn in conns:
+            await conn.close()
+    return {**summarize(phase, cell.tokens), "daemon_rss_mb": rss_mb(side.daemon.pid)}
+
+
 async def bench(
-    args: argparse.Namespace, tmp: pathlib.Path, children: list[Child]
+    args: argparse.Namespace, sides: list[Side], tmp: pathlib.Path, children: list[Child],
 ) -> dict[str, Any]:
-    """Start the engine and the daemon, then measure every level on both paths."""
-    levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
+    """Start the engine and the daemons, then measure every cell, round after round."""
+    cells: list[Cell] = args.cells
     ids = prompt_ids()
-    tokens = args.tokens
     results: dict[str, Any] = {
-        "tokens": tokens, "prompt_tokens": len(ids), "cpus": os.cpu_count(),
-        "python": sys.version.split()[0], "levels": [],
+        "prompt_tokens": len(ids), "cpus": os.cpu_count(), "python": sys.version.split()[0],
+        "rounds": args.rounds, "cells": [c.name for c in cells],
     }
+    results["startup_demo_fleet_s"] = await time_startups(args.startup_runs, tmp, children)
 
-    startups = await time_startups(args.startup_runs, tmp, children)
-    results["startup_demo_fleet_s"] = startups
-
-    engine_port, listen_port = free_ports(2)
+    (engine_port,) = free_ports(1)
     engine = Child("engine", [
         *cli_argv(), "simulate-engine", "--kind", "sglang", "--host", HOST,
         "--port", str(engine_port), "--model-dir", str(MODEL_DIR),
         "--served-model-name", MODEL, "--prefill-us-per-token", "0",
         "--decode-us-per-token", "0", "--eos-probability", "0",
-        "--max-running", str(max(64, max(levels))),
+        "--max-running", str(max(64, *(c.concurrency for c in cells))),
     ], tmp / "engine.log")
     children.append(engine)
     await wait_for_port(engine, engine_port)
+    for side in sides:
+        await start_side(side, engine_port, args, tmp, children)
 
-    fleet = tmp / "bench-fleet.toml"
-    fleet.write_text(bench_fleet(listen_port, engine_port, args.otlp_endpoint))
-    daemon_cmd = shlex.split(args.daemon_cmd) if args.daemon_cmd else cli_argv()
-    daemon = Child("daemon", [*daemon_cmd, "run", str(fleet), "--log-level", "WARNING"],
-                   tmp / "daemon.log")
-    children.append(daemon)
-    results["startup_bench_fleet_s"] = await wait_ready(daemon, listen_port)
-
-    direct = DirectClient(engine_port, ids, tokens)
-    request = completion_request(listen_port, ids, tokens)
-    try:
-        for c in levels:
-            n = args.requests or (200 if c == 1 else 400)
-            warm = args.warmup if args.warmup is not None else max(20, 2 * c)
-            profiled = args.profile is not None and c == max(levels)
-
-            direct_workers = [direct.one] * c
-            if warm:
-                await run_phase(direct_workers, warm, engine, daemon)
-            d = await run_phase(direct_workers, n, engine, daemon)
-
-            conns = [HttpConnection(listen_port, request, tokens) for _ in range(c)]
-            try:
-                workers = [conn.one for conn in conns]
-                if warm:
-                    await run_phase(workers, warm, engine, daemon)
-                profiler = (
-                    Profiler(daemon.pid, args.profile, args.profile_rate) if profiled else None
-                )
+    direct_cells = [c for c in cells if c.concurrency == 1 and c.stream and not c.chat]
+    direct: dict[Cell, list[dict[str, float]]] = {c: [] for c in direct_cells}
+    for round_no in range(args.rounds):
+        order = sides if round_no % 2 == 0 else sides[::-1]
+        for cell in cells:
+            if cell in direct:  # the engine alone, for the added latency
+                client = DirectClient(engine_port, ids, cell.tokens)
                 try:
-                    f = await run_phase(workers, n, engine, daemon)
+                    await run_phase([client.one], 20, engine, engine)
+                    d = await run_phase([client.one], args.requests or 150, engine, engine)
                 finally:
-                    if profiler is not None:
-                        profiler.stop()
-            finally:
-                for conn in conns:
-                    await conn.close()
-
-            level = {
-                "concurrency": c, "tokens": tokens, "warmup": warm, "profiled": profiled,
-                "direct": summarize(d, tokens), "frontend": summarize(f, tokens),
-            }
-            level["added_ttft_p50_ms"] = (
-                level["frontend"]["ttft_p50_ms"] - level["direct"]["ttft_p50_ms"]
-            )
-            level["added_total_p50_ms"] = (
-                level["frontend"]["total_p50_ms"] - level["direct"]["total_p50_ms"]
-            )
-            results["levels"].append(level)
-            print(report_level(level) + "\n", flush=True)
-    finally:
-        direct.close()
-    daemon.check_alive()
+                    client.close()
+                direct[cell].append(summarize(d, cell.tokens))
+            for side in order:
+                side.phases.setdefault(cell, []).append(
+                    await measure_cell(side, cell, ids, args, engine)
+                )
+        rss = ", ".join(f"{side.name} {rss_mb(side.daemon.pid):.1f} MiB" for side in sides
+                        if side.daemon is not None)
+        print(f"round {round_no + 1}/{args.rounds} done; daemon RSS: {rss}", flush=True)
+    for side in sides:
+        assert side.daemon is not None
+        side.daemon.check_alive()
+    results["sides"] = {
+        side.name: figures(side, cells, direct) for side in sides
+    }
+    if args.syscalls:
+        results["syscalls"] = {}
+        for side in sides:
+            counts: dict[str, int] = {}
+            await measure_cell(side, args.profile_cell, ids, args, engine, syscalls=counts)
+            results["syscalls"][side.name] = counts
+        results["profile_cell"] = args.profile_cell.name
     if args.profile is not None:
+        await measure_cell(sides[0], args.profile_cell, ids, args, engine, args.profile)
         results["profile"] = summarize_profile(args.profile)
+        results["profile_cell"] = args.profile_cell.name
     return results
+
+
+def _median(values: Sequence[float]) -> float:
+    return statistics.median(values) if values else math.nan
+
+
+def figures(
+    side: Side, cells: Sequence[Cell], direct: dict[Cell, list[dict[str, float]]]
+) -> dict[str, Any]:
+    """The medians over rounds per cell, the added latency at c=1, and the fixed/per-token fit."""
+    out: dict[str, Any] = {"cells": {}}
+    for cell in cells:
+        runs = side.phases[cell]
+        row = {key: _median([r[key] for r in runs]) for key in (
+            "daemon_cpu_ms_per_request", "daemon_cpu_us_per_token", "req_per_s",
+            "ttft_p50_ms", "total_p50_ms", "chunks_per_request", "other_cores",
+        )}
+        row["daemon_rss_mb"] = runs[-1]["daemon_rss_mb"]  # where it is after the last round
+        if cell in direct:
+            row["added_ttft_p50_ms"] = _median([
+                r["ttft_p50_ms"] - d["ttft_p50_ms"] for r, d in zip(runs, direct[cell],
+                                                                     strict=True)
+            ])
+            row["added_total_p50_ms"] = _median([
+                r["total_p50_ms"] - d["total_p50_ms"] for r, d in zip(runs, direct[cell],
+                                                                       strict=True)
+            ])
+        out["cells"][cell.name] = row
+    # Fixed + per-token cost: two stream cells of one concurrency, different lengths.
+    by_c: dict[int, list[Cell]] = {}
+    for cell in cells:
+        if cell.stream and not cell.chat:
+            by_c.setdefault(cell.concurrency, []).append(cell)
+    for c, group in sorted(by_c.items(), reverse=True):
+        if len({g.tokens for g in group}) >= 2:
+            short, long = min(group, key=lambda g: g.tokens), max(group, key=lambda g: g.tokens)
+            cpu_short = out["cells"][short.name]["daemon_cpu_ms_per_request"]
+            cpu_long = out["cells"][long.name]["daemon_cpu_ms_per_request"]
+            per_token_ms = (cpu_long - cpu_short) / (long.tokens - short.tokens)
+            out["fit"] = {
+                "concurrency": c, "tokens": [short.tokens, long.tokens],
+                "per_token_us": per_token_ms * 1e3,
+                "fixed_ms": cpu_short - short.tokens * per_token_ms,
+            }
+            break
+    return out
+
+
+#: the figures of the report: key, label, format, whether lower is better
+ROWS = (
+    ("daemon_cpu_ms_per_request", "daemon CPU / request (ms)", ".3f"),
+    ("daemon_cpu_us_per_token", "daemon CPU / token (µs)", ".1f"),
+    ("req_per_s", "throughput (req/s)", ".1f"),
+    ("ttft_p50_ms", "TTFT p50 (ms)", ".3f"),
+    ("added_ttft_p50_ms", "added TTFT p50 (ms)", ".3f"),
+    ("added_total_p50_ms", "added total p50 (ms)", ".3f"),
+    ("chunks_per_request", "SSE text events / request", ".1f"),
+    ("other_cores", "other load (cores)", ".2f"),
+    ("daemon_rss_mb", "daemon RSS after (MiB)", ".1f"),
+)
+
+
+#: figures that mean nothing for a response sent as one body
+PER_STREAM = ("daemon_cpu_us_per_token", "chunks_per_request", "ttft_p50_ms")
+
+
+def report(results: dict[str, Any]) -> str:
+    """One table: per cell and figure, each side's median (and candidate/baseline)."""
+    sides = results["sides"]
+    names = list(sides)
+    both = len(names) == 2
+    head = f"  {'cell':<16}{'figure':<28}" + "".join(f"{n:>12}" for n in names)
+    head += f"{'ratio':>8}" if both else ""
+    lines = [f"medians of {results['rounds']} rounds (one engine, zero engine time)", head,
+             "  " + "-" * (len(head) - 2)]
+    for cell in results["cells"]:
+        for key, label, fmt in ROWS:
+            values = [sides[n]["cells"][cell].get(key) for n in names]
+            if values[0] is None or (cell.startswith("full") and key in PER_STREAM):
+                continue
+            row = f"  {cell:<16}{label:<28}" + "".join(f"{v:>12{fmt}}" for v in values)
+            if both and key not in ("added_ttft_p50_ms", "added_total_p50_ms", "other_cores",
+                                     "daemon_rss_mb"):
+                row += f"{values[0] / values[1]:>8.2f}" if values[1] else ""
+            lines.append(row)
+    for n in names:
+        fit = sides[n].get("fit")
+        if fit:
+            lines.append(
+                f"  fit ({n}, c={fit['concurrency']}, {fit['tokens'][0]} and {fit['tokens'][1]} "
+                f"tokens): {fit['fixed_ms']:.3f} ms fixed + {fit['per_token_us']:.1f} µs / token"
+            )
+    if both:
+        lines.append("  ratio: candidate / baseline (throughput: above 1 is better; "
+                     "the rest: below 1 is better)")
+    return "\n".join(lines)
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -818,17 +1092,22 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.profile is not None and shutil.which("py-spy") is None and not (
         pathlib.Path(sys.executable).parent / "py-spy"
     ).exists():
-        raise SystemExit("--profile needs py-spy (pip install py-spy)")
+        raise SystemExit("--profile needs py-spy (pip install -e '.[bench]')")
+    sides = [Side("candidate", None)]
+    if args.baseline is not None:
+        sides.append(Side("baseline", baseline_source(args.baseline)))
     # SIGTERM takes the same clean-up path as Ctrl-C.
     signal.signal(signal.SIGTERM, _interrupt)
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="bench-overhead-"))
     children: list[Child] = []
-    print(f"bench_overhead: {os.cpu_count()} CPUs, Python {sys.version.split()[0]}; daemon, "
-          f"engine and this client share them.\n{code_under_test()}\n"
-          f"Logs: {tmp} (kept on failure or with --keep-logs)\n", flush=True)
+    print(f"bench_overhead: {os.cpu_count()} CPUs, Python {sys.version.split()[0]}; daemons, "
+          "engine and this client share them.")
+    for side in sides:
+        print(f"  {side.name}: {code_under_test(side.source)}")
+    print(f"Logs: {tmp} (kept on failure or with --keep-logs)\n", flush=True)
     ok = False
     try:
-        results = asyncio.run(bench(args, tmp, children))
+        results = asyncio.run(bench(args, sides, tmp, children))
         ok = True
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
@@ -843,18 +1122,23 @@ def main(argv: Sequence[str] | None = None) -> None:
         if ok and not args.keep_logs:
             shutil.rmtree(tmp, ignore_errors=True)
 
+    print()
+    print(report(results))
+    print(TARGETS)
     startups = results["startup_demo_fleet_s"]
-    print("daemon start-up, process start → GET /ready 200:")
     if startups:
-        print(f"  demo fleet copy (2 embedded simulators), {len(startups)} runs: "
-              + ", ".join(f"{s:.3f} s" for s in startups)
-              + f" (median {sorted(startups)[len(startups) // 2]:.3f} s)")
-    print(f"  bench fleet (1 external engine): {results['startup_bench_fleet_s']:.3f} s")
-    print("\ntargets: at c=1 added TTFT p50 <= 2 ms and added total p50 <= 3 ms "
-          f"({results['tokens']}-token stream); under load frontend CPU <= 50 µs/token and "
-          "<= 1.5 ms/request")
+        print(f"\ndaemon start-up on the demo fleet (process start → GET /ready 200), "
+              f"{len(startups)} runs: " + ", ".join(f"{s:.3f} s" for s in startups))
+    if "syscalls" in results:
+        print(f"\nsystem calls per request ({results['profile_cell']}, strace -c):")
+        names = sorted({k for counts in results["syscalls"].values() for k in counts},
+                       key=lambda k: -results["syscalls"]["candidate"].get(k, 0))
+        print(f"  {'':20}" + "".join(f"{side:>12}" for side in results["syscalls"]))
+        for name in names:
+            print(f"  {name:20}" + "".join(
+                f"{counts.get(name, 0):>12.2f}" for counts in results["syscalls"].values()))
     if "profile" in results:
-        print()
+        print(f"\n[{results['profile_cell']}, candidate] ", end="")
         print(report_profile(results["profile"]))
     if args.json:
         print(json.dumps(results, separators=(",", ":")))

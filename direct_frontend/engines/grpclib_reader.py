@@ -12,6 +12,11 @@ The internals read (grpclib 0.4): ``Stream._stream.buffer``, an
 ``asyncio.Queue`` (``_unacked``) of ``(data, data_size, ack_size)`` chunks with
 an empty one at the end of the stream (``_eof`` set), its ``_ack_callback``
 and ``_acked`` deque; the call's ``_wrapper``, ``_codec`` and ``_recv_type``.
+
+The same gate covers :func:`one_write`, which writes a call's HEADERS and
+request DATA in one socket write (issue 16): it reads ``Channel._protocol``,
+``H2Protocol.connection`` and ``Connection._transport`` (each with a default:
+missing, nothing is held).
 """
 
 from __future__ import annotations
@@ -23,8 +28,8 @@ import functools
 import inspect
 import logging
 import struct
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Awaitable, Callable, Generator
+from typing import Any, Generic, TypeVar, cast
 
 import grpclib.client
 import grpclib.protocol
@@ -40,6 +45,7 @@ SHIM = "grpclib_reader"
 CHECKED = ("0.4.8", "0.4.9")
 #: a gRPC message prefix: compressed flag, length
 _PREFIX = struct.Struct(">BI").unpack_from
+T = TypeVar("T")
 
 
 def _buffer_ok(buffer: Any) -> bool:
@@ -234,3 +240,85 @@ class MessageReader:
                 self._size += size
             elif not ack_size and self._buffer._eof and self._queue.empty():
                 self._ended = True
+
+
+def _connection_transport(channel: Any) -> Any:
+    """The asyncio transport under ``channel``'s live connection, or None (not connected)."""
+    protocol = getattr(channel, "_protocol", None)
+    connection = getattr(protocol, "connection", None)
+    transport = getattr(connection, "_transport", None)
+    if transport is None or transport.is_closing() or "write" in vars(transport):
+        return None  # not connected, closing, or its writes are held already
+    return transport
+
+
+async def one_write(channel: Any, send: Awaitable[T]) -> T:
+    """Await ``send``; what grpclib writes to ``channel``'s connection meanwhile goes out once.
+
+    grpclib writes a call's HEADERS and its request's DATA frame in two socket
+    writes; awaited through this, they go out in one. Writes are held only
+    while ``send`` runs without suspending: at its first suspension (the
+    connection's write buffer or flow-control window is full) what is held
+    goes out, in order, and the rest runs as grpclib wrote it, so nothing it
+    waits for can be stuck behind a held write. Nothing is held where the shim
+    is off, the channel has not connected yet, or another send holds its
+    writes already.
+    """
+    transport = _connection_transport(channel) if STATUS.active else None
+    if transport is None:
+        return await send
+    return await _HeldWrites(transport, send)
+
+
+class _HeldWrites(Generic[T]):
+    """Runs an awaitable's synchronous first step with the transport's writes held."""
+
+    __slots__ = ("_pending", "_send", "_transport")
+
+    def __init__(self, transport: Any, send: Awaitable[T]) -> None:
+        self._transport = transport
+        self._send = send
+        self._pending: list[bytes] = []
+
+    def _hold(self, data: bytes) -> None:
+        self._pending.append(bytes(data))
+
+    def _release(self) -> None:
+        transport = self._transport
+        if vars(transport).get("write") == self._hold:
+            del transport.write
+        if self._pending:
+            data = b"".join(self._pending)
+            self._pending.clear()
+            transport.write(data)
+
+    def __await__(self) -> Generator[Any, Any, T]:
+        steps = self._send.__await__()
+        self._transport.write = self._hold
+        try:
+            signal = steps.send(None)  # up to its end, or its first suspension
+        except StopIteration as done:
+            return cast(T, done.value)
+        finally:
+            self._release()
+        return (yield from _delegate(steps, signal))
+
+
+def _delegate(steps: Generator[Any, Any, T], signal: Any) -> Generator[Any, Any, T]:
+    """``yield from steps`` for an iterator already started (its first yield: ``signal``)."""
+    while True:
+        try:
+            value = yield signal
+        except GeneratorExit:
+            steps.close()
+            raise
+        except BaseException as exc:  # a cancellation: into the awaitable, as yield from does
+            try:
+                signal = steps.throw(exc)
+            except StopIteration as done:
+                return cast(T, done.value)
+        else:
+            try:
+                signal = steps.send(value)
+            except StopIteration as done:
+                return cast(T, done.value)

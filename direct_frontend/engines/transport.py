@@ -29,7 +29,7 @@ from grpclib.client import Channel, UnaryStreamMethod, UnaryUnaryMethod
 from grpclib.config import Configuration
 
 from direct_frontend.engines.dialects.base import Dialect, Rpc, StreamDecoder
-from direct_frontend.engines.grpclib_reader import MessageReader
+from direct_frontend.engines.grpclib_reader import MessageReader, one_write
 from direct_frontend.engines.neutral import EngineEvent
 from direct_frontend.errors import EngineError
 
@@ -157,7 +157,8 @@ class EngineChannel:
                 events: list[EngineEvent] = []
                 try:
                     async with method.open(timeout=deadline_s, metadata=metadata) as call:
-                        await call.send_message(rpc.request, end=True)
+                        # HEADERS and DATA: one socket write
+                        await one_write(self._channel, call.send_message(rpc.request, end=True))
                         self._note_connection()
                         await call.recv_initial_metadata()
                         reader = MessageReader.attach(call)

@@ -1,4 +1,5 @@
-"""A shim for hypercorn: write an HTTP/1.1 response head together with the first body bytes.
+"""A shim for hypercorn: write an HTTP/1.1 response head with the first body bytes, and the
+last body bytes with the end of the body.
 
 hypercorn writes ``http.response.start`` to the socket at once, on its own.
 A streamed response then reaches the client in two writes before its first
@@ -13,6 +14,13 @@ event's bytes in one send when it is body data or the end of the body.
 Anything else (the stream closing without a body, say) writes the held head
 first, on its own, exactly as hypercorn would have.
 
+The same holds for the end of a response: hypercorn writes the last body
+message's bytes, then the end of the body (a chunked stream's ``0\r\n\r\n``)
+in a second send. :class:`FinalBodyHTTPStream` notes when the app's body
+message is its last (``more_body`` false), and the protocol then holds those
+bytes for the end of the body that hypercorn sends right after, in the same
+call: a streamed response of one batch goes out in one write instead of three.
+
 Our app always follows ``http.response.start`` with a body message at once
 (:func:`~direct_frontend.http.asgi.send_body`, the relay's first output), so
 nothing is delayed. Only HTTP/1.1 is affected (hypercorn's h2 protocol is
@@ -24,12 +32,14 @@ it is in use is part of :func:`~direct_frontend.observability.shims.shims_active
 from __future__ import annotations
 
 import inspect
+from typing import Any
 
 import hypercorn.protocol
 from hypercorn.events import Event, RawData
 from hypercorn.protocol.events import Body, EndBody, Response
 from hypercorn.protocol.events import Event as StreamEvent
 from hypercorn.protocol.h11 import H11Protocol
+from hypercorn.protocol.http_stream import HTTPStream
 
 from direct_frontend.observability.shims import ShimStatus, gate, register
 
@@ -38,27 +48,48 @@ SHIM = "hypercorn_coalesce"
 CHECKED = ("0.18.0",)
 
 
-class CoalescingH11Protocol(H11Protocol):
-    """hypercorn's HTTP/1.1 protocol, writing a response head with the next bytes of its body."""
+class FinalBodyHTTPStream(HTTPStream):
+    """hypercorn's HTTP stream, noting when the app sends its last body message."""
 
-    _head: bytes | None = None  # a rendered final response head, not written yet
+    #: the body being sent now is the response's last: its end follows in the same call
+    final_body = False
+
+    async def app_send(self, message: Any) -> None:
+        if (
+            message is not None
+            and message["type"] == "http.response.body"
+            and not message.get("more_body", False)
+            and not (getattr(self, "response", None) or {}).get("trailers", False)
+        ):
+            self.final_body = True
+        await super().app_send(message)
+
+
+class CoalescingH11Protocol(H11Protocol):
+    """hypercorn's HTTP/1.1 protocol, writing a response head with the next bytes of its body,
+    and a last body with the end of the body."""
+
+    _held: bytes | None = None  # rendered bytes not written yet (a head, a last body)
 
     async def stream_send(self, event: StreamEvent) -> None:
-        head = self._head
-        if head is None:
-            if isinstance(event, Response) and event.status_code >= 200:
-                self._head = await self._render(event)
-            else:
-                await super().stream_send(event)
+        held = self._held
+        if held is None and isinstance(event, Response) and event.status_code >= 200:
+            self._held = await self._render(event)
             return
-        self._head = None
+        if isinstance(event, Body) and getattr(self.stream, "final_body", False):
+            self._held = (held or b"") + await self._render(event)  # its end comes next
+            return
+        if held is None:
+            await super().stream_send(event)
+            return
+        self._held = None
         if isinstance(event, (Body, EndBody)):
-            data = head + await self._render(event)
+            data = held + await self._render(event)
             if data:
                 await self.send(RawData(data=data))
             return
-        if head:
-            await self.send(RawData(data=head))
+        if held:
+            await self.send(RawData(data=held))
         await super().stream_send(event)
 
     async def _render(self, event: StreamEvent) -> bytes:
@@ -90,6 +121,12 @@ def _shape_problem() -> str | None:
         return "its ProtocolWrapper no longer builds hypercorn.protocol.H11Protocol"
     if not inspect.iscoroutinefunction(H11Protocol.stream_send):
         return "H11Protocol.stream_send is not a coroutine function"
+    if "HTTPStream" not in H11Protocol._create_stream.__code__.co_names:
+        return "H11Protocol no longer builds hypercorn.protocol.h11.HTTPStream"
+    if not inspect.iscoroutinefunction(HTTPStream.app_send) or not hasattr(
+        HTTPStream, "_send_closed"
+    ):
+        return "HTTPStream.app_send is not a coroutine function, or it has no _send_closed"
     if "send" not in inspect.signature(H11Protocol.__init__).parameters:
         return "H11Protocol no longer writes through a send callable"
     return None
@@ -115,6 +152,7 @@ def install() -> bool:
     if not _judged.active:
         return False
     hypercorn.protocol.H11Protocol = CoalescingH11Protocol  # type: ignore[attr-defined]
+    hypercorn.protocol.h11.HTTPStream = FinalBodyHTTPStream  # type: ignore[attr-defined]
     return True
 
 
@@ -122,7 +160,10 @@ def status() -> ShimStatus:
     """Whether hypercorn serves HTTP/1.1 through the shim now, and if not, why (cheap)."""
     if _judged is None:
         return ShimStatus(SHIM, False, "not installed")
-    in_use = hypercorn.protocol.H11Protocol is CoalescingH11Protocol  # type: ignore[attr-defined]
+    in_use = (
+        hypercorn.protocol.H11Protocol is CoalescingH11Protocol  # type: ignore[attr-defined]
+        and hypercorn.protocol.h11.HTTPStream is FinalBodyHTTPStream  # type: ignore[attr-defined]
+    )
     if _judged.active and not in_use:
         return ShimStatus(SHIM, False, f"{_judged.reason}: replaced since it was installed")
     return _judged

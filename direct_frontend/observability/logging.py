@@ -11,6 +11,7 @@ import contextvars
 import json as _json
 import logging
 import os
+import random
 import sys
 import time
 from collections.abc import Mapping
@@ -118,9 +119,15 @@ def configure_logging(json: bool, level: str = "INFO", *, stream: TextIO | None 
     root.setLevel(numeric)
 
 
+#: request ids come from a generator seeded from the OS once per process (and again in a
+#: forked child), not from ``os.urandom`` per request: that is a system call every request
+_ids = random.Random(os.urandom(16))
+os.register_at_fork(after_in_child=lambda: _ids.seed(os.urandom(16)))
+
+
 def new_request_id() -> str:
     """16 random hex characters: short enough for logs, unique enough for a fleet."""
-    return os.urandom(8).hex()
+    return f"{_ids.getrandbits(64):016x}"
 
 
 def redact(value: str) -> str:

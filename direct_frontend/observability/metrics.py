@@ -290,6 +290,8 @@ class Metrics:
         self._requests: dict[tuple[str, int], Counter] = {}
         self._durations: dict[str, Histogram] = {}
         self._engine_labels: dict[str, set[tuple[Counter | Gauge, tuple[str, ...]]]] = {}
+        #: engine_requests_total's children by (engine, outcome): counted on every request
+        self._engine_requests: dict[tuple[str, str], Counter] = {}
 
     # -- requests --------------------------------------------------------------
 
@@ -375,7 +377,13 @@ class Metrics:
 
     def engine_request(self, engine: str, outcome: str) -> None:
         """Count one engine call by outcome (e.g. ok, error, cancelled, migrated)."""
-        self._child(self.engine_requests_total, engine, outcome).inc()
+        key = (engine, outcome)
+        child = self._engine_requests.get(key)
+        if child is None:
+            child = self._engine_requests[key] = self._child(
+                self.engine_requests_total, engine, outcome
+            )
+        child.inc()
 
     def malformed_engine_message(self, engine: str) -> None:
         """Count an engine message that could not be interpreted."""
@@ -392,6 +400,8 @@ class Metrics:
 
     def forget_engine(self, engine: str) -> None:
         """Drop every series of an engine that left the fleet, to bound cardinality."""
+        for key in [key for key in self._engine_requests if key[0] == engine]:
+            del self._engine_requests[key]
         for metric, rest in self._engine_labels.pop(engine, ()):
             metric.remove(engine, *rest)
 
@@ -415,6 +425,7 @@ class ModelSeries:
     """One model's label children of the ``model_*`` metrics."""
 
     __slots__ = (
+        "_by_status",
         "_cached",
         "_completion",
         "_prompt",
@@ -434,10 +445,14 @@ class ModelSeries:
         self._cached = metrics.model_cached_tokens_total.labels(model)
         self._serving = metrics.model_engines_serving.labels(model)
         self.statuses: set[int] = set()
+        self._by_status: dict[int, Counter] = {}  # the children, looked up once per status
 
     def request(self, status: int) -> None:
-        self.statuses.add(status)
-        self._requests.labels(self.model, str(status)).inc()
+        child = self._by_status.get(status)
+        if child is None:
+            self.statuses.add(status)
+            child = self._by_status[status] = self._requests.labels(self.model, str(status))
+        child.inc()
 
     def first_token(self, seconds: float) -> None:
         self._ttft.observe(seconds)

@@ -11,9 +11,10 @@ and long tokenizations take turns (:data:`TOKENIZE_THREADS` at a time).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Literal
 
+import msgspec
 import trio
 
 from direct_frontend.engines.neutral import GenerateCall
@@ -28,6 +29,7 @@ from direct_frontend.openai.types import (
     ChatRequest,
     CompletionRequest,
 )
+from direct_frontend.pipeline.prompt_cache import PromptCache
 from direct_frontend.routing.catalog import Catalog, EngineHandle
 from direct_frontend.text.model_dir import ChatTemplateError, TextModel
 
@@ -94,6 +96,8 @@ class Tokenizing:
     text_model: TextModel
     catalog: Callable[[], Catalog]  # the catalog in force
     limiter: trio.CapacityLimiter = dataclasses.field(default_factory=new_tokenize_limiter)
+    #: repeated identical prompts are rendered and tokenized once (pipeline/prompt_cache.py)
+    prompts: PromptCache = dataclasses.field(default_factory=PromptCache)
 
     async def encode(self, text: str, param: str, *, add_special_tokens: bool) -> list[int]:
         """Token ids of ``text``; a 400 without tokenizing when it certainly cannot fit."""
@@ -115,29 +119,54 @@ async def prepare(
     """Template and tokenize; template failures are the client's 400."""
     text_model = tokenizing.text_model
     param = _prompt_param(kind)
+    cache = tokenizing.prompts
+    ids: Sequence[int]
     if isinstance(request, ChatRequest):
-        try:
-            prompt = text_model.render_chat(
-                [message_dict(m) for m in request.messages],
-                tools=[{"type": t.type, "function": _function(t)} for t in request.tools]
-                if request.offers_tools else None,
-                extra=request.chat_template_kwargs,
-            )
-        except ChatTemplateError as exc:
-            raise invalid_request(str(exc), "messages") from None
-        ids = await tokenizing.encode(prompt, param, add_special_tokens=False)
+        key = None if text_model.templates_read_clock else _chat_key(request)
+        hit = None if key is None else cache.get(key)
+        if hit is not None:
+            prompt, ids = hit
+        else:
+            try:
+                prompt = text_model.render_chat(
+                    [message_dict(m) for m in request.messages],
+                    tools=[{"type": t.type, "function": _function(t)} for t in request.tools]
+                    if request.offers_tools else None,
+                    extra=request.chat_template_kwargs,
+                )
+            except ChatTemplateError as exc:
+                raise invalid_request(str(exc), "messages") from None
+            ids = tuple(await tokenizing.encode(prompt, param, add_special_tokens=False))
+            if key is not None:
+                cache.put(key, prompt, ids)
     elif isinstance(request.prompt, str):
         prompt = request.prompt
-        ids = await tokenizing.encode(prompt, param, add_special_tokens=True)
+        hit = cache.get(prompt)
+        if hit is not None:
+            ids = hit[1]
+        else:
+            ids = tuple(await tokenizing.encode(prompt, param, add_special_tokens=True))
+            cache.put(prompt, prompt, ids)
     else:
         prompt = ""
-        ids = list(request.prompt)
+        ids = request.prompt
         vocab = text_model.vocab_size
         if any(t < 0 or t >= vocab for t in ids):
             raise invalid_request(f"prompt token ids must be in [0, {vocab})", "prompt")
     if not ids:
         raise invalid_request("the prompt is empty", param)
     return PreparedRequest(kind, request_id, request, tuple(ids), prompt)
+
+
+_chat_key_encoder = msgspec.msgpack.Encoder()
+
+
+def _chat_key(request: ChatRequest) -> bytes:
+    """What decides a chat's rendered prompt, as bytes (chat keys are bytes, prompts str)."""
+    return _chat_key_encoder.encode(
+        (request.messages, request.tools if request.offers_tools else (),
+         request.chat_template_kwargs)
+    )
 
 
 def _prompt_param(kind: Kind) -> str:

@@ -243,11 +243,15 @@ class TextModel:
         decoder_spec: Mapping[str, Any] | None = None,
         template_sources: Mapping[str, str] | None = None,
         model_type: str | None = None,
+        templates_read_clock: bool = False,
     ) -> None:
         self.path = path
         #: the chat templates' Jinja text, for reading which output parsers fit the model
         self.template_text: str = "\n".join((template_sources or {}).values())
         self.model_type = model_type  # config.json's, the fallback for that reading
+        #: whether a chat template may read the clock (``strftime_now``): its render of the
+        #: same messages then changes over time, so it must not be cached
+        self.templates_read_clock = templates_read_clock
         #: each token's bytes and logprob strings (tokenizer.json's "decoder" says how)
         self.token_bytes = TokenBytes(tokenizer, decoder_spec)
         #: see :func:`_max_bytes_per_token`; None when the tokenizer does not bound it
@@ -351,6 +355,7 @@ class TextModel:
             template_sources=sources,
             model_type=config.get("model_type") if isinstance(config.get("model_type"), str)
             else None,
+            templates_read_clock=any("strftime_now" in source for source in sources.values()),
         )
 
     @property

@@ -7,6 +7,7 @@ import asyncio
 import importlib.metadata
 import logging
 import random
+import socket
 import subprocess
 import sys
 import time
@@ -229,6 +230,124 @@ def test_a_client_stream_of_another_shape_turns_the_reader_off(
     status = grpclib_reader.check()
     assert not status.active
     assert status.reason.endswith("grpclib's streams no longer use _stream, _wrapper")
+
+
+# -- one_write: a call's HEADERS and DATA in one socket write ---------------------------------
+
+
+def _one_write_play(body: Any, monkeypatch: pytest.MonkeyPatch) -> tuple[list[bytes], bytes]:
+    """Run ``body(channel, transport, writes)`` on a real asyncio socket transport; the
+    transport's own writes (as grpclib would make them) and the bytes the peer read."""
+    writes: list[bytes] = []
+
+    async def main() -> bytes:
+        loop = asyncio.get_running_loop()
+        ours, peer = socket.socketpair()
+        transport, _ = await loop.create_connection(asyncio.Protocol, sock=ours)
+        real = type(transport).write
+
+        def counting(self: Any, data: bytes) -> None:
+            writes.append(bytes(data))
+            real(self, data)
+
+        monkeypatch.setattr(type(transport), "write", counting)
+        channel = SimpleNamespace(_protocol=SimpleNamespace(
+            connection=SimpleNamespace(_transport=transport)))
+        await body(channel, transport, writes)
+        await asyncio.sleep(0)
+        transport.close()
+        peer.setblocking(False)
+        received = b""
+        while True:
+            try:
+                chunk = peer.recv(65536)
+            except BlockingIOError:
+                await asyncio.sleep(0.001)
+                continue
+            if not chunk:
+                break
+            received += chunk
+        peer.close()
+        return received
+
+    received = asyncio.run(main())
+    return writes, received
+
+
+def test_writes_of_a_send_go_out_as_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    async def body(channel: Any, transport: Any, writes: list[bytes]) -> None:
+        async def send() -> int:
+            transport.write(b"HEADERS")
+            transport.write(b"DATA")
+            return 7
+
+        assert await grpclib_reader.one_write(channel, send()) == 7
+        assert "write" not in vars(transport)  # the transport's own write again
+        transport.write(b"after")
+
+    writes, received = _one_write_play(body, monkeypatch)
+    assert writes == [b"HEADERSDATA", b"after"]
+    assert received == b"HEADERSDATAafter"
+
+
+def test_a_send_that_suspends_lets_its_writes_out_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    async def body(channel: Any, transport: Any, writes: list[bytes]) -> None:
+        async def send() -> str:
+            transport.write(b"one")
+            transport.write(b"two")
+            await asyncio.sleep(0)  # e.g. waiting for flow control: nothing stays held
+            assert writes == [b"onetwo"]
+            transport.write(b"three")
+            await asyncio.sleep(0)
+            return "sent"
+
+        assert await grpclib_reader.one_write(channel, send()) == "sent"
+
+    writes, received = _one_write_play(body, monkeypatch)
+    assert writes == [b"onetwo", b"three"] and received == b"onetwothree"
+
+
+def test_a_cancelled_send_is_cancelled_inside_and_leaves_nothing_held(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    seen: list[str] = []
+
+    async def body(channel: Any, transport: Any, writes: list[bytes]) -> None:
+        async def send() -> None:
+            transport.write(b"held")
+            try:
+                await asyncio.get_running_loop().create_future()  # never done
+            except asyncio.CancelledError:
+                seen.append("cancelled inside")
+                raise
+
+        task = asyncio.ensure_future(grpclib_reader.one_write(channel, send()))
+        await asyncio.sleep(0)
+        assert writes == [b"held"]
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert "write" not in vars(transport)
+
+    _, received = _one_write_play(body, monkeypatch)
+    assert seen == ["cancelled inside"] and received == b"held"
+
+
+def test_nothing_is_held_with_the_shim_off_or_no_connection(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async def body(channel: Any, transport: Any, writes: list[bytes]) -> None:
+        async def send() -> None:
+            transport.write(b"b")
+            transport.write(b"c")
+
+        await grpclib_reader.one_write(SimpleNamespace(_protocol=None), send())
+        monkeypatch.setattr(grpclib_reader, "STATUS", grpclib_reader.ShimStatus(
+            grpclib_reader.SHIM, False, "off"))
+        await grpclib_reader.one_write(channel, send())
+
+    writes, received = _one_write_play(body, monkeypatch)
+    assert writes == [b"b", b"c", b"b", b"c"] and received == b"bcbc"
 
 
 # -- EventReceiver: batches in, events out ----------------------------------------------------

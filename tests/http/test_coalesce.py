@@ -18,6 +18,7 @@ from hypercorn.config import Config
 from hypercorn.events import Closed, RawData, Updated
 from hypercorn.protocol.events import Body, EndBody, Response, StreamClosed
 from hypercorn.protocol.h11 import H11Protocol
+from hypercorn.protocol.http_stream import HTTPStream
 from hypercorn.trio.worker_context import WorkerContext
 
 from direct_frontend.http import coalesce
@@ -47,13 +48,30 @@ def _protocol(cls: type[H11Protocol], writes: list[Any]) -> H11Protocol:
     return protocol
 
 
+class _Stream:
+    """What the protocol reads of its HTTP stream: whether the body being sent is the last."""
+
+    final_body = False
+
+    async def handle(self, event: Any) -> None:
+        """hypercorn tells a closing stream so; nothing to do here."""
+
+
+#: in a play, marks the app's last body message (what FinalBodyHTTPStream notes)
+FINAL = object()
+
+
 def _play(cls: type[H11Protocol], events: list[Any]) -> list[Any]:
     writes: list[Any] = []
 
     async def main() -> None:
         protocol = _protocol(cls, writes)
+        protocol.stream = _Stream()  # type: ignore[assignment]
         for event in events:
-            await protocol.stream_send(event)
+            if event is FINAL:
+                protocol.stream.final_body = True  # type: ignore[union-attr]
+            else:
+                await protocol.stream_send(event)
 
     trio.run(main)
     return writes
@@ -74,6 +92,53 @@ def test_the_head_goes_out_with_the_first_body_bytes() -> None:
     assert _bytes(ours) == _bytes(stock)  # the same bytes on the wire...
     assert len(stock) == 4 and len(ours) == 3  # ...in one write fewer
     assert ours[0].data.startswith(b"HTTP/1.1 200") and ours[0].data.endswith(b"one\r\n")
+
+
+def test_a_last_body_goes_out_with_the_end_of_the_body() -> None:
+    events = [HEAD, Body(stream_id=1, data=b"one"), FINAL, Body(stream_id=1, data=b"two"),
+              EndBody(stream_id=1), StreamClosed(stream_id=1)]
+    ours = _play(coalesce.CoalescingH11Protocol, events)
+    stock = _play(H11Protocol, events)
+    assert _bytes(ours) == _bytes(stock)
+    assert [type(w) for w in stock] == [RawData] * 4 + [Updated]
+    assert [type(w) for w in ours] == [RawData] * 2 + [Updated]
+    assert ours[1].data.endswith(b"two\r\n0\r\n\r\n")
+
+
+def test_a_response_of_one_body_is_one_write() -> None:
+    events = [HEAD, FINAL, Body(stream_id=1, data=b"all"), EndBody(stream_id=1)]
+    ours = _play(coalesce.CoalescingH11Protocol, events)
+    assert _bytes(ours) == _bytes(_play(H11Protocol, events))
+    assert len(ours) == 1
+
+
+async def test_the_stream_notes_only_a_last_body_without_trailers() -> None:
+    sent: list[Any] = []
+
+    async def send(event: Any) -> None:
+        sent.append(event)
+
+    def stream() -> coalesce.FinalBodyHTTPStream:
+        made = coalesce.FinalBodyHTTPStream(
+            None, Config(), WorkerContext(None), None, False, None, None, send, 1  # type: ignore[arg-type]
+        )
+        made.scope = {"method": "GET", "http_version": "1.1"}  # type: ignore[typeddict-item]
+        made.start_time = 0.0  # set when hypercorn hands it the request
+        return made
+
+    plain = stream()
+    await plain.app_send({"type": "http.response.start", "status": 200, "headers": []})
+    await plain.app_send({"type": "http.response.body", "body": b"a", "more_body": True})
+    assert not plain.final_body
+    await plain.app_send({"type": "http.response.body", "body": b"b"})
+    assert plain.final_body
+    assert [type(e) for e in sent] == [Response, Body, Body, EndBody, StreamClosed]
+    trailing = stream()
+    await trailing.app_send(
+        {"type": "http.response.start", "status": 200, "headers": [], "trailers": True}
+    )
+    await trailing.app_send({"type": "http.response.body", "body": b"b"})
+    assert not trailing.final_body  # its end comes with the trailers, not now
 
 
 def test_an_empty_body_goes_out_with_the_head() -> None:
@@ -109,6 +174,7 @@ def _reported() -> ShimStatus:
 def stock_hypercorn(monkeypatch: pytest.MonkeyPatch) -> None:
     """hypercorn as it comes, the shim not installed; put back as it was afterwards."""
     monkeypatch.setattr(hypercorn.protocol, "H11Protocol", H11Protocol)
+    monkeypatch.setattr(hypercorn.protocol.h11, "HTTPStream", HTTPStream)
     monkeypatch.setattr(coalesce, "_judged", None)
 
 
@@ -117,6 +183,7 @@ def test_install_switches_hypercorn_and_is_idempotent() -> None:
     assert _reported() == ShimStatus("hypercorn_coalesce", False, "not installed")
     assert coalesce.install() and coalesce.install()
     assert hypercorn.protocol.H11Protocol is coalesce.CoalescingH11Protocol
+    assert hypercorn.protocol.h11.HTTPStream is coalesce.FinalBodyHTTPStream
     version = importlib.metadata.version("hypercorn")
     assert _reported() == ShimStatus("hypercorn_coalesce", True, f"hypercorn {version}")
 

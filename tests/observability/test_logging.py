@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import os
 import re
 from collections.abc import Iterator
 from typing import Any
@@ -120,3 +121,18 @@ def test_request_ids_and_redaction() -> None:
     secret = "sk-abcdefghijklmnop"
     assert redact(secret) == "sk-a***"
     assert "efgh" not in redact(secret)
+
+
+def test_a_forked_child_draws_other_request_ids_than_its_parent() -> None:
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its next ids, to the parent
+        os.write(write, " ".join(new_request_id() for _ in range(8)).encode())
+        os._exit(0)
+    os.close(write)
+    os.waitpid(pid, 0)
+    child = set(os.read(read, 4096).decode().split())
+    os.close(read)
+    parent = {new_request_id() for _ in range(8)}
+    assert len(child) == 8 and not child & parent
+    assert all(len(i) == 16 and int(i, 16) >= 0 for i in child)

@@ -1,0 +1,92 @@
+"""prepare(): repeated prompts come from the cache, identical to a fresh render and tokenize."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from direct_frontend.openai.errors import OpenAIHTTPError
+from direct_frontend.openai.parse import parse_chat_request, parse_completion_request
+from direct_frontend.pipeline.preprocess import PreparedRequest, Tokenizing, prepare
+from direct_frontend.routing.catalog import Catalog
+from direct_frontend.text.model_dir import TextModel
+
+
+def _tokenizing(text_model: TextModel) -> Tokenizing:
+    return Tokenizing(text_model, lambda: Catalog())
+
+
+def _chat(content: str, **extra: object) -> bytes:
+    return json.dumps({
+        "model": "m", "messages": [{"role": "system", "content": "Be brief."},
+                                   {"role": "user", "content": content}], **extra,
+    }).encode()
+
+
+async def _prepare_chat(tokenizing: Tokenizing, body: bytes) -> PreparedRequest:
+    return await prepare("chat", parse_chat_request(body), "id", tokenizing)
+
+
+async def test_a_repeated_chat_is_rendered_once_and_equals_a_fresh_render(
+    text_model: TextModel,
+) -> None:
+    cached = _tokenizing(text_model)
+    first = await _prepare_chat(cached, _chat("Hello there"))
+    again = await _prepare_chat(cached, _chat("Hello there"))
+    fresh = await _prepare_chat(_tokenizing(text_model), _chat("Hello there"))
+    assert (cached.prompts.hits, cached.prompts.misses) == (1, 1)
+    assert again.input_ids == first.input_ids == fresh.input_ids
+    assert again.prompt_text == fresh.prompt_text
+    assert again.input_ids == tuple(text_model.encode(fresh.prompt_text))
+
+
+async def test_what_changes_the_prompt_changes_the_key(text_model: TextModel) -> None:
+    tokenizing = _tokenizing(text_model)
+    base = await _prepare_chat(tokenizing, _chat("Hello"))
+    other = await _prepare_chat(tokenizing, _chat("Hello!"))
+    kwargs = await _prepare_chat(tokenizing, _chat("Hello", chat_template_kwargs={"x": 1}))
+    sampling = await _prepare_chat(tokenizing, _chat("Hello", temperature=0.5))
+    assert other.input_ids != base.input_ids
+    assert tokenizing.prompts.misses == 3 and tokenizing.prompts.hits == 1  # only sampling hit
+    assert kwargs.input_ids == base.input_ids  # the demo template ignores x, but it was a miss
+    assert sampling.input_ids == base.input_ids
+
+
+async def test_completion_prompts_are_cached_by_their_text(text_model: TextModel) -> None:
+    tokenizing = _tokenizing(text_model)
+    body = json.dumps({"model": "m", "prompt": "Once upon a time"}).encode()
+    first = await prepare("completion", parse_completion_request(body), "a", tokenizing)
+    again = await prepare("completion", parse_completion_request(body), "b", tokenizing)
+    assert again.input_ids == first.input_ids
+    assert again.input_ids == tuple(text_model.encode("Once upon a time", add_special_tokens=True))
+    assert tokenizing.prompts.hits == 1
+
+
+async def test_a_template_reading_the_clock_is_never_cached(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    copy = tmp_path / "model"
+    shutil.copytree(model_dir, copy)
+    (copy / "chat_template.jinja").write_text(
+        "{{ strftime_now('%H:%M:%S') }}{% for m in messages %}{{ m.content }}{% endfor %}"
+    )
+    model = TextModel.load(copy)
+    assert model.templates_read_clock
+    tokenizing = _tokenizing(model)
+    await _prepare_chat(tokenizing, _chat("Hi"))
+    await _prepare_chat(tokenizing, _chat("Hi"))
+    assert len(tokenizing.prompts) == 0 and tokenizing.prompts.hits == 0
+
+
+async def test_errors_and_long_prompts_leave_nothing_behind(text_model: TextModel) -> None:
+    tokenizing = _tokenizing(text_model)
+    empty = json.dumps({"model": "m", "prompt": ""}).encode()
+    with pytest.raises(OpenAIHTTPError):
+        await prepare("completion", parse_completion_request(empty), "a", tokenizing)
+    long = json.dumps({"model": "m", "prompt": "x " * 20_000}).encode()
+    prepared = await prepare("completion", parse_completion_request(long), "b", tokenizing)
+    assert len(prepared.input_ids) > 1000
+    assert len(tokenizing.prompts) == 0
