@@ -159,7 +159,8 @@ def to_jsonable(cfg: FleetConfig, *, redact: bool = True) -> dict[str, JsonValue
 
 def _routing_json(routing: RoutingConfig) -> JsonValue:
     knobs: dict[str, JsonValue] = dict(routing.knobs)
-    return {"policy": routing.policy, "knobs": knobs}
+    return {"policy": routing.policy, "knobs": knobs,
+            "session_key": list(routing.session_key), "session_weight": routing.session_weight}
 
 
 def model_json(model: ModelConfig) -> dict[str, JsonValue]:

@@ -44,6 +44,8 @@ from direct_frontend.fleet.models import ModelTables
 from direct_frontend.fleet.problems import FleetError, FleetProblem
 from direct_frontend.fleet.schema import (
     ENGINE_KINDS,
+    SESSION_HEADER_PREFIX,
+    SESSION_USER_FIELD,
     EngineConfig,
     FleetConfig,
     FrontendConfig,
@@ -250,8 +252,20 @@ class _Checker(ModelTables):
         kv_aware = None
         if policy == "kv_aware":
             kv_aware = self.knobs(KvAwareKnobs, knobs, (*path, "knobs"))
-        by_hand = {"policy": policy, "knobs": Knobs(knobs), "kv_aware": kv_aware}
+        by_hand = {"policy": policy, "knobs": Knobs(knobs), "kv_aware": kv_aware,
+                   "session_key": self.session_key(tbl, path)}
         return RoutingConfig(**self.fields(RoutingConfig, tbl, path, by_hand))
+
+    def session_key(self, tbl: Table, path: KeyPath) -> tuple[str, ...]:
+        """``session_key``: each entry ``user`` or ``header:<name>``."""
+        sources = []
+        for where, source in self.strings(tbl, path, "session_key") or []:
+            header = source.removeprefix(SESSION_HEADER_PREFIX)
+            if source != SESSION_USER_FIELD and (header == source or not header.strip()):
+                self.report(where, f"{source!r} is neither {SESSION_USER_FIELD!r} nor "
+                            f"'{SESSION_HEADER_PREFIX}<name>'")
+            sources.append(source)
+        return tuple(sources)
 
     def engines(self, value: object) -> list[_Draft]:
         if not isinstance(value, list):

@@ -107,6 +107,11 @@ class KvAwareKnobs:
     approx_max_blocks: int = setting(1 << 20, AT_LEAST_ONE)
 
 
+#: ``session_key`` entries: ``header:<name>`` (case-insensitive) or ``user`` (the body field)
+SESSION_USER_FIELD = "user"
+SESSION_HEADER_PREFIX = "header:"
+
+
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class RoutingConfig:
     """``[frontend.routing]``: the policy and its knobs (``[frontend.routing.knobs]``).
@@ -119,6 +124,11 @@ class RoutingConfig:
     policy: RoutingPolicy = setting("round_robin", Rules(noun="policy"))
     knobs: Mapping[str, KnobValue] = Knobs()
     kv_aware: KvAwareKnobs = setting(KvAwareKnobs(), Rules(key="knobs"))
+    #: session affinity (routing/affinity.py): where a request's routing key comes from,
+    #: first found wins (``"header:x-session-id"``, ``"user"``); empty: no affinity
+    session_key: tuple[str, ...] = ()
+    #: under kv_aware, the cost in blocks of leaving the key's engine
+    session_weight: float = setting(8.0, NON_NEGATIVE)
 
     def __post_init__(self) -> None:
         if not isinstance(self.knobs, Knobs):

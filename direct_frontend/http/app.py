@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 
 import trio
 
@@ -47,6 +47,7 @@ from direct_frontend.pipeline.admission import Rejected
 from direct_frontend.pipeline.models import ServedModel
 from direct_frontend.pipeline.preprocess import Kind, prepare
 from direct_frontend.pipeline.settings import Settings
+from direct_frontend.routing.affinity import routing_key
 
 log = logging.getLogger("direct_frontend.http")
 
@@ -209,7 +210,9 @@ class App:
         status = 500
         found: list[ServedModel] = []  # the model the request asked for, once resolved
         try:
-            status = await self._walk(kind, settings, receive, send, request_id, trace, found)
+            status = await self._walk(
+                kind, settings, receive, send, request_id, trace, found, scope["headers"]
+            )
             return status
         finally:
             current_request_id.reset(token)
@@ -227,6 +230,7 @@ class App:
         request_id: str,
         trace: RequestTrace | None,
         found: list[ServedModel],
+        headers_in: Iterable[tuple[bytes, bytes]],
     ) -> int:
         """One generation request from its body to its last byte; returns the HTTP status.
 
@@ -248,7 +252,8 @@ class App:
             if trace is not None:
                 trace.model(request.model)
                 trace.enter("preprocess")
-            prepared = await prepare(kind, request, request_id, served.tokenizing)
+            key = routing_key(settings.frontend.routing.session_key, headers_in, request.user)
+            prepared = await prepare(kind, request, request_id, served.tokenizing, key)
             if trace is not None:
                 trace.leave(prompt_tokens=len(prepared.input_ids))
         except OpenAIHTTPError as err:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Collection
 
 from direct_frontend.fleet.schema import RoutingConfig
+from direct_frontend.routing.affinity import Affine, SessionAffinity
 from direct_frontend.routing.kv_aware import KvAware, OverlapSource
 from direct_frontend.routing.peers import PlacementShare
 from direct_frontend.routing.policies import LeastLoaded, Policy, RoundRobin
@@ -18,15 +19,17 @@ def make_policy(
 ) -> Policy:
     """The policy object; ``exact``/``live`` are the KV-event index and the incarnations it covers.
 
+    A ``session_key`` adds session affinity (routing/affinity.py).
     ``placements`` (replicas) shares a ``kv_aware`` policy's approximate placements.
 
     The knobs were checked when the fleet file was loaded.
     """
-    if routing.policy == "round_robin":
-        return RoundRobin()
-    if routing.policy == "least_loaded":
-        return LeastLoaded()
+    if routing.policy != "kv_aware":
+        bare: Policy = RoundRobin() if routing.policy == "round_robin" else LeastLoaded()
+        return Affine(bare) if routing.session_key else bare
     policy = KvAware(routing.kv_aware, exact)
+    if routing.session_key:
+        policy.affinity = SessionAffinity(routing.session_weight)
     policy.uses_events = live
     if placements is not None:
         placements.attach(policy.approx)

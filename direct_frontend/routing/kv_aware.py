@@ -24,13 +24,16 @@ import math
 import random
 import time
 from collections.abc import Callable, Collection, Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from direct_frontend.fleet.schema import KvAwareKnobs
 from direct_frontend.kv.index import prefix_hashes
 from direct_frontend.kv.keys import incarnation_of
 from direct_frontend.routing.catalog import Catalog, EngineHandle
 from direct_frontend.routing.policies import Placement, RequestView
+
+if TYPE_CHECKING:
+    from direct_frontend.routing.affinity import SessionAffinity
 
 
 class OverlapSource(Protocol):
@@ -121,6 +124,8 @@ class KvAware:
         self._rng = rng or random.Random()
         self._tie = 0
         self.spills = 0  # load-guard overrides, exported as a metric
+        #: the session-affinity term of the cost (routing/affinity.py); None: no such term
+        self.affinity: SessionAffinity | None = None
 
     def hashes(self, input_ids: Sequence[int]) -> list[int]:
         return prefix_hashes(input_ids, self.knobs.block_size)
@@ -178,6 +183,10 @@ class KvAware:
             + len(e.load.active_blocks) + e.load.peer_blocks + e.load.new_blocks(hashes)
             for e in candidates
         ]
+        # -- session affinity (routing/affinity.py): a term of its own ------------------
+        if self.affinity is not None and request.routing_key is not None:
+            costs = self.affinity.costs(request.routing_key, candidates, costs)
+        # -- end of session affinity -----------------------------------------------------
         chosen = self._pick(candidates, costs)
         spilled = False
         loads = [e.load.fleet_in_flight for e in candidates]

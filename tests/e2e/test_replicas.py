@@ -42,7 +42,7 @@ def replicas_table(nats: str | None) -> str:
 
 def fleet_for(
     model_dir: Path, engines: list[dict[str, Any]], nats: str | None, *, embeds: bool,
-    policy: str = "least_loaded", kv: bool = False,
+    policy: str = "least_loaded", kv: bool = False, routing_extra: str = "",
 ) -> str:
     """One replica's fleet file; only the replica that ``embeds`` runs the simulators."""
     tables = copy.deepcopy(engines)
@@ -54,8 +54,8 @@ def fleet_for(
     if kv:
         return kv_fleet_text(model_dir, tables, frontend_extra=extra)
     text = fleet_text(model_dir, tables, frontend_extra=extra)
-    return text.replace("[frontend.probe]",
-                        f'[frontend.routing]\npolicy = "{policy}"\n\n[frontend.probe]')
+    return text.replace("[frontend.probe]", f'[frontend.routing]\npolicy = "{policy}"\n'
+                        f"{routing_extra}\n\n[frontend.probe]")
 
 
 @contextlib.contextmanager
