@@ -126,6 +126,23 @@ def round_robin_client(fleet: Fleet, concurrency: int) -> httpx.AsyncClient:
     return httpx.AsyncClient(timeout=120, limits=limits, event_hooks={"request": [rotate]})
 
 
+def where_lost(samples: Sequence[br.Sample], block_size: int) -> str:
+    """Where the uncached prompt tokens were: first turns (system prompt) or later turns.
+
+    A later turn that did not find its own history cached landed on another
+    engine than its previous turn: the placement was not known where it was
+    made, or the load term sent it elsewhere.
+    """
+    first = [s for s in samples if s.turn == 0]
+    later = [s for s in samples if s.turn > 0]
+    reuse = br.placement(samples, block_size)
+    missed = sum(s.prompt_tokens - s.cached_tokens for s in first)
+    missed_later = sum(s.prompt_tokens - s.cached_tokens for s in later)
+    return (f"uncached tokens: first turns {missed}, later turns {missed_later}; later turns "
+            f"reusing their history {reuse['later_turns_reusing_history']}/"
+            f"{reuse['later_turns']}; first turns {len(first)}")
+
+
 def summary(samples: Sequence[br.Sample], errors: Sequence[str]) -> dict[str, Any]:
     prompt = sum(s.prompt_tokens for s in samples)
     ttft = [s.ttft * 1e3 for s in samples]
@@ -162,6 +179,7 @@ async def run_scenario(scenario: Scenario, args: argparse.Namespace, workload: b
             t0 = time.perf_counter()
             samples, errors = await br.drive(client, fleet.bases[0], workload, args.concurrency)
             result = summary(samples, errors)
+            result["lost"] = where_lost(samples, args.block_size)
             result["wall_s"] = time.perf_counter() - t0
     finally:
         stop(children)
@@ -236,6 +254,7 @@ async def bench(ours: argparse.Namespace, args: argparse.Namespace, tmp: pathlib
             print(f"{row['scenario']:<12} hit rate {row['hit_rate']:6.1%}  TTFT mean "
                   f"{row['ttft_mean_ms']:7.1f} ms  p90 {row['ttft_p90_ms']:7.1f} ms  "
                   f"errors {row['errors']}  ({row['wall_s']:.1f} s)", flush=True)
+            print(f"{'':<12} {row['lost']}", flush=True)
         (tmp / "late").mkdir()
         late = await run_late(args, workload, second, capacity, nats, tmp / "late")
     finally:

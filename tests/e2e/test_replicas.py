@@ -308,7 +308,8 @@ def test_placements_made_while_nats_is_down_reach_the_sibling_when_it_is_back(
                            json={"model": "demo", "prompt": prompt, "max_tokens": 2})
             assert r.status_code == 200, r.text
             policy_b = b.control.models.get("demo").settings.policy
-            ids = a.control.models.get("demo").relay.text_model.encode(prompt, add_special_tokens=True)
+            text_model = a.control.models.get("demo").relay.text_model
+            ids = text_model.encode(prompt, add_special_tokens=True)
             hashes = policy_b.hashes(ids)
 
             def known_to_b() -> dict[str, int]:
