@@ -219,12 +219,24 @@ class _Checker(ModelTables):
         by_hand = {
             "listen_host": host,
             "listen_port": port,
+            "workers": self.workers(tbl, path),
             # Relative to the fleet file, so a fleet directory can be moved whole.
             "tokenizer": None if tokenizer is None else source.parent / tokenizer,
         }
         frontend = FrontendConfig(**self.fields(FrontendConfig, tbl, path, by_hand))
         self.check_tracing(frontend.tracing.otlp_endpoint, (*path, "tracing", "otlp_endpoint"))
         return frontend
+
+    def workers(self, tbl: Table, path: KeyPath) -> int:
+        """``workers``: a count of at least 1, or ``"auto"`` (read as 0: one per core)."""
+        if tbl.get("workers") == "auto":
+            return 0
+        if isinstance(tbl.get("workers"), str):
+            self.report((*path, "workers"), f"expected an integer or \"auto\", got "
+                        f"{described(tbl['workers'])}")
+            return 1
+        count = self.integer(tbl, path, "workers", minimum=1)
+        return 1 if count is None else count
 
     def check_tracing(self, endpoint: str | None, where: KeyPath) -> None:
         """An OTLP/HTTP endpoint is an http(s) URL, and sending to it needs the tracing extra."""

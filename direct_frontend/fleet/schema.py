@@ -129,6 +129,9 @@ class RoutingConfig:
     session_key: tuple[str, ...] = ()
     #: under kv_aware, the cost in blocks of leaving the key's engine
     session_weight: float = setting(8.0, NON_NEGATIVE)
+    #: under kv_aware, a prefix no engine holds goes to its first block's rendezvous engine
+    #: (replicas placing one new prefix at once agree where), at ``session_weight``
+    cold_prefix_home: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.knobs, Knobs):
@@ -264,6 +267,8 @@ class FrontendConfig:
     drain_timeout_s: float = setting(30.0, NON_NEGATIVE)
     # a file with no [[engine]] is refused (a truncated file would empty the fleet) unless true
     allow_empty_fleet: bool = False
+    # processes serving the port (run --workers, control/workers.py); 0: "auto", one per core
+    workers: int = setting(1, NON_NEGATIVE)
     routing: RoutingConfig = RoutingConfig()
     probe: ProbeConfig = ProbeConfig()
     admin: AdminConfig = AdminConfig()

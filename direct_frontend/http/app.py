@@ -72,6 +72,8 @@ class App:
         self.tracing = tracing  # None: tracing is off, and costs nothing
         self.metrics = metrics
         self.bound_urls: list[str] = []
+        #: ``run --workers``: every worker's metrics as one scrape, from this one's text
+        self.metrics_view: Callable[[bytes], Awaitable[bytes]] | None = None
         self.http_stopped = trio.Event()
         self.started_at = int(time.time())
         self._routes: dict[str, dict[str, Handler]] = {
@@ -185,6 +187,8 @@ class App:
     async def _metrics(self, settings: Settings, scope: Scope, receive: Receive, send: Send) -> int:
         self.control.collect_metrics()
         body, content_type = self.metrics.render()
+        if self.metrics_view is not None:
+            body = await self.metrics_view(body)
         await send_body(send, 200, body, content_type.encode())
         return 200
 

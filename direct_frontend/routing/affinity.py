@@ -71,10 +71,28 @@ def preferred(key: str, engines: Iterable[EngineHandle]) -> EngineHandle | None:
 
 
 class SessionAffinity:
-    """The affinity term of the ``kv_aware`` cost: ``weight`` blocks off the key's engine."""
+    """The affinity term of the ``kv_aware`` cost: ``weight`` blocks off the key's engine.
 
-    def __init__(self, weight: float) -> None:
+    The key is the request's routing key; with ``cold_prefixes``, a request
+    without one whose prefix no engine is known to hold gets its first
+    block's hash as key, so replicas that place the same new prefix at the
+    same moment (before they hear of each other's placements) agree on
+    where it goes instead of each prefilling it somewhere else.
+    """
+
+    def __init__(self, weight: float, *, sessions: bool = True, cold_prefixes: bool = False
+                 ) -> None:
         self.weight = weight
+        self.sessions = sessions
+        self.cold_prefixes = cold_prefixes
+
+    def key_of(self, request: RequestView, hashes: Sequence[int], known: bool) -> str | None:
+        """The request's affinity key; ``known``: some engine holds its first block."""
+        if self.sessions and request.routing_key is not None:
+            return request.routing_key
+        if self.cold_prefixes and hashes and not known:
+            return f"prefix:{hashes[0]:x}"
+        return None
 
     def costs(
         self, key: str, candidates: Sequence[EngineHandle], costs: Sequence[float]

@@ -28,8 +28,10 @@ def make_policy(
         bare: Policy = RoundRobin() if routing.policy == "round_robin" else LeastLoaded()
         return Affine(bare) if routing.session_key else bare
     policy = KvAware(routing.kv_aware, exact)
-    if routing.session_key:
-        policy.affinity = SessionAffinity(routing.session_weight)
+    if routing.session_key or routing.cold_prefix_home:
+        policy.affinity = SessionAffinity(routing.session_weight,
+                                          sessions=bool(routing.session_key),
+                                          cold_prefixes=routing.cold_prefix_home)
     policy.uses_events = live
     if placements is not None:
         placements.attach(policy.approx)

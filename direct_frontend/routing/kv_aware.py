@@ -184,8 +184,10 @@ class KvAware:
             for e in candidates
         ]
         # -- session affinity (routing/affinity.py): a term of its own ------------------
-        if self.affinity is not None and request.routing_key is not None:
-            costs = self.affinity.costs(request.routing_key, candidates, costs)
+        if self.affinity is not None:
+            key = self.affinity.key_of(request, hashes, bool(overlaps))
+            if key is not None:
+                costs = self.affinity.costs(key, candidates, costs)
         # -- end of session affinity -----------------------------------------------------
         chosen = self._pick(candidates, costs)
         spilled = False

@@ -196,3 +196,32 @@ def test_fleet_file_refuses_an_unknown_session_key_source() -> None:
     text = str(caught.value)
     assert "'cookie:sid' is neither 'user' nor 'header:<name>'" in text
     assert "'header:' is neither" in text
+
+
+def test_a_cold_prefix_goes_to_the_same_engine_on_every_replica() -> None:
+    """Two replicas placing one new prefix at once, before either hears of the other."""
+    names = ["a", "b", "c", "d"]
+    for start in range(0, 400, 50):
+        prompt = list(range(start, start + 32))
+        chosen = set()
+        for incarnation in (1, 5):
+            policy = KvAware(KvAwareKnobs(block_size=BS))
+            policy.affinity = SessionAffinity(8, sessions=False, cold_prefixes=True)
+            catalog = Catalog(1, tuple(handle(n, incarnation + i) for i, n in enumerate(names)))
+            placed = policy.choose(catalog, view(prompt, "ignored: sessions are off"))
+            assert placed is not None
+            chosen.add(placed.engine.name)
+        assert len(chosen) == 1, start
+
+
+def test_a_known_prefix_is_not_sent_to_its_cold_home() -> None:
+    policy = KvAware(KvAwareKnobs(block_size=BS))
+    policy.affinity = SessionAffinity(8, sessions=False, cold_prefixes=True)
+    catalog = Catalog(1, (handle("a", 1), handle("b", 2), handle("c", 3)))
+    hashes = prefix_hashes(PROMPT, BS)
+    home = preferred(f"prefix:{hashes[0]:x}", catalog.engines)
+    assert home is not None
+    holder = next(e.name for e in catalog.engines if e is not home)
+    policy.approx.record(holder, hashes[:3], now=policy.clock())  # 3 blocks: less than 8
+    placed = policy.choose(catalog, view(PROMPT, None))
+    assert placed is not None and placed.engine.name == holder
