@@ -31,7 +31,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import json
 import math
+import os
 import pathlib
 import shutil
 import statistics
@@ -44,6 +46,7 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import bench_overhead as bo
 import bench_routing as br  # a sibling script: its workload, engines and client
 from bench_overhead import HOST, Child, cli_argv, free_ports, wait_for_port
 
@@ -218,6 +221,84 @@ async def run_late(args: argparse.Namespace, first: br.Workload, second: br.Work
             "warm": (fleet_view.get("replicas") or {}).get("kv_warm_start")}
 
 
+# -- --workers: throughput of one port served by N processes -----------------------------------
+
+
+def workers_fleet(listen: int, engine_ports: Sequence[int]) -> str:
+    engines = "".join(f'\n[[engine]]\nname = "e{i}"\nurl = "grpc://{HOST}:{port}"\n'
+                      f'kind = "sglang"\n' for i, port in enumerate(engine_ports))
+    return (f'[frontend]\nlisten = "{HOST}:{listen}"\nserved_model_name = "{bo.MODEL}"\n'
+            f"tokenizer = {json.dumps(str(bo.MODEL_DIR))}\n{engines}")
+
+
+async def distinct_workers(port: int, want: int, limit_s: float = 90.0) -> None:
+    """Until ``want`` workers answer ``/fleet`` (one fresh connection each time)."""
+    deadline = time.monotonic() + limit_s
+    seen: set[str] = set()
+    async with httpx.AsyncClient(timeout=5) as client:
+        while len(seen) < want:
+            if time.monotonic() > deadline:
+                raise SystemExit(f"only {len(seen)} of {want} workers answered")
+            try:
+                r = await client.get(f"http://{HOST}:{port}/fleet",
+                                     headers={"connection": "close"})
+                view = r.json()
+                if view["serving"] == view["total"] and view["total"]:
+                    seen.add((view.get("replicas") or {}).get("replica", "one"))
+            except (httpx.HTTPError, ValueError, KeyError):
+                pass
+            await asyncio.sleep(0.05)
+
+
+async def workers_throughput(counts: Sequence[int], args: argparse.Namespace,
+                             tmp: pathlib.Path) -> list[dict[str, float]]:
+    """req/s of short streamed completions through ``run --workers N`` for each N."""
+    children: list[Child] = []
+    rows = []
+    try:
+        engine_ports = free_ports(args.engines)
+        for i, port in enumerate(engine_ports):
+            engine = Child(f"engine{i}", [
+                *cli_argv(), "simulate-engine", "--kind", "sglang", "--host", HOST,
+                "--port", str(port), "--model-dir", str(bo.MODEL_DIR),
+                "--served-model-name", bo.MODEL, "--prefill-us-per-token", "0",
+                "--decode-us-per-token", "0", "--eos-probability", "0", "--max-running", "256",
+            ], tmp / f"engine{i}.log")
+            children.append(engine)
+            await wait_for_port(engine, port)
+        ids = bo.prompt_ids()
+        for count in counts:
+            (listen,) = free_ports(1)
+            fleet = tmp / f"workers{count}.toml"
+            fleet.write_text(workers_fleet(listen, engine_ports))
+            daemon = Child(f"workers{count}", [*cli_argv(), "run", str(fleet), "--workers",
+                                               str(count), "--log-level", "WARNING"],
+                           tmp / f"workers{count}.log")
+            children.append(daemon)
+            await distinct_workers(listen, count)
+            request = bo.completion_request(listen, ids, args.tokens)
+            conns = [bo.HttpConnection(listen, request, args.tokens)
+                     for _ in range(args.connections)]
+            try:
+                loops = [c.one for c in conns]
+                await bo.run_phase(loops, args.connections * 4, children[0], daemon)  # warm
+                phase = await bo.run_phase(loops, args.requests_per_level, children[0], daemon)
+            finally:
+                for conn in conns:
+                    await conn.close()
+            children.remove(daemon)
+            daemon.stop()
+            rate = len(phase.samples) / phase.wall
+            rows.append({"workers": count, "rps": rate})
+            base = rows[0]["rps"]
+            print(f"--workers {count:<3} {rate:8.1f} req/s  ×{rate / base:.2f} of one worker,"
+                  f" per worker ×{rate / base / count:.2f}  ({len(phase.samples)} requests, "
+                  f"{args.connections} connections)", flush=True)
+    finally:
+        stop(children)
+    return rows
+
+
 def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, argparse.Namespace]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="a small workload: under a minute")
@@ -230,7 +311,14 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, argparse
     p.add_argument("--replica", action="append", default=[], metavar="LINE",
                    help='a [frontend.replicas] line, e.g. "publish_interval_s = 0.005"')
     p.add_argument("--no-late", action="store_true", help="skip the late-replica run")
+    p.add_argument("--workers", nargs="?", const="1,2,all", default=None, metavar="LIST",
+                   help="measure `run --workers N` throughput instead (default 1,2,all cores)")
+    p.add_argument("--connections", type=int, default=32)
+    p.add_argument("--requests-per-level", type=int, default=2000)
+    p.add_argument("--tokens", type=int, default=16, help="completion tokens per request")
     ours, rest = p.parse_known_args(argv)
+    if ours.quick and ours.workers is not None:
+        ours.requests_per_level = min(ours.requests_per_level, 600)
     if ours.quick:
         rest = ["--engines", "3", "--conversations", "24", "--turns", "4", "--system-prompts",
                 "4", "--system-tokens", "300", "--concurrency", "8", "--decode-us", "2000",
@@ -308,6 +396,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"bench_replicas: mode {ours.mode}, {args.engines} engines, "
           f"{args.conversations} conversations × {args.turns} turns; logs in {tmp}\n",
           flush=True)
+    if ours.workers is not None:
+        cores = os.cpu_count() or 1
+        counts = sorted({cores if w == "all" else int(w) for w in ours.workers.split(",")})
+        print(f"bench_replicas --workers: {counts} on {cores} cores, {args.engines} simulated "
+              f"engines (no engine time); logs in {tmp}\n", flush=True)
+        ours.engines = args.engines
+        asyncio.run(workers_throughput(counts, ours, tmp))
+        shutil.rmtree(tmp, ignore_errors=True)
+        return 0
     args.modes = [ours.mode]
     args.mode = ours.mode
     args.routing_lines = ours.routing
