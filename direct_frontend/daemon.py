@@ -44,6 +44,7 @@ from direct_frontend.control.workers import (
     mark_ready,
     merged_metrics,
     share_metrics,
+    watch_parent,
     worker_replicas,
 )
 from direct_frontend.fleet.preflight import TextModelKey
@@ -155,6 +156,7 @@ async def serve_fleet(
             notifier.ready(control.status_line())
             if worker is not None:
                 mark_ready(worker)
+                nursery.start_soon(watch_parent, worker, shutdown)
                 nursery.start_soon(share_metrics, worker, partial(_rendered, control, metrics))
             nursery.start_soon(notifier.watchdog_loop)
             task_status.started(app)

