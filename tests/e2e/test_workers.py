@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.e2e.test_replicas import FAST, fleet_for
+from tests.e2e.test_replicas import FAST, SLOW, fleet_for
 from tests.support.daemon import Daemon, free_port, sim_engine, wait_for
 from tests.support.nats import nats_binary
 
@@ -61,8 +61,10 @@ def seen_workers(base: str, tries: int = 60) -> dict[str, dict[str, Any]]:
 
 
 @contextlib.contextmanager
-def worker_service(tmp_path: Path, model_dir: Path, count: int) -> Iterator[tuple[str, Any, Path]]:
-    engines = [sim_engine(f"e{i}", "sglang", **FAST) for i in range(2)]
+def worker_service(
+    tmp_path: Path, model_dir: Path, count: int, timing: dict[str, Any] = FAST
+) -> Iterator[tuple[str, Any, Path]]:
+    engines = [sim_engine(f"e{i}", "sglang", **timing) for i in range(2)]
     embedded = tmp_path / "engines.toml"
     embedded.write_text(fleet_for(model_dir, engines, None, embeds=True))
     daemon = Daemon(embedded).start()
@@ -174,3 +176,23 @@ def test_workers_of_a_parent_killed_hard_stop_by_themselves(
             for pid in others:
                 with contextlib.suppress(OSError):
                     os.kill(pid, signal.SIGKILL)
+
+
+def test_a_dying_workers_stream_ends_in_a_closed_connection_and_the_others_serve_on(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    with worker_service(tmp_path, model_dir, 2, SLOW) as (base, _parent, _path):
+        body = {"model": "demo", "prompt": "hi", "max_tokens": 400, "stream": True}
+        with httpx.Client(timeout=10) as client:
+            # one keep-alive connection: the worker that answers /fleet runs the stream too
+            replica = client.get(base + "/fleet").json()["replicas"]["replica"]
+            pid = int(replica.split("-")[1])
+            with client.stream("POST", base + "/v1/completions", json=body) as stream:
+                lines = stream.iter_lines()
+                assert next(lines).startswith("data: ")
+                os.kill(pid, signal.SIGKILL)
+                with pytest.raises((httpx.RemoteProtocolError, httpx.ReadError)):
+                    for _ in lines:
+                        pass
+        r = httpx.post(base + "/v1/completions", json={**body, "stream": False, "max_tokens": 2})
+        assert r.status_code == 200, r.text
