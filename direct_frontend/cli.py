@@ -230,7 +230,7 @@ def _check_against(config: FleetConfig, url: str, token: str | None, as_json: bo
     import urllib.request
 
     from direct_frontend.fleet.describe import to_jsonable
-    from direct_frontend.fleet.diff import diff_fleet_data
+    from direct_frontend.fleet.diff import as_in_file, diff_fleet_data
 
     base = url if "://" in url else f"http://{url}"
     request = urllib.request.Request(base.rstrip("/") + "/fleet")
@@ -246,7 +246,7 @@ def _check_against(config: FleetConfig, url: str, token: str | None, as_json: bo
     except (urllib.error.URLError, OSError, ValueError) as exc:
         typer.echo(f"{base}: cannot fetch /fleet: {exc}", err=True)
         raise typer.Exit(1) from None
-    diff = diff_fleet_data(running["fleet"], to_jsonable(config))
+    diff = diff_fleet_data(as_in_file(running["fleet"]), to_jsonable(config))
     if as_json:
         typer.echo(json.dumps(diff.to_json(), indent=2))
         return

@@ -7,6 +7,7 @@ Shape (every task has a parent)::
           └─ root nursery
               ├─ replica link       [frontend.replicas]: load, faults, KV snapshots over NATS
               ├─ supervisor         engine incarnations, catalog
+              ├─ pod discovery      [[pool]] list/watch → the supervisor's adds/removes
               ├─ HTTP server        hypercorn, the data plane's entry (and /fleet)
               ├─ file watcher       fleet file changed → reload
               ├─ signal watcher     SIGHUP → reload; SIGINT/SIGTERM → graceful shutdown
@@ -36,6 +37,7 @@ from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve
 
 from direct_frontend.control.kv_plane import KvPlane
+from direct_frontend.control.pods import PodDiscovery
 from direct_frontend.control.reload import ControlPlane, file_digest, kv_block_size
 from direct_frontend.control.replicas import ReplicaLink
 from direct_frontend.control.supervisor import Supervisor
@@ -119,9 +121,10 @@ async def serve_fleet(
         builder = ModelBuilder(
             supervisor, metrics,
             lambda routing, exact: make_policy(
-                routing, kv.index if exact else None, kv.live, placements
+                routing, kv.index if exact else None, kv.live, placements, kv.diverged
             ),
             text_models,
+            kv.diverged,
         )
         await builder.load(fleet)
         replicas = fleet.frontend.replicas
@@ -144,6 +147,8 @@ async def serve_fleet(
             if link is not None:  # first: a sibling's KV index is in before engines start
                 await nursery.start(link.run)
             await nursery.start(supervisor.run)
+            control.pods = PodDiscovery(fleet, metrics, control.apply_membership)
+            await nursery.start(control.pods.run)
             config = hypercorn_config(fleet, shutdown_grace_s, worker)
             app.bound_urls = await nursery.start(_serve_http, app, config, shutdown)
             log.info(

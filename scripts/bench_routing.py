@@ -7,9 +7,17 @@ workload through every policy, each on a fresh fleet of simulated engines
 (cold caches), and puts TTFT, the engines' own cache hit rate and the load
 spread side by side.
 
-Modes: ``round_robin``, ``least_loaded``, ``approximate`` (``kv_aware`` with no
+Modes: ``round_robin``, ``least_loaded``, ``cache_affinity`` (the baseline
+policy of issue 15, on KV events), ``approximate`` (``kv_aware`` with no
 ``kv_events`` in the fleet file: the router's own prefix memory) and
 ``kv-events`` (``kv_aware`` with every engine's ``kv_events``/``kv_replay``).
+
+``bench_routing.py grid`` runs the same policy objects against engines
+modelled in virtual time instead (``routing_sim.py``: open-loop multi-turn
+tenants, LRU block caches, prefill that slows with concurrent prefills): a
+deterministic grid over cache size, tenants, prompt length and load, which
+wall-clock runs on a shared machine cannot resolve. This real-socket mode is
+the confirmation that the daemon does what the model says.
 
 Workload: ``--system-prompts`` long system prompts shared (with a Zipf
 ``--skew``) by ``--conversations`` chats of ``--turns`` turns; each turn appends
@@ -49,6 +57,8 @@ Usage::
     python scripts/bench_routing.py --json             # also one JSON line at the end
     python scripts/bench_routing.py --multi-model      # per-model TTFT and hit rate
                                                        # (scripts/bench_models.py)
+    python scripts/bench_routing.py grid               # the virtual-time grid, ~3 min
+    python scripts/bench_routing.py grid --points 0,4 --seeds 1 --knob overlap_weight=2
 """
 
 from __future__ import annotations
@@ -91,9 +101,10 @@ from bench_overhead import (  # a sibling script, as soak.py does
     wait_for_port,
 )
 
-MODES = ("round_robin", "least_loaded", "approximate", "kv-events")
+MODES = ("round_robin", "least_loaded", "cache_affinity", "approximate", "kv-events")
 POLICY = {"round_robin": "round_robin", "least_loaded": "least_loaded",
-          "approximate": "kv_aware", "kv-events": "kv_aware"}
+          "cache_affinity": "cache_affinity", "approximate": "kv_aware", "kv-events": "kv_aware"}
+WITH_EVENTS = ("cache_affinity", "kv-events")  # modes whose engines publish KV events
 # Engine timing: a large model's ratio (prefill 5k tokens/s, decode 125 tokens/s per sequence),
 # so an uncached ~700-token prompt costs ~140 ms of TTFT and a cached one a few ms. Slower than
 # "50 µs / 1 ms" on purpose: at 1 ms/token, 16 streams kept a 2-core machine CPU-bound (1.9
@@ -272,7 +283,7 @@ def fleet_text(mode: str, listen: int, engines: Sequence[EnginePorts], block_siz
         f"tokenizer = {json.dumps(str(MODEL_DIR))}", "",
         "[frontend.routing]", f'policy = "{POLICY[mode]}"', "",
     ]
-    if POLICY[mode] == "kv_aware":
+    if POLICY[mode] in ("kv_aware", "cache_affinity"):
         merged = {"block_size": str(block_size), **knobs}  # a --knob block_size=N wins
         lines += ["[frontend.routing.knobs]"]
         lines += [f"{name} = {value}" for name, value in merged.items()] + [""]
@@ -485,7 +496,7 @@ async def run_mode(mode: str, args: argparse.Namespace, workload: Workload, capa
     listen = ports[0]
     engines = [
         EnginePorts(f"e{i}", ports[1 + 4 * i], ports[2 + 4 * i],
-                    (ports[3 + 4 * i], ports[4 + 4 * i]) if mode == "kv-events" else None)
+                    (ports[3 + 4 * i], ports[4 + 4 * i]) if mode in WITH_EVENTS else None)
         for i in range(n)
     ]
     started = time.perf_counter()
@@ -507,7 +518,7 @@ async def run_mode(mode: str, args: argparse.Namespace, workload: Workload, capa
     children.append(daemon)
     base = f"http://{HOST}:{listen}"
     result: dict[str, Any] = {"mode": mode, "policy": POLICY[mode],
-                              "kv_events_configured": mode == "kv-events"}
+                              "kv_events_configured": mode in WITH_EVENTS}
     limits = httpx.Limits(max_connections=args.concurrency + 4,
                           max_keepalive_connections=args.concurrency + 4)
     try:
@@ -562,7 +573,7 @@ async def run_mode(mode: str, args: argparse.Namespace, workload: Workload, capa
         workload_digest=digest.hexdigest()[:16],
         **reuse,
     )
-    if mode == "kv-events" and not index_blocks:
+    if mode in WITH_EVENTS and not index_blocks:
         result["status"] = "kv-events-not-consumed"
         result["reason"] = (
             "the daemon ran kv_aware but its KV index stayed empty "
@@ -710,7 +721,7 @@ def details(results: Sequence[dict[str, Any]]) -> str:
         if r["status"] == "unavailable":
             continue
         kv = ""
-        if r["policy"] == "kv_aware" and r["kv_predicted_cached_tokens"] is not None:
+        if r["policy"] != "round_robin" and r["kv_predicted_cached_tokens"] is not None:
             kv = (f"; router predicted {int(r['kv_predicted_cached_tokens'])} cached tokens, "
                   f"engines reported {int(r['kv_reported_cached_tokens'])}")
         lines.append(f"- {r['mode']}: TTFT p50 {r['ttft_p50_ms']:.1f} / p99 "
@@ -865,5 +876,8 @@ if __name__ == "__main__":
     elif "--multi-model" in sys.argv:  # several models, one daemon: per-model figures
         from bench_models import main as multi_model
         sys.exit(multi_model([a for a in sys.argv[1:] if a != "--multi-model"]))
+    elif len(sys.argv) > 1 and sys.argv[1] == "grid":
+        from routing_sim import main as grid_main  # a sibling script, on sys.path above
+        sys.exit(grid_main(sys.argv[2:]))
     else:
         sys.exit(main())

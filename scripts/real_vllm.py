@@ -1748,6 +1748,68 @@ def structured_checks(report: Report, fe: Frontend, served: str, model: Path) ->
     report.check("frontend: seed reproduces; logit_bias reaches the sampler", seed_and_bias)
 
 
+# --- forced tool calls through the frontend ---------------------------------------------
+
+#: tools whose arguments a random-weight model under the engine's grammar must finish
+TOOLS: list[dict[str, Any]] = [
+    {"type": "function", "function": {"name": "describe", "parameters": PERSON_SCHEMA}},
+    {"type": "function", "function": {"name": "set_level", "parameters": {
+        "type": "object", "properties": {"level": {"type": "integer", "minimum": 1,
+                                                   "maximum": 9}},
+        "required": ["level"], "additionalProperties": False}}},
+]
+
+
+def _stream_calls(stream: Any) -> tuple[list[tuple[str, str]], str | None]:
+    """The calls of a streamed chat reply put together, and its finish reason."""
+    calls: dict[int, list[str]] = {}
+    finish = None
+    for chunk in stream:
+        for ch in chunk.choices:
+            for piece in ch.delta.tool_calls or ():
+                entry = calls.setdefault(piece.index, ["", ""])
+                entry[0] += piece.function.name or ""
+                entry[1] += piece.function.arguments or ""
+            finish = ch.finish_reason or finish
+    return [(name, args) for name, args in (calls[i] for i in sorted(calls))], finish
+
+
+def tool_checks(report: Report, fe: Frontend, served: str) -> None:
+    """tool_choice required / named: the engine's grammar forces a call that validates."""
+    import jsonschema
+
+    oa = openai_client(fe)
+    msgs = [{"role": "user", "content": "Call a tool."}]
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+
+    def forced(tool_choice: Any, **extra: Any) -> str:
+        ask = {"model": served, "messages": msgs, "tools": TOOLS, "temperature": 0,
+               "max_tokens": 200, "tool_choice": tool_choice, **extra}
+        r = oa.chat.completions.create(**ask)
+        choice = r.choices[0]
+        expect(choice.finish_reason == "tool_calls", f"finish {choice.finish_reason!r}: "
+               f"{choice.message.content!r}")
+        calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or ()]
+        expect(bool(calls), f"no tool calls; content {choice.message.content!r}")
+        for name, arguments in calls:
+            jsonschema.validate(json.loads(arguments), schemas[name])
+        streamed, finish = _stream_calls(oa.chat.completions.create(stream=True, **ask))
+        expect(streamed == calls, f"stream {streamed!r} != non-stream {calls!r}")
+        expect(finish == "tool_calls", f"stream finish {finish!r}")
+        return f"{calls!r} validate (stream equal)"
+
+    def required() -> str:
+        return forced("required", parallel_tool_calls=False)
+
+    def named() -> str:
+        got = forced({"type": "function", "function": {"name": "set_level"}})
+        expect("set_level" in got, got)
+        return got
+
+    report.check("frontend: tool_choice=required forces a call that validates", required)
+    report.check("frontend: a named tool_choice forces that call, valid", named)
+
+
 # --- KV-aware routing through the frontend --------------------------------------------
 
 
@@ -2253,7 +2315,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--structured-only",
         action="store_true",
-        help="through the frontend, only the structured-output and sampling-field checks",
+        help="through the frontend, only the structured-output, sampling-field and forced "
+        "tool-call checks",
     )
     p.add_argument("--rebuild-env", action="store_true", help="reinstall the peer venv")
     p.add_argument("--rebuild-model", action="store_true", help="rebuild the tiny model")
@@ -2362,6 +2425,7 @@ def main(argv: list[str] | None = None) -> int:
             if not args.structured_only:
                 frontend_checks(report, engine, client, frontend, served)
             structured_checks(report, frontend, served, engine.model)
+            tool_checks(report, frontend, served)
             if args.structured_only:
                 report.skip("KV-aware routing checks", "--structured-only")
             else:

@@ -168,8 +168,8 @@ def test_a_truncated_file_is_refused_at_start_and_on_reload(
     truncated = full[: full.index("[[engine]]")]
     last_line = len(truncated.rstrip().splitlines())
     refusal = (
-        f"{fleet}:{last_line}: engine: no [[engine]] tables (is the file cut short?); add"
-        " engines, or set allow_empty_fleet = true in [frontend] to run with none"
+        f"{fleet}:{last_line}: engine: no [[engine]] or [[pool]] tables (is the file cut short?);"
+        " add engines, or set allow_empty_fleet = true in [frontend] to run with none"
     )
     fleet.write_text(truncated)
     ran = cli("run", str(fleet), timeout=60)

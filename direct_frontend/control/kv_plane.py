@@ -27,6 +27,7 @@ import trio
 
 from direct_frontend.kv.index import KvIndex
 from direct_frontend.kv.keys import index_key
+from direct_frontend.kv.regroup import compatible
 from direct_frontend.kv.snapshot import IndexSnapshot, RankKey, RankSnapshot
 from direct_frontend.kv.subscriber import KvSubscription, run_kv_subscriber
 from direct_frontend.observability.logging import log_once
@@ -38,6 +39,17 @@ if TYPE_CHECKING:
 log = logging.getLogger("direct_frontend.kv")
 
 
+def engine_page_size(file: int | None, discovered: int | None, ours: int) -> int:
+    """An engine's KV page size: the fleet file's when set, else discovery's, else ours.
+
+    The file wins because some engines report none or a misleading one
+    (TensorRT-LLM reports none). A page size other than ours is fine when it
+    divides ours or is a multiple of it: the index re-cuts such pages into its
+    blocks (kv/regroup.py).
+    """
+    return file or discovered or ours
+
+
 class KvPlane:
     def __init__(self, index: KvIndex, metrics: Metrics | None = None) -> None:
         self.index = index
@@ -45,6 +57,9 @@ class KvPlane:
         self.subscriptions: dict[str, KvSubscription] = {}
         #: incarnations whose overlap comes from KV events (read by the kv_aware policy)
         self.live: set[int] = set()
+        #: of those, incarnations whose predictions drifted (routing/hitrate.py fills it):
+        #: routed by the approximate memory until their entries are rebuilt
+        self.diverged: set[int] = set()
         self._fenced: set[int] = set()
         #: index key → the rank as every replica names it
         self.ranks: dict[str, RankKey] = {}
@@ -58,12 +73,13 @@ class KvPlane:
         cfg = child.cfg
         if not cfg.kv_events:
             return
-        block = cfg.block_size or self.index.block_size
-        if block != self.index.block_size:
+        ours = self.index.block_size
+        page = engine_page_size(cfg.block_size, None, ours)
+        if not compatible(page, ours):
             log.error(
-                "engine %s: block_size %d differs from the KV index's %d "
-                "([frontend.routing.knobs] block_size); its KV events are ignored",
-                child.name, block, self.index.block_size, extra={"engine": child.name},
+                "engine %s: block_size %d neither divides nor is a multiple of the KV "
+                "index's %d ([frontend.routing.knobs] block_size); its KV events are ignored",
+                child.name, page, ours, extra={"engine": child.name},
             )
             return
         keys = [index_key(child.incarnation, rank) for rank in range(len(cfg.kv_events))]
@@ -74,7 +90,7 @@ class KvPlane:
                     self.ranks[keys[rank]] = (child.name, cfg.url, endpoint, rank)
                     subscription = await nursery.start(
                         functools.partial(
-                            run_kv_subscriber, keys[rank], endpoint, replay, self.index, block,
+                            run_kv_subscriber, keys[rank], endpoint, replay, self.index, page,
                             on_malformed=functools.partial(self._malformed, child.name),
                             on_restart=functools.partial(self._restarted, child, rank),
                             warm_next_seq=self._load_warm(keys[rank]),
@@ -87,6 +103,7 @@ class KvPlane:
                          ", ".join(cfg.kv_events), extra={"engine": child.name})
         finally:
             self.live.discard(child.incarnation)
+            self.diverged.discard(child.incarnation)
             child.engine_restarts.follows_publisher = False
             self._fenced.discard(child.incarnation)
             for key in keys:
@@ -157,6 +174,7 @@ class KvPlane:
 
     def _resync(self, child: EngineChild, reason: str) -> None:
         """Clear and rebuild from the engine's own history (replay from the start)."""
+        self.diverged.discard(child.incarnation)  # judged afresh on the rebuilt entries
         for rank in range(len(child.cfg.kv_events)):
             subscription = self.subscriptions.get(index_key(child.incarnation, rank))
             if subscription is not None:
@@ -168,14 +186,17 @@ class KvPlane:
     def note_serving(self, child: EngineChild) -> None:
         """On (re)joining: rebuild after a fence or a restart, from the engine's history."""
         info = child.info
-        if info is not None and info.block_size and info.block_size != self.index.block_size:
+        ours = self.index.block_size
+        page = engine_page_size(child.cfg.block_size, info.block_size if info else None, ours)
+        if not compatible(page, ours):
             if child.incarnation in self.live:
                 log.error(
-                    "engine %s reports KV block size %d but the KV index uses %d "
-                    "([frontend.routing.knobs] block_size): its KV events cannot match "
-                    "requests, so it is routed by the approximate prefix memory instead",
-                    child.name, info.block_size, self.index.block_size,
-                    extra={"engine": child.name},
+                    "engine %s reports KV page size %d, which neither divides nor is a "
+                    "multiple of the KV index's %d ([frontend.routing.knobs] block_size): "
+                    "its KV events cannot match requests, so it is routed by the approximate "
+                    "prefix memory instead (set block_size for it in the fleet file if the "
+                    "report is wrong)",
+                    child.name, page, ours, extra={"engine": child.name},
                 )
             self.live.discard(child.incarnation)
             return
@@ -185,6 +206,12 @@ class KvPlane:
                          else "the engine is back")
         elif child.restarted_at_join:
             self._resync(child, "the engine restarted")
+
+    def routing_of(self, incarnation: int) -> str:
+        """How KV-aware routing sees this incarnation, for ``/fleet``."""
+        if incarnation in self.diverged:
+            return "approximate (prediction diverged from the engine's reports)"
+        return "events" if incarnation in self.live else "approximate"
 
     @staticmethod
     def _restarted(child: EngineChild, rank: int, key: str) -> None:

@@ -13,7 +13,7 @@ import dataclasses
 import hashlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import trio
@@ -21,12 +21,20 @@ import trio
 from direct_frontend.control.child import EngineChild
 from direct_frontend.control.events import EventHub, Subscriber
 from direct_frontend.control.lifecycle import EngineState
+from direct_frontend.control.pods import PodDiscovery
 from direct_frontend.control.supervisor import Supervisor
 from direct_frontend.fleet.describe import JsonValue, to_jsonable
-from direct_frontend.fleet.diff import RESTART_FIELDS, FleetDiff, ReloadResult, diff_fleets
+from direct_frontend.fleet.diff import (
+    RESTART_FIELDS,
+    FleetDiff,
+    ReloadResult,
+    diff_engines,
+    diff_fleets,
+)
 from direct_frontend.fleet.load import parse_fleet_bytes
+from direct_frontend.fleet.pools import with_pool_engines
 from direct_frontend.fleet.problems import FleetError, FleetProblem
-from direct_frontend.fleet.schema import FleetConfig, FrontendConfig
+from direct_frontend.fleet.schema import EngineConfig, FleetConfig, FrontendConfig
 from direct_frontend.observability.metrics import Metrics
 from direct_frontend.observability.sdnotify import Notifier
 from direct_frontend.pipeline.models import ModelBuilder, ModelTable, serving_counts
@@ -60,6 +68,8 @@ def engine_status(child: EngineChild) -> dict[str, JsonValue]:
         "restarts": child.restarts,
         "connections_opened": channel.connections_opened if channel is not None else 0,
         "simulated": child.cfg.simulate,
+        "pool": child.cfg.pool,
+        "pod_uid": child.cfg.pod_uid,
     }
 
 
@@ -114,6 +124,8 @@ class ControlPlane:
         self._lock = trio.Lock()
         self.placements = placements  # a new kv_aware policy shares its placements here
         self._replicas = replicas  # the replica link's view, for /fleet
+        #: the [[pool]] watches, when the daemon runs them (their engines join ``running``)
+        self.pods: PodDiscovery | None = None
         supervisor.listeners.append(self._on_engine)
 
     @property
@@ -137,7 +149,13 @@ class ControlPlane:
 
     def status(self) -> dict[str, JsonValue]:
         """``GET /fleet``: engines, the running config and the last reload (secrets redacted)."""
-        engines: list[JsonValue] = [engine_status(child) for child in self._children()]
+        kv = self.supervisor.kv
+        engines: list[JsonValue] = []
+        for child in self._children():
+            status = engine_status(child)
+            if kv is not None:
+                status["kv_routing"] = kv.routing_of(child.incarnation)
+            engines.append(status)
         return {
             "config": {
                 "version": self.version,
@@ -151,6 +169,8 @@ class ControlPlane:
             "total": len(self.supervisor.children),
             "engines": engines,
             "models": self._models_status(),
+            "pools": [] if self.pods is None else self.pods.status(),
+            "waiting_for_pools": list(self.waiting_for_pools()),
             "fleet": to_jsonable(self.running),
             "events": {"subscribers": len(self.hub.subscribers),
                        "dropped": self.hub.dropped_total},
@@ -178,6 +198,15 @@ class ControlPlane:
     def ready(self) -> tuple[int, int]:
         """(engines serving, engines in the fleet file): what ``/ready`` reports."""
         return self.supervisor.serving_count, len(self.supervisor.children)
+
+    def waiting_for_pools(self) -> list[str]:
+        """Pools ``wait_for_pods`` still holds ``/ready`` for (start-up only)."""
+        if self.pods is None:
+            return []
+        return self.pods.pending({
+            child.cfg.pool for child in self.supervisor.incarnations.values()
+            if child.cfg.pool is not None and child.state is EngineState.SERVING
+        })
 
     def subscribe(self) -> contextlib.AbstractContextManager[Subscriber]:
         return self.hub.subscribe()
@@ -233,6 +262,8 @@ class ControlPlane:
             new = parse_fleet_bytes(raw, path)
             self._check_kv_block_size(new)
             await self.builder.load(new)  # new tokenizers, in a worker thread
+            # the pools' engines as last seen (a changed pool keeps its own until relisted)
+            new = with_pool_engines(new, {} if self.pods is None else self.pods.members())
         except FleetError as exc:
             for problem in exc.problems:
                 log.error("fleet reload rejected, keeping the running fleet: %s", problem,
@@ -244,6 +275,8 @@ class ControlPlane:
             new, frontend=keep_restart_fields(new.frontend, self.running.frontend)
         )
         self._apply(effective, diff)
+        if self.pods is not None:
+            await self.pods.reconcile(effective)
         self.digest = digest
         return ReloadResult(True, trigger, time.time(), self.version, digest, diff=diff)
 
@@ -255,6 +288,25 @@ class ControlPlane:
         message = f"the KV block size ({kv.index.block_size}) can only change with a restart"
         raise FleetError([FleetProblem(str(new.source), None, "frontend.routing.policy",
                                        message)])
+
+    def apply_membership(self, members: Mapping[str, tuple[EngineConfig, ...]]) -> None:
+        """The pools' engines changed: the same adds and removes a fleet-file edit makes.
+
+        Same drain, migration and KV fencing as a reload (the supervisor's
+        :meth:`~Supervisor.apply`); the config version stays, the file did not change.
+        """
+        fleet = with_pool_engines(self.running, members)
+        diff = diff_engines(self.running, fleet)
+        if not (diff.added or diff.removed or diff.changed):
+            return
+        self.running = fleet
+        self.supervisor.apply(fleet, removed=diff.removed, changed=diff.changed_names,
+                              added=diff.added)
+        lines = [line for line in diff.lines() if not line.startswith("=")]
+        log.info("pool membership changed: %s", "; ".join(lines[:20])
+                 + (f"; … {len(lines) - 20} more" if len(lines) > 20 else ""))
+        self.hub.publish({"type": "membership", "diff": diff.to_json()})
+        self.notifier.status(self.status_line())
 
     def _apply(self, fleet: FleetConfig, diff: FleetDiff) -> None:
         for name in diff.restart:

@@ -8,12 +8,18 @@ can be trusted, and that is the usual reason a fleet needs an override.
 
 from __future__ import annotations
 
+import dataclasses
+import enum
+from typing import Any
+
 from direct_frontend.engines.neutral import EngineRole
 from direct_frontend.fleet.schema import (
     EngineConfig,
     FleetConfig,
     FrontendConfig,
+    KubernetesConfig,
     ModelConfig,
+    PoolConfig,
     ReplicasConfig,
     RoutingConfig,
     TracingConfig,
@@ -63,9 +69,13 @@ def describe_fleet(cfg: FleetConfig) -> str:
         source = " (the one model [frontend] describes)" if model.implicit else ""
         out += ["", f"model[{index}] {model.name}{source}"]
         out += _rows(_model_rows(model), indent=2)
+    for index, pool in enumerate(cfg.pools, 1):
+        out += ["", f"pool[{index}] {pool.name}"]
+        out += _rows(_pool_rows(pool), indent=2)
     out.append("")
     if not cfg.engines:
-        out.append("engines: none yet (add [[engine]] tables)")
+        out.append("engines: none in the file" if cfg.pools
+                   else "engines: none yet (add [[engine]] or [[pool]] tables)")
     for index, engine in enumerate(cfg.engines, 1):
         if index > 1:
             out.append("")
@@ -152,10 +162,21 @@ def to_jsonable(cfg: FleetConfig, *, redact: bool = True) -> dict[str, JsonValue
                 "peer_timeout_s": replicas.peer_timeout_s,
                 "snapshot_timeout_s": replicas.snapshot_timeout_s,
             },
+            "kubernetes": _plain(frontend.kubernetes),
         },
         "models": models,
         "engines": engines,
+        "pools": [_plain(pool) for pool in cfg.pools],
     }
+
+
+def _plain(table: Any) -> JsonValue:
+    """A flat schema table as JSON, keyed by its field names (an enum by its value)."""
+    out: dict[str, JsonValue] = {}
+    for field in dataclasses.fields(table):
+        value = getattr(table, field.name)
+        out[field.name] = value.value if isinstance(value, enum.Enum) else value
+    return out
 
 
 def _routing_json(routing: RoutingConfig) -> JsonValue:
@@ -230,6 +251,8 @@ def _engine_json(engine: EngineConfig) -> JsonValue:
         "simulate": engine.simulate,
         "simulator": simulator,
         "model": engine.model,
+        "pool": engine.pool,
+        "pod_uid": engine.pod_uid,
     }
 
 
@@ -274,7 +297,18 @@ def _frontend_rows(frontend: FrontendConfig) -> list[tuple[str, str]]:
         ("limits.queue_timeout_s", _scalar(frontend.limits.queue_timeout_s)),
         ("tracing", _tracing_row(frontend.tracing)),
         ("replicas", _replicas_row(frontend.replicas)),
+        ("kubernetes", _kubernetes_row(frontend.kubernetes)),
     ]
+
+
+def _kubernetes_row(kube: KubernetesConfig) -> str:
+    """How [[pool]] tables reach the API server (unused without pools)."""
+    where = (f"kubeconfig {kube.kubeconfig}" if kube.kubeconfig is not None
+             else "in-cluster service account, else $KUBECONFIG or ~/.kube/config")
+    context = f", context {kube.context}" if kube.context else ""
+    waits = ", wait_for_pods" if kube.wait_for_pods else ""
+    return (f"{where}{context}; watch {_scalar(kube.watch_timeout_s)} s, relist every"
+            f" {_scalar(kube.relist_interval_s)} s{waits}")
 
 
 def _model_rows(model: ModelConfig) -> list[tuple[str, str]]:
@@ -302,8 +336,8 @@ def _model_rows(model: ModelConfig) -> list[tuple[str, str]]:
         ("context_length", "what the engines report" if model.context_length is None
          else str(model.context_length)),
         ("owned_by", model.owned_by),
-        ("tool_parser", model.tool_parser or "none"),
-        ("reasoning_parser", model.reasoning_parser or "none"),
+        ("tool_parser", model.tool_parser or "detected from the chat template"),
+        ("reasoning_parser", model.reasoning_parser or "detected from the chat template"),
         ("sampling", ", ".join(sampling) or "the request's (OpenAI defaults)"),
         ("routing.policy", model.routing.policy),
         ("routing.knobs", knobs or "none"),
@@ -312,6 +346,26 @@ def _model_rows(model: ModelConfig) -> list[tuple[str, str]]:
         ("adapters", adapters or "none"),
         ("max_adapters_per_engine", str(model.max_adapters_per_engine)),
     ]
+
+
+def _pool_rows(pool: PoolConfig) -> list[tuple[str, str]]:
+    def port(value: int | None, annotation: str) -> str:
+        fallback = "no default" if value is None else f"else {value}"
+        return f"annotation {annotation}, {fallback}"
+
+    rows = [
+        ("pods", f"namespace {pool.namespace}, selector {pool.selector!r}"),
+        ("kind", pool.kind), ("role", pool.role.value),
+        ("model", pool.model or "what discovery reports"),
+        ("port", port(pool.port, pool.port_annotation)),
+        ("kv_events_port", port(pool.kv_events_port, pool.kv_events_annotation)),
+        ("kv_replay_port", port(pool.kv_replay_port, pool.kv_replay_annotation)),
+    ]
+    rows += [(name, str(value)) for name, value in (
+        ("context_length", pool.context_length), ("block_size", pool.block_size),
+        ("bootstrap_port", pool.bootstrap_port)) if value is not None]
+    rows.append(("engines", f"{pool.name}/<pod> at grpc://<pod IP>:<port>, each Ready pod"))
+    return rows
 
 
 def _tracing_row(tracing: TracingConfig) -> str:

@@ -49,6 +49,14 @@ class FleetDiff:
     models_added: tuple[str, ...] = ()
     models_removed: tuple[str, ...] = ()
     models_changed: tuple[EngineChange, ...] = ()
+    #: [[pool]] tables by name: a changed one is watched anew (its pods relisted)
+    pools_added: tuple[str, ...] = ()
+    pools_removed: tuple[str, ...] = ()
+    pools_changed: tuple[EngineChange, ...] = ()
+
+    @property
+    def pools_differ(self) -> bool:
+        return bool(self.pools_added or self.pools_removed or self.pools_changed)
 
     @property
     def models_differ(self) -> bool:
@@ -57,7 +65,7 @@ class FleetDiff:
     @property
     def empty(self) -> bool:
         return not (self.added or self.removed or self.changed or self.live or self.restart
-                    or self.models_differ)
+                    or self.models_differ or self.pools_differ)
 
     @property
     def changed_names(self) -> tuple[str, ...]:
@@ -71,6 +79,9 @@ class FleetDiff:
         out += [f"- model {name} (new requests get a 404; its requests finish)"
                 for name in self.models_removed]
         out += [f"~ model {c.name} ({', '.join(c.fields)})" for c in self.models_changed]
+        out += [f"+ pool {name} (its Ready pods join)" for name in self.pools_added]
+        out += [f"- pool {name} (its engines drain, then leave)" for name in self.pools_removed]
+        out += [f"~ pool {c.name} (relisted: {', '.join(c.fields)})" for c in self.pools_changed]
         out += [f"+ engine {name} (joins: probe first, then serves)" for name in self.added]
         out += [f"- engine {name} (drains, then leaves)" for name in self.removed]
         out += [
@@ -95,6 +106,10 @@ class FleetDiff:
             "models_removed": list(self.models_removed),
             "models_changed": [{"name": c.name, "fields": list(c.fields)}
                                for c in self.models_changed],
+            "pools_added": list(self.pools_added),
+            "pools_removed": list(self.pools_removed),
+            "pools_changed": [{"name": c.name, "fields": list(c.fields)}
+                              for c in self.pools_changed],
         }
 
 
@@ -107,6 +122,7 @@ def diff_fleet_data(old: Mapping[str, Any], new: Mapping[str, Any]) -> FleetDiff
     """Diff two fleets in their JSON form (``to_jsonable``)."""
     added, removed, changed, unchanged = _match(_by_name(old, "engines"), _by_name(new, "engines"))
     models = _match(_by_name(old, "models"), _by_name(new, "models"))
+    pools = _match(_by_name(old, "pools"), _by_name(new, "pools"))
     live: list[str] = []
     restart: list[str] = []
     # With [[model]] tables these two are the first model's, and models change live.
@@ -116,7 +132,43 @@ def diff_fleet_data(old: Mapping[str, Any], new: Mapping[str, Any]) -> FleetDiff
             continue
         (restart if name.split(".", 1)[0] in RESTART_FIELDS else live).append(name)
     return FleetDiff(added, removed, changed, unchanged, tuple(live), tuple(restart),
-                     models_added=models[0], models_removed=models[1], models_changed=models[2])
+                     models_added=models[0], models_removed=models[1], models_changed=models[2],
+                     pools_added=pools[0], pools_removed=pools[1], pools_changed=pools[2])
+
+
+def diff_engines(old: FleetConfig, new: FleetConfig) -> FleetDiff:
+    """Only the engine changes between two fleets that differ in nothing else.
+
+    For pool membership, event by event: it compares the engines' settings as
+    values (field by field, no JSON form of the whole fleet), so its cost is
+    one pass over the engines.
+    """
+    before = {engine.name: engine for engine in old.engines}
+    after = {engine.name: engine for engine in new.engines}
+    changed: list[EngineChange] = []
+    unchanged: list[str] = []
+    for name, engine in after.items():
+        was = before.get(name)
+        if was is None:
+            continue
+        if was == engine:
+            unchanged.append(name)
+            continue
+        fields = tuple(f.name for f in dataclasses.fields(engine)
+                       if getattr(was, f.name) != getattr(engine, f.name))
+        changed.append(EngineChange(name, fields))
+    return FleetDiff(
+        added=tuple(name for name in after if name not in before),
+        removed=tuple(name for name in before if name not in after),
+        changed=tuple(changed),
+        unchanged=tuple(unchanged),
+    )
+
+
+def as_in_file(fleet: Mapping[str, Any]) -> dict[str, Any]:
+    """A running fleet's JSON form without the engines its pools found (not in any file)."""
+    engines = [engine for engine in fleet.get("engines", []) if not engine.get("pool")]
+    return {**fleet, "engines": engines}
 
 
 def _by_name(fleet: Mapping[str, Any], key: str) -> dict[str, Mapping[str, Any]]:

@@ -20,8 +20,6 @@ from pathlib import Path
 from typing import TypeVar, cast
 from urllib.parse import urlsplit
 
-from direct_frontend.engines.dialects import dialect_for
-from direct_frontend.engines.dialects.base import Capabilities
 from direct_frontend.engines.neutral import EngineRole
 from direct_frontend.fleet.address import (
     Endpoint,
@@ -41,9 +39,9 @@ from direct_frontend.fleet.checker import (
 )
 from direct_frontend.fleet.locate import KeyPath, Locator
 from direct_frontend.fleet.models import ModelTables
+from direct_frontend.fleet.pools import PoolTables
 from direct_frontend.fleet.problems import FleetError, FleetProblem
 from direct_frontend.fleet.schema import (
-    ENGINE_KINDS,
     SESSION_HEADER_PREFIX,
     SESSION_USER_FIELD,
     EngineConfig,
@@ -54,6 +52,7 @@ from direct_frontend.fleet.schema import (
     KvAwareKnobs,
     RoutingConfig,
     SimulatorConfig,
+    implicit_model,
 )
 from direct_frontend.observability import tracing
 
@@ -128,10 +127,6 @@ def _syntax_problem(file: str, text: str, exc: tomllib.TOMLDecodeError) -> Fleet
     return FleetProblem(file, line, "", f"invalid TOML: {message}", column)
 
 
-def _capabilities(kind: str) -> Capabilities:
-    return dialect_for(kind).capabilities
-
-
 def _plural(count: int, noun: str) -> str:
     return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
 
@@ -147,7 +142,7 @@ class _Draft:
     kv: list[tuple[KeyPath, Endpoint]]
 
 
-class _Checker(ModelTables):
+class _Checker(PoolTables, ModelTables):
     """The fleet file's own rules, on top of the schema-driven reads."""
 
     def url(self, text: str, path: KeyPath, scheme: str, noun: str) -> Endpoint | None:
@@ -169,13 +164,14 @@ class _Checker(ModelTables):
         models = self.models(data.get("model", []), frontend, source)
         frontend = self.resolve_frontend(frontend, models)
         drafts = self.engines(data.get("engine", []))
-        if data.get("engine", []) == [] and not frontend.allow_empty_fleet:
+        pools = self.pools(data.get("pool", []), models or [implicit_model(frontend)])
+        if data.get("engine", []) == [] and not data.get("pool") and not frontend.allow_empty_fleet:
             self.refuse_empty(data)
         self.cross_check(drafts)
         self.engine_models([(draft.index, draft.config) for draft in drafts], models)
         engines = tuple(draft.config for draft in drafts)
         return FleetConfig(frontend=frontend, models=tuple(models), engines=engines,
-                           source=source)
+                           pools=tuple(pools), source=source)
 
     def refuse_empty(self, data: Table) -> None:
         """No engines is far more often a file cut short than a wish: say so, unless allowed.
@@ -185,7 +181,7 @@ class _Checker(ModelTables):
         ``engine = []`` if written, else at the end of the file.
         """
         message = (
-            "no [[engine]] tables (is the file cut short?); add engines, or set"
+            "no [[engine]] or [[pool]] tables (is the file cut short?); add engines, or set"
             " allow_empty_fleet = true in [frontend] to run with none"
         )
         if "engine" in data:
@@ -262,7 +258,7 @@ class _Checker(ModelTables):
                 message = f"expected a string, number or boolean, got {described(knob)}"
                 self.report((*path, "knobs", key), message)
         kv_aware = None
-        if policy == "kv_aware":
+        if policy in ("kv_aware", "cache_affinity"):  # the baseline reads the same knobs
             kv_aware = self.knobs(KvAwareKnobs, knobs, (*path, "knobs"))
         by_hand = {"policy": policy, "knobs": Knobs(knobs), "kv_aware": kv_aware,
                    "session_key": self.session_key(tbl, path)}
@@ -299,9 +295,8 @@ class _Checker(ModelTables):
 
         kind: str | None = self.read(EngineConfig, "kind", tbl, path)
         role: EngineRole | None = self.read(EngineConfig, "role", tbl, path)
-        paired = role not in (None, EngineRole.BOTH)
-        if paired and kind is not None and not _capabilities(kind).prefill_decode:
-            self.report((*path, "role"), f'{kind} engines have no P/D roles; use role = "both"')
+        if role is not None and kind is not None:
+            self.check_role(path, kind, role)
 
         name: str | None = self.read(EngineConfig, "name", tbl, path)
         if name is not None and any(ch.isspace() or not ch.isprintable() for ch in name):
@@ -347,6 +342,8 @@ class _Checker(ModelTables):
             "bootstrap_port": bootstrap_port,
             "simulate": simulate,
             "simulator": simulator,
+            "pool": None,
+            "pod_uid": None,
         }
         config = EngineConfig(**self.fields(EngineConfig, tbl, path, by_hand))
         return _Draft(index, config, "name" in tbl, endpoint, kv)
@@ -361,23 +358,6 @@ class _Checker(ModelTables):
             if endpoint is not None:
                 seen.append((where, endpoint))
         return tuple(text for _, text in items)
-
-    def check_bootstrap(
-        self,
-        path: KeyPath,
-        port: int,
-        kind: str | None,
-        role: EngineRole | None,
-        endpoint: Endpoint | None,
-    ) -> None:
-        where = (*path, "bootstrap_port")
-        if kind is not None and not _capabilities(kind).bootstrap_server:
-            served = ", ".join(k for k in ENGINE_KINDS if _capabilities(k).bootstrap_server)
-            self.report(where, f"only {served} engines have a bootstrap port (this one is {kind})")
-        elif role is EngineRole.DECODE:
-            self.report(where, "only prefill engines run a bootstrap server (role is decode)")
-        if endpoint is not None and endpoint[1] == port:
-            self.report(where, f"must differ from the gRPC port in url ({port})")
 
     def cross_check(self, drafts: list[_Draft]) -> None:
         """Rules between engines: unique URLs, names, simulator ports and KV endpoints."""

@@ -21,7 +21,7 @@ from typing import Literal, TypeVar
 
 from direct_frontend.engines.neutral import EngineRole
 
-RoutingPolicy = Literal["round_robin", "least_loaded", "kv_aware"]
+RoutingPolicy = Literal["round_robin", "least_loaded", "kv_aware", "cache_affinity"]
 EngineKind = Literal["sglang", "vllm", "trtllm"]
 KnobValue = float | int | str | bool
 
@@ -97,14 +97,21 @@ class KvAwareKnobs:
 
     # = the engines' KV block size (vLLM block_size, SGLang page size)
     block_size: int = setting(16, AT_LEAST_ONE)
-    overlap_weight: float = setting(1.0, NON_NEGATIVE)
+    overlap_weight: float = setting(3.0, NON_NEGATIVE)
+    # blocks of prefill one request in flight is worth (its decode slows every step)
+    in_flight_weight: float = setting(8.0, NON_NEGATIVE)
     temperature: float = setting(0.0, NON_NEGATIVE)
     # the load guard spills when the chosen engine has this many requests above the mean …
-    balance_abs_threshold: float = setting(2.0, NON_NEGATIVE)
+    balance_abs_threshold: float = setting(32.0, NON_NEGATIVE)
     # … and this many times the mean
     balance_rel_threshold: float = setting(1.5, NON_NEGATIVE)
+    # where KV events flow, a prefix we sent an engine counts this much of a cached one
+    memory_weight: float = setting(0.5, Rules(at_least=0, at_most=1))
     approx_ttl_s: float = setting(120.0, NON_NEGATIVE)
     approx_max_blocks: int = setting(1 << 20, AT_LEAST_ONE)
+    # an engine's prefix-cache capacity in blocks, for the approximate memory's LRU model
+    # (0: unknown, trust the TTL)
+    approx_capacity_blocks: int = setting(0, NON_NEGATIVE)
 
 
 #: ``session_key`` entries: ``header:<name>`` (case-insensitive) or ``user`` (the body field)
@@ -245,6 +252,27 @@ class ReplicasConfig:
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class KubernetesConfig:
+    """``[frontend.kubernetes]``: how ``[[pool]]`` tables reach the Kubernetes API server.
+
+    Without ``kubeconfig`` the daemon uses its pod's service account when it
+    runs in a cluster, else ``$KUBECONFIG`` or ``~/.kube/config``. A watch asks
+    the server to end after ``watch_timeout_s`` (then it resumes from the last
+    resourceVersion); a full relist reconciles every ``relist_interval_s``
+    anyway, so a missed delete never lives longer than that.
+    """
+
+    kubeconfig: str | None = None  # a kubeconfig file, resolved against the fleet file
+    context: str | None = None  # a kubeconfig context (absent: its current-context)
+    watch_timeout_s: float = setting(240.0, POSITIVE)
+    relist_interval_s: float = setting(300.0, POSITIVE)
+    # reconnects back off from 0.1 s, doubling, to at most this
+    max_backoff_s: float = setting(10.0, POSITIVE)
+    # /ready says no until every pool has had a serving engine (start-up only)
+    wait_for_pods: bool = False
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class FrontendConfig:
     """``[frontend]``: the OpenAI-facing side of the daemon."""
 
@@ -277,6 +305,7 @@ class FrontendConfig:
     limits: LimitsConfig = LimitsConfig()
     tracing: TracingConfig = TracingConfig()
     replicas: ReplicasConfig = ReplicasConfig()
+    kubernetes: KubernetesConfig = KubernetesConfig()
 
     @property
     def listen(self) -> str:
@@ -326,6 +355,44 @@ class EngineConfig:
     simulator: SimulatorConfig = SimulatorConfig()
     # the [[model]] it serves (a name or alias); absent: what its discovery reports
     model: str | None = None
+    # an engine a [[pool]] found: the pool's name and the pod's UID (never in the file)
+    pool: str | None = setting(None, Rules(in_file=False))
+    pod_uid: str | None = setting(None, Rules(in_file=False))
+
+
+#: the pod annotations a pool reads an engine's ports from (else the pool's ports)
+GRPC_PORT_ANNOTATION = "direct-frontend.io/grpc-port"
+KV_EVENTS_PORT_ANNOTATION = "direct-frontend.io/kv-events-port"
+KV_REPLAY_PORT_ANNOTATION = "direct-frontend.io/kv-replay-port"
+PORT = Rules(at_least=1, at_most=65535)
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class PoolConfig:
+    """One ``[[pool]]``: engines found by a Kubernetes label selector, not listed by hand.
+
+    Each pod that is Ready, has an IP and is not being deleted becomes an
+    engine ``<pool>/<pod>`` at ``grpc://<pod IP>:<port>``, with the pool's
+    settings (those of a file ``[[engine]]``). A port comes from the pod's
+    annotation when it has one, else from the pool. Serving and prefill pools
+    of one P/D fleet are two pools (two selectors) with their own ``role``.
+    """
+
+    name: str
+    namespace: str = "default"
+    selector: str  # a label selector, as kubectl -l takes it: "app=vllm,tier in (a,b)"
+    kind: EngineKind = dataclasses.field(metadata={"rules": Rules(noun="engine kind")})
+    role: EngineRole = setting(EngineRole.BOTH, Rules(noun="role"))
+    model: str | None = None  # the [[model]] its engines serve (checked at each join)
+    port: int | None = setting(None, PORT)  # the gRPC port when a pod has no annotation
+    port_annotation: str = GRPC_PORT_ANNOTATION
+    kv_events_port: int | None = setting(None, PORT)  # ZMQ KV events on the pod's IP
+    kv_events_annotation: str = KV_EVENTS_PORT_ANNOTATION
+    kv_replay_port: int | None = setting(None, PORT)
+    kv_replay_annotation: str = KV_REPLAY_PORT_ANNOTATION
+    context_length: int | None = setting(None, AT_LEAST_ONE)
+    block_size: int | None = setting(None, AT_LEAST_ONE)
+    bootstrap_port: int | None = setting(None, PORT)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -357,9 +424,10 @@ class ModelConfig:
     """One ``[[model]]``: a model the fleet serves, with its own engines and routing.
 
     ``routing`` and ``limits`` default to ``[frontend]``'s, ``tokenizer`` to
-    ``frontend.tokenizer``. ``tool_parser`` and ``reasoning_parser`` are kept
-    for the output parsers (not applied yet). ``implicit``: made from
-    ``[frontend]`` for a file without ``[[model]]`` tables (a fleet of one model).
+    ``frontend.tokenizer``. ``tool_parser`` and ``reasoning_parser`` name the
+    output parsers (pipeline/parsing.py; unset: detected from the chat template).
+    ``implicit``: made from ``[frontend]`` for a file without ``[[model]]``
+    tables (a fleet of one model).
     """
 
     name: str
@@ -395,11 +463,17 @@ class FleetConfig:
     frontend: FrontendConfig
     engines: tuple[EngineConfig, ...] = setting((), Rules(key="engine"))
     models: tuple[ModelConfig, ...] = setting((), Rules(key="model"))
+    pools: tuple[PoolConfig, ...] = setting((), Rules(key="pool"))
     source: Path = dataclasses.field(metadata={"rules": Rules(in_file=False)})
 
     def __post_init__(self) -> None:
         if not self.models:
             object.__setattr__(self, "models", (implicit_model(self.frontend),))
+
+    @property
+    def file_engines(self) -> tuple[EngineConfig, ...]:
+        """The ``[[engine]]`` tables: the engines no pool found."""
+        return tuple(engine for engine in self.engines if engine.pool is None)
 
     def model(self, name: str) -> ModelConfig | None:
         """The model ``name`` (a name or alias) names, if any."""

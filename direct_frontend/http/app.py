@@ -8,10 +8,12 @@ generation request is parsed here, then walks the pipeline
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable
+from typing import Literal
 
 import trio
 
@@ -31,6 +33,7 @@ from direct_frontend.http.asgi import (
 from direct_frontend.http.control_view import ControlView
 from direct_frontend.http.render import render_models
 from direct_frontend.http.responses import respond
+from direct_frontend.http.responses_api import respond_responses
 from direct_frontend.observability.logging import current_request_id, new_request_id
 from direct_frontend.observability.metrics import Metrics
 from direct_frontend.observability.tracing import RequestTrace, Tracing
@@ -42,6 +45,7 @@ from direct_frontend.openai.errors import (
     unknown_route,
 )
 from direct_frontend.openai.parse import parse_chat_request, parse_completion_request
+from direct_frontend.openai.responses_api import parse_responses_request
 from direct_frontend.openai.types import ChatRequest, CompletionRequest
 from direct_frontend.pipeline.admission import Rejected
 from direct_frontend.pipeline.models import ServedModel
@@ -79,6 +83,7 @@ class App:
         self._routes: dict[str, dict[str, Handler]] = {
             "/v1/chat/completions": {"POST": self._chat},
             "/v1/completions": {"POST": self._completions},
+            "/v1/responses": {"POST": self._responses},
             "/v1/models": {"GET": self._models},
             "/health": {"GET": self._health},
             "/ready": {"GET": self._ready},
@@ -177,9 +182,11 @@ class App:
 
     async def _ready(self, settings: Settings, scope: Scope, receive: Receive, send: Send) -> int:
         serving, total = self.control.ready()
-        status = 200 if serving else 503
-        body = b'{"ready":%s,"serving":%d,"engines":%d}' % (
-            b"true" if serving else b"false", serving, total,
+        waiting = self.control.waiting_for_pools()  # [frontend.kubernetes] wait_for_pods
+        ready = bool(serving) and not waiting
+        status = 200 if ready else 503
+        body = b'{"ready":%s,"serving":%d,"engines":%d,"waiting_for_pools":%s}' % (
+            b"true" if ready else b"false", serving, total, json.dumps(waiting).encode(),
         )
         await send_body(send, status, body)
         return status
@@ -202,8 +209,14 @@ class App:
     ) -> int:
         return await self._generate("completion", settings, scope, receive, send)
 
+    async def _responses(
+        self, settings: Settings, scope: Scope, receive: Receive, send: Send
+    ) -> int:
+        return await self._generate("responses", settings, scope, receive, send)
+
     async def _generate(
-        self, kind: Kind, settings: Settings, scope: Scope, receive: Receive, send: Send
+        self, kind: Kind | Literal["responses"], settings: Settings, scope: Scope,
+        receive: Receive, send: Send,
     ) -> int:
         request_id = current_request_id.get() or new_request_id()  # set on arrival
         token = current_request_id.set(request_id)
@@ -227,7 +240,7 @@ class App:
 
     async def _walk(
         self,
-        kind: Kind,
+        kind: Kind | Literal["responses"],
         settings: Settings,
         receive: Receive,
         send: Send,
@@ -244,8 +257,11 @@ class App:
         frontend = settings.frontend
         try:
             body = await read_body(receive, frontend.max_body_bytes, frontend.body_timeout_s)
+            responses = parse_responses_request(body) if kind == "responses" else None
             request: ChatRequest | CompletionRequest = (
-                parse_chat_request(body) if kind == "chat" else parse_completion_request(body)
+                responses.chat if responses is not None
+                else parse_chat_request(body) if kind == "chat"
+                else parse_completion_request(body)
             )
             served = self.control.models.get(request.model)
             if served is None:
@@ -257,7 +273,8 @@ class App:
                 trace.model(request.model)
                 trace.enter("preprocess")
             key = routing_key(settings.frontend.routing.session_key, headers_in, request.user)
-            prepared = await prepare(kind, request, request_id, served.tokenizing, key)
+            prepared = await prepare("completion" if kind == "completion" else "chat", request,
+                                     request_id, served.tokenizing, key)
             if trace is not None:
                 trace.leave(prompt_tokens=len(prepared.input_ids))
         except OpenAIHTTPError as err:
@@ -274,6 +291,13 @@ class App:
             async with settings.admission.slot(prepared.request.n):  # a slot per choice
                 if trace is not None:
                     trace.leave()
+                if responses is not None:
+                    assert isinstance(prepared.request, ChatRequest)
+                    return await respond_responses(
+                        found[0].relay, settings, prepared,
+                        dataclasses.replace(responses, chat=prepared.request),
+                        receive, send, headers, trace,
+                    )
                 return await respond(
                     found[0].relay, settings, prepared, receive, send, headers, trace
                 )

@@ -38,6 +38,9 @@ class ControlView(Protocol):
     def models(self) -> ModelTable:
         """The models served, each with its own settings snapshot (replaced whole on reload)."""
 
+    def waiting_for_pools(self) -> list[str]:
+        """Pools whose first serving engine ``/ready`` still waits for."""
+
     def ready(self) -> tuple[int, int]:
         """(engines serving, engines in the fleet file)."""
 

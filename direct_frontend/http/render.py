@@ -19,6 +19,7 @@ from direct_frontend.openai.errors import (
     OpenAIHTTPError,
     error_body,
 )
+from direct_frontend.openai.parsers.base import ParsedDelta, ParsedMessage
 from direct_frontend.pipeline.models import ModelCard
 
 Kind = Literal["chat", "completion"]
@@ -57,6 +58,8 @@ class ChunkRenderer:
     """
 
     __slots__ = (
+        "_delta_prefix",
+        "_delta_suffix",
         "_finish_prefix",
         "_finish_suffix",
         "_head",
@@ -108,6 +111,8 @@ class ChunkRenderer:
             self._finish_prefix = choice + b'"text":"","logprobs":null,'
             self._role = b""
         self._finish_suffix = b"}" + tail
+        self._delta_prefix = choice + b'"delta":'
+        self._delta_suffix = b',"logprobs":null,"finish_reason":null}' + tail
         self._text_suffix_open = self._text_suffix[: -len(tail)] + b'],"usage":'
 
     def text(self, delta: str) -> bytes:
@@ -138,6 +143,25 @@ class ChunkRenderer:
             self._text_prefix + _encode(_scrub(delta)) + self._text_suffix_open
             + _usage_json(prompt, completion, cached) + _SSE_END
         )
+
+    def parsed(self, delta: ParsedDelta, logprobs: dict[str, Any] | None = None) -> bytes:
+        """A chat chunk of parsed output: content, ``reasoning_content``, ``tool_calls``.
+
+        ``b""`` for an empty delta without logprobs (nothing to send).
+        """
+        body: dict[str, Any] = {}
+        if delta.reasoning:
+            body["reasoning_content"] = _scrub(delta.reasoning)
+        if delta.content:
+            body["content"] = _scrub(delta.content)
+        if delta.tool_calls:
+            body["tool_calls"] = [piece.to_openai() for piece in delta.tool_calls]
+        if logprobs is not None:
+            return (self._delta_prefix + _encode(body) + b',"logprobs":' + _encode(logprobs)
+                    + self._logprobs_suffix)
+        if not body:
+            return b""
+        return self._delta_prefix + _encode(body) + self._delta_suffix
 
     def role_chunk(self) -> bytes:
         """The first chat chunk, announcing the assistant role; ``b""`` for completions."""
@@ -190,12 +214,42 @@ class _UsageOut(msgspec.Struct):
 
 class _Message(msgspec.Struct):
     role: str
-    content: str
+    content: str | None
+
+
+class _Function(msgspec.Struct):
+    name: str
+    arguments: str
+
+
+class _Call(msgspec.Struct):
+    id: str
+    type: str
+    function: _Function
+
+
+class _ParsedMessage(msgspec.Struct, omit_defaults=True):
+    """A parsed reply: ``reasoning_content`` and ``tool_calls`` only when there are some."""
+
+    role: str
+    content: str | None
+    reasoning_content: str | None = None
+    tool_calls: list[_Call] = []
+
+
+def _message(c: ChoiceOutput) -> _Message | _ParsedMessage:
+    parsed = c.message
+    if parsed is None:
+        return _Message("assistant", c.text)
+    calls = [_Call(t.id, t.type, _Function(t.function.name, t.function.arguments))
+             for t in parsed.tool_calls]
+    content = parsed.content if parsed.content or not calls else None
+    return _ParsedMessage("assistant", content, parsed.reasoning or None, calls)
 
 
 class _ChatChoice(msgspec.Struct):
     index: int
-    message: _Message
+    message: _Message | _ParsedMessage
     logprobs: dict[str, Any] | None
     finish_reason: str
     stop_reason: str | int | None
@@ -220,12 +274,13 @@ class _Full(msgspec.Struct):
 
 
 class ChoiceOutput(msgspec.Struct, frozen=True):
-    """One choice of a full response: its text and why it ended."""
+    """One choice of a full response: its text (or parsed message) and why it ended."""
 
     text: str
     finish_reason: str
     stop_reason: str | int | None = None
     logprobs: dict[str, Any] | None = None
+    message: ParsedMessage | None = None  # a chat reply that went through a parser
 
 
 def render_full(
@@ -258,9 +313,7 @@ def render_choices(
     choices: list[_ChatChoice] | list[_TextChoice]
     if kind == "chat":
         choices = [
-            _ChatChoice(
-                i, _Message("assistant", c.text), c.logprobs, c.finish_reason, c.stop_reason
-            )
+            _ChatChoice(i, _message(c), c.logprobs, c.finish_reason, c.stop_reason)
             for i, c in enumerate(outputs)
         ]
         obj = "chat.completion"

@@ -45,10 +45,10 @@ from direct_frontend.http.render import (
     ChunkRenderer,
     Usage,
     render_choices,
-    render_full,
 )
 from direct_frontend.observability.tracing import RequestTrace
 from direct_frontend.openai.errors import OpenAIHTTPError, internal_error
+from direct_frontend.openai.parsers.base import ParsedDelta, collect
 from direct_frontend.openai.types import CompletionRequest
 from direct_frontend.pipeline.choices import Choices
 from direct_frontend.pipeline.preprocess import PreparedRequest
@@ -138,11 +138,20 @@ class _Progress:
         self.started = False
 
 
+def chat_error_tail(err: OpenAIHTTPError) -> bytes:
+    """How a started chat or completions stream ends on a failure: an error event, [DONE]."""
+    return ChunkRenderer.error(err) + ChunkRenderer.done()
+
+
 async def _until_end(
     run: Awaitable[None], error_for: Callable[[EngineError], OpenAIHTTPError],
     progress: _Progress, send: Send, headers: Headers,
+    error_tail: Callable[[OpenAIHTTPError], bytes] = chat_error_tail,
 ) -> int:
-    """Await ``run``; a failure is an HTTP error before the headers, an error event after."""
+    """Await ``run``; a failure is an HTTP error before the headers, an error event after.
+
+    ``error_tail`` writes that event in the stream's own shape.
+    """
     try:
         await run
     except EngineError as exc:
@@ -151,19 +160,18 @@ async def _until_end(
         if not progress.started:
             await send_error(send, err, headers)
             return err.status
-        await _end_with_error(send, progress.out, err)
+        await _end_with_error(send, progress.out, error_tail(err))
     except Exception:
         if not progress.started:
             raise  # the app answers it with an OpenAI 500 (and logs it)
         log.exception("unexpected error while streaming")  # the stream ends with an error event
-        await _end_with_error(send, progress.out, internal_error())
+        await _end_with_error(send, progress.out, error_tail(internal_error()))
         return 500
     return 200
 
 
-async def _end_with_error(send: Send, out: bytearray, err: OpenAIHTTPError) -> None:
-    out += ChunkRenderer.error(err)
-    out += ChunkRenderer.done()
+async def _end_with_error(send: Send, out: bytearray, tail: bytes) -> None:
+    out += tail
     await send({"type": "http.response.body", "body": bytes(out), "more_body": False})
 
 
@@ -196,7 +204,9 @@ async def _stream(relay: Relay, state: RelayState, *, send: Send, headers: Heade
             (len(prepared.input_ids), state.processor.completion_tokens, state.cached_tokens or 0)
             if continuous_usage else None
         )
-        if choice_logprobs is not None and logprobs:
+        if state.parser is not None:
+            out.extend(_parsed_chunk(renderer, state, text, finished, choice_logprobs, logprobs))
+        elif choice_logprobs is not None and logprobs:
             out.extend(renderer.text_with_logprobs(text, choice_logprobs.batch(logprobs), usage))
         elif text and usage is not None:
             out.extend(renderer.text_with_usage(text, *usage))
@@ -205,7 +215,7 @@ async def _stream(relay: Relay, state: RelayState, *, send: Send, headers: Heade
         if finished:  # the last text, the finish chunk, usage and [DONE]: one write
             final = state.final
             assert final is not None
-            out.extend(renderer.finish(final.finish_reason or "stop", final.stop_reason))
+            out.extend(renderer.finish(state.finish_reason, final.stop_reason))
             out.extend(renderer.usage(
                 len(prepared.input_ids), state.processor.completion_tokens,
                 state.cached_tokens or 0,
@@ -221,13 +231,14 @@ async def _stream(relay: Relay, state: RelayState, *, send: Send, headers: Heade
 
 async def _complete(relay: Relay, state: RelayState, *, send: Send, headers: Headers) -> int:
     pieces: list[str] = []
+    deltas: list[ParsedDelta] = []
     echo = _echo(relay, state)
     choice_logprobs = _logprobs(relay, state, echo)
 
     async def emit(
         text: str, tokens: int, finished: bool, logprobs: Sequence[TokenLogprob]
     ) -> None:
-        pieces.append(text)
+        _collect(state, pieces, deltas, text, finished)
         if choice_logprobs is not None and logprobs:
             choice_logprobs.batch(logprobs)
 
@@ -244,10 +255,9 @@ async def _complete(relay: Relay, state: RelayState, *, send: Send, headers: Hea
         pieces.insert(0, echo)
         if choice_logprobs is not None:
             _prompt_logprobs(relay, state, choice_logprobs)
-    body = render_full(
+    body = render_choices(
         prepared.kind, prepared.request_id, state.request.model, int(time.time()),
-        "".join(pieces), final.finish_reason or "stop", final.stop_reason, usage,
-        None if choice_logprobs is None else choice_logprobs.whole(),
+        [_output(state, pieces, deltas, choice_logprobs)], usage,
     )
     await send_body(send, 200, body, JSON, headers)
     return 200
@@ -278,11 +288,13 @@ async def _stream_choices(relay: Relay, choices: Choices, *, send: Send, headers
         nonlocal ended
         renderer = renderers[index]
         choice_logprobs = builders[index]
+        state = choices.states[index]
         if echo is not None and not echoed[index]:
             echoed[index] = True
-            state = choices.states[index]
             out.extend(_echo_chunk(renderer, relay, state, echo, choice_logprobs))
-        if choice_logprobs is not None and logprobs:
+        if state.parser is not None:
+            out.extend(_parsed_chunk(renderer, state, text, finished, choice_logprobs, logprobs))
+        elif choice_logprobs is not None and logprobs:
             out.extend(renderer.text_with_logprobs(
                 text, choice_logprobs.batch(logprobs),
                 choices.usage() if continuous_usage else None,
@@ -292,9 +304,9 @@ async def _stream_choices(relay: Relay, choices: Choices, *, send: Send, headers
         elif text:
             out.extend(renderer.text(text))
         if finished:
-            final = choices.states[index].final
+            final = state.final
             assert final is not None
-            out.extend(renderer.finish(final.finish_reason or "stop", final.stop_reason))
+            out.extend(renderer.finish(state.finish_reason, final.stop_reason))
             if choices.finished:  # the last choice: usage and [DONE] go with its finish
                 out.extend(renderer.usage(*choices.usage()))
                 out.extend(renderer.done())
@@ -316,13 +328,14 @@ async def _complete_choices(
     relay: Relay, choices: Choices, *, send: Send, headers: Headers
 ) -> int:
     pieces: list[list[str]] = [[] for _ in choices.states]
+    deltas: list[list[ParsedDelta]] = [[] for _ in choices.states]
     echo = _echo(relay, choices.states[0])
     builders = [_logprobs(relay, state, echo) for state in choices.states]
 
     async def emit(
         index: int, text: str, tokens: int, finished: bool, logprobs: Sequence[TokenLogprob]
     ) -> None:
-        pieces[index].append(text)
+        _collect(choices.states[index], pieces[index], deltas[index], text, finished)
         choice_logprobs = builders[index]
         if choice_logprobs is not None and logprobs:
             choice_logprobs.batch(logprobs)
@@ -332,17 +345,13 @@ async def _complete_choices(
     if status != 200:
         return status
     outputs = []
-    for state, texts, choice_logprobs in zip(choices.states, pieces, builders, strict=True):
-        final = state.final
-        assert final is not None
+    for state, texts, parsed, choice_logprobs in zip(choices.states, pieces, deltas, builders,
+                                                     strict=True):
         if echo is not None:
             texts.insert(0, echo)
             if choice_logprobs is not None:
                 _prompt_logprobs(relay, state, choice_logprobs)
-        outputs.append(ChoiceOutput(
-            "".join(texts), final.finish_reason or "stop", final.stop_reason,
-            None if choice_logprobs is None else choice_logprobs.whole(),
-        ))
+        outputs.append(_output(state, texts, parsed, choice_logprobs))
     prepared = choices.prepared
     body = render_choices(
         prepared.kind, prepared.request_id, prepared.request.model, int(time.time()),
@@ -350,6 +359,36 @@ async def _complete_choices(
     )
     await send_body(send, 200, body, JSON, headers)
     return 200
+
+
+def _parsed_chunk(
+    renderer: ChunkRenderer, state: RelayState, text: str, finished: bool,
+    choice_logprobs: ChoiceLogprobs | None, logprobs: Sequence[TokenLogprob],
+) -> bytes:
+    """The chunk of a batch that went through the choice's parser (maybe none)."""
+    batch = choice_logprobs.batch(logprobs) if choice_logprobs is not None and logprobs else None
+    return renderer.parsed(state.parse(text, finished), batch)
+
+
+def _collect(state: RelayState, pieces: list[str], deltas: list[ParsedDelta], text: str,
+             finished: bool) -> None:
+    """Keep a batch of a full response: parsed when the choice has a parser, else its text."""
+    if state.parser is not None:
+        deltas.append(state.parse(text, finished))
+    else:
+        pieces.append(text)
+
+
+def _output(state: RelayState, pieces: list[str], deltas: list[ParsedDelta],
+            choice_logprobs: ChoiceLogprobs | None) -> ChoiceOutput:
+    """One choice of a full response."""
+    final = state.final
+    assert final is not None
+    return ChoiceOutput(
+        "".join(pieces), state.finish_reason, final.stop_reason,
+        None if choice_logprobs is None else choice_logprobs.whole(),
+        collect(deltas) if state.parser is not None else None,
+    )
 
 
 def _echo(relay: Relay, state: RelayState) -> str | None:

@@ -43,6 +43,7 @@ from direct_frontend.kv.events import (
     KvEvent,
     KvEventBatch,
 )
+from direct_frontend.kv.regroup import Regrouper, compatible
 
 __all__ = [
     "DEVICE_TIERS",
@@ -69,6 +70,7 @@ _INT_BYTES: Final = sys.getsizeof(1 << 63)  # a hash as a Python int
 _COMPACT_MIN: Final = 4096  # smaller dicts are not worth rebuilding
 _EAGER_CLEAR: Final = 4096  # clear smaller engines at once; retire bigger ones' slots
 _SWEEP_BUDGET: Final = 2048  # retired entries swept per applied batch (~1 ms)
+_PAGE_BYTES: Final = 160  # a remembered page of a finer-paged engine (kv/regroup.py), roughly
 
 
 def namespace_seed(lora_name: str | None) -> int:
@@ -158,8 +160,9 @@ class KvIndexStats:
 class KvIndex:
     """Blocks per engine, keyed by our prefix hash; see the module docstring.
 
-    ``block_size`` must equal the engines' (vLLM ``block_size``, SGLang
-    ``--page-size``); stores of another size are skipped. ``max_blocks`` caps
+    ``block_size`` is the size lookups match in; an engine whose pages divide
+    it or are a multiple of it (SGLang's default page is one token) is re-cut
+    into such blocks (kv/regroup.py); stores of any other size are skipped. ``max_blocks`` caps
     the entries: past it the oldest-stored entries of the largest engines are
     evicted down to ``evict_to`` of the cap (a safety net against missed
     removals, not the normal way memory is freed). ``tiers`` are the mediums
@@ -194,6 +197,7 @@ class KvIndex:
         self._unknown_parent = 0
         self._unknown_removals = 0
         self._conflicts = 0
+        self._regroupers: dict[str, Regrouper] = {}
 
     # -- events ------------------------------------------------------------
 
@@ -216,6 +220,14 @@ class KvIndex:
     def store(self, engine: str, event: BlockStored) -> int:
         """Index a BlockStored after the docs/kv-events.md §10 filters; returns blocks added."""
         reason = self._reject(event)
+        if reason == "block_size" and compatible(event.block_size, self.block_size):
+            # one page size per engine: a store of another (SGLang's partial last page of a
+            # radix node) is not a full page and is skipped, never a reason to start over
+            regrouper = self._regroupers.get(engine)
+            if regrouper is None:
+                regrouper = self._regroupers[engine] = Regrouper(event.block_size, self.block_size)
+            if regrouper.page_size == event.block_size:
+                return sum(self.store(engine, block) for block in regrouper.stored(event))
         if reason is not None:
             self._skip(reason)
             return 0
@@ -273,6 +285,12 @@ class KvIndex:
             return 0
         if event.locality not in _LOCAL:
             return 0
+        regrouper = self._regroupers.get(engine)
+        if regrouper is not None:
+            regrouped = regrouper.removed(event)
+            if regrouped is None:
+                return 0
+            event = regrouped
         state = self._engines.get(engine)
         if state is None:
             self._unknown_removals += len(event.block_hashes)
@@ -305,6 +323,9 @@ class KvIndex:
         from the shared table a bounded amount per applied batch (:meth:`sweep`),
         so a fence never stalls the event loop for the whole engine.
         """
+        regrouper = self._regroupers.get(engine)
+        if regrouper is not None:
+            regrouper.clear()
         state = self._engines.get(engine)
         if state is None:
             return 0
@@ -340,6 +361,7 @@ class KvIndex:
 
     def remove_engine(self, engine: str) -> None:
         """Forget an engine entirely (removed from the fleet); its slot is reused."""
+        self._regroupers.pop(engine, None)
         if engine not in self._engines:
             return
         self.clear_engine(engine)
@@ -492,6 +514,7 @@ class KvIndex:
             size += sys.getsizeof(state.copies) + sys.getsizeof(state.aliases)
         for grave in self._graveyard:
             size += sys.getsizeof(grave.blocks) + len(grave.blocks) * _INT_BYTES
+        size += sum(len(regrouper) for regrouper in self._regroupers.values()) * _PAGE_BYTES
         return KvIndexStats(
             blocks=self._total,
             prefixes=len(self._table),

@@ -31,6 +31,7 @@ from direct_frontend.kv.events import (
     parse_seq,
 )
 from direct_frontend.kv.index import KvIndex
+from direct_frontend.kv.regroup import compatible
 from direct_frontend.kv.sequence import (
     Action,
     Apply,
@@ -303,7 +304,8 @@ async def run_kv_subscriber(
 
     ``endpoint`` is the rank's PUB (``tcp://host:port``, already offset by the
     rank), ``replay_endpoint`` its ROUTER or None. ``engine_id`` is the index
-    key; use a distinct one per rank. ``block_size`` must equal the index's.
+    key; use a distinct one per rank. ``block_size`` is the rank's page size: the
+    index's, or one it can re-cut (kv/regroup.py).
     Malformed messages are reported through ``on_malformed(engine_id)`` and
     skipped; every index clear through ``on_clear(engine_id, reason)``; each time
     the publisher starts over (a new process) through ``on_restart(engine_id)``.
@@ -313,9 +315,10 @@ async def run_kv_subscriber(
     ``engine_id`` up to that seq: they are kept and only what follows is
     fetched (:meth:`SequenceTracker.warm`).
     """
-    if block_size != index.block_size:
+    if not compatible(block_size, index.block_size):
         raise ValueError(
-            f"block size {block_size} of {engine_id} differs from the index's {index.block_size}"
+            f"page size {block_size} of {engine_id} cannot be re-cut into the index's "
+            f"blocks of {index.block_size}"
         )
     if not math.isfinite(replay_timeout) or replay_timeout <= 0:
         raise ValueError("replay_timeout must be a positive number of seconds")

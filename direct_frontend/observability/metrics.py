@@ -13,6 +13,7 @@ from one Trio thread.
 from __future__ import annotations
 
 import bisect
+import contextlib
 from collections.abc import Callable, Iterable, Sequence
 from typing import Final, Literal, TypeVar, get_args
 
@@ -169,6 +170,12 @@ class Metrics:
             p + "malformed_engine_messages_total", "Engine messages we could not interpret.",
             ("engine",), registry=r,
         )  # fmt: skip
+        self.parser_malformed_total = Counter(
+            p + "parser_malformed_total",
+            "Tool calls or reasoning blocks of model output a parser could not read "
+            "(sent as content), by parser.",
+            ("parser",), registry=r,
+        )  # fmt: skip
         self.migrations_refused_total = Counter(
             p + "migrations_refused_total",
             "Streams ended instead of migrating, by why no other engine could continue them.",
@@ -196,7 +203,8 @@ class Metrics:
         )
         self.kv_prediction_diverged = Gauge(
             p + "kv_prediction_diverged",
-            "1 while predicted and reported cache hits disagree over the recent window.",
+            "Engines whose predicted and reported cache hits disagree over their recent window "
+            "(routed by the approximate prefix memory).",
             registry=r,
         )
         self.kv_load_guard_spills_total = Counter(
@@ -261,6 +269,23 @@ class Metrics:
         self.model_engines_serving = Gauge(
             p + "model_engines_serving", "Engines serving each model.", ("model",), registry=r
         )
+        self.pool_membership_stale = Gauge(
+            p + "pool_membership_stale",
+            "1 while a [[pool]]'s watch is down and its last membership is kept.", ("pool",),
+            registry=r,
+        )  # fmt: skip
+        self.pool_engines = Gauge(
+            p + "pool_engines", "Engines a [[pool]]'s Ready pods make.", ("pool",), registry=r
+        )
+        self.pool_watch_errors_total = Counter(
+            p + "pool_watch_errors_total",
+            "Failed lists and watches of a [[pool]] (each reconnects with backoff).", ("pool",),
+            registry=r,
+        )  # fmt: skip
+        self.pool_relists_total = Counter(
+            p + "pool_relists_total", "Full lists of a [[pool]]'s pods, by why.",
+            ("pool", "reason"), registry=r,
+        )  # fmt: skip
         self._models: dict[str, ModelSeries] = {}
         self._requests: dict[tuple[str, int], Counter] = {}
         self._durations: dict[str, Histogram] = {}
@@ -369,6 +394,15 @@ class Metrics:
         """Drop every series of an engine that left the fleet, to bound cardinality."""
         for metric, rest in self._engine_labels.pop(engine, ()):
             metric.remove(engine, *rest)
+
+    def pool_status(self, pool: str, *, stale: bool, engines: int) -> None:
+        self.pool_membership_stale.labels(pool).set(1 if stale else 0)
+        self.pool_engines.labels(pool).set(engines)
+
+    def forget_pool(self, pool: str) -> None:
+        for metric in (self.pool_membership_stale, self.pool_engines):
+            with contextlib.suppress(KeyError):
+                metric.remove(pool)
 
     # -- exposition ------------------------------------------------------------
 

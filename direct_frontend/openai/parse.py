@@ -16,13 +16,15 @@ client can make the decoder (or a chat template after it) recurse without end.
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Annotated, Any, Final, Literal, TypeVar
 
 import msgspec
 
-from direct_frontend.engines.neutral import FLOAT32_MAX, UINT32_MAX
+from direct_frontend.engines.neutral import FLOAT32_MAX, UINT32_MAX, Constraint, ConstraintKind
 from direct_frontend.openai.errors import OpenAIHTTPError, invalid_request
+from direct_frontend.openai.parsers.forced import named_call_schema, required_calls_schema
 from direct_frontend.openai.structured import EXTENSIONS, constraint_of
 from direct_frontend.openai.types import (
     ROLES,
@@ -67,8 +69,16 @@ class _StreamOptionsWire(msgspec.Struct):
     continuous_usage_stats: bool | None = None  # vLLM's: usage on every chunk
 
 
+class _FunctionNameWire(msgspec.Struct):
+    name: str
+
+
 class _NamedToolChoiceWire(msgspec.Struct):
+    """``{"type": "function", "function": {"name": …}}`` (the Responses API: ``"name"`` at top)."""
+
     type: str
+    function: _FunctionNameWire | None = None
+    name: str | None = None
 
 
 class _WireBase(msgspec.Struct, kw_only=True):
@@ -111,6 +121,9 @@ class _ChatWire(_WireBase, kw_only=True):
     top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None  # OpenAI: 0..20
     tools: list[Tool] | None = None
     tool_choice: str | _NamedToolChoiceWire | None = None
+    parallel_tool_calls: bool | None = None
+    include_reasoning: bool | None = None
+    reasoning_effort: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
 
@@ -346,29 +359,75 @@ def parse_chat_request(body: bytes) -> ChatRequest:
         raise invalid_request(
             "'top_logprobs' requires 'logprobs' to be true.", "top_logprobs"
         )
-    tool_choice: Literal["auto", "none"] | None = None
-    if w.tool_choice == "auto":
-        tool_choice = "auto"
-    elif w.tool_choice == "none":
-        tool_choice = "none"
-    elif w.tool_choice == "required" or isinstance(w.tool_choice, _NamedToolChoiceWire):
-        raise _unsupported(
-            "Forcing tool calls (tool_choice 'required' or a named tool)", "tool_choice"
-        )
-    elif w.tool_choice is not None:
-        raise invalid_request(
-            f"Invalid value for 'tool_choice': '{w.tool_choice}'; expected 'none', 'auto', "
-            "'required' or an object.",
-            "tool_choice",
-        )
+    tools = tuple(w.tools or ())
+    tool_choice, function, forced = tool_choice_of(w.tool_choice, tools,
+                                                   w.parallel_tool_calls is not False)
+    if forced is not None:
+        if common["constraint"] is not None:
+            raise invalid_request(
+                f"A forced tool call cannot be combined with '{common['constraint'].param}'.",
+                "tool_choice",
+            )
+        common["constraint"] = forced
+    template_kwargs = w.chat_template_kwargs
+    if w.reasoning_effort is not None:  # templates that take it (gpt-oss) read it from here
+        template_kwargs = {"reasoning_effort": w.reasoning_effort, **(template_kwargs or {})}
     return ChatRequest(
         **common,
         messages=tuple(_message(i, m) for i, m in enumerate(w.messages)),
-        tools=tuple(w.tools or ()),
+        tools=tools,
         tool_choice=tool_choice,
-        chat_template_kwargs=w.chat_template_kwargs,
+        tool_function=function,
+        parallel_tool_calls=w.parallel_tool_calls is not False,
+        include_reasoning=w.include_reasoning is not False,
+        chat_template_kwargs=template_kwargs,
         logprobs=(w.top_logprobs or 0) if w.logprobs else None,
     )
+
+
+ToolChoice = Literal["auto", "none", "required"]
+
+
+def tool_choice_of(
+    raw: str | _NamedToolChoiceWire | None, tools: tuple[Tool, ...], parallel: bool,
+) -> tuple[ToolChoice, str | None, Constraint | None]:
+    """``tool_choice`` as (mode, the function a named choice forces, the constraint forcing it).
+
+    Forced calls (``"required"``, a named function) are constrained to the
+    JSON shapes of :mod:`~direct_frontend.openai.parsers.forced`, as vLLM's
+    own server does, so they are well-formed by construction.
+    """
+    if raw is None or raw == "auto":
+        return "auto", None, None
+    if raw == "none":
+        return "none", None, None
+    if isinstance(raw, str) and raw != "required":
+        raise invalid_request(
+            f"Invalid value for 'tool_choice': '{raw}'; expected 'none', 'auto', "
+            "'required' or an object.",
+            "tool_choice",
+        )
+    if not tools:
+        raise invalid_request("'tool_choice' forces a tool call but no 'tools' are given.",
+                              "tool_choice")
+    if raw == "required":
+        schema = required_calls_schema(tools, parallel)
+        return "required", None, Constraint(ConstraintKind.JSON_SCHEMA, json.dumps(schema),
+                                            param="tool_choice")
+    assert isinstance(raw, _NamedToolChoiceWire)
+    name = raw.function.name if raw.function is not None else raw.name
+    if raw.type != "function" or name is None:
+        raise invalid_request(
+            "Invalid value for 'tool_choice': a named choice is "
+            '{"type": "function", "function": {"name": ...}}.', "tool_choice",
+        )
+    tool = next((t for t in tools if t.function.name == name), None)
+    if tool is None:
+        raise invalid_request(
+            f"Invalid value for 'tool_choice': no tool named '{name}' in 'tools'.", "tool_choice"
+        )
+    return "required", name, Constraint(ConstraintKind.JSON_SCHEMA,
+                                        json.dumps(named_call_schema(tool)), param="tool_choice")
 
 
 def _prompt(raw: str | list[Any]) -> str | tuple[int, ...]:

@@ -128,14 +128,24 @@ class _RequestBase(msgspec.Struct, frozen=True, kw_only=True):
 class ChatRequest(_RequestBase, frozen=True, kw_only=True):
     """A validated ``POST /v1/chat/completions`` body.
 
-    ``tools`` are kept for the chat template, but tool calls in the output are
-    not parsed, so ``tool_choice`` may only be ``"auto"`` or ``"none"``.
+    ``tools`` go to the chat template (not with ``tool_choice: "none"``) and to
+    the output parser. ``tool_function`` is the function a named
+    ``tool_choice`` forces; a forced call (``"required"`` or named) also sets
+    ``constraint`` (:mod:`~direct_frontend.openai.parsers.forced`).
     """
 
     messages: tuple[ChatMessage, ...]
     tools: tuple[Tool, ...] = ()
-    tool_choice: Literal["auto", "none"] | None = None
+    tool_choice: Literal["auto", "none", "required"] = "auto"
+    tool_function: str | None = None  # set: tool_choice named this function
+    parallel_tool_calls: bool = True
+    include_reasoning: bool = True  # false: reasoning is parsed off and not sent
     chat_template_kwargs: dict[str, Any] | None = None
+
+    @property
+    def offers_tools(self) -> bool:
+        """Whether the template and the parser see the tools."""
+        return bool(self.tools) and self.tool_choice != "none"
 
 
 class CompletionRequest(_RequestBase, frozen=True, kw_only=True):

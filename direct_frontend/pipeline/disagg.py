@@ -90,6 +90,7 @@ def role_policies(policy: Policy) -> tuple[Policy, Policy]:
     if isinstance(policy, KvAware):
         prefill = KvAware(policy.knobs, policy.exact)
         prefill.uses_events = policy.uses_events  # the live set, shared
+        prefill.diverged = policy.diverged
         return prefill, LeastLoaded()
     if isinstance(policy, LeastLoaded):
         return LeastLoaded(), LeastLoaded()

@@ -15,6 +15,7 @@ in a worker thread (:meth:`ModelBuilder.load`).
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import msgspec
@@ -22,6 +23,7 @@ import trio
 
 from direct_frontend.errors import EngineError
 from direct_frontend.fleet.preflight import TextModelKey, load_text_models, text_model_key
+from direct_frontend.fleet.problems import FleetError, FleetProblem
 from direct_frontend.fleet.schema import (
     AdapterConfig,
     FleetConfig,
@@ -39,6 +41,7 @@ from direct_frontend.pipeline.adapters import (
     carries_adapters,
 )
 from direct_frontend.pipeline.dispatch import Dispatcher, WaitableFleet
+from direct_frontend.pipeline.parsing import model_parsers, parser_problems
 from direct_frontend.pipeline.preprocess import Tokenizing, new_tokenize_limiter
 from direct_frontend.pipeline.relay import Relay
 from direct_frontend.pipeline.settings import Settings
@@ -46,6 +49,8 @@ from direct_frontend.routing.catalog import Catalog, EngineHandle
 from direct_frontend.routing.hitrate import HitRateWatch
 from direct_frontend.routing.policies import Policy
 from direct_frontend.text.model_dir import TextModel
+
+log = logging.getLogger("direct_frontend.models")
 
 #: builds a policy for a model's ``routing``; with the fleet's KV-event index when told to
 #: (an adapter's policy never reads it: its blocks carry no adapter)
@@ -210,10 +215,14 @@ class ModelBuilder:
         metrics: Metrics,
         make_policy: PolicyFactory,
         text_models: Mapping[TextModelKey, TextModel] | None = None,
+        diverged: set[int] | None = None,
     ) -> None:
         self.fleet = fleet
         self.metrics = metrics
         self.make_policy = make_policy
+        #: the KV plane's engines whose predictions drifted: every model's hit-rate check
+        #: adds to the one set the policies read
+        self.diverged: set[int] = set() if diverged is None else diverged
         self.limiter = new_tokenize_limiter()
         self.text_models: dict[TextModelKey, TextModel] = dict(text_models or {})
         #: per base model: which adapters its engines hold, and one lock per engine
@@ -225,6 +234,12 @@ class ModelBuilder:
         Raises :class:`~direct_frontend.fleet.problems.FleetError` naming a tokenizer
         that does not load; the ones loaded before stay.
         """
+        problems = [
+            FleetProblem(str(fleet.source), None, f"model {m.name!r}", problem)
+            for m in fleet.models for problem in parser_problems(m.tool_parser, m.reasoning_parser)
+        ]
+        if problems:
+            raise FleetError(problems)
         if all(text_model_key(m) in self.text_models for m in fleet.models):
             return
         loaded = dict(self.text_models)
@@ -263,7 +278,8 @@ class ModelBuilder:
         """An adapter of ``base``: its engines that can carry it, its queue, its own policy."""
         before = previous.get(adapter.name) if previous is not None else None
         if (before is not None and before.adapter == adapter and before.config == base.config
-                and before.relay.text_model is base.relay.text_model):
+                and before.relay.text_model is base.relay.text_model
+                and before.relay.parsers == base.relay.parsers):
             # unchanged: its policy and prefix memory go on, under the base model's settings
             return dataclasses.replace(
                 before, settings=dataclasses.replace(base.settings, policy=before.settings.policy)
@@ -273,7 +289,8 @@ class ModelBuilder:
         fleet = ModelFleet(self.fleet, base.config.name, carries_adapters)
         dispatcher = AdapterDispatcher(fleet, adapter, residency, locks)
         relay = Relay(dispatcher, base.relay.text_model, self.metrics,
-                      HitRateWatch(self.metrics), self.metrics.model_series(adapter.name))
+                      HitRateWatch(self.metrics, self.diverged),
+                      self.metrics.model_series(adapter.name), base.relay.parsers)
         settings = dataclasses.replace(base.settings, policy=policy)  # the base model's queue
         return ServedModel(base.config, settings, relay, base.tokenizing, base.text_model_key,
                            adapter)
@@ -293,13 +310,19 @@ class ModelBuilder:
             settings = before.settings.reloaded(
                 scoped, self.make_policy(config.routing, True) if routing_changed else None
             )
-        if before is not None and before.text_model_key == key:
+        text_model = self.text_models[key]
+        parsers = model_parsers(config.tool_parser, config.reasoning_parser,
+                                text_model.template_text, text_model.model_type)
+        if before is not None and before.text_model_key == key and before.relay.parsers == parsers:
             relay, tokenizing = before.relay, before.tokenizing
         else:
-            text_model = self.text_models[key]
+            log.info("model %s: tool parser %s, reasoning parser %s (%s)", config.name,
+                     parsers.tool_parser or "none", parsers.reasoning_parser or "none",
+                     parsers.reason, extra={"model": config.name})
             fleet = ModelFleet(self.fleet, config.name)
-            relay = Relay(Dispatcher(fleet), text_model, self.metrics, HitRateWatch(self.metrics),
-                          self.metrics.model_series(config.name))
+            relay = Relay(Dispatcher(fleet), text_model, self.metrics,
+                          HitRateWatch(self.metrics, self.diverged),
+                          self.metrics.model_series(config.name), parsers)
             tokenizing = Tokenizing(text_model, lambda: fleet.catalog, self.limiter)
         return ServedModel(config, settings, relay, tokenizing, key)
 

@@ -122,7 +122,8 @@ async def prepare(
         try:
             prompt = text_model.render_chat(
                 [message_dict(m) for m in request.messages],
-                tools=[{"type": t.type, "function": _function(t)} for t in request.tools] or None,
+                tools=[{"type": t.type, "function": _function(t)} for t in request.tools]
+                if request.offers_tools else None,
                 extra=request.chat_template_kwargs,
             )
         except ChatTemplateError as exc:

@@ -55,10 +55,19 @@ from direct_frontend.openai.errors import (
     no_engine_available,
     rate_limited,
 )
+from direct_frontend.openai.parsers.base import ParsedDelta, finish_reason
 from direct_frontend.openai.types import ChatRequest, CompletionRequest
 from direct_frontend.pipeline.capable import incapable, none_capable
 from direct_frontend.pipeline.dispatch import Dispatcher
 from direct_frontend.pipeline.failover import Decision, FailoverState, continuation
+from direct_frontend.pipeline.parsing import (
+    NO_PARSERS,
+    ChoiceOutputParser,
+    ModelParsers,
+    choice_parser,
+    only_first_call,
+    parser_names,
+)
 from direct_frontend.pipeline.postprocess import OutputProcessor, OutputStep
 from direct_frontend.pipeline.preprocess import PreparedRequest, build_call, token_budget
 from direct_frontend.pipeline.settings import Settings
@@ -183,6 +192,7 @@ class RelayState:
         "logprobs",
         "logprobs_sent",
         "original_call",
+        "parser",
         "pending_error",
         "phase",
         "placement",
@@ -208,6 +218,7 @@ class RelayState:
         started: float = 0.0,
         engine_wait: EngineWait | None = None,
         trace: RequestTrace | None = None,
+        parser: ChoiceOutputParser | None = None,
     ) -> None:
         self.settings = settings
         self.prepared = prepared
@@ -242,6 +253,36 @@ class RelayState:
         )
         self.logprobs_sent = 0  # how many of them went out
         self.prompt_logprobs: PromptLogprobs | None = None
+        #: the choice's output parser (tool calls, reasoning); None: the text is all content.
+        #: It lives here, not with an engine call, so a migrated stream keeps its state.
+        self.parser = parser
+
+    # -- parsed output -------------------------------------------------------------------
+
+    def parse(self, text: str, finished: bool) -> ParsedDelta:
+        """The parsed delta of a batch's text (after stop strings); flushed once finished."""
+        parser = self.parser
+        if parser is None:
+            return ParsedDelta(content=text)
+        delta = parser.feed(text) if text else ParsedDelta()
+        if finished:
+            delta.extend(parser.finish())
+        request = self.request
+        if isinstance(request, ChatRequest):
+            if not request.parallel_tool_calls:
+                delta = only_first_call(delta)
+            if not request.include_reasoning:
+                delta.reasoning = ""
+        return delta
+
+    @property
+    def finish_reason(self) -> str:
+        """OpenAI's finish reason: ``"tool_calls"`` after a natural stop that made calls."""
+        final = self.final
+        assert final is not None
+        reason = final.finish_reason or "stop"
+        parser = self.parser
+        return reason if parser is None else finish_reason(reason, parser.tool_calls_made > 0)
 
     # -- one batch -----------------------------------------------------------------------
 
@@ -481,12 +522,14 @@ class Relay:
         metrics: Metrics,
         hit_rate: HitRateWatch,
         series: ModelSeries | None = None,
+        parsers: ModelParsers = NO_PARSERS,
     ) -> None:
         self.dispatcher = dispatcher
         self.text_model = text_model
         self.metrics = metrics
         self.hit_rate = hit_rate
         self.series = series  # the model's own series, when the relay serves one model
+        self.parsers = parsers  # the model's output parsers, for its chat replies
 
     async def begin(
         self, settings: Settings, prepared: PreparedRequest, trace: RequestTrace | None = None
@@ -520,8 +563,14 @@ class Relay:
             prepared, max_tokens, stream=request.stream or bool(request.stop), trace=trace
         )
         eos = () if request.ignore_eos else self.text_model.eos_token_ids
+        parser = (choice_parser(self.parsers, request, prepared.prompt_text)
+                  if isinstance(request, ChatRequest) else None)
+        # a parser reading special-token markers needs them in the text
+        skip_special = request.skip_special_tokens and not (
+            parser is not None and self.parsers.keeps_special_tokens
+        )
         processor = OutputProcessor(
-            self.text_model.new_detokenizer(skip_special_tokens=request.skip_special_tokens),
+            self.text_model.new_detokenizer(skip_special_tokens=skip_special),
             request.stop,
             max_tokens,
             stop_token_ids=(*eos, *request.stop_token_ids),
@@ -529,7 +578,7 @@ class Relay:
         )
         return RelayState(
             settings, prepared, placement, call, processor,
-            now=now, started=time.perf_counter(), engine_wait=wait, trace=trace,
+            now=now, started=time.perf_counter(), engine_wait=wait, trace=trace, parser=parser,
         )
 
     async def run(self, state: RelayState, emit: Emit) -> None:
@@ -631,6 +680,8 @@ class Relay:
         ``count_prompt``: False for a request's further choices (its prompt counts once).
         """
         prepared = state.prepared
+        if state.parser is not None:
+            self._count_malformed(state.parser)
         prompt = len(prepared.input_ids) if count_prompt else 0
         self.metrics.add_tokens(prompt, state.processor.completion_tokens)
         if self.series is not None:  # a choice's cached prompt counts once, like its prompt
@@ -648,7 +699,19 @@ class Relay:
         )
         predicted = placement.predicted_cached_tokens
         if predicted is not None and not state.failover.tried:
-            self.hit_rate.record(predicted, state.cached_tokens or 0)
+            self.hit_rate.record(predicted, state.cached_tokens or 0, placement.engine)
+
+
+    def _count_malformed(self, parser: ChoiceOutputParser) -> None:
+        """Malformed model output, per parser; logged once per choice that had some."""
+        bad = [(name, count) for name, count in parser_names(parser) if count]
+        for name, count in bad:
+            self.metrics.parser_malformed_total.labels(name).inc(count)
+        if bad:
+            log.warning(
+                "model output the %s parser could not read came back as content",
+                ", ".join(name for name, _ in bad), extra={"parser": bad[0][0]},
+            )
 
 
 def _move_off(state: RelayState, stall: trio.CancelScope) -> None:

@@ -6,7 +6,7 @@ from collections.abc import Collection
 
 from direct_frontend.fleet.schema import RoutingConfig
 from direct_frontend.routing.affinity import Affine, SessionAffinity
-from direct_frontend.routing.kv_aware import KvAware, OverlapSource
+from direct_frontend.routing.kv_aware import CacheAffinity, KvAware, OverlapSource
 from direct_frontend.routing.peers import PlacementShare
 from direct_frontend.routing.policies import LeastLoaded, Policy, RoundRobin
 
@@ -16,23 +16,27 @@ def make_policy(
     exact: OverlapSource | None = None,
     live: Collection[int] = (),
     placements: PlacementShare | None = None,
+    diverged: Collection[int] = (),
 ) -> Policy:
     """The policy object; ``exact``/``live`` are the KV-event index and the incarnations it covers.
 
-    A ``session_key`` adds session affinity (routing/affinity.py).
-    ``placements`` (replicas) shares a ``kv_aware`` policy's approximate placements.
+    ``placements`` (replicas) shares a ``kv_aware`` policy's approximate placements;
+    ``diverged``: of the incarnations, the ones the hit-rate check found drifting
+    (routed approximately). A ``session_key`` adds session affinity (routing/affinity.py).
 
     The knobs were checked when the fleet file was loaded.
     """
-    if routing.policy != "kv_aware":
+    if routing.policy in ("round_robin", "least_loaded"):
         bare: Policy = RoundRobin() if routing.policy == "round_robin" else LeastLoaded()
         return Affine(bare) if routing.session_key else bare
-    policy = KvAware(routing.kv_aware, exact)
+    kind = CacheAffinity if routing.policy == "cache_affinity" else KvAware
+    policy = kind(routing.kv_aware, exact)
     if routing.session_key or routing.cold_prefix_home:
         policy.affinity = SessionAffinity(routing.session_weight,
                                           sessions=bool(routing.session_key),
                                           cold_prefixes=routing.cold_prefix_home)
     policy.uses_events = live
+    policy.diverged = diverged
     if placements is not None:
         placements.attach(policy.approx)
     return policy

@@ -1,16 +1,34 @@
 """KV-cache-aware selection: send a request where its prefix is already cached (sans-IO).
 
-Cost per engine, lower is better (after Dynamo's classic form, docs/kv-events.md §13.2)::
+Cost per engine, lower is better, in blocks of prefill work::
 
-    cost = overlap_weight × blocks to prefill (request blocks − cached leading blocks)
-         + decode load in blocks (our own accounting of prompt tokens in flight,
-           plus the blocks sibling replicas say they hold there)
+    cost = overlap_weight × blocks to prefill there (request blocks − cached leading blocks)
+         + prefill queue there (blocks we sent it that it has not prefilled yet)
+         + in_flight_weight × requests in flight there, sibling replicas' included
+           (routing/peers.py; each decode slows every step;
+           half that without KV events, where the queue already lasts a request's life)
+
+These terms are what TTFT is made of on an engine that prefills first come,
+first served: the request waits for the queue ahead of it, then prefills its
+own miss, in steps that every running request makes longer.
+``overlap_weight`` > 1 makes a prefix stay where it lives until the queue
+there outweighs the prefill it saves several times over, because moving costs
+more than this request's miss: the prefix is then cached twice and evicts
+something else (issue 15: a weight of 1 spread each tenant over every
+engine under cache pressure). The queue is our own accounting: a request's
+miss counts from its dispatch until the engine's KV events show its last
+prompt block stored (exact), or, for engines without KV events, until it
+finishes (an overestimate: decode included, so approximate mode balances
+earlier). Where KV events flow, the overlap steered by also counts, at
+``memory_weight``, what we sent an engine (:meth:`KvAware.remembered`). No
+engine speed enters, so no knob depends on the hardware.
 
 argmin at ``temperature == 0`` (ties → fewer requests in flight → round robin),
 else softmax sampling over the min–max-normalised costs. A load guard (smg's
 imbalance gate) spills a request to the least-loaded engine when the chosen
-one is far above the mean, so a hot system prompt cannot herd all traffic to
-one engine.
+one is far above the mean: a safety net, as the queue terms balance.
+:class:`CacheAffinity` is the baseline these defaults were measured against
+(``scripts/routing_sim.py``).
 
 Overlap comes from an :class:`OverlapSource`: the KV-event index (exact) or,
 for engines without KV events, :class:`ApproxPrefixIndex`, which remembers
@@ -45,17 +63,25 @@ class ApproxPrefixIndex:
     """Which prefixes the router sent where, for engines that publish no KV events.
 
     Entries expire after ``ttl_s`` (the engine has probably evicted them by
-    then) and the whole map is capped at ``max_blocks`` (oldest first).
+    then) and the whole map is capped at ``max_blocks`` (oldest first). With
+    ``capacity_blocks`` (an engine's prefix cache, when known) each engine's
+    share is modelled as the engine's own LRU: what we sent is touched tail
+    first (so a prefix's root stays longest, as vLLM's free queue and SGLang's
+    radix tree evict leaves first) and the least recently sent blocks beyond
+    the capacity are forgotten, as the engine forgets them. What it cannot
+    know: prefixes other routers sent, and eviction order under pinning.
     """
 
-    def __init__(self, ttl_s: float, max_blocks: int) -> None:
+    def __init__(self, ttl_s: float, max_blocks: int, capacity_blocks: int = 0) -> None:
         self.ttl_s = ttl_s
         self.max_blocks = max_blocks
         #: told of every placement this router makes (replicas share them); a peer's
         #: placements come in through :meth:`record_peer`, which does not tell it
         self.on_record: Callable[[str, Sequence[int]], None] | None = None
+        self.capacity_blocks = capacity_blocks
         # prefix hash → {engine: expiry}; insertion order ≈ age, for the cap
         self._entries: collections.OrderedDict[int, dict[str, float]] = collections.OrderedDict()
+        self._lru: dict[str, collections.OrderedDict[int, None]] = {}
 
     def record(self, engine: str, hashes: Sequence[int], now: float) -> None:
         if self.on_record is not None and hashes:
@@ -75,6 +101,22 @@ class ApproxPrefixIndex:
                 entries.move_to_end(h)
         while len(entries) > self.max_blocks:
             entries.popitem(last=False)
+        if self.capacity_blocks:
+            self._touch(engine, hashes)
+
+    def _touch(self, engine: str, hashes: Sequence[int]) -> None:
+        lru = self._lru.setdefault(engine, collections.OrderedDict())
+        for h in reversed(hashes):
+            lru[h] = None
+            lru.move_to_end(h)
+        entries = self._entries
+        while len(lru) > self.capacity_blocks:
+            h, _ = lru.popitem(last=False)
+            holders = entries.get(h)
+            if holders is not None:
+                holders.pop(engine, None)
+                if not holders:
+                    del entries[h]
 
     def lookup_at(self, hashes: Sequence[int], now: float) -> dict[str, int]:
         result: dict[str, int] = {}
@@ -94,6 +136,7 @@ class ApproxPrefixIndex:
         return result
 
     def forget_engine(self, engine: str) -> None:
+        self._lru.pop(engine, None)
         for holders in self._entries.values():
             holders.pop(engine, None)
 
@@ -101,10 +144,59 @@ class ApproxPrefixIndex:
         return len(self._entries)
 
 
+#: a queued prefill nobody heard of again (its request failed early) stops counting after this
+PREFILL_FORGET_S = 60.0
+
+
+class PrefillQueue:
+    """Per engine, the prefill work (blocks) we sent it that it has not finished, as we know it."""
+
+    def __init__(self) -> None:
+        #: engine → token → (the request's last prompt block hash, blocks to prefill, sent at)
+        self._queued: dict[str, collections.OrderedDict[int, tuple[int, int, float]]] = {}
+        self._of: dict[int, tuple[str, int]] = {}  # id(placement) → (engine, token)
+        self._next = 0
+
+    def add(self, engine: str, last_block: int, blocks: int, now: float) -> int:
+        self._next += 1
+        self._queued.setdefault(engine, collections.OrderedDict())[self._next] = (
+            last_block, blocks, now)
+        return self._next
+
+    def bind(self, placement: Placement, engine: str, token: int) -> None:
+        self._of[id(placement)] = (engine, token)
+
+    def finished(self, placement: Placement) -> None:
+        engine, token = self._of.pop(id(placement), ("", 0))
+        queued = self._queued.get(engine)
+        if queued is not None:
+            queued.pop(token, None)
+
+    def depth(self, engine: str, now: float, stored: Callable[[int], bool] | None) -> int:
+        """Blocks still to prefill; ``stored(h)``: the engine's events show block ``h`` stored."""
+        queued = self._queued.get(engine)
+        if not queued:
+            return 0
+        while queued:  # oldest first: forget what we will never hear of again
+            token, (_, _, sent) = next(iter(queued.items()))
+            if now - sent <= PREFILL_FORGET_S:
+                break
+            del queued[token]
+        total = 0
+        for token, (last_block, blocks, _) in list(queued.items()):
+            if stored is not None and stored(last_block):
+                del queued[token]  # prefilled: the engine stored its last block
+            else:
+                total += blocks
+        return total
+
+
 class KvAware:
     """The ``kv_aware`` routing policy."""
 
     name = "kv_aware"
+    #: steer by the memory of where prefixes were sent, too (see :meth:`remembered`)
+    memory = True
 
     def __init__(
         self,
@@ -118,17 +210,31 @@ class KvAware:
         self.clock = clock
         self.knobs = knobs
         self.exact = exact
-        self.approx = approx or ApproxPrefixIndex(knobs.approx_ttl_s, knobs.approx_max_blocks)
+        self.approx = approx or ApproxPrefixIndex(
+            knobs.approx_ttl_s, knobs.approx_max_blocks, knobs.approx_capacity_blocks)
+        #: where prefixes were sent, unbounded by the LRU model (a prefix's home): the
+        #: approximate memory itself when it models no capacity
+        self.sent = (ApproxPrefixIndex(knobs.approx_ttl_s, knobs.approx_max_blocks)
+                     if self.approx.capacity_blocks else self.approx)
         #: incarnations whose overlap comes from KV events
         self.uses_events: Collection[int] = ()
+        #: of those, incarnations whose predictions drifted from the engine's reports
+        #: (routing/hitrate.py): routed by the approximate memory instead
+        self.diverged: Collection[int] = ()
         self._rng = rng or random.Random()
         self._tie = 0
         self.spills = 0  # load-guard overrides, exported as a metric
+        self.queue = PrefillQueue()
         #: the session-affinity term of the cost (routing/affinity.py); None: no such term
         self.affinity: SessionAffinity | None = None
 
     def hashes(self, input_ids: Sequence[int]) -> list[int]:
         return prefix_hashes(input_ids, self.knobs.block_size)
+
+    def by_events(self, engine: EngineHandle) -> bool:
+        """Whether ``engine``'s overlap comes from its KV events (else the approximate memory)."""
+        incarnation = engine.incarnation
+        return incarnation in self.uses_events and incarnation not in self.diverged
 
     def overlaps(
         self, hashes: Sequence[int], now: float, candidates: Sequence[EngineHandle]
@@ -148,7 +254,7 @@ class KvAware:
         approx = self.approx.lookup_at(hashes, now)
         out: dict[str, int] = {}
         for engine in candidates:
-            if engine.incarnation in self.uses_events:
+            if self.by_events(engine):
                 blocks = by_incarnation.get(engine.incarnation, 0)
             else:
                 blocks = approx.get(engine.name, 0)
@@ -175,14 +281,85 @@ class KvAware:
         knobs = self.knobs
         hashes = self.hashes(request.input_ids)
         overlaps = self.overlaps(hashes, now, candidates)
+        steer = self.remembered(overlaps, hashes, now, candidates) if self.memory else overlaps
+        chosen, spilled = self.select(candidates, request, hashes, steer)
+        if spilled:
+            self.spills += 1
+        self._remember(chosen.name, hashes, now)
+        block = knobs.block_size
+        held = overlaps.get(chosen.name, 0)
+        predicted = min(held * block, (len(request.input_ids) - 1) // block * block)
+        placement = Placement(chosen, tuple(hashes), predicted, spilled)
+        # queued as the cost weighed it (a miss the memory expects to be short is short)
+        queued = len(hashes) - max(held, steer.get(chosen.name, 0))
+        if queued > 0:
+            token = self.queue.add(chosen.name, hashes[-1], queued, now)
+            self.queue.bind(placement, chosen.name, token)
+        return placement
+
+    def remembered(
+        self,
+        overlaps: dict[str, int],
+        hashes: Sequence[int],
+        now: float,
+        candidates: Sequence[EngineHandle],
+    ) -> dict[str, int]:
+        """Overlaps to steer by: also what we sent an engine, at ``memory_weight`` with events.
+
+        What an engine holds (its events, or our LRU model of it) is not all that
+        counts: our memory of where we sent a prefix also covers what it is
+        about to hold (a request in flight: events come after its prefill) and
+        is a prefix's home after an eviction, where sending it again re-caches
+        it once instead of copying it to a second engine. Where events flow it
+        counts at a fraction, so a real hit is worth more; without events it
+        counts whole (the LRU model only predicts): there the queue we account
+        lasts until a request ends, decode included, and a weaker home would
+        let that overestimate push conversations off their engines.
+        """
+        if self.sent is self.approx and not self.uses_events:
+            return overlaps  # nothing the overlaps do not already say
+        sent = self.sent.lookup_at(hashes, now)
+        out = dict(overlaps)
+        for engine in candidates:
+            weight = self.knobs.memory_weight if self.by_events(engine) else 1.0
+            blocks = int(sent.get(engine.name, 0) * weight)
+            if blocks > out.get(engine.name, 0):
+                out[engine.name] = blocks
+        return out
+
+    def _stored_at(self, engine: EngineHandle) -> Callable[[int], bool] | None:
+        """Whether the KV events show a block stored on ``engine`` (None: no events flow)."""
+        exact = self.exact
+        if exact is None or not self.by_events(engine):
+            return None
+        incarnation = engine.incarnation
+
+        def stored(block: int) -> bool:
+            return any(incarnation_of(key) == incarnation for key in exact.lookup_hashes([block]))
+
+        return stored
+
+    def select(
+        self,
+        candidates: Sequence[EngineHandle],
+        request: RequestView,
+        hashes: Sequence[int],
+        overlaps: dict[str, int],
+    ) -> tuple[EngineHandle, bool]:
+        """The engine for the request, and whether the load guard overrode the cache."""
+        knobs = self.knobs
         request_blocks = math.ceil(len(request.input_ids) / knobs.block_size)
-        # decode load: the blocks the engine's requests in flight hold (shared ones
-        # once), plus the blocks this request would add there
-        costs = [
-            knobs.overlap_weight * (request_blocks - overlaps.get(e.name, 0))
-            + len(e.load.active_blocks) + e.load.peer_blocks + e.load.new_blocks(hashes)
-            for e in candidates
-        ]
+        now = self.clock()
+        costs = []
+        for e in candidates:
+            stored = self._stored_at(e)
+            # without events the queue already lasts each request's whole life: half the weight
+            in_flight = knobs.in_flight_weight * (1.0 if stored is not None else 0.5)
+            costs.append(
+                knobs.overlap_weight * (request_blocks - overlaps.get(e.name, 0))
+                + self.queue.depth(e.name, now, stored)
+                + in_flight * e.load.fleet_in_flight
+            )
         # -- session affinity (routing/affinity.py): a term of its own ------------------
         if self.affinity is not None:
             key = self.affinity.key_of(request, hashes, bool(overlaps))
@@ -190,30 +367,24 @@ class KvAware:
                 costs = self.affinity.costs(key, candidates, costs)
         # -- end of session affinity -----------------------------------------------------
         chosen = self._pick(candidates, costs)
-        spilled = False
         loads = [e.load.fleet_in_flight for e in candidates]
         mean = sum(loads) / len(loads)
         if (
             chosen.load.fleet_in_flight > mean * knobs.balance_rel_threshold
             and chosen.load.fleet_in_flight > mean + knobs.balance_abs_threshold
         ):
-            chosen = min(candidates, key=lambda e: e.load.fleet_in_flight)
-            spilled = True
-        if spilled:
-            self.spills += 1
-        if chosen.incarnation not in self.uses_events:
-            self.approx.record(chosen.name, hashes, now)
-        block = knobs.block_size
-        predicted = min(
-            overlaps.get(chosen.name, 0) * block, (len(request.input_ids) - 1) // block * block
-        )
-        return Placement(chosen, tuple(hashes), predicted, spilled)
+            return min(candidates, key=lambda e: e.load.fleet_in_flight), True
+        return chosen, False
 
     def on_complete(self, placement: Placement, token_ids: Sequence[int]) -> None:
-        """Approximate mode: the engine holds these tokens' blocks now (prompt + answer)."""
-        engine = placement.engine
-        if engine.incarnation not in self.uses_events:
-            self.approx.record(engine.name, self.hashes(token_ids), self.clock())
+        """The engine holds these tokens' blocks now (prompt + answer): remembered, and dequeued."""
+        self.queue.finished(placement)
+        self._remember(placement.engine.name, self.hashes(token_ids), self.clock())
+
+    def _remember(self, engine: str, hashes: Sequence[int], now: float) -> None:
+        self.approx.record(engine, hashes, now)
+        if self.sent is not self.approx:
+            self.sent.record(engine, hashes, now)
 
     def _pick(self, candidates: Sequence[EngineHandle], costs: Sequence[float]) -> EngineHandle:
         low, high = min(costs), max(costs)
@@ -226,3 +397,32 @@ class KvAware:
         span = high - low
         weights = [math.exp(-(c - low) / span / self.knobs.temperature) for c in costs]
         return self._rng.choices(list(candidates), weights)[0]
+
+
+class CacheAffinity(KvAware):
+    """``cache_affinity``: the longest cached prefix, balance only when it is badly off.
+
+    The baseline issue 15 measured against: the engine holding the longest
+    cached prefix of the request (ties → fewer requests in flight); only when
+    the busiest candidate has more than 64 requests above the idlest *and*
+    1.5× its count does a request go to the least-loaded engine. It weighs no
+    load below that gate, so it herds; kept as a selectable policy to compare with.
+    """
+
+    name = "cache_affinity"
+    memory = False
+    GATE_ABS = 64
+    GATE_REL = 1.5
+
+    def select(
+        self,
+        candidates: Sequence[EngineHandle],
+        request: RequestView,
+        hashes: Sequence[int],
+        overlaps: dict[str, int],
+    ) -> tuple[EngineHandle, bool]:
+        loads = [e.load.fleet_in_flight for e in candidates]
+        busiest, idlest = max(loads), min(loads)
+        if busiest - idlest > self.GATE_ABS and busiest > self.GATE_REL * idlest:
+            return candidates[loads.index(idlest)], True
+        return self._pick(candidates, [-overlaps.get(e.name, 0) for e in candidates]), False

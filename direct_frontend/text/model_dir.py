@@ -241,8 +241,13 @@ class TextModel:
         max_position_embeddings: int | None,
         max_bytes_per_token: int | None = None,
         decoder_spec: Mapping[str, Any] | None = None,
+        template_sources: Mapping[str, str] | None = None,
+        model_type: str | None = None,
     ) -> None:
         self.path = path
+        #: the chat templates' Jinja text, for reading which output parsers fit the model
+        self.template_text: str = "\n".join((template_sources or {}).values())
+        self.model_type = model_type  # config.json's, the fallback for that reading
         #: each token's bytes and logprob strings (tokenizer.json's "decoder" says how)
         self.token_bytes = TokenBytes(tokenizer, decoder_spec)
         #: see :func:`_max_bytes_per_token`; None when the tokenizer does not bound it
@@ -343,6 +348,9 @@ class TextModel:
             max_position_embeddings=max_positions,
             max_bytes_per_token=_max_bytes_per_token(spec, tokenizer),
             decoder_spec=spec.get("decoder"),
+            template_sources=sources,
+            model_type=config.get("model_type") if isinstance(config.get("model_type"), str)
+            else None,
         )
 
     @property

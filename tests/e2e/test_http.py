@@ -100,7 +100,7 @@ def test_models_health_ready_metrics_and_request_id(daemon: Daemon, client: open
     assert [m.id for m in client.models.list()] == ["demo"]
     assert httpx.get(daemon.url + "/health").status_code == 200
     ready = httpx.get(daemon.url + "/ready").json()
-    assert ready == {"ready": True, "serving": 2, "engines": 3}
+    assert ready == {"ready": True, "serving": 2, "engines": 3, "waiting_for_pools": []}
     response = httpx.post(
         daemon.url + "/v1/chat/completions",
         json={"model": "demo", "messages": CHAT, "max_tokens": 3},

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import httpx
 
+from direct_frontend.simulator import SimEngine
+from direct_frontend.simulator.model import TimingModel
 from tests.support.daemon import (
     Daemon,
     free_port,
@@ -15,6 +17,7 @@ from tests.support.daemon import (
     sim_engine,
     wait_for,
 )
+from tests.support.sim import EngineThread
 
 TIMING = {"decode_us_per_token": 0, "prefill_us_per_token": 0, "eos_probability": 0.0}
 
@@ -84,3 +87,38 @@ def test_an_unhealthy_engine_is_fenced_out_of_the_index(model_dir: Path, tmp_pat
         wait_for(lambda: child.state.value == "serving", what="the engine to come back")
         # back: rebuilt from the engine's replay history (its cache survived)
         wait_for(lambda: kv.index.blocks_of(key) >= 4, what="the entries to be rebuilt")
+
+
+def sglang_beside(model_dir: Path, page_size: int) -> EngineThread:
+    engine = SimEngine.from_model_dir(
+        "sglang", model_dir, served_model_name="demo", timing=TimingModel(),
+        eos_probability=0.0, page_size=page_size, kv_events_port=0, kv_replay_port=0,
+    )
+    return EngineThread(engine)
+
+
+def test_an_engine_with_one_token_pages_is_indexed_in_our_blocks(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """SGLang's default page of 1 token (discovery says so; the file says nothing) is regrouped."""
+    with sglang_beside(model_dir, 1) as sim:
+        engine = sim.engine
+        table = {"name": "e", "url": f"grpc://127.0.0.1:{engine.port}", "kind": "sglang",
+                 "kv_events": engine.kv_events_endpoint, "kv_replay": engine.kv_replay_endpoint}
+        with running_daemon(tmp_path, kv_fleet_text(model_dir, [table])) as daemon:
+            daemon.wait_serving(1)
+            child = daemon.supervisor.children["e"]
+            assert child.info is not None and child.info.block_size == 1
+            kv = daemon.supervisor.kv
+            wait_for(lambda: child.incarnation in kv.live, what="the KV subscription")
+            system = list(range(300, 300 + 160))
+            complete(daemon, [*system, 1, 2, 3])
+            key = f"g{child.incarnation}r0"
+            wait_for(lambda: kv.index.blocks_of(key) >= 10, what="the index to learn the prefix")
+            usage = complete(daemon, [*system, 9, 8, 7])["usage"]
+            reported = usage["prompt_tokens_details"]["cached_tokens"]  # type: ignore[index]
+            assert reported >= 160
+            assert child.incarnation in kv.live  # never dropped for its page size
+            fleet = httpx.get(daemon.url + "/fleet").json()
+            assert fleet["engines"][0]["kv_routing"] == "events"
+            assert metric(daemon, "direct_frontend_kv_predicted_cached_tokens_total") == 160

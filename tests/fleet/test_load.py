@@ -223,7 +223,7 @@ def test_simulated_engine_without_simulator_table_gets_defaults() -> None:
 def test_a_fleet_without_engines_is_refused_unless_it_says_so() -> None:
     # Cut short after [frontend] (or its last table): the problem is where the engines are not.
     refusal = (
-        "engine: no [[engine]] tables (is the file cut short?); add engines, or set"
+        "engine: no [[engine]] or [[pool]] tables (is the file cut short?); add engines, or set"
         " allow_empty_fleet = true in [frontend] to run with none"
     )
     assert only_problem(FRONTEND) == f"fleet.toml:3: {refusal}"
@@ -346,11 +346,11 @@ def test_unknown_keys_in_every_table() -> None:
         """
     ))
     assert found == [
-        "fleet.toml:1: engines: unknown key (expected one of: frontend, engine, model)",
+        "fleet.toml:1: engines: unknown key (expected one of: frontend, engine, model, pool)",
         "fleet.toml:5: frontend.port: unknown key (expected one of: listen, served_model_name, "
         "tokenizer, max_body_bytes, max_tokens_default, request_timeout_s, "
         "header_timeout_s, body_timeout_s, log_json, drain_timeout_s, allow_empty_fleet, "
-        "workers, routing, probe, admin, auth, faults, limits, tracing, replicas)",
+        "workers, routing, probe, admin, auth, faults, limits, tracing, replicas, kubernetes)",
         "fleet.toml:7: frontend.routing.polcy: unknown key (expected one of: policy, knobs, "
         "session_key, session_weight, cold_prefix_home)",
         "fleet.toml:9: frontend.probe.interval: unknown key (expected one of: interval_s, "
@@ -494,7 +494,7 @@ def test_bad_policy_and_role() -> None:
     )
     assert found == [
         "fleet.toml:4: frontend.routing.policy: 'random' is not a valid policy "
-        "(expected one of: round_robin, least_loaded, kv_aware)",
+        "(expected one of: round_robin, least_loaded, kv_aware, cache_affinity)",
         "fleet.toml:8: engine[1].role: 'both-ish' is not a valid role "
         "(expected one of: both, prefill, decode)",
     ]

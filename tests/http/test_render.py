@@ -20,6 +20,7 @@ from direct_frontend.openai.errors import (
     engine_failed,
     error_body,
 )
+from direct_frontend.openai.parsers.base import ParsedDelta, ToolCallDelta, collect
 from direct_frontend.pipeline.models import ModelCard
 
 MODEL = 'org/model "v2"'  # quotes prove the model name is JSON-escaped
@@ -213,3 +214,22 @@ def test_render_models() -> None:
 
 
 
+
+
+def test_parsed_chunks_carry_reasoning_content_and_tool_calls() -> None:
+    renderer = ChunkRenderer("chat", "r1", MODEL, 7, False)
+    assert renderer.parsed(ParsedDelta()) == b""
+    delta = ParsedDelta(content="a", reasoning="b",
+                        tool_calls=[ToolCallDelta(0, "", "call_1", "f"), ToolCallDelta(1, "{}")])
+    chunk = ChatCompletionChunk.model_validate_json(sse_data(renderer.parsed(delta)))
+    got = chunk.choices[0].delta
+    assert (got.content, got.model_extra) == ("a", {"reasoning_content": "b"})
+    assert got.tool_calls is not None
+    assert [(c.index, c.id, c.type) for c in got.tool_calls] == [(0, "call_1", "function"),
+                                                                  (1, None, None)]
+    message = collect([delta])
+    body = render_choices("chat", "r1", MODEL, 7,
+                          [ChoiceOutput("", "tool_calls", None, None, message)], Usage(1, 1))
+    full = ChatCompletion.model_validate_json(body).choices[0].message
+    assert full.tool_calls is not None and full.tool_calls[0].function.name == "f"
+    assert full.model_extra == {"reasoning_content": "b"} and full.content == "a"

@@ -311,7 +311,7 @@ def test_removals_really_give_memory_back() -> None:
         (stored([1], seq_tokens(1), medium="CPU"), "tier"),
         (stored([1], seq_tokens(1), medium="WEIRD"), "tier"),
         (stored([1], [], block_size=0), "placeholder"),
-        (stored([1], seq_tokens(1)[:2], block_size=2), "block_size"),
+        (stored([1], seq_tokens(1)[:3], block_size=3), "block_size"),
         (stored([1, 2], seq_tokens(1)), "unaligned"),
         (stored([1], seq_tokens(1), parent=1), "self_parent"),
         (stored([1, 1], seq_tokens(2)), "self_parent"),

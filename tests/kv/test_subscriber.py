@@ -373,15 +373,15 @@ def test_malformed_messages_are_counted_and_skipped() -> None:
     run(body)
 
 
-def test_the_block_size_must_match_the_index() -> None:
+def test_the_page_size_must_be_one_the_index_can_re_cut() -> None:
     async def body() -> None:
         try:
             await run_kv_subscriber(
-                "e", "tcp://127.0.0.1:1", None, KvIndex(16), 32, on_malformed=lambda e: None
+                "e", "tcp://127.0.0.1:1", None, KvIndex(16), 24, on_malformed=lambda e: None
             )
         except ValueError as exc:
-            assert "block size" in str(exc)
+            assert "page size 24" in str(exc)
         else:
-            raise AssertionError("mismatched block size accepted")
+            raise AssertionError("a page size that cannot be re-cut accepted")
 
     run(body)

@@ -46,6 +46,13 @@ from direct_frontend.openai.types import (
 USER = {"role": "user", "content": "hi"}
 
 
+WEATHER: dict[str, Any] = {"type": "function", "function": {
+    "name": "get_weather",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]},
+}}
+
+
 def chat(**fields: Any) -> bytes:
     body: dict[str, Any] = {"model": "m", "messages": [USER]}
     body.update(fields)
@@ -91,7 +98,7 @@ def test_minimal_chat_request_has_defaults() -> None:
     assert req.stop_token_ids == ()
     assert req.temperature is None
     assert req.tools == ()
-    assert req.tool_choice is None
+    assert req.tool_choice == "auto"
 
 
 def test_full_chat_request_parses_every_field() -> None:
@@ -386,8 +393,14 @@ def test_stop_strings_up_to_the_bound_are_fine() -> None:
             "response_format.json_schema.schema",
             "Missing required parameter",
         ),
-        ({"tool_choice": "required"}, "tool_choice", "not supported"),
-        ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice", "not"),
+        ({"tool_choice": "required"}, "tool_choice", "no 'tools' are given"),
+        ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice",
+         "no 'tools' are given"),
+        ({"tool_choice": {"type": "function", "function": {"name": "f"}}, "tools": [WEATHER]},
+         "tool_choice", "no tool named 'f'"),
+        ({"tool_choice": "required", "tools": [WEATHER],
+          "response_format": {"type": "json_object"}},
+         "tool_choice", "cannot be combined with 'response_format'"),
         ({"tool_choice": "sometimes"}, "tool_choice", "'sometimes'"),
         ({"stop": ["ok", ""]}, "stop[1]", "must not be empty"),
         ({"stop": ""}, "stop", "must not be empty"),
@@ -713,3 +726,20 @@ def test_completion_logprobs_and_echo(
     assert (sampling.logprobs, sampling.prompt_logprobs, request.echo) == (
         logprobs, prompt_logprobs, echo
     )
+
+
+def test_forced_tool_choices_carry_the_constraint_that_forces_them() -> None:
+    required = parse_chat_request(chat(tools=[WEATHER], tool_choice="required",
+                                       parallel_tool_calls=False))
+    assert (required.tool_choice, required.tool_function) == ("required", None)
+    assert required.constraint is not None and required.constraint.param == "tool_choice"
+    schema = json.loads(required.constraint.text)
+    assert schema["maxItems"] == 1
+    assert schema["items"]["anyOf"][0]["properties"]["name"] == {"type": "string",
+                                                                 "enum": ["get_weather"]}
+    named = parse_chat_request(chat(tools=[WEATHER], tool_choice={
+        "type": "function", "function": {"name": "get_weather"}}))
+    assert named.tool_function == "get_weather" and named.constraint is not None
+    assert json.loads(named.constraint.text) == WEATHER["function"]["parameters"]
+    none = parse_chat_request(chat(tools=[WEATHER], tool_choice="none"))
+    assert not none.offers_tools and none.constraint is None

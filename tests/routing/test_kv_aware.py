@@ -14,7 +14,7 @@ from direct_frontend.kv.index import prefix_hashes
 from direct_frontend.routing.catalog import Catalog, EngineHandle
 from direct_frontend.routing.factory import make_policy
 from direct_frontend.routing.hitrate import HitRateMonitor
-from direct_frontend.routing.kv_aware import ApproxPrefixIndex, KvAware
+from direct_frontend.routing.kv_aware import ApproxPrefixIndex, CacheAffinity, KvAware
 from direct_frontend.routing.policies import RequestView
 
 BS = 4
@@ -181,16 +181,16 @@ def test_blocks_shared_by_requests_in_flight_count_once() -> None:
     assert h.load.active_blocks == {}
 
 
-def test_a_busy_engine_holding_the_prefix_still_wins_over_idle_cold_ones() -> None:
-    """Its requests in flight share the prefix, so they add no decode load for it."""
+def test_a_busy_engine_holding_the_prefix_wins_until_its_load_outweighs_the_saving() -> None:
+    """8 cached blocks save 3 × 8 = 24 blocks of work; each request in flight costs 8."""
     index = FakeIndex({"b": HASHES})
     policy = KvAware(KvAwareKnobs(block_size=BS), index)
     policy.uses_events = {1, 2}
-    busy = handle("b", in_flight=2)
-    busy.load.begin(32, HASHES)
-    catalog = Catalog(1, (handle("a"), busy))
-    chosen = policy.choose(catalog, view(PROMPT))
-    assert chosen is not None and chosen.engine.name == "b"
+    for in_flight, winner in ((2, "b"), (4, "a")):
+        catalog = Catalog(in_flight, (handle("a"), handle("b", in_flight=in_flight)))
+        chosen = policy.choose(catalog, view(PROMPT))
+        assert chosen is not None and chosen.engine.name == winner, in_flight
+        policy.queue.finished(chosen)
 
 
 def test_a_placement_carries_the_blocks_and_never_predicts_the_last_prompt_token() -> None:
@@ -217,3 +217,76 @@ def test_on_complete_remembers_the_answer_only_where_no_kv_events_flow() -> None
         assert placement is not None
         policy.on_complete(placement, [*PROMPT, *answer])
     assert policy.overlaps(whole, policy.clock(), (a, b)) == {"a": len(whole)}
+
+
+def test_a_queued_prefill_counts_until_the_events_show_it_stored() -> None:
+    index = FakeIndex({"a": HASHES[:2]})
+    policy = KvAware(KvAwareKnobs(block_size=BS, memory_weight=0, in_flight_weight=0), index)
+    policy.uses_events = {1, 2}
+    catalog = Catalog(1, (handle("a"), handle("b")))
+    a = catalog.engines[0]
+    first = policy.choose(catalog, view(PROMPT))
+    assert first is not None and first.engine is a
+    assert policy.queue.depth("a", 0.0, policy._stored_at(a)) == 6  # its 6 uncached blocks
+    index.held["g1r0"] = set(HASHES)  # once the events show it stored, it is off the queue
+    assert policy.queue.depth("a", 0.0, policy._stored_at(a)) == 0
+
+
+def test_the_memory_of_what_was_sent_steers_but_never_predicts() -> None:
+    index = FakeIndex({})
+    policy = KvAware(KvAwareKnobs(block_size=BS, in_flight_weight=0), index)
+    policy.uses_events = {1, 2}
+    catalog = Catalog(1, (handle("a"), handle("b")))
+    first = policy.choose(catalog, view(PROMPT))
+    assert first is not None
+    policy.on_complete(first, PROMPT)  # done, but its events have not arrived yet
+    again = policy.choose(catalog, view([*PROMPT, 7, 7, 7, 7]))
+    assert again is not None and again.engine is first.engine
+    assert again.predicted_cached_tokens == 0  # the events show nothing cached there
+
+
+def test_cache_affinity_follows_the_longest_prefix_until_the_gate() -> None:
+    index = FakeIndex({"b": HASHES})
+    policy = CacheAffinity(KvAwareKnobs(block_size=BS), index)
+    policy.uses_events = {1, 2}
+    busy = Catalog(1, (handle("a"), handle("b", in_flight=60)))
+    chosen = policy.choose(busy, view(PROMPT))
+    assert chosen is not None and chosen.engine.name == "b" and not chosen.spilled
+    herded = Catalog(2, (handle("a", in_flight=1), handle("b", in_flight=70)))
+    chosen = policy.choose(herded, view(PROMPT))
+    assert chosen is not None and chosen.engine.name == "a" and chosen.spilled
+
+
+def test_the_approximate_memory_models_an_engines_lru_when_its_capacity_is_known() -> None:
+    memory = ApproxPrefixIndex(ttl_s=60, max_blocks=1000, capacity_blocks=10)
+    old = prefix_hashes(list(range(100, 132)), BS)  # 8 blocks
+    memory.record("a", old, 0.0)
+    shared = prefix_hashes(list(range(300, 312)), BS)  # 3 blocks: 11 > 10
+    memory.record("a", shared, 1.0)
+    # the oldest block beyond the capacity is forgotten: the old prompt's tail, not its root
+    assert memory.lookup_at(old, 2.0) == {"a": 7}
+    memory.record("a", old[:2], 3.0)  # its root sent again: the most recent now
+    memory.record("a", prefix_hashes(list(range(500, 504)), BS), 3.0)
+    # its middle is the least recently sent: it goes next; the shared prompt stays
+    assert memory.lookup_at(shared, 4.0) == {"a": 3} and memory.lookup_at(old, 4.0) == {"a": 6}
+    unbounded = ApproxPrefixIndex(ttl_s=60, max_blocks=1000)
+    unbounded.record("a", old, 0.0)
+    unbounded.record("a", shared, 1.0)
+    assert unbounded.lookup_at(old, 2.0) == {"a": 8}
+
+
+def test_without_events_the_prediction_follows_the_lru_model_and_the_home_steers() -> None:
+    knobs = KvAwareKnobs(block_size=BS, approx_capacity_blocks=8, in_flight_weight=0)
+    policy = KvAware(knobs)
+    catalog = Catalog(1, (handle("a"), handle("b")))
+    first = policy.choose(catalog, view(PROMPT))
+    assert first is not None
+    policy.on_complete(first, PROMPT)
+    other = list(range(700, 732))  # 8 more blocks there: the model says the first prompt is gone
+    elsewhere = {e.name for e in catalog.engines} - {first.engine.name}
+    placed = policy.choose(catalog, view(other), exclude=elsewhere)
+    assert placed is not None and placed.engine is first.engine
+    policy.on_complete(placed, other)
+    again = policy.choose(catalog, view(PROMPT))
+    assert again is not None and again.engine is first.engine  # its home steers …
+    assert again.predicted_cached_tokens == 0  # … but it is predicted evicted there

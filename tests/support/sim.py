@@ -125,14 +125,15 @@ class EngineThread:
     restarted and started again on the same ports (gRPC and KV events).
     """
 
-    def __init__(self, engine: SimEngine) -> None:
+    def __init__(self, engine: SimEngine, host: str = HOST, port: int = 0) -> None:
         self.engine = engine
+        self.host, self.port = host, port
         self.loop = asyncio.SelectorEventLoop()  # a plain one, whatever policy trio-asyncio set
         self._thread = threading.Thread(target=self.loop.run_forever, name="engine", daemon=True)
 
     def __enter__(self) -> EngineThread:
         self._thread.start()
-        self.call(self.engine.start, HOST, 0)
+        self.call(self.engine.start, self.host, self.port)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -162,7 +163,7 @@ class EngineThread:
 
     def start(self) -> None:
         """Start again on the same ports, as a relaunched process (empty cache, seq 0)."""
-        self.call(self.engine.start, HOST, self.engine.port)
+        self.call(self.engine.start, self.host, self.engine.port)
 
     def restart(self) -> None:
         """Stop and start again at once (:meth:`SimEngine.restart`)."""

@@ -7,7 +7,7 @@ aliases cover the other spellings.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from direct_frontend.openai.parsers.base import OutputParser, ParsedDelta, ToolSchemas, new_call_id
@@ -57,7 +57,7 @@ def reasoning_parser_names() -> list[str]:
     return sorted(REASONING_PARSERS)
 
 
-def resolve(name: str, names: dict[str, Any], aliases: dict[str, str]) -> str:
+def resolve(name: str, names: Mapping[str, Any], aliases: Mapping[str, str]) -> str:
     """The canonical parser name for ``name`` (or an alias); ValueError listing the known ones."""
     key = name.strip().lower().replace("-", "_")
     key = aliases.get(key, key)

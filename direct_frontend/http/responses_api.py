@@ -1,0 +1,259 @@
+"""``/v1/responses`` output: a chat choice's parsed deltas as Responses items and events.
+
+:class:`ResponseBuilder` is sans-IO: it turns each parsed delta into the
+Responses stream's events (``response.output_item.added``, text and argument
+deltas, ``...done``) and keeps the output items, so the non-streaming Response
+object is the same items the stream announced. Items follow the model's
+order: a reasoning item, then a message, then one item per function call; a
+new kind of output closes the open item.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Sequence
+from typing import Any, Final
+
+import msgspec
+
+from direct_frontend.engines.neutral import TokenLogprob
+from direct_frontend.http.asgi import JSON, Headers, Receive, Send, send_body
+from direct_frontend.http.responses import _answer, _Progress, _start, _until_end
+from direct_frontend.observability.tracing import RequestTrace
+from direct_frontend.openai.errors import OpenAIHTTPError
+from direct_frontend.openai.parsers.base import ParsedDelta
+from direct_frontend.openai.responses_api import ResponsesRequest
+from direct_frontend.pipeline.preprocess import PreparedRequest
+from direct_frontend.pipeline.relay import Relay, RelayState
+from direct_frontend.pipeline.settings import Settings
+
+_encode: Final = msgspec.json.Encoder().encode
+Event = dict[str, Any]
+
+
+def _item_id(prefix: str) -> str:
+    return f"{prefix}_{secrets.token_hex(12)}"
+
+
+class ResponseBuilder:
+    """The output items and stream events of one response (one choice)."""
+
+    def __init__(self, request: ResponsesRequest, response_id: str, created: int) -> None:
+        self.request = request
+        self.id = response_id
+        self.created = created
+        self.items: list[dict[str, Any]] = []
+        self._open: dict[str, Any] | None = None  # the item deltas go to
+        self._calls: dict[int, dict[str, Any]] = {}  # the parser's call index -> item
+
+    # -- the Response object --------------------------------------------------------
+    def response(self, status: str, usage: dict[str, Any] | None = None,
+                 incomplete: str | None = None) -> dict[str, Any]:
+        r = self.request
+        chat = r.chat
+        return {
+            "id": self.id, "object": "response", "created_at": self.created, "status": status,
+            "model": chat.model, "output": self.items if status != "in_progress" else [],
+            "error": None,
+            "incomplete_details": None if incomplete is None else {"reason": incomplete},
+            "instructions": r.instructions, "max_output_tokens": r.max_output_tokens,
+            "metadata": {}, "parallel_tool_calls": chat.parallel_tool_calls,
+            "temperature": chat.temperature, "top_p": chat.top_p, "tools": r.tools,
+            "tool_choice": r.tool_choice, "store": False, "truncation": "disabled",
+            "text": {"format": {"type": "text"}}, "usage": usage,
+        }
+
+    # -- deltas to events -------------------------------------------------------------
+    def feed(self, delta: ParsedDelta) -> list[Event]:
+        events: list[Event] = []
+        if delta.reasoning:
+            item = self._item("reasoning", events)
+            item["content"][0]["text"] += delta.reasoning
+            events.append(self._at(item, "response.reasoning_text.delta", content_index=0,
+                                   delta=delta.reasoning))
+        if delta.content:
+            item = self._item("message", events)
+            item["content"][0]["text"] += delta.content
+            events.append(self._at(item, "response.output_text.delta", content_index=0,
+                                   delta=delta.content, logprobs=[]))
+        for piece in delta.tool_calls:
+            call = self._calls.get(piece.index)
+            if call is None or piece.id is not None:
+                call = self._item("function_call", events, piece.id or _item_id("call"),
+                                  piece.name or "")
+                self._calls[piece.index] = call
+            if piece.arguments:
+                call["arguments"] += piece.arguments
+                events.append(self._at(call, "response.function_call_arguments.delta",
+                                       delta=piece.arguments))
+        return events
+
+    def finish(self, status: str) -> list[Event]:
+        """Close the open item; every item gets the response's final status."""
+        events: list[Event] = []
+        self._close(events)
+        for item in self.items:
+            item["status"] = status
+        return events
+
+    def _at(self, item: dict[str, Any], kind: str, **fields: Any) -> Event:
+        return {"type": kind, "item_id": item["id"], "output_index": self.items.index(item),
+                **fields}
+
+    def _item(self, kind: str, events: list[Event], call_id: str = "",
+              name: str = "") -> dict[str, Any]:
+        """The open item of ``kind``; a new one (closing the open one) when it is another."""
+        item = self._open
+        if item is not None and item["type"] == kind and kind != "function_call":
+            return item
+        self._close(events)
+        if kind == "reasoning":
+            item = {"type": "reasoning", "id": _item_id("rs"), "summary": [],
+                    "content": [{"type": "reasoning_text", "text": ""}], "status": "in_progress"}
+        elif kind == "message":
+            item = {"type": "message", "id": _item_id("msg"), "role": "assistant",
+                    "status": "in_progress",
+                    "content": [{"type": "output_text", "text": "", "annotations": []}]}
+        else:
+            item = {"type": "function_call", "id": _item_id("fc"), "call_id": call_id,
+                    "name": name, "arguments": "", "status": "in_progress"}
+        self.items.append(item)
+        self._open = item
+        index = len(self.items) - 1
+        shown = {**item, "content": []} if kind != "function_call" else dict(item)
+        events.append({"type": "response.output_item.added", "output_index": index,
+                       "item": shown})
+        if kind != "function_call":
+            events.append(self._at(item, "response.content_part.added", content_index=0,
+                                   part={**item["content"][0], "text": ""}))
+        return item
+
+    def _close(self, events: list[Event]) -> None:
+        item, self._open = self._open, None
+        if item is None:
+            return
+        kind = item["type"]
+        if kind == "function_call":
+            events.append(self._at(item, "response.function_call_arguments.done",
+                                   name=item["name"], arguments=item["arguments"]))
+        else:
+            part = item["content"][0]
+            done = ("response.reasoning_text.done" if kind == "reasoning"
+                    else "response.output_text.done")
+            extra: dict[str, Any] = {"logprobs": []} if kind == "message" else {}
+            events.append(self._at(item, done, content_index=0, text=part["text"], **extra))
+            events.append(self._at(item, "response.content_part.done", content_index=0,
+                                   part=dict(part)))
+        item["status"] = "completed"
+        events.append({"type": "response.output_item.done",
+                       "output_index": self.items.index(item), "item": dict(item)})
+
+
+def _usage(state: RelayState) -> dict[str, Any]:
+    prompt = len(state.prepared.input_ids)
+    completion = state.processor.completion_tokens
+    return {"input_tokens": prompt,
+            "input_tokens_details": {"cached_tokens": state.cached_tokens or 0},
+            "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": prompt + completion}
+
+
+def _outcome(state: RelayState) -> tuple[str, str | None]:
+    """The response's status, and why it is incomplete (if it is)."""
+    final = state.final
+    assert final is not None
+    if final.finish_reason == "length":
+        return "incomplete", "max_output_tokens"
+    return "completed", None
+
+
+class _Events:
+    """Stream events as SSE, each with the next ``sequence_number``."""
+
+    def __init__(self) -> None:
+        self.sequence = 0
+
+    def render(self, events: Sequence[Event]) -> bytes:
+        out = bytearray()
+        for event in events:
+            event["sequence_number"] = self.sequence
+            self.sequence += 1
+            out += b"event: %b\ndata: %b\n\n" % (event["type"].encode(), _encode(event))
+        return bytes(out)
+
+
+async def respond_responses(
+    relay: Relay, settings: Settings, prepared: PreparedRequest, request: ResponsesRequest,
+    receive: Receive, send: Send, headers: Headers, trace: RequestTrace | None = None,
+) -> int:
+    """Run the request as a chat choice and answer it in the Responses API's shape."""
+    builder = ResponseBuilder(request, "resp_" + prepared.request_id, int(time.time()))
+    write = _stream if request.chat.stream else _complete
+
+    async def run(state: RelayState) -> int:
+        return await write(relay, state, builder, send, headers)
+
+    async def begin() -> RelayState:
+        return await relay.begin(settings, prepared, trace)
+
+    return await _answer(relay, begin, run, relay.settle, receive, send, headers)
+
+
+async def _complete(relay: Relay, state: RelayState, builder: ResponseBuilder, send: Send,
+                    headers: Headers) -> int:
+    async def emit(text: str, tokens: int, finished: bool,
+                   logprobs: Sequence[TokenLogprob]) -> None:
+        builder.feed(state.parse(text, finished))
+
+    status = await _until_end(relay.run(state, emit), state.error_for, _Progress(), send,
+                              headers)
+    if status != 200:
+        return status
+    outcome, why = _outcome(state)
+    builder.finish(outcome)
+    await send_body(send, 200, _encode(builder.response(outcome, _usage(state), why)), JSON,
+                    headers)
+    return 200
+
+
+async def _stream(relay: Relay, state: RelayState, builder: ResponseBuilder, send: Send,
+                  headers: Headers) -> int:
+    progress = _Progress()
+    out = progress.out
+    sse = _Events()
+
+    async def emit(text: str, tokens: int, finished: bool,
+                   logprobs: Sequence[TokenLogprob]) -> None:
+        if not progress.started:
+            await _start(send, headers)
+            progress.started = True
+            out.extend(sse.render([
+                {"type": "response.created", "response": builder.response("in_progress")},
+                {"type": "response.in_progress", "response": builder.response("in_progress")},
+            ]))
+        out.extend(sse.render(builder.feed(state.parse(text, finished))))
+        if finished:
+            outcome, why = _outcome(state)
+            events = builder.finish(outcome)
+            kind = "response.completed" if outcome == "completed" else "response.incomplete"
+            events.append({"type": kind,
+                           "response": builder.response(outcome, _usage(state), why)})
+            out.extend(sse.render(events))
+            await send({"type": "http.response.body", "body": bytes(out), "more_body": False})
+        elif out:
+            await send({"type": "http.response.body", "body": bytes(out), "more_body": True})
+            out.clear()
+
+    def failed(err: OpenAIHTTPError) -> bytes:
+        """A started Responses stream ends as the API ends one: ``error``, ``response.failed``."""
+        code = err.code or err.type
+        response = builder.response("failed", _usage(state))
+        response["error"] = {"code": code, "message": err.message}
+        return sse.render([
+            {"type": "error", "code": code, "message": err.message, "param": err.param},
+            {"type": "response.failed", "response": response},
+        ])
+
+    return await _until_end(relay.run(state, emit), state.error_for, progress, send, headers,
+                            failed)

@@ -1,0 +1,591 @@
+"""Routing policies against modelled engines in virtual time: a grid that tells them apart.
+
+Why: on a 2-core machine shared with other work, wall-clock runs over real
+sockets measure CPU noise as much as routing. Here the *real* policy objects
+(``direct_frontend.routing``) and the *real* KV index (``direct_frontend.kv``)
+route an open-loop multi-turn workload to engines modelled in virtual time, so
+every figure is deterministic for a seed and a grid of dozens of points runs in
+minutes.
+
+Engines: a prefix cache of ``capacity`` blocks with LRU eviction (a block's
+chain is touched tail first, so a prefix's tail goes before its root, as
+vLLM's free-block queue does; blocks of running requests are pinned), and a
+step loop like vLLM's chunked prefill: each step prefills up to ``chunk``
+tokens of the admitted requests (first come, first served) and decodes one
+token of every decoding request, and lasts ``step_ms + prefill_us × prefill
+tokens + decode_us × decoding requests`` — so prefill slows with concurrent
+prefills (they share the chunk budget) and with the decode batch, and decode
+slows with batch size and with prefills. At most ``max_running`` requests are
+admitted; the rest wait. The cache hit is looked up when a request is
+admitted; computed blocks enter the cache (BlockStored events to the router's
+index) when its prefill ends, the answer's blocks when it finishes; evictions
+are BlockRemoved events.
+
+Workload: ``tenants`` × ``users`` users; each tenant has one system prompt
+(``system_tokens``) its users share (tenants picked with Zipf ``skew`` when a
+user starts a conversation); a conversation has ``turns`` turns, each appending
+a user message and the answer, so prompts grow. Each user sends open-loop
+(Poisson, an exponential think time after its previous turn was *sent*, so
+an overloaded fleet is not spared by slower users; answers are known in
+advance, so a turn sent before its previous answer arrived simply finds less
+cached). The rate is ``load`` × the fleet's nominal capacity: what it could
+serve if every prompt but its new message were cached.
+
+Cache size: ``cache`` × the per-engine share of the live working set (every
+tenant's system prompt plus every user's current conversation at its mean
+length, divided by the engines).
+"""
+
+from __future__ import annotations
+
+import argparse
+import array
+import collections
+import dataclasses
+import heapq
+import json
+import math
+import random
+import statistics
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from direct_frontend.engines.neutral import EngineInfo, EngineRole
+from direct_frontend.fleet.schema import KvAwareKnobs
+from direct_frontend.kv.events import BlockRemoved, BlockStored
+from direct_frontend.kv.index import KvIndex, prefix_hashes
+from direct_frontend.kv.keys import index_key
+from direct_frontend.routing.catalog import Catalog, EngineHandle
+from direct_frontend.routing.hitrate import HitRateMonitor
+from direct_frontend.routing.kv_aware import CacheAffinity, KvAware
+from direct_frontend.routing.policies import LeastLoaded, Placement, Policy, RequestView, RoundRobin
+
+MODES = ("round_robin", "least_loaded", "cache_affinity", "kv-events", "approximate")
+OURS = "kv-events"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Point:
+    """One grid point: the fleet, the workload and the load."""
+
+    engines: int = 4
+    tenants: int = 8
+    users: int = 16  # per tenant
+    skew: float = 0.0
+    system_tokens: int = 1500
+    user_tokens: tuple[int, int] = (40, 120)
+    answer_tokens: tuple[int, int] = (60, 160)
+    turns: int = 4
+    load: float = 0.7
+    cache: float = 0.5
+    requests: int = 1200
+    block_size: int = 16
+    # engine timing
+    step_ms: float = 6.0
+    prefill_us: float = 100.0
+    decode_us: float = 250.0
+    chunk: int = 2048
+    max_running: int = 48
+
+    def label(self) -> str:
+        return (f"cache {self.cache:g}× · {self.tenants}×{self.users} skew {self.skew:g} · "
+                f"system {self.system_tokens} · load {self.load:g}")
+
+    @property
+    def mean_user(self) -> float:
+        return sum(self.user_tokens) / 2
+
+    @property
+    def mean_answer(self) -> float:
+        return sum(self.answer_tokens) / 2
+
+    def working_set_blocks(self) -> float:
+        systems = self.tenants * math.ceil(self.system_tokens / self.block_size)
+        history = self.turns * (self.mean_user + self.mean_answer) / self.block_size
+        return systems + self.tenants * self.users * history
+
+    def capacity_blocks(self) -> int:
+        return max(1, round(self.cache * self.working_set_blocks() / self.engines))
+
+    def capacity_rps(self) -> float:
+        """Requests/s the fleet serves if only each new message were prefilled (batch 16)."""
+        prefill_s = (self.mean_user + self.block_size) * self.prefill_us * 1e-6
+        decode_s = self.mean_answer * (self.decode_us * 1e-6 + self.step_ms * 1e-3 / 16)
+        return self.engines / (prefill_s + decode_s)
+
+
+# -- workload ----------------------------------------------------------------
+
+
+@dataclasses.dataclass(slots=True)
+class User:
+    tenant: int
+    rng: random.Random
+    history: list[int] = dataclasses.field(default_factory=list)
+    turn: int = 0
+    next_at: float = 0.0  # when the user sends first
+
+
+@dataclasses.dataclass(slots=True)
+class Request:
+    rid: int
+    user: User
+    tokens: list[int]
+    answer: list[int]
+    arrival: float
+    hashes: list[int] = dataclasses.field(default_factory=list)
+    placement: Placement | None = None
+    engine: int = -1
+    cached_tokens: int = 0
+    to_prefill: int = 0
+    to_decode: int = 0
+    ttft: float = math.nan
+    pinned: list[int] = dataclasses.field(default_factory=list)  # in chain order
+
+
+class Workload:
+    """Users' next prompts; the same seed gives every mode the same prompts and answers."""
+
+    def __init__(self, point: Point, seed: int) -> None:
+        self.point = point
+        rng = random.Random(seed)
+        self.systems = [[rng.randrange(10, 50_000) for _ in range(point.system_tokens)]
+                        for _ in range(point.tenants)]
+        weights = [1 / (k + 1) ** point.skew for k in range(point.tenants)]
+        self.weights = weights
+        self.users = [User(t, random.Random(rng.getrandbits(64)))
+                      for t in range(point.tenants) for _ in range(point.users)]
+        think = len(self.users) / (point.load * point.capacity_rps())
+        self.think_s = think
+        for user in self.users:
+            user.next_at = user.rng.expovariate(1 / think)
+
+    def next_request(self, user: User, rid: int, now: float) -> Request:
+        p = self.point
+        rng = user.rng
+        if user.turn == 0:
+            user.tenant = rng.choices(range(p.tenants), self.weights)[0]
+            user.history = list(self.systems[user.tenant])
+        message = [rng.randrange(10, 50_000) for _ in range(rng.randint(*p.user_tokens))]
+        answer = [rng.randrange(10, 50_000) for _ in range(rng.randint(*p.answer_tokens))]
+        tokens = user.history + message
+        user.history = tokens + answer
+        user.turn = (user.turn + 1) % p.turns
+        return Request(rid, user, tokens, answer, now)
+
+
+# -- engines -----------------------------------------------------------------
+
+
+class ModelEngine:
+    """One engine in virtual time: an LRU block cache and a chunked-prefill step loop."""
+
+    def __init__(self, point: Point, number: int, publish: Callable[[str, Any], None]) -> None:
+        self.point = point
+        self.key = index_key(number, 0)
+        self.publish = publish  # (index key, event) → the router's KV index
+        self.capacity = point.capacity_blocks()
+        self.lru: collections.OrderedDict[int, None] = collections.OrderedDict()  # unpinned
+        self.pins: dict[int, int] = {}
+        self.tokens_of: dict[int, tuple[int, int, list[int]]] = {}  # hash → (parent, i, tokens)
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.prefilling: collections.deque[Request] = collections.deque()
+        self.decoding: list[Request] = []
+        self.stepping = False
+        self.evictions = 0
+        self.requests = 0
+
+    def __contains__(self, h: int) -> bool:
+        return h in self.lru or h in self.pins
+
+    def arrive(self, request: Request) -> None:
+        self.requests += 1
+        self.waiting.append(request)
+
+    def _pin(self, h: int) -> None:
+        if h in self.lru:
+            del self.lru[h]
+        self.pins[h] = self.pins.get(h, 0) + 1
+
+    def _unpin(self, hashes: Sequence[int]) -> None:
+        for h in reversed(hashes):  # tail first: the root ends up most recent
+            left = self.pins[h] - 1
+            if left:
+                self.pins[h] = left
+            else:
+                del self.pins[h]
+                self.lru[h] = None
+
+    def _store(self, request: Request, hashes: Sequence[int], tokens: Sequence[int]) -> None:
+        """The request's full blocks ``hashes`` are cached now (pinned); new ones are stored."""
+        held = len(request.pinned)  # its leading blocks already pinned
+        new: list[int] = []
+        first = 0
+        for i in range(held, len(hashes)):
+            h = hashes[i]
+            if h in self:
+                if new:
+                    self._emit(new, hashes[first - 1] if first else None, tokens, first)
+                    new = []
+                self._pin(h)
+            else:
+                if not new:
+                    first = i
+                new.append(h)
+                self.pins[h] = 1
+            request.pinned.append(h)
+        if new:
+            self._emit(new, hashes[first - 1] if first else None, tokens, first)
+        self._evict()
+
+    def _emit(self, new: list[int], parent: int | None, tokens: Sequence[int], first: int) -> None:
+        bs = self.point.block_size
+        self.publish(self.key, BlockStored(
+            block_hashes=tuple(new), parent_block_hash=parent,
+            token_ids=array.array("I", tokens[first * bs:(first + len(new)) * bs]),
+            block_size=bs, medium="GPU",
+        ))
+
+    def _evict(self) -> None:
+        gone = []
+        while len(self.lru) + len(self.pins) > self.capacity and self.lru:
+            h, _ = self.lru.popitem(last=False)
+            gone.append(h)
+        if gone:
+            self.evictions += len(gone)
+            self.publish(self.key, BlockRemoved(tuple(gone), medium="GPU"))
+
+    def admit(self) -> None:
+        p = self.point
+        while self.waiting and len(self.prefilling) + len(self.decoding) < p.max_running:
+            request = self.waiting.popleft()
+            held = 0
+            for h in request.hashes:
+                if h not in self:
+                    break
+                held += 1
+            cached = min(held * p.block_size, (len(request.tokens) - 1) // p.block_size
+                         * p.block_size)
+            request.cached_tokens = cached
+            request.to_prefill = len(request.tokens) - cached
+            request.to_decode = len(request.answer)
+            for h in request.hashes[: cached // p.block_size]:
+                self._pin(h)
+                request.pinned.append(h)
+            self.prefilling.append(request)
+
+    def begin_step(self, now: float) -> float:
+        """Start one step at ``now``; returns when it ends (then call :meth:`finish_step`)."""
+        p = self.point
+        self.admit()
+        budget = p.chunk
+        prefilled = 0
+        for request in self.prefilling:
+            if budget <= 0:
+                break
+            take = min(budget, request.to_prefill)
+            request.to_prefill -= take
+            budget -= take
+            prefilled += take
+        return now + (p.step_ms * 1e-3 + prefilled * p.prefill_us * 1e-6
+                      + len(self.decoding) * p.decode_us * 1e-6)
+
+    def finish_step(self) -> tuple[list[Request], list[Request]]:
+        """The step's effects: the requests that got their first token, and those done."""
+        p = self.point
+        first: list[Request] = []
+        done = []
+        still = []
+        for request in self.decoding:
+            request.to_decode -= 1
+            (done if request.to_decode <= 0 else still).append(request)
+        self.decoding = still
+        while self.prefilling and self.prefilling[0].to_prefill <= 0:
+            request = self.prefilling.popleft()
+            first.append(request)
+            self._store(request, request.hashes, request.tokens)
+            request.to_decode -= 1
+            if request.to_decode <= 0:
+                done.append(request)
+            else:
+                self.decoding.append(request)
+        for request in done:
+            whole = request.tokens + request.answer
+            self._store(request, prefix_hashes(whole, p.block_size), whole)
+            self._unpin(request.pinned)
+            request.pinned = []
+        return first, done
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.prefilling or self.decoding)
+
+
+# -- one run -----------------------------------------------------------------
+
+_SEND, _STEP = 0, 1
+
+
+def make_policy(mode: str, knobs: KvAwareKnobs, index: KvIndex, engines: int,
+                clock: Callable[[], float]) -> Policy:
+    if mode == "round_robin":
+        return RoundRobin()
+    if mode == "least_loaded":
+        return LeastLoaded()
+    kind = CacheAffinity if mode == "cache_affinity" else KvAware
+    policy = kind(knobs, index, clock=clock, rng=random.Random(0))
+    if mode != "approximate":
+        policy.uses_events = set(range(engines))
+    return policy
+
+
+def run(point: Point, seed: int, mode: str, knobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One mode on fresh engines at one grid point; figures of every request."""
+    workload = Workload(point, seed)
+    index = KvIndex(point.block_size)
+    bs = point.block_size
+
+    def publish(key: str, event: Any) -> None:
+        index.apply_events(key, (event,))
+
+    engines = [ModelEngine(point, n, publish) for n in range(point.engines)]
+    handles = tuple(
+        EngineHandle(name=f"e{n}", kind="vllm", url=f"sim://{n}", incarnation=n,
+                     role=EngineRole.BOTH, info=EngineInfo("sim", block_size=bs),
+                     context_length=None, transport=None)
+        for n in range(point.engines))
+    catalog = Catalog(1, handles)
+    now = [0.0]
+    # the engines' cache capacity, as an operator (or discovery) would tell the router
+    given = {"approx_capacity_blocks": point.capacity_blocks(), **(knobs or {})}
+    policy = make_policy(mode, KvAwareKnobs(block_size=bs, **given), index,
+                         point.engines, lambda: now[0])
+    monitors = [HitRateMonitor() for _ in range(point.engines)]
+    diverged: set[int] = set()
+    heap: list[tuple[float, int, int, Any]] = []
+    seq = 0
+
+    def push(t: float, kind: int, obj: Any) -> None:
+        nonlocal seq
+        seq += 1
+        heapq.heappush(heap, (t, seq, kind, obj))
+
+    for user in workload.users:
+        push(user.next_at, _SEND, user)
+    issued = 0
+    finished: list[Request] = []
+    stepping = [False] * point.engines
+    predicted_total = 0
+    while heap:
+        t, _, kind, obj = heapq.heappop(heap)
+        now[0] = t
+        if kind == _SEND:
+            if issued >= point.requests:
+                continue
+            user: User = obj
+            request = workload.next_request(user, issued, t)
+            issued += 1
+            push(t + user.rng.expovariate(1 / workload.think_s), _SEND, user)
+            placement = policy.choose(catalog, RequestView(tuple(request.tokens),
+                                                           len(request.answer)))
+            assert placement is not None
+            request.placement = placement
+            request.hashes = (list(placement.blocks) if placement.blocks
+                              else prefix_hashes(request.tokens, bs))
+            handle = placement.engine
+            handle.load.begin(len(request.tokens), placement.blocks)
+            n = handle.incarnation
+            request.engine = n
+            engines[n].arrive(request)
+            if not stepping[n]:
+                stepping[n] = True
+                push(engines[n].begin_step(t), _STEP, n)
+        else:
+            engine = engines[obj]
+            first, done = engine.finish_step()
+            for request in first:
+                request.ttft = t - request.arrival
+            for request in done:
+                placement = request.placement
+                assert placement is not None
+                placement.engine.load.end(len(request.tokens), placement.blocks)
+                policy.on_complete(placement, tuple(request.tokens + request.answer))
+                if placement.predicted_cached_tokens is not None:
+                    predicted_total += placement.predicted_cached_tokens
+                    if monitors[request.engine].record(placement.predicted_cached_tokens,
+                                                       request.cached_tokens):
+                        diverged.add(request.engine)
+                finished.append(request)
+            if engine.busy:
+                push(engine.begin_step(t), _STEP, obj)
+            else:
+                stepping[obj] = False
+    ttft = sorted(r.ttft * 1e3 for r in finished)
+    prompt = sum(len(r.tokens) for r in finished)
+    cached = sum(r.cached_tokens for r in finished)
+    return {
+        "mode": mode, "seed": seed, "requests": len(finished),
+        "ttft_ms": ttft, "ttft_mean_ms": statistics.fmean(ttft),
+        "ttft_p90_ms": pct(ttft, 90), "ttft_p99_ms": pct(ttft, 99),
+        "hit_rate": cached / prompt, "evictions": sum(e.evictions for e in engines),
+        "per_engine": [e.requests for e in engines],
+        "spills": getattr(policy, "spills", 0),
+        "predicted_cached_tokens": predicted_total if isinstance(policy, KvAware) else None,
+        "reported_cached_tokens": cached,
+        "diverged_engines": len(diverged),
+        "rate_rps": len(finished) / max(1e-9, max(r.arrival for r in finished)
+                                        - min(r.arrival for r in finished)),
+    }
+
+
+def pct(sorted_values: Sequence[float], q: float) -> float:
+    if not sorted_values:
+        return math.nan
+    k = (len(sorted_values) - 1) * q / 100
+    lo = math.floor(k)
+    hi = min(lo + 1, len(sorted_values) - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (k - lo)
+
+
+# -- the grid ----------------------------------------------------------------
+
+
+def default_grid() -> list[Point]:
+    """Each dimension around a middle point, plus the hardest corner."""
+    base = Point()
+    points = [dataclasses.replace(base, cache=c) for c in (0.25, 0.5, 1.0, 1.5)]
+    points += [dataclasses.replace(base, load=x) for x in (0.3, 0.5, 0.9)]
+    points += [
+        dataclasses.replace(base, tenants=16, skew=1.0),
+        dataclasses.replace(base, tenants=16, system_tokens=1800, load=0.9, cache=0.25),
+        dataclasses.replace(base, system_tokens=500),
+        dataclasses.replace(base, cache=1.5, load=0.3),  # the one roomy point
+    ]
+    return points
+
+
+def pressured(point: Point) -> bool:
+    return point.cache <= 0.5 or point.load >= 0.7
+
+
+def pooled(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    ttft = sorted(t for r in runs for t in r["ttft_ms"])
+    prompt_cached = sum(r["reported_cached_tokens"] for r in runs)
+    predicted = [r["predicted_cached_tokens"] for r in runs]
+    return {
+        "mode": runs[0]["mode"], "ttft_mean_ms": statistics.fmean(ttft),
+        "ttft_p90_ms": pct(ttft, 90), "ttft_p99_ms": pct(ttft, 99),
+        "seed_means": [r["ttft_mean_ms"] for r in runs],
+        "seed_p90s": [r["ttft_p90_ms"] for r in runs],
+        "hit_rate": statistics.fmean(r["hit_rate"] for r in runs),
+        "evictions": sum(r["evictions"] for r in runs) / len(runs),
+        "per_engine": runs[0]["per_engine"],
+        "spills": sum(r["spills"] for r in runs),
+        "prediction_ratio": (None if None in predicted else
+                             sum(predicted) / max(1, prompt_cached)),
+        "rate_rps": statistics.fmean(r["rate_rps"] for r in runs),
+        "diverged_engines": max(r["diverged_engines"] for r in runs),
+    }
+
+
+def run_point(point: Point, seeds: Sequence[int], modes: Sequence[str],
+              knobs: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]:
+    return {mode: pooled([run(point, seed, mode, knobs) for seed in seeds]) for mode in modes}
+
+
+def verdict(point: Point, results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Ours against the best other mode (TTFT mean and p90), cache_affinity and approximate."""
+    ours = results.get(OURS)
+    others = [r for m, r in results.items() if m not in (OURS, "approximate")]
+    if ours is None or not others:
+        return {}
+    best_mean = min(r["ttft_mean_ms"] for r in others)
+    best_p90 = min(r["ttft_p90_ms"] for r in others)
+    out = {"mean_ratio": best_mean / ours["ttft_mean_ms"],
+           "p90_ratio": best_p90 / ours["ttft_p90_ms"]}
+    if "cache_affinity" in results:
+        out["vs_cache_affinity"] = results["cache_affinity"]["ttft_mean_ms"] / ours["ttft_mean_ms"]
+    if "approximate" in results:
+        out["approx_over_events"] = results["approximate"]["ttft_mean_ms"] / ours["ttft_mean_ms"]
+    return out
+
+
+def print_point(point: Point, results: dict[str, dict[str, Any]]) -> None:
+    print(f"\n## {point.label()}  (cache {point.capacity_blocks()} blocks/engine, "
+          f"{point.tenants * point.users} users)")
+    print("| mode | TTFT mean | p90 | p99 (ms) | hit | evictions | per engine | spills |")
+    print("|---|---:|---:|---:|---:|---:|---|---:|")
+    for mode, r in results.items():
+        print(f"| {mode} | {r['ttft_mean_ms']:.1f} | {r['ttft_p90_ms']:.1f} | "
+              f"{r['ttft_p99_ms']:.1f} | {r['hit_rate']:.3f} | {r['evictions']:.0f} | "
+              f"{r['per_engine']} | {r['spills']} |")
+
+
+def summary_line(point: Point, results: dict[str, dict[str, Any]]) -> str:
+    v = verdict(point, results)
+    if not v:
+        return point.label()
+    tag = "pressured" if pressured(point) else "roomy"
+    parts = [f"{point.label()} [{tag}]: ours/best-other mean ×{v['mean_ratio']:.2f} "
+             f"p90 ×{v['p90_ratio']:.2f}"]
+    if "vs_cache_affinity" in v:
+        parts.append(f"vs cache_affinity ×{v['vs_cache_affinity']:.2f}")
+    if "approx_over_events" in v:
+        parts.append(f"approximate/events {v['approx_over_events']:.2f}")
+    return ", ".join(parts)
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="bench_routing.py grid",
+                                description="Routing policies against modelled engines.")
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {MODES}")
+    p.add_argument("--seeds", default="1,2", help="workload seeds, pooled per point")
+    p.add_argument("--points", default=None,
+                   help="comma-separated indices into the default grid (default: all)")
+    p.add_argument("--requests", type=int, default=None, help="per run (default 1200)")
+    p.add_argument("--knob", action="append", default=[], metavar="NAME=VALUE",
+                   help="a [frontend.routing.knobs] entry for the KV modes (repeatable)")
+    p.add_argument("--json", action="store_true", help="also one JSON line per point")
+    args = p.parse_args(argv)
+    args.modes = [m for m in args.modes.split(",") if m]
+    unknown = set(args.modes) - set(MODES)
+    if unknown:
+        p.error(f"unknown mode(s) {sorted(unknown)}; choose from {MODES}")
+    args.seeds = [int(s) for s in args.seeds.split(",") if s]
+    knobs: dict[str, Any] = {}
+    for knob in args.knob:
+        name, eq, value = knob.partition("=")
+        if not eq:
+            p.error(f"--knob {knob!r} is not NAME=VALUE")
+        knobs[name.strip()] = float(value) if "." in value or "e" in value else int(value)
+    args.knobs = knobs
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    grid = default_grid()
+    if args.points:
+        grid = [grid[int(i)] for i in args.points.split(",")]
+    if args.requests:
+        grid = [dataclasses.replace(p, requests=args.requests) for p in grid]
+    first = grid[0]
+    print(f"routing_sim: {first.engines} modelled engines, block {first.block_size}; step "
+          f"{first.step_ms:g} ms + {first.prefill_us:g} µs per prefilled token (chunk "
+          f"{first.chunk}) + {first.decode_us:g} µs per decoding request; max_running "
+          f"{first.max_running}; {first.requests} requests per run, seeds {args.seeds}; "
+          f"users' turns {first.user_tokens} tokens, answers {first.answer_tokens}, "
+          f"{first.turns} turns per conversation", flush=True)
+    lines = []
+    for point in grid:
+        results = run_point(point, args.seeds, args.modes, args.knobs or None)
+        print_point(point, results)
+        lines.append(summary_line(point, results))
+        print(lines[-1], flush=True)
+        if args.json:
+            print(json.dumps({"point": dataclasses.asdict(point),
+                              "verdict": verdict(point, results), "results": results},
+                             separators=(",", ":")))
+    print("\n## Summary (ours = kv-events; ratios > 1: ours faster)")
+    print("\n".join(f"- {line}" for line in lines))
+    return 0

@@ -1,0 +1,135 @@
+"""One pool's watch against the API server double: pages, bookmarks, backoff, the config."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx2
+import pytest
+import trio
+
+from direct_frontend.control import pods
+from direct_frontend.control.pods import PoolWatch, kube_client
+from direct_frontend.fleet.schema import KubernetesConfig, PoolConfig
+from direct_frontend.observability.metrics import Metrics
+from tests.support.kube import ApiServer, pod, service_account
+from tests.support.sim import until_trio
+
+POOL = PoolConfig(name="web", selector="app=engine", kind="sglang", port=50051)
+SETTINGS = KubernetesConfig(watch_timeout_s=1, max_backoff_s=0.1)
+
+
+@pytest.fixture()
+def api() -> Iterator[ApiServer]:
+    server = ApiServer(bookmark_interval_s=0.05).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+async def run_watch(api: ApiServer, tmp_path: Path, watch: PoolWatch,
+                    nursery: trio.Nursery) -> None:
+    settings = KubernetesConfig(kubeconfig=str(api.kubeconfig(tmp_path / "kubeconfig")),
+                                watch_timeout_s=1, max_backoff_s=0.1)
+    client = kube_client(settings, tmp_path / "fleet.toml")
+
+    async def client_of() -> httpx2.AsyncClient:
+        return client
+
+    nursery.start_soon(watch.run, client_of)
+
+
+def test_a_list_in_pages_then_bookmarks_carry_the_version(
+    api: ApiServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(pods, "LIST_PAGE", 100)
+    for i in range(250):
+        api.put(pod(f"p{i}", f"10.0.{i // 200}.{i % 200 + 1}", None, ready=i % 2 == 0))
+    changes: list[int] = []
+    watch = PoolWatch(POOL, SETTINGS, Metrics(), lambda: changes.append(1))
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            await run_watch(api, tmp_path, watch, nursery)
+            await until_trio(lambda: watch.listed, what="listed")
+            assert len(watch.engines) == 125 and len(watch.membership.waiting) == 125
+            assert api.requests[:3] == ["list", "list", "list"]  # 250 pods in pages of 100
+            api.put(pod("elsewhere", "10.9.9.9", None, namespace="other"))
+            await until_trio(lambda: watch.membership.resource_version == str(api.version),
+                             what="a bookmark carrying the version")
+            # the server ends each watch after timeoutSeconds (1 s): resumed, not relisted
+            await until_trio(lambda: watch.watches >= 2, what="a second watch")
+            assert watch.relists == 1 and api.requests.count("list") == 3
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    assert changes  # the membership was handed on
+
+
+def test_an_unreachable_server_marks_the_pool_stale_and_backs_off(
+    api: ApiServer, tmp_path: Path
+) -> None:
+    api.put(pod("a", "10.0.0.1", None))
+    watch = PoolWatch(POOL, SETTINGS, Metrics(), lambda: None)
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            await run_watch(api, tmp_path, watch, nursery)
+            await until_trio(lambda: watch.listed, what="listed")
+            api.stop()
+            await until_trio(lambda: watch.stale, what="stale")
+            assert [e.name for e in watch.engines] == ["web/a"]  # kept
+            assert watch.status()["stale_since"] is not None
+            api.start()
+            await until_trio(lambda: not watch.stale, what="fresh again")
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_a_kubeconfig_context_that_does_not_exist_is_an_error(
+    api: ApiServer, tmp_path: Path
+) -> None:
+    settings = KubernetesConfig(kubeconfig=str(api.kubeconfig(tmp_path / "kubeconfig")),
+                                context="nope")
+    with pytest.raises(Exception, match="nope"):
+        kube_client(settings, tmp_path / "fleet.toml")
+
+
+def test_a_relative_kubeconfig_is_found_beside_the_fleet_file(
+    api: ApiServer, tmp_path: Path
+) -> None:
+    api.kubeconfig(tmp_path / "kubeconfig")
+    client = kube_client(KubernetesConfig(kubeconfig="kubeconfig"), tmp_path / "fleet.toml")
+    assert str(client.base_url).rstrip("/") == api.url
+
+
+def test_in_the_cluster_the_service_account_is_used(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No kubeconfig: the token, CA and address a kubelet gives a pod reach the server (HTTPS)."""
+    account = tmp_path / "serviceaccount"
+    api = ApiServer().start(tls=service_account(account))
+    try:
+        api.put(pod("a", "10.0.0.1", None))
+        monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "127.0.0.1")
+        monkeypatch.setenv("KUBERNETES_SERVICE_PORT", str(api.port))
+        client = kube_client(KubernetesConfig(), tmp_path / "fleet.toml", account)
+        assert str(client.base_url).startswith(f"https://127.0.0.1:{api.port}")
+        watch = PoolWatch(POOL, SETTINGS, Metrics(), lambda: None)
+
+        async def client_of() -> httpx2.AsyncClient:
+            return client
+
+        async def main() -> None:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(watch.run, client_of)
+                await until_trio(lambda: watch.listed, what="listed over HTTPS")
+                nursery.cancel_scope.cancel()
+
+        trio.run(main)
+        assert [e.name for e in watch.engines] == ["web/a"]
+    finally:
+        api.stop()

@@ -1,0 +1,145 @@
+"""End to end: stateless ``/v1/responses`` with the official client, a function call round trip.
+
+The engine is scripted: a prompt with ``[weather]`` gets a reasoning block and
+a Hermes call, a prompt that carries the tool's result (``[result]``) gets the
+answer. Streamed events must come in the Responses API's order with rising
+sequence numbers and put together the same items as the full response.
+"""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+from grpclib.const import Status
+from tokenizers import Tokenizer
+
+from direct_frontend.simulator.faults import FaultPlan
+from direct_frontend.simulator.scripted import ScriptBook
+from tests.support.daemon import Daemon, running_daemon
+from tests.support.models import engine_table, frontend_table, simulators
+
+TOOLS: list[Any] = [{
+    "type": "function", "name": "get_weather", "description": "The weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]},
+}]
+SCRIPTS = {  # the first marker found wins: the result turn also carries [weather]
+    "[result]": "It is sunny in Zürich.",
+    "[weather]": ('<think>They want the weather.</think><tool_call>\n{"name": "get_weather", '
+                  '"arguments": {"city": "Zürich"}}\n</tool_call>'),
+}
+QUESTION = "What is the weather in Zürich? [weather]"
+
+
+@pytest.fixture(scope="module")
+def daemon(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    text = frontend_table(model_dir, textwrap.dedent("""\
+        [[model]]
+        name = "agent"
+        tool_parser = "hermes"
+        reasoning_parser = "qwen3"
+        """)) + "\n" + engine_table("sim", "vllm", "agent")
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    with running_daemon(tmp_path_factory.mktemp("responses"), text) as daemon:
+        daemon.wait_serving(1)
+        for sim in simulators(daemon).values():
+            sim.core.scripts = ScriptBook(tokenizer, SCRIPTS)
+        yield daemon
+
+
+def kinds(response: Any) -> list[str]:
+    return [item.type for item in response.output]
+
+
+def test_a_function_call_round_trip(daemon: Daemon, client: openai.OpenAI) -> None:
+    first = client.responses.create(model="agent", input=QUESTION, tools=TOOLS,
+                                    instructions="Be brief.", store=False)
+    assert first.status == "completed" and first.object == "response"
+    assert kinds(first) == ["reasoning", "function_call"]
+    reasoning, call = first.output
+    assert reasoning.content is not None
+    assert reasoning.content[0].text == "They want the weather."
+    assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Zürich"}
+    assert call.call_id.startswith("call_")
+    assert first.usage is not None and first.usage.output_tokens > 0
+    assert first.usage.total_tokens == first.usage.input_tokens + first.usage.output_tokens
+
+    history: list[Any] = [{"role": "user", "content": QUESTION}]
+    history += [item.model_dump(exclude_none=True) for item in first.output]
+    history.append({"type": "function_call_output", "call_id": call.call_id,
+                    "output": '{"sky": "sunny"} [result]'})
+    second = client.responses.create(model="agent", input=history, tools=TOOLS)
+    assert kinds(second) == ["message"]
+    assert second.output_text == "It is sunny in Zürich."
+
+
+def test_streamed_events_make_the_same_items(daemon: Daemon, client: openai.OpenAI) -> None:
+    full = client.responses.create(model="agent", input=QUESTION, tools=TOOLS)
+    events = list(client.responses.create(model="agent", input=QUESTION, tools=TOOLS,
+                                          stream=True))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    types = [e.type for e in events]
+    assert types[:2] == ["response.created", "response.in_progress"]
+    assert types[-1] == "response.completed"
+    for needed in ("response.output_item.added", "response.reasoning_text.delta",
+                   "response.function_call_arguments.delta",
+                   "response.function_call_arguments.done", "response.output_item.done"):
+        assert needed in types
+    arguments = "".join(e.delta for e in events
+                        if e.type == "response.function_call_arguments.delta")
+    done = events[-1].response
+    assert kinds(done) == kinds(full)
+    assert json.loads(arguments) == json.loads(done.output[1].arguments) == {"city": "Zürich"}
+    added = [e.item.type for e in events if e.type == "response.output_item.added"]
+    assert added == ["reasoning", "function_call"]
+    assert done.usage is not None and done.usage.output_tokens == full.usage.output_tokens
+
+
+def test_text_streams_as_output_text_deltas(daemon: Daemon, client: openai.OpenAI) -> None:
+    events = list(client.responses.create(model="agent", input="Say it. [result]", stream=True))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == "It is sunny in Zürich."
+    assert events[-1].response.output_text == text
+
+
+def test_max_output_tokens_makes_an_incomplete_response(
+    daemon: Daemon, client: openai.OpenAI
+) -> None:
+    cut = client.responses.create(model="agent", input="Say it. [result]", max_output_tokens=3)
+    assert cut.status == "incomplete"
+    assert cut.incomplete_details is not None
+    assert cut.incomplete_details.reason == "max_output_tokens"
+
+
+def test_nothing_is_stored(daemon: Daemon, client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(model="agent", input="hi", previous_response_id="resp_1")
+    assert "previous_response_id" in str(caught.value)
+    with pytest.raises(openai.BadRequestError):
+        client.responses.create(model="agent", input=[{"type": "web_search_call"}])
+
+
+def test_a_failure_after_the_stream_started_ends_it_as_the_api_does(
+    daemon: Daemon, client: openai.OpenAI
+) -> None:
+    sim = simulators(daemon)["sim"]
+    sim.faults = FaultPlan(status=Status.INVALID_ARGUMENT, status_after_tokens=2)
+    try:
+        events = list(client.responses.create(
+            model="agent", input="Tell me a story.", max_output_tokens=50, stream=True,
+        ))
+    finally:
+        sim.faults = FaultPlan()
+    types = [e.type for e in events]
+    assert types[0] == "response.created" and "response.output_text.delta" in types
+    assert types[-2:] == ["error", "response.failed"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    failed = events[-1].response
+    assert failed.status == "failed" and failed.error is not None
+    assert failed.error.message == events[-2].message and failed.error.code == events[-2].code

@@ -1,0 +1,57 @@
+"""Responses bodies read into chat requests: items to messages, tools, tool_choice, refusals."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from direct_frontend.openai.errors import OpenAIHTTPError
+from direct_frontend.openai.responses_api import parse_responses_request
+
+TOOL = {"type": "function", "name": "f", "parameters": {"type": "object"}}
+
+
+def body(**fields: Any) -> bytes:
+    return json.dumps({"model": "m", **fields}).encode()
+
+
+def test_items_become_the_chat_turns() -> None:
+    parsed = parse_responses_request(body(instructions="Be brief.", tools=[TOOL], input=[
+        {"role": "user", "content": [{"type": "input_text", "text": "hi"}]},
+        {"type": "reasoning", "id": "rs_1", "summary": []},
+        {"type": "function_call", "call_id": "call_1", "name": "f", "arguments": "{}"},
+        {"type": "function_call", "call_id": "call_2", "name": "f", "arguments": "{\"a\":1}"},
+        {"type": "function_call_output", "call_id": "call_1", "output": "one"},
+        {"type": "function_call_output", "call_id": "call_2", "output": "two"},
+    ], max_output_tokens=7, reasoning={"effort": "low"}))
+    chat = parsed.chat
+    assert [m.role for m in chat.messages] == ["system", "user", "assistant", "tool", "tool"]
+    assert chat.messages[0].content == "Be brief." and chat.messages[1].content == "hi"
+    assert [c.id for c in chat.messages[2].tool_calls] == ["call_1", "call_2"]
+    assert chat.messages[4].tool_call_id == "call_2" and chat.messages[4].content == "two"
+    assert chat.tools[0].function.name == "f" and chat.max_tokens == 7
+    assert chat.chat_template_kwargs == {"reasoning_effort": "low"}
+
+
+def test_a_string_input_is_one_user_turn_and_a_named_choice_forces_it() -> None:
+    parsed = parse_responses_request(body(input="hi", tools=[TOOL],
+                                          tool_choice={"type": "function", "name": "f"}))
+    assert parsed.chat.messages[0].role == "user"
+    assert parsed.chat.tool_function == "f" and parsed.chat.constraint is not None
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id"),
+    ({}, "input"),
+    ({"input": [{"type": "web_search_call"}]}, "input[0].type"),
+    ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"input": [{"type": "function_call", "name": "f"}]}, "input[0].call_id"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]},
+     "input[0].content[0].type"),
+])
+def test_what_a_stateless_server_cannot_take_is_a_400(fields: dict[str, Any], param: str) -> None:
+    with pytest.raises(OpenAIHTTPError) as caught:
+        parse_responses_request(body(**fields))
+    assert caught.value.status == 400 and caught.value.param == param
