@@ -92,11 +92,18 @@ def run(
         bool, typer.Option("--watch/--no-watch", show_default=False,
                            help="Reload FLEET when the file changes (the default), or not.")
     ] = True,
+    workers: Annotated[
+        Optional[str],  # noqa: UP045
+        typer.Option(metavar="N", help="Processes serving the port: a number or 'auto' (one "
+                                       "per core)  [default: the fleet's workers, 1]"),
+    ] = None,
 ) -> None:
     """Serve the OpenAI API for the fleet described in FLEET.
 
     SIGHUP (systemctl reload) reloads FLEET; so does saving it, unless --no-watch.
+    With --workers N, N processes serve one port (SO_REUSEPORT) and route as one.
     """
+    from direct_frontend.control.workers import WorkerRole, resolve_count, run_workers
     from direct_frontend.daemon import run_daemon
     from direct_frontend.fleet.preflight import TextModelKey, busy_addresses, load_text_models
     from direct_frontend.observability.logging import configure_logging
@@ -109,12 +116,21 @@ def run(
     log = logging.getLogger("direct_frontend")
     for warning in _warnings(config):
         log.warning("%s", warning)
-    busy = busy_addresses(config)
+    role = WorkerRole.from_env(os.environ)
+    count = 1 if role is not None else resolve_count(_workers(workers, config.frontend.workers))
+    busy = [] if role is not None else busy_addresses(config)  # a worker shares the port
     if busy:
         typer.echo("\n".join(str(problem) for problem in busy), err=True)
         raise typer.Exit(1)
     try:
-        code = run_daemon(config, watch=watch, text_models=text_models)
+        if count > 1:
+            argv = [sys.executable, "-m", "direct_frontend.cli", "run", str(fleet),
+                    "--log-level", log_level.value, "--watch" if watch else "--no-watch"]
+            if log_json is not None:
+                argv.append("--log-json" if log_json else "--log-text")
+            code = run_workers(config, count, argv)
+        else:
+            code = run_daemon(config, watch=watch, text_models=text_models, worker=role)
     except Exception as exc:
         reason = _start_failure(exc)
         if reason is None:
@@ -124,6 +140,19 @@ def run(
                    " (--log-level DEBUG shows where)", err=True)
         raise typer.Exit(1) from None
     sys.exit(code)
+
+
+def _workers(option: str | None, configured: int) -> int:
+    """``--workers`` (a number or ``auto``, read as 0) over the fleet's ``workers``."""
+    if option is None:
+        return configured
+    if option == "auto":
+        return 0
+    if not option.isdigit() or int(option) < 1:
+        typer.echo(f"--workers: expected a number of at least 1 or 'auto', got {option!r}",
+                   err=True)
+        raise typer.Exit(2)
+    return int(option)
 
 
 def _start_failure(exc: BaseException) -> str | None:
@@ -340,3 +369,7 @@ def version() -> None:
 
 def main() -> None:
     app()
+
+
+if __name__ == "__main__":  # how ``run --workers`` starts its workers
+    main()

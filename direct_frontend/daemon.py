@@ -25,6 +25,7 @@ import trio_asyncio  # before grpclib, see cli.py
 
 # isort: split
 import logging
+import os
 import signal
 import time
 from collections.abc import Mapping
@@ -40,6 +41,14 @@ from direct_frontend.control.pods import PodDiscovery
 from direct_frontend.control.reload import ControlPlane, file_digest, kv_block_size
 from direct_frontend.control.replicas import ReplicaLink
 from direct_frontend.control.supervisor import Supervisor
+from direct_frontend.control.workers import (
+    WorkerRole,
+    mark_ready,
+    merged_metrics,
+    share_metrics,
+    watch_parent,
+    worker_replicas,
+)
 from direct_frontend.fleet.preflight import TextModelKey
 from direct_frontend.fleet.schema import FleetConfig, TracingConfig
 from direct_frontend.fleet.watch import POLL_INTERVAL_S, FileStamp, stamp_of, watch_file
@@ -60,10 +69,16 @@ log = logging.getLogger("direct_frontend")
 SHUTDOWN_GRACE_S = 10.0
 
 
-def hypercorn_config(fleet: FleetConfig, grace_s: float = SHUTDOWN_GRACE_S) -> HypercornConfig:
+def hypercorn_config(
+    fleet: FleetConfig, grace_s: float = SHUTDOWN_GRACE_S, worker: WorkerRole | None = None
+) -> HypercornConfig:
     config = keepalive.ServerConfig()
     config.header_timeout_s = fleet.frontend.header_timeout_s
     config.bind = [fleet.frontend.listen]
+    if worker is not None:  # one of N on the parent's port: SO_REUSEPORT (hypercorn's rule)
+        host = f"[{worker.host}]" if ":" in worker.host else worker.host
+        config.bind = [f"{host}:{worker.port}"]
+        config.workers = worker.count
     config.accesslog = None
     config.errorlog = logging.getLogger("hypercorn.error")
     config.graceful_timeout = grace_s
@@ -82,6 +97,7 @@ async def serve_fleet(
     shutdown_grace_s: float = SHUTDOWN_GRACE_S,
     notifier: Notifier | None = None,
     text_models: Mapping[TextModelKey, TextModel] | None = None,
+    worker: WorkerRole | None = None,
     task_status: trio.TaskStatus[App] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run the whole daemon until ``shutdown`` is set (or SIGINT/SIGTERM).
@@ -89,6 +105,7 @@ async def serve_fleet(
     ``watch_interval_s=None`` turns the file watcher off (reloads then come
     from SIGHUP or ``POST /fleet/reload`` only). ``text_models`` are the fleet's
     tokenizers when the caller has loaded them already (``run`` checks them first).
+    ``worker``: this is one of ``run --workers N`` (control/workers.py).
     """
     started = time.perf_counter()
     descriptors.raise_soft_limit()  # every connection is a descriptor; 1,024 is not many
@@ -111,14 +128,19 @@ async def serve_fleet(
         )
         await builder.load(fleet)
         replicas = fleet.frontend.replicas
+        if worker is not None:
+            replicas = worker_replicas(replicas, worker)
         link = None if replicas.nats is None else ReplicaLink(
-            replicas, supervisor, placements, kv=kv, metrics=metrics
+            replicas, supervisor, placements, kv=kv, metrics=metrics,
+            replica_id=None if worker is None else f"worker{worker.index}-{os.getpid()}",
         )
         control = ControlPlane(fleet, supervisor, builder, metrics, notifier, digest,
                                placements=placements,
                                replicas=None if link is None else link.status)
         tracing = _open_tracing(fleet.frontend.tracing)
         app = App(control, metrics, tracing)
+        if worker is not None:
+            app.metrics_view = partial(merged_metrics, worker)
         async with trio.open_nursery() as nursery:
             if handle_signals:  # only the main thread may install signal handlers
                 nursery.start_soon(_watch_signals, shutdown, control, nursery.cancel_scope)
@@ -127,7 +149,7 @@ async def serve_fleet(
             await nursery.start(supervisor.run)
             control.pods = PodDiscovery(fleet, metrics, control.apply_membership)
             await nursery.start(control.pods.run)
-            config = hypercorn_config(fleet, shutdown_grace_s)
+            config = hypercorn_config(fleet, shutdown_grace_s, worker)
             app.bound_urls = await nursery.start(_serve_http, app, config, shutdown)
             log.info(
                 "listening on %s (started in %.2fs)",
@@ -137,6 +159,10 @@ async def serve_fleet(
                 nursery.start_soon(_watch_fleet_file, fleet.source, control, watch_interval_s,
                                    stamp)
             notifier.ready(control.status_line())
+            if worker is not None:
+                mark_ready(worker)
+                nursery.start_soon(watch_parent, worker, shutdown)
+                nursery.start_soon(share_metrics, worker, partial(_rendered, control, metrics))
             nursery.start_soon(notifier.watchdog_loop)
             task_status.started(app)
             await shutdown.wait()
@@ -149,6 +175,11 @@ async def serve_fleet(
         if tracing is not None:  # what is still buffered goes out (a crash: at exit)
             await trio.to_thread.run_sync(tracing.shutdown)
     notifier.close()
+
+
+def _rendered(control: ControlPlane, metrics: Metrics) -> bytes:
+    control.collect_metrics()
+    return metrics.render()[0]
 
 
 def _open_tracing(config: TracingConfig) -> Tracing | None:
@@ -210,8 +241,10 @@ async def _watch_signals(
 def run_daemon(
     fleet: FleetConfig, *, watch: bool = True,
     text_models: Mapping[TextModelKey, TextModel] | None = None,
+    worker: WorkerRole | None = None,
 ) -> int:
     """Blocking entry point for ``direct-frontend run``; returns the exit code."""
     interval = POLL_INTERVAL_S if watch else None
-    trio.run(partial(serve_fleet, fleet, watch_interval_s=interval, text_models=text_models))
+    trio.run(partial(serve_fleet, fleet, watch_interval_s=interval, text_models=text_models,
+                     worker=worker))
     return 0

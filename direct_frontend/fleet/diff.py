@@ -23,7 +23,7 @@ from direct_frontend.fleet.schema import FleetConfig
 #: log format chosen at start (the command line may override it), the tracer and the replica
 #: link built at start.
 RESTART_FIELDS = (
-    "listen", "tokenizer", "served_model_name", "log_json", "tracing", "replicas",
+    "listen", "tokenizer", "served_model_name", "log_json", "tracing", "replicas", "workers",
 )
 
 

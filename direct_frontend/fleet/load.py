@@ -42,6 +42,8 @@ from direct_frontend.fleet.models import ModelTables
 from direct_frontend.fleet.pools import PoolTables
 from direct_frontend.fleet.problems import FleetError, FleetProblem
 from direct_frontend.fleet.schema import (
+    SESSION_HEADER_PREFIX,
+    SESSION_USER_FIELD,
     EngineConfig,
     FleetConfig,
     FrontendConfig,
@@ -213,12 +215,24 @@ class _Checker(PoolTables, ModelTables):
         by_hand = {
             "listen_host": host,
             "listen_port": port,
+            "workers": self.workers(tbl, path),
             # Relative to the fleet file, so a fleet directory can be moved whole.
             "tokenizer": None if tokenizer is None else source.parent / tokenizer,
         }
         frontend = FrontendConfig(**self.fields(FrontendConfig, tbl, path, by_hand))
         self.check_tracing(frontend.tracing.otlp_endpoint, (*path, "tracing", "otlp_endpoint"))
         return frontend
+
+    def workers(self, tbl: Table, path: KeyPath) -> int:
+        """``workers``: a count of at least 1, or ``"auto"`` (read as 0: one per core)."""
+        if tbl.get("workers") == "auto":
+            return 0
+        if isinstance(tbl.get("workers"), str):
+            self.report((*path, "workers"), f"expected an integer or \"auto\", got "
+                        f"{described(tbl['workers'])}")
+            return 1
+        count = self.integer(tbl, path, "workers", minimum=1)
+        return 1 if count is None else count
 
     def check_tracing(self, endpoint: str | None, where: KeyPath) -> None:
         """An OTLP/HTTP endpoint is an http(s) URL, and sending to it needs the tracing extra."""
@@ -246,8 +260,20 @@ class _Checker(PoolTables, ModelTables):
         kv_aware = None
         if policy in ("kv_aware", "cache_affinity"):  # the baseline reads the same knobs
             kv_aware = self.knobs(KvAwareKnobs, knobs, (*path, "knobs"))
-        by_hand = {"policy": policy, "knobs": Knobs(knobs), "kv_aware": kv_aware}
+        by_hand = {"policy": policy, "knobs": Knobs(knobs), "kv_aware": kv_aware,
+                   "session_key": self.session_key(tbl, path)}
         return RoutingConfig(**self.fields(RoutingConfig, tbl, path, by_hand))
+
+    def session_key(self, tbl: Table, path: KeyPath) -> tuple[str, ...]:
+        """``session_key``: each entry ``user`` or ``header:<name>``."""
+        sources = []
+        for where, source in self.strings(tbl, path, "session_key") or []:
+            header = source.removeprefix(SESSION_HEADER_PREFIX)
+            if source != SESSION_USER_FIELD and (header == source or not header.strip()):
+                self.report(where, f"{source!r} is neither {SESSION_USER_FIELD!r} nor "
+                            f"'{SESSION_HEADER_PREFIX}<name>'")
+            sources.append(source)
+        return tuple(sources)
 
     def engines(self, value: object) -> list[_Draft]:
         if not isinstance(value, list):

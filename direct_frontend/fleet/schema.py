@@ -114,6 +114,11 @@ class KvAwareKnobs:
     approx_capacity_blocks: int = setting(0, NON_NEGATIVE)
 
 
+#: ``session_key`` entries: ``header:<name>`` (case-insensitive) or ``user`` (the body field)
+SESSION_USER_FIELD = "user"
+SESSION_HEADER_PREFIX = "header:"
+
+
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class RoutingConfig:
     """``[frontend.routing]``: the policy and its knobs (``[frontend.routing.knobs]``).
@@ -126,6 +131,14 @@ class RoutingConfig:
     policy: RoutingPolicy = setting("round_robin", Rules(noun="policy"))
     knobs: Mapping[str, KnobValue] = Knobs()
     kv_aware: KvAwareKnobs = setting(KvAwareKnobs(), Rules(key="knobs"))
+    #: session affinity (routing/affinity.py): where a request's routing key comes from,
+    #: first found wins (``"header:x-session-id"``, ``"user"``); empty: no affinity
+    session_key: tuple[str, ...] = ()
+    #: under kv_aware, the cost in blocks of leaving the key's engine
+    session_weight: float = setting(8.0, NON_NEGATIVE)
+    #: under kv_aware, a prefix no engine holds goes to its first block's rendezvous engine
+    #: (replicas placing one new prefix at once agree where), at ``session_weight``
+    cold_prefix_home: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.knobs, Knobs):
@@ -282,6 +295,8 @@ class FrontendConfig:
     drain_timeout_s: float = setting(30.0, NON_NEGATIVE)
     # a file with no [[engine]] is refused (a truncated file would empty the fleet) unless true
     allow_empty_fleet: bool = False
+    # processes serving the port (run --workers, control/workers.py); 0: "auto", one per core
+    workers: int = setting(1, NON_NEGATIVE)
     routing: RoutingConfig = RoutingConfig()
     probe: ProbeConfig = ProbeConfig()
     admin: AdminConfig = AdminConfig()

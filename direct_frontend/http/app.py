@@ -12,7 +12,7 @@ import dataclasses
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Literal
 
 import trio
@@ -51,6 +51,7 @@ from direct_frontend.pipeline.admission import Rejected
 from direct_frontend.pipeline.models import ServedModel
 from direct_frontend.pipeline.preprocess import Kind, prepare
 from direct_frontend.pipeline.settings import Settings
+from direct_frontend.routing.affinity import routing_key
 
 log = logging.getLogger("direct_frontend.http")
 
@@ -75,6 +76,8 @@ class App:
         self.tracing = tracing  # None: tracing is off, and costs nothing
         self.metrics = metrics
         self.bound_urls: list[str] = []
+        #: ``run --workers``: every worker's metrics as one scrape, from this one's text
+        self.metrics_view: Callable[[bytes], Awaitable[bytes]] | None = None
         self.http_stopped = trio.Event()
         self.started_at = int(time.time())
         self._routes: dict[str, dict[str, Handler]] = {
@@ -191,6 +194,8 @@ class App:
     async def _metrics(self, settings: Settings, scope: Scope, receive: Receive, send: Send) -> int:
         self.control.collect_metrics()
         body, content_type = self.metrics.render()
+        if self.metrics_view is not None:
+            body = await self.metrics_view(body)
         await send_body(send, 200, body, content_type.encode())
         return 200
 
@@ -222,7 +227,9 @@ class App:
         status = 500
         found: list[ServedModel] = []  # the model the request asked for, once resolved
         try:
-            status = await self._walk(kind, settings, receive, send, request_id, trace, found)
+            status = await self._walk(
+                kind, settings, receive, send, request_id, trace, found, scope["headers"]
+            )
             return status
         finally:
             current_request_id.reset(token)
@@ -240,6 +247,7 @@ class App:
         request_id: str,
         trace: RequestTrace | None,
         found: list[ServedModel],
+        headers_in: Iterable[tuple[bytes, bytes]],
     ) -> int:
         """One generation request from its body to its last byte; returns the HTTP status.
 
@@ -264,8 +272,9 @@ class App:
             if trace is not None:
                 trace.model(request.model)
                 trace.enter("preprocess")
+            key = routing_key(settings.frontend.routing.session_key, headers_in, request.user)
             prepared = await prepare("completion" if kind == "completion" else "chat", request,
-                                     request_id, served.tokenizing)
+                                     request_id, served.tokenizing, key)
             if trace is not None:
                 trace.leave(prompt_tokens=len(prepared.input_ids))
         except OpenAIHTTPError as err:

@@ -51,15 +51,17 @@ class Dispatcher:
         input_ids: tuple[int, ...],
         max_tokens: int,
         exclude: Collection[str] = (),
+        routing_key: str | None = None,
     ) -> Placement:
         """Where a request goes: a pair's decode engine when P/D serves, else an aggregated one.
 
         A pair's placement is its decode engine's; the prefill engine is placed
         when the attempt runs (:meth:`DisaggPlanner.plan`). Engines whose kind
-        cannot carry the request are in ``exclude`` (pipeline/capable.py).
+        cannot carry the request are in ``exclude`` (pipeline/capable.py);
+        ``routing_key`` is the session's (routing/affinity.py).
         """
         catalog = self.fleet.catalog
-        request = RequestView(input_ids, max_tokens)
+        request = RequestView(input_ids, max_tokens, routing_key)
         placement = self.disagg.choose_decode(catalog, request, exclude, policy)
         if placement is None:
             placement = policy.choose(catalog, request, exclude)

@@ -63,6 +63,8 @@ class PreparedRequest:
     request: ChatRequest | CompletionRequest
     input_ids: tuple[int, ...]
     prompt_text: str
+    #: the session's routing key (``[frontend.routing] session_key``), if it carries one
+    routing_key: str | None = None
 
     @property
     def stop_token_ids(self) -> tuple[int, ...]:
@@ -114,7 +116,8 @@ class Tokenizing:
 
 
 async def prepare(
-    kind: Kind, request: ChatRequest | CompletionRequest, request_id: str, tokenizing: Tokenizing
+    kind: Kind, request: ChatRequest | CompletionRequest, request_id: str, tokenizing: Tokenizing,
+    routing_key: str | None = None,
 ) -> PreparedRequest:
     """Template and tokenize; template failures are the client's 400."""
     text_model = tokenizing.text_model
@@ -155,7 +158,7 @@ async def prepare(
             raise invalid_request(f"prompt token ids must be in [0, {vocab})", "prompt")
     if not ids:
         raise invalid_request("the prompt is empty", param)
-    return PreparedRequest(kind, request_id, request, tuple(ids), prompt)
+    return PreparedRequest(kind, request_id, request, tuple(ids), prompt, routing_key)
 
 
 _chat_key_encoder = msgspec.msgpack.Encoder()

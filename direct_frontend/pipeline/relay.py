@@ -160,7 +160,8 @@ def first_placement(
     lacking = incapable(catalog, request)
     try:
         placement = dispatcher.choose(
-            settings.policy, prepared.input_ids, request.max_tokens or 0, lacking
+            settings.policy, prepared.input_ids, request.max_tokens or 0, lacking,
+            prepared.routing_key,
         )
     except NoEngineAvailable:
         refusal = none_capable(catalog, lacking)
@@ -462,7 +463,7 @@ class RelayState:
         try:
             placement = dispatcher.choose(
                 self.settings.policy, self.prepared.input_ids, self.processor.remaining_tokens,
-                self.excluded,
+                self.excluded, self.prepared.routing_key,
             )
         except NoEngineAvailable:
             if not self.failover.all_overloaded and self.engine_wait.may_wait(now):

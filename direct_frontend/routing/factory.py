@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Collection
 
 from direct_frontend.fleet.schema import RoutingConfig
+from direct_frontend.routing.affinity import Affine, SessionAffinity
 from direct_frontend.routing.kv_aware import CacheAffinity, KvAware, OverlapSource
 from direct_frontend.routing.peers import PlacementShare
 from direct_frontend.routing.policies import LeastLoaded, Policy, RoundRobin
@@ -21,16 +22,19 @@ def make_policy(
 
     ``placements`` (replicas) shares a ``kv_aware`` policy's approximate placements;
     ``diverged``: of the incarnations, the ones the hit-rate check found drifting
-    (routed approximately).
+    (routed approximately). A ``session_key`` adds session affinity (routing/affinity.py).
 
     The knobs were checked when the fleet file was loaded.
     """
-    if routing.policy == "round_robin":
-        return RoundRobin()
-    if routing.policy == "least_loaded":
-        return LeastLoaded()
+    if routing.policy in ("round_robin", "least_loaded"):
+        bare: Policy = RoundRobin() if routing.policy == "round_robin" else LeastLoaded()
+        return Affine(bare) if routing.session_key else bare
     kind = CacheAffinity if routing.policy == "cache_affinity" else KvAware
     policy = kind(routing.kv_aware, exact)
+    if routing.session_key or routing.cold_prefix_home:
+        policy.affinity = SessionAffinity(routing.session_weight,
+                                          sessions=bool(routing.session_key),
+                                          cold_prefixes=routing.cold_prefix_home)
     policy.uses_events = live
     policy.diverged = diverged
     if placements is not None:

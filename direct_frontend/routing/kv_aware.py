@@ -42,13 +42,16 @@ import math
 import random
 import time
 from collections.abc import Callable, Collection, Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from direct_frontend.fleet.schema import KvAwareKnobs
 from direct_frontend.kv.index import prefix_hashes
 from direct_frontend.kv.keys import incarnation_of
 from direct_frontend.routing.catalog import Catalog, EngineHandle
 from direct_frontend.routing.policies import Placement, RequestView
+
+if TYPE_CHECKING:
+    from direct_frontend.routing.affinity import SessionAffinity
 
 
 class OverlapSource(Protocol):
@@ -222,6 +225,8 @@ class KvAware:
         self._tie = 0
         self.spills = 0  # load-guard overrides, exported as a metric
         self.queue = PrefillQueue()
+        #: the session-affinity term of the cost (routing/affinity.py); None: no such term
+        self.affinity: SessionAffinity | None = None
 
     def hashes(self, input_ids: Sequence[int]) -> list[int]:
         return prefix_hashes(input_ids, self.knobs.block_size)
@@ -355,6 +360,12 @@ class KvAware:
                 + self.queue.depth(e.name, now, stored)
                 + in_flight * e.load.fleet_in_flight
             )
+        # -- session affinity (routing/affinity.py): a term of its own ------------------
+        if self.affinity is not None:
+            key = self.affinity.key_of(request, hashes, bool(overlaps))
+            if key is not None:
+                costs = self.affinity.costs(key, candidates, costs)
+        # -- end of session affinity -----------------------------------------------------
         chosen = self._pick(candidates, costs)
         loads = [e.load.fleet_in_flight for e in candidates]
         mean = sum(loads) / len(loads)

@@ -14,7 +14,9 @@ policy is current (a reload builds a new one).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from direct_frontend.routing.catalog import EngineHandle
@@ -103,17 +105,20 @@ class PeerLoads:
 
 
 class PlacementShare:
-    """The current ``kv_aware`` policy's approximate index, and what it placed since last asked.
+    """The live ``kv_aware`` policies' approximate indexes, and what they placed since last sent.
 
-    The outbox is bounded (``max_pending`` placements): while the link is
-    down, or slow, the oldest word is simply not sent; a peer then learns of
-    that prefix when a request for it comes its own way.
+    The outbox is bounded (``max_pending`` placements, the oldest dropped
+    first): while the link is down it keeps the newest word, which goes out
+    when the link is back (:meth:`put_back` keeps what a failed send took).
+    Every live index hears a peer's placements (one per model; a reload's
+    replaced policy lets go of its own).
     """
 
     def __init__(self, max_pending: int = 4096) -> None:
         self.max_pending = max_pending
-        self.approx: ApproxPrefixIndex | None = None
-        self._outbox: list[tuple[str, tuple[int, ...]]] = []
+        self._indexes: weakref.WeakSet[ApproxPrefixIndex] = weakref.WeakSet()
+        self._outbox: collections.deque[tuple[str, tuple[int, ...]]] = collections.deque(
+            maxlen=max_pending)
         self.dropped = 0
         #: called on each new placement, so the link can send it now rather than next tick
         self.notify: Callable[[], None] | None = None
@@ -121,21 +126,31 @@ class PlacementShare:
     def attach(self, approx: ApproxPrefixIndex) -> None:
         """A new policy's index: its placements go out, peers' come in to it."""
         approx.on_record = self._placed
-        self.approx = approx
+        self._indexes.add(approx)
 
     def _placed(self, engine: str, hashes: Sequence[int]) -> None:
-        if len(self._outbox) >= self.max_pending:
-            self.dropped += 1
-            return
-        self._outbox.append((engine, tuple(hashes)))
+        self._queue([(engine, tuple(hashes))])
         if self.notify is not None:
             self.notify()
 
+    def _queue(self, placed: Iterable[tuple[str, tuple[int, ...]]]) -> None:
+        for item in placed:
+            if len(self._outbox) == self.max_pending:
+                self.dropped += 1
+            self._outbox.append(item)
+
     def take(self) -> list[tuple[str, tuple[int, ...]]]:
         """What was placed since the last call (and forget it)."""
-        out, self._outbox = self._outbox, []
+        out = list(self._outbox)
+        self._outbox.clear()
         return out
 
+    def put_back(self, placed: list[tuple[str, tuple[int, ...]]]) -> None:
+        """A send of ``placed`` failed: they go out next time, before what came since."""
+        since = self.take()
+        self._queue(placed)
+        self._queue(since)
+
     def from_peer(self, engine: str, hashes: Sequence[int], now: float) -> None:
-        if self.approx is not None:
-            self.approx.record_peer(engine, hashes, now)
+        for approx in self._indexes:
+            approx.record_peer(engine, hashes, now)

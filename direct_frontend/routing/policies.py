@@ -23,6 +23,8 @@ class RequestView:
 
     input_ids: tuple[int, ...]
     max_tokens: int
+    #: the session's routing key (routing/affinity.py), when the request carries one
+    routing_key: str | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

