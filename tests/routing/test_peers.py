@@ -47,7 +47,8 @@ def test_peer_load_steers_least_loaded_as_one_router() -> None:
     assert a.load.peer_in_flight == 0
 
 
-def test_peer_blocks_are_part_of_the_kv_aware_cost() -> None:
+def test_a_siblings_requests_in_flight_weigh_in_the_kv_aware_cost() -> None:
+    # the cost counts the fleet's requests in flight (ours and siblings'), not their blocks
     a, b = handle("a"), handle("b")
     catalog = Catalog(1, (a, b))
     policy = make_policy(RoutingConfig(policy="kv_aware"))
