@@ -144,10 +144,15 @@ class ChunkRenderer:
             + _usage_json(prompt, completion, cached) + _SSE_END
         )
 
-    def parsed(self, delta: ParsedDelta, logprobs: dict[str, Any] | None = None) -> bytes:
+    def parsed(
+        self, delta: ParsedDelta, logprobs: dict[str, Any] | None = None,
+        usage: tuple[int, int, int] | None = None,
+    ) -> bytes:
         """A chat chunk of parsed output: content, ``reasoning_content``, ``tool_calls``.
 
-        ``b""`` for an empty delta without logprobs (nothing to send).
+        ``b""`` for an empty delta without logprobs (nothing to send). ``usage``
+        (prompt, completion, cached) puts the usage so far on it too
+        (``continuous_usage_stats``).
         """
         body: dict[str, Any] = {}
         if delta.reasoning:
@@ -157,11 +162,14 @@ class ChunkRenderer:
         if delta.tool_calls:
             body["tool_calls"] = [piece.to_openai() for piece in delta.tool_calls]
         if logprobs is not None:
-            return (self._delta_prefix + _encode(body) + b',"logprobs":' + _encode(logprobs)
-                    + self._logprobs_suffix)
-        if not body:
+            head = self._delta_prefix + _encode(body) + b',"logprobs":' + _encode(logprobs)
+        elif not body:
             return b""
-        return self._delta_prefix + _encode(body) + self._delta_suffix
+        else:
+            head = self._delta_prefix + _encode(body) + b',"logprobs":null'
+        if usage is None:
+            return head + self._logprobs_suffix
+        return head + b',"finish_reason":null}],"usage":' + _usage_json(*usage) + _SSE_END
 
     def role_chunk(self) -> bytes:
         """The first chat chunk, announcing the assistant role; ``b""`` for completions."""

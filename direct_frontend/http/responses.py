@@ -205,7 +205,9 @@ async def _stream(relay: Relay, state: RelayState, *, send: Send, headers: Heade
             if continuous_usage else None
         )
         if state.parser is not None:
-            out.extend(_parsed_chunk(renderer, state, text, finished, choice_logprobs, logprobs))
+            out.extend(_parsed_chunk(
+                renderer, state, text, finished, choice_logprobs, logprobs, usage
+            ))
         elif choice_logprobs is not None and logprobs:
             out.extend(renderer.text_with_logprobs(text, choice_logprobs.batch(logprobs), usage))
         elif text and usage is not None:
@@ -293,7 +295,10 @@ async def _stream_choices(relay: Relay, choices: Choices, *, send: Send, headers
             echoed[index] = True
             out.extend(_echo_chunk(renderer, relay, state, echo, choice_logprobs))
         if state.parser is not None:
-            out.extend(_parsed_chunk(renderer, state, text, finished, choice_logprobs, logprobs))
+            out.extend(_parsed_chunk(
+                renderer, state, text, finished, choice_logprobs, logprobs,
+                choices.usage() if continuous_usage else None,
+            ))
         elif choice_logprobs is not None and logprobs:
             out.extend(renderer.text_with_logprobs(
                 text, choice_logprobs.batch(logprobs),
@@ -364,10 +369,11 @@ async def _complete_choices(
 def _parsed_chunk(
     renderer: ChunkRenderer, state: RelayState, text: str, finished: bool,
     choice_logprobs: ChoiceLogprobs | None, logprobs: Sequence[TokenLogprob],
+    usage: tuple[int, int, int] | None = None,
 ) -> bytes:
     """The chunk of a batch that went through the choice's parser (maybe none)."""
     batch = choice_logprobs.batch(logprobs) if choice_logprobs is not None and logprobs else None
-    return renderer.parsed(state.parse(text, finished), batch)
+    return renderer.parsed(state.parse(text, finished), batch, usage)
 
 
 def _collect(state: RelayState, pieces: list[str], deltas: list[ParsedDelta], text: str,

@@ -344,3 +344,16 @@ def test_a_reload_changes_a_models_parser_and_refuses_an_unknown_one(
         message, finish = read_full(client, "m", "[hermes]")
         assert message.tool_calls is None and message.content == SCRIPTS["[hermes]"]
         assert finish == "stop"
+
+
+def test_continuous_usage_stats_on_a_parsed_stream(daemon: Daemon, client: openai.OpenAI) -> None:
+    chunks = list(client.chat.completions.create(
+        model="thinker", messages=ask("[think]"), tools=TOOLS, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},  # type: ignore[typeddict-unknown-key]
+    ))
+    parsed = [c for c in chunks if c.choices and (
+        c.choices[0].delta.content or getattr(c.choices[0].delta, "reasoning_content", None))]
+    assert parsed and all(c.usage is not None for c in parsed)
+    counts = [c.usage.completion_tokens for c in parsed if c.usage is not None]
+    assert counts == sorted(counts)
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens >= counts[-1]
