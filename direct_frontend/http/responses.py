@@ -204,16 +204,7 @@ async def _stream(relay: Relay, state: RelayState, *, send: Send, headers: Heade
             (len(prepared.input_ids), state.processor.completion_tokens, state.cached_tokens or 0)
             if continuous_usage else None
         )
-        if state.parser is not None:
-            out.extend(_parsed_chunk(
-                renderer, state, text, finished, choice_logprobs, logprobs, usage
-            ))
-        elif choice_logprobs is not None and logprobs:
-            out.extend(renderer.text_with_logprobs(text, choice_logprobs.batch(logprobs), usage))
-        elif text and usage is not None:
-            out.extend(renderer.text_with_usage(text, *usage))
-        elif text:
-            out.extend(renderer.text(text))
+        out.extend(_batch_chunk(renderer, state, text, finished, choice_logprobs, logprobs, usage))
         if finished:  # the last text, the finish chunk, usage and [DONE]: one write
             final = state.final
             assert final is not None
@@ -253,13 +244,9 @@ async def _complete(relay: Relay, state: RelayState, *, send: Send, headers: Hea
     usage = Usage(
         len(prepared.input_ids), state.processor.completion_tokens, state.cached_tokens or 0
     )
-    if echo is not None:
-        pieces.insert(0, echo)
-        if choice_logprobs is not None:
-            _prompt_logprobs(relay, state, choice_logprobs)
     body = render_choices(
         prepared.kind, prepared.request_id, state.request.model, int(time.time()),
-        [_output(state, pieces, deltas, choice_logprobs)], usage,
+        [_output(relay, state, pieces, deltas, choice_logprobs, echo)], usage,
     )
     await send_body(send, 200, body, JSON, headers)
     return 200
@@ -294,20 +281,10 @@ async def _stream_choices(relay: Relay, choices: Choices, *, send: Send, headers
         if echo is not None and not echoed[index]:
             echoed[index] = True
             out.extend(_echo_chunk(renderer, relay, state, echo, choice_logprobs))
-        if state.parser is not None:
-            out.extend(_parsed_chunk(
-                renderer, state, text, finished, choice_logprobs, logprobs,
-                choices.usage() if continuous_usage else None,
-            ))
-        elif choice_logprobs is not None and logprobs:
-            out.extend(renderer.text_with_logprobs(
-                text, choice_logprobs.batch(logprobs),
-                choices.usage() if continuous_usage else None,
-            ))
-        elif text and continuous_usage:
-            out.extend(renderer.text_with_usage(text, *choices.usage()))
-        elif text:
-            out.extend(renderer.text(text))
+        out.extend(_batch_chunk(
+            renderer, state, text, finished, choice_logprobs, logprobs,
+            choices.usage() if continuous_usage else None,
+        ))
         if finished:
             final = state.final
             assert final is not None
@@ -349,14 +326,11 @@ async def _complete_choices(
                               headers)
     if status != 200:
         return status
-    outputs = []
-    for state, texts, parsed, choice_logprobs in zip(choices.states, pieces, deltas, builders,
-                                                     strict=True):
-        if echo is not None:
-            texts.insert(0, echo)
-            if choice_logprobs is not None:
-                _prompt_logprobs(relay, state, choice_logprobs)
-        outputs.append(_output(state, texts, parsed, choice_logprobs))
+    outputs = [
+        _output(relay, state, texts, parsed, choice_logprobs, echo)
+        for state, texts, parsed, choice_logprobs
+        in zip(choices.states, pieces, deltas, builders, strict=True)
+    ]
     prepared = choices.prepared
     body = render_choices(
         prepared.kind, prepared.request_id, prepared.request.model, int(time.time()),
@@ -366,14 +340,26 @@ async def _complete_choices(
     return 200
 
 
-def _parsed_chunk(
+def _batch_chunk(
     renderer: ChunkRenderer, state: RelayState, text: str, finished: bool,
     choice_logprobs: ChoiceLogprobs | None, logprobs: Sequence[TokenLogprob],
-    usage: tuple[int, int, int] | None = None,
+    usage: tuple[int, int, int] | None,
 ) -> bytes:
-    """The chunk of a batch that went through the choice's parser (maybe none)."""
+    """One choice's chunk for a batch of output (``b""``: nothing to send).
+
+    Parsed when the choice has a parser; with the batch's logprobs and the
+    usage so far (``continuous_usage_stats``) when they were asked for.
+    """
     batch = choice_logprobs.batch(logprobs) if choice_logprobs is not None and logprobs else None
-    return renderer.parsed(state.parse(text, finished), batch, usage)
+    if state.parser is not None:
+        return renderer.parsed(state.parse(text, finished), batch, usage)
+    if batch is not None:
+        return renderer.text_with_logprobs(text, batch, usage)
+    if not text:
+        return b""
+    if usage is not None:
+        return renderer.text_with_usage(text, *usage)
+    return renderer.text(text)
 
 
 def _collect(state: RelayState, pieces: list[str], deltas: list[ParsedDelta], text: str,
@@ -385,9 +371,13 @@ def _collect(state: RelayState, pieces: list[str], deltas: list[ParsedDelta], te
         pieces.append(text)
 
 
-def _output(state: RelayState, pieces: list[str], deltas: list[ParsedDelta],
-            choice_logprobs: ChoiceLogprobs | None) -> ChoiceOutput:
-    """One choice of a full response."""
+def _output(relay: Relay, state: RelayState, pieces: list[str], deltas: list[ParsedDelta],
+            choice_logprobs: ChoiceLogprobs | None, echo: str | None) -> ChoiceOutput:
+    """One choice of a full response (led by the prompt, and its logprobs, when echoed)."""
+    if echo is not None:
+        pieces.insert(0, echo)
+        if choice_logprobs is not None:
+            _prompt_logprobs(relay, state, choice_logprobs)
     final = state.final
     assert final is not None
     return ChoiceOutput(
