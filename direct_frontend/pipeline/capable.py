@@ -12,7 +12,11 @@ every serving engine lacks it, the client gets a 400 naming the field.
 from __future__ import annotations
 
 from direct_frontend.engines.dialects import dialect_for
-from direct_frontend.engines.dialects.base import OptionalFields, missing_capability
+from direct_frontend.engines.dialects.base import (
+    OptionalFields,
+    missing_capability,
+    why_missing,
+)
 from direct_frontend.openai.errors import OpenAIHTTPError, invalid_request
 from direct_frontend.routing.catalog import Catalog
 
@@ -50,6 +54,6 @@ def none_capable(catalog: Catalog, lacking: dict[str, str]) -> OpenAIHTTPError |
     kinds = sorted({e.kind for e in catalog.engines if lacking.get(e.name) == param})
     return invalid_request(
         f"'{param}' is not supported by the engines serving this model ({', '.join(kinds)}): "
-        "their contract cannot carry it.",
+        f"{why_missing(param)}.",
         param,
     )

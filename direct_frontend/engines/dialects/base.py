@@ -106,6 +106,14 @@ def missing_capability(capabilities: Capabilities, sampling: OptionalFields) -> 
     return None
 
 
+def why_missing(param: str) -> str:
+    """Why a kind lacks what :func:`missing_capability` named, for the client's 400."""
+    if param == "echo":
+        return ("prompt logprobs, asked for by 'echo' with 'logprobs', come back only with the "
+                "last message of their contract")
+    return "their contract cannot carry it"
+
+
 def escape_choice(choice: str) -> str:
     """``choice`` as a regex that matches it literally, in the grammar backends' regex syntax.
 
@@ -535,19 +543,11 @@ class Dialect(abc.ABC):
     def check(self, call: GenerateCall) -> None:
         """Raise a BAD_REQUEST :class:`EngineError` for what this contract cannot carry."""
         check_limits(call, self.limits)
-        if call.sampling.prompt_logprobs is not None and not self.capabilities.prompt_logprobs:
-            raise EngineError(
-                ErrorKind.BAD_REQUEST,
-                f"Prompt logprobs ('echo' with 'logprobs') are not available from {self.kind} "
-                "engines: their contract returns them only with the last message.",
-                param="echo",
-            )
         param = missing_capability(self.capabilities, call.sampling)
         if param is not None:
             raise EngineError(
                 ErrorKind.BAD_REQUEST,
-                f"'{param}' is not supported by {self.kind} engines (their contract cannot "
-                "carry it).",
+                f"'{param}' is not supported by {self.kind} engines ({why_missing(param)}).",
                 param=param,
             )
         if call.lora_id is not None and not self.capabilities.lora_adapters:
