@@ -329,11 +329,11 @@ _SEND, _STEP = 0, 1
 def make_policy(mode: str, knobs: KvAwareKnobs, index: KvIndex, engines: int,
                 clock: Callable[[], float]) -> Policy:
     if mode == "round_robin":
-        return RoundRobin()
+        return RoundRobin(start=0)
     if mode == "least_loaded":
-        return LeastLoaded()
+        return LeastLoaded(start=0)
     kind = CacheAffinity if mode == "cache_affinity" else KvAware
-    policy = kind(knobs, index, clock=clock, rng=random.Random(0))
+    policy = kind(knobs, index, clock=clock, rng=random.Random(0), tie_start=0)
     if mode != "approximate":
         policy.uses_events = set(range(engines))
     return policy

@@ -108,9 +108,12 @@ class ReplicaLink:
         self._seq = 0
         self._last_sent: Loads | None = None
         self._last_sent_at = -math.inf
-        self._wake = trio.Event()  # news to send before the next tick: a placement, a fault
+        self._last_change_sent_at = -math.inf  # a report that a change of load woke
+        self._wake = trio.Event()  # news to send before the next tick
+        self._urgent = False  # a placement or a fault: sent at once
         supervisor.fault_listeners.append(self._on_fault)
-        placements.notify = self._wake.set
+        supervisor.on_load_change = self._on_load_change
+        placements.notify = self._on_urgent
 
     # -- the view ---------------------------------------------------------------------
 
@@ -137,7 +140,14 @@ class ReplicaLink:
     def _on_fault(self, engine: EngineHandle, error: EngineError) -> None:
         if len(self._faults) < MAX_PENDING_FAULTS:
             self._faults.append(FaultReport.of(self.replica, engine.name, engine.url, error))
-            self._wake.set()
+            self._on_urgent()
+
+    def _on_urgent(self) -> None:
+        self._urgent = True
+        self._wake.set()
+
+    def _on_load_change(self) -> None:
+        self._wake.set()
 
     # -- the task -----------------------------------------------------------------------
 
@@ -258,12 +268,36 @@ class ReplicaLink:
                     self.subjects.placements, encode(Placements.of(self.replica, placed))):
                 self.placements.put_back(placed)  # sent when the link is back
             self._export()
-            with trio.move_on_after(self.config.publish_interval_s):
+            await self._news()
+
+    async def _news(self) -> None:
+        """Until there is something to send, or the next tick.
+
+        A placement or a fault goes at once. A change of our load goes at once
+        too unless the last one went less than ``publish_interval_s`` ago, else
+        at that mark: a sibling placing a request a few milliseconds after ours
+        must already count it (else both send new prompts to the same idle
+        engine, issue 14), yet a busy replica sends no more than one report
+        per interval.
+        """
+        interval = self.config.publish_interval_s
+        tick = time.monotonic() + interval
+        while True:
+            with trio.move_on_after(tick - time.monotonic()):
                 await self._wake.wait()
-            if self._wake.is_set():
-                self._wake = trio.Event()
-                self.placements.notify = self._wake.set
+            if not self._wake.is_set():
+                return  # the tick
+            self._wake = trio.Event()
+            if self._urgent:
+                self._urgent = False
                 await trio.lowlevel.checkpoint()  # the request that placed it books its load
+                return
+            now = time.monotonic()
+            mark = self._last_change_sent_at + interval
+            if now >= mark:
+                self._last_change_sent_at = now
+                return
+            tick = min(tick, mark)
 
     async def _goodbye(self) -> None:
         nc, self._nc = self._nc, None
@@ -310,7 +344,11 @@ class ReplicaLink:
         if report.leaving:
             self.peers.leave(report.replica)
         else:
+            newcomer = report.replica not in self.peers
             self.peers.update(report.replica, report.seq, report.unpacked(), time.monotonic())
+            if newcomer:  # it knows nothing of our load yet: tell it now, not at the heartbeat
+                self._last_sent = None
+                self._on_urgent()
         self._apply_peers()
         return None
 

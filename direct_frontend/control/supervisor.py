@@ -95,6 +95,8 @@ class Supervisor:
         self.listeners: list[Listener] = []
         #: told of every transport fault a request of ours saw (the replica link shares them)
         self.fault_listeners: list[FaultListener] = []
+        #: told whenever a serving engine's in-flight count changes (the replica link)
+        self.on_load_change: Callable[[], None] | None = None
         self._incarnation_numbers = itertools.count(1)
         self._exits: dict[int, _Exit] = {}
         self._changed = _Pulse()  # any engine state or the catalog changed
@@ -412,6 +414,8 @@ class Supervisor:
             if child.state is EngineState.SERVING and child.handle is not None
         )
         if serving != self.catalog.engines:
+            for handle in serving:
+                handle.load.on_change = self.on_load_change
             self.catalog = Catalog(self.catalog.version + 1, serving)
             self._changed.fire()
         if self._nothing_serves != (not serving):

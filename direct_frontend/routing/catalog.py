@@ -30,6 +30,8 @@ class EngineLoad:
     #: one callback per running stream that asks it to move to another engine
     #: (a planned migration off a draining engine)
     movers: set[Callable[[], None]] = dataclasses.field(default_factory=set)
+    #: told when ``in_flight`` changes (the replica link sends it to the siblings at once)
+    on_change: Callable[[], None] | None = None
 
     @property
     def fleet_in_flight(self) -> int:
@@ -54,6 +56,8 @@ class EngineLoad:
         active = self.active_blocks
         for block in blocks:
             active[block] = active.get(block, 0) + 1
+        if self.on_change is not None:
+            self.on_change()
 
     def end(self, prompt_tokens: int, blocks: Sequence[int] = ()) -> None:
         self.in_flight -= 1
@@ -65,6 +69,8 @@ class EngineLoad:
                 active[block] = left
             else:
                 del active[block]
+        if self.on_change is not None:
+            self.on_change()
 
     def new_blocks(self, blocks: Sequence[int]) -> int:
         """How many of ``blocks`` are not already held by a request in flight (any replica's)."""

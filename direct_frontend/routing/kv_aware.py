@@ -48,7 +48,7 @@ from direct_frontend.fleet.schema import KvAwareKnobs
 from direct_frontend.kv.index import prefix_hashes
 from direct_frontend.kv.keys import incarnation_of
 from direct_frontend.routing.catalog import Catalog, EngineHandle
-from direct_frontend.routing.policies import Placement, RequestView
+from direct_frontend.routing.policies import Placement, RequestView, spread_start
 
 if TYPE_CHECKING:
     from direct_frontend.routing.affinity import SessionAffinity
@@ -206,6 +206,7 @@ class KvAware:
         *,
         clock: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
+        tie_start: int | None = None,
     ) -> None:
         self.clock = clock
         self.knobs = knobs
@@ -222,7 +223,8 @@ class KvAware:
         #: (routing/hitrate.py): routed by the approximate memory instead
         self.diverged: Collection[int] = ()
         self._rng = rng or random.Random()
-        self._tie = 0
+        #: ties (no engine cheaper) go round robin from here (policies.spread_start)
+        self._tie = spread_start() if tie_start is None else tie_start
         self.spills = 0  # load-guard overrides, exported as a metric
         self.queue = PrefillQueue()
         #: the session-affinity term of the cost (routing/affinity.py); None: no such term

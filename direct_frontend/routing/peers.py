@@ -100,6 +100,9 @@ class PeerLoads:
     def replicas(self) -> list[str]:
         return sorted(self._peers)
 
+    def __contains__(self, replica: object) -> bool:
+        return replica in self._peers
+
     def __len__(self) -> int:
         return len(self._peers)
 

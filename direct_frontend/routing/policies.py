@@ -11,6 +11,7 @@ where needs no side channel.
 from __future__ import annotations
 
 import dataclasses
+import random
 from collections.abc import Collection, Sequence
 from typing import Protocol
 
@@ -74,13 +75,26 @@ class BarePlacements:
         return placement
 
 
+def spread_start() -> int:
+    """Where a new policy's turn-taking starts: at random.
+
+    Replicas and workers that place requests at the same moment, before they
+    hear of each other, would otherwise all break their first ties the same
+    way: every one of them sent its first cold prompts to the same engines, and
+    an engine nobody picked first could stay idle for good once the prompts
+    lived elsewhere (issue 14). Envoy randomizes its round-robin start per
+    worker for the same reason.
+    """
+    return random.randrange(1 << 20)
+
+
 class RoundRobin:
     """Each engine in turn. Stable under catalog changes: the cursor is a counter."""
 
     name = "round_robin"
 
-    def __init__(self) -> None:
-        self._next = 0
+    def __init__(self, start: int | None = None) -> None:
+        self._next = spread_start() if start is None else start
         self._placements = BarePlacements()
 
     def choose(
@@ -104,8 +118,8 @@ class LeastLoaded:
 
     name = "least_loaded"
 
-    def __init__(self) -> None:
-        self._tie = 0
+    def __init__(self, start: int | None = None) -> None:
+        self._tie = spread_start() if start is None else start
         self._placements = BarePlacements()
 
     def choose(

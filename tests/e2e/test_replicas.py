@@ -34,15 +34,16 @@ SLOW = {"decode_us_per_token": 20_000, "prefill_us_per_token": 0, "eos_probabili
 FAST = {"decode_us_per_token": 0, "prefill_us_per_token": 0, "eos_probability": 0.0}
 
 
-def replicas_table(nats: str | None) -> str:
+def replicas_table(nats: str | None, link: str = "peer_timeout_s = 2.0\n") -> str:
     if nats is None:
         return ""
-    return f'[frontend.replicas]\nnats = "{nats}"\npeer_timeout_s = 2.0\n'
+    return f'[frontend.replicas]\nnats = "{nats}"\n{link}'
 
 
 def fleet_for(
     model_dir: Path, engines: list[dict[str, Any]], nats: str | None, *, embeds: bool,
     policy: str = "least_loaded", kv: bool = False, routing_extra: str = "",
+    link: str = "peer_timeout_s = 2.0\n",
 ) -> str:
     """One replica's fleet file; only the replica that ``embeds`` runs the simulators."""
     tables = copy.deepcopy(engines)
@@ -50,7 +51,7 @@ def fleet_for(
         table["simulate"] = embeds
         if not embeds:
             table.pop("simulator", None)
-    extra = replicas_table(nats)
+    extra = replicas_table(nats, link)
     if kv:
         return kv_fleet_text(model_dir, tables, frontend_extra=extra)
     text = fleet_text(model_dir, tables, frontend_extra=extra)
@@ -141,12 +142,42 @@ def test_replicas_share_in_flight_load_and_balance_as_one_router(
         assert view["connected"] and not view["degraded"]
 
 
-def test_without_nats_replicas_share_nothing_and_herd(model_dir: Path, tmp_path: Path) -> None:
-    """What not sharing costs: each replica alone sends its first stream to the same engine."""
+def test_a_stream_booked_here_reaches_the_siblings_at_once_not_at_the_next_tick(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """A change of load goes out when it happens while the link is idle (issue 14).
+
+    A sibling placing a request a few milliseconds after ours must already
+    count it, else both send new prompts to the same idle engine. The tick is
+    a minute here and round robin places nothing to share, so only the load
+    change itself can carry the news.
+    """
+    engines = [sim_engine(f"e{i}", "sglang", **SLOW) for i in range(2)]
+    link = "publish_interval_s = 60.0\npeer_timeout_s = 600.0\n"
+    body = {"model": "demo", "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 400, "stream": True}
+    with running_nats() as nats, replicas(tmp_path, model_dir, engines, nats.url, 2,
+                                          policy="round_robin", link=link) as (first, second):
+        wait_for(lambda: peers_of(first) and peers_of(second), what="siblings")
+        with raw_stream(first.url, body, 2):
+            wait_for(lambda: sum(placed([first]).values()) == 1, what="the stream placed")
+            wait_for(lambda: peer_view(second) == 1, timeout=20.0,
+                     what="the sibling to count it long before the tick")
+
+
+def test_without_nats_replicas_share_nothing(model_dir: Path, tmp_path: Path) -> None:
+    """What not sharing costs: a replica alone weighs only its own streams.
+
+    Two streams each: every replica sees two in flight where the fleet has
+    six, so its next placement balances its own share only.
+    """
     engines = [sim_engine(f"e{i}", "sglang", **SLOW) for i in range(3)]
     with replicas(tmp_path, model_dir, engines, None, 3) as daemons, contextlib.ExitStack() as s:
-        burst(daemons, 1, s, shared=False)
-        assert sorted(placed(daemons).values()) == [0, 0, 3]
+        burst(daemons, 2, s, shared=False)
+        assert sum(placed(daemons).values()) == 6
+        for daemon in daemons:
+            seen = [e.load.fleet_in_flight for e in daemon.supervisor.catalog.engines]
+            assert sum(seen) == 2 and max(seen) == 1  # its own two, spread over its view
         assert fleet(daemons[0])["replicas"] is None
 
 

@@ -64,7 +64,7 @@ def relay_state(
     """A request placed on the catalog's first engine, as the relay starts it."""
     frontend = FrontendConfig(served_model_name="demo", tokenizer=Path("demo-model"),
                               request_timeout_s=TIMEOUT_S, faults=faults)
-    settings = Settings.first(frontend, RoundRobin())
+    settings = Settings.first(frontend, RoundRobin(start=0))
     request = CompletionRequest(
         model="demo", prompt=PROMPT, max_tokens=max_tokens, stop=stop, logprobs=logprobs
     )

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from direct_frontend.engines.neutral import EngineInfo, EngineRole
-from direct_frontend.fleet.schema import RoutingConfig
+from direct_frontend.fleet.schema import KvAwareKnobs, RoutingConfig
 from direct_frontend.routing.catalog import Catalog, EngineHandle
 from direct_frontend.routing.factory import make_policy
+from direct_frontend.routing.kv_aware import KvAware
 from direct_frontend.routing.policies import LeastLoaded, RequestView, RoundRobin
 
 VIEW = RequestView((1, 2, 3), 16)
@@ -20,7 +21,7 @@ def handle(name: str, in_flight: int = 0) -> EngineHandle:
 
 def test_round_robin_cycles_and_skips_excluded() -> None:
     catalog = Catalog(1, (handle("a"), handle("b"), handle("c")))
-    policy = RoundRobin()
+    policy = RoundRobin(start=0)
     picks = [policy.choose(catalog, VIEW) for _ in range(6)]
     assert [p.engine.name for p in picks if p] == ["a", "b", "c", "a", "b", "c"]
     assert (chosen := policy.choose(catalog, VIEW, {"a"})) is not None
@@ -36,6 +37,19 @@ def test_least_loaded_prefers_idle_engines_and_spreads_ties() -> None:
     assert names == {"b", "c"}
     only = policy.choose(catalog, VIEW, {"b", "c"})
     assert only is not None and only.engine.name == "a"
+
+
+def test_fresh_policies_start_their_turns_at_random() -> None:
+    """Replicas placing at once must not all break their first ties alike (issue 14)."""
+    catalog = Catalog(1, (handle("a"), handle("b"), handle("c")))
+    for make in (RoundRobin, LeastLoaded,
+                 lambda: KvAware(KvAwareKnobs(block_size=4))):
+        firsts = set()
+        for _ in range(60):  # an engine never first by chance: 3 × (2/3)**60
+            placement = make().choose(catalog, VIEW)
+            assert placement is not None
+            firsts.add(placement.engine.name)
+        assert firsts == {"a", "b", "c"}
 
 
 def test_load_accounting_is_symmetric() -> None:
@@ -66,7 +80,7 @@ def test_prefill_or_decode_only_engines_never_take_whole_requests() -> None:
 
 def test_placements_without_predictions_are_made_once_per_engine_and_catalog_version() -> None:
     a, b = handle("a"), handle("b")
-    policy = RoundRobin()
+    policy = RoundRobin(start=0)
     first = [policy.choose(Catalog(1, (a, b)), VIEW) for _ in range(4)]
     assert [p.engine.name for p in first if p] == ["a", "b", "a", "b"]
     assert first[0] is first[2] and first[1] is first[3]  # a lookup, not an allocation
