@@ -251,6 +251,20 @@ async def distinct_workers(port: int, want: int, limit_s: float = 90.0) -> None:
             await asyncio.sleep(0.05)
 
 
+def tree_cpu_seconds(pid: int) -> float:
+    """CPU seconds of a process and all its descendants (the workers, their nats-server)."""
+    total, todo = 0.0, [pid]
+    while todo:
+        current = todo.pop()
+        try:
+            total += bo.proc_cpu_seconds(current)
+            for task in pathlib.Path(f"/proc/{current}/task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+        except (OSError, ValueError):
+            continue  # it exited meanwhile
+    return total
+
+
 async def workers_throughput(counts: Sequence[int], args: argparse.Namespace,
                              tmp: pathlib.Path) -> list[dict[str, float]]:
     """req/s of short streamed completions through ``run --workers N`` for each N."""
@@ -283,18 +297,31 @@ async def workers_throughput(counts: Sequence[int], args: argparse.Namespace,
             try:
                 loops = [c.one for c in conns]
                 await bo.run_phase(loops, args.connections * 4, children[0], daemon)  # warm
+                engines_before = sum(c.cpu_seconds() for c in children[:args.engines])
+                daemon_before = tree_cpu_seconds(daemon.pid)
                 phase = await bo.run_phase(loops, args.requests_per_level, children[0], daemon)
+                daemon_cpu = tree_cpu_seconds(daemon.pid) - daemon_before
+                engines_cpu = sum(c.cpu_seconds() for c in children[:args.engines]) - engines_before
             finally:
                 for conn in conns:
                     await conn.close()
             children.remove(daemon)
             daemon.stop()
             rate = len(phase.samples) / phase.wall
-            rows.append({"workers": count, "rps": rate})
+            n = len(phase.samples)
+            cores = os.cpu_count() or 1
+            per_core = n / max(1e-9, daemon_cpu)  # requests per CPU-second the workers spent
+            rows.append({"workers": count, "rps": rate, "per_core": per_core})
             base = rows[0]["rps"]
             print(f"--workers {count:<3} {rate:8.1f} req/s  ×{rate / base:.2f} of one worker,"
-                  f" per worker ×{rate / base / count:.2f}  ({len(phase.samples)} requests, "
+                  f" per worker ×{rate / base / count:.2f}  ({n} requests, "
                   f"{args.connections} connections)", flush=True)
+            print(f"{'':<13} CPU ms/request: workers {daemon_cpu / n * 1e3:.2f}, engines "
+                  f"{engines_cpu / n * 1e3:.2f}, client {phase.client_cpu / n * 1e3:.2f}; "
+                  f"machine busy {phase.machine_cpu / phase.wall / cores:.0%} of {cores} cores",
+                  flush=True)
+            print(f"{'':<13} req/s per core the workers used: {per_core:.0f} "
+                  f"(×{per_core / rows[0]['per_core']:.2f} of one worker's)", flush=True)
     finally:
         stop(children)
     return rows
