@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import re
 import shutil
 import signal
 import socket
@@ -72,6 +73,15 @@ def test_check_and_run_name_a_tokenizer_that_is_not_there_in_one_line(tmp_path: 
     assert ran.returncode == 2 and one_line(ran.stderr) == expected
     # Without the tokenizer, check still validates the file (a machine without the model).
     assert cli("check", "--no-tokenizer", str(fleet)).returncode == 0
+
+
+def test_the_demo_fleets_simulated_ports_are_outside_the_ephemeral_range() -> None:
+    """A port the kernel hands out to outgoing connections can be taken when the demo starts."""
+    text = (ROOT / "config" / "fleet.toml").read_text()
+    ports = [int(p) for p in re.findall(r'^url = "grpc://127\.0\.0\.1:(\d+)"', text, re.M)]
+    assert ports
+    low, high = 32768, 65535  # Linux's default range starts at 32768; BSD, macOS, Windows at 49152
+    assert all(not low <= port <= high for port in ports), ports
 
 
 def test_the_demo_fleet_checks_clean_with_its_tokenizer() -> None:
