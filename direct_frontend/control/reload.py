@@ -32,7 +32,7 @@ from direct_frontend.fleet.diff import (
     diff_fleets,
 )
 from direct_frontend.fleet.load import parse_fleet_bytes
-from direct_frontend.fleet.pools import with_pool_engines
+from direct_frontend.fleet.pools import pool_clashes, with_pool_engines
 from direct_frontend.fleet.problems import FleetError, FleetProblem
 from direct_frontend.fleet.schema import EngineConfig, FleetConfig, FrontendConfig
 from direct_frontend.observability.metrics import Metrics
@@ -126,6 +126,8 @@ class ControlPlane:
         self._replicas = replicas  # the replica link's view, for /fleet
         #: the [[pool]] watches, when the daemon runs them (their engines join ``running``)
         self.pods: PodDiscovery | None = None
+        #: pool engines left out, each with the engine that has its address (or name)
+        self.pool_clashes: dict[str, str] = {}
         supervisor.listeners.append(self._on_engine)
 
     @property
@@ -171,6 +173,7 @@ class ControlPlane:
             "models": self._models_status(),
             "pools": [] if self.pods is None else self.pods.status(),
             "waiting_for_pools": list(self.waiting_for_pools()),
+            "pool_clashes": dict(self.pool_clashes),
             "fleet": to_jsonable(self.running),
             "events": {"subscribers": len(self.hub.subscribers),
                        "dropped": self.hub.dropped_total},
@@ -263,7 +266,9 @@ class ControlPlane:
             self._check_kv_block_size(new)
             await self.builder.load(new)  # new tokenizers, in a worker thread
             # the pools' engines as last seen (a changed pool keeps its own until relisted)
-            new = with_pool_engines(new, {} if self.pods is None else self.pods.members())
+            members = {} if self.pods is None else self.pods.members()
+            self._note_clashes(new, members)
+            new = with_pool_engines(new, members)
         except FleetError as exc:
             for problem in exc.problems:
                 log.error("fleet reload rejected, keeping the running fleet: %s", problem,
@@ -295,6 +300,7 @@ class ControlPlane:
         Same drain, migration and KV fencing as a reload (the supervisor's
         :meth:`~Supervisor.apply`); the config version stays, the file did not change.
         """
+        self._note_clashes(self.running, members)
         fleet = with_pool_engines(self.running, members)
         diff = diff_engines(self.running, fleet)
         if not (diff.added or diff.removed or diff.changed):
@@ -307,6 +313,20 @@ class ControlPlane:
                  + (f"; … {len(lines) - 20} more" if len(lines) > 20 else ""))
         self.hub.publish({"type": "membership", "diff": diff.to_json()})
         self.notifier.status(self.status_line())
+
+    def _note_clashes(
+        self, fleet: FleetConfig, members: Mapping[str, tuple[EngineConfig, ...]]
+    ) -> None:
+        """Pool engines left out for an address (or name) already taken: warned of once each.
+
+        Two pools selecting one pod, or a pod at a file engine's address, would
+        otherwise collapse into one engine without a word; ``/fleet`` lists them.
+        """
+        clashes = pool_clashes(fleet, members)
+        for name, reason in clashes.items():
+            if self.pool_clashes.get(name) != reason:
+                log.warning("%s", reason, extra={"engine": name})
+        self.pool_clashes = clashes
 
     def _apply(self, fleet: FleetConfig, diff: FleetDiff) -> None:
         for name in diff.restart:

@@ -326,16 +326,37 @@ def with_pool_engines(
     """``fleet`` running the file's engines and the engines each of its pools found.
 
     A pool engine whose name or URL a file engine (or an earlier pool) has
-    already is left out: the file wins, then the first pool.
+    already is left out: the file wins, then the first pool
+    (:func:`pool_clashes` says which and why).
     """
+    engines, _ = _merge(fleet, members)
+    return dataclasses.replace(fleet, engines=tuple(engines))
+
+
+def pool_clashes(
+    fleet: FleetConfig, members: Mapping[str, tuple[EngineConfig, ...]]
+) -> dict[str, str]:
+    """The pool engines :func:`with_pool_engines` leaves out, each with the engine that won."""
+    _, clashes = _merge(fleet, members)
+    return clashes
+
+
+def _merge(
+    fleet: FleetConfig, members: Mapping[str, tuple[EngineConfig, ...]]
+) -> tuple[list[EngineConfig], dict[str, str]]:
     engines = list(fleet.file_engines)
-    names = {engine.name for engine in engines}
-    urls = {engine.url for engine in engines}
+    by_name = {engine.name: engine for engine in engines}
+    by_url = {engine.url: engine for engine in engines}
+    clashes: dict[str, str] = {}
     for pool in fleet.pools:
         for engine in members.get(pool.name, ()):
-            if engine.name in names or engine.url in urls:
+            winner = by_name.get(engine.name) or by_url.get(engine.url)
+            if winner is not None:
+                same = "name" if winner.name == engine.name else "URL"
+                clashes[engine.name] = (f"pool {pool.name}: {engine.url} left out, engine "
+                                        f"{winner.name} has the same {same}")
                 continue
-            names.add(engine.name)
-            urls.add(engine.url)
+            by_name[engine.name] = engine
+            by_url[engine.url] = engine
             engines.append(engine)
-    return dataclasses.replace(fleet, engines=tuple(engines))
+    return engines, clashes

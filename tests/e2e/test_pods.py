@@ -132,6 +132,27 @@ def test_pods_join_on_ready_and_leave_on_not_ready_deletion_and_delete(
             assert "watch" in api.requests  # it watched, not only listed
 
 
+def test_two_pods_at_one_address_are_one_engine_and_the_other_is_named_in_fleet(
+    tmp_path: Path, model_dir: Path, api: ApiServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Pods sharing an IP and port (host networking, a stale pod) never collapse silently."""
+    with engine(model_dir) as a:
+        api.put(pod("a", "127.0.0.1", a.engine.port))
+        text = pod_fleet(model_dir, api.kubeconfig(tmp_path / "kubeconfig"))
+        with running_daemon(tmp_path, text) as daemon:
+            wait_serving(daemon, {"web/a"})
+            api.put(pod("b", "127.0.0.1", a.engine.port))
+            wait_for(lambda: "web/b" in fleet_view(daemon)["pool_clashes"], 10, "b named")
+            reason = fleet_view(daemon)["pool_clashes"]["web/b"]
+            assert reason == (f"pool web: grpc://127.0.0.1:{a.engine.port} left out, "
+                              "engine web/a has the same URL")
+            assert sum(reason in r.getMessage() for r in caplog.records) == 1  # warned once
+            assert serving(daemon) == {"web/a"}
+            api.delete("a")  # the address is free again: the other pod takes it
+            wait_serving(daemon, {"web/b"})
+            assert fleet_view(daemon)["pool_clashes"] == {}
+
+
 def test_a_pod_missing_at_a_relist_is_withdrawn(
     tmp_path: Path, model_dir: Path, api: ApiServer
 ) -> None:

@@ -888,8 +888,8 @@ def test_demo_fleet_parses() -> None:
     assert cfg.frontend.tokenizer == ROOT / "config" / "demo-model"
     assert cfg.frontend.routing.policy == "round_robin"
     assert [(e.url, e.kind, e.simulate) for e in cfg.engines] == [
-        ("grpc://127.0.0.1:50061", "sglang", True),
-        ("grpc://127.0.0.1:50062", "sglang", True),
+        ("grpc://127.0.0.1:30061", "sglang", True),
+        ("grpc://127.0.0.1:30062", "sglang", True),
     ]
 
 

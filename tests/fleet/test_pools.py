@@ -16,6 +16,7 @@ from direct_frontend.fleet.pools import (
     backoff_s,
     parse_event,
     pod_engine,
+    pool_clashes,
     selector_problem,
     watch_params,
     with_pool_engines,
@@ -230,6 +231,10 @@ def test_the_file_wins_a_clash_and_a_removed_pool_takes_its_engines() -> None:
     assert not isinstance(own, str) and not isinstance(taken, str)
     merged = with_pool_engines(fleet, {"decode": (own, taken), "gone": (own,)})
     assert [e.name for e in merged.engines] == ["10.0.0.1:50051", "decode/d-0"]
+    assert pool_clashes(fleet, {"decode": (own, taken)}) == {
+        "decode/x": "pool decode: grpc://10.0.0.1:50051 left out, engine 10.0.0.1:50051 has "
+                    "the same URL"}
+    assert pool_clashes(fleet, {"decode": (own,)}) == {}
     assert merged.file_engines == fleet.engines
     diff = diff_fleets(fleet, merged)
     assert diff.added == ("decode/d-0",) and not diff.pools_differ
