@@ -111,6 +111,7 @@ class ReplicaLink:
         self._last_change_sent_at = -math.inf  # a report that a change of load woke
         self._wake = trio.Event()  # news to send before the next tick
         self._urgent = False  # a placement or a fault: sent at once
+        self._change_pending = False  # a change of load woke us; its report is not out yet
         supervisor.fault_listeners.append(self._on_fault)
         supervisor.on_load_change = self._on_load_change
         placements.notify = self._on_urgent
@@ -147,7 +148,9 @@ class ReplicaLink:
         self._wake.set()
 
     def _on_load_change(self) -> None:
-        self._wake.set()
+        if not self._change_pending:  # one wake per report, however many changes it carries
+            self._change_pending = True
+            self._wake.set()
 
     # -- the task -----------------------------------------------------------------------
 
@@ -248,6 +251,9 @@ class ReplicaLink:
         heartbeat = self.config.peer_timeout_s / 3
         while True:
             now = time.monotonic()
+            if self._change_pending:  # this round's report carries every change so far
+                self._change_pending = False
+                self._last_change_sent_at = now
             if self.peers.expire(now):
                 self._apply_peers()
             else:  # the catalog may hold new handles: keep their peer counters current
@@ -295,7 +301,6 @@ class ReplicaLink:
             now = time.monotonic()
             mark = self._last_change_sent_at + interval
             if now >= mark:
-                self._last_change_sent_at = now
                 return
             tick = min(tick, mark)
 
