@@ -2,7 +2,8 @@
 
 Cost per engine, lower is better, in blocks of prefill work::
 
-    cost = overlap_weight × blocks to prefill there (request blocks − cached leading blocks)
+    cost = (overlap_weight + eviction_weight × fullness there)
+             × blocks to prefill there (request blocks − cached leading blocks)
          + prefill queue there (blocks we sent it that it has not prefilled yet)
          + in_flight_weight × requests in flight there, sibling replicas' included
            (routing/peers.py; each decode slows every step;
@@ -10,12 +11,17 @@ Cost per engine, lower is better, in blocks of prefill work::
 
 These terms are what TTFT is made of on an engine that prefills first come,
 first served: the request waits for the queue ahead of it, then prefills its
-own miss, in steps that every running request makes longer.
-``overlap_weight`` > 1 makes a prefix stay where it lives until the queue
-there outweighs the prefill it saves several times over, because moving costs
-more than this request's miss: the prefix is then cached twice and evicts
-something else (issue 15: a weight of 1 spread each tenant over every
-engine under cache pressure). The queue is our own accounting: a request's
+own miss, in steps that every running request makes longer. What the miss
+costs beyond this request is the eviction term: ``fullness`` (0–1) is how full
+the engine's prefix cache would be with the miss stored (:meth:`KvAware.fullness`:
+the KV events' block count plus the prefill queue, over the capacity), and a
+block stored in a full cache evicts another conversation's, which prefills it
+again. So a prefix stays where it lives until the queue there outweighs the
+prefill it saves ``overlap_weight + eviction_weight`` times over (moving it
+caches it twice), and a new prefix goes where there is room (issue 15: a fixed
+weight of 3 placed each new tenant on whichever engine was idle that instant,
+and the partition it made, three tenants on one engine and one on another,
+never healed). The queue is our own accounting: a request's
 miss counts from its dispatch until the engine's KV events show its last
 prompt block stored (exact), or, for engines without KV events, until it
 finishes (an overestimate: decode included, so approximate mode balances
@@ -42,7 +48,7 @@ import math
 import random
 import time
 from collections.abc import Callable, Collection, Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from direct_frontend.fleet.schema import KvAwareKnobs
 from direct_frontend.kv.index import prefix_hashes
@@ -57,6 +63,15 @@ if TYPE_CHECKING:
 class OverlapSource(Protocol):
     def lookup_hashes(self, hashes: Sequence[int]) -> dict[str, int]:
         """Leading blocks of the request (given as prefix hashes) each engine holds."""
+
+
+@runtime_checkable
+class HeldBlocks(Protocol):
+    """An overlap source that also says how many blocks each index key holds (the KV index)."""
+
+    def engines(self) -> list[str]: ...
+
+    def blocks_of(self, engine: str) -> int: ...
 
 
 class ApproxPrefixIndex:
@@ -134,6 +149,13 @@ class ApproxPrefixIndex:
         for engine in alive or ():
             result[engine] = len(hashes)
         return result
+
+    def held(self, engine: str) -> int | None:
+        """Blocks the LRU model says ``engine`` holds (None: no capacity, no model)."""
+        if not self.capacity_blocks:
+            return None
+        lru = self._lru.get(engine)
+        return 0 if lru is None else len(lru)
 
     def forget_engine(self, engine: str) -> None:
         self._lru.pop(engine, None)
@@ -229,6 +251,8 @@ class KvAware:
         self.queue = PrefillQueue()
         #: the session-affinity term of the cost (routing/affinity.py); None: no such term
         self.affinity: SessionAffinity | None = None
+        #: the most blocks any engine was seen holding: its capacity when none is configured
+        self._peak = 0
 
     def hashes(self, input_ids: Sequence[int]) -> list[int]:
         return prefix_hashes(input_ids, self.knobs.block_size)
@@ -329,6 +353,55 @@ class KvAware:
                 out[engine.name] = blocks
         return out
 
+    def held(self) -> dict[int, int] | None:
+        """Blocks each incarnation's KV events show it holding (its fullest rank's).
+
+        None: the overlap source counts no blocks (only the KV index does).
+        """
+        exact = self.exact
+        if not isinstance(exact, HeldBlocks):
+            return None
+        out: dict[int, int] = {}
+        for key in exact.engines():
+            incarnation = incarnation_of(key)
+            out[incarnation] = max(exact.blocks_of(key), out.get(incarnation, 0))
+        return out
+
+    def fullness(
+        self,
+        candidates: Sequence[EngineHandle],
+        request_blocks: int,
+        overlaps: dict[str, int],
+        queued: Sequence[int],
+    ) -> dict[str, float]:
+        """Per engine, how full its cache would be with this request's miss stored (0–1).
+
+        Against the configured capacity (``approx_capacity_blocks``), else the most
+        blocks any engine was seen holding (caches of one fleet are alike; before
+        the first engine fills, this ranks them by occupancy). Engines whose
+        occupancy is unknown (no events, no LRU model) count as full.
+        """
+        if not self.knobs.eviction_weight:
+            return {}
+        full = {e.name: 1.0 for e in candidates}  # unknown: full, as a cache is in steady state
+        by_events = self.held() if self.uses_events else None
+        known: dict[str, int] = {}
+        for e, depth in zip(candidates, queued, strict=True):
+            if self.by_events(e):  # what it holds, and what it is about to hold
+                if by_events is not None:
+                    known[e.name] = by_events.get(e.incarnation, 0) + depth
+            elif (modelled := self.approx.held(e.name)) is not None:
+                known[e.name] = modelled
+        if not known:
+            return full
+        self._peak = max(self._peak, *known.values())
+        capacity = self.knobs.approx_capacity_blocks or self._peak
+        if capacity <= 0:
+            return full
+        for name, n in known.items():
+            full[name] = min(1.0, (n + request_blocks - overlaps.get(name, 0)) / capacity)
+        return full
+
     def _stored_at(self, engine: EngineHandle) -> Callable[[int], bool] | None:
         """Whether the KV events show a block stored on ``engine`` (None: no events flow)."""
         exact = self.exact
@@ -353,13 +426,17 @@ class KvAware:
         request_blocks = math.ceil(len(request.input_ids) / knobs.block_size)
         now = self.clock()
         costs = []
-        for e in candidates:
-            stored = self._stored_at(e)
+        stored_at = [self._stored_at(e) for e in candidates]
+        queued = [self.queue.depth(e.name, now, stored)
+                  for e, stored in zip(candidates, stored_at, strict=True)]
+        fullness = self.fullness(candidates, request_blocks, overlaps, queued)
+        for e, stored, depth in zip(candidates, stored_at, queued, strict=True):
             # without events the queue already lasts each request's whole life: half the weight
             in_flight = knobs.in_flight_weight * (1.0 if stored is not None else 0.5)
+            miss = request_blocks - overlaps.get(e.name, 0)
             costs.append(
-                knobs.overlap_weight * (request_blocks - overlaps.get(e.name, 0))
-                + self.queue.depth(e.name, now, stored)
+                (knobs.overlap_weight + knobs.eviction_weight * fullness.get(e.name, 0.0)) * miss
+                + depth
                 + in_flight * e.load.fleet_in_flight
             )
         # -- session affinity (routing/affinity.py): a term of its own ------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import array
 import random
 from pathlib import Path
 
@@ -10,7 +11,9 @@ import pytest
 from direct_frontend.engines.neutral import EngineInfo, EngineRole
 from direct_frontend.fleet.load import FleetError, parse_fleet
 from direct_frontend.fleet.schema import KvAwareKnobs
-from direct_frontend.kv.index import prefix_hashes
+from direct_frontend.kv.events import BlockStored
+from direct_frontend.kv.index import KvIndex, prefix_hashes
+from direct_frontend.kv.keys import index_key
 from direct_frontend.routing.catalog import Catalog, EngineHandle
 from direct_frontend.routing.factory import make_policy
 from direct_frontend.routing.hitrate import HitRateMonitor
@@ -182,7 +185,10 @@ def test_blocks_shared_by_requests_in_flight_count_once() -> None:
 
 
 def test_a_busy_engine_holding_the_prefix_wins_until_its_load_outweighs_the_saving() -> None:
-    """8 cached blocks save 3 × 8 = 24 blocks of work; each request in flight costs 8."""
+    """8 cached blocks save (1 + 3) × 8 = 32 blocks of work; each request in flight costs 8.
+
+    The fake index tells no occupancy, so both engines count as full (eviction term whole).
+    """
     index = FakeIndex({"b": HASHES})
     policy = KvAware(KvAwareKnobs(block_size=BS), index)
     policy.uses_events = {1, 2}
@@ -290,3 +296,57 @@ def test_without_events_the_prediction_follows_the_lru_model_and_the_home_steers
     again = policy.choose(catalog, view(PROMPT))
     assert again is not None and again.engine is first.engine  # its home steers …
     assert again.predicted_cached_tokens == 0  # … but it is predicted evicted there
+
+
+def stored(index: KvIndex, engine: str, tokens: list[int]) -> None:
+    """``engine``'s KV events: it stored these tokens' blocks."""
+    hashes = prefix_hashes(tokens, BS)
+    index.apply_events(index_key(GENERATION[engine], 0), (BlockStored(
+        block_hashes=tuple(hashes), parent_block_hash=None,
+        token_ids=array.array("I", tokens[: len(hashes) * BS]), block_size=BS),))
+
+
+def test_a_new_prefix_goes_where_the_cache_has_room_even_if_a_little_busier() -> None:
+    """a is full (40 of 40 blocks): storing 8 there costs (1 + 3) × 8 = 32; b, at 8 of 40,
+    costs (1 + 3 × 0.2) × 8 = 12.8, plus 2 requests in flight × 8 = 28.8: still cheaper."""
+    index = KvIndex(BS)
+    stored(index, "a", list(range(1000, 1160)))  # 40 blocks
+    policy = KvAware(KvAwareKnobs(block_size=BS, approx_capacity_blocks=40), index)
+    policy.uses_events = {1, 2}
+    catalog = Catalog(1, (handle("a"), handle("b", in_flight=2)))
+    chosen = policy.choose(catalog, view(PROMPT))
+    assert chosen is not None and chosen.engine.name == "b"
+    without = KvAware(KvAwareKnobs(block_size=BS, approx_capacity_blocks=40,
+                                   eviction_weight=0), index)
+    without.uses_events = {1, 2}
+    chosen = without.choose(catalog, view(PROMPT))  # no eviction term: the idler engine
+    assert chosen is not None and chosen.engine.name == "a"
+
+
+def test_fullness_counts_the_events_and_the_queue_against_the_capacity_or_the_fullest() -> None:
+    index = KvIndex(BS)
+    stored(index, "a", list(range(1000, 1080)))  # 20 blocks
+    stored(index, "b", list(range(2000, 2040)))  # 10 blocks
+    policy = KvAware(KvAwareKnobs(block_size=BS), index)  # no capacity configured
+    policy.uses_events = {1, 2}
+    engines = (handle("a"), handle("b"), handle("c"))
+    # against the fullest engine seen (20); c sends no events: unknown, full
+    assert policy.fullness(engines, 8, {"a": 8}, (0, 0, 0)) == {"a": 1.0, "b": 0.9, "c": 1.0}
+    # b's queued prefill (2 blocks) is about to be held there too
+    assert policy.fullness(engines, 8, {}, (0, 2, 0))["b"] == 1.0
+    sized = KvAware(KvAwareKnobs(block_size=BS, approx_capacity_blocks=40), index)
+    sized.uses_events = {1, 2}
+    # told the capacity, c is the approximate memory's LRU model of it: empty so far
+    assert sized.fullness(engines, 8, {}, (0, 0, 0)) == {"a": 0.7, "b": 0.45, "c": 0.2}
+
+
+def test_without_events_fullness_follows_the_lru_model_when_the_capacity_is_known() -> None:
+    policy = KvAware(KvAwareKnobs(block_size=BS, approx_capacity_blocks=16))
+    catalog = Catalog(1, (handle("a"), handle("b")))
+    first = policy.choose(catalog, view(PROMPT))
+    assert first is not None
+    home = first.engine.name
+    fullness = policy.fullness(catalog.engines, 8, {home: 8}, (0, 0))
+    assert fullness == {home: 0.5, ({"a", "b"} - {home}).pop(): 0.5}
+    assert KvAware(KvAwareKnobs(block_size=BS)).fullness(catalog.engines, 8, {}, (0, 0)) == {
+        "a": 1.0, "b": 1.0}  # no capacity, no model: counted full
