@@ -95,8 +95,11 @@ class Fleet:
 
     async def add_replica(self, client: httpx.AsyncClient, nats: str | None) -> str:
         (listen,) = free_ports(1)
+        knobs = dict(self.args.knobs)  # --knob NAME=VALUE, as bench_routing.py takes them
+        if self.args.tell_capacity:
+            knobs["approx_capacity_blocks"] = str(self.capacity)
         text = br.fleet_text(self.mode, listen, self.engines, self.args.block_size,
-                             self.args.kind, {})
+                             self.args.kind, knobs)
         for line in self.args.routing_lines:  # --routing: more [frontend.routing] keys
             text = text.replace("[frontend.routing]\n", f"[frontend.routing]\n{line}\n", 1)
         if nats is not None:
@@ -339,6 +342,9 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, argparse
     p.add_argument("--replica", action="append", default=[], metavar="LINE",
                    help='a [frontend.replicas] line, e.g. "publish_interval_s = 0.005"')
     p.add_argument("--no-late", action="store_true", help="skip the late-replica run")
+    p.add_argument("--tell-capacity", action="store_true",
+                   help="set approx_capacity_blocks to the engines' cache size, as an operator "
+                        "who knows it would (approximate mode then models each engine's LRU)")
     p.add_argument("--workers", nargs="?", const="1,2,all", default=None, metavar="LIST",
                    help="measure `run --workers N` throughput instead (default 1,2,all cores)")
     p.add_argument("--connections", type=int, default=32)
@@ -437,6 +443,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.mode = ours.mode
     args.routing_lines = ours.routing
     args.replica_lines = ours.replica
+    args.tell_capacity = ours.tell_capacity
     code = asyncio.run(bench(ours, args, tmp))
     if code == 0:
         shutil.rmtree(tmp, ignore_errors=True)
