@@ -27,11 +27,19 @@ import trio
 import trio_asyncio
 from grpclib.client import Channel, UnaryStreamMethod, UnaryUnaryMethod
 from grpclib.config import Configuration
+from h2.connection import H2Connection
 
 from direct_frontend.engines.dialects.base import Dialect, Rpc, StreamDecoder
 from direct_frontend.engines.grpclib_reader import MessageReader, one_write
 from direct_frontend.engines.neutral import EngineEvent
 from direct_frontend.errors import EngineError
+
+#: closed streams an HTTP/2 connection remembers (h2's default is 65,536: ≈ 9 MiB per engine
+#: connection once that many requests have run, so a daemon's memory grew for its first 65k
+#: requests per engine). It only has to cover frames still in flight on a stream we just
+#: closed or reset, a round trip's worth; 4,096 is seconds of it at thousands of requests/s.
+H2_CLOSED_STREAMS_KEPT = 4096
+H2Connection.MAX_CLOSED_STREAMS = H2_CLOSED_STREAMS_KEPT
 
 # Stock servers accept client pings no more often than every 10 s (docs/engine-contracts.md §12.2).
 KEEPALIVE = Configuration(_keepalive_time=20.0, _keepalive_timeout=10.0)

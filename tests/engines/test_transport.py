@@ -549,3 +549,22 @@ def test_a_flooding_engine_does_not_starve_trio(flood_engine: int) -> None:
     received, widest_gap = trio.run(main)
     assert received == streams * (tokens + 1)  # every delta and the three terminal events
     assert widest_gap <= streams * BATCH_MAX, f"{widest_gap} messages decoded between Trio turns"
+
+
+def test_an_http2_connection_remembers_a_bounded_number_of_closed_streams() -> None:
+    """h2 keeps 65,536 closed streams per connection by default (≈ 10 MiB per engine)."""
+    from h2.config import H2Configuration
+    from h2.connection import H2Connection
+
+    from direct_frontend.engines import transport
+
+    conn = H2Connection(H2Configuration(client_side=True))
+    conn.initiate_connection()
+    headers = [(":method", "POST"), (":scheme", "http"), (":authority", "e"), (":path", "/x")]
+    for _ in range(transport.H2_CLOSED_STREAMS_KEPT + 100):
+        stream_id = conn.get_next_available_stream_id()
+        conn.send_headers(stream_id, headers)
+        conn.reset_stream(stream_id)  # an aborted call
+        conn.data_to_send()
+    assert transport.H2_CLOSED_STREAMS_KEPT <= 4096
+    assert len(conn._closed_streams) == transport.H2_CLOSED_STREAMS_KEPT
