@@ -338,8 +338,12 @@ class PodDiscovery:
             settings, wait_for_pods=False
         ) != dataclasses.replace(self._client_settings, wait_for_pods=False)
         if restart_all and self._client is not None:
-            await self._client.aclose()
-            self._client = None
+            # the watches first: one starting a request on the client being closed would
+            # fail with an error no retry handles (it took the daemon down in CI)
+            for watch in self.watches.values():
+                watch.scope.cancel()
+            client, self._client = self._client, None
+            await client.aclose()
         for name, watch in list(self.watches.items()):
             if restart_all or wanted.get(name) != watch.pool:
                 watch.scope.cancel()
