@@ -32,7 +32,7 @@ from direct_frontend.fleet.diff import (
     diff_fleets,
 )
 from direct_frontend.fleet.load import parse_fleet_bytes
-from direct_frontend.fleet.pools import pool_clashes, with_pool_engines
+from direct_frontend.fleet.pools import merge_pool_engines
 from direct_frontend.fleet.problems import FleetError, FleetProblem
 from direct_frontend.fleet.schema import EngineConfig, FleetConfig, FrontendConfig
 from direct_frontend.observability.metrics import Metrics
@@ -266,9 +266,8 @@ class ControlPlane:
             self._check_kv_block_size(new)
             await self.builder.load(new)  # new tokenizers, in a worker thread
             # the pools' engines as last seen (a changed pool keeps its own until relisted)
-            members = {} if self.pods is None else self.pods.members()
-            self._note_clashes(new, members)
-            new = with_pool_engines(new, members)
+            new, clashes = merge_pool_engines(new, {} if self.pods is None else self.pods.members())
+            self._note_clashes(clashes)
         except FleetError as exc:
             for problem in exc.problems:
                 log.error("fleet reload rejected, keeping the running fleet: %s", problem,
@@ -300,8 +299,8 @@ class ControlPlane:
         Same drain, migration and KV fencing as a reload (the supervisor's
         :meth:`~Supervisor.apply`); the config version stays, the file did not change.
         """
-        self._note_clashes(self.running, members)
-        fleet = with_pool_engines(self.running, members)
+        fleet, clashes = merge_pool_engines(self.running, members)
+        self._note_clashes(clashes)
         diff = diff_engines(self.running, fleet)
         if not (diff.added or diff.removed or diff.changed):
             return
@@ -314,15 +313,12 @@ class ControlPlane:
         self.hub.publish({"type": "membership", "diff": diff.to_json()})
         self.notifier.status(self.status_line())
 
-    def _note_clashes(
-        self, fleet: FleetConfig, members: Mapping[str, tuple[EngineConfig, ...]]
-    ) -> None:
+    def _note_clashes(self, clashes: dict[str, str]) -> None:
         """Pool engines left out for an address (or name) already taken: warned of once each.
 
         Two pools selecting one pod, or a pod at a file engine's address, would
         otherwise collapse into one engine without a word; ``/fleet`` lists them.
         """
-        clashes = pool_clashes(fleet, members)
         for name, reason in clashes.items():
             if self.pool_clashes.get(name) != reason:
                 log.warning("%s", reason, extra={"engine": name})

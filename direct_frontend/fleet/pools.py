@@ -5,7 +5,7 @@ This module holds the pool checks of the fleet file (:class:`PoolTables`),
 the rule that turns one pod into one engine (:func:`pod_engine`), the
 membership of one pool as list and watch events change it
 (:class:`PoolMembership`), and how a fleet file's engines and the pools'
-engines make the one fleet the supervisor runs (:func:`with_pool_engines`).
+engines make the one fleet the supervisor runs (:func:`merge_pool_engines`).
 The watch itself (HTTP, reconnects) is :mod:`direct_frontend.control.pods`.
 """
 
@@ -320,30 +320,14 @@ def backoff_s(attempt: int, ceiling: float) -> float:
 # -- one fleet from the file and the pools -----------------------------------------------
 
 
-def with_pool_engines(
+def merge_pool_engines(
     fleet: FleetConfig, members: Mapping[str, tuple[EngineConfig, ...]]
-) -> FleetConfig:
-    """``fleet`` running the file's engines and the engines each of its pools found.
+) -> tuple[FleetConfig, dict[str, str]]:
+    """``fleet`` with its pools' engines, and the pool engines left out with the reason.
 
     A pool engine whose name or URL a file engine (or an earlier pool) has
-    already is left out: the file wins, then the first pool
-    (:func:`pool_clashes` says which and why).
+    already is left out: the file wins, then the first pool.
     """
-    engines, _ = _merge(fleet, members)
-    return dataclasses.replace(fleet, engines=tuple(engines))
-
-
-def pool_clashes(
-    fleet: FleetConfig, members: Mapping[str, tuple[EngineConfig, ...]]
-) -> dict[str, str]:
-    """The pool engines :func:`with_pool_engines` leaves out, each with the engine that won."""
-    _, clashes = _merge(fleet, members)
-    return clashes
-
-
-def _merge(
-    fleet: FleetConfig, members: Mapping[str, tuple[EngineConfig, ...]]
-) -> tuple[list[EngineConfig], dict[str, str]]:
     engines = list(fleet.file_engines)
     by_name = {engine.name: engine for engine in engines}
     by_url = {engine.url: engine for engine in engines}
@@ -359,4 +343,4 @@ def _merge(
             by_name[engine.name] = engine
             by_url[engine.url] = engine
             engines.append(engine)
-    return engines, clashes
+    return dataclasses.replace(fleet, engines=tuple(engines)), clashes

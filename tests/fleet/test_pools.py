@@ -14,12 +14,11 @@ from direct_frontend.fleet.diff import as_in_file, diff_engines, diff_fleet_data
 from direct_frontend.fleet.pools import (
     PoolMembership,
     backoff_s,
+    merge_pool_engines,
     parse_event,
     pod_engine,
-    pool_clashes,
     selector_problem,
     watch_params,
-    with_pool_engines,
 )
 from direct_frontend.fleet.schema import FleetConfig, PoolConfig
 from tests.support.kube import matches, pod, set_ready
@@ -229,12 +228,12 @@ def test_the_file_wins_a_clash_and_a_removed_pool_takes_its_engines() -> None:
     own = pod_engine(decode_pool, pod("d-0", "10.0.0.9", None))
     taken = pod_engine(decode_pool, clash)
     assert not isinstance(own, str) and not isinstance(taken, str)
-    merged = with_pool_engines(fleet, {"decode": (own, taken), "gone": (own,)})
+    merged, _ = merge_pool_engines(fleet, {"decode": (own, taken), "gone": (own,)})
     assert [e.name for e in merged.engines] == ["10.0.0.1:50051", "decode/d-0"]
-    assert pool_clashes(fleet, {"decode": (own, taken)}) == {
+    assert merge_pool_engines(fleet, {"decode": (own, taken)})[1] == {
         "decode/x": "pool decode: grpc://10.0.0.1:50051 left out, engine 10.0.0.1:50051 has "
                     "the same URL"}
-    assert pool_clashes(fleet, {"decode": (own,)}) == {}
+    assert merge_pool_engines(fleet, {"decode": (own,)})[1] == {}
     assert merged.file_engines == fleet.engines
     diff = diff_fleets(fleet, merged)
     assert diff.added == ("decode/d-0",) and not diff.pools_differ
@@ -275,8 +274,8 @@ def test_the_membership_diff_names_what_changed_of_each_engine() -> None:
     moved = {**b, "status": {**b["status"], "podIP": "10.0.0.3"}}
     engines = [pod_engine(pool, item) for item in (a, b, moved)]
     assert all(not isinstance(e, str) for e in engines)
-    before = with_pool_engines(fleet, {"web": (engines[0], engines[1])})  # type: ignore[dict-item]
-    after = with_pool_engines(fleet, {"web": (engines[2],)})  # type: ignore[dict-item]
+    before, _ = merge_pool_engines(fleet, {"web": (engines[0], engines[1])})  # type: ignore[dict-item]
+    after, _ = merge_pool_engines(fleet, {"web": (engines[2],)})  # type: ignore[dict-item]
     diff = diff_engines(before, after)
     assert (diff.added, diff.removed, diff.unchanged) == ((), ("web/a",), ())
     assert [(c.name, c.fields) for c in diff.changed] == [("web/b", ("url",))]
