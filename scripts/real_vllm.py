@@ -374,6 +374,7 @@ class Engine:
     model_info: Any = None
     server_info: Any = None
     niced: int = 0  # compute threads reniced (yield_to_servicer)
+    blocks: int = 0  # --num-gpu-blocks-override: its KV cache, in blocks of BLOCK_SIZE
 
     @property
     def address(self) -> str:
@@ -444,7 +445,7 @@ def start_engine(
             cwd=run_dir,
             start_new_session=True,  # its own process group: stopped as a whole
         )
-    engine = Engine(proc, grpc_port, pub_port, replay_port, log, model)
+    engine = Engine(proc, grpc_port, pub_port, replay_port, log, model, blocks=blocks)
     try:
         wait_serving(engine, timeout)
     except BaseException:
@@ -2061,7 +2062,17 @@ class KvRun:
                 f"{totals['predicted']:.0f} / reported {totals['reported']:.0f} cached tokens"
             )
 
+        def cache_size() -> str:
+            row = real_status(fe)
+            want = engine.blocks * BLOCK_SIZE
+            got = row.get("kv_capacity_tokens")
+            expect(got == want, f"/fleet kv_capacity_tokens {got!r}, launched with {engine.blocks} "
+                                f"blocks of {BLOCK_SIZE} = {want} tokens")
+            return (f"/fleet kv_capacity_tokens {got} (GetLoads max_total_num_tokens) = "
+                    f"{engine.blocks} blocks × {BLOCK_SIZE}: KV-aware fullness is against it")
+
         report.check("kv: block size; index follows the engine's KV events", index_fills)
+        report.check("kv: the engine's cache size comes from discovery (GetLoads)", cache_size)
         report.check("kv: shared prefix -> predicted == engine cached_tokens", shared_prefix)
 
     # -- the restarted frontend: real engine + simulated engine ------------------------

@@ -339,8 +339,13 @@ def make_policy(mode: str, knobs: KvAwareKnobs, index: KvIndex, engines: int,
     return policy
 
 
-def run(point: Point, seed: int, mode: str, knobs: dict[str, Any] | None = None) -> dict[str, Any]:
-    """One mode on fresh engines at one grid point; figures of every request."""
+def run(point: Point, seed: int, mode: str, knobs: dict[str, Any] | None = None,
+        capacity_reported: bool = True) -> dict[str, Any]:
+    """One mode on fresh engines at one grid point; figures of every request.
+
+    ``capacity_reported``: the engines' discovery reports their cache size (vLLM
+    GetLoads, SGLang server info); False as TRT-LLM, whose size the router learns.
+    """
     workload = Workload(point, seed)
     index = KvIndex(point.block_size)
     bs = point.block_size
@@ -351,14 +356,15 @@ def run(point: Point, seed: int, mode: str, knobs: dict[str, Any] | None = None)
     engines = [ModelEngine(point, n, publish) for n in range(point.engines)]
     handles = tuple(
         EngineHandle(name=f"e{n}", kind="vllm", url=f"sim://{n}", incarnation=n,
-                     role=EngineRole.BOTH, info=EngineInfo("sim", block_size=bs),
+                     role=EngineRole.BOTH,
+                     # the cache size, as discovery reports it (vLLM GetLoads, SGLang server info)
+                     info=EngineInfo("sim", block_size=bs, kv_capacity_tokens=(
+                         point.capacity_blocks() * bs if capacity_reported else None)),
                      context_length=None, transport=None)
         for n in range(point.engines))
     catalog = Catalog(1, handles)
     now = [0.0]
-    # the engines' cache capacity, as an operator (or discovery) would tell the router
-    given = {"approx_capacity_blocks": point.capacity_blocks(), **(knobs or {})}
-    policy = make_policy(mode, KvAwareKnobs(block_size=bs, **given), index,
+    policy = make_policy(mode, KvAwareKnobs(block_size=bs, **(knobs or {})), index,
                          point.engines, lambda: now[0])
     monitors = [HitRateMonitor() for _ in range(point.engines)]
     diverged: set[int] = set()
@@ -489,8 +495,10 @@ def pooled(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 
 def run_point(point: Point, seeds: Sequence[int], modes: Sequence[str],
-              knobs: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]:
-    return {mode: pooled([run(point, seed, mode, knobs) for seed in seeds]) for mode in modes}
+              knobs: dict[str, Any] | None = None,
+              capacity_reported: bool = True) -> dict[str, dict[str, Any]]:
+    return {mode: pooled([run(point, seed, mode, knobs, capacity_reported) for seed in seeds])
+            for mode in modes}
 
 
 def verdict(point: Point, results: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -546,6 +554,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--knob", action="append", default=[], metavar="NAME=VALUE",
                    help="a [frontend.routing.knobs] entry for the KV modes (repeatable)")
     p.add_argument("--json", action="store_true", help="also one JSON line per point")
+    p.add_argument("--unreported-capacity", action="store_true",
+                   help="the engines' discovery reports no cache size (as TRT-LLM's): the "
+                        "router measures fullness against the fullest engine it has seen")
     args = p.parse_args(argv)
     args.modes = [m for m in args.modes.split(",") if m]
     unknown = set(args.modes) - set(MODES)
@@ -578,7 +589,8 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{first.turns} turns per conversation", flush=True)
     lines = []
     for point in grid:
-        results = run_point(point, args.seeds, args.modes, args.knobs or None)
+        results = run_point(point, args.seeds, args.modes, args.knobs or None,
+                            not args.unreported_capacity)
         print_point(point, results)
         lines.append(summary_line(point, results))
         print(lines[-1], flush=True)

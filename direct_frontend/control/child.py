@@ -13,6 +13,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 from urllib.parse import urlsplit
 
 import trio
@@ -113,6 +114,8 @@ class EngineChild:
         self._wake = trio.Event()
         #: failed tries to join since this incarnation last started joining
         self.join_failures = 0
+        #: optional discovery calls the engine failed (each logged once)
+        self._optional_missing: set[str] = set()
         #: no engine of the fleet serves: try without backing off (set by the supervisor)
         self.hurry = False
 
@@ -262,9 +265,19 @@ class EngineChild:
 
     async def _discover(self) -> EngineInfo:
         assert self.channel is not None
-        replies = [
-            await self.channel.unary(rpc, self.probe.timeout_s) for rpc in self.dialect.discovery()
-        ]
+        replies: list[Any] = []
+        for rpc in self.dialect.discovery():
+            try:
+                replies.append(await self.channel.unary(rpc, self.probe.timeout_s))
+            except EngineError as exc:
+                if not rpc.optional:
+                    raise
+                if rpc.path not in self._optional_missing:
+                    self._optional_missing.add(rpc.path)
+                    log.info("engine %s does not answer %s (%s); joining without it",
+                             self.name, rpc.path.rsplit("/", 1)[-1], exc,
+                             extra={"engine": self.name, "incarnation": self.incarnation})
+                replies.append(None)
         return self.dialect.engine_info(replies)
 
     def _serve(self, info: EngineInfo, model: ModelConfig) -> None:

@@ -58,6 +58,7 @@ def engine_status(child: EngineChild) -> dict[str, JsonValue]:
         "state": child.state.value,
         "incarnation": child.incarnation,
         "model": child.info.served_model_name if child.info is not None else None,
+        "kv_capacity_tokens": child.info.kv_capacity_tokens if child.info is not None else None,
         "load": child.in_flight,
         "requests": child.load.requests_total,
         "last_probe": None if probe is None else {

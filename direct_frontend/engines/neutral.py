@@ -206,3 +206,6 @@ class EngineInfo:
     started_at: float | None = None  # engine start (epoch s) when reported or derivable
     served_name_known: bool = True  # False: the kind reports no served name (TRT-LLM)
     bootstrap_port: int | None = None  # SGLang: the P/D bootstrap server a prefill engine runs
+    #: the KV cache in tokens (SGLang, vLLM: ``max_total_num_tokens``), which is also its
+    #: prefix cache: what KV-aware routing measures an engine's fullness against
+    kv_capacity_tokens: int | None = None

@@ -47,6 +47,11 @@ _BLOCK_SIZE: dict[str, tuple[str, str]] = {
     "vllm": ("GetServerInfo.block_size (0 until resolved)", ""),
     "trtllm": ("tokens_per_block, not reported", "set block_size for KV routing"),
 }
+_KV_CAPACITY: dict[str, tuple[str, str]] = {
+    "sglang": ("GetServerInfo.max_total_num_tokens", ""),
+    "vllm": ("GetLoads max_total_num_tokens, the smallest rank's", ""),
+    "trtllm": ("not reported", "KV routing measures against the fullest engine seen"),
+}
 _ROLE: dict[str, str] = {
     "sglang": "server_args.disaggregation_mode",
     "vllm": "GetServerInfo.kv_role",
@@ -92,6 +97,7 @@ def engine_facts(engine: EngineConfig) -> tuple[tuple[str, str], ...]:
         ("model", _fact(kind, _MODEL[kind], "", None)),
         ("context_length", _fact(kind, *_CONTEXT_LENGTH[kind], engine.context_length)),
         ("block_size", _fact(kind, *_BLOCK_SIZE[kind], engine.block_size)),
+        ("kv_capacity", _fact(kind, *_KV_CAPACITY[kind], None)),
         ("role", _fact(kind, _ROLE[kind], "", role_override)),
         ("restarts", _fact(kind, _RESTARTS[kind], "", None)),
     )

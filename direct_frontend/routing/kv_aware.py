@@ -78,13 +78,14 @@ class ApproxPrefixIndex:
     """Which prefixes the router sent where, for engines that publish no KV events.
 
     Entries expire after ``ttl_s`` (the engine has probably evicted them by
-    then) and the whole map is capped at ``max_blocks`` (oldest first). With
-    ``capacity_blocks`` (an engine's prefix cache, when known) each engine's
-    share is modelled as the engine's own LRU: what we sent is touched tail
-    first (so a prefix's root stays longest, as vLLM's free queue and SGLang's
-    radix tree evict leaves first) and the least recently sent blocks beyond
-    the capacity are forgotten, as the engine forgets them. What it cannot
-    know: prefixes other routers sent, and eviction order under pinning.
+    then) and the whole map is capped at ``max_blocks`` (oldest first). Where
+    an engine's prefix cache size is known (``capacity_blocks`` for every
+    engine, or :attr:`capacities` per engine, from discovery) its share is
+    modelled as the engine's own LRU: what we sent is touched tail first (so a
+    prefix's root stays longest, as vLLM's free queue and SGLang's radix tree
+    evict leaves first) and the least recently sent blocks beyond the capacity
+    are forgotten, as the engine forgets them. What it cannot know: prefixes
+    other routers sent, and eviction order under pinning.
     """
 
     def __init__(self, ttl_s: float, max_blocks: int, capacity_blocks: int = 0) -> None:
@@ -93,7 +94,12 @@ class ApproxPrefixIndex:
         #: told of every placement this router makes (replicas share them); a peer's
         #: placements come in through :meth:`record_peer`, which does not tell it
         self.on_record: Callable[[str, Sequence[int]], None] | None = None
+        #: every engine's capacity in blocks (0: unknown), unless :attr:`capacities` says
         self.capacity_blocks = capacity_blocks
+        #: engine → its own capacity in blocks (discovery's), over ``capacity_blocks``
+        self.capacities: dict[str, int] = {}
+        #: told every placement too, before the LRU model forgets any (KvAware's homes)
+        self.mirror: ApproxPrefixIndex | None = None
         # prefix hash → {engine: expiry}; insertion order ≈ age, for the cap
         self._entries: collections.OrderedDict[int, dict[str, float]] = collections.OrderedDict()
         self._lru: dict[str, collections.OrderedDict[int, None]] = {}
@@ -116,16 +122,34 @@ class ApproxPrefixIndex:
                 entries.move_to_end(h)
         while len(entries) > self.max_blocks:
             entries.popitem(last=False)
-        if self.capacity_blocks:
-            self._touch(engine, hashes)
+        capacity = self.capacity_of(engine)
+        if capacity:
+            self._touch(engine, hashes, capacity)
+        if self.mirror is not None:
+            self.mirror.record_peer(engine, hashes, now)
 
-    def _touch(self, engine: str, hashes: Sequence[int]) -> None:
+    def capacity_of(self, engine: str) -> int:
+        """``engine``'s prefix cache in blocks as this model knows it (0: unknown)."""
+        return self.capacities.get(engine) or self.capacity_blocks
+
+    def models_capacity(self) -> bool:
+        """Whether some engine's LRU is modelled (so entries are forgotten before they expire)."""
+        return bool(self.capacity_blocks or self.capacities)
+
+    def copy(self) -> ApproxPrefixIndex:
+        """The same placements in a memory of its own that models no capacity."""
+        twin = ApproxPrefixIndex(self.ttl_s, self.max_blocks)
+        twin._entries = collections.OrderedDict(
+            (h, dict(holders)) for h, holders in self._entries.items())
+        return twin
+
+    def _touch(self, engine: str, hashes: Sequence[int], capacity: int) -> None:
         lru = self._lru.setdefault(engine, collections.OrderedDict())
         for h in reversed(hashes):
             lru[h] = None
             lru.move_to_end(h)
         entries = self._entries
-        while len(lru) > self.capacity_blocks:
+        while len(lru) > capacity:
             h, _ = lru.popitem(last=False)
             holders = entries.get(h)
             if holders is not None:
@@ -152,7 +176,7 @@ class ApproxPrefixIndex:
 
     def held(self, engine: str) -> int | None:
         """Blocks the LRU model says ``engine`` holds (None: no capacity, no model)."""
-        if not self.capacity_blocks:
+        if not self.capacity_of(engine):
             return None
         lru = self._lru.get(engine)
         return 0 if lru is None else len(lru)
@@ -236,9 +260,10 @@ class KvAware:
         self.approx = approx or ApproxPrefixIndex(
             knobs.approx_ttl_s, knobs.approx_max_blocks, knobs.approx_capacity_blocks)
         #: where prefixes were sent, unbounded by the LRU model (a prefix's home): the
-        #: approximate memory itself when it models no capacity
-        self.sent = (ApproxPrefixIndex(knobs.approx_ttl_s, knobs.approx_max_blocks)
-                     if self.approx.capacity_blocks else self.approx)
+        #: approximate memory itself until it models some engine's capacity
+        self.sent = self.approx
+        if self.approx.models_capacity():
+            self._split_homes()
         #: incarnations whose overlap comes from KV events
         self.uses_events: Collection[int] = ()
         #: of those, incarnations whose predictions drifted from the engine's reports
@@ -253,6 +278,33 @@ class KvAware:
         self.affinity: SessionAffinity | None = None
         #: the most blocks any engine was seen holding: its capacity when none is configured
         self._peak = 0
+
+    def _split_homes(self) -> None:
+        """Keep the homes apart from the LRU model, which is about to forget some."""
+        self.sent = self.approx.copy()
+        self.approx.mirror = self.sent
+
+    def capacity_of(self, engine: EngineHandle) -> int:
+        """``engine``'s prefix cache in our blocks: the fleet file's, else discovery's (0: unknown).
+
+        ``approx_capacity_blocks`` wins when set; else the KV cache size the
+        engine reported (``max_total_num_tokens``; the whole pool, which is the
+        prefix cache: blocks of running requests are cached too).
+        """
+        if self.knobs.approx_capacity_blocks:
+            return self.knobs.approx_capacity_blocks
+        tokens = engine.info.kv_capacity_tokens
+        return tokens // self.knobs.block_size if tokens else 0
+
+    def learn_capacities(self, candidates: Sequence[EngineHandle]) -> None:
+        """Tell the approximate memory each engine's capacity, as discovery reports it."""
+        approx = self.approx
+        for engine in candidates:
+            blocks = self.capacity_of(engine)
+            if blocks and approx.capacities.get(engine.name) != blocks:
+                if self.sent is approx:
+                    self._split_homes()
+                approx.capacities[engine.name] = blocks
 
     def hashes(self, input_ids: Sequence[int]) -> list[int]:
         return prefix_hashes(input_ids, self.knobs.block_size)
@@ -305,6 +357,7 @@ class KvAware:
         if not candidates:
             return None
         knobs = self.knobs
+        self.learn_capacities(candidates)
         hashes = self.hashes(request.input_ids)
         overlaps = self.overlaps(hashes, now, candidates)
         steer = self.remembered(overlaps, hashes, now, candidates) if self.memory else overlaps
@@ -376,10 +429,11 @@ class KvAware:
     ) -> dict[str, float]:
         """Per engine, how full its cache would be with this request's miss stored (0–1).
 
-        Against the configured capacity (``approx_capacity_blocks``), else the most
-        blocks any engine was seen holding (caches of one fleet are alike; before
-        the first engine fills, this ranks them by occupancy). Engines whose
-        occupancy is unknown (no events, no LRU model) count as full.
+        Against the engine's capacity (:meth:`capacity_of`: the fleet file's, else
+        discovery's), else the most blocks any engine was seen holding (caches of
+        one fleet are alike; before the first engine fills, this ranks them by
+        occupancy). Engines whose occupancy is unknown (no events, no LRU model)
+        count as full.
         """
         if not self.knobs.eviction_weight:
             return {}
@@ -395,11 +449,11 @@ class KvAware:
         if not known:
             return full
         self._peak = max(self._peak, *known.values())
-        capacity = self.knobs.approx_capacity_blocks or self._peak
-        if capacity <= 0:
-            return full
-        for name, n in known.items():
-            full[name] = min(1.0, (n + request_blocks - overlaps.get(name, 0)) / capacity)
+        for e in candidates:
+            n = known.get(e.name)
+            capacity = self.capacity_of(e) or self._peak
+            if n is not None and capacity > 0:
+                full[e.name] = min(1.0, (n + request_blocks - overlaps.get(e.name, 0)) / capacity)
         return full
 
     def _stored_at(self, engine: EngineHandle) -> Callable[[int], bool] | None:
@@ -461,9 +515,7 @@ class KvAware:
         self._remember(placement.engine.name, self.hashes(token_ids), self.clock())
 
     def _remember(self, engine: str, hashes: Sequence[int], now: float) -> None:
-        self.approx.record(engine, hashes, now)
-        if self.sent is not self.approx:
-            self.sent.record(engine, hashes, now)
+        self.approx.record(engine, hashes, now)  # and its mirror, the homes
 
     def _pick(self, candidates: Sequence[EngineHandle], costs: Sequence[float]) -> EngineHandle:
         low, high = min(costs), max(costs)

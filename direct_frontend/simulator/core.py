@@ -63,6 +63,15 @@ class EngineConfig:
     #: vLLM: False reports uptime_seconds 0, as the stock servicer 0.14.1 does (its
     #: restarts then show only in its KV events and its connections)
     report_uptime: bool = True
+    #: the prefix cache's size in tokens, reported as ``max_total_num_tokens`` (0: the pool's)
+    kv_capacity_tokens: int = 0
+    #: vLLM: False answers GetLoads UNIMPLEMENTED, as a servicer without it would
+    serve_get_loads: bool = True
+
+    @property
+    def kv_reported_capacity(self) -> int:
+        """What ``max_total_num_tokens`` reports: the KV pool, which is the prefix cache."""
+        return self.kv_capacity_tokens or self.kv_pool_tokens
 
     @property
     def sglang_max_req_len(self) -> int:

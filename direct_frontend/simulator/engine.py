@@ -113,6 +113,7 @@ class SimEngine:
         pad_token_id: int = 0,
         health_timeout: float = 20.0,
         report_uptime: bool = True,
+        serve_get_loads: bool = True,
         text_vocab: TextVocab | None = None,
         unit_probability: float = 0.05,
         faults: FaultPlan | None = None,
@@ -143,6 +144,7 @@ class SimEngine:
             unit_probability=unit_probability,
         )
         self.timing = timing if timing is not None else TimingModel()
+        cache_block = page_size if kind == "sglang" else block_size
         self.config = EngineConfig(
             kind=kind,
             served_model_name=served_model_name,
@@ -168,10 +170,11 @@ class SimEngine:
             pad_token_id=pad_token_id,
             health_timeout=health_timeout,
             report_uptime=report_uptime,
+            kv_capacity_tokens=(kv_capacity_blocks or 0) * cache_block,
+            serve_get_loads=serve_get_loads,
         )
         self.core = SimCore(self.config, self.model, self.timing)
         # The prefix cache (and KV events when a port is given; 0 picks one): kvcache.py.
-        cache_block = page_size if kind == "sglang" else block_size
         self.kv = SimKvEvents(
             kind,
             block_size=cache_block,

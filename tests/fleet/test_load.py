@@ -931,6 +931,9 @@ def test_describe_shows_resolved_settings_and_facts() -> None:
         "    role            sglang: server_args.disaggregation_mode; override: prefill\n" in text
     )
     assert "    role            vllm: GetServerInfo.kv_role\n" in text
+    assert "    kv_capacity     vllm: GetLoads max_total_num_tokens, the smallest rank's\n" in text
+    assert ("    kv_capacity     trtllm: not reported; KV routing measures against the fullest "
+            "engine seen\n" in text)
     assert (
         "    restarts        vllm: GetServerInfo.uptime_seconds when above 0, the KV-event "
         "publisher starting over; with neither, a new connection after an outage\n" in text

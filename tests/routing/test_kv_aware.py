@@ -340,6 +340,48 @@ def test_fullness_counts_the_events_and_the_queue_against_the_capacity_or_the_fu
     assert sized.fullness(engines, 8, {}, (0, 0, 0)) == {"a": 0.7, "b": 0.45, "c": 0.2}
 
 
+def sized(name: str, capacity_tokens: int | None) -> EngineHandle:
+    """An engine whose discovery reported a KV cache of ``capacity_tokens``."""
+    h = handle(name)
+    return EngineHandle(h.name, h.kind, h.url, h.incarnation, h.role,
+                        EngineInfo("demo", kv_capacity_tokens=capacity_tokens), 4096, None)
+
+
+def test_an_engines_capacity_is_the_fleet_files_else_what_discovery_reported() -> None:
+    reported = sized("a", 40 * BS)
+    assert KvAware(KvAwareKnobs(block_size=BS)).capacity_of(reported) == 40
+    assert KvAware(KvAwareKnobs(block_size=BS)).capacity_of(sized("b", None)) == 0
+    told = KvAware(KvAwareKnobs(block_size=BS, approx_capacity_blocks=16))
+    assert told.capacity_of(reported) == 16  # the file wins
+    # events, and caches of different sizes: each engine's fullness against its own
+    index = KvIndex(BS)
+    stored(index, "a", list(range(1000, 1080)))  # 20 blocks of a's 40
+    stored(index, "b", list(range(2000, 2080)))  # 20 blocks of b's 80
+    policy = KvAware(KvAwareKnobs(block_size=BS), index)
+    policy.uses_events = {1, 2}
+    engines = (sized("a", 40 * BS), sized("b", 80 * BS))
+    assert policy.fullness(engines, 8, {}, (0, 0)) == {"a": 0.7, "b": 0.35}
+    chosen = policy.choose(Catalog(1, engines), view(PROMPT))
+    assert chosen is not None and chosen.engine.name == "b"  # a new prefix: where there is room
+
+
+def test_without_events_a_reported_capacity_turns_the_lru_model_on() -> None:
+    policy = KvAware(KvAwareKnobs(block_size=BS, in_flight_weight=0))
+    catalog = Catalog(1, (sized("a", 8 * BS), sized("b", None)))
+    first = policy.choose(catalog, view(PROMPT), exclude={"b"})
+    assert first is not None and first.engine.name == "a"
+    assert policy.approx.capacities == {"a": 8} and policy.approx.held("b") is None
+    policy.on_complete(first, PROMPT)
+    other = list(range(700, 732))  # 8 more blocks there: the model says PROMPT is gone from a
+    placed = policy.choose(catalog, view(other), exclude={"b"})
+    assert placed is not None
+    policy.on_complete(placed, other)
+    again = policy.choose(catalog, view(PROMPT), exclude={"b"})
+    assert again is not None and again.predicted_cached_tokens == 0
+    # … while its home is still remembered, for the steering (homes are not forgotten)
+    assert policy.sent.lookup_at(prefix_hashes(PROMPT, BS), policy.clock()) == {"a": 8}
+
+
 def test_without_events_fullness_follows_the_lru_model_when_the_capacity_is_known() -> None:
     policy = KvAware(KvAwareKnobs(block_size=BS, approx_capacity_blocks=16))
     catalog = Catalog(1, (handle("a"), handle("b")))

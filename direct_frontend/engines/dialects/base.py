@@ -42,11 +42,16 @@ from direct_frontend.errors import EngineError, ErrorKind
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Rpc:
-    """One gRPC call, ready for the transport: method path, request, reply type."""
+    """One gRPC call, ready for the transport: method path, request, reply type.
+
+    ``optional``: discovery goes on without it when it fails (the dialect then
+    gets ``None`` for its reply), for facts an older servicer may not serve.
+    """
 
     path: str
     request: Any
     response_type: type[Any]
+    optional: bool = False
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -191,6 +191,8 @@ class SglangDialect(SmgDialect):
         model, server = responses
         has_args = server.HasField("server_args")
         args = json_format.MessageToDict(server.server_args) if has_args else {}
+        has_scheduler = server.HasField("scheduler_info")
+        scheduler = json_format.MessageToDict(server.scheduler_info) if has_scheduler else {}
         role = ROLES.get(str(args.get("disaggregation_mode", "null")), EngineRole.BOTH)
         bootstrap = args.get("disaggregation_bootstrap_port")
         bootstrap_port = int(bootstrap) if isinstance(bootstrap, (int, float)) else 0
@@ -211,6 +213,8 @@ class SglangDialect(SmgDialect):
             incarnation=incarnation,
             started_at=server.start_time.ToNanoseconds() / 1e9 if started else None,
             bootstrap_port=bootstrap_port or None,
+            kv_capacity_tokens=server.max_total_num_tokens or _positive(scheduler.get(
+                "max_total_num_tokens")),
             details=(
                 ("kv_pool_tokens", str(model.max_context_length)),
                 ("bootstrap_port", str(args.get("disaggregation_bootstrap_port", ""))),
@@ -240,3 +244,8 @@ class SglangDialect(SmgDialect):
         ):
             return engine_aborted()
         return classify_exception(exc)
+
+
+def _positive(value: Any) -> int | None:
+    """A Struct number as a positive int (None: absent, zero or not a number)."""
+    return int(value) if isinstance(value, (int, float)) and value > 0 else None

@@ -242,8 +242,14 @@ class VllmDialect(SmgDialect):
         # The contract takes a list and no reason; the reply is empty (errors are statuses).
         return Rpc(f"{SERVICE}/Abort", pb.AbortRequest(request_ids=[request_id]), pb.AbortResponse)
 
+    def discovery(self) -> Sequence[Rpc]:
+        """Model and server info, and GetLoads for the KV cache size (optional: newer servicers)."""
+        loads = Rpc(f"{SERVICE}/GetLoads", pb.GetLoadsRequest(include=["core"]),
+                    pb.GetLoadsResponse, optional=True)
+        return (*super().discovery(), loads)
+
     def engine_info(self, responses: Sequence[Any]) -> EngineInfo:
-        model, server = responses
+        model, server, loads = responses
         # Only the uptime is reported: the start it implies is stable across calls to
         # within the call latency, so whole seconds name one incarnation. A stock
         # servicer (0.14.1) leaves uptime at 0: then the restart is unknowable here and
@@ -265,6 +271,7 @@ class VllmDialect(SmgDialect):
             data_parallel_size=server.data_parallel_size or 1,
             incarnation=incarnation,
             started_at=started,
+            kv_capacity_tokens=kv_capacity(loads),
             details=(
                 ("kv_role", server.kv_role),
                 ("kv_connector", server.kv_connector),
@@ -290,3 +297,14 @@ class VllmDialect(SmgDialect):
         if kv_connector(prefill.info) == MOONCAKE:
             return mooncake_legs(call, prefill, f"{rng.getrandbits(128):032x}")
         return LegPlan(prefill_leg(call), call, parallel=False, relays_kv_params=True)
+
+
+def kv_capacity(loads: Any) -> int | None:
+    """The KV cache in tokens from a GetLoads reply: the smallest rank's (None: not reported).
+
+    Each data-parallel rank has a cache of its own; routing indexes ranks apart
+    and weighs an engine's fullest one, so the smallest is the one that matters.
+    """
+    sizes = [load.max_total_num_tokens for load in (loads.loads if loads is not None else ())
+             if load.max_total_num_tokens > 0]
+    return min(sizes) if sizes else None

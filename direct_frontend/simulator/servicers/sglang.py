@@ -244,7 +244,7 @@ class SglangServicer(SmgServicer, SglangSchedulerBase):
         )
         scheduler_info = _struct(
             {
-                "max_total_num_tokens": config.kv_pool_tokens,
+                "max_total_num_tokens": config.kv_reported_capacity,
                 "max_req_input_len": config.sglang_max_req_input_len,
                 "is_generation": True,
             }
@@ -260,7 +260,7 @@ class SglangServicer(SmgServicer, SglangSchedulerBase):
                 sglang_version=SIM_VERSION,
                 server_type="grpc",
                 start_time=_timestamp(core.start_time),
-                max_total_num_tokens=config.kv_pool_tokens,
+                max_total_num_tokens=config.kv_reported_capacity,
             )
         )
 
@@ -281,15 +281,15 @@ class SglangServicer(SmgServicer, SglangSchedulerBase):
             num_waiting_reqs=waiting,
             num_total_reqs=running + waiting,
             num_used_tokens=used,
-            max_total_num_tokens=config.kv_pool_tokens,
-            token_usage=used / config.kv_pool_tokens,
+            max_total_num_tokens=config.kv_reported_capacity,
+            token_usage=used / config.kv_reported_capacity,
             utilization=running / core.timing.max_running,
             max_running_requests=core.timing.max_running,
             num_waiting_uncached_tokens=core.waiting_tokens(),
         )
         sections = set(request.include) or {"all"}
         if sections & {"all", "memory"}:
-            load.memory.token_capacity = config.kv_pool_tokens
+            load.memory.token_capacity = config.kv_reported_capacity
         if sections & {"all", "disagg"}:
             load.disaggregation.mode = _ROLE[config.role]
         if sections & {"all", "queues"}:

@@ -282,13 +282,17 @@ class VllmServicer(SmgServicer, VllmEngineBase):
     ) -> None:
         await stream.recv_message()
         core = self.core
+        if not core.config.serve_get_loads:
+            raise GRPCError(Status.UNIMPLEMENTED, "Method not found!")
         running, waiting = core.stats.running, core.stats.waiting
         load = vllm_engine_pb2.SchedulerLoad(
             dp_rank=0,
             num_running_reqs=running,
             num_waiting_reqs=waiting,
             num_total_reqs=running + waiting,
-            token_usage=core.used_tokens() / core.config.kv_pool_tokens,
+            max_total_num_tokens=core.config.kv_reported_capacity,
+            max_running_requests=core.timing.max_running,
+            token_usage=core.used_tokens() / core.config.kv_reported_capacity,
         )
         await stream.send_message(
             vllm_engine_pb2.GetLoadsResponse(
