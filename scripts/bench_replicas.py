@@ -343,8 +343,8 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, argparse
                    help='a [frontend.replicas] line, e.g. "publish_interval_s = 0.005"')
     p.add_argument("--no-late", action="store_true", help="skip the late-replica run")
     p.add_argument("--tell-capacity", action="store_true",
-                   help="set approx_capacity_blocks to the engines' cache size, as an operator "
-                        "who knows it would (approximate mode then models each engine's LRU)")
+                   help="also set approx_capacity_blocks to the engines' cache size (the "
+                        "simulated engines report it in discovery already; the knob wins)")
     p.add_argument("--workers", nargs="?", const="1,2,all", default=None, metavar="LIST",
                    help="measure `run --workers N` throughput instead (default 1,2,all cores)")
     p.add_argument("--connections", type=int, default=32)

@@ -65,6 +65,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -2071,8 +2072,45 @@ class KvRun:
             return (f"/fleet kv_capacity_tokens {got} (GetLoads max_total_num_tokens) = "
                     f"{engine.blocks} blocks × {BLOCK_SIZE}: KV-aware fullness is against it")
 
+        def foreign_load() -> str:
+            # another client keeps the engine busy (one direct request after another) until
+            # a probe's GetLoads has shown it; then it stops and the load must fall back
+            row = real_status(fe)
+            expect(row.get("foreign_load") == 0, f"foreign_load {row.get('foreign_load')!r} "
+                                                 "before any other client sent anything")
+            stop = threading.Event()
+            sent = [0]
+
+            def other_client() -> None:
+                other = EngineClient(engine.address)
+                try:
+                    while not stop.is_set():
+                        sent[0] += 1
+                        other.generate(f"rv-other-{sent[0]}", [1, 2, 3, 4], 64, stream=True)
+                finally:
+                    other.close()
+
+            thread = threading.Thread(target=other_client, name="other-client", daemon=True)
+            thread.start()
+            try:
+                seen, waited, ok = poll(lambda: real_status(fe).get("foreign_load"),
+                                        lambda n: bool(n), 60.0, every=0.2)
+            finally:
+                stop.set()
+                thread.join(120)
+            expect(ok, f"foreign_load stayed {seen!r} for 60 s while another client sent "
+                       f"{sent[0]} requests straight to the engine")
+            after, back, idle = poll(lambda: real_status(fe).get("foreign_load"),
+                                     lambda n: n == 0, 60.0, every=0.2)
+            expect(idle, f"foreign_load still {after!r} 60 s after the other client stopped")
+            return (f"another client's request on the engine: /fleet foreign_load {seen} "
+                    f"after {waited:.1f} s (GetLoads at a probe), back to 0 {back:.1f} s "
+                    f"after it stopped ({sent[0]} requests sent)")
+
         report.check("kv: block size; index follows the engine's KV events", index_fills)
         report.check("kv: the engine's cache size comes from discovery (GetLoads)", cache_size)
+        report.check("routing: another client's requests count in the engine's load",
+                     foreign_load)
         report.check("kv: shared prefix -> predicted == engine cached_tokens", shared_prefix)
 
     # -- the restarted frontend: real engine + simulated engine ------------------------

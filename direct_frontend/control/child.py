@@ -332,11 +332,35 @@ class EngineChild:
             with trio.move_on_after(delay):
                 await self._wake.wait()
             self._wake = trio.Event()
-            changed = self.tracker.record(await self._probe_once())
+            outcome = await self._probe_once()
+            changed = self.tracker.record(outcome)
             if changed is EngineState.UNHEALTHY:
                 self._set_state(changed, self.last_error)
             elif changed is EngineState.SERVING:
                 await self._rejoin()
+            if outcome is ProbeOutcome.HEALTHY and self.state is EngineState.SERVING:
+                await self._read_loads()
+            else:
+                self.load.engine_reported(None)
+
+    async def _read_loads(self) -> None:
+        """The engine's requests from every client, so a policy weighs the others' too."""
+        rpc = self.dialect.loads()
+        if rpc is None or not self.probe.read_loads or rpc.path in self._optional_missing:
+            return
+        assert self.channel is not None
+        try:
+            with trio.fail_after(self.probe.timeout_s + 0.5):
+                reply = await self.channel.unary(rpc, self.probe.timeout_s)
+            requests: int | None = self.dialect.engine_requests(reply)
+        except (EngineError, trio.TooSlowError) as exc:
+            requests = None  # a stale figure is worse than none: count ours alone
+            if isinstance(exc, EngineError) and exc.kind is ErrorKind.BAD_REQUEST:
+                self._optional_missing.add(rpc.path)  # UNIMPLEMENTED: never asked again
+                log.info("engine %s does not answer %s (%s); weighing our own requests only",
+                         self.name, rpc.path.rsplit("/", 1)[-1], exc,
+                         extra={"engine": self.name, "incarnation": self.incarnation})
+        self.load.engine_reported(requests)
 
     async def _rejoin(self) -> None:
         """Back from unhealthy: re-discover, since the engine may have restarted."""

@@ -60,6 +60,7 @@ def engine_status(child: EngineChild) -> dict[str, JsonValue]:
         "model": child.info.served_model_name if child.info is not None else None,
         "kv_capacity_tokens": child.info.kv_capacity_tokens if child.info is not None else None,
         "load": child.in_flight,
+        "foreign_load": child.load.foreign_in_flight,
         "requests": child.load.requests_total,
         "last_probe": None if probe is None else {
             "ok": probe.ok, "message": probe.message, "at": probe.at,

@@ -199,6 +199,9 @@ class ProbeConfig:
     # consecutive successes before it is put back
     success_threshold: int = setting(2, AT_LEAST_ONE)
     join_timeout_s: float = setting(30.0, POSITIVE)  # discovery + first probe of a new engine
+    # after each healthy probe, ask the engine (SGLang, vLLM GetLoads) for its requests from
+    # every client, so routing weighs what other routers and clients send it too
+    read_loads: bool = True
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

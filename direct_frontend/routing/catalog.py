@@ -17,7 +17,13 @@ from direct_frontend.engines.neutral import EngineInfo, EngineRole
 
 @dataclasses.dataclass(eq=False, slots=True)
 class EngineLoad:
-    """Our own accounting of one engine's work (never an engine report)."""
+    """Our own accounting of one engine's work, and what other clients have there.
+
+    The others' share comes from the engine's own report (GetLoads, on the probe
+    cadence): what it has less what we and our sibling replicas had at that
+    moment, so an engine that other routers or clients also feed weighs its real
+    load. Everything else is our accounting, exact and at once.
+    """
 
     in_flight: int = 0
     prompt_tokens_in_flight: int = 0
@@ -27,6 +33,8 @@ class EngineLoad:
     peer_in_flight: int = 0
     peer_active: frozenset[int] = frozenset()
     peer_blocks: int = 0
+    #: requests other clients have here, as of the engine's last report (0: none reported)
+    foreign_in_flight: int = 0
     #: one callback per running stream that asks it to move to another engine
     #: (a planned migration off a draining engine)
     movers: set[Callable[[], None]] = dataclasses.field(default_factory=set)
@@ -35,8 +43,13 @@ class EngineLoad:
 
     @property
     def fleet_in_flight(self) -> int:
-        """Requests in flight here from every replica: the load a policy weighs."""
-        return self.in_flight + self.peer_in_flight
+        """Requests in flight here from every replica and other client: the load a policy weighs."""
+        return self.in_flight + self.peer_in_flight + self.foreign_in_flight
+
+    def engine_reported(self, requests: int | None) -> None:
+        """The engine reports ``requests`` from every client (None: it could not say)."""
+        ours = self.in_flight + self.peer_in_flight
+        self.foreign_in_flight = 0 if requests is None else max(0, requests - ours)
 
     def move_all(self) -> int:
         """Ask every stream running here to continue elsewhere; returns how many were asked."""

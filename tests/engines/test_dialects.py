@@ -698,6 +698,19 @@ def test_vllm_discovery_and_restart_detection(stock: dict[str, bytes]) -> None:
     assert dialect.engine_info([model, server, None]).kv_capacity_tokens is None
 
 
+def test_loads_count_every_clients_requests_on_every_rank() -> None:
+    for kind, pb in (("sglang", sglang_scheduler_pb2), ("vllm", vllm_engine_pb2)):
+        dialect = dialect_for(kind)
+        rpc = dialect.loads()
+        assert rpc is not None and rpc.path.endswith("/GetLoads")
+        reply = pb.GetLoadsResponse(loads=[
+            pb.SchedulerLoad(dp_rank=0, num_running_reqs=3, num_waiting_reqs=1),
+            pb.SchedulerLoad(dp_rank=1, num_running_reqs=2)])
+        assert dialect.engine_requests(rpc.response_type.FromString(
+            reply.SerializeToString())) == 6
+    assert dialect_for("trtllm").loads() is None  # its contract has no GetLoads
+
+
 def test_trtllm_discovery(stock: dict[str, bytes]) -> None:
     info = discovered(dialect_for("trtllm"), stock, "trtllm")
     assert info.served_model_name == "Qwen/Qwen3-8B" and not info.served_name_known

@@ -354,7 +354,7 @@ def test_unknown_keys_in_every_table() -> None:
         "fleet.toml:7: frontend.routing.polcy: unknown key (expected one of: policy, knobs, "
         "session_key, session_weight, cold_prefix_home)",
         "fleet.toml:9: frontend.probe.interval: unknown key (expected one of: interval_s, "
-        "timeout_s, failure_threshold, success_threshold, join_timeout_s)",
+        "timeout_s, failure_threshold, success_threshold, join_timeout_s, read_loads)",
     ]
 
 

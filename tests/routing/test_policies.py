@@ -39,6 +39,22 @@ def test_least_loaded_prefers_idle_engines_and_spreads_ties() -> None:
     assert only is not None and only.engine.name == "a"
 
 
+def test_other_clients_requests_count_as_the_engine_last_reported_them() -> None:
+    a, b = handle("a", 2), handle("b", 1)
+    b.load.peer_in_flight = 1
+    # a reports 7 (5 of them another router's), b reports 2 (ours and our sibling's)
+    a.load.engine_reported(7)
+    b.load.engine_reported(2)
+    assert (a.load.foreign_in_flight, b.load.foreign_in_flight) == (5, 0)
+    assert (a.load.fleet_in_flight, b.load.fleet_in_flight) == (7, 2)
+    chosen = LeastLoaded().choose(Catalog(1, (a, b)), VIEW)
+    assert chosen is not None and chosen.engine.name == "b"
+    b.load.engine_reported(0)  # it finished ours before we did: never below our own count
+    assert b.load.foreign_in_flight == 0 and b.load.fleet_in_flight == 2
+    a.load.engine_reported(None)  # it could not say: ours alone, not a stale figure
+    assert a.load.fleet_in_flight == 2
+
+
 def test_fresh_policies_start_their_turns_at_random() -> None:
     """Replicas placing at once must not all break their first ties alike (issue 14)."""
     catalog = Catalog(1, (handle("a"), handle("b"), handle("c")))

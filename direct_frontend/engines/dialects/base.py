@@ -155,6 +155,14 @@ class HealthResult:
     message: str
 
 
+def scheduler_requests(response: Any) -> int:
+    """Requests an engine has (running and waiting, every rank) from a GetLoads reply.
+
+    SGLang and vLLM share the ``SchedulerLoad`` shape for these fields.
+    """
+    return sum(load.num_running_reqs + load.num_waiting_reqs for load in response.loads)
+
+
 #: the bootstrap server port SGLang (``--disaggregation-bootstrap-port``) and vLLM's
 #: Mooncake connector both listen on unless told otherwise
 DEFAULT_BOOTSTRAP_PORT = 8998
@@ -593,6 +601,14 @@ class Dialect(abc.ABC):
 
     @abc.abstractmethod
     def discovery(self) -> Sequence[Rpc]: ...
+
+    def loads(self) -> Rpc | None:
+        """The call that reports the engine's requests from every client (None: none does)."""
+        return None
+
+    def engine_requests(self, response: Any) -> int:
+        """Requests the engine has, from every client, from the reply to :meth:`loads`."""
+        return scheduler_requests(response)
 
     @abc.abstractmethod
     def engine_info(self, responses: Sequence[Any]) -> EngineInfo:

@@ -242,11 +242,13 @@ class VllmDialect(SmgDialect):
         # The contract takes a list and no reason; the reply is empty (errors are statuses).
         return Rpc(f"{SERVICE}/Abort", pb.AbortRequest(request_ids=[request_id]), pb.AbortResponse)
 
+    def loads(self) -> Rpc:
+        return Rpc(f"{SERVICE}/GetLoads", pb.GetLoadsRequest(include=["core"]),
+                   pb.GetLoadsResponse, optional=True)
+
     def discovery(self) -> Sequence[Rpc]:
         """Model and server info, and GetLoads for the KV cache size (optional: newer servicers)."""
-        loads = Rpc(f"{SERVICE}/GetLoads", pb.GetLoadsRequest(include=["core"]),
-                    pb.GetLoadsResponse, optional=True)
-        return (*super().discovery(), loads)
+        return (*super().discovery(), self.loads())
 
     def engine_info(self, responses: Sequence[Any]) -> EngineInfo:
         model, server, loads = responses
