@@ -269,6 +269,7 @@ class EngineChild:
         for rpc in self.dialect.discovery():
             try:
                 replies.append(await self.channel.unary(rpc, self.probe.timeout_s))
+                self._optional_missing.discard(rpc.path)  # a restarted engine may serve it now
             except EngineError as exc:
                 if not rpc.optional:
                     raise
