@@ -64,10 +64,12 @@ from direct_frontend.routing.policies import LeastLoaded, Placement, Policy, Req
 MODES = ("round_robin", "least_loaded", "cache_affinity", "kv-events", "approximate")
 OURS = "kv-events"
 #: not policies: bounds no router can beat on the same engines and workload (:class:`Oracle`):
-#: the engines' caches pooled, and one unbounded shared cache
+#: the engines' caches pooled, and one unbounded shared cache; and a reference, no bound:
+#: the engines' caches pooled under their own LRU
 ORACLE = "oracle"
 ORACLE_UNBOUNDED = "oracle-unbounded"
-ORACLES = (ORACLE, ORACLE_UNBOUNDED)
+POOLED_LRU = "pooled-lru"
+ORACLES = (ORACLE, ORACLE_UNBOUNDED, POOLED_LRU)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -389,6 +391,31 @@ def best_hits(point: Point, requests: Sequence[Request], capacity: float) -> lis
     return hits
 
 
+def lru_hits(point: Point, requests: Sequence[Request], capacity: float) -> list[int]:
+    """Per request, its leading blocks one LRU cache of ``capacity`` blocks holds (no bound).
+
+    The engines' own eviction, pooled: what a router that never cached a
+    block twice and balanced for free would find, with the same optimism as
+    :func:`best_hits` (no pinning, answers cached when sent).
+    """
+    bs = point.block_size
+    cache: collections.OrderedDict[int, None] = collections.OrderedDict()
+    hits = []
+    for request in requests:
+        held = 0
+        for h in prefix_hashes(request.tokens, bs):
+            if h not in cache:
+                break
+            held += 1
+        hits.append(held)
+        for h in reversed(prefix_hashes(request.tokens + request.answer, bs)):
+            cache[h] = None  # tail first: the root ends up most recent
+            cache.move_to_end(h)
+        while len(cache) > capacity:
+            cache.popitem(last=False)
+    return hits
+
+
 class Oracle:
     """A lower bound on TTFT for any router on these engines and this workload (not a policy).
 
@@ -404,19 +431,25 @@ class Oracle:
     never delays a first token (step times only shrink).
 
     Balance: no bound is proven here. The engines' exact state is known at no
-    cost and the hits do not depend on placement, so each request goes where
-    its first token is estimated to come soonest (the prefill queued ahead, its
-    own miss, the decode batch's steps, waiting for a slot at ``max_running``):
-    a greedy join-the-shortest-queue by work with zero switching cost. A
-    non-greedy schedule could beat it a little; a router that must also keep
+    cost and the hits do not depend on placement, so each request goes to the
+    engine with the fewest requests (waiting or running): join the shortest
+    queue with zero switching cost. (An estimate of when the first token would
+    come, queued prefill and decode batch included, did worse on every
+    pressured point: the decode batch, which a count balances, dominates.)
+    A non-greedy schedule could beat it a little; a router that must keep
     each prefix on one engine cannot balance as freely.
+
+    ``POOLED_LRU`` (``hits=lru_hits``) is no bound: the same, under the engines'
+    own LRU, pooled: what partitioning perfectly would leave to gain.
     """
 
-    def __init__(self, point: Point, seed: int, *, unbounded: bool) -> None:
+    def __init__(self, point: Point, seed: int, *, unbounded: bool = False,
+                 hits: Callable[[Point, Sequence[Request], float], list[int]] = best_hits,
+                 ) -> None:
         self.point = point
         self.requests = arrivals(point, seed)
         capacity = math.inf if unbounded else point.engines * point.capacity_blocks()
-        self.hits = best_hits(point, self.requests, capacity)
+        self.hits = hits(point, self.requests, capacity)
 
     def bound(self, request: Request) -> None:
         """Set the request's cached blocks and miss (it must be the one sent as ``rid``)."""
@@ -426,22 +459,12 @@ class Oracle:
         request.to_prefill = len(request.tokens) - cacheable(
             self.point, request, request.bound_blocks)
 
-    def choose(self, engines: Sequence[ModelEngine], request: Request) -> int:
-        return min(range(len(engines)), key=lambda n: (self.first_token_s(engines[n], request), n))
+    def choose(self, engines: Sequence[ModelEngine]) -> int:
+        def requests(n: int) -> int:
+            e = engines[n]
+            return len(e.waiting) + len(e.prefilling) + len(e.decoding)
 
-    def first_token_s(self, engine: ModelEngine, request: Request) -> float:
-        """When ``request`` would get its first token on ``engine``, from now (an estimate)."""
-        p = self.point
-        work = (request.to_prefill + sum(r.to_prefill for r in engine.prefilling)
-                + sum(r.to_prefill for r in engine.waiting))
-        steps = math.ceil(work / p.chunk)
-        over = (len(engine.waiting) + len(engine.prefilling) + len(engine.decoding) + 1
-                - p.max_running)
-        if over > 0:  # it waits for that many decodes to finish before it is admitted
-            left = sorted(r.to_decode for r in engine.decoding)
-            steps += left[min(over, len(left)) - 1] if left else 0
-        return (steps * (p.step_ms * 1e-3 + len(engine.decoding) * p.decode_us * 1e-6)
-                + work * p.prefill_us * 1e-6)
+        return min(range(len(engines)), key=lambda n: (requests(n), n))
 
 
 # -- one run -----------------------------------------------------------------
@@ -472,8 +495,9 @@ def run(point: Point, seed: int, mode: str, knobs: dict[str, Any] | None = None)
         index.apply_events(key, (event,))
 
     engines = [ModelEngine(point, n, publish) for n in range(point.engines)]
-    oracle = (Oracle(point, seed, unbounded=mode == ORACLE_UNBOUNDED) if mode in ORACLES
-              else None)
+    oracle = (Oracle(point, seed, unbounded=mode == ORACLE_UNBOUNDED,
+                     hits=lru_hits if mode == POOLED_LRU else best_hits)
+              if mode in ORACLES else None)
     if oracle is not None:
         for engine in engines:  # its hits come from the shared cache; nothing is evicted
             engine.capacity = math.inf
@@ -518,7 +542,7 @@ def run(point: Point, seed: int, mode: str, knobs: dict[str, Any] | None = None)
             if oracle is not None:
                 request.hashes = prefix_hashes(request.tokens, bs)  # its hits are set: unused
                 oracle.bound(request)
-                placement = Placement(handles[oracle.choose(engines, request)])
+                placement = Placement(handles[oracle.choose(engines)])
             else:
                 assert policy is not None
                 chosen = policy.choose(catalog, RequestView(tuple(request.tokens),
@@ -649,9 +673,10 @@ def verdict(point: Point, results: dict[str, dict[str, Any]]) -> dict[str, Any]:
         if "cache_affinity" in results:  # the most any router could beat cache_affinity by
             out["cache_affinity_over_oracle"] = (results["cache_affinity"]["ttft_mean_ms"]
                                                  / results[ORACLE]["ttft_mean_ms"])
-    if ORACLE_UNBOUNDED in results and "cache_affinity" in results:
-        out["cache_affinity_over_unbounded"] = (results["cache_affinity"]["ttft_mean_ms"]
-                                                / results[ORACLE_UNBOUNDED]["ttft_mean_ms"])
+    for mode, name in ((ORACLE_UNBOUNDED, "unbounded"), (POOLED_LRU, "pooled_lru")):
+        if mode in results and "cache_affinity" in results:
+            out[f"cache_affinity_over_{name}"] = (results["cache_affinity"]["ttft_mean_ms"]
+                                                  / results[mode]["ttft_mean_ms"])
     return out
 
 
@@ -680,7 +705,8 @@ def summary_line(point: Point, results: dict[str, dict[str, Any]]) -> str:
     if "cache_affinity_over_oracle" in v:
         parts.append(f"oracle bound vs cache_affinity ×{v['cache_affinity_over_oracle']:.2f}")
     if "cache_affinity_over_unbounded" in v:
-        parts.append(f"(unbounded cache ×{v['cache_affinity_over_unbounded']:.2f})")
+        parts.append(f"(unbounded cache ×{v['cache_affinity_over_unbounded']:.2f}; "
+                     f"pooled LRU, no bound, ×{v.get('cache_affinity_over_pooled_lru', 0):.2f})")
     return ", ".join(parts)
 
 
@@ -697,8 +723,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--json", action="store_true", help="also one JSON line per point")
     p.add_argument("--oracle", action="store_true",
                    help="also the oracle rows, lower bounds for any router, not policies: the "
-                        "engines' caches pooled with the best eviction, and one unbounded "
-                        "shared cache; placement by the engines' exact state")
+                        "engines' caches pooled with the best eviction, one unbounded shared "
+                        "cache; and pooled-lru (no bound: the caches pooled under LRU); "
+                        "placement by the engines' exact state")
     args = p.parse_args(argv)
     args.modes = [m for m in args.modes.split(",") if m]
     unknown = set(args.modes) - set(MODES)

@@ -44,14 +44,18 @@ def test_the_oracle_hits_what_earlier_requests_carried_and_what_fits(sim: Module
     # room for one system prompt: it is read again first, so it is what stays
     assert sim.best_hits(point, requests, system) == [0, system, system]
     assert sim.best_hits(point, requests, 0) == [0, 0, 0]
+    # the engines' LRU, touched tail first, keeps the shared root too; unbounded, it is MIN
+    assert sim.lru_hits(point, requests, system) == [0, system, system]
+    assert sim.lru_hits(point, requests, math.inf) == [0, system, history]
 
 
 def test_no_policy_beats_the_oracle_on_a_pressured_point(sim: ModuleType) -> None:
     point = dataclasses.replace(sim.default_grid()[0], requests=300)
     results = sim.run_point(point, [1], [*sim.MODES, *sim.ORACLES])
-    pooled, unbounded = (results.pop(mode) for mode in sim.ORACLES)
-    assert unbounded["hit_rate"] >= pooled["hit_rate"]
-    assert unbounded["ttft_mean_ms"] <= pooled["ttft_mean_ms"]
+    pooled, unbounded, lru = (results.pop(mode) for mode in
+                              (sim.ORACLE, sim.ORACLE_UNBOUNDED, sim.POOLED_LRU))
+    assert unbounded["hit_rate"] >= pooled["hit_rate"] >= lru["hit_rate"]
+    assert unbounded["ttft_mean_ms"] <= pooled["ttft_mean_ms"] <= lru["ttft_mean_ms"]
     for mode, result in results.items():
         assert pooled["hit_rate"] >= result["hit_rate"], mode
         assert pooled["ttft_mean_ms"] <= result["ttft_mean_ms"], mode
