@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import array
+import bisect
 import collections
 import dataclasses
 import heapq
@@ -62,6 +63,13 @@ from direct_frontend.routing.policies import LeastLoaded, Placement, Policy, Req
 
 MODES = ("round_robin", "least_loaded", "cache_affinity", "kv-events", "approximate")
 OURS = "kv-events"
+#: not policies: bounds no router can beat on the same engines and workload (:class:`Oracle`):
+#: the engines' caches pooled, and one unbounded shared cache; and a reference, no bound:
+#: the engines' caches pooled under their own LRU
+ORACLE = "oracle"
+ORACLE_UNBOUNDED = "oracle-unbounded"
+POOLED_LRU = "pooled-lru"
+ORACLES = (ORACLE, ORACLE_UNBOUNDED, POOLED_LRU)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -141,6 +149,8 @@ class Request:
     to_decode: int = 0
     ttft: float = math.nan
     pinned: list[int] = dataclasses.field(default_factory=list)  # in chain order
+    #: under an oracle, the blocks it finds cached (else the engine looks them up)
+    bound_blocks: int | None = None
 
 
 class Workload:
@@ -184,7 +194,7 @@ class ModelEngine:
         self.point = point
         self.key = index_key(number, 0)
         self.publish = publish  # (index key, event) → the router's KV index
-        self.capacity = point.capacity_blocks()
+        self.capacity: float = point.capacity_blocks()
         self.lru: collections.OrderedDict[int, None] = collections.OrderedDict()  # unpinned
         self.pins: dict[int, int] = {}
         self.tokens_of: dict[int, tuple[int, int, list[int]]] = {}  # hash → (parent, i, tokens)
@@ -259,13 +269,14 @@ class ModelEngine:
         p = self.point
         while self.waiting and len(self.prefilling) + len(self.decoding) < p.max_running:
             request = self.waiting.popleft()
-            held = 0
-            for h in request.hashes:
-                if h not in self:
-                    break
-                held += 1
-            cached = min(held * p.block_size, (len(request.tokens) - 1) // p.block_size
-                         * p.block_size)
+            held = request.bound_blocks
+            if held is None:
+                held = 0
+                for h in request.hashes:
+                    if h not in self:
+                        break
+                    held += 1
+            cached = cacheable(p, request, held)
             request.cached_tokens = cached
             request.to_prefill = len(request.tokens) - cached
             request.to_decode = len(request.answer)
@@ -321,6 +332,141 @@ class ModelEngine:
         return bool(self.waiting or self.prefilling or self.decoding)
 
 
+def cacheable(point: Point, request: Request, held: int) -> int:
+    """Prompt tokens ``held`` leading cached blocks save (the last prompt token is computed)."""
+    bs = point.block_size
+    return min(held * bs, (len(request.tokens) - 1) // bs * bs)
+
+
+# -- the oracles: bounds, not policies ---------------------------------------
+
+
+def arrivals(point: Point, seed: int) -> list[Request]:
+    """The run's requests in the order they are sent: the same for every mode (see ``run``)."""
+    workload = Workload(point, seed)
+    heap = [(user.next_at, n) for n, user in enumerate(workload.users)]
+    heapq.heapify(heap)
+    out: list[Request] = []
+    while len(out) < point.requests:
+        t, n = heapq.heappop(heap)
+        user = workload.users[n]
+        out.append(workload.next_request(user, len(out), t))
+        heapq.heappush(heap, (t + user.rng.expovariate(1 / workload.think_s), n))
+    return out
+
+
+def best_hits(point: Point, requests: Sequence[Request], capacity: float) -> list[int]:
+    """Per request, the most of its prompt blocks one cache of ``capacity`` blocks can hold.
+
+    Belady's MIN with bypass, which no eviction policy beats on hits: in the
+    order requests are sent, each request finds whatever of its blocks is
+    cached (wherever in its prompt), then every block of its prompt and answer
+    may stay, and the cache keeps those read again soonest. Optimistic on
+    purpose: no pinning, an answer is cacheable the instant it is sent, a hit
+    needs no cached parent.
+    """
+    bs = point.block_size
+    reads = [prefix_hashes(r.tokens, bs) for r in requests]
+    uses: dict[int, list[int]] = {}
+    for i, hashes in enumerate(reads):
+        for h in hashes:
+            uses.setdefault(h, []).append(i)
+    cached: dict[int, int] = {}  # block → the next request to read it
+    farthest: list[tuple[int, int]] = []  # (−next read, block), stale entries skipped
+    hits = []
+    for i, request in enumerate(requests):
+        hits.append(sum(h in cached for h in reads[i]))
+        for h in prefix_hashes(request.tokens + request.answer, bs):
+            later = uses.get(h, ())
+            k = bisect.bisect_right(later, i)
+            if k == len(later):
+                cached.pop(h, None)  # never read again
+                continue
+            cached[h] = later[k]
+            heapq.heappush(farthest, (-later[k], h))
+        while len(cached) > capacity:
+            neg, h = heapq.heappop(farthest)
+            if cached.get(h) == -neg:
+                del cached[h]
+    return hits
+
+
+def lru_hits(point: Point, requests: Sequence[Request], capacity: float) -> list[int]:
+    """Per request, its leading blocks one LRU cache of ``capacity`` blocks holds (no bound).
+
+    The engines' own eviction, pooled: what a router that never cached a
+    block twice and balanced for free would find, with the same optimism as
+    :func:`best_hits` (no pinning, answers cached when sent).
+    """
+    bs = point.block_size
+    cache: collections.OrderedDict[int, None] = collections.OrderedDict()
+    hits = []
+    for request in requests:
+        held = 0
+        for h in prefix_hashes(request.tokens, bs):
+            if h not in cache:
+                break
+            held += 1
+        hits.append(held)
+        for h in reversed(prefix_hashes(request.tokens + request.answer, bs)):
+            cache[h] = None  # tail first: the root ends up most recent
+            cache.move_to_end(h)
+        while len(cache) > capacity:
+            cache.popitem(last=False)
+    return hits
+
+
+class Oracle:
+    """A lower bound on TTFT for any router on these engines and this workload (not a policy).
+
+    Hits (:func:`best_hits`, in the order requests are sent): ``unbounded``,
+    one KV cache shared by every engine holding every block of every earlier
+    request, so only the new user message and blocks nobody sent before are
+    prefilled; else the engines' caches pooled (engines × capacity blocks) with
+    the best possible eviction. Any router's engines together hold at most that
+    many distinct blocks, each only what was sent to it earlier (engines
+    admit first come, first served), and a request hits only its own engine's.
+    Assumed, not proven: that admission order is close to sending order
+    (queues are tens of ms, reuse seconds), and that fewer tokens to prefill
+    never delays a first token (step times only shrink).
+
+    Balance: no bound is proven here. The engines' exact state is known at no
+    cost and the hits do not depend on placement, so each request goes to the
+    engine with the fewest requests (waiting or running): join the shortest
+    queue with zero switching cost. (An estimate of when the first token would
+    come, queued prefill and decode batch included, did worse on every
+    pressured point: the decode batch, which a count balances, dominates.)
+    A non-greedy schedule could beat it a little; a router that must keep
+    each prefix on one engine cannot balance as freely.
+
+    ``POOLED_LRU`` (``hits=lru_hits``) is no bound: the same, under the engines'
+    own LRU, pooled: what partitioning perfectly would leave to gain.
+    """
+
+    def __init__(self, point: Point, seed: int, *, unbounded: bool = False,
+                 hits: Callable[[Point, Sequence[Request], float], list[int]] = best_hits,
+                 ) -> None:
+        self.point = point
+        self.requests = arrivals(point, seed)
+        capacity = math.inf if unbounded else point.engines * point.capacity_blocks()
+        self.hits = hits(point, self.requests, capacity)
+
+    def bound(self, request: Request) -> None:
+        """Set the request's cached blocks and miss (it must be the one sent as ``rid``)."""
+        expected = self.requests[request.rid]
+        assert (expected.tokens, expected.answer) == (request.tokens, request.answer)
+        request.bound_blocks = self.hits[request.rid]
+        request.to_prefill = len(request.tokens) - cacheable(
+            self.point, request, request.bound_blocks)
+
+    def choose(self, engines: Sequence[ModelEngine]) -> int:
+        def requests(n: int) -> int:
+            e = engines[n]
+            return len(e.waiting) + len(e.prefilling) + len(e.decoding)
+
+        return min(range(len(engines)), key=lambda n: (requests(n), n))
+
+
 # -- one run -----------------------------------------------------------------
 
 _SEND, _STEP = 0, 1
@@ -341,7 +487,7 @@ def make_policy(mode: str, knobs: KvAwareKnobs, index: KvIndex, engines: int,
 
 def run(point: Point, seed: int, mode: str, knobs: dict[str, Any] | None = None,
         capacity_reported: bool = True) -> dict[str, Any]:
-    """One mode on fresh engines at one grid point; figures of every request.
+    """One mode (or the :class:`Oracle`) on fresh engines at one grid point; per request figures.
 
     ``capacity_reported``: the engines' discovery reports their cache size (vLLM
     GetLoads, SGLang server info); False as TRT-LLM, whose size the router learns.
@@ -354,6 +500,12 @@ def run(point: Point, seed: int, mode: str, knobs: dict[str, Any] | None = None,
         index.apply_events(key, (event,))
 
     engines = [ModelEngine(point, n, publish) for n in range(point.engines)]
+    oracle = (Oracle(point, seed, unbounded=mode == ORACLE_UNBOUNDED,
+                     hits=lru_hits if mode == POOLED_LRU else best_hits)
+              if mode in ORACLES else None)
+    if oracle is not None:
+        for engine in engines:  # its hits come from the shared cache; nothing is evicted
+            engine.capacity = math.inf
     handles = tuple(
         EngineHandle(name=f"e{n}", kind="vllm", url=f"sim://{n}", incarnation=n,
                      role=EngineRole.BOTH,
@@ -364,8 +516,9 @@ def run(point: Point, seed: int, mode: str, knobs: dict[str, Any] | None = None,
         for n in range(point.engines))
     catalog = Catalog(1, handles)
     now = [0.0]
-    policy = make_policy(mode, KvAwareKnobs(block_size=bs, **(knobs or {})), index,
-                         point.engines, lambda: now[0])
+    policy = (None if oracle is not None else
+              make_policy(mode, KvAwareKnobs(block_size=bs, **(knobs or {})), index,
+                          point.engines, lambda: now[0]))
     monitors = [HitRateMonitor() for _ in range(point.engines)]
     diverged: set[int] = set()
     heap: list[tuple[float, int, int, Any]] = []
@@ -392,12 +545,19 @@ def run(point: Point, seed: int, mode: str, knobs: dict[str, Any] | None = None,
             request = workload.next_request(user, issued, t)
             issued += 1
             push(t + user.rng.expovariate(1 / workload.think_s), _SEND, user)
-            placement = policy.choose(catalog, RequestView(tuple(request.tokens),
-                                                           len(request.answer)))
-            assert placement is not None
+            if oracle is not None:
+                request.hashes = prefix_hashes(request.tokens, bs)  # its hits are set: unused
+                oracle.bound(request)
+                placement = Placement(handles[oracle.choose(engines)])
+            else:
+                assert policy is not None
+                chosen = policy.choose(catalog, RequestView(tuple(request.tokens),
+                                                            len(request.answer)))
+                assert chosen is not None
+                placement = chosen
+                request.hashes = (list(placement.blocks) if placement.blocks
+                                  else prefix_hashes(request.tokens, bs))
             request.placement = placement
-            request.hashes = (list(placement.blocks) if placement.blocks
-                              else prefix_hashes(request.tokens, bs))
             handle = placement.engine
             handle.load.begin(len(request.tokens), placement.blocks)
             n = handle.incarnation
@@ -415,7 +575,8 @@ def run(point: Point, seed: int, mode: str, knobs: dict[str, Any] | None = None,
                 placement = request.placement
                 assert placement is not None
                 placement.engine.load.end(len(request.tokens), placement.blocks)
-                policy.on_complete(placement, tuple(request.tokens + request.answer))
+                if policy is not None:
+                    policy.on_complete(placement, tuple(request.tokens + request.answer))
                 if placement.predicted_cached_tokens is not None:
                     predicted_total += placement.predicted_cached_tokens
                     if monitors[request.engine].record(placement.predicted_cached_tokens,
@@ -504,7 +665,7 @@ def run_point(point: Point, seeds: Sequence[int], modes: Sequence[str],
 def verdict(point: Point, results: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Ours against the best other mode (TTFT mean and p90), cache_affinity and approximate."""
     ours = results.get(OURS)
-    others = [r for m, r in results.items() if m not in (OURS, "approximate")]
+    others = [r for m, r in results.items() if m not in (OURS, "approximate", *ORACLES)]
     if ours is None or not others:
         return {}
     best_mean = min(r["ttft_mean_ms"] for r in others)
@@ -515,6 +676,15 @@ def verdict(point: Point, results: dict[str, dict[str, Any]]) -> dict[str, Any]:
         out["vs_cache_affinity"] = results["cache_affinity"]["ttft_mean_ms"] / ours["ttft_mean_ms"]
     if "approximate" in results:
         out["approx_over_events"] = results["approximate"]["ttft_mean_ms"] / ours["ttft_mean_ms"]
+    if ORACLE in results:
+        out["oracle_over_ours"] = results[ORACLE]["ttft_mean_ms"] / ours["ttft_mean_ms"]
+        if "cache_affinity" in results:  # the most any router could beat cache_affinity by
+            out["cache_affinity_over_oracle"] = (results["cache_affinity"]["ttft_mean_ms"]
+                                                 / results[ORACLE]["ttft_mean_ms"])
+    for mode, name in ((ORACLE_UNBOUNDED, "unbounded"), (POOLED_LRU, "pooled_lru")):
+        if mode in results and "cache_affinity" in results:
+            out[f"cache_affinity_over_{name}"] = (results["cache_affinity"]["ttft_mean_ms"]
+                                                  / results[mode]["ttft_mean_ms"])
     return out
 
 
@@ -540,6 +710,11 @@ def summary_line(point: Point, results: dict[str, dict[str, Any]]) -> str:
         parts.append(f"vs cache_affinity ×{v['vs_cache_affinity']:.2f}")
     if "approx_over_events" in v:
         parts.append(f"approximate/events {v['approx_over_events']:.2f}")
+    if "cache_affinity_over_oracle" in v:
+        parts.append(f"oracle bound vs cache_affinity ×{v['cache_affinity_over_oracle']:.2f}")
+    if "cache_affinity_over_unbounded" in v:
+        parts.append(f"(unbounded cache ×{v['cache_affinity_over_unbounded']:.2f}; "
+                     f"pooled LRU, no bound, ×{v.get('cache_affinity_over_pooled_lru', 0):.2f})")
     return ", ".join(parts)
 
 
@@ -557,11 +732,18 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--unreported-capacity", action="store_true",
                    help="the engines' discovery reports no cache size (as TRT-LLM's): the "
                         "router measures fullness against the fullest engine it has seen")
+    p.add_argument("--oracle", action="store_true",
+                   help="also the oracle rows, lower bounds for any router, not policies: the "
+                        "engines' caches pooled with the best eviction, one unbounded shared "
+                        "cache; and pooled-lru (no bound: the caches pooled under LRU); "
+                        "placement by the engines' exact state")
     args = p.parse_args(argv)
     args.modes = [m for m in args.modes.split(",") if m]
     unknown = set(args.modes) - set(MODES)
     if unknown:
         p.error(f"unknown mode(s) {sorted(unknown)}; choose from {MODES}")
+    if args.oracle:
+        args.modes += ORACLES
     args.seeds = [int(s) for s in args.seeds.split(",") if s]
     knobs: dict[str, Any] = {}
     for knob in args.knob:

@@ -1,0 +1,63 @@
+"""``scripts/routing_sim.py``'s oracle is a bound: it hits what any router could hit, and more.
+
+The grid's claims of what no router can reach rest on it (issue 15), so what
+it finds cached is checked against the workload itself, and its figures
+against every policy's on a small pressured point.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import math
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def sim() -> ModuleType:
+    path = ROOT / "scripts" / "routing_sim.py"
+    spec = importlib.util.spec_from_file_location("routing_sim", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_oracle_hits_what_earlier_requests_carried_and_what_fits(sim: ModuleType) -> None:
+    point = sim.Point(tenants=1, users=2, turns=4)
+    workload = sim.Workload(point, seed=1)
+    first, second = workload.users
+    # a user, another user of the same tenant, the first user's next turn
+    cold, other, again = (workload.next_request(user, rid, 0.0)
+                          for rid, user in enumerate((first, second, first)))
+    system = point.system_tokens // point.block_size
+    history = (len(cold.tokens) + len(cold.answer)) // point.block_size
+    requests = [cold, other, again]
+    assert sim.best_hits(point, requests, math.inf) == [0, system, history]
+    # room for one system prompt: it is read again first, so it is what stays
+    assert sim.best_hits(point, requests, system) == [0, system, system]
+    assert sim.best_hits(point, requests, 0) == [0, 0, 0]
+    # the engines' LRU, touched tail first, keeps the shared root too; unbounded, it is MIN
+    assert sim.lru_hits(point, requests, system) == [0, system, system]
+    assert sim.lru_hits(point, requests, math.inf) == [0, system, history]
+
+
+def test_no_policy_beats_the_oracle_on_a_pressured_point(sim: ModuleType) -> None:
+    point = dataclasses.replace(sim.default_grid()[0], requests=300)
+    results = sim.run_point(point, [1], [*sim.MODES, *sim.ORACLES])
+    pooled, unbounded, lru = (results.pop(mode) for mode in
+                              (sim.ORACLE, sim.ORACLE_UNBOUNDED, sim.POOLED_LRU))
+    assert unbounded["hit_rate"] >= pooled["hit_rate"] >= lru["hit_rate"]
+    assert unbounded["ttft_mean_ms"] <= pooled["ttft_mean_ms"] <= lru["ttft_mean_ms"]
+    for mode, result in results.items():
+        assert pooled["hit_rate"] >= result["hit_rate"], mode
+        assert pooled["ttft_mean_ms"] <= result["ttft_mean_ms"], mode
+    verdict = sim.verdict(point, {**results, sim.ORACLE: pooled})
+    assert verdict["cache_affinity_over_oracle"] >= verdict["vs_cache_affinity"]
