@@ -571,6 +571,8 @@ def run(point: Point, seed: int, mode: str, knobs: dict[str, Any] | None = None,
             first, done = engine.finish_step()
             for request in first:
                 request.ttft = t - request.arrival
+                if request.placement is not None and request.placement.prefilled is not None:
+                    request.placement.prefilled()  # as the relay does at the first token
             for request in done:
                 placement = request.placement
                 assert placement is not None

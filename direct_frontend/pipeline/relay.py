@@ -599,6 +599,7 @@ class Relay:
                 ) as engine_call:  # on a decode engine: its prefill leg first (P/D)
                     receiver = engine_call.events
                     movers = engine.load.movers
+                    prefilled = placement.prefilled
                     with trio.CancelScope() as stall:
                         move = functools.partial(_move_off, state, stall)
                         movers.add(move)
@@ -609,6 +610,9 @@ class Relay:
                                 stall.deadline = math.inf
                                 text, tokens, finished = state.take(event, receiver)
                                 now = time.perf_counter()
+                                if prefilled is not None:  # this attempt's first output
+                                    prefilled()  # its prefill is off the engine's queue
+                                    prefilled = None
                                 if last_emit == 0.0:
                                     metrics.observe_ttft(now - state.started)
                                     if self.series is not None:

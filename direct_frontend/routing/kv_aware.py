@@ -5,9 +5,9 @@ Cost per engine, lower is better, in blocks of prefill work::
     cost = (overlap_weight + eviction_weight × fullness there)
              × blocks to prefill there (request blocks − cached leading blocks)
          + prefill queue there (blocks we sent it that it has not prefilled yet)
-         + in_flight_weight × requests in flight there, sibling replicas' included
-           (routing/peers.py; each decode slows every step;
-           half that without KV events, where the queue already lasts a request's life)
+         + in_flight_weight × requests in flight there, sibling replicas' and other
+           clients' included (routing/peers.py; each decode slows every step;
+           half that without KV events: measured better there, scripts/routing_sim.py)
 
 These terms are what TTFT is made of on an engine that prefills first come,
 first served: the request waits for the queue ahead of it, then prefills its
@@ -22,12 +22,13 @@ caches it twice), and a new prefix goes where there is room (issue 15: a fixed
 weight of 3 placed each new tenant on whichever engine was idle that instant,
 and the partition it made, three tenants on one engine and one on another,
 never healed). The queue is our own accounting: a request's
-miss counts from its dispatch until the engine's KV events show its last
-prompt block stored (exact), or, for engines without KV events, until it
-finishes (an overestimate: decode included, so approximate mode balances
-earlier). Where KV events flow, the overlap steered by also counts, at
-``memory_weight``, what we sent an engine (:meth:`KvAware.remembered`). No
-engine speed enters, so no knob depends on the hardware.
+miss counts from its dispatch until its prefill is done, which the engine's
+KV events show (its last prompt block stored) and its first token shows for
+every engine (:attr:`Placement.prefilled`, called by the relay); a request
+that fails early stops counting after ``PREFILL_FORGET_S``. Where KV events
+flow, the overlap steered by also counts, at ``memory_weight``, what we sent
+an engine (:meth:`KvAware.remembered`). No engine speed enters, so no knob
+depends on the hardware.
 
 argmin at ``temperature == 0`` (ties → fewer requests in flight → round robin),
 else softmax sampling over the min–max-normalised costs. A load guard (smg's
@@ -44,6 +45,7 @@ what the router itself sent where.
 from __future__ import annotations
 
 import collections
+import functools
 import math
 import random
 import time
@@ -212,11 +214,15 @@ class PrefillQueue:
     def bind(self, placement: Placement, engine: str, token: int) -> None:
         self._of[id(placement)] = (engine, token)
 
-    def finished(self, placement: Placement) -> None:
-        engine, token = self._of.pop(id(placement), ("", 0))
+    def prefilled(self, engine: str, token: int) -> None:
+        """The engine answered the request's first token: its prefill is no longer queued."""
         queued = self._queued.get(engine)
         if queued is not None:
             queued.pop(token, None)
+
+    def finished(self, placement: Placement) -> None:
+        engine, token = self._of.pop(id(placement), ("", 0))
+        self.prefilled(engine, token)
 
     def depth(self, engine: str, now: float, stored: Callable[[int], bool] | None) -> int:
         """Blocks still to prefill; ``stored(h)``: the engine's events show block ``h`` stored."""
@@ -368,12 +374,15 @@ class KvAware:
         block = knobs.block_size
         held = overlaps.get(chosen.name, 0)
         predicted = min(held * block, (len(request.input_ids) - 1) // block * block)
-        placement = Placement(chosen, tuple(hashes), predicted, spilled)
-        # queued as the cost weighed it (a miss the memory expects to be short is short)
+        # queued as the cost weighed it (a miss the memory expects to be short is short),
+        # until the engine's events show its last block stored, its first token, or its end
         queued = len(hashes) - max(held, steer.get(chosen.name, 0))
-        if queued > 0:
-            token = self.queue.add(chosen.name, hashes[-1], queued, now)
-            self.queue.bind(placement, chosen.name, token)
+        if queued <= 0:
+            return Placement(chosen, tuple(hashes), predicted, spilled)
+        token = self.queue.add(chosen.name, hashes[-1], queued, now)
+        placement = Placement(chosen, tuple(hashes), predicted, spilled,
+                              functools.partial(self.queue.prefilled, chosen.name, token))
+        self.queue.bind(placement, chosen.name, token)
         return placement
 
     def remembered(
@@ -391,9 +400,8 @@ class KvAware:
         is a prefix's home after an eviction, where sending it again re-caches
         it once instead of copying it to a second engine. Where events flow it
         counts at a fraction, so a real hit is worth more; without events it
-        counts whole (the LRU model only predicts): there the queue we account
-        lasts until a request ends, decode included, and a weaker home would
-        let that overestimate push conversations off their engines.
+        counts whole (the LRU model only predicts what the engine holds, and
+        the home is the best guess of where a conversation's blocks still are).
         """
         if self.sent is self.approx and not self.uses_events:
             return overlaps  # nothing the overlaps do not already say
@@ -485,7 +493,7 @@ class KvAware:
                   for e, stored in zip(candidates, stored_at, strict=True)]
         fullness = self.fullness(candidates, request_blocks, overlaps, queued)
         for e, stored, depth in zip(candidates, stored_at, queued, strict=True):
-            # without events the queue already lasts each request's whole life: half the weight
+            # without events half the weight (measured: routing_sim's grid, README)
             in_flight = knobs.in_flight_weight * (1.0 if stored is not None else 0.5)
             miss = request_blocks - overlaps.get(e.name, 0)
             costs.append(

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Protocol
 
 from direct_frontend.routing.catalog import Catalog, EngineHandle
@@ -39,6 +39,9 @@ class Placement:
     predicted_cached_tokens: int | None = None
     #: the load guard overrode the cache: the engine holding the prefix was too busy
     spilled: bool = False
+    #: to call when the engine's first output arrives (its prefill is done), so the policy
+    #: stops counting the request's prefill in that engine's queue; None: it counts none
+    prefilled: Callable[[], None] | None = None
 
 
 class Policy(Protocol):

@@ -13,6 +13,7 @@ from tests.support.daemon import (
     Daemon,
     free_port,
     kv_fleet_text,
+    raw_stream,
     running_daemon,
     sim_engine,
     wait_for,
@@ -122,3 +123,21 @@ def test_an_engine_with_one_token_pages_is_indexed_in_our_blocks(
             fleet = httpx.get(daemon.url + "/fleet").json()
             assert fleet["engines"][0]["kv_routing"] == "events"
             assert metric(daemon, "direct_frontend_kv_predicted_cached_tokens_total") == 160
+
+
+def test_a_streams_prefill_leaves_the_routing_queue_at_its_first_token(
+    model_dir: Path, tmp_path: Path,
+) -> None:
+    """Without KV events nothing else says when a prefill ended: the relay tells the policy."""
+    slow = sim_engine("a", "vllm", decode_us_per_token=50_000, prefill_us_per_token=0,
+                      eos_probability=0.0)  # a 200-token stream lasts 10 s
+    with running_daemon(tmp_path, kv_fleet_text(model_dir, [slow])) as daemon:
+        daemon.wait_serving(1)
+        policy = daemon.control.models.get("demo").settings.policy
+        long = {"model": "demo", "max_tokens": 200, "stream": True,
+                "messages": [{"role": "user", "content": "tell me a long story " * 8}]}
+        with raw_stream(daemon.url, long, events=2):
+            child = daemon.supervisor.children["a"]
+            assert child.in_flight == 1  # still streaming …
+            # … and its prefill no longer counts in the engine's queue
+            assert policy.queue.depth("a", policy.clock(), None) == 0

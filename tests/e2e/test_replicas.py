@@ -43,18 +43,23 @@ def replicas_table(nats: str | None, link: str = "peer_timeout_s = 2.0\n") -> st
 def fleet_for(
     model_dir: Path, engines: list[dict[str, Any]], nats: str | None, *, embeds: bool,
     policy: str = "least_loaded", kv: bool = False, routing_extra: str = "",
-    link: str = "peer_timeout_s = 2.0\n",
+    link: str = "peer_timeout_s = 2.0\n", read_loads: bool = True,
 ) -> str:
-    """One replica's fleet file; only the replica that ``embeds`` runs the simulators."""
+    """One replica's fleet file; only the replica that ``embeds`` runs the simulators.
+
+    ``read_loads``: whether it reads the engines' own load reports (GetLoads), which
+    show it the other replicas' requests too, NATS or not.
+    """
     tables = copy.deepcopy(engines)
     for table in tables:
         table["simulate"] = embeds
         if not embeds:
             table.pop("simulator", None)
     extra = replicas_table(nats, link)
+    probe = "interval_s = 0.2\ntimeout_s = 1.0\n" + ("" if read_loads else "read_loads = false\n")
     if kv:
-        return kv_fleet_text(model_dir, tables, frontend_extra=extra)
-    text = fleet_text(model_dir, tables, frontend_extra=extra)
+        return kv_fleet_text(model_dir, tables, frontend_extra=extra, probe=probe)
+    text = fleet_text(model_dir, tables, frontend_extra=extra, probe=probe)
     return text.replace("[frontend.probe]", f'[frontend.routing]\npolicy = "{policy}"\n'
                         f"{routing_extra}\n\n[frontend.probe]")
 
@@ -169,16 +174,33 @@ def test_without_nats_replicas_share_nothing(model_dir: Path, tmp_path: Path) ->
     """What not sharing costs: a replica alone weighs only its own streams.
 
     Two streams each: every replica sees two in flight where the fleet has
-    six, so its next placement balances its own share only.
+    six, so its next placement balances its own share only. (The engines' own
+    load reports are off here; the next test has them on.)
     """
     engines = [sim_engine(f"e{i}", "sglang", **SLOW) for i in range(3)]
-    with replicas(tmp_path, model_dir, engines, None, 3) as daemons, contextlib.ExitStack() as s:
+    with replicas(tmp_path, model_dir, engines, None, 3, read_loads=False) as daemons, \
+            contextlib.ExitStack() as s:
         burst(daemons, 2, s, shared=False)
         assert sum(placed(daemons).values()) == 6
         for daemon in daemons:
             seen = [e.load.fleet_in_flight for e in daemon.supervisor.catalog.engines]
             assert sum(seen) == 2 and max(seen) == 1  # its own two, spread over its view
         assert fleet(daemons[0])["replicas"] is None
+
+
+def test_without_nats_the_engines_reports_show_the_other_replicas_load(
+    model_dir: Path, tmp_path: Path,
+) -> None:
+    """No link, but the engines count every client: each replica sees all six at a probe."""
+    engines = [sim_engine(f"e{i}", "sglang", **SLOW) for i in range(3)]
+    with replicas(tmp_path, model_dir, engines, None, 3) as daemons, contextlib.ExitStack() as s:
+        burst(daemons, 2, s, shared=False)
+        assert sum(placed(daemons).values()) == 6
+        for daemon in daemons:
+            catalog = daemon.supervisor.catalog
+            wait_for(lambda c=catalog: sum(e.load.fleet_in_flight for e in c.engines) == 6,
+                     what="the engines' reports of the others' streams")
+            assert sum(e.load.in_flight for e in catalog.engines) == 2  # its own
 
 
 def test_a_fault_seen_by_one_replica_is_acted_on_by_the_other(

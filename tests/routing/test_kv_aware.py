@@ -365,6 +365,21 @@ def test_an_engines_capacity_is_the_fleet_files_else_what_discovery_reported() -
     assert chosen is not None and chosen.engine.name == "b"  # a new prefix: where there is room
 
 
+def test_a_requests_prefill_leaves_the_queue_at_its_first_token() -> None:
+    policy = KvAware(KvAwareKnobs(block_size=BS))  # no events: nothing else would tell
+    catalog = Catalog(1, (handle("a"), handle("b")))
+    placed = policy.choose(catalog, view(PROMPT), exclude={"b"})
+    assert placed is not None and placed.prefilled is not None
+    now = policy.clock()
+    assert policy.queue.depth("a", now, None) == len(HASHES)  # all 8 blocks to prefill
+    placed.prefilled()
+    assert policy.queue.depth("a", now, None) == 0  # decoding now: its prefill is done
+    policy.on_complete(placed, PROMPT)  # and its end changes nothing more
+    assert policy.queue.depth("a", now, None) == 0
+    again = policy.choose(catalog, view(PROMPT), exclude={"b"})
+    assert again is not None and again.prefilled is None  # all cached there: nothing queued
+
+
 def test_without_events_a_reported_capacity_turns_the_lru_model_on() -> None:
     policy = KvAware(KvAwareKnobs(block_size=BS, in_flight_weight=0))
     catalog = Catalog(1, (sized("a", 8 * BS), sized("b", None)))
