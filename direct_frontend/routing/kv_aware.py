@@ -202,7 +202,6 @@ class PrefillQueue:
     def __init__(self) -> None:
         #: engine → token → (the request's last prompt block hash, blocks to prefill, sent at)
         self._queued: dict[str, collections.OrderedDict[int, tuple[int, int, float]]] = {}
-        self._of: dict[int, tuple[str, int]] = {}  # id(placement) → (engine, token)
         self._next = 0
 
     def add(self, engine: str, last_block: int, blocks: int, now: float) -> int:
@@ -211,18 +210,15 @@ class PrefillQueue:
             last_block, blocks, now)
         return self._next
 
-    def bind(self, placement: Placement, engine: str, token: int) -> None:
-        self._of[id(placement)] = (engine, token)
-
     def prefilled(self, engine: str, token: int) -> None:
-        """The engine answered the request's first token: its prefill is no longer queued."""
+        """The request's prefill is done (its first token, or its end): no longer queued.
+
+        A placement carries this as :attr:`Placement.prefilled`; a request that
+        never gets that far is forgotten by :meth:`depth` after ``PREFILL_FORGET_S``.
+        """
         queued = self._queued.get(engine)
         if queued is not None:
             queued.pop(token, None)
-
-    def finished(self, placement: Placement) -> None:
-        engine, token = self._of.pop(id(placement), ("", 0))
-        self.prefilled(engine, token)
 
     def depth(self, engine: str, now: float, stored: Callable[[int], bool] | None) -> int:
         """Blocks still to prefill; ``stored(h)``: the engine's events show block ``h`` stored."""
@@ -382,7 +378,6 @@ class KvAware:
         token = self.queue.add(chosen.name, hashes[-1], queued, now)
         placement = Placement(chosen, tuple(hashes), predicted, spilled,
                               functools.partial(self.queue.prefilled, chosen.name, token))
-        self.queue.bind(placement, chosen.name, token)
         return placement
 
     def remembered(
@@ -519,7 +514,8 @@ class KvAware:
 
     def on_complete(self, placement: Placement, token_ids: Sequence[int]) -> None:
         """The engine holds these tokens' blocks now (prompt + answer): remembered, and dequeued."""
-        self.queue.finished(placement)
+        if placement.prefilled is not None:
+            placement.prefilled()
         self._remember(placement.engine.name, self.hashes(token_ids), self.clock())
 
     def _remember(self, engine: str, hashes: Sequence[int], now: float) -> None:

@@ -196,7 +196,8 @@ def test_a_busy_engine_holding_the_prefix_wins_until_its_load_outweighs_the_savi
         catalog = Catalog(in_flight, (handle("a"), handle("b", in_flight=in_flight)))
         chosen = policy.choose(catalog, view(PROMPT))
         assert chosen is not None and chosen.engine.name == winner, in_flight
-        policy.queue.finished(chosen)
+        if chosen.prefilled is not None:
+            chosen.prefilled()  # its prefill done: the next request finds no queue
 
 
 def test_a_placement_carries_the_blocks_and_never_predicts_the_last_prompt_token() -> None:
