@@ -631,6 +631,8 @@ class Relay:
                                     return
                         finally:
                             movers.discard(move)
+                            if prefilled is not None:  # it ended with no output: not queued
+                                prefilled()
                     raise state.interrupted(trio.current_time())
             except EngineError as error:
                 state.pending_error = None

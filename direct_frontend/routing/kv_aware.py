@@ -24,8 +24,9 @@ and the partition it made, three tenants on one engine and one on another,
 never healed). The queue is our own accounting: a request's
 miss counts from its dispatch until its prefill is done, which the engine's
 KV events show (its last prompt block stored) and its first token shows for
-every engine (:attr:`Placement.prefilled`, called by the relay); a request
-that fails early stops counting after ``PREFILL_FORGET_S``. Where KV events
+every engine (:attr:`Placement.prefilled`, called by the relay, also when an
+attempt ends with no output); one never heard of again stops counting after
+``PREFILL_FORGET_S``. Where KV events
 flow, the overlap steered by also counts, at ``memory_weight``, what we sent
 an engine (:meth:`KvAware.remembered`). No engine speed enters, so no knob
 depends on the hardware.

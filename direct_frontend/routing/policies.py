@@ -39,8 +39,9 @@ class Placement:
     predicted_cached_tokens: int | None = None
     #: the load guard overrode the cache: the engine holding the prefix was too busy
     spilled: bool = False
-    #: to call when the engine's first output arrives (its prefill is done), so the policy
-    #: stops counting the request's prefill in that engine's queue; None: it counts none
+    #: to call when the engine's first output arrives (its prefill is done) or the attempt
+    #: ends without any, so the policy stops counting the request's prefill in that
+    #: engine's queue; None: it counts none
     prefilled: Callable[[], None] | None = None
 
 

@@ -6,8 +6,10 @@ import re
 from pathlib import Path
 
 import httpx
+from grpclib import Status
 
 from direct_frontend.simulator import SimEngine
+from direct_frontend.simulator.faults import FaultPlan
 from direct_frontend.simulator.model import TimingModel
 from tests.support.daemon import (
     Daemon,
@@ -141,3 +143,19 @@ def test_a_streams_prefill_leaves_the_routing_queue_at_its_first_token(
             assert child.in_flight == 1  # still streaming …
             # … and its prefill no longer counts in the engine's queue
             assert policy.queue.depth("a", policy.clock(), None) == 0
+
+
+def test_an_attempt_that_fails_before_any_output_leaves_the_routing_queue(
+    model_dir: Path, tmp_path: Path,
+) -> None:
+    """A refused attempt is retried elsewhere; the engine that refused it has nothing queued."""
+    engines = [sim_engine(name, "vllm", **TIMING) for name in ("a", "b")]
+    with running_daemon(tmp_path, kv_fleet_text(model_dir, engines)) as daemon:
+        daemon.wait_serving(2)
+        policy = daemon.control.models.get("demo").settings.policy
+        for sim in daemon.supervisor.simulators.values():
+            sim.faults = FaultPlan(status=Status.UNAVAILABLE, only_request=1)
+        complete(daemon, list(range(300, 364)))  # refused by the first, served by the other
+        refused = [n for n, s in daemon.supervisor.simulators.items() if s.stats.requests == 0]
+        assert len(refused) == 1
+        assert policy.queue.depth(refused[0], policy.clock(), None) == 0
