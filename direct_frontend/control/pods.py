@@ -53,6 +53,8 @@ WATCH_SLACK_S = 30.0
 QUICK_WATCH_S = 0.5
 #: membership changes this close together reach the supervisor as one edit
 COALESCE_S = 0.02
+#: how long a reload that restarts every watch waits for them to end before closing their client
+WATCHES_END_S = 5.0
 
 ClientFactory = Callable[[KubernetesConfig], httpx.AsyncClient]
 
@@ -113,6 +115,8 @@ class PoolWatch:
         self.watches = 0
         self.events = 0
         self.scope = trio.CancelScope()
+        #: set when its task has ended (so the client it used can be closed)
+        self.finished = trio.Event()
 
     @property
     def engines(self) -> tuple[EngineConfig, ...]:
@@ -151,11 +155,16 @@ class PoolWatch:
         reason = "start"
         with self.scope:
             while True:
+                client: httpx.AsyncClient | None = None
                 try:
                     client = await client_of()
                     await self._list(client, reason)
                     attempt = 0
                     reason = await self._watch_until_relist(client)
+                except RuntimeError:
+                    if client is None or not client.is_closed:
+                        raise
+                    reason = "reconnect"  # closed under us by a reload: the next client
                 except (httpx.HTTPError, OSError, ApiFailure, ValueError, ConfigError) as exc:
                     self._failed(exc)
                     await trio.sleep(backoff_s(attempt, self.settings.max_backoff_s))
@@ -338,10 +347,14 @@ class PodDiscovery:
             settings, wait_for_pods=False
         ) != dataclasses.replace(self._client_settings, wait_for_pods=False)
         if restart_all and self._client is not None:
-            # the watches first: one starting a request on the client being closed would
-            # fail with an error no retry handles (it took the daemon down in CI)
+            # the watches end first: one that had its last answer in hand when cancelled
+            # runs on to its next request before the cancel reaches it, and a request on
+            # a closed client is an error (it took the daemon down in CI)
             for watch in self.watches.values():
                 watch.scope.cancel()
+            with trio.move_on_after(WATCHES_END_S):
+                for watch in self.watches.values():
+                    await watch.finished.wait()
             client, self._client = self._client, None
             await client.aclose()
         for name, watch in list(self.watches.items()):
@@ -377,5 +390,8 @@ class PodDiscovery:
             return self._client
 
     async def _run_watch(self, watch: PoolWatch) -> None:
-        await watch.run(self._client_of)
+        try:
+            await watch.run(self._client_of)
+        finally:
+            watch.finished.set()
 

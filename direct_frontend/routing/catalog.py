@@ -33,8 +33,11 @@ class EngineLoad:
     peer_in_flight: int = 0
     peer_active: frozenset[int] = frozenset()
     peer_blocks: int = 0
-    #: requests other clients have here, as of the engine's last report (0: none reported)
-    foreign_in_flight: int = 0
+    #: from the engine's last report: its requests beyond ours and our siblings' then, how
+    #: many our siblings had then, and the most they have had since (:attr:`foreign_in_flight`)
+    others_reported: int = 0
+    peers_at_report: int = 0
+    peers_most_since: int = 0
     #: one callback per running stream that asks it to move to another engine
     #: (a planned migration off a draining engine)
     movers: set[Callable[[], None]] = dataclasses.field(default_factory=set)
@@ -46,10 +49,29 @@ class EngineLoad:
         """Requests in flight here from every replica and other client: the load a policy weighs."""
         return self.in_flight + self.peer_in_flight + self.foreign_in_flight
 
+    @property
+    def foreign_in_flight(self) -> int:
+        """Requests other clients have here, as of the engine's last report (0: none reported).
+
+        A sibling's request we heard of only after the report may be one the
+        report already counted: what our siblings gained since comes off, so no
+        request counts twice (a new one of theirs may count once too few until
+        the next report).
+        """
+        gained = max(self.peers_most_since, self.peer_in_flight) - self.peers_at_report
+        return max(0, self.others_reported - gained) if gained > 0 else self.others_reported
+
+    def peers_say(self, requests: int) -> None:
+        """Our sibling replicas have ``requests`` in flight here (routing/peers.py)."""
+        self.peer_in_flight = requests
+        if requests > self.peers_most_since:
+            self.peers_most_since = requests
+
     def engine_reported(self, requests: int | None) -> None:
         """The engine reports ``requests`` from every client (None: it could not say)."""
         ours = self.in_flight + self.peer_in_flight
-        self.foreign_in_flight = 0 if requests is None else max(0, requests - ours)
+        self.others_reported = 0 if requests is None else max(0, requests - ours)
+        self.peers_at_report = self.peers_most_since = self.peer_in_flight
 
     def move_all(self) -> int:
         """Ask every stream running here to continue elsewhere; returns how many were asked."""

@@ -47,7 +47,7 @@ def apply_peer_loads(
     for engine in engines:
         requests, blocks = totals.get(engine.name, _NONE)
         load = engine.load
-        load.peer_in_flight = requests
+        load.peers_say(requests)
         load.peer_active = blocks
         load.peer_blocks = len(blocks)
 

@@ -96,6 +96,33 @@ def test_an_unreachable_server_marks_the_pool_stale_and_backs_off(
     trio.run(main)
 
 
+def test_a_client_closed_under_the_watch_is_replaced_not_fatal(
+    api: ApiServer, tmp_path: Path
+) -> None:
+    """A reload closes the client; a watch that still had it in hand takes the next one."""
+    api.put(pod("a", "10.0.0.1", None))
+    watch = PoolWatch(POOL, SETTINGS, Metrics(), lambda: None)
+    settings = KubernetesConfig(kubeconfig=str(api.kubeconfig(tmp_path / "kubeconfig")),
+                                watch_timeout_s=1, max_backoff_s=0.1)
+    clients: list[httpx2.AsyncClient] = []
+
+    async def client_of() -> httpx2.AsyncClient:
+        clients.append(kube_client(settings, tmp_path / "fleet.toml"))
+        if len(clients) == 1:
+            await clients[0].aclose()  # closed before the watch's first request
+        return clients[-1]
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(watch.run, client_of)
+            await until_trio(lambda: watch.listed, what="listed on the next client")
+            assert len(clients) == 2 and [e.name for e in watch.engines] == ["web/a"]
+            nursery.cancel_scope.cancel()
+        await clients[-1].aclose()
+
+    trio.run(main)
+
+
 def test_a_kubeconfig_context_that_does_not_exist_is_an_error(
     api: ApiServer, tmp_path: Path
 ) -> None:

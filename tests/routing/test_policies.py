@@ -55,6 +55,19 @@ def test_other_clients_requests_count_as_the_engine_last_reported_them() -> None
     assert a.load.fleet_in_flight == 2
 
 
+def test_a_siblings_request_the_engine_reported_before_we_heard_of_it_counts_once() -> None:
+    e = handle("e", 1)
+    e.load.peer_in_flight = 1
+    e.load.engine_reported(6)  # ours 1, a sibling's 1, so 4 others'…
+    assert e.load.foreign_in_flight == 4
+    e.load.peers_say(3)  # … of which 2 were the sibling's, not yet heard of
+    assert (e.load.foreign_in_flight, e.load.fleet_in_flight) == (2, 6)
+    e.load.peers_say(0)  # the sibling's ended: the others' 2 stay until the next report
+    assert (e.load.foreign_in_flight, e.load.fleet_in_flight) == (2, 3)
+    e.load.engine_reported(3)  # ours 1 and the others' 2
+    assert (e.load.foreign_in_flight, e.load.fleet_in_flight) == (2, 3)
+
+
 def test_fresh_policies_start_their_turns_at_random() -> None:
     """Replicas placing at once must not all break their first ties alike (issue 14)."""
     catalog = Catalog(1, (handle("a"), handle("b"), handle("c")))
