@@ -28,6 +28,7 @@ from direct_frontend.control.lifecycle import (
 )
 from direct_frontend.control.restarts import RestartCount
 from direct_frontend.engines.dialects import dialect_for
+from direct_frontend.engines.dialects.base import Rpc
 from direct_frontend.engines.neutral import EngineInfo, EngineRole
 from direct_frontend.engines.transport import EngineChannel
 from direct_frontend.errors import EngineError, ErrorKind
@@ -273,13 +274,17 @@ class EngineChild:
             except EngineError as exc:
                 if not rpc.optional:
                     raise
-                if rpc.path not in self._optional_missing:
-                    self._optional_missing.add(rpc.path)
-                    log.info("engine %s does not answer %s (%s); joining without it",
-                             self.name, rpc.path.rsplit("/", 1)[-1], exc,
-                             extra={"engine": self.name, "incarnation": self.incarnation})
+                self._without(rpc, exc, "joining without it")
                 replies.append(None)
         return self.dialect.engine_info(replies)
+
+    def _without(self, rpc: Rpc, exc: EngineError, meaning: str) -> None:
+        """The engine does not serve optional ``rpc``: not asked again, logged once."""
+        if rpc.path not in self._optional_missing:
+            self._optional_missing.add(rpc.path)
+            log.info("engine %s does not answer %s (%s); %s", self.name,
+                     rpc.path.rsplit("/", 1)[-1], exc, meaning,
+                     extra={"engine": self.name, "incarnation": self.incarnation})
 
     def _serve(self, info: EngineInfo, model: ModelConfig) -> None:
         assert self.channel is not None
@@ -357,10 +362,7 @@ class EngineChild:
         except (EngineError, trio.TooSlowError) as exc:
             requests = None  # a stale figure is worse than none: count ours alone
             if isinstance(exc, EngineError) and exc.kind is ErrorKind.BAD_REQUEST:
-                self._optional_missing.add(rpc.path)  # UNIMPLEMENTED: never asked again
-                log.info("engine %s does not answer %s (%s); weighing our own requests only",
-                         self.name, rpc.path.rsplit("/", 1)[-1], exc,
-                         extra={"engine": self.name, "incarnation": self.incarnation})
+                self._without(rpc, exc, "weighing our own requests only")  # UNIMPLEMENTED
         self.load.engine_reported(requests)
 
     async def _rejoin(self) -> None:

@@ -155,14 +155,6 @@ class HealthResult:
     message: str
 
 
-def scheduler_requests(response: Any) -> int:
-    """Requests an engine has (running and waiting, every rank) from a GetLoads reply.
-
-    SGLang and vLLM share the ``SchedulerLoad`` shape for these fields.
-    """
-    return sum(load.num_running_reqs + load.num_waiting_reqs for load in response.loads)
-
-
 #: the bootstrap server port SGLang (``--disaggregation-bootstrap-port``) and vLLM's
 #: Mooncake connector both listen on unless told otherwise
 DEFAULT_BOOTSTRAP_PORT = 8998
@@ -608,7 +600,7 @@ class Dialect(abc.ABC):
 
     def engine_requests(self, response: Any) -> int:
         """Requests the engine has, from every client, from the reply to :meth:`loads`."""
-        return scheduler_requests(response)
+        raise NotImplementedError(f"{self.kind} engines report no load")
 
     @abc.abstractmethod
     def engine_info(self, responses: Sequence[Any]) -> EngineInfo:
@@ -651,6 +643,19 @@ class SmgDialect(Dialect):
 
     def health_result(self, response: Any) -> HealthResult:
         return HealthResult(bool(response.healthy), response.message)
+
+    def get_loads(self) -> Rpc:
+        """GetLoads (SGLang, vLLM); optional, as not every servicer version serves it."""
+        pb = self.pb
+        return Rpc(f"{self.service}/GetLoads", pb.GetLoadsRequest(include=["core"]),
+                   pb.GetLoadsResponse, optional=True)
+
+    def loads(self) -> Rpc | None:
+        return self.get_loads()
+
+    def engine_requests(self, response: Any) -> int:
+        """Running and waiting requests on every rank (SGLang and vLLM share ``SchedulerLoad``)."""
+        return sum(load.num_running_reqs + load.num_waiting_reqs for load in response.loads)
 
     def discovery(self) -> Sequence[Rpc]:
         pb, service = self.pb, self.service

@@ -114,10 +114,6 @@ class SglangDialect(SmgDialect):
     service: ClassVar[str] = SERVICE
     pb: ClassVar[ModuleType] = pb
 
-    def loads(self) -> Rpc:
-        return Rpc(f"{SERVICE}/GetLoads", pb.GetLoadsRequest(include=["core"]),
-                   pb.GetLoadsResponse)
-
     def generate(self, call: GenerateCall) -> Rpc:
         self.check(call)
         s = call.sampling

@@ -266,6 +266,9 @@ class TrtllmDialect(SmgDialect):
         status = response.status
         return HealthResult(status == "OK", status)
 
+    def loads(self) -> Rpc | None:
+        return None  # the contract has no GetLoads
+
     def engine_info(self, responses: Sequence[Any]) -> EngineInfo:
         model, server = responses
         return EngineInfo(

@@ -242,13 +242,9 @@ class VllmDialect(SmgDialect):
         # The contract takes a list and no reason; the reply is empty (errors are statuses).
         return Rpc(f"{SERVICE}/Abort", pb.AbortRequest(request_ids=[request_id]), pb.AbortResponse)
 
-    def loads(self) -> Rpc:
-        return Rpc(f"{SERVICE}/GetLoads", pb.GetLoadsRequest(include=["core"]),
-                   pb.GetLoadsResponse, optional=True)
-
     def discovery(self) -> Sequence[Rpc]:
-        """Model and server info, and GetLoads for the KV cache size (optional: newer servicers)."""
-        return (*super().discovery(), self.loads())
+        """Model and server info, and GetLoads: the one call here that states the KV cache size."""
+        return (*super().discovery(), self.get_loads())
 
     def engine_info(self, responses: Sequence[Any]) -> EngineInfo:
         model, server, loads = responses
