@@ -59,7 +59,8 @@ Usage::
                                                        # (scripts/bench_models.py)
     python scripts/bench_routing.py grid               # the virtual-time grid, ~3 min
     python scripts/bench_routing.py grid --points 0,4 --seeds 1 --knob overlap_weight=2
-    python scripts/bench_routing.py grid --oracle      # also a bound no router can beat
+    python scripts/bench_routing.py grid --oracle      # also bounds no router can beat, and
+                                                       # references (pooled LRU, exact greedy)
 """
 
 from __future__ import annotations

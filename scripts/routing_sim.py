@@ -48,7 +48,7 @@ import json
 import math
 import random
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 from direct_frontend.engines.neutral import EngineInfo, EngineRole
@@ -69,7 +69,10 @@ OURS = "kv-events"
 ORACLE = "oracle"
 ORACLE_UNBOUNDED = "oracle-unbounded"
 POOLED_LRU = "pooled-lru"
-ORACLES = (ORACLE, ORACLE_UNBOUNDED, POOLED_LRU)
+#: a reference, no bound: each request where its own first token comes soonest, by the
+#: engines' exact state (:func:`first_token_in`): the best a router without foresight does greedily
+EXACT_GREEDY = "exact-greedy"
+ORACLES = (ORACLE, ORACLE_UNBOUNDED, POOLED_LRU, EXACT_GREEDY)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -201,7 +204,8 @@ class ModelEngine:
         self.waiting: collections.deque[Request] = collections.deque()
         self.prefilling: collections.deque[Request] = collections.deque()
         self.decoding: list[Request] = []
-        self.stepping = False
+        #: when the step under way ends (None: none is)
+        self.step_end: float | None = None
         self.evictions = 0
         self.requests = 0
 
@@ -298,12 +302,13 @@ class ModelEngine:
             request.to_prefill -= take
             budget -= take
             prefilled += take
-        return now + (p.step_ms * 1e-3 + prefilled * p.prefill_us * 1e-6
-                      + len(self.decoding) * p.decode_us * 1e-6)
+        self.step_end = now + step_seconds(p, prefilled, len(self.decoding))
+        return self.step_end
 
     def finish_step(self) -> tuple[list[Request], list[Request]]:
         """The step's effects: the requests that got their first token, and those done."""
         p = self.point
+        self.step_end = None
         first: list[Request] = []
         done = []
         still = []
@@ -330,6 +335,85 @@ class ModelEngine:
     @property
     def busy(self) -> bool:
         return bool(self.waiting or self.prefilling or self.decoding)
+
+
+def step_seconds(point: Point, prefilled: int, decoding: int) -> float:
+    return (point.step_ms * 1e-3 + prefilled * point.prefill_us * 1e-6
+            + decoding * point.decode_us * 1e-6)
+
+
+def held_blocks(engine: ModelEngine, hashes: Sequence[int],
+                also: Collection[int] = ()) -> int:
+    """The leading blocks of ``hashes`` cached on ``engine`` now (or in ``also``)."""
+    held = 0
+    for h in hashes:
+        if h not in engine and h not in also:
+            break
+        held += 1
+    return held
+
+
+def first_token_in(engine: ModelEngine, request: Request, now: float) -> float:
+    """Seconds until ``request``'s first token if it joined ``engine``'s queue at ``now``.
+
+    The engine's own steps played forward on a copy of its queue, the blocks
+    each prefill stores included: exact when nothing else arrives there
+    before that token and nothing it would find is evicted meanwhile.
+    """
+    p = engine.point
+    # [to prefill, to decode, the request's prompt blocks] per request, in the engine's order
+    prefilling = [[r.to_prefill, r.to_decode, r.hashes] for r in engine.prefilling]
+    decoding = [r.to_decode for r in engine.decoding]
+    waiting = [r for r in engine.waiting] + [request]
+    stored: set[int] = set()  # stored by the prefills played forward
+    t = now
+    if engine.step_end is not None:  # the step under way: its prefill is already counted
+        t = engine.step_end
+    else:
+        decoding = [d + 1 for d in decoding]  # no step to finish: nothing is decremented
+    while True:
+        # the end of a step (the one under way first), as finish_step
+        decoding = [d - 1 for d in decoding if d > 1]
+        while prefilling and prefilling[0][0] <= 0:
+            _, to_decode, hashes = prefilling.pop(0)
+            if hashes is request.hashes:
+                return t - now
+            stored.update(hashes)
+            if to_decode > 1:
+                decoding.append(to_decode - 1)
+        # the next step, as begin_step (admit looks its hits up then)
+        while waiting and len(prefilling) + len(decoding) < p.max_running:
+            r = waiting.pop(0)
+            held = held_blocks(engine, r.hashes, stored)
+            prefilling.append([len(r.tokens) - cacheable(p, r, held), len(r.answer), r.hashes])
+        budget = p.chunk
+        prefilled = 0
+        for entry in prefilling:
+            if budget <= 0:
+                break
+            take = min(budget, entry[0])
+            entry[0] -= take
+            budget -= take
+            prefilled += take
+        t += step_seconds(p, prefilled, len(decoding))
+
+
+class ExactGreedy:
+    """A reference, not a policy: each request to the engine where its own first token comes first.
+
+    It knows what no router can: every engine's exact queue, batch and cache
+    at the instant the request is sent (:func:`first_token_in`). It has no
+    foresight, so it is what the best use of the present can give greedily; a
+    policy that also weighs what a placement evicts for later requests can
+    beat it, and does on some points.
+    """
+
+    def __init__(self, engines: Sequence[ModelEngine]) -> None:
+        self.engines = engines
+
+    def choose(self, request: Request, now: float) -> int:
+        return min(range(len(self.engines)),
+                   key=lambda n: (first_token_in(self.engines[n], request, now), n))
 
 
 def cacheable(point: Point, request: Request, held: int) -> int:
@@ -500,9 +584,10 @@ def run(point: Point, seed: int, mode: str, knobs: dict[str, Any] | None = None,
         index.apply_events(key, (event,))
 
     engines = [ModelEngine(point, n, publish) for n in range(point.engines)]
+    greedy = ExactGreedy(engines) if mode == EXACT_GREEDY else None
     oracle = (Oracle(point, seed, unbounded=mode == ORACLE_UNBOUNDED,
                      hits=lru_hits if mode == POOLED_LRU else best_hits)
-              if mode in ORACLES else None)
+              if mode in ORACLES and greedy is None else None)
     if oracle is not None:
         for engine in engines:  # its hits come from the shared cache; nothing is evicted
             engine.capacity = math.inf
@@ -516,7 +601,7 @@ def run(point: Point, seed: int, mode: str, knobs: dict[str, Any] | None = None,
         for n in range(point.engines))
     catalog = Catalog(1, handles)
     now = [0.0]
-    policy = (None if oracle is not None else
+    policy = (None if oracle is not None or greedy is not None else
               make_policy(mode, KvAwareKnobs(block_size=bs, **(knobs or {})), index,
                           point.engines, lambda: now[0]))
     monitors = [HitRateMonitor() for _ in range(point.engines)]
@@ -549,6 +634,9 @@ def run(point: Point, seed: int, mode: str, knobs: dict[str, Any] | None = None,
                 request.hashes = prefix_hashes(request.tokens, bs)  # its hits are set: unused
                 oracle.bound(request)
                 placement = Placement(handles[oracle.choose(engines)])
+            elif greedy is not None:
+                request.hashes = prefix_hashes(request.tokens, bs)
+                placement = Placement(handles[greedy.choose(request, t)], tuple(request.hashes))
             else:
                 assert policy is not None
                 chosen = policy.choose(catalog, RequestView(tuple(request.tokens),
@@ -683,7 +771,8 @@ def verdict(point: Point, results: dict[str, dict[str, Any]]) -> dict[str, Any]:
         if "cache_affinity" in results:  # the most any router could beat cache_affinity by
             out["cache_affinity_over_oracle"] = (results["cache_affinity"]["ttft_mean_ms"]
                                                  / results[ORACLE]["ttft_mean_ms"])
-    for mode, name in ((ORACLE_UNBOUNDED, "unbounded"), (POOLED_LRU, "pooled_lru")):
+    for mode, name in ((ORACLE_UNBOUNDED, "unbounded"), (POOLED_LRU, "pooled_lru"),
+                       (EXACT_GREEDY, "exact_greedy")):
         if mode in results and "cache_affinity" in results:
             out[f"cache_affinity_over_{name}"] = (results["cache_affinity"]["ttft_mean_ms"]
                                                   / results[mode]["ttft_mean_ms"])
@@ -716,7 +805,9 @@ def summary_line(point: Point, results: dict[str, dict[str, Any]]) -> str:
         parts.append(f"oracle bound vs cache_affinity ×{v['cache_affinity_over_oracle']:.2f}")
     if "cache_affinity_over_unbounded" in v:
         parts.append(f"(unbounded cache ×{v['cache_affinity_over_unbounded']:.2f}; "
-                     f"pooled LRU, no bound, ×{v.get('cache_affinity_over_pooled_lru', 0):.2f})")
+                     f"pooled LRU, no bound, ×{v.get('cache_affinity_over_pooled_lru', 0):.2f}; "
+                     f"exact greedy, no bound, "
+                     f"×{v.get('cache_affinity_over_exact_greedy', 0):.2f})")
     return ", ".join(parts)
 
 
@@ -737,8 +828,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--oracle", action="store_true",
                    help="also the oracle rows, lower bounds for any router, not policies: the "
                         "engines' caches pooled with the best eviction, one unbounded shared "
-                        "cache; and pooled-lru (no bound: the caches pooled under LRU); "
-                        "placement by the engines' exact state")
+                        "cache; and two references, no bounds: pooled-lru (the caches pooled "
+                        "under LRU), exact-greedy (each request where its own first token "
+                        "comes soonest, by the engines' exact state)")
     args = p.parse_args(argv)
     args.modes = [m for m in args.modes.split(",") if m]
     unknown = set(args.modes) - set(MODES)

@@ -61,3 +61,42 @@ def test_no_policy_beats_the_oracle_on_a_pressured_point(sim: ModuleType) -> Non
         assert pooled["ttft_mean_ms"] <= result["ttft_mean_ms"], mode
     verdict = sim.verdict(point, {**results, sim.ORACLE: pooled})
     assert verdict["cache_affinity_over_oracle"] >= verdict["vs_cache_affinity"]
+
+
+def _step_until_first_token(sim: ModuleType, engine: object, request: object, now: float) -> float:
+    """Run ``engine`` alone (nothing else arrives) until ``request`` has its first token."""
+    t = engine.step_end if engine.step_end is not None else now  # type: ignore[attr-defined]
+    if engine.step_end is None:  # type: ignore[attr-defined]
+        t = engine.begin_step(now)  # type: ignore[attr-defined]
+    while True:
+        first, _ = engine.finish_step()  # type: ignore[attr-defined]
+        if request in first:
+            return t - now
+        t = engine.begin_step(t)  # type: ignore[attr-defined]
+
+
+def test_the_exact_greedy_estimate_is_the_first_token_the_engine_then_gives(
+        sim: ModuleType) -> None:
+    """``first_token_in`` plays the engine forward exactly: it must match the engine itself."""
+    # two tenants: requests ahead store the system prompt the late one then finds; room for all
+    point = sim.Point(tenants=2, users=4, max_running=3, chunk=256, cache=50.0)
+    workload = sim.Workload(point, seed=3)
+    engine = sim.ModelEngine(point, 0, lambda key, event: None)
+    requests = [workload.next_request(user, rid, 0.0) for rid, user in enumerate(workload.users)]
+    for request in requests:
+        request.hashes = sim.prefix_hashes(request.tokens, point.block_size)
+    busy, late = requests[:5], requests[5]
+    for request in busy:  # more than it runs at once: some wait, one step is under way
+        engine.arrive(request)
+    engine.begin_step(0.0)
+    estimate = sim.first_token_in(engine, late, 0.0)
+    engine.arrive(late)
+    actual = _step_until_first_token(sim, engine, late, 0.0)
+    assert estimate == pytest.approx(actual)
+    assert actual > sim.step_seconds(point, 256, 0)  # it did queue behind the others
+    # an idle engine: its own prefill, one chunk per step
+    idle = sim.ModelEngine(point, 1, lambda key, event: None)
+    alone = requests[6]
+    estimate = sim.first_token_in(idle, alone, 0.0)
+    idle.arrive(alone)
+    assert estimate == pytest.approx(_step_until_first_token(sim, idle, alone, 0.0))
