@@ -31,6 +31,7 @@ from lightkube.config.client_adapter import AsyncClient, ConnectionParams
 from lightkube.config.kubeconfig import SERVICE_ACCOUNT, KubeConfig
 from lightkube.core.exceptions import ConfigError
 
+from direct_frontend.control.kube_exec import ExecAuth
 from direct_frontend.fleet.describe import JsonValue
 from direct_frontend.fleet.pools import (
     PoolMembership,
@@ -75,7 +76,9 @@ def kube_client(
     In the cluster: the pod's service account (``service_account``: its token,
     re-read when the server says 401 as the kubelet rotates it, its CA and
     namespace) and the ``KUBERNETES_SERVICE_HOST``/``_PORT`` the kubelet sets.
-    Reads files: call it from a worker thread.
+    A kubeconfig user with an ``exec`` plugin gets its tokens from
+    :class:`~direct_frontend.control.kube_exec.ExecAuth`. Reads files: call it
+    from a worker thread.
     """
     if settings.kubeconfig is not None:
         config = KubeConfig.from_file(source.parent / settings.kubeconfig)
@@ -86,6 +89,8 @@ def kube_client(
         raise ApiFailure(f"no kubeconfig context {settings.context!r}")
     timeout = httpx.Timeout(10.0, read=settings.watch_timeout_s + WATCH_SLACK_S)
     client: httpx.AsyncClient = AsyncClient(single, ConnectionParams(timeout=timeout))
+    if single.user is not None and single.user.exec is not None:
+        client.auth = ExecAuth(single.user.exec)  # lightkube's needs an asyncio loop
     return client
 
 

@@ -121,6 +121,10 @@ class ApiServer:
 
     def __init__(self, *, bookmark_interval_s: float = 0.3) -> None:
         self.bookmark_interval_s = bookmark_interval_s
+        #: the bearer token it accepts (a test rotates it, as a cloud's token service does)
+        self.token = "test-token"
+        #: requests it refused with 401
+        self.refused = 0
         self.pods: dict[tuple[str, str], Pod] = {}  # by (namespace, name)
         self.history: list[tuple[int, str, Pod]] = []  # (resourceVersion, type, pod)
         self.version = 100
@@ -211,12 +215,15 @@ class ApiServer:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def kubeconfig(self, path: Path) -> Path:
-        """A kubeconfig file for this server (a token user, as a service account has)."""
+    def kubeconfig(self, path: Path, user: Mapping[str, Any] | None = None) -> Path:
+        """A kubeconfig file for this server: a token user as a service account has, or ``user``.
+
+        ``user`` is a kubeconfig user entry, e.g. ``{"exec": {...}}`` for a credential plugin.
+        """
         config = {
             "apiVersion": "v1", "kind": "Config", "current-context": "test",
             "clusters": [{"name": "test", "cluster": {"server": self.url}}],
-            "users": [{"name": "test", "user": {"token": "test-token"}}],
+            "users": [{"name": "test", "user": dict(user or {"token": "test-token"})}],
             "contexts": [{"name": "test", "context": {"cluster": "test", "user": "test",
                                                       "namespace": "default"}}],
         }
@@ -321,8 +328,13 @@ def _handler(api: ApiServer) -> type[http.server.BaseHTTPRequestHandler]:
             parts = urlsplit(self.path)
             query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
             found = _PODS_PATH.match(parts.path)
-            if found is None or self.headers.get("Authorization") != "Bearer test-token":
-                self._json(404 if found is None else 401, {"kind": "Status", "code": 404})
+            if found is None:
+                self._json(404, {"kind": "Status", "code": 404})
+                return
+            if self.headers.get("Authorization") != f"Bearer {api.token}":
+                with api.cond:
+                    api.refused += 1
+                self._json(401, {"kind": "Status", "code": 401, "reason": "Unauthorized"})
                 return
             if query.get("watch") in ("true", "1"):
                 self._watch(found["ns"], query)
