@@ -215,9 +215,12 @@ def test_a_kubeconfig_exec_plugin_lists_and_watches_and_a_rotated_token_is_fetch
             # the cloud rotates the token: the next watch is refused once, then fetched again
             (here / "token").write_text("rotated")
             api.token = "rotated"
+            await until_trio(lambda: len(runs(here)) == 2, what="the plugin run after a 401")
+            await until_trio(lambda: watch.watches >= 5, what="watches with the new token")
+            assert api.refused == 1 and len(runs(here)) == 2
             api.put(pod("b", "10.0.0.2", None))
             await until_trio(lambda: len(watch.engines) == 2, what="the pod seen after a 401")
-            assert len(runs(here)) == 2 and api.refused == 1 and not watch.stale
+            assert not watch.stale and watch.last_error == ""
             nursery.cancel_scope.cancel()
 
     trio.run(main)

@@ -162,6 +162,7 @@ def test_in_the_cluster_the_service_account_is_used(
                 nursery.start_soon(watch.run, client_of)
                 await until_trio(lambda: watch.listed, what="listed over HTTPS")
                 nursery.cancel_scope.cancel()
+            await client.aclose()  # else its connection is closed by the garbage collector
 
         trio.run(main)
         assert [e.name for e in watch.engines] == ["web/a"]
