@@ -1150,13 +1150,20 @@ def start_frontend(
     sim: SimEngine | None = None,
     tag: str = "",
     fast_probe: bool = False,
+    fleet_text: Callable[[int], str] | None = None,
 ) -> Frontend:
+    """``fleet_text(port)``: a fleet file of the caller's instead of :func:`write_fleet`'s."""
     import httpx
 
     (port,) = free_ports(1)
-    fleet = write_fleet(
-        run_dir, engine, served, port, sim=sim, name=f"fleet{tag}.toml", fast_probe=fast_probe
-    )
+    if fleet_text is not None:
+        fleet = run_dir / f"fleet{tag}.toml"
+        fleet.write_text(fleet_text(port))
+    else:
+        fleet = write_fleet(
+            run_dir, engine, served, port, sim=sim, name=f"fleet{tag}.toml",
+            fast_probe=fast_probe,
+        )
     base = frontend_cli()
     check = subprocess.run(
         [*base, "check", str(fleet)], capture_output=True, text=True, check=False
@@ -1827,6 +1834,165 @@ KV_METRICS = {
 CHAT_PATH = "/v1/chat/completions"
 
 
+class CuttingProxy:
+    """A TCP relay to the engine that, once armed, drops its connection mid-stream.
+
+    It gives the one real engine a second address, so a fleet of two engines
+    is one vLLM twice: a stream cut on the relayed one is replayed on the
+    direct one (the frontend's replay of a constrained stream). Armed, it
+    counts what the engine sends after that moment and, past ``cut_after``
+    bytes, closes both sides as a dying engine's host would; then it relays
+    again (the frontend reconnects).
+    """
+
+    def __init__(self, target: str, cut_after: int) -> None:
+        host, port = target.rsplit(":", 1)
+        self.target = (host, int(port))
+        self.cut_after = cut_after
+        self.cuts = 0
+        self._armed: int | None = None  # bytes sent by the engine since arming
+        self._lock = threading.Lock()
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        threading.Thread(target=self._accept, name="proxy", daemon=True).start()
+
+    def arm(self) -> None:
+        with self._lock:
+            self._armed = 0
+
+    def close(self) -> None:
+        self._listener.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(self.target)
+            pair = (client, upstream)
+            threading.Thread(target=self._pump, args=(client, upstream, pair, False),
+                             daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, client, pair, True),
+                             daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, pair: tuple[socket.socket, ...],
+              from_engine: bool) -> None:
+        try:
+            while data := src.recv(65536):
+                if from_engine:
+                    with self._lock:
+                        if self._armed is not None:
+                            self._armed += len(data)
+                            if self._armed > self.cut_after:
+                                self._armed = None
+                                self.cuts += 1
+                                raise ConnectionAbortedError
+                dst.sendall(data)
+        except OSError:
+            pass
+        for sock in pair:  # one side gone: both, as a lost host
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+
+
+def replay_checks(
+    report: Report, run_dir: Path, engine: Engine, served: str, timeout: float
+) -> None:
+    """A constrained temperature-0 stream cut mid-way is replayed by the engine, token-exactly.
+
+    The fleet is the real engine twice: through a :class:`CuttingProxy`, and
+    directly. The frontend must replay the client's own call on the other
+    address, find the real engine repeat every token already streamed, drop
+    them, and stream on: the text is the uninterrupted one, character for
+    character (README, "Request fields, per engine kind").
+    """
+    proxy = CuttingProxy(engine.address, cut_after=300)  # ≈ 10 tokens in (about 20 B each)
+
+    def fleet_text(port: int) -> str:
+        return textwrap.dedent(
+            f"""\
+            # Written by scripts/real_vllm.py: one real vLLM at two addresses (replay check).
+            [frontend]
+            listen = "127.0.0.1:{port}"
+            served_model_name = {toml_str(served)}
+            tokenizer = {toml_str(str(engine.model))}
+
+            [frontend.routing]
+            policy = "round_robin"
+
+            [[engine]]
+            name = "via-proxy"
+            url = "grpc://127.0.0.1:{proxy.port}"
+            kind = "vllm"
+
+            [[engine]]
+            name = "direct"
+            url = "grpc://{engine.address}"
+            kind = "vllm"
+            """
+        )
+
+    fe: Frontend | None = None
+    try:
+        t = time.monotonic()
+        fe = start_frontend(run_dir, engine, served, timeout, tag="-replay", fleet_text=fleet_text)
+        report.timing("frontend start (replay fleet: one engine at two addresses)",
+                      time.monotonic() - t, f"{fe.base_url}, proxy :{proxy.port}")
+        oa = openai_client(fe)
+        pattern = "[a-z]{90}"
+        ask: dict[str, Any] = dict(
+            model=served, messages=[{"role": "user", "content": "Spell a long word."}],
+            temperature=0, max_tokens=200, stream=True, stream_options={"include_usage": True},
+            extra_body={"guided_regex": pattern},
+        )
+
+        def replayed() -> str:
+            reference, finish, ref_usage, _ = _stream_text(
+                oa.chat.completions.create(**ask), chat=True)
+            again, _, _, _ = _stream_text(oa.chat.completions.create(**ask), chat=True)
+            expect(re.fullmatch(pattern, reference) is not None and finish == "stop",
+                   f"uninterrupted {reference!r} (finish {finish!r})")
+            expect(again == reference, "the engine is not deterministic at temperature 0 on "
+                   f"one address and the other: {again!r} != {reference!r}")
+            for _ in range(4):  # round robin: within two requests one goes through the proxy
+                proxy.arm()
+                text, finish, usage, _ = _stream_text(
+                    oa.chat.completions.create(**ask), chat=True)
+                expect(text == reference and finish == "stop",
+                       f"streamed {text!r} (finish {finish!r}), uninterrupted {reference!r}")
+                if proxy.cuts:
+                    break
+            expect(proxy.cuts == 1, f"the proxy cut {proxy.cuts} streams, not 1")
+            expect(usage is not None and usage.completion_tokens == ref_usage.completion_tokens,
+                   f"usage {usage} against the uninterrupted {ref_usage}")
+            counts = {(labels.get("engine"), labels.get("outcome")): value
+                      for name, labels, value in scrape(fe)
+                      if name == "direct_frontend_engine_requests_total"}
+            expect(counts.get(("via-proxy", "migrated"), 0) == 1,
+                   f"engine request outcomes {counts}")
+            refused = [v for name, _, v in scrape(fe)
+                       if name == "direct_frontend_migrations_refused_total"]
+            expect(not any(refused), f"migrations refused {refused}")
+            moved = re.search(r"migrated on direct after (\d+) tokens",
+                              fe.log.read_text(errors="replace"))
+            expect(moved is not None, "the frontend logged no migration to the direct address")
+            assert moved is not None
+            streamed = int(moved[1])
+            expect(0 < streamed < usage.completion_tokens,
+                   f"cut after {streamed} of {usage.completion_tokens} tokens: not mid-stream")
+            return (f"cut {streamed} tokens into {usage.completion_tokens}; replayed on the "
+                    f"other address: {len(text)} characters, equal to the uninterrupted stream")
+
+        report.check("constrained stream replayed after its engine is cut (temperature 0)",
+                     replayed)
+    finally:
+        if fe is not None:
+            report.timing("frontend stop (replay fleet)", stop_group(fe.proc, "frontend", grace=15))
+        proxy.close()
+
+
 def scrape(fe: Frontend) -> list[tuple[str, dict[str, str], float]]:
     """The frontend's /metrics as (name, labels, value) samples."""
     import httpx
@@ -2477,6 +2643,7 @@ def main(argv: list[str] | None = None) -> int:
                 frontend_checks(report, engine, client, frontend, served)
             structured_checks(report, frontend, served, engine.model)
             tool_checks(report, frontend, served)
+            replay_checks(report, run_dir, engine, served, args.frontend_timeout)
             if args.structured_only:
                 report.skip("KV-aware routing checks", "--structured-only")
             else:

@@ -178,7 +178,9 @@ class Metrics:
         )  # fmt: skip
         self.migrations_refused_total = Counter(
             p + "migrations_refused_total",
-            "Streams ended instead of migrating, by why no other engine could continue them.",
+            "Streams ended instead of migrating, by why no other engine could continue them "
+            "(constraint: a sampled constrained stream; replay_diverged: a deterministic one "
+            "whose replay gave other tokens).",
             ("reason",), registry=r,
         )  # fmt: skip
         self.engine_waits_total = Counter(

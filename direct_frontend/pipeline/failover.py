@@ -14,11 +14,16 @@ chance. The rule is by serving stint: the control plane builds a new
 excludes the handles it failed on. So a stream survives "every engine down
 for a while, then one back" even when the one back is an engine it tried.
 
-A request under a structured-output constraint never migrates: no contract
-can start an engine's grammar part-way (vLLM's ``grammar_from_first_token``
-only says where a grammar starts, and a continuation's generated tokens are
-prompt to the new engine, so its grammar would start over on the rest). It
-is retried before its first token as any other; after it, the stream ends
+A request under a structured-output constraint cannot continue that way: no
+contract can start an engine's grammar part-way (vLLM's
+``grammar_from_first_token`` only says where a grammar starts, and a
+continuation's generated tokens are prompt to the new engine, so its grammar
+would start over on the rest). It is retried before its first token as any
+other. After it, a *deterministic* one (temperature 0, or a seed) is
+*replayed*: the new engine runs the client's own call again, constraint and
+all (:func:`replay`), and the relay checks that its first tokens are the
+ones already streamed, drops them, and streams on from there; a replay that
+differs ends the stream with an error. Any other constrained stream ends
 with an error rather than go on unconstrained (``unmigratable`` says why,
 and the relay counts it).
 """
@@ -29,7 +34,7 @@ import dataclasses
 import enum
 import random
 
-from direct_frontend.engines.neutral import GenerateCall
+from direct_frontend.engines.neutral import GenerateCall, SamplingOptions
 from direct_frontend.errors import EngineError, ErrorKind
 from direct_frontend.fleet.schema import FaultsConfig
 from direct_frontend.routing.catalog import Catalog, EngineHandle
@@ -73,11 +78,13 @@ class FailoverState:
 
     def __init__(
         self, config: FailoverConfig, rng: random.Random | None = None, *,
-        unmigratable: str | None = None,
+        unmigratable: str | None = None, replayable: bool = False,
     ) -> None:
         self.config = config
         #: why this request cannot continue on another engine once it has output (None: it can)
         self.unmigratable = unmigratable
+        #: an unmigratable request that may move all the same, by a :func:`replay`
+        self.replayable = replayable
         self.refused_migration = False  # it gave up for that reason
         self.retries = 0
         self.migrations = 0
@@ -103,7 +110,7 @@ class FailoverState:
                 return Decision.GIVE_UP
             self.retries += 1
             return Decision.RETRY
-        if self.unmigratable is not None:
+        if self.unmigratable is not None and not self.replayable:
             self.refused_migration = True
             return Decision.GIVE_UP
         if self.migrations >= self.config.max_migrations:
@@ -156,4 +163,25 @@ def continuation(call: GenerateCall, generated: tuple[int, ...], attempt: int) -
         request_id=f"{call.request_id.split('~')[0]}~{attempt}",
         input_ids=call.input_ids + generated,
         sampling=sampling,
+    )
+
+
+def deterministic(sampling: SamplingOptions) -> bool:
+    """Whether another engine given the same call would produce the same tokens (a replay may)."""
+    return sampling.temperature == 0 or sampling.top_k == 1 or sampling.seed is not None
+
+
+def replay(call: GenerateCall, attempt: int) -> GenerateCall:
+    """The client's own call again, for an engine to regenerate a constrained output from its start.
+
+    Its constraint then holds from the first token, as on the engine that
+    failed; the relay checks the tokens already streamed against the replay's
+    first ones and drops them. The prompt's logprobs came with the first
+    attempt, so they are not asked again; a fresh request id, as for a
+    :func:`continuation`.
+    """
+    return dataclasses.replace(
+        call,
+        request_id=f"{call.request_id.split('~')[0]}~{attempt}",
+        sampling=dataclasses.replace(call.sampling, prompt_logprobs=None),
     )

@@ -25,6 +25,7 @@ Two halves:
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import functools
 import logging
@@ -59,7 +60,13 @@ from direct_frontend.openai.parsers.base import ParsedDelta, finish_reason
 from direct_frontend.openai.types import ChatRequest, CompletionRequest
 from direct_frontend.pipeline.capable import incapable, none_capable
 from direct_frontend.pipeline.dispatch import Dispatcher
-from direct_frontend.pipeline.failover import Decision, FailoverState, continuation
+from direct_frontend.pipeline.failover import (
+    Decision,
+    FailoverState,
+    continuation,
+    deterministic,
+    replay,
+)
 from direct_frontend.pipeline.parsing import (
     NO_PARSERS,
     ChoiceOutputParser,
@@ -85,6 +92,8 @@ Emit = Callable[[str, int, bool, Sequence[TokenLogprob]], Awaitable[None]]
 
 #: why a constrained stream is not migrated (failover.py), as the metric's reason
 UNMIGRATABLE_CONSTRAINT = "constraint"
+#: why a replayed one is not: its replay differed from what was streamed
+UNMIGRATABLE_REPLAY = "replay_diverged"
 #: an engine's refusal of a constrained request that names the constraint: the client's 400
 #: then names the field it sent the constraint in
 CONSTRAINT_WORDS = re.compile(
@@ -199,6 +208,7 @@ class RelayState:
         "prepared",
         "processor",
         "prompt_logprobs",
+        "replaying",
         "request",
         "settings",
         "stall_timeout_s",
@@ -227,10 +237,15 @@ class RelayState:
         self.call = call
         self.original_call = call  # every continuation starts from the client's own prompt
         self.processor = processor
+        constrained = call.sampling.constraint is not None
         self.failover = FailoverState(
             settings.failover,
-            unmigratable=UNMIGRATABLE_CONSTRAINT if call.sampling.constraint is not None else None,
+            unmigratable=UNMIGRATABLE_CONSTRAINT if constrained else None,
+            replayable=constrained and deterministic(call.sampling),
         )
+        #: on a replay (failover.replay): the tokens already streamed that its engine must
+        #: produce first, not yet seen; they are checked and dropped, not streamed again
+        self.replaying: tuple[int, ...] = ()
         self.stall_timeout_s = settings.failover.stall_timeout_s
         # the engine-side time for the whole request
         self.deadline = now + settings.frontend.request_timeout_s
@@ -312,6 +327,11 @@ class RelayState:
         tokens: list[int] = []
         logprobs = self.logprobs
         while event is not None:
+            if self.replaying:
+                replayed = self._replayed(event)
+                if replayed is None:
+                    break
+                event = replayed
             self._note_cached(event)
             if logprobs is not None:
                 self._note_logprobs(event)
@@ -335,6 +355,35 @@ class RelayState:
         if finished:
             self.phase = Phase.FINISHED
         return "".join(pieces), self.processor.completion_tokens - before, finished
+
+    def _replayed(self, event: TokenDelta | Finished) -> TokenDelta | Finished | None:
+        """``event`` less the tokens a replay repeats; None once it differs (the error is kept).
+
+        Every token the replay repeats must be the one already streamed, and
+        the replay may not end before it has repeated them all.
+        """
+        expected = self.replaying
+        ids = event.token_ids
+        n = min(len(ids), len(expected))
+        if ids[:n] != expected[:n] or (isinstance(event, Finished) and n < len(expected)):
+            self.replaying = ()
+            self.failover.unmigratable = UNMIGRATABLE_REPLAY
+            self.failover.refused_migration = True
+            already = len(self.processor.generated_ids)
+            same = already - len(expected) + next(
+                (i for i in range(n) if ids[i] != expected[i]), n)
+            self.pending_error = EngineError(
+                ErrorKind.INTERNAL,
+                f"the stream cannot continue on another engine: replaying its "
+                f"structured-output constraint there gave other tokens after {same} of the "
+                f"{already} already streamed",
+                engine=self.placement.engine.name,
+            )
+            return None
+        self.replaying = expected[n:]
+        if not n:
+            return event
+        return dataclasses.replace(event, token_ids=ids[n:], logprobs=event.logprobs[n:])
 
     def _note_logprobs(self, event: TokenDelta | Finished) -> None:
         """Queue an event's logprobs behind those of the tokens before it.
@@ -435,7 +484,8 @@ class RelayState:
         decision = self.failover.decide(error, len(self.processor.generated_ids), stint)
         if decision is Decision.GIVE_UP:
             self._give_up()
-            if self.failover.refused_migration:
+            if self.failover.unmigratable == UNMIGRATABLE_CONSTRAINT and \
+                    self.failover.refused_migration:
                 raise EngineError(
                     error.kind,
                     f"{error.message}; the stream cannot continue on another engine, which "
@@ -475,7 +525,13 @@ class RelayState:
             raise error from None
         self.engine_wait.placed()
         attempt = self.failover.retries + self.failover.migrations
-        call = continuation(self.original_call, self.processor.generated_ids, attempt)
+        generated = self.processor.generated_ids
+        if generated and self.failover.unmigratable is not None:  # replayable (failover.py)
+            call = replay(self.original_call, attempt)
+            self.replaying = generated
+        else:
+            call = continuation(self.original_call, generated, attempt)
+            self.replaying = ()
         engine = placement.engine
         limit = engine.context_length
         if limit is not None and len(call.input_ids) + call.sampling.max_tokens > limit:

@@ -267,6 +267,52 @@ def test_a_constrained_stream_never_continues_unconstrained(
         assert 'direct_frontend_migrations_refused_total{reason="constraint"} 1.0' in body
 
 
+def test_a_deterministic_constrained_stream_is_replayed_elsewhere_token_exactly(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """Temperature 0: another engine regenerates it under the constraint; nothing repeats.
+
+    Both engines die 8 tokens into their next request, so the first replay dies
+    too (before it has repeated what was streamed) and a second one finishes.
+    """
+    paced = {"decode_us_per_token": 300, "prefill_us_per_token": 0, "eos_probability": 0.0}
+    text = fleet_text(model_dir, [sim_engine(n, "vllm", **paced) for n in "ab"],
+                      probe="interval_s = 0.1\ntimeout_s = 1.0")
+    pattern = "[a-z]{120}"
+    constrained: dict[str, Any] = {
+        "model": "demo", "messages": CHAT, "max_tokens": 300, "stream": True,
+        "stream_options": {"include_usage": True}, "temperature": 0,
+        "extra_body": {"guided_regex": pattern},
+    }
+
+    def streamed(daemon: Daemon) -> tuple[str, Any]:
+        chunks = list(client(daemon).chat.completions.create(**constrained))
+        return "".join(c.delta.content or "" for chunk in chunks for c in chunk.choices), \
+            chunks[-1].usage
+
+    with running_daemon(tmp_path, text) as daemon:
+        daemon.wait_serving(2)
+        whole, whole_usage = streamed(daemon)
+        assert re.fullmatch(pattern, whole)
+        sims = daemon.supervisor.simulators
+        prompt = next(list(r.tokenized.input_ids) for sim in sims.values()
+                      for r in sim.stats.received.values())
+        for sim in sims.values():
+            sim.faults = dataclasses.replace(FaultPlan(die_after_tokens=8, only_request=1))
+        text_out, usage = streamed(daemon)
+        assert text_out == whole  # every character once, in order, under the constraint
+        assert usage.completion_tokens == whole_usage.completion_tokens
+        replays = [r for sim in sims.values() for rid, r in sim.stats.received.items()
+                   if "~" in rid]
+        assert len(replays) == 2
+        for replay in replays:  # the client's own prompt and budget again, not prompt + output
+            assert list(replay.tokenized.input_ids) == prompt
+            assert replay.sampling_params.max_tokens == 300
+            assert replay.sampling_params.regex == pattern
+        body = httpx.get(daemon.url + "/metrics").text
+        assert "direct_frontend_migrations_refused_total{" not in body
+
+
 def test_continuous_usage_stats_with_logprobs(daemon: Daemon) -> None:
     chunks = list(client(daemon).chat.completions.create(
         model="demo", messages=CHAT, max_tokens=5, stream=True, logprobs=True, top_logprobs=2,

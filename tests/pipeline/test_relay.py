@@ -4,11 +4,14 @@ waiting for an engine."""
 from __future__ import annotations
 
 import collections
+import dataclasses
 from pathlib import Path
 
 import pytest
 
 from direct_frontend.engines.neutral import (
+    Constraint,
+    ConstraintKind,
     EngineEvent,
     Finished,
     FinishReason,
@@ -60,6 +63,8 @@ def relay_state(
     stop: tuple[str, ...] = (),
     faults: FaultsConfig = DEFAULT_FAULTS,
     logprobs: int | None = None,
+    constraint: Constraint | None = None,
+    temperature: float = 1.0,
 ) -> tuple[RelayState, Dispatcher]:
     """A request placed on the catalog's first engine, as the relay starts it."""
     frontend = FrontendConfig(served_model_name="demo", tokenizer=Path("demo-model"),
@@ -75,6 +80,9 @@ def relay_state(
         text_model.new_detokenizer(), stop, max_tokens, track_tokens=logprobs is not None
     )
     call = build_call(prepared, max_tokens, stream=True)
+    if constraint is not None:
+        call = dataclasses.replace(call, sampling=dataclasses.replace(
+            call.sampling, constraint=constraint, temperature=temperature))
     state = RelayState(settings, prepared, placement, call, processor, now=100.0)
     return state, dispatcher
 
@@ -352,3 +360,72 @@ def test_logprobs_past_a_stop_string_are_not_sent(text_model: TextModel) -> None
     starts = [len(text_model.decode(ids[:i])) for i in range(len(ids))]
     assert len(out) == sum(1 for start in starts if start < len(text)) < len(ids)
     assert [lp.token_id for lp in out] == list(ids[: len(out)])
+
+
+# -- constrained streams: a replay, or none ---------------------------------------------------
+
+REGEX = Constraint(ConstraintKind.REGEX, "[a-z ]+", param="guided_regex")
+
+
+def test_a_sampled_constrained_stream_is_not_migrated(text_model: TextModel) -> None:
+    state, dispatcher = relay_state(text_model, two_engines(), constraint=REGEX)
+    state.take(TokenDelta(word_ids(text_model, "hello there")), Queued())
+    error = EngineError(ErrorKind.UNAVAILABLE, "gone", engine="a")
+    with pytest.raises(EngineError, match="could not enforce its structured-output constraint"):
+        state.next_attempt(error, dispatcher, 100.0)
+    assert state.failover.refused_migration and state.failover.unmigratable == "constraint"
+
+
+def test_a_deterministic_constrained_stream_is_replayed_and_its_repeat_dropped(
+    text_model: TextModel,
+) -> None:
+    state, dispatcher = relay_state(text_model, two_engines(), constraint=REGEX, temperature=0,
+                                    logprobs=1, max_tokens=12)
+    ids = word_ids(text_model, "hello there world at sea")
+    head, tail = ids[:3], ids[3:]
+    text, _, _ = state.take(TokenDelta(head, cached_tokens=3, logprobs=logprobs_of(head, 0)),
+                            Queued())
+    assert [lp.token_id for lp in state.logprobs_out()] == list(head)
+    error = EngineError(ErrorKind.UNAVAILABLE, "gone", engine="a")
+    assert state.next_attempt(error, dispatcher, 100.0) is Decision.MIGRATE
+    # the client's own call again: its prompt, its whole budget, its constraint
+    assert state.call.input_ids == PROMPT and state.call.request_id == "req~1"
+    assert state.call.sampling.max_tokens == 12 and state.call.sampling.constraint == REGEX
+    assert state.placement.engine.name == "b"
+    # the replay repeats the head (in pieces, across batches) before anything new
+    all_logprobs = logprobs_of(ids, 0)
+    second, _, _ = state.take(TokenDelta(head[:2], cached_tokens=9, logprobs=all_logprobs[:2]),
+                              Queued(TokenDelta(ids[2:4], logprobs=all_logprobs[2:4])))
+    rest, _, finished = state.take(TokenDelta(ids[4:], logprobs=all_logprobs[4:]), Queued(
+        Finished(FinishReason.STOP, 4, len(ids))))
+    assert finished and text + second + rest == "hello there world at sea"
+    assert state.processor.generated_ids == ids  # each token once
+    assert [lp.token_id for lp in state.logprobs_out()] == list(tail)  # none repeated
+    assert state.cached_tokens == 3 and not state.failover.refused_migration
+
+
+def test_a_replay_that_differs_ends_the_stream_with_an_error(text_model: TextModel) -> None:
+    state, dispatcher = relay_state(text_model, two_engines(), constraint=REGEX, temperature=0)
+    ids = word_ids(text_model, "hello there world")
+    state.take(TokenDelta(ids), Queued())
+    assert state.next_attempt(EngineError(ErrorKind.UNAVAILABLE, "gone", engine="a"),
+                              dispatcher, 100.0) is Decision.MIGRATE
+    other = (*ids[:2], ids[2] + 1, *ids[3:])  # the same but for its third token
+    assert state.take(TokenDelta(other), Queued()) == ("", 0, False)  # nothing streamed twice
+    with pytest.raises(EngineError) as raised:
+        state.wait(101.0)
+    assert f"other tokens after 2 of the {len(ids)} already streamed" in str(raised.value)
+    with pytest.raises(EngineError, match="replaying its structured-output constraint"):
+        state.next_attempt(raised.value, dispatcher, 101.0)  # no further attempt
+    assert state.failover.unmigratable == "replay_diverged" and state.failover.refused_migration
+
+
+def test_a_replay_that_ends_before_repeating_everything_differs(text_model: TextModel) -> None:
+    state, dispatcher = relay_state(text_model, two_engines(), constraint=REGEX, temperature=0)
+    ids = word_ids(text_model, "hello there world")
+    state.take(TokenDelta(ids), Queued())
+    state.next_attempt(EngineError(ErrorKind.UNAVAILABLE, "gone", engine="a"), dispatcher, 100.0)
+    assert state.take(TokenDelta(ids[:2]), Queued(Finished(FinishReason.STOP, 4, 2))) == (
+        "", 0, False)
+    with pytest.raises(EngineError, match=f"after 2 of the {len(ids)}"):
+        state.wait(101.0)
