@@ -1060,6 +1060,22 @@ def toml_str(value: str) -> str:
     return json.dumps(value)  # a JSON string of printable text is a valid TOML basic string
 
 
+def fleet_head(why: str, port: int, served: str, engine: Engine, policy: str) -> str:
+    """A run's fleet file up to its routing policy: where it listens, the model, the tokenizer."""
+    return textwrap.dedent(
+        f"""\
+        # Written by scripts/real_vllm.py {why}.
+        [frontend]
+        listen = "127.0.0.1:{port}"
+        served_model_name = {toml_str(served)}
+        tokenizer = {toml_str(str(engine.model))}
+
+        [frontend.routing]
+        policy = "{policy}"
+        """
+    )
+
+
 def write_fleet(
     run_dir: Path,
     engine: Engine,
@@ -1076,17 +1092,9 @@ def write_fleet(
     ``fast_probe`` probes every second, so a relaunched engine is seen back soon.
     """
     block = (engine.server_info.block_size if engine.server_info is not None else 0) or BLOCK_SIZE
-    text = textwrap.dedent(
-        f"""\
-        # Written by scripts/real_vllm.py for one run against a real vLLM engine.
-        [frontend]
-        listen = "127.0.0.1:{port}"
-        served_model_name = {toml_str(served)}
-        tokenizer = {toml_str(str(engine.model))}
-
-        [frontend.routing]
-        policy = "kv_aware"
-
+    text = fleet_head("for one run against a real vLLM engine", port, served, engine, "kv_aware")
+    text += textwrap.dedent(
+        f"""
         [frontend.routing.knobs]
         block_size = {block}           # = the engine's GetServerInfo.block_size
         """
@@ -1911,17 +1919,10 @@ def replay_checks(
     proxy = CuttingProxy(engine.address, cut_after=300)  # ≈ 10 tokens in (about 20 B each)
 
     def fleet_text(port: int) -> str:
-        return textwrap.dedent(
-            f"""\
-            # Written by scripts/real_vllm.py: one real vLLM at two addresses (replay check).
-            [frontend]
-            listen = "127.0.0.1:{port}"
-            served_model_name = {toml_str(served)}
-            tokenizer = {toml_str(str(engine.model))}
-
-            [frontend.routing]
-            policy = "round_robin"
-
+        head = fleet_head("for the replay check: one real vLLM at two addresses", port, served,
+                          engine, "round_robin")
+        return head + textwrap.dedent(
+            f"""
             [[engine]]
             name = "via-proxy"
             url = "grpc://127.0.0.1:{proxy.port}"

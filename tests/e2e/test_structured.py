@@ -239,7 +239,11 @@ def test_a_seed_no_serving_engine_can_carry_is_a_400(model_dir: Path, tmp_path: 
 def test_a_constrained_stream_never_continues_unconstrained(
     model_dir: Path, tmp_path: Path
 ) -> None:
-    """An engine dies mid-stream: the stream ends with an error instead of migrating."""
+    """A sampled one (temperature 1) whose engine dies mid-stream ends with an error.
+
+    Another engine would not repeat its tokens, so it is neither continued
+    unconstrained nor replayed.
+    """
     paced = {"decode_us_per_token": 300, "prefill_us_per_token": 0, "eos_probability": 0.0}
     text = fleet_text(model_dir, [sim_engine(n, "vllm", **paced) for n in "ab"],
                       probe="interval_s = 0.1\ntimeout_s = 1.0")
