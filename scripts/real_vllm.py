@@ -1968,12 +1968,13 @@ def replay_checks(
             expect(proxy.cuts == 1, f"the proxy cut {proxy.cuts} streams, not 1")
             expect(usage is not None and usage.completion_tokens == ref_usage.completion_tokens,
                    f"usage {usage} against the uninterrupted {ref_usage}")
+            samples = scrape(fe)
             counts = {(labels.get("engine"), labels.get("outcome")): value
-                      for name, labels, value in scrape(fe)
+                      for name, labels, value in samples
                       if name == "direct_frontend_engine_requests_total"}
             expect(counts.get(("via-proxy", "migrated"), 0) == 1,
                    f"engine request outcomes {counts}")
-            refused = [v for name, _, v in scrape(fe)
+            refused = [v for name, _, v in samples
                        if name == "direct_frontend_migrations_refused_total"]
             expect(not any(refused), f"migrations refused {refused}")
             moved = re.search(r"migrated on direct after (\d+) tokens",

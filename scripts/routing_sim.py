@@ -48,7 +48,7 @@ import json
 import math
 import random
 import statistics
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Container, Sequence
 from typing import Any
 
 from direct_frontend.engines.neutral import EngineInfo, EngineRole
@@ -275,11 +275,7 @@ class ModelEngine:
             request = self.waiting.popleft()
             held = request.bound_blocks
             if held is None:
-                held = 0
-                for h in request.hashes:
-                    if h not in self:
-                        break
-                    held += 1
+                held = held_blocks(self, request.hashes)
             cached = cacheable(p, request, held)
             request.cached_tokens = cached
             request.to_prefill = len(request.tokens) - cached
@@ -342,12 +338,12 @@ def step_seconds(point: Point, prefilled: int, decoding: int) -> float:
             + decoding * point.decode_us * 1e-6)
 
 
-def held_blocks(engine: ModelEngine, hashes: Sequence[int],
-                also: Collection[int] = ()) -> int:
-    """The leading blocks of ``hashes`` cached on ``engine`` now (or in ``also``)."""
+def held_blocks(cache: Container[int], hashes: Sequence[int],
+                also: Container[int] = ()) -> int:
+    """The leading blocks of ``hashes`` in ``cache`` (an engine's, or a pooled one) or ``also``."""
     held = 0
     for h in hashes:
-        if h not in engine and h not in also:
+        if h not in cache and h not in also:
             break
         held += 1
     return held
@@ -364,7 +360,7 @@ def first_token_in(engine: ModelEngine, request: Request, now: float) -> float:
     # [to prefill, to decode, the request's prompt blocks] per request, in the engine's order
     prefilling = [[r.to_prefill, r.to_decode, r.hashes] for r in engine.prefilling]
     decoding = [r.to_decode for r in engine.decoding]
-    waiting = [r for r in engine.waiting] + [request]
+    waiting = [*engine.waiting, request]
     stored: set[int] = set()  # stored by the prefills played forward
     t = now
     if engine.step_end is not None:  # the step under way: its prefill is already counted
@@ -486,12 +482,7 @@ def lru_hits(point: Point, requests: Sequence[Request], capacity: float) -> list
     cache: collections.OrderedDict[int, None] = collections.OrderedDict()
     hits = []
     for request in requests:
-        held = 0
-        for h in prefix_hashes(request.tokens, bs):
-            if h not in cache:
-                break
-            held += 1
-        hits.append(held)
+        hits.append(held_blocks(cache, prefix_hashes(request.tokens, bs)))
         for h in reversed(prefix_hashes(request.tokens + request.answer, bs)):
             cache[h] = None  # tail first: the root ends up most recent
             cache.move_to_end(h)

@@ -109,7 +109,7 @@ class ExecAuth(httpx.Auth):
                 f"{', '.join(API_VERSIONS)}")
         self.plugin = plugin
         self.clock = clock
-        self.runs = 0  # how many times the plugin ran (tests, and the log)
+        self.runs = 0  # how many times the plugin ran
         self._credential: ExecCredential | None = None
         self._lock = trio.Lock()
 

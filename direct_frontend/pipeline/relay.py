@@ -526,7 +526,7 @@ class RelayState:
         self.engine_wait.placed()
         attempt = self.failover.retries + self.failover.migrations
         generated = self.processor.generated_ids
-        if generated and self.failover.unmigratable is not None:  # replayable (failover.py)
+        if generated and self.failover.replayable:
             call = replay(self.original_call, attempt)
             self.replaying = generated
         else:

@@ -170,15 +170,6 @@ def test_a_plugin_that_fails_or_is_missing_is_an_error_that_says_why(tmp_path: P
 # -- through the pod watch --------------------------------------------------------------------
 
 
-@pytest.fixture()
-def api() -> Any:
-    server = ApiServer(bookmark_interval_s=0.05).start()
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
 def watch_with(api: ApiServer, tmp_path: Path, here: Path) -> tuple[PoolWatch, Any]:
     config = api.kubeconfig(tmp_path / "kubeconfig", exec_user(here))
     settings = KubernetesConfig(kubeconfig=str(config), watch_timeout_s=1, max_backoff_s=0.1)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx2
@@ -18,15 +17,6 @@ from tests.support.sim import until_trio
 
 POOL = PoolConfig(name="web", selector="app=engine", kind="sglang", port=50051)
 SETTINGS = KubernetesConfig(watch_timeout_s=1, max_backoff_s=0.1)
-
-
-@pytest.fixture()
-def api() -> Iterator[ApiServer]:
-    server = ApiServer(bookmark_interval_s=0.05).start()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 async def run_watch(api: ApiServer, tmp_path: Path, watch: PoolWatch,
