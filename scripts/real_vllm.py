@@ -1586,6 +1586,8 @@ def frontend_checks(
     report.check("frontend: logprobs/top_logprobs carry the engine's values", lambda: (
         _logprobs_check(oa, client, texts, served, chat_msgs, comp_prompt)
     ))
+    report.check("frontend: a completions batch of token prompts answers as each alone",
+                 lambda: _batch_check(oa, texts, served))
 
 
 #: how far the same position's logprob may differ between two runs of the engine (batch
@@ -1649,6 +1651,49 @@ def _logprobs_check(
             "chat top_logprobs sorted, greedy token on top; "
             f"the engine's first logprobs request {direct_s:.1f} s, "
             f"the frontend's {frontend_s:.1f} s")
+
+
+def _batch_check(oa: Any, texts: Texts, served: str) -> str:
+    """What evaluation harnesses send: a batch of token-id prompts, greedy, echo, logprobs.
+
+    Each choice must be its own prompt's, in prompt order: the text (echo and
+    output) equal to that prompt sent alone, its logprobs within the tolerance
+    of the lone request's (the batch runs concurrently: other kernel shapes).
+    """
+    prompts = [texts.completion_ids(p) for p in
+               ("def route(request, engines):\n    ", "The queue was long and", "# KV cache\n")]
+    fields: dict[str, Any] = dict(model=served, temperature=0, max_tokens=4, logprobs=1,
+                                  echo=True, extra_body={"ignore_eos": True})
+    lone = [oa.completions.create(prompt=p, **fields).choices[0] for p in prompts]
+    want_prompt = sum(len(p) for p in prompts)
+    worst = 0.0
+    for stream in (False, True):
+        how = "stream" if stream else "non-stream"
+        r = oa.completions.create(prompt=prompts, stream=stream, **fields,
+                                  **({"stream_options": {"include_usage": True}} if stream
+                                     else {}))
+        got: dict[int, tuple[str, list[Any]]] = {}
+        usage = None
+        for chunk in (r if stream else [r]):
+            if chunk.usage is not None:
+                usage = chunk.usage
+            for choice in chunk.choices:
+                text, values = got.get(choice.index, ("", []))
+                more = choice.logprobs.token_logprobs if choice.logprobs else []
+                got[choice.index] = (text + choice.text, values + list(more))
+        expect(sorted(got) == [0, 1, 2], f"{how}: choice indices {sorted(got)}")
+        _expect_usage(usage, want_prompt, 3 * 4, f"{how} batch")
+        for k, reference in enumerate(lone):
+            text, values = got[k]
+            expect(text == reference.text, f"{how}: choice {k} {text!r} != alone "
+                                           f"{reference.text!r}")
+            want = reference.logprobs.token_logprobs
+            expect(len(values) == len(want) == len(prompts[k]) + 4 and values[0] is None,
+                   f"{how}: choice {k} has {len(values)} logprobs, alone {len(want)}")
+            worst = max(worst, *(abs(a - b) for a, b in zip(values[1:], want[1:], strict=True)))
+    expect(worst <= LOGPROB_TOLERANCE, f"the batch's logprobs differ by {worst:.2e}")
+    return (f"3 prompts ({want_prompt} tokens), stream and not: each choice's echo, text and "
+            f"logprobs its own prompt's alone (within {worst:.1e}); usage sums the prompts")
 
 
 # --- structured outputs and sampling fields through the frontend ------------------------

@@ -49,7 +49,7 @@ from direct_frontend.openai.responses_api import parse_responses_request
 from direct_frontend.openai.types import ChatRequest, CompletionRequest
 from direct_frontend.pipeline.admission import Rejected
 from direct_frontend.pipeline.models import ServedModel
-from direct_frontend.pipeline.preprocess import Kind, prepare
+from direct_frontend.pipeline.preprocess import Kind, prepare_each
 from direct_frontend.pipeline.settings import Settings
 from direct_frontend.routing.affinity import routing_key
 
@@ -273,10 +273,11 @@ class App:
                 trace.model(request.model)
                 trace.enter("preprocess")
             key = routing_key(settings.frontend.routing.session_key, headers_in, request.user)
-            prepared = await prepare("completion" if kind == "completion" else "chat", request,
-                                     request_id, served.tokenizing, key)
+            prompts = await prepare_each("completion" if kind == "completion" else "chat",
+                                         request, request_id, served.tokenizing, key)
+            prepared = prompts[0]
             if trace is not None:
-                trace.leave(prompt_tokens=len(prepared.input_ids))
+                trace.leave(prompt_tokens=sum(len(p.input_ids) for p in prompts))
         except OpenAIHTTPError as err:
             await send_error(send, err, headers)
             return err.status
@@ -288,7 +289,8 @@ class App:
         try:
             # Admitted before an engine is chosen, so a request that waited in the
             # queue is placed on the fleet as it is when it leaves the queue.
-            async with settings.admission.slot(prepared.request.n):  # a slot per choice
+            # a slot per choice (n per prompt)
+            async with settings.admission.slot(prepared.request.n * len(prompts)):
                 if trace is not None:
                     trace.leave()
                 if responses is not None:
@@ -299,7 +301,7 @@ class App:
                         receive, send, headers, trace,
                     )
                 return await respond(
-                    found[0].relay, settings, prepared, receive, send, headers, trace
+                    found[0].relay, settings, prompts, receive, send, headers, trace
                 )
         except Rejected as rejected:
             refusal = rate_limited(

@@ -9,7 +9,8 @@ gone client silently, so without it the engine would keep generating. The
 watcher is on from the placement: a request waiting for an engine to serve
 ends at once when its client leaves.
 
-A request of several choices (``n > 1``) runs them side by side
+A request of several choices (``n > 1``, or a completions batch of prompts)
+runs them side by side
 (:mod:`direct_frontend.pipeline.choices`): its stream interleaves the
 choices' chunks as they come, each carrying its index, and ends once, with
 one usage chunk and ``[DONE]``; its full body holds every choice. A choice
@@ -68,11 +69,15 @@ _Run = TypeVar("_Run", RelayState, Choices)
 
 
 async def respond(
-    relay: Relay, settings: Settings, prepared: PreparedRequest, receive: Receive, send: Send,
-    headers: Headers, trace: RequestTrace | None = None,
+    relay: Relay, settings: Settings, prompts: Sequence[PreparedRequest], receive: Receive,
+    send: Send, headers: Headers, trace: RequestTrace | None = None,
 ) -> int:
-    """Place the request and relay it to the client; the HTTP status (499: the client left)."""
-    if prepared.request.n == 1:
+    """Place the request and relay it to the client; the HTTP status (499: the client left).
+
+    ``prompts``: the request's one prompt, or a completions batch's, prepared.
+    """
+    prepared = prompts[0]
+    if prepared.request.n == 1 and len(prompts) == 1:
         write = _stream if prepared.request.stream else _complete
         return await _answer(
             relay, functools.partial(relay.begin, settings, prepared, trace),
@@ -81,7 +86,7 @@ async def respond(
         )
     several = _stream_choices if prepared.request.stream else _complete_choices
     return await _answer(
-        relay, functools.partial(Choices.begin, relay, settings, prepared, trace),
+        relay, functools.partial(Choices.begin, relay, settings, prompts, trace),
         functools.partial(several, relay, send=send, headers=headers),
         lambda choices, ok: choices.settle(relay, ok), receive, send, headers,
     )
@@ -259,15 +264,16 @@ async def _stream_choices(relay: Relay, choices: Choices, *, send: Send, headers
     renderers = [
         ChunkRenderer(prepared.kind, prepared.request_id, request.model, created,
                       request.include_usage, index)
-        for index in range(request.n)
+        for index in range(len(choices.states))
     ]
     # Every choice announces its role first (chat), as a lone choice does.
     progress = _Progress(b"".join(renderer.role_chunk() for renderer in renderers))
     out = progress.out
     writing = trio.Lock()  # one write at a time; a waiting writer may find its bytes sent
     ended = False
-    echo = _echo(relay, choices.states[0])
-    builders = [_logprobs(relay, state, echo) for state in choices.states]
+    echoes = [_echo(relay, state) for state in choices.states]  # each its own prompt's
+    builders = [_logprobs(relay, state, echo)
+                for state, echo in zip(choices.states, echoes, strict=True)]
     echoed = [False] * len(renderers)
     continuous_usage = request.include_usage and request.continuous_usage_stats
 
@@ -278,6 +284,7 @@ async def _stream_choices(relay: Relay, choices: Choices, *, send: Send, headers
         renderer = renderers[index]
         choice_logprobs = builders[index]
         state = choices.states[index]
+        echo = echoes[index]
         if echo is not None and not echoed[index]:
             echoed[index] = True
             out.extend(_echo_chunk(renderer, relay, state, echo, choice_logprobs))
@@ -311,8 +318,9 @@ async def _complete_choices(
 ) -> int:
     pieces: list[list[str]] = [[] for _ in choices.states]
     deltas: list[list[ParsedDelta]] = [[] for _ in choices.states]
-    echo = _echo(relay, choices.states[0])
-    builders = [_logprobs(relay, state, echo) for state in choices.states]
+    echoes = [_echo(relay, state) for state in choices.states]  # each its own prompt's
+    builders = [_logprobs(relay, state, echo)
+                for state, echo in zip(choices.states, echoes, strict=True)]
 
     async def emit(
         index: int, text: str, tokens: int, finished: bool, logprobs: Sequence[TokenLogprob]
@@ -328,8 +336,8 @@ async def _complete_choices(
         return status
     outputs = [
         _output(relay, state, texts, parsed, choice_logprobs, echo)
-        for state, texts, parsed, choice_logprobs
-        in zip(choices.states, pieces, deltas, builders, strict=True)
+        for state, texts, parsed, choice_logprobs, echo
+        in zip(choices.states, pieces, deltas, builders, echoes, strict=True)
     ]
     prepared = choices.prepared
     body = render_choices(

@@ -31,6 +31,7 @@ from direct_frontend.openai.types import (
     ChatMessage,
     ChatRequest,
     CompletionRequest,
+    Prompt,
     Role,
     Tool,
     ToolCall,
@@ -430,28 +431,46 @@ def tool_choice_of(
                                         json.dumps(named_call_schema(tool)), param="tool_choice")
 
 
-def _prompt(raw: str | list[Any]) -> str | tuple[int, ...]:
-    """Accept one prompt as text or token ids; a batch of prompts is a 400."""
+#: the most engine calls one completions request makes (prompts × n)
+MAX_BATCH_CALLS: Final = 2048
+
+
+def _prompts(raw: str | list[Any]) -> tuple[Prompt, ...]:
+    """One prompt or a batch: text, token ids, a list of texts or a list of token-id lists."""
     if isinstance(raw, str):
-        return raw
+        return (raw,)
     if not raw:
         raise invalid_request("The prompt must not be empty.", "prompt")
     first = raw[0]
-    if isinstance(first, str | list) and len(raw) > 1:
-        raise invalid_request(
-            "Batched prompts are not supported; send one prompt per request.", "prompt"
-        )
-    if isinstance(first, str):
-        return first
-    ids = first if isinstance(first, list) else raw
-    where = "prompt[0]" if ids is first else "prompt"
+    if not isinstance(first, str | list):
+        return (_token_ids(raw, "prompt"),)  # one prompt of token ids
+    prompts: list[Prompt] = []
+    for k, item in enumerate(raw):
+        where = f"prompt[{k}]"
+        if isinstance(first, str) and isinstance(item, str):
+            if not item and len(raw) > 1:
+                raise invalid_request("The prompt must not be empty.", where)
+            prompts.append(item)
+        elif isinstance(first, list) and isinstance(item, list):
+            prompts.append(_token_ids(item, where))
+        else:
+            expected = "a string" if isinstance(first, str) else "a list of token ids"
+            raise invalid_request(
+                f"Invalid type for '{where}': a batch of prompts is all strings or all lists "
+                f"of token ids; expected {expected}, as 'prompt[0]' is.",
+                where,
+            )
+    return tuple(prompts)
+
+
+def _token_ids(ids: list[Any], where: str) -> tuple[int, ...]:
     if not ids:
         raise invalid_request("The prompt must not be empty.", where)
     for k, tok in enumerate(ids):
         if type(tok) is not int or tok < 0:
             raise invalid_request(
-                f"Invalid type for '{where}[{k}]': expected a string, a list of one string, "
-                "a list of token ids (integers >= 0) or a list of one such list.",
+                f"Invalid type for '{where}[{k}]': expected a string, a list of strings, "
+                "a list of token ids (integers >= 0) or a list of such lists.",
                 f"{where}[{k}]",
             )
         if tok > UINT32_MAX:
@@ -484,7 +503,14 @@ def parse_completion_request(body: bytes) -> CompletionRequest:
             f"best_of={w.best_of} is not supported; only best_of equal to n ({n}) is.",
             "best_of",
         )
+    prompts = _prompts(w.prompt)
+    if len(prompts) * n > MAX_BATCH_CALLS:
+        raise invalid_request(
+            f"Invalid value for 'prompt': {len(prompts)} prompts of n={n} choices each make "
+            f"{len(prompts) * n} engine calls; at most {MAX_BATCH_CALLS} are allowed.",
+            "prompt",
+        )
     return CompletionRequest(
-        **common, prompt=_prompt(w.prompt), echo=bool(w.echo), logprobs=logprobs,
-        prompt_logprobs=logprobs if w.echo else None,
+        **common, prompt=prompts[0], more_prompts=prompts[1:], echo=bool(w.echo),
+        logprobs=logprobs, prompt_logprobs=logprobs if w.echo else None,
     )

@@ -148,10 +148,26 @@ class ChatRequest(_RequestBase, frozen=True, kw_only=True):
         return bool(self.tools) and self.tool_choice != "none"
 
 
-class CompletionRequest(_RequestBase, frozen=True, kw_only=True):
-    """A validated ``POST /v1/completions`` body; ``prompt`` is text or token ids."""
+Prompt = str | tuple[int, ...]
 
-    prompt: str | tuple[int, ...]
+
+class CompletionRequest(_RequestBase, frozen=True, kw_only=True):
+    """A validated ``POST /v1/completions`` body; ``prompt`` is text or token ids.
+
+    A batch of prompts is ``prompt`` (the first) and ``more_prompts`` (the
+    rest): each prompt is a request of its own with the same fields
+    (:meth:`each_prompt`), and the response holds ``n`` choices per prompt.
+    """
+
+    prompt: Prompt
+    more_prompts: tuple[Prompt, ...] = ()
     echo: bool = False  # the prompt leads the output text
+
+    def each_prompt(self) -> tuple[CompletionRequest, ...]:
+        """The batch as requests of one prompt each, in order (itself when it is one)."""
+        if not self.more_prompts:
+            return (self,)
+        return tuple(msgspec.structs.replace(self, prompt=prompt, more_prompts=())
+                     for prompt in (self.prompt, *self.more_prompts))
 
 

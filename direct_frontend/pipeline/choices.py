@@ -13,6 +13,11 @@ each choice is reproducible and differs from its siblings. Each choice's
 engine call has its own request id (``<request id>-<i>``), so an Abort
 reaches exactly the call it means.
 
+A completions batch of prompts is ``n`` choices per prompt, in prompt order
+(choice ``j`` of prompt ``p`` is index ``p × n + j``, as OpenAI numbers
+them); each prompt's choices sample as that prompt's would alone (``seed +
+j``), so a batch answers exactly what its prompts sent one by one would.
+
 :class:`Choices` is the driver: it places every choice before any starts
 (a request no engine can take gets its HTTP error before any engine call),
 then runs them in one nursery, handing every batch on with its choice's
@@ -52,41 +57,51 @@ def choice_seed(seed: int | None, index: int) -> int | None:
     return (seed + index - _INT64_MIN) % _INT64 + _INT64_MIN
 
 
-def choice_request(prepared: PreparedRequest, index: int) -> PreparedRequest:
-    """Choice ``index`` of ``prepared`` as a request of its own (its engine id and seed)."""
+def choice_request(prepared: PreparedRequest, index: int, choice: int | None = None,
+                   ) -> PreparedRequest:
+    """Choice ``index`` of the response, ``choice`` of its prompt's (default: the same).
+
+    A request of its own: its engine id names its place in the response, its
+    seed its place among its prompt's choices.
+    """
     request = prepared.request
+    seed = choice_seed(request.seed, index if choice is None else choice)
     return dataclasses.replace(
         prepared,
         request_id=f"{prepared.request_id}-{index}",
-        request=msgspec.structs.replace(request, seed=choice_seed(request.seed, index)),
+        request=msgspec.structs.replace(request, seed=seed),
     )
 
 
 class Choices:
     """The choices of one request, in index order, and the failure that ended them (if any)."""
 
-    __slots__ = ("error", "failed", "prepared", "states")
+    __slots__ = ("error", "failed", "per_prompt", "prepared", "prompts", "states")
 
-    def __init__(self, prepared: PreparedRequest, states: list[RelayState]) -> None:
-        self.prepared = prepared  # the client's request (its id names the response)
+    def __init__(self, prompts: Sequence[PreparedRequest], states: list[RelayState]) -> None:
+        self.prompts = prompts  # one, or a completions batch's, in order
+        self.prepared = prompts[0]  # the client's request (its id names the response)
+        self.per_prompt = len(states) // len(prompts)  # n
         self.states = states
         self.failed: RelayState | None = None  # the choice that gave up first
         self.error: EngineError | None = None  # and why
 
     @classmethod
     async def begin(
-        cls, relay: Relay, settings: Settings, prepared: PreparedRequest,
+        cls, relay: Relay, settings: Settings, prompts: Sequence[PreparedRequest],
         trace: RequestTrace | None = None,
     ) -> Choices:
         """Place every choice; the first that cannot be placed raises its HTTP error.
 
         Placing starts nothing on any engine, so a refusal leaves nothing to abort.
         """
+        n = prompts[0].request.n
         states = [
-            await relay.begin(settings, choice_request(prepared, i), trace)
-            for i in range(prepared.request.n)
+            await relay.begin(settings, choice_request(prepared, p * n + j, j), trace)
+            for p, prepared in enumerate(prompts)
+            for j in range(n)
         ]
-        return cls(prepared, states)
+        return cls(prompts, states)
 
     async def run(self, relay: Relay, emit: ChoiceEmit, writing: trio.Lock | None = None) -> None:
         """Run every choice to its end; ``emit`` gets each batch with the choice's index.
@@ -132,18 +147,19 @@ class Choices:
         return all(state.final is not None for state in self.states)
 
     def usage(self) -> tuple[int, int, int]:
-        """Prompt tokens once, completion tokens of every choice, the prompt's cached tokens.
+        """Each prompt's tokens once, every choice's completion tokens, the prompts' cached.
 
-        The cached count is the first choice's: the prompt's, as a lone request reports it.
+        A prompt's cached count is its first choice's, as a lone request reports it.
         """
-        first = self.states[0]
         completion = sum(state.processor.completion_tokens for state in self.states)
-        return len(self.prepared.input_ids), completion, first.cached_tokens or 0
+        firsts = self.states[::self.per_prompt]
+        return (sum(len(prepared.input_ids) for prepared in self.prompts), completion,
+                sum(state.cached_tokens or 0 for state in firsts))
 
     def settle(self, relay: Relay, ok: bool) -> None:
-        """The response is out: every choice settles, the prompt counted once."""
+        """The response is out: every choice settles, each prompt counted once."""
         for index, state in enumerate(self.states):
-            relay.settle(state, ok, count_prompt=index == 0)
+            relay.settle(state, ok, count_prompt=index % self.per_prompt == 0)
         trace = self.states[0].trace
         if trace is not None:
             prompt, completion, _ = self.usage()

@@ -161,6 +161,28 @@ async def prepare(
     return PreparedRequest(kind, request_id, request, tuple(ids), prompt, routing_key)
 
 
+async def prepare_each(
+    kind: Kind, request: ChatRequest | CompletionRequest, request_id: str,
+    tokenizing: Tokenizing, routing_key: str | None = None,
+) -> tuple[PreparedRequest, ...]:
+    """Every prompt of ``request`` prepared: its one, or each of a completions batch's.
+
+    A batch's prompts share the request id (the response's); a prompt's 400
+    names its place in the batch.
+    """
+    if isinstance(request, ChatRequest) or not request.more_prompts:
+        return (await prepare(kind, request, request_id, tokenizing, routing_key),)
+    prepared = []
+    for k, one in enumerate(request.each_prompt()):
+        try:
+            prepared.append(await prepare(kind, one, request_id, tokenizing, routing_key))
+        except OpenAIHTTPError as err:
+            if err.param == "prompt":
+                err.param = f"prompt[{k}]"
+            raise
+    return tuple(prepared)
+
+
 _chat_key_encoder = msgspec.msgpack.Encoder()
 
 

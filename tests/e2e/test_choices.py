@@ -243,3 +243,66 @@ def test_client_disconnect_aborts_every_choice(model_dir: Path, tmp_path: Path) 
         # one Abort per choice of the one request, each naming its own engine call
         assert [rid.rsplit("-", 1)[1] for rid in aborted] == ["0", "1", "2"]
         assert len({rid.rsplit("-", 1)[0] for rid in aborted}) == 1
+
+
+# -- a completions batch of prompts: n choices per prompt, numbered prompt by prompt
+
+PROMPTS = ["Once upon a time", "The quick brown fox jumps", "In a hole in the ground"]
+
+
+def test_a_batch_of_prompts_answers_as_each_prompt_alone(daemon: Daemon) -> None:
+    api = client(daemon)
+    lone = [api.completions.create(model="demo", prompt=p, n=2, **SAMPLED) for p in PROMPTS]
+    expected = [c.text for answer in lone for c in answer.choices]
+    assert len(set(expected[::2])) == len(PROMPTS)  # the prompts' answers differ
+    whole = api.completions.create(model="demo", prompt=PROMPTS, n=2, **SAMPLED)
+    assert [c.index for c in whole.choices] == list(range(6))
+    assert [c.text for c in whole.choices] == expected
+    assert whole.usage is not None
+    assert whole.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in lone if a.usage)
+    assert whole.usage.completion_tokens == 6 * TOKENS
+    texts: dict[int, str] = {}
+    usages = []
+    for chunk in api.completions.create(
+        model="demo", prompt=PROMPTS, n=2, stream=True, stream_options={"include_usage": True},
+        **SAMPLED,
+    ):
+        if chunk.usage is not None:
+            usages.append(chunk.usage)
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+    assert [texts[i] for i in range(6)] == expected
+    assert len(usages) == 1 and usages[0].prompt_tokens == whole.usage.prompt_tokens
+    assert usages[0].completion_tokens == 6 * TOKENS
+
+
+def test_a_batch_of_token_prompts_echoes_each_with_its_logprobs(daemon: Daemon) -> None:
+    """What evaluation harnesses send (lm-eval's loglikelihood): token ids, echo, logprobs."""
+    api = client(daemon)
+    prompts = [[11, 12, 13, 14], [21, 22], [31, 32, 33]]
+    fields: dict[str, Any] = {"max_tokens": 1, "temperature": 0, "logprobs": 1, "echo": True}
+    lone = [api.completions.create(model="demo", prompt=p, **fields).choices[0] for p in prompts]
+    for stream in (False, True):
+        response: Any = api.completions.create(model="demo", prompt=prompts, stream=stream,
+                                               **fields)
+        chunks = list(response) if stream else [response]
+        got: dict[int, tuple[str, list[Any]]] = {}
+        for chunk in chunks:
+            for choice in chunk.choices:
+                text, values = got.get(choice.index, ("", []))
+                logprobs = choice.logprobs.token_logprobs if choice.logprobs else []
+                got[choice.index] = (text + choice.text, values + list(logprobs))
+        assert sorted(got) == [0, 1, 2]
+        for index, reference in enumerate(lone):
+            assert reference.logprobs is not None
+            text, values = got[index]
+            assert text == reference.text
+            assert values == reference.logprobs.token_logprobs
+            assert values[0] is None and len(values) == len(prompts[index]) + 1
+
+
+def test_a_bad_prompt_in_a_batch_is_named(daemon: Daemon) -> None:
+    body = {"model": "demo", "prompt": [[1, 2], [3, 10**6]], "max_tokens": 2}
+    reply = httpx.post(daemon.url + "/v1/completions", json=body, timeout=30)
+    assert reply.status_code == 400
+    assert reply.json()["error"]["param"] == "prompt[1]"

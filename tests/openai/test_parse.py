@@ -443,6 +443,29 @@ def test_completion_prompt_forms(prompt: Any, expected: str | tuple[int, ...]) -
     assert req.prompt == expected
 
 
+@pytest.mark.parametrize(
+    ("prompt", "expected"),
+    [
+        (["Once", "upon"], ("Once", "upon")),
+        ([[4, 5], [6]], ((4, 5), (6,))),
+        (["a"] * 2048, ("a",) * 2048),
+    ],
+)
+def test_a_batch_of_prompts_is_one_request_per_prompt(
+    prompt: Any, expected: tuple[str | tuple[int, ...], ...]
+) -> None:
+    req = parse_completion_request(completion(prompt=prompt, n=1, seed=3, echo=True))
+    assert (req.prompt, *req.more_prompts) == expected
+    each = req.each_prompt()
+    assert tuple(r.prompt for r in each) == expected
+    assert all(r.more_prompts == () and r.seed == 3 and r.echo for r in each)
+
+
+def test_one_prompt_is_its_own_batch() -> None:
+    req = parse_completion_request(completion(prompt=["Once upon"]))
+    assert req.more_prompts == () and req.each_prompt() == (req,)
+
+
 def test_completion_defaults_and_fields() -> None:
     req = parse_completion_request(completion())
     assert req == CompletionRequest(model="m", prompt="Once upon")
@@ -458,8 +481,13 @@ def test_completion_defaults_and_fields() -> None:
 @pytest.mark.parametrize(
     ("fields", "param", "fragment"),
     [
-        ({"prompt": ["a", "b"]}, "prompt", "Batched prompts"),
-        ({"prompt": [[1], [2]]}, "prompt", "Batched prompts"),
+        ({"prompt": ["a", 1]}, "prompt[1]", "all strings or all lists of token ids"),
+        ({"prompt": [[1], "a"]}, "prompt[1]", "expected a list of token ids"),
+        ({"prompt": ["a", ""]}, "prompt[1]", "must not be empty"),
+        ({"prompt": [[1], []]}, "prompt[1]", "must not be empty"),
+        ({"prompt": [[1], [2, -1]]}, "prompt[1][1]", "Invalid type"),
+        ({"prompt": [[1], [2**32]]}, "prompt[1][0]", "a token id is an integer"),
+        ({"prompt": ["a"] * 1025, "n": 2}, "prompt", "2050 engine calls; at most 2048"),
         ({"prompt": []}, "prompt", "must not be empty"),
         ({"prompt": [[]]}, "prompt[0]", "must not be empty"),
         ({"prompt": [1, -2]}, "prompt[1]", "Invalid type"),

@@ -26,3 +26,11 @@ def test_each_choice_is_a_request_of_its_own() -> None:
     unseeded = PreparedRequest("completion", "r2", CompletionRequest(model="m", prompt="hi"),
                                (1,), "hi")
     assert choice_request(unseeded, 2).request.seed is None
+
+
+def test_a_batch_choice_is_numbered_in_the_response_and_seeded_in_its_prompt() -> None:
+    request = CompletionRequest(model="m", prompt="hi", n=2, seed=7)
+    prepared = PreparedRequest("completion", "r1", request, (1, 2), "hi")
+    # choice 1 of the second prompt: index 3 of the response, seeded as choice 1 alone
+    third = choice_request(prepared, 3, 1)
+    assert third.request_id == "r1-3" and third.request.seed == 8
