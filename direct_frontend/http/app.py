@@ -31,7 +31,7 @@ from direct_frontend.http.asgi import (
     send_error,
 )
 from direct_frontend.http.control_view import ControlView
-from direct_frontend.http.render import render_models
+from direct_frontend.http.render import render_model, render_models
 from direct_frontend.http.responses import respond
 from direct_frontend.http.responses_api import respond_responses
 from direct_frontend.observability.logging import current_request_id, new_request_id
@@ -54,6 +54,9 @@ from direct_frontend.pipeline.settings import Settings
 from direct_frontend.routing.affinity import routing_key
 
 log = logging.getLogger("direct_frontend.http")
+
+#: ``GET /v1/models/{model}``: the rest of the path is the id (which may hold slashes)
+MODEL_PATH = "/v1/models/"
 
 #: an endpoint: the request's settings snapshot and its ASGI triple in, the HTTP status out
 Handler = Callable[[Settings, Scope, Receive, Send], Awaitable[int]]
@@ -105,6 +108,9 @@ class App:
         path, method = scope["path"], scope["method"]
         started = time.perf_counter()
         methods = self._routes.get(path)
+        route = path  # the metrics' label: one per route, not per model id
+        if methods is None and path.startswith(MODEL_PATH) and len(path) > len(MODEL_PATH):
+            methods, route = {"GET": self._model}, MODEL_PATH + "{model}"
         admin_enabled = settings.frontend.admin.enabled
         if methods is not None and path.startswith("/fleet") and not admin_enabled:
             methods = None  # admin disabled: the routes do not exist
@@ -112,7 +118,7 @@ class App:
         if handler is not None and (denied := _denied(settings.frontend, scope)) is not None:
             await send_error(send, denied)
             self.metrics.request_started()
-            self.metrics.request_finished(path, denied.status, 0.0)
+            self.metrics.request_finished(route, denied.status, 0.0)
             return
         if handler is None:
             err = (
@@ -121,7 +127,7 @@ class App:
             )
             await send_error(send, err)
             self.metrics.request_started()
-            self.metrics.request_finished(path if methods else "other", err.status, 0.0)
+            self.metrics.request_finished(route if methods else "other", err.status, 0.0)
             return
         status = 500
         in_flight = path != "/metrics"  # a scrape must not count itself in flight
@@ -140,7 +146,7 @@ class App:
         finally:
             current_request_id.reset(token)
             self.metrics.request_finished(
-                path, status, time.perf_counter() - started, was_in_flight=in_flight
+                route, status, time.perf_counter() - started, was_in_flight=in_flight
             )
 
     # -- admin -------------------------------------------------------------------------
@@ -174,6 +180,17 @@ class App:
     async def _models(self, settings: Settings, scope: Scope, receive: Receive, send: Send) -> int:
         body = render_models(self.control.models.cards(), self.started_at)
         await send_body(send, 200, body)
+        return 200
+
+    async def _model(self, settings: Settings, scope: Scope, receive: Receive, send: Send) -> int:
+        """One model, alias or adapter by its id (ids may hold slashes: the rest of the path)."""
+        wanted = scope["path"][len(MODEL_PATH):]
+        card = next((c for c in self.control.models.cards() if c.id == wanted), None)
+        if card is None:
+            err = model_not_found(wanted)
+            await send_error(send, err)
+            return err.status
+        await send_body(send, 200, render_model(card, self.started_at))
         return 200
 
     async def _health(self, settings: Settings, scope: Scope, receive: Receive, send: Send) -> int:

@@ -373,6 +373,13 @@ class _ModelList(msgspec.Struct):
 
 def render_models(cards: Iterable[ModelCard], created: int) -> bytes:
     """The ``GET /v1/models`` body: every model, alias and adapter served."""
-    return _encode(_ModelList("list", [
-        _Model(c.id, "model", created, c.owned_by, c.context_length, c.parent) for c in cards
-    ]))
+    return _encode(_ModelList("list", [_model(c, created) for c in cards]))
+
+
+def render_model(card: ModelCard, created: int) -> bytes:
+    """The ``GET /v1/models/{model}`` body: one entry of the list."""
+    return _encode(_model(card, created))
+
+
+def _model(card: ModelCard, created: int) -> _Model:
+    return _Model(card.id, "model", created, card.owned_by, card.context_length, card.parent)

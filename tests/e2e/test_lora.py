@@ -99,6 +99,7 @@ def test_adapters_are_listed_as_models_of_their_base(daemon: Daemon) -> None:
     assert listing["chat-sql"]["parent"] == "chat"
     assert listing["solo-a"]["parent"] == "solo"
     assert "parent" not in listing["chat"]
+    assert get_json(daemon.url + "/v1/models/chat-sql") == listing["chat-sql"]
 
 
 def test_an_adapter_loads_on_demand_then_sticks_to_the_engine_holding_it(

@@ -16,6 +16,7 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
@@ -50,7 +51,7 @@ def models_fleet(model_dir: Path, *, extra_model: bool = False) -> str:
 
         [[model]]
         name = "coder"
-        aliases = ["code"]
+        aliases = ["code", "org/coder-7b"]
         [model.routing]
         policy = "least_loaded"
         [model.sampling]
@@ -117,11 +118,30 @@ def test_an_alias_reaches_its_model_and_its_sampling_defaults_apply(
 def test_models_lists_every_model_with_owner_and_context(daemon: Daemon) -> None:
     listing = get_json(daemon.url + "/v1/models")
     by_id = {entry["id"]: entry for entry in listing["data"]}
-    assert set(by_id) == {"chat", "coder", "code", "small"}
+    assert set(by_id) == {"chat", "coder", "code", "org/coder-7b", "small"}
     assert by_id["chat"]["owned_by"] == "team-chat"
     assert by_id["chat"]["max_model_len"] == 2048  # the model's own, over the engines'
     assert by_id["coder"]["max_model_len"] == 4096  # the simulators' default
     assert by_id["small"]["owned_by"] == "direct-frontend"
+
+
+def test_each_model_is_retrieved_by_its_id_as_it_is_listed(
+    daemon: Daemon, client: openai.OpenAI
+) -> None:
+    listing = {entry["id"]: entry for entry in get_json(daemon.url + "/v1/models")["data"]}
+    for model_id, entry in listing.items():  # "org/coder-7b": an id with a slash
+        assert client.models.retrieve(model_id).model_dump(exclude_unset=True) == entry
+        assert get_json(f"{daemon.url}/v1/models/{model_id}") == entry
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.models.retrieve("nope")
+    assert caught.value.code == "model_not_found" and "'nope'" in caught.value.message
+    assert httpx.get(daemon.url + "/v1/models/").status_code == 404  # no id: no route
+    reply = httpx.post(daemon.url + "/v1/models/chat", json={})
+    assert reply.status_code == 405 and reply.headers["allow"] == "GET"
+    metrics = httpx.get(daemon.url + "/metrics").text
+    assert 'endpoint="/v1/models/{model}",status="200"' in metrics  # one label, not one per id
+    assert 'endpoint="/v1/models/{model}",status="404"' in metrics
+    assert "/v1/models/chat" not in metrics
 
 
 def test_an_unknown_model_is_openais_404(client: openai.OpenAI) -> None:

@@ -63,6 +63,7 @@ def test_openai_endpoints_need_an_api_key_when_configured(secured: Daemon) -> No
         assert r.json()["error"]["type"] == "invalid_request_error"
         assert r.headers["www-authenticate"].startswith("Bearer")
     assert httpx.get(url + "/v1/models").status_code == 401
+    assert httpx.get(url + "/v1/models/demo").status_code == 401
     assert httpx.get(url + "/health").status_code == 200  # probes need no key
     assert httpx.get(url + "/ready").status_code == 200
     client = openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0)
