@@ -1586,7 +1586,8 @@ def frontend_checks(
     report.check("frontend: logprobs/top_logprobs carry the engine's values", lambda: (
         _logprobs_check(oa, client, texts, served, chat_msgs, comp_prompt)
     ))
-    report.check("frontend: a completions batch of token prompts answers as each alone",
+    report.check("frontend: a completions batch of token prompts answers as each alone "
+                 "(and max_tokens 0 scores them)",
                  lambda: _batch_check(oa, texts, served))
 
 
@@ -1691,9 +1692,24 @@ def _batch_check(oa: Any, texts: Texts, served: str) -> str:
             expect(len(values) == len(want) == len(prompts[k]) + 4 and values[0] is None,
                    f"{how}: choice {k} has {len(values)} logprobs, alone {len(want)}")
             worst = max(worst, *(abs(a - b) for a, b in zip(values[1:], want[1:], strict=True)))
+    # max_tokens 0: the prompts alone, scored (the engine generates one token, not returned)
+    scored = oa.completions.create(prompt=prompts, **{**fields, "max_tokens": 0})
+    _expect_usage(scored.usage, want_prompt, 0, "max_tokens 0 batch")
+    for k, reference in enumerate(lone):
+        choice = scored.choices[k]
+        n = len(prompts[k])
+        want = reference.logprobs.token_logprobs[:n]
+        values = choice.logprobs.token_logprobs if choice.logprobs else []
+        expect(choice.index == k and choice.finish_reason == "length",
+               f"max_tokens 0: choice {k} index {choice.index}, finish {choice.finish_reason}")
+        expect(reference.text.startswith(choice.text) and len(values) == n,
+               f"max_tokens 0: choice {k} {choice.text!r} ({len(values)} logprobs) is not "
+               f"its prompt's echo")
+        worst = max(worst, *(abs(a - b) for a, b in zip(values[1:], want[1:], strict=True)))
     expect(worst <= LOGPROB_TOLERANCE, f"the batch's logprobs differ by {worst:.2e}")
     return (f"3 prompts ({want_prompt} tokens), stream and not: each choice's echo, text and "
-            f"logprobs its own prompt's alone (within {worst:.1e}); usage sums the prompts")
+            f"logprobs its own prompt's alone (within {worst:.1e}); usage sums the prompts; "
+            "max_tokens 0: each prompt's echo and logprobs alone, 0 completion tokens")
 
 
 # --- structured outputs and sampling fields through the frontend ------------------------

@@ -129,6 +129,8 @@ class _ChatWire(_WireBase, kw_only=True):
 
 
 class _CompletionWire(_WireBase, kw_only=True):
+    #: 0 with ``echo``: the prompt alone, scored (OpenAI's legacy API; what vLLM does too)
+    max_tokens: _NonNegCount | None = None
     prompt: str | list[Any]
     logprobs: bool | Annotated[int, msgspec.Meta(ge=0, le=5)] | None = None  # OpenAI: 0..5
     echo: bool | None = None
@@ -495,6 +497,12 @@ def parse_completion_request(body: bytes) -> CompletionRequest:
     logprobs = None if w.logprobs is None or w.logprobs is False else w.logprobs
     if w.suffix:
         raise _unsupported("suffix", "suffix")
+    if common["max_tokens"] == 0 and not w.echo:
+        raise invalid_request(
+            "Invalid value for 'max_tokens': 0 is allowed only with 'echo' (the prompt alone, "
+            "with its logprobs if asked for); otherwise it must be at least 1.",
+            "max_tokens",
+        )
     n = common["n"]
     if w.best_of is not None and w.best_of < n:
         raise invalid_request(f"best_of ({w.best_of}) must not be less than n ({n}).", "best_of")

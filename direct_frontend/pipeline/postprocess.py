@@ -63,6 +63,9 @@ class OutputProcessor:
     stop_token_ids) are tokens whose text is never shown and that end the
     output with "stop", even when they are also the max_tokens-th token.
 
+    ``max_tokens`` 0 (a completions ``echo`` of the prompt alone) keeps no
+    output token: the engine, which must generate one, ends it with "length".
+
     With ``track_tokens`` (a request with logprobs) it also keeps where each
     token's text ends in the output, so :meth:`tokens_out` can say which
     tokens' text is out: their logprobs go with it, and those of tokens whose
@@ -94,8 +97,8 @@ class OutputProcessor:
         stop_token_ids: Collection[int] = (),
         track_tokens: bool = False,
     ) -> None:
-        if max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
+        if max_tokens < 0:
+            raise ValueError(f"max_tokens must not be negative, got {max_tokens}")
         self._detokenizer = detokenizer
         matcher = StopStringMatcher(stop)
         self._matcher: StopStringMatcher | None = matcher if matcher.stops else None

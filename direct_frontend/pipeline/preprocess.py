@@ -218,7 +218,7 @@ def token_budget(prepared: PreparedRequest, engine: EngineHandle, default_max: i
     limit = engine.context_length
     asked = prepared.request.max_tokens
     if limit is None:
-        return asked or default_max
+        return default_max if asked is None else asked
     if prompt >= limit:
         raise context_length_exceeded(prompt, limit, _prompt_param(prepared.kind))
     if asked is None:

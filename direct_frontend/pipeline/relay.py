@@ -615,8 +615,11 @@ class Relay:
         )
         # Engine-side stop strings are not used: we stop all engine kinds the same way.
         # A non-streaming request without stop strings lets the engine send one message.
+        # max_tokens 0 (an echo of the prompt alone): an engine generates at least one token,
+        # which the processor drops
         call = build_call(
-            prepared, max_tokens, stream=request.stream or bool(request.stop), trace=trace
+            prepared, max(max_tokens, 1), stream=request.stream or bool(request.stop),
+            trace=trace,
         )
         eos = () if request.ignore_eos else self.text_model.eos_token_ids
         parser = (choice_parser(self.parsers, request, prepared.prompt_text)

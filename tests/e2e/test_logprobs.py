@@ -184,6 +184,35 @@ def test_echo_with_logprobs_leads_with_the_prompt(daemon: Daemon, text_model: Te
         assert offsets[len(PROMPT)] == len(prompt_text)  # the output starts after the echo
 
 
+def test_an_echo_of_no_tokens_is_the_prompt_alone_scored(
+    daemon: Daemon, text_model: TextModel
+) -> None:
+    """``max_tokens`` 0 with ``echo``: what scoring tools send (OpenAI's legacy API)."""
+    api = client(daemon)
+    if kind_of(daemon) == "trtllm":
+        echoed = api.completions.create(model="demo", prompt=PROMPT, max_tokens=0, echo=True)
+        assert echoed.choices[0].text == text_model.decode(PROMPT)
+        return
+    sim = next(iter(daemon.supervisor.simulators.values()))
+    expected = prompt_rows(sim.core.model, PROMPT, sim.core.config.vocab_size)
+    second = [PROMPT[0], *PROMPT[2:]]
+    for stream in (False, True):
+        response: Any = api.completions.create(
+            model="demo", prompt=[PROMPT, second], max_tokens=0, logprobs=1, echo=True,
+            stream=stream, **({"stream_options": {"include_usage": True}} if stream else {}),
+        )
+        chunks = list(response) if stream else [response]
+        first = [c for chunk in chunks for c in chunk.choices if c.index == 0]
+        assert "".join(c.text for c in first) == text_model.decode(PROMPT)
+        values = [v for c in first if c.logprobs for v in c.logprobs.token_logprobs]
+        assert values == [None, *(r[0] for r in expected[1:])]  # type: ignore[index]
+        assert [c.finish_reason for c in first if c.finish_reason] == ["length"]
+        other = "".join(c.text for chunk in chunks for c in chunk.choices if c.index == 1)
+        assert other == text_model.decode(second)
+        usage = next(chunk.usage for chunk in chunks if chunk.usage is not None)
+        assert (usage.prompt_tokens, usage.completion_tokens) == (2 * len(PROMPT) - 1, 0)
+
+
 def test_stop_strings_keep_logprobs_aligned_with_the_text(daemon: Daemon) -> None:
     api = client(daemon)
     base: dict[str, Any] = {"model": "demo", "messages": CHAT, "max_tokens": 40,

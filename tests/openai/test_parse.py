@@ -461,6 +461,13 @@ def test_a_batch_of_prompts_is_one_request_per_prompt(
     assert all(r.more_prompts == () and r.seed == 3 and r.echo for r in each)
 
 
+def test_an_echo_may_ask_for_no_tokens() -> None:
+    """The prompt alone, scored: OpenAI's legacy max_tokens 0 with echo."""
+    req = parse_completion_request(completion(max_tokens=0, echo=True, logprobs=1))
+    assert (req.max_tokens, req.echo, req.prompt_logprobs) == (0, True, 1)
+    assert chat_error(chat(max_tokens=0)).param == "max_tokens"  # chat has no echo
+
+
 def test_one_prompt_is_its_own_batch() -> None:
     req = parse_completion_request(completion(prompt=["Once upon"]))
     assert req.more_prompts == () and req.each_prompt() == (req,)
@@ -481,6 +488,8 @@ def test_completion_defaults_and_fields() -> None:
 @pytest.mark.parametrize(
     ("fields", "param", "fragment"),
     [
+        ({"max_tokens": 0}, "max_tokens", "0 is allowed only with 'echo'"),
+        ({"max_tokens": -1}, "max_tokens", "expected `int` >= 0"),
         ({"prompt": ["a", 1]}, "prompt[1]", "all strings or all lists of token ids"),
         ({"prompt": [[1], "a"]}, "prompt[1]", "expected a list of token ids"),
         ({"prompt": ["a", ""]}, "prompt[1]", "must not be empty"),

@@ -247,9 +247,25 @@ def test_empty_delta_is_a_no_op(text_model: TextModel) -> None:
     assert not proc.finished
 
 
-def test_max_tokens_must_be_positive(text_model: TextModel) -> None:
+def test_max_tokens_must_not_be_negative(text_model: TextModel) -> None:
     with pytest.raises(ValueError, match="max_tokens"):
-        _processor(text_model, max_tokens=0)
+        _processor(text_model, max_tokens=-1)
+
+
+@pytest.mark.parametrize("track", [False, True])
+def test_no_max_tokens_keeps_nothing_the_engine_sends(text_model: TextModel, track: bool) -> None:
+    """An echo of the prompt alone: the one token the engine must generate is not output."""
+    ids = text_model.encode("Once upon a time", add_special_tokens=False)
+    proc = OutputProcessor(text_model.new_detokenizer(), ["x"] if track else [], 0,
+                           track_tokens=track)
+    step = proc.on_tokens(ids[:1])
+    assert (step.text, step.finished, step.completion_tokens) == ("", True, 0)
+    assert step.finish_reason == "length"
+    after = proc.on_finish(FinishReason.LENGTH)  # the engine's own end: nothing more
+    assert (after.text, after.completion_tokens, after.finish_reason) == ("", 0, "length")
+    assert proc.generated_ids == () and proc.completion_tokens == 0
+    if track:
+        assert proc.tokens_out() == 0
 
 
 # -- which tokens' text is out (logprobs go with it) ------------------------------------
