@@ -299,6 +299,9 @@ def simulate_engine(
     kv_replay_port: Annotated[
         Optional[int], typer.Option(help="Serve KV-event replay on this port.")  # noqa: UP045
     ] = None,
+    embedding_dim: Annotated[
+        int, typer.Option(min=0, help="Serve an embedding model of N dimensions (0: generation).")
+    ] = 0,
     fault_die_after: Annotated[
         Optional[int], typer.Option(help="Drop the connection after N tokens.")  # noqa: UP045
     ] = None,
@@ -329,6 +332,9 @@ def simulate_engine(
         raise typer.BadParameter(f"{kind!r}: expected {_one_of(kinds)}", param_hint="--kind")
     if role not in roles:
         raise typer.BadParameter(f"{role!r}: expected {_one_of(roles)}", param_hint="--role")
+    if kind == "trtllm" and embedding_dim:
+        raise typer.BadParameter("the TRT-LLM contract serves no embeddings",
+                                 param_hint="--embedding-dim")
     model_dir = BUNDLED_DIR if model_dir is None else model_dir
     if not (model_dir / "tokenizer.json").is_file():
         raise typer.BadParameter(f"{model_dir}: no tokenizer.json there", param_hint="--model-dir")
@@ -347,6 +353,7 @@ def simulate_engine(
                 "block_size": block_size, "page_size": block_size,
                 "kv_capacity_blocks": kv_capacity_blocks,
                 "kv_events_port": kv_events_port, "kv_replay_port": kv_replay_port,
+                "embedding_dim": embedding_dim,
             },
         )
     except OSError as exc:  # a busy or unknown address: the machine's answer, not a bug

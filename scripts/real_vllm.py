@@ -4,6 +4,7 @@
     python scripts/real_vllm.py                  # everything: env, model, engine, frontend, checks
     python scripts/real_vllm.py --skip-frontend  # engine + direct gRPC checks; prints its address
     python scripts/real_vllm.py --keep           # leave the engine (and frontend) running
+    python scripts/real_vllm.py --embeddings-only  # a pooling engine and its Embed checks only
 
 What it does (the recipe and its pitfalls: docs/real-vllm.md):
 
@@ -31,6 +32,10 @@ What it does (the recipe and its pitfalls: docs/real-vllm.md):
    SIGKILLed and relaunched on the same ports: ``/fleet`` counts one restart of it (the
    stock servicer reports no uptime, so the daemon sees it from the KV-event publisher
    starting over) and the index has forgotten what the old process held.
+9. Embeddings: ``Embed`` on the generating engine is refused; that engine (and the
+   frontend) is then stopped and the same model started as a pooling engine
+   (``--runner pooling --convert embed``), whose ``Embed`` answers are checked over gRPC
+   (``--embeddings-only`` runs this part alone).
 
 Every check waits on the engine's own signals, never on a pause: a log line, the stream
 having delivered tokens, a KV-event batch, ``GetLoads``, ``/fleet``. Generations that must
@@ -117,6 +122,11 @@ ENGINE_ENV = {
     "PYTHONUNBUFFERED": "1",
 }
 RUNS_KEPT = 5
+#: the tiny LlamaForCausalLM as an embedding model (docs/real-vllm.md §12): a pooling
+#: runner, the architecture converted by vLLM's embedding adapter (last token's hidden
+#: state, normalised). ``--runner pooling`` alone resolves ``--convert auto`` to embed too;
+#: both are spelled out so that a vLLM changing that default cannot change the model.
+POOLING_FLAGS = ("--runner", "pooling", "--convert", "embed")
 
 
 # ======================================================================================
@@ -376,6 +386,7 @@ class Engine:
     server_info: Any = None
     niced: int = 0  # compute threads reniced (yield_to_servicer)
     blocks: int = 0  # --num-gpu-blocks-override: its KV cache, in blocks of BLOCK_SIZE
+    pooling: bool = False  # an embedding model (POOLING_FLAGS): Embed, never Generate
 
     @property
     def address(self) -> str:
@@ -410,8 +421,12 @@ def start_engine(
     timeout: float,
     ports: tuple[int, int, int] | None = None,
     tag: str = "",
+    pooling: bool = False,
 ) -> Engine:
-    """Launch the engine (on ``ports``: gRPC, KV PUB, replay, or free ones) until SERVING."""
+    """Launch the engine (on ``ports``: gRPC, KV PUB, replay, or free ones) until SERVING.
+
+    ``pooling`` serves the same model as an embedding model instead (POOLING_FLAGS).
+    """
     grpc_port, pub_port, replay_port = ports or free_ports(3)
     kv_cfg = {
         "enable_kv_cache_events": True,
@@ -433,6 +448,7 @@ def start_engine(
         "--kv-events-config", json.dumps(kv_cfg, separators=(",", ":")),
         # compact JSON under a JSON grammar: a random model never pads it without end
         "--structured-outputs-config", '{"backend":"xgrammar","disable_any_whitespace":true}',
+        *(POOLING_FLAGS if pooling else ()),
     ]  # fmt: skip
     log = run_dir / f"engine{tag}.log"
     (run_dir / f"engine{tag}.cmd").write_text(" ".join(cmd) + "\n")
@@ -446,7 +462,9 @@ def start_engine(
             cwd=run_dir,
             start_new_session=True,  # its own process group: stopped as a whole
         )
-    engine = Engine(proc, grpc_port, pub_port, replay_port, log, model, blocks=blocks)
+    engine = Engine(
+        proc, grpc_port, pub_port, replay_port, log, model, blocks=blocks, pooling=pooling
+    )
     try:
         wait_serving(engine, timeout)
     except BaseException:
@@ -690,6 +708,13 @@ class EngineClient:
         return out
 
 
+    def embed(self, rid: str, ids: list[int], text: str = "") -> Any:
+        """One ``Embed`` of token ids (``text``: the optional ``original_text``)."""
+        request = self.pb.EmbedRequest(
+            request_id=rid, tokenized=self.pb.TokenizedInput(input_ids=ids, original_text=text)
+        )
+        return self.stub.Embed(request, timeout=60)
+
     def logprobs(
         self, rid: str, ids: list[int], max_tokens: int, top: int, *, prompt: bool = False
     ) -> dict[str, Any]:
@@ -911,6 +936,312 @@ def engine_checks(report: Report, engine: Engine, client: EngineClient) -> None:
     report.check("engine: prefix cache + KV events (PUB, replay)", prefix_cache)
 
 
+# --- embeddings: a pooling engine (docs/real-vllm.md §12) --------------------------------
+
+#: what the stock servicer answers (all INVALID_ARGUMENT, the servicer's code for vLLM's
+#: ValueError): Generate on a pooling engine, Embed on a generating one
+GENERATE_ON_POOLING = "This model does not support generation"
+EMBED_ON_GENERATION = "This model does not support pooling"
+#: how far from 1 an embedding's L2 norm may be (float32 rounding of a normalised vector)
+NORM_TOLERANCE = 1e-5
+
+
+def _rpc_refusal(call: Callable[[], Any]) -> tuple[str, str]:
+    """(status name, details) of a call that must fail; a CheckFailed if it answers."""
+    import grpc
+
+    try:
+        call()
+    except grpc.RpcError as exc:
+        return exc.code().name, exc.details() or ""
+    raise CheckFailed("the engine answered instead of refusing")
+
+
+def _expect_refusal(call: Callable[[], Any], code: str, message: str, how: str) -> str:
+    got = _rpc_refusal(call)
+    expect(got == (code, message), f"{how}: {got[0]} {got[1]!r}, wanted {code} {message!r}")
+    return f"{how}: {code} {message!r}"
+
+
+def embed_refused_on_generation_check(report: Report, client: EngineClient) -> None:
+    """On the generating engine: ``Embed`` is refused whatever its input (a router sends
+    embeddings only to engines whose ``GetModelInfo.is_generation`` is false)."""
+
+    def refused() -> str:
+        first = _expect_refusal(
+            lambda: client.embed("rv-embed-gen", [1, 100, 200]),
+            "INVALID_ARGUMENT", EMBED_ON_GENERATION, "Embed of 3 ids",
+        )  # fmt: skip
+        empty = _expect_refusal(
+            lambda: client.embed("rv-embed-gen-empty", []),
+            "INVALID_ARGUMENT", EMBED_ON_GENERATION, "Embed of no ids",
+        )  # fmt: skip
+        health = client.stub.HealthCheck(client.pb.HealthCheckRequest(), timeout=10)
+        expect(health.healthy, f"HealthCheck after the refusals: {health}")
+        return f"{first}; {empty}; still healthy"
+
+    report.check("engine: Embed on the generating engine is refused", refused)
+
+
+def embedding_engine_checks(report: Report, engine: Engine, client: EngineClient) -> None:
+    """What a router relies on from a pooling engine, straight over gRPC."""
+    info = client.model_info()
+    hidden = json.loads((engine.model / "config.json").read_text())["hidden_size"]
+    prompt = [1, 100, 200, 300, 400, 500]
+    long_prompt = [1] + [(11 * i + 3) % 2038 + 10 for i in range(99)]  # 3 full blocks
+    # docs/real-vllm.md §7.4's prompts A and B (an 80-id prefix shared) and the hashes the
+    # generating engine published for them, which depend on the ids alone
+    prefix = [1] + [(7 * i + 11) % 2038 + 10 for i in range(79)]
+    prompt_a = prefix + [(13 * i + 5) % 2038 + 10 for i in range(20)]
+    prompt_b = prefix + [(17 * i + 3) % 2038 + 10 for i in range(20)]
+    hashes_on_generation = (
+        [17190628165027733984, 2314569579849628144, 3249708022246889741], [6862667326327305868]
+    )
+
+    def model_info() -> str:
+        expect(not info.is_generation, f"is_generation {info.is_generation}, wanted false")
+        expect(
+            info.max_context_length == MAX_MODEL_LEN,
+            f"max_context_length {info.max_context_length}, wanted {MAX_MODEL_LEN}",
+        )
+        return (
+            f"is_generation false; max_context_length {info.max_context_length}, vocab_size "
+            f"{info.vocab_size}, architectures {info.architectures!r}, bos {info.bos_token_id}"
+        )
+
+    def vector() -> str:
+        r = client.embed("rv-embed-6", prompt)
+        vec = list(r.embedding)
+        norm = sum(x * x for x in vec) ** 0.5
+        expect(r.embedding_dim == len(vec), f"embedding_dim {r.embedding_dim}, {len(vec)} floats")
+        expect(len(vec) == hidden, f"{len(vec)} floats, wanted the hidden size {hidden}")
+        expect(abs(norm - 1) <= NORM_TOLERANCE, f"L2 norm {norm}, wanted 1")
+        expect(r.prompt_tokens == len(prompt), f"prompt_tokens {r.prompt_tokens}, wanted 6")
+        return f"embedding_dim {r.embedding_dim} (the hidden size), |v| {norm:.9f}, prompt_tokens 6"
+
+    def ids_as_sent() -> str:
+        with_bos = list(client.embed("rv-embed-bos", prompt).embedding)
+        r = client.embed("rv-embed-nobos", prompt[1:])
+        expect(r.prompt_tokens == len(prompt) - 1, f"without BOS: prompt_tokens {r.prompt_tokens}")
+        expect(list(r.embedding) != with_bos, "without BOS: the same vector as with it")
+        texted = list(client.embed("rv-embed-text", prompt, text="something else").embedding)
+        expect(texted == with_bos, "original_text changed the vector of the same ids")
+        return (
+            "without the leading BOS: prompt_tokens 5 and another vector (no BOS added); "
+            "original_text ignored (same ids, other text: the same vector)"
+        )
+
+    def deterministic() -> str:
+        a = list(client.embed("rv-embed-same-1", prompt).embedding)
+        b = list(client.embed("rv-embed-same-2", prompt).embedding)
+        expect(a == b, "6 ids twice: the vectors differ")
+        # The second long one hits the prefix cache (3 full blocks): still the same vector?
+        c = list(client.embed("rv-embed-long-1", long_prompt).embedding)
+        d = list(client.embed("rv-embed-long-2", long_prompt).embedding)
+        diff = max(abs(x - y) for x, y in zip(c, d, strict=True))
+        expect(diff <= 1e-6, f"100 ids twice (a prefix-cache hit): vectors differ by {diff}")
+        return f"6 ids twice: identical; 100 ids twice (cached prefix): max difference {diff}"
+
+    def bad_input() -> str:
+        too_long = [1] + [10 + i % 2000 for i in range(info.max_context_length)]
+        cases = [
+            ("no ids", lambda: client.embed("rv-embed-empty", []),
+             "The decoder prompt cannot be empty"),
+            (f"id {info.vocab_size}", lambda: client.embed("rv-embed-oov", [1, info.vocab_size]),
+             f"Token id {info.vocab_size} is out of vocabulary"),
+            (f"{len(too_long)} ids", lambda: client.embed("rv-embed-long", too_long),
+             f"The decoder prompt (length {len(too_long)}) is longer than the maximum model "
+             f"length of {info.max_context_length}. Make sure that `max_model_len` is no smaller "
+             "than the number of text tokens."),
+            ("no tokenized", lambda: client.stub.Embed(
+                client.pb.EmbedRequest(request_id="rv-embed-none"), timeout=60),
+             "EmbedRequest requires tokenized input"),
+        ]  # fmt: skip
+        seen = [_expect_refusal(call, "INVALID_ARGUMENT", msg, how) for how, call, msg in cases]
+        fits = client.embed("rv-embed-window", too_long[:-1])
+        expect(fits.prompt_tokens == len(too_long) - 1, f"a window: {fits.prompt_tokens}")
+        return "; ".join(f"{s.split(':')[0]} refused" for s in seen) + (
+            f"; {info.max_context_length} ids (the window) embedded; all INVALID_ARGUMENT"
+        )
+
+    def generate_refused() -> str:
+        def generate(stream: bool) -> Callable[[], Any]:
+            request = client.request(f"rv-embed-gen-{stream}", prompt, 4, stream=stream)
+            return lambda: list(client.stub.Generate(request, timeout=60))
+
+        outs = [
+            _expect_refusal(generate(s), "INVALID_ARGUMENT", GENERATE_ON_POOLING, f"stream={s}")
+            for s in (True, False)
+        ]
+        health = client.stub.HealthCheck(client.pb.HealthCheckRequest(), timeout=10)
+        expect(health.healthy, f"HealthCheck after the refusals: {health}")
+        return f"{outs[0]}; non-streaming too; HealthCheck still {health.message!r}"
+
+    def kv_events() -> str:
+        def stored(frames: list[tuple[int, Any]]) -> list[Any]:
+            return [e for _, batch in frames for e in batch[1] if e.get("type") == "BlockStored"]
+
+        with KvTap(engine, client) as tap:
+            client.embed("rv-embed-kv-a", prompt_a)
+            a = stored(tap.barrier())
+            client.embed("rv-embed-kv-b", prompt_b)
+            b = stored(tap.barrier())
+            client.embed("rv-embed-kv-a-again", prompt_a)
+            again = tap.barrier()
+        a_hashes = [h for e in a for h in e["block_hashes"]]
+        b_hashes = [h for e in b for h in e["block_hashes"]]
+        expect(len(a_hashes) == 3, f"A (100 ids) stored {len(a_hashes)} blocks, wanted 3")
+        expect(
+            [t for e in a for t in e["token_ids"]] == prompt_a[:96],
+            "A's stored blocks' token_ids are not its first 96 ids",
+        )
+        expect(len(b_hashes) == 1, f"B stored {len(b_hashes)} blocks, wanted 1 (2 cached)")
+        expect(
+            b[0]["parent_block_hash"] == a_hashes[1],
+            f"B's block has parent {b[0]['parent_block_hash']}, wanted A's 2nd {a_hashes[1]}",
+        )
+        expect(not again, f"A again published {len(again)} batch(es), wanted none")
+        same = (a_hashes, b_hashes) == hashes_on_generation
+        return (
+            "A: one BlockStored of 3 blocks; B (sharing 80 ids): 1 block, its parent A's 2nd; "
+            f"A again: nothing; hashes {'equal' if same else 'NOT equal'} to the generating "
+            "engine's (§7.4)"
+        )
+
+    def loads() -> str:
+        got = client.stub.GetLoads(client.pb.GetLoadsRequest(), timeout=10)
+        expect(len(got.loads) == 1, f"{len(got.loads)} loads, wanted 1")
+        load = got.loads[0]
+        want = engine.blocks * BLOCK_SIZE
+        got_tokens = load.max_total_num_tokens
+        expect(got_tokens == want, f"max_total_num_tokens {got_tokens}, wanted {want}")
+        expect(client.running() == 0, "requests still running after the checks")
+        return f"one load, max_total_num_tokens {want}, nothing running"
+
+    report.check("pooling engine: GetModelInfo.is_generation is false", model_info)
+    report.check("pooling engine: Embed vector (dim, L2 norm, prompt_tokens)", vector)
+    report.check("pooling engine: Embed takes the ids as sent (no BOS added)", ids_as_sent)
+    report.check("pooling engine: Embed is deterministic for the same ids", deterministic)
+    report.check("pooling engine: Embed refuses bad input", bad_input)
+    report.check("pooling engine: Generate is refused", generate_refused)
+    report.check("pooling engine: Embed stores KV blocks and publishes them", kv_events)
+    report.check("pooling engine: GetLoads answers", loads)
+
+
+def embedding_frontend_checks(
+    report: Report, run_dir: Path, engine: Engine, client: EngineClient, frontend_timeout: float
+) -> None:
+    """``POST /v1/embeddings`` through a frontend whose fleet is the pooling ``engine`` alone.
+
+    The frontend's vectors must be the engine's own for the same ids (``client.embed``),
+    bit for bit, as floats and as base64: the router tokenizes (BOS added, §12), passes the
+    values through, and tells the pooling engine apart by discovery alone.
+    """
+    import httpx
+
+    served = client.model_info().served_model_name
+
+    def fleet(port: int) -> str:
+        return fleet_head("for its embeddings checks (a pooling engine)", port, served, engine,
+                          "least_loaded") + textwrap.dedent(f"""
+            [[engine]]
+            name = "{REAL_NAME}-pooling"
+            url = "grpc://{engine.address}"
+            kind = "vllm"
+            """)
+
+    t = time.monotonic()
+    try:
+        fe = start_frontend(run_dir, engine, served, frontend_timeout, tag="-embeddings",
+                            fleet_text=fleet)
+    except SetupError as exc:
+        why = str(exc)
+        report.check("frontend: /v1/embeddings on the pooling engine", lambda: expect(False, why))
+        return
+    report.timing("frontend start (embeddings fleet)", time.monotonic() - t, fe.base_url)
+    texts = Texts(engine.model)
+    oa = openai_client(fe)
+    inputs = ["def route(request, engines):", "The queue was long", "# KV cache"]
+
+    def vectors() -> str:
+        fleet_view = httpx.get(f"{fe.base_url}/fleet", timeout=10).json()
+        serves = [e.get("serves") for e in fleet_view["engines"]]
+        expect(serves == ["embeddings"], f"/fleet serves {serves}")
+        ids = [texts.completion_ids(text) for text in inputs]
+        direct = [list(client.embed(f"rv-fe-embed-{k}", one).embedding)
+                  for k, one in enumerate(ids)]
+        reply = oa.embeddings.create(model=served, input=inputs)  # the SDK asks for base64
+        got = [d.embedding for d in reply.data]
+        expect(got == direct, "the frontend's base64 vectors differ from the engine's own")
+        as_floats = httpx.post(f"{fe.base_url}/v1/embeddings", timeout=60, json={
+            "model": served, "input": ids, "encoding_format": "float"}).json()
+        got = [d["embedding"] for d in as_floats["data"]]
+        expect(got == direct, "the frontend's float vectors (token-id inputs) differ")
+        want = sum(len(one) for one in ids)
+        expect(reply.usage.prompt_tokens == want == as_floats["usage"]["prompt_tokens"],
+               f"usage {reply.usage.prompt_tokens}, {as_floats['usage']}, expected {want}")
+        return (f"{len(inputs)} inputs, text (BOS added) and token ids: base64 and float vectors "
+                f"= the engine's own Embed, bit for bit ({len(direct[0])} dims); usage {want}")
+
+    def refusals() -> str:
+        dim = len(client.embed("rv-fe-embed-dim", [1, 5]).embedding)
+        chat = httpx.post(f"{fe.base_url}/v1/chat/completions", timeout=30, json={
+            "model": served, "messages": [{"role": "user", "content": "hi"}]})
+        expect(chat.status_code == 400 and chat.json()["error"]["param"] == "model",
+               f"chat on the embedding model: {chat.status_code} {chat.text[:200]}")
+        ok = httpx.post(f"{fe.base_url}/v1/embeddings", timeout=30, json={
+            "model": served, "input": "hi", "dimensions": dim})
+        short = httpx.post(f"{fe.base_url}/v1/embeddings", timeout=30, json={
+            "model": served, "input": "hi", "dimensions": dim // 2})
+        expect(ok.status_code == 200 and short.status_code == 400
+               and short.json()["error"]["param"] == "dimensions",
+               f"dimensions {dim}: {ok.status_code}; {dim // 2}: {short.status_code}")
+        oov = httpx.post(f"{fe.base_url}/v1/embeddings", timeout=30, json={
+            "model": served, "input": [[1, 2], [1, 999999]]})
+        expect(oov.status_code == 400 and oov.json()["error"]["param"] == "input[1]",
+               f"an out-of-vocabulary id: {oov.status_code} {oov.text[:200]}")
+        return (f"chat on it: 400 naming model; dimensions {dim} served, {dim // 2} a 400; an "
+                "out-of-vocabulary id a 400 naming input[1] (never sent)")
+
+    try:
+        report.check("frontend: /v1/embeddings = the pooling engine's own vectors", vectors)
+        report.check("frontend: what an embedding model cannot do is a 400", refusals)
+    finally:
+        oa.close()
+        t = time.monotonic()
+        stop_group(fe.proc, "frontend", grace=10)
+        report.timing("frontend stop (embeddings fleet)", time.monotonic() - t)
+
+
+def start_pooling_engine(
+    report: Report, cache: Path, model: Path, run_dir: Path, args: argparse.Namespace
+) -> Engine:
+    t = time.monotonic()
+    engine = start_engine(
+        cache, model, run_dir, blocks=args.kv_blocks, timeout=args.start_timeout,
+        tag="-pooling", pooling=True,
+    )  # fmt: skip
+    report.timing(
+        "pooling engine start (launch -> SERVING)",
+        time.monotonic() - t,
+        f"grpc {engine.address}, {' '.join(POOLING_FLAGS)}, pid {engine.proc.pid}, "
+        f"{engine.niced} compute threads at nice 19",
+    )
+    return engine
+
+
+def embedding_checks(
+    report: Report, run_dir: Path, engine: Engine, args: argparse.Namespace
+) -> None:
+    """Everything run on the pooling engine: the engine's own checks, then the frontend's."""
+    client = EngineClient(engine.address)
+    try:
+        embedding_engine_checks(report, engine, client)
+        embedding_frontend_checks(report, run_dir, engine, client, args.frontend_timeout)
+    finally:
+        client.close()
+
+
 def _wait_log_line(engine: Engine, offset: int, pattern: str, timeout: float) -> str | None:
     """The first engine log line after ``offset`` matching ``pattern``, once it is written."""
     deadline = time.monotonic() + timeout
@@ -950,8 +1281,9 @@ class KvTap:
     """A SUB on the engine's KV-event PUB that neither misses a batch nor waits by the clock.
 
     PUB/SUB is a slow joiner, and nothing says when a request's last batch has gone out.
-    Both are settled by a *barrier*: a fresh 40-token prompt sent straight to the engine,
-    whose own ``BlockStored`` marks a point in the stream. The tap is open once a
+    Both are settled by a *barrier*: a fresh 40-token prompt sent straight to the engine
+    (``Generate``, or ``Embed`` on a pooling engine), whose own ``BlockStored`` marks a
+    point in the stream. The tap is open once a
     barrier's batch has arrived (the subscription is live), and one publisher thread
     sends in order, so every batch published before a barrier has arrived once the
     barrier's has. Each barrier adds one block to the engine's cache.
@@ -995,7 +1327,10 @@ class KvTap:
 
         k = next(_BARRIERS)
         ids = [1] + [(37 * i + 101 * k) % 2000 + 20 for i in range(BLOCK_SIZE + 7)]
-        self.client.generate(f"rv-barrier-{k}", ids, 1, stream=False)
+        if self.engine.pooling:  # a pooling engine refuses Generate; its Embed stores blocks
+            self.client.embed(f"rv-barrier-{k}", ids)
+        else:
+            self.client.generate(f"rv-barrier-{k}", ids, 1, stream=False)
         marker = ids[:BLOCK_SIZE]
         frames: list[tuple[int, Any]] = []
         deadline = time.monotonic() + wait
@@ -2598,6 +2933,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="through the frontend, only the structured-output, sampling-field and forced "
         "tool-call checks",
     )
+    p.add_argument(
+        "--embeddings-only",
+        action="store_true",
+        help="start only a pooling engine (the tiny model as an embedding model) and run only "
+        "the embedding checks on it",
+    )
     p.add_argument("--rebuild-env", action="store_true", help="reinstall the peer venv")
     p.add_argument("--rebuild-model", action="store_true", help="rebuild the tiny model")
     p.add_argument(
@@ -2643,6 +2984,20 @@ def main(argv: list[str] | None = None) -> int:
     def on_term(signum: int, _frame: Any) -> None:
         raise SystemExit(128 + signum)  # run the finally blocks: stop the engine
 
+    def stop_running(why: str = "") -> None:
+        nonlocal engine, frontend, sim
+        if frontend is not None:
+            report.timing(f"frontend stop{why}", stop_group(frontend.proc, "frontend", grace=15))
+            frontend = None
+        if sim is not None:
+            report.timing(f"simulated engine stop{why}", stop_group(sim.proc, "sim", grace=10))
+            sim = None
+        if engine is not None:
+            report.timing(
+                f"engine stop (SIGTERM -> group gone){why}", stop_group(engine.proc, "engine")
+            )
+            engine = None
+
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGHUP, on_term)
     say(f"real vLLM conformance run; cache {cache}; logs {run_dir}")
@@ -2660,106 +3015,129 @@ def main(argv: list[str] | None = None) -> int:
         how, model = ensure_model(cache, run_dir, rebuild=args.rebuild_model)
         report.timing("tiny model + tokenizer", time.monotonic() - t, f"{how}; {model}")
 
-        t = time.monotonic()
-        engine = start_engine(
-            cache, model, run_dir, blocks=args.kv_blocks, timeout=args.start_timeout
-        )
-        client = EngineClient(engine.address)
-        engine.model_info = client.model_info()
-        engine.server_info = client.server_info()
-        served = engine.model_info.served_model_name
-        report.timing(
-            "engine start (launch -> SERVING)",
-            time.monotonic() - t,
-            f"grpc {engine.address}, kv pub {pub_bind_endpoint(engine.pub_port)}, "
-            f"replay tcp://127.0.0.1:{engine.replay_port}, pid {engine.proc.pid}, "
-            f"{engine.niced} compute threads at nice 19",
-        )
-        say(
-            f"  engine: served_model_name={served!r} max_context_length="
-            f"{engine.model_info.max_context_length} block_size={engine.server_info.block_size} "
-            f"server_type={engine.server_info.server_type!r} uptime_seconds="
-            f"{engine.server_info.uptime_seconds}"
-        )
-
-        engine_checks(report, engine, client)
-
-        if args.skip_frontend:
-            report.skip("frontend checks", "--skip-frontend")
-            say("")
-            say(f"engine gRPC address: {engine.address}  (served_model_name {served!r})")
-            snippet = write_fleet(run_dir, engine, served, 8000).read_text()
-            say(f"fleet file for it: {run_dir / 'fleet.toml'}\n{textwrap.indent(snippet, '  ')}")
-        elif (blocker := frontend_blocker()) is not None:
-            report.results.append(Result("frontend checks", "FAIL", 0.0, blocker))
-            Report._print(report.results[-1])
+        if args.embeddings_only:
+            engine = start_pooling_engine(report, cache, model, run_dir, args)
+            embedding_checks(report, run_dir, engine, args)
         else:
             t = time.monotonic()
-            frontend = start_frontend(run_dir, engine, served, args.frontend_timeout)
-            index_at_ready = kv_metrics(frontend)["index"]
-            report.timing(
-                "frontend start (run -> /ready)",
-                time.monotonic() - t,
-                f"{frontend.base_url}, kv_aware, fleet {frontend.fleet}",
+            engine = start_engine(
+                cache, model, run_dir, blocks=args.kv_blocks, timeout=args.start_timeout
             )
-            if not args.structured_only:
-                frontend_checks(report, engine, client, frontend, served)
-            structured_checks(report, frontend, served, engine.model)
-            tool_checks(report, frontend, served)
-            replay_checks(report, run_dir, engine, served, args.frontend_timeout)
-            if args.structured_only:
-                report.skip("KV-aware routing checks", "--structured-only")
+            client = EngineClient(engine.address)
+            engine.model_info = client.model_info()
+            engine.server_info = client.server_info()
+            served = engine.model_info.served_model_name
+            report.timing(
+                "engine start (launch -> SERVING)",
+                time.monotonic() - t,
+                f"grpc {engine.address}, kv pub {pub_bind_endpoint(engine.pub_port)}, "
+                f"replay tcp://127.0.0.1:{engine.replay_port}, pid {engine.proc.pid}, "
+                f"{engine.niced} compute threads at nice 19",
+            )
+            say(
+                f"  engine: served_model_name={served!r} max_context_length="
+                f"{engine.model_info.max_context_length} "
+                f"block_size={engine.server_info.block_size} "
+                f"server_type={engine.server_info.server_type!r} uptime_seconds="
+                f"{engine.server_info.uptime_seconds}"
+            )
+
+            engine_checks(report, engine, client)
+
+            if args.skip_frontend:
+                report.skip("frontend checks", "--skip-frontend")
+                say("")
+                say(f"engine gRPC address: {engine.address}  (served_model_name {served!r})")
+                snippet = write_fleet(run_dir, engine, served, 8000).read_text()
+                say(
+                    f"fleet file for it: {run_dir / 'fleet.toml'}\n"
+                    f"{textwrap.indent(snippet, '  ')}"
+                )
+            elif (blocker := frontend_blocker()) is not None:
+                report.results.append(Result("frontend checks", "FAIL", 0.0, blocker))
+                Report._print(report.results[-1])
             else:
-                kv = KvRun(engine, client, Texts(engine.model), served)
-                kv.first_checks(report, frontend, openai_client(frontend), index_at_ready)
-
-                # Restart only the frontend (the engine keeps its cache and its KV-event
-                # history), now with a simulated vLLM engine next to the real one.
                 t = time.monotonic()
-                sim = start_sim_engine(run_dir, model, served)
+                frontend = start_frontend(run_dir, engine, served, args.frontend_timeout)
+                index_at_ready = kv_metrics(frontend)["index"]
                 report.timing(
-                    "simulated vLLM engine start",
+                    "frontend start (run -> /ready)",
                     time.monotonic() - t,
-                    f"grpc {sim.address}, kv pub :{sim.pub_port}, replay :{sim.replay_port}",
+                    f"{frontend.base_url}, kv_aware, fleet {frontend.fleet}",
                 )
-                report.timing(
-                    "frontend stop (for the restart)",
-                    stop_group(frontend.proc, "frontend", grace=15),
-                )
-                frontend = None
-                t = time.monotonic()
-                frontend = start_frontend(
-                    run_dir,
-                    engine,
-                    served,
-                    args.frontend_timeout,
-                    sim=sim,
-                    tag="-2",
-                    fast_probe=args.restart_check,
-                )
-                ready_at = time.monotonic()
-                report.timing(
-                    "frontend restart (run -> /ready, 2 engines)",
-                    ready_at - t,
-                    f"{frontend.base_url}, fleet {frontend.fleet}",
-                )
-                kv.second_checks(report, frontend, openai_client(frontend), sim, ready_at)
-                if args.restart_check:
-                    first = engine
+                if not args.structured_only:
+                    frontend_checks(report, engine, client, frontend, served)
+                structured_checks(report, frontend, served, engine.model)
+                tool_checks(report, frontend, served)
+                replay_checks(report, run_dir, engine, served, args.frontend_timeout)
+                if args.structured_only:
+                    report.skip("KV-aware routing checks", "--structured-only")
+                else:
+                    kv = KvRun(engine, client, Texts(engine.model), served)
+                    kv.first_checks(report, frontend, openai_client(frontend), index_at_ready)
 
-                    def relaunch() -> Engine:
-                        ports = (first.grpc_port, first.pub_port, first.replay_port)
-                        new = start_engine(
-                            cache, model, run_dir, blocks=args.kv_blocks,
-                            timeout=args.start_timeout, ports=ports, tag="-2",
-                        )  # fmt: skip
-                        new.model_info, new.server_info = first.model_info, first.server_info
-                        return new
+                    # Restart only the frontend (the engine keeps its cache and its KV-event
+                    # history), now with a simulated vLLM engine next to the real one.
+                    t = time.monotonic()
+                    sim = start_sim_engine(run_dir, model, served)
+                    report.timing(
+                        "simulated vLLM engine start",
+                        time.monotonic() - t,
+                        f"grpc {sim.address}, kv pub :{sim.pub_port}, replay :{sim.replay_port}",
+                    )
+                    report.timing(
+                        "frontend stop (for the restart)",
+                        stop_group(frontend.proc, "frontend", grace=15),
+                    )
+                    frontend = None
+                    t = time.monotonic()
+                    frontend = start_frontend(
+                        run_dir,
+                        engine,
+                        served,
+                        args.frontend_timeout,
+                        sim=sim,
+                        tag="-2",
+                        fast_probe=args.restart_check,
+                    )
+                    ready_at = time.monotonic()
+                    report.timing(
+                        "frontend restart (run -> /ready, 2 engines)",
+                        ready_at - t,
+                        f"{frontend.base_url}, fleet {frontend.fleet}",
+                    )
+                    kv.second_checks(report, frontend, openai_client(frontend), sim, ready_at)
+                    if args.restart_check:
+                        first = engine
 
-                    try:
-                        kv.restart_checks(report, frontend, openai_client(frontend), relaunch)
-                    finally:
-                        engine = kv.engine  # the relaunched one, if any, is stopped below
+                        def relaunch() -> Engine:
+                            ports = (first.grpc_port, first.pub_port, first.replay_port)
+                            new = start_engine(
+                                cache, model, run_dir, blocks=args.kv_blocks,
+                                timeout=args.start_timeout, ports=ports, tag="-2",
+                            )  # fmt: skip
+                            new.model_info, new.server_info = first.model_info, first.server_info
+                            return new
+
+                        try:
+                            kv.restart_checks(report, frontend, openai_client(frontend), relaunch)
+                        finally:
+                            engine = kv.engine  # the relaunched one, if any, is stopped below
+            if not args.structured_only:
+                embed_refused_on_generation_check(report, client)
+            if args.structured_only or args.skip_frontend or args.keep:
+                report.skip(
+                    "embedding checks (a pooling engine)",
+                    "--structured-only, --skip-frontend and --keep keep the generating engine",
+                )
+            else:
+                # The pooling engine replaces the generating one: both engines' compute
+                # processes busy-wait, and two of them on a small machine slow each other.
+                client.close()
+                client = None
+                stop_running(" (for the pooling engine)")
+                engine = start_pooling_engine(report, cache, model, run_dir, args)
+                embedding_checks(report, run_dir, engine, args)
     except SetupError as exc:
         say(f"SETUP FAILED: {exc}")
         code = 2
@@ -2785,14 +3163,7 @@ def main(argv: list[str] | None = None) -> int:
                 say(f"  sim      grpc://{sim.address}  pgid {sim.proc.pid}  log {sim.log}")
                 say(f"           kill -TERM {sim.proc.pid}")
         else:
-            if frontend is not None:
-                report.timing("frontend stop", stop_group(frontend.proc, "frontend", grace=15))
-            if sim is not None:
-                report.timing("simulated engine stop", stop_group(sim.proc, "sim", grace=10))
-            if engine is not None:
-                report.timing(
-                    "engine stop (SIGTERM -> group gone)", stop_group(engine.proc, "engine")
-                )
+            stop_running()
     report.summary(time.monotonic() - t_start, setup_failed=code != 0)
     if code:
         return code

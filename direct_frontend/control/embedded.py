@@ -148,6 +148,7 @@ async def start_embedded_simulator(fleet: FleetConfig, cfg: EngineConfig) -> Any
         kv_replay_port=_port_of(cfg.kv_replay[0]) if cfg.kv_replay else None,
         max_loras=sim.max_loras,
         lora_load_s=sim.lora_load_ms / 1000,
+        embedding_dim=sim.embedding_dim,
     )
     await trio_asyncio.aio_as_trio(engine.start)(host, port)
     log.info("simulated %s engine listening on %s:%d", cfg.kind, host, port)

@@ -59,6 +59,9 @@ def engine_status(child: EngineChild) -> dict[str, JsonValue]:
         "incarnation": child.incarnation,
         "model": child.info.served_model_name if child.info is not None else None,
         "kv_capacity_tokens": child.info.kv_capacity_tokens if child.info is not None else None,
+        # "embeddings": an embedding model's engine (it serves /v1/embeddings, not generation)
+        "serves": None if child.info is None else (
+            "generation" if child.info.generates else "embeddings"),
         "load": child.in_flight,
         "foreign_load": child.load.foreign_in_flight,
         "requests": child.load.requests_total,

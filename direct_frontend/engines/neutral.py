@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -113,6 +114,23 @@ class GenerateCall:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class EmbedCall:
+    """One input to embed on one engine (an embedding model's), as token ids."""
+
+    request_id: str
+    input_ids: tuple[int, ...]
+    original_text: str = ""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Embedding:
+    """An engine's embedding of one input: the vector, and the tokens it read."""
+
+    vector: Sequence[float]
+    prompt_tokens: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class TokenLogprob:
     """One position's log probability: the token there and its top alternatives.
 
@@ -209,3 +227,6 @@ class EngineInfo:
     #: the KV cache in tokens (SGLang, vLLM: ``max_total_num_tokens``), which is also its
     #: prefix cache: what KV-aware routing measures an engine's fullness against
     kv_capacity_tokens: int | None = None
+    #: False: an embedding model (vLLM ``--runner pooling``, SGLang ``--is-embedding``), which
+    #: serves ``Embed`` and not ``Generate`` (``GetModelInfo.is_generation``)
+    generates: bool = True

@@ -52,6 +52,11 @@ _KV_CAPACITY: dict[str, tuple[str, str]] = {
     "vllm": ("GetLoads max_total_num_tokens, the smallest rank's", ""),
     "trtllm": ("not reported", "KV routing measures against the fullest engine seen"),
 }
+_SERVES: dict[str, str] = {
+    "sglang": "GetModelInfo.is_generation (false: --is-embedding, /v1/embeddings only)",
+    "vllm": "GetModelInfo.is_generation (false: --runner pooling, /v1/embeddings only)",
+    "trtllm": "generation only (its servicer does not implement Embed)",
+}
 _ROLE: dict[str, str] = {
     "sglang": "server_args.disaggregation_mode",
     "vllm": "GetServerInfo.kv_role",
@@ -98,6 +103,7 @@ def engine_facts(engine: EngineConfig) -> tuple[tuple[str, str], ...]:
         ("context_length", _fact(kind, *_CONTEXT_LENGTH[kind], engine.context_length)),
         ("block_size", _fact(kind, *_BLOCK_SIZE[kind], engine.block_size)),
         ("kv_capacity", _fact(kind, *_KV_CAPACITY[kind], None)),
+        ("serves", _fact(kind, _SERVES[kind], "", None)),
         ("role", _fact(kind, _ROLE[kind], "", role_override)),
         ("restarts", _fact(kind, _RESTARTS[kind], "", None)),
     )

@@ -336,6 +336,9 @@ class SimulatorConfig:
     # LoRA adapters it holds at once (0: none; SGLang only: the contract that loads them)
     max_loras: int = setting(0, NON_NEGATIVE)
     lora_load_ms: float = setting(50.0, NON_NEGATIVE)  # how long loading one takes
+    # above 0: an embedding model of that many dimensions (Embed answers, Generate is
+    # refused; SGLang and vLLM only); 0: a generation model
+    embedding_dim: int = setting(0, NON_NEGATIVE)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

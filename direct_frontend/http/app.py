@@ -31,6 +31,7 @@ from direct_frontend.http.asgi import (
     send_error,
 )
 from direct_frontend.http.control_view import ControlView
+from direct_frontend.http.embeddings import respond_embeddings
 from direct_frontend.http.render import render_model, render_models
 from direct_frontend.http.responses import respond
 from direct_frontend.http.responses_api import respond_responses
@@ -44,7 +45,11 @@ from direct_frontend.openai.errors import (
     rate_limited,
     unknown_route,
 )
-from direct_frontend.openai.parse import parse_chat_request, parse_completion_request
+from direct_frontend.openai.parse import (
+    parse_chat_request,
+    parse_completion_request,
+    parse_embedding_request,
+)
 from direct_frontend.openai.responses_api import parse_responses_request
 from direct_frontend.openai.types import ChatRequest, CompletionRequest
 from direct_frontend.pipeline.admission import Rejected
@@ -87,6 +92,7 @@ class App:
             "/v1/chat/completions": {"POST": self._chat},
             "/v1/completions": {"POST": self._completions},
             "/v1/responses": {"POST": self._responses},
+            "/v1/embeddings": {"POST": self._embeddings},
             "/v1/models": {"GET": self._models},
             "/health": {"GET": self._health},
             "/ready": {"GET": self._ready},
@@ -230,6 +236,41 @@ class App:
         self, settings: Settings, scope: Scope, receive: Receive, send: Send
     ) -> int:
         return await self._generate("responses", settings, scope, receive, send)
+
+    async def _embeddings(
+        self, settings: Settings, scope: Scope, receive: Receive, send: Send
+    ) -> int:
+        request_id = current_request_id.get() or new_request_id()
+        headers = [(b"x-request-id", request_id.encode())]
+        frontend = settings.frontend
+        served: ServedModel | None = None
+        status = 500
+        try:
+            body = await read_body(receive, frontend.max_body_bytes, frontend.body_timeout_s)
+            request = parse_embedding_request(body)
+            served = self.control.models.get(request.model)
+            if served is None:
+                raise model_not_found(request.model)
+            key = routing_key(served.settings.frontend.routing.session_key, scope["headers"],
+                              request.user)
+            status = await respond_embeddings(served, request, request_id, key, receive, send,
+                                              headers)
+        except OpenAIHTTPError as err:
+            await send_error(send, err, headers)
+            status = err.status
+        except ClientGone:
+            self.metrics.request_cancelled()
+            status = 499
+        except Rejected as rejected:
+            refusal = rate_limited(
+                f"The frontend is saturated: {rejected.reason}.", retry_after=1
+            )
+            await send_error(send, refusal, headers)
+            status = refusal.status
+        finally:
+            if served is not None:
+                served.series.request(status)
+        return status
 
     async def _generate(
         self, kind: Kind | Literal["responses"], settings: Settings, scope: Scope,

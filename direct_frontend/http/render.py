@@ -10,7 +10,10 @@ client keeps as an extra field.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import array
+import base64
+import sys
+from collections.abc import Iterable, Sequence
 from typing import Any, Final, Literal
 
 import msgspec
@@ -383,3 +386,41 @@ def render_model(card: ModelCard, created: int) -> bytes:
 
 def _model(card: ModelCard, created: int) -> _Model:
     return _Model(card.id, "model", created, card.owned_by, card.context_length, card.parent)
+
+
+class _Embedding(msgspec.Struct):
+    object: str
+    embedding: list[float] | str  # a list of floats, or "base64": little-endian float32 bytes
+    index: int
+
+
+class _EmbeddingUsage(msgspec.Struct):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class _EmbeddingList(msgspec.Struct):
+    object: str
+    data: list[_Embedding]
+    model: str
+    usage: _EmbeddingUsage
+
+
+def render_embeddings(
+    model: str, vectors: Sequence[Sequence[float]], prompt_tokens: int, base64_floats: bool,
+) -> bytes:
+    """The ``POST /v1/embeddings`` body: one entry per input, in order."""
+    data = [
+        _Embedding("embedding", _base64_float32(v) if base64_floats else list(v), i)
+        for i, v in enumerate(vectors)
+    ]
+    return _encode(_EmbeddingList("list", data, model,
+                                  _EmbeddingUsage(prompt_tokens, prompt_tokens)))
+
+
+def _base64_float32(vector: Sequence[float]) -> str:
+    """``encoding_format: "base64"``: the vector's float32 values, little-endian, in base64."""
+    values = array.array("f", vector)
+    if sys.byteorder == "big":
+        values.byteswap()
+    return base64.b64encode(values.tobytes()).decode("ascii")

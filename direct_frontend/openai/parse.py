@@ -31,6 +31,7 @@ from direct_frontend.openai.types import (
     ChatMessage,
     ChatRequest,
     CompletionRequest,
+    EmbeddingRequest,
     Prompt,
     Role,
     Tool,
@@ -138,10 +139,19 @@ class _CompletionWire(_WireBase, kw_only=True):
     best_of: Annotated[int, msgspec.Meta(ge=1, le=20)] | None = None  # OpenAI: up to 20
 
 
-_W = TypeVar("_W", bound=_WireBase)
+class _EmbeddingWire(msgspec.Struct, kw_only=True):
+    model: str
+    input: str | list[Any]
+    encoding_format: Literal["float", "base64"] | None = None
+    dimensions: _Count | None = None
+    user: str | None = None
+
+
+_W = TypeVar("_W", bound=msgspec.Struct)
 
 _chat_decoder: Final = msgspec.json.Decoder(_ChatWire)
 _completion_decoder: Final = msgspec.json.Decoder(_CompletionWire)
+_embedding_decoder: Final = msgspec.json.Decoder(_EmbeddingWire)
 
 _MISSING_FIELD = re.compile(r"Object missing required field `([^`]*)`")
 
@@ -437,29 +447,32 @@ def tool_choice_of(
 MAX_BATCH_CALLS: Final = 2048
 
 
-def _prompts(raw: str | list[Any]) -> tuple[Prompt, ...]:
-    """One prompt or a batch: text, token ids, a list of texts or a list of token-id lists."""
+def _prompts(raw: str | list[Any], param: str = "prompt") -> tuple[Prompt, ...]:
+    """One prompt or a batch: text, token ids, a list of texts or a list of token-id lists.
+
+    ``param`` names the field in errors (completions' ``prompt``, embeddings' ``input``).
+    """
     if isinstance(raw, str):
         return (raw,)
     if not raw:
-        raise invalid_request("The prompt must not be empty.", "prompt")
+        raise invalid_request(f"'{param}' must not be empty.", param)
     first = raw[0]
     if not isinstance(first, str | list):
-        return (_token_ids(raw, "prompt"),)  # one prompt of token ids
+        return (_token_ids(raw, param),)  # one prompt of token ids
     prompts: list[Prompt] = []
     for k, item in enumerate(raw):
-        where = f"prompt[{k}]"
+        where = f"{param}[{k}]"
         if isinstance(first, str) and isinstance(item, str):
             if not item and len(raw) > 1:
-                raise invalid_request("The prompt must not be empty.", where)
+                raise invalid_request(f"'{where}' must not be empty.", where)
             prompts.append(item)
         elif isinstance(first, list) and isinstance(item, list):
             prompts.append(_token_ids(item, where))
         else:
             expected = "a string" if isinstance(first, str) else "a list of token ids"
             raise invalid_request(
-                f"Invalid type for '{where}': a batch of prompts is all strings or all lists "
-                f"of token ids; expected {expected}, as 'prompt[0]' is.",
+                f"Invalid type for '{where}': a batch is all strings or all lists of token "
+                f"ids; expected {expected}, as '{param}[0]' is.",
                 where,
             )
     return tuple(prompts)
@@ -467,7 +480,7 @@ def _prompts(raw: str | list[Any]) -> tuple[Prompt, ...]:
 
 def _token_ids(ids: list[Any], where: str) -> tuple[int, ...]:
     if not ids:
-        raise invalid_request("The prompt must not be empty.", where)
+        raise invalid_request(f"'{where}' must not be empty.", where)
     for k, tok in enumerate(ids):
         if type(tok) is not int or tok < 0:
             raise invalid_request(
@@ -521,4 +534,28 @@ def parse_completion_request(body: bytes) -> CompletionRequest:
     return CompletionRequest(
         **common, prompt=prompts[0], more_prompts=prompts[1:], echo=bool(w.echo),
         logprobs=logprobs, prompt_logprobs=logprobs if w.echo else None,
+    )
+
+
+#: the most inputs one embeddings request may hold (OpenAI's limit)
+MAX_EMBEDDING_INPUTS: Final = 2048
+
+
+def parse_embedding_request(body: bytes) -> EmbeddingRequest:
+    """Validate a ``POST /v1/embeddings`` body; raises :class:`OpenAIHTTPError` (400)."""
+    w = _decode(_embedding_decoder, body)
+    inputs = _prompts(w.input, "input")
+    if len(inputs) > MAX_EMBEDDING_INPUTS:
+        raise invalid_request(
+            f"Invalid value for 'input': {len(inputs)} inputs; at most "
+            f"{MAX_EMBEDDING_INPUTS} are allowed.",
+            "input",
+        )
+    for k, one in enumerate(inputs):
+        if not one:
+            where = "input" if len(inputs) == 1 else f"input[{k}]"
+            raise invalid_request(f"'{where}' must not be empty.", where)
+    return EmbeddingRequest(
+        model=w.model, inputs=inputs, encoding_format=w.encoding_format or "float",
+        dimensions=w.dimensions, user=w.user,
     )

@@ -171,3 +171,12 @@ class CompletionRequest(_RequestBase, frozen=True, kw_only=True):
                      for prompt in (self.prompt, *self.more_prompts))
 
 
+class EmbeddingRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """A validated ``POST /v1/embeddings`` body: one input or several, each text or token ids."""
+
+    model: str
+    inputs: tuple[Prompt, ...]
+    encoding_format: Literal["float", "base64"] = "float"
+    #: the length the client wants; served only when it is the model's own (no truncation)
+    dimensions: int | None = None
+    user: str | None = None  # accepted and not used

@@ -30,10 +30,13 @@ def needs_capabilities(sampling: OptionalFields) -> bool:
 
 
 def incapable(catalog: Catalog, sampling: OptionalFields) -> dict[str, str]:
-    """The serving engines that cannot carry ``sampling``, each with the field it lacks."""
+    """The serving engines that cannot carry ``sampling``, each with the field it lacks.
+
+    An embedding model's engines cannot generate at all: they lack ``model``.
+    """
+    lacking = dict.fromkeys(catalog.embedders, "model")
     if not needs_capabilities(sampling):
-        return {}
-    lacking: dict[str, str] = {}
+        return lacking
     by_kind: dict[str, str | None] = {}
     for engine in catalog.engines:
         if engine.kind not in by_kind:
@@ -50,7 +53,12 @@ def none_capable(catalog: Catalog, lacking: dict[str, str]) -> OpenAIHTTPError |
     """The 400 for a request no serving engine can carry (None: some can, or none serve)."""
     if not lacking or len(lacking) < len(catalog.engines):
         return None
-    param = next(iter(lacking.values()))
+    if all(name in catalog.embedders for name in lacking):
+        return invalid_request(
+            "This model is an embedding model: its engines serve /v1/embeddings, not "
+            "generation.", "model",
+        )
+    param = next(v for v in lacking.values() if v != "model")
     kinds = sorted({e.kind for e in catalog.engines if lacking.get(e.name) == param})
     return invalid_request(
         f"'{param}' is not supported by the engines serving this model ({', '.join(kinds)}): "

@@ -28,6 +28,7 @@ from direct_frontend.openai.types import (
     ChatMessage,
     ChatRequest,
     CompletionRequest,
+    Prompt,
 )
 from direct_frontend.pipeline.prompt_cache import PromptCache
 from direct_frontend.routing.catalog import Catalog, EngineHandle
@@ -142,23 +143,34 @@ async def prepare(
             ids = tuple(await tokenizing.encode(prompt, param, add_special_tokens=False))
             if key is not None:
                 cache.put(key, prompt, ids)
-    elif isinstance(request.prompt, str):
-        prompt = request.prompt
-        hit = cache.get(prompt)
-        if hit is not None:
-            ids = hit[1]
-        else:
-            ids = tuple(await tokenizing.encode(prompt, param, add_special_tokens=True))
-            cache.put(prompt, prompt, ids)
     else:
-        prompt = ""
-        ids = request.prompt
-        vocab = text_model.vocab_size
-        if any(t < 0 or t >= vocab for t in ids):
-            raise invalid_request(f"prompt token ids must be in [0, {vocab})", "prompt")
+        prompt, ids = await prompt_ids(request.prompt, param, tokenizing)
     if not ids:
         raise invalid_request("the prompt is empty", param)
     return PreparedRequest(kind, request_id, request, tuple(ids), prompt, routing_key)
+
+
+async def prompt_ids(
+    prompt: Prompt, param: str, tokenizing: Tokenizing
+) -> tuple[str, tuple[int, ...]]:
+    """A completions prompt or an embeddings input as (its text, its token ids).
+
+    Text is tokenized with the model's special tokens (BOS), as the engines'
+    own servers do; token ids are taken as they are, once checked against the
+    vocabulary. ``param`` names the field in a 400.
+    """
+    if isinstance(prompt, str):
+        cache = tokenizing.prompts
+        hit = cache.get(prompt)
+        if hit is not None:
+            return prompt, hit[1]
+        ids = tuple(await tokenizing.encode(prompt, param, add_special_tokens=True))
+        cache.put(prompt, prompt, ids)
+        return prompt, ids
+    vocab = tokenizing.text_model.vocab_size
+    if any(t < 0 or t >= vocab for t in prompt):
+        raise invalid_request(f"{param} token ids must be in [0, {vocab})", param)
+    return "", prompt
 
 
 async def prepare_each(

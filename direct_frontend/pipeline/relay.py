@@ -604,7 +604,7 @@ class Relay:
         place = functools.partial(first_placement, self.dispatcher, settings, prepared, wait)
         placement = place(now)
         if placement is None:
-            placement = await self._wait_for_engine(wait, place)
+            placement = await self.wait_for_engine(wait, place)
         if placement.spilled:
             self.metrics.kv_load_guard_spills_total.inc()
         if trace is not None:
@@ -699,7 +699,7 @@ class Relay:
                 decision = state.next_attempt(error, self.dispatcher, trio.current_time())
                 if state.phase is Phase.NO_ENGINE:
                     place = functools.partial(state.place, self.dispatcher)
-                    await self._wait_for_engine(state.engine_wait, place)
+                    await self.wait_for_engine(state.engine_wait, place)
                 outcome = "retried" if decision is Decision.RETRY else "migrated"
                 metrics.engine_request(engine.name, outcome)
                 _log_attempt(error, outcome, state)
@@ -708,7 +708,7 @@ class Relay:
                                       state.processor.completion_tokens)
                 await trio.sleep(state.failover.backoff())
 
-    async def _wait_for_engine(
+    async def wait_for_engine(
         self, wait: EngineWait, place: Callable[[float], Placement | None]
     ) -> Placement:
         """No engine the request may use serves: wait until ``place`` finds one.

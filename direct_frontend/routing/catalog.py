@@ -146,6 +146,12 @@ class Catalog:
 
     version: int = 0
     engines: tuple[EngineHandle, ...] = ()
+    #: the engines of embedding models (they serve ``Embed``, never ``Generate``), by name
+    embedders: frozenset[str] = dataclasses.field(init=False, compare=False)
+
+    def __post_init__(self) -> None:
+        embedders = frozenset(e.name for e in self.engines if not e.info.generates)
+        object.__setattr__(self, "embedders", embedders)
 
     @property
     def aggregated(self) -> tuple[EngineHandle, ...]:

@@ -197,6 +197,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--max-running", type=int, default=256)
     parser.add_argument("--eos-probability", type=float, default=0.02)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--embedding-dim",
+        type=int,
+        default=0,
+        metavar="N",
+        help="serve an embedding model of N dimensions (Embed answers, Generate is refused)",
+    )
     faults = parser.add_argument_group("fault injection (see direct_frontend.simulator.faults)")
     faults.add_argument(
         "--fault-die-after", type=int, metavar="N", help="drop the connection after N tokens"
@@ -205,15 +212,19 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--fault-hang-after", type=int, metavar="N", help="stop sending after N tokens"
     )
     faults.add_argument(
-        "--fault-status", metavar="NAME", help="fail Generate with this gRPC status"
+        "--fault-status", metavar="NAME", help="fail Generate/Embed with this gRPC status"
     )
     faults.add_argument("--fault-status-after", type=int, default=0, metavar="N")
     faults.add_argument("--fault-token-delay-ms", type=float, default=0.0, metavar="MS")
-    faults.add_argument("--fault-only-request", type=int, metavar="N", help="only the Nth Generate")
+    faults.add_argument("--fault-only-request", type=int, metavar="N", help="only the Nth call")
     parser.add_argument("--control-port", type=int, help="JSON-lines control channel (0: any)")
     args = parser.parse_args(argv)
     if args.model_dir is None and (args.vocab_size is None or args.eos_token_id is None):
         parser.error("give --model-dir, or both --vocab-size and --eos-token-id")
+    if args.embedding_dim < 0:
+        parser.error("--embedding-dim must not be negative")
+    if args.kind == "trtllm" and args.embedding_dim:
+        parser.error("the TRT-LLM contract serves no embeddings")
     if args.fault_status:
         try:
             parse_status(args.fault_status)
@@ -241,6 +252,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         fault_token_delay_ms=args.fault_token_delay_ms,
         fault_only_request=args.fault_only_request,
         control_port=args.control_port,
+        options={"embedding_dim": args.embedding_dim} if args.embedding_dim else None,
     )
 
 

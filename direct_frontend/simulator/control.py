@@ -63,6 +63,7 @@ def state_of(engine: SimEngine) -> dict[str, Any]:
         "waiting": stats.waiting,
         "requests": stats.requests,
         "completed": stats.completed,
+        "embeds": stats.embeds,
     }
 
 

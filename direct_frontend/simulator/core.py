@@ -67,6 +67,14 @@ class EngineConfig:
     kv_capacity_tokens: int = 0
     #: vLLM: False answers GetLoads UNIMPLEMENTED, as a servicer without it would
     serve_get_loads: bool = True
+    #: above 0 an embedding model of that many dimensions (vLLM ``--runner pooling``, SGLang
+    #: ``--is-embedding``): it answers Embed and refuses Generate; 0 a generation model
+    embedding_dim: int = 0
+
+    @property
+    def is_generation(self) -> bool:
+        """What GetModelInfo reports: False for an embedding model."""
+        return self.embedding_dim == 0
 
     @property
     def kv_reported_capacity(self) -> int:
@@ -101,6 +109,7 @@ class EngineStats:
     aborted: int = 0
     cancellations: int = 0
     health_checks: int = 0
+    embeds: int = 0  # Embed calls whose vector was sent
     request_ids: list[str] = dataclasses.field(default_factory=list)
     abort_request_ids: list[str] = dataclasses.field(default_factory=list)
     cancelled_request_ids: list[str] = dataclasses.field(default_factory=list)

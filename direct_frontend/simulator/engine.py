@@ -123,6 +123,7 @@ class SimEngine:
         kv_replay_port: int | None = None,
         max_loras: int = 0,
         lora_load_s: float = 0.05,
+        embedding_dim: int = 0,
     ) -> None:
         if kind not in get_args(EngineKind):
             raise ValueError(f"unknown engine kind {kind!r}")
@@ -130,6 +131,10 @@ class SimEngine:
             raise ValueError(f"unknown role {role!r}")
         if kind == "trtllm" and role != "both":
             raise ValueError("the TRT-LLM contract has no disaggregation role")
+        if embedding_dim < 0:
+            raise ValueError("embedding_dim must not be negative")
+        if kind == "trtllm" and embedding_dim:
+            raise ValueError("the TRT-LLM contract serves no embeddings")
         if context_length < 2:
             raise ValueError("context_length must be at least 2")
         disaggregated = role != "both"
@@ -172,6 +177,7 @@ class SimEngine:
             report_uptime=report_uptime,
             kv_capacity_tokens=(kv_capacity_blocks or 0) * cache_block,
             serve_get_loads=serve_get_loads,
+            embedding_dim=embedding_dim,
         )
         self.core = SimCore(self.config, self.model, self.timing)
         # The prefix cache (and KV events when a port is given; 0 picks one): kvcache.py.

@@ -9,7 +9,7 @@ afresh at every step so a test (even from another thread) can flip a fault
 while streams run.
 
 The faults sit between grpclib and the servicers (a ``RecvRequest`` event
-listener wraps each ``Generate`` call), so every engine kind gets them
+listener wraps each ``Generate`` and ``Embed`` call), so every engine kind gets them
 without knowing, and what reaches the wire is exactly what the servicer
 would have sent, cut short.
 """
@@ -31,12 +31,13 @@ if TYPE_CHECKING:
     from direct_frontend.simulator.core import SimCore
 
 _GENERATE_SUFFIX = "/Generate"
+_EMBED_SUFFIX = "/Embed"
 _Handler = Callable[[grpclib.server.Stream[Any, Any]], Coroutine[Any, Any, None]]
 
 
 @dataclasses.dataclass(slots=True)
 class FaultPlan:
-    """What goes wrong on ``Generate`` calls; mutable, and read at every step.
+    """What goes wrong on ``Generate`` and ``Embed`` calls; mutable, and read at every step.
 
     Token thresholds count the tokens already sent to the client on that
     call (a non-streaming call "sends" all of its tokens with its one
@@ -45,6 +46,8 @@ class FaultPlan:
     the client receive at most N tokens and never the terminal message once
     N are out; a call that finishes with fewer tokens is not affected. When
     several faults are due at once, die wins over status, and status over hang.
+    An Embed call sends no tokens, so only thresholds of 0 act on it (die,
+    fail or hang before its one reply).
 
     - ``die_after_tokens``: drop the connection as a dying process would (no
       trailers, no GOAWAY; other calls on the same connection break too).
@@ -58,7 +61,8 @@ class FaultPlan:
     - ``token_delay_s``: extra time before every token of every sequence
       (health-probe generations included), on top of the timing model.
     - ``only_request``: apply the die/hang/status faults only to the Nth
-      ``Generate`` call (1-based) since this plan was assigned to the engine.
+      ``Generate`` or ``Embed`` call (1-based, both counted together) since
+      this plan was assigned to the engine.
     """
 
     die_after_tokens: int | None = None
@@ -97,9 +101,15 @@ class FaultStats:
     """Which calls a fault hit, by request id, so tests can wait for it to happen."""
 
     generate_calls: int = 0
+    embed_calls: int = 0
     died: list[str] = dataclasses.field(default_factory=list)
     hung: list[str] = dataclasses.field(default_factory=list)
     failed: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def calls(self) -> int:
+        """The calls faults can hit, as ``only_request`` numbers them."""
+        return self.generate_calls + self.embed_calls
 
 
 class _Died(Exception):
@@ -107,16 +117,16 @@ class _Died(Exception):
 
 
 class FaultInjector:
-    """Wraps every ``Generate`` call of one engine with the live :class:`FaultPlan`."""
+    """Wraps every ``Generate`` and ``Embed`` call of one engine in the live :class:`FaultPlan`."""
 
     def __init__(self, core: SimCore) -> None:
         self.core = core
         self.stats = FaultStats()
-        self._base = 0  # generate_calls when the current plan was installed
+        self._base = 0  # calls when the current plan was installed
 
     def install(self, plan: FaultPlan) -> None:
         """Make ``plan`` the live plan; ``only_request`` counts calls from now on."""
-        self._base = self.stats.generate_calls
+        self._base = self.stats.calls
         self.core.faults = plan
 
     def attach(self, server: grpclib.server.Server) -> None:
@@ -124,29 +134,38 @@ class FaultInjector:
         grpclib.events.listen(server, grpclib.events.RecvRequest, self._on_request)
 
     async def _on_request(self, event: grpclib.events.RecvRequest) -> None:
-        if event.method_name.endswith(_GENERATE_SUFFIX):
+        name = event.method_name
+        if name.endswith((_GENERATE_SUFFIX, _EMBED_SUFFIX)):
             handler: _Handler = event.method_func
+            embed = name.endswith(_EMBED_SUFFIX)
 
-            async def generate(stream: grpclib.server.Stream[Any, Any]) -> None:
-                await self._generate(handler, stream)
+            async def faulty(stream: grpclib.server.Stream[Any, Any]) -> None:
+                await self._call(handler, stream, embed=embed)
 
-            event.method_func = generate
+            event.method_func = faulty
 
-    async def _generate(self, handler: _Handler, stream: grpclib.server.Stream[Any, Any]) -> None:
+    async def _call(
+        self, handler: _Handler, stream: grpclib.server.Stream[Any, Any], *, embed: bool
+    ) -> None:
         request = await stream.recv_message()
         if request is None:
             await handler(stream)  # let the servicer refuse it as it would
             return
-        self.stats.generate_calls += 1
-        call = _FaultyCall(self, stream, request, self.stats.generate_calls)
+        if embed:
+            self.stats.embed_calls += 1
+        else:
+            self.stats.generate_calls += 1
+        call = _FaultyCall(self, stream, request, self.stats.calls)
         plan = call.plan()
         if plan is not None:
             if plan.die_after_tokens == 0:
-                self.core.note_request(call.request_id)
+                if not embed:  # the engine's request ids are Generate's
+                    self.core.note_request(call.request_id)
                 call.die()
                 return
             if plan.status is not None and plan.status_after_tokens == 0:
-                self.core.note_request(call.request_id)
+                if not embed:
+                    self.core.note_request(call.request_id)
                 self.stats.failed.append(call.request_id)
                 raise GRPCError(plan.status, plan.status_message)
         with contextlib.suppress(_Died):  # the transport is closing: grpclib sends nothing more
@@ -154,7 +173,7 @@ class FaultInjector:
 
 
 class _FaultyCall:
-    """One ``Generate`` call: the servicer's view of its stream, with faults applied."""
+    """One ``Generate`` or ``Embed`` call: the servicer's view of its stream, faults applied."""
 
     def __init__(
         self,
@@ -206,6 +225,8 @@ class _FaultyCall:
 
     def _count(self, message: Any) -> tuple[int, bool]:
         """New tokens in ``message`` and whether it ends the call."""
+        if "response" not in message.DESCRIPTOR.oneofs_by_name:
+            return 0, True  # an EmbedResponse: the call's one reply, no tokens
         which = message.WhichOneof("response")
         if which == "chunk":
             return len(message.chunk.token_ids), False

@@ -53,6 +53,7 @@ from direct_frontend.engines.neutral import (
     Constraint,
     ConstraintKind,
     Disaggregation,
+    EmbedCall,
     EngineEvent,
     EngineInfo,
     EngineRole,
@@ -478,7 +479,7 @@ DISCOVERY: dict[str, list[tuple[str, dict[str, Any]]]] = {
     "sglang": [
         ("GetModelInfoResponse", {"model_path": "/m/qwen", "served_model_name": "qwen",
                                   "max_context_length": 300000, "eos_token_ids": [2, 7],
-                                  "max_req_input_len": 32000}),
+                                  "max_req_input_len": 32000, "is_generation": True}),
         ("GetServerInfoResponse", {"server_args": {"context_length": 32768, "page_size": 16,
                                                    "disaggregation_mode": "prefill",
                                                    "disaggregation_bootstrap_port": 8998,
@@ -490,7 +491,7 @@ DISCOVERY: dict[str, list[tuple[str, dict[str, Any]]]] = {
     "vllm": [
         ("GetModelInfoResponse", {"model_path": "/m/qwen", "served_model_name": "qwen",
                                   "max_context_length": 32768, "eos_token_ids": [2],
-                                  "max_req_input_len": 32768}),
+                                  "max_req_input_len": 32768, "is_generation": True}),
         ("GetServerInfoResponse", {"uptime_seconds": 100.25, "kv_role": "kv_consumer",
                                    "kv_connector": "NixlConnector", "data_parallel_size": 2,
                                    "block_size": 0, "server_type": ""}),
@@ -663,6 +664,7 @@ def test_sglang_discovery(stock: dict[str, bytes]) -> None:
     assert info.data_parallel_size == 2
     assert info.incarnation and info.started_at == pytest.approx(1_800_000_000)
     assert info.kv_capacity_tokens == 300000  # GetServerInfo.max_total_num_tokens
+    assert info.generates
 
 
 def test_vllm_discovery_and_restart_detection(stock: dict[str, bytes]) -> None:
@@ -676,6 +678,7 @@ def test_vllm_discovery_and_restart_detection(stock: dict[str, bytes]) -> None:
     assert dict(info.details)["kv_connector"] == "NixlConnector"
     assert info.started_at == pytest.approx(1_800_000_000 - 100.25)
     assert info.kv_capacity_tokens == 4096  # the smaller rank's cache
+    assert info.generates
     # The same engine asked again a little later (uptime grew with the clock): same incarnation.
     now[0] += 0.2
     model, server, loads = (
@@ -709,6 +712,42 @@ def test_loads_count_every_clients_requests_on_every_rank() -> None:
         assert dialect.engine_requests(rpc.response_type.FromString(
             reply.SerializeToString())) == 6
     assert dialect_for("trtllm").loads() is None  # its contract has no GetLoads
+
+
+@pytest.mark.parametrize("kind", ["sglang", "vllm"])
+def test_an_embedding_model_is_told_by_its_model_info(stock: dict[str, bytes], kind: str) -> None:
+    dialect = dialect_for(kind)
+    replies = [rpc.response_type.FromString(stock[f"{kind}/discovery/{i}"])
+               for i, rpc in enumerate(dialect.discovery())]
+    replies[0].is_generation = False  # vLLM --runner pooling, SGLang --is-embedding
+    assert not dialect.engine_info(replies).generates
+
+
+@pytest.mark.parametrize("kind", ["sglang", "vllm"])
+def test_embed_calls_and_replies_on_each_contract(kind: str) -> None:
+    dialect = dialect_for(kind)
+    assert dialect.capabilities.embeddings
+    rpc = dialect.embed(EmbedCall("e-1", (5, 6, 7), "hi"))
+    assert rpc.path.endswith("/Embed") and rpc.path.startswith(f"/{dialect.service[1:]}")
+    wire = type(rpc.request).FromString(rpc.request.SerializeToString())
+    assert (wire.request_id, list(wire.tokenized.input_ids), wire.tokenized.original_text) == (
+        "e-1", [5, 6, 7], "hi")
+    pb = dialect.pb  # type: ignore[attr-defined]
+    got = dialect.embedding(pb.EmbedResponse(embedding=[0.6, 0.8], prompt_tokens=3,
+                                             embedding_dim=2))
+    assert list(got.vector) == pytest.approx([0.6, 0.8]) and got.prompt_tokens == 3
+    for bad in (pb.EmbedResponse(prompt_tokens=3), pb.EmbedResponse(embedding=[1.0],
+                                                                    embedding_dim=2)):
+        with pytest.raises(EngineError) as broken:
+            dialect.embedding(bad)
+        assert broken.value.kind is ErrorKind.PROTOCOL
+
+
+def test_trtllm_engines_serve_no_embeddings() -> None:
+    dialect = dialect_for("trtllm")
+    assert not dialect.capabilities.embeddings
+    with pytest.raises(NotImplementedError):
+        dialect.embed(EmbedCall("e", (1,)))
 
 
 def test_trtllm_discovery(stock: dict[str, bytes]) -> None:

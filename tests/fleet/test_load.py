@@ -600,6 +600,7 @@ def test_out_of_range_frontend(setting: str, message: str) -> None:
         ("simulator.eos_probability = 1.5", "must be between 0 and 1, got 1.5"),
         ("simulator.decode_us_per_token = -1", "must be at least 0, got -1"),
         ("simulator.vocab_size = 0", "must be at least 1, got 0"),
+        ("simulator.embedding_dim = -1", "must be at least 0, got -1"),
     ],
 )
 def test_out_of_range_engine(line: str, message: str) -> None:
@@ -939,6 +940,8 @@ def test_describe_shows_resolved_settings_and_facts() -> None:
         "publisher starting over; with neither, a new connection after an outage\n" in text
     )
     assert "    role            trtllm: none (no P/D)" in text
+    assert ("    serves          vllm: GetModelInfo.is_generation (false: --runner pooling, "
+            "/v1/embeddings only)\n" in text)
     assert "engine[4] gpu-node-4:50051\n" in text
     assert "  kv_events[rank 1]  tcp://gpu-node-3:5558 (replay tcp://gpu-node-3:5568)\n" in text
     assert "simulator" not in text

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import base64
 import json
+import struct
 
 import pytest
-from openai.types import Completion, Model
+from openai.types import Completion, CreateEmbeddingResponse, Model
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from direct_frontend.http.render import (
@@ -13,6 +15,7 @@ from direct_frontend.http.render import (
     ChunkRenderer,
     Usage,
     render_choices,
+    render_embeddings,
     render_full,
     render_models,
 )
@@ -233,3 +236,16 @@ def test_parsed_chunks_carry_reasoning_content_and_tool_calls() -> None:
     full = ChatCompletion.model_validate_json(body).choices[0].message
     assert full.tool_calls is not None and full.tool_calls[0].function.name == "f"
     assert full.model_extra == {"reasoning_content": "b"} and full.content == "a"
+
+
+def test_render_embeddings_as_floats_and_as_base64_float32() -> None:
+    vectors = [[0.6, -0.8], [1.0, 0.0]]
+    floats = json.loads(render_embeddings("emb", vectors, 7, base64_floats=False))
+    parsed = CreateEmbeddingResponse.model_validate(floats)  # the openai SDK's own type
+    assert [d.embedding for d in parsed.data] == vectors
+    assert [d.index for d in parsed.data] == [0, 1]
+    assert (parsed.model, parsed.usage.prompt_tokens, parsed.usage.total_tokens) == ("emb", 7, 7)
+    packed = json.loads(render_embeddings("emb", vectors, 7, base64_floats=True))
+    for entry, vector in zip(packed["data"], vectors, strict=True):
+        raw = base64.b64decode(entry["embedding"])
+        assert struct.unpack(f"<{len(vector)}f", raw) == pytest.approx(vector)

@@ -34,6 +34,7 @@ from direct_frontend.openai.parse import (
     nesting_depth_exceeds,
     parse_chat_request,
     parse_completion_request,
+    parse_embedding_request,
 )
 from direct_frontend.openai.types import (
     ChatMessage,
@@ -780,3 +781,61 @@ def test_forced_tool_choices_carry_the_constraint_that_forces_them() -> None:
     assert json.loads(named.constraint.text) == WEATHER["function"]["parameters"]
     none = parse_chat_request(chat(tools=[WEATHER], tool_choice="none"))
     assert not none.offers_tools and none.constraint is None
+
+
+# ---------------------------------------------------------------- embeddings
+
+
+def embedding(**fields: Any) -> bytes:
+    body: dict[str, Any] = {"model": "m", "input": "Once upon"}
+    body.update(fields)
+    return json.dumps(body).encode()
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        ("Once upon", ("Once upon",)),
+        (["a", "b"], ("a", "b")),
+        ([1, 2, 3], ((1, 2, 3),)),
+        ([[4, 5], [6]], ((4, 5), (6,))),
+    ],
+)
+def test_embedding_inputs(raw: Any, expected: tuple[Any, ...]) -> None:
+    request = parse_embedding_request(embedding(input=raw))
+    assert request.inputs == expected
+    assert (request.encoding_format, request.dimensions) == ("float", None)
+
+
+def test_embedding_fields() -> None:
+    request = parse_embedding_request(
+        embedding(encoding_format="base64", dimensions=64, user="u"))
+    assert (request.encoding_format, request.dimensions, request.user) == ("base64", 64, "u")
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "fragment"),
+    [
+        ({"input": ""}, "input", "must not be empty"),
+        ({"input": []}, "input", "must not be empty"),
+        ({"input": ["a", ""]}, "input[1]", "must not be empty"),
+        ({"input": [[1], []]}, "input[1]", "must not be empty"),
+        ({"input": ["a", [1]]}, "input[1]", "all strings or all lists of token ids"),
+        ({"input": [1, -1]}, "input[1]", "Invalid type"),
+        ({"input": ["a"] * 2049}, "input", "2049 inputs; at most 2048"),
+        ({"input": 5}, "input", "Invalid type"),
+        ({"encoding_format": "int8"}, "encoding_format", "Invalid value"),
+        ({"dimensions": 0}, "dimensions", "Invalid value"),
+    ],
+)
+def test_embedding_errors(fields: dict[str, Any], param: str, fragment: str) -> None:
+    with pytest.raises(OpenAIHTTPError) as info:
+        parse_embedding_request(embedding(**fields))
+    assert info.value.status == 400 and info.value.param == param
+    assert fragment in info.value.message
+
+
+def test_embedding_needs_an_input() -> None:
+    with pytest.raises(OpenAIHTTPError) as info:
+        parse_embedding_request(b'{"model": "m"}')
+    assert info.value.param == "input" and "Missing required" in info.value.message

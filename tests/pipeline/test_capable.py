@@ -6,7 +6,7 @@ import dataclasses
 
 from direct_frontend.engines.neutral import Constraint, ConstraintKind, SamplingOptions
 from direct_frontend.pipeline.capable import incapable, none_capable
-from direct_frontend.routing.catalog import Catalog
+from direct_frontend.routing.catalog import Catalog, EngineHandle
 from tests.support.fleet import engine
 
 FLEET = Catalog(1, (
@@ -40,3 +40,25 @@ def test_when_no_serving_engine_can_carry_it_the_400_names_the_field() -> None:
     assert err is not None and err.status == 400 and err.param == "seed"
     assert "sglang" in err.message
     assert none_capable(Catalog(), {}) is None  # nothing serves: the request waits instead
+
+
+def embedder(name: str) -> EngineHandle:
+    """An engine of an embedding model (vLLM --runner pooling)."""
+    base = engine(name)
+    return dataclasses.replace(base, kind="vllm",
+                               info=dataclasses.replace(base.info, generates=False))
+
+
+def test_an_embedding_models_engines_never_take_a_generation() -> None:
+    mixed = Catalog(1, (*FLEET.engines, embedder("e")))
+    assert mixed.embedders == {"e"}
+    assert incapable(mixed, SamplingOptions(max_tokens=4)) == {"e": "model"}
+    assert incapable(mixed, SamplingOptions(max_tokens=4, seed=1)) == {"e": "model", "s": "seed"}
+    assert none_capable(mixed, incapable(mixed, SamplingOptions(max_tokens=4))) is None
+
+
+def test_a_generation_for_an_embedding_model_is_a_400_naming_the_model() -> None:
+    only = Catalog(1, (embedder("e1"), embedder("e2")))
+    err = none_capable(only, incapable(only, SamplingOptions(max_tokens=4)))
+    assert err is not None and err.status == 400 and err.param == "model"
+    assert "/v1/embeddings" in err.message

@@ -36,6 +36,7 @@ from tests.simulator.test_engine import (
     generate_method,
     output_of,
 )
+from tests.simulator.test_servicers import DIM, EMBEDDING_KINDS, STUBS, embed_request
 from tests.support.sim import (
     EOS,
     VOCAB,
@@ -224,6 +225,68 @@ def test_status_mid_stream(kind: EngineKind) -> None:
             await other_call_works(kind, channel)
             # The non-streaming sequence finished before its reply was replaced.
             assert engine.stats.completed == 2
+
+    run(body())
+
+
+# -- Embed ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", EMBEDDING_KINDS)
+def test_a_status_fault_fails_embed_before_it_is_answered(kind: EngineKind) -> None:
+    async def body() -> None:
+        plan = FaultPlan(status=Status.UNAVAILABLE, status_message="engine going away")
+        async with serving(kind, embedding_dim=DIM, faults=plan) as (engine, channel):
+            stub = STUBS[kind](channel)
+            with pytest.raises(GRPCError) as error:
+                await stub.Embed(embed_request(kind, PROMPT, "emb-down"))
+            assert (error.value.status, error.value.message) == (
+                Status.UNAVAILABLE,
+                "engine going away",
+            )
+            assert engine.fault_stats.failed == ["emb-down"]
+            assert engine.stats.embeds == 0
+            assert engine.stats.request_ids == []  # Generate's list: an Embed stays out of it
+            # only_request numbers Embed calls as it numbers Generate calls
+            engine.faults = FaultPlan(status=Status.UNAVAILABLE, only_request=2)
+            replies = []
+            for n in range(1, 4):
+                try:
+                    replies.append(await stub.Embed(embed_request(kind, PROMPT, f"emb-{n}")))
+                except GRPCError as exc:
+                    assert exc.status is Status.UNAVAILABLE
+            assert len(replies) == 2 and engine.fault_stats.failed[-1] == "emb-2"
+            assert engine.stats.embeds == 2
+            assert engine.fault_stats.embed_calls == 4
+            assert engine.fault_stats.generate_calls == 0
+
+    run(body())
+
+
+@pytest.mark.parametrize("kind", EMBEDDING_KINDS)
+def test_die_and_hang_at_zero_hit_embed_and_later_thresholds_do_not(kind: EngineKind) -> None:
+    async def body() -> None:
+        async with serving(kind, embedding_dim=DIM) as (engine, channel):
+            stub = STUBS[kind](channel)
+            engine.faults = FaultPlan(die_after_tokens=0)
+            with pytest.raises(DROPPED):
+                await stub.Embed(embed_request(kind, PROMPT, "emb-dead"))
+            assert engine.fault_stats.died == ["emb-dead"]
+            # an Embed sends no tokens: a threshold above 0 is never reached
+            engine.faults = FaultPlan(
+                die_after_tokens=1, hang_after_tokens=1, status=Status.INTERNAL,
+                status_after_tokens=1,
+            )
+            reply = await stub.Embed(embed_request(kind, PROMPT, "emb-ok"))
+            assert reply.embedding_dim == DIM
+            engine.faults = FaultPlan(hang_after_tokens=0)
+            pending = asyncio.ensure_future(stub.Embed(embed_request(kind, PROMPT, "emb-stuck")))
+            await until(lambda: engine.fault_stats.hung == ["emb-stuck"])
+            assert not pending.done()
+            pending.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await pending
+            assert engine.stats.embeds == 1
 
     run(body())
 
@@ -485,6 +548,44 @@ def test_control_channel_drives_a_standalone_engine() -> None:
         assert not command(op="fly")["ok"]
     finally:
         stop_cli(process)
+
+
+def test_a_standalone_embedding_engine_and_its_faults() -> None:
+    process, (port, control) = start_cli(
+        "vllm", "--embedding-dim", str(DIM), "--control-port", "0"
+    )
+    try:
+
+        async def embed(request_id: str) -> Any:
+            async with Channel("127.0.0.1", port) as channel:
+                stub = VllmEngineStub(channel)
+                info = await stub.GetModelInfo(vllm_engine_pb2.GetModelInfoRequest())
+                assert info.is_generation is False
+                return await stub.Embed(embed_request("vllm", PROMPT, request_id))
+
+        assert run(embed("cli-1")).embedding_dim == DIM
+        assert control_request("127.0.0.1", control, {"op": "get"})["embeds"] == 1
+        faults = {"status": "UNAVAILABLE"}
+        control_request("127.0.0.1", control, {"op": "set_faults", "faults": faults})
+        with pytest.raises(GRPCError) as error:
+            run(embed("cli-2"))
+        assert error.value.status is Status.UNAVAILABLE
+        state = control_request("127.0.0.1", control, {"op": "get"})
+        assert state["fault_stats"]["failed"] == ["cli-2"] and state["embeds"] == 1
+    finally:
+        stop_cli(process)
+
+
+def test_cli_refuses_a_negative_or_trtllm_embedding_dim() -> None:
+    for kind, dim, message in (
+        ("vllm", "-1", "must not be negative"),
+        ("trtllm", "8", "serves no embeddings"),
+    ):
+        result = subprocess.run(
+            cli_command(kind, "--embedding-dim", dim, vocab_size=10),
+            capture_output=True, text=True, timeout=30,
+        )
+        assert result.returncode == 2 and message in result.stderr
 
 
 def connect_once(port: int) -> None:

@@ -28,6 +28,8 @@ from direct_frontend.engines.neutral import (
     UINT32_MAX,
     Constraint,
     ConstraintKind,
+    EmbedCall,
+    Embedding,
     EngineEvent,
     EngineInfo,
     Finished,
@@ -70,6 +72,8 @@ class Capabilities:
     optional: frozenset[str] = frozenset()
     #: a request may name a LoRA adapter, which the router may load and unload (SGLang)
     lora_adapters: bool = False
+    #: an embedding model of this kind serves ``Embed`` through the contract (SGLang, vLLM)
+    embeddings: bool = False
 
 
 #: sampling fields some contracts lack: a request that sets one goes to a kind that carries it
@@ -575,6 +579,16 @@ class Dialect(abc.ABC):
         """A load's or unload's reply; for a list's, every adapter id it holds (``ok``)."""
         raise NotImplementedError(f"{self.kind} engines have no LoRA replies")
 
+    # -- embeddings (only for kinds whose capabilities say embeddings) --
+
+    def embed(self, call: EmbedCall) -> Rpc:
+        """The Embed call for one input (an embedding model's engine)."""
+        raise NotImplementedError(f"{self.kind} engines serve no embeddings")
+
+    def embedding(self, reply: Any) -> Embedding:
+        """The vector and token count of an Embed reply; a malformed one is a PROTOCOL error."""
+        raise NotImplementedError(f"{self.kind} engines serve no embeddings")
+
     @abc.abstractmethod
     def generate(self, call: GenerateCall) -> Rpc:
         """The Generate call for ``call``; runs :meth:`check` first."""
@@ -656,6 +670,27 @@ class SmgDialect(Dialect):
     def engine_requests(self, response: Any) -> int:
         """Running and waiting requests on every rank (SGLang and vLLM share ``SchedulerLoad``)."""
         return sum(load.num_running_reqs + load.num_waiting_reqs for load in response.loads)
+
+    def embed(self, call: EmbedCall) -> Rpc:
+        # SGLang's and vLLM's requests differ in their other fields, which stay unset here
+        if not self.capabilities.embeddings:  # TRT-LLM: its servicer does not implement Embed
+            return super().embed(call)
+        pb = self.pb
+        request = pb.EmbedRequest(
+            request_id=call.request_id,
+            tokenized={"original_text": call.original_text, "input_ids": call.input_ids},
+        )
+        return Rpc(f"{self.service}/Embed", request, pb.EmbedResponse)
+
+    def embedding(self, reply: Any) -> Embedding:
+        vector = reply.embedding
+        if not vector or (reply.embedding_dim and reply.embedding_dim != len(vector)):
+            raise EngineError(
+                ErrorKind.PROTOCOL,
+                f"Embed returned {len(vector)} values, its embedding_dim says "
+                f"{reply.embedding_dim}",
+            )
+        return Embedding(vector, reply.prompt_tokens)
 
     def discovery(self) -> Sequence[Rpc]:
         pb, service = self.pb, self.service

@@ -108,7 +108,7 @@ class SglangDialect(SmgDialect):
     kind: ClassVar[str] = "sglang"
     capabilities: ClassVar[Capabilities] = Capabilities(
         prefill_decode=True, bootstrap_server=True, optional=frozenset({"logit_bias"}),
-        lora_adapters=True,
+        lora_adapters=True, embeddings=True,
     )
     limits: ClassVar[WireLimits] = WireLimits(top_k=INT32_MAX)  # top_k is an int32 here
     service: ClassVar[str] = SERVICE
@@ -203,6 +203,7 @@ class SglangDialect(SmgDialect):
         return EngineInfo(
             served_model_name=model.served_model_name,
             model_path=model.model_path,
+            generates=model.is_generation,  # False: started with --is-embedding
             # max_context_length is the KV pool size; only server_args has the window.
             context_length=int(window) if isinstance(window, (int, float)) and window else None,
             max_input_length=model.max_req_input_len or None,

@@ -183,7 +183,8 @@ class VllmStreamDecoder(SmgStreamDecoder):
 class VllmDialect(SmgDialect):
     kind: ClassVar[str] = "vllm"
     capabilities: ClassVar[Capabilities] = Capabilities(
-        prefill_decode=True, text_input=True, optional=frozenset({"seed", "logit_bias"})
+        prefill_decode=True, text_input=True, optional=frozenset({"seed", "logit_bias"}),
+        embeddings=True,
     )
     limits: ClassVar[WireLimits] = WireLimits(top_k=UINT32_MAX)  # top_k is a uint32 here
     service: ClassVar[str] = SERVICE
@@ -261,6 +262,7 @@ class VllmDialect(SmgDialect):
         return EngineInfo(
             served_model_name=model.served_model_name,
             model_path=model.model_path,
+            generates=model.is_generation,  # False: started with --runner pooling
             context_length=model.max_context_length or None,  # max_model_len: the window
             max_input_length=model.max_req_input_len or None,
             eos_token_ids=tuple(model.eos_token_ids),

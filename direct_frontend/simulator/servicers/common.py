@@ -22,10 +22,15 @@ from tokenizers import Tokenizer
 
 from direct_frontend.simulator.constraints import InvalidConstraint, Unsupported, constrained_text
 from direct_frontend.simulator.core import SimCore
+from direct_frontend.simulator.embedding import embedding_of
 from direct_frontend.simulator.model import Finish
 from protos import common_pb2
 
 SIM_VERSION = "0.0.0-sim"
+#: Generate's INVALID_ARGUMENT on an embedding model, in a real vLLM's words (docs/real-vllm.md §12)
+NOT_GENERATION = "This model does not support generation"
+#: Embed's INVALID_ARGUMENT on a generation model, likewise
+NOT_EMBEDDING = "This model does not support pooling"
 _CHUNK_BYTES = 64 * 1024  # the stock servicers' GetTokenizer chunk size
 _TOKENIZER_FILES = (
     "tokenizer.json",
@@ -54,12 +59,17 @@ ReplyT = TypeVar("ReplyT")
 
 
 async def generate_request(core: SimCore, stream: grpclib.server.Stream[NamedT, Any]) -> NamedT:
-    """The Generate request, its id noted before any check (a refused request was still seen)."""
+    """The Generate request, its id noted before any check (a refused request was still seen).
+
+    An embedding model refuses it here, before looking at the request.
+    """
     request = await stream.recv_message()
     assert request is not None
     traceparent = stream.metadata.get("traceparent") if stream.metadata else None
     core.note_request(request.request_id, None if traceparent is None else str(traceparent))
     core.stats.receive(request.request_id, request)
+    if not core.config.is_generation:
+        raise GRPCError(Status.INVALID_ARGUMENT, NOT_GENERATION)
     return request
 
 
@@ -200,9 +210,32 @@ class SimServicer:
 class SmgServicer(SimServicer):
     """What smg-grpc-servicer 0.14.1 serves alike for SGLang and vLLM."""
 
+    #: the contract's EmbedResponse (both name its fields alike)
+    embed_response: type[Any]
+
+    @property
+    def prompt_limit(self) -> int:
+        """The prompt length :func:`check_prompt` refuses (the kind's window rule)."""
+        raise NotImplementedError
+
     async def Embed(self, stream: grpclib.server.Stream[Any, Any]) -> None:
-        # Any: each contract has its own EmbedRequest, which is read and dropped.
-        await refuse(stream, "The simulated model is not an embedding model")
+        """One vector for the tokenized input; a generation model refuses, as stock ones do."""
+        # Any: each contract has its own EmbedRequest; both carry tokenized.input_ids.
+        core = self.core
+        dim = core.config.embedding_dim
+        if not dim:
+            await stream.recv_message()
+            raise GRPCError(Status.INVALID_ARGUMENT, NOT_EMBEDDING)
+        request = await stream.recv_message()
+        assert request is not None
+        prompt = list(request.tokenized.input_ids)  # unset: empty, refused as Generate does
+        check_prompt(core, prompt, self.prompt_limit)
+        await stream.send_message(
+            self.embed_response(
+                embedding=embedding_of(prompt, dim), prompt_tokens=len(prompt), embedding_dim=dim
+            )
+        )
+        core.stats.embeds += 1  # once sent: a call a fault cut short is not counted
 
     async def FlushCache(
         self,

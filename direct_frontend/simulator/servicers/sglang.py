@@ -72,6 +72,12 @@ def _complete(
 class SglangServicer(SmgServicer, SglangSchedulerBase):
     """``sglang.grpc.scheduler.SglangScheduler`` as smg-grpc-servicer 0.14.1 serves it."""
 
+    embed_response = sglang_scheduler_pb2.EmbedResponse
+
+    @property
+    def prompt_limit(self) -> int:
+        return self.core.config.sglang_max_req_input_len
+
     async def Generate(
         self,
         stream: grpclib.server.Stream[
@@ -84,7 +90,7 @@ class SglangServicer(SmgServicer, SglangSchedulerBase):
         if not request.HasField("tokenized"):
             raise GRPCError(Status.INVALID_ARGUMENT, "Tokenized input must be provided")
         prompt = list(request.tokenized.input_ids)
-        check_prompt(core, prompt, config.sglang_max_req_input_len)
+        check_prompt(core, prompt, self.prompt_limit)
         params = request.sampling_params
         if params.n > 1:
             raise GRPCError(Status.UNIMPLEMENTED, "The simulator does not support n > 1")
@@ -199,7 +205,7 @@ class SglangServicer(SmgServicer, SglangSchedulerBase):
             sglang_scheduler_pb2.GetModelInfoResponse(
                 model_path=config.model_path,
                 tokenizer_path=config.tokenizer_path,
-                is_generation=True,
+                is_generation=config.is_generation,
                 preferred_sampling_params="",
                 weight_version="default",
                 served_model_name=config.served_model_name,
@@ -246,7 +252,7 @@ class SglangServicer(SmgServicer, SglangSchedulerBase):
             {
                 "max_total_num_tokens": config.kv_reported_capacity,
                 "max_req_input_len": config.sglang_max_req_input_len,
-                "is_generation": True,
+                "is_generation": config.is_generation,
             }
         )
         await stream.send_message(

@@ -104,6 +104,12 @@ def _complete(
 class VllmServicer(SmgServicer, VllmEngineBase):
     """``vllm.grpc.engine.VllmEngine`` as smg-grpc-servicer 0.14.1 serves it."""
 
+    embed_response = vllm_engine_pb2.EmbedResponse
+
+    @property
+    def prompt_limit(self) -> int:
+        return self.core.config.context_length
+
     async def Generate(
         self,
         stream: grpclib.server.Stream[
@@ -118,7 +124,7 @@ class VllmServicer(SmgServicer, VllmEngineBase):
         if source != "tokenized":
             raise GRPCError(Status.INVALID_ARGUMENT, "The prompt cannot be empty")
         prompt = list(request.tokenized.input_ids)
-        check_prompt(core, prompt, config.context_length)
+        check_prompt(core, prompt, self.prompt_limit)
         if request.HasField("kv_transfer_params_json"):
             _check_kv_transfer_params(request.kv_transfer_params_json)
         handoff = disagg.vllm_leg(core, request, len(prompt))  # P/D roles
@@ -232,7 +238,7 @@ class VllmServicer(SmgServicer, VllmEngineBase):
         await stream.send_message(
             vllm_engine_pb2.GetModelInfoResponse(
                 model_path=config.model_path,
-                is_generation=True,
+                is_generation=config.is_generation,
                 max_context_length=config.context_length,  # max_model_len: trustworthy
                 vocab_size=config.vocab_size,
                 supports_vision=False,

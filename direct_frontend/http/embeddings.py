@@ -1,0 +1,65 @@
+"""``POST /v1/embeddings``: tokenize each input, embed them on the model's engines, one body.
+
+The router tokenizes (text with the model's special tokens, as the engines'
+own servers do; token ids as they are), holds one admission slot per input
+(and runs at most as many inputs at once as it holds slots), and answers in
+OpenAI's shape: ``encoding_format`` ``float`` (a list) or ``base64``
+(little-endian float32 bytes, what the ``openai`` SDK asks for by default).
+The engines compute vectors at their own size: ``dimensions`` is accepted
+only when it is that size. A client that leaves cancels the calls.
+"""
+
+from __future__ import annotations
+
+import trio
+
+from direct_frontend.http.asgi import JSON, Headers, Receive, Send, send_body, send_error
+from direct_frontend.http.render import render_embeddings
+from direct_frontend.http.responses import _Client
+from direct_frontend.openai.errors import OpenAIHTTPError, invalid_request
+from direct_frontend.openai.types import EmbeddingRequest
+from direct_frontend.pipeline.embed import embed_all
+from direct_frontend.pipeline.models import ServedModel
+from direct_frontend.pipeline.preprocess import prompt_ids
+
+
+async def respond_embeddings(
+    served: ServedModel, request: EmbeddingRequest, request_id: str, routing_key: str | None,
+    receive: Receive, send: Send, headers: Headers,
+) -> int:
+    """Embed every input and write the body; the HTTP status (499: the client left)."""
+    settings = served.settings
+    several = len(request.inputs) > 1
+    inputs = [
+        await prompt_ids(one, f"input[{k}]" if several else "input", served.tokenizing)
+        for k, one in enumerate(request.inputs)
+    ]
+    client = _Client()
+    status = 200
+    async with settings.admission.slot(len(inputs)), trio.open_nursery() as nursery:
+        nursery.start_soon(client.watch, receive, nursery.cancel_scope)
+        try:
+            embeddings = await embed_all(
+                served.relay, settings, request.model, request_id, inputs, routing_key,
+                at_once=min(len(inputs), settings.admission.config.max_in_flight),
+            )
+            size = len(embeddings[0].vector)
+            if request.dimensions is not None and request.dimensions != size:
+                raise invalid_request(
+                    f"This model's embeddings have {size} dimensions, and its engines do not "
+                    f"shorten them: 'dimensions' may only be {size}.", "dimensions",
+                )
+        except OpenAIHTTPError as err:
+            await send_error(send, err, headers)
+            status = err.status
+        else:
+            prompt_tokens = sum(e.prompt_tokens or len(ids)
+                                for e, (_, ids) in zip(embeddings, inputs, strict=True))
+            body = render_embeddings(request.model, [e.vector for e in embeddings],
+                                     prompt_tokens, request.encoding_format == "base64")
+            await send_body(send, 200, body, JSON, headers)
+        nursery.cancel_scope.cancel()
+    if client.gone:
+        served.relay.metrics.request_cancelled()
+        return 499
+    return status

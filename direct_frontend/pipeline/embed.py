@@ -1,0 +1,169 @@
+"""Embeddings: each input one ``Embed`` call on an embedding model's engine, retried elsewhere.
+
+An embedding model's engines (``EngineInfo.generates`` false: a vLLM started
+with ``--runner pooling``, an SGLang with ``--is-embedding``) serve ``Embed``
+and not ``Generate``; generation requests never reach them
+(:mod:`~direct_frontend.pipeline.capable`) and embeddings reach nothing else.
+An input is placed by the model's routing policy like any request, and its
+call counts in the engine's load. A call that fails where another engine
+may succeed (the engine is down, overloaded, leaving) is retried on another
+one under the same ``[frontend.faults]`` bounds as a generation request
+before its first token; an input the engine refuses is the client's 400.
+The inputs of one request run side by side, and the first to fail for good
+ends the request (the others are cancelled).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import trio
+
+from direct_frontend.engines.dialects import dialect_for
+from direct_frontend.engines.dialects.base import Dialect
+from direct_frontend.engines.neutral import EmbedCall, Embedding
+from direct_frontend.engines.transport import EngineChannel
+from direct_frontend.errors import EngineError
+from direct_frontend.openai.errors import (
+    OpenAIHTTPError,
+    context_length_exceeded,
+    engine_timeout,
+    from_engine_error,
+    invalid_request,
+    no_engine_available,
+    rate_limited,
+)
+from direct_frontend.pipeline.failover import Decision, FailoverState
+from direct_frontend.pipeline.leg import FaultSink
+from direct_frontend.pipeline.relay import EngineWait, Relay
+from direct_frontend.pipeline.settings import Settings
+from direct_frontend.routing.catalog import Catalog, EngineHandle
+from direct_frontend.routing.policies import Placement, RequestView
+
+
+def embedders(catalog: Catalog) -> set[str]:
+    """The serving engines an embedding may go to: embedding models of a kind that embeds."""
+    return {e.name for e in catalog.engines
+            if e.name in catalog.embedders and dialect_for(e.kind).capabilities.embeddings}
+
+
+def not_embedding(model: str) -> OpenAIHTTPError:
+    """The 400 for an embeddings request to a model whose engines only generate."""
+    return invalid_request(
+        f"The model '{model}' does not serve embeddings: its engines are generation models "
+        "(an embedding model is served by engines started as one, e.g. vLLM --runner pooling "
+        "or SGLang --is-embedding).", "model",
+    )
+
+
+async def embed_all(
+    relay: Relay, settings: Settings, model: str, request_id: str,
+    inputs: Sequence[tuple[str, tuple[int, ...]]], routing_key: str | None = None,
+    at_once: int | None = None,
+) -> list[Embedding]:
+    """Embed every ``(text, token ids)`` input, in order; raises the first one's HTTP error.
+
+    At most ``at_once`` inputs are on the engines at a time (the admission slots
+    the request holds; None: all of them).
+    """
+    results: list[Embedding | None] = [None] * len(inputs)
+    failure: list[OpenAIHTTPError] = []
+    turns = trio.Semaphore(at_once or len(inputs))
+
+    async def one(index: int, scope: trio.CancelScope) -> None:
+        async with turns:
+            await embed_index(index, scope)
+
+    async def embed_index(index: int, scope: trio.CancelScope) -> None:
+        text, ids = inputs[index]
+        several = len(inputs) > 1
+        name = f"{request_id}-{index}" if several else request_id
+        try:
+            results[index] = await embed_one(relay, settings, model, EmbedCall(name, ids, text),
+                                             routing_key, f"input[{index}]" if several else "input")
+        except OpenAIHTTPError as err:
+            if not failure:
+                failure.append(err)
+                scope.cancel()
+
+    async with trio.open_nursery() as nursery:
+        for index in range(len(inputs)):
+            nursery.start_soon(one, index, nursery.cancel_scope)
+    if failure:
+        raise failure[0]
+    return [r for r in results if r is not None]
+
+
+async def embed_one(
+    relay: Relay, settings: Settings, model: str, call: EmbedCall, routing_key: str | None,
+    param: str = "input",
+) -> Embedding:
+    """One input on one engine after another, until one embeds it or the bounds say stop.
+
+    ``param`` names the input in a 400 (``input[k]`` in a batch).
+    """
+    frontend = settings.frontend
+    fleet = relay.dispatcher.fleet
+    now = trio.current_time()
+    deadline = now + frontend.request_timeout_s
+    wait = EngineWait(frontend.faults.wait_for_engine_s, deadline)
+    failover = FailoverState(settings.failover)
+    request = RequestView(call.input_ids, 1, routing_key)
+
+    def place(now: float) -> Placement | None:
+        catalog = fleet.catalog
+        usable = embedders(catalog)
+        if catalog.engines and not catalog.embedders:
+            raise not_embedding(model)
+        exclude = {e.name for e in catalog.engines if e.name not in usable}
+        placement = settings.policy.choose(catalog, request, exclude | failover.excluded(catalog))
+        if placement is None:
+            if wait.may_wait(now):
+                return None
+            raise no_engine_available(model)
+        wait.placed()
+        return placement
+
+    with trio.move_on_at(deadline) as timer:
+        while True:
+            placement = place(trio.current_time())
+            if placement is None:
+                placement = await relay.wait_for_engine(wait, place)
+            try:
+                return await _call(fleet, placement, call, param, deadline - trio.current_time())
+            except EngineError as error:
+                relay.metrics.engine_error(placement.engine.name, error.kind)
+                if failover.decide(error, 0, placement.engine) is not Decision.RETRY:
+                    if failover.all_overloaded:
+                        raise rate_limited("Every engine is saturated; retry later.",
+                                           retry_after=1) from None
+                    raise from_engine_error(error) from None
+            await trio.sleep(failover.backoff())
+    assert timer.cancelled_caught
+    raise engine_timeout(f"The request did not finish within {frontend.request_timeout_s:g} s.")
+
+
+async def _call(
+    faults: FaultSink, placement: Placement, call: EmbedCall, param: str, deadline_s: float
+) -> Embedding:
+    """The Embed call at ``placement``, counted in the engine's load while it runs."""
+    engine: EngineHandle = placement.engine
+    limit = engine.context_length
+    if limit is not None and len(call.input_ids) > limit:
+        raise context_length_exceeded(len(call.input_ids), limit, param)
+    channel: EngineChannel = engine.transport
+    dialect: Dialect = channel.dialect
+    prompt = len(call.input_ids)
+    engine.load.begin(prompt, placement.blocks)
+    try:
+        reply = await channel.unary(dialect.embed(call), max(deadline_s, 0.001))
+        return dialect.embedding(reply)
+    except EngineError as error:
+        error.engine = error.engine or engine.name
+        if error.kind.engine_is_down:
+            faults.report_fault(engine, error)
+        raise
+    finally:
+        engine.load.end(prompt, placement.blocks)
+        if placement.prefilled is not None:
+            placement.prefilled()
