@@ -21,6 +21,7 @@ from direct_frontend.fleet.schema import FrontendConfig
 from direct_frontend.http.admin import credential_ok, events_socket, unauthorized
 from direct_frontend.http.asgi import (
     ClientGone,
+    Headers,
     Receive,
     ResponseProgress,
     Scope,
@@ -35,6 +36,7 @@ from direct_frontend.http.embeddings import respond_embeddings
 from direct_frontend.http.render import render_model, render_models
 from direct_frontend.http.responses import respond
 from direct_frontend.http.responses_api import respond_responses
+from direct_frontend.http.tokenize import respond_detokenize, respond_tokenize
 from direct_frontend.observability.logging import current_request_id, new_request_id
 from direct_frontend.observability.metrics import Metrics
 from direct_frontend.observability.tracing import RequestTrace, Tracing
@@ -48,7 +50,9 @@ from direct_frontend.openai.errors import (
 from direct_frontend.openai.parse import (
     parse_chat_request,
     parse_completion_request,
+    parse_detokenize_request,
     parse_embedding_request,
+    parse_tokenize_request,
 )
 from direct_frontend.openai.responses_api import parse_responses_request
 from direct_frontend.openai.types import ChatRequest, CompletionRequest
@@ -59,6 +63,9 @@ from direct_frontend.pipeline.settings import Settings
 from direct_frontend.routing.affinity import routing_key
 
 log = logging.getLogger("direct_frontend.http")
+
+#: vLLM's tokenizer endpoints, outside /v1 as vLLM serves them; the API keys cover them too
+TOKENIZER_PATHS = frozenset({"/tokenize", "/detokenize"})
 
 #: ``GET /v1/models/{model}``: the rest of the path is the id (which may hold slashes)
 MODEL_PATH = "/v1/models/"
@@ -93,6 +100,8 @@ class App:
             "/v1/completions": {"POST": self._completions},
             "/v1/responses": {"POST": self._responses},
             "/v1/embeddings": {"POST": self._embeddings},
+            "/tokenize": {"POST": self._tokenize},
+            "/detokenize": {"POST": self._detokenize},
             "/v1/models": {"GET": self._models},
             "/health": {"GET": self._health},
             "/ready": {"GET": self._ready},
@@ -237,6 +246,48 @@ class App:
     ) -> int:
         return await self._generate("responses", settings, scope, receive, send)
 
+    async def _tokenize(self, settings: Settings, scope: Scope, receive: Receive,
+                        send: Send) -> int:
+        async def answer(body: bytes, headers: Headers) -> int:
+            request = parse_tokenize_request(body)
+            served = self._model_of(request.model)
+            return await respond_tokenize(served, request, served.context_length, send, headers)
+
+        return await self._tokenizer_call(settings, receive, send, answer)
+
+    async def _detokenize(self, settings: Settings, scope: Scope, receive: Receive,
+                          send: Send) -> int:
+        async def answer(body: bytes, headers: Headers) -> int:
+            request = parse_detokenize_request(body)
+            return await respond_detokenize(self._model_of(request.model), request, send,
+                                            headers)
+
+        return await self._tokenizer_call(settings, receive, send, answer)
+
+    def _model_of(self, model: str) -> ServedModel:
+        served = self.control.models.get(model)
+        if served is None:
+            raise model_not_found(model)
+        return served
+
+    async def _tokenizer_call(
+        self, settings: Settings, receive: Receive, send: Send,
+        answer: Callable[[bytes, Headers], Awaitable[int]],
+    ) -> int:
+        """A request a model's tokenizer answers alone: no engine, no admission slot."""
+        request_id = current_request_id.get() or new_request_id()
+        headers: Headers = [(b"x-request-id", request_id.encode())]
+        frontend = settings.frontend
+        try:
+            body = await read_body(receive, frontend.max_body_bytes, frontend.body_timeout_s)
+            return await answer(body, headers)
+        except OpenAIHTTPError as err:
+            await send_error(send, err, headers)
+            return err.status
+        except ClientGone:
+            self.metrics.request_cancelled()
+            return 499
+
     async def _embeddings(
         self, settings: Settings, scope: Scope, receive: Receive, send: Send
     ) -> int:
@@ -248,9 +299,7 @@ class App:
         try:
             body = await read_body(receive, frontend.max_body_bytes, frontend.body_timeout_s)
             request = parse_embedding_request(body)
-            served = self.control.models.get(request.model)
-            if served is None:
-                raise model_not_found(request.model)
+            served = self._model_of(request.model)
             key = routing_key(served.settings.frontend.routing.session_key, scope["headers"],
                               request.user)
             status = await respond_embeddings(served, request, request_id, key, receive, send,
@@ -262,9 +311,7 @@ class App:
             self.metrics.request_cancelled()
             status = 499
         except Rejected as rejected:
-            refusal = rate_limited(
-                f"The frontend is saturated: {rejected.reason}.", retry_after=1
-            )
+            refusal = saturated(rejected)
             await send_error(send, refusal, headers)
             status = refusal.status
         finally:
@@ -362,17 +409,20 @@ class App:
                     found[0].relay, settings, prompts, receive, send, headers, trace
                 )
         except Rejected as rejected:
-            refusal = rate_limited(
-                f"The frontend is saturated: {rejected.reason}.", retry_after=1
-            )
+            refusal = saturated(rejected)
             await send_error(send, refusal, headers)
             return refusal.status
+
+
+def saturated(rejected: Rejected) -> OpenAIHTTPError:
+    """The 429 for a request the admission queue would not take."""
+    return rate_limited(f"The frontend is saturated: {rejected.reason}.", retry_after=1)
 
 
 def _denied(frontend: FrontendConfig, scope: Scope) -> OpenAIHTTPError | None:
     """401 unless the request carries the credential its endpoint needs (if any)."""
     path = scope["path"]
-    if path.startswith("/v1/"):
+    if path.startswith("/v1/") or path in TOKENIZER_PATHS:
         keys = frontend.auth.api_keys
         if keys and not credential_ok(scope, keys):
             return unauthorized()

@@ -424,3 +424,27 @@ def _base64_float32(vector: Sequence[float]) -> str:
     if sys.byteorder == "big":
         values.byteswap()
     return base64.b64encode(values.tobytes()).decode("ascii")
+
+
+class _Tokens(msgspec.Struct):
+    count: int
+    max_model_len: int | None
+    tokens: list[int]
+    token_strs: list[str | None] | None
+
+
+def render_tokens(
+    tokens: Sequence[int], max_model_len: int | None, token_strs: Sequence[str | None] | None,
+) -> bytes:
+    """The ``POST /tokenize`` body, in vLLM's shape."""
+    return _encode(_Tokens(len(tokens), max_model_len, list(tokens),
+                           None if token_strs is None else list(token_strs)))
+
+
+class _Detokenized(msgspec.Struct):
+    prompt: str
+
+
+def render_detokenized(prompt: str) -> bytes:
+    """The ``POST /detokenize`` body, in vLLM's shape."""
+    return _encode(_Detokenized(prompt))

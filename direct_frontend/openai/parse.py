@@ -31,9 +31,11 @@ from direct_frontend.openai.types import (
     ChatMessage,
     ChatRequest,
     CompletionRequest,
+    DetokenizeRequest,
     EmbeddingRequest,
     Prompt,
     Role,
+    TokenizeRequest,
     Tool,
     ToolCall,
 )
@@ -147,11 +149,29 @@ class _EmbeddingWire(msgspec.Struct, kw_only=True):
     user: str | None = None
 
 
+class _TokenizeWire(msgspec.Struct, kw_only=True):
+    model: str
+    prompt: str | None = None
+    messages: Annotated[list[_MessageWire], msgspec.Meta(min_length=1)] | None = None
+    tools: list[Tool] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool | None = None
+    return_token_strs: bool | None = None
+
+
+class _DetokenizeWire(msgspec.Struct, kw_only=True):
+    model: str
+    tokens: list[_TokenId]
+
+
 _W = TypeVar("_W", bound=msgspec.Struct)
 
 _chat_decoder: Final = msgspec.json.Decoder(_ChatWire)
 _completion_decoder: Final = msgspec.json.Decoder(_CompletionWire)
 _embedding_decoder: Final = msgspec.json.Decoder(_EmbeddingWire)
+_tokenize_decoder: Final = msgspec.json.Decoder(_TokenizeWire)
+_detokenize_decoder: Final = msgspec.json.Decoder(_DetokenizeWire)
 
 _MISSING_FIELD = re.compile(r"Object missing required field `([^`]*)`")
 
@@ -559,3 +579,30 @@ def parse_embedding_request(body: bytes) -> EmbeddingRequest:
         model=w.model, inputs=inputs, encoding_format=w.encoding_format or "float",
         dimensions=w.dimensions, user=w.user,
     )
+
+
+def parse_tokenize_request(body: bytes) -> TokenizeRequest:
+    """Validate a ``POST /tokenize`` body: exactly one of ``prompt`` and ``messages``."""
+    w = _decode(_tokenize_decoder, body)
+    if (w.prompt is None) == (w.messages is None):
+        raise invalid_request("Send exactly one of 'prompt' and 'messages'.",
+                              "messages" if w.messages is not None else "prompt")
+    chat = None
+    if w.messages is not None:
+        chat = ChatRequest(
+            model=w.model, messages=tuple(_message(i, m) for i, m in enumerate(w.messages)),
+            tools=tuple(w.tools or ()), chat_template_kwargs=w.chat_template_kwargs,
+        )
+    return TokenizeRequest(
+        model=w.model, prompt=w.prompt, chat=chat,
+        add_special_tokens=(w.add_special_tokens if w.add_special_tokens is not None
+                            else chat is None),
+        add_generation_prompt=w.add_generation_prompt is not False,
+        return_token_strs=bool(w.return_token_strs),
+    )
+
+
+def parse_detokenize_request(body: bytes) -> DetokenizeRequest:
+    """Validate a ``POST /detokenize`` body."""
+    w = _decode(_detokenize_decoder, body)
+    return DetokenizeRequest(model=w.model, tokens=tuple(w.tokens))

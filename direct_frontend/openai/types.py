@@ -180,3 +180,21 @@ class EmbeddingRequest(msgspec.Struct, frozen=True, kw_only=True):
     #: the length the client wants; served only when it is the model's own (no truncation)
     dimensions: int | None = None
     user: str | None = None  # accepted and not used
+
+
+class TokenizeRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """A validated ``POST /tokenize`` body (vLLM's): a prompt, or a chat to render first."""
+
+    model: str
+    prompt: str | None = None
+    chat: ChatRequest | None = None  # its messages, tools and template variables
+    add_special_tokens: bool = True  # a chat's default is False: its template writes them
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """A validated ``POST /detokenize`` body (vLLM's)."""
+
+    model: str
+    tokens: tuple[int, ...]

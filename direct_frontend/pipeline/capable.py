@@ -34,7 +34,7 @@ def incapable(catalog: Catalog, sampling: OptionalFields) -> dict[str, str]:
 
     An embedding model's engines cannot generate at all: they lack ``model``.
     """
-    lacking = dict.fromkeys(catalog.embedders, "model")
+    lacking = dict.fromkeys(catalog.embedders, "model") if catalog.embedders else {}
     if not needs_capabilities(sampling):
         return lacking
     by_kind: dict[str, str | None] = {}

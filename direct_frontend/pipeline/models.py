@@ -143,6 +143,11 @@ class ServedModel:
     def catalog(self) -> Catalog:
         return self.relay.dispatcher.fleet.catalog
 
+    @property
+    def context_length(self) -> int | None:
+        """Its context window: the fleet file's, else the largest its engines report."""
+        return self.config.context_length or _largest_context(self.catalog)
+
     def prepare_request(self, request: Request) -> Request:
         """The request as this model serves it (its sampling defaults filled in)."""
         return with_defaults(request, self.config.sampling)
@@ -189,7 +194,7 @@ class ModelTable:
         cards: list[ModelCard] = []
         for model in self.models:
             config = model.config
-            context = config.context_length or _largest_context(model.catalog)
+            context = model.context_length
             cards += [ModelCard(name, config.owned_by, context) for name in config.names]
             cards += [ModelCard(a.name, config.owned_by, context, config.name)
                       for a in config.adapters]

@@ -121,33 +121,48 @@ async def prepare(
     routing_key: str | None = None,
 ) -> PreparedRequest:
     """Template and tokenize; template failures are the client's 400."""
-    text_model = tokenizing.text_model
     param = _prompt_param(kind)
-    cache = tokenizing.prompts
     ids: Sequence[int]
     if isinstance(request, ChatRequest):
-        key = None if text_model.templates_read_clock else _chat_key(request)
-        hit = None if key is None else cache.get(key)
-        if hit is not None:
-            prompt, ids = hit
-        else:
-            try:
-                prompt = text_model.render_chat(
-                    [message_dict(m) for m in request.messages],
-                    tools=[{"type": t.type, "function": _function(t)} for t in request.tools]
-                    if request.offers_tools else None,
-                    extra=request.chat_template_kwargs,
-                )
-            except ChatTemplateError as exc:
-                raise invalid_request(str(exc), "messages") from None
-            ids = tuple(await tokenizing.encode(prompt, param, add_special_tokens=False))
-            if key is not None:
-                cache.put(key, prompt, ids)
+        prompt, ids = await chat_prompt_ids(request, tokenizing)
     else:
         prompt, ids = await prompt_ids(request.prompt, param, tokenizing)
     if not ids:
         raise invalid_request("the prompt is empty", param)
     return PreparedRequest(kind, request_id, request, tuple(ids), prompt, routing_key)
+
+
+async def chat_prompt_ids(
+    request: ChatRequest, tokenizing: Tokenizing, *, add_generation_prompt: bool = True,
+    add_special_tokens: bool = False,
+) -> tuple[str, tuple[int, ...]]:
+    """A chat's messages (and tools) through the chat template, as (prompt text, token ids).
+
+    The template writes the special tokens itself, so the tokenizer adds none
+    unless asked. Generation's prompts (the defaults) come from an exact cache.
+    """
+    text_model = tokenizing.text_model
+    cache = tokenizing.prompts
+    cacheable = add_generation_prompt and not add_special_tokens
+    key = None if text_model.templates_read_clock or not cacheable else _chat_key(request)
+    hit = None if key is None else cache.get(key)
+    if hit is not None:
+        return hit
+    try:
+        prompt = text_model.render_chat(
+            [message_dict(m) for m in request.messages],
+            add_generation_prompt=add_generation_prompt,
+            tools=[{"type": t.type, "function": _function(t)} for t in request.tools]
+            if request.offers_tools else None,
+            extra=request.chat_template_kwargs,
+        )
+    except ChatTemplateError as exc:
+        raise invalid_request(str(exc), "messages") from None
+    ids = tuple(await tokenizing.encode(prompt, "messages",
+                                        add_special_tokens=add_special_tokens))
+    if key is not None:
+        cache.put(key, prompt, ids)
+    return prompt, ids
 
 
 async def prompt_ids(

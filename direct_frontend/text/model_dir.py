@@ -377,6 +377,10 @@ class TextModel:
         """The text of ``ids`` in one go (streams use :meth:`new_detokenizer`)."""
         return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def id_to_token(self, token_id: int) -> str | None:
+        """A token's string in the vocabulary (``Ġhello``, ``<s>``), or None if out of it."""
+        return self._tokenizer.id_to_token(token_id)
+
     def token_to_id(self, token: str) -> int | None:
         """The id of a token string (e.g. a special token), or None if not in the vocabulary."""
         return self._tokenizer.token_to_id(token)

@@ -64,6 +64,10 @@ def test_openai_endpoints_need_an_api_key_when_configured(secured: Daemon) -> No
         assert r.headers["www-authenticate"].startswith("Bearer")
     assert httpx.get(url + "/v1/models").status_code == 401
     assert httpx.get(url + "/v1/models/demo").status_code == 401
+    for path in ("/tokenize", "/detokenize"):  # vLLM's, outside /v1: the keys cover them too
+        assert httpx.post(url + path, json={"model": "demo", "tokens": [1]}).status_code == 401
+    assert httpx.post(url + "/tokenize", json={"model": "demo", "prompt": "hi"},
+                      headers={"Authorization": f"Bearer {API_KEY}"}).status_code == 200
     assert httpx.get(url + "/health").status_code == 200  # probes need no key
     assert httpx.get(url + "/ready").status_code == 200
     client = openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0)
