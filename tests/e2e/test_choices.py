@@ -124,6 +124,20 @@ def test_three_chat_choices_streamed(daemon: Daemon) -> None:
     assert usage.completion_tokens == 3 * TOKENS
 
 
+def streamed_completion(api: openai.OpenAI, **fields: Any) -> tuple[dict[int, str], list[Any]]:
+    """Each choice's text, and every usage chunk, of a streamed completions request."""
+    texts: dict[int, str] = {}
+    usages = []
+    for chunk in api.completions.create(
+        model="demo", stream=True, stream_options={"include_usage": True}, **fields
+    ):
+        if chunk.usage is not None:
+            usages.append(chunk.usage)
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+    return texts, usages
+
+
 def test_three_completion_choices_streamed_and_not(daemon: Daemon) -> None:
     api = client(daemon)
     whole = api.completions.create(model="demo", prompt=PROMPT, n=3, **SAMPLED)
@@ -136,16 +150,7 @@ def test_three_completion_choices_streamed_and_not(daemon: Daemon) -> None:
     assert whole.usage is not None and lone[0].usage is not None
     assert whole.usage.prompt_tokens == lone[0].usage.prompt_tokens
     assert whole.usage.completion_tokens == 3 * TOKENS
-    texts: dict[int, str] = {}
-    usages = []
-    for chunk in api.completions.create(
-        model="demo", prompt=PROMPT, n=3, stream=True, stream_options={"include_usage": True},
-        **SAMPLED,
-    ):
-        if chunk.usage is not None:
-            usages.append(chunk.usage)
-        for choice in chunk.choices:
-            texts[choice.index] = texts.get(choice.index, "") + choice.text
+    texts, usages = streamed_completion(api, prompt=PROMPT, n=3, **SAMPLED)
     assert [texts[i] for i in range(3)] == [c.text for c in whole.choices]
     assert len(usages) == 1 and usages[0].completion_tokens == 3 * TOKENS
 
@@ -261,16 +266,7 @@ def test_a_batch_of_prompts_answers_as_each_prompt_alone(daemon: Daemon) -> None
     assert whole.usage is not None
     assert whole.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in lone if a.usage)
     assert whole.usage.completion_tokens == 6 * TOKENS
-    texts: dict[int, str] = {}
-    usages = []
-    for chunk in api.completions.create(
-        model="demo", prompt=PROMPTS, n=2, stream=True, stream_options={"include_usage": True},
-        **SAMPLED,
-    ):
-        if chunk.usage is not None:
-            usages.append(chunk.usage)
-        for choice in chunk.choices:
-            texts[choice.index] = texts.get(choice.index, "") + choice.text
+    texts, usages = streamed_completion(api, prompt=PROMPTS, n=2, **SAMPLED)
     assert [texts[i] for i in range(6)] == expected
     assert len(usages) == 1 and usages[0].prompt_tokens == whole.usage.prompt_tokens
     assert usages[0].completion_tokens == 6 * TOKENS
