@@ -894,7 +894,7 @@ def test_demo_fleet_parses() -> None:
     ]
 
 
-@pytest.mark.parametrize("name", ["mixed.toml", "production.toml"])
+@pytest.mark.parametrize("name", ["mixed.toml", "production.toml", "embeddings.toml"])
 def test_examples_parse(name: str) -> None:
     cfg = load_fleet(ROOT / "config" / "examples" / name)
     assert cfg.engines
@@ -902,6 +902,9 @@ def test_examples_parse(name: str) -> None:
         assert sorted(e.kind for e in cfg.engines) == ["sglang", "trtllm", "vllm"]
         assert all(e.simulate for e in cfg.engines)
         assert cfg.frontend.tokenizer == ROOT / "config" / "examples" / ".." / "demo-model"
+    elif name == "embeddings.toml":
+        assert [m.name for m in cfg.models] == ["chat", "embed"]
+        assert [e.simulator.embedding_dim for e in cfg.engines] == [0, 32, 32]
     else:
         assert not any(e.simulate for e in cfg.engines)
         assert {e.role for e in cfg.engines} == set(EngineRole)
