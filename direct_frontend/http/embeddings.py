@@ -31,7 +31,8 @@ async def respond_embeddings(
     settings = served.settings
     several = len(request.inputs) > 1
     inputs = [
-        await prompt_ids(one, f"input[{k}]" if several else "input", served.tokenizing)
+        await prompt_ids(one, f"input[{k}]" if several else "input", served.tokenizing,
+                         cached=False)
         for k, one in enumerate(request.inputs)
     ]
     client = _Client()

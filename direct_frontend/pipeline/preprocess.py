@@ -166,21 +166,24 @@ async def chat_prompt_ids(
 
 
 async def prompt_ids(
-    prompt: Prompt, param: str, tokenizing: Tokenizing
+    prompt: Prompt, param: str, tokenizing: Tokenizing, *, cached: bool = True,
 ) -> tuple[str, tuple[int, ...]]:
     """A completions prompt or an embeddings input as (its text, its token ids).
 
     Text is tokenized with the model's special tokens (BOS), as the engines'
     own servers do; token ids are taken as they are, once checked against the
-    vocabulary. ``param`` names the field in a 400.
+    vocabulary. ``param`` names the field in a 400. ``cached``: through the
+    exact prompt cache (not for embeddings inputs, whose many one-off texts
+    would push generation's repeated prompts out of it).
     """
     if isinstance(prompt, str):
         cache = tokenizing.prompts
-        hit = cache.get(prompt)
+        hit = cache.get(prompt) if cached else None
         if hit is not None:
             return prompt, hit[1]
         ids = tuple(await tokenizing.encode(prompt, param, add_special_tokens=True))
-        cache.put(prompt, prompt, ids)
+        if cached:
+            cache.put(prompt, prompt, ids)
         return prompt, ids
     vocab = tokenizing.text_model.vocab_size
     if any(t < 0 or t >= vocab for t in prompt):

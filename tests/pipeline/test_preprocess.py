@@ -10,7 +10,13 @@ import pytest
 
 from direct_frontend.openai.errors import OpenAIHTTPError
 from direct_frontend.openai.parse import parse_chat_request, parse_completion_request
-from direct_frontend.pipeline.preprocess import PreparedRequest, Tokenizing, prepare
+from direct_frontend.pipeline.preprocess import (
+    PreparedRequest,
+    Tokenizing,
+    chat_prompt_ids,
+    prepare,
+    prompt_ids,
+)
 from direct_frontend.routing.catalog import Catalog
 from direct_frontend.text.model_dir import TextModel
 
@@ -63,6 +69,30 @@ async def test_completion_prompts_are_cached_by_their_text(text_model: TextModel
     assert again.input_ids == first.input_ids
     assert again.input_ids == tuple(text_model.encode("Once upon a time", add_special_tokens=True))
     assert tokenizing.prompts.hits == 1
+
+
+async def test_embeddings_inputs_leave_the_prompt_cache_alone(text_model: TextModel) -> None:
+    tokenizing = _tokenizing(text_model)
+    text, ids = await prompt_ids("Once upon a time", "input", tokenizing, cached=False)
+    assert (text, ids) == ("Once upon a time",
+                           tuple(text_model.encode("Once upon a time", add_special_tokens=True)))
+    cache = tokenizing.prompts
+    assert (len(cache), cache.hits, cache.misses) == (0, 0, 0)
+    await prompt_ids("Once upon a time", "prompt", tokenizing)  # a completion's: cached
+    assert len(tokenizing.prompts) == 1
+
+
+async def test_a_chat_tokenized_for_counting_without_the_generation_prompt(
+    text_model: TextModel,
+) -> None:
+    tokenizing = _tokenizing(text_model)
+    chat = parse_chat_request(_chat("Hello"))
+    _, bare = await chat_prompt_ids(chat, tokenizing, add_generation_prompt=False)
+    _, full = await chat_prompt_ids(chat, tokenizing)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
+    rendered = text_model.render_chat(messages, add_generation_prompt=False)  # type: ignore[arg-type]
+    assert bare == tuple(text_model.encode(rendered)) and len(bare) < len(full)
+    assert len(tokenizing.prompts) == 1  # only the generation prompt is kept
 
 
 async def test_a_template_reading_the_clock_is_never_cached(
