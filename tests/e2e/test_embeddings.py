@@ -158,3 +158,21 @@ def test_the_fleet_view_and_metrics_say_what_each_engine_serves(daemon: Daemon) 
     metrics = httpx.get(daemon.url + "/metrics").text
     assert 'endpoint="/v1/embeddings",status="200"' in metrics
     assert 'direct_frontend_model_requests_total{model="embed",status="200"}' in metrics
+
+
+def test_a_batch_runs_no_more_inputs_at_once_than_its_slots(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """One admission slot: the first input hangs on its engine, so no other input may start."""
+    head = frontend_table(model_dir, '\n[[model]]\nname = "embed"\n[model.limits]\n'
+                                     'max_in_flight = 1\n')
+    with running_daemon(tmp_path, head + "\n" + engine_table("e", "vllm", "embed", EMBEDDER)
+                        + "\n") as daemon:
+        daemon.wait_serving(1)
+        sim = simulators(daemon)["e"]
+        sim.faults = FaultPlan(hang_after_tokens=0, only_request=1)
+        with pytest.raises(httpx.TimeoutException):  # the client gives up, and leaves
+            httpx.post(daemon.url + "/v1/embeddings", timeout=1.0,
+                       json={"model": "embed", "input": ["a", "b", "c", "d"]})
+        assert sim.fault_stats.hung  # the first input's call, cancelled as the client left
+        assert sim.fault_stats.embed_calls == 1 and sim.stats.embeds == 0
