@@ -20,9 +20,10 @@ j``), so a batch answers exactly what its prompts sent one by one would.
 
 :class:`Choices` is the driver: it places every choice before any starts
 (a request no engine can take gets its HTTP error before any engine call),
-then runs them in one nursery, handing every batch on with its choice's
-index. The first choice to give up ends the request, as a lone request's
-failure would: the other choices are cancelled (their engine calls
+then runs them in one nursery, at most as many at a time as the admission
+slots the request holds, handing every batch on with its choice's index.
+The first choice to give up ends the request, as a lone request's failure
+would: the other choices are cancelled (their engine calls
 aborted) and its error is raised.
 """
 
@@ -76,13 +77,16 @@ def choice_request(prepared: PreparedRequest, index: int, choice: int | None = N
 class Choices:
     """The choices of one request, in index order, and the failure that ended them (if any)."""
 
-    __slots__ = ("error", "failed", "per_prompt", "prepared", "prompts", "states")
+    __slots__ = ("at_once", "error", "failed", "per_prompt", "prepared", "prompts", "states")
 
-    def __init__(self, prompts: Sequence[PreparedRequest], states: list[RelayState]) -> None:
+    def __init__(self, prompts: Sequence[PreparedRequest], states: list[RelayState],
+                 at_once: int | None = None) -> None:
         self.prompts = prompts  # one, or a completions batch's, in order
         self.prepared = prompts[0]  # the client's request (its id names the response)
         self.per_prompt = len(states) // len(prompts)  # n
         self.states = states
+        #: the most choices on the engines at a time: the admission slots the request holds
+        self.at_once = min(at_once or len(states), len(states))
         self.failed: RelayState | None = None  # the choice that gave up first
         self.error: EngineError | None = None  # and why
 
@@ -101,7 +105,7 @@ class Choices:
             for p, prepared in enumerate(prompts)
             for j in range(n)
         ]
-        return cls(prompts, states)
+        return cls(prompts, states, settings.admission.config.max_in_flight)
 
     async def run(self, relay: Relay, emit: ChoiceEmit, writing: trio.Lock | None = None) -> None:
         """Run every choice to its end; ``emit`` gets each batch with the choice's index.
@@ -112,19 +116,21 @@ class Choices:
         the client: the failing choice takes it before cancelling the others,
         so no write is cut short.
         """
+        turns = trio.Semaphore(self.at_once)
         async with trio.open_nursery() as nursery:
             for index, state in enumerate(self.states):
                 nursery.start_soon(self._run_one, relay, state, functools.partial(emit, index),
-                                   nursery.cancel_scope, writing)
+                                   nursery.cancel_scope, writing, turns)
         if self.error is not None:
             raise self.error
 
     async def _run_one(
         self, relay: Relay, state: RelayState, emit: Emit,
-        everyone: trio.CancelScope, writing: trio.Lock | None,
+        everyone: trio.CancelScope, writing: trio.Lock | None, turns: trio.Semaphore,
     ) -> None:
         try:
-            await relay.run(state, emit)
+            async with turns:  # a choice past the slots held starts as an earlier one ends
+                await relay.run(state, emit)
         except EngineError as error:
             if self.failed is not None:
                 return  # another choice failed first: this one was being cancelled

@@ -161,7 +161,7 @@ class LongestStep(trio.abc.Instrument):
 def test_huge_prompts_and_stop_strings_never_block_the_event_loop(
     tmp_path: Path, model_dir: Path
 ) -> None:
-    """No task step of the daemon's loop takes 100 ms during the burst.
+    """No task step of the daemon's loop takes 100 ms during the burst (or the one after it).
 
     ``/health`` answers within 100 ms as long as the loop is never held that
     long; wall-clock latency also counts the machine's other load (this
@@ -169,12 +169,18 @@ def test_huge_prompts_and_stop_strings_never_block_the_event_loop(
     in CPU time, with a Trio instrument in the in-process daemon. Templating,
     tokenizing or stop matching on the loop holds it for seconds of CPU.
     """
+    longest: list[float] = []
     with running_daemon(tmp_path, fleet_text(model_dir, [sim_engine("a")])) as daemon:
         daemon.wait_serving(1)
-        steps = LongestStep()
-        daemon.run_sync(trio.lowlevel.add_instrument, steps)
-        statuses, latencies = burst(daemon.url)
-        daemon.run_sync(trio.lowlevel.remove_instrument, steps)
-    assert statuses == [400] * 9
-    assert latencies, "no /health answer during the burst"
-    assert steps.longest < 0.1, steps.longest
+        # A second burst only if the first saw a long step: work on the loop holds it for
+        # seconds in every burst, while a pause of the machine's (a VM's stolen time counts
+        # as the thread's CPU) or a garbage collection comes once.
+        while len(longest) < 2 and (not longest or longest[-1] >= 0.1):
+            steps = LongestStep()
+            daemon.run_sync(trio.lowlevel.add_instrument, steps)
+            statuses, latencies = burst(daemon.url)
+            daemon.run_sync(trio.lowlevel.remove_instrument, steps)
+            assert statuses == [400] * 9
+            assert latencies, "no /health answer during the burst"
+            longest.append(steps.longest)
+    assert longest[-1] < 0.1, longest

@@ -302,3 +302,16 @@ def test_a_bad_prompt_in_a_batch_is_named(daemon: Daemon) -> None:
     reply = httpx.post(daemon.url + "/v1/completions", json=body, timeout=30)
     assert reply.status_code == 400
     assert reply.json()["error"]["param"] == "prompt[1]"
+
+
+def test_no_more_choices_run_at_once_than_the_slots_held(model_dir: Path, tmp_path: Path) -> None:
+    """One admission slot: the first prompt's call hangs on the engine, so no other starts."""
+    with fleet(model_dir, tmp_path, names="a",
+               frontend_extra="[frontend.limits]\nmax_in_flight = 1") as daemon:
+        sim = daemon.supervisor.simulators["a"]
+        sim.faults = FaultPlan(hang_after_tokens=0, only_request=1)
+        with pytest.raises(httpx.TimeoutException):  # the client gives up, and leaves
+            httpx.post(daemon.url + "/v1/completions", timeout=1.0, json={
+                "model": "demo", "prompt": PROMPTS, "max_tokens": 4})
+        assert sim.fault_stats.hung  # the first prompt's call
+        assert sim.fault_stats.generate_calls == 1
