@@ -125,14 +125,19 @@ class EngineChannel:
             self._last_protocol = protocol
             self.connections_opened += 1
 
-    async def unary(self, rpc: Rpc, deadline_s: float) -> Any:
-        """One unary call with a gRPC deadline (the engine sees it); errors are classified."""
+    async def unary(
+        self, rpc: Rpc, deadline_s: float, metadata: Mapping[str, str] | None = None
+    ) -> Any:
+        """One unary call with a gRPC deadline (the engine sees it); errors are classified.
+
+        ``metadata`` goes out with the call (a trace's ``traceparent``).
+        """
         method: UnaryUnaryMethod[Any, Any] = UnaryUnaryMethod(
             self._channel, rpc.path, type(rpc.request), rpc.response_type
         )
 
         async def call() -> Any:
-            return await method(rpc.request, timeout=deadline_s)
+            return await method(rpc.request, timeout=deadline_s, metadata=metadata)
 
         try:
             reply = await trio_asyncio.aio_as_trio(call)()

@@ -296,14 +296,20 @@ class App:
         frontend = settings.frontend
         served: ServedModel | None = None
         status = 500
+        tracing = self.tracing
+        trace = None if tracing is None else tracing.begin(
+            scope["path"], scope["headers"], request_id
+        )
         try:
             body = await read_body(receive, frontend.max_body_bytes, frontend.body_timeout_s)
             request = parse_embedding_request(body)
+            if trace is not None:
+                trace.model(request.model)
             served = self._model_of(request.model)
             key = routing_key(served.settings.frontend.routing.session_key, scope["headers"],
                               request.user)
             status = await respond_embeddings(served, request, request_id, key, receive, send,
-                                              headers)
+                                              headers, trace)
         except OpenAIHTTPError as err:
             await send_error(send, err, headers)
             status = err.status
@@ -317,6 +323,8 @@ class App:
         finally:
             if served is not None:
                 served.series.request(status)
+            if trace is not None:
+                trace.end(status)
         return status
 
     async def _generate(

@@ -6,7 +6,9 @@ own servers do; token ids as they are), holds one admission slot per input
 OpenAI's shape: ``encoding_format`` ``float`` (a list) or ``base64``
 (little-endian float32 bytes, what the ``openai`` SDK asks for by default).
 The engines compute vectors at their own size: ``dimensions`` is accepted
-only when it is that size. A client that leaves cancels the calls.
+only when it is that size. A client that leaves cancels the calls. With
+tracing on, the request is one trace: ``preprocess``, ``admission`` and an
+``engine leg`` per ``Embed`` call.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import trio
 from direct_frontend.http.asgi import JSON, Headers, Receive, Send, send_body, send_error
 from direct_frontend.http.render import render_embeddings
 from direct_frontend.http.responses import _Client
+from direct_frontend.observability.tracing import RequestTrace
 from direct_frontend.openai.errors import OpenAIHTTPError, invalid_request
 from direct_frontend.openai.types import EmbeddingRequest
 from direct_frontend.pipeline.embed import embed_all
@@ -25,24 +28,32 @@ from direct_frontend.pipeline.preprocess import prompt_ids
 
 async def respond_embeddings(
     served: ServedModel, request: EmbeddingRequest, request_id: str, routing_key: str | None,
-    receive: Receive, send: Send, headers: Headers,
+    receive: Receive, send: Send, headers: Headers, trace: RequestTrace | None = None,
 ) -> int:
     """Embed every input and write the body; the HTTP status (499: the client left)."""
     settings = served.settings
     several = len(request.inputs) > 1
+    if trace is not None:
+        trace.enter("preprocess")
     inputs = [
         await prompt_ids(one, f"input[{k}]" if several else "input", served.tokenizing,
                          cached=False)
         for k, one in enumerate(request.inputs)
     ]
+    tokens = sum(len(ids) for _, ids in inputs)
+    if trace is not None:
+        trace.leave(prompt_tokens=tokens)
+        trace.enter("admission")
     client = _Client()
     status = 200
     async with settings.admission.slot(len(inputs)), trio.open_nursery() as nursery:
+        if trace is not None:
+            trace.leave()
         nursery.start_soon(client.watch, receive, nursery.cancel_scope)
         try:
             embeddings = await embed_all(
                 served.relay, settings, request.model, request_id, inputs, routing_key,
-                at_once=min(len(inputs), settings.admission.config.max_in_flight),
+                at_once=min(len(inputs), settings.admission.config.max_in_flight), trace=trace,
             )
             size = len(embeddings[0].vector)
             if request.dimensions is not None and request.dimensions != size:
@@ -56,6 +67,8 @@ async def respond_embeddings(
         else:
             prompt_tokens = sum(e.prompt_tokens or len(ids)
                                 for e, (_, ids) in zip(embeddings, inputs, strict=True))
+            if trace is not None:
+                trace.usage(prompt_tokens, 0)
             body = render_embeddings(request.model, [e.vector for e in embeddings],
                                      prompt_tokens, request.encoding_format == "base64")
             await send_body(send, 200, body, JSON, headers)

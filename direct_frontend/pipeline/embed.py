@@ -24,6 +24,7 @@ from direct_frontend.engines.dialects.base import Dialect
 from direct_frontend.engines.neutral import EmbedCall, Embedding
 from direct_frontend.engines.transport import EngineChannel
 from direct_frontend.errors import EngineError
+from direct_frontend.observability.tracing import RequestTrace
 from direct_frontend.openai.errors import (
     OpenAIHTTPError,
     context_length_exceeded,
@@ -59,7 +60,7 @@ def not_embedding(model: str) -> OpenAIHTTPError:
 async def embed_all(
     relay: Relay, settings: Settings, model: str, request_id: str,
     inputs: Sequence[tuple[str, tuple[int, ...]]], routing_key: str | None = None,
-    at_once: int | None = None,
+    at_once: int | None = None, trace: RequestTrace | None = None,
 ) -> list[Embedding]:
     """Embed every ``(text, token ids)`` input, in order; raises the first one's HTTP error.
 
@@ -80,7 +81,8 @@ async def embed_all(
         name = f"{request_id}-{index}" if several else request_id
         try:
             results[index] = await embed_one(relay, settings, model, EmbedCall(name, ids, text),
-                                             routing_key, f"input[{index}]" if several else "input")
+                                             routing_key, f"input[{index}]" if several else "input",
+                                             trace)
         except OpenAIHTTPError as err:
             if not failure:
                 failure.append(err)
@@ -96,11 +98,12 @@ async def embed_all(
 
 async def embed_one(
     relay: Relay, settings: Settings, model: str, call: EmbedCall, routing_key: str | None,
-    param: str = "input",
+    param: str = "input", trace: RequestTrace | None = None,
 ) -> Embedding:
     """One input on one engine after another, until one embeds it or the bounds say stop.
 
-    ``param`` names the input in a 400 (``input[k]`` in a batch).
+    ``param`` names the input in a 400 (``input[k]`` in a batch); with a ``trace``
+    each call is an ``engine leg`` span, carried to the engine as its metadata.
     """
     frontend = settings.frontend
     fleet = relay.dispatcher.fleet
@@ -130,7 +133,8 @@ async def embed_one(
             if placement is None:
                 placement = await relay.wait_for_engine(wait, place)
             try:
-                return await _call(fleet, placement, call, param, deadline - trio.current_time())
+                return await _call(fleet, placement, call, param, deadline - trio.current_time(),
+                                   trace)
             except EngineError as error:
                 relay.metrics.engine_error(placement.engine.name, error.kind)
                 if failover.decide(error, 0, placement.engine) is not Decision.RETRY:
@@ -144,7 +148,8 @@ async def embed_one(
 
 
 async def _call(
-    faults: FaultSink, placement: Placement, call: EmbedCall, param: str, deadline_s: float
+    faults: FaultSink, placement: Placement, call: EmbedCall, param: str, deadline_s: float,
+    trace: RequestTrace | None,
 ) -> Embedding:
     """The Embed call at ``placement``, counted in the engine's load while it runs."""
     engine: EngineHandle = placement.engine
@@ -154,12 +159,17 @@ async def _call(
     channel: EngineChannel = engine.transport
     dialect: Dialect = channel.dialect
     prompt = len(call.input_ids)
+    span = None if trace is None else trace.leg(
+        engine.name, engine.kind, engine.role.value, call.request_id, prompt, False)
+    failure: EngineError | None = None
     engine.load.begin(prompt, placement.blocks)
     try:
-        reply = await channel.unary(dialect.embed(call), max(deadline_s, 0.001))
+        reply = await channel.unary(dialect.embed(call), max(deadline_s, 0.001),
+                                    None if span is None else span.metadata)
         return dialect.embedding(reply)
     except EngineError as error:
         error.engine = error.engine or engine.name
+        failure = error
         if error.kind.engine_is_down:
             faults.report_fault(engine, error)
         raise
@@ -167,3 +177,5 @@ async def _call(
         engine.load.end(prompt, placement.blocks)
         if placement.prefilled is not None:
             placement.prefilled()
+        if span is not None:
+            span.end(failure)

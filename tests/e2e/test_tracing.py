@@ -176,3 +176,37 @@ def test_both_legs_of_a_prefill_decode_pair_have_their_own_spans(
         engine, request_id = leg.attributes["engine.name"], leg.attributes["engine.request_id"]
         assert received_metadata[engine][request_id].split("-")[1:3] == [leg.trace_id,
                                                                           leg.span_id]
+
+
+def test_an_embeddings_request_is_one_trace_with_a_leg_per_input(
+    model_dir: Path, tmp_path: Path, receiver: OtlpReceiver
+) -> None:
+    tracing = (f'\n[frontend.tracing]\notlp_endpoint = "{receiver.endpoint}"\n'
+               'service_name = "df-under-test"\n')
+    engines = [sim_engine(name, "vllm", embedding_dim=8) for name in "ab"]
+    trace_id, parent = os.urandom(16).hex(), os.urandom(8).hex()
+    with running_daemon(tmp_path, fleet_text(model_dir, engines, frontend_extra=tracing)) as d:
+        d.wait_serving(2)
+        reply = httpx.post(d.url + "/v1/embeddings", timeout=30,
+                           headers={"traceparent": f"00-{trace_id}-{parent}-01"},
+                           json={"model": "demo", "input": ["one text", "another", "a third"]})
+        assert reply.status_code == 200
+        sims = d.supervisor.simulators
+        received = {name: dict(sim.stats.traceparents) for name, sim in sims.items()}
+    spans = receiver.received()
+    (root,) = [s for s in spans if s.name == "POST /v1/embeddings"]
+    assert (root.trace_id, root.parent_span_id, root.kind) == (trace_id, parent, SERVER)
+    assert root.attributes["http.response.status_code"] == 200
+    assert root.attributes["gen_ai.request.model"] == "demo"
+    tokens = reply.json()["usage"]["prompt_tokens"]
+    assert root.attributes["gen_ai.usage.input_tokens"] == tokens
+    steps = {s.name: s for s in children(spans, root) if s.name != "engine leg"}
+    assert sorted(steps) == ["admission", "preprocess"]
+    assert steps["preprocess"].attributes["prompt_tokens"] == tokens
+    legs = [s for s in children(spans, root) if s.name == "engine leg"]
+    request_id = root.attributes["request.id"]
+    assert sorted(leg.attributes["engine.request_id"] for leg in legs) == [
+        f"{request_id}-{k}" for k in range(3)]
+    for leg in legs:  # each carried its own span to the engine that embedded its input
+        seen = received[leg.attributes["engine.name"]][leg.attributes["engine.request_id"]]
+        assert seen.split("-")[1:3] == [leg.trace_id, leg.span_id] and leg.kind == CLIENT

@@ -228,6 +228,9 @@ class SmgServicer(SimServicer):
             raise GRPCError(Status.INVALID_ARGUMENT, NOT_EMBEDDING)
         request = await stream.recv_message()
         assert request is not None
+        traceparent = stream.metadata.get("traceparent") if stream.metadata else None
+        if traceparent is not None:
+            core.stats.traceparents[request.request_id] = str(traceparent)
         prompt = list(request.tokenized.input_ids)  # unset: empty, refused as Generate does
         check_prompt(core, prompt, self.prompt_limit)
         await stream.send_message(
