@@ -250,10 +250,9 @@ class App:
                         send: Send) -> int:
         async def answer(body: bytes, headers: Headers) -> int:
             request = parse_tokenize_request(body)
-            served = self._model_of(request.model)
-            return await respond_tokenize(served, request, served.context_length, send, headers)
+            return await respond_tokenize(self._model_of(request.model), request, send, headers)
 
-        return await self._tokenizer_call(settings, receive, send, answer)
+        return await self._from_body(settings, receive, send, answer)
 
     async def _detokenize(self, settings: Settings, scope: Scope, receive: Receive,
                           send: Send) -> int:
@@ -262,7 +261,7 @@ class App:
             return await respond_detokenize(self._model_of(request.model), request, send,
                                             headers)
 
-        return await self._tokenizer_call(settings, receive, send, answer)
+        return await self._from_body(settings, receive, send, answer)
 
     def _model_of(self, model: str) -> ServedModel:
         served = self.control.models.get(model)
@@ -270,11 +269,11 @@ class App:
             raise model_not_found(model)
         return served
 
-    async def _tokenizer_call(
+    async def _from_body(
         self, settings: Settings, receive: Receive, send: Send,
         answer: Callable[[bytes, Headers], Awaitable[int]],
     ) -> int:
-        """A request a model's tokenizer answers alone: no engine, no admission slot."""
+        """Read the body and ``answer`` it; a refusal on the way is its HTTP error."""
         request_id = current_request_id.get() or new_request_id()
         headers: Headers = [(b"x-request-id", request_id.encode())]
         frontend = settings.frontend
@@ -287,50 +286,51 @@ class App:
         except ClientGone:
             self.metrics.request_cancelled()
             return 499
+        except Rejected as rejected:  # the admission queue's (embeddings)
+            refusal = saturated(rejected)
+            await send_error(send, refusal, headers)
+            return refusal.status
 
     async def _embeddings(
         self, settings: Settings, scope: Scope, receive: Receive, send: Send
     ) -> int:
-        request_id = current_request_id.get() or new_request_id()
-        headers = [(b"x-request-id", request_id.encode())]
-        frontend = settings.frontend
-        served: ServedModel | None = None
-        status = 500
-        tracing = self.tracing
-        trace = None if tracing is None else tracing.begin(
-            scope["path"], scope["headers"], request_id
-        )
-        try:
-            body = await read_body(receive, frontend.max_body_bytes, frontend.body_timeout_s)
-            request = parse_embedding_request(body)
-            if trace is not None:
-                trace.model(request.model)
-            served = self._model_of(request.model)
-            key = routing_key(served.settings.frontend.routing.session_key, scope["headers"],
-                              request.user)
-            status = await respond_embeddings(served, request, request_id, key, receive, send,
-                                              headers, trace)
-        except OpenAIHTTPError as err:
-            await send_error(send, err, headers)
-            status = err.status
-        except ClientGone:
-            self.metrics.request_cancelled()
-            status = 499
-        except Rejected as rejected:
-            refusal = saturated(rejected)
-            await send_error(send, refusal, headers)
-            status = refusal.status
-        finally:
-            if served is not None:
-                served.series.request(status)
-            if trace is not None:
-                trace.end(status)
-        return status
+        async def walk(request_id: str, trace: RequestTrace | None,
+                       found: list[ServedModel]) -> int:
+            async def answer(body: bytes, headers: Headers) -> int:
+                request = parse_embedding_request(body)
+                if trace is not None:
+                    trace.model(request.model)
+                served = self._model_of(request.model)
+                found.append(served)
+                key = routing_key(served.settings.frontend.routing.session_key,
+                                  scope["headers"], request.user)
+                return await respond_embeddings(served, request, request_id, key, receive,
+                                                send, headers, trace)
+
+            return await self._from_body(settings, receive, send, answer)
+
+        return await self._traced(scope, walk)
 
     async def _generate(
         self, kind: Kind | Literal["responses"], settings: Settings, scope: Scope,
         receive: Receive, send: Send,
     ) -> int:
+        async def walk(request_id: str, trace: RequestTrace | None,
+                       found: list[ServedModel]) -> int:
+            return await self._walk(
+                kind, settings, receive, send, request_id, trace, found, scope["headers"]
+            )
+
+        return await self._traced(scope, walk)
+
+    async def _traced(
+        self, scope: Scope,
+        walk: Callable[[str, RequestTrace | None, list[ServedModel]], Awaitable[int]],
+    ) -> int:
+        """A model's request under its id and trace; ``walk`` puts the model in ``found``.
+
+        The trace ends, and the model's series counts the request, with its status.
+        """
         request_id = current_request_id.get() or new_request_id()  # set on arrival
         token = current_request_id.set(request_id)
         tracing = self.tracing
@@ -340,9 +340,7 @@ class App:
         status = 500
         found: list[ServedModel] = []  # the model the request asked for, once resolved
         try:
-            status = await self._walk(
-                kind, settings, receive, send, request_id, trace, found, scope["headers"]
-            )
+            status = await walk(request_id, trace, found)
             return status
         finally:
             current_request_id.reset(token)

@@ -13,13 +13,12 @@ tracing on, the request is one trace: ``preprocess``, ``admission`` and an
 
 from __future__ import annotations
 
-import trio
-
-from direct_frontend.http.asgi import JSON, Headers, Receive, Send, send_body, send_error
+from direct_frontend.engines.neutral import Embedding
+from direct_frontend.http.asgi import JSON, Headers, Receive, Send, send_body
 from direct_frontend.http.render import render_embeddings
-from direct_frontend.http.responses import _Client
+from direct_frontend.http.responses import _answer
 from direct_frontend.observability.tracing import RequestTrace
-from direct_frontend.openai.errors import OpenAIHTTPError, invalid_request
+from direct_frontend.openai.errors import invalid_request
 from direct_frontend.openai.types import EmbeddingRequest
 from direct_frontend.pipeline.embed import embed_all
 from direct_frontend.pipeline.models import ServedModel
@@ -44,36 +43,31 @@ async def respond_embeddings(
     if trace is not None:
         trace.leave(prompt_tokens=tokens)
         trace.enter("admission")
-    client = _Client()
-    status = 200
-    async with settings.admission.slot(len(inputs)), trio.open_nursery() as nursery:
+    async def embed() -> list[Embedding]:
+        embeddings = await embed_all(
+            served.relay, settings, request.model, request_id, inputs, routing_key,
+            at_once=min(len(inputs), settings.admission.config.max_in_flight), trace=trace,
+        )
+        size = len(embeddings[0].vector)
+        if request.dimensions is not None and request.dimensions != size:
+            raise invalid_request(
+                f"This model's embeddings have {size} dimensions, and its engines do not "
+                f"shorten them: 'dimensions' may only be {size}.", "dimensions",
+            )
+        return embeddings
+
+    async def write(embeddings: list[Embedding]) -> int:
+        prompt_tokens = sum(e.prompt_tokens or len(ids)
+                            for e, (_, ids) in zip(embeddings, inputs, strict=True))
+        if trace is not None:
+            trace.usage(prompt_tokens, 0)
+        body = render_embeddings(request.model, [e.vector for e in embeddings],
+                                 prompt_tokens, request.encoding_format == "base64")
+        await send_body(send, 200, body, JSON, headers)
+        return 200
+
+    async with settings.admission.slot(len(inputs)):
         if trace is not None:
             trace.leave()
-        nursery.start_soon(client.watch, receive, nursery.cancel_scope)
-        try:
-            embeddings = await embed_all(
-                served.relay, settings, request.model, request_id, inputs, routing_key,
-                at_once=min(len(inputs), settings.admission.config.max_in_flight), trace=trace,
-            )
-            size = len(embeddings[0].vector)
-            if request.dimensions is not None and request.dimensions != size:
-                raise invalid_request(
-                    f"This model's embeddings have {size} dimensions, and its engines do not "
-                    f"shorten them: 'dimensions' may only be {size}.", "dimensions",
-                )
-        except OpenAIHTTPError as err:
-            await send_error(send, err, headers)
-            status = err.status
-        else:
-            prompt_tokens = sum(e.prompt_tokens or len(ids)
-                                for e, (_, ids) in zip(embeddings, inputs, strict=True))
-            if trace is not None:
-                trace.usage(prompt_tokens, 0)
-            body = render_embeddings(request.model, [e.vector for e in embeddings],
-                                     prompt_tokens, request.encoding_format == "base64")
-            await send_body(send, 200, body, JSON, headers)
-        nursery.cancel_scope.cancel()
-    if client.gone:
-        served.relay.metrics.request_cancelled()
-        return 499
-    return status
+        return await _answer(served.relay, embed, write, lambda _, ok: None, receive, send,
+                             headers)

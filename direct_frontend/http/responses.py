@@ -65,7 +65,8 @@ SSE_HEADERS = [
 ]
 
 
-_Run = TypeVar("_Run", RelayState, Choices)
+#: what a response runs: a relay, several choices, or (embeddings) the finished vectors
+_Run = TypeVar("_Run")
 
 
 async def respond(

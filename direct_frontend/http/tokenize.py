@@ -17,8 +17,7 @@ from direct_frontend.pipeline.preprocess import chat_prompt_ids
 
 
 async def respond_tokenize(
-    served: ServedModel, request: TokenizeRequest, context_length: int | None, send: Send,
-    headers: Headers,
+    served: ServedModel, request: TokenizeRequest, send: Send, headers: Headers,
 ) -> int:
     """The prompt's token ids (and their strings when asked), and the model's context length."""
     tokenizing = served.tokenizing
@@ -33,7 +32,7 @@ async def respond_tokenize(
                                             add_special_tokens=request.add_special_tokens))
     text_model = tokenizing.text_model
     strings = [text_model.id_to_token(i) for i in ids] if request.return_token_strs else None
-    await send_body(send, 200, render_tokens(ids, context_length, strings), JSON, headers)
+    await send_body(send, 200, render_tokens(ids, served.context_length, strings), JSON, headers)
     return 200
 
 

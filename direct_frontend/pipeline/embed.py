@@ -28,15 +28,13 @@ from direct_frontend.observability.tracing import RequestTrace
 from direct_frontend.openai.errors import (
     OpenAIHTTPError,
     context_length_exceeded,
-    engine_timeout,
     from_engine_error,
     invalid_request,
     no_engine_available,
-    rate_limited,
 )
 from direct_frontend.pipeline.failover import Decision, FailoverState
 from direct_frontend.pipeline.leg import FaultSink
-from direct_frontend.pipeline.relay import EngineWait, Relay
+from direct_frontend.pipeline.relay import EngineWait, Relay, all_saturated, timed_out
 from direct_frontend.pipeline.settings import Settings
 from direct_frontend.routing.catalog import Catalog, EngineHandle
 from direct_frontend.routing.policies import Placement, RequestView
@@ -70,19 +68,16 @@ async def embed_all(
     results: list[Embedding | None] = [None] * len(inputs)
     failure: list[OpenAIHTTPError] = []
     turns = trio.Semaphore(at_once or len(inputs))
+    several = len(inputs) > 1
 
     async def one(index: int, scope: trio.CancelScope) -> None:
-        async with turns:
-            await embed_index(index, scope)
-
-    async def embed_index(index: int, scope: trio.CancelScope) -> None:
         text, ids = inputs[index]
-        several = len(inputs) > 1
-        name = f"{request_id}-{index}" if several else request_id
+        call = EmbedCall(f"{request_id}-{index}" if several else request_id, ids, text)
+        param = f"input[{index}]" if several else "input"
         try:
-            results[index] = await embed_one(relay, settings, model, EmbedCall(name, ids, text),
-                                             routing_key, f"input[{index}]" if several else "input",
-                                             trace)
+            async with turns:
+                results[index] = await embed_one(relay, settings, model, call, routing_key,
+                                                 param, trace)
         except OpenAIHTTPError as err:
             if not failure:
                 failure.append(err)
@@ -139,12 +134,11 @@ async def embed_one(
                 relay.metrics.engine_error(placement.engine.name, error.kind)
                 if failover.decide(error, 0, placement.engine) is not Decision.RETRY:
                     if failover.all_overloaded:
-                        raise rate_limited("Every engine is saturated; retry later.",
-                                           retry_after=1) from None
+                        raise all_saturated() from None
                     raise from_engine_error(error) from None
             await trio.sleep(failover.backoff())
     assert timer.cancelled_caught
-    raise engine_timeout(f"The request did not finish within {frontend.request_timeout_s:g} s.")
+    raise timed_out(settings)
 
 
 async def _call(

@@ -156,6 +156,17 @@ class EngineWait:
         self.until = None
 
 
+def timed_out(settings: Settings) -> OpenAIHTTPError:
+    """The 504 of a request still unanswered at its ``request_timeout_s``."""
+    timeout = settings.frontend.request_timeout_s
+    return engine_timeout(f"The request did not finish within {timeout:g} s.")
+
+
+def all_saturated() -> OpenAIHTTPError:
+    """The 429 of a request that every engine it tried refused as overloaded."""
+    return rate_limited("Every engine is saturated; retry later.", retry_after=1)
+
+
 def first_placement(
     dispatcher: Dispatcher, settings: Settings, prepared: PreparedRequest, wait: EngineWait,
     now: float,
@@ -552,10 +563,9 @@ class RelayState:
     def error_for(self, error: EngineError) -> OpenAIHTTPError:
         """What the client is told when the request gave up after ``error``."""
         if self.phase is Phase.TIMED_OUT:
-            timeout = self.settings.frontend.request_timeout_s
-            return engine_timeout(f"The request did not finish within {timeout:g} s.")
+            return timed_out(self.settings)
         if self.failover.all_overloaded:
-            return rate_limited("Every engine is saturated; retry later.", retry_after=1)
+            return all_saturated()
         constraint = self.call.sampling.constraint
         if (
             error.kind is ErrorKind.BAD_REQUEST and error.param is None and constraint is not None

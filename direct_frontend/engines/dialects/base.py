@@ -673,8 +673,6 @@ class SmgDialect(Dialect):
 
     def embed(self, call: EmbedCall) -> Rpc:
         # SGLang's and vLLM's requests differ in their other fields, which stay unset here
-        if not self.capabilities.embeddings:  # TRT-LLM: its servicer does not implement Embed
-            return super().embed(call)
         pb = self.pb
         request = pb.EmbedRequest(
             request_id=call.request_id,

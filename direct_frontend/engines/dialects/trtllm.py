@@ -65,6 +65,7 @@ from direct_frontend.engines.neutral import (
     INT32_MAX,
     Constraint,
     ConstraintKind,
+    EmbedCall,
     EngineEvent,
     EngineInfo,
     EngineRole,
@@ -268,6 +269,11 @@ class TrtllmDialect(SmgDialect):
 
     def loads(self) -> Rpc | None:
         return None  # the contract has no GetLoads
+
+    def embed(self, call: EmbedCall) -> Rpc:
+        # the contract has an Embed (its TokenizedInput names input_token_ids); the servicer
+        # does not implement it
+        raise NotImplementedError("trtllm engines serve no embeddings")
 
     def engine_info(self, responses: Sequence[Any]) -> EngineInfo:
         model, server = responses
