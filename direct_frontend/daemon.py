@@ -59,6 +59,7 @@ from direct_frontend.observability import descriptors, shims
 from direct_frontend.observability.metrics import Metrics
 from direct_frontend.observability.sdnotify import Notifier
 from direct_frontend.observability.tracing import Tracing
+from direct_frontend.openai.response_store import ResponseStore
 from direct_frontend.pipeline.models import ModelBuilder
 from direct_frontend.routing.factory import make_policy
 from direct_frontend.routing.peers import PlacementShare
@@ -127,18 +128,20 @@ async def serve_fleet(
             kv.diverged,
         )
         await builder.load(fleet)
+        responses = _open_responses(fleet, metrics)
         replicas = fleet.frontend.replicas
         if worker is not None:
             replicas = worker_replicas(replicas, worker)
         link = None if replicas.nats is None else ReplicaLink(
             replicas, supervisor, placements, kv=kv, metrics=metrics,
             replica_id=None if worker is None else f"worker{worker.index}-{os.getpid()}",
+            responses=responses,
         )
         control = ControlPlane(fleet, supervisor, builder, metrics, notifier, digest,
                                placements=placements,
                                replicas=None if link is None else link.status)
         tracing = _open_tracing(fleet.frontend.tracing)
-        app = App(control, metrics, tracing)
+        app = App(control, metrics, tracing, responses)
         if worker is not None:
             app.metrics_view = partial(merged_metrics, worker)
         async with trio.open_nursery() as nursery:
@@ -188,6 +191,16 @@ def _open_tracing(config: TracingConfig) -> Tracing | None:
         return None
     log.info("tracing: spans go to %s", config.otlp_endpoint)
     return Tracing(config.otlp_endpoint, config.service_name, config.sample_ratio)
+
+
+def _open_responses(fleet: FleetConfig, metrics: Metrics) -> ResponseStore | None:
+    """The stored Responses of ``[frontend.responses]`` (read once, at start), exported."""
+    config = fleet.frontend.responses
+    if not config.store:
+        return None
+    store = ResponseStore(config.max_bytes, config.ttl_s, on_evict=metrics.response_evicted)
+    metrics.watch_responses(lambda: len(store), lambda: store.bytes)
+    return store
 
 
 def _read_or_empty(path: Path) -> bytes:

@@ -78,6 +78,20 @@ class Placements(msgspec.Struct, frozen=True):
         return [(name, _unpack(packed)) for name, packed in self.placed]
 
 
+class ResponseQuery(msgspec.Struct, frozen=True):
+    """Asks the replica that holds a stored response for it (``get``) or to drop it (``delete``).
+
+    To ``get`` it answers ``ok`` and sends the record (openai/response_store.py
+    ``encode_record``) to ``inbox`` in chunks (kv/snapshot.py ``split``), or
+    answers empty: not held. To ``delete``, ``1`` or ``0``.
+    """
+
+    replica: str
+    op: str
+    id: str
+    inbox: str = ""
+
+
 def _pack(hashes: tuple[int, ...] | frozenset[int]) -> bytes:
     return array.array("Q", hashes).tobytes()
 
@@ -89,13 +103,14 @@ def _unpack(packed: bytes) -> list[int]:
     return hashes.tolist()
 
 
-Message = LoadReport | FaultReport | Placements
+Message = LoadReport | FaultReport | Placements | ResponseQuery
 
-M = TypeVar("M", LoadReport, FaultReport, Placements)
+M = TypeVar("M", LoadReport, FaultReport, Placements, ResponseQuery)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoders: dict[type[Any], msgspec.msgpack.Decoder[Any]] = {
-    kind: msgspec.msgpack.Decoder(kind) for kind in (LoadReport, FaultReport, Placements)
+    kind: msgspec.msgpack.Decoder(kind)
+    for kind in (LoadReport, FaultReport, Placements, ResponseQuery)
 }
 
 
@@ -120,3 +135,8 @@ class Subjects:
         self.fault = f"{cluster}.fault"
         self.placements = f"{cluster}.placements"
         self.snapshot = f"{cluster}.kv-snapshot"
+        self._responses = f"{cluster}.responses."
+
+    def responses(self, owner: str) -> str:
+        """Where the replica whose response ids carry ``owner`` answers for them."""
+        return self._responses + owner

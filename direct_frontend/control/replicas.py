@@ -7,7 +7,10 @@ load term of the routing cost, routing/peers.py), the approximate-mode
 placements it makes, and the transport faults its requests see, which every
 sibling acts on at once. A replica that starts late asks one sibling (a
 queue group picks it) for its KV index before its engines start
-(control/kv_plane.py ``offer``).
+(control/kv_plane.py ``offer``). A stored response (the Responses API) stays
+with the replica that answered it; a sibling asked for it asks that replica
+(:meth:`ReplicaLink.fetch`), the one request that does wait on NATS, and
+only for as long as ``RESPONSE_TIMEOUT_S``.
 
 nats-py is asyncio; like the engines' gRPC channels (engines/transport.py)
 it runs on the trio-asyncio loop, every call through ``aio_as_trio``, and
@@ -40,6 +43,7 @@ from direct_frontend.control.replica_wire import (
     FaultReport,
     LoadReport,
     Placements,
+    ResponseQuery,
     Subjects,
     decode,
     encode,
@@ -47,7 +51,19 @@ from direct_frontend.control.replica_wire import (
 from direct_frontend.errors import EngineError
 from direct_frontend.fleet.describe import JsonValue
 from direct_frontend.fleet.schema import ReplicasConfig
-from direct_frontend.kv.snapshot import Reassembly, decode_snapshot, encode_snapshot, split
+from direct_frontend.kv.snapshot import (
+    CHUNK_BYTES,
+    Reassembly,
+    decode_snapshot,
+    encode_snapshot,
+    split,
+)
+from direct_frontend.openai.response_store import (
+    ResponseStore,
+    StoredResponse,
+    decode_record,
+    encode_record,
+)
 from direct_frontend.routing.catalog import EngineHandle
 from direct_frontend.routing.peers import (
     Loads,
@@ -69,6 +85,8 @@ CONNECT_TIMEOUT_S = 1.0
 GOODBYE_TIMEOUT_S = 1.0
 #: faults kept while the link is down (they are only news for a short while)
 MAX_PENDING_FAULTS = 64
+#: how long a request waits for the sibling that holds the stored response it names
+RESPONSE_TIMEOUT_S = 1.0
 
 Inbound = tuple[str, bytes, str]  # subject, data, reply subject
 
@@ -85,6 +103,7 @@ class ReplicaLink:
         kv: KvPlane | None = None,
         metrics: Metrics | None = None,
         replica_id: str | None = None,
+        responses: ResponseStore | None = None,
     ) -> None:
         assert config.nats is not None
         self.config = config
@@ -93,6 +112,10 @@ class ReplicaLink:
         self.placements = placements
         self.kv = kv
         self.metrics = metrics
+        self.responses = responses
+        self.chunk_bytes = CHUNK_BYTES  # a stored response goes to a sibling in pieces this big
+        if responses is not None:  # its siblings find what it holds through us
+            responses.remote = self
         self.subjects = Subjects(config.cluster)
         self.replica = replica_id or (
             f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
@@ -101,7 +124,9 @@ class ReplicaLink:
         self.connected = False
         self.warm = "not asked"  # how the KV index started: from whom, or why not
         self.counts = {"received": 0, "malformed": 0, "faults_shared": 0,
-                       "faults_acted_on": 0, "snapshots_served": 0, "outages": 0}
+                       "faults_acted_on": 0, "snapshots_served": 0, "outages": 0,
+                       "responses_served": 0, "responses_fetched": 0,
+                       "response_fetches_failed": 0}
         self._nc: Any = None
         self._faults: list[FaultReport] = []
         self._tx, self._rx = trio.open_memory_channel[Inbound](math.inf)
@@ -234,6 +259,8 @@ class ReplicaLink:
         if self.kv is not None:
             # a queue group: one sibling answers each late replica
             await subscribe(self.subjects.snapshot, queue="kv-snapshot", cb=deliver)
+        if self.responses is not None:
+            await subscribe(self.subjects.responses(self.responses.owner), cb=deliver)
 
     async def _publish(self, subject: str, data: bytes) -> bool:
         if self._nc is None or not self.connected:
@@ -335,6 +362,9 @@ class ReplicaLink:
                 self._on_placements(data)
             elif subject == self.subjects.snapshot:
                 await self._serve_snapshot(data, reply)
+            elif self.responses is not None and subject == self.subjects.responses(
+                    self.responses.owner):
+                await self._serve_response(data, reply)
 
     def _malformed(self, what: str) -> None:
         self.counts["malformed"] += 1
@@ -449,6 +479,103 @@ class ReplicaLink:
             self.warm = (f"from {snapshot.replica}: {len(snapshot.ranks)} rank(s), "
                          f"{blocks} blocks")
             log.info("replicas: KV index warm %s", self.warm)
+
+    # -- stored responses ---------------------------------------------------------------
+
+    async def fetch(self, owner: str, response_id: str) -> StoredResponse | None:
+        """The stored response a sibling holds; None if it does not, is gone or is silent.
+
+        The sibling says yes or no to the request, then sends the record to
+        our inbox in chunks (a long conversation outgrows a NATS message).
+        """
+        nc = self._nc
+        if nc is None or not self.connected:
+            return None
+        inbox = nc.new_inbox()
+        chunks_tx, chunks_rx = trio.open_memory_channel[bytes](math.inf)
+
+        async def deliver(msg: Any) -> None:
+            chunks_tx.send_nowait(msg.data)
+
+        try:
+            subscription = await trio_asyncio.aio_as_trio(nc.subscribe)(inbox, cb=deliver)
+        except Exception as exc:
+            log.debug("replicas: subscribe: %s", exc)
+            return None
+        try:
+            with trio.move_on_after(RESPONSE_TIMEOUT_S * 2):
+                answer = await self._ask(owner, ResponseQuery(self.replica, "get", response_id,
+                                                              inbox))
+                if answer != b"ok":
+                    return None
+                assembly = Reassembly()
+                while not assembly.done:
+                    assembly.add(await chunks_rx.receive())
+                record = decode_record(assembly.data())
+                if record is None or record.id != response_id:
+                    self._malformed("stored response")
+                    return None
+                self.counts["responses_fetched"] += 1
+                return record
+            self._fetch_failed(response_id, "its chunks did not arrive")
+            return None
+        except ValueError:
+            self._malformed("stored response")
+            return None
+        finally:
+            try:
+                await trio_asyncio.aio_as_trio(subscription.unsubscribe)()
+            except Exception as exc:
+                log.debug("replicas: unsubscribe: %s", exc)
+
+    async def delete(self, owner: str, response_id: str) -> bool:
+        """Ask the sibling that holds a stored response to drop it; True if it did."""
+        return await self._ask(owner, ResponseQuery(self.replica, "delete", response_id)) == b"1"
+
+    async def _ask(self, owner: str, query: ResponseQuery) -> bytes | None:
+        """The owner's answer to ``query``; None if nobody answers for ``owner``."""
+        if self._nc is None or not self.connected:
+            return None
+        import nats.errors
+
+        try:
+            with trio.fail_after(RESPONSE_TIMEOUT_S * 2):  # nats' own timeout comes first
+                msg = await trio_asyncio.aio_as_trio(self._nc.request)(
+                    self.subjects.responses(owner), encode(query), timeout=RESPONSE_TIMEOUT_S,
+                )
+        except nats.errors.NoRespondersError:
+            return None  # nobody answers for that owner any more: its responses went with it
+        except (nats.errors.Error, trio.TooSlowError, OSError) as exc:
+            self._fetch_failed(query.id, exc.__class__.__name__)
+            return None
+        data: bytes = msg.data
+        return data
+
+    def _fetch_failed(self, response_id: str, why: str) -> None:
+        self.counts["response_fetches_failed"] += 1
+        log.warning("replicas: no answer about stored response %s from the replica holding it "
+                    "(%s)", response_id, why)
+
+    async def _serve_response(self, data: bytes, reply: str) -> None:
+        store = self.responses
+        query = decode(ResponseQuery, data)
+        if query is None or store is None or not reply:
+            return self._malformed("stored-response query")
+        if query.op == "get":
+            record = store.get(query.id)
+            if record is None or not query.inbox:
+                await self._publish(reply, b"")
+                return None
+            data = encode_record(record)  # one synchronous look
+            await self._publish(reply, b"ok")
+            for chunk in split(data, self.chunk_bytes):
+                await self._publish(query.inbox, chunk)
+        elif query.op == "delete":
+            await self._publish(reply, b"1" if store.delete(query.id) else b"0")
+        else:
+            return self._malformed("stored-response query")
+        self.counts["responses_served"] += 1
+        return None
 
     # -- metrics ------------------------------------------------------------------------
 

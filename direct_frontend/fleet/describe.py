@@ -21,6 +21,7 @@ from direct_frontend.fleet.schema import (
     ModelConfig,
     PoolConfig,
     ReplicasConfig,
+    ResponsesConfig,
     RoutingConfig,
     TracingConfig,
 )
@@ -176,6 +177,7 @@ def to_jsonable(cfg: FleetConfig, *, redact: bool = True) -> dict[str, JsonValue
                 "snapshot_timeout_s": replicas.snapshot_timeout_s,
             },
             "kubernetes": _plain(frontend.kubernetes),
+            "responses": _plain(frontend.responses),
         },
         "models": models,
         "engines": engines,
@@ -312,6 +314,7 @@ def _frontend_rows(frontend: FrontendConfig) -> list[tuple[str, str]]:
         ("tracing", _tracing_row(frontend.tracing)),
         ("replicas", _replicas_row(frontend.replicas)),
         ("kubernetes", _kubernetes_row(frontend.kubernetes)),
+        ("responses", _responses_row(frontend.responses)),
     ]
 
 
@@ -387,6 +390,13 @@ def _tracing_row(tracing: TracingConfig) -> str:
         return "off"
     return (f"{tracing.otlp_endpoint} (service {tracing.service_name},"
             f" sampling {_scalar(tracing.sample_ratio)})")
+
+
+def _responses_row(responses: ResponsesConfig) -> str:
+    if not responses.store:
+        return "kept: none (previous_response_id is refused)"
+    return (f"kept for previous_response_id: up to {responses.max_bytes} bytes per process, "
+            f"{responses.ttl_s:g} s each")
 
 
 def _replicas_row(replicas: ReplicasConfig) -> str:

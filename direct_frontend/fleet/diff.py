@@ -24,6 +24,7 @@ from direct_frontend.fleet.schema import FleetConfig
 #: link built at start.
 RESTART_FIELDS = (
     "listen", "tokenizer", "served_model_name", "log_json", "tracing", "replicas", "workers",
+    "responses",
 )
 
 

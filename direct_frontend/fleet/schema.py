@@ -259,6 +259,22 @@ class ReplicasConfig:
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class ResponsesConfig:
+    """``[frontend.responses]``: the Responses API's stored responses.
+
+    A response is kept (unless its request says ``store: false``) so that
+    ``previous_response_id`` and ``GET /v1/responses/{id}`` find it: in the
+    memory of the process that answered it, at most ``max_bytes`` of JSON per
+    process (the oldest leave first) and none longer than ``ttl_s``. With
+    ``store = false`` nothing is kept. Built at start.
+    """
+
+    store: bool = True
+    max_bytes: int = setting(64 * 1024 * 1024, AT_LEAST_ONE)
+    ttl_s: float = setting(86400.0, POSITIVE)
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class KubernetesConfig:
     """``[frontend.kubernetes]``: how ``[[pool]]`` tables reach the Kubernetes API server.
 
@@ -313,6 +329,7 @@ class FrontendConfig:
     tracing: TracingConfig = TracingConfig()
     replicas: ReplicasConfig = ReplicasConfig()
     kubernetes: KubernetesConfig = KubernetesConfig()
+    responses: ResponsesConfig = ResponsesConfig()
 
     @property
     def listen(self) -> str:

@@ -36,15 +36,26 @@ from direct_frontend.http.embeddings import respond_embeddings
 from direct_frontend.http.render import render_model, render_models
 from direct_frontend.http.responses import respond
 from direct_frontend.http.responses_api import respond_responses
+from direct_frontend.http.stored_responses import (
+    INPUT_ITEMS,
+    RESPONSE_PATH,
+    find,
+    respond_delete,
+    respond_input_items,
+    respond_retrieve,
+)
 from direct_frontend.http.tokenize import respond_detokenize, respond_tokenize
 from direct_frontend.observability.logging import current_request_id, new_request_id
 from direct_frontend.observability.metrics import Metrics
 from direct_frontend.observability.tracing import RequestTrace, Tracing
 from direct_frontend.openai.errors import (
     OpenAIHTTPError,
+    invalid_request,
     method_not_allowed,
     model_not_found,
+    previous_response_not_found,
     rate_limited,
+    response_not_found,
     unknown_route,
 )
 from direct_frontend.openai.parse import (
@@ -54,7 +65,12 @@ from direct_frontend.openai.parse import (
     parse_embedding_request,
     parse_tokenize_request,
 )
-from direct_frontend.openai.responses_api import parse_responses_request
+from direct_frontend.openai.response_store import ResponseStore, StoredResponse, decode_items
+from direct_frontend.openai.responses_api import (
+    parse_responses_request,
+    previous_response_id,
+    read_responses_body,
+)
 from direct_frontend.openai.types import ChatRequest, CompletionRequest
 from direct_frontend.pipeline.admission import Rejected
 from direct_frontend.pipeline.models import ServedModel
@@ -86,9 +102,12 @@ class App:
         control: ControlView,
         metrics: Metrics,
         tracing: Tracing | None = None,
+        responses: ResponseStore | None = None,
     ) -> None:
         self.control = control
         self.tracing = tracing  # None: tracing is off, and costs nothing
+        #: stored Responses (None: ``[frontend.responses] store = false``, nothing is kept)
+        self.responses = responses
         self.metrics = metrics
         self.bound_urls: list[str] = []
         #: ``run --workers``: every worker's metrics as one scrape, from this one's text
@@ -126,6 +145,13 @@ class App:
         route = path  # the metrics' label: one per route, not per model id
         if methods is None and path.startswith(MODEL_PATH) and len(path) > len(MODEL_PATH):
             methods, route = {"GET": self._model}, MODEL_PATH + "{model}"
+        elif methods is None and path.startswith(RESPONSE_PATH) and len(path) > len(
+                RESPONSE_PATH):
+            if path.endswith(INPUT_ITEMS) and len(path) > len(RESPONSE_PATH + INPUT_ITEMS):
+                methods, route = {"GET": self._input_items}, RESPONSE_PATH + "{id}" + INPUT_ITEMS
+            else:
+                methods = {"GET": self._retrieve, "DELETE": self._delete}
+                route = RESPONSE_PATH + "{id}"
         admin_enabled = settings.frontend.admin.enabled
         if methods is not None and path.startswith("/fleet") and not admin_enabled:
             methods = None  # admin disabled: the routes do not exist
@@ -245,6 +271,57 @@ class App:
         self, settings: Settings, scope: Scope, receive: Receive, send: Send
     ) -> int:
         return await self._generate("responses", settings, scope, receive, send)
+
+    # -- stored responses ------------------------------------------------------------
+
+    async def _retrieve(self, settings: Settings, scope: Scope, receive: Receive,
+                        send: Send) -> int:
+        return await self._stored(scope, send, respond_retrieve)
+
+    async def _delete(self, settings: Settings, scope: Scope, receive: Receive,
+                      send: Send) -> int:
+        return await self._stored(scope, send, respond_delete)
+
+    async def _input_items(self, settings: Settings, scope: Scope, receive: Receive,
+                           send: Send) -> int:
+        query = scope.get("query_string", b"")
+
+        async def answer(store: ResponseStore, response_id: str, send: Send,
+                         headers: Headers) -> int:
+            return await respond_input_items(store, response_id, query, send, headers)
+
+        return await self._stored(scope, send, answer, INPUT_ITEMS)
+
+    async def _stored(
+        self, scope: Scope, send: Send,
+        answer: Callable[[ResponseStore, str, Send, Headers], Awaitable[int]],
+        suffix: str = "",
+    ) -> int:
+        """A stored response's endpoint; its id is the path between the prefix and ``suffix``."""
+        path: str = scope["path"]
+        response_id = path[len(RESPONSE_PATH):len(path) - len(suffix)]
+        request_id = current_request_id.get() or new_request_id()
+        headers: Headers = [(b"x-request-id", request_id.encode())]
+        try:
+            if self.responses is None:
+                raise response_not_found(response_id)
+            return await answer(self.responses, response_id, send, headers)
+        except OpenAIHTTPError as err:
+            await send_error(send, err, headers)
+            return err.status
+
+    async def _previous(self, response_id: str) -> StoredResponse:
+        """The stored response a Responses request continues; a 400 if none is held."""
+        if self.responses is None:
+            raise invalid_request(
+                "previous_response_id needs a stored response, and this server keeps none "
+                "([frontend.responses] store = false): send the whole conversation in 'input'.",
+                "previous_response_id",
+            )
+        record = await find(self.responses, response_id)
+        if record is None:
+            raise previous_response_not_found(response_id)
+        return record
 
     async def _tokenize(self, settings: Settings, scope: Scope, receive: Receive,
                         send: Send) -> int:
@@ -368,7 +445,12 @@ class App:
         frontend = settings.frontend
         try:
             body = await read_body(receive, frontend.max_body_bytes, frontend.body_timeout_s)
-            responses = parse_responses_request(body) if kind == "responses" else None
+            responses = None
+            if kind == "responses":
+                raw = read_responses_body(body)
+                previous = previous_response_id(raw)
+                history = () if previous is None else (await self._previous(previous)).history()
+                responses = parse_responses_request(raw, history, decode_items(history))
             request: ChatRequest | CompletionRequest = (
                 responses.chat if responses is not None
                 else parse_chat_request(body) if kind == "chat"
@@ -409,7 +491,7 @@ class App:
                     return await respond_responses(
                         found[0].relay, settings, prepared,
                         dataclasses.replace(responses, chat=prepared.request),
-                        receive, send, headers, trace,
+                        receive, send, headers, trace, self.responses,
                     )
                 return await respond(
                     found[0].relay, settings, prompts, receive, send, headers, trace

@@ -5,14 +5,16 @@ Responses stream's events (``response.output_item.added``, text and argument
 deltas, ``...done``) and keeps the output items, so the non-streaming Response
 object is the same items the stream announced. Items follow the model's
 order: a reasoning item, then a message, then one item per function call; a
-new kind of output closes the open item.
+new kind of output closes the open item. A response that ends (completed or
+incomplete) is kept in the process's store unless the request or the
+server says not to (openai/response_store.py).
 """
 
 from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Final
 
 import msgspec
@@ -23,6 +25,7 @@ from direct_frontend.http.responses import _answer, _Progress, _start, _until_en
 from direct_frontend.observability.tracing import RequestTrace
 from direct_frontend.openai.errors import OpenAIHTTPError
 from direct_frontend.openai.parsers.base import ParsedDelta
+from direct_frontend.openai.response_store import ResponseStore, StoredResponse
 from direct_frontend.openai.responses_api import ResponsesRequest
 from direct_frontend.pipeline.preprocess import PreparedRequest
 from direct_frontend.pipeline.relay import Relay, RelayState
@@ -39,10 +42,12 @@ def _item_id(prefix: str) -> str:
 class ResponseBuilder:
     """The output items and stream events of one response (one choice)."""
 
-    def __init__(self, request: ResponsesRequest, response_id: str, created: int) -> None:
+    def __init__(self, request: ResponsesRequest, response_id: str, created: int,
+                 stored: bool = False) -> None:
         self.request = request
         self.id = response_id
         self.created = created
+        self.stored = stored  # the response will be kept (what its ``store`` says)
         self.items: list[dict[str, Any]] = []
         self._open: dict[str, Any] | None = None  # the item deltas go to
         self._calls: dict[int, dict[str, Any]] = {}  # the parser's call index -> item
@@ -60,9 +65,18 @@ class ResponseBuilder:
             "instructions": r.instructions, "max_output_tokens": r.max_output_tokens,
             "metadata": {}, "parallel_tool_calls": chat.parallel_tool_calls,
             "temperature": chat.temperature, "top_p": chat.top_p, "tools": r.tools,
-            "tool_choice": r.tool_choice, "store": False, "truncation": "disabled",
+            "tool_choice": r.tool_choice, "store": self.stored, "truncation": "disabled",
+            "previous_response_id": r.previous_response_id,
             "text": {"format": {"type": "text"}}, "usage": usage,
         }
+
+    def record(self, response: bytes) -> StoredResponse:
+        """What the store keeps of the finished response (``response``: its JSON)."""
+        r = self.request
+        return StoredResponse(
+            self.id, response, tuple(_encode(item) for item in self.items),
+            r.history + tuple(_encode(item) for item in r.items),
+        )
 
     # -- deltas to events -------------------------------------------------------------
     def feed(self, delta: ParsedDelta) -> list[Event]:
@@ -186,13 +200,25 @@ class _Events:
 async def respond_responses(
     relay: Relay, settings: Settings, prepared: PreparedRequest, request: ResponsesRequest,
     receive: Receive, send: Send, headers: Headers, trace: RequestTrace | None = None,
+    store: ResponseStore | None = None,
 ) -> int:
-    """Run the request as a chat choice and answer it in the Responses API's shape."""
-    builder = ResponseBuilder(request, "resp_" + prepared.request_id, int(time.time()))
+    """Run the request as a chat choice and answer it in the Responses API's shape.
+
+    ``store``: where the finished response is kept (None: the server keeps none).
+    """
+    keep = store is not None and request.store
+    response_id = (store.new_id(prepared.request_id) if store is not None
+                   else "resp_" + prepared.request_id)
+    builder = ResponseBuilder(request, response_id, int(time.time()), keep)
     write = _stream if request.chat.stream else _complete
 
+    def kept(response: bytes) -> None:
+        if keep:
+            assert store is not None
+            store.put(builder.record(response))
+
     async def run(state: RelayState) -> int:
-        return await write(relay, state, builder, send, headers)
+        return await write(relay, state, builder, send, headers, kept)
 
     async def begin() -> RelayState:
         return await relay.begin(settings, prepared, trace)
@@ -200,8 +226,11 @@ async def respond_responses(
     return await _answer(relay, begin, run, relay.settle, receive, send, headers)
 
 
+Keep = Callable[[bytes], None]  # the finished Response object's JSON, to the store
+
+
 async def _complete(relay: Relay, state: RelayState, builder: ResponseBuilder, send: Send,
-                    headers: Headers) -> int:
+                    headers: Headers, kept: Keep) -> int:
     async def emit(text: str, tokens: int, finished: bool,
                    logprobs: Sequence[TokenLogprob]) -> None:
         builder.feed(state.parse(text, finished))
@@ -212,13 +241,14 @@ async def _complete(relay: Relay, state: RelayState, builder: ResponseBuilder, s
         return status
     outcome, why = _outcome(state)
     builder.finish(outcome)
-    await send_body(send, 200, _encode(builder.response(outcome, _usage(state), why)), JSON,
-                    headers)
+    body = _encode(builder.response(outcome, _usage(state), why))
+    kept(body)
+    await send_body(send, 200, body, JSON, headers)
     return 200
 
 
 async def _stream(relay: Relay, state: RelayState, builder: ResponseBuilder, send: Send,
-                  headers: Headers) -> int:
+                  headers: Headers, kept: Keep) -> int:
     progress = _Progress()
     out = progress.out
     sse = _Events()
@@ -237,9 +267,10 @@ async def _stream(relay: Relay, state: RelayState, builder: ResponseBuilder, sen
             outcome, why = _outcome(state)
             events = builder.finish(outcome)
             kind = "response.completed" if outcome == "completed" else "response.incomplete"
-            events.append({"type": kind,
-                           "response": builder.response(outcome, _usage(state), why)})
+            response = builder.response(outcome, _usage(state), why)
+            events.append({"type": kind, "response": response})
             out.extend(sse.render(events))
+            kept(_encode(response))
             await send({"type": "http.response.body", "body": bytes(out), "more_body": False})
         elif out:
             await send({"type": "http.response.body", "body": bytes(out), "more_body": True})

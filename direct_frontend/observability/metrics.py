@@ -271,6 +271,19 @@ class Metrics:
         self.model_engines_serving = Gauge(
             p + "model_engines_serving", "Engines serving each model.", ("model",), registry=r
         )
+        self.responses_stored = Gauge(
+            p + "responses_stored", "Responses this process keeps for previous_response_id.",
+            registry=r,
+        )  # fmt: skip
+        self.responses_stored_bytes = Gauge(
+            p + "responses_stored_bytes",
+            "JSON bytes of the stored responses ([frontend.responses] max_bytes bounds it).",
+            registry=r,
+        )  # fmt: skip
+        self.responses_evicted_total = Counter(
+            p + "responses_evicted_total",
+            "Stored responses dropped before their time to keep within max_bytes.", registry=r,
+        )  # fmt: skip
         self.pool_membership_stale = Gauge(
             p + "pool_membership_stale",
             "1 while a [[pool]]'s watch is down and its last membership is kept.", ("pool",),
@@ -296,6 +309,16 @@ class Metrics:
         self._engine_requests: dict[tuple[str, str], Counter] = {}
 
     # -- requests --------------------------------------------------------------
+
+    # -- stored responses -------------------------------------------------------
+
+    def watch_responses(self, count: Callable[[], float], size: Callable[[], float]) -> None:
+        """Read the store's size at scrape time."""
+        self.responses_stored.set_function(count)
+        self.responses_stored_bytes.set_function(size)
+
+    def response_evicted(self) -> None:
+        self.responses_evicted_total.inc()
 
     def request_started(self) -> None:
         """Count a request in flight; pair with :meth:`request_finished`."""

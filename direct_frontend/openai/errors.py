@@ -84,6 +84,20 @@ def model_not_found(model: str) -> OpenAIHTTPError:
     )
 
 
+def previous_response_not_found(response_id: str) -> OpenAIHTTPError:
+    """400 for a ``previous_response_id`` nothing holds; OpenAI's wording and code."""
+    return OpenAIHTTPError(
+        400, f"Previous response with id '{response_id}' not found.", "invalid_request_error",
+        "previous_response_id", "previous_response_not_found",
+    )
+
+
+def response_not_found(response_id: str) -> OpenAIHTTPError:
+    """404 for ``/v1/responses/{id}`` when no response by that id is held."""
+    return OpenAIHTTPError(404, f"Response with id '{response_id}' not found.",
+                           "invalid_request_error")
+
+
 def request_too_large(limit_bytes: int) -> OpenAIHTTPError:
     """413 when the body exceeds the configured cap (checked before parsing)."""
     return OpenAIHTTPError(

@@ -1,4 +1,4 @@
-"""``POST /v1/responses`` bodies, stateless: read into the chat request the pipeline runs.
+"""``POST /v1/responses`` bodies: read into the chat request the pipeline runs.
 
 The Responses API is what the OpenAI Agents SDK and coding agents speak by
 default. Its input items map one to one onto chat messages (a
@@ -6,15 +6,19 @@ default. Its input items map one to one onto chat messages (a
 ``function_call_output`` a ``tool`` message, ``instructions`` a leading system
 message), its function tools onto chat tools, so the request is translated
 into a chat completions body and validated by the same code: one pipeline,
-one set of parsers. Nothing is stored: ``store`` is accepted and ignored (a
-response is never kept), and ``previous_response_id`` (which needs a stored
-one) is a 400. Reasoning items sent back are dropped, as a stateless server
-that does not encrypt reasoning must: the template renders the turns without them.
+one set of parsers. A request that continues a stored response
+(``previous_response_id``) is read with that response's history in front of
+its own input (openai/response_store.py; the HTTP shell looks it up), and
+its own input items come back normalized, with ids, for the record it makes.
+``instructions`` are never carried over, as the API says. Reasoning items are
+dropped, sent back or stored, as a server that does not encrypt reasoning
+must: the template renders the turns without them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import secrets
 from typing import Any, Final
 
 import msgspec
@@ -38,22 +42,51 @@ class ResponsesRequest:
     tools: list[dict[str, Any]]
     tool_choice: Any
     max_output_tokens: int | None
+    store: bool = True  # the client's word; the server may still keep nothing
+    previous_response_id: str | None = None
+    #: the continued response's history (stored JSON items, shared with its record)
+    history: tuple[bytes, ...] = ()
+    #: this request's own input items, normalized and with ids: what its record adds
+    items: tuple[dict[str, Any], ...] = ()
 
 
-def parse_responses_request(body: bytes) -> ResponsesRequest:
-    """Validate a Responses body; raises ``OpenAIHTTPError`` (400) naming the field."""
+def read_responses_body(body: bytes) -> dict[str, Any]:
+    """A Responses body as a JSON object; raises ``OpenAIHTTPError`` (400) if it is not one."""
     if nesting_depth_exceeds(body):
         raise invalid_request(
             f"The request body nests arrays and objects more than {MAX_JSON_DEPTH} levels deep."
         )
     try:
-        raw = _decoder.decode(body)
+        raw: dict[str, Any] = _decoder.decode(body)
     except msgspec.DecodeError as exc:
         raise invalid_request(f"The request body is not a JSON object: {exc}.") from None
-    if raw.get("previous_response_id") is not None:
+    return raw
+
+
+def previous_response_id(raw: dict[str, Any]) -> str | None:
+    """The response a body continues, if it names one."""
+    previous = raw.get("previous_response_id")
+    if previous is not None and not isinstance(previous, str):
+        raise invalid_request("Invalid type for 'previous_response_id': expected a string.",
+                              "previous_response_id")
+    return previous
+
+
+def parse_responses_request(
+    body: bytes | dict[str, Any],
+    history: tuple[bytes, ...] = (),
+    history_items: list[dict[str, Any]] | None = None,
+) -> ResponsesRequest:
+    """Validate a Responses body; raises ``OpenAIHTTPError`` (400) naming the field.
+
+    ``history``: the stored items of the response the body continues (found by
+    the caller), ``history_items`` the same decoded.
+    """
+    raw = read_responses_body(body) if isinstance(body, bytes) else body
+    if raw.get("conversation") is not None:  # silently without its history would mislead
         raise invalid_request(
-            "previous_response_id needs a stored response, and this server stores none: send "
-            "the whole conversation in 'input'.", "previous_response_id",
+            "The Conversations API is not served here: continue with previous_response_id, or "
+            "send the whole conversation in 'input'.", "conversation",
         )
     if "input" not in raw:
         raise invalid_request("Missing required parameter: 'input'.", "input")
@@ -61,9 +94,16 @@ def parse_responses_request(body: bytes) -> ResponsesRequest:
     if instructions is not None and not isinstance(instructions, str):
         raise invalid_request("Invalid type for 'instructions': expected a string.",
                               "instructions")
+    store = raw.get("store", True)
+    if store is None:
+        store = True
+    if not isinstance(store, bool):
+        raise invalid_request("Invalid type for 'store': expected a boolean.", "store")
     chat: dict[str, Any] = {k: raw[k] for k in _SAME if k in raw}
     messages = ([{"role": "system", "content": instructions}] if instructions else [])
-    messages += _messages(raw["input"])
+    earlier = history_items or []
+    own = _input_list(raw["input"])
+    messages += _messages(earlier + own, len(earlier))
     chat["messages"] = messages
     tools = raw.get("tools") or []
     chat["tools"] = [_tool(i, tool) for i, tool in enumerate(_list(tools, "tools"))]
@@ -81,7 +121,32 @@ def parse_responses_request(body: bytes) -> ResponsesRequest:
         chat["stream_options"] = {"include_usage": True}
     request = parse_chat_request(_encode(chat))
     return ResponsesRequest(request, instructions, tools, raw.get("tool_choice", "auto"),
-                            raw.get("max_output_tokens"))
+                            raw.get("max_output_tokens"), store, previous_response_id(raw),
+                            history, tuple(_normalized(item) for item in own))
+
+
+def _input_list(value: Any) -> list[Any]:
+    """``input`` as a list of items (a string is one user message)."""
+    if isinstance(value, str):
+        return [{"type": "message", "role": "user", "content": value}]
+    return _list(value, "input")
+
+
+#: the id prefix of an input item the client sent without one, by its type
+_ID_PREFIX: Final = {"message": "msg", "function_call": "fc",
+                     "function_call_output": "fco", "reasoning": "rs"}
+
+
+def _normalized(item: dict[str, Any]) -> dict[str, Any]:
+    """An input item as the API lists it (``input_items``): typed, with an id, content in parts."""
+    kind = item.get("type", "message")
+    out = {"type": kind, **item}
+    if kind == "message" and isinstance(item.get("content"), str):
+        part = "output_text" if item.get("role") == "assistant" else "input_text"
+        out["content"] = [{"type": part, "text": item["content"]}]
+    if not isinstance(out.get("id"), str):
+        out["id"] = f"{_ID_PREFIX.get(kind, 'item')}_{secrets.token_hex(12)}"
+    return out
 
 
 def _list(value: Any, param: str) -> list[Any]:
@@ -129,13 +194,15 @@ def _text_of(content: Any, where: str) -> str:
     return "".join(texts)
 
 
-def _messages(items: Any) -> list[dict[str, Any]]:
-    """Input items as chat messages; consecutive function calls share one assistant turn."""
-    if isinstance(items, str):
-        return [{"role": "user", "content": items}]
+def _messages(items: list[Any], earlier: int = 0) -> list[dict[str, Any]]:
+    """Input items as chat messages; consecutive function calls share one assistant turn.
+
+    The first ``earlier`` items are a stored history (an error in one names
+    ``previous_response_id``), the rest the request's ``input``.
+    """
     messages: list[dict[str, Any]] = []
-    for i, item in enumerate(_list(items, "input")):
-        where = f"input[{i}]"
+    for i, item in enumerate(items):
+        where = f"input[{i - earlier}]" if i >= earlier else "previous_response_id"
         if not isinstance(item, dict):
             raise invalid_request(f"Invalid type for '{where}': expected an object.", where)
         kind = item.get("type", "message")

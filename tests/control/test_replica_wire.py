@@ -6,6 +6,7 @@ from direct_frontend.control.replica_wire import (
     FaultReport,
     LoadReport,
     Placements,
+    ResponseQuery,
     Subjects,
     decode,
     encode,
@@ -23,6 +24,9 @@ def test_messages_round_trip_and_garbage_is_none() -> None:
     placements = Placements.of("r1", [("a", (1, 2**64 - 1))])
     decoded = decode(Placements, encode(placements))
     assert decoded is not None and decoded.each() == [("a", [1, 2**64 - 1])]
+    query = ResponseQuery("r1", "get", "resp_0a1b2c3d01", "_INBOX.x")
+    assert decode(ResponseQuery, encode(query)) == query
+    assert decode(ResponseQuery, encode(report)) is None
 
 
 def test_only_faults_that_take_an_engine_down_are_acted_on() -> None:
@@ -39,3 +43,4 @@ def test_subjects_name_the_cluster() -> None:
     subjects = Subjects("prod")
     assert {subjects.load, subjects.fault, subjects.placements, subjects.snapshot} == {
         "prod.load", "prod.fault", "prod.placements", "prod.kv-snapshot"}
+    assert subjects.responses("0a1b2c3d") == "prod.responses.0a1b2c3d"

@@ -170,6 +170,52 @@ def test_a_stream_booked_here_reaches_the_siblings_at_once_not_at_the_next_tick(
                      what="the sibling to count it long before the tick")
 
 
+def test_a_stored_response_is_found_continued_and_deleted_through_any_replica(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """The Responses API's ``previous_response_id`` on whichever replica the follow-up lands.
+
+    The record crosses in small chunks here (as a long conversation would in
+    512 KiB ones); a replica that is gone took its responses with it, and
+    asking for one is a prompt "not found", not a timeout.
+    """
+    engines = [sim_engine("e0", "sglang", **FAST)]
+    with running_nats() as nats, \
+            replicas(tmp_path, model_dir, engines, nats.url, 3) as (first, second, third):
+        for daemon in (first, second, third):
+            wait_for(lambda d=daemon: len(peers_of(d)) == 2, what="every sibling heard")
+        for daemon in (first, second, third):
+            assert daemon.app is not None and daemon.app.responses is not None
+            daemon.app.responses.remote.chunk_bytes = 64  # type: ignore[union-attr]
+        ask = {"model": "demo", "max_output_tokens": 8}
+        made = httpx.post(first.url + "/v1/responses", json={**ask, "input": "hi"}).json()
+        assert made["store"] is True
+        got = httpx.get(f"{second.url}/v1/responses/{made['id']}")
+        assert got.status_code == 200 and got.json() == made
+        follow = httpx.post(second.url + "/v1/responses",
+                            json={**ask, "input": "more", "previous_response_id": made["id"]})
+        assert follow.status_code == 200, follow.text
+        alone = httpx.post(first.url + "/v1/responses", json={
+            **ask, "store": False,
+            "input": [{"role": "user", "content": "hi"}, *made["output"],
+                      {"role": "user", "content": "more"}]}).json()
+        assert follow.json()["usage"]["input_tokens"] == alone["usage"]["input_tokens"]
+        items = httpx.get(f"{third.url}/v1/responses/{follow.json()['id']}/input_items",
+                          params={"order": "asc"}).json()
+        assert [i["type"] for i in items["data"]] == ["message", "message", "message"]
+        assert httpx.delete(f"{third.url}/v1/responses/{made['id']}").json()["deleted"]
+        assert httpx.get(f"{first.url}/v1/responses/{made['id']}").status_code == 404
+        served = fleet(first)["replicas"]["counts"]
+        assert served["responses_served"] >= 2 and served["response_fetches_failed"] == 0
+
+        kept_by_third = httpx.post(third.url + "/v1/responses",
+                                   json={**ask, "input": "bye"}).json()["id"]
+        third.stop()
+        gone = httpx.get(f"{second.url}/v1/responses/{kept_by_third}")
+        assert gone.status_code == 404
+        assert fleet(second)["replicas"]["counts"]["response_fetches_failed"] == 0
+
+
 def test_without_nats_replicas_share_nothing(model_dir: Path, tmp_path: Path) -> None:
     """What not sharing costs: a replica alone weighs only its own streams.
 

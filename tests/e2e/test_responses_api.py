@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
 from grpclib.const import Status
@@ -22,7 +23,7 @@ from tokenizers import Tokenizer
 from direct_frontend.simulator.faults import FaultPlan
 from direct_frontend.simulator.scripted import ScriptBook
 from tests.support.daemon import Daemon, running_daemon
-from tests.support.models import engine_table, frontend_table, simulators
+from tests.support.models import engine_table, frontend_table, openai_client, simulators
 
 TOOLS: list[Any] = [{
     "type": "function", "name": "get_weather", "description": "The weather in a city.",
@@ -51,6 +52,11 @@ def daemon(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         for sim in simulators(daemon).values():
             sim.core.scripts = ScriptBook(tokenizer, SCRIPTS)
         yield daemon
+
+
+def metric_value(scrape: str, name: str) -> float:
+    line = next(line for line in scrape.splitlines() if line.startswith(name + " "))
+    return float(line.split()[1])
 
 
 def kinds(response: Any) -> list[str]:
@@ -117,12 +123,110 @@ def test_max_output_tokens_makes_an_incomplete_response(
     assert cut.incomplete_details.reason == "max_output_tokens"
 
 
-def test_nothing_is_stored(daemon: Daemon, client: openai.OpenAI) -> None:
+def call_round(client: openai.OpenAI, **fields: Any) -> tuple[Any, list[Any]]:
+    """The first turn (a reasoning block and a call) and the tool's result for the next one."""
+    first = client.responses.create(model="agent", input=QUESTION, tools=TOOLS, **fields)
+    assert kinds(first) == ["reasoning", "function_call"]
+    result = [{"type": "function_call_output", "call_id": first.output[1].call_id,
+               "output": '{"sky": "sunny"} [result]'}]
+    return first, result
+
+
+def test_a_follow_up_continues_a_stored_response_as_if_it_sent_the_history(
+    daemon: Daemon, client: openai.OpenAI
+) -> None:
+    """The engine sees the same prompt both ways: the stored turns, not the instructions."""
+    first, result = call_round(client, instructions="Be brief.")
+    assert first.store is True
+    second = client.responses.create(model="agent", previous_response_id=first.id,
+                                     input=result, tools=TOOLS)
+    assert second.output_text == "It is sunny in Zürich."
+    assert second.previous_response_id == first.id
+    history: list[Any] = [{"role": "user", "content": QUESTION}]
+    history += [item.model_dump(exclude_none=True) for item in first.output] + result
+    stateless = client.responses.create(model="agent", input=history, tools=TOOLS, store=False)
+    assert second.usage is not None and stateless.usage is not None
+    assert second.usage.input_tokens == stateless.usage.input_tokens
+    with_instructions = client.responses.create(model="agent", input=history, tools=TOOLS,
+                                                instructions="Be brief.", store=False)
+    assert with_instructions.usage is not None
+    assert with_instructions.usage.input_tokens > second.usage.input_tokens
+
+
+def test_a_stored_response_is_retrieved_listed_and_deleted(
+    daemon: Daemon, client: openai.OpenAI
+) -> None:
+    first, result = call_round(client)
+    second = client.responses.create(model="agent", previous_response_id=first.id,
+                                     input=result, tools=TOOLS)
+    assert client.responses.retrieve(first.id).model_dump() == first.model_dump()
+    items = client.responses.input_items.list(second.id, order="asc")
+    assert [item.type for item in items.data] == [
+        "message", "reasoning", "function_call", "function_call_output"]
+    assert items.data[2].id == first.output[1].id and not items.has_more
+    newest = client.responses.input_items.list(second.id, limit=2)
+    assert [item.type for item in newest.data] == ["function_call_output", "function_call"]
+    assert newest.has_more and newest.last_id == newest.data[1].id
+    rest = client.responses.input_items.list(second.id, limit=2, after=newest.last_id)
+    assert [item.type for item in rest.data] == ["reasoning", "message"] and not rest.has_more
+
+    scrape = httpx.get(daemon.url + "/metrics").text
+    assert metric_value(scrape, "direct_frontend_responses_stored") >= 2
+    assert metric_value(scrape, "direct_frontend_responses_stored_bytes") > 0
+    assert 'endpoint="/v1/responses/{id}",status="200"' in scrape  # not one per id
+    assert 'endpoint="/v1/responses/{id}/input_items",status="200"' in scrape
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.delete(first.id)
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(model="agent", previous_response_id=first.id, input="again")
+    assert caught.value.code == "previous_response_not_found"
+    third = client.responses.create(model="agent", previous_response_id=second.id,
+                                    input="Thanks. [result]")
+    assert third.output_text  # its history does not need the deleted turn's record
+
+
+def test_a_streamed_response_is_stored_too_and_store_false_keeps_nothing(
+    daemon: Daemon, client: openai.OpenAI
+) -> None:
+    events = list(client.responses.create(model="agent", input="Say it. [result]",
+                                          stream=True))
+    done = events[-1].response
+    assert events[0].response.store is True
+    assert client.responses.retrieve(done.id).output_text == "It is sunny in Zürich."
+    unkept = client.responses.create(model="agent", input="Say it. [result]", store=False)
+    assert unkept.store is False
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unkept.id)
     with pytest.raises(openai.BadRequestError) as caught:
         client.responses.create(model="agent", input="hi", previous_response_id="resp_1")
-    assert "previous_response_id" in str(caught.value)
+    assert caught.value.code == "previous_response_not_found"
+    assert caught.value.param == "previous_response_id"  # type: ignore[attr-defined]
     with pytest.raises(openai.BadRequestError):
         client.responses.create(model="agent", input=[{"type": "web_search_call"}])
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.responses.input_items.list(done.id, limit=500)
+    assert "limit" in str(bad.value)
+
+
+def test_a_server_that_keeps_nothing_says_so(model_dir: Path,
+                                             tmp_path_factory: pytest.TempPathFactory) -> None:
+    text = frontend_table(model_dir, '[frontend.responses]\nstore = false\n\n'
+                          '[[model]]\nname = "demo"\n') + "\n" + engine_table("sim", "vllm",
+                                                                             "demo")
+    with running_daemon(tmp_path_factory.mktemp("unkept"), text) as unkept:
+        unkept.wait_serving(1)
+        with openai_client(unkept) as client:
+            response = client.responses.create(model="demo", input="hi", max_output_tokens=3)
+            assert response.store is False
+            with pytest.raises(openai.NotFoundError):
+                client.responses.retrieve(response.id)
+            with pytest.raises(openai.BadRequestError) as caught:
+                client.responses.create(model="demo", input="hi",
+                                        previous_response_id=response.id)
+            assert "store = false" in str(caught.value)
 
 
 def test_a_failure_after_the_stream_started_ends_it_as_the_api_does(

@@ -127,6 +127,18 @@ def test_two_workers_serve_one_port_and_one_scrape_counts_both(
         served = sum(metric(text, "direct_frontend_requests_total", w) for w in "01")
         assert served >= 30  # every request, and the scrapes, counted once
 
+        # a stored response is found whichever worker a follow-up's connection reaches
+        ask = {"model": "demo", "max_output_tokens": 2}
+        with httpx.Client(timeout=10) as client:
+            made = client.post(base + "/v1/responses", json={**ask, "input": "hi"}).json()
+        for _ in range(12):
+            with httpx.Client(timeout=10) as client:
+                r = client.post(base + "/v1/responses", headers={"connection": "close"}, json={
+                    **ask, "input": "more", "previous_response_id": made["id"], "store": False})
+                assert r.status_code == 200, r.text
+        views = seen_workers(base, 16).values()
+        assert sum(v["replicas"]["counts"]["responses_served"] for v in views) > 0
+
 
 def test_a_killed_worker_is_started_again(model_dir: Path, tmp_path: Path) -> None:
     with worker_service(tmp_path, model_dir, 2) as (base, parent, _path):

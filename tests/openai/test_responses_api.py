@@ -8,7 +8,8 @@ from typing import Any
 import pytest
 
 from direct_frontend.openai.errors import OpenAIHTTPError
-from direct_frontend.openai.responses_api import parse_responses_request
+from direct_frontend.openai.response_store import decode_items
+from direct_frontend.openai.responses_api import parse_responses_request, read_responses_body
 
 TOOL = {"type": "function", "name": "f", "parameters": {"type": "object"}}
 
@@ -43,7 +44,9 @@ def test_a_string_input_is_one_user_turn_and_a_named_choice_forces_it() -> None:
 
 
 @pytest.mark.parametrize(("fields", "param"), [
-    ({"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"input": "hi", "previous_response_id": 7}, "previous_response_id"),
+    ({"input": "hi", "store": "yes"}, "store"),
+    ({"input": "hi", "conversation": "conv_1"}, "conversation"),
     ({}, "input"),
     ({"input": [{"type": "web_search_call"}]}, "input[0].type"),
     ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0].type"),
@@ -51,7 +54,49 @@ def test_a_string_input_is_one_user_turn_and_a_named_choice_forces_it() -> None:
     ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]},
      "input[0].content[0].type"),
 ])
-def test_what_a_stateless_server_cannot_take_is_a_400(fields: dict[str, Any], param: str) -> None:
+def test_what_the_server_cannot_take_is_a_400(fields: dict[str, Any], param: str) -> None:
     with pytest.raises(OpenAIHTTPError) as caught:
         parse_responses_request(body(**fields))
     assert caught.value.status == 400 and caught.value.param == param
+
+
+def test_a_follow_up_reads_its_history_first_and_no_earlier_instructions() -> None:
+    first = parse_responses_request(body(instructions="Be brief.", input="hi"))
+    assert first.store and first.previous_response_id is None and first.history == ()
+    history = tuple(json.dumps(item).encode() for item in (
+        *first.items,
+        {"type": "reasoning", "id": "rs_1", "summary": [],
+         "content": [{"type": "reasoning_text", "text": "hmm"}]},
+        {"type": "message", "id": "msg_1", "role": "assistant",
+         "content": [{"type": "output_text", "text": "hello", "annotations": []}]},
+    ))
+    raw = read_responses_body(body(input="again", previous_response_id="resp_1", store=False))
+    follow_up = parse_responses_request(raw, history, decode_items(history))
+    chat = follow_up.chat
+    assert [(m.role, m.content) for m in chat.messages] == [
+        ("user", "hi"), ("assistant", "hello"), ("user", "again")]
+    assert follow_up.history is history and follow_up.previous_response_id == "resp_1"
+    assert not follow_up.store and follow_up.instructions is None
+
+
+def test_input_items_come_back_typed_with_ids_and_their_content_in_parts() -> None:
+    parsed = parse_responses_request(body(input=[
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello", "id": "msg_mine"},
+        {"type": "function_call_output", "call_id": "call_1", "output": "one"},
+    ]))
+    user, assistant, output = parsed.items
+    assert user["type"] == "message" and user["id"].startswith("msg_")
+    assert user["content"] == [{"type": "input_text", "text": "hi"}]
+    assert assistant["id"] == "msg_mine"
+    assert assistant["content"] == [{"type": "output_text", "text": "hello"}]
+    assert output["id"].startswith("fco_") and output["output"] == "one"
+    assert parse_responses_request(body(input="hi")).items[0]["content"] == [
+        {"type": "input_text", "text": "hi"}]
+
+
+def test_a_broken_stored_item_names_the_previous_response() -> None:
+    history = (b'{"type":"message","role":"robot","content":"x"}',)
+    with pytest.raises(OpenAIHTTPError) as caught:
+        parse_responses_request(body(input="hi"), history, decode_items(history))
+    assert caught.value.param == "previous_response_id.role"

@@ -1,0 +1,112 @@
+"""``/v1/responses/{id}``: retrieve, delete and list the input items of a stored response.
+
+A response is held by the process that answered it (its id says which,
+openai/response_store.py). One this process does not hold is asked of that
+sibling over the replica link, so a client whose follow-up lands on another
+worker or replica still finds it; a sibling that is gone took its responses
+with it, and the answer is OpenAI's "not found".
+"""
+
+from __future__ import annotations
+
+from typing import Final
+from urllib.parse import parse_qs
+
+import msgspec
+
+from direct_frontend.http.asgi import JSON, Headers, Send, send_body
+from direct_frontend.openai.errors import invalid_request, response_not_found
+from direct_frontend.openai.response_store import ResponseStore, StoredResponse, owner_of
+
+#: ``GET``/``DELETE /v1/responses/{id}``, ``GET /v1/responses/{id}/input_items``
+RESPONSE_PATH: Final = "/v1/responses/"
+INPUT_ITEMS: Final = "/input_items"
+#: ``input_items`` pages: OpenAI's default and largest ``limit``
+DEFAULT_LIMIT: Final = 20
+MAX_LIMIT: Final = 100
+
+class _ItemId(msgspec.Struct):
+    id: str | None = None
+
+
+_item_id: Final = msgspec.json.Decoder(_ItemId)
+
+
+async def find(store: ResponseStore, response_id: str) -> StoredResponse | None:
+    """The stored response: this process's, else its owner's (a sibling), else None."""
+    record = store.get(response_id)
+    if record is not None:
+        return record
+    owner = owner_of(response_id)
+    if store.remote is None or owner is None or owner == store.owner:
+        return None
+    return await store.remote.fetch(owner, response_id)
+
+
+async def respond_retrieve(store: ResponseStore, response_id: str, send: Send,
+                           headers: Headers) -> int:
+    record = await find(store, response_id)
+    if record is None:
+        raise response_not_found(response_id)
+    await send_body(send, 200, record.response, JSON, headers)
+    return 200
+
+
+async def respond_delete(store: ResponseStore, response_id: str, send: Send,
+                         headers: Headers) -> int:
+    deleted = store.delete(response_id)
+    owner = owner_of(response_id)
+    if not deleted and store.remote is not None and owner is not None and owner != store.owner:
+        deleted = await store.remote.delete(owner, response_id)
+    if not deleted:
+        raise response_not_found(response_id)
+    body = b'{"id":%b,"object":"response.deleted","deleted":true}' % msgspec.json.encode(
+        response_id)
+    await send_body(send, 200, body, JSON, headers)
+    return 200
+
+
+async def respond_input_items(store: ResponseStore, response_id: str, query: bytes,
+                              send: Send, headers: Headers) -> int:
+    """One page of the items the response answered (earlier turns' included), OpenAI's list."""
+    limit, order, after = _page_query(query)
+    record = await find(store, response_id)
+    if record is None:
+        raise response_not_found(response_id)
+    items = list(record.conversation)
+    if order == "desc":
+        items.reverse()
+    ids = [_item_id.decode(item).id for item in items]
+    start = 0
+    if after is not None:
+        if after not in ids:
+            raise invalid_request(f"No input item with id '{after}' in response "
+                                  f"'{response_id}'.", "after")
+        start = ids.index(after) + 1
+    page = items[start:start + limit]
+    page_ids = ids[start:start + limit]
+    body = b'{"object":"list","data":[%b],"first_id":%b,"last_id":%b,"has_more":%b}' % (
+        b",".join(page),
+        msgspec.json.encode(page_ids[0] if page_ids else None),
+        msgspec.json.encode(page_ids[-1] if page_ids else None),
+        b"true" if start + limit < len(items) else b"false",
+    )
+    await send_body(send, 200, body, JSON, headers)
+    return 200
+
+
+def _page_query(query: bytes) -> tuple[int, str, str | None]:
+    """``limit`` (1–100), ``order`` (``asc``/``desc``, newest first by default), ``after``."""
+    fields = parse_qs(query.decode("latin-1"))
+    limit = DEFAULT_LIMIT
+    if "limit" in fields:
+        raw = fields["limit"][-1]
+        if not raw.isdigit() or not 1 <= int(raw) <= MAX_LIMIT:
+            raise invalid_request(f"Invalid 'limit': {raw!r} (an integer from 1 to "
+                                  f"{MAX_LIMIT}).", "limit")
+        limit = int(raw)
+    order = fields.get("order", ["desc"])[-1]
+    if order not in ("asc", "desc"):
+        raise invalid_request(f"Invalid 'order': {order!r} ('asc' or 'desc').", "order")
+    after = fields.get("after", [None])[-1]
+    return limit, order, after
