@@ -1924,6 +1924,72 @@ def frontend_checks(
     report.check("frontend: a completions batch of token prompts answers as each alone "
                  "(and max_tokens 0 scores them)",
                  lambda: _batch_check(oa, texts, served))
+    report.check("frontend: /v1/messages and a stored /v1/responses turn answer as chat does",
+                 lambda: _messages_and_responses_check(fe, client, texts, served, chat_msgs))
+
+
+def _sse_data(lines: Iterator[str]) -> Iterator[dict[str, Any]]:
+    for line in lines:
+        if line.startswith("data: ") and line != "data: [DONE]":
+            yield json.loads(line[len("data: "):])
+
+
+def _messages_and_responses_check(
+    fe: Frontend, client: EngineClient, texts: Texts, served: str, chat_msgs: list[Any]
+) -> str:
+    """Anthropic's Messages API and a stored Responses turn on the same greedy chat.
+
+    Both are chat underneath: the text must be the engine's own greedy output
+    for the chat prompt, the stream must say the same, and a follow-up that
+    names a stored response must answer as the same turns sent whole.
+    """
+    import httpx
+
+    ids = texts.chat_ids(chat_msgs)
+    own = texts.decode(client.generate("rv-msg-direct", ids, 16, stream=False)["tokens"])
+    ask = {"model": served, "max_tokens": 16, "temperature": 0, "messages": chat_msgs}
+    with httpx.Client(base_url=fe.base_url, timeout=120) as http:
+        message = http.post("/v1/messages", json=ask).json()
+        expect(message.get("type") == "message", f"not a Message: {message}")
+        text = "".join(b["text"] for b in message["content"] if b["type"] == "text")
+        expect(text == own, f"Messages text {text!r}, the engine's own {own!r}")
+        usage = message["usage"]
+        expect(usage["input_tokens"] + usage["cache_read_input_tokens"] == len(ids),
+               f"usage {usage}, prompt {len(ids)}")
+        expect(usage["output_tokens"] == 16 and message["stop_reason"] == "max_tokens",
+               f"usage {usage}, stop {message['stop_reason']!r}")
+        with http.stream("POST", "/v1/messages", json={**ask, "stream": True}) as r:
+            events = list(_sse_data(r.iter_lines()))
+        streamed = "".join(e["delta"]["text"] for e in events
+                           if e["type"] == "content_block_delta")
+        expect(streamed == own, f"Messages stream {streamed!r}, the engine's own {own!r}")
+        expect(events[-1]["type"] == "message_stop", f"last event {events[-1]}")
+        counted = http.post("/v1/messages/count_tokens", json={
+            "model": served, "messages": chat_msgs}).json()
+        expect(counted == {"input_tokens": len(ids)}, f"count_tokens {counted}")
+
+        turn = {"model": served, "temperature": 0, "max_output_tokens": 16}
+        first = http.post("/v1/responses", json={**turn, "input": chat_msgs}).json()
+        first_text = "".join(p["text"] for item in first["output"] if item["type"] == "message"
+                             for p in item["content"])
+        expect(first_text == own, f"Responses text {first_text!r}, the engine's own {own!r}")
+        more = [{"role": "user", "content": "And one more line."}]
+        follow = http.post("/v1/responses", json={
+            **turn, "input": more, "previous_response_id": first["id"]}).json()
+        whole = http.post("/v1/responses", json={
+            **turn, "store": False, "input": [*chat_msgs, *first["output"], *more]}).json()
+        texts_of = [
+            "".join(p["text"] for item in r["output"] if item["type"] == "message"
+                    for p in item["content"]) for r in (follow, whole)]
+        expect(texts_of[0] == texts_of[1],
+               f"stored turn {texts_of[0]!r} != the same turns sent whole {texts_of[1]!r}")
+        expect(follow["usage"]["input_tokens"] == whole["usage"]["input_tokens"],
+               f"input tokens {follow['usage']} vs {whole['usage']}")
+        got = http.get(f"/v1/responses/{follow['id']}").json()
+        expect(got == follow, "GET /v1/responses/{id} differs from the answer")
+    return (f"Messages = the engine's own greedy text ({len(own)} chars), stream equal, "
+            f"usage exact; a stored turn = the same turns sent whole "
+            f"({follow['usage']['input_tokens']} input tokens)")
 
 
 #: how far the same position's logprob may differ between two runs of the engine (batch

@@ -40,9 +40,23 @@ def bearer(scope: Scope) -> str | None:
     return None
 
 
-def credential_ok(scope: Scope, accepted: Sequence[str]) -> bool:
-    """Whether the request's bearer credential is one of ``accepted`` (constant time)."""
+def api_key(scope: Scope) -> str | None:
+    """The ``x-api-key`` credential of a request (how Anthropic's clients send theirs)."""
+    headers: list[tuple[bytes, bytes]] = scope.get("headers", [])
+    for name, value in headers:
+        if name.lower() == b"x-api-key" and value.strip():
+            return value.decode("latin-1").strip()
+    return None
+
+
+def credential_ok(scope: Scope, accepted: Sequence[str], *, api_key_header: bool = False) -> bool:
+    """Whether the request's bearer credential is one of ``accepted`` (constant time).
+
+    ``api_key_header``: an ``x-api-key`` header counts too (the API keys, not the admin token).
+    """
     given = bearer(scope)
+    if given is None and api_key_header:
+        given = api_key(scope)
     if given is None:
         return False
     found = False

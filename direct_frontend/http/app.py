@@ -20,12 +20,14 @@ import trio
 from direct_frontend.fleet.schema import FrontendConfig
 from direct_frontend.http.admin import credential_ok, events_socket, unauthorized
 from direct_frontend.http.asgi import (
+    JSON,
     ClientGone,
     Headers,
     Receive,
     ResponseProgress,
     Scope,
     Send,
+    error_shape,
     lifespan,
     read_body,
     send_body,
@@ -33,6 +35,7 @@ from direct_frontend.http.asgi import (
 )
 from direct_frontend.http.control_view import ControlView
 from direct_frontend.http.embeddings import respond_embeddings
+from direct_frontend.http.messages_api import respond_messages
 from direct_frontend.http.render import render_model, render_models
 from direct_frontend.http.responses import respond
 from direct_frontend.http.responses_api import respond_responses
@@ -58,6 +61,7 @@ from direct_frontend.openai.errors import (
     response_not_found,
     unknown_route,
 )
+from direct_frontend.openai.messages_api import anthropic_error_body, parse_messages_request
 from direct_frontend.openai.parse import (
     parse_chat_request,
     parse_completion_request,
@@ -74,7 +78,7 @@ from direct_frontend.openai.responses_api import (
 from direct_frontend.openai.types import ChatRequest, CompletionRequest
 from direct_frontend.pipeline.admission import Rejected
 from direct_frontend.pipeline.models import ServedModel
-from direct_frontend.pipeline.preprocess import Kind, prepare_each
+from direct_frontend.pipeline.preprocess import Kind, chat_prompt_ids, prepare_each
 from direct_frontend.pipeline.settings import Settings
 from direct_frontend.routing.affinity import routing_key
 
@@ -85,6 +89,9 @@ TOKENIZER_PATHS = frozenset({"/tokenize", "/detokenize"})
 
 #: ``GET /v1/models/{model}``: the rest of the path is the id (which may hold slashes)
 MODEL_PATH = "/v1/models/"
+
+#: Anthropic's Messages API: its errors go out in Anthropic's shape
+MESSAGES_PATH = "/v1/messages"
 
 #: an endpoint: the request's settings snapshot and its ASGI triple in, the HTTP status out
 Handler = Callable[[Settings, Scope, Receive, Send], Awaitable[int]]
@@ -118,6 +125,8 @@ class App:
             "/v1/chat/completions": {"POST": self._chat},
             "/v1/completions": {"POST": self._completions},
             "/v1/responses": {"POST": self._responses},
+            MESSAGES_PATH: {"POST": self._messages},
+            MESSAGES_PATH + "/count_tokens": {"POST": self._count_tokens},
             "/v1/embeddings": {"POST": self._embeddings},
             "/tokenize": {"POST": self._tokenize},
             "/detokenize": {"POST": self._detokenize},
@@ -139,6 +148,16 @@ class App:
             return
         if scope["type"] != "http":
             return
+        if not scope["path"].startswith(MESSAGES_PATH):
+            await self._http(settings, scope, receive, send)
+            return
+        shape = error_shape.set(anthropic_error_body)  # every error of it, 401 included
+        try:
+            await self._http(settings, scope, receive, send)
+        finally:
+            error_shape.reset(shape)
+
+    async def _http(self, settings: Settings, scope: Scope, receive: Receive, send: Send) -> None:
         path, method = scope["path"], scope["method"]
         started = time.perf_counter()
         methods = self._routes.get(path)
@@ -323,6 +342,25 @@ class App:
             raise previous_response_not_found(response_id)
         return record
 
+    async def _messages(
+        self, settings: Settings, scope: Scope, receive: Receive, send: Send
+    ) -> int:
+        return await self._generate("messages", settings, scope, receive, send)
+
+    async def _count_tokens(self, settings: Settings, scope: Scope, receive: Receive,
+                            send: Send) -> int:
+        """Anthropic's ``count_tokens``: the prompt a Messages request would send, counted."""
+        async def answer(body: bytes, headers: Headers) -> int:
+            chat = parse_messages_request(body, counting=True)
+            served = self._model_of(chat.model)
+            prepared = served.prepare_request(chat)
+            assert isinstance(prepared, ChatRequest)
+            _, ids = await chat_prompt_ids(prepared, served.tokenizing)
+            await send_body(send, 200, b'{"input_tokens":%d}' % len(ids), JSON, headers)
+            return 200
+
+        return await self._from_body(settings, receive, send, answer)
+
     async def _tokenize(self, settings: Settings, scope: Scope, receive: Receive,
                         send: Send) -> int:
         async def answer(body: bytes, headers: Headers) -> int:
@@ -389,7 +427,7 @@ class App:
         return await self._traced(scope, walk)
 
     async def _generate(
-        self, kind: Kind | Literal["responses"], settings: Settings, scope: Scope,
+        self, kind: Kind | Literal["responses", "messages"], settings: Settings, scope: Scope,
         receive: Receive, send: Send,
     ) -> int:
         async def walk(request_id: str, trace: RequestTrace | None,
@@ -428,7 +466,7 @@ class App:
 
     async def _walk(
         self,
-        kind: Kind | Literal["responses"],
+        kind: Kind | Literal["responses", "messages"],
         settings: Settings,
         receive: Receive,
         send: Send,
@@ -453,6 +491,7 @@ class App:
                 responses = parse_responses_request(raw, history, decode_items(history))
             request: ChatRequest | CompletionRequest = (
                 responses.chat if responses is not None
+                else parse_messages_request(body) if kind == "messages"
                 else parse_chat_request(body) if kind == "chat"
                 else parse_completion_request(body)
             )
@@ -493,6 +532,9 @@ class App:
                         dataclasses.replace(responses, chat=prepared.request),
                         receive, send, headers, trace, self.responses,
                     )
+                if kind == "messages":
+                    return await respond_messages(found[0].relay, settings, prepared, receive,
+                                                  send, headers, trace)
                 return await respond(
                     found[0].relay, settings, prompts, receive, send, headers, trace
                 )
@@ -512,7 +554,7 @@ def _denied(frontend: FrontendConfig, scope: Scope) -> OpenAIHTTPError | None:
     path = scope["path"]
     if path.startswith("/v1/") or path in TOKENIZER_PATHS:
         keys = frontend.auth.api_keys
-        if keys and not credential_ok(scope, keys):
+        if keys and not credential_ok(scope, keys, api_key_header=True):
             return unauthorized()
     elif path.startswith("/fleet"):
         token = frontend.admin.token

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Awaitable, Callable, MutableMapping
+from contextvars import ContextVar
 from typing import Any
 
 import trio
@@ -133,8 +134,15 @@ async def send_body(
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
+#: how the request being served shapes an error body: OpenAI's, or the Messages API's
+#: (Anthropic's), set once per request by the app so every layer's error speaks its client's
+error_shape: ContextVar[Callable[[OpenAIHTTPError], bytes]] = ContextVar(
+    "error_shape", default=error_body)
+
+
 async def send_error(send: Send, err: OpenAIHTTPError, headers: Headers | None = None) -> None:
-    await send_body(send, err.status, error_body(err), JSON, [*err.headers, *(headers or [])])
+    await send_body(send, err.status, error_shape.get()(err), JSON,
+                    [*err.headers, *(headers or [])])
 
 
 async def lifespan(receive: Receive, send: Send) -> None:

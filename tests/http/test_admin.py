@@ -75,6 +75,10 @@ def test_openai_endpoints_need_an_api_key_when_configured(secured: Daemon) -> No
     bad = openai.OpenAI(base_url=url + "/v1", api_key="nope", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.models.list()
+    # Anthropic's clients send theirs as x-api-key: taken for the API keys, never for /fleet
+    assert httpx.get(url + "/v1/models", headers={"x-api-key": API_KEY}).status_code == 200
+    assert httpx.get(url + "/v1/models", headers={"x-api-key": "nope"}).status_code == 401
+    assert httpx.get(url + "/fleet", headers={"x-api-key": ADMIN_TOKEN}).status_code == 401
 
 
 def test_fleet_needs_the_admin_token_and_never_shows_secrets(secured: Daemon) -> None:

@@ -1,0 +1,234 @@
+"""``/v1/messages`` output: a chat choice's parsed deltas as Anthropic content blocks and events.
+
+:class:`MessageBuilder` is sans-IO: each parsed delta becomes the stream's
+``content_block_start`` / ``content_block_delta`` / ``content_block_stop``
+events, and the blocks it keeps are the non-streaming Message's content, so
+both say the same. Blocks follow the model's order (thinking, text, one
+``tool_use`` per call); a new kind of output closes the open block. Usage is
+Anthropic's: ``input_tokens`` are the prompt tokens the engine did not have
+cached, ``cache_read_input_tokens`` the ones it had.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from typing import Any, Final
+
+import msgspec
+
+from direct_frontend.engines.neutral import TokenLogprob
+from direct_frontend.http.asgi import JSON, Headers, Receive, Send, send_body
+from direct_frontend.http.responses import _answer, _Progress, _start, _until_end
+from direct_frontend.observability.tracing import RequestTrace
+from direct_frontend.openai.errors import OpenAIHTTPError
+from direct_frontend.openai.messages_api import anthropic_error_body
+from direct_frontend.openai.parsers.base import ParsedDelta
+from direct_frontend.pipeline.preprocess import PreparedRequest
+from direct_frontend.pipeline.relay import Relay, RelayState
+from direct_frontend.pipeline.settings import Settings
+
+log = logging.getLogger("direct_frontend.http")
+
+_encode: Final = msgspec.json.Encoder().encode
+Event = dict[str, Any]
+
+
+class MessageBuilder:
+    """The content blocks and stream events of one Message (one choice)."""
+
+    def __init__(self, message_id: str, model: str) -> None:
+        self.id = message_id
+        self.model = model
+        self.blocks: list[dict[str, Any]] = []
+        self.malformed_inputs = 0  # tool calls whose arguments were not a JSON object
+        self._open: dict[str, Any] | None = None
+        self._arguments: dict[int, str] = {}  # a tool_use block's index -> its JSON so far
+        self._calls: dict[int, int] = {}  # the parser's call index -> the block's index
+
+    def message(self, stop_reason: str | None, stop_sequence: str | None,
+                usage: dict[str, int]) -> dict[str, Any]:
+        return {"id": self.id, "type": "message", "role": "assistant", "model": self.model,
+                "content": self.blocks if stop_reason is not None else [],
+                "stop_reason": stop_reason, "stop_sequence": stop_sequence, "usage": usage}
+
+    @property
+    def called(self) -> bool:
+        return any(block["type"] == "tool_use" for block in self.blocks)
+
+    def feed(self, delta: ParsedDelta) -> list[Event]:
+        events: list[Event] = []
+        if delta.reasoning:
+            index = self._block("thinking", events)
+            self.blocks[index]["thinking"] += delta.reasoning
+            events.append(_delta(index, {"type": "thinking_delta",
+                                         "thinking": delta.reasoning}))
+        if delta.content:
+            index = self._block("text", events)
+            self.blocks[index]["text"] += delta.content
+            events.append(_delta(index, {"type": "text_delta", "text": delta.content}))
+        for piece in delta.tool_calls:
+            index = self._calls.get(piece.index, -1)
+            if index < 0 or piece.id is not None:
+                index = self._block("tool_use", events, piece.id or f"toolu_{piece.index}",
+                                    piece.name or "")
+                self._calls[piece.index] = index
+            if piece.arguments:
+                self._arguments[index] += piece.arguments
+                events.append(_delta(index, {"type": "input_json_delta",
+                                             "partial_json": piece.arguments}))
+        return events
+
+    def finish(self) -> list[Event]:
+        events: list[Event] = []
+        self._close(events)
+        return events
+
+    def _block(self, kind: str, events: list[Event], call_id: str = "", name: str = "") -> int:
+        """The open block of ``kind``; a new one (closing the open one) when it is another."""
+        block = self._open
+        if block is not None and block["type"] == kind and kind != "tool_use":
+            return len(self.blocks) - 1
+        self._close(events)
+        if kind == "thinking":
+            block = {"type": "thinking", "thinking": "", "signature": ""}
+        elif kind == "text":
+            block = {"type": "text", "text": ""}
+        else:
+            block = {"type": "tool_use", "id": call_id, "name": name, "input": {}}
+        self.blocks.append(block)
+        self._open = block
+        index = len(self.blocks) - 1
+        if kind == "tool_use":
+            self._arguments[index] = ""
+        events.append({"type": "content_block_start", "index": index,
+                       "content_block": dict(block)})
+        return index
+
+    def _close(self, events: list[Event]) -> None:
+        block, self._open = self._open, None
+        if block is None:
+            return
+        index = len(self.blocks) - 1
+        if block["type"] == "tool_use":
+            block["input"] = self._input(self._arguments.pop(index))
+        events.append({"type": "content_block_stop", "index": index})
+
+    def _input(self, arguments: str) -> dict[str, Any]:
+        """A call's arguments as the object ``input`` must be (``{}`` if they are not one)."""
+        if not arguments.strip():
+            return {}
+        try:
+            value = json.loads(arguments)
+        except ValueError:
+            value = None
+        if isinstance(value, dict):
+            return value
+        self.malformed_inputs += 1
+        return {}
+
+
+def _delta(index: int, delta: dict[str, Any]) -> Event:
+    return {"type": "content_block_delta", "index": index, "delta": delta}
+
+
+def _usage(state: RelayState) -> dict[str, int]:
+    prompt = len(state.prepared.input_ids)
+    cached = state.cached_tokens or 0
+    return {"input_tokens": prompt - cached, "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": cached,
+            "output_tokens": state.processor.completion_tokens}
+
+
+def _stop(state: RelayState, builder: MessageBuilder) -> tuple[str, str | None]:
+    """Anthropic's ``stop_reason`` and the ``stop_sequence`` behind it."""
+    final = state.final
+    assert final is not None
+    if final.finish_reason == "length":
+        return "max_tokens", None
+    if final.matched_stop is not None:
+        return "stop_sequence", final.matched_stop
+    return ("tool_use" if builder.called else "end_turn"), None
+
+
+def _render(events: Sequence[Event]) -> bytes:
+    out = bytearray()
+    for event in events:
+        out += b"event: %b\ndata: %b\n\n" % (event["type"].encode(), _encode(event))
+    return bytes(out)
+
+
+def _stream_error(err: OpenAIHTTPError) -> bytes:
+    """A started stream ends as Anthropic's do: an ``error`` event."""
+    return b"event: error\ndata: %b\n\n" % anthropic_error_body(err)
+
+
+async def respond_messages(
+    relay: Relay, settings: Settings, prepared: PreparedRequest, receive: Receive, send: Send,
+    headers: Headers, trace: RequestTrace | None = None,
+) -> int:
+    """Run the request as a chat choice and answer it as an Anthropic Message."""
+    builder = MessageBuilder("msg_" + prepared.request_id, prepared.request.model)
+    write = _stream if prepared.request.stream else _complete
+
+    async def run(state: RelayState) -> int:
+        status = await write(relay, state, builder, send, headers)
+        if builder.malformed_inputs:
+            relay.metrics.parser_malformed_total.labels("messages_tool_input").inc(
+                builder.malformed_inputs)
+            log.warning("a tool call's arguments were not a JSON object; its input is {}")
+        return status
+
+    async def begin() -> RelayState:
+        return await relay.begin(settings, prepared, trace)
+
+    return await _answer(relay, begin, run, relay.settle, receive, send, headers)
+
+
+async def _complete(relay: Relay, state: RelayState, builder: MessageBuilder, send: Send,
+                    headers: Headers) -> int:
+    async def emit(text: str, tokens: int, finished: bool,
+                   logprobs: Sequence[TokenLogprob]) -> None:
+        builder.feed(state.parse(text, finished))
+
+    status = await _until_end(relay.run(state, emit), state.error_for, _Progress(), send,
+                              headers, _stream_error)
+    if status != 200:
+        return status
+    builder.finish()
+    reason, sequence = _stop(state, builder)
+    await send_body(send, 200, _encode(builder.message(reason, sequence, _usage(state))), JSON,
+                    headers)
+    return 200
+
+
+async def _stream(relay: Relay, state: RelayState, builder: MessageBuilder, send: Send,
+                  headers: Headers) -> int:
+    progress = _Progress()
+    out = progress.out
+
+    async def emit(text: str, tokens: int, finished: bool,
+                   logprobs: Sequence[TokenLogprob]) -> None:
+        if not progress.started:
+            await _start(send, headers)
+            progress.started = True
+            usage = {**_usage(state), "output_tokens": 0}
+            out.extend(_render([{"type": "message_start",
+                                 "message": builder.message(None, None, usage)}]))
+        out.extend(_render(builder.feed(state.parse(text, finished))))
+        if finished:
+            events = builder.finish()
+            reason, sequence = _stop(state, builder)
+            events.append({"type": "message_delta",
+                           "delta": {"stop_reason": reason, "stop_sequence": sequence},
+                           "usage": _usage(state)})
+            events.append({"type": "message_stop"})
+            out.extend(_render(events))
+            await send({"type": "http.response.body", "body": bytes(out), "more_body": False})
+        elif out:
+            await send({"type": "http.response.body", "body": bytes(out), "more_body": True})
+            out.clear()
+
+    return await _until_end(relay.run(state, emit), state.error_for, progress, send, headers,
+                            _stream_error)

@@ -1,0 +1,202 @@
+"""Anthropic's ``POST /v1/messages`` bodies, read into the chat request the pipeline runs.
+
+Agents built on the Anthropic SDK (Claude Code among them) speak the
+Messages API. Like the Responses API it maps onto chat completions one to
+one: ``system`` is a leading system message, a ``tool_use`` block an
+assistant's tool call, a ``tool_result`` block a ``tool`` message, tools'
+``input_schema`` their ``parameters``, ``tool_choice`` ``any`` is
+``required``. So the body becomes a chat body validated by the same code:
+one pipeline, one set of parsers. ``thinking`` blocks sent back are dropped,
+as the Responses API's reasoning items are (nothing is signed here).
+
+Errors keep the chat parser's words and field names but go out in
+Anthropic's shape (:func:`anthropic_error_body`): the SDK raises its typed
+errors from ``error.type``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Final
+
+import msgspec
+
+from direct_frontend.openai.errors import OpenAIHTTPError, invalid_request
+from direct_frontend.openai.parse import MAX_JSON_DEPTH, nesting_depth_exceeds, parse_chat_request
+from direct_frontend.openai.types import ChatRequest
+
+_decoder: Final = msgspec.json.Decoder(dict[str, Any])
+_encode: Final = msgspec.json.Encoder().encode
+
+#: Anthropic's error type for each HTTP status we answer with
+_ERROR_TYPES: Final = {400: "invalid_request_error", 401: "authentication_error",
+                       403: "permission_error", 404: "not_found_error",
+                       413: "request_too_large", 429: "rate_limit_error",
+                       503: "overloaded_error", 529: "overloaded_error"}
+
+
+def read_messages_body(body: bytes) -> dict[str, Any]:
+    if nesting_depth_exceeds(body):
+        raise invalid_request(
+            f"The request body nests arrays and objects more than {MAX_JSON_DEPTH} levels deep."
+        )
+    try:
+        raw: dict[str, Any] = _decoder.decode(body)
+    except msgspec.DecodeError as exc:
+        raise invalid_request(f"The request body is not a JSON object: {exc}.") from None
+    return raw
+
+
+def parse_messages_request(body: bytes, *, counting: bool = False) -> ChatRequest:
+    """A Messages body as the chat request it runs as; a 400 naming the field if it is bad.
+
+    ``counting``: a ``count_tokens`` body, which has no ``max_tokens``.
+    """
+    raw = read_messages_body(body)
+    if "messages" not in raw:
+        raise invalid_request("messages: Field required", "messages")
+    if not counting and raw.get("max_tokens") is None:
+        raise invalid_request("max_tokens: Field required", "max_tokens")
+    chat: dict[str, Any] = {k: raw[k] for k in ("model", "temperature", "top_p", "top_k",
+                                                "max_tokens", "stream") if k in raw}
+    stops = raw.get("stop_sequences") or []
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise invalid_request("stop_sequences: expected a list of strings", "stop_sequences")
+    if stops:
+        chat["stop"] = stops
+    metadata = raw.get("metadata")
+    if isinstance(metadata, dict) and isinstance(metadata.get("user_id"), str):
+        chat["user"] = metadata["user_id"]
+    messages = _system(raw.get("system"))
+    for i, message in enumerate(_list(raw["messages"], "messages")):
+        messages += _turn(i, message)
+    if not messages:
+        raise invalid_request("messages: at least one message is required", "messages")
+    chat["messages"] = messages
+    tools = raw.get("tools") or []
+    chat["tools"] = [_tool(i, tool) for i, tool in enumerate(_list(tools, "tools"))]
+    if raw.get("tool_choice") is not None:
+        choice, parallel = _tool_choice(raw["tool_choice"])
+        chat["tool_choice"] = choice
+        if not parallel:
+            chat["parallel_tool_calls"] = False
+    if raw.get("stream"):
+        chat["stream_options"] = {"include_usage": True}
+    if counting:
+        chat.setdefault("max_tokens", 1)
+    return parse_chat_request(_encode(chat))
+
+
+def anthropic_error_body(err: OpenAIHTTPError) -> bytes:
+    """An error in Anthropic's shape: ``{"type": "error", "error": {"type", "message"}}``."""
+    kind = _ERROR_TYPES.get(err.status, "api_error" if err.status >= 500 else
+                            "invalid_request_error")
+    return _encode({"type": "error", "error": {"type": kind, "message": err.message}})
+
+
+def _list(value: Any, param: str) -> list[Any]:
+    if not isinstance(value, list):
+        raise invalid_request(f"{param}: Input should be a valid list", param)
+    return value
+
+
+def _system(system: Any) -> list[dict[str, Any]]:
+    if system is None or system == "" or system == []:
+        return []
+    if isinstance(system, str):
+        return [{"role": "system", "content": system}]
+    return [{"role": "system", "content": _texts(system, "system")}]
+
+
+def _texts(blocks: Any, where: str) -> str:
+    """The text of a list of text blocks (``cache_control`` and ``citations`` are ignored)."""
+    texts = []
+    for j, block in enumerate(_list(blocks, where)):
+        if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(
+                block.get("text"), str):
+            kind = block.get("type") if isinstance(block, dict) else type(block).__name__
+            raise invalid_request(f"{where}.{j}: content block type '{kind}' is not supported "
+                                  "here; only text blocks are", f"{where}.{j}.type")
+        texts.append(block["text"])
+    return "".join(texts)
+
+
+def _turn(i: int, message: Any) -> list[dict[str, Any]]:
+    """One Messages turn as chat messages: a user turn's tool results become ``tool`` messages."""
+    where = f"messages.{i}"
+    if not isinstance(message, dict):
+        raise invalid_request(f"{where}: Input should be an object", where)
+    role = message.get("role")
+    if role not in ("user", "assistant"):
+        raise invalid_request(f"{where}.role: Input should be 'user' or 'assistant'",
+                              f"{where}.role")
+    content = message.get("content")
+    if isinstance(content, str):
+        return [{"role": role, "content": content}]
+    texts: list[str] = []
+    out: list[dict[str, Any]] = []
+    calls: list[dict[str, Any]] = []
+    for j, block in enumerate(_list(content, f"{where}.content")):
+        at = f"{where}.content.{j}"
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "text" and isinstance(block.get("text"), str):
+            texts.append(block["text"])
+        elif kind in ("thinking", "redacted_thinking") and role == "assistant":
+            continue  # earlier reasoning is not replayed (nothing here signs it)
+        elif kind == "tool_use" and role == "assistant":
+            for field in ("id", "name"):
+                if not isinstance(block.get(field), str):
+                    raise invalid_request(f"{at}.{field}: Field required", f"{at}.{field}")
+            calls.append({"id": block["id"], "type": "function", "function": {
+                "name": block["name"], "arguments": json.dumps(block.get("input") or {},
+                                                               ensure_ascii=False)}})
+        elif kind == "tool_result" and role == "user":
+            if not isinstance(block.get("tool_use_id"), str):
+                raise invalid_request(f"{at}.tool_use_id: Field required", f"{at}.tool_use_id")
+            result = block.get("content", "")
+            text = result if isinstance(result, str) else _texts(result, f"{at}.content")
+            out.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": text})
+        else:
+            raise invalid_request(f"{at}: content block type '{kind}' is not supported in a "
+                                  f"{role} message", f"{at}.type")
+    if role == "assistant":
+        turn: dict[str, Any] = {"role": "assistant", "content": "".join(texts) or None}
+        if calls:
+            turn["tool_calls"] = calls
+        return [turn]
+    if texts:  # results answer the calls before them; the user's words follow
+        out.append({"role": "user", "content": "".join(texts)})
+    return out
+
+
+def _tool(i: int, tool: Any) -> dict[str, Any]:
+    """An Anthropic client tool as a chat tool."""
+    where = f"tools.{i}"
+    if not isinstance(tool, dict) or not isinstance(tool.get("name"), str):
+        raise invalid_request(f"{where}.name: Field required", f"{where}.name")
+    if tool.get("type") not in (None, "custom"):
+        raise invalid_request(f"{where}: tool type '{tool['type']}' is not supported; only "
+                              "client tools (name, input_schema) are", f"{where}.type")
+    function: dict[str, Any] = {"name": tool["name"],
+                                "parameters": tool.get("input_schema") or {"type": "object"}}
+    if isinstance(tool.get("description"), str):
+        function["description"] = tool["description"]
+    return {"type": "function", "function": function}
+
+
+def _tool_choice(choice: Any) -> tuple[Any, bool]:
+    """``tool_choice`` as chat's, and whether several calls may be made at once."""
+    if not isinstance(choice, dict):
+        raise invalid_request("tool_choice: Input should be an object", "tool_choice")
+    parallel = not choice.get("disable_parallel_tool_use", False)
+    kind = choice.get("type")
+    if kind == "auto":
+        return "auto", parallel
+    if kind == "any":
+        return "required", parallel
+    if kind == "none":
+        return "none", parallel
+    if kind == "tool" and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}, parallel
+    raise invalid_request(f"tool_choice.type: '{kind}' is not one of 'auto', 'any', 'tool', "
+                          "'none' (a 'tool' choice names it)", "tool_choice.type")
