@@ -71,6 +71,7 @@ from direct_frontend.openai.parse import (
 )
 from direct_frontend.openai.response_store import ResponseStore, StoredResponse, decode_items
 from direct_frontend.openai.responses_api import (
+    ResponsesRequest,
     parse_responses_request,
     previous_response_id,
     read_responses_body,
@@ -125,6 +126,7 @@ class App:
             "/v1/chat/completions": {"POST": self._chat},
             "/v1/completions": {"POST": self._completions},
             "/v1/responses": {"POST": self._responses},
+            "/v1/responses/input_tokens": {"POST": self._input_tokens},
             MESSAGES_PATH: {"POST": self._messages},
             MESSAGES_PATH + "/count_tokens": {"POST": self._count_tokens},
             "/v1/embeddings": {"POST": self._embeddings},
@@ -329,6 +331,13 @@ class App:
             await send_error(send, err, headers)
             return err.status
 
+    async def _responses_request(self, body: bytes) -> ResponsesRequest:
+        """A Responses body read with the history of the response it continues, if any."""
+        raw = read_responses_body(body)
+        previous = previous_response_id(raw)
+        history = () if previous is None else (await self._previous(previous)).history()
+        return parse_responses_request(raw, history, decode_items(history))
+
     async def _previous(self, response_id: str) -> StoredResponse:
         """The stored response a Responses request continues; a 400 if none is held."""
         if self.responses is None:
@@ -351,15 +360,30 @@ class App:
                             send: Send) -> int:
         """Anthropic's ``count_tokens``: the prompt a Messages request would send, counted."""
         async def answer(body: bytes, headers: Headers) -> int:
-            chat = parse_messages_request(body, counting=True)
-            served = self._model_of(chat.model)
-            prepared = served.prepare_request(chat)
-            assert isinstance(prepared, ChatRequest)
-            _, ids = await chat_prompt_ids(prepared, served.tokenizing)
-            await send_body(send, 200, b'{"input_tokens":%d}' % len(ids), JSON, headers)
+            count = await self._prompt_tokens(parse_messages_request(body, counting=True))
+            await send_body(send, 200, b'{"input_tokens":%d}' % count, JSON, headers)
             return 200
 
         return await self._from_body(settings, receive, send, answer)
+
+    async def _input_tokens(self, settings: Settings, scope: Scope, receive: Receive,
+                            send: Send) -> int:
+        """OpenAI's ``/v1/responses/input_tokens``: a Responses request's prompt, counted."""
+        async def answer(body: bytes, headers: Headers) -> int:
+            count = await self._prompt_tokens((await self._responses_request(body)).chat)
+            await send_body(send, 200, b'{"object":"response.input_tokens","input_tokens":%d}'
+                            % count, JSON, headers)
+            return 200
+
+        return await self._from_body(settings, receive, send, answer)
+
+    async def _prompt_tokens(self, chat: ChatRequest) -> int:
+        """The tokens of the prompt ``chat`` would send its model (no engine asked)."""
+        served = self._model_of(chat.model)
+        prepared = served.prepare_request(chat)
+        assert isinstance(prepared, ChatRequest)
+        _, ids = await chat_prompt_ids(prepared, served.tokenizing)
+        return len(ids)
 
     async def _tokenize(self, settings: Settings, scope: Scope, receive: Receive,
                         send: Send) -> int:
@@ -483,12 +507,7 @@ class App:
         frontend = settings.frontend
         try:
             body = await read_body(receive, frontend.max_body_bytes, frontend.body_timeout_s)
-            responses = None
-            if kind == "responses":
-                raw = read_responses_body(body)
-                previous = previous_response_id(raw)
-                history = () if previous is None else (await self._previous(previous)).history()
-                responses = parse_responses_request(raw, history, decode_items(history))
+            responses = await self._responses_request(body) if kind == "responses" else None
             request: ChatRequest | CompletionRequest = (
                 responses.chat if responses is not None
                 else parse_messages_request(body) if kind == "messages"

@@ -6,8 +6,9 @@ one: ``system`` is a leading system message, a ``tool_use`` block an
 assistant's tool call, a ``tool_result`` block a ``tool`` message, tools'
 ``input_schema`` their ``parameters``, ``tool_choice`` ``any`` is
 ``required``. So the body becomes a chat body validated by the same code:
-one pipeline, one set of parsers. ``thinking`` blocks sent back are dropped,
-as the Responses API's reasoning items are (nothing is signed here).
+one pipeline, one set of parsers. A ``thinking`` block sent back is its
+assistant turn's reasoning, for the chat template (nothing is signed here:
+the signature is not checked).
 
 Errors keep the chat parser's words and field names but go out in
 Anthropic's shape (:func:`anthropic_error_body`): the SDK raises its typed
@@ -134,6 +135,7 @@ def _turn(i: int, message: Any) -> list[dict[str, Any]]:
     if isinstance(content, str):
         return [{"role": role, "content": content}]
     texts: list[str] = []
+    thoughts: list[str] = []
     out: list[dict[str, Any]] = []
     calls: list[dict[str, Any]] = []
     for j, block in enumerate(_list(content, f"{where}.content")):
@@ -141,8 +143,11 @@ def _turn(i: int, message: Any) -> list[dict[str, Any]]:
         kind = block.get("type") if isinstance(block, dict) else None
         if kind == "text" and isinstance(block.get("text"), str):
             texts.append(block["text"])
-        elif kind in ("thinking", "redacted_thinking") and role == "assistant":
-            continue  # earlier reasoning is not replayed (nothing here signs it)
+        elif kind == "thinking" and role == "assistant":
+            if isinstance(block.get("thinking"), str):
+                thoughts.append(block["thinking"])
+        elif kind == "redacted_thinking" and role == "assistant":
+            continue  # encrypted by another server: nothing here can read it
         elif kind == "tool_use" and role == "assistant":
             for field in ("id", "name"):
                 if not isinstance(block.get(field), str):
@@ -163,6 +168,8 @@ def _turn(i: int, message: Any) -> list[dict[str, Any]]:
         turn: dict[str, Any] = {"role": "assistant", "content": "".join(texts) or None}
         if calls:
             turn["tool_calls"] = calls
+        if thoughts:
+            turn["reasoning_content"] = "".join(thoughts)
         return [turn]
     if texts:  # results answer the calls before them; the user's words follow
         out.append({"role": "user", "content": "".join(texts)})

@@ -66,6 +66,9 @@ class _MessageWire(msgspec.Struct):
     name: str | None = None
     tool_calls: tuple[ToolCall, ...] | None = None
     tool_call_id: str | None = None
+    # an assistant turn's reasoning, sent back as our answers carry it (vLLM's newer name too)
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class _StreamOptionsWire(msgspec.Struct):
@@ -381,6 +384,8 @@ def _message(i: int, m: _MessageWire) -> ChatMessage:
         name=m.name,
         tool_calls=m.tool_calls or (),
         tool_call_id=m.tool_call_id,
+        reasoning=(m.reasoning_content if m.reasoning_content is not None else m.reasoning)
+        if m.role == "assistant" else None,
     )
 
 

@@ -10,9 +10,9 @@ one set of parsers. A request that continues a stored response
 (``previous_response_id``) is read with that response's history in front of
 its own input (openai/response_store.py; the HTTP shell looks it up), and
 its own input items come back normalized, with ids, for the record it makes.
-``instructions`` are never carried over, as the API says. Reasoning items are
-dropped, sent back or stored, as a server that does not encrypt reasoning
-must: the template renders the turns without them.
+``instructions`` are never carried over, as the API says. A reasoning item
+(sent back or stored) is its assistant turn's reasoning: the chat template
+renders it where its model expects it (within a tool loop), or not at all.
 """
 
 from __future__ import annotations
@@ -177,6 +177,18 @@ def _format(fmt: dict[str, Any]) -> dict[str, Any]:
     return {"type": fmt.get("type")}
 
 
+def _reasoning_text(item: dict[str, Any]) -> str:
+    """A reasoning item's text: its ``reasoning_text`` content, else its summary."""
+    for field in ("content", "summary"):
+        parts = item.get(field)
+        if isinstance(parts, list):
+            text = "".join(p["text"] for p in parts
+                           if isinstance(p, dict) and isinstance(p.get("text"), str))
+            if text:
+                return text
+    return ""
+
+
 def _text_of(content: Any, where: str) -> str:
     """A message's content: a string, or the text of its input/output text parts."""
     if isinstance(content, str):
@@ -198,9 +210,20 @@ def _messages(items: list[Any], earlier: int = 0) -> list[dict[str, Any]]:
     """Input items as chat messages; consecutive function calls share one assistant turn.
 
     The first ``earlier`` items are a stored history (an error in one names
-    ``previous_response_id``), the rest the request's ``input``.
+    ``previous_response_id``), the rest the request's ``input``. A reasoning
+    item's text goes with the assistant turn that follows it (the template
+    decides whether to render it).
     """
     messages: list[dict[str, Any]] = []
+    reasoning = ""  # a reasoning item's text, waiting for its assistant turn
+
+    def assistant(turn: dict[str, Any]) -> dict[str, Any]:
+        nonlocal reasoning
+        if reasoning:
+            turn["reasoning_content"] = turn.get("reasoning_content", "") + reasoning
+            reasoning = ""
+        return turn
+
     for i, item in enumerate(items):
         where = f"input[{i - earlier}]" if i >= earlier else "previous_response_id"
         if not isinstance(item, dict):
@@ -211,7 +234,8 @@ def _messages(items: list[Any], earlier: int = 0) -> list[dict[str, Any]]:
             if role not in ("user", "system", "developer", "assistant"):
                 raise invalid_request(f"Invalid value for '{where}.role': '{role}'.",
                                       f"{where}.role")
-            messages.append({"role": role, "content": _text_of(item.get("content"), where)})
+            turn = {"role": role, "content": _text_of(item.get("content"), where)}
+            messages.append(assistant(turn) if role == "assistant" else turn)
         elif kind == "function_call":
             for field in ("call_id", "name", "arguments"):
                 if not isinstance(item.get(field), str):
@@ -222,9 +246,10 @@ def _messages(items: list[Any], earlier: int = 0) -> list[dict[str, Any]]:
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant" and (
                     last.get("tool_calls") or not last["content"]):
-                last.setdefault("tool_calls", []).append(call)
+                assistant(last).setdefault("tool_calls", []).append(call)
             else:
-                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                messages.append(assistant({"role": "assistant", "content": None,
+                                           "tool_calls": [call]}))
         elif kind == "function_call_output":
             if not isinstance(item.get("call_id"), str):
                 raise invalid_request(f"Missing required parameter: '{where}.call_id'.",
@@ -234,7 +259,7 @@ def _messages(items: list[Any], earlier: int = 0) -> list[dict[str, Any]]:
                              "content": output if isinstance(output, str)
                              else _text_of(output, where)})
         elif kind == "reasoning":
-            continue  # stateless and unencrypted: earlier reasoning is not replayed
+            reasoning += _reasoning_text(item)
         else:
             raise invalid_request(f"Input item type '{kind}' is not supported.", f"{where}.type")
     if not messages:

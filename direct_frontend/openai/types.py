@@ -58,6 +58,8 @@ class ChatMessage(msgspec.Struct, frozen=True, kw_only=True):
     name: str | None = None
     tool_calls: tuple[ToolCall, ...] = ()
     tool_call_id: str | None = None
+    #: an assistant turn's reasoning, for templates that render it (within a tool loop)
+    reasoning: str | None = None
 
 
 class _RequestBase(msgspec.Struct, frozen=True, kw_only=True):

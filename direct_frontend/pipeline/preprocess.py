@@ -85,6 +85,10 @@ def message_dict(message: ChatMessage) -> dict[str, object]:
         ]
     if message.tool_call_id is not None:
         out["tool_call_id"] = message.tool_call_id
+    if message.reasoning:
+        # under both names templates read it by: reasoning_content (Qwen3, GLM, DeepSeek),
+        # thinking (gpt-oss); each renders it where its model expects it, or not at all
+        out["reasoning_content"] = out["thinking"] = message.reasoning
     return out
 
 

@@ -142,6 +142,10 @@ def test_a_follow_up_continues_a_stored_response_as_if_it_sent_the_history(
                                      input=result, tools=TOOLS)
     assert second.output_text == "It is sunny in Zürich."
     assert second.previous_response_id == first.id
+    counted = httpx.post(daemon.url + "/v1/responses/input_tokens", json={
+        "model": "agent", "previous_response_id": first.id, "input": result, "tools": TOOLS})
+    assert counted.json() == {"object": "response.input_tokens",
+                              "input_tokens": second.usage.input_tokens}  # type: ignore[union-attr]
     history: list[Any] = [{"role": "user", "content": QUESTION}]
     history += [item.model_dump(exclude_none=True) for item in first.output] + result
     stateless = client.responses.create(model="agent", input=history, tools=TOOLS, store=False)

@@ -120,3 +120,50 @@ async def test_errors_and_long_prompts_leave_nothing_behind(text_model: TextMode
     prepared = await prepare("completion", parse_completion_request(long), "b", tokenizing)
     assert len(prepared.input_ids) > 1000
     assert len(tokenizing.prompts) == 0
+
+
+async def test_an_assistant_turns_reasoning_reaches_the_template_from_every_api(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """Chat's ``reasoning_content``/``reasoning``, a Responses reasoning item, a thinking block."""
+    from direct_frontend.openai.messages_api import parse_messages_request
+    from direct_frontend.openai.responses_api import parse_responses_request
+
+    copy = tmp_path / "model"
+    shutil.copytree(model_dir, copy)
+    (copy / "chat_template.jinja").write_text(
+        "{% for m in messages %}{{ m.role }}:{{ m.content or '' }}"
+        "{% if m.reasoning_content %}[r:{{ m.reasoning_content }}|t:{{ m.thinking }}]"
+        "{% endif %}{% for c in m.tool_calls or [] %}<{{ c.function.name }}>{% endfor %}"
+        ";{% endfor %}"
+    )
+    tokenizing = _tokenizing(TextModel.load(copy))
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+
+    def chat(**reasoning: str) -> bytes:
+        return json.dumps({"model": "m", "messages": [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": None, "tool_calls": [call], **reasoning},
+            {"role": "tool", "tool_call_id": "c1", "content": "ok"}]}).encode()
+
+    want = "user:hi;assistant:[r:hmm|t:hmm]<f>;tool:ok;"
+    for body in (chat(reasoning_content="hmm"), chat(reasoning="hmm")):
+        prompt, _ = await chat_prompt_ids(parse_chat_request(body), tokenizing)
+        assert prompt == want
+    responses = parse_responses_request(json.dumps({"model": "m", "input": [
+        {"role": "user", "content": "hi"},
+        {"type": "reasoning", "id": "rs_1", "summary": [],
+         "content": [{"type": "reasoning_text", "text": "hmm"}]},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "ok"}]}).encode())
+    assert (await chat_prompt_ids(responses.chat, tokenizing))[0] == want
+    messages = parse_messages_request(json.dumps({"model": "m", "max_tokens": 5, "messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": [{"type": "thinking", "thinking": "hmm", "signature": ""},
+                                          {"type": "tool_use", "id": "c1", "name": "f",
+                                           "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "c1",
+                                      "content": "ok"}]}]}).encode())
+    assert (await chat_prompt_ids(messages, tokenizing))[0] == want
+    plain, _ = await chat_prompt_ids(parse_chat_request(chat()), tokenizing)
+    assert plain == "user:hi;assistant:<f>;tool:ok;"  # and the cache told them apart
