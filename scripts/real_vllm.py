@@ -1928,6 +1928,17 @@ def frontend_checks(
                  lambda: _messages_and_responses_check(fe, client, texts, served, chat_msgs))
 
 
+def _parser_parity(cache: Path, model: Path) -> str:
+    """scripts/parser_parity.py: vLLM's parsers (in the peer env) and ours on the same outputs."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import parser_parity
+
+    equal, skipped, diffs = parser_parity.compare(peer_python(cache), model)
+    expect(not diffs, "; ".join(diffs))
+    return (f"{equal} model outputs parse to vLLM's calls; {skipped} skipped (vLLM's parser "
+            "needs its model's special tokens)")
+
+
 def _sse_data(lines: Iterator[str]) -> Iterator[dict[str, Any]]:
     for line in lines:
         if line.startswith("data: ") and line != "data: [DONE]":
@@ -3081,6 +3092,9 @@ def main(argv: list[str] | None = None) -> int:
         how, model = ensure_model(cache, run_dir, rebuild=args.rebuild_model)
         report.timing("tiny model + tokenizer", time.monotonic() - t, f"{how}; {model}")
 
+        if not args.embeddings_only:
+            report.check("parsers: our tool parsers give vLLM's own calls",
+                         lambda: _parser_parity(cache, model))
         if args.embeddings_only:
             engine = start_pooling_engine(report, cache, model, run_dir, args)
             embedding_checks(report, run_dir, engine, args)

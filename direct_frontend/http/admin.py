@@ -69,7 +69,8 @@ def unauthorized(what: str = "API key") -> OpenAIHTTPError:
     """401 in OpenAI's shape; the credential given is never echoed."""
     return OpenAIHTTPError(
         401,
-        f"Missing or incorrect {what}. Send it as 'Authorization: Bearer <{what.lower()}>'.",
+        f"Missing or incorrect {what}. Send it as 'Authorization: Bearer <{what.lower()}>'"
+        + (" (or as 'x-api-key')." if what == "API key" else "."),
         "invalid_request_error",
         None,
         "invalid_api_key",

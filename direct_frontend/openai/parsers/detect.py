@@ -25,7 +25,9 @@ _TOOL_RULES: tuple[tuple[tuple[str, ...], str, str], ...] = (
      "DeepSeek tool markers with a ```json block"),
     (("<｜tool▁calls▁begin｜>",), "deepseek_v31", "DeepSeek tool markers without a ```json block"),
     (("<|tool_calls_section_begin|>",), "kimi_k2", "Kimi K2 tool-call section markers"),
+    (("<minimax:tool_call>",), "minimax_m2", "MiniMax-M2 <minimax:tool_call> markers"),
     (("<function=", "<parameter="), "qwen3_coder", "Qwen3-Coder XML function markers"),
+    (("<tool_call>", "<arg_key>"), "glm45", "GLM <arg_key>/<arg_value> call markers"),
     (("<tool_call>",), "hermes", "<tool_call> tags (Hermes / Qwen)"),
     (("[TOOL_CALLS]",), "mistral", "Mistral [TOOL_CALLS] token"),
     (("<|python_start|>",), "pythonic", "Llama 4 python markers"),
@@ -37,6 +39,8 @@ _REASONING_RULES: tuple[tuple[tuple[str, ...], str, str], ...] = (
     (("<|channel|>", "<|message|>"), "harmony", "Harmony analysis channel"),
     (("[THINK]",), "mistral", "Mistral [THINK] token"),
     (("<｜Assistant｜>", "<think>"), "deepseek_r1", "DeepSeek template with <think>"),
+    (("<minimax:tool_call>", "<think>"), "minimax_m2", "MiniMax-M2 template with <think>"),
+    (("<arg_key>", "<think>"), "glm45", "GLM template with <think>"),
     (("<think>",), "qwen3", "<think> block in the template"),
 )
 #: model_type (config.json) -> (tool parser, reasoning parser)
@@ -51,6 +55,8 @@ _MODEL_TYPES: dict[str, tuple[str | None, str | None]] = {
     "mistral3": ("mistral", None),
     "deepseek_v3": ("deepseek_v3", "deepseek_r1"),
     "kimi_k2": ("kimi_k2", None),
+    "glm4_moe": ("glm45", "glm45"),
+    "minimax_m2": ("minimax_m2", "minimax_m2"),
 }
 
 

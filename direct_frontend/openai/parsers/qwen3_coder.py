@@ -24,7 +24,7 @@ _VALUE_ENDS = ("</parameter>", "\n<parameter=", "\n</function>")
 _PREFIXES = ("<function=", "<parameter=", "</function>")
 
 
-def _value(raw: str, schema: Any) -> Any:
+def typed_value(raw: str, schema: Any) -> Any:
     """The JSON value of a parameter's text, typed by its schema where there is one."""
     kind = schema.get("type") if isinstance(schema, dict) else None
     if kind == "string" or (isinstance(kind, list) and "string" in kind and len(kind) == 1):
@@ -99,7 +99,7 @@ class XmlFunctionBody:
         if self._schemas is not None and self.name is not None:
             tool = self._schemas.get(self.name) or {}
             schema = (tool.get("properties") or {}).get(key)
-        value = _value(raw, schema)
+        value = typed_value(raw, schema)
         lead = "{" if self._count == 0 else ", "
         self._count += 1
         self._ready.append(lead + json.dumps(key, ensure_ascii=False) + ": "

@@ -14,10 +14,12 @@ from direct_frontend.openai.parsers.base import OutputParser, ParsedDelta, ToolS
 from direct_frontend.openai.parsers.calls import CallParser
 from direct_frontend.openai.parsers.deepseek_v3 import DeepSeekV3Parser
 from direct_frontend.openai.parsers.deepseek_v31 import DeepSeekV31Parser
+from direct_frontend.openai.parsers.glm45 import Glm45Parser
 from direct_frontend.openai.parsers.harmony import HarmonyParser
 from direct_frontend.openai.parsers.hermes import HermesParser
 from direct_frontend.openai.parsers.kimi_k2 import KimiK2Parser
 from direct_frontend.openai.parsers.llama3_json import Llama3JsonParser
+from direct_frontend.openai.parsers.minimax_m2 import MiniMaxM2Parser
 from direct_frontend.openai.parsers.mistral import MistralParser
 from direct_frontend.openai.parsers.pythonic import PythonicParser
 from direct_frontend.openai.parsers.qwen3_coder import Qwen3CoderParser
@@ -26,12 +28,14 @@ from direct_frontend.openai.parsers.think import MistralThinkParser, ThinkParser
 TOOL_PARSERS: dict[str, type[CallParser]] = {
     cls.name: cls
     for cls in (HermesParser, Qwen3CoderParser, Llama3JsonParser, PythonicParser, MistralParser,
-                DeepSeekV3Parser, DeepSeekV31Parser, KimiK2Parser, HarmonyParser)
+                DeepSeekV3Parser, DeepSeekV31Parser, KimiK2Parser, HarmonyParser, Glm45Parser,
+                MiniMaxM2Parser)
 }
 TOOL_ALIASES: dict[str, str] = {
     "qwen": "hermes", "qwen25": "hermes", "qwen3": "hermes", "llama3": "llama3_json",
     "llama4_pythonic": "pythonic", "deepseekv3": "deepseek_v3", "deepseekv31": "deepseek_v31",
     "openai": "harmony", "gpt_oss": "harmony", "qwen3_xml": "qwen3_coder",
+    "glm4_moe": "glm45", "glm46": "glm45", "glm47": "glm45", "minimax": "minimax_m2",
 }
 
 #: reasoning parser name -> (class, whether the reply starts inside the block by default);
@@ -40,12 +44,16 @@ REASONING_PARSERS: dict[str, tuple[type[ThinkParser] | None, bool]] = {
     "deepseek_r1": (ThinkParser, True),
     "qwen3": (ThinkParser, False),
     "kimi_k2": (ThinkParser, False),
+    "glm45": (ThinkParser, False),
+    "minimax_m2": (ThinkParser, True),  # it always thinks (vLLM's parser starts inside too)
     "mistral": (MistralThinkParser, False),
     "harmony": (None, False),
 }
 REASONING_ALIASES: dict[str, str] = {
     "deepseek_v3": "deepseek_r1", "deepseek_v31": "deepseek_r1", "qwen3_thinking": "qwen3",
     "magistral": "mistral", "gpt_oss": "harmony", "openai": "harmony",
+    "glm4_moe": "glm45", "glm46": "glm45", "glm47": "glm45", "minimax": "minimax_m2",
+    "minimax_m2_append_think": "minimax_m2",
 }
 
 

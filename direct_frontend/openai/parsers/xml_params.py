@@ -1,0 +1,117 @@
+"""One call whose arguments are tagged key/value pairs (GLM-4.5+, MiniMax-M2), typed by schema.
+
+The formats differ only in their tags: a header that names the function,
+then pairs whose value is bare text up to a closing tag. A value's JSON type
+comes from the tool's parameter schema, as Qwen3-Coder's do
+(:func:`~direct_frontend.openai.parsers.qwen3_coder.typed_value`); values
+are taken as the model wrote them (these templates write them on no line of
+their own). Arguments stream one pair at a time, since a value's type is
+known only once it is complete.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from direct_frontend.openai.parsers.base import ToolSchemas
+from direct_frontend.openai.parsers.qwen3_coder import typed_value
+
+#: how much unreadable header text a body waits for before it gives up
+HEADER_LIMIT = 256
+
+
+class TaggedParamsBody:
+    """A ``header`` naming the call, then ``pair_open`` value ``value_end`` pairs.
+
+    ``header`` must match only a complete header (group ``name``); ``bare``
+    names a call that ends before its header completed (a call without
+    arguments, whose name runs to the closing tag). ``pair_open`` (group
+    ``key``) matches a complete opening of a pair; ``openers`` are the texts
+    a pair may begin with, so a partial tag is waited for and anything else
+    fails the call.
+    """
+
+    __slots__ = ("_bare", "_count", "_header", "_openers", "_pair", "_pos", "_ready",
+                 "_schemas", "_text", "_value_end", "failed", "name")
+
+    def __init__(self, schemas: ToolSchemas | None, *, header: re.Pattern[str],
+                 pair_open: re.Pattern[str], value_end: str, openers: tuple[str, ...],
+                 bare: re.Pattern[str] | None = None) -> None:
+        self._schemas = schemas
+        self._header = header
+        self._pair = pair_open
+        self._value_end = value_end
+        self._openers = openers
+        self._bare = bare
+        self._text = ""
+        self._pos = 0  # parsed up to here
+        self._ready: list[str] = []
+        self._count = 0
+        self.name: str | None = None
+        self.failed = False
+
+    def push(self, text: str) -> int:
+        if not self.failed:
+            self._text += text
+            self._parse()
+        return -1
+
+    def _parse(self) -> None:
+        text = self._text
+        if self.name is None:
+            m = self._header.match(text)
+            if m is None:
+                if len(text) > HEADER_LIMIT:
+                    self.failed = True
+                return
+            self.name = m.group("name").strip()
+            if not self.name:
+                self.failed = True
+                return
+            self._pos = m.end()
+        while True:
+            m = self._pair.match(text, self._pos)
+            if m is None:
+                rest = text[self._pos:].lstrip()
+                if rest and not any(o.startswith(rest) or rest.startswith(o)
+                                    for o in self._openers):
+                    self.failed = True
+                return
+            end = text.find(self._value_end, m.end())
+            if end == -1:
+                return
+            self._add(m.group("key").strip(), text[m.end():end])
+            self._pos = end + len(self._value_end)
+
+    def _add(self, key: str, raw: str) -> None:
+        schema: Any = None
+        if self._schemas is not None and self.name is not None:
+            tool = self._schemas.get(self.name) or {}
+            schema = (tool.get("properties") or {}).get(key)
+        lead = "{" if self._count == 0 else ", "
+        self._count += 1
+        self._ready.append(lead + json.dumps(key, ensure_ascii=False) + ": "
+                           + json.dumps(typed_value(raw, schema), ensure_ascii=False))
+
+    def take_arguments(self) -> str:
+        if self.name is None:
+            return ""
+        out = "".join(self._ready)
+        self._ready = []
+        return out
+
+    def close(self) -> str | None:
+        if self.failed:
+            return None
+        if self.name is None:  # no arguments: the header ran to the closing tag
+            m = None if self._bare is None else self._bare.fullmatch(self._text)
+            if m is None:
+                return None
+            self.name = m.group("name").strip()
+            if not self.name or (self._schemas is not None and self.name not in self._schemas):
+                return None
+        elif self._text[self._pos:].strip():
+            return None  # a pair left open, or text that is not one
+        return self.take_arguments() + ("}" if self._count else "{}")
