@@ -81,6 +81,10 @@ def parse_messages_request(body: bytes, *, counting: bool = False) -> ChatReques
         chat["tool_choice"] = choice
         if not parallel:
             chat["parallel_tool_calls"] = False
+    thinking = raw.get("thinking")
+    if isinstance(thinking, dict) and thinking.get("type") in ("enabled", "disabled"):
+        on = thinking["type"] == "enabled"  # under the names thinking templates read it by
+        chat["chat_template_kwargs"] = {"enable_thinking": on, "thinking": on}
     if raw.get("stream"):
         chat["stream_options"] = {"include_usage": True}
     if counting:

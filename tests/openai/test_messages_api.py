@@ -99,3 +99,15 @@ def test_errors_in_anthropics_shape() -> None:
                          (408, "invalid_request_error")):
         err = OpenAIHTTPError(status, "x")
         assert json.loads(anthropic_error_body(err))["error"]["type"] == kind
+
+
+@pytest.mark.parametrize(("thinking", "kwargs"), [
+    ({"type": "enabled", "budget_tokens": 1024}, {"enable_thinking": True, "thinking": True}),
+    ({"type": "disabled"}, {"enable_thinking": False, "thinking": False}),
+    (None, None),
+])
+def test_thinking_reaches_the_template_as_its_switch(thinking: Any, kwargs: Any) -> None:
+    fields: dict[str, Any] = {"messages": [{"role": "user", "content": "hi"}]}
+    if thinking is not None:
+        fields["thinking"] = thinking
+    assert parse_messages_request(body(**fields)).chat_template_kwargs == kwargs
