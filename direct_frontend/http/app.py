@@ -68,13 +68,13 @@ from direct_frontend.openai.parse import (
     parse_detokenize_request,
     parse_embedding_request,
     parse_tokenize_request,
+    read_json_object,
 )
 from direct_frontend.openai.response_store import ResponseStore, StoredResponse, decode_items
 from direct_frontend.openai.responses_api import (
     ResponsesRequest,
     parse_responses_request,
     previous_response_id,
-    read_responses_body,
 )
 from direct_frontend.openai.types import ChatRequest, CompletionRequest
 from direct_frontend.pipeline.admission import Rejected
@@ -333,7 +333,7 @@ class App:
 
     async def _responses_request(self, body: bytes) -> ResponsesRequest:
         """A Responses body read with the history of the response it continues, if any."""
-        raw = read_responses_body(body)
+        raw = read_json_object(body)
         previous = previous_response_id(raw)
         history = () if previous is None else (await self._previous(previous)).history()
         return parse_responses_request(raw, history, decode_items(history))

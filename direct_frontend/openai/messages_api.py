@@ -23,10 +23,9 @@ from typing import Any, Final
 import msgspec
 
 from direct_frontend.openai.errors import OpenAIHTTPError, invalid_request
-from direct_frontend.openai.parse import MAX_JSON_DEPTH, nesting_depth_exceeds, parse_chat_request
+from direct_frontend.openai.parse import parse_chat_request, read_json_object
 from direct_frontend.openai.types import ChatRequest
 
-_decoder: Final = msgspec.json.Decoder(dict[str, Any])
 _encode: Final = msgspec.json.Encoder().encode
 
 #: Anthropic's error type for each HTTP status we answer with
@@ -36,24 +35,12 @@ _ERROR_TYPES: Final = {400: "invalid_request_error", 401: "authentication_error"
                        503: "overloaded_error", 529: "overloaded_error"}
 
 
-def read_messages_body(body: bytes) -> dict[str, Any]:
-    if nesting_depth_exceeds(body):
-        raise invalid_request(
-            f"The request body nests arrays and objects more than {MAX_JSON_DEPTH} levels deep."
-        )
-    try:
-        raw: dict[str, Any] = _decoder.decode(body)
-    except msgspec.DecodeError as exc:
-        raise invalid_request(f"The request body is not a JSON object: {exc}.") from None
-    return raw
-
-
 def parse_messages_request(body: bytes, *, counting: bool = False) -> ChatRequest:
     """A Messages body as the chat request it runs as; a 400 naming the field if it is bad.
 
     ``counting``: a ``count_tokens`` body, which has no ``max_tokens``.
     """
-    raw = read_messages_body(body)
+    raw = read_json_object(body)
     if "messages" not in raw:
         raise invalid_request("messages: Field required", "messages")
     if not counting and raw.get("max_tokens") is None:

@@ -168,7 +168,7 @@ class _DetokenizeWire(msgspec.Struct, kw_only=True):
     tokens: list[_TokenId]
 
 
-_W = TypeVar("_W", bound=msgspec.Struct)
+_W = TypeVar("_W", bound=msgspec.Struct | dict[str, Any])
 
 _chat_decoder: Final = msgspec.json.Decoder(_ChatWire)
 _completion_decoder: Final = msgspec.json.Decoder(_CompletionWire)
@@ -239,6 +239,14 @@ def nesting_depth_exceeds(body: bytes, limit: int = MAX_JSON_DEPTH) -> bool:
             return False
         brackets = shallower
     return b"[]" in brackets
+
+
+_object_decoder: Final = msgspec.json.Decoder(dict[str, Any])
+
+
+def read_json_object(body: bytes) -> dict[str, Any]:
+    """A body as a JSON object, for the APIs read into a chat body (Responses, Messages)."""
+    return _decode(_object_decoder, body)
 
 
 def _decode(decoder: msgspec.json.Decoder[_W], body: bytes) -> _W:

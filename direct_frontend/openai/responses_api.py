@@ -24,10 +24,9 @@ from typing import Any, Final
 import msgspec
 
 from direct_frontend.openai.errors import invalid_request
-from direct_frontend.openai.parse import MAX_JSON_DEPTH, nesting_depth_exceeds, parse_chat_request
+from direct_frontend.openai.parse import parse_chat_request, read_json_object
 from direct_frontend.openai.types import ChatRequest
 
-_decoder: Final = msgspec.json.Decoder(dict[str, Any])
 _encode: Final = msgspec.json.Encoder().encode
 
 #: Responses fields with the same meaning (and name) in a chat completions body
@@ -50,19 +49,6 @@ class ResponsesRequest:
     items: tuple[dict[str, Any], ...] = ()
 
 
-def read_responses_body(body: bytes) -> dict[str, Any]:
-    """A Responses body as a JSON object; raises ``OpenAIHTTPError`` (400) if it is not one."""
-    if nesting_depth_exceeds(body):
-        raise invalid_request(
-            f"The request body nests arrays and objects more than {MAX_JSON_DEPTH} levels deep."
-        )
-    try:
-        raw: dict[str, Any] = _decoder.decode(body)
-    except msgspec.DecodeError as exc:
-        raise invalid_request(f"The request body is not a JSON object: {exc}.") from None
-    return raw
-
-
 def previous_response_id(raw: dict[str, Any]) -> str | None:
     """The response a body continues, if it names one."""
     previous = raw.get("previous_response_id")
@@ -82,7 +68,7 @@ def parse_responses_request(
     ``history``: the stored items of the response the body continues (found by
     the caller), ``history_items`` the same decoded.
     """
-    raw = read_responses_body(body) if isinstance(body, bytes) else body
+    raw = read_json_object(body) if isinstance(body, bytes) else body
     if raw.get("conversation") is not None:  # silently without its history would mislead
         raise invalid_request(
             "The Conversations API is not served here: continue with previous_response_id, or "

@@ -8,8 +8,9 @@ from typing import Any
 import pytest
 
 from direct_frontend.openai.errors import OpenAIHTTPError
+from direct_frontend.openai.parse import read_json_object
 from direct_frontend.openai.response_store import decode_items
-from direct_frontend.openai.responses_api import parse_responses_request, read_responses_body
+from direct_frontend.openai.responses_api import parse_responses_request
 
 TOOL = {"type": "function", "name": "f", "parameters": {"type": "object"}}
 
@@ -70,7 +71,7 @@ def test_a_follow_up_reads_its_history_first_and_no_earlier_instructions() -> No
         {"type": "message", "id": "msg_1", "role": "assistant",
          "content": [{"type": "output_text", "text": "hello", "annotations": []}]},
     ))
-    raw = read_responses_body(body(input="again", previous_response_id="resp_1", store=False))
+    raw = read_json_object(body(input="again", previous_response_id="resp_1", store=False))
     follow_up = parse_responses_request(raw, history, decode_items(history))
     chat = follow_up.chat
     assert [(m.role, m.content) for m in chat.messages] == [

@@ -9,30 +9,18 @@ since a value's type is known only once it is complete.
 
 from __future__ import annotations
 
-import json
 import re
-from typing import Any
 
 from direct_frontend.openai.parsers.base import ToolSchemas
 from direct_frontend.openai.parsers.calls import CallBody, TaggedCallParser
 from direct_frontend.openai.parsers.scan import find_first
+from direct_frontend.openai.parsers.xml_params import argument_text
 
 _FUNCTION = re.compile(r"\s*<function=([^>\n]+)>")
 _PARAMETER = re.compile(r"\s*<parameter=([^>\n]+)>")
 _FUNCTION_END = re.compile(r"\s*</function>")
 _VALUE_ENDS = ("</parameter>", "\n<parameter=", "\n</function>")
 _PREFIXES = ("<function=", "<parameter=", "</function>")
-
-
-def typed_value(raw: str, schema: Any) -> Any:
-    """The JSON value of a parameter's text, typed by its schema where there is one."""
-    kind = schema.get("type") if isinstance(schema, dict) else None
-    if kind == "string" or (isinstance(kind, list) and "string" in kind and len(kind) == 1):
-        return raw
-    try:
-        return json.loads(raw)
-    except ValueError:
-        return raw
 
 
 class XmlFunctionBody:
@@ -95,15 +83,8 @@ class XmlFunctionBody:
 
     def _add(self, key: str, raw: str) -> None:
         raw = raw.removeprefix("\n").removesuffix("\n")
-        schema: Any = None
-        if self._schemas is not None and self.name is not None:
-            tool = self._schemas.get(self.name) or {}
-            schema = (tool.get("properties") or {}).get(key)
-        value = typed_value(raw, schema)
-        lead = "{" if self._count == 0 else ", "
+        self._ready.append(argument_text(self._schemas, self.name, key, raw, self._count == 0))
         self._count += 1
-        self._ready.append(lead + json.dumps(key, ensure_ascii=False) + ": "
-                           + json.dumps(value, ensure_ascii=False))
 
     def take_arguments(self) -> str:
         if self.name is None:

@@ -2,10 +2,9 @@
 
 The formats differ only in their tags: a header that names the function,
 then pairs whose value is bare text up to a closing tag. A value's JSON type
-comes from the tool's parameter schema, as Qwen3-Coder's do
-(:func:`~direct_frontend.openai.parsers.qwen3_coder.typed_value`); values
-are taken as the model wrote them (these templates write them on no line of
-their own). Arguments stream one pair at a time, since a value's type is
+comes from the tool's parameter schema (:func:`typed_value`; Qwen3-Coder's
+values too); values are taken as the model wrote them (these templates write
+them on no line of their own). Arguments stream one pair at a time, since a value's type is
 known only once it is complete.
 """
 
@@ -16,10 +15,31 @@ import re
 from typing import Any
 
 from direct_frontend.openai.parsers.base import ToolSchemas
-from direct_frontend.openai.parsers.qwen3_coder import typed_value
 
 #: how much unreadable header text a body waits for before it gives up
 HEADER_LIMIT = 256
+
+
+def typed_value(raw: str, schema: Any) -> Any:
+    """The JSON value of a parameter's text, typed by its schema where there is one."""
+    kind = schema.get("type") if isinstance(schema, dict) else None
+    if kind == "string" or (isinstance(kind, list) and "string" in kind and len(kind) == 1):
+        return raw
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return raw
+
+
+def argument_text(schemas: ToolSchemas | None, function: str | None, key: str, raw: str,
+                  first: bool) -> str:
+    """One argument as the next piece of the arguments' JSON (``{`` before the first)."""
+    schema: Any = None
+    if schemas is not None and function is not None:
+        tool = schemas.get(function) or {}
+        schema = (tool.get("properties") or {}).get(key)
+    return (("{" if first else ", ") + json.dumps(key, ensure_ascii=False) + ": "
+            + json.dumps(typed_value(raw, schema), ensure_ascii=False))
 
 
 class TaggedParamsBody:
@@ -86,14 +106,8 @@ class TaggedParamsBody:
             self._pos = end + len(self._value_end)
 
     def _add(self, key: str, raw: str) -> None:
-        schema: Any = None
-        if self._schemas is not None and self.name is not None:
-            tool = self._schemas.get(self.name) or {}
-            schema = (tool.get("properties") or {}).get(key)
-        lead = "{" if self._count == 0 else ", "
+        self._ready.append(argument_text(self._schemas, self.name, key, raw, self._count == 0))
         self._count += 1
-        self._ready.append(lead + json.dumps(key, ensure_ascii=False) + ": "
-                           + json.dumps(typed_value(raw, schema), ensure_ascii=False))
 
     def take_arguments(self) -> str:
         if self.name is None:
