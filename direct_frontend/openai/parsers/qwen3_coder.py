@@ -14,7 +14,7 @@ import re
 from direct_frontend.openai.parsers.base import ToolSchemas
 from direct_frontend.openai.parsers.calls import CallBody, TaggedCallParser
 from direct_frontend.openai.parsers.scan import find_first
-from direct_frontend.openai.parsers.xml_params import argument_text
+from direct_frontend.openai.parsers.xml_params import TypedArguments
 
 _FUNCTION = re.compile(r"\s*<function=([^>\n]+)>")
 _PARAMETER = re.compile(r"\s*<parameter=([^>\n]+)>")
@@ -23,22 +23,18 @@ _VALUE_ENDS = ("</parameter>", "\n<parameter=", "\n</function>")
 _PREFIXES = ("<function=", "<parameter=", "</function>")
 
 
-class XmlFunctionBody:
+class XmlFunctionBody(TypedArguments):
     """One ``<function=...>`` element, parsed as its parameters complete."""
 
-    __slots__ = ("_closed", "_count", "_from", "_pos", "_ready", "_schemas", "_tail", "_text",
-                 "failed", "name")
+    __slots__ = ("_closed", "_from", "_pos", "_tail", "_text", "failed")
 
     def __init__(self, schemas: ToolSchemas | None) -> None:
-        self._schemas = schemas
+        super().__init__(schemas)
         self._text = ""
         self._pos = 0  # parsed up to here
         self._from = 0  # where to look for the end of the open value
-        self._ready: list[str] = []
-        self._count = 0
         self._closed = False
         self._tail = ""
-        self.name: str | None = None
         self.failed = False
 
     def push(self, text: str) -> int:
@@ -82,21 +78,12 @@ class XmlFunctionBody:
             self.failed = True
 
     def _add(self, key: str, raw: str) -> None:
-        raw = raw.removeprefix("\n").removesuffix("\n")
-        self._ready.append(argument_text(self._schemas, self.name, key, raw, self._count == 0))
-        self._count += 1
-
-    def take_arguments(self) -> str:
-        if self.name is None:
-            return ""
-        out = "".join(self._ready)
-        self._ready = []
-        return out
+        super()._add(key, raw.removeprefix("\n").removesuffix("\n"))  # a value's own lines
 
     def close(self) -> str | None:
         if self.failed or not self._closed or self._tail.strip():
             return None
-        return self.take_arguments() + ("}" if self._count else "{}")
+        return self._rest()
 
 
 class Qwen3CoderParser(TaggedCallParser):

@@ -42,7 +42,34 @@ def argument_text(schemas: ToolSchemas | None, function: str | None, key: str, r
             + json.dumps(typed_value(raw, schema), ensure_ascii=False))
 
 
-class TaggedParamsBody:
+class TypedArguments:
+    """A call's arguments as JSON text, built one schema-typed pair at a time."""
+
+    __slots__ = ("_count", "_ready", "_schemas", "name")
+
+    def __init__(self, schemas: ToolSchemas | None) -> None:
+        self._schemas = schemas
+        self._ready: list[str] = []
+        self._count = 0
+        self.name: str | None = None
+
+    def _add(self, key: str, raw: str) -> None:
+        self._ready.append(argument_text(self._schemas, self.name, key, raw, self._count == 0))
+        self._count += 1
+
+    def take_arguments(self) -> str:
+        if self.name is None:
+            return ""
+        out = "".join(self._ready)
+        self._ready = []
+        return out
+
+    def _rest(self) -> str:
+        """What is left to send once the call closed well: the last pairs and the ``}``."""
+        return self.take_arguments() + ("}" if self._count else "{}")
+
+
+class TaggedParamsBody(TypedArguments):
     """A ``header`` naming the call, then ``pair_open`` value ``value_end`` pairs.
 
     ``header`` must match only a complete header (group ``name``); ``bare``
@@ -53,13 +80,13 @@ class TaggedParamsBody:
     fails the call.
     """
 
-    __slots__ = ("_bare", "_count", "_header", "_openers", "_pair", "_pos", "_ready",
-                 "_schemas", "_text", "_value_end", "failed", "name")
+    __slots__ = ("_bare", "_header", "_openers", "_pair", "_pos", "_text", "_value_end",
+                 "failed")
 
     def __init__(self, schemas: ToolSchemas | None, *, header: re.Pattern[str],
                  pair_open: re.Pattern[str], value_end: str, openers: tuple[str, ...],
                  bare: re.Pattern[str] | None = None) -> None:
-        self._schemas = schemas
+        super().__init__(schemas)
         self._header = header
         self._pair = pair_open
         self._value_end = value_end
@@ -67,9 +94,6 @@ class TaggedParamsBody:
         self._bare = bare
         self._text = ""
         self._pos = 0  # parsed up to here
-        self._ready: list[str] = []
-        self._count = 0
-        self.name: str | None = None
         self.failed = False
 
     def push(self, text: str) -> int:
@@ -105,17 +129,6 @@ class TaggedParamsBody:
             self._add(m.group("key").strip(), text[m.end():end])
             self._pos = end + len(self._value_end)
 
-    def _add(self, key: str, raw: str) -> None:
-        self._ready.append(argument_text(self._schemas, self.name, key, raw, self._count == 0))
-        self._count += 1
-
-    def take_arguments(self) -> str:
-        if self.name is None:
-            return ""
-        out = "".join(self._ready)
-        self._ready = []
-        return out
-
     def close(self) -> str | None:
         if self.failed:
             return None
@@ -128,4 +141,4 @@ class TaggedParamsBody:
                 return None
         elif self._text[self._pos:].strip():
             return None  # a pair left open, or text that is not one
-        return self.take_arguments() + ("}" if self._count else "{}")
+        return self._rest()
