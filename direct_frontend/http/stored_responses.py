@@ -16,7 +16,12 @@ import msgspec
 
 from direct_frontend.http.asgi import JSON, Headers, Send, send_body
 from direct_frontend.openai.errors import invalid_request, response_not_found
-from direct_frontend.openai.response_store import ResponseStore, StoredResponse, owner_of
+from direct_frontend.openai.response_store import (
+    RemoteResponses,
+    ResponseStore,
+    StoredResponse,
+    owner_of,
+)
 
 #: ``GET``/``DELETE /v1/responses/{id}``, ``GET /v1/responses/{id}/input_items``
 RESPONSE_PATH: Final = "/v1/responses/"
@@ -25,6 +30,7 @@ INPUT_ITEMS: Final = "/input_items"
 DEFAULT_LIMIT: Final = 20
 MAX_LIMIT: Final = 100
 
+
 class _ItemId(msgspec.Struct):
     id: str | None = None
 
@@ -32,15 +38,21 @@ class _ItemId(msgspec.Struct):
 _item_id: Final = msgspec.json.Decoder(_ItemId)
 
 
-async def find(store: ResponseStore, response_id: str) -> StoredResponse | None:
-    """The stored response: this process's, else its owner's (a sibling), else None."""
-    record = store.get(response_id)
-    if record is not None:
-        return record
+def _sibling(store: ResponseStore, response_id: str) -> tuple[RemoteResponses, str] | None:
+    """The link to the sibling whose id this is, and its owner tag; None if it is ours."""
     owner = owner_of(response_id)
     if store.remote is None or owner is None or owner == store.owner:
         return None
-    return await store.remote.fetch(owner, response_id)
+    return store.remote, owner
+
+
+async def find(store: ResponseStore, response_id: str) -> StoredResponse | None:
+    """The stored response: this process's, else its owner's (a sibling), else None."""
+    record = store.get(response_id)
+    if record is None and (sibling := _sibling(store, response_id)) is not None:
+        remote, owner = sibling
+        record = await remote.fetch(owner, response_id)
+    return record
 
 
 async def respond_retrieve(store: ResponseStore, response_id: str, send: Send,
@@ -55,9 +67,9 @@ async def respond_retrieve(store: ResponseStore, response_id: str, send: Send,
 async def respond_delete(store: ResponseStore, response_id: str, send: Send,
                          headers: Headers) -> int:
     deleted = store.delete(response_id)
-    owner = owner_of(response_id)
-    if not deleted and store.remote is not None and owner is not None and owner != store.owner:
-        deleted = await store.remote.delete(owner, response_id)
+    if not deleted and (sibling := _sibling(store, response_id)) is not None:
+        remote, owner = sibling
+        deleted = await remote.delete(owner, response_id)
     if not deleted:
         raise response_not_found(response_id)
     body = b'{"id":%b,"object":"response.deleted","deleted":true}' % msgspec.json.encode(
