@@ -29,7 +29,7 @@ from direct_frontend.openai.parsers.registry import (
     ChoiceParser,
     resolve,
 )
-from direct_frontend.openai.parsers.think import prompt_opens_reasoning
+from direct_frontend.openai.parsers.think import prompt_reasoning_state
 from direct_frontend.openai.types import ChatRequest
 
 #: the fleet file's value that turns a parser off (auto-detection included)
@@ -125,7 +125,7 @@ def choice_parser(parsers: ModelParsers, request: ChatRequest,
     return ChoiceParser(
         tool_parser=tool, reasoning_parser=reasoning, tools=schemas,
         stream_arguments=request.stream,
-        starts_in_reasoning=prompt_opens_reasoning(prompt) or None,
+        starts_in_reasoning=prompt_reasoning_state(prompt),
     )
 
 

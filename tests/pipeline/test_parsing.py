@@ -59,3 +59,17 @@ def test_no_tools_and_no_reasoning_parser_is_no_parser() -> None:
     assert isinstance(reasoning, ChoiceParser) and reasoning.tools is None
     assert reasoning.feed("a</think>b").reasoning == "a"
 
+
+
+@pytest.mark.parametrize(("prompt", "reasoning", "content"), [
+    ("<｜User｜>x<｜Assistant｜></think>", "", "Hi."),  # thinking off: the template closed it
+    ("<｜User｜>x<｜Assistant｜><think>", "Hi.", ""),
+    ("<｜User｜>x<｜Assistant｜>", "Hi.", ""),  # the parser's own default (R1 starts inside)
+])
+def test_the_rendered_prompt_says_where_the_reply_starts(prompt: str, reasoning: str,
+                                                         content: str) -> None:
+    parser = choice_parser(ModelParsers(None, "deepseek_v31"), parse_chat_request(chat()), prompt)
+    assert parser is not None
+    out = parser.feed("Hi.")
+    out.extend(parser.finish())
+    assert (out.reasoning, out.content) == (reasoning, content)

@@ -4,8 +4,10 @@ A reply may start inside the block: DeepSeek-R1-0528, Qwen3-Thinking-2507
 and Kimi-K2-Thinking templates end the prompt with the opening tag, so the
 output holds only the closing one; pass ``starts_in_reasoning`` (see
 :func:`prompt_opens_reasoning`). An opening tag at the very start is taken
-either way. With ``enable_thinking`` off Qwen3's template closes an empty
-block in the prompt, so the reply is all content. The block is read only at
+either way. A template with thinking off closes the block at the end of the
+prompt (Qwen3's ``enable_thinking`` off, DeepSeek-V3.1's default, GLM's), so
+the reply is all content, whatever the model's default
+(:func:`prompt_reasoning_state`). The block is read only at
 the start of the reply; reasoning cut by the end of output stays reasoning.
 Whitespace around the reasoning and before the content after it is dropped.
 """
@@ -25,6 +27,21 @@ def prompt_opens_reasoning(prompt: str, open_tag: str = "<think>",
     """Whether the rendered prompt ends inside an open reasoning block."""
     i = prompt.rfind(open_tag)
     return i != -1 and prompt.find(close_tag, i) == -1
+
+
+def prompt_reasoning_state(prompt: str, open_tag: str = "<think>",
+                           close_tag: str = "</think>") -> bool | None:
+    """Where the reply starts, as the prompt says: inside the block (True), after it (False).
+
+    None when the prompt says nothing (the reasoning parser's default holds):
+    the block is open at its end, closed right at its end (the template
+    switched thinking off), or neither.
+    """
+    if prompt_opens_reasoning(prompt, open_tag, close_tag):
+        return True
+    if prompt.rstrip(_WS).endswith(close_tag):
+        return False
+    return None
 
 
 class ThinkParser:

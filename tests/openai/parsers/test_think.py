@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from direct_frontend.openai.parsers.think import prompt_opens_reasoning
+from direct_frontend.openai.parsers.think import prompt_opens_reasoning, prompt_reasoning_state
 from tests.support.parsers import check_output, make
 
 
@@ -32,6 +32,20 @@ def test_a_prompt_that_opens_the_block_starts_the_reply_inside_it() -> None:
     assert not prompt_opens_reasoning(prompt + "\n</think>\n\n")
     check_output(make(None, "qwen3", starts_in_reasoning=prompt_opens_reasoning(prompt)),
                  "Hmm.</think>Done.", ("Done.", "Hmm.", []))
+
+
+@pytest.mark.parametrize(("parser", "prompt", "state", "expected"), [
+    # DeepSeek-V3.1 without thinking (its default): the template closes the block
+    ("deepseek_v31", "<｜User｜>hi<｜Assistant｜></think>", False, ("Hello.", "", [])),
+    ("deepseek_v31", "<｜User｜>hi<｜Assistant｜><think>", True, ("", "Hello.", [])),
+    ("qwen3", "<|im_start|>assistant\n<think>\n\n</think>\n\n", False, ("Hello.", "", [])),
+    ("deepseek_r1", "<｜User｜>hi<｜Assistant｜>", None, ("", "Hello.", [])),  # R1's default
+])
+def test_the_prompt_says_whether_the_reply_starts_in_reasoning(
+    parser: str, prompt: str, state: bool | None, expected: tuple,
+) -> None:
+    assert prompt_reasoning_state(prompt) is state
+    check_output(make(None, parser, starts_in_reasoning=state), "Hello.", expected)
 
 
 def test_tool_calls_are_parsed_in_the_content_after_reasoning() -> None:
