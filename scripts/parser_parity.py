@@ -66,6 +66,14 @@ CASES: list[tuple[str, str, str]] = [
      "<tool_call>now</tool_call>"),
     ("glm45", "glm47", "<tool_call>get_weather<arg_key>note</arg_key><arg_value>42</arg_value>"
      "<arg_key>days</arg_key><arg_value>7</arg_value></tool_call>"),
+    ("deepseek_v32", "deepseek_v32", "Sure.\n\n<｜DSML｜function_calls>\n<｜DSML｜invoke "
+     'name="get_weather">\n<｜DSML｜parameter name="city" string="true">杭州</｜DSML｜parameter>\n'
+     '<｜DSML｜parameter name="days" string="false">5</｜DSML｜parameter>\n</｜DSML｜invoke>\n'
+     "</｜DSML｜function_calls>"),
+    ("deepseek_v4", "deepseek_v4", '<｜DSML｜tool_calls>\n<｜DSML｜invoke name="get_weather">\n'
+     '<｜DSML｜parameter name="note" string="true">007</｜DSML｜parameter>\n'
+     '<｜DSML｜parameter name="tags" string="false">["x"]</｜DSML｜parameter>\n'
+     '</｜DSML｜invoke>\n<｜DSML｜invoke name="now">\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>'),
     ("minimax_m2", "minimax_m2", "Only words."),
     ("minimax_m2", "minimax_m2", 'Checking.\n<minimax:tool_call>\n<invoke name="get_weather">\n'
      '<parameter name="city">Zürich</parameter>\n<parameter name="days">3</parameter>\n'

@@ -21,6 +21,8 @@ class Detection:
 #: (markers that must all be in the template, tool parser, why)
 _TOOL_RULES: tuple[tuple[tuple[str, ...], str, str], ...] = (
     (("<|channel|>", "<|message|>"), "harmony", "Harmony channels (gpt-oss)"),
+    (("｜DSML｜function_calls",), "deepseek_v32", "DeepSeek-V3.2 DSML function_calls"),
+    (("｜DSML｜tool_calls",), "deepseek_v4", "DeepSeek-V4 DSML tool_calls"),
     (("<｜tool▁calls▁begin｜>", "```json"), "deepseek_v3",
      "DeepSeek tool markers with a ```json block"),
     (("<｜tool▁calls▁begin｜>",), "deepseek_v31", "DeepSeek tool markers without a ```json block"),

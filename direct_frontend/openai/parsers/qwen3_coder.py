@@ -77,8 +77,8 @@ class XmlFunctionBody(TypedArguments):
         if rest and not any(p.startswith(rest) or rest.startswith(p) for p in _PREFIXES):
             self.failed = True
 
-    def _add(self, key: str, raw: str) -> None:
-        super()._add(key, raw.removeprefix("\n").removesuffix("\n"))  # a value's own lines
+    def _add(self, key: str, raw: str, string: str | None = None) -> None:
+        super()._add(key, raw.removeprefix("\n").removesuffix("\n"), string)  # its own lines
 
     def close(self) -> str | None:
         if self.failed or not self._closed or self._tail.strip():

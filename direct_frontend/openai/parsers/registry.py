@@ -12,6 +12,7 @@ from typing import Any
 
 from direct_frontend.openai.parsers.base import OutputParser, ParsedDelta, ToolSchemas, new_call_id
 from direct_frontend.openai.parsers.calls import CallParser
+from direct_frontend.openai.parsers.deepseek_dsml import DeepSeekV4Parser, DeepSeekV32Parser
 from direct_frontend.openai.parsers.deepseek_v3 import DeepSeekV3Parser
 from direct_frontend.openai.parsers.deepseek_v31 import DeepSeekV31Parser
 from direct_frontend.openai.parsers.glm45 import Glm45Parser
@@ -28,12 +29,13 @@ from direct_frontend.openai.parsers.think import MistralThinkParser, ThinkParser
 TOOL_PARSERS: dict[str, type[CallParser]] = {
     cls.name: cls
     for cls in (HermesParser, Qwen3CoderParser, Llama3JsonParser, PythonicParser, MistralParser,
-                DeepSeekV3Parser, DeepSeekV31Parser, KimiK2Parser, HarmonyParser, Glm45Parser,
-                MiniMaxM2Parser)
+                DeepSeekV3Parser, DeepSeekV31Parser, DeepSeekV32Parser, DeepSeekV4Parser,
+                KimiK2Parser, HarmonyParser, Glm45Parser, MiniMaxM2Parser)
 }
 TOOL_ALIASES: dict[str, str] = {
     "qwen": "hermes", "qwen25": "hermes", "qwen3": "hermes", "llama3": "llama3_json",
     "llama4_pythonic": "pythonic", "deepseekv3": "deepseek_v3", "deepseekv31": "deepseek_v31",
+    "deepseekv32": "deepseek_v32", "deepseekv4": "deepseek_v4",
     "openai": "harmony", "gpt_oss": "harmony", "qwen3_xml": "qwen3_coder",
     "glm4_moe": "glm45", "glm46": "glm45", "glm47": "glm45", "minimax": "minimax_m2",
 }
@@ -51,6 +53,7 @@ REASONING_PARSERS: dict[str, tuple[type[ThinkParser] | None, bool]] = {
 }
 REASONING_ALIASES: dict[str, str] = {
     "deepseek_v3": "deepseek_r1", "deepseek_v31": "deepseek_r1", "qwen3_thinking": "qwen3",
+    "deepseek_v32": "deepseek_r1", "deepseek_v4": "deepseek_r1",
     "magistral": "mistral", "gpt_oss": "harmony", "openai": "harmony",
     "glm4_moe": "glm45", "glm46": "glm45", "glm47": "glm45", "minimax": "minimax_m2",
     "minimax_m2_append_think": "minimax_m2",

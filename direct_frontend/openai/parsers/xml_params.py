@@ -25,21 +25,23 @@ def typed_value(raw: str, schema: Any) -> Any:
     kind = schema.get("type") if isinstance(schema, dict) else None
     if kind == "string" or (isinstance(kind, list) and "string" in kind and len(kind) == 1):
         return raw
+    return json_or_text(raw)
+
+
+def parameter_schema(schemas: ToolSchemas | None, function: str | None, key: str) -> Any:
+    """The schema of ``function``'s parameter ``key``, if the request gave one."""
+    if schemas is None or function is None:
+        return None
+    tool = schemas.get(function) or {}
+    return (tool.get("properties") or {}).get(key)
+
+
+def json_or_text(raw: str) -> Any:
+    """A value the model marked as not a string: its JSON, else the text as it is."""
     try:
         return json.loads(raw)
     except ValueError:
         return raw
-
-
-def argument_text(schemas: ToolSchemas | None, function: str | None, key: str, raw: str,
-                  first: bool) -> str:
-    """One argument as the next piece of the arguments' JSON (``{`` before the first)."""
-    schema: Any = None
-    if schemas is not None and function is not None:
-        tool = schemas.get(function) or {}
-        schema = (tool.get("properties") or {}).get(key)
-    return (("{" if first else ", ") + json.dumps(key, ensure_ascii=False) + ": "
-            + json.dumps(typed_value(raw, schema), ensure_ascii=False))
 
 
 class TypedArguments:
@@ -53,8 +55,14 @@ class TypedArguments:
         self._count = 0
         self.name: str | None = None
 
-    def _add(self, key: str, raw: str) -> None:
-        self._ready.append(argument_text(self._schemas, self.name, key, raw, self._count == 0))
+    def _add(self, key: str, raw: str, string: str | None = None) -> None:
+        """One pair; ``string``: the model's own word on whether the value is text (DSML)."""
+        if string is None:
+            value = typed_value(raw, parameter_schema(self._schemas, self.name, key))
+        else:
+            value = raw if string == "true" else json_or_text(raw)
+        self._ready.append(("{" if self._count == 0 else ", ") + json.dumps(key, ensure_ascii=False)
+                           + ": " + json.dumps(value, ensure_ascii=False))
         self._count += 1
 
     def take_arguments(self) -> str:
@@ -77,7 +85,8 @@ class TaggedParamsBody(TypedArguments):
     arguments, whose name runs to the closing tag). ``pair_open`` (group
     ``key``) matches a complete opening of a pair; ``openers`` are the texts
     a pair may begin with, so a partial tag is waited for and anything else
-    fails the call.
+    fails the call. A ``pair_open`` with a group ``string`` types its values by
+    it (``true``: text, else JSON) instead of by the schema.
     """
 
     __slots__ = ("_bare", "_header", "_openers", "_pair", "_pos", "_text", "_value_end",
@@ -126,7 +135,7 @@ class TaggedParamsBody(TypedArguments):
             end = text.find(self._value_end, m.end())
             if end == -1:
                 return
-            self._add(m.group("key").strip(), text[m.end():end])
+            self._add(m.group("key").strip(), text[m.end():end], m.groupdict().get("string"))
             self._pos = end + len(self._value_end)
 
     def close(self) -> str | None:

@@ -1,4 +1,4 @@
-"""GLM-4.5+ and MiniMax-M2 calls: tagged key/value pairs typed by schema, at every split point."""
+"""GLM-4.5+, MiniMax-M2 and DeepSeek DSML calls: tagged key/value pairs, at every split point."""
 
 from __future__ import annotations
 
@@ -77,6 +77,28 @@ def test_malformed_calls_come_back_as_content(parser: str, text: str) -> None:
     check_malformed(make(parser, tools=SCHEMAS), text, expected)
 
 
+D = "｜DSML｜"
+
+
+@pytest.mark.parametrize(("parser", "section"), [("deepseek_v32", "function_calls"),
+                                                 ("deepseek_v4", "tool_calls")])
+def test_deepseek_dsml_calls_typed_by_their_string_attribute(parser: str, section: str) -> None:
+    text = (f'Sure.\n\n<{D}{section}>\n<{D}invoke name="get_weather">\n'
+            f'<{D}parameter name="city" string="true">杭州 <old town></{D}parameter>\n'
+            f'<{D}parameter name="days" string="false">3</{D}parameter>\n'
+            f'<{D}parameter name="metric" string="false">true</{D}parameter>\n'
+            f'<{D}parameter name="tags">["a", 1]</{D}parameter>\n</{D}invoke>\n'
+            f'<{D}invoke name="now">\n</{D}invoke>\n</{D}{section}>')
+    calls = [("get_weather", {"city": "杭州 <old town>", "days": 3, "metric": True,
+                              "tags": ["a", 1]}), ("now", {})]
+    check_output(make(parser, tools=SCHEMAS), text, ("Sure.\n\n", "", calls),
+                 markers=(f"<{D}invoke", f"<{D}parameter"))
+    text_007 = (f'<{D}{section}><{D}invoke name="get_weather"><{D}parameter name="days" '
+                f'string="true">007</{D}parameter></{D}invoke></{D}{section}>')
+    check_output(make(parser, tools=SCHEMAS), text_007, ("", "", [("get_weather",
+                                                                    {"days": "007"})]))
+
+
 def test_detected_from_their_templates() -> None:
     glm_template = "<|assistant|><think>{{ m }}<tool_call>{{ f }}<arg_key>k</arg_key>"
     found = detect(glm_template)
@@ -85,6 +107,9 @@ def test_detected_from_their_templates() -> None:
     found = detect(minimax_template)
     assert (found.tool_parser, found.reasoning_parser) == ("minimax_m2", "minimax_m2")
     assert detect(None, "glm4_moe").tool_parser == "glm45"
+    assert detect("{{ '<｜DSML｜function_calls>' }}").tool_parser == "deepseek_v32"
+    assert detect("{{ dsml }}｜DSML｜tool_calls<｜Assistant｜><think>").tool_parser == (
+        "deepseek_v4")
 
 
 def _glm(calls: Calls) -> str:
@@ -100,21 +125,34 @@ def _minimax(calls: Calls) -> str:
     return f"<minimax:tool_call>\n{body}</minimax:tool_call>" if calls else ""
 
 
+def _dsml(calls: Calls) -> str:
+    def pair(k: str, v: Any) -> str:
+        if isinstance(v, str):
+            return f'<{D}parameter name="{k}" string="true">{v}</{D}parameter>\n'
+        return (f'<{D}parameter name="{k}" string="false">{json.dumps(v)}'
+                f"</{D}parameter>\n")
+
+    body = "".join(f'<{D}invoke name="{n}">\n' + "".join(pair(k, v) for k, v in a.items())
+                   + f"</{D}invoke>\n" for n, a in calls)
+    return f"<{D}tool_calls>\n{body}</{D}tool_calls>" if calls else ""
+
+
+RENDER = {"glm45": _glm, "minimax_m2": _minimax, "deepseek_v4": _dsml}
 names = st.from_regex(r"[a-z_][a-z0-9_]{0,8}", fullmatch=True)
 values = st.one_of(st.integers(), st.booleans(), st.none(),
                    st.text(st.characters(blacklist_characters="<"), max_size=8),
                    st.lists(st.integers(), max_size=3))
-prose = st.lists(st.sampled_from(["a", " ", "é", "\n", "<", "<tool", "<minimax", "<arg"]),
-                 max_size=10).map("".join)
+prose = st.lists(st.sampled_from(["a", " ", "é", "\n", "<", "<tool", "<minimax", "<arg",
+                                  "<｜DSML"]), max_size=10).map("".join)
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.sampled_from(["glm45", "minimax_m2"]), prose,
+@given(st.sampled_from(sorted(RENDER)), prose,
        st.lists(st.tuples(names, st.dictionaries(names, values, max_size=3)), max_size=3),
        st.data())
 def test_streaming_equals_the_whole(parser: str, text_before: str, calls: Calls,
                                     data: st.DataObject) -> None:
-    text = text_before + (_glm if parser == "glm45" else _minimax)(calls)
+    text = text_before + RENDER[parser](calls)
     cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=8)))
     pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
     whole, _ = run(make(parser)(), [text])
