@@ -86,3 +86,14 @@ def check_malformed(factory: Callable[..., ChoiceParser], text: str, content: st
         eager = factory()  # may have sent the call's start already: never raises, always counts
         run(eager, pieces)
         assert eager.malformed >= 1
+
+
+def check_split(parser: str, text: str, cuts: Sequence[int], expected: Expected) -> None:
+    """``text`` cut at ``cuts`` streams to what it parses to whole, which is ``expected``."""
+    points = sorted(cuts)
+    pieces = [text[a:b] for a, b in zip([0, *points], [*points, len(text)], strict=True)]
+    factory = make(parser)
+    whole, _ = run(factory(), [text])
+    streamed, _ = run(factory(), pieces)
+    assert streamed == whole
+    assert summary(whole) == expected

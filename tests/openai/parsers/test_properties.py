@@ -9,7 +9,7 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.support.parsers import make, run, summary
+from tests.support.parsers import check_split
 
 Calls = list[tuple[str, dict[str, Any]]]
 
@@ -52,10 +52,5 @@ arguments = st.dictionaries(st.text(min_size=1, max_size=6), values, max_size=3)
 def test_streaming_equals_the_whole(parser: str, prose: str, calls: Calls,
                                     data: st.DataObject) -> None:
     text = prose + RENDER[parser](calls)
-    cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=8)))
-    pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
-    factory = make(parser)
-    whole, _ = run(factory(), [text])
-    streamed, _ = run(factory(), pieces)
-    assert streamed == whole
-    assert summary(whole) == (prose, "", calls)
+    check_split(parser, text, data.draw(st.lists(st.integers(0, len(text)), max_size=8)),
+                (prose, "", calls))

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from direct_frontend.openai.parsers.detect import detect
-from tests.support.parsers import check_malformed, check_output, make, run, summary
+from tests.support.parsers import check_malformed, check_output, check_split, make
 
 Calls = list[tuple[str, dict[str, Any]]]
 
@@ -153,9 +153,5 @@ prose = st.lists(st.sampled_from(["a", " ", "é", "\n", "<", "<tool", "<minimax"
 def test_streaming_equals_the_whole(parser: str, text_before: str, calls: Calls,
                                     data: st.DataObject) -> None:
     text = text_before + RENDER[parser](calls)
-    cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=8)))
-    pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
-    whole, _ = run(make(parser)(), [text])
-    streamed, _ = run(make(parser)(), pieces)
-    assert streamed == whole
-    assert summary(whole) == (text_before, "", calls)
+    check_split(parser, text, data.draw(st.lists(st.integers(0, len(text)), max_size=8)),
+                (text_before, "", calls))
