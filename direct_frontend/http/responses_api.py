@@ -12,6 +12,7 @@ server says not to (openai/response_store.py).
 
 from __future__ import annotations
 
+import logging
 import secrets
 import time
 from collections.abc import Callable, Sequence
@@ -30,6 +31,8 @@ from direct_frontend.openai.responses_api import ResponsesRequest
 from direct_frontend.pipeline.preprocess import PreparedRequest
 from direct_frontend.pipeline.relay import Relay, RelayState
 from direct_frontend.pipeline.settings import Settings
+
+log = logging.getLogger("direct_frontend.http")
 
 _encode: Final = msgspec.json.Encoder().encode
 Event = dict[str, Any]
@@ -215,7 +218,9 @@ async def respond_responses(
     def kept(response: bytes) -> None:
         if keep:
             assert store is not None
-            store.put(builder.record(response))
+            if not store.put(builder.record(response)):
+                log.warning("response %s is larger than [frontend.responses] max_bytes (%d): "
+                            "not kept", response_id, store.max_bytes)
 
     async def run(state: RelayState) -> int:
         return await write(relay, state, builder, send, headers, kept)

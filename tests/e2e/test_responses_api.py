@@ -251,3 +251,18 @@ def test_a_failure_after_the_stream_started_ends_it_as_the_api_does(
     failed = events[-1].response
     assert failed.status == "failed" and failed.error is not None
     assert failed.error.message == events[-2].message and failed.error.code == events[-2].code
+
+
+def test_a_response_larger_than_the_budget_is_not_kept_and_says_why(
+    model_dir: Path, tmp_path_factory: pytest.TempPathFactory, caplog: pytest.LogCaptureFixture,
+) -> None:
+    text = frontend_table(model_dir, '[frontend.responses]\nmax_bytes = 300\n\n'
+                          '[[model]]\nname = "demo"\n') + "\n" + engine_table("sim", "vllm",
+                                                                             "demo")
+    with running_daemon(tmp_path_factory.mktemp("small"), text) as small, \
+            openai_client(small) as client:
+        small.wait_serving(1)
+        response = client.responses.create(model="demo", input="hi", max_output_tokens=3)
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(response.id)
+    assert f"response {response.id} is larger than [frontend.responses] max_bytes" in caplog.text
