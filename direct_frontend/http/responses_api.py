@@ -22,6 +22,7 @@ import msgspec
 
 from direct_frontend.engines.neutral import TokenLogprob
 from direct_frontend.http.asgi import JSON, Headers, Receive, Send, send_body
+from direct_frontend.http.logprobs import chat_logprobs
 from direct_frontend.http.responses import _answer, _Progress, _start, _until_end
 from direct_frontend.observability.tracing import RequestTrace
 from direct_frontend.openai.errors import OpenAIHTTPError
@@ -82,7 +83,12 @@ class ResponseBuilder:
         )
 
     # -- deltas to events -------------------------------------------------------------
-    def feed(self, delta: ParsedDelta) -> list[Event]:
+    def feed(self, delta: ParsedDelta, logprobs: list[dict[str, Any]] | None = None) -> list[Event]:
+        """The events of one parsed delta; ``logprobs``: its batch's, in chat's entry shape.
+
+        They go with the output text when the delta has some (a batch whose text
+        was all reasoning or call arguments shows none).
+        """
         events: list[Event] = []
         if delta.reasoning:
             item = self._item("reasoning", events)
@@ -91,9 +97,11 @@ class ResponseBuilder:
                                    delta=delta.reasoning))
         if delta.content:
             item = self._item("message", events)
-            item["content"][0]["text"] += delta.content
+            part = item["content"][0]
+            part["text"] += delta.content
+            part["logprobs"] += logprobs or []
             events.append(self._at(item, "response.output_text.delta", content_index=0,
-                                   delta=delta.content, logprobs=[]))
+                                   delta=delta.content, logprobs=logprobs or []))
         for piece in delta.tool_calls:
             call = self._calls.get(piece.index)
             if call is None or piece.id is not None:
@@ -131,7 +139,8 @@ class ResponseBuilder:
         elif kind == "message":
             item = {"type": "message", "id": _item_id("msg"), "role": "assistant",
                     "status": "in_progress",
-                    "content": [{"type": "output_text", "text": "", "annotations": []}]}
+                    "content": [{"type": "output_text", "text": "", "annotations": [],
+                                 "logprobs": []}]}
         else:
             item = {"type": "function_call", "id": _item_id("fc"), "call_id": call_id,
                     "name": name, "arguments": "", "status": "in_progress"}
@@ -141,9 +150,13 @@ class ResponseBuilder:
         shown = {**item, "content": []} if kind != "function_call" else dict(item)
         events.append({"type": "response.output_item.added", "output_index": index,
                        "item": shown})
-        if kind != "function_call":
+        if kind != "function_call":  # the part as it starts (its own logprobs list: the
+            # item's fills as the text comes, and this event may go out after that)
+            part = {**item["content"][0], "text": ""}
+            if kind == "message":
+                part["logprobs"] = []
             events.append(self._at(item, "response.content_part.added", content_index=0,
-                                   part={**item["content"][0], "text": ""}))
+                                   part=part))
         return item
 
     def _close(self, events: list[Event]) -> None:
@@ -158,13 +171,22 @@ class ResponseBuilder:
             part = item["content"][0]
             done = ("response.reasoning_text.done" if kind == "reasoning"
                     else "response.output_text.done")
-            extra: dict[str, Any] = {"logprobs": []} if kind == "message" else {}
+            extra: dict[str, Any] = {"logprobs": part["logprobs"]} if kind == "message" else {}
             events.append(self._at(item, done, content_index=0, text=part["text"], **extra))
             events.append(self._at(item, "response.content_part.done", content_index=0,
                                    part=dict(part)))
         item["status"] = "completed"
         events.append({"type": "response.output_item.done",
                        "output_index": self.items.index(item), "item": dict(item)})
+
+
+def _entries(relay: Relay, logprobs: Sequence[TokenLogprob]) -> list[dict[str, Any]] | None:
+    """A batch's logprobs as the output text's entries (chat's shape); None when there are none."""
+    if not logprobs:
+        return None
+    entries: list[dict[str, Any]] = chat_logprobs(relay.text_model.token_bytes,
+                                                  logprobs)["content"]
+    return entries
 
 
 def _usage(state: RelayState) -> dict[str, Any]:
@@ -238,7 +260,7 @@ async def _complete(relay: Relay, state: RelayState, builder: ResponseBuilder, s
                     headers: Headers, kept: Keep) -> int:
     async def emit(text: str, tokens: int, finished: bool,
                    logprobs: Sequence[TokenLogprob]) -> None:
-        builder.feed(state.parse(text, finished))
+        builder.feed(state.parse(text, finished), _entries(relay, logprobs))
 
     status = await _until_end(relay.run(state, emit), state.error_for, _Progress(), send,
                               headers)
@@ -267,7 +289,7 @@ async def _stream(relay: Relay, state: RelayState, builder: ResponseBuilder, sen
                 {"type": "response.created", "response": builder.response("in_progress")},
                 {"type": "response.in_progress", "response": builder.response("in_progress")},
             ]))
-        out.extend(sse.render(builder.feed(state.parse(text, finished))))
+        out.extend(sse.render(builder.feed(state.parse(text, finished), _entries(relay, logprobs))))
         if finished:
             outcome, why = _outcome(state)
             events = builder.finish(outcome)

@@ -31,7 +31,9 @@ _encode: Final = msgspec.json.Encoder().encode
 
 #: Responses fields with the same meaning (and name) in a chat completions body
 _SAME: Final = ("model", "temperature", "top_p", "stream", "parallel_tool_calls", "user",
-                "top_logprobs", "seed", "stop", "top_k", "min_p", "repetition_penalty")
+                "seed", "stop", "top_k", "min_p", "repetition_penalty")
+#: the ``include`` value that asks for the output text's logprobs
+LOGPROBS: Final = "message.output_text.logprobs"
 @dataclasses.dataclass(frozen=True, slots=True)
 class ResponsesRequest:
     """A validated Responses body: the chat request it runs as, and what the Response echoes."""
@@ -86,6 +88,10 @@ def parse_responses_request(
     if not isinstance(store, bool):
         raise invalid_request("Invalid type for 'store': expected a boolean.", "store")
     chat: dict[str, Any] = {k: raw[k] for k in _SAME if k in raw}
+    include = raw.get("include") or []
+    if raw.get("top_logprobs") is not None or (isinstance(include, list) and LOGPROBS in include):
+        chat["logprobs"] = True  # the chat parser checks top_logprobs' range
+        chat["top_logprobs"] = raw.get("top_logprobs") or 0
     messages = ([{"role": "system", "content": instructions}] if instructions else [])
     earlier = history_items or []
     own = _input_list(raw["input"])

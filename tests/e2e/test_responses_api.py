@@ -266,3 +266,26 @@ def test_a_response_larger_than_the_budget_is_not_kept_and_says_why(
         with pytest.raises(openai.NotFoundError):
             client.responses.retrieve(response.id)
     assert f"response {response.id} is larger than [frontend.responses] max_bytes" in caplog.text
+
+
+def test_the_output_texts_logprobs_are_chats_streamed_and_not(
+    daemon: Daemon, client: openai.OpenAI
+) -> None:
+    said = "Say it. [result]"
+    chat = client.chat.completions.create(model="agent", messages=[{"role": "user",
+                                                                    "content": said}],
+                                          logprobs=True, top_logprobs=2, temperature=0)
+    assert chat.choices[0].logprobs is not None and chat.choices[0].logprobs.content
+    want = [e.model_dump() for e in chat.choices[0].logprobs.content]
+    full = client.responses.create(model="agent", input=said, top_logprobs=2, temperature=0,
+                                   include=["message.output_text.logprobs"], store=False)
+    (message,) = full.output
+    got = [e.model_dump() for e in message.content[0].logprobs]  # type: ignore[union-attr]
+    assert got == want and all(len(e["top_logprobs"]) == 2 for e in got)
+    events = list(client.responses.create(model="agent", input=said, top_logprobs=2,
+                                          temperature=0, stream=True, store=False))
+    streamed = [e.model_dump() for ev in events if ev.type == "response.output_text.delta"
+                for e in ev.logprobs]
+    assert streamed == want
+    done = next(ev for ev in events if ev.type == "response.output_text.done")
+    assert [e.model_dump() for e in done.logprobs] == want

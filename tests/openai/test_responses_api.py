@@ -101,3 +101,15 @@ def test_a_broken_stored_item_names_the_previous_response() -> None:
     with pytest.raises(OpenAIHTTPError) as caught:
         parse_responses_request(body(input="hi"), history, decode_items(history))
     assert caught.value.param == "previous_response_id.role"
+
+
+def test_logprobs_are_asked_by_top_logprobs_or_include() -> None:
+    top = parse_responses_request(body(input="hi", top_logprobs=3)).chat
+    assert top.logprobs == 3  # alternatives per token
+    included = parse_responses_request(body(input="hi",
+                                            include=["message.output_text.logprobs"])).chat
+    assert included.logprobs == 0
+    assert parse_responses_request(body(input="hi")).chat.logprobs is None
+    with pytest.raises(OpenAIHTTPError) as caught:
+        parse_responses_request(body(input="hi", top_logprobs=25))
+    assert caught.value.param == "top_logprobs"
