@@ -297,11 +297,11 @@ class App:
 
     async def _retrieve(self, settings: Settings, scope: Scope, receive: Receive,
                         send: Send) -> int:
-        return await self._stored(scope, send, respond_retrieve)
+        return await self._stored(settings, scope, receive, send, respond_retrieve)
 
     async def _delete(self, settings: Settings, scope: Scope, receive: Receive,
                       send: Send) -> int:
-        return await self._stored(scope, send, respond_delete)
+        return await self._stored(settings, scope, receive, send, respond_delete)
 
     async def _input_items(self, settings: Settings, scope: Scope, receive: Receive,
                            send: Send) -> int:
@@ -311,25 +311,23 @@ class App:
                          headers: Headers) -> int:
             return await respond_input_items(store, response_id, query, send, headers)
 
-        return await self._stored(scope, send, answer, INPUT_ITEMS)
+        return await self._stored(settings, scope, receive, send, answer, INPUT_ITEMS)
 
     async def _stored(
-        self, scope: Scope, send: Send,
+        self, settings: Settings, scope: Scope, receive: Receive, send: Send,
         answer: Callable[[ResponseStore, str, Send, Headers], Awaitable[int]],
         suffix: str = "",
     ) -> int:
         """A stored response's endpoint; its id is the path between the prefix and ``suffix``."""
         path: str = scope["path"]
         response_id = path[len(RESPONSE_PATH):len(path) - len(suffix)]
-        request_id = current_request_id.get() or new_request_id()
-        headers: Headers = [(b"x-request-id", request_id.encode())]
-        try:
+
+        async def held(body: bytes, headers: Headers) -> int:
             if self.responses is None:
                 raise response_not_found(response_id)
             return await answer(self.responses, response_id, send, headers)
-        except OpenAIHTTPError as err:
-            await send_error(send, err, headers)
-            return err.status
+
+        return await self._from_body(settings, receive, send, held)
 
     async def _responses_request(self, body: bytes) -> ResponsesRequest:
         """A Responses body read with the history of the response it continues, if any."""

@@ -20,7 +20,7 @@ import msgspec
 
 from direct_frontend.engines.neutral import TokenLogprob
 from direct_frontend.http.asgi import JSON, Headers, Receive, Send, send_body
-from direct_frontend.http.responses import _answer, _Progress, _start, _until_end
+from direct_frontend.http.responses import _answer, _collected, _event_stream
 from direct_frontend.observability.tracing import RequestTrace
 from direct_frontend.openai.errors import OpenAIHTTPError
 from direct_frontend.openai.messages_api import anthropic_error_body
@@ -188,12 +188,10 @@ async def respond_messages(
 
 async def _complete(relay: Relay, state: RelayState, builder: MessageBuilder, send: Send,
                     headers: Headers) -> int:
-    async def emit(text: str, tokens: int, finished: bool,
-                   logprobs: Sequence[TokenLogprob]) -> None:
+    def feed(text: str, finished: bool, logprobs: Sequence[TokenLogprob]) -> None:
         builder.feed(state.parse(text, finished))
 
-    status = await _until_end(relay.run(state, emit), state.error_for, _Progress(), send,
-                              headers, _stream_error)
+    status = await _collected(relay, state, feed, send, headers)
     if status != 200:
         return status
     builder.finish()
@@ -205,30 +203,21 @@ async def _complete(relay: Relay, state: RelayState, builder: MessageBuilder, se
 
 async def _stream(relay: Relay, state: RelayState, builder: MessageBuilder, send: Send,
                   headers: Headers) -> int:
-    progress = _Progress()
-    out = progress.out
+    def opening() -> bytes:
+        usage = {**_usage(state), "output_tokens": 0}
+        return _render([{"type": "message_start", "message": builder.message(None, None, usage)}])
 
-    async def emit(text: str, tokens: int, finished: bool,
-                   logprobs: Sequence[TokenLogprob]) -> None:
-        if not progress.started:
-            await _start(send, headers)
-            progress.started = True
-            usage = {**_usage(state), "output_tokens": 0}
-            out.extend(_render([{"type": "message_start",
-                                 "message": builder.message(None, None, usage)}]))
-        out.extend(_render(builder.feed(state.parse(text, finished))))
-        if finished:
-            events = builder.finish()
-            reason, sequence = _stop(state, builder)
-            events.append({"type": "message_delta",
-                           "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                           "usage": _usage(state)})
-            events.append({"type": "message_stop"})
-            out.extend(_render(events))
-            await send({"type": "http.response.body", "body": bytes(out), "more_body": False})
-        elif out:
-            await send({"type": "http.response.body", "body": bytes(out), "more_body": True})
-            out.clear()
+    def batch(text: str, finished: bool, logprobs: Sequence[TokenLogprob]) -> bytes:
+        return _render(builder.feed(state.parse(text, finished)))
 
-    return await _until_end(relay.run(state, emit), state.error_for, progress, send, headers,
-                            _stream_error)
+    def closing() -> bytes:
+        events = builder.finish()
+        reason, sequence = _stop(state, builder)
+        events.append({"type": "message_delta",
+                       "delta": {"stop_reason": reason, "stop_sequence": sequence},
+                       "usage": _usage(state)})
+        events.append({"type": "message_stop"})
+        return _render(events)
+
+    return await _event_stream(relay, state, send, headers, opening=opening, batch=batch,
+                               closing=closing, error_tail=_stream_error)

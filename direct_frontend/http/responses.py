@@ -185,6 +185,48 @@ async def _start(send: Send, headers: Headers) -> None:
     await send({"type": "http.response.start", "status": 200, "headers": [*SSE_HEADERS, *headers]})
 
 
+#: a batch of output (text, whether it is the last, its logprobs) as what to write, or do
+Batch = Callable[[str, bool, Sequence[TokenLogprob]], Any]
+
+
+async def _collected(relay: Relay, state: RelayState, feed: Batch, send: Send,
+                     headers: Headers) -> int:
+    """Run a full (non-streamed) answer, each batch to ``feed``; the caller writes the body."""
+    async def emit(text: str, tokens: int, finished: bool,
+                   logprobs: Sequence[TokenLogprob]) -> None:
+        feed(text, finished, logprobs)
+
+    return await _until_end(relay.run(state, emit), state.error_for, _Progress(), send, headers)
+
+
+async def _event_stream(
+    relay: Relay, state: RelayState, send: Send, headers: Headers, *,
+    opening: Callable[[], bytes], batch: Batch, closing: Callable[[], bytes],
+    error_tail: Callable[[OpenAIHTTPError], bytes],
+) -> int:
+    """A stream of API events (the Responses and Messages APIs'): ``opening`` goes out with
+    the head, the events of each ``batch`` as it comes, ``closing`` after the last batch."""
+    progress = _Progress()
+    out = progress.out
+
+    async def emit(text: str, tokens: int, finished: bool,
+                   logprobs: Sequence[TokenLogprob]) -> None:
+        if not progress.started:
+            await _start(send, headers)
+            progress.started = True
+            out.extend(opening())
+        out.extend(batch(text, finished, logprobs))
+        if finished:
+            out.extend(closing())
+            await send({"type": "http.response.body", "body": bytes(out), "more_body": False})
+        elif out:
+            await send({"type": "http.response.body", "body": bytes(out), "more_body": True})
+            out.clear()
+
+    return await _until_end(relay.run(state, emit), state.error_for, progress, send, headers,
+                            error_tail)
+
+
 async def _stream(relay: Relay, state: RelayState, *, send: Send, headers: Headers) -> int:
     prepared = state.prepared
     renderer = ChunkRenderer(

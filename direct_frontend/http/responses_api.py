@@ -13,7 +13,6 @@ server says not to (openai/response_store.py).
 from __future__ import annotations
 
 import logging
-import secrets
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Final
@@ -23,12 +22,12 @@ import msgspec
 from direct_frontend.engines.neutral import TokenLogprob
 from direct_frontend.http.asgi import JSON, Headers, Receive, Send, send_body
 from direct_frontend.http.logprobs import chat_logprobs
-from direct_frontend.http.responses import _answer, _Progress, _start, _until_end
+from direct_frontend.http.responses import _answer, _collected, _event_stream
 from direct_frontend.observability.tracing import RequestTrace
 from direct_frontend.openai.errors import OpenAIHTTPError
 from direct_frontend.openai.parsers.base import ParsedDelta
 from direct_frontend.openai.response_store import ResponseStore, StoredResponse
-from direct_frontend.openai.responses_api import ResponsesRequest
+from direct_frontend.openai.responses_api import ResponsesRequest, item_id
 from direct_frontend.pipeline.preprocess import PreparedRequest
 from direct_frontend.pipeline.relay import Relay, RelayState
 from direct_frontend.pipeline.settings import Settings
@@ -37,10 +36,6 @@ log = logging.getLogger("direct_frontend.http")
 
 _encode: Final = msgspec.json.Encoder().encode
 Event = dict[str, Any]
-
-
-def _item_id(prefix: str) -> str:
-    return f"{prefix}_{secrets.token_hex(12)}"
 
 
 class ResponseBuilder:
@@ -105,7 +100,7 @@ class ResponseBuilder:
         for piece in delta.tool_calls:
             call = self._calls.get(piece.index)
             if call is None or piece.id is not None:
-                call = self._item("function_call", events, piece.id or _item_id("call"),
+                call = self._item("function_call", events, piece.id or item_id("call"),
                                   piece.name or "")
                 self._calls[piece.index] = call
             if piece.arguments:
@@ -134,15 +129,15 @@ class ResponseBuilder:
             return item
         self._close(events)
         if kind == "reasoning":
-            item = {"type": "reasoning", "id": _item_id("rs"), "summary": [],
+            item = {"type": "reasoning", "id": item_id("rs"), "summary": [],
                     "content": [{"type": "reasoning_text", "text": ""}], "status": "in_progress"}
         elif kind == "message":
-            item = {"type": "message", "id": _item_id("msg"), "role": "assistant",
+            item = {"type": "message", "id": item_id("msg"), "role": "assistant",
                     "status": "in_progress",
                     "content": [{"type": "output_text", "text": "", "annotations": [],
                                  "logprobs": []}]}
         else:
-            item = {"type": "function_call", "id": _item_id("fc"), "call_id": call_id,
+            item = {"type": "function_call", "id": item_id("fc"), "call_id": call_id,
                     "name": name, "arguments": "", "status": "in_progress"}
         self.items.append(item)
         self._open = item
@@ -258,12 +253,10 @@ Keep = Callable[[bytes], None]  # the finished Response object's JSON, to the st
 
 async def _complete(relay: Relay, state: RelayState, builder: ResponseBuilder, send: Send,
                     headers: Headers, kept: Keep) -> int:
-    async def emit(text: str, tokens: int, finished: bool,
-                   logprobs: Sequence[TokenLogprob]) -> None:
+    def feed(text: str, finished: bool, logprobs: Sequence[TokenLogprob]) -> None:
         builder.feed(state.parse(text, finished), _entries(relay, logprobs))
 
-    status = await _until_end(relay.run(state, emit), state.error_for, _Progress(), send,
-                              headers)
+    status = await _collected(relay, state, feed, send, headers)
     if status != 200:
         return status
     outcome, why = _outcome(state)
@@ -276,32 +269,25 @@ async def _complete(relay: Relay, state: RelayState, builder: ResponseBuilder, s
 
 async def _stream(relay: Relay, state: RelayState, builder: ResponseBuilder, send: Send,
                   headers: Headers, kept: Keep) -> int:
-    progress = _Progress()
-    out = progress.out
     sse = _Events()
 
-    async def emit(text: str, tokens: int, finished: bool,
-                   logprobs: Sequence[TokenLogprob]) -> None:
-        if not progress.started:
-            await _start(send, headers)
-            progress.started = True
-            out.extend(sse.render([
-                {"type": "response.created", "response": builder.response("in_progress")},
-                {"type": "response.in_progress", "response": builder.response("in_progress")},
-            ]))
-        out.extend(sse.render(builder.feed(state.parse(text, finished), _entries(relay, logprobs))))
-        if finished:
-            outcome, why = _outcome(state)
-            events = builder.finish(outcome)
-            kind = "response.completed" if outcome == "completed" else "response.incomplete"
-            response = builder.response(outcome, _usage(state), why)
-            events.append({"type": kind, "response": response})
-            out.extend(sse.render(events))
-            kept(_encode(response))
-            await send({"type": "http.response.body", "body": bytes(out), "more_body": False})
-        elif out:
-            await send({"type": "http.response.body", "body": bytes(out), "more_body": True})
-            out.clear()
+    def opening() -> bytes:
+        return sse.render([
+            {"type": "response.created", "response": builder.response("in_progress")},
+            {"type": "response.in_progress", "response": builder.response("in_progress")},
+        ])
+
+    def batch(text: str, finished: bool, logprobs: Sequence[TokenLogprob]) -> bytes:
+        return sse.render(builder.feed(state.parse(text, finished), _entries(relay, logprobs)))
+
+    def closing() -> bytes:
+        outcome, why = _outcome(state)
+        events = builder.finish(outcome)
+        kind = "response.completed" if outcome == "completed" else "response.incomplete"
+        response = builder.response(outcome, _usage(state), why)
+        events.append({"type": kind, "response": response})
+        kept(_encode(response))
+        return sse.render(events)
 
     def failed(err: OpenAIHTTPError) -> bytes:
         """A started Responses stream ends as the API ends one: ``error``, ``response.failed``."""
@@ -313,5 +299,5 @@ async def _stream(relay: Relay, state: RelayState, builder: ResponseBuilder, sen
             {"type": "response.failed", "response": response},
         ])
 
-    return await _until_end(relay.run(state, emit), state.error_for, progress, send, headers,
-                            failed)
+    return await _event_stream(relay, state, send, headers, opening=opening, batch=batch,
+                               closing=closing, error_tail=failed)

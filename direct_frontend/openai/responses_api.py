@@ -129,6 +129,11 @@ _ID_PREFIX: Final = {"message": "msg", "function_call": "fc",
                      "function_call_output": "fco", "reasoning": "rs"}
 
 
+def item_id(prefix: str) -> str:
+    """A new item's id, as the API writes them (``msg_…``, ``fc_…``)."""
+    return f"{prefix}_{secrets.token_hex(12)}"
+
+
 def _normalized(item: dict[str, Any]) -> dict[str, Any]:
     """An input item as the API lists it (``input_items``): typed, with an id, content in parts."""
     kind = item.get("type", "message")
@@ -137,7 +142,7 @@ def _normalized(item: dict[str, Any]) -> dict[str, Any]:
         part = "output_text" if item.get("role") == "assistant" else "input_text"
         out["content"] = [{"type": part, "text": item["content"]}]
     if not isinstance(out.get("id"), str):
-        out["id"] = f"{_ID_PREFIX.get(kind, 'item')}_{secrets.token_hex(12)}"
+        out["id"] = item_id(_ID_PREFIX.get(kind, "item"))
     return out
 
 
