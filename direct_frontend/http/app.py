@@ -13,6 +13,7 @@ import json
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable
+from functools import partial
 from typing import Literal
 
 import trio
@@ -123,11 +124,11 @@ class App:
         self.http_stopped = trio.Event()
         self.started_at = int(time.time())
         self._routes: dict[str, dict[str, Handler]] = {
-            "/v1/chat/completions": {"POST": self._chat},
-            "/v1/completions": {"POST": self._completions},
-            "/v1/responses": {"POST": self._responses},
+            "/v1/chat/completions": {"POST": partial(self._generate, "chat")},
+            "/v1/completions": {"POST": partial(self._generate, "completion")},
+            "/v1/responses": {"POST": partial(self._generate, "responses")},
             "/v1/responses/input_tokens": {"POST": self._input_tokens},
-            MESSAGES_PATH: {"POST": self._messages},
+            MESSAGES_PATH: {"POST": partial(self._generate, "messages")},
             MESSAGES_PATH + "/count_tokens": {"POST": self._count_tokens},
             "/v1/embeddings": {"POST": self._embeddings},
             "/tokenize": {"POST": self._tokenize},
@@ -278,21 +279,6 @@ class App:
         await send_body(send, 200, body, content_type.encode())
         return 200
 
-    # -- generation --------------------------------------------------------------------
-
-    async def _chat(self, settings: Settings, scope: Scope, receive: Receive, send: Send) -> int:
-        return await self._generate("chat", settings, scope, receive, send)
-
-    async def _completions(
-        self, settings: Settings, scope: Scope, receive: Receive, send: Send
-    ) -> int:
-        return await self._generate("completion", settings, scope, receive, send)
-
-    async def _responses(
-        self, settings: Settings, scope: Scope, receive: Receive, send: Send
-    ) -> int:
-        return await self._generate("responses", settings, scope, receive, send)
-
     # -- stored responses ------------------------------------------------------------
 
     async def _retrieve(self, settings: Settings, scope: Scope, receive: Receive,
@@ -349,10 +335,6 @@ class App:
             raise previous_response_not_found(response_id)
         return record
 
-    async def _messages(
-        self, settings: Settings, scope: Scope, receive: Receive, send: Send
-    ) -> int:
-        return await self._generate("messages", settings, scope, receive, send)
 
     async def _count_tokens(self, settings: Settings, scope: Scope, receive: Receive,
                             send: Send) -> int:
@@ -447,6 +429,8 @@ class App:
             return await self._from_body(settings, receive, send, answer)
 
         return await self._traced(scope, walk)
+
+    # -- generation (chat, completions, Responses, Messages: the routes bind ``kind``) ----
 
     async def _generate(
         self, kind: Kind | Literal["responses", "messages"], settings: Settings, scope: Scope,
