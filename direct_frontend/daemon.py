@@ -8,6 +8,7 @@ Shape (every task has a parent)::
               ├─ replica link       [frontend.replicas]: load, faults, KV snapshots over NATS
               ├─ supervisor         engine incarnations, catalog
               ├─ pod discovery      [[pool]] list/watch → the supervisor's adds/removes
+              ├─ background         Responses run with background: true (http/background.py)
               ├─ HTTP server        hypercorn, the data plane's entry (and /fleet)
               ├─ file watcher       fleet file changed → reload
               ├─ signal watcher     SIGHUP → reload; SIGINT/SIGTERM → graceful shutdown
@@ -152,6 +153,8 @@ async def serve_fleet(
             await nursery.start(supervisor.run)
             control.pods = PodDiscovery(fleet, metrics, control.apply_membership)
             await nursery.start(control.pods.run)
+            if app.background is not None:
+                await nursery.start(app.background.run)
             config = hypercorn_config(fleet, shutdown_grace_s, worker)
             app.bound_urls = await nursery.start(_serve_http, app, config, shutdown)
             log.info(
@@ -171,8 +174,11 @@ async def serve_fleet(
             await shutdown.wait()
             notifier.stopping()
             control.hub.close()  # event viewers leave, so HTTP shutdown does not wait for them
-            # hypercorn finishes in-flight requests within its graceful timeout
+            # hypercorn finishes in-flight requests within its graceful timeout, and
+            # background responses get the same grace
             with trio.move_on_after(shutdown_grace_s + 1):
+                if app.background is not None:
+                    await app.background.drain()
                 await app.http_stopped.wait()
             nursery.cancel_scope.cancel()
         if tracing is not None:  # what is still buffered goes out (a crash: at exit)

@@ -79,11 +79,13 @@ class Placements(msgspec.Struct, frozen=True):
 
 
 class ResponseQuery(msgspec.Struct, frozen=True):
-    """Asks the replica that holds a stored response for it (``get``) or to drop it (``delete``).
+    """Asks the replica that holds a stored response for it (``get``), to drop it
+    (``delete``) or to cancel it (``cancel``, a background response).
 
     To ``get`` it answers ``ok`` and sends the record (openai/response_store.py
     ``encode_record``) to ``inbox`` in chunks (kv/snapshot.py ``split``), or
-    answers empty: not held. To ``delete``, ``1`` or ``0``.
+    answers empty: not held. To ``delete``, ``1`` or ``0``. To ``cancel``, once the
+    response has ended, ``cancelled`` or ``not_background``; empty: not held.
     """
 
     replica: str

@@ -59,6 +59,7 @@ from direct_frontend.kv.snapshot import (
     split,
 )
 from direct_frontend.openai.response_store import (
+    CANCELLED,
     ResponseStore,
     StoredResponse,
     decode_record,
@@ -532,6 +533,12 @@ class ReplicaLink:
         """Ask the sibling that holds a stored response to drop it; True if it did."""
         return await self._ask(owner, ResponseQuery(self.replica, "delete", response_id)) == b"1"
 
+    async def cancel(self, owner: str, response_id: str) -> str | None:
+        """Ask the sibling that runs a background response to cancel it; its answer
+        (openai/response_store.py ``ResponseStore.cancel``), None if it does not hold it."""
+        answer = await self._ask(owner, ResponseQuery(self.replica, "cancel", response_id))
+        return answer.decode() if answer else None
+
     async def _ask(self, owner: str, query: ResponseQuery) -> bytes | None:
         """The owner's answer to ``query``; None if nobody answers for ``owner``."""
         if self._nc is None or not self.connected:
@@ -572,6 +579,11 @@ class ReplicaLink:
                 await self._publish(query.inbox, chunk)
         elif query.op == "delete":
             await self._publish(reply, b"1" if store.delete(query.id) else b"0")
+        elif query.op == "cancel":  # answered once the response has ended (or soon)
+            answer: str | None = CANCELLED  # the cancel is under way if it takes longer
+            with trio.move_on_after(RESPONSE_TIMEOUT_S / 2):
+                answer = await store.cancel(query.id)
+            await self._publish(reply, (answer or "").encode())
         else:
             return self._malformed("stored-response query")
         self.counts["responses_served"] += 1

@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from functools import partial
 from typing import Literal
 
+import msgspec
 import trio
 
 from direct_frontend.fleet.schema import FrontendConfig
@@ -34,6 +35,12 @@ from direct_frontend.http.asgi import (
     send_body,
     send_error,
 )
+from direct_frontend.http.background import (
+    BackgroundResponses,
+    follow,
+    starting_after,
+    wants_stream,
+)
 from direct_frontend.http.control_view import ControlView
 from direct_frontend.http.embeddings import respond_embeddings
 from direct_frontend.http.messages_api import respond_messages
@@ -41,9 +48,11 @@ from direct_frontend.http.render import render_model, render_models
 from direct_frontend.http.responses import respond
 from direct_frontend.http.responses_api import respond_responses
 from direct_frontend.http.stored_responses import (
+    CANCEL,
     INPUT_ITEMS,
     RESPONSE_PATH,
     find,
+    respond_cancel,
     respond_delete,
     respond_input_items,
     respond_retrieve,
@@ -58,7 +67,6 @@ from direct_frontend.openai.errors import (
     method_not_allowed,
     model_not_found,
     previous_response_not_found,
-    rate_limited,
     response_not_found,
     unknown_route,
 )
@@ -78,13 +86,21 @@ from direct_frontend.openai.responses_api import (
     previous_response_id,
 )
 from direct_frontend.openai.types import ChatRequest, CompletionRequest
-from direct_frontend.pipeline.admission import Rejected
+from direct_frontend.pipeline.admission import Rejected, saturated
 from direct_frontend.pipeline.models import ServedModel
-from direct_frontend.pipeline.preprocess import Kind, chat_prompt_ids, prepare_each
+from direct_frontend.pipeline.preprocess import (
+    Kind,
+    PreparedRequest,
+    chat_prompt_ids,
+    prepare_each,
+)
+from direct_frontend.pipeline.relay import Relay
 from direct_frontend.pipeline.settings import Settings
 from direct_frontend.routing.affinity import routing_key
 
 log = logging.getLogger("direct_frontend.http")
+
+_encode = msgspec.json.Encoder().encode
 
 #: vLLM's tokenizer endpoints, outside /v1 as vLLM serves them; the API keys cover them too
 TOKENIZER_PATHS = frozenset({"/tokenize", "/detokenize"})
@@ -117,6 +133,8 @@ class App:
         self.tracing = tracing  # None: tracing is off, and costs nothing
         #: stored Responses (None: ``[frontend.responses] store = false``, nothing is kept)
         self.responses = responses
+        #: the background responses (their nursery runs beside the HTTP server's)
+        self.background = None if responses is None else BackgroundResponses(responses, metrics)
         self.metrics = metrics
         self.bound_urls: list[str] = []
         #: ``run --workers``: every worker's metrics as one scrape, from this one's text
@@ -171,6 +189,8 @@ class App:
                 RESPONSE_PATH):
             if path.endswith(INPUT_ITEMS) and len(path) > len(RESPONSE_PATH + INPUT_ITEMS):
                 methods, route = {"GET": self._input_items}, RESPONSE_PATH + "{id}" + INPUT_ITEMS
+            elif path.endswith(CANCEL) and len(path) > len(RESPONSE_PATH + CANCEL):
+                methods, route = {"POST": self._cancel}, RESPONSE_PATH + "{id}" + CANCEL
             else:
                 methods = {"GET": self._retrieve, "DELETE": self._delete}
                 route = RESPONSE_PATH + "{id}"
@@ -283,7 +303,21 @@ class App:
 
     async def _retrieve(self, settings: Settings, scope: Scope, receive: Receive,
                         send: Send) -> int:
-        return await self._stored(settings, scope, receive, send, respond_retrieve)
+        query = scope.get("query_string", b"")
+        if not wants_stream(query):
+            return await self._stored(settings, scope, receive, send, respond_retrieve)
+
+        async def streamed(store: ResponseStore, response_id: str, send: Send,
+                           headers: Headers) -> int:
+            after = starting_after(query)
+            return await follow(self.background, store, response_id, after, receive, send,
+                                headers)
+
+        return await self._stored(settings, scope, receive, send, streamed)
+
+    async def _cancel(self, settings: Settings, scope: Scope, receive: Receive,
+                      send: Send) -> int:
+        return await self._stored(settings, scope, receive, send, respond_cancel, CANCEL)
 
     async def _delete(self, settings: Settings, scope: Scope, receive: Receive,
                       send: Send) -> int:
@@ -333,6 +367,9 @@ class App:
         record = await find(self.responses, response_id)
         if record is None:
             raise previous_response_not_found(response_id)
+        if record.running:  # its output is not all there yet
+            raise invalid_request(f"Response '{response_id}' is still {record.status}: "
+                                  "continue it once it has ended.", "previous_response_id")
         return record
 
 
@@ -381,6 +418,23 @@ class App:
                                             headers)
 
         return await self._from_body(settings, receive, send, answer)
+
+    async def _background(self, relay: Relay, settings: Settings, prepared: PreparedRequest,
+                          request: ResponsesRequest, receive: Receive, send: Send,
+                          headers: Headers) -> int:
+        """Start a ``background: true`` response; its queued object, or its events."""
+        if self.responses is None or self.background is None:
+            raise invalid_request(
+                "A background response is kept to be polled, and this server keeps none "
+                "([frontend.responses] store = false).", "background",
+            )
+        response_id = self.responses.new_id(prepared.request_id)
+        queued = self.background.start(relay, settings, prepared, request, response_id)
+        if not request.chat.stream:
+            await send_body(send, 200, _encode(queued), JSON, headers)
+            return 200
+        return await follow(self.background, self.responses, response_id, -1, receive, send,
+                            headers)
 
     def _model_of(self, model: str) -> ServedModel:
         served = self.control.models.get(model)
@@ -511,6 +565,13 @@ class App:
             prepared = prompts[0]
             if trace is not None:
                 trace.leave(prompt_tokens=sum(len(p.input_ids) for p in prompts))
+            if responses is not None and responses.background:
+                assert isinstance(prepared.request, ChatRequest)
+                return await self._background(
+                    found[0].relay, settings, prepared,
+                    dataclasses.replace(responses, chat=prepared.request), receive, send,
+                    headers,
+                )
         except OpenAIHTTPError as err:
             await send_error(send, err, headers)
             return err.status
@@ -543,11 +604,6 @@ class App:
             refusal = saturated(rejected)
             await send_error(send, refusal, headers)
             return refusal.status
-
-
-def saturated(rejected: Rejected) -> OpenAIHTTPError:
-    """The 429 for a request the admission queue would not take."""
-    return rate_limited(f"The frontend is saturated: {rejected.reason}.", retry_after=1)
 
 
 def _denied(frontend: FrontendConfig, scope: Scope) -> OpenAIHTTPError | None:

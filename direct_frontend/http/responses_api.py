@@ -42,11 +42,12 @@ class ResponseBuilder:
     """The output items and stream events of one response (one choice)."""
 
     def __init__(self, request: ResponsesRequest, response_id: str, created: int,
-                 stored: bool = False) -> None:
+                 stored: bool = False, background: bool = False) -> None:
         self.request = request
         self.id = response_id
         self.created = created
         self.stored = stored  # the response will be kept (what its ``store`` says)
+        self.background = background
         self.items: list[dict[str, Any]] = []
         self._open: dict[str, Any] | None = None  # the item deltas go to
         self._calls: dict[int, dict[str, Any]] = {}  # the parser's call index -> item
@@ -58,7 +59,7 @@ class ResponseBuilder:
         chat = r.chat
         return {
             "id": self.id, "object": "response", "created_at": self.created, "status": status,
-            "model": chat.model, "output": self.items if status != "in_progress" else [],
+            "model": chat.model, "output": self.items, "background": self.background,
             "error": None,
             "incomplete_details": None if incomplete is None else {"reason": incomplete},
             "instructions": r.instructions, "max_output_tokens": r.max_output_tokens,
@@ -175,7 +176,7 @@ class ResponseBuilder:
                        "output_index": self.items.index(item), "item": dict(item)})
 
 
-def _entries(relay: Relay, logprobs: Sequence[TokenLogprob]) -> list[dict[str, Any]] | None:
+def entries(relay: Relay, logprobs: Sequence[TokenLogprob]) -> list[dict[str, Any]] | None:
     """A batch's logprobs as the output text's entries (chat's shape); None when there are none."""
     if not logprobs:
         return None
@@ -184,7 +185,7 @@ def _entries(relay: Relay, logprobs: Sequence[TokenLogprob]) -> list[dict[str, A
     return entries
 
 
-def _usage(state: RelayState) -> dict[str, Any]:
+def usage(state: RelayState) -> dict[str, Any]:
     prompt = len(state.prepared.input_ids)
     completion = state.processor.completion_tokens
     return {"input_tokens": prompt,
@@ -193,7 +194,7 @@ def _usage(state: RelayState) -> dict[str, Any]:
             "total_tokens": prompt + completion}
 
 
-def _outcome(state: RelayState) -> tuple[str, str | None]:
+def outcome(state: RelayState) -> tuple[str, str | None]:
     """The response's status, and why it is incomplete (if it is)."""
     final = state.final
     assert final is not None
@@ -202,19 +203,23 @@ def _outcome(state: RelayState) -> tuple[str, str | None]:
     return "completed", None
 
 
-class _Events:
+class SseEvents:
     """Stream events as SSE, each with the next ``sequence_number``."""
 
     def __init__(self) -> None:
         self.sequence = 0
 
     def render(self, events: Sequence[Event]) -> bytes:
-        out = bytearray()
+        return b"".join(self.each(events))
+
+    def each(self, events: Sequence[Event]) -> list[bytes]:
+        """The events one by one (a background response's log holds them so)."""
+        out = []
         for event in events:
             event["sequence_number"] = self.sequence
             self.sequence += 1
-            out += b"event: %b\ndata: %b\n\n" % (event["type"].encode(), _encode(event))
-        return bytes(out)
+            out.append(b"event: %b\ndata: %b\n\n" % (event["type"].encode(), _encode(event)))
+        return out
 
 
 async def respond_responses(
@@ -254,14 +259,14 @@ Keep = Callable[[bytes], None]  # the finished Response object's JSON, to the st
 async def _complete(relay: Relay, state: RelayState, builder: ResponseBuilder, send: Send,
                     headers: Headers, kept: Keep) -> int:
     def feed(text: str, finished: bool, logprobs: Sequence[TokenLogprob]) -> None:
-        builder.feed(state.parse(text, finished), _entries(relay, logprobs))
+        builder.feed(state.parse(text, finished), entries(relay, logprobs))
 
-    status = await _collected(relay, state, feed, send, headers)
-    if status != 200:
-        return status
-    outcome, why = _outcome(state)
-    builder.finish(outcome)
-    body = _encode(builder.response(outcome, _usage(state), why))
+    http_status = await _collected(relay, state, feed, send, headers)
+    if http_status != 200:
+        return http_status
+    status, why = outcome(state)
+    builder.finish(status)
+    body = _encode(builder.response(status, usage(state), why))
     kept(body)
     await send_body(send, 200, body, JSON, headers)
     return 200
@@ -269,7 +274,7 @@ async def _complete(relay: Relay, state: RelayState, builder: ResponseBuilder, s
 
 async def _stream(relay: Relay, state: RelayState, builder: ResponseBuilder, send: Send,
                   headers: Headers, kept: Keep) -> int:
-    sse = _Events()
+    sse = SseEvents()
 
     def opening() -> bytes:
         return sse.render([
@@ -278,21 +283,20 @@ async def _stream(relay: Relay, state: RelayState, builder: ResponseBuilder, sen
         ])
 
     def batch(text: str, finished: bool, logprobs: Sequence[TokenLogprob]) -> bytes:
-        return sse.render(builder.feed(state.parse(text, finished), _entries(relay, logprobs)))
+        return sse.render(builder.feed(state.parse(text, finished), entries(relay, logprobs)))
 
     def closing() -> bytes:
-        outcome, why = _outcome(state)
-        events = builder.finish(outcome)
-        kind = "response.completed" if outcome == "completed" else "response.incomplete"
-        response = builder.response(outcome, _usage(state), why)
-        events.append({"type": kind, "response": response})
+        status, why = outcome(state)
+        events = builder.finish(status)
+        response = builder.response(status, usage(state), why)
+        events.append({"type": f"response.{status}", "response": response})
         kept(_encode(response))
         return sse.render(events)
 
     def failed(err: OpenAIHTTPError) -> bytes:
         """A started Responses stream ends as the API ends one: ``error``, ``response.failed``."""
         code = err.code or err.type
-        response = builder.response("failed", _usage(state))
+        response = builder.response("failed", usage(state))
         response["error"] = {"code": code, "message": err.message}
         return sse.render([
             {"type": "error", "code": code, "message": err.message, "param": err.param},

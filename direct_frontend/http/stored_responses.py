@@ -1,4 +1,4 @@
-"""``/v1/responses/{id}``: retrieve, delete and list the input items of a stored response.
+"""``/v1/responses/{id}``: retrieve, delete, cancel and list the input items of a response.
 
 A response is held by the process that answered it (its id says which,
 openai/response_store.py). One this process does not hold is asked of that
@@ -15,8 +15,9 @@ from urllib.parse import parse_qs
 import msgspec
 
 from direct_frontend.http.asgi import JSON, Headers, Send, send_body
-from direct_frontend.openai.errors import invalid_request, response_not_found
+from direct_frontend.openai.errors import invalid_request, not_cancellable, response_not_found
 from direct_frontend.openai.response_store import (
+    NOT_BACKGROUND,
     RemoteResponses,
     ResponseStore,
     StoredResponse,
@@ -26,6 +27,8 @@ from direct_frontend.openai.response_store import (
 #: ``GET``/``DELETE /v1/responses/{id}``, ``GET /v1/responses/{id}/input_items``
 RESPONSE_PATH: Final = "/v1/responses/"
 INPUT_ITEMS: Final = "/input_items"
+#: ``POST /v1/responses/{id}/cancel``
+CANCEL: Final = "/cancel"
 #: ``input_items`` pages: OpenAI's default and largest ``limit``
 DEFAULT_LIMIT: Final = 20
 MAX_LIMIT: Final = 100
@@ -75,6 +78,25 @@ async def respond_delete(store: ResponseStore, response_id: str, send: Send,
     body = b'{"id":%b,"object":"response.deleted","deleted":true}' % msgspec.json.encode(
         response_id)
     await send_body(send, 200, body, JSON, headers)
+    return 200
+
+
+async def respond_cancel(store: ResponseStore, response_id: str, send: Send,
+                         headers: Headers) -> int:
+    """Cancel a background response; the Response as it ended (a second cancel: the same).
+
+    A response that was not run in the background is a 400, as OpenAI's is.
+    """
+    answer = await store.cancel(response_id)
+    if answer is None and (sibling := _sibling(store, response_id)) is not None:
+        remote, owner = sibling
+        answer = await remote.cancel(owner, response_id)
+    if answer == NOT_BACKGROUND:
+        raise not_cancellable(response_id)
+    record = None if answer is None else await find(store, response_id)
+    if record is None:
+        raise response_not_found(response_id)
+    await send_body(send, 200, record.response, JSON, headers)
     return 200
 
 

@@ -280,6 +280,10 @@ class Metrics:
             "JSON bytes of the stored responses ([frontend.responses] max_bytes bounds it).",
             registry=r,
         )  # fmt: skip
+        self.responses_background = Gauge(
+            p + "responses_background",
+            "Background responses (background: true) running in this process.", registry=r,
+        )  # fmt: skip
         self.responses_evicted_total = Counter(
             p + "responses_evicted_total",
             "Stored responses dropped before their time to keep within max_bytes.", registry=r,
@@ -316,6 +320,10 @@ class Metrics:
         """Read the store's size at scrape time."""
         self.responses_stored.set_function(count)
         self.responses_stored_bytes.set_function(size)
+
+    def watch_background(self, running: Callable[[], float]) -> None:
+        """Read how many background responses run at scrape time."""
+        self.responses_background.set_function(running)
 
     def response_evicted(self) -> None:
         self.responses_evicted_total.inc()

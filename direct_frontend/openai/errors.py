@@ -98,6 +98,20 @@ def response_not_found(response_id: str) -> OpenAIHTTPError:
                            "invalid_request_error")
 
 
+def not_cancellable(response_id: str) -> OpenAIHTTPError:
+    """400 for a cancel of a response that was not run in the background."""
+    return OpenAIHTTPError(
+        400, f"Response '{response_id}' was not created with background=true: only a "
+        "background response can be cancelled.", "invalid_request_error", "response_id",
+    )
+
+
+def shutting_down() -> OpenAIHTTPError:
+    """503 for work that would outlive the process: it is shutting down."""
+    return OpenAIHTTPError(503, "The server is shutting down; retry on another.",
+                           "server_error", None, "shutting_down", headers=_retry_after(1))
+
+
 def request_too_large(limit_bytes: int) -> OpenAIHTTPError:
     """413 when the body exceeds the configured cap (checked before parsing)."""
     return OpenAIHTTPError(

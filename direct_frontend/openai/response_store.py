@@ -24,7 +24,7 @@ import dataclasses
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, Final, Protocol
 
 import msgspec
@@ -34,6 +34,12 @@ PREFIX: Final = "resp_"
 OWNER_CHARS: Final = 8
 #: what a record costs beyond its bytes (the record, its slots, the map entry)
 RECORD_OVERHEAD: Final = 200
+#: a cancel's answers: the response has ended (cancelled, or it had ended before)
+CANCELLED: Final = "cancelled"
+#: … it was not run in the background, so it cannot be cancelled
+NOT_BACKGROUND: Final = "not_background"
+#: the statuses of a response that has not ended (only a background one is seen so)
+RUNNING: Final = frozenset({"queued", "in_progress"})
 
 
 class StoredResponse(msgspec.Struct, frozen=True):
@@ -43,6 +49,15 @@ class StoredResponse(msgspec.Struct, frozen=True):
     response: bytes  # the Response object, as GET /v1/responses/{id} returns it
     output: tuple[bytes, ...]  # its output items: the next turn's history ends with them
     conversation: tuple[bytes, ...]  # the input items it answered, earlier turns' included
+    #: where it is: ``queued`` and ``in_progress`` until it ends (a background response)
+    status: str = "completed"
+    background: bool = False  # run with ``background: true``: cancellable, its events kept
+    #: a background response's stream events so far, SSE-encoded, one per sequence number
+    events: tuple[bytes, ...] = ()
+
+    @property
+    def running(self) -> bool:
+        return self.status in RUNNING
 
     def history(self) -> tuple[bytes, ...]:
         """What a follow-up continues: the conversation, then this response's output."""
@@ -55,6 +70,16 @@ class RemoteResponses(Protocol):
     async def fetch(self, owner: str, response_id: str) -> StoredResponse | None: ...
 
     async def delete(self, owner: str, response_id: str) -> bool: ...
+
+    async def cancel(self, owner: str, response_id: str) -> str | None:
+        """The sibling's answer to a cancel (:meth:`ResponseStore.cancel`); None: not held."""
+        ...
+
+
+#: a running background response's record as it is now (None: no such response runs here)
+Live = Callable[[str], "StoredResponse | None"]
+#: cancels a background response this process runs: its :data:`Cancelled` answer
+Canceller = Callable[[str], Awaitable[str | None]]
 
 
 def owner_of(response_id: str) -> str | None:
@@ -86,6 +111,10 @@ class ResponseStore:
         self.clock = clock
         #: a sibling's store (set when a replica link runs)
         self.remote: RemoteResponses | None = None
+        #: the background responses running here, as they are now (http/background.py)
+        self.live: Live | None = None
+        #: cancels one of them (http/background.py)
+        self.canceller: Canceller | None = None
         self.bytes = 0
         self.evicted = 0
         self._records: OrderedDict[str, tuple[StoredResponse, float]] = OrderedDict()
@@ -121,7 +150,13 @@ class ResponseStore:
         return True
 
     def get(self, response_id: str) -> StoredResponse | None:
-        """The record if this process holds it and its time is not up."""
+        """The record if this process holds it and its time is not up.
+
+        A background response still running is seen as it is now, not as its
+        last kept record.
+        """
+        if self.live is not None and (running := self.live(response_id)) is not None:
+            return running
         entry = self._records.get(response_id)
         if entry is None:
             return None
@@ -130,6 +165,18 @@ class ResponseStore:
             self._expire()
             return None
         return record
+
+    async def cancel(self, response_id: str) -> str | None:
+        """Cancel a background response held here: ``cancelled`` once it has ended (or it
+        had ended already), ``not_background`` for one that was not run so; None: not held."""
+        record = self.get(response_id)
+        if record is None:
+            return None
+        if not record.background:
+            return NOT_BACKGROUND
+        if record.running and self.canceller is not None:
+            return await self.canceller(response_id)
+        return CANCELLED
 
     def delete(self, response_id: str) -> bool:
         if response_id not in self._records:
@@ -160,7 +207,7 @@ class ResponseStore:
     def _parts(record: StoredResponse) -> list[bytes]:
         """The record's bytes objects, each once (a record may hold one twice)."""
         seen: dict[int, bytes] = {}
-        for data in (record.response, *record.output, *record.conversation):
+        for data in (record.response, *record.output, *record.conversation, *record.events):
             seen.setdefault(id(data), data)
         return list(seen.values())
 

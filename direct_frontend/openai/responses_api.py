@@ -49,6 +49,8 @@ class ResponsesRequest:
     history: tuple[bytes, ...] = ()
     #: this request's own input items, normalized and with ids: what its record adds
     items: tuple[dict[str, Any], ...] = ()
+    #: run beside the client (http/background.py): answered at once, polled, cancellable
+    background: bool = False
 
 
 def previous_response_id(raw: dict[str, Any]) -> str | None:
@@ -87,6 +89,12 @@ def parse_responses_request(
         store = True
     if not isinstance(store, bool):
         raise invalid_request("Invalid type for 'store': expected a boolean.", "store")
+    background = raw.get("background") or False
+    if not isinstance(background, bool):
+        raise invalid_request("Invalid type for 'background': expected a boolean.", "background")
+    if background and not store:
+        raise invalid_request("A background response is kept to be polled: 'background' "
+                              "needs 'store' true.", "background")
     chat: dict[str, Any] = {k: raw[k] for k in _SAME if k in raw}
     include = raw.get("include") or []
     if raw.get("top_logprobs") is not None or (isinstance(include, list) and LOGPROBS in include):
@@ -114,7 +122,7 @@ def parse_responses_request(
     request = parse_chat_request(_encode(chat))
     return ResponsesRequest(request, instructions, tools, raw.get("tool_choice", "auto"),
                             raw.get("max_output_tokens"), store, previous_response_id(raw),
-                            history, tuple(_normalized(item) for item in own))
+                            history, tuple(_normalized(item) for item in own), background)
 
 
 def _input_list(value: Any) -> list[Any]:

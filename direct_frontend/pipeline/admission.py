@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 import trio
 
 from direct_frontend.fleet.schema import LimitsConfig
+from direct_frontend.openai.errors import OpenAIHTTPError, rate_limited
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -38,6 +39,11 @@ class Rejected(Exception):
         self.reason = reason
 
 
+def saturated(rejected: Rejected) -> OpenAIHTTPError:
+    """The 429 for a request the admission queue would not take."""
+    return rate_limited(f"The frontend is saturated: {rejected.reason}.", retry_after=1)
+
+
 class Admission:
     def __init__(self, config: AdmissionConfig) -> None:
         self.config = config
@@ -49,6 +55,17 @@ class Admission:
     @property
     def in_flight(self) -> int:
         return self.config.max_in_flight - self._slots.value
+
+    def refuse_if_full(self, count: int = 1) -> None:
+        """Raise :class:`Rejected` now if ``count`` slots would find the queue full.
+
+        For work that is accepted at once and admitted later (a background
+        response): its client hears the 429 instead of a failure after the fact.
+        """
+        if self._slots.value < min(count, self.config.max_in_flight) and (
+                self.waiting >= self.config.max_queue):
+            self.rejected += 1
+            raise Rejected("the request queue is full")
 
     @contextlib.asynccontextmanager
     async def slot(self, count: int = 1) -> AsyncIterator[None]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -213,6 +214,49 @@ def test_a_stored_response_is_found_continued_and_deleted_through_any_replica(
         third.stop()
         gone = httpx.get(f"{second.url}/v1/responses/{kept_by_third}")
         assert gone.status_code == 404
+        assert fleet(second)["replicas"]["counts"]["response_fetches_failed"] == 0
+
+
+def test_a_background_response_is_polled_followed_and_cancelled_through_another_replica(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """A client whose poll, stream or cancel lands on another replica than the one running
+    its background response gets what it would get from the owner."""
+    engines = [sim_engine("e0", "sglang", **SLOW)]
+    with running_nats() as nats, \
+            replicas(tmp_path, model_dir, engines, nats.url, 2) as (first, second):
+        for daemon in (first, second):
+            wait_for(lambda d=daemon: len(peers_of(d)) == 1, what="the sibling heard")
+        sim = first.supervisor.simulators["e0"]
+        made = httpx.post(first.url + "/v1/responses", json={
+            "model": "demo", "input": "go on", "background": True,
+            "max_output_tokens": 2000}).json()
+        url = f"{second.url}/v1/responses/{made['id']}"
+        wait_for(lambda: httpx.get(url).json()["output"] != [], what="output to show")
+        assert httpx.get(url).json()["status"] == "in_progress"
+        seen: list[dict[str, Any]] = []
+        with httpx.stream("GET", url, params={"stream": "true"}, timeout=30) as reply:
+            for line in reply.iter_lines():
+                if line.startswith("data: "):
+                    seen.append(json.loads(line[6:]))
+                    if seen[-1]["type"] == "response.output_text.delta":
+                        break
+        assert [e["sequence_number"] for e in seen] == list(range(len(seen)))
+        aborts = sim.stats.aborts_received + sim.stats.cancellations
+        cancelled = httpx.post(url + "/cancel")
+        assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled"
+        wait_for(lambda: sim.stats.aborts_received + sim.stats.cancellations > aborts,
+                 what="the engine to hear the cancel")
+        own = httpx.get(f"{first.url}/v1/responses/{made['id']}").json()
+        assert own["status"] == "cancelled"
+        with httpx.stream("GET", url, params={"stream": "true", "starting_after": str(
+                seen[-1]["sequence_number"])}, timeout=30) as reply:
+            rest = [json.loads(line[6:]) for line in reply.iter_lines()
+                    if line.startswith("data: ")]
+        assert rest[0]["sequence_number"] == seen[-1]["sequence_number"] + 1
+        assert rest[-1]["type"] == "response.cancelled"
+        text = "".join(e["delta"] for e in seen + rest if e["type"] == "response.output_text.delta")
+        assert text == rest[-1]["response"]["output"][0]["content"][0]["text"]
         assert fleet(second)["replicas"]["counts"]["response_fetches_failed"] == 0
 
 

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from direct_frontend.openai.response_store import (
+    CANCELLED,
+    NOT_BACKGROUND,
     RECORD_OVERHEAD,
     ResponseStore,
     StoredResponse,
@@ -118,3 +121,38 @@ def test_putting_an_id_again_replaces_it(again: bool) -> None:
         store.put(record("resp_1", size=10))
     assert len(store) == 1
     assert store.bytes == cost(record("resp_1", size=10 if again else 100))
+
+
+async def test_a_running_background_response_is_seen_as_it_is_now_and_cancelled_by_its_runner(
+) -> None:
+    store = ResponseStore(10_000, 60)
+    kept = msgspec.structs.replace(record("resp_bg"), status="in_progress", background=True)
+    store.put(kept)
+    now = msgspec.structs.replace(kept, events=(b"event: a\n\n",))
+    running = {"resp_bg": now}
+    cancelled: list[str] = []
+
+    async def cancel(response_id: str) -> str | None:
+        cancelled.append(response_id)
+        running.pop(response_id)
+        return CANCELLED
+
+    store.live, store.canceller = running.get, cancel
+    assert store.get("resp_bg") is now and now.running  # the runner's view, not the last put
+    assert await store.cancel("resp_bg") == CANCELLED and cancelled == ["resp_bg"]
+    assert store.get("resp_bg") is kept
+    ended = msgspec.structs.replace(kept, status="cancelled")
+    store.put(ended)
+    assert await store.cancel("resp_bg") == CANCELLED and cancelled == ["resp_bg"]  # as it ended
+    store.put(record("resp_fg"))
+    assert await store.cancel("resp_fg") == NOT_BACKGROUND
+    assert await store.cancel("resp_none") is None
+
+
+def test_a_background_records_events_count_in_its_cost() -> None:
+    store = ResponseStore(10_000, 60)
+    plain = record("resp_1")
+    logged = msgspec.structs.replace(plain, background=True, events=(b"x" * 500,))
+    store.put(logged)
+    assert store.bytes == cost(plain) + 500
+    assert decode_record(encode_record(logged)) == logged

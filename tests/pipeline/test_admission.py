@@ -29,9 +29,12 @@ async def test_cap_queue_and_rejection() -> None:
         with pytest.raises(Rejected, match="queue is full"):
             async with admission.slot():
                 pass
+        with pytest.raises(Rejected, match="queue is full"):  # what a background one hears
+            admission.refuse_if_full()
         release.set()
     assert sorted(admitted) == [1, 2, 3] and admitted[-1] == 3
-    assert admission.in_flight == 0 and admission.rejected == 1
+    assert admission.in_flight == 0 and admission.rejected == 2
+    admission.refuse_if_full()  # room again: nothing raised
 
 
 async def test_queue_timeout() -> None:

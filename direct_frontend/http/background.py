@@ -1,0 +1,337 @@
+"""Background responses: ``background: true`` runs a Responses request beside its client.
+
+A reasoning model's answer can take minutes, longer than a client's (or a
+proxy's) patience for one connection. With ``background: true`` the request
+is answered at once with a ``queued`` Response; it runs in this service's
+nursery, and the client polls ``GET /v1/responses/{id}``, follows its events
+(``?stream=true&starting_after=N``, as often as it reconnects) or cancels it
+(``POST /v1/responses/{id}/cancel``). A client that leaves cancels nothing;
+a cancel reaches the engine as the request's Abort, as a disconnect does for
+a foreground request.
+
+Every background response writes its stream events to a log, whether or not
+it was created with ``stream: true``: the log is what a follower reads, from
+any point, with no event lost or sent twice. While it runs, the store sees
+it through :meth:`BackgroundResponses.record` (status, output so far, events
+so far), so a sibling process that is asked for it gets it as it is now; when
+it ends, its final record (events included) is kept like any stored response.
+
+The service's nursery lives as long as the HTTP server; at shutdown the
+responses still running get the grace period, then are cancelled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any, Final
+from urllib.parse import parse_qs
+
+import msgspec
+import trio
+
+from direct_frontend.engines.neutral import TokenLogprob
+from direct_frontend.errors import EngineError
+from direct_frontend.http.asgi import Headers, Receive, Send
+from direct_frontend.http.responses import SSE_HEADERS, _Client
+from direct_frontend.http.responses_api import (
+    Event,
+    ResponseBuilder,
+    SseEvents,
+    entries,
+    outcome,
+    usage,
+)
+from direct_frontend.http.stored_responses import find
+from direct_frontend.observability.metrics import Metrics
+from direct_frontend.openai.errors import (
+    OpenAIHTTPError,
+    internal_error,
+    invalid_request,
+    response_not_found,
+    shutting_down,
+)
+from direct_frontend.openai.response_store import (
+    CANCELLED,
+    RUNNING,
+    ResponseStore,
+    StoredResponse,
+)
+from direct_frontend.openai.responses_api import ResponsesRequest
+from direct_frontend.pipeline.admission import Rejected, saturated
+from direct_frontend.pipeline.preprocess import PreparedRequest
+from direct_frontend.pipeline.relay import Relay, RelayState
+from direct_frontend.pipeline.settings import Settings
+
+log = logging.getLogger("direct_frontend.http")
+
+_encode: Final = msgspec.json.Encoder().encode
+
+
+class _Run:
+    """One background response: its builder, its event log, and how to stop it."""
+
+    def __init__(self, builder: ResponseBuilder) -> None:
+        self.builder = builder
+        self.status = "queued"
+        self.error: dict[str, Any] | None = None
+        self.usage: dict[str, Any] | None = None
+        self.incomplete: str | None = None
+        self.events: list[bytes] = []  # SSE-encoded; index = sequence number
+        self.sse = SseEvents()
+        self.scope = trio.CancelScope()
+        self.ended = trio.Event()
+        self.wake = trio.Event()  # set when events are added or it ends, then replaced
+
+    def add(self, events: Sequence[Event]) -> None:
+        """Log ``events`` and wake the followers."""
+        self.events.extend(self.sse.each(events))
+        self.wake.set()
+        self.wake = trio.Event()
+
+    def response(self) -> dict[str, Any]:
+        response = self.builder.response(self.status, self.usage, self.incomplete)
+        if self.error is not None:
+            response["error"] = self.error
+        return response
+
+    def end(self, status: str, events: list[Event]) -> None:
+        """The response ended as ``status``: its last events, the terminal one among them."""
+        self.status = status
+        events.append({"type": f"response.{status}", "response": self.response()})
+        self.add(events)
+
+
+class BackgroundResponses:
+    """The background responses this process runs, in one nursery; see the module's text."""
+
+    def __init__(self, store: ResponseStore, metrics: Metrics) -> None:
+        self.store = store
+        self._runs: dict[str, _Run] = {}
+        self._nursery: trio.Nursery | None = None
+        store.live = self.record
+        store.canceller = self.cancel
+        metrics.watch_background(lambda: len(self._runs))
+
+    def __len__(self) -> int:
+        return len(self._runs)
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """The nursery the responses run in, until this task is cancelled."""
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                task_status.started()
+                await trio.sleep_forever()
+        finally:
+            self._nursery = None
+
+    async def drain(self) -> None:
+        """Until no background response runs (the shutdown's grace bounds the wait)."""
+        self._nursery = None  # none is taken from now on
+        while self._runs:
+            await next(iter(self._runs.values())).ended.wait()
+
+    def start(self, relay: Relay, settings: Settings, prepared: PreparedRequest,
+              request: ResponsesRequest, response_id: str) -> dict[str, Any]:
+        """Start the response in the background; its ``queued`` Response object.
+
+        A 429 when the admission queue has no room for it now (as a foreground
+        request gets), a 503 when the server is shutting down.
+        """
+        nursery = self._nursery
+        if nursery is None:
+            raise shutting_down()
+        try:
+            settings.admission.refuse_if_full()
+        except Rejected as rejected:
+            raise saturated(rejected) from None
+        # Streamed from the engine whatever the client asked: a poll sees the output so far.
+        chat = msgspec.structs.replace(request.chat, stream=True)
+        prepared = dataclasses.replace(prepared, request=chat)
+        builder = ResponseBuilder(dataclasses.replace(request, chat=chat), response_id,
+                                  int(time.time()), stored=True, background=True)
+        run = _Run(builder)
+        run.add([{"type": "response.created", "response": run.response()},
+                 {"type": "response.queued", "response": run.response()}])
+        self._runs[response_id] = run
+        nursery.start_soon(self._serve, run, relay, settings, prepared, response_id)
+        return run.response()
+
+    def record(self, response_id: str) -> StoredResponse | None:
+        """A running response's record as it is now; None if none of that id runs here."""
+        run = self._runs.get(response_id)
+        return None if run is None else self._record(run)
+
+    def running(self, response_id: str) -> _Run | None:
+        """The response of that id while it runs here (a follower reads its log)."""
+        return self._runs.get(response_id)
+
+    async def cancel(self, response_id: str) -> str | None:
+        """Cancel a response running here; once it has ended, ``cancelled``.
+
+        None if none of that id runs here.
+        """
+        run = self._runs.get(response_id)
+        if run is None:
+            return None
+        run.scope.cancel()
+        await run.ended.wait()
+        return CANCELLED
+
+    @staticmethod
+    def _record(run: _Run) -> StoredResponse:
+        record = run.builder.record(_encode(run.response()))
+        return msgspec.structs.replace(record, status=run.status, background=True,
+                                       events=tuple(run.events))
+
+    async def _serve(self, run: _Run, relay: Relay, settings: Settings,
+                     prepared: PreparedRequest, response_id: str) -> None:
+        """Run the response to its end, whatever that is, and keep its final record."""
+        try:
+            with run.scope:
+                await self._generate(run, relay, settings, prepared)
+            if run.status in RUNNING:  # its own scope was cancelled: a cancel
+                relay.metrics.request_cancelled()
+                run.end("cancelled", run.builder.finish("cancelled"))
+        except Exception:  # a bug: this response fails, the others go on
+            log.exception("background response %s failed", response_id)
+            if run.status in RUNNING:
+                self._fail(run, internal_error())
+        finally:
+            if run.status in RUNNING:  # cancelled from outside: the daemon is stopping
+                run.end("cancelled", run.builder.finish("cancelled"))
+            if not self.store.put(self._record(run)):
+                log.warning("background response %s is larger than [frontend.responses] "
+                            "max_bytes (%d): not kept", response_id, self.store.max_bytes)
+            del self._runs[response_id]
+            run.ended.set()
+            run.wake.set()
+
+    async def _generate(self, run: _Run, relay: Relay, settings: Settings,
+                        prepared: PreparedRequest) -> None:
+        try:
+            async with settings.admission.slot(1):
+                state = await relay.begin(settings, prepared)
+                ok = False
+                try:
+                    ok = await self._relay(run, relay, state)
+                finally:
+                    relay.settle(state, ok)
+        except Rejected as rejected:
+            self._fail(run, saturated(rejected))
+        except OpenAIHTTPError as err:  # placement refused: too long, or no engine
+            self._fail(run, err)
+
+    async def _relay(self, run: _Run, relay: Relay, state: RelayState) -> bool:
+        """Relay the placed request into the log; True if it ended as the engine ended it."""
+        builder = run.builder
+        run.status = "in_progress"
+        run.add([{"type": "response.in_progress", "response": run.response()}])
+
+        async def emit(text: str, tokens: int, finished: bool,
+                       logprobs: Sequence[TokenLogprob]) -> None:
+            events = builder.feed(state.parse(text, finished), entries(relay, logprobs))
+            if finished:
+                status, run.incomplete = outcome(state)
+                run.usage = usage(state)
+                run.end(status, events + builder.finish(status))
+            elif events:
+                run.add(events)
+
+        try:
+            await relay.run(state, emit)
+        except EngineError as exc:
+            log.warning("background request failed on engine %s: %s", exc.engine, exc)
+            run.usage = usage(state)
+            self._fail(run, state.error_for(exc))
+            return False
+        return True
+
+    @staticmethod
+    def _fail(run: _Run, err: OpenAIHTTPError) -> None:
+        code = err.code or err.type
+        run.error = {"code": code, "message": err.message}
+        events = run.builder.finish("failed")
+        events.append({"type": "error", "code": code, "message": err.message,
+                       "param": err.param})
+        run.end("failed", events)
+
+
+def _lost(response_id: str, sequence: int) -> bytes:
+    event = {"type": "error", "code": "response_lost", "param": None, "sequence_number": sequence,
+             "message": f"Response '{response_id}' is no longer held by the process that ran it."}
+    return b"event: error\ndata: %b\n\n" % _encode(event)
+
+
+# -- following a response's events ----------------------------------------------------
+
+#: how often a follower of a sibling's response asks it for what is new
+REMOTE_POLL_S: Final = 0.25
+
+
+def starting_after(query: bytes) -> int:
+    """A follow's ``starting_after`` cursor (-1: from the first event)."""
+    raw = parse_qs(query.decode("latin-1")).get("starting_after", ["-1"])[-1]
+    if not (raw == "-1" or raw.isdigit()):
+        raise invalid_request(f"Invalid 'starting_after': {raw!r} (a sequence number).",
+                              "starting_after")
+    return int(raw)
+
+
+def wants_stream(query: bytes) -> bool:
+    """``GET /v1/responses/{id}?stream=true``: follow its events instead of a snapshot."""
+    return parse_qs(query.decode("latin-1")).get("stream", ["false"])[-1].lower() == "true"
+
+
+async def follow(service: BackgroundResponses | None, store: ResponseStore,
+                 response_id: str, after: int, receive: Receive, send: Send,
+                 headers: Headers) -> int:
+    """Stream a background response's events after ``after`` until it ends.
+
+    Read from its log while it runs here; from its record (a sibling's asked
+    again every :data:`REMOTE_POLL_S` while it runs there) otherwise. A
+    follower that leaves stops nothing but its own stream.
+    """
+    run = None if service is None else service.running(response_id)
+    record = None if run is not None else await find(store, response_id)
+    if run is None and record is None:
+        raise response_not_found(response_id)
+    if record is not None and not record.background:
+        raise invalid_request(f"Response '{response_id}' was not created with "
+                              "background=true: only a background response can be streamed "
+                              "again.", "stream")
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [*SSE_HEADERS, *headers]})
+    cursor = after + 1
+    gone = False
+    async with trio.open_nursery() as nursery:
+        watcher = _Client()
+        nursery.start_soon(watcher.watch, receive, nursery.cancel_scope)
+        while True:
+            if run is not None:
+                wake = run.wake
+                events, ended = run.events, run.ended.is_set()
+            else:
+                assert record is not None
+                events, ended = list(record.events), not record.running
+            fresh = b"".join(events[cursor:])
+            cursor = max(cursor, len(events))
+            if gone:  # its owner went away with it (or it left the owner's store)
+                fresh += _lost(response_id, cursor)
+            if ended or gone:
+                await send({"type": "http.response.body", "body": fresh, "more_body": False})
+                break
+            if fresh:
+                await send({"type": "http.response.body", "body": fresh, "more_body": True})
+            if run is not None:
+                await wake.wait()
+            else:  # the owner has no way to wake us: ask it again
+                await trio.sleep(REMOTE_POLL_S)
+                latest = await find(store, response_id)
+                gone = latest is None
+                record = latest or record
+        nursery.cancel_scope.cancel()
+    return 499 if watcher.gone else 200
