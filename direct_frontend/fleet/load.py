@@ -42,6 +42,7 @@ from direct_frontend.fleet.models import ModelTables
 from direct_frontend.fleet.pools import PoolTables
 from direct_frontend.fleet.problems import FleetError, FleetProblem
 from direct_frontend.fleet.schema import (
+    SESSION_CACHE_KEY_FIELD,
     SESSION_HEADER_PREFIX,
     SESSION_USER_FIELD,
     EngineConfig,
@@ -265,13 +266,14 @@ class _Checker(PoolTables, ModelTables):
         return RoutingConfig(**self.fields(RoutingConfig, tbl, path, by_hand))
 
     def session_key(self, tbl: Table, path: KeyPath) -> tuple[str, ...]:
-        """``session_key``: each entry ``user`` or ``header:<name>``."""
+        """``session_key``: each entry ``user``, ``prompt_cache_key`` or ``header:<name>``."""
         sources = []
+        fields = (SESSION_USER_FIELD, SESSION_CACHE_KEY_FIELD)
         for where, source in self.strings(tbl, path, "session_key") or []:
             header = source.removeprefix(SESSION_HEADER_PREFIX)
-            if source != SESSION_USER_FIELD and (header == source or not header.strip()):
-                self.report(where, f"{source!r} is neither {SESSION_USER_FIELD!r} nor "
-                            f"'{SESSION_HEADER_PREFIX}<name>'")
+            if source not in fields and (header == source or not header.strip()):
+                self.report(where, f"{source!r} is neither {SESSION_USER_FIELD!r}, "
+                            f"{SESSION_CACHE_KEY_FIELD!r} nor '{SESSION_HEADER_PREFIX}<name>'")
             sources.append(source)
         return tuple(sources)
 

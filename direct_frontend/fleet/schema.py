@@ -118,8 +118,10 @@ class KvAwareKnobs:
     approx_capacity_blocks: int = setting(0, NON_NEGATIVE)
 
 
-#: ``session_key`` entries: ``header:<name>`` (case-insensitive) or ``user`` (the body field)
+#: ``session_key`` entries: ``header:<name>`` (case-insensitive), ``user`` or
+#: ``prompt_cache_key`` (the body fields; OpenAI's key for requests that share a cache)
 SESSION_USER_FIELD = "user"
+SESSION_CACHE_KEY_FIELD = "prompt_cache_key"
 SESSION_HEADER_PREFIX = "header:"
 
 

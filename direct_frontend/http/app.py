@@ -559,7 +559,8 @@ class App:
             if trace is not None:
                 trace.model(request.model)
                 trace.enter("preprocess")
-            key = routing_key(settings.frontend.routing.session_key, headers_in, request.user)
+            key = routing_key(settings.frontend.routing.session_key, headers_in, request.user,
+                              request.prompt_cache_key)
             prompts = await prepare_each("completion" if kind == "completion" else "chat",
                                          request, request_id, served.tokenizing, key)
             prepared = prompts[0]

@@ -176,6 +176,11 @@ class Metrics:
             "(sent as content), by parser.",
             ("parser",), registry=r,
         )  # fmt: skip
+        self.reasoning_budget_closed_total = Counter(
+            p + "reasoning_budget_closed_total",
+            "Replies whose reasoning block the router closed at their thinking_token_budget.",
+            registry=r,
+        )  # fmt: skip
         self.migrations_refused_total = Counter(
             p + "migrations_refused_total",
             "Streams ended instead of migrating, by why no other engine could continue them "

@@ -72,6 +72,12 @@ def parse_messages_request(body: bytes, *, counting: bool = False) -> ChatReques
     if isinstance(thinking, dict) and thinking.get("type") in ("enabled", "disabled"):
         on = thinking["type"] == "enabled"  # under the names thinking templates read it by
         chat["chat_template_kwargs"] = {"enable_thinking": on, "thinking": on}
+        budget = thinking.get("budget_tokens")
+        if on and budget is not None:
+            if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+                raise invalid_request("thinking.budget_tokens: Input should be a positive "
+                                      "integer", "thinking.budget_tokens")
+            chat["thinking_token_budget"] = budget
     if raw.get("stream"):
         chat["stream_options"] = {"include_usage": True}
     if counting:

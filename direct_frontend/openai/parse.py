@@ -108,6 +108,8 @@ class _WireBase(msgspec.Struct, kw_only=True):
     stream: bool | None = None
     stream_options: _StreamOptionsWire | None = None
     user: str | None = None
+    prompt_cache_key: str | None = None
+    thinking_token_budget: Annotated[int, msgspec.Meta(ge=-1, le=UINT32_MAX)] | None = None
     skip_special_tokens: bool | None = None
     logit_bias: dict[str, float] | None = None
     # structured outputs (openai/structured.py): response_format and the engines' extensions
@@ -330,6 +332,10 @@ def _common(w: _WireBase) -> dict[str, Any]:
         "constraint": constraint,
         "skip_special_tokens": w.skip_special_tokens is not False,
         "user": w.user,
+        "prompt_cache_key": w.prompt_cache_key,
+        # -1: no limit, as vLLM reads it
+        "thinking_token_budget": None if w.thinking_token_budget in (None, -1)
+        else w.thinking_token_budget,
         "n": w.n or 1,
     }
 

@@ -89,6 +89,11 @@ class _RequestBase(msgspec.Struct, frozen=True, kw_only=True):
     continuous_usage_stats: bool = False  # stream_options.continuous_usage_stats (vLLM's)
     skip_special_tokens: bool = True
     user: str | None = None  # accepted and not used (as metadata, which is not kept)
+    #: OpenAI's key for requests that share a cache: a routing key where session_key names it
+    prompt_cache_key: str | None = None
+    #: the most tokens the reply may spend in its reasoning block (None: no limit); the
+    #: relay closes the block there (pipeline/relay.py), vLLM's ``thinking_token_budget``
+    thinking_token_budget: int | None = None
     n: int = 1  # choices: each one its own engine call (pipeline/choices.py)
     #: top alternatives per output token with its logprob (None: no logprobs)
     logprobs: int | None = None

@@ -137,6 +137,11 @@ def parser_names(parser: ChoiceOutputParser) -> list[tuple[str, int]]:
     return [(parser.name, parser.malformed)]
 
 
+def open_reasoning_close(parser: ChoiceOutputParser) -> str | None:
+    """The marker closing the choice's reasoning block while the text so far is inside it."""
+    return parser.open_reasoning_close() if isinstance(parser, ChoiceParser) else None
+
+
 def only_first_call(delta: ParsedDelta) -> ParsedDelta:
     """``parallel_tool_calls: false``: calls after the first are dropped."""
     if any(piece.index > 0 for piece in delta.tool_calls):

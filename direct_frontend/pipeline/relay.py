@@ -15,6 +15,11 @@ Two halves:
   migration off a draining engine) and which error the client gets. When no
   engine the request may use serves (to start, retry or migrate), it waits
   for one, bounded (:class:`EngineWait`), instead of failing at once.
+  A reply that has spent its ``thinking_token_budget`` inside its reasoning
+  block gets the block's closing marker as if the model had written it, and
+  goes on from there as a continuation (the engine the policy picks holds
+  its prefix): the same on every engine kind, none of whose contracts
+  carries a thinking budget.
 - :class:`Relay` is the thin async driver: it runs each attempt's engine
   call (:meth:`Dispatcher.run`) and hands every batch of output to an
   ``emit(text, tokens, finished, logprobs)`` callback of the HTTP side. Per batch it
@@ -73,6 +78,7 @@ from direct_frontend.pipeline.parsing import (
     ModelParsers,
     choice_parser,
     only_first_call,
+    open_reasoning_close,
     parser_names,
 )
 from direct_frontend.pipeline.postprocess import OutputProcessor, OutputStep
@@ -209,6 +215,8 @@ class RelayState:
         "failed",
         "failover",
         "final",
+        "held",
+        "legs",
         "logprobs",
         "logprobs_sent",
         "original_call",
@@ -221,9 +229,11 @@ class RelayState:
         "prompt_logprobs",
         "replaying",
         "request",
+        "resumed",
         "settings",
         "stall_timeout_s",
         "started",
+        "thinking_budget",
         "trace",
     )
 
@@ -282,6 +292,16 @@ class RelayState:
         #: the choice's output parser (tool calls, reasoning); None: the text is all content.
         #: It lives here, not with an engine call, so a migrated stream keeps its state.
         self.parser = parser
+        #: the reasoning tokens the reply may spend, until its block is closed for it (None:
+        #: no limit, or none it can keep: no parser, or a constraint a continuation would lose)
+        self.thinking_budget = (
+            self.request.thinking_token_budget if parser is not None and not constrained
+            else None
+        )
+        #: the rest of a batch past the budget, taken next unless the block is closed there
+        self.held: EngineEvent | None = None
+        self.legs = 0  # engine calls after the first: each continuation's id is its own
+        self.resumed = False  # continued past a closed reasoning block
 
     # -- parsed output -------------------------------------------------------------------
 
@@ -343,11 +363,15 @@ class RelayState:
                 if replayed is None:
                     break
                 event = replayed
+            if self.thinking_budget is not None:
+                event = self._up_to_budget(event, len(tokens))
             self._note_cached(event)
             if logprobs is not None:
                 self._note_logprobs(event)
             if isinstance(event, TokenDelta):
                 tokens.extend(event.token_ids)
+                if self.held is not None:  # the budget's end: the rest waits for the verdict
+                    break
             else:
                 if tokens and self._take(tokens, pieces):
                     tokens = []
@@ -366,6 +390,19 @@ class RelayState:
         if finished:
             self.phase = Phase.FINISHED
         return "".join(pieces), self.processor.completion_tokens - before, finished
+
+    def _up_to_budget(self, event: TokenDelta | Finished, merged: int) -> TokenDelta | Finished:
+        """``event`` up to the reasoning budget (``merged``: tokens of this batch before it);
+        the rest of it is :attr:`held`, so the block can be closed exactly there."""
+        assert self.thinking_budget is not None
+        room = self.thinking_budget - self.processor.completion_tokens - merged
+        ids = event.token_ids
+        if room >= len(ids) or room < 0 or (room == 0 and not merged):
+            return event  # within it; or a batch that starts at it (a budget of 0) is taken
+        self.held = dataclasses.replace(event, token_ids=ids[room:],
+                                        logprobs=event.logprobs[room:])
+        return TokenDelta(ids[:room], event.prompt_tokens, event.completion_tokens,
+                          event.cached_tokens, event.logprobs[:room], event.prompt_logprobs)
 
     def _replayed(self, event: TokenDelta | Finished) -> TokenDelta | Finished | None:
         """``event`` less the tokens a replay repeats; None once it differs (the error is kept).
@@ -422,7 +459,7 @@ class RelayState:
         return out
 
     def _note_cached(self, event: TokenDelta | Finished) -> None:
-        if self.cached_tokens is None or not self.failover.migrations:
+        if self.cached_tokens is None or not (self.failover.migrations or self.resumed):
             # The original prompt's cache hits; a continuation's prompt is not the client's.
             self.cached_tokens = event.cached_tokens
 
@@ -456,6 +493,71 @@ class RelayState:
         return isinstance(stop, int) and (
             stop in engine.info.eos_token_ids or stop in self.request.stop_token_ids
         )
+
+    # -- the reasoning budget --------------------------------------------------------------
+
+    def thinking_due(self) -> str | None:
+        """The marker that closes the reasoning block, once the reply has spent its budget
+        inside it (the parser has read every batch handed on); None until then.
+
+        At the budget with no block open (it closed already, or never opened)
+        the budget is done with, and the output held past it goes on.
+        """
+        budget = self.thinking_budget
+        if budget is None or self.processor.completion_tokens < budget:
+            return None
+        assert self.parser is not None
+        marker = open_reasoning_close(self.parser)
+        if marker is None:
+            self.thinking_budget = None
+        else:
+            self.held = None  # past the budget: not the reply's
+        return marker
+
+    def close_thinking(self, ids: Sequence[int]) -> tuple[str, int, bool]:
+        """Put ``ids`` (the closing marker) in the output as if the engine had sent them.
+
+        Returns what :meth:`take` does. Their logprobs are 0: they were not sampled.
+        """
+        self.thinking_budget = None  # once
+        before = self.processor.completion_tokens
+        if self.logprobs is not None:
+            self.logprobs.extend(TokenLogprob(token_id, 0.0) for token_id in ids)
+        pieces: list[str] = []
+        self._take(list(ids), pieces)
+        finished = self.final is not None
+        if finished:
+            self.phase = Phase.FINISHED
+        return "".join(pieces), self.processor.completion_tokens - before, finished
+
+    def resume(self, dispatcher: Dispatcher) -> None:
+        """Continue the output after the closed block, where the policy places it.
+
+        Raises :class:`EngineError` when no engine can take it now (the usual
+        failover then decides).
+        """
+        catalog = dispatcher.fleet.catalog
+        excluded = self.failover.excluded(catalog) | incapable(catalog, self.request).keys()
+        engine = self.placement.engine.name
+        try:
+            placement = dispatcher.choose(
+                self.settings.policy, self.prepared.input_ids, self.processor.remaining_tokens,
+                excluded, self.prepared.routing_key,
+            )
+        except NoEngineAvailable:
+            raise EngineError(ErrorKind.UNAVAILABLE, "no engine to continue on after the "
+                              "reasoning budget", engine=engine) from None
+        self.legs += 1
+        call = continuation(self.original_call, self.processor.generated_ids, self.legs)
+        limit = placement.engine.context_length
+        if limit is not None and len(call.input_ids) + call.sampling.max_tokens > limit:
+            raise EngineError(ErrorKind.BAD_REQUEST, "the reply cannot continue after its "
+                              "reasoning budget: the context is too short", engine=engine)
+        self.excluded = excluded
+        self.placement = placement
+        self.call = call
+        self.resumed = True
+        self.phase = Phase.RELAYING
 
     # -- leaving an engine ---------------------------------------------------------------
 
@@ -535,7 +637,8 @@ class RelayState:
             self._give_up()
             raise error from None
         self.engine_wait.placed()
-        attempt = self.failover.retries + self.failover.migrations
+        self.legs += 1
+        attempt = self.legs
         generated = self.processor.generated_ids
         if generated and self.failover.replayable:
             call = replay(self.original_call, attempt)
@@ -627,13 +730,15 @@ class Relay:
         # A non-streaming request without stop strings lets the engine send one message.
         # max_tokens 0 (an echo of the prompt alone): an engine generates at least one token,
         # which the processor drops
-        call = build_call(
-            prepared, max(max_tokens, 1), stream=request.stream or bool(request.stop),
-            trace=trace,
-        )
-        eos = () if request.ignore_eos else self.text_model.eos_token_ids
         parser = (choice_parser(self.parsers, request, prepared.prompt_text)
                   if isinstance(request, ChatRequest) else None)
+        # A reasoning budget is kept by watching the output as it comes: streamed too.
+        budgeted = parser is not None and request.thinking_token_budget is not None
+        call = build_call(
+            prepared, max(max_tokens, 1),
+            stream=request.stream or bool(request.stop) or budgeted, trace=trace,
+        )
+        eos = () if request.ignore_eos else self.text_model.eos_token_ids
         # a parser reading special-token markers needs them in the text
         skip_special = request.skip_special_tokens and not (
             parser is not None and self.parsers.keeps_special_tokens
@@ -661,6 +766,7 @@ class Relay:
         while True:
             placement = state.placement
             engine = placement.engine
+            closing: str | None = None  # the reasoning block's marker, when its budget is spent
             try:
                 async with self.dispatcher.run(
                     placement, state.call, exclude=state.excluded,
@@ -675,7 +781,11 @@ class Relay:
                         try:
                             while state.phase is not _MOVING:
                                 stall.deadline = state.wait(trio.current_time())
-                                event = await receiver.receive()
+                                event = state.held
+                                if event is None:
+                                    event = await receiver.receive()
+                                else:
+                                    state.held = None
                                 stall.deadline = math.inf
                                 text, tokens, finished = state.take(event, receiver)
                                 now = time.perf_counter()
@@ -698,11 +808,24 @@ class Relay:
                                 await emit(text, tokens, finished, state.logprobs_out())
                                 if finished:
                                     return
+                                if state.thinking_budget is not None:
+                                    closing = state.thinking_due()
+                                    if closing is not None:
+                                        break
                         finally:
                             movers.discard(move)
                             if prefilled is not None:  # it ended with no output: not queued
                                 prefilled()
-                    raise state.interrupted(trio.current_time())
+                    if closing is None:
+                        raise state.interrupted(trio.current_time())
+                # the engine call is aborted: the rest of the reply follows the closed block
+                text, tokens, finished = state.close_thinking(
+                    self.text_model.encode(f"\n{closing}\n\n"))
+                metrics.reasoning_budget_closed_total.inc()
+                await emit(text, tokens, finished, state.logprobs_out())
+                if finished:
+                    return
+                state.resume(self.dispatcher)
             except EngineError as error:
                 state.pending_error = None
                 metrics.engine_error(engine.name, error.kind)

@@ -1,7 +1,8 @@
 """Session affinity every replica agrees on, with no shared store (sans-IO).
 
 A request may carry a routing key (``[frontend.routing] session_key``: an
-HTTP header such as ``x-session-id``, or the OpenAI ``user`` field). The
+HTTP header such as ``x-session-id``, or the OpenAI ``user`` or
+``prompt_cache_key`` field). The
 key's engine is the rendezvous-hash winner (highest-random-weight) among the
 engines that may take the request: a stable hash of (key, engine name), so
 every replica, and every worker process, computes the same engine from the
@@ -21,7 +22,11 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Collection, Iterable, Sequence
 
-from direct_frontend.fleet.schema import SESSION_HEADER_PREFIX, SESSION_USER_FIELD
+from direct_frontend.fleet.schema import (
+    SESSION_CACHE_KEY_FIELD,
+    SESSION_HEADER_PREFIX,
+    SESSION_USER_FIELD,
+)
 from direct_frontend.routing.catalog import Catalog, EngineHandle
 from direct_frontend.routing.policies import BarePlacements, Placement, Policy, RequestView
 
@@ -30,7 +35,8 @@ MAX_KEY_BYTES = 256
 
 
 def routing_key(
-    sources: Sequence[str], headers: Iterable[tuple[bytes, bytes]], user: str | None
+    sources: Sequence[str], headers: Iterable[tuple[bytes, bytes]], user: str | None,
+    prompt_cache_key: str | None = None,
 ) -> str | None:
     """The request's routing key: the first of ``sources`` it carries (non-empty), else None.
 
@@ -44,6 +50,8 @@ def routing_key(
     for source in sources:
         if source == SESSION_USER_FIELD:
             key = user
+        elif source == SESSION_CACHE_KEY_FIELD:
+            key = prompt_cache_key
         else:
             key = values.get(source.removeprefix(SESSION_HEADER_PREFIX).strip().lower())
         if key:

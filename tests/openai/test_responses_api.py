@@ -42,6 +42,8 @@ def test_a_string_input_is_one_user_turn_and_a_named_choice_forces_it() -> None:
                                           tool_choice={"type": "function", "name": "f"}))
     assert parsed.chat.messages[0].role == "user"
     assert parsed.chat.tool_function == "f" and parsed.chat.constraint is not None
+    keyed = parse_responses_request(body(input="hi", prompt_cache_key="thread-7"))
+    assert keyed.chat.prompt_cache_key == "thread-7"  # a routing key, as chat's
 
 
 @pytest.mark.parametrize(("fields", "param"), [

@@ -97,6 +97,10 @@ def test_routing_key_first_source_found_wins() -> None:
     assert routing_key(sources, [(b"x-session-id", b"  ")], None) is None
     assert routing_key((), headers, "alice") is None
     assert routing_key(("user",), [], "x" * 1000) == "x" * 256
+    cached = ("prompt_cache_key", "user")
+    assert routing_key(cached, [], "alice", "thread-7") == "thread-7"
+    assert routing_key(cached, [], "alice", None) == "alice"
+    assert routing_key(("prompt_cache_key",), headers, "alice") is None
 
 
 def view(ids: list[int], key: str | None) -> RequestView:
@@ -195,7 +199,7 @@ def test_fleet_file_refuses_an_unknown_session_key_source() -> None:
     with pytest.raises(FleetError) as caught:
         parse_fleet(fleet('session_key = ["cookie:sid", "header:"]'), Path("f.toml"))
     text = str(caught.value)
-    assert "'cookie:sid' is neither 'user' nor 'header:<name>'" in text
+    assert "'cookie:sid' is neither 'user', 'prompt_cache_key' nor 'header:<name>'" in text
     assert "'header:' is neither" in text
 
 

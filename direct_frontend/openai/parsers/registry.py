@@ -108,6 +108,14 @@ class ChoiceParser:
     def malformed(self) -> int:
         return sum(p.malformed for p in (self.tools, self.reasoning) if p is not None)
 
+    def open_reasoning_close(self) -> str | None:
+        """The marker that closes the reasoning block while the text so far is inside it;
+        None otherwise (no block open, or a parser whose block no marker closes)."""
+        reasoning = self.reasoning
+        if isinstance(reasoning, ThinkParser) and reasoning.reasoning_open:
+            return reasoning.CLOSE
+        return None
+
     @property
     def tool_calls_made(self) -> int:
         return self.tools.tool_calls_made if self.tools is not None else 0

@@ -61,6 +61,11 @@ class ThinkParser:
         self._trail = ""  # trailing whitespace of the reasoning, held until more follows
         self._lead = True  # drop whitespace before the first reasoning / content text
 
+    @property
+    def reasoning_open(self) -> bool:
+        """Whether the text so far is inside the reasoning block (a budget may close it)."""
+        return self._mode == "reasoning"
+
     def feed(self, text: str) -> ParsedDelta:
         self._buf += text
         out = ParsedDelta()
