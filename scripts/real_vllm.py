@@ -2468,6 +2468,89 @@ def replay_checks(
         proxy.close()
 
 
+def budget_checks(
+    report: Report, run_dir: Path, engine: Engine, client: EngineClient, served: str,
+    timeout: float,
+) -> None:
+    """A thinking budget closes the reasoning block, and the real engine answers the rest.
+
+    The model is served with the ``deepseek_r1`` reasoning parser, whose reply
+    starts inside the block, so the tiny model's greedy output is reasoning
+    until the budget. The frontend must stream exactly the budget's tokens as
+    reasoning, add the closing marker, and relay what the engine itself gives
+    for the prompt, those tokens and the marker: checked against two direct
+    greedy calls of the engine.
+    """
+    texts = Texts(engine.model)
+
+    def fleet_text(port: int) -> str:
+        head = fleet_head("for the thinking-budget check", port, served, engine, "round_robin")
+        return head + textwrap.dedent(
+            f"""
+            [[model]]
+            name = {toml_str(served)}
+            reasoning_parser = "deepseek_r1"
+            tool_parser = "none"
+
+            [[engine]]
+            name = "{REAL_NAME}"
+            url = "grpc://{engine.address}"
+            kind = "vllm"
+            model = {toml_str(served)}
+            """
+        )
+
+    fe: Frontend | None = None
+    try:
+        t = time.monotonic()
+        fe = start_frontend(run_dir, engine, served, timeout, tag="-budget", fleet_text=fleet_text)
+        report.timing("frontend start (thinking-budget fleet)", time.monotonic() - t,
+                      fe.base_url)
+        oa = openai_client(fe)
+        messages = [{"role": "user", "content": "Think about routers, then answer."}]
+        budget, max_tokens = 8, 40
+
+        def closed_at_budget() -> str:
+            prompt = texts.chat_ids(messages)
+            first = client.generate("rv-budget-a", prompt, budget, stream=False)["tokens"]
+            closing = texts.tok.encode("\n</think>\n\n", add_special_tokens=False).ids
+            rest = client.generate("rv-budget-b", prompt + first + closing,
+                                   max_tokens - budget - len(closing), stream=False)["tokens"]
+            want_reasoning, want_content = texts.decode(first).strip(), texts.decode(rest).lstrip()
+            ask: dict[str, Any] = dict(
+                model=served, messages=messages, temperature=0, max_tokens=max_tokens,
+                extra_body={"thinking_token_budget": budget, "ignore_eos": True},
+            )
+            whole = oa.chat.completions.create(**ask)
+            message = whole.choices[0].message
+            reasoning = (message.model_extra or {}).get("reasoning_content") or ""
+            expect(reasoning == want_reasoning,
+                   f"reasoning {reasoning!r}, the engine's first {budget}: {want_reasoning!r}")
+            expect((message.content or "") == want_content,
+                   f"content {message.content!r}, the engine's own after the marker: "
+                   f"{want_content!r}")
+            expect(whole.usage.completion_tokens == max_tokens,
+                   f"completion tokens {whole.usage.completion_tokens}, not {max_tokens}")
+            chunks = list(oa.chat.completions.create(**ask, stream=True))
+            deltas = [c.choices[0].delta for c in chunks if c.choices]
+            s_reasoning = "".join((d.model_extra or {}).get("reasoning_content") or ""
+                                  for d in deltas)
+            s_content = "".join(d.content or "" for d in deltas)
+            expect((s_reasoning, s_content) == (reasoning, message.content),
+                   f"streamed {(s_reasoning, s_content)!r} differs from the full reply")
+            closed = sum(v for name, _, v in scrape(fe)
+                         if name == "direct_frontend_reasoning_budget_closed_total")
+            expect(closed == 2, f"reasoning_budget_closed_total {closed}, not 2")
+            return (f"reasoning {reasoning[:30]!r}... = the engine's first {budget} tokens; then "
+                    f"{len(closing)} marker tokens and {len(rest)} the engine gives after them")
+
+        report.check("thinking budget: the block closed at the budget, the engine continues",
+                     closed_at_budget)
+    finally:
+        if fe is not None:
+            report.timing("frontend stop (budget fleet)", stop_group(fe.proc, "frontend", grace=15))
+
+
 def scrape(fe: Frontend) -> list[tuple[str, dict[str, str], float]]:
     """The frontend's /metrics as (name, labels, value) samples."""
     import httpx
@@ -3150,6 +3233,9 @@ def main(argv: list[str] | None = None) -> int:
                 structured_checks(report, frontend, served, engine.model)
                 tool_checks(report, frontend, served)
                 replay_checks(report, run_dir, engine, served, args.frontend_timeout)
+                if not args.structured_only:
+                    budget_checks(report, run_dir, engine, client, served,
+                                  args.frontend_timeout)
                 if args.structured_only:
                     report.skip("KV-aware routing checks", "--structured-only")
                 else:
