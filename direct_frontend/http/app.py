@@ -15,6 +15,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable
 from functools import partial
 from typing import Literal
+from urllib.parse import parse_qs
 
 import msgspec
 import trio
@@ -44,7 +45,12 @@ from direct_frontend.http.background import (
 from direct_frontend.http.control_view import ControlView
 from direct_frontend.http.embeddings import respond_embeddings
 from direct_frontend.http.messages_api import respond_messages
-from direct_frontend.http.render import render_model, render_models
+from direct_frontend.http.render import (
+    render_anthropic_model,
+    render_anthropic_models,
+    render_model,
+    render_models,
+)
 from direct_frontend.http.responses import respond
 from direct_frontend.http.responses_api import respond_responses
 from direct_frontend.http.stored_responses import (
@@ -169,7 +175,9 @@ class App:
             return
         if scope["type"] != "http":
             return
-        if not scope["path"].startswith(MESSAGES_PATH):
+        path = scope["path"]
+        if not (path.startswith(MESSAGES_PATH) or (
+                path.startswith("/v1/models") and from_anthropic(scope))):
             await self._http(settings, scope, receive, send)
             return
         shape = error_shape.set(anthropic_error_body)  # every error of it, 401 included
@@ -261,8 +269,17 @@ class App:
     # -- small endpoints --------------------------------------------------------------
 
     async def _models(self, settings: Settings, scope: Scope, receive: Receive, send: Send) -> int:
-        body = render_models(self.control.models.cards(), self.started_at)
-        await send_body(send, 200, body)
+        cards = self.control.models.cards()
+        if not from_anthropic(scope):
+            await send_body(send, 200, render_models(cards, self.started_at))
+            return 200
+        try:
+            limit, after, before = anthropic_page(scope.get("query_string", b""))
+        except OpenAIHTTPError as err:
+            await send_error(send, err)
+            return err.status
+        await send_body(send, 200, render_anthropic_models(cards, self.started_at, limit, after,
+                                                           before))
         return 200
 
     async def _model(self, settings: Settings, scope: Scope, receive: Receive, send: Send) -> int:
@@ -273,7 +290,8 @@ class App:
             err = model_not_found(wanted)
             await send_error(send, err)
             return err.status
-        await send_body(send, 200, render_model(card, self.started_at))
+        render = render_anthropic_model if from_anthropic(scope) else render_model
+        await send_body(send, 200, render(card, self.started_at))
         return 200
 
     async def _health(self, settings: Settings, scope: Scope, receive: Receive, send: Send) -> int:
@@ -605,6 +623,22 @@ class App:
             refusal = saturated(rejected)
             await send_error(send, refusal, headers)
             return refusal.status
+
+
+def from_anthropic(scope: Scope) -> bool:
+    """Whether the client is an ``anthropic`` SDK (it sends ``anthropic-version``): it gets
+    Anthropic's shapes where the two APIs share a path (``/v1/models``)."""
+    return any(name == b"anthropic-version" for name, _ in scope["headers"])
+
+
+def anthropic_page(query: bytes) -> tuple[int, str | None, str | None]:
+    """Anthropic's list query: ``limit`` (1–1000, 20 by default), ``after_id``, ``before_id``."""
+    fields = parse_qs(query.decode("latin-1"))
+    raw = fields.get("limit", ["20"])[-1]
+    if not raw.isdigit() or not 1 <= int(raw) <= 1000:
+        raise invalid_request(f"limit: Input should be an integer from 1 to 1000, not {raw!r}",
+                              "limit")
+    return int(raw), fields.get("after_id", [None])[-1], fields.get("before_id", [None])[-1]
 
 
 def _denied(frontend: FrontendConfig, scope: Scope) -> OpenAIHTTPError | None:

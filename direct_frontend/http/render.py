@@ -13,6 +13,7 @@ from __future__ import annotations
 import array
 import base64
 import sys
+import time
 from collections.abc import Iterable, Sequence
 from typing import Any, Final, Literal
 
@@ -382,6 +383,50 @@ def render_models(cards: Iterable[ModelCard], created: int) -> bytes:
 def render_model(card: ModelCard, created: int) -> bytes:
     """The ``GET /v1/models/{model}`` body: one entry of the list."""
     return _encode(_model(card, created))
+
+
+class _AnthropicModel(msgspec.Struct):
+    id: str
+    display_name: str
+    created_at: str  # RFC 3339
+    type: str = "model"
+
+
+class _AnthropicModelList(msgspec.Struct):
+    data: list[_AnthropicModel]
+    has_more: bool
+    first_id: str | None
+    last_id: str | None
+
+
+def render_anthropic_models(cards: Sequence[ModelCard], created: int, limit: int,
+                            after: str | None, before: str | None) -> bytes:
+    """``GET /v1/models`` for an ``anthropic`` SDK client: Anthropic's page of models.
+
+    ``after``/``before``: the page starts after (ends before) that id; an id
+    that is not listed gives an empty page, as a cursor past the end does.
+    """
+    ids = [c.id for c in cards]
+    start, end = 0, len(cards)
+    if after is not None:
+        start = ids.index(after) + 1 if after in ids else len(cards)
+    if before is not None:
+        end = ids.index(before) if before in ids else 0
+        start = max(start, end - limit)
+    page = [_anthropic_model(c, created) for c in cards[start:end][:limit]]
+    more = start > 0 if before is not None else start + len(page) < end  # in its direction
+    return _encode(_AnthropicModelList(
+        page, more, page[0].id if page else None, page[-1].id if page else None,
+    ))
+
+
+def render_anthropic_model(card: ModelCard, created: int) -> bytes:
+    return _encode(_anthropic_model(card, created))
+
+
+def _anthropic_model(card: ModelCard, created: int) -> _AnthropicModel:
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(created))
+    return _AnthropicModel(card.id, card.id, stamp)
 
 
 def _model(card: ModelCard, created: int) -> _Model:

@@ -7,7 +7,6 @@ while the test looks at it; every wait polls the state it needs.
 from __future__ import annotations
 
 import json
-import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,11 +14,14 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from tokenizers import Tokenizer
 
-from direct_frontend.simulator.scripted import ScriptBook
-from tests.support.daemon import Daemon, running_daemon, wait_for
-from tests.support.models import engine_table, frontend_table, openai_client, simulators
+from tests.support.daemon import Daemon, wait_for
+from tests.support.models import (
+    engine_table,
+    openai_client,
+    scripted_daemon,
+    simulators,
+)
 
 SLOW = "decode_us_per_token = 20000\nprefill_us_per_token = 0\neos_probability = 0.0"
 ANSWER = "It is sunny in Zürich, and it will stay so all week."
@@ -28,15 +30,9 @@ SCRIPTS = {"[weather]": ANSWER}
 
 @pytest.fixture(scope="module")
 def daemon(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    text = frontend_table(model_dir, textwrap.dedent("""\
-        [[model]]
-        name = "agent"
-        """)) + "\n" + engine_table("sim", "vllm", "agent", SLOW)
-    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-    with running_daemon(tmp_path_factory.mktemp("background"), text) as daemon:
-        daemon.wait_serving(1)
-        for sim in simulators(daemon).values():
-            sim.core.scripts = ScriptBook(tokenizer, SCRIPTS)
+    models = '[[model]]\nname = "agent"\n'
+    with scripted_daemon(model_dir, tmp_path_factory.mktemp("background"), models,
+                         engine_table("sim", "vllm", "agent", SLOW), SCRIPTS) as daemon:
         yield daemon
 
 

@@ -17,13 +17,11 @@ import anthropic
 import httpx
 import pytest
 from grpclib.const import Status
-from tokenizers import Tokenizer
 
 from direct_frontend.simulator.faults import FaultPlan
-from direct_frontend.simulator.scripted import ScriptBook
 from tests.e2e.test_responses_api import QUESTION, SCRIPTS
-from tests.support.daemon import Daemon, running_daemon
-from tests.support.models import engine_table, frontend_table, simulators
+from tests.support.daemon import Daemon
+from tests.support.models import engine_table, scripted_daemon, simulators
 
 TOOLS: list[Any] = [{
     "name": "get_weather", "description": "The weather in a city.",
@@ -35,7 +33,7 @@ KEY = "sk-messages-test-key"
 
 @pytest.fixture(scope="module")
 def daemon(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    text = frontend_table(model_dir, textwrap.dedent(f"""\
+    models = textwrap.dedent(f"""\
         [frontend.auth]
         api_keys = ["{KEY}"]
 
@@ -43,12 +41,9 @@ def daemon(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         name = "agent"
         tool_parser = "hermes"
         reasoning_parser = "qwen3"
-        """)) + "\n" + engine_table("sim", "vllm", "agent")
-    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-    with running_daemon(tmp_path_factory.mktemp("messages"), text) as daemon:
-        daemon.wait_serving(1)
-        for sim in simulators(daemon).values():
-            sim.core.scripts = ScriptBook(tokenizer, SCRIPTS)
+        """)
+    with scripted_daemon(model_dir, tmp_path_factory.mktemp("messages"), models,
+                         engine_table("sim", "vllm", "agent"), SCRIPTS) as daemon:
         yield daemon
 
 
@@ -160,3 +155,22 @@ def test_a_failure_after_the_stream_started_is_an_error_event(
     finally:
         sim.faults = FaultPlan()
     assert seen[0] == "message_start" and "text" in seen
+
+
+def test_the_sdk_lists_and_retrieves_models_in_anthropics_shape(
+    daemon: Daemon, client: anthropic.Anthropic
+) -> None:
+    listed = list(client.models.list())
+    assert [m.id for m in listed] == ["agent"] and listed[0].type == "model"
+    assert listed[0].display_name == "agent" and listed[0].created_at.year >= 2026
+    one = client.models.retrieve("agent")
+    assert one.id == "agent" and one.type == "model"
+    with pytest.raises(anthropic.NotFoundError) as missing:
+        client.models.retrieve("nope")
+    assert missing.value.body["error"]["type"] == "not_found_error"  # type: ignore[index]
+    page = client.get("/v1/models", cast_to=object, options={"params": {"after_id": "agent"}})
+    assert page == {"data": [], "has_more": False, "first_id": None, "last_id": None}
+    with pytest.raises(anthropic.BadRequestError):
+        client.get("/v1/models", cast_to=object, options={"params": {"limit": 0}})
+    plain = httpx.get(daemon.url + "/v1/models", headers={"authorization": f"Bearer {KEY}"})
+    assert plain.json()["object"] == "list"  # an OpenAI client still gets OpenAI's shape

@@ -9,7 +9,6 @@ and the prompt answer, and one within its budget is untouched.
 from __future__ import annotations
 
 import json
-import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,9 +19,13 @@ import openai
 import pytest
 from tokenizers import Tokenizer
 
-from direct_frontend.simulator.scripted import ScriptBook
-from tests.support.daemon import Daemon, running_daemon
-from tests.support.models import engine_table, frontend_table, openai_client, simulators
+from tests.support.daemon import Daemon
+from tests.support.models import (
+    engine_table,
+    openai_client,
+    scripted_daemon,
+    simulators,
+)
 
 THOUGHT = " ".join(f"step{i}" for i in range(40))
 SCRIPTS = {  # the first marker found wins: a continuation carries both
@@ -35,16 +38,9 @@ BUDGET = 6
 
 @pytest.fixture(scope="module")
 def daemon(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    text = frontend_table(model_dir, textwrap.dedent("""\
-        [[model]]
-        name = "thinker"
-        reasoning_parser = "qwen3"
-        """)) + "\n" + engine_table("sim", "vllm", "thinker")
-    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-    with running_daemon(tmp_path_factory.mktemp("budget"), text) as daemon:
-        daemon.wait_serving(1)
-        for sim in simulators(daemon).values():
-            sim.core.scripts = ScriptBook(tokenizer, SCRIPTS)
+    models = '[[model]]\nname = "thinker"\nreasoning_parser = "qwen3"\n'
+    with scripted_daemon(model_dir, tmp_path_factory.mktemp("budget"), models,
+                         engine_table("sim", "vllm", "thinker"), SCRIPTS) as daemon:
         yield daemon
 
 

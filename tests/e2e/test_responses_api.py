@@ -18,12 +18,16 @@ import httpx
 import openai
 import pytest
 from grpclib.const import Status
-from tokenizers import Tokenizer
 
 from direct_frontend.simulator.faults import FaultPlan
-from direct_frontend.simulator.scripted import ScriptBook
 from tests.support.daemon import Daemon, running_daemon
-from tests.support.models import engine_table, frontend_table, openai_client, simulators
+from tests.support.models import (
+    engine_table,
+    frontend_table,
+    openai_client,
+    scripted_daemon,
+    simulators,
+)
 
 TOOLS: list[Any] = [{
     "type": "function", "name": "get_weather", "description": "The weather in a city.",
@@ -40,17 +44,14 @@ QUESTION = "What is the weather in Zürich? [weather]"
 
 @pytest.fixture(scope="module")
 def daemon(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    text = frontend_table(model_dir, textwrap.dedent("""\
+    models = textwrap.dedent("""\
         [[model]]
         name = "agent"
         tool_parser = "hermes"
         reasoning_parser = "qwen3"
-        """)) + "\n" + engine_table("sim", "vllm", "agent")
-    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-    with running_daemon(tmp_path_factory.mktemp("responses"), text) as daemon:
-        daemon.wait_serving(1)
-        for sim in simulators(daemon).values():
-            sim.core.scripts = ScriptBook(tokenizer, SCRIPTS)
+        """)
+    with scripted_daemon(model_dir, tmp_path_factory.mktemp("responses"), models,
+                         engine_table("sim", "vllm", "agent"), SCRIPTS) as daemon:
         yield daemon
 
 

@@ -14,6 +14,7 @@ from direct_frontend.http.render import (
     ChoiceOutput,
     ChunkRenderer,
     Usage,
+    render_anthropic_models,
     render_choices,
     render_embeddings,
     render_full,
@@ -249,3 +250,25 @@ def test_render_embeddings_as_floats_and_as_base64_float32() -> None:
     for entry, vector in zip(packed["data"], vectors, strict=True):
         raw = base64.b64decode(entry["embedding"])
         assert struct.unpack(f"<{len(vector)}f", raw) == pytest.approx(vector)
+
+
+@pytest.mark.parametrize(("limit", "after", "before", "ids", "more"), [
+    (20, None, None, ["a", "b", "c", "d"], False),
+    (2, None, None, ["a", "b"], True),
+    (2, "b", None, ["c", "d"], False),
+    (1, "b", None, ["c"], True),
+    (2, None, "d", ["b", "c"], True),
+    (2, None, "b", ["a"], False),
+    (2, "zz", None, [], False),
+])
+def test_anthropics_model_pages_follow_its_cursors(
+    limit: int, after: str | None, before: str | None, ids: list[str], more: bool
+) -> None:
+    cards = [ModelCard(name, "direct-frontend", None) for name in "abcd"]
+    page = json.loads(render_anthropic_models(cards, 0, limit, after, before))
+    assert [m["id"] for m in page["data"]] == ids and page["has_more"] is more
+    assert page["first_id"] == (ids[0] if ids else None)
+    assert page["last_id"] == (ids[-1] if ids else None)
+    if ids:
+        assert page["data"][0] == {"id": ids[0], "display_name": ids[0],
+                                   "created_at": "1970-01-01T00:00:00Z", "type": "model"}

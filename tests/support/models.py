@@ -6,12 +6,15 @@ import contextlib
 import json
 import textwrap
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import openai
+from tokenizers import Tokenizer
 
-from tests.support.daemon import Daemon, free_port
+from direct_frontend.simulator.scripted import ScriptBook
+from tests.support.daemon import Daemon, free_port, running_daemon
 
 #: simulator settings for tests that count tokens, not time
 FAST = "decode_us_per_token = 0\nprefill_us_per_token = 0\neos_probability = 0.0"
@@ -62,3 +65,16 @@ def engine_requests(daemon: Daemon) -> dict[str, int]:
 def get_json(url: str) -> Any:
     with urllib.request.urlopen(url, timeout=10) as response:
         return json.loads(response.read())
+
+
+@contextlib.contextmanager
+def scripted_daemon(model_dir: Path, directory: Path, models: str, engine: str,
+                    scripts: Mapping[str, str]) -> Iterator[Daemon]:
+    """A daemon of ``models`` (``[[model]]`` tables, ``[frontend]`` keys before them) and one
+    simulated ``engine`` table, serving, whose engine answers by ``scripts`` (ScriptBook)."""
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    with running_daemon(directory, frontend_table(model_dir, models) + "\n" + engine) as daemon:
+        daemon.wait_serving(1)
+        for sim in simulators(daemon).values():
+            sim.core.scripts = ScriptBook(tokenizer, scripts)
+        yield daemon
