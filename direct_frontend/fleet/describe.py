@@ -14,6 +14,7 @@ from typing import Any
 
 from direct_frontend.engines.neutral import EngineRole
 from direct_frontend.fleet.schema import (
+    EFFORTS,
     EngineConfig,
     FleetConfig,
     FrontendConfig,
@@ -223,6 +224,9 @@ def model_json(model: ModelConfig) -> dict[str, JsonValue]:
             "min_p": sampling.min_p,
             "repetition_penalty": sampling.repetition_penalty,
             "max_tokens": sampling.max_tokens,
+            "thinking_token_budget": sampling.thinking_token_budget,
+            "effort_budgets": {effort: budget for effort in sorted(EFFORTS)
+                               if (budget := sampling.effort_budgets.of(effort)) is not None},
         },
         "routing": _routing_json(model.routing),
         "limits": {
@@ -336,6 +340,9 @@ def _model_rows(model: ModelConfig) -> list[tuple[str, str]]:
             ("top_k", model.sampling.top_k), ("min_p", model.sampling.min_p),
             ("repetition_penalty", model.sampling.repetition_penalty),
             ("max_tokens", model.sampling.max_tokens),
+            ("thinking_token_budget", model.sampling.thinking_token_budget),
+            *((f"effort_budgets.{effort}", model.sampling.effort_budgets.of(effort))
+              for effort in sorted(EFFORTS)),
         )
         if value is not None
     ]

@@ -425,6 +425,33 @@ class PoolConfig:
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class EffortBudgets:
+    """``[model.sampling.effort_budgets]``: the thinking budget of each ``reasoning_effort``.
+
+    OpenAI clients ask for less or more reasoning by ``reasoning_effort``; a
+    model that reads no such switch (Qwen3, DeepSeek-R1) keeps it as a budget.
+    """
+
+    none: int | None = setting(None, NON_NEGATIVE)
+    minimal: int | None = setting(None, NON_NEGATIVE)
+    low: int | None = setting(None, NON_NEGATIVE)
+    medium: int | None = setting(None, NON_NEGATIVE)
+    high: int | None = setting(None, NON_NEGATIVE)
+    xhigh: int | None = setting(None, NON_NEGATIVE)
+
+    def of(self, effort: str | None) -> int | None:
+        """The budget of ``effort`` (None: that effort has none here)."""
+        if effort is None or effort not in EFFORTS:
+            return None
+        budget: int | None = getattr(self, effort)
+        return budget
+
+
+#: the ``reasoning_effort`` values :class:`EffortBudgets` has a key for
+EFFORTS = frozenset({"none", "minimal", "low", "medium", "high", "xhigh"})
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class SamplingDefaults:
     """``[model.sampling]``: what a request of the model gets for a field it leaves unset."""
 
@@ -434,6 +461,9 @@ class SamplingDefaults:
     min_p: float | None = setting(None, Rules(at_least=0, at_most=1))
     repetition_penalty: float | None = setting(None, Rules(above=0))
     max_tokens: int | None = setting(None, AT_LEAST_ONE)  # default: frontend.max_tokens_default
+    #: a chat request's reasoning budget when it names none (pipeline/relay.py keeps it)
+    thinking_token_budget: int | None = setting(None, NON_NEGATIVE)
+    effort_budgets: EffortBudgets = EffortBudgets()
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

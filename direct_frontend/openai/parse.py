@@ -333,9 +333,8 @@ def _common(w: _WireBase) -> dict[str, Any]:
         "skip_special_tokens": w.skip_special_tokens is not False,
         "user": w.user,
         "prompt_cache_key": w.prompt_cache_key,
-        # -1: no limit, as vLLM reads it
-        "thinking_token_budget": None if w.thinking_token_budget in (None, -1)
-        else w.thinking_token_budget,
+        # -1: no limit, as vLLM reads it (kept: it also overrides the model's default)
+        "thinking_token_budget": w.thinking_token_budget,
         "n": w.n or 1,
     }
 
@@ -433,6 +432,7 @@ def parse_chat_request(body: bytes) -> ChatRequest:
         parallel_tool_calls=w.parallel_tool_calls is not False,
         include_reasoning=w.include_reasoning is not False,
         chat_template_kwargs=template_kwargs,
+        reasoning_effort=w.reasoning_effort,
         logprobs=(w.top_logprobs or 0) if w.logprobs else None,
     )
 

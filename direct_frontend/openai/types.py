@@ -91,9 +91,15 @@ class _RequestBase(msgspec.Struct, frozen=True, kw_only=True):
     user: str | None = None  # accepted and not used (as metadata, which is not kept)
     #: OpenAI's key for requests that share a cache: a routing key where session_key names it
     prompt_cache_key: str | None = None
-    #: the most tokens the reply may spend in its reasoning block (None: no limit); the
-    #: relay closes the block there (pipeline/relay.py), vLLM's ``thinking_token_budget``
+    #: the most tokens the reply may spend in its reasoning block (None: unset, -1: no
+    #: limit); the relay closes the block there (pipeline/relay.py), vLLM's field
     thinking_token_budget: int | None = None
+
+    @property
+    def thinking_limit(self) -> int | None:
+        """The reasoning budget the relay keeps (None: no limit)."""
+        budget = self.thinking_token_budget
+        return budget if budget is not None and budget >= 0 else None
     n: int = 1  # choices: each one its own engine call (pipeline/choices.py)
     #: top alternatives per output token with its logprob (None: no logprobs)
     logprobs: int | None = None
@@ -148,6 +154,8 @@ class ChatRequest(_RequestBase, frozen=True, kw_only=True):
     parallel_tool_calls: bool = True
     include_reasoning: bool = True  # false: reasoning is parsed off and not sent
     chat_template_kwargs: dict[str, Any] | None = None
+    #: as the client asked (also a template variable); a model may keep it as a thinking budget
+    reasoning_effort: str | None = None
 
     @property
     def offers_tools(self) -> bool:

@@ -110,12 +110,22 @@ _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalt
 
 
 def with_defaults(request: Request, defaults: SamplingDefaults) -> Request:
-    """``request`` with the model's sampling defaults where the client set nothing."""
-    changes = {
+    """``request`` with the model's sampling defaults where the client set nothing.
+
+    A chat request that names no thinking budget gets its ``reasoning_effort``'s
+    (``effort_budgets``), else the model's ``thinking_token_budget``.
+    """
+    changes: dict[str, object] = {
         name: value
         for name in _SAMPLING_FIELDS
         if getattr(request, name) is None and (value := getattr(defaults, name)) is not None
     }
+    if isinstance(request, ChatRequest) and request.thinking_token_budget is None:
+        budget = defaults.effort_budgets.of(request.reasoning_effort)
+        if budget is None:
+            budget = defaults.thinking_token_budget
+        if budget is not None:
+            changes["thinking_token_budget"] = budget
     return msgspec.structs.replace(request, **changes) if changes else request
 
 

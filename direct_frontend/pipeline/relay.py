@@ -295,8 +295,7 @@ class RelayState:
         #: the reasoning tokens the reply may spend, until its block is closed for it (None:
         #: no limit, or none it can keep: no parser, or a constraint a continuation would lose)
         self.thinking_budget = (
-            self.request.thinking_token_budget if parser is not None and not constrained
-            else None
+            self.request.thinking_limit if parser is not None and not constrained else None
         )
         #: the rest of a batch past the budget, taken next unless the block is closed there
         self.held: EngineEvent | None = None
@@ -733,7 +732,7 @@ class Relay:
         parser = (choice_parser(self.parsers, request, prepared.prompt_text)
                   if isinstance(request, ChatRequest) else None)
         # A reasoning budget is kept by watching the output as it comes: streamed too.
-        budgeted = parser is not None and request.thinking_token_budget is not None
+        budgeted = parser is not None and request.thinking_limit is not None
         call = build_call(
             prepared, max(max_tokens, 1),
             stream=request.stream or bool(request.stop) or budgeted, trace=trace,

@@ -38,7 +38,8 @@ BUDGET = 6
 
 @pytest.fixture(scope="module")
 def daemon(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    models = '[[model]]\nname = "thinker"\nreasoning_parser = "qwen3"\n'
+    models = ('[[model]]\nname = "thinker"\nreasoning_parser = "qwen3"\n'
+              f"[model.sampling.effort_budgets]\nlow = {BUDGET}\n")
     with scripted_daemon(model_dir, tmp_path_factory.mktemp("budget"), models,
                          engine_table("sim", "vllm", "thinker"), SCRIPTS) as daemon:
         yield daemon
@@ -158,3 +159,17 @@ def test_logprobs_stay_in_step_with_the_closed_block(
     at = text.index("\n</think>")
     assert sum(len(e.token) for e in entries[:BUDGET]) == at  # the budget's tokens, then ours
     assert [e.logprob for e in entries[BUDGET:BUDGET + len(closing)]] == [0.0] * len(closing)
+
+
+def test_a_models_effort_budget_keeps_reasoning_effort_and_the_client_may_lift_it(
+    daemon: Daemon, client: openai.OpenAI, tokenizer: Tokenizer
+) -> None:
+    """``[model.sampling.effort_budgets]``: ``low`` is this model's BUDGET; other efforts,
+    and a request's own ``thinking_token_budget`` of -1, are unlimited."""
+    low = client.chat.completions.create(model="thinker", messages=ASK, reasoning_effort="low")
+    assert reasoning_of(low.choices[0].message) == cut_thought(tokenizer, BUDGET)
+    assert low.choices[0].message.content == "The answer is 42."
+    for ask in ({"reasoning_effort": "high"},
+                {"reasoning_effort": "low", "extra_body": {"thinking_token_budget": -1}}):
+        reply = client.chat.completions.create(model="thinker", messages=ASK, **ask)
+        assert reasoning_of(reply.choices[0].message) == THOUGHT

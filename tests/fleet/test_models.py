@@ -31,6 +31,10 @@ TWO_MODELS = textwrap.dedent("""\
     [model.sampling]
     temperature = 0.7
     max_tokens = 256
+    thinking_token_budget = 4096
+    [model.sampling.effort_budgets]
+    low = 512
+    high = 16384
     [model.routing]
     policy = "least_loaded"
     [model.limits]
@@ -72,6 +76,10 @@ def test_model_tables_resolve_with_their_defaults() -> None:
     assert chat.chat_template == SOURCE.parent / "chat.jinja"
     assert (chat.context_length, chat.owned_by, chat.tool_parser) == (8192, "team-a", "hermes")
     assert chat.sampling.temperature == 0.7 and chat.sampling.max_tokens == 256
+    assert chat.sampling.thinking_token_budget == 4096
+    budgets = chat.sampling.effort_budgets
+    assert (budgets.of("low"), budgets.of("high"), budgets.of("medium")) == (512, 16384, None)
+    assert budgets.of("extreme") is None and budgets.of(None) is None
     assert chat.routing.policy == "least_loaded" and chat.limits.max_in_flight == 8
     assert [(a.name, a.path) for a in chat.adapters] == [("chat-sql", "/adapters/sql")]
     assert coder.tokenizer == SOURCE.parent / "coder-tok"
@@ -94,7 +102,8 @@ def test_check_shows_every_resolved_model() -> None:
     text = describe_fleet(parse(TWO_MODELS))
     assert "model[1] chat" in text and "model[2] coder" in text
     assert "chat-sql (/adapters/sql)" in text
-    assert "temperature = 0.7, max_tokens = 256" in text
+    assert "temperature = 0.7, max_tokens = 256, thinking_token_budget = 4096, " \
+           "effort_budgets.high = 16384, effort_budgets.low = 512" in text
 
 
 @pytest.mark.parametrize(("table", "expected"), [
@@ -103,6 +112,10 @@ def test_check_shows_every_resolved_model() -> None:
     ('name = "x"\n[model.sampling]\ntemperature = 3', "fleet.toml:9: model[1].sampling.temperature:"
      " must be between 0 and 2, got 3"),
     ('name = "x"\ncolour = 1', "fleet.toml:8: model[1].colour: unknown key"),
+    ('name = "x"\n[model.sampling.effort_budgets]\nlow = -1',
+     "fleet.toml:9: model[1].sampling.effort_budgets.low: must be at least 0"),
+    ('name = "x"\n[model.sampling.effort_budgets]\nextreme = 9',
+     "fleet.toml:9: model[1].sampling.effort_budgets.extreme: unknown key"),
     ('aliases = ["y"]', "fleet.toml:6: model[1].name: required key is missing"),
     ('name = "x"\n[[model.adapter]]\npath = "/a"',
      "fleet.toml:8: model[1].adapter[1].name: required"),
