@@ -99,6 +99,7 @@ from direct_frontend.pipeline.preprocess import (
     PreparedRequest,
     chat_prompt_ids,
     prepare_each,
+    truncated_to_fit,
 )
 from direct_frontend.pipeline.relay import Relay
 from direct_frontend.pipeline.settings import Settings
@@ -582,6 +583,11 @@ class App:
             prompts = await prepare_each("completion" if kind == "completion" else "chat",
                                          request, request_id, served.tokenizing, key)
             prepared = prompts[0]
+            limit = served.context_length
+            if responses is not None and responses.truncation == "auto" and limit is not None:
+                prepared = await truncated_to_fit(prepared, served.tokenizing, limit,
+                                                  prepared.request.max_tokens or 1)
+                prompts = (prepared,)
             if trace is not None:
                 trace.leave(prompt_tokens=sum(len(p.input_ids) for p in prompts))
             if responses is not None and responses.background:

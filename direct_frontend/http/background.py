@@ -78,6 +78,7 @@ class _Run:
         self.status = "queued"
         self.error: dict[str, Any] | None = None
         self.usage: dict[str, Any] | None = None
+        self.state: RelayState | None = None  # once placed: what its usage is read from
         self.incomplete: str | None = None
         self.events: list[bytes] = []  # SSE-encoded; index = sequence number
         self.sse = SseEvents()
@@ -100,6 +101,8 @@ class _Run:
     def end(self, status: str, events: list[Event]) -> None:
         """The response ended as ``status``: its last events, the terminal one among them."""
         self.status = status
+        if self.usage is None and self.state is not None:  # cut short: what it used so far
+            self.usage = usage(self.state)
         events.append({"type": f"response.{status}", "response": self.response()})
         self.add(events)
 
@@ -214,7 +217,7 @@ class BackgroundResponses:
                         prepared: PreparedRequest) -> None:
         try:
             async with settings.admission.slot(1):
-                state = await relay.begin(settings, prepared)
+                state = run.state = await relay.begin(settings, prepared)
                 ok = False
                 try:
                     ok = await self._relay(run, relay, state)

@@ -65,7 +65,7 @@ class ResponseBuilder:
             "instructions": r.instructions, "max_output_tokens": r.max_output_tokens,
             "metadata": {}, "parallel_tool_calls": chat.parallel_tool_calls,
             "temperature": chat.temperature, "top_p": chat.top_p, "tools": r.tools,
-            "tool_choice": r.tool_choice, "store": self.stored, "truncation": "disabled",
+            "tool_choice": r.tool_choice, "store": self.stored, "truncation": r.truncation,
             "previous_response_id": r.previous_response_id,
             "text": {"format": {"type": "text"}}, "usage": usage,
         }

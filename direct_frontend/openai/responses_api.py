@@ -51,6 +51,8 @@ class ResponsesRequest:
     items: tuple[dict[str, Any], ...] = ()
     #: run beside the client (http/background.py): answered at once, polled, cancellable
     background: bool = False
+    #: ``auto``: the oldest turns are dropped for the model when the input outgrows its context
+    truncation: str = "disabled"
 
 
 def previous_response_id(raw: dict[str, Any]) -> str | None:
@@ -95,6 +97,10 @@ def parse_responses_request(
     if background and not store:
         raise invalid_request("A background response is kept to be polled: 'background' "
                               "needs 'store' true.", "background")
+    truncation = raw.get("truncation") or "disabled"
+    if truncation not in ("auto", "disabled"):
+        raise invalid_request(f"Invalid value for 'truncation': {truncation!r} ('auto' or "
+                              "'disabled').", "truncation")
     chat: dict[str, Any] = {k: raw[k] for k in _SAME if k in raw}
     include = raw.get("include") or []
     if raw.get("top_logprobs") is not None or (isinstance(include, list) and LOGPROBS in include):
@@ -122,7 +128,8 @@ def parse_responses_request(
     request = parse_chat_request(_encode(chat))
     return ResponsesRequest(request, instructions, tools, raw.get("tool_choice", "auto"),
                             raw.get("max_output_tokens"), store, previous_response_id(raw),
-                            history, tuple(_normalized(item) for item in own), background)
+                            history, tuple(_normalized(item) for item in own), background,
+                            truncation)
 
 
 def _input_list(value: Any) -> list[Any]:

@@ -279,3 +279,68 @@ def build_call(
         stream=stream,
         trace=trace,
     )
+
+
+def droppable_turns(messages: Sequence[ChatMessage]) -> list[tuple[int, int]]:
+    """The message ranges ``[start, end)`` a truncation may drop, oldest first.
+
+    System and developer messages stay, and so does the last user message
+    with all that follows it (the turn being answered). An assistant message
+    and the tool results that answer its calls go together, so no call is left
+    without its result or a result without its call.
+    """
+    last_user = max((i for i, m in enumerate(messages) if m.role == "user"), default=len(messages))
+    turns: list[tuple[int, int]] = []
+    i = 0
+    while i < last_user:
+        if messages[i].role in ("system", "developer"):
+            i += 1
+            continue
+        end = i + 1
+        while end < last_user and messages[end].role == "tool":
+            end += 1
+        turns.append((i, end))
+        i = end
+    return turns
+
+
+async def truncated_to_fit(prepared: PreparedRequest, tokenizing: Tokenizing, limit: int,
+                           reserve: int) -> PreparedRequest:
+    """The chat with the fewest oldest turns dropped so its prompt and ``reserve`` tokens fit
+    ``limit`` (the Responses API's ``truncation: "auto"``); as it was when it fits already.
+
+    Found by bisection over how many of the droppable turns go (fewer turns,
+    fewer tokens), so a long conversation is rendered a few times, not once
+    per turn. A 400 when even the turn being answered does not fit.
+    """
+    if len(prepared.input_ids) + reserve <= limit:
+        return prepared
+    request = prepared.request
+    assert isinstance(request, ChatRequest)
+    turns = droppable_turns(request.messages)
+
+    async def without(count: int) -> PreparedRequest:
+        gone = {i for start, end in turns[:count] for i in range(start, end)}
+        kept = tuple(m for i, m in enumerate(request.messages) if i not in gone)
+        shorter = msgspec.structs.replace(request, messages=kept)
+        prompt, ids = await chat_prompt_ids(shorter, tokenizing)
+        return dataclasses.replace(prepared, request=shorter, input_ids=tuple(ids),
+                                   prompt_text=prompt)
+
+    low, high = 1, len(turns)  # the fewest turns to drop lies in [low, high]
+    best = await without(high)
+    if len(best.input_ids) + reserve > limit:
+        raise OpenAIHTTPError(
+            400, f"Even with every earlier turn dropped (truncation 'auto'), the input is "
+            f"{len(best.input_ids)} tokens and the output may take {reserve}: more than the "
+            f"model's context of {limit} tokens.", "invalid_request_error", "input",
+            "context_length_exceeded",
+        )
+    while low < high:
+        middle = (low + high) // 2
+        candidate = await without(middle)
+        if len(candidate.input_ids) + reserve <= limit:
+            best, high = candidate, middle
+        else:
+            low = middle + 1
+    return best

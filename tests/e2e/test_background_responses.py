@@ -97,6 +97,7 @@ def test_a_running_response_shows_its_output_so_far_and_a_cancel_reaches_the_eng
     assert cancelled.output_text.startswith(running.output_text)  # nothing lost, nothing new
     wait_for(lambda: sim.stats.aborts_received + sim.stats.cancellations > aborts,
              what="the engine to hear the cancel")
+    assert cancelled.usage is not None and cancelled.usage.output_tokens > 0  # what it used
     again = client.responses.cancel(made.id)
     assert again.status == "cancelled" and again.output_text == cancelled.output_text
     assert client.responses.retrieve(made.id).status == "cancelled"

@@ -290,3 +290,36 @@ def test_the_output_texts_logprobs_are_chats_streamed_and_not(
     assert streamed == want
     done = next(ev for ev in events if ev.type == "response.output_text.done")
     assert [e.model_dump() for e in done.logprobs] == want
+
+
+def test_truncation_auto_drops_the_oldest_turns_to_fit_the_context(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """A conversation that outgrew the model's context: with ``truncation: "auto"`` its
+    oldest turns go (the instructions and the question stay); without it, the 400."""
+    models = '[[model]]\nname = "short"\ncontext_length = 300\n'
+    history: list[Any] = []
+    for turn in range(12):
+        history += [{"role": "user", "content": f"Tell me about item {turn} in some detail."},
+                    {"role": "assistant", "content": f"Item {turn} is a fine item indeed."}]
+    ask = {"model": "short", "instructions": "Be brief.", "max_output_tokens": 20,
+           "input": [*history, {"role": "user", "content": "Say it. [result]"}]}
+    with scripted_daemon(model_dir, tmp_path, models, engine_table("sim", "vllm", "short"),
+                         SCRIPTS) as daemon:
+        whole = httpx.post(daemon.url + "/v1/responses", json=ask)
+        assert whole.status_code == 400, whole.text
+        assert whole.json()["error"]["code"] == "context_length_exceeded"
+        cut = httpx.post(daemon.url + "/v1/responses", json={**ask, "truncation": "auto"})
+        assert cut.status_code == 200, cut.text
+        body = cut.json()
+        assert body["truncation"] == "auto" and body["output"][0]["content"][0]["text"] == \
+            "It is sunny in Zürich."
+        used = body["usage"]["input_tokens"]
+        assert 300 - 20 - 30 < used <= 300 - 20  # as many turns kept as fit, no more
+        kept = httpx.get(f"{daemon.url}/v1/responses/{body['id']}/input_items",
+                         params={"limit": 100}).json()
+        assert len(kept["data"]) == len(ask["input"])  # the record keeps the whole conversation
+        alone = httpx.post(daemon.url + "/v1/responses", json={
+            **ask, "truncation": "auto", "max_output_tokens": 290,
+            "input": [{"role": "user", "content": "x " * 400}]})
+        assert alone.status_code == 400 and alone.json()["error"]["param"] == "input"

@@ -52,6 +52,7 @@ def test_a_string_input_is_one_user_turn_and_a_named_choice_forces_it() -> None:
     ({"input": "hi", "conversation": "conv_1"}, "conversation"),
     ({"input": "hi", "background": True, "store": False}, "background"),
     ({"input": "hi", "background": "yes"}, "background"),
+    ({"input": "hi", "truncation": "middle"}, "truncation"),
     ({}, "input"),
     ({"input": [{"type": "web_search_call"}]}, "input[0].type"),
     ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0].type"),

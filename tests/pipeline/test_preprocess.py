@@ -14,6 +14,7 @@ from direct_frontend.pipeline.preprocess import (
     PreparedRequest,
     Tokenizing,
     chat_prompt_ids,
+    droppable_turns,
     prepare,
     prompt_ids,
 )
@@ -167,3 +168,21 @@ async def test_an_assistant_turns_reasoning_reaches_the_template_from_every_api(
     assert (await chat_prompt_ids(messages, tokenizing))[0] == want
     plain, _ = await chat_prompt_ids(parse_chat_request(chat()), tokenizing)
     assert plain == "user:hi;assistant:<f>;tool:ok;"  # and the cache told them apart
+
+
+def test_a_truncation_drops_whole_turns_and_keeps_the_question() -> None:
+    calls = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    request = parse_chat_request(json.dumps({"model": "m", "messages": [
+        {"role": "system", "content": "rules"},                       # 0: stays
+        {"role": "user", "content": "one"},                           # 1
+        {"role": "assistant", "content": None, "tool_calls": calls},  # 2: with its results
+        {"role": "tool", "tool_call_id": "c1", "content": "r1"},      # 3
+        {"role": "tool", "tool_call_id": "c1", "content": "r2"},      # 4
+        {"role": "assistant", "content": "done"},                     # 5
+        {"role": "developer", "content": "more rules"},               # 6: stays
+        {"role": "user", "content": "two"},                           # 7: the question
+        {"role": "assistant", "content": "partial"},                  # 8: after it
+    ]}).encode())
+    assert droppable_turns(request.messages) == [(1, 2), (2, 5), (5, 6)]
+    alone = parse_chat_request(b'{"model":"m","messages":[{"role":"user","content":"q"}]}')
+    assert droppable_turns(alone.messages) == []
