@@ -636,6 +636,7 @@ class RelayState:
             self._give_up()
             raise error from None
         self.engine_wait.placed()
+        self.held = None  # the failed engine's tokens: the next one generates them again
         self.legs += 1
         attempt = self.legs
         generated = self.processor.generated_ids

@@ -166,3 +166,20 @@ def test_what_cannot_be_run_or_cancelled_in_the_background_is_a_clear_error(
     bad = httpx.get(f"{daemon.url}/v1/responses/{foreground.id}",
                     params={"stream": "true", "starting_after": "x"})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "starting_after"
+
+
+def test_a_background_response_that_waits_too_long_for_a_slot_fails_as_rate_limited(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    models = ('[frontend.limits]\nmax_in_flight = 1\nqueue_timeout_s = 1.0\n\n'
+              '[[model]]\nname = "agent"\n')
+    with scripted_daemon(model_dir, tmp_path, models, engine_table("sim", "vllm", "agent", SLOW),
+                         SCRIPTS) as daemon, openai_client(daemon) as client:
+        first = client.responses.create(model="agent", input="Go on.", background=True,
+                                        max_output_tokens=2000)
+        poll(client, first.id, lambda r: r.status == "in_progress")  # it holds the one slot
+        second = client.responses.create(model="agent", input="Me too.", background=True)
+        failed = poll(client, second.id, lambda r: r.status not in ("queued", "in_progress"))
+        assert failed.status == "failed" and failed.error is not None
+        assert failed.error.code == "rate_limit_exceeded"
+        assert client.responses.cancel(first.id).status == "cancelled"

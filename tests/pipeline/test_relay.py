@@ -21,6 +21,7 @@ from direct_frontend.engines.neutral import (
 from direct_frontend.errors import EngineError, ErrorKind
 from direct_frontend.fleet.schema import FaultsConfig, FrontendConfig
 from direct_frontend.openai.errors import OpenAIHTTPError
+from direct_frontend.openai.parsers.registry import ChoiceParser
 from direct_frontend.openai.types import CompletionRequest
 from direct_frontend.pipeline.dispatch import Dispatcher
 from direct_frontend.pipeline.failover import Decision
@@ -429,3 +430,48 @@ def test_a_replay_that_ends_before_repeating_everything_differs(text_model: Text
         "", 0, False)
     with pytest.raises(EngineError, match=f"after 2 of the {len(ids)}"):
         state.wait(101.0)
+
+
+# -- the reasoning budget ---------------------------------------------------------------------
+
+
+def budgeted(text_model: TextModel, budget: int) -> tuple[RelayState, Dispatcher]:
+    """A request whose reply is read by the qwen3 reasoning parser, with a thinking budget."""
+    state, dispatcher = relay_state(text_model, two_engines(), max_tokens=40)
+    state.parser = ChoiceParser(reasoning_parser="qwen3")
+    state.thinking_budget = budget
+    return state, dispatcher
+
+
+def test_a_budget_cuts_its_batch_exactly_and_closes_an_open_block(text_model: TextModel) -> None:
+    state, dispatcher = budgeted(text_model, 9)
+    ids = word_ids(text_model, "<think>one two three four five six seven")
+    assert len(ids) > 9
+    text, tokens, finished = state.take(TokenDelta(ids[:4]), Queued(TokenDelta(ids[4:])))
+    assert tokens == 9 and not finished and state.processor.generated_ids == ids[:9]
+    assert state.held is not None and state.held.token_ids == ids[9:]
+    state.parse(text, False)  # what the emitter does with every batch
+    assert state.thinking_due() == "</think>" and state.held is None  # the rest is dropped
+    closing = word_ids(text_model, "\n</think>\n\n")
+    text, tokens, _ = state.close_thinking(closing)
+    assert tokens == len(closing) and state.thinking_budget is None
+    assert state.parse(text, False).reasoning == ""  # the block is closed for the parser
+    state.resume(dispatcher)
+    assert state.call.input_ids == PROMPT + ids[:9] + closing
+    assert state.call.sampling.max_tokens == 40 - 9 - len(closing)
+    assert state.call.request_id == "req~1" and state.resumed
+
+
+def test_output_held_at_a_budget_with_no_block_open_goes_on_or_is_made_again(
+    text_model: TextModel,
+) -> None:
+    state, dispatcher = budgeted(text_model, 2)
+    ids = word_ids(text_model, "plain answer here, no thinking")
+    text, _, _ = state.take(TokenDelta(ids), Queued())
+    state.parse(text, False)
+    assert state.thinking_due() is None and state.thinking_budget is None  # nothing to close
+    assert state.held is not None and state.held.token_ids == ids[2:]  # taken next ...
+    error = EngineError(ErrorKind.UNAVAILABLE, "gone")
+    assert state.next_attempt(error, dispatcher, 100.0) is Decision.MIGRATE
+    assert state.held is None  # ... unless its engine fails: the next one makes it again
+    assert state.call.input_ids == PROMPT + ids[:2]
