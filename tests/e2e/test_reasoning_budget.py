@@ -19,6 +19,7 @@ import openai
 import pytest
 from tokenizers import Tokenizer
 
+from direct_frontend.simulator.faults import FaultPlan
 from tests.support.daemon import Daemon
 from tests.support.models import (
     engine_table,
@@ -173,3 +174,31 @@ def test_a_models_effort_budget_keeps_reasoning_effort_and_the_client_may_lift_i
                 {"reasoning_effort": "low", "extra_body": {"thinking_token_budget": -1}}):
         reply = client.chat.completions.create(model="thinker", messages=ASK, **ask)
         assert reasoning_of(reply.choices[0].message) == THOUGHT
+
+
+def test_a_continued_reply_whose_engine_dies_migrates_unbroken(
+    model_dir: Path, tmp_path: Path, tokenizer: Tokenizer
+) -> None:
+    """The continuation after the closed block is a stream like any other: its engine dying
+    two tokens into the answer moves it to the other engine, and the client sees one reply."""
+    models = ('[frontend.routing]\npolicy = "kv_aware"\n\n'
+              '[[model]]\nname = "thinker"\nreasoning_parser = "qwen3"\n')
+    engines = engine_table("a", "vllm", "thinker") + "\n" + engine_table("b", "vllm", "thinker")
+    with scripted_daemon(model_dir, tmp_path, models, engines, SCRIPTS) as daemon, \
+            openai_client(daemon) as client:
+        daemon.wait_serving(2)
+        for sim in simulators(daemon).values():  # each engine's second call: a continuation
+            sim.faults = FaultPlan(die_after_tokens=2, only_request=2)
+        chunks = list(client.chat.completions.create(
+            model="thinker", messages=ASK, stream=True, stream_options={"include_usage": True},
+            extra_body={"thinking_token_budget": BUDGET}))
+        deltas = [c.choices[0].delta for c in chunks if c.choices]
+        assert "".join(reasoning_of(d) for d in deltas) == cut_thought(tokenizer, BUDGET)
+        assert "".join(d.content or "" for d in deltas) == "The answer is 42."
+        calls = {name: sim.fault_stats.generate_calls
+                 for name, sim in simulators(daemon).items()}
+        assert sorted(calls.values()) == [1, 2]  # thought and died on one, answered on the other
+        usage = chunks[-1].usage
+        closing = len(tokenizer.encode("\n</think>\n\n", add_special_tokens=False).ids)
+        answer = len(tokenizer.encode("The answer is 42.", add_special_tokens=False).ids)
+        assert usage is not None and usage.completion_tokens == BUDGET + closing + answer + 1
