@@ -113,3 +113,21 @@ def test_streams_longer_than_the_grace_period_are_cut_and_everything_ends(
             with pytest.raises(httpx.RemoteProtocolError):  # cut at the end of the grace
                 "\n".join(lines)
         assert sim.stats.running == 0  # the engine was told (or closed): nothing left behind
+
+
+def test_background_responses_get_the_grace_period_then_are_cancelled(
+    model_dir: Path, tmp_path: Path,
+) -> None:
+    text = fleet_text(model_dir, [sim_engine("slow", **SLOW)])
+    with running_daemon(tmp_path, text, shutdown_grace_s=0.3) as daemon:
+        daemon.wait_serving(1)
+        sim = daemon.supervisor.simulators["slow"]
+        made = httpx.post(daemon.url + "/v1/responses", json={
+            "model": "demo", "input": "go on", "background": True,
+            "max_output_tokens": 2000}).json()
+        wait_for(lambda: httpx.get(f"{daemon.url}/v1/responses/{made['id']}").json()["status"]
+                 == "in_progress", what="the background response to run")
+        started = time.monotonic()
+        daemon.stop()  # raises if the daemon's trio.run failed (a task left behind, say)
+        assert time.monotonic() - started < 3
+        assert sim.stats.running == 0  # its engine call ended with it
