@@ -36,12 +36,7 @@ from direct_frontend.http.asgi import (
     send_body,
     send_error,
 )
-from direct_frontend.http.background import (
-    BackgroundResponses,
-    follow,
-    starting_after,
-    wants_stream,
-)
+from direct_frontend.http.background import BackgroundResponses, follow, follow_cursor
 from direct_frontend.http.control_view import ControlView
 from direct_frontend.http.embeddings import respond_embeddings
 from direct_frontend.http.messages_api import respond_messages
@@ -323,16 +318,16 @@ class App:
     async def _retrieve(self, settings: Settings, scope: Scope, receive: Receive,
                         send: Send) -> int:
         query = scope.get("query_string", b"")
-        if not wants_stream(query):
-            return await self._stored(settings, scope, receive, send, respond_retrieve)
 
-        async def streamed(store: ResponseStore, response_id: str, send: Send,
-                           headers: Headers) -> int:
-            after = starting_after(query)
-            return await follow(self.background, store, response_id, after, receive, send,
-                                headers)
+        async def answer(store: ResponseStore, response_id: str, send: Send,
+                         headers: Headers) -> int:
+            after = follow_cursor(query)  # None: a snapshot, not its events
+            if after is None:
+                return await respond_retrieve(store, response_id, send, headers)
+            assert self.background is not None  # there is a store, so it runs
+            return await follow(self.background, response_id, after, receive, send, headers)
 
-        return await self._stored(settings, scope, receive, send, streamed)
+        return await self._stored(settings, scope, receive, send, answer)
 
     async def _cancel(self, settings: Settings, scope: Scope, receive: Receive,
                       send: Send) -> int:
@@ -442,18 +437,18 @@ class App:
                           request: ResponsesRequest, receive: Receive, send: Send,
                           headers: Headers) -> int:
         """Start a ``background: true`` response; its queued object, or its events."""
-        if self.responses is None or self.background is None:
+        background = self.background  # None exactly when the server keeps no responses
+        if background is None:
             raise invalid_request(
                 "A background response is kept to be polled, and this server keeps none "
                 "([frontend.responses] store = false).", "background",
             )
-        response_id = self.responses.new_id(prepared.request_id)
-        queued = self.background.start(relay, settings, prepared, request, response_id)
+        response_id = background.store.new_id(prepared.request_id)
+        queued = background.start(relay, settings, prepared, request, response_id)
         if not request.chat.stream:
             await send_body(send, 200, _encode(queued), JSON, headers)
             return 200
-        return await follow(self.background, self.responses, response_id, -1, receive, send,
-                            headers)
+        return await follow(background, response_id, -1, receive, send, headers)
 
     def _model_of(self, model: str) -> ServedModel:
         served = self.control.models.get(model)

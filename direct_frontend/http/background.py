@@ -41,6 +41,7 @@ from direct_frontend.http.responses_api import (
     ResponseBuilder,
     SseEvents,
     entries,
+    failure,
     outcome,
     usage,
 )
@@ -196,15 +197,14 @@ class BackgroundResponses:
         try:
             with run.scope:
                 await self._generate(run, relay, settings, prepared)
-            if run.status in RUNNING:  # its own scope was cancelled: a cancel
-                relay.metrics.request_cancelled()
-                run.end("cancelled", run.builder.finish("cancelled"))
         except Exception:  # a bug: this response fails, the others go on
             log.exception("background response %s failed", response_id)
             if run.status in RUNNING:
                 self._fail(run, internal_error())
         finally:
-            if run.status in RUNNING:  # cancelled from outside: the daemon is stopping
+            if run.status in RUNNING:  # cancelled: by a cancel (its own scope), or at shutdown
+                if run.scope.cancelled_caught:
+                    relay.metrics.request_cancelled()
                 run.end("cancelled", run.builder.finish("cancelled"))
             if not self.store.put(self._record(run)):
                 log.warning("background response %s is larger than [frontend.responses] "
@@ -255,12 +255,8 @@ class BackgroundResponses:
 
     @staticmethod
     def _fail(run: _Run, err: OpenAIHTTPError) -> None:
-        code = err.code or err.type
-        run.error = {"code": code, "message": err.message}
-        events = run.builder.finish("failed")
-        events.append({"type": "error", "code": code, "message": err.message,
-                       "param": err.param})
-        run.end("failed", events)
+        run.error, event = failure(err)
+        run.end("failed", [*run.builder.finish("failed"), event])
 
 
 def _lost(response_id: str, sequence: int) -> bytes:
@@ -275,30 +271,29 @@ def _lost(response_id: str, sequence: int) -> bytes:
 REMOTE_POLL_S: Final = 0.25
 
 
-def starting_after(query: bytes) -> int:
-    """A follow's ``starting_after`` cursor (-1: from the first event)."""
-    raw = parse_qs(query.decode("latin-1")).get("starting_after", ["-1"])[-1]
+def follow_cursor(query: bytes) -> int | None:
+    """``GET /v1/responses/{id}?stream=true&starting_after=N``: follow the events after N (-1:
+    from the first); None without ``stream=true`` (a snapshot)."""
+    fields = parse_qs(query.decode("latin-1"))
+    if fields.get("stream", ["false"])[-1].lower() != "true":
+        return None
+    raw = fields.get("starting_after", ["-1"])[-1]
     if not (raw == "-1" or raw.isdigit()):
         raise invalid_request(f"Invalid 'starting_after': {raw!r} (a sequence number).",
                               "starting_after")
     return int(raw)
 
 
-def wants_stream(query: bytes) -> bool:
-    """``GET /v1/responses/{id}?stream=true``: follow its events instead of a snapshot."""
-    return parse_qs(query.decode("latin-1")).get("stream", ["false"])[-1].lower() == "true"
-
-
-async def follow(service: BackgroundResponses | None, store: ResponseStore,
-                 response_id: str, after: int, receive: Receive, send: Send,
-                 headers: Headers) -> int:
+async def follow(service: BackgroundResponses, response_id: str, after: int, receive: Receive,
+                 send: Send, headers: Headers) -> int:
     """Stream a background response's events after ``after`` until it ends.
 
     Read from its log while it runs here; from its record (a sibling's asked
     again every :data:`REMOTE_POLL_S` while it runs there) otherwise. A
     follower that leaves stops nothing but its own stream.
     """
-    run = None if service is None else service.running(response_id)
+    store = service.store
+    run = service.running(response_id)
     record = None if run is not None else await find(store, response_id)
     if run is None and record is None:
         raise response_not_found(response_id)
@@ -310,6 +305,7 @@ async def follow(service: BackgroundResponses | None, store: ResponseStore,
                 "headers": [*SSE_HEADERS, *headers]})
     cursor = after + 1
     gone = False
+    events: Sequence[bytes]
     async with trio.open_nursery() as nursery:
         watcher = _Client()
         nursery.start_soon(watcher.watch, receive, nursery.cancel_scope)
@@ -319,7 +315,7 @@ async def follow(service: BackgroundResponses | None, store: ResponseStore,
                 events, ended = run.events, run.ended.is_set()
             else:
                 assert record is not None
-                events, ended = list(record.events), not record.running
+                events, ended = record.events, not record.running
             fresh = b"".join(events[cursor:])
             cursor = max(cursor, len(events))
             if gone:  # its owner went away with it (or it left the owner's store)

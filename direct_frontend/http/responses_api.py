@@ -185,6 +185,13 @@ def entries(relay: Relay, logprobs: Sequence[TokenLogprob]) -> list[dict[str, An
     return entries
 
 
+def failure(err: OpenAIHTTPError) -> tuple[dict[str, Any], Event]:
+    """How a failed response says why: its ``error`` field, and the ``error`` event."""
+    code = err.code or err.type
+    return ({"code": code, "message": err.message},
+            {"type": "error", "code": code, "message": err.message, "param": err.param})
+
+
 def usage(state: RelayState) -> dict[str, Any]:
     prompt = len(state.prepared.input_ids)
     completion = state.processor.completion_tokens
@@ -295,13 +302,9 @@ async def _stream(relay: Relay, state: RelayState, builder: ResponseBuilder, sen
 
     def failed(err: OpenAIHTTPError) -> bytes:
         """A started Responses stream ends as the API ends one: ``error``, ``response.failed``."""
-        code = err.code or err.type
         response = builder.response("failed", usage(state))
-        response["error"] = {"code": code, "message": err.message}
-        return sse.render([
-            {"type": "error", "code": code, "message": err.message, "param": err.param},
-            {"type": "response.failed", "response": response},
-        ])
+        response["error"], event = failure(err)
+        return sse.render([event, {"type": "response.failed", "response": response}])
 
     return await _event_stream(relay, state, send, headers, opening=opening, batch=batch,
                                closing=closing, error_tail=failed)
