@@ -98,6 +98,7 @@ class EngineChild:
         self.on_change = on_change  # (child, previous state)
         self.id = engine_id(cfg.url)
         self.dialect = dialect_for(cfg.kind)
+        self._ranks_warned = False  # the too-few-kv_events warning, once per incarnation
         self.probe = frontend.probe
         self.tracker = ProbeTracker(self.probe.failure_threshold, self.probe.success_threshold)
         self.state = EngineState.JOINING
@@ -310,10 +311,43 @@ class EngineChild:
             load=self.load,  # one per incarnation: a re-join keeps the requests in flight
             bootstrap_port=self.cfg.bootstrap_port or info.bootstrap_port,
             model=model.name,
+            dp_ranks=self._pinned_ranks(info, role),
         )
         self.tracker.joined()
         self.last_error = ""
         self._set_state(EngineState.SERVING)
+
+    def _pinned_ranks(self, info: EngineInfo, role: EngineRole) -> tuple[int, ...]:
+        """The ranks KV-aware routing pins requests to: one per KV-event endpoint.
+
+        The fleet file lists one endpoint per rank, in rank order from the
+        servicer's first rank. Only a whole-request engine of a kind whose
+        contract names a rank is pinned, and only when it has as many ranks as
+        endpoints or more (a rank it does not have would refuse every request).
+        With one endpoint for an engine of several ranks, requests are not
+        pinned and its other ranks' caches are unseen, which a warning says
+        (the hit-rate check would find it too).
+        """
+        endpoints = len(self.cfg.kv_events)
+        if 0 < endpoints < info.data_parallel_size and not self._ranks_warned:
+            self._ranks_warned = True
+            log.warning(
+                "engine %s has %d data-parallel ranks but the fleet file lists %d kv_events "
+                "endpoint(s): list one per rank (base port + rank) so that KV-aware routing "
+                "sees every rank's cache", self.name, info.data_parallel_size, endpoints,
+                extra={"engine": self.name},
+            )
+        if endpoints > info.data_parallel_size > 1 and not self._ranks_warned:
+            self._ranks_warned = True
+            log.warning(
+                "engine %s has %d data-parallel ranks but the fleet file lists %d kv_events "
+                "endpoints: requests are not pinned to ranks", self.name,
+                info.data_parallel_size, endpoints, extra={"engine": self.name},
+            )
+        if (endpoints < 2 or endpoints > info.data_parallel_size or role is not EngineRole.BOTH
+                or not info.generates or not self.dialect.capabilities.dp_rank_pin):
+            return ()
+        return tuple(range(info.first_dp_rank, info.first_dp_rank + endpoints))
 
     async def _probe_once(self) -> ProbeOutcome:
         assert self.channel is not None

@@ -109,6 +109,9 @@ class GenerateCall:
     disaggregation: Disaggregation | None = None  # one leg of a prefill/decode pair
     #: the LoRA adapter to run under (the id it was loaded with); None: the base model
     lora_id: str | None = None
+    #: the data-parallel rank to run on (KV-aware routing picked the rank holding the
+    #: prefix: each rank has a cache of its own); None: the engine balances its ranks
+    dp_rank: int | None = None
     #: the request's spans when tracing is on: each leg opens its own under it
     trace: RequestTrace | None = dataclasses.field(default=None, compare=False, repr=False)
 
@@ -219,6 +222,9 @@ class EngineInfo:
     block_size: int | None = None
     role: EngineRole | None = None
     data_parallel_size: int = 1
+    #: the lowest data-parallel rank this servicer serves (vLLM's GetLoads lists its ranks;
+    #: a servicer of one node's share of a multi-node DP engine starts above 0)
+    first_dp_rank: int = 0
     incarnation: str = ""  # changes when the engine restarts (start time, uptime)
     details: tuple[tuple[str, str], ...] = ()  # extra facts, for `check` and /fleet
     started_at: float | None = None  # engine start (epoch s) when reported or derivable

@@ -11,6 +11,7 @@ waits on the fleet for the catalog to change (:class:`WaitableFleet`).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Collection, Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import Protocol
@@ -89,8 +90,11 @@ class Dispatcher:
         On a decode engine this is a disaggregated call: a prefill engine
         (not in ``exclude``) runs the prefill leg, bounded by ``stall_timeout_s``
         when it runs first, and the engine call is the decode leg's. The
-        placement's KV blocks count in the engine's load while the call runs.
+        placement's KV blocks count in the engine's load while the call runs,
+        and the call runs on the placement's data-parallel rank, if it names one.
         """
         if placement.engine.role is EngineRole.DECODE:
             return run_pair(self.fleet, self.disagg, placement, call, exclude, stall_timeout_s)
+        if call.dp_rank != placement.dp_rank:  # each attempt on its own placement's rank
+            call = dataclasses.replace(call, dp_rank=placement.dp_rank)
         return run_leg(self.fleet, placement.engine, call, placement.blocks)

@@ -76,7 +76,7 @@ async def run_leg(
         engine.name, engine.kind, engine.role.value, call.request_id, prompt,
         call.disaggregation is not None,
     )
-    engine.load.begin(prompt, blocks)
+    engine.load.begin(prompt, blocks, call.dp_rank)
     failure: EngineError | None = None
     engine_call: EngineCall | None = None
     try:
@@ -92,7 +92,7 @@ async def run_leg(
                 faults.report_fault(engine, error)
         raise
     finally:
-        engine.load.end(prompt, blocks)
+        engine.load.end(prompt, blocks, call.dp_rank)
         if span is not None:
             span.end(failure)
         # A dead connection cannot take an Abort; a hung or live engine must get one.

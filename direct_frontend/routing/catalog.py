@@ -83,8 +83,14 @@ class EngineLoad:
     #: KV blocks (prefix hashes) the requests in flight occupy, counted once however
     #: many requests share them: the decode load a KV-aware policy weighs
     active_blocks: dict[int, int] = dataclasses.field(default_factory=dict)
+    #: data-parallel rank → our requests in flight pinned to it (KV-aware routing's)
+    rank_in_flight: dict[int, int] = dataclasses.field(default_factory=dict)
 
-    def begin(self, prompt_tokens: int, blocks: Sequence[int] = ()) -> None:
+    def begin(
+        self, prompt_tokens: int, blocks: Sequence[int] = (), rank: int | None = None
+    ) -> None:
+        if rank is not None:
+            self.rank_in_flight[rank] = self.rank_in_flight.get(rank, 0) + 1
         self.in_flight += 1
         self.prompt_tokens_in_flight += prompt_tokens
         self.requests_total += 1
@@ -94,7 +100,9 @@ class EngineLoad:
         if self.on_change is not None:
             self.on_change()
 
-    def end(self, prompt_tokens: int, blocks: Sequence[int] = ()) -> None:
+    def end(self, prompt_tokens: int, blocks: Sequence[int] = (), rank: int | None = None) -> None:
+        if rank is not None:
+            self.rank_in_flight[rank] -= 1
         self.in_flight -= 1
         self.prompt_tokens_in_flight -= prompt_tokens
         active = self.active_blocks
@@ -138,6 +146,10 @@ class EngineHandle:
     bootstrap_port: int | None = None
     #: the model it serves (its ``[[model]]`` name); requests for other models never reach it
     model: str = ""
+    #: the data-parallel ranks a request may be pinned to, one per KV-event endpoint of
+    #: the fleet file in its order (each rank has a cache of its own); empty: the engine
+    #: balances its ranks itself (one rank, no KV events, or a contract that cannot pin)
+    dp_ranks: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -55,7 +55,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from direct_frontend.fleet.schema import KvAwareKnobs
 from direct_frontend.kv.index import prefix_hashes
-from direct_frontend.kv.keys import incarnation_of
+from direct_frontend.kv.keys import incarnation_of, index_key
 from direct_frontend.routing.catalog import Catalog, EngineHandle
 from direct_frontend.routing.policies import Placement, RequestView, spread_start
 
@@ -318,20 +318,23 @@ class KvAware:
         return incarnation in self.uses_events and incarnation not in self.diverged
 
     def overlaps(
-        self, hashes: Sequence[int], now: float, candidates: Sequence[EngineHandle]
+        self, hashes: Sequence[int], now: float, candidates: Sequence[EngineHandle],
+        by_key: dict[str, int] | None = None,
     ) -> dict[str, int]:
         """Cached leading blocks per engine: exact where KV events flow, else approximate.
 
         The exact index is keyed per incarnation and rank (``g<incarnation>r<rank>``);
-        an engine's overlap is its best rank's.
+        an engine's overlap is its best rank's (the rank :meth:`rank_for` pins).
+        ``by_key``: the index's answer for ``hashes``, when already asked.
         """
         if not hashes:
             return {}
         by_incarnation: dict[int, int] = {}
-        if self.exact is not None and self.uses_events:
-            for key, blocks in self.exact.lookup_hashes(hashes).items():
-                incarnation = incarnation_of(key)
-                by_incarnation[incarnation] = max(blocks, by_incarnation.get(incarnation, 0))
+        if by_key is None:
+            by_key = self.exact_lookup(hashes)
+        for key, blocks in by_key.items():
+            incarnation = incarnation_of(key)
+            by_incarnation[incarnation] = max(blocks, by_incarnation.get(incarnation, 0))
         approx = self.approx.lookup_at(hashes, now)
         out: dict[str, int] = {}
         for engine in candidates:
@@ -342,6 +345,54 @@ class KvAware:
             if blocks:
                 out[engine.name] = blocks
         return out
+
+    def exact_lookup(self, hashes: Sequence[int]) -> dict[str, int]:
+        """Cached leading blocks per index key (incarnation and rank); {} without events."""
+        if self.exact is None or not self.uses_events or not hashes:
+            return {}
+        return self.exact.lookup_hashes(hashes)
+
+    def rank_for(
+        self, engine: EngineHandle, by_key: dict[str, int], request_blocks: int
+    ) -> tuple[int | None, int | None]:
+        """The data-parallel rank to pin the request to on ``engine``, and its cached blocks.
+
+        ``(None, None)`` when the engine balances its ranks itself. Each rank
+        has a cache of its own, so the request goes where its prefix is (and
+        the prediction is that rank's, not the engine's best), at the same
+        price as between engines: the blocks to prefill there, dearer in a
+        fuller cache, plus ``in_flight_weight`` × our requests pinned there
+        (ours are all of them: we pin every request to such an engine).
+        """
+        ranks = engine.dp_ranks
+        if len(ranks) < 2 or not self.by_events(engine):
+            return None, None
+        knobs = self.knobs
+        incarnation = engine.incarnation
+        capacity = self.capacity_of(engine) or self._peak
+        exact = self.exact
+        held = exact if isinstance(exact, HeldBlocks) else None
+        in_flight = engine.load.rank_in_flight
+        best: tuple[float, int, int] | None = None
+        choice = (ranks[0], 0)
+        for position, rank in enumerate(ranks):
+            key = index_key(incarnation, position)
+            cached = by_key.get(key, 0)
+            busy = in_flight.get(rank, 0)
+            fullness = 0.0
+            if held is not None and capacity > 0 and knobs.eviction_weight:
+                stored = held.blocks_of(key) + request_blocks - cached
+                fullness = min(1.0, stored / capacity)
+            ranking = (self.rank_cost(request_blocks - cached, fullness, busy), busy, position)
+            if best is None or ranking < best:
+                best, choice = ranking, (rank, cached)
+        return choice
+
+    def rank_cost(self, miss: int, fullness: float, busy: int) -> float:
+        """One rank's price for the request (:meth:`rank_for`): its engine-level cost's terms."""
+        knobs = self.knobs
+        return ((knobs.overlap_weight + knobs.eviction_weight * fullness) * miss
+                + knobs.in_flight_weight * busy)
 
     def choose(
         self, catalog: Catalog, request: RequestView, exclude: Collection[str] = ()
@@ -362,24 +413,26 @@ class KvAware:
         knobs = self.knobs
         self.learn_capacities(candidates)
         hashes = self.hashes(request.input_ids)
-        overlaps = self.overlaps(hashes, now, candidates)
+        by_key = self.exact_lookup(hashes)
+        overlaps = self.overlaps(hashes, now, candidates, by_key)
         steer = self.remembered(overlaps, hashes, now, candidates) if self.memory else overlaps
         chosen, spilled = self.select(candidates, request, hashes, steer)
         if spilled:
             self.spills += 1
         self._remember(chosen.name, hashes, now)
         block = knobs.block_size
-        held = overlaps.get(chosen.name, 0)
+        rank, on_rank = self.rank_for(
+            chosen, by_key, math.ceil(len(request.input_ids) / block))
+        held = overlaps.get(chosen.name, 0) if on_rank is None else on_rank
         predicted = min(held * block, (len(request.input_ids) - 1) // block * block)
         # queued as the cost weighed it (a miss the memory expects to be short is short),
         # until the engine's events show its last block stored, its first token, or its end
         queued = len(hashes) - max(held, steer.get(chosen.name, 0))
         if queued <= 0:
-            return Placement(chosen, tuple(hashes), predicted, spilled)
+            return Placement(chosen, tuple(hashes), predicted, spilled, dp_rank=rank)
         token = self.queue.add(chosen.name, hashes[-1], queued, now)
-        placement = Placement(chosen, tuple(hashes), predicted, spilled,
-                              functools.partial(self.queue.prefilled, chosen.name, token))
-        return placement
+        return Placement(chosen, tuple(hashes), predicted, spilled,
+                         functools.partial(self.queue.prefilled, chosen.name, token), rank)
 
     def remembered(
         self,
@@ -549,6 +602,10 @@ class CacheAffinity(KvAware):
     memory = False
     GATE_ABS = 64
     GATE_REL = 1.5
+
+    def rank_cost(self, miss: int, fullness: float, busy: int) -> float:
+        """The longest cached prefix on the engine's ranks too (ties: fewer in flight)."""
+        return float(miss)
 
     def select(
         self,

@@ -43,6 +43,8 @@ class Placement:
     #: ends without any, so the policy stops counting the request's prefill in that
     #: engine's queue; None: it counts none
     prefilled: Callable[[], None] | None = None
+    #: the engine's data-parallel rank to run on (one of ``engine.dp_ranks``); None: any
+    dp_rank: int | None = None
 
 
 class Policy(Protocol):

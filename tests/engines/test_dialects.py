@@ -45,6 +45,7 @@ from direct_frontend.engines.dialects.vllm import (
     PREFILL_PARAMS,
     VllmDialect,
     VllmStreamDecoder,
+    first_rank,
     int32_seed,
 )
 from direct_frontend.engines.neutral import (
@@ -323,6 +324,33 @@ def test_a_field_the_contract_lacks_is_refused_naming_it(kind: str, missing: str
     with pytest.raises(EngineError) as raised:
         dialect_for(kind).generate(GenerateCall("r", PROMPT, sampling))
     assert raised.value.kind is ErrorKind.BAD_REQUEST and raised.value.param == missing
+
+
+@pytest.mark.parametrize("kind", ["sglang", "vllm"])
+def test_a_pinned_rank_reaches_the_contract_and_an_unpinned_call_names_none(kind: str) -> None:
+    dialect = dialect_for(kind)
+    pinned = dialect.generate(GenerateCall("r", PROMPT, PLAIN, dp_rank=1)).request
+    assert pinned.HasField("data_parallel_rank") and pinned.data_parallel_rank == 1
+    rank0 = dialect.generate(GenerateCall("r", PROMPT, PLAIN, dp_rank=0)).request
+    assert rank0.HasField("data_parallel_rank")  # 0 is a rank, not "unset"
+    free = dialect.generate(GenerateCall("r", PROMPT, PLAIN)).request
+    assert not free.HasField("data_parallel_rank")
+
+
+def test_a_servicers_first_rank_is_the_lowest_its_loads_list() -> None:
+    """Multi-node data parallelism: one node's servicer serves ranks 2 and 3 (pinned from 2)."""
+    node = vllm_engine_pb2.GetLoadsResponse(dp_rank_count=2, loads=[
+        vllm_engine_pb2.SchedulerLoad(dp_rank=3), vllm_engine_pb2.SchedulerLoad(dp_rank=2)])
+    assert first_rank(node) == 2
+    assert first_rank(vllm_engine_pb2.GetLoadsResponse()) == 0 and first_rank(None) == 0
+
+
+def test_a_rank_the_contract_cannot_name_is_never_sent() -> None:
+    """TRT-LLM's contract has no rank field: never pinned; sent one, the dialect says no."""
+    assert not dialect_for("trtllm").capabilities.dp_rank_pin
+    with pytest.raises(EngineError) as raised:
+        dialect_for("trtllm").generate(GenerateCall("r", PROMPT, PLAIN, dp_rank=1))
+    assert raised.value.kind is ErrorKind.INTERNAL
 
 
 def test_a_choice_regex_matches_each_choice_literally() -> None:
@@ -678,6 +706,7 @@ def test_vllm_discovery_and_restart_detection(stock: dict[str, bytes]) -> None:
     assert dict(info.details)["kv_connector"] == "NixlConnector"
     assert info.started_at == pytest.approx(1_800_000_000 - 100.25)
     assert info.kv_capacity_tokens == 4096  # the smaller rank's cache
+    assert info.first_dp_rank == 0
     assert info.generates
     # The same engine asked again a little later (uptime grew with the clock): same incarnation.
     now[0] += 0.2

@@ -18,7 +18,7 @@ from direct_frontend.routing.catalog import Catalog, EngineHandle
 from direct_frontend.routing.factory import make_policy
 from direct_frontend.routing.hitrate import HitRateMonitor
 from direct_frontend.routing.kv_aware import ApproxPrefixIndex, CacheAffinity, KvAware
-from direct_frontend.routing.policies import RequestView
+from direct_frontend.routing.policies import RequestView, RoundRobin
 
 BS = 4
 
@@ -408,3 +408,87 @@ def test_without_events_fullness_follows_the_lru_model_when_the_capacity_is_know
     assert fullness == {home: 0.5, ({"a", "b"} - {home}).pop(): 0.5}
     assert KvAware(KvAwareKnobs(block_size=BS)).fullness(catalog.engines, 8, {}, (0, 0)) == {
         "a": 1.0, "b": 1.0}  # no capacity, no model: counted full
+
+
+# -- data-parallel ranks: each has a cache of its own, and a request is pinned to one --
+
+
+def ranked(name: str, ranks: tuple[int, ...] = (0, 1), in_flight: dict[int, int] | None = None,
+           ) -> EngineHandle:
+    h = handle(name)
+    ranked_handle = EngineHandle(h.name, h.kind, h.url, h.incarnation, h.role, h.info,
+                                 h.context_length, None, dp_ranks=ranks)
+    for rank, n in (in_flight or {}).items():
+        for _ in range(n):
+            ranked_handle.load.begin(0, (), rank)
+    return ranked_handle
+
+
+def stored_on(index: KvIndex, engine: str, position: int, tokens: list[int]) -> None:
+    """Rank ``position`` of ``engine`` (its KV-event endpoint in the fleet file) stored these."""
+    hashes = prefix_hashes(tokens, BS)
+    index.apply_events(index_key(GENERATION[engine], position), (BlockStored(
+        block_hashes=tuple(hashes), parent_block_hash=None,
+        token_ids=array.array("I", tokens[: len(hashes) * BS]), block_size=BS),))
+
+
+def test_a_request_is_pinned_to_the_rank_holding_its_prefix_and_predicted_from_that_rank() -> None:
+    index = KvIndex(BS)
+    stored_on(index, "a", 0, PROMPT[:8])  # 2 blocks on rank 0
+    stored_on(index, "a", 1, PROMPT[:24])  # 6 blocks on rank 1
+    policy = KvAware(KvAwareKnobs(block_size=BS), index)
+    policy.uses_events = {1}
+    placement = policy.choose(Catalog(1, (ranked("a"),)), view(PROMPT))
+    assert placement is not None and placement.dp_rank == 1
+    assert placement.predicted_cached_tokens == 24
+    # a servicer of one node's ranks (2 and 3): the second endpoint is rank 3
+    placement = policy.choose(Catalog(1, (ranked("a", (2, 3)),)), view(PROMPT))
+    assert placement is not None and placement.dp_rank == 3
+
+
+def test_a_new_prefix_goes_to_the_idler_rank_and_a_held_one_stays_until_its_rank_is_busy() -> None:
+    index = KvIndex(BS)
+    policy = KvAware(KvAwareKnobs(block_size=BS, approx_capacity_blocks=1000), index)
+    policy.uses_events = {1}
+    placement = policy.choose(Catalog(1, (ranked("a", in_flight={0: 1}),)), view(PROMPT))
+    assert placement is not None and placement.dp_rank == 1  # nothing cached: the idler
+    assert placement.predicted_cached_tokens == 0
+    stored_on(index, "a", 0, PROMPT)  # 8 blocks on rank 0; the last is always recomputed
+    # rank 1 would prefill all 8 blocks, at (1 + 3 × 8/1000) each, against 8 per request in
+    # flight on rank 0: one there still costs less, two do not
+    busy = {0: 1}
+    placement = policy.choose(Catalog(1, (ranked("a", in_flight=busy),)), view(PROMPT))
+    assert placement is not None and placement.dp_rank == 0
+    placement = policy.choose(Catalog(1, (ranked("a", in_flight={0: 2}),)), view(PROMPT))
+    assert placement is not None and placement.dp_rank == 1
+
+
+def test_ranks_are_not_pinned_without_events_or_with_one_rank() -> None:
+    index = KvIndex(BS)
+    stored_on(index, "a", 1, PROMPT)
+    policy = KvAware(KvAwareKnobs(block_size=BS), index)
+    policy.uses_events = {1}
+    one = policy.choose(Catalog(1, (ranked("a", (0,)),)), view(PROMPT))
+    assert one is not None and one.dp_rank is None
+    approximate = KvAware(KvAwareKnobs(block_size=BS), index)  # no events: it knows no ranks
+    unseen = approximate.choose(Catalog(1, (ranked("a"),)), view(PROMPT))
+    assert unseen is not None and unseen.dp_rank is None and unseen.predicted_cached_tokens == 0
+    balanced = RoundRobin().choose(Catalog(1, (ranked("a"),)), view(PROMPT))
+    assert balanced is not None and balanced.dp_rank is None
+
+
+def test_cache_affinity_pins_the_longest_prefix_rank_whatever_its_load() -> None:
+    index = KvIndex(BS)
+    stored_on(index, "a", 0, PROMPT)
+    policy = CacheAffinity(KvAwareKnobs(block_size=BS), index)
+    policy.uses_events = {1}
+    placement = policy.choose(Catalog(1, (ranked("a", in_flight={0: 30}),)), view(PROMPT))
+    assert placement is not None and placement.dp_rank == 0
+
+
+def test_our_requests_in_flight_count_per_rank_until_they_end() -> None:
+    h = ranked("a", in_flight={1: 2})
+    assert h.load.rank_in_flight == {1: 2} and h.load.in_flight == 2
+    h.load.end(0, (), 1)
+    h.load.end(0, ())
+    assert h.load.rank_in_flight == {1: 1} and h.load.in_flight == 0

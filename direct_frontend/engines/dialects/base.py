@@ -74,6 +74,8 @@ class Capabilities:
     lora_adapters: bool = False
     #: an embedding model of this kind serves ``Embed`` through the contract (SGLang, vLLM)
     embeddings: bool = False
+    #: a request may name the data-parallel rank it runs on (SGLang, vLLM)
+    dp_rank_pin: bool = False
 
 
 #: sampling fields some contracts lack: a request that sets one goes to a kind that carries it
@@ -563,6 +565,9 @@ class Dialect(abc.ABC):
             raise EngineError(ErrorKind.BAD_REQUEST,
                               f"{self.kind} engines' contract carries no LoRA adapter",
                               param="model")
+        if call.dp_rank is not None and not self.capabilities.dp_rank_pin:
+            raise EngineError(ErrorKind.INTERNAL,
+                              f"{self.kind} engines' contract carries no data-parallel rank")
 
     # -- LoRA adapters (only for kinds whose capabilities say lora_adapters) --
 

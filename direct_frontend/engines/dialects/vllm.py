@@ -184,7 +184,7 @@ class VllmDialect(SmgDialect):
     kind: ClassVar[str] = "vllm"
     capabilities: ClassVar[Capabilities] = Capabilities(
         prefill_decode=True, text_input=True, optional=frozenset({"seed", "logit_bias"}),
-        embeddings=True,
+        embeddings=True, dp_rank_pin=True,
     )
     limits: ClassVar[WireLimits] = WireLimits(top_k=UINT32_MAX)  # top_k is a uint32 here
     service: ClassVar[str] = SERVICE
@@ -227,6 +227,8 @@ class VllmDialect(SmgDialect):
             sampling_params=params,
             stream=call.stream,
         )
+        if call.dp_rank is not None:
+            request.data_parallel_rank = call.dp_rank
         pd = call.disaggregation
         if pd is not None and pd.kv_transfer_params_json is not None:
             request.kv_transfer_params_json = pd.kv_transfer_params_json  # verbatim (§9.2)
@@ -269,6 +271,7 @@ class VllmDialect(SmgDialect):
             block_size=server.block_size or None,  # 0 until the engine resolved it
             role=ROLES.get(server.kv_role),
             data_parallel_size=server.data_parallel_size or 1,
+            first_dp_rank=first_rank(loads),
             incarnation=incarnation,
             started_at=started,
             kv_capacity_tokens=kv_capacity(loads),
@@ -297,6 +300,17 @@ class VllmDialect(SmgDialect):
         if kv_connector(prefill.info) == MOONCAKE:
             return mooncake_legs(call, prefill, f"{rng.getrandbits(128):032x}")
         return LegPlan(prefill_leg(call), call, parallel=False, relays_kv_params=True)
+
+
+def first_rank(loads: Any) -> int:
+    """The lowest data-parallel rank a GetLoads reply lists (0: none listed).
+
+    The stock servicer lists the ranks it serves, its first always: under
+    multi-node data parallelism one servicer serves one node's ranks, from
+    its start rank on, and a request pinned to another rank is refused.
+    """
+    ranks = [load.dp_rank for load in (loads.loads if loads is not None else ())]
+    return min(ranks, default=0)
 
 
 def kv_capacity(loads: Any) -> int | None:
