@@ -311,8 +311,11 @@ class SimCore:
         return [RankLoad(*load) for load in zip(running, waiting, used, queued, strict=True)]
 
     def _place(self, job: Job) -> int:
-        """The rank ``job`` runs on: its pin, else the one with the fewest waiting plus
-        running requests, the lowest on a tie (vLLM's internal balancer reads queue lengths)."""
+        """The rank ``job`` runs on: its pin, else the least busy one.
+
+        Least busy: the fewest waiting plus running requests, the lowest rank on
+        a tie, as vLLM's internal balancer reads queue lengths.
+        """
         if job.rank is not None:
             return job.rank
         if self.config.dp_size == 1:
