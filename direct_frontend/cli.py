@@ -302,6 +302,10 @@ def simulate_engine(
     embedding_dim: Annotated[
         int, typer.Option(min=0, help="Serve an embedding model of N dimensions (0: generation).")
     ] = 0,
+    dp_size: Annotated[
+        int, typer.Option(min=1, help="Data-parallel ranks behind the one server, each with its "
+                                      "own prefix cache and KV events on --kv-events-port + rank.")
+    ] = 1,
     fault_die_after: Annotated[
         Optional[int], typer.Option(help="Drop the connection after N tokens.")  # noqa: UP045
     ] = None,
@@ -335,6 +339,9 @@ def simulate_engine(
     if kind == "trtllm" and embedding_dim:
         raise typer.BadParameter("the TRT-LLM contract serves no embeddings",
                                  param_hint="--embedding-dim")
+    if kind == "trtllm" and dp_size != 1:
+        raise typer.BadParameter("the TRT-LLM contract has no data-parallel rank",
+                                 param_hint="--dp-size")
     model_dir = BUNDLED_DIR if model_dir is None else model_dir
     if not (model_dir / "tokenizer.json").is_file():
         raise typer.BadParameter(f"{model_dir}: no tokenizer.json there", param_hint="--model-dir")
@@ -353,7 +360,7 @@ def simulate_engine(
                 "block_size": block_size, "page_size": block_size,
                 "kv_capacity_blocks": kv_capacity_blocks,
                 "kv_events_port": kv_events_port, "kv_replay_port": kv_replay_port,
-                "embedding_dim": embedding_dim,
+                "embedding_dim": embedding_dim, "dp_size": dp_size,
             },
         )
     except OSError as exc:  # a busy or unknown address: the machine's answer, not a bug

@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from tests.support.daemon import fleet_text, free_port, sim_engine, wait_for
+from tests.support.sim import run as run_async
 
 ROOT = Path(__file__).resolve().parents[1]
 DAEMON = str(Path(sys.executable).with_name("direct-frontend"))
@@ -216,6 +217,35 @@ def test_simulate_engine_defaults_to_the_bundled_demo_model() -> None:
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=60)
     assert proc.returncode == 0 and "Traceback" not in err
+
+
+def test_simulate_engine_serves_data_parallel_ranks() -> None:
+    from grpclib.client import Channel
+
+    from protos import vllm_engine_pb2
+    from protos.vllm_engine_grpc import VllmEngineStub
+
+    refused = cli("simulate-engine", "--kind", "trtllm", "--dp-size", "2")
+    assert refused.returncode == 2 and "no data-parallel rank" in refused.stderr
+    port = free_port()
+    proc = subprocess.Popen([DAEMON, "simulate-engine", "--kind", "vllm", "--dp-size", "2",
+                             "--port", str(port)], stdout=subprocess.PIPE, text=True)
+
+    async def ask() -> tuple[int, int]:
+        async with Channel("127.0.0.1", port) as channel:
+            stub = VllmEngineStub(channel)
+            server = await stub.GetServerInfo(vllm_engine_pb2.GetServerInfoRequest())
+            loads = await stub.GetLoads(vllm_engine_pb2.GetLoadsRequest())
+            return server.data_parallel_size, len(loads.loads)
+
+    try:
+        assert proc.stdout is not None
+        assert "listening on" in proc.stdout.readline()
+        assert run_async(ask()) == (2, 2)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=60)
+    assert proc.returncode == 0
 
 
 @pytest.mark.parametrize("command", ["run", "check", "top", "simulate-engine"])

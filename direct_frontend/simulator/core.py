@@ -70,6 +70,9 @@ class EngineConfig:
     #: above 0 an embedding model of that many dimensions (vLLM ``--runner pooling``, SGLang
     #: ``--is-embedding``): it answers Embed and refuses Generate; 0 a generation model
     embedding_dim: int = 0
+    #: data-parallel ranks behind the one server (vLLM ``--data-parallel-size``, SGLang
+    #: ``--dp``), each with its own batch limit and prefix cache; the limits above are per rank
+    dp_size: int = 1
 
     @property
     def is_generation(self) -> bool:
@@ -122,16 +125,33 @@ class EngineStats:
     #: the last :data:`KEPT_REQUESTS` Generate requests as received (the contract's message),
     #: by request id, so tests can assert what reached the engine
     received: dict[str, Any] = dataclasses.field(default_factory=dict)
+    #: the data-parallel rank each of the last :data:`KEPT_REQUESTS` admitted requests ran on
+    #: (its pin, or the engine's own choice), by request id
+    rank_of: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def receive(self, request_id: str, request: Any) -> None:
-        received = self.received
-        received[request_id] = request
-        if len(received) > KEPT_REQUESTS:
-            del received[next(iter(received))]
+        _keep(self.received, request_id, request)
+
+
+def _keep(kept: dict[str, Any], request_id: str, value: Any) -> None:
+    """Remember ``value`` under ``request_id``, forgetting the oldest past :data:`KEPT_REQUESTS`."""
+    kept[request_id] = value
+    if len(kept) > KEPT_REQUESTS:
+        del kept[next(iter(kept))]
 
 
 #: how many Generate requests :class:`EngineStats` keeps (a soak run sends millions)
 KEPT_REQUESTS = 256
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RankLoad:
+    """One data-parallel rank's own queue and KV use: what GetLoads reports for it."""
+
+    running: int = 0
+    waiting: int = 0
+    used_tokens: int = 0  # KV tokens held by its running sequences (prompt plus output)
+    waiting_tokens: int = 0  # prompt tokens queued on it, not yet prefilled
 
 
 class JobState(enum.Enum):
@@ -155,8 +175,11 @@ class Job:
         self.prompt_ids: Sequence[int] = ()
         self.cached_tokens = 0  # prompt tokens already held (prefix cache, or a P/D handoff)
         self.kv: KvAllocation | None = None
-        #: a LoRA adapter's own prefix cache (None: the engine's)
+        #: the prefix cache it runs against: a LoRA adapter's own, else (set on admission)
+        #: its rank's; None: the engine has none
         self.cache: SimPrefixCache | None = None
+        #: the data-parallel rank: the request's pin (None: unpinned), then the one it runs on
+        self.rank: int | None = None
 
     @property
     def signal(self) -> asyncio.Future[None]:
@@ -228,10 +251,12 @@ class SimCore:
         self.start_time = time.time()
         self.start_monotonic = time.monotonic()
         self.last_receive_time = 0.0
-        self._slots = _Slots(timing.max_running)
+        self._slots = [_Slots(timing.max_running) for _ in range(config.dp_size)]
         self._jobs: dict[str, list[Job]] = {}
         self.faults = FaultPlan()  # the live plan; SimEngine.faults replaces it
-        self.kv_cache: SimPrefixCache | None = None  # SimEngine sets it (see kvcache.py)
+        #: one prefix cache per data-parallel rank, in rank order (SimEngine sets them,
+        #: see kvcache.py; empty: no cache)
+        self.kv_caches: list[SimPrefixCache] = []
         self.loras: LoraSlots | None = None  # SimEngine sets it when it serves adapters
         self.scripts: ScriptBook | None = None  # canned completions by prompt marker (scripted.py)
 
@@ -269,16 +294,34 @@ class SimCore:
         """The user sequences currently in ``state``."""
         return [job for jobs in self._jobs.values() for job in jobs if job.state is state]
 
-    def used_tokens(self) -> int:
-        """KV tokens held by running sequences (prompt plus output)."""
-        return sum(
-            job.generation.prompt_len + len(job.generation.output_ids)
-            for job in self.jobs(JobState.RUNNING)
-        )
+    def loads(self) -> list[RankLoad]:
+        """Each data-parallel rank's own load, in rank order."""
+        running = [0] * self.config.dp_size
+        waiting = running.copy()
+        used, queued = running.copy(), running.copy()
+        for jobs in self._jobs.values():
+            for job in jobs:
+                generation, rank = job.generation, job.rank or 0
+                if job.state is JobState.RUNNING:
+                    running[rank] += 1
+                    used[rank] += generation.prompt_len + len(generation.output_ids)
+                elif job.state is JobState.WAITING:
+                    waiting[rank] += 1
+                    queued[rank] += generation.prompt_len
+        return [RankLoad(*load) for load in zip(running, waiting, used, queued, strict=True)]
 
-    def waiting_tokens(self) -> int:
-        """Prompt tokens queued but not yet prefilled."""
-        return sum(job.generation.prompt_len for job in self.jobs(JobState.WAITING))
+    def _place(self, job: Job) -> int:
+        """The rank ``job`` runs on: its pin, else the least busy one.
+
+        Least busy: the fewest waiting plus running requests, the lowest rank on
+        a tie, as vLLM's internal balancer reads queue lengths.
+        """
+        if job.rank is not None:
+            return job.rank
+        if self.config.dp_size == 1:
+            return 0
+        loads = self.loads()
+        return min(range(len(loads)), key=lambda r: loads[r].running + loads[r].waiting)
 
     # -- running sequences -------------------------------------------------
 
@@ -319,13 +362,19 @@ class SimCore:
         and the registration are given back.
         """
         signal = job.signal
+        job.rank = rank = self._place(job)
+        if job.cache is None and self.kv_caches:
+            job.cache = self.kv_caches[rank]
+        if not job.internal:
+            _keep(self.stats.rank_of, job.request_id, rank)
+        slots = self._slots[rank]
         self._register(job)
         try:
             finish: Finish | None = None
-            if await self._slots.acquire(signal):
+            if await slots.acquire(signal):
                 try:
                     self._set_state(job, JobState.RUNNING)
-                    cache = self.kv_cache if job.cache is None else job.cache
+                    cache = job.cache
                     if cache is not None and not job.internal:
                         job.kv = cache.admit(job.prompt_ids)
                         # a decode leg's KV may have arrived from a prefill engine already
@@ -335,7 +384,7 @@ class SimCore:
                 finally:
                     if job.kv is not None and cache is not None:
                         cache.release(job.kv)
-                    self._slots.release()
+                    slots.release()
             if not job.internal:
                 if finish is None:
                     self.stats.aborted += 1
@@ -381,9 +430,8 @@ class SimCore:
                     await emit((), generation.finish)
                 return generation.finish
             token_id = generation.step()
-            cache = self.kv_cache if job.cache is None else job.cache
-            if job.kv is not None and cache is not None:
-                cache.extend(job.kv, token_id)  # a block that fills gets cached
+            if job.kv is not None and job.cache is not None:
+                job.cache.extend(job.kv, token_id)  # a block that fills gets cached
             if emit is not None:
                 await emit((token_id,), generation.finish)
             if generation.finish is not None:

@@ -86,6 +86,15 @@ class SimEngine:
     :class:`SimModel`; :attr:`stats` shows what reached the engine. Set
     :attr:`healthy` to False to make health checks fail, and :attr:`faults`
     to make it die, hang, slow down or fail (see :mod:`.faults`).
+
+    ``dp_size`` N > 1 serves N data-parallel ranks behind the one server, as
+    vLLM ``--data-parallel-size N`` (internal load balancing) or SGLang ``--dp N``
+    do: each rank has its own batch limit, prefix cache and KV-event publisher
+    (:attr:`kv_ranks`; with ``kv_events_port`` P rank r publishes on P + r, its
+    replay on ``kv_replay_port`` + r). A request's ``data_parallel_rank`` pins
+    it; an unpinned one goes to the rank with the fewest waiting plus running
+    requests; ``stats.rank_of`` says where each ran. The KV sizes
+    (``kv_capacity_blocks``, ``kv_pool_tokens``) and ``max_running`` are per rank.
     """
 
     def __init__(
@@ -124,6 +133,7 @@ class SimEngine:
         max_loras: int = 0,
         lora_load_s: float = 0.05,
         embedding_dim: int = 0,
+        dp_size: int = 1,
     ) -> None:
         if kind not in get_args(EngineKind):
             raise ValueError(f"unknown engine kind {kind!r}")
@@ -137,6 +147,10 @@ class SimEngine:
             raise ValueError("the TRT-LLM contract serves no embeddings")
         if context_length < 2:
             raise ValueError("context_length must be at least 2")
+        if dp_size < 1:
+            raise ValueError("dp_size must be at least 1")
+        if kind == "trtllm" and dp_size != 1:
+            raise ValueError("the TRT-LLM contract has no data-parallel rank: dp_size must be 1")
         disaggregated = role != "both"
         self.kind: EngineKind = kind
         self.model = SimModel(
@@ -178,18 +192,25 @@ class SimEngine:
             kv_capacity_tokens=(kv_capacity_blocks or 0) * cache_block,
             serve_get_loads=serve_get_loads,
             embedding_dim=embedding_dim,
+            dp_size=dp_size,
         )
         self.core = SimCore(self.config, self.model, self.timing)
-        # The prefix cache (and KV events when a port is given; 0 picks one): kvcache.py.
-        self.kv = SimKvEvents(
-            kind,
-            block_size=cache_block,
-            capacity_blocks=kv_capacity_blocks or self.config.kv_pool_tokens // cache_block,
-            enabled=enable_prefix_cache,
-            events_port=kv_events_port,
-            replay_port=kv_replay_port,
-        )
-        self.core.kv_cache = self.kv.cache
+        # Each rank's prefix cache (and KV events when a port is given; 0 picks one): kvcache.py.
+        self.kv_ranks = [
+            SimKvEvents(
+                kind,
+                block_size=cache_block,
+                capacity_blocks=kv_capacity_blocks or self.config.kv_pool_tokens // cache_block,
+                enabled=enable_prefix_cache,
+                events_port=kv_events_port,
+                replay_port=kv_replay_port,
+                rank=rank,
+                dp_size=dp_size,
+            )
+            for rank in range(dp_size)
+        ]
+        self.kv = self.kv_ranks[0]  # rank 0's, what a single-rank engine has
+        self.core.kv_caches = [rank.cache for rank in self.kv_ranks]
         if max_loras > 0 and kind == "sglang":  # the one contract with LoadLoRAAdapter
             self.core.loras = LoraSlots(max_loras, lora_load_s, self._adapter_cache)
         self._injector = FaultInjector(self.core)
@@ -283,20 +304,33 @@ class SimEngine:
 
     @property
     def kv_publisher(self) -> KvEventPublisher | None:
-        """The KV-event publisher while running (test helpers: drop_next, reset_sequence)."""
+        """Rank 0's KV-event publisher while running (test helpers: drop_next, reset_sequence)."""
         return self.kv.publisher
 
     @property
     def kv_events_endpoint(self) -> str | None:
-        """``tcp://host:port`` of the KV-event PUB once started, if enabled."""
+        """``tcp://host:port`` of rank 0's KV-event PUB once started, if enabled."""
         publisher = self.kv.publisher
         return None if publisher is None else publisher.endpoint
 
     @property
     def kv_replay_endpoint(self) -> str | None:
-        """``tcp://host:port`` of the replay ROUTER once started, if enabled."""
+        """``tcp://host:port`` of rank 0's replay ROUTER once started, if enabled."""
         publisher = self.kv.publisher
         return None if publisher is None else publisher.replay_endpoint
+
+    @property
+    def kv_events_endpoints(self) -> list[str]:
+        """Every rank's KV-event PUB, in rank order (empty unless started and enabled)."""
+        return [p.endpoint for p in self._kv_publishers()]
+
+    @property
+    def kv_replay_endpoints(self) -> list[str]:
+        """Every rank's replay ROUTER, in rank order (empty unless started and enabled)."""
+        return [p.replay_endpoint for p in self._kv_publishers() if p.replay_endpoint]
+
+    def _kv_publishers(self) -> list[KvEventPublisher]:
+        return [rank.publisher for rank in self.kv_ranks if rank.publisher is not None]
 
     @property
     def address(self) -> str:
@@ -330,7 +364,8 @@ class SimEngine:
         self.port = int(sock.getsockname()[1])
         self.core.closing = False
         self.core.mark_started()
-        self.kv.start(host)
+        for rank in self.kv_ranks:
+            rank.start(host)
         _disagg.attach(self.core, host)  # P/D rendezvous between engines on this loop
 
     def close(self) -> None:
@@ -341,7 +376,8 @@ class SimEngine:
         self.core.closing = True
         _disagg.detach(self.core)
         self.core.abort_all()
-        self.kv.close()
+        for rank in self.kv_ranks:
+            rank.close()
         server.close()
         server.drop_connections()
         if self._stopped is not None:

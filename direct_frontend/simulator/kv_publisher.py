@@ -13,7 +13,8 @@ match theirs (the doc's §12 vectors are encoded by them in the tests):
 - vLLM 0.32.0: tagged-map events with ``omit_defaults``, the batch an array
   ``[ts, events, data_parallel_rank]``; a store carries ``extra_keys`` (one nil
   per block), ``group_idx`` 0 and ``kv_cache_spec_kind`` as a real engine does;
-- SGLang 0.5.23: one ``BlockStored`` per page, the rank always present (nil);
+- SGLang 0.5.23: one ``BlockStored`` per page, the rank always present (nil
+  unless DP attention is on);
 - ``legacy``: the older tag-first arrays.
 
 It runs on whatever asyncio loop is current (plain asyncio, or trio-asyncio in
@@ -246,8 +247,10 @@ class KvEventPublisher:
     """One engine rank's PUB socket and replay ROUTER.
 
     ``port`` / ``replay_port`` 0 pick free ports (see :attr:`port`,
-    :attr:`replay_port`); ``replay_port`` None serves no replay. ``replay_frames``
-    selects the reply form (4: current engines, 3: older ones). Test helpers:
+    :attr:`replay_port`); ``replay_port`` None serves no replay. ``dp_rank`` is
+    stamped on every batch (vLLM always names its rank; SGLang without DP
+    attention sends nil: pass None). ``replay_frames`` selects the reply form
+    (4: current engines, 3: older ones). Test helpers:
     :meth:`drop_next` loses batches on the PUB only (a forced gap the replay
     can fill), :meth:`forget_history` empties the replay buffer (history loss).
     """
@@ -273,7 +276,7 @@ class KvEventPublisher:
         self.replay_port = replay_port
         self.topic = topic
         self.hwm = hwm
-        self.dp_rank = dp_rank if kind != "sglang" else None
+        self.dp_rank = dp_rank
         self.replay_frames = replay_frames
         self.published = 0
         self.replay_requests = 0
@@ -450,12 +453,17 @@ def _bind(sock: zmq.Socket[bytes], host: str, port: int) -> int:
 
 
 class SimKvEvents:
-    """An engine's prefix cache and, optionally, its KV-event publisher, with their lifecycle.
+    """One engine rank's prefix cache and, optionally, its KV-event publisher, with their lifecycle.
 
     :meth:`start` is a process start: the cache is empty and the seq begins at
     0, on the same ports as before after the first start (a restarted engine).
     TRT-LLM's KV-event layout is unconfirmed (docs/kv-events.md §11.3), so only
     vLLM and SGLang engines publish; every kind gets the cache.
+
+    Rank ``rank`` of ``dp_size`` publishes on ``events_port + rank`` and replays
+    on ``replay_port + rank``, as vLLM and SGLang offset their endpoints by the
+    rank (0 still picks a free port), and stamps its rank on its batches (SGLang
+    only with more than one rank, as under DP attention; nil otherwise).
     """
 
     def __init__(
@@ -467,6 +475,8 @@ class SimKvEvents:
         enabled: bool = True,
         events_port: int | None = None,
         replay_port: int | None = None,
+        rank: int = 0,
+        dp_size: int = 1,
     ) -> None:
         if events_port is None and replay_port is not None:
             raise ValueError("kv_replay_port needs kv_events_port")
@@ -475,8 +485,10 @@ class SimKvEvents:
         style: HashStyle = "sglang" if kind == "sglang" else "vllm"
         self.kind = kind
         self.cache = SimPrefixCache(max(1, capacity_blocks), block_size, style, enabled=enabled)
-        self.events_port = events_port
-        self.replay_port = replay_port
+        self.events_port = _offset(events_port, rank)
+        self.replay_port = _offset(replay_port, rank)
+        self.rank = rank
+        self.stamp: int | None = None if kind == "sglang" and dp_size == 1 else rank
         self.publisher: KvEventPublisher | None = None
 
     def start(self, host: str) -> None:
@@ -486,7 +498,8 @@ class SimKvEvents:
             return
         kind: PublisherKind = "sglang" if self.kind == "sglang" else "vllm"
         publisher = KvEventPublisher(
-            kind, host=host, port=self.events_port, replay_port=self.replay_port
+            kind, host=host, port=self.events_port, replay_port=self.replay_port,
+            dp_rank=self.stamp,
         )
         publisher.start()
         self.events_port, self.replay_port = publisher.port, publisher.replay_port
@@ -499,3 +512,8 @@ class SimKvEvents:
         if self.publisher is not None:
             self.publisher.close()
             self.publisher = None
+
+
+def _offset(port: int | None, rank: int) -> int | None:
+    """A rank's port: the base plus the rank (None stays off, 0 stays "any free port")."""
+    return port + rank if port else port

@@ -80,6 +80,7 @@ def build_request(
     stop_token_ids: Sequence[int] = (),
     ignore_eos: bool = False,
     min_tokens: int = 0,
+    rank: int | None = None,
 ) -> Any:
     if kind == "sglang":
         sg_params = sglang_scheduler_pb2.SamplingParams(
@@ -95,6 +96,7 @@ def build_request(
             tokenized=sglang_scheduler_pb2.TokenizedInput(input_ids=prompt),
             sampling_params=sg_params,
             stream=stream,
+            data_parallel_rank=rank,
         )
     if kind == "vllm":
         vl_params = vllm_engine_pb2.SamplingParams(
@@ -107,6 +109,7 @@ def build_request(
             tokenized=vllm_engine_pb2.TokenizedInput(input_ids=prompt),
             sampling_params=vl_params,
             stream=stream,
+            data_parallel_rank=rank,
         )
     sampling = trtllm_service_pb2.SamplingConfig()
     if min_tokens:
@@ -719,6 +722,123 @@ def test_close_drops_open_streams() -> None:
                 await VllmEngineStub(channel).HealthCheck(vllm_engine_pb2.HealthCheckRequest())
 
     run(body())
+
+
+# -- data parallelism: N ranks behind one server ------------------------------
+
+DP_KINDS: tuple[EngineKind, ...] = ("sglang", "vllm")
+SHARED = tuple(range(40, 80))  # 40 tokens: 2 blocks of 16 cached, with page_size 16 too
+
+
+@pytest.mark.parametrize("kind", DP_KINDS)
+def test_a_pinned_request_runs_on_its_rank_and_hits_only_its_cache(kind: EngineKind) -> None:
+    async def body() -> None:
+        async with serving(kind, dp_size=2, page_size=16) as (engine, channel):
+            async def cached(request_id: str, rank: int) -> int:
+                reply = await generate(kind, channel, SHARED, request_id=request_id,
+                                       max_tokens=2, rank=rank)
+                return int(reply.complete.cached_tokens)
+
+            assert await cached("first", 1) == 0
+            assert await cached("again", 1) == 32
+            assert await cached("other", 0) == 0  # rank 0's cache never saw it
+            assert await cached("back", 1) == 32
+            assert engine.stats.rank_of == {"first": 1, "again": 1, "other": 0, "back": 1}
+
+    run(body())
+
+
+@pytest.mark.parametrize("kind", DP_KINDS)
+def test_an_out_of_range_rank_is_refused_before_anything_runs(kind: EngineKind) -> None:
+    async def body() -> None:
+        for dp_size, ranks in ((2, (2, -1)), (1, (1,))):
+            async with serving(kind, dp_size=dp_size) as (engine, channel):
+                for rank in ranks:
+                    with pytest.raises(GRPCError) as refused:
+                        await generate(kind, channel, rank=rank)
+                    assert refused.value.status is Status.INVALID_ARGUMENT
+                    assert refused.value.message == (
+                        f"data_parallel_rank {rank} is out of range [0, {dp_size})."
+                    )
+                assert engine.stats.requests == 0 and engine.stats.rank_of == {}
+                await generate(kind, channel, rank=dp_size - 1)  # the last rank is fine
+                assert engine.stats.rank_of == {"req-1": dp_size - 1}
+
+    run(body())
+
+
+def test_dp_size_must_be_positive_and_trtllm_has_one_rank() -> None:
+    model: dict[str, Any] = {"served_model_name": "m", "vocab_size": VOCAB, "eos_token_id": EOS}
+    with pytest.raises(ValueError, match="at least 1"):
+        SimEngine("vllm", dp_size=0, **model)
+    with pytest.raises(ValueError, match="dp_size must be 1"):
+        SimEngine("trtllm", dp_size=2, **model)
+
+
+def test_unpinned_requests_go_to_the_least_loaded_rank_and_loads_are_per_rank() -> None:
+    async def body() -> None:
+        timing = TimingModel(decode_us_per_token=20_000, max_running=1)  # per rank
+        async with serving("vllm", dp_size=3, timing=timing, kv_capacity_blocks=64,
+                           block_size=16) as (engine, channel):
+            stub = VllmEngineStub(channel)
+            server = await stub.GetServerInfo(vllm_engine_pb2.GetServerInfoRequest())
+            assert server.data_parallel_size == 3 and server.max_num_seqs == 1
+
+            def start(request_id: str, rank: int | None = None) -> asyncio.Future[Reply]:
+                return asyncio.ensure_future(generate(
+                    "vllm", channel, request_id=request_id, max_tokens=1000, ignore_eos=True,
+                    rank=rank))
+
+            calls = [start("pinned-0", rank=0), start("pinned-0-queued", rank=0)]
+            await until(lambda: (engine.stats.running, engine.stats.waiting) == (1, 1))
+            calls.append(start("free-a"))  # ranks 1 and 2 are idle: the lower one
+            await until(lambda: engine.stats.running == 2)
+            calls.append(start("free-b"))  # rank 2 is the only idle one
+            await until(lambda: engine.stats.running == 3)
+            calls.append(start("free-c"))  # 2, 1, 1 requests: rank 1, the first of the least
+            await until(lambda: engine.stats.waiting == 2)
+            assert engine.stats.rank_of == {
+                "pinned-0": 0, "pinned-0-queued": 0, "free-a": 1, "free-b": 2, "free-c": 1}
+
+            loads = await stub.GetLoads(vllm_engine_pb2.GetLoadsRequest(dp_rank=2))
+            assert loads.dp_rank_count == 3  # every rank: vLLM does not apply dp_rank
+            assert [(load.dp_rank, load.num_running_reqs, load.num_waiting_reqs)
+                    for load in loads.loads] == [(0, 1, 1), (1, 1, 1), (2, 1, 0)]
+            assert {load.max_total_num_tokens for load in loads.loads} == {64 * 16}  # one rank's
+            assert all(load.token_usage > 0 for load in loads.loads)
+
+            sglang = await _sglang_loads(dp_size=2)
+            assert sglang.dp_rank_count == 2 and [load.dp_rank for load in sglang.loads] == [1]
+            assert sglang.loads[0].num_running_reqs == 1
+            assert sglang.aggregate.total_running_reqs == 2
+
+            await abort("vllm", channel, "free-c")
+            for request_id in ("pinned-0", "pinned-0-queued", "free-a", "free-b"):
+                await abort("vllm", channel, request_id)
+            await asyncio.gather(*calls)
+            await generate("vllm", channel, request_id="idle", max_tokens=1)
+            assert engine.stats.rank_of["idle"] == 0  # all idle: the lowest rank
+
+    run(body())
+
+
+async def _sglang_loads(dp_size: int) -> Any:
+    """An SGLang engine of ``dp_size`` ranks, one request running on each: GetLoads for rank 1."""
+    timing = TimingModel(decode_us_per_token=20_000)
+    async with serving("sglang", dp_size=dp_size, timing=timing) as (engine, channel):
+        stub = SglangSchedulerStub(channel)
+        server = await stub.GetServerInfo(sglang_scheduler_pb2.GetServerInfoRequest())
+        assert server.server_args["dp_size"] == dp_size
+        calls = [asyncio.ensure_future(generate("sglang", channel, request_id=f"r{rank}",
+                                                max_tokens=1000, ignore_eos=True))
+                 for rank in range(dp_size)]
+        await until(lambda: engine.stats.running == dp_size)
+        assert sorted(engine.stats.rank_of.values()) == list(range(dp_size))  # one each
+        loads = await stub.GetLoads(sglang_scheduler_pb2.GetLoadsRequest(dp_rank=1))
+        for rank in range(dp_size):
+            await abort("sglang", channel, f"r{rank}")
+        await asyncio.gather(*calls, return_exceptions=True)  # aborted: an error status
+        return loads
 
 
 # -- a real tokenizer directory, and the standalone process -------------------

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import socket
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
@@ -183,7 +184,10 @@ def test_trtllm_gets_a_cache_but_no_publisher() -> None:
 # -- over gRPC ----------------------------------------------------------------------------
 
 
-def request_for(kind: EngineKind, request_id: str, prompt: Sequence[int], max_tokens: int) -> Any:
+def request_for(
+    kind: EngineKind, request_id: str, prompt: Sequence[int], max_tokens: int,
+    rank: int | None = None,
+) -> Any:
     if kind == "sglang":
         return sglang_scheduler_pb2.GenerateRequest(
             request_id=request_id,
@@ -192,6 +196,7 @@ def request_for(kind: EngineKind, request_id: str, prompt: Sequence[int], max_to
                 max_new_tokens=max_tokens, ignore_eos=True
             ),
             stream=True,
+            data_parallel_rank=rank,
         )
     if kind == "vllm":
         return vllm_engine_pb2.GenerateRequest(
@@ -199,6 +204,7 @@ def request_for(kind: EngineKind, request_id: str, prompt: Sequence[int], max_to
             tokenized=vllm_engine_pb2.TokenizedInput(input_ids=prompt),
             sampling_params=vllm_engine_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True),
             stream=True,
+            data_parallel_rank=rank,
         )
     return trtllm_service_pb2.GenerateRequest(
         request_id=request_id,
@@ -210,7 +216,8 @@ def request_for(kind: EngineKind, request_id: str, prompt: Sequence[int], max_to
 
 
 async def generate(
-    kind: EngineKind, port: int, prompt: Sequence[int], max_tokens: int = 4
+    kind: EngineKind, port: int, prompt: Sequence[int], max_tokens: int = 4,
+    rank: int | None = None,
 ) -> tuple[int, float]:
     """One streamed request on asyncio: the final ``cached_tokens`` and the time to first token."""
     channel = Channel("127.0.0.1", port)
@@ -224,7 +231,7 @@ async def generate(
         ttft = 0.0
         cached = -1
         async with stub.Generate.open() as call:
-            await call.send_message(request_for(kind, "r", prompt, max_tokens), end=True)
+            await call.send_message(request_for(kind, "r", prompt, max_tokens, rank), end=True)
             async for reply in call:
                 which = reply.WhichOneof("response")
                 if which == "chunk" and not ttft:
@@ -309,10 +316,12 @@ async def fleet(
             nursery.cancel_scope.cancel()
 
 
-async def serve(engine: SimEngine, prompt: Sequence[int], max_tokens: int = 4) -> int:
-    """One request from Trio; the engine's reported ``cached_tokens``."""
+async def serve(
+    engine: SimEngine, prompt: Sequence[int], max_tokens: int = 4, rank: int | None = None
+) -> int:
+    """One request from Trio (pinned to ``rank`` if given); the engine's ``cached_tokens``."""
     call = trio_asyncio.aio_as_trio(generate)
-    cached: int = (await call(engine.kind, engine.port, prompt, max_tokens))[0]
+    cached: int = (await call(engine.kind, engine.port, prompt, max_tokens, rank))[0]
     return cached
 
 
@@ -390,10 +399,11 @@ def test_restart_flush_and_history_replay_through_the_simulator() -> None:
     run_trio(body)
 
 
-async def flush(port: int) -> None:
+async def flush(port: int, kind: EngineKind = "vllm") -> None:
     channel = Channel("127.0.0.1", port)
     try:
-        await VllmEngineStub(channel).FlushCache(common_pb2.FlushCacheRequest())
+        stub = SglangSchedulerStub(channel) if kind == "sglang" else VllmEngineStub(channel)
+        await stub.FlushCache(common_pb2.FlushCacheRequest())
     finally:
         channel.close()
 
@@ -415,5 +425,89 @@ def test_published_payloads_decode_per_kind() -> None:
                 assert stores and all(e.block_size == 16 for e in stores)  # type: ignore[union-attr]
                 assert batch.dp_rank == (0 if kind == "vllm" else None)
                 assert len(stores) == (1 if kind == "vllm" else 2)  # SGLang: one per page
+
+    run(body())
+
+
+# -- data-parallel ranks: a cache, a publisher and a port each -------------------------------
+
+
+def free_port_pair() -> int:
+    """A port P with P + 1 free too (a two-rank engine's base port)."""
+    for _ in range(50):
+        with socket.socket() as first, socket.socket() as second:
+            first.bind(("127.0.0.1", 0))
+            base = first.getsockname()[1]
+            try:
+                second.bind(("127.0.0.1", base + 1))
+            except OSError:
+                continue
+            return int(base)
+    raise AssertionError("no two consecutive free ports")
+
+
+@pytest.mark.parametrize(("kind", "sizes"), [("vllm", {}), ("sglang", {"page_size": 16})])
+def test_each_rank_publishes_on_its_own_port_stamped_with_its_rank(
+    kind: EngineKind, sizes: dict[str, int]
+) -> None:
+    async def body() -> None:
+        index = KvIndex(16)
+        events, replay = free_port_pair(), free_port_pair()
+        engine = new_engine(kind, kv_events_port=events, kv_replay_port=replay, dp_size=2,
+                            **sizes)
+        async with started_from_trio(engine), trio.open_nursery() as nursery:
+            assert engine.kv_events_endpoints == [
+                f"tcp://127.0.0.1:{events}", f"tcp://127.0.0.1:{events + 1}"]
+            assert engine.kv_replay_endpoints == [
+                f"tcp://127.0.0.1:{replay}", f"tcp://127.0.0.1:{replay + 1}"]
+            assert engine.kv_events_endpoint == engine.kv_events_endpoints[0]  # rank 0's
+            subs = [
+                await nursery.start(functools.partial(
+                    run_kv_subscriber, f"rank{rank}", endpoint, replay_endpoint, index, 16,
+                    on_malformed=lambda e: pytest.fail(f"malformed from {e}")))
+                for rank, (endpoint, replay_endpoint) in enumerate(
+                    zip(engine.kv_events_endpoints, engine.kv_replay_endpoints, strict=True))
+            ]
+            publishers = [rank.publisher for rank in engine.kv_ranks]
+            assert None not in publishers
+
+            def caught_up() -> bool:
+                return all(synced(index, "", sub, lambda p=pub: p.next_seq)  # type: ignore[union-attr]
+                           for sub, pub in zip(subs, publishers, strict=True))
+
+            prompt = LONG[:64]
+            assert await serve(engine, prompt, rank=1) == 0
+            assert await serve(engine, prompt, rank=1) == 48  # rank 1's cache
+            assert await serve(engine, prompt, rank=0) == 0  # not rank 0's
+            assert engine.stats.rank_of == {"r": 0}  # the last of the three, by request id
+            await until_trio(caught_up, what="both ranks indexed")
+            assert index.lookup(prompt) == {"rank0": 4, "rank1": 4}
+            for rank, pub in enumerate(publishers):
+                assert pub is not None
+                seq, payload = pub._history[-1]
+                assert decode_payload(payload, seq=seq).dp_rank == rank  # SGLang too: DP > 1
+            # FlushCache clears every rank, each announcing it on its own port.
+            await trio_asyncio.aio_as_trio(flush)(engine.port, kind)
+            await until_trio(lambda: len(index) == 0, what="both ranks cleared")
+            # A restart: every rank starts over cold at seq 0, on the same ports.
+            await trio_asyncio.aio_as_trio(engine.restart)()
+            assert [rank.publisher.next_seq for rank in engine.kv_ranks  # type: ignore[union-attr]
+                    ] == [0, 0]
+            assert engine.kv_events_endpoints[1] == f"tcp://127.0.0.1:{events + 1}"
+            assert await serve(engine, prompt, rank=1) == 0
+            nursery.cancel_scope.cancel()
+
+    run_trio(body)
+
+
+def test_one_sglang_rank_stamps_no_rank_and_free_ports_are_picked_per_rank() -> None:
+    async def body() -> None:
+        for kind, dp_size, stamps in (("sglang", 1, [None]), ("vllm", 2, [0, 1])):
+            engine = new_engine(kind, kv_events_port=0, dp_size=dp_size)
+            async with started(engine):
+                assert len(set(engine.kv_events_endpoints)) == dp_size
+                assert engine.kv_replay_endpoints == []
+                assert [rank.publisher.dp_rank for rank in engine.kv_ranks  # type: ignore[union-attr]
+                        ] == stamps
 
     run(body())

@@ -121,6 +121,23 @@ def check_prompt(core: SimCore, prompt: Sequence[int], limit: int) -> None:
         raise GRPCError(Status.INVALID_ARGUMENT, f"Token id {highest} is out of vocabulary")
 
 
+def pinned_rank(core: SimCore, request: Any) -> int | None:
+    """The data-parallel rank a Generate names (None: the engine picks), refused out of range.
+
+    In a real vLLM's words (its input processor's check, which its servicer
+    answers ``INVALID_ARGUMENT``); SGLang gets the same refusal.
+    """
+    if not request.HasField("data_parallel_rank"):
+        return None
+    rank: int = request.data_parallel_rank
+    size = core.config.dp_size
+    if not 0 <= rank < size:
+        raise GRPCError(
+            Status.INVALID_ARGUMENT, f"data_parallel_rank {rank} is out of range [0, {size})."
+        )
+    return rank
+
+
 def capped(requested: int | None, budget: int) -> int:
     """The effective output cap: the request's, clamped to what the window leaves."""
     return budget if requested is None else min(requested, budget)
@@ -245,8 +262,8 @@ class SmgServicer(SimServicer):
         stream: grpclib.server.Stream[common_pb2.FlushCacheRequest, common_pb2.FlushCacheResponse],
     ) -> None:
         await stream.recv_message()
-        if self.core.kv_cache is not None:
-            self.core.kv_cache.clear()  # publishes AllBlocksCleared
+        for cache in self.core.kv_caches:  # every rank's
+            cache.clear()  # publishes AllBlocksCleared
         await stream.send_message(
             common_pb2.FlushCacheResponse(success=True, message="Cache flushed")
         )

@@ -29,6 +29,7 @@ from direct_frontend.simulator.servicers.common import (
     constrained_output,
     generate_request,
     now_iso,
+    pinned_rank,
     refuse,
 )
 from protos import sglang_scheduler_pb2
@@ -94,6 +95,7 @@ class SglangServicer(SmgServicer, SglangSchedulerBase):
         params = request.sampling_params
         if params.n > 1:
             raise GRPCError(Status.UNIMPLEMENTED, "The simulator does not support n > 1")
+        rank = pinned_rank(core, request)
         handoff = await disagg.sglang_leg(core, request, len(prompt))  # P/D roles
         # Unset max_new_tokens means no cap: only the window stops it.
         requested = params.max_new_tokens if params.HasField("max_new_tokens") else None
@@ -108,8 +110,9 @@ class SglangServicer(SmgServicer, SglangSchedulerBase):
         forced = constrained_output(core, constraint, prompt)
         job = core.new_job(request_id, prompt, criteria, forced=forced)
         if request.lora_id:
-            job.cache = adapter_cache(core, request.lora_id)
+            job.cache = adapter_cache(core, request.lora_id)  # per adapter, not per rank
         job.cached_tokens = handoff.transferred
+        job.rank = rank
         output = job.generation.output_ids
         prompt_tokens = len(prompt)
         # top_logprobs_num serves output and prompt; a start of -1 means no prompt logprobs
@@ -242,7 +245,7 @@ class SglangServicer(SmgServicer, SglangSchedulerBase):
                 "disaggregation_bootstrap_port": config.bootstrap_port,
                 "max_running_requests": core.timing.max_running,
                 "tp_size": 1,
-                "dp_size": 1,
+                "dp_size": config.dp_size,
                 "skip_tokenizer_init": True,
                 "kv_events_config": None,
                 "pairing_protocol": "",
@@ -279,40 +282,45 @@ class SglangServicer(SmgServicer, SglangSchedulerBase):
         request = await stream.recv_message()
         assert request is not None
         core, config = self.core, self.core.config
-        running, waiting = core.stats.running, core.stats.waiting
-        used = core.used_tokens()
-        load = sglang_scheduler_pb2.SchedulerLoad(
-            dp_rank=0,
-            num_running_reqs=running,
-            num_waiting_reqs=waiting,
-            num_total_reqs=running + waiting,
-            num_used_tokens=used,
-            max_total_num_tokens=config.kv_reported_capacity,
-            token_usage=used / config.kv_reported_capacity,
-            utilization=running / core.timing.max_running,
-            max_running_requests=core.timing.max_running,
-            num_waiting_uncached_tokens=core.waiting_tokens(),
-        )
+        capacity, max_running = config.kv_reported_capacity, core.timing.max_running  # per rank
         sections = set(request.include) or {"all"}
-        if sections & {"all", "memory"}:
-            load.memory.token_capacity = config.kv_reported_capacity
-        if sections & {"all", "disagg"}:
-            load.disaggregation.mode = _ROLE[config.role]
-        if sections & {"all", "queues"}:
-            load.queues.waiting = waiting
-        loads = [load] if not request.HasField("dp_rank") or request.dp_rank == 0 else []
+        loads = []
+        for rank, rank_load in enumerate(core.loads()):
+            running, waiting = rank_load.running, rank_load.waiting
+            load = sglang_scheduler_pb2.SchedulerLoad(
+                dp_rank=rank,
+                num_running_reqs=running,
+                num_waiting_reqs=waiting,
+                num_total_reqs=running + waiting,
+                num_used_tokens=rank_load.used_tokens,
+                max_total_num_tokens=capacity,
+                token_usage=rank_load.used_tokens / capacity,
+                utilization=running / max_running,
+                max_running_requests=max_running,
+                num_waiting_uncached_tokens=rank_load.waiting_tokens,
+            )
+            if sections & {"all", "memory"}:
+                load.memory.token_capacity = capacity
+            if sections & {"all", "disagg"}:
+                load.disaggregation.mode = _ROLE[config.role]
+            if sections & {"all", "queues"}:
+                load.queues.waiting = waiting
+            loads.append(load)
+        # The aggregate covers every rank; the entries only the one asked for, if any.
         aggregate = sglang_scheduler_pb2.AggregateMetrics(
-            total_running_reqs=running,
-            total_waiting_reqs=waiting,
-            total_reqs=running + waiting,
-            avg_token_usage=load.token_usage,
-            avg_utilization=load.utilization,
+            total_running_reqs=sum(load.num_running_reqs for load in loads),
+            total_waiting_reqs=sum(load.num_waiting_reqs for load in loads),
+            total_reqs=sum(load.num_total_reqs for load in loads),
+            avg_token_usage=sum(load.token_usage for load in loads) / len(loads),
+            avg_utilization=sum(load.utilization for load in loads) / len(loads),
         )
+        if request.HasField("dp_rank"):
+            loads = [load for load in loads if load.dp_rank == request.dp_rank]
         await stream.send_message(
             sglang_scheduler_pb2.GetLoadsResponse(
                 timestamp=now_iso(),
                 version=SIM_VERSION,
-                dp_rank_count=1,
+                dp_rank_count=config.dp_size,
                 loads=loads,
                 aggregate=aggregate,
             )

@@ -27,6 +27,7 @@ from direct_frontend.simulator.servicers.common import (
     generate_request,
     matched_stop_token,
     now_iso,
+    pinned_rank,
 )
 from protos import vllm_engine_pb2
 from protos.vllm_engine_grpc import VllmEngineBase
@@ -127,6 +128,7 @@ class VllmServicer(SmgServicer, VllmEngineBase):
         check_prompt(core, prompt, self.prompt_limit)
         if request.HasField("kv_transfer_params_json"):
             _check_kv_transfer_params(request.kv_transfer_params_json)
+        rank = pinned_rank(core, request)
         handoff = disagg.vllm_leg(core, request, len(prompt))  # P/D roles
         params = request.sampling_params
         if params.n > 1:
@@ -151,6 +153,7 @@ class VllmServicer(SmgServicer, VllmEngineBase):
             forced=constrained_output(core, _constraint(params), prompt),
         )
         job.cached_tokens = handoff.transferred
+        job.rank = rank
         output = job.generation.output_ids
         prompt_tokens = len(prompt)
         logprobs = core.logprobs(
@@ -272,7 +275,7 @@ class VllmServicer(SmgServicer, VllmEngineBase):
                 kv_connector=config.kv_connector,
                 kv_role=_ROLE[config.role],
                 kv_engine_id=config.kv_engine_id,
-                data_parallel_size=1,
+                data_parallel_size=config.dp_size,
                 kv_cache_dtype="auto",
                 block_size=config.block_size,
                 model_dtype="torch.bfloat16",
@@ -290,18 +293,22 @@ class VllmServicer(SmgServicer, VllmEngineBase):
         core = self.core
         if not core.config.serve_get_loads:
             raise GRPCError(Status.UNIMPLEMENTED, "Method not found!")
-        running, waiting = core.stats.running, core.stats.waiting
-        load = vllm_engine_pb2.SchedulerLoad(
-            dp_rank=0,
-            num_running_reqs=running,
-            num_waiting_reqs=waiting,
-            num_total_reqs=running + waiting,
-            max_total_num_tokens=core.config.kv_reported_capacity,
-            max_running_requests=core.timing.max_running,
-            token_usage=core.used_tokens() / core.config.kv_reported_capacity,
-        )
+        capacity = core.config.kv_reported_capacity  # one rank's
+        # Every rank, each with its own counts; the request's dp_rank is not applied.
+        loads = [
+            vllm_engine_pb2.SchedulerLoad(
+                dp_rank=rank,
+                num_running_reqs=load.running,
+                num_waiting_reqs=load.waiting,
+                num_total_reqs=load.running + load.waiting,
+                max_total_num_tokens=capacity,
+                max_running_requests=core.timing.max_running,
+                token_usage=load.used_tokens / capacity,
+            )
+            for rank, load in enumerate(core.loads())
+        ]
         await stream.send_message(
             vllm_engine_pb2.GetLoadsResponse(
-                timestamp=now_iso(), version=SIM_VERSION, dp_rank_count=1, loads=[load]
+                timestamp=now_iso(), version=SIM_VERSION, dp_rank_count=len(loads), loads=loads
             )
         )
