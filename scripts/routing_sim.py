@@ -63,6 +63,9 @@ from direct_frontend.routing.policies import LeastLoaded, Placement, Policy, Req
 
 MODES = ("round_robin", "least_loaded", "cache_affinity", "kv-events", "approximate")
 OURS = "kv-events"
+#: with data-parallel engines (``Point.dp_ranks`` > 1): ours without pinning a rank (as it
+#: was before it pinned them): the engine's own balancer picks the rank, and sees no cache
+UNPINNED = "kv-events-unpinned"
 #: not policies: bounds no router can beat on the same engines and workload (:class:`Oracle`):
 #: the engines' caches pooled, and one unbounded shared cache; and a reference, no bound:
 #: the engines' caches pooled under their own LRU
@@ -97,10 +100,19 @@ class Point:
     decode_us: float = 250.0
     chunk: int = 2048
     max_running: int = 48
+    #: data-parallel ranks per engine: each a cache and a step loop of its own behind one
+    #: handle (``max_running`` and the cache are per rank, as a real engine's are)
+    dp_ranks: int = 1
 
     def label(self) -> str:
+        ranks = f" · {self.engines} engines × {self.dp_ranks} ranks" if self.dp_ranks > 1 else ""
         return (f"cache {self.cache:g}× · {self.tenants}×{self.users} skew {self.skew:g} · "
-                f"system {self.system_tokens} · load {self.load:g}")
+                f"system {self.system_tokens} · load {self.load:g}{ranks}")
+
+    @property
+    def caches(self) -> int:
+        """The caches (and step loops) of the fleet: one per engine and rank."""
+        return self.engines * self.dp_ranks
 
     @property
     def mean_user(self) -> float:
@@ -116,13 +128,14 @@ class Point:
         return systems + self.tenants * self.users * history
 
     def capacity_blocks(self) -> int:
-        return max(1, round(self.cache * self.working_set_blocks() / self.engines))
+        """One cache's size: one engine's, or one rank's of a data-parallel engine."""
+        return max(1, round(self.cache * self.working_set_blocks() / self.caches))
 
     def capacity_rps(self) -> float:
         """Requests/s the fleet serves if only each new message were prefilled (batch 16)."""
         prefill_s = (self.mean_user + self.block_size) * self.prefill_us * 1e-6
         decode_s = self.mean_answer * (self.decode_us * 1e-6 + self.step_ms * 1e-3 / 16)
-        return self.engines / (prefill_s + decode_s)
+        return self.caches / (prefill_s + decode_s)
 
 
 # -- workload ----------------------------------------------------------------
@@ -193,9 +206,10 @@ class Workload:
 class ModelEngine:
     """One engine in virtual time: an LRU block cache and a chunked-prefill step loop."""
 
-    def __init__(self, point: Point, number: int, publish: Callable[[str, Any], None]) -> None:
+    def __init__(self, point: Point, number: int, publish: Callable[[str, Any], None],
+                 rank: int = 0) -> None:
         self.point = point
-        self.key = index_key(number, 0)
+        self.key = index_key(number, rank)  # one rank of engine ``number``
         self.publish = publish  # (index key, event) → the router's KV index
         self.capacity: float = point.capacity_blocks()
         self.lru: collections.OrderedDict[int, None] = collections.OrderedDict()  # unpinned
@@ -523,7 +537,7 @@ class Oracle:
                  ) -> None:
         self.point = point
         self.requests = arrivals(point, seed)
-        capacity = math.inf if unbounded else point.engines * point.capacity_blocks()
+        capacity = math.inf if unbounded else point.caches * point.capacity_blocks()
         self.hits = hits(point, self.requests, capacity)
 
     def bound(self, request: Request) -> None:
@@ -574,7 +588,11 @@ def run(point: Point, seed: int, mode: str, knobs: dict[str, Any] | None = None,
     def publish(key: str, event: Any) -> None:
         index.apply_events(key, (event,))
 
-    engines = [ModelEngine(point, n, publish) for n in range(point.engines)]
+    dp = point.dp_ranks
+    if dp > 1 and mode in ORACLES:
+        raise ValueError("the oracles and exact greedy model engines of one rank")
+    # one per engine and rank: rank r of engine n is engines[n * dp + r]
+    engines = [ModelEngine(point, n, publish, r) for n in range(point.engines) for r in range(dp)]
     greedy = ExactGreedy(engines) if mode == EXACT_GREEDY else None
     oracle = (Oracle(point, seed, unbounded=mode == ORACLE_UNBOUNDED,
                      hits=lru_hits if mode == POOLED_LRU else best_hits)
@@ -588,7 +606,8 @@ def run(point: Point, seed: int, mode: str, knobs: dict[str, Any] | None = None,
                      # the cache size, as discovery reports it (vLLM GetLoads, SGLang server info)
                      info=EngineInfo("sim", block_size=bs, kv_capacity_tokens=(
                          point.capacity_blocks() * bs if capacity_reported else None)),
-                     context_length=None, transport=None)
+                     context_length=None, transport=None,
+                     dp_ranks=tuple(range(dp)) if dp > 1 and mode != UNPINNED else ())
         for n in range(point.engines))
     catalog = Catalog(1, handles)
     now = [0.0]
@@ -609,7 +628,7 @@ def run(point: Point, seed: int, mode: str, knobs: dict[str, Any] | None = None,
         push(user.next_at, _SEND, user)
     issued = 0
     finished: list[Request] = []
-    stepping = [False] * point.engines
+    stepping = [False] * len(engines)
     predicted_total = 0
     while heap:
         t, _, kind, obj = heapq.heappop(heap)
@@ -638,9 +657,10 @@ def run(point: Point, seed: int, mode: str, knobs: dict[str, Any] | None = None,
                                   else prefix_hashes(request.tokens, bs))
             request.placement = placement
             handle = placement.engine
-            handle.load.begin(len(request.tokens), placement.blocks)
-            n = handle.incarnation
-            request.engine = n
+            handle.load.begin(len(request.tokens), placement.blocks, placement.dp_rank)
+            request.engine = handle.incarnation
+            n = request.engine * dp + (balanced_rank(engines, request.engine, dp)
+                                       if placement.dp_rank is None else placement.dp_rank)
             engines[n].arrive(request)
             if not stepping[n]:
                 stepping[n] = True
@@ -655,7 +675,8 @@ def run(point: Point, seed: int, mode: str, knobs: dict[str, Any] | None = None,
             for request in done:
                 placement = request.placement
                 assert placement is not None
-                placement.engine.load.end(len(request.tokens), placement.blocks)
+                placement.engine.load.end(len(request.tokens), placement.blocks,
+                                          placement.dp_rank)
                 if policy is not None:
                     policy.on_complete(placement, tuple(request.tokens + request.answer))
                 if placement.predicted_cached_tokens is not None:
@@ -684,6 +705,19 @@ def run(point: Point, seed: int, mode: str, knobs: dict[str, Any] | None = None,
         "rate_rps": len(finished) / max(1e-9, max(r.arrival for r in finished)
                                         - min(r.arrival for r in finished)),
     }
+
+
+def balanced_rank(engines: Sequence[ModelEngine], number: int, dp: int) -> int:
+    """The rank an engine's own balancer gives an unpinned request: its fewest requests.
+
+    vLLM's internal data-parallel balancer weighs each rank's waiting and
+    running requests; no cache enters it.
+    """
+    def requests(rank: int) -> int:
+        e = engines[number * dp + rank]
+        return len(e.waiting) + len(e.prefilling) + len(e.decoding)
+
+    return min(range(dp), key=lambda rank: (requests(rank), rank))
 
 
 def pct(sorted_values: Sequence[float], q: float) -> float:
@@ -746,7 +780,8 @@ def run_point(point: Point, seeds: Sequence[int], modes: Sequence[str],
 def verdict(point: Point, results: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Ours against the best other mode (TTFT mean and p90), cache_affinity and approximate."""
     ours = results.get(OURS)
-    others = [r for m, r in results.items() if m not in (OURS, "approximate", *ORACLES)]
+    others = [r for m, r in results.items()
+              if m not in (OURS, UNPINNED, "approximate", *ORACLES)]
     if ours is None or not others:
         return {}
     best_mean = min(r["ttft_mean_ms"] for r in others)
@@ -757,6 +792,8 @@ def verdict(point: Point, results: dict[str, dict[str, Any]]) -> dict[str, Any]:
         out["vs_cache_affinity"] = results["cache_affinity"]["ttft_mean_ms"] / ours["ttft_mean_ms"]
     if "approximate" in results:
         out["approx_over_events"] = results["approximate"]["ttft_mean_ms"] / ours["ttft_mean_ms"]
+    if UNPINNED in results:
+        out["unpinned_over_pinned"] = results[UNPINNED]["ttft_mean_ms"] / ours["ttft_mean_ms"]
     if ORACLE in results:
         out["oracle_over_ours"] = results[ORACLE]["ttft_mean_ms"] / ours["ttft_mean_ms"]
         if "cache_affinity" in results:  # the most any router could beat cache_affinity by
@@ -771,14 +808,18 @@ def verdict(point: Point, results: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 
 def print_point(point: Point, results: dict[str, dict[str, Any]]) -> None:
-    print(f"\n## {point.label()}  (cache {point.capacity_blocks()} blocks/engine, "
+    unit = "rank" if point.dp_ranks > 1 else "engine"
+    print(f"\n## {point.label()}  (cache {point.capacity_blocks()} blocks/{unit}, "
           f"{point.tenants * point.users} users)")
-    print("| mode | TTFT mean | p90 | p99 (ms) | hit | evictions | per engine | spills |")
-    print("|---|---:|---:|---:|---:|---:|---|---:|")
+    print(f"| mode | TTFT mean | p90 | p99 (ms) | hit | predicted / cached | evictions "
+          f"| per {unit} | spills |")
+    print("|---|---:|---:|---:|---:|---:|---:|---|---:|")
     for mode, r in results.items():
+        ratio = r["prediction_ratio"]
+        predicted = "–" if ratio is None else f"{ratio:.3f}"
         print(f"| {mode} | {r['ttft_mean_ms']:.1f} | {r['ttft_p90_ms']:.1f} | "
-              f"{r['ttft_p99_ms']:.1f} | {r['hit_rate']:.3f} | {r['evictions']:.0f} | "
-              f"{r['per_engine']} | {r['spills']} |")
+              f"{r['ttft_p99_ms']:.1f} | {r['hit_rate']:.3f} | {predicted} | "
+              f"{r['evictions']:.0f} | {r['per_engine']} | {r['spills']} |")
 
 
 def summary_line(point: Point, results: dict[str, dict[str, Any]]) -> str:
@@ -792,6 +833,8 @@ def summary_line(point: Point, results: dict[str, dict[str, Any]]) -> str:
         parts.append(f"vs cache_affinity ×{v['vs_cache_affinity']:.2f}")
     if "approx_over_events" in v:
         parts.append(f"approximate/events {v['approx_over_events']:.2f}")
+    if "unpinned_over_pinned" in v:
+        parts.append(f"ranks pinned vs unpinned ×{v['unpinned_over_pinned']:.2f}")
     if "cache_affinity_over_oracle" in v:
         parts.append(f"oracle bound vs cache_affinity ×{v['cache_affinity_over_oracle']:.2f}")
     if "cache_affinity_over_unbounded" in v:
@@ -813,6 +856,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--knob", action="append", default=[], metavar="NAME=VALUE",
                    help="a [frontend.routing.knobs] entry for the KV modes (repeatable)")
     p.add_argument("--json", action="store_true", help="also one JSON line per point")
+    p.add_argument("--dp-ranks", type=int, default=1,
+                   help="data-parallel ranks per engine, each a cache and step loop of its own "
+                        f"(> 1 adds the mode {UNPINNED}: ours, the engine picking the rank)")
+    p.add_argument("--engines", type=int, default=None, help="engines per point (default 4)")
     p.add_argument("--unreported-capacity", action="store_true",
                    help="the engines' discovery reports no cache size (as TRT-LLM's): the "
                         "router measures fullness against the fullest engine it has seen")
@@ -824,10 +871,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         "comes soonest, by the engines' exact state)")
     args = p.parse_args(argv)
     args.modes = [m for m in args.modes.split(",") if m]
-    unknown = set(args.modes) - set(MODES)
+    if args.dp_ranks > 1 and UNPINNED not in args.modes:
+        args.modes.append(UNPINNED)
+    unknown = set(args.modes) - {*MODES, UNPINNED}
     if unknown:
         p.error(f"unknown mode(s) {sorted(unknown)}; choose from {MODES}")
     if args.oracle:
+        if args.dp_ranks > 1:
+            p.error("--oracle models engines of one rank")
         args.modes += ORACLES
     args.seeds = [int(s) for s in args.seeds.split(",") if s]
     knobs: dict[str, Any] = {}
@@ -847,6 +898,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         grid = [grid[int(i)] for i in args.points.split(",")]
     if args.requests:
         grid = [dataclasses.replace(p, requests=args.requests) for p in grid]
+    if args.dp_ranks > 1 or args.engines:
+        grid = [dataclasses.replace(p, dp_ranks=args.dp_ranks, engines=args.engines or p.engines)
+                for p in grid]
     first = grid[0]
     print(f"routing_sim: {first.engines} modelled engines, block {first.block_size}; step "
           f"{first.step_ms:g} ms + {first.prefill_us:g} µs per prefilled token (chunk "

@@ -100,3 +100,18 @@ def test_the_exact_greedy_estimate_is_the_first_token_the_engine_then_gives(
     estimate = sim.first_token_in(idle, alone, 0.0)
     idle.arrive(alone)
     assert estimate == pytest.approx(_step_until_first_token(sim, idle, alone, 0.0))
+
+
+def test_pinned_ranks_keep_conversations_and_predictions_where_the_engine_would_not(
+    sim: ModuleType,
+) -> None:
+    """Two engines of two data-parallel ranks: each rank a cache and a step loop of its own."""
+    point = dataclasses.replace(sim.default_grid()[1], requests=300, engines=2, dp_ranks=2)
+    results = sim.run_point(point, [1], [sim.OURS, sim.UNPINNED])
+    pinned, unpinned = results[sim.OURS], results[sim.UNPINNED]
+    assert len(pinned["per_engine"]) == 4 and min(pinned["per_engine"]) > 0  # every rank used
+    # unpinned, the engine's best rank is predicted, while its balancer picks any rank
+    assert abs(pinned["prediction_ratio"] - 1) < 0.02 < unpinned["prediction_ratio"] - 1
+    assert pinned["hit_rate"] > unpinned["hit_rate"]
+    with pytest.raises(ValueError, match="one rank"):
+        sim.run(point, 1, sim.ORACLE)

@@ -333,6 +333,8 @@ class _Checker(PoolTables, ModelTables):
         if simulate and endpoint is not None and not is_loopback(endpoint[0]):
             message = f"a simulated engine listens on 127.0.0.1; use grpc://127.0.0.1:{endpoint[1]}"
             self.report((*path, "url"), message)
+        if simulate:
+            self.check_simulated_ranks(path, kv)
 
         by_hand = {
             "name": name,
@@ -349,6 +351,16 @@ class _Checker(PoolTables, ModelTables):
         }
         config = EngineConfig(**self.fields(EngineConfig, tbl, path, by_hand))
         return _Draft(index, config, "name" in tbl, endpoint, kv)
+
+    def check_simulated_ranks(self, path: KeyPath, kv: list[tuple[KeyPath, Endpoint]]) -> None:
+        """A simulated engine of several ranks publishes as vLLM does: base port + rank."""
+        for key in ("kv_events", "kv_replay"):
+            ports = [(where, endpoint[1]) for where, endpoint in kv if where[-2] == key]
+            for rank, (where, port) in enumerate(ports):
+                if rank and port != ports[0][1] + rank:
+                    self.report(where, (
+                        f"a simulated engine's rank {rank} publishes on the first endpoint's "
+                        f"port + {rank}: use port {ports[0][1] + rank}"))
 
     def endpoints(
         self, tbl: Table, path: KeyPath, key: str, seen: list[tuple[KeyPath, Endpoint]]

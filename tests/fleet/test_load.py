@@ -657,6 +657,27 @@ def test_kv_replay_length_mismatch() -> None:
     )
 
 
+def test_a_simulated_engines_ranks_publish_on_consecutive_ports() -> None:
+    """One simulated rank per kv_events endpoint, on base port + rank, as vLLM publishes."""
+    text = FRONTEND + textwrap.dedent(
+        """\
+        [[engine]]
+        url = "grpc://127.0.0.1:1"
+        kind = "vllm"
+        simulate = true
+        kv_events = ["tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558"]
+        kv_replay = ["tcp://127.0.0.1:5567", "tcp://127.0.0.1:5570"]
+        """
+    )
+    assert only_problem(text) == (
+        "fleet.toml:9: engine[1].kv_replay[2]: a simulated engine's rank 1 publishes on the "
+        "first endpoint's port + 1: use port 5568"
+    )
+    assert parse(text.replace("5570", "5568")).engines[0].kv_replay[1] == "tcp://127.0.0.1:5568"
+    real = text.replace("simulate = true\n", "")  # a real engine's endpoints are its own
+    assert parse(real).engines[0].kv_replay[1] == "tcp://127.0.0.1:5570"
+
+
 def test_kv_endpoints() -> None:
     found = problems(
         FRONTEND

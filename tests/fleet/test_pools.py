@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import textwrap
 from pathlib import Path
 
@@ -123,8 +124,8 @@ def test_every_pool_problem_has_its_line_and_field() -> None:
         "/srv/fleet/fleet.toml:13: pool[1].model: 'nope' names no [[model]] (models: demo)",
         "/srv/fleet/fleet.toml:14: pool[1].colour: unknown key (expected one of: name, namespace,"
         " selector, kind, role, model, port, port_annotation, kv_events_port,"
-        " kv_events_annotation, kv_replay_port, kv_replay_annotation, context_length,"
-        " block_size, bootstrap_port)",
+        " kv_events_annotation, kv_replay_port, kv_replay_annotation, dp_ranks,"
+        " context_length, block_size, bootstrap_port)",
         "/srv/fleet/fleet.toml:21: pool[3].kind: required key is missing",
         "/srv/fleet/fleet.toml:22: pool[3].name: 'p' is already used by pool[2]",
     ]
@@ -175,6 +176,17 @@ def test_annotations_win_over_the_pools_ports() -> None:
     assert engine.url == "grpc://[fd00::5]:9000"
     assert engine.kv_events == ("tcp://[fd00::5]:6000",)
     assert engine.kv_replay == ("tcp://[fd00::5]:6001",)
+
+
+def test_a_data_parallel_pods_ranks_publish_on_the_ports_plus_their_rank() -> None:
+    ranked = dataclasses.replace(POOL, dp_ranks=2, kv_replay_port=5567)
+    engine = pod_engine(ranked, pod("web-0", "10.1.2.3", None))
+    assert not isinstance(engine, str)
+    assert engine.kv_events == ("tcp://10.1.2.3:5557", "tcp://10.1.2.3:5558")
+    assert engine.kv_replay == ("tcp://10.1.2.3:5567", "tcp://10.1.2.3:5568")
+    high = pod("web-0", "10.1.2.3", None,
+               annotations={"direct-frontend.io/kv-events-port": "65535"})
+    assert pod_engine(ranked, high) == "its last data-parallel rank's KV port 65536 is not a port"
 
 
 def test_why_a_pod_is_no_engine() -> None:

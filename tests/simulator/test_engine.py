@@ -791,7 +791,7 @@ def test_unpinned_requests_go_to_the_least_loaded_rank_and_loads_are_per_rank() 
 
             calls = [start("pinned-0", rank=0), start("pinned-0-queued", rank=0)]
             await until(lambda: (engine.stats.running, engine.stats.waiting) == (1, 1))
-            calls.append(start("free-a"))  # ranks 1 and 2 are idle: the lower one
+            calls.append(start("free-a"))  # ranks 1 and 2 are idle: the first after rank 0
             await until(lambda: engine.stats.running == 2)
             calls.append(start("free-b"))  # rank 2 is the only idle one
             await until(lambda: engine.stats.running == 3)
@@ -804,7 +804,7 @@ def test_unpinned_requests_go_to_the_least_loaded_rank_and_loads_are_per_rank() 
             assert loads.dp_rank_count == 3  # every rank: vLLM does not apply dp_rank
             assert [(load.dp_rank, load.num_running_reqs, load.num_waiting_reqs)
                     for load in loads.loads] == [(0, 1, 1), (1, 1, 1), (2, 1, 0)]
-            assert {load.max_total_num_tokens for load in loads.loads} == {64 * 16}  # one rank's
+            assert {load.max_total_num_tokens for load in loads.loads} == {3 * 64 * 16}  # the sum
             assert all(load.token_usage > 0 for load in loads.loads)
 
             sglang = await _sglang_loads(dp_size=2)
@@ -817,7 +817,9 @@ def test_unpinned_requests_go_to_the_least_loaded_rank_and_loads_are_per_rank() 
                 await abort("vllm", channel, request_id)
             await asyncio.gather(*calls)
             await generate("vllm", channel, request_id="idle", max_tokens=1)
-            assert engine.stats.rank_of["idle"] == 0  # all idle: the lowest rank
+            assert engine.stats.rank_of["idle"] == 2  # all idle: in turn, after free-c's rank 1
+            await generate("vllm", channel, request_id="idle-2", max_tokens=1)
+            assert engine.stats.rank_of["idle-2"] == 0  # and round again
 
     run(body())
 

@@ -42,6 +42,24 @@ def free_port() -> int:
             return port
 
 
+def free_ports(count: int) -> int:
+    """The first of ``count`` consecutive free loopback ports (a data-parallel engine's ranks)."""
+    while True:
+        base = free_port()
+        ports = range(base, base + count)
+        if any(port in _handed_out for port in ports[1:]):
+            continue
+        try:
+            with contextlib.ExitStack() as held:
+                for port in ports[1:]:
+                    s = held.enter_context(socket.socket())
+                    s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        _handed_out.update(ports)
+        return base
+
+
 def wait_for(predicate: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
     """Poll until ``predicate`` holds; fail with ``what`` after ``timeout``."""
     deadline = time.monotonic() + timeout

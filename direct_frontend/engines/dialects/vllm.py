@@ -314,11 +314,14 @@ def first_rank(loads: Any) -> int:
 
 
 def kv_capacity(loads: Any) -> int | None:
-    """The KV cache in tokens from a GetLoads reply: the smallest rank's (None: not reported).
+    """One rank's KV cache in tokens from a GetLoads reply (None: not reported).
 
-    Each data-parallel rank has a cache of its own; routing indexes ranks apart
-    and weighs an engine's fullest one, so the smallest is the one that matters.
+    Each data-parallel rank has a cache of its own, and routing weighs each on
+    its own; but the stock servicer (0.14.1 on vLLM 0.32) reports in every
+    rank's entry the engine client's ``num_gpu_blocks``, which is the sum over
+    the ranks it serves (a real DP=2 engine: 32,768 in each entry, 16,384 per
+    rank). So the figure is divided by the ranks listed.
     """
-    sizes = [load.max_total_num_tokens for load in (loads.loads if loads is not None else ())
-             if load.max_total_num_tokens > 0]
-    return min(sizes) if sizes else None
+    entries = list(loads.loads) if loads is not None else []
+    sizes = [load.max_total_num_tokens for load in entries if load.max_total_num_tokens > 0]
+    return min(sizes) // len(entries) if sizes else None

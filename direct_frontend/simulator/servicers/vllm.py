@@ -294,18 +294,21 @@ class VllmServicer(SmgServicer, VllmEngineBase):
         if not core.config.serve_get_loads:
             raise GRPCError(Status.UNIMPLEMENTED, "Method not found!")
         capacity = core.config.kv_reported_capacity  # one rank's
-        # Every rank, each with its own counts; the request's dp_rank is not applied.
+        ranks = core.loads()
+        # Every rank, each with its own counts; the request's dp_rank is not applied. As the
+        # stock servicer, each entry's cache size is the sum over the ranks (vLLM's client
+        # adds its engines' num_gpu_blocks up), its usage that rank's own.
         loads = [
             vllm_engine_pb2.SchedulerLoad(
                 dp_rank=rank,
                 num_running_reqs=load.running,
                 num_waiting_reqs=load.waiting,
                 num_total_reqs=load.running + load.waiting,
-                max_total_num_tokens=capacity,
+                max_total_num_tokens=capacity * len(ranks),
                 max_running_requests=core.timing.max_running,
                 token_usage=load.used_tokens / capacity,
             )
-            for rank, load in enumerate(core.loads())
+            for rank, load in enumerate(ranks)
         ]
         await stream.send_message(
             vllm_engine_pb2.GetLoadsResponse(

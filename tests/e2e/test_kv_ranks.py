@@ -1,0 +1,114 @@
+"""Data-parallel engines: one cache per rank, and each request pinned to the rank holding it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pytest
+
+from direct_frontend.simulator import SimEngine
+from direct_frontend.simulator.model import TimingModel
+from tests.e2e.test_kv import TIMING, complete, metric
+from tests.support.daemon import (
+    free_ports,
+    kv_fleet_text,
+    running_daemon,
+    sim_engine,
+    wait_for,
+)
+from tests.support.sim import EngineThread
+
+
+def ranked_engine(model_dir: Path, kind: str) -> EngineThread:
+    engine = SimEngine.from_model_dir(
+        kind, model_dir, served_model_name="demo", timing=TimingModel(), eos_probability=0.0,
+        dp_size=2, kv_events_port=0, kv_replay_port=0, page_size=16,
+    )
+    return EngineThread(engine)
+
+
+def cached(body: dict[str, object]) -> int:
+    return body["usage"]["prompt_tokens_details"]["cached_tokens"]  # type: ignore[index, no-any-return]
+
+
+@pytest.mark.parametrize("kind", ["vllm", "sglang"])
+def test_each_conversation_stays_on_the_rank_holding_it(
+    model_dir: Path, tmp_path: Path, kind: str
+) -> None:
+    with ranked_engine(model_dir, kind) as sim:
+        engine = sim.engine
+        table = {"name": "e", "url": f"grpc://127.0.0.1:{engine.port}", "kind": kind,
+                 "block_size": 16, "kv_events": engine.kv_events_endpoints,
+                 "kv_replay": engine.kv_replay_endpoints}
+        with running_daemon(tmp_path, kv_fleet_text(model_dir, [table])) as daemon:
+            daemon.wait_serving(1)
+            child = daemon.supervisor.children["e"]
+            kv = daemon.supervisor.kv
+            wait_for(lambda: child.incarnation in kv.live, what="both ranks' subscriptions")
+            row = httpx.get(daemon.url + "/fleet").json()["engines"][0]
+            assert [r["rank"] for r in row["dp_ranks"]] == [0, 1]
+            ranks = engine.stats.rank_of
+            first, second = list(range(300, 460)), list(range(600, 760))  # 10 blocks each
+            complete(daemon, [*first, 1, 2, 3])
+            key0, key1 = (f"g{child.incarnation}r{rank}" for rank in (0, 1))
+            wait_for(lambda: kv.index.blocks_of(key0) >= 10, what="rank 0 to hold it")
+            complete(daemon, [*second, 1, 2, 3])  # a new prefix: the emptier rank
+            wait_for(lambda: kv.index.blocks_of(key1) >= 10, what="rank 1 to hold it")
+            assert list(ranks.values())[-2:] == [0, 1]
+            # each follow-up where its conversation lives, the idler rank 0 notwithstanding
+            assert cached(complete(daemon, [*second, 4, 5, 6])) == 160
+            assert list(ranks.values())[-1] == 1
+            assert cached(complete(daemon, [*first, 4, 5, 6])) == 160
+            assert list(ranks.values())[-1] == 0
+            predicted = metric(daemon, "direct_frontend_kv_predicted_cached_tokens_total")
+            reported = metric(daemon, "direct_frontend_kv_reported_cached_tokens_total")
+            assert predicted == reported == 320
+            assert [r["load"] for r in httpx.get(daemon.url + "/fleet").json()["engines"][0][
+                "dp_ranks"]] == [0, 0]  # every pinned request ended
+
+
+def test_a_simulated_engine_has_a_rank_per_kv_events_endpoint(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """``simulate = true`` with two endpoints on consecutive ports: two ranks, each pinned to."""
+    events, replay = free_ports(2), free_ports(2)
+    table = sim_engine("e", "vllm", **TIMING)
+    table["kv_events"] = [f"tcp://127.0.0.1:{events + r}" for r in (0, 1)]
+    table["kv_replay"] = [f"tcp://127.0.0.1:{replay + r}" for r in (0, 1)]
+    table["block_size"] = 16
+    with running_daemon(tmp_path, kv_fleet_text(model_dir, [table])) as daemon:
+        daemon.wait_serving(1)
+        child = daemon.supervisor.children["e"]
+        kv = daemon.supervisor.kv
+        wait_for(lambda: child.incarnation in kv.live, what="both ranks' subscriptions")
+        engine = daemon.supervisor.simulators["e"]
+        assert len(engine.kv_ranks) == 2
+        conversations = [list(range(300, 460)), list(range(600, 760))]
+        for n, prompt in enumerate(conversations):
+            complete(daemon, [*prompt, 1, 2, 3])
+            key = f"g{child.incarnation}r{n}"
+            wait_for(lambda key=key: kv.index.blocks_of(key) >= 10, what=f"rank {n} to hold it")
+        assert cached(complete(daemon, [*conversations[1], 4, 5, 6])) == 160
+        assert list(engine.stats.rank_of.values()) == [0, 1, 1]
+
+
+def test_too_few_endpoints_for_the_ranks_is_a_warning_and_nothing_is_pinned(
+    model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with ranked_engine(model_dir, "vllm") as sim:
+        engine = sim.engine
+        table = {"name": "e", "url": f"grpc://127.0.0.1:{engine.port}", "kind": "vllm",
+                 "block_size": 16, "kv_events": engine.kv_events_endpoints[:1],
+                 "kv_replay": engine.kv_replay_endpoints[:1]}
+        with caplog.at_level("WARNING"), \
+                running_daemon(tmp_path, kv_fleet_text(model_dir, [table])) as daemon:
+            daemon.wait_serving(1)
+            assert httpx.get(daemon.url + "/fleet").json()["engines"][0]["dp_ranks"] == []
+            complete(daemon, [*range(300, 460), 1])
+            complete(daemon, [*range(300, 460), 2])
+            assert list(engine.stats.rank_of.values()) == [0, 1]  # the engine's own balance
+        warned = [r.getMessage() for r in caplog.records if "data-parallel ranks" in r.getMessage()]
+        assert warned == ["engine e has 2 data-parallel ranks but the fleet file lists 1 kv_events "
+                          "endpoint(s): list one per rank (base port + rank) so that KV-aware "
+                          "routing sees every rank's cache"]
