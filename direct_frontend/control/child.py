@@ -318,36 +318,33 @@ class EngineChild:
         self._set_state(EngineState.SERVING)
 
     def _pinned_ranks(self, info: EngineInfo, role: EngineRole) -> tuple[int, ...]:
-        """The ranks KV-aware routing pins requests to: one per KV-event endpoint.
+        """The ranks KV-aware routing pins requests to, from the servicer's first on.
 
-        The fleet file lists one endpoint per rank, in rank order from the
-        servicer's first rank. Only a whole-request engine of a kind whose
-        contract names a rank is pinned, and only when it has as many ranks as
-        endpoints or more (a rank it does not have would refuse every request).
-        With one endpoint for an engine of several ranks, requests are not
-        pinned and its other ranks' caches are unseen, which a warning says
-        (the hit-rate check would find it too).
+        One per KV-event endpoint (the fleet file lists them in rank order),
+        or ``dp_ranks`` for an engine without KV events (the approximate
+        memory then models each rank's cache). Only a whole-request engine of
+        a kind whose contract names a rank is pinned, and only when it has at
+        least that many ranks (a rank it lacks would refuse every request).
+        Fewer than it has leaves the other ranks' caches unseen. Either
+        mismatch is a warning, once, and nothing is pinned.
         """
-        endpoints = len(self.cfg.kv_events)
-        if 0 < endpoints < info.data_parallel_size and not self._ranks_warned:
+        cfg = self.cfg
+        ranks = len(cfg.kv_events) or cfg.dp_ranks or 0
+        size = info.data_parallel_size
+        said = (f"lists {ranks} kv_events endpoint(s)" if cfg.kv_events
+                else f"says dp_ranks = {ranks}")
+        if ranks and ranks != size and not self._ranks_warned:
             self._ranks_warned = True
-            log.warning(
-                "engine %s has %d data-parallel ranks but the fleet file lists %d kv_events "
-                "endpoint(s): list one per rank (base port + rank) so that KV-aware routing "
-                "sees every rank's cache", self.name, info.data_parallel_size, endpoints,
-                extra={"engine": self.name},
-            )
-        if endpoints > info.data_parallel_size > 1 and not self._ranks_warned:
-            self._ranks_warned = True
-            log.warning(
-                "engine %s has %d data-parallel ranks but the fleet file lists %d kv_events "
-                "endpoints: requests are not pinned to ranks", self.name,
-                info.data_parallel_size, endpoints, extra={"engine": self.name},
-            )
-        if (endpoints < 2 or endpoints > info.data_parallel_size or role is not EngineRole.BOTH
+            advice = (f"unless its servicer serves only {ranks} of them (multi-node data "
+                      "parallelism), list one per rank (base port + rank) so that KV-aware "
+                      "routing sees every rank's cache" if ranks < size
+                      else "requests are not pinned to ranks")
+            log.warning("engine %s has %d data-parallel ranks but the fleet file %s: %s",
+                        self.name, size, said, advice, extra={"engine": self.name})
+        if (ranks < 2 or ranks > size or role is not EngineRole.BOTH
                 or not info.generates or not self.dialect.capabilities.dp_rank_pin):
             return ()
-        return tuple(range(info.first_dp_rank, info.first_dp_rank + endpoints))
+        return tuple(range(info.first_dp_rank, info.first_dp_rank + ranks))
 
     async def _probe_once(self) -> ProbeOutcome:
         assert self.channel is not None

@@ -145,7 +145,7 @@ async def start_embedded_simulator(fleet: FleetConfig, cfg: EngineConfig) -> Any
         page_size=cfg.block_size or 16,
         # publish KV events where the fleet file says: one rank per endpoint, from the first
         # port on (the fleet file's check holds them to base port + rank)
-        dp_size=max(1, len(cfg.kv_events)),
+        dp_size=len(cfg.kv_events) or cfg.dp_ranks or 1,
         kv_events_port=_port_of(cfg.kv_events[0]) if cfg.kv_events else None,
         kv_replay_port=_port_of(cfg.kv_replay[0]) if cfg.kv_replay else None,
         max_loras=sim.max_loras,

@@ -264,6 +264,7 @@ def _engine_json(engine: EngineConfig) -> JsonValue:
         "role": engine.role.value,
         "kv_events": kv_events,
         "kv_replay": kv_replay,
+        "dp_ranks": engine.dp_ranks,
         "context_length": engine.context_length,
         "block_size": engine.block_size,
         "bootstrap_port": engine.bootstrap_port,
@@ -422,6 +423,8 @@ def _engine_lines(engine: EngineConfig) -> list[str]:
             rows.append((f"kv_events[rank {rank}]", endpoint + replay))
     else:
         rows.append(("kv_events", "none"))
+        if engine.dp_ranks is not None:
+            rows.append(("dp_ranks", f"{engine.dp_ranks} (pinned by the approximate memory)"))
     if engine.bootstrap_port is not None:
         rows.append(("bootstrap_port", str(engine.bootstrap_port)))
     lines = _rows(rows, indent=2)

@@ -318,6 +318,12 @@ class _Checker(PoolTables, ModelTables):
                     " (one replay endpoint per data-parallel rank, in the same order)"
                 )
                 self.report((*path, "kv_replay"), message)
+        raw_ranks = tbl.get("dp_ranks")
+        if type(raw_ranks) is int and isinstance(raw_events, list) and raw_events \
+                and raw_ranks != len(raw_events):
+            self.report((*path, "dp_ranks"), (
+                f"is {raw_ranks} but kv_events has {_plural(len(raw_events), 'endpoint')}"
+                " (one per data-parallel rank)"))
 
         bootstrap_port: int | None = self.read(EngineConfig, "bootstrap_port", tbl, path)
         if bootstrap_port is not None:

@@ -208,6 +208,7 @@ def pod_engine(pool: PoolConfig, pod: Pod) -> EngineConfig | str:
         kv_events=() if events is None else rank_endpoints(host, events, pool.dp_ranks),
         kv_replay=(() if replay is None or events is None
                    else rank_endpoints(host, replay, pool.dp_ranks)),
+        dp_ranks=pool.dp_ranks if pool.dp_ranks > 1 else None,
         context_length=pool.context_length,
         block_size=pool.block_size,
         bootstrap_port=pool.bootstrap_port,

@@ -376,6 +376,9 @@ class EngineConfig:
     role: EngineRole = setting(EngineRole.BOTH, Rules(noun="role"))
     kv_events: tuple[str, ...] = ()  # ZMQ tcp://host:port, one per data-parallel rank
     kv_replay: tuple[str, ...] = ()  # empty, or one per kv_events endpoint
+    #: data-parallel ranks KV-aware routing pins requests to when the engine publishes no KV
+    #: events (with kv_events, one rank per endpoint); absent: the engine balances its ranks
+    dp_ranks: int | None = setting(None, Rules(at_least=1, at_most=256))
     context_length: int | None = setting(None, AT_LEAST_ONE)
     block_size: int | None = setting(None, AT_LEAST_ONE)
     # SGLang P/D bootstrap server of a prefill engine

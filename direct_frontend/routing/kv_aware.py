@@ -197,6 +197,29 @@ class ApproxPrefixIndex:
 PREFILL_FORGET_S = 60.0
 
 
+def rank_memory(engine: str, rank: int | None) -> str:
+    """The approximate memory's name for what was sent to ``engine``'s rank (None: the engine)."""
+    return engine if rank is None else f"{engine}#dp{rank}"
+
+
+def memory_names(engine: EngineHandle) -> tuple[str, ...]:
+    """Where the approximate memory keeps what was sent to ``engine``: one per pinned rank.
+
+    Each rank has a cache of its own, so a data-parallel engine's requests are
+    remembered (and its LRU modelled) rank by rank.
+    """
+    if not engine.dp_ranks:
+        return (engine.name,)
+    return tuple(rank_memory(engine.name, rank) for rank in engine.dp_ranks)
+
+
+def best_of(found: dict[str, int], names: Sequence[str]) -> int:
+    """The most blocks any of ``names`` holds in a lookup's answer."""
+    if len(names) == 1:
+        return found.get(names[0], 0)
+    return max(found.get(name, 0) for name in names)
+
+
 class PrefillQueue:
     """Per engine, the prefill work (blocks) we sent it that it has not finished, as we know it."""
 
@@ -304,10 +327,13 @@ class KvAware:
         approx = self.approx
         for engine in candidates:
             blocks = self.capacity_of(engine)
-            if blocks and approx.capacities.get(engine.name) != blocks:
-                if self.sent is approx:
-                    self._split_homes()
-                approx.capacities[engine.name] = blocks
+            if not blocks:
+                continue
+            for name in memory_names(engine):  # a rank's cache: the size discovery reports
+                if approx.capacities.get(name) != blocks:
+                    if self.sent is approx:
+                        self._split_homes()
+                    approx.capacities[name] = blocks
 
     def hashes(self, input_ids: Sequence[int]) -> list[int]:
         return prefix_hashes(input_ids, self.knobs.block_size)
@@ -319,13 +345,14 @@ class KvAware:
 
     def overlaps(
         self, hashes: Sequence[int], now: float, candidates: Sequence[EngineHandle],
-        by_key: dict[str, int] | None = None,
+        by_key: dict[str, int] | None = None, approx: dict[str, int] | None = None,
     ) -> dict[str, int]:
         """Cached leading blocks per engine: exact where KV events flow, else approximate.
 
         The exact index is keyed per incarnation and rank (``g<incarnation>r<rank>``);
         an engine's overlap is its best rank's (the rank :meth:`rank_for` pins).
-        ``by_key``: the index's answer for ``hashes``, when already asked.
+        ``by_key``, ``approx``: the index's and the approximate memory's answers
+        for ``hashes``, when already asked.
         """
         if not hashes:
             return {}
@@ -335,13 +362,14 @@ class KvAware:
         for key, blocks in by_key.items():
             incarnation = incarnation_of(key)
             by_incarnation[incarnation] = max(blocks, by_incarnation.get(incarnation, 0))
-        approx = self.approx.lookup_at(hashes, now)
+        if approx is None:
+            approx = self.approx.lookup_at(hashes, now)
         out: dict[str, int] = {}
         for engine in candidates:
             if self.by_events(engine):
                 blocks = by_incarnation.get(engine.incarnation, 0)
             else:
-                blocks = approx.get(engine.name, 0)
+                blocks = best_of(approx, memory_names(engine))
             if blocks:
                 out[engine.name] = blocks
         return out
@@ -353,7 +381,8 @@ class KvAware:
         return self.exact.lookup_hashes(hashes)
 
     def rank_for(
-        self, engine: EngineHandle, by_key: dict[str, int], request_blocks: int
+        self, engine: EngineHandle, by_key: dict[str, int], approx: dict[str, int],
+        request_blocks: int,
     ) -> tuple[int | None, int | None]:
         """The data-parallel rank to pin the request to on ``engine``, and its cached blocks.
 
@@ -362,27 +391,33 @@ class KvAware:
         the prediction is that rank's, not the engine's best), at the same
         price as between engines: the blocks to prefill there, dearer in a
         fuller cache, plus ``in_flight_weight`` × our requests pinned there
-        (ours are all of them: we pin every request to such an engine).
+        (ours are all of them: we pin every request to such an engine). What a
+        rank holds is its KV events', else the approximate memory's of that rank.
         """
         ranks = engine.dp_ranks
-        if len(ranks) < 2 or not self.by_events(engine):
+        if len(ranks) < 2:
             return None, None
         knobs = self.knobs
-        incarnation = engine.incarnation
+        events = self.by_events(engine)
         capacity = self.capacity_of(engine) or self._peak
         exact = self.exact
-        held = exact if isinstance(exact, HeldBlocks) else None
+        held = exact if events and isinstance(exact, HeldBlocks) else None
         in_flight = engine.load.rank_in_flight
         best: tuple[float, int, int] | None = None
         choice = (ranks[0], 0)
         for position, rank in enumerate(ranks):
-            key = index_key(incarnation, position)
-            cached = by_key.get(key, 0)
+            if events:
+                key = index_key(engine.incarnation, position)
+                cached = by_key.get(key, 0)
+                stored = held.blocks_of(key) if held is not None else None
+            else:
+                name = rank_memory(engine.name, rank)
+                cached = approx.get(name, 0)
+                stored = self.approx.held(name)
             busy = in_flight.get(rank, 0)
             fullness = 0.0
-            if held is not None and capacity > 0 and knobs.eviction_weight:
-                stored = held.blocks_of(key) + request_blocks - cached
-                fullness = min(1.0, stored / capacity)
+            if stored is not None and capacity > 0 and knobs.eviction_weight:
+                fullness = min(1.0, (stored + request_blocks - cached) / capacity)
             ranking = (self.rank_cost(request_blocks - cached, fullness, busy), busy, position)
             if best is None or ranking < best:
                 best, choice = ranking, (rank, cached)
@@ -414,15 +449,16 @@ class KvAware:
         self.learn_capacities(candidates)
         hashes = self.hashes(request.input_ids)
         by_key = self.exact_lookup(hashes)
-        overlaps = self.overlaps(hashes, now, candidates, by_key)
+        approx = self.approx.lookup_at(hashes, now) if hashes else {}
+        overlaps = self.overlaps(hashes, now, candidates, by_key, approx)
         steer = self.remembered(overlaps, hashes, now, candidates) if self.memory else overlaps
         chosen, spilled = self.select(candidates, request, hashes, steer)
         if spilled:
             self.spills += 1
-        self._remember(chosen.name, hashes, now)
         block = knobs.block_size
         rank, on_rank = self.rank_for(
-            chosen, by_key, math.ceil(len(request.input_ids) / block))
+            chosen, by_key, approx, math.ceil(len(request.input_ids) / block))
+        self._remember(rank_memory(chosen.name, rank), hashes, now)
         held = overlaps.get(chosen.name, 0) if on_rank is None else on_rank
         predicted = min(held * block, (len(request.input_ids) - 1) // block * block)
         # queued as the cost weighed it (a miss the memory expects to be short is short),
@@ -458,7 +494,7 @@ class KvAware:
         out = dict(overlaps)
         for engine in candidates:
             weight = self.knobs.memory_weight if self.by_events(engine) else 1.0
-            blocks = int(sent.get(engine.name, 0) * weight)
+            blocks = int(best_of(sent, memory_names(engine)) * weight)
             if blocks > out.get(engine.name, 0):
                 out[engine.name] = blocks
         return out
@@ -501,7 +537,7 @@ class KvAware:
             if self.by_events(e):  # what it holds, and what it is about to hold
                 if by_events is not None:
                     known[e.name] = by_events.get(e.incarnation, 0) + depth
-            elif (modelled := self.approx.held(e.name)) is not None:
+            elif (modelled := self.modelled_held(e)) is not None:
                 known[e.name] = modelled
         if not known:
             return full
@@ -512,6 +548,11 @@ class KvAware:
             if n is not None and capacity > 0:
                 full[e.name] = min(1.0, (n + request_blocks - overlaps.get(e.name, 0)) / capacity)
         return full
+
+    def modelled_held(self, engine: EngineHandle) -> int | None:
+        """Blocks the LRU model says ``engine`` holds (its fullest rank's; None: no model)."""
+        held = [n for name in memory_names(engine) if (n := self.approx.held(name)) is not None]
+        return max(held) if held else None
 
     def _stored_at(self, engine: EngineHandle) -> Callable[[int], bool] | None:
         """Whether the KV events show a block stored on ``engine`` (None: no events flow)."""
@@ -570,7 +611,8 @@ class KvAware:
         """The engine holds these tokens' blocks now (prompt + answer): remembered, and dequeued."""
         if placement.prefilled is not None:
             placement.prefilled()
-        self._remember(placement.engine.name, self.hashes(token_ids), self.clock())
+        self._remember(rank_memory(placement.engine.name, placement.dp_rank),
+                       self.hashes(token_ids), self.clock())
 
     def _remember(self, engine: str, hashes: Sequence[int], now: float) -> None:
         self.approx.record(engine, hashes, now)  # and its mirror, the homes

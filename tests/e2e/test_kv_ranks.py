@@ -109,6 +109,29 @@ def test_too_few_endpoints_for_the_ranks_is_a_warning_and_nothing_is_pinned(
             complete(daemon, [*range(300, 460), 2])
             assert list(engine.stats.rank_of.values()) == [0, 1]  # the engine's own balance
         warned = [r.getMessage() for r in caplog.records if "data-parallel ranks" in r.getMessage()]
-        assert warned == ["engine e has 2 data-parallel ranks but the fleet file lists 1 kv_events "
-                          "endpoint(s): list one per rank (base port + rank) so that KV-aware "
-                          "routing sees every rank's cache"]
+        assert warned == ["engine e has 2 data-parallel ranks but the fleet file lists 1 "
+                          "kv_events endpoint(s): unless its servicer serves only 1 of them "
+                          "(multi-node data parallelism), list one per rank (base port + rank) "
+                          "so that KV-aware routing sees every rank's cache"]
+
+
+def test_without_kv_events_dp_ranks_pins_by_the_approximate_memory(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """``dp_ranks = 2`` on an engine that publishes nothing: what we sent each rank is its own."""
+    table = sim_engine("e", "vllm", **TIMING)
+    table["dp_ranks"] = 2
+    with running_daemon(tmp_path, kv_fleet_text(model_dir, [table])) as daemon:
+        daemon.wait_serving(1)
+        row = httpx.get(daemon.url + "/fleet").json()["engines"][0]
+        assert [r["rank"] for r in row["dp_ranks"]] == [0, 1]
+        assert row["kv_routing"] == "approximate"
+        engine = daemon.supervisor.simulators["e"]
+        first, second = list(range(300, 460)), list(range(600, 760))
+        complete(daemon, [*first, 1, 2, 3])
+        complete(daemon, [*second, 1, 2, 3])  # the emptier rank, as far as we know
+        assert cached(complete(daemon, [*second, 4, 5, 6])) == 160
+        assert cached(complete(daemon, [*first, 4, 5, 6])) == 160
+        assert list(engine.stats.rank_of.values()) == [0, 1, 1, 0]
+        predicted = metric(daemon, "direct_frontend_kv_predicted_cached_tokens_total")
+        assert predicted == metric(daemon, "direct_frontend_kv_reported_cached_tokens_total")

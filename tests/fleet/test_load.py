@@ -44,7 +44,7 @@ tokenizer = "demo-model"
 ENGINE = '[[engine]]\nurl = "grpc://10.0.0.9:50051"\nkind = "vllm"\n'
 
 ENGINE_KEYS = (
-    "name, url, kind, role, kv_events, kv_replay, context_length, block_size, "
+    "name, url, kind, role, kv_events, kv_replay, dp_ranks, context_length, block_size, "
     "bootstrap_port, simulate, simulator, model"
 )
 
@@ -676,6 +676,24 @@ def test_a_simulated_engines_ranks_publish_on_consecutive_ports() -> None:
     assert parse(text.replace("5570", "5568")).engines[0].kv_replay[1] == "tcp://127.0.0.1:5568"
     real = text.replace("simulate = true\n", "")  # a real engine's endpoints are its own
     assert parse(real).engines[0].kv_replay[1] == "tcp://127.0.0.1:5570"
+
+
+def test_dp_ranks_names_the_ranks_of_an_engine_without_kv_events() -> None:
+    text = FRONTEND + textwrap.dedent(
+        """\
+        [[engine]]
+        url = "grpc://h:1"
+        kind = "vllm"
+        dp_ranks = 4
+        """
+    )
+    assert parse(text).engines[0].dp_ranks == 4
+    both = text.replace("dp_ranks = 4", 'dp_ranks = 4\nkv_events = ["tcp://h:5557", "tcp://h:5558"]')
+    assert only_problem(both) == (
+        "fleet.toml:7: engine[1].dp_ranks: is 4 but kv_events has 2 endpoints "
+        "(one per data-parallel rank)")
+    assert parse(both.replace("dp_ranks = 4", "dp_ranks = 2")).engines[0].dp_ranks == 2
+    assert "engine[1].dp_ranks" in only_problem(text.replace("dp_ranks = 4", "dp_ranks = 0"))
 
 
 def test_kv_endpoints() -> None:

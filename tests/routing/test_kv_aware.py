@@ -463,18 +463,29 @@ def test_a_new_prefix_goes_to_the_idler_rank_and_a_held_one_stays_until_its_rank
     assert placement is not None and placement.dp_rank == 1
 
 
-def test_ranks_are_not_pinned_without_events_or_with_one_rank() -> None:
+def test_ranks_are_not_pinned_with_one_rank_or_by_policies_that_read_no_cache() -> None:
     index = KvIndex(BS)
-    stored_on(index, "a", 1, PROMPT)
+    stored_on(index, "a", 0, PROMPT)
     policy = KvAware(KvAwareKnobs(block_size=BS), index)
     policy.uses_events = {1}
     one = policy.choose(Catalog(1, (ranked("a", (0,)),)), view(PROMPT))
-    assert one is not None and one.dp_rank is None
-    approximate = KvAware(KvAwareKnobs(block_size=BS), index)  # no events: it knows no ranks
-    unseen = approximate.choose(Catalog(1, (ranked("a"),)), view(PROMPT))
-    assert unseen is not None and unseen.dp_rank is None and unseen.predicted_cached_tokens == 0
+    assert one is not None and one.dp_rank is None and one.predicted_cached_tokens == 28
     balanced = RoundRobin().choose(Catalog(1, (ranked("a"),)), view(PROMPT))
     assert balanced is not None and balanced.dp_rank is None
+
+
+def test_without_events_the_approximate_memory_pins_and_models_each_rank() -> None:
+    """What we sent rank 1 is remembered as rank 1's: its follow-up goes there, predicted so."""
+    policy = KvAware(KvAwareKnobs(block_size=BS, approx_capacity_blocks=1000))
+    catalog = Catalog(1, (ranked("a", in_flight={0: 1}),))
+    first = policy.choose(catalog, view(PROMPT))
+    assert first is not None and first.dp_rank == 1 and first.predicted_cached_tokens == 0
+    policy.on_complete(first, (*PROMPT, 7, 7, 7, 7))
+    again = policy.choose(Catalog(1, (ranked("a"),)), view([*PROMPT, 7, 7, 7, 7, 1]))
+    assert again is not None and again.dp_rank == 1 and again.predicted_cached_tokens == 36
+    other = policy.choose(Catalog(1, (ranked("a"),)), view(list(range(500, 532))))
+    assert other is not None and other.dp_rank == 0  # rank 1's cache is the fuller one
+    assert policy.approx.held("a#dp1") == 9 and policy.approx.held("a#dp0") == 8
 
 
 def test_cache_affinity_pins_the_longest_prefix_rank_whatever_its_load() -> None:
