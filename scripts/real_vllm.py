@@ -3174,7 +3174,7 @@ class DpRun(KvRun):
         ranks = list(range(engine.dp_size))
         convs: dict[str, dict[str, Any]] = {}  # A, B: messages, ids, reply, rank
 
-        def fleet_ranks() -> str:
+        def engine_ranks() -> str:
             info = engine.server_info
             loads = self.client.loads()
             per_rank = sorted(load.dp_rank for load in loads.loads)
@@ -3182,12 +3182,24 @@ class DpRun(KvRun):
                    f"GetServerInfo.data_parallel_size {info.data_parallel_size}")
             expect(loads.dp_rank_count == engine.dp_size and per_rank == ranks,
                    f"GetLoads dp_rank_count {loads.dp_rank_count}, ranks {per_rank}")
+            # vLLM's own account of each rank's OpenMP binding (one line per EngineCore)
+            cores = dict(re.findall(r"\(EngineCore_DP(\d+) pid=\d+\).*core ids=\[([^\]]*)\]",
+                                    engine.log_text()))
+            expect(sorted(cores) == [str(r) for r in ranks]
+                   and len(set(cores.values())) == engine.dp_size,
+                   f"the ranks' OpenMP cores (engine log): {cores or 'no binding lines'}")
             for what, ports in (("KV PUB", engine.pub_ports), ("replay", engine.replay_ports)):
                 for rank, port in enumerate(ports):
                     seen = listening_addresses(port)
                     expect(seen, f"nothing listens on rank {rank}'s {what} port {port}")
                     wide = [a for a in seen if not _is_loopback(a)]
                     expect(not wide, f"rank {rank}'s {what} port {port} listens on {wide}")
+            return (f"GetServerInfo data_parallel_size {info.data_parallel_size}, GetLoads "
+                    f"dp_rank_count {loads.dp_rank_count}; OpenMP cores per rank "
+                    f"{ {int(r): c for r, c in sorted(cores.items())} }; KV PUB "
+                    f"{engine.pub_ports} and replay {engine.replay_ports} on 127.0.0.1 only")
+
+        def fleet_ranks() -> str:
             endpoints = ", ".join(f"tcp://127.0.0.1:{port}" for port in engine.pub_ports)
             following = f"following KV events on {endpoints}"
             expect(fe.logged(following), f"no {following!r} in {fe.log}")
@@ -3199,10 +3211,7 @@ class DpRun(KvRun):
             expect(all(r.get("load") == 0 for r in got), f"/fleet dp_ranks {got} with none sent")
             expect(not fe.logged("data-parallel ranks but the fleet file lists", timeout=0),
                    "the frontend warned about the kv_events count")
-            return (f"GetServerInfo data_parallel_size {info.data_parallel_size}, GetLoads "
-                    f"dp_rank_count {loads.dp_rank_count}; every rank's PUB {engine.pub_ports} "
-                    f"and replay {engine.replay_ports} on 127.0.0.1 only, followed by the "
-                    f"frontend; /fleet dp_ranks {got}")
+            return f"/fleet dp_ranks {got}; the frontend logged {following!r}"
 
         def apart() -> str:
             with contextlib.ExitStack() as stack:
@@ -3287,7 +3296,9 @@ class DpRun(KvRun):
                 f"over the ranks; /fleet kv_capacity_tokens {shown}"
             )
 
-        report.check("dp: the engine's ranks in /fleet dp_ranks, each rank's KV followed",
+        report.check(f"dp: {engine.dp_size} ranks, each its own core, KV PUB/replay on loopback",
+                     engine_ranks)
+        report.check("dp: /fleet dp_ranks lists both ranks, each rank's KV followed",
                      fleet_ranks)
         report.check("dp: conversations A and B land on different ranks", apart)
         report.check("dp: A's follow-up on A's rank, cached_tokens = predicted", follow_up("A"))
