@@ -1292,21 +1292,31 @@ def embedding_frontend_checks(
         report.timing("frontend stop (embeddings fleet)", time.monotonic() - t)
 
 
+def start_timed_engine(
+    report: Report, cache: Path, model: Path, run_dir: Path, args: argparse.Namespace,
+    what: str, describe: Callable[[Engine], str], **launch: Any,
+) -> Engine:
+    """:func:`start_engine` with the run's options and ``launch``'s, its start reported."""
+    t = time.monotonic()
+    engine = start_engine(
+        cache, model, run_dir, blocks=args.kv_blocks, timeout=args.start_timeout, **launch
+    )
+    report.timing(
+        f"{what} (launch -> SERVING)",
+        time.monotonic() - t,
+        f"{describe(engine)}, pid {engine.proc.pid}, {engine.niced} compute threads at nice 19",
+    )
+    return engine
+
+
 def start_pooling_engine(
     report: Report, cache: Path, model: Path, run_dir: Path, args: argparse.Namespace
 ) -> Engine:
-    t = time.monotonic()
-    engine = start_engine(
-        cache, model, run_dir, blocks=args.kv_blocks, timeout=args.start_timeout,
+    return start_timed_engine(
+        report, cache, model, run_dir, args, "pooling engine start",
+        lambda engine: f"grpc {engine.address}, {' '.join(POOLING_FLAGS)}",
         tag="-pooling", pooling=True,
     )  # fmt: skip
-    report.timing(
-        "pooling engine start (launch -> SERVING)",
-        time.monotonic() - t,
-        f"grpc {engine.address}, {' '.join(POOLING_FLAGS)}, pid {engine.proc.pid}, "
-        f"{engine.niced} compute threads at nice 19",
-    )
-    return engine
 
 
 def embedding_checks(
@@ -3130,20 +3140,16 @@ def start_dp_engine(
     report: Report, cache: Path, model: Path, run_dir: Path, args: argparse.Namespace
 ) -> Engine:
     """The generating engine with DP_SIZE ranks (§13), gated on SERVING like the others."""
-    t = time.monotonic()
-    engine = start_engine(
-        cache, model, run_dir, blocks=args.kv_blocks, timeout=args.start_timeout,
+    return start_timed_engine(
+        report, cache, model, run_dir, args,
+        f"engine start, --data-parallel-size {DP_SIZE}",
+        lambda engine: (
+            f"grpc {engine.address}, kv pub {pub_bind_endpoint(engine.pub_port, DP_SIZE)} "
+            f"(+rank), replay tcp://127.0.0.1:{engine.replay_port} (+rank), "
+            f"{dp_binding(DP_SIZE)}"
+        ),
         tag="-dp", dp_size=DP_SIZE,
     )  # fmt: skip
-    report.timing(
-        f"engine start, --data-parallel-size {DP_SIZE} (launch -> SERVING)",
-        time.monotonic() - t,
-        f"grpc {engine.address}, kv pub {pub_bind_endpoint(engine.pub_port, DP_SIZE)} "
-        f"(+rank), replay tcp://127.0.0.1:{engine.replay_port} (+rank), "
-        f"{dp_binding(DP_SIZE)}, pid {engine.proc.pid}, "
-        f"{engine.niced} compute threads at nice 19",
-    )
-    return engine
 
 
 def stored_ranks(taps: list[KvTap], first_block: list[int]) -> dict[int, int]:
