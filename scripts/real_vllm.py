@@ -5,6 +5,7 @@
     python scripts/real_vllm.py --skip-frontend  # engine + direct gRPC checks; prints its address
     python scripts/real_vllm.py --keep           # leave the engine (and frontend) running
     python scripts/real_vllm.py --embeddings-only  # a pooling engine and its Embed checks only
+    python scripts/real_vllm.py --dp-only        # an engine of 2 data-parallel ranks, its checks
 
 What it does (the recipe and its pitfalls: docs/real-vllm.md):
 
@@ -36,6 +37,13 @@ What it does (the recipe and its pitfalls: docs/real-vllm.md):
    frontend) is then stopped and the same model started as a pooling engine
    (``--runner pooling --convert embed``), whose ``Embed`` answers are checked over gRPC
    (``--embeddings-only`` runs this part alone).
+10. Data parallelism, only with ``--dp-only`` (an engine of two ranks, ≈2.5 GB): the engine
+    with ``--data-parallel-size 2``, one core per rank, every rank's KV PUB and replay on
+    loopback (base port + rank), and a fleet listing both ranks' endpoints. ``/fleet``
+    shows both ranks; two fresh conversations land on different ranks (read off each
+    rank's own KV events); each one's follow-up runs on its conversation's rank and hits
+    exactly the ``cached_tokens`` the daemon predicted; a NOTE gives the KV capacity the
+    engine reports per rank and what ``/fleet`` shows.
 
 Every check waits on the engine's own signals, never on a pause: a log line, the stream
 having delivered tokens, a KV-event batch, ``GetLoads``, ``/fleet``. Generations that must
@@ -152,30 +160,61 @@ def free_ports(n: int) -> list[int]:
     Below it no outgoing connection is given one of them, so a port stays free while the
     engine is down between a kill and its relaunch on the same ports (``--restart-check``).
     """
+    return free_port_runs([1] * n)
+
+
+def free_port_runs(lengths: list[int]) -> list[int]:
+    """The first ports of runs of consecutive free loopback ports, one run per length.
+
+    A data-parallel engine binds its KV PUB and replay on base port + rank (§13), so each
+    of those needs ``dp`` free ports in a row; none of the runs overlap.
+    """
     low = _ephemeral_low()
     rng = random.SystemRandom()
     socks: list[socket.socket] = []
-    ports: list[int] = []
+    taken: set[int] = set()
+    firsts: list[int] = []
     try:
         for _attempt in range(500):
-            if len(ports) == n:
+            if len(firsts) == len(lengths):
                 break
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            try:
-                s.bind(("127.0.0.1", rng.randrange(20000, low) if low > 20500 else 0))
-            except OSError:
-                s.close()
+            length = lengths[len(firsts)]
+            top = low if low > 20500 + length else (0 if length == 1 else 60000)
+            start = rng.randrange(20000, top - length + 1) if top else 0
+            run = _bind_run(start, length, taken)
+            if run is None:
                 continue
-            socks.append(s)
-            port = s.getsockname()[1]
-            if port not in ports:
-                ports.append(port)
+            socks.extend(run)
+            ports = [s.getsockname()[1] for s in run]
+            taken.update(ports)
+            firsts.append(ports[0])
     finally:
         for s in socks:
             s.close()
-    if len(ports) < n:
-        raise SetupError(f"found only {len(ports)} of {n} free loopback ports")
-    return ports
+    if len(firsts) < len(lengths):
+        raise SetupError(f"found only {len(firsts)} of {len(lengths)} runs of free loopback ports")
+    return firsts
+
+
+def _bind_run(start: int, length: int, taken: set[int]) -> list[socket.socket] | None:
+    """Sockets bound to ``length`` ports in a row from ``start`` (0: any one port), or None."""
+    bound: list[socket.socket] = []
+    for port in [0] if start == 0 else range(start, start + length):
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            s.close()
+            break
+        bound.append(s)
+        if s.getsockname()[1] in taken:
+            break
+    else:
+        if len(bound) == length:
+            return bound
+    for s in bound:
+        s.close()
+    return None
 
 
 def _ephemeral_low() -> int:
@@ -387,10 +426,19 @@ class Engine:
     niced: int = 0  # compute threads reniced (yield_to_servicer)
     blocks: int = 0  # --num-gpu-blocks-override: its KV cache, in blocks of BLOCK_SIZE
     pooling: bool = False  # an embedding model (POOLING_FLAGS): Embed, never Generate
+    dp_size: int = 1  # --data-parallel-size: rank r publishes on pub_port + r, replays on + r
 
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.grpc_port}"
+
+    @property
+    def pub_ports(self) -> list[int]:
+        return [self.pub_port + rank for rank in range(self.dp_size)]
+
+    @property
+    def replay_ports(self) -> list[int]:
+        return [self.replay_port + rank for rank in range(self.dp_size)]
 
     def log_text(self, offset: int = 0) -> str:
         with open(self.log, "rb") as fh:
@@ -401,15 +449,20 @@ class Engine:
         return self.log.stat().st_size
 
 
-def pub_bind_endpoint(port: int) -> str:
+def pub_bind_endpoint(port: int, dp_size: int = 1) -> str:
     """The KV PUB's endpoint in the engine's config: bound, and on loopback only.
 
     vLLM binds the PUB only when the endpoint contains ``*`` (or ``::``, or is ipc/inproc)
     and connects out otherwise (docs/real-vllm.md §7.6). libzmq reads a tcp port's digits
     and ignores what follows, so ``tcp://127.0.0.1:P*`` passes vLLM's test and binds
     127.0.0.1:P alone; ``loopback_only`` checks it on every run.
+
+    With data parallelism vLLM gives rank r the port ``int(<text after the last colon>) + r``,
+    which ``P*`` breaks (rank 1's engine dies on it). ``::ffff:127.0.0.1`` (IPv4 loopback
+    mapped into IPv6) passes the ``::`` test, keeps the port plain, and libzmq binds it on
+    127.0.0.1 alone (docs/real-vllm.md §13).
     """
-    return f"tcp://127.0.0.1:{port}*"
+    return f"tcp://::ffff:127.0.0.1:{port}" if dp_size > 1 else f"tcp://127.0.0.1:{port}*"
 
 
 def start_engine(
@@ -422,16 +475,18 @@ def start_engine(
     ports: tuple[int, int, int] | None = None,
     tag: str = "",
     pooling: bool = False,
+    dp_size: int = 1,
 ) -> Engine:
     """Launch the engine (on ``ports``: gRPC, KV PUB, replay, or free ones) until SERVING.
 
-    ``pooling`` serves the same model as an embedding model instead (POOLING_FLAGS).
+    ``pooling`` serves the same model as an embedding model instead (POOLING_FLAGS);
+    ``dp_size`` > 1 runs that many data-parallel ranks, each on a core of its own (§13).
     """
-    grpc_port, pub_port, replay_port = ports or free_ports(3)
+    grpc_port, pub_port, replay_port = ports or free_port_runs([1, dp_size, dp_size])
     kv_cfg = {
         "enable_kv_cache_events": True,
         "publisher": "zmq",
-        "endpoint": pub_bind_endpoint(pub_port),
+        "endpoint": pub_bind_endpoint(pub_port, dp_size),
         "replay_endpoint": f"tcp://127.0.0.1:{replay_port}",  # always bound
     }
     cmd = [
@@ -449,21 +504,26 @@ def start_engine(
         # compact JSON under a JSON grammar: a random model never pads it without end
         "--structured-outputs-config", '{"backend":"xgrammar","disable_any_whitespace":true}',
         *(POOLING_FLAGS if pooling else ()),
+        *(("--data-parallel-size", str(dp_size)) if dp_size > 1 else ()),
     ]  # fmt: skip
+    env = {**os.environ, **ENGINE_ENV, **dp_binding(dp_size)}
     log = run_dir / f"engine{tag}.log"
-    (run_dir / f"engine{tag}.cmd").write_text(" ".join(cmd) + "\n")
+    (run_dir / f"engine{tag}.cmd").write_text(
+        "".join(f"{k}={v} " for k, v in dp_binding(dp_size).items()) + " ".join(cmd) + "\n"
+    )
     with open(log, "wb") as fh:
         proc = subprocess.Popen(
             cmd,
             stdout=fh,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env={**os.environ, **ENGINE_ENV},
+            env=env,
             cwd=run_dir,
             start_new_session=True,  # its own process group: stopped as a whole
         )
     engine = Engine(
-        proc, grpc_port, pub_port, replay_port, log, model, blocks=blocks, pooling=pooling
+        proc, grpc_port, pub_port, replay_port, log, model, blocks=blocks, pooling=pooling,
+        dp_size=dp_size,
     )
     try:
         wait_serving(engine, timeout)
@@ -472,6 +532,21 @@ def start_engine(
         raise
     engine.niced = yield_to_servicer(proc.pid)
     return engine
+
+
+def dp_binding(dp_size: int) -> dict[str, str]:
+    """``VLLM_CPU_OMP_THREADS_BIND`` giving each data-parallel rank a core of its own.
+
+    Unset, every rank's Worker binds its OpenMP threads to the same first core, and the
+    ranks take turns on it (docs/real-vllm.md §13). One core per rank, from those this
+    process may run on; {} for one rank (vLLM's own default binding).
+    """
+    if dp_size < 2:
+        return {}
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < dp_size:
+        raise SetupError(f"{dp_size} data-parallel ranks need {dp_size} cores, have {cores}")
+    return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(c) for c in cores[:dp_size])}
 
 
 def yield_to_servicer(pgid: int) -> int:
@@ -660,14 +735,17 @@ class EngineClient:
     def server_info(self) -> Any:
         return self.stub.GetServerInfo(self.pb.GetServerInfoRequest(), timeout=10)
 
+    def loads(self) -> Any:
+        return self.stub.GetLoads(self.pb.GetLoadsRequest(), timeout=10)
+
     def running(self) -> int:
-        loads = self.stub.GetLoads(self.pb.GetLoadsRequest(), timeout=10)
-        return sum(load.num_running_reqs + load.num_waiting_reqs for load in loads.loads)
+        return sum(load.num_running_reqs + load.num_waiting_reqs for load in self.loads().loads)
 
     def request(
         self, rid: str, ids: list[int], max_tokens: int, *, stream: bool,
-        sampling: dict[str, Any] | None = None,
+        sampling: dict[str, Any] | None = None, dp_rank: int | None = None,
     ) -> Any:
+        """``dp_rank``: the data-parallel rank to run on (None: the engine's balancer picks)."""
         return self.pb.GenerateRequest(
             request_id=rid,
             tokenized=self.pb.TokenizedInput(input_ids=ids),
@@ -676,19 +754,20 @@ class EngineClient:
                 ignore_eos=True,
             ),
             stream=stream,
+            data_parallel_rank=dp_rank,
         )
 
     def generate(
         self, rid: str, ids: list[int], max_tokens: int, *, stream: bool,
-        sampling: dict[str, Any] | None = None,
+        sampling: dict[str, Any] | None = None, dp_rank: int | None = None,
     ) -> dict:
         """Tokens, finish reason and usage of one request (greedy unless ``sampling`` says)."""
         tokens: list[int] = []
         chunk_completion = 0
         out: dict[str, Any] = {}
-        for msg in self.stub.Generate(
-            self.request(rid, ids, max_tokens, stream=stream, sampling=sampling), timeout=60
-        ):
+        request = self.request(rid, ids, max_tokens, stream=stream, sampling=sampling,
+                               dp_rank=dp_rank)
+        for msg in self.stub.Generate(request, timeout=60):
             kind = msg.WhichOneof("response")
             if kind == "chunk":
                 tokens.extend(msg.chunk.token_ids)
@@ -1213,21 +1292,31 @@ def embedding_frontend_checks(
         report.timing("frontend stop (embeddings fleet)", time.monotonic() - t)
 
 
+def start_timed_engine(
+    report: Report, cache: Path, model: Path, run_dir: Path, args: argparse.Namespace,
+    what: str, describe: Callable[[Engine], str], **launch: Any,
+) -> Engine:
+    """:func:`start_engine` with the run's options and ``launch``'s, its start reported."""
+    t = time.monotonic()
+    engine = start_engine(
+        cache, model, run_dir, blocks=args.kv_blocks, timeout=args.start_timeout, **launch
+    )
+    report.timing(
+        f"{what} (launch -> SERVING)",
+        time.monotonic() - t,
+        f"{describe(engine)}, pid {engine.proc.pid}, {engine.niced} compute threads at nice 19",
+    )
+    return engine
+
+
 def start_pooling_engine(
     report: Report, cache: Path, model: Path, run_dir: Path, args: argparse.Namespace
 ) -> Engine:
-    t = time.monotonic()
-    engine = start_engine(
-        cache, model, run_dir, blocks=args.kv_blocks, timeout=args.start_timeout,
+    return start_timed_engine(
+        report, cache, model, run_dir, args, "pooling engine start",
+        lambda engine: f"grpc {engine.address}, {' '.join(POOLING_FLAGS)}",
         tag="-pooling", pooling=True,
     )  # fmt: skip
-    report.timing(
-        "pooling engine start (launch -> SERVING)",
-        time.monotonic() - t,
-        f"grpc {engine.address}, {' '.join(POOLING_FLAGS)}, pid {engine.proc.pid}, "
-        f"{engine.niced} compute threads at nice 19",
-    )
-    return engine
 
 
 def embedding_checks(
@@ -1287,14 +1376,19 @@ class KvTap:
     barrier's batch has arrived (the subscription is live), and one publisher thread
     sends in order, so every batch published before a barrier has arrived once the
     barrier's has. Each barrier adds one block to the engine's cache.
+
+    On a data-parallel engine a tap follows one ``rank``: its PUB (and replay) port, its
+    barriers pinned to it (``data_parallel_rank``), each barrier a block in its cache.
     """
 
-    def __init__(self, engine: Engine, client: EngineClient) -> None:
+    def __init__(self, engine: Engine, client: EngineClient, rank: int = 0) -> None:
         import zmq
 
         self.zmq = zmq
         self.engine = engine
         self.client = client
+        self.rank = rank
+        self.pin = rank if engine.dp_size > 1 else None
         self.ctx = zmq.Context()
         self.sub = self.ctx.socket(zmq.SUB)
 
@@ -1302,7 +1396,7 @@ class KvTap:
         zmq = self.zmq
         self.sub.setsockopt(zmq.SUBSCRIBE, b"")
         self.sub.setsockopt(zmq.LINGER, 0)
-        self.sub.connect(f"tcp://127.0.0.1:{self.engine.pub_port}")
+        self.sub.connect(f"tcp://127.0.0.1:{self.engine.pub_ports[self.rank]}")
         deadline = time.monotonic() + 60
         # Until one barrier's batch arrives: a barrier published before the subscription
         # took hold is never delivered, so each attempt waits for its own batch only.
@@ -1330,7 +1424,7 @@ class KvTap:
         if self.engine.pooling:  # a pooling engine refuses Generate; its Embed stores blocks
             self.client.embed(f"rv-barrier-{k}", ids)
         else:
-            self.client.generate(f"rv-barrier-{k}", ids, 1, stream=False)
+            self.client.generate(f"rv-barrier-{k}", ids, 1, stream=False, dp_rank=self.pin)
         marker = ids[:BLOCK_SIZE]
         frames: list[tuple[int, Any]] = []
         deadline = time.monotonic() + wait
@@ -1355,7 +1449,7 @@ class KvTap:
         dealer = self.ctx.socket(zmq.DEALER)
         try:
             dealer.setsockopt(zmq.LINGER, 0)
-            dealer.connect(f"tcp://127.0.0.1:{self.engine.replay_port}")
+            dealer.connect(f"tcp://127.0.0.1:{self.engine.replay_ports[self.rank]}")
             dealer.send_multipart([b"", start.to_bytes(8, "big")])
             batches = []
             while dealer.poll(int(wait * 1000)):
@@ -1442,14 +1536,17 @@ def write_fleet(
             timeout_s = 5.0
             """
         )
+    # one endpoint per data-parallel rank, in rank order
+    kv_events = ", ".join(f'"tcp://127.0.0.1:{port}"' for port in engine.pub_ports)
+    kv_replay = ", ".join(f'"tcp://127.0.0.1:{port}"' for port in engine.replay_ports)
     text += textwrap.dedent(
         f"""
         [[engine]]
         name = "{REAL_NAME}"
         url = "grpc://{engine.address}"
         kind = "vllm"
-        kv_events = ["tcp://127.0.0.1:{engine.pub_port}"]
-        kv_replay = ["tcp://127.0.0.1:{engine.replay_port}"]
+        kv_events = [{kv_events}]
+        kv_replay = [{kv_replay}]
         """
     )
     if sim is not None:
@@ -2646,11 +2743,16 @@ class KvRun:
 
     def build_shared(self, min_tokens: int = 300) -> None:
         """A system-prompt-like text of about ``min_tokens`` tokens, fresh for this engine."""
+        self.state.shared = self.filler("kvsys", min_tokens)
+
+    def filler(self, stem: str, min_tokens: int) -> str:
+        """A user message of ``min_tokens`` chat tokens or a few more, its words numbered
+        from ``stem`` (a distinct stem: a distinct first block)."""
         words: list[str] = []
         while len(self.texts.chat_ids([{"role": "user", "content": " ".join(words)}])) < min_tokens:
             i = len(words)
-            words.append(f"kvsys{i} shard{i % 5}")
-        self.state.shared = " ".join(words)
+            words.append(f"{stem}{i} shard{i % 5}")
+        return " ".join(words)
 
     def chat(
         self, fe: Frontend, oa: Any, msgs: list[dict[str, str]]
@@ -3029,6 +3131,187 @@ class KvRun:
         report.check("restart: the index forgets the old process's blocks", index_forgot)
 
 
+# --- data parallelism: one engine, two ranks, each its own cache (--dp-only) ------------
+
+DP_SIZE = 2
+
+
+def start_dp_engine(
+    report: Report, cache: Path, model: Path, run_dir: Path, args: argparse.Namespace
+) -> Engine:
+    """The generating engine with DP_SIZE ranks (§13), gated on SERVING like the others."""
+    return start_timed_engine(
+        report, cache, model, run_dir, args,
+        f"engine start, --data-parallel-size {DP_SIZE}",
+        lambda engine: (
+            f"grpc {engine.address}, kv pub {pub_bind_endpoint(engine.pub_port, DP_SIZE)} "
+            f"(+rank), replay tcp://127.0.0.1:{engine.replay_port} (+rank), "
+            f"{dp_binding(DP_SIZE)}"
+        ),
+        tag="-dp", dp_size=DP_SIZE,
+    )  # fmt: skip
+
+
+def stored_ranks(taps: list[KvTap], first_block: list[int]) -> dict[int, int]:
+    """Blocks stored per rank, by the batches before each rank's next barrier, from the
+    ``BlockStored`` whose block starts with ``first_block`` onwards (one request's own)."""
+    out: dict[int, int] = {}
+    for tap in taps:
+        found = False
+        for _, batch in tap.barrier():
+            for event in batch[1]:
+                if event.get("type") != "BlockStored":
+                    continue
+                found = found or list(event["token_ids"][:BLOCK_SIZE]) == first_block
+                if found:
+                    out[tap.rank] = out.get(tap.rank, 0) + len(event["block_hashes"])
+    return out
+
+
+class DpRun(KvRun):
+    """KV-aware routing against one engine of DP_SIZE ranks, whose caches are apart.
+
+    Which rank ran a request is read off the ranks' own KV-event streams (one tap each:
+    the rank whose ``BlockStored`` carries the prompt's blocks), never from the daemon.
+    """
+
+    def checks(self, report: Report, fe: Frontend, oa: Any) -> None:
+        engine, texts = self.engine, self.texts
+        ranks = list(range(engine.dp_size))
+        convs: dict[str, dict[str, Any]] = {}  # A, B: messages, ids, reply, rank
+
+        def engine_ranks() -> str:
+            info = engine.server_info
+            loads = self.client.loads()
+            per_rank = sorted(load.dp_rank for load in loads.loads)
+            expect(info.data_parallel_size == engine.dp_size,
+                   f"GetServerInfo.data_parallel_size {info.data_parallel_size}")
+            expect(loads.dp_rank_count == engine.dp_size and per_rank == ranks,
+                   f"GetLoads dp_rank_count {loads.dp_rank_count}, ranks {per_rank}")
+            # vLLM's own account of each rank's OpenMP binding (one line per EngineCore)
+            cores = dict(re.findall(r"\(EngineCore_DP(\d+) pid=\d+\).*core ids=\[([^\]]*)\]",
+                                    engine.log_text()))
+            expect(sorted(cores) == [str(r) for r in ranks]
+                   and len(set(cores.values())) == engine.dp_size,
+                   f"the ranks' OpenMP cores (engine log): {cores or 'no binding lines'}")
+            for what, ports in (("KV PUB", engine.pub_ports), ("replay", engine.replay_ports)):
+                for rank, port in enumerate(ports):
+                    seen = listening_addresses(port)
+                    expect(seen, f"nothing listens on rank {rank}'s {what} port {port}")
+                    wide = [a for a in seen if not _is_loopback(a)]
+                    expect(not wide, f"rank {rank}'s {what} port {port} listens on {wide}")
+            return (f"GetServerInfo data_parallel_size {info.data_parallel_size}, GetLoads "
+                    f"dp_rank_count {loads.dp_rank_count}; OpenMP cores per rank "
+                    f"{ {int(r): c for r, c in sorted(cores.items())} }; KV PUB "
+                    f"{engine.pub_ports} and replay {engine.replay_ports} on 127.0.0.1 only")
+
+        def fleet_ranks() -> str:
+            endpoints = ", ".join(f"tcp://127.0.0.1:{port}" for port in engine.pub_ports)
+            following = f"following KV events on {endpoints}"
+            expect(fe.logged(following), f"no {following!r} in {fe.log}")
+            row, waited, ok = poll(lambda: real_status(fe), lambda r: bool(r.get("dp_ranks")),
+                                   15.0, every=0.2)
+            got = row.get("dp_ranks")
+            expect(ok and [r.get("rank") for r in got] == ranks,
+                   f"/fleet dp_ranks {got!r} {waited:.1f} s after /ready, wanted ranks {ranks}")
+            expect(all(r.get("load") == 0 for r in got), f"/fleet dp_ranks {got} with none sent")
+            expect(not fe.logged("data-parallel ranks but the fleet file lists", timeout=0),
+                   "the frontend warned about the kv_events count")
+            return f"/fleet dp_ranks {got}; the frontend logged {following!r}"
+
+        def apart() -> str:
+            with contextlib.ExitStack() as stack:
+                taps = [stack.enter_context(KvTap(engine, self.client, rank)) for rank in ranks]
+                held = [held_blocks(tap.replay()) for tap in taps]
+                index, _, ok = index_reaches(fe, sum(held))
+                expect(ok, f"index {index:.0f} blocks, the ranks' histories hold {held}")
+                seen = []
+                for name in ("A", "B"):
+                    before = list(held)
+                    msgs = [{"role": "user",
+                             "content": f"Conversation {name}: " + self.filler(f"dp{name}x", 480)}]
+                    ids = texts.chat_ids(msgs)
+                    r, delta = self.chat(fe, oa, msgs)
+                    stored = stored_ranks(taps, ids[:BLOCK_SIZE])
+                    expect(len(stored) == 1, f"{name}'s blocks were stored on ranks {stored}")
+                    (rank, blocks), = stored.items()
+                    got = self.cached(r)
+                    expect(got == 0 and delta["predicted"] == 0 and delta["reported"] == 0,
+                           f"{name} fresh: cached {got}, predicted {delta['predicted']:.0f}")
+                    held = [held_blocks(tap.replay()) for tap in taps]
+                    index, _, ok = index_reaches(fe, sum(held))
+                    expect(ok, f"index {index:.0f} blocks, the ranks' histories hold {held}")
+                    convs[name] = {"msgs": msgs, "ids": ids, "rank": rank,
+                                   "reply": r.choices[0].message.content or ""}
+                    seen.append(f"{name} ({len(ids)} tokens) -> rank {rank} (+{blocks} blocks; "
+                                f"ranks held {before} before)")
+            expect(convs["A"]["rank"] != convs["B"]["rank"],
+                   f"A and B both on rank {convs['A']['rank']}: " + "; ".join(seen))
+            return "; ".join(seen) + f"; index = the ranks' histories {held} = {sum(held)}"
+
+        def follow_up(name: str) -> Callable[[], str]:
+            def check() -> str:
+                conv = convs.get(name)
+                if conv is None:
+                    raise CheckFailed("needs conversation A and B of the previous check")
+                rank = conv["rank"]
+                msgs = [*conv["msgs"], {"role": "assistant", "content": conv["reply"]},
+                        {"role": "user", "content": f"Follow-up of {name}: "
+                                                    + self.filler(f"more{name}x", 140)}]
+                ids = texts.chat_ids(msgs)
+                common = common_prefix(ids, conv["ids"])
+                want = common // BLOCK_SIZE * BLOCK_SIZE
+                expect(want >= 4 * BLOCK_SIZE, f"the follow-up shares only {common} tokens")
+                with contextlib.ExitStack() as stack:
+                    taps = [stack.enter_context(KvTap(engine, self.client, k)) for k in ranks]
+                    r, delta = self.chat(fe, oa, msgs)
+                    got = self.cached(r)
+                    new = ids[got:got + BLOCK_SIZE] if got is not None else []
+                    stored = stored_ranks(taps, new)
+                pred, rep = int(delta["predicted"]), int(delta["reported"])
+                expect(got is not None and got > 0, f"cached_tokens {got!r} (rank {rank} holds "
+                                                    f"{want} of its {common} shared tokens)")
+                expect(got >= want and got < len(ids),
+                       f"cached_tokens {got}, but rank {rank} holds {want} of {len(ids)}")
+                expect(rep == got, f"reported counter +{rep}, usage cached_tokens {got}")
+                expect(pred == got, f"the daemon predicted {pred} cached tokens, engine {got}")
+                expect(delta["diverged"] == 0, "direct_frontend_kv_prediction_diverged is 1")
+                expect(list(stored) == [rank],
+                       f"its new blocks were stored on ranks {stored}, its conversation is on "
+                       f"rank {rank}")
+                loads, _, idle = poll(lambda: real_status(fe).get("dp_ranks"),
+                                      lambda d: all(x.get("load") == 0 for x in d), 15.0)
+                expect(idle, f"/fleet dp_ranks {loads} after the request ended")
+                return (f"{len(ids)} tokens, {common} shared with {name}: on rank {rank} "
+                        f"(+{stored[rank]} blocks there, none elsewhere); cached_tokens {got} "
+                        f"= predicted {pred} = reported {rep}")
+
+            return check
+
+        def capacity() -> str:
+            loads = self.client.loads()
+            entries = {load.dp_rank: load.max_total_num_tokens for load in loads.loads}
+            per_rank = engine.blocks * BLOCK_SIZE
+            logged = re.findall(r"KV cache size: ([\d,]+) tokens", engine.log_text())
+            shown = real_status(fe).get("kv_capacity_tokens")
+            raise Note(
+                f"GetLoads max_total_num_tokens per entry {entries} with data_parallel_size "
+                f"{engine.server_info.data_parallel_size}; each rank's cache is {per_rank} "
+                f"tokens ({engine.blocks} blocks × {BLOCK_SIZE}; engine log: "
+                f"{', '.join(logged) or 'no KV cache size line'}): every entry is the SUM "
+                f"over the ranks; /fleet kv_capacity_tokens {shown}"
+            )
+
+        report.check(f"dp: {engine.dp_size} ranks, each its own core, KV PUB/replay on loopback",
+                     engine_ranks)
+        report.check("dp: /fleet dp_ranks lists both ranks, each rank's KV followed",
+                     fleet_ranks)
+        report.check("dp: conversations A and B land on different ranks", apart)
+        report.check("dp: A's follow-up on A's rank, cached_tokens = predicted", follow_up("A"))
+        report.check("dp: B's follow-up on B's rank, cached_tokens = predicted", follow_up("B"))
+        report.check("dp: the KV capacity the engine reports per rank", capacity)
+
+
 def _expect_usage(usage: Any, prompt: int, completion: int, how: str) -> None:
     expect(usage is not None, f"{how}: no usage")
     expect(
@@ -3087,17 +3370,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="start the engine, run the direct gRPC checks, print its address; no frontend",
     )
-    p.add_argument(
+    only = p.add_mutually_exclusive_group()
+    only.add_argument(
         "--structured-only",
         action="store_true",
         help="through the frontend, only the structured-output, sampling-field and forced "
         "tool-call checks",
     )
-    p.add_argument(
+    only.add_argument(
         "--embeddings-only",
         action="store_true",
         help="start only a pooling engine (the tiny model as an embedding model) and run only "
         "the embedding checks on it",
+    )
+    only.add_argument(
+        "--dp-only",
+        action="store_true",
+        help=f"start only an engine of {DP_SIZE} data-parallel ranks and run only the "
+        "rank-pinning checks of KV-aware routing on it (not part of the full run)",
     )
     p.add_argument("--rebuild-env", action="store_true", help="reinstall the peer venv")
     p.add_argument("--rebuild-model", action="store_true", help="rebuild the tiny model")
@@ -3175,12 +3465,24 @@ def main(argv: list[str] | None = None) -> int:
         how, model = ensure_model(cache, run_dir, rebuild=args.rebuild_model)
         report.timing("tiny model + tokenizer", time.monotonic() - t, f"{how}; {model}")
 
-        if not args.embeddings_only:
+        if not (args.embeddings_only or args.dp_only):
             report.check("parsers: our tool parsers give vLLM's own calls",
                          lambda: _parser_parity(cache, model))
         if args.embeddings_only:
             engine = start_pooling_engine(report, cache, model, run_dir, args)
             embedding_checks(report, run_dir, engine, args)
+        elif args.dp_only:
+            engine = start_dp_engine(report, cache, model, run_dir, args)
+            client = EngineClient(engine.address)
+            engine.model_info = client.model_info()
+            engine.server_info = client.server_info()
+            served = engine.model_info.served_model_name
+            t = time.monotonic()
+            frontend = start_frontend(run_dir, engine, served, args.frontend_timeout, tag="-dp")
+            report.timing("frontend start (run -> /ready)", time.monotonic() - t,
+                          f"{frontend.base_url}, kv_aware, fleet {frontend.fleet}")
+            DpRun(engine, client, Texts(model), served).checks(
+                report, frontend, openai_client(frontend))
         else:
             t = time.monotonic()
             engine = start_engine(
