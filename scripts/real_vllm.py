@@ -42,8 +42,8 @@ What it does (the recipe and its pitfalls: docs/real-vllm.md):
     loopback (base port + rank), and a fleet listing both ranks' endpoints. ``/fleet``
     shows both ranks; two fresh conversations land on different ranks (read off each
     rank's own KV events); each one's follow-up runs on its conversation's rank and hits
-    exactly the ``cached_tokens`` the daemon predicted; a NOTE gives the KV capacity the
-    engine reports per rank and what ``/fleet`` shows.
+    exactly the ``cached_tokens`` the daemon predicted; ``/fleet`` shows one rank's KV
+    capacity (``GetLoads`` reports the ranks' sum in every entry).
 
 Every check waits on the engine's own signals, never on a pause: a log line, the stream
 having delivered tokens, a KV-event batch, ``GetLoads``, ``/fleet``. Generations that must
@@ -3294,12 +3294,14 @@ class DpRun(KvRun):
             per_rank = engine.blocks * BLOCK_SIZE
             logged = re.findall(r"KV cache size: ([\d,]+) tokens", engine.log_text())
             shown = real_status(fe).get("kv_capacity_tokens")
-            raise Note(
-                f"GetLoads max_total_num_tokens per entry {entries} with data_parallel_size "
-                f"{engine.server_info.data_parallel_size}; each rank's cache is {per_rank} "
-                f"tokens ({engine.blocks} blocks × {BLOCK_SIZE}; engine log: "
-                f"{', '.join(logged) or 'no KV cache size line'}): every entry is the SUM "
-                f"over the ranks; /fleet kv_capacity_tokens {shown}"
+            # every entry carries the sum over the ranks; the daemon divides it back
+            expect(shown == per_rank, f"/fleet kv_capacity_tokens {shown}, but each rank's cache "
+                                      f"is {per_rank} tokens (GetLoads entries {entries})")
+            return (
+                f"/fleet kv_capacity_tokens {shown} = one rank's cache ({engine.blocks} blocks × "
+                f"{BLOCK_SIZE}; engine log: {', '.join(logged) or 'no KV cache size line'}); "
+                f"GetLoads max_total_num_tokens per entry {entries}, the sum over the "
+                f"{engine.server_info.data_parallel_size} ranks"
             )
 
         report.check(f"dp: {engine.dp_size} ranks, each its own core, KV PUB/replay on loopback",
@@ -3309,7 +3311,7 @@ class DpRun(KvRun):
         report.check("dp: conversations A and B land on different ranks", apart)
         report.check("dp: A's follow-up on A's rank, cached_tokens = predicted", follow_up("A"))
         report.check("dp: B's follow-up on B's rank, cached_tokens = predicted", follow_up("B"))
-        report.check("dp: the KV capacity the engine reports per rank", capacity)
+        report.check("dp: /fleet shows one rank's KV capacity, not the ranks' sum", capacity)
 
 
 def _expect_usage(usage: Any, prompt: int, completion: int, how: str) -> None:
