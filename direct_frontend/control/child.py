@@ -341,10 +341,18 @@ class EngineChild:
                       else "requests are not pinned to ranks")
             log.warning("engine %s has %d data-parallel ranks but the fleet file %s: %s",
                         self.name, size, said, advice, extra={"engine": self.name})
+        first = info.first_dp_rank
         if (ranks < 2 or ranks > size or role is not EngineRole.BOTH
                 or not info.generates or not self.dialect.capabilities.dp_rank_pin):
             return ()
-        return tuple(range(info.first_dp_rank, info.first_dp_rank + ranks))
+        if first is None:
+            if not self._ranks_warned:
+                self._ranks_warned = True
+                log.warning("engine %s does not say which data-parallel ranks its servicer "
+                            "serves (no GetLoads): requests are not pinned to ranks",
+                            self.name, extra={"engine": self.name})
+            return ()
+        return tuple(range(first, first + ranks))
 
     async def _probe_once(self) -> ProbeOutcome:
         assert self.channel is not None

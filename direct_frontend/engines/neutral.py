@@ -223,8 +223,9 @@ class EngineInfo:
     role: EngineRole | None = None
     data_parallel_size: int = 1
     #: the lowest data-parallel rank this servicer serves (vLLM's GetLoads lists its ranks;
-    #: a servicer of one node's share of a multi-node DP engine starts above 0)
-    first_dp_rank: int = 0
+    #: a servicer of one node's share of a multi-node DP engine starts above 0); None:
+    #: unknown (a vLLM servicer without GetLoads), so no request is pinned to a rank
+    first_dp_rank: int | None = 0
     incarnation: str = ""  # changes when the engine restarts (start time, uptime)
     details: tuple[tuple[str, str], ...] = ()  # extra facts, for `check` and /fleet
     started_at: float | None = None  # engine start (epoch s) when reported or derivable

@@ -20,10 +20,10 @@ from tests.support.daemon import (
 from tests.support.sim import EngineThread
 
 
-def ranked_engine(model_dir: Path, kind: str) -> EngineThread:
+def ranked_engine(model_dir: Path, kind: str, **options: object) -> EngineThread:
     engine = SimEngine.from_model_dir(
         kind, model_dir, served_model_name="demo", timing=TimingModel(), eos_probability=0.0,
-        dp_size=2, kv_events_port=0, kv_replay_port=0, page_size=16,
+        dp_size=2, kv_events_port=0, kv_replay_port=0, page_size=16, **options,
     )
     return EngineThread(engine)
 
@@ -135,3 +135,21 @@ def test_without_kv_events_dp_ranks_pins_by_the_approximate_memory(
         assert list(engine.stats.rank_of.values()) == [0, 1, 1, 0]
         predicted = metric(daemon, "direct_frontend_kv_predicted_cached_tokens_total")
         assert predicted == metric(daemon, "direct_frontend_kv_reported_cached_tokens_total")
+
+
+def test_a_vllm_servicer_that_names_no_ranks_is_not_pinned(
+    model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Without GetLoads its first rank is unknown: a guess could be refused on every request."""
+    with ranked_engine(model_dir, "vllm", serve_get_loads=False) as sim:
+        engine = sim.engine
+        table = {"name": "e", "url": f"grpc://127.0.0.1:{engine.port}", "kind": "vllm",
+                 "block_size": 16, "kv_events": engine.kv_events_endpoints,
+                 "kv_replay": engine.kv_replay_endpoints}
+        with caplog.at_level("WARNING"), \
+                running_daemon(tmp_path, kv_fleet_text(model_dir, [table])) as daemon:
+            daemon.wait_serving(1)
+            assert httpx.get(daemon.url + "/fleet").json()["engines"][0]["dp_ranks"] == []
+            complete(daemon, [*range(300, 460), 1])
+        assert any("does not say which data-parallel ranks" in r.getMessage()
+                   for r in caplog.records)

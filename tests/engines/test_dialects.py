@@ -342,7 +342,7 @@ def test_a_servicers_first_rank_is_the_lowest_its_loads_list() -> None:
     node = vllm_engine_pb2.GetLoadsResponse(dp_rank_count=2, loads=[
         vllm_engine_pb2.SchedulerLoad(dp_rank=3), vllm_engine_pb2.SchedulerLoad(dp_rank=2)])
     assert first_rank(node) == 2
-    assert first_rank(vllm_engine_pb2.GetLoadsResponse()) == 0 and first_rank(None) == 0
+    assert first_rank(vllm_engine_pb2.GetLoadsResponse()) is None and first_rank(None) is None
 
 
 def test_a_rank_the_contract_cannot_name_is_never_sent() -> None:

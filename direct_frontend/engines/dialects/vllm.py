@@ -302,15 +302,15 @@ class VllmDialect(SmgDialect):
         return LegPlan(prefill_leg(call), call, parallel=False, relays_kv_params=True)
 
 
-def first_rank(loads: Any) -> int:
-    """The lowest data-parallel rank a GetLoads reply lists (0: none listed).
+def first_rank(loads: Any) -> int | None:
+    """The lowest data-parallel rank a GetLoads reply lists (None: no reply, or none listed).
 
     The stock servicer lists the ranks it serves, its first always: under
     multi-node data parallelism one servicer serves one node's ranks, from
     its start rank on, and a request pinned to another rank is refused.
     """
     ranks = [load.dp_rank for load in (loads.loads if loads is not None else ())]
-    return min(ranks, default=0)
+    return min(ranks, default=None)
 
 
 def kv_capacity(loads: Any) -> int | None:
