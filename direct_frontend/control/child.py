@@ -322,9 +322,10 @@ class EngineChild:
 
         One per KV-event endpoint (the fleet file lists them in rank order),
         or ``dp_ranks`` for an engine without KV events (the approximate
-        memory then models each rank's cache). Only a whole-request engine of
-        a kind whose contract names a rank is pinned, and only when it has at
-        least that many ranks (a rank it lacks would refuse every request).
+        memory then models each rank's cache). Only a whole-request engine of a
+        kind whose stock engine honours a rank (vLLM) is pinned, and only when
+        it has at least that many ranks (a rank it lacks would refuse every
+        request).
         Fewer than it has leaves the other ranks' caches unseen. Either
         mismatch is a warning, once, and nothing is pinned.
         """

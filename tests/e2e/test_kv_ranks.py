@@ -32,10 +32,8 @@ def cached(body: dict[str, object]) -> int:
     return body["usage"]["prompt_tokens_details"]["cached_tokens"]  # type: ignore[index, no-any-return]
 
 
-@pytest.mark.parametrize("kind", ["vllm", "sglang"])
-def test_each_conversation_stays_on_the_rank_holding_it(
-    model_dir: Path, tmp_path: Path, kind: str
-) -> None:
+def test_each_conversation_stays_on_the_rank_holding_it(model_dir: Path, tmp_path: Path) -> None:
+    kind = "vllm"
     with ranked_engine(model_dir, kind) as sim:
         engine = sim.engine
         table = {"name": "e", "url": f"grpc://127.0.0.1:{engine.port}", "kind": kind,
@@ -153,3 +151,27 @@ def test_a_vllm_servicer_that_names_no_ranks_is_not_pinned(
             complete(daemon, [*range(300, 460), 1])
         assert any("does not say which data-parallel ranks" in r.getMessage()
                    for r in caplog.records)
+
+
+def test_sglang_ranks_are_indexed_apart_but_its_own_balancer_places_requests(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """Its stock servicer drops the rank: no pin is sent, and each rank's events stay its own."""
+    with ranked_engine(model_dir, "sglang") as sim:
+        engine = sim.engine
+        table = {"name": "e", "url": f"grpc://127.0.0.1:{engine.port}", "kind": "sglang",
+                 "block_size": 16, "kv_events": engine.kv_events_endpoints,
+                 "kv_replay": engine.kv_replay_endpoints}
+        with running_daemon(tmp_path, kv_fleet_text(model_dir, [table])) as daemon:
+            daemon.wait_serving(1)
+            child = daemon.supervisor.children["e"]
+            kv = daemon.supervisor.kv
+            wait_for(lambda: child.incarnation in kv.live, what="both ranks' subscriptions")
+            assert httpx.get(daemon.url + "/fleet").json()["engines"][0]["dp_ranks"] == []
+            prompt = list(range(300, 460))
+            complete(daemon, [*prompt, 1])
+            complete(daemon, [*prompt, 2])  # the engine's turn: the other rank
+            assert list(engine.stats.rank_of.values()) == [0, 1]
+            for rank in (0, 1):
+                key = f"g{child.incarnation}r{rank}"
+                wait_for(lambda key=key: kv.index.blocks_of(key) >= 10, what=f"rank {rank}")

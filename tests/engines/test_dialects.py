@@ -326,9 +326,8 @@ def test_a_field_the_contract_lacks_is_refused_naming_it(kind: str, missing: str
     assert raised.value.kind is ErrorKind.BAD_REQUEST and raised.value.param == missing
 
 
-@pytest.mark.parametrize("kind", ["sglang", "vllm"])
-def test_a_pinned_rank_reaches_the_contract_and_an_unpinned_call_names_none(kind: str) -> None:
-    dialect = dialect_for(kind)
+def test_a_pinned_rank_reaches_the_contract_and_an_unpinned_call_names_none() -> None:
+    dialect = dialect_for("vllm")
     pinned = dialect.generate(GenerateCall("r", PROMPT, PLAIN, dp_rank=1)).request
     assert pinned.HasField("data_parallel_rank") and pinned.data_parallel_rank == 1
     rank0 = dialect.generate(GenerateCall("r", PROMPT, PLAIN, dp_rank=0)).request
@@ -345,11 +344,12 @@ def test_a_servicers_first_rank_is_the_lowest_its_loads_list() -> None:
     assert first_rank(vllm_engine_pb2.GetLoadsResponse()) is None and first_rank(None) is None
 
 
-def test_a_rank_the_contract_cannot_name_is_never_sent() -> None:
-    """TRT-LLM's contract has no rank field: never pinned; sent one, the dialect says no."""
-    assert not dialect_for("trtllm").capabilities.dp_rank_pin
+@pytest.mark.parametrize("kind", ["sglang", "trtllm"])
+def test_a_rank_the_engine_would_not_honour_is_never_sent(kind: str) -> None:
+    """TRT-LLM's contract has no rank; SGLang's stock servicer drops it: never pinned."""
+    assert not dialect_for(kind).capabilities.dp_rank_pin
     with pytest.raises(EngineError) as raised:
-        dialect_for("trtllm").generate(GenerateCall("r", PROMPT, PLAIN, dp_rank=1))
+        dialect_for(kind).generate(GenerateCall("r", PROMPT, PLAIN, dp_rank=1))
     assert raised.value.kind is ErrorKind.INTERNAL
 
 

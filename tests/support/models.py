@@ -70,11 +70,11 @@ def get_json(url: str) -> Any:
 @contextlib.contextmanager
 def scripted_daemon(model_dir: Path, directory: Path, models: str, engine: str,
                     scripts: Mapping[str, str]) -> Iterator[Daemon]:
-    """A daemon of ``models`` (``[[model]]`` tables, ``[frontend]`` keys before them) and one
-    simulated ``engine`` table, serving, whose engine answers by ``scripts`` (ScriptBook)."""
+    """A daemon of ``models`` (``[[model]]`` tables, ``[frontend]`` keys before them) and the
+    simulated ``engine`` tables, all serving, whose engines answer by ``scripts`` (ScriptBook)."""
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     with running_daemon(directory, frontend_table(model_dir, models) + "\n" + engine) as daemon:
-        daemon.wait_serving(1)
+        daemon.wait_serving(engine.count("[[engine]]"))  # every one: each gets the scripts
         for sim in simulators(daemon).values():
             sim.core.scripts = ScriptBook(tokenizer, scripts)
         yield daemon

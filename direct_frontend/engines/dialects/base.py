@@ -74,7 +74,8 @@ class Capabilities:
     lora_adapters: bool = False
     #: an embedding model of this kind serves ``Embed`` through the contract (SGLang, vLLM)
     embeddings: bool = False
-    #: a request may name the data-parallel rank it runs on (SGLang, vLLM)
+    #: a request may name the data-parallel rank it runs on, and the stock engine honours it
+    #: (vLLM; SGLang's contract has the field, its stock servicer drops it)
     dp_rank_pin: bool = False
 
 

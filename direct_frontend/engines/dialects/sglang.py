@@ -108,7 +108,9 @@ class SglangDialect(SmgDialect):
     kind: ClassVar[str] = "sglang"
     capabilities: ClassVar[Capabilities] = Capabilities(
         prefill_decode=True, bootstrap_server=True, optional=frozenset({"logit_bias"}),
-        lora_adapters=True, embeddings=True, dp_rank_pin=True,
+        # The contract has data_parallel_rank (16), but the stock servicer (smg-grpc-servicer
+        # 0.14.1) never passes it on to the scheduler: SGLang's DP controller places requests.
+        lora_adapters=True, embeddings=True,
     )
     limits: ClassVar[WireLimits] = WireLimits(top_k=INT32_MAX)  # top_k is an int32 here
     service: ClassVar[str] = SERVICE
@@ -150,8 +152,6 @@ class SglangDialect(SmgDialect):
             request.logprob_start_len = -1 if s.prompt_logprobs is None else 0
         if call.lora_id is not None:
             request.lora_id = call.lora_id
-        if call.dp_rank is not None:
-            request.data_parallel_rank = call.dp_rank
         pd = call.disaggregation
         if pd is not None and pd.bootstrap_room is not None:
             # The same rendezvous goes on both legs of a P/D pair (§9.1).

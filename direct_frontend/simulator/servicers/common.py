@@ -125,7 +125,7 @@ def pinned_rank(core: SimCore, request: Any) -> int | None:
     """The data-parallel rank a Generate names (None: the engine picks), refused out of range.
 
     In a real vLLM's words (its input processor's check, which its servicer
-    answers ``INVALID_ARGUMENT``); SGLang gets the same refusal.
+    answers ``INVALID_ARGUMENT``). SGLang's stock servicer reads no rank.
     """
     if not request.HasField("data_parallel_rank"):
         return None

@@ -29,7 +29,6 @@ from direct_frontend.simulator.servicers.common import (
     constrained_output,
     generate_request,
     now_iso,
-    pinned_rank,
     refuse,
 )
 from protos import sglang_scheduler_pb2
@@ -95,7 +94,9 @@ class SglangServicer(SmgServicer, SglangSchedulerBase):
         params = request.sampling_params
         if params.n > 1:
             raise GRPCError(Status.UNIMPLEMENTED, "The simulator does not support n > 1")
-        rank = pinned_rank(core, request)
+        # The stock servicer (smg-grpc-servicer 0.14.1, Python) does not pass the contract's
+        # data_parallel_rank on to the scheduler: SGLang's DP controller places every request.
+        rank = None
         handoff = await disagg.sglang_leg(core, request, len(prompt))  # P/D roles
         # Unset max_new_tokens means no cap: only the window stops it.
         requested = params.max_new_tokens if params.HasField("max_new_tokens") else None
