@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import httpx
 import pytest
 
 from direct_frontend.simulator import SimEngine
+from direct_frontend.simulator.faults import FaultPlan
 from direct_frontend.simulator.model import TimingModel
 from tests.e2e.test_kv import TIMING, complete, metric
 from tests.support.daemon import (
+    Daemon,
     free_ports,
     kv_fleet_text,
     running_daemon,
@@ -175,3 +178,51 @@ def test_sglang_ranks_are_indexed_apart_but_its_own_balancer_places_requests(
             for rank in (0, 1):
                 key = f"g{child.incarnation}r{rank}"
                 wait_for(lambda key=key: kv.index.blocks_of(key) >= 10, what=f"rank {rank}")
+
+
+def test_a_pinned_stream_whose_engine_dies_continues_pinned_on_another(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """Token-exact migration from one data-parallel engine to a rank of the other; every
+    rank's count of our requests is back to 0 after, the dead leg's too."""
+    tables = []
+    for name in ("a", "b"):
+        table = sim_engine(name, "vllm", decode_us_per_token=300, prefill_us_per_token=0,
+                           eos_probability=0.0)
+        events, replay = free_ports(2), free_ports(2)
+        table["kv_events"] = [f"tcp://127.0.0.1:{events + r}" for r in (0, 1)]
+        table["kv_replay"] = [f"tcp://127.0.0.1:{replay + r}" for r in (0, 1)]
+        table["block_size"] = 16
+        tables.append(table)
+    body = {"model": "demo", "prompt": [*range(300, 460), 7], "max_tokens": 60,
+            "temperature": 0, "stream": True}
+
+    def streamed(daemon: Daemon) -> str:
+        with httpx.stream("POST", daemon.url + "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            lines = [line[6:] for line in r.iter_lines() if line.startswith("data: {")]
+        return "".join(json.loads(line)["choices"][0]["text"] for line in lines)
+
+    with running_daemon(tmp_path, kv_fleet_text(model_dir, tables)) as daemon:
+        daemon.wait_serving(2)
+        kv = daemon.supervisor.kv
+        children = daemon.supervisor.children
+        wait_for(lambda: all(c.incarnation in kv.live for c in children.values()),
+                 what="every rank's subscription")
+        expected = streamed(daemon)
+        sims = daemon.supervisor.simulators
+        home = next(name for name, sim in sims.items() if sim.stats.rank_of)
+        other = "b" if home == "a" else "a"
+        rank = next(iter(sims[home].stats.rank_of.values()))
+        key = f"g{children[home].incarnation}r{rank}"
+        wait_for(lambda: kv.index.blocks_of(key) >= 10, what="the prefix indexed")
+        sims[home].faults = FaultPlan(die_after_tokens=20, only_request=1)
+        assert streamed(daemon) == expected  # the prefix's engine and rank, then the other
+        assert len(sims[home].fault_stats.died) == 1
+        (continued,) = sims[other].stats.received.values()  # pinned there too: it names a rank
+        assert continued.HasField("data_parallel_rank")
+        assert sims[other].stats.rank_of == {continued.request_id: continued.data_parallel_rank}
+        (first, died) = sims[home].stats.received.values()
+        assert first.data_parallel_rank == died.data_parallel_rank == rank  # its prefix's rank
+        for engine in httpx.get(daemon.url + "/fleet").json()["engines"]:
+            assert [r["load"] for r in engine["dp_ranks"]] == [0, 0], engine["name"]
