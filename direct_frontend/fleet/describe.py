@@ -51,8 +51,16 @@ _BLOCK_SIZE: dict[str, tuple[str, str]] = {
 }
 _KV_CAPACITY: dict[str, tuple[str, str]] = {
     "sglang": ("GetServerInfo.max_total_num_tokens", ""),
-    "vllm": ("GetLoads max_total_num_tokens, the smallest rank's", ""),
+    "vllm": ("GetLoads max_total_num_tokens / the ranks listed (each entry has their sum)", ""),
     "trtllm": ("not reported", "KV routing measures against the fullest engine seen"),
+}
+_DATA_PARALLEL: dict[str, tuple[str, str]] = {
+    "sglang": ("GetServerInfo dp_size", "never pinned to a rank: its stock servicer drops "
+               "data_parallel_rank"),
+    "vllm": ("GetServerInfo.data_parallel_size, GetLoads' first rank",
+             "KV-aware routing pins requests to ranks (one kv_events endpoint per rank, or "
+             "dp_ranks)"),
+    "trtllm": ("not reported", "never pinned to a rank: its contract names none"),
 }
 _SERVES: dict[str, str] = {
     "sglang": "GetModelInfo.is_generation (false: --is-embedding, /v1/embeddings only)",
@@ -105,6 +113,7 @@ def engine_facts(engine: EngineConfig) -> tuple[tuple[str, str], ...]:
         ("context_length", _fact(kind, *_CONTEXT_LENGTH[kind], engine.context_length)),
         ("block_size", _fact(kind, *_BLOCK_SIZE[kind], engine.block_size)),
         ("kv_capacity", _fact(kind, *_KV_CAPACITY[kind], None)),
+        ("data_parallel", _fact(kind, *_DATA_PARALLEL[kind], None)),
         ("serves", _fact(kind, _SERVES[kind], "", None)),
         ("role", _fact(kind, _ROLE[kind], "", role_override)),
         ("restarts", _fact(kind, _RESTARTS[kind], "", None)),

@@ -975,7 +975,13 @@ def test_describe_shows_resolved_settings_and_facts() -> None:
         "    role            sglang: server_args.disaggregation_mode; override: prefill\n" in text
     )
     assert "    role            vllm: GetServerInfo.kv_role\n" in text
-    assert "    kv_capacity     vllm: GetLoads max_total_num_tokens, the smallest rank's\n" in text
+    assert ("    kv_capacity     vllm: GetLoads max_total_num_tokens / the ranks listed "
+            "(each entry has their sum)\n" in text)
+    assert ("    data_parallel   vllm: GetServerInfo.data_parallel_size, GetLoads' first rank; "
+            "KV-aware routing pins requests to ranks (one kv_events endpoint per rank, or "
+            "dp_ranks)\n" in text)
+    assert ("    data_parallel   sglang: GetServerInfo dp_size; never pinned to a rank: its stock "
+            "servicer drops data_parallel_rank\n" in text)
     assert ("    kv_capacity     trtllm: not reported; KV routing measures against the fullest "
             "engine seen\n" in text)
     assert (
