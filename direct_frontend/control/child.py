@@ -399,11 +399,12 @@ class EngineChild:
             with trio.fail_after(self.probe.timeout_s + 0.5):
                 reply = await self.channel.unary(rpc, self.probe.timeout_s)
             requests: int | None = self.dialect.engine_requests(reply)
+            ranks = self.dialect.rank_requests(reply)
         except (EngineError, trio.TooSlowError) as exc:
-            requests = None  # a stale figure is worse than none: count ours alone
+            requests, ranks = None, {}  # a stale figure is worse than none: count ours alone
             if isinstance(exc, EngineError) and exc.kind is ErrorKind.BAD_REQUEST:
                 self._without(rpc, exc, "weighing our own requests only")  # UNIMPLEMENTED
-        self.load.engine_reported(requests)
+        self.load.engine_reported(requests, ranks)
 
     async def _rejoin(self) -> None:
         """Back from unhealthy: re-discover, since the engine may have restarted."""

@@ -63,9 +63,11 @@ def engine_status(child: EngineChild) -> dict[str, JsonValue]:
         "serves": None if child.info is None else (
             "generation" if child.info.generates else "embeddings"),
         "load": child.in_flight,
-        # KV-aware routing pins requests to these data-parallel ranks ([]: the engine balances)
+        # KV-aware routing pins requests to these data-parallel ranks ([]: the engine balances):
+        # ours pinned there, and the others' there as of the engine's last load report
         "dp_ranks": [] if handle is None else [
-            {"rank": rank, "load": child.load.rank_in_flight.get(rank, 0)}
+            {"rank": rank, "load": child.load.rank_in_flight.get(rank, 0),
+             "foreign_load": child.load.rank_others.get(rank, 0)}
             for rank in handle.dp_ranks],
         "foreign_load": child.load.foreign_in_flight,
         "requests": child.load.requests_total,

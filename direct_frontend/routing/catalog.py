@@ -9,7 +9,7 @@ discovery learnt, its transport and its live load counters.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from direct_frontend.engines.neutral import EngineInfo, EngineRole
@@ -67,11 +67,23 @@ class EngineLoad:
         if requests > self.peers_most_since:
             self.peers_most_since = requests
 
-    def engine_reported(self, requests: int | None) -> None:
-        """The engine reports ``requests`` from every client (None: it could not say)."""
+    def engine_reported(self, requests: int | None, ranks: Mapping[int, int] | None = None) -> None:
+        """The engine reports ``requests`` from every client (None: it could not say).
+
+        ``ranks``: the same per data-parallel rank. What is not ours there (other
+        clients', and sibling replicas', whose ranks we are not told) counts as
+        the rank's others until the next report.
+        """
         ours = self.in_flight + self.peer_in_flight
         self.others_reported = 0 if requests is None else max(0, requests - ours)
         self.peers_at_report = self.peers_most_since = self.peer_in_flight
+        mine = self.rank_in_flight
+        self.rank_others = {rank: n - mine.get(rank, 0) for rank, n in (ranks or {}).items()
+                            if n > mine.get(rank, 0)}
+
+    def rank_load(self, rank: int) -> int:
+        """Requests on one data-parallel rank: ours pinned there, and the others' at the report."""
+        return self.rank_in_flight.get(rank, 0) + self.rank_others.get(rank, 0)
 
     def move_all(self) -> int:
         """Ask every stream running here to continue elsewhere; returns how many were asked."""
@@ -85,6 +97,8 @@ class EngineLoad:
     active_blocks: dict[int, int] = dataclasses.field(default_factory=dict)
     #: data-parallel rank → our requests in flight pinned to it (KV-aware routing's)
     rank_in_flight: dict[int, int] = dataclasses.field(default_factory=dict)
+    #: data-parallel rank → the engine's other requests there, as of its last report
+    rank_others: dict[int, int] = dataclasses.field(default_factory=dict)
 
     def begin(
         self, prompt_tokens: int, blocks: Sequence[int] = (), rank: int | None = None

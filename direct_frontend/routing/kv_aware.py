@@ -390,9 +390,10 @@ class KvAware:
         has a cache of its own, so the request goes where its prefix is (and
         the prediction is that rank's, not the engine's best), at the same
         price as between engines: the blocks to prefill there, dearer in a
-        fuller cache, plus ``in_flight_weight`` × our requests pinned there
-        (ours are all of them: we pin every request to such an engine). What a
-        rank holds is its KV events', else the approximate memory's of that rank.
+        fuller cache, plus ``in_flight_weight`` × the requests there: ours
+        pinned there and, as of the engine's last load report, everyone
+        else's. What a rank holds is its KV events', else the approximate
+        memory's of that rank.
         """
         ranks = engine.dp_ranks
         if len(ranks) < 2:
@@ -402,7 +403,7 @@ class KvAware:
         capacity = self.capacity_of(engine) or self._peak
         exact = self.exact
         held = exact if events and isinstance(exact, HeldBlocks) else None
-        in_flight = engine.load.rank_in_flight
+        load = engine.load
         best: tuple[float, int, int] | None = None
         choice = (ranks[0], 0)
         for position, rank in enumerate(ranks):
@@ -414,7 +415,7 @@ class KvAware:
                 name = rank_memory(engine.name, rank)
                 cached = approx.get(name, 0)
                 stored = self.approx.held(name)
-            busy = in_flight.get(rank, 0)
+            busy = load.rank_load(rank)
             fullness = 0.0
             if stored is not None and capacity > 0 and knobs.eviction_weight:
                 fullness = min(1.0, (stored + request_blocks - cached) / capacity)

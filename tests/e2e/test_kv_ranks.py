@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from tests.support.daemon import (
     Daemon,
     free_ports,
     kv_fleet_text,
+    raw_stream,
     running_daemon,
     sim_engine,
     wait_for,
@@ -226,3 +228,34 @@ def test_a_pinned_stream_whose_engine_dies_continues_pinned_on_another(
         assert first.data_parallel_rank == died.data_parallel_rank == rank  # its prefix's rank
         for engine in httpx.get(daemon.url + "/fleet").json()["engines"]:
             assert [r["load"] for r in engine["dp_ranks"]] == [0, 0], engine["name"]
+
+
+def test_another_routers_requests_on_a_rank_count_from_the_engines_report(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """Router X keeps streams on the engine, two on rank 0 and one on rank 1; router Y reads
+    them in GetLoads, per rank, and sends its own to the idler rank 1."""
+    (tmp_path / "x").mkdir()
+    (tmp_path / "y").mkdir()
+    long = {"model": "demo", "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 400, "stream": True}
+    with ranked_engine(model_dir, "vllm", faults=FaultPlan(token_delay_s=0.05)) as sim:
+        engine = sim.engine
+        table = {"name": "e", "url": f"grpc://127.0.0.1:{engine.port}", "kind": "vllm",
+                 "dp_ranks": 2}
+        with running_daemon(tmp_path / "x", kv_fleet_text(model_dir, [dict(table)])) as x, \
+                running_daemon(tmp_path / "y", kv_fleet_text(model_dir, [dict(table)])) as y, \
+                contextlib.ExitStack() as streams:
+            x.wait_serving(1)
+            y.wait_serving(1)
+            for _ in range(3):
+                streams.enter_context(raw_stream(x.url, long, events=2))
+            assert sorted(engine.stats.rank_of.values()) == [0, 0, 1]
+
+            def row(daemon: Daemon) -> dict[str, object]:
+                fleet: dict[str, object] = httpx.get(daemon.url + "/fleet").json()["engines"][0]
+                return fleet
+
+            wait_for(lambda: row(y)["foreign_load"] == 3, what="y to read the engine's report")
+            complete(y, [5, 6, 7, 8])
+            assert list(engine.stats.rank_of.values())[-1] == 1

@@ -503,3 +503,19 @@ def test_our_requests_in_flight_count_per_rank_until_they_end() -> None:
     h.load.end(0, (), 1)
     h.load.end(0, ())
     assert h.load.rank_in_flight == {1: 1} and h.load.in_flight == 0
+
+
+def test_a_ranks_other_requests_come_from_the_engines_report_until_the_next() -> None:
+    h = ranked("a", in_flight={0: 1})
+    h.load.engine_reported(5, {0: 3, 1: 2})  # ours: one on rank 0
+    assert (h.load.rank_load(0), h.load.rank_load(1)) == (3, 2)
+    h.load.end(0, (), 0)
+    assert (h.load.rank_load(0), h.load.rank_load(1)) == (2, 2)  # the others', as reported
+    index = KvIndex(BS)
+    policy = KvAware(KvAwareKnobs(block_size=BS), index)
+    policy.uses_events = {1}
+    h.load.engine_reported(2, {0: 2})
+    placement = policy.choose(Catalog(1, (h,)), view(PROMPT))
+    assert placement is not None and placement.dp_rank == 1  # rank 0 has two of others'
+    h.load.engine_reported(None)
+    assert h.load.rank_others == {}

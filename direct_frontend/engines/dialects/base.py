@@ -622,6 +622,10 @@ class Dialect(abc.ABC):
         """Requests the engine has, from every client, from the reply to :meth:`loads`."""
         raise NotImplementedError(f"{self.kind} engines report no load")
 
+    def rank_requests(self, response: Any) -> dict[int, int]:
+        """The same, per data-parallel rank ({}: not reported per rank)."""
+        return {}
+
     @abc.abstractmethod
     def engine_info(self, responses: Sequence[Any]) -> EngineInfo:
         """Build :class:`EngineInfo` from the replies to :meth:`discovery`, in order."""
@@ -676,6 +680,10 @@ class SmgDialect(Dialect):
     def engine_requests(self, response: Any) -> int:
         """Running and waiting requests on every rank (SGLang and vLLM share ``SchedulerLoad``)."""
         return sum(load.num_running_reqs + load.num_waiting_reqs for load in response.loads)
+
+    def rank_requests(self, response: Any) -> dict[int, int]:
+        return {load.dp_rank: load.num_running_reqs + load.num_waiting_reqs
+                for load in response.loads}
 
     def embed(self, call: EmbedCall) -> Rpc:
         # SGLang's and vLLM's requests differ in their other fields, which stay unset here
