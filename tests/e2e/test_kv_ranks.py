@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -33,6 +34,24 @@ def ranked_engine(model_dir: Path, kind: str, **options: object) -> EngineThread
     return EngineThread(engine)
 
 
+def events_table(engine: SimEngine, ranks: int = 2, **extra: object) -> dict[str, object]:
+    """The [[engine]] table of ``engine`` running beside, with its first ``ranks`` ranks' events."""
+    return {"name": "e", "url": f"grpc://127.0.0.1:{engine.port}", "kind": engine.kind,
+            "block_size": 16, "kv_events": engine.kv_events_endpoints[:ranks],
+            "kv_replay": engine.kv_replay_endpoints[:ranks], **extra}
+
+
+@contextlib.contextmanager
+def following(model_dir: Path, tmp_path: Path, table: dict[str, object]) -> Iterator[Daemon]:
+    """A daemon of the one engine ``table`` names, serving it and following its KV events."""
+    with running_daemon(tmp_path, kv_fleet_text(model_dir, [table])) as daemon:
+        daemon.wait_serving(1)
+        child = daemon.supervisor.children["e"]
+        kv = daemon.supervisor.kv
+        wait_for(lambda: child.incarnation in kv.live, what="the ranks' subscriptions")
+        yield daemon
+
+
 def cached(body: dict[str, object]) -> int:
     return body["usage"]["prompt_tokens_details"]["cached_tokens"]  # type: ignore[index, no-any-return]
 
@@ -41,14 +60,9 @@ def test_each_conversation_stays_on_the_rank_holding_it(model_dir: Path, tmp_pat
     kind = "vllm"
     with ranked_engine(model_dir, kind) as sim:
         engine = sim.engine
-        table = {"name": "e", "url": f"grpc://127.0.0.1:{engine.port}", "kind": kind,
-                 "block_size": 16, "kv_events": engine.kv_events_endpoints,
-                 "kv_replay": engine.kv_replay_endpoints}
-        with running_daemon(tmp_path, kv_fleet_text(model_dir, [table])) as daemon:
-            daemon.wait_serving(1)
+        with following(model_dir, tmp_path, events_table(engine)) as daemon:
             child = daemon.supervisor.children["e"]
             kv = daemon.supervisor.kv
-            wait_for(lambda: child.incarnation in kv.live, what="both ranks' subscriptions")
             row = httpx.get(daemon.url + "/fleet").json()["engines"][0]
             assert [r["rank"] for r in row["dp_ranks"]] == [0, 1]
             ranks = engine.stats.rank_of
@@ -101,11 +115,9 @@ def test_too_few_endpoints_for_the_ranks_is_a_warning_and_nothing_is_pinned(
 ) -> None:
     with ranked_engine(model_dir, "vllm") as sim:
         engine = sim.engine
-        table = {"name": "e", "url": f"grpc://127.0.0.1:{engine.port}", "kind": "vllm",
-                 "block_size": 16, "kv_events": engine.kv_events_endpoints[:1],
-                 "kv_replay": engine.kv_replay_endpoints[:1]}
         with caplog.at_level("WARNING"), \
-                running_daemon(tmp_path, kv_fleet_text(model_dir, [table])) as daemon:
+                running_daemon(tmp_path, kv_fleet_text(model_dir, [events_table(engine, 1)])) \
+                as daemon:
             daemon.wait_serving(1)
             assert httpx.get(daemon.url + "/fleet").json()["engines"][0]["dp_ranks"] == []
             complete(daemon, [*range(300, 460), 1])
@@ -146,11 +158,9 @@ def test_a_vllm_servicer_that_names_no_ranks_is_not_pinned(
     """Without GetLoads its first rank is unknown: a guess could be refused on every request."""
     with ranked_engine(model_dir, "vllm", serve_get_loads=False) as sim:
         engine = sim.engine
-        table = {"name": "e", "url": f"grpc://127.0.0.1:{engine.port}", "kind": "vllm",
-                 "block_size": 16, "kv_events": engine.kv_events_endpoints,
-                 "kv_replay": engine.kv_replay_endpoints}
         with caplog.at_level("WARNING"), \
-                running_daemon(tmp_path, kv_fleet_text(model_dir, [table])) as daemon:
+                running_daemon(tmp_path, kv_fleet_text(model_dir, [events_table(engine)])) \
+                as daemon:
             daemon.wait_serving(1)
             assert httpx.get(daemon.url + "/fleet").json()["engines"][0]["dp_ranks"] == []
             complete(daemon, [*range(300, 460), 1])
@@ -164,14 +174,9 @@ def test_sglang_ranks_are_indexed_apart_but_its_own_balancer_places_requests(
     """Its stock servicer drops the rank: no pin is sent, and each rank's events stay its own."""
     with ranked_engine(model_dir, "sglang") as sim:
         engine = sim.engine
-        table = {"name": "e", "url": f"grpc://127.0.0.1:{engine.port}", "kind": "sglang",
-                 "block_size": 16, "kv_events": engine.kv_events_endpoints,
-                 "kv_replay": engine.kv_replay_endpoints}
-        with running_daemon(tmp_path, kv_fleet_text(model_dir, [table])) as daemon:
-            daemon.wait_serving(1)
+        with following(model_dir, tmp_path, events_table(engine)) as daemon:
             child = daemon.supervisor.children["e"]
             kv = daemon.supervisor.kv
-            wait_for(lambda: child.incarnation in kv.live, what="both ranks' subscriptions")
             assert httpx.get(daemon.url + "/fleet").json()["engines"][0]["dp_ranks"] == []
             prompt = list(range(300, 460))
             complete(daemon, [*prompt, 1])
