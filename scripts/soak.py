@@ -78,26 +78,35 @@ class Tally:
     up: set[int] = field(default_factory=set)
 
 
+def engine_kind(dp_ranks: int) -> str:
+    """SGLang engines, or vLLM ones when they have data-parallel ranks (vLLM's are pinned)."""
+    return "vllm" if dp_ranks > 1 else "sglang"
+
+
 def fleet(listen: int, engine_ports: Sequence[int], probe_interval: float,
-          probe_timeout: float) -> str:
+          probe_timeout: float, dp_ranks: int = 1) -> str:
+    kind = engine_kind(dp_ranks)
+    ranks = f"dp_ranks = {dp_ranks}\n" if dp_ranks > 1 else ""
     engines = "".join(
-        f'\n[[engine]]\nname = "e{i}"\nurl = "grpc://{HOST}:{port}"\nkind = "sglang"\n'
+        f'\n[[engine]]\nname = "e{i}"\nurl = "grpc://{HOST}:{port}"\nkind = "{kind}"\n{ranks}'
         for i, port in enumerate(engine_ports)
     )
+    # ranks are pinned by KV-aware routing (here by its approximate memory: no KV events)
+    routing = '\n[frontend.routing]\npolicy = "kv_aware"\n' if dp_ranks > 1 else ""
     return (
         f'[frontend]\nlisten = "{HOST}:{listen}"\nserved_model_name = "demo"\n'
-        f"tokenizer = {json.dumps(str(MODEL_DIR))}\n"
+        f"tokenizer = {json.dumps(str(MODEL_DIR))}\n{routing}"
         f"\n[frontend.probe]\ninterval_s = {probe_interval}\ntimeout_s = {probe_timeout}\n"
         + engines
     )
 
 
-def engine_argv(port: int, decode_us: float) -> list[str]:
+def engine_argv(port: int, decode_us: float, dp_ranks: int = 1) -> list[str]:
     return [
-        *cli_argv(), "simulate-engine", "--kind", "sglang", "--port", str(port),
+        *cli_argv(), "simulate-engine", "--kind", engine_kind(dp_ranks), "--port", str(port),
         "--model-dir", str(MODEL_DIR), "--served-model-name", "demo",
         "--decode-us-per-token", str(decode_us), "--prefill-us-per-token", "5",
-        "--eos-probability", "0",
+        "--eos-probability", "0", "--dp-size", str(dp_ranks),
     ]
 
 
@@ -150,7 +159,8 @@ async def chaos(
         now = time.monotonic()
         for port, since in list(down.items()):
             if now - since >= args.down_for:
-                engines[port] = Child(f"engine:{port}", engine_argv(port, args.decode_us),
+                engines[port] = Child(f"engine:{port}",
+                                      engine_argv(port, args.decode_us, args.dp_ranks),
                                       logdir / f"engine-{port}-{now:.0f}.log")
                 await wait_for_port(engines[port], port)
                 tally.up.add(port)
@@ -170,9 +180,11 @@ async def main(args: argparse.Namespace) -> int:
     logdir = pathlib.Path(tempfile.mkdtemp(prefix="df-soak-"))
     listen, *ports = free_ports(1 + args.engines)
     fleet_path = logdir / "fleet.toml"
-    fleet_path.write_text(fleet(listen, ports, args.probe_interval, args.probe_timeout))
+    fleet_path.write_text(
+        fleet(listen, ports, args.probe_interval, args.probe_timeout, args.dp_ranks))
     engines = {
-        p: Child(f"engine:{p}", engine_argv(p, args.decode_us), logdir / f"engine-{p}.log")
+        p: Child(f"engine:{p}", engine_argv(p, args.decode_us, args.dp_ranks),
+                 logdir / f"engine-{p}.log")
         for p in ports
     }
     daemon = Child("daemon", [*cli_argv(), "run", str(fleet_path)], logdir / "daemon.log")
@@ -267,6 +279,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-down", type=int, default=None,
                    help="engines down at once at most (default: all but one)")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--dp-ranks", type=int, default=1,
+                   help="data-parallel ranks per engine: vLLM engines, routed kv_aware, each "
+                        "request pinned to a rank")
     p.add_argument("--probe-interval", type=float, default=0.25,
                    help="[frontend.probe] interval_s (the fleet file's default is 5.0)")
     p.add_argument("--probe-timeout", type=float, default=0.5,
