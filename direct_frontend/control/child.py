@@ -98,7 +98,7 @@ class EngineChild:
         self.on_change = on_change  # (child, previous state)
         self.id = engine_id(cfg.url)
         self.dialect = dialect_for(cfg.kind)
-        self._ranks_warned = False  # the too-few-kv_events warning, once per incarnation
+        self._ranks_warned = False  # a data-parallel rank warning, once per incarnation
         self.probe = frontend.probe
         self.tracker = ProbeTracker(self.probe.failure_threshold, self.probe.success_threshold)
         self.state = EngineState.JOINING
@@ -323,11 +323,10 @@ class EngineChild:
         One per KV-event endpoint (the fleet file lists them in rank order),
         or ``dp_ranks`` for an engine without KV events (the approximate
         memory then models each rank's cache). Only a whole-request engine of a
-        kind whose stock engine honours a rank (vLLM) is pinned, and only when
-        it has at least that many ranks (a rank it lacks would refuse every
-        request).
-        Fewer than it has leaves the other ranks' caches unseen. Either
-        mismatch is a warning, once, and nothing is pinned.
+        kind whose stock engine honours a rank (vLLM) is pinned, only when it
+        has at least that many ranks (a rank it lacks would refuse every
+        request) and only when it says which (its first). Fewer than it has
+        leaves the other ranks' caches unseen. A mismatch is a warning, once.
         """
         cfg = self.cfg
         ranks = len(cfg.kv_events) or cfg.dp_ranks or 0

@@ -161,8 +161,9 @@ class EngineHandle:
     #: the model it serves (its ``[[model]]`` name); requests for other models never reach it
     model: str = ""
     #: the data-parallel ranks a request may be pinned to, one per KV-event endpoint of
-    #: the fleet file in its order (each rank has a cache of its own); empty: the engine
-    #: balances its ranks itself (one rank, no KV events, or a contract that cannot pin)
+    #: the fleet file in its order, or its ``dp_ranks`` (each rank has a cache of its
+    #: own); empty: the engine balances its ranks itself (one rank, none named, or a kind
+    #: whose stock engine does not honour a rank)
     dp_ranks: tuple[int, ...] = ()
 
 
