@@ -213,6 +213,11 @@ def memory_names(engine: EngineHandle) -> tuple[str, ...]:
     return tuple(rank_memory(engine.name, rank) for rank in engine.dp_ranks)
 
 
+def filled(held: int, request_blocks: int, cached: int, capacity: int) -> float:
+    """How full a cache of ``capacity`` blocks that holds ``held`` is with the miss stored."""
+    return min(1.0, (held + request_blocks - cached) / capacity)
+
+
 def best_of(found: dict[str, int], names: Sequence[str]) -> int:
     """The most blocks any of ``names`` holds in a lookup's answer."""
     if len(names) == 1:
@@ -418,7 +423,7 @@ class KvAware:
             busy = load.rank_load(rank)
             fullness = 0.0
             if stored is not None and capacity > 0 and knobs.eviction_weight:
-                fullness = min(1.0, (stored + request_blocks - cached) / capacity)
+                fullness = filled(stored, request_blocks, cached, capacity)
             ranking = (self.rank_cost(request_blocks - cached, fullness, busy), busy, position)
             if best is None or ranking < best:
                 best, choice = ranking, (rank, cached)
@@ -547,7 +552,7 @@ class KvAware:
             n = known.get(e.name)
             capacity = self.capacity_of(e) or self._peak
             if n is not None and capacity > 0:
-                full[e.name] = min(1.0, (n + request_blocks - overlaps.get(e.name, 0)) / capacity)
+                full[e.name] = filled(n, request_blocks, overlaps.get(e.name, 0), capacity)
         return full
 
     def modelled_held(self, engine: EngineHandle) -> int | None:

@@ -91,9 +91,10 @@ class SimEngine:
     vLLM ``--data-parallel-size N`` (internal load balancing) or SGLang ``--dp N``
     do: each rank has its own batch limit, prefix cache and KV-event publisher
     (:attr:`kv_ranks`; with ``kv_events_port`` P rank r publishes on P + r, its
-    replay on ``kv_replay_port`` + r). A request's ``data_parallel_rank`` pins
-    it; an unpinned one goes to the rank with the fewest waiting plus running
-    requests; ``stats.rank_of`` says where each ran. The KV sizes
+    replay on ``kv_replay_port`` + r). A vLLM request's ``data_parallel_rank``
+    pins it (SGLang's, as its stock servicer, is not read); an unpinned one goes
+    to the rank with the fewest waiting plus running requests, ties in turn;
+    ``stats.rank_of`` says where each ran. The KV sizes
     (``kv_capacity_blocks``, ``kv_pool_tokens``) and ``max_running`` are per rank.
     """
 

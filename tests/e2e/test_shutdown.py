@@ -14,7 +14,15 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.support.daemon import fleet_text, free_port, running_daemon, sim_engine, wait_for
+from direct_frontend.simulator import SimEngine
+from tests.support.daemon import (
+    Daemon,
+    fleet_text,
+    free_port,
+    running_daemon,
+    sim_engine,
+    wait_for,
+)
 
 DAEMON = str(Path(sys.executable).with_name("direct-frontend"))
 SLOW = {"decode_us_per_token": 20000, "prefill_us_per_token": 0, "eos_probability": 0.0}
@@ -95,13 +103,19 @@ def test_a_second_signal_stops_at_once(model_dir: Path, tmp_path: Path) -> None:
     assert "Traceback" not in stderr, stderr
 
 
-def test_streams_longer_than_the_grace_period_are_cut_and_everything_ends(
-    model_dir: Path, tmp_path: Path,
-) -> None:
+@contextlib.contextmanager
+def graced(model_dir: Path, tmp_path: Path) -> Iterator[tuple[Daemon, SimEngine]]:
+    """A daemon of one slow engine, serving, that stops within a grace period of 0.3 s."""
     text = fleet_text(model_dir, [sim_engine("slow", **SLOW)])
     with running_daemon(tmp_path, text, shutdown_grace_s=0.3) as daemon:
         daemon.wait_serving(1)
-        sim = daemon.supervisor.simulators["slow"]
+        yield daemon, daemon.supervisor.simulators["slow"]
+
+
+def test_streams_longer_than_the_grace_period_are_cut_and_everything_ends(
+    model_dir: Path, tmp_path: Path,
+) -> None:
+    with graced(model_dir, tmp_path) as (daemon, sim):
         with httpx.Client(timeout=30) as client, client.stream(
             "POST", daemon.url + "/v1/chat/completions", json={**BODY, "max_tokens": 2000},
         ) as stream:
@@ -118,10 +132,7 @@ def test_streams_longer_than_the_grace_period_are_cut_and_everything_ends(
 def test_background_responses_get_the_grace_period_then_are_cancelled(
     model_dir: Path, tmp_path: Path,
 ) -> None:
-    text = fleet_text(model_dir, [sim_engine("slow", **SLOW)])
-    with running_daemon(tmp_path, text, shutdown_grace_s=0.3) as daemon:
-        daemon.wait_serving(1)
-        sim = daemon.supervisor.simulators["slow"]
+    with graced(model_dir, tmp_path) as (daemon, sim):
         made = httpx.post(daemon.url + "/v1/responses", json={
             "model": "demo", "input": "go on", "background": True,
             "max_output_tokens": 2000}).json()

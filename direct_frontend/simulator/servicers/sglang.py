@@ -94,9 +94,6 @@ class SglangServicer(SmgServicer, SglangSchedulerBase):
         params = request.sampling_params
         if params.n > 1:
             raise GRPCError(Status.UNIMPLEMENTED, "The simulator does not support n > 1")
-        # The stock servicer (smg-grpc-servicer 0.14.1, Python) does not pass the contract's
-        # data_parallel_rank on to the scheduler: SGLang's DP controller places every request.
-        rank = None
         handoff = await disagg.sglang_leg(core, request, len(prompt))  # P/D roles
         # Unset max_new_tokens means no cap: only the window stops it.
         requested = params.max_new_tokens if params.HasField("max_new_tokens") else None
@@ -113,7 +110,8 @@ class SglangServicer(SmgServicer, SglangSchedulerBase):
         if request.lora_id:
             job.cache = adapter_cache(core, request.lora_id)  # per adapter, not per rank
         job.cached_tokens = handoff.transferred
-        job.rank = rank
+        # Its rank stays unpinned: the stock servicer (smg-grpc-servicer 0.14.1, Python) does not
+        # pass the contract's data_parallel_rank on; SGLang's DP controller places every request.
         output = job.generation.output_ids
         prompt_tokens = len(prompt)
         # top_logprobs_num serves output and prompt; a start of -1 means no prompt logprobs
