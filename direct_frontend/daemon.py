@@ -204,7 +204,9 @@ def _open_responses(fleet: FleetConfig, metrics: Metrics) -> ResponseStore | Non
     config = fleet.frontend.responses
     if not config.store:
         return None
-    store = ResponseStore(config.max_bytes, config.ttl_s, on_evict=metrics.response_evicted)
+    store = ResponseStore(config.max_bytes, config.ttl_s,
+                          max_bytes_per_owner=config.max_bytes_per_owner,
+                          on_evict=metrics.response_evicted)
     metrics.watch_responses(lambda: len(store), lambda: store.bytes)
     return store
 

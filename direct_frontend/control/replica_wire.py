@@ -86,12 +86,15 @@ class ResponseQuery(msgspec.Struct, frozen=True):
     ``encode_record``) to ``inbox`` in chunks (kv/snapshot.py ``split``), or
     answers empty: not held. To ``delete``, ``1`` or ``0``. To ``cancel``, once the
     response has ended, ``cancelled`` or ``not_background``; empty: not held.
+    ``owner`` is who asks (http/identity.py): another owner's response is not
+    held, as at home.
     """
 
     replica: str
     op: str
     id: str
     inbox: str = ""
+    owner: str = ""
 
 
 def _pack(hashes: tuple[int, ...] | frozenset[int]) -> bytes:
@@ -139,6 +142,6 @@ class Subjects:
         self.snapshot = f"{cluster}.kv-snapshot"
         self._responses = f"{cluster}.responses."
 
-    def responses(self, owner: str) -> str:
-        """Where the replica whose response ids carry ``owner`` answers for them."""
-        return self._responses + owner
+    def responses(self, holder: str) -> str:
+        """Where the replica whose response ids carry ``holder`` answers for them."""
+        return self._responses + holder

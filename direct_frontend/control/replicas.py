@@ -261,7 +261,7 @@ class ReplicaLink:
             # a queue group: one sibling answers each late replica
             await subscribe(self.subjects.snapshot, queue="kv-snapshot", cb=deliver)
         if self.responses is not None:
-            await subscribe(self.subjects.responses(self.responses.owner), cb=deliver)
+            await subscribe(self.subjects.responses(self.responses.holder), cb=deliver)
 
     async def _publish(self, subject: str, data: bytes) -> bool:
         if self._nc is None or not self.connected:
@@ -364,7 +364,7 @@ class ReplicaLink:
             elif subject == self.subjects.snapshot:
                 await self._serve_snapshot(data, reply)
             elif self.responses is not None and subject == self.subjects.responses(
-                    self.responses.owner):
+                    self.responses.holder):
                 await self._serve_response(data, reply)
 
     def _malformed(self, what: str) -> None:
@@ -483,8 +483,9 @@ class ReplicaLink:
 
     # -- stored responses ---------------------------------------------------------------
 
-    async def fetch(self, owner: str, response_id: str) -> StoredResponse | None:
-        """The stored response a sibling holds; None if it does not, is gone or is silent.
+    async def fetch(self, holder: str, response_id: str, owner: str) -> StoredResponse | None:
+        """``owner``'s stored response a sibling holds; None if it does not, is gone or is
+        silent.
 
         The sibling says yes or no to the request, then sends the record to
         our inbox in chunks (a long conversation outgrows a NATS message).
@@ -505,15 +506,15 @@ class ReplicaLink:
             return None
         try:
             with trio.move_on_after(RESPONSE_TIMEOUT_S * 2):
-                answer = await self._ask(owner, ResponseQuery(self.replica, "get", response_id,
-                                                              inbox))
+                answer = await self._ask(holder, ResponseQuery(self.replica, "get", response_id,
+                                                               inbox, owner))
                 if answer != b"ok":
                     return None
                 assembly = Reassembly()
                 while not assembly.done:
                     assembly.add(await chunks_rx.receive())
                 record = decode_record(assembly.data())
-                if record is None or record.id != response_id:
+                if record is None or record.id != response_id or record.owner != owner:
                     self._malformed("stored response")
                     return None
                 self.counts["responses_fetched"] += 1
@@ -529,18 +530,21 @@ class ReplicaLink:
             except Exception as exc:
                 log.debug("replicas: unsubscribe: %s", exc)
 
-    async def delete(self, owner: str, response_id: str) -> bool:
-        """Ask the sibling that holds a stored response to drop it; True if it did."""
-        return await self._ask(owner, ResponseQuery(self.replica, "delete", response_id)) == b"1"
+    async def delete(self, holder: str, response_id: str, owner: str) -> bool:
+        """Ask the sibling that holds ``owner``'s stored response to drop it; True if it did."""
+        query = ResponseQuery(self.replica, "delete", response_id, owner=owner)
+        return await self._ask(holder, query) == b"1"
 
-    async def cancel(self, owner: str, response_id: str) -> str | None:
-        """Ask the sibling that runs a background response to cancel it; its answer
-        (openai/response_store.py ``ResponseStore.cancel``), None if it does not hold it."""
-        answer = await self._ask(owner, ResponseQuery(self.replica, "cancel", response_id))
+    async def cancel(self, holder: str, response_id: str, owner: str) -> str | None:
+        """Ask the sibling that runs ``owner``'s background response to cancel it; its
+        answer (openai/response_store.py ``ResponseStore.cancel``), None if it does not hold
+        it."""
+        query = ResponseQuery(self.replica, "cancel", response_id, owner=owner)
+        answer = await self._ask(holder, query)
         return answer.decode() if answer else None
 
-    async def _ask(self, owner: str, query: ResponseQuery) -> bytes | None:
-        """The owner's answer to ``query``; None if nobody answers for ``owner``."""
+    async def _ask(self, holder: str, query: ResponseQuery) -> bytes | None:
+        """The holder's answer to ``query``; None if nobody answers for ``holder``."""
         if self._nc is None or not self.connected:
             return None
         import nats.errors
@@ -548,10 +552,10 @@ class ReplicaLink:
         try:
             with trio.fail_after(RESPONSE_TIMEOUT_S * 2):  # nats' own timeout comes first
                 msg = await trio_asyncio.aio_as_trio(self._nc.request)(
-                    self.subjects.responses(owner), encode(query), timeout=RESPONSE_TIMEOUT_S,
+                    self.subjects.responses(holder), encode(query), timeout=RESPONSE_TIMEOUT_S,
                 )
         except nats.errors.NoRespondersError:
-            return None  # nobody answers for that owner any more: its responses went with it
+            return None  # nobody answers for that holder any more: its responses went with it
         except (nats.errors.Error, trio.TooSlowError, OSError) as exc:
             self._fetch_failed(query.id, exc.__class__.__name__)
             return None
@@ -569,7 +573,7 @@ class ReplicaLink:
         if query is None or store is None or not reply:
             return self._malformed("stored-response query")
         if query.op == "get":
-            record = store.get(query.id)
+            record = store.get(query.id, query.owner)
             if record is None or not query.inbox:
                 await self._publish(reply, b"")
                 return None
@@ -578,11 +582,11 @@ class ReplicaLink:
             for chunk in split(data, self.chunk_bytes):
                 await self._publish(query.inbox, chunk)
         elif query.op == "delete":
-            await self._publish(reply, b"1" if store.delete(query.id) else b"0")
+            await self._publish(reply, b"1" if store.delete(query.id, query.owner) else b"0")
         elif query.op == "cancel":  # answered once the response has ended (or soon)
             answer: str | None = CANCELLED  # the cancel is under way if it takes longer
             with trio.move_on_after(RESPONSE_TIMEOUT_S / 2):
-                answer = await store.cancel(query.id)
+                answer = await store.cancel(query.id, query.owner)
             await self._publish(reply, (answer or "").encode())
         else:
             return self._malformed("stored-response query")

@@ -15,6 +15,7 @@ from typing import Any
 from direct_frontend.engines.neutral import EngineRole
 from direct_frontend.fleet.schema import (
     EFFORTS,
+    AuthConfig,
     EngineConfig,
     FleetConfig,
     FrontendConfig,
@@ -161,7 +162,7 @@ def to_jsonable(cfg: FleetConfig, *, redact: bool = True) -> dict[str, JsonValue
                 "read_loads": probe.read_loads,
             },
             "admin": {"enabled": admin.enabled, "token": token},
-            "auth": {"api_keys": api_keys},
+            "auth": {"api_keys": api_keys, "tenant_header": auth.tenant_header},
             "faults": {
                 "max_retries": frontend.faults.max_retries,
                 "max_migrations": frontend.faults.max_migrations,
@@ -317,6 +318,7 @@ def _frontend_rows(frontend: FrontendConfig) -> list[tuple[str, str]]:
         ("admin.enabled", _scalar(frontend.admin.enabled)),
         ("admin.token", "set (redacted)" if frontend.admin.token else "none"),
         ("auth.api_keys", f"{len(api_keys)} (redacted)" if api_keys else "none (open)"),
+        ("auth.owners", _owners_row(frontend.auth)),
         ("faults.max_retries", str(frontend.faults.max_retries)),
         ("faults.max_migrations", str(frontend.faults.max_migrations)),
         ("faults.stall_timeout_s", _scalar(frontend.faults.stall_timeout_s)),
@@ -412,8 +414,19 @@ def _tracing_row(tracing: TracingConfig) -> str:
 def _responses_row(responses: ResponsesConfig) -> str:
     if not responses.store:
         return "kept: none (previous_response_id is refused)"
-    return (f"kept for previous_response_id: up to {responses.max_bytes} bytes per process, "
-            f"{responses.ttl_s:g} s each")
+    per_owner = ("a fair share" if responses.max_bytes_per_owner is None
+                 else f"at most {responses.max_bytes_per_owner}")
+    return (f"kept for previous_response_id: up to {responses.max_bytes} bytes per process "
+            f"({per_owner} per owner), {responses.ttl_s:g} s each; "
+            f"{responses.max_background_per_owner} background at once per owner")
+
+
+def _owners_row(auth: AuthConfig) -> str:
+    """Who owns stored responses: what another owner gets is a 404."""
+    owner = "each API key" if auth.api_keys else "everyone, as one (no API keys)"
+    if auth.tenant_header is not None:
+        owner += f", narrowed by the tenant in header {auth.tenant_header}"
+    return owner
 
 
 def _replicas_row(replicas: ReplicasConfig) -> str:

@@ -219,9 +219,16 @@ class AdminConfig:
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class AuthConfig:
-    """``[frontend.auth]``: bearer keys the OpenAI endpoints require (none: open)."""
+    """``[frontend.auth]``: bearer keys the OpenAI endpoints require (none: open).
+
+    Each key is an owner: what one key stores (responses, background
+    responses) no other key can see. ``tenant_header`` narrows the owner to
+    the tenant a trusted gateway names in that header, within the key (a key
+    never reaches another key's objects, whatever header it sends).
+    """
 
     api_keys: tuple[str, ...] = setting((), Rules(secret=True))
+    tenant_header: str | None = None  # e.g. "x-tenant-id"
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -266,14 +273,21 @@ class ResponsesConfig:
 
     A response is kept (unless its request says ``store: false``) so that
     ``previous_response_id`` and ``GET /v1/responses/{id}`` find it: in the
-    memory of the process that answered it, at most ``max_bytes`` of JSON per
-    process (the oldest leave first) and none longer than ``ttl_s``. With
-    ``store = false`` nothing is kept. Built at start.
+    memory of the process that answered it, at most ``max_bytes`` per process
+    and none longer than ``ttl_s``. Every response belongs to the API key that
+    made it (``[frontend.auth]``); the budget is shared fairly between owners
+    (an owner under its share never loses a record to another's traffic), and
+    one owner may run at most ``max_background_per_owner`` background
+    responses at once. With ``store = false`` nothing is kept. Built at start.
     """
 
     store: bool = True
     max_bytes: int = setting(64 * 1024 * 1024, AT_LEAST_ONE)
     ttl_s: float = setting(86400.0, POSITIVE)
+    # no owner holds more than this (absent: the whole budget, fairly shared between owners)
+    max_bytes_per_owner: int | None = setting(None, AT_LEAST_ONE)
+    # background responses one owner may have queued or running at once (beyond: a 429)
+    max_background_per_owner: int = setting(8, AT_LEAST_ONE)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

@@ -39,7 +39,9 @@ from direct_frontend.http.asgi import (
 from direct_frontend.http.background import BackgroundResponses, follow, follow_cursor
 from direct_frontend.http.control_view import ControlView
 from direct_frontend.http.embeddings import respond_embeddings
+from direct_frontend.http.identity import owner_of
 from direct_frontend.http.messages_api import respond_messages
+from direct_frontend.http.query import query_int
 from direct_frontend.http.render import (
     render_anthropic_model,
     render_anthropic_models,
@@ -136,7 +138,8 @@ class App:
         #: stored Responses (None: ``[frontend.responses] store = false``, nothing is kept)
         self.responses = responses
         #: the background responses (their nursery runs beside the HTTP server's)
-        self.background = None if responses is None else BackgroundResponses(responses, metrics)
+        self.background = None if responses is None else BackgroundResponses(
+            responses, metrics, control.settings.frontend.responses.max_background_per_owner)
         self.metrics = metrics
         self.bound_urls: list[str] = []
         #: ``run --workers``: every worker's metrics as one scrape, from this one's text
@@ -202,25 +205,24 @@ class App:
         if methods is not None and path.startswith("/fleet") and not admin_enabled:
             methods = None  # admin disabled: the routes do not exist
         handler = methods.get(method) if methods else None
-        if handler is not None and (denied := _denied(settings.frontend, scope)) is not None:
-            await send_error(send, denied)
-            self.metrics.request_started()
-            self.metrics.request_finished(route, denied.status, 0.0)
-            return
+        request_id = new_request_id()  # here, so every answer names it, a refusal's too
+        refusal = None if handler is None else _denied(settings.frontend, scope)
         if handler is None:
-            err = (
+            refusal = (
                 method_not_allowed(method, path, tuple(methods))
                 if methods else unknown_route(method, path)
             )
-            await send_error(send, err)
+            route = route if methods else "other"
+        if refusal is not None:
+            await send_error(send, refusal, [(b"x-request-id", request_id.encode())])
             self.metrics.request_started()
-            self.metrics.request_finished(route if methods else "other", err.status, 0.0)
+            self.metrics.request_finished(route, refusal.status, 0.0)
             return
+        assert handler is not None
         status = 500
         in_flight = path != "/metrics"  # a scrape must not count itself in flight
         if in_flight:
             self.metrics.request_started()
-        request_id = new_request_id()  # here, so even a failed handler's 500 names it
         token = current_request_id.set(request_id)
         progress = ResponseProgress(send)
         receive, send = progress.receiving(receive), progress.send
@@ -319,13 +321,14 @@ class App:
                         send: Send) -> int:
         query = scope.get("query_string", b"")
 
-        async def answer(store: ResponseStore, response_id: str, send: Send,
+        async def answer(store: ResponseStore, response_id: str, owner: str, send: Send,
                          headers: Headers) -> int:
             after = follow_cursor(query)  # None: a snapshot, not its events
             if after is None:
-                return await respond_retrieve(store, response_id, send, headers)
+                return await respond_retrieve(store, response_id, owner, send, headers)
             assert self.background is not None  # there is a store, so it runs
-            return await follow(self.background, response_id, after, receive, send, headers)
+            return await follow(self.background, response_id, owner, after, receive, send,
+                                headers)
 
         return await self._stored(settings, scope, receive, send, answer)
 
@@ -341,44 +344,49 @@ class App:
                            send: Send) -> int:
         query = scope.get("query_string", b"")
 
-        async def answer(store: ResponseStore, response_id: str, send: Send,
+        async def answer(store: ResponseStore, response_id: str, owner: str, send: Send,
                          headers: Headers) -> int:
-            return await respond_input_items(store, response_id, query, send, headers)
+            return await respond_input_items(store, response_id, owner, query, send, headers)
 
         return await self._stored(settings, scope, receive, send, answer, INPUT_ITEMS)
 
     async def _stored(
         self, settings: Settings, scope: Scope, receive: Receive, send: Send,
-        answer: Callable[[ResponseStore, str, Send, Headers], Awaitable[int]],
+        answer: Callable[[ResponseStore, str, str, Send, Headers], Awaitable[int]],
         suffix: str = "",
     ) -> int:
-        """A stored response's endpoint; its id is the path between the prefix and ``suffix``."""
+        """A stored response's endpoint; its id is the path between the prefix and ``suffix``.
+
+        Answered for the request's owner only (http/identity.py).
+        """
         path: str = scope["path"]
         response_id = path[len(RESPONSE_PATH):len(path) - len(suffix)]
+        owner = owner_of(settings.frontend.auth, scope)
 
         async def held(body: bytes, headers: Headers) -> int:
             if self.responses is None:
                 raise response_not_found(response_id)
-            return await answer(self.responses, response_id, send, headers)
+            return await answer(self.responses, response_id, owner, send, headers)
 
         return await self._from_body(settings, receive, send, held)
 
-    async def _responses_request(self, body: bytes) -> ResponsesRequest:
-        """A Responses body read with the history of the response it continues, if any."""
+    async def _responses_request(self, body: bytes, owner: str) -> ResponsesRequest:
+        """A Responses body read with the history of the response it continues, if any
+        (``owner``'s: another's is not found)."""
         raw = read_json_object(body)
         previous = previous_response_id(raw)
-        history = () if previous is None else (await self._previous(previous)).history()
+        history = () if previous is None else (await self._previous(previous, owner)).history()
         return parse_responses_request(raw, history, decode_items(history))
 
-    async def _previous(self, response_id: str) -> StoredResponse:
-        """The stored response a Responses request continues; a 400 if none is held."""
+    async def _previous(self, response_id: str, owner: str) -> StoredResponse:
+        """``owner``'s stored response a Responses request continues; a 400 if none is held."""
         if self.responses is None:
             raise invalid_request(
                 "previous_response_id needs a stored response, and this server keeps none "
                 "([frontend.responses] store = false): send the whole conversation in 'input'.",
                 "previous_response_id",
             )
-        record = await find(self.responses, response_id)
+        record = await find(self.responses, response_id, owner)
         if record is None:
             raise previous_response_not_found(response_id)
         if record.running:  # its output is not all there yet
@@ -400,8 +408,10 @@ class App:
     async def _input_tokens(self, settings: Settings, scope: Scope, receive: Receive,
                             send: Send) -> int:
         """OpenAI's ``/v1/responses/input_tokens``: a Responses request's prompt, counted."""
+        owner = owner_of(settings.frontend.auth, scope)
+
         async def answer(body: bytes, headers: Headers) -> int:
-            count = await self._prompt_tokens((await self._responses_request(body)).chat)
+            count = await self._prompt_tokens((await self._responses_request(body, owner)).chat)
             await send_body(send, 200, b'{"object":"response.input_tokens","input_tokens":%d}'
                             % count, JSON, headers)
             return 200
@@ -434,7 +444,7 @@ class App:
         return await self._from_body(settings, receive, send, answer)
 
     async def _background(self, relay: Relay, settings: Settings, prepared: PreparedRequest,
-                          request: ResponsesRequest, receive: Receive, send: Send,
+                          request: ResponsesRequest, owner: str, receive: Receive, send: Send,
                           headers: Headers) -> int:
         """Start a ``background: true`` response; its queued object, or its events."""
         background = self.background  # None exactly when the server keeps no responses
@@ -443,12 +453,12 @@ class App:
                 "A background response is kept to be polled, and this server keeps none "
                 "([frontend.responses] store = false).", "background",
             )
-        response_id = background.store.new_id(prepared.request_id)
-        queued = background.start(relay, settings, prepared, request, response_id)
+        response_id = background.store.new_id()
+        queued = background.start(relay, settings, prepared, request, response_id, owner)
         if not request.chat.stream:
             await send_body(send, 200, _encode(queued), JSON, headers)
             return 200
-        return await follow(background, response_id, -1, receive, send, headers)
+        return await follow(background, response_id, owner, -1, receive, send, headers)
 
     def _model_of(self, model: str) -> ServedModel:
         served = self.control.models.get(model)
@@ -507,7 +517,8 @@ class App:
         async def walk(request_id: str, trace: RequestTrace | None,
                        found: list[ServedModel]) -> int:
             return await self._walk(
-                kind, settings, receive, send, request_id, trace, found, scope["headers"]
+                kind, settings, receive, send, request_id, trace, found, scope["headers"],
+                owner_of(settings.frontend.auth, scope),
             )
 
         return await self._traced(scope, walk)
@@ -548,16 +559,19 @@ class App:
         trace: RequestTrace | None,
         found: list[ServedModel],
         headers_in: Iterable[tuple[bytes, bytes]],
+        owner: str,
     ) -> int:
         """One generation request from its body to its last byte; returns the HTTP status.
 
-        The model it asks for goes into ``found`` as soon as it is known.
+        The model it asks for goes into ``found`` as soon as it is known; what
+        it stores belongs to ``owner``.
         """
         headers = [(b"x-request-id", request_id.encode())]
         frontend = settings.frontend
         try:
             body = await read_body(receive, frontend.max_body_bytes, frontend.body_timeout_s)
-            responses = await self._responses_request(body) if kind == "responses" else None
+            responses = (await self._responses_request(body, owner) if kind == "responses"
+                         else None)
             request: ChatRequest | CompletionRequest = (
                 responses.chat if responses is not None
                 else parse_messages_request(body) if kind == "messages"
@@ -589,8 +603,8 @@ class App:
                 assert isinstance(prepared.request, ChatRequest)
                 return await self._background(
                     found[0].relay, settings, prepared,
-                    dataclasses.replace(responses, chat=prepared.request), receive, send,
-                    headers,
+                    dataclasses.replace(responses, chat=prepared.request), owner, receive,
+                    send, headers,
                 )
         except OpenAIHTTPError as err:
             await send_error(send, err, headers)
@@ -612,7 +626,7 @@ class App:
                     return await respond_responses(
                         found[0].relay, settings, prepared,
                         dataclasses.replace(responses, chat=prepared.request),
-                        receive, send, headers, trace, self.responses,
+                        receive, send, headers, trace, self.responses, owner,
                     )
                 if kind == "messages":
                     return await respond_messages(found[0].relay, settings, prepared, receive,
@@ -636,20 +650,22 @@ def anthropic_page(query: bytes) -> tuple[int, str | None, str | None]:
     """Anthropic's list query: ``limit`` (1–1000, 20 by default), ``after_id``, ``before_id``."""
     fields = parse_qs(query.decode("latin-1"))
     raw = fields.get("limit", ["20"])[-1]
-    if not raw.isdigit() or not 1 <= int(raw) <= 1000:
-        raise invalid_request(f"limit: Input should be an integer from 1 to 1000, not {raw!r}",
-                              "limit")
-    return int(raw), fields.get("after_id", [None])[-1], fields.get("before_id", [None])[-1]
+    limit = query_int(raw, 1, 1000)
+    if limit is None:
+        raise invalid_request(f"limit: Input should be an integer from 1 to 1000, not "
+                              f"{raw[:40]!r}", "limit")
+    return limit, fields.get("after_id", [None])[-1], fields.get("before_id", [None])[-1]
 
 
 def _denied(frontend: FrontendConfig, scope: Scope) -> OpenAIHTTPError | None:
-    """401 unless the request carries the credential its endpoint needs (if any)."""
+    """401 unless the request carries the credential its endpoint needs (if any): an API
+    key for the OpenAI endpoints, the admin token for the fleet view and the metrics."""
     path = scope["path"]
     if path.startswith("/v1/") or path in TOKENIZER_PATHS:
         keys = frontend.auth.api_keys
         if keys and not credential_ok(scope, keys, api_key_header=True):
             return unauthorized()
-    elif path.startswith("/fleet"):
+    elif path.startswith("/fleet") or path == "/metrics":
         token = frontend.admin.token
         if token is not None and not credential_ok(scope, (token,)):
             return unauthorized("admin token")

@@ -16,6 +16,15 @@ it through :meth:`BackgroundResponses.record` (status, output so far, events
 so far), so a sibling process that is asked for it gets it as it is now; when
 it ends, its final record (events included) is kept like any stored response.
 
+Each response belongs to its owner (http/identity.py), who alone sees,
+follows and cancels it. One owner may have at most ``[frontend.responses]
+max_background_per_owner`` queued or running at once, and background work
+as a whole holds at most half of a model's admission slots
+(pipeline/admission.py), so a flood of them never keeps another client's
+foreground requests out. A running response's event log counts against its
+owner's share of the store as it grows; a log that cannot fit ends the
+response ``failed``.
+
 The service's nursery lives as long as the HTTP server; at shutdown the
 responses still running get the grace period, then are cancelled.
 """
@@ -35,6 +44,7 @@ import trio
 from direct_frontend.engines.neutral import TokenLogprob
 from direct_frontend.errors import EngineError
 from direct_frontend.http.asgi import Headers, Receive, Send
+from direct_frontend.http.query import query_int
 from direct_frontend.http.responses import SSE_HEADERS, _Client
 from direct_frontend.http.responses_api import (
     Event,
@@ -51,7 +61,9 @@ from direct_frontend.openai.errors import (
     OpenAIHTTPError,
     internal_error,
     invalid_request,
+    rate_limited,
     response_not_found,
+    response_too_large,
     shutting_down,
 )
 from direct_frontend.openai.response_store import (
@@ -74,8 +86,12 @@ _encode: Final = msgspec.json.Encoder().encode
 class _Run:
     """One background response: its builder, its event log, and how to stop it."""
 
-    def __init__(self, builder: ResponseBuilder) -> None:
+    def __init__(self, builder: ResponseBuilder, owner: str, store: ResponseStore) -> None:
         self.builder = builder
+        self.owner = owner
+        self.store = store
+        self.logged = 0  # the bytes of its event log, counted against its owner in the store
+        self.too_large = False  # its log outgrew what its owner may hold: it is being stopped
         self.status = "queued"
         self.error: dict[str, Any] | None = None
         self.usage: dict[str, Any] | None = None
@@ -88,8 +104,17 @@ class _Run:
         self.wake = trio.Event()  # set when events are added or it ends, then replaced
 
     def add(self, events: Sequence[Event]) -> None:
-        """Log ``events`` and wake the followers."""
-        self.events.extend(self.sse.each(events))
+        """Log ``events``, count them against the owner, and wake the followers.
+
+        A log that no longer fits its owner's share stops the response.
+        """
+        encoded = self.sse.each(events)
+        size = sum(map(len, encoded))
+        self.logged += size
+        if not self.store.charge(self.owner, size) and not self.too_large:
+            self.too_large = True
+            self.scope.cancel()
+        self.events.extend(encoded)
         self.wake.set()
         self.wake = trio.Event()
 
@@ -111,9 +136,11 @@ class _Run:
 class BackgroundResponses:
     """The background responses this process runs, in one nursery; see the module's text."""
 
-    def __init__(self, store: ResponseStore, metrics: Metrics) -> None:
+    def __init__(self, store: ResponseStore, metrics: Metrics, max_per_owner: int) -> None:
         self.store = store
+        self.max_per_owner = max_per_owner
         self._runs: dict[str, _Run] = {}
+        self._per_owner: dict[str, int] = {}  # an owner's responses queued or running here
         self._nursery: trio.Nursery | None = None
         store.live = self.record
         store.canceller = self.cancel
@@ -139,15 +166,21 @@ class BackgroundResponses:
             await next(iter(self._runs.values())).ended.wait()
 
     def start(self, relay: Relay, settings: Settings, prepared: PreparedRequest,
-              request: ResponsesRequest, response_id: str) -> dict[str, Any]:
-        """Start the response in the background; its ``queued`` Response object.
+              request: ResponsesRequest, response_id: str, owner: str) -> dict[str, Any]:
+        """Start ``owner``'s response in the background; its ``queued`` Response object.
 
-        A 429 when the admission queue has no room for it now (as a foreground
-        request gets), a 503 when the server is shutting down.
+        A 429 when the owner has its most running already, or the admission
+        queue has no room for it now (as a foreground request gets); a 503
+        when the server is shutting down.
         """
         nursery = self._nursery
         if nursery is None:
             raise shutting_down()
+        if self._per_owner.get(owner, 0) >= self.max_per_owner:
+            raise rate_limited(
+                f"At most {self.max_per_owner} background responses may be queued or running "
+                "at once per API key ([frontend.responses] max_background_per_owner): wait for "
+                "one to end.", retry_after=1)
         try:
             settings.admission.refuse_if_full()
         except Rejected as rejected:
@@ -157,10 +190,11 @@ class BackgroundResponses:
         prepared = dataclasses.replace(prepared, request=chat)
         builder = ResponseBuilder(dataclasses.replace(request, chat=chat), response_id,
                                   int(time.time()), stored=True, background=True)
-        run = _Run(builder)
+        run = _Run(builder, owner, self.store)
+        self._runs[response_id] = run
+        self._per_owner[owner] = self._per_owner.get(owner, 0) + 1
         run.add([{"type": "response.created", "response": run.response()},
                  {"type": "response.queued", "response": run.response()}])
-        self._runs[response_id] = run
         nursery.start_soon(self._serve, run, relay, settings, prepared, response_id)
         return run.response()
 
@@ -187,7 +221,7 @@ class BackgroundResponses:
 
     @staticmethod
     def _record(run: _Run) -> StoredResponse:
-        record = run.builder.record(_encode(run.response()))
+        record = run.builder.record(_encode(run.response()), run.owner)
         return msgspec.structs.replace(record, status=run.status, background=True,
                                        events=tuple(run.events))
 
@@ -202,21 +236,31 @@ class BackgroundResponses:
             if run.status in RUNNING:
                 self._fail(run, internal_error())
         finally:
-            if run.status in RUNNING:  # cancelled: by a cancel (its own scope), or at shutdown
+            if run.status in RUNNING and run.too_large:
+                self._fail(run, response_too_large(self.store.owner_cap))
+            elif run.status in RUNNING:  # cancelled: by a cancel (its own scope), or at shutdown
                 if run.scope.cancelled_caught:
                     relay.metrics.request_cancelled()
                 run.end("cancelled", run.builder.finish("cancelled"))
-            if not self.store.put(self._record(run)):
-                log.warning("background response %s is larger than [frontend.responses] "
-                            "max_bytes (%d): not kept", response_id, self.store.max_bytes)
+            self.store.charge(run.owner, -run.logged)  # the log is now the record's
+            record = self._record(run)
+            if run.too_large:  # the log is what did not fit: the response is kept without it
+                record = msgspec.structs.replace(record, events=())
+            if not self.store.put(record):
+                log.warning("background response %s is larger than its owner may keep "
+                            "([frontend.responses] max_bytes %d): not kept", response_id,
+                            self.store.owner_cap)
             del self._runs[response_id]
+            left = self._per_owner.pop(run.owner) - 1
+            if left:
+                self._per_owner[run.owner] = left
             run.ended.set()
             run.wake.set()
 
     async def _generate(self, run: _Run, relay: Relay, settings: Settings,
                         prepared: PreparedRequest) -> None:
         try:
-            async with settings.admission.slot(1):
+            async with settings.admission.background_slot():
                 state = run.state = await relay.begin(settings, prepared)
                 ok = False
                 try:
@@ -269,6 +313,8 @@ def _lost(response_id: str, sequence: int) -> bytes:
 
 #: how often a follower of a sibling's response asks it for what is new
 REMOTE_POLL_S: Final = 0.25
+#: the largest ``starting_after`` taken (a log never holds this many events)
+MAX_SEQUENCE: Final = 2**31
 
 
 def follow_cursor(query: bytes) -> int | None:
@@ -278,14 +324,15 @@ def follow_cursor(query: bytes) -> int | None:
     if fields.get("stream", ["false"])[-1].lower() != "true":
         return None
     raw = fields.get("starting_after", ["-1"])[-1]
-    if not (raw == "-1" or raw.isdigit()):
-        raise invalid_request(f"Invalid 'starting_after': {raw!r} (a sequence number).",
+    after = query_int(raw, -1, MAX_SEQUENCE)
+    if after is None:
+        raise invalid_request(f"Invalid 'starting_after': {raw[:40]!r} (a sequence number).",
                               "starting_after")
-    return int(raw)
+    return after
 
 
-async def follow(service: BackgroundResponses, response_id: str, after: int, receive: Receive,
-                 send: Send, headers: Headers) -> int:
+async def follow(service: BackgroundResponses, response_id: str, owner: str, after: int,
+                 receive: Receive, send: Send, headers: Headers) -> int:
     """Stream a background response's events after ``after`` until it ends.
 
     Read from its log while it runs here; from its record (a sibling's asked
@@ -294,7 +341,9 @@ async def follow(service: BackgroundResponses, response_id: str, after: int, rec
     """
     store = service.store
     run = service.running(response_id)
-    record = None if run is not None else await find(store, response_id)
+    if run is not None and run.owner != owner:
+        run = None  # another owner's: as if it were not here
+    record = None if run is not None else await find(store, response_id, owner)
     if run is None and record is None:
         raise response_not_found(response_id)
     if record is not None and not record.background:
@@ -329,7 +378,7 @@ async def follow(service: BackgroundResponses, response_id: str, after: int, rec
                 await wake.wait()
             else:  # the owner has no way to wake us: ask it again
                 await trio.sleep(REMOTE_POLL_S)
-                latest = await find(store, response_id)
+                latest = await find(store, response_id, owner)
                 gone = latest is None
                 record = latest or record
         nursery.cancel_scope.cancel()

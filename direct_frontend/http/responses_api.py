@@ -26,7 +26,12 @@ from direct_frontend.http.responses import _answer, _collected, _event_stream
 from direct_frontend.observability.tracing import RequestTrace
 from direct_frontend.openai.errors import OpenAIHTTPError
 from direct_frontend.openai.parsers.base import ParsedDelta
-from direct_frontend.openai.response_store import ResponseStore, StoredResponse
+from direct_frontend.openai.response_store import (
+    ANONYMOUS,
+    ResponseStore,
+    StoredResponse,
+    new_response_id,
+)
 from direct_frontend.openai.responses_api import ResponsesRequest, item_id
 from direct_frontend.pipeline.preprocess import PreparedRequest
 from direct_frontend.pipeline.relay import Relay, RelayState
@@ -70,12 +75,12 @@ class ResponseBuilder:
             "text": {"format": {"type": "text"}}, "usage": usage,
         }
 
-    def record(self, response: bytes) -> StoredResponse:
-        """What the store keeps of the finished response (``response``: its JSON)."""
+    def record(self, response: bytes, owner: str) -> StoredResponse:
+        """What the store keeps of ``owner``'s finished response (``response``: its JSON)."""
         r = self.request
         return StoredResponse(
             self.id, response, tuple(_encode(item) for item in self.items),
-            r.history + tuple(_encode(item) for item in r.items),
+            r.history + tuple(_encode(item) for item in r.items), owner=owner,
         )
 
     # -- deltas to events -------------------------------------------------------------
@@ -232,24 +237,24 @@ class SseEvents:
 async def respond_responses(
     relay: Relay, settings: Settings, prepared: PreparedRequest, request: ResponsesRequest,
     receive: Receive, send: Send, headers: Headers, trace: RequestTrace | None = None,
-    store: ResponseStore | None = None,
+    store: ResponseStore | None = None, owner: str = ANONYMOUS,
 ) -> int:
     """Run the request as a chat choice and answer it in the Responses API's shape.
 
-    ``store``: where the finished response is kept (None: the server keeps none).
+    ``store``: where the finished response is kept for ``owner`` (None: the
+    server keeps none).
     """
     keep = store is not None and request.store
-    response_id = (store.new_id(prepared.request_id) if store is not None
-                   else "resp_" + prepared.request_id)
+    response_id = store.new_id() if store is not None else new_response_id()
     builder = ResponseBuilder(request, response_id, int(time.time()), keep)
     write = _stream if request.chat.stream else _complete
 
     def kept(response: bytes) -> None:
         if keep:
             assert store is not None
-            if not store.put(builder.record(response)):
-                log.warning("response %s is larger than [frontend.responses] max_bytes (%d): "
-                            "not kept", response_id, store.max_bytes)
+            if not store.put(builder.record(response, owner)):
+                log.warning("response %s is larger than its owner may keep ([frontend.responses] "
+                            "max_bytes %d): not kept", response_id, store.owner_cap)
 
     async def run(state: RelayState) -> int:
         return await write(relay, state, builder, send, headers, kept)

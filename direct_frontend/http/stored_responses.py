@@ -4,7 +4,9 @@ A response is held by the process that answered it (its id says which,
 openai/response_store.py). One this process does not hold is asked of that
 sibling over the replica link, so a client whose follow-up lands on another
 worker or replica still finds it; a sibling that is gone took its responses
-with it, and the answer is OpenAI's "not found".
+with it, and the answer is OpenAI's "not found". Every call names the owner
+asking (http/identity.py): another owner's response is "not found" too, here
+and at the sibling, so existence never leaks.
 """
 
 from __future__ import annotations
@@ -15,13 +17,14 @@ from urllib.parse import parse_qs
 import msgspec
 
 from direct_frontend.http.asgi import JSON, Headers, Send, send_body
+from direct_frontend.http.query import query_int
 from direct_frontend.openai.errors import invalid_request, not_cancellable, response_not_found
 from direct_frontend.openai.response_store import (
     NOT_BACKGROUND,
     RemoteResponses,
     ResponseStore,
     StoredResponse,
-    owner_of,
+    holder_of,
 )
 
 #: ``GET``/``DELETE /v1/responses/{id}``, ``GET /v1/responses/{id}/input_items``
@@ -42,37 +45,39 @@ _item_id: Final = msgspec.json.Decoder(_ItemId)
 
 
 def _sibling(store: ResponseStore, response_id: str) -> tuple[RemoteResponses, str] | None:
-    """The link to the sibling whose id this is, and its owner tag; None if it is ours."""
-    owner = owner_of(response_id)
-    if store.remote is None or owner is None or owner == store.owner:
+    """The link to the sibling whose id this is, and its holder tag; None if it is ours."""
+    holder = holder_of(response_id)
+    if store.remote is None or holder is None or holder == store.holder:
         return None
-    return store.remote, owner
+    return store.remote, holder
 
 
-async def find(store: ResponseStore, response_id: str) -> StoredResponse | None:
-    """The stored response: this process's, else its owner's (a sibling), else None."""
-    record = store.get(response_id)
+async def find(store: ResponseStore, response_id: str, owner: str) -> StoredResponse | None:
+    """``owner``'s stored response: this process's, else its holder's (a sibling), else None."""
+    record = store.get(response_id, owner)
     if record is None and (sibling := _sibling(store, response_id)) is not None:
-        remote, owner = sibling
-        record = await remote.fetch(owner, response_id)
+        remote, holder = sibling
+        record = await remote.fetch(holder, response_id, owner)
+        if record is not None and record.owner != owner:  # a sibling that does not check
+            record = None
     return record
 
 
-async def respond_retrieve(store: ResponseStore, response_id: str, send: Send,
+async def respond_retrieve(store: ResponseStore, response_id: str, owner: str, send: Send,
                            headers: Headers) -> int:
-    record = await find(store, response_id)
+    record = await find(store, response_id, owner)
     if record is None:
         raise response_not_found(response_id)
     await send_body(send, 200, record.response, JSON, headers)
     return 200
 
 
-async def respond_delete(store: ResponseStore, response_id: str, send: Send,
+async def respond_delete(store: ResponseStore, response_id: str, owner: str, send: Send,
                          headers: Headers) -> int:
-    deleted = store.delete(response_id)
+    deleted = store.delete(response_id, owner)
     if not deleted and (sibling := _sibling(store, response_id)) is not None:
-        remote, owner = sibling
-        deleted = await remote.delete(owner, response_id)
+        remote, holder = sibling
+        deleted = await remote.delete(holder, response_id, owner)
     if not deleted:
         raise response_not_found(response_id)
     body = b'{"id":%b,"object":"response.deleted","deleted":true}' % msgspec.json.encode(
@@ -81,30 +86,30 @@ async def respond_delete(store: ResponseStore, response_id: str, send: Send,
     return 200
 
 
-async def respond_cancel(store: ResponseStore, response_id: str, send: Send,
+async def respond_cancel(store: ResponseStore, response_id: str, owner: str, send: Send,
                          headers: Headers) -> int:
     """Cancel a background response; the Response as it ended (a second cancel: the same).
 
     A response that was not run in the background is a 400, as OpenAI's is.
     """
-    answer = await store.cancel(response_id)
+    answer = await store.cancel(response_id, owner)
     if answer is None and (sibling := _sibling(store, response_id)) is not None:
-        remote, owner = sibling
-        answer = await remote.cancel(owner, response_id)
+        remote, holder = sibling
+        answer = await remote.cancel(holder, response_id, owner)
     if answer == NOT_BACKGROUND:
         raise not_cancellable(response_id)
-    record = None if answer is None else await find(store, response_id)
+    record = None if answer is None else await find(store, response_id, owner)
     if record is None:
         raise response_not_found(response_id)
     await send_body(send, 200, record.response, JSON, headers)
     return 200
 
 
-async def respond_input_items(store: ResponseStore, response_id: str, query: bytes,
-                              send: Send, headers: Headers) -> int:
+async def respond_input_items(store: ResponseStore, response_id: str, owner: str,
+                              query: bytes, send: Send, headers: Headers) -> int:
     """One page of the items the response answered (earlier turns' included), OpenAI's list."""
     limit, order, after = _page_query(query)
-    record = await find(store, response_id)
+    record = await find(store, response_id, owner)
     if record is None:
         raise response_not_found(response_id)
     items = list(record.conversation)
@@ -135,10 +140,11 @@ def _page_query(query: bytes) -> tuple[int, str, str | None]:
     limit = DEFAULT_LIMIT
     if "limit" in fields:
         raw = fields["limit"][-1]
-        if not raw.isdigit() or not 1 <= int(raw) <= MAX_LIMIT:
-            raise invalid_request(f"Invalid 'limit': {raw!r} (an integer from 1 to "
+        value = query_int(raw, 1, MAX_LIMIT)
+        if value is None:
+            raise invalid_request(f"Invalid 'limit': {raw[:40]!r} (an integer from 1 to "
                                   f"{MAX_LIMIT}).", "limit")
-        limit = int(raw)
+        limit = value
     order = fields.get("order", ["desc"])[-1]
     if order not in ("asc", "desc"):
         raise invalid_request(f"Invalid 'order': {order!r} ('asc' or 'desc').", "order")

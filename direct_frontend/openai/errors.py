@@ -106,6 +106,15 @@ def not_cancellable(response_id: str) -> OpenAIHTTPError:
     )
 
 
+def response_too_large(limit: int) -> OpenAIHTTPError:
+    """What ends a background response whose event log outgrew what its owner may keep."""
+    return OpenAIHTTPError(
+        413, f"The response grew past what one API key may keep stored ({limit} bytes, "
+        "[frontend.responses]): it was stopped. Ask for less output, or end older "
+        "background responses.", "invalid_request_error", None, "response_too_large",
+    )
+
+
 def shutting_down() -> OpenAIHTTPError:
     """503 for work that would outlive the process: it is shutting down."""
     return OpenAIHTTPError(503, "The server is shutting down; retry on another.",

@@ -12,10 +12,25 @@ history's bytes with the record it continues, so a long conversation costs
 its items once, not once per turn: the budget counts every distinct bytes
 object once, however many records hold it.
 
-Records leave oldest first, when the budget needs room or their time is up.
-A process's ids carry its ``owner`` tag, so a sibling process (``run
+Every record has an owner: the identity of the API key (and tenant) that
+made it (http/identity.py). Only its owner sees it: for anyone else every
+method here answers as if it did not exist, so the HTTP shell's answer is
+OpenAI's own 404 and existence never leaks. Ids are 128 bits from the OS's
+CSPRNG behind the holding process's tag, so no id can be guessed or
+predicted from others.
+
+The budget is shared fairly between owners. An owner's share is the budget
+divided among the owners holding anything; when the store needs room, the
+owner that asked for it gives up its own oldest records first if it is over
+its share, else the owner furthest over its share does: an owner under its
+share never loses a record to another's traffic. A background response's
+event log counts against its owner while it runs (:meth:`ResponseStore.charge`).
+Records also leave when their time is up.
+
+A process's ids carry its ``holder`` tag, so a sibling process (``run
 --workers``, ``[frontend.replicas]``) that is asked for a response it does
-not hold knows whom to ask (:class:`RemoteResponses`, over NATS).
+not hold knows whom to ask (:class:`RemoteResponses`, over NATS), and that
+sibling checks the owner the same way.
 """
 
 from __future__ import annotations
@@ -30,10 +45,17 @@ from typing import Any, Final, Protocol
 import msgspec
 
 PREFIX: Final = "resp_"
-#: hex characters of the owner tag that leads every id this process makes
-OWNER_CHARS: Final = 8
-#: what a record costs beyond its bytes (the record, its slots, the map entry)
-RECORD_OVERHEAD: Final = 200
+#: hex characters of the holder tag that leads every id this process makes
+HOLDER_CHARS: Final = 8
+#: random bytes behind the tag: 128 bits from ``secrets``, never from a seeded generator
+ID_RANDOM_BYTES: Final = 16
+#: the owner of everything when the server has no API keys (one owner, as a single-user proxy)
+ANONYMOUS: Final = ""
+#: what a record costs beyond its bytes: the record and its id, the map entries, its slots
+RECORD_OVERHEAD: Final = 800
+#: what each distinct bytes object a record holds costs beyond its length: the object's
+#: header and allocation, and the entry counting its holders
+PART_OVERHEAD: Final = 160
 #: a cancel's answers: the response has ended (cancelled, or it had ended before)
 CANCELLED: Final = "cancelled"
 #: … it was not run in the background, so it cannot be cancelled
@@ -43,7 +65,7 @@ RUNNING: Final = frozenset({"queued", "in_progress"})
 
 
 class StoredResponse(msgspec.Struct, frozen=True):
-    """One stored response; every field is what the API returns, as JSON bytes."""
+    """One stored response; every field but ``owner`` is what the API returns, as JSON bytes."""
 
     id: str
     response: bytes  # the Response object, as GET /v1/responses/{id} returns it
@@ -54,6 +76,8 @@ class StoredResponse(msgspec.Struct, frozen=True):
     background: bool = False  # run with ``background: true``: cancellable, its events kept
     #: a background response's stream events so far, SSE-encoded, one per sequence number
     events: tuple[bytes, ...] = ()
+    #: who made it (http/identity.py): nobody else sees it
+    owner: str = ANONYMOUS
 
     @property
     def running(self) -> bool:
@@ -65,13 +89,17 @@ class StoredResponse(msgspec.Struct, frozen=True):
 
 
 class RemoteResponses(Protocol):
-    """A sibling process's store, reached by its owner tag (control/replicas.py)."""
+    """A sibling process's store, reached by its holder tag (control/replicas.py).
 
-    async def fetch(self, owner: str, response_id: str) -> StoredResponse | None: ...
+    Each call names the owner asking; the sibling answers as its own store
+    does, so another owner's response is not held.
+    """
 
-    async def delete(self, owner: str, response_id: str) -> bool: ...
+    async def fetch(self, holder: str, response_id: str, owner: str) -> StoredResponse | None: ...
 
-    async def cancel(self, owner: str, response_id: str) -> str | None:
+    async def delete(self, holder: str, response_id: str, owner: str) -> bool: ...
+
+    async def cancel(self, holder: str, response_id: str, owner: str) -> str | None:
         """The sibling's answer to a cancel (:meth:`ResponseStore.cancel`); None: not held."""
         ...
 
@@ -82,32 +110,52 @@ Live = Callable[[str], "StoredResponse | None"]
 Canceller = Callable[[str], Awaitable[str | None]]
 
 
-def owner_of(response_id: str) -> str | None:
-    """The owner tag an id of ours carries; None for an id no process of ours made."""
-    if not response_id.startswith(PREFIX) or len(response_id) <= len(PREFIX) + OWNER_CHARS:
+def new_response_id(holder: str = "") -> str:
+    """A response id: ``holder``'s tag, then 128 bits from the OS's CSPRNG."""
+    return f"{PREFIX}{holder}{secrets.token_hex(ID_RANDOM_BYTES)}"
+
+
+def holder_of(response_id: str) -> str | None:
+    """The holder tag an id of ours carries; None for an id no process of ours made."""
+    if not response_id.startswith(PREFIX) or len(response_id) <= len(PREFIX) + HOLDER_CHARS:
         return None
-    tag = response_id[len(PREFIX):len(PREFIX) + OWNER_CHARS]
+    tag = response_id[len(PREFIX):len(PREFIX) + HOLDER_CHARS]
     return tag if all(c in "0123456789abcdef" for c in tag) else None
 
 
 @dataclasses.dataclass(slots=True)
 class _Held:
-    """A bytes object some records hold, counted once."""
+    """A bytes object some records of one owner hold, counted once."""
 
     data: bytes
     holders: int
 
 
-class ResponseStore:
-    """This process's stored responses: at most ``max_bytes``, none older than ``ttl_s``."""
+@dataclasses.dataclass(slots=True)
+class _Owner:
+    """What one owner holds: its bytes (records and running logs) and its records' ids."""
 
-    def __init__(self, max_bytes: int, ttl_s: float, *, owner: str | None = None,
+    bytes: int = 0
+    live: int = 0  # of ``bytes``: its running background responses' event logs
+    records: OrderedDict[str, None] = dataclasses.field(default_factory=OrderedDict)
+
+
+class ResponseStore:
+    """This process's stored responses: at most ``max_bytes``, none older than ``ttl_s``.
+
+    ``max_bytes_per_owner``: no owner holds more (None: the whole budget, so
+    a server with one owner uses all of it).
+    """
+
+    def __init__(self, max_bytes: int, ttl_s: float, *, holder: str | None = None,
+                 max_bytes_per_owner: int | None = None,
                  clock: Callable[[], float] = time.monotonic,
                  on_evict: Callable[[], None] | None = None) -> None:
         self.max_bytes = max_bytes
+        self.owner_cap = min(max_bytes, max_bytes_per_owner or max_bytes)
         self.ttl_s = ttl_s
         self.on_evict = on_evict  # a record left early, for the budget (a metric counts it)
-        self.owner = owner or secrets.token_hex(OWNER_CHARS // 2)
+        self.holder = holder or secrets.token_hex(HOLDER_CHARS // 2)
         self.clock = clock
         #: a sibling's store (set when a replica link runs)
         self.remote: RemoteResponses | None = None
@@ -118,58 +166,85 @@ class ResponseStore:
         self.bytes = 0
         self.evicted = 0
         self._records: OrderedDict[str, tuple[StoredResponse, float]] = OrderedDict()
-        self._held: dict[int, _Held] = {}  # id() of a held bytes object -> it, and its holders
+        self._owners: dict[str, _Owner] = {}
+        #: (owner, id() of a held bytes object) -> it, and its holders
+        self._held: dict[tuple[str, int], _Held] = {}
 
     def __len__(self) -> int:
         return len(self._records)
 
-    def new_id(self, request_id: str) -> str:
-        """The id of a response this process answers: its owner tag, then the request id."""
-        return f"{PREFIX}{self.owner}{request_id}"
+    def new_id(self) -> str:
+        """The id of a response this process answers: its holder tag, then 128 random bits."""
+        return new_response_id(self.holder)
+
+    def owner_bytes(self, owner: str) -> int:
+        """What ``owner`` holds now: its records and its running responses' logs."""
+        usage = self._owners.get(owner)
+        return 0 if usage is None else usage.bytes
 
     def put(self, record: StoredResponse) -> bool:
-        """Keep ``record``; False if it alone is larger than the whole budget."""
-        if self._cost(record) > self.max_bytes:
+        """Keep ``record``; False if it alone is larger than its owner may hold."""
+        if self._cost(record) > self.owner_cap:
             return False
-        self.delete(record.id)
+        self._remove(record.id)
         self._records[record.id] = (record, self.clock())
-        self.bytes += RECORD_OVERHEAD
+        usage = self._usage(record.owner)
+        usage.records[record.id] = None
+        added = RECORD_OVERHEAD
         for data in self._parts(record):
-            held = self._held.get(id(data))
+            held = self._held.get((record.owner, id(data)))
             if held is None:
-                self._held[id(data)] = _Held(data, 1)
-                self.bytes += len(data)
+                self._held[(record.owner, id(data))] = _Held(data, 1)
+                added += len(data) + PART_OVERHEAD
             else:
                 held.holders += 1
+        self._add(usage, added)
         self._expire()
-        while self.bytes > self.max_bytes and self._records:
-            self._drop(next(iter(self._records)))
-            self.evicted += 1
-            if self.on_evict is not None:
-                self.on_evict()
+        self._make_room(record.owner)
         return True
 
-    def get(self, response_id: str) -> StoredResponse | None:
-        """The record if this process holds it and its time is not up.
+    def charge(self, owner: str, delta: int) -> bool:
+        """Count ``delta`` more (or, negative, fewer) bytes of a running response's log
+        against ``owner``, making room as :meth:`put` does.
+
+        False when the logs cannot fit: the owner's running logs alone are over
+        what it may hold, or everyone's over the budget (its caller stops the
+        response, which must not grow).
+        """
+        usage = self._usage(owner)
+        usage.live += delta
+        self._add(usage, delta)
+        if usage.bytes == 0 and not usage.records:
+            del self._owners[owner]
+        if delta <= 0:
+            return True
+        self._make_room(owner)
+        return usage.live <= self.owner_cap and self.bytes <= self.max_bytes
+
+    def get(self, response_id: str, owner: str) -> StoredResponse | None:
+        """The record if this process holds it for ``owner`` and its time is not up.
 
         A background response still running is seen as it is now, not as its
         last kept record.
         """
-        if self.live is not None and (running := self.live(response_id)) is not None:
-            return running
-        entry = self._records.get(response_id)
-        if entry is None:
-            return None
-        record, stored_at = entry
-        if self.clock() - stored_at > self.ttl_s:
-            self._expire()
-            return None
-        return record
+        record: StoredResponse | None = None
+        if self.live is not None:
+            record = self.live(response_id)
+        if record is None:
+            entry = self._records.get(response_id)
+            if entry is None:
+                return None
+            record, stored_at = entry
+            if self.clock() - stored_at > self.ttl_s:
+                self._expire()
+                return None
+        return record if record.owner == owner else None
 
-    async def cancel(self, response_id: str) -> str | None:
-        """Cancel a background response held here: ``cancelled`` once it has ended (or it
-        had ended already), ``not_background`` for one that was not run so; None: not held."""
-        record = self.get(response_id)
+    async def cancel(self, response_id: str, owner: str) -> str | None:
+        """Cancel ``owner``'s background response held here: ``cancelled`` once it has ended
+        (or it had ended already), ``not_background`` for one that was not run so; None:
+        not held."""
+        record = self.get(response_id, owner)
         if record is None:
             return None
         if not record.background:
@@ -178,11 +253,48 @@ class ResponseStore:
             return await self.canceller(response_id)
         return CANCELLED
 
-    def delete(self, response_id: str) -> bool:
-        if response_id not in self._records:
+    def delete(self, response_id: str, owner: str) -> bool:
+        """Drop ``owner``'s record; False if none of that id is held for ``owner``."""
+        entry = self._records.get(response_id)
+        if entry is None or entry[0].owner != owner:
             return False
-        self._drop(response_id)
+        self._remove(response_id)
         return True
+
+    def _usage(self, owner: str) -> _Owner:
+        usage = self._owners.get(owner)
+        if usage is None:
+            usage = self._owners[owner] = _Owner()
+        return usage
+
+    def _add(self, usage: _Owner, delta: int) -> None:
+        usage.bytes += delta
+        self.bytes += delta
+
+    def _make_room(self, owner: str) -> None:
+        """Evict until the budget and ``owner``'s cap hold (see the module's text)."""
+        while (victim := self._victim(owner)) is not None:
+            self._remove(next(iter(self._owners[victim].records)))
+            self.evicted += 1
+            if self.on_evict is not None:
+                self.on_evict()
+
+    def _victim(self, owner: str) -> str | None:
+        """Whose oldest record leaves next to make room for ``owner``; None: room enough
+        (or nothing that may leave)."""
+        mine = self._owners.get(owner)
+        if mine is not None and mine.records and mine.bytes > self.owner_cap:
+            return owner
+        if self.bytes <= self.max_bytes:
+            return None
+        share = self.max_bytes / len(self._owners)
+        if mine is not None and mine.records and mine.bytes > share:
+            return owner
+        over = [(usage.bytes, name) for name, usage in self._owners.items()
+                if usage.records and usage.bytes > share]
+        if over:
+            return max(over)[1]
+        return owner if mine is not None and mine.records else None
 
     def _expire(self) -> None:
         """Drop records whose time is up: the oldest lead, so stop at the first that is not."""
@@ -191,17 +303,26 @@ class ResponseStore:
             oldest = next(iter(self._records))
             if self._records[oldest][1] >= deadline:
                 return
-            self._drop(oldest)
+            self._remove(oldest)
 
-    def _drop(self, response_id: str) -> None:
-        record, _ = self._records.pop(response_id)
-        self.bytes -= RECORD_OVERHEAD
+    def _remove(self, response_id: str) -> None:
+        entry = self._records.pop(response_id, None)
+        if entry is None:
+            return
+        record = entry[0]
+        usage = self._owners[record.owner]
+        del usage.records[response_id]
+        freed = RECORD_OVERHEAD
         for data in self._parts(record):
-            held = self._held[id(data)]
+            key = (record.owner, id(data))
+            held = self._held[key]
             held.holders -= 1
             if held.holders == 0:
-                del self._held[id(data)]
-                self.bytes -= len(data)
+                del self._held[key]
+                freed += len(data) + PART_OVERHEAD
+        self._add(usage, -freed)
+        if usage.bytes == 0 and not usage.records:
+            del self._owners[record.owner]
 
     @staticmethod
     def _parts(record: StoredResponse) -> list[bytes]:
@@ -212,7 +333,7 @@ class ResponseStore:
         return list(seen.values())
 
     def _cost(self, record: StoredResponse) -> int:
-        return RECORD_OVERHEAD + sum(len(d) for d in self._parts(record))
+        return RECORD_OVERHEAD + sum(len(d) + PART_OVERHEAD for d in self._parts(record))
 
 
 _encoder: Final = msgspec.msgpack.Encoder()

@@ -49,6 +49,8 @@ class Admission:
         self.config = config
         self._slots = trio.Semaphore(config.max_in_flight)
         self._gathering = trio.Lock()  # held by the one request gathering several slots
+        #: background work's share of the slots (:meth:`background_slot`)
+        self._background = trio.CapacityLimiter(max(1, config.max_in_flight // 2))
         self.waiting = 0
         self.rejected = 0
 
@@ -66,6 +68,25 @@ class Admission:
                 self.waiting >= self.config.max_queue):
             self.rejected += 1
             raise Rejected("the request queue is full")
+
+    @contextlib.asynccontextmanager
+    async def background_slot(self) -> AsyncIterator[None]:
+        """One slot for work no client waits on (a background response).
+
+        Such work holds at most half the slots: however much of it is asked
+        for, the other half stays for the requests a client is waiting on. Its
+        wait for its half is bounded as the queue's is.
+        """
+        with trio.move_on_after(self.config.queue_timeout_s) as wait:
+            await self._background.acquire()
+        if wait.cancelled_caught:
+            self.rejected += 1
+            raise Rejected("timed out waiting for a free slot")
+        try:
+            async with self.slot(1):
+                yield
+        finally:
+            self._background.release()
 
     @contextlib.asynccontextmanager
     async def slot(self, count: int = 1) -> AsyncIterator[None]:

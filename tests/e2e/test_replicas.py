@@ -44,19 +44,20 @@ def replicas_table(nats: str | None, link: str = "peer_timeout_s = 2.0\n") -> st
 def fleet_for(
     model_dir: Path, engines: list[dict[str, Any]], nats: str | None, *, embeds: bool,
     policy: str = "least_loaded", kv: bool = False, routing_extra: str = "",
-    link: str = "peer_timeout_s = 2.0\n", read_loads: bool = True,
+    link: str = "peer_timeout_s = 2.0\n", read_loads: bool = True, frontend_extra: str = "",
 ) -> str:
     """One replica's fleet file; only the replica that ``embeds`` runs the simulators.
 
     ``read_loads``: whether it reads the engines' own load reports (GetLoads), which
-    show it the other replicas' requests too, NATS or not.
+    show it the other replicas' requests too, NATS or not. ``frontend_extra``: more
+    ``[frontend.*]`` tables.
     """
     tables = copy.deepcopy(engines)
     for table in tables:
         table["simulate"] = embeds
         if not embeds:
             table.pop("simulator", None)
-    extra = replicas_table(nats, link)
+    extra = replicas_table(nats, link) + "\n" + frontend_extra
     probe = "interval_s = 0.2\ntimeout_s = 1.0\n" + ("" if read_loads else "read_loads = false\n")
     if kv:
         return kv_fleet_text(model_dir, tables, frontend_extra=extra, probe=probe)

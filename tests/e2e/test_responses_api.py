@@ -266,7 +266,7 @@ def test_a_response_larger_than_the_budget_is_not_kept_and_says_why(
         response = client.responses.create(model="demo", input="hi", max_output_tokens=3)
         with pytest.raises(openai.NotFoundError):
             client.responses.retrieve(response.id)
-    assert f"response {response.id} is larger than [frontend.responses] max_bytes" in caplog.text
+    assert f"response {response.id} is larger than its owner may keep" in caplog.text
 
 
 def test_the_output_texts_logprobs_are_chats_streamed_and_not(

@@ -45,10 +45,10 @@ def workers_of(parent: int) -> set[int]:
     return found
 
 
-def fresh_get(url: str) -> httpx.Response:
+def fresh_get(url: str, headers: dict[str, str] | None = None) -> httpx.Response:
     """A request on a connection of its own (the kernel picks a worker per connection)."""
     with httpx.Client(timeout=10) as client:
-        return client.get(url, headers={"connection": "close"})
+        return client.get(url, headers={"connection": "close", **(headers or {})})
 
 
 def seen_workers(base: str, tries: int = 60) -> dict[str, dict[str, Any]]:
@@ -62,7 +62,8 @@ def seen_workers(base: str, tries: int = 60) -> dict[str, dict[str, Any]]:
 
 @contextlib.contextmanager
 def worker_service(
-    tmp_path: Path, model_dir: Path, count: int, timing: dict[str, Any] = FAST
+    tmp_path: Path, model_dir: Path, count: int, timing: dict[str, Any] = FAST,
+    frontend_extra: str = "",
 ) -> Iterator[tuple[str, Any, Path]]:
     engines = [sim_engine(f"e{i}", "sglang", **timing) for i in range(2)]
     embedded = tmp_path / "engines.toml"
@@ -70,7 +71,7 @@ def worker_service(
     daemon = Daemon(embedded).start()
     port = free_port()
     path = tmp_path / "fleet.toml"
-    text = fleet_for(model_dir, engines, None, embeds=False)
+    text = fleet_for(model_dir, engines, None, embeds=False, frontend_extra=frontend_extra)
     path.write_text(text.replace('listen = "127.0.0.1:0"',
                                  f'listen = "127.0.0.1:{port}"\nworkers = {count}'))
     log = (tmp_path / "workers.log").open("wb")

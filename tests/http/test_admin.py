@@ -81,6 +81,16 @@ def test_openai_endpoints_need_an_api_key_when_configured(secured: Daemon) -> No
     assert httpx.get(url + "/fleet", headers={"x-api-key": ADMIN_TOKEN}).status_code == 401
 
 
+def test_metrics_need_the_admin_token_when_one_is_set(secured: Daemon) -> None:
+    """The metrics name engines, adapters and models: the admin token guards them too."""
+    url = secured.url + "/metrics"
+    for headers in ({}, admin("nope"), {"Authorization": f"Bearer {API_KEY}"}):
+        denied = httpx.get(url, headers=headers)
+        assert denied.status_code == 401 and "x-request-id" in denied.headers
+    scrape = httpx.get(url, headers=admin())
+    assert scrape.status_code == 200 and "direct_frontend_" in scrape.text
+
+
 def test_fleet_needs_the_admin_token_and_never_shows_secrets(secured: Daemon) -> None:
     url = secured.url
     assert httpx.get(url + "/fleet").status_code == 401

@@ -2,20 +2,25 @@
 
 from __future__ import annotations
 
+import re
+
 import msgspec
 import pytest
 
 from direct_frontend.openai.response_store import (
     CANCELLED,
     NOT_BACKGROUND,
+    PART_OVERHEAD,
     RECORD_OVERHEAD,
     ResponseStore,
     StoredResponse,
     decode_items,
     decode_record,
     encode_record,
-    owner_of,
+    holder_of,
 )
+
+A = ""  # the one owner of a server without API keys
 
 
 class Clock:
@@ -27,24 +32,26 @@ class Clock:
 
 
 def record(response_id: str, size: int = 100,
-           history: tuple[bytes, ...] = ()) -> StoredResponse:
+           history: tuple[bytes, ...] = (), owner: str = A) -> StoredResponse:
     item = b'{"type":"message","id":"%b","x":"%b"}' % (response_id.encode(), b"a" * size)
     return StoredResponse(response_id, b'{"id":"%b"}' % response_id.encode(), (item,),
-                          (*history, b'{"type":"message","id":"in-%b"}' % response_id.encode()))
+                          (*history, b'{"type":"message","id":"in-%b"}' % response_id.encode()),
+                          owner=owner)
 
 
 def cost(r: StoredResponse) -> int:
-    return RECORD_OVERHEAD + len(r.response) + sum(map(len, r.output + r.conversation))
+    parts = (r.response, *r.output, *r.conversation, *r.events)
+    return RECORD_OVERHEAD + sum(len(p) + PART_OVERHEAD for p in parts)
 
 
 def test_a_record_is_kept_and_found_until_deleted() -> None:
     store = ResponseStore(10_000, 60)
     first = record("resp_1")
     assert store.put(first)
-    assert store.get("resp_1") is first and len(store) == 1
+    assert store.get("resp_1", A) is first and len(store) == 1
     assert store.bytes == cost(first)
-    assert store.delete("resp_1") and not store.delete("resp_1")
-    assert store.get("resp_1") is None and store.bytes == 0
+    assert store.delete("resp_1", A) and not store.delete("resp_1", A)
+    assert store.get("resp_1", A) is None and store.bytes == 0
 
 
 def test_the_oldest_leave_first_when_the_budget_needs_room() -> None:
@@ -53,16 +60,16 @@ def test_the_oldest_leave_first_when_the_budget_needs_room() -> None:
     store = ResponseStore(one * 2, 60, on_evict=lambda: evicted.append(None))
     for n in (1, 2, 3):
         assert store.put(record(f"resp_{n}"))
-    assert store.get("resp_1") is None
-    assert store.get("resp_2") is not None and store.get("resp_3") is not None
+    assert store.get("resp_1", A) is None
+    assert store.get("resp_2", A) is not None and store.get("resp_3", A) is not None
     assert store.bytes <= store.max_bytes and store.evicted == 1 and len(evicted) == 1
 
 
 def test_a_record_larger_than_the_budget_is_refused_and_evicts_nothing() -> None:
-    store = ResponseStore(1_000, 60)
+    store = ResponseStore(2_000, 60)
     assert store.put(record("resp_1"))
     assert not store.put(record("resp_big", size=2_000))
-    assert store.get("resp_1") is not None and store.get("resp_big") is None
+    assert store.get("resp_1", A) is not None and store.get("resp_big", A) is None
 
 
 def test_a_record_is_gone_when_its_time_is_up() -> None:
@@ -72,8 +79,8 @@ def test_a_record_is_gone_when_its_time_is_up() -> None:
     clock.now = 30
     store.put(record("resp_2"))
     clock.now = 61
-    assert store.get("resp_1") is None
-    assert store.get("resp_2") is not None
+    assert store.get("resp_1", A) is None
+    assert store.get("resp_2", A) is not None
     assert len(store) == 1 and store.bytes == cost(record("resp_2"))
 
 
@@ -84,23 +91,23 @@ def test_a_follow_up_shares_its_history_and_costs_only_what_it_adds() -> None:
     store.put(first)
     second = record("resp_2", size=10, history=first.history())
     store.put(second)
-    added = RECORD_OVERHEAD + len(second.response) + len(second.output[0]) + len(
-        second.conversation[-1])
+    added = RECORD_OVERHEAD + 3 * PART_OVERHEAD + len(second.response) + len(
+        second.output[0]) + len(second.conversation[-1])
     assert store.bytes == cost(first) + added
-    store.delete("resp_1")  # the history lives on in the follow-up, and is still counted
+    store.delete("resp_1", A)  # the history lives on in the follow-up, and is still counted
     assert store.bytes == cost(second)
-    store.delete("resp_2")
+    store.delete("resp_2", A)
     assert store.bytes == 0
 
 
-def test_ids_carry_their_owner() -> None:
-    store = ResponseStore(1_000, 60, owner="0a1b2c3d")
-    made = store.new_id("0123456789abcdef")
-    assert made == "resp_0a1b2c3d0123456789abcdef"
-    assert owner_of(made) == "0a1b2c3d"
+def test_ids_carry_their_holder_then_128_random_bits() -> None:
+    store = ResponseStore(1_000, 60, holder="0a1b2c3d")
+    made = store.new_id()
+    assert re.fullmatch(r"resp_0a1b2c3d[0-9a-f]{32}", made) and made != store.new_id()
+    assert holder_of(made) == "0a1b2c3d"
     for foreign in ("resp_1", "resp_", "chatcmpl-0a1b2c3d0123", "resp_ZZZZZZZZ0123"):
-        assert owner_of(foreign) is None
-    assert len(ResponseStore(1, 1).owner) == 8
+        assert holder_of(foreign) is None
+    assert len(ResponseStore(1, 1).holder) == 8
 
 
 def test_the_wire_form_round_trips_and_garbage_is_none() -> None:
@@ -138,15 +145,15 @@ async def test_a_running_background_response_is_seen_as_it_is_now_and_cancelled_
         return CANCELLED
 
     store.live, store.canceller = running.get, cancel
-    assert store.get("resp_bg") is now and now.running  # the runner's view, not the last put
-    assert await store.cancel("resp_bg") == CANCELLED and cancelled == ["resp_bg"]
-    assert store.get("resp_bg") is kept
+    assert store.get("resp_bg", A) is now and now.running  # the runner's view, not the last put
+    assert await store.cancel("resp_bg", A) == CANCELLED and cancelled == ["resp_bg"]
+    assert store.get("resp_bg", A) is kept
     ended = msgspec.structs.replace(kept, status="cancelled")
     store.put(ended)
-    assert await store.cancel("resp_bg") == CANCELLED and cancelled == ["resp_bg"]  # as it ended
+    assert await store.cancel("resp_bg", A) == CANCELLED and cancelled == ["resp_bg"]  # as it ended
     store.put(record("resp_fg"))
-    assert await store.cancel("resp_fg") == NOT_BACKGROUND
-    assert await store.cancel("resp_none") is None
+    assert await store.cancel("resp_fg", A) == NOT_BACKGROUND
+    assert await store.cancel("resp_none", A) is None
 
 
 def test_a_background_records_events_count_in_its_cost() -> None:
@@ -154,5 +161,5 @@ def test_a_background_records_events_count_in_its_cost() -> None:
     plain = record("resp_1")
     logged = msgspec.structs.replace(plain, background=True, events=(b"x" * 500,))
     store.put(logged)
-    assert store.bytes == cost(plain) + 500
+    assert store.bytes == cost(plain) + 500 + PART_OVERHEAD
     assert decode_record(encode_record(logged)) == logged

@@ -99,3 +99,34 @@ async def test_a_gathering_that_times_out_gives_its_slots_back() -> None:
                 pass
         assert admission.in_flight == 2
     assert admission.in_flight == 0
+
+
+async def test_background_work_holds_at_most_half_the_slots(
+        autojump_clock: trio.testing.MockClock) -> None:
+    """However much background work waits, a foreground request finds a slot at once, and
+    background work waiting past the queue's timeout is refused."""
+    admission = Admission(AdmissionConfig(max_in_flight=4, max_queue=100, queue_timeout_s=5))
+    release = trio.Event()
+    running: list[str] = []
+    refused: list[str] = []
+
+    async def background(name: str) -> None:
+        try:
+            async with admission.background_slot():
+                running.append(name)
+                await release.wait()
+        except Rejected:
+            refused.append(name)
+
+    async with trio.open_nursery() as nursery:
+        for n in range(10):
+            nursery.start_soon(background, f"bg{n}")
+        await trio.testing.wait_all_tasks_blocked()
+        assert len(running) == 2 and admission.in_flight == 2
+        with trio.fail_after(0.001):  # the other half is the foreground's, with no wait
+            async with admission.slot(2):
+                assert admission.in_flight == 4
+        await trio.sleep(6)
+        assert len(refused) == 8 and admission.rejected == 8
+        release.set()
+    assert len(running) == 2 and admission.in_flight == 0

@@ -1,0 +1,55 @@
+"""Who a request is: the owner of what it stores, from its credential (sans-IO).
+
+An owner is the identity of the API key the request carried, a hash under
+a fixed key (blake2b, 128 bits): the same on every worker, replica and
+restart, so a sibling or a database checks it as this process does, and
+never the key itself, so neither memory, the replica bus nor a log holds a
+credential. With no API keys configured everyone is one owner
+(:data:`ANONYMOUS`), as a single-user proxy is. ``[frontend.auth]
+tenant_header`` narrows the owner to the tenant a trusted gateway names,
+within the key: two tenants behind one key are apart, and no header lets
+one key reach another key's objects.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+from typing import Final
+
+from direct_frontend.fleet.schema import AuthConfig
+from direct_frontend.http.admin import api_key, bearer
+from direct_frontend.http.asgi import Scope
+from direct_frontend.openai.response_store import ANONYMOUS
+
+#: the hash's key: a domain of its own, so an owner id equals no other hash of the key
+_OWNER_KEY: Final = b"direct-frontend/owner/1"
+#: a tenant header's value beyond this many bytes is cut (it names a tenant, not a payload)
+MAX_TENANT_BYTES: Final = 256
+
+
+def key_identity(credential: str) -> str:
+    """The owner id of an API key: 32 hex characters that do not reveal the key."""
+    return "k" + hashlib.blake2b(credential.encode(), key=_OWNER_KEY,
+                                 digest_size=16).hexdigest()
+
+
+def owner_of(auth: AuthConfig, scope: Scope) -> str:
+    """The owner of what the request stores (its credential has been checked already)."""
+    owner = ANONYMOUS
+    if auth.api_keys:
+        credential = bearer(scope) or api_key(scope)
+        owner = key_identity(credential) if credential else ANONYMOUS
+    if auth.tenant_header is not None:
+        tenant = _header(scope["headers"], auth.tenant_header.lower().encode())
+        if tenant:
+            owner += "/t" + hashlib.blake2b(tenant[:MAX_TENANT_BYTES], key=_OWNER_KEY,
+                                            digest_size=16).hexdigest()
+    return owner
+
+
+def _header(headers: Iterable[tuple[bytes, bytes]], name: bytes) -> bytes:
+    for key, value in headers:
+        if key.lower() == name:
+            return value.strip()
+    return b""
