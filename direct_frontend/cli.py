@@ -37,6 +37,21 @@ app = typer.Typer(
     help="OpenAI-compatible router that talks gRPC directly to stock inference engines.",
 )
 
+def _print_version(wanted: bool) -> None:
+    if wanted:
+        typer.echo(f"direct-frontend {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    version: Annotated[bool, typer.Option(
+        "--version", callback=_print_version, is_eager=True,
+        help="Print the version and exit.")] = False,
+) -> None:
+    """OpenAI-compatible router that talks gRPC directly to stock inference engines."""
+
+
 FleetPath = Annotated[
     pathlib.Path, typer.Argument(metavar="FLEET", help="The fleet file (TOML).", show_default=False)
 ]

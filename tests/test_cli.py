@@ -268,3 +268,10 @@ def test_only_failures_of_the_machine_become_one_line() -> None:
     # Anything else is a defect of ours: the traceback stays.
     assert _start_failure(ExceptionGroup("nursery", [busy, KeyError("x")])) is None
     assert _start_failure(RuntimeError("bug")) is None
+
+
+def test_version_is_an_option_and_a_command() -> None:
+    from direct_frontend import __version__
+
+    assert one_line(cli("--version").stdout) == f"direct-frontend {__version__}"
+    assert one_line(cli("version").stdout) == __version__
