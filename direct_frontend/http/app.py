@@ -206,19 +206,20 @@ class App:
             methods = None  # admin disabled: the routes do not exist
         handler = methods.get(method) if methods else None
         request_id = new_request_id()  # here, so every answer names it, a refusal's too
-        refusal = None if handler is None else _denied(settings.frontend, scope)
         if handler is None:
-            refusal = (
+            refusal: OpenAIHTTPError | None = (
                 method_not_allowed(method, path, tuple(methods))
                 if methods else unknown_route(method, path)
             )
             route = route if methods else "other"
-        if refusal is not None:
+        else:
+            refusal = _denied(settings.frontend, scope)
+        if handler is None or refusal is not None:
+            assert refusal is not None
             await send_error(send, refusal, [(b"x-request-id", request_id.encode())])
             self.metrics.request_started()
             self.metrics.request_finished(route, refusal.status, 0.0)
             return
-        assert handler is not None
         status = 500
         in_flight = path != "/metrics"  # a scrape must not count itself in flight
         if in_flight:
