@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from collections.abc import Callable
 from typing import Any
 
 from direct_frontend.engines.neutral import EngineRole
@@ -26,6 +27,7 @@ from direct_frontend.fleet.schema import (
     RoutingConfig,
     TracingConfig,
 )
+from direct_frontend.observability.redact import REDACTED, redact_url
 
 JsonValue = None | bool | int | float | str | list["JsonValue"] | dict[str, "JsonValue"]
 
@@ -120,15 +122,15 @@ def engine_facts(engine: EngineConfig) -> tuple[tuple[str, str], ...]:
     )
 
 
-REDACTED = "<redacted>"
-
-
 def to_jsonable(cfg: FleetConfig, *, redact: bool = True) -> dict[str, JsonValue]:
     """The resolved fleet as JSON-ready data, keyed like the fleet file.
 
-    Secrets show as ``"<redacted>"`` unless ``redact`` is false (only for
-    in-process comparisons such as a reload's diff; never print that form).
+    Secrets show as ``"<redacted>"``, and so do the credentials inside URLs
+    (:func:`~direct_frontend.observability.redact.redact_url`), unless
+    ``redact`` is false (only for in-process comparisons such as a reload's
+    diff; never print that form).
     """
+    shown = redact_url if redact else _same
     frontend = cfg.frontend
     admin, auth = frontend.admin, frontend.auth
     token: JsonValue = admin.token if not redact or admin.token is None else REDACTED
@@ -175,12 +177,12 @@ def to_jsonable(cfg: FleetConfig, *, redact: bool = True) -> dict[str, JsonValue
                 "queue_timeout_s": frontend.limits.queue_timeout_s,
             },
             "tracing": {
-                "otlp_endpoint": tracing.otlp_endpoint,
+                "otlp_endpoint": _optional(shown, tracing.otlp_endpoint),
                 "service_name": tracing.service_name,
                 "sample_ratio": tracing.sample_ratio,
             },
             "replicas": {
-                "nats": replicas.nats,
+                "nats": _optional(shown, replicas.nats),
                 "cluster": replicas.cluster,
                 "publish_interval_s": replicas.publish_interval_s,
                 "peer_timeout_s": replicas.peer_timeout_s,
@@ -193,6 +195,14 @@ def to_jsonable(cfg: FleetConfig, *, redact: bool = True) -> dict[str, JsonValue
         "engines": engines,
         "pools": [_plain(pool) for pool in cfg.pools],
     }
+
+
+def _same(text: str) -> str:
+    return text
+
+
+def _optional(show: Callable[[str], str], text: str | None) -> str | None:
+    return None if text is None else show(text)
 
 
 def _plain(table: Any) -> JsonValue:
@@ -405,7 +415,7 @@ def _pool_rows(pool: PoolConfig) -> list[tuple[str, str]]:
 def _tracing_row(tracing: TracingConfig) -> str:
     if tracing.otlp_endpoint is None:
         return "off"
-    return (f"{tracing.otlp_endpoint} (service {tracing.service_name},"
+    return (f"{redact_url(tracing.otlp_endpoint)} (service {tracing.service_name},"
             f" sampling {_scalar(tracing.sample_ratio)})")
 
 
@@ -419,7 +429,7 @@ def _responses_row(responses: ResponsesConfig) -> str:
 def _replicas_row(replicas: ReplicasConfig) -> str:
     if replicas.nats is None:
         return "alone (shares nothing with other replicas)"
-    return f"share over {replicas.nats} (cluster {replicas.cluster})"
+    return f"share over {redact_url(replicas.nats)} (cluster {replicas.cluster})"
 
 
 def _engine_lines(engine: EngineConfig) -> list[str]:

@@ -56,6 +56,7 @@ from direct_frontend.fleet.schema import (
     implicit_model,
 )
 from direct_frontend.observability import tracing
+from direct_frontend.observability.redact import redact_url
 
 __all__ = [
     "FleetError", "FleetProblem", "field_name", "load_fleet", "parse_fleet", "parse_fleet_bytes",
@@ -151,7 +152,7 @@ class _Checker(PoolTables, ModelTables):
         if isinstance(parsed, tuple):
             return parsed
         reason = "" if parsed is None else f": {parsed}"
-        self.report(path, f"{text!r} is not a valid {noun}{reason}")
+        self.report(path, f"{redact_url(text)!r} is not a valid {noun}{reason}")
         return None
 
     def section(self, cls: type[_D], value: object, path: KeyPath) -> _D:
@@ -241,7 +242,7 @@ class _Checker(PoolTables, ModelTables):
             return
         parts = urlsplit(endpoint)
         if parts.scheme not in ("http", "https") or not parts.hostname:
-            self.report(where, f"{endpoint!r} is not an http:// or https:// URL")
+            self.report(where, f"{redact_url(endpoint)!r} is not an http:// or https:// URL")
         elif not tracing.available():
             self.report(where, f"tracing needs the OpenTelemetry packages: {tracing.EXTRA_HINT}")
 

@@ -1,0 +1,49 @@
+"""Credentials out of what the daemon shows: URLs as they may be printed (sans-IO).
+
+A URL in the fleet file may carry a credential: user info
+(``nats://user:pass@host:4222``, or a NATS token as ``nats://token@host``) or
+a query parameter (``https://host/v1/traces?api_key=...``). Everything that
+shows such a URL (``check``, ``check --json``, ``/fleet``, log lines and
+error messages) shows :func:`redact_url` of it instead, which keeps where
+the URL points and says that a credential is there without saying which.
+"""
+
+from __future__ import annotations
+
+import re
+
+#: what a secret shows as, wherever it would have been printed
+REDACTED = "<redacted>"
+
+# scheme://userinfo@ (the userinfo ends at the last "@" before the path)
+_USERINFO = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)?(?P<userinfo>[^/?#]*)@")
+# a query parameter whose name says it holds a credential: api_key, access_token, X-Amz-Signature…
+_CREDENTIAL_NAME = re.compile(
+    r"key|token|secret|pass|pwd|auth|sig|credential|session|cookie", re.IGNORECASE
+)
+
+
+def redact_url(url: str) -> str:
+    """``url`` with its user info and credential-looking query values replaced by REDACTED.
+
+    The whole user info goes (a user name alone is a token to NATS), and so
+    does the value of every query parameter whose name contains ``key``,
+    ``token``, ``secret``, ``pass``, ``pwd``, ``auth``, ``sig``,
+    ``credential``, ``session`` or ``cookie``. Never raises: it is applied to
+    text the loader has not accepted yet, to show it in a message.
+    """
+    shown = _USERINFO.sub(lambda m: f"{m['scheme'] or ''}{REDACTED}@", url, count=1)
+    query_at = shown.find("?")
+    if query_at < 0:
+        return shown
+    fragment_at = shown.find("#", query_at)
+    end = len(shown) if fragment_at < 0 else fragment_at
+    params = [_redact_param(param) for param in shown[query_at + 1:end].split("&")]
+    return shown[:query_at + 1] + "&".join(params) + shown[end:]
+
+
+def _redact_param(param: str) -> str:
+    name, equals, value = param.partition("=")
+    if equals and value and _CREDENTIAL_NAME.search(name):
+        return f"{name}={REDACTED}"
+    return param
