@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import shutil
 import signal
@@ -22,8 +23,11 @@ ROOT = Path(__file__).resolve().parents[1]
 DAEMON = str(Path(sys.executable).with_name("direct-frontend"))
 
 
-def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([DAEMON, *args], capture_output=True, text=True, timeout=timeout)
+def cli(*args: str, timeout: float = 60,
+        env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """The command, with ``env`` added to this process's environment."""
+    return subprocess.run([DAEMON, *args], capture_output=True, text=True, timeout=timeout,
+                          env=None if env is None else {**os.environ, **env})
 
 
 def one_line(text: str) -> str:
@@ -125,9 +129,17 @@ def test_a_busy_port_is_one_line_naming_the_address(
 def test_an_open_admin_side_beyond_loopback_is_warned_about(
     tmp_path: Path, model_dir: Path, listening: int
 ) -> None:
-    production = cli("check", "--no-tokenizer", str(ROOT / "config" / "examples" /
-                                                     "production.toml"))
-    assert production.returncode == 0 and production.stderr == ""  # the example is closed
+    production = ROOT / "config" / "examples" / "production.toml"
+    checked = cli("check", "--no-tokenizer", str(production),
+                  env={"DIRECT_FRONTEND_API_KEYS": "sk-example-1 sk-example-2"})
+    assert checked.returncode == 0 and checked.stderr == ""  # the example is closed
+    assert "sk-example" not in checked.stdout
+    assert re.search(r"auth\.api_keys +2 \(redacted; read from \$DIRECT_FRONTEND_API_KEYS\)",
+                     checked.stdout)
+    unset = cli("check", "--no-tokenizer", str(production), env={"DIRECT_FRONTEND_API_KEYS": ""})
+    assert unset.returncode == 2 and one_line(unset.stderr).endswith(
+        "frontend.auth.api_keys_env: the environment variable DIRECT_FRONTEND_API_KEYS holds"
+        " no keys")
     fleet = fleet_file(tmp_path, model_dir, f"0.0.0.0:{listening}")
     warning = (
         f"{fleet}:2: frontend.listen: 0.0.0.0:{listening} is reachable beyond loopback"

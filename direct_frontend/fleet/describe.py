@@ -11,11 +11,12 @@ from __future__ import annotations
 import dataclasses
 import enum
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from direct_frontend.engines.neutral import EngineRole
 from direct_frontend.fleet.schema import (
     EFFORTS,
+    AuthConfig,
     EngineConfig,
     FleetConfig,
     FrontendConfig,
@@ -29,6 +30,7 @@ from direct_frontend.fleet.schema import (
 )
 from direct_frontend.observability.redact import REDACTED, redact_url
 
+_V = TypeVar("_V")
 JsonValue = None | bool | int | float | str | list["JsonValue"] | dict[str, "JsonValue"]
 
 # What discovery reads per engine kind: (source, advice when there is no override).
@@ -163,7 +165,8 @@ def to_jsonable(cfg: FleetConfig, *, redact: bool = True) -> dict[str, JsonValue
                 "read_loads": probe.read_loads,
             },
             "admin": {"enabled": admin.enabled, "token": token},
-            "auth": {"api_keys": api_keys},
+            "auth": {"api_keys": api_keys, "api_keys_env": auth.api_keys_env,
+                     "api_keys_file": _optional(str, auth.api_keys_file)},
             "faults": {
                 "max_retries": frontend.faults.max_retries,
                 "max_migrations": frontend.faults.max_migrations,
@@ -201,8 +204,8 @@ def _same(text: str) -> str:
     return text
 
 
-def _optional(show: Callable[[str], str], text: str | None) -> str | None:
-    return None if text is None else show(text)
+def _optional(show: Callable[[_V], str], value: _V | None) -> str | None:
+    return None if value is None else show(value)
 
 
 def _plain(table: Any) -> JsonValue:
@@ -302,7 +305,7 @@ def _fact(kind: str, source: str, advice: str, override: int | str | None) -> st
 
 
 def _frontend_rows(frontend: FrontendConfig) -> list[tuple[str, str]]:
-    routing, probe, api_keys = frontend.routing, frontend.probe, frontend.auth.api_keys
+    routing, probe = frontend.routing, frontend.probe
     knobs = ", ".join(f"{key} = {_scalar(value)}" for key, value in routing.knobs.items())
     return [
         ("listen", frontend.listen),
@@ -326,7 +329,7 @@ def _frontend_rows(frontend: FrontendConfig) -> list[tuple[str, str]]:
         ("probe.read_loads", _scalar(probe.read_loads)),
         ("admin.enabled", _scalar(frontend.admin.enabled)),
         ("admin.token", "set (redacted)" if frontend.admin.token else "none"),
-        ("auth.api_keys", f"{len(api_keys)} (redacted)" if api_keys else "none (open)"),
+        ("auth.api_keys", _keys_row(frontend.auth)),
         ("faults.max_retries", str(frontend.faults.max_retries)),
         ("faults.max_migrations", str(frontend.faults.max_migrations)),
         ("faults.stall_timeout_s", _scalar(frontend.faults.stall_timeout_s)),
@@ -340,6 +343,16 @@ def _frontend_rows(frontend: FrontendConfig) -> list[tuple[str, str]]:
         ("kubernetes", _kubernetes_row(frontend.kubernetes)),
         ("responses", _responses_row(frontend.responses)),
     ]
+
+
+def _keys_row(auth: AuthConfig) -> str:
+    """How many keys, and where those not written in the file came from (never a key)."""
+    if not auth.api_keys:
+        return "none (open)"
+    read = [f"${auth.api_keys_env}" if auth.api_keys_env else "",
+            str(auth.api_keys_file) if auth.api_keys_file else ""]
+    places = " and ".join(place for place in read if place)
+    return f"{len(auth.api_keys)} (redacted" + (f"; read from {places})" if places else ")")
 
 
 def _kubernetes_row(kube: KubernetesConfig) -> str:

@@ -219,9 +219,17 @@ class AdminConfig:
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class AuthConfig:
-    """``[frontend.auth]``: bearer keys the OpenAI endpoints require (none: open)."""
+    """``[frontend.auth]``: bearer keys the OpenAI endpoints require (none: open).
+
+    ``api_keys`` is every key, resolved by the loader (:mod:`direct_frontend.fleet.keys`):
+    those written here, plus those of the environment variable ``api_keys_env``
+    names and of the file ``api_keys_file`` names, read at each load and reload.
+    """
 
     api_keys: tuple[str, ...] = setting((), Rules(secret=True))
+    api_keys_env: str | None = None  # a variable of keys separated by commas or whitespace
+    # a file of keys, one a line (# comments), resolved against the fleet file
+    api_keys_file: Path | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

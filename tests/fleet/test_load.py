@@ -935,6 +935,12 @@ def test_demo_fleet_parses() -> None:
     ]
 
 
+@pytest.fixture(autouse=True)
+def production_keys(monkeypatch: pytest.MonkeyPatch) -> None:
+    """production.toml reads its API keys from the environment, as its deployment sets it."""
+    monkeypatch.setenv("DIRECT_FRONTEND_API_KEYS", "sk-example-1,sk-example-2")
+
+
 @pytest.mark.parametrize("name", ["mixed.toml", "production.toml", "embeddings.toml"])
 def test_examples_parse(name: str) -> None:
     cfg = load_fleet(ROOT / "config" / "examples" / name)
@@ -949,6 +955,8 @@ def test_examples_parse(name: str) -> None:
     else:
         assert not any(e.simulate for e in cfg.engines)
         assert {e.role for e in cfg.engines} == set(EngineRole)
+        assert cfg.frontend.auth.api_keys == ("sk-example-1", "sk-example-2")
+        assert not cfg.frontend.admin.enabled
 
 
 def test_describe_shows_resolved_settings_and_facts() -> None:
