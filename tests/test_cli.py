@@ -155,6 +155,25 @@ def test_an_open_admin_side_beyond_loopback_is_warned_about(
     assert len(logged) == 1 and warning in logged[0], ran.stderr
 
 
+def test_open_openai_endpoints_beyond_loopback_are_warned_about(
+    tmp_path: Path, model_dir: Path, listening: int
+) -> None:
+    """The admin side closed is not enough: the OpenAI endpoints without keys are said too."""
+    fleet = fleet_file(tmp_path, model_dir, f"0.0.0.0:{listening}")
+    fleet.write_text(fleet.read_text() + "\n[frontend.admin]\nenabled = false\n")
+    warning = (
+        f"{fleet}:2: frontend.listen: 0.0.0.0:{listening} is reachable beyond loopback and the"
+        " OpenAI endpoints (/v1/..., /tokenize, /detokenize) need no key"
+    )
+    checked = cli("check", str(fleet))
+    assert checked.returncode == 0
+    assert one_line(checked.stderr).startswith(f"warning: {warning}")
+    ran = cli("run", str(fleet), timeout=60)
+    assert ran.returncode == 1  # the busy port, after the warning
+    logged = [line for line in ran.stderr.splitlines() if " WARNING " in line]
+    assert len(logged) == 1 and warning in logged[0], ran.stderr
+
+
 # -- an empty fleet --------------------------------------------------------------------------
 
 
