@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from direct_frontend.engines.neutral import EngineRole
+from direct_frontend.fleet.pools import watch_seconds
 from direct_frontend.fleet.schema import (
     EFFORTS,
     AuthConfig,
@@ -361,7 +362,8 @@ def _kubernetes_row(kube: KubernetesConfig) -> str:
              else "in-cluster service account, else $KUBECONFIG or ~/.kube/config")
     context = f", context {kube.context}" if kube.context else ""
     waits = ", wait_for_pods" if kube.wait_for_pods else ""
-    return (f"{where}{context}; watch {_scalar(kube.watch_timeout_s)} s, relist every"
+    return (f"{where}{context}; watch {watch_seconds(kube)} s each (dead after"
+            f" {_scalar(kube.watch_silence_s)} s silent), relist every"
             f" {_scalar(kube.relist_interval_s)} s{waits}")
 
 
