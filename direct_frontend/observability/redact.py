@@ -10,7 +10,11 @@ the URL points and says that a credential is there without saying which.
 
 from __future__ import annotations
 
+import logging
 import re
+import traceback
+from collections.abc import Iterable
+from urllib.parse import unquote
 
 #: what a secret shows as, wherever it would have been printed
 REDACTED = "<redacted>"
@@ -40,6 +44,51 @@ def redact_url(url: str) -> str:
     end = len(shown) if fragment_at < 0 else fragment_at
     params = [_redact_param(param) for param in shown[query_at + 1:end].split("&")]
     return shown[:query_at + 1] + "&".join(params) + shown[end:]
+
+
+def url_secrets(url: str) -> set[str]:
+    """The credentials :func:`redact_url` hides in ``url``, as written and percent-decoded.
+
+    The user info whole and, after a ``:``, its password; each credential
+    query value. A user name alone is only a secret when it is all there is.
+    """
+    found: set[str] = set()
+    userinfo = _USERINFO.match(url)
+    if userinfo is not None and userinfo["userinfo"]:
+        found.add(userinfo["userinfo"])
+        found.add(userinfo["userinfo"].partition(":")[2])
+    query = url.partition("?")[2].partition("#")[0]
+    for param in query.split("&") if query else ():
+        name, equals, value = param.partition("=")
+        if equals and value and _CREDENTIAL_NAME.search(name):
+            found.add(value)
+    return {form for secret in found for form in (secret, unquote(secret)) if form}
+
+
+class SecretFilter(logging.Filter):
+    """Replaces known secrets by REDACTED in a record's message and traceback.
+
+    For records of libraries that print what they were given. A record
+    carrying a secret keeps its level and logger; its traceback (formatted
+    and redacted) becomes part of its message.
+    """
+
+    def __init__(self, secrets: Iterable[str]) -> None:
+        super().__init__()
+        self.secrets = sorted({secret for secret in secrets if secret}, key=len, reverse=True)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not self.secrets:
+            return True
+        text = record.getMessage()
+        if record.exc_info:
+            text += "\n" + "".join(traceback.format_exception(*record.exc_info)).rstrip()
+        if not any(secret in text for secret in self.secrets):
+            return True
+        for secret in self.secrets:
+            text = text.replace(secret, REDACTED)
+        record.msg, record.args, record.exc_info, record.exc_text = text, None, None, None
+        return True
 
 
 def _redact_param(param: str) -> str:
