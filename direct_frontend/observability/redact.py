@@ -65,6 +65,13 @@ def url_secrets(url: str) -> set[str]:
     return {form for secret in found for form in (secret, unquote(secret)) if form}
 
 
+def scrub(text: str, secrets: Iterable[str]) -> str:
+    """``text`` with every one of ``secrets`` replaced by REDACTED (the longest first)."""
+    for secret in sorted({secret for secret in secrets if secret}, key=len, reverse=True):
+        text = text.replace(secret, REDACTED)
+    return text
+
+
 class SecretFilter(logging.Filter):
     """Replaces known secrets by REDACTED in a record's message and traceback.
 
@@ -75,7 +82,7 @@ class SecretFilter(logging.Filter):
 
     def __init__(self, secrets: Iterable[str]) -> None:
         super().__init__()
-        self.secrets = sorted({secret for secret in secrets if secret}, key=len, reverse=True)
+        self.secrets = {secret for secret in secrets if secret}
 
     def filter(self, record: logging.LogRecord) -> bool:
         if not self.secrets:
@@ -85,9 +92,8 @@ class SecretFilter(logging.Filter):
             text += "\n" + "".join(traceback.format_exception(*record.exc_info)).rstrip()
         if not any(secret in text for secret in self.secrets):
             return True
-        for secret in self.secrets:
-            text = text.replace(secret, REDACTED)
-        record.msg, record.args, record.exc_info, record.exc_text = text, None, None, None
+        record.msg, record.args = scrub(text, self.secrets), None
+        record.exc_info, record.exc_text = None, None
         return True
 
 
