@@ -303,7 +303,8 @@ def test_only_failures_of_the_machine_become_one_line() -> None:
 
 def test_check_against_a_url_with_credentials_never_prints_them(listening: int) -> None:
     secret = "pa55-in-the-url"
-    for url in (f"http://admin:{secret}@127.0.0.1:{listening}", f"http://127.0.0.1:1?token={secret}"):
+    urls = (f"http://admin:{secret}@127.0.0.1:{listening}", f"http://127.0.0.1:1?token={secret}")
+    for url in urls:
         checked = cli("check", str(ROOT / "config" / "fleet.toml"), "--against", url, timeout=30)
         assert checked.returncode == 1
         assert "cannot fetch /fleet" in one_line(checked.stderr) and "<redacted>" in checked.stderr
