@@ -16,6 +16,7 @@ from direct_frontend.control.replicas import ReplicaLink
 from direct_frontend.fleet.describe import describe_fleet, to_jsonable
 from direct_frontend.fleet.load import FleetError, parse_fleet
 from direct_frontend.routing.peers import PlacementShare
+from tests.support.sim import run_trio
 
 NATS_PASSWORD = "nats-pa55word-123"
 OTLP_PASSWORD = "otlp-pa55word-456"
@@ -63,6 +64,18 @@ def test_credentials_in_urls_reach_no_output(caplog: pytest.LogCaptureFixture) -
         assert tracing is not None
         tracing.shutdown()
     assert "spans go to https://<redacted>@otel.example" in caplog.text
+    assert_no_secret(caplog.text)
+
+
+def test_the_replica_link_logs_its_nats_url_without_the_password(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    fleet = parse_fleet(FLEET.replace("nats.example:4222", "127.0.0.1:1"), Path("fleet.toml"))
+    stub: Any = types.SimpleNamespace(fault_listeners=[], on_load_change=None)
+    link = ReplicaLink(fleet.frontend.replicas, stub, PlacementShare(), replica_id="r1")
+    with caplog.at_level(logging.INFO):
+        assert not run_trio(link._connect)  # nothing listens there
+    assert "cannot reach NATS at nats://<redacted>@127.0.0.1:1" in caplog.text
     assert_no_secret(caplog.text)
 
 
