@@ -246,9 +246,11 @@ def _check_against(config: FleetConfig, url: str, token: str | None, as_json: bo
 
     from direct_frontend.fleet.describe import to_jsonable
     from direct_frontend.fleet.diff import as_in_file, diff_fleet_data
+    from direct_frontend.observability.redact import redact_url, scrub, url_secrets
 
     base = url if "://" in url else f"http://{url}"
     request = urllib.request.Request(base.rstrip("/") + "/fleet")
+    base = redact_url(base)  # as shown from here on
     if token:
         request.add_header("Authorization", f"Bearer {token}")
     try:
@@ -259,7 +261,8 @@ def _check_against(config: FleetConfig, url: str, token: str | None, as_json: bo
         typer.echo(f"{base}: HTTP {exc.code}{hint.get(exc.code, '')}", err=True)
         raise typer.Exit(1) from None
     except (urllib.error.URLError, OSError, ValueError) as exc:
-        typer.echo(f"{base}: cannot fetch /fleet: {exc}", err=True)
+        typer.echo(f"{base}: cannot fetch /fleet: {scrub(str(exc), url_secrets(url))}",
+                   err=True)
         raise typer.Exit(1) from None
     diff = diff_fleet_data(as_in_file(running["fleet"]), to_jsonable(config))
     if as_json:

@@ -58,6 +58,7 @@ from direct_frontend.http.app import App
 from direct_frontend.kv.index import KvIndex
 from direct_frontend.observability import descriptors, shims
 from direct_frontend.observability.metrics import Metrics
+from direct_frontend.observability.redact import redact_url
 from direct_frontend.observability.sdnotify import Notifier
 from direct_frontend.observability.tracing import Tracing
 from direct_frontend.openai.response_store import ResponseStore
@@ -195,7 +196,7 @@ def _open_tracing(config: TracingConfig) -> Tracing | None:
     """The daemon's tracer if ``[frontend.tracing]`` configures one (read once, at start)."""
     if config.otlp_endpoint is None:
         return None
-    log.info("tracing: spans go to %s", config.otlp_endpoint)
+    log.info("tracing: spans go to %s", redact_url(config.otlp_endpoint))
     return Tracing(config.otlp_endpoint, config.service_name, config.sample_ratio)
 
 

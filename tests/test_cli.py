@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import shutil
 import signal
@@ -22,8 +23,11 @@ ROOT = Path(__file__).resolve().parents[1]
 DAEMON = str(Path(sys.executable).with_name("direct-frontend"))
 
 
-def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([DAEMON, *args], capture_output=True, text=True, timeout=timeout)
+def cli(*args: str, timeout: float = 60,
+        env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """The command, with ``env`` added to this process's environment."""
+    return subprocess.run([DAEMON, *args], capture_output=True, text=True, timeout=timeout,
+                          env=None if env is None else {**os.environ, **env})
 
 
 def one_line(text: str) -> str:
@@ -125,9 +129,17 @@ def test_a_busy_port_is_one_line_naming_the_address(
 def test_an_open_admin_side_beyond_loopback_is_warned_about(
     tmp_path: Path, model_dir: Path, listening: int
 ) -> None:
-    production = cli("check", "--no-tokenizer", str(ROOT / "config" / "examples" /
-                                                     "production.toml"))
-    assert production.returncode == 0 and production.stderr == ""  # the example is closed
+    production = ROOT / "config" / "examples" / "production.toml"
+    checked = cli("check", "--no-tokenizer", str(production),
+                  env={"DIRECT_FRONTEND_API_KEYS": "sk-example-1 sk-example-2"})
+    assert checked.returncode == 0 and checked.stderr == ""  # the example is closed
+    assert "sk-example" not in checked.stdout
+    assert re.search(r"auth\.api_keys +2 \(redacted; read from \$DIRECT_FRONTEND_API_KEYS\)",
+                     checked.stdout)
+    unset = cli("check", "--no-tokenizer", str(production), env={"DIRECT_FRONTEND_API_KEYS": ""})
+    assert unset.returncode == 2 and one_line(unset.stderr).endswith(
+        "frontend.auth.api_keys_env: the environment variable DIRECT_FRONTEND_API_KEYS holds"
+        " no keys")
     fleet = fleet_file(tmp_path, model_dir, f"0.0.0.0:{listening}")
     warning = (
         f"{fleet}:2: frontend.listen: 0.0.0.0:{listening} is reachable beyond loopback"
@@ -139,6 +151,25 @@ def test_an_open_admin_side_beyond_loopback_is_warned_about(
     # run says it as a WARNING log line at start (here just before the busy port stops it).
     ran = cli("run", str(fleet), timeout=60)
     assert ran.returncode == 1
+    logged = [line for line in ran.stderr.splitlines() if " WARNING " in line]
+    assert len(logged) == 1 and warning in logged[0], ran.stderr
+
+
+def test_open_openai_endpoints_beyond_loopback_are_warned_about(
+    tmp_path: Path, model_dir: Path, listening: int
+) -> None:
+    """The admin side closed is not enough: the OpenAI endpoints without keys are said too."""
+    fleet = fleet_file(tmp_path, model_dir, f"0.0.0.0:{listening}")
+    fleet.write_text(fleet.read_text() + "\n[frontend.admin]\nenabled = false\n")
+    warning = (
+        f"{fleet}:2: frontend.listen: 0.0.0.0:{listening} is reachable beyond loopback and the"
+        " OpenAI endpoints (/v1/..., /tokenize, /detokenize) need no key"
+    )
+    checked = cli("check", str(fleet))
+    assert checked.returncode == 0
+    assert one_line(checked.stderr).startswith(f"warning: {warning}")
+    ran = cli("run", str(fleet), timeout=60)
+    assert ran.returncode == 1  # the busy port, after the warning
     logged = [line for line in ran.stderr.splitlines() if " WARNING " in line]
     assert len(logged) == 1 and warning in logged[0], ran.stderr
 
@@ -275,3 +306,13 @@ def test_version_is_an_option_and_a_command() -> None:
 
     assert one_line(cli("--version").stdout) == f"direct-frontend {__version__}"
     assert one_line(cli("version").stdout) == __version__
+
+
+def test_check_against_a_url_with_credentials_never_prints_them(listening: int) -> None:
+    secret = "pa55-in-the-url"
+    urls = (f"http://admin:{secret}@127.0.0.1:{listening}", f"http://127.0.0.1:1?token={secret}")
+    for url in urls:
+        checked = cli("check", str(ROOT / "config" / "fleet.toml"), "--against", url, timeout=30)
+        assert checked.returncode == 1
+        assert "cannot fetch /fleet" in one_line(checked.stderr) and "<redacted>" in checked.stderr
+        assert secret not in checked.stdout + checked.stderr

@@ -16,6 +16,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from direct_frontend.fleet.keys import KeySources, process_sources
 from direct_frontend.fleet.load import parse_fleet
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,12 +70,30 @@ def test_the_manifests_wire_up_pod_discovery() -> None:
 
 def test_the_configmaps_fleet_file_loads_and_watches_its_own_namespace() -> None:
     found = manifests()
-    fleet = parse_fleet(found["ConfigMap"]["data"]["fleet.toml"], Path("/etc/x/fleet.toml"))
+    container = found["Deployment"]["spec"]["template"]["spec"]["containers"][0]
+    env = {item["name"]: item for item in container.get("env", [])}
+    sources = KeySources({name: "sk-from-the-secret" for name in env},
+                         process_sources().read_text)
+    fleet = parse_fleet(found["ConfigMap"]["data"]["fleet.toml"], Path("/etc/x/fleet.toml"),
+                        sources=sources)
+    # its API keys come from the variable the Deployment sets from a Secret, never a manifest
+    name = fleet.frontend.auth.api_keys_env
+    assert name is not None and "secretKeyRef" in env[name]["valueFrom"]
+    assert fleet.frontend.auth.api_keys == ("sk-from-the-secret",)
     assert fleet.pools and fleet.frontend.kubernetes.kubeconfig is None  # in-cluster config
     namespace = found["Role"]["metadata"]["namespace"]
     assert {pool.namespace for pool in fleet.pools} == {namespace}
     port = found["Deployment"]["spec"]["template"]["spec"]["containers"][0]["ports"][0]
     assert fleet.frontend.listen_port == port["containerPort"]
+
+
+def test_the_systemd_unit_reads_the_environment_file_of_the_production_example() -> None:
+    """production.toml reads its keys from the environment; the unit's EnvironmentFile= has them."""
+    unit = (ROOT / "config" / "direct-frontend.service").read_text()
+    assert re.search(r"^EnvironmentFile=-/etc/direct-frontend/env$", unit, re.M)
+    production = (ROOT / "config" / "examples" / "production.toml").read_text()
+    (name,) = re.findall(r'^api_keys_env = "(\w+)"$', production, re.M)
+    assert f"{name}=" in (ROOT / "docs" / "systemd.md").read_text()  # the install writes it
 
 
 def test_the_dockerfile_runs_the_daemon_on_the_deployments_path() -> None:

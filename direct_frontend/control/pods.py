@@ -4,10 +4,12 @@ One task per pool lists the pods its selector matches (in pages), then
 watches from the list's ``resourceVersion`` with bookmarks; a watch the
 server ends (``timeoutSeconds``) resumes from the last version seen, a 410
 Gone relists, and a full relist runs every ``relist_interval_s`` whatever
-happens, so a missed delete lives no longer than that. A failed list or
-watch reconnects with backoff and *keeps the last membership*: an API
-server that goes away marks the pool stale (``/fleet``, a metric) and
-never empties the fleet. The engines each pool's pods make go through
+happens, so a missed delete lives no longer than that. A watch that brings
+no byte for ``watch_silence_s`` is a dead connection (a healthy one brings a
+bookmark sooner: :func:`~direct_frontend.fleet.pools.watch_seconds`). A failed
+list or watch reconnects with jittered backoff and *keeps the last
+membership*: an API server that goes away marks the pool stale (``/fleet``, a
+metric) and never empties the fleet. The engines each pool's pods make go through
 :meth:`ControlPlane.apply_membership`, the same adds and removes a fleet
 file edit makes. Which pod is which engine is decided in
 :mod:`direct_frontend.fleet.pools`; this module only moves bytes and time.
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import random
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
@@ -34,12 +37,13 @@ from lightkube.core.exceptions import ConfigError
 from direct_frontend.control.kube_exec import ExecAuth
 from direct_frontend.fleet.describe import JsonValue
 from direct_frontend.fleet.pools import (
+    Backoff,
     PoolMembership,
-    backoff_s,
     list_params,
     parse_event,
     pods_path,
     watch_params,
+    watch_seconds,
 )
 from direct_frontend.fleet.schema import EngineConfig, FleetConfig, KubernetesConfig, PoolConfig
 from direct_frontend.observability.metrics import Metrics
@@ -48,8 +52,6 @@ log = logging.getLogger("direct_frontend.pods")
 
 #: pods per page of a list (the API server's ``limit``; ``continue`` fetches the next)
 LIST_PAGE = 500
-#: a watch silent this much longer than it asked the server to run is a lost connection
-WATCH_SLACK_S = 30.0
 #: a watch that ends sooner than this without an event is retried with backoff
 QUICK_WATCH_S = 0.5
 #: membership changes this close together reach the supervisor as one edit
@@ -87,7 +89,9 @@ def kube_client(
     single = config.get(context_name=settings.context)
     if single is None:
         raise ApiFailure(f"no kubeconfig context {settings.context!r}")
-    timeout = httpx.Timeout(10.0, read=settings.watch_timeout_s + WATCH_SLACK_S)
+    # a read that waits watch_silence_s for a byte ends the watch: a healthy one sends a
+    # bookmark or ends sooner (watch_seconds)
+    timeout = httpx.Timeout(10.0, read=settings.watch_silence_s)
     client: httpx.AsyncClient = AsyncClient(single, ConnectionParams(timeout=timeout))
     if single.user is not None and single.user.exec is not None:
         client.auth = ExecAuth(single.user.exec)  # lightkube's needs an asyncio loop
@@ -99,12 +103,14 @@ class PoolWatch:
 
     Until its first list, a watch started by a reload offers the engines the
     pool had before (``inherited``), so a changed selector reconciles the pool
-    without emptying it first.
+    without emptying it first. ``backoff_jitter`` draws the jitter of its
+    reconnect delays (:class:`~direct_frontend.fleet.pools.Backoff`).
     """
 
     def __init__(
         self, pool: PoolConfig, settings: KubernetesConfig, metrics: Metrics,
         on_change: Callable[[], None], inherited: tuple[EngineConfig, ...] = (),
+        backoff_jitter: random.Random | None = None,
     ) -> None:
         self.pool = pool
         self.settings = settings
@@ -119,6 +125,7 @@ class PoolWatch:
         self.relists = 0
         self.watches = 0
         self.events = 0
+        self.backoff = Backoff(settings.max_backoff_s, backoff_jitter or random.Random())
         self.scope = trio.CancelScope()
         #: set when its task has ended (so the client it used can be closed)
         self.finished = trio.Event()
@@ -154,9 +161,10 @@ class PoolWatch:
         """List, watch, relist, for ever; a failure keeps the membership and backs off.
 
         A configuration that cannot be read fails like an unreachable server:
-        the pool is stale and tries again, the daemon runs on.
+        the pool is stale and tries again, the daemon runs on. A list that
+        succeeds does not end the backoff (:class:`~direct_frontend.fleet.pools.Backoff`):
+        a watch reset at once after every list would relist without pause.
         """
-        attempt = 0
         reason = "start"
         with self.scope:
             while True:
@@ -164,7 +172,6 @@ class PoolWatch:
                 try:
                     client = await client_of()
                     await self._list(client, reason)
-                    attempt = 0
                     reason = await self._watch_until_relist(client)
                 except RuntimeError:
                     if client is None or not client.is_closed:
@@ -172,8 +179,7 @@ class PoolWatch:
                     reason = "reconnect"  # closed under us by a reload: the next client
                 except (httpx.HTTPError, OSError, ApiFailure, ValueError, ConfigError) as exc:
                     self._failed(exc)
-                    await trio.sleep(backoff_s(attempt, self.settings.max_backoff_s))
-                    attempt += 1
+                    await trio.sleep(self.backoff.delay(trio.current_time()))
                     reason = "reconnect"
 
     def _failed(self, exc: Exception) -> None:
@@ -218,14 +224,11 @@ class PoolWatch:
     async def _watch_until_relist(self, client: httpx.AsyncClient) -> str:
         """Watch, resuming from the last version, until a relist is due (or a 410 asks for one)."""
         with trio.move_on_after(self.settings.relist_interval_s):
-            quick = 0
             try:
                 while True:
-                    if await self._watch_once(client):
-                        quick = 0
-                    else:  # ended at once with nothing: a server that does so would spin us
-                        await trio.sleep(backoff_s(quick, self.settings.max_backoff_s))
-                        quick += 1
+                    if not await self._watch_once(client):
+                        # ended at once with nothing: a server that does so would spin us
+                        await trio.sleep(self.backoff.delay(trio.current_time()))
             except Gone:
                 return "gone"
         return "periodic"
@@ -236,7 +239,7 @@ class PoolWatch:
         False when it ended at once without an event.
         """
         version = self.membership.resource_version or ""
-        params = watch_params(self.pool, version, self.settings.watch_timeout_s)
+        params = watch_params(self.pool, version, watch_seconds(self.settings))
         started = trio.current_time()
         seen = 0
         self.watches += 1
@@ -261,6 +264,10 @@ class PoolWatch:
                     self.membership.event(event.type, event.object)
                     if event.type != "BOOKMARK":
                         self._changed()
+            except httpx.ReadTimeout:  # the client's read timeout is the silence deadline
+                silence = self.settings.watch_silence_s
+                raise ApiFailure(f"the watch brought nothing for {silence:g} s"
+                                 " (a dead connection)") from None
             finally:
                 with trio.CancelScope(shield=True):  # closed here, not by the garbage collector
                     await lines.aclose()  # type: ignore[attr-defined]

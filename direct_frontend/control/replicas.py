@@ -58,6 +58,7 @@ from direct_frontend.kv.snapshot import (
     encode_snapshot,
     split,
 )
+from direct_frontend.observability.redact import redact_url
 from direct_frontend.openai.response_store import (
     CANCELLED,
     ResponseStore,
@@ -153,7 +154,7 @@ class ReplicaLink:
         """The ``replicas`` part of ``GET /fleet``."""
         return {
             "replica": self.replica,
-            "nats": self.url,
+            "nats": redact_url(self.url),
             "cluster": self.config.cluster,
             "connected": self.connected,
             "degraded": self.degraded,
@@ -209,7 +210,7 @@ class ReplicaLink:
             if self.connected:
                 self.counts["outages"] += 1
                 log.warning("replicas: lost NATS at %s; routing on local state until it "
-                            "is back", self.url)
+                            "is back", redact_url(self.url))
             self.connected = False
             self.peers.clear()  # their word is stale from now on
             self._apply_peers()
@@ -217,7 +218,7 @@ class ReplicaLink:
         async def reconnected() -> None:
             self.connected = True
             self._last_sent = None  # resync: everyone hears our whole state at once
-            log.info("replicas: NATS at %s is back", self.url)
+            log.info("replicas: NATS at %s is back", redact_url(self.url))
 
         async def error(exc: Exception) -> None:
             log.debug("replicas: NATS client error: %s", exc)
@@ -233,11 +234,11 @@ class ReplicaLink:
                 )
         except Exception as exc:
             log.warning("replicas: cannot reach NATS at %s (%s); routing on local state",
-                        self.url, exc.__class__.__name__)
+                        redact_url(self.url), exc.__class__.__name__)
             return False
         self.connected = True
-        log.info("replicas: replica %s sharing over %s (cluster %s)", self.replica, self.url,
-                 self.config.cluster)
+        log.info("replicas: replica %s sharing over %s (cluster %s)", self.replica,
+                 redact_url(self.url), self.config.cluster)
         return True
 
     async def _connect_later(self) -> None:

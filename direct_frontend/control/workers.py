@@ -35,6 +35,7 @@ import trio
 
 from direct_frontend.fleet.schema import FleetConfig, ReplicasConfig
 from direct_frontend.observability.exposition import merge
+from direct_frontend.observability.redact import redact_url
 from direct_frontend.observability.sdnotify import Notifier
 
 log = logging.getLogger("direct_frontend.workers")
@@ -140,7 +141,7 @@ class WorkerPool:
             role = WorkerRole(0, self.count, frontend.listen_host, port, nats, self.state_dir,
                               os.getpid())
             log.info("workers: %d on %s:%d (sharing over %s)", self.count,
-                     frontend.listen_host, port, nats or "nothing")
+                     frontend.listen_host, port, redact_url(nats) if nats else "nothing")
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._signals, nursery.cancel_scope)
                 for worker in self.workers:

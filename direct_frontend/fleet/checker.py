@@ -169,6 +169,16 @@ def _placeholder(spec: FieldSpec) -> Any:
 # -- the checker --------------------------------------------------------------------
 
 
+def secret_problem(value: str) -> str | None:
+    """What is wrong with ``value`` as a bearer secret (None: nothing), without quoting it."""
+    if not value or any(ch.isspace() or not ch.isprintable() for ch in value):
+        return "must be non-empty, without spaces or control characters"
+    if not value.isascii():
+        # A header is bytes; a client's could never equal this secret's UTF-8.
+        return "must be ASCII (an Authorization header cannot carry it otherwise)"
+    return None
+
+
 class Checker:
     """Records every problem with its line; the typed reads return None when absent or invalid."""
 
@@ -381,12 +391,9 @@ class Checker:
         if not isinstance(value, str):
             self.report(where, f"expected a string, got {_type_only(value)}")
             return None
-        if not value or any(ch.isspace() or not ch.isprintable() for ch in value):
-            self.report(where, "must be non-empty, without spaces or control characters")
-            return None
-        if not value.isascii():
-            # A header is bytes; a client's could never equal this secret's UTF-8.
-            self.report(where, "must be ASCII (an Authorization header cannot carry it otherwise)")
+        problem = secret_problem(value)
+        if problem is not None:
+            self.report(where, problem)
             return None
         return value
 

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from direct_frontend.engines.neutral import EngineRole
+from direct_frontend.fleet.pools import watch_seconds
 from direct_frontend.fleet.schema import (
     EFFORTS,
     AuthConfig,
@@ -27,7 +29,9 @@ from direct_frontend.fleet.schema import (
     RoutingConfig,
     TracingConfig,
 )
+from direct_frontend.observability.redact import REDACTED, redact_url
 
+_V = TypeVar("_V")
 JsonValue = None | bool | int | float | str | list["JsonValue"] | dict[str, "JsonValue"]
 
 # What discovery reads per engine kind: (source, advice when there is no override).
@@ -121,15 +125,15 @@ def engine_facts(engine: EngineConfig) -> tuple[tuple[str, str], ...]:
     )
 
 
-REDACTED = "<redacted>"
-
-
 def to_jsonable(cfg: FleetConfig, *, redact: bool = True) -> dict[str, JsonValue]:
     """The resolved fleet as JSON-ready data, keyed like the fleet file.
 
-    Secrets show as ``"<redacted>"`` unless ``redact`` is false (only for
-    in-process comparisons such as a reload's diff; never print that form).
+    Secrets show as ``"<redacted>"``, and so do the credentials inside URLs
+    (:func:`~direct_frontend.observability.redact.redact_url`), unless
+    ``redact`` is false (only for in-process comparisons such as a reload's
+    diff; never print that form).
     """
+    shown = redact_url if redact else _same
     frontend = cfg.frontend
     admin, auth = frontend.admin, frontend.auth
     token: JsonValue = admin.token if not redact or admin.token is None else REDACTED
@@ -162,7 +166,9 @@ def to_jsonable(cfg: FleetConfig, *, redact: bool = True) -> dict[str, JsonValue
                 "read_loads": probe.read_loads,
             },
             "admin": {"enabled": admin.enabled, "token": token},
-            "auth": {"api_keys": api_keys, "tenant_header": auth.tenant_header},
+            "auth": {"api_keys": api_keys, "api_keys_env": auth.api_keys_env,
+                     "api_keys_file": _optional(str, auth.api_keys_file),
+                     "tenant_header": auth.tenant_header},
             "faults": {
                 "max_retries": frontend.faults.max_retries,
                 "max_migrations": frontend.faults.max_migrations,
@@ -176,12 +182,12 @@ def to_jsonable(cfg: FleetConfig, *, redact: bool = True) -> dict[str, JsonValue
                 "queue_timeout_s": frontend.limits.queue_timeout_s,
             },
             "tracing": {
-                "otlp_endpoint": tracing.otlp_endpoint,
+                "otlp_endpoint": _optional(shown, tracing.otlp_endpoint),
                 "service_name": tracing.service_name,
                 "sample_ratio": tracing.sample_ratio,
             },
             "replicas": {
-                "nats": replicas.nats,
+                "nats": _optional(shown, replicas.nats),
                 "cluster": replicas.cluster,
                 "publish_interval_s": replicas.publish_interval_s,
                 "peer_timeout_s": replicas.peer_timeout_s,
@@ -194,6 +200,14 @@ def to_jsonable(cfg: FleetConfig, *, redact: bool = True) -> dict[str, JsonValue
         "engines": engines,
         "pools": [_plain(pool) for pool in cfg.pools],
     }
+
+
+def _same(text: str) -> str:
+    return text
+
+
+def _optional(show: Callable[[_V], str], value: _V | None) -> str | None:
+    return None if value is None else show(value)
 
 
 def _plain(table: Any) -> JsonValue:
@@ -293,7 +307,7 @@ def _fact(kind: str, source: str, advice: str, override: int | str | None) -> st
 
 
 def _frontend_rows(frontend: FrontendConfig) -> list[tuple[str, str]]:
-    routing, probe, api_keys = frontend.routing, frontend.probe, frontend.auth.api_keys
+    routing, probe = frontend.routing, frontend.probe
     knobs = ", ".join(f"{key} = {_scalar(value)}" for key, value in routing.knobs.items())
     return [
         ("listen", frontend.listen),
@@ -317,7 +331,7 @@ def _frontend_rows(frontend: FrontendConfig) -> list[tuple[str, str]]:
         ("probe.read_loads", _scalar(probe.read_loads)),
         ("admin.enabled", _scalar(frontend.admin.enabled)),
         ("admin.token", "set (redacted)" if frontend.admin.token else "none"),
-        ("auth.api_keys", f"{len(api_keys)} (redacted)" if api_keys else "none (open)"),
+        ("auth.api_keys", _keys_row(frontend.auth)),
         ("auth.owners", _owners_row(frontend.auth)),
         ("faults.max_retries", str(frontend.faults.max_retries)),
         ("faults.max_migrations", str(frontend.faults.max_migrations)),
@@ -334,13 +348,24 @@ def _frontend_rows(frontend: FrontendConfig) -> list[tuple[str, str]]:
     ]
 
 
+def _keys_row(auth: AuthConfig) -> str:
+    """How many keys, and where those not written in the file came from (never a key)."""
+    if not auth.api_keys:
+        return "none (open)"
+    read = [f"${auth.api_keys_env}" if auth.api_keys_env else "",
+            str(auth.api_keys_file) if auth.api_keys_file else ""]
+    places = " and ".join(place for place in read if place)
+    return f"{len(auth.api_keys)} (redacted" + (f"; read from {places})" if places else ")")
+
+
 def _kubernetes_row(kube: KubernetesConfig) -> str:
     """How [[pool]] tables reach the API server (unused without pools)."""
     where = (f"kubeconfig {kube.kubeconfig}" if kube.kubeconfig is not None
              else "in-cluster service account, else $KUBECONFIG or ~/.kube/config")
     context = f", context {kube.context}" if kube.context else ""
     waits = ", wait_for_pods" if kube.wait_for_pods else ""
-    return (f"{where}{context}; watch {_scalar(kube.watch_timeout_s)} s, relist every"
+    return (f"{where}{context}; watch {watch_seconds(kube)} s each (dead after"
+            f" {_scalar(kube.watch_silence_s)} s silent), relist every"
             f" {_scalar(kube.relist_interval_s)} s{waits}")
 
 
@@ -407,7 +432,7 @@ def _pool_rows(pool: PoolConfig) -> list[tuple[str, str]]:
 def _tracing_row(tracing: TracingConfig) -> str:
     if tracing.otlp_endpoint is None:
         return "off"
-    return (f"{tracing.otlp_endpoint} (service {tracing.service_name},"
+    return (f"{redact_url(tracing.otlp_endpoint)} (service {tracing.service_name},"
             f" sampling {_scalar(tracing.sample_ratio)})")
 
 
@@ -432,7 +457,7 @@ def _owners_row(auth: AuthConfig) -> str:
 def _replicas_row(replicas: ReplicasConfig) -> str:
     if replicas.nats is None:
         return "alone (shares nothing with other replicas)"
-    return f"share over {replicas.nats} (cluster {replicas.cluster})"
+    return f"share over {redact_url(replicas.nats)} (cluster {replicas.cluster})"
 
 
 def _engine_lines(engine: EngineConfig) -> list[str]:

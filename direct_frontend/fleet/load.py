@@ -7,8 +7,10 @@ and bootstrap ports (by what each engine kind's dialect can do), the
 simulator gate, and the rules between engines. The checker keeps going after
 a problem (substituting the default so later checks still run) and raises one
 :class:`FleetError` with all of them, so an operator fixes a file in one
-pass. Only :func:`load_fleet` touches the filesystem, and only to read the
-file: whether the tokenizer directory exists is a run-time question.
+pass. Only :func:`load_fleet` touches the filesystem to read the file, and
+:mod:`~direct_frontend.fleet.keys` reads the API keys the file points at
+(an environment variable, a keys file): whether the tokenizer directory
+exists is a run-time question.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from direct_frontend.fleet.checker import (
     keys_of,
     required_keys,
 )
+from direct_frontend.fleet.keys import AuthTables, KeySources, process_sources
 from direct_frontend.fleet.locate import KeyPath, Locator
 from direct_frontend.fleet.models import ModelTables
 from direct_frontend.fleet.pools import PoolTables
@@ -56,6 +59,7 @@ from direct_frontend.fleet.schema import (
     implicit_model,
 )
 from direct_frontend.observability import tracing
+from direct_frontend.observability.redact import redact_url
 
 __all__ = [
     "FleetError", "FleetProblem", "field_name", "load_fleet", "parse_fleet", "parse_fleet_bytes",
@@ -81,7 +85,9 @@ def load_fleet(path: Path) -> FleetConfig:
     return parse_fleet_bytes(raw, path)
 
 
-def parse_fleet_bytes(raw: bytes, source: Path) -> FleetConfig:
+def parse_fleet_bytes(
+    raw: bytes, source: Path, *, sources: KeySources | None = None
+) -> FleetConfig:
     """Check the fleet file's bytes (already read, e.g. to hash them for a reload)."""
     file = str(source)
     try:
@@ -90,21 +96,23 @@ def parse_fleet_bytes(raw: bytes, source: Path) -> FleetConfig:
         line = raw.count(b"\n", 0, exc.start) + 1
         message = f"not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start})"
         raise FleetError([FleetProblem(file, line, "", message)]) from None
-    return parse_fleet(text.removeprefix("\ufeff"), source)
+    return parse_fleet(text.removeprefix("\ufeff"), source, sources=sources)
 
 
-def parse_fleet(text: str, source: Path) -> FleetConfig:
+def parse_fleet(text: str, source: Path, *, sources: KeySources | None = None) -> FleetConfig:
     """Check fleet-file ``text`` read from ``source``; raise :class:`FleetError` on any problem.
 
-    ``source`` names the file in messages (as given) and anchors a relative
-    tokenizer path; it is never opened.
+    ``source`` names the file in messages (as given) and anchors relative
+    paths; it is never opened. ``[frontend.auth]``'s ``api_keys_env`` and
+    ``api_keys_file`` are read from ``sources`` (default: this process's
+    environment and filesystem).
     """
     file = str(source)
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise FleetError([_syntax_problem(file, text, exc)]) from None
-    checker = _Checker(file, Locator(text))
+    checker = _Checker(file, Locator(text), sources or process_sources())
     fleet = checker.fleet(data, source)
     if checker.problems:
         # File order reads best; problems with no line (missing keys) go first.
@@ -143,7 +151,7 @@ class _Draft:
     kv: list[tuple[KeyPath, Endpoint]]
 
 
-class _Checker(PoolTables, ModelTables):
+class _Checker(PoolTables, ModelTables, AuthTables):
     """The fleet file's own rules, on top of the schema-driven reads."""
 
     def url(self, text: str, path: KeyPath, scheme: str, noun: str) -> Endpoint | None:
@@ -151,7 +159,7 @@ class _Checker(PoolTables, ModelTables):
         if isinstance(parsed, tuple):
             return parsed
         reason = "" if parsed is None else f": {parsed}"
-        self.report(path, f"{text!r} is not a valid {noun}{reason}")
+        self.report(path, f"{redact_url(text)!r} is not a valid {noun}{reason}")
         return None
 
     def section(self, cls: type[_D], value: object, path: KeyPath) -> _D:
@@ -219,6 +227,7 @@ class _Checker(PoolTables, ModelTables):
             "workers": self.workers(tbl, path),
             # Relative to the fleet file, so a fleet directory can be moved whole.
             "tokenizer": None if tokenizer is None else source.parent / tokenizer,
+            "auth": self.auth(tbl.get("auth", {}), (*path, "auth"), source),
         }
         frontend = FrontendConfig(**self.fields(FrontendConfig, tbl, path, by_hand))
         self.check_tracing(frontend.tracing.otlp_endpoint, (*path, "tracing", "otlp_endpoint"))
@@ -241,7 +250,7 @@ class _Checker(PoolTables, ModelTables):
             return
         parts = urlsplit(endpoint)
         if parts.scheme not in ("http", "https") or not parts.hostname:
-            self.report(where, f"{endpoint!r} is not an http:// or https:// URL")
+            self.report(where, f"{redact_url(endpoint)!r} is not an http:// or https:// URL")
         elif not tracing.available():
             self.report(where, f"tracing needs the OpenTelemetry packages: {tracing.EXTRA_HINT}")
 

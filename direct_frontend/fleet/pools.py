@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import random
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -27,6 +28,7 @@ from direct_frontend.fleet.schema import (
     ENGINE_KINDS,
     EngineConfig,
     FleetConfig,
+    KubernetesConfig,
     ModelConfig,
     PoolConfig,
 )
@@ -325,6 +327,58 @@ def watch_params(pool: PoolConfig, resource_version: str, timeout_s: float) -> d
 def backoff_s(attempt: int, ceiling: float) -> float:
     """Seconds before reconnect ``attempt`` (0-based): 0.1 s doubling, at most ``ceiling``."""
     return float(min(ceiling, 0.1 * 2 ** min(attempt, 16)))
+
+
+#: the API server sends a watch's last bookmark 2 s before the end the watch asked for; a
+#: watch asks to end this much before its silence deadline, so that bookmark (2 s) arrives
+#: in time with 3 s to spare for the network
+BOOKMARK_LEAD_S = 5.0
+#: a failure this long after the retry of the one before starts the backoff over at 0.1 s
+BACKOFF_RESET_S = 60.0
+
+
+def watch_seconds(settings: KubernetesConfig) -> int:
+    """How long one watch asks the server to run (its ``timeoutSeconds``).
+
+    ``watch_timeout_s``, but never so long that a quiet watch stays silent
+    for ``watch_silence_s``: with ``allowWatchBookmarks`` the API server sends
+    a bookmark about once a minute and 2 s before the watch's end, and its
+    end closes the stream, so a healthy watch of a quiet pool shows a byte
+    within ``watch_silence_s`` and a silent one is a dead connection.
+    """
+    silent_within = settings.watch_silence_s - BOOKMARK_LEAD_S
+    return max(1, int(min(settings.watch_timeout_s, silent_within)))
+
+
+class Backoff:
+    """How long a failed list or watch waits before it tries again (sans-IO).
+
+    The delay is :func:`backoff_s` of the failures in a row, 0.1 s doubling to
+    ``ceiling``, each drawn from its upper half by ``jitter`` so the pools of
+    many daemons that lost one API server do not come back in step. Failures
+    are in a row until one comes more than ``reset_after_s`` after the retry
+    that followed the one before: a list that succeeds does not count as
+    recovery, since a watch cut at once after every list (a connection reset)
+    would otherwise relist every 0.1 s for ever.
+    """
+
+    def __init__(self, ceiling: float, jitter: random.Random,
+                 reset_after_s: float = BACKOFF_RESET_S) -> None:
+        self.ceiling = ceiling
+        self.jitter = jitter
+        self.reset_after_s = reset_after_s
+        self.in_a_row = 0
+        self._retry_at: float | None = None
+
+    def delay(self, now: float) -> float:
+        """A failure at ``now``: the seconds to wait before the next try."""
+        if self._retry_at is not None and now - self._retry_at > self.reset_after_s:
+            self.in_a_row = 0
+        ceiling = backoff_s(self.in_a_row, self.ceiling)
+        self.in_a_row += 1
+        wait = self.jitter.uniform(ceiling / 2, ceiling)
+        self._retry_at = now + wait
+        return wait
 
 
 # -- one fleet from the file and the pools -----------------------------------------------

@@ -156,20 +156,31 @@ def _bind_failure(host: str, port: int) -> str | None:
 
 
 def exposure_warnings(fleet: FleetConfig) -> list[FleetProblem]:
-    """Warnings for a daemon reachable beyond loopback with its admin endpoints open.
+    """Warnings for a daemon reachable beyond loopback with its admin or OpenAI endpoints open.
 
     The admin endpoints show the fleet and reload it; the OpenAI endpoints
-    spend GPU time. Neither is a file error (a firewall may be in front), so
-    these are warnings, said loudly at start and by ``check``.
+    spend GPU time. Neither is a file error (a firewall or an authenticating
+    proxy may be in front), so these are warnings, said loudly at start and by
+    ``check``: one line naming whichever is open.
     """
     frontend = fleet.frontend
-    if is_loopback(frontend.listen_host) or not frontend.admin.enabled or frontend.admin.token:
+    if is_loopback(frontend.listen_host):
         return []
-    message = (
-        f"{frontend.listen} is reachable beyond loopback and the admin endpoints"
-        " (/fleet, /fleet/reload, /fleet/events) need no token: set [frontend.admin] token,"
-        " or enabled = false"
-    )
-    if not frontend.auth.api_keys:
-        message += "; the OpenAI endpoints are open too (no [frontend.auth] api_keys)"
+    admin_open = frontend.admin.enabled and not frontend.admin.token
+    if admin_open:
+        message = (
+            f"{frontend.listen} is reachable beyond loopback and the admin endpoints"
+            " (/fleet, /fleet/reload, /fleet/events) need no token: set [frontend.admin] token,"
+            " or enabled = false"
+        )
+        if not frontend.auth.api_keys:
+            message += "; the OpenAI endpoints are open too (no [frontend.auth] api_keys)"
+    elif not frontend.auth.api_keys:
+        message = (
+            f"{frontend.listen} is reachable beyond loopback and the OpenAI endpoints"
+            " (/v1/..., /tokenize, /detokenize) need no key: set [frontend.auth] api_keys,"
+            " api_keys_env or api_keys_file"
+        )
+    else:
+        return []
     return [_Where(fleet.source).problem(("frontend", "listen"), "frontend.listen", message)]

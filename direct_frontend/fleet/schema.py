@@ -225,9 +225,16 @@ class AuthConfig:
     responses) no other key can see. ``tenant_header`` narrows the owner to
     the tenant a trusted gateway names in that header, within the key (a key
     never reaches another key's objects, whatever header it sends).
+
+    ``api_keys`` is every key, resolved by the loader (:mod:`direct_frontend.fleet.keys`):
+    those written here, plus those of the environment variable ``api_keys_env``
+    names and of the file ``api_keys_file`` names, read at each load and reload.
     """
 
     api_keys: tuple[str, ...] = setting((), Rules(secret=True))
+    api_keys_env: str | None = None  # a variable of keys separated by commas or whitespace
+    # a file of keys, one a line (# comments), resolved against the fleet file
+    api_keys_file: Path | None = None
     tenant_header: str | None = None  # e.g. "x-tenant-id"
 
 
@@ -297,15 +304,21 @@ class KubernetesConfig:
     Without ``kubeconfig`` the daemon uses its pod's service account when it
     runs in a cluster, else ``$KUBECONFIG`` or ``~/.kube/config``. A watch asks
     the server to end after ``watch_timeout_s`` (then it resumes from the last
-    resourceVersion); a full relist reconciles every ``relist_interval_s``
-    anyway, so a missed delete never lives longer than that.
+    resourceVersion), and at most ``watch_silence_s`` − 5 s, so that the
+    bookmark the server sends before a watch's end arrives in time: a watch
+    that brings no byte for ``watch_silence_s`` is a dead connection, ended
+    and relisted (:func:`~direct_frontend.fleet.pools.watch_seconds`). A full
+    relist reconciles every ``relist_interval_s`` anyway, so a missed delete
+    never lives longer than that.
     """
 
     kubeconfig: str | None = None  # a kubeconfig file, resolved against the fleet file
     context: str | None = None  # a kubeconfig context (absent: its current-context)
     watch_timeout_s: float = setting(240.0, POSITIVE)
+    # a watch silent this long is a dead connection (each watch asks to end 5 s sooner)
+    watch_silence_s: float = setting(30.0, Rules(at_least=10))
     relist_interval_s: float = setting(300.0, POSITIVE)
-    # reconnects back off from 0.1 s, doubling, to at most this
+    # reconnects back off from 0.1 s, doubling (jittered), to at most this
     max_backoff_s: float = setting(10.0, POSITIVE)
     # /ready says no until every pool has had a serving engine (start-up only)
     wait_for_pods: bool = False

@@ -19,10 +19,12 @@ batch thread, off the event loop.
 from __future__ import annotations
 
 import importlib.util
+import logging
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from direct_frontend.errors import EngineError
+from direct_frontend.observability.redact import SecretFilter, url_secrets
 
 if TYPE_CHECKING:
     from opentelemetry.context import Context
@@ -61,6 +63,12 @@ class Tracing:
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
         self.endpoint = endpoint
+        # the exporter's errors may quote the endpoint's path and query (an ?api_key=): every
+        # log handler takes the endpoint's credentials out, until shutdown
+        self._secret_filter = SecretFilter(url_secrets(endpoint))
+        self._filtered = list(logging.getLogger().handlers)
+        for handler in self._filtered:
+            handler.addFilter(self._secret_filter)
         self._provider: TracerProvider = TracerProvider(
             resource=Resource.create({"service.name": service_name}),
             sampler=ParentBased(TraceIdRatioBased(sample_ratio)),
@@ -83,6 +91,8 @@ class Tracing:
     def shutdown(self) -> None:
         """Export what is still buffered, then stop (blocking: run it in a thread)."""
         self._provider.shutdown()
+        for handler in self._filtered:
+            handler.removeFilter(self._secret_filter)
 
 
 class LegSpan:

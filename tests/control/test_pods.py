@@ -158,3 +158,66 @@ def test_in_the_cluster_the_service_account_is_used(
         assert [e.name for e in watch.engines] == ["web/a"]
     finally:
         api.stop()
+
+
+def test_watches_cut_by_tcp_resets_relist_at_a_backed_off_rate(
+    api: ApiServer, tmp_path: Path
+) -> None:
+    """Every watch reset at once after its list: the relists slow down, 0.05 s doubling at least.
+
+    Five delays in a row after the first list are at least half of 0.1, 0.2, 0.4, 0.8 and
+    1.0 s (the ceiling): 1.25 s; relisting after a fixed 0.1 s would take about 0.5 s.
+    """
+    api.put(pod("a", "10.0.0.1", None))
+    api.set_watch_fault("reset")
+    settings = KubernetesConfig(kubeconfig=str(api.kubeconfig(tmp_path / "kubeconfig")),
+                                watch_timeout_s=1, max_backoff_s=1.0)
+    client = kube_client(settings, tmp_path / "fleet.toml")
+    watch = PoolWatch(POOL, settings, Metrics(), lambda: None)
+
+    async def client_of() -> httpx2.AsyncClient:
+        return client
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(watch.run, client_of)
+            await until_trio(lambda: watch.listed, what="listed")
+            first = trio.current_time()
+            await until_trio(lambda: api.requests.count("list") >= 6, what="five relists")
+            assert trio.current_time() - first >= 1.25
+            assert [e.name for e in watch.engines] == ["web/a"]  # kept throughout
+            assert api.requests.count("watch") >= 5  # each list's watch was reset
+            nursery.cancel_scope.cancel()
+        await client.aclose()
+
+    trio.run(main)
+
+
+def test_a_silent_watch_is_a_dead_connection_after_watch_silence_s(
+    api: ApiServer, tmp_path: Path
+) -> None:
+    """A watch that answered its headers and then nothing: found out in seconds, not minutes."""
+    api.put(pod("a", "10.0.0.1", None))
+    settings = KubernetesConfig(kubeconfig=str(api.kubeconfig(tmp_path / "kubeconfig")),
+                                watch_timeout_s=60, watch_silence_s=1, max_backoff_s=0.1)
+    client = kube_client(settings, tmp_path / "fleet.toml")
+    watch = PoolWatch(POOL, settings, Metrics(), lambda: None)
+
+    async def client_of() -> httpx2.AsyncClient:
+        return client
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(watch.run, client_of)
+            await until_trio(lambda: watch.listed and watch.watches >= 1, what="watching")
+            api.set_watch_fault("silent")  # the next watch falls silent
+            await until_trio(lambda: watch.stale, within=5, what="the silence noticed")
+            assert watch.last_error == (
+                "ApiFailure: the watch brought nothing for 1 s (a dead connection)")
+            assert [e.name for e in watch.engines] == ["web/a"]  # kept
+            api.set_watch_fault(None)
+            await until_trio(lambda: not watch.stale, what="fresh again")
+            nursery.cancel_scope.cancel()
+        await client.aclose()
+
+    trio.run(main)

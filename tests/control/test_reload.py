@@ -601,3 +601,31 @@ def test_a_reload_keeps_exactly_the_settings_that_need_a_restart() -> None:
     assert {name.split(".")[0] for name in restart} == set(RESTART_FIELDS)
     kept_diff = diff_fleets(fleet(running), fleet(kept))
     assert kept_diff.restart == () and kept_diff.live == ("max_tokens_default",)
+
+
+def test_a_reload_rereads_the_keys_file_and_keeps_the_running_keys_when_it_is_gone(
+    model_dir: Path, tmp_path: Path,
+) -> None:
+    keys = tmp_path / "keys.txt"
+    keys.write_text("# the first key\nsk-first-key\n")
+    engine = sim_engine("e", decode_us_per_token=0, prefill_us_per_token=0)
+    text = fleet_text(model_dir, [engine], probe=FAST_PROBE,
+                      frontend_extra='[frontend.auth]\napi_keys_file = "keys.txt"')
+    with running_daemon(tmp_path, text, watch_interval_s=None) as daemon:
+
+        def models(key: str) -> int:
+            headers = {"Authorization": f"Bearer {key}"}
+            return httpx.get(daemon.url + "/v1/models", headers=headers).status_code
+
+        assert (models("sk-first-key"), models("sk-second-key")) == (200, 401)
+        keys.write_text("sk-second-key\n")
+        result = httpx.post(daemon.url + "/fleet/reload").json()
+        assert result["ok"] and result["diff"]["live"] == ["auth.api_keys"], result
+        assert (models("sk-first-key"), models("sk-second-key")) == (401, 200)
+        keys.unlink()
+        result = httpx.post(daemon.url + "/fleet/reload").json()
+        assert not result["ok"]
+        assert result["errors"] == [f"{daemon.fleet.source}:6: frontend.auth.api_keys_file: "
+                                    f"cannot read {keys}: No such file or directory"]
+        assert models("sk-second-key") == 200  # the running fleet's keys stand
+        assert "sk-second-key" not in json.dumps(fleet_status(daemon))

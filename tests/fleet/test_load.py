@@ -378,7 +378,7 @@ def test_bad_url_has_no_line_when_none_is_known() -> None:
         ("grpc://h:x", "the port 'x' is not a number"),
         ("grpc://h:1/v1", "only grpc://host:port is allowed (no path, query or fragment)"),
         ("grpc://h:1/", "only grpc://host:port is allowed (no path, query or fragment)"),
-        ("grpc://u@h:1", "user info is not allowed"),
+        ("grpc://u@h:1", "user info is not allowed"),  # quoted as grpc://<redacted>@h:1
         ("grpc://h_ st:1", "'h_ st' is not a valid host name or IP address"),
         ("grpc://300.1.1.1:1", "'300.1.1.1' is not a valid host name or IP address"),
         ("grpc://::1:5", "an IPv6 address must be in brackets, like [::1]:port"),
@@ -387,7 +387,8 @@ def test_bad_url_has_no_line_when_none_is_known() -> None:
 )
 def test_bad_url(url: str, reason: str) -> None:
     text = FRONTEND + f'[[engine]]\nname = "e"\nkind = "vllm"\nurl = "{url}"\n'
-    message = f"{url!r} is not a valid URL" + (f": {reason}" if reason else "")
+    shown = url.replace("u@", "<redacted>@")
+    message = f"{shown!r} is not a valid URL" + (f": {reason}" if reason else "")
     assert only_problem(text) == f"fleet.toml:7: engine[1].url: {message}"
 
 
@@ -934,6 +935,12 @@ def test_demo_fleet_parses() -> None:
     ]
 
 
+@pytest.fixture(autouse=True)
+def production_keys(monkeypatch: pytest.MonkeyPatch) -> None:
+    """production.toml reads its API keys from the environment, as its deployment sets it."""
+    monkeypatch.setenv("DIRECT_FRONTEND_API_KEYS", "sk-example-1,sk-example-2")
+
+
 @pytest.mark.parametrize("name", ["mixed.toml", "production.toml", "embeddings.toml"])
 def test_examples_parse(name: str) -> None:
     cfg = load_fleet(ROOT / "config" / "examples" / name)
@@ -948,6 +955,8 @@ def test_examples_parse(name: str) -> None:
     else:
         assert not any(e.simulate for e in cfg.engines)
         assert {e.role for e in cfg.engines} == set(EngineRole)
+        assert cfg.frontend.auth.api_keys == ("sk-example-1", "sk-example-2")
+        assert not cfg.frontend.admin.enabled
 
 
 def test_describe_shows_resolved_settings_and_facts() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import random
 import textwrap
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from direct_frontend.fleet import FleetError, describe_fleet, parse_fleet
 from direct_frontend.fleet.describe import to_jsonable
 from direct_frontend.fleet.diff import as_in_file, diff_engines, diff_fleet_data, diff_fleets
 from direct_frontend.fleet.pools import (
+    Backoff,
     PoolMembership,
     backoff_s,
     merge_pool_engines,
@@ -20,8 +22,9 @@ from direct_frontend.fleet.pools import (
     pod_engine,
     selector_problem,
     watch_params,
+    watch_seconds,
 )
-from direct_frontend.fleet.schema import FleetConfig, PoolConfig
+from direct_frontend.fleet.schema import FleetConfig, KubernetesConfig, PoolConfig
 from tests.support.kube import matches, pod, set_ready
 
 SOURCE = Path("/srv/fleet/fleet.toml")
@@ -231,6 +234,50 @@ def test_watch_events_and_410() -> None:
     params = watch_params(POOL, "42", 240)
     assert params["allowWatchBookmarks"] == "true" and params["resourceVersion"] == "42"
     assert [backoff_s(n, 2.0) for n in range(6)] == [0.1, 0.2, 0.4, 0.8, 1.6, 2.0]
+
+
+class Highest(random.Random):
+    """Backoff jitter at its ceiling (the lowest is ``Lowest``): the bounds, exactly."""
+
+    def uniform(self, a: float, b: float) -> float:
+        return b
+
+
+class Lowest(random.Random):
+    def uniform(self, a: float, b: float) -> float:
+        return a
+
+
+def test_failures_in_a_row_back_off_with_jitter_up_to_the_ceiling() -> None:
+    high, low = Backoff(2.0, Highest()), Backoff(2.0, Lowest())
+    now = 0.0
+    highs, lows = [], []
+    for _ in range(7):  # each failure right after the retry the last one waited for
+        highs.append(high.delay(now))
+        lows.append(low.delay(now))
+        now += highs[-1]
+    assert highs == [0.1, 0.2, 0.4, 0.8, 1.6, 2.0, 2.0]
+    assert lows == [d / 2 for d in highs]  # the jitter spreads each delay over its upper half
+    seeded = Backoff(2.0, random.Random(7))
+    delays = [seeded.delay(0.0) for _ in range(7)]
+    assert all(h / 2 <= d <= h for d, h in zip(delays, highs, strict=True))
+    assert len(set(delays)) == len(delays)
+
+
+def test_the_backoff_starts_over_only_after_a_quiet_spell() -> None:
+    backoff = Backoff(10.0, Highest(), reset_after_s=60.0)
+    assert [backoff.delay(t) for t in (0.0, 0.1, 0.3)] == [0.1, 0.2, 0.4]
+    # 60 s after the last retry (at 0.7) is still in a row; a failure past that starts over
+    assert backoff.delay(60.7) == 0.8
+    assert backoff.delay(60.7 + 0.8 + 60.1) == 0.1
+
+
+def test_a_watch_asks_to_end_before_it_could_fall_silent() -> None:
+    """The server's last bookmark comes 2 s before the end a watch asked for."""
+    assert watch_seconds(KubernetesConfig()) == 25  # 30 s of silence is a dead connection
+    assert watch_seconds(KubernetesConfig(watch_timeout_s=10)) == 10
+    assert watch_seconds(KubernetesConfig(watch_silence_s=300)) == 240
+    assert watch_seconds(KubernetesConfig(watch_silence_s=1, watch_timeout_s=1)) == 1
 
 
 def test_the_file_wins_a_clash_and_a_removed_pool_takes_its_engines() -> None:

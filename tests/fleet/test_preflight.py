@@ -121,14 +121,32 @@ def test_api_keys_are_not_asked_for_once_set(tmp_path: Path) -> None:
     assert "need no token" in str(warning) and "OpenAI" not in str(warning)
 
 
+@pytest.mark.parametrize("admin", ['token = "a-long-random-token"', "enabled = false"])
+def test_a_closed_admin_side_beyond_loopback_still_warns_of_open_openai_endpoints(
+    tmp_path: Path, admin: str
+) -> None:
+    path = fleet_file(tmp_path, '[frontend]\nlisten = "0.0.0.0:8000"\ntokenizer = "m"',
+                      f"[frontend.admin]\n{admin}\n\n"
+                      '[[engine]]\nurl = "grpc://10.0.0.9:1"\nkind = "vllm"\n')
+    (warning,) = exposure_warnings(load_fleet(path))
+    assert str(warning) == (
+        f"{path}:2: frontend.listen: 0.0.0.0:8000 is reachable beyond loopback and the OpenAI"
+        " endpoints (/v1/..., /tokenize, /detokenize) need no key: set [frontend.auth]"
+        " api_keys, api_keys_env or api_keys_file"
+    )
+
+
+KEYS = '[frontend.auth]\napi_keys = ["sk-1"]\n\n'
+
+
 @pytest.mark.parametrize(
     ("listen", "admin"),
     [
         ("127.0.0.1:8000", ""),
         ("[::1]:8000", ""),
         ("localhost:8000", ""),
-        ("0.0.0.0:8000", '[frontend.admin]\ntoken = "a-long-random-token"\n\n'),
-        ("0.0.0.0:8000", "[frontend.admin]\nenabled = false\n\n"),
+        ("0.0.0.0:8000", '[frontend.admin]\ntoken = "a-long-random-token"\n\n' + KEYS),
+        ("0.0.0.0:8000", "[frontend.admin]\nenabled = false\n\n" + KEYS),
     ],
 )
 def test_loopback_or_a_closed_admin_side_is_quiet(tmp_path: Path, listen: str, admin: str) -> None:

@@ -14,7 +14,10 @@ events; ``silent=True`` changes a pod without one (a missed event, only a
 relist finds it); :meth:`ApiServer.compact` forgets history (the next
 watch from before it gets 410); :meth:`ApiServer.stop` and
 :meth:`ApiServer.start` take it away and bring it back on the same port,
-pods kept, as an API server restart does.
+pods kept, as an API server restart does. ``watch_fault`` breaks every watch
+the way networks do: ``"reset"`` answers its headers and then resets the TCP
+connection, ``"silent"`` answers its headers and then sends nothing, the
+connection open, until the fault is cleared.
 """
 
 from __future__ import annotations
@@ -23,7 +26,9 @@ import copy
 import http.server
 import json
 import re
+import socket
 import ssl
+import struct
 import subprocess
 import threading
 import time
@@ -131,6 +136,8 @@ class ApiServer:
         self.oldest = 100  # a watch from before this gets 410
         self.requests: list[str] = []  # "list" / "watch", in order
         self.watching = 0
+        #: None, or how every watch fails: "reset" (a TCP reset) or "silent" (no bytes)
+        self.watch_fault: str | None = None
         self.cond = threading.Condition()
         self.port = 0
         self._server: http.server.ThreadingHTTPServer | None = None
@@ -177,6 +184,12 @@ class ApiServer:
             self.version += 1
             self.oldest = self.version
             self._generation += 1  # open watches end, as a compaction's do
+            self.cond.notify_all()
+
+    def set_watch_fault(self, fault: str | None) -> None:
+        """Break every watch from now on (see ``watch_fault``), or mend them (None)."""
+        with self.cond:
+            self.watch_fault = fault
             self.cond.notify_all()
 
     def get(self, name: str, namespace: str = "default") -> Pod:
@@ -354,6 +367,11 @@ def _handler(api: ApiServer) -> type[http.server.BaseHTTPRequestHandler]:
             self.send_header("Content-Type", "application/json")
             self.send_header("Transfer-Encoding", "chunked")
             self.end_headers()
+            with api.cond:
+                fault = api.watch_fault
+            if fault is not None:
+                self._fail(fault)
+                return
             try:
                 for event in api.watch_events(namespace, query):
                     line = json.dumps(event).encode() + b"\n"
@@ -363,6 +381,21 @@ def _handler(api: ApiServer) -> type[http.server.BaseHTTPRequestHandler]:
                 self.wfile.flush()
             except OSError:
                 pass  # the client went away
+            self.close_connection = True
+
+        def _fail(self, fault: str) -> None:
+            with api.cond:
+                api.requests.append("watch")
+                generation = api._generation
+            self.wfile.flush()
+            if fault == "silent":  # open and mute until the fault is cleared or the server stops
+                with api.cond:
+                    api.cond.wait_for(lambda: api.watch_fault != "silent"
+                                      or api._generation != generation)
+            else:  # "reset": close with SO_LINGER 0, which sends RST instead of FIN
+                self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER,
+                                           struct.pack("ii", 1, 0))
+                self.connection.close()
             self.close_connection = True
 
     return Handler
