@@ -195,6 +195,7 @@ def to_jsonable(cfg: FleetConfig, *, redact: bool = True) -> dict[str, JsonValue
             },
             "kubernetes": _plain(frontend.kubernetes),
             "responses": _plain(frontend.responses),
+            "access_log": _plain(frontend.access_log),
         },
         "models": models,
         "engines": engines,
@@ -345,6 +346,8 @@ def _frontend_rows(frontend: FrontendConfig) -> list[tuple[str, str]]:
         ("replicas", _replicas_row(frontend.replicas)),
         ("kubernetes", _kubernetes_row(frontend.kubernetes)),
         ("responses", _responses_row(frontend.responses)),
+        ("access_log", (" ".join(frontend.access_log.fields) if frontend.access_log.enabled
+                        else "off")),
     ]
 
 

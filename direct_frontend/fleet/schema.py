@@ -238,6 +238,30 @@ class AuthConfig:
     tenant_header: str | None = None  # e.g. "x-tenant-id"
 
 
+#: what an access-log line can carry
+AccessField = Literal["method", "path", "status", "duration_ms", "request_id", "model",
+                      "client", "user_agent"]
+ACCESS_FIELDS: tuple[AccessField, ...] = typing.get_args(AccessField)
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class AccessLogConfig:
+    """``[frontend.access_log]``: one INFO line per request (logger ``direct_frontend.access``).
+
+    ``fields`` are its ``key=value`` pairs (JSON keys with ``--log-json``), in
+    that order (every line of ours carries ``request_id`` anyway); ``enabled =
+    false`` turns it off. Probes (``/health``,
+    ``/ready``) and scrapes (``/metrics``) are left out unless
+    ``include_probes``: they would drown the requests.
+    """
+
+    enabled: bool = True
+    fields: tuple[AccessField, ...] = setting(
+        ("method", "path", "status", "duration_ms", "request_id", "model", "client"),
+        Rules(noun="field"))
+    include_probes: bool = False
+
+
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class TracingConfig:
     """``[frontend.tracing]``: OpenTelemetry spans of each request, sent over OTLP/HTTP.
@@ -356,6 +380,7 @@ class FrontendConfig:
     faults: FaultsConfig = FaultsConfig()
     limits: LimitsConfig = LimitsConfig()
     tracing: TracingConfig = TracingConfig()
+    access_log: AccessLogConfig = AccessLogConfig()
     replicas: ReplicasConfig = ReplicasConfig()
     kubernetes: KubernetesConfig = KubernetesConfig()
     responses: ResponsesConfig = ResponsesConfig()

@@ -101,6 +101,10 @@ class _OurHandler(logging.StreamHandler[TextIO]):
     """Marks the handler :func:`configure_logging` installed, so a second call replaces it."""
 
 
+#: libraries whose DEBUG lines say nothing an operator acts on, in dozens per request
+QUIET_BELOW_INFO: Final = ("hpack", "h2")
+
+
 def configure_logging(json: bool, level: str = "INFO", *, stream: TextIO | None = None) -> None:
     """Install our handler on the root logger (stderr unless ``stream`` is given).
 
@@ -116,6 +120,8 @@ def configure_logging(json: bool, level: str = "INFO", *, stream: TextIO | None 
     handler.setFormatter(JsonFormatter() if json else TextFormatter())
     root.addHandler(handler)
     root.setLevel(numeric)
+    for chatty in QUIET_BELOW_INFO:  # a line per header of every gRPC frame, even at DEBUG
+        logging.getLogger(chatty).setLevel(max(numeric, logging.INFO))
 
 
 def new_request_id() -> str:

@@ -136,3 +136,10 @@ def test_a_forked_child_draws_other_request_ids_than_its_parent() -> None:
     parent = {new_request_id() for _ in range(8)}
     assert len(child) == 8 and not child & parent
     assert all(len(i) == 16 and int(i, 16) >= 0 for i in child)
+
+
+def test_debug_leaves_out_the_per_header_lines_of_http2(log_stream: io.StringIO) -> None:
+    configure_logging(json=True, level="DEBUG", stream=log_stream)
+    assert logging.getLogger("direct_frontend.x").isEnabledFor(logging.DEBUG)
+    for chatty in ("hpack", "hpack.hpack", "h2.connection"):
+        assert not logging.getLogger(chatty).isEnabledFor(logging.DEBUG)
