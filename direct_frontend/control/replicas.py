@@ -281,7 +281,7 @@ class ReplicaLink:
             now = time.monotonic()
             if self._change_pending:  # this round's report carries every change so far
                 self._change_pending = False
-                self._last_change_sent_at = now
+                self._last_change_sent_at = trio.current_time()
             if self.peers.expire(now):
                 self._apply_peers()
             else:  # the catalog may hold new handles: keep their peer counters current
@@ -313,11 +313,15 @@ class ReplicaLink:
         must already count it (else both send new prompts to the same idle
         engine, issue 14), yet a busy replica sends no more than one report
         per interval.
+
+        Times are Trio's clock and the waits end at a deadline, never after a
+        duration: news that wakes the link as its tick passes leaves the tick
+        behind us, and a wait until then ends at once.
         """
         interval = self.config.publish_interval_s
-        tick = time.monotonic() + interval
+        tick = trio.current_time() + interval
         while True:
-            with trio.move_on_after(tick - time.monotonic()):
+            with trio.move_on_at(tick):
                 await self._wake.wait()
             if not self._wake.is_set():
                 return  # the tick
@@ -326,7 +330,7 @@ class ReplicaLink:
                 self._urgent = False
                 await trio.lowlevel.checkpoint()  # the request that placed it books its load
                 return
-            now = time.monotonic()
+            now = trio.current_time()
             mark = self._last_change_sent_at + interval
             if now >= mark:
                 return
