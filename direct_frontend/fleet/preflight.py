@@ -163,8 +163,9 @@ def exposure_warnings(fleet: FleetConfig) -> list[FleetProblem]:
     these are warnings, said loudly at start and by ``check``.
     """
     frontend = fleet.frontend
+    warnings = _replicas_warnings(fleet)
     if is_loopback(frontend.listen_host) or not frontend.admin.enabled or frontend.admin.token:
-        return []
+        return warnings
     message = (
         f"{frontend.listen} is reachable beyond loopback and the admin endpoints"
         " (/fleet, /fleet/reload, /fleet/events) need no token: set [frontend.admin] token,"
@@ -172,4 +173,17 @@ def exposure_warnings(fleet: FleetConfig) -> list[FleetProblem]:
     )
     if not frontend.auth.api_keys:
         message += "; the OpenAI endpoints are open too (no [frontend.auth] api_keys)"
-    return [_Where(fleet.source).problem(("frontend", "listen"), "frontend.listen", message)]
+    where = _Where(fleet.source)
+    return [where.problem(("frontend", "listen"), "frontend.listen", message), *warnings]
+
+
+def _replicas_warnings(fleet: FleetConfig) -> list[FleetProblem]:
+    """``insecure = true``: the replicas would share over a NATS server anyone may use."""
+    replicas = fleet.frontend.replicas
+    if replicas.nats is None or not replicas.insecure:
+        return []
+    message = ("the replicas accept a NATS server that lets any client in: whoever reaches "
+               "it can read and delete stored responses and steer routing (require "
+               "authentication on the server, give credentials, and drop insecure)")
+    path: KeyPath = ("frontend", "replicas", "insecure")
+    return [_Where(fleet.source).problem(path, field_name(path), message)]
