@@ -229,3 +229,37 @@ def test_two_fleets_on_one_server_never_hear_each_other(server: NatsServer,
             nursery.cancel_scope.cancel()
 
     _on_loop(body)
+
+
+def test_a_server_that_opens_up_later_leaves_the_link_degraded_until_it_closes_again(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The same URL, a server restarted without authentication: the link reconnects to it
+    (nats-py does) but shares nothing there, says so once, and is back once it is closed."""
+    guarded = NatsServer().start()
+    assert guarded.password is not None
+    monkeypatch.setenv("NATS_TEST_PASSWORD", guarded.password)
+    opened = NatsServer(guarded.port, auth=False)
+
+    async def body() -> None:
+        link = _link(_config(guarded))
+        async with trio.open_nursery() as nursery:
+            await nursery.start(link.run)
+            assert link.connected
+            guarded.kill()
+            opened.start()
+            await until_trio(lambda: link.refusal is not None, what="the open server refused")
+            assert link.degraded and "lets any client in" in str(link.status()["refused"])
+            opened.kill()
+            guarded.start()
+            await until_trio(lambda: link.connected, what="the link back")
+            assert link.refusal is None
+            nursery.cancel_scope.cancel()
+
+    try:
+        with caplog.at_level(logging.ERROR, "direct_frontend.replicas"):
+            _on_loop(body)
+    finally:
+        opened.kill()
+        guarded.kill()
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1 and "not sharing over NATS at" in errors[0], errors
