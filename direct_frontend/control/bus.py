@@ -23,7 +23,7 @@ from urllib.parse import urlsplit
 
 import trio
 
-from direct_frontend.fleet.bus import shown_url
+from direct_frontend.fleet.bus import nats_credentials, shown_url
 from direct_frontend.fleet.schema import ReplicasConfig
 
 DEFAULT_PORT = 4222
@@ -118,9 +118,19 @@ def is_open(info: Mapping[str, Any]) -> bool:
     return not info.get("auth_required")
 
 
-def refused_credentials(error: str) -> bool:
-    """A nats-py error text saying the server did not accept our credentials."""
-    return AUTH_VIOLATION.lower() in error.lower() or "authorization" in error.lower()
+def refusal(error: str, config: ReplicasConfig) -> str | None:
+    """Why connecting again cannot help, from a nats-py error text (None: it may).
+
+    The server refused the credentials, or its certificate is not one the
+    replica trusts: both are settings to mend, not an outage to wait out.
+    """
+    text = error.removeprefix("nats: ")
+    if AUTH_VIOLATION.lower() in text.lower() or "authorization" in text.lower():
+        return f"it refuses this replica's credentials ({nats_credentials(config)}): {text}"
+    if "CERTIFICATE_VERIFY_FAILED" in text:
+        return (f"its TLS certificate is not trusted ({text}); tls_ca names the CA that "
+                "signed it")
+    return None
 
 
 def endpoint(url: str) -> tuple[str, int]:

@@ -44,7 +44,7 @@ from direct_frontend.control.bus import (
     connect_options,
     is_open,
     probe_info,
-    refused_credentials,
+    refusal,
     server_problem,
 )
 from direct_frontend.control.replica_wire import (
@@ -57,7 +57,7 @@ from direct_frontend.control.replica_wire import (
     encode,
 )
 from direct_frontend.errors import EngineError
-from direct_frontend.fleet.bus import nats_auth_summary, nats_credentials, shown_url
+from direct_frontend.fleet.bus import nats_auth_summary, shown_url
 from direct_frontend.fleet.describe import JsonValue
 from direct_frontend.fleet.schema import ReplicasConfig
 from direct_frontend.kv.snapshot import (
@@ -274,7 +274,7 @@ class ReplicaLink:
         async def error(exc: Exception) -> None:
             self._last_error = str(exc)
             log.debug("replicas: NATS client error: %s", exc)
-            if connecting and refused_credentials(self._last_error):
+            if connecting and refusal(self._last_error, self.config) is not None:
                 # asking again changes nothing: out of nats.connect's retry loop (raised
                 # before it half-closes its socket, which nc.close() then closes whole)
                 raise NatsRefused(self._last_error)
@@ -304,10 +304,9 @@ class ReplicaLink:
                     await trio_asyncio.aio_as_trio(nc.close)()
                 except Exception as exc:
                     log.debug("replicas: NATS close: %s", exc)
-            if refused_credentials(self._last_error):
-                how, why = nats_credentials(self.config), self._last_error.removeprefix("nats: ")
-                self._refuse(f"it refuses this replica's credentials ({how}): {why}",
-                             at_start=at_start)
+            problem = refusal(self._last_error, self.config)
+            if problem is not None:
+                self._refuse(problem, at_start=at_start)
             else:
                 log.warning("replicas: cannot reach NATS at %s (%s); routing on local state",
                             self.shown, failure)

@@ -3,8 +3,11 @@ over a real nats-server (credentials, open servers, fleets apart)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import shutil
+import subprocess
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
@@ -96,9 +99,12 @@ def _config(server: NatsServer, **settings: Any) -> ReplicasConfig:
 
 
 def _on_loop(body: Callable[[], Awaitable[None]]) -> None:
+    """``body`` on a trio-asyncio loop; a link that never returns fails the test, not hangs it."""
+
     async def main() -> None:
-        async with trio_asyncio.open_loop():
-            await body()
+        with trio.fail_after(30):
+            async with trio_asyncio.open_loop():
+                await body()
 
     trio.run(main)
 
@@ -263,3 +269,58 @@ def test_a_server_that_opens_up_later_leaves_the_link_degraded_until_it_closes_a
         guarded.kill()
     errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     assert len(errors) == 1 and "not sharing over NATS at" in errors[0], errors
+
+
+def test_a_replica_that_requires_tls_refuses_a_server_without_it(server: NatsServer,
+                                                                 password: str) -> None:
+    async def body() -> None:
+        with pytest.raises(NatsRefused, match=r"it does not require TLS, and this replica does"):
+            await _link(_config(server, tls=True)).run()
+
+    _on_loop(body)
+
+
+def _certificates(directory: Path) -> tuple[Path, Path, Path]:
+    """A CA, and a certificate it signed for 127.0.0.1 with its key (openssl)."""
+    ca, ca_key = directory / "ca.pem", directory / "ca.key"
+    cert, key, request = directory / "server.pem", directory / "server.key", directory / "req"
+    extensions = directory / "san.cnf"
+    extensions.write_text("subjectAltName = IP:127.0.0.1\n")
+    for argv in (
+        ["req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", ca_key, "-out", ca,
+         "-days", "1", "-subj", "/CN=test-ca"],
+        ["req", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", request,
+         "-subj", "/CN=127.0.0.1"],
+        ["x509", "-req", "-in", request, "-CA", ca, "-CAkey", ca_key, "-CAcreateserial",
+         "-out", cert, "-days", "1", "-extfile", extensions],
+    ):
+        subprocess.run(["openssl", *map(str, argv)], check=True, capture_output=True)
+    return ca, cert, key
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl to make certificates")
+def test_a_replica_shares_over_tls_with_the_ca_it_is_given(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ca, cert, key = _certificates(tmp_path)
+    guarded = NatsServer(tls=(cert, key)).start()
+    assert guarded.password is not None
+    monkeypatch.setenv("NATS_TEST_PASSWORD", guarded.password)
+
+    async def body() -> None:
+        config = dataclasses.replace(_config(guarded), nats=f"tls://127.0.0.1:{guarded.port}",
+                                     tls_ca=str(ca))
+        link = _link(config)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(link.run)
+            assert link.connected
+            assert "TLS required" in str(link.status()["auth"])
+            nursery.cancel_scope.cancel()
+        with trio.fail_after(10), pytest.raises(NatsRefused, match=r"TLS certificate is not "
+                                                 r"trusted .*CERTIFICATE_VERIFY_FAILED"):
+            # the system's CAs do not know this one: a setting to mend, not an outage
+            await _link(dataclasses.replace(config, tls_ca=None)).run()
+
+    try:
+        _on_loop(body)
+    finally:
+        guarded.kill()

