@@ -43,6 +43,7 @@ from pathlib import Path
 
 import trio
 
+from direct_frontend.control.bus import NatsRefused, connect_options, probe_info, server_problem
 from direct_frontend.control.private_nats import PrivateNats
 from direct_frontend.fleet.bus import shown_url
 from direct_frontend.fleet.schema import FleetConfig, ReplicasConfig
@@ -152,6 +153,7 @@ class WorkerPool:
 
     async def run(self) -> int:
         frontend = self.fleet.frontend
+        await _check_bus(frontend.replicas)
         reserved = reserve_port(frontend.listen_host, frontend.listen_port)
         port = reserved.getsockname()[1]
         try:
@@ -249,6 +251,19 @@ class WorkerPool:
                             await worker.process.wait()
                 root.cancel()
                 return
+
+
+async def _check_bus(replicas: ReplicasConfig) -> None:
+    """The file's NATS server and secrets as each worker would judge them, once, here: a
+    bus they would all refuse stops the service at start instead of each worker in a loop."""
+    if replicas.nats is None:
+        return
+    connect_options(replicas, os.environ)  # a secret that cannot be read
+    info = await probe_info(replicas.nats)
+    problem = None if info is None else server_problem(info, replicas)
+    if problem is not None:
+        raise NatsRefused(f"replicas: not sharing over NATS at {shown_url(replicas.nats)}: "
+                          f"{problem}")
 
 
 def run_workers(fleet: FleetConfig, count: int, worker_argv: Sequence[str]) -> int:
