@@ -274,10 +274,14 @@ class ReplicaLink:
         async def error(exc: Exception) -> None:
             self._last_error = str(exc)
             log.debug("replicas: NATS client error: %s", exc)
-            if connecting and refusal(self._last_error, self.config) is not None:
+            problem = refusal(self._last_error, self.config)
+            if problem is None:
+                return
+            if connecting:
                 # asking again changes nothing: out of nats.connect's retry loop (raised
                 # before it half-closes its socket, which nc.close() then closes whole)
-                raise NatsRefused(self._last_error)
+                raise NatsRefused(problem)
+            self._refuse(problem, at_start=False)  # a reconnect refused: said once
 
         info = await probe_info(self.url or "")
         if info is not None and not self._admit(info, at_start=at_start):

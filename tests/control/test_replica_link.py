@@ -4,6 +4,7 @@ over a real nats-server (credentials, open servers, fleets apart)."""
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import logging
 import shutil
@@ -324,3 +325,42 @@ def test_a_replica_shares_over_tls_with_the_ca_it_is_given(
         _on_loop(body)
     finally:
         guarded.kill()
+
+
+# nats-py's reconnect loop drops the socket of an attempt the server refused without closing
+# it (nats/aio/client.py ``_attempt_reconnect``); the garbage collector closes it, here below
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_credentials_refused_at_a_reconnect_are_said_once_without_the_secret(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The server comes back with another password: the link stays degraded and says why."""
+    guarded = NatsServer().start()
+    assert guarded.password is not None
+    monkeypatch.setenv("NATS_TEST_PASSWORD", guarded.password)
+    rotated = NatsServer(guarded.port)
+
+    async def body() -> None:
+        link = _link(_config(guarded))
+        async with trio.open_nursery() as nursery:
+            await nursery.start(link.run)
+            assert link.connected
+            guarded.kill()
+            rotated.start()
+            await until_trio(lambda: link.refusal is not None, what="the reconnect refused")
+            assert link.degraded and "refuses this replica's credentials (user fleet)" in str(
+                link.status()["refused"])
+            rotated.kill()
+            guarded.start()
+            await until_trio(lambda: link.connected, what="the link back")
+            assert link.refusal is None
+            nursery.cancel_scope.cancel()
+
+    try:
+        with caplog.at_level(logging.ERROR, "direct_frontend.replicas"):
+            _on_loop(body)
+    finally:
+        rotated.kill()
+        guarded.kill()
+        gc.collect()  # nats-py's dropped sockets: closed while this test ignores their warning
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1 and "Authorization Violation" in errors[0], errors
+    assert guarded.password not in errors[0]
