@@ -39,6 +39,8 @@ log = logging.getLogger("direct_frontend.workers")
 server_log = logging.getLogger("direct_frontend.nats")
 
 PR_SET_PDEATHSIG = 1
+#: the token's file in the private directory (the workers read it: WorkerRole.token_file)
+TOKEN_FILE = "nats-token"
 #: a server that dies is started again after this long, doubling while it keeps dying
 RESTART_BACKOFF_S = (0.2, 5.0)
 STABLE_AFTER_S = 30.0
@@ -82,7 +84,7 @@ class PrivateNats:
     def __init__(self, binary: str, state_dir: Path) -> None:
         self.binary = binary
         self.token = secrets.token_urlsafe(32)
-        self.token_file = state_dir / "nats-token"
+        self.token_file = state_dir / TOKEN_FILE
         self.config_file = state_dir / "nats.conf"
         self.process: subprocess.Popen[bytes] | None = None
         self.restarts = 0

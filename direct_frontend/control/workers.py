@@ -44,7 +44,7 @@ from pathlib import Path
 import trio
 
 from direct_frontend.control.bus import NatsRefused, connect_options, probe_info, server_problem
-from direct_frontend.control.private_nats import PrivateNats
+from direct_frontend.control.private_nats import TOKEN_FILE, PrivateNats
 from direct_frontend.fleet.bus import shown_url
 from direct_frontend.fleet.schema import FleetConfig, ReplicasConfig
 from direct_frontend.observability.exposition import merge
@@ -98,7 +98,7 @@ class WorkerRole:
     @property
     def token_file(self) -> Path:
         """The private nats-server's token (written by the parent, mode 0600)."""
-        return self.state_dir / "nats-token"
+        return self.state_dir / TOKEN_FILE
 
 
 def resolve_count(workers: int) -> int:
@@ -153,10 +153,10 @@ class WorkerPool:
 
     async def run(self) -> int:
         frontend = self.fleet.frontend
-        await _check_bus(frontend.replicas)
         reserved = reserve_port(frontend.listen_host, frontend.listen_port)
         port = reserved.getsockname()[1]
         try:
+            await _check_bus(frontend.replicas)
             async with trio.open_nursery() as nursery:
                 nats = frontend.replicas.nats
                 if self.nats is not None:
