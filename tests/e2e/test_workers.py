@@ -10,6 +10,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -190,6 +191,8 @@ def test_workers_of_a_parent_killed_hard_stop_by_themselves(
     with worker_service(tmp_path, model_dir, 2) as (_base, parent, _path):
         workers = workers_of(parent.pid)
         (nats,) = nats_of(parent.pid)
+        argv = cmdline(nats)
+        private = Path(argv[argv.index(b"-c") + 1].decode()).parent  # a hard kill leaves it
         parent.kill()
         parent.wait(10)
         try:
@@ -201,6 +204,7 @@ def test_workers_of_a_parent_killed_hard_stop_by_themselves(
             for pid in (nats, *workers):
                 with contextlib.suppress(OSError):
                     os.kill(pid, signal.SIGKILL)
+            shutil.rmtree(private, ignore_errors=True)
 
 
 def _sharing(base: str) -> bool:
