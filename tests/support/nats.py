@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import contextlib
 import secrets
+import shutil
 import socket
 import subprocess
 import tempfile
 import time
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -36,7 +38,9 @@ class NatsServer:
         self.port = port or free_port()
         self.process: subprocess.Popen[bytes] | None = None
         self.password = secrets.token_urlsafe(16) if auth else None
-        self.config = Path(tempfile.mkdtemp(prefix="nats-test-")) / "nats.conf"
+        directory = tempfile.mkdtemp(prefix="nats-test-")
+        weakref.finalize(self, shutil.rmtree, directory, True)  # kept while it may restart
+        self.config = Path(directory) / "nats.conf"
         lines = [f"listen: 127.0.0.1:{self.port}"]
         if self.password is not None:
             lines.append(f'authorization {{ user: "{self.USER}", password: "{self.password}" }}')
