@@ -23,7 +23,7 @@ from urllib.parse import urlsplit
 
 import trio
 
-from direct_frontend.fleet.bus import nats_credentials, shown_url
+from direct_frontend.fleet.bus import nats_credentials
 from direct_frontend.fleet.schema import ReplicasConfig
 
 DEFAULT_PORT = 4222
@@ -134,6 +134,7 @@ def refusal(error: str, config: ReplicasConfig) -> str | None:
 
 
 def endpoint(url: str) -> tuple[str, int]:
+    """The host and port of a nats:// or tls:// URL (4222 when it names none)."""
     parts = urlsplit(url)
     return parts.hostname or "127.0.0.1", parts.port or DEFAULT_PORT
 
@@ -164,8 +165,3 @@ async def probe_info(url: str) -> dict[str, Any] | None:
     except ValueError:
         return None
     return info if isinstance(info, dict) else None
-
-
-def describe(url: str | None) -> str:
-    """``url`` as it may be shown (its user information redacted)."""
-    return shown_url(url) or "nothing"
