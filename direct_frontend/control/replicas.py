@@ -57,7 +57,7 @@ from direct_frontend.control.replica_wire import (
     encode,
 )
 from direct_frontend.errors import EngineError
-from direct_frontend.fleet.bus import nats_auth_summary, shown_url
+from direct_frontend.fleet.bus import nats_auth_summary, scrubbed, shown_url
 from direct_frontend.fleet.describe import JsonValue
 from direct_frontend.fleet.schema import ReplicasConfig
 from direct_frontend.kv.snapshot import (
@@ -272,7 +272,7 @@ class ReplicaLink:
         connecting = True  # this first connect; the later reconnects are nats-py's
 
         async def error(exc: Exception) -> None:
-            self._last_error = str(exc)
+            self._last_error = scrubbed(str(exc), self.url)  # it may quote the URL
             log.debug("replicas: NATS client error: %s", exc)
             problem = refusal(self._last_error, self.config)
             if problem is None:

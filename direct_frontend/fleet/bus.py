@@ -36,6 +36,14 @@ def shown_url(url: str | None) -> str | None:
     return f"{scheme}://{REDACTED}@{host}"
 
 
+def scrubbed(text: str, url: str | None) -> str:
+    """``text`` (a client library's message) without the user information of ``url`` in it."""
+    if url is None or "@" not in url:
+        return text
+    userinfo = url.partition("://")[2].rpartition("@")[0]
+    return text.replace(userinfo, REDACTED) if userinfo else text
+
+
 def nats_credentials(config: ReplicasConfig) -> str:
     """How a replica authenticates to NATS, without any secret."""
     if config.creds_file is not None:

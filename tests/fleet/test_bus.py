@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from direct_frontend.fleet import FleetError, describe_fleet, load_fleet, parse_fleet, to_jsonable
-from direct_frontend.fleet.bus import shown_url
+from direct_frontend.fleet.bus import scrubbed, shown_url
 from direct_frontend.fleet.preflight import exposure_warnings
 
 FLEET = """\
@@ -80,6 +80,8 @@ def test_a_password_in_the_url_is_redacted_wherever_the_fleet_is_shown() -> None
     assert to_jsonable(fleet, redact=False)["frontend"]["replicas"]["nats"] == (
         "nats://fleet:hunter22@n:4222")  # a reload compares the real one
     assert shown_url("nats://tok3n@n:4222") == "nats://<redacted>@n:4222"
+    url = "nats://fleet:hunter22@n:4222"
+    assert scrubbed(f"nats: no servers: {url}", url) == "nats: no servers: nats://<redacted>@n:4222"
     assert shown_url("nats://n:4222") == "nats://n:4222"
 
 
