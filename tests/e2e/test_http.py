@@ -251,7 +251,8 @@ def test_one_access_log_line_per_request_and_none_for_probes(
         return [r for r in caplog.records if r.name == "direct_frontend.access"]
 
     wait_for(lambda: len(lines()) >= 2, what="the access-log lines")
-    assert [r.getMessage() for r in lines()] == ["POST /v1/chat/completions 200", "GET /nowhere 404"]
+    assert [r.getMessage() for r in lines()] == ["POST /v1/chat/completions 200",
+                                                 "GET /nowhere 404"]
     first = lines()[0].__dict__
     assert first["method"] == "POST" and first["status"] == 200 and first["model"] == "demo"
     assert first["request_id"].startswith("t-1.") and first["duration_ms"] > 0
