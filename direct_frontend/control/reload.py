@@ -119,8 +119,11 @@ class ControlPlane:
         *,
         placements: PlacementShare | None = None,
         replicas: Callable[[], JsonValue] | None = None,
+        adapt: Callable[[FleetConfig], FleetConfig] | None = None,
     ) -> None:
         self.running = fleet
+        #: the fleet file as this process runs it (a worker's: control/workers.py worker_fleet)
+        self.adapt = adapt
         self.supervisor = supervisor
         self.builder = builder
         #: the models served, each with its settings snapshot (replaced whole on reload)
@@ -276,6 +279,8 @@ class ControlPlane:
             raw = await trio.to_thread.run_sync(_read, path)
             digest = file_digest(raw)
             new = parse_fleet_bytes(raw, path)
+            if self.adapt is not None:
+                new = self.adapt(new)
             self._check_kv_block_size(new)
             await self.builder.load(new)  # new tokenizers, in a worker thread
             # the pools' engines as last seen (a changed pool keeps its own until relisted)

@@ -277,6 +277,22 @@ def run_workers(fleet: FleetConfig, count: int, worker_argv: Sequence[str]) -> i
 METRICS_EVERY_S = 1.0
 
 
+def worker_fleet(fleet: FleetConfig, role: WorkerRole) -> FleetConfig:
+    """The fleet as worker ``role`` runs it: the first worker embeds the simulated engines
+    (``simulate = true``), the others reach them over gRPC as engines anywhere else.
+
+    Each would otherwise start its own simulator on the same port: one would
+    listen, the rest fail to start and be restarted without end. A simulated
+    engine is a demo's, so its going down while the first worker restarts is
+    what its clients of the other workers see of an engine restarting.
+    """
+    if role.index == 0 or not any(engine.simulate for engine in fleet.engines):
+        return fleet
+    engines = tuple(dataclasses.replace(engine, simulate=False) if engine.simulate else engine
+                    for engine in fleet.engines)
+    return dataclasses.replace(fleet, engines=engines)
+
+
 def worker_replicas(replicas: ReplicasConfig, role: WorkerRole) -> ReplicasConfig:
     """The replica link a worker runs: the file's, else the parent's own nats-server (its
     namespace, its token; none of the file's credentials, which are for the file's server)."""

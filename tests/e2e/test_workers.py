@@ -23,7 +23,7 @@ import httpx
 import pytest
 
 from tests.e2e.test_replicas import FAST, SLOW, fleet_for
-from tests.support.daemon import Daemon, free_port, sim_engine, wait_for
+from tests.support.daemon import Daemon, fleet_text, free_port, sim_engine, wait_for
 from tests.support.nats import nats_binary
 
 pytestmark = pytest.mark.skipif(nats_binary() is None, reason="needs nats-server")
@@ -276,3 +276,46 @@ def test_a_dying_workers_stream_ends_in_a_closed_connection_and_the_others_serve
                         pass
         r = httpx.post(base + "/v1/completions", json={**body, "stream": False, "max_tokens": 2})
         assert r.status_code == 200, r.text
+
+
+def test_workers_of_a_fleet_with_simulated_engines_all_serve_and_log_pure_json(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """The first worker embeds the simulated engines, the others reach them (each starting
+    its own on the same port crash-looped all but one); --log-json stays one object a line."""
+    port = free_port()
+    path = tmp_path / "fleet.toml"
+    text = fleet_text(model_dir, [sim_engine("a", **FAST), sim_engine("b", **FAST)])
+    path.write_text(text.replace('listen = "127.0.0.1:0"',
+                                 f'listen = "127.0.0.1:{port}"\nworkers = 2'))
+    log_path = tmp_path / "workers.log"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    with log_path.open("wb") as log:
+        parent = subprocess.Popen([sys.executable, "-m", "direct_frontend.cli", "run",
+                                   str(path), "--log-json"], stdout=log, stderr=log, env=env)
+        base = f"http://127.0.0.1:{port}"
+        try:
+            def both_serving() -> bool:
+                try:
+                    views = seen_workers(base, 12)
+                except httpx.HTTPError:
+                    return False
+                return len(views) == 2 and all(
+                    sum(e["state"] == "serving" for e in v["engines"]) == 2
+                    for v in views.values())
+
+            wait_for(both_serving, timeout=60, what="both workers serving both engines")
+            for _ in range(8):
+                with httpx.Client(timeout=10) as client:
+                    answer = client.post(base + "/v1/completions", headers={
+                        "connection": "close"}, json={"model": "demo", "prompt": "hi",
+                                                      "max_tokens": 2})
+                    assert answer.status_code == 200, answer.text
+            assert len(workers_of(parent.pid)) == 2
+        finally:
+            parent.send_signal(signal.SIGTERM)
+            parent.wait(30)
+    lines = log_path.read_text().splitlines()
+    assert lines and "Address already in use" not in log_path.read_text()
+    entries = [json.loads(line) for line in lines]  # every line is one JSON object
+    assert {entry.get("worker") for entry in entries} >= {0, 1}  # each says which worker

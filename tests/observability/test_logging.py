@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import re
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -143,3 +144,15 @@ def test_debug_leaves_out_the_per_header_lines_of_http2(log_stream: io.StringIO)
     assert logging.getLogger("direct_frontend.x").isEnabledFor(logging.DEBUG)
     for chatty in ("hpack", "hpack.hpack", "h2.connection"):
         assert not logging.getLogger(chatty).isEnabledFor(logging.DEBUG)
+
+
+def test_a_librarys_warning_is_a_log_line_in_the_same_format(log_stream: io.StringIO) -> None:
+    logging.captureWarnings(False)  # an earlier test's hook went with its warnings context
+    configure_logging(json=True, stream=log_stream, worker=1)
+    try:
+        warnings.warn("a library speaks", UserWarning, stacklevel=1)
+    finally:
+        logging.captureWarnings(False)
+    (line,) = json_lines(log_stream)
+    assert "a library speaks" in line["msg"] and line["logger"] == "py.warnings"
+    assert line["worker"] == 1
