@@ -4,8 +4,11 @@ A real engine under a structural tag lets the model choose among what the tag
 allows (a tool call, or JSON of the response schema); the simulator's "model"
 is its script. So a scripted completion the tag accepts is emitted as it is,
 and one it does not accept is replaced by text the simulator writes for the
-tag, as a grammar would have steered the model away from it. Without a
-script the written text is the first alternative of every choice.
+tag, as a grammar would have steered the model away from it. That text takes
+the first alternative of every choice, except that an unscripted agent's turn
+(calls or a format) calls a tool while the prompt shows no call yet (the text
+its calls open with, such as ``<tool_call>``, is not in it) and answers in the
+format after, so an agent on the demo fleet runs its tool, then ends.
 
 It reads xgrammar's format (``{"type": "structural_tag", "format": …}``) of
 these kinds: ``const_string``, ``json_schema`` (the subset
@@ -33,8 +36,11 @@ _DECODER = json.JSONDecoder()
 _WORDS = ("alpha", "beta", "gamma")
 
 
-def structural_text(tag: str, rng: random.Random, script: str | None) -> str:
-    """Text the tag allows: ``script`` when it does, else text written for the tag."""
+def structural_text(tag: str, rng: random.Random, script: str | None, prompt: str = "") -> str:
+    """Text the tag allows: ``script`` when it does, else text written for the tag.
+
+    ``prompt`` is the request's prompt as text (where an agent's earlier calls show).
+    """
     try:
         spec = json.loads(tag)
     except ValueError as exc:
@@ -45,7 +51,25 @@ def structural_text(tag: str, rng: random.Random, script: str | None) -> str:
     fmt = spec["format"]
     if script is not None and len(script) in _ends(fmt, script, 0):
         return script
+    if script is None and _kind(fmt) == "or":
+        for element in fmt["elements"]:
+            opening = _calls_opening(element)
+            if opening and opening not in prompt:
+                return _write(element, rng)
     return _write(fmt, rng)
+
+
+def _calls_opening(fmt: Any) -> str:
+    """The text every call of a list of calls opens with ("": not a list of calls)."""
+    if _kind(fmt) != "tags_with_separator" or not fmt["tags"]:
+        return ""
+    begins: list[str] = [tag["begin"] for tag in fmt["tags"]]
+    if not all(isinstance(b, str) for b in begins):
+        return ""
+    shortest = min(begins, key=len)
+    size = next((k for k in range(len(shortest))
+                 if any(b[k] != shortest[k] for b in begins)), len(shortest))
+    return shortest[:size]
 
 
 def accepts(tag: str, text: str) -> bool:

@@ -9,13 +9,16 @@ simulator honours as the engines do (a script it refuses is replaced);
 TensorRT-LLM gets no guide, so its model answers unconstrained. Both the
 OpenAI Agents SDK (chat completions and Responses models, streamed and not)
 and LangChain (``with_structured_output`` with tools, and a hand-made loop)
-must call the tool once and end with the typed output.
+must call the tool once and end with the typed output. So must they on the
+demo fleet itself (config/fleet.toml), whose unscripted engines call a tool
+first and answer in the format after (simulator/structural.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,7 +29,8 @@ from pydantic import BaseModel
 from tokenizers import Tokenizer
 
 from direct_frontend.simulator.scripted import ScriptBook
-from tests.support.daemon import Daemon, fleet_text, running_daemon, sim_engine
+from direct_frontend.text.demo_model import BUNDLED_DIR
+from tests.support.daemon import Daemon, fleet_text, free_port, running_daemon, sim_engine
 from tests.support.models import openai_client, simulators
 
 QUESTION = "[agent] What is the weather in Paris?"
@@ -212,3 +216,45 @@ def test_tools_with_a_format_constrain_where_the_engine_takes_a_structural_tag(
         assert content == SCRIPTS["[prose]"]
     else:
         Weather.model_validate(json.loads(content))
+
+
+# -- the demo fleet, unscripted -------------------------------------------------------------
+
+DEMO_FLEET = Path(__file__).parents[2] / "config" / "fleet.toml"
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    """config/fleet.toml as shipped, on free ports."""
+    text = DEMO_FLEET.read_text().replace('"127.0.0.1:8000"', '"127.0.0.1:0"')
+    text = text.replace('tokenizer = "demo-model"', f'tokenizer = "{BUNDLED_DIR}"')
+    text = re.sub(r"127\.0\.0\.1:3006\d", lambda _: f"127.0.0.1:{free_port()}", text)
+    with running_daemon(tmp_path_factory.mktemp("agents-demo"), text) as daemon:
+        daemon.wait_serving(2)
+        yield daemon
+
+
+@pytest.mark.parametrize("api", ["chat", "responses"])
+def test_an_agent_runs_its_tool_then_ends_typed_on_the_demo_fleet(demo: Daemon, api: str) -> None:
+    output, called = run_agent(demo, api, stream=False)
+    assert len(called) == 1 and called[0]  # the simulator's own arguments
+    assert isinstance(output, Weather)
+
+
+def test_a_langchain_loop_runs_its_tool_then_ends_typed_on_the_demo_fleet(demo: Daemon) -> None:
+    from langchain_core.messages import BaseMessage, HumanMessage, ToolMessage
+
+    called: list[str] = []
+    get_weather = weather_tool(called)
+    model = chat_model(demo).with_structured_output(
+        Weather, tools=[get_weather], strict=True, include_raw=True)
+    messages: list[BaseMessage] = [HumanMessage("What is the weather in Paris?")]
+    for _ in range(4):
+        reply = model.invoke(messages)
+        raw = reply["raw"]
+        if not raw.tool_calls:
+            break
+        messages.append(raw)
+        messages += [ToolMessage(get_weather.invoke(call["args"]), tool_call_id=call["id"])
+                     for call in raw.tool_calls]
+    assert len(called) == 1 and isinstance(reply["parsed"], Weather)

@@ -67,3 +67,11 @@ def test_the_older_form_and_unknown_formats_are_unsupported() -> None:
     token = json.dumps({"type": "structural_tag", "format": {"type": "token", "token": 5}})
     with pytest.raises(Unsupported):
         structural_text(token, random.Random(1), None)
+
+
+def test_unscripted_an_agent_calls_first_and_answers_in_the_format_after() -> None:
+    first = structural_text(tag(), random.Random(1), None, "<|im_start|>user\nWeather?")
+    assert first.startswith("<tool_call>") and accepts(tag(), first)
+    history = '<|im_start|>assistant\n<tool_call>{"name": "get_weather"}</tool_call>'
+    after = structural_text(tag(), random.Random(1), None, history)
+    assert conforms(json.loads(after), ANSWER, ANSWER)

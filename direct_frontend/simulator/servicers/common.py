@@ -105,8 +105,12 @@ def constrained_output(
     try:
         if kind == "structural_tag" and isinstance(value, str):
             script = core.scripts.completion_for(prompt) if core.scripts is not None else None
-            text = structural_text(value, random.Random(seed), None if script is None
-                                   else tokenizer.decode(list(script), skip_special_tokens=False))
+            text = structural_text(
+                value, random.Random(seed),
+                None if script is None else tokenizer.decode(list(script),
+                                                             skip_special_tokens=False),
+                tokenizer.decode(list(prompt), skip_special_tokens=False),
+            )
         else:
             text = constrained_text(kind, value, seed)
     except Unsupported as exc:
