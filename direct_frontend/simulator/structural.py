@@ -12,7 +12,8 @@ format after, so an agent on the demo fleet runs its tool, then ends.
 
 It reads xgrammar's format (``{"type": "structural_tag", "format": …}``) of
 these kinds: ``const_string``, ``json_schema`` (the subset
-:mod:`.constraints` writes, checked with the same subset), ``regex``,
+:mod:`.constraints` writes, checked with the same subset, and its
+``max_whitespace_cnt``), ``regex``,
 ``any_text``, ``sequence``, ``or``, ``tag`` and ``tags_with_separator``.
 Anything else, the older ``structures``/``triggers`` form included, is
 :class:`~.constraints.Unsupported`.
@@ -99,6 +100,9 @@ def _ends(fmt: Any, text: str, at: int) -> set[int]:
             value, end = _DECODER.raw_decode(text, at)
         except ValueError:
             return set()
+        limit = fmt.get("max_whitespace_cnt")
+        if limit is not None and _longest_space(text, at, end) > limit:
+            return set()
         return {end} if conforms(value, fmt["json_schema"], fmt["json_schema"]) else set()
     if kind == "regex":
         pattern = re.compile(fmt["pattern"])
@@ -121,6 +125,21 @@ def _ends(fmt: Any, text: str, at: int) -> set[int]:
     if kind == "tags_with_separator":
         return _tags_ends(fmt, text, at)
     raise Unsupported(f"the simulator cannot read the structural tag format '{kind}'")
+
+
+def _longest_space(text: str, start: int, end: int) -> int:
+    """The longest run of whitespace outside strings in the JSON ``text[start:end]``."""
+    longest = run = 0
+    inside = escaped = False
+    for c in text[start:end]:
+        if inside:
+            inside = escaped or c != '"'
+            escaped = not escaped and c == "\\"
+            continue
+        inside = c == '"'
+        run = run + 1 if c in " \t\n\r" else 0
+        longest = max(longest, run)
+    return longest
 
 
 def _tags_ends(fmt: dict[str, Any], text: str, at: int) -> set[int]:

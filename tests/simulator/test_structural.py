@@ -75,3 +75,11 @@ def test_unscripted_an_agent_calls_first_and_answers_in_the_format_after() -> No
     history = '<|im_start|>assistant\n<tool_call>{"name": "get_weather"}</tool_call>'
     after = structural_text(tag(), random.Random(1), None, history)
     assert conforms(json.loads(after), ANSWER, ANSWER)
+
+
+def test_whitespace_between_json_tokens_is_bounded_as_the_tag_says() -> None:
+    pretty = '{\n  "city": "Paris",\n  "degrees": 21\n}'
+    assert accepts(tag(), pretty)
+    padded = '{"city": "Paris",' + " " * 17 + '"degrees": 21}'
+    assert not accepts(tag(), padded)
+    assert accepts(tag(), '{"city": "Paris' + " " * 40 + '", "degrees": 21}')  # in a string

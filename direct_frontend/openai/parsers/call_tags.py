@@ -17,6 +17,13 @@ arguments under that tool's ``parameters`` schema, so a call is well-formed
 by construction too. Only formats whose call is a fixed text around a JSON
 object have a tag here (:data:`FORMATS`); for any other, :func:`call_tags`
 is None and the caller decides (pipeline/parsing.py).
+
+Every JSON part bounds the whitespace between its tokens
+(:data:`MAX_WHITESPACE`): inside a structural tag the engine's compact-JSON
+setting (vLLM's ``disable_any_whitespace``) does not apply, and a model can
+pad without end (a real vLLM's random-weight model did, to its token limit).
+xgrammar ignores a key it does not know (0.2.8 was seen to), so an older one
+takes the tag without the bound.
 """
 
 from __future__ import annotations
@@ -40,6 +47,14 @@ FORMATS: Final[dict[str, tuple[tuple[str, str], ...]]] = {
 
 #: what separates parallel calls (the models' templates put a newline between them)
 SEPARATOR: Final = "\n"
+#: the most whitespace characters in a row between JSON tokens: room for pretty-printed JSON
+#: a few levels deep, none for padding without end
+MAX_WHITESPACE: Final = 16
+
+
+def json_part(schema: dict[str, Any]) -> dict[str, Any]:
+    """A JSON-schema element of a structural tag, its whitespace bounded."""
+    return {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": MAX_WHITESPACE}
 
 
 def call_tags(parser: str | None, tools: Sequence[Tool]) -> list[dict[str, Any]] | None:
@@ -49,7 +64,7 @@ def call_tags(parser: str | None, tools: Sequence[Tool]) -> list[dict[str, Any]]
         return None
     return [
         {"type": "tag", "begin": begin.format(name=tool.function.name),
-         "content": {"type": "json_schema", "json_schema": parameters_of(tool)}, "end": end}
+         "content": json_part(parameters_of(tool)), "end": end}
         for tool in tools
         for begin, end in shapes
     ]
@@ -76,7 +91,7 @@ def tools_or_format(parser: str | None, tools: Sequence[Tool], parallel: bool,
     calls = {"type": "tags_with_separator", "tags": tags, "separator": SEPARATOR,
              "at_least_one": True, "stop_after_first": not parallel}
     tag = {"type": "structural_tag", "format": {"type": "or", "elements": [
-        {"type": "json_schema", "json_schema": schema}, calls]}}
+        json_part(schema), calls]}}
     return Constraint(ConstraintKind.TOOLS_OR_FORMAT,
                       json.dumps(tag, separators=(",", ":"), ensure_ascii=False),
                       param=response_format.param)

@@ -8,7 +8,13 @@ from typing import Any
 import pytest
 
 from direct_frontend.engines.neutral import Constraint, ConstraintKind
-from direct_frontend.openai.parsers.call_tags import FORMATS, call_tags, tools_or_format
+from direct_frontend.openai.parsers.call_tags import (
+    FORMATS,
+    MAX_WHITESPACE,
+    call_tags,
+    json_part,
+    tools_or_format,
+)
 from direct_frontend.openai.types import FunctionDefinition, Tool
 from tests.support.parsers import make, run, summary
 
@@ -34,9 +40,7 @@ def test_every_call_a_tag_allows_is_read_back_as_that_call(parser: str) -> None:
     arguments = {"get_weather": {"city": "Zürich"}, "ping": {}}
     for tag in tags:
         name = json.loads(tag["begin"].split(">", 1)[1].strip() + "null}")["name"]
-        assert tag["content"] == {"type": "json_schema",
-                                  "json_schema": CITY if name == "get_weather" else {
-                                      "type": "object"}}
+        assert tag["content"] == json_part(CITY if name == "get_weather" else {"type": "object"})
         text = tag["begin"] + json.dumps(arguments[name]) + tag["end"]
         message, _ = run(make(parser, tools={"get_weather": CITY, "ping": None})(), [text])
         assert summary(message) == ("", "", [(name, arguments[name])]), text
@@ -48,12 +52,13 @@ def test_the_tag_is_the_format_or_calls_and_parallel_calls_follow_the_request() 
     either = tag["format"]
     assert either["type"] == "or"
     schema, calls = either["elements"]
-    assert schema == {"type": "json_schema", "json_schema": ANSWER}
+    assert schema == {"type": "json_schema", "json_schema": ANSWER,
+                      "max_whitespace_cnt": MAX_WHITESPACE}
     assert calls["type"] == "tags_with_separator" and calls["at_least_one"] is True
     assert calls["stop_after_first"] is False and calls["tags"] == call_tags("hermes", TOOLS)
     assert tag_of(parallel=False)["format"]["elements"][1]["stop_after_first"] is True
     any_object = tag_of(fmt=Constraint(ConstraintKind.JSON_OBJECT))["format"]["elements"][0]
-    assert any_object == {"type": "json_schema", "json_schema": {"type": "object"}}
+    assert any_object == json_part({"type": "object"})
 
 
 def test_no_tag_for_a_format_without_one_or_a_format_that_is_not_json() -> None:
