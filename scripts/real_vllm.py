@@ -2420,7 +2420,9 @@ def agent_checks(report: Report, run_dir: Path, engine: Engine, served: str,
     The model is served with the ``hermes`` tool parser and :data:`AGENT_TEMPLATE` (the
     tiny model's own template cannot render an assistant turn of calls without content; the
     grammar alone makes the calls). An agent's first turn forces a call (``tool_choice``
-    required, the format dropped); later turns are "auto", under the structural tag.
+    required, the format dropped); later turns are "auto", under the structural tag. The
+    agents ask one call a turn (``parallel_tool_calls`` false): a random-weight model under
+    the grammar otherwise goes on adding calls to its token limit (seen on the real engine).
     """
     import jsonschema
 
@@ -2516,8 +2518,9 @@ def agent_checks(report: Report, run_dir: Path, engine: Engine, served: str,
                     agent = agents.Agent(
                         name="levels", instructions="Set a level, then describe a person.",
                         tools=[set_level], output_type=Person, model=model,
-                        model_settings=agents.ModelSettings(tool_choice="required",
-                                                            temperature=0, max_tokens=200))
+                        model_settings=agents.ModelSettings(
+                            tool_choice="required", parallel_tool_calls=False, temperature=0,
+                            max_tokens=300))
                     try:
                         result = await agents.Runner.run(agent, "Go.", max_turns=6)
                     except agents.MaxTurnsExceeded:
@@ -2548,9 +2551,10 @@ def agent_checks(report: Report, run_dir: Path, engine: Engine, served: str,
                 return f"level {level} set"
 
             llm = ChatOpenAI(model=served, base_url=base_url, api_key="unused", max_retries=0,
-                             temperature=0, max_completion_tokens=200)
+                             temperature=0, max_completion_tokens=300)
             model = llm.with_structured_output(PERSON_SCHEMA | {"title": "person"},
-                                               tools=[set_level], strict=True, include_raw=True)
+                                               tools=[set_level], strict=True, include_raw=True,
+                                               parallel_tool_calls=False)
             messages: list[BaseMessage] = [HumanMessage("Go.")]
             for _ in range(6):
                 reply = model.invoke(messages)
