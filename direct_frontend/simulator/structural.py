@@ -62,6 +62,9 @@ def structural_text(tag: str, rng: random.Random, script: str | None, prompt: st
 
 def _calls_opening(fmt: Any) -> str:
     """The text every call of a list of calls opens with ("": not a list of calls)."""
+    if _kind(fmt) == "tag" and _kind(fmt["content"]) == "tags_with_separator":
+        begin = fmt["begin"]  # calls in a section: the section's opening
+        return begin if isinstance(begin, str) else ""
     if _kind(fmt) != "tags_with_separator" or not fmt["tags"]:
         return ""
     begins: list[str] = [tag["begin"] for tag in fmt["tags"]]
