@@ -26,8 +26,9 @@ ebnf_grammar, structural_tag: a client's tag, and "tools or the response
 format" in xgrammar's format, which SGLang's xgrammar backend compiles
 beside the older ``structures``/``triggers`` form); as SGLang's own server
 does, ``json_object`` is the schema ``{"type":"object"}``, and a choice
-becomes the regex of its alternatives. ``logit_bias`` is a map keyed by the token id's decimal
-string. Stop strings are applied by the frontend, as for every kind.
+becomes the regex of its alternatives. ``logit_bias`` is a map keyed by the
+token id's decimal string. Stop strings are applied by the frontend, as for
+every kind.
 
 Logprobs: ``return_logprob`` with ``top_logprobs_num`` (one count for output
 and prompt) and ``logprob_start_len`` -1 unless the prompt's are wanted (0, its
