@@ -2397,6 +2397,197 @@ def tool_checks(report: Report, fe: Frontend, served: str) -> None:
     report.check("frontend: a named tool_choice forces that call, valid", named)
 
 
+# --- agents: tools with a response format, through the frontend ------------------------
+
+
+#: the tiny model's template, rendering an assistant turn's calls (Hermes-style) and no content
+AGENT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{{ '<|' + message['role'] + '|>\n' }}"
+    "{% if message['content'] %}{{ message['content'] }}{% endif %}"
+    "{% for call in message['tool_calls'] or [] %}"
+    "<tool_call>{{ call['function'] | tojson }}</tool_call>{% endfor %}"
+    "{{ eos_token + '\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
+)
+
+
+def agent_checks(report: Report, run_dir: Path, engine: Engine, served: str,
+                 timeout: float) -> None:
+    """Tools with a response format: the engine compiles the structural tag the frontend sends
+    (a Hermes call or the format's JSON) and its output is one of the two; then an agent of
+    the OpenAI Agents SDK and a LangChain loop run a tool and end with their typed output.
+
+    The model is served with the ``hermes`` tool parser and :data:`AGENT_TEMPLATE` (the
+    tiny model's own template cannot render an assistant turn of calls without content; the
+    grammar alone makes the calls). An agent's first turn forces a call (``tool_choice``
+    required, the format dropped); later turns are "auto", under the structural tag. The
+    agents ask one call a turn (``parallel_tool_calls`` false): a random-weight model under
+    the grammar otherwise goes on adding calls to its token limit (seen on the real engine).
+    """
+    import jsonschema
+
+    template = run_dir / "agent_template.jinja"
+    template.write_text(AGENT_TEMPLATE)
+
+    def fleet_text(port: int) -> str:
+        head = fleet_head("for the agent checks", port, served, engine, "round_robin")
+        return head + textwrap.dedent(
+            f"""
+            [[model]]
+            name = {toml_str(served)}
+            tool_parser = "hermes"
+            reasoning_parser = "none"
+            chat_template = {toml_str(str(template))}
+
+            [[engine]]
+            name = "{REAL_NAME}"
+            url = "grpc://{engine.address}"
+            kind = "vllm"
+            model = {toml_str(served)}
+            """
+        )
+
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    fmt = {"type": "json_schema",
+           "json_schema": {"name": "person", "schema": PERSON_SCHEMA, "strict": True}}
+    fe: Frontend | None = None
+    try:
+        t = time.monotonic()
+        fe = start_frontend(run_dir, engine, served, timeout, tag="-agents", fleet_text=fleet_text)
+        report.timing("frontend start (agent fleet)", time.monotonic() - t, fe.base_url)
+        oa = openai_client(fe)
+        base_url = f"{fe.base_url}/v1"
+
+        def call_or_format() -> str:
+            seen: list[str] = []
+            for seed in range(6):
+                ask: dict[str, Any] = dict(
+                    model=served, messages=[{"role": "user", "content": f"Go {seed}."}],
+                    tools=TOOLS, response_format=fmt, temperature=1.0, seed=seed,
+                    max_tokens=200)
+                r = oa.chat.completions.create(**ask)
+                choice = r.choices[0]
+                calls = choice.message.tool_calls or []
+                if choice.finish_reason == "tool_calls":
+                    expect(bool(calls), "finish tool_calls without calls")
+                    for c in calls:
+                        jsonschema.validate(json.loads(c.function.arguments),
+                                            schemas[c.function.name])
+                    seen.append("call " + ",".join(c.function.name for c in calls))
+                elif choice.finish_reason == "stop":
+                    expect(not calls, f"calls with finish stop: {calls!r}")
+                    jsonschema.validate(json.loads(choice.message.content or ""), PERSON_SCHEMA)
+                    seen.append("format")
+                else:
+                    raise Note(f"seed {seed}: finish {choice.finish_reason!r}: "
+                               f"{(choice.message.content or '')[:80]!r}")
+                streamed, finish = _stream_calls(oa.chat.completions.create(stream=True, **ask))
+                whole = [(c.function.name, c.function.arguments) for c in calls]
+                expect(streamed == whole and finish == choice.finish_reason,
+                       f"seed {seed}: stream {streamed!r} {finish!r} != {whole!r}")
+            return f"6 seeds: {seen} (each a valid call or valid JSON; stream equal)"
+
+        def agents_sdk() -> str:
+            import asyncio
+            from typing import Annotated, Literal
+
+            import agents
+            import openai
+            from pydantic import BaseModel, Field
+
+            class Person(BaseModel):
+                colour: Literal["red", "green", "blue"]
+                ok: bool
+                age: Annotated[int, Field(ge=0, le=99)]
+                code: Annotated[str, Field(pattern="^[a-z]{2,4}$")]
+
+            agents.set_tracing_disabled(True)
+            levels: list[int] = []
+
+            @agents.function_tool  # its hints are read in the module's names: plain types only
+            def set_level(level: int) -> str:
+                """Set the level (1 to 9)."""
+                levels.append(level)
+                return f"level {level} set"
+
+            async def run(api: str) -> Any:
+                client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0)
+                async with client:
+                    model: Any = (agents.OpenAIChatCompletionsModel(served, client) if api == "chat"
+                                  else agents.OpenAIResponsesModel(served, client))
+                    agent = agents.Agent(
+                        name="levels", instructions="Set a level, then describe a person.",
+                        tools=[set_level], output_type=Person, model=model,
+                        model_settings=agents.ModelSettings(
+                            tool_choice="required", parallel_tool_calls=False, temperature=0,
+                            max_tokens=300))
+                    try:
+                        result = await agents.Runner.run(agent, "Go.", max_turns=6)
+                    except agents.MaxTurnsExceeded:
+                        raise Note(f"{api}: the random model kept calling for 6 turns "
+                                   f"(levels {levels})") from None
+                    return result.final_output
+
+            out = []
+            for api in ("chat", "responses"):
+                levels.clear()
+                person = asyncio.run(run(api))
+                expect(isinstance(person, Person), f"{api}: final output {person!r}")
+                expect(bool(levels), f"{api}: the tool never ran")
+                out.append(f"{api}: set_level{levels} then {person!r}")
+            return "; ".join(out)
+
+        def langchain() -> str:
+            from langchain_core.messages import BaseMessage, HumanMessage, ToolMessage
+            from langchain_core.tools import tool
+            from langchain_openai import ChatOpenAI
+
+            levels: list[int] = []
+
+            @tool
+            def set_level(level: int) -> str:
+                """Set the level (1 to 9)."""
+                levels.append(level)
+                return f"level {level} set"
+
+            llm = ChatOpenAI(model=served, base_url=base_url, api_key="unused", max_retries=0,
+                             temperature=0, max_completion_tokens=300)
+            model = llm.with_structured_output(PERSON_SCHEMA | {"title": "person"},
+                                               tools=[set_level], strict=True, include_raw=True,
+                                               parallel_tool_calls=False)
+            messages: list[BaseMessage] = [HumanMessage("Go.")]
+            for _ in range(6):
+                reply = model.invoke(messages)
+                raw = reply["raw"]
+                if not raw.tool_calls:
+                    break
+                messages.append(raw)
+                messages += [ToolMessage(set_level.invoke(c["args"]), tool_call_id=c["id"])
+                             for c in raw.tool_calls]
+            else:
+                raise Note(f"the random model kept calling for 6 turns (levels {levels})")
+            parsed = reply["parsed"]
+            expect(reply["parsing_error"] is None, f"parsing error {reply['parsing_error']!r}")
+            jsonschema.validate(parsed, PERSON_SCHEMA)
+            return f"set_level{levels}, then {parsed!r}"
+
+        report.check("agents: tools + response_format give a valid call or valid JSON",
+                     call_or_format)
+        try:
+            import agents  # noqa: F401
+            import langchain_openai  # noqa: F401
+        except ImportError as exc:
+            report.skip("agents: Agents SDK and LangChain runs", f"not installed: {exc}")
+            return
+        report.check("agents: an Agents SDK agent runs its tool, ends with its typed output",
+                     agents_sdk)
+        report.check("agents: a LangChain loop (structured output with tools) ends typed",
+                     langchain)
+    finally:
+        if fe is not None:
+            report.timing("frontend stop (agent fleet)", stop_group(fe.proc, "frontend", grace=15))
+
+
 # --- KV-aware routing through the frontend --------------------------------------------
 
 
@@ -3536,6 +3727,7 @@ def main(argv: list[str] | None = None) -> int:
                     frontend_checks(report, engine, client, frontend, served)
                 structured_checks(report, frontend, served, engine.model)
                 tool_checks(report, frontend, served)
+                agent_checks(report, run_dir, engine, served, args.frontend_timeout)
                 replay_checks(report, run_dir, engine, served, args.frontend_timeout)
                 if not args.structured_only:
                     budget_checks(report, run_dir, engine, client, served,

@@ -31,6 +31,11 @@ class ConstraintKind(enum.Enum):
     GRAMMAR = "grammar"  # text: an EBNF grammar (the engines' grammar backends read it)
     CHOICE = "choice"  # choices: exactly one of these strings
     STRUCTURAL_TAG = "structural_tag"  # text: the structural tag object (serialised)
+    #: text: a structural tag (xgrammar's ``{"type": "structural_tag", "format": …}``) that
+    #: takes the model's own tool calls or the response format's JSON, for a request with
+    #: tools and a response format (pipeline/parsing.py); a kind that cannot enforce one
+    #: sends no constraint instead, so the tools stay callable
+    TOOLS_OR_FORMAT = "tools_or_format"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

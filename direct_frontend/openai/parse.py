@@ -414,10 +414,13 @@ def parse_chat_request(body: bytes) -> ChatRequest:
     tool_choice, function, forced = tool_choice_of(w.tool_choice, tools,
                                                    w.parallel_tool_calls is not False)
     if forced is not None:
-        if common["constraint"] is not None:
+        # A response format shapes a message's text, and a forced turn answers with a call
+        # (OpenAI's own reading; vLLM's server drops the format too): the call's constraint
+        # wins. An engine-level constraint (guided_json, regex, ...) would shape the call.
+        given = common["constraint"]
+        if given is not None and given.param != "response_format":
             raise invalid_request(
-                f"A forced tool call cannot be combined with '{common['constraint'].param}'.",
-                "tool_choice",
+                f"A forced tool call cannot be combined with '{given.param}'.", "tool_choice",
             )
         common["constraint"] = forced
     template_kwargs = w.chat_template_kwargs

@@ -41,7 +41,11 @@ from direct_frontend.pipeline.adapters import (
     carries_adapters,
 )
 from direct_frontend.pipeline.dispatch import Dispatcher, WaitableFleet
-from direct_frontend.pipeline.parsing import model_parsers, parser_problems
+from direct_frontend.pipeline.parsing import (
+    model_parsers,
+    parser_problems,
+    with_tools_or_format,
+)
 from direct_frontend.pipeline.preprocess import Tokenizing, new_tokenize_limiter
 from direct_frontend.pipeline.relay import Relay
 from direct_frontend.pipeline.settings import Settings
@@ -159,8 +163,12 @@ class ServedModel:
         return self.config.context_length or _largest_context(self.catalog)
 
     def prepare_request(self, request: Request) -> Request:
-        """The request as this model serves it (its sampling defaults filled in)."""
-        return with_defaults(request, self.config.sampling)
+        """The request as this model serves it: its sampling defaults filled in, and a chat
+        request's tools and response format constrained together for its tool parser."""
+        request = with_defaults(request, self.config.sampling)
+        if isinstance(request, ChatRequest):
+            return with_tools_or_format(request, self.relay.parsers)
+        return request
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

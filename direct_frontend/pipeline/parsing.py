@@ -10,15 +10,24 @@ state, so a migrated stream goes on feeding the same object.
 A forced call (``tool_choice`` ``"required"`` or named) is read by the
 forced-call parsers instead of the model's: the engine's grammar shaped the
 output into their JSON, not into the model's own call format.
+
+A request with tools (``tool_choice`` ``"auto"``) and a JSON response format
+is constrained to "a call in the model's format, or the format"
+(:func:`with_tools_or_format`), since the format alone would keep the model
+from ever calling a tool.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Mapping
 from typing import Final, Protocol
 
+import msgspec
+
 from direct_frontend.openai.parsers.base import ParsedDelta
+from direct_frontend.openai.parsers.call_tags import format_schema, tools_or_format
 from direct_frontend.openai.parsers.detect import detect
 from direct_frontend.openai.parsers.forced import NamedCallParser, RequiredCallsParser
 from direct_frontend.openai.parsers.registry import (
@@ -105,6 +114,36 @@ def model_parsers(tool_parser: str | None, reasoning_parser: str | None,
                      REASONING_PARSERS, REASONING_ALIASES)
     reason = "as the fleet file says" if found is None else found.reason
     return ModelParsers(tool, reasoning, reason)
+
+
+log = logging.getLogger(__name__)
+#: (model, tool parser) pairs already logged as running tools-with-format unconstrained
+_WARNED: set[tuple[str, str]] = set()
+
+
+def with_tools_or_format(request: ChatRequest, parsers: ModelParsers) -> ChatRequest:
+    """``request`` with its response format widened to "a tool call, or the format".
+
+    Only a request that offers tools with ``tool_choice`` ``"auto"`` and sets
+    a JSON ``response_format`` (``text.format``) changes. A model without a
+    tool parser keeps the format (no call could be read back anyway); one
+    whose call format has no structural tag (openai/parsers/call_tags.py)
+    runs unconstrained, so its tools stay callable, and the answer's JSON is
+    the model's own (logged).
+    """
+    fmt = request.constraint
+    if (fmt is None or fmt.param != "response_format" or not request.offers_tools
+            or request.tool_choice != "auto" or parsers.tool_parser is None
+            or format_schema(fmt) is None):
+        return request
+    widened = tools_or_format(parsers.tool_parser, request.tools, request.parallel_tool_calls,
+                              fmt)
+    if widened is None and (request.model, parsers.tool_parser) not in _WARNED:
+        _WARNED.add((request.model, parsers.tool_parser))
+        log.warning("model %s: tool parser %s has no structural tag, so its requests with "
+                    "tools and a response format run without a constraint", request.model,
+                    parsers.tool_parser)
+    return msgspec.structs.replace(request, constraint=widened)
 
 
 def choice_parser(parsers: ModelParsers, request: ChatRequest,

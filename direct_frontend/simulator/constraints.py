@@ -15,10 +15,10 @@ minimum); a JSON schema of the common subset: ``type`` (or a list of them),
 ``maxItems``, ``enum``, ``const``, ``anyOf`` / ``oneOf`` (the first
 branch), ``minimum`` / ``maximum``, ``minLength`` / ``maxLength``,
 ``pattern`` and local ``$ref``\\s (``#/$defs/…``, ``#/definitions/…``). An
-EBNF grammar, a structural tag, or a schema using ``allOf``, ``not``,
-``if``, ``patternProperties`` and the like is refused with
-:class:`Unsupported` (the servicer answers UNIMPLEMENTED), so a test never
-passes on text the constraint did not shape.
+EBNF grammar, or a schema using ``allOf``, ``not``, ``if``,
+``patternProperties`` and the like is refused with :class:`Unsupported`
+(the servicer answers UNIMPLEMENTED), so a test never passes on text the
+constraint did not shape. Structural tags are :mod:`.structural`'s.
 """
 
 from __future__ import annotations
@@ -70,10 +70,15 @@ def constrained_text(kind: str, value: str | Sequence[str], seed: int) -> str:
             raise InvalidConstraint(f"the JSON schema is not valid JSON: {exc}") from None
         if not isinstance(schema, dict):
             raise InvalidConstraint("a JSON schema is an object")
-        return json.dumps(_SchemaWriter(schema, rng).value(schema, 0))
+        return json.dumps(schema_value(schema, rng))
     if kind == "regex":
         return regex_text(value, rng)
     raise Unsupported(f"the simulator cannot write text for a {kind} constraint")
+
+
+def schema_value(schema: Any, rng: random.Random) -> Any:
+    """One value of a JSON schema (the subset in the module docstring)."""
+    return _SchemaWriter(schema, rng).value(schema, 0)
 
 
 # -- regular expressions ------------------------------------------------------------------

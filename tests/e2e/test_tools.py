@@ -143,6 +143,8 @@ def read_stream(client: openai.OpenAI, model: str, marker: str,
                                                 stream=True, **extra):
         for choice in chunk.choices:
             delta = choice.delta
+            indexes = [piece.index for piece in delta.tool_calls or ()]
+            assert len(indexes) == len(set(indexes)), f"one entry per call in a chunk: {delta}"
             content += delta.content or ""
             reasoning += getattr(delta, "reasoning_content", None) or ""
             for piece in delta.tool_calls or ():

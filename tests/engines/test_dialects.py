@@ -140,6 +140,9 @@ FULL = SamplingOptions(
 PLAIN = SamplingOptions(max_tokens=16)  # every OpenAI default
 HUGE_SEED = SamplingOptions(max_tokens=1, seed=-(2**40) - 5)
 SCHEMA = '{"type":"object","properties":{"a":{"type":"integer"}}}'
+TOOLS_OR_FORMAT = ('{"type":"structural_tag","format":{"type":"or","elements":['
+                   f'{{"type":"json_schema","json_schema":{SCHEMA}}},'
+                   '{"type":"const_string","value":"<tool_call>"}]}}')
 CONSTRAINTS = {
     "json-schema": Constraint(ConstraintKind.JSON_SCHEMA, SCHEMA),
     "json-object": Constraint(ConstraintKind.JSON_OBJECT),
@@ -147,6 +150,7 @@ CONSTRAINTS = {
     "grammar": Constraint(ConstraintKind.GRAMMAR, 'root ::= "yes" | "no"'),
     "choice": Constraint(ConstraintKind.CHOICE, choices=("a.b", "c|d (e)")),
     "tag": Constraint(ConstraintKind.STRUCTURAL_TAG, '{"type":"structural_tag"}'),
+    "tools-or-format": Constraint(ConstraintKind.TOOLS_OR_FORMAT, TOOLS_OR_FORMAT),
 }
 
 REQUESTS: dict[str, GenerateCall] = {
@@ -279,6 +283,7 @@ CONSTRAINT_FIELDS: dict[str, dict[str, tuple[str, object]]] = {
         "grammar": ("ebnf_grammar", 'root ::= "yes" | "no"'),
         "choice": ("regex", CHOICE_REGEX),
         "tag": ("structural_tag", '{"type":"structural_tag"}'),
+        "tools-or-format": ("structural_tag", TOOLS_OR_FORMAT),
     },
     "vllm": {
         "json-schema": ("json_schema", SCHEMA),
@@ -287,6 +292,7 @@ CONSTRAINT_FIELDS: dict[str, dict[str, tuple[str, object]]] = {
         "grammar": ("grammar", 'root ::= "yes" | "no"'),
         "choice": ("choice", {"choices": ["a.b", "c|d (e)"]}),
         "tag": ("structural_tag", '{"type":"structural_tag"}'),
+        "tools-or-format": ("structural_tag", TOOLS_OR_FORMAT),
     },
     "trtllm": {
         "json-schema": ("GUIDE_TYPE_JSON_SCHEMA", SCHEMA),
@@ -295,6 +301,7 @@ CONSTRAINT_FIELDS: dict[str, dict[str, tuple[str, object]]] = {
         "grammar": ("GUIDE_TYPE_EBNF_GRAMMAR", 'root ::= "yes" | "no"'),
         "choice": ("GUIDE_TYPE_REGEX", CHOICE_REGEX),
         "tag": ("GUIDE_TYPE_STRUCTURAL_TAG", '{"type":"structural_tag"}'),
+        "tools-or-format": ("", None),  # no guide: the module docstring says why
     },
 }
 
@@ -307,7 +314,8 @@ def test_constraints_reach_each_contract(
     request, _ = parsed_requests[f"{kind}/{name}"]
     member, value = CONSTRAINT_FIELDS[kind][name]
     if kind == "trtllm":
-        assert request["guided_decoding"] == {"guide_type": member, "guide": value}
+        guided = {"guide_type": member, "guide": value} if member else None
+        assert request.get("guided_decoding") == guided
         return
     params = request["sampling_params"]
     assert params[member] == value

@@ -399,9 +399,8 @@ def test_stop_strings_up_to_the_bound_are_fine() -> None:
          "no 'tools' are given"),
         ({"tool_choice": {"type": "function", "function": {"name": "f"}}, "tools": [WEATHER]},
          "tool_choice", "no tool named 'f'"),
-        ({"tool_choice": "required", "tools": [WEATHER],
-          "response_format": {"type": "json_object"}},
-         "tool_choice", "cannot be combined with 'response_format'"),
+        ({"tool_choice": "required", "tools": [WEATHER], "guided_regex": "[a-z]+"},
+         "tool_choice", "cannot be combined with 'guided_regex'"),
         ({"tool_choice": "sometimes"}, "tool_choice", "'sometimes'"),
         ({"stop": ["ok", ""]}, "stop[1]", "must not be empty"),
         ({"stop": ""}, "stop", "must not be empty"),
@@ -781,6 +780,19 @@ def test_forced_tool_choices_carry_the_constraint_that_forces_them() -> None:
     assert json.loads(named.constraint.text) == WEATHER["function"]["parameters"]
     none = parse_chat_request(chat(tools=[WEATHER], tool_choice="none"))
     assert not none.offers_tools and none.constraint is None
+
+
+@pytest.mark.parametrize("response_format", [
+    {"type": "json_object"},
+    {"type": "json_schema", "json_schema": {"name": "out", "schema": {"type": "object"}}},
+])
+def test_a_forced_call_wins_over_a_response_format(response_format: dict[str, Any]) -> None:
+    """An agent sends its output format on every turn: a forced turn answers with the call."""
+    forced = parse_chat_request(chat(tools=[WEATHER], tool_choice="required",
+                                     response_format=response_format))
+    alone = parse_chat_request(chat(tools=[WEATHER], tool_choice="required"))
+    assert forced.constraint == alone.constraint and forced.constraint is not None
+    assert forced.constraint.param == "tool_choice"
 
 
 # ---------------------------------------------------------------- embeddings

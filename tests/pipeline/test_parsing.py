@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
+from direct_frontend.engines.neutral import ConstraintKind
 from direct_frontend.openai.parse import parse_chat_request
 from direct_frontend.openai.parsers.forced import NamedCallParser, RequiredCallsParser
 from direct_frontend.openai.parsers.registry import ChoiceParser
@@ -12,6 +15,7 @@ from direct_frontend.pipeline.parsing import (
     choice_parser,
     model_parsers,
     parser_problems,
+    with_tools_or_format,
 )
 from direct_frontend.text.model_dir import TextModel
 
@@ -73,3 +77,36 @@ def test_the_rendered_prompt_says_where_the_reply_starts(prompt: str, reasoning:
     out = parser.feed("Hi.")
     out.extend(parser.finish())
     assert (out.reasoning, out.content) == (reasoning, content)
+
+
+SCHEMA = ', "response_format": {"type": "json_schema", "json_schema": {"name": "o", "schema": ' \
+    '{"type": "object", "properties": {"a": {"type": "integer"}}}}}'
+HERMES = ModelParsers("hermes", None)
+
+
+def test_tools_with_a_response_format_take_a_call_or_the_format() -> None:
+    request = parse_chat_request(chat(SCHEMA))
+    widened = with_tools_or_format(request, HERMES)
+    assert widened.constraint is not None and request.constraint is not None
+    assert widened.constraint.kind is ConstraintKind.TOOLS_OR_FORMAT
+    assert widened.constraint.param == "response_format"
+    schema, calls = json.loads(widened.constraint.text)["format"]["elements"]
+    assert schema["json_schema"] == json.loads(request.constraint.text)
+    assert calls["tags"][0]["begin"].startswith('<tool_call>\n{"name": "f"')
+
+
+@pytest.mark.parametrize("extra", [
+    "",  # no format
+    ', "tool_choice": "none"' + SCHEMA,  # no tools offered
+    ', "guided_json": {"type": "object"}',  # an engine constraint, not a response format
+    ', "response_format": {"type": "structural_tag", "structures": [], "triggers": []}',
+])
+def test_other_requests_keep_their_constraint(extra: str) -> None:
+    request = parse_chat_request(chat(extra))
+    assert with_tools_or_format(request, HERMES) is request
+
+
+def test_a_model_without_a_tool_parser_keeps_the_format_and_one_without_a_tag_drops_it() -> None:
+    request = parse_chat_request(chat(SCHEMA))
+    assert with_tools_or_format(request, ModelParsers(None, "qwen3")) is request
+    assert with_tools_or_format(request, ModelParsers("pythonic", None)).constraint is None

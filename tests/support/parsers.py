@@ -50,6 +50,8 @@ def check_shapes(deltas: list[ParsedDelta]) -> None:
     """OpenAI's streaming shape: a call's first piece names it, later ones only add arguments."""
     seen: set[int] = set()
     for delta in deltas:
+        indexes = [piece.index for piece in delta.tool_calls]
+        assert len(indexes) == len(set(indexes)), f"one entry per call in a delta: {delta}"
         for piece in delta.tool_calls:
             if piece.index not in seen:
                 assert piece.id is not None and piece.id.startswith("call_"), piece

@@ -22,10 +22,13 @@ goes to another kind, or is refused with a 400 naming ``seed``, instead of
 being sampled unseeded behind the client's back.
 
 Structured outputs go in the ``constraint`` oneof (regex, json_schema,
-ebnf_grammar, structural_tag); as SGLang's own server does, ``json_object``
-is the schema ``{"type":"object"}``, and a choice becomes the regex of its
-alternatives. ``logit_bias`` is a map keyed by the token id's decimal
-string. Stop strings are applied by the frontend, as for every kind.
+ebnf_grammar, structural_tag: a client's tag, and "tools or the response
+format" in xgrammar's format, which SGLang's xgrammar backend compiles
+beside the older ``structures``/``triggers`` form); as SGLang's own server
+does, ``json_object`` is the schema ``{"type":"object"}``, and a choice
+becomes the regex of its alternatives. ``logit_bias`` is a map keyed by the
+token id's decimal string. Stop strings are applied by the frontend, as for
+every kind.
 
 Logprobs: ``return_logprob`` with ``top_logprobs_num`` (one count for output
 and prompt) and ``logprob_start_len`` -1 unless the prompt's are wanted (0, its
@@ -93,7 +96,7 @@ def constraint_field(constraint: Constraint) -> tuple[str, str]:
         return "regex", choice_regex(constraint.choices)
     if kind is ConstraintKind.GRAMMAR:
         return "ebnf_grammar", constraint.text
-    return "structural_tag", constraint.text
+    return "structural_tag", constraint.text  # a client's tag, or tools-or-format
 
 
 class SglangStreamDecoder(SmgStreamDecoder):

@@ -18,6 +18,12 @@ its text). ``json_object`` is sent as the schema ``{"type":"object"}``
 (``GUIDE_TYPE_JSON`` would allow any JSON value, not only an object), and a
 choice as the regex of its alternatives; the engine must run with a guided
 decoding backend (``guided_decoding_backend: xgrammar``) or it refuses them.
+"Tools or the response format" (a request with tools and a response format)
+is sent with no guide at all: the structural tag that says it is xgrammar's
+newer format, which a TensorRT-LLM release compiles only with a recent
+xgrammar, and older gRPC servers dropped a ``STRUCTURAL_TAG`` guide without
+a word; the schema alone would keep the model from calling its tools. So the
+tools stay callable and the answer's JSON is the model's own, unchecked.
 ``logit_bias`` has no place here (``embedding_bias`` is a whole-vocabulary
 tensor), so it is a missing capability: such requests go to other kinds.
 
@@ -90,9 +96,16 @@ GUIDE_TYPES = {
 }
 
 
-def guided_decoding(constraint: Constraint) -> tuple[pb.GuidedDecodingParams.GuideType, str]:
-    """The ``GuidedDecodingParams`` guide type and guide for a neutral constraint."""
+def guided_decoding(
+    constraint: Constraint,
+) -> tuple[pb.GuidedDecodingParams.GuideType, str] | None:
+    """The ``GuidedDecodingParams`` guide type and guide for a neutral constraint.
+
+    None for "tools or the response format": no guide is sent (module docstring).
+    """
     kind = constraint.kind
+    if kind is ConstraintKind.TOOLS_OR_FORMAT:
+        return None
     if kind is ConstraintKind.JSON_OBJECT:
         guide = ANY_OBJECT_SCHEMA
     elif kind is ConstraintKind.CHOICE:
@@ -250,10 +263,9 @@ class TrtllmDialect(SmgDialect):
             stop_token_ids=s.stop_token_ids,
             ignore_eos=s.ignore_eos,
         )
-        if s.constraint is not None:
-            guide_type, guide = guided_decoding(s.constraint)
-            request.guided_decoding.guide_type = guide_type
-            request.guided_decoding.guide = guide
+        guided = None if s.constraint is None else guided_decoding(s.constraint)
+        if guided is not None:
+            request.guided_decoding.guide_type, request.guided_decoding.guide = guided
         return Rpc(f"{SERVICE}/Generate", request, pb.GenerateResponse)
 
     def stream_decoder(self, call: GenerateCall) -> StreamDecoder:

@@ -24,7 +24,10 @@ per connector, and a Mooncake engine with data-parallel ranks cannot be a
 named prefill engine.
 
 Every constraint kind has its own member of the ``constraint`` oneof
-(``choice`` a ``ChoiceConstraint``, ``json_object`` a bool); ``logit_bias``
+(``choice`` a ``ChoiceConstraint``, ``json_object`` a bool; "tools or the
+response format" is a ``structural_tag`` in xgrammar's format, which the
+engine's xgrammar backend compiles, as it does the older
+``structures``/``triggers`` form); ``logit_bias``
 is a map keyed by token id. ``seed`` is an int32 here while OpenAI allows
 int64: a seed outside int32 is folded to its low 32 bits (two's complement),
 so a given seed still always reproduces the same output. Stop strings are
@@ -141,6 +144,8 @@ def constraint_field(constraint: Constraint) -> tuple[str, object]:
         return "json_object", True
     if kind is ConstraintKind.CHOICE:
         return "choice", {"choices": constraint.choices}
+    if kind is ConstraintKind.TOOLS_OR_FORMAT:  # the engine compiles either tag format
+        return "structural_tag", constraint.text
     return kind.value, constraint.text  # json_schema, regex, grammar, structural_tag
 
 

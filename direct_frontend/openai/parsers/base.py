@@ -71,15 +71,22 @@ class ParsedDelta:
         self.add_calls(other.tool_calls)
 
     def add_calls(self, pieces: Iterable[ToolCallDelta]) -> None:
-        """Append call pieces, folding an argument fragment into the entry before it of its call."""
+        """Add call pieces, one entry per call: a piece of a call already here is folded into
+        its entry, as OpenAI streams a chunk (a client may read each entry as a call piece of
+        its own, and one naming no call as a call without a name)."""
         calls = self.tool_calls
         for piece in pieces:
-            if calls and piece.id is None and calls[-1].index == piece.index:
-                last = calls[-1]
-                calls[-1] = ToolCallDelta(last.index, last.arguments + piece.arguments,
-                                          last.id, last.name)
-            else:
+            at = next((k for k in range(len(calls) - 1, -1, -1)
+                       if calls[k].index == piece.index), None)
+            if at is None:
                 calls.append(piece)
+                continue
+            entry = calls[at]
+            calls[at] = ToolCallDelta(
+                entry.index, entry.arguments + piece.arguments,
+                entry.id if entry.id is not None else piece.id,
+                entry.name if entry.name is not None else piece.name,
+            )
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -78,9 +78,7 @@ class NamedCallParser:
         self._arguments.append(text)
         if self.tool_calls_made == 0:
             self.tool_calls_made = 1
-            return ParsedDelta(tool_calls=[
-                ToolCallDelta(0, "", self.new_id(), self.function), ToolCallDelta(0, text),
-            ])
+            return ParsedDelta(tool_calls=[ToolCallDelta(0, text, self.new_id(), self.function)])
         return ParsedDelta(tool_calls=[ToolCallDelta(0, text)])
 
     def finish(self) -> ParsedDelta:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import random
 import zipfile
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
@@ -25,6 +26,7 @@ from direct_frontend.simulator.constraints import InvalidConstraint, Unsupported
 from direct_frontend.simulator.core import SimCore
 from direct_frontend.simulator.embedding import embedding_of
 from direct_frontend.simulator.model import Finish
+from direct_frontend.simulator.structural import structural_text
 
 SIM_VERSION = "0.0.0-sim"
 #: Generate's INVALID_ARGUMENT on an embedding model, in a real vLLM's words (docs/real-vllm.md §12)
@@ -82,17 +84,13 @@ def constrained_output(
     """A constrained request's output tokens (None: no constraint), or the engine's refusal.
 
     ``constraint`` is the contract's constraint kind and value. The text is
-    drawn from the prompt's hash, so every engine of one model writes the same.
+    drawn from the prompt's hash, so every engine of one model writes the same;
+    under a structural tag, a scripted completion the tag allows is the
+    model's choice (simulator/structural.py).
     """
     if constraint is None:
         return None
     kind, value = constraint
-    try:
-        text = constrained_text(kind, value, core.model.state_of(prompt))
-    except Unsupported as exc:
-        raise GRPCError(Status.UNIMPLEMENTED, str(exc)) from None
-    except InvalidConstraint as exc:
-        raise GRPCError(Status.INVALID_ARGUMENT, f"Invalid {kind} constraint: {exc}") from None
     directory = core.config.tokenizer_path
     if not directory:
         raise GRPCError(
@@ -103,6 +101,22 @@ def constrained_output(
         tokenizer = _tokenizers[directory] = Tokenizer.from_file(
             str(Path(directory) / "tokenizer.json")
         )
+    seed = core.model.state_of(prompt)
+    try:
+        if kind == "structural_tag" and isinstance(value, str):
+            script = core.scripts.completion_for(prompt) if core.scripts is not None else None
+            text = structural_text(
+                value, random.Random(seed),
+                None if script is None else tokenizer.decode(list(script),
+                                                             skip_special_tokens=False),
+                tokenizer.decode(list(prompt), skip_special_tokens=False),
+            )
+        else:
+            text = constrained_text(kind, value, seed)
+    except Unsupported as exc:
+        raise GRPCError(Status.UNIMPLEMENTED, str(exc)) from None
+    except InvalidConstraint as exc:
+        raise GRPCError(Status.INVALID_ARGUMENT, f"Invalid {kind} constraint: {exc}") from None
     return tuple(tokenizer.encode(text, add_special_tokens=False).ids)
 
 

@@ -7,6 +7,7 @@ from typing import Any
 
 import jsonschema
 
+from direct_frontend.openai.parsers.base import ParsedDelta, ToolCallDelta
 from direct_frontend.openai.parsers.forced import (
     NamedCallParser,
     RequiredCallsParser,
@@ -70,3 +71,15 @@ def test_a_named_call_cut_by_max_tokens_is_counted() -> None:
     parser = NamedCallParser("get_weather")
     message, _ = run(parser, ['{"city": "Zü'])
     assert parser.malformed == 1 and message.tool_calls[0].function.arguments == '{"city": "Zü'
+
+
+def test_a_delta_holds_one_entry_per_call_however_its_pieces_arrive() -> None:
+    delta = ParsedDelta(tool_calls=[ToolCallDelta(0, '{"a"', "call_0", "f")])
+    delta.add_calls([ToolCallDelta(1, "", "call_1", "g"), ToolCallDelta(0, ": 1}"),
+                     ToolCallDelta(1, "{}")])
+    assert [c.to_openai() for c in delta.tool_calls] == [
+        {"index": 0, "id": "call_0", "type": "function",
+         "function": {"name": "f", "arguments": '{"a": 1}'}},
+        {"index": 1, "id": "call_1", "type": "function", "function": {"name": "g",
+                                                                      "arguments": "{}"}},
+    ]
