@@ -12,9 +12,15 @@ README.md's "Deploy" section tells the reader to make.
 
 from __future__ import annotations
 
+import http.server
+import json
+import os
 import re
 import shutil
 import subprocess
+import sys
+import threading
+import urllib.parse
 from pathlib import Path
 from typing import Any
 
@@ -222,3 +228,77 @@ def test_the_dockerfile_runs_the_daemon_on_the_deployments_path() -> None:
     assert re.search(r"^USER 10001$", text, re.M)
     pod = manifests()["Deployment"]["spec"]["template"]["spec"]
     assert pod["securityContext"]["runAsUser"] == 10001
+
+
+def dockerfile_stages() -> list[list[str]]:
+    """The Dockerfile's instructions (continuation lines joined), one list per stage."""
+    text = (ROOT / "Dockerfile").read_text().replace("\\\n", " ")
+    lines = [line.strip() for line in text.splitlines()
+             if line.strip() and not line.lstrip().startswith("#")]
+    stages: list[list[str]] = []
+    for line in lines:
+        if line.startswith("FROM "):
+            stages.append([])
+        if stages:
+            stages[-1].append(line)
+    return stages
+
+
+def test_the_dockerfile_base_is_an_exact_python_release() -> None:
+    text = (ROOT / "Dockerfile").read_text()
+    defaults = dict(re.findall(r"^ARG (\w+)=(\S+)$", text, re.M))
+    for stage in dockerfile_stages():
+        base = stage[0].split()[1]
+        base = re.sub(r"\$\{(\w+)\}", lambda m: defaults[m.group(1)], base)
+        # python:3.11.13-slim-bookworm: a patch release on a named Debian, not "3.11-slim"
+        assert re.fullmatch(r"python:3\.\d+\.\d+-slim-[a-z]+(@sha256:[0-9a-f]{64})?", base), base
+
+
+def test_the_dependencies_are_installed_before_the_source_is_copied() -> None:
+    """A source change must not rebuild or reinstall the dependency wheels (layer cache)."""
+    build, runtime = dockerfile_stages()
+
+    def first(stage: list[str], pattern: str) -> int:
+        return next(i for i, line in enumerate(stage) if re.search(pattern, line))
+
+    source = first(build, r"^COPY (direct_frontend|protos|\.)\b")
+    assert first(build, r"^COPY pyproject\.toml") < first(build, r"pip wheel .*-r ") < source
+    assert all(not re.match(r"^COPY (direct_frontend|protos|\.) ", line)
+               for line in build[:source])
+    assert first(runtime, r"pip install .*/deps/") < first(runtime, r"pip install .*--no-deps")
+
+
+def test_the_dockerfile_healthcheck_asks_health_with_python(tmp_path: Path) -> None:
+    """HEALTHCHECK's command (run here for real) succeeds on a 200 and fails otherwise."""
+    (runtime,) = dockerfile_stages()[-1:]
+    (check,) = [line for line in runtime if line.startswith("HEALTHCHECK ")]
+    command = json.loads(check.split(" CMD ", 1)[1])
+    assert command[0] == "python"  # slim images have no curl or wget
+    env = dict(re.findall(r"^ENV (\w+)=(\S+)$", "\n".join(runtime), re.M))
+    assert urllib.parse.urlsplit(env["HEALTHCHECK_URL"]).path == "/health"
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        status = 200
+
+        def do_GET(self) -> None:
+            self.send_response(self.status if self.path == "/health" else 404)
+            self.send_header("content-length", "0")
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    with http.server.HTTPServer(("127.0.0.1", 0), Handler) as server:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        url = f"http://127.0.0.1:{server.server_port}/health"
+        try:
+            results = []
+            for status in (200, 503):
+                Handler.status = status
+                done = subprocess.run([sys.executable, *command[1:]], timeout=30,
+                                      env={**os.environ, "HEALTHCHECK_URL": url},
+                                      capture_output=True, check=False)
+                results.append(done.returncode == 0)
+        finally:
+            server.shutdown()
+    assert results == [True, False]
