@@ -283,10 +283,10 @@ def top(
         "--colour/--no-colour", show_default=False,
         help="Colour on a terminal unless NO_COLOR is set (the default), or never.")] = True,
 ) -> None:
-    """Show the fleet live (engines, states, load, reloads); follows daemon restarts."""
+    """Show the fleet live (engines, states, load, reloads); follows daemon restarts. q quits."""
     from direct_frontend.top import run_top
 
-    sys.exit(run_top(url, admin_token, sys.stdout,
+    sys.exit(run_top(url, admin_token, sys.stdout, keys=sys.stdin,
                      colour=colour and sys.stdout.isatty() and "NO_COLOR" not in os.environ))
 
 
