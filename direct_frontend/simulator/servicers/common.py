@@ -20,7 +20,12 @@ import grpclib.server
 from grpclib import GRPCError, Status
 from tokenizers import Tokenizer
 
-from direct_frontend.simulator.constraints import InvalidConstraint, Unsupported, constrained_text
+from direct_frontend.simulator.constraints import (
+    InvalidConstraint,
+    Unsupported,
+    constrained_text,
+    prompt_words,
+)
 from direct_frontend.simulator.core import SimCore
 from direct_frontend.simulator.embedding import embedding_of
 from direct_frontend.simulator.model import Finish
@@ -76,6 +81,19 @@ async def generate_request(core: SimCore, stream: grpclib.server.Stream[NamedT, 
 _tokenizers: dict[str, Tokenizer] = {}
 
 
+def _tokenizer(core: SimCore) -> Tokenizer | None:
+    """The engine's tokenizer (loaded once per directory), if it was given one."""
+    directory = core.config.tokenizer_path
+    if not directory:
+        return None
+    tokenizer = _tokenizers.get(directory)
+    if tokenizer is None:
+        tokenizer = _tokenizers[directory] = Tokenizer.from_file(
+            str(Path(directory) / "tokenizer.json")
+        )
+    return tokenizer
+
+
 def constrained_output(
     core: SimCore, constraint: tuple[str, str | Sequence[str]] | None, prompt: Sequence[int]
 ) -> tuple[int, ...] | None:
@@ -87,21 +105,19 @@ def constrained_output(
     if constraint is None:
         return None
     kind, value = constraint
+    tokenizer = _tokenizer(core)
+    # the prompt's words name a free-form object's keys, as a model would take them up
+    words = () if tokenizer is None else prompt_words(
+        tokenizer.decode(list(prompt), skip_special_tokens=True))
     try:
-        text = constrained_text(kind, value, core.model.state_of(prompt))
+        text = constrained_text(kind, value, core.model.state_of(prompt), words)
     except Unsupported as exc:
         raise GRPCError(Status.UNIMPLEMENTED, str(exc)) from None
     except InvalidConstraint as exc:
         raise GRPCError(Status.INVALID_ARGUMENT, f"Invalid {kind} constraint: {exc}") from None
-    directory = core.config.tokenizer_path
-    if not directory:
+    if tokenizer is None:
         raise GRPCError(
             Status.UNIMPLEMENTED, "The simulator needs a tokenizer to honour a constraint"
-        )
-    tokenizer = _tokenizers.get(directory)
-    if tokenizer is None:
-        tokenizer = _tokenizers[directory] = Tokenizer.from_file(
-            str(Path(directory) / "tokenizer.json")
         )
     return tuple(tokenizer.encode(text, add_special_tokens=False).ids)
 
