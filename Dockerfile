@@ -17,7 +17,6 @@ COPY pyproject.toml ./
 RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" > requirements.txt \
     && pip wheel --no-cache-dir --wheel-dir /deps -r requirements.txt
 COPY README.md ./
-COPY protos ./protos
 COPY direct_frontend ./direct_frontend
 RUN pip wheel --no-cache-dir --no-deps --wheel-dir /app .
 

@@ -126,12 +126,12 @@ def run(
 
     config = _load_or_exit(fleet)
     text_models = cast(dict[TextModelKey, TextModel], _or_exit(load_text_models, config))
+    role = WorkerRole.from_env(os.environ)
     configure_logging(json=config.frontend.log_json if log_json is None else log_json,
-                      level=log_level.value)
+                      level=log_level.value, worker=None if role is None else role.index)
     log = logging.getLogger("direct_frontend")
     for warning in _warnings(config):
         log.warning("%s", warning)
-    role = WorkerRole.from_env(os.environ)
     count = 1 if role is not None else resolve_count(_workers(workers, config.frontend.workers))
     busy = [] if role is not None else busy_addresses(config)  # a worker shares the port
     if busy:

@@ -29,6 +29,7 @@ import logging
 import os
 import signal
 import time
+import warnings
 from collections.abc import Mapping
 from functools import partial
 from pathlib import Path
@@ -48,6 +49,7 @@ from direct_frontend.control.workers import (
     merged_metrics,
     share_metrics,
     watch_parent,
+    worker_fleet,
     worker_replicas,
 )
 from direct_frontend.fleet.preflight import TextModelKey
@@ -81,7 +83,9 @@ def hypercorn_config(
     if worker is not None:  # one of N on the parent's port: SO_REUSEPORT (hypercorn's rule)
         host = f"[{worker.host}]" if ":" in worker.host else worker.host
         config.bind = [f"{host}:{worker.port}"]
-        config.workers = worker.count
+        config.workers = worker.count  # what makes hypercorn set SO_REUSEPORT; the warning
+        # that serve() would print about it says nothing true of this use: filtered
+        warnings.filterwarnings("ignore", message="The config `workers` has no affect")
     config.accesslog = None
     config.errorlog = logging.getLogger("hypercorn.error")
     config.graceful_timeout = grace_s
@@ -111,6 +115,8 @@ async def serve_fleet(
     ``worker``: this is one of ``run --workers N`` (control/workers.py).
     """
     started = time.perf_counter()
+    if worker is not None:
+        fleet = worker_fleet(fleet, worker)
     descriptors.raise_soft_limit()  # every connection is a descriptor; 1,024 is not many
     shutdown = trio.Event() if shutdown is None else shutdown
     notifier = Notifier() if notifier is None else notifier
@@ -141,7 +147,9 @@ async def serve_fleet(
         )
         control = ControlPlane(fleet, supervisor, builder, metrics, notifier, digest,
                                placements=placements,
-                               replicas=None if link is None else link.status)
+                               replicas=None if link is None else link.status,
+                               adapt=None if worker is None else partial(worker_fleet,
+                                                                         role=worker))
         tracing = _open_tracing(fleet.frontend.tracing)
         app = App(control, metrics, tracing, responses)
         if worker is not None:

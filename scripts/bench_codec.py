@@ -184,7 +184,7 @@ def assemble(
 
 def protobuf_ops(work: dict[str, Any], payloads: dict[str, bytes]) -> tuple[Ops, bytes]:
     sys.path.insert(0, str(ROOT))
-    from protos import sglang_scheduler_pb2 as pb
+    from direct_frontend.protos import sglang_scheduler_pb2 as pb
 
     response_cls = pb.GenerateResponse
     req, sampling = work["request"], work["request"]["sampling"]
@@ -410,7 +410,7 @@ def main() -> int:
     import google.protobuf
     from google.protobuf.internal import api_implementation
 
-    from protos import sglang_scheduler_pb2 as pb
+    from direct_frontend.protos import sglang_scheduler_pb2 as pb
 
     payloads = {
         name: pb.GenerateResponse(

@@ -58,7 +58,7 @@ from typing import Any
 from grpclib.client import Channel, UnaryStreamMethod
 from tokenizers import Tokenizer
 
-from protos import sglang_scheduler_pb2 as pb
+from direct_frontend.protos import sglang_scheduler_pb2 as pb
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 MODEL_DIR = ROOT / "config" / "demo-model"

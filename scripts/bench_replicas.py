@@ -104,8 +104,9 @@ class Fleet:
             text = text.replace("[frontend.routing]\n", f"[frontend.routing]\n{line}\n", 1)
         if nats is not None:
             extra = "".join(f"{line}\n" for line in self.args.replica_lines)
+            # the benchmark's own loopback nats-server, which lets any local client in
             text = text.replace("[frontend.probe]", f'[frontend.replicas]\nnats = "{nats}"\n'
-                                f"{extra}\n[frontend.probe]")
+                                f"insecure = true\n{extra}\n[frontend.probe]")
         index = len(self.daemons)
         fleet = self.tmp / f"replica{index}.toml"
         fleet.write_text(text)

@@ -71,7 +71,7 @@ python=$1 site=$2 root=$3
 mkdir -p /opt/direct-frontend/lib
 cp -a "$site"/. /opt/direct-frontend/lib/
 rm -f /opt/direct-frontend/lib/__editable__*  # an editable install points elsewhere
-cp -a "$root/direct_frontend" "$root/protos" /opt/direct-frontend/lib/
+cp -a "$root/direct_frontend" /opt/direct-frontend/lib/
 venv_site=$(/opt/direct-frontend/venv/bin/python -c \
     'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 echo /opt/direct-frontend/lib > "$venv_site/lib.pth"

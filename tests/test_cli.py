@@ -253,8 +253,8 @@ def test_simulate_engine_defaults_to_the_bundled_demo_model() -> None:
 def test_simulate_engine_serves_data_parallel_ranks() -> None:
     from grpclib.client import Channel
 
-    from protos import vllm_engine_pb2
-    from protos.vllm_engine_grpc import VllmEngineStub
+    from direct_frontend.protos import vllm_engine_pb2
+    from direct_frontend.protos.vllm_engine_grpc import VllmEngineStub
 
     refused = cli("simulate-engine", "--kind", "trtllm", "--dp-size", "2")
     assert refused.returncode == 2 and "no data-parallel rank" in refused.stderr

@@ -26,7 +26,7 @@ FLOORS: tuple[frozenset[str], ...] = tuple(frozenset(f.split()) for f in (
     "fleet openai",          # the fleet file's model; the OpenAI API model
     "kv engines",            # the KV index and events; engine dialects and transport
     "simulator observability text",
-    "errors __init__",
+    "errors __init__ protos",  # protos: the engines' contract, generated (scripts/gen_protos.py)
 ))
 
 #: allowed upward arrows (room, room): none; an entry here needs a reason beside it

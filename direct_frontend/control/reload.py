@@ -37,7 +37,7 @@ from direct_frontend.fleet.problems import FleetError, FleetProblem
 from direct_frontend.fleet.schema import EngineConfig, FleetConfig, FrontendConfig
 from direct_frontend.observability.metrics import Metrics
 from direct_frontend.observability.sdnotify import Notifier
-from direct_frontend.pipeline.models import ModelBuilder, ModelTable, serving_counts
+from direct_frontend.pipeline.models import ModelBuilder, ModelTable, queue_depths, serving_counts
 from direct_frontend.pipeline.settings import Settings
 from direct_frontend.routing.peers import PlacementShare
 
@@ -119,8 +119,11 @@ class ControlPlane:
         *,
         placements: PlacementShare | None = None,
         replicas: Callable[[], JsonValue] | None = None,
+        adapt: Callable[[FleetConfig], FleetConfig] | None = None,
     ) -> None:
         self.running = fleet
+        #: the fleet file as this process runs it (a worker's: control/workers.py worker_fleet)
+        self.adapt = adapt
         self.supervisor = supervisor
         self.builder = builder
         #: the models served, each with its settings snapshot (replaced whole on reload)
@@ -236,6 +239,8 @@ class ControlPlane:
             self.metrics.set_engine_in_flight(name, load)
         for model, count in serving_counts(self.models).items():
             self.metrics.model_series(model).engines_serving(count)
+        for model, waiting in queue_depths(self.models).items():
+            self.metrics.model_series(model).queue_depth(waiting)
         if self.supervisor.kv is not None:
             self.supervisor.kv.export()
 
@@ -277,6 +282,8 @@ class ControlPlane:
             raw = await trio.to_thread.run_sync(_read, path)
             digest = file_digest(raw)
             new = parse_fleet_bytes(raw, path)
+            if self.adapt is not None:
+                new = self.adapt(new)
             self._check_kv_block_size(new)
             await self.builder.load(new)  # new tokenizers, in a worker thread
             # the pools' engines as last seen (a changed pool keeps its own until relisted)

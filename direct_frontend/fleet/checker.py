@@ -244,6 +244,9 @@ class Checker:
             return self.secrets(tbl, path, key)
         if typing.get_origin(kind) is Literal:
             return self.choice(tbl, path, key, typing.get_args(kind), noun)
+        if typing.get_origin(kind) is tuple and typing.get_origin(typing.get_args(kind)[0]) is (
+                Literal):
+            return self.choices(tbl, path, key, typing.get_args(typing.get_args(kind)[0]), noun)
         if isinstance(kind, type) and issubclass(kind, enum.Enum):
             text = self.choice(tbl, path, key, tuple(member.value for member in kind), noun)
             return None if text is None else kind(text)
@@ -313,6 +316,19 @@ class Checker:
         expected = ", ".join(choices)
         self.report((*path, key), f"{value!r} is not a valid {noun} (expected one of: {expected})")
         return None
+
+    def choices(
+        self, tbl: Table, path: KeyPath, key: str, choices: Sequence[str], noun: str
+    ) -> tuple[str, ...] | None:
+        """An array of distinct choices, each checked on its own line and index."""
+        items = self.strings(tbl, path, key)
+        if items is None:
+            return None
+        expected = ", ".join(choices)
+        for where, item in items:
+            if item not in choices:
+                self.report(where, f"{item!r} is not a valid {noun} (expected one of: {expected})")
+        return tuple(dict.fromkeys(item for _, item in items if item in choices))
 
     def boolean(self, tbl: Table, path: KeyPath, key: str) -> bool | None:
         if key not in tbl:

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from direct_frontend.engines.neutral import EngineRole
+from direct_frontend.fleet.bus import nats_auth_summary, shown_url
 from direct_frontend.fleet.pools import watch_seconds
 from direct_frontend.fleet.schema import (
     EFFORTS,
@@ -186,15 +187,10 @@ def to_jsonable(cfg: FleetConfig, *, redact: bool = True) -> dict[str, JsonValue
                 "service_name": tracing.service_name,
                 "sample_ratio": tracing.sample_ratio,
             },
-            "replicas": {
-                "nats": _optional(shown, replicas.nats),
-                "cluster": replicas.cluster,
-                "publish_interval_s": replicas.publish_interval_s,
-                "peer_timeout_s": replicas.peer_timeout_s,
-                "snapshot_timeout_s": replicas.snapshot_timeout_s,
-            },
+            "replicas": _replicas_json(replicas, redact),
             "kubernetes": _plain(frontend.kubernetes),
             "responses": _plain(frontend.responses),
+            "access_log": _plain(frontend.access_log),
         },
         "models": models,
         "engines": engines,
@@ -216,6 +212,16 @@ def _plain(table: Any) -> JsonValue:
     for field in dataclasses.fields(table):
         value = getattr(table, field.name)
         out[field.name] = value.value if isinstance(value, enum.Enum) else value
+    return out
+
+
+def _replicas_json(replicas: ReplicasConfig, redact: bool) -> JsonValue:
+    """``[frontend.replicas]``: its secrets are never inline (variables and files are named),
+    but a ``user:password@`` in the URL is."""
+    out: dict[str, JsonValue] = {"nats": replicas.nats if not redact
+                                 else shown_url(replicas.nats)}
+    for field in dataclasses.fields(replicas):
+        out.setdefault(field.name, getattr(replicas, field.name))
     return out
 
 
@@ -345,6 +351,8 @@ def _frontend_rows(frontend: FrontendConfig) -> list[tuple[str, str]]:
         ("replicas", _replicas_row(frontend.replicas)),
         ("kubernetes", _kubernetes_row(frontend.kubernetes)),
         ("responses", _responses_row(frontend.responses)),
+        ("access_log", (" ".join(frontend.access_log.fields) if frontend.access_log.enabled
+                        else "off")),
     ]
 
 
@@ -457,7 +465,8 @@ def _owners_row(auth: AuthConfig) -> str:
 def _replicas_row(replicas: ReplicasConfig) -> str:
     if replicas.nats is None:
         return "alone (shares nothing with other replicas)"
-    return f"share over {redact_url(replicas.nats)} (cluster {replicas.cluster})"
+    return (f"share over {shown_url(replicas.nats)} (cluster {replicas.cluster}; "
+            f"{nats_auth_summary(replicas)})")
 
 
 def _engine_lines(engine: EngineConfig) -> list[str]:

@@ -19,7 +19,7 @@ import dataclasses
 import re
 import tomllib
 from pathlib import Path
-from typing import TypeVar, cast
+from typing import Any, TypeVar, cast
 from urllib.parse import urlsplit
 
 from direct_frontend.engines.neutral import EngineRole
@@ -31,6 +31,7 @@ from direct_frontend.fleet.address import (
     is_loopback,
     split_url,
 )
+from direct_frontend.fleet.bus import REPLICAS_FILES, replicas_problems
 from direct_frontend.fleet.checker import (
     Table,
     default_of,
@@ -54,6 +55,7 @@ from direct_frontend.fleet.schema import (
     Knobs,
     KnobValue,
     KvAwareKnobs,
+    ReplicasConfig,
     RoutingConfig,
     SimulatorConfig,
     implicit_model,
@@ -231,7 +233,16 @@ class _Checker(PoolTables, ModelTables, AuthTables):
         }
         frontend = FrontendConfig(**self.fields(FrontendConfig, tbl, path, by_hand))
         self.check_tracing(frontend.tracing.otlp_endpoint, (*path, "tracing", "otlp_endpoint"))
-        return frontend
+        return dataclasses.replace(
+            frontend, replicas=self.replicas(frontend.replicas, source, (*path, "replicas")))
+
+    def replicas(self, replicas: ReplicasConfig, source: Path, path: KeyPath) -> ReplicasConfig:
+        """``[frontend.replicas]``'s rules between keys; its files resolved against the fleet's."""
+        for key, message in replicas_problems(replicas):
+            self.report((*path, key), message)
+        files: dict[str, Any] = {key: str(source.parent / value) for key in REPLICAS_FILES
+                                 if (value := getattr(replicas, key)) is not None}
+        return dataclasses.replace(replicas, **files)
 
     def workers(self, tbl: Table, path: KeyPath) -> int:
         """``workers``: a count of at least 1, or ``"auto"`` (read as 0: one per core)."""

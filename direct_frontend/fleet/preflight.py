@@ -164,8 +164,9 @@ def exposure_warnings(fleet: FleetConfig) -> list[FleetProblem]:
     ``check``: one line naming whichever is open.
     """
     frontend = fleet.frontend
+    warnings = _replicas_warnings(fleet)
     if is_loopback(frontend.listen_host):
-        return []
+        return warnings
     admin_open = frontend.admin.enabled and not frontend.admin.token
     if admin_open:
         message = (
@@ -182,5 +183,18 @@ def exposure_warnings(fleet: FleetConfig) -> list[FleetProblem]:
             " api_keys_env or api_keys_file"
         )
     else:
+        return warnings
+    where = _Where(fleet.source)
+    return [where.problem(("frontend", "listen"), "frontend.listen", message), *warnings]
+
+
+def _replicas_warnings(fleet: FleetConfig) -> list[FleetProblem]:
+    """``insecure = true``: the replicas would share over a NATS server anyone may use."""
+    replicas = fleet.frontend.replicas
+    if replicas.nats is None or not replicas.insecure:
         return []
-    return [_Where(fleet.source).problem(("frontend", "listen"), "frontend.listen", message)]
+    message = ("the replicas accept a NATS server that lets any client in: whoever reaches "
+               "it can read and delete stored responses and steer routing (require "
+               "authentication on the server, give credentials, and drop insecure)")
+    path: KeyPath = ("frontend", "replicas", "insecure")
+    return [_Where(fleet.source).problem(path, field_name(path), message)]

@@ -238,6 +238,30 @@ class AuthConfig:
     tenant_header: str | None = None  # e.g. "x-tenant-id"
 
 
+#: what an access-log line can carry
+AccessField = Literal["method", "path", "status", "duration_ms", "request_id", "model",
+                      "client", "user_agent"]
+ACCESS_FIELDS: tuple[AccessField, ...] = typing.get_args(AccessField)
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class AccessLogConfig:
+    """``[frontend.access_log]``: one INFO line per request (logger ``direct_frontend.access``).
+
+    ``fields`` are its ``key=value`` pairs (JSON keys with ``--log-json``), in
+    that order (every line of ours carries ``request_id`` anyway); ``enabled =
+    false`` turns it off. Probes (``/health``,
+    ``/ready``) and scrapes (``/metrics``) are left out unless
+    ``include_probes``: they would drown the requests.
+    """
+
+    enabled: bool = True
+    fields: tuple[AccessField, ...] = setting(
+        ("method", "path", "status", "duration_ms", "request_id", "model", "client"),
+        Rules(noun="field"))
+    include_probes: bool = False
+
+
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class TracingConfig:
     """``[frontend.tracing]``: OpenTelemetry spans of each request, sent over OTLP/HTTP.
@@ -259,19 +283,64 @@ class ReplicasConfig:
     With ``nats`` unset (the default) a daemon shares nothing with its
     siblings. With it, each replica tells the others over that NATS server
     what only it knows (its in-flight load per engine, its approximate-mode
-    placements, the transport faults it saw) and a replica that starts late
-    asks a sibling for its KV index. ``cluster`` names the subjects, so
-    unrelated fleets can share one NATS server. Built at start.
+    placements, the transport faults it saw), a replica that starts late
+    asks a sibling for its KV index, and a replica answers for the stored
+    responses it holds. Built at start.
+
+    Who may speak: every client the NATS server lets in on ``cluster``'s
+    subjects is a sibling, and its word steers routing and reaches stored
+    responses. So the server must authenticate its clients: a replica
+    refuses to start against one that lets anyone in (its ``INFO`` has no
+    ``auth_required``) unless ``insecure = true``, which starts it with a
+    warning. A client that may connect but must not speak for the fleet is
+    kept off ``<cluster>.>`` by the server's permissions; nothing is signed
+    on top, as a shared signing key would sit beside the credentials
+    anyway. The credentials: ``user`` with ``password_env`` or
+    ``password_file``, or ``token_env`` or ``token_file``, or
+    ``nkey_seed_file``, or ``creds_file`` (a JWT and seed); a ``user:password@``
+    in ``nats`` works too and is shown redacted. Secrets come from the
+    environment or a file, never the fleet file itself. ``tls = true`` (or a
+    ``tls://`` URL) refuses a server that does not require TLS; ``tls_ca``
+    verifies the server, ``tls_cert`` and ``tls_key`` are this client's.
+
+    ``cluster`` names the subjects (``<cluster>.load`` ...): two fleets on one
+    server must differ in it, or each hears the other's load and faults.
+    It is not derived from the fleet (its engines change with reloads, its
+    path differs between hosts): the default is one fixed name, so replicas
+    of one fleet agree without being told, and a second fleet names its own.
+    ``run --workers N`` on its own ``nats-server`` uses a namespace of its own.
+    Relative file paths start at the fleet file's directory.
     """
 
-    nats: str | None = None  # e.g. nats://127.0.0.1:4222
+    # e.g. nats://127.0.0.1:4222 or tls://nats.internal:4222; kept out of repr, as a
+    # user:password@ in it is a secret (fleet/bus.py ``shown_url`` is its printable form)
+    nats: str | None = dataclasses.field(default=None, repr=False)
     cluster: str = "direct-frontend"
+    user: str | None = None
+    password_env: str | None = None  # the environment variable holding user's password
+    password_file: str | None = None  # a file holding it (its first line)
+    token_env: str | None = None
+    token_file: str | None = None
+    nkey_seed_file: str | None = None
+    creds_file: str | None = None
+    tls: bool = False  # require TLS (implied by a tls:// URL)
+    tls_ca: str | None = None  # CA bundle verifying the server (absent: the system's)
+    tls_cert: str | None = None  # this client's certificate, with tls_key
+    tls_key: str | None = None
+    # accept a NATS server that lets any client in (a warning at start)
+    insecure: bool = False
     # how often changed load is sent (a peer's view lags by about this much)
     publish_interval_s: float = setting(0.02, POSITIVE)
     # a peer silent this long is forgotten (its load no longer counts)
     peer_timeout_s: float = setting(3.0, POSITIVE)
     # how long a late replica waits for a sibling's KV index snapshot at start
     snapshot_timeout_s: float = setting(2.0, NON_NEGATIVE)
+
+    @property
+    def wants_tls(self) -> bool:
+        """TLS is required: ``tls = true``, a ``tls://`` URL, or a client certificate."""
+        return (self.tls or self.tls_cert is not None
+                or (self.nats is not None and self.nats.startswith("tls://")))
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -356,6 +425,7 @@ class FrontendConfig:
     faults: FaultsConfig = FaultsConfig()
     limits: LimitsConfig = LimitsConfig()
     tracing: TracingConfig = TracingConfig()
+    access_log: AccessLogConfig = AccessLogConfig()
     replicas: ReplicasConfig = ReplicasConfig()
     kubernetes: KubernetesConfig = KubernetesConfig()
     responses: ResponsesConfig = ResponsesConfig()

@@ -21,6 +21,8 @@ import msgspec
 import trio
 
 from direct_frontend.fleet.schema import FrontendConfig
+from direct_frontend.http import access_log
+from direct_frontend.http.access_log import MODEL_KEY
 from direct_frontend.http.admin import credential_ok, events_socket, unauthorized
 from direct_frontend.http.asgi import (
     JSON,
@@ -39,7 +41,7 @@ from direct_frontend.http.asgi import (
 from direct_frontend.http.background import BackgroundResponses, follow, follow_cursor
 from direct_frontend.http.control_view import ControlView
 from direct_frontend.http.embeddings import respond_embeddings
-from direct_frontend.http.identity import owner_of
+from direct_frontend.http.identity import client_request_id, owner_of
 from direct_frontend.http.messages_api import respond_messages
 from direct_frontend.http.query import query_int
 from direct_frontend.http.render import (
@@ -205,7 +207,12 @@ class App:
         if methods is not None and path.startswith("/fleet") and not admin_enabled:
             methods = None  # admin disabled: the routes do not exist
         handler = methods.get(method) if methods else None
-        request_id = new_request_id()  # here, so every answer names it, a refusal's too
+        # here, so every answer names it, a refusal's too; a client's own id is answered back
+        # and leads ours, which stays unique (the engines' request ids are made from it)
+        client_id = client_request_id(scope)
+        request_id = new_request_id() if client_id is None else f"{client_id}.{new_request_id()}"
+        shown_id = (client_id or request_id).encode()
+        access = settings.frontend.access_log
         if handler is None:
             refusal: OpenAIHTTPError | None = (
                 method_not_allowed(method, path, tuple(methods))
@@ -216,28 +223,32 @@ class App:
             refusal = _denied(settings.frontend, scope)
         if handler is None or refusal is not None:
             assert refusal is not None
-            await send_error(send, refusal, [(b"x-request-id", request_id.encode())])
+            await send_error(send, refusal, [(b"x-request-id", shown_id)])
             self.metrics.request_started()
             self.metrics.request_finished(route, refusal.status, 0.0)
+            if access_log.wanted(access, path):
+                access_log.write(access, scope, refusal.status, time.perf_counter() - started,
+                                 request_id)
             return
         status = 500
         in_flight = path != "/metrics"  # a scrape must not count itself in flight
         if in_flight:
             self.metrics.request_started()
         token = current_request_id.set(request_id)
-        progress = ResponseProgress(send)
+        progress = ResponseProgress(send, shown_id, replace=client_id is not None)
         receive, send = progress.receiving(receive), progress.send
         try:
             status = await handler(settings, scope, receive, send)
         except Exception:  # a bug: answered and logged here, once, never an empty 500
             log.exception("unexpected error serving %s %s", method, path)
             status = 500
-            await progress.fail([(b"x-request-id", request_id.encode())])
+            await progress.fail([(b"x-request-id", shown_id)])
         finally:
+            elapsed = time.perf_counter() - started
+            self.metrics.request_finished(route, status, elapsed, was_in_flight=in_flight)
+            if access_log.wanted(access, path):
+                access_log.write(access, scope, status, elapsed, request_id)
             current_request_id.reset(token)
-            self.metrics.request_finished(
-                route, status, time.perf_counter() - started, was_in_flight=in_flight
-            )
 
     # -- admin -------------------------------------------------------------------------
 
@@ -547,6 +558,7 @@ class App:
             current_request_id.reset(token)
             if found:
                 found[0].series.request(status)
+                scope[MODEL_KEY] = found[0].name  # the access log's
             if trace is not None:
                 trace.end(status)
 

@@ -48,16 +48,27 @@ class ResponseProgress:
     hypercorn sends *during* our last ``send`` from the app (:meth:`receiving`).
     """
 
-    __slots__ = ("_send", "finished", "started")
+    __slots__ = ("_send", "finished", "replace", "request_id", "started")
 
-    def __init__(self, send: Send) -> None:
+    def __init__(self, send: Send, request_id: bytes, *, replace: bool = False) -> None:
         self._send = send
+        #: the ``x-request-id`` every answer carries: ours, or (``replace``) the client's own,
+        #: which takes the place of ours wherever a handler wrote that
+        self.request_id = request_id
+        self.replace = replace
         self.started = False
         self.finished = False
 
     async def send(self, message: Message) -> None:
         if message["type"] == "http.response.start":
             self.started = True
+            headers = list(message.get("headers", ()))
+            named = [i for i, (name, _) in enumerate(headers) if name == b"x-request-id"]
+            if not named or self.replace:
+                for i in reversed(named):
+                    del headers[i]
+                headers.append((b"x-request-id", self.request_id))
+                message = {**message, "headers": headers}
         elif message["type"] == "http.response.body" and not message.get("more_body", False):
             self.finished = True
         await self._send(message)

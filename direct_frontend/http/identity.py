@@ -1,4 +1,5 @@
-"""Who a request is: the owner of what it stores, from its credential (sans-IO).
+"""Who a request is: the owner of what it stores, from its credential, and the id a client
+gave it (sans-IO).
 
 An owner is the identity of the API key the request carried, a hash under
 a fixed key (blake2b, 128 bits): the same on every worker, replica and
@@ -14,6 +15,7 @@ one key reach another key's objects.
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Iterable
 from typing import Final
 
@@ -26,6 +28,9 @@ from direct_frontend.openai.response_store import ANONYMOUS
 _OWNER_KEY: Final = b"direct-frontend/owner/1"
 #: a tenant header's value beyond this many bytes is cut (it names a tenant, not a payload)
 MAX_TENANT_BYTES: Final = 256
+#: a client's ``x-request-id`` is kept if it is this: short, and nothing a log line or a
+#: header could be broken by (a UUID, a trace id, a gateway's id all are)
+CLIENT_REQUEST_ID: Final = re.compile(rb"[A-Za-z0-9._:+=/@-]{1,128}")
 
 
 def key_identity(credential: str) -> str:
@@ -53,3 +58,9 @@ def _header(headers: Iterable[tuple[bytes, bytes]], name: bytes) -> bytes:
         if key.lower() == name:
             return value.strip()
     return b""
+
+
+def client_request_id(scope: Scope) -> str | None:
+    """The client's own ``x-request-id``, if it sent a well-formed one."""
+    value = _header(scope["headers"], b"x-request-id")
+    return value.decode() if value and CLIENT_REQUEST_ID.fullmatch(value) else None

@@ -101,10 +101,29 @@ class _OurHandler(logging.StreamHandler[TextIO]):
     """Marks the handler :func:`configure_logging` installed, so a second call replaces it."""
 
 
-def configure_logging(json: bool, level: str = "INFO", *, stream: TextIO | None = None) -> None:
+#: libraries whose DEBUG lines say nothing an operator acts on, in dozens per request
+QUIET_BELOW_INFO: Final = ("hpack", "h2")
+
+
+class _Stamp(logging.Filter):
+    """Puts one field on every record a handler writes (a worker's index: ``worker=1``)."""
+
+    def __init__(self, name: str, value: object) -> None:
+        super().__init__()
+        self.field, self.value = name, value
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        setattr(record, self.field, self.value)
+        return True
+
+
+def configure_logging(json: bool, level: str = "INFO", *, stream: TextIO | None = None,
+                      worker: int | None = None) -> None:
     """Install our handler on the root logger (stderr unless ``stream`` is given).
 
     Handlers others installed (pytest's capture, for one) are left alone.
+    ``worker``: this process is that worker of ``run --workers``; every line
+    says so (``worker=N``), since N processes write to one stream.
     """
     numeric = logging.getLevelName(level.upper())
     if not isinstance(numeric, int):
@@ -114,8 +133,13 @@ def configure_logging(json: bool, level: str = "INFO", *, stream: TextIO | None 
         root.removeHandler(old)
     handler = _OurHandler(stream if stream is not None else sys.stderr)
     handler.setFormatter(JsonFormatter() if json else TextFormatter())
+    if worker is not None:
+        handler.addFilter(_Stamp("worker", worker))
     root.addHandler(handler)
     root.setLevel(numeric)
+    for chatty in QUIET_BELOW_INFO:  # a line per header of every gRPC frame, even at DEBUG
+        logging.getLogger(chatty).setLevel(max(numeric, logging.INFO))
+    logging.captureWarnings(True)  # a library's warning is a log line too, in the same format
 
 
 def new_request_id() -> str:

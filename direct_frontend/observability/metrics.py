@@ -22,13 +22,17 @@ from prometheus_client import (
     CollectorRegistry,
     Counter,
     Gauge,
+    GCCollector,
     Histogram,
+    PlatformCollector,
+    ProcessCollector,
     disable_created_metrics,
     generate_latest,
 )
 from prometheus_client.metrics_core import GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from direct_frontend import __version__
 from direct_frontend.errors import ErrorKind
 from direct_frontend.observability import descriptors
 from direct_frontend.observability.shims import ShimStatus, shims_active
@@ -45,6 +49,9 @@ TTFT_BUCKETS: Final = (
 )  # fmt: skip
 #: Whole requests: as above, plus long generations of several minutes.
 REQUEST_BUCKETS: Final = (*TTFT_BUCKETS, 120.0, 300.0, 600.0)
+#: Waits in the admission queue: none at all (most), to its timeout (10 s by default).
+QUEUE_BUCKETS: Final = (0.0, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                        10.0, 30.0, 60.0)
 #: Per-token decode latency: dense around the usual 5-100 ms.
 INTER_TOKEN_BUCKETS: Final = (
     0.0005, 0.001, 0.002, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05,
@@ -125,9 +132,26 @@ class Metrics:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         p = PREFIX
+        # the process's own: CPU, memory, descriptors, GC; Python's version (the standard names)
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
+        GCCollector(registry=r)
+        build = Gauge(p + "build_info", "Always 1: the running build, in its labels.",
+                      ("version",), registry=r)
+        build.labels(__version__).set(1)
         self.requests_total = Counter(
-            p + "requests_total", "HTTP requests by endpoint and status.",
-            ("endpoint", "status"), registry=r,
+            p + "requests_total", "HTTP requests by endpoint and status code.",
+            ("endpoint", "code"), registry=r,
+        )  # fmt: skip
+        self.admission_queue_depth = Gauge(
+            p + "admission_queue_depth",
+            "Requests waiting in a model's admission queue (an autoscaling signal).",
+            ("model",), registry=r,
+        )  # fmt: skip
+        self.admission_wait_seconds = Histogram(
+            p + "admission_wait_seconds",
+            "Time a request waited for an admission slot, by model (0: admitted at once).",
+            ("model",), buckets=QUEUE_BUCKETS, registry=r,
         )  # fmt: skip
         self.request_duration_seconds = Histogram(
             p + "request_duration_seconds", "Time from request start to the last byte sent.",
@@ -254,7 +278,7 @@ class Metrics:
         self.max_fds.set_function(descriptors.soft_limit)
         self.model_requests_total = Counter(
             p + "model_requests_total", "Generation requests by the model they asked for.",
-            ("model", "status"), registry=r,
+            ("model", "code"), registry=r,
         )  # fmt: skip
         self.model_time_to_first_token_seconds = Histogram(
             p + "model_time_to_first_token_seconds", "Time to the first token, by model.",
@@ -391,7 +415,8 @@ class Metrics:
             return
         for metric in (self.model_time_to_first_token_seconds, self.model_prompt_tokens_total,
                        self.model_completion_tokens_total, self.model_cached_tokens_total,
-                       self.model_engines_serving):
+                       self.model_engines_serving, self.admission_queue_depth,
+                       self.admission_wait_seconds):
             metric.remove(model)
         for status in series.statuses:
             self.model_requests_total.remove(model, str(status))
@@ -466,10 +491,12 @@ class ModelSeries:
         "_by_status",
         "_cached",
         "_completion",
+        "_depth",
         "_prompt",
         "_requests",
         "_serving",
         "_ttft",
+        "_wait",
         "model",
         "statuses",
     )
@@ -482,6 +509,8 @@ class ModelSeries:
         self._completion = metrics.model_completion_tokens_total.labels(model)
         self._cached = metrics.model_cached_tokens_total.labels(model)
         self._serving = metrics.model_engines_serving.labels(model)
+        self._depth = metrics.admission_queue_depth.labels(model)
+        self._wait = metrics.admission_wait_seconds.labels(model)
         self.statuses: set[int] = set()
         self._by_status: dict[int, Counter] = {}  # the children, looked up once per status
 
@@ -494,6 +523,13 @@ class ModelSeries:
 
     def first_token(self, seconds: float) -> None:
         self._ttft.observe(seconds)
+
+    def admission_wait(self, seconds: float) -> None:
+        """A request of this model was admitted after waiting ``seconds`` for a slot."""
+        self._wait.observe(seconds)
+
+    def queue_depth(self, waiting: int) -> None:
+        self._depth.set(waiting)
 
     def usage(self, prompt: int, completion: int, cached: int) -> None:
         if prompt:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import trio
 
@@ -45,8 +45,13 @@ def saturated(rejected: Rejected) -> OpenAIHTTPError:
 
 
 class Admission:
-    def __init__(self, config: AdmissionConfig) -> None:
+    """The cap and its queue; ``observe_wait`` hears how long each admitted request waited
+    (the queue-wait histogram)."""
+
+    def __init__(self, config: AdmissionConfig,
+                 observe_wait: Callable[[float], None] | None = None) -> None:
         self.config = config
+        self.observe_wait = observe_wait
         self._slots = trio.Semaphore(config.max_in_flight)
         self._gathering = trio.Lock()  # held by the one request gathering several slots
         #: background work's share of the slots (:meth:`background_slot`)
@@ -101,6 +106,7 @@ class Admission:
             queued = False
         except trio.WouldBlock:
             queued = True
+        observe, waited_from = self.observe_wait, trio.current_time()
         if queued:
             if self.waiting >= self.config.max_queue:
                 self.rejected += 1
@@ -114,6 +120,8 @@ class Admission:
             if wait.cancelled_caught:
                 self.rejected += 1
                 raise Rejected("timed out waiting for a free slot")
+        if observe is not None:
+            observe(trio.current_time() - waited_from)
         try:
             yield
         finally:

@@ -319,7 +319,8 @@ class ModelBuilder:
         scoped = model_frontend(frontend, config)
         key = text_model_key(config)
         if before is None:
-            settings = Settings.first(scoped, self.make_policy(config.routing, True))
+            settings = Settings.first(scoped, self.make_policy(config.routing, True),
+                                      self.metrics.model_series(config.name).admission_wait)
         else:
             routing_changed = config.routing != before.config.routing
             settings = before.settings.reloaded(
@@ -340,6 +341,11 @@ class ModelBuilder:
                           self.metrics.model_series(config.name), parsers)
             tokenizing = Tokenizing(text_model, lambda: fleet.catalog, self.limiter)
         return ServedModel(config, settings, relay, tokenizing, key)
+
+
+def queue_depths(table: ModelTable) -> dict[str, int]:
+    """Requests waiting in each model's admission queue (by name), for the gauge."""
+    return {model.name: model.settings.admission.waiting for model in table.models}
 
 
 def serving_counts(table: ModelTable) -> dict[str, int]:

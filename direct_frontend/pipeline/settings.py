@@ -10,6 +10,7 @@ come from the same reload.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 from direct_frontend.fleet.schema import FrontendConfig
 from direct_frontend.pipeline.admission import Admission, admission_config
@@ -28,12 +29,14 @@ class Settings:
     policy: Policy
 
     @classmethod
-    def first(cls, frontend: FrontendConfig, policy: Policy) -> Settings:
-        """The snapshot the daemon starts with."""
+    def first(cls, frontend: FrontendConfig, policy: Policy,
+              observe_wait: Callable[[float], None] | None = None) -> Settings:
+        """The snapshot the daemon starts with; ``observe_wait`` hears each admitted
+        request's wait for a slot."""
         return cls(
             frontend,
             FailoverConfig.from_fleet(frontend.faults),
-            Admission(admission_config(frontend.limits)),
+            Admission(admission_config(frontend.limits), observe_wait),
             policy,
         )
 
@@ -47,7 +50,7 @@ class Settings:
         """
         admission = (
             self.admission if frontend.limits == self.frontend.limits
-            else Admission(admission_config(frontend.limits))
+            else Admission(admission_config(frontend.limits), self.admission.observe_wait)
         )
         return Settings(
             frontend,

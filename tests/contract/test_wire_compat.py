@@ -7,11 +7,11 @@ is reproducible, every descriptor matches field for field, and every message
 we use round-trips byte for byte in both directions.
 
 Why a subprocess: both module sets register the same file names in protobuf's
-default descriptor pool, so in one process ``protos.X_pb2.GenerateRequest`` *is*
+default descriptor pool, so in one process ``direct_frontend.protos.X_pb2.GenerateRequest`` *is*
 ``smg_grpc_proto.generated.X_pb2.GenerateRequest`` (same class object) and any
 comparison would be vacuous. The package's modules are therefore imported only
-in a child process (this file run as a script) that never imports ``protos``.
-Module-level imports here are kept free of ``protos`` for the same reason.
+in a child process (this file run as a script) that never imports ``direct_frontend.protos``.
+Module-level imports here are kept free of it for the same reason.
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ from google.protobuf import descriptor_pb2
 from google.protobuf.json_format import MessageToDict
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-PROTOS = ROOT / "protos"
+PROTOS = ROOT / "protos"  # the pinned contract: contract.toml and the vendored src/
+GENERATED = ROOT / "direct_frontend" / "protos"  # the modules generated from it
 CONTRACT = tomllib.loads((PROTOS / "contract.toml").read_text())
 
 # Short key -> generated module stem (same in protos/ and smg_grpc_proto.generated).
@@ -987,7 +988,7 @@ def _package_side(job: dict[str, Any]) -> dict[str, Any]:
     modules = {
         k: importlib.import_module(f"smg_grpc_proto.generated.{m}") for k, m in MODULES.items()
     }
-    assert not any(name == "protos" or name.startswith("protos.") for name in sys.modules), (
+    assert not any(name.startswith("direct_frontend.protos") for name in sys.modules), (
         "our modules leaked into the package-side process"
     )
     results: dict[str, Any] = {}
@@ -1023,7 +1024,7 @@ def _package_dir() -> pathlib.Path:
 
 @pytest.fixture(scope="module")
 def ours() -> dict[str, ModuleType]:
-    return {k: importlib.import_module(f"protos.{m}") for k, m in MODULES.items()}
+    return {k: importlib.import_module(f"direct_frontend.protos.{m}") for k, m in MODULES.items()}
 
 
 @pytest.fixture(scope="module")
@@ -1063,7 +1064,7 @@ def test_the_two_sides_are_really_different_modules(
 ) -> None:
     package_dir = _package_dir().resolve()
     for key, module in ours.items():
-        assert pathlib.Path(module.__file__ or "").resolve().parent == PROTOS.resolve()
+        assert pathlib.Path(module.__file__ or "").resolve().parent == GENERATED.resolve()
         assert pathlib.Path(package_side["files"][key]).resolve().is_relative_to(package_dir)
 
 
@@ -1157,14 +1158,14 @@ def test_vendored_sources_match_checksums_and_package() -> None:
 
 def test_generated_code_is_reproducible() -> None:
     if importlib.util.find_spec("grpc_tools") is None:
-        pytest.skip("grpcio-tools is not installed (dev extra): cannot regenerate protos/")
+        pytest.skip("grpcio-tools is not installed (dev extra): cannot regenerate the modules")
     proc = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "gen_protos.py"), "--check"],
         capture_output=True,
         text=True,
         timeout=120,
     )
-    assert proc.returncode == 0, f"protos/ differs from a fresh generation:\n{proc.stderr}"
+    assert proc.returncode == 0, f"the contract differs from a fresh generation:\n{proc.stderr}"
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--package-side"]:

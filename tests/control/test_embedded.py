@@ -10,8 +10,8 @@ from grpclib.client import Channel
 
 from direct_frontend.control.embedded import start_embedded_simulator, stop_embedded_simulator
 from direct_frontend.fleet import parse_fleet
-from protos import vllm_engine_pb2
-from protos.vllm_engine_grpc import VllmEngineStub
+from direct_frontend.protos import vllm_engine_pb2
+from direct_frontend.protos.vllm_engine_grpc import VllmEngineStub
 from tests.support.daemon import fleet_text, sim_engine
 from tests.support.sim import run_trio
 

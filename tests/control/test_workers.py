@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from pathlib import Path
 
 import pytest
 
+from direct_frontend.control.private_nats import log_line
 from direct_frontend.control.workers import (
     WorkerRole,
     reserve_port,
@@ -33,10 +35,30 @@ def test_auto_is_one_worker_per_core() -> None:
 
 
 def test_the_parents_nats_only_when_the_file_names_none() -> None:
-    role = WorkerRole(0, 2, "127.0.0.1", 1, "nats://127.0.0.1:9", Path("/tmp/w"))
-    assert worker_replicas(ReplicasConfig(), role).nats == "nats://127.0.0.1:9"
+    role = WorkerRole(0, 2, "127.0.0.1", 1, "nats://127.0.0.1:9", Path("/tmp/w"),
+                      cluster="direct-frontend.workers-0a1b")
+    assert WorkerRole.from_env(role.env()) == role
+    private = worker_replicas(ReplicasConfig(peer_timeout_s=7.0), role)
+    assert private.nats == "nats://127.0.0.1:9" and private.peer_timeout_s == 7.0
+    # the parent's token (a file in its private directory), its namespace, no open server
+    assert private.token_file == "/tmp/w/nats-token" and not private.insecure
+    assert private.cluster == "direct-frontend.workers-0a1b"
     own = ReplicasConfig(nats="nats://elsewhere:4222")
     assert worker_replicas(own, role) is own
+
+
+def test_nats_server_lines_become_records_at_their_level(
+        caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.DEBUG, "direct_frontend.nats"):
+        log_line(b"[42] 2026/12/04 23:41:48.822 [ERR] 127.0.0.1:5 - cid:10 - auth error\r")
+        log_line(b"[42] 2026/12/04 23:41:48.822 [WRN] slow consumer")
+        log_line(b"not in its format")
+        log_line(b"")
+    assert [(r.name, r.levelno, r.getMessage()) for r in caplog.records] == [
+        ("direct_frontend.nats", logging.ERROR, "nats-server: 127.0.0.1:5 - cid:10 - auth error"),
+        ("direct_frontend.nats", logging.WARNING, "nats-server: slow consumer"),
+        ("direct_frontend.nats", logging.INFO, "nats-server: not in its format"),
+    ]
 
 
 def test_workers_in_the_fleet_file() -> None:

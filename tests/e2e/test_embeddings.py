@@ -156,8 +156,8 @@ def test_the_fleet_view_and_metrics_say_what_each_engine_serves(daemon: Daemon) 
     models = {m["id"] for m in httpx.get(daemon.url + "/v1/models").json()["data"]}
     assert models == {"demo", "embed"}
     metrics = httpx.get(daemon.url + "/metrics").text
-    assert 'endpoint="/v1/embeddings",status="200"' in metrics
-    assert 'direct_frontend_model_requests_total{model="embed",status="200"}' in metrics
+    assert 'code="200",endpoint="/v1/embeddings"' in metrics
+    assert 'direct_frontend_model_requests_total{code="200",model="embed"}' in metrics
 
 
 def test_a_batch_runs_no_more_inputs_at_once_than_its_slots(

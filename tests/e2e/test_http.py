@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -221,3 +222,48 @@ def test_no_serving_engine_gives_503(model_dir: Path, tmp_path: Path) -> None:
         assert r.status_code == 503
         assert "retry-after" in r.headers
         assert httpx.get(d.url + "/ready").status_code == 503
+
+
+def test_a_clients_request_id_is_answered_back_and_a_malformed_one_replaced(
+    daemon: Daemon,
+) -> None:
+    body = {"model": "demo", "messages": CHAT, "max_tokens": 4}
+    for stream in (False, True):
+        answers = [httpx.post(daemon.url + "/v1/chat/completions",
+                              json={**body, "stream": stream},
+                              headers={"x-request-id": "trace-7f3a.9c2e"}) for _ in range(2)]
+        assert all(a.status_code == 200 for a in answers)  # one id twice: both served
+        assert [a.headers["x-request-id"] for a in answers] == ["trace-7f3a.9c2e"] * 2
+    for bad in ("has space", "x" * 129, "quote\""):
+        answer = httpx.post(daemon.url + "/v1/chat/completions", json=body,
+                            headers={"x-request-id": bad})
+        assert answer.status_code == 200 and len(answer.headers["x-request-id"]) == 16
+    missing = httpx.get(daemon.url + "/nowhere", headers={"x-request-id": "trace-404"})
+    assert missing.status_code == 404 and missing.headers["x-request-id"] == "trace-404"
+
+
+def test_one_access_log_line_per_request_and_none_for_probes(
+    daemon: Daemon, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="direct_frontend.access")
+    answer = httpx.post(daemon.url + "/v1/chat/completions", headers={"x-request-id": "t-1"},
+                        json={"model": "demo", "messages": CHAT, "max_tokens": 2})
+    httpx.get(daemon.url + "/health")
+    httpx.get(daemon.url + "/nowhere")
+    def lines() -> list[logging.LogRecord]:  # each is written once its answer is sent
+        return [r for r in caplog.records if r.name == "direct_frontend.access"]
+
+    wait_for(lambda: len(lines()) >= 2, what="the access-log lines")
+    assert [r.getMessage() for r in lines()] == ["POST /v1/chat/completions 200",
+                                                 "GET /nowhere 404"]
+    first = lines()[0].__dict__
+    assert first["method"] == "POST" and first["status"] == 200 and first["model"] == "demo"
+    assert first["request_id"].startswith("t-1.") and first["duration_ms"] > 0
+    assert first["client"].startswith("127.0.0.1:") and answer.headers["x-request-id"] == "t-1"
+
+
+def test_every_answer_carries_a_request_id(daemon: Daemon) -> None:
+    for path in ("/health", "/ready", "/metrics", "/v1/models", "/fleet"):
+        answer = httpx.get(daemon.url + path)
+        assert answer.status_code == 200 and len(answer.headers["x-request-id"]) == 16, path
+        assert answer.headers.get_list("x-request-id") == [answer.headers["x-request-id"]]

@@ -142,4 +142,4 @@ def test_per_adapter_metrics(daemon: Daemon, client: openai.OpenAI) -> None:
     client.completions.create(model="chat-sql", prompt="x", max_tokens=1)
     with urllib.request.urlopen(daemon.url + "/metrics", timeout=10) as response:
         metrics = response.read().decode()
-    assert 'direct_frontend_model_requests_total{model="chat-sql",status="200"}' in metrics
+    assert 'direct_frontend_model_requests_total{code="200",model="chat-sql"}' in metrics

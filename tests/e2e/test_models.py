@@ -139,8 +139,8 @@ def test_each_model_is_retrieved_by_its_id_as_it_is_listed(
     reply = httpx.post(daemon.url + "/v1/models/chat", json={})
     assert reply.status_code == 405 and reply.headers["allow"] == "GET"
     metrics = httpx.get(daemon.url + "/metrics").text
-    assert 'endpoint="/v1/models/{model}",status="200"' in metrics  # one label, not one per id
-    assert 'endpoint="/v1/models/{model}",status="404"' in metrics
+    assert 'code="200",endpoint="/v1/models/{model}"' in metrics  # one label, not one per id
+    assert 'code="404",endpoint="/v1/models/{model}"' in metrics
     assert "/v1/models/chat" not in metrics
 
 
@@ -155,7 +155,7 @@ def test_per_model_metrics_and_fleet_view(daemon: Daemon, client: openai.OpenAI)
     client.completions.create(model="small", prompt="hi", max_tokens=2)
     with urllib.request.urlopen(daemon.url + "/metrics", timeout=10) as response:
         metrics = response.read().decode()
-    assert 'direct_frontend_model_requests_total{model="small",status="200"}' in metrics
+    assert 'direct_frontend_model_requests_total{code="200",model="small"}' in metrics
     assert 'direct_frontend_model_engines_serving{model="coder"} 2.0' in metrics
     assert 'direct_frontend_model_time_to_first_token_seconds_count{model="small"}' in metrics
     status = get_json(daemon.url + "/fleet")

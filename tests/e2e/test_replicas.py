@@ -10,6 +10,9 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import os
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -467,3 +470,24 @@ def test_placements_made_while_nats_is_down_reach_the_sibling_when_it_is_back(
             assert max(known_to_b().values()) == len(hashes)
     finally:
         nats.kill()
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_a_replica_does_not_start_against_a_nats_server_anyone_may_use(
+    model_dir: Path, tmp_path: Path, workers: str
+) -> None:
+    """``run`` exits with one line naming the server and the way out, before serving (with
+    ``--workers``, the parent: not each worker in a restart loop)."""
+    engines = [sim_engine("e0", "sglang", **FAST)]
+    path = tmp_path / "fleet.toml"
+    with running_nats(auth=False) as nats:
+        path.write_text(fleet_for(model_dir, engines, nats.url, embeds=False))
+        env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+        ran = subprocess.run([sys.executable, "-m", "direct_frontend.cli", "run", str(path),
+                              "--workers", workers],
+                             capture_output=True, text=True, timeout=60, env=env)
+    assert ran.returncode == 1, ran.stderr
+    assert (f"direct-frontend: cannot start: replicas: not sharing over NATS at {nats.url}: "
+            "it lets any client in") in ran.stderr
+    assert "set insecure = true in [frontend.replicas]" in ran.stderr
+    assert "Traceback" not in ran.stderr

@@ -178,8 +178,8 @@ def test_a_stored_response_is_retrieved_listed_and_deleted(
     scrape = httpx.get(daemon.url + "/metrics").text
     assert metric_value(scrape, "direct_frontend_responses_stored") >= 2
     assert metric_value(scrape, "direct_frontend_responses_stored_bytes") > 0
-    assert 'endpoint="/v1/responses/{id}",status="200"' in scrape  # not one per id
-    assert 'endpoint="/v1/responses/{id}/input_items",status="200"' in scrape
+    assert 'code="200",endpoint="/v1/responses/{id}"' in scrape  # not one per id
+    assert 'code="200",endpoint="/v1/responses/{id}/input_items"' in scrape
     client.responses.delete(first.id)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(first.id)

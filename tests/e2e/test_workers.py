@@ -7,8 +7,12 @@ worker service reaches them over gRPC like any other replica would.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import re
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -19,7 +23,7 @@ import httpx
 import pytest
 
 from tests.e2e.test_replicas import FAST, SLOW, fleet_for
-from tests.support.daemon import Daemon, free_port, sim_engine, wait_for
+from tests.support.daemon import Daemon, fleet_text, free_port, sim_engine, wait_for
 from tests.support.nats import nats_binary
 
 pytestmark = pytest.mark.skipif(nats_binary() is None, reason="needs nats-server")
@@ -33,16 +37,30 @@ def children(pid: int) -> set[int]:
     return found
 
 
+def cmdline(pid: int) -> list[bytes]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return []
+
+
 def workers_of(parent: int) -> set[int]:
-    found = set()
-    for child in children(parent):
-        try:
-            cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
-        except OSError:
-            continue
-        if b"direct_frontend.cli" in cmdline:
-            found.add(child)
-    return found
+    return {child for child in children(parent) if b"direct_frontend.cli" in cmdline(child)}
+
+
+def nats_of(parent: int) -> set[int]:
+    """The parent's own nats-server (a set: none while it restarts)."""
+    return {child for child in children(parent)
+            if cmdline(child) and cmdline(child)[0].endswith(b"nats-server")}
+
+
+def gone(pid: int) -> bool:
+    """``pid`` has exited (a zombie counts: it runs no more)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return True
+    return state == "Z"
 
 
 def fresh_get(url: str, headers: dict[str, str] | None = None) -> httpx.Response:
@@ -63,6 +81,7 @@ def seen_workers(base: str, tries: int = 60) -> dict[str, dict[str, Any]]:
 @contextlib.contextmanager
 def worker_service(
     tmp_path: Path, model_dir: Path, count: int, timing: dict[str, Any] = FAST,
+    *options: str,
     frontend_extra: str = "",
 ) -> Iterator[tuple[str, Any, Path]]:
     engines = [sim_engine(f"e{i}", "sglang", **timing) for i in range(2)]
@@ -77,7 +96,8 @@ def worker_service(
     log = (tmp_path / "workers.log").open("wb")
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     parent = subprocess.Popen([sys.executable, "-m", "direct_frontend.cli", "run", str(path),
-                               "--log-level", "INFO"], stdout=log, stderr=log, env=env)
+                               "--log-level", "INFO", *options], stdout=log, stderr=log,
+                              env=env)
     base = f"http://127.0.0.1:{port}"
     try:
         daemon.wait_serving(2)
@@ -171,24 +191,71 @@ def test_workers_of_a_parent_killed_hard_stop_by_themselves(
 ) -> None:
     with worker_service(tmp_path, model_dir, 2) as (_base, parent, _path):
         workers = workers_of(parent.pid)
-        others = children(parent.pid) - workers  # its nats-server: left to the service manager
+        (nats,) = nats_of(parent.pid)
+        argv = cmdline(nats)
+        private = Path(argv[argv.index(b"-c") + 1].decode()).parent  # a hard kill leaves it
         parent.kill()
         parent.wait(10)
-
-        def gone(pid: int) -> bool:
-            try:
-                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-            except OSError:
-                return True
-            return state == "Z"
-
         try:
+            # the kernel kills the nats-server with its parent (no one else would)
+            wait_for(lambda: gone(nats), timeout=5, what="the parent's nats-server to die")
             wait_for(lambda: all(gone(pid) for pid in workers), timeout=30,
                      what="the orphaned workers to stop")
         finally:
-            for pid in others:
+            for pid in (nats, *workers):
                 with contextlib.suppress(OSError):
                     os.kill(pid, signal.SIGKILL)
+            shutil.rmtree(private, ignore_errors=True)
+
+
+def _sharing(base: str) -> bool:
+    """Every worker is linked to its sibling."""
+    views = seen_workers(base, 12)
+    return len(views) == 2 and all(
+        v["replicas"]["connected"] and len(v["replicas"]["peers"]) == 1 for v in views.values())
+
+
+def _anonymous_answer(port: int) -> bytes:
+    """What the server says to a client without the token (raw protocol)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        sock.sendall(b'CONNECT {"verbose":false}\r\nSUB > 1\r\nPING\r\n')
+        said = b""
+        while data := sock.recv(4096):  # until the server hangs up
+            said += data
+    return said
+
+
+def test_the_workers_nats_server_is_private_restarted_when_killed_and_logged_as_ours(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    with worker_service(tmp_path, model_dir, 2, FAST, "--log-json") as (base, parent, _path):
+        wait_for(lambda: _sharing(base), timeout=30, what="the workers linked")
+        (nats,) = nats_of(parent.pid)
+        argv = cmdline(nats)
+        config = Path(argv[argv.index(b"-c") + 1].decode())
+        token_file = config.with_name("nats-token")
+        token = token_file.read_text().strip()
+        for private in (config, token_file):
+            assert private.stat().st_mode & 0o077 == 0, private  # its owner's only
+        assert token.encode() not in b" ".join(argv)  # ps shows no secret
+        view = fresh_get(base + "/fleet").json()["replicas"]
+        port = int(view["nats"].rsplit(":", 1)[1])
+        assert view["cluster"].startswith("direct-frontend.workers-")
+        assert b"-ERR 'Authorization Violation'" in _anonymous_answer(port)
+
+        os.kill(nats, signal.SIGKILL)
+        wait_for(lambda: len(nats_of(parent.pid) - {nats}) == 1, timeout=15,
+                 what="a new nats-server")
+        wait_for(lambda: _sharing(base), timeout=30, what="the workers linked again")
+        assert parent.poll() is None
+
+    lines = (tmp_path / "workers.log").read_text().splitlines()
+    assert token not in "\n".join(lines)
+    # nats-server's own lines ("[pid] date time [INF] ...") reach the log only as our records
+    assert not [line for line in lines if re.match(r"\[\d+\] ", line)]
+    said = [record for line in lines if line.startswith("{")
+            if (record := json.loads(line)).get("logger") == "direct_frontend.nats"]
+    assert any("Server is ready" in r["msg"] for r in said), said[:5]
 
 
 def test_a_dying_workers_stream_ends_in_a_closed_connection_and_the_others_serve_on(
@@ -209,3 +276,46 @@ def test_a_dying_workers_stream_ends_in_a_closed_connection_and_the_others_serve
                         pass
         r = httpx.post(base + "/v1/completions", json={**body, "stream": False, "max_tokens": 2})
         assert r.status_code == 200, r.text
+
+
+def test_workers_of_a_fleet_with_simulated_engines_all_serve_and_log_pure_json(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """The first worker embeds the simulated engines, the others reach them (each starting
+    its own on the same port crash-looped all but one); --log-json stays one object a line."""
+    port = free_port()
+    path = tmp_path / "fleet.toml"
+    text = fleet_text(model_dir, [sim_engine("a", **FAST), sim_engine("b", **FAST)])
+    path.write_text(text.replace('listen = "127.0.0.1:0"',
+                                 f'listen = "127.0.0.1:{port}"\nworkers = 2'))
+    log_path = tmp_path / "workers.log"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    with log_path.open("wb") as log:
+        parent = subprocess.Popen([sys.executable, "-m", "direct_frontend.cli", "run",
+                                   str(path), "--log-json"], stdout=log, stderr=log, env=env)
+        base = f"http://127.0.0.1:{port}"
+        try:
+            def both_serving() -> bool:
+                try:
+                    views = seen_workers(base, 12)
+                except httpx.HTTPError:
+                    return False
+                return len(views) == 2 and all(
+                    sum(e["state"] == "serving" for e in v["engines"]) == 2
+                    for v in views.values())
+
+            wait_for(both_serving, timeout=60, what="both workers serving both engines")
+            for _ in range(8):
+                with httpx.Client(timeout=10) as client:
+                    answer = client.post(base + "/v1/completions", headers={
+                        "connection": "close"}, json={"model": "demo", "prompt": "hi",
+                                                      "max_tokens": 2})
+                    assert answer.status_code == 200, answer.text
+            assert len(workers_of(parent.pid)) == 2
+        finally:
+            parent.send_signal(signal.SIGTERM)
+            parent.wait(30)
+    lines = log_path.read_text().splitlines()
+    assert lines and "Address already in use" not in log_path.read_text()
+    entries = [json.loads(line) for line in lines]  # every line is one JSON object
+    assert {entry.get("worker") for entry in entries} >= {0, 1}  # each says which worker

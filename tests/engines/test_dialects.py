@@ -66,8 +66,8 @@ from direct_frontend.engines.neutral import (
 )
 from direct_frontend.errors import EngineError, ErrorKind
 from direct_frontend.openai.errors import from_engine_error
+from direct_frontend.protos import sglang_scheduler_pb2, trtllm_service_pb2, vllm_engine_pb2
 from direct_frontend.simulator import TimingModel
-from protos import sglang_scheduler_pb2, trtllm_service_pb2, vllm_engine_pb2
 from tests.support import sim
 from tests.support.sim import EOS, run, until
 
@@ -85,7 +85,7 @@ from google.protobuf.json_format import MessageToDict
 MODULES = {"sglang": "sglang_scheduler_pb2", "vllm": "vllm_engine_pb2",
            "trtllm": "trtllm_service_pb2"}
 mods = {k: importlib.import_module(f"smg_grpc_proto.generated.{m}") for k, m in MODULES.items()}
-assert not any(n == "protos" or n.startswith("protos.") for n in sys.modules), "protos leaked"
+assert not any(n.startswith("direct_frontend.protos") for n in sys.modules), "protos leaked"
 job = pickle.loads(sys.stdin.buffer.read())
 parsed = {}
 for key, kind, name, data in job["parse"]:

@@ -33,7 +33,7 @@ from direct_frontend.engines.neutral import GenerateCall, SamplingOptions
 from direct_frontend.engines.transport import BATCH_MAX, EngineChannel, EventReceiver
 from direct_frontend.errors import EngineError, ErrorKind
 from direct_frontend.observability.shims import shims_active
-from protos import sglang_scheduler_pb2 as pb
+from direct_frontend.protos import sglang_scheduler_pb2 as pb
 from tests.support.daemon import Daemon, fleet_text, free_port, running_daemon, sim_engine
 from tests.support.metrics import sample
 

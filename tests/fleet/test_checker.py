@@ -231,3 +231,20 @@ def test_the_readme_knob_table_shows_the_schema_defaults() -> None:
     assert set(rows) == {spec.name for spec in specs(KvAwareKnobs).values()}
     for name, shown in rows.items():
         assert float(shown) == getattr(defaults, name), name
+
+
+def test_an_array_of_choices_names_each_bad_one_with_its_index() -> None:
+    @dataclasses.dataclass(frozen=True, kw_only=True)
+    class Log:
+        fields: tuple[Literal["method", "path", "status"], ...] = setting(
+            ("method",), Rules(noun="field"))
+
+    text = '[log]\nfields = ["path", "nope", "path", 3]\n'
+    checker = Checker("f.toml", Locator(text))
+    values = checker.fields(Log, tomllib.loads(text)["log"], ("log",), {})
+    assert values["fields"] == ("path",)
+    assert sorted(str(p) for p in checker.problems) == [
+        "f.toml:2: log.fields[2]: 'nope' is not a valid field (expected one of: method, path, "
+        "status)",
+        "f.toml:2: log.fields[4]: expected a string, got integer 3",
+    ]

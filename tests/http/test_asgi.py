@@ -20,7 +20,7 @@ def failed_after(*sent: Message) -> list[Message]:
         received.append(message)
 
     async def main() -> None:
-        progress = ResponseProgress(server_send)
+        progress = ResponseProgress(server_send, b"abc123")
         for message in sent:
             await progress.send(message)
         await progress.fail(REQUEST_ID)
@@ -47,7 +47,7 @@ def test_a_response_under_way_is_ended_as_it_stands() -> None:
     start: Message = {"type": "http.response.start", "status": 200, "headers": []}
     part: Message = {"type": "http.response.body", "body": b"data: x\n\n", "more_body": True}
     received = failed_after(start, part)
-    assert received[:2] == [start, part]
+    assert received[:2] == [{**start, "headers": [(b"x-request-id", b"abc123")]}, part]
     assert received[2:] == [{"type": "http.response.body", "body": b"", "more_body": False}]
 
 
@@ -58,7 +58,7 @@ def test_a_finished_response_is_left_alone() -> None:
         received.append(message)
 
     async def main() -> None:
-        progress = ResponseProgress(server_send)
+        progress = ResponseProgress(server_send, b"abc123")
         await send_body(progress.send, 200, b"{}")
         await progress.fail(REQUEST_ID)
 

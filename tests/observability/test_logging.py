@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import re
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -136,3 +137,22 @@ def test_a_forked_child_draws_other_request_ids_than_its_parent() -> None:
     parent = {new_request_id() for _ in range(8)}
     assert len(child) == 8 and not child & parent
     assert all(len(i) == 16 and int(i, 16) >= 0 for i in child)
+
+
+def test_debug_leaves_out_the_per_header_lines_of_http2(log_stream: io.StringIO) -> None:
+    configure_logging(json=True, level="DEBUG", stream=log_stream)
+    assert logging.getLogger("direct_frontend.x").isEnabledFor(logging.DEBUG)
+    for chatty in ("hpack", "hpack.hpack", "h2.connection"):
+        assert not logging.getLogger(chatty).isEnabledFor(logging.DEBUG)
+
+
+def test_a_librarys_warning_is_a_log_line_in_the_same_format(log_stream: io.StringIO) -> None:
+    logging.captureWarnings(False)  # an earlier test's hook went with its warnings context
+    configure_logging(json=True, stream=log_stream, worker=1)
+    try:
+        warnings.warn("a library speaks", UserWarning, stacklevel=1)
+    finally:
+        logging.captureWarnings(False)
+    (line,) = json_lines(log_stream)
+    assert "a library speaks" in line["msg"] and line["logger"] == "py.warnings"
+    assert line["worker"] == 1

@@ -50,7 +50,7 @@ def test_metrics_render_all_names() -> None:
         base = "direct_frontend_" + name.removesuffix("_total")
         assert re.search(rf"^# TYPE {base}(_total)? ", text, re.MULTILINE), name
     assert "_created" not in text  # noise series are off
-    assert sample(text, "direct_frontend_requests_total", endpoint="chat", status="200") == 1
+    assert sample(text, "direct_frontend_requests_total", code="200", endpoint="chat") == 1
     assert sample(text, "direct_frontend_request_duration_seconds_count", endpoint="chat") == 1
     assert sample(text, "direct_frontend_in_flight_requests") == 0
     assert sample(text, "direct_frontend_prompt_tokens_total") == 10
@@ -127,3 +127,23 @@ def test_engine_state_is_one_hot_and_forget_engine_drops_series() -> None:
 # ---------------------------------------------------------------- logging
 
 
+
+
+def test_the_standard_collectors_the_build_and_the_admission_queue_are_exported() -> None:
+    metrics = Metrics()
+    series = metrics.model_series("demo")
+    series.admission_wait(0.0)
+    series.admission_wait(0.3)
+    series.queue_depth(5)
+    text = metrics.render()[0].decode()
+    for name in ("process_resident_memory_bytes", "process_cpu_seconds_total",
+                 "python_info", "python_gc_objects_collected_total"):
+        assert f"\n{name}" in text, name
+    from direct_frontend import __version__
+    assert sample(text, "direct_frontend_build_info", version=__version__) == 1
+    assert sample(text, "direct_frontend_admission_queue_depth", model="demo") == 5
+    assert sample(text, "direct_frontend_admission_wait_seconds_count", model="demo") == 2
+    assert sample(text, "direct_frontend_admission_wait_seconds_bucket", le="0.0",
+                  model="demo") == 1
+    metrics.forget_model("demo")
+    assert "admission_queue_depth{" not in metrics.render()[0].decode()

@@ -130,3 +130,20 @@ async def test_background_work_holds_at_most_half_the_slots(
         assert len(refused) == 8 and admission.rejected == 8
         release.set()
     assert len(running) == 2 and admission.in_flight == 0
+
+
+async def test_each_admitted_request_reports_its_wait(
+        autojump_clock: trio.testing.MockClock) -> None:
+    waits: list[float] = []
+    admission = Admission(AdmissionConfig(max_in_flight=1, max_queue=4, queue_timeout_s=10),
+                          waits.append)
+
+    async def hold(seconds: float) -> None:
+        async with admission.slot():
+            await trio.sleep(seconds)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(hold, 3)
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.start_soon(hold, 1)
+    assert waits == [0, 3]

@@ -15,12 +15,12 @@ import pytest
 from grpclib import GRPCError, Status
 from grpclib.client import Channel
 
+from direct_frontend.protos import sglang_scheduler_pb2 as sg
+from direct_frontend.protos import vllm_engine_pb2 as vl
+from direct_frontend.protos.sglang_scheduler_grpc import SglangSchedulerStub
+from direct_frontend.protos.vllm_engine_grpc import VllmEngineStub
 from direct_frontend.simulator import SimEngine, disagg
 from direct_frontend.simulator.core import SimRole
-from protos import sglang_scheduler_pb2 as sg
-from protos import vllm_engine_pb2 as vl
-from protos.sglang_scheduler_grpc import SglangSchedulerStub
-from protos.vllm_engine_grpc import VllmEngineStub
 from tests.support.sim import connected, run, until
 
 PROMPT = list(range(10, 50))  # 40 tokens

@@ -26,6 +26,15 @@ from grpclib import GRPCError, Status
 from grpclib.client import Channel
 from grpclib.exceptions import StreamTerminatedError
 
+from direct_frontend.protos import (
+    common_pb2,
+    sglang_scheduler_pb2,
+    trtllm_service_pb2,
+    vllm_engine_pb2,
+)
+from direct_frontend.protos.sglang_scheduler_grpc import SglangSchedulerStub
+from direct_frontend.protos.trtllm_service_grpc import TrtllmServiceStub
+from direct_frontend.protos.vllm_engine_grpc import VllmEngineStub
 from direct_frontend.simulator import (
     EngineKind,
     Generation,
@@ -36,10 +45,6 @@ from direct_frontend.simulator import (
     TimingModel,
     read_tokenizer_dir,
 )
-from protos import common_pb2, sglang_scheduler_pb2, trtllm_service_pb2, vllm_engine_pb2
-from protos.sglang_scheduler_grpc import SglangSchedulerStub
-from protos.trtllm_service_grpc import TrtllmServiceStub
-from protos.vllm_engine_grpc import VllmEngineStub
 from tests.support.sim import (
     EOS,
     SPECIAL,

@@ -19,14 +19,14 @@ from grpclib import GRPCError, Status
 from grpclib.client import Channel
 from grpclib.exceptions import StreamTerminatedError
 
+from direct_frontend.protos import sglang_scheduler_pb2, vllm_engine_pb2
+from direct_frontend.protos.sglang_scheduler_grpc import SglangSchedulerStub
+from direct_frontend.protos.vllm_engine_grpc import VllmEngineStub
 from direct_frontend.simulator import EngineKind, SimEngine, TimingModel
 from direct_frontend.simulator.cli import fault_plan
 from direct_frontend.simulator.control import control_request, plan_from_json
 from direct_frontend.simulator.core import JobState
 from direct_frontend.simulator.faults import FaultPlan, parse_status
-from protos import sglang_scheduler_pb2, vllm_engine_pb2
-from protos.sglang_scheduler_grpc import SglangSchedulerStub
-from protos.vllm_engine_grpc import VllmEngineStub
 from tests.simulator.test_engine import (
     KINDS,
     PROMPT,

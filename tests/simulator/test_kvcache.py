@@ -26,6 +26,15 @@ from grpclib.client import Channel
 from direct_frontend.kv.events import decode_payload
 from direct_frontend.kv.index import KvIndex
 from direct_frontend.kv.subscriber import KvSubscription, run_kv_subscriber
+from direct_frontend.protos import (
+    common_pb2,
+    sglang_scheduler_pb2,
+    trtllm_service_pb2,
+    vllm_engine_pb2,
+)
+from direct_frontend.protos.sglang_scheduler_grpc import SglangSchedulerStub
+from direct_frontend.protos.trtllm_service_grpc import TrtllmServiceStub
+from direct_frontend.protos.vllm_engine_grpc import VllmEngineStub
 from direct_frontend.simulator import EngineKind, SimEngine, TimingModel
 from direct_frontend.simulator.kv_publisher import SimKvEvents
 from direct_frontend.simulator.kvcache import (
@@ -35,10 +44,6 @@ from direct_frontend.simulator.kvcache import (
     SimPrefixCache,
     StoredRun,
 )
-from protos import common_pb2, sglang_scheduler_pb2, trtllm_service_pb2, vllm_engine_pb2
-from protos.sglang_scheduler_grpc import SglangSchedulerStub
-from protos.trtllm_service_grpc import TrtllmServiceStub
-from protos.vllm_engine_grpc import VllmEngineStub
 from tests.support.sim import run, run_trio, started, started_from_trio, until_trio
 
 VOCAB = 2000

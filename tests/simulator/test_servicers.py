@@ -16,6 +16,15 @@ from typing import Any
 import pytest
 from grpclib import GRPCError, Status
 
+from direct_frontend.protos import (
+    common_pb2,
+    sglang_scheduler_pb2,
+    trtllm_service_pb2,
+    vllm_engine_pb2,
+)
+from direct_frontend.protos.sglang_scheduler_grpc import SglangSchedulerStub
+from direct_frontend.protos.trtllm_service_grpc import TrtllmServiceStub
+from direct_frontend.protos.vllm_engine_grpc import VllmEngineStub
 from direct_frontend.simulator import EngineKind, SimEngine
 from direct_frontend.simulator.embedding import embedding_of
 from direct_frontend.simulator.servicers import (
@@ -25,10 +34,6 @@ from direct_frontend.simulator.servicers import (
     servicer_for,
 )
 from direct_frontend.simulator.servicers.common import NOT_EMBEDDING, NOT_GENERATION
-from protos import common_pb2, sglang_scheduler_pb2, trtllm_service_pb2, vllm_engine_pb2
-from protos.sglang_scheduler_grpc import SglangSchedulerStub
-from protos.trtllm_service_grpc import TrtllmServiceStub
-from protos.vllm_engine_grpc import VllmEngineStub
 from tests.simulator.test_engine import PROMPT, build_request
 from tests.support.sim import EOS, VOCAB, run, serving
 

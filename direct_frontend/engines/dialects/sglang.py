@@ -73,7 +73,7 @@ from direct_frontend.engines.neutral import (
     GenerateCall,
 )
 from direct_frontend.errors import EngineError
-from protos import sglang_scheduler_pb2 as pb
+from direct_frontend.protos import sglang_scheduler_pb2 as pb
 
 SERVICE = "/sglang.grpc.scheduler.SglangScheduler"
 ROLES = {"prefill": EngineRole.PREFILL, "decode": EngineRole.DECODE, "null": EngineRole.BOTH}

@@ -76,7 +76,7 @@ from direct_frontend.engines.neutral import (
     TokenLogprob,
 )
 from direct_frontend.errors import EngineError, ErrorKind
-from protos import trtllm_service_pb2 as pb
+from direct_frontend.protos import trtllm_service_pb2 as pb
 
 SERVICE = "/trtllm.TrtllmService"
 _GUIDES = pb.GuidedDecodingParams

@@ -68,7 +68,7 @@ from direct_frontend.engines.neutral import (
     EngineRole,
     GenerateCall,
 )
-from protos import vllm_engine_pb2 as pb
+from direct_frontend.protos import vllm_engine_pb2 as pb
 
 SERVICE = "/vllm.grpc.engine.VllmEngine"
 ROLES = {

@@ -20,6 +20,7 @@ import grpclib.server
 from grpclib import GRPCError, Status
 from tokenizers import Tokenizer
 
+from direct_frontend.protos import common_pb2
 from direct_frontend.simulator.constraints import (
     InvalidConstraint,
     Unsupported,
@@ -29,7 +30,6 @@ from direct_frontend.simulator.constraints import (
 from direct_frontend.simulator.core import SimCore
 from direct_frontend.simulator.embedding import embedding_of
 from direct_frontend.simulator.model import Finish
-from protos import common_pb2
 
 SIM_VERSION = "0.0.0-sim"
 #: Generate's INVALID_ARGUMENT on an embedding model, in a real vLLM's words (docs/real-vllm.md §12)

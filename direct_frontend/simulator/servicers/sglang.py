@@ -14,6 +14,8 @@ import grpclib.server
 from google.protobuf import struct_pb2, timestamp_pb2
 from grpclib import GRPCError, Status
 
+from direct_frontend.protos import sglang_scheduler_pb2
+from direct_frontend.protos.sglang_scheduler_grpc import SglangSchedulerBase
 from direct_frontend.simulator import disagg
 from direct_frontend.simulator.core import SimCore
 from direct_frontend.simulator.kvcache import SimPrefixCache
@@ -31,8 +33,6 @@ from direct_frontend.simulator.servicers.common import (
     now_iso,
     refuse,
 )
-from protos import sglang_scheduler_pb2
-from protos.sglang_scheduler_grpc import SglangSchedulerBase
 
 _ROLE = {"both": "null", "prefill": "prefill", "decode": "decode"}  # disaggregation_mode
 

@@ -13,6 +13,8 @@ from collections.abc import Sequence
 import grpclib.server
 from grpclib import GRPCError, Status
 
+from direct_frontend.protos import common_pb2, trtllm_service_pb2
+from direct_frontend.protos.trtllm_service_grpc import TrtllmServiceBase
 from direct_frontend.simulator.logprobs import trtllm_output
 from direct_frontend.simulator.model import Finish, StopCriteria
 from direct_frontend.simulator.servicers.common import (
@@ -26,8 +28,6 @@ from direct_frontend.simulator.servicers.common import (
     matched_stop_token,
     refuse,
 )
-from protos import common_pb2, trtllm_service_pb2
-from protos.trtllm_service_grpc import TrtllmServiceBase
 
 _GUIDES = trtllm_service_pb2.GuidedDecodingParams
 #: a guide type as the simulator's constraint kind (any JSON: an object is some)

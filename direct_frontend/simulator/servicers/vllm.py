@@ -15,6 +15,8 @@ from typing import Any
 import grpclib.server
 from grpclib import GRPCError, Status
 
+from direct_frontend.protos import vllm_engine_pb2
+from direct_frontend.protos.vllm_engine_grpc import VllmEngineBase
 from direct_frontend.simulator import disagg
 from direct_frontend.simulator.logprobs import RANKS, fill_smg
 from direct_frontend.simulator.model import Finish, StopCriteria
@@ -29,8 +31,6 @@ from direct_frontend.simulator.servicers.common import (
     now_iso,
     pinned_rank,
 )
-from protos import vllm_engine_pb2
-from protos.vllm_engine_grpc import VllmEngineBase
 
 _ROLE = {"both": "", "prefill": "kv_producer", "decode": "kv_consumer"}  # kv_role
 
