@@ -22,17 +22,6 @@ from direct_frontend.observability.metrics import Metrics
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "direct-frontend.json"
 #: labels Prometheus attaches to every series it scrapes (the target's)
 TARGET_LABELS = frozenset({"instance", "job"})
-#: series announced for /metrics (with their labels) that this tree may not export yet:
-#: allowed while absent; once exported they are checked like the rest
-COMING: dict[str, frozenset[str]] = {
-    "direct_frontend_build_info": frozenset({"version"}),
-    "direct_frontend_admission_queue_depth": frozenset({"model"}),
-    "direct_frontend_admission_wait_seconds_bucket": frozenset({"model"}),
-    "process_resident_memory_bytes": frozenset(),
-}
-#: a label announced under a new name: the new name is allowed where the old one exists
-RENAMED_LABELS = {"code": "status"}
-
 KEYWORDS = frozenset({"by", "without", "on", "ignoring", "group_left", "group_right", "bool",
                       "and", "or", "unless", "offset", "inf", "nan"})
 STRING = r'"(?:[^"\\]|\\.)*"'  # a PromQL string, with its backslash escapes
@@ -108,10 +97,7 @@ def problems(exprs: list[str], have: dict[str, frozenset[str]]) -> list[str]:
         for name in names:
             if name in have:
                 allowed |= have[name]
-                allowed |= {new for new, old in RENAMED_LABELS.items() if old in have[name]}
                 allowed |= {"le"} if name.endswith("_bucket") else set()
-            elif name in COMING:
-                allowed |= COMING[name] | ({"le"} if name.endswith("_bucket") else set())
             else:
                 found.append(f"{name} is not exported ({expr})")
         found.extend(f"label {label} is on none of {sorted(names)} ({expr})"
@@ -136,19 +122,12 @@ def test_the_reader_finds_names_and_labels(expr: str, names: set[str], labels: s
 
 
 def test_a_misspelt_name_or_label_is_a_problem() -> None:
-    have = {"a_total": frozenset({"endpoint", "status"}), "b_bucket": frozenset()}
+    have = {"a_total": frozenset({"endpoint", "code"}), "b_bucket": frozenset()}
     assert problems(["sum by (endpoint) (rate(a_total[1m]))"], have) == []
-    assert problems(["sum by (code) (rate(a_total[1m]))"], have) == []  # status, renamed
     assert problems(["histogram_quantile(0.5, sum by (le) (rate(b_bucket[1m])))"], have) == []
     assert len(problems(["rate(a_totl[1m])"], have)) == 1
     assert len(problems(["sum by (model) (rate(a_total[1m]))"], have)) == 1
     assert len(problems(["sum by (le) (rate(a_total[1m]))"], have)) == 1
-
-
-def test_a_coming_series_is_checked_once_it_is_exported() -> None:
-    coming = "direct_frontend_admission_queue_depth"
-    assert problems([f"sum by (model) ({coming})"], {}) == []
-    assert len(problems([f"sum by (model) ({coming})"], {coming: frozenset({"pool"})})) == 1
 
 
 # The dashboard.
@@ -161,8 +140,6 @@ def dashboard() -> dict[str, Any]:
 def test_every_query_of_the_dashboard_names_what_the_daemon_exports() -> None:
     have = exported()
     assert "direct_frontend_requests_total" in have  # the registry is the daemon's
-    for name, labels in COMING.items():  # once here, what was announced
-        assert name not in have or labels <= have[name], name
     assert problems(expressions(dashboard()), have) == []
 
 
@@ -183,7 +160,10 @@ def test_the_dashboard_has_the_usual_panels() -> None:
         "direct_frontend_kv_predicted_cached_tokens_total",
         "direct_frontend_kv_reported_cached_tokens_total",
         "direct_frontend_replica_degraded",
-        *COMING,
+        "direct_frontend_build_info",
+        "direct_frontend_admission_queue_depth",
+        "direct_frontend_admission_wait_seconds_bucket",
+        "process_resident_memory_bytes",
     } <= used
 
 
