@@ -283,10 +283,10 @@ def top(
         "--colour/--no-colour", show_default=False,
         help="Colour on a terminal unless NO_COLOR is set (the default), or never.")] = True,
 ) -> None:
-    """Show the fleet live (engines, states, load, reloads); follows daemon restarts."""
+    """Show the fleet live (engines, states, load, reloads); follows daemon restarts. q quits."""
     from direct_frontend.top import run_top
 
-    sys.exit(run_top(url, admin_token, sys.stdout,
+    sys.exit(run_top(url, admin_token, sys.stdout, keys=sys.stdin,
                      colour=colour and sys.stdout.isatty() and "NO_COLOR" not in os.environ))
 
 
@@ -306,6 +306,9 @@ def simulate_engine(
     decode_us_per_token: Annotated[float, typer.Option()] = 2000.0,
     max_running: Annotated[int, typer.Option()] = 64,
     eos_probability: Annotated[float, typer.Option()] = 0.02,
+    multibyte_probability: Annotated[float, typer.Option(
+        min=0.0, max=1.0, help="Chance per token of a non-ASCII character split over several "
+                               "tokens (0: plain ASCII words).")] = 0.0,
     role: Annotated[str, typer.Option(help="both, prefill or decode.")] = "both",
     block_size: Annotated[int, typer.Option(help="KV block (page) size of the prefix cache.")] = 16,
     kv_capacity_blocks: Annotated[
@@ -379,6 +382,7 @@ def simulate_engine(
                 "kv_capacity_blocks": kv_capacity_blocks,
                 "kv_events_port": kv_events_port, "kv_replay_port": kv_replay_port,
                 "embedding_dim": embedding_dim, "dp_size": dp_size,
+                "unit_probability": multibyte_probability,
             },
         )
     except OSError as exc:  # a busy or unknown address: the machine's answer, not a bug

@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import termios
 import time
-from collections.abc import Callable, Sequence
+import tty
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TextIO
 from urllib.parse import urlsplit, urlunsplit
 
@@ -76,11 +79,14 @@ class FleetModel:
             if self.last_reload and self.last_reload.get("ok"):
                 self.config["version"] = self.last_reload.get("version")
         elif kind == "load":
-            for key, load in event.get("engines", {}).items():
-                name, _, incarnation = key.rpartition("#")
-                engine = self.engines.get((name, int(incarnation)))
-                if engine is not None:
-                    engine["load"] = load
+            # "engines": in flight now; "requests": sent so far (absent from older daemons)
+            for field, per_engine in (("load", event.get("engines", {})),
+                                      ("requests", event.get("requests", {}))):
+                for key, value in per_engine.items():
+                    name, _, incarnation = key.rpartition("#")
+                    engine = self.engines.get((name, int(incarnation)))
+                    if engine is not None:
+                        engine[field] = value
         live = [e for e in self.engines.values() if e["state"] != "draining"]
         self.serving = sum(1 for e in live if e["state"] == "serving")
         self.total = len(live)
@@ -240,17 +246,92 @@ async def follow(
         await trio.sleep(delay)
 
 
-def run_top(base_url: str, token: str | None, out: TextIO, *, colour: bool = True) -> int:
-    """The ``top`` command: redraw the screen on every update until Ctrl-C."""
+#: Keys that end ``top`` (Ctrl-C does too, as a signal).
+QUIT_KEYS = frozenset(b"qQ")
+#: On a terminal: the alternate screen (the shell's screen comes back on exit), no cursor.
+ENTER_SCREEN, LEAVE_SCREEN = "\x1b[?1049h\x1b[?25l", "\x1b[?25h\x1b[?1049l"
+
+
+def wants_quit(keys: bytes) -> bool:
+    """Whether the bytes read from the keyboard hold a quit key."""
+    return any(key in QUIT_KEYS for key in keys)
+
+
+def frame(lines: Sequence[str], *, screen: bool) -> str:
+    """One update as written: over the last one on a terminal, appended otherwise.
+
+    On a terminal the cursor goes home and each line clears what is left of the old one,
+    so nothing flickers; anything else (a pipe, a file) gets plain text, one block per
+    update with a blank line after it, and no control sequences.
+    """
+    if screen:
+        return "\x1b[H" + "".join(f"{line}\x1b[K\n" for line in lines) + "\x1b[J"
+    return "\n".join(lines) + "\n\n"
+
+
+async def read_keys(fd: int, on_quit: Callable[[], None]) -> None:
+    """Call ``on_quit`` once a quit key arrives on ``fd`` (or it reaches its end)."""
+    while True:
+        await trio.lowlevel.wait_readable(fd)
+        keys = os.read(fd, 64)
+        if not keys or wants_quit(keys):
+            on_quit()
+            return
+
+
+@contextlib.contextmanager
+def _keyboard(fd: int) -> Iterator[None]:
+    """The terminal on ``fd`` in cbreak mode (keys arrive at once, unechoed), then restored."""
+    saved = termios.tcgetattr(fd)
+    try:
+        tty.setcbreak(fd)
+        yield
+    finally:
+        termios.tcsetattr(fd, termios.TCSADRAIN, saved)
+
+
+def run_top(base_url: str, token: str | None, out: TextIO, *, colour: bool = True,
+            keys: TextIO | None = None) -> int:
+    """The ``top`` command: redraw on every update until ``q`` or Ctrl-C.
+
+    ``keys`` (a terminal) is read for ``q``; a ``top`` whose output is not a terminal
+    writes plain updates one after the other and stops on Ctrl-C or a closed pipe.
+    """
+    screen = out.isatty()
+    key_fd = keys.fileno() if keys is not None and keys.isatty() else None
+    refused: list[Unauthorized] = []
+
     def draw(model: FleetModel) -> None:
-        lines = model.render(base_url, colour=colour)
-        out.write("\x1b[H\x1b[2J" + "\n".join(lines) + "\n")
+        out.write(frame(model.render(base_url, colour=colour), screen=screen))
         out.flush()
 
-    try:
-        with contextlib.suppress(KeyboardInterrupt):
-            trio.run(lambda: follow(base_url, draw, token=token))
-    except Unauthorized as exc:
-        out.write(f"{exc}\n")
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            if key_fd is not None:
+                nursery.start_soon(read_keys, key_fd, nursery.cancel_scope.cancel)
+            try:
+                await follow(base_url, draw, token=token)
+            except Unauthorized as exc:
+                refused.append(exc)
+            except BrokenPipeError:
+                pass  # whoever read the output is gone
+            nursery.cancel_scope.cancel()
+
+    with contextlib.ExitStack() as stack:
+        if key_fd is not None:
+            stack.enter_context(_keyboard(key_fd))
+        if screen:
+            out.write(ENTER_SCREEN)
+            stack.callback(lambda: (out.write(LEAVE_SCREEN), out.flush()))
+        try:
+            trio.run(main)
+        except KeyboardInterrupt:
+            pass
+        except BaseExceptionGroup as group:  # Ctrl-C inside the nursery comes out grouped
+            _, rest = group.split(KeyboardInterrupt)
+            if rest is not None:
+                raise
+    if refused:
+        out.write(f"{refused[0]}\n")
         return 1
     return 0

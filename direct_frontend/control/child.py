@@ -17,6 +17,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import trio
+from grpclib import Status
 
 from direct_frontend.control.lifecycle import (
     EngineState,
@@ -34,6 +35,7 @@ from direct_frontend.engines.transport import EngineChannel
 from direct_frontend.errors import EngineError, ErrorKind
 from direct_frontend.fleet.models import engine_model
 from direct_frontend.fleet.schema import (
+    ENGINE_KINDS,
     EngineConfig,
     FrontendConfig,
     ModelConfig,
@@ -274,10 +276,25 @@ class EngineChild:
                 self._optional_missing.discard(rpc.path)  # a restarted engine may serve it now
             except EngineError as exc:
                 if not rpc.optional:
-                    raise
+                    raise self._kind_hint(exc) from None
                 self._without(rpc, exc, "joining without it")
                 replies.append(None)
         return self.dialect.engine_info(replies)
+
+    def _kind_hint(self, exc: EngineError) -> EngineError:
+        """``exc``, with a hint at the ``kind`` setting when the engine lacks the method.
+
+        Every engine of a kind serves its discovery methods, so UNIMPLEMENTED there
+        ("Method not found!") nearly always means an engine of another kind: its gRPC
+        services have other names.
+        """
+        if not exc.message.startswith(Status.UNIMPLEMENTED.name):
+            return exc
+        table = f"[[pool]] {self.cfg.pool}" if self.cfg.pool else "[[engine]]"
+        hint = (f"is this engine a {self.cfg.kind}? check the {table} kind "
+                f"({', '.join(ENGINE_KINDS)})")
+        return EngineError(exc.kind, f"{exc.message} ({hint})", engine=exc.engine,
+                           param=exc.param)
 
     def _without(self, rpc: Rpc, exc: EngineError, meaning: str) -> None:
         """The engine does not serve optional ``rpc``: not asked again, logged once."""

@@ -141,6 +141,7 @@ async def start_embedded_simulator(fleet: FleetConfig, cfg: EngineConfig) -> Any
         vocab_size=sim.vocab_size,
         timing=TimingModel(sim.prefill_us_per_token, sim.decode_us_per_token, sim.max_running),
         eos_probability=sim.eos_probability,
+        unit_probability=sim.multibyte_probability,
         block_size=cfg.block_size or 16,
         page_size=cfg.block_size or 16,
         # publish KV events where the fleet file says: one rank per endpoint, from the first

@@ -212,6 +212,9 @@ class ControlPlane:
     def loads(self) -> dict[str, JsonValue]:
         return {f"{c.name}#{c.incarnation}": c.in_flight for c in self._children()}
 
+    def request_counts(self) -> dict[str, JsonValue]:
+        return {f"{c.name}#{c.incarnation}": c.load.requests_total for c in self._children()}
+
     def ready(self) -> tuple[int, int]:
         """(engines serving, engines in the fleet file): what ``/ready`` reports."""
         return self.supervisor.serving_count, len(self.supervisor.children)

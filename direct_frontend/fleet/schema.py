@@ -446,6 +446,10 @@ class SimulatorConfig:
     max_running: int = setting(64, AT_LEAST_ONE)
     vocab_size: int | None = setting(None, AT_LEAST_ONE)  # None: the tokenizer's vocabulary
     eos_probability: float = setting(0.02, Rules(at_least=0, at_most=1))
+    # chance per token of a non-ASCII character spelled over several tokens (é, 中, 🚀), to
+    # exercise a client's incremental decoding; 0: plain ASCII words, so a length cut never
+    # splits a character
+    multibyte_probability: float = setting(0.0, Rules(at_least=0, at_most=1))
     context_length: int = setting(4096, AT_LEAST_ONE)
     # None: the frontend's (set it to demo a refusal)
     served_model_name: str | None = None

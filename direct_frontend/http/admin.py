@@ -23,7 +23,7 @@ from direct_frontend.openai.errors import OpenAIHTTPError
 
 log = logging.getLogger("direct_frontend.admin")
 
-LOAD_TICK_S = 1.0  # the events stream reports in-flight counts this often
+LOAD_TICK_S = 1.0  # the events stream reports in-flight and request counts this often
 
 
 # -- bearer checks ------------------------------------------------------------------------
@@ -123,7 +123,9 @@ async def _write_events(control: ControlView, sub: EventFeed, send: Send) -> Non
         elif event is not None:
             await emit(event)
         else:
-            await emit({"type": "load", "engines": control.loads()})
+            # each engine's in flight, and its requests so far: they change with no state change
+            await emit({"type": "load", "engines": control.loads(),
+                        "requests": control.request_counts()})
 
 
 async def _watch_ws_disconnect(receive: Receive, scope: trio.CancelScope) -> None:

@@ -50,6 +50,9 @@ class ControlView(Protocol):
     def loads(self) -> dict[str, JsonValue]:
         """Requests in flight per engine incarnation."""
 
+    def request_counts(self) -> dict[str, JsonValue]:
+        """Requests sent so far per engine incarnation (``requests`` in ``status``)."""
+
     def subscribe(self) -> AbstractContextManager[EventFeed]:
         """A feed of control-plane events for as long as the block runs."""
 

@@ -51,8 +51,15 @@ class InvalidConstraint(ValueError):
     """A constraint no engine could compile (a broken regex, a schema that is no object)."""
 
 
-def constrained_text(kind: str, value: str | Sequence[str], seed: int) -> str:
-    """Text satisfying the constraint of ``kind`` (the contracts' names) and ``value``."""
+def constrained_text(
+    kind: str, value: str | Sequence[str], seed: int, words: Sequence[str] = ()
+) -> str:
+    """Text satisfying the constraint of ``kind`` (the contracts' names) and ``value``.
+
+    ``words`` (the prompt's, say) name the keys and string values of a free-form object
+    (``json_object``, or a schema's object without ``properties``); without them the
+    simulator's own words do.
+    """
     rng = random.Random(seed)
     if kind == "choice":
         choices = list(value)
@@ -62,7 +69,7 @@ def constrained_text(kind: str, value: str | Sequence[str], seed: int) -> str:
     if not isinstance(value, str):
         raise InvalidConstraint(f"a {kind} constraint is a string")
     if kind == "json_object":
-        return json.dumps({rng.choice(_WORDS): rng.randint(0, 99)})
+        return json.dumps(any_object(rng, words))
     if kind == "json_schema":
         try:
             schema = json.loads(value)
@@ -70,15 +77,40 @@ def constrained_text(kind: str, value: str | Sequence[str], seed: int) -> str:
             raise InvalidConstraint(f"the JSON schema is not valid JSON: {exc}") from None
         if not isinstance(schema, dict):
             raise InvalidConstraint("a JSON schema is an object")
-        return json.dumps(schema_value(schema, rng))
+        return json.dumps(schema_value(schema, rng, words))
     if kind == "regex":
         return regex_text(value, rng)
     raise Unsupported(f"the simulator cannot write text for a {kind} constraint")
 
 
-def schema_value(schema: Any, rng: random.Random) -> Any:
-    """One value of a JSON schema (the subset in the module docstring)."""
-    return _SchemaWriter(schema, rng).value(schema, 0)
+def schema_value(schema: Any, rng: random.Random, words: Sequence[str] = ()) -> Any:
+    """One value of a JSON schema (the subset in the module docstring); ``words`` as in
+    :func:`constrained_text`."""
+    return _SchemaWriter(schema, rng, words).value(schema, 0)
+
+
+def any_object(rng: random.Random, words: Sequence[str] = ()) -> dict[str, Any]:
+    """A small object a JSON-mode client can use: two to four keys, words and numbers.
+
+    Keys and string values come from ``words`` when there are enough of them, else from the
+    simulator's own; an empty object would satisfy the constraint but says nothing, and
+    some clients take it for a failed answer.
+    """
+    pool = list(dict.fromkeys(words)) if len(set(words)) >= 2 else list(_WORDS)
+    keys = rng.sample(pool, min(len(pool), rng.randint(2, 4)))
+    out: dict[str, Any] = {}
+    for index, key in enumerate(keys):
+        out[key] = rng.choice(pool) if index % 2 == 0 else rng.randint(0, 99)
+    return out
+
+
+def prompt_words(text: str) -> list[str]:
+    """The plain words of a prompt's text, in order, without its chat roles."""
+    found = (word.lower() for word in re.findall(r"[A-Za-z]{3,}", text))
+    return [word for word in dict.fromkeys(found) if word not in _ROLES]
+
+
+_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
 
 
 # -- regular expressions ------------------------------------------------------------------
@@ -183,9 +215,10 @@ def _class_source(items: Any) -> list[str]:
 class _SchemaWriter:
     """Writes one value of a schema (the subset in the module docstring)."""
 
-    def __init__(self, root: dict[str, Any], rng: random.Random) -> None:
+    def __init__(self, root: dict[str, Any], rng: random.Random, words: Sequence[str]) -> None:
         self.root = root
         self.rng = rng
+        self.words = words
 
     def value(self, schema: Any, depth: int) -> Any:
         if schema is True or schema == {}:
@@ -214,6 +247,8 @@ class _SchemaWriter:
     def _typed(self, kind: str, schema: dict[str, Any], depth: int) -> Any:
         rng = self.rng
         if kind == "object":
+            if "properties" not in schema and schema.get("additionalProperties") is not False:
+                return any_object(rng, self.words)  # free-form: {"type": "object"} and the like
             properties = schema.get("properties", {})
             return {name: self.value(sub, depth + 1) for name, sub in properties.items()}
         if kind == "array":

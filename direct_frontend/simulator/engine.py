@@ -17,8 +17,11 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, get_args
 
+import grpclib.const
 import grpclib.protocol
 import grpclib.server
+from google.protobuf import empty_pb2
+from grpclib import GRPCError, Status
 from tokenizers import Tokenizer
 
 from direct_frontend.simulator import disagg as _disagg
@@ -56,15 +59,35 @@ class _QuietCancels(logging.Filter):
 _QUIET_CANCELS = _QuietCancels()
 
 
+async def _method_not_found(stream: grpclib.server.Stream[Any, Any]) -> None:
+    raise GRPCError(Status.UNIMPLEMENTED, "Method not found!")
+
+
+_NOT_FOUND = grpclib.const.Handler(_method_not_found, grpclib.const.Cardinality.UNARY_UNARY,
+                                   empty_pb2.Empty, empty_pb2.Empty)
+
+
+class _EveryMethod(dict[str, grpclib.const.Handler]):
+    """A server's methods, where a method it lacks answers as a stock engine's server does."""
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return super().get(key, _NOT_FOUND)
+
+
 class _Server(grpclib.server.Server):
-    """A grpclib server that can drop its open connections on close.
+    """A grpclib server that can drop its open connections on close, and answers as grpcio.
 
     grpclib's own ``close`` cancels handlers but leaves idle HTTP/2
     connections serving new calls; a closed engine must look dead instead.
+    A method the engine lacks (a client that takes it for another kind) gets the
+    stock engines' (grpcio's) answer, UNIMPLEMENTED "Method not found!" with its
+    content-type; grpclib's own answer has none, which a grpclib client reports as
+    UNKNOWN "Missing content-type header" instead.
     """
 
     def __init__(self, handlers: Iterable[Any]) -> None:
         super().__init__(list(handlers))
+        self._mapping = _EveryMethod(self._mapping)
         self._protocols: weakref.WeakSet[grpclib.protocol.H2Protocol] = weakref.WeakSet()
 
     def _protocol_factory(self) -> grpclib.protocol.H2Protocol:

@@ -163,3 +163,31 @@ def test_an_engine_that_does_not_join_says_why_once_and_again_when_the_reason_ch
         assert child.state.value == "joining"
 
     supervised(fleet_of(model_dir, tmp_path, port, "interval_s = 0.05\ntimeout_s = 1.0"), body)
+
+
+def test_an_engine_of_another_kind_is_named_as_the_likely_cause(
+    model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A vLLM engine in an [[engine]] of kind sglang answers "Method not found!" to discovery.
+
+    ``last_error`` is what /fleet shows for the engine; the log line says it too.
+    """
+    port = free_port()
+    caplog.set_level(logging.WARNING, logger="direct_frontend.engine")
+
+    async def body(supervisor: Supervisor) -> None:
+        child = supervisor.children["e"]
+        engine = SimEngine("vllm", served_model_name="demo", vocab_size=VOCAB, eos_token_id=EOS)
+        await trio_asyncio.aio_as_trio(engine.start)(HOST, port)
+        try:
+            await until_trio(lambda: "UNIMPLEMENTED" in child.last_error,
+                             what="discovery to be refused")
+        finally:
+            await stop_engine(engine)
+        assert child.last_error.endswith(
+            "(is this engine a sglang? check the [[engine]] kind (sglang, vllm, trtllm))")
+        assert child.state.value == "joining"
+        logged = [r.getMessage() for r in caplog.records if "has not joined" in r.getMessage()]
+        assert any("is this engine a sglang?" in line for line in logged)
+
+    supervised(fleet_of(model_dir, tmp_path, port, "interval_s = 0.05\ntimeout_s = 1.0"), body)

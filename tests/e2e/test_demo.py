@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -31,9 +32,8 @@ def test_the_demo_says_words_and_a_stop_string_leaves_no_info_line(
     with running_daemon(tmp_path, fleet_text(BUNDLED_DIR, [engine]), watch_interval_s=None) as d:
         d.wait_serving(1)
         text = chat(d.url, max_tokens=200)["message"]["content"]
-        assert text.isprintable()
-        # Words after a space; the odd multi-token character (é, 中, 🚀) glued to one.
-        words = [w for w in ("".join(c for c in text if c.isascii())).split() if w]
+        assert text.isprintable() and text.isascii()
+        words = text.split()
         assert len(words) > 100 and set(words) <= WORDS
 
         stop = words[3]
@@ -46,3 +46,21 @@ def test_the_demo_says_words_and_a_stop_string_leaves_no_info_line(
 
         wait_for(lambda: bool(cancelled()), 10, "the engine to see the cancel")
         assert {r.levelno for r in cancelled()} == {logging.DEBUG}
+
+
+def test_the_demo_cut_at_max_tokens_is_whole_words_and_json_mode_says_something(
+    tmp_path: Path,
+) -> None:
+    engine = sim_engine("a", eos_probability=0.0, decode_us_per_token=0)
+    with running_daemon(tmp_path, fleet_text(BUNDLED_DIR, [engine]), watch_interval_s=None) as d:
+        d.wait_serving(1)
+        for max_tokens in range(1, 61):  # a cut after every token of one answer
+            cut = chat(d.url, max_tokens=max_tokens)
+            assert cut["finish_reason"] == "length"
+            assert cut["message"]["content"].isascii(), cut  # no piece of a character, no U+FFFD
+        asked = "Describe a cat named Tom as JSON"
+        answer = chat(d.url, messages=[{"role": "user", "content": asked}],
+                      response_format={"type": "json_object"})
+        written = json.loads(answer["message"]["content"])
+        assert isinstance(written, dict) and len(written) >= 2
+        assert set(written) <= {word.lower() for word in asked.split()}

@@ -21,7 +21,9 @@ from tests.support.daemon import (
 )
 from tests.support.metrics import sample
 
-FAST = {"decode_us_per_token": 0, "prefill_us_per_token": 0, "eos_probability": 0.0}
+# multibyte characters split over tokens (é, 中, 🚀): what the stream must reassemble
+FAST = {"decode_us_per_token": 0, "prefill_us_per_token": 0, "eos_probability": 0.0,
+        "multibyte_probability": 0.05}
 
 
 @pytest.fixture(scope="module")
@@ -189,6 +191,7 @@ def test_multibyte_text_round_trips_through_the_stream(client: openai.OpenAI) ->
     streamed, _ = stream_chat(client, max_tokens=80)
     streamed.encode("utf-8")  # never half a character
     assert "\ufffd" not in streamed
+    assert not streamed.isascii()  # there were characters to reassemble
 
 
 def test_client_disconnect_aborts_the_engine_request(model_dir: Path, tmp_path: Path) -> None:

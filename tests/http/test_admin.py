@@ -164,6 +164,32 @@ def test_events_stream_a_snapshot_then_state_changes_and_reloads(
     assert all(ADMIN_TOKEN not in json.dumps(e) for e in seen)
 
 
+def test_the_load_tick_carries_each_engines_requests_so_far(secured: Daemon) -> None:
+    """What ``top``'s REQS column shows moves with traffic, not only on a state change."""
+    client = openai.OpenAI(base_url=secured.url + "/v1", api_key=API_KEY, max_retries=0)
+    for _ in range(2):
+        client.completions.create(model="demo", prompt="hi", max_tokens=2)
+
+    class Enough(Exception):
+        pass
+
+    ticks: list[dict[str, Any]] = []
+
+    def on_event(event: dict[str, Any]) -> None:
+        if event["type"] == "load":
+            ticks.append(event)
+            raise Enough
+
+    async def main() -> None:
+        with trio.fail_after(10), pytest.raises(Enough):
+            await session(secured.url, on_event, token=ADMIN_TOKEN)
+
+    trio.run(main)
+    (tick,) = ticks
+    assert tick["engines"] == {"a#1": 0}
+    assert tick["requests"]["a#1"] >= 2
+
+
 def test_a_slow_subscriber_never_blocks_the_publisher_and_is_marked() -> None:
     async def main() -> None:
         hub = EventHub(buffer=4)

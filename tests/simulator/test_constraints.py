@@ -12,6 +12,7 @@ from direct_frontend.simulator.constraints import (
     InvalidConstraint,
     Unsupported,
     constrained_text,
+    prompt_words,
 )
 
 SCHEMAS = [
@@ -50,6 +51,34 @@ def test_choice_and_json_object() -> None:
     assert constrained_text("choice", ["left", "right"], 3) in ("left", "right")
     assert isinstance(json.loads(constrained_text("json_object", "", 3)), dict)
     assert constrained_text("regex", "[a-z]+", 7) == constrained_text("regex", "[a-z]+", 7)
+
+
+ANY_OBJECT = json.dumps({"type": "object"})  # json_object, as SGLang and TRT-LLM receive it
+
+
+@pytest.mark.parametrize(("kind", "value"), [("json_object", ""), ("json_schema", ANY_OBJECT)])
+@pytest.mark.parametrize("seed", range(20))
+def test_a_free_form_object_says_something(kind: str, value: str, seed: int) -> None:
+    """Two to four keys, not {}: JSON-mode clients take an empty object for no answer."""
+    written = json.loads(constrained_text(kind, value, seed))
+    assert isinstance(written, dict) and 2 <= len(written) <= 4
+    assert all(isinstance(v, str | int) for v in written.values())
+
+
+def test_a_free_form_object_takes_up_the_prompts_words() -> None:
+    words = prompt_words("system\nYou answer in JSON.\nuser\nDescribe a cat named Tom, please")
+    assert words == ["you", "answer", "json", "describe", "cat", "named", "tom", "please"]
+    for seed in range(10):
+        written = json.loads(constrained_text("json_object", "", seed, words))
+        assert set(written) <= set(words)
+        assert all(v in words for v in written.values() if isinstance(v, str))
+    # too few words of its own: the simulator's
+    assert json.loads(constrained_text("json_object", "", 1, ["hi"]))
+
+
+def test_a_closed_object_without_properties_stays_empty() -> None:
+    schema = json.dumps({"type": "object", "additionalProperties": False})
+    assert constrained_text("json_schema", schema, 4) == "{}"
 
 
 @pytest.mark.parametrize(

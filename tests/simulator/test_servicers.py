@@ -251,3 +251,19 @@ def test_a_trtllm_engine_cannot_be_an_embedding_model() -> None:
     with pytest.raises(ValueError, match="must not be negative"):
         SimEngine("vllm", served_model_name="m", vocab_size=VOCAB, eos_token_id=EOS,
                   embedding_dim=-1)
+
+
+@pytest.mark.parametrize(("kind", "asked_as"), [("vllm", "sglang"), ("sglang", "trtllm"),
+                                                ("trtllm", "vllm")])
+def test_a_method_of_another_kind_is_not_found_as_a_stock_engine_says(
+    kind: EngineKind, asked_as: EngineKind
+) -> None:
+    """grpcio's answer, with its content-type: what a client of the wrong kind meets."""
+    async def body() -> None:
+        async with serving(kind) as (_, channel):
+            with pytest.raises(GRPCError) as refused:
+                await STUBS[asked_as](channel).GetModelInfo(PB[asked_as].GetModelInfoRequest())
+            assert (refused.value.status, refused.value.message) == (
+                Status.UNIMPLEMENTED, "Method not found!")
+
+    run(body())

@@ -22,7 +22,12 @@ from grpclib import GRPCError, Status
 from tokenizers import Tokenizer
 
 from direct_frontend.protos import common_pb2
-from direct_frontend.simulator.constraints import InvalidConstraint, Unsupported, constrained_text
+from direct_frontend.simulator.constraints import (
+    InvalidConstraint,
+    Unsupported,
+    constrained_text,
+    prompt_words,
+)
 from direct_frontend.simulator.core import SimCore
 from direct_frontend.simulator.embedding import embedding_of
 from direct_frontend.simulator.model import Finish
@@ -78,6 +83,19 @@ async def generate_request(core: SimCore, stream: grpclib.server.Stream[NamedT, 
 _tokenizers: dict[str, Tokenizer] = {}
 
 
+def _tokenizer(core: SimCore) -> Tokenizer | None:
+    """The engine's tokenizer (loaded once per directory), if it was given one."""
+    directory = core.config.tokenizer_path
+    if not directory:
+        return None
+    tokenizer = _tokenizers.get(directory)
+    if tokenizer is None:
+        tokenizer = _tokenizers[directory] = Tokenizer.from_file(
+            str(Path(directory) / "tokenizer.json")
+        )
+    return tokenizer
+
+
 def constrained_output(
     core: SimCore, constraint: tuple[str, str | Sequence[str]] | None, prompt: Sequence[int]
 ) -> tuple[int, ...] | None:
@@ -91,19 +109,10 @@ def constrained_output(
     if constraint is None:
         return None
     kind, value = constraint
-    directory = core.config.tokenizer_path
-    if not directory:
-        raise GRPCError(
-            Status.UNIMPLEMENTED, "The simulator needs a tokenizer to honour a constraint"
-        )
-    tokenizer = _tokenizers.get(directory)
-    if tokenizer is None:
-        tokenizer = _tokenizers[directory] = Tokenizer.from_file(
-            str(Path(directory) / "tokenizer.json")
-        )
+    tokenizer = _tokenizer(core)
     seed = core.model.state_of(prompt)
     try:
-        if kind == "structural_tag" and isinstance(value, str):
+        if kind == "structural_tag" and isinstance(value, str) and tokenizer is not None:
             script = core.scripts.completion_for(prompt) if core.scripts is not None else None
             text = structural_text(
                 value, random.Random(seed),
@@ -112,11 +121,18 @@ def constrained_output(
                 tokenizer.decode(list(prompt), skip_special_tokens=False),
             )
         else:
-            text = constrained_text(kind, value, seed)
+            # the prompt's words name a free-form object's keys, as a model would take them up
+            words = () if tokenizer is None else prompt_words(
+                tokenizer.decode(list(prompt), skip_special_tokens=True))
+            text = constrained_text(kind, value, seed, words)
     except Unsupported as exc:
         raise GRPCError(Status.UNIMPLEMENTED, str(exc)) from None
     except InvalidConstraint as exc:
         raise GRPCError(Status.INVALID_ARGUMENT, f"Invalid {kind} constraint: {exc}") from None
+    if tokenizer is None:
+        raise GRPCError(
+            Status.UNIMPLEMENTED, "The simulator needs a tokenizer to honour a constraint"
+        )
     return tuple(tokenizer.encode(text, add_special_tokens=False).ids)
 
 
