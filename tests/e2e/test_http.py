@@ -248,10 +248,12 @@ def test_one_access_log_line_per_request_and_none_for_probes(
     caplog.set_level(logging.INFO, logger="direct_frontend.access")
     answer = httpx.post(daemon.url + "/v1/chat/completions", headers={"x-request-id": "t-1"},
                         json={"model": "demo", "messages": CHAT, "max_tokens": 2})
-    httpx.get(daemon.url + "/health")
-    httpx.get(daemon.url + "/nowhere")
+    httpx.get(daemon.url + "/health", headers={"x-request-id": "t-2"})
+    httpx.get(daemon.url + "/nowhere", headers={"x-request-id": "t-3"})
+
     def lines() -> list[logging.LogRecord]:  # each is written once its answer is sent
-        return [r for r in caplog.records if r.name == "direct_frontend.access"]
+        return [r for r in caplog.records if r.name == "direct_frontend.access"
+                and r.__dict__["request_id"].startswith(("t-1.", "t-2.", "t-3."))]
 
     wait_for(lambda: len(lines()) >= 2, what="the access-log lines")
     assert [r.getMessage() for r in lines()] == ["POST /v1/chat/completions 200",
