@@ -51,6 +51,7 @@ from direct_frontend.fleet.schema import (
     Knobs,
     KnobValue,
     KvAwareKnobs,
+    ResponsesConfig,
     RoutingConfig,
     SimulatorConfig,
     implicit_model,
@@ -222,7 +223,23 @@ class _Checker(PoolTables, ModelTables):
         }
         frontend = FrontendConfig(**self.fields(FrontendConfig, tbl, path, by_hand))
         self.check_tracing(frontend.tracing.otlp_endpoint, (*path, "tracing", "otlp_endpoint"))
+        self.check_store(frontend.responses, (*path, "responses"))
         return frontend
+
+    def check_store(self, responses: ResponsesConfig, where: KeyPath) -> None:
+        """A postgres backend names its database; each backend's keys are its own."""
+        if responses.backend == "postgres" and responses.dsn is None:
+            self.report((*where, "backend"), "the postgres backend needs dsn, its database "
+                        "(a libpq connection string or a postgresql:// URL)")
+        if responses.backend != "postgres" and responses.dsn is not None:
+            self.report((*where, "dsn"), f"dsn is for the postgres backend, not "
+                        f"{responses.backend!r}")
+        if responses.backend != "sqlite" and responses.path is not None:
+            self.report((*where, "path"), f"path is for the sqlite backend, not "
+                        f"{responses.backend!r}")
+        if responses.path is not None and responses.path.startswith("~"):
+            self.report((*where, "path"), f"{responses.path!r}: '~' is not expanded; write "
+                        "the full path")
 
     def workers(self, tbl: Table, path: KeyPath) -> int:
         """``workers``: a count of at least 1, or ``"auto"`` (read as 0: one per core)."""

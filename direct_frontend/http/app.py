@@ -21,6 +21,7 @@ import msgspec
 import trio
 
 from direct_frontend.fleet.schema import FrontendConfig
+from direct_frontend.http import conversations
 from direct_frontend.http.admin import credential_ok, events_socket, unauthorized
 from direct_frontend.http.asgi import (
     JSON,
@@ -64,6 +65,7 @@ from direct_frontend.http.tokenize import respond_detokenize, respond_tokenize
 from direct_frontend.observability.logging import current_request_id, new_request_id
 from direct_frontend.observability.metrics import Metrics
 from direct_frontend.observability.tracing import RequestTrace, Tracing
+from direct_frontend.openai.conversations import conversation_id_of
 from direct_frontend.openai.errors import (
     OpenAIHTTPError,
     invalid_request,
@@ -101,6 +103,7 @@ from direct_frontend.pipeline.preprocess import (
 from direct_frontend.pipeline.relay import Relay
 from direct_frontend.pipeline.settings import Settings
 from direct_frontend.routing.affinity import routing_key
+from direct_frontend.state.shell import Durable
 
 log = logging.getLogger("direct_frontend.http")
 
@@ -132,14 +135,20 @@ class App:
         metrics: Metrics,
         tracing: Tracing | None = None,
         responses: ResponseStore | None = None,
+        durable: Durable | None = None,
     ) -> None:
         self.control = control
         self.tracing = tracing  # None: tracing is off, and costs nothing
         #: stored Responses (None: ``[frontend.responses] store = false``, nothing is kept)
         self.responses = responses
         #: the background responses (their nursery runs beside the HTTP server's)
+        config = control.settings.frontend.responses
         self.background = None if responses is None else BackgroundResponses(
-            responses, metrics, control.settings.frontend.responses.max_background_per_owner)
+            responses, metrics, config.max_background_per_owner, config.lease_s)
+        #: conversations, in the durable store (None: the server keeps nothing)
+        self.conversations = durable
+        if responses is not None:
+            responses.conversations = durable
         self.metrics = metrics
         self.bound_urls: list[str] = []
         #: ``run --workers``: every worker's metrics as one scrape, from this one's text
@@ -201,6 +210,9 @@ class App:
             else:
                 methods = {"GET": self._retrieve, "DELETE": self._delete}
                 route = RESPONSE_PATH + "{id}"
+        elif methods is None and (found := conversations.route(path)) is not None:
+            methods = {verb: partial(self._conversation, call) for verb, call in found[0].items()}
+            route = found[1]
         admin_enabled = settings.frontend.admin.enabled
         if methods is not None and path.startswith("/fleet") and not admin_enabled:
             methods = None  # admin disabled: the routes do not exist
@@ -370,13 +382,30 @@ class App:
 
         return await self._from_body(settings, receive, send, held)
 
+    async def _conversation(self, call: conversations.Call, settings: Settings, scope: Scope,
+                            receive: Receive, send: Send) -> int:
+        """A Conversations API call for the request's owner (http/conversations.py)."""
+        owner = owner_of(settings.frontend.auth, scope)
+
+        async def answer(body: bytes, headers: Headers) -> int:
+            out = await conversations.answer(call, self.conversations, owner, scope, body)
+            await send_body(send, 200, out, JSON, headers)
+            return 200
+
+        return await self._from_body(settings, receive, send, answer)
+
     async def _responses_request(self, body: bytes, owner: str) -> ResponsesRequest:
-        """A Responses body read with the history of the response it continues, if any
-        (``owner``'s: another's is not found)."""
+        """A Responses body read with the history it continues, if any: the response it
+        names, or the conversation (``owner``'s: another's is not found)."""
         raw = read_json_object(body)
         previous = previous_response_id(raw)
-        history = () if previous is None else (await self._previous(previous, owner)).history()
-        return parse_responses_request(raw, history, decode_items(history))
+        conversation = conversation_id_of(raw)
+        history: tuple[bytes, ...] = ()
+        if previous is not None:
+            history = (await self._previous(previous, owner)).history()
+        elif conversation is not None:
+            history = await conversations.history(self.conversations, conversation, owner)
+        return parse_responses_request(raw, history, decode_items(history), conversation)
 
     async def _previous(self, response_id: str, owner: str) -> StoredResponse:
         """``owner``'s stored response a Responses request continues; a 400 if none is held."""
@@ -454,7 +483,7 @@ class App:
                 "([frontend.responses] store = false).", "background",
             )
         response_id = background.store.new_id()
-        queued = background.start(relay, settings, prepared, request, response_id, owner)
+        queued = await background.start(relay, settings, prepared, request, response_id, owner)
         if not request.chat.stream:
             await send_body(send, 200, _encode(queued), JSON, headers)
             return 200

@@ -210,7 +210,7 @@ async def _stream(relay: Relay, state: RelayState, builder: MessageBuilder, send
     def batch(text: str, finished: bool, logprobs: Sequence[TokenLogprob]) -> bytes:
         return _render(builder.feed(state.parse(text, finished)))
 
-    def closing() -> bytes:
+    async def closing() -> bytes:
         events = builder.finish()
         reason, sequence = _stop(state, builder)
         events.append({"type": "message_delta",

@@ -1,24 +1,35 @@
 """``/v1/responses/{id}``: retrieve, delete, cancel and list the input items of a response.
 
-A response is held by the process that answered it (its id says which,
-openai/response_store.py). One this process does not hold is asked of that
-sibling over the replica link, so a client whose follow-up lands on another
-worker or replica still finds it; a sibling that is gone took its responses
-with it, and the answer is OpenAI's "not found". Every call names the owner
+With a database behind the store (``[frontend.responses] backend``), a
+response is there before its id is answered, and any process reads it from
+there. In memory, a response is held by the process that answered it (its
+id says which, openai/response_store.py). One this process does not hold is
+asked of that sibling over the replica link, so a client whose follow-up
+lands on another worker or replica still finds it; a sibling that is gone
+took its responses with it, and the answer is OpenAI's "not found". Every call names the owner
 asking (http/identity.py): another owner's response is "not found" too, here
 and at the sibling, so existence never leaks.
 """
 
 from __future__ import annotations
 
-from typing import Final
+import logging
+from collections.abc import Sequence
+from typing import Any, Final
 from urllib.parse import parse_qs
 
 import msgspec
 
 from direct_frontend.http.asgi import JSON, Headers, Send, send_body
 from direct_frontend.http.query import query_int
-from direct_frontend.openai.errors import invalid_request, not_cancellable, response_not_found
+from direct_frontend.openai.conversations import Item
+from direct_frontend.openai.errors import (
+    OpenAIHTTPError,
+    invalid_request,
+    not_cancellable,
+    response_not_found,
+    store_unavailable,
+)
 from direct_frontend.openai.response_store import (
     NOT_BACKGROUND,
     RemoteResponses,
@@ -26,6 +37,9 @@ from direct_frontend.openai.response_store import (
     StoredResponse,
     holder_of,
 )
+from direct_frontend.state.sql import StoreError
+
+log = logging.getLogger("direct_frontend.http")
 
 #: ``GET``/``DELETE /v1/responses/{id}``, ``GET /v1/responses/{id}/input_items``
 RESPONSE_PATH: Final = "/v1/responses/"
@@ -42,6 +56,7 @@ class _ItemId(msgspec.Struct):
 
 
 _item_id: Final = msgspec.json.Decoder(_ItemId)
+_encode: Final = msgspec.json.Encoder().encode
 
 
 def _sibling(store: ResponseStore, response_id: str) -> tuple[RemoteResponses, str] | None:
@@ -52,15 +67,72 @@ def _sibling(store: ResponseStore, response_id: str) -> tuple[RemoteResponses, s
     return store.remote, holder
 
 
+def unavailable(exc: StoreError) -> OpenAIHTTPError:
+    """The 503 of a database that did not answer; why is logged."""
+    log.warning("the store did not answer: %s", exc)
+    return store_unavailable()
+
+
 async def find(store: ResponseStore, response_id: str, owner: str) -> StoredResponse | None:
-    """``owner``'s stored response: this process's, else its holder's (a sibling), else None."""
-    record = store.get(response_id, owner)
-    if record is None and (sibling := _sibling(store, response_id)) is not None:
-        remote, holder = sibling
-        record = await remote.fetch(holder, response_id, owner)
-        if record is not None and record.owner != owner:  # a sibling that does not check
-            record = None
+    """``owner``'s stored response: this process's, else the database's (if the store has
+    one), else its holder's (a sibling), else None.
+
+    A cached record is confirmed in the database first (one indexed read,
+    however long its history), so a delete by another process is seen.
+    """
+    durable = store.durable
+    if durable is None:
+        record = store.get(response_id, owner)
+        if record is None and (sibling := _sibling(store, response_id)) is not None:
+            remote, holder = sibling
+            record = await remote.fetch(holder, response_id, owner)
+            if record is not None and record.owner != owner:  # a sibling that does not check
+                record = None
+        return record
+    live = None if store.live is None else store.live(response_id)
+    if live is not None:
+        return live if live.owner == owner else None
+    try:
+        record = store.get(response_id, owner)
+        if record is not None:
+            if await durable.has(response_id, owner):
+                return record
+            store.delete(response_id, owner)
+            return None
+        record = await durable.get(response_id, owner)
+    except StoreError as exc:
+        raise unavailable(exc) from None
+    if record is not None and not record.running:
+        store.put(record)
     return record
+
+
+async def keep(store: ResponseStore, record: StoredResponse, running: bool = False) -> bool:
+    """Store ``record``: committed to the database (if the store has one) before this
+    returns, then cached; False when it was not stored (the answer must say so)."""
+    durable = store.durable
+    if durable is None:  # a running record is seen live (store.live), not kept
+        return running or store.put(record)
+    if not await durable.put(record, running):
+        return False
+    if not running:
+        store.put(record)  # the cache: a record too large for it is still stored
+    return True
+
+
+async def append_turn(store: ResponseStore, conversation: str | None,
+                      items: Sequence[dict[str, Any]], owner: str) -> None:
+    """Add a response's input and output ``items`` to ``owner``'s ``conversation`` (if the
+    request named one); committed before this returns. A conversation deleted meanwhile
+    takes nothing; a database that fails is logged (the response itself is answered)."""
+    target = store.conversations
+    if conversation is None or target is None:
+        return
+    try:
+        await target.add_items(conversation, owner,
+                               [Item(item["id"], _encode(item)) for item in items])
+    except StoreError as exc:
+        log.warning("conversation %s: a turn's items were not added: %s", conversation, exc)
 
 
 async def respond_retrieve(store: ResponseStore, response_id: str, owner: str, send: Send,
@@ -75,7 +147,12 @@ async def respond_retrieve(store: ResponseStore, response_id: str, owner: str, s
 async def respond_delete(store: ResponseStore, response_id: str, owner: str, send: Send,
                          headers: Headers) -> int:
     deleted = store.delete(response_id, owner)
-    if not deleted and (sibling := _sibling(store, response_id)) is not None:
+    if store.durable is not None:
+        try:
+            deleted = await store.durable.delete(response_id, owner) or deleted
+        except StoreError as exc:
+            raise unavailable(exc) from None
+    elif not deleted and (sibling := _sibling(store, response_id)) is not None:
         remote, holder = sibling
         deleted = await remote.delete(holder, response_id, owner)
     if not deleted:

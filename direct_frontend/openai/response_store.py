@@ -39,10 +39,13 @@ import dataclasses
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
-from typing import Any, Final, Protocol
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 import msgspec
+
+if TYPE_CHECKING:
+    from direct_frontend.openai.conversations import Item
 
 PREFIX: Final = "resp_"
 #: hex characters of the holder tag that leads every id this process makes
@@ -104,6 +107,35 @@ class RemoteResponses(Protocol):
         ...
 
 
+class DurableResponses(Protocol):
+    """Where stored responses outlive the process (state/shell.py): a database.
+
+    With one, this store is the cache in front of it: a record is written
+    there before its id is answered, and a record this process does not hold
+    is read from there.
+    """
+
+    async def put(self, record: StoredResponse, running: bool = False) -> bool:
+        """Commit ``record`` (``running``: under a lease its process renews); False: not
+        stored."""
+        ...
+
+    async def get(self, response_id: str, owner: str) -> StoredResponse | None: ...
+
+    async def has(self, response_id: str, owner: str) -> bool: ...
+
+    async def delete(self, response_id: str, owner: str) -> bool: ...
+
+    async def renew(self, response_ids: Sequence[str]) -> None: ...
+
+
+class ConversationLog(Protocol):
+    """Conversations a response's turn is added to (state/shell.py)."""
+
+    async def add_items(self, conversation_id: str, owner: str,
+                        items: Sequence[Item]) -> bool: ...
+
+
 #: a running background response's record as it is now (None: no such response runs here)
 Live = Callable[[str], "StoredResponse | None"]
 #: cancels a background response this process runs: its :data:`Cancelled` answer
@@ -163,6 +195,10 @@ class ResponseStore:
         self.live: Live | None = None
         #: cancels one of them (http/background.py)
         self.canceller: Canceller | None = None
+        #: the database behind this store (None: this memory is all there is)
+        self.durable: DurableResponses | None = None
+        #: where a response that names a conversation adds its turn (state/shell.py)
+        self.conversations: ConversationLog | None = None
         self.bytes = 0
         self.evicted = 0
         self._records: OrderedDict[str, tuple[StoredResponse, float]] = OrderedDict()

@@ -53,6 +53,8 @@ class ResponsesRequest:
     background: bool = False
     #: ``auto``: the oldest turns are dropped for the model when the input outgrows its context
     truncation: str = "disabled"
+    #: the conversation it reads as history and appends its input and output to
+    conversation: str | None = None
 
 
 def previous_response_id(raw: dict[str, Any]) -> str | None:
@@ -68,18 +70,15 @@ def parse_responses_request(
     body: bytes | dict[str, Any],
     history: tuple[bytes, ...] = (),
     history_items: list[dict[str, Any]] | None = None,
+    conversation: str | None = None,
 ) -> ResponsesRequest:
     """Validate a Responses body; raises ``OpenAIHTTPError`` (400) naming the field.
 
     ``history``: the stored items of the response the body continues (found by
-    the caller), ``history_items`` the same decoded.
+    the caller), ``history_items`` the same decoded; ``conversation``: the
+    conversation they are the items of (then the request adds to it).
     """
     raw = read_json_object(body) if isinstance(body, bytes) else body
-    if raw.get("conversation") is not None:  # silently without its history would mislead
-        raise invalid_request(
-            "The Conversations API is not served here: continue with previous_response_id, or "
-            "send the whole conversation in 'input'.", "conversation",
-        )
     if "input" not in raw:
         raise invalid_request("Missing required parameter: 'input'.", "input")
     instructions = raw.get("instructions")
@@ -128,8 +127,8 @@ def parse_responses_request(
     request = parse_chat_request(_encode(chat))
     return ResponsesRequest(request, instructions, tools, raw.get("tool_choice", "auto"),
                             raw.get("max_output_tokens"), store, previous_response_id(raw),
-                            history, tuple(_normalized(item) for item in own), background,
-                            truncation)
+                            history, tuple(normalized_item(item) for item in own), background,
+                            truncation, conversation)
 
 
 def _input_list(value: Any) -> list[Any]:
@@ -149,7 +148,7 @@ def item_id(prefix: str) -> str:
     return f"{prefix}_{secrets.token_hex(12)}"
 
 
-def _normalized(item: dict[str, Any]) -> dict[str, Any]:
+def normalized_item(item: dict[str, Any]) -> dict[str, Any]:
     """An input item as the API lists it (``input_items``): typed, with an id, content in parts."""
     kind = item.get("type", "message")
     out = {"type": kind, **item}

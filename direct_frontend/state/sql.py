@@ -1,0 +1,415 @@
+"""The durable store's SQL, one implementation for SQLite and PostgreSQL (blocking calls).
+
+Every method is one transaction on a connection taken from a small pool,
+and returns once it has committed: a record :meth:`SqlStore.put_response`
+returned for is on disk (SQLite: WAL, ``synchronous = FULL``, so the commit's
+fsync is done; PostgreSQL: its commit). The Trio shell (:mod:`.shell`) runs
+them on worker threads.
+
+Every row has an owner and every query names it: another owner's id is not
+found, exactly as an id nobody made. A stored response is its msgpack
+record (openai/response_store.py); a conversation is a row and its items one
+row each, numbered in the order they were added, so a page is an index range
+and an append costs one row whatever the conversation's length.
+
+The schema is versioned: :data:`MIGRATIONS` are applied in order at open, in
+one transaction that holds the database's write lock (SQLite's ``BEGIN
+IMMEDIATE``, a PostgreSQL advisory lock), so processes starting together
+apply each once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, ClassVar, Final, Generic, Literal, TypeVar
+
+from direct_frontend.openai.conversations import Conversation, Item
+from direct_frontend.openai.response_store import StoredResponse, decode_record, encode_record
+
+#: the schema's versions: each entry takes the database from its index to the next
+#: (``{blob}``, ``{real}``, ``{int}``: the dialect's types)
+MIGRATIONS: Final[tuple[tuple[str, ...], ...]] = (
+    (
+        """CREATE TABLE responses (
+            id TEXT PRIMARY KEY, owner TEXT NOT NULL, created {real} NOT NULL,
+            expires {real} NOT NULL, status TEXT NOT NULL, lease {real},
+            size {int} NOT NULL, record {blob} NOT NULL)""",
+        "CREATE INDEX responses_owner ON responses (owner, created)",
+        "CREATE INDEX responses_expires ON responses (expires)",
+        """CREATE TABLE conversations (
+            id TEXT PRIMARY KEY, owner TEXT NOT NULL, created_at {int} NOT NULL,
+            updated {real} NOT NULL, metadata {blob} NOT NULL, size {int} NOT NULL,
+            next_seq {int} NOT NULL)""",
+        "CREATE INDEX conversations_owner ON conversations (owner, updated)",
+        """CREATE TABLE conversation_items (
+            conversation TEXT NOT NULL, seq {int} NOT NULL, item_id TEXT NOT NULL,
+            data {blob} NOT NULL, PRIMARY KEY (conversation, seq))""",
+        "CREATE UNIQUE INDEX conversation_items_id ON conversation_items (conversation, item_id)",
+    ),
+)
+SCHEMA_VERSION: Final = len(MIGRATIONS)
+#: what a running background response's row is read as once its lease has run out
+RUNNING: Final = ("queued", "in_progress")
+
+Order = Literal["asc", "desc"]
+_C = TypeVar("_C")
+
+
+class StoreError(Exception):
+    """The database refused or could not be reached (the caller answers 'not stored')."""
+
+
+class DuplicateItem(StoreError):
+    """An item's id is already in its conversation."""
+
+
+class SqlStore(Generic[_C]):
+    """The durable store over one database; see the module's text.
+
+    Subclasses connect (:meth:`_connect`), open a transaction (:meth:`_begin`)
+    and name their types; the SQL is written once, with ``?`` placeholders.
+    """
+
+    types: ClassVar[dict[str, str]] = {"blob": "BLOB", "real": "REAL", "int": "INTEGER"}
+    placeholder = "?"
+    #: what the driver raises when a unique key is broken
+    integrity: tuple[type[Exception], ...] = ()
+    #: what the driver raises at all (answered as :class:`StoreError`)
+    errors: tuple[type[Exception], ...] = ()
+
+    def __init__(self, connections: int, clock: Callable[[], float] = time.time) -> None:
+        self.clock = clock
+        self.connections = connections
+        self._pool: queue.SimpleQueue[_C] = queue.SimpleQueue()
+
+    # -- what a dialect supplies ----------------------------------------------------------
+    def _connect(self) -> _C:
+        raise NotImplementedError
+
+    @contextlib.contextmanager
+    def _begin(self, conn: _C, write: bool) -> Iterator[None]:
+        """One transaction; a ``write`` one holds the write lock from its start."""
+        raise NotImplementedError
+        yield
+
+    def _close(self, conn: _C) -> None:
+        raise NotImplementedError
+
+    def _lock_schema(self, conn: _C) -> None:
+        """Serialize migrations between processes (within :meth:`_begin`)."""
+
+    # -- plumbing -----------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _tx(self, write: bool = True) -> Iterator[_C]:
+        try:
+            conn = self._pool.get_nowait()
+        except queue.Empty:
+            try:
+                conn = self._connect()
+            except self.errors as exc:
+                raise StoreError(str(exc)) from exc
+        healthy = False
+        try:
+            with self._begin(conn, write):
+                yield conn
+            healthy = True
+        except self.errors as exc:
+            raise StoreError(str(exc)) from exc
+        finally:
+            if healthy:
+                self._pool.put(conn)
+            else:  # a connection that failed is not reused (it may be broken)
+                with contextlib.suppress(Exception):
+                    self._close(conn)
+
+    def _sql(self, statement: str) -> str:
+        return statement if self.placeholder == "?" else statement.replace("?", self.placeholder)
+
+    def _run(self, conn: _C, statement: str, params: Sequence[Any] = ()) -> Any:
+        return conn.execute(self._sql(statement), params)  # type: ignore[attr-defined]
+
+    def close(self) -> None:
+        while True:
+            try:
+                conn = self._pool.get_nowait()
+            except queue.Empty:
+                return
+            with contextlib.suppress(Exception):
+                self._close(conn)
+
+    def migrate(self) -> int:
+        """Bring the schema to :data:`SCHEMA_VERSION`; the version it was at."""
+        with self._tx() as conn:
+            self._lock_schema(conn)
+            self._run(conn, "CREATE TABLE IF NOT EXISTS schema_version (version "
+                            f"{self.types['int']} NOT NULL)")
+            row = self._run(conn, "SELECT version FROM schema_version").fetchone()
+            was = 0 if row is None else int(row[0])
+            if was > SCHEMA_VERSION:
+                raise StoreError(f"the database's schema is version {was}, newer than this "
+                                 f"program's {SCHEMA_VERSION}: run the newer program")
+            for steps in MIGRATIONS[was:]:
+                for statement in steps:
+                    self._run(conn, statement.format(**self.types))
+            if row is None:
+                self._run(conn, "INSERT INTO schema_version (version) VALUES (?)",
+                          (SCHEMA_VERSION,))
+            elif was < SCHEMA_VERSION:
+                self._run(conn, "UPDATE schema_version SET version = ?", (SCHEMA_VERSION,))
+            return was
+
+    # -- responses --------------------------------------------------------------------------
+    def put_response(self, record: StoredResponse, ttl_s: float,
+                     lease_s: float | None = None) -> None:
+        """Keep ``record`` (replacing one of its id); committed when this returns.
+
+        ``lease_s``: a running background response's row is read as failed
+        unless its process renews the lease within this long.
+        """
+        now = self.clock()
+        body = encode_record(record)
+        lease = None if lease_s is None else now + lease_s
+        with self._tx() as conn:
+            self._run(conn, "DELETE FROM responses WHERE id = ?", (record.id,))
+            self._run(conn, "INSERT INTO responses (id, owner, created, expires, status, lease, "
+                            "size, record) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                      (record.id, record.owner, now, now + ttl_s, record.status, lease,
+                       len(body), body))
+
+    def get_response(self, response_id: str, owner: str) -> tuple[StoredResponse, bool] | None:
+        """``owner``'s record, and whether it is running under a lease that has run out."""
+        now = self.clock()
+        with self._tx(write=False) as conn:
+            row = self._run(conn, "SELECT record, status, lease FROM responses WHERE id = ? "
+                                  "AND owner = ? AND expires > ?",
+                            (response_id, owner, now)).fetchone()
+        if row is None:
+            return None
+        record = decode_record(bytes(row[0]))
+        if record is None:
+            return None
+        lost = row[1] in RUNNING and (row[2] is None or row[2] < now)
+        return record, lost
+
+    def has_response(self, response_id: str, owner: str) -> bool:
+        with self._tx(write=False) as conn:
+            row = self._run(conn, "SELECT 1 FROM responses WHERE id = ? AND owner = ? AND "
+                                  "expires > ?", (response_id, owner, self.clock())).fetchone()
+        return row is not None
+
+    def delete_response(self, response_id: str, owner: str) -> bool:
+        with self._tx() as conn:
+            cursor = self._run(conn, "DELETE FROM responses WHERE id = ? AND owner = ?",
+                               (response_id, owner))
+            return bool(cursor.rowcount)
+
+    def renew(self, response_ids: Sequence[str], lease_s: float) -> None:
+        """Extend the leases of the running background responses of these ids."""
+        until = self.clock() + lease_s
+        with self._tx() as conn:
+            for response_id in response_ids:
+                self._run(conn, "UPDATE responses SET lease = ? WHERE id = ?",
+                          (until, response_id))
+
+    # -- conversations --------------------------------------------------------------------
+    def create_conversation(self, conversation: Conversation, items: Sequence[Item]) -> None:
+        now = self.clock()
+        size = len(conversation.metadata) + sum(len(i.data) for i in items)
+        with self._tx() as conn:
+            self._run(conn, "INSERT INTO conversations (id, owner, created_at, updated, metadata,"
+                            " size, next_seq) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                      (conversation.id, conversation.owner, conversation.created_at, now,
+                       conversation.metadata, size, len(items)))
+            self._insert_items(conn, conversation.id, 0, items)
+
+    def get_conversation(self, conversation_id: str, owner: str) -> Conversation | None:
+        with self._tx(write=False) as conn:
+            return self._conversation(conn, conversation_id, owner)
+
+    def update_conversation(self, conversation_id: str, owner: str,
+                            metadata: bytes) -> Conversation | None:
+        with self._tx() as conn:
+            cursor = self._run(conn, "UPDATE conversations SET metadata = ?, updated = ? "
+                                     "WHERE id = ? AND owner = ?",
+                               (metadata, self.clock(), conversation_id, owner))
+            if not cursor.rowcount:
+                return None
+            return self._conversation(conn, conversation_id, owner)
+
+    def delete_conversation(self, conversation_id: str, owner: str) -> bool:
+        with self._tx() as conn:
+            cursor = self._run(conn, "DELETE FROM conversations WHERE id = ? AND owner = ?",
+                               (conversation_id, owner))
+            if not cursor.rowcount:
+                return False
+            self._run(conn, "DELETE FROM conversation_items WHERE conversation = ?",
+                      (conversation_id,))
+            return True
+
+    def add_items(self, conversation_id: str, owner: str, items: Sequence[Item]) -> int | None:
+        """Append ``items``; the number the next item will get (None: not ``owner``'s)."""
+        size = sum(len(i.data) for i in items)
+        with self._tx() as conn:
+            row = self._run(conn, self._for_update(
+                "SELECT next_seq FROM conversations WHERE id = ? AND owner = ?"),
+                (conversation_id, owner)).fetchone()
+            if row is None:
+                return None
+            first = int(row[0])
+            self._insert_items(conn, conversation_id, first, items)
+            self._run(conn, "UPDATE conversations SET next_seq = ?, size = size + ?, "
+                            "updated = ? WHERE id = ?",
+                      (first + len(items), size, self.clock(), conversation_id))
+            return first + len(items)
+
+    def list_items(self, conversation_id: str, owner: str, after: str | None, limit: int,
+                   order: Order) -> tuple[list[Item], bool] | None:
+        """A page of ``limit`` items after the item ``after`` (None: from the first, in
+        ``order``), and whether more follow; None when the conversation is not ``owner``'s.
+
+        An ``after`` that is no item of the conversation raises KeyError.
+        """
+        with self._tx(write=False) as conn:
+            if self._conversation(conn, conversation_id, owner) is None:
+                return None
+            op, direction = (">", "ASC") if order == "asc" else ("<", "DESC")
+            params: list[Any] = [conversation_id]
+            where = "conversation = ?"
+            if after is not None:
+                row = self._run(conn, "SELECT seq FROM conversation_items WHERE conversation = ?"
+                                      " AND item_id = ?", (conversation_id, after)).fetchone()
+                if row is None:
+                    raise KeyError(after)
+                where += f" AND seq {op} ?"
+                params.append(int(row[0]))
+            rows = self._run(conn, f"SELECT item_id, data FROM conversation_items WHERE {where} "
+                                   f"ORDER BY seq {direction} LIMIT ?",
+                             (*params, limit + 1)).fetchall()
+        items = [Item(row[0], bytes(row[1])) for row in rows]
+        return items[:limit], len(items) > limit
+
+    def items_since(self, conversation_id: str, owner: str,
+                    start: int) -> tuple[int, list[tuple[int, bytes]]] | None:
+        """The items numbered ``start`` or more, each with its number, and the number the
+        next item will get; None when the conversation is not ``owner``'s. A caller
+        holding the items before ``start`` reads only the rest (a gap in the numbers
+        means an item was deleted: it reads them all again)."""
+        with self._tx(write=False) as conn:
+            row = self._run(conn, "SELECT next_seq FROM conversations WHERE id = ? AND owner = ?",
+                            (conversation_id, owner)).fetchone()
+            if row is None:
+                return None
+            rows = self._run(conn, "SELECT seq, data FROM conversation_items WHERE "
+                                   "conversation = ? AND seq >= ? ORDER BY seq",
+                             (conversation_id, start)).fetchall()
+        return int(row[0]), [(int(r[0]), bytes(r[1])) for r in rows]
+
+    def get_item(self, conversation_id: str, owner: str, item_id: str) -> Item | bool | None:
+        """The item; False when the conversation is not ``owner``'s, None when it has no
+        such item."""
+        with self._tx(write=False) as conn:
+            if self._conversation(conn, conversation_id, owner) is None:
+                return False
+            row = self._run(conn, "SELECT data FROM conversation_items WHERE conversation = ? "
+                                  "AND item_id = ?", (conversation_id, item_id)).fetchone()
+        return None if row is None else Item(item_id, bytes(row[0]))
+
+    def delete_item(self, conversation_id: str, owner: str,
+                    item_id: str) -> Conversation | bool | None:
+        """The conversation once the item is gone; False: not ``owner``'s; None: no such item.
+
+        Numbers are not reused: the items after it keep theirs, so a reader
+        holding the first N items sees the delete as a changed count.
+        """
+        with self._tx() as conn:
+            conversation = self._conversation(conn, conversation_id, owner)
+            if conversation is None:
+                return False
+            cursor = self._run(conn, "DELETE FROM conversation_items WHERE conversation = ? "
+                                     "AND item_id = ?", (conversation_id, item_id))
+            if not cursor.rowcount:
+                return None
+            # a reader's cache of the items is keyed by next_seq: make it differ
+            self._run(conn, "UPDATE conversations SET next_seq = next_seq + 1, updated = ? "
+                            "WHERE id = ?", (self.clock(), conversation_id))
+            return conversation
+
+    # -- retention ------------------------------------------------------------------------
+    def sweep(self, conversation_ttl_s: float | None, max_bytes_per_owner: int | None,
+              batch: int = 500) -> int:
+        """Drop expired responses, conversations idle past ``conversation_ttl_s``, and each
+        owner's oldest responses beyond ``max_bytes_per_owner``; how many rows left.
+
+        At most ``batch`` rows per transaction, so a sweep never holds the
+        write lock long.
+        """
+        now = self.clock()
+        dropped = 0
+        while True:
+            with self._tx() as conn:
+                ids = [r[0] for r in self._run(conn, "SELECT id FROM responses WHERE expires <= ?"
+                                                     " LIMIT ?", (now, batch)).fetchall()]
+                for response_id in ids:
+                    self._run(conn, "DELETE FROM responses WHERE id = ?", (response_id,))
+            dropped += len(ids)
+            if len(ids) < batch:
+                break
+        if conversation_ttl_s is not None:
+            with self._tx() as conn:
+                stale = [r[0] for r in self._run(
+                    conn, "SELECT id FROM conversations WHERE updated <= ? LIMIT ?",
+                    (now - conversation_ttl_s, batch)).fetchall()]
+                for conversation_id in stale:
+                    self._run(conn, "DELETE FROM conversations WHERE id = ?", (conversation_id,))
+                    self._run(conn, "DELETE FROM conversation_items WHERE conversation = ?",
+                              (conversation_id,))
+            dropped += len(stale)
+        if max_bytes_per_owner is not None:
+            dropped += self._trim_owners(max_bytes_per_owner, batch)
+        return dropped
+
+    def _trim_owners(self, cap: int, batch: int) -> int:
+        """Each owner over ``cap`` loses its oldest responses until it fits."""
+        with self._tx() as conn:
+            over = self._run(conn, "SELECT owner, SUM(size) FROM responses GROUP BY owner "
+                                   "HAVING SUM(size) > ?", (cap,)).fetchall()
+        dropped = 0
+        for owner, total in over:
+            excess = int(total) - cap
+            with self._tx() as conn:
+                rows = self._run(conn, "SELECT id, size FROM responses WHERE owner = ? "
+                                       "ORDER BY created LIMIT ?", (owner, batch)).fetchall()
+                for response_id, size in rows:
+                    if excess <= 0:
+                        break
+                    self._run(conn, "DELETE FROM responses WHERE id = ?", (response_id,))
+                    excess -= int(size)
+                    dropped += 1
+        return dropped
+
+    # -- helpers ----------------------------------------------------------------------------
+    def _for_update(self, statement: str) -> str:
+        """``statement`` locking the row it reads (SQLite's transaction holds the lock)."""
+        return statement
+
+    def _conversation(self, conn: _C, conversation_id: str, owner: str) -> Conversation | None:
+        row = self._run(conn, "SELECT created_at, metadata FROM conversations WHERE id = ? "
+                              "AND owner = ?", (conversation_id, owner)).fetchone()
+        if row is None:
+            return None
+        return Conversation(conversation_id, owner, int(row[0]), bytes(row[1]))
+
+    def _insert_items(self, conn: _C, conversation_id: str, first: int,
+                      items: Sequence[Item]) -> None:
+        if len({item.id for item in items}) < len(items):
+            raise DuplicateItem("two items have one id")
+        try:
+            for seq, item in enumerate(items, first):
+                self._run(conn, "INSERT INTO conversation_items (conversation, seq, item_id, "
+                                "data) VALUES (?, ?, ?, ?)",
+                          (conversation_id, seq, item.id, item.data))
+        except self.integrity as exc:
+            raise DuplicateItem("an item of that id is in the conversation already") from exc

@@ -1,0 +1,164 @@
+"""The durable store's SQL on both backends: owners, paging, leases, retention, migrations."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from direct_frontend.openai.conversations import Conversation, Item
+from direct_frontend.openai.response_store import StoredResponse
+from direct_frontend.state.sql import SCHEMA_VERSION, DuplicateItem, SqlStore, StoreError
+from direct_frontend.state.sqlite import SqliteStore
+from tests.state.conftest import Clock
+
+
+def record(rid: str = "resp_1", owner: str = "k1", status: str = "completed",
+           size: int = 10) -> StoredResponse:
+    return StoredResponse(rid, b'{"id":"%b","status":"%b"}' % (rid.encode(), status.encode()),
+                          (b'{"id":"msg_o"}',), (b"x" * size,), status=status,
+                          background=status != "completed", owner=owner)
+
+
+def conversation(cid: str = "conv_1", owner: str = "k1") -> Conversation:
+    return Conversation(cid, owner, 123, b'{"a":"b"}')
+
+
+def items(*ids: str) -> list[Item]:
+    return [Item(i, b'{"id":"%b"}' % i.encode()) for i in ids]
+
+
+def test_a_response_is_its_owners_alone(sql: SqlStore[Any]) -> None:
+    sql.put_response(record(), ttl_s=60)
+    found = sql.get_response("resp_1", "k1")
+    assert found is not None and found[0] == record() and not found[1]
+    assert sql.get_response("resp_1", "k2") is None
+    assert not sql.has_response("resp_1", "k2") and sql.has_response("resp_1", "k1")
+    assert not sql.delete_response("resp_1", "k2")
+    assert sql.delete_response("resp_1", "k1")
+    assert sql.get_response("resp_1", "k1") is None
+
+
+def test_a_response_expires_and_a_sweep_drops_it(sql: SqlStore[Any], clock: Clock) -> None:
+    sql.put_response(record(), ttl_s=60)
+    clock.now += 61
+    assert sql.get_response("resp_1", "k1") is None
+    assert sql.sweep(None, None) == 1
+    assert sql.sweep(None, None) == 0
+
+
+def test_a_running_response_without_its_lease_reads_as_lost(sql: SqlStore[Any],
+                                                             clock: Clock) -> None:
+    sql.put_response(record(status="queued"), ttl_s=600, lease_s=10)
+    found = sql.get_response("resp_1", "k1")
+    assert found is not None and not found[1]
+    clock.now += 8
+    sql.renew(["resp_1"], 10)
+    clock.now += 8
+    found = sql.get_response("resp_1", "k1")
+    assert found is not None and not found[1]
+    clock.now += 3
+    found = sql.get_response("resp_1", "k1")
+    assert found is not None and found[1]
+
+
+def test_an_owner_over_its_bytes_loses_its_oldest(sql: SqlStore[Any], clock: Clock) -> None:
+    for i in range(5):
+        sql.put_response(record(f"resp_{i}", size=1000), ttl_s=600)
+        clock.now += 1
+    sql.put_response(record("resp_other", owner="k2", size=1000), ttl_s=600)
+    dropped = sql.sweep(None, 3500)
+    assert dropped == 2
+    assert sql.get_response("resp_0", "k1") is None and sql.get_response("resp_1", "k1") is None
+    assert sql.get_response("resp_2", "k1") is not None
+    assert sql.get_response("resp_other", "k2") is not None
+
+
+def test_conversations_are_their_owners_alone(sql: SqlStore[Any]) -> None:
+    sql.create_conversation(conversation(), items("a", "b"))
+    assert sql.get_conversation("conv_1", "k1") == conversation()
+    assert sql.get_conversation("conv_1", "k2") is None
+    assert sql.update_conversation("conv_1", "k2", b"{}") is None
+    assert sql.add_items("conv_1", "k2", items("c")) is None
+    assert sql.list_items("conv_1", "k2", None, 10, "asc") is None
+    assert sql.get_item("conv_1", "k2", "a") is False
+    assert sql.delete_item("conv_1", "k2", "a") is False
+    assert not sql.delete_conversation("conv_1", "k2")
+    updated = sql.update_conversation("conv_1", "k1", b'{"x":"y"}')
+    assert updated is not None and updated.metadata == b'{"x":"y"}'
+    assert sql.delete_conversation("conv_1", "k1")
+    assert sql.get_conversation("conv_1", "k1") is None
+    assert sql.items_since("conv_1", "k1", 0) is None
+
+
+def test_items_page_by_cursor_both_ways(sql: SqlStore[Any]) -> None:
+    sql.create_conversation(conversation(), items("a", "b", "c"))
+    assert sql.add_items("conv_1", "k1", items("d", "e")) == 5
+    page, more = sql.list_items("conv_1", "k1", None, 2, "asc") or ([], False)
+    assert [i.id for i in page] == ["a", "b"] and more
+    page, more = sql.list_items("conv_1", "k1", "b", 2, "asc") or ([], False)
+    assert [i.id for i in page] == ["c", "d"] and more
+    page, more = sql.list_items("conv_1", "k1", "d", 2, "asc") or ([], True)
+    assert [i.id for i in page] == ["e"] and not more
+    page, more = sql.list_items("conv_1", "k1", None, 3, "desc") or ([], False)
+    assert [i.id for i in page] == ["e", "d", "c"] and more
+    page, more = sql.list_items("conv_1", "k1", "c", 3, "desc") or ([], True)
+    assert [i.id for i in page] == ["b", "a"] and not more
+    with pytest.raises(KeyError):
+        sql.list_items("conv_1", "k1", "zz", 3, "asc")
+
+
+def test_an_item_is_read_and_deleted_by_id(sql: SqlStore[Any]) -> None:
+    sql.create_conversation(conversation(), items("a", "b", "c"))
+    assert sql.get_item("conv_1", "k1", "b") == items("b")[0]
+    assert sql.get_item("conv_1", "k1", "zz") is None
+    assert sql.delete_item("conv_1", "k1", "b") == conversation()
+    assert sql.delete_item("conv_1", "k1", "b") is None
+    after, rows = sql.items_since("conv_1", "k1", 0) or (0, [])
+    assert [seq for seq, _ in rows] == [0, 2] and after == 4  # the delete moved the count
+
+
+def test_an_item_id_is_once_per_conversation(sql: SqlStore[Any]) -> None:
+    sql.create_conversation(conversation(), items("a"))
+    with pytest.raises(DuplicateItem):
+        sql.add_items("conv_1", "k1", items("a"))
+    with pytest.raises(DuplicateItem):
+        sql.add_items("conv_1", "k1", items("b", "b"))
+    assert sql.add_items("conv_1", "k1", items("b")) == 2  # the failed adds left nothing
+
+
+def test_an_idle_conversation_is_swept(sql: SqlStore[Any], clock: Clock) -> None:
+    sql.create_conversation(conversation(), items("a"))
+    sql.create_conversation(conversation("conv_2"), items("b"))
+    clock.now += 50
+    sql.add_items("conv_2", "k1", items("c"))
+    clock.now += 60
+    assert sql.sweep(100, None) == 1
+    assert sql.get_conversation("conv_1", "k1") is None
+    assert sql.get_conversation("conv_2", "k1") is not None
+
+
+def test_migrations_run_once_and_a_newer_schema_is_refused(sql: SqlStore[Any]) -> None:
+    assert sql.migrate() == SCHEMA_VERSION
+    with sql._tx() as conn:
+        sql._run(conn, "UPDATE schema_version SET version = ?", (SCHEMA_VERSION + 1,))
+    with pytest.raises(StoreError, match="newer"):
+        sql.migrate()
+
+
+def test_sqlite_runs_in_wal_with_full_sync(tmp_path: Path) -> None:
+    store = SqliteStore(tmp_path / "s.db")
+    store.migrate()
+    with store._tx() as conn:
+        assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+        assert conn.execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL
+    assert store.integrity_check() == "ok"
+    store.close()
+
+
+def test_a_file_that_is_no_database_is_a_store_error(tmp_path: Path) -> None:
+    garbage = tmp_path / "garbage"
+    garbage.write_bytes(b"not a database" * 100)
+    with pytest.raises(StoreError):
+        SqliteStore(garbage).migrate()
