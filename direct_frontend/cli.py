@@ -219,10 +219,29 @@ def check(
         return
     if not no_tokenizer:
         _or_exit(load_text_models, config)
+    store = _reach_store(config)
     if as_json:
         typer.echo(json.dumps(to_jsonable(config), indent=2))
     else:
         typer.echo(describe_fleet(config))
+        if store is not None:
+            typer.echo(f"\nstore: {store}")
+
+
+def _reach_store(config: FleetConfig) -> str | None:
+    """The stored responses' database reached (exit 2 if it cannot be used); None: none kept."""
+    from direct_frontend.state.backends import check_reachable
+    from direct_frontend.state.sql import StoreError
+
+    responses = config.frontend.responses
+    if not responses.store:
+        return None
+    try:
+        return check_reachable(responses, config.source)
+    except StoreError as exc:
+        typer.echo(f"{config.source}: frontend.responses: the {responses.backend} store cannot "
+                   f"be used: {exc}", err=True)
+        raise typer.Exit(2) from None
 
 
 def _check_against(config: FleetConfig, url: str, token: str | None, as_json: bool) -> None:

@@ -230,7 +230,7 @@ class _Checker(PoolTables, ModelTables):
         """A postgres backend names its database; each backend's keys are its own."""
         if responses.backend == "postgres" and responses.dsn is None:
             self.report((*where, "backend"), "the postgres backend needs dsn, its database "
-                        "(a libpq connection string or a postgresql:// URL)")
+                        "as a postgresql:// URL")
         if responses.backend != "postgres" and responses.dsn is not None:
             self.report((*where, "dsn"), f"dsn is for the postgres backend, not "
                         f"{responses.backend!r}")

@@ -300,7 +300,7 @@ class ResponsesConfig:
     # sqlite: the database file, relative to the fleet file (absent: responses.db in
     # $STATE_DIRECTORY, else in $XDG_STATE_HOME/direct-frontend or ~/.local/state/direct-frontend)
     path: str | None = None
-    # postgres: the database, as a libpq connection string or a postgresql:// URL
+    # postgres: the database, as a postgresql:// URL (a secret: shown nowhere, and no spaces)
     dsn: str | None = setting(None, Rules(secret=True))
     # database connections (and worker threads) of one process
     connections: int = setting(4, AT_LEAST_ONE)

@@ -85,17 +85,41 @@ async def sweep_forever(durable: Durable, interval_s: float) -> None:
 
 def check_reachable(config: ResponsesConfig, fleet_file: Path,
                     environ: Mapping[str, str] = os.environ) -> str:
-    """For ``check``: open the backend's database and read its schema version (blocking).
-
-    What it found, in a phrase; raises StoreError when it cannot be used.
-    """
+    """For ``check``: reach the backend's database and read its schema version, changing
+    nothing (blocking). What it found, in a phrase; StoreError when it cannot be used."""
     if config.backend == "memory":
-        return "memory: nothing to reach"
+        return "memory: kept by each process, lost when it exits"
+    if config.backend == "sqlite":
+        path = sqlite_path(config, fleet_file, environ)
+        if not path.exists():
+            parent = path.parent
+            while not parent.exists():
+                parent = parent.parent
+            if not os.access(parent, os.W_OK | os.X_OK):
+                raise StoreError(f"{path} cannot be created: {parent} is not writable")
+            return f"sqlite at {path}: created at start"
+        where = f"sqlite at {path}"
+    else:
+        where = f"postgres at {_postgres_place(config.dsn or '')}"
     sql = sql_store(config, fleet_file, environ)
     try:
-        was = sql.migrate()
+        version = sql.schema_version()
     finally:
         sql.close()
-    where = (str(sqlite_path(config, fleet_file, environ)) if config.backend == "sqlite"
-             else "postgres")
-    return f"{config.backend} at {where}: reached, schema version {was or 'new'}"
+    if version > SCHEMA_VERSION:
+        raise StoreError(f"{where}: schema version {version} is newer than this program's "
+                         f"{SCHEMA_VERSION}")
+    state = ("current" if version == SCHEMA_VERSION
+             else f"version {version}, migrated to {SCHEMA_VERSION} at start")
+    return f"{where}: reached, schema {state}"
+
+
+def _postgres_place(dsn: str) -> str:
+    """Where a DSN points, without its credentials."""
+    try:
+        from psycopg.conninfo import conninfo_to_dict
+
+        parts = conninfo_to_dict(dsn)
+    except Exception:  # a DSN psycopg cannot read: the connection attempt says why
+        return "the configured dsn"
+    return f"host {parts.get('host', 'localhost')}, database {parts.get('dbname', '(default)')}"

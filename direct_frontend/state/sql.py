@@ -140,6 +140,18 @@ class SqlStore(Generic[_C]):
             with contextlib.suppress(Exception):
                 self._close(conn)
 
+    def schema_version(self) -> int:
+        """The database's schema version (0: none yet), changing nothing; StoreError when
+        it cannot be reached."""
+        with self._tx(write=False) as conn:
+            self._run(conn, "SELECT 1").fetchone()
+        try:
+            with self._tx(write=False) as conn:
+                row = self._run(conn, "SELECT version FROM schema_version").fetchone()
+        except StoreError:  # no such table: a new database
+            return 0
+        return 0 if row is None else int(row[0])
+
     def migrate(self) -> int:
         """Bring the schema to :data:`SCHEMA_VERSION`; the version it was at."""
         with self._tx() as conn:
