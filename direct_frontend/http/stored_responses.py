@@ -31,6 +31,7 @@ from direct_frontend.openai.errors import (
     store_unavailable,
 )
 from direct_frontend.openai.response_store import (
+    CANCELLED,
     NOT_BACKGROUND,
     RemoteResponses,
     ResponseStore,
@@ -168,11 +169,18 @@ async def respond_cancel(store: ResponseStore, response_id: str, owner: str, sen
     """Cancel a background response; the Response as it ended (a second cancel: the same).
 
     A response that was not run in the background is a 400, as OpenAI's is.
+    With a database, one this process does not run is answered as it is
+    stored: ended, or failed once its process died; one still running in
+    another process is cancelled only through the replica link (NATS).
     """
     answer = await store.cancel(response_id, owner)
     if answer is None and (sibling := _sibling(store, response_id)) is not None:
         remote, holder = sibling
         answer = await remote.cancel(holder, response_id, owner)
+    if answer is None and store.durable is not None:  # not running here: as it is stored
+        stored = await find(store, response_id, owner)
+        if stored is not None:
+            answer = CANCELLED if stored.background else NOT_BACKGROUND
     if answer == NOT_BACKGROUND:
         raise not_cancellable(response_id)
     record = None if answer is None else await find(store, response_id, owner)

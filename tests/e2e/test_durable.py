@@ -120,6 +120,8 @@ def test_the_quick_start_keeps_responses_chains_and_conversations_through_sigkil
     with running(daemon), daemon.client() as client:
         assert client.responses.retrieve(first.id).output[0].id == first.output[0].id
         assert client.responses.retrieve(second.id).previous_response_id == first.id
+        with pytest.raises(openai.BadRequestError):  # not a background one, as before
+            client.responses.cancel(first.id)
         history = [i.id for i in client.responses.input_items.list(second.id, order="asc")]
         assert first.output[0].id in history
         third = client.responses.create(model="demo", input="Still there?",
@@ -155,6 +157,7 @@ def test_a_background_response_running_at_sigkill_comes_back_failed(tmp_path: Pa
                  "the dead response's lease to run out")
         failed = client.responses.retrieve(started.id)
         assert failed.error is not None and failed.error.code == "response_lost"  # type: ignore[comparison-overlap]
+        assert client.responses.cancel(started.id).status == "failed"  # it ended so
 
 
 @pytest.fixture(scope="module")
