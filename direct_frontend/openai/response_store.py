@@ -2,8 +2,10 @@
 
 The Responses API stores a response unless the request says ``store: false``,
 and clients lean on that: the next turn names the previous response instead
-of sending the conversation again. A router has no database, so the store is
-this process's memory, bounded by bytes and by age. Each record keeps the
+of sending the conversation again. This store is this process's memory,
+bounded by bytes and by age: all there is with the ``memory`` backend, and
+the cache in front of a database with the others (:class:`DurableResponses`,
+state/; the HTTP shell writes there first). Each record keeps the
 Response object as it was answered, its output items, and the conversation
 it was generated from (earlier turns included), all as JSON bytes: a
 follow-up decodes them once, a ``GET`` sends them as they are, and what the

@@ -164,7 +164,7 @@ class Durable:
         after, rows = found
         if start and [seq for seq, _ in rows] == list(range(start, after)):
             assert cached is not None
-            items = cached[2] + tuple(data for _, data in rows)
+            items = cached[2] + tuple(data for _, data in rows) if rows else cached[2]
         elif start:  # an item left: read them all again
             found = await self._call(self.sql.items_since, conversation_id, owner, 0)
             if found is None:
