@@ -158,7 +158,7 @@ async def serve_fleet(
             await nursery.start(control.pods.run)
             if app.background is not None:
                 await nursery.start(app.background.run)
-            if durable is not None and fleet.frontend.responses.backend != "memory":
+            if durable is not None:
                 nursery.start_soon(sweep_forever, durable,
                                    fleet.frontend.responses.sweep_interval_s)
             config = hypercorn_config(fleet, shutdown_grace_s, worker)

@@ -7,7 +7,10 @@ user's state directory (``$XDG_STATE_HOME/direct-frontend``, by default
 ``~/.local/state/direct-frontend``), so the quick start keeps its responses
 across restarts with nothing to set. ``memory`` keeps responses in the
 process's own store (openai/response_store.py); its conversations live in a
-private in-memory SQLite database, so both APIs have one implementation.
+private in-memory SQLite database, so both APIs have one implementation,
+and are dropped after ``ttl_s`` idle and beyond an owner's ``max_bytes``
+(``max_bytes_per_owner``) unless ``conversation_ttl_s`` and
+``retain_bytes_per_owner`` say otherwise.
 """
 
 from __future__ import annotations
@@ -58,9 +61,13 @@ async def open_durable(config: ResponsesConfig, fleet_file: Path,
                        environ: Mapping[str, str] = os.environ) -> Durable:
     """The store, its schema migrated (StoreError: the database cannot be used)."""
     sql = sql_store(config, fleet_file, environ)
-    durable = Durable(sql, ttl_s=config.ttl_s, lease_s=config.lease_s,
-                      conversation_ttl_s=config.conversation_ttl_s,
-                      max_bytes_per_owner=config.retain_bytes_per_owner)
+    memory = config.backend == "memory"
+    # in memory, conversations are bounded as responses are: by age and an owner's bytes
+    durable = Durable(
+        sql, ttl_s=config.ttl_s, lease_s=config.lease_s,
+        conversation_ttl_s=config.conversation_ttl_s or (config.ttl_s if memory else None),
+        max_bytes_per_owner=config.retain_bytes_per_owner or (
+            config.max_bytes_per_owner or config.max_bytes if memory else None))
     was = await durable.open()
     if config.backend != "memory":
         where = (str(sqlite_path(config, fleet_file, environ)) if config.backend == "sqlite"

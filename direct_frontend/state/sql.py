@@ -340,20 +340,25 @@ class SqlStore(Generic[_C]):
             conversation = self._conversation(conn, conversation_id, owner)
             if conversation is None:
                 return False
-            cursor = self._run(conn, "DELETE FROM conversation_items WHERE conversation = ? "
-                                     "AND item_id = ?", (conversation_id, item_id))
-            if not cursor.rowcount:
+            row = self._run(conn, "SELECT LENGTH(data) FROM conversation_items WHERE "
+                                  "conversation = ? AND item_id = ?",
+                            (conversation_id, item_id)).fetchone()
+            if row is None:
                 return None
+            self._run(conn, "DELETE FROM conversation_items WHERE conversation = ? AND "
+                            "item_id = ?", (conversation_id, item_id))
             # a reader's cache of the items is keyed by next_seq: make it differ
-            self._run(conn, "UPDATE conversations SET next_seq = next_seq + 1, updated = ? "
-                            "WHERE id = ?", (self.clock(), conversation_id))
+            self._run(conn, "UPDATE conversations SET next_seq = next_seq + 1, size = size - ?, "
+                            "updated = ? WHERE id = ?",
+                      (int(row[0]), self.clock(), conversation_id))
             return conversation
 
     # -- retention ------------------------------------------------------------------------
     def sweep(self, conversation_ttl_s: float | None, max_bytes_per_owner: int | None,
               batch: int = 500) -> int:
         """Drop expired responses, conversations idle past ``conversation_ttl_s``, and each
-        owner's oldest responses beyond ``max_bytes_per_owner``; how many rows left.
+        owner's oldest responses, and least recently changed conversations, beyond
+        ``max_bytes_per_owner`` (each kind on its own); how many of them left.
 
         At most ``batch`` rows per transaction, so a sweep never holds the
         write lock long.
@@ -384,22 +389,31 @@ class SqlStore(Generic[_C]):
         return dropped
 
     def _trim_owners(self, cap: int, batch: int) -> int:
-        """Each owner over ``cap`` loses its oldest responses until it fits."""
-        with self._tx() as conn:
-            over = self._run(conn, "SELECT owner, SUM(size) FROM responses GROUP BY owner "
-                                   "HAVING SUM(size) > ?", (cap,)).fetchall()
+        """Each owner over ``cap`` loses its oldest responses (and, apart, its least
+        recently changed conversations) until it fits, ``batch`` at most per transaction."""
         dropped = 0
-        for owner, total in over:
-            excess = int(total) - cap
-            with self._tx() as conn:
-                rows = self._run(conn, "SELECT id, size FROM responses WHERE owner = ? "
-                                       "ORDER BY created LIMIT ?", (owner, batch)).fetchall()
-                for response_id, size in rows:
-                    if excess <= 0:
+        for table, age in (("responses", "created"), ("conversations", "updated")):
+            with self._tx(write=False) as conn:
+                over = self._run(conn, f"SELECT owner, SUM(size) FROM {table} GROUP BY owner "
+                                       "HAVING SUM(size) > ?", (cap,)).fetchall()
+            for owner, total in over:
+                excess = int(total) - cap
+                while excess > 0:
+                    with self._tx() as conn:
+                        rows = self._run(conn, f"SELECT id, size FROM {table} WHERE owner = ? "
+                                               f"ORDER BY {age} LIMIT ?",
+                                         (owner, batch)).fetchall()
+                        for row_id, size in rows:
+                            if excess <= 0:
+                                break
+                            self._run(conn, f"DELETE FROM {table} WHERE id = ?", (row_id,))
+                            if table == "conversations":
+                                self._run(conn, "DELETE FROM conversation_items WHERE "
+                                                "conversation = ?", (row_id,))
+                            excess -= int(size)
+                            dropped += 1
+                    if not rows:
                         break
-                    self._run(conn, "DELETE FROM responses WHERE id = ?", (response_id,))
-                    excess -= int(size)
-                    dropped += 1
         return dropped
 
     # -- helpers ----------------------------------------------------------------------------

@@ -10,8 +10,10 @@ import trio
 from direct_frontend.http.stored_responses import find, keep
 from direct_frontend.openai.conversations import Conversation, Item
 from direct_frontend.openai.response_store import ResponseStore, StoredResponse
+from direct_frontend.state.backends import sweep_forever
 from direct_frontend.state.shell import Durable
 from direct_frontend.state.sqlite import SqliteStore
+from tests.state.conftest import Clock
 
 
 class Counting(SqliteStore):
@@ -101,3 +103,29 @@ async def test_a_database_that_fails_says_not_stored(tmp_path: Path) -> None:
     record = StoredResponse("resp_z", b"{}", (), (), owner="k1")
     assert not await keep(store, record)
     assert len(store) == 0  # not cached either: nothing claims it was kept
+
+
+async def test_retention_runs_in_the_background_until_it_is_cancelled(tmp_path: Path) -> None:
+    class Watched(Durable):
+        swept = trio.Event()
+
+        async def sweep(self) -> int:
+            dropped = await super().sweep()
+            self.swept.set()
+            return dropped
+
+    clock = Clock()
+    sql = SqliteStore(tmp_path / "s.db", clock=clock)
+    durable = Watched(sql, ttl_s=10, lease_s=30, conversation_ttl_s=10)
+    await durable.open()
+    await durable.put(StoredResponse("resp_old", b"{}", (), (), owner="k1"))
+    await durable.create_conversation(Conversation("conv_old", "k1", 1), items("a", 2))
+    clock.now += 11
+    await durable.put(StoredResponse("resp_new", b"{}", (), (), owner="k1"))
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(sweep_forever, durable, 0.01)
+        await durable.swept.wait()
+        nursery.cancel_scope.cancel()
+    assert await durable.get_conversation("conv_old", "k1") is None
+    assert sql.get_response("resp_old", "k1") is None
+    assert sql.get_response("resp_new", "k1") is not None

@@ -162,3 +162,25 @@ def test_a_file_that_is_no_database_is_a_store_error(tmp_path: Path) -> None:
     garbage.write_bytes(b"not a database" * 100)
     with pytest.raises(StoreError):
         SqliteStore(garbage).migrate()
+
+
+def test_an_owner_over_its_bytes_loses_its_stalest_conversations(sql: SqlStore[Any],
+                                                                  clock: Clock) -> None:
+    big = [Item("a", b"x" * 1000)]
+    for i in range(4):
+        sql.create_conversation(conversation(f"conv_{i}"), big)
+        clock.now += 1
+    sql.add_items("conv_0", "k1", items("b"))  # touched last: the stalest is now conv_1
+    sql.create_conversation(conversation("conv_o", owner="k2"), big)
+    assert sql.sweep(None, 2500) == 2
+    assert sql.get_conversation("conv_1", "k1") is None
+    assert sql.get_conversation("conv_2", "k1") is None
+    assert sql.get_conversation("conv_0", "k1") is not None
+    assert sql.get_conversation("conv_o", "k2") is not None
+    assert sql.items_since("conv_1", "k1", 0) is None
+
+
+def test_a_deleted_item_leaves_its_conversations_bytes(sql: SqlStore[Any]) -> None:
+    sql.create_conversation(conversation(), [Item("a", b"x" * 1000), Item("b", b"y" * 10)])
+    assert sql.delete_item("conv_1", "k1", "a") == conversation()
+    assert sql.sweep(None, 100) == 0  # 19 + 10 bytes left: under the cap
