@@ -199,3 +199,31 @@ def test_two_daemons_on_one_postgres_continue_each_others_state(
         on_b.responses.delete(first.id)
         with pytest.raises(openai.NotFoundError):
             on_b.responses.retrieve(first.id)
+
+
+def test_workers_share_one_sqlite_file(model_dir: Path, tmp_path: Path) -> None:
+    from tests.e2e.test_workers import worker_service
+
+    extra = f'[frontend.responses]\nbackend = "sqlite"\npath = "{tmp_path / "r.db"}"\n'
+    with worker_service(tmp_path, model_dir, 2, frontend_extra=extra) as (base, _, _):
+        def post(path: str, body: dict[str, object]) -> dict[str, object]:
+            with httpx.Client(timeout=30) as fresh:  # a connection of its own: any worker
+                answer = fresh.post(base + path, json=body, headers={"connection": "close"})
+            assert answer.status_code == 200, answer.text
+            result: dict[str, object] = answer.json()
+            return result
+
+        ask = {"model": "demo", "max_output_tokens": 2}
+        for _ in range(4):
+            conversation = post("/v1/conversations", {})["id"]
+            previous = None
+            for turn in range(3):
+                post("/v1/responses", {**ask, "input": f"turn {turn}",
+                                       "conversation": conversation})
+                previous = post("/v1/responses", {**ask, "input": "chain",
+                                                  **({"previous_response_id": previous}
+                                                     if previous else {})})["id"]
+            with httpx.Client(timeout=30) as fresh:
+                listed = fresh.get(f"{base}/v1/conversations/{conversation}/items?limit=100",
+                                   headers={"connection": "close"}).json()
+            assert len(listed["data"]) == 6
