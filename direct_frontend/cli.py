@@ -159,7 +159,8 @@ def _start_failure(exc: BaseException) -> str | None:
     """One line for a daemon that failed on the system (a port, a file), None for a bug.
 
     Trio nests what failed in exception groups; only when every failure in
-    them is an ``OSError`` is it the machine's answer rather than our defect.
+    them is an ``OSError`` (or a store's database that cannot be used) is it
+    the machine's answer rather than our defect.
     """
     leaves: list[BaseException] = []
     pending = [exc]
@@ -169,8 +170,12 @@ def _start_failure(exc: BaseException) -> str | None:
             pending.extend(current.exceptions)
         else:
             leaves.append(current)
-    if leaves and all(isinstance(leaf, OSError) for leaf in leaves):
-        return "; ".join(dict.fromkeys(str(leaf) for leaf in leaves))
+    from direct_frontend.state.sql import StoreError  # a database that cannot be used
+
+    if leaves and all(isinstance(leaf, (OSError, StoreError)) for leaf in leaves):
+        return "; ".join(dict.fromkeys(
+            f"[frontend.responses] store: {leaf}" if isinstance(leaf, StoreError) else str(leaf)
+            for leaf in leaves))
     return None
 
 

@@ -106,3 +106,18 @@ def test_the_dsn_is_never_shown(tmp_path: Path) -> None:
     config = parse_fleet(text, ROOT / "config" / "fleet.toml")
     shown = json.dumps(to_jsonable(config)) + describe_fleet(config) + repr(config)
     assert "hunter2" not in shown and "<redacted>" in shown
+
+
+def test_a_daemon_whose_store_cannot_be_reached_says_so_and_exits_1(tmp_path: Path) -> None:
+    text = (ROOT / "config" / "fleet.toml").read_text().replace(
+        'backend = "sqlite"', f'backend = "postgres"\ndsn = "postgresql://u:hunter2@127.0.0.1:'
+        f'{free_port()}/db?connect_timeout=2"').replace(
+        'tokenizer = "demo-model"', f'tokenizer = "{ROOT / "config" / "demo-model"}"').replace(
+        "127.0.0.1:8000", f"127.0.0.1:{free_port()}")
+    fleet = tmp_path / "fleet.toml"
+    fleet.write_text(text)
+    ran = subprocess.run([sys.executable, "-m", "direct_frontend.cli", "run", str(fleet),
+                          "--no-watch"], capture_output=True, text=True, timeout=60)
+    assert ran.returncode == 1
+    assert "cannot start: [frontend.responses] store: connection failed" in ran.stderr
+    assert "hunter2" not in ran.stderr + ran.stdout
