@@ -25,6 +25,13 @@ foreground requests out. A running response's event log counts against its
 owner's share of the store as it grows; a log that cannot fit ends the
 response ``failed``.
 
+With a database behind the store (``[frontend.responses] backend``), a
+response's ``queued`` record is committed before its id is answered, under
+a lease this service renews every third of ``lease_s`` while it runs: if
+the process dies, the lease runs out and every reader sees it ``failed``,
+never stuck. Its final record is committed when it ends, and a response
+that names a conversation adds its turn there before it is seen ended.
+
 The service's nursery lives as long as the HTTP server; at shutdown the
 responses still running get the grace period, then are cancelled.
 """
@@ -290,9 +297,6 @@ class BackgroundResponses:
             if run.too_large:  # the log is what did not fit: the response is kept without it
                 record = msgspec.structs.replace(record, events=())
             with trio.CancelScope(shield=True):  # at shutdown too: its end is written
-                request = run.builder.request
-                await append_turn(self.store, request.conversation,
-                                  [*request.items, *run.builder.items], run.owner)
                 kept = await keep(self.store, record)
             if not kept:
                 log.warning("background response %s could not be kept (larger than its owner "
@@ -327,7 +331,12 @@ class BackgroundResponses:
             if finished:
                 status, run.incomplete = outcome(state)
                 run.usage = usage(state)
-                run.end(status, events + builder.finish(status))
+                closing = builder.finish(status)
+                request = builder.request
+                with trio.CancelScope(shield=True):  # in its conversation before it is seen ended
+                    await append_turn(self.store, request.conversation,
+                                      [*request.items, *builder.items], run.owner)
+                run.end(status, events + closing)
             elif events:
                 run.add(events)
 

@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from tests.support.daemon import Daemon, running_daemon
+from tests.support.daemon import Daemon, running_daemon, wait_for
 from tests.support.models import FAST, engine_table, frontend_table
 
 KEYS = ("sk-one", "sk-two")
@@ -117,6 +117,19 @@ def test_a_streamed_response_adds_its_turn_before_it_ends(client: openai.OpenAI)
     assert final.store
     items = list(client.conversations.items.list(made.id, order="asc"))
     assert [i.id for i in items][-1] == final.output[0].id and len(items) == 2
+
+
+def test_a_background_response_adds_its_turn_before_it_is_seen_ended(
+        client: openai.OpenAI) -> None:
+    made = client.conversations.create()
+    started = client.responses.create(model="demo", input="hi", conversation=made.id,
+                                      background=True, max_output_tokens=3)
+    wait_for(lambda: client.responses.retrieve(started.id).status not in ("queued",
+                                                                          "in_progress"),
+             10, "the background response to end")
+    ended = client.responses.retrieve(started.id)
+    items = [i.id for i in client.conversations.items.list(made.id, order="asc")]
+    assert items[-1] == ended.output[0].id and len(items) == 2
 
 
 def test_conversation_and_previous_response_id_do_not_mix(client: openai.OpenAI) -> None:
