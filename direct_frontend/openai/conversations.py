@@ -18,7 +18,7 @@ from typing import Any, Final
 import msgspec
 
 from direct_frontend.openai.errors import OpenAIHTTPError, invalid_request
-from direct_frontend.openai.responses_api import normalized_item
+from direct_frontend.openai.responses_api import check_items, normalized_item
 
 PREFIX: Final = "conv_"
 #: items one create or add may carry (OpenAI's limit)
@@ -104,19 +104,13 @@ def items_of(raw: dict[str, Any], *, required: bool) -> list[Item]:
     if len(value) > MAX_ITEMS_PER_CALL:
         raise invalid_request(f"Invalid 'items': at most {MAX_ITEMS_PER_CALL} items at once.",
                               "items")
+    check_items(value, "items")
     out = []
-    for i, item in enumerate(value):
-        if not isinstance(item, dict):
-            raise invalid_request(f"Invalid type for 'items[{i}]': expected an object.",
-                                  f"items[{i}]")
-        if not isinstance(item.get("type", "message"), str):
-            raise invalid_request(f"Invalid type for 'items[{i}].type': expected a string.",
-                                  f"items[{i}].type")
-        if item.get("type", "message") == "message" and item.get("role") not in (
-                "user", "assistant", "system", "developer"):
-            raise invalid_request(f"Invalid 'items[{i}].role': expected one of 'user', "
-                                  "'assistant', 'system' or 'developer'.", f"items[{i}].role")
+    for item in value:
         shown = normalized_item(item)
+        if not isinstance(shown["id"], str) or not shown["id"]:
+            raise invalid_request("Invalid 'items': an item's id is a non-empty string.",
+                                  "items")
         out.append(Item(shown["id"], _encode(shown)))
     return out
 

@@ -108,7 +108,8 @@ def parse_responses_request(
     messages = ([{"role": "system", "content": instructions}] if instructions else [])
     earlier = history_items or []
     own = _input_list(raw["input"])
-    messages += _messages(earlier + own, len(earlier))
+    messages += _messages(earlier + own, len(earlier),
+                          "previous_response_id" if conversation is None else "conversation")
     chat["messages"] = messages
     tools = raw.get("tools") or []
     chat["tools"] = [_tool(i, tool) for i, tool in enumerate(_list(tools, "tools"))]
@@ -217,11 +218,17 @@ def _text_of(content: Any, where: str) -> str:
     return "".join(texts)
 
 
-def _messages(items: list[Any], earlier: int = 0) -> list[dict[str, Any]]:
+def check_items(items: list[Any], param: str) -> None:
+    """400 naming ``param[i]`` unless every item is one a request's input may hold."""
+    _messages(items, param=param, need_message=False)
+
+
+def _messages(items: list[Any], earlier: int = 0, history: str = "previous_response_id",
+              param: str = "input", need_message: bool = True) -> list[dict[str, Any]]:
     """Input items as chat messages; consecutive function calls share one assistant turn.
 
     The first ``earlier`` items are a stored history (an error in one names
-    ``previous_response_id``), the rest the request's ``input``. A reasoning
+    ``history``), the rest the request's ``param``. A reasoning
     item's text goes with the assistant turn that follows it (the template
     decides whether to render it).
     """
@@ -236,7 +243,7 @@ def _messages(items: list[Any], earlier: int = 0) -> list[dict[str, Any]]:
         return turn
 
     for i, item in enumerate(items):
-        where = f"input[{i - earlier}]" if i >= earlier else "previous_response_id"
+        where = f"{param}[{i - earlier}]" if i >= earlier else history
         if not isinstance(item, dict):
             raise invalid_request(f"Invalid type for '{where}': expected an object.", where)
         kind = item.get("type", "message")
@@ -273,6 +280,6 @@ def _messages(items: list[Any], earlier: int = 0) -> list[dict[str, Any]]:
             reasoning += _reasoning_text(item)
         else:
             raise invalid_request(f"Input item type '{kind}' is not supported.", f"{where}.type")
-    if not messages:
-        raise invalid_request("'input' holds no message.", "input")
+    if not messages and need_message:
+        raise invalid_request(f"'{param}' holds no message.", param)
     return messages

@@ -196,3 +196,17 @@ def test_a_conversation_nobody_made_is_a_404_everywhere(daemon: Daemon) -> None:
         assert httpx.request(method, daemon.url + path, headers=auth).status_code == 404
     answer = httpx.get(daemon.url + "/v1/conversations/conv_x/nothing", headers=auth)
     assert answer.status_code == 404
+
+
+@pytest.mark.parametrize(("items", "param"), [
+    ([{"type": "function_call", "name": "f"}], "items[0].call_id"),
+    ([{"type": "web_search_call"}], "items[0].type"),
+    ([{"role": "user", "content": [{"type": "input_image"}]}], "items[0].content[0].type"),
+    ([{"id": "", "role": "user", "content": "x"}], "items"),
+])
+def test_an_item_a_request_could_not_read_is_refused_when_added(
+        daemon: Daemon, client: openai.OpenAI, items: list[object], param: str) -> None:
+    made = client.conversations.create()
+    answer = httpx.post(f"{daemon.url}/v1/conversations/{made.id}/items", json={"items": items},
+                        headers={"authorization": f"Bearer {KEYS[0]}"})
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == param
