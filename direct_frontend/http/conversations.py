@@ -32,7 +32,7 @@ from direct_frontend.openai.conversations import (
 from direct_frontend.openai.errors import OpenAIHTTPError, invalid_request
 from direct_frontend.openai.parse import read_json_object
 from direct_frontend.state.shell import Durable
-from direct_frontend.state.sql import DuplicateItem, Order, StoreError
+from direct_frontend.state.sql import InvalidItem, Order, StoreError
 
 PATH: Final = "/v1/conversations"
 ITEMS: Final = "items"
@@ -71,7 +71,7 @@ async def create(durable: Durable, owner: str, ids: list[str], query: bytes,
                                 metadata_of(raw) or b"{}")
     try:
         await durable.create_conversation(conversation, items)
-    except DuplicateItem as exc:
+    except InvalidItem as exc:
         raise invalid_request(f"Invalid 'items': {exc}.", "items") from None
     return conversation.render()
 
@@ -122,7 +122,7 @@ async def add_items(durable: Durable, owner: str, ids: list[str], query: bytes,
     items = items_of(read_json_object(body), required=True)
     try:
         added = await durable.add_items(ids[0], owner, items)
-    except DuplicateItem as exc:
+    except InvalidItem as exc:
         raise invalid_request(f"Invalid 'items': {exc}.", "items") from None
     if not added:
         raise conversation_not_found(ids[0])

@@ -21,10 +21,11 @@ apply each once.
 from __future__ import annotations
 
 import contextlib
+import functools
 import queue
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, ClassVar, Final, Generic, Literal, TypeVar
+from typing import Any, ClassVar, Final, Generic, Literal, TypeVar, cast
 
 from direct_frontend.openai.conversations import Conversation, Item
 from direct_frontend.openai.response_store import StoredResponse, decode_record, encode_record
@@ -62,8 +63,29 @@ class StoreError(Exception):
     """The database refused or could not be reached (the caller answers 'not stored')."""
 
 
-class DuplicateItem(StoreError):
+class InvalidItem(StoreError):
+    """An item the store cannot take as it is (the caller's 400)."""
+
+
+class DuplicateItem(InvalidItem):
     """An item's id is already in its conversation."""
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _absent_if_unstorable(default: object) -> Callable[[_F], _F]:
+    """A lookup by an id (the first argument) holding a NUL character, which PostgreSQL's
+    text cannot hold and so no stored id does, answers ``default``, as for an id nobody
+    made: never a database error for what a client sent."""
+    def wrap(method: _F) -> _F:
+        @functools.wraps(method)
+        def guarded(self: Any, first: str, *args: Any) -> Any:
+            if "\x00" in first:
+                return default
+            return method(self, first, *args)
+        return cast(_F, guarded)
+    return wrap
 
 
 class SqlStore(Generic[_C]):
@@ -191,6 +213,7 @@ class SqlStore(Generic[_C]):
                       (record.id, record.owner, now, now + ttl_s, record.status, lease,
                        len(body), body))
 
+    @_absent_if_unstorable(None)
     def get_response(self, response_id: str, owner: str) -> tuple[StoredResponse, bool] | None:
         """``owner``'s record, and whether it is running under a lease that has run out."""
         now = self.clock()
@@ -206,12 +229,14 @@ class SqlStore(Generic[_C]):
         lost = row[1] in RUNNING and (row[2] is None or row[2] < now)
         return record, lost
 
+    @_absent_if_unstorable(False)
     def has_response(self, response_id: str, owner: str) -> bool:
         with self._tx(write=False) as conn:
             row = self._run(conn, "SELECT 1 FROM responses WHERE id = ? AND owner = ? AND "
                                   "expires > ?", (response_id, owner, self.clock())).fetchone()
         return row is not None
 
+    @_absent_if_unstorable(False)
     def delete_response(self, response_id: str, owner: str) -> bool:
         with self._tx() as conn:
             cursor = self._run(conn, "DELETE FROM responses WHERE id = ? AND owner = ?",
@@ -237,10 +262,12 @@ class SqlStore(Generic[_C]):
                        conversation.metadata, size, len(items)))
             self._insert_items(conn, conversation.id, 0, items)
 
+    @_absent_if_unstorable(None)
     def get_conversation(self, conversation_id: str, owner: str) -> Conversation | None:
         with self._tx(write=False) as conn:
             return self._conversation(conn, conversation_id, owner)
 
+    @_absent_if_unstorable(None)
     def update_conversation(self, conversation_id: str, owner: str,
                             metadata: bytes) -> Conversation | None:
         with self._tx() as conn:
@@ -251,6 +278,7 @@ class SqlStore(Generic[_C]):
                 return None
             return self._conversation(conn, conversation_id, owner)
 
+    @_absent_if_unstorable(False)
     def delete_conversation(self, conversation_id: str, owner: str) -> bool:
         with self._tx() as conn:
             cursor = self._run(conn, "DELETE FROM conversations WHERE id = ? AND owner = ?",
@@ -261,6 +289,7 @@ class SqlStore(Generic[_C]):
                       (conversation_id,))
             return True
 
+    @_absent_if_unstorable(None)
     def add_items(self, conversation_id: str, owner: str, items: Sequence[Item]) -> int | None:
         """Append ``items``; the number the next item will get (None: not ``owner``'s)."""
         size = sum(len(i.data) for i in items)
@@ -277,6 +306,7 @@ class SqlStore(Generic[_C]):
                       (first + len(items), size, self.clock(), conversation_id))
             return first + len(items)
 
+    @_absent_if_unstorable(None)
     def list_items(self, conversation_id: str, owner: str, after: str | None, limit: int,
                    order: Order) -> tuple[list[Item], bool] | None:
         """A page of ``limit`` items after the item ``after`` (None: from the first, in
@@ -291,6 +321,8 @@ class SqlStore(Generic[_C]):
             params: list[Any] = [conversation_id]
             where = "conversation = ?"
             if after is not None:
+                if "\x00" in after:  # no stored id holds one
+                    raise KeyError(after)
                 row = self._run(conn, "SELECT seq FROM conversation_items WHERE conversation = ?"
                                       " AND item_id = ?", (conversation_id, after)).fetchone()
                 if row is None:
@@ -303,6 +335,7 @@ class SqlStore(Generic[_C]):
         items = [Item(row[0], bytes(row[1])) for row in rows]
         return items[:limit], len(items) > limit
 
+    @_absent_if_unstorable(None)
     def items_since(self, conversation_id: str, owner: str,
                     start: int) -> tuple[int, list[tuple[int, bytes]]] | None:
         """The items numbered ``start`` or more, each with its number, and the number the
@@ -319,16 +352,20 @@ class SqlStore(Generic[_C]):
                              (conversation_id, start)).fetchall()
         return int(row[0]), [(int(r[0]), bytes(r[1])) for r in rows]
 
+    @_absent_if_unstorable(False)
     def get_item(self, conversation_id: str, owner: str, item_id: str) -> Item | bool | None:
         """The item; False when the conversation is not ``owner``'s, None when it has no
         such item."""
         with self._tx(write=False) as conn:
             if self._conversation(conn, conversation_id, owner) is None:
                 return False
+            if "\x00" in item_id:  # no stored id holds one
+                return None
             row = self._run(conn, "SELECT data FROM conversation_items WHERE conversation = ? "
                                   "AND item_id = ?", (conversation_id, item_id)).fetchone()
         return None if row is None else Item(item_id, bytes(row[0]))
 
+    @_absent_if_unstorable(False)
     def delete_item(self, conversation_id: str, owner: str,
                     item_id: str) -> Conversation | bool | None:
         """The conversation once the item is gone; False: not ``owner``'s; None: no such item.
@@ -340,6 +377,8 @@ class SqlStore(Generic[_C]):
             conversation = self._conversation(conn, conversation_id, owner)
             if conversation is None:
                 return False
+            if "\x00" in item_id:  # no stored id holds one
+                return None
             row = self._run(conn, "SELECT LENGTH(data) FROM conversation_items WHERE "
                                   "conversation = ? AND item_id = ?",
                             (conversation_id, item_id)).fetchone()
@@ -432,6 +471,8 @@ class SqlStore(Generic[_C]):
                       items: Sequence[Item]) -> None:
         if len({item.id for item in items}) < len(items):
             raise DuplicateItem("two items have one id")
+        if any("\x00" in item.id for item in items):
+            raise InvalidItem("an item's id holds a NUL character")
         try:
             for seq, item in enumerate(items, first):
                 self._run(conn, "INSERT INTO conversation_items (conversation, seq, item_id, "

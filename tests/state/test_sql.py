@@ -9,7 +9,13 @@ import pytest
 
 from direct_frontend.openai.conversations import Conversation, Item
 from direct_frontend.openai.response_store import StoredResponse
-from direct_frontend.state.sql import SCHEMA_VERSION, DuplicateItem, SqlStore, StoreError
+from direct_frontend.state.sql import (
+    SCHEMA_VERSION,
+    DuplicateItem,
+    InvalidItem,
+    SqlStore,
+    StoreError,
+)
 from direct_frontend.state.sqlite import SqliteStore
 from tests.state.conftest import Clock
 
@@ -184,3 +190,23 @@ def test_a_deleted_item_leaves_its_conversations_bytes(sql: SqlStore[Any]) -> No
     sql.create_conversation(conversation(), [Item("a", b"x" * 1000), Item("b", b"y" * 10)])
     assert sql.delete_item("conv_1", "k1", "a") == conversation()
     assert sql.sweep(None, 100) == 0  # 19 + 10 bytes left: under the cap
+
+
+def test_an_id_no_database_can_hold_is_not_found_and_no_error(sql: SqlStore[Any]) -> None:
+    nul = "conv_\x00"
+    sql.create_conversation(conversation(), items("a"))
+    assert sql.get_response("resp_\x00", "k1") is None
+    assert not sql.has_response("resp_\x00", "k1") and not sql.delete_response("resp_\x00", "k1")
+    assert sql.get_conversation(nul, "k1") is None
+    assert sql.update_conversation(nul, "k1", b"{}") is None
+    assert not sql.delete_conversation(nul, "k1")
+    assert sql.add_items(nul, "k1", items("b")) is None
+    assert sql.list_items(nul, "k1", None, 5, "asc") is None
+    assert sql.items_since(nul, "k1", 0) is None
+    assert sql.get_item(nul, "k1", "a") is False
+    assert sql.get_item("conv_1", "k1", "a\x00") is None
+    assert sql.delete_item("conv_1", "k1", "a\x00") is None
+    with pytest.raises(KeyError):
+        sql.list_items("conv_1", "k1", "a\x00", 5, "asc")
+    with pytest.raises(InvalidItem):
+        sql.add_items("conv_1", "k1", items("b\x00"))
