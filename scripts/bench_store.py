@@ -3,7 +3,8 @@
 Runs both backends through the Trio shell (state/shell.py): SQLite in a
 temporary file, and a PostgreSQL started as the tests start it
 (tests/support/postgres.py: Debian's package). Prints put p50/p99 and the
-time a follow-up takes to read a conversation of 10 and of 1,000 items, on
+cost of a chain's 10th and 500th turn (a follow-up stores only what it adds),
+and the time a follow-up takes to read a conversation of 10 and of 1,000 items, on
 the process that wrote it (cached: only the count is read) and on a cold one.
 
     PYTHONPATH=. python scripts/bench_store.py
@@ -41,6 +42,19 @@ async def bench(name: str, sql: SqlStore[Any]) -> None:
         await durable.put(record)
         latencies.append(time.perf_counter() - started)
     latencies.sort()
+    chain: dict[int, float] = {}
+    last: StoredResponse | None = None
+    for n in range(500):  # a previous_response_id chain: each turn adds 2 KB
+        history = () if last is None else last.history()
+        record = StoredResponse(f"chain_{n}", b'{"id":"x"}', (b'{"o":"%s"}' % (b"z" * 1000),),
+                                (*history, b'{"i":"%s"}' % (b"w" * 1000)), owner="k")
+        started = time.perf_counter()
+        await durable.put(record, parent=None if last is None else last.id)
+        chain[n + 1] = time.perf_counter() - started
+        last = record
+    started = time.perf_counter()
+    assert await durable.get("chain_499", "k") == last  # a cold read: the chain put together
+    cold_chain = time.perf_counter() - started
     await durable.create_conversation(Conversation("conv_1", "k", 1), [])
     warm: dict[int, float] = {}
     cold: dict[int, float] = {}
@@ -57,7 +71,9 @@ async def bench(name: str, sql: SqlStore[Any]) -> None:
             await fresh.history("conv_1", "k")
             cold[n + 1] = time.perf_counter() - started
     print(f"{name}: put p50 {latencies[PUTS // 2] * 1e3:.2f} ms, p99 "
-          f"{latencies[PUTS * 99 // 100] * 1e3:.2f} ms; a follow-up's history: 10 items "
+          f"{latencies[PUTS * 99 // 100] * 1e3:.2f} ms; a chain's turn 10 {chain[10] * 1e3:.2f} "
+          f"ms, turn 500 {chain[500] * 1e3:.2f} ms (read cold: {cold_chain * 1e3:.1f} ms); "
+          f"a follow-up's history: 10 items "
           f"{warm[10] * 1e3:.2f} ms, 1000 items {warm[1000] * 1e3:.2f} ms; a cold process: "
           f"10 items {cold[10] * 1e3:.2f} ms, 1000 items {cold[1000] * 1e3:.2f} ms")
 

@@ -212,7 +212,8 @@ class BackgroundResponses:
         self._per_owner[owner] = self._per_owner.get(owner, 0) + 1
         run.add([{"type": "response.created", "response": run.response()},
                  {"type": "response.queued", "response": run.response()}])
-        if not await keep(self.store, self._record(run), running=True):
+        if not await keep(self.store, self._record(run), running=True,
+                          parent=request.previous_response_id):
             self._forget(run, response_id)
             self.store.charge(owner, -run.logged)
             raise store_unavailable()
@@ -297,7 +298,8 @@ class BackgroundResponses:
             if run.too_large:  # the log is what did not fit: the response is kept without it
                 record = msgspec.structs.replace(record, events=())
             with trio.CancelScope(shield=True):  # at shutdown too: its end is written
-                kept = await keep(self.store, record)
+                kept = await keep(self.store, record,
+                                  parent=run.builder.request.previous_response_id)
             if not kept:
                 log.warning("background response %s could not be kept (larger than its owner "
                             "may keep, [frontend.responses] max_bytes %d, or the database "

@@ -259,7 +259,8 @@ async def respond_responses(
         if store is None:
             return response
         await append_turn(store, request.conversation, [*request.items, *builder.items], owner)
-        if not keep or await stored(store, builder.record(_encode(response), owner)):
+        if not keep or await stored(store, builder.record(_encode(response), owner),
+                                    parent=request.previous_response_id):
             return response
         if store.durable is None:
             log.warning("response %s is larger than its owner may keep ([frontend.responses] "

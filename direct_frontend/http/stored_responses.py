@@ -108,13 +108,15 @@ async def find(store: ResponseStore, response_id: str, owner: str) -> StoredResp
     return record
 
 
-async def keep(store: ResponseStore, record: StoredResponse, running: bool = False) -> bool:
-    """Store ``record``: committed to the database (if the store has one) before this
-    returns, then cached; False when it was not stored (the answer must say so)."""
+async def keep(store: ResponseStore, record: StoredResponse, running: bool = False,
+               parent: str | None = None) -> bool:
+    """Store ``record`` (``parent``: the response it continues): committed to the database
+    (if the store has one) before this returns, then cached; False when it was not stored
+    (the answer must say so)."""
     durable = store.durable
     if durable is None:  # a running record is seen live (store.live), not kept
         return running or store.put(record)
-    if not await durable.put(record, running):
+    if not await durable.put(record, running, parent):
         return False
     if not running:
         store.put(record)  # the cache: a record too large for it is still stored

@@ -117,9 +117,10 @@ class DurableResponses(Protocol):
     is read from there.
     """
 
-    async def put(self, record: StoredResponse, running: bool = False) -> bool:
-        """Commit ``record`` (``running``: under a lease its process renews); False: not
-        stored."""
+    async def put(self, record: StoredResponse, running: bool = False,
+                  parent: str | None = None) -> bool:
+        """Commit ``record`` (``running``: under a lease its process renews; ``parent``: the
+        response it continues, whose history it need not store again); False: not stored."""
         ...
 
     async def get(self, response_id: str, owner: str) -> StoredResponse | None: ...

@@ -69,11 +69,13 @@ class Durable:
         await self._call(self.sql.close)
 
     # -- responses ------------------------------------------------------------------------
-    async def put(self, record: StoredResponse, running: bool = False) -> bool:
-        """Commit ``record``; False (logged) when the database refused it."""
+    async def put(self, record: StoredResponse, running: bool = False,
+                  parent: str | None = None) -> bool:
+        """Commit ``record`` (a follow-up of ``parent``: only what it adds); False (logged)
+        when the database refused it."""
         try:
             await self._call(self.sql.put_response, record, self.ttl_s,
-                             self.lease_s if running else None)
+                             self.lease_s if running else None, parent)
         except StoreError as exc:
             log.warning("response %s not stored: %s", record.id, exc)
             return False

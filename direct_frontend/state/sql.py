@@ -27,6 +27,8 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ClassVar, Final, Generic, Literal, TypeVar, cast
 
+import msgspec
+
 from direct_frontend.openai.conversations import Conversation, Item
 from direct_frontend.openai.response_store import StoredResponse, decode_record, encode_record
 
@@ -34,11 +36,16 @@ from direct_frontend.openai.response_store import StoredResponse, decode_record,
 #: (``{blob}``, ``{real}``, ``{int}``: the dialect's types)
 MIGRATIONS: Final[tuple[tuple[str, ...], ...]] = (
     (
+        # parent: the response a follow-up continues (it stores only what it adds, and
+        # inherits the parent's history: ``inherited`` items); length: its history's items;
+        # hidden: deleted, but held for the history of a follow-up
         """CREATE TABLE responses (
             id TEXT PRIMARY KEY, owner TEXT NOT NULL, created {real} NOT NULL,
             expires {real} NOT NULL, status TEXT NOT NULL, lease {real},
-            size {int} NOT NULL, record {blob} NOT NULL)""",
+            size {int} NOT NULL, record {blob} NOT NULL, parent TEXT,
+            inherited {int} NOT NULL, length {int} NOT NULL, hidden {int} NOT NULL)""",
         "CREATE INDEX responses_owner ON responses (owner, created)",
+        "CREATE INDEX responses_parent ON responses (parent)",
         "CREATE INDEX responses_expires ON responses (expires)",
         """CREATE TABLE conversations (
             id TEXT PRIMARY KEY, owner TEXT NOT NULL, created_at {int} NOT NULL,
@@ -197,51 +204,98 @@ class SqlStore(Generic[_C]):
 
     # -- responses --------------------------------------------------------------------------
     def put_response(self, record: StoredResponse, ttl_s: float,
-                     lease_s: float | None = None) -> None:
+                     lease_s: float | None = None, parent: str | None = None) -> None:
         """Keep ``record`` (replacing one of its id); committed when this returns.
 
-        ``lease_s``: a running background response's row is read as failed
-        unless its process renews the lease within this long.
+        ``parent``: the response it continues, whose history its conversation
+        begins with; then only what it adds is written (its parent's row stays
+        as long as it does), so a chain of N turns costs its items once, not
+        N times. ``lease_s``: a running background response's row is read as
+        failed unless its process renews the lease within this long.
         """
         now = self.clock()
-        body = encode_record(record)
         lease = None if lease_s is None else now + lease_s
+        length = len(record.conversation) + len(record.output)
         with self._tx() as conn:
+            inherited = 0
+            if parent is not None:  # gone meanwhile (swept, another owner's): store it all
+                row = self._run(conn, "SELECT length FROM responses WHERE id = ? AND owner = ?",
+                                (parent, record.owner)).fetchone()
+                if row is not None and int(row[0]) <= len(record.conversation):
+                    inherited = int(row[0])
+            own = msgspec.structs.replace(record, conversation=record.conversation[inherited:])
+            body = encode_record(own)
             self._run(conn, "DELETE FROM responses WHERE id = ?", (record.id,))
             self._run(conn, "INSERT INTO responses (id, owner, created, expires, status, lease, "
-                            "size, record) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                            "size, record, parent, inherited, length, hidden) VALUES (?, ?, ?, "
+                            "?, ?, ?, ?, ?, ?, ?, ?, 0)",
                       (record.id, record.owner, now, now + ttl_s, record.status, lease,
-                       len(body), body))
+                       len(body), body, parent if inherited else None, inherited, length))
+
+    def _chain(self, conn: _C, response_id: str) -> list[tuple[str | None, int, StoredResponse]]:
+        """The row of ``response_id`` and its ancestors', oldest first: each one's parent,
+        the items it inherits, and what it stores of itself."""
+        rows = self._run(conn, """WITH RECURSIVE chain(id, parent, inherited, record, depth) AS (
+                SELECT id, parent, inherited, record, 0 FROM responses WHERE id = ?
+                UNION ALL
+                SELECT r.id, r.parent, r.inherited, r.record, c.depth + 1
+                FROM responses r JOIN chain c ON r.id = c.parent)
+            SELECT parent, inherited, record FROM chain ORDER BY depth DESC""",
+                         (response_id,)).fetchall()
+        out = []
+        for parent, inherited, body in rows:
+            record = decode_record(bytes(body))
+            if record is None:
+                raise StoreError(f"response {response_id}: a stored record cannot be read")
+            out.append((parent, int(inherited), record))
+        return out
 
     @_absent_if_unstorable(None)
     def get_response(self, response_id: str, owner: str) -> tuple[StoredResponse, bool] | None:
         """``owner``'s record, and whether it is running under a lease that has run out."""
         now = self.clock()
         with self._tx(write=False) as conn:
-            row = self._run(conn, "SELECT record, status, lease FROM responses WHERE id = ? "
-                                  "AND owner = ? AND expires > ?",
+            row = self._run(conn, "SELECT status, lease, parent FROM responses WHERE id = ? "
+                                  "AND owner = ? AND expires > ? AND hidden = 0",
                             (response_id, owner, now)).fetchone()
-        if row is None:
-            return None
-        record = decode_record(bytes(row[0]))
-        if record is None:
-            return None
-        lost = row[1] in RUNNING and (row[2] is None or row[2] < now)
+            if row is None:
+                return None
+            chain = self._chain(conn, response_id)
+        history: tuple[bytes, ...] = ()
+        record = chain[-1][2]
+        for parent, inherited, own in chain:
+            if len(history) != inherited or (parent is None and inherited):
+                raise StoreError(f"response {response_id}: its chain is incomplete")
+            record = msgspec.structs.replace(own, conversation=history + own.conversation)
+            history = record.history()
+        lost = row[0] in RUNNING and (row[1] is None or row[1] < now)
         return record, lost
 
     @_absent_if_unstorable(False)
     def has_response(self, response_id: str, owner: str) -> bool:
         with self._tx(write=False) as conn:
             row = self._run(conn, "SELECT 1 FROM responses WHERE id = ? AND owner = ? AND "
-                                  "expires > ?", (response_id, owner, self.clock())).fetchone()
+                                  "expires > ? AND hidden = 0",
+                            (response_id, owner, self.clock())).fetchone()
         return row is not None
 
     @_absent_if_unstorable(False)
     def delete_response(self, response_id: str, owner: str) -> bool:
+        """Drop ``owner``'s response; one that another continues is hidden instead (its
+        row holds their history) and goes when they have."""
         with self._tx() as conn:
-            cursor = self._run(conn, "DELETE FROM responses WHERE id = ? AND owner = ?",
-                               (response_id, owner))
-            return bool(cursor.rowcount)
+            row = self._run(conn, "SELECT 1 FROM responses WHERE id = ? AND owner = ? AND "
+                                  "expires > ? AND hidden = 0",
+                            (response_id, owner, self.clock())).fetchone()
+            if row is None:
+                return False
+            child = self._run(conn, "SELECT 1 FROM responses WHERE parent = ? LIMIT 1",
+                              (response_id,)).fetchone()
+            if child is None:
+                self._run(conn, "DELETE FROM responses WHERE id = ?", (response_id,))
+            else:
+                self._run(conn, "UPDATE responses SET hidden = 1 WHERE id = ?", (response_id,))
+            return True
 
     def renew(self, response_ids: Sequence[str], lease_s: float) -> None:
         """Extend the leases of the running background responses of these ids."""
@@ -395,23 +449,26 @@ class SqlStore(Generic[_C]):
     # -- retention ------------------------------------------------------------------------
     def sweep(self, conversation_ttl_s: float | None, max_bytes_per_owner: int | None,
               batch: int = 500) -> int:
-        """Drop expired responses, conversations idle past ``conversation_ttl_s``, and each
-        owner's oldest responses, and least recently changed conversations, beyond
-        ``max_bytes_per_owner`` (each kind on its own); how many of them left.
+        """Drop expired and deleted responses no follow-up still needs, conversations idle
+        past ``conversation_ttl_s``, and, beyond ``max_bytes_per_owner``, each owner's least
+        recently continued response chains (whole) and least recently changed conversations
+        (each kind on its own); how many of them left.
 
         At most ``batch`` rows per transaction, so a sweep never holds the
         write lock long.
         """
         now = self.clock()
         dropped = 0
-        while True:
+        while True:  # a chain's rows go from its newest back, one layer a pass
             with self._tx() as conn:
-                ids = [r[0] for r in self._run(conn, "SELECT id FROM responses WHERE expires <= ?"
-                                                     " LIMIT ?", (now, batch)).fetchall()]
+                ids = [r[0] for r in self._run(
+                    conn, "SELECT id FROM responses r WHERE (expires <= ? OR hidden = 1) AND "
+                          "NOT EXISTS (SELECT 1 FROM responses c WHERE c.parent = r.id) LIMIT ?",
+                    (now, batch)).fetchall()]
                 for response_id in ids:
                     self._run(conn, "DELETE FROM responses WHERE id = ?", (response_id,))
             dropped += len(ids)
-            if len(ids) < batch:
+            if not ids:
                 break
         if conversation_ttl_s is not None:
             with self._tx() as conn:
@@ -424,35 +481,66 @@ class SqlStore(Generic[_C]):
                               (conversation_id,))
             dropped += len(stale)
         if max_bytes_per_owner is not None:
-            dropped += self._trim_owners(max_bytes_per_owner, batch)
+            dropped += self._trim_responses(max_bytes_per_owner, batch)
+            dropped += self._trim_conversations(max_bytes_per_owner, batch)
         return dropped
 
-    def _trim_owners(self, cap: int, batch: int) -> int:
-        """Each owner over ``cap`` loses its oldest responses (and, apart, its least
-        recently changed conversations) until it fits, ``batch`` at most per transaction."""
+    def _over(self, table: str, cap: int) -> list[tuple[str, int]]:
+        with self._tx(write=False) as conn:
+            rows = self._run(conn, f"SELECT owner, SUM(size) FROM {table} GROUP BY owner "
+                                   "HAVING SUM(size) > ?", (cap,)).fetchall()
+        return [(owner, int(total) - cap) for owner, total in rows]
+
+    def _trim_responses(self, cap: int, batch: int) -> int:
+        """Each owner over ``cap`` loses the response chains it continued least recently,
+        whole (the oldest tip first, then its ancestors no other follow-up needs)."""
         dropped = 0
-        for table, age in (("responses", "created"), ("conversations", "updated")):
-            with self._tx(write=False) as conn:
-                over = self._run(conn, f"SELECT owner, SUM(size) FROM {table} GROUP BY owner "
-                                       "HAVING SUM(size) > ?", (cap,)).fetchall()
-            for owner, total in over:
-                excess = int(total) - cap
-                while excess > 0:
-                    with self._tx() as conn:
-                        rows = self._run(conn, f"SELECT id, size FROM {table} WHERE owner = ? "
-                                               f"ORDER BY {age} LIMIT ?",
-                                         (owner, batch)).fetchall()
-                        for row_id, size in rows:
-                            if excess <= 0:
+        for owner, excess in self._over("responses", cap):
+            while excess > 0:
+                with self._tx() as conn:
+                    tips = self._run(conn, "SELECT id, size, parent FROM responses r WHERE "
+                                           "owner = ? AND NOT EXISTS (SELECT 1 FROM responses c "
+                                           "WHERE c.parent = r.id) ORDER BY created LIMIT ?",
+                                     (owner, batch)).fetchall()
+                    for row_id, size, parent in tips:
+                        if excess <= 0:
+                            break
+                        self._run(conn, "DELETE FROM responses WHERE id = ?", (row_id,))
+                        excess -= int(size)
+                        dropped += 1
+                        while parent is not None and excess > 0:  # up the chain
+                            row = self._run(conn, "SELECT size, parent FROM responses r WHERE "
+                                                  "id = ? AND NOT EXISTS (SELECT 1 FROM "
+                                                  "responses c WHERE c.parent = r.id)",
+                                            (parent,)).fetchone()
+                            if row is None:
                                 break
-                            self._run(conn, f"DELETE FROM {table} WHERE id = ?", (row_id,))
-                            if table == "conversations":
-                                self._run(conn, "DELETE FROM conversation_items WHERE "
-                                                "conversation = ?", (row_id,))
-                            excess -= int(size)
+                            self._run(conn, "DELETE FROM responses WHERE id = ?", (parent,))
+                            excess -= int(row[0])
                             dropped += 1
-                    if not rows:
-                        break
+                            parent = row[1]
+                if not tips:
+                    break
+        return dropped
+
+    def _trim_conversations(self, cap: int, batch: int) -> int:
+        """Each owner over ``cap`` loses its least recently changed conversations."""
+        dropped = 0
+        for owner, excess in self._over("conversations", cap):
+            while excess > 0:
+                with self._tx() as conn:
+                    rows = self._run(conn, "SELECT id, size FROM conversations WHERE owner = ? "
+                                           "ORDER BY updated LIMIT ?", (owner, batch)).fetchall()
+                    for row_id, size in rows:
+                        if excess <= 0:
+                            break
+                        self._run(conn, "DELETE FROM conversations WHERE id = ?", (row_id,))
+                        self._run(conn, "DELETE FROM conversation_items WHERE conversation = ?",
+                                  (row_id,))
+                        excess -= int(size)
+                        dropped += 1
+                if not rows:
+                    break
         return dropped
 
     # -- helpers ----------------------------------------------------------------------------

@@ -1,11 +1,12 @@
 """SIGKILL while writing never loses an acknowledged record nor corrupts the SQLite store.
 
-A writer process stores responses through the daemon's own write path
+A writer process stores chains of responses (each follow-up stored as
+what it adds to the one it continues) through the daemon's own write path
 (``keep``: the durable store's commit, then the cache) and conversation
 items through the durable store, and acknowledges each on a pipe once the
 call returned, as the daemon answers an id once it returned. The test kills
 it with SIGKILL at a random moment, again and again on the same database;
-then every acknowledged record must be there, whole, and ``PRAGMA
+then every acknowledged record must be there with its whole history, and ``PRAGMA
 integrity_check`` must answer ``ok``. Writers are forked from the test
 process (all imports done), so hundreds of kills take seconds.
 """
@@ -42,12 +43,19 @@ def _writer(path: Path, ack: int, seed: int) -> None:
         store.durable = durable
 
         async def responses(owner: str) -> None:
+            """Chains of follow-ups, each stored as what it adds to the one before."""
+            last: StoredResponse | None = None
             while True:
                 size = rng.randrange(10, 20_000)
+                said = (os.urandom(size // 2).hex().encode(),)
+                history = () if last is None or rng.random() < 0.1 else last.history()
                 record = StoredResponse(store.new_id(), b'{"id":"x"}', (b'{"o":1}',),
-                                        (os.urandom(size // 2).hex().encode(),), owner=owner)
-                if await keep(store, record):
-                    os.write(ack, f"r {record.id} {owner}\n".encode())
+                                        history + said, owner=owner)
+                parent = last.id if history and last is not None else None
+                if await keep(store, record, parent=parent):
+                    os.write(ack, f"r {record.id} {owner} {len(record.conversation)}\n"
+                             .encode())
+                    last = record
 
         async def items() -> None:
             conversation = Conversation(new_conversation_id(), "k0", 1)
@@ -102,10 +110,10 @@ def test_sigkill_while_writing_loses_nothing_acknowledged(tmp_path: Path) -> Non
     try:
         assert store.integrity_check() == "ok"
         missing = []
-        for kind, first, second in acked:
+        for kind, first, second, *length in acked:
             if kind == "r":
                 found = store.get_response(first, second)
-                if found is None or found[0].id != first:
+                if found is None or len(found[0].conversation) != int(length[0]):
                     missing.append(first)
             elif not isinstance(store.get_item(first, "k0", second), Item):
                 missing.append(f"{first}/{second}")

@@ -210,3 +210,73 @@ def test_an_id_no_database_can_hold_is_not_found_and_no_error(sql: SqlStore[Any]
         sql.list_items("conv_1", "k1", "a\x00", 5, "asc")
     with pytest.raises(InvalidItem):
         sql.add_items("conv_1", "k1", items("b\x00"))
+
+
+def turn(rid: str, history: tuple[bytes, ...], said: bytes, owner: str = "k1") -> StoredResponse:
+    """A response continuing ``history`` with the input ``said``, answering ``said`` + !."""
+    return StoredResponse(rid, b'{"id":"%b"}' % rid.encode(), (said + b"!",), (*history, said),
+                          owner=owner)
+
+
+def chain(sql: SqlStore[Any], clock: Clock, turns: int, prefix: str = "r",
+          owner: str = "k1") -> list[StoredResponse]:
+    made: list[StoredResponse] = []
+    for i in range(turns):
+        parent = made[-1] if made else None
+        record = turn(f"{prefix}{i}", parent.history() if parent else (), b"x%d" % i, owner)
+        sql.put_response(record, ttl_s=100, parent=None if parent is None else parent.id)
+        made.append(record)
+        clock.now += 1
+    return made
+
+
+def stored_size(sql: SqlStore[Any], response_id: str) -> int:
+    with sql._tx(write=False) as conn:
+        row = sql._run(conn, "SELECT size FROM responses WHERE id = ?", (response_id,)).fetchone()
+    return -1 if row is None else int(row[0])
+
+
+def test_a_follow_up_stores_only_what_it_adds(sql: SqlStore[Any], clock: Clock) -> None:
+    made = chain(sql, clock, 60)
+    for record in (made[0], made[1], made[59]):
+        found = sql.get_response(record.id, "k1")
+        assert found is not None and found[0] == record
+    assert stored_size(sql, made[59].id) == stored_size(sql, made[19].id)  # not growing
+    assert sql.get_response(made[59].id, "k2") is None
+
+
+def test_a_deleted_or_expired_parent_still_gives_its_follow_up_its_history(
+        sql: SqlStore[Any], clock: Clock) -> None:
+    made = chain(sql, clock, 3)
+    assert sql.delete_response(made[1].id, "k1")
+    assert sql.get_response(made[1].id, "k1") is None
+    assert not sql.delete_response(made[1].id, "k1")  # once
+    clock.now += 98.5  # the first has expired, the last has not
+    assert sql.get_response(made[0].id, "k1") is None
+    sql.sweep(None, None)
+    found = sql.get_response(made[2].id, "k1")
+    assert found is not None and found[0] == made[2]
+    clock.now += 5  # now all have: the chain goes, newest first
+    assert sql.sweep(None, None) == 3
+    assert stored_size(sql, made[0].id) == -1
+
+
+def test_a_follow_up_whose_parent_is_gone_stores_it_all(sql: SqlStore[Any], clock: Clock) -> None:
+    made = chain(sql, clock, 2)
+    assert sql.delete_response(made[1].id, "k1")  # no follow-up: gone at once
+    orphan = turn("r9", made[1].history(), b"late")
+    sql.put_response(orphan, ttl_s=100, parent=made[1].id)
+    found = sql.get_response("r9", "k1")
+    assert found is not None and found[0] == orphan
+
+
+def test_an_owner_over_its_bytes_loses_its_stalest_chain_whole(sql: SqlStore[Any],
+                                                               clock: Clock) -> None:
+    old = chain(sql, clock, 5, "old")
+    new = chain(sql, clock, 5, "new")
+    other = chain(sql, clock, 5, "oth", owner="k2")  # as large as "new": within the cap
+    total = sum(stored_size(sql, r.id) for r in new)
+    assert sql.sweep(None, total) == 5
+    assert all(sql.get_response(r.id, "k1") is None for r in old)
+    assert all(sql.get_response(r.id, "k1") is not None for r in new)
+    assert all(sql.get_response(r.id, "k2") is not None for r in other)
