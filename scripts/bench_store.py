@@ -20,7 +20,7 @@ from typing import Any
 import trio
 
 from direct_frontend.openai.conversations import Conversation, Item
-from direct_frontend.openai.response_store import StoredResponse
+from direct_frontend.openai.response_store import Lineage, StoredResponse
 from direct_frontend.state.postgres import PostgresStore
 from direct_frontend.state.shell import Durable
 from direct_frontend.state.sql import SqlStore
@@ -49,7 +49,7 @@ async def bench(name: str, sql: SqlStore[Any]) -> None:
         record = StoredResponse(f"chain_{n}", b'{"id":"x"}', (b'{"o":"%s"}' % (b"z" * 1000),),
                                 (*history, b'{"i":"%s"}' % (b"w" * 1000)), owner="k")
         started = time.perf_counter()
-        await durable.put(record, parent=None if last is None else last.id)
+        await durable.put(record, lineage=Lineage(None if last is None else last.id))
         chain[n + 1] = time.perf_counter() - started
         last = record
     started = time.perf_counter()

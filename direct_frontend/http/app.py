@@ -401,11 +401,13 @@ class App:
         previous = previous_response_id(raw)
         conversation = conversation_id_of(raw)
         history: tuple[bytes, ...] = ()
+        upto = 0
         if previous is not None:
             history = (await self._previous(previous, owner)).history()
         elif conversation is not None:
-            history = await conversations.history(self.conversations, conversation, owner)
-        return parse_responses_request(raw, history, decode_items(history), conversation)
+            upto, history = await conversations.history(self.conversations, conversation, owner)
+        request = parse_responses_request(raw, history, decode_items(history), conversation)
+        return dataclasses.replace(request, conversation_upto=upto) if upto else request
 
     async def _previous(self, response_id: str, owner: str) -> StoredResponse:
         """``owner``'s stored response a Responses request continues; a 400 if none is held."""

@@ -213,7 +213,7 @@ class BackgroundResponses:
         run.add([{"type": "response.created", "response": run.response()},
                  {"type": "response.queued", "response": run.response()}])
         if not await keep(self.store, self._record(run), running=True,
-                          parent=request.previous_response_id):
+                          lineage=request.lineage()):
             self._forget(run, response_id)
             self.store.charge(owner, -run.logged)
             raise store_unavailable()
@@ -298,8 +298,7 @@ class BackgroundResponses:
             if run.too_large:  # the log is what did not fit: the response is kept without it
                 record = msgspec.structs.replace(record, events=())
             with trio.CancelScope(shield=True):  # at shutdown too: its end is written
-                kept = await keep(self.store, record,
-                                  parent=run.builder.request.previous_response_id)
+                kept = await keep(self.store, record, lineage=run.builder.request.lineage())
             if not kept:
                 log.warning("background response %s could not be kept (larger than its owner "
                             "may keep, [frontend.responses] max_bytes %d, or the database "

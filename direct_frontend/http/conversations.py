@@ -186,8 +186,9 @@ async def answer(call: Call, durable: Durable | None, owner: str, scope: Scope,
 
 
 async def history(durable: Durable | None, conversation: str,
-                  owner: str) -> tuple[bytes, ...]:
-    """The items of ``owner``'s conversation a Responses request continues."""
+                  owner: str) -> tuple[int, tuple[bytes, ...]]:
+    """The items of ``owner``'s conversation a Responses request continues, and the number
+    its next item will get."""
     if durable is None:
         raise no_store()
     try:

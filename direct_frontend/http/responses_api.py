@@ -260,7 +260,7 @@ async def respond_responses(
             return response
         await append_turn(store, request.conversation, [*request.items, *builder.items], owner)
         if not keep or await stored(store, builder.record(_encode(response), owner),
-                                    parent=request.previous_response_id):
+                                    lineage=request.lineage()):
             return response
         if store.durable is None:
             log.warning("response %s is larger than its owner may keep ([frontend.responses] "

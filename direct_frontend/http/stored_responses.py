@@ -33,6 +33,7 @@ from direct_frontend.openai.errors import (
 from direct_frontend.openai.response_store import (
     CANCELLED,
     NOT_BACKGROUND,
+    Lineage,
     RemoteResponses,
     ResponseStore,
     StoredResponse,
@@ -109,14 +110,14 @@ async def find(store: ResponseStore, response_id: str, owner: str) -> StoredResp
 
 
 async def keep(store: ResponseStore, record: StoredResponse, running: bool = False,
-               parent: str | None = None) -> bool:
-    """Store ``record`` (``parent``: the response it continues): committed to the database
-    (if the store has one) before this returns, then cached; False when it was not stored
-    (the answer must say so)."""
+               lineage: Lineage | None = None) -> bool:
+    """Store ``record`` (``lineage``: where its history came from): committed to the
+    database (if the store has one) before this returns, then cached; False when it was not
+    stored (the answer must say so)."""
     durable = store.durable
     if durable is None:  # a running record is seen live (store.live), not kept
         return running or store.put(record)
-    if not await durable.put(record, running, parent):
+    if not await durable.put(record, running, lineage):
         return False
     if not running:
         store.put(record)  # the cache: a record too large for it is still stored

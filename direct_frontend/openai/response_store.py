@@ -93,6 +93,20 @@ class StoredResponse(msgspec.Struct, frozen=True):
         return self.conversation + self.output
 
 
+class Lineage(msgspec.Struct, frozen=True):
+    """Where a record's history came from, so a database stores only what the record adds.
+
+    ``parent``: the response it continues (``previous_response_id``); else
+    ``conversation``, whose items numbered below ``upto`` were the first
+    ``inherited`` items of its history when it was read.
+    """
+
+    parent: str | None = None
+    conversation: str | None = None
+    upto: int = 0
+    inherited: int = 0
+
+
 class RemoteResponses(Protocol):
     """A sibling process's store, reached by its holder tag (control/replicas.py).
 
@@ -118,9 +132,9 @@ class DurableResponses(Protocol):
     """
 
     async def put(self, record: StoredResponse, running: bool = False,
-                  parent: str | None = None) -> bool:
-        """Commit ``record`` (``running``: under a lease its process renews; ``parent``: the
-        response it continues, whose history it need not store again); False: not stored."""
+                  lineage: Lineage | None = None) -> bool:
+        """Commit ``record`` (``running``: under a lease its process renews; ``lineage``:
+        where its history is stored already); False: not stored."""
         ...
 
     async def get(self, response_id: str, owner: str) -> StoredResponse | None: ...

@@ -25,6 +25,7 @@ import msgspec
 
 from direct_frontend.openai.errors import invalid_request
 from direct_frontend.openai.parse import parse_chat_request, read_json_object
+from direct_frontend.openai.response_store import Lineage
 from direct_frontend.openai.types import ChatRequest
 
 _encode: Final = msgspec.json.Encoder().encode
@@ -55,6 +56,13 @@ class ResponsesRequest:
     truncation: str = "disabled"
     #: the conversation it reads as history and appends its input and output to
     conversation: str | None = None
+    #: the number the conversation's next item had when its history was read
+    conversation_upto: int = 0
+
+    def lineage(self) -> Lineage:
+        """Where its history is stored already: what its record need not store again."""
+        return Lineage(self.previous_response_id, self.conversation, self.conversation_upto,
+                       len(self.history))
 
 
 def previous_response_id(raw: dict[str, Any]) -> str | None:

@@ -26,7 +26,7 @@ import msgspec
 import trio
 
 from direct_frontend.openai.conversations import Conversation, Item
-from direct_frontend.openai.response_store import StoredResponse
+from direct_frontend.openai.response_store import Lineage, StoredResponse
 from direct_frontend.state.sql import Order, SqlStore, StoreError
 
 log = logging.getLogger("direct_frontend.state")
@@ -70,12 +70,12 @@ class Durable:
 
     # -- responses ------------------------------------------------------------------------
     async def put(self, record: StoredResponse, running: bool = False,
-                  parent: str | None = None) -> bool:
-        """Commit ``record`` (a follow-up of ``parent``: only what it adds); False (logged)
-        when the database refused it."""
+                  lineage: Lineage | None = None) -> bool:
+        """Commit ``record`` (with its ``lineage``: only what it adds); False (logged) when
+        the database refused it."""
         try:
             await self._call(self.sql.put_response, record, self.ttl_s,
-                             self.lease_s if running else None, parent)
+                             self.lease_s if running else None, lineage)
         except StoreError as exc:
             log.warning("response %s not stored: %s", record.id, exc)
             return False
@@ -151,8 +151,10 @@ class Durable:
                           item_id: str) -> Conversation | bool | None:
         return await self._call(self.sql.delete_item, conversation_id, owner, item_id)
 
-    async def history(self, conversation_id: str, owner: str) -> tuple[bytes, ...] | None:
-        """All of ``owner``'s conversation's items, in order; None: not ``owner``'s.
+    async def history(self, conversation_id: str,
+                      owner: str) -> tuple[int, tuple[bytes, ...]] | None:
+        """All of ``owner``'s conversation's items, in order, and the number its next item
+        will get; None: not ``owner``'s.
 
         What this process holds already is not read again: only items numbered
         from its cached count on, and all of them only when one was deleted.
@@ -176,7 +178,7 @@ class Durable:
         else:
             items = tuple(data for _, data in rows)
         self._remember(conversation_id, owner, after, items)
-        return items
+        return after, items
 
     def _remember(self, conversation_id: str, owner: str, after: int,
                   items: tuple[bytes, ...]) -> None:

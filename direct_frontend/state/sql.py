@@ -30,20 +30,27 @@ from typing import Any, ClassVar, Final, Generic, Literal, TypeVar, cast
 import msgspec
 
 from direct_frontend.openai.conversations import Conversation, Item
-from direct_frontend.openai.response_store import StoredResponse, decode_record, encode_record
+from direct_frontend.openai.response_store import (
+    Lineage,
+    StoredResponse,
+    decode_record,
+    encode_record,
+)
 
 #: the schema's versions: each entry takes the database from its index to the next
 #: (``{blob}``, ``{real}``, ``{int}``: the dialect's types)
 MIGRATIONS: Final[tuple[tuple[str, ...], ...]] = (
     (
         # parent: the response a follow-up continues (it stores only what it adds, and
-        # inherits the parent's history: ``inherited`` items); length: its history's items;
+        # inherits the parent's history: ``inherited`` items); else thread: the conversation
+        # whose items numbered below ``upto`` began its history; length: its history's items;
         # hidden: deleted, but held for the history of a follow-up
         """CREATE TABLE responses (
             id TEXT PRIMARY KEY, owner TEXT NOT NULL, created {real} NOT NULL,
             expires {real} NOT NULL, status TEXT NOT NULL, lease {real},
             size {int} NOT NULL, record {blob} NOT NULL, parent TEXT,
-            inherited {int} NOT NULL, length {int} NOT NULL, hidden {int} NOT NULL)""",
+            inherited {int} NOT NULL, length {int} NOT NULL, hidden {int} NOT NULL,
+            thread TEXT, upto {int} NOT NULL)""",
         "CREATE INDEX responses_owner ON responses (owner, created)",
         "CREATE INDEX responses_parent ON responses (parent)",
         "CREATE INDEX responses_expires ON responses (expires)",
@@ -204,70 +211,82 @@ class SqlStore(Generic[_C]):
 
     # -- responses --------------------------------------------------------------------------
     def put_response(self, record: StoredResponse, ttl_s: float,
-                     lease_s: float | None = None, parent: str | None = None) -> None:
+                     lease_s: float | None = None, lineage: Lineage | None = None) -> None:
         """Keep ``record`` (replacing one of its id); committed when this returns.
 
-        ``parent``: the response it continues, whose history its conversation
-        begins with; then only what it adds is written (its parent's row stays
-        as long as it does), so a chain of N turns costs its items once, not
-        N times. ``lease_s``: a running background response's row is read as
-        failed unless its process renews the lease within this long.
+        ``lineage``: where its history came from. A follow-up of a stored
+        response (its parent) writes only what it adds, and its parent's row
+        stays as long as it does, so a chain of N turns costs its items once,
+        not N times; one made on a conversation refers to the conversation's
+        items (it is then read with them as the conversation holds them). A
+        parent or conversation gone meanwhile: the record is stored whole.
+        ``lease_s``: a running background response's row is read as failed
+        unless its process renews the lease within this long.
         """
         now = self.clock()
         lease = None if lease_s is None else now + lease_s
         length = len(record.conversation) + len(record.output)
+        lineage = lineage or Lineage()
         with self._tx() as conn:
-            inherited = 0
-            if parent is not None:  # gone meanwhile (swept, another owner's): store it all
+            inherited, parent, thread = 0, None, None
+            if lineage.parent is not None:
                 row = self._run(conn, "SELECT length FROM responses WHERE id = ? AND owner = ?",
-                                (parent, record.owner)).fetchone()
+                                (lineage.parent, record.owner)).fetchone()
                 if row is not None and int(row[0]) <= len(record.conversation):
-                    inherited = int(row[0])
+                    inherited, parent = int(row[0]), lineage.parent
+            elif lineage.conversation is not None and lineage.inherited:
+                row = self._run(conn, "SELECT 1 FROM conversations WHERE id = ? AND owner = ?",
+                                (lineage.conversation, record.owner)).fetchone()
+                if row is not None and lineage.inherited <= len(record.conversation):
+                    inherited, thread = lineage.inherited, lineage.conversation
             own = msgspec.structs.replace(record, conversation=record.conversation[inherited:])
             body = encode_record(own)
             self._run(conn, "DELETE FROM responses WHERE id = ?", (record.id,))
             self._run(conn, "INSERT INTO responses (id, owner, created, expires, status, lease, "
-                            "size, record, parent, inherited, length, hidden) VALUES (?, ?, ?, "
-                            "?, ?, ?, ?, ?, ?, ?, ?, 0)",
+                            "size, record, parent, inherited, length, hidden, thread, upto) "
+                            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0, ?, ?)",
                       (record.id, record.owner, now, now + ttl_s, record.status, lease,
-                       len(body), body, parent if inherited else None, inherited, length))
+                       len(body), body, parent, inherited, length, thread,
+                       lineage.upto if thread else 0))
 
-    def _chain(self, conn: _C, response_id: str) -> list[tuple[str | None, int, StoredResponse]]:
-        """The row of ``response_id`` and its ancestors', oldest first: each one's parent,
-        the items it inherits, and what it stores of itself."""
-        rows = self._run(conn, """WITH RECURSIVE chain(id, parent, inherited, record, depth) AS (
-                SELECT id, parent, inherited, record, 0 FROM responses WHERE id = ?
+    def _record(self, conn: _C, response_id: str) -> StoredResponse:
+        """The stored response ``response_id``, its history put back together: the rows of
+        its chain, oldest first, each after what it inherits (a conversation's items as the
+        conversation holds them now)."""
+        rows = self._run(conn, """WITH RECURSIVE chain(id, parent, thread, upto, record, depth)
+                AS (SELECT id, parent, thread, upto, record, 0 FROM responses WHERE id = ?
                 UNION ALL
-                SELECT r.id, r.parent, r.inherited, r.record, c.depth + 1
+                SELECT r.id, r.parent, r.thread, r.upto, r.record, c.depth + 1
                 FROM responses r JOIN chain c ON r.id = c.parent)
-            SELECT parent, inherited, record FROM chain ORDER BY depth DESC""",
+            SELECT parent, thread, upto, record FROM chain ORDER BY depth DESC""",
                          (response_id,)).fetchall()
-        out = []
-        for parent, inherited, body in rows:
-            record = decode_record(bytes(body))
-            if record is None:
+        history: tuple[bytes, ...] = ()
+        record: StoredResponse | None = None
+        for parent, thread, upto, body in rows:
+            own = decode_record(bytes(body))
+            if own is None:
                 raise StoreError(f"response {response_id}: a stored record cannot be read")
-            out.append((parent, int(inherited), record))
-        return out
+            if parent is None:
+                history = () if thread is None else tuple(bytes(r[0]) for r in self._run(
+                    conn, "SELECT data FROM conversation_items WHERE conversation = ? AND "
+                          "seq < ? ORDER BY seq", (thread, int(upto))).fetchall())
+            record = msgspec.structs.replace(own, conversation=history + own.conversation)
+            history = record.history()
+        if record is None:
+            raise StoreError(f"response {response_id}: no stored row")
+        return record
 
     @_absent_if_unstorable(None)
     def get_response(self, response_id: str, owner: str) -> tuple[StoredResponse, bool] | None:
         """``owner``'s record, and whether it is running under a lease that has run out."""
         now = self.clock()
         with self._tx(write=False) as conn:
-            row = self._run(conn, "SELECT status, lease, parent FROM responses WHERE id = ? "
+            row = self._run(conn, "SELECT status, lease FROM responses WHERE id = ? "
                                   "AND owner = ? AND expires > ? AND hidden = 0",
                             (response_id, owner, now)).fetchone()
             if row is None:
                 return None
-            chain = self._chain(conn, response_id)
-        history: tuple[bytes, ...] = ()
-        record = chain[-1][2]
-        for parent, inherited, own in chain:
-            if len(history) != inherited or (parent is None and inherited):
-                raise StoreError(f"response {response_id}: its chain is incomplete")
-            record = msgspec.structs.replace(own, conversation=history + own.conversation)
-            history = record.history()
+            record = self._record(conn, response_id)
         lost = row[0] in RUNNING and (row[1] is None or row[1] < now)
         return record, lost
 

@@ -130,6 +130,9 @@ def test_the_quick_start_keeps_responses_chains_and_conversations_through_sigkil
                                                                  limit=100)]
         assert chain[:len(history)] == history and second.output[0].id in chain
         assert client.conversations.retrieve(conversation.id).metadata == {"run": "1"}
+        read = [i.id for i in client.responses.input_items.list(turn.id, order="asc")]
+        assert len(read) == 2 and read[0] == next(iter(client.conversations.items.list(
+            conversation.id, order="asc"))).id  # its history: the conversation's item
         items = [i.id for i in client.conversations.items.list(conversation.id, order="asc")]
         assert len(items) == 3 and items[-1] == turn.output[0].id
         client.responses.create(model="demo", input="Again?", conversation=conversation.id,

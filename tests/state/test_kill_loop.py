@@ -23,7 +23,7 @@ import trio
 
 from direct_frontend.http.stored_responses import keep
 from direct_frontend.openai.conversations import Conversation, Item, new_conversation_id
-from direct_frontend.openai.response_store import ResponseStore, StoredResponse
+from direct_frontend.openai.response_store import Lineage, ResponseStore, StoredResponse
 from direct_frontend.state.shell import Durable
 from direct_frontend.state.sqlite import SqliteStore
 
@@ -52,7 +52,7 @@ def _writer(path: Path, ack: int, seed: int) -> None:
                 record = StoredResponse(store.new_id(), b'{"id":"x"}', (b'{"o":1}',),
                                         history + said, owner=owner)
                 parent = last.id if history and last is not None else None
-                if await keep(store, record, parent=parent):
+                if await keep(store, record, lineage=Lineage(parent)):
                     os.write(ack, f"r {record.id} {owner} {len(record.conversation)}\n"
                              .encode())
                     last = record

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from direct_frontend.openai.conversations import Conversation, Item
-from direct_frontend.openai.response_store import StoredResponse
+from direct_frontend.openai.response_store import Lineage, StoredResponse
 from direct_frontend.state.sql import (
     SCHEMA_VERSION,
     DuplicateItem,
@@ -224,7 +224,7 @@ def chain(sql: SqlStore[Any], clock: Clock, turns: int, prefix: str = "r",
     for i in range(turns):
         parent = made[-1] if made else None
         record = turn(f"{prefix}{i}", parent.history() if parent else (), b"x%d" % i, owner)
-        sql.put_response(record, ttl_s=100, parent=None if parent is None else parent.id)
+        sql.put_response(record, ttl_s=100, lineage=Lineage(None if parent is None else parent.id))
         made.append(record)
         clock.now += 1
     return made
@@ -265,7 +265,7 @@ def test_a_follow_up_whose_parent_is_gone_stores_it_all(sql: SqlStore[Any], cloc
     made = chain(sql, clock, 2)
     assert sql.delete_response(made[1].id, "k1")  # no follow-up: gone at once
     orphan = turn("r9", made[1].history(), b"late")
-    sql.put_response(orphan, ttl_s=100, parent=made[1].id)
+    sql.put_response(orphan, ttl_s=100, lineage=Lineage(made[1].id))
     found = sql.get_response("r9", "k1")
     assert found is not None and found[0] == orphan
 
@@ -280,3 +280,33 @@ def test_an_owner_over_its_bytes_loses_its_stalest_chain_whole(sql: SqlStore[Any
     assert all(sql.get_response(r.id, "k1") is None for r in old)
     assert all(sql.get_response(r.id, "k1") is not None for r in new)
     assert all(sql.get_response(r.id, "k2") is not None for r in other)
+
+
+def test_a_response_on_a_conversation_refers_to_its_items(sql: SqlStore[Any],
+                                                          clock: Clock) -> None:
+    sql.create_conversation(conversation(), items("a", "b"))
+    history = tuple(i.data for i in items("a", "b"))
+    made = turn("r0", history, b"own")
+    sql.put_response(made, ttl_s=100, lineage=Lineage(conversation="conv_1", upto=2,
+                                                      inherited=2))
+    sql.put_response(turn("r9", (), b"own"), ttl_s=100)  # the same with no history
+    assert stored_size(sql, "r0") == stored_size(sql, "r9")
+    assert (sql.get_response("r0", "k1") or [None])[0] == made
+    sql.add_items("conv_1", "k1", items("c"))  # after it: not its history
+    follow = turn("r1", made.history(), b"more")
+    sql.put_response(follow, ttl_s=100, lineage=Lineage("r0"))
+    assert (sql.get_response("r1", "k1") or [None])[0] == follow
+    sql.delete_item("conv_1", "k1", "a")  # read as the conversation holds it now
+    found = sql.get_response("r0", "k1")
+    assert found is not None and found[0].conversation == (history[1], b"own")
+    sql.delete_conversation("conv_1", "k1")
+    found = sql.get_response("r1", "k1")
+    assert found is not None and found[0].conversation == (b"own", b"own!", b"more")
+
+
+def test_a_response_on_another_owners_conversation_is_stored_whole(sql: SqlStore[Any]) -> None:
+    sql.create_conversation(conversation(owner="k2"), items("a"))
+    made = turn("r0", (items("a")[0].data,), b"own")
+    sql.put_response(made, ttl_s=100, lineage=Lineage(conversation="conv_1", upto=1,
+                                                      inherited=1))
+    assert (sql.get_response("r0", "k1") or [None])[0] == made
