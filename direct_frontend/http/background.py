@@ -27,10 +27,12 @@ response ``failed``.
 
 With a database behind the store (``[frontend.responses] backend``), a
 response's ``queued`` record is committed before its id is answered, under
-a lease this service renews every third of ``lease_s`` while it runs: if
-the process dies, the lease runs out and every reader sees it ``failed``,
-never stuck. Its final record is committed when it ends, and a response
-that names a conversation adds its turn there before it is seen ended.
+a lease this service renews (every :data:`CANCEL_POLL_S`, at most a third
+of ``lease_s``) while it runs: if the process dies, the lease runs out and
+every reader sees it ``failed``, never stuck. A cancel asked of another
+process through the database is read as the lease is renewed. Its final
+record is committed when it ends, and a response that names a conversation
+adds its turn there before it is seen ended.
 
 The service's nursery lives as long as the HTTP server; at shutdown the
 responses still running get the grace period, then are cancelled.
@@ -90,6 +92,11 @@ from direct_frontend.state.sql import StoreError
 log = logging.getLogger("direct_frontend.http")
 
 _encode: Final = msgspec.json.Encoder().encode
+
+
+#: with a database: how often the leases are renewed at most, which is how soon a cancel
+#: asked of another process reaches the one running the response
+CANCEL_POLL_S: Final = 1.0
 
 
 class _Run:
@@ -166,7 +173,7 @@ class BackgroundResponses:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 if self.store.durable is not None:
-                    nursery.start_soon(self.renew_leases, self.lease_s / 3)
+                    nursery.start_soon(self.renew_leases, min(self.lease_s / 3, CANCEL_POLL_S))
                 task_status.started()
                 await trio.sleep_forever()
         finally:
@@ -238,16 +245,22 @@ class BackgroundResponses:
         run.wake.set()
 
     async def renew_leases(self, interval_s: float) -> None:
-        """Renew the database leases of the responses running here, every ``interval_s``."""
+        """Renew the database leases of the responses running here, every ``interval_s``,
+        and cancel those another process was asked to cancel."""
         durable = self.store.durable
         assert durable is not None
         while True:
             await trio.sleep(interval_s)
             try:
-                await durable.renew(list(self._runs))
+                cancelled = await durable.renew(list(self._runs))
             except StoreError as exc:
                 log.warning("background leases not renewed (next try in %.0f s): %s",
                             interval_s, exc)
+                continue
+            for response_id in cancelled:
+                run = self._runs.get(response_id)
+                if run is not None:
+                    run.scope.cancel()
 
     def record(self, response_id: str) -> StoredResponse | None:
         """A running response's record as it is now; None if none of that id runs here."""

@@ -19,6 +19,7 @@ from typing import Any, Final
 from urllib.parse import parse_qs
 
 import msgspec
+import trio
 
 from direct_frontend.http.asgi import JSON, Headers, Send, send_body
 from direct_frontend.http.query import query_int
@@ -33,6 +34,7 @@ from direct_frontend.openai.errors import (
 from direct_frontend.openai.response_store import (
     CANCELLED,
     NOT_BACKGROUND,
+    DurableResponses,
     Lineage,
     RemoteResponses,
     ResponseStore,
@@ -48,6 +50,8 @@ RESPONSE_PATH: Final = "/v1/responses/"
 INPUT_ITEMS: Final = "/input_items"
 #: ``POST /v1/responses/{id}/cancel``
 CANCEL: Final = "/cancel"
+#: a cancel of a response another process runs asks the database this often whether it ended
+CANCEL_WAIT_POLL_S: Final = 0.25
 #: ``input_items`` pages: OpenAI's default and largest ``limit``
 DEFAULT_LIMIT: Final = 20
 MAX_LIMIT: Final = 100
@@ -172,16 +176,18 @@ async def respond_cancel(store: ResponseStore, response_id: str, owner: str, sen
     """Cancel a background response; the Response as it ended (a second cancel: the same).
 
     A response that was not run in the background is a 400, as OpenAI's is.
-    With a database, one this process does not run is answered as it is
-    stored: ended, or failed once its process died; one still running in
-    another process is cancelled only through the replica link (NATS).
+    With a database, one running in another process is asked to stop there
+    (its process reads the request as it renews its lease) and answered once
+    it has ended, or once its lease ran out: its process died.
     """
     answer = await store.cancel(response_id, owner)
     if answer is None and (sibling := _sibling(store, response_id)) is not None:
         remote, holder = sibling
         answer = await remote.cancel(holder, response_id, owner)
-    if answer is None and store.durable is not None:  # not running here: as it is stored
+    if answer is None and store.durable is not None:  # not running here
         stored = await find(store, response_id, owner)
+        if stored is not None and stored.background and stored.running:
+            await _cancel_elsewhere(store, store.durable, response_id, owner)
         if stored is not None:
             answer = CANCELLED if stored.background else NOT_BACKGROUND
     if answer == NOT_BACKGROUND:
@@ -191,6 +197,22 @@ async def respond_cancel(store: ResponseStore, response_id: str, owner: str, sen
         raise response_not_found(response_id)
     await send_body(send, 200, record.response, JSON, headers)
     return 200
+
+
+async def _cancel_elsewhere(store: ResponseStore, durable: DurableResponses, response_id: str,
+                            owner: str) -> None:
+    """Ask the process running the response to cancel it, and wait until it has ended (or
+    its lease ran out), at most a lease and a few polls."""
+    try:
+        await durable.request_cancel(response_id, owner)
+    except StoreError as exc:
+        raise unavailable(exc) from None
+    with trio.move_on_after(durable.lease_s + 4 * CANCEL_WAIT_POLL_S):
+        while True:
+            await trio.sleep(CANCEL_WAIT_POLL_S)  # the runner has no way to wake us
+            latest = await find(store, response_id, owner)
+            if latest is None or not latest.running:
+                return
 
 
 async def respond_input_items(store: ResponseStore, response_id: str, owner: str,

@@ -143,7 +143,14 @@ class DurableResponses(Protocol):
 
     async def delete(self, response_id: str, owner: str) -> bool: ...
 
-    async def renew(self, response_ids: Sequence[str]) -> None: ...
+    #: how long a running response's row is believed without its process renewing it
+    lease_s: float
+
+    async def renew(self, response_ids: Sequence[str]) -> Sequence[str]:
+        """Renew the leases of these running responses; those of them to cancel."""
+        ...
+
+    async def request_cancel(self, response_id: str, owner: str) -> bool: ...
 
 
 class ConversationLog(Protocol):

@@ -98,10 +98,16 @@ class Durable:
     async def delete(self, response_id: str, owner: str) -> bool:
         return await self._call(self.sql.delete_response, response_id, owner)
 
-    async def renew(self, response_ids: Sequence[str]) -> None:
-        """Renew the leases of the background responses this process runs."""
-        if response_ids:
-            await self._call(self.sql.renew, list(response_ids), self.lease_s)
+    async def renew(self, response_ids: Sequence[str]) -> list[str]:
+        """Renew the leases of the background responses this process runs; those of them
+        another process was asked to cancel."""
+        if not response_ids:
+            return []
+        return await self._call(self.sql.renew, list(response_ids), self.lease_s)
+
+    async def request_cancel(self, response_id: str, owner: str) -> bool:
+        """Ask whichever process runs ``owner``'s background response to cancel it."""
+        return await self._call(self.sql.request_cancel, response_id, owner)
 
     async def sweep(self) -> int:
         """One retention pass (see :meth:`SqlStore.sweep`)."""

@@ -44,13 +44,14 @@ MIGRATIONS: Final[tuple[tuple[str, ...], ...]] = (
         # parent: the response a follow-up continues (it stores only what it adds, and
         # inherits the parent's history: ``inherited`` items); else thread: the conversation
         # whose items numbered below ``upto`` began its history; length: its history's items;
-        # hidden: deleted, but held for the history of a follow-up
+        # hidden: deleted, but held for the history of a follow-up; cancel: a cancel was
+        # asked of a running background response (its process reads it as it renews)
         """CREATE TABLE responses (
             id TEXT PRIMARY KEY, owner TEXT NOT NULL, created {real} NOT NULL,
             expires {real} NOT NULL, status TEXT NOT NULL, lease {real},
             size {int} NOT NULL, record {blob} NOT NULL, parent TEXT,
             inherited {int} NOT NULL, length {int} NOT NULL, hidden {int} NOT NULL,
-            thread TEXT, upto {int} NOT NULL)""",
+            thread TEXT, upto {int} NOT NULL, cancel {int} NOT NULL)""",
         "CREATE INDEX responses_owner ON responses (owner, created)",
         "CREATE INDEX responses_parent ON responses (parent)",
         "CREATE INDEX responses_expires ON responses (expires)",
@@ -243,8 +244,8 @@ class SqlStore(Generic[_C]):
             body = encode_record(own)
             self._run(conn, "DELETE FROM responses WHERE id = ?", (record.id,))
             self._run(conn, "INSERT INTO responses (id, owner, created, expires, status, lease, "
-                            "size, record, parent, inherited, length, hidden, thread, upto) "
-                            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0, ?, ?)",
+                            "size, record, parent, inherited, length, hidden, thread, upto, "
+                            "cancel) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0, ?, ?, 0)",
                       (record.id, record.owner, now, now + ttl_s, record.status, lease,
                        len(body), body, parent, inherited, length, thread,
                        lineage.upto if thread else 0))
@@ -316,13 +317,30 @@ class SqlStore(Generic[_C]):
                 self._run(conn, "UPDATE responses SET hidden = 1 WHERE id = ?", (response_id,))
             return True
 
-    def renew(self, response_ids: Sequence[str], lease_s: float) -> None:
-        """Extend the leases of the running background responses of these ids."""
+    def renew(self, response_ids: Sequence[str], lease_s: float) -> list[str]:
+        """Extend the leases of the running background responses of these ids; those of
+        them another process was asked to cancel."""
         until = self.clock() + lease_s
+        cancelled = []
         with self._tx() as conn:
             for response_id in response_ids:
                 self._run(conn, "UPDATE responses SET lease = ? WHERE id = ?",
                           (until, response_id))
+                row = self._run(conn, "SELECT cancel FROM responses WHERE id = ?",
+                                (response_id,)).fetchone()
+                if row is not None and int(row[0]):
+                    cancelled.append(response_id)
+        return cancelled
+
+    @_absent_if_unstorable(False)
+    def request_cancel(self, response_id: str, owner: str) -> bool:
+        """Ask the process running ``owner``'s background response to cancel it (it reads
+        this as it renews its lease); False when no such response is running."""
+        with self._tx() as conn:
+            cursor = self._run(conn, "UPDATE responses SET cancel = 1 WHERE id = ? AND owner = ?"
+                                     " AND hidden = 0 AND status IN (?, ?)",
+                               (response_id, owner, *RUNNING))
+            return bool(cursor.rowcount)
 
     # -- conversations --------------------------------------------------------------------
     def create_conversation(self, conversation: Conversation, items: Sequence[Item]) -> None:

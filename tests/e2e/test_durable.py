@@ -171,8 +171,7 @@ def postgres() -> Iterator[PostgresServer]:
 
 def test_two_daemons_on_one_postgres_continue_each_others_state(
         tmp_path: Path, postgres: PostgresServer) -> None:
-    dsn = postgres.new_database().replace("host=127.0.0.1 port=", "").split()
-    url = f"postgresql://postgres@127.0.0.1:{dsn[0]}/{dsn[2].split('=')[1]}"
+    url = postgres.new_url()
     daemons = []
     for name in ("a", "b"):
         port = free_port()
@@ -230,3 +229,23 @@ def test_workers_share_one_sqlite_file(model_dir: Path, tmp_path: Path) -> None:
                 listed = fresh.get(f"{base}/v1/conversations/{conversation}/items?limit=100",
                                    headers={"connection": "close"}).json()
             assert len(listed["data"]) == 6
+
+
+def test_a_cancel_on_one_daemon_stops_a_background_response_running_on_another(
+        tmp_path: Path, postgres: PostgresServer) -> None:
+    url = postgres.new_url()
+    daemons = []
+    for name in ("a", "b"):
+        port = free_port()
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "fleet.toml").write_text(fleet_with(
+            port, sim_engine(name, **SLOW), f'backend = "postgres"\ndsn = "{url}"'))
+        daemons.append(Process(tmp_path / name / "fleet.toml", port))
+    a, b = daemons
+    with running(a), running(b), a.client() as on_a, b.client() as on_b:
+        started = on_a.responses.create(model="demo", input="go", background=True,
+                                        max_output_tokens=2000)  # 40 s of decoding
+        assert on_b.responses.retrieve(started.id).status in ("queued", "in_progress")
+        stopped = on_b.responses.cancel(started.id)
+        assert stopped.status == "cancelled"
+        assert on_a.responses.retrieve(started.id).status == "cancelled"

@@ -310,3 +310,14 @@ def test_a_response_on_another_owners_conversation_is_stored_whole(sql: SqlStore
     sql.put_response(made, ttl_s=100, lineage=Lineage(conversation="conv_1", upto=1,
                                                       inherited=1))
     assert (sql.get_response("r0", "k1") or [None])[0] == made
+
+
+def test_a_cancel_asked_elsewhere_reaches_the_runner_as_it_renews(sql: SqlStore[Any]) -> None:
+    sql.put_response(record(status="in_progress"), ttl_s=600, lease_s=10)
+    sql.put_response(record("resp_2", status="in_progress"), ttl_s=600, lease_s=10)
+    assert sql.renew(["resp_1", "resp_2"], 10) == []
+    assert not sql.request_cancel("resp_1", "k2")  # another owner's: not found
+    assert sql.request_cancel("resp_1", "k1")
+    assert sql.renew(["resp_1", "resp_2"], 10) == ["resp_1"]
+    sql.put_response(record(), ttl_s=600)  # it ended: its final record
+    assert not sql.request_cancel("resp_1", "k1")  # nothing runs to cancel

@@ -79,10 +79,17 @@ class PostgresServer:
 
     def new_database(self) -> str:
         """A fresh, empty database; its DSN."""
+        return self.dsn(self._create())
+
+    def new_url(self) -> str:
+        """A fresh, empty database; its postgresql:// URL (as a fleet file's dsn)."""
+        return f"postgresql://postgres@127.0.0.1:{self.port}/{self._create()}"
+
+    def _create(self) -> str:
         name = "t_" + secrets.token_hex(6)
         with psycopg.connect(self.dsn(), autocommit=True) as conn:
             conn.execute(f"CREATE DATABASE {name}")
-        return self.dsn(name)
+        return name
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:
