@@ -30,9 +30,10 @@ response's ``queued`` record is committed before its id is answered, under
 a lease this service renews (every :data:`CANCEL_POLL_S`, at most a third
 of ``lease_s``) while it runs: if the process dies, the lease runs out and
 every reader sees it ``failed``, never stuck. A cancel asked of another
-process through the database is read as the lease is renewed. Its final
-record is committed when it ends, and a response that names a conversation
-adds its turn there before it is seen ended.
+process through the database is read as the lease is renewed, and the
+records of those that moved are written with it, so another process
+follows them. Its final record is committed when it ends, and a response
+that names a conversation adds its turn there before it is seen ended.
 
 The service's nursery lives as long as the HTTP server; at shutdown the
 responses still running get the grace period, then are cancelled.
@@ -107,6 +108,7 @@ class _Run:
         self.owner = owner
         self.store = store
         self.logged = 0  # the bytes of its event log, counted against its owner in the store
+        self.written = 0  # with a database: the events its row held when last written
         self.too_large = False  # its log outgrew what its owner may hold: it is being stopped
         self.status = "queued"
         self.error: dict[str, Any] | None = None
@@ -246,17 +248,23 @@ class BackgroundResponses:
 
     async def renew_leases(self, interval_s: float) -> None:
         """Renew the database leases of the responses running here, every ``interval_s``,
-        and cancel those another process was asked to cancel."""
+        with the progress of those that moved (another process follows them from the
+        database), and cancel those another process was asked to cancel."""
         durable = self.store.durable
         assert durable is not None
         while True:
             await trio.sleep(interval_s)
+            moved = {run: len(run.events) for run in self._runs.values()
+                     if len(run.events) != run.written}
             try:
-                cancelled = await durable.renew(list(self._runs))
+                cancelled = await durable.renew(list(self._runs),
+                                                [self._record(run) for run in moved])
             except StoreError as exc:
                 log.warning("background leases not renewed (next try in %.0f s): %s",
                             interval_s, exc)
                 continue
+            for moving, written in moved.items():
+                moving.written = written
             for response_id in cancelled:
                 run = self._runs.get(response_id)
                 if run is not None:

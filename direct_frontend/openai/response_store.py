@@ -146,8 +146,10 @@ class DurableResponses(Protocol):
     #: how long a running response's row is believed without its process renewing it
     lease_s: float
 
-    async def renew(self, response_ids: Sequence[str]) -> Sequence[str]:
-        """Renew the leases of these running responses; those of them to cancel."""
+    async def renew(self, response_ids: Sequence[str],
+                    progress: Sequence[StoredResponse] = ()) -> Sequence[str]:
+        """Renew the leases of these running responses, writing the ``progress`` (records
+        as they are now) of some; those of them to cancel."""
         ...
 
     async def request_cancel(self, response_id: str, owner: str) -> bool: ...

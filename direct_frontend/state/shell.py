@@ -98,12 +98,14 @@ class Durable:
     async def delete(self, response_id: str, owner: str) -> bool:
         return await self._call(self.sql.delete_response, response_id, owner)
 
-    async def renew(self, response_ids: Sequence[str]) -> list[str]:
-        """Renew the leases of the background responses this process runs; those of them
-        another process was asked to cancel."""
+    async def renew(self, response_ids: Sequence[str],
+                    progress: Sequence[StoredResponse] = ()) -> list[str]:
+        """Renew the leases of the background responses this process runs, writing the
+        ``progress`` of some; those of them another process was asked to cancel."""
         if not response_ids:
             return []
-        return await self._call(self.sql.renew, list(response_ids), self.lease_s)
+        return await self._call(self.sql.renew, list(response_ids), self.lease_s,
+                                list(progress))
 
     async def request_cancel(self, response_id: str, owner: str) -> bool:
         """Ask whichever process runs ``owner``'s background response to cancel it."""

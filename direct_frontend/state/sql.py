@@ -317,12 +317,28 @@ class SqlStore(Generic[_C]):
                 self._run(conn, "UPDATE responses SET hidden = 1 WHERE id = ?", (response_id,))
             return True
 
-    def renew(self, response_ids: Sequence[str], lease_s: float) -> list[str]:
-        """Extend the leases of the running background responses of these ids; those of
-        them another process was asked to cancel."""
+    def renew(self, response_ids: Sequence[str], lease_s: float,
+              progress: Sequence[StoredResponse] = ()) -> list[str]:
+        """Extend the leases of the running background responses of these ids, and write
+        the ``progress`` of some (their records as they are now: another process reads
+        them so); those of them another process was asked to cancel.
+
+        A response that has ended meanwhile keeps its final record: progress
+        only replaces a row still running.
+        """
         until = self.clock() + lease_s
         cancelled = []
         with self._tx() as conn:
+            for record in progress:
+                row = self._run(conn, "SELECT inherited FROM responses WHERE id = ? AND "
+                                      "status IN (?, ?)", (record.id, *RUNNING)).fetchone()
+                if row is None:
+                    continue
+                body = encode_record(msgspec.structs.replace(
+                    record, conversation=record.conversation[int(row[0]):]))
+                self._run(conn, "UPDATE responses SET record = ?, size = ?, status = ? WHERE "
+                                "id = ? AND status IN (?, ?)",
+                          (body, len(body), record.status, record.id, *RUNNING))
             for response_id in response_ids:
                 self._run(conn, "UPDATE responses SET lease = ? WHERE id = ?",
                           (until, response_id))

@@ -246,6 +246,8 @@ def test_a_cancel_on_one_daemon_stops_a_background_response_running_on_another(
         started = on_a.responses.create(model="demo", input="go", background=True,
                                         max_output_tokens=2000)  # 40 s of decoding
         assert on_b.responses.retrieve(started.id).status in ("queued", "in_progress")
+        wait_for(lambda: bool(on_b.responses.retrieve(started.id).output), 10,
+                 "the output so far to reach the other daemon through the database")
         stopped = on_b.responses.cancel(started.id)
         assert stopped.status == "cancelled"
         assert on_a.responses.retrieve(started.id).status == "cancelled"

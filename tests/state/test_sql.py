@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
 from direct_frontend.openai.conversations import Conversation, Item
@@ -321,3 +322,19 @@ def test_a_cancel_asked_elsewhere_reaches_the_runner_as_it_renews(sql: SqlStore[
     assert sql.renew(["resp_1", "resp_2"], 10) == ["resp_1"]
     sql.put_response(record(), ttl_s=600)  # it ended: its final record
     assert not sql.request_cancel("resp_1", "k1")  # nothing runs to cancel
+
+
+def test_a_running_responses_progress_is_written_until_it_ends(sql: SqlStore[Any]) -> None:
+    base = turn("r0", (), b"hi")
+    sql.put_response(base, ttl_s=600)
+    running = msgspec.structs.replace(turn("r1", base.history(), b"go"), status="in_progress",
+                                      background=True, output=())
+    sql.put_response(running, ttl_s=600, lease_s=10, lineage=Lineage("r0"))
+    moved = msgspec.structs.replace(running, output=(b"so far",), events=(b"e0", b"e1"))
+    sql.renew(["r1"], 10, [moved])
+    found = sql.get_response("r1", "k1")
+    assert found is not None and found[0] == moved  # with its history, as a reader sees it
+    ended = msgspec.structs.replace(moved, status="completed", output=(b"all",))
+    sql.put_response(ended, ttl_s=600, lineage=Lineage("r0"))
+    sql.renew(["r1"], 10, [moved])  # a late write of its progress: the end stays
+    assert (sql.get_response("r1", "k1") or [None])[0] == ended
