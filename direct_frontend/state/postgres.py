@@ -56,6 +56,11 @@ class PostgresStore(SqlStore["psycopg.Connection[Any]"]):
     def _close(self, conn: psycopg.Connection[Any]) -> None:
         conn.close()
 
+    def _stale(self, exc: Exception) -> bool:
+        import psycopg
+
+        return isinstance(exc, psycopg.OperationalError)
+
     def _lock_schema(self, conn: psycopg.Connection[Any]) -> None:
         conn.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK,))
 

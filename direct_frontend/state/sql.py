@@ -141,26 +141,63 @@ class SqlStore(Generic[_C]):
     # -- plumbing -----------------------------------------------------------------------
     @contextlib.contextmanager
     def _tx(self, write: bool = True) -> Iterator[_C]:
+        """One transaction on a pooled connection (a new one when none is idle).
+
+        A pooled connection whose server went away since (a restart, a
+        failover) fails as its transaction begins: it is dropped and the
+        transaction begins once more on a new one. A connection that failed
+        is never pooled again; one whose transaction was rolled back for
+        the caller's exception is.
+        """
+        conn, pooled = self._take()
+        stack = contextlib.ExitStack()
         try:
-            conn = self._pool.get_nowait()
-        except queue.Empty:
-            try:
-                conn = self._connect()
-            except self.errors as exc:
+            stack.enter_context(self._begin(conn, write))
+        except self.errors as exc:
+            self._discard(conn)
+            if not (pooled and self._stale(exc)):
                 raise StoreError(str(exc)) from exc
-        healthy = False
+            conn, _ = self._take(fresh=True)
+            try:
+                stack.enter_context(self._begin(conn, write))
+            except self.errors as again:
+                self._discard(conn)
+                raise StoreError(str(again)) from again
+        broken = True
         try:
-            with self._begin(conn, write):
+            with stack:
                 yield conn
-            healthy = True
+            broken = False
         except self.errors as exc:
             raise StoreError(str(exc)) from exc
+        except BaseException:
+            broken = False  # the caller's: the transaction was rolled back
+            raise
         finally:
-            if healthy:
+            if broken:
+                self._discard(conn)
+            else:
                 self._pool.put(conn)
-            else:  # a connection that failed is not reused (it may be broken)
-                with contextlib.suppress(Exception):
-                    self._close(conn)
+
+    def _take(self, fresh: bool = False) -> tuple[_C, bool]:
+        """A connection, and whether it came from the pool."""
+        if not fresh:
+            try:
+                return self._pool.get_nowait(), True
+            except queue.Empty:
+                pass
+        try:
+            return self._connect(), False
+        except self.errors as exc:
+            raise StoreError(str(exc)) from exc
+
+    def _discard(self, conn: _C) -> None:
+        with contextlib.suppress(Exception):
+            self._close(conn)
+
+    def _stale(self, exc: Exception) -> bool:
+        """Whether a pooled connection failed because its server went away (retry once)."""
+        return False
 
     def _sql(self, statement: str) -> str:
         return statement if self.placeholder == "?" else statement.replace("?", self.placeholder)

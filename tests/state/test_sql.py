@@ -338,3 +338,19 @@ def test_a_running_responses_progress_is_written_until_it_ends(sql: SqlStore[Any
     sql.put_response(ended, ttl_s=600, lineage=Lineage("r0"))
     sql.renew(["r1"], 10, [moved])  # a late write of its progress: the end stays
     assert (sql.get_response("r1", "k1") or [None])[0] == ended
+
+
+def test_a_restarted_postgres_is_reconnected_to_without_an_error() -> None:
+    from direct_frontend.state.postgres import PostgresStore
+    from tests.support.postgres import running_postgres
+
+    with running_postgres() as server:
+        store = PostgresStore(server.new_database(), connections=2)
+        store.migrate()
+        store.put_response(record("resp_a"), ttl_s=60)
+        server.stop()  # every pooled connection's server is gone
+        server.start()
+        store.put_response(record("resp_b"), ttl_s=60)
+        assert store.get_response("resp_a", "k1") is not None
+        assert store.get_response("resp_b", "k1") is not None
+        store.close()
