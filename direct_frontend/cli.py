@@ -174,7 +174,8 @@ def _start_failure(exc: BaseException) -> str | None:
     """One line for a daemon that failed on the system (a port, a file), None for a bug.
 
     Trio nests what failed in exception groups; only when every failure in
-    them is an ``OSError`` is it the machine's answer rather than our defect.
+    them is an ``OSError`` (or a store's database that cannot be used) is it
+    the machine's answer rather than our defect.
     """
     leaves: list[BaseException] = []
     pending = [exc]
@@ -184,8 +185,12 @@ def _start_failure(exc: BaseException) -> str | None:
             pending.extend(current.exceptions)
         else:
             leaves.append(current)
-    if leaves and all(isinstance(leaf, OSError) for leaf in leaves):
-        return "; ".join(dict.fromkeys(str(leaf) for leaf in leaves))
+    from direct_frontend.state.sql import StoreError  # a database that cannot be used
+
+    if leaves and all(isinstance(leaf, (OSError, StoreError)) for leaf in leaves):
+        return "; ".join(dict.fromkeys(
+            f"[frontend.responses] store: {leaf}" if isinstance(leaf, StoreError) else str(leaf)
+            for leaf in leaves))
     return None
 
 
@@ -234,10 +239,29 @@ def check(
         return
     if not no_tokenizer:
         _or_exit(load_text_models, config)
+    store = _reach_store(config)
     if as_json:
         typer.echo(json.dumps(to_jsonable(config), indent=2))
     else:
         typer.echo(describe_fleet(config))
+        if store is not None:
+            typer.echo(f"\nstore: {store}")
+
+
+def _reach_store(config: FleetConfig) -> str | None:
+    """The stored responses' database reached (exit 2 if it cannot be used); None: none kept."""
+    from direct_frontend.state.backends import check_reachable
+    from direct_frontend.state.sql import StoreError
+
+    responses = config.frontend.responses
+    if not responses.store:
+        return None
+    try:
+        return check_reachable(responses, config.source)
+    except StoreError as exc:
+        typer.echo(f"{config.source}: frontend.responses: the {responses.backend} store cannot "
+                   f"be used: {exc}", err=True)
+        raise typer.Exit(2) from None
 
 
 def _check_against(config: FleetConfig, url: str, token: str | None, as_json: bool) -> None:

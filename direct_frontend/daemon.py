@@ -9,6 +9,7 @@ Shape (every task has a parent)::
               ├─ supervisor         engine incarnations, catalog
               ├─ pod discovery      [[pool]] list/watch → the supervisor's adds/removes
               ├─ background         Responses run with background: true (http/background.py)
+              ├─ retention          the durable store's sweeps (state/backends.py)
               ├─ HTTP server        hypercorn, the data plane's entry (and /fleet)
               ├─ file watcher       fleet file changed → reload
               ├─ signal watcher     SIGHUP → reload; SIGINT/SIGTERM → graceful shutdown
@@ -67,6 +68,8 @@ from direct_frontend.openai.response_store import ResponseStore
 from direct_frontend.pipeline.models import ModelBuilder
 from direct_frontend.routing.factory import make_policy
 from direct_frontend.routing.peers import PlacementShare
+from direct_frontend.state.backends import open_durable, sweep_forever
+from direct_frontend.state.shell import Durable
 from direct_frontend.text.model_dir import TextModel
 
 log = logging.getLogger("direct_frontend")
@@ -136,7 +139,7 @@ async def serve_fleet(
             kv.diverged,
         )
         await builder.load(fleet)
-        responses = _open_responses(fleet, metrics)
+        responses, durable = await _open_responses(fleet, metrics)
         replicas = fleet.frontend.replicas
         if worker is not None:
             replicas = worker_replicas(replicas, worker)
@@ -151,7 +154,7 @@ async def serve_fleet(
                                adapt=None if worker is None else partial(worker_fleet,
                                                                          role=worker))
         tracing = _open_tracing(fleet.frontend.tracing)
-        app = App(control, metrics, tracing, responses)
+        app = App(control, metrics, tracing, responses, durable)
         if worker is not None:
             app.metrics_view = partial(merged_metrics, worker)
         async with trio.open_nursery() as nursery:
@@ -164,6 +167,9 @@ async def serve_fleet(
             await nursery.start(control.pods.run)
             if app.background is not None:
                 await nursery.start(app.background.run)
+            if durable is not None:
+                nursery.start_soon(sweep_forever, durable,
+                                   fleet.frontend.responses.sweep_interval_s)
             config = hypercorn_config(fleet, shutdown_grace_s, worker)
             app.bound_urls = await nursery.start(_serve_http, app, config, shutdown)
             log.info(
@@ -190,6 +196,8 @@ async def serve_fleet(
                     await app.background.drain()
                 await app.http_stopped.wait()
             nursery.cancel_scope.cancel()
+        if durable is not None:
+            await durable.close()
         if tracing is not None:  # what is still buffered goes out (a crash: at exit)
             await trio.to_thread.run_sync(tracing.shutdown)
     notifier.close()
@@ -208,16 +216,21 @@ def _open_tracing(config: TracingConfig) -> Tracing | None:
     return Tracing(config.otlp_endpoint, config.service_name, config.sample_ratio)
 
 
-def _open_responses(fleet: FleetConfig, metrics: Metrics) -> ResponseStore | None:
-    """The stored Responses of ``[frontend.responses]`` (read once, at start), exported."""
+async def _open_responses(fleet: FleetConfig,
+                          metrics: Metrics) -> tuple[ResponseStore | None, Durable | None]:
+    """The stored Responses of ``[frontend.responses]`` (read once, at start), exported, and
+    the durable store of responses (unless the backend is ``memory``) and conversations."""
     config = fleet.frontend.responses
     if not config.store:
-        return None
+        return None, None
     store = ResponseStore(config.max_bytes, config.ttl_s,
                           max_bytes_per_owner=config.max_bytes_per_owner,
                           on_evict=metrics.response_evicted)
     metrics.watch_responses(lambda: len(store), lambda: store.bytes)
-    return store
+    durable = await open_durable(config, fleet.source)
+    if config.backend != "memory":
+        store.durable = durable
+    return store, durable
 
 
 def _read_or_empty(path: Path) -> bytes:

@@ -21,7 +21,7 @@ FLOORS: tuple[frozenset[str], ...] = tuple(frozenset(f.split()) for f in (
     "cli",                   # the commands
     "daemon top",            # the composition root; the fleet viewer (a client)
     "http control",          # the ASGI shell; the long-lived tasks (siblings)
-    "pipeline",              # one request's walk, sans HTTP
+    "pipeline state",        # one request's walk, sans HTTP; the durable store
     "routing",               # policies over the catalog
     "fleet openai",          # the fleet file's model; the OpenAI API model
     "kv engines",            # the KV index and events; engine dialects and transport

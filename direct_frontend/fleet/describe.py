@@ -189,7 +189,7 @@ def to_jsonable(cfg: FleetConfig, *, redact: bool = True) -> dict[str, JsonValue
             },
             "replicas": _replicas_json(replicas, redact),
             "kubernetes": _plain(frontend.kubernetes),
-            "responses": _plain(frontend.responses),
+            "responses": _responses_json(frontend.responses, redact),
             "access_log": _plain(frontend.access_log),
         },
         "models": models,
@@ -449,9 +449,22 @@ def _responses_row(responses: ResponsesConfig) -> str:
         return "kept: none (previous_response_id is refused)"
     per_owner = ("a fair share" if responses.max_bytes_per_owner is None
                  else f"at most {responses.max_bytes_per_owner}")
-    return (f"kept for previous_response_id: up to {responses.max_bytes} bytes per process "
+    where = {"memory": "in each process's memory",
+             "sqlite": "in a SQLite file (survives restarts)",
+             "postgres": "in PostgreSQL (shared by replicas)"}[responses.backend]
+    return (f"kept for previous_response_id {where}: up to {responses.max_bytes} bytes "
+            f"{'per process' if responses.backend == 'memory' else 'cached per process'} "
             f"({per_owner} per owner), {responses.ttl_s:g} s each; "
             f"{responses.max_background_per_owner} background at once per owner")
+
+
+def _responses_json(responses: ResponsesConfig, redact: bool) -> JsonValue:
+    """``[frontend.responses]`` as JSON; its ``dsn`` (it may hold a password) redacted."""
+    out = _plain(responses)
+    assert isinstance(out, dict)
+    if redact and responses.dsn is not None:
+        out["dsn"] = REDACTED
+    return out
 
 
 def _owners_row(auth: AuthConfig) -> str:

@@ -56,6 +56,7 @@ from direct_frontend.fleet.schema import (
     KnobValue,
     KvAwareKnobs,
     ReplicasConfig,
+    ResponsesConfig,
     RoutingConfig,
     SimulatorConfig,
     implicit_model,
@@ -233,6 +234,7 @@ class _Checker(PoolTables, ModelTables, AuthTables):
         }
         frontend = FrontendConfig(**self.fields(FrontendConfig, tbl, path, by_hand))
         self.check_tracing(frontend.tracing.otlp_endpoint, (*path, "tracing", "otlp_endpoint"))
+        self.check_store(frontend.responses, (*path, "responses"))
         return dataclasses.replace(
             frontend, replicas=self.replicas(frontend.replicas, source, (*path, "replicas")))
 
@@ -243,6 +245,21 @@ class _Checker(PoolTables, ModelTables, AuthTables):
         files: dict[str, Any] = {key: str(source.parent / value) for key in REPLICAS_FILES
                                  if (value := getattr(replicas, key)) is not None}
         return dataclasses.replace(replicas, **files)
+
+    def check_store(self, responses: ResponsesConfig, where: KeyPath) -> None:
+        """A postgres backend names its database; each backend's keys are its own."""
+        if responses.backend == "postgres" and responses.dsn is None:
+            self.report((*where, "backend"), "the postgres backend needs dsn, its database "
+                        "as a postgresql:// URL")
+        if responses.backend != "postgres" and responses.dsn is not None:
+            self.report((*where, "dsn"), f"dsn is for the postgres backend, not "
+                        f"{responses.backend!r}")
+        if responses.backend != "sqlite" and responses.path is not None:
+            self.report((*where, "path"), f"path is for the sqlite backend, not "
+                        f"{responses.backend!r}")
+        if responses.path is not None and responses.path.startswith("~"):
+            self.report((*where, "path"), f"{responses.path!r}: '~' is not expanded; write "
+                        "the full path")
 
     def workers(self, tbl: Table, path: KeyPath) -> int:
         """``workers``: a count of at least 1, or ``"auto"`` (read as 0: one per core)."""

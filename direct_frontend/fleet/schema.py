@@ -22,6 +22,7 @@ from typing import Literal, TypeVar
 from direct_frontend.engines.neutral import EngineRole
 
 RoutingPolicy = Literal["round_robin", "least_loaded", "kv_aware", "cache_affinity"]
+StoreBackend = Literal["memory", "sqlite", "postgres"]
 EngineKind = Literal["sglang", "vllm", "trtllm"]
 KnobValue = float | int | str | bool
 
@@ -355,6 +356,13 @@ class ResponsesConfig:
     (an owner under its share never loses a record to another's traffic), and
     one owner may run at most ``max_background_per_owner`` background
     responses at once. With ``store = false`` nothing is kept. Built at start.
+
+    ``backend`` says where they (and conversations) live: ``memory`` (this
+    process; lost at exit), ``sqlite`` (a file on this machine that its
+    workers share; survives restarts) or ``postgres`` (one database every
+    replica shares). With a database, ``max_bytes`` bounds this process's
+    cache of what it wrote, ``ttl_s`` and ``retain_bytes_per_owner`` what the
+    database keeps.
     """
 
     store: bool = True
@@ -364,6 +372,22 @@ class ResponsesConfig:
     max_bytes_per_owner: int | None = setting(None, AT_LEAST_ONE)
     # background responses one owner may have queued or running at once (beyond: a 429)
     max_background_per_owner: int = setting(8, AT_LEAST_ONE)
+    backend: StoreBackend = setting("memory", Rules(noun="store backend"))
+    # sqlite: the database file, relative to the fleet file (absent: responses.db in
+    # $STATE_DIRECTORY, else in $XDG_STATE_HOME/direct-frontend or ~/.local/state/direct-frontend)
+    path: str | None = None
+    # postgres: the database, as a postgresql:// URL (a secret: shown nowhere, and no spaces)
+    dsn: str | None = setting(None, Rules(secret=True))
+    # database connections (and worker threads) of one process
+    connections: int = setting(4, AT_LEAST_ONE)
+    # a background response whose process has not renewed its lease this long reads as failed
+    lease_s: float = setting(30.0, POSITIVE)
+    # a database: conversations untouched this long are dropped (absent: kept until deleted)
+    conversation_ttl_s: float | None = setting(None, POSITIVE)
+    # a database: an owner's stored responses beyond this many bytes lose their oldest
+    retain_bytes_per_owner: int | None = setting(None, AT_LEAST_ONE)
+    # a database: how often retention runs (in the background, in small transactions)
+    sweep_interval_s: float = setting(60.0, POSITIVE)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

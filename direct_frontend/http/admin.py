@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 import trio
 
+from direct_frontend.fleet.schema import FrontendConfig
 from direct_frontend.http.asgi import Receive, Scope, Send
 from direct_frontend.http.control_view import ControlView, Event, EventFeed
 from direct_frontend.openai.errors import OpenAIHTTPError
@@ -63,6 +64,25 @@ def credential_ok(scope: Scope, accepted: Sequence[str], *, api_key_header: bool
     for secret in accepted:  # no early exit: timing says nothing about which key matched
         found |= hmac.compare_digest(given.encode(), secret.encode())
     return found
+
+
+#: vLLM's tokenizer endpoints, outside /v1 as vLLM serves them; the API keys cover them too
+TOKENIZER_PATHS = frozenset({"/tokenize", "/detokenize"})
+
+
+def denied(frontend: FrontendConfig, scope: Scope) -> OpenAIHTTPError | None:
+    """401 unless the request carries the credential its endpoint needs (if any): an API
+    key for the OpenAI endpoints, the admin token for the fleet view and the metrics."""
+    path = scope["path"]
+    if path.startswith("/v1/") or path in TOKENIZER_PATHS:
+        keys = frontend.auth.api_keys
+        if keys and not credential_ok(scope, keys, api_key_header=True):
+            return unauthorized()
+    elif path.startswith("/fleet") or path == "/metrics":
+        token = frontend.admin.token
+        if token is not None and not credential_ok(scope, (token,)):
+            return unauthorized("admin token")
+    return None
 
 
 def unauthorized(what: str = "API key") -> OpenAIHTTPError:

@@ -15,15 +15,14 @@ import time
 from collections.abc import Awaitable, Callable, Iterable
 from functools import partial
 from typing import Literal
-from urllib.parse import parse_qs
 
 import msgspec
 import trio
 
 from direct_frontend.fleet.schema import FrontendConfig
-from direct_frontend.http import access_log
+from direct_frontend.http import access_log, conversations
 from direct_frontend.http.access_log import MODEL_KEY
-from direct_frontend.http.admin import credential_ok, events_socket, unauthorized
+from direct_frontend.http.admin import credential_ok, denied, events_socket
 from direct_frontend.http.asgi import (
     JSON,
     ClientGone,
@@ -42,8 +41,7 @@ from direct_frontend.http.background import BackgroundResponses, follow, follow_
 from direct_frontend.http.control_view import ControlView
 from direct_frontend.http.embeddings import respond_embeddings
 from direct_frontend.http.identity import client_request_id, owner_of
-from direct_frontend.http.messages_api import respond_messages
-from direct_frontend.http.query import query_int
+from direct_frontend.http.messages_api import anthropic_page, from_anthropic, respond_messages
 from direct_frontend.http.render import (
     render_anthropic_model,
     render_anthropic_models,
@@ -66,6 +64,7 @@ from direct_frontend.http.tokenize import respond_detokenize, respond_tokenize
 from direct_frontend.observability.logging import current_request_id, new_request_id
 from direct_frontend.observability.metrics import Metrics
 from direct_frontend.observability.tracing import RequestTrace, Tracing
+from direct_frontend.openai.conversations import conversation_id_of
 from direct_frontend.openai.errors import (
     OpenAIHTTPError,
     invalid_request,
@@ -103,13 +102,11 @@ from direct_frontend.pipeline.preprocess import (
 from direct_frontend.pipeline.relay import Relay
 from direct_frontend.pipeline.settings import Settings
 from direct_frontend.routing.affinity import routing_key
+from direct_frontend.state.shell import Durable
 
 log = logging.getLogger("direct_frontend.http")
 
 _encode = msgspec.json.Encoder().encode
-
-#: vLLM's tokenizer endpoints, outside /v1 as vLLM serves them; the API keys cover them too
-TOKENIZER_PATHS = frozenset({"/tokenize", "/detokenize"})
 
 #: ``GET /v1/models/{model}``: the rest of the path is the id (which may hold slashes)
 MODEL_PATH = "/v1/models/"
@@ -134,14 +131,20 @@ class App:
         metrics: Metrics,
         tracing: Tracing | None = None,
         responses: ResponseStore | None = None,
+        durable: Durable | None = None,
     ) -> None:
         self.control = control
         self.tracing = tracing  # None: tracing is off, and costs nothing
         #: stored Responses (None: ``[frontend.responses] store = false``, nothing is kept)
         self.responses = responses
         #: the background responses (their nursery runs beside the HTTP server's)
+        config = control.settings.frontend.responses
         self.background = None if responses is None else BackgroundResponses(
-            responses, metrics, control.settings.frontend.responses.max_background_per_owner)
+            responses, metrics, config.max_background_per_owner, config.lease_s)
+        #: conversations, in the durable store (None: the server keeps nothing)
+        self.conversations = durable
+        if responses is not None:
+            responses.conversations = durable
         self.metrics = metrics
         self.bound_urls: list[str] = []
         #: ``run --workers``: every worker's metrics as one scrape, from this one's text
@@ -203,6 +206,9 @@ class App:
             else:
                 methods = {"GET": self._retrieve, "DELETE": self._delete}
                 route = RESPONSE_PATH + "{id}"
+        elif methods is None and (found := conversations.route(path)) is not None:
+            methods = {verb: partial(self._conversation, call) for verb, call in found[0].items()}
+            route = found[1]
         admin_enabled = settings.frontend.admin.enabled
         if methods is not None and path.startswith("/fleet") and not admin_enabled:
             methods = None  # admin disabled: the routes do not exist
@@ -220,7 +226,7 @@ class App:
             )
             route = route if methods else "other"
         else:
-            refusal = _denied(settings.frontend, scope)
+            refusal = denied(settings.frontend, scope)
         if handler is None or refusal is not None:
             assert refusal is not None
             await send_error(send, refusal, [(b"x-request-id", shown_id)])
@@ -382,13 +388,32 @@ class App:
 
         return await self._from_body(settings, receive, send, held)
 
+    async def _conversation(self, call: conversations.Call, settings: Settings, scope: Scope,
+                            receive: Receive, send: Send) -> int:
+        """A Conversations API call for the request's owner (http/conversations.py)."""
+        owner = owner_of(settings.frontend.auth, scope)
+
+        async def answer(body: bytes, headers: Headers) -> int:
+            out = await conversations.answer(call, self.conversations, owner, scope, body)
+            await send_body(send, 200, out, JSON, headers)
+            return 200
+
+        return await self._from_body(settings, receive, send, answer)
+
     async def _responses_request(self, body: bytes, owner: str) -> ResponsesRequest:
-        """A Responses body read with the history of the response it continues, if any
-        (``owner``'s: another's is not found)."""
+        """A Responses body read with the history it continues, if any: the response it
+        names, or the conversation (``owner``'s: another's is not found)."""
         raw = read_json_object(body)
         previous = previous_response_id(raw)
-        history = () if previous is None else (await self._previous(previous, owner)).history()
-        return parse_responses_request(raw, history, decode_items(history))
+        conversation = conversation_id_of(raw)
+        history: tuple[bytes, ...] = ()
+        upto = 0
+        if previous is not None:
+            history = (await self._previous(previous, owner)).history()
+        elif conversation is not None:
+            upto, history = await conversations.history(self.conversations, conversation, owner)
+        request = parse_responses_request(raw, history, decode_items(history), conversation)
+        return dataclasses.replace(request, conversation_upto=upto) if upto else request
 
     async def _previous(self, response_id: str, owner: str) -> StoredResponse:
         """``owner``'s stored response a Responses request continues; a 400 if none is held."""
@@ -466,7 +491,7 @@ class App:
                 "([frontend.responses] store = false).", "background",
             )
         response_id = background.store.new_id()
-        queued = background.start(relay, settings, prepared, request, response_id, owner)
+        queued = await background.start(relay, settings, prepared, request, response_id, owner)
         if not request.chat.stream:
             await send_body(send, 200, _encode(queued), JSON, headers)
             return 200
@@ -651,35 +676,3 @@ class App:
             refusal = saturated(rejected)
             await send_error(send, refusal, headers)
             return refusal.status
-
-
-def from_anthropic(scope: Scope) -> bool:
-    """Whether the client is an ``anthropic`` SDK (it sends ``anthropic-version``): it gets
-    Anthropic's shapes where the two APIs share a path (``/v1/models``)."""
-    return any(name == b"anthropic-version" for name, _ in scope["headers"])
-
-
-def anthropic_page(query: bytes) -> tuple[int, str | None, str | None]:
-    """Anthropic's list query: ``limit`` (1–1000, 20 by default), ``after_id``, ``before_id``."""
-    fields = parse_qs(query.decode("latin-1"))
-    raw = fields.get("limit", ["20"])[-1]
-    limit = query_int(raw, 1, 1000)
-    if limit is None:
-        raise invalid_request(f"limit: Input should be an integer from 1 to 1000, not "
-                              f"{raw[:40]!r}", "limit")
-    return limit, fields.get("after_id", [None])[-1], fields.get("before_id", [None])[-1]
-
-
-def _denied(frontend: FrontendConfig, scope: Scope) -> OpenAIHTTPError | None:
-    """401 unless the request carries the credential its endpoint needs (if any): an API
-    key for the OpenAI endpoints, the admin token for the fleet view and the metrics."""
-    path = scope["path"]
-    if path.startswith("/v1/") or path in TOKENIZER_PATHS:
-        keys = frontend.auth.api_keys
-        if keys and not credential_ok(scope, keys, api_key_header=True):
-            return unauthorized()
-    elif path.startswith("/fleet") or path == "/metrics":
-        token = frontend.admin.token
-        if token is not None and not credential_ok(scope, (token,)):
-            return unauthorized("admin token")
-    return None

@@ -25,6 +25,16 @@ foreground requests out. A running response's event log counts against its
 owner's share of the store as it grows; a log that cannot fit ends the
 response ``failed``.
 
+With a database behind the store (``[frontend.responses] backend``), a
+response's ``queued`` record is committed before its id is answered, under
+a lease this service renews (every :data:`CANCEL_POLL_S`, at most a third
+of ``lease_s``) while it runs: if the process dies, the lease runs out and
+every reader sees it ``failed``, never stuck. A cancel asked of another
+process through the database is read as the lease is renewed, and the
+records of those that moved are written with it, so another process
+follows them. Its final record is committed when it ends, and a response
+that names a conversation adds its turn there before it is seen ended.
+
 The service's nursery lives as long as the HTTP server; at shutdown the
 responses still running get the grace period, then are cancelled.
 """
@@ -55,7 +65,7 @@ from direct_frontend.http.responses_api import (
     outcome,
     usage,
 )
-from direct_frontend.http.stored_responses import find
+from direct_frontend.http.stored_responses import append_turn, find, keep
 from direct_frontend.observability.metrics import Metrics
 from direct_frontend.openai.errors import (
     OpenAIHTTPError,
@@ -65,6 +75,7 @@ from direct_frontend.openai.errors import (
     response_not_found,
     response_too_large,
     shutting_down,
+    store_unavailable,
 )
 from direct_frontend.openai.response_store import (
     CANCELLED,
@@ -77,10 +88,16 @@ from direct_frontend.pipeline.admission import Rejected, saturated
 from direct_frontend.pipeline.preprocess import PreparedRequest
 from direct_frontend.pipeline.relay import Relay, RelayState
 from direct_frontend.pipeline.settings import Settings
+from direct_frontend.state.sql import StoreError
 
 log = logging.getLogger("direct_frontend.http")
 
 _encode: Final = msgspec.json.Encoder().encode
+
+
+#: with a database: how often the leases are renewed at most, which is how soon a cancel
+#: asked of another process reaches the one running the response
+CANCEL_POLL_S: Final = 1.0
 
 
 class _Run:
@@ -91,6 +108,7 @@ class _Run:
         self.owner = owner
         self.store = store
         self.logged = 0  # the bytes of its event log, counted against its owner in the store
+        self.written = 0  # with a database: the events its row held when last written
         self.too_large = False  # its log outgrew what its owner may hold: it is being stopped
         self.status = "queued"
         self.error: dict[str, Any] | None = None
@@ -136,9 +154,11 @@ class _Run:
 class BackgroundResponses:
     """The background responses this process runs, in one nursery; see the module's text."""
 
-    def __init__(self, store: ResponseStore, metrics: Metrics, max_per_owner: int) -> None:
+    def __init__(self, store: ResponseStore, metrics: Metrics, max_per_owner: int,
+                 lease_s: float = 30.0) -> None:
         self.store = store
         self.max_per_owner = max_per_owner
+        self.lease_s = lease_s  # with a database: how long a running record's lease lasts
         self._runs: dict[str, _Run] = {}
         self._per_owner: dict[str, int] = {}  # an owner's responses queued or running here
         self._nursery: trio.Nursery | None = None
@@ -154,6 +174,8 @@ class BackgroundResponses:
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
+                if self.store.durable is not None:
+                    nursery.start_soon(self.renew_leases, min(self.lease_s / 3, CANCEL_POLL_S))
                 task_status.started()
                 await trio.sleep_forever()
         finally:
@@ -165,13 +187,17 @@ class BackgroundResponses:
         while self._runs:
             await next(iter(self._runs.values())).ended.wait()
 
-    def start(self, relay: Relay, settings: Settings, prepared: PreparedRequest,
-              request: ResponsesRequest, response_id: str, owner: str) -> dict[str, Any]:
+    async def start(self, relay: Relay, settings: Settings, prepared: PreparedRequest,
+                    request: ResponsesRequest, response_id: str,
+                    owner: str) -> dict[str, Any]:
         """Start ``owner``'s response in the background; its ``queued`` Response object.
 
         A 429 when the owner has its most running already, or the admission
         queue has no room for it now (as a foreground request gets); a 503
-        when the server is shutting down.
+        when the server is shutting down, or the database did not take its
+        ``queued`` record (with a database, that record is committed before
+        the id is answered, under a lease this process renews while it runs:
+        if the process dies, readers see the response failed).
         """
         nursery = self._nursery
         if nursery is None:
@@ -195,8 +221,54 @@ class BackgroundResponses:
         self._per_owner[owner] = self._per_owner.get(owner, 0) + 1
         run.add([{"type": "response.created", "response": run.response()},
                  {"type": "response.queued", "response": run.response()}])
-        nursery.start_soon(self._serve, run, relay, settings, prepared, response_id)
+        if not await keep(self.store, self._record(run), running=True,
+                          lineage=request.lineage()):
+            self._forget(run, response_id)
+            self.store.charge(owner, -run.logged)
+            raise store_unavailable()
+        if self._nursery is None:  # shutdown began while the record was written
+            self._forget(run, response_id)
+            self.store.charge(owner, -run.logged)
+            await keep(self.store, self._record(self._cut(run)))
+            raise shutting_down()
+        self._nursery.start_soon(self._serve, run, relay, settings, prepared, response_id)
         return run.response()
+
+    def _cut(self, run: _Run) -> _Run:
+        run.end("cancelled", run.builder.finish("cancelled"))
+        return run
+
+    def _forget(self, run: _Run, response_id: str) -> None:
+        del self._runs[response_id]
+        left = self._per_owner.pop(run.owner) - 1
+        if left:
+            self._per_owner[run.owner] = left
+        run.ended.set()
+        run.wake.set()
+
+    async def renew_leases(self, interval_s: float) -> None:
+        """Renew the database leases of the responses running here, every ``interval_s``,
+        with the progress of those that moved (another process follows them from the
+        database), and cancel those another process was asked to cancel."""
+        durable = self.store.durable
+        assert durable is not None
+        while True:
+            await trio.sleep(interval_s)
+            moved = {run: len(run.events) for run in self._runs.values()
+                     if len(run.events) != run.written}
+            try:
+                cancelled = await durable.renew(list(self._runs),
+                                                [self._record(run) for run in moved])
+            except StoreError as exc:
+                log.warning("background leases not renewed (next try in %.0f s): %s",
+                            interval_s, exc)
+                continue
+            for moving, written in moved.items():
+                moving.written = written
+            for response_id in cancelled:
+                run = self._runs.get(response_id)
+                if run is not None:
+                    run.scope.cancel()
 
     def record(self, response_id: str) -> StoredResponse | None:
         """A running response's record as it is now; None if none of that id runs here."""
@@ -246,16 +318,13 @@ class BackgroundResponses:
             record = self._record(run)
             if run.too_large:  # the log is what did not fit: the response is kept without it
                 record = msgspec.structs.replace(record, events=())
-            if not self.store.put(record):
-                log.warning("background response %s is larger than its owner may keep "
-                            "([frontend.responses] max_bytes %d): not kept", response_id,
-                            self.store.owner_cap)
-            del self._runs[response_id]
-            left = self._per_owner.pop(run.owner) - 1
-            if left:
-                self._per_owner[run.owner] = left
-            run.ended.set()
-            run.wake.set()
+            with trio.CancelScope(shield=True):  # at shutdown too: its end is written
+                kept = await keep(self.store, record, lineage=run.builder.request.lineage())
+            if not kept:
+                log.warning("background response %s could not be kept (larger than its owner "
+                            "may keep, [frontend.responses] max_bytes %d, or the database "
+                            "refused it)", response_id, self.store.owner_cap)
+            self._forget(run, response_id)
 
     async def _generate(self, run: _Run, relay: Relay, settings: Settings,
                         prepared: PreparedRequest) -> None:
@@ -284,7 +353,12 @@ class BackgroundResponses:
             if finished:
                 status, run.incomplete = outcome(state)
                 run.usage = usage(state)
-                run.end(status, events + builder.finish(status))
+                closing = builder.finish(status)
+                request = builder.request
+                with trio.CancelScope(shield=True):  # in its conversation before it is seen ended
+                    await append_turn(self.store, request.conversation,
+                                      [*request.items, *builder.items], run.owner)
+                run.end(status, events + closing)
             elif events:
                 run.add(events)
 

@@ -15,14 +15,16 @@ import json
 import logging
 from collections.abc import Sequence
 from typing import Any, Final
+from urllib.parse import parse_qs
 
 import msgspec
 
 from direct_frontend.engines.neutral import TokenLogprob
-from direct_frontend.http.asgi import JSON, Headers, Receive, Send, send_body
+from direct_frontend.http.asgi import JSON, Headers, Receive, Scope, Send, send_body
+from direct_frontend.http.query import query_int
 from direct_frontend.http.responses import _answer, _collected, _event_stream
 from direct_frontend.observability.tracing import RequestTrace
-from direct_frontend.openai.errors import OpenAIHTTPError
+from direct_frontend.openai.errors import OpenAIHTTPError, invalid_request
 from direct_frontend.openai.messages_api import anthropic_error_body
 from direct_frontend.openai.parsers.base import ParsedDelta
 from direct_frontend.pipeline.preprocess import PreparedRequest
@@ -210,7 +212,7 @@ async def _stream(relay: Relay, state: RelayState, builder: MessageBuilder, send
     def batch(text: str, finished: bool, logprobs: Sequence[TokenLogprob]) -> bytes:
         return _render(builder.feed(state.parse(text, finished)))
 
-    def closing() -> bytes:
+    async def closing() -> bytes:
         events = builder.finish()
         reason, sequence = _stop(state, builder)
         events.append({"type": "message_delta",
@@ -221,3 +223,20 @@ async def _stream(relay: Relay, state: RelayState, builder: MessageBuilder, send
 
     return await _event_stream(relay, state, send, headers, opening=opening, batch=batch,
                                closing=closing, error_tail=_stream_error)
+
+
+def from_anthropic(scope: Scope) -> bool:
+    """Whether the client is an ``anthropic`` SDK (it sends ``anthropic-version``): it gets
+    Anthropic's shapes where the two APIs share a path (``/v1/models``)."""
+    return any(name == b"anthropic-version" for name, _ in scope["headers"])
+
+
+def anthropic_page(query: bytes) -> tuple[int, str | None, str | None]:
+    """Anthropic's list query: ``limit`` (1–1000, 20 by default), ``after_id``, ``before_id``."""
+    fields = parse_qs(query.decode("latin-1"))
+    raw = fields.get("limit", ["20"])[-1]
+    limit = query_int(raw, 1, 1000)
+    if limit is None:
+        raise invalid_request(f"limit: Input should be an integer from 1 to 1000, not "
+                              f"{raw[:40]!r}", "limit")
+    return limit, fields.get("after_id", [None])[-1], fields.get("before_id", [None])[-1]

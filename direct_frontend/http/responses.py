@@ -201,11 +201,12 @@ async def _collected(relay: Relay, state: RelayState, feed: Batch, send: Send,
 
 async def _event_stream(
     relay: Relay, state: RelayState, send: Send, headers: Headers, *,
-    opening: Callable[[], bytes], batch: Batch, closing: Callable[[], bytes],
+    opening: Callable[[], bytes], batch: Batch, closing: Callable[[], Awaitable[bytes]],
     error_tail: Callable[[OpenAIHTTPError], bytes],
 ) -> int:
     """A stream of API events (the Responses and Messages APIs'): ``opening`` goes out with
-    the head, the events of each ``batch`` as it comes, ``closing`` after the last batch."""
+    the head, the events of each ``batch`` as it comes, ``closing`` after the last batch
+    (awaited: the Responses API stores the response before its last event says so)."""
     progress = _Progress()
     out = progress.out
 
@@ -217,7 +218,7 @@ async def _event_stream(
             out.extend(opening())
         out.extend(batch(text, finished, logprobs))
         if finished:
-            out.extend(closing())
+            out.extend(await closing())
             await send({"type": "http.response.body", "body": bytes(out), "more_body": False})
         elif out:
             await send({"type": "http.response.body", "body": bytes(out), "more_body": True})

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Final
 
 import msgspec
@@ -23,6 +23,8 @@ from direct_frontend.engines.neutral import TokenLogprob
 from direct_frontend.http.asgi import JSON, Headers, Receive, Send, send_body
 from direct_frontend.http.logprobs import chat_logprobs
 from direct_frontend.http.responses import _answer, _collected, _event_stream
+from direct_frontend.http.stored_responses import append_turn
+from direct_frontend.http.stored_responses import keep as stored
 from direct_frontend.observability.tracing import RequestTrace
 from direct_frontend.openai.errors import OpenAIHTTPError
 from direct_frontend.openai.parsers.base import ParsedDelta
@@ -72,6 +74,7 @@ class ResponseBuilder:
             "temperature": chat.temperature, "top_p": chat.top_p, "tools": r.tools,
             "tool_choice": r.tool_choice, "store": self.stored, "truncation": r.truncation,
             "previous_response_id": r.previous_response_id,
+            "conversation": None if r.conversation is None else {"id": r.conversation},
             "text": {"format": {"type": "text"}}, "usage": usage,
         }
 
@@ -249,12 +252,21 @@ async def respond_responses(
     builder = ResponseBuilder(request, response_id, int(time.time()), keep)
     write = _stream if request.chat.stream else _complete
 
-    def kept(response: bytes) -> None:
-        if keep:
-            assert store is not None
-            if not store.put(builder.record(response, owner)):
-                log.warning("response %s is larger than its owner may keep ([frontend.responses] "
-                            "max_bytes %d): not kept", response_id, store.owner_cap)
+    async def kept(render: Render) -> dict[str, Any]:
+        """The finished Response object, stored first if it is to be (one that could not
+        be says ``store: false``), its turn added to its conversation if it names one."""
+        response = render()
+        if store is None:
+            return response
+        await append_turn(store, request.conversation, [*request.items, *builder.items], owner)
+        if not keep or await stored(store, builder.record(_encode(response), owner),
+                                    lineage=request.lineage()):
+            return response
+        if store.durable is None:
+            log.warning("response %s is larger than its owner may keep ([frontend.responses] "
+                        "max_bytes %d): not kept", response_id, store.owner_cap)
+        builder.stored = False
+        return render()
 
     async def run(state: RelayState) -> int:
         return await write(relay, state, builder, send, headers, kept)
@@ -265,7 +277,9 @@ async def respond_responses(
     return await _answer(relay, begin, run, relay.settle, receive, send, headers)
 
 
-Keep = Callable[[bytes], None]  # the finished Response object's JSON, to the store
+Render = Callable[[], dict[str, Any]]
+#: the finished Response object as rendered, to the store; what the client is answered
+Keep = Callable[[Render], Awaitable[dict[str, Any]]]
 
 
 async def _complete(relay: Relay, state: RelayState, builder: ResponseBuilder, send: Send,
@@ -278,8 +292,7 @@ async def _complete(relay: Relay, state: RelayState, builder: ResponseBuilder, s
         return http_status
     status, why = outcome(state)
     builder.finish(status)
-    body = _encode(builder.response(status, usage(state), why))
-    kept(body)
+    body = _encode(await kept(lambda: builder.response(status, usage(state), why)))
     await send_body(send, 200, body, JSON, headers)
     return 200
 
@@ -297,12 +310,11 @@ async def _stream(relay: Relay, state: RelayState, builder: ResponseBuilder, sen
     def batch(text: str, finished: bool, logprobs: Sequence[TokenLogprob]) -> bytes:
         return sse.render(builder.feed(state.parse(text, finished), entries(relay, logprobs)))
 
-    def closing() -> bytes:
+    async def closing() -> bytes:
         status, why = outcome(state)
         events = builder.finish(status)
-        response = builder.response(status, usage(state), why)
+        response = await kept(lambda: builder.response(status, usage(state), why))
         events.append({"type": f"response.{status}", "response": response})
-        kept(_encode(response))
         return sse.render(events)
 
     def failed(err: OpenAIHTTPError) -> bytes:

@@ -121,6 +121,14 @@ def shutting_down() -> OpenAIHTTPError:
                            "server_error", None, "shutting_down", headers=_retry_after(1))
 
 
+def store_unavailable() -> OpenAIHTTPError:
+    """503: the database of stored responses and conversations did not answer (why is
+    logged, not told: it may name the database's host)."""
+    return OpenAIHTTPError(503, "The store of responses and conversations is unavailable; "
+                           "retry.", "server_error", None, "store_unavailable",
+                           headers=_retry_after(1))
+
+
 def request_too_large(limit_bytes: int) -> OpenAIHTTPError:
     """413 when the body exceeds the configured cap (checked before parsing)."""
     return OpenAIHTTPError(

@@ -2,8 +2,10 @@
 
 The Responses API stores a response unless the request says ``store: false``,
 and clients lean on that: the next turn names the previous response instead
-of sending the conversation again. A router has no database, so the store is
-this process's memory, bounded by bytes and by age. Each record keeps the
+of sending the conversation again. This store is this process's memory,
+bounded by bytes and by age: all there is with the ``memory`` backend, and
+the cache in front of a database with the others (:class:`DurableResponses`,
+state/; the HTTP shell writes there first). Each record keeps the
 Response object as it was answered, its output items, and the conversation
 it was generated from (earlier turns included), all as JSON bytes: a
 follow-up decodes them once, a ``GET`` sends them as they are, and what the
@@ -39,10 +41,13 @@ import dataclasses
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
-from typing import Any, Final, Protocol
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 import msgspec
+
+if TYPE_CHECKING:
+    from direct_frontend.openai.conversations import Item
 
 PREFIX: Final = "resp_"
 #: hex characters of the holder tag that leads every id this process makes
@@ -88,6 +93,20 @@ class StoredResponse(msgspec.Struct, frozen=True):
         return self.conversation + self.output
 
 
+class Lineage(msgspec.Struct, frozen=True):
+    """Where a record's history came from, so a database stores only what the record adds.
+
+    ``parent``: the response it continues (``previous_response_id``); else
+    ``conversation``, whose items numbered below ``upto`` were the first
+    ``inherited`` items of its history when it was read.
+    """
+
+    parent: str | None = None
+    conversation: str | None = None
+    upto: int = 0
+    inherited: int = 0
+
+
 class RemoteResponses(Protocol):
     """A sibling process's store, reached by its holder tag (control/replicas.py).
 
@@ -102,6 +121,45 @@ class RemoteResponses(Protocol):
     async def cancel(self, holder: str, response_id: str, owner: str) -> str | None:
         """The sibling's answer to a cancel (:meth:`ResponseStore.cancel`); None: not held."""
         ...
+
+
+class DurableResponses(Protocol):
+    """Where stored responses outlive the process (state/shell.py): a database.
+
+    With one, this store is the cache in front of it: a record is written
+    there before its id is answered, and a record this process does not hold
+    is read from there.
+    """
+
+    async def put(self, record: StoredResponse, running: bool = False,
+                  lineage: Lineage | None = None) -> bool:
+        """Commit ``record`` (``running``: under a lease its process renews; ``lineage``:
+        where its history is stored already); False: not stored."""
+        ...
+
+    async def get(self, response_id: str, owner: str) -> StoredResponse | None: ...
+
+    async def has(self, response_id: str, owner: str) -> bool: ...
+
+    async def delete(self, response_id: str, owner: str) -> bool: ...
+
+    #: how long a running response's row is believed without its process renewing it
+    lease_s: float
+
+    async def renew(self, response_ids: Sequence[str],
+                    progress: Sequence[StoredResponse] = ()) -> Sequence[str]:
+        """Renew the leases of these running responses, writing the ``progress`` (records
+        as they are now) of some; those of them to cancel."""
+        ...
+
+    async def request_cancel(self, response_id: str, owner: str) -> bool: ...
+
+
+class ConversationLog(Protocol):
+    """Conversations a response's turn is added to (state/shell.py)."""
+
+    async def add_items(self, conversation_id: str, owner: str,
+                        items: Sequence[Item]) -> bool: ...
 
 
 #: a running background response's record as it is now (None: no such response runs here)
@@ -163,6 +221,10 @@ class ResponseStore:
         self.live: Live | None = None
         #: cancels one of them (http/background.py)
         self.canceller: Canceller | None = None
+        #: the database behind this store (None: this memory is all there is)
+        self.durable: DurableResponses | None = None
+        #: where a response that names a conversation adds its turn (state/shell.py)
+        self.conversations: ConversationLog | None = None
         self.bytes = 0
         self.evicted = 0
         self._records: OrderedDict[str, tuple[StoredResponse, float]] = OrderedDict()

@@ -25,6 +25,7 @@ import msgspec
 
 from direct_frontend.openai.errors import invalid_request
 from direct_frontend.openai.parse import parse_chat_request, read_json_object
+from direct_frontend.openai.response_store import Lineage
 from direct_frontend.openai.types import ChatRequest
 
 _encode: Final = msgspec.json.Encoder().encode
@@ -53,6 +54,15 @@ class ResponsesRequest:
     background: bool = False
     #: ``auto``: the oldest turns are dropped for the model when the input outgrows its context
     truncation: str = "disabled"
+    #: the conversation it reads as history and appends its input and output to
+    conversation: str | None = None
+    #: the number the conversation's next item had when its history was read
+    conversation_upto: int = 0
+
+    def lineage(self) -> Lineage:
+        """Where its history is stored already: what its record need not store again."""
+        return Lineage(self.previous_response_id, self.conversation, self.conversation_upto,
+                       len(self.history))
 
 
 def previous_response_id(raw: dict[str, Any]) -> str | None:
@@ -68,18 +78,15 @@ def parse_responses_request(
     body: bytes | dict[str, Any],
     history: tuple[bytes, ...] = (),
     history_items: list[dict[str, Any]] | None = None,
+    conversation: str | None = None,
 ) -> ResponsesRequest:
     """Validate a Responses body; raises ``OpenAIHTTPError`` (400) naming the field.
 
     ``history``: the stored items of the response the body continues (found by
-    the caller), ``history_items`` the same decoded.
+    the caller), ``history_items`` the same decoded; ``conversation``: the
+    conversation they are the items of (then the request adds to it).
     """
     raw = read_json_object(body) if isinstance(body, bytes) else body
-    if raw.get("conversation") is not None:  # silently without its history would mislead
-        raise invalid_request(
-            "The Conversations API is not served here: continue with previous_response_id, or "
-            "send the whole conversation in 'input'.", "conversation",
-        )
     if "input" not in raw:
         raise invalid_request("Missing required parameter: 'input'.", "input")
     instructions = raw.get("instructions")
@@ -109,7 +116,8 @@ def parse_responses_request(
     messages = ([{"role": "system", "content": instructions}] if instructions else [])
     earlier = history_items or []
     own = _input_list(raw["input"])
-    messages += _messages(earlier + own, len(earlier))
+    messages += _messages(earlier + own, len(earlier),
+                          "previous_response_id" if conversation is None else "conversation")
     chat["messages"] = messages
     tools = raw.get("tools") or []
     chat["tools"] = [_tool(i, tool) for i, tool in enumerate(_list(tools, "tools"))]
@@ -128,8 +136,8 @@ def parse_responses_request(
     request = parse_chat_request(_encode(chat))
     return ResponsesRequest(request, instructions, tools, raw.get("tool_choice", "auto"),
                             raw.get("max_output_tokens"), store, previous_response_id(raw),
-                            history, tuple(_normalized(item) for item in own), background,
-                            truncation)
+                            history, tuple(normalized_item(item) for item in own), background,
+                            truncation, conversation)
 
 
 def _input_list(value: Any) -> list[Any]:
@@ -149,7 +157,7 @@ def item_id(prefix: str) -> str:
     return f"{prefix}_{secrets.token_hex(12)}"
 
 
-def _normalized(item: dict[str, Any]) -> dict[str, Any]:
+def normalized_item(item: dict[str, Any]) -> dict[str, Any]:
     """An input item as the API lists it (``input_items``): typed, with an id, content in parts."""
     kind = item.get("type", "message")
     out = {"type": kind, **item}
@@ -218,11 +226,17 @@ def _text_of(content: Any, where: str) -> str:
     return "".join(texts)
 
 
-def _messages(items: list[Any], earlier: int = 0) -> list[dict[str, Any]]:
+def check_items(items: list[Any], param: str) -> None:
+    """400 naming ``param[i]`` unless every item is one a request's input may hold."""
+    _messages(items, param=param, need_message=False)
+
+
+def _messages(items: list[Any], earlier: int = 0, history: str = "previous_response_id",
+              param: str = "input", need_message: bool = True) -> list[dict[str, Any]]:
     """Input items as chat messages; consecutive function calls share one assistant turn.
 
     The first ``earlier`` items are a stored history (an error in one names
-    ``previous_response_id``), the rest the request's ``input``. A reasoning
+    ``history``), the rest the request's ``param``. A reasoning
     item's text goes with the assistant turn that follows it (the template
     decides whether to render it).
     """
@@ -237,7 +251,7 @@ def _messages(items: list[Any], earlier: int = 0) -> list[dict[str, Any]]:
         return turn
 
     for i, item in enumerate(items):
-        where = f"input[{i - earlier}]" if i >= earlier else "previous_response_id"
+        where = f"{param}[{i - earlier}]" if i >= earlier else history
         if not isinstance(item, dict):
             raise invalid_request(f"Invalid type for '{where}': expected an object.", where)
         kind = item.get("type", "message")
@@ -274,6 +288,6 @@ def _messages(items: list[Any], earlier: int = 0) -> list[dict[str, Any]]:
             reasoning += _reasoning_text(item)
         else:
             raise invalid_request(f"Input item type '{kind}' is not supported.", f"{where}.type")
-    if not messages:
-        raise invalid_request("'input' holds no message.", "input")
+    if not messages and need_message:
+        raise invalid_request(f"'{param}' holds no message.", param)
     return messages

@@ -49,7 +49,6 @@ def test_a_string_input_is_one_user_turn_and_a_named_choice_forces_it() -> None:
 @pytest.mark.parametrize(("fields", "param"), [
     ({"input": "hi", "previous_response_id": 7}, "previous_response_id"),
     ({"input": "hi", "store": "yes"}, "store"),
-    ({"input": "hi", "conversation": "conv_1"}, "conversation"),
     ({"input": "hi", "background": True, "store": False}, "background"),
     ({"input": "hi", "background": "yes"}, "background"),
     ({"input": "hi", "truncation": "middle"}, "truncation"),

@@ -1,0 +1,116 @@
+"""A real PostgreSQL server for the durable store's tests (Debian's ``postgresql`` package).
+
+``.ci/run`` installs the package. The server runs from a fresh data
+directory in a temporary folder, on a free loopback port, as the
+``postgres`` user when the tests run as root (PostgreSQL refuses to run as
+root), and is polled until it accepts a connection. Each test gets a
+database of its own (:meth:`PostgresServer.new_database`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+import pwd
+import secrets
+import shutil
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+
+from tests.support.daemon import free_port
+
+#: the user the server runs as when the tests run as root (Debian's package creates it)
+SERVER_USER = "postgres"
+
+
+def binaries() -> Path | None:
+    """The folder of ``initdb`` and ``postgres``: Debian's versioned one, else ``$PATH``'s."""
+    found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"))
+    if found:
+        return Path(found[-1]).parent
+    initdb = shutil.which("initdb")
+    return None if initdb is None else Path(initdb).parent
+
+
+class PostgresServer:
+    def __init__(self) -> None:
+        folder = binaries()
+        assert folder is not None, ("PostgreSQL not found: apt-get install postgresql "
+                                    "(.ci/run does)")
+        self.bin = folder
+        self.port = free_port()
+        self.dir = Path(tempfile.mkdtemp(prefix="df-pg-"))
+        self.data = self.dir / "data"
+        self.process: subprocess.Popen[bytes] | None = None
+        self._as: list[str] = []
+        if os.geteuid() == 0:
+            user = pwd.getpwnam(SERVER_USER)
+            os.chown(self.dir, user.pw_uid, user.pw_gid)
+            self._as = ["runuser", "-u", SERVER_USER, "--"]
+
+    def dsn(self, database: str = "postgres") -> str:
+        return f"host=127.0.0.1 port={self.port} user=postgres dbname={database}"
+
+    def start(self, timeout: float = 30.0) -> PostgresServer:
+        if not self.data.exists():
+            subprocess.run([*self._as, str(self.bin / "initdb"), "-D", str(self.data), "-A",
+                            "trust", "-U", "postgres", "-E", "UTF8", "--no-sync"],
+                           check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self.process = subprocess.Popen(
+            [*self._as, str(self.bin / "postgres"), "-D", str(self.data), "-p", str(self.port),
+             "-k", str(self.dir), "-c", "listen_addresses=127.0.0.1", "-c", "fsync=on"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                psycopg.connect(self.dsn(), connect_timeout=2).close()
+                return self
+            except psycopg.OperationalError:
+                assert self.process.poll() is None, "postgres exited at start"
+                assert time.monotonic() < deadline, "postgres did not start"
+                time.sleep(0.05)
+
+    def new_database(self) -> str:
+        """A fresh, empty database; its DSN."""
+        return self.dsn(self._create())
+
+    def new_url(self) -> str:
+        """A fresh, empty database; its postgresql:// URL (as a fleet file's dsn)."""
+        return f"postgresql://postgres@127.0.0.1:{self.port}/{self._create()}"
+
+    def _create(self) -> str:
+        name = "t_" + secrets.token_hex(6)
+        with psycopg.connect(self.dsn(), autocommit=True) as conn:
+            conn.execute(f"CREATE DATABASE {name}")
+        return name
+
+    def stop(self) -> None:
+        """A fast shutdown (clients are disconnected), waited for: the data directory is
+        free for :meth:`start` again when this returns."""
+        if self.process is not None and self.process.poll() is None:
+            subprocess.run([*self._as, str(self.bin / "pg_ctl"), "stop", "-D", str(self.data),
+                            "-m", "fast", "-w", "-t", "30"],
+                           check=False, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(10)
+        self.process = None
+
+
+@contextlib.contextmanager
+def running_postgres() -> Iterator[PostgresServer]:
+    server = PostgresServer().start()
+    try:
+        yield server
+    finally:
+        server.stop()
+        shutil.rmtree(server.dir, ignore_errors=True)
