@@ -13,6 +13,7 @@ from direct_frontend.engines.neutral import EngineRole
 from direct_frontend.fleet import FleetError, describe_fleet, parse_fleet
 from direct_frontend.fleet.describe import to_jsonable
 from direct_frontend.fleet.diff import as_in_file, diff_engines, diff_fleet_data, diff_fleets
+from direct_frontend.fleet.keys import KeySources, process_sources
 from direct_frontend.fleet.pools import (
     Backoff,
     PoolMembership,
@@ -318,8 +319,10 @@ def test_check_shows_the_pools() -> None:
 
 def test_the_kubernetes_example_loads() -> None:
     root = Path(__file__).resolve().parents[2]
+    keys = KeySources({"DIRECT_FRONTEND_API_KEYS": "sk-from-the-secret"},
+                      process_sources().read_text)  # as the pod's Secret gives them
     fleet = parse_fleet((root / "config/examples/kubernetes.toml").read_text(),
-                        root / "config/examples/kubernetes.toml")
+                        root / "config/examples/kubernetes.toml", sources=keys)
     assert [p.name for p in fleet.pools] == ["vllm", "prefill", "decode"]
     assert [e.name for e in fleet.engines] == ["edge"]
     assert {p.role for p in fleet.pools} == set(EngineRole)
