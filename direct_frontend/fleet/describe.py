@@ -28,6 +28,7 @@ from direct_frontend.fleet.schema import (
     ReplicasConfig,
     ResponsesConfig,
     RoutingConfig,
+    TenantsConfig,
     TracingConfig,
 )
 from direct_frontend.observability.redact import REDACTED, redact_url
@@ -191,6 +192,7 @@ def to_jsonable(cfg: FleetConfig, *, redact: bool = True) -> dict[str, JsonValue
             "kubernetes": _plain(frontend.kubernetes),
             "responses": _responses_json(frontend.responses, redact),
             "access_log": _plain(frontend.access_log),
+            "tenants": _tenants_json(frontend.tenants),
         },
         "models": models,
         "engines": engines,
@@ -353,6 +355,7 @@ def _frontend_rows(frontend: FrontendConfig) -> list[tuple[str, str]]:
         ("responses", _responses_row(frontend.responses)),
         ("access_log", (" ".join(frontend.access_log.fields) if frontend.access_log.enabled
                         else "off")),
+        ("tenants", _tenants_row(frontend.tenants)),
     ]
 
 
@@ -465,6 +468,26 @@ def _responses_json(responses: ResponsesConfig, redact: bool) -> JsonValue:
     if redact and responses.dsn is not None:
         out["dsn"] = REDACTED
     return out
+
+
+def _tenants_json(tenants: TenantsConfig) -> JsonValue:
+    """``[frontend.tenants]`` as written (a tenant's flow is derived, and not shown)."""
+    named: list[JsonValue] = [
+        {"name": t.name, "api_key_env": t.api_key_env, "weight": t.weight,
+         "max_in_flight": t.max_in_flight} for t in tenants.tenant]
+    return {"header": tenants.header, "default_weight": tenants.default_weight,
+            "max_in_flight": tenants.max_in_flight, "tenant": named}
+
+
+def _tenants_row(tenants: TenantsConfig) -> str:
+    """Who shares the admission queue fairly, and the weights named."""
+    who = (f"the tenant header {tenants.header} names" if tenants.header is not None
+           else "each API key's owner")
+    weights = ", ".join(f"{t.name or '$' + (t.api_key_env or '')} ×{t.weight:g}"
+                        for t in tenants.tenant)
+    cap = f"; at most {tenants.max_in_flight} in flight each" if tenants.max_in_flight else ""
+    return (f"fair between {who} (weight {tenants.default_weight:g}"
+            f"{'; ' + weights if weights else ''}){cap}")
 
 
 def _owners_row(auth: AuthConfig) -> str:

@@ -17,6 +17,7 @@ the line, never a key.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 import re
 from collections.abc import Callable, Mapping
@@ -24,7 +25,7 @@ from pathlib import Path
 
 from direct_frontend.fleet.checker import Checker, keys_of, secret_problem
 from direct_frontend.fleet.locate import KeyPath, Locator
-from direct_frontend.fleet.schema import AuthConfig
+from direct_frontend.fleet.schema import AuthConfig, TenantConfig, TenantsConfig
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _SEPARATORS = re.compile(r"[,\s]+")
@@ -59,6 +60,30 @@ def file_keys(text: str) -> list[tuple[int, str]]:
     return out
 
 
+#: the owner-id hash's key: a domain of its own, so an owner id equals no other hash of a key
+_OWNER_KEY = b"direct-frontend/owner/1"
+
+
+def key_identity(credential: str) -> str:
+    """The owner id of an API key: 33 characters that do not reveal the key.
+
+    A hash under a fixed key (blake2b, 128 bits): the same on every worker,
+    replica and restart, so a sibling or a database checks it as this process
+    does, and never the key itself.
+    """
+    return "k" + hashlib.blake2b(credential.encode(), key=_OWNER_KEY, digest_size=16).hexdigest()
+
+
+def narrowed(owner: str, tenant: bytes) -> str:
+    """``owner`` narrowed to the tenant a trusted header names (hashed as a key is)."""
+    return owner + "/t" + hashlib.blake2b(tenant[:256], key=_OWNER_KEY, digest_size=16).hexdigest()
+
+
+def tenant_flow(value: bytes) -> str:
+    """The admission flow of a tenant a header names (cut at 256 bytes: a name, not a body)."""
+    return "h:" + value[:256].decode("latin-1")
+
+
 class AuthTables(Checker):
     """Reads ``[frontend.auth]``, resolving its keys from the environment and a keys file."""
 
@@ -86,6 +111,58 @@ class AuthTables(Checker):
         by_hand = {"api_keys": tuple(dict.fromkeys(keys)),  # the union, in order, once each
                    "api_keys_env": env, "api_keys_file": file}
         return AuthConfig(**self.fields(AuthConfig, tbl, path, by_hand))
+
+    def tenants(self, value: object, path: KeyPath) -> TenantsConfig:
+        """``[frontend.tenants]`` with each ``[[frontend.tenants.tenant]]`` resolved to the
+        flow it matches: the tenant a header names, or the owner of an API key."""
+        tbl = self.table(value, path, keys_of(TenantsConfig))
+        if tbl is None:
+            return TenantsConfig()
+        header = self.string(tbl, path, "header")
+        raw = tbl.get("tenant", [])
+        tenants: list[TenantConfig] = []
+        if not isinstance(raw, list):
+            self.report((*path, "tenant"), "expected an array of tables "
+                        "([[frontend.tenants.tenant]])")
+            raw = []
+        for index, item in enumerate(raw, 1):
+            where = (*path, "tenant", index)
+            entry = self.table(item, where, keys_of(TenantConfig))
+            if entry is None:
+                continue
+            tenant = TenantConfig(**self.fields(TenantConfig, entry, where, {"flow": ""}))
+            flow = self.tenant_flow(tenant, header, where)
+            if flow is not None:
+                tenants.append(dataclasses.replace(tenant, flow=flow))
+        flows = [tenant.flow for tenant in tenants]
+        if len(set(flows)) < len(flows):
+            self.report((*path, "tenant"), "two tenants are the same one")
+        return TenantsConfig(**self.fields(TenantsConfig, tbl, path,
+                                           {"header": header, "tenant": tuple(tenants)}))
+
+    def tenant_flow(self, tenant: TenantConfig, header: str | None,
+                    where: KeyPath) -> str | None:
+        if (tenant.name is None) == (tenant.api_key_env is None):
+            self.report(where, "give a tenant either name (the header's value) or "
+                        "api_key_env (the variable holding its API key)")
+            return None
+        if tenant.name is not None:
+            if header is None:
+                self.report((*where, "name"), "a named tenant needs [frontend.tenants] header "
+                            "(the header whose value names it)")
+                return None
+            return tenant_flow(tenant.name.encode("latin-1", "replace"))
+        assert tenant.api_key_env is not None
+        keys = self.keys_of_env(tenant.api_key_env, (*where, "api_key_env"))
+        if len(keys) != 1:
+            if keys:
+                self.report((*where, "api_key_env"), f"${tenant.api_key_env} must hold one key")
+            return None
+        if header is not None:
+            self.report((*where, "api_key_env"), "with [frontend.tenants] header the header "
+                        "names the tenants: give name instead")
+            return None
+        return key_identity(keys[0])
 
     def keys_of_env(self, name: str, where: KeyPath) -> list[str]:
         if not _ENV_NAME.fullmatch(name):

@@ -231,6 +231,7 @@ class _Checker(PoolTables, ModelTables, AuthTables):
             # Relative to the fleet file, so a fleet directory can be moved whole.
             "tokenizer": None if tokenizer is None else source.parent / tokenizer,
             "auth": self.auth(tbl.get("auth", {}), (*path, "auth"), source),
+            "tenants": self.tenants(tbl.get("tenants", {}), (*path, "tenants")),
         }
         frontend = FrontendConfig(**self.fields(FrontendConfig, tbl, path, by_hand))
         self.check_tracing(frontend.tracing.otlp_endpoint, (*path, "tracing", "otlp_endpoint"))

@@ -239,6 +239,44 @@ class AuthConfig:
     tenant_header: str | None = None  # e.g. "x-tenant-id"
 
 
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class TenantConfig:
+    """``[[frontend.tenants.tenant]]``: one tenant's share of the admission queue, its cap."""
+
+    name: str | None = None  # the value of [frontend.tenants] header that names it
+    api_key_env: str | None = None  # or: the tenant of the API key this variable holds
+    weight: float = setting(1.0, POSITIVE)
+    max_in_flight: int = setting(0, NON_NEGATIVE)  # 0: [frontend.tenants] max_in_flight
+    #: the admission flow it is (pipeline/admission.py), resolved by the loader
+    flow: str = setting("", Rules(in_file=False))
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class TenantsConfig:
+    """``[frontend.tenants]``: who shares the admission queue fairly, and by what weights.
+
+    A request's tenant is its API key's owner by default (every key one
+    tenant; with no keys, everyone one), or the value of ``header`` when a
+    gateway names tenants so. Waiting requests are admitted in weighted fair
+    order between tenants; ``max_in_flight`` caps what one tenant holds (0: no
+    cap but the model's own).
+    """
+
+    header: str | None = None  # e.g. "x-tenant-id"
+    default_weight: float = setting(1.0, POSITIVE)
+    max_in_flight: int = setting(0, NON_NEGATIVE)
+    tenant: tuple[TenantConfig, ...] = ()  # [[frontend.tenants.tenant]]
+
+    def weights(self) -> dict[str, float]:
+        """Each named tenant's weight by its flow."""
+        return {tenant.flow: tenant.weight for tenant in self.tenant}
+
+    def caps(self) -> dict[str, int]:
+        """Each named tenant's cap by its flow (the default where it names none)."""
+        return {tenant.flow: tenant.max_in_flight or self.max_in_flight
+                for tenant in self.tenant}
+
+
 #: what an access-log line can carry
 AccessField = Literal["method", "path", "status", "duration_ms", "request_id", "model",
                       "client", "user_agent"]
@@ -450,6 +488,7 @@ class FrontendConfig:
     limits: LimitsConfig = LimitsConfig()
     tracing: TracingConfig = TracingConfig()
     access_log: AccessLogConfig = AccessLogConfig()
+    tenants: TenantsConfig = TenantsConfig()
     replicas: ReplicasConfig = ReplicasConfig()
     kubernetes: KubernetesConfig = KubernetesConfig()
     responses: ResponsesConfig = ResponsesConfig()

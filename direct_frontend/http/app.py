@@ -40,7 +40,7 @@ from direct_frontend.http.asgi import (
 from direct_frontend.http.background import BackgroundResponses, follow, follow_cursor
 from direct_frontend.http.control_view import ControlView
 from direct_frontend.http.embeddings import respond_embeddings
-from direct_frontend.http.identity import client_request_id, owner_of
+from direct_frontend.http.identity import Caller, caller_of, client_request_id, owner_of
 from direct_frontend.http.messages_api import anthropic_page, from_anthropic, respond_messages
 from direct_frontend.http.render import (
     render_anthropic_model,
@@ -481,7 +481,7 @@ class App:
         return await self._from_body(settings, receive, send, answer)
 
     async def _background(self, relay: Relay, settings: Settings, prepared: PreparedRequest,
-                          request: ResponsesRequest, owner: str, receive: Receive, send: Send,
+                          request: ResponsesRequest, caller: Caller, receive: Receive, send: Send,
                           headers: Headers) -> int:
         """Start a ``background: true`` response; its queued object, or its events."""
         background = self.background  # None exactly when the server keeps no responses
@@ -491,11 +491,11 @@ class App:
                 "([frontend.responses] store = false).", "background",
             )
         response_id = background.store.new_id()
-        queued = await background.start(relay, settings, prepared, request, response_id, owner)
+        queued = await background.start(relay, settings, prepared, request, response_id, caller)
         if not request.chat.stream:
             await send_body(send, 200, _encode(queued), JSON, headers)
             return 200
-        return await follow(background, response_id, owner, -1, receive, send, headers)
+        return await follow(background, response_id, caller.owner, -1, receive, send, headers)
 
     def _model_of(self, model: str) -> ServedModel:
         served = self.control.models.get(model)
@@ -538,8 +538,9 @@ class App:
                 found.append(served)
                 key = routing_key(served.settings.frontend.routing.session_key,
                                   scope["headers"], request.user)
-                return await respond_embeddings(served, request, request_id, key, receive,
-                                                send, headers, trace)
+                tenant = caller_of(settings.frontend, scope).tenant
+                return await respond_embeddings(served, request, request_id, key, tenant,
+                                                receive, send, headers, trace)
 
             return await self._from_body(settings, receive, send, answer)
 
@@ -555,7 +556,7 @@ class App:
                        found: list[ServedModel]) -> int:
             return await self._walk(
                 kind, settings, receive, send, request_id, trace, found, scope["headers"],
-                owner_of(settings.frontend.auth, scope),
+                caller_of(settings.frontend, scope),
             )
 
         return await self._traced(scope, walk)
@@ -597,18 +598,18 @@ class App:
         trace: RequestTrace | None,
         found: list[ServedModel],
         headers_in: Iterable[tuple[bytes, bytes]],
-        owner: str,
+        caller: Caller,
     ) -> int:
         """One generation request from its body to its last byte; returns the HTTP status.
 
         The model it asks for goes into ``found`` as soon as it is known; what
-        it stores belongs to ``owner``.
+        it stores belongs to ``caller.owner``, and it queues as ``caller.tenant``.
         """
         headers = [(b"x-request-id", request_id.encode())]
         frontend = settings.frontend
         try:
             body = await read_body(receive, frontend.max_body_bytes, frontend.body_timeout_s)
-            responses = (await self._responses_request(body, owner) if kind == "responses"
+            responses = (await self._responses_request(body, caller.owner) if kind == "responses"
                          else None)
             request: ChatRequest | CompletionRequest = (
                 responses.chat if responses is not None
@@ -641,7 +642,7 @@ class App:
                 assert isinstance(prepared.request, ChatRequest)
                 return await self._background(
                     found[0].relay, settings, prepared,
-                    dataclasses.replace(responses, chat=prepared.request), owner, receive,
+                    dataclasses.replace(responses, chat=prepared.request), caller, receive,
                     send, headers,
                 )
         except OpenAIHTTPError as err:
@@ -656,7 +657,7 @@ class App:
             # Admitted before an engine is chosen, so a request that waited in the
             # queue is placed on the fleet as it is when it leaves the queue.
             # a slot per choice (n per prompt)
-            async with settings.admission.slot(prepared.request.n * len(prompts)):
+            async with settings.admission.slot(prepared.request.n * len(prompts), caller.tenant):
                 if trace is not None:
                     trace.leave()
                 if responses is not None:
@@ -664,7 +665,7 @@ class App:
                     return await respond_responses(
                         found[0].relay, settings, prepared,
                         dataclasses.replace(responses, chat=prepared.request),
-                        receive, send, headers, trace, self.responses, owner,
+                        receive, send, headers, trace, self.responses, caller.owner,
                     )
                 if kind == "messages":
                     return await respond_messages(found[0].relay, settings, prepared, receive,

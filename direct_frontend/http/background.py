@@ -54,6 +54,7 @@ import trio
 from direct_frontend.engines.neutral import TokenLogprob
 from direct_frontend.errors import EngineError
 from direct_frontend.http.asgi import Headers, Receive, Send
+from direct_frontend.http.identity import Caller
 from direct_frontend.http.query import query_int
 from direct_frontend.http.responses import SSE_HEADERS, _Client
 from direct_frontend.http.responses_api import (
@@ -103,9 +104,10 @@ CANCEL_POLL_S: Final = 1.0
 class _Run:
     """One background response: its builder, its event log, and how to stop it."""
 
-    def __init__(self, builder: ResponseBuilder, owner: str, store: ResponseStore) -> None:
+    def __init__(self, builder: ResponseBuilder, caller: Caller, store: ResponseStore) -> None:
         self.builder = builder
-        self.owner = owner
+        self.owner = caller.owner
+        self.tenant = caller.tenant
         self.store = store
         self.logged = 0  # the bytes of its event log, counted against its owner in the store
         self.written = 0  # with a database: the events its row held when last written
@@ -189,8 +191,8 @@ class BackgroundResponses:
 
     async def start(self, relay: Relay, settings: Settings, prepared: PreparedRequest,
                     request: ResponsesRequest, response_id: str,
-                    owner: str) -> dict[str, Any]:
-        """Start ``owner``'s response in the background; its ``queued`` Response object.
+                    caller: Caller) -> dict[str, Any]:
+        """Start ``caller``'s response in the background; its ``queued`` Response object.
 
         A 429 when the owner has its most running already, or the admission
         queue has no room for it now (as a foreground request gets); a 503
@@ -202,6 +204,7 @@ class BackgroundResponses:
         nursery = self._nursery
         if nursery is None:
             raise shutting_down()
+        owner = caller.owner
         if self._per_owner.get(owner, 0) >= self.max_per_owner:
             raise rate_limited(
                 f"At most {self.max_per_owner} background responses may be queued or running "
@@ -216,7 +219,7 @@ class BackgroundResponses:
         prepared = dataclasses.replace(prepared, request=chat)
         builder = ResponseBuilder(dataclasses.replace(request, chat=chat), response_id,
                                   int(time.time()), stored=True, background=True)
-        run = _Run(builder, owner, self.store)
+        run = _Run(builder, caller, self.store)
         self._runs[response_id] = run
         self._per_owner[owner] = self._per_owner.get(owner, 0) + 1
         run.add([{"type": "response.created", "response": run.response()},
@@ -329,7 +332,7 @@ class BackgroundResponses:
     async def _generate(self, run: _Run, relay: Relay, settings: Settings,
                         prepared: PreparedRequest) -> None:
         try:
-            async with settings.admission.background_slot():
+            async with settings.admission.background_slot(run.tenant):
                 state = run.state = await relay.begin(settings, prepared)
                 ok = False
                 try:

@@ -27,9 +27,12 @@ from direct_frontend.pipeline.preprocess import prompt_ids
 
 async def respond_embeddings(
     served: ServedModel, request: EmbeddingRequest, request_id: str, routing_key: str | None,
-    receive: Receive, send: Send, headers: Headers, trace: RequestTrace | None = None,
+    tenant: str, receive: Receive, send: Send, headers: Headers,
+    trace: RequestTrace | None = None,
 ) -> int:
-    """Embed every input and write the body; the HTTP status (499: the client left)."""
+    """Embed every input and write the body; the HTTP status (499: the client left).
+
+    ``tenant``: whose share of the admission queue its slots come from."""
     settings = served.settings
     several = len(request.inputs) > 1
     if trace is not None:
@@ -66,7 +69,7 @@ async def respond_embeddings(
         await send_body(send, 200, body, JSON, headers)
         return 200
 
-    async with settings.admission.slot(len(inputs)):
+    async with settings.admission.slot(len(inputs), tenant):
         if trace is not None:
             trace.leave()
         return await _answer(served.relay, embed, write, lambda _, ok: None, receive, send,

@@ -14,29 +14,20 @@ one key reach another key's objects.
 
 from __future__ import annotations
 
-import hashlib
+import dataclasses
 import re
 from collections.abc import Iterable
 from typing import Final
 
-from direct_frontend.fleet.schema import AuthConfig
+from direct_frontend.fleet.keys import key_identity, narrowed, tenant_flow
+from direct_frontend.fleet.schema import AuthConfig, FrontendConfig
 from direct_frontend.http.admin import api_key, bearer
 from direct_frontend.http.asgi import Scope
 from direct_frontend.openai.response_store import ANONYMOUS
 
-#: the hash's key: a domain of its own, so an owner id equals no other hash of the key
-_OWNER_KEY: Final = b"direct-frontend/owner/1"
-#: a tenant header's value beyond this many bytes is cut (it names a tenant, not a payload)
-MAX_TENANT_BYTES: Final = 256
 #: a client's ``x-request-id`` is kept if it is this: short, and nothing a log line or a
 #: header could be broken by (a UUID, a trace id, a gateway's id all are)
 CLIENT_REQUEST_ID: Final = re.compile(rb"[A-Za-z0-9._:+=/@-]{1,128}")
-
-
-def key_identity(credential: str) -> str:
-    """The owner id of an API key: 32 hex characters that do not reveal the key."""
-    return "k" + hashlib.blake2b(credential.encode(), key=_OWNER_KEY,
-                                 digest_size=16).hexdigest()
 
 
 def owner_of(auth: AuthConfig, scope: Scope) -> str:
@@ -48,8 +39,7 @@ def owner_of(auth: AuthConfig, scope: Scope) -> str:
     if auth.tenant_header is not None:
         tenant = _header(scope["headers"], auth.tenant_header.lower().encode())
         if tenant:
-            owner += "/t" + hashlib.blake2b(tenant[:MAX_TENANT_BYTES], key=_OWNER_KEY,
-                                            digest_size=16).hexdigest()
+            owner = narrowed(owner, tenant)
     return owner
 
 
@@ -64,3 +54,19 @@ def client_request_id(scope: Scope) -> str | None:
     """The client's own ``x-request-id``, if it sent a well-formed one."""
     value = _header(scope["headers"], b"x-request-id")
     return value.decode() if value and CLIENT_REQUEST_ID.fullmatch(value) else None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Caller:
+    """Who sent a request: the owner of what it stores, and the tenant whose share of the
+    admission queue it takes (``[frontend.tenants]``: the owner, unless a header names one)."""
+
+    owner: str
+    tenant: str
+
+
+def caller_of(frontend: FrontendConfig, scope: Scope) -> Caller:
+    owner = owner_of(frontend.auth, scope)
+    header = frontend.tenants.header
+    value = b"" if header is None else _header(scope["headers"], header.lower().encode())
+    return Caller(owner, tenant_flow(value) if value else owner)

@@ -1,9 +1,13 @@
 """Admission control: a cap on requests in flight and a bounded, timed queue in front of it.
 
 The daemon must never melt down under a burst: past ``max_in_flight`` a
-request waits in a FIFO queue of at most ``max_queue`` places for at most
+request waits in a queue of at most ``max_queue`` places for at most
 ``queue_timeout_s``; beyond that it is refused at once with a 429, which
-costs almost nothing.
+costs almost nothing. The queue is fair between tenants (pipeline/fair.py):
+a request names its flow (the tenant it is sent for), and a freed slot goes
+to the flow whose turn it is by weight, not to whoever queued first, so one
+tenant's burst does not keep the others waiting behind it. With one flow (a
+server without API keys) it is first come, first served.
 """
 
 from __future__ import annotations
@@ -14,8 +18,9 @@ from collections.abc import AsyncIterator, Callable
 
 import trio
 
-from direct_frontend.fleet.schema import LimitsConfig
+from direct_frontend.fleet.schema import LimitsConfig, TenantsConfig
 from direct_frontend.openai.errors import OpenAIHTTPError, rate_limited
+from direct_frontend.pipeline.fair import FairQueue, Waiter
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -45,23 +50,41 @@ def saturated(rejected: Rejected) -> OpenAIHTTPError:
 
 
 class Admission:
-    """The cap and its queue; ``observe_wait`` hears how long each admitted request waited
-    (the queue-wait histogram)."""
+    """The cap and its fair queue.
+
+    ``observe_wait`` hears how long each admitted request waited (the
+    queue-wait histogram); ``tenants`` gives each flow its weight and cap
+    (``[frontend.tenants]``; by default every flow weighs 1, capped by the
+    model's limit alone).
+    """
 
     def __init__(self, config: AdmissionConfig,
-                 observe_wait: Callable[[float], None] | None = None) -> None:
+                 observe_wait: Callable[[float], None] | None = None,
+                 tenants: TenantsConfig | None = None) -> None:
         self.config = config
         self.observe_wait = observe_wait
-        self._slots = trio.Semaphore(config.max_in_flight)
-        self._gathering = trio.Lock()  # held by the one request gathering several slots
+        self.tenants = tenants = tenants or TenantsConfig()
+        weights, default = tenants.weights(), tenants.default_weight
+        self._caps, self._default_cap = tenants.caps(), tenants.max_in_flight
+        self._free = config.max_in_flight
+        self._queue = FairQueue(lambda flow: weights.get(flow, default))
+        self._wake: dict[Waiter, trio.Event] = {}
+        self._held: dict[str, int] = {}  # slots each flow holds
         #: background work's share of the slots (:meth:`background_slot`)
         self._background = trio.CapacityLimiter(max(1, config.max_in_flight // 2))
-        self.waiting = 0
         self.rejected = 0
 
     @property
     def in_flight(self) -> int:
-        return self.config.max_in_flight - self._slots.value
+        return self.config.max_in_flight - self._free
+
+    @property
+    def waiting(self) -> int:
+        return len(self._queue)
+
+    def waiting_by_flow(self) -> dict[str, int]:
+        """How many requests of each flow wait (flows with none left out)."""
+        return dict(self._queue.flows())
 
     def refuse_if_full(self, count: int = 1) -> None:
         """Raise :class:`Rejected` now if ``count`` slots would find the queue full.
@@ -69,14 +92,14 @@ class Admission:
         For work that is accepted at once and admitted later (a background
         response): its client hears the 429 instead of a failure after the fact.
         """
-        if self._slots.value < min(count, self.config.max_in_flight) and (
-                self.waiting >= self.config.max_queue):
+        if self._free < min(count, self.config.max_in_flight) and (
+                len(self._queue) >= self.config.max_queue):
             self.rejected += 1
             raise Rejected("the request queue is full")
 
     @contextlib.asynccontextmanager
-    async def background_slot(self) -> AsyncIterator[None]:
-        """One slot for work no client waits on (a background response).
+    async def background_slot(self, flow: str = "") -> AsyncIterator[None]:
+        """One slot for work no client waits on (a background response) of ``flow``.
 
         Such work holds at most half the slots: however much of it is asked
         for, the other half stays for the requests a client is waiting on. Its
@@ -88,73 +111,88 @@ class Admission:
             self.rejected += 1
             raise Rejected("timed out waiting for a free slot")
         try:
-            async with self.slot(1):
+            async with self.slot(1, flow):
                 yield
         finally:
             self._background.release()
 
     @contextlib.asynccontextmanager
-    async def slot(self, count: int = 1) -> AsyncIterator[None]:
-        """Hold ``count`` in-flight slots (one per choice) for the duration of the block.
+    async def slot(self, count: int = 1, flow: str = "") -> AsyncIterator[None]:
+        """Hold ``count`` in-flight slots (one per choice) for ``flow`` for the duration of
+        the block.
 
         A request of more choices than ``max_in_flight`` takes every slot, so
-        it waits for the daemon to drain rather than never running.
+        it waits for the daemon to drain rather than never running. The
+        request chosen next keeps its turn until enough slots are free, so a
+        request of several choices is not passed over for ever.
         """
         count = min(count, self.config.max_in_flight)
-        try:
-            self._take_nowait(count)
-            queued = False
-        except trio.WouldBlock:
-            queued = True
-        observe, waited_from = self.observe_wait, trio.current_time()
-        if queued:
-            if self.waiting >= self.config.max_queue:
-                self.rejected += 1
-                raise Rejected("the request queue is full")
-            self.waiting += 1
-            try:
-                with trio.move_on_after(self.config.queue_timeout_s) as wait:
-                    await self._take(count)
-            finally:
-                self.waiting -= 1
-            if wait.cancelled_caught:
-                self.rejected += 1
-                raise Rejected("timed out waiting for a free slot")
-        if observe is not None:
-            observe(trio.current_time() - waited_from)
+        waited_from = trio.current_time()
+        if not self._queue and self._free >= count and self._fits(flow, count):
+            self._grant(flow, count)
+        else:
+            await self._wait(flow, count)
+        if self.observe_wait is not None:
+            self.observe_wait(trio.current_time() - waited_from)
         try:
             yield
         finally:
-            for _ in range(count):
-                self._slots.release()
+            self._release(flow, count)
 
-    def _take_nowait(self, count: int) -> None:
-        """All ``count`` slots at once, or none (``WouldBlock``)."""
-        if count == 1:
-            self._slots.acquire_nowait()
-            return
-        if self._slots.value < count or self._gathering.locked():
-            raise trio.WouldBlock
-        for _ in range(count):
-            self._slots.acquire_nowait()
+    async def _wait(self, flow: str, count: int) -> None:
+        """Queue for ``count`` slots until granted; :class:`Rejected` when the queue is full
+        or the wait times out (a cancelled wait leaves nothing behind)."""
+        if len(self._queue) >= self.config.max_queue:
+            self.rejected += 1
+            raise Rejected("the request queue is full")
+        waiter = self._queue.push(flow, count)
+        granted = self._wake[waiter] = trio.Event()
+        self._dispatch()
+        try:
+            with trio.move_on_after(self.config.queue_timeout_s):
+                await granted.wait()
+        except BaseException:
+            self._leave(waiter, granted, flow, count)
+            raise
+        if not granted.is_set():
+            self._leave(waiter, granted, flow, count)
+            self.rejected += 1
+            raise Rejected("timed out waiting for a free slot")
 
-    async def _take(self, count: int) -> None:
-        """Wait for ``count`` slots, FIFO with every other waiter.
+    def _leave(self, waiter: Waiter, granted: trio.Event, flow: str, count: int) -> None:
+        """A wait that ends without its slots: out of the queue, or, granted meanwhile,
+        the slots given back."""
+        if granted.is_set():
+            self._release(flow, count)
+        else:
+            self._queue.cancel(waiter)
+            del self._wake[waiter]
+            self._dispatch()  # it may have held the others back (a turn it could not take)
 
-        Requests of several slots gather theirs one at a time, one such
-        request at a time, so two of them never hold part of what the other
-        waits for (no deadlock); a cancelled gathering gives its slots back.
-        """
-        if count == 1:
-            await self._slots.acquire()
-            return
-        async with self._gathering:
-            taken = 0
-            try:
-                while taken < count:
-                    await self._slots.acquire()
-                    taken += 1
-            except BaseException:
-                for _ in range(taken):
-                    self._slots.release()
-                raise
+    def _fits(self, flow: str, count: int) -> bool:
+        """Whether ``flow`` may hold ``count`` more slots under its cap."""
+        cap = self._caps.get(flow, self._default_cap)
+        return not cap or self._held.get(flow, 0) + count <= max(cap, count)
+
+    def _grant(self, flow: str, count: int) -> None:
+        self._free -= count
+        self._held[flow] = self._held.get(flow, 0) + count
+
+    def _release(self, flow: str, count: int) -> None:
+        self._free += count
+        left = self._held[flow] - count
+        if left:
+            self._held[flow] = left
+        else:
+            del self._held[flow]
+        self._dispatch()
+
+    def _dispatch(self) -> None:
+        """Grant free slots to the waiting requests in fair order."""
+        while self._queue:
+            waiter = self._queue.next(lambda head: self._fits(head.flow, head.cost))
+            if waiter is None or waiter.cost > self._free:
+                return
+            self._queue.pop(waiter)
+            self._grant(waiter.flow, waiter.cost)
+            self._wake.pop(waiter).set()

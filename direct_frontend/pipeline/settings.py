@@ -36,21 +36,23 @@ class Settings:
         return cls(
             frontend,
             FailoverConfig.from_fleet(frontend.faults),
-            Admission(admission_config(frontend.limits), observe_wait),
+            Admission(admission_config(frontend.limits), observe_wait, frontend.tenants),
             policy,
         )
 
     def reloaded(self, frontend: FrontendConfig, policy: Policy | None = None) -> Settings:
         """The snapshot after a reload; ``policy`` is a new one if routing changed.
 
-        Unchanged limits keep the running :class:`Admission`, so requests
-        admitted before the reload and after it share one cap; new limits get
-        a new one, and the requests admitted under the old limits finish under
-        them.
+        Unchanged limits and tenants keep the running :class:`Admission`, so
+        requests admitted before the reload and after it share one cap; new
+        ones get a new one, and the requests admitted under the old limits
+        finish under them.
         """
         admission = (
-            self.admission if frontend.limits == self.frontend.limits
-            else Admission(admission_config(frontend.limits), self.admission.observe_wait)
+            self.admission if (frontend.limits, frontend.tenants) == (
+                self.frontend.limits, self.frontend.tenants)
+            else Admission(admission_config(frontend.limits), self.admission.observe_wait,
+                           frontend.tenants)
         )
         return Settings(
             frontend,

@@ -9,6 +9,7 @@ the test looks at it.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -186,3 +187,44 @@ def test_every_answer_names_its_request_and_no_cursor_is_a_500(daemon: Daemon) -
     for limit in ("9" * 5000, "\u00b2", "0", "101"):
         answer = httpx.get(url + "/input_items", params={"limit": limit}, headers=headers(ALICE))
         assert answer.status_code == 400 and answer.json()["error"]["param"] == "limit"
+
+
+def test_a_keys_burst_does_not_queue_another_key_behind_it(daemon: Daemon) -> None:
+    """Alice holds every slot and queues 32 more streams; each of bob's requests goes in at
+    the next free slot, not after her backlog (it ends while most of hers still wait: in one
+    queue first come, first served, none of hers would)."""
+    served = daemon.control.models.get("agent")
+    assert served is not None
+    admission = served.settings.admission
+
+    def waiting() -> int:
+        return int(daemon.run_sync(lambda: admission.waiting))
+
+    body = {"model": "agent", "max_tokens": 30, "stream": True,
+            "messages": [{"role": "user", "content": "go on"}]}
+    done: list[int] = []
+
+    async def flood() -> None:
+        async with httpx.AsyncClient(base_url=daemon.url, headers=headers(ALICE),
+                                     timeout=60) as client:
+            async def one() -> None:
+                async with client.stream("POST", "/v1/chat/completions", json=body) as reply:
+                    async for _ in reply.aiter_bytes():
+                        pass
+                    done.append(reply.status_code)
+
+            async with trio.open_nursery() as nursery:
+                for _ in range(40):
+                    nursery.start_soon(one)
+
+    thread = threading.Thread(target=trio.run, args=(flood,))
+    thread.start()
+    try:
+        wait_for(lambda: waiting() >= 30, timeout=20, what="her backlog")
+        for _ in range(3):
+            (answer,) = _concurrently(daemon, BOB, 1)
+            assert answer.status_code == 200
+            assert waiting() >= 6  # his went in ahead of most of hers
+    finally:
+        thread.join(60)
+    assert done == [200] * 40

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import textwrap
 from pathlib import Path
 
@@ -109,3 +110,34 @@ def test_an_unreadable_empty_or_bad_keys_file_is_an_error_on_its_line(tmp_path: 
     assert problems('api_keys_file = "keys"', source).endswith(f"{keys} is not UTF-8 text")
     assert problems('api_keys_file = "~/keys"', source).endswith(
         "'~/keys': '~' is not expanded; write the full path")
+
+
+def tenants_fleet(tenants: str, environ: dict[str, str]) -> FleetConfig:
+    fleet = text('api_keys = ["sk-some-key-0001"]').replace("[[engine]]", tenants + "\n[[engine]]")
+    return parse_fleet(fleet, Path("fleet.toml"),
+                       sources=KeySources(environ, process_sources().read_text))
+
+
+def test_tenants_resolve_to_the_flows_requests_queue_in() -> None:
+    from direct_frontend.fleet.keys import key_identity, tenant_flow
+
+    by_key = tenants_fleet('[frontend.tenants]\ndefault_weight = 2\nmax_in_flight = 8\n'
+                           '[[frontend.tenants.tenant]]\napi_key_env = "TEAM_A"\nweight = 3\n',
+                           {"TEAM_A": "sk-team-a-0123"}).frontend.tenants
+    (team,) = by_key.tenant
+    assert team.flow == key_identity("sk-team-a-0123") and "sk-team" not in repr(by_key)
+    assert by_key.weights() == {team.flow: 3.0} and by_key.caps() == {team.flow: 8}
+    by_header = tenants_fleet('[frontend.tenants]\nheader = "x-team"\n'
+                              '[[frontend.tenants.tenant]]\nname = "search"\n'
+                              'max_in_flight = 2\n', {}).frontend.tenants
+    assert by_header.caps() == {tenant_flow(b"search"): 2}
+
+
+def test_a_tenant_is_named_one_way() -> None:
+    for tenant, message in (
+        ('name = "a"\napi_key_env = "K"', "either name"),
+        ('name = "a"', "needs [frontend.tenants] header"),
+        ('api_key_env = "NOT_SET_ANYWHERE"', "is not set"),
+    ):
+        with pytest.raises(FleetError, match=re.escape(message)):
+            tenants_fleet(f"[frontend.tenants]\n[[frontend.tenants.tenant]]\n{tenant}\n", {})

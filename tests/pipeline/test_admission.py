@@ -60,9 +60,12 @@ async def test_a_request_of_several_choices_holds_one_slot_each() -> None:
         nursery.start_soon(hold, "three", 3)
         await trio.testing.wait_all_tasks_blocked()
         assert admission.in_flight == 3
-        nursery.start_soon(hold, "two", 2)  # one slot is free: it waits, holding that one
+        nursery.start_soon(hold, "two", 2)  # one slot is free: it waits, its turn kept
         await trio.testing.wait_all_tasks_blocked()
-        assert admitted == ["three"] and admission.waiting == 1 and admission.in_flight == 4
+        assert admitted == ["three"] and admission.waiting == 1 and admission.in_flight == 3
+        with pytest.raises(trio.TooSlowError), trio.fail_after(1):  # nobody passes it by
+            async with admission.slot(1):
+                pass
         release.set()
     assert admitted == ["three", "two"] and admission.in_flight == 0
 
