@@ -70,6 +70,7 @@ class Admission:
         self._queue = FairQueue(lambda flow: weights.get(flow, default))
         self._wake: dict[Waiter, trio.Event] = {}
         self._held: dict[str, int] = {}  # slots each flow holds
+        self._pushed_out: set[Waiter] = set()  # refused to make room for another tenant
         #: background work's share of the slots (:meth:`background_slot`)
         self._background = trio.CapacityLimiter(max(1, config.max_in_flight // 2))
         self.rejected = 0
@@ -143,8 +144,7 @@ class Admission:
         """Queue for ``count`` slots until granted; :class:`Rejected` when the queue is full
         or the wait times out (a cancelled wait leaves nothing behind)."""
         if len(self._queue) >= self.config.max_queue:
-            self.rejected += 1
-            raise Rejected("the request queue is full")
+            self._push_out(flow)
         waiter = self._queue.push(flow, count)
         granted = self._wake[waiter] = trio.Event()
         self._dispatch()
@@ -154,10 +154,28 @@ class Admission:
         except BaseException:
             self._leave(waiter, granted, flow, count)
             raise
+        if waiter in self._pushed_out:
+            self._pushed_out.discard(waiter)
+            raise Rejected("the request queue is full, and this tenant holds the most of it")
         if not granted.is_set():
             self._leave(waiter, granted, flow, count)
             self.rejected += 1
             raise Rejected("timed out waiting for a free slot")
+
+    def _push_out(self, flow: str) -> None:
+        """The queue is full: make room for ``flow`` by refusing the newest request of the
+        tenant holding the most places, if that is another with more than ``flow`` has; else
+        :class:`Rejected` for ``flow``. A flood fills the queue, but never keeps a quieter
+        tenant out of it."""
+        longest, places = self._queue.longest()
+        if longest == flow or places <= self._queue.waiting(flow) + 1:
+            self.rejected += 1
+            raise Rejected("the request queue is full")
+        victim = self._queue.newest(longest)
+        self._queue.cancel(victim)
+        self._pushed_out.add(victim)
+        self.rejected += 1
+        self._wake.pop(victim).set()
 
     def _leave(self, waiter: Waiter, granted: trio.Event, flow: str, count: int) -> None:
         """A wait that ends without its slots: out of the queue, or, granted meanwhile,

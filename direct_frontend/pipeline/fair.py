@@ -61,6 +61,15 @@ class FairQueue:
         """Each flow with requests waiting, and how many."""
         return ((flow, len(queue)) for flow, queue in self._queues.items())
 
+    def longest(self) -> tuple[str, int]:
+        """The flow with the most requests waiting, and how many (("", 0) when none waits)."""
+        return max(((flow, len(queue)) for flow, queue in self._queues.items()),
+                   key=lambda item: item[1], default=("", 0))
+
+    def newest(self, flow: str) -> Waiter:
+        """``flow``'s last request in line (it has one)."""
+        return self._queues[flow][-1]
+
     def push(self, flow: str, cost: int) -> Waiter:
         """Queue a request of ``flow`` for ``cost`` slots; its place in line."""
         start = max(self.virtual_time, self._last_finish.get(flow, 0.0))

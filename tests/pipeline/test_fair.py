@@ -8,7 +8,7 @@ import trio
 import trio.testing
 
 from direct_frontend.fleet.schema import TenantConfig, TenantsConfig
-from direct_frontend.pipeline.admission import Admission, AdmissionConfig
+from direct_frontend.pipeline.admission import Admission, AdmissionConfig, Rejected
 from direct_frontend.pipeline.fair import FairQueue
 
 
@@ -141,3 +141,32 @@ async def test_a_tenant_at_its_cap_waits_while_the_others_go_by(
             for _ in range(6):
                 nursery.start_soon(one, flow)
     assert most == {"big": 3, "small": 1, "other": 1}
+
+
+async def test_a_full_queue_refuses_the_flood_not_a_quieter_tenant(
+        autojump_clock: trio.testing.MockClock) -> None:
+    admission = Admission(AdmissionConfig(max_in_flight=1, max_queue=4, queue_timeout_s=60))
+    outcome: dict[str, list[str]] = collections.defaultdict(list)
+
+    async def one(flow: str, seconds: float = 1) -> None:
+        try:
+            async with admission.slot(1, flow):
+                outcome[flow].append("served")
+                await trio.sleep(seconds)
+        except Rejected as rejected:
+            outcome[flow].append(rejected.reason)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(one, "flood", 1)  # holds the one slot
+        await trio.testing.wait_all_tasks_blocked()
+        for _ in range(4):  # and every place in the queue
+            nursery.start_soon(one, "flood")
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.start_soon(one, "flood")  # the queue is full: the flood's own is refused
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.start_soon(one, "quiet")  # the flood's newest gives way
+        await trio.testing.wait_all_tasks_blocked()
+        assert outcome["flood"] == ["served", "the request queue is full",
+                                    "the request queue is full, and this tenant holds the "
+                                    "most of it"]
+    assert outcome["quiet"] == ["served"] and outcome["flood"].count("served") == 4

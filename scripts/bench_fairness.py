@@ -1,0 +1,265 @@
+#!/usr/bin/env python3
+"""Fair share in real time: a quiet tenant's latency while another floods the fleet.
+
+Starts ``direct-frontend run`` on a fleet of simulated engines (a fixed time
+per token, so the fleet has a known capacity) with two API keys, then runs
+open-loop streaming load in three phases of ``--seconds`` each:
+
+1. **alone**: the quiet tenant sends at ``--quiet-share`` of the fleet's capacity;
+2. **fair**: the same, while the flooding tenant sends at ``--flood-factor`` times the
+   capacity with another key (its own tenant);
+3. **one queue**: the same as 2, but the flood sends with the quiet tenant's key, so both
+   are one tenant and share one first-come-first-served queue: what admission was before.
+
+It prints the quiet tenant's TTFT p50 and p99 in each phase (and as ratios to
+phase 1), its refused requests, the tokens each tenant was served per second
+and the fleet's utilisation (tokens served over capacity) in phases 2 and 3.
+``--weights 3:1`` instead floods with both keys at once, weighted 3:1, and
+prints the split of the tokens served. Figures, not assertions: compare them
+within one run.
+
+Usage::
+
+    python scripts/bench_fairness.py                     # ~1 min
+    python scripts/bench_fairness.py --seconds 20 --flood-factor 10 --quiet-share 0.2
+    python scripts/bench_fairness.py --weights 3:1
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import pathlib
+import random
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import httpx
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+QUIET_KEY, FLOOD_KEY = "sk-quiet-tenant-0001", "sk-flood-tenant-0002"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def fleet_text(args: argparse.Namespace, port: int, weights: tuple[float, float] | None) -> str:
+    engines = "\n".join(textwrap.dedent(f"""\
+        [[engine]]
+        name = "e{i}"
+        url = "grpc://127.0.0.1:{free_port()}"
+        kind = "sglang"
+        simulate = true
+        [engine.simulator]
+        decode_us_per_token = {args.token_ms * 1000:.0f}
+        prefill_us_per_token = 0
+        eos_probability = 0.0
+        max_running = {args.slots_per_engine}
+        """) for i in range(args.engines))
+    tenants = ""
+    if weights is not None:
+        tenants = textwrap.dedent(f"""\
+            [[frontend.tenants.tenant]]
+            api_key_env = "BENCH_QUIET_KEY"
+            weight = {weights[1]}
+
+            [[frontend.tenants.tenant]]
+            api_key_env = "BENCH_FLOOD_KEY"
+            weight = {weights[0]}
+            """)
+    return textwrap.dedent(f"""\
+        [frontend]
+        listen = "127.0.0.1:{port}"
+        served_model_name = "demo"
+        tokenizer = "{ROOT / 'config' / 'demo-model'}"
+
+        [frontend.auth]
+        api_keys_env = "BENCH_KEYS"
+
+        [frontend.access_log]
+        enabled = false
+
+        [frontend.limits]
+        max_in_flight = {args.engines * args.slots_per_engine}
+        max_queue = 100000
+        queue_timeout_s = 120
+
+        [frontend.tenants]
+        """) + tenants + "\n" + engines
+
+
+@contextlib.contextmanager
+def daemon(text: str, directory: pathlib.Path) -> Iterator[str]:
+    path = directory / "fleet.toml"
+    path.write_text(text)
+    port = int(text.split('listen = "127.0.0.1:')[1].split('"')[0])
+    env = {**os.environ, "BENCH_KEYS": f"{QUIET_KEY},{FLOOD_KEY}",
+           "BENCH_QUIET_KEY": QUIET_KEY, "BENCH_FLOOD_KEY": FLOOD_KEY}
+    binary = pathlib.Path(sys.executable).with_name("direct-frontend")
+    log = (directory / "daemon.log").open("wb")
+    child = subprocess.Popen([str(binary if binary.exists() else shutil.which("direct-frontend")),
+                              "run", str(path), "--no-watch"], stdout=log, stderr=log, env=env,
+                             start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(base + "/ready", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if child.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"the daemon did not start; see {directory / 'daemon.log'}")
+            time.sleep(0.1)
+        yield base
+    finally:
+        child.send_signal(signal.SIGTERM)
+        try:
+            child.wait(20)
+        except subprocess.TimeoutExpired:
+            child.kill()
+        log.close()
+
+
+@dataclass
+class Tally:
+    ttft: list[float] = field(default_factory=list)
+    refused: int = 0
+    failed: int = 0
+    tokens: int = 0
+
+
+async def stream(client: httpx.AsyncClient, key: str, tokens: int, tally: Tally) -> None:
+    body = {"model": "demo", "prompt": "hello", "max_tokens": tokens, "stream": True}
+    started = time.perf_counter()
+    first = None
+    try:
+        async with client.stream("POST", "/v1/completions", json=body,
+                                 headers={"authorization": f"Bearer {key}"}) as reply:
+            if reply.status_code == 429:
+                tally.refused += 1
+                return
+            if reply.status_code != 200:
+                tally.failed += 1
+                return
+            async for line in reply.aiter_lines():
+                if line.startswith("data: {") and first is None:
+                    first = time.perf_counter() - started
+    except httpx.HTTPError:
+        tally.failed += 1
+        return
+    if first is not None:
+        tally.ttft.append(first)
+        tally.tokens += tokens
+
+
+async def open_loop(client: httpx.AsyncClient, key: str, rate: float, seconds: float,
+                    tokens: int, tally: Tally, rng: random.Random) -> None:
+    """Poisson arrivals at ``rate`` per second for ``seconds``; waits for every stream."""
+    tasks = []
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        tasks.append(asyncio.create_task(stream(client, key, tokens, tally)))
+        await asyncio.sleep(rng.expovariate(rate))
+    await asyncio.gather(*tasks)
+
+
+async def phase(base: str, args: argparse.Namespace, capacity_rps: float,
+                flood_key: str | None, flood_factor: float) -> tuple[Tally, Tally, float]:
+    rng = random.Random(args.seed)
+    quiet, flood = Tally(), Tally()
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(base_url=base, timeout=300, limits=limits) as client:
+        started = time.perf_counter()
+        jobs = [open_loop(client, QUIET_KEY, capacity_rps * args.quiet_share, args.seconds,
+                          args.tokens, quiet, rng)]
+        if flood_key is not None:
+            jobs.append(open_loop(client, flood_key, capacity_rps * flood_factor,
+                                  args.seconds, args.tokens, flood, random.Random(args.seed + 1)))
+        await asyncio.gather(*jobs)
+        elapsed = time.perf_counter() - started
+    return quiet, flood, elapsed
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--engines", type=int, default=2)
+    parser.add_argument("--slots-per-engine", type=int, default=4)
+    parser.add_argument("--token-ms", type=float, default=10.0)
+    parser.add_argument("--tokens", type=int, default=20)
+    parser.add_argument("--seconds", type=float, default=15.0)
+    parser.add_argument("--quiet-share", type=float, default=0.2)
+    parser.add_argument("--flood-factor", type=float, default=10.0)
+    parser.add_argument("--weights", default=None, help="FLOOD:QUIET, e.g. 3:1")
+    parser.add_argument("--seed", type=int, default=1)
+    args = parser.parse_args()
+    slots = args.engines * args.slots_per_engine
+    capacity_rps = slots / (args.tokens * args.token_ms / 1000)
+    print(f"bench_fairness: {args.engines} engines x {args.slots_per_engine} slots, "
+          f"{args.tokens} tokens of {args.token_ms:g} ms: capacity {capacity_rps:.1f} req/s; "
+          f"{args.seconds:g} s a phase")
+    with tempfile.TemporaryDirectory(prefix="bench-fairness-") as tmp:
+        directory = pathlib.Path(tmp)
+        if args.weights is not None:
+            heavy, light = (float(w) for w in args.weights.split(":"))
+            with daemon(fleet_text(args, free_port(), (heavy, light)), directory) as base:
+                args.quiet_share = args.flood_factor  # both flood
+                quiet, flood, _ = asyncio.run(
+                    phase(base, args, capacity_rps, FLOOD_KEY, args.flood_factor))
+            ratio = flood.tokens / max(quiet.tokens, 1)
+            print(f"weights {heavy:g}:{light:g}, both at {args.flood_factor:g}x capacity: served "
+                  f"tokens {flood.tokens} : {quiet.tokens} = {ratio:.2f} "
+                  f"(target {heavy / light:g}, within 10 %: {abs(ratio / (heavy / light) - 1) <= 0.1})")
+            return
+        with daemon(fleet_text(args, free_port(), None), directory) as base:
+            alone, _, _ = asyncio.run(phase(base, args, capacity_rps, None, 0))
+            fair, flooded, fair_s = asyncio.run(
+                phase(base, args, capacity_rps, FLOOD_KEY, args.flood_factor))
+            fifo, fifo_flood, fifo_s = asyncio.run(
+                phase(base, args, capacity_rps, QUIET_KEY, args.flood_factor))
+    base_p50, base_p99 = pct(alone.ttft, 0.5), pct(alone.ttft, 0.99)
+    print(f"{'phase':<12}{'quiet TTFT p50':>16}{'p99':>10}{'×p50':>7}{'×p99':>7}"
+          f"{'refused':>9}{'quiet tok/s':>13}{'flood tok/s':>13}{'utilisation':>13}")
+    capacity_tps = slots / (args.token_ms / 1000)
+    for name, quiet, flood, seconds in (("alone", alone, Tally(), args.seconds),
+                                        ("fair", fair, flooded, fair_s),
+                                        ("one queue", fifo, fifo_flood, fifo_s)):
+        p50, p99 = pct(quiet.ttft, 0.5), pct(quiet.ttft, 0.99)
+        used = (quiet.tokens + flood.tokens) / seconds / capacity_tps
+        print(f"{name:<12}{p50 * 1000:>13.1f} ms{p99 * 1000:>7.0f} ms{p50 / base_p50:>7.2f}"
+              f"{p99 / base_p99:>7.2f}{quiet.refused + quiet.failed:>9}"
+              f"{quiet.tokens / seconds:>13.0f}{flood.tokens / seconds:>13.0f}{used:>13.2f}")
+    fair_use = (fair.tokens + flooded.tokens) / fair_s
+    fifo_use = (fifo.tokens + fifo_flood.tokens) / fifo_s
+    print(f"targets: quiet p50 within 2x of alone ({pct(fair.ttft, 0.5) / base_p50:.2f}), "
+          f"p99 within 3x ({pct(fair.ttft, 0.99) / base_p99:.2f}), 0 of its requests refused "
+          f"({fair.refused + fair.failed}), utilisation >= 90 % of one queue's "
+          f"({fair_use / fifo_use:.2f})")
+    print(f"(median quiet TTFT alone {statistics.median(alone.ttft) * 1000:.1f} ms over "
+          f"{len(alone.ttft)} requests)")
+
+
+if __name__ == "__main__":
+    main()
