@@ -228,10 +228,10 @@ def main() -> None:
                 args.quiet_share = args.flood_factor  # both flood
                 quiet, flood, _ = asyncio.run(
                     phase(base, args, capacity_rps, FLOOD_KEY, args.flood_factor))
-            ratio = flood.tokens / max(quiet.tokens, 1)
+            ratio, target = flood.tokens / max(quiet.tokens, 1), heavy / light
             print(f"weights {heavy:g}:{light:g}, both at {args.flood_factor:g}x capacity: served "
                   f"tokens {flood.tokens} : {quiet.tokens} = {ratio:.2f} "
-                  f"(target {heavy / light:g}, within 10 %: {abs(ratio / (heavy / light) - 1) <= 0.1})")
+                  f"(target {target:g}, within 10 %: {abs(ratio / target - 1) <= 0.1})")
             return
         with daemon(fleet_text(args, free_port(), None), directory) as base:
             alone, _, _ = asyncio.run(phase(base, args, capacity_rps, None, 0))
