@@ -95,8 +95,8 @@ def fleet_text(args: argparse.Namespace, port: int, weights: tuple[float, float]
 
         [frontend.limits]
         max_in_flight = {args.engines * args.slots_per_engine}
-        max_queue = 100000
-        queue_timeout_s = 120
+        max_queue = {4 * args.engines * args.slots_per_engine}
+        queue_timeout_s = 30
 
         [frontend.tenants]
         """) + tenants + "\n" + engines
@@ -207,9 +207,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--engines", type=int, default=2)
     parser.add_argument("--slots-per-engine", type=int, default=4)
-    parser.add_argument("--token-ms", type=float, default=10.0)
+    parser.add_argument("--token-ms", type=float, default=25.0)
     parser.add_argument("--tokens", type=int, default=20)
-    parser.add_argument("--seconds", type=float, default=15.0)
+    parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--quiet-share", type=float, default=0.2)
     parser.add_argument("--flood-factor", type=float, default=10.0)
     parser.add_argument("--weights", default=None, help="FLOOD:QUIET, e.g. 3:1")

@@ -49,6 +49,12 @@ def saturated(rejected: Rejected) -> OpenAIHTTPError:
     return rate_limited(f"The frontend is saturated: {rejected.reason}.", retry_after=1)
 
 
+#: a tenant that asked this recently is active: the others leave it headroom
+ACTIVE_S = 10.0
+#: slots left free for each active tenant short of its share (fewer if it is nearly there)
+SPARE = 1
+
+
 class Admission:
     """The cap and its fair queue.
 
@@ -71,6 +77,10 @@ class Admission:
         self._wake: dict[Waiter, trio.Event] = {}
         self._held: dict[str, int] = {}  # slots each flow holds
         self._pushed_out: set[Waiter] = set()  # refused to make room for another tenant
+        #: when each tenant last asked (those of the last ACTIVE_S only)
+        self._seen: dict[str, float] = {}
+        #: the most slots a tenant past its share leaves free for the others (see _fits)
+        self._headroom = config.max_in_flight // 4
         #: background work's share of the slots (:meth:`background_slot`)
         self._background = trio.CapacityLimiter(max(1, config.max_in_flight // 2))
         self.rejected = 0
@@ -128,7 +138,7 @@ class Admission:
         request of several choices is not passed over for ever.
         """
         count = min(count, self.config.max_in_flight)
-        waited_from = trio.current_time()
+        waited_from = self._seen[flow] = trio.current_time()
         if not self._queue and self._free >= count and self._fits(flow, count):
             self._grant(flow, count)
         else:
@@ -188,9 +198,36 @@ class Admission:
             self._dispatch()  # it may have held the others back (a turn it could not take)
 
     def _fits(self, flow: str, count: int) -> bool:
-        """Whether ``flow`` may hold ``count`` more slots under its cap."""
+        """Whether ``flow`` may hold ``count`` more slots.
+
+        Under its cap; and a tenant past its fair share of the slots (by
+        weight, among the tenants active within :data:`ACTIVE_S`) leaves one
+        slot free for each other active tenant short of its share, so that
+        tenant's next request starts at once instead of waiting for a slot to
+        end. Alone, or with everyone at its share, a tenant takes every slot:
+        the queue stays work-conserving.
+        """
+        held = self._held.get(flow, 0) + count
         cap = self._caps.get(flow, self._default_cap)
-        return not cap or self._held.get(flow, 0) + count <= max(cap, count)
+        if cap and held > max(cap, count):
+            return False
+        active = self._active()
+        if len(active) < 2:
+            return True
+        weight, slots = self._queue.weight, self.config.max_in_flight
+        total = sum(weight(other) for other in active)
+        if held <= slots * weight(flow) / total:
+            return True
+        short = sum(min(SPARE, slots * weight(other) / total - self._held.get(other, 0))
+                    for other in active if other != flow)
+        return self._free - count >= min(max(short, 0), self._headroom)
+
+    def _active(self) -> list[str]:
+        """The tenants that asked within :data:`ACTIVE_S` (the older forgotten)."""
+        since = trio.current_time() - ACTIVE_S
+        for flow in [flow for flow, seen in self._seen.items() if seen < since]:
+            del self._seen[flow]
+        return list(self._seen)
 
     def _grant(self, flow: str, count: int) -> None:
         self._free -= count

@@ -170,3 +170,31 @@ async def test_a_full_queue_refuses_the_flood_not_a_quieter_tenant(
                                     "the request queue is full, and this tenant holds the "
                                     "most of it"]
     assert outcome["quiet"] == ["served"] and outcome["flood"].count("served") == 4
+
+
+async def test_a_tenant_past_its_share_leaves_a_slot_free_for_an_active_other(
+        autojump_clock: trio.testing.MockClock) -> None:
+    """The flood may fill every slot alone; once another tenant is active, a flood past its
+    share leaves that one a free slot, so its next request starts at once."""
+    admission = Admission(AdmissionConfig(max_in_flight=8, max_queue=100, queue_timeout_s=60))
+    started: list[float] = []
+
+    async def one(flow: str, seconds: float, into: list[float] | None = None) -> None:
+        asked = trio.current_time()
+        async with admission.slot(1, flow):
+            if into is not None:
+                into.append(trio.current_time() - asked)
+            await trio.sleep(seconds)
+
+    async with trio.open_nursery() as nursery:
+        for _ in range(8):
+            nursery.start_soon(one, "flood", 1)
+        await trio.testing.wait_all_tasks_blocked()
+        assert admission.in_flight == 8  # alone: every slot
+        await one("quiet", 0.1, started)  # waits for a flood request to end...
+        for _ in range(20):
+            nursery.start_soon(one, "flood", 1)
+        await trio.sleep(1.5)
+        assert admission.in_flight == 7  # ...but from then on one stays free for it
+        await one("quiet", 0.1, started)
+    assert started[0] > 0 and started[1] == 0
