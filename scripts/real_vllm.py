@@ -2504,11 +2504,20 @@ def agent_checks(report: Report, run_dir: Path, engine: Engine, served: str,
             agents.set_tracing_disabled(True)
             levels: list[int] = []
 
-            @agents.function_tool  # its hints are read in the module's names: plain types only
-            def set_level(level: int) -> str:
-                """Set the level (1 to 9)."""
+            async def invoke(context: Any, arguments: str) -> str:
+                level = json.loads(arguments)["level"]
                 levels.append(level)
                 return f"level {level} set"
+
+            # its schema written out, bounds included: an unbounded integer lets a random
+            # model under the grammar write digits to its token limit (seen on the engine)
+            set_level = agents.FunctionTool(
+                name="set_level", description="Set the level (1 to 9).",
+                params_json_schema={"type": "object", "additionalProperties": False,
+                                    "properties": {"level": {"type": "integer", "minimum": 1,
+                                                             "maximum": 9}},
+                                    "required": ["level"]},
+                on_invoke_tool=invoke)
 
             async def run(api: str) -> Any:
                 client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0)
