@@ -170,10 +170,11 @@ class ResponsesConfig:
     one owner may run at most ``max_background_per_owner`` background
     responses at once. With ``store = false`` nothing is kept. Built at start.
 
-    ``backend`` says where they (and conversations) live: ``memory`` (this
-    process; lost at exit), ``sqlite`` (a file on this machine that its
-    workers share; survives restarts) or ``postgres`` (one database every
-    replica shares). With a database, ``max_bytes`` bounds this process's
+    ``backend`` says where they (and conversations) live: ``sqlite`` (the
+    default: a file on this machine that its workers share; survives
+    restarts), ``postgres`` (one database every replica shares) or
+    ``memory`` (this process; lost at exit, so never the default: what a
+    client is told is stored is durable unless the file says otherwise). With a database, ``max_bytes`` bounds this process's
     cache of what it wrote, ``ttl_s`` and ``retain_bytes_per_owner`` what the
     database keeps.
     """
@@ -185,7 +186,7 @@ class ResponsesConfig:
     max_bytes_per_owner: int | None = setting(None, AT_LEAST_ONE)
     # background responses one owner may have queued or running at once (beyond: a 429)
     max_background_per_owner: int = setting(8, AT_LEAST_ONE)
-    backend: StoreBackend = setting("memory", Rules(noun="store backend"))
+    backend: StoreBackend = setting("sqlite", Rules(noun="store backend"))
     # sqlite: the database file, relative to the fleet file (absent: responses.db in
     # $STATE_DIRECTORY, else in $XDG_STATE_HOME/direct-frontend or ~/.local/state/direct-frontend)
     path: str | None = None

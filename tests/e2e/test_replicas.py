@@ -34,6 +34,9 @@ from tests.support.nats import NatsServer, nats_binary, running_nats
 
 pytestmark = pytest.mark.skipif(nats_binary() is None, reason="needs nats-server")
 
+#: each replica's store in its own memory: what crosses is asked over NATS (a shared
+#: database would answer it first)
+MEMORY_STORE = '[frontend.responses]\nbackend = "memory"\n'
 SLOW = {"decode_us_per_token": 20_000, "prefill_us_per_token": 0, "eos_probability": 0.0}
 FAST = {"decode_us_per_token": 0, "prefill_us_per_token": 0, "eos_probability": 0.0}
 
@@ -186,7 +189,8 @@ def test_a_stored_response_is_found_continued_and_deleted_through_any_replica(
     """
     engines = [sim_engine("e0", "sglang", **FAST)]
     with running_nats() as nats, \
-            replicas(tmp_path, model_dir, engines, nats.url, 3) as (first, second, third):
+            replicas(tmp_path, model_dir, engines, nats.url, 3,
+                     frontend_extra=MEMORY_STORE) as (first, second, third):
         for daemon in (first, second, third):
             wait_for(lambda d=daemon: len(peers_of(d)) == 2, what="every sibling heard")
         for daemon in (first, second, third):

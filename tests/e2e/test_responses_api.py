@@ -257,7 +257,9 @@ def test_a_failure_after_the_stream_started_ends_it_as_the_api_does(
 def test_a_response_larger_than_the_budget_is_not_kept_and_says_why(
     model_dir: Path, tmp_path_factory: pytest.TempPathFactory, caplog: pytest.LogCaptureFixture,
 ) -> None:
-    text = frontend_table(model_dir, '[frontend.responses]\nmax_bytes = 300\n\n'
+    # the memory store: its budget is what is tested (a database keeps what it took)
+    text = frontend_table(model_dir, '[frontend.responses]\nbackend = "memory"\n'
+                          'max_bytes = 300\n\n'
                           '[[model]]\nname = "demo"\n') + "\n" + engine_table("sim", "vllm",
                                                                              "demo")
     with running_daemon(tmp_path_factory.mktemp("small"), text) as small, \

@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.e2e.test_replicas import FAST, SLOW, fleet_for
+from tests.e2e.test_replicas import FAST, MEMORY_STORE, SLOW, fleet_for
 from tests.support.daemon import Daemon, fleet_text, free_port, sim_engine, wait_for
 from tests.support.nats import nats_binary
 
@@ -131,7 +131,8 @@ def metric(text: str, name: str, worker: str) -> float:
 def test_two_workers_serve_one_port_and_one_scrape_counts_both(
     model_dir: Path, tmp_path: Path
 ) -> None:
-    with worker_service(tmp_path, model_dir, 2) as (base, _parent, _path):
+    with worker_service(tmp_path, model_dir, 2, FAST,
+                        frontend_extra=MEMORY_STORE) as (base, _parent, _path):
         body = {"model": "demo", "prompt": "hi", "max_tokens": 2}
         for _ in range(30):
             with httpx.Client(timeout=10) as client:

@@ -38,7 +38,7 @@ def test_the_sqlite_file_is_the_fleet_files_then_systemds_then_the_users() -> No
 @pytest.mark.parametrize(("keys", "field", "message"), [
     ('backend = "postgres"', "backend", "the postgres backend needs dsn"),
     ('backend = "redis"', "backend", "'redis' is not a valid store backend"),
-    ('dsn = "postgresql://x"', "dsn", "dsn is for the postgres backend, not 'memory'"),
+    ('dsn = "postgresql://x"', "dsn", "dsn is for the postgres backend, not 'sqlite'"),
     ('backend = "postgres"\ndsn = "x"\npath = "a.db"', "path", "path is for the sqlite"),
     ('backend = "sqlite"\npath = "~/a.db"', "path", "'~' is not expanded"),
     ("connections = 0", "connections", ""),
