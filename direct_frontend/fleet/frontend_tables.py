@@ -174,9 +174,9 @@ class ResponsesConfig:
     default: a file on this machine that its workers share; survives
     restarts), ``postgres`` (one database every replica shares) or
     ``memory`` (this process; lost at exit, so never the default: what a
-    client is told is stored is durable unless the file says otherwise). With a database, ``max_bytes`` bounds this process's
-    cache of what it wrote, ``ttl_s`` and ``retain_bytes_per_owner`` what the
-    database keeps.
+    client is told is stored is durable unless the file says otherwise).
+    With a database, ``max_bytes`` bounds this process's cache of what it
+    wrote, ``ttl_s`` and ``retain_bytes_per_owner`` what the database keeps.
     """
 
     store: bool = True
