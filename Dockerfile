@@ -27,9 +27,13 @@ RUN --mount=type=bind,from=build,source=/deps,target=/deps \
     pip install --no-cache-dir --no-index /deps/*.whl
 RUN --mount=type=bind,from=build,source=/app,target=/app \
     pip install --no-cache-dir --no-index --no-deps /app/*.whl
+# stored responses and conversations (SQLite, the default store): a volume of the user's
+RUN mkdir -p /var/lib/direct-frontend && chown 10001 /var/lib/direct-frontend \
+    && chmod 0700 /var/lib/direct-frontend
+VOLUME /var/lib/direct-frontend
 USER 10001
 EXPOSE 8000
-ENV PYTHONUNBUFFERED=1
+ENV PYTHONUNBUFFERED=1 STATE_DIRECTORY=/var/lib/direct-frontend
 # /health answers 200 while the daemon's event loop runs (slim has no curl: Python's urllib).
 # A fleet that listens elsewhere than port 8000 sets HEALTHCHECK_URL to match.
 ENV HEALTHCHECK_URL=http://127.0.0.1:8000/health

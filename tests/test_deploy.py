@@ -302,3 +302,22 @@ def test_the_dockerfile_healthcheck_asks_health_with_python(tmp_path: Path) -> N
         finally:
             server.shutdown()
     assert results == [True, False]
+
+
+def test_the_pod_and_the_image_give_the_default_store_a_writable_state_directory() -> None:
+    """The default store is SQLite in ``$STATE_DIRECTORY``: under a read-only root (the pod)
+    or a home-less user (the image) it must name a writable volume, or the daemon cannot
+    start."""
+    (deployment,) = [d for d in render(DEPLOY) if d["kind"] == "Deployment"]
+    pod = deployment["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    env = {item["name"]: item.get("value") for item in container["env"]}
+    mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+    state = mounts[env["STATE_DIRECTORY"]]
+    assert not state.get("readOnly", False)
+    volume = next(v for v in pod["volumes"] if v["name"] == state["name"])
+    assert "emptyDir" in volume or "persistentVolumeClaim" in volume
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    assert "STATE_DIRECTORY=/var/lib/direct-frontend" in dockerfile
+    assert "VOLUME /var/lib/direct-frontend" in dockerfile
+    assert "chown 10001 /var/lib/direct-frontend" in dockerfile
