@@ -228,11 +228,15 @@ async def wait_ready(child: Child, port: int, limit_s: float = 60.0) -> float:
         await asyncio.sleep(0.005)
 
 
-def bench_fleet(listen_port: int, engine_port: int, otlp_endpoint: str | None = None) -> str:
-    """One real (non-simulated) SGLang engine behind the frontend (tracing to a collector)."""
+def bench_fleet(listen_port: int, engine_port: int, otlp_endpoint: str | None = None,
+                store: str = "") -> str:
+    """One real (non-simulated) SGLang engine behind the frontend (tracing to a collector;
+    ``store``: a ``[frontend.responses]`` table's lines)."""
     tracing = "" if otlp_endpoint is None else (
         f"\n[frontend.tracing]\notlp_endpoint = {json.dumps(otlp_endpoint)}\n"
     )
+    if store:
+        tracing += f"\n[frontend.responses]\n{store}\n"
     return (
         "[frontend]\n"
         f'listen = "{HOST}:{listen_port}"\n'
@@ -381,7 +385,8 @@ class HttpConnection:
             raise BenchError(f"frontend: no content-length in {lower!r}")
         body = json.loads(await reader.readexactly(int(found[1])))
         total = time.perf_counter() - start
-        completion = body.get("usage", {}).get("completion_tokens")
+        usage = body.get("usage") or {}
+        completion = usage.get("completion_tokens", usage.get("output_tokens"))
         if completion != self.tokens:
             raise BenchError(f"frontend: completion_tokens={completion}; wanted {self.tokens}")
         return Sample(total, total, 1)
@@ -443,18 +448,23 @@ CHAT_MESSAGES = [
 
 def completion_request(
     port: int, ids: Sequence[int], tokens: int, stream: bool = True, chat: bool = False,
+    responses: bool = False,
 ) -> bytes:
     """The whole HTTP request, built once: the client's per-request cost stays a write."""
     fields: dict[str, Any] = {"model": MODEL, "max_tokens": tokens, "temperature": 0,
                               "stream": stream}
-    if chat:
+    if responses:  # stored (the API's default): its commit is part of what is measured
+        fields = {"model": MODEL, "input": PROMPT_TEXT, "max_output_tokens": tokens,
+                  "temperature": 0}
+    elif chat:
         fields["messages"] = CHAT_MESSAGES
     else:
         fields["prompt"] = list(ids)
     if stream:
         fields["stream_options"] = {"include_usage": True}
     body = json.dumps(fields, separators=(",", ":")).encode()
-    path = "/v1/chat/completions" if chat else "/v1/completions"
+    path = ("/v1/responses" if responses else "/v1/chat/completions" if chat
+            else "/v1/completions")
     return (
         f"POST {path} HTTP/1.1\r\nHost: {HOST}:{port}\r\n"
         f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
@@ -734,21 +744,23 @@ class Cell:
     tokens: int
     concurrency: int
     chat: bool = False
+    responses: bool = False  # a non-streamed, stored /v1/responses answer
 
     @property
     def name(self) -> str:
-        kind = "chat" if self.chat else "stream" if self.stream else "full"
+        kind = ("responses" if self.responses else "chat" if self.chat
+                else "stream" if self.stream else "full")
         return f"{kind} {self.tokens}, c={self.concurrency}"
 
     @classmethod
     def parse(cls, text: str) -> Cell:
         """``s16@32``: a 16-token completions stream (token-id prompt) at concurrency 32;
         ``f16@32``: the same as one JSON body; ``c16@32``: a chat stream (rendered and
-        tokenized by the daemon)."""
-        m = re.fullmatch(r"([sfc])(\d+)@(\d+)", text.strip())
+        tokenized by the daemon); ``r16@32``: a Responses answer, stored (``--store``)."""
+        m = re.fullmatch(r"([sfcr])(\d+)@(\d+)", text.strip())
         if m is None:
-            raise argparse.ArgumentTypeError(f"a cell is [sfc]<tokens>@<c>: {text!r}")
-        return cls(m[1] != "f", int(m[2]), int(m[3]), m[1] == "c")
+            raise argparse.ArgumentTypeError(f"a cell is [sfcr]<tokens>@<c>: {text!r}")
+        return cls(m[1] in "sc", int(m[2]), int(m[3]), m[1] == "c", m[1] == "r")
 
 
 DEFAULT_CELLS = "s16@1,s16@8,s16@32,s64@32,f16@32,c16@32"
@@ -758,7 +770,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cells", default=DEFAULT_CELLS,
                    help="comma-separated s<tokens>@<c> (stream), f<tokens>@<c> (one JSON body), "
-                        "c<tokens>@<c> (chat stream); "
+                        "c<tokens>@<c> (chat stream), r<tokens>@<c> (a stored Responses "
+                        "answer, kept per --store); "
                         f"default {DEFAULT_CELLS}")
     p.add_argument("--rounds", type=int, default=3,
                    help="rounds over every cell; figures are the medians of the rounds")
@@ -787,11 +800,25 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         "test (shell-quoted)")
     p.add_argument("--otlp-endpoint", default=None,
                    help="trace every request to this OTLP/HTTP collector ([frontend.tracing])")
+    p.add_argument("--store", choices=("sqlite", "postgres", "memory"), default="sqlite",
+                   help="where a Responses cell's stored response is kept (postgres: a server "
+                        "started as the tests start one, unless --store-dsn names one)")
+    p.add_argument("--store-dsn", default=None, help="with --store postgres: its database")
     p.add_argument("--json", action="store_true", help="also print the results as one JSON line")
     p.add_argument("--keep-logs", action="store_true", help="keep the temp dir with the logs")
     args = p.parse_args(argv)
     args.cells = [Cell.parse(c) for c in args.cells.split(",") if c.strip()]
     return args
+
+
+def store_lines(args: argparse.Namespace, directory: pathlib.Path) -> str:
+    """``[frontend.responses]`` for ``--store``: a Responses cell's response is kept there."""
+    if args.store == "memory":
+        return 'backend = "memory"'
+    if args.store == "postgres":
+        return f'backend = "postgres"\ndsn = {json.dumps(args.store_dsn)}'
+    directory.mkdir(parents=True, exist_ok=True)
+    return f'backend = "sqlite"\npath = {json.dumps(str(directory / "responses.db"))}'
 
 
 def baseline_source(spec: str) -> pathlib.Path:
@@ -877,7 +904,8 @@ async def start_side(
 ) -> None:
     (side.port,) = free_ports(1)
     fleet = tmp / f"bench-fleet-{side.name}.toml"
-    fleet.write_text(bench_fleet(side.port, engine_port, args.otlp_endpoint))
+    fleet.write_text(bench_fleet(side.port, engine_port, args.otlp_endpoint,
+                                 store_lines(args, tmp / f"store-{side.name}")))
     cmd = shlex.split(args.daemon_cmd) if args.daemon_cmd and side.name == "candidate" else (
         cli_argv()
     )
@@ -899,7 +927,8 @@ async def measure_cell(
     if profile is not None or syscalls is not None:
         n = args.profile_requests
     warm = args.warmup if args.warmup is not None else max(20, 2 * cell.concurrency)
-    request = completion_request(side.port, ids, cell.tokens, cell.stream, cell.chat)
+    request = completion_request(side.port, ids, cell.tokens, cell.stream, cell.chat,
+                                 cell.responses)
     conns = [HttpConnection(side.port, request, cell.tokens, cell.stream)
              for _ in range(cell.concurrency)]
     try:
@@ -1056,7 +1085,7 @@ def report(results: dict[str, Any]) -> str:
     sides = results["sides"]
     names = list(sides)
     both = len(names) == 2
-    head = f"  {'cell':<16}{'figure':<28}" + "".join(f"{n:>12}" for n in names)
+    head = f"  {'cell':<20}{'figure':<28}" + "".join(f"{n:>12}" for n in names)
     head += f"{'ratio':>8}" if both else ""
     lines = [f"medians of {results['rounds']} rounds (one engine, zero engine time)", head,
              "  " + "-" * (len(head) - 2)]
@@ -1065,7 +1094,7 @@ def report(results: dict[str, Any]) -> str:
             values = [sides[n]["cells"][cell].get(key) for n in names]
             if values[0] is None or (cell.startswith("full") and key in PER_STREAM):
                 continue
-            row = f"  {cell:<16}{label:<28}" + "".join(f"{v:>12{fmt}}" for v in values)
+            row = f"  {cell:<20}{label:<28}" + "".join(f"{v:>12{fmt}}" for v in values)
             if both and key not in ("added_ttft_p50_ms", "added_total_p50_ms", "other_cores",
                                      "daemon_rss_mb"):
                 row += f"{values[0] / values[1]:>8.2f}" if values[1] else ""
@@ -1125,7 +1154,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(f"Logs: {tmp} (kept on failure or with --keep-logs)\n", flush=True)
     ok = False
     try:
-        results = asyncio.run(bench(args, sides, tmp, children))
+        with contextlib.ExitStack() as servers:
+            if args.store == "postgres" and args.store_dsn is None:
+                sys.path.insert(0, str(ROOT))  # the tests' way of starting Debian's server
+                from tests.support.postgres import running_postgres
+
+                args.store_dsn = servers.enter_context(running_postgres()).new_url()
+            results = asyncio.run(bench(args, sides, tmp, children))
         ok = True
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
