@@ -12,15 +12,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
-from typing import Final, Literal
-from urllib.parse import parse_qs
+from typing import Final
 
 from direct_frontend.http.asgi import Scope
-from direct_frontend.http.query import query_int
+from direct_frontend.http.query import list_page
 from direct_frontend.http.stored_responses import unavailable
 from direct_frontend.openai.conversations import (
-    DEFAULT_LIMIT,
-    MAX_LIMIT,
     Conversation,
     conversation_not_found,
     item_not_found,
@@ -32,7 +29,7 @@ from direct_frontend.openai.conversations import (
 from direct_frontend.openai.errors import OpenAIHTTPError, invalid_request
 from direct_frontend.openai.parse import read_json_object
 from direct_frontend.state.shell import Durable
-from direct_frontend.state.sql import InvalidItem, Order, StoreError
+from direct_frontend.state.sql import InvalidItem, StoreError
 
 PATH: Final = "/v1/conversations"
 ITEMS: Final = "items"
@@ -106,7 +103,7 @@ async def delete(durable: Durable, owner: str, ids: list[str], query: bytes,
 async def list_items(durable: Durable, owner: str, ids: list[str], query: bytes,
                      body: bytes) -> bytes:
     """One page of the items, newest first unless ``order=asc``, after the item ``after``."""
-    limit, order, after = page_query(query)
+    limit, order, after = list_page(query)
     try:
         found = await durable.list_items(ids[0], owner, after, limit, order)
     except KeyError:
@@ -148,24 +145,6 @@ async def delete_item(durable: Durable, owner: str, ids: list[str], query: bytes
     if conversation is None or conversation is True:
         raise item_not_found(ids[1])
     return conversation.render()
-
-
-def page_query(query: bytes) -> tuple[int, Order, str | None]:
-    """``limit`` (1–100, 20 by default), ``order`` (``desc`` by default), ``after``."""
-    fields = parse_qs(query.decode("latin-1"))
-    limit = DEFAULT_LIMIT
-    if "limit" in fields:
-        raw = fields["limit"][-1]
-        value = query_int(raw, 1, MAX_LIMIT)
-        if value is None:
-            raise invalid_request(f"Invalid 'limit': {raw[:40]!r} (an integer from 1 to "
-                                  f"{MAX_LIMIT}).", "limit")
-        limit = value
-    order = fields.get("order", ["desc"])[-1]
-    if order not in ("asc", "desc"):
-        raise invalid_request(f"Invalid 'order': {order[:40]!r} ('asc' or 'desc').", "order")
-    sort: Literal["asc", "desc"] = "asc" if order == "asc" else "desc"
-    return limit, sort, fields.get("after", [None])[-1]
 
 
 def no_store() -> OpenAIHTTPError:

@@ -8,6 +8,15 @@ or the caller's 400.
 
 from __future__ import annotations
 
+from typing import Final, Literal
+from urllib.parse import parse_qs
+
+from direct_frontend.openai.errors import invalid_request
+
+#: a list's page: OpenAI's default and largest ``limit``
+DEFAULT_LIMIT: Final = 20
+MAX_LIMIT: Final = 100
+
 
 def query_int(raw: str, low: int, high: int) -> int | None:
     """``raw`` as an integer from ``low`` to ``high``; None if it is not one."""
@@ -16,3 +25,21 @@ def query_int(raw: str, low: int, high: int) -> int | None:
         return None
     value = int(raw)
     return value if low <= value <= high else None
+
+
+def list_page(query: bytes) -> tuple[int, Literal["asc", "desc"], str | None]:
+    """OpenAI's list query: ``limit`` (1–100, 20 by default), ``order`` (``desc``, newest
+    first, by default) and ``after`` (the cursor); a bad one is the 400 naming it."""
+    fields = parse_qs(query.decode("latin-1"))
+    limit = DEFAULT_LIMIT
+    if "limit" in fields:
+        raw = fields["limit"][-1]
+        value = query_int(raw, 1, MAX_LIMIT)
+        if value is None:
+            raise invalid_request(f"Invalid 'limit': {raw[:40]!r} (an integer from 1 to "
+                                  f"{MAX_LIMIT}).", "limit")
+        limit = value
+    order = fields.get("order", ["desc"])[-1]
+    if order not in ("asc", "desc"):
+        raise invalid_request(f"Invalid 'order': {order[:40]!r} ('asc' or 'desc').", "order")
+    return limit, "asc" if order == "asc" else "desc", fields.get("after", [None])[-1]

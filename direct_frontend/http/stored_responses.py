@@ -16,13 +16,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from typing import Any, Final
-from urllib.parse import parse_qs
 
 import msgspec
 import trio
 
 from direct_frontend.http.asgi import JSON, Headers, Send, send_body
-from direct_frontend.http.query import query_int
+from direct_frontend.http.query import list_page
 from direct_frontend.openai.conversations import Item
 from direct_frontend.openai.errors import (
     OpenAIHTTPError,
@@ -52,9 +51,6 @@ INPUT_ITEMS: Final = "/input_items"
 CANCEL: Final = "/cancel"
 #: a cancel of a response another process runs asks the database this often whether it ended
 CANCEL_WAIT_POLL_S: Final = 0.25
-#: ``input_items`` pages: OpenAI's default and largest ``limit``
-DEFAULT_LIMIT: Final = 20
-MAX_LIMIT: Final = 100
 
 
 class _ItemId(msgspec.Struct):
@@ -216,7 +212,7 @@ async def _cancel_elsewhere(store: ResponseStore, durable: DurableResponses, res
 async def respond_input_items(store: ResponseStore, response_id: str, owner: str,
                               query: bytes, send: Send, headers: Headers) -> int:
     """One page of the items the response answered (earlier turns' included), OpenAI's list."""
-    limit, order, after = _page_query(query)
+    limit, order, after = list_page(query)
     record = await find(store, response_id, owner)
     if record is None:
         raise response_not_found(response_id)
@@ -240,21 +236,3 @@ async def respond_input_items(store: ResponseStore, response_id: str, owner: str
     )
     await send_body(send, 200, body, JSON, headers)
     return 200
-
-
-def _page_query(query: bytes) -> tuple[int, str, str | None]:
-    """``limit`` (1–100), ``order`` (``asc``/``desc``, newest first by default), ``after``."""
-    fields = parse_qs(query.decode("latin-1"))
-    limit = DEFAULT_LIMIT
-    if "limit" in fields:
-        raw = fields["limit"][-1]
-        value = query_int(raw, 1, MAX_LIMIT)
-        if value is None:
-            raise invalid_request(f"Invalid 'limit': {raw[:40]!r} (an integer from 1 to "
-                                  f"{MAX_LIMIT}).", "limit")
-        limit = value
-    order = fields.get("order", ["desc"])[-1]
-    if order not in ("asc", "desc"):
-        raise invalid_request(f"Invalid 'order': {order!r} ('asc' or 'desc').", "order")
-    after = fields.get("after", [None])[-1]
-    return limit, order, after
