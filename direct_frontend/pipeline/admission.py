@@ -12,6 +12,7 @@ server without API keys) it is first come, first served.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 from collections.abc import AsyncIterator, Callable
@@ -78,7 +79,8 @@ class Admission:
         self._held: dict[str, int] = {}  # slots each flow holds
         self._pushed_out: set[Waiter] = set()  # refused to make room for another tenant
         #: when each tenant last asked (those of the last ACTIVE_S only)
-        self._seen: dict[str, float] = {}
+        self._seen: collections.OrderedDict[str, float] = collections.OrderedDict()
+        self._seen_weight = 0.0  # the active tenants' weights, summed
         #: the most slots a tenant past its share leaves free for the others (see _fits)
         self._headroom = config.max_in_flight // 4
         #: background work's share of the slots (:meth:`background_slot`)
@@ -138,7 +140,8 @@ class Admission:
         request of several choices is not passed over for ever.
         """
         count = min(count, self.config.max_in_flight)
-        waited_from = self._seen[flow] = trio.current_time()
+        waited_from = trio.current_time()
+        self._saw(flow, waited_from)
         if not self._queue and self._free >= count and self._fits(flow, count):
             self._grant(flow, count)
         else:
@@ -211,23 +214,40 @@ class Admission:
         cap = self._caps.get(flow, self._default_cap)
         if cap and held > max(cap, count):
             return False
-        active = self._active()
-        if len(active) < 2:
+        self._forget_idle()
+        if len(self._seen) < 2:
             return True
-        weight, slots = self._queue.weight, self.config.max_in_flight
-        total = sum(weight(other) for other in active)
+        weight, slots, total = self._queue.weight, self.config.max_in_flight, self._seen_weight
         if held <= slots * weight(flow) / total:
             return True
-        short = sum(min(SPARE, slots * weight(other) / total - self._held.get(other, 0))
-                    for other in active if other != flow)
-        return self._free - count >= min(max(short, 0), self._headroom)
+        wanted = min(self._headroom, self._free)  # past it, nothing more to count
+        short = 0.0
+        for other in self._seen:
+            if other != flow:
+                short += max(0.0, min(SPARE, slots * weight(other) / total
+                                      - self._held.get(other, 0)))
+                if short >= wanted:
+                    break
+        return self._free - count >= min(short, self._headroom)
 
-    def _active(self) -> list[str]:
-        """The tenants that asked within :data:`ACTIVE_S` (the older forgotten)."""
+    def _saw(self, flow: str, now: float) -> None:
+        """``flow`` asked at ``now``: it is active (the most recent last)."""
+        if flow not in self._seen:
+            self._seen_weight += self._queue.weight(flow)
+        self._seen[flow] = now
+        self._seen.move_to_end(flow)
+
+    def _forget_idle(self) -> None:
+        """Forget the tenants that asked nothing within :data:`ACTIVE_S` (oldest first: the
+        map is in the order they last asked, so this stops at the first still active)."""
         since = trio.current_time() - ACTIVE_S
-        for flow in [flow for flow, seen in self._seen.items() if seen < since]:
+        while self._seen:
+            flow, seen = next(iter(self._seen.items()))
+            if seen >= since:
+                return
             del self._seen[flow]
-        return list(self._seen)
+            self._seen_weight = (self._seen_weight - self._queue.weight(flow)) if self._seen \
+                else 0.0  # none left: no rounding carried over
 
     def _grant(self, flow: str, count: int) -> None:
         self._free -= count
