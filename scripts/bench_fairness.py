@@ -142,6 +142,11 @@ class Tally:
     refused: int = 0
     failed: int = 0
     tokens: int = 0
+    ended: list[tuple[float, int]] = field(default_factory=list)  # (when, tokens) per stream
+
+    def tokens_until(self, moment: float) -> int:
+        """Tokens of the streams that ended by ``moment`` (while every tenant still sent)."""
+        return sum(tokens for when, tokens in self.ended if when <= moment)
 
 
 async def stream(client: httpx.AsyncClient, key: str, tokens: int, tally: Tally) -> None:
@@ -166,6 +171,7 @@ async def stream(client: httpx.AsyncClient, key: str, tokens: int, tally: Tally)
     if first is not None:
         tally.ttft.append(first)
         tally.tokens += tokens
+        tally.ended.append((time.perf_counter(), tokens))
 
 
 async def open_loop(client: httpx.AsyncClient, key: str, rate: float, seconds: float,
@@ -181,11 +187,12 @@ async def open_loop(client: httpx.AsyncClient, key: str, rate: float, seconds: f
 
 async def phase(base: str, args: argparse.Namespace, capacity_rps: float,
                 flood_key: str | None, flood_factor: float) -> tuple[Tally, Tally, float]:
+    """Both tenants' tallies, and how long it took (arrivals, then the queue's drain)."""
     rng = random.Random(args.seed)
     quiet, flood = Tally(), Tally()
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(base_url=base, timeout=300, limits=limits) as client:
-        started = time.perf_counter()
+        started = args.started = time.perf_counter()
         jobs = [open_loop(client, QUIET_KEY, capacity_rps * args.quiet_share, args.seconds,
                           args.tokens, quiet, rng)]
         if flood_key is not None:
@@ -228,9 +235,13 @@ def main() -> None:
                 args.quiet_share = args.flood_factor  # both flood
                 quiet, flood, _ = asyncio.run(
                     phase(base, args, capacity_rps, FLOOD_KEY, args.flood_factor))
-            ratio, target = flood.tokens / max(quiet.tokens, 1), heavy / light
+            # while both send: after the arrivals stop, the queue's drain serves what each left
+            until = args.started + args.seconds
+            ratio = flood.tokens_until(until) / max(quiet.tokens_until(until), 1)
+            target = heavy / light
             print(f"weights {heavy:g}:{light:g}, both at {args.flood_factor:g}x capacity: served "
-                  f"tokens {flood.tokens} : {quiet.tokens} = {ratio:.2f} "
+                  f"tokens while both sent {flood.tokens_until(until)} : "
+                  f"{quiet.tokens_until(until)} = {ratio:.2f} "
                   f"(target {target:g}, within 10 %: {abs(ratio / target - 1) <= 0.1})")
             return
         with daemon(fleet_text(args, free_port(), None), directory) as base:
