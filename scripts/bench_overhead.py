@@ -812,7 +812,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def store_lines(args: argparse.Namespace, directory: pathlib.Path) -> str:
-    """``[frontend.responses]`` for ``--store``: a Responses cell's response is kept there."""
+    """``[frontend.responses]`` for ``--store``: a Responses cell's response is kept there
+    (none without a Responses cell, so a baseline older than the keys still starts)."""
+    if not any(cell.responses for cell in args.cells):
+        return ""
     if args.store == "memory":
         return 'backend = "memory"'
     if args.store == "postgres":
