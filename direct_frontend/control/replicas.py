@@ -272,14 +272,17 @@ class ReplicaLink:
             log.info("replicas: NATS at %s is back", self.shown)
 
         connecting = True  # this first connect; the later reconnects are nats-py's
+        refused: str | None = None  # this attempt's refusal (a reset that follows it is not news)
 
         async def error(exc: Exception) -> None:
+            nonlocal refused
             self._last_error = scrubbed(str(exc), self.url)  # it may quote the URL
             log.debug("replicas: NATS client error: %s", exc)
             problem = refusal(self._last_error, self.config)
             if problem is None:
                 return
             if connecting:
+                refused = refused or problem
                 # asking again changes nothing: out of nats.connect's retry loop (raised
                 # before it half-closes its socket, which nc.close() then closes whole)
                 raise NatsRefused(problem)
@@ -312,7 +315,8 @@ class ReplicaLink:
                     await trio_asyncio.aio_as_trio(nc.close)()
                 except Exception as exc:
                     log.debug("replicas: NATS close: %s", exc)
-            problem = refusal(self._last_error, self.config)
+            # the server's refusal, though the connection's reset may be reported after it
+            problem = refused or refusal(self._last_error, self.config)
             if problem is not None:
                 self._refuse(problem, at_start=at_start)
             else:
