@@ -92,8 +92,6 @@ log = logging.getLogger("direct_frontend.replicas")
 
 RECONNECT_WAIT_S = 0.25
 CONNECT_TIMEOUT_S = 1.0
-#: the first connect's whole attempt, at start (its answer may refuse the start)
-START_CONNECT_S = 5.0
 GOODBYE_TIMEOUT_S = 1.0
 #: faults kept while the link is down (they are only news for a short while)
 MAX_PENDING_FAULTS = 64
@@ -295,9 +293,7 @@ class ReplicaLink:
         failure = ""
         nc = Client()  # held here, so a failed attempt's socket is closed, not left to the GC
         try:
-            # at start, what the server answers decides whether the daemon starts at all:
-            # the attempt gets long enough to hear it on a busy machine
-            with trio.fail_after(START_CONNECT_S if at_start else CONNECT_TIMEOUT_S * 2):
+            with trio.fail_after(CONNECT_TIMEOUT_S * 2):
                 await trio_asyncio.aio_as_trio(nc.connect)(
                     servers=[self.url], name=self.replica, no_echo=True,
                     allow_reconnect=True, max_reconnect_attempts=-1,
