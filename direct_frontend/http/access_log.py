@@ -13,7 +13,7 @@ import logging
 from typing import Any, Final
 
 from direct_frontend.fleet.schema import AccessLogConfig
-from direct_frontend.http.asgi import Scope
+from direct_frontend.http.asgi import Scope, header
 
 log: Final = logging.getLogger("direct_frontend.access")
 
@@ -46,7 +46,7 @@ def fields_of(config: AccessLogConfig, scope: Scope, status: int, duration_s: fl
             client = scope.get("client")
             every[name] = f"{client[0]}:{client[1]}" if client else None
         elif name == "user_agent":
-            every[name] = _header(scope, b"user-agent")
+            every[name] = header(scope, b"user-agent").decode("latin-1") or None
     return every
 
 
@@ -61,10 +61,3 @@ def write(config: AccessLogConfig, scope: Scope, status: int, duration_s: float,
     if log.isEnabledFor(logging.INFO):
         extra = fields_of(config, scope, status, duration_s, request_id)
         log.info("%s %s %d", scope["method"], scope["path"], status, extra=extra)
-
-
-def _header(scope: Scope, name: bytes) -> str | None:
-    for key, value in scope.get("headers", ()):
-        if key.lower() == name:
-            return str(value.decode("latin-1"))
-    return None

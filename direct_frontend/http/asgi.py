@@ -109,6 +109,14 @@ class ResponseProgress:
         self.started = self.finished = True
 
 
+def header(scope: Scope, name: bytes) -> bytes:
+    """A request header's value (``name`` in lower case), stripped; empty when absent."""
+    for key, value in scope.get("headers", ()):
+        if key.lower() == name:
+            return bytes(value).strip()
+    return b""
+
+
 async def read_body(receive: Receive, limit: int, timeout_s: float = math.inf) -> bytes:
     """The whole request body; a 413 past ``limit`` (counted as it arrives), a 408 after
     ``timeout_s`` (a client trickling its body would hold the connection forever)."""

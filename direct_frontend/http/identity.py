@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Iterable
 from typing import Final
 
 from direct_frontend.fleet.keys import key_identity, narrowed, tenant_flow
 from direct_frontend.fleet.schema import AuthConfig, FrontendConfig
 from direct_frontend.http.admin import api_key, bearer
-from direct_frontend.http.asgi import Scope
+from direct_frontend.http.asgi import Scope, header
 from direct_frontend.openai.response_store import ANONYMOUS
 
 #: a client's ``x-request-id`` is kept if it is this: short, and nothing a log line or a
@@ -37,22 +36,15 @@ def owner_of(auth: AuthConfig, scope: Scope) -> str:
         credential = bearer(scope) or api_key(scope)
         owner = key_identity(credential) if credential else ANONYMOUS
     if auth.tenant_header is not None:
-        tenant = _header(scope["headers"], auth.tenant_header.lower().encode())
+        tenant = header(scope, auth.tenant_header.lower().encode())
         if tenant:
             owner = narrowed(owner, tenant)
     return owner
 
 
-def _header(headers: Iterable[tuple[bytes, bytes]], name: bytes) -> bytes:
-    for key, value in headers:
-        if key.lower() == name:
-            return value.strip()
-    return b""
-
-
 def client_request_id(scope: Scope) -> str | None:
     """The client's own ``x-request-id``, if it sent a well-formed one."""
-    value = _header(scope["headers"], b"x-request-id")
+    value = header(scope, b"x-request-id")
     return value.decode() if value and CLIENT_REQUEST_ID.fullmatch(value) else None
 
 
@@ -67,6 +59,6 @@ class Caller:
 
 def caller_of(frontend: FrontendConfig, scope: Scope) -> Caller:
     owner = owner_of(frontend.auth, scope)
-    header = frontend.tenants.header
-    value = b"" if header is None else _header(scope["headers"], header.lower().encode())
+    named_by = frontend.tenants.header
+    value = b"" if named_by is None else header(scope, named_by.lower().encode())
     return Caller(owner, tenant_flow(value) if value else owner)
