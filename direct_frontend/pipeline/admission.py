@@ -70,7 +70,7 @@ class Admission:
                  tenants: TenantsConfig | None = None) -> None:
         self.config = config
         self.observe_wait = observe_wait
-        self.tenants = tenants = tenants or TenantsConfig()
+        tenants = tenants or TenantsConfig()
         weights, default = tenants.weights(), tenants.default_weight
         self._caps, self._default_cap = tenants.caps(), tenants.max_in_flight
         self._free = config.max_in_flight
@@ -94,10 +94,6 @@ class Admission:
     @property
     def waiting(self) -> int:
         return len(self._queue)
-
-    def waiting_by_flow(self) -> dict[str, int]:
-        """How many requests of each flow wait (flows with none left out)."""
-        return dict(self._queue.flows())
 
     def refuse_if_full(self, count: int = 1) -> None:
         """Raise :class:`Rejected` now if ``count`` slots would find the queue full.

@@ -24,7 +24,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 
 @dataclasses.dataclass(eq=False, slots=True)
@@ -56,10 +56,6 @@ class FairQueue:
         """How many of ``flow``'s requests wait."""
         queue = self._queues.get(flow)
         return 0 if queue is None else len(queue)
-
-    def flows(self) -> Iterator[tuple[str, int]]:
-        """Each flow with requests waiting, and how many."""
-        return ((flow, len(queue)) for flow, queue in self._queues.items())
 
     def longest(self) -> tuple[str, int]:
         """The flow with the most requests waiting, and how many (("", 0) when none waits)."""
