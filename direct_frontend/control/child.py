@@ -136,6 +136,8 @@ class EngineChild:
         """The KV plane saw rank ``rank``'s KV-event publisher start over: a new process."""
         before = self.engine_restarts.total
         self.engine_restarts.publisher_restarted(rank)
+        if self.handle is not None:  # the catalog's handle: routing forgets the old process
+            self.handle.life = self.engine_restarts.lives
         self._log_restart(before, "its KV-event publisher started over")
 
     def _log_restart(self, before: int, witness: str) -> None:
@@ -326,6 +328,7 @@ class EngineChild:
             context_length=effective_context_length(self.cfg, info, model),
             transport=self.channel,
             load=self.load,  # one per incarnation: a re-join keeps the requests in flight
+            life=self.engine_restarts.lives,
             bootstrap_port=self.cfg.bootstrap_port or info.bootstrap_port,
             model=model.name,
             dp_ranks=self._pinned_ranks(info, role),

@@ -14,6 +14,12 @@ the most any one witness counted, never their sum. The connection witness is
 a guess (an engine hung long enough for keepalive to drop its connection looks
 the same), so it counts only where neither exact witness can say: the
 reported starts are not comparable and the KV events are not followed.
+
+Routing needs the other error bound: :attr:`RestartCount.lives` moves at every
+witness, the guess included, and what the router remembers about the engine
+is fenced by it. Forgetting a live process's placements costs a few cache
+misses; crediting a new process with its predecessor's blocks sends requests
+to a cold cache while the engine that holds their prefix stands by.
 """
 
 from __future__ import annotations
@@ -40,6 +46,9 @@ class RestartCount:
     ranks: dict[int, int] = dataclasses.field(default_factory=dict)
     #: whether the engine's KV events are followed (the publisher is a witness)
     follows_publisher: bool = False
+    #: moves whenever any witness says the process may be new (the guess too, and once
+    #: per witness of one restart): the fence for what routing remembers of the engine
+    lives: int = 0
 
     def discovered(self, identity: str, connection: int) -> bool:
         """The engine answered discovery over ``connection``; whether it looks restarted.
@@ -58,12 +67,15 @@ class RestartCount:
         if reconnected and not self.follows_publisher:  # the guess, when nothing better can say
             self.by_connection += 1
         self._settle()
+        if changed or reconnected:
+            self.lives += 1
         return changed or reconnected
 
     def publisher_restarted(self, rank: int) -> None:
         """Rank ``rank``'s KV-event publisher started over."""
         self.ranks[rank] = self.ranks.get(rank, 0) + 1
         self.by_publisher = max(self.ranks.values())
+        self.lives += 1
         self._settle()
 
     def _settle(self) -> None:

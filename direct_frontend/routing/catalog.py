@@ -165,6 +165,12 @@ class EngineHandle:
     #: own); empty: the engine balances its ranks itself (one rank, none named, or a kind
     #: whose stock engine does not honour a rank)
     dp_ranks: tuple[int, ...] = ()
+    #: which life of the engine's process this is, as far as the daemon can tell: it moves
+    #: (in place, on the handle the catalog holds) whenever a witness says the process may
+    #: have restarted under the same incarnation (control/restarts.py). A new process holds
+    #: none of its predecessor's cache, so routing state about the engine is fenced by
+    #: (``incarnation``, ``life``).
+    life: int = 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -249,6 +249,10 @@ class PrefillQueue:
         if queued is not None:
             queued.pop(token, None)
 
+    def forget(self, engine: str) -> None:
+        """``engine``'s process is new: what we queued on the old one will never be heard of."""
+        self._queued.pop(engine, None)
+
     def depth(self, engine: str, now: float, stored: Callable[[int], bool] | None) -> int:
         """Blocks still to prefill; ``stored(h)``: the engine's events show block ``h`` stored."""
         queued = self._queued.get(engine)
@@ -309,6 +313,36 @@ class KvAware:
         self.affinity: SessionAffinity | None = None
         #: the most blocks any engine was seen holding: its capacity when none is configured
         self._peak = 0
+        #: engine name → the (incarnation, life) what we remember of it belongs to (:meth:`fence`)
+        self._lives: dict[str, tuple[int, int]] = {}
+
+    def fence(self, candidates: Sequence[EngineHandle]) -> None:
+        """Forget all we remember of an engine whose process is not the one we sent to.
+
+        A new incarnation of a name (an edit replaced the engine), or a new life
+        of one (its process restarted on the same address:
+        :attr:`EngineHandle.life`), holds none of the blocks its predecessor
+        was sent: where we sent prefixes, our model of its LRU and its prefill
+        queue go, as the KV index drops its entries. An incarnation older than
+        the newest seen of its name is one on its way out, still serving while
+        its successor joins: no change.
+        """
+        lives = self._lives
+        for engine in candidates:
+            life = (engine.incarnation, engine.life)
+            seen = lives.get(engine.name)
+            if seen is None or life > seen:
+                lives[engine.name] = life
+                if seen is not None:
+                    self.forget(engine)
+
+    def forget(self, engine: EngineHandle) -> None:
+        """Drop what was sent to ``engine`` (every rank's) and its prefill queue."""
+        for name in {engine.name, *memory_names(engine)}:
+            self.approx.forget_engine(name)
+            if self.sent is not self.approx:
+                self.sent.forget_engine(name)
+        self.queue.forget(engine.name)
 
     def _split_homes(self) -> None:
         """Keep the homes apart from the LRU model, which is about to forget some."""
@@ -452,6 +486,7 @@ class KvAware:
         if not candidates:
             return None
         knobs = self.knobs
+        self.fence(candidates)
         self.learn_capacities(candidates)
         hashes = self.hashes(request.input_ids)
         by_key = self.exact_lookup(hashes)

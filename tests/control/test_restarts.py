@@ -67,3 +67,16 @@ def test_the_total_never_goes_down_when_the_witnesses_change() -> None:
     assert count.total == 2  # not comparable with "": counted by the connection once more
     count.discovered("t1", 4)
     assert count.total == 2
+
+
+def test_lives_move_at_every_witness_the_guess_included() -> None:
+    """Routing fences its memory of the engine by ``lives``: a guess is enough there."""
+    count = RestartCount(follows_publisher=True)
+    count.discovered("", 1)
+    assert count.lives == 0
+    assert not count.discovered("", 1)  # back on the same connection: the same process
+    assert count.lives == 0
+    count.discovered("", 2)  # a new connection: not counted as a restart, but a new life
+    assert count.total == 0 and count.lives == 1
+    count.publisher_restarted(0)  # the same restart, seen by its exact witness
+    assert count.total == 1 and count.lives == 2

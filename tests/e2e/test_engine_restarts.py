@@ -96,6 +96,8 @@ def test_a_relaunched_vllm_engine_counts_once_by_its_kv_publisher(
             wait_for(lambda: child.channel.connections_opened > connections  # noqa: B023
                      and child.state.value == "serving", what="probes on a new connection")
             assert restarts(daemon) == n
+            # the catalog's handle shows a new life: routing forgets the old process
+            assert child.handle is not None and child.handle.life >= n
         assert child.incarnation == daemon.supervisor.children["e"].incarnation
         assert "engine e restarted (its KV-event publisher started over)" in caplog.text
         complete(daemon, list(range(300, 364)))  # the new process's events are followed
@@ -132,6 +134,7 @@ def test_an_engine_that_only_failed_its_probes_did_not_restart(
         wait_for(lambda: child.state.value == "serving", what="the engine to be back")
         assert restarts(daemon) == 0
         assert child.channel.connections_opened == 1
+        assert child.handle is not None and child.handle.life == 0  # the same process
 
 
 def test_an_engine_that_reports_its_start_is_counted_by_it(

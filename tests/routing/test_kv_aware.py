@@ -519,3 +519,50 @@ def test_a_ranks_other_requests_come_from_the_engines_report_until_the_next() ->
     assert placement is not None and placement.dp_rank == 1  # rank 0 has two of others'
     h.load.engine_reported(None)
     assert h.load.rank_others == {}
+
+
+@pytest.mark.parametrize("replaced", ["life", "incarnation"])
+def test_a_restarted_engine_is_forgotten_whole(replaced: str) -> None:
+    """A new process on the same address holds none of what we sent the old one.
+
+    The KV index dropped the old process's blocks; the memory of placements
+    (``memory_weight``: 6 of the 8 blocks sent there) and the prefill queue
+    must go too, or the engine is still credited with the prefix and the
+    request misses there while the other engine holds half of it.
+    """
+    index = FakeIndex({})
+    policy = KvAware(KvAwareKnobs(block_size=BS), index)
+    policy.uses_events = {1, 2, 4}
+    a, b = handle("a"), handle("b")
+    first = policy.choose(Catalog(1, (a, b)), view(PROMPT))
+    assert first is not None and first.prefilled is not None
+    first.prefilled()
+    home = first.engine
+    other = b if home is a else a
+    queued = policy.choose(Catalog(1, (a, b)), view(list(range(500, 532))), {other.name})
+    assert queued is not None and queued.engine is home
+    assert policy.queue.depth(home.name, policy.clock(), None) == 8
+    # the home restarts; the other engine caches the first half of the prompt meanwhile
+    index.held = {f"g{other.incarnation}r0": set(HASHES[:4])}
+    if replaced == "life":
+        home.life = 1
+        now = home
+    else:
+        now = EngineHandle(home.name, "vllm", home.url, 4, EngineRole.BOTH,
+                           EngineInfo("demo"), 4096, None)
+    again = policy.choose(Catalog(2, (now, other)), view([*PROMPT, 7, 7, 7, 7]))
+    assert again is not None and again.engine is other
+    assert policy.queue.depth(home.name, policy.clock(), None) == 0
+    assert home.name not in policy.sent.lookup_at(HASHES, policy.clock())
+
+
+def test_an_outgoing_incarnation_still_serving_is_no_restart() -> None:
+    """While a replacement joins, the old incarnation of the name serves on: nothing forgotten."""
+    policy = KvAware(KvAwareKnobs(block_size=BS))
+    old = handle("a")
+    new = EngineHandle("a", "vllm", "grpc://a:2", 7, EngineRole.BOTH, EngineInfo("demo"),
+                       4096, None)
+    policy.choose(Catalog(1, (new,)), view(PROMPT))
+    assert policy.sent.lookup_at(HASHES, policy.clock()) == {"a": len(HASHES)}
+    policy.choose(Catalog(2, (old, new)), view([*PROMPT, 1]))
+    assert policy.sent.lookup_at(HASHES, policy.clock()) == {"a": len(HASHES)}
