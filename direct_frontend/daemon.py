@@ -41,6 +41,7 @@ from hypercorn.trio import serve
 
 from direct_frontend.control.kv_plane import KvPlane
 from direct_frontend.control.pods import PodDiscovery
+from direct_frontend.control.rate_share import RateShare
 from direct_frontend.control.reload import ControlPlane, file_digest, kv_block_size
 from direct_frontend.control.replicas import ReplicaLink
 from direct_frontend.control.supervisor import Supervisor
@@ -66,6 +67,7 @@ from direct_frontend.observability.sdnotify import Notifier
 from direct_frontend.observability.tracing import Tracing
 from direct_frontend.openai.response_store import ResponseStore
 from direct_frontend.pipeline.models import ModelBuilder
+from direct_frontend.pipeline.ratelimit import RateLimiter
 from direct_frontend.routing.factory import make_policy
 from direct_frontend.routing.peers import PlacementShare
 from direct_frontend.state.backends import open_durable, sweep_forever
@@ -148,13 +150,17 @@ async def serve_fleet(
             replica_id=None if worker is None else f"worker{worker.index}-{os.getpid()}",
             responses=responses,
         )
+        limiter = RateLimiter(fleet.frontend.tenants)  # the tenants' rate limits
+        # made before the link runs: it subscribes to the subject the share speaks on
+        share = None if link is None else RateShare(
+            limiter, link, lambda: control.settings.frontend.tenants)
         control = ControlPlane(fleet, supervisor, builder, metrics, notifier, digest,
                                placements=placements,
                                replicas=None if link is None else link.status,
                                adapt=None if worker is None else partial(worker_fleet,
                                                                          role=worker))
         tracing = _open_tracing(fleet.frontend.tracing)
-        app = App(control, metrics, tracing, responses, durable)
+        app = App(control, metrics, tracing, responses, durable, limiter)
         if worker is not None:
             app.metrics_view = partial(merged_metrics, worker)
         async with trio.open_nursery() as nursery:
@@ -162,6 +168,8 @@ async def serve_fleet(
                 nursery.start_soon(_watch_signals, shutdown, control, nursery.cancel_scope)
             if link is not None:  # first: a sibling's KV index is in before engines start
                 await nursery.start(link.run)
+            if share is not None:
+                nursery.start_soon(share.run)
             await nursery.start(supervisor.run)
             control.pods = PodDiscovery(fleet, metrics, control.apply_membership)
             await nursery.start(control.pods.run)

@@ -34,6 +34,7 @@ import os
 import secrets
 import socket
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -146,6 +147,9 @@ class ReplicaLink:
         self._said_open = False  # the warning about an open server (insecure = true) is out
         self._faults: list[FaultReport] = []
         self._tx, self._rx = trio.open_memory_channel[Inbound](math.inf)
+        #: more subjects, each with what hears its messages (control/rate_share.py); set
+        #: before :meth:`run`, which subscribes to them
+        self.listeners: dict[str, Callable[[bytes], None]] = {}
         self._seq = 0
         self._last_sent: Loads | None = None
         self._last_sent_at = -math.inf
@@ -342,13 +346,18 @@ class ReplicaLink:
             tx.send_nowait((msg.subject, msg.data, msg.reply))
 
         subscribe = trio_asyncio.aio_as_trio(nc.subscribe)
-        for subject in (self.subjects.load, self.subjects.fault, self.subjects.placements):
+        for subject in (self.subjects.load, self.subjects.fault, self.subjects.placements,
+                        *self.listeners):
             await subscribe(subject, cb=deliver)
         if self.kv is not None:
             # a queue group: one sibling answers each late replica
             await subscribe(self.subjects.snapshot, queue="kv-snapshot", cb=deliver)
         if self.responses is not None:
             await subscribe(self.subjects.responses(self.responses.holder), cb=deliver)
+
+    async def publish(self, subject: str, data: bytes) -> bool:
+        """Send ``data`` on ``subject``; False if the link is down or the send failed."""
+        return await self._publish(subject, data)
 
     async def _publish(self, subject: str, data: bytes) -> bool:
         if self._nc is None or not self.connected:
@@ -459,6 +468,8 @@ class ReplicaLink:
             elif self.responses is not None and subject == self.subjects.responses(
                     self.responses.holder):
                 await self._serve_response(data, reply)
+            elif (listener := self.listeners.get(subject)) is not None:
+                listener(data)
 
     def _malformed(self, what: str) -> None:
         self.counts["malformed"] += 1

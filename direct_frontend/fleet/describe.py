@@ -474,9 +474,12 @@ def _tenants_json(tenants: TenantsConfig) -> JsonValue:
     """``[frontend.tenants]`` as written (a tenant's flow is derived, and not shown)."""
     named: list[JsonValue] = [
         {"name": t.name, "api_key_env": t.api_key_env, "weight": t.weight,
-         "max_in_flight": t.max_in_flight} for t in tenants.tenant]
+         "max_in_flight": t.max_in_flight, "requests_per_minute": t.requests_per_minute,
+         "tokens_per_minute": t.tokens_per_minute} for t in tenants.tenant]
     return {"header": tenants.header, "default_weight": tenants.default_weight,
-            "max_in_flight": tenants.max_in_flight, "tenant": named}
+            "max_in_flight": tenants.max_in_flight, "tenant": named,
+            "requests_per_minute": tenants.requests_per_minute,
+            "tokens_per_minute": tenants.tokens_per_minute}
 
 
 def _tenants_row(tenants: TenantsConfig) -> str:
@@ -487,7 +490,24 @@ def _tenants_row(tenants: TenantsConfig) -> str:
                         for t in tenants.tenant)
     cap = f"; at most {tenants.max_in_flight} in flight each" if tenants.max_in_flight else ""
     return (f"fair between {who} (weight {tenants.default_weight:g}"
-            f"{'; ' + weights if weights else ''}){cap}")
+            f"{'; ' + weights if weights else ''}){cap}{_rates_row(tenants)}")
+
+
+def _rates_row(tenants: TenantsConfig) -> str:
+    """Each tenant's rate limits, and the named tenants' own (empty: none anywhere)."""
+    def rates(requests: int, tokens: int) -> str:
+        return " and ".join([f"{requests} requests"] * bool(requests)
+                            + [f"{tokens} tokens"] * bool(tokens)) or "no limit"
+
+    own = [f"{t.name or '$' + (t.api_key_env or '')} " + rates(
+        tenants.requests_per_minute if t.requests_per_minute is None else t.requests_per_minute,
+        tenants.tokens_per_minute if t.tokens_per_minute is None else t.tokens_per_minute)
+        for t in tenants.tenant
+        if (t.requests_per_minute, t.tokens_per_minute) != (None, None)]
+    if not (tenants.requests_per_minute or tenants.tokens_per_minute or own):
+        return ""
+    each = rates(tenants.requests_per_minute, tenants.tokens_per_minute)
+    return f"; rate limits a minute: {each} each" + (f" ({', '.join(own)})" if own else "")
 
 
 def _owners_row(auth: AuthConfig) -> str:

@@ -24,6 +24,9 @@ class TenantConfig:
     max_in_flight: int = setting(0, NON_NEGATIVE)  # 0: [frontend.tenants] max_in_flight
     #: the admission flow it is (pipeline/admission.py), resolved by the loader
     flow: str = setting("", Rules(in_file=False))
+    # its rate limits (pipeline/ratelimit.py); absent: [frontend.tenants]'s, 0: none
+    requests_per_minute: int | None = setting(None, NON_NEGATIVE)
+    tokens_per_minute: int | None = setting(None, NON_NEGATIVE)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -34,13 +37,18 @@ class TenantsConfig:
     tenant; with no keys, everyone one), or the value of ``header`` when a
     gateway names tenants so. Waiting requests are admitted in weighted fair
     order between tenants; ``max_in_flight`` caps what one tenant holds (0: no
-    cap but the model's own).
+    cap but the model's own). ``requests_per_minute`` and ``tokens_per_minute``
+    are every tenant's rate limits (0: none) unless a named tenant gives its
+    own (pipeline/ratelimit.py).
     """
 
     header: str | None = None  # e.g. "x-tenant-id"
     default_weight: float = setting(1.0, POSITIVE)
     max_in_flight: int = setting(0, NON_NEGATIVE)
     tenant: tuple[TenantConfig, ...] = ()  # [[frontend.tenants.tenant]]
+    # each tenant's rate limits, unless it names its own (0: none)
+    requests_per_minute: int = setting(0, NON_NEGATIVE)
+    tokens_per_minute: int = setting(0, NON_NEGATIVE)
 
     def weights(self) -> dict[str, float]:
         """Each named tenant's weight by its flow."""

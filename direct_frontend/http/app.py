@@ -19,8 +19,9 @@ from typing import Literal
 import msgspec
 import trio
 
+from direct_frontend.fleet.describe import JsonValue
 from direct_frontend.fleet.schema import FrontendConfig
-from direct_frontend.http import access_log, conversations
+from direct_frontend.http import access_log, conversations, rate_limits
 from direct_frontend.http.access_log import MODEL_KEY
 from direct_frontend.http.admin import credential_ok, denied, events_socket
 from direct_frontend.http.asgi import (
@@ -99,6 +100,7 @@ from direct_frontend.pipeline.preprocess import (
     prepare_each,
     truncated_to_fit,
 )
+from direct_frontend.pipeline.ratelimit import Charge, RateLimiter
 from direct_frontend.pipeline.relay import Relay
 from direct_frontend.pipeline.settings import Settings
 from direct_frontend.routing.affinity import routing_key
@@ -132,8 +134,13 @@ class App:
         tracing: Tracing | None = None,
         responses: ResponseStore | None = None,
         durable: Durable | None = None,
+        limiter: RateLimiter | None = None,
     ) -> None:
         self.control = control
+        #: the tenants' rate limits in this process (their siblings' spending heard by
+        #: control/rate_share.py); a request of a limited tenant is admitted against them
+        self.limiter = RateLimiter(control.settings.frontend.tenants) if limiter is None \
+            else limiter
         self.tracing = tracing  # None: tracing is off, and costs nothing
         #: stored Responses (None: ``[frontend.responses] store = false``, nothing is kept)
         self.responses = responses
@@ -259,7 +266,9 @@ class App:
     # -- admin -------------------------------------------------------------------------
 
     async def _fleet(self, settings: Settings, scope: Scope, receive: Receive, send: Send) -> int:
-        body = json.dumps(self.control.status(), separators=(",", ":")).encode()
+        status = self.control.status()
+        status["rate_limits"] = self._rate_limits(settings)
+        body = json.dumps(status, separators=(",", ":")).encode()
         await send_body(send, 200, body)
         return 200
 
@@ -281,6 +290,23 @@ class App:
         token = frontend.admin.token
         authorized = token is None or credential_ok(scope, (token,))
         await events_socket(self.control, scope, receive, send, authorized)
+
+    def _rate_limits(self, settings: Settings) -> dict[str, JsonValue]:
+        """``/fleet``'s view of the rate limits: buckets held, and each named tenant's limits
+        as this process sees them now (what its siblings spent included, as far as heard)."""
+        limiter = self.limiter
+        limiter.configure(settings.frontend.tenants)
+        now = trio.current_time()
+        named: dict[str, JsonValue] = {
+            label: rate_limits.windows_json(limiter.standing(flow, now))
+            for flow, label in limiter.table.named().items()}
+        return {"buckets": len(limiter), "heard": limiter.heard_count, "tenants": named}
+
+    def _limit(self, settings: Settings, tenant: str, prompt_tokens: int, headers: Headers,
+               *, anthropic: bool = False) -> Charge | None:
+        """Admit a request of ``tenant`` against its rate limits (http/rate_limits.py)."""
+        return rate_limits.limit(self.limiter, settings.frontend.tenants, tenant, prompt_tokens,
+                                 headers, anthropic=anthropic, refused=self.metrics.rate_limited)
 
     # -- small endpoints --------------------------------------------------------------
 
@@ -539,8 +565,9 @@ class App:
                 key = routing_key(served.settings.frontend.routing.session_key,
                                   scope["headers"], request.user)
                 tenant = caller_of(settings.frontend, scope).tenant
-                return await respond_embeddings(served, request, request_id, key, tenant,
-                                                receive, send, headers, trace)
+                return await respond_embeddings(
+                    served, request, request_id, key, tenant, receive, send, headers, trace,
+                    limit=partial(self._limit, settings, tenant, headers=headers))
 
             return await self._from_body(settings, receive, send, answer)
 
@@ -636,8 +663,15 @@ class App:
                 prepared = await truncated_to_fit(prepared, served.tokenizing, limit,
                                                   prepared.request.max_tokens or 1)
                 prompts = (prepared,)
+            prompt_tokens = sum(len(p.input_ids) for p in prompts)
             if trace is not None:
-                trace.leave(prompt_tokens=sum(len(p.input_ids) for p in prompts))
+                trace.leave(prompt_tokens=prompt_tokens)
+            # over its tenant's rate limit: refused here, before it queues or reaches an engine
+            charge = self._limit(settings, caller.tenant, prompt_tokens, headers,
+                                 anthropic=kind == "messages")
+            if charge is not None:  # the relay counts each choice's output into it
+                prompts = tuple(dataclasses.replace(p, charge=charge) for p in prompts)
+                prepared = prompts[0]
             if responses is not None and responses.background:
                 assert isinstance(prepared.request, ChatRequest)
                 return await self._background(
@@ -677,3 +711,6 @@ class App:
             refusal = saturated(rejected)
             await send_error(send, refusal, headers)
             return refusal.status
+        finally:
+            if charge is not None:  # what it generated, whatever its end
+                charge.settle(trio.current_time())

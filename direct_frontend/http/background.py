@@ -318,6 +318,8 @@ class BackgroundResponses:
                     relay.metrics.request_cancelled()
                 run.end("cancelled", run.builder.finish("cancelled"))
             self.store.charge(run.owner, -run.logged)  # the log is now the record's
+            if prepared.charge is not None:  # its tenant's tokens limit takes its output
+                prepared.charge.settle(trio.current_time())
             record = self._record(run)
             if run.too_large:  # the log is what did not fit: the response is kept without it
                 record = msgspec.structs.replace(record, events=())

@@ -13,6 +13,8 @@ tracing on, the request is one trace: ``preprocess``, ``admission`` and an
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from direct_frontend.engines.neutral import Embedding
 from direct_frontend.http.asgi import JSON, Headers, Receive, Send, send_body
 from direct_frontend.http.render import render_embeddings
@@ -28,11 +30,13 @@ from direct_frontend.pipeline.preprocess import prompt_ids
 async def respond_embeddings(
     served: ServedModel, request: EmbeddingRequest, request_id: str, routing_key: str | None,
     tenant: str, receive: Receive, send: Send, headers: Headers,
-    trace: RequestTrace | None = None,
+    trace: RequestTrace | None = None, limit: Callable[[int], object] | None = None,
 ) -> int:
     """Embed every input and write the body; the HTTP status (499: the client left).
 
-    ``tenant``: whose share of the admission queue its slots come from."""
+    ``tenant``: whose share of the admission queue its slots come from. ``limit``
+    admits the request against its tenant's rate limits by its tokens, once they are
+    counted (it raises the 429 of a request over them)."""
     settings = served.settings
     several = len(request.inputs) > 1
     if trace is not None:
@@ -45,6 +49,9 @@ async def respond_embeddings(
     tokens = sum(len(ids) for _, ids in inputs)
     if trace is not None:
         trace.leave(prompt_tokens=tokens)
+    if limit is not None:
+        limit(tokens)
+    if trace is not None:
         trace.enter("admission")
     async def embed() -> list[Embedding]:
         embeddings = await embed_all(

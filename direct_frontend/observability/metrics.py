@@ -334,6 +334,12 @@ class Metrics:
             p + "pool_relists_total", "Full lists of a [[pool]]'s pods, by why.",
             ("pool", "reason"), registry=r,
         )  # fmt: skip
+        self.rate_limited_total = Counter(
+            p + "rate_limited_total",
+            "Requests refused over a tenant's rate limit ([frontend.tenants]), by tenant (its "
+            "name in the fleet file; every other tenant is \"other\") and limit (requests, "
+            "tokens).", ("tenant", "limit"), registry=r,
+        )  # fmt: skip
         self._models: dict[str, ModelSeries] = {}
         self._requests: dict[tuple[str, int], Counter] = {}
         self._durations: dict[str, Histogram] = {}
@@ -398,6 +404,10 @@ class Metrics:
     def request_cancelled(self) -> None:
         """Count a request the client abandoned (disconnect mid-generation)."""
         self.cancelled_requests_total.inc()
+
+    def rate_limited(self, tenant: str, limit: str) -> None:
+        """Count a request refused over ``tenant``'s (a configured name) ``limit``."""
+        self.rate_limited_total.labels(tenant, limit).inc()
 
     # -- models ----------------------------------------------------------------
 

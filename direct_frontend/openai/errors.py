@@ -171,6 +171,14 @@ def rate_limited(
     )
 
 
+def rate_limit_exceeded(
+    message: str, limit: str, headers: tuple[tuple[bytes, bytes], ...]
+) -> OpenAIHTTPError:
+    """429 for a tenant over its rate limit: OpenAI's shape, whose ``type`` names the limit
+    (``requests`` or ``tokens``); ``headers`` carry ``retry-after`` and the limits."""
+    return OpenAIHTTPError(429, message, limit, None, "rate_limit_exceeded", headers=headers)
+
+
 def no_engine_available(model: str, retry_after: int | None = 1) -> OpenAIHTTPError:
     """503: the model is known but no engine can serve it right now."""
     return OpenAIHTTPError(

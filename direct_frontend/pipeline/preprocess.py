@@ -31,6 +31,7 @@ from direct_frontend.openai.types import (
     Prompt,
 )
 from direct_frontend.pipeline.prompt_cache import PromptCache
+from direct_frontend.pipeline.ratelimit import Charge
 from direct_frontend.routing.catalog import Catalog, EngineHandle
 from direct_frontend.text.model_dir import ChatTemplateError, TextModel
 
@@ -66,6 +67,9 @@ class PreparedRequest:
     prompt_text: str
     #: the session's routing key (``[frontend.routing] session_key``), if it carries one
     routing_key: str | None = None
+    #: what its output owes its tenant's rate limit (pipeline/ratelimit.py), if it has one:
+    #: the relay counts each choice's output into it
+    charge: Charge | None = None
 
     @property
     def stop_token_ids(self) -> tuple[int, ...]:

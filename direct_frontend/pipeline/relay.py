@@ -750,6 +750,8 @@ class Relay:
             stop_token_ids=(*eos, *request.stop_token_ids),
             track_tokens=request.logprobs is not None,
         )
+        if prepared.charge is not None:  # its tenant's tokens limit takes what it generates
+            prepared.charge.watch(processor)
         return RelayState(
             settings, prepared, placement, call, processor,
             now=now, started=time.perf_counter(), engine_wait=wait, trace=trace, parser=parser,

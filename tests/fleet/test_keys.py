@@ -141,3 +141,22 @@ def test_a_tenant_is_named_one_way() -> None:
     ):
         with pytest.raises(FleetError, match=re.escape(message)):
             tenants_fleet(f"[frontend.tenants]\n[[frontend.tenants.tenant]]\n{tenant}\n", {})
+
+
+def test_rate_limits_read_per_tenant_with_a_default_for_all() -> None:
+    from direct_frontend.fleet.describe import describe_fleet
+    from direct_frontend.pipeline.ratelimit import Rates, RateTable
+
+    fleet = tenants_fleet('[frontend.tenants]\nheader = "x-team"\nrequests_per_minute = 60\n'
+                          '[[frontend.tenants.tenant]]\nname = "search"\n'
+                          'tokens_per_minute = 90000\n'
+                          '[[frontend.tenants.tenant]]\nname = "batch"\n'
+                          'requests_per_minute = 0\n', {})
+    table = RateTable(fleet.frontend.tenants)
+    assert table.rates("h:search") == Rates(60, 90000)  # its own tokens, the default requests
+    assert table.rates("h:batch") == Rates(0, 0)  # 0: no limit, whatever the default
+    assert table.rates("h:anyone") == Rates(60, 0)
+    assert ("; rate limits a minute: 60 requests each (search 60 requests and 90000 tokens, "
+            "batch no limit)\n") in describe_fleet(fleet)
+    with pytest.raises(FleetError, match="tokens_per_minute"):
+        tenants_fleet("[frontend.tenants]\ntokens_per_minute = -1\n", {})
