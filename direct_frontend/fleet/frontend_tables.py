@@ -105,7 +105,8 @@ class ReplicasConfig:
     With ``nats`` unset (the default) a daemon shares nothing with its
     siblings. With it, each replica tells the others over that NATS server
     what only it knows (its in-flight load per engine, its approximate-mode
-    placements, the transport faults it saw), a replica that starts late
+    placements, the transport faults it saw, what its tenants spent of their
+    rate limits), a replica that starts late
     asks a sibling for its KV index, and a replica answers for the stored
     responses it holds. Built at start.
 
