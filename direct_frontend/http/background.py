@@ -51,8 +51,6 @@ from urllib.parse import parse_qs
 import msgspec
 import trio
 
-from direct_frontend.engines.neutral import TokenLogprob
-from direct_frontend.errors import EngineError
 from direct_frontend.http.asgi import Headers, Receive, Send
 from direct_frontend.http.identity import Caller
 from direct_frontend.http.query import query_int
@@ -88,6 +86,14 @@ from direct_frontend.openai.responses_api import ResponsesRequest
 from direct_frontend.pipeline.admission import Rejected, saturated
 from direct_frontend.pipeline.preprocess import PreparedRequest
 from direct_frontend.pipeline.relay import Relay, RelayState
+from direct_frontend.pipeline.relay_events import (
+    Batch,
+    Failed,
+    Finished,
+    Opened,
+    RelayEvent,
+    Usage,
+)
 from direct_frontend.pipeline.settings import Settings
 from direct_frontend.state.sql import StoreError
 
@@ -115,7 +121,8 @@ class _Run:
         self.status = "queued"
         self.error: dict[str, Any] | None = None
         self.usage: dict[str, Any] | None = None
-        self.state: RelayState | None = None  # once placed: what its usage is read from
+        #: once placed: the usage so far (the prompt's, then each batch's)
+        self.so_far: Usage | Batch | None = None
         self.incomplete: str | None = None
         self.events: list[bytes] = []  # SSE-encoded; index = sequence number
         self.sse = SseEvents()
@@ -147,8 +154,9 @@ class _Run:
     def end(self, status: str, events: list[Event]) -> None:
         """The response ended as ``status``: its last events, the terminal one among them."""
         self.status = status
-        if self.usage is None and self.state is not None:  # cut short: what it used so far
-            self.usage = usage(self.state)
+        so_far = self.so_far
+        if self.usage is None and so_far is not None:  # cut short: what it used so far
+            self.usage = usage(so_far if isinstance(so_far, Usage) else so_far.usage)
         events.append({"type": f"response.{status}", "response": self.response()})
         self.add(events)
 
@@ -335,7 +343,8 @@ class BackgroundResponses:
                         prepared: PreparedRequest) -> None:
         try:
             async with settings.admission.background_slot(run.tenant):
-                state = run.state = await relay.begin(settings, prepared)
+                state = await relay.begin(settings, prepared)
+                run.so_far = Usage(len(prepared.input_ids), 0)
                 ok = False
                 try:
                     ok = await self._relay(run, relay, state)
@@ -351,30 +360,40 @@ class BackgroundResponses:
         builder = run.builder
         run.status = "in_progress"
         run.add([{"type": "response.in_progress", "response": run.response()}])
+        failed: list[Failed] = []
 
-        async def emit(text: str, tokens: int, finished: bool,
-                       logprobs: Sequence[TokenLogprob]) -> None:
-            events = builder.feed(state.parse(text, finished), entries(relay, logprobs))
-            if finished:
-                status, run.incomplete = outcome(state)
-                run.usage = usage(state)
-                closing = builder.finish(status)
-                request = builder.request
-                with trio.CancelScope(shield=True):  # in its conversation before it is seen ended
-                    await append_turn(self.store, request.conversation,
-                                      [*request.items, *builder.items], run.owner)
-                run.end(status, events + closing)
-            elif events:
-                run.add(events)
+        async def emit(event: RelayEvent) -> None:
+            if type(event) is Batch:
+                run.so_far = event
+                events = builder.feed(event.delta, entries(relay, event.logprobs))
+                if events:
+                    run.add(events)
+            elif type(event) is Opened:
+                run.so_far = event.usage
+            elif type(event) is Finished:
+                await self._finished(run, event, relay)
+            elif type(event) is Failed:
+                failed.append(event)
 
-        try:
-            await relay.run(state, emit)
-        except EngineError as exc:
-            log.warning("background request failed on engine %s: %s", exc.engine, exc)
-            run.usage = usage(state)
-            self._fail(run, state.error_for(exc))
+        await relay.run(state, emit)
+        if failed:
+            run.usage = usage(failed[0].usage)
+            self._fail(run, failed[0].error)
             return False
         return True
+
+    async def _finished(self, run: _Run, end: Finished, relay: Relay) -> None:
+        """The output is complete: the response ends ``completed`` (or ``incomplete``)."""
+        builder = run.builder
+        events = builder.feed(end.last.delta, entries(relay, end.last.logprobs))
+        status, run.incomplete = outcome(end)
+        run.usage = usage(end.usage)
+        closing = builder.finish(status)
+        request = builder.request
+        with trio.CancelScope(shield=True):  # in its conversation before it is seen ended
+            await append_turn(self.store, request.conversation,
+                              [*request.items, *builder.items], run.owner)
+        run.end(status, events + closing)
 
     @staticmethod
     def _fail(run: _Run, err: OpenAIHTTPError) -> None:

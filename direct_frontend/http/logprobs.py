@@ -14,7 +14,7 @@ text that chunk carries; offsets run on across chunks.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from direct_frontend.engines.neutral import PromptLogprobs, TokenLogprob
@@ -43,16 +43,13 @@ def chat_logprobs(tokens: TokenBytes, logprobs: Sequence[TokenLogprob]) -> dict[
 class CompletionLogprobs:
     """One completions choice's ``logprobs``, built batch by batch.
 
-    ``start_of(i)`` is where output token ``i``'s text starts in the
-    generated text; ``base`` is what leads it in the choice (the echoed
-    prompt's length).
+    Each batch's tokens come with where their text starts in the generated
+    text; ``base`` is what leads it in the choice (the echoed prompt's length).
     """
 
-    def __init__(self, tokens: TokenBytes, start_of: Callable[[int], int], base: int = 0) -> None:
+    def __init__(self, tokens: TokenBytes, base: int = 0) -> None:
         self._tokens = tokens
-        self._start_of = start_of
         self._base = base
-        self._done = 0  # output tokens rendered so far
 
     def prompt(
         self, prompt_ids: Sequence[int], logprobs: PromptLogprobs | None, offsets: Sequence[int]
@@ -64,12 +61,13 @@ class CompletionLogprobs:
             self._add(out, token_id, lp, offsets[i])
         return out
 
-    def output(self, logprobs: Sequence[TokenLogprob]) -> dict[str, Any]:
-        """The part for the next output tokens (in order, each once)."""
+    def output(self, logprobs: Sequence[TokenLogprob], starts: Sequence[int]) -> dict[str, Any]:
+        """The part for the next output tokens (in order, each once), whose text starts at
+        ``starts`` in the output."""
         out = self._empty()
-        for lp in logprobs:
-            self._add(out, lp.token_id, lp, self._base + self._start_of(self._done))
-            self._done += 1
+        base = self._base
+        for lp, start in zip(logprobs, starts, strict=True):
+            self._add(out, lp.token_id, lp, base + start)
         return out
 
     @staticmethod
@@ -99,15 +97,6 @@ def merge(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def prompt_offsets(push: Callable[[Sequence[int]], str], prompt_ids: Sequence[int]) -> list[int]:
-    """Where each prompt token's text starts in the prompt's text, by incremental decoding."""
-    offsets, length = [], 0
-    for token_id in prompt_ids:
-        offsets.append(length)
-        length += len(push((token_id,)))
-    return offsets
-
-
 class ChoiceLogprobs:
     """What one choice's chunks (or body) carry as ``logprobs``, in its endpoint's shape.
 
@@ -115,12 +104,10 @@ class ChoiceLogprobs:
     choice's text (0 without ``echo``).
     """
 
-    def __init__(
-        self, chat: bool, tokens: TokenBytes, start_of: Callable[[int], int], echo_len: int = 0
-    ) -> None:
+    def __init__(self, chat: bool, tokens: TokenBytes, echo_len: int = 0) -> None:
         self._chat = chat
         self._tokens = tokens
-        self._completion = CompletionLogprobs(tokens, start_of, echo_len)
+        self._completion = CompletionLogprobs(tokens, echo_len)
         self._parts: list[dict[str, Any]] = []
 
     def prompt(
@@ -131,11 +118,12 @@ class ChoiceLogprobs:
         self._parts.insert(0, part)
         return part
 
-    def batch(self, logprobs: Sequence[TokenLogprob]) -> dict[str, Any]:
-        """The logprobs of a batch of output tokens, also kept for :meth:`whole`."""
+    def batch(self, logprobs: Sequence[TokenLogprob], starts: Sequence[int]) -> dict[str, Any]:
+        """The logprobs of a batch of output tokens (their text starting at ``starts`` in the
+        output), also kept for :meth:`whole`."""
         part = (
             chat_logprobs(self._tokens, logprobs) if self._chat
-            else self._completion.output(logprobs)
+            else self._completion.output(logprobs, starts)
         )
         self._parts.append(part)
         return part

@@ -19,16 +19,16 @@ from urllib.parse import parse_qs
 
 import msgspec
 
-from direct_frontend.engines.neutral import TokenLogprob
 from direct_frontend.http.asgi import JSON, Headers, Receive, Scope, Send, send_body
 from direct_frontend.http.query import query_int
-from direct_frontend.http.responses import _answer, _collected, _event_stream
+from direct_frontend.http.responses import Collected, _answer, _event_stream
 from direct_frontend.observability.tracing import RequestTrace
 from direct_frontend.openai.errors import OpenAIHTTPError, invalid_request
 from direct_frontend.openai.messages_api import anthropic_error_body
 from direct_frontend.openai.parsers.base import ParsedDelta
 from direct_frontend.pipeline.preprocess import PreparedRequest
 from direct_frontend.pipeline.relay import Relay, RelayState
+from direct_frontend.pipeline.relay_events import Batch, Finished, Opened, Usage
 from direct_frontend.pipeline.settings import Settings
 
 log = logging.getLogger("direct_frontend.http")
@@ -135,22 +135,18 @@ def _delta(index: int, delta: dict[str, Any]) -> Event:
     return {"type": "content_block_delta", "index": index, "delta": delta}
 
 
-def _usage(state: RelayState) -> dict[str, int]:
-    prompt = len(state.prepared.input_ids)
-    cached = state.cached_tokens or 0
-    return {"input_tokens": prompt - cached, "cache_creation_input_tokens": 0,
-            "cache_read_input_tokens": cached,
-            "output_tokens": state.processor.completion_tokens}
+def _usage(usage: Usage) -> dict[str, int]:
+    cached = usage.cached_tokens
+    return {"input_tokens": usage.prompt_tokens - cached, "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": cached, "output_tokens": usage.completion_tokens}
 
 
-def _stop(state: RelayState, builder: MessageBuilder) -> tuple[str, str | None]:
+def _stop(end: Finished, builder: MessageBuilder) -> tuple[str, str | None]:
     """Anthropic's ``stop_reason`` and the ``stop_sequence`` behind it."""
-    final = state.final
-    assert final is not None
-    if final.finish_reason == "length":
+    if end.finish_reason == "length":
         return "max_tokens", None
-    if final.matched_stop is not None:
-        return "stop_sequence", final.matched_stop
+    if end.matched_stop is not None:
+        return "stop_sequence", end.matched_stop
     return ("tool_use" if builder.called else "end_turn"), None
 
 
@@ -190,34 +186,33 @@ async def respond_messages(
 
 async def _complete(relay: Relay, state: RelayState, builder: MessageBuilder, send: Send,
                     headers: Headers) -> int:
-    def feed(text: str, finished: bool, logprobs: Sequence[TokenLogprob]) -> None:
-        builder.feed(state.parse(text, finished))
-
-    status = await _collected(relay, state, feed, send, headers)
-    if status != 200:
+    collected = Collected(lambda batch: builder.feed(batch.delta))
+    status = await collected.run(relay, state, send, headers)
+    end = collected.end
+    if end is None:
         return status
     builder.finish()
-    reason, sequence = _stop(state, builder)
-    await send_body(send, 200, _encode(builder.message(reason, sequence, _usage(state))), JSON,
-                    headers)
+    reason, sequence = _stop(end, builder)
+    await send_body(send, 200, _encode(builder.message(reason, sequence, _usage(end.usage))),
+                    JSON, headers)
     return 200
 
 
 async def _stream(relay: Relay, state: RelayState, builder: MessageBuilder, send: Send,
                   headers: Headers) -> int:
-    def opening() -> bytes:
-        usage = {**_usage(state), "output_tokens": 0}
-        return _render([{"type": "message_start", "message": builder.message(None, None, usage)}])
+    def opening(opened: Opened) -> bytes:
+        message = builder.message(None, None, _usage(opened.usage))
+        return _render([{"type": "message_start", "message": message}])
 
-    def batch(text: str, finished: bool, logprobs: Sequence[TokenLogprob]) -> bytes:
-        return _render(builder.feed(state.parse(text, finished)))
+    def batch(batch: Batch) -> bytes:
+        return _render(builder.feed(batch.delta))
 
-    async def closing() -> bytes:
+    async def closing(end: Finished) -> bytes:
         events = builder.finish()
-        reason, sequence = _stop(state, builder)
+        reason, sequence = _stop(end, builder)
         events.append({"type": "message_delta",
                        "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                       "usage": _usage(state)})
+                       "usage": _usage(end.usage)})
         events.append({"type": "message_stop"})
         return _render(events)
 

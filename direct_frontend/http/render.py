@@ -25,6 +25,7 @@ from direct_frontend.openai.errors import (
 )
 from direct_frontend.openai.parsers.base import ParsedDelta, ParsedMessage
 from direct_frontend.pipeline.models import ModelCard
+from direct_frontend.pipeline.relay_events import Usage
 
 Kind = Literal["chat", "completion"]
 
@@ -203,14 +204,6 @@ class ChunkRenderer:
     def error(err: OpenAIHTTPError) -> bytes:
         """An error after the stream started (status already sent); the client raises it."""
         return b"data: " + error_body(err) + b"\n\n"
-
-
-class Usage(msgspec.Struct, frozen=True):
-    """Token counts of one request; ``cached_tokens`` are prompt tokens served from cache."""
-
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int = 0
 
 
 class _PromptDetails(msgspec.Struct):

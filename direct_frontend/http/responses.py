@@ -29,8 +29,6 @@ from typing import Any, TypeVar
 
 import trio
 
-from direct_frontend.engines.neutral import TokenLogprob
-from direct_frontend.errors import EngineError
 from direct_frontend.http.asgi import (
     JSON,
     RESPONSE_DONE,
@@ -40,20 +38,23 @@ from direct_frontend.http.asgi import (
     send_body,
     send_error,
 )
-from direct_frontend.http.logprobs import ChoiceLogprobs, prompt_offsets
-from direct_frontend.http.render import (
-    ChoiceOutput,
-    ChunkRenderer,
-    Usage,
-    render_choices,
-)
+from direct_frontend.http.logprobs import ChoiceLogprobs
+from direct_frontend.http.render import ChoiceOutput, ChunkRenderer, render_choices
 from direct_frontend.observability.tracing import RequestTrace
 from direct_frontend.openai.errors import OpenAIHTTPError, internal_error
 from direct_frontend.openai.parsers.base import ParsedDelta, collect
-from direct_frontend.openai.types import CompletionRequest
 from direct_frontend.pipeline.choices import Choices
 from direct_frontend.pipeline.preprocess import PreparedRequest
 from direct_frontend.pipeline.relay import Relay, RelayState
+from direct_frontend.pipeline.relay_events import (
+    Batch,
+    Echo,
+    Failed,
+    Finished,
+    Opened,
+    RelayEvent,
+    Usage,
+)
 from direct_frontend.pipeline.settings import Settings
 
 log = logging.getLogger("direct_frontend.http")
@@ -82,7 +83,7 @@ async def respond(
         write = _stream if prepared.request.stream else _complete
         return await _answer(
             relay, functools.partial(relay.begin, settings, prepared, trace),
-            functools.partial(write, relay, send=send, headers=headers),
+            functools.partial(write, relay, prepared=prepared, send=send, headers=headers),
             relay.settle, receive, send, headers,
         )
     several = _stream_choices if prepared.request.stream else _complete_choices
@@ -135,13 +136,15 @@ class _Client:
 
 
 class _Progress:
-    """How far a response got: whether its headers are out, and the bytes not yet written."""
+    """How far a response got: whether its head is out, the bytes not yet written, and the
+    failure that ends it (if one does)."""
 
-    __slots__ = ("out", "started")
+    __slots__ = ("failed", "out", "started")
 
     def __init__(self, out: bytes = b"") -> None:
         self.out = bytearray(out)
         self.started = False
+        self.failed: OpenAIHTTPError | None = None
 
 
 def chat_error_tail(err: OpenAIHTTPError) -> bytes:
@@ -150,29 +153,28 @@ def chat_error_tail(err: OpenAIHTTPError) -> bytes:
 
 
 async def _until_end(
-    run: Awaitable[None], error_for: Callable[[EngineError], OpenAIHTTPError],
-    progress: _Progress, send: Send, headers: Headers,
+    run: Awaitable[None], progress: _Progress, send: Send, headers: Headers,
     error_tail: Callable[[OpenAIHTTPError], bytes] = chat_error_tail,
 ) -> int:
-    """Await ``run``; a failure is an HTTP error before the headers, an error event after.
+    """Await ``run``; its failure is an HTTP error before the head, an error event after.
 
     ``error_tail`` writes that event in the stream's own shape.
     """
     try:
         await run
-    except EngineError as exc:
-        log.warning("request failed on engine %s: %s", exc.engine, exc)
-        err = error_for(exc)
-        if not progress.started:
-            await send_error(send, err, headers)
-            return err.status
-        await _end_with_error(send, progress.out, error_tail(err))
     except Exception:
         if not progress.started:
             raise  # the app answers it with an OpenAI 500 (and logs it)
         log.exception("unexpected error while streaming")  # the stream ends with an error event
         await _end_with_error(send, progress.out, error_tail(internal_error()))
         return 500
+    err = progress.failed
+    if err is None:
+        return 200
+    if not progress.started:
+        await send_error(send, err, headers)
+        return err.status
+    await _end_with_error(send, progress.out, error_tail(err))
     return 200
 
 
@@ -185,117 +187,108 @@ async def _start(send: Send, headers: Headers) -> None:
     await send({"type": "http.response.start", "status": 200, "headers": [*SSE_HEADERS, *headers]})
 
 
-#: a batch of output (text, whether it is the last, its logprobs) as what to write, or do
-Batch = Callable[[str, bool, Sequence[TokenLogprob]], Any]
+class Collected:
+    """A full (non-streamed) answer's events: each batch to ``feed``, and how it ended."""
 
+    __slots__ = ("end", "feed", "opened", "progress")
 
-async def _collected(relay: Relay, state: RelayState, feed: Batch, send: Send,
-                     headers: Headers) -> int:
-    """Run a full (non-streamed) answer, each batch to ``feed``; the caller writes the body."""
-    async def emit(text: str, tokens: int, finished: bool,
-                   logprobs: Sequence[TokenLogprob]) -> None:
-        feed(text, finished, logprobs)
+    def __init__(self, feed: Callable[[Batch], object],
+                 opened: Callable[[Opened], object] | None = None) -> None:
+        self.feed = feed
+        self.opened = opened
+        self.progress = _Progress()
+        self.end: Finished | None = None
 
-    return await _until_end(relay.run(state, emit), state.error_for, _Progress(), send, headers)
+    async def emit(self, event: RelayEvent) -> None:
+        if type(event) is Batch:
+            self.feed(event)
+        elif type(event) is Opened:
+            if self.opened is not None:
+                self.opened(event)
+        elif type(event) is Finished:
+            self.feed(event.last)
+            self.end = event
+        elif type(event) is Failed:
+            self.progress.failed = event.error
+
+    async def run(self, relay: Relay, state: RelayState, send: Send, headers: Headers) -> int:
+        """Run the answer; its HTTP status (the caller writes the body when it is 200)."""
+        status = await _until_end(relay.run(state, self.emit), self.progress, send, headers)
+        assert status != 200 or self.end is not None
+        return status
 
 
 async def _event_stream(
     relay: Relay, state: RelayState, send: Send, headers: Headers, *,
-    opening: Callable[[], bytes], batch: Batch, closing: Callable[[], Awaitable[bytes]],
+    opening: Callable[[Opened], bytes], batch: Callable[[Batch], bytes],
+    closing: Callable[[Finished], Awaitable[bytes]],
     error_tail: Callable[[OpenAIHTTPError], bytes],
 ) -> int:
-    """A stream of API events (the Responses and Messages APIs'): ``opening`` goes out with
-    the head, the events of each ``batch`` as it comes, ``closing`` after the last batch
-    (awaited: the Responses API stores the response before its last event says so)."""
+    """A stream of one choice's events (chat's chunks, or the Responses and Messages APIs'
+    events): ``opening`` goes out with the head, the events of each ``batch`` as it comes,
+    ``closing`` with the last batch, in one write (awaited: the Responses API stores the
+    response before its last event says so)."""
     progress = _Progress()
     out = progress.out
 
-    async def emit(text: str, tokens: int, finished: bool,
-                   logprobs: Sequence[TokenLogprob]) -> None:
-        if not progress.started:
+    async def emit(event: RelayEvent) -> None:
+        if type(event) is Batch:
+            out.extend(batch(event))
+            if out:
+                await send({"type": "http.response.body", "body": bytes(out), "more_body": True})
+                out.clear()
+        elif type(event) is Opened:
             await _start(send, headers)
             progress.started = True
-            out.extend(opening())
-        out.extend(batch(text, finished, logprobs))
-        if finished:
-            out.extend(await closing())
+            out.extend(opening(event))
+        elif type(event) is Finished:
+            out.extend(batch(event.last))
+            out.extend(await closing(event))
             await send({"type": "http.response.body", "body": bytes(out), "more_body": False})
-        elif out:
-            await send({"type": "http.response.body", "body": bytes(out), "more_body": True})
-            out.clear()
+        elif type(event) is Failed:
+            progress.failed = event.error
 
-    return await _until_end(relay.run(state, emit), state.error_for, progress, send, headers,
-                            error_tail)
+    return await _until_end(relay.run(state, emit), progress, send, headers, error_tail)
 
 
-async def _stream(relay: Relay, state: RelayState, *, send: Send, headers: Headers) -> int:
-    prepared = state.prepared
+async def _stream(relay: Relay, state: RelayState, *, prepared: PreparedRequest, send: Send,
+                  headers: Headers) -> int:
+    request = prepared.request
     renderer = ChunkRenderer(
-        prepared.kind, prepared.request_id, state.request.model,
-        int(time.time()), state.request.include_usage,
+        prepared.kind, prepared.request_id, request.model, int(time.time()),
+        request.include_usage,
     )
-    progress = _Progress()
-    out = progress.out
-    echo = _echo(relay, state)
-    choice_logprobs = _logprobs(relay, state, echo)
-    continuous_usage = state.request.include_usage and state.request.continuous_usage_stats
+    choice = _Choice(relay, prepared)
+    continuous_usage = request.include_usage and request.continuous_usage_stats
 
-    async def emit(
-        text: str, tokens: int, finished: bool, logprobs: Sequence[TokenLogprob]
-    ) -> None:
-        if not progress.started:
-            await _start(send, headers)
-            progress.started = True
-            out.extend(renderer.role_chunk())
-            if echo is not None:
-                out.extend(_echo_chunk(renderer, relay, state, echo, choice_logprobs))
-        usage = (
-            (len(prepared.input_ids), state.processor.completion_tokens, state.cached_tokens or 0)
-            if continuous_usage else None
-        )
-        out.extend(_batch_chunk(renderer, state, text, finished, choice_logprobs, logprobs, usage))
-        if finished:  # the last text, the finish chunk, usage and [DONE]: one write
-            final = state.final
-            assert final is not None
-            out.extend(renderer.finish(state.finish_reason, final.stop_reason))
-            out.extend(renderer.usage(
-                len(prepared.input_ids), state.processor.completion_tokens,
-                state.cached_tokens or 0,
-            ))
-            out.extend(renderer.done())
-            await send({"type": "http.response.body", "body": bytes(out), "more_body": False})
-        elif out:
-            await send({"type": "http.response.body", "body": bytes(out), "more_body": True})
-            out.clear()
+    def opening(opened: Opened) -> bytes:
+        return renderer.role_chunk() + choice.opened(opened, renderer)
 
-    return await _until_end(relay.run(state, emit), state.error_for, progress, send, headers)
+    async def closing(end: Finished) -> bytes:  # the finish chunk, usage and [DONE]
+        usage = end.usage
+        return (renderer.finish(end.finish_reason, end.stop_reason)
+                + renderer.usage(usage.prompt_tokens, usage.completion_tokens,
+                                 usage.cached_tokens)
+                + renderer.done())
+
+    return await _event_stream(
+        relay, state, send, headers, opening=opening,
+        batch=functools.partial(choice.chunk, renderer, continuous_usage), closing=closing,
+        error_tail=chat_error_tail,
+    )
 
 
-async def _complete(relay: Relay, state: RelayState, *, send: Send, headers: Headers) -> int:
-    pieces: list[str] = []
-    deltas: list[ParsedDelta] = []
-    echo = _echo(relay, state)
-    choice_logprobs = _logprobs(relay, state, echo)
-
-    async def emit(
-        text: str, tokens: int, finished: bool, logprobs: Sequence[TokenLogprob]
-    ) -> None:
-        _collect(state, pieces, deltas, text, finished)
-        if choice_logprobs is not None and logprobs:
-            choice_logprobs.batch(logprobs)
-
-    status = await _until_end(relay.run(state, emit), state.error_for, _Progress(), send, headers)
-    if status != 200:
+async def _complete(relay: Relay, state: RelayState, *, prepared: PreparedRequest, send: Send,
+                    headers: Headers) -> int:
+    choice = _Choice(relay, prepared)
+    collected = Collected(choice.collect, choice.opened)
+    status = await collected.run(relay, state, send, headers)
+    end = collected.end
+    if end is None:
         return status
-    final = state.final
-    assert final is not None
-    prepared = state.prepared
-    usage = Usage(
-        len(prepared.input_ids), state.processor.completion_tokens, state.cached_tokens or 0
-    )
     body = render_choices(
-        prepared.kind, prepared.request_id, state.request.model, int(time.time()),
-        [_output(relay, state, pieces, deltas, choice_logprobs, echo)], usage,
+        prepared.kind, prepared.request_id, prepared.request.model, int(time.time()),
+        [choice.output(end)], end.usage,
     )
     await send_body(send, 200, body, JSON, headers)
     return 200
@@ -308,40 +301,36 @@ async def _stream_choices(relay: Relay, choices: Choices, *, send: Send, headers
     renderers = [
         ChunkRenderer(prepared.kind, prepared.request_id, request.model, created,
                       request.include_usage, index)
-        for index in range(len(choices.states))
+        for index in range(len(choices))
     ]
     # Every choice announces its role first (chat), as a lone choice does.
     progress = _Progress(b"".join(renderer.role_chunk() for renderer in renderers))
     out = progress.out
     writing = trio.Lock()  # one write at a time; a waiting writer may find its bytes sent
     ended = False
-    echoes = [_echo(relay, state) for state in choices.states]  # each its own prompt's
-    builders = [_logprobs(relay, state, echo)
-                for state, echo in zip(choices.states, echoes, strict=True)]
-    echoed = [False] * len(renderers)
+    outputs = [_Choice(relay, prepared) for _ in renderers]
+    finished = 0
     continuous_usage = request.include_usage and request.continuous_usage_stats
 
-    async def emit(
-        index: int, text: str, tokens: int, finished: bool, logprobs: Sequence[TokenLogprob]
-    ) -> None:
-        nonlocal ended
+    async def emit(index: int, event: RelayEvent) -> None:
+        nonlocal ended, finished
         renderer = renderers[index]
-        choice_logprobs = builders[index]
-        state = choices.states[index]
-        echo = echoes[index]
-        if echo is not None and not echoed[index]:
-            echoed[index] = True
-            out.extend(_echo_chunk(renderer, relay, state, echo, choice_logprobs))
-        out.extend(_batch_chunk(
-            renderer, state, text, finished, choice_logprobs, logprobs,
-            choices.usage() if continuous_usage else None,
-        ))
-        if finished:
-            final = state.final
-            assert final is not None
-            out.extend(renderer.finish(state.finish_reason, final.stop_reason))
-            if choices.finished:  # the last choice: usage and [DONE] go with its finish
-                out.extend(renderer.usage(*choices.usage()))
+        choice = outputs[index]
+        if type(event) is Opened:  # its prompt leads it (echo): out with its first batch
+            out.extend(choice.opened(event, renderer))
+            return
+        if type(event) is Failed:
+            progress.failed = event.error
+            return
+        usage = _triple(choices.usage()) if continuous_usage else None
+        if type(event) is Batch:
+            out.extend(choice.chunk(renderer, False, event, usage))
+        elif type(event) is Finished:
+            out.extend(choice.chunk(renderer, False, event.last, usage))
+            out.extend(renderer.finish(event.finish_reason, event.stop_reason))
+            finished += 1
+            if finished == len(renderers):  # the last choice: usage and [DONE] go with it
+                out.extend(renderer.usage(*_triple(choices.usage())))
                 out.extend(renderer.done())
                 ended = True
         async with writing:
@@ -354,127 +343,121 @@ async def _stream_choices(relay: Relay, choices: Choices, *, send: Send, headers
                 await send({"type": "http.response.body", "body": body, "more_body": not ended})
 
     run = choices.run(relay, emit, writing)
-    return await _until_end(run, choices.error_for, progress, send, headers)
+    return await _until_end(run, progress, send, headers)
 
 
 async def _complete_choices(
     relay: Relay, choices: Choices, *, send: Send, headers: Headers
 ) -> int:
-    pieces: list[list[str]] = [[] for _ in choices.states]
-    deltas: list[list[ParsedDelta]] = [[] for _ in choices.states]
-    echoes = [_echo(relay, state) for state in choices.states]  # each its own prompt's
-    builders = [_logprobs(relay, state, echo)
-                for state, echo in zip(choices.states, echoes, strict=True)]
+    prepared = choices.prepared
+    outputs = [_Choice(relay, prepared) for _ in range(len(choices))]
+    ends: list[Finished | None] = [None] * len(choices)
+    progress = _Progress()
 
-    async def emit(
-        index: int, text: str, tokens: int, finished: bool, logprobs: Sequence[TokenLogprob]
-    ) -> None:
-        _collect(choices.states[index], pieces[index], deltas[index], text, finished)
-        choice_logprobs = builders[index]
-        if choice_logprobs is not None and logprobs:
-            choice_logprobs.batch(logprobs)
+    async def emit(index: int, event: RelayEvent) -> None:
+        choice = outputs[index]
+        if type(event) is Batch:
+            choice.collect(event)
+        elif type(event) is Opened:
+            choice.opened(event)
+        elif type(event) is Finished:
+            choice.collect(event.last)
+            ends[index] = event
+        elif type(event) is Failed:
+            progress.failed = event.error
 
-    status = await _until_end(choices.run(relay, emit), choices.error_for, _Progress(), send,
-                              headers)
+    status = await _until_end(choices.run(relay, emit), progress, send, headers)
     if status != 200:
         return status
-    outputs = [
-        _output(relay, state, texts, parsed, choice_logprobs, echo)
-        for state, texts, parsed, choice_logprobs, echo
-        in zip(choices.states, pieces, deltas, builders, echoes, strict=True)
-    ]
-    prepared = choices.prepared
     body = render_choices(
         prepared.kind, prepared.request_id, prepared.request.model, int(time.time()),
-        outputs, Usage(*choices.usage()),
+        [choice.output(end) for choice, end in zip(outputs, ends, strict=True)],
+        choices.usage(),
     )
     await send_body(send, 200, body, JSON, headers)
     return 200
 
 
-def _batch_chunk(
-    renderer: ChunkRenderer, state: RelayState, text: str, finished: bool,
-    choice_logprobs: ChoiceLogprobs | None, logprobs: Sequence[TokenLogprob],
-    usage: tuple[int, int, int] | None,
-) -> bytes:
-    """One choice's chunk for a batch of output (``b""``: nothing to send).
-
-    Parsed when the choice has a parser; with the batch's logprobs and the
-    usage so far (``continuous_usage_stats``) when they were asked for.
-    """
-    batch = choice_logprobs.batch(logprobs) if choice_logprobs is not None and logprobs else None
-    if state.parser is not None:
-        return renderer.parsed(state.parse(text, finished), batch, usage)
-    if batch is not None:
-        return renderer.text_with_logprobs(text, batch, usage)
-    if not text:
-        return b""
-    if usage is not None:
-        return renderer.text_with_usage(text, *usage)
-    return renderer.text(text)
+def _triple(usage: Usage) -> tuple[int, int, int]:
+    return usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens
 
 
-def _collect(state: RelayState, pieces: list[str], deltas: list[ParsedDelta], text: str,
-             finished: bool) -> None:
-    """Keep a batch of a full response: parsed when the choice has a parser, else its text."""
-    if state.parser is not None:
-        deltas.append(state.parse(text, finished))
-    else:
-        pieces.append(text)
+class _Choice:
+    """One choice's output as its events bring it: its echo, its logprobs, and (a full
+    response) its text or parsed deltas."""
 
+    __slots__ = ("_asked", "_chat", "_tokens", "deltas", "echo", "logprobs", "pieces")
 
-def _output(relay: Relay, state: RelayState, pieces: list[str], deltas: list[ParsedDelta],
-            choice_logprobs: ChoiceLogprobs | None, echo: str | None) -> ChoiceOutput:
-    """One choice of a full response (led by the prompt, and its logprobs, when echoed)."""
-    if echo is not None:
-        pieces.insert(0, echo)
-        if choice_logprobs is not None:
-            _prompt_logprobs(relay, state, choice_logprobs)
-    final = state.final
-    assert final is not None
-    return ChoiceOutput(
-        "".join(pieces), state.finish_reason, final.stop_reason,
-        None if choice_logprobs is None else choice_logprobs.whole(),
-        collect(deltas) if state.parser is not None else None,
-    )
+    def __init__(self, relay: Relay, prepared: PreparedRequest) -> None:
+        self._asked = prepared.request.logprobs is not None
+        self._chat = prepared.kind == "chat"
+        self._tokens = relay.text_model.token_bytes
+        self.echo: Echo | None = None  # the prompt that leads it (completions ``echo``)
+        self.logprobs: ChoiceLogprobs | None = None  # its logprobs, when asked for
+        self.pieces: list[str] = []
+        self.deltas: list[ParsedDelta] = []
 
+    def opened(self, event: Opened, renderer: ChunkRenderer | None = None) -> bytes:
+        """The choice's first output is here; a stream's first chunk: the echoed prompt
+        (with its logprobs if asked for), ``b""`` without echo or ``renderer``."""
+        echo = self.echo = event.echo
+        if self._asked:
+            self.logprobs = ChoiceLogprobs(self._chat, self._tokens,
+                                           0 if echo is None else len(echo.text))
+        if echo is None or renderer is None:
+            return b""
+        if self.logprobs is None:
+            return renderer.text(echo.text)
+        return renderer.text_with_logprobs(echo.text, self._prompt_logprobs(echo, self.logprobs))
 
-def _echo(relay: Relay, state: RelayState) -> str | None:
-    """The prompt text a completions ``echo`` leads the choice with (None: no echo)."""
-    request = state.request
-    if not isinstance(request, CompletionRequest) or not request.echo:
-        return None
-    if isinstance(request.prompt, str):
-        return request.prompt
-    return relay.text_model.decode(request.prompt, request.skip_special_tokens)
+    def chunk(self, renderer: ChunkRenderer, continuous_usage: bool, batch: Batch,
+              usage: tuple[int, int, int] | None = None) -> bytes:
+        """The choice's chunk for a batch of output (``b""``: nothing to send).
 
+        Parsed when the choice has a parser; with the batch's logprobs and the
+        usage so far (``continuous_usage``, or the given one) when asked for.
+        """
+        if continuous_usage:
+            usage = (batch.prompt_tokens, batch.completion_tokens, batch.cached_tokens)
+        logprobs = self.logprobs
+        part = (logprobs.batch(batch.logprobs, batch.offsets)
+                if logprobs is not None and batch.logprobs else None)
+        if batch.parsed is not None:
+            return renderer.parsed(batch.parsed, part, usage)
+        if part is not None:
+            return renderer.text_with_logprobs(batch.text, part, usage)
+        if not batch.text:
+            return b""
+        if usage is not None:
+            return renderer.text_with_usage(batch.text, *usage)
+        return renderer.text(batch.text)
 
-def _logprobs(relay: Relay, state: RelayState, echo: str | None) -> ChoiceLogprobs | None:
-    """The choice's logprobs builder when the request asked for logprobs."""
-    if state.request.logprobs is None:
-        return None
-    return ChoiceLogprobs(
-        state.prepared.kind == "chat", relay.text_model.token_bytes,
-        state.processor.token_start, len(echo or ""),
-    )
+    def collect(self, batch: Batch) -> None:
+        """Keep a batch of a full response: parsed when the choice has a parser, else its
+        text; and its logprobs."""
+        if batch.parsed is not None:
+            self.deltas.append(batch.parsed)
+        else:
+            self.pieces.append(batch.text)
+        logprobs = self.logprobs
+        if logprobs is not None and batch.logprobs:
+            logprobs.batch(batch.logprobs, batch.offsets)
 
+    def output(self, end: Finished | None) -> ChoiceOutput:
+        """The choice in a full response (led by the prompt, and its logprobs, when echoed)."""
+        assert end is not None
+        pieces, logprobs, echo = self.pieces, self.logprobs, self.echo
+        if echo is not None:
+            pieces.insert(0, echo.text)
+            if logprobs is not None:
+                self._prompt_logprobs(echo, logprobs)
+        return ChoiceOutput(
+            "".join(pieces), end.finish_reason, end.stop_reason,
+            None if logprobs is None else logprobs.whole(),
+            collect(self.deltas) if end.last.parsed is not None else None,
+        )
 
-def _prompt_logprobs(
-    relay: Relay, state: RelayState, logprobs: ChoiceLogprobs
-) -> dict[str, Any]:
-    """The echoed prompt's logprobs, from what the engine sent with its first output."""
-    ids = state.prepared.input_ids
-    push = relay.text_model.new_detokenizer(
-        skip_special_tokens=state.request.skip_special_tokens
-    ).push
-    return logprobs.prompt(ids, state.prompt_logprobs, prompt_offsets(push, ids))
-
-
-def _echo_chunk(
-    renderer: ChunkRenderer, relay: Relay, state: RelayState, echo: str,
-    logprobs: ChoiceLogprobs | None,
-) -> bytes:
-    """The first chunk of an echoing stream: the prompt (with its logprobs if asked for)."""
-    if logprobs is None:
-        return renderer.text(echo)
-    return renderer.text_with_logprobs(echo, _prompt_logprobs(relay, state, logprobs))
+    @staticmethod
+    def _prompt_logprobs(echo: Echo, logprobs: ChoiceLogprobs) -> dict[str, Any]:
+        """The echoed prompt's logprobs, from what the engine sent with its first output."""
+        return logprobs.prompt(echo.token_ids, echo.logprobs, echo.offsets)

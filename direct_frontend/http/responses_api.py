@@ -22,7 +22,7 @@ import msgspec
 from direct_frontend.engines.neutral import TokenLogprob
 from direct_frontend.http.asgi import JSON, Headers, Receive, Send, send_body
 from direct_frontend.http.logprobs import chat_logprobs
-from direct_frontend.http.responses import _answer, _collected, _event_stream
+from direct_frontend.http.responses import Collected, _answer, _event_stream
 from direct_frontend.http.stored_responses import append_turn
 from direct_frontend.http.stored_responses import keep as stored
 from direct_frontend.observability.tracing import RequestTrace
@@ -37,6 +37,7 @@ from direct_frontend.openai.response_store import (
 from direct_frontend.openai.responses_api import ResponsesRequest, item_id
 from direct_frontend.pipeline.preprocess import PreparedRequest
 from direct_frontend.pipeline.relay import Relay, RelayState
+from direct_frontend.pipeline.relay_events import Batch, Finished, Opened, Usage
 from direct_frontend.pipeline.settings import Settings
 
 log = logging.getLogger("direct_frontend.http")
@@ -200,20 +201,18 @@ def failure(err: OpenAIHTTPError) -> tuple[dict[str, Any], Event]:
             {"type": "error", "code": code, "message": err.message, "param": err.param})
 
 
-def usage(state: RelayState) -> dict[str, Any]:
-    prompt = len(state.prepared.input_ids)
-    completion = state.processor.completion_tokens
+def usage(used: Usage) -> dict[str, Any]:
+    """A Response's ``usage``."""
+    prompt, completion = used.prompt_tokens, used.completion_tokens
     return {"input_tokens": prompt,
-            "input_tokens_details": {"cached_tokens": state.cached_tokens or 0},
+            "input_tokens_details": {"cached_tokens": used.cached_tokens},
             "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": prompt + completion}
 
 
-def outcome(state: RelayState) -> tuple[str, str | None]:
+def outcome(end: Finished) -> tuple[str, str | None]:
     """The response's status, and why it is incomplete (if it is)."""
-    final = state.final
-    assert final is not None
-    if final.finish_reason == "length":
+    if end.finish_reason == "length":
         return "incomplete", "max_output_tokens"
     return "completed", None
 
@@ -284,15 +283,14 @@ Keep = Callable[[Render], Awaitable[dict[str, Any]]]
 
 async def _complete(relay: Relay, state: RelayState, builder: ResponseBuilder, send: Send,
                     headers: Headers, kept: Keep) -> int:
-    def feed(text: str, finished: bool, logprobs: Sequence[TokenLogprob]) -> None:
-        builder.feed(state.parse(text, finished), entries(relay, logprobs))
-
-    http_status = await _collected(relay, state, feed, send, headers)
-    if http_status != 200:
+    collected = Collected(lambda batch: builder.feed(batch.delta, entries(relay, batch.logprobs)))
+    http_status = await collected.run(relay, state, send, headers)
+    end = collected.end
+    if end is None:
         return http_status
-    status, why = outcome(state)
+    status, why = outcome(end)
     builder.finish(status)
-    body = _encode(await kept(lambda: builder.response(status, usage(state), why)))
+    body = _encode(await kept(lambda: builder.response(status, usage(end.usage), why)))
     await send_body(send, 200, body, JSON, headers)
     return 200
 
@@ -300,26 +298,29 @@ async def _complete(relay: Relay, state: RelayState, builder: ResponseBuilder, s
 async def _stream(relay: Relay, state: RelayState, builder: ResponseBuilder, send: Send,
                   headers: Headers, kept: Keep) -> int:
     sse = SseEvents()
+    so_far: list[Opened | Batch] = []  # the last event before a failure: the usage it had
 
-    def opening() -> bytes:
+    def opening(opened: Opened) -> bytes:
+        so_far.append(opened)
         return sse.render([
             {"type": "response.created", "response": builder.response("in_progress")},
             {"type": "response.in_progress", "response": builder.response("in_progress")},
         ])
 
-    def batch(text: str, finished: bool, logprobs: Sequence[TokenLogprob]) -> bytes:
-        return sse.render(builder.feed(state.parse(text, finished), entries(relay, logprobs)))
+    def batch(batch: Batch) -> bytes:
+        so_far[-1] = batch
+        return sse.render(builder.feed(batch.delta, entries(relay, batch.logprobs)))
 
-    async def closing() -> bytes:
-        status, why = outcome(state)
+    async def closing(end: Finished) -> bytes:
+        status, why = outcome(end)
         events = builder.finish(status)
-        response = await kept(lambda: builder.response(status, usage(state), why))
+        response = await kept(lambda: builder.response(status, usage(end.usage), why))
         events.append({"type": f"response.{status}", "response": response})
         return sse.render(events)
 
     def failed(err: OpenAIHTTPError) -> bytes:
         """A started Responses stream ends as the API ends one: ``error``, ``response.failed``."""
-        response = builder.response("failed", usage(state))
+        response = builder.response("failed", usage(so_far[-1].usage))
         response["error"], event = failure(err)
         return sse.render([event, {"type": "response.failed", "response": response}])
 

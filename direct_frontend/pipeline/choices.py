@@ -21,10 +21,10 @@ j``), so a batch answers exactly what its prompts sent one by one would.
 :class:`Choices` is the driver: it places every choice before any starts
 (a request no engine can take gets its HTTP error before any engine call),
 then runs them in one nursery, at most as many at a time as the admission
-slots the request holds, handing every batch on with its choice's index.
+slots the request holds, handing every choice's events on with its index.
 The first choice to give up ends the request, as a lone request's failure
-would: the other choices are cancelled (their engine calls
-aborted) and its error is raised.
+would: the other choices are cancelled (their engine calls aborted) and its
+``Failed`` is the last event.
 """
 
 from __future__ import annotations
@@ -36,16 +36,14 @@ from collections.abc import Awaitable, Callable, Sequence
 import msgspec
 import trio
 
-from direct_frontend.engines.neutral import TokenLogprob
-from direct_frontend.errors import EngineError
 from direct_frontend.observability.tracing import RequestTrace
-from direct_frontend.openai.errors import OpenAIHTTPError
 from direct_frontend.pipeline.preprocess import PreparedRequest
-from direct_frontend.pipeline.relay import Emit, Relay, RelayState
+from direct_frontend.pipeline.relay import Relay, RelayState
+from direct_frontend.pipeline.relay_events import Emit, Failed, RelayEvent, Usage
 from direct_frontend.pipeline.settings import Settings
 
-#: the HTTP side's writer of several choices: the choice's index, then a batch as in ``Emit``
-ChoiceEmit = Callable[[int, str, int, bool, Sequence[TokenLogprob]], Awaitable[None]]
+#: the writer of several choices' events: the choice's index, then the event
+ChoiceEmit = Callable[[int, RelayEvent], Awaitable[None]]
 
 _INT64 = 1 << 64
 _INT64_MIN = -(1 << 63)
@@ -77,7 +75,7 @@ def choice_request(prepared: PreparedRequest, index: int, choice: int | None = N
 class Choices:
     """The choices of one request, in index order, and the failure that ended them (if any)."""
 
-    __slots__ = ("at_once", "error", "failed", "per_prompt", "prepared", "prompts", "states")
+    __slots__ = ("at_once", "failed", "per_prompt", "prepared", "prompts", "states")
 
     def __init__(self, prompts: Sequence[PreparedRequest], states: list[RelayState],
                  at_once: int | None = None) -> None:
@@ -87,8 +85,11 @@ class Choices:
         self.states = states
         #: the most choices on the engines at a time: the admission slots the request holds
         self.at_once = min(at_once or len(states), len(states))
-        self.failed: RelayState | None = None  # the choice that gave up first
-        self.error: EngineError | None = None  # and why
+        #: the choice that gave up first, and its event
+        self.failed: tuple[int, Failed] | None = None
+
+    def __len__(self) -> int:
+        return len(self.states)
 
     @classmethod
     async def begin(
@@ -108,59 +109,52 @@ class Choices:
         return cls(prompts, states, settings.admission.config.max_in_flight)
 
     async def run(self, relay: Relay, emit: ChoiceEmit, writing: trio.Lock | None = None) -> None:
-        """Run every choice to its end; ``emit`` gets each batch with the choice's index.
+        """Run every choice to its end; ``emit`` gets each choice's events with its index.
 
-        Raises the :class:`EngineError` of the first choice that gave up,
-        after cancelling the others (:meth:`error_for` says what the client
-        is told). ``writing`` is the lock ``emit`` holds while it writes to
-        the client: the failing choice takes it before cancelling the others,
-        so no write is cut short.
+        The first choice that gives up ends the others (cancelled), and its
+        :class:`Failed` is the last event. ``writing`` is the lock ``emit``
+        holds while it writes to the client: the failing choice takes it
+        before cancelling the others, so no write is cut short.
         """
         turns = trio.Semaphore(self.at_once)
         async with trio.open_nursery() as nursery:
             for index, state in enumerate(self.states):
-                nursery.start_soon(self._run_one, relay, state, functools.partial(emit, index),
-                                   nursery.cancel_scope, writing, turns)
-        if self.error is not None:
-            raise self.error
+                nursery.start_soon(self._run_one, relay, index, state,
+                                   functools.partial(emit, index), nursery.cancel_scope,
+                                   writing, turns)
+        if self.failed is not None:
+            await emit(*self.failed)
 
     async def _run_one(
-        self, relay: Relay, state: RelayState, emit: Emit,
+        self, relay: Relay, index: int, state: RelayState, emit: Emit,
         everyone: trio.CancelScope, writing: trio.Lock | None, turns: trio.Semaphore,
     ) -> None:
-        try:
-            async with turns:  # a choice past the slots held starts as an earlier one ends
-                await relay.run(state, emit)
-        except EngineError as error:
-            if self.failed is not None:
-                return  # another choice failed first: this one was being cancelled
-            self.failed, self.error = state, error
-            if writing is not None:
-                await writing.acquire()  # no write under way; the others wait for it, then stop
-                everyone.cancel()
-                writing.release()
-            else:
-                everyone.cancel()
-
-    def error_for(self, error: EngineError) -> OpenAIHTTPError:
-        """What the client is told when a choice gave up after ``error``."""
-        failed = self.failed or self.states[0]
-        return failed.error_for(error)
+        async with turns:  # a choice past the slots held starts as an earlier one ends
+            failed = await relay.until_end(state, emit)
+        if failed is None or self.failed is not None:
+            return  # done; or another choice failed first: this one was being cancelled
+        self.failed = index, failed
+        if writing is not None:
+            await writing.acquire()  # no write under way; the others wait for it, then stop
+            everyone.cancel()
+            writing.release()
+        else:
+            everyone.cancel()
 
     @property
     def finished(self) -> bool:
         """Whether every choice's output is complete."""
-        return all(state.final is not None for state in self.states)
+        return all(state.output.final is not None for state in self.states)
 
-    def usage(self) -> tuple[int, int, int]:
+    def usage(self) -> Usage:
         """Each prompt's tokens once, every choice's completion tokens, the prompts' cached.
 
         A prompt's cached count is its first choice's, as a lone request reports it.
         """
-        completion = sum(state.processor.completion_tokens for state in self.states)
+        completion = sum(state.output.completion_tokens for state in self.states)
         firsts = self.states[::self.per_prompt]
-        return (sum(len(prepared.input_ids) for prepared in self.prompts), completion,
-                sum(state.cached_tokens or 0 for state in firsts))
+        return Usage(sum(len(prepared.input_ids) for prepared in self.prompts), completion,
+                     sum(state.output.cached_tokens or 0 for state in firsts))
 
     def settle(self, relay: Relay, ok: bool) -> None:
         """The response is out: every choice settles, each prompt counted once."""
@@ -168,5 +162,5 @@ class Choices:
             relay.settle(state, ok, count_prompt=index % self.per_prompt == 0)
         trace = self.states[0].trace
         if trace is not None:
-            prompt, completion, _ = self.usage()
-            trace.usage(prompt, completion)
+            usage = self.usage()
+            trace.usage(usage.prompt_tokens, usage.completion_tokens)

@@ -32,9 +32,10 @@ from direct_frontend.openai.errors import (
     invalid_request,
     no_engine_available,
 )
+from direct_frontend.pipeline.engine_wait import EngineWait, all_saturated, timed_out
 from direct_frontend.pipeline.failover import Decision, FailoverState
 from direct_frontend.pipeline.leg import FaultSink
-from direct_frontend.pipeline.relay import EngineWait, Relay, all_saturated, timed_out
+from direct_frontend.pipeline.relay import Relay
 from direct_frontend.pipeline.settings import Settings
 from direct_frontend.routing.catalog import Catalog, EngineHandle
 from direct_frontend.routing.policies import Placement, RequestView

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from direct_frontend.engines.neutral import TokenLogprob
-from direct_frontend.http.logprobs import ChoiceLogprobs, chat_logprobs, prompt_offsets
+from direct_frontend.http.logprobs import ChoiceLogprobs, chat_logprobs
+from direct_frontend.pipeline.output_track import prompt_offsets
 from direct_frontend.text.model_dir import TextModel
 
 
@@ -25,9 +26,9 @@ def test_completion_parts_run_their_offsets_on_and_merge(text_model: TextModel) 
     starts = [len(text_model.decode(ids[:i])) for i in range(len(ids))]
     prompt = text_model.encode("hi")
     echo = text_model.decode(prompt)
-    builder = ChoiceLogprobs(False, text_model.token_bytes, starts.__getitem__, len(echo))
+    builder = ChoiceLogprobs(False, text_model.token_bytes, len(echo))
     lps = [TokenLogprob(t, -float(i + 1), ((t, -float(i + 1)),)) for i, t in enumerate(ids)]
-    first, second = builder.batch(lps[:2]), builder.batch(lps[2:])
+    first, second = builder.batch(lps[:2], starts[:2]), builder.batch(lps[2:], starts[2:])
     assert first["text_offset"] + second["text_offset"] == [len(echo) + s for s in starts]
     push = text_model.new_detokenizer().push
     builder.prompt(prompt, (None,) * len(prompt), prompt_offsets(push, prompt))

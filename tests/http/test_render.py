@@ -13,7 +13,6 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from direct_frontend.http.render import (
     ChoiceOutput,
     ChunkRenderer,
-    Usage,
     render_anthropic_models,
     render_choices,
     render_embeddings,
@@ -26,6 +25,7 @@ from direct_frontend.openai.errors import (
 )
 from direct_frontend.openai.parsers.base import ParsedDelta, ToolCallDelta, collect
 from direct_frontend.pipeline.models import ModelCard
+from direct_frontend.pipeline.relay_events import Usage
 
 MODEL = 'org/model "v2"'  # quotes prove the model name is JSON-escaped
 
