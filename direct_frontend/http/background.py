@@ -88,7 +88,6 @@ from direct_frontend.pipeline.preprocess import PreparedRequest
 from direct_frontend.pipeline.relay import Relay, RelayState
 from direct_frontend.pipeline.relay_events import (
     Batch,
-    Failed,
     Finished,
     Opened,
     RelayEvent,
@@ -360,7 +359,6 @@ class BackgroundResponses:
         builder = run.builder
         run.status = "in_progress"
         run.add([{"type": "response.in_progress", "response": run.response()}])
-        failed: list[Failed] = []
 
         async def emit(event: RelayEvent) -> None:
             if type(event) is Batch:
@@ -372,13 +370,11 @@ class BackgroundResponses:
                 run.so_far = event.usage
             elif type(event) is Finished:
                 await self._finished(run, event, relay)
-            elif type(event) is Failed:
-                failed.append(event)
 
-        await relay.run(state, emit)
-        if failed:
-            run.usage = usage(failed[0].usage)
-            self._fail(run, failed[0].error)
+        failed = await relay.until_end(state, emit)
+        if failed is not None:
+            run.usage = usage(failed.usage)
+            self._fail(run, failed.error)
             return False
         return True
 
