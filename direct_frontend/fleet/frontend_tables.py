@@ -1,5 +1,5 @@
 """``[frontend]``'s tables of the services beside routing: tenants, the access log,
-tracing, the replica link, stored responses and Kubernetes (a part of the schema,
+tracing, the replica link, stored responses, batches and Kubernetes (a part of the schema,
 fleet/schema.py, which re-exports every name here).
 """
 
@@ -211,6 +211,30 @@ class ResponsesConfig:
     retain_bytes_per_owner: int | None = setting(None, AT_LEAST_ONE)
     # a database: how often retention runs (in the background, in small transactions)
     sweep_interval_s: float = setting(60.0, POSITIVE)
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class BatchesConfig:
+    """``[frontend.batches]``: the Files and Batch APIs (kept in ``[frontend.responses]``'s
+    store, so ``store = false`` turns them off).
+
+    An uploaded file is at most ``max_file_bytes`` and ``max_lines`` requests;
+    files are kept ``file_ttl_s`` (a batch's output files too, from when it
+    ends). A batch runs at most ``concurrency`` of its lines at once (at the
+    ``flex`` service tier), and one process runs at most ``max_running``
+    batches at once; a batch whose process stopped renewing its lease for
+    ``lease_s`` is taken up by another process (or by the same daemon after
+    a restart), which runs only its unfinished lines. Read at each batch's
+    turn: a reload applies at once.
+    """
+
+    max_file_bytes: int = setting(100 * 1024 * 1024, AT_LEAST_ONE)
+    max_lines: int = setting(50_000, AT_LEAST_ONE)  # OpenAI's limit
+    file_ttl_s: float = setting(30 * 86400.0, POSITIVE)  # OpenAI keeps batch files 30 days
+    # lines of one batch in flight at once: a batch never floods the admission queue
+    concurrency: int = setting(8, AT_LEAST_ONE)
+    max_running: int = setting(4, AT_LEAST_ONE)
+    lease_s: float = setting(30.0, POSITIVE)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

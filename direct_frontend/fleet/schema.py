@@ -30,6 +30,9 @@ from direct_frontend.fleet.frontend_tables import (
     AccessLogConfig as AccessLogConfig,
 )
 from direct_frontend.fleet.frontend_tables import (
+    BatchesConfig as BatchesConfig,
+)
+from direct_frontend.fleet.frontend_tables import (
     KubernetesConfig as KubernetesConfig,
 )
 from direct_frontend.fleet.frontend_tables import (
@@ -285,6 +288,7 @@ class FrontendConfig:
     replicas: ReplicasConfig = ReplicasConfig()
     kubernetes: KubernetesConfig = KubernetesConfig()
     responses: ResponsesConfig = ResponsesConfig()
+    batches: BatchesConfig = BatchesConfig()
 
     @property
     def listen(self) -> str:

@@ -65,6 +65,30 @@ MIGRATIONS: Final[tuple[tuple[str, ...], ...]] = (
             data {blob} NOT NULL, PRIMARY KEY (conversation, seq))""",
         "CREATE UNIQUE INDEX conversation_items_id ON conversation_items (conversation, item_id)",
     ),
+    (
+        # the Files and Batch APIs (state/batch_sql.py): a file's record and its bytes in
+        # parts; a batch's record, the process running it (holder, under a lease), and its
+        # lines (each with its result once it has one) until it ends
+        """CREATE TABLE files (
+            id TEXT PRIMARY KEY, owner TEXT NOT NULL, created {real} NOT NULL,
+            expires {real}, purpose TEXT NOT NULL, record {blob} NOT NULL)""",
+        "CREATE INDEX files_owner ON files (owner, created)",
+        "CREATE INDEX files_expires ON files (expires)",
+        """CREATE TABLE file_parts (
+            file TEXT NOT NULL, seq {int} NOT NULL, data {blob} NOT NULL,
+            PRIMARY KEY (file, seq))""",
+        """CREATE TABLE batches (
+            id TEXT PRIMARY KEY, owner TEXT NOT NULL, created {real} NOT NULL,
+            status TEXT NOT NULL, record {blob} NOT NULL, holder TEXT, lease {real},
+            cancel {int} NOT NULL, completed {int} NOT NULL, failed {int} NOT NULL,
+            expires {real})""",
+        "CREATE INDEX batches_owner ON batches (owner, created)",
+        "CREATE INDEX batches_status ON batches (status)",
+        """CREATE TABLE batch_lines (
+            batch TEXT NOT NULL, ord {int} NOT NULL, line {int} NOT NULL,
+            custom_id TEXT NOT NULL, body {blob} NOT NULL, ok {int}, result {blob},
+            PRIMARY KEY (batch, ord))""",
+    ),
 )
 SCHEMA_VERSION: Final = len(MIGRATIONS)
 #: what a running background response's row is read as once its lease has run out
