@@ -9,6 +9,7 @@ Shape (every task has a parent)::
               ├─ supervisor         engine incarnations, catalog
               ├─ pod discovery      [[pool]] list/watch → the supervisor's adds/removes
               ├─ background         Responses run with background: true (http/background.py)
+              ├─ batches            the Batch API's batches, a line at a time (http/batch_runner.py)
               ├─ retention          the durable store's sweeps (state/backends.py)
               ├─ HTTP server        hypercorn, the data plane's entry (and /fleet)
               ├─ file watcher       fleet file changed → reload
@@ -175,6 +176,8 @@ async def serve_fleet(
             await nursery.start(control.pods.run)
             if app.background is not None:
                 await nursery.start(app.background.run)
+            if app.batch_runner is not None:
+                await nursery.start(app.batch_runner.run)
             if durable is not None:
                 nursery.start_soon(sweep_forever, durable,
                                    fleet.frontend.responses.sweep_interval_s)

@@ -21,7 +21,7 @@ import trio
 
 from direct_frontend.fleet.describe import JsonValue
 from direct_frontend.fleet.schema import FrontendConfig
-from direct_frontend.http import access_log, conversations, rate_limits
+from direct_frontend.http import access_log, conversations, files, rate_limits
 from direct_frontend.http.access_log import MODEL_KEY
 from direct_frontend.http.admin import credential_ok, denied, events_socket
 from direct_frontend.http.asgi import (
@@ -39,9 +39,13 @@ from direct_frontend.http.asgi import (
     send_error,
 )
 from direct_frontend.http.background import BackgroundResponses, follow, follow_cursor
+from direct_frontend.http.batch_runner import BatchRunner
+from direct_frontend.http.batches import Batches
 from direct_frontend.http.control_view import ControlView
 from direct_frontend.http.embeddings import respond_embeddings
+from direct_frontend.http.files import ApiCall
 from direct_frontend.http.identity import Caller, caller_of, client_request_id, owner_of
+from direct_frontend.http.internal import Exchange
 from direct_frontend.http.messages_api import anthropic_page, from_anthropic, respond_messages
 from direct_frontend.http.render import (
     render_anthropic_model,
@@ -68,6 +72,8 @@ from direct_frontend.observability.tracing import RequestTrace, Tracing
 from direct_frontend.openai.conversations import conversation_id_of
 from direct_frontend.openai.errors import (
     OpenAIHTTPError,
+    error_body,
+    internal_error,
     invalid_request,
     method_not_allowed,
     model_not_found,
@@ -104,6 +110,7 @@ from direct_frontend.pipeline.ratelimit import Charge, RateLimiter
 from direct_frontend.pipeline.relay import Relay
 from direct_frontend.pipeline.settings import Settings
 from direct_frontend.routing.affinity import routing_key
+from direct_frontend.state.batch_store import BatchStore
 from direct_frontend.state.shell import Durable
 
 log = logging.getLogger("direct_frontend.http")
@@ -118,6 +125,12 @@ MESSAGES_PATH = "/v1/messages"
 
 #: an endpoint: the request's settings snapshot and its ASGI triple in, the HTTP status out
 Handler = Callable[[Settings, Scope, Receive, Send], Awaitable[int]]
+
+#: the generation endpoints a batch line may name, and the walk each takes
+LINE_KINDS: dict[str, Kind | Literal["responses"]] = {
+    "/v1/chat/completions": "chat", "/v1/completions": "completion",
+    "/v1/responses": "responses",
+}
 
 
 class App:
@@ -152,6 +165,13 @@ class App:
         self.conversations = durable
         if responses is not None:
             responses.conversations = durable
+        #: files and batches, in the durable store (None: the server keeps nothing), and the
+        #: runner of batches (its nursery runs beside the HTTP server's)
+        self.batch_store = None if durable is None else BatchStore(durable)
+        self.batch_runner = None if self.batch_store is None else BatchRunner(
+            self.batch_store, lambda: self.control.settings.frontend.batches, self.serve_line,
+            metrics, config.sweep_interval_s)
+        self.batches = Batches(self.batch_runner)
         self.metrics = metrics
         self.bound_urls: list[str] = []
         #: ``run --workers``: every worker's metrics as one scrape, from this one's text
@@ -216,6 +236,10 @@ class App:
         elif methods is None and (found := conversations.route(path)) is not None:
             methods = {verb: partial(self._conversation, call) for verb, call in found[0].items()}
             route = found[1]
+        elif methods is None and (api := files.route(path) or self.batches.route(path)):
+            methods = {verb: partial(self._batch_api, call, api[2])
+                       for verb, call in api[0].items()}
+            route = api[1]
         admin_enabled = settings.frontend.admin.enabled
         if methods is not None and path.startswith("/fleet") and not admin_enabled:
             methods = None  # admin disabled: the routes do not exist
@@ -426,6 +450,53 @@ class App:
 
         return await self._from_body(settings, receive, send, answer)
 
+    async def _batch_api(self, call: files.Call, ids: list[str], settings: Settings,
+                         scope: Scope, receive: Receive, send: Send) -> int:
+        """A Files or Batch API call for the request's owner (http/files.py, batches.py)."""
+        request_id = current_request_id.get() or new_request_id()
+        headers: Headers = [(b"x-request-id", request_id.encode())]
+        if self.batch_store is None:
+            err = invalid_request("Files and batches are stored, and this server keeps nothing "
+                                  "([frontend.responses] store = false).")
+            await send_error(send, err, headers)
+            return err.status
+        api = ApiCall(self.batch_store, settings.frontend, caller_of(settings.frontend, scope),
+                      ids, scope, receive, send, headers)
+        try:
+            return await files.serve(call, api)
+        except ClientGone:
+            self.metrics.request_cancelled()
+            return 499
+
+    async def serve_line(self, path: str, body: bytes, caller: Caller) -> tuple[int, bytes, str]:
+        """One batch line through its endpoint's own handler, in this process (http/internal.py),
+        as ``caller``: its status, its body and its request id. Never raises but its
+        cancellation (an unexpected error is the 500 a client would get)."""
+        exchange = Exchange(body)
+        scope = exchange.scope(path)
+        request_id = new_request_id()
+        token = current_request_id.set(request_id)
+        settings = self.control.settings
+        try:
+            if path == "/v1/embeddings":
+                status = await self._embed(settings, scope, exchange.receive, exchange.send,
+                                           caller.tenant)
+            else:
+                kind = LINE_KINDS[path]
+
+                async def walk(request_id: str, trace: RequestTrace | None,
+                               found: list[ServedModel]) -> int:
+                    return await self._walk(kind, settings, exchange.receive, exchange.send,
+                                            request_id, trace, found, (), caller)
+
+                status = await self._traced(scope, walk)
+        except Exception:
+            log.exception("unexpected error serving a batch line to %s", path)
+            return 500, error_body(internal_error()), request_id
+        finally:
+            current_request_id.reset(token)
+        return exchange.status or status, exchange.body, request_id
+
     async def _responses_request(self, body: bytes, owner: str) -> ResponsesRequest:
         """A Responses body read with the history it continues, if any: the response it
         names, or the conversation (``owner``'s: another's is not found)."""
@@ -554,6 +625,12 @@ class App:
     async def _embeddings(
         self, settings: Settings, scope: Scope, receive: Receive, send: Send
     ) -> int:
+        tenant = caller_of(settings.frontend, scope).tenant
+        return await self._embed(settings, scope, receive, send, tenant)
+
+    async def _embed(self, settings: Settings, scope: Scope, receive: Receive, send: Send,
+                     tenant: str) -> int:
+        """An embeddings request, queued as ``tenant``."""
         async def walk(request_id: str, trace: RequestTrace | None,
                        found: list[ServedModel]) -> int:
             async def answer(body: bytes, headers: Headers) -> int:
@@ -564,7 +641,6 @@ class App:
                 found.append(served)
                 key = routing_key(served.settings.frontend.routing.session_key,
                                   scope["headers"], request.user)
-                tenant = caller_of(settings.frontend, scope).tenant
                 return await respond_embeddings(
                     served, request, request_id, key, tenant, receive, send, headers, trace,
                     limit=partial(self._limit, settings, tenant, headers=headers))

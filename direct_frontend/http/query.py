@@ -27,17 +27,19 @@ def query_int(raw: str, low: int, high: int) -> int | None:
     return value if low <= value <= high else None
 
 
-def list_page(query: bytes) -> tuple[int, Literal["asc", "desc"], str | None]:
-    """OpenAI's list query: ``limit`` (1–100, 20 by default), ``order`` (``desc``, newest
-    first, by default) and ``after`` (the cursor); a bad one is the 400 naming it."""
+def list_page(query: bytes, *, default: int = DEFAULT_LIMIT,
+              most: int = MAX_LIMIT) -> tuple[int, Literal["asc", "desc"], str | None]:
+    """OpenAI's list query: ``limit`` (1–``most``, ``default`` when absent), ``order``
+    (``desc``, newest first, by default) and ``after`` (the cursor); a bad one is the 400
+    naming it."""
     fields = parse_qs(query.decode("latin-1"))
-    limit = DEFAULT_LIMIT
+    limit = default
     if "limit" in fields:
         raw = fields["limit"][-1]
-        value = query_int(raw, 1, MAX_LIMIT)
+        value = query_int(raw, 1, most)
         if value is None:
             raise invalid_request(f"Invalid 'limit': {raw[:40]!r} (an integer from 1 to "
-                                  f"{MAX_LIMIT}).", "limit")
+                                  f"{most}).", "limit")
         limit = value
     order = fields.get("order", ["desc"])[-1]
     if order not in ("asc", "desc"):

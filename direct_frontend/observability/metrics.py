@@ -317,6 +317,14 @@ class Metrics:
             p + "responses_evicted_total",
             "Stored responses dropped before their time to keep within max_bytes.", registry=r,
         )  # fmt: skip
+        self.batches_running = Gauge(
+            p + "batches_running", "Batches (the Batch API) this process runs.", registry=r,
+        )  # fmt: skip
+        self.batch_lines_total = Counter(
+            p + "batch_lines_total",
+            "Batch lines run by this process, by outcome (completed, failed, retried: the "
+            "server had no room then, so the line is asked again).", ("outcome",), registry=r,
+        )  # fmt: skip
         self.pool_membership_stale = Gauge(
             p + "pool_membership_stale",
             "1 while a [[pool]]'s watch is down and its last membership is kept.", ("pool",),
@@ -359,6 +367,13 @@ class Metrics:
     def watch_background(self, running: Callable[[], float]) -> None:
         """Read how many background responses run at scrape time."""
         self.responses_background.set_function(running)
+
+    def watch_batches(self, running: Callable[[], float]) -> None:
+        """Read how many batches run at scrape time."""
+        self.batches_running.set_function(running)
+
+    def batch_line(self, outcome: str) -> None:
+        self.batch_lines_total.labels(outcome).inc()
 
     def response_evicted(self) -> None:
         self.responses_evicted_total.inc()

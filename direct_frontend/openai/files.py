@@ -57,10 +57,10 @@ def new_file_id() -> str:
     return f"{PREFIX}{secrets.token_hex(24)}"
 
 
-def file_not_found(file_id: str) -> OpenAIHTTPError:
+def file_not_found(file_id: str, param: str = "id") -> OpenAIHTTPError:
     """404 for a file nobody holds for the caller; OpenAI's wording."""
     return OpenAIHTTPError(404, f"No such File object: {file_id}", "invalid_request_error",
-                           "id")
+                           param)
 
 
 def check_upload(filename: str, purpose: str, data: bytes, max_lines: int) -> int:
