@@ -19,6 +19,7 @@ from direct_frontend.fleet.pools import watch_seconds
 from direct_frontend.fleet.schema import (
     EFFORTS,
     AuthConfig,
+    BatchesConfig,
     EngineConfig,
     FleetConfig,
     FrontendConfig,
@@ -191,6 +192,7 @@ def to_jsonable(cfg: FleetConfig, *, redact: bool = True) -> dict[str, JsonValue
             "replicas": _replicas_json(replicas, redact),
             "kubernetes": _plain(frontend.kubernetes),
             "responses": _responses_json(frontend.responses, redact),
+            "batches": _plain(frontend.batches),
             "access_log": _plain(frontend.access_log),
             "tenants": _tenants_json(frontend.tenants),
         },
@@ -353,6 +355,7 @@ def _frontend_rows(frontend: FrontendConfig) -> list[tuple[str, str]]:
         ("replicas", _replicas_row(frontend.replicas)),
         ("kubernetes", _kubernetes_row(frontend.kubernetes)),
         ("responses", _responses_row(frontend.responses)),
+        ("batches", _batches_row(frontend.batches, frontend.responses.store)),
         ("access_log", (" ".join(frontend.access_log.fields) if frontend.access_log.enabled
                         else "off")),
         ("tenants", _tenants_row(frontend.tenants)),
@@ -459,6 +462,14 @@ def _responses_row(responses: ResponsesConfig) -> str:
             f"{'per process' if responses.backend == 'memory' else 'cached per process'} "
             f"({per_owner} per owner), {responses.ttl_s:g} s each; "
             f"{responses.max_background_per_owner} background at once per owner")
+
+
+def _batches_row(batches: BatchesConfig, store: bool) -> str:
+    if not store:
+        return "none (files and batches are stored: responses.store is false)"
+    return (f"files up to {batches.max_file_bytes} bytes and {batches.max_lines} lines, kept "
+            f"{batches.file_ttl_s:g} s; {batches.concurrency} lines of a batch at once, "
+            f"{batches.max_running} batches at once per process")
 
 
 def _responses_json(responses: ResponsesConfig, redact: bool) -> JsonValue:

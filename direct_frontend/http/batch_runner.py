@@ -75,7 +75,7 @@ POLL_S: Final = 1.0
 CANCEL_POLL_S: Final = 1.0
 #: a line the server had no room for is asked again after this, doubling to the most
 RETRY_FIRST_S: Final = 0.5
-RETRY_MOST_S: Final = 10.0
+RETRY_MOST_S: Final = 5.0
 #: the most results one transaction commits
 WRITE_GROUP: Final = 256
 #: how long giving up a lease may take at shutdown

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import io
 import json
-import re
 import sqlite3
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import httpx
 
 from tests.e2e.test_durable import Process, fleet_with, running
 from tests.support.daemon import free_port, sim_engine, wait_for
+from tests.support.metrics import sample
 
 LINES = 40
 #: 30 tokens of 5 ms: a line takes 0.15 s, four at once, so the batch takes about 1.5 s
@@ -28,9 +28,7 @@ ENGINE = {"decode_us_per_token": 5000, "prefill_us_per_token": 0, "eos_probabili
 def lines_run(daemon: Process) -> int:
     """The lines this daemon process ran to an answer (its /metrics)."""
     text = httpx.get(daemon.url + "/metrics").text
-    found = re.search(r'^direct_frontend_batch_lines_total\{outcome="completed"\} (\S+)$', text,
-                      re.M)
-    return 0 if found is None else int(float(found.group(1)))
+    return int(sample(text, "direct_frontend_batch_lines_total", outcome="completed"))
 
 
 def test_a_batch_resumes_its_unfinished_lines_after_sigkill(tmp_path: Path) -> None:

@@ -351,7 +351,7 @@ def test_unknown_keys_in_every_table() -> None:
         "tokenizer, max_body_bytes, max_tokens_default, request_timeout_s, "
         "header_timeout_s, body_timeout_s, log_json, drain_timeout_s, allow_empty_fleet, "
         "workers, routing, probe, admin, auth, faults, limits, tracing, access_log, tenants, "
-        "replicas, kubernetes, responses)",
+        "replicas, kubernetes, responses, batches)",
         "fleet.toml:7: frontend.routing.polcy: unknown key (expected one of: policy, knobs, "
         "session_key, session_weight, cold_prefix_home)",
         "fleet.toml:9: frontend.probe.interval: unknown key (expected one of: interval_s, "
