@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Final
 
-from python_multipart.exceptions import MultipartParseError
+from python_multipart.exceptions import FormParserError
 from python_multipart.multipart import MultipartParser, parse_options_header
 
 from direct_frontend.openai.errors import OpenAIHTTPError, invalid_request
@@ -55,13 +55,13 @@ class FormReader:
                 "on_part_data": self._part_data, "on_part_end": self._part_end,
                 "on_end": self._end,
             })
-        except (MultipartParseError, ValueError) as exc:
+        except ValueError as exc:  # FormParserError among them
             raise invalid_request(f"Malformed multipart/form-data body: {exc}.") from None
 
     def feed(self, chunk: bytes) -> None:
         try:
             self._parser.write(chunk)
-        except MultipartParseError as exc:
+        except FormParserError as exc:
             raise invalid_request(f"Malformed multipart/form-data body: {exc}.") from None
         if self._error is not None:
             raise self._error
