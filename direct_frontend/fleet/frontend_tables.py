@@ -218,19 +218,24 @@ class BatchesConfig:
     """``[frontend.batches]``: the Files and Batch APIs (kept in ``[frontend.responses]``'s
     store, so ``store = false`` turns them off).
 
-    An uploaded file is at most ``max_file_bytes`` and ``max_lines`` requests;
-    files are kept ``file_ttl_s`` (a batch's output files too, from when it
-    ends). A batch runs at most ``concurrency`` of its lines at once (at the
-    ``flex`` service tier), and one process runs at most ``max_running``
-    batches at once; a batch whose process stopped renewing its lease for
-    ``lease_s`` is taken up by another process (or by the same daemon after
-    a restart), which runs only its unfinished lines. Read at each batch's
-    turn: a reload applies at once.
+    An uploaded file is at most ``max_file_bytes`` and ``max_lines`` requests,
+    and one owner's files at most ``max_bytes_per_owner`` (its batches' output
+    files count, but are never refused); files are kept ``file_ttl_s`` (a
+    batch's output files too, from when it ends). One owner may have
+    ``max_active_per_owner`` batches that have not ended. A batch runs at most
+    ``concurrency`` of its lines at once (at the ``flex`` service tier), and
+    one process runs at most ``max_running`` batches at once (the next is the
+    oldest of the owner with the fewest running); a batch whose process
+    stopped renewing its lease for ``lease_s`` is taken up by another process
+    (or by the same daemon after a restart), which runs only its unfinished
+    lines. Read at each batch's turn: a reload applies at once.
     """
 
     max_file_bytes: int = setting(100 * 1024 * 1024, AT_LEAST_ONE)
     max_lines: int = setting(50_000, AT_LEAST_ONE)  # OpenAI's limit
     file_ttl_s: float = setting(30 * 86400.0, POSITIVE)  # OpenAI keeps batch files 30 days
+    max_bytes_per_owner: int = setting(10 * 1024 * 1024 * 1024, AT_LEAST_ONE)
+    max_active_per_owner: int = setting(16, AT_LEAST_ONE)
     # lines of one batch in flight at once: a batch never floods the admission queue
     concurrency: int = setting(8, AT_LEAST_ONE)
     max_running: int = setting(4, AT_LEAST_ONE)

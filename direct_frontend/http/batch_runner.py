@@ -2,8 +2,9 @@
 
 Every :data:`POLL_S` (and at once when a batch is created or cancelled
 here) the runner takes up the batches with work left that no process holds
-(state/batch_sql.py ``claim``), at most ``[frontend.batches] max_running``
-at once, each under a lease it renews while it runs it. For each:
+(state/batch_sql.py ``claim``: the oldest of the owner with the fewest
+running here next), at most ``[frontend.batches] max_running`` at once, each
+under a lease it renews while it runs it. For each:
 
 - ``validating``: its input file is read and checked (openai/batch_lines.py,
   on a worker thread); the batch fails with OpenAI's errors, or its lines
@@ -144,7 +145,9 @@ class BatchRunner:
                 room = self.config().max_running - len(self._runs)
                 if room > 0:
                     try:
-                        taken = await self.store.claim(self.holder, self.config().lease_s, room)
+                        taken = await self.store.claim(
+                            self.holder, self.config().lease_s, room,
+                            [run.batch.owner for run in self._runs.values()])
                     except StoreError as exc:
                         log.warning("batches not looked for (next try in %.0f s): %s",
                                     POLL_S, exc)

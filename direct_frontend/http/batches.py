@@ -27,9 +27,10 @@ from direct_frontend.openai.batches import (
     page,
     parse_create,
 )
-from direct_frontend.openai.errors import invalid_request
+from direct_frontend.openai.errors import invalid_request, rate_limited
 from direct_frontend.openai.files import BATCH, file_not_found
 from direct_frontend.openai.parse import read_json_object
+from direct_frontend.state.batch_sql import OwnerFull
 
 PATH: Final = "/v1/batches"
 CANCEL: Final = "cancel"
@@ -70,7 +71,13 @@ class Batches:
                             input_file_id=asked.input_file_id,
                             completion_window=asked.completion_window, created_at=now,
                             expires_at=now + WINDOW_S, metadata=asked.metadata)
-        await api.store.create_batch(batch)
+        try:
+            await api.store.create_batch(batch, api.config.max_active_per_owner)
+        except OwnerFull:
+            raise rate_limited(
+                f"At most {api.config.max_active_per_owner} batches may be running at once per "
+                "API key ([frontend.batches] max_active_per_owner): wait for one to end.",
+                retry_after=60) from None
         if self.runner is not None:
             self.runner.wake()
         return await api.answer(batch.render())

@@ -44,6 +44,7 @@ from direct_frontend.openai.files import (
     new_file_id,
     page,
 )
+from direct_frontend.state.batch_sql import OwnerFull
 from direct_frontend.state.batch_store import BatchStore
 from direct_frontend.state.sql import StoreError
 
@@ -151,7 +152,13 @@ async def upload(api: ApiCall) -> int:
     file = StoredFile(id=new_file_id(), owner=api.caller.owner, created_at=now,
                       filename=form.filename[:255], purpose=purpose, size=len(data),
                       expires_at=now + int(expiry or api.config.file_ttl_s))
-    await api.store.put_file(file, data)
+    try:
+        await api.store.put_file(file, data, api.config.max_bytes_per_owner)
+    except OwnerFull:
+        raise OpenAIHTTPError(
+            413, f"This API key's files would hold more than {api.config.max_bytes_per_owner} "
+            "bytes ([frontend.batches] max_bytes_per_owner): delete some first.",
+            "invalid_request_error", "file") from None
     return await api.answer(file.render())
 
 

@@ -24,7 +24,8 @@ another owner's id is not found, exactly as an id nobody made.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections import Counter
+from collections.abc import Collection, Iterable, Sequence
 from typing import Any, Final
 
 import msgspec
@@ -45,9 +46,15 @@ from direct_frontend.state.sql import Order, SqlStore, StoreError, _absent_if_un
 PART_BYTES: Final = 1024 * 1024
 #: the most rows one retention transaction drops
 SWEEP_BATCH: Final = 500
+#: a claim looks at this many times the batches it may take (to choose among owners)
+CANDIDATES: Final = 16
 
 _decode_file: Final = msgspec.msgpack.Decoder(StoredFile).decode
 _encode_file: Final = msgspec.msgpack.Encoder().encode
+
+
+class OwnerFull(StoreError):
+    """The owner holds what it may already (its caller's 4xx names the limit)."""
 
 
 def parts_of(data: bytes) -> list[bytes]:
@@ -68,16 +75,23 @@ class BatchSql:
         conn.cursor().executemany(self.sql._sql(statement), list(rows))
 
     # -- files ----------------------------------------------------------------------------
-    def put_file(self, file: StoredFile, data: bytes) -> None:
-        """Keep ``file`` and its bytes; committed when this returns."""
+    def put_file(self, file: StoredFile, data: bytes, owner_bytes: int | None = None) -> None:
+        """Keep ``file`` and its bytes; committed when this returns. OwnerFull when its
+        owner's files would hold more than ``owner_bytes``."""
         with self.sql._tx() as conn:
+            if owner_bytes is not None:
+                row = self._run(conn, "SELECT COALESCE(SUM(size), 0) FROM files WHERE owner = ?"
+                                      " AND (expires IS NULL OR expires > ?)",
+                                (file.owner, self.sql.clock())).fetchone()
+                if int(row[0]) + len(data) > owner_bytes:
+                    raise OwnerFull(f"the owner's files hold {int(row[0])} bytes")
             self._insert_file(conn, file, data)
 
     def _insert_file(self, conn: Any, file: StoredFile, data: bytes) -> None:
-        self._run(conn, "INSERT INTO files (id, owner, created, expires, purpose, record) "
-                        "VALUES (?, ?, ?, ?, ?, ?)",
+        self._run(conn, "INSERT INTO files (id, owner, created, expires, purpose, size, record)"
+                        " VALUES (?, ?, ?, ?, ?, ?, ?)",
                   (file.id, file.owner, self.sql.clock(), file.expires_at, file.purpose,
-                   _encode_file(file)))
+                   len(data), _encode_file(file)))
         self._many(conn, "INSERT INTO file_parts (file, seq, data) VALUES (?, ?, ?)",
                    ((file.id, seq, part) for seq, part in enumerate(parts_of(data))))
 
@@ -158,8 +172,16 @@ class BatchSql:
                                   (*values, limit + 1)).fetchall())
 
     # -- batches: what a client's calls do ---------------------------------------------------
-    def create_batch(self, batch: StoredBatch) -> None:
+    def create_batch(self, batch: StoredBatch, owner_active: int | None = None) -> None:
+        """Keep a new batch; OwnerFull when its owner has ``owner_active`` batches that have
+        not ended already."""
         with self.sql._tx() as conn:
+            if owner_active is not None:
+                row = self._run(conn, f"SELECT COUNT(*) FROM batches WHERE owner = ? AND "
+                                      f"status IN ({', '.join('?' * len(ACTIVE))})",
+                                (batch.owner, *ACTIVE)).fetchone()
+                if int(row[0]) >= owner_active:
+                    raise OwnerFull(f"the owner has {int(row[0])} batches running")
             self._run(conn, "INSERT INTO batches (id, owner, created, status, record, holder, "
                             "lease, cancel, completed, failed, expires) VALUES "
                             "(?, ?, ?, ?, ?, NULL, NULL, 0, 0, 0, NULL)",
@@ -192,24 +214,35 @@ class BatchSql:
             return moved
 
     # -- batches: what the runner does -----------------------------------------------------
-    def claim(self, holder: str, lease_s: float, limit: int) -> list[StoredBatch]:
+    def claim(self, holder: str, lease_s: float, limit: int,
+              busy: Collection[str] = ()) -> list[StoredBatch]:
         """Up to ``limit`` batches with work left that no process holds (or whose holder's
-        lease ran out), now ``holder``'s for ``lease_s``; oldest first."""
+        lease ran out), now ``holder``'s for ``lease_s``.
+
+        Fair between owners: each next one is the oldest batch of the owner
+        with the fewest batches running here (``busy``: the owners of those
+        already running, once per batch), so one owner's queue of batches does
+        not keep another's waiting behind it.
+        """
         now = self.sql.clock()
-        taken = []
+        taken: list[StoredBatch] = []
         with self.sql._tx() as conn:
-            rows = self._run(conn, f"SELECT id FROM batches WHERE status IN "
-                                   f"({', '.join('?' * len(ACTIVE))}) AND (lease IS NULL OR "
-                                   f"lease < ?) ORDER BY created LIMIT ?",
-                             (*ACTIVE, now, limit)).fetchall()
-            for (batch_id,) in rows:
+            pool = list(self._run(conn, f"SELECT id, owner FROM batches WHERE status IN "
+                                        f"({', '.join('?' * len(ACTIVE))}) AND (lease IS NULL "
+                                        f"OR lease < ?) ORDER BY created LIMIT ?",
+                                  (*ACTIVE, now, limit * CANDIDATES)).fetchall())
+            running = Counter(busy)
+            while pool and len(taken) < limit:
+                row = min(pool, key=lambda candidate: running[candidate[1]])  # oldest of ties
+                pool.remove(row)
+                batch_id, owner = row
                 cursor = self._run(conn, "UPDATE batches SET holder = ?, lease = ? WHERE id = ? "
                                          "AND (lease IS NULL OR lease < ?)",
                                    (holder, now + lease_s, batch_id, now))
-                if cursor.rowcount:
-                    batch = self._batch(conn, batch_id)
-                    if batch is not None:
-                        taken.append(batch)
+                batch = self._batch(conn, batch_id) if cursor.rowcount else None
+                if batch is not None:
+                    taken.append(batch)
+                    running[owner] += 1
         return taken
 
     def renew(self, batch_id: str, holder: str, lease_s: float) -> tuple[bool, bool]:

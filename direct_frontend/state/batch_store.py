@@ -9,7 +9,7 @@ caller hears of it. StoreError: the database refused or cannot be reached.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from functools import partial
 from typing import Any, TypeVar
 
@@ -36,8 +36,9 @@ class BatchStore:
         return await trio.to_thread.run_sync(partial(fn, *args), limiter=self.limiter)
 
     # -- files ----------------------------------------------------------------------------
-    async def put_file(self, file: StoredFile, data: bytes) -> None:
-        await self._call(self.sql.put_file, file, data)
+    async def put_file(self, file: StoredFile, data: bytes,
+                       owner_bytes: int | None = None) -> None:
+        await self._call(self.sql.put_file, file, data, owner_bytes)
 
     async def get_file(self, file_id: str, owner: str) -> StoredFile | None:
         return await self._call(self.sql.get_file, file_id, owner)
@@ -56,8 +57,8 @@ class BatchStore:
         return await self._call(self.sql.list_files, owner, after, limit, order, purpose)
 
     # -- batches --------------------------------------------------------------------------
-    async def create_batch(self, batch: StoredBatch) -> None:
-        await self._call(self.sql.create_batch, batch)
+    async def create_batch(self, batch: StoredBatch, owner_active: int | None = None) -> None:
+        await self._call(self.sql.create_batch, batch, owner_active)
 
     async def get_batch(self, batch_id: str, owner: str) -> StoredBatch | None:
         return await self._call(self.sql.get_batch, batch_id, owner)
@@ -69,8 +70,9 @@ class BatchStore:
     async def request_cancel(self, batch_id: str, owner: str) -> StoredBatch | None:
         return await self._call(self.sql.request_cancel, batch_id, owner)
 
-    async def claim(self, holder: str, lease_s: float, limit: int) -> list[StoredBatch]:
-        return await self._call(self.sql.claim, holder, lease_s, limit)
+    async def claim(self, holder: str, lease_s: float, limit: int,
+                    busy: Collection[str] = ()) -> list[StoredBatch]:
+        return await self._call(self.sql.claim, holder, lease_s, limit, busy)
 
     async def renew(self, batch_id: str, holder: str, lease_s: float) -> tuple[bool, bool]:
         return await self._call(self.sql.renew, batch_id, holder, lease_s)

@@ -71,7 +71,8 @@ MIGRATIONS: Final[tuple[tuple[str, ...], ...]] = (
         # lines (each with its result once it has one) until it ends
         """CREATE TABLE files (
             id TEXT PRIMARY KEY, owner TEXT NOT NULL, created {real} NOT NULL,
-            expires {real}, purpose TEXT NOT NULL, record {blob} NOT NULL)""",
+            expires {real}, purpose TEXT NOT NULL, size {int} NOT NULL,
+            record {blob} NOT NULL)""",
         "CREATE INDEX files_owner ON files (owner, created)",
         "CREATE INDEX files_expires ON files (expires)",
         """CREATE TABLE file_parts (

@@ -11,7 +11,7 @@ import pytest
 from direct_frontend.openai.batch_lines import Line
 from direct_frontend.openai.batches import BatchError, StoredBatch
 from direct_frontend.openai.files import StoredFile
-from direct_frontend.state.batch_sql import PART_BYTES, BatchSql
+from direct_frontend.state.batch_sql import PART_BYTES, BatchSql, OwnerFull
 from direct_frontend.state.sql import SqlStore, StoreError
 from tests.state.conftest import Clock
 
@@ -158,3 +158,34 @@ def test_a_batch_that_cannot_run_fails_with_its_errors(store: BatchSql, clock: C
     assert store.request_cancel("batch_1", "k1") == got  # ended: as it is
     clock.now += 61
     assert store.sweep() == 1 and store.get_batch("batch_1", "k1") is None
+
+
+def test_an_owner_holds_what_it_may_and_no_more(store: BatchSql, clock: Clock) -> None:
+    store.put_file(file("file-1"), b"x" * 60, owner_bytes=100)
+    with pytest.raises(OwnerFull):
+        store.put_file(file("file-2"), b"x" * 41, owner_bytes=100)
+    store.put_file(file("file-3", owner="k2"), b"x" * 41, owner_bytes=100)  # another's room
+    store.put_file(file("file-4", expires=int(clock.now) + 1), b"x" * 40, owner_bytes=100)
+    clock.now += 2  # expired files count no more
+    store.put_file(file("file-5"), b"x" * 40, owner_bytes=100)
+    for i in range(2):
+        store.create_batch(batch(f"batch_{i}"), owner_active=2)
+    with pytest.raises(OwnerFull):
+        store.create_batch(batch("batch_2"), owner_active=2)
+    store.create_batch(batch("batch_3", owner="k2"), owner_active=2)
+    store.claim("a", 10, 1)
+    store.fail("batch_0", "a", [BatchError("empty_file", "e")], 60)  # ended: room again
+    store.create_batch(batch("batch_2"), owner_active=2)
+
+
+def test_a_claim_takes_turns_between_owners(store: BatchSql, clock: Clock) -> None:
+    for i in range(3):
+        store.create_batch(batch(f"batch_a{i}", owner="a"))
+        clock.now += 1
+    store.create_batch(batch("batch_b0", owner="b"))
+    clock.now += 1
+    store.create_batch(batch("batch_c0", owner="c"))
+    taken = [b.id for b in store.claim("p", 10, 3)]
+    assert taken == ["batch_a0", "batch_b0", "batch_c0"]  # not a's three, oldest first
+    # a process already running one of b's: the next goes to a
+    assert [b.id for b in store.claim("q", 10, 1, busy=["b", "c"])] == ["batch_a1"]
