@@ -47,7 +47,6 @@ from typing import Final
 import trio
 
 from direct_frontend.fleet.schema import BatchesConfig
-from direct_frontend.http.files import checking
 from direct_frontend.http.identity import Caller
 from direct_frontend.observability.logging import new_request_id
 from direct_frontend.observability.metrics import Metrics
@@ -245,7 +244,8 @@ class BatchRunner:
                 "was deleted, or has expired).", "input_file_id")]
             return await self.store.fail(batch.id, self.holder, errors, config.file_ttl_s)
         checked = await trio.to_thread.run_sync(read_input, found[1], batch.endpoint,
-                                                config.max_lines, limiter=checking)
+                                                config.max_lines,
+                                                limiter=self.store.checking)
         if not isinstance(checked, BatchInput):
             return await self.store.fail(batch.id, self.holder, checked, config.file_ttl_s)
         return await self.store.start(batch.id, self.holder, checked.lines, checked.model)

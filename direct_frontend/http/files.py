@@ -56,8 +56,6 @@ CONTENT: Final = "content"
 LIST_LIMIT: Final = 10_000
 #: the room around a file in its form (boundaries, headers, the purpose)
 FORM_OVERHEAD: Final = 64 * 1024
-#: checking a batch file's lines is CPU work: one such check at a time per process
-checking: Final = trio.CapacityLimiter(1)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -147,7 +145,7 @@ async def upload(api: ApiCall) -> int:
     expiry = expiry_of(form.fields.get("expires_after[anchor]"),
                        form.fields.get("expires_after[seconds]"))
     await trio.to_thread.run_sync(check_upload, form.filename, purpose, data,
-                                  api.config.max_lines, limiter=checking)
+                                  api.config.max_lines, limiter=api.store.checking)
     now = int(time.time())
     file = StoredFile(id=new_file_id(), owner=api.caller.owner, created_at=now,
                       filename=form.filename[:255], purpose=purpose, size=len(data),

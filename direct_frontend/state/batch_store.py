@@ -31,6 +31,8 @@ class BatchStore:
     def __init__(self, durable: Durable) -> None:
         self.sql = BatchSql(durable.sql)
         self.limiter = durable.limiter
+        #: checking a batch file's lines is CPU work: one such check at a time per process
+        self.checking = trio.CapacityLimiter(1)
 
     async def _call(self, fn: Callable[..., _T], *args: Any) -> _T:
         return await trio.to_thread.run_sync(partial(fn, *args), limiter=self.limiter)
