@@ -45,7 +45,7 @@ from direct_frontend.http.control_view import ControlView
 from direct_frontend.http.embeddings import respond_embeddings
 from direct_frontend.http.files import ApiCall
 from direct_frontend.http.identity import Caller, caller_of, client_request_id, owner_of
-from direct_frontend.http.internal import Exchange
+from direct_frontend.http.internal import Answer, Exchange
 from direct_frontend.http.messages_api import anthropic_page, from_anthropic, respond_messages
 from direct_frontend.http.render import (
     render_anthropic_model,
@@ -468,10 +468,10 @@ class App:
             self.metrics.request_cancelled()
             return 499
 
-    async def serve_line(self, path: str, body: bytes, caller: Caller) -> tuple[int, bytes, str]:
+    async def serve_line(self, path: str, body: bytes, caller: Caller) -> Answer:
         """One batch line through its endpoint's own handler, in this process (http/internal.py),
-        as ``caller``: its status, its body and its request id. Never raises but its
-        cancellation (an unexpected error is the 500 a client would get)."""
+        as ``caller`` (its rate limits, its share of the admission queue). Never raises but
+        its cancellation (an unexpected error is the 500 a client would get)."""
         exchange = Exchange(body)
         scope = exchange.scope(path)
         request_id = new_request_id()
@@ -492,10 +492,11 @@ class App:
                 status = await self._traced(scope, walk)
         except Exception:
             log.exception("unexpected error serving a batch line to %s", path)
-            return 500, error_body(internal_error()), request_id
+            return Answer(500, error_body(internal_error()), request_id)
         finally:
             current_request_id.reset(token)
-        return exchange.status or status, exchange.body, request_id
+        return Answer(exchange.status or status, exchange.body, request_id,
+                      exchange.retry_after_s)
 
     async def _responses_request(self, body: bytes, owner: str) -> ResponsesRequest:
         """A Responses body read with the history it continues, if any: the response it

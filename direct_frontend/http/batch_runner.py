@@ -13,8 +13,9 @@ under a lease it renews while it runs it. For each:
 - ``in_progress``: its lines without a result run, at most ``concurrency``
   at once, each through its endpoint's own handler in this process
   (:data:`Dispatch`, the app's ``serve_line``) at the ``flex`` service tier,
-  as the tenant that created the batch. A line the server had no room for
-  (a 429 or a 503) is asked again after a backoff, until the batch's
+  as the tenant that created the batch (its rate limits count each line). A
+  line the server had no room for then (a 429 or a 503 with ``retry-after``)
+  is asked again after that long (at least a backoff), until the batch's
   completion window ends. Each finished line's result is committed as it
   completes (those finishing together, in one transaction), so a process
   that takes the batch up after this one stopped runs only the lines still
@@ -48,6 +49,7 @@ import trio
 
 from direct_frontend.fleet.schema import BatchesConfig
 from direct_frontend.http.identity import Caller
+from direct_frontend.http.internal import Answer
 from direct_frontend.observability.logging import new_request_id
 from direct_frontend.observability.metrics import Metrics
 from direct_frontend.openai.batch_lines import (
@@ -65,9 +67,8 @@ from direct_frontend.state.sql import StoreError
 
 log = logging.getLogger("direct_frontend.batches")
 
-#: a line through its endpoint: (endpoint, body, the batch's caller) -> (status, body,
-#: request id)
-Dispatch = Callable[[str, bytes, Caller], Awaitable[tuple[int, bytes, str]]]
+#: a line through its endpoint: (endpoint, body, the batch's caller) -> its answer
+Dispatch = Callable[[str, bytes, Caller], Awaitable[Answer]]
 #: how often the database is asked for batches to take up (sooner when one is created here)
 POLL_S: Final = 1.0
 #: how often a running batch's lease is renewed at most (how soon a cancel asked of another
@@ -277,20 +278,21 @@ class BatchRunner:
         try:
             refused = refusal(line.body)
             if refused is not None:
-                status, body, request_id = refused.status, error_body(refused), new_request_id()
+                answer = Answer(refused.status, error_body(refused), new_request_id())
             else:
                 delay = RETRY_FIRST_S
                 while True:
-                    status, body, request_id = await self.dispatch(endpoint, line.body, caller)
-                    if outcome(status) != "retry":
+                    answer = await self.dispatch(endpoint, line.body, caller)
+                    if outcome(answer.status, answer.retry_after_s) != "retry":
                         break
                     self._count("retried")
-                    await trio.sleep(delay * random.uniform(0.5, 1.0))
+                    await trio.sleep(max(answer.retry_after_s or 0.0,
+                                         delay * random.uniform(0.5, 1.0)))
                     delay = min(delay * 2, RETRY_MOST_S)
-            ok = outcome(status) == "completed"
+            ok = outcome(answer.status) == "completed"
             self._count("completed" if ok else "failed")
-            results.send_nowait((line.ord, ok, result_line(line.custom_id, status, request_id,
-                                                           body)))
+            results.send_nowait((line.ord, ok, result_line(
+                line.custom_id, answer.status, answer.request_id, answer.body)))
         finally:
             room.release()
 

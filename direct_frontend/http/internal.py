@@ -11,6 +11,7 @@ client's disconnect does), and the answer's status and body are collected.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Final
 
 import trio
@@ -21,6 +22,17 @@ from direct_frontend.http.asgi import Message, Scope
 HEADERS: Final = ((b"content-type", b"application/json"),)
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Answer:
+    """What an endpoint answered a line: its status, body and request id, and how long the
+    server asked to be left before a retry (its ``retry-after``; None: it did not say)."""
+
+    status: int
+    body: bytes
+    request_id: str
+    retry_after_s: float | None = None
+
+
 class Exchange:
     """One in-process request's ``receive`` and ``send``; see the module's text."""
 
@@ -29,6 +41,7 @@ class Exchange:
         self._given = False
         self.status = 0
         self._chunks: list[bytes] = []
+        self._headers: list[tuple[bytes, bytes]] = []
 
     @staticmethod
     def scope(path: str) -> Scope:
@@ -46,9 +59,20 @@ class Exchange:
     async def send(self, message: Message) -> None:
         if message["type"] == "http.response.start":
             self.status = int(message["status"])
+            self._headers = [(bytes(k).lower(), bytes(v)) for k, v in message.get("headers", ())]
         elif message["type"] == "http.response.body":
             self._chunks.append(bytes(message.get("body", b"")))
 
     @property
     def body(self) -> bytes:
         return b"".join(self._chunks)
+
+    @property
+    def retry_after_s(self) -> float | None:
+        """The answer's ``retry-after-ms`` (or ``retry-after``, in seconds), if it has one."""
+        found = dict(self._headers)
+        for name, scale in ((b"retry-after-ms", 0.001), (b"retry-after", 1.0)):
+            value = found.get(name, b"").strip()
+            if value.isdigit() and len(value) <= 12:
+                return int(value) * scale
+        return None

@@ -191,12 +191,16 @@ def refusal(body: bytes) -> OpenAIHTTPError | None:
     return None
 
 
-def outcome(status: int) -> Outcome:
+def outcome(status: int, retry_after_s: float | None = None) -> Outcome:
     """What a line's answer makes it: done (``completed``: the output file; ``failed``: the
-    error file), or ``retry`` later (the server had no room for it: a 429 or a 503)."""
+    error file), or ``retry`` later: the server had no room for it then (a 429 or a 503) and
+    said when to ask again (a 429 without ``retry-after``, a prompt larger than a rate limit
+    will ever allow, is final)."""
     if status == 200:
         return "completed"
-    return "retry" if status in RETRY_STATUSES else "failed"
+    if status in RETRY_STATUSES and retry_after_s is not None:
+        return "retry"
+    return "failed"
 
 
 def new_line_id() -> str:

@@ -18,6 +18,7 @@ import trio
 from direct_frontend.fleet.schema import BatchesConfig
 from direct_frontend.http.batch_runner import BatchRunner, Dispatch
 from direct_frontend.http.identity import Caller
+from direct_frontend.http.internal import Answer
 from direct_frontend.observability.metrics import Metrics
 from direct_frontend.openai.batches import StoredBatch
 from direct_frontend.openai.files import StoredFile
@@ -79,25 +80,30 @@ async def test_a_line_the_server_had_no_room_for_is_asked_again(store: BatchStor
     asked: dict[str, int] = {}
     seen: list[tuple[str, str, str]] = []
 
-    async def dispatch(path: str, body: bytes, caller: Caller) -> tuple[int, bytes, str]:
+    async def dispatch(path: str, body: bytes, caller: Caller) -> Answer:
         prompt = json.loads(body)["prompt"]
         seen.append((path, caller.owner, caller.tenant))
         asked[prompt] = asked.get(prompt, 0) + 1
-        if prompt == "p1" and asked[prompt] == 1:
-            return 429, b'{"error":{"message":"saturated"}}', "r-busy"
-        return 200, b'{"prompt":"%s"}' % prompt.encode(), f"r-{prompt}"
+        if prompt == "p1" and asked[prompt] == 1:  # saturated: try again in a moment
+            return Answer(429, b'{"error":{"message":"saturated"}}', "r-busy", 0.01)
+        if prompt == "p3":  # a rate limit it can never fit: no retry-after
+            return Answer(429, b'{"error":{"message":"too large"}}', "r-never")
+        return Answer(200, b'{"prompt":"%s"}' % prompt.encode(), f"r-{prompt}")
 
-    batch_id = await batch_of(store, 3)
+    batch_id = await batch_of(store, 4)
     metrics = Metrics()
     async with trio.open_nursery() as nursery:
         await running(store, dispatch, nursery, metrics=metrics)
         ended = await until_ended(store, batch_id)
         nursery.cancel_scope.cancel()
-    assert ended.status == "completed" and (ended.completed, ended.failed) == (3, 0)
-    assert asked == {"p0": 1, "p1": 2, "p2": 1}
+    assert ended.status == "completed" and (ended.completed, ended.failed) == (3, 1)
+    assert asked == {"p0": 1, "p1": 2, "p2": 1, "p3": 1}
     assert set(seen) == {("/v1/completions", "o", "t")}  # as the batch's owner and tenant
     output = await lines_of(store, ended.output_file_id)
     assert [line["response"]["request_id"] for line in output] == ["r-p0", "r-p1", "r-p2"]
+    failed = await lines_of(store, ended.error_file_id)
+    assert [(line["custom_id"], line["response"]["status_code"]) for line in failed] == [
+        ("c3", 429)]
     assert metrics.registry.get_sample_value("direct_frontend_batch_lines_total",
                                              {"outcome": "retried"}) == 1
 
@@ -105,9 +111,9 @@ async def test_a_line_the_server_had_no_room_for_is_asked_again(store: BatchStor
 async def test_a_batch_past_its_window_ends_expired(store: BatchStore) -> None:
     started = trio.Event()
 
-    async def dispatch(path: str, body: bytes, caller: Caller) -> tuple[int, bytes, str]:
+    async def dispatch(path: str, body: bytes, caller: Caller) -> Answer:
         if json.loads(body)["prompt"] == "p0":
-            return 200, b"{}", "r0"
+            return Answer(200, b"{}", "r0")
         started.set()
         await trio.sleep_forever()  # an answer slower than the batch's window
         raise AssertionError("unreachable")
@@ -130,7 +136,7 @@ async def test_a_cancel_asked_through_the_database_stops_the_batch(store: BatchS
     stopped: list[str] = []
     two_run = trio.Event()
 
-    async def dispatch(path: str, body: bytes, caller: Caller) -> tuple[int, bytes, str]:
+    async def dispatch(path: str, body: bytes, caller: Caller) -> Answer:
         prompt = json.loads(body)["prompt"]
         running_lines.append(prompt)
         if len(running_lines) == 2:

@@ -155,8 +155,9 @@ def test_a_line_that_cannot_run_in_a_batch_is_refused() -> None:
 
 
 def test_results_are_openai_output_lines() -> None:
-    assert (outcome(200), outcome(400), outcome(429), outcome(503), outcome(500)) == (
-        "completed", "failed", "retry", "retry", "failed")
+    assert (outcome(200), outcome(400), outcome(429, 1.0), outcome(503, 0.5),
+            outcome(500, 1.0)) == ("completed", "failed", "retry", "retry", "failed")
+    assert outcome(429) == "failed"  # no retry-after: it never fits (a rate limit's refusal)
     line = json.loads(result_line("c1", 200, "r1", b'{"id":"x"}'))
     assert line["id"].startswith("batch_req_") and line["custom_id"] == "c1"
     assert line["response"] == {"status_code": 200, "request_id": "r1", "body": {"id": "x"}}
