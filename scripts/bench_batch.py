@@ -22,6 +22,7 @@ Usage::
 
     python scripts/bench_batch.py                          # ~2 min
     python scripts/bench_batch.py --seconds 20 --load 0.6 --lines 2000 --batch-concurrency 8
+    python scripts/bench_batch.py --external-engines     # engines off the router's CPU
 """
 
 from __future__ import annotations
@@ -60,19 +61,29 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def fleet_text(args: argparse.Namespace, port: int) -> str:
-    engines = "\n".join(textwrap.dedent(f"""\
-        [[engine]]
-        name = "e{i}"
-        url = "grpc://127.0.0.1:{free_port()}"
-        kind = "sglang"
-        simulate = true
-        [engine.simulator]
-        decode_us_per_token = {args.token_ms * 1000:.0f}
-        prefill_us_per_token = {args.prefill_us:.0f}
-        eos_probability = 0.0
-        max_running = {args.slots_per_engine}
-        """) for i in range(args.engines))
+def fleet_text(args: argparse.Namespace, port: int, engine_ports: list[int]) -> str:
+    """The fleet: simulated engines in the daemon, or (``engine_ports``) engines of their own
+    processes at those ports."""
+    if engine_ports:
+        engines = "\n".join(textwrap.dedent(f"""\
+            [[engine]]
+            name = "e{i}"
+            url = "grpc://127.0.0.1:{engine_port}"
+            kind = "sglang"
+            """) for i, engine_port in enumerate(engine_ports))
+    else:
+        engines = "\n".join(textwrap.dedent(f"""\
+            [[engine]]
+            name = "e{i}"
+            url = "grpc://127.0.0.1:{free_port()}"
+            kind = "sglang"
+            simulate = true
+            [engine.simulator]
+            decode_us_per_token = {args.token_ms * 1000:.0f}
+            prefill_us_per_token = {args.prefill_us:.0f}
+            eos_probability = 0.0
+            max_running = {args.slots_per_engine}
+            """) for i in range(args.engines))
     slots = args.engines * args.slots_per_engine
     return textwrap.dedent(f"""\
         [frontend]
@@ -103,17 +114,49 @@ def fleet_text(args: argparse.Namespace, port: int) -> str:
         """) + "\n" + engines
 
 
+def command() -> str:
+    binary = pathlib.Path(sys.executable).with_name("direct-frontend")
+    return str(binary if binary.exists() else shutil.which("direct-frontend"))
+
+
+@contextlib.contextmanager
+def engines(args: argparse.Namespace, directory: pathlib.Path) -> Iterator[list[int]]:
+    """``--external-engines``: each simulated engine in a process of its own (so the
+    engines' work is not the router's CPU); else none."""
+    if not args.external_engines:
+        yield []
+        return
+    ports = [free_port() for _ in range(args.engines)]
+    log = (directory / "engines.log").open("wb")
+    children = [subprocess.Popen([
+        command(), "simulate-engine", "--kind", "sglang", "--port", str(engine_port),
+        "--model-dir", str(ROOT / "config" / "demo-model"), "--served-model-name", "demo",
+        "--decode-us-per-token", f"{args.token_ms * 1000:.0f}",
+        "--prefill-us-per-token", f"{args.prefill_us:.0f}", "--eos-probability", "0",
+        "--max-running", str(args.slots_per_engine)], stdout=log, stderr=log,
+        start_new_session=True) for engine_port in ports]
+    try:
+        yield ports
+    finally:
+        for child in children:
+            child.send_signal(signal.SIGTERM)
+        for child in children:
+            try:
+                child.wait(10)
+            except subprocess.TimeoutExpired:
+                child.kill()
+        log.close()
+
+
 @contextlib.contextmanager
 def daemon(text: str, directory: pathlib.Path) -> Iterator[str]:
     path = directory / "fleet.toml"
     path.write_text(text)
     port = int(text.split('listen = "127.0.0.1:')[1].split('"')[0])
     env = {**os.environ, "BENCH_KEYS": f"{INTERACTIVE_KEY},{BATCH_KEY}"}
-    binary = pathlib.Path(sys.executable).with_name("direct-frontend")
     log = (directory / "daemon.log").open("wb")
-    child = subprocess.Popen([str(binary if binary.exists() else shutil.which("direct-frontend")),
-                              "run", str(path), "--no-watch"], stdout=log, stderr=log, env=env,
-                             start_new_session=True)
+    child = subprocess.Popen([command(), "run", str(path), "--no-watch"], stdout=log,
+                             stderr=log, env=env, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
@@ -264,6 +307,8 @@ def main() -> None:
     parser.add_argument("--batch-tokens", type=int, default=8, help="a batch line's answer")
     parser.add_argument("--batch-concurrency", type=int, default=8)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--external-engines", action="store_true",
+                        help="each engine in a process of its own (not in the daemon)")
     args = parser.parse_args()
     slots = args.engines * args.slots_per_engine
     token_s = args.token_ms / 1000
@@ -276,7 +321,8 @@ def main() -> None:
           f"{args.lines} lines of {args.batch_tokens} tokens, groups of {args.group} sharing "
           f"{args.prefix_words} words, concurrency {args.batch_concurrency}")
     with tempfile.TemporaryDirectory(prefix="bench-batch-") as tmp, \
-            daemon(fleet_text(args, free_port()), pathlib.Path(tmp)) as base:
+            engines(args, pathlib.Path(tmp)) as ports, \
+            daemon(fleet_text(args, free_port(), ports), pathlib.Path(tmp)) as base:
         alone, _, _, _ = asyncio.run(phase(base, args, rate, None))
         mixed, batch, used, elapsed = asyncio.run(phase(base, args, rate, data))
     # the capacity the interactive load leaves idle, in slot-seconds a second
