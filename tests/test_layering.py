@@ -25,7 +25,7 @@ FLOORS: tuple[frozenset[str], ...] = tuple(frozenset(f.split()) for f in (
     "routing",               # policies over the catalog
     "fleet openai",          # the fleet file's model; the OpenAI API model
     "kv engines",            # the KV index and events; engine dialects and transport
-    "simulator observability text",
+    "simulator observability text multimodal",
     "errors __init__ protos",  # protos: the engines' contract, generated (scripts/gen_protos.py)
 ))
 

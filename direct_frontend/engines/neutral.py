@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from direct_frontend.multimodal.payload import MediaPayload
     from direct_frontend.observability.tracing import RequestTrace
 
 #: the wire types every engine contract uses for counts and token ids (uint32), for
@@ -119,6 +120,9 @@ class GenerateCall:
     dp_rank: int | None = None
     #: the request's spans when tracing is on: each leg opens its own under it
     trace: RequestTrace | None = dataclasses.field(default=None, compare=False, repr=False)
+    #: the prompt's images, preprocessed (``input_ids`` hold their placeholder runs); a
+    #: continuation keeps them, its prompt being this one plus the tokens produced
+    media: MediaPayload | None = dataclasses.field(default=None, repr=False)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

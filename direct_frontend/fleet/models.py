@@ -13,6 +13,7 @@ across the fleet. These are the checks of the tables themselves and of the
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from direct_frontend.fleet.schema import (
     EngineConfig,
     FrontendConfig,
     LimitsConfig,
+    MediaConfig,
     ModelConfig,
     RoutingConfig,
 )
@@ -100,9 +102,26 @@ class ModelTables(Checker):
             "limits": (self.section(LimitsConfig, tbl["limits"], (*path, "limits"))
                        if "limits" in tbl else frontend.limits),
             "adapters": self.adapters(tbl.get("adapter", []), (*path, "adapter")),
+            "media": self.media(tbl["media"], (*path, "media")) if "media" in tbl
+            else MediaConfig(),
             "implicit": False,
         }
         return ModelConfig(**self.fields(ModelConfig, tbl, path, by_hand))
+
+    def media(self, value: object, path: KeyPath) -> MediaConfig:
+        """``[model.media]``: its host and network lists by hand, each network a CIDR."""
+        tbl = self.table(value, path, keys_of(MediaConfig))
+        if tbl is None:
+            return MediaConfig()
+        hosts = tuple(text.lower() for _, text in self.strings(tbl, path, "allowed_hosts") or [])
+        networks: list[str] = []
+        for where, text in self.strings(tbl, path, "allowed_networks") or []:
+            try:
+                networks.append(str(ipaddress.ip_network(text, strict=False)))
+            except ValueError:
+                self.report(where, f"{text!r} is not a network (CIDR, e.g. 127.0.0.1/32)")
+        by_hand = {"allowed_hosts": hosts, "allowed_networks": tuple(networks)}
+        return MediaConfig(**self.fields(MediaConfig, tbl, path, by_hand))
 
     def adapters(self, value: object, path: KeyPath) -> tuple[AdapterConfig, ...]:
         if not isinstance(value, list):

@@ -445,6 +445,29 @@ class AdapterConfig:
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class MediaConfig:
+    """``[model.media]``: whether and how the model takes images (multimodal/policy.py).
+
+    Images are taken when the model directory describes an image processor the
+    router has (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, LLaVA) and ``images`` is true.
+    ``fetch`` false takes data URLs only. ``allowed_hosts`` (empty: any) are the
+    hosts http(s) URLs may name (``*.example.com`` for subdomains);
+    ``allowed_networks`` (CIDRs) are the private, loopback or link-local
+    networks that may still be fetched from, which are otherwise refused.
+    """
+
+    images: bool = True
+    fetch: bool = True
+    allowed_hosts: tuple[str, ...] = ()
+    allowed_networks: tuple[str, ...] = ()
+    max_image_bytes: int = setting(20 * 1024 * 1024, AT_LEAST_ONE)
+    max_image_pixels: int = setting(40_000_000, AT_LEAST_ONE)
+    max_images: int = setting(16, AT_LEAST_ONE)  # per request
+    fetch_timeout_s: float = setting(10.0, POSITIVE)  # the whole fetch, redirects included
+    max_redirects: int = setting(3, NON_NEGATIVE)
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class ModelConfig:
     """One ``[[model]]``: a model the fleet serves, with its own engines and routing.
 
@@ -469,6 +492,7 @@ class ModelConfig:
     # LoRA adapters an engine may hold at once (least recently used unloaded past it)
     max_adapters_per_engine: int = setting(4, AT_LEAST_ONE)
     adapters: tuple[AdapterConfig, ...] = setting((), Rules(key="adapter"))
+    media: MediaConfig = MediaConfig()
     implicit: bool = setting(False, Rules(in_file=False))
 
     @property

@@ -51,6 +51,7 @@ __all__ = [
     "KvIndex",
     "KvIndexStats",
     "block_content_hash",
+    "mm_block_extras",
     "namespace_seed",
     "prefix_hashes",
 ]
@@ -89,17 +90,52 @@ def _salt_bytes(cache_salt: str) -> bytes:
     return _encode_extra([cache_salt])
 
 
+#: one image of a request: (its hash, the offset of its placeholder run, the run's length)
+MediaKey = tuple[str, int, int]
+
+
+def mm_block_extras(media: Sequence[MediaKey], block_size: int,
+                    n_blocks: int) -> list[list[list[object]] | None]:
+    """Each block's multimodal extra keys, as vLLM keys the blocks an image's tokens fill.
+
+    vLLM (``_gen_mm_extra_hash_keys``, 0.32) adds to every block that overlaps
+    an image's placeholder run the pair (the image's identifier, the run's
+    offset relative to the block's start: negative in blocks after the first),
+    and publishes those pairs untagged in each ``BlockStored``'s
+    ``extra_keys``; the identifier is the hash the router sent. The same pairs,
+    encoded as the events' are (:func:`_own_extra`), key a request's blocks, so
+    a repeated image prefix matches, and the same tokens of another image do not.
+    """
+    extras: list[list[list[object]] | None] = [None] * n_blocks
+    for identifier, offset, length in media:
+        first = offset // block_size
+        last = min(n_blocks, -(-(offset + length) // block_size))
+        for block in range(first, last):
+            keys = extras[block]
+            if keys is None:
+                keys = extras[block] = []
+            keys.append([identifier, offset - block * block_size])
+    return extras
+
+
 def prefix_hashes(
     token_ids: Sequence[int] | array.array[int],
     block_size: int,
     *,
     lora_name: str | None = None,
     cache_salt: str | None = None,
+    media: Sequence[MediaKey] = (),
 ) -> list[int]:
-    """The chained prefix hash of every full block of a request (partial tail dropped)."""
+    """The chained prefix hash of every full block of a request (partial tail dropped).
+
+    ``media``: the request's images (:data:`MediaKey`), whose hashes key the
+    blocks their tokens fill (:func:`mm_block_extras`).
+    """
     n_blocks = len(token_ids) // block_size
     if n_blocks == 0:
         return []
+    if media:
+        return _media_prefix_hashes(token_ids, block_size, lora_name, cache_salt, media)
     data = array.array("I", token_ids[: n_blocks * block_size]).tobytes()
     step = block_size * 4
     h = namespace_seed(lora_name)
@@ -112,6 +148,28 @@ def prefix_hashes(
         start = 0
     for offset in range(start * step, n_blocks * step, step):
         h = _xxh3(data[offset : offset + step], h)
+        out.append(h)
+    return out
+
+
+def _media_prefix_hashes(
+    token_ids: Sequence[int] | array.array[int], block_size: int, lora_name: str | None,
+    cache_salt: str | None, media: Sequence[MediaKey],
+) -> list[int]:
+    n_blocks = len(token_ids) // block_size
+    extras = mm_block_extras(media, block_size, n_blocks)
+    data = array.array("I", token_ids[: n_blocks * block_size]).tobytes()
+    step = block_size * 4
+    h = namespace_seed(lora_name)
+    out = []
+    for i in range(n_blocks):
+        chunk = data[i * step : (i + 1) * step]
+        keys: list[object] = list(extras[i] or ())
+        if cache_salt and i == 0:
+            keys.append(cache_salt)
+        if keys:
+            chunk += _encode_extra(keys)
+        h = _xxh3(chunk, h)
         out.append(h)
     return out
 

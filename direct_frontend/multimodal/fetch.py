@@ -76,7 +76,7 @@ class GuardedBackend(httpcore2.AsyncNetworkBackend):
         self.connected: list[str] = []
 
     async def connect_tcp(
-        self, host: str, port: int, timeout: float | None = None,
+        self, host: str, port: int, timeout: float | None = None,  # noqa: ASYNC109 (httpcore)
         local_address: str | None = None,
         socket_options: Iterable[httpcore2.SOCKET_OPTION] | None = None,
     ) -> httpcore2.AsyncNetworkStream:

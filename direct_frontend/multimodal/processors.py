@@ -95,15 +95,24 @@ class Batch:
 class ImageProcessor(Protocol):
     """One family's preprocessing, configured from a model directory."""
 
-    family: str
-    #: the token a rendered prompt holds once per image, expanded to the image's length
-    image_token: str
-    image_token_id: int
-    #: what a chat template that takes text content gets in place of an image
-    template_text: str
-    #: what the settings that shape the tensors are, for image hashes (a changed config,
-    #: a changed hash: an engine's encoder cache must not serve the old tensors)
-    fingerprint: str
+    @property
+    def family(self) -> str: ...
+
+    @property
+    def image_token(self) -> str:
+        """The token a rendered prompt holds once per image, expanded to its length."""
+
+    @property
+    def image_token_id(self) -> int: ...
+
+    @property
+    def template_text(self) -> str:
+        """What a chat template that takes text content gets in place of an image."""
+
+    @property
+    def fingerprint(self) -> str:
+        """The settings that shape the tensors, for image hashes (a changed config, a
+        changed hash: an engine's encoder cache must not serve the old tensors)."""
 
     def process(self, image: Image.Image, detail: str) -> ProcessedImage: ...
 
@@ -296,7 +305,7 @@ class LlavaProcessor:
 
         side = max(rgb.width, rgb.height)
         fill = tuple(int(x * 255) for x in self.mean) if self.mean else (0, 0, 0)
-        square = Image.new("RGB", (side, side), fill)  # type: ignore[arg-type]
+        square = Image.new("RGB", (side, side), fill)
         square.paste(rgb, ((side - rgb.width) // 2, (side - rgb.height) // 2))
         return square
 

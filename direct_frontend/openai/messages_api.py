@@ -132,6 +132,7 @@ def _turn(i: int, message: Any) -> list[dict[str, Any]]:
     if isinstance(content, str):
         return [{"role": role, "content": content}]
     texts: list[str] = []
+    parts: list[dict[str, Any]] = []  # a user turn's texts and images, when it has images
     thoughts: list[str] = []
     out: list[dict[str, Any]] = []
     calls: list[dict[str, Any]] = []
@@ -140,6 +141,12 @@ def _turn(i: int, message: Any) -> list[dict[str, Any]]:
         kind = block.get("type") if isinstance(block, dict) else None
         if kind == "text" and isinstance(block.get("text"), str):
             texts.append(block["text"])
+            if parts and parts[-1]["type"] == "text":
+                parts[-1]["text"] += block["text"]
+            else:
+                parts.append({"type": "text", "text": block["text"]})
+        elif kind == "image" and role == "user":
+            parts.append(_image(block, at))
         elif kind == "thinking" and role == "assistant":
             if isinstance(block.get("thinking"), str):
                 thoughts.append(block["thinking"])
@@ -168,9 +175,29 @@ def _turn(i: int, message: Any) -> list[dict[str, Any]]:
         if thoughts:
             turn["reasoning_content"] = "".join(thoughts)
         return [turn]
-    if texts:  # results answer the calls before them; the user's words follow
+    if any(part["type"] == "image_url" for part in parts):
+        out.append({"role": "user", "content": parts})
+    elif texts:  # results answer the calls before them; the user's words follow
         out.append({"role": "user", "content": "".join(texts)})
     return out
+
+
+def _image(block: dict[str, Any], at: str) -> dict[str, Any]:
+    """An image block (base64 or URL source) as a chat ``image_url`` part naming ``at``."""
+    source = block.get("source")
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "base64" and isinstance(source, dict):
+        media_type, data = source.get("media_type"), source.get("data")
+        if not isinstance(media_type, str) or not isinstance(data, str):
+            raise invalid_request(f"{at}.source: a base64 image needs 'media_type' and 'data'",
+                                  f"{at}.source")
+        url = f"data:{media_type};base64,{data}"
+    elif kind == "url" and isinstance(source, dict) and isinstance(source.get("url"), str):
+        url = source["url"]
+    else:
+        raise invalid_request(f"{at}.source.type: an image source is 'base64' (media_type, "
+                              "data) or 'url' (url)", f"{at}.source.type")
+    return {"type": "image_url", "image_url": {"url": url}, "x_direct_frontend_param": at}
 
 
 def _tool(i: int, tool: Any) -> dict[str, Any]:

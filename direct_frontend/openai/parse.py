@@ -23,6 +23,7 @@ from typing import Annotated, Any, Final, Literal, TypeVar
 import msgspec
 
 from direct_frontend.engines.neutral import FLOAT32_MAX, UINT32_MAX, Constraint, ConstraintKind
+from direct_frontend.multimodal.parts import DETAILS, ImagePart
 from direct_frontend.openai.errors import OpenAIHTTPError, invalid_request
 from direct_frontend.openai.parsers.forced import named_call_schema, required_calls_schema
 from direct_frontend.openai.structured import EXTENSIONS, constraint_of
@@ -55,9 +56,18 @@ _MAX_STOP: Final = 16
 MAX_STOP_CHARS: Final = 8192
 
 
+class _ImageUrlWire(msgspec.Struct):
+    url: str
+    detail: str | None = None
+
+
 class _ContentPart(msgspec.Struct):
     type: str
     text: str | None = None
+    image_url: _ImageUrlWire | str | None = None
+    #: where the part was in the body the client sent, set by the Anthropic and Responses
+    #: translations (openai/messages_api.py, responses_api.py) so a refusal names it
+    where: str | None = msgspec.field(default=None, name="x_direct_frontend_param")
 
 
 class _MessageWire(msgspec.Struct):
@@ -365,17 +375,41 @@ def _logit_bias(raw: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
     return tuple(sorted(pairs))
 
 
+def _image_part(part: _ContentPart, where: str) -> ImagePart:
+    """An ``image_url`` part (its URL as an object's ``url``, or the string itself)."""
+    raw = part.image_url
+    if raw is None:
+        raise invalid_request(f"Missing required parameter: '{where}.image_url'.",
+                              f"{where}.image_url")
+    url, detail = (raw, None) if isinstance(raw, str) else (raw.url, raw.detail)
+    if detail is not None and detail not in DETAILS:
+        raise invalid_request(
+            f"Invalid value for '{where}.image_url.detail': '{detail}'; expected one of "
+            f"{', '.join(DETAILS)}.", f"{where}.image_url.detail",
+        )
+    if not url:
+        raise invalid_request(f"'{where}.image_url.url' must not be empty.",
+                              f"{where}.image_url.url")
+    return ImagePart(url=url, detail=detail or "auto",  # type: ignore[arg-type]
+                     param=part.where or f"{where}.image_url")
+
+
 def _message(i: int, m: _MessageWire) -> ChatMessage:
-    parts: tuple[str, ...] | None = None
+    parts: tuple[str | ImagePart, ...] | None = None
     if m.content is None or isinstance(m.content, str):
         content = m.content
     else:
         texts: list[str] = []
+        items: list[str | ImagePart] = []
         for j, part in enumerate(m.content):
             where = f"messages[{i}].content[{j}]"
+            if part.type == "image_url" and m.role == "user":
+                items.append(_image_part(part, where))
+                continue
             if part.type != "text":
+                only = "'text' and 'image_url'" if m.role == "user" else "'text'"
                 raise invalid_request(
-                    f"Content part type '{part.type}' is not supported; only 'text' parts are.",
+                    f"Content part type '{part.type}' is not supported; only {only} parts are.",
                     f"{where}.type",
                 )
             if part.text is None:
@@ -383,8 +417,9 @@ def _message(i: int, m: _MessageWire) -> ChatMessage:
                     f"Missing required parameter: '{where}.text'.", f"{where}.text"
                 )
             texts.append(part.text)
-        parts = tuple(texts)
-        content = "\n".join(parts)
+            items.append(part.text)
+        parts = tuple(items)
+        content = "\n".join(texts)
     if content is None and m.role != "assistant":
         raise invalid_request(
             f"Missing required parameter: 'messages[{i}].content' (required for role '{m.role}').",

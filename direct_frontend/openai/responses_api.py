@@ -211,19 +211,51 @@ def _reasoning_text(item: dict[str, Any]) -> str:
 
 def _text_of(content: Any, where: str) -> str:
     """A message's content: a string, or the text of its input/output text parts."""
+    text = _content_of(content, where, images=False)
+    assert isinstance(text, str)
+    return text
+
+
+def _content_of(content: Any, where: str, images: bool = True) -> str | list[dict[str, Any]]:
+    """A message's content as chat takes it: its text, or (with ``input_image`` parts,
+    where ``images`` allows them) its text and image parts in order."""
     if isinstance(content, str):
         return content
     texts = []
+    parts: list[dict[str, Any]] = []
     for j, part in enumerate(_list(content, f"{where}.content")):
         kind = part.get("type") if isinstance(part, dict) else None
+        at = f"{where}.content[{j}]"
+        if kind == "input_image" and images:
+            parts.append(_image(part, at))
+            continue
         if kind not in ("input_text", "output_text", "text") or not isinstance(
                 part.get("text"), str):
+            only = "text and 'input_image' parts are" if images else "text parts are"
             raise invalid_request(
-                f"Content part type '{kind}' is not supported; only text parts are.",
-                f"{where}.content[{j}].type",
+                f"Content part type '{kind}' is not supported; only {only}.", f"{at}.type",
             )
         texts.append(part["text"])
+        if parts and parts[-1]["type"] == "text":
+            parts[-1]["text"] += part["text"]
+        else:
+            parts.append({"type": "text", "text": part["text"]})
+    if any(part["type"] == "image_url" for part in parts):
+        return parts
     return "".join(texts)
+
+
+def _image(part: dict[str, Any], at: str) -> dict[str, Any]:
+    """An ``input_image`` part (``image_url``: a data or http(s) URL) as a chat part."""
+    url = part.get("image_url")
+    if not isinstance(url, str) or not url:
+        what = "'file_id' images are not supported; send 'image_url'" if part.get(
+            "file_id") is not None else "Missing required parameter"
+        raise invalid_request(f"{what}: '{at}.image_url'.", f"{at}.image_url")
+    image: dict[str, Any] = {"url": url}
+    if part.get("detail") is not None:
+        image["detail"] = part["detail"]
+    return {"type": "image_url", "image_url": image, "x_direct_frontend_param": at}
 
 
 def check_items(items: list[Any], param: str) -> None:
@@ -260,7 +292,8 @@ def _messages(items: list[Any], earlier: int = 0, history: str = "previous_respo
             if role not in ("user", "system", "developer", "assistant"):
                 raise invalid_request(f"Invalid value for '{where}.role': '{role}'.",
                                       f"{where}.role")
-            turn = {"role": role, "content": _text_of(item.get("content"), where)}
+            turn = {"role": role, "content": _content_of(item.get("content"), where,
+                                                         images=role == "user")}
             messages.append(assistant(turn) if role == "assistant" else turn)
         elif kind == "function_call":
             for field in ("call_id", "name", "arguments"):

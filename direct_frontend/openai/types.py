@@ -7,6 +7,7 @@ from typing import Any, Final, Literal
 import msgspec
 
 from direct_frontend.engines.neutral import Constraint, SamplingOptions
+from direct_frontend.multimodal.parts import ImagePart
 
 Role = Literal["system", "user", "assistant", "tool", "developer"]
 ROLES: Final = ("system", "user", "assistant", "tool", "developer")
@@ -46,20 +47,28 @@ class Tool(msgspec.Struct, frozen=True, kw_only=True):
 class ChatMessage(msgspec.Struct, frozen=True, kw_only=True):
     """A validated chat message.
 
-    ``content`` is the text, with the parts of an array content joined by
+    ``content`` is the text, with the text parts of an array content joined by
     ``"\\n"`` (as vLLM does for string-format templates); ``content_parts`` keeps
-    the parts for templates that iterate them. ``content`` is ``None`` only for
-    an assistant message that carries tool calls and no text.
+    the parts in order, texts and images, for templates that iterate them. ``content``
+    is ``None`` only for an assistant message that carries tool calls and no text.
     """
 
     role: Role
     content: str | None
-    content_parts: tuple[str, ...] | None = None
+    content_parts: tuple[str | ImagePart, ...] | None = None
     name: str | None = None
     tool_calls: tuple[ToolCall, ...] = ()
     tool_call_id: str | None = None
     #: an assistant turn's reasoning, for templates that render it (within a tool loop)
     reasoning: str | None = None
+
+    @property
+    def images(self) -> tuple[ImagePart, ...]:
+        """Its image parts, in order."""
+        parts = self.content_parts
+        if not parts:
+            return ()
+        return tuple(p for p in parts if isinstance(p, ImagePart))
 
 
 class _RequestBase(msgspec.Struct, frozen=True, kw_only=True):
@@ -156,6 +165,11 @@ class ChatRequest(_RequestBase, frozen=True, kw_only=True):
     chat_template_kwargs: dict[str, Any] | None = None
     #: as the client asked (also a template variable); a model may keep it as a thinking budget
     reasoning_effort: str | None = None
+
+    @property
+    def images(self) -> tuple[ImagePart, ...]:
+        """Every image of its messages, in order."""
+        return tuple(image for m in self.messages if m.content_parts for image in m.images)
 
     @property
     def offers_tools(self) -> bool:

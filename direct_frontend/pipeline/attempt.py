@@ -347,7 +347,7 @@ class Attempt:
         self.excluded = excluded  # the engines this attempt may not use, placed or not
         prepared = self.prepared
         return dispatcher.choose(self.settings.policy, prepared.input_ids, remaining, excluded,
-                                 prepared.routing_key)
+                                 prepared.routing_key, prepared.media_keys)
 
     def _on(self, placement: Placement, call: GenerateCall) -> None:
         self.placement = placement

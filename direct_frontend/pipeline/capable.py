@@ -17,6 +17,7 @@ from direct_frontend.engines.dialects.base import (
     missing_capability,
     why_missing,
 )
+from direct_frontend.multimodal.parts import ImagePart
 from direct_frontend.openai.errors import OpenAIHTTPError, invalid_request
 from direct_frontend.routing.catalog import Catalog
 
@@ -25,8 +26,14 @@ def needs_capabilities(sampling: OptionalFields) -> bool:
     """Whether ``sampling`` sets a field some kind lacks (most requests do not: no walk)."""
     return (
         sampling.seed is not None or bool(sampling.logit_bias) or sampling.constraint is not None
-        or sampling.prompt_logprobs is not None
+        or sampling.prompt_logprobs is not None or bool(_images(sampling))
     )
+
+
+def _images(request: object) -> tuple[ImagePart, ...]:
+    """A chat request's images (none for other requests)."""
+    images: tuple[ImagePart, ...] = getattr(request, "images", ())
+    return images
 
 
 def incapable(catalog: Catalog, sampling: OptionalFields) -> dict[str, str]:
@@ -38,10 +45,13 @@ def incapable(catalog: Catalog, sampling: OptionalFields) -> dict[str, str]:
     if not needs_capabilities(sampling):
         return lacking
     by_kind: dict[str, str | None] = {}
+    images = _images(sampling)
     for engine in catalog.engines:
         if engine.kind not in by_kind:
-            by_kind[engine.kind] = missing_capability(
-                dialect_for(engine.kind).capabilities, sampling
+            capabilities = dialect_for(engine.kind).capabilities
+            by_kind[engine.kind] = (
+                images[0].param if images and not capabilities.images
+                else missing_capability(capabilities, sampling)
             )
         param = by_kind[engine.kind]
         if param is not None:

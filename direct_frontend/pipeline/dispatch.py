@@ -53,6 +53,7 @@ class Dispatcher:
         max_tokens: int,
         exclude: Collection[str] = (),
         routing_key: str | None = None,
+        media_keys: tuple[tuple[str, int, int], ...] = (),
     ) -> Placement:
         """Where a request goes: a pair's decode engine when P/D serves, else an aggregated one.
 
@@ -62,7 +63,7 @@ class Dispatcher:
         ``routing_key`` is the session's (routing/affinity.py).
         """
         catalog = self.fleet.catalog
-        request = RequestView(input_ids, max_tokens, routing_key)
+        request = RequestView(input_ids, max_tokens, routing_key, media_keys)
         placement = self.disagg.choose_decode(catalog, request, exclude, policy)
         if placement is None:
             placement = policy.choose(catalog, request, exclude)

@@ -79,7 +79,7 @@ def first_placement(
     try:
         placement = dispatcher.choose(
             settings.policy, prepared.input_ids, request.max_tokens or 0, lacking,
-            prepared.routing_key,
+            prepared.routing_key, prepared.media_keys,
         )
     except NoEngineAvailable:
         refusal = none_capable(catalog, lacking)

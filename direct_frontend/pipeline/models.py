@@ -32,6 +32,7 @@ from direct_frontend.fleet.schema import (
     RoutingConfig,
     SamplingDefaults,
 )
+from direct_frontend.multimodal.fetch import new_decode_limiter
 from direct_frontend.observability.metrics import Metrics, ModelSeries
 from direct_frontend.openai.types import ChatRequest, CompletionRequest
 from direct_frontend.pipeline.adapters import (
@@ -41,6 +42,7 @@ from direct_frontend.pipeline.adapters import (
     carries_adapters,
 )
 from direct_frontend.pipeline.dispatch import Dispatcher, WaitableFleet
+from direct_frontend.pipeline.media import MediaProfile, media_profile
 from direct_frontend.pipeline.parsing import (
     model_parsers,
     parser_problems,
@@ -247,6 +249,8 @@ class ModelBuilder:
         #: adds to the one set the policies read
         self.diverged: set[int] = set() if diverged is None else diverged
         self.limiter = new_tokenize_limiter()
+        #: image decodes and preprocessing, daemon-wide (pipeline/media.py)
+        self.decode_limiter = new_decode_limiter()
         self.text_models: dict[TextModelKey, TextModel] = dict(text_models or {})
         #: per base model: which adapters its engines hold, and one lock per engine
         self._residency: dict[str, tuple[Residency, dict[int, trio.Lock]]] = {}
@@ -339,6 +343,8 @@ class ModelBuilder:
                                 text_model.template_text, text_model.model_type)
         if before is not None and before.text_model_key == key and before.relay.parsers == parsers:
             relay, tokenizing = before.relay, before.tokenizing
+            if before.config.media != config.media:
+                tokenizing = dataclasses.replace(tokenizing, media=self._media(config, text_model))
         else:
             log.info("model %s: tool parser %s, reasoning parser %s (%s)", config.name,
                      parsers.tool_parser or "none", parsers.reasoning_parser or "none",
@@ -347,8 +353,12 @@ class ModelBuilder:
             relay = Relay(Dispatcher(fleet), text_model, self.metrics,
                           HitRateWatch(self.metrics, self.diverged),
                           self.metrics.model_series(config.name), parsers)
-            tokenizing = Tokenizing(text_model, lambda: fleet.catalog, self.limiter)
+            tokenizing = Tokenizing(text_model, lambda: fleet.catalog, self.limiter,
+                                    media=self._media(config, text_model))
         return ServedModel(config, settings, relay, tokenizing, key)
+
+    def _media(self, config: ModelConfig, text_model: TextModel) -> MediaProfile | None:
+        return media_profile(config.name, config.media, text_model, self.decode_limiter)
 
 
 def queue_depths(table: ModelTable) -> dict[str, int]:

@@ -18,6 +18,7 @@ import msgspec
 import trio
 
 from direct_frontend.engines.neutral import GenerateCall
+from direct_frontend.multimodal.payload import MediaPayload
 from direct_frontend.observability.tracing import RequestTrace
 from direct_frontend.openai.errors import (
     OpenAIHTTPError,
@@ -30,6 +31,7 @@ from direct_frontend.openai.types import (
     CompletionRequest,
     Prompt,
 )
+from direct_frontend.pipeline.media import MediaProfile, media_prompt, refuse_images
 from direct_frontend.pipeline.prompt_cache import PromptCache
 from direct_frontend.pipeline.ratelimit import Charge
 from direct_frontend.routing.catalog import Catalog, EngineHandle
@@ -70,6 +72,13 @@ class PreparedRequest:
     #: what its output owes its tenant's rate limit (pipeline/ratelimit.py), if it has one:
     #: the relay counts each choice's output into it
     charge: Charge | None = None
+    #: a chat's images, preprocessed (pipeline/media.py); ``input_ids`` hold their runs
+    media: MediaPayload | None = None
+
+    @property
+    def media_keys(self) -> tuple[tuple[str, int, int], ...]:
+        """(image hash, offset, length) per image: what keys the KV blocks they fill."""
+        return () if self.media is None else self.media.kv_items()
 
     @property
     def stop_token_ids(self) -> tuple[int, ...]:
@@ -109,6 +118,8 @@ class Tokenizing:
     limiter: trio.CapacityLimiter = dataclasses.field(default_factory=new_tokenize_limiter)
     #: repeated identical prompts are rendered and tokenized once (pipeline/prompt_cache.py)
     prompts: PromptCache = dataclasses.field(default_factory=PromptCache)
+    #: how the model takes images (None: it takes none)
+    media: MediaProfile | None = None
 
     async def encode(self, text: str, param: str, *, add_special_tokens: bool) -> list[int]:
         """Token ids of ``text``; a 400 without tokenizing when it certainly cannot fit."""
@@ -131,13 +142,35 @@ async def prepare(
     """Template and tokenize; template failures are the client's 400."""
     param = _prompt_param(kind)
     ids: Sequence[int]
-    if isinstance(request, ChatRequest):
+    media = None
+    if isinstance(request, ChatRequest) and request.images:
+        prompt, ids, media = await _media_prompt(request, tokenizing)
+    elif isinstance(request, ChatRequest):
         prompt, ids = await chat_prompt_ids(request, tokenizing)
     else:
         prompt, ids = await prompt_ids(request.prompt, param, tokenizing)
     if not ids:
         raise invalid_request("the prompt is empty", param)
-    return PreparedRequest(kind, request_id, request, tuple(ids), prompt, routing_key)
+    return PreparedRequest(kind, request_id, request, tuple(ids), prompt, routing_key,
+                           media=media)
+
+
+async def _media_prompt(
+    request: ChatRequest, tokenizing: Tokenizing, *, add_generation_prompt: bool = True,
+) -> tuple[str, tuple[int, ...], MediaPayload]:
+    """A chat with images through pipeline/media.py; a 400 if the model takes none."""
+    profile = tokenizing.media
+    if profile is None or not profile.takes_images:
+        raise refuse_images(request.model, request.images)
+
+    async def encode(text: str) -> list[int]:
+        return await tokenizing.encode(text, "messages", add_special_tokens=False)
+
+    return await media_prompt(
+        request, tokenizing.text_model, profile, [message_dict(m) for m in request.messages],
+        [{"type": t.type, "function": _function(t)} for t in request.tools]
+        if request.offers_tools else None, encode, add_generation_prompt=add_generation_prompt,
+    )
 
 
 async def chat_prompt_ids(
@@ -149,6 +182,10 @@ async def chat_prompt_ids(
     The template writes the special tokens itself, so the tokenizer adds none
     unless asked. Generation's prompts (the defaults) come from an exact cache.
     """
+    if request.images:  # expanded as generation expands them, so counts agree
+        prompt, ids, _ = await _media_prompt(request, tokenizing,
+                                             add_generation_prompt=add_generation_prompt)
+        return prompt, ids
     text_model = tokenizing.text_model
     cache = tokenizing.prompts
     cacheable = add_generation_prompt and not add_special_tokens
@@ -282,6 +319,7 @@ def build_call(
         sampling=prepared.request.sampling_options(max_tokens),
         stream=stream,
         trace=trace,
+        media=prepared.media,
     )
 
 

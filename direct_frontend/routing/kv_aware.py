@@ -374,8 +374,9 @@ class KvAware:
                         self._split_homes()
                     approx.capacities[name] = blocks
 
-    def hashes(self, input_ids: Sequence[int]) -> list[int]:
-        return prefix_hashes(input_ids, self.knobs.block_size)
+    def hashes(self, input_ids: Sequence[int],
+               media: Sequence[tuple[str, int, int]] = ()) -> list[int]:
+        return prefix_hashes(input_ids, self.knobs.block_size, media=media)
 
     def by_events(self, engine: EngineHandle) -> bool:
         """Whether ``engine``'s overlap comes from its KV events (else the approximate memory)."""
@@ -488,7 +489,7 @@ class KvAware:
         knobs = self.knobs
         self.fence(candidates)
         self.learn_capacities(candidates)
-        hashes = self.hashes(request.input_ids)
+        hashes = self.hashes(request.input_ids, request.media_keys)
         by_key = self.exact_lookup(hashes)
         approx = self.approx.lookup_at(hashes, now) if hashes else {}
         overlaps = self.overlaps(hashes, now, candidates, by_key, approx)
@@ -505,11 +506,14 @@ class KvAware:
         # queued as the cost weighed it (a miss the memory expects to be short is short),
         # until the engine's events show its last block stored, its first token, or its end
         queued = len(hashes) - max(held, steer.get(chosen.name, 0))
+        media = request.media_keys
         if queued <= 0:
-            return Placement(chosen, tuple(hashes), predicted, spilled, dp_rank=rank)
+            return Placement(chosen, tuple(hashes), predicted, spilled, dp_rank=rank,
+                             media_keys=media)
         token = self.queue.add(chosen.name, hashes[-1], queued, now)
         return Placement(chosen, tuple(hashes), predicted, spilled,
-                         functools.partial(self.queue.prefilled, chosen.name, token), rank)
+                         functools.partial(self.queue.prefilled, chosen.name, token), rank,
+                         media_keys=media)
 
     def remembered(
         self,
@@ -653,7 +657,7 @@ class KvAware:
         if placement.prefilled is not None:
             placement.prefilled()
         self._remember(rank_memory(placement.engine.name, placement.dp_rank),
-                       self.hashes(token_ids), self.clock())
+                       self.hashes(token_ids, placement.media_keys), self.clock())
 
     def _remember(self, engine: str, hashes: Sequence[int], now: float) -> None:
         self.approx.record(engine, hashes, now)  # and its mirror, the homes

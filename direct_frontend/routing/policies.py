@@ -26,6 +26,8 @@ class RequestView:
     max_tokens: int
     #: the session's routing key (routing/affinity.py), when the request carries one
     routing_key: str | None = None
+    #: (image hash, placeholder offset, length) per image: they key the blocks they fill
+    media_keys: tuple[tuple[str, int, int], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -45,6 +47,8 @@ class Placement:
     prefilled: Callable[[], None] | None = None
     #: the engine's data-parallel rank to run on (one of ``engine.dp_ranks``); None: any
     dp_rank: int | None = None
+    #: the request's images' KV keys (:attr:`RequestView.media_keys`), for what it leaves
+    media_keys: tuple[tuple[str, int, int], ...] = ()
 
 
 class Policy(Protocol):

@@ -173,6 +173,8 @@ class Job:
         self.aborted = False
         self._signal: asyncio.Future[None] | None = None
         self.prompt_ids: Sequence[int] = ()
+        #: the prompt's images: (hash, placeholder offset, length), keying their KV blocks
+        self.media: tuple[tuple[str, int, int], ...] = ()
         self.cached_tokens = 0  # prompt tokens already held (prefix cache, or a P/D handoff)
         self.kv: KvAllocation | None = None
         #: the prefix cache it runs against: a LoRA adapter's own, else (set on admission)
@@ -384,7 +386,7 @@ class SimCore:
                     self._set_state(job, JobState.RUNNING)
                     cache = job.cache
                     if cache is not None and not job.internal:
-                        job.kv = cache.admit(job.prompt_ids)
+                        job.kv = cache.admit(job.prompt_ids, job.media)
                         # a decode leg's KV may have arrived from a prefill engine already
                         job.cached_tokens = max(job.cached_tokens, job.kv.cached_tokens)
                     if not job.aborted:

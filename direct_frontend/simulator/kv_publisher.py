@@ -186,7 +186,8 @@ def vllm_batch(events: Sequence[CacheEvent], ts: float, rank: int | None = 0) ->
                     lora_id=None,
                     medium="GPU",
                     lora_name=None,
-                    extra_keys=[None] * len(event.block_hashes),
+                    extra_keys=(event.extra_keys if any(event.extra_keys)
+                                else [None] * len(event.block_hashes)),
                     group_idx=0,
                     kv_cache_spec_kind="full_attention",
                 )

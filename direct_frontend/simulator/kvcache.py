@@ -27,6 +27,8 @@ import hashlib
 from collections.abc import Callable, Sequence
 from typing import Literal, TypeAlias
 
+from direct_frontend.simulator.multimodal import MediaKey, block_extra_keys
+
 __all__ = [
     "CacheCleared",
     "CacheEvent",
@@ -51,6 +53,8 @@ class StoredRun:
     parent_block_hash: int | bytes | None
     token_ids: list[int]
     block_size: int
+    #: per block, the images' (hash, offset) pairs that key it (None: a text block)
+    extra_keys: list[list[tuple[str, int]] | None] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -127,14 +131,17 @@ class SimPrefixCache:
     def __len__(self) -> int:
         return len(self._blocks)
 
-    def digest(self, parent: bytes | None, tokens: Sequence[int]) -> bytes:
-        """The chained digest of one block."""
+    def digest(self, parent: bytes | None, tokens: Sequence[int],
+               extra: Sequence[tuple[str, int]] | None = None) -> bytes:
+        """The chained digest of one block (its images' keys in it, as vLLM hashes them)."""
         h = hashlib.sha256()
         if parent is not None:
             h.update(parent)
         elif self.style != "sglang":
             h.update(_VLLM_ROOT)
         h.update(array.array("I", tokens).tobytes())
+        if extra:
+            h.update(repr(list(extra)).encode())
         return h.digest()
 
     def wire_hashes(self, token_ids: Sequence[int]) -> list[int | bytes]:
@@ -161,16 +168,20 @@ class SimPrefixCache:
 
     # -- a request's life ------------------------------------------------------
 
-    def admit(self, prompt: Sequence[int]) -> KvAllocation:
-        """Look the prompt up, pin the hit, store and announce its other full blocks."""
+    def admit(self, prompt: Sequence[int], media: Sequence[MediaKey] = ()) -> KvAllocation:
+        """Look the prompt up, pin the hit, store and announce its other full blocks.
+
+        ``media``: the prompt's images, whose hashes key the blocks they fill.
+        """
         alloc = KvAllocation(self._epoch, list(prompt), [], None, 0, open=self.enabled)
         if not self.enabled:
             return alloc
         bs = self.block_size
         digests: list[bytes] = []
         parent: bytes | None = None
-        for start in range(0, len(prompt) - bs + 1, bs):
-            parent = self.digest(parent, prompt[start : start + bs])
+        extras = block_extra_keys(media, bs, len(prompt) // bs)
+        for i, start in enumerate(range(0, len(prompt) - bs + 1, bs)):
+            parent = self.digest(parent, prompt[start : start + bs], extras[i])
             digests.append(parent)
         hit = 0
         for digest in digests:
@@ -186,7 +197,7 @@ class SimPrefixCache:
         run = self._new_run(digests[hit - 1] if hit else None)
         for i in range(hit, len(digests)):
             block = prompt[i * bs : (i + 1) * bs]
-            run = self._store(alloc, digests[i], block, run, events, removed)
+            run = self._store(alloc, digests[i], block, run, events, removed, extras[i])
         alloc.last_digest = digests[-1] if digests else None
         self._emit(removed, events, run)
         return alloc
@@ -251,6 +262,7 @@ class SimPrefixCache:
         run: StoredRun,
         events: list[CacheEvent],
         removed: list[int | bytes],
+        extra: list[tuple[str, int]] | None = None,
     ) -> StoredRun:
         """Cache one new full block after ``run``'s; returns the run to continue."""
         if not alloc.open:
@@ -274,6 +286,7 @@ class SimPrefixCache:
         self._pin(digest, alloc)
         run.block_hashes.append(wire)
         run.token_ids.extend(tokens)
+        run.extra_keys.append(extra)
         return run
 
     def _pin(self, digest: bytes, alloc: KvAllocation) -> None:

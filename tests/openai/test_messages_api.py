@@ -65,7 +65,12 @@ def test_tool_choice_as_chats(choice: dict[str, Any], mode: str, parallel: bool)
     ({"max_tokens": None, "messages": [{"role": "user", "content": "hi"}]}, "max_tokens"),
     ({}, "messages"),
     ({"messages": [{"role": "system", "content": "hi"}]}, "messages.0.role"),
+    ({"messages": [{"role": "user", "content": [{"type": "document"}]}]},
+     "messages.0.content.0.type"),
     ({"messages": [{"role": "user", "content": [{"type": "image"}]}]},
+     "messages.0.content.0.source.type"),
+    ({"messages": [{"role": "assistant", "content": [{"type": "image", "source": {
+        "type": "url", "url": "https://example.com/a.png"}}]}]},
      "messages.0.content.0.type"),
     ({"messages": [{"role": "user", "content": [{"type": "tool_use", "id": "x", "name": "f"}]}]},
      "messages.0.content.0.type"),

@@ -406,9 +406,9 @@ def test_stop_strings_up_to_the_bound_are_fine() -> None:
         ({"stop": ""}, "stop", "must not be empty"),
         ({"max_tokens": 3, "min_tokens": 5}, "min_tokens", "must not exceed"),
         (
-            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+            {"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]},
             "messages[0].content[0].type",
-            "'image_url' is not supported",
+            "'input_audio' is not supported",
         ),
     ],
 )

@@ -56,7 +56,7 @@ def test_a_string_input_is_one_user_turn_and_a_named_choice_forces_it() -> None:
     ({"input": [{"type": "web_search_call"}]}, "input[0].type"),
     ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0].type"),
     ({"input": [{"type": "function_call", "name": "f"}]}, "input[0].call_id"),
-    ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]},
+    ({"input": [{"role": "user", "content": [{"type": "input_file"}]}]},
      "input[0].content[0].type"),
 ])
 def test_what_the_server_cannot_take_is_a_400(fields: dict[str, Any], param: str) -> None:

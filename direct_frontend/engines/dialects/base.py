@@ -77,6 +77,9 @@ class Capabilities:
     #: a request may name the data-parallel rank it runs on, and the stock engine honours it
     #: (vLLM; SGLang's contract has the field, its stock servicer drops it)
     dp_rank_pin: bool = False
+    #: a request's preprocessed images (``MultimodalInputs``: tensors, placeholder ranges,
+    #: image hashes) reach the engine (SGLang, vLLM; TensorRT-LLM's takes raw bytes only)
+    images: bool = False
 
 
 #: sampling fields some contracts lack: a request that sets one goes to a kind that carries it

@@ -44,7 +44,7 @@ import dataclasses
 import random
 from collections.abc import Sequence
 from types import ModuleType
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from google.protobuf import json_format
 from grpclib.const import Status
@@ -77,6 +77,9 @@ from direct_frontend.engines.neutral import (
 )
 from direct_frontend.errors import EngineError
 from direct_frontend.protos import sglang_scheduler_pb2 as pb
+
+if TYPE_CHECKING:
+    from direct_frontend.multimodal.payload import MediaPayload
 
 SERVICE = "/sglang.grpc.scheduler.SglangScheduler"
 ROLES = {"prefill": EngineRole.PREFILL, "decode": EngineRole.DECODE, "null": EngineRole.BOTH}
@@ -113,7 +116,7 @@ class SglangDialect(SmgDialect):
         prefill_decode=True, bootstrap_server=True, optional=frozenset({"logit_bias"}),
         # The contract has data_parallel_rank (16), but the stock servicer (smg-grpc-servicer
         # 0.14.1) never passes it on to the scheduler: SGLang's DP controller places requests.
-        lora_adapters=True, embeddings=True,
+        lora_adapters=True, embeddings=True, images=True,
     )
     limits: ClassVar[WireLimits] = WireLimits(top_k=INT32_MAX)  # top_k is an int32 here
     service: ClassVar[str] = SERVICE
@@ -161,6 +164,8 @@ class SglangDialect(SmgDialect):
             request.disaggregated_params.bootstrap_host = pd.bootstrap_host
             request.disaggregated_params.bootstrap_port = pd.bootstrap_port
             request.disaggregated_params.bootstrap_room = pd.bootstrap_room
+        if call.media is not None:
+            mm_inputs(request.mm_inputs, call.media)
         return Rpc(f"{SERVICE}/Generate", request, pb.GenerateResponse)
 
     def stream_decoder(self, call: GenerateCall) -> StreamDecoder:
@@ -255,3 +260,24 @@ class SglangDialect(SmgDialect):
 def _positive(value: Any) -> int | None:
     """A Struct number as a positive int (None: absent, zero or not a number)."""
     return int(value) if isinstance(value, (int, float)) and value > 0 else None
+
+
+def mm_inputs(message: Any, media: MediaPayload) -> None:
+    """A request's images as SGLang's ``MultimodalInputs``: ``pixel_values`` and the
+    model-specific tensors (``image_grid_thw``) preprocessed, the placeholder runs in the
+    prompt's (expanded) ids, the image token. The contract has no field for the images'
+    hashes; SGLang keys its radix cache by its own."""
+    batch = media.batch
+    message.modalities.append("image")
+    pixels = batch.pixel_values
+    message.pixel_values.data = pixels.data
+    message.pixel_values.shape.extend(pixels.shape)
+    message.pixel_values.dtype = pixels.dtype
+    for name, tensor in batch.tensors:
+        entry = message.model_specific_tensors[name]
+        entry.data = tensor.data
+        entry.shape.extend(tensor.shape)
+        entry.dtype = tensor.dtype
+    message.im_token_id = media.image_token_id
+    for offset, length in media.placeholders:
+        message.mm_placeholders.add(offset=offset, length=length)

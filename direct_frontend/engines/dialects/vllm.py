@@ -49,7 +49,7 @@ import time
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from types import ModuleType
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from direct_frontend.engines.dialects.base import (
     Capabilities,
@@ -71,7 +71,12 @@ from direct_frontend.engines.neutral import (
     EngineRole,
     GenerateCall,
 )
+from direct_frontend.protos import common_pb2 as common_pb
 from direct_frontend.protos import vllm_engine_pb2 as pb
+
+if TYPE_CHECKING:
+    from direct_frontend.multimodal.payload import MediaPayload
+    from direct_frontend.multimodal.processors import Tensor
 
 SERVICE = "/vllm.grpc.engine.VllmEngine"
 ROLES = {
@@ -189,7 +194,7 @@ class VllmDialect(SmgDialect):
     kind: ClassVar[str] = "vllm"
     capabilities: ClassVar[Capabilities] = Capabilities(
         prefill_decode=True, text_input=True, optional=frozenset({"seed", "logit_bias"}),
-        embeddings=True, dp_rank_pin=True,
+        embeddings=True, dp_rank_pin=True, images=True,
     )
     limits: ClassVar[WireLimits] = WireLimits(top_k=UINT32_MAX)  # top_k is a uint32 here
     service: ClassVar[str] = SERVICE
@@ -237,6 +242,8 @@ class VllmDialect(SmgDialect):
         pd = call.disaggregation
         if pd is not None and pd.kv_transfer_params_json is not None:
             request.kv_transfer_params_json = pd.kv_transfer_params_json  # verbatim (§9.2)
+        if call.media is not None:
+            mm_inputs(request.mm_inputs, call.media)
         return Rpc(f"{SERVICE}/Generate", request, pb.GenerateResponse)
 
     def stream_decoder(self, call: GenerateCall) -> StreamDecoder:
@@ -305,6 +312,37 @@ class VllmDialect(SmgDialect):
         if kv_connector(prefill.info) == MOONCAKE:
             return mooncake_legs(call, prefill, f"{rng.getrandbits(128):032x}")
         return LegPlan(prefill_leg(call), call, parallel=False, relays_kv_params=True)
+
+
+def _tensor(message: Any, tensor: Tensor) -> None:
+    message.shape.extend(tensor.shape)
+    message.dtype = tensor.dtype
+    message.inline = tensor.data
+
+
+def mm_inputs(message: Any, media: MediaPayload) -> None:
+    """A request's images as the servicer's ``MultimodalInputs`` (smg-grpc-servicer 0.14.1).
+
+    The servicer builds vLLM's multimodal input from it without running the
+    model's processor: ``pixel_values`` and the model-specific tensors become
+    the model's keyword arguments, sliced per image as ``batched_keys`` and
+    ``flat_keys`` say; ``mm_placeholders`` are the images' runs in the prompt
+    (already expanded); ``mm_hashes`` their identities, which key the encoder
+    cache and the KV blocks the runs fill.
+    """
+    batch = media.batch
+    message.modality = common_pb.IMAGE
+    _tensor(message.pixel_values, batch.pixel_values)
+    for name, tensor in batch.tensors:
+        _tensor(message.model_specific_tensors[name], tensor)
+    message.im_token_id = media.image_token_id
+    for offset, length in media.placeholders:
+        message.mm_placeholders.add(offset=offset, length=length)
+    message.mm_hashes.extend(media.hashes)
+    message.batched_keys.extend(batch.batched_keys)
+    for name, sizes in batch.flat_keys:
+        message.flat_keys[name] = sizes
+    message.keep_on_cpu_keys.extend(batch.keep_on_cpu_keys)
 
 
 def first_rank(loads: Any) -> int | None:

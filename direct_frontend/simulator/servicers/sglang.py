@@ -22,6 +22,7 @@ from direct_frontend.simulator.kvcache import SimPrefixCache
 from direct_frontend.simulator.logprobs import fill_smg
 from direct_frontend.simulator.lora import LoraSlots
 from direct_frontend.simulator.model import Finish, StopCriteria
+from direct_frontend.simulator.multimodal import check_inputs
 from direct_frontend.simulator.servicers.common import (
     SIM_VERSION,
     SmgServicer,
@@ -91,6 +92,8 @@ class SglangServicer(SmgServicer, SglangSchedulerBase):
             raise GRPCError(Status.INVALID_ARGUMENT, "Tokenized input must be provided")
         prompt = list(request.tokenized.input_ids)
         check_prompt(core, prompt, self.prompt_limit)
+        media = (check_inputs(request.mm_inputs, prompt, inline=False)
+                 if request.HasField("mm_inputs") else ())
         params = request.sampling_params
         if params.n > 1:
             raise GRPCError(Status.UNIMPLEMENTED, "The simulator does not support n > 1")
@@ -107,6 +110,7 @@ class SglangServicer(SmgServicer, SglangSchedulerBase):
         constraint = None if which is None else (which, getattr(params, which))
         forced = constrained_output(core, constraint, prompt)
         job = core.new_job(request_id, prompt, criteria, forced=forced)
+        job.media = media
         if request.lora_id:
             job.cache = adapter_cache(core, request.lora_id)  # per adapter, not per rank
         job.cached_tokens = handoff.transferred

@@ -20,6 +20,7 @@ from direct_frontend.protos.vllm_engine_grpc import VllmEngineBase
 from direct_frontend.simulator import disagg
 from direct_frontend.simulator.logprobs import RANKS, fill_smg
 from direct_frontend.simulator.model import Finish, StopCriteria
+from direct_frontend.simulator.multimodal import check_inputs
 from direct_frontend.simulator.servicers.common import (
     SIM_VERSION,
     SmgServicer,
@@ -126,6 +127,8 @@ class VllmServicer(SmgServicer, VllmEngineBase):
             raise GRPCError(Status.INVALID_ARGUMENT, "The prompt cannot be empty")
         prompt = list(request.tokenized.input_ids)
         check_prompt(core, prompt, self.prompt_limit)
+        media = (check_inputs(request.mm_inputs, prompt, inline=True)
+                 if request.HasField("mm_inputs") else ())
         if request.HasField("kv_transfer_params_json"):
             _check_kv_transfer_params(request.kv_transfer_params_json)
         rank = pinned_rank(core, request)
@@ -154,6 +157,7 @@ class VllmServicer(SmgServicer, VllmEngineBase):
         )
         job.cached_tokens = handoff.transferred
         job.rank = rank
+        job.media = media
         output = job.generation.output_ids
         prompt_tokens = len(prompt)
         logprobs = core.logprobs(

@@ -1,0 +1,116 @@
+"""The simulated engines' multimodal inputs: checked as a stock servicer would build them.
+
+A stock vLLM servicer (smg-grpc-servicer 0.14.1) turns a preprocessed
+``MultimodalInputs`` into the model's keyword arguments without the model's
+processor: a tensor whose bytes do not fill its shape, placeholder runs out
+of the prompt or not of the image token, a flat tensor whose per-image sizes
+do not add up, or a hash per image missing, fail there or in the model. The
+simulator refuses the same things with ``INVALID_ARGUMENT``, so a router bug
+shows up in tests. It keeps the images' (hash, offset, length) to key the KV
+blocks their tokens fill, as vLLM does (``_gen_mm_extra_hash_keys``): each
+block overlapping an image's run carries (the hash, the run's offset from
+the block's start) in its hash and in its ``BlockStored`` ``extra_keys``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from grpclib import GRPCError, Status
+
+#: one image: (its hash, its placeholder run's offset in the prompt, the run's length)
+MediaKey = tuple[str, int, int]
+
+_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "uint32": 4, "int32": 4}
+
+
+def _refuse(message: str) -> GRPCError:
+    return GRPCError(Status.INVALID_ARGUMENT, f"multimodal input: {message}")
+
+
+def _elements(tensor: Any, name: str, inline: bool) -> int:
+    size = _SIZES.get(tensor.dtype)
+    if size is None:
+        raise _refuse(f"{name} has dtype {tensor.dtype!r}")
+    count: int = math.prod(tensor.shape)
+    data = tensor.inline if inline else tensor.data
+    if len(data) != count * size:
+        raise _refuse(f"{name} holds {len(data)} bytes for shape {list(tensor.shape)} "
+                      f"of {tensor.dtype}")
+    return count
+
+
+def _ints(tensor: Any, inline: bool) -> list[int]:
+    data = tensor.inline if inline else tensor.data
+    width = _SIZES[tensor.dtype]
+    return [int.from_bytes(data[i:i + width], "little", signed=True)
+            for i in range(0, len(data), width)]
+
+
+def check_inputs(mm: Any, prompt: Sequence[int], *, inline: bool, merge_size: int = 2,
+                 ) -> tuple[MediaKey, ...]:
+    """The images' KV keys once ``mm`` (either contract's ``MultimodalInputs``) checks out.
+
+    ``inline``: vLLM's ``TensorData`` (bytes in ``inline``), else SGLang's (``data``).
+    Placeholders must lie in the prompt, in order, each run all ``im_token_id``;
+    with ``image_grid_thw`` (Qwen-VL), ``pixel_values`` has one row per patch of
+    every image and each run ``t·h·w / merge_size²`` tokens.
+    """
+    ranges = [(p.offset, p.length) for p in mm.mm_placeholders]
+    if not ranges:
+        raise _refuse("no mm_placeholders")
+    if not mm.HasField("pixel_values"):
+        raise _refuse("no pixel_values")
+    pixels = mm.pixel_values
+    _elements(pixels, "pixel_values", inline)
+    if not mm.HasField("im_token_id"):
+        raise _refuse("no im_token_id")
+    token = mm.im_token_id
+    end = 0
+    for offset, length in ranges:
+        if offset < end or length < 1 or offset + length > len(prompt):
+            raise _refuse(f"placeholder ({offset}, {length}) overlaps another or leaves the "
+                          f"prompt of {len(prompt)} tokens")
+        if any(prompt[i] != token for i in range(offset, offset + length)):
+            raise _refuse(f"placeholder ({offset}, {length}) is not a run of token {token}")
+        end = offset + length
+    tensors = dict(mm.model_specific_tensors)
+    for name, tensor in tensors.items():
+        _elements(tensor, name, inline)
+    grid = tensors.get("image_grid_thw")
+    if grid is not None:
+        if list(grid.shape) != [len(ranges), 3]:
+            raise _refuse(f"image_grid_thw has shape {list(grid.shape)} for {len(ranges)} images")
+        values = _ints(grid, inline)
+        patches = [values[i] * values[i + 1] * values[i + 2] for i in range(0, len(values), 3)]
+        if len(pixels.shape) != 2 or pixels.shape[0] != sum(patches):
+            raise _refuse(f"pixel_values has shape {list(pixels.shape)} for {sum(patches)} "
+                          "patches")
+        for (offset, length), count in zip(ranges, patches, strict=True):
+            if length * merge_size * merge_size != count:
+                raise _refuse(f"placeholder at {offset} has {length} tokens for {count} patches")
+    elif pixels.shape[0] != len(ranges):
+        raise _refuse(f"pixel_values has {pixels.shape[0]} images for {len(ranges)} "
+                      "placeholders")
+    hashes = list(getattr(mm, "mm_hashes", ()))
+    if inline and len(hashes) != len(ranges):
+        raise _refuse(f"{len(hashes)} mm_hashes for {len(ranges)} images")
+    if not hashes:  # SGLang's contract carries none: key by position alone
+        hashes = [f"image-{i}" for i in range(len(ranges))]
+    return tuple((h, offset, length) for h, (offset, length) in zip(hashes, ranges, strict=True))
+
+
+def block_extra_keys(media: Sequence[MediaKey], block_size: int,
+                     n_blocks: int) -> list[list[tuple[str, int]] | None]:
+    """Each block's (hash, offset from the block's start) pairs, as vLLM keys them."""
+    extras: list[list[tuple[str, int]] | None] = [None] * n_blocks
+    for identifier, offset, length in media:
+        for block in range(offset // block_size,
+                           min(n_blocks, -(-(offset + length) // block_size))):
+            keys = extras[block]
+            if keys is None:
+                keys = extras[block] = []
+            keys.append((identifier, offset - block * block_size))
+    return extras
