@@ -89,7 +89,10 @@ def anthropic_error_body(err: OpenAIHTTPError) -> bytes:
     """An error in Anthropic's shape: ``{"type": "error", "error": {"type", "message"}}``."""
     kind = _ERROR_TYPES.get(err.status, "api_error" if err.status >= 500 else
                             "invalid_request_error")
-    return _encode({"type": "error", "error": {"type": kind, "message": err.message}})
+    message = err.message
+    if err.code == "invalid_image" and err.param:  # the shape has no param: name the block
+        message = f"{err.param}: {message}"
+    return _encode({"type": "error", "error": {"type": kind, "message": message}})
 
 
 def _list(value: Any, param: str) -> list[Any]:

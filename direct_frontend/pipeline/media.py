@@ -75,8 +75,8 @@ def refuse_images(model: str, parts: Sequence[ImagePart]) -> OpenAIHTTPError:
     """The 400 of a request with images to a model that takes none."""
     return invalid_request(
         f"The model '{model}' does not take images: only text content parts are supported "
-        "for it.", f"{parts[0].param}.type" if parts[0].param.endswith(
-            ".image_url") else parts[0].param)
+        "for it.", param.removesuffix(".image_url") + ".type"
+        if (param := parts[0].param).endswith(".image_url") else param)
 
 
 async def _one(part: ImagePart, profile: MediaProfile) -> tuple[ProcessedImage, str]:
