@@ -35,6 +35,7 @@ from direct_frontend.multimodal.policy import (
     MediaPolicy,
     address_allowed,
     check_bytes,
+    check_declared,
     check_pixels,
     check_url,
     redirect_target,
@@ -142,6 +143,8 @@ async def _fetch(url: str, policy: MediaPolicy, param: str,
                     if status != 200:
                         raise MediaError(f"Fetching the image failed: the server answered "
                                          f"HTTP {status}.", param)
+                    media_type = check_declared(
+                        headers.get(b"content-type", b"").decode("latin-1"), param)
                     declared = headers.get(b"content-length")
                     if declared is not None and declared.isdigit() and int(
                             declared) > policy.max_bytes:
@@ -153,7 +156,6 @@ async def _fetch(url: str, policy: MediaPolicy, param: str,
                         if len(body) > policy.max_bytes:
                             raise MediaError(f"The image is larger than the {policy.max_bytes} "
                                              "bytes this model accepts.", param)
-                    media_type = headers.get(b"content-type", b"").decode("latin-1")
                     return bytes(body), media_type
             except _Refused as refused:
                 shown = ", ".join(refused.addresses) or "no address"

@@ -69,13 +69,20 @@ def sniff(data: bytes) -> str | None:
     return None
 
 
-def check_bytes(data: bytes, declared: str, param: str) -> str:
-    """The format of ``data``; a 400 unless its signature is a format we decode and any
-    declared media type (a data URL's, a response's ``Content-Type``) agrees with it."""
+def check_declared(declared: str, param: str) -> str:
+    """A declared media type (a data URL's, a response's ``Content-Type``), normalised; a
+    400 unless it is an image format we decode or says nothing about the bytes."""
     declared = declared.split(";", 1)[0].strip().lower()
     if declared and declared not in _UNTYPED and declared not in FORMATS:
         raise MediaError(f"The content type '{declared}' is not an image format this server "
                          "reads (PNG, JPEG, GIF, WebP).", param)
+    return declared
+
+
+def check_bytes(data: bytes, declared: str, param: str) -> str:
+    """The format of ``data``; a 400 unless its signature is a format we decode and any
+    declared media type agrees with it."""
+    declared = check_declared(declared, param)
     found = sniff(data)
     if found is None:
         raise MediaError("The data is not a PNG, JPEG, GIF or WebP image (its first bytes are "

@@ -32,6 +32,11 @@ def data_url(data: bytes, media_type: str = "image/png") -> str:
     return f"data:{media_type};base64,{base64.b64encode(data).decode()}"
 
 
+def path_has_length(path: str) -> bool:
+    """Bodies under ``/unsized/`` go without a Content-Length (read until the close)."""
+    return not path.startswith("/unsized/")
+
+
 class ImageServer:
     """An HTTP server on ``host`` serving ``routes``: path → (status, headers, body).
 
@@ -51,7 +56,7 @@ class ImageServer:
                 self.send_response(status)
                 for key, value in headers.items():
                     self.send_header(key, value)
-                if "Content-Length" not in headers:
+                if "Content-Length" not in headers and path_has_length(self.path):
                     self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)
