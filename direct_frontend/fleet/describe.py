@@ -251,6 +251,17 @@ def model_json(model: ModelConfig) -> dict[str, JsonValue]:
         "owned_by": model.owned_by,
         "tool_parser": model.tool_parser,
         "reasoning_parser": model.reasoning_parser,
+        "media": {
+            "images": model.media.images,
+            "fetch": model.media.fetch,
+            "allowed_hosts": list(model.media.allowed_hosts),
+            "allowed_networks": list(model.media.allowed_networks),
+            "max_image_bytes": model.media.max_image_bytes,
+            "max_image_pixels": model.media.max_image_pixels,
+            "max_images": model.media.max_images,
+            "fetch_timeout_s": model.media.fetch_timeout_s,
+            "max_redirects": model.media.max_redirects,
+        },
         "sampling": {
             "temperature": sampling.temperature,
             "top_p": sampling.top_p,
@@ -420,7 +431,22 @@ def _model_rows(model: ModelConfig) -> list[tuple[str, str]]:
                    f" queue_timeout_s = {_scalar(limits.queue_timeout_s)}"),
         ("adapters", adapters or "none"),
         ("max_adapters_per_engine", str(model.max_adapters_per_engine)),
+        ("media", _media_row(model)),
     ]
+
+
+def _media_row(model: ModelConfig) -> str:
+    media = model.media
+    if not media.images:
+        return "images refused (images = false)"
+    where = "data URLs only" if not media.fetch else (
+        "http(s) from " + (", ".join(media.allowed_hosts) or "any public host")
+        + ("; private networks allowed: " + ", ".join(media.allowed_networks)
+           if media.allowed_networks else ""))
+    return (f"images when the model directory has a processor we have; {where}; at most "
+            f"{media.max_images} a request, {media.max_image_bytes} bytes and "
+            f"{media.max_image_pixels} pixels each, fetched within "
+            f"{_scalar(media.fetch_timeout_s)} s")
 
 
 def _pool_rows(pool: PoolConfig) -> list[tuple[str, str]]:

@@ -89,6 +89,17 @@ def test_model_tables_resolve_with_their_defaults() -> None:
     assert fleet.engine_model(fleet.engines[1]) is None  # discovery decides
 
 
+def test_model_media_tables_resolve() -> None:
+    fleet = parse(TWO_MODELS.replace('tokenizer = "coder-tok"', 'tokenizer = "coder-tok"\n'
+                                     '[model.media]\n'
+                                     'allowed_networks = ["127.0.0.1", "fd00::/8"]\n'
+                                     'allowed_hosts = ["Images.Example.com"]\nfetch = false'))
+    media = fleet.models[1].media
+    assert media.allowed_networks == ("127.0.0.1/32", "fd00::/8")
+    assert media.allowed_hosts == ("images.example.com",) and media.fetch is False
+    assert media.images and fleet.models[0].media.allowed_networks == ()
+
+
 def test_a_file_without_model_tables_is_a_fleet_of_one() -> None:
     fleet = parse('[frontend]\nserved_model_name = "demo"\ntokenizer = "t"\n'
                   '[[engine]]\nurl = "grpc://h:1"\nkind = "vllm"\n')
@@ -121,6 +132,11 @@ def test_check_shows_every_resolved_model() -> None:
      "fleet.toml:8: model[1].adapter[1].name: required"),
     ('name = "x"\n[model.routing]\npolicy = "best"', "fleet.toml:9: model[1].routing.policy:"
      " 'best' is not a valid policy"),
+    ('name = "x"\n[model.media]\nallowed_networks = ["10.0.0.0/8", "intranet"]',
+     "fleet.toml:9: model[1].media.allowed_networks[2]: 'intranet' is not a network"),
+    ('name = "x"\n[model.media]\nmax_images = 0', "fleet.toml:9: model[1].media.max_images:"
+     " must be at least 1"),
+    ('name = "x"\n[model.media]\nfetch = "yes"', "fleet.toml:9: model[1].media.fetch:"),
 ])
 def test_bad_model_tables_name_line_and_field(table: str, expected: str) -> None:
     text = f'[frontend]\ntokenizer = "t"\n[[engine]]\nurl = "grpc://h:1"\nkind = "vllm"\n' \

@@ -23,6 +23,7 @@ from direct_frontend.kv.index import (
     ROOT_SEED,
     KvIndex,
     block_content_hash,
+    mm_block_extras,
     namespace_seed,
     prefix_hashes,
 )
@@ -468,3 +469,25 @@ def test_a_malformed_snapshot_rank_says_so() -> None:
     rank = RankSnapshot("a", "u", "e", 0, 1, b"\0" * 16, b"\0" * 8)
     with pytest.raises(ValueError, match="differ in number"):
         list(rank.blocks())
+
+
+def test_an_image_prefix_matches_the_same_image_as_vllm_publishes_it() -> None:
+    """vLLM keys each block an image's run overlaps with (its hash, the run's offset from the
+    block's start) and publishes those pairs per block; a request keyed the same way matches
+    them, the same tokens of another image do not, nor do they match text."""
+    index = KvIndex(BS)
+    tokens = [*seq_tokens(1), *([9] * 6), *seq_tokens(1, 300)[:2]]  # 3 blocks: text, run, run
+    media = [("img-a", 4, 6)]  # the run covers [4, 10): blocks 1 and 2
+    # vLLM 0.32's wire: per block, a tuple of (identifier, offset) pairs, or nil
+    wire = ["BlockStored", [11, 12, 13], None, tokens, BS, None, "GPU", None,
+            [None, [["img-a", 0]], [["img-a", -4]]]]
+    batch = decode_payload(msgspec.msgpack.encode([1.0, [wire], 0]))
+    index.apply("v", batch)
+    assert index.lookup_hashes(prefix_hashes(tokens, BS, media=media)) == {"v": 3}
+    assert index.lookup_hashes(prefix_hashes(tokens, BS, media=[("img-b", 4, 6)])) == {"v": 1}
+    assert index.lookup_hashes(prefix_hashes(tokens, BS, media=[("img-a", 5, 5)])) == {"v": 1}
+    assert index.lookup(tokens) == {"v": 1}  # text alone: only the block before the image
+    assert mm_block_extras(media, BS, 3) == [None, [["img-a", 0]], [["img-a", -4]]]
+    # two images in one block, the second starting mid-block
+    assert mm_block_extras([("a", 0, 2), ("b", 2, 5)], BS, 2) == [
+        [["a", 0], ["b", 2]], [["b", -2]]]
