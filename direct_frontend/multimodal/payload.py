@@ -16,8 +16,10 @@ URLs, http(s) URLs), with the prompt's one unexpanded placeholder per image
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import hashlib
+from collections.abc import Sequence
 
 from direct_frontend.multimodal.processors import Batch
 
@@ -47,14 +49,52 @@ class MediaPayload:
     placeholders: tuple[tuple[int, int], ...]
     hashes: tuple[str, ...]
     family: str = ""
-    #: the images as the client sent them, for a worker that fetches and processes them
+    #: the images as the client sent them (URLs), for a worker that processes them itself
     refs: tuple[str, ...] = ()
-    #: the prompt before expansion: one placeholder token per image (with ``refs``)
-    anchor_ids: tuple[int, ...] = ()
+    #: each image's bytes and declared media type, as fetched (for a ``data:`` reference)
+    sources: tuple[tuple[bytes, str], ...] = dataclasses.field(default=(), repr=False)
+    #: set for an engine that processes media itself: the URL schemes it fetches; the
+    #: dialect then sends references and the unexpanded prompt instead of tensors
+    ref_schemes: frozenset[str] | None = None
 
     @property
     def count(self) -> int:
         return len(self.placeholders)
+
+    def can_reference(self, schemes: frozenset[str]) -> bool:
+        """Whether a worker fetching ``schemes`` can be sent every image as a reference."""
+        return all(("data" in schemes and data) or ref.split(":", 1)[0].lower() in schemes
+                   for ref, (data, _) in zip(self.refs, self.sources, strict=True))
+
+    def references(self, schemes: frozenset[str]) -> tuple[str, ...] | None:
+        """The images as URLs a worker fetching ``schemes`` takes (None: not all can be).
+
+        A ``data:`` URL of the bytes the router fetched, when the worker takes
+        them: it processes exactly the image the router checked, without a second
+        fetch (and without network access of its own); else the client's URL.
+        """
+        out = []
+        for ref, (data, media_type) in zip(self.refs, self.sources, strict=True):
+            if "data" in schemes and data:
+                encoded = base64.b64encode(data).decode()
+                out.append(f"data:{media_type or 'application/octet-stream'};base64,{encoded}")
+            elif ref.split(":", 1)[0].lower() in schemes:
+                out.append(ref)
+            else:
+                return None
+        return tuple(out)
+
+    def anchor_ids(self, input_ids: Sequence[int]) -> list[int]:
+        """``input_ids`` with each image's run cut back to one placeholder token: the prompt
+        a worker expands itself (the token is special, so the unexpanded prompt tokenizes
+        to exactly this)."""
+        out: list[int] = []
+        at = 0
+        for offset, length in self.placeholders:
+            out.extend(input_ids[at:offset + 1])
+            at = offset + length
+        out.extend(input_ids[at:])
+        return out
 
     def kv_items(self) -> tuple[tuple[str, int, int], ...]:
         """(hash, offset, length) per image: what keys the KV blocks its tokens fill."""

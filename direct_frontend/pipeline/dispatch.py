@@ -21,7 +21,7 @@ from direct_frontend.errors import NoEngineAvailable
 from direct_frontend.pipeline.disagg import DisaggPlanner
 from direct_frontend.pipeline.disagg_driver import run_pair
 from direct_frontend.pipeline.leg import EngineCall, FleetView, run_leg
-from direct_frontend.routing.catalog import Catalog
+from direct_frontend.routing.catalog import Catalog, EngineHandle
 from direct_frontend.routing.policies import Placement, Policy, RequestView
 
 __all__ = ["Dispatcher", "EngineCall", "FleetView", "WaitableFleet"]
@@ -33,6 +33,18 @@ class WaitableFleet(FleetView, Protocol):
     async def wait_for_catalog(self, newer_than: int) -> Catalog:
         """The catalog once its version is past ``newer_than``; the caller bounds the wait."""
         ...
+
+
+def by_reference(call: GenerateCall, engine: EngineHandle) -> GenerateCall:
+    """``call`` with its images as references when ``engine`` processes media itself (its
+    discovery says so) and takes every image's reference, else as tensors."""
+    assert call.media is not None
+    schemes = engine.transport.dialect.media_ref_schemes(engine.info)
+    if schemes is not None and not call.media.can_reference(schemes):
+        schemes = None
+    if schemes == call.media.ref_schemes:
+        return call
+    return dataclasses.replace(call, media=dataclasses.replace(call.media, ref_schemes=schemes))
 
 
 class Dispatcher:
@@ -94,6 +106,8 @@ class Dispatcher:
         placement's KV blocks count in the engine's load while the call runs,
         and the call runs on the placement's data-parallel rank, if it names one.
         """
+        if call.media is not None:
+            call = by_reference(call, placement.engine)
         if placement.engine.role is EngineRole.DECODE:
             return run_pair(self.fleet, self.disagg, placement, call, exclude, stall_timeout_s)
         if call.dp_rank != placement.dp_rank:  # each attempt on its own placement's rank

@@ -79,13 +79,16 @@ def refuse_images(model: str, parts: Sequence[ImagePart]) -> OpenAIHTTPError:
         if (param := parts[0].param).endswith(".image_url") else param)
 
 
-async def _one(part: ImagePart, profile: MediaProfile) -> tuple[ProcessedImage, str]:
+Loaded = tuple[ProcessedImage, str, bytes, str]  # the image, its hash, its bytes and type
+
+
+async def _one(part: ImagePart, profile: MediaProfile) -> Loaded:
     """One image fetched (or decoded from its data URL) and preprocessed, with its hash."""
     processor = profile.processor
     assert processor is not None
     data, declared = await image_bytes(part, profile.policy)
 
-    def work() -> tuple[ProcessedImage, str]:
+    def work() -> Loaded:
         image = open_image(data, declared, profile.policy, part.param)
         try:
             processed = processor.process(image, part.detail)
@@ -93,15 +96,15 @@ async def _one(part: ImagePart, profile: MediaProfile) -> tuple[ProcessedImage, 
             raise MediaError(err.message, part.param, err.status) from None
         except (ValueError, OSError) as exc:  # Pillow on an image it decoded but cannot convert
             raise MediaError(f"The image cannot be processed: {exc}.", part.param) from None
-        return processed, image_hash(data, processor.fingerprint, part.detail)
+        digest = image_hash(data, processor.fingerprint, part.detail)
+        return processed, digest, data, declared
 
     return await trio.to_thread.run_sync(work, limiter=profile.limiter)
 
 
-async def load_images(parts: Sequence[ImagePart],
-                      profile: MediaProfile) -> list[tuple[ProcessedImage, str]]:
+async def load_images(parts: Sequence[ImagePart], profile: MediaProfile) -> list[Loaded]:
     """Every image at once; the first failing one (in request order) is the error raised."""
-    results: list[tuple[ProcessedImage, str] | None] = [None] * len(parts)
+    results: list[Loaded | None] = [None] * len(parts)
     errors: list[MediaError | None] = [None] * len(parts)
 
     async with trio.open_nursery() as nursery:
@@ -161,18 +164,19 @@ async def media_prompt(
                                         tools=tools, extra=request.chat_template_kwargs)
     except ChatTemplateError as exc:
         raise invalid_request(str(exc), "messages") from None
-    counts = [image.tokens for image, _ in loaded]
+    counts = [image.tokens for image, *_ in loaded]
     try:
         expanded = expand(prompt, processor.image_token, counts, "messages")
         ids = tuple(await encode(expanded))
         ranges = placeholder_ranges(ids, processor.image_token_id, counts, "messages")
         batch = await trio.to_thread.run_sync(
-            processor.batch, [image for image, _ in loaded], limiter=profile.limiter)
+            processor.batch, [image for image, *_ in loaded], limiter=profile.limiter)
     except MediaError as err:
         raise http_error(err) from None
     payload = MediaPayload(batch, processor.image_token_id, tuple(ranges),
-                           tuple(h for _, h in loaded), processor.family,
-                           refs=tuple(part.url for part in parts))
+                           tuple(h for _, h, *_ in loaded), processor.family,
+                           refs=tuple(part.url for part in parts),
+                           sources=tuple((data, declared) for *_, data, declared in loaded))
     return prompt, ids, payload
 
 

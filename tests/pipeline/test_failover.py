@@ -13,6 +13,7 @@ from direct_frontend.pipeline.failover import (
     FailoverConfig,
     FailoverState,
     continuation,
+    replay,
 )
 from direct_frontend.routing.catalog import Catalog
 from tests.support.fleet import engine
@@ -100,3 +101,16 @@ def test_a_continuation_asks_for_logprobs_again_and_not_for_the_prompts() -> Non
     assert (retry.sampling.logprobs, retry.sampling.prompt_logprobs) == (3, 3)
     moved = continuation(call, (7, 8), 2)  # the prompt's came with the first tokens
     assert (moved.sampling.logprobs, moved.sampling.prompt_logprobs) == (3, None)
+
+
+def test_a_migrated_stream_carries_its_images() -> None:
+    """A continuation's prompt is the client's plus the tokens produced: the images' runs
+    keep their offsets, so the same payload goes to the next engine (and a replay too)."""
+    from direct_frontend.multimodal.payload import MediaPayload
+    from direct_frontend.multimodal.processors import Batch, Tensor
+
+    media = MediaPayload(Batch(Tensor(b"\0" * 4, (1, 1), "float32")), 9, ((1, 2),), ("h",))
+    call = GenerateCall("r", (1, 9, 9, 2), SamplingOptions(max_tokens=8), media=media)
+    moved = continuation(call, (5, 6), 1)
+    assert moved.input_ids == (1, 9, 9, 2, 5, 6) and moved.media is media
+    assert replay(call, 2).media is media

@@ -92,3 +92,39 @@ def test_image_blocks_are_keyed_and_published_by_their_hash() -> None:
     assert cache.admit(prompt, media).cached_tokens == 8  # the last block is recomputed
     assert cache.admit(prompt, (("hash-b", 3, 6),)).cached_tokens == 0
     assert cache.admit(prompt).cached_tokens == 0  # the same tokens as text: another key
+
+
+def test_an_engine_with_a_media_processor_is_sent_references() -> None:
+    """Discovery says whether a vLLM servicer processes media itself; such an engine gets the
+    images as references (a data URL of the bytes the router checked, else the client's URL
+    when its scheme is taken) and the prompt with one placeholder per image."""
+    import types
+
+    from direct_frontend.engines.neutral import EngineInfo, EngineRole
+    from direct_frontend.pipeline.dispatch import by_reference
+    from direct_frontend.routing.catalog import EngineHandle
+
+    prompt, media = payload()
+    media = MediaPayload(media.batch, PAD, media.placeholders, media.hashes,
+                         refs=("https://img.example/a.png", "data:image/png;base64,AAAA"),
+                         sources=((b"\x89PNGa", "image/png"), (b"\x89PNGb", "image/png")))
+    dialect = VllmDialect()
+
+    def engine(processor: str, schemes: str) -> EngineHandle:
+        info = EngineInfo("m", details=(("mm_processor", processor),
+                                        ("mm_media_ref_schemes", schemes)))
+        return EngineHandle("e", "vllm", "grpc://e:1", 1, EngineRole.BOTH, info, 4096,
+                            types.SimpleNamespace(dialect=dialect))
+
+    plain = by_reference(call(prompt, media), engine("", ""))
+    assert plain.media is not None and plain.media.ref_schemes is None
+    assert dialect.generate(plain).request.HasField("mm_inputs")
+    sent = dialect.generate(by_reference(call(prompt, media), engine("inprocess",
+                                                                     "http,https,data")))
+    request = sent.request
+    assert not request.HasField("mm_inputs")
+    assert list(request.tokenized.input_ids) == [1, 2, PAD, 3, PAD, 4, 5, 6]
+    assert [item.url for item in request.media_refs.items] == [
+        "data:image/png;base64,iVBOR2E=", "data:image/png;base64,iVBOR2I="]
+    no_data = dialect.generate(by_reference(call(prompt, media), engine("inprocess", "https")))
+    assert no_data.request.HasField("mm_inputs")  # the data URL cannot go by reference

@@ -636,6 +636,11 @@ class Dialect(abc.ABC):
     def classify(self, exc: BaseException) -> EngineError:
         return classify_exception(exc)
 
+    def media_ref_schemes(self, info: EngineInfo) -> frozenset[str] | None:
+        """The URL schemes an engine fetches images of when it processes media itself
+        (None: it takes preprocessed tensors only)."""
+        return None
+
     # -- prefill/decode pairs (only for kinds whose capabilities say prefill_decode) --
 
     def pairing_group(self, engine: PairingFacts) -> str | None:

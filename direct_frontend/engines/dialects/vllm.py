@@ -231,9 +231,14 @@ class VllmDialect(SmgDialect):
         if s.constraint is not None:
             field, value = constraint_field(s.constraint)
             params[field] = value
+        media = call.media
+        refs = None if media is None or media.ref_schemes is None else media.references(
+            media.ref_schemes)
         request = pb.GenerateRequest(
             request_id=call.request_id,
-            tokenized={"original_text": call.original_text, "input_ids": call.input_ids},
+            tokenized={"original_text": call.original_text,
+                       "input_ids": call.input_ids if refs is None or media is None
+                       else media.anchor_ids(call.input_ids)},
             sampling_params=params,
             stream=call.stream,
         )
@@ -242,9 +247,21 @@ class VllmDialect(SmgDialect):
         pd = call.disaggregation
         if pd is not None and pd.kv_transfer_params_json is not None:
             request.kv_transfer_params_json = pd.kv_transfer_params_json  # verbatim (§9.2)
-        if call.media is not None:
-            mm_inputs(request.mm_inputs, call.media)
+        if refs is not None:  # the worker fetches and processes them itself
+            for url in refs:
+                request.media_refs.items.add(modality=common_pb.IMAGE, url=url)
+        elif media is not None:
+            mm_inputs(request.mm_inputs, media)
         return Rpc(f"{SERVICE}/Generate", request, pb.GenerateResponse)
+
+    def media_ref_schemes(self, info: EngineInfo) -> frozenset[str] | None:
+        """A servicer with a media processor (``GetServerInfo.mm_processor`` not empty)
+        takes ``media_refs`` of the schemes it lists (``mm_media_ref_schemes``)."""
+        details = dict(info.details)
+        if not details.get("mm_processor"):
+            return None
+        schemes = details.get("mm_media_ref_schemes", "")
+        return frozenset(s.strip().lower() for s in schemes.split(",") if s.strip())
 
     def stream_decoder(self, call: GenerateCall) -> StreamDecoder:
         s = call.sampling
@@ -294,6 +311,8 @@ class VllmDialect(SmgDialect):
                 ("kv_cache_dtype", server.kv_cache_dtype),
                 ("model_dtype", server.model_dtype),
                 ("server_type", server.server_type),
+                ("mm_processor", server.mm_processor),
+                ("mm_media_ref_schemes", server.mm_media_ref_schemes),
             ),
         )
 

@@ -127,6 +127,9 @@ class VllmServicer(SmgServicer, VllmEngineBase):
             raise GRPCError(Status.INVALID_ARGUMENT, "The prompt cannot be empty")
         prompt = list(request.tokenized.input_ids)
         check_prompt(core, prompt, self.prompt_limit)
+        if request.HasField("media_refs"):  # as a servicer without a media processor does
+            raise GRPCError(Status.INVALID_ARGUMENT, "media_refs sent but the media processor "
+                            "is off on this worker")
         media = (check_inputs(request.mm_inputs, prompt, inline=True)
                  if request.HasField("mm_inputs") else ())
         if request.HasField("kv_transfer_params_json"):
