@@ -113,6 +113,7 @@ class EngineStats:
     cancellations: int = 0
     health_checks: int = 0
     embeds: int = 0  # Embed calls whose vector was sent
+    images: int = 0  # images received in Generate calls' multimodal inputs (shapes checked)
     request_ids: list[str] = dataclasses.field(default_factory=list)
     abort_request_ids: list[str] = dataclasses.field(default_factory=list)
     cancelled_request_ids: list[str] = dataclasses.field(default_factory=list)

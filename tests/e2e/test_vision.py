@@ -211,3 +211,26 @@ def test_a_repeated_image_prefix_is_predicted_and_routed_like_text(daemon: Daemo
         predicted = metric(daemon, "direct_frontend_kv_predicted_cached_tokens_total")
         reported = metric(daemon, "direct_frontend_kv_reported_cached_tokens_total")
         assert predicted - before_predicted == reported - before_reported >= 64
+
+
+def test_a_migrated_stream_carries_its_images(daemon: Daemon) -> None:
+    """Each engine fails its next stream after 3 tokens: the stream moves twice, each engine
+    getting the image again with the prompt and the tokens so far, and the client sees one
+    whole answer. (Last in the module: it leaves the engines' faults used up.)"""
+    from grpclib import Status
+
+    from direct_frontend.simulator.faults import FaultPlan
+
+    sims = daemon.supervisor.simulators
+    images = sum(sims[n].stats.images for n in ("v1", "v2"))
+    for name in ("v1", "v2"):
+        sims[name].faults = FaultPlan(status=Status.UNAVAILABLE, status_after_tokens=3,
+                                      only_request=1)
+    png = encoded(picture(90, 60, seed=11))
+    with openai_client(daemon) as client:
+        chunks = list(client.chat.completions.create(
+            model="vision", messages=ask(image_part(data_url(png))), max_tokens=12,
+            stream=True, stream_options={"include_usage": True}))
+    usage = chunks[-1].usage
+    assert usage is not None and usage.completion_tokens == 12
+    assert sum(sims[n].stats.images for n in ("v1", "v2")) - images == 3

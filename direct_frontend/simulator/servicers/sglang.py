@@ -111,6 +111,7 @@ class SglangServicer(SmgServicer, SglangSchedulerBase):
         forced = constrained_output(core, constraint, prompt)
         job = core.new_job(request_id, prompt, criteria, forced=forced)
         job.media = media
+        core.stats.images += len(media)
         if request.lora_id:
             job.cache = adapter_cache(core, request.lora_id)  # per adapter, not per rank
         job.cached_tokens = handoff.transferred

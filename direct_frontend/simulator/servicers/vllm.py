@@ -161,6 +161,7 @@ class VllmServicer(SmgServicer, VllmEngineBase):
         job.cached_tokens = handoff.transferred
         job.rank = rank
         job.media = media
+        core.stats.images += len(media)
         output = job.generation.output_ids
         prompt_tokens = len(prompt)
         logprobs = core.logprobs(
