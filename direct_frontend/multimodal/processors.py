@@ -164,15 +164,27 @@ def _rgb(image: Image.Image) -> Image.Image:
 
 def _normalized(pixels: Any, scale: float, mean: Sequence[float] | None,
                 std: Sequence[float] | None, rescale: bool) -> Floats:
-    """8-bit HWC pixels rescaled (in float64, kept as float32) and normalised in float32."""
+    """8-bit HWC pixels rescaled (in float64, kept as float32) and normalised in float32,
+    as channel-first (CHW) float32.
+
+    Each output value depends only on its channel and its 8-bit input, so the
+    reference's arithmetic is done once per channel and value (a 3 × 256 table,
+    the very same operations on the very same numbers) and the image is one
+    lookup per pixel: equal to the reference to the bit, several times faster.
+    """
     import numpy as np
 
-    out = pixels.astype(np.float64) * scale if rescale else pixels
-    out = out.astype(np.float32)
+    values = np.arange(256, dtype=np.uint8)
+    table = values.astype(np.float64) * scale if rescale else values
+    table = np.repeat(table.astype(np.float32)[None, :], 3, axis=0)  # (3, 256)
     if mean is not None and std is not None:
-        out = (out - np.array(mean, dtype=np.float32)) / np.array(std, dtype=np.float32)
-    result: Floats = out
-    return result
+        table = ((table.T - np.array(mean, dtype=np.float32))
+                 / np.array(std, dtype=np.float32)).T
+    table = np.ascontiguousarray(table, dtype=np.float32)
+    out: Floats = np.empty((3, pixels.shape[0], pixels.shape[1]), dtype=np.float32)
+    for channel in range(3):
+        np.take(table[channel], pixels[:, :, channel], out=out[channel])
+    return out
 
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int,
@@ -233,7 +245,7 @@ class QwenVLProcessor:
             raise MediaError(f"The image cannot be used: {exc}.", None) from None
         resized = rgb.resize((width, height), resample=self.resample)
         pixels = _normalized(np.asarray(resized), self.rescale_factor, self.mean, self.std,
-                             self.rescale).transpose(2, 0, 1)  # CHW
+                             self.rescale)  # CHW
         p, m, t = self.patch_size, self.merge_size, self.temporal_patch_size
         grid_h, grid_w = height // p, width // p
         patches = pixels.reshape(3, grid_h // m, m, p, grid_w // m, m, p)
@@ -292,8 +304,7 @@ class LlavaProcessor:
         pixels = np.asarray(rgb.resize((width, height), resample=self.resample))
         if self.crop is not None:
             pixels = _center_crop(pixels, *self.crop)
-        chw = _normalized(pixels, self.rescale_factor, self.mean, self.std,
-                          self.rescale).transpose(2, 0, 1)
+        chw = _normalized(pixels, self.rescale_factor, self.mean, self.std, self.rescale)
         out_h, out_w = chw.shape[1], chw.shape[2]
         tokens = (out_h // self.patch_size) * (out_w // self.patch_size) + self.extra_tokens
         if self.drop_cls:
