@@ -34,7 +34,7 @@ def test_every_third_party_module_the_package_imports_is_a_declared_dependency()
                 imported.add(node.module.split(".")[0])
     ours_or_stdlib = {"direct_frontend", *sys.stdlib_module_names, "__future__"}
     distribution = {"google": "protobuf", "zmq": "pyzmq", "yaml": "pyyaml", "nats": "nats-py",
-                    "opentelemetry": "opentelemetry-api", "hypercorn": "hypercorn"}
+                    "opentelemetry": "opentelemetry-api", "hypercorn": "hypercorn", "PIL": "pillow"}
     missing = sorted(module for module in imported - ours_or_stdlib
                      if distribution.get(module, module).replace("_", "-") not in declared)
     assert missing == []
