@@ -175,8 +175,8 @@ def _normalized(pixels: Any, scale: float, mean: Sequence[float] | None,
     import numpy as np
 
     values = np.arange(256, dtype=np.uint8)
-    table = values.astype(np.float64) * scale if rescale else values
-    table = np.repeat(table.astype(np.float32)[None, :], 3, axis=0)  # (3, 256)
+    scaled: Any = values.astype(np.float64) * scale if rescale else values
+    table: Any = np.repeat(scaled.astype(np.float32)[None, :], 3, axis=0)  # (3, 256)
     if mean is not None and std is not None:
         table = ((table.T - np.array(mean, dtype=np.float32))
                  / np.array(std, dtype=np.float32)).T
