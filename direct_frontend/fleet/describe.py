@@ -261,6 +261,7 @@ def model_json(model: ModelConfig) -> dict[str, JsonValue]:
             "max_images": model.media.max_images,
             "fetch_timeout_s": model.media.fetch_timeout_s,
             "max_redirects": model.media.max_redirects,
+            "engine_processing": model.media.engine_processing,
         },
         "sampling": {
             "temperature": sampling.temperature,

@@ -465,6 +465,9 @@ class MediaConfig:
     max_images: int = setting(16, AT_LEAST_ONE)  # per request
     fetch_timeout_s: float = setting(10.0, POSITIVE)  # the whole fetch, redirects included
     max_redirects: int = setting(3, NON_NEGATIVE)
+    # images go as references to engines that process media themselves (a vLLM servicer
+    # whose discovery lists a media processor); false: always as preprocessed tensors
+    engine_processing: bool = True
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

@@ -21,7 +21,7 @@ import dataclasses
 import hashlib
 from collections.abc import Sequence
 
-from direct_frontend.multimodal.processors import Batch
+from direct_frontend.multimodal.processors import Batch, Tensor
 
 
 def image_hash(data: bytes, fingerprint: str, detail: str) -> str:
@@ -29,7 +29,9 @@ def image_hash(data: bytes, fingerprint: str, detail: str) -> str:
 
     Two requests with the same image and processor settings get the same id,
     so the engines reuse its encoder output and its KV blocks; any change to
-    what the tensors are made of gives another id.
+    what the tensors are made of gives another id. An engine takes one form of
+    the pixels (raw or normalised, per its discovery), so one id names one
+    encoder input on each engine.
     """
     digest = hashlib.sha256()
     digest.update(fingerprint.encode())
@@ -56,15 +58,28 @@ class MediaPayload:
     #: set for an engine that processes media itself: the URL schemes it fetches; the
     #: dialect then sends references and the unexpanded prompt instead of tensors
     ref_schemes: frozenset[str] | None = None
+    #: set for an engine that rescales and normalises pixels itself (vLLM's
+    #: ``mm_device_do_normalize``): it is sent the raw 8-bit pixels, where the batch has them
+    raw_pixels: bool = False
+    #: references may go to engines that process media themselves (``[model.media]
+    #: engine_processing``); False: always tensors
+    references_allowed: bool = True
 
     @property
     def count(self) -> int:
         return len(self.placeholders)
 
+    @property
+    def pixel_values(self) -> Tensor:
+        """The pixels as this payload's engine takes them (raw or normalised)."""
+        raw = self.batch.raw_pixel_values
+        return raw if self.raw_pixels and raw is not None else self.batch.pixel_values
+
     def can_reference(self, schemes: frozenset[str]) -> bool:
         """Whether a worker fetching ``schemes`` can be sent every image as a reference."""
-        return all(("data" in schemes and data) or ref.split(":", 1)[0].lower() in schemes
-                   for ref, (data, _) in zip(self.refs, self.sources, strict=True))
+        return self.references_allowed and all(
+            ("data" in schemes and data) or ref.split(":", 1)[0].lower() in schemes
+            for ref, (data, _) in zip(self.refs, self.sources, strict=True))
 
     def references(self, schemes: frozenset[str]) -> tuple[str, ...] | None:
         """The images as URLs a worker fetching ``schemes`` takes (None: not all can be).

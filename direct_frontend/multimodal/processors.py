@@ -62,6 +62,9 @@ class ProcessedImage:
     pixel_values: Floats  # Qwen: (patches, patch values); LLaVA: (3, H, W)
     tokens: int
     grid_thw: tuple[int, int, int] | None = None  # Qwen only
+    #: the same layout of the resized 8-bit pixels, neither rescaled nor normalised: what an
+    #: engine that normalises on device takes (vLLM's ``mm_device_do_normalize``)
+    raw_pixel_values: Any = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -70,13 +73,14 @@ class Tensor:
 
     data: bytes
     shape: tuple[int, ...]
-    dtype: str  # "float32", "int64"
+    dtype: str  # "float32", "int64", "uint8"
 
     @classmethod
     def of(cls, array: Any) -> Tensor:
         import numpy as np
 
-        dtype = {np.dtype("float32"): "float32", np.dtype("int64"): "int64"}[array.dtype]
+        dtype = {np.dtype("float32"): "float32", np.dtype("int64"): "int64",
+                 np.dtype("uint8"): "uint8"}[array.dtype]
         data = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<")).tobytes()
         return cls(data, tuple(int(d) for d in array.shape), dtype)
 
@@ -87,6 +91,8 @@ class Batch:
 
     pixel_values: Tensor
     tensors: tuple[tuple[str, Tensor], ...] = ()  # model-specific (image_grid_thw, ...)
+    #: ``pixel_values`` as raw 8-bit pixels (for an engine that normalises on device)
+    raw_pixel_values: Tensor | None = None
     batched_keys: tuple[str, ...] = ()  # first dimension is per image
     flat_keys: tuple[tuple[str, str], ...] = ()  # tensor → the tensor of per-image sizes
     keep_on_cpu_keys: tuple[str, ...] = ()
@@ -243,17 +249,25 @@ class QwenVLProcessor:
             height, width = self.target_size(rgb.height, rgb.width, detail)
         except ValueError as exc:
             raise MediaError(f"The image cannot be used: {exc}.", None) from None
-        resized = rgb.resize((width, height), resample=self.resample)
-        pixels = _normalized(np.asarray(resized), self.rescale_factor, self.mean, self.std,
+        resized = np.asarray(rgb.resize((width, height), resample=self.resample))
+        pixels = _normalized(resized, self.rescale_factor, self.mean, self.std,
                              self.rescale)  # CHW
+        grid_h, grid_w = height // self.patch_size, width // self.patch_size
+        return ProcessedImage(self._patches(pixels), grid_h * grid_w // self.merge_size ** 2,
+                              (1, grid_h, grid_w), self._patches(resized.transpose(2, 0, 1)))
+
+    def _patches(self, pixels: Any) -> Any:
+        """CHW pixels as rows of ``channels × temporal_patch_size × patch_size²`` values, in
+        the order the merger reads them (the still image repeated over time)."""
+        import numpy as np
+
         p, m, t = self.patch_size, self.merge_size, self.temporal_patch_size
-        grid_h, grid_w = height // p, width // p
+        grid_h, grid_w = pixels.shape[1] // p, pixels.shape[2] // p
         patches = pixels.reshape(3, grid_h // m, m, p, grid_w // m, m, p)
         patches = patches.transpose(1, 4, 2, 5, 0, 3, 6)
         patches = np.broadcast_to(patches[:, :, :, :, :, None, :, :],
                                   (*patches.shape[:5], t, *patches.shape[5:]))
-        rows = np.ascontiguousarray(patches.reshape(grid_h * grid_w, 3 * t * p * p))
-        return ProcessedImage(rows, grid_h * grid_w // (m * m), (1, grid_h, grid_w))
+        return np.ascontiguousarray(patches.reshape(grid_h * grid_w, 3 * t * p * p))
 
     def batch(self, images: Sequence[ProcessedImage]) -> Batch:
         import numpy as np
@@ -261,12 +275,14 @@ class QwenVLProcessor:
         grids = np.array([image.grid_thw for image in images], dtype=np.int64)
         sizes = np.array([image.pixel_values.shape[0] for image in images], dtype=np.int64)
         pixels = np.concatenate([image.pixel_values for image in images], axis=0)
+        raw = np.concatenate([image.raw_pixel_values for image in images], axis=0)
         return Batch(
             Tensor.of(pixels),
             (("image_grid_thw", Tensor.of(grids)), ("patches_per_image", Tensor.of(sizes))),
             batched_keys=("image_grid_thw", "patches_per_image"),
             flat_keys=(("pixel_values", "patches_per_image"),),
             keep_on_cpu_keys=("image_grid_thw",),
+            raw_pixel_values=Tensor.of(raw),
         )
 
 

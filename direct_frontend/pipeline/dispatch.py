@@ -36,15 +36,20 @@ class WaitableFleet(FleetView, Protocol):
 
 
 def by_reference(call: GenerateCall, engine: EngineHandle) -> GenerateCall:
-    """``call`` with its images as references when ``engine`` processes media itself (its
-    discovery says so) and takes every image's reference, else as tensors."""
-    assert call.media is not None
-    schemes = engine.transport.dialect.media_ref_schemes(engine.info)
-    if schemes is not None and not call.media.can_reference(schemes):
+    """``call`` with its images as ``engine`` takes them (its discovery says how): as
+    references when it processes media itself and takes every image's reference, else as
+    tensors, raw 8-bit pixels when it normalises them on device."""
+    media = call.media
+    assert media is not None
+    dialect = engine.transport.dialect
+    schemes = dialect.media_ref_schemes(engine.info)
+    if schemes is not None and not media.can_reference(schemes):
         schemes = None
-    if schemes == call.media.ref_schemes:
+    raw = dialect.takes_raw_pixels(engine.info)
+    if (schemes, raw) == (media.ref_schemes, media.raw_pixels):
         return call
-    return dataclasses.replace(call, media=dataclasses.replace(call.media, ref_schemes=schemes))
+    return dataclasses.replace(
+        call, media=dataclasses.replace(media, ref_schemes=schemes, raw_pixels=raw))
 
 
 class Dispatcher:

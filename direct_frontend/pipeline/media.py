@@ -59,6 +59,8 @@ class MediaProfile:
     limiter: trio.CapacityLimiter = dataclasses.field(default_factory=new_decode_limiter)
     #: the chat template iterates a message's content parts (else it reads text)
     list_content: bool = True
+    #: references may go to engines that process media themselves
+    engine_processing: bool = True
 
     @property
     def takes_images(self) -> bool:
@@ -176,7 +178,8 @@ async def media_prompt(
     payload = MediaPayload(batch, processor.image_token_id, tuple(ranges),
                            tuple(h for _, h, *_ in loaded), processor.family,
                            refs=tuple(part.url for part in parts),
-                           sources=tuple((data, declared) for *_, data, declared in loaded))
+                           sources=tuple((data, declared) for *_, data, declared in loaded),
+                           references_allowed=profile.engine_processing)
     return prompt, ids, payload
 
 
@@ -205,7 +208,8 @@ def media_profile(model: str, config: MediaConfig, text_model: TextModel,
     if config.images:
         log.info("model %s: images through the %s processor", model, processor.family,
                  extra={"model": model})
-    return MediaProfile(processor, policy, limiter, lists_content(text_model.template_text))
+    return MediaProfile(processor, policy, limiter, lists_content(text_model.template_text),
+                        config.engine_processing)
 
 
 def vision_installed() -> bool:

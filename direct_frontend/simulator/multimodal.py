@@ -14,8 +14,11 @@ the block's start) in its hash and in its ``BlockStored`` ``extra_keys``.
 
 from __future__ import annotations
 
+import functools
+import json
 import math
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from grpclib import GRPCError, Status
@@ -23,7 +26,8 @@ from grpclib import GRPCError, Status
 #: one image: (its hash, its placeholder run's offset in the prompt, the run's length)
 MediaKey = tuple[str, int, int]
 
-_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "uint32": 4, "int32": 4}
+_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "uint32": 4, "int32": 4,
+          "uint8": 1}
 
 
 def _refuse(message: str) -> GRPCError:
@@ -49,14 +53,29 @@ def _ints(tensor: Any, inline: bool) -> list[int]:
             for i in range(0, len(data), width)]
 
 
+@functools.cache
+def normalizes_on_device(model_dir: str) -> bool:
+    """Whether vLLM 0.32 normalises this model's pixels on device (``mm_device_do_normalize``,
+    on by default where the model class supports it: the Qwen-VL family, not LLaVA)."""
+    path = Path(model_dir) / "preprocessor_config.json"
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    kind = config.get("image_processor_type") if isinstance(config, dict) else None
+    return isinstance(kind, str) and kind.startswith("Qwen2VLImageProcessor")
+
+
 def check_inputs(mm: Any, prompt: Sequence[int], *, inline: bool, merge_size: int = 2,
-                 ) -> tuple[MediaKey, ...]:
+                 raw_pixels: bool = False) -> tuple[MediaKey, ...]:
     """The images' KV keys once ``mm`` (either contract's ``MultimodalInputs``) checks out.
 
     ``inline``: vLLM's ``TensorData`` (bytes in ``inline``), else SGLang's (``data``).
     Placeholders must lie in the prompt, in order, each run all ``im_token_id``;
     with ``image_grid_thw`` (Qwen-VL), ``pixel_values`` has one row per patch of
-    every image and each run ``t·h·w / merge_size²`` tokens.
+    every image and each run ``t·h·w / merge_size²`` tokens. ``raw_pixels``: the
+    engine normalises on device, so the pixels must be raw ``uint8`` (normalised
+    ones would be normalised twice: no error on a real engine, a wrong answer).
     """
     ranges = [(p.offset, p.length) for p in mm.mm_placeholders]
     if not ranges:
@@ -65,6 +84,9 @@ def check_inputs(mm: Any, prompt: Sequence[int], *, inline: bool, merge_size: in
         raise _refuse("no pixel_values")
     pixels = mm.pixel_values
     _elements(pixels, "pixel_values", inline)
+    if raw_pixels and pixels.dtype != "uint8":
+        raise _refuse(f"pixel_values are {pixels.dtype}, but this engine normalises on device "
+                      "and takes raw uint8 pixels")
     if not mm.HasField("im_token_id"):
         raise _refuse("no im_token_id")
     token = mm.im_token_id

@@ -1,7 +1,7 @@
 """A tiny vision-language model directory (Qwen2-VL layout) for tests and the demo fleet.
 
-The demo model's tokenizer (:mod:`.demo_model`) with Qwen2-VL's three vision
-tokens added, a ChatML template that writes ``<|vision_start|><|image_pad|>
+The demo model's tokenizer (:mod:`.demo_model`) with Qwen2-VL's vision tokens
+added, a ChatML template that writes ``<|vision_start|><|image_pad|>
 <|vision_end|>`` for each image part, a ``preprocessor_config.json`` of
 ``Qwen2VLImageProcessor`` sized small (at most 64 image tokens an image), and a
 ``config.json`` naming the image token. There are no weights: the simulator
@@ -23,7 +23,8 @@ from direct_frontend.text.demo_model import (
     train_tokenizer,
 )
 
-VISION_TOKENS: tuple[str, ...] = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>")
+VISION_TOKENS: tuple[str, ...] = (
+    "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 BUNDLED_DIR = Path(__file__).resolve().with_name("demo-vision-model")
 """The demo vision model as shipped (package data)."""
 OPENAI_CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
@@ -86,6 +87,7 @@ def build_model_dir(path: Path, *, max_pixels: int = 28 * 28 * 64) -> Path:
         "model_type": "qwen2_vl",
         "eos_token_id": ids[EOS_TOKEN],
         "image_token_id": ids["<|image_pad|>"],
+        "video_token_id": ids["<|video_pad|>"],
         "vision_start_token_id": ids["<|vision_start|>"],
         "vision_end_token_id": ids["<|vision_end|>"],
         "max_position_embeddings": MAX_POSITION_EMBEDDINGS,

@@ -128,3 +128,33 @@ def test_an_engine_with_a_media_processor_is_sent_references() -> None:
         "data:image/png;base64,iVBOR2E=", "data:image/png;base64,iVBOR2I="]
     no_data = dialect.generate(by_reference(call(prompt, media), engine("inprocess", "https")))
     assert no_data.request.HasField("mm_inputs")  # the data URL cannot go by reference
+
+
+def test_an_engine_that_normalises_on_device_gets_raw_pixels() -> None:
+    """vLLM 0.32 normalises Qwen-VL pixels on device (``mm_device_do_normalize``): such an
+    engine takes the raw 8-bit pixels in the same layout; normalised ones are refused here
+    (a real engine would normalise them twice and answer wrongly)."""
+    import types
+
+    import numpy as np
+
+    from direct_frontend.engines.neutral import EngineInfo, EngineRole
+    from direct_frontend.pipeline.dispatch import by_reference
+    from direct_frontend.routing.catalog import EngineHandle
+
+    prompt, media = payload()
+    dialect = VllmDialect()
+    info = EngineInfo("m", details=(("mm_device_do_normalize", "true"),))
+    engine = EngineHandle("e", "vllm", "grpc://e:1", 1, EngineRole.BOTH, info, 4096,
+                          types.SimpleNamespace(dialect=dialect))
+    mm = dialect.generate(by_reference(call(prompt, media), engine)).request.mm_inputs
+    assert mm.pixel_values.dtype == "uint8" and list(mm.pixel_values.shape) == [40, 1176]
+    assert check_inputs(mm, prompt, inline=True, raw_pixels=True)
+    raw = np.frombuffer(mm.pixel_values.inline, np.uint8).reshape(40, 1176).astype(np.float32)
+    normalised = np.frombuffer(media.batch.pixel_values.data, np.float32).reshape(40, 1176)
+    # the same pixels: normalising the raw ones gives the normalised ones (first channel)
+    mean, std = 0.48145466, 0.26862954
+    np.testing.assert_allclose((raw[:, :392] / 255 - mean) / std, normalised[:, :392], atol=1e-5)
+    plain = dialect.generate(call(prompt, media)).request.mm_inputs
+    with pytest.raises(GRPCError, match="takes raw uint8 pixels"):
+        check_inputs(plain, prompt, inline=True, raw_pixels=True)

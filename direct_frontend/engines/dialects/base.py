@@ -641,6 +641,10 @@ class Dialect(abc.ABC):
         (None: it takes preprocessed tensors only)."""
         return None
 
+    def takes_raw_pixels(self, info: EngineInfo) -> bool:
+        """Whether an engine rescales and normalises image pixels itself (on device)."""
+        return False
+
     # -- prefill/decode pairs (only for kinds whose capabilities say prefill_decode) --
 
     def pairing_group(self, engine: PairingFacts) -> str | None:

@@ -263,6 +263,12 @@ class VllmDialect(SmgDialect):
         schemes = details.get("mm_media_ref_schemes", "")
         return frozenset(s.strip().lower() for s in schemes.split(",") if s.strip())
 
+    def takes_raw_pixels(self, info: EngineInfo) -> bool:
+        """vLLM normalises on device where its model class supports it (on by default in
+        0.32, ``GetServerInfo.mm_device_do_normalize``): the model then takes raw 8-bit
+        pixels, and normalised ones would be normalised twice."""
+        return dict(info.details).get("mm_device_do_normalize") == "true"
+
     def stream_decoder(self, call: GenerateCall) -> StreamDecoder:
         s = call.sampling
         return VllmStreamDecoder(
@@ -313,6 +319,7 @@ class VllmDialect(SmgDialect):
                 ("server_type", server.server_type),
                 ("mm_processor", server.mm_processor),
                 ("mm_media_ref_schemes", server.mm_media_ref_schemes),
+                ("mm_device_do_normalize", "true" if server.mm_device_do_normalize else "false"),
             ),
         )
 
@@ -343,7 +350,8 @@ def mm_inputs(message: Any, media: MediaPayload) -> None:
     """A request's images as the servicer's ``MultimodalInputs`` (smg-grpc-servicer 0.14.1).
 
     The servicer builds vLLM's multimodal input from it without running the
-    model's processor: ``pixel_values`` and the model-specific tensors become
+    model's processor: ``pixel_values`` (raw 8-bit pixels for an engine that
+    normalises on device, else normalised float32) and the model-specific tensors become
     the model's keyword arguments, sliced per image as ``batched_keys`` and
     ``flat_keys`` say; ``mm_placeholders`` are the images' runs in the prompt
     (already expanded); ``mm_hashes`` their identities, which key the encoder
@@ -351,7 +359,7 @@ def mm_inputs(message: Any, media: MediaPayload) -> None:
     """
     batch = media.batch
     message.modality = common_pb.IMAGE
-    _tensor(message.pixel_values, batch.pixel_values)
+    _tensor(message.pixel_values, media.pixel_values)
     for name, tensor in batch.tensors:
         _tensor(message.model_specific_tensors[name], tensor)
     message.im_token_id = media.image_token_id

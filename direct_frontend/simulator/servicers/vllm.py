@@ -20,7 +20,7 @@ from direct_frontend.protos.vllm_engine_grpc import VllmEngineBase
 from direct_frontend.simulator import disagg
 from direct_frontend.simulator.logprobs import RANKS, fill_smg
 from direct_frontend.simulator.model import Finish, StopCriteria
-from direct_frontend.simulator.multimodal import check_inputs
+from direct_frontend.simulator.multimodal import check_inputs, normalizes_on_device
 from direct_frontend.simulator.servicers.common import (
     SIM_VERSION,
     SmgServicer,
@@ -130,7 +130,8 @@ class VllmServicer(SmgServicer, VllmEngineBase):
         if request.HasField("media_refs"):  # as a servicer without a media processor does
             raise GRPCError(Status.INVALID_ARGUMENT, "media_refs sent but the media processor "
                             "is off on this worker")
-        media = (check_inputs(request.mm_inputs, prompt, inline=True)
+        media = (check_inputs(request.mm_inputs, prompt, inline=True,
+                              raw_pixels=normalizes_on_device(config.tokenizer_path))
                  if request.HasField("mm_inputs") else ())
         if request.HasField("kv_transfer_params_json"):
             _check_kv_transfer_params(request.kv_transfer_params_json)
@@ -286,6 +287,7 @@ class VllmServicer(SmgServicer, VllmEngineBase):
                 data_parallel_size=config.dp_size,
                 kv_cache_dtype="auto",
                 block_size=config.block_size,
+                mm_device_do_normalize=normalizes_on_device(config.tokenizer_path),
                 model_dtype="torch.bfloat16",
                 max_num_seqs=core.timing.max_running,
             )
