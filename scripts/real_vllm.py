@@ -81,8 +81,9 @@ import textwrap
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -476,6 +477,7 @@ def start_engine(
     tag: str = "",
     pooling: bool = False,
     dp_size: int = 1,
+    extra: Sequence[str] = (),
 ) -> Engine:
     """Launch the engine (on ``ports``: gRPC, KV PUB, replay, or free ones) until SERVING.
 
@@ -505,6 +507,7 @@ def start_engine(
         "--structured-outputs-config", '{"backend":"xgrammar","disable_any_whitespace":true}',
         *(POOLING_FLAGS if pooling else ()),
         *(("--data-parallel-size", str(dp_size)) if dp_size > 1 else ()),
+        *extra,
     ]  # fmt: skip
     env = {**os.environ, **ENGINE_ENV, **dp_binding(dp_size)}
     log = run_dir / f"engine{tag}.log"
@@ -3586,6 +3589,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "the embedding checks on it",
     )
     only.add_argument(
+        "--vision-only",
+        action="store_true",
+        help="start only an engine of a tiny random Qwen2-VL and run only the vision checks "
+        "(docs/real-vllm.md §14; not part of the full run)",
+    )
+    only.add_argument(
         "--dp-only",
         action="store_true",
         help=f"start only an engine of {DP_SIZE} data-parallel ranks and run only the "
@@ -3619,6 +3628,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "(about 40 s more, the engine's own start)",
     )
     return p.parse_args(argv)
+
+
+def _vision_module() -> ModuleType:
+    """scripts/real_vllm/vision.py (beside this script's directory of the same name)."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parent / "real_vllm" / "vision.py"
+    spec = importlib.util.spec_from_file_location("real_vllm_vision", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -3667,10 +3689,13 @@ def main(argv: list[str] | None = None) -> int:
         how, model = ensure_model(cache, run_dir, rebuild=args.rebuild_model)
         report.timing("tiny model + tokenizer", time.monotonic() - t, f"{how}; {model}")
 
-        if not (args.embeddings_only or args.dp_only):
+        if not (args.embeddings_only or args.dp_only or args.vision_only):
             report.check("parsers: our tool parsers give vLLM's own calls",
                          lambda: _parser_parity(cache, model))
-        if args.embeddings_only:
+        if args.vision_only:
+            engine = _vision_module().vision_run(sys.modules[__name__], report, cache,
+                                                 run_dir, args)
+        elif args.embeddings_only:
             engine = start_pooling_engine(report, cache, model, run_dir, args)
             embedding_checks(report, run_dir, engine, args)
         elif args.dp_only:

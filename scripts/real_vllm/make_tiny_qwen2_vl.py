@@ -35,7 +35,7 @@ def build(demo: Path, out: Path) -> None:
         text_config={
             "vocab_size": vocab, "hidden_size": 64, "intermediate_size": 128,
             "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2,
-            "head_dim": 32, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
+            "head_dim": 32, "max_position_embeddings": 8192, "rms_norm_eps": 1e-6,
             "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
                                 "mrope_section": [4, 6, 6]},
             "tie_word_embeddings": False, "eos_token_id": demo_config["eos_token_id"],
