@@ -365,9 +365,13 @@ async def truncated_to_fit(prepared: PreparedRequest, tokenizing: Tokenizing, li
         gone = {i for start, end in turns[:count] for i in range(start, end)}
         kept = tuple(m for i, m in enumerate(request.messages) if i not in gone)
         shorter = msgspec.structs.replace(request, messages=kept)
-        prompt, ids = await chat_prompt_ids(shorter, tokenizing)
+        media = None
+        if shorter.images:  # the images left, placed in the shorter prompt
+            prompt, ids, media = await _media_prompt(shorter, tokenizing)
+        else:
+            prompt, ids = await chat_prompt_ids(shorter, tokenizing)
         return dataclasses.replace(prepared, request=shorter, input_ids=tuple(ids),
-                                   prompt_text=prompt)
+                                   prompt_text=prompt, media=media)
 
     low, high = 1, len(turns)  # the fewest turns to drop lies in [low, high]
     best = await without(high)

@@ -186,3 +186,35 @@ def test_a_truncation_drops_whole_turns_and_keeps_the_question() -> None:
     assert droppable_turns(request.messages) == [(1, 2), (2, 5), (5, 6)]
     alone = parse_chat_request(b'{"model":"m","messages":[{"role":"user","content":"q"}]}')
     assert droppable_turns(alone.messages) == []
+
+
+async def test_a_truncated_chat_keeps_the_images_it_keeps_in_place() -> None:
+    """Dropping an old turn with an image drops the image: the payload is the shorter chat's."""
+    from direct_frontend.multimodal.processors import load_processor
+    from direct_frontend.pipeline.media import MediaProfile
+    from direct_frontend.pipeline.preprocess import prepare, truncated_to_fit
+    from direct_frontend.text.demo_vision import BUNDLED_DIR
+    from tests.support.images import data_url, encoded, picture
+
+    text_model = TextModel.load(BUNDLED_DIR)
+    processor = load_processor(BUNDLED_DIR, text_model.token_to_id)
+    tokenizing = Tokenizing(text_model, lambda: Catalog(0, ()),
+                            media=MediaProfile(processor))
+
+    def turn(seed: int, text: str) -> dict[str, object]:
+        return {"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": data_url(encoded(picture(
+                224, 224, seed=seed)))}}, {"type": "text", "text": text}]}
+
+    request = parse_chat_request(json.dumps({"model": "m", "messages": [
+        turn(1, "an old picture"), {"role": "assistant", "content": "seen"},
+        turn(2, "the new one?")]}).encode())
+    prepared = await prepare("chat", request, "r", tokenizing)
+    assert prepared.media is not None and prepared.media.count == 2
+    shorter = await truncated_to_fit(prepared, tokenizing, len(prepared.input_ids) - 10, 0)
+    media = shorter.media
+    assert media is not None and media.count == 1
+    assert media.hashes == prepared.media.hashes[1:]
+    (offset, length), = media.placeholders
+    assert set(shorter.input_ids[offset:offset + length]) == {processor.image_token_id}
+    assert shorter.input_ids.count(processor.image_token_id) == length == 64
