@@ -273,7 +273,7 @@ def vision_run(rv: ModuleType, report: Any, cache: Path, run_dir: Path, args: An
 
     served = engine.model_info.served_model_name
 
-    def fleet_text(port: int) -> str:
+    def fleet_text(port: int, engine_processing: bool = False) -> str:
         block = info.block_size or rv.BLOCK_SIZE
         return textwrap.dedent(f"""\
             # Written by scripts/real_vllm.py --vision-only.
@@ -292,7 +292,8 @@ def vision_run(rv: ModuleType, report: Any, cache: Path, run_dir: Path, args: An
             tokenizer = {rv.toml_str(str(model))}
 
             [model.media]
-            engine_processing = false   # tensors and the router's hashes: predictable KV
+            # false: tensors and the router's hashes (predictable KV); true: references
+            engine_processing = {"true" if engine_processing else "false"}
 
             [[engine]]
             name = "{rv.REAL_NAME}"
@@ -308,10 +309,45 @@ def vision_run(rv: ModuleType, report: Any, cache: Path, run_dir: Path, args: An
     report.timing("frontend start (run -> /ready)", time.monotonic() - t, str(frontend.fleet))
     try:
         kv_checks(rv, report, frontend, served)
+        by_tensors = answer(rv, frontend, served)
+    finally:
+        report.timing("frontend stop", rv.stop_group(frontend.proc, "frontend", grace=15))
+    t = time.monotonic()
+    frontend = rv.start_frontend(run_dir, engine, served, args.frontend_timeout,
+                                 tag="-vision-refs",
+                                 fleet_text=lambda port: fleet_text(port, True))
+    report.timing("frontend start, engine_processing = true", time.monotonic() - t,
+                  str(frontend.fleet))
+    try:
+        def by_reference() -> str:
+            offset = engine.log_size()
+            got = answer(rv, frontend, served)
+            log = engine.log_text(offset)
+            rv.expect("media_refs=1" in log, "the engine's log shows no request with media_refs")
+            rv.expect(got == by_tensors, f"through references {got}, through tensors "
+                      f"{by_tensors}")
+            return (f"the engine was sent a reference (media_refs=1 in its log); the same "
+                    f"answer and prompt tokens ({got[1]}) as the router's tensors")
+
+        report.check("vision: an engine with a media processor is sent references (discovered)",
+                     by_reference)
     finally:
         report.timing("frontend stop", rv.stop_group(frontend.proc, "frontend", grace=15))
         client.close()
     return engine
+
+
+def answer(rv: ModuleType, frontend: Any, served: str) -> tuple[str, int]:
+    """A greedy answer about one image through the frontend, and its prompt tokens."""
+    from tests.support.images import data_url, encoded, picture
+
+    reply = rv.openai_client(frontend).chat.completions.create(
+        model=served, max_tokens=12, temperature=0.0, extra_body={"ignore_eos": True},
+        messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": data_url(encoded(picture(
+                140, 112, seed=9)))}},
+            {"type": "text", "text": "What is it?"}]}])
+    return reply.choices[0].message.content or "", reply.usage.prompt_tokens
 
 
 def kv_checks(rv: ModuleType, report: Any, frontend: Any, served: str) -> None:
