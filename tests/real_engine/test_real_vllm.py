@@ -37,3 +37,25 @@ def test_real_vllm_conformance() -> None:
         f"scripts/real_vllm.py exited {proc.returncode}:\n{proc.stdout[-6000:]}"
     )
     assert "RESULT: PASS" in proc.stdout
+
+
+@pytest.mark.real_engine
+@pytest.mark.timeout(1800)
+def test_real_vllm_vision() -> None:
+    """A tiny random Qwen2-VL on the stock engine (docs/real-vllm.md §14): the router's
+    preprocessed requests equal the engine's own processing, and image prefixes are predicted."""
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--vision-only"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=1700,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        check=False,
+    )
+    print(proc.stdout)
+    assert proc.returncode == 0, (
+        f"scripts/real_vllm.py --vision-only exited {proc.returncode}:\n{proc.stdout[-6000:]}"
+    )
+    assert "RESULT: PASS" in proc.stdout
