@@ -187,7 +187,8 @@ class DisaggPlanner:
         if group is None:
             return None
         pool = _Pool(catalog.version, tuple(_members(catalog, EngineRole.PREFILL, group)))
-        request = RequestView(call.input_ids, call.sampling.max_tokens)
+        media = () if call.media is None else call.media.kv_items()  # images key their blocks
+        request = RequestView(call.input_ids, call.sampling.max_tokens, media_keys=media)
         placement = self.prefill_policy.choose(pool, request, exclude)
         if placement is None:
             return None
