@@ -93,6 +93,9 @@ def fleet_text(args: argparse.Namespace, port: int, weights: tuple[float, float]
         [frontend.access_log]
         enabled = false
 
+        [frontend.routing]
+        policy = "{args.routing}"
+
         [frontend.limits]
         max_in_flight = {args.engines * args.slots_per_engine}
         max_queue = {4 * args.engines * args.slots_per_engine}
@@ -221,6 +224,8 @@ def main() -> None:
     parser.add_argument("--flood-factor", type=float, default=10.0)
     parser.add_argument("--weights", default=None, help="FLOOD:QUIET, e.g. 3:1")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--routing", default="round_robin",
+                        help="the fleet's [frontend.routing] policy")
     args = parser.parse_args()
     slots = args.engines * args.slots_per_engine
     capacity_rps = slots / (args.tokens * args.token_ms / 1000)

@@ -37,7 +37,13 @@ from direct_frontend.fleet.problems import FleetError, FleetProblem
 from direct_frontend.fleet.schema import EngineConfig, FleetConfig, FrontendConfig
 from direct_frontend.observability.metrics import Metrics
 from direct_frontend.observability.sdnotify import Notifier
-from direct_frontend.pipeline.models import ModelBuilder, ModelTable, queue_depths, serving_counts
+from direct_frontend.pipeline.models import (
+    ModelBuilder,
+    ModelTable,
+    queue_depths,
+    serving_counts,
+    tenant_queue_depths,
+)
 from direct_frontend.pipeline.settings import Settings
 from direct_frontend.routing.peers import PlacementShare
 
@@ -241,6 +247,8 @@ class ControlPlane:
             self.metrics.model_series(model).engines_serving(count)
         for model, waiting in queue_depths(self.models).items():
             self.metrics.model_series(model).queue_depth(waiting)
+        for model, by_tenant in tenant_queue_depths(self.models).items():
+            self.metrics.model_series(model).tenant_queue_depths(by_tenant)
         if self.supervisor.kv is not None:
             self.supervisor.kv.export()
 

@@ -183,6 +183,8 @@ def to_jsonable(cfg: FleetConfig, *, redact: bool = True) -> dict[str, JsonValue
                 "max_in_flight": frontend.limits.max_in_flight,
                 "max_queue": frontend.limits.max_queue,
                 "queue_timeout_s": frontend.limits.queue_timeout_s,
+                "flex_queue_timeout_s": frontend.limits.flex_queue_timeout_s,
+                "flex_reserve": frontend.limits.flex_reserve,
             },
             "tracing": {
                 "otlp_endpoint": _optional(shown, tracing.otlp_endpoint),
@@ -279,6 +281,8 @@ def model_json(model: ModelConfig) -> dict[str, JsonValue]:
             "max_in_flight": limits.max_in_flight,
             "max_queue": limits.max_queue,
             "queue_timeout_s": limits.queue_timeout_s,
+            "flex_queue_timeout_s": limits.flex_queue_timeout_s,
+            "flex_reserve": limits.flex_reserve,
         },
         "max_adapters_per_engine": model.max_adapters_per_engine,
         "adapter": adapters,
@@ -363,6 +367,8 @@ def _frontend_rows(frontend: FrontendConfig) -> list[tuple[str, str]]:
         ("limits.max_in_flight", str(frontend.limits.max_in_flight)),
         ("limits.max_queue", str(frontend.limits.max_queue)),
         ("limits.queue_timeout_s", _scalar(frontend.limits.queue_timeout_s)),
+        ("limits.flex", f"waits {_scalar(frontend.limits.flex_queue_timeout_s)} s, leaves "
+                        f"{frontend.limits.flex_reserve_slots} slots free"),
         ("tracing", _tracing_row(frontend.tracing)),
         ("replicas", _replicas_row(frontend.replicas)),
         ("kubernetes", _kubernetes_row(frontend.kubernetes)),
@@ -512,23 +518,32 @@ def _tenants_json(tenants: TenantsConfig) -> JsonValue:
     """``[frontend.tenants]`` as written (a tenant's flow is derived, and not shown)."""
     named: list[JsonValue] = [
         {"name": t.name, "api_key_env": t.api_key_env, "weight": t.weight,
-         "max_in_flight": t.max_in_flight, "requests_per_minute": t.requests_per_minute,
+         "max_in_flight": t.max_in_flight, "max_queue": t.max_queue, "priority": t.priority,
+         "requests_per_minute": t.requests_per_minute,
          "tokens_per_minute": t.tokens_per_minute} for t in tenants.tenant]
-    return {"header": tenants.header, "default_weight": tenants.default_weight,
-            "max_in_flight": tenants.max_in_flight, "tenant": named,
+    return {"header": tenants.header, "field": tenants.field,
+            "default_weight": tenants.default_weight, "max_in_flight": tenants.max_in_flight,
+            "max_queue": tenants.max_queue, "priority": tenants.priority,
+            "max_series": tenants.max_series, "tenant": named,
             "requests_per_minute": tenants.requests_per_minute,
             "tokens_per_minute": tenants.tokens_per_minute}
 
 
 def _tenants_row(tenants: TenantsConfig) -> str:
-    """Who shares the admission queue fairly, and the weights named."""
-    who = (f"the tenant header {tenants.header} names" if tenants.header is not None
-           else "each API key's owner")
-    weights = ", ".join(f"{t.name or '$' + (t.api_key_env or '')} ×{t.weight:g}"
-                        for t in tenants.tenant)
+    """Who shares the admission queue fairly, the weights named, and who has ``priority``."""
+    named_by = tenants.named_by
+    who = f"the tenants {named_by} names" if named_by is not None else "each API key's owner"
+    weights = ", ".join(f"{t.label} ×{t.weight:g}" for t in tenants.tenant)
     cap = f"; at most {tenants.max_in_flight} in flight each" if tenants.max_in_flight else ""
+    queue = f"; at most {tenants.max_queue} waiting each" if tenants.max_queue else ""
+    if tenants.priority:
+        denied = [t.label for t in tenants.tenant if t.priority is False]
+        priority = "everyone" + (f" but {', '.join(denied)}" if denied else "")
+    else:
+        priority = ", ".join(t.label for t in tenants.tenant if t.priority) or "no one"
     return (f"fair between {who} (weight {tenants.default_weight:g}"
-            f"{'; ' + weights if weights else ''}){cap}{_rates_row(tenants)}")
+            f"{'; ' + weights if weights else ''}){cap}{queue}; priority tier: {priority}"
+            f"{_rates_row(tenants)}")
 
 
 def _rates_row(tenants: TenantsConfig) -> str:

@@ -14,19 +14,35 @@ from direct_frontend.fleet.rules import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, Ru
 StoreBackend = Literal["memory", "sqlite", "postgres"]
 
 
+#: the body fields that may name a request's tenant (``[frontend.tenants] field``)
+TenantField = Literal["user", "safety_identifier"]
+
+
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class TenantConfig:
-    """``[[frontend.tenants.tenant]]``: one tenant's share of the admission queue, its cap."""
+    """``[[frontend.tenants.tenant]]``: one tenant's share of the admission queue, its caps.
 
-    name: str | None = None  # the value of [frontend.tenants] header that names it
-    api_key_env: str | None = None  # or: the tenant of the API key this variable holds
+    ``name`` is what ``/metrics`` and its refusals call it; with ``[frontend.tenants]
+    header`` or ``field`` it is also the value that names it. Otherwise ``api_key_env``
+    names the variable holding its API key (and its name defaults to the variable's).
+    """
+
+    name: str | None = None
+    api_key_env: str | None = None
     weight: float = setting(1.0, POSITIVE)
     max_in_flight: int = setting(0, NON_NEGATIVE)  # 0: [frontend.tenants] max_in_flight
+    max_queue: int = setting(0, NON_NEGATIVE)  # 0: [frontend.tenants] max_queue
+    priority: bool | None = None  # may ask for service_tier "priority" (absent: the default)
     #: the admission flow it is (pipeline/admission.py), resolved by the loader
     flow: str = setting("", Rules(in_file=False))
     # its rate limits (pipeline/ratelimit.py); absent: [frontend.tenants]'s, 0: none
     requests_per_minute: int | None = setting(None, NON_NEGATIVE)
     tokens_per_minute: int | None = setting(None, NON_NEGATIVE)
+
+    @property
+    def label(self) -> str:
+        """What ``/metrics`` and refusals call it: its name, else its key's variable."""
+        return self.name or self.api_key_env or "other"
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -35,29 +51,42 @@ class TenantsConfig:
 
     A request's tenant is its API key's owner by default (every key one
     tenant; with no keys, everyone one), or the value of ``header`` when a
-    gateway names tenants so. Waiting requests are admitted in weighted fair
-    order between tenants; ``max_in_flight`` caps what one tenant holds (0: no
-    cap but the model's own). ``requests_per_minute`` and ``tokens_per_minute``
-    are every tenant's rate limits (0: none) unless a named tenant gives its
-    own (pipeline/ratelimit.py).
+    gateway names tenants so, or of the body's ``field`` (``user`` or
+    ``safety_identifier``). Waiting requests are admitted in weighted fair
+    order between tenants; ``max_in_flight`` caps what one tenant holds and
+    ``max_queue`` how many of its requests wait (0: no cap but the model's
+    own). ``priority`` says whether a tenant not listed (or listed without
+    ``priority``) may have ``service_tier: "priority"``; one that may not is
+    served at ``default``, and told so. Beyond ``max_series`` tenants that are
+    not listed, ``/metrics`` folds the rest into one ``tenant="other"``.
+    ``requests_per_minute`` and ``tokens_per_minute`` are every tenant's rate
+    limits (0: none) unless a named tenant gives its own (pipeline/ratelimit.py).
     """
 
     header: str | None = None  # e.g. "x-tenant-id"
+    field: TenantField | None = setting(None, Rules(noun="tenant field"))
     default_weight: float = setting(1.0, POSITIVE)
     max_in_flight: int = setting(0, NON_NEGATIVE)
+    max_queue: int = setting(0, NON_NEGATIVE)
+    priority: bool = False
+    max_series: int = setting(32, NON_NEGATIVE)
     tenant: tuple[TenantConfig, ...] = ()  # [[frontend.tenants.tenant]]
     # each tenant's rate limits, unless it names its own (0: none)
     requests_per_minute: int = setting(0, NON_NEGATIVE)
     tokens_per_minute: int = setting(0, NON_NEGATIVE)
 
-    def weights(self) -> dict[str, float]:
-        """Each named tenant's weight by its flow."""
-        return {tenant.flow: tenant.weight for tenant in self.tenant}
+    @property
+    def named_by(self) -> str | None:
+        """What names a tenant besides its key: ``header <name>``, ``field <name>`` or None."""
+        if self.header is not None:
+            return f"header {self.header}"
+        if self.field is not None:
+            return f"field {self.field}"
+        return None
 
-    def caps(self) -> dict[str, int]:
-        """Each named tenant's cap by its flow (the default where it names none)."""
-        return {tenant.flow: tenant.max_in_flight or self.max_in_flight
-                for tenant in self.tenant}
+    def by_flow(self) -> dict[str, TenantConfig]:
+        """Each listed tenant by its flow."""
+        return {tenant.flow: tenant for tenant in self.tenant}
 
 
 #: what an access-log line can carry

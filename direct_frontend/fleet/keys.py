@@ -81,7 +81,12 @@ def narrowed(owner: str, tenant: bytes) -> str:
 
 def tenant_flow(value: bytes) -> str:
     """The admission flow of a tenant a header names (cut at 256 bytes: a name, not a body)."""
-    return "h:" + value[:256].decode("latin-1")
+    return named_flow(value[:256].decode("latin-1"))
+
+
+def named_flow(name: str) -> str:
+    """The admission flow of a tenant named ``name`` (cut at 256 characters)."""
+    return "h:" + name[:256]
 
 
 class AuthTables(Checker):
@@ -114,11 +119,17 @@ class AuthTables(Checker):
 
     def tenants(self, value: object, path: KeyPath) -> TenantsConfig:
         """``[frontend.tenants]`` with each ``[[frontend.tenants.tenant]]`` resolved to the
-        flow it matches: the tenant a header names, or the owner of an API key."""
+        flow it matches: the tenant a header or body field names, or the owner of an API key."""
         tbl = self.table(value, path, keys_of(TenantsConfig))
         if tbl is None:
             return TenantsConfig()
         header = self.string(tbl, path, "header")
+        named_by = None if header is None else "header"
+        if tbl.get("field") is not None:
+            if header is not None:
+                self.report((*path, "field"), "give header or field, not both: one of them "
+                            "names the tenants")
+            named_by = "field"
         raw = tbl.get("tenant", [])
         tenants: list[TenantConfig] = []
         if not isinstance(raw, list):
@@ -131,36 +142,42 @@ class AuthTables(Checker):
             if entry is None:
                 continue
             tenant = TenantConfig(**self.fields(TenantConfig, entry, where, {"flow": ""}))
-            flow = self.tenant_flow(tenant, header, where)
+            flow = self.tenant_flow(tenant, named_by, where)
             if flow is not None:
                 tenants.append(dataclasses.replace(tenant, flow=flow))
         flows = [tenant.flow for tenant in tenants]
         if len(set(flows)) < len(flows):
             self.report((*path, "tenant"), "two tenants are the same one")
+        labels = [tenant.label for tenant in tenants]
+        if len(set(labels)) < len(labels):
+            self.report((*path, "tenant"), "two tenants have the same name")
         return TenantsConfig(**self.fields(TenantsConfig, tbl, path,
                                            {"header": header, "tenant": tuple(tenants)}))
 
-    def tenant_flow(self, tenant: TenantConfig, header: str | None,
+    def tenant_flow(self, tenant: TenantConfig, named_by: str | None,
                     where: KeyPath) -> str | None:
-        if (tenant.name is None) == (tenant.api_key_env is None):
-            self.report(where, "give a tenant either name (the header's value) or "
-                        "api_key_env (the variable holding its API key)")
-            return None
-        if tenant.name is not None:
-            if header is None:
-                self.report((*where, "name"), "a named tenant needs [frontend.tenants] header "
-                            "(the header whose value names it)")
+        """The flow of one listed tenant: its name's, when a header or field names the
+        tenants (``named_by``), else its API key's owner."""
+        if named_by is not None:
+            if tenant.api_key_env is not None:
+                self.report((*where, "api_key_env"), f"with [frontend.tenants] {named_by} "
+                            "its value names the tenants: give name instead")
                 return None
+            if tenant.name is None:
+                self.report(where, f"give the tenant's name (the value of the {named_by} "
+                            "that names it)")
+                return None
+            if named_by == "field":  # a JSON string: any text
+                return named_flow(tenant.name)
             return tenant_flow(tenant.name.encode("latin-1", "replace"))
-        assert tenant.api_key_env is not None
+        if tenant.api_key_env is None:
+            self.report(where, "give the tenant's api_key_env (the variable holding its API "
+                        "key), or [frontend.tenants] header or field for tenants named so")
+            return None
         keys = self.keys_of_env(tenant.api_key_env, (*where, "api_key_env"))
         if len(keys) != 1:
             if keys:
                 self.report((*where, "api_key_env"), f"${tenant.api_key_env} must hold one key")
-            return None
-        if header is not None:
-            self.report((*where, "api_key_env"), "with [frontend.tenants] header the header "
-                        "names the tenants: give name instead")
             return None
         return key_identity(keys[0])
 

@@ -48,6 +48,9 @@ from direct_frontend.fleet.frontend_tables import (
     TenantConfig as TenantConfig,
 )
 from direct_frontend.fleet.frontend_tables import (
+    TenantField as TenantField,
+)
+from direct_frontend.fleet.frontend_tables import (
     TenantsConfig as TenantsConfig,
 )
 from direct_frontend.fleet.frontend_tables import (
@@ -190,13 +193,26 @@ class FaultsConfig:
 class LimitsConfig:
     """``[frontend.limits]``: admission control, so a burst never melts the daemon down.
 
-    Past ``max_in_flight`` requests wait in a FIFO queue of ``max_queue``
-    places for at most ``queue_timeout_s``; beyond that they get a 429.
+    Past ``max_in_flight`` requests wait in a queue of ``max_queue`` places
+    (fair between tenants, by tier) for at most ``queue_timeout_s``; beyond
+    that they get a 429. A ``service_tier: "flex"`` request may wait
+    ``flex_queue_timeout_s``, and is admitted only while ``flex_reserve``
+    slots stay free after it for the interactive tiers (absent: an eighth of
+    ``max_in_flight``, at least 1).
     """
 
     max_in_flight: int = setting(1024, AT_LEAST_ONE)
     max_queue: int = setting(1024, NON_NEGATIVE)
     queue_timeout_s: float = setting(10.0, NON_NEGATIVE)
+    flex_queue_timeout_s: float = setting(600.0, NON_NEGATIVE)
+    flex_reserve: int | None = setting(None, NON_NEGATIVE)
+
+    @property
+    def flex_reserve_slots(self) -> int:
+        """The slots a flex request leaves free: ``flex_reserve``, or its default."""
+        if self.flex_reserve is not None:
+            return self.flex_reserve
+        return max(1, self.max_in_flight // 8)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

@@ -44,7 +44,13 @@ from direct_frontend.http.batches import Batches
 from direct_frontend.http.control_view import ControlView
 from direct_frontend.http.embeddings import respond_embeddings
 from direct_frontend.http.files import ApiCall
-from direct_frontend.http.identity import Caller, caller_of, client_request_id, owner_of
+from direct_frontend.http.identity import (
+    Caller,
+    caller_of,
+    client_request_id,
+    named_in_body,
+    owner_of,
+)
 from direct_frontend.http.internal import Answer, Exchange
 from direct_frontend.http.messages_api import anthropic_page, from_anthropic, respond_messages
 from direct_frontend.http.render import (
@@ -97,7 +103,7 @@ from direct_frontend.openai.responses_api import (
     previous_response_id,
 )
 from direct_frontend.openai.types import ChatRequest, CompletionRequest
-from direct_frontend.pipeline.admission import Rejected, saturated
+from direct_frontend.pipeline.admission import Rejected, saturated, served_tier
 from direct_frontend.pipeline.models import ServedModel
 from direct_frontend.pipeline.preprocess import (
     Kind,
@@ -642,9 +648,10 @@ class App:
                 found.append(served)
                 key = routing_key(served.settings.frontend.routing.session_key,
                                   scope["headers"], request.user)
+                named = named_in_body(settings.frontend.tenants, tenant, request.user)
                 return await respond_embeddings(
-                    served, request, request_id, key, tenant, receive, send, headers, trace,
-                    limit=partial(self._limit, settings, tenant, headers=headers))
+                    served, request, request_id, key, named, receive, send, headers, trace,
+                    limit=partial(self._limit, settings, named, headers=headers))
 
             return await self._from_body(settings, receive, send, answer)
 
@@ -727,6 +734,12 @@ class App:
             found.append(served)
             request = served.prepare_request(request)  # the model's sampling defaults
             settings = served.settings  # the model's policy, queue and limits from here on
+            caller = dataclasses.replace(caller, tenant=named_in_body(
+                settings.frontend.tenants, caller.tenant, request.user,
+                request.safety_identifier))
+            # the tier it is served at (what its response reports): its tenant's to have
+            request = msgspec.structs.replace(request, service_tier=settings.admission.tier(
+                caller.tenant, request.service_tier))
             if trace is not None:
                 trace.model(request.model)
                 trace.enter("preprocess")
@@ -768,7 +781,8 @@ class App:
             # Admitted before an engine is chosen, so a request that waited in the
             # queue is placed on the fleet as it is when it leaves the queue.
             # a slot per choice (n per prompt)
-            async with settings.admission.slot(prepared.request.n * len(prompts), caller.tenant):
+            async with settings.admission.slot(prepared.request.n * len(prompts), caller.tenant,
+                                               served_tier(prepared.request)):
                 if trace is not None:
                     trace.leave()
                 if responses is not None:

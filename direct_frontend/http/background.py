@@ -83,7 +83,7 @@ from direct_frontend.openai.response_store import (
     StoredResponse,
 )
 from direct_frontend.openai.responses_api import ResponsesRequest
-from direct_frontend.pipeline.admission import Rejected, saturated
+from direct_frontend.pipeline.admission import Rejected, saturated, served_tier
 from direct_frontend.pipeline.preprocess import PreparedRequest
 from direct_frontend.pipeline.relay import Relay, RelayState
 from direct_frontend.pipeline.relay_events import (
@@ -218,7 +218,7 @@ class BackgroundResponses:
                 "at once per API key ([frontend.responses] max_background_per_owner): wait for "
                 "one to end.", retry_after=1)
         try:
-            settings.admission.refuse_if_full()
+            settings.admission.refuse_if_full(1, caller.tenant, served_tier(request.chat))
         except Rejected as rejected:
             raise saturated(rejected) from None
         # Streamed from the engine whatever the client asked: a poll sees the output so far.
@@ -341,7 +341,8 @@ class BackgroundResponses:
     async def _generate(self, run: _Run, relay: Relay, settings: Settings,
                         prepared: PreparedRequest) -> None:
         try:
-            async with settings.admission.background_slot(run.tenant):
+            async with settings.admission.background_slot(run.tenant,
+                                                          served_tier(prepared.request)):
                 state = await relay.begin(settings, prepared)
                 run.so_far = Usage(len(prepared.input_ids), 0)
                 ok = False

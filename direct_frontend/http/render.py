@@ -55,7 +55,8 @@ def _usage_json(prompt: int, completion: int, cached: int) -> bytes:
 class ChunkRenderer:
     """Renders the SSE events of one streamed response.
 
-    ``id`` is ``chatcmpl-<request_id>`` or ``cmpl-<request_id>``. With
+    ``id`` is ``chatcmpl-<request_id>`` or ``cmpl-<request_id>``; ``service_tier``
+    is the tier the request is served at, as OpenAI reports it on every chunk. With
     ``include_usage`` every chunk carries ``"usage":null`` and :meth:`usage`
     renders the final usage chunk, as OpenAI does; without it :meth:`usage`
     returns ``b""`` so callers need not branch. A response of several choices
@@ -80,7 +81,7 @@ class ChunkRenderer:
 
     def __init__(
         self, kind: Kind, request_id: str, model: str, created: int, include_usage: bool,
-        index: int = 0,
+        index: int = 0, service_tier: str = "default",
     ) -> None:
         if kind not in ("chat", "completion"):
             raise ValueError(f"unknown response kind {kind!r}")
@@ -88,12 +89,13 @@ class ChunkRenderer:
         self._include_usage = include_usage
         obj = b"chat.completion.chunk" if kind == "chat" else b"text_completion"
         self._head = (
-            b'data: {"id":%b,"object":"%b","created":%d,"model":%b,'
+            b'data: {"id":%b,"object":"%b","created":%d,"model":%b,"service_tier":%b,'
             % (
                 _encode(_response_id(kind, request_id)),
                 obj,
                 created,
                 _encode(model),
+                _encode(service_tier),
             )
             + b'"system_fingerprint":null,"choices":['
         )
@@ -273,6 +275,7 @@ class _Full(msgspec.Struct):
     object: str
     created: int
     model: str
+    service_tier: str
     system_fingerprint: None
     choices: list[_ChatChoice] | list[_TextChoice]
     usage: _UsageOut
@@ -298,11 +301,12 @@ def render_full(
     stop_reason: str | int | None,
     usage: Usage,
     logprobs: dict[str, Any] | None = None,
+    service_tier: str = "default",
 ) -> bytes:
     """The non-streaming ``chat.completion`` or ``text_completion`` body of one choice."""
     return render_choices(
         kind, request_id, model, created,
-        [ChoiceOutput(text, finish_reason, stop_reason, logprobs)], usage,
+        [ChoiceOutput(text, finish_reason, stop_reason, logprobs)], usage, service_tier,
     )
 
 
@@ -313,8 +317,10 @@ def render_choices(
     created: int,
     outputs: list[ChoiceOutput],
     usage: Usage,
+    service_tier: str = "default",
 ) -> bytes:
-    """The non-streaming body with every choice, ``index`` in the order given."""
+    """The non-streaming body with every choice, ``index`` in the order given, and the
+    tier it was served at."""
     choices: list[_ChatChoice] | list[_TextChoice]
     if kind == "chat":
         choices = [
@@ -336,6 +342,7 @@ def render_choices(
         obj,
         created,
         model,
+        service_tier,
         None,
         choices,
         _UsageOut(
@@ -351,7 +358,7 @@ def render_choices(
         clean = [msgspec.structs.replace(c, text=_scrub(c.text)) for c in outputs]
         if clean == outputs:
             raise
-        return render_choices(kind, request_id, model, created, clean, usage)
+        return render_choices(kind, request_id, model, created, clean, usage, service_tier)
 
 
 class _Model(msgspec.Struct, omit_defaults=True):

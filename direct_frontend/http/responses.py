@@ -43,6 +43,7 @@ from direct_frontend.http.render import ChoiceOutput, ChunkRenderer, render_choi
 from direct_frontend.observability.tracing import RequestTrace
 from direct_frontend.openai.errors import OpenAIHTTPError, internal_error
 from direct_frontend.openai.parsers.base import ParsedDelta, collect
+from direct_frontend.pipeline.admission import served_tier
 from direct_frontend.pipeline.choices import Choices
 from direct_frontend.pipeline.preprocess import PreparedRequest
 from direct_frontend.pipeline.relay import Relay, RelayState
@@ -256,7 +257,7 @@ async def _stream(relay: Relay, state: RelayState, *, prepared: PreparedRequest,
     request = prepared.request
     renderer = ChunkRenderer(
         prepared.kind, prepared.request_id, request.model, int(time.time()),
-        request.include_usage,
+        request.include_usage, service_tier=served_tier(request),
     )
     choice = _Choice(relay, prepared)
     continuous_usage = request.include_usage and request.continuous_usage_stats
@@ -288,7 +289,7 @@ async def _complete(relay: Relay, state: RelayState, *, prepared: PreparedReques
         return status
     body = render_choices(
         prepared.kind, prepared.request_id, prepared.request.model, int(time.time()),
-        [choice.output(end)], end.usage,
+        [choice.output(end)], end.usage, served_tier(prepared.request),
     )
     await send_body(send, 200, body, JSON, headers)
     return 200
@@ -300,7 +301,7 @@ async def _stream_choices(relay: Relay, choices: Choices, *, send: Send, headers
     created = int(time.time())
     renderers = [
         ChunkRenderer(prepared.kind, prepared.request_id, request.model, created,
-                      request.include_usage, index)
+                      request.include_usage, index, served_tier(request))
         for index in range(len(choices))
     ]
     # Every choice announces its role first (chat), as a lone choice does.
@@ -372,7 +373,7 @@ async def _complete_choices(
     body = render_choices(
         prepared.kind, prepared.request_id, prepared.request.model, int(time.time()),
         [choice.output(end) for choice, end in zip(outputs, ends, strict=True)],
-        choices.usage(),
+        choices.usage(), served_tier(prepared.request),
     )
     await send_body(send, 200, body, JSON, headers)
     return 200

@@ -35,6 +35,7 @@ from direct_frontend.openai.response_store import (
     new_response_id,
 )
 from direct_frontend.openai.responses_api import ResponsesRequest, item_id
+from direct_frontend.pipeline.admission import served_tier
 from direct_frontend.pipeline.preprocess import PreparedRequest
 from direct_frontend.pipeline.relay import Relay, RelayState
 from direct_frontend.pipeline.relay_events import Batch, Finished, Opened, Usage
@@ -77,6 +78,7 @@ class ResponseBuilder:
             "previous_response_id": r.previous_response_id,
             "conversation": None if r.conversation is None else {"id": r.conversation},
             "text": {"format": {"type": "text"}}, "usage": usage,
+            "service_tier": served_tier(chat),
         }
 
     def record(self, response: bytes, owner: str) -> StoredResponse:

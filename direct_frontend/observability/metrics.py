@@ -153,6 +153,29 @@ class Metrics:
             "Time a request waited for an admission slot, by model (0: admitted at once).",
             ("model",), buckets=QUEUE_BUCKETS, registry=r,
         )  # fmt: skip
+        # by tenant and tier: the tenant label is its name in the fleet file, or a name a header
+        # or body field gave (at most [frontend.tenants] max_series), else "other": never a key
+        self.tenant_queue_depth = Gauge(
+            p + "tenant_queue_depth",
+            "Requests waiting in a model's admission queue, by tenant and service tier.",
+            ("model", "tenant", "tier"), registry=r,
+        )  # fmt: skip
+        self.tenant_wait_seconds = Histogram(
+            p + "tenant_wait_seconds",
+            "Time a request waited for an admission slot, by model, tenant and service tier.",
+            ("model", "tenant", "tier"), buckets=QUEUE_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.tenant_admitted_total = Counter(
+            p + "tenant_admitted_total",
+            "Requests admitted, by model, tenant and the service tier they were served at.",
+            ("model", "tenant", "tier"), registry=r,
+        )  # fmt: skip
+        self.tenant_refused_total = Counter(
+            p + "tenant_refused_total",
+            "Requests the admission queue refused, by model, tenant, service tier and reason "
+            "(queue_full, tenant_queue_full, pushed_out, timeout).",
+            ("model", "tenant", "tier", "reason"), registry=r,
+        )  # fmt: skip
         self.request_duration_seconds = Histogram(
             p + "request_duration_seconds", "Time from request start to the last byte sent.",
             ("endpoint",), buckets=REQUEST_BUCKETS, registry=r,
@@ -445,6 +468,13 @@ class Metrics:
             metric.remove(model)
         for status in series.statuses:
             self.model_requests_total.remove(model, str(status))
+        for tenant, tier in series.tenant_keys:
+            for metric in (self.tenant_queue_depth, self.tenant_wait_seconds,
+                           self.tenant_admitted_total):
+                with contextlib.suppress(KeyError):
+                    metric.remove(model, tenant, tier)
+        for tenant, tier, reason in series.refusal_keys:
+            self.tenant_refused_total.remove(model, tenant, tier, reason)
 
     # -- engines ---------------------------------------------------------------
 
@@ -510,20 +540,26 @@ class Metrics:
 
 
 class ModelSeries:
-    """One model's label children of the ``model_*`` metrics."""
+    """One model's label children of the ``model_*`` metrics, and of its tenants' admission
+    series (it is the model's admission observer: pipeline/admission.py)."""
 
     __slots__ = (
         "_by_status",
+        "_by_tenant",
         "_cached",
         "_completion",
         "_depth",
+        "_metrics",
         "_prompt",
+        "_refusals",
         "_requests",
         "_serving",
         "_ttft",
         "_wait",
         "model",
+        "refusal_keys",
         "statuses",
+        "tenant_keys",
     )
 
     def __init__(self, metrics: Metrics, model: str) -> None:
@@ -538,6 +574,12 @@ class ModelSeries:
         self._wait = metrics.admission_wait_seconds.labels(model)
         self.statuses: set[int] = set()
         self._by_status: dict[int, Counter] = {}  # the children, looked up once per status
+        self._metrics = metrics
+        #: (tenant, tier) -> its wait histogram's and admitted counter's children
+        self._by_tenant: dict[tuple[str, str], tuple[Histogram, Counter]] = {}
+        self.tenant_keys: set[tuple[str, str]] = set()  # every (tenant, tier) with a series
+        self._refusals: dict[tuple[str, str, str], Counter] = {}
+        self.refusal_keys: set[tuple[str, str, str]] = set()
 
     def request(self, status: int) -> None:
         child = self._by_status.get(status)
@@ -549,12 +591,39 @@ class ModelSeries:
     def first_token(self, seconds: float) -> None:
         self._ttft.observe(seconds)
 
-    def admission_wait(self, seconds: float) -> None:
-        """A request of this model was admitted after waiting ``seconds`` for a slot."""
-        self._wait.observe(seconds)
-
     def queue_depth(self, waiting: int) -> None:
         self._depth.set(waiting)
+
+    def admitted(self, tenant: str, tier: str, waited: float) -> None:
+        """A request of ``tenant`` (its label) was admitted at ``tier`` after ``waited`` s."""
+        self._wait.observe(waited)
+        children = self._by_tenant.get((tenant, tier))
+        if children is None:
+            self.tenant_keys.add((tenant, tier))
+            metrics = self._metrics
+            children = self._by_tenant[tenant, tier] = (
+                metrics.tenant_wait_seconds.labels(self.model, tenant, tier),
+                metrics.tenant_admitted_total.labels(self.model, tenant, tier))
+        children[0].observe(waited)
+        children[1].inc()
+
+    def refused(self, tenant: str, tier: str, reason: str) -> None:
+        """A request of ``tenant`` at ``tier`` was refused by the admission queue."""
+        key = (tenant, tier, reason)
+        child = self._refusals.get(key)
+        if child is None:
+            self.refusal_keys.add(key)
+            child = self._refusals[key] = self._metrics.tenant_refused_total.labels(
+                self.model, tenant, tier, reason)
+        child.inc()
+
+    def tenant_queue_depths(self, waiting: dict[tuple[str, str], int]) -> None:
+        """Set the requests waiting by (tenant, tier); a series once set and now empty is 0."""
+        gauge = self._metrics.tenant_queue_depth
+        for key in waiting.keys() - self.tenant_keys:
+            self.tenant_keys.add(key)
+        for tenant, tier in self.tenant_keys:
+            gauge.labels(self.model, tenant, tier).set(waiting.get((tenant, tier), 0))
 
     def usage(self, prompt: int, completion: int, cached: int) -> None:
         if prompt:

@@ -29,6 +29,7 @@ from direct_frontend.openai.parsers.forced import named_call_schema, required_ca
 from direct_frontend.openai.structured import EXTENSIONS, constraint_of
 from direct_frontend.openai.types import (
     ROLES,
+    SERVICE_TIERS,
     ChatMessage,
     ChatRequest,
     CompletionRequest,
@@ -36,6 +37,7 @@ from direct_frontend.openai.types import (
     EmbeddingRequest,
     Prompt,
     Role,
+    ServiceTier,
     TokenizeRequest,
     Tool,
     ToolCall,
@@ -118,6 +120,8 @@ class _WireBase(msgspec.Struct, kw_only=True):
     stream: bool | None = None
     stream_options: _StreamOptionsWire | None = None
     user: str | None = None
+    safety_identifier: str | None = None
+    service_tier: ServiceTier | None = None
     prompt_cache_key: str | None = None
     thinking_token_budget: Annotated[int, msgspec.Meta(ge=-1, le=UINT32_MAX)] | None = None
     skip_special_tokens: bool | None = None
@@ -213,6 +217,8 @@ def _from_validation_error(exc: msgspec.ValidationError) -> OpenAIHTTPError:
         return invalid_request(f"The request body must be a JSON object: {_lower_first(detail)}.")
     if detail.startswith("Invalid enum value") and param.endswith(".role"):
         detail += f"; expected one of {', '.join(ROLES)}"
+    if detail.startswith("Invalid enum value") and param == "service_tier":
+        detail += f"; expected one of {', '.join(SERVICE_TIERS)}"
     kind = "type" if ", got `" in detail else "value"
     return invalid_request(f"Invalid {kind} for '{param}': {_lower_first(detail)}.", param)
 
@@ -342,6 +348,8 @@ def _common(w: _WireBase) -> dict[str, Any]:
         "constraint": constraint,
         "skip_special_tokens": w.skip_special_tokens is not False,
         "user": w.user,
+        "safety_identifier": w.safety_identifier,
+        "service_tier": w.service_tier,
         "prompt_cache_key": w.prompt_cache_key,
         # -1: no limit, as vLLM reads it (kept: it also overrides the model's default)
         "thinking_token_budget": w.thinking_token_budget,

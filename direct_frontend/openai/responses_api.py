@@ -32,7 +32,8 @@ _encode: Final = msgspec.json.Encoder().encode
 
 #: Responses fields with the same meaning (and name) in a chat completions body
 _SAME: Final = ("model", "temperature", "top_p", "stream", "parallel_tool_calls", "user",
-                "prompt_cache_key", "seed", "stop", "top_k", "min_p", "repetition_penalty")
+                "prompt_cache_key", "seed", "stop", "top_k", "min_p", "repetition_penalty",
+                "service_tier", "safety_identifier")
 #: the ``include`` value that asks for the output text's logprobs
 LOGPROBS: Final = "message.output_text.logprobs"
 @dataclasses.dataclass(frozen=True, slots=True)

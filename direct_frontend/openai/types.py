@@ -12,6 +12,13 @@ from direct_frontend.multimodal.parts import ImagePart
 Role = Literal["system", "user", "assistant", "tool", "developer"]
 ROLES: Final = ("system", "user", "assistant", "tool", "developer")
 
+#: what a request's ``service_tier`` may ask for (OpenAI's values)
+ServiceTier = Literal["auto", "default", "flex", "priority"]
+SERVICE_TIERS: Final = ("auto", "default", "flex", "priority")
+#: the tier a request is served at, first served first
+Tier = Literal["priority", "default", "flex"]
+TIERS: Final[tuple[Tier, ...]] = ("priority", "default", "flex")
+
 
 class ToolCallFunction(msgspec.Struct, frozen=True):
     """The function an assistant message called; ``arguments`` is a JSON string."""
@@ -97,7 +104,11 @@ class _RequestBase(msgspec.Struct, frozen=True, kw_only=True):
     include_usage: bool = False  # stream_options.include_usage
     continuous_usage_stats: bool = False  # stream_options.continuous_usage_stats (vLLM's)
     skip_special_tokens: bool = True
-    user: str | None = None  # accepted and not used (as metadata, which is not kept)
+    user: str | None = None  # a routing key or the tenant where configured; else not used
+    #: OpenAI's stable id of the end user (the tenant where ``[frontend.tenants] field`` says)
+    safety_identifier: str | None = None
+    #: the tier asked for; once admitted, the tier it is served at (what the response reports)
+    service_tier: ServiceTier | None = None
     #: OpenAI's key for requests that share a cache: a routing key where session_key names it
     prompt_cache_key: str | None = None
     #: the most tokens the reply may spend in its reasoning block (None: unset, -1: no

@@ -1,13 +1,32 @@
-"""Admission control: a cap on requests in flight and a bounded, timed queue in front of it.
+"""Admission control: a cap on requests in flight and bounded, timed queues in front of it.
 
 The daemon must never melt down under a burst: past ``max_in_flight`` a
 request waits in a queue of at most ``max_queue`` places for at most
 ``queue_timeout_s``; beyond that it is refused at once with a 429, which
-costs almost nothing. The queue is fair between tenants (pipeline/fair.py):
+costs almost nothing.
+
+Requests wait by tier (``service_tier``): every ``priority`` request that
+can go goes before any ``default`` one, and ``flex`` takes only what those
+leave. Within a tier the queue is fair between tenants (pipeline/fair.py):
 a request names its flow (the tenant it is sent for), and a freed slot goes
 to the flow whose turn it is by weight, not to whoever queued first, so one
 tenant's burst does not keep the others waiting behind it. With one flow (a
 server without API keys) it is first come, first served.
+
+A tenant past its share of the slots leaves free slots for each other
+active tenant short of its share (pipeline/shares.py: as many as that
+tenant's count in flight varies by), so that tenant's next request starts
+at once instead of waiting for another's to end. ``flex`` is admitted only
+while ``flex_reserve`` slots stay free after it, so interactive requests
+arriving meanwhile find room; it may wait ``flex_queue_timeout_s``, and a
+full queue refuses (or pushes out) flex first.
+
+What this cannot do is make room that is not there: a slot ends when its
+request does. A quiet tenant's requests arrive at random, and several at
+once find the slots left free taken; they wait for the next request to
+end. Without taking a running request off its engine (preemption), the
+only cure is more slots left free, which costs the fleet what they would
+have served (scripts/bench_fairness.py measures both).
 """
 
 from __future__ import annotations
@@ -15,13 +34,20 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
+from typing import Literal, Protocol
 
 import trio
 
 from direct_frontend.fleet.schema import LimitsConfig, TenantsConfig
 from direct_frontend.openai.errors import OpenAIHTTPError, rate_limited
+from direct_frontend.openai.types import TIERS, ChatRequest, CompletionRequest, Tier
 from direct_frontend.pipeline.fair import FairQueue, Waiter
+from direct_frontend.pipeline.shares import Shares
+from direct_frontend.pipeline.tenancy import Tenants
+
+#: why a request was not admitted (the ``reason`` label of the refusals counted)
+Reason = Literal["queue_full", "tenant_queue_full", "pushed_out", "timeout"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -31,18 +57,30 @@ class AdmissionConfig:
     max_in_flight: int
     max_queue: int
     queue_timeout_s: float
+    flex_queue_timeout_s: float = 600.0
+    #: slots a flex request leaves free for the interactive tiers when admitted
+    flex_reserve: int = 1
 
 
 def admission_config(limits: LimitsConfig) -> AdmissionConfig:
-    return AdmissionConfig(limits.max_in_flight, limits.max_queue, limits.queue_timeout_s)
+    return AdmissionConfig(limits.max_in_flight, limits.max_queue, limits.queue_timeout_s,
+                           limits.flex_queue_timeout_s, limits.flex_reserve_slots)
+
+
+def served_tier(request: ChatRequest | CompletionRequest) -> Tier:
+    """The tier a request is served at, once :meth:`Admission.tier` has set it (``default``
+    for one that never went through it)."""
+    tier = request.service_tier
+    return tier if tier in TIERS else "default"
 
 
 class Rejected(Exception):
-    """Not admitted: the queue is full or the wait timed out."""
+    """Not admitted: the queue is full, the tenant's is, or the wait timed out."""
 
-    def __init__(self, reason: str) -> None:
+    def __init__(self, reason: str, why: Reason = "queue_full") -> None:
         super().__init__(reason)
         self.reason = reason
+        self.why: Reason = why
 
 
 def saturated(rejected: Rejected) -> OpenAIHTTPError:
@@ -50,37 +88,36 @@ def saturated(rejected: Rejected) -> OpenAIHTTPError:
     return rate_limited(f"The frontend is saturated: {rejected.reason}.", retry_after=1)
 
 
-#: a tenant that asked this recently is active: the others leave it headroom
-ACTIVE_S = 10.0
-#: slots left free for each active tenant short of its share (fewer if it is nearly there)
-SPARE = 1
+class AdmissionObserver(Protocol):
+    """Hears each admission and refusal, by the tenant's label (never a key) and tier."""
+
+    def admitted(self, tenant: str, tier: Tier, waited: float) -> None: ...
+
+    def refused(self, tenant: str, tier: Tier, reason: Reason) -> None: ...
 
 
 class Admission:
-    """The cap and its fair queue.
+    """The cap and its queues: one per tier, each fair between tenants.
 
-    ``observe_wait`` hears how long each admitted request waited (the
-    queue-wait histogram); ``tenants`` gives each flow its weight and cap
-    (``[frontend.tenants]``; by default every flow weighs 1, capped by the
-    model's limit alone).
+    ``observer`` hears how long each admitted request waited and each
+    refusal (``/metrics``); ``tenants`` gives each flow its weight, caps and
+    right to ``priority`` (``[frontend.tenants]``; by default every flow
+    weighs 1, capped by the model's limits alone, and none has ``priority``).
     """
 
-    def __init__(self, config: AdmissionConfig,
-                 observe_wait: Callable[[float], None] | None = None,
+    def __init__(self, config: AdmissionConfig, observer: AdmissionObserver | None = None,
                  tenants: TenantsConfig | None = None) -> None:
         self.config = config
-        self.observe_wait = observe_wait
-        tenants = tenants or TenantsConfig()
-        weights, default = tenants.weights(), tenants.default_weight
-        self._caps, self._default_cap = tenants.caps(), tenants.max_in_flight
+        self.observer = observer
+        self.tenants = Tenants(tenants or TenantsConfig())
         self._free = config.max_in_flight
-        self._queue = FairQueue(lambda flow: weights.get(flow, default))
+        self._queues = {tier: FairQueue(self.tenants.weight) for tier in TIERS}
+        self._queued: collections.Counter[str] = collections.Counter()  # per flow, every tier
         self._wake: dict[Waiter, trio.Event] = {}
-        self._held: dict[str, int] = {}  # slots each flow holds
-        self._pushed_out: set[Waiter] = set()  # refused to make room for another tenant
-        #: when each tenant last asked (those of the last ACTIVE_S only)
-        self._seen: collections.OrderedDict[str, float] = collections.OrderedDict()
-        self._seen_weight = 0.0  # the active tenants' weights, summed
+        self._held: dict[str, int] = {}  # slots each flow holds, every tier
+        #: the interactive tiers' slots by tenant: the shares the spare slots follow
+        self._shares = Shares(config.max_in_flight, self.tenants.weight)
+        self._pushed_out: dict[Waiter, str] = {}  # refused to make room, and why
         #: the most slots a tenant past its share leaves free for the others (see _fits)
         self._headroom = config.max_in_flight // 4
         #: background work's share of the slots (:meth:`background_slot`)
@@ -93,42 +130,54 @@ class Admission:
 
     @property
     def waiting(self) -> int:
-        return len(self._queue)
+        return sum(len(queue) for queue in self._queues.values())
 
-    def refuse_if_full(self, count: int = 1) -> None:
+    def waiting_by(self) -> dict[tuple[str, str], int]:
+        """The requests waiting by the tenant's label and tier (the labels bounded)."""
+        out: collections.Counter[tuple[str, str]] = collections.Counter()
+        for tier, queue in self._queues.items():
+            for flow, line in queue.flows():
+                out[self.tenants.label(flow), tier] += len(line)
+        return dict(out)
+
+    def tier(self, flow: str, asked: str | None) -> Tier:
+        """The tier ``flow``'s request is served at when it asks for ``asked``."""
+        return self.tenants.tier(flow, asked)  # type: ignore[arg-type]
+
+    def refuse_if_full(self, count: int = 1, flow: str = "", tier: Tier = "default") -> None:
         """Raise :class:`Rejected` now if ``count`` slots would find the queue full.
 
         For work that is accepted at once and admitted later (a background
         response): its client hears the 429 instead of a failure after the fact.
         """
         if self._free < min(count, self.config.max_in_flight) and (
-                len(self._queue) >= self.config.max_queue):
-            self.rejected += 1
-            raise Rejected("the request queue is full")
+                self.waiting >= self.config.max_queue):
+            raise self._refused(flow, tier, "queue_full", "the request queue is full")
 
     @contextlib.asynccontextmanager
-    async def background_slot(self, flow: str = "") -> AsyncIterator[None]:
+    async def background_slot(self, flow: str = "",
+                              tier: Tier = "default") -> AsyncIterator[None]:
         """One slot for work no client waits on (a background response) of ``flow``.
 
         Such work holds at most half the slots: however much of it is asked
         for, the other half stays for the requests a client is waiting on. Its
         wait for its half is bounded as the queue's is.
         """
-        with trio.move_on_after(self.config.queue_timeout_s) as wait:
+        with trio.move_on_after(self._timeout(tier)) as wait:
             await self._background.acquire()
         if wait.cancelled_caught:
-            self.rejected += 1
-            raise Rejected("timed out waiting for a free slot")
+            raise self._refused(flow, tier, "timeout", "timed out waiting for a free slot")
         try:
-            async with self.slot(1, flow):
+            async with self.slot(1, flow, tier):
                 yield
         finally:
             self._background.release()
 
     @contextlib.asynccontextmanager
-    async def slot(self, count: int = 1, flow: str = "") -> AsyncIterator[None]:
-        """Hold ``count`` in-flight slots (one per choice) for ``flow`` for the duration of
-        the block.
+    async def slot(self, count: int = 1, flow: str = "",
+                   tier: Tier = "default") -> AsyncIterator[None]:
+        """Hold ``count`` in-flight slots (one per choice) for ``flow`` at ``tier`` for the
+        duration of the block.
 
         A request of more choices than ``max_in_flight`` takes every slot, so
         it waits for the daemon to drain rather than never running. The
@@ -137,133 +186,186 @@ class Admission:
         """
         count = min(count, self.config.max_in_flight)
         waited_from = trio.current_time()
-        self._saw(flow, waited_from)
-        if not self._queue and self._free >= count and self._fits(flow, count):
-            self._grant(flow, count)
+        if tier != "flex":
+            self._shares.saw(flow, waited_from)
+        if not self._ahead(tier) and self._free >= count and self._fits(flow, count, tier):
+            self._grant(flow, count, tier)
         else:
-            await self._wait(flow, count)
-        if self.observe_wait is not None:
-            self.observe_wait(trio.current_time() - waited_from)
+            await self._wait(flow, count, tier)
+        if self.observer is not None:
+            self.observer.admitted(self.tenants.label(flow), tier,
+                                   trio.current_time() - waited_from)
         try:
             yield
         finally:
-            self._release(flow, count)
+            self._release(flow, count, tier)
 
-    async def _wait(self, flow: str, count: int) -> None:
-        """Queue for ``count`` slots until granted; :class:`Rejected` when the queue is full
-        or the wait times out (a cancelled wait leaves nothing behind)."""
-        if len(self._queue) >= self.config.max_queue:
-            self._push_out(flow)
-        waiter = self._queue.push(flow, count)
+    def _ahead(self, tier: Tier) -> bool:
+        """Whether a request waits that goes before a new one of ``tier`` (its own tier's,
+        or a tier first served)."""
+        for first in TIERS:
+            if self._queues[first]:
+                return True
+            if first == tier:
+                return False
+        return False
+
+    def _timeout(self, tier: Tier) -> float:
+        config = self.config
+        return config.flex_queue_timeout_s if tier == "flex" else config.queue_timeout_s
+
+    def _refused(self, flow: str, tier: Tier, why: Reason, reason: str) -> Rejected:
+        """Count a refusal of ``flow``'s request (``reason``: what its client reads)."""
+        self.rejected += 1
+        if self.observer is not None:
+            self.observer.refused(self.tenants.label(flow), tier, why)
+        return Rejected(reason, why)
+
+    async def _wait(self, flow: str, count: int, tier: Tier) -> None:
+        """Queue for ``count`` slots until granted; :class:`Rejected` when the queue (or the
+        tenant's share of it) is full or the wait times out (a cancelled wait leaves nothing
+        behind)."""
+        limit = self.tenants.max_queue(flow)
+        if limit and self._queued[flow] >= limit:
+            raise self._refused(flow, tier, "tenant_queue_full",
+                                f"{self.tenants.called(flow)} has {limit} requests waiting "
+                                "already, its limit ([frontend.tenants] max_queue)")
+        if self.waiting >= self.config.max_queue:
+            self._push_out(flow, tier)
+        queue = self._queues[tier]
+        waiter = queue.push(flow, count, tier)
+        self._queued[flow] += 1
         granted = self._wake[waiter] = trio.Event()
         self._dispatch()
         try:
-            with trio.move_on_after(self.config.queue_timeout_s):
+            with trio.move_on_after(self._timeout(tier)):
                 await granted.wait()
         except BaseException:
-            self._leave(waiter, granted, flow, count)
+            self._leave(waiter, granted, count)
             raise
-        if waiter in self._pushed_out:
-            self._pushed_out.discard(waiter)
-            raise Rejected("the request queue is full, and this tenant holds the most of it")
+        pushed_out = self._pushed_out.pop(waiter, None)
+        if pushed_out is not None:
+            raise Rejected(pushed_out, "pushed_out")  # counted when it was pushed out
         if not granted.is_set():
-            self._leave(waiter, granted, flow, count)
-            self.rejected += 1
-            raise Rejected("timed out waiting for a free slot")
+            self._leave(waiter, granted, count)
+            raise self._refused(flow, tier, "timeout", "timed out waiting for a free slot")
 
-    def _push_out(self, flow: str) -> None:
-        """The queue is full: make room for ``flow`` by refusing the newest request of the
-        tenant holding the most places, if that is another with more than ``flow`` has; else
-        :class:`Rejected` for ``flow``. A flood fills the queue, but never keeps a quieter
-        tenant out of it."""
-        longest, places = self._queue.longest()
-        if longest == flow or places <= self._queue.waiting(flow) + 1:
-            self.rejected += 1
-            raise Rejected("the request queue is full")
-        victim = self._queue.newest(longest)
-        self._queue.cancel(victim)
-        self._pushed_out.add(victim)
-        self.rejected += 1
+    def _push_out(self, flow: str, tier: Tier) -> None:
+        """The queue is full: make room for ``flow``'s request of ``tier``, or
+        :class:`Rejected` for it.
+
+        A request of a tier served later gives way first (flex before
+        default before priority): its tenant with the most waiting loses its
+        newest. Within the request's own tier, the newest request of the
+        tenant holding the most places gives way if that is another with more
+        than ``flow`` has. A flood fills the queue, but never keeps a quieter
+        tenant, or a higher tier, out of it.
+        """
+        for later in reversed(TIERS[TIERS.index(tier) + 1:]):
+            queue = self._queues[later]
+            if queue:
+                self._evict(queue, queue.longest()[0], "the request queue is full, and a "
+                            "request of a higher service tier took this one's place")
+                return
+        queue = self._queues[tier]
+        longest, places = queue.longest()
+        if longest == flow or places <= queue.waiting(flow) + 1:
+            raise self._refused(flow, tier, "queue_full", "the request queue is full")
+        self._evict(queue, longest, "the request queue is full, and this tenant holds the "
+                    "most of it")
+
+    def _evict(self, queue: FairQueue, flow: str, reason: str) -> None:
+        victim = queue.newest(flow)
+        queue.cancel(victim)
+        self._unqueued(flow)
+        self._pushed_out[victim] = reason
+        self._refused(flow, victim.tier, "pushed_out", reason)  # type: ignore[arg-type]
         self._wake.pop(victim).set()
 
-    def _leave(self, waiter: Waiter, granted: trio.Event, flow: str, count: int) -> None:
+    def _leave(self, waiter: Waiter, granted: trio.Event, count: int) -> None:
         """A wait that ends without its slots: out of the queue, or, granted meanwhile,
         the slots given back."""
         if granted.is_set():
-            self._release(flow, count)
+            self._release(waiter.flow, count, waiter.tier)  # type: ignore[arg-type]
         else:
-            self._queue.cancel(waiter)
+            self._queues[waiter.tier].cancel(waiter)  # type: ignore[index]
+            self._unqueued(waiter.flow)
             del self._wake[waiter]
             self._dispatch()  # it may have held the others back (a turn it could not take)
 
-    def _fits(self, flow: str, count: int) -> bool:
-        """Whether ``flow`` may hold ``count`` more slots.
+    def _fits(self, flow: str, count: int, tier: Tier) -> bool:
+        """Whether ``flow`` may hold ``count`` more slots at ``tier``.
 
-        Under its cap; and a tenant past its fair share of the slots (by
-        weight, among the tenants active within :data:`ACTIVE_S`) leaves one
-        slot free for each other active tenant short of its share, so that
-        tenant's next request starts at once instead of waiting for a slot to
-        end. Alone, or with everyone at its share, a tenant takes every slot:
-        the queue stays work-conserving.
+        Under its cap; flex only while ``flex_reserve`` slots stay free after
+        it. An interactive request within its tenant's share fits; a tenant
+        past its share leaves free slots for each other active tenant short
+        of its share (:meth:`Shares.spare`: at least one), so that tenant's
+        next request starts at once instead of waiting for a slot to end (at
+        most a quarter of the slots in all). Alone, or with everyone at its
+        share, a tenant takes every slot: the queue stays work-conserving.
         """
-        held = self._held.get(flow, 0) + count
-        cap = self._caps.get(flow, self._default_cap)
-        if cap and held > max(cap, count):
+        cap = self.tenants.max_in_flight(flow)
+        if cap and self._held.get(flow, 0) + count > max(cap, count):
             return False
-        self._forget_idle()
-        if len(self._seen) < 2:
-            return True
-        weight, slots, total = self._queue.weight, self.config.max_in_flight, self._seen_weight
-        if held <= slots * weight(flow) / total:
+        if tier == "flex":
+            reserve = min(self.config.flex_reserve, self.config.max_in_flight - count)
+            return self._free - count >= reserve
+        shares = self._shares
+        active = shares.active(trio.current_time())
+        if len(active) < 2 or shares.held(flow) + count <= shares.share(flow):
             return True
         wanted = min(self._headroom, self._free)  # past it, nothing more to count
         short = 0.0
-        for other in self._seen:
+        for other in active:
             if other != flow:
-                short += max(0.0, min(SPARE, slots * weight(other) / total
-                                      - self._held.get(other, 0)))
+                short += shares.spare(other)
                 if short >= wanted:
                     break
         return self._free - count >= min(short, self._headroom)
 
-    def _saw(self, flow: str, now: float) -> None:
-        """``flow`` asked at ``now``: it is active (the most recent last)."""
-        if flow not in self._seen:
-            self._seen_weight += self._queue.weight(flow)
-        self._seen[flow] = now
-        self._seen.move_to_end(flow)
-
-    def _forget_idle(self) -> None:
-        """Forget the tenants that asked nothing within :data:`ACTIVE_S` (oldest first: the
-        map is in the order they last asked, so this stops at the first still active)."""
-        since = trio.current_time() - ACTIVE_S
-        while self._seen:
-            flow, seen = next(iter(self._seen.items()))
-            if seen >= since:
-                return
-            del self._seen[flow]
-            self._seen_weight = (self._seen_weight - self._queue.weight(flow)) if self._seen \
-                else 0.0  # none left: no rounding carried over
-
-    def _grant(self, flow: str, count: int) -> None:
+    def _grant(self, flow: str, count: int, tier: Tier) -> None:
         self._free -= count
         self._held[flow] = self._held.get(flow, 0) + count
+        if tier != "flex":
+            self._shares.add(flow, count)
 
-    def _release(self, flow: str, count: int) -> None:
+    def _release(self, flow: str, count: int, tier: Tier) -> None:
         self._free += count
         left = self._held[flow] - count
         if left:
             self._held[flow] = left
         else:
             del self._held[flow]
+        if tier != "flex":
+            self._shares.add(flow, -count)
         self._dispatch()
 
     def _dispatch(self) -> None:
-        """Grant free slots to the waiting requests in fair order."""
-        while self._queue:
-            waiter = self._queue.next(lambda head: self._fits(head.flow, head.cost))
-            if waiter is None or waiter.cost > self._free:
-                return
-            self._queue.pop(waiter)
-            self._grant(waiter.flow, waiter.cost)
+        """Grant free slots to the waiting requests: by tier, and in fair order within one."""
+        while (found := self._next()) is not None:
+            queue, waiter = found
+            if waiter.cost > self._free:
+                return  # it keeps its turn
+            queue.pop(waiter)
+            self._unqueued(waiter.flow)
+            self._grant(waiter.flow, waiter.cost, waiter.tier)  # type: ignore[arg-type]
             self._wake.pop(waiter).set()
+
+    def _next(self) -> tuple[FairQueue, Waiter] | None:
+        """The waiting request whose turn it is: of the first tier with one that fits."""
+        for tier in TIERS:
+            queue = self._queues[tier]
+            if queue:
+                waiter = queue.next(lambda head: self._fits(
+                    head.flow, head.cost, head.tier))  # type: ignore[arg-type]
+                if waiter is not None:
+                    return queue, waiter
+        return None
+
+    def _unqueued(self, flow: str) -> None:
+        """One request of ``flow`` left the queue (admitted, gone or pushed out)."""
+        left = self._queued[flow] - 1
+        if left:
+            self._queued[flow] = left
+        else:
+            del self._queued[flow]

@@ -22,6 +22,7 @@ wait, and the others go by, while it is at its cap.
 from __future__ import annotations
 
 import collections
+import collections.abc
 import dataclasses
 import itertools
 from collections.abc import Callable
@@ -29,13 +30,14 @@ from collections.abc import Callable
 
 @dataclasses.dataclass(eq=False, slots=True)
 class Waiter:
-    """One request waiting for ``cost`` slots on behalf of ``flow``."""
+    """One request waiting for ``cost`` slots on behalf of ``flow`` (``tier``: its queue's)."""
 
     flow: str
     cost: int
     seq: int
     start: float = 0.0
     finish: float = 0.0
+    tier: str = ""
 
 
 class FairQueue:
@@ -66,11 +68,15 @@ class FairQueue:
         """``flow``'s last request in line (it has one)."""
         return self._queues[flow][-1]
 
-    def push(self, flow: str, cost: int) -> Waiter:
+    def flows(self) -> collections.abc.ItemsView[str, collections.deque[Waiter]]:
+        """Each flow with requests waiting, and its line."""
+        return self._queues.items()
+
+    def push(self, flow: str, cost: int, tier: str = "") -> Waiter:
         """Queue a request of ``flow`` for ``cost`` slots; its place in line."""
         start = max(self.virtual_time, self._last_finish.get(flow, 0.0))
         waiter = Waiter(flow, cost, next(self._seq), start,
-                        start + cost / max(self.weight(flow), 1e-9))
+                        start + cost / max(self.weight(flow), 1e-9), tier)
         self._last_finish[flow] = waiter.finish
         self._queues.setdefault(flow, collections.deque()).append(waiter)
         self._len += 1

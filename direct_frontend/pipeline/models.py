@@ -332,7 +332,7 @@ class ModelBuilder:
         key = text_model_key(config)
         if before is None:
             settings = Settings.first(scoped, self.make_policy(config.routing, True),
-                                      self.metrics.model_series(config.name).admission_wait)
+                                      self.metrics.model_series(config.name))
         else:
             routing_changed = config.routing != before.config.routing
             settings = before.settings.reloaded(
@@ -364,6 +364,12 @@ class ModelBuilder:
 def queue_depths(table: ModelTable) -> dict[str, int]:
     """Requests waiting in each model's admission queue (by name), for the gauge."""
     return {model.name: model.settings.admission.waiting for model in table.models}
+
+
+def tenant_queue_depths(table: ModelTable) -> dict[str, dict[tuple[str, str], int]]:
+    """Requests waiting in each model's admission queue by (tenant label, tier), for the
+    gauge."""
+    return {model.name: model.settings.admission.waiting_by() for model in table.models}
 
 
 def serving_counts(table: ModelTable) -> dict[str, int]:

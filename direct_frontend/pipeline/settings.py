@@ -10,10 +10,9 @@ come from the same reload.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 
 from direct_frontend.fleet.schema import FrontendConfig
-from direct_frontend.pipeline.admission import Admission, admission_config
+from direct_frontend.pipeline.admission import Admission, AdmissionObserver, admission_config
 from direct_frontend.pipeline.failover import FailoverConfig
 from direct_frontend.routing.policies import Policy
 
@@ -30,13 +29,13 @@ class Settings:
 
     @classmethod
     def first(cls, frontend: FrontendConfig, policy: Policy,
-              observe_wait: Callable[[float], None] | None = None) -> Settings:
-        """The snapshot the daemon starts with; ``observe_wait`` hears each admitted
-        request's wait for a slot."""
+              observer: AdmissionObserver | None = None) -> Settings:
+        """The snapshot the daemon starts with; ``observer`` hears each admitted request's
+        wait for a slot, and each refusal."""
         return cls(
             frontend,
             FailoverConfig.from_fleet(frontend.faults),
-            Admission(admission_config(frontend.limits), observe_wait, frontend.tenants),
+            Admission(admission_config(frontend.limits), observer, frontend.tenants),
             policy,
         )
 
@@ -51,7 +50,7 @@ class Settings:
         admission = (
             self.admission if (frontend.limits, frontend.tenants) == (
                 self.frontend.limits, self.frontend.tenants)
-            else Admission(admission_config(frontend.limits), self.admission.observe_wait,
+            else Admission(admission_config(frontend.limits), self.admission.observer,
                            frontend.tenants)
         )
         return Settings(

@@ -119,28 +119,45 @@ def tenants_fleet(tenants: str, environ: dict[str, str]) -> FleetConfig:
 
 
 def test_tenants_resolve_to_the_flows_requests_queue_in() -> None:
-    from direct_frontend.fleet.keys import key_identity, tenant_flow
+    from direct_frontend.fleet.keys import key_identity, named_flow, tenant_flow
 
     by_key = tenants_fleet('[frontend.tenants]\ndefault_weight = 2\nmax_in_flight = 8\n'
-                           '[[frontend.tenants.tenant]]\napi_key_env = "TEAM_A"\nweight = 3\n',
-                           {"TEAM_A": "sk-team-a-0123"}).frontend.tenants
-    (team,) = by_key.tenant
+                           '[[frontend.tenants.tenant]]\napi_key_env = "TEAM_A"\nweight = 3\n'
+                           'max_queue = 4\npriority = true\n'
+                           '[[frontend.tenants.tenant]]\napi_key_env = "TEAM_B"\n'
+                           'name = "team-b"\n',
+                           {"TEAM_A": "sk-team-a-0123", "TEAM_B": "sk-team-b-4567"}
+                           ).frontend.tenants
+    team, other = by_key.tenant
     assert team.flow == key_identity("sk-team-a-0123") and "sk-team" not in repr(by_key)
-    assert by_key.weights() == {team.flow: 3.0} and by_key.caps() == {team.flow: 8}
+    assert (team.weight, team.max_queue, team.priority, team.label) == (3, 4, True, "TEAM_A")
+    assert other.label == "team-b" and other.priority is None  # its name, else its variable's
     by_header = tenants_fleet('[frontend.tenants]\nheader = "x-team"\n'
                               '[[frontend.tenants.tenant]]\nname = "search"\n'
                               'max_in_flight = 2\n', {}).frontend.tenants
-    assert by_header.caps() == {tenant_flow(b"search"): 2}
+    assert by_header.by_flow()[tenant_flow(b"search")].max_in_flight == 2
+    by_field = tenants_fleet('[frontend.tenants]\nfield = "safety_identifier"\n'
+                             '[[frontend.tenants.tenant]]\nname = "über-team"\n', {}
+                             ).frontend.tenants
+    assert by_field.field == "safety_identifier" and by_field.named_by == "field safety_identifier"
+    assert [t.flow for t in by_field.tenant] == [named_flow("über-team")]
 
 
 def test_a_tenant_is_named_one_way() -> None:
-    for tenant, message in (
-        ('name = "a"\napi_key_env = "K"', "either name"),
-        ('name = "a"', "needs [frontend.tenants] header"),
-        ('api_key_env = "NOT_SET_ANYWHERE"', "is not set"),
+    for tables, message in (
+        ('[[frontend.tenants.tenant]]\nname = "a"', "give the tenant's api_key_env"),
+        ('header = "x-t"\n[[frontend.tenants.tenant]]\nname = "a"\napi_key_env = "K"',
+         "its value names the tenants: give name instead"),
+        ('field = "user"\n[[frontend.tenants.tenant]]\nweight = 2',
+         "give the tenant's name (the value of the field that names it)"),
+        ('[[frontend.tenants.tenant]]\napi_key_env = "NOT_SET_ANYWHERE"', "is not set"),
+        ('header = "x-t"\nfield = "user"', "give header or field, not both"),
+        ('field = "email"', "tenant field"),
+        ('header = "x-t"\n[[frontend.tenants.tenant]]\nname = "a"\n'
+         '[[frontend.tenants.tenant]]\nname = "a"', "two tenants are the same one"),
     ):
         with pytest.raises(FleetError, match=re.escape(message)):
-            tenants_fleet(f"[frontend.tenants]\n[[frontend.tenants.tenant]]\n{tenant}\n", {})
+            tenants_fleet(f"[frontend.tenants]\n{tables}\n", {})
 
 
 def test_rate_limits_read_per_tenant_with_a_default_for_all() -> None:

@@ -132,8 +132,8 @@ def test_engine_state_is_one_hot_and_forget_engine_drops_series() -> None:
 def test_the_standard_collectors_the_build_and_the_admission_queue_are_exported() -> None:
     metrics = Metrics()
     series = metrics.model_series("demo")
-    series.admission_wait(0.0)
-    series.admission_wait(0.3)
+    series.admitted("team-a", "default", 0.0)
+    series.admitted("other", "flex", 0.3)
     series.queue_depth(5)
     text = metrics.render()[0].decode()
     for name in ("process_resident_memory_bytes", "process_cpu_seconds_total",
@@ -147,3 +147,31 @@ def test_the_standard_collectors_the_build_and_the_admission_queue_are_exported(
                   model="demo") == 1
     metrics.forget_model("demo")
     assert "admission_queue_depth{" not in metrics.render()[0].decode()
+
+
+def test_admission_series_by_tenant_and_tier() -> None:
+    """Each (tenant, tier) has its wait histogram, admitted and refused counters and queue
+    depth; a depth once set reads 0 when nothing waits; forgetting the model drops them all."""
+    metrics = Metrics()
+    series = metrics.model_series("demo")
+    series.admitted("team-a", "priority", 0.0)
+    series.admitted("team-a", "priority", 0.02)
+    series.admitted("other", "flex", 1.5)
+    series.refused("other", "flex", "pushed_out")
+    series.tenant_queue_depths({("team-a", "default"): 3})
+    text = metrics.render()[0].decode()
+    tenant = {"model": "demo", "tenant": "team-a", "tier": "priority"}
+    assert sample(text, "direct_frontend_tenant_admitted_total", **tenant) == 2
+    assert sample(text, "direct_frontend_tenant_wait_seconds_count", **tenant) == 2
+    assert sample(text, "direct_frontend_tenant_wait_seconds_bucket", le="0.0", **tenant) == 1
+    assert sample(text, "direct_frontend_tenant_refused_total", model="demo",
+                  reason="pushed_out", tenant="other", tier="flex") == 1
+    assert sample(text, "direct_frontend_tenant_queue_depth", model="demo", tenant="team-a",
+                  tier="default") == 3
+    assert sample(text, "direct_frontend_admission_wait_seconds_count", model="demo") == 3
+    series.tenant_queue_depths({})
+    text = metrics.render()[0].decode()
+    assert sample(text, "direct_frontend_tenant_queue_depth", model="demo", tenant="team-a",
+                  tier="default") == 0
+    metrics.forget_model("demo")
+    assert 'tenant="' not in metrics.render()[0].decode()

@@ -135,11 +135,25 @@ async def test_background_work_holds_at_most_half_the_slots(
     assert len(running) == 2 and admission.in_flight == 0
 
 
+class Heard:
+    """What an admission observer hears: each admission's (tenant, tier, wait), each refusal."""
+
+    def __init__(self) -> None:
+        self.waits: list[tuple[str, str, float]] = []
+        self.refusals: list[tuple[str, str, str]] = []
+
+    def admitted(self, tenant: str, tier: str, waited: float) -> None:
+        self.waits.append((tenant, tier, waited))
+
+    def refused(self, tenant: str, tier: str, reason: str) -> None:
+        self.refusals.append((tenant, tier, reason))
+
+
 async def test_each_admitted_request_reports_its_wait(
         autojump_clock: trio.testing.MockClock) -> None:
-    waits: list[float] = []
+    heard = Heard()
     admission = Admission(AdmissionConfig(max_in_flight=1, max_queue=4, queue_timeout_s=10),
-                          waits.append)
+                          heard)
 
     async def hold(seconds: float) -> None:
         async with admission.slot():
@@ -149,4 +163,4 @@ async def test_each_admitted_request_reports_its_wait(
         nursery.start_soon(hold, 3)
         await trio.testing.wait_all_tasks_blocked()
         nursery.start_soon(hold, 1)
-    assert waits == [0, 3]
+    assert heard.waits == [("anonymous", "default", 0), ("anonymous", "default", 3)]
