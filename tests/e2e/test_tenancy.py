@@ -9,6 +9,7 @@ the test looks at it.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,6 +21,7 @@ import pytest
 import trio
 
 from tests.support.daemon import Daemon, wait_for
+from tests.support.metrics import sample
 from tests.support.models import engine_table, scripted_daemon
 
 SLOW = "decode_us_per_token = 20000\nprefill_us_per_token = 0\neos_probability = 0.0"
@@ -30,6 +32,11 @@ api_keys = ["{ALICE}", "{BOB}"]
 
 [frontend.limits]
 max_in_flight = 8
+
+[[frontend.tenants.tenant]]
+api_key_env = "TENANCY_ALICE_KEY"
+name = "alice"
+priority = true
 
 [frontend.responses]
 max_bytes = 120000
@@ -42,9 +49,13 @@ name = "agent"
 
 @pytest.fixture(scope="module")
 def daemon(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    with scripted_daemon(model_dir, tmp_path_factory.mktemp("tenancy"), SETTINGS,
-                         engine_table("sim", "vllm", "agent", SLOW), {}) as daemon:
-        yield daemon
+    os.environ["TENANCY_ALICE_KEY"] = ALICE  # the fleet file names her tenant by its variable
+    try:
+        with scripted_daemon(model_dir, tmp_path_factory.mktemp("tenancy"), SETTINGS,
+                             engine_table("sim", "vllm", "agent", SLOW), {}) as daemon:
+            yield daemon
+    finally:
+        del os.environ["TENANCY_ALICE_KEY"]
 
 
 @contextlib.contextmanager
@@ -228,3 +239,39 @@ def test_a_keys_burst_does_not_queue_another_key_behind_it(daemon: Daemon) -> No
     finally:
         thread.join(60)
     assert done == [200] * 40
+
+
+def test_every_answer_reports_the_service_tier_it_was_served_at(daemon: Daemon) -> None:
+    """Alice may have priority and gets it; bob asks for it and is served (and told) default;
+    flex is flex on chat, completions and Responses; a tier OpenAI does not have is a 400
+    naming the field. /metrics counts them by tenant name (bob's key is "other")."""
+    messages: Any = [{"role": "user", "content": "hi"}]
+    with client_of(daemon, ALICE) as alice, client_of(daemon, BOB) as bob:
+        chat = alice.chat.completions.create(model="agent", messages=messages, max_tokens=2,
+                                             service_tier="priority")
+        assert chat.service_tier == "priority"
+        chunks = list(alice.chat.completions.create(
+            model="agent", messages=messages, max_tokens=2, service_tier="priority",
+            stream=True, stream_options={"include_usage": True}))
+        assert {chunk.service_tier for chunk in chunks} == {"priority"}
+        asked = bob.chat.completions.create(model="agent", messages=messages, max_tokens=2,
+                                            service_tier="priority")
+        assert asked.service_tier == "default"
+        plain = bob.chat.completions.create(model="agent", messages=messages, max_tokens=2)
+        assert plain.service_tier == "default"
+        legacy = bob.completions.create(model="agent", prompt="hi", max_tokens=2,
+                                        extra_body={"service_tier": "flex"})
+        assert legacy.model_extra == {"service_tier": "flex"}
+        response = bob.responses.create(model="agent", input="hi", max_output_tokens=2,
+                                        service_tier="flex", store=False)
+        assert response.service_tier == "flex"
+        with pytest.raises(openai.BadRequestError) as bad:
+            bob.chat.completions.create(model="agent", messages=messages, max_tokens=2,
+                                        extra_body={"service_tier": "gold"})
+        assert bad.value.param == "service_tier"
+    text = httpx.get(daemon.url + "/metrics").text
+    assert sample(text, "direct_frontend_tenant_admitted_total", model="agent",
+                  tenant="alice", tier="priority") == 2
+    assert sample(text, "direct_frontend_tenant_admitted_total", model="agent",
+                  tenant="other", tier="flex") == 2
+    assert ALICE not in text and BOB not in text

@@ -53,6 +53,7 @@ def test_chat_stream_parses_with_openai_types(include_usage: bool) -> None:
         assert c.object == "chat.completion.chunk"
         assert c.created == 1_700_000_000
         assert c.model == MODEL
+        assert c.service_tier == "default"
         assert len(c.choices) == 1
         assert c.choices[0].index == 0
         assert c.usage is None
@@ -154,6 +155,21 @@ def test_render_full_chat() -> None:
     assert (c.usage.prompt_tokens, c.usage.completion_tokens, c.usage.total_tokens) == (12, 3, 15)
     assert c.usage.prompt_tokens_details is not None
     assert c.usage.prompt_tokens_details.cached_tokens == 8
+
+
+@pytest.mark.parametrize("tier", ["priority", "flex"])
+def test_every_object_reports_the_tier_it_was_served_at(tier: str) -> None:
+    chunk = ChunkRenderer("chat", "r", MODEL, 1, True, service_tier=tier)
+    for event in (chunk.role_chunk(), chunk.text("x"), chunk.finish("stop", None),
+                  chunk.usage(1, 1)):
+        assert ChatCompletionChunk.model_validate_json(sse_data(event)).service_tier == tier
+    text = ChunkRenderer("completion", "r", MODEL, 1, False, service_tier=tier)
+    assert json.loads(sse_data(text.text("x")))["service_tier"] == tier
+    full = render_full("chat", "r", MODEL, 1, "x", "stop", None, Usage(1, 1), service_tier=tier)
+    assert ChatCompletion.model_validate_json(full).service_tier == tier
+    legacy = render_choices("completion", "r", MODEL, 1, [ChoiceOutput("x", "stop")],
+                            Usage(1, 1), tier)
+    assert Completion.model_validate_json(legacy).model_extra == {"service_tier": tier}
 
 
 def test_render_full_completion() -> None:

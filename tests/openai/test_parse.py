@@ -851,3 +851,18 @@ def test_embedding_needs_an_input() -> None:
     with pytest.raises(OpenAIHTTPError) as info:
         parse_embedding_request(b'{"model": "m"}')
     assert info.value.param == "input" and "Missing required" in info.value.message
+
+
+def test_service_tier_and_safety_identifier() -> None:
+    chat = parse_chat_request(json.dumps({
+        "model": "m", "messages": [{"role": "user", "content": "x"}],
+        "service_tier": "flex", "safety_identifier": "user-7"}).encode())
+    assert (chat.service_tier, chat.safety_identifier) == ("flex", "user-7")
+    legacy = parse_completion_request(b'{"model": "m", "prompt": "x", "service_tier": "auto"}')
+    assert legacy.service_tier == "auto"
+    assert parse_chat_request(
+        b'{"model": "m", "messages": [{"role": "user", "content": "x"}]}').service_tier is None
+    with pytest.raises(OpenAIHTTPError) as bad:
+        parse_completion_request(b'{"model": "m", "prompt": "x", "service_tier": "gold"}')
+    assert bad.value.status == 400 and bad.value.param == "service_tier"
+    assert "expected one of auto, default, flex, priority" in bad.value.message

@@ -117,3 +117,9 @@ def test_logprobs_are_asked_by_top_logprobs_or_include() -> None:
     with pytest.raises(OpenAIHTTPError) as caught:
         parse_responses_request(body(input="hi", top_logprobs=25))
     assert caught.value.param == "top_logprobs"
+
+
+def test_service_tier_and_safety_identifier_carry_over() -> None:
+    request = parse_responses_request({"model": "m", "input": "x", "service_tier": "priority",
+                                       "safety_identifier": "u1"})
+    assert (request.chat.service_tier, request.chat.safety_identifier) == ("priority", "u1")
