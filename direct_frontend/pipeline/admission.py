@@ -16,10 +16,13 @@ server without API keys) it is first come, first served.
 A tenant past its share of the slots leaves free slots for each other
 active tenant short of its share (pipeline/shares.py: as many as that
 tenant's count in flight varies by), so that tenant's next request starts
-at once instead of waiting for another's to end. ``flex`` is admitted only
-while ``flex_reserve`` slots stay free after it, so interactive requests
-arriving meanwhile find room; it may wait ``flex_queue_timeout_s``, and a
-full queue refuses (or pushes out) flex first.
+at once instead of waiting for another's to end; a tier leaves them to
+tenants of its own and earlier tiers (priority to none of default's).
+``flex`` takes only what the interactive tiers leave: it is admitted while
+``flex_reserve`` slots stay free after it and it stays out of the most
+slots they held lately (a peak decaying over :data:`PEAK_S`), so their
+next burst finds room; it may wait ``flex_queue_timeout_s``, and a full
+queue refuses (or pushes out) flex first.
 
 What this cannot do is make room that is not there: a slot ends when its
 request does. A quiet tenant's requests arrive at random, and several at
@@ -34,6 +37,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import math
 from collections.abc import AsyncIterator
 from typing import Literal, Protocol
 
@@ -45,6 +49,12 @@ from direct_frontend.openai.types import TIERS, ChatRequest, CompletionRequest, 
 from direct_frontend.pipeline.fair import FairQueue, Waiter
 from direct_frontend.pipeline.shares import Shares
 from direct_frontend.pipeline.tenancy import Tenants
+
+#: the tiers whose requests a client waits on (flex takes what they leave)
+INTERACTIVE: tuple[Tier, ...] = ("priority", "default")
+#: how long the most slots the interactive tiers held is remembered (decaying): flex stays
+#: out of what they used lately, not just of what they hold this instant
+PEAK_S = 5.0
 
 #: why a request was not admitted (the ``reason`` label of the refusals counted)
 Reason = Literal["queue_full", "tenant_queue_full", "pushed_out", "timeout"]
@@ -115,8 +125,14 @@ class Admission:
         self._queued: collections.Counter[str] = collections.Counter()  # per flow, every tier
         self._wake: dict[Waiter, trio.Event] = {}
         self._held: dict[str, int] = {}  # slots each flow holds, every tier
-        #: the interactive tiers' slots by tenant: the shares the spare slots follow
-        self._shares = Shares(config.max_in_flight, self.tenants.weight)
+        #: the slots each tenant holds at priority, and at priority or default: the shares
+        #: the spare slots follow (a tier leaves spares for its own and earlier tiers only)
+        self._shares = {tier: Shares(config.max_in_flight, self.tenants.weight)
+                        for tier in INTERACTIVE}
+        #: the interactive tiers' slots now, and the most of them held lately (decaying)
+        self._interactive = 0
+        self._peak = (0.0, 0.0)  # (the peak, when it was last brought up to date)
+        self._flex = 0  # the slots flex holds
         self._pushed_out: dict[Waiter, str] = {}  # refused to make room, and why
         #: the most slots a tenant past its share leaves free for the others (see _fits)
         self._headroom = config.max_in_flight // 4
@@ -186,15 +202,16 @@ class Admission:
         """
         count = min(count, self.config.max_in_flight)
         waited_from = trio.current_time()
-        if tier != "flex":
-            self._shares.saw(flow, waited_from)
+        for shares in self._shares_of(tier):
+            shares.saw(flow, waited_from)
+        waited = 0.0  # admitted at once: none at all (the histogram's 0 bucket says so)
         if not self._ahead(tier) and self._free >= count and self._fits(flow, count, tier):
             self._grant(flow, count, tier)
         else:
             await self._wait(flow, count, tier)
+            waited = trio.current_time() - waited_from
         if self.observer is not None:
-            self.observer.admitted(self.tenants.label(flow), tier,
-                                   trio.current_time() - waited_from)
+            self.observer.admitted(self.tenants.label(flow), tier, waited)
         try:
             yield
         finally:
@@ -239,7 +256,12 @@ class Admission:
         self._dispatch()
         try:
             with trio.move_on_after(self._timeout(tier)):
-                await granted.wait()
+                if tier != "flex":
+                    await granted.wait()
+                while not granted.is_set():  # the interactive peak decays with no event
+                    with trio.move_on_after(PEAK_S / 4):
+                        await granted.wait()
+                    self._dispatch()
         except BaseException:
             self._leave(waiter, granted, count)
             raise
@@ -297,7 +319,8 @@ class Admission:
         """Whether ``flow`` may hold ``count`` more slots at ``tier``.
 
         Under its cap; flex only while ``flex_reserve`` slots stay free after
-        it. An interactive request within its tenant's share fits; a tenant
+        it and it stays out of the interactive tiers' recent peak. An
+        interactive request within its tenant's share (at its tier) fits; a tenant
         past its share leaves free slots for each other active tenant short
         of its share (:meth:`Shares.spare`: at least one), so that tenant's
         next request starts at once instead of waiting for a slot to end (at
@@ -308,9 +331,11 @@ class Admission:
         if cap and self._held.get(flow, 0) + count > max(cap, count):
             return False
         if tier == "flex":
-            reserve = min(self.config.flex_reserve, self.config.max_in_flight - count)
-            return self._free - count >= reserve
-        shares = self._shares
+            slots = self.config.max_in_flight
+            reserve = min(self.config.flex_reserve, slots - count)
+            room = slots - reserve - round(self._interactive_peak(trio.current_time()))
+            return self._free - count >= reserve and self._flex + count <= max(room, count)
+        shares = self._shares[tier]
         active = shares.active(trio.current_time())
         if len(active) < 2 or shares.held(flow) + count <= shares.share(flow):
             return True
@@ -323,21 +348,43 @@ class Admission:
                     break
         return self._free - count >= min(short, self._headroom)
 
-    def _grant(self, flow: str, count: int, tier: Tier) -> None:
-        self._free -= count
-        self._held[flow] = self._held.get(flow, 0) + count
-        if tier != "flex":
-            self._shares.add(flow, count)
+    def _shares_of(self, tier: Tier) -> tuple[Shares, ...]:
+        """The accounts a request of ``tier`` counts in: priority in both, default in its
+        own, flex in none."""
+        if tier == "priority":
+            return tuple(self._shares.values())
+        return (self._shares["default"],) if tier == "default" else ()
 
-    def _release(self, flow: str, count: int, tier: Tier) -> None:
-        self._free += count
-        left = self._held[flow] - count
-        if left:
-            self._held[flow] = left
+    def _interactive_peak(self, now: float) -> float:
+        """The most slots the interactive tiers held lately: the peak decays towards what
+        they hold now over :data:`PEAK_S`."""
+        peak, since = self._peak
+        held = self._interactive
+        return held + max(0.0, peak - held) * math.exp(-(now - since) / PEAK_S)
+
+    def _count(self, flow: str, count: int, tier: Tier) -> None:
+        """``flow`` holds ``count`` more slots at ``tier`` (fewer if negative)."""
+        self._free -= count
+        held = self._held.get(flow, 0) + count
+        if held:
+            self._held[flow] = held
         else:
             del self._held[flow]
-        if tier != "flex":
-            self._shares.add(flow, -count)
+        for shares in self._shares_of(tier):
+            shares.add(flow, count)
+        if tier == "flex":
+            self._flex += count
+        else:
+            now = trio.current_time()
+            peak = self._interactive_peak(now)
+            self._interactive += count
+            self._peak = (max(peak, self._interactive), now)
+
+    def _grant(self, flow: str, count: int, tier: Tier) -> None:
+        self._count(flow, count, tier)
+
+    def _release(self, flow: str, count: int, tier: Tier) -> None:
+        self._count(flow, -count, tier)
         self._dispatch()
 
     def _dispatch(self) -> None:

@@ -242,3 +242,61 @@ async def test_flex_holdings_do_not_count_against_a_tenants_share(
 async def _hold(admission: Admission, flow: str, tier: Tier) -> None:
     async with admission.slot(1, flow, tier):
         await trio.sleep(100)
+
+
+async def test_priority_leaves_no_spare_slot_to_default_but_default_leaves_one_to_priority(
+        autojump_clock: trio.testing.MockClock) -> None:
+    """Four slots. A priority flood takes every slot though a default tenant is active (the
+    spare slots are its own tier's); a default flood leaves one free for an active priority
+    tenant short of its share, so that one's next request starts at once."""
+    admission = Admission(config(4))
+    async with trio.open_nursery() as nursery:
+        async with admission.slot(1, "default-app"):  # active at default from here on
+            pass
+        for _ in range(6):
+            nursery.start_soon(_hold, admission, "gold", "priority")
+        await trio.testing.wait_all_tasks_blocked()
+        assert admission.in_flight == 4
+        nursery.cancel_scope.cancel()
+    admission = Admission(config(4))
+    async with trio.open_nursery() as nursery:
+        async with admission.slot(1, "gold", "priority"):  # active at priority from here on
+            pass
+        for _ in range(6):
+            nursery.start_soon(_hold, admission, "flood", "default")
+        await trio.testing.wait_all_tasks_blocked()
+        assert admission.in_flight == 3
+        with trio.fail_after(0.001):
+            async with admission.slot(1, "gold", "priority"):
+                assert admission.in_flight == 4
+        nursery.cancel_scope.cancel()
+
+
+async def test_flex_stays_out_of_what_interactive_requests_held_lately(
+        autojump_clock: trio.testing.MockClock) -> None:
+    """Eight slots, a reserve of one. Interactive requests held six a moment ago and hold one
+    now: flex takes one slot (8 - 1 reserved - 6 lately), not six; once the peak has decayed
+    (tens of seconds later) it takes all but the reserve and the one held."""
+    admission = Admission(config(8, reserve=1))
+    async with trio.open_nursery() as nursery:
+        held = trio.CancelScope()
+
+        async def burst() -> None:
+            with held:
+                async with trio.open_nursery() as inner:
+                    for _ in range(5):
+                        inner.start_soon(_hold, admission, "app", "default")
+
+        nursery.start_soon(_hold, admission, "app", "default")
+        nursery.start_soon(burst)
+        await trio.testing.wait_all_tasks_blocked()
+        assert admission.in_flight == 6
+        held.cancel()
+        await trio.testing.wait_all_tasks_blocked()
+        for _ in range(10):
+            nursery.start_soon(_hold, admission, "batch", "flex")
+        await trio.testing.wait_all_tasks_blocked()
+        assert admission.in_flight == 2
+        await trio.sleep(60)
+        assert admission.in_flight == 7
+        nursery.cancel_scope.cancel()
