@@ -207,8 +207,7 @@ class Admission:
         waited = 0.0  # admitted at once: none at all (the histogram's 0 bucket says so)
         if not self._ahead(tier) and self._free >= count and self._fits(flow, count, tier):
             self._grant(flow, count, tier)
-        else:
-            await self._wait(flow, count, tier)
+        elif await self._wait(flow, count, tier):
             waited = trio.current_time() - waited_from
         if self.observer is not None:
             self.observer.admitted(self.tenants.label(flow), tier, waited)
@@ -238,22 +237,29 @@ class Admission:
             self.observer.refused(self.tenants.label(flow), tier, why)
         return Rejected(reason, why)
 
-    async def _wait(self, flow: str, count: int, tier: Tier) -> None:
-        """Queue for ``count`` slots until granted; :class:`Rejected` when the queue (or the
-        tenant's share of it) is full or the wait times out (a cancelled wait leaves nothing
-        behind)."""
+    async def _wait(self, flow: str, count: int, tier: Tier) -> bool:
+        """Queue for ``count`` slots until granted; whether it had to wait at all (its turn
+        may come at once). :class:`Rejected` when the queue (or the tenant's share of it) is
+        full or the wait times out (a cancelled wait leaves nothing behind)."""
         limit = self.tenants.max_queue(flow)
         if limit and self._queued[flow] >= limit:
             raise self._refused(flow, tier, "tenant_queue_full",
                                 f"{self.tenants.called(flow)} has {limit} requests waiting "
                                 "already, its limit ([frontend.tenants] max_queue)")
-        if self.waiting >= self.config.max_queue:
-            self._push_out(flow, tier)
         queue = self._queues[tier]
         waiter = queue.push(flow, count, tier)
         self._queued[flow] += 1
         granted = self._wake[waiter] = trio.Event()
         self._dispatch()
+        if granted.is_set():
+            await trio.lowlevel.checkpoint()
+            return False  # its turn at once: it never took a place in the queue
+        if self.waiting > self.config.max_queue:  # it took the last place and one more
+            try:
+                self._push_out(flow, tier)
+            except Rejected:
+                self._leave(waiter, granted, count)
+                raise
         try:
             with trio.move_on_after(self._timeout(tier)):
                 if tier != "flex":
@@ -271,6 +277,7 @@ class Admission:
         if not granted.is_set():
             self._leave(waiter, granted, count)
             raise self._refused(flow, tier, "timeout", "timed out waiting for a free slot")
+        return True
 
     def _push_out(self, flow: str, tier: Tier) -> None:
         """The queue is full: make room for ``flow``'s request of ``tier``, or
@@ -291,7 +298,7 @@ class Admission:
                 return
         queue = self._queues[tier]
         longest, places = queue.longest()
-        if longest == flow or places <= queue.waiting(flow) + 1:
+        if longest == flow or places <= queue.waiting(flow):
             raise self._refused(flow, tier, "queue_full", "the request queue is full")
         self._evict(queue, longest, "the request queue is full, and this tenant holds the "
                     "most of it")
@@ -320,9 +327,11 @@ class Admission:
 
         Under its cap; flex only while ``flex_reserve`` slots stay free after
         it and it stays out of the interactive tiers' recent peak. An
-        interactive request within its tenant's share (at its tier) fits; a tenant
-        past its share leaves free slots for each other active tenant short
-        of its share (:meth:`Shares.spare`: at least one), so that tenant's
+        interactive request within its tenant's share (at its tier) fits; a
+        tenant past its share leaves free slots for each other active tenant
+        short of its share (:meth:`Shares.spare`: at least one), and a default
+        request leaves room for each tenant active at priority (what its count
+        varies by, :meth:`Shares.room`) whatever its share, so that tenant's
         next request starts at once instead of waiting for a slot to end (at
         most a quarter of the slots in all). Alone, or with everyone at its
         share, a tenant takes every slot: the queue stays work-conserving.
@@ -335,8 +344,14 @@ class Admission:
             reserve = min(self.config.flex_reserve, slots - count)
             room = slots - reserve - round(self._interactive_peak(trio.current_time()))
             return self._free - count >= reserve and self._flex + count <= max(room, count)
+        now = trio.current_time()
+        if tier == "default":  # room for the tenants at priority, whatever its own share
+            first = self._shares["priority"]
+            ahead = sum(first.room(other) for other in first.active(now) if other != flow)
+            if self._free - count < min(ahead, self._headroom):
+                return False
         shares = self._shares[tier]
-        active = shares.active(trio.current_time())
+        active = shares.active(now)
         if len(active) < 2 or shares.held(flow) + count <= shares.share(flow):
             return True
         wanted = min(self._headroom, self._free)  # past it, nothing more to count

@@ -55,11 +55,16 @@ class Shares:
         """How many slots ``flow`` is short of its share (0: none)."""
         return max(0.0, self.share(flow) - self._held.get(flow, 0))
 
+    def room(self, flow: str) -> int:
+        """What ``flow``'s count in flight varies by: the square root of what it holds,
+        rounded down, at least one."""
+        return max(1, math.isqrt(self._held.get(flow, 0)))
+
     def spare(self, flow: str) -> float:
         """The free slots a tenant past its share leaves ``flow``: what ``flow``'s count
         in flight varies by (the square root of it, rounded down, at least one), at most what
         it is owed."""
-        return min(self.owed(flow), max(1, math.isqrt(self._held.get(flow, 0))))
+        return min(self.owed(flow), self.room(flow))
 
     def add(self, flow: str, count: int) -> None:
         """``flow`` holds ``count`` more slots (fewer if negative)."""

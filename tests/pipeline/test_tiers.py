@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 
 import trio
 import trio.testing
@@ -299,4 +300,51 @@ async def test_flex_stays_out_of_what_interactive_requests_held_lately(
         assert admission.in_flight == 2
         await trio.sleep(60)
         assert admission.in_flight == 7
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_full_queue_refuses_no_one_for_a_request_whose_turn_comes_at_once(
+        autojump_clock: trio.testing.MockClock) -> None:
+    """Four slots, two places. The flood runs three requests (one past its share: the fourth
+    slot is left to the quiet tenant), fills both places and is refused a sixth; the quiet
+    tenant's request takes the slot left free at once, and none of the flood's waiting
+    requests loses its place for it."""
+    heard = Heard()
+    admission = Admission(config(4, queue=2), heard)
+
+    async def flood() -> None:
+        with contextlib.suppress(Rejected):
+            await _hold(admission, "flood", "default")
+
+    async with trio.open_nursery() as nursery:
+        async with admission.slot(1, "quiet"):  # the quiet tenant is active from here on
+            pass
+        for _ in range(6):
+            nursery.start_soon(flood)
+        await trio.testing.wait_all_tasks_blocked()
+        assert (admission.in_flight, admission.waiting, admission.rejected) == (3, 2, 1)
+        async with admission.slot(1, "quiet"):
+            assert (admission.in_flight, admission.waiting, admission.rejected) == (4, 2, 1)
+        nursery.cancel_scope.cancel()
+    assert heard.refusals == [("other", "default", "queue_full")]
+    assert [wait for _, _, wait in heard.waits] == [0] * 5
+
+
+async def test_a_default_flood_leaves_room_to_a_priority_tenant_past_its_share(
+        autojump_clock: trio.testing.MockClock) -> None:
+    """Eight slots. A priority tenant holds five, past its share of four: a default flood
+    still leaves it two free slots (the square root of five), so its next two start at once."""
+    admission = Admission(config(8))
+    async with trio.open_nursery() as nursery:
+        for _ in range(5):
+            nursery.start_soon(_hold, admission, "gold", "priority")
+        await trio.testing.wait_all_tasks_blocked()
+        for _ in range(6):
+            nursery.start_soon(_hold, admission, "flood", "default")
+        await trio.testing.wait_all_tasks_blocked()
+        assert admission.in_flight == 6
+        with trio.fail_after(0.001):
+            async with admission.slot(1, "gold", "priority"), \
+                    admission.slot(1, "gold", "priority"):
+                assert admission.in_flight == 8
         nursery.cancel_scope.cancel()
