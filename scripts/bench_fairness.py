@@ -108,6 +108,9 @@ def fleet_text(args: argparse.Namespace, port: int,
         [frontend.access_log]
         enabled = false
 
+        [frontend.responses]
+        backend = "memory"  # nothing stored: no database shared with other runs
+
         [frontend.routing]
         policy = "{args.routing}"
 
@@ -143,7 +146,8 @@ def daemon(text: str, directory: pathlib.Path) -> Iterator[str]:
             except httpx.HTTPError:
                 pass
             if child.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"the daemon did not start; see {directory / 'daemon.log'}")
+                raise SystemExit("the daemon did not start:\n"
+                                 + (directory / "daemon.log").read_text()[-3000:])
             time.sleep(0.1)
         yield base
     finally:

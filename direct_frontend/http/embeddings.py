@@ -34,9 +34,10 @@ async def respond_embeddings(
 ) -> int:
     """Embed every input and write the body; the HTTP status (499: the client left).
 
-    ``tenant``: whose share of the admission queue its slots come from. ``limit``
-    admits the request against its tenant's rate limits by its tokens, once they are
-    counted (it raises the 429 of a request over them)."""
+    ``tenant``: whose share of the admission queue its slots come from, at the tier its
+    ``service_tier`` gets (a batch line's ``flex``; else ``default``). ``limit`` admits
+    the request against its tenant's rate limits by its tokens, once they are counted (it
+    raises the 429 of a request over them)."""
     settings = served.settings
     several = len(request.inputs) > 1
     if trace is not None:
@@ -76,7 +77,8 @@ async def respond_embeddings(
         await send_body(send, 200, body, JSON, headers)
         return 200
 
-    async with settings.admission.slot(len(inputs), tenant):
+    tier = settings.admission.tier(tenant, request.service_tier)
+    async with settings.admission.slot(len(inputs), tenant, tier):
         if trace is not None:
             trace.leave()
         return await _answer(served.relay, embed, write, lambda _, ok: None, receive, send,

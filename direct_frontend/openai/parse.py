@@ -166,6 +166,7 @@ class _EmbeddingWire(msgspec.Struct, kw_only=True):
     encoding_format: Literal["float", "base64"] | None = None
     dimensions: _Count | None = None
     user: str | None = None
+    service_tier: ServiceTier | None = None
 
 
 class _TokenizeWire(msgspec.Struct, kw_only=True):
@@ -642,7 +643,7 @@ def parse_embedding_request(body: bytes) -> EmbeddingRequest:
             raise invalid_request(f"'{where}' must not be empty.", where)
     return EmbeddingRequest(
         model=w.model, inputs=inputs, encoding_format=w.encoding_format or "float",
-        dimensions=w.dimensions, user=w.user,
+        dimensions=w.dimensions, user=w.user, service_tier=w.service_tier,
     )
 
 

@@ -219,7 +219,9 @@ class EmbeddingRequest(msgspec.Struct, frozen=True, kw_only=True):
     encoding_format: Literal["float", "base64"] = "float"
     #: the length the client wants; served only when it is the model's own (no truncation)
     dimensions: int | None = None
-    user: str | None = None  # accepted and not used
+    user: str | None = None  # the tenant where ``[frontend.tenants] field`` says; else not used
+    #: not OpenAI's on embeddings: a batch line's (the Batch API runs its lines at ``flex``)
+    service_tier: ServiceTier | None = None
 
 
 class TokenizeRequest(msgspec.Struct, frozen=True, kw_only=True):

@@ -860,6 +860,8 @@ def test_service_tier_and_safety_identifier() -> None:
     assert (chat.service_tier, chat.safety_identifier) == ("flex", "user-7")
     legacy = parse_completion_request(b'{"model": "m", "prompt": "x", "service_tier": "auto"}')
     assert legacy.service_tier == "auto"
+    embedding = parse_embedding_request(b'{"model": "m", "input": "x", "service_tier": "flex"}')
+    assert embedding.service_tier == "flex"  # a batch line's
     assert parse_chat_request(
         b'{"model": "m", "messages": [{"role": "user", "content": "x"}]}').service_tier is None
     with pytest.raises(OpenAIHTTPError) as bad:
