@@ -66,6 +66,7 @@ async def serve(admission: Admission, args: argparse.Namespace, loads: list[Load
     engines = [trio.Semaphore(args.slots) for _ in range(args.engines)]
     in_flight = [0] * args.engines
     duration = args.tokens * args.token_ms / 1000
+    flex_duration = (args.flex_tokens or args.tokens) * args.token_ms / 1000
     capacity_rps = args.engines * args.slots / duration
     jitter = random.Random(seed + 100)
     busy = 0.0
@@ -81,7 +82,8 @@ async def serve(admission: Admission, args: argparse.Namespace, loads: list[Load
                 try:
                     async with engines[engine]:
                         run.ttft[tenant].append(trio.current_time() - asked + OVERHEAD_S)
-                        held = duration * jitter.uniform(1 - args.jitter, 1 + args.jitter)
+                        held = (flex_duration if tier == "flex" else duration) * jitter.uniform(
+                            1 - args.jitter, 1 + args.jitter)
                         await trio.sleep(held)
                         busy += held
                         run.served[tenant] += 1
@@ -150,6 +152,8 @@ def main() -> None:
                         help="fair: the quiet tenant's tier (the flood's is default)")
     parser.add_argument("--load", type=float, default=0.6, help="tiers: interactive load")
     parser.add_argument("--reserve", type=int, default=0, help="flex_reserve (0: default)")
+    parser.add_argument("--flex-tokens", type=int, default=0,
+                        help="tiers: a flex request's tokens (0: --tokens)")
     parser.add_argument("--jitter", type=float, default=0.0,
                         help="each request's decode varies by up to this fraction")
     args = parser.parse_args()
@@ -177,7 +181,8 @@ def main() -> None:
             alone += simulate(args, [app], seed).ttft["app"]
             run = simulate(args, [app, ("batch", args.flood_factor, "flex")], seed, warm=[app])
             beside += run.ttft["app"]
-            flex.append(run.served["batch"] * args.tokens * args.token_ms / 1000
+            flex.append(run.served["batch"] * (args.flex_tokens or args.tokens) * args.token_ms
+                        / 1000
                         / (args.seconds * args.engines * args.slots))
         line("interactive alone", alone)
         line("beside a flex flood", beside,

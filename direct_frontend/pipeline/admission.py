@@ -17,19 +17,22 @@ A tenant past its share of the slots leaves free slots for each other
 active tenant short of its share (pipeline/shares.py: as many as that
 tenant's count in flight varies by), so that tenant's next request starts
 at once instead of waiting for another's to end; a tier leaves them to
-tenants of its own and earlier tiers (priority to none of default's).
+tenants of its own and earlier tiers (priority to none of default's), and
+a default request leaves room for every tenant active at priority.
 ``flex`` takes only what the interactive tiers leave: it is admitted while
 ``flex_reserve`` slots stay free after it and it stays out of the most
-slots they held lately (a peak decaying over :data:`PEAK_S`), so their
-next burst finds room; it may wait ``flex_queue_timeout_s``, and a full
-queue refuses (or pushes out) flex first.
+slots they held lately (a peak decaying over a few times as long as a
+flex request holds its slot), so their next burst finds room; it may wait
+``flex_queue_timeout_s``, and a full queue refuses (or pushes out) flex
+first.
 
 What this cannot do is make room that is not there: a slot ends when its
 request does. A quiet tenant's requests arrive at random, and several at
 once find the slots left free taken; they wait for the next request to
 end. Without taking a running request off its engine (preemption), the
 only cure is more slots left free, which costs the fleet what they would
-have served (scripts/bench_fairness.py measures both).
+have served (scripts/bench_fairness.py measures both in real time,
+scripts/sim_admission.py in virtual time).
 """
 
 from __future__ import annotations
@@ -52,9 +55,11 @@ from direct_frontend.pipeline.tenancy import Tenants
 
 #: the tiers whose requests a client waits on (flex takes what they leave)
 INTERACTIVE: tuple[Tier, ...] = ("priority", "default")
-#: how long the most slots the interactive tiers held is remembered (decaying): flex stays
-#: out of what they used lately, not just of what they hold this instant
-PEAK_S = 5.0
+#: how long the most slots the interactive tiers held is remembered (decaying), in flex
+#: requests' holds (what they may need while a flex request holds its slot is what they needed
+#: over a few such stretches), and its bounds in seconds: flex stays out of what they used lately
+PEAK_HOLDS = 4
+PEAK_S = (0.25, 10.0)
 
 #: why a request was not admitted (the ``reason`` label of the refusals counted)
 Reason = Literal["queue_full", "tenant_queue_full", "pushed_out", "timeout"]
@@ -133,6 +138,7 @@ class Admission:
         self._interactive = 0
         self._peak = (0.0, 0.0)  # (the peak, when it was last brought up to date)
         self._flex = 0  # the slots flex holds
+        self._flex_hold = 1.0  # how long a flex request holds its slots (an average)
         self._pushed_out: dict[Waiter, str] = {}  # refused to make room, and why
         #: the most slots a tenant past its share leaves free for the others (see _fits)
         self._headroom = config.max_in_flight // 4
@@ -211,9 +217,12 @@ class Admission:
             waited = trio.current_time() - waited_from
         if self.observer is not None:
             self.observer.admitted(self.tenants.label(flow), tier, waited)
+        granted = trio.current_time()
         try:
             yield
         finally:
+            if tier == "flex":
+                self._flex_hold += (trio.current_time() - granted - self._flex_hold) / 8
             self._release(flow, count, tier)
 
     def _ahead(self, tier: Tier) -> bool:
@@ -265,7 +274,7 @@ class Admission:
                 if tier != "flex":
                     await granted.wait()
                 while not granted.is_set():  # the interactive peak decays with no event
-                    with trio.move_on_after(PEAK_S / 4):
+                    with trio.move_on_after(self._memory() / 4):
                         await granted.wait()
                     self._dispatch()
         except BaseException:
@@ -370,12 +379,16 @@ class Admission:
             return tuple(self._shares.values())
         return (self._shares["default"],) if tier == "default" else ()
 
+    def _memory(self) -> float:
+        """How long the interactive tiers' peak is remembered: a few flex requests' holds."""
+        return min(max(PEAK_HOLDS * self._flex_hold, PEAK_S[0]), PEAK_S[1])
+
     def _interactive_peak(self, now: float) -> float:
         """The most slots the interactive tiers held lately: the peak decays towards what
-        they hold now over :data:`PEAK_S`."""
+        they hold now over :meth:`_memory`."""
         peak, since = self._peak
         held = self._interactive
-        return held + max(0.0, peak - held) * math.exp(-(now - since) / PEAK_S)
+        return held + max(0.0, peak - held) * math.exp(-(now - since) / self._memory())
 
     def _count(self, flow: str, count: int, tier: Tier) -> None:
         """``flow`` holds ``count`` more slots at ``tier`` (fewer if negative)."""

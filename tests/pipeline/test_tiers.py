@@ -348,3 +348,34 @@ async def test_a_default_flood_leaves_room_to_a_priority_tenant_past_its_share(
                     admission.slot(1, "gold", "priority"):
                 assert admission.in_flight == 8
         nursery.cancel_scope.cancel()
+
+
+async def test_how_long_flex_stays_out_follows_how_long_flex_requests_hold_their_slots(
+        autojump_clock: trio.testing.MockClock) -> None:
+    """Flex requests of 50 ms: the interactive peak is remembered for a fraction of a second
+    (four holds, at least 250 ms), so two seconds after a burst of six ends flex takes all
+    but the reserve and the one slot still held; were it remembered for seconds (as for
+    flex requests of a second), it would take three."""
+    admission = Admission(config(8, reserve=1))
+    for _ in range(40):
+        async with admission.slot(1, "batch", "flex"):
+            await trio.sleep(0.05)
+    async with trio.open_nursery() as nursery:
+        burst = trio.CancelScope()
+
+        async def six() -> None:
+            with burst:
+                async with trio.open_nursery() as inner:
+                    for _ in range(5):
+                        inner.start_soon(_hold, admission, "app", "default")
+
+        nursery.start_soon(_hold, admission, "app", "default")
+        nursery.start_soon(six)
+        await trio.testing.wait_all_tasks_blocked()
+        burst.cancel()
+        await trio.sleep(2)
+        for _ in range(10):
+            nursery.start_soon(_hold, admission, "batch", "flex")
+        await trio.testing.wait_all_tasks_blocked()
+        assert admission.in_flight == 7
+        nursery.cancel_scope.cancel()
