@@ -60,6 +60,9 @@ from tokenizers import Tokenizer
 
 from direct_frontend.protos import sglang_scheduler_pb2 as pb
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import bench_long_prompts  # noqa: E402  (the --long mode; imports this module back)
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 MODEL_DIR = ROOT / "config" / "demo-model"
 DEMO_FLEET = ROOT / "config" / "fleet.toml"
@@ -806,6 +809,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--store-dsn", default=None, help="with --store postgres: its database")
     p.add_argument("--json", action="store_true", help="also print the results as one JSON line")
     p.add_argument("--keep-logs", action="store_true", help="keep the temp dir with the logs")
+    bench_long_prompts.add_arguments(p)
     args = p.parse_args(argv)
     args.cells = [Cell.parse(c) for c in args.cells.split(",") if c.strip()]
     return args
@@ -1163,7 +1167,10 @@ def main(argv: Sequence[str] | None = None) -> None:
                 from tests.support.postgres import running_postgres
 
                 args.store_dsn = servers.enter_context(running_postgres()).new_url()
-            results = asyncio.run(bench(args, sides, tmp, children))
+            if args.long:
+                results = asyncio.run(bench_long_prompts.run(args, sides, tmp, children))
+            else:
+                results = asyncio.run(bench(args, sides, tmp, children))
         ok = True
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
@@ -1179,6 +1186,12 @@ def main(argv: Sequence[str] | None = None) -> None:
             shutil.rmtree(tmp, ignore_errors=True)
 
     print()
+    if args.long:
+        print(bench_long_prompts.report(results))
+        if args.json:
+            print(json.dumps(results, default=lambda o: dataclasses.asdict(o),
+                             separators=(",", ":")))
+        return
     print(report(results))
     print(TARGETS)
     results["ids"] = ids = id_costs()

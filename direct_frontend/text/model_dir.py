@@ -8,6 +8,7 @@ encoded *without* adding special tokens (the template already wrote them).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 from collections.abc import Mapping, Sequence
@@ -22,7 +23,9 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from direct_frontend.text.detokenize import IncrementalDetokenizer
-from direct_frontend.text.token_bytes import TokenBytes
+from direct_frontend.text.encoder import Encoder
+from direct_frontend.text.token_bound import ByteLevelBound
+from direct_frontend.text.token_bytes import TokenBytes, byte_level_bytes
 
 # The special-token names transformers passes to chat templates as variables.
 _TEMPLATE_TOKEN_NAMES = (
@@ -35,6 +38,13 @@ _TEMPLATE_TOKEN_NAMES = (
     "mask_token",
 )
 _RESERVED_TEMPLATE_VARS = frozenset({"messages", "tools", "add_generation_prompt"})
+#: a chat rendered at load: the fast encoder must agree on the template's own text too
+_PROBE_CHAT: list[dict[str, object]] = [
+    {"role": "system", "content": "You are a helpful assistant."},
+    {"role": "user", "content": "Hello! What's 2 + 2? 👋"},
+    {"role": "assistant", "content": "4, of course."},
+    {"role": "user", "content": "Thanks.\n\nNow in French?"},
+]
 
 
 class ModelDirError(Exception):
@@ -186,6 +196,28 @@ def _max_bytes_per_token(spec: Mapping[str, Any], tokenizer: Tokenizer) -> int |
     return max(longest, longest_added, 4)
 
 
+def _byte_level_bound(spec: Mapping[str, Any], tokenizer: Tokenizer) -> ByteLevelBound | None:
+    """The byte-level refinement of the bound (text/token_bound.py), where it is sound.
+
+    Only for a byte-level BPE whose tokens spell the text's own bytes: no
+    normalizer, a ByteLevel pre-tokenizer, and no added token that strips the
+    whitespace around it (stripped bytes belong to no token).
+    """
+    model = spec.get("model")
+    if not isinstance(model, dict) or model.get("type") != "BPE" or spec.get("normalizer"):
+        return None
+    if '"ByteLevel"' not in json.dumps(spec.get("pre_tokenizer")):
+        return None
+    added = tokenizer.get_added_tokens_decoder().values()
+    if any(token.lstrip or token.rstrip for token in added):
+        return None
+    entries = [byte_level_bytes(piece) for piece in tokenizer.get_vocab(with_added_tokens=False)]
+    if any(entry is None for entry in entries):
+        return None
+    return ByteLevelBound.of([*(e for e in entries if e is not None),
+                              *(token.content.encode() for token in added)])
+
+
 def _load_templates(
     path: Path, tokenizer_config: Mapping[str, Any]
 ) -> tuple[dict[str, str], Path | None]:
@@ -244,6 +276,8 @@ class TextModel:
         template_sources: Mapping[str, str] | None = None,
         model_type: str | None = None,
         templates_read_clock: bool = False,
+        byte_bound: ByteLevelBound | None = None,
+        encoder: Encoder | None = None,
     ) -> None:
         self.path = path
         #: the chat templates' Jinja text, for reading which output parsers fit the model
@@ -256,6 +290,10 @@ class TextModel:
         self.token_bytes = TokenBytes(tokenizer, decoder_spec)
         #: see :func:`_max_bytes_per_token`; None when the tokenizer does not bound it
         self.max_bytes_per_token = max_bytes_per_token
+        #: the tighter bound of a byte-level BPE (text/token_bound.py), or None
+        self.byte_bound = byte_bound
+        #: encodes (text/encoder.py): fastokens where it agrees with ``tokenizer``
+        self.encoder = encoder or Encoder(tokenizer, {}, "")
         self._tokenizer = tokenizer
         self._templates = dict(templates)
         self.max_position_embeddings = max_position_embeddings
@@ -302,7 +340,8 @@ class TextModel:
             raise ModelDirError(f"{tokenizer_file}: file missing")
         try:
             tokenizer = Tokenizer.from_file(str(tokenizer_file))
-            spec = json.loads(tokenizer_file.read_text(encoding="utf-8"))
+            spec_text = tokenizer_file.read_text(encoding="utf-8")
+            spec = json.loads(spec_text)
         except Exception as exc:  # the Rust side raises plain Exception
             raise ModelDirError(f"{tokenizer_file}: cannot load tokenizer: {exc}") from exc
         # Some tokenizer.json files carry training-time truncation or padding;
@@ -343,7 +382,7 @@ class TextModel:
                     f"{exc.message} (template line {exc.lineno})"
                 ) from exc
 
-        return cls(
+        model = cls(
             path=path,
             tokenizer=tokenizer,
             tokenizer_config=tokenizer_config,
@@ -356,7 +395,13 @@ class TextModel:
             model_type=config.get("model_type") if isinstance(config.get("model_type"), str)
             else None,
             templates_read_clock=any("strftime_now" in source for source in sources.values()),
+            byte_bound=_byte_level_bound(spec, tokenizer),
+            encoder=Encoder(tokenizer, spec, spec_text),
         )
+        if model.encoder.fast and model.has_chat_template:
+            with contextlib.suppress(ChatTemplateError):  # a template that needs more: no probe
+                model.encoder.agrees([model.render_chat(_PROBE_CHAT)])
+        return model
 
     @property
     def has_chat_template(self) -> bool:
@@ -364,14 +409,24 @@ class TextModel:
         return bool(self._templates)
 
     def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
-        """Token ids for ``text``; pass a rendered chat as is, its special tokens are in it."""
-        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        """Token ids for ``text``; pass a rendered chat as is, its special tokens are in it.
+
+        Holds the GIL throughout: for short texts (:meth:`Encoder.encode_batch` is the
+        worker thread's call)."""
+        return self.encoder.encode(text, add_special_tokens=add_special_tokens)
 
     def fewest_tokens(self, text: str) -> int:
-        """A lower bound on ``len(self.encode(text))`` without tokenizing (0 if unbounded)."""
+        """A lower bound on ``len(self.encode(text))`` without tokenizing (0 if unbounded).
+
+        Costs a few C passes over the text's UTF-8 bytes (≈ 1 ms per MB).
+        """
         if self.max_bytes_per_token is None:
             return 0
-        return -(-len(text.encode()) // self.max_bytes_per_token)
+        data = text.encode()
+        fewest = -(-len(data) // self.max_bytes_per_token)
+        if self.byte_bound is not None:
+            fewest = max(fewest, self.byte_bound.fewest(data))
+        return fewest
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """The text of ``ids`` in one go (streams use :meth:`new_detokenizer`)."""

@@ -38,6 +38,15 @@ def _byte_level_alphabet() -> dict[str, int]:
 
 
 _ALPHABET = _byte_level_alphabet()
+_TO_LATIN1 = str.maketrans({c: chr(b) for c, b in _ALPHABET.items()})
+
+
+def byte_level_bytes(piece: str) -> bytes | None:
+    """The bytes a byte-level vocabulary entry spells, or None if ``piece`` is not one."""
+    try:
+        return piece.translate(_TO_LATIN1).encode("latin-1")
+    except UnicodeEncodeError:
+        return None
 
 
 class TokenBytes:
