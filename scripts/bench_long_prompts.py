@@ -334,6 +334,11 @@ async def measure(server: Server, bodies: Sequence[bytes], concurrency: int, tok
 # -- workloads ----------------------------------------------------------------------------
 
 
+def unique_body(prose: Prose, tag: str, args: argparse.Namespace) -> bytes:
+    text = f"Request {tag}: " + prose.tokens(args.long_tokens)
+    return chat_body([{"role": "user", "content": text}], args.long_stream)
+
+
 async def unique(servers: Sequence[Server], prose: Prose, args: argparse.Namespace,
                  rounds: int) -> dict[str, list[Measured]]:
     out: dict[str, list[Measured]] = {s.name: [] for s in servers}
@@ -341,13 +346,10 @@ async def unique(servers: Sequence[Server], prose: Prose, args: argparse.Namespa
     for round_no in range(rounds):
         order = servers if round_no % 2 == 0 else servers[::-1]
         for server in order:
-            def body(i: int) -> bytes:
-                text = f"Request {round_no}-{i}-{server.name}: " + prose.tokens(args.long_tokens)
-                return chat_body([{"role": "user", "content": text}], args.long_stream)
-
-            warm = [body(-1 - i) for i in range(c)]
+            tag = f"{round_no}-{server.name}"
+            warm = [unique_body(prose, f"{tag}-w{i}", args) for i in range(c)]
             await measure(server, warm, c, args.long_stream, args)
-            bodies = [body(i) for i in range(args.long_requests)]
+            bodies = [unique_body(prose, f"{tag}-{i}", args) for i in range(args.long_requests)]
             out[server.name].append(await measure(server, bodies, c, args.long_stream, args))
             print(f"  unique, round {round_no + 1}, {server.name}: "
                   f"{out[server.name][-1].cpu_ms:.2f} ms CPU / request", flush=True)

@@ -61,7 +61,7 @@ from tokenizers import Tokenizer
 from direct_frontend.protos import sglang_scheduler_pb2 as pb
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import bench_long_prompts  # noqa: E402  (the --long mode; imports this module back)
+import bench_long_prompts  # the --long mode (it imports this module back)
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 MODEL_DIR = ROOT / "config" / "demo-model"

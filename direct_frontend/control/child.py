@@ -68,10 +68,13 @@ def outcome_of(error: EngineError | trio.TooSlowError) -> ProbeOutcome:
 
 
 def effective_context_length(
-    cfg: EngineConfig, info: EngineInfo, model: ModelConfig | None = None
+    cfg: EngineConfig, info: EngineInfo, model: ModelConfig | None = None,
+    default: int | None = None,
 ) -> int | None:
-    """The engine's override wins, then its model's; otherwise what discovery says."""
-    return cfg.context_length or (model and model.context_length) or info.context_length
+    """The engine's override wins, then its model's, then what discovery says; an engine
+    that reports none gets ``default`` (``[frontend] default_context_length``)."""
+    return cfg.context_length or (model and model.context_length) or info.context_length or (
+        default)
 
 
 @dataclasses.dataclass(slots=True)
@@ -325,7 +328,8 @@ class EngineChild:
             incarnation=self.incarnation,
             role=role,
             info=info,
-            context_length=effective_context_length(self.cfg, info, model),
+            context_length=effective_context_length(self.cfg, info, model,
+                                                    self.frontend.default_context_length),
             transport=self.channel,
             load=self.load,  # one per incarnation: a re-join keeps the requests in flight
             life=self.engine_restarts.lives,

@@ -21,10 +21,11 @@ from direct_frontend.fleet.schema import FleetConfig
 #: ``[frontend]`` settings a running daemon cannot change: the listening socket, the
 #: tokenizer loaded at start, the model name every engine was admitted against, and the
 #: log format chosen at start (the command line may override it), the tracer and the replica
-#: link built at start.
+#: link built at start, and the context assumed for engines that report none (read as each
+#: engine joins).
 RESTART_FIELDS = (
     "listen", "tokenizer", "served_model_name", "log_json", "tracing", "replicas", "workers",
-    "responses",
+    "responses", "default_context_length",
 )
 
 

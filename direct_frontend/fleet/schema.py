@@ -280,6 +280,9 @@ class FrontendConfig:
     tokenizer: Path = dataclasses.field(metadata={"rules": Rules(derived=True)})
     max_body_bytes: int = setting(4 * 1024 * 1024, AT_LEAST_ONE)
     max_tokens_default: int = setting(1024, AT_LEAST_ONE)  # used when a request gives no max_tokens
+    # the context of an engine that reports none (TensorRT-LLM) and has no context_length in
+    # the file or its [[model]]: prompts past it are refused, long ones before tokenizing
+    default_context_length: int = setting(131_072, AT_LEAST_ONE)
     request_timeout_s: float = setting(600.0, POSITIVE)
     # a request head must arrive whole within this long of its first byte (the connection closes)
     header_timeout_s: float = setting(10.0, POSITIVE)

@@ -50,6 +50,7 @@ __all__ = [
     "ROOT_SEED",
     "KvIndex",
     "KvIndexStats",
+    "PromptIds",
     "block_content_hash",
     "mm_block_extras",
     "namespace_seed",
@@ -118,6 +119,30 @@ def mm_block_extras(media: Sequence[MediaKey], block_size: int,
     return extras
 
 
+class PromptIds(tuple[int, ...]):
+    """A prompt's token ids that remember their prefix hashes, and whose they share.
+
+    ``source`` is the chains of an earlier prompt whose first ``known`` ids these
+    ids begin with (the prompt cache knows, having built these ids from those);
+    :func:`prefix_hashes` takes the blocks within ``known`` from there instead of
+    hashing them again, and keeps what it computes in ``chains`` for the prompts
+    built from this one. A plain tuple otherwise: slicing or adding gives a tuple.
+    """
+
+    chains: dict[tuple[int, int, str | None], list[int]]
+    source: dict[tuple[int, int, str | None], list[int]] | None
+    known: int
+
+    def __new__(cls, ids: Iterable[int],
+                source: dict[tuple[int, int, str | None], list[int]] | None = None,
+                known: int = 0) -> PromptIds:
+        self = super().__new__(cls, ids)
+        self.chains = {}
+        self.source = source
+        self.known = known if source is not None else 0
+        return self
+
+
 def prefix_hashes(
     token_ids: Sequence[int] | array.array[int],
     block_size: int,
@@ -130,25 +155,43 @@ def prefix_hashes(
 
     ``media``: the request's images (:data:`MediaKey`), whose hashes key the
     blocks their tokens fill (:func:`mm_block_extras`).
+
+    :class:`PromptIds` get the blocks of their known prefix from the prompt they
+    share it with, and keep their own chain for the next; other ids are hashed
+    whole. Each block is one XXH3 call over a slice of the ids' u32 buffer.
     """
     n_blocks = len(token_ids) // block_size
     if n_blocks == 0:
         return []
-    if media:
+    if media:  # (images key blocks of their own: hashed whole, never taken from a prefix)
         return _media_prefix_hashes(token_ids, block_size, lora_name, cache_salt, media)
-    data = array.array("I", token_ids[: n_blocks * block_size]).tobytes()
+    root = namespace_seed(lora_name)
+    reused: list[int] = []
+    chains = getattr(token_ids, "chains", None)
+    if chains is not None:
+        key = (block_size, root, cache_salt or None)
+        have = chains.get(key)
+        if have is not None:
+            return list(have)
+        source = token_ids.source  # type: ignore[union-attr]
+        if source is not None:
+            reused = source.get(key, [])[: token_ids.known // block_size]  # type: ignore[union-attr]
+    start = len(reused)
+    data = array.array("I", token_ids[start * block_size : n_blocks * block_size]).tobytes()
     step = block_size * 4
-    h = namespace_seed(lora_name)
-    out = []
-    if cache_salt:
+    h = reused[-1] if reused else root
+    out = reused
+    offset = 0
+    if start == 0 and cache_salt:
         h = _xxh3(data[:step] + _salt_bytes(cache_salt), h)
         out.append(h)
-        start = 1
-    else:
-        start = 0
-    for offset in range(start * step, n_blocks * step, step):
-        h = _xxh3(data[offset : offset + step], h)
+        offset = step
+    for at in range(offset, len(data), step):  # (bytes slices: memoryview ones are no faster)
+        h = _xxh3(data[at : at + step], h)
         out.append(h)
+    if chains is not None:
+        chains[key] = out
+        return list(out)
     return out
 
 

@@ -1,23 +1,19 @@
 """Preprocess: an OpenAI request → token ids, a token budget and the engine call.
 
-Templating is cheap and stays on the event loop; tokenizing a long prompt is
-sent to a worker thread (the tokenizer's Rust code releases the GIL) so one
-big prompt never stalls every other stream. Tokenizing costs far more memory
-than the text (a 4 MiB prompt: ≈ 0.75 GB for 3 s), so a prompt that certainly
-cannot fit the largest context in the fleet is refused before it is tokenized,
-and long tokenizations take turns (:data:`TOKENIZE_THREADS` at a time).
+How a prompt becomes ids (on the loop or in a worker thread, refused early when it
+cannot fit, reusing a recent prompt's prefix) is pipeline/tokenizing.py's.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Literal
 
 import msgspec
-import trio
 
 from direct_frontend.engines.neutral import GenerateCall
+from direct_frontend.kv.index import PromptIds
 from direct_frontend.multimodal.payload import MediaPayload
 from direct_frontend.observability.tracing import RequestTrace
 from direct_frontend.openai.errors import (
@@ -31,31 +27,26 @@ from direct_frontend.openai.types import (
     CompletionRequest,
     Prompt,
 )
-from direct_frontend.pipeline.media import MediaProfile, media_prompt, refuse_images
-from direct_frontend.pipeline.prompt_cache import PromptCache
+from direct_frontend.pipeline.media import media_prompt, refuse_images
 from direct_frontend.pipeline.ratelimit import Charge
-from direct_frontend.routing.catalog import Catalog, EngineHandle
-from direct_frontend.text.model_dir import ChatTemplateError, TextModel
+from direct_frontend.pipeline.tokenizing import (
+    INLINE_CHARS,
+    Tokenizing,
+    chat_chars,
+    chat_ids,
+    context_limit,
+    function_dict,
+    message_dict,
+    new_tokenize_limiter,
+    render,
+)
+from direct_frontend.routing.catalog import EngineHandle
+
+__all__ = [  # the tokenizing names callers import from here too
+    "INLINE_CHARS", "Tokenizing", "context_limit", "message_dict", "new_tokenize_limiter",
+]
 
 Kind = Literal["chat", "completion"]
-
-# Below this many characters a thread hop costs more than tokenizing inline.
-INLINE_TOKENIZE_CHARS = 4096
-#: long prompts tokenized at once, daemon-wide (a bound on their memory and cores)
-TOKENIZE_THREADS = 2
-
-
-def new_tokenize_limiter() -> trio.CapacityLimiter:
-    """The limiter every request of a daemon tokenizes its long prompt under."""
-    return trio.CapacityLimiter(TOKENIZE_THREADS)
-
-
-def context_limit(catalog: Catalog) -> int | None:
-    """The largest context a serving engine offers; None if one has no limit, or none serves."""
-    limits = [engine.context_length for engine in catalog.engines]
-    if not limits or None in limits:
-        return None
-    return max(limit for limit in limits if limit is not None)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -85,56 +76,6 @@ class PreparedRequest:
         return self.request.stop_token_ids
 
 
-def message_dict(message: ChatMessage) -> dict[str, object]:
-    """The HF chat-template view of one message."""
-    out: dict[str, object] = {"role": message.role, "content": message.content}
-    if message.name is not None:
-        out["name"] = message.name
-    if message.tool_calls:
-        out["tool_calls"] = [
-            {"id": c.id, "type": c.type,
-             "function": {"name": c.function.name, "arguments": c.function.arguments}}
-            for c in message.tool_calls
-        ]
-    if message.tool_call_id is not None:
-        out["tool_call_id"] = message.tool_call_id
-    if message.reasoning:
-        # under both names templates read it by: reasoning_content (Qwen3, GLM, DeepSeek),
-        # thinking (gpt-oss); each renders it where its model expects it, or not at all
-        out["reasoning_content"] = out["thinking"] = message.reasoning
-    return out
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Tokenizing:
-    """How a daemon tokenizes: its model, the fleet it serves, one limiter for all requests.
-
-    Made once per daemon. The fleet's largest context (:func:`context_limit`) is read
-    only for a long prompt, the one case that needs it.
-    """
-
-    text_model: TextModel
-    catalog: Callable[[], Catalog]  # the catalog in force
-    limiter: trio.CapacityLimiter = dataclasses.field(default_factory=new_tokenize_limiter)
-    #: repeated identical prompts are rendered and tokenized once (pipeline/prompt_cache.py)
-    prompts: PromptCache = dataclasses.field(default_factory=PromptCache)
-    #: how the model takes images (None: it takes none)
-    media: MediaProfile | None = None
-
-    async def encode(self, text: str, param: str, *, add_special_tokens: bool) -> list[int]:
-        """Token ids of ``text``; a 400 without tokenizing when it certainly cannot fit."""
-        text_model = self.text_model
-        if len(text) < INLINE_TOKENIZE_CHARS:
-            return text_model.encode(text, add_special_tokens=add_special_tokens)
-        limit = context_limit(self.catalog())
-        if limit is not None and (fewest := text_model.fewest_tokens(text)) >= limit:
-            raise context_length_exceeded(fewest, limit, param, at_least=True)
-        return await trio.to_thread.run_sync(
-            lambda: text_model.encode(text, add_special_tokens=add_special_tokens),
-            limiter=self.limiter,
-        )
-
-
 async def prepare(
     kind: Kind, request: ChatRequest | CompletionRequest, request_id: str, tokenizing: Tokenizing,
     routing_key: str | None = None,
@@ -151,7 +92,7 @@ async def prepare(
         prompt, ids = await prompt_ids(request.prompt, param, tokenizing)
     if not ids:
         raise invalid_request("the prompt is empty", param)
-    return PreparedRequest(kind, request_id, request, tuple(ids), prompt, routing_key,
+    return PreparedRequest(kind, request_id, request, _ids(ids), prompt, routing_key,
                            media=media)
 
 
@@ -164,11 +105,11 @@ async def _media_prompt(
         raise refuse_images(request.model, request.images)
 
     async def encode(text: str) -> list[int]:
-        return await tokenizing.encode(text, "messages", add_special_tokens=False)
+        return list(await tokenizing.encode(text, "messages", add_special_tokens=False))
 
     return await media_prompt(
         request, tokenizing.text_model, profile, [message_dict(m) for m in request.messages],
-        [{"type": t.type, "function": _function(t)} for t in request.tools]
+        [{"type": t.type, "function": function_dict(t)} for t in request.tools]
         if request.offers_tools else None, encode, add_generation_prompt=add_generation_prompt,
     )
 
@@ -180,12 +121,13 @@ async def chat_prompt_ids(
     """A chat's messages (and tools) through the chat template, as (prompt text, token ids).
 
     The template writes the special tokens itself, so the tokenizer adds none
-    unless asked. Generation's prompts (the defaults) come from an exact cache.
+    unless asked. Generation's prompts (the defaults) come from an exact cache;
+    a large chat is rendered and tokenized in a worker thread.
     """
     if request.images:  # expanded as generation expands them, so counts agree
-        prompt, ids, _ = await _media_prompt(request, tokenizing,
-                                             add_generation_prompt=add_generation_prompt)
-        return prompt, ids
+        prompt, expanded, _ = await _media_prompt(request, tokenizing,
+                                                  add_generation_prompt=add_generation_prompt)
+        return prompt, expanded
     text_model = tokenizing.text_model
     cache = tokenizing.prompts
     cacheable = add_generation_prompt and not add_special_tokens
@@ -193,18 +135,17 @@ async def chat_prompt_ids(
     hit = None if key is None else cache.get(key)
     if hit is not None:
         return hit
-    try:
-        prompt = text_model.render_chat(
-            [message_dict(m) for m in request.messages],
-            add_generation_prompt=add_generation_prompt,
-            tools=[{"type": t.type, "function": _function(t)} for t in request.tools]
-            if request.offers_tools else None,
-            extra=request.chat_template_kwargs,
-        )
-    except ChatTemplateError as exc:
-        raise invalid_request(str(exc), "messages") from None
-    ids = tuple(await tokenizing.encode(prompt, "messages",
-                                        add_special_tokens=add_special_tokens))
+    if chat_chars(request) < tokenizing.inline_chars:
+        prompt, cuts = render(text_model, request, add_generation_prompt)
+    else:
+        prompt, cuts = await tokenizing.off_loop(tokenizing.render_bounded, request,
+                                                 add_generation_prompt)
+    ids: tuple[int, ...]
+    if cuts is None or add_special_tokens:
+        ids = PromptIds(await tokenizing.encode(prompt, "messages",
+                                                add_special_tokens=add_special_tokens))
+    else:
+        ids = await chat_ids(tokenizing, prompt, cuts)
     if key is not None:
         cache.put(key, prompt, ids)
     return prompt, ids
@@ -226,7 +167,7 @@ async def prompt_ids(
         hit = cache.get(prompt) if cached else None
         if hit is not None:
             return prompt, hit[1]
-        ids = tuple(await tokenizing.encode(prompt, param, add_special_tokens=True))
+        ids = PromptIds(await tokenizing.encode(prompt, param, add_special_tokens=True))
         if cached:
             cache.put(prompt, prompt, ids)
         return prompt, ids
@@ -269,18 +210,13 @@ def _chat_key(request: ChatRequest) -> bytes:
     )
 
 
+def _ids(ids: Sequence[int]) -> tuple[int, ...]:
+    """``ids`` as a tuple; :class:`PromptIds` as they are (their hash chains go with them)."""
+    return ids if isinstance(ids, tuple) else tuple(ids)
+
+
 def _prompt_param(kind: Kind) -> str:
     return "messages" if kind == "chat" else "prompt"
-
-
-def _function(tool: object) -> dict[str, object]:
-    fn = tool.function  # type: ignore[attr-defined]
-    out: dict[str, object] = {"name": fn.name}
-    if fn.description is not None:
-        out["description"] = fn.description
-    if fn.parameters is not None:
-        out["parameters"] = fn.parameters
-    return out
 
 
 def token_budget(prepared: PreparedRequest, engine: EngineHandle, default_max: int) -> int:
@@ -370,7 +306,7 @@ async def truncated_to_fit(prepared: PreparedRequest, tokenizing: Tokenizing, li
             prompt, ids, media = await _media_prompt(shorter, tokenizing)
         else:
             prompt, ids = await chat_prompt_ids(shorter, tokenizing)
-        return dataclasses.replace(prepared, request=shorter, input_ids=tuple(ids),
+        return dataclasses.replace(prepared, request=shorter, input_ids=_ids(ids),
                                    prompt_text=prompt, media=media)
 
     low, high = 1, len(turns)  # the fewest turns to drop lies in [low, high]

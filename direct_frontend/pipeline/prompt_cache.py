@@ -1,4 +1,6 @@
-"""An exact cache of prompts: a request's prompt → its rendered text and token ids.
+"""Prompt caches: an exact one (a request's prompt → its rendered text and token ids), and
+one of rendered chats by their prefix (:class:`PrefixCache`: a conversation's next turn
+tokenizes only what is new).
 
 Rendering a chat template and tokenizing its text cost a few hundred µs for
 a short chat (the demo model: ≈ 0.1 ms to render, ≈ 0.25 ms to tokenize 200
@@ -16,6 +18,10 @@ Sans-IO: plain data in and out, one cache per served model.
 from __future__ import annotations
 
 import collections
+import dataclasses
+from collections.abc import Sequence
+
+from direct_frontend.kv.index import PromptIds
 
 #: the cache's budget: key, text and ids counted (ids at ~36 bytes each: a tuple slot + an int)
 MAX_BYTES = 16 << 20
@@ -70,3 +76,148 @@ class PromptCache:
 
 def _cost(key: bytes | str, text: str, ids: tuple[int, ...]) -> int:
     return len(key) + len(text) + _BYTES_PER_ID * len(ids)
+
+
+#: the prefix cache's budget (text, ids and cuts counted; ids at ~40 bytes: slot, int, hashes)
+PREFIX_MAX_BYTES = 64 << 20
+#: longer prompts are not kept for their prefix
+PREFIX_MAX_ENTRY_BYTES = 16 << 20
+#: prompts kept per first piece (a system prompt many conversations share)
+PREFIX_PER_KEY = 8
+_PREFIX_BYTES_PER_ID = 40
+
+
+@dataclasses.dataclass(eq=False, slots=True)
+class Rendered:
+    """A rendered chat prompt, its ids, and where its added tokens start (its cuts).
+
+    ``counts[i]`` ids make ``text[:cuts[i]]``: the tokenizer splits at every cut
+    before anything else (text/encoder.py), so the ids of a prefix that ends at
+    a cut are the leading ids of the whole.
+    """
+
+    text: str
+    ids: PromptIds
+    cuts: list[int]
+    counts: list[int]
+
+    @property
+    def cost(self) -> int:
+        return len(self.text) + _PREFIX_BYTES_PER_ID * len(self.ids) + 16 * len(self.cuts)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Reuse:
+    """What a new prompt can take from a kept one: its first ``tokens`` ids (up to ``cut``)."""
+
+    entry: Rendered
+    cut: int
+    tokens: int
+
+
+class PrefixCache:
+    """Rendered chat prompts kept for the prefix the next turn of their conversation shares.
+
+    A conversation's next request renders to the last one's text plus what is
+    new, or, with a template that renders earlier turns differently once a
+    turn follows (dropping their reasoning, say), to a shorter common prefix.
+    :meth:`find` gives the longest prefix of a new prompt that a kept one shares
+    and that ends at a cut of both, with its ids; only the rest is tokenized.
+    Prompts are found by their first piece (up to the second cut: the system
+    prompt, typically), the most recent first; at most :data:`PREFIX_MAX_BYTES`
+    are kept, the least recently used leaving first. Sans-IO, thread-safe for
+    one writer at a time (the daemon's callers hold no lock: a lookup and an
+    insert interleaved at worst miss a reuse).
+    """
+
+    def __init__(self, max_bytes: int = PREFIX_MAX_BYTES,
+                 max_entry_bytes: int = PREFIX_MAX_ENTRY_BYTES) -> None:
+        self.max_bytes = max_bytes
+        self.max_entry_bytes = max_entry_bytes
+        self.size = 0
+        self.hits = 0
+        self.misses = 0
+        self.reused_tokens = 0
+        self._lru: collections.OrderedDict[int, Rendered] = collections.OrderedDict()
+        self._by_head: dict[str, list[Rendered]] = {}
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def find(self, text: str, cuts: Sequence[int]) -> Reuse | None:
+        """The kept prompt sharing the longest prefix with ``text`` (whose cuts are
+        ``cuts``) that ends at a cut of both; None if none shares a whole piece."""
+        head = _head(text, cuts)
+        found = None if head is None else self._by_head.get(head)
+        if not found:
+            self.misses += 1
+            return None
+        at = set(cuts)
+        best: Reuse | None = None
+        for entry in reversed(found):
+            reuse = _shared(text, at, entry)
+            if reuse is not None and (best is None or reuse.tokens > best.tokens):
+                best = reuse
+        if best is None:
+            self.misses += 1
+            return None
+        self._lru.move_to_end(id(best.entry))
+        self.hits += 1
+        self.reused_tokens += best.tokens
+        return best
+
+    def put(self, entry: Rendered, replaces: Rendered | None = None) -> None:
+        """Keep ``entry``; ``replaces``, a kept prompt that is a prefix of it, leaves (its
+        every cut is ``entry``'s too)."""
+        head = _head(entry.text, entry.cuts)
+        cost = entry.cost
+        if head is None or cost > self.max_entry_bytes:
+            return
+        if replaces is not None and entry.text.startswith(replaces.text):
+            self._drop(replaces)
+        self._lru[id(entry)] = entry
+        same = self._by_head.setdefault(head, [])
+        same.append(entry)
+        self.size += cost
+        if len(same) > PREFIX_PER_KEY:
+            self._drop(same[0])
+        while self.size > self.max_bytes and self._lru:
+            self._drop(next(iter(self._lru.values())))
+
+    def _drop(self, entry: Rendered) -> None:
+        if self._lru.pop(id(entry), None) is None:
+            return
+        self.size -= entry.cost
+        head = _head(entry.text, entry.cuts)
+        same = self._by_head.get(head or "")
+        if same is not None:
+            same.remove(entry)
+            if not same:
+                del self._by_head[head or ""]
+
+
+def _head(text: str, cuts: Sequence[int]) -> str | None:
+    """The first piece of a prompt: up to its second cut (its first if it starts with text)."""
+    ends = [c for c in cuts[:2] if c > 0]
+    return text[: ends[0]] if ends else None
+
+
+def _shared(text: str, at: set[int], entry: Rendered) -> Reuse | None:
+    """The longest prefix of ``text`` that ``entry`` shares, ending at a cut of both."""
+    cuts, counts = entry.cuts, entry.counts
+    if text.startswith(entry.text):
+        if len(entry.text) in at:
+            return Reuse(entry, len(entry.text), len(entry.ids))
+        high = len(cuts)  # every cut is shared
+    else:  # the first cut whose prefix differs: prefixes only differ more further on
+        low, high = 0, len(cuts)
+        while low < high:
+            middle = (low + high) // 2
+            if text.startswith(entry.text[: cuts[middle]]):
+                low = middle + 1
+            else:
+                high = middle
+    for i in range(high - 1, -1, -1):
+        if cuts[i] in at and counts[i]:
+            return Reuse(entry, cuts[i], counts[i])
+    return None

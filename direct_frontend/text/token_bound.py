@@ -22,6 +22,7 @@ and ``bytes.count``, a few passes), never per character in Python.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterable
 
 #: the bytes whose forbidden predecessors are counted (word ends before a space or a line break)
@@ -73,8 +74,8 @@ class ByteLevelBound:
         if not data:
             return 0
         grouped = data.translate(self.groups)
-        weighted = sum(grouped.count(group) / high
-                       for group, high in enumerate(self.longest) if group)
+        scale = math.lcm(*self.longest[1:])  # exact: the weights as integers over it
+        weighted = sum(grouped.count(group) * (scale // high)
+                       for group, high in enumerate(self.longest) if group) // scale
         forced = data.translate(self.pairs).count(b"\x01\x02")
-        # the float sum errs by far less than one part in 1e9: stay below it
-        return max(int(weighted * (1 - 1e-9)), forced + 1)
+        return max(weighted, forced + 1)

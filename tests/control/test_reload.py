@@ -583,11 +583,12 @@ def test_a_reload_keeps_exactly_the_settings_that_need_a_restart() -> None:
                          listen_port=2, log_json=True, max_tokens_default=9,
                          tracing=TracingConfig(otlp_endpoint="http://127.0.0.1:4318/v1/traces"),
                          replicas=ReplicasConfig(nats="nats://127.0.0.1:4222"), workers=3,
-                         responses=ResponsesConfig(max_bytes=7))
+                         responses=ResponsesConfig(max_bytes=7), default_context_length=8)
     kept = keep_restart_fields(new, running)
     assert kept.tracing == running.tracing  # the tracer is built at start
     assert kept.replicas == running.replicas  # so is the replica link
     assert kept.responses == running.responses  # and the store of responses
+    assert kept.default_context_length == running.default_context_length  # read at each join
     assert (kept.listen, kept.tokenizer, kept.served_model_name, kept.log_json) == (
         "127.0.0.1:1", Path("t1"), "a", False
     )

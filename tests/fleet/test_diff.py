@@ -127,7 +127,7 @@ def test_restart_fields_name_real_frontend_fields() -> None:
             "replicas"} <= fields
     assert set(RESTART_FIELDS) == {
         "listen", "tokenizer", "served_model_name", "log_json", "tracing", "replicas", "workers",
-        "responses",
+        "responses", "default_context_length",
     }
 
 

@@ -348,7 +348,7 @@ def test_unknown_keys_in_every_table() -> None:
     assert found == [
         "fleet.toml:1: engines: unknown key (expected one of: frontend, engine, model, pool)",
         "fleet.toml:5: frontend.port: unknown key (expected one of: listen, served_model_name, "
-        "tokenizer, max_body_bytes, max_tokens_default, request_timeout_s, "
+        "tokenizer, max_body_bytes, max_tokens_default, default_context_length, request_timeout_s, "
         "header_timeout_s, body_timeout_s, log_json, drain_timeout_s, allow_empty_fleet, "
         "workers, routing, probe, admin, auth, faults, limits, tracing, access_log, tenants, "
         "replicas, kubernetes, responses, batches)",

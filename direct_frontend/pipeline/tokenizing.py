@@ -1,0 +1,219 @@
+"""A request's prompt as token ids: rendered, bounded, tokenized, cached; large ones off the loop.
+
+- Small prompts are rendered and tokenized on the event loop: below
+  :data:`INLINE_CHARS_FAST` characters (≈ 0.25 ms of fastokens' work, ≈ 4× the
+  ≈ 60 µs a thread hop costs) or :data:`INLINE_CHARS` with tokenizers (≈ 1 ms).
+- Larger ones are rendered, bounded and tokenized in worker threads, at most one
+  per core at a time (:func:`new_tokenize_limiter`), so ``/health`` and every
+  stream keep being served meanwhile. The encoders release the GIL while they
+  work; Jinja holds it, but as Python code it yields it every switch interval.
+- Before a large text is tokenized, a prompt that certainly cannot fit the
+  fleet's largest context is refused from its bytes (``TextModel.fewest_tokens``).
+- A chat prompt's ids reuse the ids of the longest prefix it shares with a chat
+  rendered recently (pipeline/prompt_cache.py ``PrefixCache``): a conversation's
+  next turn tokenizes only its new part, exactly as a whole tokenization would
+  (text/encoder.py says why), and its ids (kv/index.py ``PromptIds``) take the
+  block hashes of that prefix from the earlier prompt's.
+
+The caches are read and written on the event loop only; worker threads compute.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import itertools
+import os
+from collections.abc import Callable
+from typing import TypeVar
+
+import trio
+
+from direct_frontend.kv.index import PromptIds
+from direct_frontend.openai.errors import context_length_exceeded, invalid_request
+from direct_frontend.openai.types import ChatMessage, ChatRequest
+from direct_frontend.pipeline.media import MediaProfile
+from direct_frontend.pipeline.prompt_cache import PrefixCache, PromptCache, Rendered
+from direct_frontend.routing.catalog import Catalog
+from direct_frontend.text.model_dir import ChatTemplateError, TextModel
+
+T = TypeVar("T")
+
+#: below this many characters fastokens tokenizes on the loop (≈ 0.25 ms at most)
+INLINE_CHARS_FAST = 64 << 10
+#: the same with tokenizers, ~50× slower (≈ 1 ms at most)
+INLINE_CHARS = 4096
+
+
+def cores() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def new_tokenize_limiter() -> trio.CapacityLimiter:
+    """The limiter every request of a daemon prepares its large prompt under: one per core
+    (a bound on their memory, and on the cores taken from the loop)."""
+    return trio.CapacityLimiter(cores())
+
+
+def context_limit(catalog: Catalog) -> int | None:
+    """The largest context a serving engine offers; None if one has no limit, or none serves."""
+    limits = [engine.context_length for engine in catalog.engines]
+    if not limits or None in limits:
+        return None
+    return max(limit for limit in limits if limit is not None)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Tokenizing:
+    """How a daemon tokenizes: its model, the fleet it serves, one limiter for all requests.
+
+    Made once per daemon (per model). The fleet's largest context
+    (:func:`context_limit`) is read only for a large prompt, the one case that needs it.
+    """
+
+    text_model: TextModel
+    catalog: Callable[[], Catalog]  # the catalog in force
+    limiter: trio.CapacityLimiter = dataclasses.field(default_factory=new_tokenize_limiter)
+    #: repeated identical prompts are rendered and tokenized once (pipeline/prompt_cache.py)
+    prompts: PromptCache = dataclasses.field(default_factory=PromptCache)
+    #: rendered chats, for the prefix the next turn of their conversation shares
+    prefixes: PrefixCache = dataclasses.field(default_factory=PrefixCache)
+    #: how the model takes images (None: it takes none)
+    media: MediaProfile | None = None
+
+    @property
+    def inline_chars(self) -> int:
+        """Texts shorter than this are tokenized on the event loop."""
+        return INLINE_CHARS_FAST if self.text_model.encoder.fast else INLINE_CHARS
+
+    async def off_loop(self, fn: Callable[..., T], *args: object) -> T:
+        """``fn(*args)`` in a worker thread, under the daemon's limiter."""
+        return await trio.to_thread.run_sync(fn, *args, limiter=self.limiter)
+
+    def refuse_beyond(self, text: str, known: int, param: str) -> None:
+        """A 400 when ``known`` tokens and ``text``'s certainly exceed the fleet's context."""
+        limit = context_limit(self.catalog())
+        if limit is not None and known + len(text) >= limit:  # else no bound can prove it
+            fewest = known + self.text_model.fewest_tokens(text)
+            if fewest >= limit:
+                raise context_length_exceeded(fewest, limit, param, at_least=True)
+
+    async def encode(self, text: str, param: str, *, add_special_tokens: bool
+                     ) -> tuple[int, ...]:
+        """Token ids of ``text``; a 400 without tokenizing when it certainly cannot fit."""
+        if len(text) < self.inline_chars:
+            return tuple(self.text_model.encode(text, add_special_tokens=add_special_tokens))
+        return await self.off_loop(self._encode_large, text, param, add_special_tokens)
+
+    def _encode_large(self, text: str, param: str, add_special_tokens: bool
+                      ) -> tuple[int, ...]:
+        self.refuse_beyond(text, 0, param)
+        return self.text_model.encoder.encode_batch([text],
+                                                    add_special_tokens=add_special_tokens)[0]
+
+    def render_bounded(self, request: ChatRequest, add_generation_prompt: bool
+                       ) -> tuple[str, list[int] | None]:
+        """:func:`render`, then a 400 if the prompt certainly cannot fit (a worker thread's
+        call: a refused prompt leaves the thread as an error, its text gone)."""
+        prompt, cuts = render(self.text_model, request, add_generation_prompt)
+        self.refuse_beyond(prompt, 0, "messages")
+        return prompt, cuts
+
+
+def message_dict(message: ChatMessage) -> dict[str, object]:
+    """The HF chat-template view of one message."""
+    out: dict[str, object] = {"role": message.role, "content": message.content}
+    if message.name is not None:
+        out["name"] = message.name
+    if message.tool_calls:
+        out["tool_calls"] = [
+            {"id": c.id, "type": c.type,
+             "function": {"name": c.function.name, "arguments": c.function.arguments}}
+            for c in message.tool_calls
+        ]
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    if message.reasoning:
+        # under both names templates read it by: reasoning_content (Qwen3, GLM, DeepSeek),
+        # thinking (gpt-oss); each renders it where its model expects it, or not at all
+        out["reasoning_content"] = out["thinking"] = message.reasoning
+    return out
+
+
+def chat_chars(request: ChatRequest) -> int:
+    """The characters a chat's messages bring to its prompt (its size before rendering)."""
+    total = 0
+    for m in request.messages:
+        total += len(m.content or "") + len(m.reasoning or "")
+        for call in m.tool_calls:
+            total += len(call.function.arguments)
+    return total
+
+
+def render(text_model: TextModel, request: ChatRequest, add_generation_prompt: bool
+           ) -> tuple[str, list[int] | None]:
+    """A chat's prompt text and its cuts (text/encoder.py ``boundaries``); a template
+    failure is the client's 400."""
+    try:
+        prompt = text_model.render_chat(
+            [message_dict(m) for m in request.messages],
+            add_generation_prompt=add_generation_prompt,
+            tools=[{"type": t.type, "function": function_dict(t)} for t in request.tools]
+            if request.offers_tools else None,
+            extra=request.chat_template_kwargs,
+        )
+    except ChatTemplateError as exc:
+        raise invalid_request(str(exc), "messages") from None
+    return prompt, text_model.encoder.boundaries(prompt)
+
+
+async def chat_ids(tokenizing: Tokenizing, prompt: str, cuts: list[int]) -> PromptIds:
+    """A rendered chat's ids, taking the prefix it shares with a recent one from that one's,
+    and kept for the next turn's.
+
+    The prompt is tokenized piece by piece between its cuts (one call: the
+    encoder works on the pieces at once), which gives its ids at every cut.
+    """
+    reuse = tokenizing.prefixes.find(prompt, cuts)
+    start = 0 if reuse is None else reuse.cut
+    first = bisect.bisect_left(cuts, start)
+    if reuse is not None and reuse.entry.cuts[:first] != cuts[:first]:
+        reuse, start, first = None, 0, 0  # (cannot happen: the same text before a shared cut)
+    ends = [*cuts[first:], len(prompt)]
+    lead = 0 if cuts[first:first + 1] == [start] else 1  # a piece before the first cut
+    if lead:
+        ends.insert(0, start)
+    pieces = [prompt[a:b] for a, b in itertools.pairwise(ends)]
+    known = 0 if reuse is None else reuse.tokens
+    if len(prompt) - start < tokenizing.inline_chars:
+        encoded = tokenizing.text_model.encoder.encode_batch(pieces)
+    else:
+        encoded = await tokenizing.off_loop(tokenizing.text_model.encoder.encode_batch, pieces)
+    counts = [] if reuse is None else reuse.entry.counts[:first]
+    total = known
+    rest: list[int] = []
+    for k, piece in enumerate(encoded):
+        if k >= lead:  # piece k starts at a cut
+            counts.append(total)
+        total += len(piece)
+        rest.extend(piece)
+    head: tuple[int, ...] = () if reuse is None else reuse.entry.ids[:known]
+    ids = PromptIds(head + tuple(rest), None if reuse is None else reuse.entry.ids.chains,
+                    known)
+    tokenizing.prefixes.put(Rendered(prompt, ids, cuts, counts),
+                            None if reuse is None else reuse.entry)
+    return ids
+
+
+def function_dict(tool: object) -> dict[str, object]:
+    fn = tool.function  # type: ignore[attr-defined]
+    out: dict[str, object] = {"name": fn.name}
+    if fn.description is not None:
+        out["description"] = fn.description
+    if fn.parameters is not None:
+        out["parameters"] = fn.parameters
+    return out
