@@ -152,6 +152,9 @@ def test_discovery_per_kind(daemon: Daemon) -> None:
     assert infos["sglang"].context_length == 1024  # server_args.context_length
     assert infos["vllm"].context_length == 1024  # max_model_len
     assert infos["trtllm"].context_length is None  # never trusted
+    # ... so it serves under [frontend] default_context_length
+    assert children["trtllm"].handle.context_length == 131_072
+    assert children["vllm"].handle.context_length == 1024
     assert infos["vllm"].block_size == 16 and infos["trtllm"].block_size is None
     assert infos["sglang"].incarnation and infos["vllm"].incarnation
     assert not infos["trtllm"].served_name_known

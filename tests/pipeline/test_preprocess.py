@@ -218,3 +218,47 @@ async def test_a_truncated_chat_keeps_the_images_it_keeps_in_place() -> None:
     (offset, length), = media.placeholders
     assert set(shorter.input_ids[offset:offset + length]) == {processor.image_token_id}
     assert shorter.input_ids.count(processor.image_token_id) == length == 64
+
+
+async def test_a_large_chat_is_prepared_in_a_worker_thread_a_small_one_inline(
+    text_model: TextModel,
+) -> None:
+    """With the limiter's only slot held, a large chat waits for a thread; a small one is
+    prepared on the loop meanwhile."""
+    import trio.testing
+
+    tokenizing = Tokenizing(text_model, lambda: Catalog(), trio.CapacityLimiter(1))
+    content = "A sentence of words for the model to read. " * 3000  # ≈ 130,000 characters
+    assert len(content) > tokenizing.inline_chars
+    done: list[PreparedRequest] = []
+
+    async def large() -> None:
+        done.append(await _prepare_chat(tokenizing, _chat(content)))
+
+    async with trio.open_nursery() as nursery, tokenizing.limiter:
+        nursery.start_soon(large)
+        await trio.testing.wait_all_tasks_blocked()
+        assert not done  # waiting for the thread slot
+        small = await _prepare_chat(tokenizing, _chat("Hello"))
+        assert small.input_ids
+    rendered = text_model.render_chat([{"role": "system", "content": "Be brief."},
+                                       {"role": "user", "content": content}])
+    assert done[0].input_ids == tuple(text_model._tokenizer.encode(rendered).ids)
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+async def test_a_prompt_its_bytes_prove_too_long_is_refused_untokenized(
+    text_model: TextModel, kind: str
+) -> None:
+    from tests.support.fleet import engine
+
+    catalog = Catalog(1, (engine("a", context_length=131_072),))
+    tokenizing = Tokenizing(text_model, lambda: catalog)
+    words = "the router reads a request and renders the chat template " * 28_000  # 1.6 MB
+    body = _chat(words) if kind == "chat" else json.dumps(
+        {"model": "m", "prompt": words}).encode()
+    request = parse_chat_request(body) if kind == "chat" else parse_completion_request(body)
+    with pytest.raises(OpenAIHTTPError) as refused:
+        await prepare(kind, request, "id", tokenizing)  # type: ignore[arg-type]
+    assert refused.value.code == "context_length_exceeded"
+    assert "at least" in refused.value.message  # the bound's figure: nothing was tokenized

@@ -1,8 +1,10 @@
-"""The prompt cache: exact hits, LRU order, the byte bound, and what is never kept."""
+"""The prompt caches: exact hits, LRU order, the byte bound, and what is never kept; the
+prefix cache's longest shared cut."""
 
 from __future__ import annotations
 
-from direct_frontend.pipeline.prompt_cache import PromptCache
+from direct_frontend.kv.index import PromptIds
+from direct_frontend.pipeline.prompt_cache import PrefixCache, PromptCache, Rendered
 
 
 def test_a_kept_prompt_is_found_and_counted() -> None:
@@ -46,3 +48,38 @@ def test_long_prompts_and_entries_over_the_budget_are_not_kept() -> None:
     cache.put(b"k", "x" * 11, (1,))
     cache.put(b"j", "x" * 5, tuple(range(100)))  # 36 bytes a token: over 1000
     assert len(cache) == 0 and cache.size == 0
+
+
+def _rendered(text: str, cuts: list[int], n: int) -> Rendered:
+    return Rendered(text, PromptIds(range(n)), cuts, [c // 2 for c in cuts])
+
+
+def test_a_prefix_is_found_at_the_last_cut_both_share() -> None:
+    cache = PrefixCache()
+    kept = _rendered("<s>sys<u>hi<a>", [0, 6, 11], 7)
+    cache.put(kept)
+    # the kept text, then a cut: all of its ids
+    reuse = cache.find("<s>sys<u>hi<a><u>more", [0, 6, 11, 14])
+    assert reuse is not None and (reuse.cut, reuse.tokens) == (14, 7)
+    # the kept text, then no cut: up to its last cut
+    reuse = cache.find("<s>sys<u>hi<a>yes<u>more<a>", [0, 6, 11, 17, 24])
+    assert reuse is not None and (reuse.cut, reuse.tokens) == (11, 5)
+    # differs within "hi": only the first piece is shared
+    reuse = cache.find("<s>sys<u>ho<a>", [0, 6, 11])
+    assert reuse is not None and (reuse.cut, reuse.tokens) == (6, 3)
+    # another first piece: nothing
+    assert cache.find("<s>other<u>hi", [0, 8]) is None
+    assert (cache.hits, cache.misses) == (3, 1)
+
+
+def test_the_prefix_cache_is_bounded_and_drops_what_a_longer_prompt_covers() -> None:
+    cache = PrefixCache(max_bytes=10_000)
+    first = _rendered("<s>sys<u>" + "x" * 100, [0, 6], 50)
+    cache.put(first)
+    longer = _rendered(first.text + "<a>", [0, 6, 109], 51)
+    cache.put(longer, replaces=first)
+    assert len(cache) == 1 and cache.size == longer.cost
+    for i in range(100):
+        cache.put(_rendered(f"<s>{i}<u>" + "y" * 100, [0, 4 + len(str(i))], 60))
+    assert cache.size <= 10_000 and len(cache) < 100
+    assert cache.find(longer.text, longer.cuts) is None  # the oldest left first
