@@ -31,6 +31,7 @@ from direct_frontend.pipeline.media import media_prompt, refuse_images
 from direct_frontend.pipeline.ratelimit import Charge
 from direct_frontend.pipeline.tokenizing import (
     INLINE_CHARS,
+    RENDER_INLINE_CHARS,
     Tokenizing,
     chat_chars,
     chat_ids,
@@ -135,7 +136,7 @@ async def chat_prompt_ids(
     hit = None if key is None else cache.get(key)
     if hit is not None:
         return hit
-    if chat_chars(request) < tokenizing.inline_chars:
+    if chat_chars(request) < RENDER_INLINE_CHARS:
         prompt, cuts = render(text_model, request, add_generation_prompt)
     else:
         prompt, cuts = await tokenizing.off_loop(tokenizing.render_bounded, request,

@@ -1,8 +1,9 @@
 """A request's prompt as token ids: rendered, bounded, tokenized, cached; large ones off the loop.
 
-- Small prompts are rendered and tokenized on the event loop: below
-  :data:`INLINE_CHARS_FAST` characters (≈ 0.25 ms of fastokens' work, ≈ 4× the
-  ≈ 60 µs a thread hop costs) or :data:`INLINE_CHARS` with tokenizers (≈ 1 ms).
+- Small prompts are tokenized on the event loop: below :data:`INLINE_CHARS_FAST`
+  characters to tokenize (≈ 0.25 ms of fastokens' work, ≈ 4× the ≈ 60 µs a thread
+  hop costs) or :data:`INLINE_CHARS` with tokenizers (≈ 1 ms); chats of less than
+  :data:`RENDER_INLINE_CHARS` are rendered there too (≈ 1 ms at most).
 - Larger ones are rendered, bounded and tokenized in worker threads, at most one
   per core at a time (:func:`new_tokenize_limiter`), so ``/health`` and every
   stream keep being served meanwhile. The encoders release the GIL while they
@@ -43,6 +44,8 @@ T = TypeVar("T")
 INLINE_CHARS_FAST = 64 << 10
 #: the same with tokenizers, ~50× slower (≈ 1 ms at most)
 INLINE_CHARS = 4096
+#: chats whose messages hold fewer characters are rendered on the loop (Jinja: ≈ 1 ms per MiB)
+RENDER_INLINE_CHARS = 1 << 20
 
 
 def cores() -> int:
@@ -114,6 +117,12 @@ class Tokenizing:
         self.refuse_beyond(text, 0, param)
         return self.text_model.encoder.encode_batch([text],
                                                     add_special_tokens=add_special_tokens)[0]
+
+    def encode_rest(self, pieces: list[str], known: int) -> list[tuple[int, ...]]:
+        """The ids of a chat's pieces after ``known`` tokens, once the bound allows (a
+        worker thread's call)."""
+        self.refuse_beyond("".join(pieces), known, "messages")
+        return self.text_model.encoder.encode_batch(pieces)
 
     def render_bounded(self, request: ChatRequest, add_generation_prompt: bool
                        ) -> tuple[str, list[int] | None]:
@@ -192,7 +201,7 @@ async def chat_ids(tokenizing: Tokenizing, prompt: str, cuts: list[int]) -> Prom
     if len(prompt) - start < tokenizing.inline_chars:
         encoded = tokenizing.text_model.encoder.encode_batch(pieces)
     else:
-        encoded = await tokenizing.off_loop(tokenizing.text_model.encoder.encode_batch, pieces)
+        encoded = await tokenizing.off_loop(tokenizing.encode_rest, pieces, known)
     counts = [] if reuse is None else reuse.entry.counts[:first]
     total = known
     rest: list[int] = []
