@@ -125,9 +125,8 @@ class PrefixCache:
     and that ends at a cut of both, with its ids; only the rest is tokenized.
     Prompts are found by their first piece (up to the second cut: the system
     prompt, typically), the most recent first; at most :data:`PREFIX_MAX_BYTES`
-    are kept, the least recently used leaving first. Sans-IO, thread-safe for
-    one writer at a time (the daemon's callers hold no lock: a lookup and an
-    insert interleaved at worst miss a reuse).
+    are kept, the least recently used leaving first. Sans-IO; the daemon reads
+    and writes it on its event loop only.
     """
 
     def __init__(self, max_bytes: int = PREFIX_MAX_BYTES,

@@ -1,8 +1,8 @@
 """A request's prompt as token ids: rendered, bounded, tokenized, cached; large ones off the loop.
 
 - Small prompts are tokenized on the event loop: below :data:`INLINE_CHARS_FAST`
-  characters to tokenize (≈ 0.25 ms of fastokens' work, ≈ 4× the ≈ 60 µs a thread
-  hop costs) or :data:`INLINE_CHARS` with tokenizers (≈ 1 ms); chats of less than
+  characters to tokenize (≈ 1 ms of fastokens' work, ids included) or
+  :data:`INLINE_CHARS` with tokenizers (≈ 1 ms); chats of less than
   :data:`RENDER_INLINE_CHARS` are rendered there too (≈ 1 ms at most).
 - Larger ones are rendered, bounded and tokenized in worker threads, at most one
   per core at a time (:func:`new_tokenize_limiter`), so ``/health`` and every
@@ -40,8 +40,9 @@ from direct_frontend.text.model_dir import ChatTemplateError, TextModel
 
 T = TypeVar("T")
 
-#: below this many characters fastokens tokenizes on the loop (≈ 0.25 ms at most)
-INLINE_CHARS_FAST = 64 << 10
+#: below this many characters fastokens tokenizes on the loop (≈ 1 ms at most; a thread hop
+#: costs ≈ 60 µs of CPU, as much as ≈ 15,000 characters' tokenizing)
+INLINE_CHARS_FAST = 256 << 10
 #: the same with tokenizers, ~50× slower (≈ 1 ms at most)
 INLINE_CHARS = 4096
 #: chats whose messages hold fewer characters are rendered on the loop (Jinja: ≈ 1 ms per MiB)

@@ -228,7 +228,7 @@ async def test_a_large_chat_is_prepared_in_a_worker_thread_a_small_one_inline(
     import trio.testing
 
     tokenizing = Tokenizing(text_model, lambda: Catalog(), trio.CapacityLimiter(1))
-    content = "A sentence of words for the model to read. " * 3000  # ≈ 130,000 characters
+    content = "A sentence of words for the model to read. " * 7000  # ≈ 300,000 characters
     assert len(content) > tokenizing.inline_chars
     done: list[PreparedRequest] = []
 
