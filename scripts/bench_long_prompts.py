@@ -20,7 +20,8 @@ contract, which SMG speaks):
   its contract).
 
 Each phase reports the server's CPU per request (utime+stime of its process,
-all threads), TTFT p50/p99, the event loop's worst stall (``GET /health``
+all threads, less what the ``/health`` probes cost it: measured per probe when
+the server starts), TTFT p50/p99, the event loop's worst stall (``GET /health``
 probed every ``--probe-ms`` on a connection of its own throughout the phase),
 and RSS (the peak during the phase, and a second after it ends).
 """
@@ -182,6 +183,25 @@ class Server:
     name: str
     child: bo.Child
     port: int
+    #: the server's CPU per ``GET /health`` (seconds), subtracted from a phase's CPU
+    probe_cpu: float = 0.0
+
+
+async def calibrate_probe(server: Server, probes: int = 300) -> None:
+    """What one ``GET /health`` costs the server, so a phase's CPU is its requests' alone."""
+    reader, writer = await asyncio.open_connection(HOST, server.port)
+    request = f"GET /health HTTP/1.1\r\nHost: {HOST}\r\n\r\n".encode()
+    cpu = bo.proc_cpu_seconds(server.child.pid)
+    try:
+        for _ in range(probes):
+            writer.write(request)
+            head = await reader.readuntil(b"\r\n\r\n")
+            found = re.search(rb"(?i)content-length: *(\d+)", head)
+            if found:
+                await reader.readexactly(int(found[1]))
+    finally:
+        writer.close()
+    server.probe_cpu = (bo.proc_cpu_seconds(server.child.pid) - cpu) / probes
 
 
 def long_fleet(listen: int, engines: Sequence[tuple[str, int]], policy: str,
@@ -227,6 +247,7 @@ async def start_daemons(sides: Sequence[bo.Side], kind: str, ports: Sequence[int
         children.append(child)
         await bo.wait_ready(child, listen)
         servers.append(Server(side.name, child, listen))
+        await calibrate_probe(servers[-1])
     return servers
 
 
@@ -249,7 +270,9 @@ async def start_smg(path: str, ports: Sequence[int], args: argparse.Namespace,
         if time.monotonic() > deadline:
             raise TimeoutError(f"smg not ready:\n{child.log_tail()}")
         await asyncio.sleep(0.2)
-    return Server("smg", child, listen)
+    server = Server("smg", child, listen)
+    await calibrate_probe(server)
+    return server
 
 
 async def _smg_serves(port: int) -> bool:
@@ -324,7 +347,7 @@ async def measure(server: Server, bodies: Sequence[bytes], concurrency: int, tok
     with HealthProbe(server.port, args.probe_ms / 1e3) as probe, RssWatch(pid) as rss:
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         await asyncio.sleep(2 * args.probe_ms / 1e3)
-    used = bo.proc_cpu_seconds(pid) - cpu
+    used = bo.proc_cpu_seconds(pid) - cpu - len(probe.times) * server.probe_cpu
     await asyncio.sleep(1.0)
     ttft = [s.ttft * 1e3 for s in samples]
     return Measured(used * 1e3 / len(bodies), bo.pct(ttft, 50), bo.pct(ttft, 99),
@@ -461,6 +484,9 @@ def report(results: dict[str, Any]) -> str:
             row = f"  {label:<26}" + "".join(f"{v:>12.2f}" for v in values)
             row += "".join(f"{_ratio(values[0], v):>12}" for v in values[1:])
             lines.append(row)
+    if "probe_cpu_us" in results:
+        costs = ", ".join(f"{name} {us:.0f} µs" for name, us in results["probe_cpu_us"].items())
+        lines.append(f"  (each server's CPU per GET /health, subtracted from the above: {costs})")
     if "agent" in results:
         lines.append(f"agent conversations ({results['turns']} turns): CPU / request by turn (ms)")
         for name, per_turn in results["agent"].items():
@@ -497,6 +523,7 @@ async def run(args: argparse.Namespace, sides: list[bo.Side], tmp: pathlib.Path,
         servers = await start_daemons(sides, "sglang", ports, args, tmp, children, "sglang")
         if args.smg and modes & {"unique", "agent"}:
             servers.append(await start_smg(args.smg, ports, args, tmp, children))
+        results["probe_cpu_us"] = {s.name: s.probe_cpu * 1e6 for s in servers}
         if "unique" in modes:
             results["unique"] = await unique(servers, prose, args, args.rounds)
             if args.profile is not None:  # one more round of the candidate, sampled

@@ -85,6 +85,8 @@ PREFIX_MAX_ENTRY_BYTES = 16 << 20
 #: prompts kept per first piece (a system prompt many conversations share)
 PREFIX_PER_KEY = 8
 _PREFIX_BYTES_PER_ID = 40
+#: a prompt's key is at most this much of its first piece (hashing more costs, finds no more)
+HEAD_CHARS = 1024
 
 
 @dataclasses.dataclass(eq=False, slots=True)
@@ -196,9 +198,11 @@ class PrefixCache:
 
 
 def _head(text: str, cuts: Sequence[int]) -> str | None:
-    """The first piece of a prompt: up to its second cut (its first if it starts with text)."""
+    """The first piece of a prompt (up to its second cut; its first if it starts with text),
+    at most :data:`HEAD_CHARS` of it: the key prompts are found by (:func:`_shared` checks
+    the rest)."""
     ends = [c for c in cuts[:2] if c > 0]
-    return text[: ends[0]] if ends else None
+    return text[: min(ends[0], HEAD_CHARS)] if ends else None
 
 
 def _shared(text: str, at: set[int], entry: Rendered) -> Reuse | None:
