@@ -21,12 +21,19 @@ lengths at one concurrency it fits the fixed and per-token cost per request.
 ``--profile FILE`` then samples the candidate daemon with py-spy (the
 ``bench`` extra) on one cell and summarises it by library and by our code.
 
+``--long unique,agent,huge`` runs the long-prompt workloads instead of the cells
+(scripts/bench_long_prompts.py: unique prompts of N tokens, agent conversations
+growing by a tool result per turn, concurrent megabyte prompts), with
+``--smg PATH`` an SMG router in front of the same engines as a third column.
+
 Usage::
 
     python scripts/bench_overhead.py                          # ~1-2 min on 2 cores
     python scripts/bench_overhead.py --baseline main --rounds 3
     python scripts/bench_overhead.py --rounds 1 --profile /tmp/df.txt --profile-cell s64@32
     python scripts/bench_overhead.py --json                   # also one JSON line at the end
+    python scripts/bench_overhead.py --long unique,agent,huge --baseline main \
+        --smg /path/to/smg-venv/bin/smg                       # agent-sized prompts, vs SMG
 """
 
 from __future__ import annotations

@@ -78,13 +78,13 @@ def _cost(key: bytes | str, text: str, ids: tuple[int, ...]) -> int:
     return len(key) + len(text) + _BYTES_PER_ID * len(ids)
 
 
-#: the prefix cache's budget (text, ids and cuts counted; ids at ~40 bytes: slot, int, hashes)
+#: the prefix cache's budget (text, ids and cuts counted; ids at ~48 bytes: slot, int, hashes)
 PREFIX_MAX_BYTES = 64 << 20
 #: longer prompts are not kept for their prefix
 PREFIX_MAX_ENTRY_BYTES = 16 << 20
 #: prompts kept per first piece (a system prompt many conversations share)
 PREFIX_PER_KEY = 8
-_PREFIX_BYTES_PER_ID = 40
+_PREFIX_BYTES_PER_ID = 48
 #: a prompt's key is at most this much of its first piece (hashing more costs, finds no more)
 HEAD_CHARS = 1024
 
