@@ -115,6 +115,7 @@ from direct_frontend.pipeline.preprocess import (
 from direct_frontend.pipeline.ratelimit import Charge, RateLimiter
 from direct_frontend.pipeline.relay import Relay
 from direct_frontend.pipeline.settings import Settings
+from direct_frontend.pipeline.tokenizing import PARSE_INLINE_BYTES
 from direct_frontend.routing.affinity import routing_key
 from direct_frontend.state.batch_store import BatchStore
 from direct_frontend.state.shell import Durable
@@ -722,11 +723,13 @@ class App:
             body = await read_body(receive, frontend.max_body_bytes, frontend.body_timeout_s)
             responses = (await self._responses_request(body, caller.owner) if kind == "responses"
                          else None)
+            parse = (parse_messages_request if kind == "messages"
+                     else parse_chat_request if kind == "chat" else parse_completion_request)
             request: ChatRequest | CompletionRequest = (
                 responses.chat if responses is not None
-                else parse_messages_request(body) if kind == "messages"
-                else parse_chat_request(body) if kind == "chat"
-                else parse_completion_request(body)
+                else parse(body) if len(body) < PARSE_INLINE_BYTES
+                # a large body is read in a worker thread (≈ 8 ms per MB), off the loop
+                else await trio.to_thread.run_sync(parse, body)
             )
             served = self.control.models.get(request.model)
             if served is None:

@@ -47,6 +47,9 @@ INLINE_CHARS_FAST = 256 << 10
 INLINE_CHARS = 4096
 #: chats whose messages hold fewer characters are rendered on the loop (Jinja: ≈ 1 ms per MiB)
 RENDER_INLINE_CHARS = 1 << 20
+#: request bodies of fewer bytes are parsed on the loop (JSON with its nesting check: ≈ 8 ms
+#: per MB of code-like text at worst)
+PARSE_INLINE_BYTES = 256 << 10
 
 
 def cores() -> int:
