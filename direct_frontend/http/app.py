@@ -115,7 +115,7 @@ from direct_frontend.pipeline.preprocess import (
 from direct_frontend.pipeline.ratelimit import Charge, RateLimiter
 from direct_frontend.pipeline.relay import Relay
 from direct_frontend.pipeline.settings import Settings
-from direct_frontend.pipeline.tokenizing import PARSE_INLINE_BYTES
+from direct_frontend.pipeline.tokenizing import PARSE_INLINE_BYTES, new_tokenize_limiter
 from direct_frontend.routing.affinity import routing_key
 from direct_frontend.state.batch_store import BatchStore
 from direct_frontend.state.shell import Durable
@@ -184,6 +184,9 @@ class App:
         #: ``run --workers``: every worker's metrics as one scrape, from this one's text
         self.metrics_view: Callable[[bytes], Awaitable[bytes]] | None = None
         self.http_stopped = trio.Event()
+        #: large bodies are parsed in worker threads, one per core at a time (more would only
+        #: queue the event loop behind them for the GIL)
+        self.parsing = new_tokenize_limiter()
         self.started_at = int(time.time())
         self._routes: dict[str, dict[str, Handler]] = {
             "/v1/chat/completions": {"POST": partial(self._generate, "chat")},
@@ -729,7 +732,7 @@ class App:
                 responses.chat if responses is not None
                 else parse(body) if len(body) < PARSE_INLINE_BYTES
                 # a large body is read in a worker thread (≈ 8 ms per MB), off the loop
-                else await trio.to_thread.run_sync(parse, body)
+                else await trio.to_thread.run_sync(parse, body, limiter=self.parsing)
             )
             served = self.control.models.get(request.model)
             if served is None:

@@ -48,3 +48,21 @@ def test_weights_count_each_byte_at_its_longest_entry() -> None:
     # "a" is in entries of 2 bytes at most (weight 1/2), "b" of 4 (1/4): exact sums
     assert (bound.fewest(b"aaaaaa"), bound.fewest(b"bbbbbbbb"), bound.fewest(b"aabbbb")) == (
         3, 2, 2)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(PIECES, max_size=60).map("".join))
+def test_counting_in_chunks_stays_a_lower_bound(text_model: TextModel, text: str) -> None:
+    """Pairs split between two chunks go uncounted: fewer, never more."""
+    import direct_frontend.text.token_bound as token_bound
+
+    assert text_model.byte_bound is not None
+    whole = text_model.byte_bound.fewest(text.encode())
+    saved = token_bound.CHUNK
+    token_bound.CHUNK = 7
+    try:
+        chunked = text_model.byte_bound.fewest(text.encode())
+    finally:
+        token_bound.CHUNK = saved
+    assert chunked <= len(text_model.encode(text))
+    assert whole - len(text.encode()) // 7 <= chunked <= whole
