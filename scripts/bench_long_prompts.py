@@ -327,6 +327,7 @@ class Measured:
     rss_peak_mb: float
     rss_after_mb: float
     requests: int
+    rss_before_mb: float = 0.0
     statuses: dict[int, int] = dataclasses.field(default_factory=dict)
 
 
@@ -355,6 +356,7 @@ async def measure(server: Server, bodies: Sequence[bytes], concurrency: int, tok
         finally:
             await conn.close()
 
+    before = bo.rss_mb(pid)
     cpu = bo.proc_cpu_seconds(pid)
     with HealthProbe(server.port, args.probe_ms / 1e3) as probe, RssWatch(pid) as rss:
         await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -363,7 +365,7 @@ async def measure(server: Server, bodies: Sequence[bytes], concurrency: int, tok
     await asyncio.sleep(1.0)
     ttft = [s.ttft * 1e3 for s in samples]
     return Measured(used * 1e3 / len(bodies), bo.pct(ttft, 50), bo.pct(ttft, 99),
-                    probe.worst_ms, rss.peak, bo.rss_mb(pid), len(bodies), statuses)
+                    probe.worst_ms, rss.peak, bo.rss_mb(pid), len(bodies), statuses, before)
 
 
 # -- workloads ----------------------------------------------------------------------------
@@ -442,8 +444,8 @@ async def huge(servers: Sequence[Server], prose: Prose, args: argparse.Namespace
         out[server.name] = m = await measure(server, bodies, args.huge_count, args.long_stream,
                                              args, stream=False)
         print(f"  huge ({label}), {server.name}: statuses {m.statuses}, /health worst "
-              f"{m.worst_health_ms:.0f} ms, RSS peak {m.rss_peak_mb:.0f} MiB, after "
-              f"{m.rss_after_mb:.0f} MiB", flush=True)
+              f"{m.worst_health_ms:.0f} ms, RSS before {m.rss_before_mb:.0f} MiB, peak "
+              f"{m.rss_peak_mb:.0f} MiB, after {m.rss_after_mb:.0f} MiB", flush=True)
     return out
 
 
@@ -514,8 +516,9 @@ def report(results: dict[str, Any]) -> str:
                          f"{results['huge_bytes'] / 1e6:.1f} MB chat prompts")
             for name, m in results[label].items():
                 lines.append(f"  {name:<12} statuses {m.statuses}, /health worst "
-                             f"{m.worst_health_ms:.0f} ms, RSS peak {m.rss_peak_mb:.0f} MiB, "
-                             f"after {m.rss_after_mb:.0f} MiB, CPU {m.cpu_ms:.0f} ms / request")
+                             f"{m.worst_health_ms:.0f} ms, RSS before {m.rss_before_mb:.0f}, "
+                             f"peak {m.rss_peak_mb:.0f}, after {m.rss_after_mb:.0f} MiB, "
+                             f"CPU {m.cpu_ms:.0f} ms / request")
     return "\n".join(lines)
 
 
