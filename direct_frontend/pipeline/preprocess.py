@@ -145,7 +145,7 @@ async def chat_prompt_ids(
         prompt, cuts = await tokenizing.off_loop(tokenizing.render_bounded, request,
                                                  add_generation_prompt)
     ids: tuple[int, ...]
-    if cuts is None or add_special_tokens:
+    if cuts is None or add_special_tokens or len(prompt) < tokenizing.prefix_min_chars:
         ids = PromptIds(await tokenizing.encode(prompt, "messages",
                                                 add_special_tokens=add_special_tokens))
     else:

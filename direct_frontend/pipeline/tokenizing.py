@@ -10,8 +10,9 @@
   work; Jinja holds it, but as Python code it yields it every switch interval.
 - Before a large text is tokenized, a prompt that certainly cannot fit the
   fleet's largest context is refused from its bytes (``TextModel.fewest_tokens``).
-- A chat prompt's ids reuse the ids of the longest prefix it shares with a chat
-  rendered recently (pipeline/prompt_cache.py ``PrefixCache``): a conversation's
+- A chat prompt's ids (of :data:`PREFIX_MIN_CHARS` or more) reuse the ids of the
+  longest prefix it shares with a chat rendered recently (pipeline/prompt_cache.py
+  ``PrefixCache``): a conversation's
   next turn tokenizes only its new part, exactly as a whole tokenization would
   (text/encoder.py says why), and its ids (kv/index.py ``PromptIds``) take the
   block hashes of that prefix from the earlier prompt's.
@@ -47,6 +48,9 @@ INLINE_CHARS_FAST = 256 << 10
 INLINE_CHARS = 4096
 #: chats whose messages hold fewer characters are rendered on the loop (Jinja: ≈ 1 ms per MiB)
 RENDER_INLINE_CHARS = 1 << 20
+#: shorter chats are tokenized whole, and not kept for their prefix: tokenizing them costs
+#: ≈ 10 µs, less than looking for a prefix does
+PREFIX_MIN_CHARS = 8192
 #: request bodies of fewer bytes are parsed on the loop (JSON with its nesting check: ≈ 8 ms
 #: per MB of code-like text at worst)
 PARSE_INLINE_BYTES = 256 << 10
@@ -89,6 +93,8 @@ class Tokenizing:
     prompts: PromptCache = dataclasses.field(default_factory=PromptCache)
     #: rendered chats, for the prefix the next turn of their conversation shares
     prefixes: PrefixCache = dataclasses.field(default_factory=PrefixCache)
+    #: chats shorter than this are tokenized whole (:data:`PREFIX_MIN_CHARS`)
+    prefix_min_chars: int = PREFIX_MIN_CHARS
     #: how the model takes images (None: it takes none)
     media: MediaProfile | None = None
 

@@ -126,7 +126,7 @@ def test_every_turn_has_the_ids_of_a_whole_tokenization(
     prefix was reused; the block hashes are those of the ids hashed afresh."""
 
     async def check(model: TextModel) -> int:
-        tokenizing = Tokenizing(model, lambda: Catalog())
+        tokenizing = Tokenizing(model, lambda: Catalog(), prefix_min_chars=0)
         middle = len(conversation) // 2 + 1
         steps = [conversation[:k] for k in range(1, len(conversation) + 1)]
         steps.append(conversation[:middle] + branch[1:])  # a branch shares the early turns
@@ -147,7 +147,7 @@ def test_every_turn_has_the_ids_of_a_whole_tokenization(
 
 async def test_a_known_prefix_is_not_tokenized_again(models: dict[str, TextModel]) -> None:
     model = models["qwen3"]
-    tokenizing = Tokenizing(model, lambda: Catalog())
+    tokenizing = Tokenizing(model, lambda: Catalog(), prefix_min_chars=0)
     base = [{"role": "system", "content": "Be brief. " * 50},
             {"role": "user", "content": "Read the file."}]
     await _ids(tokenizing, base)
@@ -165,3 +165,16 @@ async def test_a_known_prefix_is_not_tokenized_again(models: dict[str, TextModel
     again = await _ids(tokenizing, later)
     assert isinstance(again, PromptIds)
     assert 0 < again.known < len(ids) and list(again) == _whole(model, later)
+
+
+async def test_short_chats_are_tokenized_whole_and_not_kept(models: dict[str, TextModel]
+                                                            ) -> None:
+    model = models["chatml"]
+    tokenizing = Tokenizing(model, lambda: Catalog())
+    short = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi."}]
+    ids = await _ids(tokenizing, short)
+    assert list(ids) == _whole(model, short)
+    assert len(tokenizing.prefixes) == 0  # below prefix_min_chars: a lookup costs more
+    long = [{"role": "system", "content": "Be brief. " * 1000}, *short[1:]]
+    await _ids(tokenizing, long)
+    assert len(tokenizing.prefixes) == 1
