@@ -34,6 +34,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import os
 import pathlib
 import random
 import re
@@ -252,7 +253,10 @@ async def start_daemons(sides: Sequence[bo.Side], kind: str, ports: Sequence[int
         fleet = tmp / f"fleet-{tag}-{side.name}.toml"
         fleet.write_text(long_fleet(listen, [(kind, p) for p in ports], args.long_policy,
                                     args.long_context))
-        env = None if side.source is None else bo.daemon_env(side.source)
+        env = dict(os.environ) if side.source is None else bo.daemon_env(side.source)
+        state = tmp / f"state-{tag}-{side.name}"  # a store of its own (schemas differ by rev)
+        state.mkdir(parents=True, exist_ok=True)
+        env["STATE_DIRECTORY"] = str(state)
         child = bo.Child(f"daemon {tag} ({side.name})", [
             *bo.cli_argv(), "run", str(fleet), "--log-level", "WARNING"],
             tmp / f"daemon-{tag}-{side.name}.log", env)
