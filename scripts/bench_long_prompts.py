@@ -369,7 +369,8 @@ async def measure(server: Server, bodies: Sequence[bytes], concurrency: int, tok
     await asyncio.sleep(1.0)
     ttft = [s.ttft * 1e3 for s in samples]
     return Measured(used * 1e3 / len(bodies), bo.pct(ttft, 50), bo.pct(ttft, 99),
-                    probe.worst_ms, rss.peak, bo.rss_mb(pid), len(bodies), statuses, before)
+                    probe.worst_ms, rss.peak, bo.rss_mb(pid), len(bodies), statuses=statuses,
+                    rss_before_mb=before)
 
 
 # -- workloads ----------------------------------------------------------------------------
