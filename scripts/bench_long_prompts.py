@@ -18,7 +18,8 @@ contract, which SMG speaks):
 - ``huge``: ``--huge-count`` concurrent chat prompts of ``--huge-bytes``
   bytes, against the engines' ``--long-context`` tokens, then against a
   TensorRT-LLM engine (which reports no context length; SMG does not speak
-  its contract).
+  its contract); a first burst warms the server up, the second is measured
+  (RSS before it, at its peak and a second after it: what a burst leaves).
 
 Each phase reports the server's CPU per request (utime+stime of its process,
 all threads, less what the ``/health`` probes cost it: measured per probe when
@@ -446,6 +447,7 @@ async def huge(servers: Sequence[Server], prose: Prose, args: argparse.Namespace
     for server in servers:
         bodies = [chat_body([{"role": "user", "content": f"{server.name} {i} " + text}],
                             args.long_stream, stream=False) for i in range(args.huge_count)]
+        await measure(server, bodies, args.huge_count, args.long_stream, args, stream=False)
         out[server.name] = m = await measure(server, bodies, args.huge_count, args.long_stream,
                                              args, stream=False)
         print(f"  huge ({label}), {server.name}: statuses {m.statuses}, /health worst "

@@ -51,6 +51,7 @@ from direct_frontend.pipeline.parsing import (
 from direct_frontend.pipeline.preprocess import Tokenizing, new_tokenize_limiter
 from direct_frontend.pipeline.relay import Relay
 from direct_frontend.pipeline.settings import Settings
+from direct_frontend.pipeline.tokenizing import give_large_buffers_back
 from direct_frontend.routing.catalog import Catalog, EngineHandle
 from direct_frontend.routing.hitrate import HitRateWatch
 from direct_frontend.routing.policies import Policy
@@ -249,6 +250,7 @@ class ModelBuilder:
         #: adds to the one set the policies read
         self.diverged: set[int] = set() if diverged is None else diverged
         self.limiter = new_tokenize_limiter()
+        give_large_buffers_back()  # a burst of large prompts leaves no resident heap behind
         #: image decodes and preprocessing, daemon-wide (pipeline/media.py)
         self.decode_limiter = new_decode_limiter()
         self.text_models: dict[TextModelKey, TextModel] = dict(text_models or {})

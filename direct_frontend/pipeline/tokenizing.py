@@ -23,6 +23,8 @@ The caches are read and written on the event loop only; worker threads compute.
 from __future__ import annotations
 
 import bisect
+import contextlib
+import ctypes
 import dataclasses
 import itertools
 import os
@@ -62,6 +64,23 @@ def cores() -> int:
         return len(os.sched_getaffinity(0)) or 1
     except AttributeError:  # not Linux
         return os.cpu_count() or 1
+
+
+#: glibc's mallopt parameter, and the size from which buffers are always the OS's
+_M_MMAP_THRESHOLD = -3
+LARGE_BUFFER = 256 << 10
+
+
+def give_large_buffers_back() -> None:
+    """Have glibc take buffers of :data:`LARGE_BUFFER` or more from the OS one by one, so
+    freeing one (a large prompt's body, text or bytes, when its request ends) returns it.
+
+    By default glibc raises that threshold to the size of the first such buffer freed, and
+    keeps later ones in its heaps (one per thread), where a burst of large prompts stays
+    resident long after it ended. A no-op where glibc is not the allocator.
+    """
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, LARGE_BUFFER)
 
 
 def new_tokenize_limiter() -> trio.CapacityLimiter:
