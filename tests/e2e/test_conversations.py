@@ -201,7 +201,8 @@ def test_a_conversation_nobody_made_is_a_404_everywhere(daemon: Daemon) -> None:
 @pytest.mark.parametrize(("items", "param"), [
     ([{"type": "function_call", "name": "f"}], "items[0].call_id"),
     ([{"type": "web_search_call"}], "items[0].type"),
-    ([{"role": "user", "content": [{"type": "input_image"}]}], "items[0].content[0].type"),
+    ([{"role": "user", "content": [{"type": "input_image"}]}], "items[0].content[0].image_url"),
+    ([{"role": "user", "content": [{"type": "input_audio"}]}], "items[0].content[0].type"),
     ([{"id": "", "role": "user", "content": "x"}], "items"),
 ])
 def test_an_item_a_request_could_not_read_is_refused_when_added(
