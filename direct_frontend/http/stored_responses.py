@@ -22,7 +22,6 @@ import trio
 
 from direct_frontend.http.asgi import JSON, Headers, Send, send_body
 from direct_frontend.http.query import list_page
-from direct_frontend.openai.conversations import Item
 from direct_frontend.openai.errors import (
     OpenAIHTTPError,
     invalid_request,
@@ -34,6 +33,7 @@ from direct_frontend.openai.response_store import (
     CANCELLED,
     NOT_BACKGROUND,
     DurableResponses,
+    Item,
     Lineage,
     RemoteResponses,
     ResponseStore,

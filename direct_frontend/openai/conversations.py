@@ -18,6 +18,7 @@ from typing import Any, Final
 import msgspec
 
 from direct_frontend.openai.errors import OpenAIHTTPError, invalid_request
+from direct_frontend.openai.response_store import Item
 from direct_frontend.openai.responses_api import check_items, normalized_item
 
 PREFIX: Final = "conv_"
@@ -49,13 +50,6 @@ class Conversation(msgspec.Struct, frozen=True):
 
     def deleted(self) -> bytes:
         return b'{"id":%b,"object":"conversation.deleted","deleted":true}' % _encode(self.id)
-
-
-class Item(msgspec.Struct, frozen=True):
-    """One item of a conversation: its id and its JSON bytes."""
-
-    id: str
-    data: bytes
 
 
 def new_conversation_id() -> str:

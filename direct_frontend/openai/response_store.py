@@ -42,12 +42,9 @@ import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING, Any, Final, Protocol
+from typing import Any, Final, Protocol
 
 import msgspec
-
-if TYPE_CHECKING:
-    from direct_frontend.openai.conversations import Item
 
 PREFIX: Final = "resp_"
 #: hex characters of the holder tag that leads every id this process makes
@@ -68,6 +65,13 @@ NOT_BACKGROUND: Final = "not_background"
 #: the statuses of a response that has not ended (only a background one is seen so)
 RUNNING: Final = frozenset({"queued", "in_progress"})
 
+
+
+class Item(msgspec.Struct, frozen=True):
+    """One item of a conversation: its id and its JSON bytes (openai/conversations.py)."""
+
+    id: str
+    data: bytes
 
 class StoredResponse(msgspec.Struct, frozen=True):
     """One stored response; every field but ``owner`` is what the API returns, as JSON bytes."""

@@ -21,14 +21,11 @@ import contextlib
 import dataclasses
 import socket
 from collections.abc import Callable, Coroutine
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, Protocol, cast
 
 import grpclib.events
 import grpclib.server
 from grpclib import GRPCError, Status
-
-if TYPE_CHECKING:
-    from direct_frontend.simulator.core import SimCore
 
 _GENERATE_SUFFIX = "/Generate"
 _EMBED_SUFFIX = "/Embed"
@@ -116,10 +113,19 @@ class _Died(Exception):
     """Unwinds a call whose connection was dropped, without an error status."""
 
 
+class Faulted(Protocol):
+    """The engine core a :class:`FaultInjector` serves (simulator/core.py ``SimCore``): its
+    live plan, and the ids of the requests it was sent."""
+
+    faults: FaultPlan
+
+    def note_request(self, request_id: str) -> None: ...
+
+
 class FaultInjector:
     """Wraps every ``Generate`` and ``Embed`` call of one engine in the live :class:`FaultPlan`."""
 
-    def __init__(self, core: SimCore) -> None:
+    def __init__(self, core: Faulted) -> None:
         self.core = core
         self.stats = FaultStats()
         self._base = 0  # calls when the current plan was installed

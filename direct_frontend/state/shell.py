@@ -25,8 +25,8 @@ from typing import Any, Final, TypeVar
 import msgspec
 import trio
 
-from direct_frontend.openai.conversations import Conversation, Item
-from direct_frontend.openai.response_store import Lineage, StoredResponse
+from direct_frontend.openai.conversations import Conversation
+from direct_frontend.openai.response_store import Item, Lineage, StoredResponse
 from direct_frontend.state.sql import Order, SqlStore, StoreError
 
 log = logging.getLogger("direct_frontend.state")

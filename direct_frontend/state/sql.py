@@ -29,8 +29,9 @@ from typing import Any, ClassVar, Final, Generic, Literal, TypeVar, cast
 
 import msgspec
 
-from direct_frontend.openai.conversations import Conversation, Item
+from direct_frontend.openai.conversations import Conversation
 from direct_frontend.openai.response_store import (
+    Item,
     Lineage,
     StoredResponse,
     decode_record,

@@ -22,8 +22,8 @@ from pathlib import Path
 import trio
 
 from direct_frontend.http.stored_responses import keep
-from direct_frontend.openai.conversations import Conversation, Item, new_conversation_id
-from direct_frontend.openai.response_store import Lineage, ResponseStore, StoredResponse
+from direct_frontend.openai.conversations import Conversation, new_conversation_id
+from direct_frontend.openai.response_store import Item, Lineage, ResponseStore, StoredResponse
 from direct_frontend.state.shell import Durable
 from direct_frontend.state.sqlite import SqliteStore
 

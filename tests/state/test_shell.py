@@ -8,8 +8,8 @@ from typing import Any
 import trio
 
 from direct_frontend.http.stored_responses import find, keep
-from direct_frontend.openai.conversations import Conversation, Item
-from direct_frontend.openai.response_store import ResponseStore, StoredResponse
+from direct_frontend.openai.conversations import Conversation
+from direct_frontend.openai.response_store import Item, ResponseStore, StoredResponse
 from direct_frontend.state.backends import sweep_forever
 from direct_frontend.state.shell import Durable
 from direct_frontend.state.sqlite import SqliteStore

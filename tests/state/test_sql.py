@@ -8,8 +8,8 @@ from typing import Any
 import msgspec
 import pytest
 
-from direct_frontend.openai.conversations import Conversation, Item
-from direct_frontend.openai.response_store import Lineage, StoredResponse
+from direct_frontend.openai.conversations import Conversation
+from direct_frontend.openai.response_store import Item, Lineage, StoredResponse
 from direct_frontend.state.sql import (
     SCHEMA_VERSION,
     DuplicateItem,
