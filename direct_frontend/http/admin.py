@@ -17,10 +17,12 @@ from collections.abc import Sequence
 
 import trio
 
-from direct_frontend.fleet.schema import FrontendConfig
-from direct_frontend.http.asgi import Receive, Scope, Send
+from direct_frontend.fleet.schema import FrontendConfig, TenantsConfig
+from direct_frontend.http import rate_limits
+from direct_frontend.http.asgi import Receive, Scope, Send, send_body
 from direct_frontend.http.control_view import ControlView, Event, EventFeed
 from direct_frontend.openai.errors import OpenAIHTTPError
+from direct_frontend.pipeline.ratelimit import RateLimiter
 
 log = logging.getLogger("direct_frontend.admin")
 
@@ -99,6 +101,38 @@ def unauthorized(what: str = "API key") -> OpenAIHTTPError:
 
 
 # -- endpoints ----------------------------------------------------------------------------
+
+
+# -- the endpoints ---------------------------------------------------------------------
+
+
+async def respond_fleet(control: ControlView, limiter: RateLimiter, tenants: TenantsConfig,
+                        send: Send) -> int:
+    """``GET /fleet``: engines, the running config, the last reload, the rate limits."""
+    status = control.status()
+    status["rate_limits"] = rate_limits.view(limiter, tenants, trio.current_time())
+    await send_body(send, 200, json.dumps(status, separators=(",", ":")).encode())
+    return 200
+
+
+async def respond_reload(control: ControlView, send: Send) -> int:
+    """``POST /fleet/reload``: the reload's result (422 when it was refused)."""
+    result = await control.reload("api")
+    status = 200 if result.get("ok") else 422
+    await send_body(send, status, json.dumps(result, separators=(",", ":")).encode())
+    return status
+
+
+async def websocket(control: ControlView, frontend: FrontendConfig, scope: Scope,
+                    receive: Receive, send: Send) -> None:
+    """A WebSocket: ``/fleet/events`` when the admin surface is on, else closed (1008)."""
+    if scope["path"] != "/fleet/events" or not frontend.admin.enabled:
+        await receive()  # websocket.connect
+        await send({"type": "websocket.close", "code": 1008})
+        return
+    token = frontend.admin.token
+    authorized = token is None or credential_ok(scope, (token,))
+    await events_socket(control, scope, receive, send, authorized)
 
 
 def encode(event: Event) -> str:

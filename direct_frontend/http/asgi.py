@@ -14,6 +14,8 @@ from typing import Any
 
 import trio
 
+from direct_frontend.fleet.schema import FrontendConfig
+from direct_frontend.observability.logging import current_request_id, new_request_id
 from direct_frontend.openai.errors import (
     OpenAIHTTPError,
     body_timeout,
@@ -21,12 +23,15 @@ from direct_frontend.openai.errors import (
     internal_error,
     request_too_large,
 )
+from direct_frontend.pipeline.settings import Settings
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 Headers = list[tuple[bytes, bytes]]
+#: an endpoint: the request's settings snapshot and its ASGI triple in, the HTTP status out
+Handler = Callable[[Settings, Scope, Receive, Send], Awaitable[int]]
 
 JSON = b"application/json"
 
@@ -162,6 +167,24 @@ error_shape: ContextVar[Callable[[OpenAIHTTPError], bytes]] = ContextVar(
 async def send_error(send: Send, err: OpenAIHTTPError, headers: Headers | None = None) -> None:
     await send_body(send, err.status, error_shape.get()(err), JSON,
                     [*err.headers, *(headers or [])])
+
+
+async def from_body(frontend: FrontendConfig, receive: Receive, send: Send,
+                    answer: Callable[[bytes, Headers], Awaitable[int]],
+                    gone: Callable[[], None]) -> int:
+    """Read the body and ``answer`` it; a refusal on the way is its HTTP error (``gone``
+    hears of a client that left while it sent the body: 499)."""
+    request_id = current_request_id.get() or new_request_id()
+    headers: Headers = [(b"x-request-id", request_id.encode())]
+    try:
+        body = await read_body(receive, frontend.max_body_bytes, frontend.body_timeout_s)
+        return await answer(body, headers)
+    except OpenAIHTTPError as err:
+        await send_error(send, err, headers)
+        return err.status
+    except ClientGone:
+        gone()
+        return 499
 
 
 async def lifespan(receive: Receive, send: Send) -> None:

@@ -54,7 +54,6 @@ import trio
 from direct_frontend.http.asgi import Headers, Receive, Send
 from direct_frontend.http.identity import Caller
 from direct_frontend.http.query import query_int
-from direct_frontend.http.responses import SSE_HEADERS, _Client
 from direct_frontend.http.responses_api import (
     Event,
     ResponseBuilder,
@@ -65,6 +64,7 @@ from direct_frontend.http.responses_api import (
     usage,
 )
 from direct_frontend.http.stored_responses import append_turn, find, keep
+from direct_frontend.http.stream import SSE_HEADERS, parsed, watch
 from direct_frontend.observability.metrics import Metrics
 from direct_frontend.openai.errors import (
     OpenAIHTTPError,
@@ -83,18 +83,12 @@ from direct_frontend.openai.response_store import (
     StoredResponse,
 )
 from direct_frontend.openai.responses_api import ResponsesRequest
-from direct_frontend.pipeline.admission import Rejected, saturated, served_tier
-from direct_frontend.pipeline.preprocess import PreparedRequest
-from direct_frontend.pipeline.relay import Relay, RelayState
-from direct_frontend.pipeline.relay_events import (
-    Batch,
-    Finished,
-    Opened,
-    RelayEvent,
-    Usage,
-)
-from direct_frontend.pipeline.settings import Settings
+from direct_frontend.openai.types import ChatRequest
+from direct_frontend.pipeline.relay_events import Batch, Failed, Finished, Opened, Usage
+from direct_frontend.pipeline.serve import Later
+from direct_frontend.pipeline.serve_events import Placed, Prepared, StairEvent
 from direct_frontend.state.sql import StoreError
+from direct_frontend.text.token_bytes import TokenBytes
 
 log = logging.getLogger("direct_frontend.http")
 
@@ -107,13 +101,15 @@ CANCEL_POLL_S: Final = 1.0
 
 
 class _Run:
-    """One background response: its builder, its event log, and how to stop it."""
+    """One background response: its builder, its event log, and how to stop it; the writer
+    of its stair's events (its output goes to the log)."""
 
-    def __init__(self, builder: ResponseBuilder, caller: Caller, store: ResponseStore) -> None:
+    def __init__(self, builder: ResponseBuilder, caller: Caller, store: ResponseStore,
+                 tokens: TokenBytes) -> None:
         self.builder = builder
         self.owner = caller.owner
-        self.tenant = caller.tenant
         self.store = store
+        self.tokens = tokens  # the model's, to write logprobs with
         self.logged = 0  # the bytes of its event log, counted against its owner in the store
         self.written = 0  # with a database: the events its row held when last written
         self.too_large = False  # its log outgrew what its owner may hold: it is being stopped
@@ -155,9 +151,48 @@ class _Run:
         self.status = status
         so_far = self.so_far
         if self.usage is None and so_far is not None:  # cut short: what it used so far
-            self.usage = usage(so_far if isinstance(so_far, Usage) else so_far.usage)
+            self.usage = usage(so_far if isinstance(so_far, Usage) else Usage(
+                so_far.prompt_tokens, so_far.completion_tokens, so_far.cached_tokens))
         events.append({"type": f"response.{status}", "response": self.response()})
         self.add(events)
+
+    def fail(self, err: OpenAIHTTPError) -> None:
+        self.error, event = failure(err)
+        self.end("failed", [*self.builder.finish("failed"), event])
+
+    async def __call__(self, event: StairEvent, index: int = 0) -> None:
+        """The stair's next event: the output goes to the log as the stream's events."""
+        builder = self.builder
+        if type(event) is Batch:
+            self.so_far = event
+            events = builder.feed(parsed(event), entries(self.tokens, event.logprobs))
+            if events:
+                self.add(events)
+        elif type(event) is Opened:
+            self.so_far = event.usage
+        elif type(event) is Finished:
+            await self._finished(event)
+        elif type(event) is Failed:
+            self.usage = usage(event.usage)
+            self.fail(event.error)
+        elif type(event) is Placed:
+            self.so_far = Usage(event.prompt_tokens, 0)
+            self.status = "in_progress"
+            self.add([{"type": "response.in_progress", "response": self.response()}])
+
+    async def _finished(self, end: Finished) -> None:
+        """The output is complete: the response ends ``completed`` (or ``incomplete``)."""
+        builder = self.builder
+        last = end.last
+        events = builder.feed(parsed(last), entries(self.tokens, last.logprobs))
+        status, self.incomplete = outcome(end)
+        self.usage = usage(end.usage)
+        closing = builder.finish(status)
+        request = builder.request
+        with trio.CancelScope(shield=True):  # in its conversation before it is seen ended
+            await append_turn(self.store, request.conversation,
+                              [*request.items, *builder.items], self.owner)
+        self.end(status, events + closing)
 
 
 class BackgroundResponses:
@@ -166,6 +201,7 @@ class BackgroundResponses:
     def __init__(self, store: ResponseStore, metrics: Metrics, max_per_owner: int,
                  lease_s: float = 30.0) -> None:
         self.store = store
+        self.metrics = metrics
         self.max_per_owner = max_per_owner
         self.lease_s = lease_s  # with a database: how long a running record's lease lasts
         self._runs: dict[str, _Run] = {}
@@ -196,13 +232,13 @@ class BackgroundResponses:
         while self._runs:
             await next(iter(self._runs.values())).ended.wait()
 
-    async def start(self, relay: Relay, settings: Settings, prepared: PreparedRequest,
-                    request: ResponsesRequest, response_id: str,
-                    caller: Caller) -> dict[str, Any]:
-        """Start ``caller``'s response in the background; its ``queued`` Response object.
+    async def start(self, later: Later, prepared: Prepared, request: ResponsesRequest,
+                    response_id: str, caller: Caller) -> dict[str, Any]:
+        """Start ``caller``'s response in the background (``later``: the rest of its stair,
+        ``prepared``: what its model made of it); its ``queued`` Response object.
 
-        A 429 when the owner has its most running already, or the admission
-        queue has no room for it now (as a foreground request gets); a 503
+        A 429 when the owner has its most running already (the stair gave the
+        one of a full admission queue, as a foreground request gets); a 503
         when the server is shutting down, or the database did not take its
         ``queued`` record (with a database, that record is committed before
         the id is answered, under a lease this process renews while it runs:
@@ -217,16 +253,12 @@ class BackgroundResponses:
                 f"At most {self.max_per_owner} background responses may be queued or running "
                 "at once per API key ([frontend.responses] max_background_per_owner): wait for "
                 "one to end.", retry_after=1)
-        try:
-            settings.admission.refuse_if_full(1, caller.tenant, served_tier(request.chat))
-        except Rejected as rejected:
-            raise saturated(rejected) from None
         # Streamed from the engine whatever the client asked: a poll sees the output so far.
-        chat = msgspec.structs.replace(request.chat, stream=True)
-        prepared = dataclasses.replace(prepared, request=chat)
+        chat = msgspec.structs.replace(prepared.request, stream=True)
+        assert isinstance(chat, ChatRequest)
         builder = ResponseBuilder(dataclasses.replace(request, chat=chat), response_id,
                                   int(time.time()), stored=True, background=True)
-        run = _Run(builder, caller, self.store)
+        run = _Run(builder, caller, self.store, prepared.token_bytes)
         self._runs[response_id] = run
         self._per_owner[owner] = self._per_owner.get(owner, 0) + 1
         run.add([{"type": "response.created", "response": run.response()},
@@ -241,7 +273,7 @@ class BackgroundResponses:
             self.store.charge(owner, -run.logged)
             await keep(self.store, self._record(self._cut(run)))
             raise shutting_down()
-        self._nursery.start_soon(self._serve, run, relay, settings, prepared, response_id)
+        self._nursery.start_soon(self._serve, run, later, response_id)
         return run.response()
 
     def _cut(self, run: _Run) -> _Run:
@@ -307,26 +339,26 @@ class BackgroundResponses:
         return msgspec.structs.replace(record, status=run.status, background=True,
                                        events=tuple(run.events))
 
-    async def _serve(self, run: _Run, relay: Relay, settings: Settings,
-                     prepared: PreparedRequest, response_id: str) -> None:
+    async def _serve(self, run: _Run, later: Later, response_id: str) -> None:
         """Run the response to its end, whatever that is, and keep its final record."""
         try:
             with run.scope:
-                await self._generate(run, relay, settings, prepared)
+                try:
+                    await later.run(run)
+                except OpenAIHTTPError as err:  # refused: no slot, too long, no engine
+                    run.fail(err)
         except Exception:  # a bug: this response fails, the others go on
             log.exception("background response %s failed", response_id)
             if run.status in RUNNING:
-                self._fail(run, internal_error())
+                run.fail(internal_error())
         finally:
             if run.status in RUNNING and run.too_large:
-                self._fail(run, response_too_large(self.store.owner_cap))
+                run.fail(response_too_large(self.store.owner_cap))
             elif run.status in RUNNING:  # cancelled: by a cancel (its own scope), or at shutdown
                 if run.scope.cancelled_caught:
-                    relay.metrics.request_cancelled()
+                    self.metrics.request_cancelled()
                 run.end("cancelled", run.builder.finish("cancelled"))
             self.store.charge(run.owner, -run.logged)  # the log is now the record's
-            if prepared.charge is not None:  # its tenant's tokens limit takes its output
-                prepared.charge.settle(trio.current_time())
             record = self._record(run)
             if run.too_large:  # the log is what did not fit: the response is kept without it
                 record = msgspec.structs.replace(record, events=())
@@ -337,65 +369,6 @@ class BackgroundResponses:
                             "may keep, [frontend.responses] max_bytes %d, or the database "
                             "refused it)", response_id, self.store.owner_cap)
             self._forget(run, response_id)
-
-    async def _generate(self, run: _Run, relay: Relay, settings: Settings,
-                        prepared: PreparedRequest) -> None:
-        try:
-            async with settings.admission.background_slot(run.tenant,
-                                                          served_tier(prepared.request)):
-                state = await relay.begin(settings, prepared)
-                run.so_far = Usage(len(prepared.input_ids), 0)
-                ok = False
-                try:
-                    ok = await self._relay(run, relay, state)
-                finally:
-                    relay.settle(state, ok)
-        except Rejected as rejected:
-            self._fail(run, saturated(rejected))
-        except OpenAIHTTPError as err:  # placement refused: too long, or no engine
-            self._fail(run, err)
-
-    async def _relay(self, run: _Run, relay: Relay, state: RelayState) -> bool:
-        """Relay the placed request into the log; True if it ended as the engine ended it."""
-        builder = run.builder
-        run.status = "in_progress"
-        run.add([{"type": "response.in_progress", "response": run.response()}])
-
-        async def emit(event: RelayEvent) -> None:
-            if type(event) is Batch:
-                run.so_far = event
-                events = builder.feed(event.delta, entries(relay, event.logprobs))
-                if events:
-                    run.add(events)
-            elif type(event) is Opened:
-                run.so_far = event.usage
-            elif type(event) is Finished:
-                await self._finished(run, event, relay)
-
-        failed = await relay.until_end(state, emit)
-        if failed is not None:
-            run.usage = usage(failed.usage)
-            self._fail(run, failed.error)
-            return False
-        return True
-
-    async def _finished(self, run: _Run, end: Finished, relay: Relay) -> None:
-        """The output is complete: the response ends ``completed`` (or ``incomplete``)."""
-        builder = run.builder
-        events = builder.feed(end.last.delta, entries(relay, end.last.logprobs))
-        status, run.incomplete = outcome(end)
-        run.usage = usage(end.usage)
-        closing = builder.finish(status)
-        request = builder.request
-        with trio.CancelScope(shield=True):  # in its conversation before it is seen ended
-            await append_turn(self.store, request.conversation,
-                              [*request.items, *builder.items], run.owner)
-        run.end(status, events + closing)
-
-    @staticmethod
-    def _fail(run: _Run, err: OpenAIHTTPError) -> None:
-        run.error, event = failure(err)
-        run.end("failed", [*run.builder.finish("failed"), event])
 
 
 def _lost(response_id: str, sequence: int) -> bytes:
@@ -450,9 +423,16 @@ async def follow(service: BackgroundResponses, response_id: str, owner: str, aft
     cursor = after + 1
     gone = False
     events: Sequence[bytes]
+    gone_client = False
+
+    async def watching(scope: trio.CancelScope) -> None:
+        nonlocal gone_client
+        gone_client = await watch(receive)
+        if gone_client:
+            scope.cancel()
+
     async with trio.open_nursery() as nursery:
-        watcher = _Client()
-        nursery.start_soon(watcher.watch, receive, nursery.cancel_scope)
+        nursery.start_soon(watching, nursery.cancel_scope)
         while True:
             if run is not None:
                 wake = run.wake
@@ -477,4 +457,4 @@ async def follow(service: BackgroundResponses, response_id: str, owner: str, aft
                 gone = latest is None
                 record = latest or record
         nursery.cancel_scope.cancel()
-    return 499 if watcher.gone else 200
+    return 499 if gone_client else 200

@@ -18,8 +18,8 @@ import dataclasses
 import re
 from typing import Final
 
-from direct_frontend.fleet.keys import key_identity, named_flow, narrowed, tenant_flow
-from direct_frontend.fleet.schema import AuthConfig, FrontendConfig, TenantsConfig
+from direct_frontend.fleet.keys import key_identity, narrowed, tenant_flow
+from direct_frontend.fleet.schema import AuthConfig, FrontendConfig
 from direct_frontend.http.admin import api_key, bearer
 from direct_frontend.http.asgi import Scope, header
 from direct_frontend.openai.response_store import ANONYMOUS
@@ -51,8 +51,9 @@ def client_request_id(scope: Scope) -> str | None:
 @dataclasses.dataclass(frozen=True, slots=True)
 class Caller:
     """Who sent a request: the owner of what it stores, and the tenant whose share of the
-    admission queue it takes (``[frontend.tenants]``: the owner, unless a header or a body
-    field names one)."""
+    admission queue it takes (``[frontend.tenants]``: the owner, unless a header names one;
+    a body field may name another once the body is read, pipeline/tenancy.py
+    ``named_in_body``)."""
 
     owner: str
     tenant: str
@@ -63,13 +64,3 @@ def caller_of(frontend: FrontendConfig, scope: Scope) -> Caller:
     named_by = frontend.tenants.header
     value = b"" if named_by is None else header(scope, named_by.lower().encode())
     return Caller(owner, tenant_flow(value) if value else owner)
-
-
-def named_in_body(tenants: TenantsConfig, tenant: str, user: str | None,
-                  safety_identifier: str | None = None) -> str:
-    """The tenant a request's body names, where ``[frontend.tenants] field`` says a body
-    field names tenants (``user`` or ``safety_identifier``) and the body has it; else
-    ``tenant`` (what its key or header gave)."""
-    value = (user if tenants.field == "user"
-             else safety_identifier if tenants.field == "safety_identifier" else None)
-    return named_flow(value) if value else tenant

@@ -19,17 +19,15 @@ from urllib.parse import parse_qs
 
 import msgspec
 
-from direct_frontend.http.asgi import JSON, Headers, Receive, Scope, Send, send_body
+from direct_frontend.http.asgi import Scope
 from direct_frontend.http.query import query_int
-from direct_frontend.http.responses import Collected, _answer, _event_stream
-from direct_frontend.observability.tracing import RequestTrace
+from direct_frontend.http.stream import Renderer, parsed
+from direct_frontend.observability.metrics import Metrics
 from direct_frontend.openai.errors import OpenAIHTTPError, invalid_request
 from direct_frontend.openai.messages_api import anthropic_error_body
 from direct_frontend.openai.parsers.base import ParsedDelta
-from direct_frontend.pipeline.preprocess import PreparedRequest
-from direct_frontend.pipeline.relay import Relay, RelayState
 from direct_frontend.pipeline.relay_events import Batch, Finished, Opened, Usage
-from direct_frontend.pipeline.settings import Settings
+from direct_frontend.pipeline.serve_events import Prepared
 
 log = logging.getLogger("direct_frontend.http")
 
@@ -157,67 +155,53 @@ def _render(events: Sequence[Event]) -> bytes:
     return bytes(out)
 
 
-def _stream_error(err: OpenAIHTTPError) -> bytes:
-    """A started stream ends as Anthropic's do: an ``error`` event."""
-    return b"event: error\ndata: %b\n\n" % anthropic_error_body(err)
+class MessagesRenderer(Renderer):
+    """One Anthropic Message (one chat choice): its events as SSE, or the Message object.
 
+    Tool calls whose arguments were not a JSON object count in ``metrics`` once the
+    message ends (their ``input`` is ``{}``)."""
 
-async def respond_messages(
-    relay: Relay, settings: Settings, prepared: PreparedRequest, receive: Receive, send: Send,
-    headers: Headers, trace: RequestTrace | None = None,
-) -> int:
-    """Run the request as a chat choice and answer it as an Anthropic Message."""
-    builder = MessageBuilder("msg_" + prepared.request_id, prepared.request.model)
-    write = _stream if prepared.request.stream else _complete
+    __slots__ = ("_metrics", "builder", "streamed")
 
-    async def run(state: RelayState) -> int:
-        status = await write(relay, state, builder, send, headers)
-        if builder.malformed_inputs:
-            relay.metrics.parser_malformed_total.labels("messages_tool_input").inc(
-                builder.malformed_inputs)
-            log.warning("a tool call's arguments were not a JSON object; its input is {}")
-        return status
+    def __init__(self, prepared: Prepared, metrics: Metrics) -> None:
+        self.builder = MessageBuilder("msg_" + prepared.request_id, prepared.request.model)
+        self.streamed = prepared.request.stream
+        self._metrics = metrics
 
-    async def begin() -> RelayState:
-        return await relay.begin(settings, prepared, trace)
-
-    return await _answer(relay, begin, run, relay.settle, receive, send, headers)
-
-
-async def _complete(relay: Relay, state: RelayState, builder: MessageBuilder, send: Send,
-                    headers: Headers) -> int:
-    collected = Collected(lambda batch: builder.feed(batch.delta))
-    status = await collected.run(relay, state, send, headers)
-    end = collected.end
-    if end is None:
-        return status
-    builder.finish()
-    reason, sequence = _stop(end, builder)
-    await send_body(send, 200, _encode(builder.message(reason, sequence, _usage(end.usage))),
-                    JSON, headers)
-    return 200
-
-
-async def _stream(relay: Relay, state: RelayState, builder: MessageBuilder, send: Send,
-                  headers: Headers) -> int:
-    def opening(opened: Opened) -> bytes:
-        message = builder.message(None, None, _usage(opened.usage))
+    def opened(self, event: Opened, index: int) -> bytes:
+        if not self.streamed:
+            return b""
+        message = self.builder.message(None, None, _usage(event.usage))
         return _render([{"type": "message_start", "message": message}])
 
-    def batch(batch: Batch) -> bytes:
-        return _render(builder.feed(batch.delta))
+    def batch(self, event: Batch, index: int) -> bytes:
+        events = self.builder.feed(parsed(event))
+        return _render(events) if self.streamed else b""
 
-    async def closing(end: Finished) -> bytes:
+    async def finished(self, event: Finished, index: int) -> tuple[bytes, bool]:
+        out = self.batch(event.last, index)
+        builder = self.builder
         events = builder.finish()
-        reason, sequence = _stop(end, builder)
+        self._count_malformed()
+        reason, sequence = _stop(event, builder)
+        if not self.streamed:
+            return _encode(builder.message(reason, sequence, _usage(event.usage))), True
         events.append({"type": "message_delta",
                        "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                       "usage": _usage(end.usage)})
+                       "usage": _usage(event.usage)})
         events.append({"type": "message_stop"})
-        return _render(events)
+        return out + _render(events), True
 
-    return await _event_stream(relay, state, send, headers, opening=opening, batch=batch,
-                               closing=closing, error_tail=_stream_error)
+    def failed(self, error: OpenAIHTTPError) -> bytes:
+        """A started stream ends as Anthropic's do: an ``error`` event."""
+        self._count_malformed()
+        return b"event: error\ndata: %b\n\n" % anthropic_error_body(error)
+
+    def _count_malformed(self) -> None:
+        malformed, self.builder.malformed_inputs = self.builder.malformed_inputs, 0
+        if malformed:
+            self._metrics.parser_malformed_total.labels("messages_tool_input").inc(malformed)
+            log.warning("a tool call's arguments were not a JSON object; its input is {}")
 
 
 def from_anthropic(scope: Scope) -> bool:

@@ -3,25 +3,21 @@
 
 The limits themselves are pipeline/ratelimit.py's. A request of a limited
 tenant is admitted against them as soon as its prompt is tokenized, before
-its admission slot and any engine; the headers describe its limits just
-after it was taken, and go out with its response's head (a stream's too).
-Formatting is sans-IO; :func:`limit` reads the clocks.
+its admission slot and any engine (pipeline/serve.py); the headers describe
+its limits just after it was taken, and go out with its response's head (a
+stream's too). All of it is sans-IO: the caller gives the times.
 """
 
 from __future__ import annotations
 
 import datetime
 import math
-import time
-from collections.abc import Callable
-
-import trio
 
 from direct_frontend.fleet.describe import JsonValue
 from direct_frontend.fleet.schema import TenantsConfig
 from direct_frontend.http.asgi import Headers
 from direct_frontend.openai.errors import OpenAIHTTPError, rate_limit_exceeded
-from direct_frontend.pipeline.ratelimit import Charge, RateLimiter, Refusal, Standing, Window
+from direct_frontend.pipeline.ratelimit import RateLimiter, Refusal, Standing, Window
 
 #: how each limit is named in a refusal's message, as OpenAI names it
 _PER_MINUTE = {"requests": "requests per min (RPM)", "tokens": "tokens per min (TPM)"}
@@ -101,28 +97,14 @@ def over_limit(refusal: Refusal, *, anthropic: bool, wall_now: float) -> OpenAIH
     return rate_limit_exceeded(message, kind, (*retry, *headers))
 
 
-def limit(limiter: RateLimiter, tenants: TenantsConfig, flow: str, prompt_tokens: int,
-          headers: Headers, *, anthropic: bool = False,
-          refused: Callable[[str, str], None] | None = None) -> Charge | None:
-    """Admit a request of ``flow`` whose prompt is ``prompt_tokens`` against its limits.
-
-    Its limits' headers join ``headers``; over them, the 429 is raised
-    (``refused`` hears the tenant's label and the limit first). The
-    :class:`Charge` to settle when the request ends; ``None`` when its tenant
-    has no limit (then nothing was kept and no header is added).
-    """
+def view(limiter: RateLimiter, tenants: TenantsConfig, now: float) -> dict[str, JsonValue]:
+    """``/fleet``'s view of the rate limits: buckets held, and each named tenant's limits
+    as this process sees them now (what its siblings spent included, as far as heard)."""
     limiter.configure(tenants)
-    if not limiter.limited:
-        return None
-    verdict = limiter.admit(flow, prompt_tokens, trio.current_time())
-    if verdict is None:
-        return None
-    if isinstance(verdict, Refusal):
-        if refused is not None:
-            refused(limiter.table.label(flow), verdict.kind)
-        raise over_limit(verdict, anthropic=anthropic, wall_now=time.time())
-    headers += headers_of(verdict, anthropic=anthropic, wall_now=time.time())
-    return Charge(limiter, flow)
+    named: dict[str, JsonValue] = {
+        label: windows_json(limiter.standing(flow, now))
+        for flow, label in limiter.table.named().items()}
+    return {"buckets": len(limiter), "heard": limiter.heard_count, "tenants": named}
 
 
 def windows_json(standing: Standing | None) -> JsonValue:

@@ -12,20 +12,19 @@ server says not to (openai/response_store.py).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Final
 
 import msgspec
 
 from direct_frontend.engines.neutral import TokenLogprob
-from direct_frontend.http.asgi import JSON, Headers, Receive, Send, send_body
 from direct_frontend.http.logprobs import chat_logprobs
-from direct_frontend.http.responses import Collected, _answer, _event_stream
 from direct_frontend.http.stored_responses import append_turn
 from direct_frontend.http.stored_responses import keep as stored
-from direct_frontend.observability.tracing import RequestTrace
+from direct_frontend.http.stream import Renderer, parsed
 from direct_frontend.openai.errors import OpenAIHTTPError
 from direct_frontend.openai.parsers.base import ParsedDelta
 from direct_frontend.openai.response_store import (
@@ -35,11 +34,10 @@ from direct_frontend.openai.response_store import (
     new_response_id,
 )
 from direct_frontend.openai.responses_api import ResponsesRequest, item_id
-from direct_frontend.pipeline.admission import served_tier
-from direct_frontend.pipeline.preprocess import PreparedRequest
-from direct_frontend.pipeline.relay import Relay, RelayState
+from direct_frontend.openai.types import ChatRequest, served_tier
 from direct_frontend.pipeline.relay_events import Batch, Finished, Opened, Usage
-from direct_frontend.pipeline.settings import Settings
+from direct_frontend.pipeline.serve_events import Prepared
+from direct_frontend.text.token_bytes import TokenBytes
 
 log = logging.getLogger("direct_frontend.http")
 
@@ -187,12 +185,12 @@ class ResponseBuilder:
                        "output_index": self.items.index(item), "item": dict(item)})
 
 
-def entries(relay: Relay, logprobs: Sequence[TokenLogprob]) -> list[dict[str, Any]] | None:
+def entries(tokens: TokenBytes,
+            logprobs: Sequence[TokenLogprob]) -> list[dict[str, Any]] | None:
     """A batch's logprobs as the output text's entries (chat's shape); None when there are none."""
     if not logprobs:
         return None
-    entries: list[dict[str, Any]] = chat_logprobs(relay.text_model.token_bytes,
-                                                  logprobs)["content"]
+    entries: list[dict[str, Any]] = chat_logprobs(tokens, logprobs)["content"]
     return entries
 
 
@@ -238,93 +236,76 @@ class SseEvents:
         return out
 
 
-async def respond_responses(
-    relay: Relay, settings: Settings, prepared: PreparedRequest, request: ResponsesRequest,
-    receive: Receive, send: Send, headers: Headers, trace: RequestTrace | None = None,
-    store: ResponseStore | None = None, owner: str = ANONYMOUS,
-) -> int:
-    """Run the request as a chat choice and answer it in the Responses API's shape.
+class ResponsesRenderer(Renderer):
+    """One Responses API answer (one chat choice): its events as SSE, or the Response
+    object. The finished response is kept in ``store`` for ``owner`` unless the request
+    or the server says not to, and that is done before its last event (or its body)
+    says it is stored."""
 
-    ``store``: where the finished response is kept for ``owner`` (None: the
-    server keeps none).
-    """
-    keep = store is not None and request.store
-    response_id = store.new_id() if store is not None else new_response_id()
-    builder = ResponseBuilder(request, response_id, int(time.time()), keep)
-    write = _stream if request.chat.stream else _complete
+    __slots__ = ("_owner", "_so_far", "_sse", "_store", "_tokens", "builder", "streamed")
 
-    async def kept(render: Render) -> dict[str, Any]:
-        """The finished Response object, stored first if it is to be (one that could not
-        be says ``store: false``), its turn added to its conversation if it names one."""
-        response = render()
-        if store is None:
-            return response
-        await append_turn(store, request.conversation, [*request.items, *builder.items], owner)
-        if not keep or await stored(store, builder.record(_encode(response), owner),
-                                    lineage=request.lineage()):
-            return response
-        if store.durable is None:
-            log.warning("response %s is larger than its owner may keep ([frontend.responses] "
-                        "max_bytes %d): not kept", response_id, store.owner_cap)
-        builder.stored = False
-        return render()
+    def __init__(self, request: ResponsesRequest, prepared: Prepared,
+                 store: ResponseStore | None, owner: str = ANONYMOUS) -> None:
+        assert isinstance(prepared.request, ChatRequest)
+        request = dataclasses.replace(request, chat=prepared.request)
+        keep = store is not None and request.store
+        response_id = store.new_id() if store is not None else new_response_id()
+        self.builder = ResponseBuilder(request, response_id, int(time.time()), keep)
+        self.streamed = request.chat.stream
+        self._store = store
+        self._owner = owner
+        self._tokens = prepared.token_bytes
+        self._sse = SseEvents()
+        self._so_far = Usage(0, 0)  # the usage of the last event (a failure reports it)
 
-    async def run(state: RelayState) -> int:
-        return await write(relay, state, builder, send, headers, kept)
-
-    async def begin() -> RelayState:
-        return await relay.begin(settings, prepared, trace)
-
-    return await _answer(relay, begin, run, relay.settle, receive, send, headers)
-
-
-Render = Callable[[], dict[str, Any]]
-#: the finished Response object as rendered, to the store; what the client is answered
-Keep = Callable[[Render], Awaitable[dict[str, Any]]]
-
-
-async def _complete(relay: Relay, state: RelayState, builder: ResponseBuilder, send: Send,
-                    headers: Headers, kept: Keep) -> int:
-    collected = Collected(lambda batch: builder.feed(batch.delta, entries(relay, batch.logprobs)))
-    http_status = await collected.run(relay, state, send, headers)
-    end = collected.end
-    if end is None:
-        return http_status
-    status, why = outcome(end)
-    builder.finish(status)
-    body = _encode(await kept(lambda: builder.response(status, usage(end.usage), why)))
-    await send_body(send, 200, body, JSON, headers)
-    return 200
-
-
-async def _stream(relay: Relay, state: RelayState, builder: ResponseBuilder, send: Send,
-                  headers: Headers, kept: Keep) -> int:
-    sse = SseEvents()
-    so_far: list[Opened | Batch] = []  # the last event before a failure: the usage it had
-
-    def opening(opened: Opened) -> bytes:
-        so_far.append(opened)
-        return sse.render([
+    def opened(self, event: Opened, index: int) -> bytes:
+        self._so_far = event.usage
+        if not self.streamed:
+            return b""
+        builder = self.builder
+        return self._sse.render([
             {"type": "response.created", "response": builder.response("in_progress")},
             {"type": "response.in_progress", "response": builder.response("in_progress")},
         ])
 
-    def batch(batch: Batch) -> bytes:
-        so_far[-1] = batch
-        return sse.render(builder.feed(batch.delta, entries(relay, batch.logprobs)))
+    def batch(self, event: Batch, index: int) -> bytes:
+        self._so_far = Usage(event.prompt_tokens, event.completion_tokens, event.cached_tokens)
+        events = self.builder.feed(parsed(event), entries(self._tokens, event.logprobs))
+        return self._sse.render(events) if self.streamed else b""
 
-    async def closing(end: Finished) -> bytes:
-        status, why = outcome(end)
+    async def finished(self, event: Finished, index: int) -> tuple[bytes, bool]:
+        out = self.batch(event.last, index)
+        status, why = outcome(event)
+        builder = self.builder
         events = builder.finish(status)
-        response = await kept(lambda: builder.response(status, usage(end.usage), why))
+        response = await self._kept(lambda: builder.response(status, usage(event.usage), why))
+        if not self.streamed:
+            return _encode(response), True
         events.append({"type": f"response.{status}", "response": response})
-        return sse.render(events)
+        return out + self._sse.render(events), True
 
-    def failed(err: OpenAIHTTPError) -> bytes:
+    def failed(self, error: OpenAIHTTPError) -> bytes:
         """A started Responses stream ends as the API ends one: ``error``, ``response.failed``."""
-        response = builder.response("failed", usage(so_far[-1].usage))
-        response["error"], event = failure(err)
-        return sse.render([event, {"type": "response.failed", "response": response}])
+        response = self.builder.response("failed", usage(self._so_far))
+        response["error"], event = failure(error)
+        return self._sse.render([event, {"type": "response.failed", "response": response}])
 
-    return await _event_stream(relay, state, send, headers, opening=opening, batch=batch,
-                               closing=closing, error_tail=failed)
+    async def _kept(self, render: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        """The finished Response object, stored first if it is to be (one that could not
+        be says ``store: false``), its turn added to its conversation if it names one."""
+        response = render()
+        store, builder = self._store, self.builder
+        if store is None:
+            return response
+        request = builder.request
+        await append_turn(store, request.conversation, [*request.items, *builder.items],
+                          self._owner)
+        if not builder.stored or await stored(
+                store, builder.record(_encode(response), self._owner),
+                lineage=request.lineage()):
+            return response
+        if store.durable is None:
+            log.warning("response %s is larger than its owner may keep ([frontend.responses] "
+                        "max_bytes %d): not kept", builder.id, store.owner_cap)
+        builder.stored = False
+        return render()

@@ -240,3 +240,10 @@ class DetokenizeRequest(msgspec.Struct, frozen=True, kw_only=True):
 
     model: str
     tokens: tuple[int, ...]
+
+
+def served_tier(request: ChatRequest | CompletionRequest) -> Tier:
+    """The tier a request is served at, once admission has set it (pipeline/admission.py
+    ``Admission.tier``; ``default`` for one that never went through it)."""
+    tier = request.service_tier
+    return tier if tier in TIERS else "default"

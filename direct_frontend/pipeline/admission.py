@@ -48,7 +48,7 @@ import trio
 
 from direct_frontend.fleet.schema import LimitsConfig, TenantsConfig
 from direct_frontend.openai.errors import OpenAIHTTPError, rate_limited
-from direct_frontend.openai.types import TIERS, ChatRequest, CompletionRequest, Tier
+from direct_frontend.openai.types import TIERS, Tier
 from direct_frontend.pipeline.fair import FairQueue, Waiter
 from direct_frontend.pipeline.shares import Shares
 from direct_frontend.pipeline.tenancy import Tenants
@@ -80,13 +80,6 @@ class AdmissionConfig:
 def admission_config(limits: LimitsConfig) -> AdmissionConfig:
     return AdmissionConfig(limits.max_in_flight, limits.max_queue, limits.queue_timeout_s,
                            limits.flex_queue_timeout_s, limits.flex_reserve_slots)
-
-
-def served_tier(request: ChatRequest | CompletionRequest) -> Tier:
-    """The tier a request is served at, once :meth:`Admission.tier` has set it (``default``
-    for one that never went through it)."""
-    tier = request.service_tier
-    return tier if tier in TIERS else "default"
 
 
 class Rejected(Exception):

@@ -125,6 +125,16 @@ class Refusal:
     standing: Standing
 
 
+class RateLimited(Exception):
+    """A request over its tenant's limit: the refusal, and the tenant's label (a configured
+    name, else ``other``). Its answer (a 429 in the API's shape) is the HTTP shell's."""
+
+    def __init__(self, refusal: Refusal, label: str) -> None:
+        super().__init__(f"over the {refusal.kind} limit of {label}")
+        self.refusal = refusal
+        self.label = label
+
+
 class Counted(Protocol):
     """A choice's output as it is counted (pipeline/postprocess.py ``OutputProcessor``)."""
 
@@ -327,3 +337,22 @@ class Charge:
         tokens = sum(output.completion_tokens for output in self._outputs)
         self._limiter.settle(self.flow, tokens, now)
         return tokens
+
+
+def take(limiter: RateLimiter, tenants: TenantsConfig, flow: str, prompt_tokens: int,
+         now: float) -> tuple[Charge | None, Standing | None]:
+    """Admit a request of ``flow`` whose prompt is ``prompt_tokens`` against its limits.
+
+    The :class:`Charge` to settle when it ends and its limits just after it
+    was taken; ``(None, None)`` when its tenant has no limit (nothing was
+    kept). Raises :class:`RateLimited` when it is over one.
+    """
+    limiter.configure(tenants)
+    if not limiter.limited:
+        return None, None
+    verdict = limiter.admit(flow, prompt_tokens, now)
+    if verdict is None:
+        return None, None
+    if isinstance(verdict, Refusal):
+        raise RateLimited(verdict, limiter.table.label(flow))
+    return Charge(limiter, flow), verdict

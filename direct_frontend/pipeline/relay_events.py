@@ -10,7 +10,8 @@ text (:attr:`Batch.parsed`), once, in the pipeline.
 
 The values are frozen and slotted (msgspec structs: one costs about as much
 to make as a tuple), so a batch adds one small object to what the work
-needs.
+needs. They are data only, with no methods: a writer reads them, and never
+calls back into the pipeline through them.
 """
 
 from __future__ import annotations
@@ -69,17 +70,6 @@ class Batch(msgspec.Struct, frozen=True, gc=False):
     prompt_tokens: int
     completion_tokens: int  # the output's tokens so far
     cached_tokens: int  # the prompt's tokens the engine had cached
-
-    @property
-    def usage(self) -> Usage:
-        """The request's tokens so far."""
-        return Usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
-
-    @property
-    def delta(self) -> ParsedDelta:
-        """The parsed delta; the text as content when the request has no parser."""
-        parsed = self.parsed
-        return ParsedDelta(content=self.text) if parsed is None else parsed
 
 
 class Finished(msgspec.Struct, frozen=True):

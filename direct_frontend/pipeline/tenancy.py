@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Final
 
+from direct_frontend.fleet.keys import named_flow
 from direct_frontend.fleet.schema import TenantConfig, TenantsConfig
 from direct_frontend.openai.types import ServiceTier, Tier
 
@@ -83,3 +84,13 @@ class Tenants:
         """How a refusal names ``flow``'s tenant to its own client."""
         label = self.label(flow)
         return "this tenant" if label in (OTHER, ANONYMOUS_LABEL) else f"tenant {label!r}"
+
+
+def named_in_body(tenants: TenantsConfig, tenant: str, user: str | None,
+                  safety_identifier: str | None = None) -> str:
+    """The tenant a request's body names, where ``[frontend.tenants] field`` says a body
+    field names tenants (``user`` or ``safety_identifier``) and the body has it; else
+    ``tenant`` (what its key or header gave)."""
+    value = (user if tenants.field == "user"
+             else safety_identifier if tenants.field == "safety_identifier" else None)
+    return named_flow(value) if value else tenant

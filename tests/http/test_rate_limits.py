@@ -5,21 +5,19 @@ from __future__ import annotations
 import json
 
 import pytest
-import trio
-import trio.testing
 
-from direct_frontend.fleet.schema import TenantsConfig
+from direct_frontend.fleet.schema import TenantConfig, TenantsConfig
 from direct_frontend.http.asgi import Headers
 from direct_frontend.http.rate_limits import (
     anthropic_headers,
     duration,
-    limit,
     openai_headers,
     over_limit,
+    view,
 )
-from direct_frontend.openai.errors import OpenAIHTTPError, error_body
+from direct_frontend.openai.errors import error_body
 from direct_frontend.openai.messages_api import anthropic_error_body
-from direct_frontend.pipeline.ratelimit import Charge, RateLimiter, Refusal, Standing, Window
+from direct_frontend.pipeline.ratelimit import RateLimiter, Refusal, Standing, Window
 
 
 @pytest.mark.parametrize(("seconds", "shown"), [
@@ -91,23 +89,11 @@ def test_a_prompt_no_minute_can_hold_is_refused_without_a_retry() -> None:
                                   "Requested 1200.")
 
 
-def test_limit_admits_adds_the_headers_and_refuses_with_the_429() -> None:
-    tenants = TenantsConfig(requests_per_minute=2)
-    limiter = RateLimiter()
-    refused: list[tuple[str, str]] = []
-
-    async def main() -> None:
-        headers: Headers = [(b"x-request-id", b"r1")]
-        charge = limit(limiter, tenants, "k1", 7, headers, refused=lambda *a: refused.append(a))
-        assert isinstance(charge, Charge) and charge.flow == "k1"
-        assert _names(headers)["x-ratelimit-remaining-requests"] == "1"
-        limit(limiter, tenants, "k1", 7, [])
-        with pytest.raises(OpenAIHTTPError) as over:
-            limit(limiter, tenants, "k1", 7, headers, refused=lambda *a: refused.append(a))
-        assert _names(list(over.value.headers))["retry-after"] == "30"
-        assert refused == [("other", "requests")]
-        # a tenant without limits: no headers, nothing kept
-        assert limit(limiter, TenantsConfig(), "k1", 7, headers) is None
-        assert len(headers) == 4 and len(limiter) == 1
-
-    trio.run(main, clock=trio.testing.MockClock())
+def test_fleet_view_shows_each_named_tenants_limits() -> None:
+    tenants = TenantsConfig(requests_per_minute=2, tenant=(
+        TenantConfig(name="team-a", flow="flow-a"),))
+    limiter = RateLimiter(tenants)
+    limiter.admit("flow-a", 7, 0.0)
+    shown = view(limiter, tenants, 0.0)
+    assert shown == {"buckets": 1, "heard": 0, "tenants": {"team-a": {
+        "requests": {"limit": 2, "remaining": 1, "reset_s": 30.0}, "tokens": None}}}

@@ -9,10 +9,12 @@ import pytest
 from direct_frontend.fleet.schema import TenantConfig, TenantsConfig
 from direct_frontend.pipeline.ratelimit import (
     Charge,
+    RateLimited,
     RateLimiter,
     Refusal,
     Standing,
     Window,
+    take,
 )
 
 
@@ -163,3 +165,19 @@ def test_a_charge_settles_every_choice_once() -> None:
     assert charge.settle(0.0) == 50
     assert charge.settle(0.0) == 0
     assert rates.standing("a", 0.0) == Standing(None, Window(600, 450, 15.0))
+
+
+def test_take_charges_a_limited_tenant_and_raises_over_its_limit() -> None:
+    tenants = TenantsConfig(requests_per_minute=2)
+    rates = RateLimiter()
+    charge, standing = take(rates, tenants, "k1", 7, 0.0)
+    assert isinstance(charge, Charge) and charge.flow == "k1"
+    assert standing is not None and standing.requests == Window(2, 1, 30.0)
+    take(rates, tenants, "k1", 7, 0.0)
+    with pytest.raises(RateLimited) as over:
+        take(rates, tenants, "k1", 7, 0.0)
+    assert over.value.label == "other" and over.value.refusal.kind == "requests"
+    assert over.value.refusal.retry_after_s == 30.0
+    # a tenant without limits: nothing kept
+    assert take(rates, TenantsConfig(), "k1", 7, 0.0) == (None, None)
+    assert len(rates) == 1

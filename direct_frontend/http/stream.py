@@ -1,0 +1,274 @@
+"""The one writer of a request's output: the stair's events, rendered, to the client.
+
+:class:`Writer` is the :class:`~direct_frontend.pipeline.serve_events.Sink`
+a request's stair (pipeline/serve.py) writes into, and :meth:`Writer.run`
+runs the stair. What the bytes say is the endpoint's :class:`Renderer`
+(sans-IO: events in, bytes out); when they go is the writer's:
+
+- a streamed response's head goes out with its first output
+  (:class:`~direct_frontend.pipeline.relay_events.Opened`), so a request
+  that fails before producing anything still gets a proper HTTP error; each
+  batch after it is written as it comes, every event already queued from
+  the engine in one ``send`` (hypercorn's per-send cost dominates,
+  docs/stack.md §5), and a failure after the head ends the stream with the
+  renderer's error events;
+- a full response is one body, written once its last choice is finished.
+
+From its admission on, the request runs beside a disconnect watcher:
+hypercorn drops sends to a gone client silently, so without it the engine
+would keep generating; a request waiting for an engine ends at once when
+its client leaves (status 499). The answers before any output (a refusal,
+the rate limits' headers) are the writer's too.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import trio
+
+from direct_frontend.http.asgi import (
+    JSON,
+    RESPONSE_DONE,
+    Headers,
+    Receive,
+    Send,
+    send_body,
+    send_error,
+)
+from direct_frontend.http.rate_limits import headers_of, over_limit
+from direct_frontend.observability.metrics import Metrics
+from direct_frontend.openai.errors import OpenAIHTTPError, internal_error
+from direct_frontend.openai.parsers.base import ParsedDelta
+from direct_frontend.pipeline.ratelimit import RateLimited
+from direct_frontend.pipeline.relay_events import Batch, Failed, Finished, Opened
+from direct_frontend.pipeline.serve_events import (
+    Admitted,
+    Charged,
+    Embedded,
+    Prepared,
+    Resolved,
+    StairEvent,
+)
+
+log = logging.getLogger("direct_frontend.http")
+
+SSE_HEADERS = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),
+]
+
+
+def parsed(batch: Batch) -> ParsedDelta:
+    """A batch's parsed delta; its text as content when the request has no parser."""
+    delta = batch.parsed
+    return ParsedDelta(content=batch.text) if delta is None else delta
+
+
+class Renderer:
+    """An endpoint's output shape (sans-IO): the bytes each event of a choice becomes.
+
+    A streamed renderer's bytes are written as they come; a full one's
+    :meth:`opened` and :meth:`batch` keep what they need and give ``b""``, and
+    its :meth:`finished` gives the whole body once the last choice is done.
+    """
+
+    __slots__ = ()
+
+    streamed = False
+
+    def opened(self, event: Opened, index: int) -> bytes:
+        """Choice ``index``'s first output is here (a stream's head has just gone out)."""
+        return b""
+
+    def batch(self, event: Batch, index: int) -> bytes:
+        return b""
+
+    async def finished(self, event: Finished, index: int) -> tuple[bytes, bool]:
+        """Choice ``index`` is complete: its last bytes, and whether they end the response
+        (a full response's: the body)."""
+        raise NotImplementedError
+
+    def failed(self, error: OpenAIHTTPError) -> bytes:
+        """The response gave up: how a started stream ends (its error events)."""
+        return b""
+
+    def embedded(self, event: Embedded) -> bytes:
+        """An embeddings response's body."""
+        raise NotImplementedError
+
+
+#: an endpoint's renderer for a request, made once the request holds its slots
+#: (``Prepared``: the request as its model serves it; None for embeddings)
+Render = Callable[[Prepared | None], Renderer]
+_T = TypeVar("_T")
+
+
+def _no_renderer(prepared: Prepared | None) -> Renderer:
+    raise AssertionError("the writer renders nothing before it runs")
+
+
+class Writer:
+    """One request's writer (the stair's sink); see the module's text."""
+
+    __slots__ = ("_gone", "_nursery", "_receive", "_send", "anthropic", "ended", "failed",
+                 "headers", "metrics", "model", "out", "prepared", "render", "renderer",
+                 "started", "streamed")
+
+    def __init__(self, send: Send, receive: Receive, headers: Headers, metrics: Metrics, *,
+                 anthropic: bool = False) -> None:
+        self._send = send
+        self._receive = receive
+        self.headers = headers  # every answer's (the rate limits' join them when known)
+        self.metrics = metrics
+        self.render: Render = _no_renderer
+        self.anthropic = anthropic  # refusals and rate-limit headers in Anthropic's shape
+        self.model: Resolved | None = None  # the request's model, once known
+        self.prepared: Prepared | None = None
+        self.renderer: Renderer = Renderer()
+        self.streamed = False
+        self.started = False  # the head is out
+        self.ended = False  # the last byte is out
+        self.failed: OpenAIHTTPError | None = None
+        self.out = bytearray()  # what is rendered and not yet sent
+        self._gone = False
+        self._nursery: trio.Nursery | None = None
+
+    async def __call__(self, event: StairEvent, index: int = 0) -> None:
+        if type(event) is Batch:
+            data = self.renderer.batch(event, index)
+            if self.streamed:
+                out = self.out
+                out += data
+                if out:
+                    body = bytes(out)
+                    out.clear()
+                    await self._send({"type": "http.response.body", "body": body,
+                                      "more_body": True})
+        elif type(event) is Opened:
+            data = self.renderer.opened(event, index)
+            if self.streamed:
+                if not self.started:
+                    await self._send({"type": "http.response.start", "status": 200,
+                                      "headers": [*SSE_HEADERS, *self.headers]})
+                    self.started = True
+                self.out += data
+        elif type(event) is Finished:
+            await self._last(*await self.renderer.finished(event, index))
+        elif type(event) is Failed:
+            self.failed = event.error
+        else:
+            await self._step(event)
+
+    async def _step(self, event: StairEvent) -> None:
+        """The stair's events before the output (and an embeddings response's vectors)."""
+        if isinstance(event, Resolved):
+            self.model = event
+        elif isinstance(event, Prepared):
+            self.prepared = event
+        elif isinstance(event, Charged):
+            if event.standing is not None:
+                self.headers += headers_of(event.standing, anthropic=self.anthropic,
+                                           wall_now=time.time())
+        elif isinstance(event, Admitted):
+            self.renderer = renderer = self.render(self.prepared)
+            self.streamed = renderer.streamed
+            assert self._nursery is not None
+            self._nursery.start_soon(self._watch)
+        elif isinstance(event, Embedded):
+            await self._last(self.renderer.embedded(event), True)
+
+    async def _last(self, data: bytes, last: bool) -> None:
+        if self.streamed:
+            out = self.out
+            out += data
+            if out or last:
+                body = bytes(out)
+                out.clear()
+                await self._send({"type": "http.response.body", "body": body,
+                                  "more_body": not last})
+                self.ended = last
+        elif last:
+            await send_body(self._send, 200, data, JSON, self.headers)
+            self.started = self.ended = True
+
+    async def run(self, render: Render,
+                  walk: Callable[[Writer], Awaitable[_T]]) -> tuple[int, _T | None]:
+        """Run ``walk`` (the request's stair, with this writer) to its end, its output
+        rendered by ``render``'s renderer; the HTTP status, and what ``walk`` returned.
+
+        A refusal is answered as an HTTP error before the head, as the
+        renderer's error events after it; an unexpected error before the head
+        is raised (the app answers it with a 500 and logs it), after it logged
+        here and ended as a failure. 499: the client left.
+        """
+        self.render = render
+        status = 200
+        result: _T | None = None
+        bug: Exception | None = None
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            try:
+                result = await walk(self)
+            except OpenAIHTTPError as err:
+                self.failed = err
+            except RateLimited as limited:
+                self.failed = over_limit(limited.refusal, anthropic=self.anthropic,
+                                         wall_now=time.time())
+            except Exception as exc:
+                if not self.started:
+                    bug = exc
+                else:
+                    log.exception("unexpected error while streaming")
+                    self.failed = internal_error()
+                    status = 500
+            if bug is None:
+                status = await self._end(status)
+            nursery.cancel_scope.cancel()
+        if self._gone:
+            self.metrics.request_cancelled()
+            return 499, None
+        if bug is not None:
+            raise bug
+        return status, result
+
+    async def refuse(self, err: OpenAIHTTPError) -> int:
+        """Answer a refusal met before the stair (the body, its parse): its HTTP error."""
+        await send_error(self._send, err, self.headers)
+        return err.status
+
+    async def _end(self, status: int) -> int:
+        """Answer a failure, if the response has one: an HTTP error before the head, its
+        error events after it."""
+        err = self.failed
+        if err is None:
+            return status
+        tail = self.renderer.failed(err)
+        if not self.started:
+            await send_error(self._send, err, self.headers)
+            return err.status
+        if not self.ended:
+            self.out += tail
+            await self._send({"type": "http.response.body", "body": bytes(self.out),
+                              "more_body": False})
+            self.ended = True
+        return status
+
+    async def _watch(self) -> None:
+        """Cancel the response if the client disconnects before it is complete."""
+        self._gone = await watch(self._receive)
+        if self._gone:
+            assert self._nursery is not None
+            self._nursery.cancel_scope.cancel()
+
+
+async def watch(receive: Receive) -> bool:
+    """Until the client leaves (True) or the response is complete (False)."""
+    while (kind := (await receive())["type"]) != "http.disconnect":
+        if kind == RESPONSE_DONE:
+            return False  # nothing left to watch: ending here is cheaper than being cancelled
+    return True
