@@ -3,8 +3,8 @@
 The floor order is written down once, here. A room may import rooms on lower
 floors only; rooms on one floor are siblings and never import each other.
 Lazy imports inside functions count (they are still a dependency), and so do
-``TYPE_CHECKING`` imports for the floor rule; only the cycle check skips
-those, since a type-only import never runs.
+``TYPE_CHECKING`` imports, for the floors and for cycles alike. What the HTTP
+shell may take from the pipeline is allow-listed by name, here too.
 """
 
 from __future__ import annotations
@@ -33,6 +33,26 @@ FLOORS: tuple[frozenset[str], ...] = tuple(frozenset(f.split()) for f in (
 KNOWN: frozenset[tuple[str, str]] = frozenset()
 #: allowed module cycles: none
 KNOWN_CYCLES: frozenset[frozenset[str]] = frozenset()
+
+#: all that http/ may import from pipeline/: the stair (its entry, what it is asked, the rest
+#: of a background request's walk), the events it writes, and the values they carry. A
+#: request crosses the two rooms through ``Stair`` in and its writer out
+#: (tests/support/crossings.py counts it); everything else stays on its own side.
+HTTP_FROM_PIPELINE: dict[str, frozenset[str]] = {
+    "direct_frontend.pipeline.serve": frozenset({"Ask", "EmbedAsk", "Later", "Stair"}),
+    "direct_frontend.pipeline.serve_events": frozenset({
+        "Admitted", "Charged", "Embedded", "Placed", "Prepared", "Resolved", "StairEvent"}),
+    "direct_frontend.pipeline.relay_events": frozenset({
+        "Batch", "Echo", "Failed", "Finished", "Opened", "Usage"}),
+    # a refusal over a rate limit, the values a 429 and the headers are written from, and
+    # the limiter itself (the daemon hands it to the app; ``/fleet`` shows it)
+    "direct_frontend.pipeline.ratelimit": frozenset({
+        "RateLimited", "RateLimiter", "Refusal", "Standing", "Window"}),
+    # the snapshot a request keeps to its end, the model table it is served from, and the
+    # model list's entries
+    "direct_frontend.pipeline.settings": frozenset({"Settings"}),
+    "direct_frontend.pipeline.models": frozenset({"ModelCard", "ModelTable"}),
+}
 
 
 def floor_of(room: str) -> int:
@@ -121,6 +141,30 @@ def test_known_exceptions_are_still_real() -> None:
     """An allowed upward arrow that no longer exists must leave ``KNOWN``."""
     seen = {(room_of(i.source), room_of(i.target)) for i in all_imports()}
     assert not KNOWN - seen
+
+
+def http_imports_from_pipeline() -> list[Import]:
+    return [imp for imp in all_imports()
+            if room_of(imp.source) == "http" and room_of(imp.target) == "pipeline"]
+
+
+def test_http_imports_from_pipeline_only_what_the_list_allows() -> None:
+    outside = [
+        f"{imp.source}:{imp.line} imports {', '.join(imp.names) or imp.target} from "
+        f"{imp.target}"
+        for imp in http_imports_from_pipeline()
+        if not imp.names or not set(imp.names) <= HTTP_FROM_PIPELINE.get(imp.target, set())
+    ]
+    assert not outside, "http/ imports from pipeline/ what is not allowed:\n" + "\n".join(
+        outside)
+
+
+def test_the_http_allow_list_is_exactly_what_http_imports() -> None:
+    """A name no longer imported leaves the list, so the list says what crosses."""
+    used: dict[str, set[str]] = {}
+    for imp in http_imports_from_pipeline():
+        used.setdefault(imp.target, set()).update(imp.names)
+    assert used == {module: set(names) for module, names in HTTP_FROM_PIPELINE.items()}
 
 
 def import_graph(*, type_only: bool) -> dict[str, set[str]]:

@@ -25,6 +25,7 @@ from grpclib import Status
 from direct_frontend.simulator.embedding import embedding_of
 from direct_frontend.simulator.faults import FaultPlan
 from direct_frontend.text.model_dir import TextModel
+from tests.support.crossings import crossings
 from tests.support.daemon import Daemon, running_daemon
 from tests.support.models import FAST, engine_table, frontend_table, openai_client, simulators
 
@@ -176,3 +177,11 @@ def test_a_batch_runs_no_more_inputs_at_once_than_its_slots(
                        json={"model": "embed", "input": ["a", "b", "c", "d"]})
         assert sim.fault_stats.hung  # the first input's call, cancelled as the client left
         assert sim.fault_stats.embed_calls == 1 and sim.stats.embeds == 0
+
+
+def test_an_embeddings_request_crosses_into_the_pipeline_once(daemon: Daemon) -> None:
+    with crossings(daemon) as seen:
+        reply = httpx.post(daemon.url + "/v1/embeddings",
+                           json={"model": "embed", "input": TEXTS}, timeout=10)
+    assert reply.status_code == 200, reply.text
+    assert seen == {("in", "Stair.embed"), ("out", "Writer.__call__")}

@@ -19,6 +19,7 @@ from tests.support.daemon import (
     sim_engine,
     wait_for,
 )
+from tests.support.crossings import crossings
 from tests.support.metrics import sample
 
 # multibyte characters split over tokens (é, 中, 🚀): what the stream must reassemble
@@ -269,3 +270,39 @@ def test_every_answer_carries_a_request_id(daemon: Daemon) -> None:
         answer = httpx.get(daemon.url + path)
         assert answer.status_code == 200 and len(answer.headers["x-request-id"]) == 16, path
         assert answer.headers.get_list("x-request-id") == [answer.headers["x-request-id"]]
+
+
+#: a whole request crosses http/ <-> pipeline/ this way and no other (tests/support/crossings.py)
+ONE_WALK = {("in", "Stair.serve"), ("out", "Writer.__call__")}
+#: a background response: its stair's rest runs later, into the response's log
+BACKGROUND_WALK = ONE_WALK | {("in", "Later.run"), ("out", "_Run.__call__")}
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 5, "stream": True}),
+    ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 5, "n": 2, "logprobs": True}),
+    ("/v1/completions", {"prompt": ["a", "b"], "max_tokens": 5, "stream": True, "echo": True}),
+    ("/v1/responses", {"input": "Hello", "max_output_tokens": 5}),
+    ("/v1/responses", {"input": "Hello", "max_output_tokens": 5, "stream": True}),
+    ("/v1/messages", {"messages": CHAT, "max_tokens": 5, "stream": True}),
+    ("/v1/messages", {"messages": CHAT, "max_tokens": 5}),
+])
+def test_a_request_crosses_into_the_pipeline_once_and_its_events_come_out_once(
+    daemon: Daemon, path: str, body: dict[str, object],
+) -> None:
+    with crossings(daemon) as seen:
+        reply = httpx.post(daemon.url + path, json={"model": "demo", **body}, timeout=10)
+    assert reply.status_code == 200, reply.text
+    assert seen == ONE_WALK
+
+
+def test_a_background_response_crosses_twice_more_for_the_rest_of_its_walk(
+    daemon: Daemon,
+) -> None:
+    with crossings(daemon) as seen:
+        queued = httpx.post(daemon.url + "/v1/responses", json={
+            "model": "demo", "input": "Hello", "max_output_tokens": 5, "background": True,
+        }, timeout=10).json()
+        wait_for(lambda: httpx.get(f"{daemon.url}/v1/responses/{queued['id']}").json()[
+            "status"] == "incomplete", what="the background response (max_output_tokens)")
+    assert seen == BACKGROUND_WALK and len(seen) <= 4
