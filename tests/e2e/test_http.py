@@ -11,6 +11,7 @@ import httpx
 import openai
 import pytest
 
+from tests.support.crossings import crossings
 from tests.support.daemon import (
     Daemon,
     fleet_text,
@@ -19,7 +20,6 @@ from tests.support.daemon import (
     sim_engine,
     wait_for,
 )
-from tests.support.crossings import crossings
 from tests.support.metrics import sample
 
 # multibyte characters split over tokens (é, 中, 🚀): what the stream must reassemble
