@@ -1,9 +1,9 @@
 """The ASGI application: routes, auth, and the small endpoints (health, readiness, metrics).
 
-A raw ASGI app (no framework) because the relay is the hot path. A
-generation request is parsed here, then walks the pipeline
-(:mod:`direct_frontend.pipeline.relay`) while
-:mod:`~direct_frontend.http.responses` writes its output.
+A raw ASGI app (no framework) because the relay is the hot path. A model
+request goes to its endpoint's handler (:mod:`~direct_frontend.http.endpoints`),
+which hands it to the request's stair (:mod:`direct_frontend.pipeline.serve`)
+once, while :mod:`~direct_frontend.http.stream` writes its output.
 """
 
 from __future__ import annotations
