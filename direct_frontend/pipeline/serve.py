@@ -122,7 +122,7 @@ class Later:
     so far can be read while it runs.
     """
 
-    __slots__ = ("_relay", "_settings", "_tenant", "prepared")
+    __slots__ = ("_prepared", "_relay", "_settings", "_tenant")
 
     def __init__(self, relay: Relay, settings: Settings, prepared: PreparedRequest,
                  tenant: str) -> None:
@@ -130,12 +130,12 @@ class Later:
         self._settings = settings
         self._tenant = tenant
         request = msgspec.structs.replace(prepared.request, stream=True)
-        self.prepared = dataclasses.replace(prepared, request=request)
+        self._prepared = dataclasses.replace(prepared, request=request)
 
     async def run(self, sink: Sink) -> None:
         """Hold a background slot, place it and relay it into ``sink``; settle whatever its
         end (a cancellation included). A refusal is raised (a 429 or the placement's)."""
-        relay, settings, prepared = self._relay, self._settings, self.prepared
+        relay, settings, prepared = self._relay, self._settings, self._prepared
         try:
             try:
                 async with settings.admission.background_slot(
