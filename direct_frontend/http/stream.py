@@ -12,7 +12,9 @@ runs the stair. What the bytes say is the endpoint's :class:`Renderer`
   the engine in one ``send`` (hypercorn's per-send cost dominates,
   docs/stack.md §5), and a failure after the head ends the stream with the
   renderer's error events;
-- a full response is one body, written once its last choice is finished.
+- a full response is one body, written once the walk is over: its last
+  choice finished and its engine calls closed (a call left early is
+  aborted first).
 
 From its admission on, the request runs beside a disconnect watcher:
 hypercorn drops sends to a gone client silently, so without it the engine
@@ -115,9 +117,9 @@ def _no_renderer(prepared: Prepared | None) -> Renderer:
 class Writer:
     """One request's writer (the stair's sink); see the module's text."""
 
-    __slots__ = ("_gone", "_nursery", "_receive", "_send", "anthropic", "ended", "failed",
-                 "headers", "metrics", "model", "out", "prepared", "render", "renderer",
-                 "started", "streamed")
+    __slots__ = ("_gone", "_nursery", "_receive", "_send", "anthropic", "ended", "ends",
+                 "failed", "headers", "metrics", "model", "out", "prepared", "render",
+                 "renderer", "started", "streamed")
 
     def __init__(self, send: Send, receive: Receive, headers: Headers, metrics: Metrics, *,
                  anthropic: bool = False) -> None:
@@ -135,6 +137,7 @@ class Writer:
         self.ended = False  # the last byte is out
         self.failed: OpenAIHTTPError | None = None
         self.out = bytearray()  # what is rendered and not yet sent
+        self.ends: list[tuple[Finished, int]] = []  # a full response's finished choices
         self._gone = False
         self._nursery: trio.Nursery | None = None
 
@@ -158,7 +161,10 @@ class Writer:
                     self.started = True
                 self.out += data
         elif type(event) is Finished:
-            await self._last(*await self.renderer.finished(event, index))
+            if self.streamed:
+                await self._last(*await self.renderer.finished(event, index))
+            else:  # a body is written once the walk is over (its engine calls closed)
+                self.ends.append((event, index))
         elif type(event) is Failed:
             self.failed = event.error
         else:
@@ -246,6 +252,8 @@ class Writer:
         error events after it."""
         err = self.failed
         if err is None:
+            for end, index in self.ends:
+                await self._last(*await self.renderer.finished(end, index))
             return status
         tail = self.renderer.failed(err)
         if not self.started:
