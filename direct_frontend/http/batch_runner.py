@@ -12,7 +12,7 @@ under a lease it renews while it runs it. For each:
   is ``in_progress``.
 - ``in_progress``: its lines without a result run, at most ``concurrency``
   at once, each through its endpoint's own handler in this process
-  (:data:`Dispatch`, the app's ``serve_line``) at the ``flex`` service tier,
+  (:data:`Dispatch`: http/endpoints.py ``Generation.serve_line``) at the ``flex`` service tier,
   as the tenant that created the batch (its rate limits count each line). A
   line the server had no room for then (a 429 or a 503 with ``retry-after``)
   is asked again after that long (at least a backoff), until the batch's

@@ -266,12 +266,6 @@ class Relay:
             track_tokens=request.logprobs is not None,
         )
 
-    async def run(self, state: RelayState, emit: Emit) -> None:
-        """Drive the request to its end across engines; ``emit`` gets every event."""
-        failed = await self.until_end(state, emit)
-        if failed is not None:
-            await emit(failed)
-
     async def until_end(self, state: RelayState, emit: Emit) -> Failed | None:
         """Drive the request to its end; ``emit`` gets every event but a :class:`Failed`,
         which is returned (None: the output is complete)."""
