@@ -166,19 +166,7 @@ class App:
     async def _http(self, settings: Settings, scope: Scope, receive: Receive, send: Send) -> None:
         path, method = scope["path"], scope["method"]
         started = time.perf_counter()
-        methods = self._routes.get(path)
-        route = path  # the metrics' label: one per route, not per model id
-        if methods is None and path.startswith(MODEL_PATH) and len(path) > len(MODEL_PATH):
-            methods, route = {"GET": self._model}, MODEL_PATH + "{model}"
-        elif methods is None and (stored := self.stored.route(path)) is not None:
-            methods, route = stored
-        elif methods is None and (found := conversations.route(path)) is not None:
-            methods = {verb: partial(self._conversation, call) for verb, call in found[0].items()}
-            route = found[1]
-        elif methods is None and (api := files.route(path) or self.batches.route(path)):
-            methods = {verb: partial(self._batch_api, call, api[2])
-                       for verb, call in api[0].items()}
-            route = api[1]
+        methods, route = self._route(path)
         admin_enabled = settings.frontend.admin.enabled
         if methods is not None and path.startswith("/fleet") and not admin_enabled:
             methods = None  # admin disabled: the routes do not exist
@@ -225,6 +213,24 @@ class App:
             if access_log.wanted(access, path):
                 access_log.write(access, scope, status, elapsed, request_id)
             current_request_id.reset(token)
+
+    def _route(self, path: str) -> tuple[dict[str, Handler] | None, str]:
+        """The methods of ``path`` (None: no such route), and its metrics label: one per
+        route, not per id in it."""
+        methods = self._routes.get(path)
+        if methods is not None:
+            return methods, path
+        if path.startswith(MODEL_PATH) and len(path) > len(MODEL_PATH):
+            return {"GET": self._model}, MODEL_PATH + "{model}"
+        if (stored := self.stored.route(path)) is not None:
+            return stored
+        if (found := conversations.route(path)) is not None:
+            return {verb: partial(self._conversation, call)
+                    for verb, call in found[0].items()}, found[1]
+        if api := files.route(path) or self.batches.route(path):
+            return {verb: partial(self._batch_api, call, api[2])
+                    for verb, call in api[0].items()}, api[1]
+        return None, path
 
     async def _fleet(self, settings: Settings, scope: Scope, receive: Receive, send: Send) -> int:
         return await admin.respond_fleet(self.control, self.limiter, settings.frontend.tenants,

@@ -64,7 +64,7 @@ from direct_frontend.http.responses_api import (
     usage,
 )
 from direct_frontend.http.stored_responses import append_turn, find, keep
-from direct_frontend.http.stream import SSE_HEADERS, parsed, watch
+from direct_frontend.http.stream import SSE_HEADERS, ClientWatch, parsed
 from direct_frontend.observability.metrics import Metrics
 from direct_frontend.openai.errors import (
     OpenAIHTTPError,
@@ -423,16 +423,9 @@ async def follow(service: BackgroundResponses, response_id: str, owner: str, aft
     cursor = after + 1
     gone = False
     events: Sequence[bytes]
-    gone_client = False
-
-    async def watching(scope: trio.CancelScope) -> None:
-        nonlocal gone_client
-        gone_client = await watch(receive)
-        if gone_client:
-            scope.cancel()
-
+    client = ClientWatch()
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(watching, nursery.cancel_scope)
+        nursery.start_soon(client.run, receive, nursery.cancel_scope)
         while True:
             if run is not None:
                 wake = run.wake
@@ -457,4 +450,4 @@ async def follow(service: BackgroundResponses, response_id: str, owner: str, aft
                 gone = latest is None
                 record = latest or record
         nursery.cancel_scope.cancel()
-    return 499 if gone_client else 200
+    return 499 if client.gone else 200

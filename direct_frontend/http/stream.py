@@ -117,7 +117,7 @@ def _no_renderer(prepared: Prepared | None) -> Renderer:
 class Writer:
     """One request's writer (the stair's sink); see the module's text."""
 
-    __slots__ = ("_gone", "_nursery", "_receive", "_send", "anthropic", "ended", "ends",
+    __slots__ = ("_client", "_nursery", "_receive", "_send", "anthropic", "ended", "ends",
                  "failed", "headers", "metrics", "model", "out", "prepared", "render",
                  "renderer", "started", "streamed")
 
@@ -138,7 +138,7 @@ class Writer:
         self.failed: OpenAIHTTPError | None = None
         self.out = bytearray()  # what is rendered and not yet sent
         self.ends: list[tuple[Finished, int]] = []  # a full response's finished choices
-        self._gone = False
+        self._client = ClientWatch()
         self._nursery: trio.Nursery | None = None
 
     async def __call__(self, event: StairEvent, index: int = 0) -> None:
@@ -184,7 +184,7 @@ class Writer:
             self.renderer = renderer = self.render(self.prepared)
             self.streamed = renderer.streamed
             assert self._nursery is not None
-            self._nursery.start_soon(self._watch)
+            self._nursery.start_soon(self._client.run, self._receive, self._nursery.cancel_scope)
         elif isinstance(event, Embedded):
             await self._last(self.renderer.embedded(event), True)
 
@@ -235,7 +235,7 @@ class Writer:
             if bug is None:
                 status = await self._end(status)
             nursery.cancel_scope.cancel()
-        if self._gone:
+        if self._client.gone:
             self.metrics.request_cancelled()
             return 499, None
         if bug is not None:
@@ -266,17 +266,18 @@ class Writer:
             self.ended = True
         return status
 
-    async def _watch(self) -> None:
-        """Cancel the response if the client disconnects before it is complete."""
-        self._gone = await watch(self._receive)
-        if self._gone:
-            assert self._nursery is not None
-            self._nursery.cancel_scope.cancel()
+class ClientWatch:
+    """Whether a response's client left: :meth:`run` beside the response cancels ``scope``
+    when it does (``gone``), and ends quietly once the response is complete."""
 
+    __slots__ = ("gone",)
 
-async def watch(receive: Receive) -> bool:
-    """Until the client leaves (True) or the response is complete (False)."""
-    while (kind := (await receive())["type"]) != "http.disconnect":
-        if kind == RESPONSE_DONE:
-            return False  # nothing left to watch: ending here is cheaper than being cancelled
-    return True
+    def __init__(self) -> None:
+        self.gone = False
+
+    async def run(self, receive: Receive, scope: trio.CancelScope) -> None:
+        while (kind := (await receive())["type"]) != "http.disconnect":
+            if kind == RESPONSE_DONE:
+                return  # nothing left to watch: ending here is cheaper than being cancelled
+        self.gone = True
+        scope.cancel()
