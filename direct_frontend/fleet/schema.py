@@ -125,7 +125,8 @@ class KvAwareKnobs:
     balance_abs_threshold: float = setting(32.0, NON_NEGATIVE)
     # … and this many times the mean
     balance_rel_threshold: float = setting(1.5, NON_NEGATIVE)
-    # where KV events flow, a prefix we sent an engine counts this much of a cached one
+    # where KV events flow, a block a request we sent an engine is storing there (its events
+    # have not shown it yet) counts this much of a cached one
     memory_weight: float = setting(0.75, Rules(at_least=0, at_most=1))
     approx_ttl_s: float = setting(120.0, NON_NEGATIVE)
     approx_max_blocks: int = setting(1 << 20, AT_LEAST_ONE)
