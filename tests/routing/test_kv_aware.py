@@ -185,7 +185,7 @@ def test_blocks_shared_by_requests_in_flight_count_once() -> None:
 
 
 def test_a_busy_engine_holding_the_prefix_wins_until_its_load_outweighs_the_saving() -> None:
-    """8 cached blocks save (1 + 3) × 8 = 32 blocks of work; each request in flight costs 8.
+    """8 cached blocks save (1 + 2) × 8 = 24 blocks of work; each request in flight costs 8.
 
     The fake index tells no occupancy, so both engines count as full (eviction term whole).
     """
@@ -312,7 +312,8 @@ def test_a_new_prefix_goes_where_the_cache_has_room_even_if_a_little_busier() ->
     costs (1 + 3 × 0.2) × 8 = 12.8, plus 2 requests in flight × 8 = 28.8: still cheaper."""
     index = KvIndex(BS)
     stored(index, "a", list(range(1000, 1160)))  # 40 blocks
-    policy = KvAware(KvAwareKnobs(block_size=BS, approx_capacity_blocks=40), index)
+    policy = KvAware(KvAwareKnobs(block_size=BS, approx_capacity_blocks=40,
+                                  eviction_weight=3), index)
     policy.uses_events = {1, 2}
     catalog = Catalog(1, (handle("a"), handle("b", in_flight=2)))
     chosen = policy.choose(catalog, view(PROMPT))
@@ -526,7 +527,7 @@ def test_a_restarted_engine_is_forgotten_whole(replaced: str) -> None:
     The KV index dropped the old process's blocks; the memory of placements
     and the prefill queue must go too: the blocks the first request stored
     there, which the events have not shown yet (pending, at ``memory_weight``:
-    6 of 8), would still credit the engine with the prefix, and the request
+    all 8), would still credit the engine with the prefix, and the request
     would miss there while the other engine holds half of it.
     """
     index = FakeIndex({})
