@@ -222,18 +222,33 @@ def engine_main(argv: Sequence[str]) -> None:
     p.add_argument("--capacity-blocks", type=int, required=True)
     p.add_argument("--kv-events-port", type=int)
     p.add_argument("--kv-replay-port", type=int)
+    p.add_argument("--chunk-tokens", type=int, default=0,
+                   help="batched scheduler steps (simulator/steps.py): prefill tokens per step")
+    p.add_argument("--step-us", type=float, default=0.0, help="with --chunk-tokens")
+    p.add_argument("--context-length", type=int, default=4096)
     a = p.parse_args(argv)
     engine = SimEngine.from_model_dir(
         a.kind, MODEL_DIR, served_model_name=MODEL,
-        timing=TimingModel(a.prefill_us, a.decode_us, a.max_running),
+        timing=TimingModel(a.prefill_us, a.decode_us, a.max_running, a.chunk_tokens, a.step_us),
         eos_probability=0.0, seed=0,  # same seed everywhere: same prompt → same answer
         block_size=a.block_size, page_size=a.block_size, kv_capacity_blocks=a.capacity_blocks,
         kv_events_port=a.kv_events_port, kv_replay_port=a.kv_replay_port,
+        context_length=a.context_length,
     )
 
+    def reset() -> None:
+        """As a new process: an empty cache, KV events from seq 0 with no history."""
+        for rank in engine.kv_ranks:
+            rank.cache.reset()
+            if rank.publisher is not None:
+                rank.publisher.reset_sequence()
+
     async def stats(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Any line: the counters as JSON; ``reset``: first start over (routing_live.py)."""
         with contextlib.suppress(ConnectionError):
-            while await reader.readline():
+            while line := await reader.readline():
+                if line.strip() == b"reset":
+                    reset()
                 s, cache = engine.stats, engine.kv.cache
                 writer.write(json.dumps({
                     "requests": s.requests, "completed": s.completed, "running": s.running,
@@ -256,10 +271,10 @@ def engine_main(argv: Sequence[str]) -> None:
         asyncio.run(serve())
 
 
-async def engine_stats(port: int) -> dict[str, Any]:
+async def engine_stats(port: int, command: bytes = b"get") -> dict[str, Any]:
     reader, writer = await asyncio.open_connection(HOST, port)
     try:
-        writer.write(b"get\n")
+        writer.write(command + b"\n")
         return dict(json.loads(await reader.readline()))
     finally:
         writer.close()
@@ -878,6 +893,9 @@ if __name__ == "__main__":
     elif "--multi-model" in sys.argv:  # several models, one daemon: per-model figures
         from bench_models import main as multi_model
         sys.exit(multi_model([a for a in sys.argv[1:] if a != "--multi-model"]))
+    elif len(sys.argv) > 1 and sys.argv[1] == "live":
+        from routing_live import main as live_main  # a sibling script, on sys.path above
+        sys.exit(live_main(sys.argv[2:]))
     elif len(sys.argv) > 1 and sys.argv[1] == "grid":
         from routing_sim import main as grid_main  # a sibling script, on sys.path above
         sys.exit(grid_main(sys.argv[2:]))

@@ -2730,21 +2730,28 @@ def replay_checks(
                    f"uninterrupted {reference!r} (finish {finish!r})")
             expect(again == reference, "the engine is not deterministic at temperature 0 on "
                    f"one address and the other: {again!r} != {reference!r}")
-            for _ in range(4):  # round robin: within two requests one goes through the proxy
+            def outcomes() -> tuple[list[Any], dict[tuple[str | None, str | None], float]]:
+                samples = scrape(fe)
+                return samples, {(labels.get("engine"), labels.get("outcome")): value
+                                 for name, labels, value in samples
+                                 if name == "direct_frontend_engine_requests_total"}
+
+            # round robin: within two requests one goes through the proxy. A cut that
+            # comes before the first token reached the frontend (the engine's servicer
+            # sends a burst at once under load) is a plain retry, not the replay under
+            # test: the stream must still be whole, and the next cut is tried
+            for _ in range(8):
                 proxy.arm()
                 text, finish, usage, _ = _stream_text(
                     oa.chat.completions.create(**ask), chat=True)
                 expect(text == reference and finish == "stop",
                        f"streamed {text!r} (finish {finish!r}), uninterrupted {reference!r}")
-                if proxy.cuts:
+                samples, counts = outcomes()
+                if counts.get(("via-proxy", "migrated"), 0):
                     break
-            expect(proxy.cuts == 1, f"the proxy cut {proxy.cuts} streams, not 1")
+            expect(proxy.cuts >= 1, "the proxy cut no stream")
             expect(usage is not None and usage.completion_tokens == ref_usage.completion_tokens,
                    f"usage {usage} against the uninterrupted {ref_usage}")
-            samples = scrape(fe)
-            counts = {(labels.get("engine"), labels.get("outcome")): value
-                      for name, labels, value in samples
-                      if name == "direct_frontend_engine_requests_total"}
             expect(counts.get(("via-proxy", "migrated"), 0) == 1,
                    f"engine request outcomes {counts}")
             refused = [v for name, _, v in samples

@@ -117,7 +117,7 @@ class KvAwareKnobs:
     overlap_weight: float = setting(1.0, NON_NEGATIVE)
     # … plus this much × how full the engine's cache would be with it stored: a block stored
     # in a full cache evicts someone else's, who prefills it again
-    eviction_weight: float = setting(3.0, NON_NEGATIVE)
+    eviction_weight: float = setting(2.0, NON_NEGATIVE)
     # blocks of prefill one request in flight is worth (its decode slows every step)
     in_flight_weight: float = setting(8.0, NON_NEGATIVE)
     temperature: float = setting(0.0, NON_NEGATIVE)
@@ -125,8 +125,9 @@ class KvAwareKnobs:
     balance_abs_threshold: float = setting(32.0, NON_NEGATIVE)
     # … and this many times the mean
     balance_rel_threshold: float = setting(1.5, NON_NEGATIVE)
-    # where KV events flow, a prefix we sent an engine counts this much of a cached one
-    memory_weight: float = setting(0.75, Rules(at_least=0, at_most=1))
+    # where KV events flow, a block a request we sent an engine is storing there (its events
+    # have not shown it yet) counts this much of a cached one
+    memory_weight: float = setting(1.0, Rules(at_least=0, at_most=1))
     approx_ttl_s: float = setting(120.0, NON_NEGATIVE)
     approx_max_blocks: int = setting(1 << 20, AT_LEAST_ONE)
     # an engine's prefix-cache capacity in blocks, for the approximate memory's LRU model

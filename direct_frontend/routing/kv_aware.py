@@ -27,9 +27,10 @@ KV events show (its last prompt block stored) and its first token shows for
 every engine (:attr:`Placement.prefilled`, called by the relay, also when an
 attempt ends with no output); one never heard of again stops counting after
 ``PREFILL_FORGET_S``. Where KV events
-flow, the overlap steered by also counts, at ``memory_weight``, what we sent
-an engine (:meth:`KvAware.remembered`). No engine speed enters, so no knob
-depends on the hardware.
+flow, the overlap steered by also counts, at ``memory_weight``, the blocks
+of requests we sent an engine that its events have not shown yet
+(:meth:`KvAware.remembered`), and nothing it was sent before them. No engine
+speed enters, so no knob depends on the hardware.
 
 argmin at ``temperature == 0`` (ties → fewer requests in flight → round robin),
 else softmax sampling over the min–max-normalised costs. A load guard (smg's
@@ -51,7 +52,7 @@ import math
 import random
 import time
 from collections.abc import Callable, Collection, Sequence
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from direct_frontend.fleet.schema import KvAwareKnobs
 from direct_frontend.kv.index import prefix_hashes
@@ -101,8 +102,6 @@ class ApproxPrefixIndex:
         self.capacity_blocks = capacity_blocks
         #: engine → its own capacity in blocks (discovery's), over ``capacity_blocks``
         self.capacities: dict[str, int] = {}
-        #: told every placement too, before the LRU model forgets any (KvAware's homes)
-        self.mirror: ApproxPrefixIndex | None = None
         # prefix hash → {engine: expiry}; insertion order ≈ age, for the cap
         self._entries: collections.OrderedDict[int, dict[str, float]] = collections.OrderedDict()
         self._lru: dict[str, collections.OrderedDict[int, None]] = {}
@@ -128,8 +127,6 @@ class ApproxPrefixIndex:
         capacity = self.capacity_of(engine)
         if capacity:
             self._touch(engine, hashes, capacity)
-        if self.mirror is not None:
-            self.mirror.record_peer(engine, hashes, now)
 
     def capacity_of(self, engine: str) -> int:
         """``engine``'s prefix cache in blocks as this model knows it (0: unknown)."""
@@ -138,13 +135,6 @@ class ApproxPrefixIndex:
     def models_capacity(self) -> bool:
         """Whether some engine's LRU is modelled (so entries are forgotten before they expire)."""
         return bool(self.capacity_blocks or self.capacities)
-
-    def copy(self) -> ApproxPrefixIndex:
-        """The same placements in a memory of its own that models no capacity."""
-        twin = ApproxPrefixIndex(self.ttl_s, self.max_blocks)
-        twin._entries = collections.OrderedDict(
-            (h, dict(holders)) for h, holders in self._entries.items())
-        return twin
 
     def _touch(self, engine: str, hashes: Sequence[int], capacity: int) -> None:
         lru = self._lru.setdefault(engine, collections.OrderedDict())
@@ -195,6 +185,9 @@ class ApproxPrefixIndex:
 
 #: a queued prefill nobody heard of again (its request failed early) stops counting after this
 PREFILL_FORGET_S = 60.0
+#: a prefilled request's blocks the KV events never showed (stored and evicted in between, or
+#: never stored: a cache full of running requests) stop counting as pending after this
+LANDED_FORGET_S = 5.0
 
 
 def rank_memory(engine: str, rank: int | None) -> str:
@@ -226,47 +219,96 @@ def best_of(found: dict[str, int], names: Sequence[str]) -> int:
 
 
 class PrefillQueue:
-    """Per engine, the prefill work (blocks) we sent it that it has not finished, as we know it."""
+    """Per engine, the prefill work (blocks) we sent it that it has not finished, as we know it.
+
+    Each entry is one request's prompt blocks (prefix hashes) and how many of
+    them it has to prefill. Until the engine's KV events show its last prompt
+    block stored, its blocks are *pending* there (:meth:`pending`): not in the
+    index yet, but cached before a request sent after it is prefilled (engines
+    prefill first come, first served), and after its prefill, cached where the
+    events have not said so yet. Its blocks count in the queue (:meth:`depth`)
+    only until its prefill is done.
+    """
 
     def __init__(self) -> None:
-        #: engine → token → (the request's last prompt block hash, blocks to prefill, sent at)
-        self._queued: dict[str, collections.OrderedDict[int, tuple[int, int, float]]] = {}
+        #: engine → token → [the request's prompt block hashes, blocks to prefill (0 once
+        #: prefilled), sent at, prefilled at (None: not yet)]
+        self._queued: dict[str, collections.OrderedDict[int, list[Any]]] = {}
+        #: engine → block hash → how many pending requests' prompts hold it
+        self._pending: dict[str, dict[int, int]] = {}
         self._next = 0
 
-    def add(self, engine: str, last_block: int, blocks: int, now: float) -> int:
+    def add(self, engine: str, hashes: Sequence[int], blocks: int, now: float) -> int:
         self._next += 1
-        self._queued.setdefault(engine, collections.OrderedDict())[self._next] = (
-            last_block, blocks, now)
+        entry = tuple(hashes)
+        self._queued.setdefault(engine, collections.OrderedDict())[self._next] = [
+            entry, blocks, now, None]
+        pending = self._pending.setdefault(engine, {})
+        for h in entry:
+            pending[h] = pending.get(h, 0) + 1
         return self._next
 
-    def prefilled(self, engine: str, token: int) -> None:
+    def prefilled(self, engine: str, token: int, now: float) -> None:
         """The request's prefill is done (its first token, or its end): no longer queued.
 
-        A placement carries this as :attr:`Placement.prefilled`; a request that
-        never gets that far is forgotten by :meth:`depth` after ``PREFILL_FORGET_S``.
+        Its blocks stay pending until the events show them, for at most
+        ``LANDED_FORGET_S`` (on an engine without events, until the next
+        :meth:`depth`). A placement carries this as :attr:`Placement.prefilled`;
+        a request that never gets that far is forgotten by :meth:`depth` after
+        ``PREFILL_FORGET_S``.
         """
         queued = self._queued.get(engine)
-        if queued is not None:
-            queued.pop(token, None)
+        entry = None if queued is None else queued.get(token)
+        if entry is not None and entry[3] is None:
+            entry[1], entry[3] = 0, now
+
+    def _drop(self, engine: str, token: int) -> None:
+        hashes = self._queued[engine].pop(token)[0]
+        pending = self._pending[engine]
+        for h in hashes:
+            left = pending[h] - 1
+            if left:
+                pending[h] = left
+            else:
+                del pending[h]
 
     def forget(self, engine: str) -> None:
         """``engine``'s process is new: what we queued on the old one will never be heard of."""
         self._queued.pop(engine, None)
+        self._pending.pop(engine, None)
+
+    def pending(self, engine: str, hashes: Sequence[int]) -> int:
+        """The leading blocks of ``hashes`` that requests we sent ``engine`` are storing."""
+        pending = self._pending.get(engine)
+        if not pending:
+            return 0
+        n = 0
+        for h in hashes:
+            if h not in pending:
+                break
+            n += 1
+        return n
 
     def depth(self, engine: str, now: float, stored: Callable[[int], bool] | None) -> int:
-        """Blocks still to prefill; ``stored(h)``: the engine's events show block ``h`` stored."""
+        """Blocks still to prefill; ``stored(h)``: the engine's events show block ``h`` stored.
+
+        ``stored`` None: the engine has no events, so a prefilled request's
+        blocks are pending no longer.
+        """
         queued = self._queued.get(engine)
         if not queued:
             return 0
         while queued:  # oldest first: forget what we will never hear of again
-            token, (_, _, sent) = next(iter(queued.items()))
+            token, (_, _, sent, _) = next(iter(queued.items()))
             if now - sent <= PREFILL_FORGET_S:
                 break
-            del queued[token]
+            self._drop(engine, token)
         total = 0
-        for token, (last_block, blocks, _) in list(queued.items()):
-            if stored is not None and stored(last_block):
-                del queued[token]  # prefilled: the engine stored its last block
+        for token, (hashes, blocks, _, landed) in list(queued.items()):
+            if landed is not None and (stored is None or now - landed > LANDED_FORGET_S):
+                self._drop(engine, token)  # prefilled, and no events to wait for (any more)
+            elif stored is not None and stored(hashes[-1]):
+                self._drop(engine, token)  # the events show it stored
             else:
                 total += blocks
         return total
@@ -294,11 +336,6 @@ class KvAware:
         self.exact = exact
         self.approx = approx or ApproxPrefixIndex(
             knobs.approx_ttl_s, knobs.approx_max_blocks, knobs.approx_capacity_blocks)
-        #: where prefixes were sent, unbounded by the LRU model (a prefix's home): the
-        #: approximate memory itself until it models some engine's capacity
-        self.sent = self.approx
-        if self.approx.models_capacity():
-            self._split_homes()
         #: incarnations whose overlap comes from KV events
         self.uses_events: Collection[int] = ()
         #: of those, incarnations whose predictions drifted from the engine's reports
@@ -340,14 +377,7 @@ class KvAware:
         """Drop what was sent to ``engine`` (every rank's) and its prefill queue."""
         for name in {engine.name, *memory_names(engine)}:
             self.approx.forget_engine(name)
-            if self.sent is not self.approx:
-                self.sent.forget_engine(name)
         self.queue.forget(engine.name)
-
-    def _split_homes(self) -> None:
-        """Keep the homes apart from the LRU model, which is about to forget some."""
-        self.sent = self.approx.copy()
-        self.approx.mirror = self.sent
 
     def capacity_of(self, engine: EngineHandle) -> int:
         """``engine``'s prefix cache in our blocks: the fleet file's, else discovery's (0: unknown).
@@ -369,10 +399,7 @@ class KvAware:
             if not blocks:
                 continue
             for name in memory_names(engine):  # a rank's cache: the size discovery reports
-                if approx.capacities.get(name) != blocks:
-                    if self.sent is approx:
-                        self._split_homes()
-                    approx.capacities[name] = blocks
+                approx.capacities[name] = blocks
 
     def hashes(self, input_ids: Sequence[int],
                media: Sequence[tuple[str, int, int]] = ()) -> list[int]:
@@ -493,7 +520,7 @@ class KvAware:
         by_key = self.exact_lookup(hashes)
         approx = self.approx.lookup_at(hashes, now) if hashes else {}
         overlaps = self.overlaps(hashes, now, candidates, by_key, approx)
-        steer = self.remembered(overlaps, hashes, now, candidates) if self.memory else overlaps
+        steer = self.remembered(overlaps, hashes, candidates) if self.memory else overlaps
         chosen, spilled = self.select(candidates, request, hashes, steer)
         if spilled:
             self.spills += 1
@@ -510,36 +537,36 @@ class KvAware:
         if queued <= 0:
             return Placement(chosen, tuple(hashes), predicted, spilled, dp_rank=rank,
                              media_keys=media)
-        token = self.queue.add(chosen.name, hashes[-1], queued, now)
+        token = self.queue.add(chosen.name, hashes, queued, now)
         return Placement(chosen, tuple(hashes), predicted, spilled,
-                         functools.partial(self.queue.prefilled, chosen.name, token), rank,
+                         functools.partial(self._prefilled, chosen.name, token), rank,
                          media_keys=media)
 
-    def remembered(
-        self,
-        overlaps: dict[str, int],
-        hashes: Sequence[int],
-        now: float,
-        candidates: Sequence[EngineHandle],
-    ) -> dict[str, int]:
-        """Overlaps to steer by: also what we sent an engine, at ``memory_weight`` with events.
+    def _prefilled(self, engine: str, token: int) -> None:
+        self.queue.prefilled(engine, token, self.clock())
 
-        What an engine holds (its events, or our LRU model of it) is not all that
-        counts: our memory of where we sent a prefix also covers what it is
-        about to hold (a request in flight: events come after its prefill) and
-        is a prefix's home after an eviction, where sending it again re-caches
-        it once instead of copying it to a second engine. Where events flow it
-        counts at a fraction, so a real hit is worth more; without events it
-        counts whole (the LRU model only predicts what the engine holds, and
-        the home is the best guess of where a conversation's blocks still are).
+    def remembered(
+        self, overlaps: dict[str, int], hashes: Sequence[int], candidates: Sequence[EngineHandle],
+    ) -> dict[str, int]:
+        """Overlaps to steer by: with events, also what is pending there, at ``memory_weight``.
+
+        An engine's KV events show a block only once it is stored, so what a
+        request we sent is prefilling there (and, after its prefill, what the
+        events have not shown yet) counts too (:meth:`PrefillQueue.pending`):
+        a burst of one new prefix queues behind its first request instead of
+        prefilling it on every engine. Nothing beyond: a prefix sent somewhere
+        long ago and evicted since is not there (crediting it sent requests to
+        engines that had evicted their prefix). Without events the approximate
+        memory, which records each placement when it is made, already says it.
         """
-        if self.sent is self.approx and not self.uses_events:
-            return overlaps  # nothing the overlaps do not already say
-        sent = self.sent.lookup_at(hashes, now)
+        if not self.uses_events:
+            return overlaps
+        weight = self.knobs.memory_weight
         out = dict(overlaps)
         for engine in candidates:
-            weight = self.knobs.memory_weight if self.by_events(engine) else 1.0
-            blocks = int(best_of(sent, memory_names(engine)) * weight)
+            if not self.by_events(engine):
+                continue
+            blocks = int(self.queue.pending(engine.name, hashes) * weight)
             if blocks > out.get(engine.name, 0):
                 out[engine.name] = blocks
         return out
@@ -660,7 +687,7 @@ class KvAware:
                        self.hashes(token_ids, placement.media_keys), self.clock())
 
     def _remember(self, engine: str, hashes: Sequence[int], now: float) -> None:
-        self.approx.record(engine, hashes, now)  # and its mirror, the homes
+        self.approx.record(engine, hashes, now)
 
     def _pick(self, candidates: Sequence[EngineHandle], costs: Sequence[float]) -> EngineHandle:
         low, high = min(costs), max(costs)

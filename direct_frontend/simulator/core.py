@@ -24,6 +24,7 @@ from direct_frontend.simulator.logprobs import RequestLogprobs
 from direct_frontend.simulator.lora import LoraSlots
 from direct_frontend.simulator.model import Finish, Generation, SimModel, StopCriteria, TimingModel
 from direct_frontend.simulator.scripted import ScriptBook
+from direct_frontend.simulator.steps import StepLoop
 
 EngineKind = Literal["sglang", "vllm", "trtllm"]
 SimRole = Literal["both", "prefill", "decode"]
@@ -255,6 +256,8 @@ class SimCore:
         self.start_monotonic = time.monotonic()
         self.last_receive_time = 0.0
         self._slots = [_Slots(timing.max_running) for _ in range(config.dp_size)]
+        #: each rank's scheduler steps, when the timing batches them (simulator/steps.py)
+        self.steps = [StepLoop(timing) for _ in range(config.dp_size)] if timing.stepped else []
         self._next_rank = 0  # where an unpinned request's tie between ranks starts
         self._jobs: dict[str, list[Job]] = {}
         self.faults = FaultPlan()  # the live plan; SimEngine.faults replaces it
@@ -412,6 +415,8 @@ class SimCore:
             self._unregister(job)
 
     async def _generate(self, job: Job, emit: Emit | None) -> Finish | None:
+        if self.steps:
+            return await self._generate_in_steps(job, emit)
         generation = job.generation
         timing = self.timing
         instant = timing.instant
@@ -448,6 +453,33 @@ class SimCore:
             if generation.finish is not None:
                 return generation.finish
             deadline += decode
+
+    async def _generate_in_steps(self, job: Job, emit: Emit | None) -> Finish | None:
+        """:meth:`_generate` with the rank's batched steps pacing every token."""
+        generation = job.generation
+        steps = self.steps[job.rank or 0]
+        seat = steps.join(generation.prompt_len - job.cached_tokens,
+                          generation.criteria.max_tokens - len(generation.output_ids))
+        try:
+            while True:
+                extra = self.faults.token_delay_s
+                if extra > 0:
+                    await asyncio.wait((job.signal,), timeout=extra)
+                if not await seat.take(job.signal) or job.aborted:
+                    return None
+                if generation.finish is not None:  # a zero-token budget: prefill only
+                    if emit is not None:
+                        await emit((), generation.finish)
+                    return generation.finish
+                token_id = generation.step()
+                if job.kv is not None and job.cache is not None:
+                    job.cache.extend(job.kv, token_id)
+                if emit is not None:
+                    await emit((token_id,), generation.finish)
+                if generation.finish is not None:
+                    return generation.finish
+        finally:
+            steps.leave(seat)
 
     async def probe(self) -> bool:
         """A one-token generation through the normal queue, as SGLang's HealthCheck does."""

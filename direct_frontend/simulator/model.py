@@ -272,23 +272,40 @@ class TimingModel:
     Time to first token is ``prefill_us_per_token`` × prompt tokens, then one
     token per ``decode_us_per_token``. At most ``max_running`` sequences
     generate at once; the rest wait in FIFO order. With both times 0 the
-    server never sleeps (the overhead benchmark relies on it).
+    server never sleeps (the overhead benchmark relies on it). With
+    ``chunk_tokens`` the sequences of a rank share batched steps instead, whose
+    length grows with the prefill and the batch in them (simulator/steps.py).
     """
 
     prefill_us_per_token: float = 0.0
     decode_us_per_token: float = 0.0
     max_running: int = 256
+    #: > 0: batched scheduler steps (simulator/steps.py) instead of a clock per sequence:
+    #: each step prefills up to this many prompt tokens, first come first served, and
+    #: decodes one token of every request past its prefill; ``decode_us_per_token`` is
+    #: then each decoded request's share of a step, so decoding slows with the batch
+    chunk_tokens: int = 0
+    #: with ``chunk_tokens``: a step's fixed cost
+    step_us: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.prefill_us_per_token < 0 or self.decode_us_per_token < 0:
+        if min(self.prefill_us_per_token, self.decode_us_per_token, self.step_us) < 0:
             raise ValueError("timings must not be negative")
         if self.max_running < 1:
             raise ValueError("max_running must be at least 1")
+        if self.chunk_tokens < 0:
+            raise ValueError("chunk_tokens must not be negative")
 
     @property
     def instant(self) -> bool:
         """Whether generation never sleeps."""
-        return self.prefill_us_per_token == 0 and self.decode_us_per_token == 0
+        return (self.prefill_us_per_token == 0 and self.decode_us_per_token == 0
+                and self.step_us == 0)
+
+    @property
+    def stepped(self) -> bool:
+        """Whether sequences run in batched scheduler steps (simulator/steps.py)."""
+        return self.chunk_tokens > 0 and not self.instant
 
     def prefill_seconds(self, prompt_tokens: int) -> float:
         """Time from admission to the first token."""

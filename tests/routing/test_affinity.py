@@ -145,7 +145,7 @@ def test_a_large_kv_overlap_outweighs_the_session_home() -> None:
     for blocks, expected in ((len(hashes), "b"), (1, "a")):
         policy = KvAware(KvAwareKnobs(block_size=BS), Holding(2, blocks))  # b holds it
         policy.uses_events = {1, 2, 3}
-        # one cached block saves (1 + 3) blocks (the index tells no occupancy: full) < 6
+        # one cached block saves (1 + 2) blocks (the index tells no occupancy: full) < 6
         policy.affinity = SessionAffinity(6)
         placed = policy.choose(catalog, view(PROMPT, key))
         assert placed is not None and placed.engine.name == expected, blocks

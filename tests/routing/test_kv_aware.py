@@ -185,7 +185,7 @@ def test_blocks_shared_by_requests_in_flight_count_once() -> None:
 
 
 def test_a_busy_engine_holding_the_prefix_wins_until_its_load_outweighs_the_saving() -> None:
-    """8 cached blocks save (1 + 3) × 8 = 32 blocks of work; each request in flight costs 8.
+    """8 cached blocks save (1 + 2) × 8 = 24 blocks of work; each request in flight costs 8.
 
     The fake index tells no occupancy, so both engines count as full (eviction term whole).
     """
@@ -312,7 +312,8 @@ def test_a_new_prefix_goes_where_the_cache_has_room_even_if_a_little_busier() ->
     costs (1 + 3 × 0.2) × 8 = 12.8, plus 2 requests in flight × 8 = 28.8: still cheaper."""
     index = KvIndex(BS)
     stored(index, "a", list(range(1000, 1160)))  # 40 blocks
-    policy = KvAware(KvAwareKnobs(block_size=BS, approx_capacity_blocks=40), index)
+    policy = KvAware(KvAwareKnobs(block_size=BS, approx_capacity_blocks=40,
+                                  eviction_weight=3), index)
     policy.uses_events = {1, 2}
     catalog = Catalog(1, (handle("a"), handle("b", in_flight=2)))
     chosen = policy.choose(catalog, view(PROMPT))
@@ -394,8 +395,6 @@ def test_without_events_a_reported_capacity_turns_the_lru_model_on() -> None:
     policy.on_complete(placed, other)
     again = policy.choose(catalog, view(PROMPT), exclude={"b"})
     assert again is not None and again.predicted_cached_tokens == 0
-    # … while its home is still remembered, for the steering (homes are not forgotten)
-    assert policy.sent.lookup_at(prefix_hashes(PROMPT, BS), policy.clock()) == {"a": 8}
 
 
 def test_without_events_fullness_follows_the_lru_model_when_the_capacity_is_known() -> None:
@@ -526,9 +525,10 @@ def test_a_restarted_engine_is_forgotten_whole(replaced: str) -> None:
     """A new process on the same address holds none of what we sent the old one.
 
     The KV index dropped the old process's blocks; the memory of placements
-    (``memory_weight``: 6 of the 8 blocks sent there) and the prefill queue
-    must go too, or the engine is still credited with the prefix and the
-    request misses there while the other engine holds half of it.
+    and the prefill queue must go too: the blocks the first request stored
+    there, which the events have not shown yet (pending, at ``memory_weight``:
+    all 8), would still credit the engine with the prefix, and the request
+    would miss there while the other engine holds half of it.
     """
     index = FakeIndex({})
     policy = KvAware(KvAwareKnobs(block_size=BS), index)
@@ -552,8 +552,9 @@ def test_a_restarted_engine_is_forgotten_whole(replaced: str) -> None:
                            EngineInfo("demo"), 4096, None)
     again = policy.choose(Catalog(2, (now, other)), view([*PROMPT, 7, 7, 7, 7]))
     assert again is not None and again.engine is other
+    assert policy.queue.pending(home.name, HASHES) == 0
     assert policy.queue.depth(home.name, policy.clock(), None) == 0
-    assert home.name not in policy.sent.lookup_at(HASHES, policy.clock())
+    assert home.name not in policy.approx.lookup_at(HASHES, policy.clock())
 
 
 def test_an_outgoing_incarnation_still_serving_is_no_restart() -> None:
@@ -563,6 +564,43 @@ def test_an_outgoing_incarnation_still_serving_is_no_restart() -> None:
     new = EngineHandle("a", "vllm", "grpc://a:2", 7, EngineRole.BOTH, EngineInfo("demo"),
                        4096, None)
     policy.choose(Catalog(1, (new,)), view(PROMPT))
-    assert policy.sent.lookup_at(HASHES, policy.clock()) == {"a": len(HASHES)}
+    assert policy.approx.lookup_at(HASHES, policy.clock()) == {"a": len(HASHES)}
     policy.choose(Catalog(2, (old, new)), view([*PROMPT, 1]))
-    assert policy.sent.lookup_at(HASHES, policy.clock()) == {"a": len(HASHES)}
+    assert policy.approx.lookup_at(HASHES, policy.clock()) == {"a": len(HASHES)}
+
+
+def test_a_burst_of_one_new_prefix_queues_behind_its_first_request() -> None:
+    """The events show nothing before a prefill: what is pending there steers the followers."""
+    index = FakeIndex({})
+    policy = KvAware(KvAwareKnobs(block_size=BS), index)
+    policy.uses_events = {1, 2, 3}
+    catalog = Catalog(1, (handle("a"), handle("b"), handle("c")))
+    first = policy.choose(catalog, view(PROMPT))
+    assert first is not None
+    for tail in range(3):
+        follower = policy.choose(catalog, view([*PROMPT, tail]))
+        assert follower is not None and follower.engine is first.engine
+        assert follower.predicted_cached_tokens == 0  # pending steers, never predicts
+    home = first.engine.name
+    index.held = {f"g{first.engine.incarnation}r0": set(HASHES)}  # the events show it now
+    assert policy.queue.depth(home, policy.clock(), policy._stored_at(first.engine)) == 0
+    assert policy.queue.pending(home, HASHES) == 0  # the index says it from here on
+
+
+def test_a_prefix_the_events_showed_and_then_evicted_is_not_credited() -> None:
+    """Where a prefix was sent long ago says nothing once the engine's events show it gone."""
+    index = FakeIndex({})
+    policy = KvAware(KvAwareKnobs(block_size=BS), index)
+    policy.uses_events = {1, 2}
+    catalog = Catalog(1, (handle("a"), handle("b")))
+    first = policy.choose(catalog, view(PROMPT))
+    assert first is not None and first.prefilled is not None
+    first.prefilled()
+    home, other = first.engine, ({"a", "b"} - {first.engine.name}).pop()
+    index.held = {f"g{home.incarnation}r0": set(HASHES)}
+    policy.on_complete(first, PROMPT)
+    assert policy.queue.depth(home.name, policy.clock(), policy._stored_at(home)) == 0
+    # evicted there since; the other engine caches half the prompt meanwhile
+    index.held = {f"g{GENERATION[other]}r0": set(HASHES[:4])}
+    again = policy.choose(catalog, view([*PROMPT, 7, 7, 7, 7]))
+    assert again is not None and again.engine.name == other
