@@ -67,9 +67,6 @@ from tokenizers import Tokenizer
 
 from direct_frontend.protos import sglang_scheduler_pb2 as pb
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import bench_long_prompts  # the --long mode (it imports this module back)
-
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 MODEL_DIR = ROOT / "config" / "demo-model"
 DEMO_FLEET = ROOT / "config" / "fleet.toml"
@@ -816,6 +813,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--store-dsn", default=None, help="with --store postgres: its database")
     p.add_argument("--json", action="store_true", help="also print the results as one JSON line")
     p.add_argument("--keep-logs", action="store_true", help="keep the temp dir with the logs")
+    import bench_long_prompts  # the --long mode (it imports this module back)
+
     bench_long_prompts.add_arguments(p)
     args = p.parse_args(argv)
     args.cells = [Cell.parse(c) for c in args.cells.split(",") if c.strip()]
@@ -1149,6 +1148,8 @@ def _interrupt(signum: int, frame: object) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    import bench_long_prompts  # the --long mode (it imports this module back)
+
     args = parse_args(argv)
     if args.profile is not None and shutil.which("py-spy") is None and not (
         pathlib.Path(sys.executable).parent / "py-spy"
