@@ -21,6 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
+from direct_frontend.control.replica_wire import Placements, Subjects, decode
 from tests.support.daemon import (
     Daemon,
     fleet_text,
@@ -30,7 +31,7 @@ from tests.support.daemon import (
     sim_engine,
     wait_for,
 )
-from tests.support.nats import NatsServer, nats_binary, running_nats
+from tests.support.nats import NatsServer, first_message, nats_binary, running_nats
 
 pytestmark = pytest.mark.skipif(nats_binary() is None, reason="needs nats-server")
 
@@ -444,16 +445,20 @@ def test_nats_killed_and_restarted_under_load_fails_no_request(
         nats.kill()
 
 
-def test_placements_made_while_nats_is_down_reach_the_sibling_when_it_is_back(
+def test_placements_made_while_nats_is_down_reach_a_sibling_back_after_they_were_sent(
     model_dir: Path, tmp_path: Path
 ) -> None:
+    """NATS keeps nothing for a subscriber that is not there: a sibling back on the link
+    after the replica that placed requests while it was down sent them still hears them,
+    sent again when the replica hears that sibling anew."""
     engines = [sim_engine(f"e{i}", "sglang", **FAST) for i in range(3)]
     nats = NatsServer().start()
     try:
         with replicas(tmp_path, model_dir, engines, nats.url, 2, policy="kv_aware") as (a, b):
             wait_for(lambda: peers_of(a) and peers_of(b), what="siblings")
             nats.kill()
-            wait_for(lambda: fleet(a)["replicas"]["degraded"], what="degraded")
+            wait_for(lambda: fleet(a)["replicas"]["degraded"] and fleet(b)["replicas"]["degraded"],
+                     what="degraded")
             prompt = "a prefix placed while the link is down " * 8
             r = httpx.post(a.url + "/v1/completions",
                            json={"model": "demo", "prompt": prompt, "max_tokens": 2})
@@ -469,8 +474,13 @@ def test_placements_made_while_nats_is_down_reach_the_sibling_when_it_is_back(
                 return found
 
             assert known_to_b() == {}
-            nats.start()
-            wait_for(lambda: bool(known_to_b()), timeout=15, what="the placement re-sent")
+            subject = Subjects(a.control.settings.frontend.replicas.cluster).placements
+            with b.frozen(), a.frozen() as thaw_a:  # b comes back late
+                nats.start()
+                sent = decode(Placements, first_message(nats.url, subject, then=thaw_a))
+                assert sent is not None
+                assert list(hashes) in [h[: len(hashes)] for _, h in sent.each()]
+            wait_for(lambda: bool(known_to_b()), what="the placements sent again")
             assert max(known_to_b().values()) == len(hashes)
     finally:
         nats.kill()

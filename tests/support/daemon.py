@@ -198,6 +198,26 @@ class Daemon:
         wait_for(lambda: self.supervisor.serving_count == count, timeout,
                  f"{count} serving engines")
 
+    @contextlib.contextmanager
+    def frozen(self) -> Iterator[Callable[[], None]]:
+        """The daemon's Trio loop (and the asyncio loop on it) held still until the block
+        ends, or the callable it gives is called: to its peers, a process that stopped
+        answering for a while."""
+        holding, release = threading.Event(), threading.Event()
+
+        def hold() -> None:
+            holding.set()
+            release.wait(60)
+
+        holder = threading.Thread(target=self.run_sync, args=(hold,), name="freeze")
+        holder.start()
+        try:
+            assert holding.wait(30), "the daemon's loop was not reached"
+            yield release.set
+        finally:
+            release.set()
+            holder.join(30)
+
     def stop(self) -> None:
         if self.token is not None and self.shutdown is not None and self._thread.is_alive():
             with contextlib.suppress(trio.RunFinishedError):
