@@ -180,7 +180,12 @@ def test_a_continued_reply_whose_engine_dies_migrates_unbroken(
     model_dir: Path, tmp_path: Path, tokenizer: Tokenizer
 ) -> None:
     """The continuation after the closed block is a stream like any other: its engine dying
-    two tokens into the answer moves it to the other engine, and the client sees one reply."""
+    two tokens into the answer moves it to the other engine, and the client sees one reply.
+
+    The prompt is long (about 20 blocks), so the engine that thought holds enough of it to
+    take the continuation whatever load it still shows for the thought just aborted there
+    (up to two requests' worth: ours until its call ends, the engine's own report until the
+    next probe)."""
     models = ('[frontend.routing]\npolicy = "kv_aware"\n\n'
               '[[model]]\nname = "thinker"\nreasoning_parser = "qwen3"\n')
     engines = engine_table("a", "vllm", "thinker") + "\n" + engine_table("b", "vllm", "thinker")
@@ -189,8 +194,11 @@ def test_a_continued_reply_whose_engine_dies_migrates_unbroken(
         daemon.wait_serving(2)
         for sim in simulators(daemon).values():  # each engine's second call: a continuation
             sim.faults = FaultPlan(die_after_tokens=2, only_request=2)
+        long_ask = [{"role": "user", "content": " ".join(f"fact{i}." for i in range(60))
+                     + " Think it over. [ponder]"}]
         chunks = list(client.chat.completions.create(
-            model="thinker", messages=ASK, stream=True, stream_options={"include_usage": True},
+            model="thinker", messages=long_ask, stream=True,
+            stream_options={"include_usage": True},
             extra_body={"thinking_token_budget": BUDGET}))
         deltas = [c.choices[0].delta for c in chunks if c.choices]
         assert "".join(reasoning_of(d) for d in deltas) == cut_thought(tokenizer, BUDGET)
