@@ -558,6 +558,7 @@ def test_an_embedded_simulator_that_cannot_listen_is_tried_again(
         daemon.wait_serving(1)
         squatter = socket.socket()
         try:
+            squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as free_port's
             squatter.bind(("127.0.0.1", port))
             squatter.listen(1)
             daemon.fleet.source.write_text(

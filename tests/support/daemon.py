@@ -27,17 +27,47 @@ from direct_frontend.http.app import App
 _handed_out: set[int] = set()
 
 
+def _reserve(port: int = 0) -> int | None:
+    """``port`` (0: one the kernel picks) left in TIME_WAIT, or None if something holds it.
+
+    A port in TIME_WAIT is one the kernel hands to no ``bind`` to port 0 and no
+    outgoing connection of any process for a minute, while a server that binds
+    it by number with ``SO_REUSEADDR`` (asyncio, Trio, hypercorn, grpclib,
+    ZeroMQ, nats-server and PostgreSQL all set it) gets it: so parallel test
+    processes (pytest-xdist's workers, another checkout's run) never get one
+    another's ports, with nothing shared between them. The connection this
+    makes and closes from the listening side is what leaves it in TIME_WAIT.
+    """
+    if port:  # asked by number: free of everything, TIME_WAIT included (no SO_REUSEADDR)
+        try:
+            with socket.socket() as probe:
+                probe.bind(("127.0.0.1", port))
+        except OSError:
+            return None
+    with socket.socket() as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            listener.bind(("127.0.0.1", port))
+        except OSError:
+            return None
+        listener.listen(1)
+        port = int(listener.getsockname()[1])
+        with socket.create_connection(("127.0.0.1", port)):
+            accepted, _ = listener.accept()
+            accepted.close()  # closed first, so the TIME_WAIT is on this port's side
+    return port
+
+
 def free_port() -> int:
-    """A loopback port nothing listens on, never one this process was given before.
+    """A loopback port nothing listens on, never one this process was given before and none
+    another process gets from the kernel for a minute (:func:`_reserve`).
 
     The kernel may hand the same ephemeral port to two binds in a row once the
     first is closed, so two engines of one fleet could otherwise share a port.
     """
     while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-        if port not in _handed_out:
+        port = _reserve()
+        if port is not None and port not in _handed_out:
             _handed_out.add(port)
             return port
 
@@ -46,18 +76,12 @@ def free_ports(count: int) -> int:
     """The first of ``count`` consecutive free loopback ports (a data-parallel engine's ranks)."""
     while True:
         base = free_port()
-        ports = range(base, base + count)
-        if any(port in _handed_out for port in ports[1:]):
+        ports = range(base + 1, base + count)
+        if any(port in _handed_out for port in ports):
             continue
-        try:
-            with contextlib.ExitStack() as held:
-                for port in ports[1:]:
-                    s = held.enter_context(socket.socket())
-                    s.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        _handed_out.update(ports)
-        return base
+        if all(_reserve(port) == port for port in ports):
+            _handed_out.update(ports)
+            return base
 
 
 def wait_for(predicate: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
