@@ -147,14 +147,16 @@ def test_a_background_response_and_a_stream_its_client_left_pay_for_their_output
     daemon: Daemon,
 ) -> None:
     def taken_since(left: int, since: float) -> float:
-        """Tokens taken since ``left`` remained at ``since``, net of the refill (10 a second:
-        the bucket stays below full meanwhile, so none of the refill is lost)."""
+        """At least the tokens taken since ``left`` remained, net of the refill since
+        ``since`` (10 a second), a moment before: the refill it counts is never less than
+        the bucket's, and what a full bucket did not take in only adds to it."""
         return left + 10 * (time.monotonic() - since) - tokens_left(daemon, "leaving")
 
     with client_of(daemon, "leaving") as client:  # 600 tokens a minute
+        since = time.monotonic()
         raw = client.responses.with_raw_response.create(
             model="demo", input="hi", max_output_tokens=200, background=True)
-        since, left = time.monotonic(), int(raw.headers["x-ratelimit-remaining-tokens"])
+        left = int(raw.headers["x-ratelimit-remaining-tokens"])
         queued = raw.parse()
         wait_for(lambda: client.responses.retrieve(queued.id).status == "incomplete",
                  timeout=10, what="the background response to end (at max_output_tokens)")
@@ -163,9 +165,9 @@ def test_a_background_response_and_a_stream_its_client_left_pay_for_their_output
         wait_for(lambda: taken_since(left, since) >= 200, timeout=10,
                  what="the background response's output taken")
 
+        since = time.monotonic()
         with client.chat.completions.with_streaming_response.create(
                 **{**ASK, "max_tokens": 3000}, stream=True) as stream:
-            since = time.monotonic()
             left = int(stream.headers["x-ratelimit-remaining-tokens"])
             events = (line for line in stream.iter_lines() if line.startswith("data: "))
             for _ in range(30):  # 29 tokens at least (the first may carry the role alone)
