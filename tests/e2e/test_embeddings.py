@@ -25,7 +25,7 @@ from grpclib import Status
 from direct_frontend.simulator.embedding import embedding_of
 from direct_frontend.simulator.faults import FaultPlan
 from direct_frontend.text.model_dir import TextModel
-from tests.support.daemon import Daemon, running_daemon
+from tests.support.daemon import Daemon, in_flight, raw_post, running_daemon, wait_for
 from tests.support.models import FAST, engine_table, frontend_table, openai_client, simulators
 
 DIM = 24
@@ -171,8 +171,9 @@ def test_a_batch_runs_no_more_inputs_at_once_than_its_slots(
         daemon.wait_serving(1)
         sim = simulators(daemon)["e"]
         sim.faults = FaultPlan(hang_after_tokens=0, only_request=1)
-        with pytest.raises(httpx.TimeoutException):  # the client gives up, and leaves
-            httpx.post(daemon.url + "/v1/embeddings", timeout=1.0,
-                       json={"model": "embed", "input": ["a", "b", "c", "d"]})
-        assert sim.fault_stats.hung  # the first input's call, cancelled as the client left
+        with raw_post(daemon.url, "/v1/embeddings",
+                      {"model": "embed", "input": ["a", "b", "c", "d"]}):
+            wait_for(lambda: bool(sim.fault_stats.hung), what="the first input's call to hang")
+        # the client left: the hung call is cancelled, and no other input ever started
+        wait_for(lambda: in_flight(daemon) == 0, what="the request to end")
         assert sim.fault_stats.embed_calls == 1 and sim.stats.embeds == 0

@@ -13,6 +13,7 @@ import socket
 import textwrap
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -263,20 +264,45 @@ def running_daemon(tmp_path: Path, text: str, **options: Any) -> Iterator[Daemon
         daemon.stop()
 
 
+def _post(sock: socket.socket, path: str, body: dict[str, Any]) -> None:
+    data = json.dumps(body).encode()
+    sock.sendall(
+        b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+        b"\r\nContent-Length: %d\r\n\r\n%s" % (path.encode(), len(data), data)
+    )
+
+
+def _connect(url: str) -> socket.socket:
+    host, port = url.removeprefix("http://").split(":")
+    return socket.create_connection((host, int(port)))
+
+
 @contextlib.contextmanager
 def raw_stream(url: str, body: dict[str, Any], events: int) -> Iterator[None]:
     """POST a streaming chat request on a bare socket, read ``events`` SSE events, then hang up.
 
     A bare socket, so leaving the block is exactly a client vanishing mid-stream.
     """
-    host, port = url.removeprefix("http://").split(":")
-    data = json.dumps(body).encode()
-    with socket.create_connection((host, int(port))) as sock:
-        sock.sendall(
-            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
-            b"\r\nContent-Length: %d\r\n\r\n%s" % (len(data), data)
-        )
+    with _connect(url) as sock:
+        _post(sock, "/v1/chat/completions", body)
         received = b""
         while received.count(b"data:") < events:
             received += sock.recv(65536)
         yield
+
+
+@contextlib.contextmanager
+def raw_post(url: str, path: str, body: dict[str, Any]) -> Iterator[None]:
+    """POST ``body`` to ``path`` on a bare socket and read nothing: leaving the block is
+    the client vanishing, at a moment the test chose (not a client timeout's)."""
+    with _connect(url) as sock:
+        _post(sock, path, body)
+        yield
+
+
+def in_flight(daemon: Daemon) -> float:
+    """The requests the daemon is serving now (its ``/metrics`` gauge)."""
+    metrics = urllib.request.urlopen(daemon.url + "/metrics", timeout=10).read().decode()
+    line = next(line for line in metrics.splitlines()
+                if line.startswith("direct_frontend_in_flight_requests "))
+    return float(line.split()[1])
