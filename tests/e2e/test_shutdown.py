@@ -123,7 +123,7 @@ def test_streams_longer_than_the_grace_period_are_cut_and_everything_ends(
             next(lines)
             started = time.monotonic()
             daemon.stop()  # raises if the daemon's trio.run failed; joins its thread
-            assert time.monotonic() - started < 3
+            assert time.monotonic() - started < 10  # the stream alone would take 40 s
             with pytest.raises(httpx.RemoteProtocolError):  # cut at the end of the grace
                 "\n".join(lines)
         assert sim.stats.running == 0  # the engine was told (or closed): nothing left behind
@@ -140,5 +140,5 @@ def test_background_responses_get_the_grace_period_then_are_cancelled(
                  == "in_progress", what="the background response to run")
         started = time.monotonic()
         daemon.stop()  # raises if the daemon's trio.run failed (a task left behind, say)
-        assert time.monotonic() - started < 3
+        assert time.monotonic() - started < 10  # the response alone would take 40 s
         assert sim.stats.running == 0  # its engine call ended with it
