@@ -181,6 +181,7 @@ def test_no_body_gets_a_5xx(http: httpx.Client, request: tuple[str, bytes]) -> N
         ({"max_tokens": 10**12}, "max_tokens"),
         ({"max_tokens": 2**31 - 1}, "max_tokens"),  # prompt + budget beyond int32
         ({"x": "__deep1000__"}, None),
+        ({"logit_bias": {"2147483648": 0}}, "logit_bias.2147483648"),  # vLLM's keys are int32
     ],
 )
 def test_the_reported_overflows_are_answered(
