@@ -16,7 +16,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import openai
 import pytest
 from grpclib import Status
@@ -31,6 +30,7 @@ from tests.support.daemon import (
     sim_engine,
     wait_for,
 )
+from tests.support.http import http, sdk_http
 from tests.support.sim import start_cli, stop_cli
 
 KINDS = ["sglang", "vllm", "trtllm"]
@@ -57,7 +57,8 @@ def daemon(request: pytest.FixtureRequest, model_dir: Path, tmp_path: Path) -> I
 
 
 def client(daemon: Daemon) -> openai.OpenAI:
-    return openai.OpenAI(base_url=daemon.url + "/v1", api_key="-", max_retries=0)
+    return openai.OpenAI(base_url=daemon.url + "/v1", api_key="-", max_retries=0,
+                         http_client=sdk_http())
 
 
 def streamed(daemon: Daemon, **kwargs: object) -> tuple[str, int]:
@@ -74,7 +75,7 @@ def streamed(daemon: Daemon, **kwargs: object) -> tuple[str, int]:
 
 
 def metric(daemon: Daemon, pattern: str) -> float:
-    body = httpx.get(daemon.url + "/metrics").text
+    body = http.get(daemon.url + "/metrics").text
     return sum(float(v) for v in re.findall(pattern + r"\S* (\S+)", body))
 
 
@@ -146,7 +147,7 @@ def test_overloaded_engine_is_skipped_but_not_marked_down(
         assert daemon.supervisor.children["a"].state.value == "serving"
         # every engine saturated: a 429 with Retry-After, before any byte of the stream
         sims["b"].faults = FaultPlan(status=Status.RESOURCE_EXHAUSTED)
-        r = httpx.post(daemon.url + "/v1/chat/completions",
+        r = http.post(daemon.url + "/v1/chat/completions",
                        json={"model": "demo", "messages": CHAT, "stream": True})
         assert r.status_code == 429, r.text
         assert r.headers["retry-after"] == "1"
@@ -210,7 +211,7 @@ def test_a_killed_engine_restarted_on_its_port_serves_again_within_a_second(
             process.stdout.close()
 
             def request_served_and_victim_out() -> bool:
-                r = httpx.post(daemon.url + "/v1/completions",
+                r = http.post(daemon.url + "/v1/completions",
                                json={"model": "demo", "prompt": "hi", "max_tokens": 4})
                 assert r.status_code == 200, r.text  # retried on the other engine
                 return victim.state.value == "unhealthy"
@@ -225,7 +226,7 @@ def test_a_killed_engine_restarted_on_its_port_serves_again_within_a_second(
             wait_for(lambda: victim.state.value == "serving", what="the victim to serve again")
             # sooner than a probe at the interval (5 s) would find it: at its first answer
             assert time.monotonic() - restarted < victim.probe.interval_s
-            r = httpx.post(daemon.url + "/v1/completions",
+            r = http.post(daemon.url + "/v1/completions",
                            json={"model": "demo", "prompt": "hi", "max_tokens": 4})
             assert r.status_code == 200
     finally:
@@ -267,7 +268,7 @@ def test_streams_on_a_removed_engine_migrate_after_the_drain_grace(
             if leaving.stats.running == 0:
                 worker.join()
         (tmp_path / "fleet.toml").write_text(fleet(keep))
-        assert httpx.post(daemon.url + "/fleet/reload").json()["ok"]
+        assert http.post(daemon.url + "/fleet/reload").json()["ok"]
         worker.join()
         assert done[-1] == expected.choices[0].text
         # continued on the other engine from the tokens produced (a "~1" continuation)
@@ -287,12 +288,10 @@ def test_admission_control_refuses_past_the_queue_with_a_429(
         daemon.wait_serving(1)
         sim = daemon.supervisor.simulators["a"]
         body = {"model": "demo", "messages": CHAT, "max_tokens": 30, "stream": True}
-        with httpx.Client(base_url=daemon.url) as http, http.stream(
-            "POST", "/v1/chat/completions", json=body
-        ) as first:
+        with http.stream("POST", daemon.url + "/v1/chat/completions", json=body) as first:
             assert first.status_code == 200
             wait_for(lambda: sim.stats.running == 1, what="the first request to run")
-            second = http.post("/v1/chat/completions", json=body)
+            second = http.post(daemon.url + "/v1/chat/completions", json=body)
             assert second.status_code == 429
             assert second.headers["retry-after"] == "1"
             assert "saturated" in second.json()["error"]["message"]
@@ -308,7 +307,7 @@ def test_request_timeout_ends_the_request_and_frees_the_engine(
     with running_daemon(tmp_path, text) as daemon:
         daemon.wait_serving(1)
         sim = daemon.supervisor.simulators["a"]
-        r = httpx.post(daemon.url + "/v1/chat/completions",
+        r = http.post(daemon.url + "/v1/chat/completions",
                        json={"model": "demo", "messages": CHAT, "max_tokens": 200})
         assert r.status_code == 504, r.text
         assert "0.3" in r.json()["error"]["message"]

@@ -141,7 +141,7 @@ def daemon(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 
 
 @pytest.fixture(scope="module")
-def http(daemon: Daemon) -> Iterator[httpx.Client]:
+def poster(daemon: Daemon) -> Iterator[httpx.Client]:
     """One client for every example: its connection setup is not what is tested."""
     with httpx.Client(base_url=daemon.url, timeout=10) as client:
         yield client
@@ -165,10 +165,10 @@ def check_answer(response: httpx.Response) -> None:
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 @given(request=bodies())
-def test_no_body_gets_a_5xx(http: httpx.Client, request: tuple[str, bytes]) -> None:
+def test_no_body_gets_a_5xx(poster: httpx.Client, request: tuple[str, bytes]) -> None:
     path, body = request
     for _ in KINDS:  # round robin: each kind gets it once
-        check_answer(http.post(path, content=body))
+        check_answer(poster.post(path, content=body))
 
 
 @pytest.mark.parametrize(
@@ -185,11 +185,11 @@ def test_no_body_gets_a_5xx(http: httpx.Client, request: tuple[str, bytes]) -> N
     ],
 )
 def test_the_reported_overflows_are_answered(
-    http: httpx.Client, fields: dict[str, Any], param: str | None
+    poster: httpx.Client, fields: dict[str, Any], param: str | None
 ) -> None:
     body = encode({"model": "demo", "prompt": "Once upon a time", **fields})
     for _ in KINDS:
-        response = http.post("/v1/completions", content=body)
+        response = poster.post("/v1/completions", content=body)
         check_answer(response)
         if "top_k" in fields and param is None:
             assert response.status_code == 200

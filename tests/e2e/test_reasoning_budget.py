@@ -14,13 +14,13 @@ from pathlib import Path
 from typing import Any
 
 import anthropic
-import httpx
 import openai
 import pytest
 from tokenizers import Tokenizer
 
 from direct_frontend.simulator.faults import FaultPlan
 from tests.support.daemon import Daemon
+from tests.support.http import http, sdk_http
 from tests.support.models import (
     engine_table,
     openai_client,
@@ -68,7 +68,7 @@ def engine_calls(daemon: Daemon) -> int:
 
 
 def closed_total(daemon: Daemon) -> float:
-    scrape = httpx.get(daemon.url + "/metrics").text
+    scrape = http.get(daemon.url + "/metrics").text
     line = next(line for line in scrape.splitlines()
                 if line.startswith("direct_frontend_reasoning_budget_closed_total "))
     return float(line.split()[1])
@@ -124,7 +124,7 @@ def test_a_reply_within_its_budget_or_without_one_is_untouched(
 
 
 def test_a_messages_thinking_budget_is_kept_too(daemon: Daemon, tokenizer: Tokenizer) -> None:
-    client = anthropic.Anthropic(base_url=daemon.url, api_key="unused")
+    client = anthropic.Anthropic(http_client=sdk_http(), base_url=daemon.url, api_key="unused")
     reply = client.messages.create(
         model="thinker", max_tokens=200, messages=[{"role": "user", "content": ASK[0]["content"]}],
         thinking={"type": "enabled", "budget_tokens": BUDGET})
@@ -135,10 +135,10 @@ def test_a_messages_thinking_budget_is_kept_too(daemon: Daemon, tokenizer: Token
 
 
 def test_a_bad_budget_is_a_400_naming_it(daemon: Daemon) -> None:
-    bad = httpx.post(daemon.url + "/v1/chat/completions", json={
+    bad = http.post(daemon.url + "/v1/chat/completions", json={
         "model": "thinker", "messages": ASK, "thinking_token_budget": -2})
     assert bad.status_code == 400 and "thinking_token_budget" in json.dumps(bad.json())
-    worse = httpx.post(daemon.url + "/v1/messages", json={
+    worse = http.post(daemon.url + "/v1/messages", json={
         "model": "thinker", "max_tokens": 10, "messages": ASK,
         "thinking": {"type": "enabled", "budget_tokens": "lots"}})
     assert worse.status_code == 400 and "budget_tokens" in worse.text

@@ -23,6 +23,7 @@ from tests.support.daemon import (
     sim_engine,
     wait_for,
 )
+from tests.support.http import http
 
 DAEMON = str(Path(sys.executable).with_name("direct-frontend"))
 SLOW = {"decode_us_per_token": 20000, "prefill_us_per_token": 0, "eos_probability": 0.0}
@@ -50,7 +51,7 @@ def daemon_process(model_dir: Path, tmp_path: Path) -> Iterator[tuple[subprocess
 
     def ready() -> bool:
         try:
-            return httpx.get(url + "/ready").status_code == 200
+            return http.get(url + "/ready").status_code == 200
         except httpx.TransportError:
             return False
 
@@ -133,10 +134,10 @@ def test_background_responses_get_the_grace_period_then_are_cancelled(
     model_dir: Path, tmp_path: Path,
 ) -> None:
     with graced(model_dir, tmp_path) as (daemon, sim):
-        made = httpx.post(daemon.url + "/v1/responses", json={
+        made = http.post(daemon.url + "/v1/responses", json={
             "model": "demo", "input": "go on", "background": True,
             "max_output_tokens": 2000}).json()
-        wait_for(lambda: httpx.get(f"{daemon.url}/v1/responses/{made['id']}").json()["status"]
+        wait_for(lambda: http.get(f"{daemon.url}/v1/responses/{made['id']}").json()["status"]
                  == "in_progress", what="the background response to run")
         started = time.monotonic()
         daemon.stop()  # raises if the daemon's trio.run failed (a task left behind, say)

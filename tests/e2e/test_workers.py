@@ -24,6 +24,7 @@ import pytest
 
 from tests.e2e.test_replicas import FAST, MEMORY_STORE, SLOW, fleet_for
 from tests.support.daemon import Daemon, fleet_text, free_port, sim_engine, wait_for
+from tests.support.http import http
 from tests.support.nats import nats_binary
 
 pytestmark = pytest.mark.skipif(nats_binary() is None, reason="needs nats-server")
@@ -65,8 +66,7 @@ def gone(pid: int) -> bool:
 
 def fresh_get(url: str, headers: dict[str, str] | None = None) -> httpx.Response:
     """A request on a connection of its own (the kernel picks a worker per connection)."""
-    with httpx.Client(timeout=10) as client:
-        return client.get(url, headers={"connection": "close", **(headers or {})})
+    return http.get(url, headers=headers)
 
 
 def seen_workers(base: str, tries: int = 60) -> dict[str, dict[str, Any]]:
@@ -135,9 +135,8 @@ def test_two_workers_serve_one_port_and_one_scrape_counts_both(
                         frontend_extra=MEMORY_STORE) as (base, _parent, _path):
         body = {"model": "demo", "prompt": "hi", "max_tokens": 2}
         for _ in range(30):
-            with httpx.Client(timeout=10) as client:
-                r = client.post(base + "/v1/completions", json=body)
-                assert r.status_code == 200, r.text
+            r = http.post(base + "/v1/completions", json=body)
+            assert r.status_code == 200, r.text
 
         def both_counted() -> bool:
             text = fresh_get(base + "/metrics").text
@@ -151,13 +150,11 @@ def test_two_workers_serve_one_port_and_one_scrape_counts_both(
 
         # a stored response is found whichever worker a follow-up's connection reaches
         ask = {"model": "demo", "max_output_tokens": 2}
-        with httpx.Client(timeout=10) as client:
-            made = client.post(base + "/v1/responses", json={**ask, "input": "hi"}).json()
+        made = http.post(base + "/v1/responses", json={**ask, "input": "hi"}).json()
         for _ in range(12):
-            with httpx.Client(timeout=10) as client:
-                r = client.post(base + "/v1/responses", headers={"connection": "close"}, json={
-                    **ask, "input": "more", "previous_response_id": made["id"], "store": False})
-                assert r.status_code == 200, r.text
+            r = http.post(base + "/v1/responses", json={
+                **ask, "input": "more", "previous_response_id": made["id"], "store": False})
+            assert r.status_code == 200, r.text
         views = seen_workers(base, 16).values()
         assert sum(v["replicas"]["counts"]["responses_served"] for v in views) > 0
 
@@ -275,7 +272,7 @@ def test_a_dying_workers_stream_ends_in_a_closed_connection_and_the_others_serve
                 with pytest.raises((httpx.RemoteProtocolError, httpx.ReadError)):
                     for _ in lines:
                         pass
-        r = httpx.post(base + "/v1/completions", json={**body, "stream": False, "max_tokens": 2})
+        r = http.post(base + "/v1/completions", json={**body, "stream": False, "max_tokens": 2})
         assert r.status_code == 200, r.text
 
 
@@ -307,11 +304,9 @@ def test_workers_of_a_fleet_with_simulated_engines_all_serve_and_log_pure_json(
 
             wait_for(both_serving, timeout=60, what="both workers serving both engines")
             for _ in range(8):
-                with httpx.Client(timeout=10) as client:
-                    answer = client.post(base + "/v1/completions", headers={
-                        "connection": "close"}, json={"model": "demo", "prompt": "hi",
-                                                      "max_tokens": 2})
-                    assert answer.status_code == 200, answer.text
+                answer = http.post(base + "/v1/completions",
+                                   json={"model": "demo", "prompt": "hi", "max_tokens": 2})
+                assert answer.status_code == 200, answer.text
             assert len(workers_of(parent.pid)) == 2
         finally:
             parent.send_signal(signal.SIGTERM)
