@@ -20,7 +20,7 @@ from grpclib.const import Status
 from direct_frontend.simulator.faults import FaultPlan
 from tests.e2e.test_responses_api import QUESTION, SCRIPTS
 from tests.support.daemon import Daemon
-from tests.support.http import http, sdk_http
+from tests.support.http import http, sdk2_http
 from tests.support.models import engine_table, scripted_daemon, simulators
 
 TOOLS: list[Any] = [{
@@ -50,7 +50,7 @@ def daemon(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 @pytest.fixture
 def client(daemon: Daemon) -> Iterator[anthropic.Anthropic]:
     with anthropic.Anthropic(base_url=daemon.url, api_key=KEY, max_retries=0,
-                             http_client=sdk_http()) as client:
+                             http_client=sdk2_http()) as client:
         yield client
 
 

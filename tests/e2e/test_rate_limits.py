@@ -21,7 +21,7 @@ from tests.e2e.test_replicas import FAST, MEMORY_STORE
 from tests.e2e.test_workers import _sharing as sharing
 from tests.e2e.test_workers import worker_service
 from tests.support.daemon import Daemon, fleet_text, running_daemon, sim_engine, wait_for
-from tests.support.http import http, sdk_http
+from tests.support.http import http, sdk2_http, sdk_http
 from tests.support.metrics import sample
 from tests.support.nats import nats_binary
 
@@ -182,7 +182,7 @@ def test_a_background_response_and_a_stream_its_client_left_pay_for_their_output
 def test_the_messages_api_gets_anthropics_headers_and_rate_limit_error(daemon: Daemon) -> None:
     with anthropic.Anthropic(base_url=daemon.url, api_key="unused", max_retries=0,
                              default_headers={"x-tenant": "carol"},
-                             http_client=sdk_http()) as client:
+                             http_client=sdk2_http()) as client:
         for left in ("2", "1", "0"):
             raw = client.messages.with_raw_response.create(
                 model="demo", max_tokens=4, messages=[{"role": "user", "content": "hi"}])

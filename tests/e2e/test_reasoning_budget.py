@@ -20,7 +20,7 @@ from tokenizers import Tokenizer
 
 from direct_frontend.simulator.faults import FaultPlan
 from tests.support.daemon import Daemon
-from tests.support.http import http, sdk_http
+from tests.support.http import http, sdk2_http
 from tests.support.models import (
     engine_table,
     openai_client,
@@ -124,7 +124,7 @@ def test_a_reply_within_its_budget_or_without_one_is_untouched(
 
 
 def test_a_messages_thinking_budget_is_kept_too(daemon: Daemon, tokenizer: Tokenizer) -> None:
-    client = anthropic.Anthropic(http_client=sdk_http(), base_url=daemon.url, api_key="unused")
+    client = anthropic.Anthropic(http_client=sdk2_http(), base_url=daemon.url, api_key="unused")
     reply = client.messages.create(
         model="thinker", max_tokens=200, messages=[{"role": "user", "content": ASK[0]["content"]}],
         thinking={"type": "enabled", "budget_tokens": BUDGET})
