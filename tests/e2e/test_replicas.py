@@ -426,8 +426,9 @@ def test_nats_killed_and_restarted_under_load_fails_no_request(
                 nats.kill()
                 for daemon in daemons:
                     wait_for(lambda d=daemon: fleet(d)["replicas"]["degraded"], what="degraded")
-                assert "direct_frontend_replica_degraded 1.0" in http.get(
-                    daemons[0].url + "/metrics").text
+                # the gauge follows at the link's next round
+                wait_for(lambda: "direct_frontend_replica_degraded 1.0" in http.get(
+                    daemons[0].url + "/metrics").text, what="the degraded gauge")
                 during = sent[0]
                 wait_for(lambda: sent[0] >= during + 20, what="requests served while degraded")
                 nats.start()
@@ -440,8 +441,8 @@ def test_nats_killed_and_restarted_under_load_fails_no_request(
                 done.set()
                 worker.join(30)
             assert failures == []
-            assert "direct_frontend_replica_degraded 0.0" in http.get(
-                daemons[0].url + "/metrics").text
+            wait_for(lambda: "direct_frontend_replica_degraded 0.0" in http.get(
+                daemons[0].url + "/metrics").text, what="the gauge back at 0")
     finally:
         nats.kill()
 
