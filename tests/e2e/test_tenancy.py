@@ -40,7 +40,7 @@ name = "alice"
 priority = true
 
 [frontend.responses]
-max_bytes = 120000
+max_bytes = 60000
 max_background_per_owner = 4
 
 [[model]]
