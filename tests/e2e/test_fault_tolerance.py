@@ -251,8 +251,7 @@ def test_streams_on_a_removed_engine_migrate_after_the_drain_grace(
         daemon.wait_serving(1)
         api = client(daemon)
         expected = api.completions.create(model="demo", prompt="Once", max_tokens=tokens)
-        sims = daemon.supervisor.simulators
-        leaving = sims["leave"]
+        leaving = daemon.supervisor.simulators["leave"]
         done: list[str] = []
 
         def long_stream() -> None:
@@ -268,7 +267,8 @@ def test_streams_on_a_removed_engine_migrate_after_the_drain_grace(
         worker.join()
         assert done[-1] == expected.choices[0].text
         # continued on the other engine from the tokens produced (a "~1" continuation)
-        assert any(rid.endswith("~1") for rid in sims["keep"].stats.request_ids)
+        kept = daemon.supervisor.simulators["keep"]  # started by the edit
+        assert any(rid.endswith("~1") for rid in kept.stats.request_ids)
         # the engine left long before its stream would have ended there
         assert leaving.stats.aborts_received >= 1
         wait_for(lambda: "leave" not in daemon.supervisor.children, what="the engine to go")
