@@ -195,9 +195,10 @@ class Daemon:
 
     def start(self) -> Daemon:
         self._thread.start()
-        self._ready.wait(30)
+        ready = self._ready.wait(60)
         if self.error is not None:
             raise self.error
+        assert ready, "the daemon did not start within 60 s"
         return self
 
     @property
