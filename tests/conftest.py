@@ -1,15 +1,39 @@
-"""Shared fixtures."""
+"""Shared fixtures, and what lets the suite run in parallel (pytest-xdist, ``-n`` in
+pyproject's addopts): every worker process has its own state directory (its own
+``tmp_path_factory``), its own ports (tests/support/daemon.py ``free_port``) and its own
+servers (nats-server, PostgreSQL), so workers share nothing but the machine."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+import sys
+import tempfile
+from collections.abc import Generator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from direct_frontend.text.demo_model import build_model_dir
-from direct_frontend.text.model_dir import TextModel
+
+def _compile_once() -> None:
+    """Where the environment says not to write bytecode beside the sources
+    (``PYTHONDONTWRITEBYTECODE``), it goes to a cache folder of its own instead, for this
+    process and the ones it starts: else every worker and every daemon the suite starts
+    compiles the package again, and pytest rewrites every test module again each run (a
+    tenth of the suite's CPU time). The tree is left as the environment wants it."""
+    if not sys.dont_write_bytecode or sys.pycache_prefix is not None:
+        return
+    prefix = str(Path(tempfile.gettempdir()) / f"direct-frontend-pycache-{os.getuid()}")
+    sys.pycache_prefix = prefix
+    sys.dont_write_bytecode = False
+    os.environ["PYTHONPYCACHEPREFIX"] = prefix
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+
+
+_compile_once()
+
+from direct_frontend.text.demo_model import build_model_dir  # noqa: E402
+from direct_frontend.text.model_dir import TextModel  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -27,7 +51,7 @@ def text_model(model_dir: Path) -> TextModel:
 @pytest.fixture(scope="session", autouse=True)
 def state_directory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """The daemons' state (a fleet file that names no store keeps it in SQLite there): one
-    directory of the run's own, never the user's."""
+    directory of the run's own (of the worker's own, in parallel), never the user's."""
     directory = tmp_path_factory.mktemp("state")
     before = os.environ.get("STATE_DIRECTORY")
     os.environ["STATE_DIRECTORY"] = str(directory)
@@ -36,3 +60,21 @@ def state_directory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         os.environ.pop("STATE_DIRECTORY", None)
     else:
         os.environ["STATE_DIRECTORY"] = before
+
+
+def _sendable(text: str) -> str:
+    """``text`` as UTF-8 can carry it: a worker's report crosses to the controller as
+    UTF-8, and a lone surrogate (a test of undecodable input logs one) would end the worker."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[Any]) -> Generator[
+        None, Any, None]:
+    outcome = yield
+    report: pytest.TestReport = outcome.get_result()
+    report.sections = [(title, _sendable(text)) for title, text in report.sections]
+    if report.longrepr is not None:
+        shown = str(report.longrepr)
+        if _sendable(shown) != shown:
+            report.longrepr = _sendable(shown)

@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from tests.support.daemon import fleet_text, free_port, sim_engine, wait_for
+from tests.support.http import http
 from tests.support.sim import run as run_async
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -188,7 +189,7 @@ def daemon(fleet: Path) -> Iterator[tuple[str, list[str]]]:
     def ready() -> bool:
         assert proc.poll() is None, proc.communicate()[1]
         try:
-            return httpx.get(url + "/ready").status_code == 200
+            return http.get(url + "/ready").status_code == 200
         except httpx.TransportError:
             return False
 
@@ -220,16 +221,16 @@ def test_a_truncated_file_is_refused_at_start_and_on_reload(
     fleet.write_text(full)
     with daemon(fleet) as (url, log):
         fleet.write_text(truncated)
-        httpx.post(url + "/fleet/reload")
-        status = httpx.get(url + "/fleet").json()
+        http.post(url + "/fleet/reload")
+        status = http.get(url + "/fleet").json()
         assert status["last_reload"]["ok"] is False
         assert status["last_reload"]["errors"] == [refusal]
         assert [e["name"] for e in status["engines"]] == ["a"]
-        assert httpx.get(url + "/ready").status_code == 200
+        assert http.get(url + "/ready").status_code == 200
         # Said so explicitly, an empty fleet is a fleet.
         fleet.write_text(truncated.replace("[frontend.probe]",
                                            "allow_empty_fleet = true\n\n[frontend.probe]"))
-        reload = httpx.post(url + "/fleet/reload").json()
+        reload = http.post(url + "/fleet/reload").json()
         assert reload["ok"] is True and reload["diff"]["removed"] == ["a"]
     assert refusal in log[0]  # the log names the line and field too
 

@@ -146,6 +146,10 @@ class ReplicaLink:
         self._last_error = ""  # the NATS client's last complaint (why a connect failed)
         self._said_open = False  # the warning about an open server (insecure = true) is out
         self._faults: list[FaultReport] = []
+        #: what was placed while the link was down, sent again to each sibling heard anew
+        #: until ``_backlog_until`` (NATS keeps nothing for a sibling not yet back)
+        self._backlog: list[tuple[str, tuple[int, ...]]] = []
+        self._backlog_until = -math.inf
         self._tx, self._rx = trio.open_memory_channel[Inbound](math.inf)
         #: more subjects, each with what hears its messages (control/rate_share.py); set
         #: before :meth:`run`, which subscribes to them
@@ -267,10 +271,11 @@ class ReplicaLink:
 
         async def reconnected() -> None:
             # the server may have changed under the same URL: it is judged again
-            if not self._admit(getattr(self._nc, "_server_info", None) or {}, at_start=False):
+            if not self._admit(getattr(nc, "_server_info", None) or {}, at_start=False):
                 return
             self.connected = True
             self._last_sent = None  # resync: everyone hears our whole state at once
+            self._keep_backlog()
             log.info("replicas: NATS at %s is back", self.shown)
 
         connecting = True  # this first connect; the later reconnects are nats-py's
@@ -337,6 +342,14 @@ class ReplicaLink:
             await trio.sleep(RECONNECT_WAIT_S * 4)  # a retry cadence, not a wait for an event
             connected = await self._connect()
         await self._subscribe()
+        self._keep_backlog()
+
+    def _keep_backlog(self) -> None:
+        """The link is back: what was placed meanwhile goes out now, to the siblings already
+        back, and again to each one heard anew within a peer timeout (a sibling heard
+        later has been away longer than its word is kept)."""
+        self._backlog = self.placements.pending()
+        self._backlog_until = time.monotonic() + self.config.peer_timeout_s
 
     async def _subscribe(self) -> None:
         nc = self._nc
@@ -378,6 +391,8 @@ class ReplicaLink:
             if self._change_pending:  # this round's report carries every change so far
                 self._change_pending = False
                 self._last_change_sent_at = trio.current_time()
+            if now > self._backlog_until:
+                self._backlog = []
             if self.peers.expire(now):
                 self._apply_peers()
             else:  # the catalog may hold new handles: keep their peer counters current
@@ -488,6 +503,8 @@ class ReplicaLink:
             self.peers.update(report.replica, report.seq, report.unpacked(), time.monotonic())
             if newcomer:  # it knows nothing of our load yet: tell it now, not at the heartbeat
                 self._last_sent = None
+                if self._backlog and time.monotonic() < self._backlog_until:
+                    self.placements.put_back(self._backlog)  # nor of what we placed offline
                 self._on_urgent()
         self._apply_peers()
         return None

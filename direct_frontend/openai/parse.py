@@ -22,7 +22,13 @@ from typing import Annotated, Any, Final, Literal, TypeVar
 
 import msgspec
 
-from direct_frontend.engines.neutral import FLOAT32_MAX, UINT32_MAX, Constraint, ConstraintKind
+from direct_frontend.engines.neutral import (
+    FLOAT32_MAX,
+    INT32_MAX,
+    UINT32_MAX,
+    Constraint,
+    ConstraintKind,
+)
 from direct_frontend.multimodal.parts import DETAILS, ImagePart
 from direct_frontend.openai.errors import OpenAIHTTPError, invalid_request
 from direct_frontend.openai.parsers.forced import named_call_schema, required_calls_schema
@@ -363,17 +369,20 @@ LOGIT_BIAS_LIMIT: Final = 100.0
 
 
 def _logit_bias(raw: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
-    """OpenAI's ``{"<token id>": bias}`` as (id, bias) pairs sorted by id; a 400 naming the key."""
+    """OpenAI's ``{"<token id>": bias}`` as (id, bias) pairs sorted by id; a 400 naming the key.
+
+    An id is at most ``INT32_MAX``: vocabulary sizes are int32, and vLLM's contract keys the
+    biases by int32 (a larger key would be a protobuf overflow, not a 400)."""
     if not raw:
         return ()
     pairs = []
     for key, bias in raw.items():
         param = f"logit_bias.{key}"
         token = int(key) if key.isascii() and key.isdigit() else -1
-        if not 0 <= token <= UINT32_MAX:
+        if not 0 <= token <= INT32_MAX:
             raise invalid_request(
                 f"Invalid key in 'logit_bias': '{key}' is not a token id (an integer from 0 "
-                f"to {UINT32_MAX}).",
+                f"to {INT32_MAX}).",
                 param,
             )
         if not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:

@@ -148,6 +148,10 @@ class PlacementShare:
         self._outbox.clear()
         return out
 
+    def pending(self) -> list[tuple[str, tuple[int, ...]]]:
+        """What waits to go out (kept: :meth:`take` still returns it)."""
+        return list(self._outbox)
+
     def put_back(self, placed: list[tuple[str, tuple[int, ...]]]) -> None:
         """A send of ``placed`` failed: they go out next time, before what came since."""
         since = self.take()

@@ -20,7 +20,7 @@ import trio.testing
 import trio_asyncio
 
 from direct_frontend.control.bus import NatsRefused
-from direct_frontend.control.replica_wire import ResponseQuery
+from direct_frontend.control.replica_wire import LoadReport, ResponseQuery, encode
 from direct_frontend.control.replicas import ReplicaLink
 from direct_frontend.control.supervisor import Supervisor
 from direct_frontend.errors import EngineError, ErrorKind
@@ -72,6 +72,32 @@ def test_news_that_arrives_as_the_tick_passes_never_waits_a_negative_time(
             link._on_load_change()  # … and another wakes the link before it runs again
             with trio.fail_after(1):
                 await done.wait()
+
+    trio.run(main, clock=clock)
+
+
+def test_what_was_placed_offline_goes_again_to_each_sibling_heard_anew_within_a_peer_timeout(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """NATS keeps nothing for a sibling that is not back yet: the placements made while the
+    link was down go out when it is back, and again for each sibling heard anew within a
+    peer timeout, once each; one heard later has been away longer than its word is kept."""
+    clock = trio.testing.MockClock()
+    offline = [("e0", (1, 2, 3)), ("e1", (4, 5))]
+
+    async def main() -> None:
+        monkeypatch.setattr(time, "monotonic", trio.current_time)
+        link = _link()
+        share = link.placements
+        share.put_back(list(offline))  # placed while the link was down
+        link._keep_backlog()  # the link is back
+        assert share.take() == offline  # sent at once, to the siblings already back
+        link._on_load(encode(LoadReport.of("late", 1, {})))
+        assert share.take() == offline  # again, for the sibling back after that
+        link._on_load(encode(LoadReport.of("late", 2, {})))
+        assert share.take() == []  # once per sibling
+        clock.jump(link.config.peer_timeout_s + 0.1)
+        link._on_load(encode(LoadReport.of("later", 1, {})))
+        assert share.take() == []
 
     trio.run(main, clock=clock)
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import httpx
 import pytest
 
 from tests.e2e.test_replicas import FAST, replicas
 from tests.support.daemon import Daemon, sim_engine
+from tests.support.http import http
 
 SESSIONS = [f"conversation-{i}" for i in range(7)]
 
@@ -29,7 +29,7 @@ def send(daemon: Daemon, session: str, turn: int, *, via: str) -> str:
         headers["X-Session-Id"] = session
     else:
         body[via] = session
-    response = httpx.post(daemon.url + "/v1/chat/completions", json=body, headers=headers)
+    response = http.post(daemon.url + "/v1/chat/completions", json=body, headers=headers)
     assert response.status_code == 200, response.text
     after = served_by(daemon)
     (engine,) = [name for name, count in after.items() if count != before.get(name, 0)]

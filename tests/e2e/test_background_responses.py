@@ -11,11 +11,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import openai
 import pytest
 
 from tests.support.daemon import Daemon, wait_for
+from tests.support.http import http
 from tests.support.models import (
     engine_table,
     openai_client,
@@ -47,7 +47,7 @@ def engine(daemon: Daemon) -> Any:
 
 
 def running_metric(daemon: Daemon) -> float:
-    scrape = httpx.get(daemon.url + "/metrics").text
+    scrape = http.get(daemon.url + "/metrics").text
     line = next(line for line in scrape.splitlines()
                 if line.startswith("direct_frontend_responses_background "))
     return float(line.split()[1])
@@ -113,7 +113,7 @@ def test_a_streamed_background_response_resumes_where_the_client_left(
     seen: list[dict[str, Any]] = []
     body = {"model": "agent", "input": "Weather? [weather]", "background": True,
             "stream": True}
-    with httpx.stream("POST", daemon.url + "/v1/responses", json=body, timeout=30) as reply:
+    with http.stream("POST", daemon.url + "/v1/responses", json=body, timeout=30) as reply:
         assert reply.status_code == 200
         for line in reply.iter_lines():
             if line.startswith("data: "):
@@ -159,11 +159,11 @@ def test_what_cannot_be_run_or_cancelled_in_the_background_is_a_clear_error(
     with pytest.raises(openai.BadRequestError) as not_background:
         client.responses.cancel(foreground.id)
     assert "background" in not_background.value.message
-    reply = httpx.get(f"{daemon.url}/v1/responses/{foreground.id}", params={"stream": "true"})
+    reply = http.get(f"{daemon.url}/v1/responses/{foreground.id}", params={"stream": "true"})
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "stream"
     with pytest.raises(openai.NotFoundError):
         client.responses.cancel("resp_00000000nothing")
-    bad = httpx.get(f"{daemon.url}/v1/responses/{foreground.id}",
+    bad = http.get(f"{daemon.url}/v1/responses/{foreground.id}",
                     params={"stream": "true", "starting_after": "x"})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "starting_after"
 

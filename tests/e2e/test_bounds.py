@@ -21,6 +21,7 @@ import httpx
 import trio
 
 from tests.support.daemon import fleet_text, free_port, running_daemon, sim_engine, wait_for
+from tests.support.http import http
 
 DAEMON = str(Path(sys.executable).with_name("direct-frontend"))
 MiB = 1024 * 1024
@@ -44,7 +45,7 @@ def daemon_process(tmp_path: Path, model_dir: Path) -> Iterator[tuple[str, int]]
     def ready() -> bool:
         assert proc.poll() is None, "the daemon exited"
         try:
-            return httpx.get(url + "/ready").status_code == 200
+            return http.get(url + "/ready").status_code == 200
         except httpx.TransportError:
             return False
 

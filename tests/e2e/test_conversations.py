@@ -11,11 +11,11 @@ import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
 
 from tests.support.daemon import Daemon, running_daemon, wait_for
+from tests.support.http import http, sdk_http
 from tests.support.models import FAST, engine_table, frontend_table
 
 KEYS = ("sk-one", "sk-two")
@@ -43,13 +43,15 @@ def daemon(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 
 @pytest.fixture
 def client(daemon: Daemon) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=daemon.url + "/v1", api_key=KEYS[0], max_retries=0) as c:
+    with openai.OpenAI(base_url=daemon.url + "/v1", api_key=KEYS[0], max_retries=0,
+                       http_client=sdk_http()) as c:
         yield c
 
 
 @pytest.fixture
 def other(daemon: Daemon) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=daemon.url + "/v1", api_key=KEYS[1], max_retries=0) as c:
+    with openai.OpenAI(base_url=daemon.url + "/v1", api_key=KEYS[1], max_retries=0,
+                       http_client=sdk_http()) as c:
         yield c
 
 
@@ -182,7 +184,7 @@ def test_bad_input_is_a_400_naming_the_field(daemon: Daemon, client: openai.Open
                                              method: str, path: str, body: object,
                                              param: str) -> None:
     made = client.conversations.create()
-    answer = httpx.request(method, daemon.url + path.replace("{id}", made.id), json=body,
+    answer = http.request(method, daemon.url + path.replace("{id}", made.id), json=body,
                            headers={"authorization": f"Bearer {KEYS[0]}"})
     assert answer.status_code == 400, answer.text
     assert answer.json()["error"]["param"] == param
@@ -193,8 +195,8 @@ def test_a_conversation_nobody_made_is_a_404_everywhere(daemon: Daemon) -> None:
     for method, path in (("GET", "/v1/conversations/conv_x"),
                          ("GET", "/v1/conversations/conv_x/items"),
                          ("DELETE", "/v1/conversations/conv_x/items/msg_1")):
-        assert httpx.request(method, daemon.url + path, headers=auth).status_code == 404
-    answer = httpx.get(daemon.url + "/v1/conversations/conv_x/nothing", headers=auth)
+        assert http.request(method, daemon.url + path, headers=auth).status_code == 404
+    answer = http.get(daemon.url + "/v1/conversations/conv_x/nothing", headers=auth)
     assert answer.status_code == 404
 
 
@@ -208,6 +210,6 @@ def test_a_conversation_nobody_made_is_a_404_everywhere(daemon: Daemon) -> None:
 def test_an_item_a_request_could_not_read_is_refused_when_added(
         daemon: Daemon, client: openai.OpenAI, items: list[object], param: str) -> None:
     made = client.conversations.create()
-    answer = httpx.post(f"{daemon.url}/v1/conversations/{made.id}/items", json={"items": items},
+    answer = http.post(f"{daemon.url}/v1/conversations/{made.id}/items", json={"items": items},
                         headers={"authorization": f"Bearer {KEYS[0]}"})
     assert answer.status_code == 400 and answer.json()["error"]["param"] == param

@@ -7,17 +7,17 @@ import logging
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from direct_frontend.simulator.vocab import WORDS
 from direct_frontend.text.demo_model import BUNDLED_DIR
 from tests.support.daemon import fleet_text, running_daemon, sim_engine, wait_for
+from tests.support.http import http
 
 
 def chat(url: str, **extra: Any) -> dict[str, Any]:
     body = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], **extra}
-    response = httpx.post(url + "/v1/chat/completions", json=body, timeout=30)
+    response = http.post(url + "/v1/chat/completions", json=body, timeout=30)
     assert response.status_code == 200, response.text
     choice: dict[str, Any] = response.json()["choices"][0]
     return choice

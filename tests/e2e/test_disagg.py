@@ -18,7 +18,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import openai
 import pytest
 from grpclib import Status
@@ -28,6 +27,7 @@ from direct_frontend.engines.dialects.sglang import ROOM_LIMIT
 from direct_frontend.engines.dialects.vllm import PREFILL_PARAMS
 from direct_frontend.simulator.faults import FaultPlan
 from tests.support.daemon import Daemon, fleet_text, running_daemon, sim_engine, wait_for
+from tests.support.http import http, sdk_http
 
 KINDS = ["sglang", "vllm"]
 FAST = {"decode_us_per_token": 0, "prefill_us_per_token": 0, "eos_probability": 0.0}
@@ -50,7 +50,8 @@ def fleet(model_dir: Path, tmp: Path, engines: list[dict[str, Any]]) -> Iterator
 
 
 def client(daemon: Daemon) -> openai.OpenAI:
-    return openai.OpenAI(base_url=daemon.url + "/v1", api_key="-", max_retries=0)
+    return openai.OpenAI(base_url=daemon.url + "/v1", api_key="-", max_retries=0,
+                         http_client=sdk_http())
 
 
 def streamed(daemon: Daemon) -> tuple[str, Any]:
@@ -208,7 +209,7 @@ def test_a_prefill_error_gives_a_clean_error_and_cancels_the_decode_leg(
     for name in ("p1", "p2"):
         sims[name].faults = FaultPlan(status=Status.INTERNAL, status_message="boom",
                                       only_request=1)
-    reply = httpx.post(pd.url + "/v1/chat/completions", json={
+    reply = http.post(pd.url + "/v1/chat/completions", json={
         "model": "demo", "messages": CHAT, "max_tokens": TOKENS, "stream": True,
     })
     assert reply.status_code == 500 and reply.json()["error"]["type"]

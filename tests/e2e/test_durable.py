@@ -23,6 +23,7 @@ import pytest
 
 from direct_frontend.state.sqlite import SqliteStore
 from tests.support.daemon import fleet_text, free_port, sim_engine, wait_for
+from tests.support.http import http, sdk_http
 from tests.support.postgres import PostgresServer, running_postgres
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -50,7 +51,7 @@ class Process:
         def ready() -> bool:
             assert self.proc is not None and self.proc.poll() is None, "the daemon exited"
             try:
-                return httpx.get(self.url + "/ready").status_code == 200
+                return http.get(self.url + "/ready").status_code == 200
             except httpx.TransportError:
                 return False
 
@@ -65,7 +66,8 @@ class Process:
 
     @contextlib.contextmanager
     def client(self) -> Iterator[openai.OpenAI]:
-        with openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0) as c:
+        with openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0,
+                           http_client=sdk_http()) as c:
             yield c
 
 
@@ -209,8 +211,7 @@ def test_workers_share_one_sqlite_file(model_dir: Path, tmp_path: Path) -> None:
     extra = f'[frontend.responses]\nbackend = "sqlite"\npath = "{tmp_path / "r.db"}"\n'
     with worker_service(tmp_path, model_dir, 2, frontend_extra=extra) as (base, _, _):
         def post(path: str, body: dict[str, object]) -> dict[str, object]:
-            with httpx.Client(timeout=30) as fresh:  # a connection of its own: any worker
-                answer = fresh.post(base + path, json=body, headers={"connection": "close"})
+            answer = http.post(base + path, json=body)  # a connection of its own: any worker
             assert answer.status_code == 200, answer.text
             result: dict[str, object] = answer.json()
             return result
@@ -225,9 +226,7 @@ def test_workers_share_one_sqlite_file(model_dir: Path, tmp_path: Path) -> None:
                 previous = post("/v1/responses", {**ask, "input": "chain",
                                                   **({"previous_response_id": previous}
                                                      if previous else {})})["id"]
-            with httpx.Client(timeout=30) as fresh:
-                listed = fresh.get(f"{base}/v1/conversations/{conversation}/items?limit=100",
-                                   headers={"connection": "close"}).json()
+            listed = http.get(f"{base}/v1/conversations/{conversation}/items?limit=100").json()
             assert len(listed["data"]) == 6
 
 

@@ -18,7 +18,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 from grpclib import Status
 
@@ -26,7 +25,8 @@ from direct_frontend.simulator.embedding import embedding_of
 from direct_frontend.simulator.faults import FaultPlan
 from direct_frontend.text.model_dir import TextModel
 from tests.support.crossings import crossings
-from tests.support.daemon import Daemon, running_daemon
+from tests.support.daemon import Daemon, in_flight, raw_post, running_daemon, wait_for
+from tests.support.http import http
 from tests.support.models import FAST, engine_table, frontend_table, openai_client, simulators
 
 DIM = 24
@@ -78,11 +78,11 @@ def test_the_official_client_gets_each_inputs_vector_in_order(
 def test_floats_base64_and_token_ids(daemon: Daemon, text_model: TextModel) -> None:
     ids = [[11, 12, 13], [14, 15]]
     url = daemon.url + "/v1/embeddings"
-    floats = httpx.post(url, json={"model": "embed", "input": ids}, timeout=30).json()
+    floats = http.post(url, json={"model": "embed", "input": ids}, timeout=30).json()
     for data, one in zip(floats["data"], ids, strict=True):
         assert data["embedding"] == pytest.approx(embedding_of(one, DIM), abs=1e-6)
     assert floats["usage"] == {"prompt_tokens": 5, "total_tokens": 5}
-    packed = httpx.post(url, json={"model": "embed", "input": "hello", "dimensions": DIM,
+    packed = http.post(url, json={"model": "embed", "input": "hello", "dimensions": DIM,
                                    "encoding_format": "base64"}, timeout=30).json()
     vector = struct.unpack(f"<{DIM}f", base64.b64decode(packed["data"][0]["embedding"]))
     assert list(vector) == pytest.approx(expected(text_model, "hello"), abs=1e-6)
@@ -118,7 +118,7 @@ def test_an_engine_that_fails_leaves_its_input_to_the_other(
         sims["emb-s"].faults = FaultPlan()
     after = embeds(daemon)
     assert sum(after.values()) - sum(before.values()) == 6  # each input embedded once
-    metrics = httpx.get(daemon.url + "/metrics").text
+    metrics = http.get(daemon.url + "/metrics").text
     for name, kind in (("emb-s", "overloaded"), ("emb-v", "unavailable")):
         assert f'direct_frontend_engine_errors_total{{engine="{name}",kind="{kind}"}}' in metrics
 
@@ -144,19 +144,19 @@ def test_an_engine_that_fails_leaves_its_input_to_the_other(
 def test_what_cannot_be_embedded_is_a_clear_4xx(
     daemon: Daemon, path: str, body: dict[str, Any], status: int, param: str, fragment: str
 ) -> None:
-    reply = httpx.post(daemon.url + path, json=body, timeout=30)
+    reply = http.post(daemon.url + path, json=body, timeout=30)
     assert reply.status_code == status, reply.text
     error = reply.json()["error"]
     assert error["param"] == param and fragment in error["message"], error
 
 
 def test_the_fleet_view_and_metrics_say_what_each_engine_serves(daemon: Daemon) -> None:
-    engines = {e["name"]: e for e in httpx.get(daemon.url + "/fleet").json()["engines"]}
+    engines = {e["name"]: e for e in http.get(daemon.url + "/fleet").json()["engines"]}
     assert {n: e["serves"] for n, e in engines.items()} == {
         "gen": "generation", "emb-v": "embeddings", "emb-s": "embeddings"}
-    models = {m["id"] for m in httpx.get(daemon.url + "/v1/models").json()["data"]}
+    models = {m["id"] for m in http.get(daemon.url + "/v1/models").json()["data"]}
     assert models == {"demo", "embed"}
-    metrics = httpx.get(daemon.url + "/metrics").text
+    metrics = http.get(daemon.url + "/metrics").text
     assert 'code="200",endpoint="/v1/embeddings"' in metrics
     assert 'direct_frontend_model_requests_total{code="200",model="embed"}' in metrics
 
@@ -172,10 +172,11 @@ def test_a_batch_runs_no_more_inputs_at_once_than_its_slots(
         daemon.wait_serving(1)
         sim = simulators(daemon)["e"]
         sim.faults = FaultPlan(hang_after_tokens=0, only_request=1)
-        with pytest.raises(httpx.TimeoutException):  # the client gives up, and leaves
-            httpx.post(daemon.url + "/v1/embeddings", timeout=1.0,
-                       json={"model": "embed", "input": ["a", "b", "c", "d"]})
-        assert sim.fault_stats.hung  # the first input's call, cancelled as the client left
+        with raw_post(daemon.url, "/v1/embeddings",
+                      {"model": "embed", "input": ["a", "b", "c", "d"]}):
+            wait_for(lambda: bool(sim.fault_stats.hung), what="the first input's call to hang")
+        # the client left: the hung call is cancelled, and no other input ever started
+        wait_for(lambda: in_flight(daemon) == 0, what="the request to end")
         assert sim.fault_stats.embed_calls == 1 and sim.stats.embeds == 0
 
 

@@ -17,12 +17,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from direct_frontend.simulator import EngineKind, SimEngine
 from direct_frontend.simulator.model import TimingModel
 from tests.support.daemon import Daemon, fleet_text, kv_fleet_text, running_daemon, wait_for
+from tests.support.http import http
 from tests.support.sim import EngineThread
 
 FAST = "interval_s = 0.05\ntimeout_s = 1.0"
@@ -54,12 +54,12 @@ def fleet(model_dir: Path, sim: EngineThread) -> str:
 
 
 def restarts(daemon: Daemon) -> int:
-    status = httpx.get(daemon.url + "/fleet").json()
+    status = http.get(daemon.url + "/fleet").json()
     return int(status["engines"][0]["restarts"])
 
 
 def complete(daemon: Daemon, prompt: list[int]) -> None:
-    r = httpx.post(daemon.url + "/v1/completions",
+    r = http.post(daemon.url + "/v1/completions",
                    json={"model": "demo", "prompt": prompt, "max_tokens": 2})
     assert r.status_code == 200, r.text
 

@@ -21,6 +21,7 @@ import httpx
 import openai
 
 from tests.support.daemon import Daemon, fleet_text, free_port, running_daemon, wait_for
+from tests.support.http import http, sdk_http
 from tests.support.sim import start_cli, stop_cli
 
 TOKENS = 60
@@ -80,7 +81,7 @@ class Stream(threading.Thread):
     def __init__(self, daemon: Daemon) -> None:
         super().__init__(daemon=True)
         self.api = openai.OpenAI(base_url=daemon.url + "/v1", api_key="-", max_retries=0,
-                                 timeout=60)
+                                 timeout=60, http_client=sdk_http())
         self.pieces: list[str] = []
         self.usage: int | None = None
         self.error: BaseException | None = None
@@ -104,7 +105,7 @@ class Stream(threading.Thread):
 
 
 def waits(daemon: Daemon, outcome: str) -> float:
-    body = httpx.get(daemon.url + "/metrics").text
+    body = http.get(daemon.url + "/metrics").text
     found = re.findall(rf'direct_frontend_engine_waits_total{{outcome="{outcome}"}} (\S+)', body)
     return sum(float(v) for v in found)
 
@@ -154,7 +155,7 @@ def test_past_wait_for_engine_s_the_client_gets_the_usual_errors(
         wait_for(lambda: len(stream.pieces) >= 3, what="the stream to be under way")
         every_engine_killed(daemon, engines)
         started = time.monotonic()
-        r = httpx.post(daemon.url + "/v1/completions", timeout=30,
+        r = http.post(daemon.url + "/v1/completions", timeout=30,
                        json={"model": "demo", "prompt": PROMPT, "max_tokens": 4})
         assert time.monotonic() - started >= 0.5  # it waited first
         assert r.status_code == 503 and r.json()["error"]["code"] == "no_engine_available"
@@ -183,5 +184,5 @@ def test_a_client_that_leaves_ends_its_wait_at_once(model_dir: Path, tmp_path: P
                  what="the wait to end with the client")
         wait_for(lambda: in_flight(daemon) == 0, timeout=5, what="the request to end")
         assert waits(daemon, "served") == 0
-        metrics = httpx.get(daemon.url + "/metrics").text
+        metrics = http.get(daemon.url + "/metrics").text
         assert "direct_frontend_cancelled_requests_total 1.0" in metrics

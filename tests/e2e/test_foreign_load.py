@@ -13,13 +13,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from direct_frontend.simulator import EngineKind, SimEngine
 from direct_frontend.simulator.faults import FaultPlan
 from direct_frontend.simulator.model import TimingModel
 from tests.support.daemon import Daemon, fleet_text, raw_stream, running_daemon, wait_for
+from tests.support.http import http
 from tests.support.sim import EngineThread
 
 STREAMS = 3
@@ -40,7 +40,7 @@ def table(name: str, sim: EngineThread) -> dict[str, Any]:
 
 
 def fleet_row(daemon: Daemon, name: str) -> dict[str, Any]:
-    engines = httpx.get(daemon.url + "/fleet").json()["engines"]
+    engines = http.get(daemon.url + "/fleet").json()["engines"]
     row: dict[str, Any] = next(e for e in engines if e["name"] == name)
     return row
 
@@ -66,7 +66,7 @@ def test_an_engine_busy_with_another_routers_streams_gets_none_of_ours(
         wait_for(lambda: fleet_row(y, "a")["foreign_load"] == STREAMS, what="a's report")
         assert fleet_row(y, "b")["foreign_load"] == 0
         for _ in range(4):
-            r = httpx.post(y.url + "/v1/completions",
+            r = http.post(y.url + "/v1/completions",
                            json={"model": "demo", "prompt": [5, 6, 7], "max_tokens": 2})
             assert r.status_code == 200, r.text
         # without the report, least_loaded would have alternated: two of four on a

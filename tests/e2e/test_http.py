@@ -7,7 +7,6 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
 
@@ -20,6 +19,7 @@ from tests.support.daemon import (
     sim_engine,
     wait_for,
 )
+from tests.support.http import http, sdk_http
 from tests.support.metrics import sample
 
 # multibyte characters split over tokens (é, 中, 🚀): what the stream must reassemble
@@ -46,7 +46,8 @@ def daemon(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 
 @pytest.fixture()
 def client(daemon: Daemon) -> openai.OpenAI:
-    return openai.OpenAI(base_url=daemon.url + "/v1", api_key="unused", max_retries=0)
+    return openai.OpenAI(base_url=daemon.url + "/v1", api_key="unused", max_retries=0,
+                         http_client=sdk_http())
 
 
 CHAT = [{"role": "user", "content": "Tell me about the sea."}]
@@ -102,16 +103,16 @@ def test_stop_string_is_not_emitted_and_ends_the_stream(client: openai.OpenAI) -
 
 def test_models_health_ready_metrics_and_request_id(daemon: Daemon, client: openai.OpenAI) -> None:
     assert [m.id for m in client.models.list()] == ["demo"]
-    assert httpx.get(daemon.url + "/health").status_code == 200
-    ready = httpx.get(daemon.url + "/ready").json()
+    assert http.get(daemon.url + "/health").status_code == 200
+    ready = http.get(daemon.url + "/ready").json()
     assert ready == {"ready": True, "serving": 2, "engines": 3, "waiting_for_pools": []}
-    response = httpx.post(
+    response = http.post(
         daemon.url + "/v1/chat/completions",
         json={"model": "demo", "messages": CHAT, "max_tokens": 3},
     )
     assert response.status_code == 200
     assert len(response.headers["x-request-id"]) >= 8
-    metrics = httpx.get(daemon.url + "/metrics").text
+    metrics = http.get(daemon.url + "/metrics").text
     for name in (
         "direct_frontend_requests_total",
         "direct_frontend_time_to_first_token_seconds",
@@ -124,7 +125,7 @@ def test_models_health_ready_metrics_and_request_id(daemon: Daemon, client: open
         assert name in metrics
     # once the chat above has finished, nothing is in flight: a scrape does not count itself
     wait_for(
-        lambda: sample(httpx.get(daemon.url + "/metrics").text,
+        lambda: sample(http.get(daemon.url + "/metrics").text,
                        "direct_frontend_in_flight_requests") == 0,
         what="no request in flight",
     )  # fmt: skip
@@ -134,7 +135,7 @@ def test_an_engine_serving_another_model_is_never_selected(daemon: Daemon) -> No
     wrong = daemon.supervisor.simulators["wrong"]
     before = wrong.stats.requests
     for _ in range(6):
-        r = httpx.post(
+        r = http.post(
             daemon.url + "/v1/completions",
             json={"model": "demo", "prompt": "hello", "max_tokens": 2},
         )
@@ -163,7 +164,7 @@ def test_an_engine_serving_another_model_is_never_selected(daemon: Daemon) -> No
 def test_bad_requests_get_openai_errors(
     daemon: Daemon, body: bytes, status: int, param: str | None
 ) -> None:
-    r = httpx.post(daemon.url + "/v1/chat/completions", content=body)
+    r = http.post(daemon.url + "/v1/chat/completions", content=body)
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert error["message"] and error["type"]
@@ -172,15 +173,15 @@ def test_bad_requests_get_openai_errors(
 
 
 def test_unknown_route_and_wrong_method(daemon: Daemon) -> None:
-    assert httpx.get(daemon.url + "/v1/nothing").status_code == 404
-    r = httpx.get(daemon.url + "/v1/chat/completions")
+    assert http.get(daemon.url + "/v1/nothing").status_code == 404
+    r = http.get(daemon.url + "/v1/chat/completions")
     assert r.status_code == 405 and "POST" in r.headers["allow"]
 
 
 def test_prompt_longer_than_the_context_is_rejected_before_dispatch(daemon: Daemon) -> None:
     sims = daemon.supervisor.simulators
     before = sims["a"].stats.requests + sims["b"].stats.requests
-    r = httpx.post(
+    r = http.post(
         daemon.url + "/v1/completions",
         json={"model": "demo", "prompt": list(range(10, 700)), "max_tokens": 1},
     )
@@ -207,7 +208,7 @@ def test_client_disconnect_aborts_the_engine_request(model_dir: Path, tmp_path: 
         wait_for(lambda: engine.stats.running == 0, what="the engine slot to be freed")
         wait_for(lambda: engine.stats.aborts_received == 1, what="the engine to get an Abort")
         assert engine.stats.abort_request_ids == engine.stats.request_ids[-1:]
-        metrics = httpx.get(d.url + "/metrics").text
+        metrics = http.get(d.url + "/metrics").text
         assert "direct_frontend_cancelled_requests_total 1.0" in metrics
 
 
@@ -216,13 +217,13 @@ def test_no_serving_engine_gives_503(model_dir: Path, tmp_path: Path) -> None:
     extra = "[frontend.faults]\nwait_for_engine_s = 0.2"  # after waiting that long for one
     with running_daemon(tmp_path, fleet_text(model_dir, [nobody], frontend_extra=extra)) as d:
         started = time.monotonic()
-        r = httpx.post(
+        r = http.post(
             d.url + "/v1/chat/completions", json={"model": "demo", "messages": CHAT}
         )
         assert time.monotonic() - started >= 0.2
         assert r.status_code == 503
         assert "retry-after" in r.headers
-        assert httpx.get(d.url + "/ready").status_code == 503
+        assert http.get(d.url + "/ready").status_code == 503
 
 
 def test_a_clients_request_id_is_answered_back_and_a_malformed_one_replaced(
@@ -230,16 +231,16 @@ def test_a_clients_request_id_is_answered_back_and_a_malformed_one_replaced(
 ) -> None:
     body = {"model": "demo", "messages": CHAT, "max_tokens": 4}
     for stream in (False, True):
-        answers = [httpx.post(daemon.url + "/v1/chat/completions",
+        answers = [http.post(daemon.url + "/v1/chat/completions",
                               json={**body, "stream": stream},
                               headers={"x-request-id": "trace-7f3a.9c2e"}) for _ in range(2)]
         assert all(a.status_code == 200 for a in answers)  # one id twice: both served
         assert [a.headers["x-request-id"] for a in answers] == ["trace-7f3a.9c2e"] * 2
     for bad in ("has space", "x" * 129, "quote\""):
-        answer = httpx.post(daemon.url + "/v1/chat/completions", json=body,
+        answer = http.post(daemon.url + "/v1/chat/completions", json=body,
                             headers={"x-request-id": bad})
         assert answer.status_code == 200 and len(answer.headers["x-request-id"]) == 16
-    missing = httpx.get(daemon.url + "/nowhere", headers={"x-request-id": "trace-404"})
+    missing = http.get(daemon.url + "/nowhere", headers={"x-request-id": "trace-404"})
     assert missing.status_code == 404 and missing.headers["x-request-id"] == "trace-404"
 
 
@@ -247,10 +248,10 @@ def test_one_access_log_line_per_request_and_none_for_probes(
     daemon: Daemon, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, logger="direct_frontend.access")
-    answer = httpx.post(daemon.url + "/v1/chat/completions", headers={"x-request-id": "t-1"},
+    answer = http.post(daemon.url + "/v1/chat/completions", headers={"x-request-id": "t-1"},
                         json={"model": "demo", "messages": CHAT, "max_tokens": 2})
-    httpx.get(daemon.url + "/health", headers={"x-request-id": "t-2"})
-    httpx.get(daemon.url + "/nowhere", headers={"x-request-id": "t-3"})
+    http.get(daemon.url + "/health", headers={"x-request-id": "t-2"})
+    http.get(daemon.url + "/nowhere", headers={"x-request-id": "t-3"})
 
     def lines() -> list[logging.LogRecord]:  # each is written once its answer is sent
         return [r for r in caplog.records if r.name == "direct_frontend.access"
@@ -267,7 +268,7 @@ def test_one_access_log_line_per_request_and_none_for_probes(
 
 def test_every_answer_carries_a_request_id(daemon: Daemon) -> None:
     for path in ("/health", "/ready", "/metrics", "/v1/models", "/fleet"):
-        answer = httpx.get(daemon.url + path)
+        answer = http.get(daemon.url + path)
         assert answer.status_code == 200 and len(answer.headers["x-request-id"]) == 16, path
         assert answer.headers.get_list("x-request-id") == [answer.headers["x-request-id"]]
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-import httpx
 from grpclib import Status
 
 from direct_frontend.simulator import SimEngine
@@ -20,6 +19,7 @@ from tests.support.daemon import (
     sim_engine,
     wait_for,
 )
+from tests.support.http import http
 from tests.support.sim import EngineThread
 
 TIMING = {"decode_us_per_token": 0, "prefill_us_per_token": 0, "eos_probability": 0.0}
@@ -34,14 +34,14 @@ def kv_engine(name: str, kind: str = "vllm") -> dict[str, object]:
 
 
 def complete(daemon: Daemon, prompt: list[int] | list[list[int]]) -> dict[str, object]:
-    r = httpx.post(daemon.url + "/v1/completions",
+    r = http.post(daemon.url + "/v1/completions",
                    json={"model": "demo", "prompt": prompt, "max_tokens": 4})
     assert r.status_code == 200, r.text
     return r.json()
 
 
 def metric(daemon: Daemon, name: str) -> float:
-    body = httpx.get(daemon.url + "/metrics").text
+    body = http.get(daemon.url + "/metrics").text
     match = re.search(rf"^{name} (\S+)$", body, re.M)
     return float(match.group(1)) if match else 0.0
 
@@ -130,7 +130,7 @@ def test_an_engine_with_one_token_pages_is_indexed_in_our_blocks(
             reported = usage["prompt_tokens_details"]["cached_tokens"]  # type: ignore[index]
             assert reported >= 160
             assert child.incarnation in kv.live  # never dropped for its page size
-            fleet = httpx.get(daemon.url + "/fleet").json()
+            fleet = http.get(daemon.url + "/fleet").json()
             assert fleet["engines"][0]["kv_routing"] == "events"
             assert metric(daemon, "direct_frontend_kv_predicted_cached_tokens_total") == 160
 

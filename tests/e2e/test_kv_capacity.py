@@ -14,12 +14,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from direct_frontend.simulator import SimEngine
 from direct_frontend.simulator.model import TimingModel
 from tests.support.daemon import kv_fleet_text, running_daemon
+from tests.support.http import http
 from tests.support.sim import EngineThread
 
 BLOCK = 16
@@ -45,7 +45,7 @@ def test_capacity_comes_from_get_loads_and_an_engine_without_it_still_joins(
                   for name, sim in (("small", small), ("older", older))]
         with running_daemon(tmp_path, kv_fleet_text(model_dir, tables)) as daemon:
             daemon.wait_serving(2)
-            engines = {e["name"]: e for e in httpx.get(daemon.url + "/fleet").json()["engines"]}
+            engines = {e["name"]: e for e in http.get(daemon.url + "/fleet").json()["engines"]}
             assert engines["small"]["kv_capacity_tokens"] == 8 * BLOCK
             assert engines["older"]["kv_capacity_tokens"] is None
             assert engines["older"]["state"] == "serving"
@@ -56,7 +56,7 @@ def test_capacity_comes_from_get_loads_and_an_engine_without_it_still_joins(
             policy = daemon.control.models.get("demo").settings.policy
             for first in (100, 400, 700):
                 prompt = list(range(first, first + 12 * BLOCK))
-                r = httpx.post(daemon.url + "/v1/completions",
+                r = http.post(daemon.url + "/v1/completions",
                                json={"model": "demo", "prompt": prompt, "max_tokens": 2})
                 assert r.status_code == 200, r.text
             assert policy.approx.capacities == {"small": 8}

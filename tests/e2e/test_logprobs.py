@@ -13,7 +13,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import openai
 import pytest
 
@@ -22,6 +21,7 @@ from direct_frontend.simulator.logprobs import output_rows, prompt_rows
 from direct_frontend.simulator.model import Generation, StopCriteria
 from direct_frontend.text.model_dir import TextModel
 from tests.support.daemon import Daemon, fleet_text, running_daemon, sim_engine
+from tests.support.http import http, sdk_http
 
 KINDS = ["sglang", "vllm", "trtllm"]
 SIM = {"eos_probability": 0.0}
@@ -47,7 +47,8 @@ def text_model(model_dir: Path) -> TextModel:
 
 
 def client(daemon: Daemon) -> openai.OpenAI:
-    return openai.OpenAI(base_url=daemon.url + "/v1", api_key="-", max_retries=0)
+    return openai.OpenAI(base_url=daemon.url + "/v1", api_key="-", max_retries=0,
+                         http_client=sdk_http())
 
 
 def engine_rows(daemon: Daemon, prompt: list[int], tokens: int) -> list[Any]:
@@ -251,7 +252,7 @@ def test_a_migrated_stream_keeps_its_logprobs_exact(daemon: Daemon) -> None:
     finally:
         daemon.wait_serving(len(sims), timeout=15)
     assert any(s.fault_stats.died for s in sims.values())
-    metrics = httpx.get(daemon.url + "/metrics").text
+    metrics = http.get(daemon.url + "/metrics").text
     assert 'outcome="migrated"' in metrics
     assert again == text
     assert [e.model_dump() for e in entries] == [e.model_dump() for e in expected]

@@ -14,13 +14,13 @@ from pathlib import Path
 from typing import Any
 
 import anthropic
-import httpx
 import pytest
 from grpclib.const import Status
 
 from direct_frontend.simulator.faults import FaultPlan
 from tests.e2e.test_responses_api import QUESTION, SCRIPTS
 from tests.support.daemon import Daemon
+from tests.support.http import http, sdk2_http
 from tests.support.models import engine_table, scripted_daemon, simulators
 
 TOOLS: list[Any] = [{
@@ -49,7 +49,8 @@ def daemon(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 
 @pytest.fixture
 def client(daemon: Daemon) -> Iterator[anthropic.Anthropic]:
-    with anthropic.Anthropic(base_url=daemon.url, api_key=KEY, max_retries=0) as client:
+    with anthropic.Anthropic(base_url=daemon.url, api_key=KEY, max_retries=0,
+                             http_client=sdk2_http()) as client:
         yield client
 
 
@@ -135,7 +136,7 @@ def test_errors_come_in_anthropics_shape(daemon: Daemon, client: anthropic.Anthr
         client.messages.create(model="agent", max_tokens=5, messages=[{"role": "user", "content": [
             {"type": "image", "source": {"type": "url", "url": "http://x/y.png"}}]}])
     assert "image" in str(image.value)
-    denied = httpx.post(daemon.url + "/v1/messages", headers={"x-api-key": "wrong"}, json={
+    denied = http.post(daemon.url + "/v1/messages", headers={"x-api-key": "wrong"}, json={
         "model": "agent", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]})
     assert denied.status_code == 401
     assert denied.json()["error"]["type"] == "authentication_error"
@@ -172,5 +173,5 @@ def test_the_sdk_lists_and_retrieves_models_in_anthropics_shape(
     assert page == {"data": [], "has_more": False, "first_id": None, "last_id": None}
     with pytest.raises(anthropic.BadRequestError):
         client.get("/v1/models", cast_to=object, options={"params": {"limit": 0}})
-    plain = httpx.get(daemon.url + "/v1/models", headers={"authorization": f"Bearer {KEY}"})
+    plain = http.get(daemon.url + "/v1/models", headers={"authorization": f"Bearer {KEY}"})
     assert plain.json()["object"] == "list"  # an OpenAI client still gets OpenAI's shape

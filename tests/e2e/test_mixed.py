@@ -31,6 +31,7 @@ from tests.support.daemon import (
     sim_engine,
     wait_for,
 )
+from tests.support.http import sdk_http
 
 KINDS = ("sglang", "vllm", "trtllm")
 FAST = {"decode_us_per_token": 0, "prefill_us_per_token": 0, "eos_probability": 0.0}
@@ -52,7 +53,8 @@ def daemon(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 @pytest.fixture()
 def client(daemon: Daemon) -> Iterator[openai.OpenAI]:
     # Closed after each test: an idle keep-alive connection would hold up the shutdown.
-    with openai.OpenAI(base_url=daemon.url + "/v1", api_key="unused", max_retries=0) as client:
+    with openai.OpenAI(base_url=daemon.url + "/v1", api_key="unused", max_retries=0,
+                       http_client=sdk_http()) as client:
         yield client
 
 

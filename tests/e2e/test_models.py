@@ -16,11 +16,11 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
 
 from tests.support.daemon import Daemon, free_port, running_daemon, wait_for
+from tests.support.http import http
 from tests.support.models import (
     FAST,
     engine_requests,
@@ -135,10 +135,10 @@ def test_each_model_is_retrieved_by_its_id_as_it_is_listed(
     with pytest.raises(openai.NotFoundError) as caught:
         client.models.retrieve("nope")
     assert caught.value.code == "model_not_found" and "'nope'" in caught.value.message
-    assert httpx.get(daemon.url + "/v1/models/").status_code == 404  # no id: no route
-    reply = httpx.post(daemon.url + "/v1/models/chat", json={})
+    assert http.get(daemon.url + "/v1/models/").status_code == 404  # no id: no route
+    reply = http.post(daemon.url + "/v1/models/chat", json={})
     assert reply.status_code == 405 and reply.headers["allow"] == "GET"
-    metrics = httpx.get(daemon.url + "/metrics").text
+    metrics = http.get(daemon.url + "/metrics").text
     assert 'code="200",endpoint="/v1/models/{model}"' in metrics  # one label, not one per id
     assert 'code="404",endpoint="/v1/models/{model}"' in metrics
     assert "/v1/models/chat" not in metrics

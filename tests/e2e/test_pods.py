@@ -16,18 +16,21 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from direct_frontend.simulator import EngineKind
 from direct_frontend.simulator.engine import SimEngine
 from direct_frontend.simulator.model import TimingModel
 from tests.support.daemon import Daemon, fleet_text, free_port, running_daemon, wait_for
+from tests.support.http import http
 from tests.support.kube import ApiServer, pod, set_ready
 from tests.support.load import Load
 from tests.support.sim import EngineThread
 
 FAST = "interval_s = 0.05\ntimeout_s = 1.0\njoin_timeout_s = 3.0"
+#: for fleets of many pods: 50 engines probed every 50 ms keep a daemon on a loaded machine
+#: so busy that joins time out
+CALM = "interval_s = 0.5\ntimeout_s = 2.0\njoin_timeout_s = 5.0"
 
 
 @pytest.fixture()
@@ -52,8 +55,8 @@ def engine(model_dir: Path, host: str = "127.0.0.1", name: str = "demo",
 
 
 def pod_fleet(model_dir: Path, kubeconfig: Path, selector: str = "app=engine",
-              relist_s: float = 300.0) -> str:
-    return fleet_text(model_dir, [], probe=FAST) + textwrap.dedent(f"""
+              relist_s: float = 300.0, probe: str = FAST) -> str:
+    return fleet_text(model_dir, [], probe=probe) + textwrap.dedent(f"""
         [frontend.kubernetes]
         kubeconfig = "{kubeconfig}"
         watch_timeout_s = 2
@@ -68,7 +71,7 @@ def pod_fleet(model_dir: Path, kubeconfig: Path, selector: str = "app=engine",
 
 
 def fleet_view(daemon: Daemon) -> dict[str, Any]:
-    return dict(httpx.get(daemon.url + "/fleet").json())
+    return dict(http.get(daemon.url + "/fleet").json())
 
 
 def serving(daemon: Daemon) -> set[str]:
@@ -172,7 +175,7 @@ def test_a_pod_missing_at_a_relist_is_withdrawn(
                 wait_serving(daemon, {"web/a", "web/c"})
             pool = fleet_view(daemon)["pools"][0]
             assert pool["relists"] >= 3 and pool["stale"] is False
-            metrics = httpx.get(daemon.url + "/metrics").text
+            metrics = http.get(daemon.url + "/metrics").text
             assert re.search(r'pool_relists_total\{pool="web",reason="gone"\} [1-9]', metrics)
             assert re.search(r'pool_relists_total\{pool="web",reason="periodic"\} [1-9]', metrics)
 
@@ -217,7 +220,7 @@ def test_a_ready_pod_not_answering_or_serving_another_model_never_serves(
                 assert engines["web/wrong"]["state"] == "refused"
                 assert "serves model 'other'" in engines["web/wrong"]["last_error"]
                 assert engines["web/silent"]["state"] == "joining"
-                assert httpx.get(daemon.url + "/ready").status_code == 200
+                assert http.get(daemon.url + "/ready").status_code == 200
                 late = SimEngine.from_model_dir("sglang", model_dir, served_model_name="demo",
                                                 timing=TimingModel(), eos_probability=0.0)
                 with EngineThread(late, port=silent_port):  # the port its pod advertises
@@ -234,11 +237,11 @@ def test_the_api_server_going_away_removes_nothing(
         with under_load(daemon) as load:
             api.stop()
             wait_for(lambda: fleet_view(daemon)["pools"][0]["stale"], 10, "stale")
-            metrics = httpx.get(daemon.url + "/metrics").text
+            metrics = http.get(daemon.url + "/metrics").text
             assert 'pool_membership_stale{pool="web"} 1.0' in metrics
 
             def errors() -> float:
-                text = httpx.get(daemon.url + "/metrics").text
+                text = http.get(daemon.url + "/metrics").text
                 found = re.search(r'pool_watch_errors_total\{pool="web"\} (\S+)', text)
                 return float(found[1]) if found else 0.0
 
@@ -249,7 +252,7 @@ def test_the_api_server_going_away_removes_nothing(
             api.start()  # ... the relist after it comes back finds
             wait_serving(daemon, {"web/a"})
             wait_for(lambda: not fleet_view(daemon)["pools"][0]["stale"], 10, "fresh")
-        metrics = httpx.get(daemon.url + "/metrics").text
+        metrics = http.get(daemon.url + "/metrics").text
         assert 'pool_membership_stale{pool="web"} 0.0' in metrics
 
 
@@ -290,12 +293,12 @@ def test_a_reload_that_changes_the_selector_reconciles_the_pool(
                 blue_life = daemon.supervisor.children["web/blue"].incarnation
                 path.write_text(text.replace("relist_interval_s = 300.0",
                                              "relist_interval_s = 200.0"))
-                result = httpx.post(daemon.url + "/fleet/reload").json()
+                result = http.post(daemon.url + "/fleet/reload").json()
                 assert result["ok"] and result["diff"]["removed"] == []  # the pods' engines stay
                 assert result["diff"]["live"] == ["kubernetes.relist_interval_s"]
                 assert daemon.supervisor.children["web/blue"].incarnation == blue_life
                 path.write_text(pod_fleet(model_dir, kubeconfig, selector="track in (green)"))
-                result = httpx.post(daemon.url + "/fleet/reload").json()
+                result = http.post(daemon.url + "/fleet/reload").json()
                 assert result["ok"] and result["diff"]["pools_changed"] == [
                     {"name": "web", "fields": ["selector"]}
                 ]
@@ -319,14 +322,14 @@ def test_wait_for_pods_holds_ready_until_each_pool_serves(
             """)
         with running_daemon(tmp_path, text) as daemon:
             wait_serving(daemon, {"static"})
-            ready = httpx.get(daemon.url + "/ready")
+            ready = http.get(daemon.url + "/ready")
             assert ready.status_code == 503 and ready.json()["waiting_for_pools"] == ["web"]
             api.put(pod("a", "127.0.0.1", a.engine.port))
             wait_serving(daemon, {"static", "web/a"})
-            assert httpx.get(daemon.url + "/ready").status_code == 200
+            assert http.get(daemon.url + "/ready").status_code == 200
             api.delete("a")  # start-up only: a pool emptied later does not hold /ready
             wait_serving(daemon, {"static"})
-            assert httpx.get(daemon.url + "/ready").status_code == 200
+            assert http.get(daemon.url + "/ready").status_code == 200
 
 
 def test_a_thousand_pods_churning_leave_nothing_behind(
@@ -335,7 +338,7 @@ def test_a_thousand_pods_churning_leave_nothing_behind(
     """1,000 pods through Ready and deletion in waves; every incarnation and series is freed."""
     with engine(model_dir) as a, engine(model_dir, host="0.0.0.0") as many:
         api.put(pod("a", "127.0.0.1", a.engine.port))
-        text = pod_fleet(model_dir, api.kubeconfig(tmp_path / "kubeconfig"))
+        text = pod_fleet(model_dir, api.kubeconfig(tmp_path / "kubeconfig"), probe=CALM)
         with running_daemon(tmp_path, text) as daemon:
             wait_serving(daemon, {"web/a"})
             with under_load(daemon):
@@ -355,7 +358,7 @@ def test_a_thousand_pods_churning_leave_nothing_behind(
             pool = fleet_view(daemon)["pools"][0]
             assert pool["engines"] == ["web/a"] and pool["pods_not_serving"] == {}
             assert pool["events"] >= 1000
-            metrics = httpx.get(daemon.url + "/metrics").text
+            metrics = http.get(daemon.url + "/metrics").text
             assert 'engine="web/p' not in metrics  # the engines' series forgotten
 
 
@@ -385,7 +388,7 @@ def test_a_pods_kv_events_feed_the_index_until_it_leaves(
             child = daemon.supervisor.children["web/kv"]
             assert child.cfg.kv_events == (f"tcp://127.0.0.1:{events}",)
             wait_for(lambda: len(kv.live) == 1, 10, "the pod's KV subscription")
-            r = httpx.post(daemon.url + "/v1/completions", json={
+            r = http.post(daemon.url + "/v1/completions", json={
                 "model": "demo", "prompt": list(range(300, 364)), "max_tokens": 2})
             assert r.status_code == 200, r.text
             key = f"g{child.incarnation}r0"

@@ -21,6 +21,7 @@ from tests.e2e.test_replicas import FAST, MEMORY_STORE
 from tests.e2e.test_workers import _sharing as sharing
 from tests.e2e.test_workers import worker_service
 from tests.support.daemon import Daemon, fleet_text, running_daemon, sim_engine, wait_for
+from tests.support.http import http, sdk2_http, sdk_http
 from tests.support.metrics import sample
 from tests.support.nats import nats_binary
 
@@ -62,7 +63,8 @@ def daemon(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 
 def client_of(daemon: Daemon, tenant: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=daemon.url + "/v1", api_key="unused", max_retries=0,
-                         default_headers={"x-tenant": tenant})
+                         default_headers={"x-tenant": tenant},
+                         http_client=sdk_http())
 
 
 ASK = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
@@ -101,7 +103,7 @@ def test_openai_headers_on_every_answer_and_a_rate_limit_error_past_the_limit(
         raw = client.completions.with_raw_response.create(model="demo", prompt="hi",
                                                           max_tokens=2)
         assert raw.headers["x-ratelimit-remaining-requests"] == "2"
-    scrape = httpx.get(daemon.url + "/metrics").text
+    scrape = http.get(daemon.url + "/metrics").text
     assert sample(scrape, "direct_frontend_rate_limited_total", limit="requests",
                   tenant="other") == 1
 
@@ -132,14 +134,14 @@ def test_a_tenants_tokens_count_its_prompt_at_once_and_its_output_when_it_ends(
         assert too_large.value.type == "tokens"
         assert "retry-after" not in too_large.value.response.headers  # it never fits
 
-    view = httpx.get(daemon.url + "/fleet").json()["rate_limits"]
+    view = http.get(daemon.url + "/fleet").json()["rate_limits"]
     assert view["tenants"]["metered"]["tokens"]["limit"] == 600
     assert view["tenants"]["metered"]["requests"] is None
 
 
 def tokens_left(daemon: Daemon, tenant: str) -> int:
     """``tenant``'s tokens left as ``/fleet`` shows them (asking spends nothing)."""
-    view = httpx.get(daemon.url + "/fleet").json()["rate_limits"]["tenants"][tenant]
+    view = http.get(daemon.url + "/fleet").json()["rate_limits"]["tenants"][tenant]
     return int(view["tokens"]["remaining"])
 
 
@@ -147,14 +149,16 @@ def test_a_background_response_and_a_stream_its_client_left_pay_for_their_output
     daemon: Daemon,
 ) -> None:
     def taken_since(left: int, since: float) -> float:
-        """Tokens taken since ``left`` remained at ``since``, net of the refill (10 a second:
-        the bucket stays below full meanwhile, so none of the refill is lost)."""
+        """At least the tokens taken since ``left`` remained, net of the refill since
+        ``since`` (10 a second), a moment before: the refill it counts is never less than
+        the bucket's, and what a full bucket did not take in only adds to it."""
         return left + 10 * (time.monotonic() - since) - tokens_left(daemon, "leaving")
 
     with client_of(daemon, "leaving") as client:  # 600 tokens a minute
+        since = time.monotonic()
         raw = client.responses.with_raw_response.create(
             model="demo", input="hi", max_output_tokens=200, background=True)
-        since, left = time.monotonic(), int(raw.headers["x-ratelimit-remaining-tokens"])
+        left = int(raw.headers["x-ratelimit-remaining-tokens"])
         queued = raw.parse()
         wait_for(lambda: client.responses.retrieve(queued.id).status == "incomplete",
                  timeout=10, what="the background response to end (at max_output_tokens)")
@@ -163,9 +167,9 @@ def test_a_background_response_and_a_stream_its_client_left_pay_for_their_output
         wait_for(lambda: taken_since(left, since) >= 200, timeout=10,
                  what="the background response's output taken")
 
+        since = time.monotonic()
         with client.chat.completions.with_streaming_response.create(
                 **{**ASK, "max_tokens": 3000}, stream=True) as stream:
-            since = time.monotonic()
             left = int(stream.headers["x-ratelimit-remaining-tokens"])
             events = (line for line in stream.iter_lines() if line.startswith("data: "))
             for _ in range(30):  # 29 tokens at least (the first may carry the role alone)
@@ -177,7 +181,8 @@ def test_a_background_response_and_a_stream_its_client_left_pay_for_their_output
 
 def test_the_messages_api_gets_anthropics_headers_and_rate_limit_error(daemon: Daemon) -> None:
     with anthropic.Anthropic(base_url=daemon.url, api_key="unused", max_retries=0,
-                             default_headers={"x-tenant": "carol"}) as client:
+                             default_headers={"x-tenant": "carol"},
+                             http_client=sdk2_http()) as client:
         for left in ("2", "1", "0"):
             raw = client.messages.with_raw_response.create(
                 model="demo", max_tokens=4, messages=[{"role": "user", "content": "hi"}])

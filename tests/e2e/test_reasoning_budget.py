@@ -14,13 +14,13 @@ from pathlib import Path
 from typing import Any
 
 import anthropic
-import httpx
 import openai
 import pytest
 from tokenizers import Tokenizer
 
 from direct_frontend.simulator.faults import FaultPlan
 from tests.support.daemon import Daemon
+from tests.support.http import http, sdk2_http
 from tests.support.models import (
     engine_table,
     openai_client,
@@ -68,7 +68,7 @@ def engine_calls(daemon: Daemon) -> int:
 
 
 def closed_total(daemon: Daemon) -> float:
-    scrape = httpx.get(daemon.url + "/metrics").text
+    scrape = http.get(daemon.url + "/metrics").text
     line = next(line for line in scrape.splitlines()
                 if line.startswith("direct_frontend_reasoning_budget_closed_total "))
     return float(line.split()[1])
@@ -124,7 +124,7 @@ def test_a_reply_within_its_budget_or_without_one_is_untouched(
 
 
 def test_a_messages_thinking_budget_is_kept_too(daemon: Daemon, tokenizer: Tokenizer) -> None:
-    client = anthropic.Anthropic(base_url=daemon.url, api_key="unused")
+    client = anthropic.Anthropic(http_client=sdk2_http(), base_url=daemon.url, api_key="unused")
     reply = client.messages.create(
         model="thinker", max_tokens=200, messages=[{"role": "user", "content": ASK[0]["content"]}],
         thinking={"type": "enabled", "budget_tokens": BUDGET})
@@ -135,10 +135,10 @@ def test_a_messages_thinking_budget_is_kept_too(daemon: Daemon, tokenizer: Token
 
 
 def test_a_bad_budget_is_a_400_naming_it(daemon: Daemon) -> None:
-    bad = httpx.post(daemon.url + "/v1/chat/completions", json={
+    bad = http.post(daemon.url + "/v1/chat/completions", json={
         "model": "thinker", "messages": ASK, "thinking_token_budget": -2})
     assert bad.status_code == 400 and "thinking_token_budget" in json.dumps(bad.json())
-    worse = httpx.post(daemon.url + "/v1/messages", json={
+    worse = http.post(daemon.url + "/v1/messages", json={
         "model": "thinker", "max_tokens": 10, "messages": ASK,
         "thinking": {"type": "enabled", "budget_tokens": "lots"}})
     assert worse.status_code == 400 and "budget_tokens" in worse.text
@@ -180,7 +180,12 @@ def test_a_continued_reply_whose_engine_dies_migrates_unbroken(
     model_dir: Path, tmp_path: Path, tokenizer: Tokenizer
 ) -> None:
     """The continuation after the closed block is a stream like any other: its engine dying
-    two tokens into the answer moves it to the other engine, and the client sees one reply."""
+    two tokens into the answer moves it to the other engine, and the client sees one reply.
+
+    The prompt is long (about 20 blocks), so the engine that thought holds enough of it to
+    take the continuation whatever load it still shows for the thought just aborted there
+    (up to two requests' worth: ours until its call ends, the engine's own report until the
+    next probe)."""
     models = ('[frontend.routing]\npolicy = "kv_aware"\n\n'
               '[[model]]\nname = "thinker"\nreasoning_parser = "qwen3"\n')
     engines = engine_table("a", "vllm", "thinker") + "\n" + engine_table("b", "vllm", "thinker")
@@ -189,8 +194,11 @@ def test_a_continued_reply_whose_engine_dies_migrates_unbroken(
         daemon.wait_serving(2)
         for sim in simulators(daemon).values():  # each engine's second call: a continuation
             sim.faults = FaultPlan(die_after_tokens=2, only_request=2)
+        long_ask = [{"role": "user", "content": " ".join(f"fact{i}." for i in range(60))
+                     + " Think it over. [ponder]"}]
         chunks = list(client.chat.completions.create(
-            model="thinker", messages=ASK, stream=True, stream_options={"include_usage": True},
+            model="thinker", messages=long_ask, stream=True,
+            stream_options={"include_usage": True},
             extra_body={"thinking_token_budget": BUDGET}))
         deltas = [c.choices[0].delta for c in chunks if c.choices]
         assert "".join(reasoning_of(d) for d in deltas) == cut_thought(tokenizer, BUDGET)

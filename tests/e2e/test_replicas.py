@@ -21,6 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
+from direct_frontend.control.replica_wire import Placements, Subjects, decode
 from tests.support.daemon import (
     Daemon,
     fleet_text,
@@ -30,7 +31,8 @@ from tests.support.daemon import (
     sim_engine,
     wait_for,
 )
-from tests.support.nats import NatsServer, nats_binary, running_nats
+from tests.support.http import http
+from tests.support.nats import NatsServer, first_message, nats_binary, running_nats
 
 pytestmark = pytest.mark.skipif(nats_binary() is None, reason="needs nats-server")
 
@@ -95,7 +97,7 @@ def replicas(
 
 
 def fleet(daemon: Daemon) -> dict[str, Any]:
-    body: dict[str, Any] = httpx.get(daemon.url + "/fleet").json()
+    body: dict[str, Any] = http.get(daemon.url + "/fleet").json()
     return body
 
 
@@ -197,30 +199,30 @@ def test_a_stored_response_is_found_continued_and_deleted_through_any_replica(
             assert daemon.app is not None and daemon.app.responses is not None
             daemon.app.responses.remote.chunk_bytes = 64  # type: ignore[union-attr]
         ask = {"model": "demo", "max_output_tokens": 8}
-        made = httpx.post(first.url + "/v1/responses", json={**ask, "input": "hi"}).json()
+        made = http.post(first.url + "/v1/responses", json={**ask, "input": "hi"}).json()
         assert made["store"] is True
-        got = httpx.get(f"{second.url}/v1/responses/{made['id']}")
+        got = http.get(f"{second.url}/v1/responses/{made['id']}")
         assert got.status_code == 200 and got.json() == made
-        follow = httpx.post(second.url + "/v1/responses",
+        follow = http.post(second.url + "/v1/responses",
                             json={**ask, "input": "more", "previous_response_id": made["id"]})
         assert follow.status_code == 200, follow.text
-        alone = httpx.post(first.url + "/v1/responses", json={
+        alone = http.post(first.url + "/v1/responses", json={
             **ask, "store": False,
             "input": [{"role": "user", "content": "hi"}, *made["output"],
                       {"role": "user", "content": "more"}]}).json()
         assert follow.json()["usage"]["input_tokens"] == alone["usage"]["input_tokens"]
-        items = httpx.get(f"{third.url}/v1/responses/{follow.json()['id']}/input_items",
+        items = http.get(f"{third.url}/v1/responses/{follow.json()['id']}/input_items",
                           params={"order": "asc"}).json()
         assert [i["type"] for i in items["data"]] == ["message", "message", "message"]
-        assert httpx.delete(f"{third.url}/v1/responses/{made['id']}").json()["deleted"]
-        assert httpx.get(f"{first.url}/v1/responses/{made['id']}").status_code == 404
+        assert http.delete(f"{third.url}/v1/responses/{made['id']}").json()["deleted"]
+        assert http.get(f"{first.url}/v1/responses/{made['id']}").status_code == 404
         served = fleet(first)["replicas"]["counts"]
         assert served["responses_served"] >= 2 and served["response_fetches_failed"] == 0
 
-        kept_by_third = httpx.post(third.url + "/v1/responses",
+        kept_by_third = http.post(third.url + "/v1/responses",
                                    json={**ask, "input": "bye"}).json()["id"]
         third.stop()
-        gone = httpx.get(f"{second.url}/v1/responses/{kept_by_third}")
+        gone = http.get(f"{second.url}/v1/responses/{kept_by_third}")
         assert gone.status_code == 404
         assert fleet(second)["replicas"]["counts"]["response_fetches_failed"] == 0
 
@@ -236,14 +238,14 @@ def test_a_background_response_is_polled_followed_and_cancelled_through_another_
         for daemon in (first, second):
             wait_for(lambda d=daemon: len(peers_of(d)) == 1, what="the sibling heard")
         sim = first.supervisor.simulators["e0"]
-        made = httpx.post(first.url + "/v1/responses", json={
+        made = http.post(first.url + "/v1/responses", json={
             "model": "demo", "input": "go on", "background": True,
             "max_output_tokens": 2000}).json()
         url = f"{second.url}/v1/responses/{made['id']}"
-        wait_for(lambda: httpx.get(url).json()["output"] != [], what="output to show")
-        assert httpx.get(url).json()["status"] == "in_progress"
+        wait_for(lambda: http.get(url).json()["output"] != [], what="output to show")
+        assert http.get(url).json()["status"] == "in_progress"
         seen: list[dict[str, Any]] = []
-        with httpx.stream("GET", url, params={"stream": "true"}, timeout=30) as reply:
+        with http.stream("GET", url, params={"stream": "true"}, timeout=30) as reply:
             for line in reply.iter_lines():
                 if line.startswith("data: "):
                     seen.append(json.loads(line[6:]))
@@ -251,13 +253,13 @@ def test_a_background_response_is_polled_followed_and_cancelled_through_another_
                         break
         assert [e["sequence_number"] for e in seen] == list(range(len(seen)))
         aborts = sim.stats.aborts_received + sim.stats.cancellations
-        cancelled = httpx.post(url + "/cancel")
+        cancelled = http.post(url + "/cancel")
         assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled"
         wait_for(lambda: sim.stats.aborts_received + sim.stats.cancellations > aborts,
                  what="the engine to hear the cancel")
-        own = httpx.get(f"{first.url}/v1/responses/{made['id']}").json()
+        own = http.get(f"{first.url}/v1/responses/{made['id']}").json()
         assert own["status"] == "cancelled"
-        with httpx.stream("GET", url, params={"stream": "true", "starting_after": str(
+        with http.stream("GET", url, params={"stream": "true", "starting_after": str(
                 seen[-1]["sequence_number"])}, timeout=30) as reply:
             rest = [json.loads(line[6:]) for line in reply.iter_lines()
                     if line.startswith("data: ")]
@@ -317,7 +319,7 @@ def test_a_fault_seen_by_one_replica_is_acted_on_by_the_other(
         first.supervisor.simulators["a"].faults = FaultPlan(die_after_tokens=1)
         body = {"model": "demo", "prompt": "x", "max_tokens": 8}
         for _ in range(2):  # round robin: one of them reaches a, which dies under it
-            r = httpx.post(second.url + "/v1/completions", json=body)
+            r = http.post(second.url + "/v1/completions", json=body)
             assert r.status_code == 200, r.text  # migrated to b
         first.supervisor.simulators["a"].faults = FaultPlan()
         wait_for(lambda: fleet(first)["replicas"]["counts"]["faults_acted_on"] >= 1,
@@ -364,7 +366,7 @@ def test_a_late_replica_warms_from_a_sibling_and_predicts_what_it_predicts(
             first.wait_serving(2)
             wait_for(lambda: len(first.supervisor.kv.live) == 2, what="KV subscriptions")
             for prompt in prompts:
-                r = httpx.post(first.url + "/v1/completions",
+                r = http.post(first.url + "/v1/completions",
                                json={"model": "demo", "prompt": prompt, "max_tokens": 2})
                 assert r.status_code == 200, r.text
             wait_for(lambda: len(first.supervisor.kv.index) >= sum(len(p) // 16 for p in prompts),
@@ -383,7 +385,7 @@ def test_a_late_replica_warms_from_a_sibling_and_predicts_what_it_predicts(
                     assert overlaps(second, prompt) == expected
                 # and it stays in step: a new prompt reaches both through live events
                 fresh = [1850 + i for i in range(64)]
-                httpx.post(second.url + "/v1/completions",
+                http.post(second.url + "/v1/completions",
                            json={"model": "demo", "prompt": fresh, "max_tokens": 2})
                 wait_for(lambda: overlaps(first, fresh) and
                          overlaps(second, fresh) == overlaps(first, fresh),
@@ -424,8 +426,9 @@ def test_nats_killed_and_restarted_under_load_fails_no_request(
                 nats.kill()
                 for daemon in daemons:
                     wait_for(lambda d=daemon: fleet(d)["replicas"]["degraded"], what="degraded")
-                assert "direct_frontend_replica_degraded 1.0" in httpx.get(
-                    daemons[0].url + "/metrics").text
+                # the gauge follows at the link's next round
+                wait_for(lambda: "direct_frontend_replica_degraded 1.0" in http.get(
+                    daemons[0].url + "/metrics").text, what="the degraded gauge")
                 during = sent[0]
                 wait_for(lambda: sent[0] >= during + 20, what="requests served while degraded")
                 nats.start()
@@ -438,24 +441,28 @@ def test_nats_killed_and_restarted_under_load_fails_no_request(
                 done.set()
                 worker.join(30)
             assert failures == []
-            assert "direct_frontend_replica_degraded 0.0" in httpx.get(
-                daemons[0].url + "/metrics").text
+            wait_for(lambda: "direct_frontend_replica_degraded 0.0" in http.get(
+                daemons[0].url + "/metrics").text, what="the gauge back at 0")
     finally:
         nats.kill()
 
 
-def test_placements_made_while_nats_is_down_reach_the_sibling_when_it_is_back(
+def test_placements_made_while_nats_is_down_reach_a_sibling_back_after_they_were_sent(
     model_dir: Path, tmp_path: Path
 ) -> None:
+    """NATS keeps nothing for a subscriber that is not there: a sibling back on the link
+    after the replica that placed requests while it was down sent them still hears them,
+    sent again when the replica hears that sibling anew."""
     engines = [sim_engine(f"e{i}", "sglang", **FAST) for i in range(3)]
     nats = NatsServer().start()
     try:
         with replicas(tmp_path, model_dir, engines, nats.url, 2, policy="kv_aware") as (a, b):
             wait_for(lambda: peers_of(a) and peers_of(b), what="siblings")
             nats.kill()
-            wait_for(lambda: fleet(a)["replicas"]["degraded"], what="degraded")
+            wait_for(lambda: fleet(a)["replicas"]["degraded"] and fleet(b)["replicas"]["degraded"],
+                     what="degraded")
             prompt = "a prefix placed while the link is down " * 8
-            r = httpx.post(a.url + "/v1/completions",
+            r = http.post(a.url + "/v1/completions",
                            json={"model": "demo", "prompt": prompt, "max_tokens": 2})
             assert r.status_code == 200, r.text
             policy_b = b.control.models.get("demo").settings.policy
@@ -469,8 +476,13 @@ def test_placements_made_while_nats_is_down_reach_the_sibling_when_it_is_back(
                 return found
 
             assert known_to_b() == {}
-            nats.start()
-            wait_for(lambda: bool(known_to_b()), timeout=15, what="the placement re-sent")
+            subject = Subjects(a.control.settings.frontend.replicas.cluster).placements
+            with b.frozen(), a.frozen() as thaw_a:  # b comes back late
+                nats.start()
+                sent = decode(Placements, first_message(nats.url, subject, then=thaw_a))
+                assert sent is not None
+                assert list(hashes) in [h[: len(hashes)] for _, h in sent.each()]
+            wait_for(lambda: bool(known_to_b()), what="the placements sent again")
             assert max(known_to_b().values()) == len(hashes)
     finally:
         nats.kill()

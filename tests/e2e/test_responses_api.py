@@ -14,13 +14,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import openai
 import pytest
 from grpclib.const import Status
 
 from direct_frontend.simulator.faults import FaultPlan
 from tests.support.daemon import Daemon, running_daemon
+from tests.support.http import http
 from tests.support.models import (
     engine_table,
     frontend_table,
@@ -143,7 +143,7 @@ def test_a_follow_up_continues_a_stored_response_as_if_it_sent_the_history(
                                      input=result, tools=TOOLS)
     assert second.output_text == "It is sunny in Zürich."
     assert second.previous_response_id == first.id
-    counted = httpx.post(daemon.url + "/v1/responses/input_tokens", json={
+    counted = http.post(daemon.url + "/v1/responses/input_tokens", json={
         "model": "agent", "previous_response_id": first.id, "input": result, "tools": TOOLS})
     assert counted.json() == {"object": "response.input_tokens",
                               "input_tokens": second.usage.input_tokens}  # type: ignore[union-attr]
@@ -175,7 +175,7 @@ def test_a_stored_response_is_retrieved_listed_and_deleted(
     rest = client.responses.input_items.list(second.id, limit=2, after=newest.last_id)
     assert [item.type for item in rest.data] == ["reasoning", "message"] and not rest.has_more
 
-    scrape = httpx.get(daemon.url + "/metrics").text
+    scrape = http.get(daemon.url + "/metrics").text
     assert metric_value(scrape, "direct_frontend_responses_stored") >= 2
     assert metric_value(scrape, "direct_frontend_responses_stored_bytes") > 0
     assert 'code="200",endpoint="/v1/responses/{id}"' in scrape  # not one per id
@@ -308,20 +308,20 @@ def test_truncation_auto_drops_the_oldest_turns_to_fit_the_context(
            "input": [*history, {"role": "user", "content": "Say it. [result]"}]}
     with scripted_daemon(model_dir, tmp_path, models, engine_table("sim", "vllm", "short"),
                          SCRIPTS) as daemon:
-        whole = httpx.post(daemon.url + "/v1/responses", json=ask)
+        whole = http.post(daemon.url + "/v1/responses", json=ask)
         assert whole.status_code == 400, whole.text
         assert whole.json()["error"]["code"] == "context_length_exceeded"
-        cut = httpx.post(daemon.url + "/v1/responses", json={**ask, "truncation": "auto"})
+        cut = http.post(daemon.url + "/v1/responses", json={**ask, "truncation": "auto"})
         assert cut.status_code == 200, cut.text
         body = cut.json()
         assert body["truncation"] == "auto" and body["output"][0]["content"][0]["text"] == \
             "It is sunny in Zürich."
         used = body["usage"]["input_tokens"]
         assert 300 - 20 - 30 < used <= 300 - 20  # as many turns kept as fit, no more
-        kept = httpx.get(f"{daemon.url}/v1/responses/{body['id']}/input_items",
+        kept = http.get(f"{daemon.url}/v1/responses/{body['id']}/input_items",
                          params={"limit": 100}).json()
         assert len(kept["data"]) == len(ask["input"])  # the record keeps the whole conversation
-        alone = httpx.post(daemon.url + "/v1/responses", json={
+        alone = http.post(daemon.url + "/v1/responses", json={
             **ask, "truncation": "auto", "max_output_tokens": 290,
             "input": [{"role": "user", "content": "x " * 400}]})
         assert alone.status_code == 400 and alone.json()["error"]["param"] == "input"

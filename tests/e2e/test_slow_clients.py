@@ -48,23 +48,23 @@ def _address(daemon: Daemon) -> tuple[str, int]:
 
 
 def test_a_trickled_request_head_is_closed_after_header_timeout(daemon: Daemon) -> None:
-    head = b"GET /health HTTP/1.1\r\nHost: x\r\n" + b"X-Pad: %s\r\n" % (b"y" * 100) + b"\r\n"
+    head = b"GET /health HTTP/1.1\r\nHost: x\r\n" + b"X-Pad: %s\r\n" % (b"y" * 300) + b"\r\n"
     with socket.create_connection(_address(daemon), timeout=10) as sock:
-        closed, received, elapsed = _closed_while_trickling(sock, head)  # 6 s if never cut
+        closed, received, elapsed = _closed_while_trickling(sock, head)  # 16 s if never cut
     assert closed and received == b"", received
-    assert elapsed < 0.5 + 1.5, elapsed
+    assert elapsed < 5, elapsed
 
 
 def test_a_trickled_body_gets_a_408_and_the_connection_closes(daemon: Daemon) -> None:
-    body = json.dumps({"model": "demo", "prompt": "hello", "max_tokens": 2}).encode()
+    body = json.dumps({"model": "demo", "prompt": "hello " * 40, "max_tokens": 2}).encode()
     with socket.create_connection(_address(daemon), timeout=10) as sock:
         sock.sendall(
             b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             b"Content-Length: %d\r\n\r\n" % len(body)
         )
-        closed, received, elapsed = _closed_while_trickling(sock, body)  # > 2 s if never cut
+        closed, received, elapsed = _closed_while_trickling(sock, body)  # 15 s if never cut
     assert closed, received
-    assert elapsed < 0.5 + 1.5, elapsed
+    assert elapsed < 5, elapsed
     head, _, payload = received.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 408"), received
     assert b"x-request-id:" in head.lower()

@@ -15,7 +15,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import jsonschema
 import openai
 import pytest
@@ -23,6 +22,7 @@ from google.protobuf.json_format import MessageToDict
 
 from direct_frontend.simulator.faults import FaultPlan
 from tests.support.daemon import Daemon, fleet_text, running_daemon, sim_engine
+from tests.support.http import http, sdk_http
 
 KINDS = ["sglang", "vllm", "trtllm"]
 CHAT = [{"role": "user", "content": "Describe a person."}]
@@ -52,7 +52,8 @@ def daemon(
 
 
 def client(daemon: Daemon) -> openai.OpenAI:
-    return openai.OpenAI(base_url=daemon.url + "/v1", api_key="-", max_retries=0)
+    return openai.OpenAI(base_url=daemon.url + "/v1", api_key="-", max_retries=0,
+                         http_client=sdk_http())
 
 
 def chat_text(daemon: Daemon, stream: bool, **kwargs: Any) -> str:
@@ -214,7 +215,7 @@ def test_routing_sends_each_request_to_a_kind_that_carries_it(
         assert len(seeded) == 4 and len(biased) == 4
         assert len(sims["s"].stats.received) == len(sims["t"].stats.received) == 4
         # both at once: no engine of this fleet carries the pair
-        r = httpx.post(daemon.url + "/v1/chat/completions", json={
+        r = http.post(daemon.url + "/v1/chat/completions", json={
             "model": "demo", "messages": CHAT, "seed": 5, "logit_bias": {"3": 1},
         })
         assert r.status_code == 400, r.text
@@ -225,7 +226,7 @@ def test_a_seed_no_serving_engine_can_carry_is_a_400(model_dir: Path, tmp_path: 
     text = fleet_text(model_dir, [sim_engine("s", "sglang", **QUIET)])
     with running_daemon(tmp_path, text) as daemon:
         daemon.wait_serving(1)
-        r = httpx.post(daemon.url + "/v1/chat/completions",
+        r = http.post(daemon.url + "/v1/chat/completions",
                        json={"model": "demo", "messages": CHAT, "seed": 5})
         assert r.status_code == 400
         error = r.json()["error"]
@@ -267,7 +268,7 @@ def test_a_constrained_stream_never_continues_unconstrained(
         assert partial and whole.startswith(partial) and len(partial) < len(whole)
         # no continuation was sent anywhere (a migrated call's id ends in "~<attempt>")
         assert not any("~" in rid for sim in sims.values() for rid in sim.stats.received)
-        body = httpx.get(daemon.url + "/metrics").text
+        body = http.get(daemon.url + "/metrics").text
         assert 'direct_frontend_migrations_refused_total{reason="constraint"} 1.0' in body
 
 
@@ -313,7 +314,7 @@ def test_a_deterministic_constrained_stream_is_replayed_elsewhere_token_exactly(
             assert list(replay.tokenized.input_ids) == prompt
             assert replay.sampling_params.max_tokens == 300
             assert replay.sampling_params.regex == pattern
-        body = httpx.get(daemon.url + "/metrics").text
+        body = http.get(daemon.url + "/metrics").text
         assert "direct_frontend_migrations_refused_total{" not in body
 
 

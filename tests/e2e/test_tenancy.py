@@ -21,6 +21,7 @@ import pytest
 import trio
 
 from tests.support.daemon import Daemon, wait_for
+from tests.support.http import http, sdk_http
 from tests.support.metrics import sample
 from tests.support.models import engine_table, scripted_daemon
 
@@ -39,7 +40,7 @@ name = "alice"
 priority = true
 
 [frontend.responses]
-max_bytes = 120000
+max_bytes = 60000
 max_background_per_owner = 4
 
 [[model]]
@@ -60,7 +61,8 @@ def daemon(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 
 @contextlib.contextmanager
 def client_of(daemon: Daemon, key: str) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=daemon.url + "/v1", api_key=key, max_retries=0) as client:
+    with openai.OpenAI(base_url=daemon.url + "/v1", api_key=key, max_retries=0,
+                       http_client=sdk_http()) as client:
         yield client
 
 
@@ -92,7 +94,7 @@ def test_another_key_gets_not_found_for_every_stored_and_background_operation(
                 bob.responses.cancel(response_id)
             with pytest.raises(openai.NotFoundError):
                 bob.responses.delete(response_id)
-            followed = httpx.get(f"{daemon.url}/v1/responses/{response_id}",
+            followed = http.get(f"{daemon.url}/v1/responses/{response_id}",
                                  params={"stream": "true"}, headers=headers(BOB))
             assert followed.status_code == 404
             with pytest.raises(openai.BadRequestError) as continued:
@@ -147,7 +149,7 @@ def test_a_flood_of_background_work_leaves_another_keys_requests_and_records_alo
         # her logs outgrow her share of the store: hers are stopped (and the oldest of what
         # is left of them leave), bob's record stays
         def ended(response_id: str) -> str:
-            answer = httpx.get(f"{daemon.url}/v1/responses/{response_id}",
+            answer = http.get(f"{daemon.url}/v1/responses/{response_id}",
                                headers=headers(ALICE))
             return "gone" if answer.status_code == 404 else str(answer.json()["status"])
 
@@ -184,7 +186,7 @@ def _concurrently(daemon: Daemon, key: str, count: int) -> list[httpx.Response]:
 def test_every_answer_names_its_request_and_no_cursor_is_a_500(daemon: Daemon) -> None:
     for method, path, code in (("GET", "/nowhere", 404), ("GET", "/v1/chat/completions", 405),
                                ("GET", "/v1/models", 401)):
-        answer = httpx.request(method, daemon.url + path)
+        answer = http.request(method, daemon.url + path)
         assert answer.status_code == code
         assert len(answer.headers["x-request-id"]) == 16
     with client_of(daemon, ALICE) as alice:
@@ -193,10 +195,10 @@ def test_every_answer_names_its_request_and_no_cursor_is_a_500(daemon: Daemon) -
     for params in ({"stream": "true", "starting_after": "9" * 5000},
                    {"stream": "true", "starting_after": "\u00b2"},
                    {"stream": "true", "starting_after": "-2"}):
-        answer = httpx.get(url, params=params, headers=headers(ALICE))
+        answer = http.get(url, params=params, headers=headers(ALICE))
         assert answer.status_code == 400 and answer.json()["error"]["param"] == "starting_after"
     for limit in ("9" * 5000, "\u00b2", "0", "101"):
-        answer = httpx.get(url + "/input_items", params={"limit": limit}, headers=headers(ALICE))
+        answer = http.get(url + "/input_items", params={"limit": limit}, headers=headers(ALICE))
         assert answer.status_code == 400 and answer.json()["error"]["param"] == "limit"
 
 
@@ -269,7 +271,7 @@ def test_every_answer_reports_the_service_tier_it_was_served_at(daemon: Daemon) 
             bob.chat.completions.create(model="agent", messages=messages, max_tokens=2,
                                         extra_body={"service_tier": "gold"})
         assert bad.value.param == "service_tier"
-    text = httpx.get(daemon.url + "/metrics").text
+    text = http.get(daemon.url + "/metrics").text
     assert sample(text, "direct_frontend_tenant_admitted_total", model="agent",
                   tenant="alice", tier="priority") == 2
     assert sample(text, "direct_frontend_tenant_admitted_total", model="agent",

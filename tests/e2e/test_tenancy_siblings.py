@@ -6,12 +6,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import httpx
 import pytest
 
 from tests.e2e.test_replicas import FAST, SLOW, fleet, peers_of, replicas
 from tests.e2e.test_workers import fresh_get, worker_service
 from tests.support.daemon import sim_engine, wait_for
+from tests.support.http import http
 from tests.support.nats import nats_binary, running_nats
 
 pytestmark = pytest.mark.skipif(nats_binary() is None, reason="needs nats-server")
@@ -33,32 +33,32 @@ def test_another_key_gets_not_found_through_a_sibling_replica(
         for daemon in (first, second):
             wait_for(lambda d=daemon: len(peers_of(d)) == 1, what="the sibling heard")
         ask = {"model": "demo", "max_output_tokens": 4}
-        stored = httpx.post(first.url + "/v1/responses", json={**ask, "input": "hi"},
+        stored = http.post(first.url + "/v1/responses", json={**ask, "input": "hi"},
                             headers=as_key(ALICE)).json()
-        running = httpx.post(first.url + "/v1/responses", headers=as_key(ALICE), json={
+        running = http.post(first.url + "/v1/responses", headers=as_key(ALICE), json={
             **ask, "input": "go on", "background": True, "max_output_tokens": 2000}).json()
         for response_id in (stored["id"], running["id"]):
             url = f"{second.url}/v1/responses/{response_id}"
-            assert httpx.get(url, headers=as_key(BOB)).status_code == 404
-            assert httpx.get(url, params={"stream": "true"},
+            assert http.get(url, headers=as_key(BOB)).status_code == 404
+            assert http.get(url, params={"stream": "true"},
                              headers=as_key(BOB)).status_code == 404
-            assert httpx.get(url + "/input_items", headers=as_key(BOB)).status_code == 404
-            assert httpx.post(url + "/cancel", headers=as_key(BOB)).status_code == 404
-            assert httpx.delete(url, headers=as_key(BOB)).status_code == 404
-            continued = httpx.post(second.url + "/v1/responses", headers=as_key(BOB), json={
+            assert http.get(url + "/input_items", headers=as_key(BOB)).status_code == 404
+            assert http.post(url + "/cancel", headers=as_key(BOB)).status_code == 404
+            assert http.delete(url, headers=as_key(BOB)).status_code == 404
+            continued = http.post(second.url + "/v1/responses", headers=as_key(BOB), json={
                 **ask, "input": "more", "previous_response_id": response_id})
             assert continued.json()["error"]["code"] == "previous_response_not_found"
-            assert httpx.get(url, headers=as_key(ALICE)).status_code == 200
+            assert http.get(url, headers=as_key(ALICE)).status_code == 200
         url = f"{second.url}/v1/responses/{running['id']}"
-        assert httpx.post(url + "/cancel", headers=as_key(ALICE)).json()["status"] == "cancelled"
-        assert httpx.delete(f"{second.url}/v1/responses/{stored['id']}",
+        assert http.post(url + "/cancel", headers=as_key(ALICE)).json()["status"] == "cancelled"
+        assert http.delete(f"{second.url}/v1/responses/{stored['id']}",
                             headers=as_key(ALICE)).json()["deleted"]
         assert fleet(second)["replicas"]["counts"]["response_fetches_failed"] == 0
 
 
 def test_another_key_gets_not_found_from_every_worker(model_dir: Path, tmp_path: Path) -> None:
     with worker_service(tmp_path, model_dir, 2, FAST, frontend_extra=AUTH) as (base, _, _):
-        made = httpx.post(base + "/v1/responses", headers=as_key(ALICE), json={
+        made = http.post(base + "/v1/responses", headers=as_key(ALICE), json={
             "model": "demo", "input": "hi", "max_output_tokens": 4}).json()
         url = f"{base}/v1/responses/{made['id']}"
         workers = set()

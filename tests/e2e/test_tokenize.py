@@ -16,6 +16,7 @@ import pytest
 
 from direct_frontend.text.model_dir import TextModel
 from tests.support.daemon import Daemon, fleet_text, running_daemon, sim_engine
+from tests.support.http import http
 
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
 TOOLS = [{"type": "function", "function": {"name": "get_time", "parameters": {
@@ -31,7 +32,7 @@ def daemon(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 
 
 def post(daemon: Daemon, path: str, body: dict[str, Any]) -> httpx.Response:
-    return httpx.post(daemon.url + path, json={"model": "demo", **body}, timeout=30)
+    return http.post(daemon.url + path, json={"model": "demo", **body}, timeout=30)
 
 
 def test_a_prompt_is_tokenized_as_a_completion_would_be(
@@ -96,5 +97,5 @@ def test_bad_bodies_are_a_clear_4xx(
 
 
 def test_only_post_is_served(daemon: Daemon) -> None:
-    reply = httpx.get(daemon.url + "/tokenize", timeout=10)
+    reply = http.get(daemon.url + "/tokenize", timeout=10)
     assert reply.status_code == 405 and reply.headers["allow"] == "POST"

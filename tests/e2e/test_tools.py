@@ -18,7 +18,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import openai
 import pytest
 from tokenizers import Tokenizer
@@ -26,6 +25,7 @@ from tokenizers import Tokenizer
 from direct_frontend.simulator.faults import FaultPlan
 from direct_frontend.simulator.scripted import ScriptBook
 from tests.support.daemon import Daemon, fleet_text, running_daemon, sim_engine, wait_for
+from tests.support.http import http
 from tests.support.models import engine_table, frontend_table, openai_client, simulators
 
 TOOLS: list[Any] = [
@@ -338,11 +338,11 @@ def test_a_reload_changes_a_models_parser_and_refuses_an_unknown_one(
         assert read_full(client, "m", "[hermes]")[0].tool_calls
         fleet_file = tmp_path / "fleet.toml"
         fleet_file.write_text(text("hermez"))
-        refused = httpx.post(daemon.url + "/fleet/reload").json()
+        refused = http.post(daemon.url + "/fleet/reload").json()
         assert not refused["ok"] and "unknown parser 'hermez'" in json.dumps(refused)
         assert read_full(client, "m", "[hermes]")[0].tool_calls  # the running fleet serves on
         fleet_file.write_text(text("none"))
-        assert httpx.post(daemon.url + "/fleet/reload").json()["ok"]
+        assert http.post(daemon.url + "/fleet/reload").json()["ok"]
         message, finish = read_full(client, "m", "[hermes]")
         assert message.tool_calls is None and message.content == SCRIPTS["[hermes]"]
         assert finish == "stop"

@@ -13,11 +13,11 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
 from direct_frontend.simulator.faults import FaultPlan
 from tests.support.daemon import Daemon, fleet_text, running_daemon, sim_engine
+from tests.support.http import http
 from tests.support.otlp import OtlpReceiver, ReceivedSpan, receiving
 
 PACED = {"decode_us_per_token": 300, "prefill_us_per_token": 0, "eos_probability": 0.0}
@@ -48,7 +48,7 @@ def stream(daemon: Daemon, traceparent: str | None = None) -> str:
     headers = {} if traceparent is None else {"traceparent": traceparent}
     body = {"model": "demo", "messages": CHAT, "max_tokens": TOKENS, "stream": True}
     text = []
-    with httpx.stream("POST", daemon.url + "/v1/chat/completions", json=body,
+    with http.stream("POST", daemon.url + "/v1/chat/completions", json=body,
                       headers=headers, timeout=30) as response:
         assert response.status_code == 200
         for line in response.iter_lines():
@@ -187,7 +187,7 @@ def test_an_embeddings_request_is_one_trace_with_a_leg_per_input(
     trace_id, parent = os.urandom(16).hex(), os.urandom(8).hex()
     with running_daemon(tmp_path, fleet_text(model_dir, engines, frontend_extra=tracing)) as d:
         d.wait_serving(2)
-        reply = httpx.post(d.url + "/v1/embeddings", timeout=30,
+        reply = http.post(d.url + "/v1/embeddings", timeout=30,
                            headers={"traceparent": f"00-{trace_id}-{parent}-01"},
                            json={"model": "demo", "input": ["one text", "another", "a third"]})
         assert reply.status_code == 200

@@ -24,6 +24,7 @@ import pytest
 
 from tests.e2e.test_replicas import FAST, MEMORY_STORE, SLOW, fleet_for
 from tests.support.daemon import Daemon, fleet_text, free_port, sim_engine, wait_for
+from tests.support.http import http
 from tests.support.nats import nats_binary
 
 pytestmark = pytest.mark.skipif(nats_binary() is None, reason="needs nats-server")
@@ -65,8 +66,7 @@ def gone(pid: int) -> bool:
 
 def fresh_get(url: str, headers: dict[str, str] | None = None) -> httpx.Response:
     """A request on a connection of its own (the kernel picks a worker per connection)."""
-    with httpx.Client(timeout=10) as client:
-        return client.get(url, headers={"connection": "close", **(headers or {})})
+    return http.get(url, headers=headers)
 
 
 def seen_workers(base: str, tries: int = 60) -> dict[str, dict[str, Any]]:
@@ -120,6 +120,18 @@ def worker_service(
             daemon.stop()
 
 
+Service = tuple[str, Any, Path]  # its base URL, the parent process, its fleet file
+
+
+@pytest.fixture(scope="module")
+def service(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    """Two workers (JSON logs, each its own store) for the tests that leave them as they
+    found them: two workers serving, linked over their nats-server."""
+    with worker_service(tmp_path_factory.mktemp("workers"), model_dir, 2, FAST, "--log-json",
+                        frontend_extra=MEMORY_STORE) as started:
+        yield started
+
+
 def metric(text: str, name: str, worker: str) -> float:
     total = 0.0
     for line in text.splitlines():
@@ -128,50 +140,44 @@ def metric(text: str, name: str, worker: str) -> float:
     return total
 
 
-def test_two_workers_serve_one_port_and_one_scrape_counts_both(
-    model_dir: Path, tmp_path: Path
-) -> None:
-    with worker_service(tmp_path, model_dir, 2, FAST,
-                        frontend_extra=MEMORY_STORE) as (base, _parent, _path):
-        body = {"model": "demo", "prompt": "hi", "max_tokens": 2}
-        for _ in range(30):
-            with httpx.Client(timeout=10) as client:
-                r = client.post(base + "/v1/completions", json=body)
-                assert r.status_code == 200, r.text
+def test_two_workers_serve_one_port_and_one_scrape_counts_both(service: Service) -> None:
+    base, _parent, _path = service
+    body = {"model": "demo", "prompt": "hi", "max_tokens": 2}
+    for _ in range(30):
+        r = http.post(base + "/v1/completions", json=body)
+        assert r.status_code == 200, r.text
 
-        def both_counted() -> bool:
-            text = fresh_get(base + "/metrics").text
-            return all(metric(text, "direct_frontend_requests_total", w) > 0 for w in "01")
-
-        wait_for(both_counted, timeout=10, what="both workers' requests in one scrape")
+    def both_counted() -> bool:
         text = fresh_get(base + "/metrics").text
-        assert text.count("# TYPE direct_frontend_requests_total counter") == 1
-        served = sum(metric(text, "direct_frontend_requests_total", w) for w in "01")
-        assert served >= 30  # every request, and the scrapes, counted once
+        return all(metric(text, "direct_frontend_requests_total", w) > 0 for w in "01")
 
-        # a stored response is found whichever worker a follow-up's connection reaches
-        ask = {"model": "demo", "max_output_tokens": 2}
-        with httpx.Client(timeout=10) as client:
-            made = client.post(base + "/v1/responses", json={**ask, "input": "hi"}).json()
-        for _ in range(12):
-            with httpx.Client(timeout=10) as client:
-                r = client.post(base + "/v1/responses", headers={"connection": "close"}, json={
-                    **ask, "input": "more", "previous_response_id": made["id"], "store": False})
-                assert r.status_code == 200, r.text
-        views = seen_workers(base, 16).values()
-        assert sum(v["replicas"]["counts"]["responses_served"] for v in views) > 0
+    wait_for(both_counted, timeout=10, what="both workers' requests in one scrape")
+    text = fresh_get(base + "/metrics").text
+    assert text.count("# TYPE direct_frontend_requests_total counter") == 1
+    served = sum(metric(text, "direct_frontend_requests_total", w) for w in "01")
+    assert served >= 30  # every request, and the scrapes, counted once
+
+    # a stored response is found whichever worker a follow-up's connection reaches
+    ask = {"model": "demo", "max_output_tokens": 2}
+    made = http.post(base + "/v1/responses", json={**ask, "input": "hi"}).json()
+    for _ in range(12):
+        r = http.post(base + "/v1/responses", json={
+            **ask, "input": "more", "previous_response_id": made["id"], "store": False})
+        assert r.status_code == 200, r.text
+    views = seen_workers(base, 16).values()
+    assert sum(v["replicas"]["counts"]["responses_served"] for v in views) > 0
 
 
-def test_a_killed_worker_is_started_again(model_dir: Path, tmp_path: Path) -> None:
-    with worker_service(tmp_path, model_dir, 2) as (base, parent, _path):
-        before = workers_of(parent.pid)
-        assert len(before) == 2
-        victim = min(before)
-        os.kill(victim, signal.SIGKILL)
-        wait_for(lambda: len(workers_of(parent.pid) - before) == 1, timeout=30,
-                 what="a new worker process")
-        assert parent.poll() is None
-        wait_for(lambda: len(seen_workers(base, 12)) == 2, timeout=60, what="both serving again")
+def test_a_killed_worker_is_started_again(service: Service) -> None:
+    base, parent, _path = service
+    before = workers_of(parent.pid)
+    assert len(before) == 2
+    victim = min(before)
+    os.kill(victim, signal.SIGKILL)
+    wait_for(lambda: len(workers_of(parent.pid) - before) == 1, timeout=30,
+             what="a new worker process")
+    assert parent.poll() is None
+    wait_for(lambda: len(seen_workers(base, 12)) == 2, timeout=60, what="both serving again")
 
 
 def test_a_fleet_file_edit_reaches_every_worker(model_dir: Path, tmp_path: Path) -> None:
@@ -227,30 +233,30 @@ def _anonymous_answer(port: int) -> bytes:
 
 
 def test_the_workers_nats_server_is_private_restarted_when_killed_and_logged_as_ours(
-    model_dir: Path, tmp_path: Path
+    service: Service,
 ) -> None:
-    with worker_service(tmp_path, model_dir, 2, FAST, "--log-json") as (base, parent, _path):
-        wait_for(lambda: _sharing(base), timeout=30, what="the workers linked")
-        (nats,) = nats_of(parent.pid)
-        argv = cmdline(nats)
-        config = Path(argv[argv.index(b"-c") + 1].decode())
-        token_file = config.with_name("nats-token")
-        token = token_file.read_text().strip()
-        for private in (config, token_file):
-            assert private.stat().st_mode & 0o077 == 0, private  # its owner's only
-        assert token.encode() not in b" ".join(argv)  # ps shows no secret
-        view = fresh_get(base + "/fleet").json()["replicas"]
-        port = int(view["nats"].rsplit(":", 1)[1])
-        assert view["cluster"].startswith("direct-frontend.workers-")
-        assert b"-ERR 'Authorization Violation'" in _anonymous_answer(port)
+    base, parent, path = service
+    wait_for(lambda: _sharing(base), timeout=30, what="the workers linked")
+    (nats,) = nats_of(parent.pid)
+    argv = cmdline(nats)
+    config = Path(argv[argv.index(b"-c") + 1].decode())
+    token_file = config.with_name("nats-token")
+    token = token_file.read_text().strip()
+    for private in (config, token_file):
+        assert private.stat().st_mode & 0o077 == 0, private  # its owner's only
+    assert token.encode() not in b" ".join(argv)  # ps shows no secret
+    view = fresh_get(base + "/fleet").json()["replicas"]
+    port = int(view["nats"].rsplit(":", 1)[1])
+    assert view["cluster"].startswith("direct-frontend.workers-")
+    assert b"-ERR 'Authorization Violation'" in _anonymous_answer(port)
 
-        os.kill(nats, signal.SIGKILL)
-        wait_for(lambda: len(nats_of(parent.pid) - {nats}) == 1, timeout=15,
-                 what="a new nats-server")
-        wait_for(lambda: _sharing(base), timeout=30, what="the workers linked again")
-        assert parent.poll() is None
+    os.kill(nats, signal.SIGKILL)
+    wait_for(lambda: len(nats_of(parent.pid) - {nats}) == 1, timeout=15,
+             what="a new nats-server")
+    wait_for(lambda: _sharing(base), timeout=30, what="the workers linked again")
+    assert parent.poll() is None
 
-    lines = (tmp_path / "workers.log").read_text().splitlines()
+    lines = (path.parent / "workers.log").read_text().splitlines()  # so far: written at once
     assert token not in "\n".join(lines)
     # nats-server's own lines ("[pid] date time [INF] ...") reach the log only as our records
     assert not [line for line in lines if re.match(r"\[\d+\] ", line)]
@@ -275,7 +281,7 @@ def test_a_dying_workers_stream_ends_in_a_closed_connection_and_the_others_serve
                 with pytest.raises((httpx.RemoteProtocolError, httpx.ReadError)):
                     for _ in lines:
                         pass
-        r = httpx.post(base + "/v1/completions", json={**body, "stream": False, "max_tokens": 2})
+        r = http.post(base + "/v1/completions", json={**body, "stream": False, "max_tokens": 2})
         assert r.status_code == 200, r.text
 
 
@@ -307,11 +313,9 @@ def test_workers_of_a_fleet_with_simulated_engines_all_serve_and_log_pure_json(
 
             wait_for(both_serving, timeout=60, what="both workers serving both engines")
             for _ in range(8):
-                with httpx.Client(timeout=10) as client:
-                    answer = client.post(base + "/v1/completions", headers={
-                        "connection": "close"}, json={"model": "demo", "prompt": "hi",
-                                                      "max_tokens": 2})
-                    assert answer.status_code == 200, answer.text
+                answer = http.post(base + "/v1/completions",
+                                   json={"model": "demo", "prompt": "hi", "max_tokens": 2})
+                assert answer.status_code == 200, answer.text
             assert len(workers_of(parent.pid)) == 2
         finally:
             parent.send_signal(signal.SIGTERM)

@@ -18,7 +18,6 @@ from typing import Any
 
 import grpclib.client
 import grpclib.protocol
-import httpx
 import pytest
 import trio
 import trio_asyncio
@@ -35,6 +34,7 @@ from direct_frontend.errors import EngineError, ErrorKind
 from direct_frontend.observability.shims import shims_active
 from direct_frontend.protos import sglang_scheduler_pb2 as pb
 from tests.support.daemon import Daemon, fleet_text, free_port, running_daemon, sim_engine
+from tests.support.http import http
 from tests.support.metrics import sample
 
 FAST = {"decode_us_per_token": 0, "prefill_us_per_token": 0, "eos_probability": 0.0}
@@ -390,13 +390,13 @@ def _completion(daemon: Daemon, max_tokens: int, stream: bool) -> tuple[str, int
     body = {"model": "demo", "prompt": "The sea", "max_tokens": max_tokens,
             "temperature": 0, "stream": stream}
     if not stream:
-        r = httpx.post(daemon.url + "/v1/completions", json=body, timeout=30)
+        r = http.post(daemon.url + "/v1/completions", json=body, timeout=30)
         r.raise_for_status()
         data = r.json()
         return data["choices"][0]["text"], data["usage"]["completion_tokens"]
     body["stream_options"] = {"include_usage": True}
     text, usage = [], 0
-    with httpx.stream("POST", daemon.url + "/v1/completions", json=body, timeout=30) as r:
+    with http.stream("POST", daemon.url + "/v1/completions", json=body, timeout=30) as r:
         r.raise_for_status()
         import json
 
@@ -439,7 +439,7 @@ def test_the_public_grpclib_path_gives_the_same_answers(
 
 
 def _shim_gauge(daemon: Daemon) -> float:
-    text = httpx.get(daemon.url + "/metrics", timeout=10).text
+    text = http.get(daemon.url + "/metrics", timeout=10).text
     return sample(text, "direct_frontend_shim_active", shim="grpclib_reader")
 
 

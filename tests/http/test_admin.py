@@ -10,7 +10,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import openai
 import pytest
 import trio
@@ -21,6 +20,7 @@ from direct_frontend.cli import app as cli
 from direct_frontend.control.events import EventHub
 from direct_frontend.top import FleetModel, events_url, follow, session
 from tests.support.daemon import Daemon, fleet_text, free_port, running_daemon, sim_engine, wait_for
+from tests.support.http import http, sdk_http
 
 ADMIN_TOKEN = "admin-7f3a9c2e5b1d"
 API_KEY = "sk-test-4e8b2a6c9d0f"
@@ -57,48 +57,49 @@ def test_openai_endpoints_need_an_api_key_when_configured(secured: Daemon) -> No
     url = secured.url
     body = {"model": "demo", "prompt": "hi", "max_tokens": 2}
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
-        r = httpx.post(url + "/v1/completions", json=body, headers=headers)
+        r = http.post(url + "/v1/completions", json=body, headers=headers)
         assert r.status_code == 401
         assert r.json()["error"]["code"] == "invalid_api_key"
         assert r.json()["error"]["type"] == "invalid_request_error"
         assert r.headers["www-authenticate"].startswith("Bearer")
-    assert httpx.get(url + "/v1/models").status_code == 401
-    assert httpx.get(url + "/v1/models/demo").status_code == 401
+    assert http.get(url + "/v1/models").status_code == 401
+    assert http.get(url + "/v1/models/demo").status_code == 401
     for path in ("/tokenize", "/detokenize"):  # vLLM's, outside /v1: the keys cover them too
-        assert httpx.post(url + path, json={"model": "demo", "tokens": [1]}).status_code == 401
-    assert httpx.post(url + "/tokenize", json={"model": "demo", "prompt": "hi"},
+        assert http.post(url + path, json={"model": "demo", "tokens": [1]}).status_code == 401
+    assert http.post(url + "/tokenize", json={"model": "demo", "prompt": "hi"},
                       headers={"Authorization": f"Bearer {API_KEY}"}).status_code == 200
-    assert httpx.get(url + "/health").status_code == 200  # probes need no key
-    assert httpx.get(url + "/ready").status_code == 200
-    client = openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0)
+    assert http.get(url + "/health").status_code == 200  # probes need no key
+    assert http.get(url + "/ready").status_code == 200
+    client = openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0,
+                           http_client=sdk_http())
     assert client.completions.create(**body).usage is not None  # type: ignore[call-overload]
-    bad = openai.OpenAI(base_url=url + "/v1", api_key="nope", max_retries=0)
+    bad = openai.OpenAI(http_client=sdk_http(), base_url=url + "/v1", api_key="nope", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.models.list()
     # Anthropic's clients send theirs as x-api-key: taken for the API keys, never for /fleet
-    assert httpx.get(url + "/v1/models", headers={"x-api-key": API_KEY}).status_code == 200
-    assert httpx.get(url + "/v1/models", headers={"x-api-key": "nope"}).status_code == 401
-    assert httpx.get(url + "/fleet", headers={"x-api-key": ADMIN_TOKEN}).status_code == 401
+    assert http.get(url + "/v1/models", headers={"x-api-key": API_KEY}).status_code == 200
+    assert http.get(url + "/v1/models", headers={"x-api-key": "nope"}).status_code == 401
+    assert http.get(url + "/fleet", headers={"x-api-key": ADMIN_TOKEN}).status_code == 401
 
 
 def test_metrics_need_the_admin_token_when_one_is_set(secured: Daemon) -> None:
     """The metrics name engines, adapters and models: the admin token guards them too."""
     url = secured.url + "/metrics"
     for headers in ({}, admin("nope"), {"Authorization": f"Bearer {API_KEY}"}):
-        denied = httpx.get(url, headers=headers)
+        denied = http.get(url, headers=headers)
         assert denied.status_code == 401 and "x-request-id" in denied.headers
-    scrape = httpx.get(url, headers=admin())
+    scrape = http.get(url, headers=admin())
     assert scrape.status_code == 200 and "direct_frontend_" in scrape.text
 
 
 def test_fleet_needs_the_admin_token_and_never_shows_secrets(secured: Daemon) -> None:
     url = secured.url
-    assert httpx.get(url + "/fleet").status_code == 401
-    assert httpx.get(url + "/fleet", headers=admin("nope")).status_code == 401
-    assert httpx.get(url + "/fleet", headers={"Authorization": f"Bearer {API_KEY}"}
+    assert http.get(url + "/fleet").status_code == 401
+    assert http.get(url + "/fleet", headers=admin("nope")).status_code == 401
+    assert http.get(url + "/fleet", headers={"Authorization": f"Bearer {API_KEY}"}
                      ).status_code == 401  # an API key is not an admin token
-    assert httpx.post(url + "/fleet/reload").status_code == 401
-    r = httpx.get(url + "/fleet", headers=admin())
+    assert http.post(url + "/fleet/reload").status_code == 401
+    r = http.get(url + "/fleet", headers=admin())
     assert r.status_code == 200
     assert ADMIN_TOKEN not in r.text and API_KEY not in r.text
     status = r.json()
@@ -110,7 +111,7 @@ def test_fleet_needs_the_admin_token_and_never_shows_secrets(secured: Daemon) ->
     assert engine["last_probe"]["ok"] is True and engine["connections_opened"] == 1
     assert {"load", "since", "url", "kind", "role", "last_error"} <= set(engine)
     assert status["config"]["version"] == 1 and status["last_reload"] is None
-    result = httpx.post(url + "/fleet/reload", headers=admin())
+    result = http.post(url + "/fleet/reload", headers=admin())
     assert result.status_code == 200 and result.json()["diff"]["added"] == []
 
 
@@ -118,8 +119,8 @@ def test_admin_can_be_disabled(model_dir: Path, tmp_path: Path) -> None:
     text = fleet_text(model_dir, [], probe=PROBE,
                       frontend_extra="allow_empty_fleet = true\n[frontend.admin]\nenabled = false")
     with running_daemon(tmp_path, text, watch_interval_s=None) as daemon:
-        assert httpx.get(daemon.url + "/fleet").status_code == 404
-        assert httpx.post(daemon.url + "/fleet/reload").status_code == 404
+        assert http.get(daemon.url + "/fleet").status_code == 404
+        assert http.post(daemon.url + "/fleet/reload").status_code == 404
 
         with pytest.raises(trio_websocket.ConnectionRejected):
             trio.run(session, daemon.url, print)
@@ -166,7 +167,8 @@ def test_events_stream_a_snapshot_then_state_changes_and_reloads(
 
 def test_the_load_tick_carries_each_engines_requests_so_far(secured: Daemon) -> None:
     """What ``top``'s REQS column shows moves with traffic, not only on a state change."""
-    client = openai.OpenAI(base_url=secured.url + "/v1", api_key=API_KEY, max_retries=0)
+    client = openai.OpenAI(base_url=secured.url + "/v1", api_key=API_KEY, max_retries=0,
+                           http_client=sdk_http())
     for _ in range(2):
         client.completions.create(model="demo", prompt="hi", max_tokens=2)
 
@@ -237,7 +239,7 @@ def test_check_against_a_running_daemon_prints_the_dry_run(
     as_json = runner.invoke(cli, ["check", str(candidate), "--against", secured.url, "--json",
                                   "--admin-token", ADMIN_TOKEN])
     assert json.loads(as_json.output)["added"] == ["new"]
-    assert httpx.get(secured.url + "/fleet", headers=admin()).json()["config"]["version"] == 1
+    assert http.get(secured.url + "/fleet", headers=admin()).json()["config"]["version"] == 1
     local = runner.invoke(cli, ["check", str(candidate)])
     assert local.exit_code == 0 and "sk-other-key" not in local.output
     assert re.search(r"auth.api_keys +1 \(redacted\)", local.output)

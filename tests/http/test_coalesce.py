@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 import h11
-import httpx
 import hypercorn.protocol
 import pytest
 import trio
@@ -24,6 +23,7 @@ from hypercorn.trio.worker_context import WorkerContext
 from direct_frontend.http import coalesce
 from direct_frontend.observability.shims import ShimStatus, shims_active
 from tests.support.daemon import Daemon, fleet_text, running_daemon, sim_engine
+from tests.support.http import http
 from tests.support.metrics import sample
 
 FAST = {"decode_us_per_token": 0, "prefill_us_per_token": 0, "eos_probability": 0.0}
@@ -259,7 +259,7 @@ def test_a_streamed_response_starts_with_head_and_first_event_together(daemon: D
 
 
 def test_the_daemon_reports_both_shims_in_use(daemon: Daemon) -> None:
-    text = httpx.get(daemon.url + "/metrics", timeout=10).text
+    text = http.get(daemon.url + "/metrics", timeout=10).text
     assert sample(text, "direct_frontend_shim_active", shim="hypercorn_coalesce") == 1
     assert sample(text, "direct_frontend_shim_active", shim="grpclib_reader") == 1
 

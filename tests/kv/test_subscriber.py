@@ -139,6 +139,7 @@ def test_flood_arrives_whole_without_gaps_or_starving_trio() -> None:
             gaps = s.sub.tracker.stats.gaps
             first = pub.next_seq
             total = 30_000
+            started = trio.current_time()
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(heartbeat)
                 for i in range(first, first + total):
@@ -149,11 +150,15 @@ def test_flood_arrives_whole_without_gaps_or_starving_trio() -> None:
                     lambda: s.sub.tracker.next_seq == pub.next_seq, within=60, what="flood"
                 )
                 nursery.cancel_scope.cancel()
+            flood = trio.current_time() - started
             assert s.sub.tracker.stats.gaps == gaps  # nothing lost under the flood
             assert s.sub.tracker.stats.replays_requested <= 2  # start-up + a warm-up gap
             assert indexed(index, first, first + total // 2, first + total - 1)
             assert len(index) == pub.next_seq
-            assert lateness and max(lateness) < 0.5, max(lateness)
+            # a subscriber that held the loop for the flood would make one beat as late as the
+            # flood is long; a loaded machine makes every beat later, and the flood longer
+            assert len(lateness) >= 10 and max(lateness) < max(0.5, flood / 4), (
+                max(lateness), flood)
 
     run(body, timeout=120)
 

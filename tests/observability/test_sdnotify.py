@@ -12,11 +12,11 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
 from direct_frontend.observability.sdnotify import Notifier, monotonic_usec
 from tests.support.daemon import fleet_text, free_port, sim_engine, wait_for
+from tests.support.http import http
 
 DAEMON = str(Path(sys.executable).with_name("direct-frontend"))
 
@@ -94,7 +94,7 @@ def test_the_daemon_notifies_ready_watchdog_reloading_and_stopping(
             first = receive(sock)
             assert first["READY"] == "1" and "engines serving" in first["STATUS"]
             # READY means the listener is up: a request right now is answered.
-            assert httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200
+            assert http.get(f"http://127.0.0.1:{port}/health").status_code == 200
             seen = [first]
 
             def pinged_and_serving() -> bool:

@@ -120,6 +120,7 @@ def test_every_way_to_ask_for_a_constraint_is_one_constraint(
         ),
         ({"logit_bias": {"x": 1}}, "logit_bias.x", "not a token id"),
         ({"logit_bias": {"-3": 1}}, "logit_bias.-3", "not a token id"),
+        ({"logit_bias": {"2147483648": 1}}, "logit_bias.2147483648", "not a token id"),
         ({"logit_bias": {"5": 101}}, "logit_bias.5", "-100 to 100"),
     ],
 )

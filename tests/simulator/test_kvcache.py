@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import socket
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
@@ -44,6 +43,7 @@ from direct_frontend.simulator.kvcache import (
     SimPrefixCache,
     StoredRun,
 )
+from tests.support.daemon import free_ports
 from tests.support.sim import run, run_trio, started, started_from_trio, until_trio
 
 VOCAB = 2000
@@ -437,27 +437,13 @@ def test_published_payloads_decode_per_kind() -> None:
 # -- data-parallel ranks: a cache, a publisher and a port each -------------------------------
 
 
-def free_port_pair() -> int:
-    """A port P with P + 1 free too (a two-rank engine's base port)."""
-    for _ in range(50):
-        with socket.socket() as first, socket.socket() as second:
-            first.bind(("127.0.0.1", 0))
-            base = first.getsockname()[1]
-            try:
-                second.bind(("127.0.0.1", base + 1))
-            except OSError:
-                continue
-            return int(base)
-    raise AssertionError("no two consecutive free ports")
-
-
 @pytest.mark.parametrize(("kind", "sizes"), [("vllm", {}), ("sglang", {"page_size": 16})])
 def test_each_rank_publishes_on_its_own_port_stamped_with_its_rank(
     kind: EngineKind, sizes: dict[str, int]
 ) -> None:
     async def body() -> None:
         index = KvIndex(16)
-        events, replay = free_port_pair(), free_port_pair()
+        events, replay = free_ports(2), free_ports(2)
         engine = new_engine(kind, kv_events_port=events, kv_replay_port=replay, dp_size=2,
                             **sizes)
         async with started_from_trio(engine), trio.open_nursery() as nursery:

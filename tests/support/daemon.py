@@ -13,6 +13,7 @@ import socket
 import textwrap
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -27,17 +28,47 @@ from direct_frontend.http.app import App
 _handed_out: set[int] = set()
 
 
+def _reserve(port: int = 0) -> int | None:
+    """``port`` (0: one the kernel picks) left in TIME_WAIT, or None if something holds it.
+
+    A port in TIME_WAIT is one the kernel hands to no ``bind`` to port 0 and no
+    outgoing connection of any process for a minute, while a server that binds
+    it by number with ``SO_REUSEADDR`` (asyncio, Trio, hypercorn, grpclib,
+    ZeroMQ, nats-server and PostgreSQL all set it) gets it: so parallel test
+    processes (pytest-xdist's workers, another checkout's run) never get one
+    another's ports, with nothing shared between them. The connection this
+    makes and closes from the listening side is what leaves it in TIME_WAIT.
+    """
+    if port:  # asked by number: free of everything, TIME_WAIT included (no SO_REUSEADDR)
+        try:
+            with socket.socket() as probe:
+                probe.bind(("127.0.0.1", port))
+        except OSError:
+            return None
+    with socket.socket() as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            listener.bind(("127.0.0.1", port))
+        except OSError:
+            return None
+        listener.listen(1)
+        port = int(listener.getsockname()[1])
+        with socket.create_connection(("127.0.0.1", port)):
+            accepted, _ = listener.accept()
+            accepted.close()  # closed first, so the TIME_WAIT is on this port's side
+    return port
+
+
 def free_port() -> int:
-    """A loopback port nothing listens on, never one this process was given before.
+    """A loopback port nothing listens on, never one this process was given before and none
+    another process gets from the kernel for a minute (:func:`_reserve`).
 
     The kernel may hand the same ephemeral port to two binds in a row once the
     first is closed, so two engines of one fleet could otherwise share a port.
     """
     while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-        if port not in _handed_out:
+        port = _reserve()
+        if port is not None and port not in _handed_out:
             _handed_out.add(port)
             return port
 
@@ -46,18 +77,12 @@ def free_ports(count: int) -> int:
     """The first of ``count`` consecutive free loopback ports (a data-parallel engine's ranks)."""
     while True:
         base = free_port()
-        ports = range(base, base + count)
-        if any(port in _handed_out for port in ports[1:]):
+        ports = range(base + 1, base + count)
+        if any(port in _handed_out for port in ports):
             continue
-        try:
-            with contextlib.ExitStack() as held:
-                for port in ports[1:]:
-                    s = held.enter_context(socket.socket())
-                    s.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        _handed_out.update(ports)
-        return base
+        if all(_reserve(port) == port for port in ports):
+            _handed_out.update(ports)
+            return base
 
 
 def wait_for(predicate: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
@@ -170,9 +195,10 @@ class Daemon:
 
     def start(self) -> Daemon:
         self._thread.start()
-        self._ready.wait(30)
+        ready = self._ready.wait(60)
         if self.error is not None:
             raise self.error
+        assert ready, "the daemon did not start within 60 s"
         return self
 
     @property
@@ -198,6 +224,26 @@ class Daemon:
         wait_for(lambda: self.supervisor.serving_count == count, timeout,
                  f"{count} serving engines")
 
+    @contextlib.contextmanager
+    def frozen(self) -> Iterator[Callable[[], None]]:
+        """The daemon's Trio loop (and the asyncio loop on it) held still until the block
+        ends, or the callable it gives is called: to its peers, a process that stopped
+        answering for a while."""
+        holding, release = threading.Event(), threading.Event()
+
+        def hold() -> None:
+            holding.set()
+            release.wait(60)
+
+        holder = threading.Thread(target=self.run_sync, args=(hold,), name="freeze")
+        holder.start()
+        try:
+            assert holding.wait(30), "the daemon's loop was not reached"
+            yield release.set
+        finally:
+            release.set()
+            holder.join(30)
+
     def stop(self) -> None:
         if self.token is not None and self.shutdown is not None and self._thread.is_alive():
             with contextlib.suppress(trio.RunFinishedError):
@@ -219,20 +265,45 @@ def running_daemon(tmp_path: Path, text: str, **options: Any) -> Iterator[Daemon
         daemon.stop()
 
 
+def _post(sock: socket.socket, path: str, body: dict[str, Any]) -> None:
+    data = json.dumps(body).encode()
+    sock.sendall(
+        b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+        b"\r\nContent-Length: %d\r\n\r\n%s" % (path.encode(), len(data), data)
+    )
+
+
+def _connect(url: str) -> socket.socket:
+    host, port = url.removeprefix("http://").split(":")
+    return socket.create_connection((host, int(port)))
+
+
 @contextlib.contextmanager
 def raw_stream(url: str, body: dict[str, Any], events: int) -> Iterator[None]:
     """POST a streaming chat request on a bare socket, read ``events`` SSE events, then hang up.
 
     A bare socket, so leaving the block is exactly a client vanishing mid-stream.
     """
-    host, port = url.removeprefix("http://").split(":")
-    data = json.dumps(body).encode()
-    with socket.create_connection((host, int(port))) as sock:
-        sock.sendall(
-            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
-            b"\r\nContent-Length: %d\r\n\r\n%s" % (len(data), data)
-        )
+    with _connect(url) as sock:
+        _post(sock, "/v1/chat/completions", body)
         received = b""
         while received.count(b"data:") < events:
             received += sock.recv(65536)
         yield
+
+
+@contextlib.contextmanager
+def raw_post(url: str, path: str, body: dict[str, Any]) -> Iterator[None]:
+    """POST ``body`` to ``path`` on a bare socket and read nothing: leaving the block is
+    the client vanishing, at a moment the test chose (not a client timeout's)."""
+    with _connect(url) as sock:
+        _post(sock, path, body)
+        yield
+
+
+def in_flight(daemon: Daemon) -> float:
+    """The requests the daemon is serving now (its ``/metrics`` gauge)."""
+    metrics = urllib.request.urlopen(daemon.url + "/metrics", timeout=10).read().decode()
+    line = next(line for line in metrics.splitlines()
+                if line.startswith("direct_frontend_in_flight_requests "))
+    return float(line.split()[1])

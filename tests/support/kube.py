@@ -14,7 +14,8 @@ events; ``silent=True`` changes a pod without one (a missed event, only a
 relist finds it); :meth:`ApiServer.compact` forgets history (the next
 watch from before it gets 410); :meth:`ApiServer.stop` and
 :meth:`ApiServer.start` take it away and bring it back on the same port,
-pods kept, as an API server restart does. ``watch_fault`` breaks every watch
+pods kept, as an API server restart does; :meth:`ApiServer.end_watches` ends
+the open watches as their timeout would. ``watch_fault`` breaks every watch
 the way networks do: ``"reset"`` answers its headers and then resets the TCP
 connection, ``"silent"`` answers its headers and then sends nothing, the
 connection open, until the fault is cleared.
@@ -186,6 +187,13 @@ class ApiServer:
             self._generation += 1  # open watches end, as a compaction's do
             self.cond.notify_all()
 
+    def end_watches(self) -> None:
+        """End every open watch now, as its ``timeoutSeconds`` would (a test need not wait
+        for a whole second, the least a watch may ask for)."""
+        with self.cond:
+            self._generation += 1
+            self.cond.notify_all()
+
     def set_watch_fault(self, fault: str | None) -> None:
         """Break every watch from now on (see ``watch_fault``), or mend them (None)."""
         with self.cond:
@@ -206,8 +214,9 @@ class ApiServer:
             server.socket = tls.wrap_socket(server.socket, server_side=True)
         self.port = server.server_address[1]
         self._server = server
+        # polled often, so a stop (every test's teardown) does not wait half a second
         self._thread = threading.Thread(target=server.serve_forever, name="apiserver",
-                                        daemon=True)
+                                        kwargs={"poll_interval": 0.02}, daemon=True)
         self._thread.start()
         return self
 

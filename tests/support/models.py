@@ -15,6 +15,7 @@ from tokenizers import Tokenizer
 
 from direct_frontend.simulator.scripted import ScriptBook
 from tests.support.daemon import Daemon, free_port, running_daemon
+from tests.support.http import sdk_http
 
 #: simulator settings for tests that count tokens, not time
 FAST = "decode_us_per_token = 0\nprefill_us_per_token = 0\neos_probability = 0.0"
@@ -49,7 +50,8 @@ def engine_table(name: str, kind: str, model: str | None, simulator: str = FAST)
 @contextlib.contextmanager
 def openai_client(daemon: Daemon) -> Iterator[openai.OpenAI]:
     """The official client on the daemon; closed after use (idle keep-alives hold up a stop)."""
-    with openai.OpenAI(base_url=daemon.url + "/v1", api_key="unused", max_retries=0) as client:
+    with openai.OpenAI(base_url=daemon.url + "/v1", api_key="unused", max_retries=0,
+                       http_client=sdk_http()) as client:
         yield client
 
 

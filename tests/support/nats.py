@@ -10,6 +10,7 @@ starts an open one.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import secrets
 import shutil
@@ -18,13 +19,13 @@ import subprocess
 import tempfile
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from direct_frontend.control.workers import nats_binary
 from tests.support.daemon import free_port
 
-__all__ = ["NatsServer", "nats_binary", "running_nats"]
+__all__ = ["NatsServer", "first_message", "nats_binary", "running_nats"]
 
 
 class NatsServer:
@@ -93,3 +94,32 @@ def running_nats(*, auth: bool = True) -> Iterator[NatsServer]:
         yield server
     finally:
         server.kill()
+
+
+def first_message(url: str, subject: str, then: Callable[[], None],
+                  timeout: float = 10.0) -> bytes:
+    """The first message published on ``subject`` after this client subscribed and called
+    ``then`` (which lets the publisher go): proof that it was sent, and when."""
+    import nats  # the replicas extra
+
+    async def main() -> bytes:
+        nc = await nats.connect(url, allow_reconnect=False)
+        try:
+            arrived: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+
+            async def deliver(msg: nats.aio.msg.Msg) -> None:
+                if not arrived.done():
+                    arrived.set_result(msg.data)
+
+            await nc.subscribe(subject, cb=deliver)
+            await nc.flush()
+            then()
+            return await asyncio.wait_for(arrived, timeout)
+        finally:
+            await nc.close()
+
+    loop = asyncio.SelectorEventLoop()  # a plain one, whatever policy trio-asyncio set
+    try:
+        return loop.run_until_complete(main())
+    finally:
+        loop.close()
