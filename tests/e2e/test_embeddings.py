@@ -182,7 +182,7 @@ def test_a_batch_runs_no_more_inputs_at_once_than_its_slots(
 
 def test_an_embeddings_request_crosses_into_the_pipeline_once(daemon: Daemon) -> None:
     with crossings(daemon) as seen:
-        reply = httpx.post(daemon.url + "/v1/embeddings",
+        reply = http.post(daemon.url + "/v1/embeddings",
                            json={"model": "embed", "input": TEXTS}, timeout=10)
     assert reply.status_code == 200, reply.text
     assert seen == {("in", "Stair.embed"), ("out", "Writer.__call__")}
