@@ -292,7 +292,7 @@ def test_a_request_crosses_into_the_pipeline_once_and_its_events_come_out_once(
     daemon: Daemon, path: str, body: dict[str, object],
 ) -> None:
     with crossings(daemon) as seen:
-        reply = httpx.post(daemon.url + path, json={"model": "demo", **body}, timeout=10)
+        reply = http.post(daemon.url + path, json={"model": "demo", **body}, timeout=10)
     assert reply.status_code == 200, reply.text
     assert seen == ONE_WALK
 
@@ -301,9 +301,9 @@ def test_a_background_response_crosses_twice_more_for_the_rest_of_its_walk(
     daemon: Daemon,
 ) -> None:
     with crossings(daemon) as seen:
-        queued = httpx.post(daemon.url + "/v1/responses", json={
+        queued = http.post(daemon.url + "/v1/responses", json={
             "model": "demo", "input": "Hello", "max_output_tokens": 5, "background": True,
         }, timeout=10).json()
-        wait_for(lambda: httpx.get(f"{daemon.url}/v1/responses/{queued['id']}").json()[
+        wait_for(lambda: http.get(f"{daemon.url}/v1/responses/{queued['id']}").json()[
             "status"] == "incomplete", what="the background response (max_output_tokens)")
     assert seen == BACKGROUND_WALK and len(seen) <= 4
