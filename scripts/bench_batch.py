@@ -31,15 +31,11 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
 import pathlib
 import random
 import re
-import shutil
 import signal
-import socket
 import subprocess
-import sys
 import tempfile
 import textwrap
 import time
@@ -47,18 +43,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import httpx
+from bench_daemon import command, daemon, free_port, pct
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 INTERACTIVE_KEY, BATCH_KEY = "sk-interactive-0001", "sk-batch-owner-0002"
 WORDS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india",
          "juliet", "kilo", "lima", "mike", "november", "oscar", "papa", "quebec", "romeo",
          "sierra", "tango", "uniform", "victor", "whiskey", "xray")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def fleet_text(args: argparse.Namespace, port: int, engine_ports: list[int]) -> str:
@@ -114,11 +105,6 @@ def fleet_text(args: argparse.Namespace, port: int, engine_ports: list[int]) -> 
         """) + "\n" + engines
 
 
-def command() -> str:
-    binary = pathlib.Path(sys.executable).with_name("direct-frontend")
-    return str(binary if binary.exists() else shutil.which("direct-frontend"))
-
-
 @contextlib.contextmanager
 def engines(args: argparse.Namespace, directory: pathlib.Path) -> Iterator[list[int]]:
     """``--external-engines``: each simulated engine in a process of its own (so the
@@ -145,37 +131,6 @@ def engines(args: argparse.Namespace, directory: pathlib.Path) -> Iterator[list[
                 child.wait(10)
             except subprocess.TimeoutExpired:
                 child.kill()
-        log.close()
-
-
-@contextlib.contextmanager
-def daemon(text: str, directory: pathlib.Path) -> Iterator[str]:
-    path = directory / "fleet.toml"
-    path.write_text(text)
-    port = int(text.split('listen = "127.0.0.1:')[1].split('"')[0])
-    env = {**os.environ, "BENCH_KEYS": f"{INTERACTIVE_KEY},{BATCH_KEY}"}
-    log = (directory / "daemon.log").open("wb")
-    child = subprocess.Popen([command(), "run", str(path), "--no-watch"], stdout=log,
-                             stderr=log, env=env, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(base + "/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if child.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"the daemon did not start; see {directory / 'daemon.log'}")
-            time.sleep(0.1)
-        yield base
-    finally:
-        child.send_signal(signal.SIGTERM)
-        try:
-            child.wait(20)
-        except subprocess.TimeoutExpired:
-            child.kill()
         log.close()
 
 
@@ -285,13 +240,6 @@ async def phase(base: str, args: argparse.Namespace, rate: float,
     return tally, report, {k: after[k] - before[k] for k in after}, elapsed
 
 
-def pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--engines", type=int, default=2)
@@ -322,7 +270,8 @@ def main() -> None:
           f"{args.prefix_words} words, concurrency {args.batch_concurrency}")
     with tempfile.TemporaryDirectory(prefix="bench-batch-") as tmp, \
             engines(args, pathlib.Path(tmp)) as ports, \
-            daemon(fleet_text(args, free_port(), ports), pathlib.Path(tmp)) as base:
+            daemon(fleet_text(args, free_port(), ports), pathlib.Path(tmp),
+                   {"BENCH_KEYS": f"{INTERACTIVE_KEY},{BATCH_KEY}"}) as base:
         alone, _, _, _ = asyncio.run(phase(base, args, rate, None))
         mixed, batch, used, elapsed = asyncio.run(phase(base, args, rate, data))
     # the capacity the interactive load leaves idle, in slot-seconds a second

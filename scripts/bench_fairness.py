@@ -41,33 +41,23 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import os
 import pathlib
 import random
 import re
-import shutil
-import signal
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import textwrap
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import httpx
+from bench_daemon import daemon, free_port, pct
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 QUIET_KEY, FLOOD_KEY = "sk-quiet-tenant-0001", "sk-flood-tenant-0002"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+#: the daemon's keys, and which is which (the fleet file reads them from the environment)
+ENV = {"BENCH_KEYS": f"{QUIET_KEY},{FLOOD_KEY}", "BENCH_QUIET_KEY": QUIET_KEY,
+       "BENCH_FLOOD_KEY": FLOOD_KEY}
 
 
 def fleet_text(args: argparse.Namespace, port: int,
@@ -122,41 +112,6 @@ def fleet_text(args: argparse.Namespace, port: int,
 
         [frontend.tenants]
         """) + tenants + "\n" + engines
-
-
-@contextlib.contextmanager
-def daemon(text: str, directory: pathlib.Path) -> Iterator[str]:
-    path = directory / "fleet.toml"
-    path.write_text(text)
-    port = int(text.split('listen = "127.0.0.1:')[1].split('"')[0])
-    env = {**os.environ, "BENCH_KEYS": f"{QUIET_KEY},{FLOOD_KEY}",
-           "BENCH_QUIET_KEY": QUIET_KEY, "BENCH_FLOOD_KEY": FLOOD_KEY}
-    binary = pathlib.Path(sys.executable).with_name("direct-frontend")
-    log = (directory / "daemon.log").open("wb")
-    child = subprocess.Popen([str(binary if binary.exists() else shutil.which("direct-frontend")),
-                              "run", str(path), "--no-watch"], stdout=log, stderr=log, env=env,
-                             start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(base + "/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if child.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit("the daemon did not start:\n"
-                                 + (directory / "daemon.log").read_text()[-3000:])
-            time.sleep(0.1)
-        yield base
-    finally:
-        child.send_signal(signal.SIGTERM)
-        try:
-            child.wait(20)
-        except subprocess.TimeoutExpired:
-            child.kill()
-        log.close()
 
 
 @dataclass
@@ -262,13 +217,6 @@ async def waited(client: httpx.AsyncClient) -> tuple[int, int, int]:
     return int(total), int(total - none), int(total - short)
 
 
-def pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 def row(name: str, quiet: Tally, flood: Tally, seconds: float, base: Tally,
         capacity_tps: float, waits: bool = True) -> None:
     p50, p90, p99 = (pct(quiet.ttft, q) for q in (0.5, 0.9, 0.99))
@@ -341,7 +289,8 @@ def main() -> None:
         directory = pathlib.Path(tmp)
         if args.weights is not None:
             heavy, light = (float(w) for w in args.weights.split(":"))
-            with daemon(fleet_text(args, free_port(), (heavy, light)), directory) as base:
+            with daemon(fleet_text(args, free_port(), (heavy, light)), directory,
+                        ENV) as base:
                 args.quiet_share = args.flood_factor  # both flood
                 quiet, flood, _ = asyncio.run(
                     phase(base, args, capacity_rps, FLOOD_KEY, args.flood_factor))
@@ -354,7 +303,7 @@ def main() -> None:
                   f"{quiet.tokens_until(until)} = {ratio:.2f} "
                   f"(target {target:g}, within 10 %: {abs(ratio / target - 1) <= 0.1})")
             return
-        with daemon(fleet_text(args, free_port()), directory) as base:
+        with daemon(fleet_text(args, free_port()), directory, ENV) as base:
             if args.tiers:
                 tiers(base, args, capacity_rps, capacity_tps)
                 return
