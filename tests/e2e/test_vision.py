@@ -234,3 +234,42 @@ def test_a_migrated_stream_carries_its_images(daemon: Daemon) -> None:
     usage = chunks[-1].usage
     assert usage is not None and usage.completion_tokens == 12
     assert sum(sims[n].stats.images for n in ("v1", "v2")) - images == 3
+
+
+def test_the_shipped_vision_example_answers_both_clients_as_it_is(
+        tmp_path: Path, server: ImageServer) -> None:
+    """config/examples/vision.toml on free ports, nothing else changed: the official clients
+    send an image as a data URL and as a URL of an image server on loopback (which the file
+    allows), streaming and not, and get answers."""
+    import base64
+
+    example = Path(__file__).resolve().parents[2] / "config" / "examples" / "vision.toml"
+    text = example.read_text().replace("127.0.0.1:8000", "127.0.0.1:0")
+    model = example.parent.parent / "demo-vision-model"
+    text = text.replace('"../demo-vision-model"', f'"{model}"')
+    for port in (30081, 30082, 30091, 30092):
+        text = text.replace(f"127.0.0.1:{port}", f"127.0.0.1:{free_port()}")
+    png = encoded(picture(80, 60, seed=3))
+    url = server.serve("/example.png", png)
+    with running_daemon(tmp_path, text) as daemon:
+        daemon.wait_serving(2, timeout=20)
+        with openai_client(daemon) as client:
+            for part in (image_part(data_url(png)), image_part(url)):
+                whole = client.chat.completions.create(model="vision", messages=ask(part),
+                                                       max_tokens=4)
+                assert whole.choices[0].message.content
+                streamed = client.chat.completions.create(model="vision", messages=ask(part),
+                                                          max_tokens=4, stream=True)
+                assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+        with anthropic.Anthropic(base_url=daemon.url, api_key="unused", max_retries=0) as sdk:
+            for source in ({"type": "base64", "media_type": "image/png",
+                            "data": base64.b64encode(png).decode()}, {"type": "url", "url": url}):
+                content: list[Any] = [{"type": "image", "source": source},
+                                      {"type": "text", "text": "What is it?"}]
+                message = sdk.messages.create(model="vision", max_tokens=4,
+                                              messages=[{"role": "user", "content": content}])
+                assert message.content
+                with sdk.messages.stream(model="vision", max_tokens=4, messages=[
+                        {"role": "user", "content": content}]) as stream:
+                    assert "".join(stream.text_stream)
+    assert server.requests.count("/example.png") == 4
