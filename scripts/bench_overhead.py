@@ -922,7 +922,10 @@ async def start_side(
     cmd = shlex.split(args.daemon_cmd) if args.daemon_cmd and side.name == "candidate" else (
         cli_argv()
     )
-    env = None if side.source is None else daemon_env(side.source)
+    env = dict(os.environ) if side.source is None else daemon_env(side.source)
+    state = tmp / f"state-{side.name}"  # a store of its own: schemas differ between revisions
+    state.mkdir(parents=True, exist_ok=True)
+    env["STATE_DIRECTORY"] = str(state)
     side.daemon = Child(f"daemon ({side.name})", [*cmd, "run", str(fleet), "--log-level",
                                                   "WARNING"], tmp / f"daemon-{side.name}.log", env)
     children.append(side.daemon)
