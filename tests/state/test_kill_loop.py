@@ -30,7 +30,7 @@ from direct_frontend.state.sqlite import SqliteStore
 
 KILLS = 200
 #: a writer is killed this long (seconds, uniformly at random) after its first stored response
-KILL_AFTER = (0.0, 0.04)
+KILL_AFTER = (0.0, 0.02)
 
 
 def _writer(path: Path, ack: int, seed: int) -> None:
