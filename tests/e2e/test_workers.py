@@ -281,6 +281,8 @@ def test_a_dying_workers_stream_ends_in_a_closed_connection_and_the_others_serve
                 with pytest.raises((httpx.RemoteProtocolError, httpx.ReadError)):
                     for _ in lines:
                         pass
+        # its listening socket is gone with it (a connection queued there before is reset)
+        wait_for(lambda: gone(pid), what="the killed worker to be gone")
         r = http.post(base + "/v1/completions", json={**body, "stream": False, "max_tokens": 2})
         assert r.status_code == 200, r.text
 
