@@ -46,7 +46,8 @@ async def test_queue_timeout() -> None:
     assert admission.waiting == 0
 
 
-async def test_a_request_of_several_choices_holds_one_slot_each() -> None:
+async def test_a_request_of_several_choices_holds_one_slot_each(
+        autojump_clock: trio.testing.MockClock) -> None:
     admission = Admission(AdmissionConfig(max_in_flight=4, max_queue=4, queue_timeout_s=5))
     release = trio.Event()
     admitted: list[str] = []
