@@ -69,6 +69,14 @@ def fresh_get(url: str, headers: dict[str, str] | None = None) -> httpx.Response
     return http.get(url, headers=headers)
 
 
+def serving(base: str) -> int:
+    """How many workers answer ``/fleet`` (0 while a connection is refused or reset)."""
+    try:
+        return len(seen_workers(base, 12))
+    except httpx.HTTPError:
+        return 0
+
+
 def seen_workers(base: str, tries: int = 60) -> dict[str, dict[str, Any]]:
     """``/fleet`` as each worker answers it, by the worker's replica id."""
     out: dict[str, dict[str, Any]] = {}
@@ -102,13 +110,7 @@ def worker_service(
     try:
         daemon.wait_serving(2)
 
-        def all_ready() -> bool:
-            try:
-                return len(seen_workers(base, 12)) == count
-            except httpx.HTTPError:
-                return False
-
-        wait_for(all_ready, timeout=60, what=f"{count} workers serving")
+        wait_for(lambda: serving(base) == count, timeout=60, what=f"{count} workers serving")
         yield base, parent, path
     finally:
         parent.send_signal(signal.SIGTERM)
@@ -177,7 +179,7 @@ def test_a_killed_worker_is_started_again(service: Service) -> None:
     wait_for(lambda: len(workers_of(parent.pid) - before) == 1, timeout=30,
              what="a new worker process")
     assert parent.poll() is None
-    wait_for(lambda: len(seen_workers(base, 12)) == 2, timeout=60, what="both serving again")
+    wait_for(lambda: serving(base) == 2, timeout=60, what="both serving again")
 
 
 def test_a_fleet_file_edit_reaches_every_worker(model_dir: Path, tmp_path: Path) -> None:
@@ -281,8 +283,10 @@ def test_a_dying_workers_stream_ends_in_a_closed_connection_and_the_others_serve
                 with pytest.raises((httpx.RemoteProtocolError, httpx.ReadError)):
                     for _ in lines:
                         pass
-        # its listening socket is gone with it (a connection queued there before is reset)
+        # its listening socket is gone with it (a connection queued there before is reset), and
+        # its successor serves (a connection made while it starts can be reset too)
         wait_for(lambda: gone(pid), what="the killed worker to be gone")
+        wait_for(lambda: serving(base) == 2, timeout=60, what="both serving")
         r = http.post(base + "/v1/completions", json={**body, "stream": False, "max_tokens": 2})
         assert r.status_code == 200, r.text
 
