@@ -60,11 +60,13 @@ from bench_overhead import (
 )
 from bench_routing import (
     ModeUnavailable,
+    RequestFailed,
     _text,
     _words,
     engine_stats,
     machine_busy_seconds,
     metric_sum,
+    one_turn,
     parse_metrics,
     wait_all_serving,
 )
@@ -181,41 +183,11 @@ class Sample:
     cached_tokens: int
 
 
-class RequestFailed(Exception):
-    pass
-
-
 async def turn(client: httpx.AsyncClient, base: str, messages: list[dict[str, str]],
                max_tokens: int) -> tuple[float, int, int, str]:
     """One streamed chat completion: TTFT (s), prompt and cached tokens, the answer."""
-    body = {"model": MODEL, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}}
-    parts: list[str] = []
-    usage: dict[str, Any] | None = None
-    ttft = math.nan
-    start = time.perf_counter()
-    async with client.stream("POST", base + "/v1/chat/completions", json=body) as response:
-        if response.status_code != 200:
-            raise RequestFailed(f"HTTP {response.status_code}: {(await response.aread())[:300]!r}")
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            if "error" in event:
-                raise RequestFailed(f"error event: {event['error']}")
-            if event.get("usage"):
-                usage = event["usage"]
-            for choice in event.get("choices", ()):
-                content = choice.get("delta", {}).get("content")
-                if content:
-                    if not parts:
-                        ttft = time.perf_counter() - start
-                    parts.append(content)
-    if usage is None or not parts:
-        raise RequestFailed(f"no usage or no text (usage={usage})")
-    details = usage.get("prompt_tokens_details") or {}
-    return (ttft, int(usage["prompt_tokens"]), int(details.get("cached_tokens") or 0),
-            "".join(parts))
+    sample = await one_turn(client, base, messages, max_tokens, 0, 0)
+    return sample.ttft, sample.prompt_tokens, sample.cached_tokens, sample.answer
 
 
 async def play(client: httpx.AsyncClient, base: str, plays: Sequence[Session],
