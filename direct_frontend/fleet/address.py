@@ -31,28 +31,45 @@ def _valid_host(host: str) -> bool:
 def host_port(text: str, *, min_port: int, scheme: str) -> Endpoint | str:
     """Split ``host:port`` (IPv6 in brackets); a reason string when it is not one."""
     form = f"{scheme}://host:port" if scheme else "host:port"
-    if text.startswith("["):
-        close = text.find("]")
-        if close < 0:
-            return "the IPv6 address has no closing ']'"
-        host, rest = text[1:close], text[close + 1 :]
-        try:
-            ipaddress.IPv6Address(host)
-        except ValueError:
-            return f"{host!r} is not an IPv6 address"
-        if not rest.startswith(":"):
-            return f"the port is missing (expected {form})"
-        port_text = rest[1:]
-    else:
-        if ":" not in text:
-            return f"the port is missing (expected {form})"
-        host, _, port_text = text.rpartition(":")
-        if ":" in host:
-            return "an IPv6 address must be in brackets, like [::1]:port"
-        if not host:
-            return f"the host is missing (expected {form})"
-        if not _valid_host(host):
-            return f"{host!r} is not a valid host name or IP address"
+    split = _split_bracketed(text, form) if text.startswith("[") else _split_plain(text, form)
+    if isinstance(split, str):
+        return split
+    host, port_text = split
+    port = _port(port_text, min_port, form)
+    return port if isinstance(port, str) else (host, port)
+
+
+def _split_bracketed(text: str, form: str) -> tuple[str, str] | str:
+    """``[v6]:port`` as (host, port text), or the reason it is not one."""
+    close = text.find("]")
+    if close < 0:
+        return "the IPv6 address has no closing ']'"
+    host, rest = text[1:close], text[close + 1 :]
+    try:
+        ipaddress.IPv6Address(host)
+    except ValueError:
+        return f"{host!r} is not an IPv6 address"
+    if not rest.startswith(":"):
+        return f"the port is missing (expected {form})"
+    return host, rest[1:]
+
+
+def _split_plain(text: str, form: str) -> tuple[str, str] | str:
+    """``host:port`` (a name or IPv4) as (host, port text), or the reason it is not one."""
+    if ":" not in text:
+        return f"the port is missing (expected {form})"
+    host, _, port_text = text.rpartition(":")
+    if ":" in host:
+        return "an IPv6 address must be in brackets, like [::1]:port"
+    if not host:
+        return f"the host is missing (expected {form})"
+    if not _valid_host(host):
+        return f"{host!r} is not a valid host name or IP address"
+    return host, port_text
+
+
+def _port(port_text: str, min_port: int, form: str) -> int | str:
+    """The port number, or the reason ``port_text`` is not one in range."""
     if not port_text:
         return f"the port is missing (expected {form})"
     if not (port_text.isascii() and port_text.isdigit()):
@@ -60,7 +77,7 @@ def host_port(text: str, *, min_port: int, scheme: str) -> Endpoint | str:
     port = int(port_text)
     if not min_port <= port <= 65535:
         return f"the port must be between {min_port} and 65535, got {port}"
-    return host, port
+    return port
 
 
 def split_url(text: str, scheme: str) -> Endpoint | str | None:

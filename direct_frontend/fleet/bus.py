@@ -78,6 +78,18 @@ def replicas_problems(config: ReplicasConfig) -> list[tuple[str, str]]:
         name = getattr(config, key)
         if name is not None and not _ENV_NAME.fullmatch(name):
             problems.append((key, f"{name!r} is not an environment variable name"))
+    problems.extend(_auth_problems(config))
+    if (config.tls_cert is None) != (config.tls_key is None):
+        present = "tls_cert" if config.tls_key is None else "tls_key"
+        missing = "tls_key" if config.tls_key is None else "tls_cert"
+        problems.append((present, f"{present} needs {missing}"))
+    problems.extend(_nats_problems(config))
+    return problems
+
+
+def _auth_problems(config: ReplicasConfig) -> list[tuple[str, str]]:
+    """The ways to authenticate: each given once, a user with a password, only one way."""
+    problems: list[tuple[str, str]] = []
     password = [k for k in ("password_env", "password_file") if getattr(config, k) is not None]
     token = [k for k in ("token_env", "token_file") if getattr(config, k) is not None]
     for keys in (password, token):
@@ -94,23 +106,23 @@ def replicas_problems(config: ReplicasConfig) -> list[tuple[str, str]]:
     if len(methods) > 1:
         problems.append((methods[1],
                          f"give one way to authenticate, not {' and '.join(methods)}"))
-    if (config.tls_cert is None) != (config.tls_key is None):
-        present = "tls_cert" if config.tls_key is None else "tls_key"
-        missing = "tls_key" if config.tls_key is None else "tls_cert"
-        problems.append((present, f"{present} needs {missing}"))
-    if config.nats is None:
-        problems.extend((key, "has no effect without nats") for key in _NEEDS_NATS
-                        if getattr(config, key) not in (None, False))
-    else:
-        parts = urlsplit(config.nats)
-        try:
-            port_ok = parts.port is None or parts.port > 0
-        except ValueError:
-            port_ok = False
-        if parts.scheme not in SCHEMES or not parts.hostname or not port_ok:
-            problems.append(("nats", f"{shown_url(config.nats)!r} is not a nats:// or tls:// "
-                                     "URL (host, and port if not 4222)"))
     return problems
+
+
+def _nats_problems(config: ReplicasConfig) -> list[tuple[str, str]]:
+    """Without ``nats`` the NATS keys do nothing; with it, it must be a nats:// or tls:// URL."""
+    if config.nats is None:
+        return [(key, "has no effect without nats") for key in _NEEDS_NATS
+                if getattr(config, key) not in (None, False)]
+    parts = urlsplit(config.nats)
+    try:
+        port_ok = parts.port is None or parts.port > 0
+    except ValueError:
+        port_ok = False
+    if parts.scheme not in SCHEMES or not parts.hostname or not port_ok:
+        return [("nats", f"{shown_url(config.nats)!r} is not a nats:// or tls:// "
+                         "URL (host, and port if not 4222)")]
+    return []
 
 
 _NEEDS_NATS = ("user", "password_env", "password_file", "token_env", "token_file",

@@ -34,6 +34,7 @@ Table = dict[str, object]
 
 _BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
 _NO_RULES = Rules()
+_SCALARS = (bool, int, float, str)
 
 
 def field_name(path: KeyPath) -> str:
@@ -227,21 +228,11 @@ class Checker:
             raise TypeError(f"{cls.__name__}.{name} shares the key {key!r}; read it by hand")
         if dataclasses.is_dataclass(kind) and isinstance(kind, type):
             return self.section(kind, tbl.get(key, {}), (*path, key))
-        noun = rules.noun or name
-        if kind is bool:
-            return self.boolean(tbl, path, key)
-        if kind is int:
-            return self.integer(tbl, path, key, minimum=rules.at_least, maximum=rules.at_most)
-        if kind is float:
-            above = rules.above is not None
-            minimum = rules.above if above else rules.at_least
-            return self.number(tbl, path, key, minimum=minimum, above=above, maximum=rules.at_most)
-        if kind is str and rules.secret:
-            return self.secret(tbl[key], (*path, key)) if key in tbl else None
-        if kind is str:
-            return self.string(tbl, path, key)
+        if kind in _SCALARS:
+            return self._scalar(kind, rules, tbl, path, key)
         if kind == tuple[str, ...] and rules.secret:
             return self.secrets(tbl, path, key)
+        noun = rules.noun or name
         if typing.get_origin(kind) is Literal:
             return self.choice(tbl, path, key, typing.get_args(kind), noun)
         if typing.get_origin(kind) is tuple and typing.get_origin(typing.get_args(kind)[0]) is (
@@ -251,6 +242,20 @@ class Checker:
             text = self.choice(tbl, path, key, tuple(member.value for member in kind), noun)
             return None if text is None else kind(text)
         raise TypeError(f"{cls.__name__}.{name}: no generic read for {kind!r}; read it by hand")
+
+    def _scalar(self, kind: type, rules: Rules, tbl: Table, path: KeyPath, key: str) -> Any:
+        """A boolean, integer, float or string field, checked by its rules."""
+        if kind is bool:
+            return self.boolean(tbl, path, key)
+        if kind is int:
+            return self.integer(tbl, path, key, minimum=rules.at_least, maximum=rules.at_most)
+        if kind is float:
+            above = rules.above is not None
+            minimum = rules.above if above else rules.at_least
+            return self.number(tbl, path, key, minimum=minimum, above=above, maximum=rules.at_most)
+        if rules.secret:
+            return self.secret(tbl[key], (*path, key)) if key in tbl else None
+        return self.string(tbl, path, key)
 
     def knobs(self, cls: type[_D], values: Mapping[str, KnobValue], path: KeyPath) -> _D:
         """A policy's knobs table as ``cls``: its field names, numbers, their lower bounds.

@@ -338,47 +338,18 @@ class _Checker(PoolTables, ModelTables, AuthTables):
         if role is not None and kind is not None:
             self.check_role(path, kind, role)
 
-        name: str | None = self.read(EngineConfig, "name", tbl, path)
-        if name is not None and any(ch.isspace() or not ch.isprintable() for ch in name):
-            self.report((*path, "name"), f"{name!r} has spaces or control characters")
-        if name is None and "name" not in tbl and endpoint is not None:
-            name = endpoint_text(endpoint)  # the documented default: host:port
-
+        name = self.engine_name(tbl, path, endpoint)
         kv: list[tuple[KeyPath, Endpoint]] = []
         events = self.endpoints(tbl, path, "kv_events", kv)
         replay = self.endpoints(tbl, path, "kv_replay", kv)
-        raw_events, raw_replay = tbl.get("kv_events", []), tbl.get("kv_replay")
-        if isinstance(raw_replay, list) and isinstance(raw_events, list):
-            given, wanted = len(raw_replay), len(raw_events)
-            if given != wanted:
-                message = (
-                    f"has {_plural(given, 'endpoint')} but kv_events has {wanted}"
-                    " (one replay endpoint per data-parallel rank, in the same order)"
-                )
-                self.report((*path, "kv_replay"), message)
-        raw_ranks = tbl.get("dp_ranks")
-        if type(raw_ranks) is int and isinstance(raw_events, list) and raw_events \
-                and raw_ranks != len(raw_events):
-            self.report((*path, "dp_ranks"), (
-                f"is {raw_ranks} but kv_events has {_plural(len(raw_events), 'endpoint')}"
-                " (one per data-parallel rank)"))
+        self.check_rank_counts(tbl, path)
 
         bootstrap_port: int | None = self.read(EngineConfig, "bootstrap_port", tbl, path)
         if bootstrap_port is not None:
             self.check_bootstrap(path, bootstrap_port, kind, role, endpoint)
 
         simulate: bool | None = self.read(EngineConfig, "simulate", tbl, path)
-        simulator = None
-        if "simulator" in tbl:
-            if simulate:
-                simulator = self.section(SimulatorConfig, tbl["simulator"], (*path, "simulator"))
-            elif "simulate" not in tbl or simulate is False:
-                self.report((*path, "simulator"), "only allowed with simulate = true")
-        if simulate and endpoint is not None and not is_loopback(endpoint[0]):
-            message = f"a simulated engine listens on 127.0.0.1; use grpc://127.0.0.1:{endpoint[1]}"
-            self.report((*path, "url"), message)
-        if simulate:
-            self.check_simulated_ranks(path, kv)
+        simulator = self.simulated(tbl, path, simulate, endpoint, kv)
 
         by_hand = {
             "name": name,
@@ -395,6 +366,51 @@ class _Checker(PoolTables, ModelTables, AuthTables):
         }
         config = EngineConfig(**self.fields(EngineConfig, tbl, path, by_hand))
         return _Draft(index, config, "name" in tbl, endpoint, kv)
+
+    def engine_name(self, tbl: Table, path: KeyPath, endpoint: Endpoint | None) -> str | None:
+        """``name``: printable without spaces; absent, it is the url's ``host:port``."""
+        name: str | None = self.read(EngineConfig, "name", tbl, path)
+        if name is not None and any(ch.isspace() or not ch.isprintable() for ch in name):
+            self.report((*path, "name"), f"{name!r} has spaces or control characters")
+        if name is None and "name" not in tbl and endpoint is not None:
+            name = endpoint_text(endpoint)  # the documented default: host:port
+        return name
+
+    def check_rank_counts(self, tbl: Table, path: KeyPath) -> None:
+        """``kv_replay`` and ``dp_ranks`` agree with the number of ``kv_events`` endpoints."""
+        raw_events, raw_replay = tbl.get("kv_events", []), tbl.get("kv_replay")
+        if isinstance(raw_replay, list) and isinstance(raw_events, list):
+            given, wanted = len(raw_replay), len(raw_events)
+            if given != wanted:
+                message = (
+                    f"has {_plural(given, 'endpoint')} but kv_events has {wanted}"
+                    " (one replay endpoint per data-parallel rank, in the same order)"
+                )
+                self.report((*path, "kv_replay"), message)
+        raw_ranks = tbl.get("dp_ranks")
+        if type(raw_ranks) is int and isinstance(raw_events, list) and raw_events \
+                and raw_ranks != len(raw_events):
+            self.report((*path, "dp_ranks"), (
+                f"is {raw_ranks} but kv_events has {_plural(len(raw_events), 'endpoint')}"
+                " (one per data-parallel rank)"))
+
+    def simulated(
+        self, tbl: Table, path: KeyPath, simulate: bool | None, endpoint: Endpoint | None,
+        kv: list[tuple[KeyPath, Endpoint]],
+    ) -> SimulatorConfig | None:
+        """``[engine.simulator]`` (only with ``simulate = true``) and a simulator's own rules."""
+        simulator = None
+        if "simulator" in tbl:
+            if simulate:
+                simulator = self.section(SimulatorConfig, tbl["simulator"], (*path, "simulator"))
+            elif "simulate" not in tbl or simulate is False:
+                self.report((*path, "simulator"), "only allowed with simulate = true")
+        if simulate and endpoint is not None and not is_loopback(endpoint[0]):
+            message = f"a simulated engine listens on 127.0.0.1; use grpc://127.0.0.1:{endpoint[1]}"
+            self.report((*path, "url"), message)
+        if simulate:
+            self.check_simulated_ranks(path, kv)
+        return simulator
 
     def check_simulated_ranks(self, path: KeyPath, kv: list[tuple[KeyPath, Endpoint]]) -> None:
         """A simulated engine of several ranks publishes as vLLM does: base port + rank."""
