@@ -15,7 +15,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 from collections.abc import Callable, Iterable, Sequence
-from typing import Final, Literal, TypeVar, get_args
+from typing import Any, Final, Generic, Literal, TypeVar, get_args, overload
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -118,12 +118,179 @@ class ShimGauge(Collector):
         yield GaugeMetricFamily(self._name, self._doc, labels=("shim",))
 
 
+_F = TypeVar("_F", bound=Collector)
+
+
+class _Family(Generic[_F]):
+    """One metric of :class:`Metrics`, declared in its class body: its name is the attribute's.
+
+    :meth:`Metrics.__init__` builds each into an instance attribute of that name.
+    """
+
+    __slots__ = ("_build", "name")
+
+    def __init__(self, build: Callable[[str, CollectorRegistry], _F]) -> None:
+        self._build = build
+        self.name = ""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    @overload
+    def __get__(self, obj: None, owner: type) -> _Family[_F]: ...
+    @overload
+    def __get__(self, obj: object, owner: type) -> _F: ...
+    def __get__(self, obj: object, owner: type) -> _Family[_F] | _F:
+        if obj is None:
+            return self
+        raise AttributeError(f"{self.name} is built by Metrics.__init__")  # pragma: no cover
+
+    def build(self, registry: CollectorRegistry) -> _F:
+        """The metric, registered in ``registry`` under :data:`PREFIX` and its name."""
+        return self._build(PREFIX + self.name, registry)
+
+
+def _counter(doc: str, *labels: str) -> _Family[Counter]:
+    return _Family(lambda name, r: Counter(name, doc, labels, registry=r))
+
+
+def _gauge(doc: str, *labels: str) -> _Family[Gauge]:
+    return _Family(lambda name, r: Gauge(name, doc, labels, registry=r))
+
+
+def _histogram(doc: str, *labels: str, buckets: Sequence[float]) -> _Family[Histogram]:
+    return _Family(lambda name, r: Histogram(name, doc, labels, buckets=buckets, registry=r))
+
+
+def _registered(make: Callable[[str], _F]) -> _Family[_F]:
+    """A collector of our own, made from its name and registered."""
+
+    def build(name: str, registry: CollectorRegistry) -> _F:
+        collector = make(name)
+        registry.register(collector)
+        return collector
+
+    return _Family(build)
+
+
 class Metrics:
     """Every frontend metric, registered in its own :attr:`registry`.
 
     Label values must come from small fixed sets (route names, status codes,
-    engine names, error kinds) to keep cardinality bounded.
+    engine names, error kinds) to keep cardinality bounded. The metrics are
+    declared below in the order ``/metrics`` lists them.
     """
+
+    build_info = _gauge("Always 1: the running build, in its labels.", "version")
+    requests_total = _counter("HTTP requests by endpoint and status code.", "endpoint", "code")
+    admission_queue_depth = _gauge(
+        "Requests waiting in a model's admission queue (an autoscaling signal).", "model")
+    admission_wait_seconds = _histogram(
+        "Time a request waited for an admission slot, by model (0: admitted at once).",
+        "model", buckets=QUEUE_BUCKETS)
+    # by tenant and tier: the tenant label is its name in the fleet file, or a name a header
+    # or body field gave (at most [frontend.tenants] max_series), else "other": never a key
+    tenant_queue_depth = _gauge(
+        "Requests waiting in a model's admission queue, by tenant and service tier.",
+        "model", "tenant", "tier")
+    tenant_wait_seconds = _histogram(
+        "Time a request waited for an admission slot, by model, tenant and service tier.",
+        "model", "tenant", "tier", buckets=QUEUE_BUCKETS)
+    tenant_admitted_total = _counter(
+        "Requests admitted, by model, tenant and the service tier they were served at.",
+        "model", "tenant", "tier")
+    tenant_refused_total = _counter(
+        "Requests the admission queue refused, by model, tenant, service tier and reason "
+        "(queue_full, tenant_queue_full, pushed_out, timeout).",
+        "model", "tenant", "tier", "reason")
+    request_duration_seconds = _histogram(
+        "Time from request start to the last byte sent.", "endpoint", buckets=REQUEST_BUCKETS)
+    time_to_first_token_seconds = _histogram(
+        "Time from request start to the first token.", buckets=TTFT_BUCKETS)
+    inter_token_latency_seconds = _registered(lambda name: PerTokenHistogram(
+        name, "Gap between streamed tokens (a chunk's gap split evenly over its tokens).",
+        INTER_TOKEN_BUCKETS))
+    in_flight_requests = _gauge("Requests being served now.")
+    engine_state = _gauge(
+        "1 for the engine's current state, 0 for the others.", "engine", "state")
+    engine_in_flight = _gauge("Requests in flight on each engine.", "engine")
+    engine_requests_total = _counter("Engine calls by outcome.", "engine", "outcome")
+    prompt_tokens_total = _counter("Prompt tokens of finished requests.")
+    completion_tokens_total = _counter("Generated tokens of finished requests.")
+    cancelled_requests_total = _counter("Requests the client abandoned.")
+    malformed_engine_messages_total = _counter(
+        "Engine messages we could not interpret.", "engine")
+    parser_malformed_total = _counter(
+        "Tool calls or reasoning blocks of model output a parser could not read "
+        "(sent as content), by parser.", "parser")
+    reasoning_budget_closed_total = _counter(
+        "Replies whose reasoning block the router closed at their thinking_token_budget.")
+    migrations_refused_total = _counter(
+        "Streams ended instead of migrating, by why no other engine could continue them "
+        "(constraint: a sampled constrained stream; replay_diverged: a deterministic one "
+        "whose replay gave other tokens).", "reason")
+    engine_waits_total = _counter(
+        "Waits of a request for an engine to serve, by how they ended "
+        "(served, expired, cancelled).", "outcome")
+    engine_errors_total = _counter("Engine call failures by error kind.", "engine", "kind")
+    kv_predicted_cached_tokens_total = _counter(
+        "Prompt tokens the KV-aware router predicted the chosen engine had cached.")
+    kv_reported_cached_tokens_total = _counter(
+        "Prompt tokens the engines reported as cached, for KV-routed requests.")
+    kv_prediction_diverged = _gauge(
+        "Engines whose predicted and reported cache hits disagree over their recent window "
+        "(routed by the approximate prefix memory).")
+    kv_load_guard_spills_total = _counter(
+        "Requests the load guard sent away from the engine with the best cache overlap.")
+    kv_index_blocks = _gauge("Blocks held in the KV-event index.")
+    kv_index_bytes = _gauge("Estimated memory of the KV-event index.")
+    kv_malformed_events_total = _counter(
+        "KV-event messages that could not be decoded.", "engine")
+    replica_degraded = _gauge(
+        "1 while [frontend.replicas] is set but NATS is out of reach: routing on "
+        "this replica's own state only.")
+    replica_peers = _gauge("Sibling replicas heard from recently.")
+    shim_active = _registered(lambda name: ShimGauge(
+        name,
+        "1 while a hot-path shim over a library's internals is in use, by shim "
+        "(docs/decisions/0002-hot-path-shims.md); 0: the library's own, slower code runs.",
+        shims_active))
+    # Read at scrape time: every HTTP connection holds one (see http/keepalive.py).
+    open_fds = _gauge("File descriptors the process has open.")
+    max_fds = _gauge("The process's soft limit on open file descriptors.")
+    model_requests_total = _counter(
+        "Generation requests by the model they asked for.", "model", "code")
+    model_time_to_first_token_seconds = _histogram(
+        "Time to the first token, by model.", "model", buckets=TTFT_BUCKETS)
+    model_prompt_tokens_total = _counter(
+        "Prompt tokens of finished requests, by model.", "model")
+    model_completion_tokens_total = _counter(
+        "Generated tokens of finished requests, by model.", "model")
+    model_cached_tokens_total = _counter(
+        "Prompt tokens the engines reported as cached, by model (the hit rate's numerator).",
+        "model")
+    model_engines_serving = _gauge("Engines serving each model.", "model")
+    responses_stored = _gauge("Responses this process keeps for previous_response_id.")
+    responses_stored_bytes = _gauge(
+        "JSON bytes of the stored responses ([frontend.responses] max_bytes bounds it).")
+    responses_background = _gauge(
+        "Background responses (background: true) running in this process.")
+    responses_evicted_total = _counter(
+        "Stored responses dropped before their time to keep within max_bytes.")
+    batches_running = _gauge("Batches (the Batch API) this process runs.")
+    batch_lines_total = _counter(
+        "Batch lines run by this process, by outcome (completed, failed, retried: the "
+        "server had no room then, so the line is asked again).", "outcome")
+    pool_membership_stale = _gauge(
+        "1 while a [[pool]]'s watch is down and its last membership is kept.", "pool")
+    pool_engines = _gauge("Engines a [[pool]]'s Ready pods make.", "pool")
+    pool_watch_errors_total = _counter(
+        "Failed lists and watches of a [[pool]] (each reconnects with backoff).", "pool")
+    pool_relists_total = _counter("Full lists of a [[pool]]'s pods, by why.", "pool", "reason")
+    rate_limited_total = _counter(
+        "Requests refused over a tenant's rate limit ([frontend.tenants]), by tenant (its "
+        "name in the fleet file; every other tenant is \"other\") and limit (requests, "
+        "tokens).", "tenant", "limit")
 
     def __init__(self) -> None:
         # The ``*_created`` series double the exposition for nothing Prometheus uses;
@@ -131,246 +298,15 @@ class Metrics:
         disable_created_metrics()  # type: ignore[no-untyped-call]  # untyped upstream
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        p = PREFIX
         # the process's own: CPU, memory, descriptors, GC; Python's version (the standard names)
         ProcessCollector(registry=r)
         PlatformCollector(registry=r)
         GCCollector(registry=r)
-        build = Gauge(p + "build_info", "Always 1: the running build, in its labels.",
-                      ("version",), registry=r)
-        build.labels(__version__).set(1)
-        self.requests_total = Counter(
-            p + "requests_total", "HTTP requests by endpoint and status code.",
-            ("endpoint", "code"), registry=r,
-        )  # fmt: skip
-        self.admission_queue_depth = Gauge(
-            p + "admission_queue_depth",
-            "Requests waiting in a model's admission queue (an autoscaling signal).",
-            ("model",), registry=r,
-        )  # fmt: skip
-        self.admission_wait_seconds = Histogram(
-            p + "admission_wait_seconds",
-            "Time a request waited for an admission slot, by model (0: admitted at once).",
-            ("model",), buckets=QUEUE_BUCKETS, registry=r,
-        )  # fmt: skip
-        # by tenant and tier: the tenant label is its name in the fleet file, or a name a header
-        # or body field gave (at most [frontend.tenants] max_series), else "other": never a key
-        self.tenant_queue_depth = Gauge(
-            p + "tenant_queue_depth",
-            "Requests waiting in a model's admission queue, by tenant and service tier.",
-            ("model", "tenant", "tier"), registry=r,
-        )  # fmt: skip
-        self.tenant_wait_seconds = Histogram(
-            p + "tenant_wait_seconds",
-            "Time a request waited for an admission slot, by model, tenant and service tier.",
-            ("model", "tenant", "tier"), buckets=QUEUE_BUCKETS, registry=r,
-        )  # fmt: skip
-        self.tenant_admitted_total = Counter(
-            p + "tenant_admitted_total",
-            "Requests admitted, by model, tenant and the service tier they were served at.",
-            ("model", "tenant", "tier"), registry=r,
-        )  # fmt: skip
-        self.tenant_refused_total = Counter(
-            p + "tenant_refused_total",
-            "Requests the admission queue refused, by model, tenant, service tier and reason "
-            "(queue_full, tenant_queue_full, pushed_out, timeout).",
-            ("model", "tenant", "tier", "reason"), registry=r,
-        )  # fmt: skip
-        self.request_duration_seconds = Histogram(
-            p + "request_duration_seconds", "Time from request start to the last byte sent.",
-            ("endpoint",), buckets=REQUEST_BUCKETS, registry=r,
-        )  # fmt: skip
-        self.time_to_first_token_seconds = Histogram(
-            p + "time_to_first_token_seconds", "Time from request start to the first token.",
-            buckets=TTFT_BUCKETS, registry=r,
-        )  # fmt: skip
-        self.inter_token_latency_seconds = PerTokenHistogram(
-            p + "inter_token_latency_seconds",
-            "Gap between streamed tokens (a chunk's gap split evenly over its tokens).",
-            INTER_TOKEN_BUCKETS,
-        )
-        r.register(self.inter_token_latency_seconds)
-        self.in_flight_requests = Gauge(
-            p + "in_flight_requests", "Requests being served now.", registry=r
-        )
-        self.engine_state = Gauge(
-            p + "engine_state", "1 for the engine's current state, 0 for the others.",
-            ("engine", "state"), registry=r,
-        )  # fmt: skip
-        self.engine_in_flight = Gauge(
-            p + "engine_in_flight", "Requests in flight on each engine.", ("engine",), registry=r
-        )
-        self.engine_requests_total = Counter(
-            p + "engine_requests_total", "Engine calls by outcome.",
-            ("engine", "outcome"), registry=r,
-        )  # fmt: skip
-        self.prompt_tokens_total = Counter(
-            p + "prompt_tokens_total", "Prompt tokens of finished requests.", registry=r
-        )
-        self.completion_tokens_total = Counter(
-            p + "completion_tokens_total", "Generated tokens of finished requests.", registry=r
-        )
-        self.cancelled_requests_total = Counter(
-            p + "cancelled_requests_total", "Requests the client abandoned.", registry=r
-        )
-        self.malformed_engine_messages_total = Counter(
-            p + "malformed_engine_messages_total", "Engine messages we could not interpret.",
-            ("engine",), registry=r,
-        )  # fmt: skip
-        self.parser_malformed_total = Counter(
-            p + "parser_malformed_total",
-            "Tool calls or reasoning blocks of model output a parser could not read "
-            "(sent as content), by parser.",
-            ("parser",), registry=r,
-        )  # fmt: skip
-        self.reasoning_budget_closed_total = Counter(
-            p + "reasoning_budget_closed_total",
-            "Replies whose reasoning block the router closed at their thinking_token_budget.",
-            registry=r,
-        )  # fmt: skip
-        self.migrations_refused_total = Counter(
-            p + "migrations_refused_total",
-            "Streams ended instead of migrating, by why no other engine could continue them "
-            "(constraint: a sampled constrained stream; replay_diverged: a deterministic one "
-            "whose replay gave other tokens).",
-            ("reason",), registry=r,
-        )  # fmt: skip
-        self.engine_waits_total = Counter(
-            p + "engine_waits_total",
-            "Waits of a request for an engine to serve, by how they ended "
-            "(served, expired, cancelled).",
-            ("outcome",), registry=r,
-        )  # fmt: skip
-        self.engine_errors_total = Counter(
-            p + "engine_errors_total", "Engine call failures by error kind.",
-            ("engine", "kind"), registry=r,
-        )  # fmt: skip
-        self.kv_predicted_cached_tokens_total = Counter(
-            p + "kv_predicted_cached_tokens_total",
-            "Prompt tokens the KV-aware router predicted the chosen engine had cached.",
-            registry=r,
-        )
-        self.kv_reported_cached_tokens_total = Counter(
-            p + "kv_reported_cached_tokens_total",
-            "Prompt tokens the engines reported as cached, for KV-routed requests.",
-            registry=r,
-        )
-        self.kv_prediction_diverged = Gauge(
-            p + "kv_prediction_diverged",
-            "Engines whose predicted and reported cache hits disagree over their recent window "
-            "(routed by the approximate prefix memory).",
-            registry=r,
-        )
-        self.kv_load_guard_spills_total = Counter(
-            p + "kv_load_guard_spills_total",
-            "Requests the load guard sent away from the engine with the best cache overlap.",
-            registry=r,
-        )
-        self.kv_index_blocks = Gauge(
-            p + "kv_index_blocks", "Blocks held in the KV-event index.", registry=r
-        )
-        self.kv_index_bytes = Gauge(
-            p + "kv_index_bytes", "Estimated memory of the KV-event index.", registry=r
-        )
-        self.kv_malformed_events_total = Counter(
-            p + "kv_malformed_events_total", "KV-event messages that could not be decoded.",
-            ("engine",), registry=r,
-        )  # fmt: skip
-        self.replica_degraded = Gauge(
-            p + "replica_degraded",
-            "1 while [frontend.replicas] is set but NATS is out of reach: routing on "
-            "this replica's own state only.", registry=r,
-        )  # fmt: skip
-        self.replica_peers = Gauge(
-            p + "replica_peers", "Sibling replicas heard from recently.", registry=r
-        )
-        r.register(ShimGauge(
-            p + "shim_active",
-            "1 while a hot-path shim over a library's internals is in use, by shim "
-            "(docs/decisions/0002-hot-path-shims.md); 0: the library's own, slower code runs.",
-            shims_active,
-        ))
-        # Read at scrape time: every HTTP connection holds one (see http/keepalive.py).
-        self.open_fds = Gauge(
-            p + "open_fds", "File descriptors the process has open.", registry=r
-        )
+        for family in _FAMILIES:
+            setattr(self, family.name, family.build(r))
+        self.build_info.labels(__version__).set(1)
         self.open_fds.set_function(descriptors.open_count)
-        self.max_fds = Gauge(
-            p + "max_fds", "The process's soft limit on open file descriptors.", registry=r
-        )
         self.max_fds.set_function(descriptors.soft_limit)
-        self.model_requests_total = Counter(
-            p + "model_requests_total", "Generation requests by the model they asked for.",
-            ("model", "code"), registry=r,
-        )  # fmt: skip
-        self.model_time_to_first_token_seconds = Histogram(
-            p + "model_time_to_first_token_seconds", "Time to the first token, by model.",
-            ("model",), buckets=TTFT_BUCKETS, registry=r,
-        )  # fmt: skip
-        self.model_prompt_tokens_total = Counter(
-            p + "model_prompt_tokens_total", "Prompt tokens of finished requests, by model.",
-            ("model",), registry=r,
-        )  # fmt: skip
-        self.model_completion_tokens_total = Counter(
-            p + "model_completion_tokens_total",
-            "Generated tokens of finished requests, by model.", ("model",), registry=r,
-        )  # fmt: skip
-        self.model_cached_tokens_total = Counter(
-            p + "model_cached_tokens_total",
-            "Prompt tokens the engines reported as cached, by model (the hit rate's numerator).",
-            ("model",), registry=r,
-        )  # fmt: skip
-        self.model_engines_serving = Gauge(
-            p + "model_engines_serving", "Engines serving each model.", ("model",), registry=r
-        )
-        self.responses_stored = Gauge(
-            p + "responses_stored", "Responses this process keeps for previous_response_id.",
-            registry=r,
-        )  # fmt: skip
-        self.responses_stored_bytes = Gauge(
-            p + "responses_stored_bytes",
-            "JSON bytes of the stored responses ([frontend.responses] max_bytes bounds it).",
-            registry=r,
-        )  # fmt: skip
-        self.responses_background = Gauge(
-            p + "responses_background",
-            "Background responses (background: true) running in this process.", registry=r,
-        )  # fmt: skip
-        self.responses_evicted_total = Counter(
-            p + "responses_evicted_total",
-            "Stored responses dropped before their time to keep within max_bytes.", registry=r,
-        )  # fmt: skip
-        self.batches_running = Gauge(
-            p + "batches_running", "Batches (the Batch API) this process runs.", registry=r,
-        )  # fmt: skip
-        self.batch_lines_total = Counter(
-            p + "batch_lines_total",
-            "Batch lines run by this process, by outcome (completed, failed, retried: the "
-            "server had no room then, so the line is asked again).", ("outcome",), registry=r,
-        )  # fmt: skip
-        self.pool_membership_stale = Gauge(
-            p + "pool_membership_stale",
-            "1 while a [[pool]]'s watch is down and its last membership is kept.", ("pool",),
-            registry=r,
-        )  # fmt: skip
-        self.pool_engines = Gauge(
-            p + "pool_engines", "Engines a [[pool]]'s Ready pods make.", ("pool",), registry=r
-        )
-        self.pool_watch_errors_total = Counter(
-            p + "pool_watch_errors_total",
-            "Failed lists and watches of a [[pool]] (each reconnects with backoff).", ("pool",),
-            registry=r,
-        )  # fmt: skip
-        self.pool_relists_total = Counter(
-            p + "pool_relists_total", "Full lists of a [[pool]]'s pods, by why.",
-            ("pool", "reason"), registry=r,
-        )  # fmt: skip
-        self.rate_limited_total = Counter(
-            p + "rate_limited_total",
-            "Requests refused over a tenant's rate limit ([frontend.tenants]), by tenant (its "
-            "name in the fleet file; every other tenant is \"other\") and limit (requests, "
-            "tokens).", ("tenant", "limit"), registry=r,
-        )  # fmt: skip
         self._models: dict[str, ModelSeries] = {}
         self._requests: dict[tuple[str, int], Counter] = {}
         self._durations: dict[str, Histogram] = {}
@@ -537,6 +473,21 @@ class Metrics:
     def render(self) -> tuple[bytes, str]:
         """The ``/metrics`` body and its content type."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+def _take_families(cls: type) -> tuple[_Family[Any], ...]:
+    """The metrics declared on ``cls``, in order, taken off the class.
+
+    The declarations type the attributes for mypy; at run time only the
+    instance holds them, so reading one is a plain (specialised) lookup.
+    """
+    families = tuple(v for v in vars(cls).values() if isinstance(v, _Family))
+    for family in families:
+        delattr(cls, family.name)
+    return families
+
+
+_FAMILIES: Final = _take_families(Metrics)
 
 
 class ModelSeries:
