@@ -22,14 +22,15 @@ import math
 import re
 import types
 import typing
-from collections.abc import Mapping, Sequence
-from typing import Any, Literal, TypeVar
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal, TypeGuard, TypeVar
 
 from direct_frontend.fleet.locate import KeyPath, Locator
 from direct_frontend.fleet.problems import FleetProblem
 from direct_frontend.fleet.schema import KnobValue, Rules
 
 _D = TypeVar("_D")
+_T = TypeVar("_T")
 Table = dict[str, object]
 
 _BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
@@ -91,6 +92,27 @@ def described(value: object) -> str:
 def _type_only(value: object) -> str:
     """The type of a value without the value itself (for secrets)."""
     return described(value).split(" ", 1)[0]
+
+
+def _is_str(value: object) -> TypeGuard[str]:
+    return isinstance(value, str)
+
+
+def _is_bool(value: object) -> TypeGuard[bool]:
+    return isinstance(value, bool)
+
+
+def _is_integer(value: object) -> TypeGuard[int]:
+    """An integer; TOML's booleans are not (Python's ``bool`` is an ``int``)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> TypeGuard[int | float]:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _is_array(value: object) -> TypeGuard[list[object]]:
+    return isinstance(value, list)
 
 
 def _range_message(value: float, minimum: float | None, maximum: float | None, above: bool) -> str:
@@ -300,12 +322,22 @@ class Checker:
             if key not in tbl:
                 self.report((*path, key), "required key is missing")
 
-    def string(self, tbl: Table, path: KeyPath, key: str) -> str | None:
+    def given(
+        self, tbl: Table, path: KeyPath, key: str, accepts: Callable[[object], TypeGuard[_T]],
+        expected: str, shown: Callable[[object], str] = described,
+    ) -> _T | None:
+        """``tbl[key]`` if ``accepts`` it; None when absent, or reported as not ``expected``."""
         if key not in tbl:
             return None
         value = tbl[key]
-        if not isinstance(value, str):
-            self.report((*path, key), f"expected a string, got {described(value)}")
+        if not accepts(value):
+            self.report((*path, key), f"expected {expected}, got {shown(value)}")
+            return None
+        return value
+
+    def string(self, tbl: Table, path: KeyPath, key: str) -> str | None:
+        value = self.given(tbl, path, key, _is_str, "a string")
+        if value is None:
             return None
         if not value.strip():
             self.report((*path, key), "must not be empty")
@@ -336,13 +368,7 @@ class Checker:
         return tuple(dict.fromkeys(item for _, item in items if item in choices))
 
     def boolean(self, tbl: Table, path: KeyPath, key: str) -> bool | None:
-        if key not in tbl:
-            return None
-        value = tbl[key]
-        if not isinstance(value, bool):
-            self.report((*path, key), f"expected a boolean, got {described(value)}")
-            return None
-        return value
+        return self.given(tbl, path, key, _is_bool, "a boolean")
 
     def integer(
         self,
@@ -353,11 +379,8 @@ class Checker:
         minimum: float | None = None,
         maximum: float | None = None,
     ) -> int | None:
-        if key not in tbl:
-            return None
-        value = tbl[key]
-        if isinstance(value, bool) or not isinstance(value, int):
-            self.report((*path, key), f"expected an integer, got {described(value)}")
+        value = self.given(tbl, path, key, _is_integer, "an integer")
+        if value is None:
             return None
         if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
             self.report((*path, key), _range_message(value, minimum, maximum, above=False))
@@ -375,11 +398,8 @@ class Checker:
         maximum: float | None = None,
     ) -> float | None:
         """A finite float; integers are accepted (``interval_s = 5``)."""
-        if key not in tbl:
-            return None
-        value = tbl[key]
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            self.report((*path, key), f"expected a number, got {described(value)}")
+        value = self.given(tbl, path, key, _is_number, "a number")
+        if value is None:
             return None
         if not math.isfinite(value):
             self.report((*path, key), f"must be a finite number, got {literal(value)}")
@@ -392,11 +412,8 @@ class Checker:
 
     def strings(self, tbl: Table, path: KeyPath, key: str) -> list[tuple[KeyPath, str]] | None:
         """An array of strings, each with its own path for messages."""
-        if key not in tbl:
-            return None
-        value = tbl[key]
-        if not isinstance(value, list):
-            self.report((*path, key), f"expected an array of strings, got {described(value)}")
+        value = self.given(tbl, path, key, _is_array, "an array of strings")
+        if value is None:
             return None
         items: list[tuple[KeyPath, str]] = []
         for index, item in enumerate(value, 1):
@@ -420,11 +437,8 @@ class Checker:
 
     def secrets(self, tbl: Table, path: KeyPath, key: str) -> tuple[str, ...] | None:
         """An array of secrets; the good ones are kept."""
-        if key not in tbl:
-            return None
-        raw = tbl[key]
-        if not isinstance(raw, list):
-            self.report((*path, key), f"expected an array of strings, got {_type_only(raw)}")
+        raw = self.given(tbl, path, key, _is_array, "an array of strings", _type_only)
+        if raw is None:
             return None
         return tuple(
             secret
