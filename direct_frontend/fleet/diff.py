@@ -12,11 +12,13 @@ applies at once and those that need a restart.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any, TypeVar
 
 from direct_frontend.fleet.describe import JsonValue, to_jsonable
-from direct_frontend.fleet.schema import FleetConfig
+from direct_frontend.fleet.schema import EngineConfig, FleetConfig
+
+_V = TypeVar("_V")
 
 #: ``[frontend]`` settings a running daemon cannot change: the listening socket, the
 #: tokenizer loaded at start, the model name every engine was admitted against, and the
@@ -122,17 +124,19 @@ def diff_fleets(old: FleetConfig, new: FleetConfig) -> FleetDiff:
 
 def diff_fleet_data(old: Mapping[str, Any], new: Mapping[str, Any]) -> FleetDiff:
     """Diff two fleets in their JSON form (``to_jsonable``)."""
-    added, removed, changed, unchanged = _match(_by_name(old, "engines"), _by_name(new, "engines"))
-    models = _match(_by_name(old, "models"), _by_name(new, "models"))
-    pools = _match(_by_name(old, "pools"), _by_name(new, "pools"))
+    added, removed, changed, unchanged = _match(
+        _by_name(old, "engines"), _by_name(new, "engines"), _changed_names)
+    models = _match(_by_name(old, "models"), _by_name(new, "models"), _changed_names)
+    pools = _match(_by_name(old, "pools"), _by_name(new, "pools"), _changed_names)
     live: list[str] = []
     restart: list[str] = []
     # With [[model]] tables these two are the first model's, and models change live.
     derived = ("served_model_name", "tokenizer") if _by_name(new, "models") else ()
-    for name in _changed_leaves(old.get("frontend", {}), new.get("frontend", {})):
+    for leaf in _changed_leaves(old.get("frontend", {}), new.get("frontend", {})):
+        name = ".".join(leaf)
         if name in derived:
             continue
-        (restart if name.split(".", 1)[0] in RESTART_FIELDS else live).append(name)
+        (restart if leaf and leaf[0] in RESTART_FIELDS else live).append(name)
     return FleetDiff(added, removed, changed, unchanged, tuple(live), tuple(restart),
                      models_added=models[0], models_removed=models[1], models_changed=models[2],
                      pools_added=pools[0], pools_removed=pools[1], pools_changed=pools[2])
@@ -147,24 +151,15 @@ def diff_engines(old: FleetConfig, new: FleetConfig) -> FleetDiff:
     """
     before = {engine.name: engine for engine in old.engines}
     after = {engine.name: engine for engine in new.engines}
-    changed: list[EngineChange] = []
-    unchanged: list[str] = []
-    for name, engine in after.items():
-        was = before.get(name)
-        if was is None:
-            continue
-        if was == engine:
-            unchanged.append(name)
-            continue
-        fields = tuple(f.name for f in dataclasses.fields(engine)
-                       if getattr(was, f.name) != getattr(engine, f.name))
-        changed.append(EngineChange(name, fields))
-    return FleetDiff(
-        added=tuple(name for name in after if name not in before),
-        removed=tuple(name for name in before if name not in after),
-        changed=tuple(changed),
-        unchanged=tuple(unchanged),
-    )
+    added, removed, changed, unchanged = _match(before, after, _changed_fields)
+    return FleetDiff(added=added, removed=removed, changed=changed, unchanged=unchanged)
+
+
+def _changed_fields(old: EngineConfig, new: EngineConfig) -> Iterator[str]:
+    """The names of the fields that differ between two engines' settings."""
+    if old != new:
+        yield from (f.name for f in dataclasses.fields(new)
+                    if getattr(old, f.name) != getattr(new, f.name))
 
 
 def as_in_file(fleet: Mapping[str, Any]) -> dict[str, Any]:
@@ -179,9 +174,12 @@ def _by_name(fleet: Mapping[str, Any], key: str) -> dict[str, Mapping[str, Any]]
 
 
 def _match(
-    old: Mapping[str, Mapping[str, Any]], new: Mapping[str, Mapping[str, Any]]
+    old: Mapping[str, _V], new: Mapping[str, _V], changes: Callable[[_V, _V], Iterable[str]]
 ) -> tuple[tuple[str, ...], tuple[str, ...], tuple[EngineChange, ...], tuple[str, ...]]:
-    """(added, removed, changed, unchanged) names between two sets of tables matched by name."""
+    """(added, removed, changed, unchanged) names between two sets of tables matched by name.
+
+    ``changes`` names what differs between two tables of the same name.
+    """
     added = tuple(name for name in new if name not in old)
     removed = tuple(name for name in old if name not in new)
     changed: list[EngineChange] = []
@@ -190,7 +188,7 @@ def _match(
         before = old.get(name)
         if before is None:
             continue
-        fields = tuple(_changed_leaves(before, item))
+        fields = tuple(changes(before, item))
         if fields:
             changed.append(EngineChange(name, fields))
         else:
@@ -198,15 +196,20 @@ def _match(
     return added, removed, tuple(changed), tuple(unchanged)
 
 
-def _changed_leaves(old: Any, new: Any, prefix: str = "") -> Iterator[str]:
-    """Dotted names of the values that differ; tables are walked, arrays compared whole."""
+def _changed_names(old: Mapping[str, Any], new: Mapping[str, Any]) -> Iterator[str]:
+    """The dotted names of the values that differ between two tables in JSON form."""
+    return (".".join(leaf) for leaf in _changed_leaves(old, new))
+
+
+def _changed_leaves(old: Any, new: Any, path: tuple[str, ...] = ()) -> Iterator[tuple[str, ...]]:
+    """The paths of the values that differ; tables are walked, arrays compared whole."""
     if isinstance(old, Mapping) and isinstance(new, Mapping):
         for key in (*old, *(k for k in new if k not in old)):
-            if key == "name" and not prefix:
+            if key == "name" and not path:
                 continue  # engines are matched by name; a rename is a remove and an add
-            yield from _changed_leaves(old.get(key), new.get(key), f"{prefix}{key}.")
+            yield from _changed_leaves(old.get(key), new.get(key), (*path, key))
     elif old != new:
-        yield prefix.removesuffix(".")
+        yield path
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
