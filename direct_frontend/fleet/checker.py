@@ -317,6 +317,13 @@ class Checker:
                     self.report((*path, key), f"unknown key (expected one of: {expected})")
         return value
 
+    def array_of_tables(self, value: object, path: KeyPath, name: str) -> list[object]:
+        """The ``[[name]]`` tables at ``path``: none when the value is not an array (reported)."""
+        if isinstance(value, list):
+            return value
+        self.report(path, f"expected an array of tables ([[{name}]]), got {described(value)}")
+        return []
+
     def required(self, tbl: Table, path: KeyPath, keys: Sequence[str]) -> None:
         for key in keys:
             if key not in tbl:

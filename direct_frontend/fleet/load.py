@@ -316,11 +316,8 @@ class _Checker(PoolTables, ModelTables, AuthTables):
         return tuple(sources)
 
     def engines(self, value: object) -> list[_Draft]:
-        if not isinstance(value, list):
-            message = f"expected an array of tables ([[engine]]), got {described(value)}"
-            self.report(("engine",), message)
-            return []
-        drafts = [self.engine(item, index) for index, item in enumerate(value, 1)]
+        tables = self.array_of_tables(value, ("engine",), "engine")
+        drafts = [self.engine(item, index) for index, item in enumerate(tables, 1)]
         return [draft for draft in drafts if draft is not None]
 
     def engine(self, value: object, index: int) -> _Draft | None:

@@ -21,7 +21,6 @@ from direct_frontend.engines.neutral import EngineInfo
 from direct_frontend.fleet.checker import (
     Checker,
     Table,
-    described,
     keys_of,
     required_keys,
 )
@@ -42,13 +41,9 @@ class ModelTables(Checker):
 
     def models(self, value: object, frontend: FrontendConfig, source: Path) -> list[ModelConfig]:
         """Every ``[[model]]``, in file order; names, aliases and adapters unique fleet-wide."""
-        if not isinstance(value, list):
-            message = f"expected an array of tables ([[model]]), got {described(value)}"
-            self.report(("model",), message)
-            return []
         models: list[ModelConfig] = []
         owners: dict[str, int] = {}
-        for index, item in enumerate(value, 1):
+        for index, item in enumerate(self.array_of_tables(value, ("model",), "model"), 1):
             model = self.model(item, index, frontend, source)
             if model is None:
                 continue
@@ -124,12 +119,8 @@ class ModelTables(Checker):
         return MediaConfig(**self.fields(MediaConfig, tbl, path, by_hand))
 
     def adapters(self, value: object, path: KeyPath) -> tuple[AdapterConfig, ...]:
-        if not isinstance(value, list):
-            message = f"expected an array of tables ([[model.adapter]]), got {described(value)}"
-            self.report(path, message)
-            return ()
         adapters: list[AdapterConfig] = []
-        for index, item in enumerate(value, 1):
+        for index, item in enumerate(self.array_of_tables(value, path, "model.adapter"), 1):
             where = (*path, index)
             tbl = self.table(item, where, keys_of(AdapterConfig))
             if tbl is None:

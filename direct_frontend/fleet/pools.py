@@ -22,7 +22,7 @@ from direct_frontend.engines.dialects import dialect_for
 from direct_frontend.engines.dialects.base import Capabilities
 from direct_frontend.engines.neutral import EngineRole
 from direct_frontend.fleet.address import Endpoint
-from direct_frontend.fleet.checker import Checker, described, keys_of, required_keys
+from direct_frontend.fleet.checker import Checker, keys_of, required_keys
 from direct_frontend.fleet.locate import KeyPath
 from direct_frontend.fleet.schema import (
     ENGINE_KINDS,
@@ -88,13 +88,9 @@ class PoolTables(EngineRules):
     """Reads ``[[pool]]`` tables: unique names, a namespace, a label selector, the engine rules."""
 
     def pools(self, value: object, models: list[ModelConfig]) -> list[PoolConfig]:
-        if not isinstance(value, list):
-            message = f"expected an array of tables ([[pool]]), got {described(value)}"
-            self.report(("pool",), message)
-            return []
         pools: list[PoolConfig] = []
         names: dict[str, int] = {}
-        for index, item in enumerate(value, 1):
+        for index, item in enumerate(self.array_of_tables(value, ("pool",), "pool"), 1):
             pool = self.pool(item, index, models)
             if pool is None:
                 continue

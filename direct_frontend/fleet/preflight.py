@@ -17,7 +17,7 @@ import socket
 import tomllib
 from pathlib import Path
 
-from direct_frontend.fleet.address import is_loopback, split_url
+from direct_frontend.fleet.address import endpoint_text, is_loopback, split_url
 from direct_frontend.fleet.checker import field_name
 from direct_frontend.fleet.locate import KeyPath, Locator
 from direct_frontend.fleet.problems import FleetError, FleetProblem
@@ -130,7 +130,7 @@ def busy_addresses(fleet: FleetConfig) -> list[FleetProblem]:
         reason = _bind_failure(host, port)
         if reason is not None:
             where = where or _Where(fleet.source)
-            address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+            address = endpoint_text((host, port))
             problems.append(where.problem(path, field, f"cannot listen on {address}: {reason}"))
     return problems
 

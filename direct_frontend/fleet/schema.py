@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Literal
 
 from direct_frontend.engines.neutral import EngineRole
+from direct_frontend.fleet.address import endpoint_text
 from direct_frontend.fleet.frontend_tables import (
     ACCESS_FIELDS as ACCESS_FIELDS,
 )
@@ -313,8 +314,7 @@ class FrontendConfig:
     @property
     def listen(self) -> str:
         """The listen address as written in the fleet file (IPv6 in brackets)."""
-        host = f"[{self.listen_host}]" if ":" in self.listen_host else self.listen_host
-        return f"{host}:{self.listen_port}"
+        return endpoint_text((self.listen_host, self.listen_port))
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
