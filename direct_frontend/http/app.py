@@ -9,7 +9,6 @@ once, while :mod:`~direct_frontend.http.stream` writes its output.
 from __future__ import annotations
 
 import json
-import logging
 import time
 from collections.abc import Awaitable, Callable
 from functools import partial
@@ -30,6 +29,7 @@ from direct_frontend.http.asgi import (
     error_shape,
     from_body,
     lifespan,
+    log,
     send_body,
     send_error,
 )
@@ -65,8 +65,6 @@ from direct_frontend.pipeline.serve import Stair
 from direct_frontend.pipeline.settings import Settings
 from direct_frontend.state.batch_store import BatchStore
 from direct_frontend.state.shell import Durable
-
-log = logging.getLogger("direct_frontend.http")
 
 #: ``GET /v1/models/{model}``: the rest of the path is the id (which may hold slashes)
 MODEL_PATH = "/v1/models/"

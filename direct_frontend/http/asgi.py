@@ -7,11 +7,13 @@ the last resort that answers a request whose handler failed unexpectedly.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Awaitable, Callable, MutableMapping
 from contextvars import ContextVar
-from typing import Any
+from typing import Any, Final
 
+import msgspec
 import trio
 
 from direct_frontend.fleet.schema import FrontendConfig
@@ -34,6 +36,11 @@ Headers = list[tuple[bytes, bytes]]
 Handler = Callable[[Settings, Scope, Receive, Send], Awaitable[int]]
 
 JSON = b"application/json"
+
+#: the HTTP shell's log (the request log's name)
+log: Final = logging.getLogger("direct_frontend.http")
+#: JSON bodies: one encoder for the shell, which reuses its buffer between calls
+encode_json: Final = msgspec.json.Encoder().encode
 
 #: what the app's ``receive`` gives instead of the ``http.disconnect`` hypercorn
 #: sends once the response is complete (see :meth:`ResponseProgress.receiving`)

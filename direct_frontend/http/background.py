@@ -42,7 +42,6 @@ responses still running get the grace period, then are cancelled.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import time
 from collections.abc import Sequence
 from typing import Any, Final
@@ -51,7 +50,7 @@ from urllib.parse import parse_qs
 import msgspec
 import trio
 
-from direct_frontend.http.asgi import Headers, Receive, Send
+from direct_frontend.http.asgi import Headers, Receive, Send, encode_json, log
 from direct_frontend.http.identity import Caller
 from direct_frontend.http.query import query_int
 from direct_frontend.http.responses_api import (
@@ -89,11 +88,6 @@ from direct_frontend.pipeline.serve import Later
 from direct_frontend.pipeline.serve_events import Placed, Prepared, StairEvent
 from direct_frontend.state.sql import StoreError
 from direct_frontend.text.token_bytes import TokenBytes
-
-log = logging.getLogger("direct_frontend.http")
-
-_encode: Final = msgspec.json.Encoder().encode
-
 
 #: with a database: how often the leases are renewed at most, which is how soon a cancel
 #: asked of another process reaches the one running the response
@@ -335,7 +329,7 @@ class BackgroundResponses:
 
     @staticmethod
     def _record(run: _Run) -> StoredResponse:
-        record = run.builder.record(_encode(run.response()), run.owner)
+        record = run.builder.record(encode_json(run.response()), run.owner)
         return msgspec.structs.replace(record, status=run.status, background=True,
                                        events=tuple(run.events))
 
@@ -374,7 +368,7 @@ class BackgroundResponses:
 def _lost(response_id: str, sequence: int) -> bytes:
     event = {"type": "error", "code": "response_lost", "param": None, "sequence_number": sequence,
              "message": f"Response '{response_id}' is no longer held by the process that ran it."}
-    return b"event: error\ndata: %b\n\n" % _encode(event)
+    return b"event: error\ndata: %b\n\n" % encode_json(event)
 
 
 # -- following a response's events ----------------------------------------------------

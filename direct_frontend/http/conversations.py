@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
-from typing import Final
+from typing import Final, TypeVar
 
 from direct_frontend.http.asgi import Scope
 from direct_frontend.http.query import list_page
@@ -33,6 +33,8 @@ from direct_frontend.state.sql import InvalidItem, StoreError
 
 PATH: Final = "/v1/conversations"
 ITEMS: Final = "items"
+
+_T = TypeVar("_T")
 
 #: one call: the store, the owner, the ids in the path, the query and the body; the answer
 Call = Callable[[Durable, str, list[str], bytes, bytes], Awaitable[bytes]]
@@ -128,23 +130,23 @@ async def add_items(durable: Durable, owner: str, ids: list[str], query: bytes,
 
 async def get_item(durable: Durable, owner: str, ids: list[str], query: bytes,
                    body: bytes) -> bytes:
-    item = await durable.get_item(ids[0], owner, ids[1])
-    if item is False:
-        raise conversation_not_found(ids[0])
-    if item is None or item is True:
-        raise item_not_found(ids[1])
-    return item.data
+    return _item_found(await durable.get_item(ids[0], owner, ids[1]), ids).data
 
 
 async def delete_item(durable: Durable, owner: str, ids: list[str], query: bytes,
                       body: bytes) -> bytes:
     """Drop the item; the conversation, as OpenAI answers."""
-    conversation = await durable.delete_item(ids[0], owner, ids[1])
-    if conversation is False:
+    return _item_found(await durable.delete_item(ids[0], owner, ids[1]), ids).render()
+
+
+def _item_found(found: _T | bool | None, ids: list[str]) -> _T:
+    """What the store found for an item: False, a conversation not the caller's (or none);
+    None, no such item in it. Each is a 404 naming what is missing."""
+    if found is False:
         raise conversation_not_found(ids[0])
-    if conversation is None or conversation is True:
+    if found is None or found is True:
         raise item_not_found(ids[1])
-    return conversation.render()
+    return found
 
 
 def no_store() -> OpenAIHTTPError:

@@ -14,12 +14,10 @@ handed to the background runner (http/background.py).
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Final, TypeVar
 
-import msgspec
 import trio
 
 from direct_frontend.http import conversations
@@ -31,7 +29,9 @@ from direct_frontend.http.asgi import (
     Receive,
     Scope,
     Send,
+    encode_json,
     from_body,
+    log,
     read_body,
     send_body,
 )
@@ -79,9 +79,6 @@ from direct_frontend.pipeline.settings import Settings
 from direct_frontend.pipeline.tokenizing import PARSE_INLINE_BYTES, new_tokenize_limiter
 from direct_frontend.state.shell import Durable
 
-log = logging.getLogger("direct_frontend.http")
-
-_encode: Final = msgspec.json.Encoder().encode
 _R = TypeVar("_R")
 
 
@@ -394,6 +391,6 @@ class Generation:
         response_id = background.store.new_id()
         queued = await background.start(later, prepared, request, response_id, caller)
         if not request.chat.stream:
-            await send_body(send, 200, _encode(queued), JSON, headers)
+            await send_body(send, 200, encode_json(queued), JSON, headers)
             return 200
         return await follow(background, response_id, caller.owner, -1, receive, send, headers)

@@ -11,7 +11,6 @@ a refusal into its OpenAI error.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import time
 from collections.abc import Awaitable, Callable
 from typing import Final
@@ -28,6 +27,7 @@ from direct_frontend.http.asgi import (
     Scope,
     Send,
     header,
+    log,
     send_body,
     send_error,
 )
@@ -47,8 +47,6 @@ from direct_frontend.openai.files import (
 from direct_frontend.state.batch_sql import OwnerFull
 from direct_frontend.state.batch_store import BatchStore
 from direct_frontend.state.sql import StoreError
-
-log = logging.getLogger("direct_frontend.http")
 
 PATH: Final = "/v1/files"
 CONTENT: Final = "content"

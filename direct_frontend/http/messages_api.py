@@ -12,14 +12,11 @@ cached, ``cache_read_input_tokens`` the ones it had.
 from __future__ import annotations
 
 import json
-import logging
 from collections.abc import Sequence
-from typing import Any, Final
+from typing import Any
 from urllib.parse import parse_qs
 
-import msgspec
-
-from direct_frontend.http.asgi import Scope
+from direct_frontend.http.asgi import Scope, encode_json, log
 from direct_frontend.http.query import query_int
 from direct_frontend.http.stream import Renderer, parsed
 from direct_frontend.observability.metrics import Metrics
@@ -29,9 +26,6 @@ from direct_frontend.openai.parsers.base import ParsedDelta
 from direct_frontend.pipeline.relay_events import Batch, Finished, Opened, Usage
 from direct_frontend.pipeline.serve_events import Prepared
 
-log = logging.getLogger("direct_frontend.http")
-
-_encode: Final = msgspec.json.Encoder().encode
 Event = dict[str, Any]
 
 
@@ -151,7 +145,7 @@ def _stop(end: Finished, builder: MessageBuilder) -> tuple[str, str | None]:
 def _render(events: Sequence[Event]) -> bytes:
     out = bytearray()
     for event in events:
-        out += b"event: %b\ndata: %b\n\n" % (event["type"].encode(), _encode(event))
+        out += b"event: %b\ndata: %b\n\n" % (event["type"].encode(), encode_json(event))
     return bytes(out)
 
 
@@ -185,7 +179,7 @@ class MessagesRenderer(Renderer):
         self._count_malformed()
         reason, sequence = _stop(event, builder)
         if not self.streamed:
-            return _encode(builder.message(reason, sequence, _usage(event.usage))), True
+            return encode_json(builder.message(reason, sequence, _usage(event.usage))), True
         events.append({"type": "message_delta",
                        "delta": {"stop_reason": reason, "stop_sequence": sequence},
                        "usage": _usage(event.usage)})

@@ -13,14 +13,12 @@ server says not to (openai/response_store.py).
 from __future__ import annotations
 
 import dataclasses
-import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Final
-
-import msgspec
+from typing import Any
 
 from direct_frontend.engines.neutral import TokenLogprob
+from direct_frontend.http.asgi import encode_json, log
 from direct_frontend.http.logprobs import chat_logprobs
 from direct_frontend.http.stored_responses import append_turn
 from direct_frontend.http.stored_responses import keep as stored
@@ -39,9 +37,6 @@ from direct_frontend.pipeline.relay_events import Batch, Finished, Opened, Usage
 from direct_frontend.pipeline.serve_events import Prepared
 from direct_frontend.text.token_bytes import TokenBytes
 
-log = logging.getLogger("direct_frontend.http")
-
-_encode: Final = msgspec.json.Encoder().encode
 Event = dict[str, Any]
 
 
@@ -83,8 +78,8 @@ class ResponseBuilder:
         """What the store keeps of ``owner``'s finished response (``response``: its JSON)."""
         r = self.request
         return StoredResponse(
-            self.id, response, tuple(_encode(item) for item in self.items),
-            r.history + tuple(_encode(item) for item in r.items), owner=owner,
+            self.id, response, tuple(encode_json(item) for item in self.items),
+            r.history + tuple(encode_json(item) for item in r.items), owner=owner,
         )
 
     # -- deltas to events -------------------------------------------------------------
@@ -232,7 +227,7 @@ class SseEvents:
         for event in events:
             event["sequence_number"] = self.sequence
             self.sequence += 1
-            out.append(b"event: %b\ndata: %b\n\n" % (event["type"].encode(), _encode(event)))
+            out.append(b"event: %b\ndata: %b\n\n" % (event["type"].encode(), encode_json(event)))
         return out
 
 
@@ -280,7 +275,7 @@ class ResponsesRenderer(Renderer):
         events = builder.finish(status)
         response = await self._kept(lambda: builder.response(status, usage(event.usage), why))
         if not self.streamed:
-            return _encode(response), True
+            return encode_json(response), True
         events.append({"type": f"response.{status}", "response": response})
         return out + self._sse.render(events), True
 
@@ -301,7 +296,7 @@ class ResponsesRenderer(Renderer):
         await append_turn(store, request.conversation, [*request.items, *builder.items],
                           self._owner)
         if not builder.stored or await stored(
-                store, builder.record(_encode(response), self._owner),
+                store, builder.record(encode_json(response), self._owner),
                 lineage=request.lineage()):
             return response
         if store.durable is None:

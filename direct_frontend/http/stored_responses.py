@@ -13,14 +13,13 @@ and at the sibling, so existence never leaks.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from typing import Any, Final
 
 import msgspec
 import trio
 
-from direct_frontend.http.asgi import JSON, Headers, Send, send_body
+from direct_frontend.http.asgi import JSON, Headers, Send, encode_json, log, send_body
 from direct_frontend.http.query import list_page
 from direct_frontend.openai.errors import (
     OpenAIHTTPError,
@@ -42,8 +41,6 @@ from direct_frontend.openai.response_store import (
 )
 from direct_frontend.state.sql import StoreError
 
-log = logging.getLogger("direct_frontend.http")
-
 #: ``GET``/``DELETE /v1/responses/{id}``, ``GET /v1/responses/{id}/input_items``
 RESPONSE_PATH: Final = "/v1/responses/"
 INPUT_ITEMS: Final = "/input_items"
@@ -58,7 +55,6 @@ class _ItemId(msgspec.Struct):
 
 
 _item_id: Final = msgspec.json.Decoder(_ItemId)
-_encode: Final = msgspec.json.Encoder().encode
 
 
 def _sibling(store: ResponseStore, response_id: str) -> tuple[RemoteResponses, str] | None:
@@ -132,7 +128,7 @@ async def append_turn(store: ResponseStore, conversation: str | None,
         return
     try:
         await target.add_items(conversation, owner,
-                               [Item(item["id"], _encode(item)) for item in items])
+                               [Item(item["id"], encode_json(item)) for item in items])
     except StoreError as exc:
         log.warning("conversation %s: a turn's items were not added: %s", conversation, exc)
 

@@ -25,7 +25,6 @@ the rate limits' headers) are the writer's too.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
@@ -38,6 +37,7 @@ from direct_frontend.http.asgi import (
     Headers,
     Receive,
     Send,
+    log,
     send_body,
     send_error,
 )
@@ -55,8 +55,6 @@ from direct_frontend.pipeline.serve_events import (
     Resolved,
     StairEvent,
 )
-
-log = logging.getLogger("direct_frontend.http")
 
 SSE_HEADERS = [
     (b"content-type", b"text/event-stream; charset=utf-8"),
