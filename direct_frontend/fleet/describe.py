@@ -235,7 +235,8 @@ def _replicas_json(replicas: ReplicasConfig, redact: bool) -> JsonValue:
 def _routing_json(routing: RoutingConfig) -> JsonValue:
     knobs: dict[str, JsonValue] = dict(routing.knobs)
     return {"policy": routing.policy, "knobs": knobs,
-            "session_key": list(routing.session_key), "session_weight": routing.session_weight,
+            "session_key": [source.written for source in routing.session_key],
+            "session_weight": routing.session_weight,
             "cold_prefix_home": routing.cold_prefix_home}
 
 

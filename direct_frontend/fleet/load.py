@@ -58,6 +58,7 @@ from direct_frontend.fleet.schema import (
     ReplicasConfig,
     ResponsesConfig,
     RoutingConfig,
+    SessionSource,
     SimulatorConfig,
     implicit_model,
 )
@@ -303,16 +304,16 @@ class _Checker(PoolTables, ModelTables, AuthTables):
                    "session_key": self.session_key(tbl, path)}
         return RoutingConfig(**self.fields(RoutingConfig, tbl, path, by_hand))
 
-    def session_key(self, tbl: Table, path: KeyPath) -> tuple[str, ...]:
+    def session_key(self, tbl: Table, path: KeyPath) -> tuple[SessionSource, ...]:
         """``session_key``: each entry ``user``, ``prompt_cache_key`` or ``header:<name>``."""
         sources = []
-        fields = (SESSION_USER_FIELD, SESSION_CACHE_KEY_FIELD)
-        for where, source in self.strings(tbl, path, "session_key") or []:
-            header = source.removeprefix(SESSION_HEADER_PREFIX)
-            if source not in fields and (header == source or not header.strip()):
-                self.report(where, f"{source!r} is neither {SESSION_USER_FIELD!r}, "
+        for where, text in self.strings(tbl, path, "session_key") or []:
+            source = SessionSource.parse(text)
+            if source is None:
+                self.report(where, f"{text!r} is neither {SESSION_USER_FIELD!r}, "
                             f"{SESSION_CACHE_KEY_FIELD!r} nor '{SESSION_HEADER_PREFIX}<name>'")
-            sources.append(source)
+            else:
+                sources.append(source)
         return tuple(sources)
 
     def engines(self, value: object) -> list[_Draft]:

@@ -143,6 +143,25 @@ SESSION_CACHE_KEY_FIELD = "prompt_cache_key"
 SESSION_HEADER_PREFIX = "header:"
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class SessionSource:
+    """One ``session_key`` entry, read once: where a request's routing key is looked up."""
+
+    written: str  # as in the fleet file (what ``check`` and ``/fleet`` show)
+    field: str | None  # the body field (``user`` or ``prompt_cache_key``); None for a header
+    header: str | None  # the header's name in lower case, as ASGI gives it; None for a field
+
+    @classmethod
+    def parse(cls, text: str) -> SessionSource | None:
+        """The entry ``text`` names; None when it names neither a field nor a header."""
+        if text in (SESSION_USER_FIELD, SESSION_CACHE_KEY_FIELD):
+            return cls(text, text, None)
+        name = text.removeprefix(SESSION_HEADER_PREFIX)
+        if name == text or not name.strip():
+            return None
+        return cls(text, None, name.strip().lower())
+
+
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class RoutingConfig:
     """``[frontend.routing]``: the policy and its knobs (``[frontend.routing.knobs]``).
@@ -157,7 +176,7 @@ class RoutingConfig:
     kv_aware: KvAwareKnobs = setting(KvAwareKnobs(), Rules(key="knobs"))
     #: session affinity (routing/affinity.py): where a request's routing key comes from,
     #: first found wins (``"header:x-session-id"``, ``"user"``); empty: no affinity
-    session_key: tuple[str, ...] = ()
+    session_key: tuple[SessionSource, ...] = ()
     #: under kv_aware, the cost in blocks of leaving the key's engine
     session_weight: float = setting(8.0, NON_NEGATIVE)
     #: under kv_aware, a prefix no engine holds goes to its first block's rendezvous engine

@@ -22,11 +22,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Collection, Iterable, Sequence
 
-from direct_frontend.fleet.schema import (
-    SESSION_CACHE_KEY_FIELD,
-    SESSION_HEADER_PREFIX,
-    SESSION_USER_FIELD,
-)
+from direct_frontend.fleet.schema import SESSION_USER_FIELD, SessionSource
 from direct_frontend.routing.catalog import Catalog, EngineHandle
 from direct_frontend.routing.policies import BarePlacements, Placement, Policy, RequestView
 
@@ -35,7 +31,7 @@ MAX_KEY_BYTES = 256
 
 
 def routing_key(
-    sources: Sequence[str], headers: Iterable[tuple[bytes, bytes]], user: str | None,
+    sources: Sequence[SessionSource], headers: Iterable[tuple[bytes, bytes]], user: str | None,
     prompt_cache_key: str | None = None,
 ) -> str | None:
     """The request's routing key: the first of ``sources`` it carries (non-empty), else None.
@@ -48,12 +44,12 @@ def routing_key(
     for name, value in headers:
         values.setdefault(name.decode("latin-1"), value.decode("latin-1").strip())
     for source in sources:
-        if source == SESSION_USER_FIELD:
+        if source.header is not None:
+            key = values.get(source.header)
+        elif source.field == SESSION_USER_FIELD:
             key = user
-        elif source == SESSION_CACHE_KEY_FIELD:
-            key = prompt_cache_key
         else:
-            key = values.get(source.removeprefix(SESSION_HEADER_PREFIX).strip().lower())
+            key = prompt_cache_key
         if key:
             return key[:MAX_KEY_BYTES]
     return None

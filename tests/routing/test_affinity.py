@@ -12,7 +12,7 @@ import pytest
 
 from direct_frontend.engines.neutral import EngineInfo, EngineRole
 from direct_frontend.fleet.load import FleetError, parse_fleet
-from direct_frontend.fleet.schema import KvAwareKnobs
+from direct_frontend.fleet.schema import KvAwareKnobs, SessionSource
 from direct_frontend.kv.index import prefix_hashes
 from direct_frontend.routing.affinity import Affine, SessionAffinity, preferred, routing_key
 from direct_frontend.routing.catalog import Catalog, EngineHandle
@@ -88,19 +88,25 @@ def test_another_process_with_another_hash_seed_agrees() -> None:
     assert out.strip() == str([score(f"session-{i}", n) for i in range(20) for n in "abcd"])
 
 
+def _sources(*texts: str) -> tuple[SessionSource, ...]:
+    parsed = tuple(SessionSource.parse(text) for text in texts)
+    assert None not in parsed
+    return tuple(source for source in parsed if source is not None)
+
+
 def test_routing_key_first_source_found_wins() -> None:
     headers = [(b"content-type", b"application/json"), (b"x-session-id", b"  s-42 ")]
-    sources = ("header:X-Session-Id", "user")
+    sources = _sources("header:X-Session-Id", "user")
     assert routing_key(sources, headers, "alice") == "s-42"
     assert routing_key(sources, [], "alice") == "alice"
-    assert routing_key(("user", "header:x-session-id"), headers, "alice") == "alice"
+    assert routing_key(_sources("user", "header:x-session-id"), headers, "alice") == "alice"
     assert routing_key(sources, [(b"x-session-id", b"  ")], None) is None
     assert routing_key((), headers, "alice") is None
-    assert routing_key(("user",), [], "x" * 1000) == "x" * 256
-    cached = ("prompt_cache_key", "user")
+    assert routing_key(_sources("user"), [], "x" * 1000) == "x" * 256
+    cached = _sources("prompt_cache_key", "user")
     assert routing_key(cached, [], "alice", "thread-7") == "thread-7"
     assert routing_key(cached, [], "alice", None) == "alice"
-    assert routing_key(("prompt_cache_key",), headers, "alice") is None
+    assert routing_key(_sources("prompt_cache_key"), headers, "alice") is None
 
 
 def view(ids: list[int], key: str | None) -> RequestView:
@@ -184,7 +190,7 @@ def test_fleet_file_session_key_builds_the_affinity() -> None:
     config = parse_fleet(fleet('policy = "kv_aware"\nsession_key = ["header:x-session-id"]\n'
                                "session_weight = 3"), Path("f.toml"))
     routing = config.frontend.routing
-    assert routing.session_key == ("header:x-session-id",)
+    assert routing.session_key == (SessionSource("header:x-session-id", None, "x-session-id"),)
     policy = make_policy(routing)
     assert isinstance(policy, KvAware) and policy.affinity is not None
     assert policy.affinity.weight == 3
