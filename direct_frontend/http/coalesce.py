@@ -6,7 +6,7 @@ A streamed response then reaches the client in two writes before its first
 token (head, then the first SSE event): two system calls and two wake-ups of
 the client, ≈ 0.3 ms of time to first token at concurrency 1 on our cores.
 The ASGI spec leaves the server free to hold the head until the first body
-message (it was once required to: django/asgiref#138, #388), so this does:
+message, so this does:
 :class:`CoalescingH11Protocol` renders the head at once (h11's state, header
 validation and the keep-alive ``connection: close`` are hypercorn's own) but
 keeps its bytes until the response's next event, and writes them with that

@@ -45,7 +45,7 @@ started gets an SSE comment line, which every SSE client skips) and watches the 
 (:func:`peer_after_probe`): acknowledged, the request is answered as if
 nothing happened, and the connection closes after the response; reset, or
 no answer within :data:`PROBE_WAIT_S`, the app hears ``http.disconnect``
-as before. A FIN during any other response is a hang-up, and a
+as it would without the shim. A FIN during any other response is a hang-up, and a
 half-closed client that goes away later is found by the next writes.
 
 :func:`install` does nothing unless hypercorn is a release this was checked
