@@ -124,7 +124,9 @@ _F = TypeVar("_F", bound=Collector)
 class _Family(Generic[_F]):
     """One metric of :class:`Metrics`, declared in its class body: its name is the attribute's.
 
-    :meth:`Metrics.__init__` builds each into an instance attribute of that name.
+    :meth:`Metrics.__init__` builds each into an instance attribute of that name;
+    ``__get__`` only gives the type checker the metric's type (the declarations
+    are taken off the class: :func:`_take_families`).
     """
 
     __slots__ = ("_build", "name")
@@ -141,7 +143,7 @@ class _Family(Generic[_F]):
     @overload
     def __get__(self, obj: object, owner: type) -> _F: ...
     def __get__(self, obj: object, owner: type) -> _Family[_F] | _F:
-        if obj is None:
+        if obj is None:  # pragma: no cover
             return self
         raise AttributeError(f"{self.name} is built by Metrics.__init__")  # pragma: no cover
 
