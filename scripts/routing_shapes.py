@@ -36,7 +36,8 @@ from routing_sim import ModelEngine, Point, Request, held_blocks, make_policy, p
 
 from direct_frontend.engines.neutral import EngineInfo, EngineRole
 from direct_frontend.fleet.schema import KvAwareKnobs
-from direct_frontend.kv.index import KvIndex, prefix_hashes
+from direct_frontend.kv.index import KvIndex
+from direct_frontend.kv.prefix import prefix_hashes
 from direct_frontend.routing.catalog import Catalog, EngineHandle
 from direct_frontend.routing.kv_aware import KvAware
 from direct_frontend.routing.policies import Placement, RequestView

@@ -54,8 +54,9 @@ from typing import Any
 from direct_frontend.engines.neutral import EngineInfo, EngineRole
 from direct_frontend.fleet.schema import KvAwareKnobs
 from direct_frontend.kv.events import BlockRemoved, BlockStored
-from direct_frontend.kv.index import KvIndex, prefix_hashes
+from direct_frontend.kv.index import KvIndex
 from direct_frontend.kv.keys import index_key
+from direct_frontend.kv.prefix import prefix_hashes
 from direct_frontend.routing.catalog import Catalog, EngineHandle
 from direct_frontend.routing.hitrate import HitRateMonitor
 from direct_frontend.routing.kv_aware import CacheAffinity, KvAware

@@ -5,7 +5,7 @@ already hold each image's expanded placeholder run, the batch its tensors,
 ``placeholders`` where each run is, ``hashes`` one id per image. The engines
 take the hash as the image's identity: vLLM caches encoder outputs under it
 and keys the KV blocks an image's tokens fill with it, so the KV-aware
-router, which keys blocks the same way (kv/index.py ``mm_block_extras``),
+router, which keys blocks the same way (kv/prefix.py ``mm_block_extras``),
 predicts a repeated image prefix as it predicts text.
 
 A worker that processes media itself (a vLLM servicer advertising a media

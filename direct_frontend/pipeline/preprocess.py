@@ -13,7 +13,7 @@ from typing import Literal
 import msgspec
 
 from direct_frontend.engines.neutral import GenerateCall
-from direct_frontend.kv.index import PromptIds
+from direct_frontend.kv.prefix import PromptIds
 from direct_frontend.multimodal.payload import MediaPayload
 from direct_frontend.observability.tracing import RequestTrace
 from direct_frontend.openai.errors import (

@@ -21,7 +21,7 @@ import collections
 import dataclasses
 from collections.abc import Sequence
 
-from direct_frontend.kv.index import PromptIds
+from direct_frontend.kv.prefix import PromptIds
 
 #: the cache's budget: key, text and ids counted (ids at ~36 bytes each: a tuple slot + an int)
 MAX_BYTES = 16 << 20

@@ -14,7 +14,7 @@
   longest prefix it shares with a chat rendered recently (pipeline/prompt_cache.py
   ``PrefixCache``): a conversation's
   next turn tokenizes only its new part, exactly as a whole tokenization would
-  (text/encoder.py says why), and its ids (kv/index.py ``PromptIds``) take the
+  (text/encoder.py says why), and its ids (kv/prefix.py ``PromptIds``) take the
   block hashes of that prefix from the earlier prompt's.
 
 The caches are read and written on the event loop only; worker threads compute.
@@ -33,7 +33,7 @@ from typing import TypeVar
 
 import trio
 
-from direct_frontend.kv.index import PromptIds
+from direct_frontend.kv.prefix import PromptIds
 from direct_frontend.openai.errors import context_length_exceeded, invalid_request
 from direct_frontend.openai.types import ChatMessage, ChatRequest
 from direct_frontend.pipeline.media import MediaProfile

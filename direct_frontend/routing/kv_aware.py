@@ -55,8 +55,8 @@ from collections.abc import Callable, Collection, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from direct_frontend.fleet.schema import KvAwareKnobs
-from direct_frontend.kv.index import prefix_hashes
 from direct_frontend.kv.keys import incarnation_of, index_key
+from direct_frontend.kv.prefix import prefix_hashes
 from direct_frontend.routing.catalog import Catalog, EngineHandle
 from direct_frontend.routing.policies import Placement, RequestView, spread_start
 

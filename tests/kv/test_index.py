@@ -19,9 +19,9 @@ from direct_frontend.kv.events import (
     KvEventBatch,
     decode_payload,
 )
-from direct_frontend.kv.index import (
+from direct_frontend.kv.index import KvIndex
+from direct_frontend.kv.prefix import (
     ROOT_SEED,
-    KvIndex,
     block_content_hash,
     mm_block_extras,
     namespace_seed,

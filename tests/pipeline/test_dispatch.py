@@ -7,7 +7,7 @@ import pytest
 from direct_frontend.engines.neutral import EngineRole
 from direct_frontend.errors import NoEngineAvailable
 from direct_frontend.fleet.schema import KvAwareKnobs
-from direct_frontend.kv.index import prefix_hashes
+from direct_frontend.kv.prefix import prefix_hashes
 from direct_frontend.pipeline.dispatch import Dispatcher
 from direct_frontend.routing.catalog import Catalog
 from direct_frontend.routing.kv_aware import KvAware

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
-from direct_frontend.kv.index import PromptIds, prefix_hashes
+from direct_frontend.kv.prefix import PromptIds, prefix_hashes
 from direct_frontend.openai.parse import parse_chat_request
 from direct_frontend.pipeline.preprocess import chat_prompt_ids
 from direct_frontend.pipeline.tokenizing import Tokenizing

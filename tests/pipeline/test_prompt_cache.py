@@ -3,7 +3,7 @@ prefix cache's longest shared cut."""
 
 from __future__ import annotations
 
-from direct_frontend.kv.index import PromptIds
+from direct_frontend.kv.prefix import PromptIds
 from direct_frontend.pipeline.prompt_cache import PrefixCache, PromptCache, Rendered
 
 

@@ -13,7 +13,7 @@ import pytest
 from direct_frontend.engines.neutral import EngineInfo, EngineRole
 from direct_frontend.fleet.load import FleetError, parse_fleet
 from direct_frontend.fleet.schema import KvAwareKnobs, SessionSource
-from direct_frontend.kv.index import prefix_hashes
+from direct_frontend.kv.prefix import prefix_hashes
 from direct_frontend.routing.affinity import Affine, SessionAffinity, preferred, routing_key
 from direct_frontend.routing.catalog import Catalog, EngineHandle
 from direct_frontend.routing.factory import make_policy

@@ -12,8 +12,9 @@ from direct_frontend.engines.neutral import EngineInfo, EngineRole
 from direct_frontend.fleet.load import FleetError, parse_fleet
 from direct_frontend.fleet.schema import KvAwareKnobs
 from direct_frontend.kv.events import BlockStored
-from direct_frontend.kv.index import KvIndex, prefix_hashes
+from direct_frontend.kv.index import KvIndex
 from direct_frontend.kv.keys import index_key
+from direct_frontend.kv.prefix import prefix_hashes
 from direct_frontend.routing.catalog import Catalog, EngineHandle
 from direct_frontend.routing.factory import make_policy
 from direct_frontend.routing.hitrate import HitRateMonitor
