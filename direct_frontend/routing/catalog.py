@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from direct_frontend.engines.neutral import EngineInfo, EngineRole
+from direct_frontend.routing.tally import add_all, remove_all
 
 
 @dataclasses.dataclass(eq=False, slots=True)
@@ -108,9 +109,7 @@ class EngineLoad:
         self.in_flight += 1
         self.prompt_tokens_in_flight += prompt_tokens
         self.requests_total += 1
-        active = self.active_blocks
-        for block in blocks:
-            active[block] = active.get(block, 0) + 1
+        add_all(self.active_blocks, blocks)
         if self.on_change is not None:
             self.on_change()
 
@@ -119,13 +118,7 @@ class EngineLoad:
             self.rank_in_flight[rank] -= 1
         self.in_flight -= 1
         self.prompt_tokens_in_flight -= prompt_tokens
-        active = self.active_blocks
-        for block in blocks:
-            left = active[block] - 1
-            if left:
-                active[block] = left
-            else:
-                del active[block]
+        remove_all(self.active_blocks, blocks)
         if self.on_change is not None:
             self.on_change()
 

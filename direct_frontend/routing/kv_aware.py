@@ -18,15 +18,14 @@ the KV events' block count plus the prefill queue, over the capacity), and a
 block stored in a full cache evicts another conversation's, which prefills it
 again. So a prefix stays where it lives until the queue there outweighs the
 prefill it saves ``overlap_weight + eviction_weight`` times over (moving it
-caches it twice), and a new prefix goes where there is room (issue 15: a fixed
-weight of 3 placed each new tenant on whichever engine was idle that instant,
-and the partition it made, three tenants on one engine and one on another,
-never healed). The queue is our own accounting: a request's
-miss counts from its dispatch until its prefill is done, which the engine's
-KV events show (its last prompt block stored) and its first token shows for
-every engine (:attr:`Placement.prefilled`, called by the relay, also when an
-attempt ends with no output); one never heard of again stops counting after
-``PREFILL_FORGET_S``. Where KV events
+caches it twice), and a new prefix goes where there is room (a fixed weight
+placed each new tenant on whichever engine was idle that instant, and the
+partition that made never healed). The queue is our own accounting
+(routing/prefill_queue.py): a request's miss counts from its dispatch until
+its prefill is done, which the engine's KV events show (its last prompt block
+stored) and its first token shows for every engine (:attr:`Placement.prefilled`,
+called by the relay, also when an attempt ends with no output); one never heard
+of again stops counting after ``PREFILL_FORGET_S``. Where KV events
 flow, the overlap steered by also counts, at ``memory_weight``, the blocks
 of requests we sent an engine that its events have not shown yet
 (:meth:`KvAware.remembered`), and nothing it was sent before them. No engine
@@ -40,25 +39,26 @@ one is far above the mean: a safety net, as the queue terms balance.
 (``scripts/routing_sim.py``).
 
 Overlap comes from an :class:`OverlapSource`: the KV-event index (exact) or,
-for engines without KV events, :class:`ApproxPrefixIndex`, which remembers
-what the router itself sent where.
+for engines without KV events, the approximate memory (routing/approx.py),
+which remembers what the router itself sent where.
 """
 
 from __future__ import annotations
 
-import collections
 import functools
 import math
 import random
 import time
 from collections.abc import Callable, Collection, Sequence
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from direct_frontend.fleet.schema import KvAwareKnobs
 from direct_frontend.kv.keys import incarnation_of, index_key
 from direct_frontend.kv.prefix import prefix_hashes
+from direct_frontend.routing.approx import ApproxPrefixIndex, best_of, memory_names, rank_memory
 from direct_frontend.routing.catalog import Catalog, EngineHandle
 from direct_frontend.routing.policies import Placement, RequestView, spread_start
+from direct_frontend.routing.prefill_queue import PrefillQueue
 
 if TYPE_CHECKING:
     from direct_frontend.routing.affinity import SessionAffinity
@@ -78,240 +78,9 @@ class HeldBlocks(Protocol):
     def blocks_of(self, engine: str) -> int: ...
 
 
-class ApproxPrefixIndex:
-    """Which prefixes the router sent where, for engines that publish no KV events.
-
-    Entries expire after ``ttl_s`` (the engine has probably evicted them by
-    then) and the whole map is capped at ``max_blocks`` (oldest first). Where
-    an engine's prefix cache size is known (``capacity_blocks`` for every
-    engine, or :attr:`capacities` per engine, from discovery) its share is
-    modelled as the engine's own LRU: what we sent is touched tail first (so a
-    prefix's root stays longest, as vLLM's free queue and SGLang's radix tree
-    evict leaves first) and the least recently sent blocks beyond the capacity
-    are forgotten, as the engine forgets them. What it cannot know: prefixes
-    other routers sent, and eviction order under pinning.
-    """
-
-    def __init__(self, ttl_s: float, max_blocks: int, capacity_blocks: int = 0) -> None:
-        self.ttl_s = ttl_s
-        self.max_blocks = max_blocks
-        #: told of every placement this router makes (replicas share them); a peer's
-        #: placements come in through :meth:`record_peer`, which does not tell it
-        self.on_record: Callable[[str, Sequence[int]], None] | None = None
-        #: every engine's capacity in blocks (0: unknown), unless :attr:`capacities` says
-        self.capacity_blocks = capacity_blocks
-        #: engine → its own capacity in blocks (discovery's), over ``capacity_blocks``
-        self.capacities: dict[str, int] = {}
-        # prefix hash → {engine: expiry}; insertion order ≈ age, for the cap
-        self._entries: collections.OrderedDict[int, dict[str, float]] = collections.OrderedDict()
-        self._lru: dict[str, collections.OrderedDict[int, None]] = {}
-
-    def record(self, engine: str, hashes: Sequence[int], now: float) -> None:
-        if self.on_record is not None and hashes:
-            self.on_record(engine, hashes)
-        self.record_peer(engine, hashes, now)
-
-    def record_peer(self, engine: str, hashes: Sequence[int], now: float) -> None:
-        """Remember a placement (a sibling replica's, or our own via :meth:`record`)."""
-        expiry = now + self.ttl_s
-        entries = self._entries
-        for h in hashes:
-            holders = entries.get(h)
-            if holders is None:
-                entries[h] = {engine: expiry}
-            else:
-                holders[engine] = expiry
-                entries.move_to_end(h)
-        while len(entries) > self.max_blocks:
-            entries.popitem(last=False)
-        capacity = self.capacity_of(engine)
-        if capacity:
-            self._touch(engine, hashes, capacity)
-
-    def capacity_of(self, engine: str) -> int:
-        """``engine``'s prefix cache in blocks as this model knows it (0: unknown)."""
-        return self.capacities.get(engine) or self.capacity_blocks
-
-    def models_capacity(self) -> bool:
-        """Whether some engine's LRU is modelled (so entries are forgotten before they expire)."""
-        return bool(self.capacity_blocks or self.capacities)
-
-    def _touch(self, engine: str, hashes: Sequence[int], capacity: int) -> None:
-        lru = self._lru.setdefault(engine, collections.OrderedDict())
-        for h in reversed(hashes):
-            lru[h] = None
-            lru.move_to_end(h)
-        entries = self._entries
-        while len(lru) > capacity:
-            h, _ = lru.popitem(last=False)
-            holders = entries.get(h)
-            if holders is not None:
-                holders.pop(engine, None)
-                if not holders:
-                    del entries[h]
-
-    def lookup_at(self, hashes: Sequence[int], now: float) -> dict[str, int]:
-        result: dict[str, int] = {}
-        alive: set[str] | None = None
-        for depth, h in enumerate(hashes):
-            holders = self._entries.get(h)
-            here = {e for e, expiry in holders.items() if expiry > now} if holders else set()
-            if alive is not None:
-                here &= alive
-            for gone in (alive or set()) - here:
-                result[gone] = depth
-            if not here:
-                return result
-            alive = here
-        for engine in alive or ():
-            result[engine] = len(hashes)
-        return result
-
-    def held(self, engine: str) -> int | None:
-        """Blocks the LRU model says ``engine`` holds (None: no capacity, no model)."""
-        if not self.capacity_of(engine):
-            return None
-        lru = self._lru.get(engine)
-        return 0 if lru is None else len(lru)
-
-    def forget_engine(self, engine: str) -> None:
-        self._lru.pop(engine, None)
-        for holders in self._entries.values():
-            holders.pop(engine, None)
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-
-#: a queued prefill nobody heard of again (its request failed early) stops counting after this
-PREFILL_FORGET_S = 60.0
-#: a prefilled request's blocks the KV events never showed (stored and evicted in between, or
-#: never stored: a cache full of running requests) stop counting as pending after this
-LANDED_FORGET_S = 5.0
-
-
-def rank_memory(engine: str, rank: int | None) -> str:
-    """The approximate memory's name for what was sent to ``engine``'s rank (None: the engine)."""
-    return engine if rank is None else f"{engine}#dp{rank}"
-
-
-def memory_names(engine: EngineHandle) -> tuple[str, ...]:
-    """Where the approximate memory keeps what was sent to ``engine``: one per pinned rank.
-
-    Each rank has a cache of its own, so a data-parallel engine's requests are
-    remembered (and its LRU modelled) rank by rank.
-    """
-    if not engine.dp_ranks:
-        return (engine.name,)
-    return tuple(rank_memory(engine.name, rank) for rank in engine.dp_ranks)
-
-
 def filled(held: int, request_blocks: int, cached: int, capacity: int) -> float:
     """How full a cache of ``capacity`` blocks that holds ``held`` is with the miss stored."""
     return min(1.0, (held + request_blocks - cached) / capacity)
-
-
-def best_of(found: dict[str, int], names: Sequence[str]) -> int:
-    """The most blocks any of ``names`` holds in a lookup's answer."""
-    if len(names) == 1:
-        return found.get(names[0], 0)
-    return max(found.get(name, 0) for name in names)
-
-
-class PrefillQueue:
-    """Per engine, the prefill work (blocks) we sent it that it has not finished, as we know it.
-
-    Each entry is one request's prompt blocks (prefix hashes) and how many of
-    them it has to prefill. Until the engine's KV events show its last prompt
-    block stored, its blocks are *pending* there (:meth:`pending`): not in the
-    index yet, but cached before a request sent after it is prefilled (engines
-    prefill first come, first served), and after its prefill, cached where the
-    events have not said so yet. Its blocks count in the queue (:meth:`depth`)
-    only until its prefill is done.
-    """
-
-    def __init__(self) -> None:
-        #: engine → token → [the request's prompt block hashes, blocks to prefill (0 once
-        #: prefilled), sent at, prefilled at (None: not yet)]
-        self._queued: dict[str, collections.OrderedDict[int, list[Any]]] = {}
-        #: engine → block hash → how many pending requests' prompts hold it
-        self._pending: dict[str, dict[int, int]] = {}
-        self._next = 0
-
-    def add(self, engine: str, hashes: Sequence[int], blocks: int, now: float) -> int:
-        self._next += 1
-        entry = tuple(hashes)
-        self._queued.setdefault(engine, collections.OrderedDict())[self._next] = [
-            entry, blocks, now, None]
-        pending = self._pending.setdefault(engine, {})
-        for h in entry:
-            pending[h] = pending.get(h, 0) + 1
-        return self._next
-
-    def prefilled(self, engine: str, token: int, now: float) -> None:
-        """The request's prefill is done (its first token, or its end): no longer queued.
-
-        Its blocks stay pending until the events show them, for at most
-        ``LANDED_FORGET_S`` (on an engine without events, until the next
-        :meth:`depth`). A placement carries this as :attr:`Placement.prefilled`;
-        a request that never gets that far is forgotten by :meth:`depth` after
-        ``PREFILL_FORGET_S``.
-        """
-        queued = self._queued.get(engine)
-        entry = None if queued is None else queued.get(token)
-        if entry is not None and entry[3] is None:
-            entry[1], entry[3] = 0, now
-
-    def _drop(self, engine: str, token: int) -> None:
-        hashes = self._queued[engine].pop(token)[0]
-        pending = self._pending[engine]
-        for h in hashes:
-            left = pending[h] - 1
-            if left:
-                pending[h] = left
-            else:
-                del pending[h]
-
-    def forget(self, engine: str) -> None:
-        """``engine``'s process is new: what we queued on the old one will never be heard of."""
-        self._queued.pop(engine, None)
-        self._pending.pop(engine, None)
-
-    def pending(self, engine: str, hashes: Sequence[int]) -> int:
-        """The leading blocks of ``hashes`` that requests we sent ``engine`` are storing."""
-        pending = self._pending.get(engine)
-        if not pending:
-            return 0
-        n = 0
-        for h in hashes:
-            if h not in pending:
-                break
-            n += 1
-        return n
-
-    def depth(self, engine: str, now: float, stored: Callable[[int], bool] | None) -> int:
-        """Blocks still to prefill; ``stored(h)``: the engine's events show block ``h`` stored.
-
-        ``stored`` None: the engine has no events, so a prefilled request's
-        blocks are pending no longer.
-        """
-        queued = self._queued.get(engine)
-        if not queued:
-            return 0
-        while queued:  # oldest first: forget what we will never hear of again
-            token, (_, _, sent, _) = next(iter(queued.items()))
-            if now - sent <= PREFILL_FORGET_S:
-                break
-            self._drop(engine, token)
-        total = 0
-        for token, (hashes, blocks, _, landed) in list(queued.items()):
-            if landed is not None and (stored is None or now - landed > LANDED_FORGET_S):
-                self._drop(engine, token)  # prefilled, and no events to wait for (any more)
-            elif stored is not None and stored(hashes[-1]):
-                self._drop(engine, token)  # the events show it stored
-            else:
-                total += blocks
-        return total
 
 
 class KvAware:
@@ -705,7 +474,8 @@ class KvAware:
 class CacheAffinity(KvAware):
     """``cache_affinity``: the longest cached prefix, balance only when it is badly off.
 
-    The baseline issue 15 measured against: the engine holding the longest
+    The baseline the ``kv_aware`` defaults are measured against
+    (``scripts/routing_sim.py``): the engine holding the longest
     cached prefix of the request (ties → fewer requests in flight); only when
     the busiest candidate has more than 64 requests above the idlest *and*
     1.5× its count does a request go to the least-loaded engine. It weighs no

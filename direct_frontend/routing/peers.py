@@ -19,8 +19,8 @@ import dataclasses
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
+from direct_frontend.routing.approx import ApproxPrefixIndex
 from direct_frontend.routing.catalog import EngineHandle
-from direct_frontend.routing.kv_aware import ApproxPrefixIndex
 
 #: engine name → (requests in flight, the KV blocks they hold). The blocks themselves, not
 #: a count: requests sharing a prefix hold its blocks once, whichever replica sent them,

@@ -92,7 +92,7 @@ def spread_start() -> int:
     hear of each other, would otherwise all break their first ties the same
     way: every one of them sent its first cold prompts to the same engines, and
     an engine nobody picked first could stay idle for good once the prompts
-    lived elsewhere (issue 14). Envoy randomizes its round-robin start per
+    lived elsewhere. Envoy randomizes its round-robin start per
     worker for the same reason.
     """
     return random.randrange(1 << 20)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from direct_frontend.engines.neutral import EngineInfo, EngineRole
 from direct_frontend.fleet.schema import RoutingConfig
+from direct_frontend.routing.approx import ApproxPrefixIndex
 from direct_frontend.routing.catalog import Catalog, EngineHandle
 from direct_frontend.routing.factory import make_policy
-from direct_frontend.routing.kv_aware import ApproxPrefixIndex
 from direct_frontend.routing.peers import (
     PeerLoads,
     PlacementShare,

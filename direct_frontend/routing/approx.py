@@ -1,0 +1,147 @@
+"""The approximate memory: which prefixes this router (and its sibling replicas) sent where.
+
+For engines that publish no KV events it stands in for the KV index: a
+placement is remembered for a while, and where an engine's prefix cache size
+is known its share is modelled as that engine's own LRU. A data-parallel
+engine's requests are remembered rank by rank, as each rank has a cache of its own.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable, Sequence
+
+from direct_frontend.routing.catalog import EngineHandle
+
+__all__ = ["ApproxPrefixIndex", "best_of", "memory_names", "rank_memory"]
+
+
+class ApproxPrefixIndex:
+    """Which prefixes the router sent where, for engines that publish no KV events.
+
+    Entries expire after ``ttl_s`` (the engine has probably evicted them by
+    then) and the whole map is capped at ``max_blocks`` (oldest first). Where
+    an engine's prefix cache size is known (``capacity_blocks`` for every
+    engine, or :attr:`capacities` per engine, from discovery) its share is
+    modelled as the engine's own LRU: what we sent is touched tail first (so a
+    prefix's root stays longest, as vLLM's free queue and SGLang's radix tree
+    evict leaves first) and the least recently sent blocks beyond the capacity
+    are forgotten, as the engine forgets them. What it cannot know: prefixes
+    other routers sent, and eviction order under pinning.
+    """
+
+    def __init__(self, ttl_s: float, max_blocks: int, capacity_blocks: int = 0) -> None:
+        self.ttl_s = ttl_s
+        self.max_blocks = max_blocks
+        #: told of every placement this router makes (replicas share them); a peer's
+        #: placements come in through :meth:`record_peer`, which does not tell it
+        self.on_record: Callable[[str, Sequence[int]], None] | None = None
+        #: every engine's capacity in blocks (0: unknown), unless :attr:`capacities` says
+        self.capacity_blocks = capacity_blocks
+        #: engine → its own capacity in blocks (discovery's), over ``capacity_blocks``
+        self.capacities: dict[str, int] = {}
+        # prefix hash → {engine: expiry}; insertion order ≈ age, for the cap
+        self._entries: collections.OrderedDict[int, dict[str, float]] = collections.OrderedDict()
+        self._lru: dict[str, collections.OrderedDict[int, None]] = {}
+
+    def record(self, engine: str, hashes: Sequence[int], now: float) -> None:
+        if self.on_record is not None and hashes:
+            self.on_record(engine, hashes)
+        self.record_peer(engine, hashes, now)
+
+    def record_peer(self, engine: str, hashes: Sequence[int], now: float) -> None:
+        """Remember a placement (a sibling replica's, or our own via :meth:`record`)."""
+        expiry = now + self.ttl_s
+        entries = self._entries
+        for h in hashes:
+            holders = entries.get(h)
+            if holders is None:
+                entries[h] = {engine: expiry}
+            else:
+                holders[engine] = expiry
+                entries.move_to_end(h)
+        while len(entries) > self.max_blocks:
+            entries.popitem(last=False)
+        capacity = self.capacity_of(engine)
+        if capacity:
+            self._touch(engine, hashes, capacity)
+
+    def capacity_of(self, engine: str) -> int:
+        """``engine``'s prefix cache in blocks as this model knows it (0: unknown)."""
+        return self.capacities.get(engine) or self.capacity_blocks
+
+    def models_capacity(self) -> bool:
+        """Whether some engine's LRU is modelled (so entries are forgotten before they expire)."""
+        return bool(self.capacity_blocks or self.capacities)
+
+    def _touch(self, engine: str, hashes: Sequence[int], capacity: int) -> None:
+        lru = self._lru.setdefault(engine, collections.OrderedDict())
+        for h in reversed(hashes):
+            lru[h] = None
+            lru.move_to_end(h)
+        entries = self._entries
+        while len(lru) > capacity:
+            h, _ = lru.popitem(last=False)
+            holders = entries.get(h)
+            if holders is not None:
+                holders.pop(engine, None)
+                if not holders:
+                    del entries[h]
+
+    def lookup_at(self, hashes: Sequence[int], now: float) -> dict[str, int]:
+        result: dict[str, int] = {}
+        alive: set[str] | None = None
+        for depth, h in enumerate(hashes):
+            holders = self._entries.get(h)
+            here = {e for e, expiry in holders.items() if expiry > now} if holders else set()
+            if alive is not None:
+                here &= alive
+            for gone in (alive or set()) - here:
+                result[gone] = depth
+            if not here:
+                return result
+            alive = here
+        for engine in alive or ():
+            result[engine] = len(hashes)
+        return result
+
+    def held(self, engine: str) -> int | None:
+        """Blocks the LRU model says ``engine`` holds (None: no capacity, no model)."""
+        if not self.capacity_of(engine):
+            return None
+        lru = self._lru.get(engine)
+        return 0 if lru is None else len(lru)
+
+    def forget_engine(self, engine: str) -> None:
+        self._lru.pop(engine, None)
+        for holders in self._entries.values():
+            holders.pop(engine, None)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+
+def rank_memory(engine: str, rank: int | None) -> str:
+    """The approximate memory's name for what was sent to ``engine``'s rank (None: the engine)."""
+    return engine if rank is None else f"{engine}#dp{rank}"
+
+
+def memory_names(engine: EngineHandle) -> tuple[str, ...]:
+    """Where the approximate memory keeps what was sent to ``engine``: one per pinned rank.
+
+    Each rank has a cache of its own, so a data-parallel engine's requests are
+    remembered (and its LRU modelled) rank by rank.
+    """
+    if not engine.dp_ranks:
+        return (engine.name,)
+    return tuple(rank_memory(engine.name, rank) for rank in engine.dp_ranks)
+
+
+
+def best_of(found: dict[str, int], names: Sequence[str]) -> int:
+    """The most blocks any of ``names`` holds in a lookup's answer."""
+    if len(names) == 1:
+        return found.get(names[0], 0)
+    return max(found.get(name, 0) for name in names)
+

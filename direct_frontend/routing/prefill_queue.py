@@ -1,0 +1,110 @@
+"""Per engine, the prefill work a KV-aware router sent and the engine has not finished (sans-IO).
+
+Engines prefill first come, first served, so a request waits for the blocks
+queued ahead of it; until an engine's KV events show a request's blocks, they
+are also cached there for the requests sent after it.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from direct_frontend.routing.tally import add_all, remove_all
+
+__all__ = ["LANDED_FORGET_S", "PREFILL_FORGET_S", "PrefillQueue"]
+
+#: a queued prefill nobody heard of again (its request failed early) stops counting after this
+PREFILL_FORGET_S = 60.0
+#: a prefilled request's blocks the KV events never showed (stored and evicted in between, or
+#: never stored: a cache full of running requests) stop counting as pending after this
+LANDED_FORGET_S = 5.0
+
+
+class PrefillQueue:
+    """Per engine, the prefill work (blocks) we sent it that it has not finished, as we know it.
+
+    Each entry is one request's prompt blocks (prefix hashes) and how many of
+    them it has to prefill. Until the engine's KV events show its last prompt
+    block stored, its blocks are *pending* there (:meth:`pending`): not in the
+    index yet, but cached before a request sent after it is prefilled (engines
+    prefill first come, first served), and after its prefill, cached where the
+    events have not said so yet. Its blocks count in the queue (:meth:`depth`)
+    only until its prefill is done.
+    """
+
+    def __init__(self) -> None:
+        #: engine → token → [the request's prompt block hashes, blocks to prefill (0 once
+        #: prefilled), sent at, prefilled at (None: not yet)]
+        self._queued: dict[str, collections.OrderedDict[int, list[Any]]] = {}
+        #: engine → block hash → how many pending requests' prompts hold it
+        self._pending: dict[str, dict[int, int]] = {}
+        self._next = 0
+
+    def add(self, engine: str, hashes: Sequence[int], blocks: int, now: float) -> int:
+        self._next += 1
+        entry = tuple(hashes)
+        self._queued.setdefault(engine, collections.OrderedDict())[self._next] = [
+            entry, blocks, now, None]
+        add_all(self._pending.setdefault(engine, {}), entry)
+        return self._next
+
+    def prefilled(self, engine: str, token: int, now: float) -> None:
+        """The request's prefill is done (its first token, or its end): no longer queued.
+
+        Its blocks stay pending until the events show them, for at most
+        ``LANDED_FORGET_S`` (on an engine without events, until the next
+        :meth:`depth`). A placement carries this as :attr:`Placement.prefilled`;
+        a request that never gets that far is forgotten by :meth:`depth` after
+        ``PREFILL_FORGET_S``.
+        """
+        queued = self._queued.get(engine)
+        entry = None if queued is None else queued.get(token)
+        if entry is not None and entry[3] is None:
+            entry[1], entry[3] = 0, now
+
+    def _drop(self, engine: str, token: int) -> None:
+        remove_all(self._pending[engine], self._queued[engine].pop(token)[0])
+
+    def forget(self, engine: str) -> None:
+        """``engine``'s process is new: what we queued on the old one will never be heard of."""
+        self._queued.pop(engine, None)
+        self._pending.pop(engine, None)
+
+    def pending(self, engine: str, hashes: Sequence[int]) -> int:
+        """The leading blocks of ``hashes`` that requests we sent ``engine`` are storing."""
+        pending = self._pending.get(engine)
+        if not pending:
+            return 0
+        n = 0
+        for h in hashes:
+            if h not in pending:
+                break
+            n += 1
+        return n
+
+    def depth(self, engine: str, now: float, stored: Callable[[int], bool] | None) -> int:
+        """Blocks still to prefill; ``stored(h)``: the engine's events show block ``h`` stored.
+
+        ``stored`` None: the engine has no events, so a prefilled request's
+        blocks are pending no longer.
+        """
+        queued = self._queued.get(engine)
+        if not queued:
+            return 0
+        while queued:  # oldest first: forget what we will never hear of again
+            token, (_, _, sent, _) = next(iter(queued.items()))
+            if now - sent <= PREFILL_FORGET_S:
+                break
+            self._drop(engine, token)
+        total = 0
+        for token, (hashes, blocks, _, landed) in list(queued.items()):
+            if landed is not None and (stored is None or now - landed > LANDED_FORGET_S):
+                self._drop(engine, token)  # prefilled, and no events to wait for (any more)
+            elif stored is not None and stored(hashes[-1]):
+                self._drop(engine, token)  # the events show it stored
+            else:
+                total += blocks
+        return total
+
