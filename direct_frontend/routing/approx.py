@@ -9,6 +9,7 @@ engine's requests are remembered rank by rank, as each rank has a cache of its o
 from __future__ import annotations
 
 import collections
+import itertools
 from collections.abc import Callable, Sequence
 
 from direct_frontend.routing.catalog import EngineHandle
@@ -53,13 +54,15 @@ class ApproxPrefixIndex:
         """Remember a placement (a sibling replica's, or our own via :meth:`record`)."""
         expiry = now + self.ttl_s
         entries = self._entries
+        get = entries.get
+        move = entries.move_to_end
         for h in hashes:
-            holders = entries.get(h)
+            holders = get(h)
             if holders is None:
                 entries[h] = {engine: expiry}
             else:
                 holders[engine] = expiry
-                entries.move_to_end(h)
+                move(h)
         while len(entries) > self.max_blocks:
             entries.popitem(last=False)
         capacity = self.capacity_of(engine)
@@ -75,14 +78,25 @@ class ApproxPrefixIndex:
         return bool(self.capacity_blocks or self.capacities)
 
     def _touch(self, engine: str, hashes: Sequence[int], capacity: int) -> None:
+        """Touch ``hashes`` tail first in ``engine``'s LRU; forget what falls out of it.
+
+        New blocks go in with one bulk update (in C); only when some were there
+        already is every block moved to the end in touch order, as if each had
+        been touched in turn.
+        """
         lru = self._lru.setdefault(engine, collections.OrderedDict())
-        for h in reversed(hashes):
-            lru[h] = None
-            lru.move_to_end(h)
+        size = len(lru)
+        lru.update(zip(reversed(hashes), itertools.repeat(None)))
+        if len(lru) - size != len(hashes):  # some were there: put them all in touch order
+            move = lru.move_to_end
+            for h in reversed(hashes):
+                move(h)
         entries = self._entries
-        while len(lru) > capacity:
-            h, _ = lru.popitem(last=False)
-            holders = entries.get(h)
+        get = entries.get
+        pop = lru.popitem
+        for _ in range(len(lru) - capacity):
+            h = pop(False)[0]
+            holders = get(h)
             if holders is not None:
                 holders.pop(engine, None)
                 if not holders:
