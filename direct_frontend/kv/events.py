@@ -212,6 +212,21 @@ def decode_payload(payload: bytes, *, seq: int = 0, topic: bytes = b"") -> KvEve
         raw = _decode_msgpack(payload)
     except (msgspec.DecodeError, ValueError) as exc:
         raise KvDecodeError(f"payload is not msgpack: {exc}", seq=seq) from None
+    ts, events, rank = _batch_fields(raw, seq)
+    decoded, unknown, malformed = _decode_events(events)
+    return KvEventBatch(
+        seq=seq,
+        ts=ts,
+        events=decoded,
+        dp_rank=rank,
+        topic=topic,
+        unknown_events=unknown,
+        malformed_events=malformed,
+    )
+
+
+def _batch_fields(raw: object, seq: int) -> tuple[float, list[Any], int | None]:
+    """A batch's timestamp, events and rank, from whichever layout it came in, checked."""
     rank: object = None
     if isinstance(raw, list):
         if len(raw) == 3:
@@ -233,9 +248,14 @@ def decode_payload(payload: bytes, *, seq: int = 0, topic: bytes = b"") -> KvEve
         raise KvDecodeError("batch events is not an array", seq=seq)
     if rank is not None and type(rank) is not int:
         raise KvDecodeError("batch rank is not an int", seq=seq)
+    return ts, events, rank
+
+
+def _decode_events(items: list[Any]) -> tuple[tuple[KvEvent, ...], int, int]:
+    """The events we know and could read, and how many were of unknown types or malformed."""
     decoded: list[KvEvent] = []
     unknown = malformed = 0
-    for item in events:
+    for item in items:
         try:
             event = _decode_event(item)
         except (ValueError, TypeError, OverflowError):
@@ -245,15 +265,7 @@ def decode_payload(payload: bytes, *, seq: int = 0, topic: bytes = b"") -> KvEve
             unknown += 1
         else:
             decoded.append(event)
-    return KvEventBatch(
-        seq=seq,
-        ts=ts,
-        events=tuple(decoded),
-        dp_rank=rank,
-        topic=topic,
-        unknown_events=unknown,
-        malformed_events=malformed,
-    )
+    return tuple(decoded), unknown, malformed
 
 
 # Declaration order, for the legacy tag-first arrays (vLLM's order; docs/kv-events.md §5.2).
