@@ -106,31 +106,21 @@ def _close(sock: zmq.Socket[bytes]) -> None:
     sock.close(linger=0)
 
 
+@dataclasses.dataclass(eq=False)
 class _Shell:
     """The I/O state of one subscription; every method runs on the Trio thread."""
 
-    def __init__(
-        self,
-        sub: KvSubscription,
-        index: KvIndex,
-        context: zmq.Context[zmq.Socket[bytes]],
-        nursery: trio.Nursery,
-        replay_timeout: float,
-        on_malformed: Callable[[str], None],
-        on_clear: Callable[[str, ClearReason], None] | None,
-        on_restart: Callable[[str], None] | None,
-    ) -> None:
-        self.sub = sub
-        self.index = index
-        self.context = context
-        self.nursery = nursery
-        self.replay_timeout = replay_timeout
-        self.on_malformed = on_malformed
-        self.on_clear = on_clear
-        self.on_restart = on_restart
-        self.replay_scope: trio.CancelScope | None = None
-        self.logged_malformed = False
-        self.dropped = False  # the SUB lost its connection and has not reconnected
+    sub: KvSubscription
+    index: KvIndex
+    context: zmq.Context[zmq.Socket[bytes]]
+    nursery: trio.Nursery
+    replay_timeout: float
+    on_malformed: Callable[[str], None]
+    on_clear: Callable[[str, ClearReason], None] | None
+    on_restart: Callable[[str], None] | None
+    replay_scope: trio.CancelScope | None = None
+    logged_malformed: bool = False
+    dropped: bool = False  # the SUB lost its connection and has not reconnected
 
     # -- actions -----------------------------------------------------------
 

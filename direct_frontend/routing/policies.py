@@ -98,14 +98,22 @@ def spread_start() -> int:
     return random.randrange(1 << 20)
 
 
-class RoundRobin:
+class _TakingTurns:
+    """A policy that predicts nothing and takes turns among engines from a random start."""
+
+    def __init__(self, start: int | None = None) -> None:
+        #: the turn counter: where the next choice (or tie) starts
+        self._turn = spread_start() if start is None else start
+        self._placements = BarePlacements()
+
+    def on_complete(self, placement: Placement, token_ids: Sequence[int]) -> None:
+        """Nothing to learn: the choice did not depend on what engines hold."""
+
+
+class RoundRobin(_TakingTurns):
     """Each engine in turn. Stable under catalog changes: the cursor is a counter."""
 
     name = "round_robin"
-
-    def __init__(self, start: int | None = None) -> None:
-        self._next = spread_start() if start is None else start
-        self._placements = BarePlacements()
 
     def choose(
         self, catalog: Catalog, request: RequestView, exclude: Collection[str] = ()
@@ -113,24 +121,17 @@ class RoundRobin:
         engines = catalog.aggregated
         count = len(engines)
         for offset in range(count):
-            engine = engines[(self._next + offset) % count]
+            engine = engines[(self._turn + offset) % count]
             if engine.name not in exclude:
-                self._next = (self._next + offset + 1) % count
+                self._turn = (self._turn + offset + 1) % count
                 return self._placements.of(catalog, engine)
         return None
 
-    def on_complete(self, placement: Placement, token_ids: Sequence[int]) -> None:
-        pass
 
-
-class LeastLoaded:
+class LeastLoaded(_TakingTurns):
     """The engine with the fewest in-flight requests (all replicas'); ties go round-robin."""
 
     name = "least_loaded"
-
-    def __init__(self, start: int | None = None) -> None:
-        self._tie = spread_start() if start is None else start
-        self._placements = BarePlacements()
 
     def choose(
         self, catalog: Catalog, request: RequestView, exclude: Collection[str] = ()
@@ -140,8 +141,5 @@ class LeastLoaded:
             return None
         least = min(e.load.fleet_in_flight for e in candidates)
         tied = [e for e in candidates if e.load.fleet_in_flight == least]
-        self._tie += 1
-        return self._placements.of(catalog, tied[self._tie % len(tied)])
-
-    def on_complete(self, placement: Placement, token_ids: Sequence[int]) -> None:
-        pass
+        self._turn += 1
+        return self._placements.of(catalog, tied[self._turn % len(tied)])
