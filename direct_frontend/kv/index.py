@@ -227,12 +227,7 @@ class KvIndex:
             if h is None:
                 self._unknown_removals += 1
                 continue
-            n = copies.get(engine_hash)
-            if n is not None:
-                if n <= 2:
-                    del copies[engine_hash]
-                else:
-                    copies[engine_hash] = n - 1
+            if copies and _let_go_extra(copies, engine_hash, 2):  # counts every copy
                 continue
             del blocks[engine_hash]
             gone.append(h)
@@ -502,14 +497,8 @@ def _unhold(table: dict[int, int], hashes: Iterable[int], bit: int,
     """
     keep = ~bit
     for h in hashes:
-        if aliases:
-            extra = aliases.get(h)
-            if extra is not None:
-                if extra <= 1:
-                    del aliases[h]
-                else:
-                    aliases[h] = extra - 1
-                continue
+        if aliases and _let_go_extra(aliases, h, 1):  # counts the extra holds
+            continue
         mask = table.get(h)
         if mask is None:
             continue
@@ -518,3 +507,15 @@ def _unhold(table: dict[int, int], hashes: Iterable[int], bit: int,
             table[h] = mask
         else:
             del table[h]
+
+
+def _let_go_extra(counts: dict[int, int], key: int, last: int) -> bool:
+    """Let go of one extra hold of ``key`` if ``counts`` has one; its entry goes at ``last``."""
+    n = counts.get(key)
+    if n is None:
+        return False
+    if n <= last:
+        del counts[key]
+    else:
+        counts[key] = n - 1
+    return True
