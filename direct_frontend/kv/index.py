@@ -6,19 +6,17 @@ between engines, configurations and (before 2026) processes.
 
 The engine's hash is only an id: per engine we map it to our prefix hash, to
 place a stored block after its parent and to find what a removal frees.
-Lookup walks the request's prefix hashes through one shared table whose values
-are bitmasks of the engines holding that prefix, so it costs one dict probe per
-matched block whatever the number of engines.
+Which engines hold a prefix is one shared table (kv/table.py) that a lookup
+walks once whatever the number of engines.
 """
 
 from __future__ import annotations
 
 import array
-import collections
 import dataclasses
 import itertools
 import sys
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Final
 
 from direct_frontend.kv.events import (
@@ -31,11 +29,10 @@ from direct_frontend.kv.events import (
 from direct_frontend.kv.filters import DEVICE_TIERS, removal_indexed, store_rejection
 from direct_frontend.kv.prefix import namespace_seed, prefix_hashes, stored_hashes
 from direct_frontend.kv.regroup import Regrouper, compatible
+from direct_frontend.kv.table import COMPACT_MIN, HASH_BYTES, PrefixTable, let_go_extra
 
 __all__ = ["KvIndex", "KvIndexStats"]
 
-_INT_BYTES: Final = sys.getsizeof(1 << 63)  # a hash as a Python int
-_COMPACT_MIN: Final = 4096  # smaller dicts are not worth rebuilding
 _EAGER_CLEAR: Final = 4096  # clear smaller engines at once; retire bigger ones' slots
 _SWEEP_BUDGET: Final = 2048  # retired entries swept per applied batch (~1 ms)
 _PAGE_BYTES: Final = 160  # a remembered page of a finer-paged engine (kv/regroup.py), roughly
@@ -52,17 +49,6 @@ class _Engine:
     copies: dict[int, int] = dataclasses.field(default_factory=dict)  # engine hash → copies > 1
     aliases: dict[int, int] = dataclasses.field(default_factory=dict)  # prefix → extra holders
     peak: int = 0  # len(blocks) when the dict was last rebuilt or grew
-
-
-@dataclasses.dataclass(slots=True)
-class _Grave:
-    """A cleared engine's old slot: its bit is dead, its table entries still to sweep."""
-
-    slot: int
-    bit: int
-    blocks: dict[int, int]
-    hashes: Iterator[int]
-    left: int
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -110,12 +96,8 @@ class KvIndex:
         self.max_blocks = max_blocks
         self.evict_to = evict_to
         self.tiers = frozenset(tiers)
-        self._table: dict[int, int] = {}
-        self._table_peak = 0
+        self._prefixes = PrefixTable()
         self._engines: dict[str, _Engine] = {}
-        self._slots: list[_Engine | None] = []  # by bit; a retired state keeps its slot
-        self._live = 0  # the bits of live engines: retired bits never match
-        self._graveyard: collections.deque[_Grave] = collections.deque()
         self._total = 0
         self._evictions = 0
         self._skipped: dict[str, int] = {}
@@ -139,7 +121,7 @@ class KvIndex:
                 self.remove(engine, event)
             elif isinstance(event, AllBlocksCleared):
                 self.clear_engine(engine)
-        if self._graveyard:
+        if self._prefixes.sweeping:
             self.sweep()
 
     def store(self, engine: str, event: BlockStored) -> int:
@@ -155,8 +137,6 @@ class KvIndex:
             self._unknown_parent += 1
             return 0
         added = self._place(state, event.block_hashes, stored_hashes(event, self.block_size, seed))
-        if len(self._table) > self._table_peak:
-            self._table_peak = len(self._table)
         if self._total > self.max_blocks:
             self._evict()
         return added
@@ -180,7 +160,7 @@ class KvIndex:
     def _place(self, state: _Engine, engine_hashes: Sequence[int], ours: Sequence[int]) -> int:
         """Map each engine hash to our prefix hash on ``state``; returns the new entries."""
         blocks = state.blocks
-        added = 0
+        new = []
         for engine_hash, h in zip(engine_hashes, ours, strict=True):
             old = blocks.get(engine_hash)
             if old is not None:
@@ -190,12 +170,12 @@ class KvIndex:
                     self._conflicts += 1
                 continue
             blocks[engine_hash] = h
-            self._hold(state, h)
-            added += 1
-        self._total += added
+            new.append(h)
+        self._prefixes.hold(new, state.bit, state.aliases)
+        self._total += len(new)
         if len(blocks) > state.peak:
             state.peak = len(blocks)
-        return added
+        return len(new)
 
     def remove(self, engine: str, event: BlockRemoved) -> int:
         """Forget removed blocks (one removal per physical copy); returns entries freed."""
@@ -212,7 +192,7 @@ class KvIndex:
             self._unknown_removals += len(event.block_hashes)
             return 0
         gone = self._unstore(state, event.block_hashes)
-        _unhold(self._table, gone, state.bit, state.aliases)
+        self._prefixes.unhold(gone, state.bit, state.aliases)
         self._total -= len(gone)
         self._compact(state)
         return len(gone)
@@ -227,7 +207,7 @@ class KvIndex:
             if h is None:
                 self._unknown_removals += 1
                 continue
-            if copies and _let_go_extra(copies, engine_hash, 2):  # counts every copy
+            if copies and let_go_extra(copies, engine_hash, 2):  # counts every copy
                 continue
             del blocks[engine_hash]
             gone.append(h)
@@ -250,15 +230,11 @@ class KvIndex:
         freed = len(state.blocks)
         self._total -= freed
         if freed > _EAGER_CLEAR:
-            self._live &= ~state.bit  # the old slot stays reserved until swept
-            blocks = state.blocks
-            self._graveyard.append(
-                _Grave(state.slot, state.bit, blocks, iter(blocks.values()), freed)
-            )
+            self._prefixes.retire(state.slot, state.blocks)  # reserved until swept
             del self._engines[engine]
             self._engine(engine)
             return freed
-        _unhold(self._table, state.blocks.values(), state.bit)
+        self._prefixes.unhold(state.blocks.values(), state.bit)
         # New dicts, so the memory really goes back (clear() keeps the table size).
         state.blocks = {}
         state.copies = {}
@@ -273,9 +249,7 @@ class KvIndex:
         if engine not in self._engines:
             return
         self.clear_engine(engine)
-        state = self._engines.pop(engine)
-        self._live &= ~state.bit
-        self._slots[state.slot] = None
+        self._prefixes.release(self._engines.pop(engine).slot)
 
     def sweep(self, budget: int = _SWEEP_BUDGET) -> int:
         """Sweep up to ``budget`` entries of cleared engines from the table; returns how many.
@@ -283,19 +257,7 @@ class KvIndex:
         :meth:`apply_events` calls it after every batch; call it yourself when
         the fleet is idle and ``stats().pending_sweep`` should reach 0 sooner.
         """
-        done = 0
-        while self._graveyard and done < budget:
-            grave = self._graveyard[0]
-            swept = list(itertools.islice(grave.hashes, budget - done))
-            _unhold(self._table, swept, grave.bit)  # (the table: a compaction may renew it)
-            n = len(swept)
-            grave.left -= n
-            done += n
-            if grave.left <= 0 or n == 0:
-                self._graveyard.popleft()
-                self._slots[grave.slot] = None
-                self._compact_table()
-        return done
+        return self._prefixes.sweep(budget)
 
     # -- snapshots (a late replica warms from a sibling's) -------------------
 
@@ -316,20 +278,19 @@ class KvIndex:
         """
         self.clear_engine(engine)
         state = self._engine(engine)
-        added = 0
+        new = []
         for engine_hash, h in blocks:
             if engine_hash in state.blocks:
                 continue
             state.blocks[engine_hash] = h
-            self._hold(state, h)
-            added += 1
+            new.append(h)
+        self._prefixes.hold(new, state.bit, state.aliases)
         state.copies = {eh: n for eh, n in copies if eh in state.blocks and n > 1}
         state.peak = len(state.blocks)
-        self._total += added
-        self._table_peak = max(self._table_peak, len(self._table))
+        self._total += len(new)
         if self._total > self.max_blocks:
             self._evict()
-        return added
+        return len(new)
 
     # -- lookup ------------------------------------------------------------
 
@@ -362,33 +323,7 @@ class KvIndex:
 
     def lookup_hashes(self, hashes: Sequence[int]) -> dict[str, int]:
         """:meth:`lookup` for precomputed :meth:`request_hashes`."""
-        if not hashes:
-            return {}
-        table = self._table
-        alive = table.get(hashes[0], 0) & self._live
-        if not alive:
-            return {}
-        result: dict[str, int] = {}
-        depth = 1
-        for h in itertools.islice(hashes, 1, None):
-            held = table.get(h, 0) & alive
-            if held != alive:
-                self._record(result, alive & ~held, depth)
-                alive = held
-                if not alive:
-                    return result
-            depth += 1
-        self._record(result, alive, depth)
-        return result
-
-    def _record(self, result: dict[str, int], mask: int, depth: int) -> None:
-        slots = self._slots
-        while mask:
-            low = mask & -mask
-            state = slots[low.bit_length() - 1]
-            if state is not None:
-                result[state.name] = depth
-            mask ^= low
+        return self._prefixes.lookup(hashes)
 
     # -- observation -------------------------------------------------------
 
@@ -406,16 +341,14 @@ class KvIndex:
 
     def stats(self) -> KvIndexStats:
         """Counters and a memory estimate (dict tables plus the hash int objects)."""
-        size = sys.getsizeof(self._table) + len(self._table) * _INT_BYTES
+        size = self._prefixes.bytes_estimate()
         for state in self._engines.values():
-            size += sys.getsizeof(state.blocks) + len(state.blocks) * _INT_BYTES
+            size += sys.getsizeof(state.blocks) + len(state.blocks) * HASH_BYTES
             size += sys.getsizeof(state.copies) + sys.getsizeof(state.aliases)
-        for grave in self._graveyard:
-            size += sys.getsizeof(grave.blocks) + len(grave.blocks) * _INT_BYTES
         size += sum(len(regrouper) for regrouper in self._regroupers.values()) * _PAGE_BYTES
         return KvIndexStats(
             blocks=self._total,
-            prefixes=len(self._table),
+            prefixes=len(self._prefixes),
             engines=len(self._engines),
             bytes_estimate=size,
             evictions=self._evictions,
@@ -424,7 +357,7 @@ class KvIndex:
             unknown_parent=self._unknown_parent,
             unknown_removals=self._unknown_removals,
             conflicts=self._conflicts,
-            pending_sweep=sum(grave.left for grave in self._graveyard),
+            pending_sweep=self._prefixes.pending_sweep(),
         )
 
     # -- internals ---------------------------------------------------------
@@ -435,39 +368,18 @@ class KvIndex:
     def _engine(self, name: str) -> _Engine:
         state = self._engines.get(name)
         if state is None:
-            try:
-                slot = self._slots.index(None)
-            except ValueError:
-                slot = len(self._slots)
-                self._slots.append(None)
-            state = _Engine(name=name, bit=1 << slot, slot=slot)
-            self._slots[slot] = state
-            self._engines[name] = state
-            self._live |= state.bit
+            slot = self._prefixes.claim(name)
+            state = self._engines[name] = _Engine(name=name, bit=1 << slot, slot=slot)
         return state
-
-    def _hold(self, state: _Engine, h: int) -> None:
-        """``state`` holds prefix ``h`` (once more, if another of its blocks has it already)."""
-        table = self._table
-        mask = table.get(h, 0)
-        if mask & state.bit:
-            state.aliases[h] = state.aliases.get(h, 0) + 1
-        else:
-            table[h] = mask | state.bit
 
     def _compact(self, state: _Engine) -> None:
         """Rebuild dicts that removals left mostly empty: CPython never shrinks them."""
-        if state.peak > _COMPACT_MIN and len(state.blocks) < state.peak // 4:
+        if state.peak > COMPACT_MIN and len(state.blocks) < state.peak // 4:
             state.blocks = dict(state.blocks)
             state.copies = dict(state.copies)
             state.aliases = dict(state.aliases)
             state.peak = len(state.blocks)
-        self._compact_table()
-
-    def _compact_table(self) -> None:
-        if self._table_peak > _COMPACT_MIN and len(self._table) < self._table_peak // 4:
-            self._table = dict(self._table)
-            self._table_peak = len(self._table)
+        self._prefixes.compact()
 
     def _evict(self) -> None:
         """Drop the oldest-stored entries, most from the largest engines, down to the target."""
@@ -480,42 +392,10 @@ class KvIndex:
                 victims = list(itertools.islice(state.blocks, max(1, share)))
                 for engine_hash in victims:
                     state.copies.pop(engine_hash, None)
-                _unhold(self._table, [state.blocks.pop(eh) for eh in victims], state.bit,
-                        state.aliases)
+                self._prefixes.unhold([state.blocks.pop(eh) for eh in victims], state.bit,
+                                      state.aliases)
                 self._total -= len(victims)
                 self._evictions += len(victims)
                 if self._total <= target:
                     return
 
-
-def _unhold(table: dict[int, int], hashes: Iterable[int], bit: int,
-            aliases: dict[int, int] | None = None) -> None:
-    """The holder of ``bit`` lets go of each of ``hashes`` once; a prefix nobody holds goes.
-
-    ``aliases``: the holder's extra holds of a prefix (two of its blocks with
-    one prefix hash), let go of before its bit.
-    """
-    keep = ~bit
-    for h in hashes:
-        if aliases and _let_go_extra(aliases, h, 1):  # counts the extra holds
-            continue
-        mask = table.get(h)
-        if mask is None:
-            continue
-        mask &= keep
-        if mask:
-            table[h] = mask
-        else:
-            del table[h]
-
-
-def _let_go_extra(counts: dict[int, int], key: int, last: int) -> bool:
-    """Let go of one extra hold of ``key`` if ``counts`` has one; its entry goes at ``last``."""
-    n = counts.get(key)
-    if n is None:
-        return False
-    if n <= last:
-        del counts[key]
-    else:
-        counts[key] = n - 1
-    return True
