@@ -57,9 +57,10 @@ from direct_frontend.kv.events import BlockRemoved, BlockStored
 from direct_frontend.kv.index import KvIndex
 from direct_frontend.kv.keys import index_key
 from direct_frontend.kv.prefix import prefix_hashes
+from direct_frontend.routing.cache_affinity import CacheAffinity
 from direct_frontend.routing.catalog import Catalog, EngineHandle
 from direct_frontend.routing.hitrate import HitRateMonitor
-from direct_frontend.routing.kv_aware import CacheAffinity, KvAware
+from direct_frontend.routing.kv_aware import KvAware
 from direct_frontend.routing.policies import LeastLoaded, Placement, Policy, RequestView, RoundRobin
 
 MODES = ("round_robin", "least_loaded", "cache_affinity", "kv-events", "approximate")

@@ -6,7 +6,8 @@ from collections.abc import Collection
 
 from direct_frontend.fleet.schema import RoutingConfig
 from direct_frontend.routing.affinity import Affine, SessionAffinity
-from direct_frontend.routing.kv_aware import CacheAffinity, KvAware, OverlapSource
+from direct_frontend.routing.cache_affinity import CacheAffinity
+from direct_frontend.routing.kv_aware import KvAware, OverlapSource
 from direct_frontend.routing.peers import PlacementShare
 from direct_frontend.routing.policies import LeastLoaded, Policy, RoundRobin
 

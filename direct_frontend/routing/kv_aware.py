@@ -35,8 +35,8 @@ argmin at ``temperature == 0`` (ties → fewer requests in flight → round robi
 else softmax sampling over the min–max-normalised costs. A load guard (smg's
 imbalance gate) spills a request to the least-loaded engine when the chosen
 one is far above the mean: a safety net, as the queue terms balance.
-:class:`CacheAffinity` is the baseline these defaults were measured against
-(``scripts/routing_sim.py``).
+``cache_affinity`` (routing/cache_affinity.py) is the baseline these defaults
+were measured against (``scripts/routing_sim.py``).
 
 Overlap comes from an :class:`OverlapSource`: the KV-event index (exact) or,
 for engines without KV events, the approximate memory (routing/approx.py),
@@ -470,36 +470,3 @@ class KvAware:
         weights = [math.exp(-(c - low) / span / self.knobs.temperature) for c in costs]
         return self._rng.choices(list(candidates), weights)[0]
 
-
-class CacheAffinity(KvAware):
-    """``cache_affinity``: the longest cached prefix, balance only when it is badly off.
-
-    The baseline the ``kv_aware`` defaults are measured against
-    (``scripts/routing_sim.py``): the engine holding the longest
-    cached prefix of the request (ties → fewer requests in flight); only when
-    the busiest candidate has more than 64 requests above the idlest *and*
-    1.5× its count does a request go to the least-loaded engine. It weighs no
-    load below that gate, so it herds; kept as a selectable policy to compare with.
-    """
-
-    name = "cache_affinity"
-    memory = False
-    GATE_ABS = 64
-    GATE_REL = 1.5
-
-    def rank_cost(self, miss: int, fullness: float, busy: int) -> float:
-        """The longest cached prefix on the engine's ranks too (ties: fewer in flight)."""
-        return float(miss)
-
-    def select(
-        self,
-        candidates: Sequence[EngineHandle],
-        request: RequestView,
-        hashes: Sequence[int],
-        overlaps: dict[str, int],
-    ) -> tuple[EngineHandle, bool]:
-        loads = [e.load.fleet_in_flight for e in candidates]
-        busiest, idlest = max(loads), min(loads)
-        if busiest - idlest > self.GATE_ABS and busiest > self.GATE_REL * idlest:
-            return candidates[loads.index(idlest)], True
-        return self._pick(candidates, [-overlaps.get(e.name, 0) for e in candidates]), False
