@@ -421,6 +421,25 @@ def test_clearing_a_big_engine_is_immediate_and_swept_in_steps() -> None:
     assert index.stats().pending_sweep == 0 and index.stats().prefixes == 10
 
 
+def test_two_big_engines_cleared_together_leave_nothing_for_a_reused_slot() -> None:
+    """One sweep that finishes one engine and starts the next, with the table rebuilt between."""
+    index = KvIndex(BS)
+    first = seq_tokens(20_000, base=100_000)
+    second = seq_tokens(5_000, base=300_000)
+    store_chain(index, "a", first, 1)
+    store_chain(index, "b", second, 2)
+    index.clear_engine("a")
+    index.clear_engine("b")
+    # a's 20,000 leave a quarter of the table's peak: it is rebuilt before b's are swept
+    assert index.sweep(22_000) == 22_000
+    while index.sweep():
+        pass
+    assert index.stats().prefixes == 0
+    for name in ("c", "d"):  # new engines on the old slots hold none of what was cleared
+        store_chain(index, name, seq_tokens(1), 3)
+    assert index.lookup(first) == {} and index.lookup(second) == {}
+
+
 # -- snapshots --------------------------------------------------------------------
 
 
