@@ -18,9 +18,9 @@ the KV events' block count plus the prefill queue, over the capacity), and a
 block stored in a full cache evicts another conversation's, which prefills it
 again. So a prefix stays where it lives until the queue there outweighs the
 prefill it saves ``overlap_weight + eviction_weight`` times over (moving it
-caches it twice), and a new prefix goes where there is room (a fixed weight
-placed each new tenant on whichever engine was idle that instant, and the
-partition that made never healed). The queue is our own accounting
+caches it twice), and a new prefix goes where there is room (with a fixed
+weight instead, each new tenant goes to whichever engine is idle that instant,
+and the partition that makes never heals). The queue is our own accounting
 (routing/prefill_queue.py): a request's miss counts from its dispatch until
 its prefill is done, which the engine's KV events show (its last prompt block
 stored) and its first token shows for every engine (:attr:`Placement.prefilled`,
