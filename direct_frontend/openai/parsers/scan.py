@@ -74,25 +74,21 @@ class BracketScanner:
             self.escape = False
             pos += 1
         while True:
-            if self._quote:
-                m = self._inside[self._quote].search(text, pos)
-                if m is None:
-                    return -1
-                pos = m.end()
-                if m.group() == "\\":
-                    if pos >= len(text):
-                        self.escape = True
-                        return -1
-                    pos += 1
-                else:
-                    self._quote = ""
-                continue
-            m = self._outside.search(text, pos)
+            quote = self._quote  # "" outside strings
+            m = (self._inside[quote] if quote else self._outside).search(text, pos)
             if m is None:
                 return -1
             pos = m.end()
             ch = m.group()
-            if ch in _OPEN:
+            if quote:
+                if ch != "\\":  # the string's end
+                    self._quote = ""
+                elif pos < len(text):
+                    pos += 1  # the escaped character
+                else:  # it is the next piece's first
+                    self.escape = True
+                    return -1
+            elif ch in _OPEN:
                 self.depth += 1
                 self.started = True
             elif ch in _CLOSE:
