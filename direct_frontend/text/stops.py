@@ -164,16 +164,18 @@ class StopStringMatcher:
         automaton = self._automaton
         if automaton is None:
             return StopResult(text)
+        if self._held:
+            return self._scan(automaton, text, 0)
+        first = automaton.trigger.search(text)
+        if first is None:
+            return StopResult(text)
+        return self._scan(automaton, text, first.start())
+
+    def _scan(self, automaton: _Automaton, text: str, pos: int) -> StopResult:
+        """Run the automaton over ``text[pos:]`` from the held state (nothing before ``pos``
+        can start a stop string)."""
         k, depth = self._held_stop, self._held
         trigger = automaton.trigger
-        if depth:
-            pos = 0
-        else:
-            first = trigger.search(text)
-            if first is None:
-                return StopResult(text)
-            pos = first.start()
-
         stops = automaton.stops
         branches = automaton.branches
         fail_stop, fail_depth, found = automaton.fail_stop, automaton.fail_depth, automaton.found
