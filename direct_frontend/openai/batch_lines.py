@@ -30,7 +30,7 @@ cancelled or expired first) has ``response: null`` and ``error: {"code",
 from __future__ import annotations
 
 import secrets
-from typing import Any, Final, Literal
+from typing import Any, Final, Literal, NamedTuple
 
 import msgspec
 
@@ -76,6 +76,14 @@ class BatchInput(msgspec.Struct, frozen=True):
     model: str | None
 
 
+class _Wrong(NamedTuple):
+    """What is wrong with one line: a batch error's code, message and field."""
+
+    code: str
+    message: str
+    param: str | None = None
+
+
 def read_input(data: bytes, endpoint: str, max_lines: int) -> BatchInput | list[BatchError]:
     """The batch's lines from its input file, in run order; else what is wrong with them."""
     errors: list[BatchError] = []
@@ -95,51 +103,12 @@ def read_input(data: bytes, endpoint: str, max_lines: int) -> BatchInput | list[
             wrong("too_many_tasks", f"The batch input file holds more than {max_lines} "
                   "requests.", None)
             break
-        try:
-            request = msgspec.json.decode(raw)
-        except msgspec.DecodeError:
-            request = None
-        if not isinstance(request, dict):
-            wrong("invalid_json_line", "This line is not parseable as valid JSON.", number)
+        line = _read_line(raw, endpoint, seen, model)
+        if isinstance(line, _Wrong):
+            wrong(line.code, line.message, number, line.param)
             continue
-        custom_id, body, url = request.get("custom_id"), request.get("body"), request.get("url")
-        if not isinstance(custom_id, str) or not custom_id:
-            wrong("invalid_request", "Each request needs a 'custom_id', a non-empty string.",
-                  number, "custom_id")
-            continue
-        if custom_id in seen:
-            wrong("duplicate_custom_id", "The custom_id for this request is a duplicate of "
-                  "another request. The custom_id parameter must be unique for each request "
-                  "in a batch.", number, "custom_id")
-            continue
-        seen.add(custom_id)
-        if request.get("method") != "POST":
-            wrong("invalid_request", "The request's 'method' must be 'POST'.", number, "method")
-            continue
-        if url != endpoint:
-            wrong("url_mismatch", f"The provided URL '{str(url)[:80]}' does not match the "
-                  f"batch endpoint '{endpoint}'.", number, "url")
-            continue
-        if not isinstance(body, dict):
-            wrong("invalid_request", "The request's 'body' must be a JSON object.", number,
-                  "body")
-            continue
-        line_model = body.get("model")
-        if not isinstance(line_model, str) or not line_model:
-            wrong("invalid_request", "The request's body needs a 'model'.", number,
-                  "body.model")
-            continue
-        if model is None:
-            model = line_model
-        elif line_model != model:
-            wrong("model_mismatch", f"The model '{line_model[:80]}' differs from the batch's "
-                  f"model '{model}': a batch's requests are for one model.", number,
-                  "body.model")
-            continue
-        if endpoint == "/v1/embeddings":
-            given = body.get("input")
-            inputs += len(given) if isinstance(given, list) and given and not isinstance(
-                given[0], int) else 1
+        custom_id, body, model = line
+        inputs += _inputs(endpoint, body)
         found.append((prefix_key(endpoint, body), number, custom_id, body))
     if not found and not errors:
         wrong("empty_file", "The batch input file is empty.", None)
@@ -151,6 +120,58 @@ def read_input(data: bytes, endpoint: str, max_lines: int) -> BatchInput | list[
     found.sort(key=lambda entry: (entry[0], entry[1]))
     return BatchInput(tuple(Line(i, number, custom_id, line_body(body))
                             for i, (_, number, custom_id, body) in enumerate(found)), model)
+
+
+def _read_line(raw: bytes, endpoint: str, seen: set[str],
+               model: str | None) -> tuple[str, dict[str, Any], str] | _Wrong:
+    """One line's ``custom_id``, body and model (``seen`` takes its ``custom_id`` once it is
+    no duplicate); else what is wrong with it. ``model``: the batch's, from its first line."""
+    try:
+        request = msgspec.json.decode(raw)
+    except msgspec.DecodeError:
+        request = None
+    if not isinstance(request, dict):
+        return _Wrong("invalid_json_line", "This line is not parseable as valid JSON.")
+    custom_id, body, url = request.get("custom_id"), request.get("body"), request.get("url")
+    if not isinstance(custom_id, str) or not custom_id:
+        return _Wrong("invalid_request", "Each request needs a 'custom_id', a non-empty string.",
+                      "custom_id")
+    if custom_id in seen:
+        return _Wrong("duplicate_custom_id", "The custom_id for this request is a duplicate of "
+                      "another request. The custom_id parameter must be unique for each "
+                      "request in a batch.", "custom_id")
+    seen.add(custom_id)
+    if request.get("method") != "POST":
+        return _Wrong("invalid_request", "The request's 'method' must be 'POST'.", "method")
+    if url != endpoint:
+        return _Wrong("url_mismatch", f"The provided URL '{str(url)[:80]}' does not match the "
+                      f"batch endpoint '{endpoint}'.", "url")
+    if not isinstance(body, dict):
+        return _Wrong("invalid_request", "The request's 'body' must be a JSON object.", "body")
+    line_model = _line_model(body, model)
+    if isinstance(line_model, _Wrong):
+        return line_model
+    return custom_id, body, line_model
+
+
+def _line_model(body: dict[str, Any], model: str | None) -> str | _Wrong:
+    """The model a line's body asks for, which must be the batch's (``model``, once known)."""
+    line_model = body.get("model")
+    if not isinstance(line_model, str) or not line_model:
+        return _Wrong("invalid_request", "The request's body needs a 'model'.", "body.model")
+    if model is not None and line_model != model:
+        return _Wrong("model_mismatch", f"The model '{line_model[:80]}' differs from the "
+                      f"batch's model '{model}': a batch's requests are for one model.",
+                      "body.model")
+    return line_model
+
+
+def _inputs(endpoint: str, body: dict[str, Any]) -> int:
+    """How many embedding inputs a line's body asks for (0 on other endpoints)."""
+    if endpoint != "/v1/embeddings":
+        return 0
+    given = body.get("input")
+    return len(given) if isinstance(given, list) and given and not isinstance(given[0], int) else 1
 
 
 def prefix_key(endpoint: str, body: dict[str, Any]) -> str:
