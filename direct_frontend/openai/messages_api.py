@@ -17,7 +17,9 @@ errors from ``error.type``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from collections.abc import Callable
 from typing import Any, Final
 
 import msgspec
@@ -47,6 +49,25 @@ def parse_messages_request(body: bytes, *, counting: bool = False) -> ChatReques
         raise invalid_request("max_tokens: Field required", "max_tokens")
     chat: dict[str, Any] = {k: raw[k] for k in ("model", "temperature", "top_p", "top_k",
                                                 "max_tokens", "stream") if k in raw}
+    chat.update(_sampling(raw))
+    messages = _system(raw.get("system"))
+    for i, message in enumerate(_list(raw["messages"], "messages")):
+        messages += _turn(i, message)
+    if not messages:
+        raise invalid_request("messages: at least one message is required", "messages")
+    chat["messages"] = messages
+    chat.update(_tools(raw))
+    chat.update(_thinking(raw.get("thinking")))
+    if raw.get("stream"):
+        chat["stream_options"] = {"include_usage": True}
+    if counting:
+        chat.setdefault("max_tokens", 1)
+    return parse_chat_request(_encode(chat))
+
+
+def _sampling(raw: dict[str, Any]) -> dict[str, Any]:
+    """The chat fields of ``stop_sequences`` and ``metadata.user_id``."""
+    chat: dict[str, Any] = {}
     stops = raw.get("stop_sequences") or []
     if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
         raise invalid_request("stop_sequences: expected a list of strings", "stop_sequences")
@@ -55,34 +76,35 @@ def parse_messages_request(body: bytes, *, counting: bool = False) -> ChatReques
     metadata = raw.get("metadata")
     if isinstance(metadata, dict) and isinstance(metadata.get("user_id"), str):
         chat["user"] = metadata["user_id"]
-    messages = _system(raw.get("system"))
-    for i, message in enumerate(_list(raw["messages"], "messages")):
-        messages += _turn(i, message)
-    if not messages:
-        raise invalid_request("messages: at least one message is required", "messages")
-    chat["messages"] = messages
+    return chat
+
+
+def _tools(raw: dict[str, Any]) -> dict[str, Any]:
+    """The chat fields of ``tools`` and ``tool_choice``."""
     tools = raw.get("tools") or []
-    chat["tools"] = [_tool(i, tool) for i, tool in enumerate(_list(tools, "tools"))]
+    chat: dict[str, Any] = {"tools": [_tool(i, tool) for i, tool in
+                                      enumerate(_list(tools, "tools"))]}
     if raw.get("tool_choice") is not None:
         choice, parallel = _tool_choice(raw["tool_choice"])
         chat["tool_choice"] = choice
         if not parallel:
             chat["parallel_tool_calls"] = False
-    thinking = raw.get("thinking")
-    if isinstance(thinking, dict) and thinking.get("type") in ("enabled", "disabled"):
-        on = thinking["type"] == "enabled"  # under the names thinking templates read it by
-        chat["chat_template_kwargs"] = {"enable_thinking": on, "thinking": on}
-        budget = thinking.get("budget_tokens")
-        if on and budget is not None:
-            if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
-                raise invalid_request("thinking.budget_tokens: Input should be a positive "
-                                      "integer", "thinking.budget_tokens")
-            chat["thinking_token_budget"] = budget
-    if raw.get("stream"):
-        chat["stream_options"] = {"include_usage": True}
-    if counting:
-        chat.setdefault("max_tokens", 1)
-    return parse_chat_request(_encode(chat))
+    return chat
+
+
+def _thinking(thinking: Any) -> dict[str, Any]:
+    """The chat fields of ``thinking`` (enabled or disabled, and its budget)."""
+    if not isinstance(thinking, dict) or thinking.get("type") not in ("enabled", "disabled"):
+        return {}
+    on = thinking["type"] == "enabled"  # under the names thinking templates read it by
+    chat: dict[str, Any] = {"chat_template_kwargs": {"enable_thinking": on, "thinking": on}}
+    budget = thinking.get("budget_tokens")
+    if on and budget is not None:
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+            raise invalid_request("thinking.budget_tokens: Input should be a positive "
+                                  "integer", "thinking.budget_tokens")
+        chat["thinking_token_budget"] = budget
+    return chat
 
 
 def anthropic_error_body(err: OpenAIHTTPError) -> bytes:
@@ -134,55 +156,103 @@ def _turn(i: int, message: Any) -> list[dict[str, Any]]:
     content = message.get("content")
     if isinstance(content, str):
         return [{"role": role, "content": content}]
-    texts: list[str] = []
-    parts: list[dict[str, Any]] = []  # a user turn's texts and images, when it has images
-    thoughts: list[str] = []
-    out: list[dict[str, Any]] = []
-    calls: list[dict[str, Any]] = []
+    turn = _Turn(role)
     for j, block in enumerate(_list(content, f"{where}.content")):
         at = f"{where}.content.{j}"
         kind = block.get("type") if isinstance(block, dict) else None
-        if kind == "text" and isinstance(block.get("text"), str):
-            texts.append(block["text"])
-            if parts and parts[-1]["type"] == "text":
-                parts[-1]["text"] += block["text"]
-            else:
-                parts.append({"type": "text", "text": block["text"]})
-        elif kind == "image" and role == "user":
-            parts.append(_image(block, at))
-        elif kind == "thinking" and role == "assistant":
-            if isinstance(block.get("thinking"), str):
-                thoughts.append(block["thinking"])
-        elif kind == "redacted_thinking" and role == "assistant":
-            continue  # encrypted by another server: nothing here can read it
-        elif kind == "tool_use" and role == "assistant":
-            for field in ("id", "name"):
-                if not isinstance(block.get(field), str):
-                    raise invalid_request(f"{at}.{field}: Field required", f"{at}.{field}")
-            calls.append({"id": block["id"], "type": "function", "function": {
-                "name": block["name"], "arguments": json.dumps(block.get("input") or {},
-                                                               ensure_ascii=False)}})
-        elif kind == "tool_result" and role == "user":
-            if not isinstance(block.get("tool_use_id"), str):
-                raise invalid_request(f"{at}.tool_use_id: Field required", f"{at}.tool_use_id")
-            result = block.get("content", "")
-            text = result if isinstance(result, str) else _texts(result, f"{at}.content")
-            out.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": text})
-        else:
+        read = _BLOCKS.get((kind, role)) if isinstance(kind, str) else None
+        if read is None or not read(turn, block, at):
             raise invalid_request(f"{at}: content block type '{kind}' is not supported in a "
                                   f"{role} message", f"{at}.type")
-    if role == "assistant":
-        turn: dict[str, Any] = {"role": "assistant", "content": "".join(texts) or None}
-        if calls:
-            turn["tool_calls"] = calls
-        if thoughts:
-            turn["reasoning_content"] = "".join(thoughts)
-        return [turn]
-    if any(part["type"] == "image_url" for part in parts):
-        out.append({"role": "user", "content": parts})
-    elif texts:  # results answer the calls before them; the user's words follow
-        out.append({"role": "user", "content": "".join(texts)})
-    return out
+    return turn.messages()
+
+
+@dataclasses.dataclass(slots=True)
+class _Turn:
+    """What one turn's content blocks add up to, read in order."""
+
+    role: str
+    texts: list[str] = dataclasses.field(default_factory=list)
+    #: a user turn's texts and images, when it has images
+    parts: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    thoughts: list[str] = dataclasses.field(default_factory=list)
+    #: a user turn's tool results, as ``tool`` messages
+    out: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    calls: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+
+    def messages(self) -> list[dict[str, Any]]:
+        """The chat messages of the turn."""
+        if self.role == "assistant":
+            turn: dict[str, Any] = {"role": "assistant", "content": "".join(self.texts) or None}
+            if self.calls:
+                turn["tool_calls"] = self.calls
+            if self.thoughts:
+                turn["reasoning_content"] = "".join(self.thoughts)
+            return [turn]
+        if any(part["type"] == "image_url" for part in self.parts):
+            self.out.append({"role": "user", "content": self.parts})
+        elif self.texts:  # results answer the calls before them; the user's words follow
+            self.out.append({"role": "user", "content": "".join(self.texts)})
+        return self.out
+
+
+def _text_block(turn: _Turn, block: dict[str, Any], at: str) -> bool:
+    text = block.get("text")
+    if not isinstance(text, str):
+        return False
+    turn.texts.append(text)
+    if turn.parts and turn.parts[-1]["type"] == "text":
+        turn.parts[-1]["text"] += text
+    else:
+        turn.parts.append({"type": "text", "text": text})
+    return True
+
+
+def _image_block(turn: _Turn, block: dict[str, Any], at: str) -> bool:
+    turn.parts.append(_image(block, at))
+    return True
+
+
+def _thinking_block(turn: _Turn, block: dict[str, Any], at: str) -> bool:
+    if isinstance(block.get("thinking"), str):
+        turn.thoughts.append(block["thinking"])
+    return True
+
+
+def _redacted_thinking_block(turn: _Turn, block: dict[str, Any], at: str) -> bool:
+    return True  # encrypted by another server: nothing here can read it
+
+
+def _tool_use_block(turn: _Turn, block: dict[str, Any], at: str) -> bool:
+    for field in ("id", "name"):
+        if not isinstance(block.get(field), str):
+            raise invalid_request(f"{at}.{field}: Field required", f"{at}.{field}")
+    turn.calls.append({"id": block["id"], "type": "function", "function": {
+        "name": block["name"], "arguments": json.dumps(block.get("input") or {},
+                                                       ensure_ascii=False)}})
+    return True
+
+
+def _tool_result_block(turn: _Turn, block: dict[str, Any], at: str) -> bool:
+    if not isinstance(block.get("tool_use_id"), str):
+        raise invalid_request(f"{at}.tool_use_id: Field required", f"{at}.tool_use_id")
+    result = block.get("content", "")
+    text = result if isinstance(result, str) else _texts(result, f"{at}.content")
+    turn.out.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": text})
+    return True
+
+
+#: (block type, role) -> what the block adds to its turn; False: a block of that type that
+#: is not one (a text block without text)
+_BLOCKS: Final[dict[tuple[str, str], Callable[[_Turn, dict[str, Any], str], bool]]] = {
+    ("text", "user"): _text_block,
+    ("text", "assistant"): _text_block,
+    ("image", "user"): _image_block,
+    ("thinking", "assistant"): _thinking_block,
+    ("redacted_thinking", "assistant"): _redacted_thinking_block,
+    ("tool_use", "assistant"): _tool_use_block,
+    ("tool_result", "user"): _tool_result_block,
+}
 
 
 def _image(block: dict[str, Any], at: str) -> dict[str, Any]:
