@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import secrets
+from collections.abc import Callable
 from typing import Any, Final
 
 import msgspec
@@ -94,6 +95,32 @@ def parse_responses_request(
     if instructions is not None and not isinstance(instructions, str):
         raise invalid_request("Invalid type for 'instructions': expected a string.",
                               "instructions")
+    store, background = _store_and_background(raw)
+    truncation = raw.get("truncation") or "disabled"
+    if truncation not in ("auto", "disabled"):
+        raise invalid_request(f"Invalid value for 'truncation': {truncation!r} ('auto' or "
+                              "'disabled').", "truncation")
+    chat: dict[str, Any] = {k: raw[k] for k in _SAME if k in raw}
+    chat.update(_logprobs(raw))
+    messages = ([{"role": "system", "content": instructions}] if instructions else [])
+    earlier = history_items or []
+    own = _input_list(raw["input"])
+    messages += _messages(earlier + own, len(earlier),
+                          "previous_response_id" if conversation is None else "conversation")
+    chat["messages"] = messages
+    tools = raw.get("tools") or []
+    chat["tools"] = [_tool(i, tool) for i, tool in enumerate(_list(tools, "tools"))]
+    chat.update(_generation(raw))
+    request = parse_chat_request(_encode(chat))
+    return ResponsesRequest(request, instructions, tools, raw.get("tool_choice", "auto"),
+                            raw.get("max_output_tokens"), store, previous_response_id(raw),
+                            history, tuple(normalized_item(item) for item in own), background,
+                            truncation, conversation)
+
+
+def _store_and_background(raw: dict[str, Any]) -> tuple[bool, bool]:
+    """``store`` (default true) and ``background`` (default false); a background response
+    must be stored."""
     store = raw.get("store", True)
     if store is None:
         store = True
@@ -105,23 +132,22 @@ def parse_responses_request(
     if background and not store:
         raise invalid_request("A background response is kept to be polled: 'background' "
                               "needs 'store' true.", "background")
-    truncation = raw.get("truncation") or "disabled"
-    if truncation not in ("auto", "disabled"):
-        raise invalid_request(f"Invalid value for 'truncation': {truncation!r} ('auto' or "
-                              "'disabled').", "truncation")
-    chat: dict[str, Any] = {k: raw[k] for k in _SAME if k in raw}
+    return store, background
+
+
+def _logprobs(raw: dict[str, Any]) -> dict[str, Any]:
+    """The chat fields asking for logprobs: ``top_logprobs``, or ``include`` naming them."""
     include = raw.get("include") or []
-    if raw.get("top_logprobs") is not None or (isinstance(include, list) and LOGPROBS in include):
-        chat["logprobs"] = True  # the chat parser checks top_logprobs' range
-        chat["top_logprobs"] = raw.get("top_logprobs") or 0
-    messages = ([{"role": "system", "content": instructions}] if instructions else [])
-    earlier = history_items or []
-    own = _input_list(raw["input"])
-    messages += _messages(earlier + own, len(earlier),
-                          "previous_response_id" if conversation is None else "conversation")
-    chat["messages"] = messages
-    tools = raw.get("tools") or []
-    chat["tools"] = [_tool(i, tool) for i, tool in enumerate(_list(tools, "tools"))]
+    if raw.get("top_logprobs") is None and not (isinstance(include, list) and LOGPROBS in include):
+        return {}
+    # the chat parser checks top_logprobs' range
+    return {"logprobs": True, "top_logprobs": raw.get("top_logprobs") or 0}
+
+
+def _generation(raw: dict[str, Any]) -> dict[str, Any]:
+    """The chat fields of ``tool_choice``, ``max_output_tokens``, ``reasoning.effort``,
+    ``text.format`` and ``stream``."""
+    chat: dict[str, Any] = {}
     if "tool_choice" in raw:
         chat["tool_choice"] = raw["tool_choice"]
     if raw.get("max_output_tokens") is not None:
@@ -134,11 +160,7 @@ def parse_responses_request(
         chat["response_format"] = _format(text["format"])
     if raw.get("stream"):
         chat["stream_options"] = {"include_usage": True}
-    request = parse_chat_request(_encode(chat))
-    return ResponsesRequest(request, instructions, tools, raw.get("tool_choice", "auto"),
-                            raw.get("max_output_tokens"), store, previous_response_id(raw),
-                            history, tuple(normalized_item(item) for item in own), background,
-                            truncation, conversation)
+    return chat
 
 
 def _input_list(value: Any) -> list[Any]:
@@ -273,55 +295,81 @@ def _messages(items: list[Any], earlier: int = 0, history: str = "previous_respo
     item's text goes with the assistant turn that follows it (the template
     decides whether to render it).
     """
-    messages: list[dict[str, Any]] = []
-    reasoning = ""  # a reasoning item's text, waiting for its assistant turn
-
-    def assistant(turn: dict[str, Any]) -> dict[str, Any]:
-        nonlocal reasoning
-        if reasoning:
-            turn["reasoning_content"] = turn.get("reasoning_content", "") + reasoning
-            reasoning = ""
-        return turn
-
+    turns = _Turns()
     for i, item in enumerate(items):
         where = f"{param}[{i - earlier}]" if i >= earlier else history
         if not isinstance(item, dict):
             raise invalid_request(f"Invalid type for '{where}': expected an object.", where)
         kind = item.get("type", "message")
-        if kind == "message":
-            role = item.get("role")
-            if role not in ("user", "system", "developer", "assistant"):
-                raise invalid_request(f"Invalid value for '{where}.role': '{role}'.",
-                                      f"{where}.role")
-            turn = {"role": role, "content": _content_of(item.get("content"), where,
-                                                         images=role == "user")}
-            messages.append(assistant(turn) if role == "assistant" else turn)
-        elif kind == "function_call":
-            for field in ("call_id", "name", "arguments"):
-                if not isinstance(item.get(field), str):
-                    raise invalid_request(f"Missing required parameter: '{where}.{field}'.",
-                                          f"{where}.{field}")
-            call = {"id": item["call_id"], "type": "function",
-                    "function": {"name": item["name"], "arguments": item["arguments"]}}
-            last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant" and (
-                    last.get("tool_calls") or not last["content"]):
-                assistant(last).setdefault("tool_calls", []).append(call)
-            else:
-                messages.append(assistant({"role": "assistant", "content": None,
-                                           "tool_calls": [call]}))
-        elif kind == "function_call_output":
-            if not isinstance(item.get("call_id"), str):
-                raise invalid_request(f"Missing required parameter: '{where}.call_id'.",
-                                      f"{where}.call_id")
-            output = item.get("output")
-            messages.append({"role": "tool", "tool_call_id": item["call_id"],
-                             "content": output if isinstance(output, str)
-                             else _text_of(output, where)})
-        elif kind == "reasoning":
-            reasoning += _reasoning_text(item)
-        else:
+        read = _ITEMS.get(kind) if isinstance(kind, str) else None
+        if read is None:
             raise invalid_request(f"Input item type '{kind}' is not supported.", f"{where}.type")
-    if not messages and need_message:
+        read(turns, item, where)
+    if not turns.messages and need_message:
         raise invalid_request(f"'{param}' holds no message.", param)
-    return messages
+    return turns.messages
+
+
+@dataclasses.dataclass(slots=True)
+class _Turns:
+    """The chat messages read so far, and a reasoning item's text waiting for its assistant
+    turn."""
+
+    messages: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    reasoning: str = ""
+
+    def assistant(self, turn: dict[str, Any]) -> dict[str, Any]:
+        """``turn``, an assistant's, with the waiting reasoning (which it takes)."""
+        if self.reasoning:
+            turn["reasoning_content"] = turn.get("reasoning_content", "") + self.reasoning
+            self.reasoning = ""
+        return turn
+
+
+def _message_item(turns: _Turns, item: dict[str, Any], where: str) -> None:
+    role = item.get("role")
+    if role not in ("user", "system", "developer", "assistant"):
+        raise invalid_request(f"Invalid value for '{where}.role': '{role}'.", f"{where}.role")
+    turn = {"role": role, "content": _content_of(item.get("content"), where,
+                                                 images=role == "user")}
+    turns.messages.append(turns.assistant(turn) if role == "assistant" else turn)
+
+
+def _function_call_item(turns: _Turns, item: dict[str, Any], where: str) -> None:
+    for field in ("call_id", "name", "arguments"):
+        if not isinstance(item.get(field), str):
+            raise invalid_request(f"Missing required parameter: '{where}.{field}'.",
+                                  f"{where}.{field}")
+    call = {"id": item["call_id"], "type": "function",
+            "function": {"name": item["name"], "arguments": item["arguments"]}}
+    messages = turns.messages
+    last = messages[-1] if messages else None
+    if last is not None and last["role"] == "assistant" and (
+            last.get("tool_calls") or not last["content"]):
+        turns.assistant(last).setdefault("tool_calls", []).append(call)
+    else:
+        messages.append(turns.assistant({"role": "assistant", "content": None,
+                                         "tool_calls": [call]}))
+
+
+def _function_call_output_item(turns: _Turns, item: dict[str, Any], where: str) -> None:
+    if not isinstance(item.get("call_id"), str):
+        raise invalid_request(f"Missing required parameter: '{where}.call_id'.",
+                              f"{where}.call_id")
+    output = item.get("output")
+    turns.messages.append({"role": "tool", "tool_call_id": item["call_id"],
+                           "content": output if isinstance(output, str)
+                           else _text_of(output, where)})
+
+
+def _reasoning_item(turns: _Turns, item: dict[str, Any], where: str) -> None:
+    turns.reasoning += _reasoning_text(item)
+
+
+#: an input item's type -> what it adds to the chat messages
+_ITEMS: Final[dict[str, Callable[[_Turns, dict[str, Any], str], None]]] = {
+    "message": _message_item,
+    "function_call": _function_call_item,
+    "function_call_output": _function_call_output_item,
+    "reasoning": _reasoning_item,
+}
