@@ -224,10 +224,7 @@ def _load_templates(
     """Find the chat templates, by name, with the precedence transformers uses."""
     jinja_file = path / "chat_template.jinja"
     if jinja_file.is_file():
-        try:
-            return {"default": jinja_file.read_text(encoding="utf-8")}, jinja_file
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ModelDirError(f"{jinja_file}: cannot read: {exc}") from exc
+        return _read_template(jinja_file), jinja_file
     config_file = path / "tokenizer_config.json"
     raw = tokenizer_config.get("chat_template")
     if raw is None:
@@ -253,6 +250,57 @@ def _load_templates(
             templates[entry["name"]] = entry["template"]
         return templates, config_file
     raise ModelDirError(f"{config_file}: chat_template must be a string or a list")
+
+
+def _load_tokenizer(tokenizer_file: Path) -> tuple[Tokenizer, dict[str, Any], str]:
+    """The tokenizer, its ``tokenizer.json`` as JSON and as text."""
+    if not tokenizer_file.is_file():
+        raise ModelDirError(f"{tokenizer_file}: file missing")
+    try:
+        tokenizer = Tokenizer.from_file(str(tokenizer_file))
+        spec_text = tokenizer_file.read_text(encoding="utf-8")
+        spec = json.loads(spec_text)
+    except Exception as exc:  # the Rust side raises plain Exception
+        raise ModelDirError(f"{tokenizer_file}: cannot load tokenizer: {exc}") from exc
+    # Some tokenizer.json files carry training-time truncation or padding;
+    # transformers overrides both per call, so prompts must not be cut here.
+    tokenizer.no_truncation()
+    tokenizer.no_padding()
+    return tokenizer, spec, spec_text
+
+
+def _model_config(config_file: Path) -> dict[str, Any]:
+    """``config.json`` (empty if there is none), a multimodal one's language model's fields
+    over its own."""
+    config = _read_optional_json(config_file) or {}
+    text_config = config.get("text_config")
+    if isinstance(text_config, dict):  # multimodal configs nest the language model
+        config = {**config, **text_config}
+    return config
+
+
+def _read_template(template_file: Path) -> dict[str, str]:
+    """A Jinja file as the only chat template."""
+    try:
+        return {"default": template_file.read_text(encoding="utf-8")}
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ModelDirError(f"{template_file}: cannot read: {exc}") from exc
+
+
+def _compile_templates(sources: Mapping[str, str],
+                       template_file: Path | None) -> dict[str, jinja2.Template]:
+    """The chat templates compiled, by name; one that does not compile fails the load."""
+    env = _new_environment()
+    templates: dict[str, jinja2.Template] = {}
+    for name, source in sources.items():
+        try:
+            templates[name] = env.from_string(source)
+        except jinja2.TemplateSyntaxError as exc:
+            raise ModelDirError(
+                f"{template_file}: chat template {name!r} does not compile: "
+                f"{exc.message} (template line {exc.lineno})"
+            ) from exc
+    return templates
 
 
 class TextModel:
@@ -334,53 +382,21 @@ class TextModel:
         path = Path(path)
         if not path.is_dir():
             raise ModelDirError(f"{path}: not a model directory")
-
-        tokenizer_file = path / "tokenizer.json"
-        if not tokenizer_file.is_file():
-            raise ModelDirError(f"{tokenizer_file}: file missing")
-        try:
-            tokenizer = Tokenizer.from_file(str(tokenizer_file))
-            spec_text = tokenizer_file.read_text(encoding="utf-8")
-            spec = json.loads(spec_text)
-        except Exception as exc:  # the Rust side raises plain Exception
-            raise ModelDirError(f"{tokenizer_file}: cannot load tokenizer: {exc}") from exc
-        # Some tokenizer.json files carry training-time truncation or padding;
-        # transformers overrides both per call, so prompts must not be cut here.
-        tokenizer.no_truncation()
-        tokenizer.no_padding()
-
+        tokenizer, spec, spec_text = _load_tokenizer(path / "tokenizer.json")
         tokenizer_config = _read_json(path / "tokenizer_config.json")
         generation_config = _read_optional_json(path / "generation_config.json") or {}
-        config = _read_optional_json(path / "config.json") or {}
-        text_config = config.get("text_config")
-        if isinstance(text_config, dict):  # multimodal configs nest the language model
-            config = {**config, **text_config}
-
+        config = _model_config(path / "config.json")
         eos_ids = _int_ids(generation_config.get("eos_token_id")) or _int_ids(
             config.get("eos_token_id")
         )
         max_positions = config.get("max_position_embeddings")
         if not isinstance(max_positions, int) or isinstance(max_positions, bool):
             max_positions = None
-
         if chat_template is None:
             sources, template_file = _load_templates(path, tokenizer_config)
         else:
-            template_file = chat_template
-            try:
-                sources = {"default": chat_template.read_text(encoding="utf-8")}
-            except (OSError, UnicodeDecodeError) as exc:
-                raise ModelDirError(f"{chat_template}: cannot read: {exc}") from exc
-        env = _new_environment()
-        templates: dict[str, jinja2.Template] = {}
-        for name, source in sources.items():
-            try:
-                templates[name] = env.from_string(source)
-            except jinja2.TemplateSyntaxError as exc:
-                raise ModelDirError(
-                    f"{template_file}: chat template {name!r} does not compile: "
-                    f"{exc.message} (template line {exc.lineno})"
-                ) from exc
+            sources, template_file = _read_template(chat_template), chat_template
+        templates = _compile_templates(sources, template_file)
 
         model = cls(
             path=path,
