@@ -6,6 +6,7 @@ field is to blame, ``param`` naming its path as the OpenAI API does.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Final
 
 import msgspec
@@ -13,6 +14,7 @@ import msgspec
 from direct_frontend.errors import EngineError, ErrorKind
 
 
+@dataclasses.dataclass(eq=False, repr=False)
 class OpenAIHTTPError(Exception):
     """An error the client sees as an OpenAI error body with an HTTP status.
 
@@ -20,23 +22,16 @@ class OpenAIHTTPError(Exception):
     ``Retry-After`` for 429/503).
     """
 
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-        *,
-        headers: tuple[tuple[bytes, bytes], ...] = (),
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.param = param
-        self.code = code
-        self.headers = headers
+    status: int
+    message: str
+    type: str = "invalid_request_error"
+    param: str | None = None
+    code: str | None = None
+    _: dataclasses.KW_ONLY
+    headers: tuple[tuple[bytes, bytes], ...] = ()
+
+    def __post_init__(self) -> None:
+        super().__init__(self.message)  # ``str(err)`` is the message
 
     def __repr__(self) -> str:
         return (
