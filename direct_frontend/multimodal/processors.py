@@ -212,18 +212,15 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int,
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
-class QwenVLProcessor:
-    """Qwen2-VL, Qwen2.5-VL and Qwen3-VL images (``Qwen2VLImageProcessor``)."""
+class _Processor:
+    """What every family's processor is configured with: its image token, its patch size,
+    and how it rescales, normalises and resamples pixels."""
 
     image_token_id: int
-    family: str = "qwen_vl"
-    image_token: str = "<|image_pad|>"
-    template_text: str = "<|vision_start|><|image_pad|><|vision_end|>"
+    family: str
+    image_token: str
+    template_text: str
     patch_size: int = 14
-    temporal_patch_size: int = 2
-    merge_size: int = 2
-    min_pixels: int = 56 * 56
-    max_pixels: int = 28 * 28 * 1280
     mean: tuple[float, ...] | None = OPENAI_CLIP_MEAN
     std: tuple[float, ...] | None = OPENAI_CLIP_STD
     rescale: bool = True
@@ -233,6 +230,19 @@ class QwenVLProcessor:
     @property
     def fingerprint(self) -> str:
         return repr(dataclasses.astuple(self))
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class QwenVLProcessor(_Processor):
+    """Qwen2-VL, Qwen2.5-VL and Qwen3-VL images (``Qwen2VLImageProcessor``)."""
+
+    family: str = "qwen_vl"
+    image_token: str = "<|image_pad|>"
+    template_text: str = "<|vision_start|><|image_pad|><|vision_end|>"
+    temporal_patch_size: int = 2
+    merge_size: int = 2
+    min_pixels: int = 56 * 56
+    max_pixels: int = 28 * 28 * 1280
 
     def target_size(self, height: int, width: int, detail: str) -> tuple[int, int]:
         factor = self.patch_size * self.merge_size
@@ -287,28 +297,17 @@ class QwenVLProcessor:
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
-class LlavaProcessor:
+class LlavaProcessor(_Processor):
     """LLaVA-style images (``CLIPImageProcessor`` / ``LlavaImageProcessor``): one fixed size."""
 
-    image_token_id: int
     family: str = "llava"
     image_token: str = "<image>"
     template_text: str = "<image>"
     shortest_edge: int = 336
     crop: tuple[int, int] | None = (336, 336)  # (height, width); None: no centre crop
     pad_to_square: bool = False
-    patch_size: int = 14
     extra_tokens: int = 0  # num_additional_image_tokens
     drop_cls: bool = True  # vision_feature_select_strategy "default"
-    mean: tuple[float, ...] | None = OPENAI_CLIP_MEAN
-    std: tuple[float, ...] | None = OPENAI_CLIP_STD
-    rescale: bool = True
-    rescale_factor: float = 1 / 255
-    resample: int = BICUBIC
-
-    @property
-    def fingerprint(self) -> str:
-        return repr(dataclasses.astuple(self))
 
     def process(self, image: Image.Image, detail: str) -> ProcessedImage:
         import numpy as np
@@ -419,7 +418,11 @@ def load_processor(model_dir: str | Path,
     }
     if pre.get("do_convert_rgb") is False:
         raise ProcessorConfigError(f"{path}: do_convert_rgb false is not supported")
-    normalize = pre.get("do_normalize", True) is not False
+    if pre.get("do_normalize", True) is not False:
+        common["mean"] = _floats(pre.get("image_mean"), OPENAI_CLIP_MEAN)
+        common["std"] = _floats(pre.get("image_std"), OPENAI_CLIP_STD)
+    else:
+        common["mean"] = common["std"] = None
     if model_type in QWEN_TYPES or kind.startswith("Qwen2VLImageProcessor"):
         token = "<|image_pad|>"
         tid = token_id(token)
@@ -434,8 +437,6 @@ def load_processor(model_dir: str | Path,
             merge_size=_int(pre, "merge_size", 2),
             min_pixels=_int(pre, "min_pixels", _int(size, "shortest_edge", 56 * 56)),
             max_pixels=_int(pre, "max_pixels", _int(size, "longest_edge", 28 * 28 * 1280)),
-            mean=_floats(pre.get("image_mean"), OPENAI_CLIP_MEAN) if normalize else None,
-            std=_floats(pre.get("image_std"), OPENAI_CLIP_STD) if normalize else None,
             **common,
         )
     if model_type in LLAVA_TYPES:
@@ -471,8 +472,6 @@ def load_processor(model_dir: str | Path,
             patch_size=patch,
             extra_tokens=_int(proc, "num_additional_image_tokens", 0),
             drop_cls=strategy == "default",
-            mean=_floats(pre.get("image_mean"), OPENAI_CLIP_MEAN) if normalize else None,
-            std=_floats(pre.get("image_std"), OPENAI_CLIP_STD) if normalize else None,
             **common,
         )
     raise ProcessorConfigError(
