@@ -15,7 +15,9 @@ uses it when given no ``--model-dir``.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
@@ -225,9 +227,30 @@ def build_model_dir(path: Path, *, vocab_size: int = 2000) -> Path:
 
     special_ids = {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS}
     eos_id = special_ids[EOS_TOKEN]
-    tokenizer_config = {
+    tokenizer_config = demo_tokenizer_config(special_ids, CHAT_TEMPLATE, add_prefix_space=False)
+    generation_config = {"eos_token_id": eos_id, "pad_token_id": special_ids[PAD_TOKEN]}
+    config = {
+        "architectures": ["DemoForCausalLM"],
+        "model_type": "demo",
+        "eos_token_id": eos_id,
+        "max_position_embeddings": MAX_POSITION_EMBEDDINGS,
+        "vocab_size": tokenizer.get_vocab_size(with_added_tokens=True),
+    }
+    write_configs(path, (
+        ("tokenizer_config.json", tokenizer_config),
+        ("generation_config.json", generation_config),
+        ("config.json", config),
+    ))
+    return path
+
+
+def demo_tokenizer_config(ids: Mapping[str, int | None], chat_template: str,
+                          **flags: bool) -> dict[str, Any]:
+    """A demo model's ``tokenizer_config.json``: ``ids`` are its special tokens' (all of
+    them special), ``flags`` more ``add_*`` settings, written after ``add_bos_token``."""
+    return {
         "add_bos_token": False,
-        "add_prefix_space": False,
+        **flags,
         "added_tokens_decoder": {
             str(token_id): {
                 "content": token,
@@ -237,10 +260,10 @@ def build_model_dir(path: Path, *, vocab_size: int = 2000) -> Path:
                 "single_word": False,
                 "special": True,
             }
-            for token, token_id in special_ids.items()
+            for token, token_id in ids.items()
         },
         "bos_token": None,
-        "chat_template": CHAT_TEMPLATE,
+        "chat_template": chat_template,
         "clean_up_tokenization_spaces": False,
         "eos_token": EOS_TOKEN,
         "model_max_length": MAX_POSITION_EMBEDDINGS,
@@ -248,18 +271,9 @@ def build_model_dir(path: Path, *, vocab_size: int = 2000) -> Path:
         "tokenizer_class": "PreTrainedTokenizerFast",
         "unk_token": None,
     }
-    generation_config = {"eos_token_id": eos_id, "pad_token_id": special_ids[PAD_TOKEN]}
-    config = {
-        "architectures": ["DemoForCausalLM"],
-        "model_type": "demo",
-        "eos_token_id": eos_id,
-        "max_position_embeddings": MAX_POSITION_EMBEDDINGS,
-        "vocab_size": tokenizer.get_vocab_size(with_added_tokens=True),
-    }
-    for name, data in (
-        ("tokenizer_config.json", tokenizer_config),
-        ("generation_config.json", generation_config),
-        ("config.json", config),
-    ):
+
+
+def write_configs(path: Path, files: Iterable[tuple[str, object]]) -> None:
+    """Write each (file name, JSON value) into ``path``, as the committed model dirs hold them."""
+    for name, data in files:
         (path / name).write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", "utf-8")
-    return path

@@ -12,7 +12,6 @@ Committed as package data (:data:`BUNDLED_DIR`), written by
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from direct_frontend.text.demo_model import (
@@ -20,7 +19,9 @@ from direct_frontend.text.demo_model import (
     MAX_POSITION_EMBEDDINGS,
     PAD_TOKEN,
     SPECIAL_TOKENS,
+    demo_tokenizer_config,
     train_tokenizer,
+    write_configs,
 )
 
 VISION_TOKENS: tuple[str, ...] = (
@@ -58,22 +59,7 @@ def build_model_dir(path: Path, *, max_pixels: int = 28 * 28 * 64) -> Path:
     tokenizer.add_special_tokens(list(VISION_TOKENS))
     (path / "tokenizer.json").write_text(tokenizer.to_str(pretty=False) + "\n", encoding="utf-8")
     ids = {token: tokenizer.token_to_id(token) for token in (*SPECIAL_TOKENS, *VISION_TOKENS)}
-    tokenizer_config = {
-        "add_bos_token": False,
-        "added_tokens_decoder": {
-            str(token_id): {"content": token, "lstrip": False, "normalized": False,
-                            "rstrip": False, "single_word": False, "special": True}
-            for token, token_id in ids.items()
-        },
-        "bos_token": None,
-        "chat_template": CHAT_TEMPLATE,
-        "clean_up_tokenization_spaces": False,
-        "eos_token": EOS_TOKEN,
-        "model_max_length": MAX_POSITION_EMBEDDINGS,
-        "pad_token": PAD_TOKEN,
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "unk_token": None,
-    }
+    tokenizer_config = demo_tokenizer_config(ids, CHAT_TEMPLATE)
     preprocessor = {
         "image_processor_type": "Qwen2VLImageProcessor",
         "do_convert_rgb": True, "do_resize": True, "resample": 3,
@@ -98,6 +84,5 @@ def build_model_dir(path: Path, *, max_pixels: int = 28 * 28 * 64) -> Path:
              ("generation_config.json", {"eos_token_id": ids[EOS_TOKEN],
                                          "pad_token_id": ids[PAD_TOKEN]}),
              ("preprocessor_config.json", preprocessor), ("config.json", config))
-    for name, data in files:
-        (path / name).write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", "utf-8")
+    write_configs(path, files)
     return path
