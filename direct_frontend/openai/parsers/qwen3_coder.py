@@ -26,31 +26,21 @@ _PREFIXES = ("<function=", "<parameter=", "</function>")
 class XmlFunctionBody(TypedArguments):
     """One ``<function=...>`` element, parsed as its parameters complete."""
 
-    __slots__ = ("_closed", "_from", "_pos", "_tail", "_text", "failed")
+    __slots__ = ("_closed", "_from")
 
     def __init__(self, schemas: ToolSchemas | None) -> None:
         super().__init__(schemas)
-        self._text = ""
-        self._pos = 0  # parsed up to here
         self._from = 0  # where to look for the end of the open value
-        self._closed = False
-        self._tail = ""
-        self.failed = False
-
-    def push(self, text: str) -> int:
-        if self._closed:
-            self._tail += text
-        elif not self.failed:
-            self._text += text
-            self._parse()
-        return -1
+        self._closed = False  # at ``</function>``: the text from ``_pos`` on is what follows it
 
     def _parse(self) -> None:
+        if self._closed:
+            return
         text = self._text
         if self.name is None:
             m = _FUNCTION.match(text)
             if m is None:
-                self._check_prefix(text.lstrip())
+                self._check_opening(text.lstrip(), _PREFIXES)
                 return
             self.name = m.group(1).strip()
             self._pos = m.end()
@@ -68,20 +58,16 @@ class XmlFunctionBody(TypedArguments):
             m = _FUNCTION_END.match(text, self._pos)
             if m is not None:
                 self._closed = True
-                self._tail = text[m.end():]
+                self._pos = m.end()
                 return
-            self._check_prefix(text[self._pos:].lstrip())
+            self._check_opening(text[self._pos:].lstrip(), _PREFIXES)
             return
-
-    def _check_prefix(self, rest: str) -> None:
-        if rest and not any(p.startswith(rest) or rest.startswith(p) for p in _PREFIXES):
-            self.failed = True
 
     def _add(self, key: str, raw: str, string: str | None = None) -> None:
         super()._add(key, raw.removeprefix("\n").removesuffix("\n"), string)  # its own lines
 
     def close(self) -> str | None:
-        if self.failed or not self._closed or self._tail.strip():
+        if self.failed or not self._closed or self._text[self._pos:].strip():
             return None
         return self._rest()
 

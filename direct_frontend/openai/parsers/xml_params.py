@@ -45,15 +45,37 @@ def json_or_text(raw: str) -> Any:
 
 
 class TypedArguments:
-    """A call's arguments as JSON text, built one schema-typed pair at a time."""
+    """A call's arguments as JSON text, built one schema-typed pair at a time.
 
-    __slots__ = ("_count", "_ready", "_schemas", "name")
+    A subclass reads the call's text held so far in :meth:`_parse`, from where
+    the last complete pair ended; a failed call ignores the rest of its text.
+    """
+
+    __slots__ = ("_count", "_pos", "_ready", "_schemas", "_text", "failed", "name")
 
     def __init__(self, schemas: ToolSchemas | None) -> None:
         self._schemas = schemas
         self._ready: list[str] = []
         self._count = 0
         self.name: str | None = None
+        self._text = ""
+        self._pos = 0  # parsed up to here
+        self.failed = False
+
+    def push(self, text: str) -> int:
+        if not self.failed:
+            self._text += text
+            self._parse()
+        return -1
+
+    def _parse(self) -> None:
+        raise NotImplementedError
+
+    def _check_opening(self, rest: str, openers: tuple[str, ...]) -> None:
+        """Fail the call unless ``rest``, the text after its last pair, may still begin (or
+        begins) one of ``openers``."""
+        if rest and not any(o.startswith(rest) or rest.startswith(o) for o in openers):
+            self.failed = True
 
     def _add(self, key: str, raw: str, string: str | None = None) -> None:
         """One pair; ``string``: the model's own word on whether the value is text (DSML)."""
@@ -89,8 +111,7 @@ class TaggedParamsBody(TypedArguments):
     it (``true``: text, else JSON) instead of by the schema.
     """
 
-    __slots__ = ("_bare", "_header", "_openers", "_pair", "_pos", "_text", "_value_end",
-                 "failed")
+    __slots__ = ("_bare", "_header", "_openers", "_pair", "_value_end")
 
     def __init__(self, schemas: ToolSchemas | None, *, header: re.Pattern[str],
                  pair_open: re.Pattern[str], value_end: str, openers: tuple[str, ...],
@@ -101,15 +122,6 @@ class TaggedParamsBody(TypedArguments):
         self._value_end = value_end
         self._openers = openers
         self._bare = bare
-        self._text = ""
-        self._pos = 0  # parsed up to here
-        self.failed = False
-
-    def push(self, text: str) -> int:
-        if not self.failed:
-            self._text += text
-            self._parse()
-        return -1
 
     def _parse(self) -> None:
         text = self._text
@@ -127,10 +139,7 @@ class TaggedParamsBody(TypedArguments):
         while True:
             m = self._pair.match(text, self._pos)
             if m is None:
-                rest = text[self._pos:].lstrip()
-                if rest and not any(o.startswith(rest) or rest.startswith(o)
-                                    for o in self._openers):
-                    self.failed = True
+                self._check_opening(text[self._pos:].lstrip(), self._openers)
                 return
             end = text.find(self._value_end, m.end())
             if end == -1:
