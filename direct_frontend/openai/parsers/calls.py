@@ -235,16 +235,28 @@ class CallParser:
             self._after_call = False
         self._out.content += text
 
-    def _content_until(self, markers: tuple[str, ...], final: bool) -> str | None:
-        """Content up to the first marker and return it (consumed); else hold the ambiguous tail."""
-        i, marker = find_first(self._buf, markers)
+    def _until(self, markers: tuple[str, ...], final: bool, call: bool = False,
+               keep: bool = True) -> str:
+        """The held text up to the first marker goes out, and the marker is returned (consumed);
+        with none yet, all but the tail that may start one goes out (all of it when ``final``)
+        and "" is returned.
+
+        The text is content, or with ``call`` the open call's, which ends at the marker:
+        ``keep`` puts the marker into a malformed call's content text.
+        """
+        buf = self._buf
+        i, marker = find_first(buf, markers)
         if i == -1:
-            k = len(self._buf) if final else safe_end(self._buf, markers)
-            self._content(self._buf[:k])
-            self._buf = self._buf[k:]
-            return None
-        self._content(self._buf[:i])
-        self._buf = self._buf[i + len(marker):]
+            i = len(buf) if final else safe_end(buf, markers)
+            self._buf = buf[i:]
+        else:
+            self._buf = buf[i + len(marker):]
+        if not call:
+            self._content(buf[:i])
+            return marker
+        self._feed_call(buf[:i])
+        if marker:
+            self._end_call(marker if keep else "")
         return marker
 
     def _begin_call(self, body: CallBody, opening: str) -> None:
@@ -305,24 +317,6 @@ class CallParser:
         self.tool_calls_made += 1
         self._after_call = True
 
-    def _call_until(self, closing: str | tuple[str, ...], final: bool, *,
-                    keep: bool = True) -> bool:
-        """Feed the open call up to ``closing`` (one of them); end the call there. True if it ended.
-
-        ``keep`` puts the closing marker into a malformed call's content text.
-        """
-        closings = (closing,) if isinstance(closing, str) else closing
-        j, marker = find_first(self._buf, closings)
-        if j == -1:
-            k = len(self._buf) if final else safe_end(self._buf, closings)
-            self._feed_call(self._buf[:k])
-            self._buf = self._buf[k:]
-            return False
-        self._feed_call(self._buf[:j])
-        self._buf = self._buf[j + len(marker):]
-        self._end_call(marker if keep else "")
-        return True
-
     def _call_self_delimited(self) -> bool:
         """Feed the open self-delimited call all held text; end it where it ends (True then)."""
         buf, self._buf = self._buf, ""
@@ -369,15 +363,15 @@ class SectionCallParser(CallParser):
     def _scan(self, final: bool) -> None:
         while True:
             if self._body is not None:
-                if not self._call_until(self.CALL_CLOSE, final):
+                if not self._until((self.CALL_CLOSE,), final, call=True):
                     return
                 continue
             if not self._in_section:
-                marker = self._content_until((self.SECTION_OPEN, self.CALL_OPEN), final)
+                marker = self._until((self.SECTION_OPEN, self.CALL_OPEN), final)
             else:
                 self._after_call = True  # nothing but calls belongs here
-                marker = self._content_until((self.CALL_OPEN, self.SECTION_CLOSE), final)
-            if marker is None:
+                marker = self._until((self.CALL_OPEN, self.SECTION_CLOSE), final)
+            if not marker:
                 return
             if marker == self.SECTION_OPEN:
                 self._in_section = True
@@ -414,7 +408,7 @@ class LeadingCallsParser(CallParser):
                     self._mode = "content"
                 continue
             if self._mode == "content":
-                if self._content_until((self.TRIGGER,), final) is None:
+                if not self._until((self.TRIGGER,), final):
                     return
                 self._mode, self._opening = self.AFTER_TRIGGER, self.TRIGGER
                 continue
@@ -453,8 +447,8 @@ class TaggedCallParser(CallParser):
     def _scan(self, final: bool) -> None:
         while True:
             if self._body is None:
-                if self._content_until((self.OPEN,), final) is None:
+                if not self._until((self.OPEN,), final):
                     return
                 self._begin_call(self._new_body(), self.OPEN)
-            elif not self._call_until(self.CLOSE, final):
+            elif not self._until((self.CLOSE,), final, call=True):
                 return

@@ -45,7 +45,7 @@ class HarmonyParser(CallParser):
                 self._buf = ""
                 return
             if mode == "call":
-                if not self._call_until(ENDS, final, keep=False):
+                if not self._until(ENDS, final, call=True, keep=False):
                     return
                 self._mode = "header"
             elif mode == "header":
