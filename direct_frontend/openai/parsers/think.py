@@ -80,7 +80,7 @@ class ThinkParser:
     def _scan(self, out: ParsedDelta, final: bool) -> None:
         while True:
             if self._mode == "content":
-                self._content(out, self._buf)
+                self._emit(out, self._buf, False)
                 self._buf = ""
                 return
             if self._mode == "start":
@@ -98,33 +98,30 @@ class ThinkParser:
             j = self._buf.find(self.CLOSE)
             held = len(self._buf) if final else safe_end(self._buf, (self.CLOSE,))
             end = j if j != -1 else held
-            self._reasoning(out, self._buf[:end])
+            self._emit(out, self._buf[:end], True)
             if j == -1:
                 self._buf = self._buf[end:]
                 return
             self._buf = self._buf[j + len(self.CLOSE):]
             self._mode, self._trail, self._lead = "content", "", True
 
-    def _reasoning(self, out: ParsedDelta, text: str) -> None:
+    def _emit(self, out: ParsedDelta, text: str, reasoning: bool) -> None:
+        """``text`` into ``out``: its reasoning (trailing whitespace held until more follows),
+        or its content; whitespace that leads either is dropped."""
         if self._lead:
             text = text.lstrip(_WS)
             if not text:
                 return
             self._lead = False
+        if not reasoning:
+            out.content += text
+            return
         body = text.rstrip(_WS)
         if body:
             out.reasoning += self._trail + body
             self._trail = text[len(body):]
         else:
             self._trail += text
-
-    def _content(self, out: ParsedDelta, text: str) -> None:
-        if self._lead:
-            text = text.lstrip(_WS)
-            if not text:
-                return
-            self._lead = False
-        out.content += text
 
 
 class MistralThinkParser(ThinkParser):
