@@ -430,6 +430,17 @@ class LeadingCallsParser(CallParser):
     def _consume(self, n: int) -> None:
         self._opening, self._buf = self._opening + self._buf[:n], self._buf[n:]
 
+    def _trigger_at(self, text: str, final: bool) -> bool | None:
+        """Whether ``text`` (== the buffer) begins with ``TRIGGER``: True (taken; the mode is
+        ``AFTER_TRIGGER`` now), None while it may still (wait for more), else False."""
+        if text.startswith(self.TRIGGER):
+            self._consume(len(self.TRIGGER))
+            self._mode = self.AFTER_TRIGGER
+            return True
+        if self.TRIGGER.startswith(text) and not final:
+            return None
+        return False
+
     def _structure(self, text: str, final: bool) -> bool:
         """Read the structure at the start of ``text`` (== the buffer); False to wait for more."""
         raise NotImplementedError

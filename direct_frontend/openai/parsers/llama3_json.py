@@ -24,12 +24,11 @@ class Llama3JsonParser(LeadingCallsParser):
         super().__init__("start", **kwargs)
 
     def _structure(self, text: str, final: bool) -> bool:
-        if self._mode == "start" and text.startswith(TAG):
-            self._mode = "calls"
-            self._consume(len(TAG))
-        elif self._mode == "start" and TAG.startswith(text) and not final:
-            return False
-        elif text[0] == "{":
+        if self._mode == "start":
+            taken = self._trigger_at(text, final)
+            if taken is not False:
+                return taken is True  # or wait for more
+        if text[0] == "{":
             self._mode = "calls"
             self._begin_call(envelope_body(self_delimited=True), self._opening)
         elif self._mode == "calls" and text[0] == ";":

@@ -86,11 +86,10 @@ class PythonicParser(LeadingCallsParser):
 
     def _structure(self, text: str, final: bool) -> bool:
         if self._mode == "start":
-            if text.startswith(START_TAG):
-                self._consume(len(START_TAG))
-            elif START_TAG.startswith(text) and not final:
-                return False
-            elif text[0] == "[":
+            taken = self._trigger_at(text, final)
+            if taken is not False:
+                return taken is True  # or wait for more
+            if text[0] == "[":
                 self._mode = "list"
                 self._consume(1)
             else:
