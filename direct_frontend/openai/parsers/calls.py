@@ -14,6 +14,7 @@ for every output when ``stream_arguments`` is off.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections.abc import Callable
@@ -341,44 +342,53 @@ def json_string(text: str) -> str | None:
     return value if isinstance(value, str) else None
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class SectionFormat:
+    """How a model marks its calls: ``section`` (open, close) around them, ``call`` (open,
+    close) around each, and the body that reads one call (given the request's tools)."""
+
+    section: tuple[str, str]
+    call: tuple[str, str]
+    body: Callable[[ToolSchemas | None], CallBody]
+
+
 class SectionCallParser(CallParser):
-    """Calls marked one by one inside a section: ``SECTION_OPEN (CALL_OPEN body CALL_CLOSE)*``.
+    """Calls marked one by one inside a section: ``section_open (call_open body call_close)*``.
 
     Whitespace between calls in the section is dropped; a call marker found
     outside any section is taken too, since models skip the section at times.
     """
 
-    SECTION_OPEN: ClassVar[str]
-    SECTION_CLOSE: ClassVar[str]
-    CALL_OPEN: ClassVar[str]
-    CALL_CLOSE: ClassVar[str]
+    FORMAT: ClassVar[SectionFormat]
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._in_section = False
-
-    def _new_body(self) -> CallBody:
-        raise NotImplementedError
+        (section_open, self._section_close), (call_open, call_close) = (self.FORMAT.section,
+                                                                         self.FORMAT.call)
+        self._outside = (section_open, call_open)  # the markers looked for outside a section
+        self._inside = (call_open, self._section_close)
+        self._call_close = (call_close,)
 
     def _scan(self, final: bool) -> None:
         while True:
             if self._body is not None:
-                if not self._until((self.CALL_CLOSE,), final, call=True):
+                if not self._until(self._call_close, final, call=True):
                     return
                 continue
             if not self._in_section:
-                marker = self._until((self.SECTION_OPEN, self.CALL_OPEN), final)
+                marker = self._until(self._outside, final)
             else:
                 self._after_call = True  # nothing but calls belongs here
-                marker = self._until((self.CALL_OPEN, self.SECTION_CLOSE), final)
+                marker = self._until(self._inside, final)
             if not marker:
                 return
-            if marker == self.SECTION_OPEN:
+            if marker == self._outside[0]:
                 self._in_section = True
-            elif marker == self.SECTION_CLOSE:
+            elif marker == self._section_close:
                 self._in_section = False
             else:
-                self._begin_call(self._new_body(), marker)
+                self._begin_call(self.FORMAT.body(self.tools), marker)
 
 
 class LeadingCallsParser(CallParser):

@@ -9,10 +9,11 @@ are the same. (DeepSeek-V3.1 and V3.2-Exp wrote the older markers: ``deepseek_v3
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import ClassVar
 
-from direct_frontend.openai.parsers.calls import CallBody, SectionCallParser
+from direct_frontend.openai.parsers.calls import SectionCallParser, SectionFormat
 from direct_frontend.openai.parsers.xml_params import TaggedParamsBody
 
 _DSML = "｜DSML｜"
@@ -23,17 +24,15 @@ _PAIR = re.compile(rf'\s*<{_DSML}parameter\s+name="(?P<key>[^"]+)"'
 
 class DeepSeekV32Parser(SectionCallParser):
     name: ClassVar[str] = "deepseek_v32"
-    SECTION_OPEN = f"<{_DSML}function_calls>"
-    SECTION_CLOSE = f"</{_DSML}function_calls>"
-    CALL_OPEN = f'<{_DSML}invoke name='
-    CALL_CLOSE = f"</{_DSML}invoke>"
-
-    def _new_body(self) -> CallBody:
-        return TaggedParamsBody(self.tools, header=_HEADER, pair_open=_PAIR,
-                                value_end=f"</{_DSML}parameter>", openers=(f"<{_DSML}parameter",))
+    FORMAT = SectionFormat(
+        section=(f"<{_DSML}function_calls>", f"</{_DSML}function_calls>"),
+        call=(f'<{_DSML}invoke name=', f"</{_DSML}invoke>"),
+        body=lambda tools: TaggedParamsBody(tools, header=_HEADER, pair_open=_PAIR,
+                                            value_end=f"</{_DSML}parameter>",
+                                            openers=(f"<{_DSML}parameter",)))
 
 
 class DeepSeekV4Parser(DeepSeekV32Parser):
     name: ClassVar[str] = "deepseek_v4"
-    SECTION_OPEN = f"<{_DSML}tool_calls>"
-    SECTION_CLOSE = f"</{_DSML}tool_calls>"
+    FORMAT = dataclasses.replace(DeepSeekV32Parser.FORMAT,
+                                 section=(f"<{_DSML}tool_calls>", f"</{_DSML}tool_calls>"))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 
-from direct_frontend.openai.parsers.calls import CallBody, JsonArgsBody, SectionCallParser
+from direct_frontend.openai.parsers.calls import JsonArgsBody, SectionCallParser, SectionFormat
 
 _HEADER = re.compile(r"\s*function<｜tool▁sep｜>(?P<name>[^\n<]+?)\s*```(?:json)?\s*(?=\{)")
 _TAIL = re.compile(r"\s*```\s*")
@@ -17,10 +17,6 @@ _TAIL = re.compile(r"\s*```\s*")
 
 class DeepSeekV3Parser(SectionCallParser):
     name = "deepseek_v3"
-    SECTION_OPEN = "<｜tool▁calls▁begin｜>"
-    SECTION_CLOSE = "<｜tool▁calls▁end｜>"
-    CALL_OPEN = "<｜tool▁call▁begin｜>"
-    CALL_CLOSE = "<｜tool▁call▁end｜>"
-
-    def _new_body(self) -> CallBody:
-        return JsonArgsBody(_HEADER, tail=_TAIL)
+    FORMAT = SectionFormat(section=("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"),
+                           call=("<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>"),
+                           body=lambda _tools: JsonArgsBody(_HEADER, tail=_TAIL))

@@ -6,9 +6,10 @@ non-thinking mode (reasoning itself is the ``deepseek_r1`` reasoning parser).
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
-from direct_frontend.openai.parsers.calls import CallBody, JsonArgsBody
+from direct_frontend.openai.parsers.calls import JsonArgsBody
 from direct_frontend.openai.parsers.deepseek_v3 import DeepSeekV3Parser
 
 _HEADER = re.compile(r"\s*(?P<name>[^\s<]+?)\s*<｜tool▁sep｜>\s*(?=\{)")
@@ -16,6 +17,4 @@ _HEADER = re.compile(r"\s*(?P<name>[^\s<]+?)\s*<｜tool▁sep｜>\s*(?=\{)")
 
 class DeepSeekV31Parser(DeepSeekV3Parser):
     name = "deepseek_v31"
-
-    def _new_body(self) -> CallBody:
-        return JsonArgsBody(_HEADER)
+    FORMAT = dataclasses.replace(DeepSeekV3Parser.FORMAT, body=lambda _tools: JsonArgsBody(_HEADER))

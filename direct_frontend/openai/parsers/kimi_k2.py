@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 
-from direct_frontend.openai.parsers.calls import CallBody, JsonArgsBody, SectionCallParser
+from direct_frontend.openai.parsers.calls import JsonArgsBody, SectionCallParser, SectionFormat
 
 _HEADER = re.compile(
     r"\s*(?:functions\.)?(?P<name>[^\s:<]+)(?::\d+)?\s*<\|tool_call_argument_begin\|>\s*(?=\{)"
@@ -19,10 +19,6 @@ _HEADER = re.compile(
 
 class KimiK2Parser(SectionCallParser):
     name = "kimi_k2"
-    SECTION_OPEN = "<|tool_calls_section_begin|>"
-    SECTION_CLOSE = "<|tool_calls_section_end|>"
-    CALL_OPEN = "<|tool_call_begin|>"
-    CALL_CLOSE = "<|tool_call_end|>"
-
-    def _new_body(self) -> CallBody:
-        return JsonArgsBody(_HEADER)
+    FORMAT = SectionFormat(section=("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"),
+                           call=("<|tool_call_begin|>", "<|tool_call_end|>"),
+                           body=lambda _tools: JsonArgsBody(_HEADER))

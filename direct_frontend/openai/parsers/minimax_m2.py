@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 
-from direct_frontend.openai.parsers.calls import CallBody, SectionCallParser
+from direct_frontend.openai.parsers.calls import SectionCallParser, SectionFormat
 from direct_frontend.openai.parsers.xml_params import TaggedParamsBody
 
 _QUOTED = r"(?P<q>[\"']?)(?P<{}>[^\"'>\s]+)(?P=q)\s*>"
@@ -19,11 +19,8 @@ _PAIR = re.compile(r"\s*<parameter\s+name\s*=\s*" + _QUOTED.format("key"))
 
 class MiniMaxM2Parser(SectionCallParser):
     name = "minimax_m2"
-    SECTION_OPEN = "<minimax:tool_call>"
-    SECTION_CLOSE = "</minimax:tool_call>"
-    CALL_OPEN = "<invoke name="
-    CALL_CLOSE = "</invoke>"
-
-    def _new_body(self) -> CallBody:
-        return TaggedParamsBody(self.tools, header=_HEADER, pair_open=_PAIR,
-                                value_end="</parameter>", openers=("<parameter",))
+    FORMAT = SectionFormat(
+        section=("<minimax:tool_call>", "</minimax:tool_call>"),
+        call=("<invoke name=", "</invoke>"),
+        body=lambda tools: TaggedParamsBody(tools, header=_HEADER, pair_open=_PAIR,
+                                            value_end="</parameter>", openers=("<parameter",)))
