@@ -20,6 +20,7 @@ import msgspec
 
 from direct_frontend.openai.conversations import metadata_of
 from direct_frontend.openai.errors import OpenAIHTTPError, invalid_request
+from direct_frontend.openai.lists import list_page
 
 PREFIX: Final = "batch_"
 #: the endpoints a batch's lines may ask for
@@ -176,9 +177,4 @@ def input_not_batch(file_id: str) -> OpenAIHTTPError:
 
 def page(batches: list[StoredBatch], has_more: bool) -> bytes:
     """An OpenAI list of ``batches``."""
-    return b'{"object":"list","data":[%b],"first_id":%b,"last_id":%b,"has_more":%b}' % (
-        b",".join(b.render() for b in batches),
-        _encode(batches[0].id if batches else None),
-        _encode(batches[-1].id if batches else None),
-        b"true" if has_more else b"false",
-    )
+    return list_page([(b.id, b.render()) for b in batches], has_more)

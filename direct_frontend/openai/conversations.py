@@ -18,6 +18,7 @@ from typing import Any, Final
 import msgspec
 
 from direct_frontend.openai.errors import OpenAIHTTPError, invalid_request
+from direct_frontend.openai.lists import list_page
 from direct_frontend.openai.response_store import Item
 from direct_frontend.openai.responses_api import check_items, normalized_item
 
@@ -127,9 +128,4 @@ def conversation_id_of(raw: dict[str, Any]) -> str | None:
 
 def page(items: list[Item], has_more: bool) -> bytes:
     """An OpenAI list of ``items``."""
-    return b'{"object":"list","data":[%b],"first_id":%b,"last_id":%b,"has_more":%b}' % (
-        b",".join(item.data for item in items),
-        _encode(items[0].id if items else None),
-        _encode(items[-1].id if items else None),
-        b"true" if has_more else b"false",
-    )
+    return list_page([(item.id, item.data) for item in items], has_more)

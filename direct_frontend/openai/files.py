@@ -17,6 +17,7 @@ from typing import Final
 import msgspec
 
 from direct_frontend.openai.errors import OpenAIHTTPError, invalid_request
+from direct_frontend.openai.lists import list_page
 
 PREFIX: Final = "file-"
 #: what a batch's input file is uploaded as, and what its output and error files are
@@ -117,9 +118,4 @@ def expiry_of(anchor: str | None, seconds: str | None) -> int | None:
 
 def page(files: list[StoredFile], has_more: bool) -> bytes:
     """An OpenAI list of ``files``."""
-    return b'{"object":"list","data":[%b],"first_id":%b,"last_id":%b,"has_more":%b}' % (
-        b",".join(f.render() for f in files),
-        _encode(files[0].id if files else None),
-        _encode(files[-1].id if files else None),
-        b"true" if has_more else b"false",
-    )
+    return list_page([(f.id, f.render()) for f in files], has_more)
