@@ -328,10 +328,7 @@ class ResponseStore:
         return True
 
     def _usage(self, owner: str) -> _Owner:
-        usage = self._owners.get(owner)
-        if usage is None:
-            usage = self._owners[owner] = _Owner()
-        return usage
+        return self._owners.setdefault(owner, _Owner())
 
     def _add(self, usage: _Owner, delta: int) -> None:
         usage.bytes += delta
