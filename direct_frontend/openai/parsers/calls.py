@@ -394,18 +394,21 @@ class SectionCallParser(CallParser):
 class LeadingCallsParser(CallParser):
     """Calls that are the reply's own structure (a list, a run of objects), not marked spans.
 
-    Content runs until ``TRIGGER`` (or the reply starts in ``first_mode``);
-    then :meth:`_structure` reads separators and starts self-delimited calls.
-    Text consumed between calls is kept in ``_opening``, so a call that turns
-    out malformed comes back as content with it; after one, the rest is content.
+    The reply starts in ``FIRST_MODE``: ``content`` runs until ``TRIGGER``;
+    ``start`` takes a ``TRIGGER`` the reply opens with, else reads the structure
+    right away. Then :meth:`_step` reads separators and starts self-delimited
+    calls. Text consumed between calls is kept in ``_opening``, so a call that
+    turns out malformed comes back as content with it; after one, the rest is
+    content.
     """
 
     TRIGGER: ClassVar[str]
     AFTER_TRIGGER: ClassVar[str]
+    FIRST_MODE: ClassVar[str] = "start"
 
-    def __init__(self, first_mode: str, **kwargs: Any) -> None:
+    def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self._mode = first_mode
+        self._mode = self.FIRST_MODE
         self._opening = ""
 
     def _scan(self, final: bool) -> None:
@@ -440,19 +443,23 @@ class LeadingCallsParser(CallParser):
     def _consume(self, n: int) -> None:
         self._opening, self._buf = self._opening + self._buf[:n], self._buf[n:]
 
-    def _trigger_at(self, text: str, final: bool) -> bool | None:
-        """Whether ``text`` (== the buffer) begins with ``TRIGGER``: True (taken; the mode is
-        ``AFTER_TRIGGER`` now), None while it may still (wait for more), else False."""
-        if text.startswith(self.TRIGGER):
-            self._consume(len(self.TRIGGER))
-            self._mode = self.AFTER_TRIGGER
-            return True
-        if self.TRIGGER.startswith(text) and not final:
-            return None
-        return False
-
     def _structure(self, text: str, final: bool) -> bool:
-        """Read the structure at the start of ``text`` (== the buffer); False to wait for more."""
+        """Read the structure at the start of ``text`` (== the buffer); False to wait for more.
+
+        In ``start`` mode a ``TRIGGER`` comes first (the mode is ``AFTER_TRIGGER`` then),
+        and text that may still become one waits.
+        """
+        if self._mode == "start":
+            if text.startswith(self.TRIGGER):
+                self._consume(len(self.TRIGGER))
+                self._mode = self.AFTER_TRIGGER
+                return True
+            if self.TRIGGER.startswith(text) and not final:
+                return False
+        return self._step(text, final)
+
+    def _step(self, text: str, final: bool) -> bool:
+        """Read the format's own structure at the start of ``text``; False to wait for more."""
         raise NotImplementedError
 
 

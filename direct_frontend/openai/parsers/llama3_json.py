@@ -8,8 +8,6 @@ calls only if it starts with the tag or a ``{``; anything else is content.
 
 from __future__ import annotations
 
-from typing import Any
-
 from direct_frontend.openai.parsers.calls import LeadingCallsParser, envelope_body
 
 TAG = "<|python_tag|>"
@@ -20,14 +18,7 @@ class Llama3JsonParser(LeadingCallsParser):
     TRIGGER = TAG
     AFTER_TRIGGER = "calls"
 
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__("start", **kwargs)
-
-    def _structure(self, text: str, final: bool) -> bool:
-        if self._mode == "start":
-            taken = self._trigger_at(text, final)
-            if taken is not False:
-                return taken is True  # or wait for more
+    def _step(self, text: str, final: bool) -> bool:
         if text[0] == "{":
             self._mode = "calls"
             self._begin_call(envelope_body(self_delimited=True), self._opening)

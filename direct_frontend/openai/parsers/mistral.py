@@ -14,7 +14,6 @@ the detokenizer must keep special tokens for this parser.
 from __future__ import annotations
 
 import re
-from typing import Any
 
 from direct_frontend.openai.parsers.calls import JsonArgsBody, LeadingCallsParser, envelope_body
 
@@ -26,11 +25,9 @@ class MistralParser(LeadingCallsParser):
     name = "mistral"
     TRIGGER = MARKER
     AFTER_TRIGGER = "marker"  # the form is not known yet
+    FIRST_MODE = "content"
 
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__("content", **kwargs)
-
-    def _structure(self, text: str, final: bool) -> bool:
+    def _step(self, text: str, final: bool) -> bool:
         head = text[0]
         if self._mode == "marker" and head == "[":
             self._mode = "array"

@@ -81,14 +81,8 @@ class PythonicParser(LeadingCallsParser):
     TRIGGER = START_TAG
     AFTER_TRIGGER = "start"
 
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__("start", **kwargs)
-
-    def _structure(self, text: str, final: bool) -> bool:
+    def _step(self, text: str, final: bool) -> bool:
         if self._mode == "start":
-            taken = self._trigger_at(text, final)
-            if taken is not False:
-                return taken is True  # or wait for more
             if text[0] == "[":
                 self._mode = "list"
                 self._consume(1)
