@@ -26,7 +26,9 @@ FLOORS: tuple[frozenset[str], ...] = tuple(frozenset(f.split()) for f in (
     "fleet openai",          # the fleet file's model; the OpenAI API model
     "kv engines",            # the KV index and events; engine dialects and transport
     "simulator observability text multimodal",
-    "errors __init__ protos",  # protos: the engines' contract, generated (scripts/gen_protos.py)
+    # protos: the engines' contract, generated (scripts/gen_protos.py); json_files: a model
+    # directory's JSON files, for text and multimodal alike
+    "errors __init__ protos json_files",
 ))
 
 #: allowed upward arrows (room, room): none; an entry here needs a reason beside it

@@ -26,12 +26,12 @@ model's settings). LLaVA's images have one size whatever the detail.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
+from direct_frontend.json_files import read_object
 from direct_frontend.multimodal.errors import MediaError
 
 if TYPE_CHECKING:
@@ -370,15 +370,7 @@ def _center_crop(pixels: Any, crop_h: int, crop_w: int) -> Any:
 
 
 def _read(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ProcessorConfigError(f"{path}: cannot read JSON: {exc}") from exc
-    if not isinstance(data, dict):
-        raise ProcessorConfigError(f"{path}: expected a JSON object")
-    return data
+    return read_object(path, ProcessorConfigError) if path.is_file() else {}
 
 
 def _floats(value: Any, default: tuple[float, ...] | None) -> tuple[float, ...] | None:

@@ -22,6 +22,7 @@ import jinja2.parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
+from direct_frontend.json_files import read_object
 from direct_frontend.text.detokenize import IncrementalDetokenizer
 from direct_frontend.text.encoder import Encoder
 from direct_frontend.text.token_bound import ByteLevelBound
@@ -109,15 +110,7 @@ def _read_optional_json(path: Path) -> dict[str, Any] | None:
 
 
 def _read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        raise ModelDirError(f"{path}: file missing")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ModelDirError(f"{path}: cannot read JSON: {exc}") from exc
-    if not isinstance(data, dict):
-        raise ModelDirError(f"{path}: expected a JSON object, got {type(data).__name__}")
-    return data
+    return read_object(path, ModelDirError)
 
 
 def _token_content(value: object) -> str | None:
