@@ -403,69 +403,86 @@ def load_processor(model_dir: str | Path,
     proc = _read(path / "processor_config.json")
     model_type = config.get("model_type")
     kind = str(pre.get("image_processor_type") or "")
-    common: dict[str, Any] = {
+    common = _pixel_settings(path, pre)
+    if model_type in QWEN_TYPES or kind.startswith("Qwen2VLImageProcessor"):
+        return _qwen(path, pre, token_id, common)
+    if model_type in LLAVA_TYPES:
+        return _llava(path, pre, proc, config, token_id, common)
+    raise ProcessorConfigError(
+        f"{path}: image processor {kind or '?'} of model type {model_type or '?'} is not one "
+        "the router preprocesses (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, LLaVA)")
+
+
+def _pixel_settings(path: Path, pre: Mapping[str, Any]) -> dict[str, Any]:
+    """How every family rescales, normalises and resamples, from ``preprocessor_config.json``."""
+    settings: dict[str, Any] = {
         "rescale": pre.get("do_rescale", True) is not False,
         "rescale_factor": float(pre.get("rescale_factor", 1 / 255)),
         "resample": _int(pre, "resample", BICUBIC),
     }
     if pre.get("do_convert_rgb") is False:
         raise ProcessorConfigError(f"{path}: do_convert_rgb false is not supported")
-    if pre.get("do_normalize", True) is not False:
-        common["mean"] = _floats(pre.get("image_mean"), OPENAI_CLIP_MEAN)
-        common["std"] = _floats(pre.get("image_std"), OPENAI_CLIP_STD)
-    else:
-        common["mean"] = common["std"] = None
-    if model_type in QWEN_TYPES or kind.startswith("Qwen2VLImageProcessor"):
-        token = "<|image_pad|>"
-        tid = token_id(token)
-        if tid is None:
-            raise ProcessorConfigError(f"{path}: the tokenizer has no {token} token")
-        size = pre.get("size") if isinstance(pre.get("size"), dict) else {}
-        assert isinstance(size, dict)
-        return QwenVLProcessor(
-            image_token_id=tid,
-            patch_size=_int(pre, "patch_size", 14),
-            temporal_patch_size=_int(pre, "temporal_patch_size", 2),
-            merge_size=_int(pre, "merge_size", 2),
-            min_pixels=_int(pre, "min_pixels", _int(size, "shortest_edge", 56 * 56)),
-            max_pixels=_int(pre, "max_pixels", _int(size, "longest_edge", 28 * 28 * 1280)),
-            **common,
-        )
-    if model_type in LLAVA_TYPES:
-        token = str(proc.get("image_token") or pre.get("image_token") or "<image>")
-        tid = token_id(token)
-        if tid is None:
-            raise ProcessorConfigError(f"{path}: the tokenizer has no {token} token")
-        size = pre.get("size")
-        shortest = size.get("shortest_edge") if isinstance(size, dict) else size
-        if not isinstance(shortest, int):
-            raise ProcessorConfigError(f"{path}: size.shortest_edge is required")
-        crop: tuple[int, int] | None = None
-        if pre.get("do_center_crop", True) is not False:
-            raw = pre.get("crop_size", shortest)
-            crop = (_int(raw, "height", shortest), _int(raw, "width", shortest)) if isinstance(
-                raw, dict) else (int(raw), int(raw))
-        vision = config.get("vision_config") if isinstance(config.get("vision_config"),
-                                                            dict) else {}
-        assert isinstance(vision, dict)
-        patch = proc.get("patch_size") or vision.get("patch_size")
-        if not isinstance(patch, int):
-            raise ProcessorConfigError(f"{path}: no patch_size in processor_config.json or "
-                                       "config.json")
-        strategy = proc.get("vision_feature_select_strategy",
-                            config.get("vision_feature_select_strategy", "default"))
-        return LlavaProcessor(
-            image_token_id=tid,
-            image_token=token,
-            template_text=token,
-            shortest_edge=shortest,
-            crop=crop,
-            pad_to_square=bool(pre.get("do_pad", False)),
-            patch_size=patch,
-            extra_tokens=_int(proc, "num_additional_image_tokens", 0),
-            drop_cls=strategy == "default",
-            **common,
-        )
-    raise ProcessorConfigError(
-        f"{path}: image processor {kind or '?'} of model type {model_type or '?'} is not one "
-        "the router preprocesses (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, LLaVA)")
+    normalize = pre.get("do_normalize", True) is not False
+    settings["mean"] = _floats(pre.get("image_mean"), OPENAI_CLIP_MEAN) if normalize else None
+    settings["std"] = _floats(pre.get("image_std"), OPENAI_CLIP_STD) if normalize else None
+    return settings
+
+
+def _image_token_id(path: Path, token: str, token_id: Callable[[str], int | None]) -> int:
+    tid = token_id(token)
+    if tid is None:
+        raise ProcessorConfigError(f"{path}: the tokenizer has no {token} token")
+    return tid
+
+
+def _qwen(path: Path, pre: Mapping[str, Any], token_id: Callable[[str], int | None],
+          common: dict[str, Any]) -> QwenVLProcessor:
+    tid = _image_token_id(path, "<|image_pad|>", token_id)
+    size = pre.get("size") if isinstance(pre.get("size"), dict) else {}
+    assert isinstance(size, dict)
+    return QwenVLProcessor(
+        image_token_id=tid,
+        patch_size=_int(pre, "patch_size", 14),
+        temporal_patch_size=_int(pre, "temporal_patch_size", 2),
+        merge_size=_int(pre, "merge_size", 2),
+        min_pixels=_int(pre, "min_pixels", _int(size, "shortest_edge", 56 * 56)),
+        max_pixels=_int(pre, "max_pixels", _int(size, "longest_edge", 28 * 28 * 1280)),
+        **common,
+    )
+
+
+def _llava(path: Path, pre: Mapping[str, Any], proc: Mapping[str, Any],
+           config: Mapping[str, Any], token_id: Callable[[str], int | None],
+           common: dict[str, Any]) -> LlavaProcessor:
+    token = str(proc.get("image_token") or pre.get("image_token") or "<image>")
+    tid = _image_token_id(path, token, token_id)
+    size = pre.get("size")
+    shortest = size.get("shortest_edge") if isinstance(size, dict) else size
+    if not isinstance(shortest, int):
+        raise ProcessorConfigError(f"{path}: size.shortest_edge is required")
+    crop: tuple[int, int] | None = None
+    if pre.get("do_center_crop", True) is not False:
+        raw = pre.get("crop_size", shortest)
+        crop = (_int(raw, "height", shortest), _int(raw, "width", shortest)) if isinstance(
+            raw, dict) else (int(raw), int(raw))
+    vision = config.get("vision_config") if isinstance(config.get("vision_config"),
+                                                        dict) else {}
+    assert isinstance(vision, dict)
+    patch = proc.get("patch_size") or vision.get("patch_size")
+    if not isinstance(patch, int):
+        raise ProcessorConfigError(f"{path}: no patch_size in processor_config.json or "
+                                   "config.json")
+    strategy = proc.get("vision_feature_select_strategy",
+                        config.get("vision_feature_select_strategy", "default"))
+    return LlavaProcessor(
+        image_token_id=tid,
+        image_token=token,
+        template_text=token,
+        shortest_edge=shortest,
+        crop=crop,
+        pad_to_square=bool(pre.get("do_pad", False)),
+        patch_size=patch,
+        extra_tokens=_int(proc, "num_additional_image_tokens", 0),
+        drop_cls=strategy == "default",
+        **common,
+    )
