@@ -57,14 +57,16 @@ from direct_frontend.engines.dialects.base import (
     LoraReply,
     PairingFacts,
     Rpc,
-    SmgDialect,
-    SmgStreamDecoder,
     StreamDecoder,
     WireLimits,
     bootstrap_address,
     choice_regex,
     classify_exception,
     engine_aborted,
+)
+from direct_frontend.engines.dialects.smg import (
+    SmgDialect,
+    SmgStreamDecoder,
 )
 from direct_frontend.engines.neutral import (
     INT32_MAX,

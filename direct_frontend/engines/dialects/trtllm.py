@@ -54,15 +54,17 @@ from typing import Any, ClassVar
 
 from direct_frontend.engines.dialects.base import (
     ANY_OBJECT_SCHEMA,
-    LOGPROB_FLOOR,
     Capabilities,
     HealthResult,
     Rpc,
-    SmgDialect,
     StreamDecoder,
     WireLimits,
-    after_terminal,
     choice_regex,
+)
+from direct_frontend.engines.dialects.smg import (
+    LOGPROB_FLOOR,
+    SmgDialect,
+    after_terminal,
     matched_stop,
     ranked,
     unusual_finish,

@@ -56,11 +56,13 @@ from direct_frontend.engines.dialects.base import (
     LegPlan,
     PairingFacts,
     Rpc,
-    SmgDialect,
-    SmgStreamDecoder,
     StreamDecoder,
     WireLimits,
     bootstrap_address,
+)
+from direct_frontend.engines.dialects.smg import (
+    SmgDialect,
+    SmgStreamDecoder,
 )
 from direct_frontend.engines.neutral import (
     UINT32_MAX,
