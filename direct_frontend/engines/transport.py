@@ -167,7 +167,6 @@ class EngineChannel:
 
         async def pump() -> None:
             with tx:
-                events: list[EngineEvent] = []
                 try:
                     async with method.open(timeout=deadline_s, metadata=metadata) as call:
                         # HEADERS and DATA: one socket write
@@ -178,23 +177,11 @@ class EngineChannel:
                         if reader is None:
                             await _pump_public(call, decoder, tx)
                         else:
-                            feed = decoder.feed
-                            while (replies := await reader.batch(BATCH_MAX)) is not None:
-                                for reply in replies:
-                                    event = feed(reply)
-                                    if event is not None:
-                                        events.append(event)
-                                if events:
-                                    tx.send_nowait(events)
-                                    events = []
-                                if len(replies) >= BATCH_MAX:
-                                    await asyncio.sleep(0)  # more buffered: give Trio a turn
+                            await _pump_batched(reader, decoder, tx)
                         decoder.end()
                 except asyncio.CancelledError:
                     raise
                 except Exception as exc:
-                    if events:  # the events before the failure go first
-                        tx.send_nowait(events)
                     tx.send_nowait(dialect.classify(exc))
 
         # The pump task lives exactly as long as this block: created here, and on the way
@@ -223,6 +210,32 @@ async def _join(task: asyncio.Task[None]) -> None:
             await trio_asyncio.run_aio_future(task)
     elif not task.cancelled():
         task.result()
+
+
+async def _pump_batched(
+    reader: MessageReader, decoder: StreamDecoder, tx: trio.MemorySendChannel[StreamItem]
+) -> None:
+    """The pump's loop: every message already received, decoded and sent as one item.
+
+    A failure sends the events decoded before it first, then propagates.
+    """
+    feed = decoder.feed
+    events: list[EngineEvent] = []
+    try:
+        while (replies := await reader.batch(BATCH_MAX)) is not None:
+            for reply in replies:
+                event = feed(reply)
+                if event is not None:
+                    events.append(event)
+            if events:
+                tx.send_nowait(events)
+                events = []
+            if len(replies) >= BATCH_MAX:
+                await asyncio.sleep(0)  # more buffered: give Trio a turn
+    except Exception:
+        if events:  # the events before the failure go first
+            tx.send_nowait(events)
+        raise
 
 
 async def _pump_public(

@@ -378,9 +378,15 @@ class Dialect(abc.ABC):
         """The vector and token count of an Embed reply; a malformed one is a PROTOCOL error."""
         raise NotImplementedError(f"{self.kind} engines serve no embeddings")
 
-    @abc.abstractmethod
     def generate(self, call: GenerateCall) -> Rpc:
-        """The Generate call for ``call``; runs :meth:`check` first."""
+        """The Generate call for ``call``, refused by :meth:`check` if the contract cannot
+        carry it."""
+        self.check(call)
+        return self.build(call)
+
+    @abc.abstractmethod
+    def build(self, call: GenerateCall) -> Rpc:
+        """The Generate call for ``call``, which :meth:`check` passed."""
 
     @abc.abstractmethod
     def stream_decoder(self, call: GenerateCall) -> StreamDecoder: ...

@@ -57,7 +57,6 @@ from direct_frontend.engines.dialects.base import (
     LoraReply,
     PairingFacts,
     Rpc,
-    StreamDecoder,
     WireLimits,
     bootstrap_address,
     choice_regex,
@@ -67,6 +66,7 @@ from direct_frontend.engines.dialects.base import (
 from direct_frontend.engines.dialects.smg import (
     SmgDialect,
     SmgStreamDecoder,
+    smg_sampling,
 )
 from direct_frontend.engines.neutral import (
     INT32_MAX,
@@ -123,24 +123,16 @@ class SglangDialect(SmgDialect):
     limits: ClassVar[WireLimits] = WireLimits(top_k=INT32_MAX)  # top_k is an int32 here
     service: ClassVar[str] = SERVICE
     pb: ClassVar[ModuleType] = pb
+    decoder: ClassVar[type[SmgStreamDecoder]] = SglangStreamDecoder
 
-    def generate(self, call: GenerateCall) -> Rpc:
-        self.check(call)
+    def build(self, call: GenerateCall) -> Rpc:
         s = call.sampling
-        params: dict[str, Any] = {
-            "temperature": s.temperature,
-            "top_p": s.top_p,
-            "top_k": s.top_k if 0 < s.top_k <= INT32_MAX else -1,  # beyond: all tokens
-            "min_p": s.min_p,
-            "frequency_penalty": s.frequency_penalty,
-            "presence_penalty": s.presence_penalty,
-            "repetition_penalty": s.repetition_penalty,
-            "max_new_tokens": s.max_tokens,
-            "stop_token_ids": s.stop_token_ids,
-            "min_new_tokens": s.min_tokens,
-            "ignore_eos": s.ignore_eos,
-            "skip_special_tokens": s.skip_special_tokens,
-        }
+        params = smg_sampling(
+            s,
+            top_k=s.top_k if 0 < s.top_k <= INT32_MAX else -1,  # beyond: all tokens
+            max_new_tokens=s.max_tokens,  # unset would mean no cap at all
+            min_new_tokens=s.min_tokens,
+        )
         if s.logit_bias:
             params["logit_bias"] = {str(token): bias for token, bias in s.logit_bias}
         if s.constraint is not None:
@@ -169,13 +161,6 @@ class SglangDialect(SmgDialect):
         if call.media is not None:
             mm_inputs(request.mm_inputs, call.media)
         return Rpc(f"{SERVICE}/Generate", request, pb.GenerateResponse)
-
-    def stream_decoder(self, call: GenerateCall) -> StreamDecoder:
-        s = call.sampling
-        return SglangStreamDecoder(
-            call.stream, logprobs=s.logprobs, prompt_logprobs=s.prompt_logprobs,
-            prompt_len=len(call.input_ids),
-        )
 
     def abort(self, request_id: str, reason: str = "") -> Rpc:
         request = pb.AbortRequest(request_id=request_id, reason=reason or "client cancelled")

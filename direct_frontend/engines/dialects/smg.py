@@ -27,7 +27,9 @@ from direct_frontend.engines.neutral import (
     EngineEvent,
     Finished,
     FinishReason,
+    GenerateCall,
     PromptLogprobs,
+    SamplingOptions,
     TokenDelta,
     TokenLogprob,
 )
@@ -250,6 +252,26 @@ class SmgStreamDecoder(StreamDecoder):
         return None
 
 
+def smg_sampling(s: SamplingOptions, **own: Any) -> dict[str, Any]:
+    """The ``SamplingParams`` fields SGLang's and vLLM's contracts name alike, and ``own``
+    (the kind's names for the rest), as the dict protobuf builds the message from.
+
+    The temperature is always sent: unset would mean 1.0 in both, not the request's.
+    """
+    return {
+        "temperature": s.temperature,
+        "top_p": s.top_p,
+        "min_p": s.min_p,
+        "frequency_penalty": s.frequency_penalty,
+        "presence_penalty": s.presence_penalty,
+        "repetition_penalty": s.repetition_penalty,
+        "stop_token_ids": s.stop_token_ids,
+        "ignore_eos": s.ignore_eos,
+        "skip_special_tokens": s.skip_special_tokens,
+        **own,
+    }
+
+
 class SmgDialect(Dialect):
     """A dialect over one of the SMG gRPC contracts, which share health and discovery.
 
@@ -259,6 +281,15 @@ class SmgDialect(Dialect):
 
     service: ClassVar[str]  # the gRPC service path, e.g. "/vllm.grpc.engine.VllmEngine"
     pb: ClassVar[ModuleType]  # the contract's generated message classes
+    #: SGLang's and vLLM's decoder (TensorRT-LLM's dialect builds its own in stream_decoder)
+    decoder: ClassVar[type[SmgStreamDecoder]]
+
+    def stream_decoder(self, call: GenerateCall) -> StreamDecoder:
+        s = call.sampling
+        return self.decoder(
+            call.stream, logprobs=s.logprobs, prompt_logprobs=s.prompt_logprobs,
+            prompt_len=len(call.input_ids),
+        )
 
     def health(self) -> Rpc:
         pb = self.pb

@@ -230,8 +230,7 @@ class TrtllmDialect(SmgDialect):
     service: ClassVar[str] = SERVICE
     pb: ClassVar[ModuleType] = pb
 
-    def generate(self, call: GenerateCall) -> Rpc:
-        self.check(call)
+    def build(self, call: GenerateCall) -> Rpc:
         s = call.sampling
         # Unset temperature/top_p/repetition_penalty default to 1.0 on the adapter:
         # always send ours. The others are sent only when they do something.

@@ -56,13 +56,13 @@ from direct_frontend.engines.dialects.base import (
     LegPlan,
     PairingFacts,
     Rpc,
-    StreamDecoder,
     WireLimits,
     bootstrap_address,
 )
 from direct_frontend.engines.dialects.smg import (
     SmgDialect,
     SmgStreamDecoder,
+    smg_sampling,
 )
 from direct_frontend.engines.neutral import (
     UINT32_MAX,
@@ -72,6 +72,7 @@ from direct_frontend.engines.neutral import (
     EngineInfo,
     EngineRole,
     GenerateCall,
+    SamplingOptions,
 )
 from direct_frontend.protos import common_pb2 as common_pb
 from direct_frontend.protos import vllm_engine_pb2 as pb
@@ -201,41 +202,22 @@ class VllmDialect(SmgDialect):
     limits: ClassVar[WireLimits] = WireLimits(top_k=UINT32_MAX)  # top_k is a uint32 here
     service: ClassVar[str] = SERVICE
     pb: ClassVar[ModuleType] = pb
+    decoder: ClassVar[type[SmgStreamDecoder]] = VllmStreamDecoder
 
     def __init__(self, clock: Callable[[], float] = time.time) -> None:
         self._clock = clock  # wall clock, to turn the reported uptime into a start time
 
-    def generate(self, call: GenerateCall) -> Rpc:
-        self.check(call)
+    def build(self, call: GenerateCall) -> Rpc:
         s = call.sampling
-        params: dict[str, Any] = {
-            "temperature": s.temperature,  # unset would mean 1.0, not our value
-            "top_p": s.top_p,
-            "top_k": s.top_k,  # 0 = disabled
-            "min_p": s.min_p,
-            "frequency_penalty": s.frequency_penalty,
-            "presence_penalty": s.presence_penalty,
-            "repetition_penalty": s.repetition_penalty,
-            "max_tokens": s.max_tokens,  # unset would mean up to max_model_len
-            "min_tokens": s.min_tokens,
-            "stop_token_ids": s.stop_token_ids,
-            "ignore_eos": s.ignore_eos,
-            "skip_special_tokens": s.skip_special_tokens,
-        }
-        if s.seed is not None:
-            params["seed"] = int32_seed(s.seed)
-        if s.logprobs is not None:
-            params["logprobs"] = logprob_count(s.logprobs)
-        if s.prompt_logprobs is not None:
-            params["prompt_logprobs"] = logprob_count(s.prompt_logprobs)
-        if s.logit_bias:
-            params["logit_bias"] = dict(s.logit_bias)
-        if s.constraint is not None:
-            field, value = constraint_field(s.constraint)
-            params[field] = value
+        params = smg_sampling(
+            s,
+            top_k=s.top_k,  # 0 = disabled
+            max_tokens=s.max_tokens,  # unset would mean up to max_model_len
+            min_tokens=s.min_tokens,
+        )
+        _rarer_params(s, params)
         media = call.media
-        refs = None if media is None or media.ref_schemes is None else media.references(
-            media.ref_schemes)
+        refs = None if media is None else _media_refs(media)
         request = pb.GenerateRequest(
             request_id=call.request_id,
             tokenized={"original_text": call.original_text,
@@ -249,11 +231,8 @@ class VllmDialect(SmgDialect):
         pd = call.disaggregation
         if pd is not None and pd.kv_transfer_params_json is not None:
             request.kv_transfer_params_json = pd.kv_transfer_params_json  # verbatim (§9.2)
-        if refs is not None:  # the worker fetches and processes them itself
-            for url in refs:
-                request.media_refs.items.add(modality=common_pb.IMAGE, url=url)
-        elif media is not None:
-            mm_inputs(request.mm_inputs, media)
+        if media is not None:
+            _attach_media(request, media, refs)
         return Rpc(f"{SERVICE}/Generate", request, pb.GenerateResponse)
 
     def media_ref_schemes(self, info: EngineInfo) -> frozenset[str] | None:
@@ -270,13 +249,6 @@ class VllmDialect(SmgDialect):
         0.32, ``GetServerInfo.mm_device_do_normalize``): the model then takes raw 8-bit
         pixels, and normalised ones would be normalised twice."""
         return dict(info.details).get("mm_device_do_normalize") == "true"
-
-    def stream_decoder(self, call: GenerateCall) -> StreamDecoder:
-        s = call.sampling
-        return VllmStreamDecoder(
-            call.stream, logprobs=s.logprobs, prompt_logprobs=s.prompt_logprobs,
-            prompt_len=len(call.input_ids),
-        )
 
     def abort(self, request_id: str, reason: str = "") -> Rpc:
         # The contract takes a list and no reason; the reply is empty (errors are statuses).
@@ -340,6 +312,36 @@ class VllmDialect(SmgDialect):
         if kv_connector(prefill.info) == MOONCAKE:
             return mooncake_legs(call, prefill, f"{rng.getrandbits(128):032x}")
         return LegPlan(prefill_leg(call), call, parallel=False, relays_kv_params=True)
+
+
+def _rarer_params(s: SamplingOptions, params: dict[str, Any]) -> None:
+    """Add the sampling fields most requests leave unset to ``params``."""
+    if s.seed is not None:
+        params["seed"] = int32_seed(s.seed)
+    if s.logprobs is not None:
+        params["logprobs"] = logprob_count(s.logprobs)
+    if s.prompt_logprobs is not None:
+        params["prompt_logprobs"] = logprob_count(s.prompt_logprobs)
+    if s.logit_bias:
+        params["logit_bias"] = dict(s.logit_bias)
+    if s.constraint is not None:
+        field, value = constraint_field(s.constraint)
+        params[field] = value
+
+
+def _media_refs(media: MediaPayload) -> tuple[str, ...] | None:
+    """The images as URLs, for a servicer that fetches and processes them itself (None: it
+    takes preprocessed tensors)."""
+    return None if media.ref_schemes is None else media.references(media.ref_schemes)
+
+
+def _attach_media(request: Any, media: MediaPayload, refs: tuple[str, ...] | None) -> None:
+    """A request's images: as ``media_refs`` (``refs``), else as preprocessed tensors."""
+    if refs is not None:
+        for url in refs:
+            request.media_refs.items.add(modality=common_pb.IMAGE, url=url)
+    else:
+        mm_inputs(request.mm_inputs, media)
 
 
 def _tensor(message: Any, tensor: Tensor) -> None:
