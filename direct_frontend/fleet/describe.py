@@ -3,7 +3,10 @@
 The text view shows every setting with its default filled in and, per engine,
 which facts discovery will read from that engine kind and which the fleet
 file overrides: the engine kinds differ in what they report and how far it
-can be trusted, and that is the usual reason a fleet needs an override.
+can be trusted, and that is the usual reason a fleet needs an override. Where
+a kind reads each fact is its dialect's
+(:class:`~direct_frontend.engines.dialects.base.DiscoverySources`); nothing
+here knows an engine kind.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ import enum
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from direct_frontend.engines.dialects import dialect_for
+from direct_frontend.engines.dialects.base import Source
 from direct_frontend.engines.neutral import EngineRole
 from direct_frontend.fleet.bus import nats_auth_summary, shown_url
 from direct_frontend.fleet.pools import watch_seconds
@@ -36,58 +41,6 @@ from direct_frontend.observability.redact import REDACTED, redact_url
 
 _V = TypeVar("_V")
 JsonValue = None | bool | int | float | str | list["JsonValue"] | dict[str, "JsonValue"]
-
-# What discovery reads per engine kind: (source, advice when there is no override).
-# Keep in step with each dialect's engine_info (direct_frontend/engines/dialects).
-_MODEL: dict[str, str] = {
-    "sglang": "GetModelInfo.served_model_name",
-    "vllm": "GetModelInfo.served_model_name",
-    "trtllm": "not reported (GetModelInfo.model_id is the launch path)",
-}
-_CONTEXT_LENGTH: dict[str, tuple[str, str]] = {
-    "sglang": (
-        "server_args.context_length, if set (max_context_length is the KV pool)",
-        "set context_length",
-    ),
-    "vllm": ("GetModelInfo.max_context_length = max_model_len", ""),
-    "trtllm": ("not read (max_seq_len is a flag default)", "set context_length"),
-}
-_BLOCK_SIZE: dict[str, tuple[str, str]] = {
-    "sglang": ("server_args.page_size", ""),
-    "vllm": ("GetServerInfo.block_size (0 until resolved)", ""),
-    "trtllm": ("tokens_per_block, not reported", "set block_size for KV routing"),
-}
-_KV_CAPACITY: dict[str, tuple[str, str]] = {
-    "sglang": ("GetServerInfo.max_total_num_tokens", ""),
-    "vllm": ("GetLoads max_total_num_tokens / the ranks listed (each entry has their sum)", ""),
-    "trtllm": ("not reported", "KV routing measures against the fullest engine seen"),
-}
-_DATA_PARALLEL: dict[str, tuple[str, str]] = {
-    "sglang": ("GetServerInfo dp_size", "never pinned to a rank: its stock servicer drops "
-               "data_parallel_rank"),
-    "vllm": ("GetServerInfo.data_parallel_size, GetLoads' first rank",
-             "KV-aware routing pins requests to ranks (one kv_events endpoint per rank, or "
-             "dp_ranks)"),
-    "trtllm": ("not reported", "never pinned to a rank: its contract names none"),
-}
-_SERVES: dict[str, str] = {
-    "sglang": "GetModelInfo.is_generation (false: --is-embedding, /v1/embeddings only)",
-    "vllm": "GetModelInfo.is_generation (false: --runner pooling, /v1/embeddings only)",
-    "trtllm": "generation only (its servicer does not implement Embed)",
-}
-_ROLE: dict[str, str] = {
-    "sglang": "server_args.disaggregation_mode",
-    "vllm": "GetServerInfo.kv_role",
-    "trtllm": "none (no P/D)",
-}
-# How a restart shows (control/restarts.py): the stock vLLM servicer reports uptime 0.
-_RESTARTS: dict[str, str] = {
-    "sglang": "GetServerInfo.start_time",
-    "vllm": "GetServerInfo.uptime_seconds when above 0, the KV-event publisher starting over; "
-    "with neither, a new connection after an outage",
-    "trtllm": "not reported: a new connection after an outage",
-}
-
 
 def describe_fleet(cfg: FleetConfig) -> str:
     """The resolved fleet as aligned text, one section for the frontend and one per engine."""
@@ -115,16 +68,15 @@ def describe_fleet(cfg: FleetConfig) -> str:
 def engine_facts(engine: EngineConfig) -> tuple[tuple[str, str], ...]:
     """Per fact, what discovery reads from this engine kind and what the fleet file overrides."""
     kind = engine.kind
-    role_override = None if engine.role is EngineRole.BOTH else engine.role.value
-    return (
-        ("model", _fact(kind, _MODEL[kind], "", None)),
-        ("context_length", _fact(kind, *_CONTEXT_LENGTH[kind], engine.context_length)),
-        ("block_size", _fact(kind, *_BLOCK_SIZE[kind], engine.block_size)),
-        ("kv_capacity", _fact(kind, *_KV_CAPACITY[kind], None)),
-        ("data_parallel", _fact(kind, *_DATA_PARALLEL[kind], None)),
-        ("serves", _fact(kind, _SERVES[kind], "", None)),
-        ("role", _fact(kind, _ROLE[kind], "", role_override)),
-        ("restarts", _fact(kind, _RESTARTS[kind], "", None)),
+    overrides: dict[str, int | str | None] = {
+        "context_length": engine.context_length,
+        "block_size": engine.block_size,
+        "role": None if engine.role is EngineRole.BOTH else engine.role.value,
+    }
+    sources = dialect_for(kind).discovers
+    return tuple(
+        (field.name, _fact(kind, getattr(sources, field.name), overrides.get(field.name)))
+        for field in dataclasses.fields(sources)
     )
 
 
@@ -328,10 +280,11 @@ def _engine_json(engine: EngineConfig) -> JsonValue:
     }
 
 
-def _fact(kind: str, source: str, advice: str, override: int | str | None) -> str:
+def _fact(kind: str, source: Source, override: int | str | None) -> str:
+    shown = f"{kind}: {source.where}"
     if override is not None:
-        return f"{kind}: {source}; override: {override}"
-    return f"{kind}: {source}; {advice}" if advice else f"{kind}: {source}"
+        return f"{shown}; override: {override}"
+    return f"{shown}; {source.advice}" if source.advice else shown
 
 
 def _frontend_rows(frontend: FrontendConfig) -> list[tuple[str, str]]:

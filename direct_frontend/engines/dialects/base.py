@@ -161,6 +161,34 @@ class HealthResult:
     message: str
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Source:
+    """Where discovery reads one fact of an engine kind, and what a fleet without an
+    override for it should know (empty: nothing)."""
+
+    where: str
+    advice: str = ""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DiscoverySources:
+    """Per fact, where an engine kind's discovery (:meth:`Dialect.engine_info`) reads it.
+
+    The kinds differ in what they report and how far it can be trusted, the usual
+    reason a fleet needs an override; ``direct-frontend check`` shows these.
+    """
+
+    model: Source
+    context_length: Source
+    block_size: Source
+    kv_capacity: Source
+    data_parallel: Source
+    serves: Source
+    role: Source
+    #: how a restart shows (control/restarts.py)
+    restarts: Source
+
+
 #: the bootstrap server port SGLang (``--disaggregation-bootstrap-port``) and vLLM's
 #: Mooncake connector both listen on unless told otherwise
 DEFAULT_BOOTSTRAP_PORT = 8998
@@ -334,6 +362,8 @@ class Dialect(abc.ABC):
     kind: ClassVar[str]
     capabilities: ClassVar[Capabilities]
     limits: ClassVar[WireLimits]
+    #: where :meth:`engine_info` reads each fact, kept beside it
+    discovers: ClassVar[DiscoverySources]
 
     def check(self, call: GenerateCall) -> None:
         """Raise a BAD_REQUEST :class:`EngineError` for what this contract cannot carry."""

@@ -53,10 +53,12 @@ from grpclib.exceptions import GRPCError
 from direct_frontend.engines.dialects.base import (
     ANY_OBJECT_SCHEMA,
     Capabilities,
+    DiscoverySources,
     LegPlan,
     LoraReply,
     PairingFacts,
     Rpc,
+    Source,
     WireLimits,
     bootstrap_address,
     choice_regex,
@@ -183,6 +185,23 @@ class SglangDialect(SmgDialect):
         if isinstance(reply, pb.ListLoadedLoRAAdaptersResponse):
             return LoraReply(True, "", tuple(a.lora_id for a in reply.loaded_adapters))
         return LoraReply(bool(reply.success), reply.message, tuple(reply.loaded_lora_ids))
+
+    discovers: ClassVar[DiscoverySources] = DiscoverySources(
+        model=Source("GetModelInfo.served_model_name"),
+        context_length=Source(
+            "server_args.context_length, if set (max_context_length is the KV pool)",
+            "set context_length",
+        ),
+        block_size=Source("server_args.page_size"),
+        kv_capacity=Source("GetServerInfo.max_total_num_tokens"),
+        data_parallel=Source(
+            "GetServerInfo dp_size",
+            "never pinned to a rank: its stock servicer drops data_parallel_rank",
+        ),
+        serves=Source("GetModelInfo.is_generation (false: --is-embedding, /v1/embeddings only)"),
+        role=Source("server_args.disaggregation_mode"),
+        restarts=Source("GetServerInfo.start_time"),
+    )
 
     def engine_info(self, responses: Sequence[Any]) -> EngineInfo:
         model, server = responses

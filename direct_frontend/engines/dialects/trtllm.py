@@ -55,8 +55,10 @@ from typing import Any, ClassVar
 from direct_frontend.engines.dialects.base import (
     ANY_OBJECT_SCHEMA,
     Capabilities,
+    DiscoverySources,
     HealthResult,
     Rpc,
+    Source,
     StreamDecoder,
     WireLimits,
     choice_regex,
@@ -287,6 +289,17 @@ class TrtllmDialect(SmgDialect):
         # the contract has an Embed (its TokenizedInput names input_token_ids); the servicer
         # does not implement it
         raise NotImplementedError("trtllm engines serve no embeddings")
+
+    discovers: ClassVar[DiscoverySources] = DiscoverySources(
+        model=Source("not reported (GetModelInfo.model_id is the launch path)"),
+        context_length=Source("not read (max_seq_len is a flag default)", "set context_length"),
+        block_size=Source("tokens_per_block, not reported", "set block_size for KV routing"),
+        kv_capacity=Source("not reported", "KV routing measures against the fullest engine seen"),
+        data_parallel=Source("not reported", "never pinned to a rank: its contract names none"),
+        serves=Source("generation only (its servicer does not implement Embed)"),
+        role=Source("none (no P/D)"),
+        restarts=Source("not reported: a new connection after an outage"),
+    )
 
     def engine_info(self, responses: Sequence[Any]) -> EngineInfo:
         model, server = responses

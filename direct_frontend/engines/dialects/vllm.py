@@ -53,9 +53,11 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from direct_frontend.engines.dialects.base import (
     Capabilities,
+    DiscoverySources,
     LegPlan,
     PairingFacts,
     Rpc,
+    Source,
     WireLimits,
     bootstrap_address,
 )
@@ -257,6 +259,27 @@ class VllmDialect(SmgDialect):
     def discovery(self) -> Sequence[Rpc]:
         """Model and server info, and GetLoads: the one call here that states the KV cache size."""
         return (*super().discovery(), self.get_loads())
+
+    discovers: ClassVar[DiscoverySources] = DiscoverySources(
+        model=Source("GetModelInfo.served_model_name"),
+        context_length=Source("GetModelInfo.max_context_length = max_model_len"),
+        block_size=Source("GetServerInfo.block_size (0 until resolved)"),
+        kv_capacity=Source(
+            "GetLoads max_total_num_tokens / the ranks listed (each entry has their sum)"
+        ),
+        data_parallel=Source(
+            "GetServerInfo.data_parallel_size, GetLoads' first rank",
+            "KV-aware routing pins requests to ranks (one kv_events endpoint per rank, or "
+            "dp_ranks)",
+        ),
+        serves=Source("GetModelInfo.is_generation (false: --runner pooling, /v1/embeddings only)"),
+        role=Source("GetServerInfo.kv_role"),
+        # the stock servicer reports uptime 0
+        restarts=Source(
+            "GetServerInfo.uptime_seconds when above 0, the KV-event publisher starting over; "
+            "with neither, a new connection after an outage"
+        ),
+    )
 
     def engine_info(self, responses: Sequence[Any]) -> EngineInfo:
         model, server, loads = responses
