@@ -6,6 +6,7 @@ transport fault); everything above them acts on kinds, never on raw codes.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 
 
@@ -27,18 +28,20 @@ class ErrorKind(enum.Enum):
         return self in (ErrorKind.UNAVAILABLE, ErrorKind.TIMEOUT, ErrorKind.PROTOCOL)
 
 
+@dataclasses.dataclass(eq=False)  # compared and hashed by identity, as exceptions are
 class EngineError(Exception):
     """A failure of one engine call, already classified by the engine's dialect."""
 
-    def __init__(
-        self, kind: ErrorKind, message: str, *, engine: str = "", param: str | None = None
-    ) -> None:
-        super().__init__(message)
-        self.kind = kind
-        self.message = message
-        self.engine = engine
-        #: the request field to blame, for a request refused before it was sent
-        self.param = param
+    kind: ErrorKind
+    message: str
+    _: dataclasses.KW_ONLY
+    #: the engine that failed ("" until the layer that knows it says)
+    engine: str = ""
+    #: the request field to blame, for a request refused before it was sent
+    param: str | None = None
+
+    def __post_init__(self) -> None:
+        super().__init__(self.message)
 
     def __str__(self) -> str:
         where = f" ({self.engine})" if self.engine else ""

@@ -155,23 +155,14 @@ class AdapterDispatcher(Dispatcher):
         self.residency = residency
         self._locks = locks  # one per engine incarnation, shared by the model's adapters
 
-    def run(
-        self,
-        placement: Placement,
-        call: GenerateCall,
-        *,
-        exclude: Collection[str] = (),
-        stall_timeout_s: float,
-    ) -> contextlib.AbstractAsyncContextManager[EngineCall]:
-        return self._run(placement, dataclasses.replace(call, lora_id=self.adapter.name),
-                         exclude, stall_timeout_s)
-
     @contextlib.asynccontextmanager
-    async def _run(
-        self, placement: Placement, call: GenerateCall, exclude: Collection[str],
+    async def run(
+        self, placement: Placement, call: GenerateCall, *, exclude: Collection[str] = (),
         stall_timeout_s: float,
     ) -> AsyncIterator[EngineCall]:
+        """The dispatcher's run of ``call`` naming the adapter, on an engine holding it."""
         engine, name = placement.engine, self.adapter.name
+        call = dataclasses.replace(call, lora_id=name)
         try:
             await self.ensure(engine)
         except EngineError as error:  # the relay tries another engine, as for any failure
