@@ -14,9 +14,9 @@ an empty one at the end of the stream (``_eof`` set), its ``_ack_callback``
 and ``_acked`` deque; the call's ``_wrapper``, ``_codec`` and ``_recv_type``.
 
 The same gate covers :func:`one_write`, which writes a call's HEADERS and
-request DATA in one socket write (issue 16): it reads ``Channel._protocol``,
-``H2Protocol.connection`` and ``Connection._transport`` (each with a default:
-missing, nothing is held).
+request DATA in one socket write (one syscall per request, not two): it
+reads ``Channel._protocol``, ``H2Protocol.connection`` and
+``Connection._transport`` (each with a default: missing, nothing is held).
 """
 
 from __future__ import annotations
