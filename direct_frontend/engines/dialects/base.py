@@ -237,12 +237,11 @@ class WireLimits:
     (int32 or uint32), and a kind that cannot carry a ``top_k`` sends it as
     "disabled" instead: a ``top_k`` beyond int32 exceeds any vocabulary
     (vocabulary sizes are int32 too), so it keeps every token either way.
-    That is why no value is refused by one kind and carried by another, and
-    routing need not know these limits. Seeds are folded into each kind's
-    type by its dialect.
+    That is why no value is refused by one kind and carried by another, why
+    every kind has the same limits, and why routing need not know them.
+    Seeds are folded into each kind's type by its dialect.
     """
 
-    top_k: int
     count: int = UINT32_MAX  # max_tokens, min_tokens
     token_id: int = UINT32_MAX  # stop_token_ids (prompt ids are checked by the parser)
     sequence: int = INT32_MAX  # prompt + max_tokens
@@ -361,7 +360,7 @@ class Dialect(abc.ABC):
 
     kind: ClassVar[str]
     capabilities: ClassVar[Capabilities]
-    limits: ClassVar[WireLimits]
+    limits: ClassVar[WireLimits] = WireLimits()
     #: where :meth:`engine_info` reads each fact, kept beside it
     discovers: ClassVar[DiscoverySources]
 

@@ -59,7 +59,6 @@ from direct_frontend.engines.dialects.base import (
     PairingFacts,
     Rpc,
     Source,
-    WireLimits,
     bootstrap_address,
     choice_regex,
     classify_exception,
@@ -122,7 +121,6 @@ class SglangDialect(SmgDialect):
         # 0.14.1) never passes it on to the scheduler: SGLang's DP controller places requests.
         lora_adapters=True, embeddings=True, images=True,
     )
-    limits: ClassVar[WireLimits] = WireLimits(top_k=INT32_MAX)  # top_k is an int32 here
     service: ClassVar[str] = SERVICE
     pb: ClassVar[ModuleType] = pb
     decoder: ClassVar[type[SmgStreamDecoder]] = SglangStreamDecoder
@@ -131,7 +129,7 @@ class SglangDialect(SmgDialect):
         s = call.sampling
         params = smg_sampling(
             s,
-            top_k=s.top_k if 0 < s.top_k <= INT32_MAX else -1,  # beyond: all tokens
+            top_k=s.top_k if 0 < s.top_k <= INT32_MAX else -1,  # an int32; beyond: all tokens
             max_new_tokens=s.max_tokens,  # unset would mean no cap at all
             min_new_tokens=s.min_tokens,
         )

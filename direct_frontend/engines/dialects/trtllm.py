@@ -60,7 +60,6 @@ from direct_frontend.engines.dialects.base import (
     Rpc,
     Source,
     StreamDecoder,
-    WireLimits,
     choice_regex,
 )
 from direct_frontend.engines.dialects.smg import (
@@ -228,7 +227,6 @@ class TrtllmDialect(SmgDialect):
     capabilities: ClassVar[Capabilities] = Capabilities(
         prefill_decode=False, prompt_logprobs=False, optional=frozenset({"seed"})
     )
-    limits: ClassVar[WireLimits] = WireLimits(top_k=INT32_MAX)  # top_k is an int32 here
     service: ClassVar[str] = SERVICE
     pb: ClassVar[ModuleType] = pb
 

@@ -58,7 +58,6 @@ from direct_frontend.engines.dialects.base import (
     PairingFacts,
     Rpc,
     Source,
-    WireLimits,
     bootstrap_address,
 )
 from direct_frontend.engines.dialects.smg import (
@@ -67,7 +66,6 @@ from direct_frontend.engines.dialects.smg import (
     smg_sampling,
 )
 from direct_frontend.engines.neutral import (
-    UINT32_MAX,
     Constraint,
     ConstraintKind,
     Disaggregation,
@@ -201,7 +199,6 @@ class VllmDialect(SmgDialect):
         prefill_decode=True, text_input=True, optional=frozenset({"seed", "logit_bias"}),
         embeddings=True, dp_rank_pin=True, images=True,
     )
-    limits: ClassVar[WireLimits] = WireLimits(top_k=UINT32_MAX)  # top_k is a uint32 here
     service: ClassVar[str] = SERVICE
     pb: ClassVar[ModuleType] = pb
     decoder: ClassVar[type[SmgStreamDecoder]] = VllmStreamDecoder
@@ -213,7 +210,7 @@ class VllmDialect(SmgDialect):
         s = call.sampling
         params = smg_sampling(
             s,
-            top_k=s.top_k,  # 0 = disabled
+            top_k=s.top_k,  # a uint32 here; 0 = disabled
             max_tokens=s.max_tokens,  # unset would mean up to max_model_len
             min_tokens=s.min_tokens,
         )
