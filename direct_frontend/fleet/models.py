@@ -17,6 +17,7 @@ import ipaddress
 from collections.abc import Sequence
 from pathlib import Path
 
+from direct_frontend.engines.dialects import dialect_for
 from direct_frontend.engines.neutral import EngineInfo
 from direct_frontend.fleet.checker import (
     Checker,
@@ -180,9 +181,9 @@ class ModelTables(Checker):
             if engine.simulate and engine.simulator.served_model_name is None:
                 self.report(("engine", index), 'a simulated engine of a fleet of several models'
                             ' needs model = "..." (the model it simulates)')
-            elif engine.kind == "trtllm":
-                self.report(("engine", index), 'trtllm engines do not report their served model;'
-                            ' set model = "..." in a fleet of several models')
+            elif not dialect_for(engine.kind).capabilities.reports_model:
+                self.report(("engine", index), f'{engine.kind} engines do not report their served'
+                            ' model; set model = "..." in a fleet of several models')
 
 
 def engine_model(

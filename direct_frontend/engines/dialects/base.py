@@ -76,6 +76,9 @@ class Capabilities:
     #: a request's preprocessed images (``MultimodalInputs``: tensors, placeholder ranges,
     #: image hashes) reach the engine (SGLang, vLLM; TensorRT-LLM's takes raw bytes only)
     images: bool = False
+    #: discovery reports the served model's name, so an engine need not be told its model
+    #: (not TensorRT-LLM, whose ``model_id`` is its launch path)
+    reports_model: bool = True
 
 
 #: sampling fields some contracts lack: a request that sets one goes to a kind that carries it

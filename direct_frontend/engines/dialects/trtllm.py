@@ -225,7 +225,8 @@ class TrtllmDialect(SmgDialect):
     kind: ClassVar[str] = "trtllm"
     #: prompt logprobs come only in the terminal message, after the text they would lead
     capabilities: ClassVar[Capabilities] = Capabilities(
-        prefill_decode=False, prompt_logprobs=False, optional=frozenset({"seed"})
+        prefill_decode=False, prompt_logprobs=False, optional=frozenset({"seed"}),
+        reports_model=False,
     )
     service: ClassVar[str] = SERVICE
     pb: ClassVar[ModuleType] = pb
