@@ -43,6 +43,11 @@ class EngineError(Exception):
     def __post_init__(self) -> None:
         super().__init__(self.message)
 
+    def at(self, engine: str) -> EngineError:
+        """This failure as ``engine``'s: itself when it names an engine already (another
+        leg's failure passing through), else a copy naming ``engine``."""
+        return self if self.engine else dataclasses.replace(self, engine=engine)
+
     def __str__(self) -> str:
         where = f" ({self.engine})" if self.engine else ""
         return f"{self.kind.value}{where}: {self.message}"

@@ -166,8 +166,7 @@ class AdapterDispatcher(Dispatcher):
         try:
             await self.ensure(engine)
         except EngineError as error:  # the relay tries another engine, as for any failure
-            error.engine = error.engine or engine.name
-            raise
+            raise error.at(engine.name) from None
         self.residency.begin(engine.incarnation, name)
         try:
             async with super().run(placement, call, exclude=exclude,

@@ -653,6 +653,15 @@ def test_sglang_status_abort_reads_like_the_other_kinds_abort() -> None:
     assert other.kind is ErrorKind.INTERNAL and other.message != ENGINE_ABORTED
 
 
+def test_an_error_names_its_engine_once_without_being_changed() -> None:
+    refused = EngineError(ErrorKind.BAD_REQUEST, "too long", param="max_tokens")
+    named = refused.at("e1")
+    assert (named.kind, named.message, named.param, named.engine) == (
+        ErrorKind.BAD_REQUEST, "too long", "max_tokens", "e1")
+    assert refused.engine == "" and str(named) == "bad_request (e1): too long"
+    assert named.at("e2") is named  # another leg's failure passing through keeps its engine
+
+
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize(
     ("status", "error_kind"),
