@@ -164,34 +164,6 @@ class HealthResult:
     message: str
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Source:
-    """Where discovery reads one fact of an engine kind, and what a fleet without an
-    override for it should know (empty: nothing)."""
-
-    where: str
-    advice: str = ""
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class DiscoverySources:
-    """Per fact, where an engine kind's discovery (:meth:`Dialect.engine_info`) reads it.
-
-    The kinds differ in what they report and how far it can be trusted, the usual
-    reason a fleet needs an override; ``direct-frontend check`` shows these.
-    """
-
-    model: Source
-    context_length: Source
-    block_size: Source
-    kv_capacity: Source
-    data_parallel: Source
-    serves: Source
-    role: Source
-    #: how a restart shows (control/restarts.py)
-    restarts: Source
-
-
 #: the bootstrap server port SGLang (``--disaggregation-bootstrap-port``) and vLLM's
 #: Mooncake connector both listen on unless told otherwise
 DEFAULT_BOOTSTRAP_PORT = 8998
@@ -356,6 +328,34 @@ class StreamDecoder(abc.ABC):
     def end(self) -> None:
         if not self.finished:
             raise EngineError(ErrorKind.PROTOCOL, "stream ended without a terminal message")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Source:
+    """Where discovery reads one fact of an engine kind, and what a fleet without an
+    override for it should know (empty: nothing)."""
+
+    where: str
+    advice: str = ""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DiscoverySources:
+    """Per fact, where an engine kind's discovery (:meth:`Dialect.engine_info`) reads it.
+
+    The kinds differ in what they report and how far it can be trusted, the usual
+    reason a fleet needs an override; ``direct-frontend check`` shows these.
+    """
+
+    model: Source
+    context_length: Source
+    block_size: Source
+    kv_capacity: Source
+    data_parallel: Source
+    serves: Source
+    role: Source
+    #: how a restart shows (control/restarts.py)
+    restarts: Source
 
 
 class Dialect(abc.ABC):
