@@ -2,9 +2,10 @@
 
 Each contract has its own service and messages, but they name their
 terminal message's fields alike (``finish_reason``, the ``matched_stop``
-oneof) and share health, load and discovery calls. SGLang's and vLLM's
-Generate streams read alike too, but for how they count tokens
-(:class:`SmgStreamDecoder`); TensorRT-LLM's has a decoder of its own.
+oneof) and share the health and discovery calls; SGLang's and vLLM's share
+GetLoads and Embed too. Their Generate streams read alike, but for how they
+count tokens (:class:`SmgStreamDecoder`); TensorRT-LLM's has a decoder of
+its own.
 """
 
 from __future__ import annotations
