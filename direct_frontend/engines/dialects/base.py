@@ -57,14 +57,13 @@ class Capabilities:
     """What an engine kind can do through its contract, so routing never asks for more."""
 
     prefill_decode: bool
-    text_input: bool = False
     #: the fleet file may name a prefill engine's bootstrap server port (SGLang)
     bootstrap_server: bool = False
     #: the contract returns prompt logprobs with the first output (completions ``echo``)
     prompt_logprobs: bool = True
     #: the structured-output constraints the contract carries (natively or translated)
     constraints: frozenset[ConstraintKind] = frozenset(ConstraintKind)
-    #: sampling fields only some contracts carry, that this one does (see :data:`OPTIONAL`)
+    #: sampling fields only some contracts carry ("seed", "logit_bias"), that this one does
     optional: frozenset[str] = frozenset()
     #: a request may name a LoRA adapter, which the router may load and unload (SGLang)
     lora_adapters: bool = False
@@ -79,10 +78,6 @@ class Capabilities:
     #: discovery reports the served model's name, so an engine need not be told its model
     #: (not TensorRT-LLM, whose ``model_id`` is its launch path)
     reports_model: bool = True
-
-
-#: sampling fields some contracts lack: a request that sets one goes to a kind that carries it
-OPTIONAL: tuple[str, ...] = ("seed", "logit_bias")
 
 
 class OptionalFields(Protocol):

@@ -196,7 +196,7 @@ class VllmStreamDecoder(SmgStreamDecoder):
 class VllmDialect(SmgDialect):
     kind: ClassVar[str] = "vllm"
     capabilities: ClassVar[Capabilities] = Capabilities(
-        prefill_decode=True, text_input=True, optional=frozenset({"seed", "logit_bias"}),
+        prefill_decode=True, optional=frozenset({"seed", "logit_bias"}),
         embeddings=True, dp_rank_pin=True, images=True,
     )
     service: ClassVar[str] = SERVICE
