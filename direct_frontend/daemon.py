@@ -41,6 +41,7 @@ from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve
 
 from direct_frontend.control.kv_plane import KvPlane
+from direct_frontend.control.model_builder import ModelBuilder
 from direct_frontend.control.pods import PodDiscovery
 from direct_frontend.control.rate_share import RateShare
 from direct_frontend.control.reload import ControlPlane, file_digest, kv_block_size
@@ -67,7 +68,6 @@ from direct_frontend.observability.redact import redact_url
 from direct_frontend.observability.sdnotify import Notifier
 from direct_frontend.observability.tracing import Tracing
 from direct_frontend.openai.response_store import ResponseStore
-from direct_frontend.pipeline.models import ModelBuilder
 from direct_frontend.pipeline.ratelimit import RateLimiter
 from direct_frontend.routing.factory import make_policy
 from direct_frontend.routing.peers import PlacementShare

@@ -21,6 +21,7 @@ import trio
 from direct_frontend.control.child import EngineChild
 from direct_frontend.control.events import EventHub, Subscriber
 from direct_frontend.control.lifecycle import EngineState
+from direct_frontend.control.model_builder import ModelBuilder
 from direct_frontend.control.pods import PodDiscovery
 from direct_frontend.control.supervisor import Supervisor
 from direct_frontend.fleet.describe import JsonValue, to_jsonable
@@ -38,7 +39,6 @@ from direct_frontend.fleet.schema import EngineConfig, FleetConfig, FrontendConf
 from direct_frontend.observability.metrics import Metrics
 from direct_frontend.observability.sdnotify import Notifier
 from direct_frontend.pipeline.models import (
-    ModelBuilder,
     ModelTable,
     queue_depths,
     serving_counts,
