@@ -8,9 +8,8 @@ placements it makes, and the transport faults its requests see, which every
 sibling acts on at once. A replica that starts late asks one sibling (a
 queue group picks it) for its KV index before its engines start
 (control/kv_plane.py ``offer``). A stored response (the Responses API) stays
-with the replica that answered it; a sibling asked for it asks that replica
-(:meth:`ReplicaLink.fetch`), the one request that does wait on NATS, and
-only for as long as ``RESPONSE_TIMEOUT_S``.
+with the replica that answered it; a sibling asks that replica for it
+(control/response_rpc.py), over this link.
 
 nats-py is asyncio; like the engines' gRPC channels (engines/transport.py)
 it runs on the trio-asyncio loop, every call through ``aio_as_trio``, and
@@ -41,6 +40,7 @@ import msgspec
 import trio
 
 from direct_frontend.control.bus import (
+    ChunkInbox,
     NatsRefused,
     connect_options,
     is_open,
@@ -52,29 +52,17 @@ from direct_frontend.control.replica_wire import (
     FaultReport,
     LoadReport,
     Placements,
-    ResponseQuery,
     Subjects,
     decode,
     encode,
 )
+from direct_frontend.control.response_rpc import ResponseRpc
 from direct_frontend.errors import EngineError
 from direct_frontend.fleet.bus import nats_auth_summary, scrubbed, shown_url
 from direct_frontend.fleet.describe import JsonValue
 from direct_frontend.fleet.schema import ReplicasConfig
-from direct_frontend.kv.snapshot import (
-    CHUNK_BYTES,
-    Reassembly,
-    decode_snapshot,
-    encode_snapshot,
-    split,
-)
-from direct_frontend.openai.response_store import (
-    CANCELLED,
-    ResponseStore,
-    StoredResponse,
-    decode_record,
-    encode_record,
-)
+from direct_frontend.kv.snapshot import decode_snapshot, encode_snapshot, split
+from direct_frontend.openai.response_store import ResponseStore
 from direct_frontend.routing.catalog import EngineHandle
 from direct_frontend.routing.peers import (
     Loads,
@@ -96,8 +84,6 @@ CONNECT_TIMEOUT_S = 1.0
 GOODBYE_TIMEOUT_S = 1.0
 #: faults kept while the link is down (they are only news for a short while)
 MAX_PENDING_FAULTS = 64
-#: how long a request waits for the sibling that holds the stored response it names
-RESPONSE_TIMEOUT_S = 1.0
 
 Inbound = tuple[str, bytes, str]  # subject, data, reply subject
 
@@ -124,14 +110,14 @@ class ReplicaLink:
         self.placements = placements
         self.kv = kv
         self.metrics = metrics
-        self.responses = responses
-        self.chunk_bytes = CHUNK_BYTES  # a stored response goes to a sibling in pieces this big
-        if responses is not None:  # its siblings find what it holds through us
-            responses.remote = self
         self.subjects = Subjects(config.cluster)
         self.replica = replica_id or (
             f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
         )
+        #: asks siblings for the stored responses they hold, and answers for ``responses``
+        self.stored: ResponseRpc | None = None
+        if responses is not None:  # its siblings find what it holds through us
+            self.stored = responses.remote = ResponseRpc(self, responses)
         self.peers = PeerLoads(config.peer_timeout_s)
         self.connected = False
         #: why this replica does not share over the server it reached (None: it does)
@@ -171,6 +157,11 @@ class ReplicaLink:
     def degraded(self) -> bool:
         """The link is down: routing uses this replica's own state only."""
         return not self.connected
+
+    @property
+    def connection(self) -> Any:
+        """The NATS client while the link shares over it; None while it is down."""
+        return self._nc if self.connected else None
 
     def status(self) -> JsonValue:
         """The ``replicas`` part of ``GET /fleet``."""
@@ -365,8 +356,8 @@ class ReplicaLink:
         if self.kv is not None:
             # a queue group: one sibling answers each late replica
             await subscribe(self.subjects.snapshot, queue="kv-snapshot", cb=deliver)
-        if self.responses is not None:
-            await subscribe(self.subjects.responses(self.responses.holder), cb=deliver)
+        if self.stored is not None:
+            await subscribe(self.stored.subject, cb=deliver)
 
     async def publish(self, subject: str, data: bytes) -> bool:
         """Send ``data`` on ``subject``; False if the link is down or the send failed."""
@@ -480,20 +471,20 @@ class ReplicaLink:
                 self._on_placements(data)
             elif subject == self.subjects.snapshot:
                 await self._serve_snapshot(data, reply)
-            elif self.responses is not None and subject == self.subjects.responses(
-                    self.responses.holder):
-                await self._serve_response(data, reply)
+            elif self.stored is not None and subject == self.stored.subject:
+                await self.stored.serve(data, reply)
             elif (listener := self.listeners.get(subject)) is not None:
                 listener(data)
 
-    def _malformed(self, what: str) -> None:
+    def malformed(self, what: str) -> None:
+        """A message from a sibling that could not be read: counted, skipped."""
         self.counts["malformed"] += 1
         log.debug("replicas: a malformed %s message (skipped)", what)
 
     def _on_load(self, data: bytes) -> None:
         report = decode(LoadReport, data)
         if report is None:
-            return self._malformed("load")
+            return self.malformed("load")
         if report.replica == self.replica:
             return None
         if report.leaving:
@@ -515,7 +506,7 @@ class ReplicaLink:
     def _on_peer_fault(self, data: bytes) -> None:
         report = decode(FaultReport, data)
         if report is None:
-            return self._malformed("fault")
+            return self.malformed("fault")
         error = report.error()
         if report.replica == self.replica or error is None:
             return None
@@ -528,7 +519,7 @@ class ReplicaLink:
     def _on_placements(self, data: bytes) -> None:
         message = decode(Placements, data)
         if message is None:
-            return self._malformed("placements")
+            return self.malformed("placements")
         if message.replica == self.replica:
             return None
         now = time.monotonic()
@@ -557,19 +548,12 @@ class ReplicaLink:
         import nats.errors
 
         timeout = self.config.snapshot_timeout_s
-        nc = self._nc
-        inbox = nc.new_inbox()
-        chunks_tx, chunks_rx = trio.open_memory_channel[bytes](math.inf)
-
-        async def deliver(msg: Any) -> None:
-            chunks_tx.send_nowait(msg.data)
-
-        subscription = await trio_asyncio.aio_as_trio(nc.subscribe)(inbox, cb=deliver)
+        inbox = await ChunkInbox.open(self._nc)
         try:
             with trio.move_on_after(timeout) as scope:
                 try:
-                    await trio_asyncio.aio_as_trio(nc.request)(
-                        self.subjects.snapshot, inbox.encode(), timeout=timeout
+                    await trio_asyncio.aio_as_trio(self._nc.request)(
+                        self.subjects.snapshot, inbox.subject.encode(), timeout=timeout
                     )
                 except nats.errors.NoRespondersError:
                     self.warm = "cold: no sibling to ask"
@@ -577,10 +561,7 @@ class ReplicaLink:
                 except nats.errors.TimeoutError:
                     self.warm = "cold: no sibling answered"
                     return
-                assembly = Reassembly()
-                while not assembly.done:
-                    assembly.add(await chunks_rx.receive())
-                snapshot = decode_snapshot(assembly.data())
+                snapshot = decode_snapshot(await inbox.reassembled())
             if scope.cancelled_caught:
                 self.warm = f"cold: the snapshot did not arrive within {timeout:g}s"
                 return
@@ -588,10 +569,7 @@ class ReplicaLink:
             self.warm = f"cold: a malformed snapshot ({exc})"
             return
         finally:
-            try:
-                await trio_asyncio.aio_as_trio(subscription.unsubscribe)()
-            except Exception as exc:
-                log.debug("replicas: unsubscribe: %s", exc)
+            await inbox.close()
         refused = self.kv.offer(snapshot)
         blocks = sum(len(rank) for rank in snapshot.ranks)
         if refused is not None:
@@ -601,118 +579,6 @@ class ReplicaLink:
             self.warm = (f"from {snapshot.replica}: {len(snapshot.ranks)} rank(s), "
                          f"{blocks} blocks")
             log.info("replicas: KV index warm %s", self.warm)
-
-    # -- stored responses ---------------------------------------------------------------
-
-    async def fetch(self, holder: str, response_id: str, owner: str) -> StoredResponse | None:
-        """``owner``'s stored response a sibling holds; None if it does not, is gone or is
-        silent.
-
-        The sibling says yes or no to the request, then sends the record to
-        our inbox in chunks (a long conversation outgrows a NATS message).
-        """
-        nc = self._nc
-        if nc is None or not self.connected:
-            return None
-        inbox = nc.new_inbox()
-        chunks_tx, chunks_rx = trio.open_memory_channel[bytes](math.inf)
-
-        async def deliver(msg: Any) -> None:
-            chunks_tx.send_nowait(msg.data)
-
-        try:
-            subscription = await trio_asyncio.aio_as_trio(nc.subscribe)(inbox, cb=deliver)
-        except Exception as exc:
-            log.debug("replicas: subscribe: %s", exc)
-            return None
-        try:
-            with trio.move_on_after(RESPONSE_TIMEOUT_S * 2):
-                answer = await self._ask(holder, ResponseQuery(self.replica, "get", response_id,
-                                                               inbox, owner))
-                if answer != b"ok":
-                    return None
-                assembly = Reassembly()
-                while not assembly.done:
-                    assembly.add(await chunks_rx.receive())
-                record = decode_record(assembly.data())
-                if record is None or record.id != response_id or record.owner != owner:
-                    self._malformed("stored response")
-                    return None
-                self.counts["responses_fetched"] += 1
-                return record
-            self._fetch_failed(response_id, "its chunks did not arrive")
-            return None
-        except ValueError:
-            self._malformed("stored response")
-            return None
-        finally:
-            try:
-                await trio_asyncio.aio_as_trio(subscription.unsubscribe)()
-            except Exception as exc:
-                log.debug("replicas: unsubscribe: %s", exc)
-
-    async def delete(self, holder: str, response_id: str, owner: str) -> bool:
-        """Ask the sibling that holds ``owner``'s stored response to drop it; True if it did."""
-        query = ResponseQuery(self.replica, "delete", response_id, owner=owner)
-        return await self._ask(holder, query) == b"1"
-
-    async def cancel(self, holder: str, response_id: str, owner: str) -> str | None:
-        """Ask the sibling that runs ``owner``'s background response to cancel it; its
-        answer (openai/response_store.py ``ResponseStore.cancel``), None if it does not hold
-        it."""
-        query = ResponseQuery(self.replica, "cancel", response_id, owner=owner)
-        answer = await self._ask(holder, query)
-        return answer.decode() if answer else None
-
-    async def _ask(self, holder: str, query: ResponseQuery) -> bytes | None:
-        """The holder's answer to ``query``; None if nobody answers for ``holder``."""
-        if self._nc is None or not self.connected:
-            return None
-        import nats.errors
-
-        try:
-            with trio.fail_after(RESPONSE_TIMEOUT_S * 2):  # nats' own timeout comes first
-                msg = await trio_asyncio.aio_as_trio(self._nc.request)(
-                    self.subjects.responses(holder), encode(query), timeout=RESPONSE_TIMEOUT_S,
-                )
-        except nats.errors.NoRespondersError:
-            return None  # nobody answers for that holder any more: its responses went with it
-        except (nats.errors.Error, trio.TooSlowError, OSError) as exc:
-            self._fetch_failed(query.id, exc.__class__.__name__)
-            return None
-        data: bytes = msg.data
-        return data
-
-    def _fetch_failed(self, response_id: str, why: str) -> None:
-        self.counts["response_fetches_failed"] += 1
-        log.warning("replicas: no answer about stored response %s from the replica holding it "
-                    "(%s)", response_id, why)
-
-    async def _serve_response(self, data: bytes, reply: str) -> None:
-        store = self.responses
-        query = decode(ResponseQuery, data)
-        if query is None or store is None or not reply:
-            return self._malformed("stored-response query")
-        if query.op == "get":
-            record = store.get(query.id, query.owner)
-            if record is None or not query.inbox:
-                await self._publish(reply, b"")
-                return None
-            data = encode_record(record)  # one synchronous look
-            await self._publish(reply, b"ok")
-            for chunk in split(data, self.chunk_bytes):
-                await self._publish(query.inbox, chunk)
-        elif query.op == "delete":
-            await self._publish(reply, b"1" if store.delete(query.id, query.owner) else b"0")
-        elif query.op == "cancel":  # answered once the response has ended (or soon)
-            answer: str | None = CANCELLED  # the cancel is under way if it takes longer
-            with trio.move_on_after(RESPONSE_TIMEOUT_S / 2):
-                answer = await store.cancel(query.id, query.owner)
-            await self._publish(reply, (answer or "").encode())
-        else:
-            return self._malformed("stored-response query")
-        self.counts["responses_served"] += 1
-        return None
 
     # -- metrics ------------------------------------------------------------------------
 
