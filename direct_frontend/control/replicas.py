@@ -34,6 +34,7 @@ import secrets
 import socket
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -249,49 +250,31 @@ class ReplicaLink:
         return True
 
     async def _connect(self, *, at_start: bool = False) -> bool:
+        """One connect attempt: True once connected (sharing, or degraded on a server it
+        will not use until it changes), False if not (said why)."""
         from nats.aio.client import Client  # the replicas extra: imported only when configured
-
-        async def disconnected() -> None:
-            if self.connected:
-                self.counts["outages"] += 1
-                log.warning("replicas: lost NATS at %s; routing on local state until it "
-                            "is back", self.shown)
-            self.connected = False
-            self.peers.clear()  # their word is stale from now on
-            self._apply_peers()
-
-        async def reconnected() -> None:
-            # the server may have changed under the same URL: it is judged again
-            if not self._admit(getattr(nc, "_server_info", None) or {}, at_start=False):
-                return
-            self.connected = True
-            self._last_sent = None  # resync: everyone hears our whole state at once
-            self._keep_backlog()
-            log.info("replicas: NATS at %s is back", self.shown)
-
-        connecting = True  # this first connect; the later reconnects are nats-py's
-        refused: str | None = None  # this attempt's refusal (a reset that follows it is not news)
-
-        async def error(exc: Exception) -> None:
-            nonlocal refused
-            self._last_error = scrubbed(str(exc), self.url)  # it may quote the URL
-            log.debug("replicas: NATS client error: %s", exc)
-            problem = refusal(self._last_error, self.config)
-            if problem is None:
-                return
-            if connecting:
-                refused = refused or problem
-                # asking again changes nothing: out of nats.connect's retry loop (raised
-                # before it half-closes its socket, which nc.close() then closes whole)
-                raise NatsRefused(problem)
-            self._refuse(problem, at_start=False)  # a reconnect refused: said once
 
         info = await probe_info(self.url or "")
         if info is not None and not self._admit(info, at_start=at_start):
             return False  # nothing was sent to it
         self._last_error = ""
-        failure = ""
         nc = Client()  # held here, so a failed attempt's socket is closed, not left to the GC
+        attempt = _Attempt(self)
+        failure = await self._open(nc, attempt)
+        attempt.connecting = False  # whatever nats-py reports from now on is not about it
+        if failure:
+            await self._failed(nc, attempt, failure, at_start=at_start)
+            return False
+        self._nc = nc
+        if not self._admit(nc._server_info, at_start=at_start):
+            return True  # connected to a server it will not use: degraded until it changes
+        self.connected = True
+        log.info("replicas: replica %s sharing over %s (cluster %s)", self.replica, self.shown,
+                 self.config.cluster)
+        return True
+
+    async def _open(self, nc: Any, attempt: _Attempt) -> str:
+        """``nats.connect`` on ``nc``: the name of what stopped it, or "" once connected."""
         try:
             with trio.fail_after(CONNECT_TIMEOUT_S * 2):
                 await trio_asyncio.aio_as_trio(nc.connect)(
@@ -299,33 +282,49 @@ class ReplicaLink:
                     allow_reconnect=True, max_reconnect_attempts=-1,
                     reconnect_time_wait=RECONNECT_WAIT_S, connect_timeout=CONNECT_TIMEOUT_S,
                     ping_interval=5, max_outstanding_pings=2,
-                    disconnected_cb=disconnected, reconnected_cb=reconnected, error_cb=error,
+                    disconnected_cb=self._disconnected,
+                    reconnected_cb=partial(self._reconnected, nc), error_cb=attempt.error,
                     **self._options,
                 )
         except Exception as exc:  # nats-py's own, ours from error(), or the timeout
-            failure = exc.__class__.__name__
-        connecting = False  # whatever nats-py reports from now on is not about this attempt
-        if failure:
-            with trio.CancelScope(shield=True), trio.move_on_after(GOODBYE_TIMEOUT_S):
-                try:
-                    await trio_asyncio.aio_as_trio(nc.close)()
-                except Exception as exc:
-                    log.debug("replicas: NATS close: %s", exc)
-            # the server's refusal, though the connection's reset may be reported after it
-            problem = refused or refusal(self._last_error, self.config)
-            if problem is not None:
-                self._refuse(problem, at_start=at_start)
-            else:
-                log.warning("replicas: cannot reach NATS at %s (%s); routing on local state",
-                            self.shown, failure)
-            return False
-        self._nc = nc
-        if not self._admit(self._nc._server_info, at_start=at_start):
-            return True  # connected to a server it will not use: degraded until it changes
+            return exc.__class__.__name__
+        return ""
+
+    async def _failed(self, nc: Any, attempt: _Attempt, failure: str, *, at_start: bool) -> None:
+        """A connect that failed: its client closed, and why said (or raised, at start)."""
+        with trio.CancelScope(shield=True), trio.move_on_after(GOODBYE_TIMEOUT_S):
+            await _close(nc)
+        # the server's refusal, though the connection's reset may be reported after it
+        problem = attempt.refused or refusal(self._last_error, self.config)
+        if problem is not None:
+            self._refuse(problem, at_start=at_start)
+        else:
+            log.warning("replicas: cannot reach NATS at %s (%s); routing on local state",
+                        self.shown, failure)
+
+    async def _disconnected(self) -> None:
+        if self.connected:
+            self.counts["outages"] += 1
+            log.warning("replicas: lost NATS at %s; routing on local state until it "
+                        "is back", self.shown)
+        self.connected = False
+        self.peers.clear()  # their word is stale from now on
+        self._apply_peers()
+
+    async def _reconnected(self, nc: Any) -> None:
+        # the server may have changed under the same URL: it is judged again
+        if not self._admit(getattr(nc, "_server_info", None) or {}, at_start=False):
+            return
         self.connected = True
-        log.info("replicas: replica %s sharing over %s (cluster %s)", self.replica, self.shown,
-                 self.config.cluster)
-        return True
+        self._last_sent = None  # resync: everyone hears our whole state at once
+        self._keep_backlog()
+        log.info("replicas: NATS at %s is back", self.shown)
+
+    def _client_error(self, exc: Exception) -> str | None:
+        """Note what the NATS client complains of; why connecting again cannot help, if so."""
+        self._last_error = scrubbed(str(exc), self.url)  # it may quote the URL
+        log.debug("replicas: NATS client error: %s", exc)
+        return refusal(self._last_error, self.config)
 
     async def _connect_later(self) -> None:
         connected = False
@@ -451,10 +450,7 @@ class ReplicaLink:
             except Exception as exc:
                 log.debug("replicas: goodbye not sent: %s", exc)
         self.connected = False
-        try:
-            await trio_asyncio.aio_as_trio(nc.close)()
-        except Exception as exc:
-            log.debug("replicas: NATS close: %s", exc)
+        await _close(nc)
 
     # -- receiving ----------------------------------------------------------------------
 
@@ -586,3 +582,32 @@ class ReplicaLink:
         if self.metrics is not None:
             self.metrics.replica_degraded.set(1 if self.degraded else 0)
             self.metrics.replica_peers.set(len(self.peers))
+
+
+async def _close(nc: Any) -> None:
+    try:
+        await trio_asyncio.aio_as_trio(nc.close)()
+    except Exception as exc:
+        log.debug("replicas: NATS close: %s", exc)
+
+
+class _Attempt:
+    """One ``nats.connect``'s client errors: while it is under way, a refusal ends it
+    (asking again changes nothing); later, nats-py is reconnecting, and a refusal is
+    said once and leaves the link degraded."""
+
+    def __init__(self, link: ReplicaLink) -> None:
+        self.link = link
+        self.connecting = True  # the first connect; the later reconnects are nats-py's
+        self.refused: str | None = None  # its refusal (a reset that follows it is not news)
+
+    async def error(self, exc: Exception) -> None:
+        problem = self.link._client_error(exc)
+        if problem is None:
+            return
+        if self.connecting:
+            self.refused = self.refused or problem
+            # out of nats.connect's retry loop (raised before it half-closes its socket,
+            # which nc.close() then closes whole)
+            raise NatsRefused(problem)
+        self.link._refuse(problem, at_start=False)  # a reconnect refused: said once
