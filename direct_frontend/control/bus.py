@@ -8,8 +8,10 @@ reads a server's ``INFO`` line before anything is sent to it, and
 :func:`server_problem` says why a replica will not share over that server:
 one that lets any client in (anyone who reaches it would read stored
 responses and steer routing) unless ``insecure = true``, or one without TLS
-when TLS is required. :class:`ChunkInbox` receives what a sibling sends in
-pieces (a KV index, a stored response): more than one NATS message holds.
+when TLS is required. :class:`Link` is what the link's helpers
+(control/response_rpc.py, control/kv_share.py) use of it; :class:`ChunkInbox`
+receives what a sibling sends in pieces (a KV index, a stored response):
+more than one NATS message holds.
 """
 
 from __future__ import annotations
@@ -25,11 +27,12 @@ import math
 import ssl
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 import trio
 
+from direct_frontend.control.replica_wire import Subjects
 from direct_frontend.fleet.bus import nats_credentials
 from direct_frontend.fleet.schema import ReplicasConfig
 from direct_frontend.kv.snapshot import Reassembly
@@ -213,3 +216,20 @@ class ChunkInbox:
             await trio_asyncio.aio_as_trio(self._subscription.unsubscribe)()
         except Exception as exc:
             log.debug("replicas: unsubscribe: %s", exc)
+
+
+class Link(Protocol):
+    """What the replica link's helpers use of it (control/replicas.py ``ReplicaLink``)."""
+
+    replica: str
+    subjects: Subjects
+    counts: dict[str, int]
+
+    @property
+    def connection(self) -> Any:
+        """The NATS client while the link shares over it; None while it is down."""
+        ...
+
+    async def publish(self, subject: str, data: bytes) -> bool: ...
+
+    def malformed(self, what: str) -> None: ...

@@ -7,7 +7,7 @@ load term of the routing cost, routing/peers.py), the approximate-mode
 placements it makes, and the transport faults its requests see, which every
 sibling acts on at once. A replica that starts late asks one sibling (a
 queue group picks it) for its KV index before its engines start
-(control/kv_plane.py ``offer``). A stored response (the Responses API) stays
+(control/kv_share.py). A stored response (the Responses API) stays
 with the replica that answered it; a sibling asks that replica for it
 (control/response_rpc.py), over this link.
 
@@ -37,11 +37,9 @@ from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-import msgspec
 import trio
 
 from direct_frontend.control.bus import (
-    ChunkInbox,
     NatsRefused,
     connect_options,
     is_open,
@@ -49,6 +47,7 @@ from direct_frontend.control.bus import (
     refusal,
     server_problem,
 )
+from direct_frontend.control.kv_share import KvShare
 from direct_frontend.control.replica_wire import (
     FaultReport,
     LoadReport,
@@ -62,7 +61,6 @@ from direct_frontend.errors import EngineError
 from direct_frontend.fleet.bus import nats_auth_summary, scrubbed, shown_url
 from direct_frontend.fleet.describe import JsonValue
 from direct_frontend.fleet.schema import ReplicasConfig
-from direct_frontend.kv.snapshot import decode_snapshot, encode_snapshot, split
 from direct_frontend.openai.response_store import ResponseStore
 from direct_frontend.routing.catalog import EngineHandle
 from direct_frontend.routing.peers import (
@@ -109,12 +107,13 @@ class ReplicaLink:
         self.shown = shown_url(config.nats)  # the URL as logs and /fleet show it
         self.supervisor = supervisor
         self.placements = placements
-        self.kv = kv
         self.metrics = metrics
         self.subjects = Subjects(config.cluster)
         self.replica = replica_id or (
             f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
         )
+        #: shares ``kv``'s index with a sibling that starts late, and warms it from one
+        self.kv_share = None if kv is None else KvShare(self, kv, config.snapshot_timeout_s)
         #: asks siblings for the stored responses they hold, and answers for ``responses``
         self.stored: ResponseRpc | None = None
         if responses is not None:  # its siblings find what it holds through us
@@ -213,7 +212,8 @@ class ReplicaLink:
             connected = await self._connect(at_start=True)  # a refusal ends it here
             async with trio.open_nursery() as nursery:
                 if connected:
-                    await self._warm_start()
+                    self.warm = "no KV index" if self.kv_share is None else (
+                        await self.kv_share.warm_start(self._nc))
                     await self._subscribe()
                 else:
                     self.warm = "NATS unreachable at start"
@@ -352,7 +352,7 @@ class ReplicaLink:
         for subject in (self.subjects.load, self.subjects.fault, self.subjects.placements,
                         *self.listeners):
             await subscribe(subject, cb=deliver)
-        if self.kv is not None:
+        if self.kv_share is not None:
             # a queue group: one sibling answers each late replica
             await subscribe(self.subjects.snapshot, queue="kv-snapshot", cb=deliver)
         if self.stored is not None:
@@ -465,8 +465,8 @@ class ReplicaLink:
                 self._on_peer_fault(data)
             elif subject == self.subjects.placements:
                 self._on_placements(data)
-            elif subject == self.subjects.snapshot:
-                await self._serve_snapshot(data, reply)
+            elif self.kv_share is not None and subject == self.subjects.snapshot:
+                await self.kv_share.serve(data, reply)
             elif self.stored is not None and subject == self.stored.subject:
                 await self.stored.serve(data, reply)
             elif (listener := self.listeners.get(subject)) is not None:
@@ -522,59 +522,6 @@ class ReplicaLink:
         for engine, hashes in message.each():
             self.placements.from_peer(engine, hashes, now)
         return None
-
-    # -- KV index snapshots -------------------------------------------------------------
-
-    async def _serve_snapshot(self, inbox: bytes, reply: str) -> None:
-        """A late sibling asks: say yes, then send our index to its inbox in chunks."""
-        if self.kv is None or not reply:
-            return
-        data = encode_snapshot(self.kv.snapshot(self.replica))  # one synchronous look
-        await self._publish(reply, b"ok")
-        target = inbox.decode(errors="replace")
-        for chunk in split(data):
-            await self._publish(target, chunk)
-        self.counts["snapshots_served"] += 1
-
-    async def _warm_start(self) -> None:
-        """Ask one sibling for its KV index; load it, or say why not (then start cold)."""
-        if self.kv is None:
-            self.warm = "no KV index"
-            return
-        import nats.errors
-
-        timeout = self.config.snapshot_timeout_s
-        inbox = await ChunkInbox.open(self._nc)
-        try:
-            with trio.move_on_after(timeout) as scope:
-                try:
-                    await trio_asyncio.aio_as_trio(self._nc.request)(
-                        self.subjects.snapshot, inbox.subject.encode(), timeout=timeout
-                    )
-                except nats.errors.NoRespondersError:
-                    self.warm = "cold: no sibling to ask"
-                    return
-                except nats.errors.TimeoutError:
-                    self.warm = "cold: no sibling answered"
-                    return
-                snapshot = decode_snapshot(await inbox.reassembled())
-            if scope.cancelled_caught:
-                self.warm = f"cold: the snapshot did not arrive within {timeout:g}s"
-                return
-        except (ValueError, msgspec.DecodeError) as exc:
-            self.warm = f"cold: a malformed snapshot ({exc})"
-            return
-        finally:
-            await inbox.close()
-        refused = self.kv.offer(snapshot)
-        blocks = sum(len(rank) for rank in snapshot.ranks)
-        if refused is not None:
-            self.warm = f"refused {snapshot.replica}'s snapshot: {refused}"
-            log.warning("replicas: %s", self.warm)
-        else:
-            self.warm = (f"from {snapshot.replica}: {len(snapshot.ranks)} rank(s), "
-                         f"{blocks} blocks")
-            log.info("replicas: KV index warm %s", self.warm)
 
     # -- metrics ------------------------------------------------------------------------
 

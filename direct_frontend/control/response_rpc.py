@@ -9,8 +9,8 @@ says yes or no, then sends the record to the asker's inbox in chunks (a long
 conversation outgrows a NATS message).
 
 The link (control/replicas.py) owns the connection; this module speaks
-through what :class:`Link` names of it, and the link hands it every message
-on :attr:`ResponseRpc.subject`.
+through what :class:`~direct_frontend.control.bus.Link` names of it, and the
+link hands it every message on :attr:`ResponseRpc.subject`.
 """
 
 from __future__ import annotations
@@ -21,12 +21,12 @@ import trio_asyncio  # before nats, see cli.py
 # isort: split
 import logging
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any, ClassVar, Protocol
+from typing import ClassVar
 
 import trio
 
-from direct_frontend.control.bus import ChunkInbox
-from direct_frontend.control.replica_wire import ResponseQuery, Subjects, decode, encode
+from direct_frontend.control.bus import ChunkInbox, Link
+from direct_frontend.control.replica_wire import ResponseQuery, decode, encode
 from direct_frontend.kv.snapshot import CHUNK_BYTES, split
 from direct_frontend.openai.response_store import (
     CANCELLED,
@@ -40,23 +40,6 @@ log = logging.getLogger("direct_frontend.replicas")
 
 #: how long a request waits for the sibling that holds the stored response it names
 RESPONSE_TIMEOUT_S = 1.0
-
-
-class Link(Protocol):
-    """What the stored-response RPC uses of the replica link."""
-
-    replica: str
-    subjects: Subjects
-    counts: dict[str, int]
-
-    @property
-    def connection(self) -> Any:
-        """The NATS client while the link shares over it; None while it is down."""
-        ...
-
-    async def publish(self, subject: str, data: bytes) -> bool: ...
-
-    def malformed(self, what: str) -> None: ...
 
 
 class ResponseRpc:
