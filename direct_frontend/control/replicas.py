@@ -34,20 +34,16 @@ import secrets
 import socket
 import time
 from collections.abc import Callable
-from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import trio
 
-from direct_frontend.control.bus import (
-    NatsRefused,
-    connect_options,
-    is_open,
-    probe_info,
-    refusal,
-    server_problem,
-)
 from direct_frontend.control.kv_share import KvShare
+from direct_frontend.control.nats_session import (
+    RECONNECT_WAIT_S,
+    NatsSession,
+    close_client,
+)
 from direct_frontend.control.replica_wire import (
     FaultReport,
     LoadReport,
@@ -58,7 +54,7 @@ from direct_frontend.control.replica_wire import (
 )
 from direct_frontend.control.response_rpc import ResponseRpc
 from direct_frontend.errors import EngineError
-from direct_frontend.fleet.bus import nats_auth_summary, scrubbed, shown_url
+from direct_frontend.fleet.bus import nats_auth_summary
 from direct_frontend.fleet.describe import JsonValue
 from direct_frontend.fleet.schema import ReplicasConfig
 from direct_frontend.openai.response_store import ResponseStore
@@ -78,8 +74,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("direct_frontend.replicas")
 
-RECONNECT_WAIT_S = 0.25
-CONNECT_TIMEOUT_S = 1.0
 GOODBYE_TIMEOUT_S = 1.0
 #: faults kept while the link is down (they are only news for a short while)
 MAX_PENDING_FAULTS = 64
@@ -101,10 +95,7 @@ class ReplicaLink:
         replica_id: str | None = None,
         responses: ResponseStore | None = None,
     ) -> None:
-        assert config.nats is not None
         self.config = config
-        self.url = config.nats
-        self.shown = shown_url(config.nats)  # the URL as logs and /fleet show it
         self.supervisor = supervisor
         self.placements = placements
         self.metrics = metrics
@@ -118,19 +109,16 @@ class ReplicaLink:
         self.stored: ResponseRpc | None = None
         if responses is not None:  # its siblings find what it holds through us
             self.stored = responses.remote = ResponseRpc(self, responses)
+        self.session = NatsSession(config, self.replica, lost=self._disconnected,
+                                   back=self._reconnected)
         self.peers = PeerLoads(config.peer_timeout_s)
         self.connected = False
-        #: why this replica does not share over the server it reached (None: it does)
-        self.refusal: str | None = None
         self.warm = "not asked"  # how the KV index started: from whom, or why not
         self.counts = {"received": 0, "malformed": 0, "faults_shared": 0,
                        "faults_acted_on": 0, "snapshots_served": 0, "outages": 0,
                        "responses_served": 0, "responses_fetched": 0,
                        "response_fetches_failed": 0}
         self._nc: Any = None
-        self._options: dict[str, Any] = {}  # nats.connect's credentials and TLS, read at start
-        self._last_error = ""  # the NATS client's last complaint (why a connect failed)
-        self._said_open = False  # the warning about an open server (insecure = true) is out
         self._faults: list[FaultReport] = []
         #: what was placed while the link was down, sent again to each sibling heard anew
         #: until ``_backlog_until`` (NATS keeps nothing for a sibling not yet back)
@@ -159,6 +147,11 @@ class ReplicaLink:
         return not self.connected
 
     @property
+    def refusal(self) -> str | None:
+        """Why this replica does not share over the server it reached (None: it does)."""
+        return self.session.refusal
+
+    @property
     def connection(self) -> Any:
         """The NATS client while the link shares over it; None while it is down."""
         return self._nc if self.connected else None
@@ -167,7 +160,7 @@ class ReplicaLink:
         """The ``replicas`` part of ``GET /fleet``."""
         return {
             "replica": self.replica,
-            "nats": self.shown,
+            "nats": self.session.shown,
             "cluster": self.config.cluster,
             "auth": nats_auth_summary(self.config),
             "connected": self.connected,
@@ -207,7 +200,7 @@ class ReplicaLink:
         :class:`~direct_frontend.control.bus.NatsRefused`; met later, it is
         logged and the link stays degraded.
         """
-        self._options = connect_options(self.config, os.environ)
+        self.session.read_secrets(os.environ)
         try:
             connected = await self._connect(at_start=True)  # a refusal ends it here
             async with trio.open_nursery() as nursery:
@@ -225,106 +218,32 @@ class ReplicaLink:
             with trio.CancelScope(shield=True), trio.move_on_after(GOODBYE_TIMEOUT_S):
                 await self._goodbye()
 
-    def _refuse(self, problem: str, *, at_start: bool) -> None:
-        """Not sharing over this server: at start the daemon does not start; later, it
-        is said once (each new reason) and the link stays degraded."""
-        message = f"replicas: not sharing over NATS at {self.shown}: {problem}"
-        if at_start:
-            raise NatsRefused(message)
-        if problem != self.refusal:
-            log.error("%s; routing on local state", message)
-        self.refusal = problem
-
-    def _admit(self, info: dict[str, Any], *, at_start: bool) -> bool:
-        """Whether this replica shares over the server that sent ``info``."""
-        problem = server_problem(info, self.config)
-        if problem is not None:
-            self._refuse(problem, at_start=at_start)
-            return False
-        if is_open(info) and not self._said_open:
-            self._said_open = True
-            log.warning("replicas: NATS at %s lets any client in (insecure = true): anyone "
-                        "who reaches it can read stored responses and steer routing",
-                        self.shown)
-        self.refusal = None
-        return True
-
     async def _connect(self, *, at_start: bool = False) -> bool:
         """One connect attempt: True once connected (sharing, or degraded on a server it
         will not use until it changes), False if not (said why)."""
-        from nats.aio.client import Client  # the replicas extra: imported only when configured
-
-        info = await probe_info(self.url or "")
-        if info is not None and not self._admit(info, at_start=at_start):
-            return False  # nothing was sent to it
-        self._last_error = ""
-        nc = Client()  # held here, so a failed attempt's socket is closed, not left to the GC
-        attempt = _Attempt(self)
-        failure = await self._open(nc, attempt)
-        attempt.connecting = False  # whatever nats-py reports from now on is not about it
-        if failure:
-            await self._failed(nc, attempt, failure, at_start=at_start)
+        reached = await self.session.connect(at_start=at_start)
+        if reached is None:
             return False
-        self._nc = nc
-        if not self._admit(nc._server_info, at_start=at_start):
-            return True  # connected to a server it will not use: degraded until it changes
-        self.connected = True
-        log.info("replicas: replica %s sharing over %s (cluster %s)", self.replica, self.shown,
-                 self.config.cluster)
+        self._nc, self.connected = reached
+        if self.connected:
+            log.info("replicas: replica %s sharing over %s (cluster %s)", self.replica,
+                     self.session.shown, self.config.cluster)
         return True
-
-    async def _open(self, nc: Any, attempt: _Attempt) -> str:
-        """``nats.connect`` on ``nc``: the name of what stopped it, or "" once connected."""
-        try:
-            with trio.fail_after(CONNECT_TIMEOUT_S * 2):
-                await trio_asyncio.aio_as_trio(nc.connect)(
-                    servers=[self.url], name=self.replica, no_echo=True,
-                    allow_reconnect=True, max_reconnect_attempts=-1,
-                    reconnect_time_wait=RECONNECT_WAIT_S, connect_timeout=CONNECT_TIMEOUT_S,
-                    ping_interval=5, max_outstanding_pings=2,
-                    disconnected_cb=self._disconnected,
-                    reconnected_cb=partial(self._reconnected, nc), error_cb=attempt.error,
-                    **self._options,
-                )
-        except Exception as exc:  # nats-py's own, ours from error(), or the timeout
-            return exc.__class__.__name__
-        return ""
-
-    async def _failed(self, nc: Any, attempt: _Attempt, failure: str, *, at_start: bool) -> None:
-        """A connect that failed: its client closed, and why said (or raised, at start)."""
-        with trio.CancelScope(shield=True), trio.move_on_after(GOODBYE_TIMEOUT_S):
-            await _close(nc)
-        # the server's refusal, though the connection's reset may be reported after it
-        problem = attempt.refused or refusal(self._last_error, self.config)
-        if problem is not None:
-            self._refuse(problem, at_start=at_start)
-        else:
-            log.warning("replicas: cannot reach NATS at %s (%s); routing on local state",
-                        self.shown, failure)
 
     async def _disconnected(self) -> None:
         if self.connected:
             self.counts["outages"] += 1
             log.warning("replicas: lost NATS at %s; routing on local state until it "
-                        "is back", self.shown)
+                        "is back", self.session.shown)
         self.connected = False
         self.peers.clear()  # their word is stale from now on
         self._apply_peers()
 
-    async def _reconnected(self, nc: Any) -> None:
-        # the server may have changed under the same URL: it is judged again
-        if not self._admit(getattr(nc, "_server_info", None) or {}, at_start=False):
-            return
+    async def _reconnected(self) -> None:
         self.connected = True
         self._last_sent = None  # resync: everyone hears our whole state at once
         self._keep_backlog()
-        log.info("replicas: NATS at %s is back", self.shown)
-
-    def _client_error(self, exc: Exception) -> str | None:
-        """Note what the NATS client complains of; why connecting again cannot help, if so."""
-        self._last_error = scrubbed(str(exc), self.url)  # it may quote the URL
-        log.debug("replicas: NATS client error: %s", exc)
-        return refusal(self._last_error, self.config)
+        log.info("replicas: NATS at %s is back", self.session.shown)
 
     async def _connect_later(self) -> None:
         connected = False
@@ -450,7 +369,7 @@ class ReplicaLink:
             except Exception as exc:
                 log.debug("replicas: goodbye not sent: %s", exc)
         self.connected = False
-        await _close(nc)
+        await close_client(nc)
 
     # -- receiving ----------------------------------------------------------------------
 
@@ -529,32 +448,3 @@ class ReplicaLink:
         if self.metrics is not None:
             self.metrics.replica_degraded.set(1 if self.degraded else 0)
             self.metrics.replica_peers.set(len(self.peers))
-
-
-async def _close(nc: Any) -> None:
-    try:
-        await trio_asyncio.aio_as_trio(nc.close)()
-    except Exception as exc:
-        log.debug("replicas: NATS close: %s", exc)
-
-
-class _Attempt:
-    """One ``nats.connect``'s client errors: while it is under way, a refusal ends it
-    (asking again changes nothing); later, nats-py is reconnecting, and a refusal is
-    said once and leaves the link degraded."""
-
-    def __init__(self, link: ReplicaLink) -> None:
-        self.link = link
-        self.connecting = True  # the first connect; the later reconnects are nats-py's
-        self.refused: str | None = None  # its refusal (a reset that follows it is not news)
-
-    async def error(self, exc: Exception) -> None:
-        problem = self.link._client_error(exc)
-        if problem is None:
-            return
-        if self.connecting:
-            self.refused = self.refused or problem
-            # out of nats.connect's retry loop (raised before it half-closes its socket,
-            # which nc.close() then closes whole)
-            raise NatsRefused(problem)
-        self.link._refuse(problem, at_start=False)  # a reconnect refused: said once
