@@ -349,9 +349,11 @@ class PodDiscovery:
         """Watch ``fleet``'s pools: new ones start, removed ones stop, changed ones relist.
 
         A changed pool's new watch offers its old engines until its first list.
+        Before :meth:`run`, ``fleet`` is only kept: the watches start from it.
         """
-        assert self._nursery is not None
         self.fleet = fleet
+        if self._nursery is None:
+            return
         settings = fleet.frontend.kubernetes
         wanted = {pool.name: pool for pool in fleet.pools}
         # wait_for_pods is read once, at start: changing it restarts no watch

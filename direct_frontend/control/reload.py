@@ -126,6 +126,7 @@ class ControlPlane:
         placements: PlacementShare | None = None,
         replicas: Callable[[], JsonValue] | None = None,
         adapt: Callable[[FleetConfig], FleetConfig] | None = None,
+        discover_pods: bool = False,
     ) -> None:
         self.running = fleet
         #: the fleet file as this process runs it (a worker's: control/workers.py worker_fleet)
@@ -145,7 +146,7 @@ class ControlPlane:
         self.placements = placements  # a new kv_aware policy shares its placements here
         self._replicas = replicas  # the replica link's view, for /fleet
         #: the [[pool]] watches, when the daemon runs them (their engines join ``running``)
-        self.pods: PodDiscovery | None = None
+        self.pods = PodDiscovery(fleet, metrics, self.apply_membership) if discover_pods else None
         #: pool engines left out, each with the engine that has its address (or name)
         self.pool_clashes: dict[str, str] = {}
         supervisor.listeners.append(self._on_engine)
