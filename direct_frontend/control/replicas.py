@@ -34,7 +34,7 @@ import secrets
 import socket
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import trio
 
@@ -79,6 +79,8 @@ GOODBYE_TIMEOUT_S = 1.0
 MAX_PENDING_FAULTS = 64
 
 Inbound = tuple[str, bytes, str]  # subject, data, reply subject
+#: what siblings tell each other on the link's own subjects
+_Word = TypeVar("_Word", LoadReport, FaultReport, Placements)
 
 
 class ReplicaLink:
@@ -374,34 +376,41 @@ class ReplicaLink:
     # -- receiving ----------------------------------------------------------------------
 
     async def _receive_loop(self) -> None:
+        heard = {  # a sibling's word, each read and acted on at once
+            self.subjects.load: self._hear(LoadReport, "load", self._on_load),
+            self.subjects.fault: self._hear(FaultReport, "fault", self._on_peer_fault),
+            self.subjects.placements: self._hear(Placements, "placements", self._on_placements),
+            **self.listeners,
+        }
         async for subject, data, reply in self._rx:
             if not self.connected:  # a server this replica refuses: nobody there is a sibling
                 continue
             self.counts["received"] += 1
-            if subject == self.subjects.load:
-                self._on_load(data)
-            elif subject == self.subjects.fault:
-                self._on_peer_fault(data)
-            elif subject == self.subjects.placements:
-                self._on_placements(data)
+            if (hear := heard.get(subject)) is not None:
+                hear(data)
             elif self.kv_share is not None and subject == self.subjects.snapshot:
                 await self.kv_share.serve(data, reply)
             elif self.stored is not None and subject == self.stored.subject:
                 await self.stored.serve(data, reply)
-            elif (listener := self.listeners.get(subject)) is not None:
-                listener(data)
+
+    def _hear(self, kind: type[_Word], what: str,
+              act: Callable[[_Word], None]) -> Callable[[bytes], None]:
+        """What reads a sibling's ``kind`` of message: skipped if malformed or our own."""
+        def hear(data: bytes) -> None:
+            message = decode(kind, data)
+            if message is None:
+                self.malformed(what)
+            elif message.replica != self.replica:
+                act(message)
+
+        return hear
 
     def malformed(self, what: str) -> None:
         """A message from a sibling that could not be read: counted, skipped."""
         self.counts["malformed"] += 1
         log.debug("replicas: a malformed %s message (skipped)", what)
 
-    def _on_load(self, data: bytes) -> None:
-        report = decode(LoadReport, data)
-        if report is None:
-            return self.malformed("load")
-        if report.replica == self.replica:
-            return None
+    def _on_load(self, report: LoadReport) -> None:
         if report.leaving:
             self.peers.leave(report.replica)
         else:
@@ -413,34 +422,22 @@ class ReplicaLink:
                     self.placements.put_back(self._backlog)  # nor of what we placed offline
                 self._on_urgent()
         self._apply_peers()
-        return None
 
     def _apply_peers(self) -> None:
         apply_peer_loads(self.supervisor.catalog.engines, self.peers.totals())
 
-    def _on_peer_fault(self, data: bytes) -> None:
-        report = decode(FaultReport, data)
-        if report is None:
-            return self.malformed("fault")
+    def _on_peer_fault(self, report: FaultReport) -> None:
         error = report.error()
-        if report.replica == self.replica or error is None:
-            return None
-        if self.supervisor.report_peer_fault(report.engine, report.url, error):
+        if error is not None and self.supervisor.report_peer_fault(report.engine, report.url,
+                                                                   error):
             self.counts["faults_acted_on"] += 1
             log.info("engine %s: out of rotation, replica %s saw it fail (%s)", report.engine,
                      report.replica, report.message, extra={"engine": report.engine})
-        return None
 
-    def _on_placements(self, data: bytes) -> None:
-        message = decode(Placements, data)
-        if message is None:
-            return self.malformed("placements")
-        if message.replica == self.replica:
-            return None
+    def _on_placements(self, message: Placements) -> None:
         now = time.monotonic()
         for engine, hashes in message.each():
             self.placements.from_peer(engine, hashes, now)
-        return None
 
     # -- metrics ------------------------------------------------------------------------
 

@@ -20,7 +20,7 @@ import trio.testing
 import trio_asyncio
 
 from direct_frontend.control.bus import NatsRefused
-from direct_frontend.control.replica_wire import LoadReport, ResponseQuery, encode
+from direct_frontend.control.replica_wire import LoadReport, ResponseQuery
 from direct_frontend.control.replicas import ReplicaLink
 from direct_frontend.control.supervisor import Supervisor
 from direct_frontend.errors import EngineError, ErrorKind
@@ -91,12 +91,12 @@ def test_what_was_placed_offline_goes_again_to_each_sibling_heard_anew_within_a_
         share.put_back(list(offline))  # placed while the link was down
         link._keep_backlog()  # the link is back
         assert share.take() == offline  # sent at once, to the siblings already back
-        link._on_load(encode(LoadReport.of("late", 1, {})))
+        link._on_load(LoadReport.of("late", 1, {}))
         assert share.take() == offline  # again, for the sibling back after that
-        link._on_load(encode(LoadReport.of("late", 2, {})))
+        link._on_load(LoadReport.of("late", 2, {}))
         assert share.take() == []  # once per sibling
         clock.jump(link.config.peer_timeout_s + 0.1)
-        link._on_load(encode(LoadReport.of("later", 1, {})))
+        link._on_load(LoadReport.of("later", 1, {}))
         assert share.take() == []
 
     trio.run(main, clock=clock)
