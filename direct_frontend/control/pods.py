@@ -363,7 +363,7 @@ class PodDiscovery:
         if restart_all and self._client is not None:
             # the watches end first: one that had its last answer in hand when cancelled
             # runs on to its next request before the cancel reaches it, and a request on
-            # a closed client is an error (it took the daemon down in CI)
+            # a closed client is an error that ends the daemon
             for watch in self.watches.values():
                 watch.scope.cancel()
             with trio.move_on_after(WATCHES_END_S):

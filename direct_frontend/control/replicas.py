@@ -333,7 +333,7 @@ class ReplicaLink:
         too unless the last one went less than ``publish_interval_s`` ago, else
         at that mark: a sibling placing a request a few milliseconds after ours
         must already count it (else both send new prompts to the same idle
-        engine, issue 14), yet a busy replica sends no more than one report
+        engine), yet a busy replica sends no more than one report
         per interval.
 
         Times are Trio's clock and the waits end at a deadline, never after a
