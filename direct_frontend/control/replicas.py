@@ -127,9 +127,8 @@ class ReplicaLink:
         self._backlog: list[tuple[str, tuple[int, ...]]] = []
         self._backlog_until = -math.inf
         self._tx, self._rx = trio.open_memory_channel[Inbound](math.inf)
-        #: more subjects, each with what hears its messages (control/rate_share.py); set
-        #: before :meth:`run`, which subscribes to them
-        self.listeners: dict[str, Callable[[bytes], None]] = {}
+        #: more subjects, each with what hears its messages (:meth:`listen`)
+        self._listeners: dict[str, Callable[[bytes], None]] = {}
         self._seq = 0
         self._last_sent: Loads | None = None
         self._last_sent_at = -math.inf
@@ -271,13 +270,18 @@ class ReplicaLink:
 
         subscribe = trio_asyncio.aio_as_trio(nc.subscribe)
         for subject in (self.subjects.load, self.subjects.fault, self.subjects.placements,
-                        *self.listeners):
+                        *self._listeners):
             await subscribe(subject, cb=deliver)
         if self.kv_share is not None:
             # a queue group: one sibling answers each late replica
             await subscribe(self.subjects.snapshot, queue="kv-snapshot", cb=deliver)
         if self.stored is not None:
             await subscribe(self.stored.subject, cb=deliver)
+
+    def listen(self, subject: str, hear: Callable[[bytes], None]) -> None:
+        """Hand every message on ``subject`` to ``hear``; said before :meth:`run`, which
+        subscribes to it (control/rate_share.py's subject)."""
+        self._listeners[subject] = hear
 
     async def publish(self, subject: str, data: bytes) -> bool:
         """Send ``data`` on ``subject``; False if the link is down or the send failed."""
@@ -380,7 +384,7 @@ class ReplicaLink:
             self.subjects.load: self._hear(LoadReport, "load", self._on_load),
             self.subjects.fault: self._hear(FaultReport, "fault", self._on_peer_fault),
             self.subjects.placements: self._hear(Placements, "placements", self._on_placements),
-            **self.listeners,
+            **self._listeners,
         }
         async for subject, data, reply in self._rx:
             if not self.connected:  # a server this replica refuses: nobody there is a sibling
