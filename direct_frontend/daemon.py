@@ -200,8 +200,7 @@ async def _assemble(
     control = ControlPlane(fleet, supervisor, builder, metrics, notifier, digest,
                            placements=placements,
                            replicas=None if link is None else link.status,
-                           adapt=None if worker is None else partial(worker_fleet, role=worker),
-                           discover_pods=True)
+                           adapt=None if worker is None else partial(worker_fleet, role=worker))
     tracing = _open_tracing(fleet.frontend.tracing)
     app = App(control, metrics, tracing, responses, durable, limiter)
     if worker is not None:
@@ -233,7 +232,6 @@ async def _start_control(nursery: trio.Nursery, parts: _Parts, fleet: FleetConfi
     if parts.share is not None:
         nursery.start_soon(parts.share.run)
     await nursery.start(parts.supervisor.run)
-    assert parts.control.pods is not None
     await nursery.start(parts.control.pods.run)
     app = parts.app
     if app.background is not None:

@@ -38,12 +38,7 @@ from direct_frontend.fleet.problems import FleetError, FleetProblem
 from direct_frontend.fleet.schema import EngineConfig, FleetConfig, FrontendConfig
 from direct_frontend.observability.metrics import Metrics
 from direct_frontend.observability.sdnotify import Notifier
-from direct_frontend.pipeline.models import (
-    ModelTable,
-    queue_depths,
-    serving_counts,
-    tenant_queue_depths,
-)
+from direct_frontend.pipeline.models import ModelTable, ServedModel
 from direct_frontend.pipeline.settings import Settings
 from direct_frontend.routing.peers import PlacementShare
 
@@ -126,7 +121,6 @@ class ControlPlane:
         placements: PlacementShare | None = None,
         replicas: Callable[[], JsonValue] | None = None,
         adapt: Callable[[FleetConfig], FleetConfig] | None = None,
-        discover_pods: bool = False,
     ) -> None:
         self.running = fleet
         #: the fleet file as this process runs it (a worker's: control/workers.py worker_fleet)
@@ -145,8 +139,8 @@ class ControlPlane:
         self._lock = trio.Lock()
         self.placements = placements  # a new kv_aware policy shares its placements here
         self._replicas = replicas  # the replica link's view, for /fleet
-        #: the [[pool]] watches, when the daemon runs them (their engines join ``running``)
-        self.pods = PodDiscovery(fleet, metrics, self.apply_membership) if discover_pods else None
+        #: the [[pool]] watches, once the daemon runs them (their engines join ``running``)
+        self.pods = PodDiscovery(fleet, metrics, self.apply_membership)
         #: pool engines left out, each with the engine that has its address (or name)
         self.pool_clashes: dict[str, str] = {}
         supervisor.listeners.append(self._on_engine)
@@ -192,7 +186,7 @@ class ControlPlane:
             "total": len(self.supervisor.children),
             "engines": engines,
             "models": self._models_status(),
-            "pools": [] if self.pods is None else self.pods.status(),
+            "pools": self.pods.status(),
             "waiting_for_pools": list(self.waiting_for_pools()),
             "pool_clashes": dict(self.pool_clashes),
             "fleet": to_jsonable(self.running),
@@ -202,7 +196,6 @@ class ControlPlane:
         }
 
     def _models_status(self) -> list[JsonValue]:
-        serving = serving_counts(self.models)
         out: list[JsonValue] = []
         for model in self.models.models:
             engines: list[JsonValue] = [*sorted({e.name for e in model.catalog.engines})]
@@ -210,7 +203,7 @@ class ControlPlane:
             aliases: list[JsonValue] = list(model.config.aliases)
             out.append({
                 "name": model.name, "aliases": aliases, "adapters": adapters,
-                "serving": serving[model.name], "engines": engines,
+                "serving": _serving(model), "engines": engines,
                 "policy": model.settings.policy.name,
                 "in_flight": model.settings.admission.in_flight,
             })
@@ -228,8 +221,6 @@ class ControlPlane:
 
     def waiting_for_pools(self) -> list[str]:
         """Pools ``wait_for_pods`` still holds ``/ready`` for (start-up only)."""
-        if self.pods is None:
-            return []
         return self.pods.pending({
             child.cfg.pool for child in self.supervisor.incarnations.values()
             if child.cfg.pool is not None and child.state is EngineState.SERVING
@@ -244,12 +235,11 @@ class ControlPlane:
             self.metrics.set_engine_state(name, child.state.value)  # type: ignore[arg-type]
             load = child.handle.load.in_flight if child.handle is not None else 0
             self.metrics.set_engine_in_flight(name, load)
-        for model, count in serving_counts(self.models).items():
-            self.metrics.model_series(model).engines_serving(count)
-        for model, waiting in queue_depths(self.models).items():
-            self.metrics.model_series(model).queue_depth(waiting)
-        for model, by_tenant in tenant_queue_depths(self.models).items():
-            self.metrics.model_series(model).tenant_queue_depths(by_tenant)
+        for model in self.models.models:  # the engines serving it, its queue by tenant
+            series = self.metrics.model_series(model.name)
+            series.engines_serving(_serving(model))
+            series.queue_depth(model.settings.admission.waiting)
+            series.tenant_queue_depths(model.settings.admission.waiting_by())
         if self.supervisor.kv is not None:
             self.supervisor.kv.export()
 
@@ -296,7 +286,7 @@ class ControlPlane:
             self._check_kv_block_size(new)
             await self.builder.load(new)  # new tokenizers, in a worker thread
             # the pools' engines as last seen (a changed pool keeps its own until relisted)
-            new, clashes = merge_pool_engines(new, {} if self.pods is None else self.pods.members())
+            new, clashes = merge_pool_engines(new, self.pods.members())
             self._note_clashes(clashes)
         except FleetError as exc:
             for problem in exc.problems:
@@ -309,8 +299,7 @@ class ControlPlane:
             new, frontend=keep_restart_fields(new.frontend, self.running.frontend)
         )
         self._apply(effective, diff)
-        if self.pods is not None:
-            await self.pods.reconcile(effective)
+        await self.pods.reconcile(effective)
         self.digest = digest
         return ReloadResult(True, trigger, time.time(), self.version, digest, diff=diff)
 
@@ -387,3 +376,6 @@ def _read(path: Path) -> bytes:
         raise FleetError([problem]) from None
 
 
+def _serving(model: ServedModel) -> int:
+    """Engines serving ``model`` (an engine's incarnations count once)."""
+    return len({e.name for e in model.catalog.engines})

@@ -140,22 +140,3 @@ class ModelTable:
 def _largest_context(catalog: Catalog) -> int | None:
     limits = [e.context_length for e in catalog.engines if e.context_length is not None]
     return max(limits) if limits else None
-
-
-
-def queue_depths(table: ModelTable) -> dict[str, int]:
-    """Requests waiting in each model's admission queue (by name), for the gauge."""
-    return {model.name: model.settings.admission.waiting for model in table.models}
-
-
-def tenant_queue_depths(table: ModelTable) -> dict[str, dict[tuple[str, str], int]]:
-    """Requests waiting in each model's admission queue by (tenant label, tier), for the
-    gauge."""
-    return {model.name: model.settings.admission.waiting_by() for model in table.models}
-
-
-def serving_counts(table: ModelTable) -> dict[str, int]:
-    """Engines serving each model (by name), for the gauge and ``/fleet``."""
-    return {
-        model.name: len({e.name for e in model.catalog.engines}) for model in table.models
-    }
