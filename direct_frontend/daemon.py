@@ -192,14 +192,14 @@ async def _assemble(
     )
     await builder.load(fleet)
     responses, durable = await _open_responses(fleet, metrics)
-    link = _replica_link(fleet, worker, supervisor, placements, kv, metrics, responses)
+    link = _replica_link(fleet, worker, supervisor, placements, kv, responses)
     limiter = RateLimiter(fleet.frontend.tenants)  # the tenants' rate limits
     # made before the link runs: it subscribes to the subject the share speaks on
     share = None if link is None else RateShare(
         limiter, link, lambda: control.settings.frontend.tenants)
     control = ControlPlane(fleet, supervisor, builder, metrics, notifier, digest,
                            placements=placements,
-                           replicas=None if link is None else link.status,
+                           link=link,
                            adapt=None if worker is None else partial(worker_fleet, role=worker))
     tracing = _open_tracing(fleet.frontend.tracing)
     app = App(control, metrics, tracing, responses, durable, limiter)
@@ -210,7 +210,7 @@ async def _assemble(
 
 def _replica_link(
     fleet: FleetConfig, worker: WorkerRole | None, supervisor: Supervisor,
-    placements: PlacementShare, kv: KvPlane, metrics: Metrics, responses: ResponseStore | None,
+    placements: PlacementShare, kv: KvPlane, responses: ResponseStore | None,
 ) -> ReplicaLink | None:
     """The link to the sibling replicas (a worker's: to its siblings), if any."""
     replicas = fleet.frontend.replicas
@@ -219,7 +219,7 @@ def _replica_link(
     if replicas.nats is None:
         return None
     return ReplicaLink(
-        replicas, supervisor, placements, kv=kv, metrics=metrics,
+        replicas, supervisor, placements, kv=kv,
         replica_id=None if worker is None else f"worker{worker.index}-{os.getpid()}",
         responses=responses,
     )

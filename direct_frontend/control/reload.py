@@ -15,6 +15,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -41,6 +42,9 @@ from direct_frontend.observability.sdnotify import Notifier
 from direct_frontend.pipeline.models import ModelTable, ServedModel
 from direct_frontend.pipeline.settings import Settings
 from direct_frontend.routing.peers import PlacementShare
+
+if TYPE_CHECKING:
+    from direct_frontend.control.replicas import ReplicaLink
 
 log = logging.getLogger("direct_frontend")
 
@@ -119,7 +123,7 @@ class ControlPlane:
         digest: str = "",
         *,
         placements: PlacementShare | None = None,
-        replicas: Callable[[], JsonValue] | None = None,
+        link: ReplicaLink | None = None,
         adapt: Callable[[FleetConfig], FleetConfig] | None = None,
     ) -> None:
         self.running = fleet
@@ -138,7 +142,7 @@ class ControlPlane:
         self.last_reload: ReloadResult | None = None
         self._lock = trio.Lock()
         self.placements = placements  # a new kv_aware policy shares its placements here
-        self._replicas = replicas  # the replica link's view, for /fleet
+        self.link = link  # to the sibling replicas ([frontend.replicas]), for /fleet and gauges
         #: the [[pool]] watches, once the daemon runs them (their engines join ``running``)
         self.pods = PodDiscovery(fleet, metrics, self.apply_membership)
         #: pool engines left out, each with the engine that has its address (or name)
@@ -192,7 +196,7 @@ class ControlPlane:
             "fleet": to_jsonable(self.running),
             "events": {"subscribers": len(self.hub.subscribers),
                        "dropped": self.hub.dropped_total},
-            "replicas": None if self._replicas is None else self._replicas(),
+            "replicas": None if self.link is None else self.link.status(),
         }
 
     def _models_status(self) -> list[JsonValue]:
@@ -242,6 +246,9 @@ class ControlPlane:
             series.tenant_queue_depths(model.settings.admission.waiting_by())
         if self.supervisor.kv is not None:
             self.supervisor.kv.export()
+        if self.link is not None:
+            self.metrics.replica_degraded.set(1 if self.link.degraded else 0)
+            self.metrics.replica_peers.set(len(self.link.peers))
 
     def status_line(self) -> str:
         line = (f"{self.supervisor.serving_count}/{len(self.supervisor.children)} engines serving;"

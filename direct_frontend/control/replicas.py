@@ -70,7 +70,6 @@ from direct_frontend.routing.peers import (
 if TYPE_CHECKING:
     from direct_frontend.control.kv_plane import KvPlane
     from direct_frontend.control.supervisor import Supervisor
-    from direct_frontend.observability.metrics import Metrics
 
 log = logging.getLogger("direct_frontend.replicas")
 
@@ -93,14 +92,12 @@ class ReplicaLink:
         placements: PlacementShare,
         *,
         kv: KvPlane | None = None,
-        metrics: Metrics | None = None,
         replica_id: str | None = None,
         responses: ResponseStore | None = None,
     ) -> None:
         self.config = config
         self.supervisor = supervisor
         self.placements = placements
-        self.metrics = metrics
         self.subjects = Subjects(config.cluster)
         self.replica = replica_id or (
             f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
@@ -327,7 +324,6 @@ class ReplicaLink:
             if placed and not await self._publish(
                     self.subjects.placements, encode(Placements.of(self.replica, placed))):
                 self.placements.put_back(placed)  # sent when the link is back
-            self._export()
             await self._news()
 
     async def _news(self) -> None:
@@ -442,10 +438,3 @@ class ReplicaLink:
         now = time.monotonic()
         for engine, hashes in message.each():
             self.placements.from_peer(engine, hashes, now)
-
-    # -- metrics ------------------------------------------------------------------------
-
-    def _export(self) -> None:
-        if self.metrics is not None:
-            self.metrics.replica_degraded.set(1 if self.degraded else 0)
-            self.metrics.replica_peers.set(len(self.peers))
