@@ -108,7 +108,7 @@ def run(
                            help="Reload FLEET when the file changes (the default), or not.")
     ] = True,
     workers: Annotated[
-        Optional[str],  # noqa: UP045
+        str | None,
         typer.Option(metavar="N", help="Processes serving the port: a number or 'auto' (one "
                                        "per core)  [default: the fleet's workers, 1]"),
     ] = None,
@@ -195,7 +195,7 @@ def _start_failure(exc: BaseException) -> str | None:
 
 
 AdminToken = Annotated[
-    Optional[str],  # noqa: UP045
+    str | None,
     typer.Option("--admin-token", envvar="DIRECT_FRONTEND_ADMIN_TOKEN", show_envvar=True,
                  metavar="TOKEN",
                  help="The daemon's [frontend.admin] token (prefer the environment variable)."),
@@ -209,7 +209,7 @@ def check(
         bool, typer.Option("--json", help="Print the resolved fleet (or the diff) as JSON.")
     ] = False,
     against: Annotated[
-        Optional[str],  # noqa: UP045
+        str | None,
         typer.Option(metavar="URL",
                      help="A running daemon's URL: print what reloading FLEET there would "
                           "change (a dry run; nothing is applied)."),
@@ -320,7 +320,7 @@ def simulate_engine(
     host: Annotated[str, typer.Option()] = "127.0.0.1",
     port: Annotated[int, typer.Option()] = 50051,
     model_dir: Annotated[
-        Optional[pathlib.Path],  # noqa: UP045
+        pathlib.Path | None,
         typer.Option(metavar="DIR", help="Model directory with tokenizer.json (vocab and EOS "
                                          "come from it)  [default: the bundled demo model]"),
     ] = None,
@@ -336,13 +336,13 @@ def simulate_engine(
     role: Annotated[str, typer.Option(help="both, prefill or decode.")] = "both",
     block_size: Annotated[int, typer.Option(help="KV block (page) size of the prefix cache.")] = 16,
     kv_capacity_blocks: Annotated[
-        Optional[int], typer.Option(help="Prefix-cache capacity in blocks.")  # noqa: UP045
+        int | None, typer.Option(help="Prefix-cache capacity in blocks.")
     ] = None,
     kv_events_port: Annotated[
-        Optional[int], typer.Option(help="Publish KV events on tcp://HOST:PORT.")  # noqa: UP045
+        int | None, typer.Option(help="Publish KV events on tcp://HOST:PORT.")
     ] = None,
     kv_replay_port: Annotated[
-        Optional[int], typer.Option(help="Serve KV-event replay on this port.")  # noqa: UP045
+        int | None, typer.Option(help="Serve KV-event replay on this port.")
     ] = None,
     embedding_dim: Annotated[
         int, typer.Option(min=0, help="Serve an embedding model of N dimensions (0: generation).")
@@ -352,22 +352,22 @@ def simulate_engine(
                                       "own prefix cache and KV events on --kv-events-port + rank.")
     ] = 1,
     fault_die_after: Annotated[
-        Optional[int], typer.Option(help="Drop the connection after N tokens.")  # noqa: UP045
+        int | None, typer.Option(help="Drop the connection after N tokens.")
     ] = None,
     fault_hang_after: Annotated[
-        Optional[int], typer.Option(help="Stop sending after N tokens.")  # noqa: UP045
+        int | None, typer.Option(help="Stop sending after N tokens.")
     ] = None,
     fault_status: Annotated[
-        Optional[str],  # noqa: UP045
+        str | None,
         typer.Option(help="End Generate with this gRPC status (e.g. UNAVAILABLE)."),
     ] = None,
     fault_status_after: Annotated[int, typer.Option(help="... after N tokens.")] = 0,
     fault_token_delay_ms: Annotated[float, typer.Option(help="Extra delay per token.")] = 0.0,
     fault_only_request: Annotated[
-        Optional[int], typer.Option(help="Apply the faults to the Nth request only.")  # noqa: UP045
+        int | None, typer.Option(help="Apply the faults to the Nth request only.")
     ] = None,
     control_port: Annotated[
-        Optional[int],  # noqa: UP045
+        int | None,
         typer.Option(help="JSON-lines control socket for faults at run time (0: any port)."),
     ] = None,
 ) -> None:

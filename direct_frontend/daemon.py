@@ -27,6 +27,7 @@ from __future__ import annotations
 import trio_asyncio  # before grpclib, see cli.py
 
 # isort: split
+import dataclasses
 import logging
 import os
 import signal
@@ -41,7 +42,7 @@ from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve
 
 from direct_frontend.control.kv_plane import KvPlane
-from direct_frontend.control.pods import PodDiscovery
+from direct_frontend.control.model_builder import ModelBuilder
 from direct_frontend.control.rate_share import RateShare
 from direct_frontend.control.reload import ControlPlane, file_digest, kv_block_size
 from direct_frontend.control.replicas import ReplicaLink
@@ -67,7 +68,6 @@ from direct_frontend.observability.redact import redact_url
 from direct_frontend.observability.sdnotify import Notifier
 from direct_frontend.observability.tracing import Tracing
 from direct_frontend.openai.response_store import ResponseStore
-from direct_frontend.pipeline.models import ModelBuilder
 from direct_frontend.pipeline.ratelimit import RateLimiter
 from direct_frontend.routing.factory import make_policy
 from direct_frontend.routing.peers import PlacementShare
@@ -129,89 +129,135 @@ async def serve_fleet(
     stamp = stamp_of(fleet.source)
     digest = file_digest(await trio.to_thread.run_sync(_read_or_empty, fleet.source))
     async with trio_asyncio.open_loop():
-        metrics = Metrics()
-        kv = KvPlane(KvIndex(kv_block_size(fleet)), metrics)
-        supervisor = Supervisor(fleet, kv=kv)
-        placements = PlacementShare()
-        builder = ModelBuilder(
-            supervisor, metrics,
-            lambda routing, exact: make_policy(
-                routing, kv.index if exact else None, kv.live, placements, kv.diverged
-            ),
-            text_models,
-            kv.diverged,
-        )
-        await builder.load(fleet)
-        responses, durable = await _open_responses(fleet, metrics)
-        replicas = fleet.frontend.replicas
-        if worker is not None:
-            replicas = worker_replicas(replicas, worker)
-        link = None if replicas.nats is None else ReplicaLink(
-            replicas, supervisor, placements, kv=kv, metrics=metrics,
-            replica_id=None if worker is None else f"worker{worker.index}-{os.getpid()}",
-            responses=responses,
-        )
-        limiter = RateLimiter(fleet.frontend.tenants)  # the tenants' rate limits
-        # made before the link runs: it subscribes to the subject the share speaks on
-        share = None if link is None else RateShare(
-            limiter, link, lambda: control.settings.frontend.tenants)
-        control = ControlPlane(fleet, supervisor, builder, metrics, notifier, digest,
-                               placements=placements,
-                               replicas=None if link is None else link.status,
-                               adapt=None if worker is None else partial(worker_fleet,
-                                                                         role=worker))
-        tracing = _open_tracing(fleet.frontend.tracing)
-        app = App(control, metrics, tracing, responses, durable, limiter)
-        if worker is not None:
-            app.metrics_view = partial(merged_metrics, worker)
+        parts = await _assemble(fleet, notifier, digest, text_models, worker)
         async with trio.open_nursery() as nursery:
             if handle_signals:  # only the main thread may install signal handlers
-                nursery.start_soon(_watch_signals, shutdown, control, nursery.cancel_scope)
-            if link is not None:  # first: a sibling's KV index is in before engines start
-                await nursery.start(link.run)
-            if share is not None:
-                nursery.start_soon(share.run)
-            await nursery.start(supervisor.run)
-            control.pods = PodDiscovery(fleet, metrics, control.apply_membership)
-            await nursery.start(control.pods.run)
-            if app.background is not None:
-                await nursery.start(app.background.run)
-            if app.batch_runner is not None:
-                await nursery.start(app.batch_runner.run)
-            if durable is not None:
-                nursery.start_soon(sweep_forever, durable,
-                                   fleet.frontend.responses.sweep_interval_s)
+                nursery.start_soon(_watch_signals, shutdown, parts.control, nursery.cancel_scope)
+            await _start_control(nursery, parts, fleet)
             config = hypercorn_config(fleet, shutdown_grace_s, worker)
-            app.bound_urls = await nursery.start(_serve_http, app, config, shutdown)
+            parts.app.bound_urls = await nursery.start(_serve_http, parts.app, config, shutdown)
             log.info(
                 "listening on %s (started in %.2fs)",
-                " ".join(app.bound_urls), time.perf_counter() - started,
+                " ".join(parts.app.bound_urls), time.perf_counter() - started,
             )
             if watch_interval_s is not None:
-                nursery.start_soon(_watch_fleet_file, fleet.source, control, watch_interval_s,
-                                   stamp)
-            notifier.ready(control.status_line())
+                nursery.start_soon(_watch_fleet_file, fleet.source, parts.control,
+                                   watch_interval_s, stamp)
+            notifier.ready(parts.control.status_line())
             if worker is not None:
                 mark_ready(worker)
                 nursery.start_soon(watch_parent, worker, shutdown)
-                nursery.start_soon(share_metrics, worker, partial(_rendered, control, metrics))
+                nursery.start_soon(share_metrics, worker,
+                                   partial(_rendered, parts.control, parts.metrics))
             nursery.start_soon(notifier.watchdog_loop)
-            task_status.started(app)
+            task_status.started(parts.app)
             await shutdown.wait()
             notifier.stopping()
-            control.hub.close()  # event viewers leave, so HTTP shutdown does not wait for them
-            # hypercorn finishes in-flight requests within its graceful timeout, and
-            # background responses get the same grace
-            with trio.move_on_after(shutdown_grace_s + 1):
-                if app.background is not None:
-                    await app.background.drain()
-                await app.http_stopped.wait()
+            await _drain(parts, shutdown_grace_s)
             nursery.cancel_scope.cancel()
-        if durable is not None:
-            await durable.close()
-        if tracing is not None:  # what is still buffered goes out (a crash: at exit)
-            await trio.to_thread.run_sync(tracing.shutdown)
+        await _close(parts)
     notifier.close()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Parts:
+    """The daemon's long-lived objects, built before any of its tasks starts."""
+
+    metrics: Metrics
+    supervisor: Supervisor
+    link: ReplicaLink | None  # [frontend.replicas]
+    share: RateShare | None  # the tenants' rate limits, shared over the link
+    control: ControlPlane
+    app: App
+    durable: Durable | None
+    tracing: Tracing | None
+
+
+async def _assemble(
+    fleet: FleetConfig, notifier: Notifier, digest: str,
+    text_models: Mapping[TextModelKey, TextModel] | None, worker: WorkerRole | None,
+) -> _Parts:
+    """Every long-lived object, wired; the tokenizers loaded and the durable store open."""
+    metrics = Metrics()
+    kv = KvPlane(KvIndex(kv_block_size(fleet)), metrics)
+    supervisor = Supervisor(fleet, kv=kv)
+    placements = PlacementShare()
+    builder = ModelBuilder(
+        supervisor, metrics,
+        lambda routing, exact: make_policy(
+            routing, kv.index if exact else None, kv.live, placements, kv.diverged
+        ),
+        text_models,
+        kv.diverged,
+    )
+    await builder.load(fleet)
+    responses, durable = await _open_responses(fleet, metrics)
+    link = _replica_link(fleet, worker, supervisor, placements, kv, responses)
+    limiter = RateLimiter(fleet.frontend.tenants)  # the tenants' rate limits
+    # made before the link runs: it subscribes to the subject the share speaks on
+    share = None if link is None else RateShare(
+        limiter, link, lambda: control.settings.frontend.tenants)
+    control = ControlPlane(fleet, supervisor, builder, metrics, notifier, digest,
+                           placements=placements,
+                           link=link,
+                           adapt=None if worker is None else partial(worker_fleet, role=worker))
+    tracing = _open_tracing(fleet.frontend.tracing)
+    app = App(control, metrics, tracing, responses, durable, limiter)
+    if worker is not None:
+        app.metrics_view = partial(merged_metrics, worker)
+    return _Parts(metrics, supervisor, link, share, control, app, durable, tracing)
+
+
+def _replica_link(
+    fleet: FleetConfig, worker: WorkerRole | None, supervisor: Supervisor,
+    placements: PlacementShare, kv: KvPlane, responses: ResponseStore | None,
+) -> ReplicaLink | None:
+    """The link to the sibling replicas (a worker's: to its siblings), if any."""
+    replicas = fleet.frontend.replicas
+    if worker is not None:
+        replicas = worker_replicas(replicas, worker)
+    if replicas.nats is None:
+        return None
+    return ReplicaLink(
+        replicas, supervisor, placements, kv=kv,
+        replica_id=None if worker is None else f"worker{worker.index}-{os.getpid()}",
+        responses=responses,
+    )
+
+
+async def _start_control(nursery: trio.Nursery, parts: _Parts, fleet: FleetConfig) -> None:
+    """The control plane's tasks, in the order each needs the one before it."""
+    if parts.link is not None:  # first: a sibling's KV index is in before engines start
+        await nursery.start(parts.link.run)
+    if parts.share is not None:
+        nursery.start_soon(parts.share.run)
+    await nursery.start(parts.supervisor.run)
+    await nursery.start(parts.control.pods.run)
+    app = parts.app
+    if app.background is not None:
+        await nursery.start(app.background.run)
+    if app.batch_runner is not None:
+        await nursery.start(app.batch_runner.run)
+    if parts.durable is not None:
+        nursery.start_soon(sweep_forever, parts.durable, fleet.frontend.responses.sweep_interval_s)
+
+
+async def _drain(parts: _Parts, grace_s: float) -> None:
+    """Shutdown: what is in flight finishes within the grace period."""
+    parts.control.hub.close()  # event viewers leave, so HTTP shutdown does not wait for them
+    # hypercorn finishes in-flight requests within its graceful timeout, and
+    # background responses get the same grace
+    with trio.move_on_after(grace_s + 1):
+        if parts.app.background is not None:
+            await parts.app.background.drain()
+        await parts.app.http_stopped.wait()
+
+
+async def _close(parts: _Parts) -> None:
+    if parts.durable is not None:
+        await parts.durable.close()
+    if parts.tracing is not None:  # what is still buffered goes out (a crash: at exit)
+        await trio.to_thread.run_sync(parts.tracing.shutdown)
 
 
 def _rendered(control: ControlPlane, metrics: Metrics) -> bytes:

@@ -15,7 +15,8 @@ import os
 import termios
 import time
 import tty
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from functools import partial
 from typing import Any, TextIO
 from urllib.parse import urlsplit, urlunsplit
 
@@ -299,39 +300,56 @@ def run_top(base_url: str, token: str | None, out: TextIO, *, colour: bool = Tru
     """
     screen = out.isatty()
     key_fd = keys.fileno() if keys is not None and keys.isatty() else None
-    refused: list[Unauthorized] = []
 
     def draw(model: FleetModel) -> None:
         out.write(frame(model.render(base_url, colour=colour), screen=screen))
         out.flush()
 
-    async def main() -> None:
-        async with trio.open_nursery() as nursery:
-            if key_fd is not None:
-                nursery.start_soon(read_keys, key_fd, nursery.cancel_scope.cancel)
-            try:
-                await follow(base_url, draw, token=token)
-            except Unauthorized as exc:
-                refused.append(exc)
-            except BrokenPipeError:
-                pass  # whoever read the output is gone
-            nursery.cancel_scope.cancel()
+    with _terminal(out, key_fd, screen=screen):
+        refused = _until_interrupted(partial(_watch, base_url, token, draw, key_fd))
+    if refused is not None:
+        out.write(f"{refused}\n")
+        return 1
+    return 0
 
+
+async def _watch(base_url: str, token: str | None, draw: Callable[[FleetModel], None],
+                 key_fd: int | None) -> Unauthorized | None:
+    """Follow the daemon until a quit key or a closed pipe; the daemon's refusal, if so."""
+    refused = None
+    async with trio.open_nursery() as nursery:
+        if key_fd is not None:
+            nursery.start_soon(read_keys, key_fd, nursery.cancel_scope.cancel)
+        try:
+            await follow(base_url, draw, token=token)
+        except Unauthorized as exc:
+            refused = exc
+        except BrokenPipeError:
+            pass  # whoever read the output is gone
+        nursery.cancel_scope.cancel()
+    return refused
+
+
+@contextlib.contextmanager
+def _terminal(out: TextIO, key_fd: int | None, *, screen: bool) -> Iterator[None]:
+    """The keyboard in cbreak mode and the alternate screen, where there are; restored."""
     with contextlib.ExitStack() as stack:
         if key_fd is not None:
             stack.enter_context(_keyboard(key_fd))
         if screen:
             out.write(ENTER_SCREEN)
             stack.callback(lambda: (out.write(LEAVE_SCREEN), out.flush()))
-        try:
-            trio.run(main)
-        except KeyboardInterrupt:
-            pass
-        except BaseExceptionGroup as group:  # Ctrl-C inside the nursery comes out grouped
-            _, rest = group.split(KeyboardInterrupt)
-            if rest is not None:
-                raise
-    if refused:
-        out.write(f"{refused[0]}\n")
-        return 1
-    return 0
+        yield
+
+
+def _until_interrupted(main: Callable[[], Awaitable[Unauthorized | None]]) -> Unauthorized | None:
+    """``main`` under Trio; Ctrl-C ends it quietly (inside a nursery it comes out grouped)."""
+    try:
+        return trio.run(main)
+    except KeyboardInterrupt:
+        return None
+    except BaseExceptionGroup as group:
+        _, rest = group.split(KeyboardInterrupt)
+        if rest is not None:
+            raise
+        return None

@@ -8,23 +8,36 @@ reads a server's ``INFO`` line before anything is sent to it, and
 :func:`server_problem` says why a replica will not share over that server:
 one that lets any client in (anyone who reaches it would read stored
 responses and steer routing) unless ``insecure = true``, or one without TLS
-when TLS is required.
+when TLS is required. :class:`Link` is what the link's helpers
+(control/response_rpc.py, control/kv_share.py) use of it; :class:`ChunkInbox`
+receives what a sibling sends in pieces (a KV index, a stored response):
+more than one NATS message holds.
 """
 
 from __future__ import annotations
 
+# isort: split
+import trio_asyncio  # before nats, see cli.py
+
+# isort: split
 import importlib.util
 import json
+import logging
+import math
 import ssl
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 import trio
 
+from direct_frontend.control.replica_wire import Subjects
 from direct_frontend.fleet.bus import nats_credentials
 from direct_frontend.fleet.schema import ReplicasConfig
+from direct_frontend.kv.snapshot import Reassembly
+
+log = logging.getLogger("direct_frontend.replicas")
 
 DEFAULT_PORT = 4222
 INFO_TIMEOUT_S = 1.0
@@ -165,3 +178,58 @@ async def probe_info(url: str) -> dict[str, Any] | None:
     except ValueError:
         return None
     return info if isinstance(info, dict) else None
+
+
+class ChunkInbox:
+    """A fresh inbox on a NATS client that puts the chunks sent to it back together.
+
+    :meth:`open` subscribes; :meth:`close` unsubscribes (a failure there is
+    only logged: the connection may be gone already).
+    """
+
+    def __init__(self, subscription: Any, subject: str,
+                 chunks: trio.MemoryReceiveChannel[bytes]) -> None:
+        self.subject = subject
+        self._subscription = subscription
+        self._chunks = chunks
+
+    @classmethod
+    async def open(cls, nc: Any) -> ChunkInbox:
+        subject: str = nc.new_inbox()
+        tx, rx = trio.open_memory_channel[bytes](math.inf)
+
+        async def deliver(msg: Any) -> None:  # asyncio side: hand over, decide nothing
+            tx.send_nowait(msg.data)
+
+        subscription = await trio_asyncio.aio_as_trio(nc.subscribe)(subject, cb=deliver)
+        return cls(subscription, subject, rx)
+
+    async def reassembled(self) -> bytes:
+        """The whole message, once its last chunk is in (``ValueError``: malformed)."""
+        assembly = Reassembly()
+        while not assembly.done:
+            assembly.add(await self._chunks.receive())
+        return assembly.data()
+
+    async def close(self) -> None:
+        try:
+            await trio_asyncio.aio_as_trio(self._subscription.unsubscribe)()
+        except Exception as exc:
+            log.debug("replicas: unsubscribe: %s", exc)
+
+
+class Link(Protocol):
+    """What the replica link's helpers use of it (control/replicas.py ``ReplicaLink``)."""
+
+    replica: str
+    subjects: Subjects
+    counts: dict[str, int]
+
+    @property
+    def connection(self) -> Any:
+        """The NATS client while the link shares over it; None while it is down."""
+        ...
+
+    async def publish(self, subject: str, data: bytes) -> bool: ...
+
+    def malformed(self, what: str) -> None: ...

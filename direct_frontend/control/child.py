@@ -186,8 +186,7 @@ class EngineChild:
         self.crashes += 1
         self.last_error = f"crashed: {error!r}"
         self.handle = None
-        self.tracker.state = EngineState.JOINING
-        self._set_state(EngineState.JOINING, self.last_error)
+        self._set_state(self.tracker.rejoining(), self.last_error)
 
     def retire(self, reason: str) -> None:
         """Take no new requests from now on (the supervisor drains, then ends us)."""

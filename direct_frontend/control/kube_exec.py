@@ -66,37 +66,57 @@ def exec_info(api_version: str) -> str:
 
 def parse_credential(output: bytes, api_version: str, command: str) -> ExecCredential:
     """The plugin's standard output as a credential, or an :class:`ExecPluginError` saying why."""
-    def bad(why: str) -> ExecPluginError:
-        return ExecPluginError(f"exec plugin {command!r}: {why}")
+    try:
+        status = _status_of(output, api_version)
+        credential = ExecCredential(_token_of(status),
+                                    _expiry_of(status.get("expirationTimestamp")))
+    except _Unreadable as exc:
+        raise ExecPluginError(f"exec plugin {command!r}: {exc}") from None
+    return credential
 
+
+class _Unreadable(Exception):
+    """What is wrong with a plugin's answer (the message completes "exec plugin X: ")."""
+
+
+def _status_of(output: bytes, api_version: str) -> dict[str, Any]:
     try:
         document: Any = json.loads(output)
     except ValueError as exc:
-        raise bad(f"printed no JSON ExecCredential ({exc})") from None
+        raise _Unreadable(f"printed no JSON ExecCredential ({exc})") from None
     if not isinstance(document, dict) or document.get("kind") != "ExecCredential":
-        raise bad("printed JSON that is not an ExecCredential")
+        raise _Unreadable("printed JSON that is not an ExecCredential")
     if document.get("apiVersion") != api_version:
-        raise bad(f"answered in {document.get('apiVersion')!r}, asked for {api_version!r}")
+        raise _Unreadable(
+            f"answered in {document.get('apiVersion')!r}, asked for {api_version!r}")
     status = document.get("status")
     if not isinstance(status, dict):
-        raise bad("its ExecCredential has no status")
+        raise _Unreadable("its ExecCredential has no status")
+    return status
+
+
+def _token_of(status: dict[str, Any]) -> str:
     token = status.get("token")
-    if not isinstance(token, str) or not token:
-        if status.get("clientCertificateData"):
-            raise bad("gave a client certificate; only token credentials are supported")
-        raise bad("its ExecCredential has no status.token")
-    stamp = status.get("expirationTimestamp")
+    if isinstance(token, str) and token:
+        return token
+    if status.get("clientCertificateData"):
+        raise _Unreadable("gave a client certificate; only token credentials are supported")
+    raise _Unreadable("its ExecCredential has no status.token")
+
+
+def _expiry_of(stamp: object) -> float | None:
+    """``status.expirationTimestamp`` as a Unix time (None: it has none)."""
     if stamp is None:
-        return ExecCredential(token)
+        return None
     if not isinstance(stamp, str):
-        raise bad(f"status.expirationTimestamp {stamp!r} is not a timestamp")
+        raise _Unreadable(f"status.expirationTimestamp {stamp!r} is not a timestamp")
     try:
         when = datetime.datetime.fromisoformat(stamp)
     except ValueError:
-        raise bad(f"status.expirationTimestamp {stamp!r} is not RFC 3339") from None
+        raise _Unreadable(f"status.expirationTimestamp {stamp!r} is not RFC 3339") from None
     if when.tzinfo is None:
-        raise bad(f"status.expirationTimestamp {stamp!r} has no time zone")
-    return ExecCredential(token, when.timestamp())
+        raise _Unreadable(f"status.expirationTimestamp {stamp!r} has no time zone")
+    return when.timestamp()
 
 
 class ExecAuth(httpx.Auth):

@@ -10,7 +10,7 @@ the engine keeps history); a gone one is removed from the index. A publisher
 that starts over is also a witness of its engine's restart, which the child
 counts (control/restarts.py).
 
-Replicas (control/replicas.py): :meth:`KvPlane.snapshot` is what this
+Replicas (control/kv_share.py): :meth:`KvPlane.snapshot` is what this
 replica's index holds of the ranks it follows live; a late replica
 :meth:`KvPlane.offer`\ s a sibling's before its engines start, and each rank
 found there is loaded and continued from the sibling's seq instead of

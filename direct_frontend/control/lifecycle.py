@@ -116,6 +116,11 @@ class ProbeTracker:
         self._misbehaved = False
         return self.state
 
+    def rejoining(self) -> EngineState:
+        """The engine's task died and runs again: joining, the counts as they were."""
+        self.state = EngineState.JOINING
+        return self.state
+
     @property
     def needed(self) -> int:
         """Good probes in a row that bring an engine that is out back."""

@@ -349,9 +349,11 @@ class PodDiscovery:
         """Watch ``fleet``'s pools: new ones start, removed ones stop, changed ones relist.
 
         A changed pool's new watch offers its old engines until its first list.
+        Before :meth:`run`, ``fleet`` is only kept: the watches start from it.
         """
-        assert self._nursery is not None
         self.fleet = fleet
+        if self._nursery is None:
+            return
         settings = fleet.frontend.kubernetes
         wanted = {pool.name: pool for pool in fleet.pools}
         # wait_for_pods is read once, at start: changing it restarts no watch
@@ -361,7 +363,7 @@ class PodDiscovery:
         if restart_all and self._client is not None:
             # the watches end first: one that had its last answer in hand when cancelled
             # runs on to its next request before the cancel reaches it, and a request on
-            # a closed client is an error (it took the daemon down in CI)
+            # a closed client is an error that ends the daemon
             for watch in self.watches.values():
                 watch.scope.cancel()
             with trio.move_on_after(WATCHES_END_S):

@@ -79,7 +79,7 @@ class RateShare:
         self.subject = f"{link.config.cluster}.ratelimits"
         self.counts = {"sent": 0, "heard": 0, "malformed": 0, "dropped": 0}
         self._wake = trio.Event()
-        link.listeners[self.subject] = self._on_message
+        link.listen(self.subject, self._on_message)
         limiter.on_spend = self._on_spend
 
     def _on_spend(self) -> None:

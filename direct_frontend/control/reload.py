@@ -15,12 +15,14 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import trio
 
 from direct_frontend.control.child import EngineChild
 from direct_frontend.control.events import EventHub, Subscriber
 from direct_frontend.control.lifecycle import EngineState
+from direct_frontend.control.model_builder import ModelBuilder
 from direct_frontend.control.pods import PodDiscovery
 from direct_frontend.control.supervisor import Supervisor
 from direct_frontend.fleet.describe import JsonValue, to_jsonable
@@ -37,15 +39,12 @@ from direct_frontend.fleet.problems import FleetError, FleetProblem
 from direct_frontend.fleet.schema import EngineConfig, FleetConfig, FrontendConfig
 from direct_frontend.observability.metrics import Metrics
 from direct_frontend.observability.sdnotify import Notifier
-from direct_frontend.pipeline.models import (
-    ModelBuilder,
-    ModelTable,
-    queue_depths,
-    serving_counts,
-    tenant_queue_depths,
-)
+from direct_frontend.pipeline.models import ModelTable, ServedModel
 from direct_frontend.pipeline.settings import Settings
 from direct_frontend.routing.peers import PlacementShare
+
+if TYPE_CHECKING:
+    from direct_frontend.control.replicas import ReplicaLink
 
 log = logging.getLogger("direct_frontend")
 
@@ -124,7 +123,7 @@ class ControlPlane:
         digest: str = "",
         *,
         placements: PlacementShare | None = None,
-        replicas: Callable[[], JsonValue] | None = None,
+        link: ReplicaLink | None = None,
         adapt: Callable[[FleetConfig], FleetConfig] | None = None,
     ) -> None:
         self.running = fleet
@@ -143,9 +142,9 @@ class ControlPlane:
         self.last_reload: ReloadResult | None = None
         self._lock = trio.Lock()
         self.placements = placements  # a new kv_aware policy shares its placements here
-        self._replicas = replicas  # the replica link's view, for /fleet
-        #: the [[pool]] watches, when the daemon runs them (their engines join ``running``)
-        self.pods: PodDiscovery | None = None
+        self.link = link  # to the sibling replicas ([frontend.replicas]), for /fleet and gauges
+        #: the [[pool]] watches, once the daemon runs them (their engines join ``running``)
+        self.pods = PodDiscovery(fleet, metrics, self.apply_membership)
         #: pool engines left out, each with the engine that has its address (or name)
         self.pool_clashes: dict[str, str] = {}
         supervisor.listeners.append(self._on_engine)
@@ -191,17 +190,16 @@ class ControlPlane:
             "total": len(self.supervisor.children),
             "engines": engines,
             "models": self._models_status(),
-            "pools": [] if self.pods is None else self.pods.status(),
+            "pools": self.pods.status(),
             "waiting_for_pools": list(self.waiting_for_pools()),
             "pool_clashes": dict(self.pool_clashes),
             "fleet": to_jsonable(self.running),
             "events": {"subscribers": len(self.hub.subscribers),
                        "dropped": self.hub.dropped_total},
-            "replicas": None if self._replicas is None else self._replicas(),
+            "replicas": None if self.link is None else self.link.status(),
         }
 
     def _models_status(self) -> list[JsonValue]:
-        serving = serving_counts(self.models)
         out: list[JsonValue] = []
         for model in self.models.models:
             engines: list[JsonValue] = [*sorted({e.name for e in model.catalog.engines})]
@@ -209,7 +207,7 @@ class ControlPlane:
             aliases: list[JsonValue] = list(model.config.aliases)
             out.append({
                 "name": model.name, "aliases": aliases, "adapters": adapters,
-                "serving": serving[model.name], "engines": engines,
+                "serving": _serving(model), "engines": engines,
                 "policy": model.settings.policy.name,
                 "in_flight": model.settings.admission.in_flight,
             })
@@ -227,8 +225,6 @@ class ControlPlane:
 
     def waiting_for_pools(self) -> list[str]:
         """Pools ``wait_for_pods`` still holds ``/ready`` for (start-up only)."""
-        if self.pods is None:
-            return []
         return self.pods.pending({
             child.cfg.pool for child in self.supervisor.incarnations.values()
             if child.cfg.pool is not None and child.state is EngineState.SERVING
@@ -243,14 +239,16 @@ class ControlPlane:
             self.metrics.set_engine_state(name, child.state.value)  # type: ignore[arg-type]
             load = child.handle.load.in_flight if child.handle is not None else 0
             self.metrics.set_engine_in_flight(name, load)
-        for model, count in serving_counts(self.models).items():
-            self.metrics.model_series(model).engines_serving(count)
-        for model, waiting in queue_depths(self.models).items():
-            self.metrics.model_series(model).queue_depth(waiting)
-        for model, by_tenant in tenant_queue_depths(self.models).items():
-            self.metrics.model_series(model).tenant_queue_depths(by_tenant)
+        for model in self.models.models:  # the engines serving it, its queue by tenant
+            series = self.metrics.model_series(model.name)
+            series.engines_serving(_serving(model))
+            series.queue_depth(model.settings.admission.waiting)
+            series.tenant_queue_depths(model.settings.admission.waiting_by())
         if self.supervisor.kv is not None:
             self.supervisor.kv.export()
+        if self.link is not None:
+            self.metrics.replica_degraded.set(1 if self.link.degraded else 0)
+            self.metrics.replica_peers.set(len(self.link.peers))
 
     def status_line(self) -> str:
         line = (f"{self.supervisor.serving_count}/{len(self.supervisor.children)} engines serving;"
@@ -295,7 +293,7 @@ class ControlPlane:
             self._check_kv_block_size(new)
             await self.builder.load(new)  # new tokenizers, in a worker thread
             # the pools' engines as last seen (a changed pool keeps its own until relisted)
-            new, clashes = merge_pool_engines(new, {} if self.pods is None else self.pods.members())
+            new, clashes = merge_pool_engines(new, self.pods.members())
             self._note_clashes(clashes)
         except FleetError as exc:
             for problem in exc.problems:
@@ -308,8 +306,7 @@ class ControlPlane:
             new, frontend=keep_restart_fields(new.frontend, self.running.frontend)
         )
         self._apply(effective, diff)
-        if self.pods is not None:
-            await self.pods.reconcile(effective)
+        await self.pods.reconcile(effective)
         self.digest = digest
         return ReloadResult(True, trigger, time.time(), self.version, digest, diff=diff)
 
@@ -386,3 +383,6 @@ def _read(path: Path) -> bytes:
         raise FleetError([problem]) from None
 
 
+def _serving(model: ServedModel) -> int:
+    """Engines serving ``model`` (an engine's incarnations count once)."""
+    return len({e.name for e in model.catalog.engines})

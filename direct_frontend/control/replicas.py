@@ -7,10 +7,9 @@ load term of the routing cost, routing/peers.py), the approximate-mode
 placements it makes, and the transport faults its requests see, which every
 sibling acts on at once. A replica that starts late asks one sibling (a
 queue group picks it) for its KV index before its engines start
-(control/kv_plane.py ``offer``). A stored response (the Responses API) stays
-with the replica that answered it; a sibling asked for it asks that replica
-(:meth:`ReplicaLink.fetch`), the one request that does wait on NATS, and
-only for as long as ``RESPONSE_TIMEOUT_S``.
+(control/kv_share.py). A stored response (the Responses API) stays
+with the replica that answered it; a sibling asks that replica for it
+(control/response_rpc.py), over this link.
 
 nats-py is asyncio; like the engines' gRPC channels (engines/transport.py)
 it runs on the trio-asyncio loop, every call through ``aio_as_trio``, and
@@ -35,46 +34,30 @@ import secrets
 import socket
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
-import msgspec
 import trio
 
-from direct_frontend.control.bus import (
-    NatsRefused,
-    connect_options,
-    is_open,
-    probe_info,
-    refusal,
-    server_problem,
+from direct_frontend.control.kv_share import KvShare
+from direct_frontend.control.nats_session import (
+    RECONNECT_WAIT_S,
+    NatsSession,
+    close_client,
 )
 from direct_frontend.control.replica_wire import (
     FaultReport,
     LoadReport,
     Placements,
-    ResponseQuery,
     Subjects,
     decode,
     encode,
 )
+from direct_frontend.control.response_rpc import ResponseRpc
 from direct_frontend.errors import EngineError
-from direct_frontend.fleet.bus import nats_auth_summary, scrubbed, shown_url
+from direct_frontend.fleet.bus import nats_auth_summary
 from direct_frontend.fleet.describe import JsonValue
 from direct_frontend.fleet.schema import ReplicasConfig
-from direct_frontend.kv.snapshot import (
-    CHUNK_BYTES,
-    Reassembly,
-    decode_snapshot,
-    encode_snapshot,
-    split,
-)
-from direct_frontend.openai.response_store import (
-    CANCELLED,
-    ResponseStore,
-    StoredResponse,
-    decode_record,
-    encode_record,
-)
+from direct_frontend.openai.response_store import ResponseStore
 from direct_frontend.routing.catalog import EngineHandle
 from direct_frontend.routing.peers import (
     Loads,
@@ -87,19 +70,16 @@ from direct_frontend.routing.peers import (
 if TYPE_CHECKING:
     from direct_frontend.control.kv_plane import KvPlane
     from direct_frontend.control.supervisor import Supervisor
-    from direct_frontend.observability.metrics import Metrics
 
 log = logging.getLogger("direct_frontend.replicas")
 
-RECONNECT_WAIT_S = 0.25
-CONNECT_TIMEOUT_S = 1.0
 GOODBYE_TIMEOUT_S = 1.0
 #: faults kept while the link is down (they are only news for a short while)
 MAX_PENDING_FAULTS = 64
-#: how long a request waits for the sibling that holds the stored response it names
-RESPONSE_TIMEOUT_S = 1.0
 
 Inbound = tuple[str, bytes, str]  # subject, data, reply subject
+#: what siblings tell each other on the link's own subjects
+_Word = TypeVar("_Word", LoadReport, FaultReport, Placements)
 
 
 class ReplicaLink:
@@ -112,48 +92,40 @@ class ReplicaLink:
         placements: PlacementShare,
         *,
         kv: KvPlane | None = None,
-        metrics: Metrics | None = None,
         replica_id: str | None = None,
         responses: ResponseStore | None = None,
     ) -> None:
-        assert config.nats is not None
         self.config = config
-        self.url = config.nats
-        self.shown = shown_url(config.nats)  # the URL as logs and /fleet show it
         self.supervisor = supervisor
         self.placements = placements
-        self.kv = kv
-        self.metrics = metrics
-        self.responses = responses
-        self.chunk_bytes = CHUNK_BYTES  # a stored response goes to a sibling in pieces this big
-        if responses is not None:  # its siblings find what it holds through us
-            responses.remote = self
         self.subjects = Subjects(config.cluster)
         self.replica = replica_id or (
             f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
         )
+        #: shares ``kv``'s index with a sibling that starts late, and warms it from one
+        self.kv_share = None if kv is None else KvShare(self, kv, config.snapshot_timeout_s)
+        #: asks siblings for the stored responses they hold, and answers for ``responses``
+        self.stored: ResponseRpc | None = None
+        if responses is not None:  # its siblings find what it holds through us
+            self.stored = responses.remote = ResponseRpc(self, responses)
+        self.session = NatsSession(config, self.replica, lost=self._disconnected,
+                                   back=self._reconnected)
         self.peers = PeerLoads(config.peer_timeout_s)
         self.connected = False
-        #: why this replica does not share over the server it reached (None: it does)
-        self.refusal: str | None = None
         self.warm = "not asked"  # how the KV index started: from whom, or why not
         self.counts = {"received": 0, "malformed": 0, "faults_shared": 0,
                        "faults_acted_on": 0, "snapshots_served": 0, "outages": 0,
                        "responses_served": 0, "responses_fetched": 0,
                        "response_fetches_failed": 0}
         self._nc: Any = None
-        self._options: dict[str, Any] = {}  # nats.connect's credentials and TLS, read at start
-        self._last_error = ""  # the NATS client's last complaint (why a connect failed)
-        self._said_open = False  # the warning about an open server (insecure = true) is out
         self._faults: list[FaultReport] = []
         #: what was placed while the link was down, sent again to each sibling heard anew
         #: until ``_backlog_until`` (NATS keeps nothing for a sibling not yet back)
         self._backlog: list[tuple[str, tuple[int, ...]]] = []
         self._backlog_until = -math.inf
         self._tx, self._rx = trio.open_memory_channel[Inbound](math.inf)
-        #: more subjects, each with what hears its messages (control/rate_share.py); set
-        #: before :meth:`run`, which subscribes to them
-        self.listeners: dict[str, Callable[[bytes], None]] = {}
+        #: more subjects, each with what hears its messages (:meth:`listen`)
+        self._listeners: dict[str, Callable[[bytes], None]] = {}
         self._seq = 0
         self._last_sent: Loads | None = None
         self._last_sent_at = -math.inf
@@ -172,11 +144,21 @@ class ReplicaLink:
         """The link is down: routing uses this replica's own state only."""
         return not self.connected
 
+    @property
+    def refusal(self) -> str | None:
+        """Why this replica does not share over the server it reached (None: it does)."""
+        return self.session.refusal
+
+    @property
+    def connection(self) -> Any:
+        """The NATS client while the link shares over it; None while it is down."""
+        return self._nc if self.connected else None
+
     def status(self) -> JsonValue:
         """The ``replicas`` part of ``GET /fleet``."""
         return {
             "replica": self.replica,
-            "nats": self.shown,
+            "nats": self.session.shown,
             "cluster": self.config.cluster,
             "auth": nats_auth_summary(self.config),
             "connected": self.connected,
@@ -216,12 +198,13 @@ class ReplicaLink:
         :class:`~direct_frontend.control.bus.NatsRefused`; met later, it is
         logged and the link stays degraded.
         """
-        self._options = connect_options(self.config, os.environ)
+        self.session.read_secrets(os.environ)
         try:
             connected = await self._connect(at_start=True)  # a refusal ends it here
             async with trio.open_nursery() as nursery:
                 if connected:
-                    await self._warm_start()
+                    self.warm = "no KV index" if self.kv_share is None else (
+                        await self.kv_share.warm_start(self._nc))
                     await self._subscribe()
                 else:
                     self.warm = "NATS unreachable at start"
@@ -233,108 +216,32 @@ class ReplicaLink:
             with trio.CancelScope(shield=True), trio.move_on_after(GOODBYE_TIMEOUT_S):
                 await self._goodbye()
 
-    def _refuse(self, problem: str, *, at_start: bool) -> None:
-        """Not sharing over this server: at start the daemon does not start; later, it
-        is said once (each new reason) and the link stays degraded."""
-        message = f"replicas: not sharing over NATS at {self.shown}: {problem}"
-        if at_start:
-            raise NatsRefused(message)
-        if problem != self.refusal:
-            log.error("%s; routing on local state", message)
-        self.refusal = problem
-
-    def _admit(self, info: dict[str, Any], *, at_start: bool) -> bool:
-        """Whether this replica shares over the server that sent ``info``."""
-        problem = server_problem(info, self.config)
-        if problem is not None:
-            self._refuse(problem, at_start=at_start)
-            return False
-        if is_open(info) and not self._said_open:
-            self._said_open = True
-            log.warning("replicas: NATS at %s lets any client in (insecure = true): anyone "
-                        "who reaches it can read stored responses and steer routing",
-                        self.shown)
-        self.refusal = None
-        return True
-
     async def _connect(self, *, at_start: bool = False) -> bool:
-        from nats.aio.client import Client  # the replicas extra: imported only when configured
-
-        async def disconnected() -> None:
-            if self.connected:
-                self.counts["outages"] += 1
-                log.warning("replicas: lost NATS at %s; routing on local state until it "
-                            "is back", self.shown)
-            self.connected = False
-            self.peers.clear()  # their word is stale from now on
-            self._apply_peers()
-
-        async def reconnected() -> None:
-            # the server may have changed under the same URL: it is judged again
-            if not self._admit(getattr(nc, "_server_info", None) or {}, at_start=False):
-                return
-            self.connected = True
-            self._last_sent = None  # resync: everyone hears our whole state at once
-            self._keep_backlog()
-            log.info("replicas: NATS at %s is back", self.shown)
-
-        connecting = True  # this first connect; the later reconnects are nats-py's
-        refused: str | None = None  # this attempt's refusal (a reset that follows it is not news)
-
-        async def error(exc: Exception) -> None:
-            nonlocal refused
-            self._last_error = scrubbed(str(exc), self.url)  # it may quote the URL
-            log.debug("replicas: NATS client error: %s", exc)
-            problem = refusal(self._last_error, self.config)
-            if problem is None:
-                return
-            if connecting:
-                refused = refused or problem
-                # asking again changes nothing: out of nats.connect's retry loop (raised
-                # before it half-closes its socket, which nc.close() then closes whole)
-                raise NatsRefused(problem)
-            self._refuse(problem, at_start=False)  # a reconnect refused: said once
-
-        info = await probe_info(self.url or "")
-        if info is not None and not self._admit(info, at_start=at_start):
-            return False  # nothing was sent to it
-        self._last_error = ""
-        failure = ""
-        nc = Client()  # held here, so a failed attempt's socket is closed, not left to the GC
-        try:
-            with trio.fail_after(CONNECT_TIMEOUT_S * 2):
-                await trio_asyncio.aio_as_trio(nc.connect)(
-                    servers=[self.url], name=self.replica, no_echo=True,
-                    allow_reconnect=True, max_reconnect_attempts=-1,
-                    reconnect_time_wait=RECONNECT_WAIT_S, connect_timeout=CONNECT_TIMEOUT_S,
-                    ping_interval=5, max_outstanding_pings=2,
-                    disconnected_cb=disconnected, reconnected_cb=reconnected, error_cb=error,
-                    **self._options,
-                )
-        except Exception as exc:  # nats-py's own, ours from error(), or the timeout
-            failure = exc.__class__.__name__
-        connecting = False  # whatever nats-py reports from now on is not about this attempt
-        if failure:
-            with trio.CancelScope(shield=True), trio.move_on_after(GOODBYE_TIMEOUT_S):
-                try:
-                    await trio_asyncio.aio_as_trio(nc.close)()
-                except Exception as exc:
-                    log.debug("replicas: NATS close: %s", exc)
-            # the server's refusal, though the connection's reset may be reported after it
-            problem = refused or refusal(self._last_error, self.config)
-            if problem is not None:
-                self._refuse(problem, at_start=at_start)
-            else:
-                log.warning("replicas: cannot reach NATS at %s (%s); routing on local state",
-                            self.shown, failure)
+        """One connect attempt: True once connected (sharing, or degraded on a server it
+        will not use until it changes), False if not (said why)."""
+        reached = await self.session.connect(at_start=at_start)
+        if reached is None:
             return False
-        self._nc = nc
-        if not self._admit(self._nc._server_info, at_start=at_start):
-            return True  # connected to a server it will not use: degraded until it changes
-        self.connected = True
-        log.info("replicas: replica %s sharing over %s (cluster %s)", self.replica, self.shown,
-                 self.config.cluster)
+        self._nc, self.connected = reached
+        if self.connected:
+            log.info("replicas: replica %s sharing over %s (cluster %s)", self.replica,
+                     self.session.shown, self.config.cluster)
         return True
+
+    async def _disconnected(self) -> None:
+        if self.connected:
+            self.counts["outages"] += 1
+            log.warning("replicas: lost NATS at %s; routing on local state until it "
+                        "is back", self.session.shown)
+        self.connected = False
+        self.peers.clear()  # their word is stale from now on
+        self._apply_peers()
+
+    async def _reconnected(self) -> None:
+        self.connected = True
+        self._last_sent = None  # resync: everyone hears our whole state at once
+        self._keep_backlog()
+        log.info("replicas: NATS at %s is back", self.session.shown)
 
     async def _connect_later(self) -> None:
         connected = False
@@ -360,13 +267,18 @@ class ReplicaLink:
 
         subscribe = trio_asyncio.aio_as_trio(nc.subscribe)
         for subject in (self.subjects.load, self.subjects.fault, self.subjects.placements,
-                        *self.listeners):
+                        *self._listeners):
             await subscribe(subject, cb=deliver)
-        if self.kv is not None:
+        if self.kv_share is not None:
             # a queue group: one sibling answers each late replica
             await subscribe(self.subjects.snapshot, queue="kv-snapshot", cb=deliver)
-        if self.responses is not None:
-            await subscribe(self.subjects.responses(self.responses.holder), cb=deliver)
+        if self.stored is not None:
+            await subscribe(self.stored.subject, cb=deliver)
+
+    def listen(self, subject: str, hear: Callable[[bytes], None]) -> None:
+        """Hand every message on ``subject`` to ``hear``; said before :meth:`run`, which
+        subscribes to it (control/rate_share.py's subject)."""
+        self._listeners[subject] = hear
 
     async def publish(self, subject: str, data: bytes) -> bool:
         """Send ``data`` on ``subject``; False if the link is down or the send failed."""
@@ -412,7 +324,6 @@ class ReplicaLink:
             if placed and not await self._publish(
                     self.subjects.placements, encode(Placements.of(self.replica, placed))):
                 self.placements.put_back(placed)  # sent when the link is back
-            self._export()
             await self._news()
 
     async def _news(self) -> None:
@@ -422,7 +333,7 @@ class ReplicaLink:
         too unless the last one went less than ``publish_interval_s`` ago, else
         at that mark: a sibling placing a request a few milliseconds after ours
         must already count it (else both send new prompts to the same idle
-        engine, issue 14), yet a busy replica sends no more than one report
+        engine), yet a busy replica sends no more than one report
         per interval.
 
         Times are Trio's clock and the waits end at a deadline, never after a
@@ -460,42 +371,46 @@ class ReplicaLink:
             except Exception as exc:
                 log.debug("replicas: goodbye not sent: %s", exc)
         self.connected = False
-        try:
-            await trio_asyncio.aio_as_trio(nc.close)()
-        except Exception as exc:
-            log.debug("replicas: NATS close: %s", exc)
+        await close_client(nc)
 
     # -- receiving ----------------------------------------------------------------------
 
     async def _receive_loop(self) -> None:
+        heard = {  # a sibling's word, each read and acted on at once
+            self.subjects.load: self._hear(LoadReport, "load", self._on_load),
+            self.subjects.fault: self._hear(FaultReport, "fault", self._on_peer_fault),
+            self.subjects.placements: self._hear(Placements, "placements", self._on_placements),
+            **self._listeners,
+        }
         async for subject, data, reply in self._rx:
             if not self.connected:  # a server this replica refuses: nobody there is a sibling
                 continue
             self.counts["received"] += 1
-            if subject == self.subjects.load:
-                self._on_load(data)
-            elif subject == self.subjects.fault:
-                self._on_peer_fault(data)
-            elif subject == self.subjects.placements:
-                self._on_placements(data)
-            elif subject == self.subjects.snapshot:
-                await self._serve_snapshot(data, reply)
-            elif self.responses is not None and subject == self.subjects.responses(
-                    self.responses.holder):
-                await self._serve_response(data, reply)
-            elif (listener := self.listeners.get(subject)) is not None:
-                listener(data)
+            if (hear := heard.get(subject)) is not None:
+                hear(data)
+            elif self.kv_share is not None and subject == self.subjects.snapshot:
+                await self.kv_share.serve(data, reply)
+            elif self.stored is not None and subject == self.stored.subject:
+                await self.stored.serve(data, reply)
 
-    def _malformed(self, what: str) -> None:
+    def _hear(self, kind: type[_Word], what: str,
+              act: Callable[[_Word], None]) -> Callable[[bytes], None]:
+        """What reads a sibling's ``kind`` of message: skipped if malformed or our own."""
+        def hear(data: bytes) -> None:
+            message = decode(kind, data)
+            if message is None:
+                self.malformed(what)
+            elif message.replica != self.replica:
+                act(message)
+
+        return hear
+
+    def malformed(self, what: str) -> None:
+        """A message from a sibling that could not be read: counted, skipped."""
         self.counts["malformed"] += 1
         log.debug("replicas: a malformed %s message (skipped)", what)
 
-    def _on_load(self, data: bytes) -> None:
-        report = decode(LoadReport, data)
-        if report is None:
-            return self._malformed("load")
-        if report.replica == self.replica:
-            return None
+    def _on_load(self, report: LoadReport) -> None:
         if report.leaving:
             self.peers.leave(report.replica)
         else:
@@ -507,216 +422,19 @@ class ReplicaLink:
                     self.placements.put_back(self._backlog)  # nor of what we placed offline
                 self._on_urgent()
         self._apply_peers()
-        return None
 
     def _apply_peers(self) -> None:
         apply_peer_loads(self.supervisor.catalog.engines, self.peers.totals())
 
-    def _on_peer_fault(self, data: bytes) -> None:
-        report = decode(FaultReport, data)
-        if report is None:
-            return self._malformed("fault")
+    def _on_peer_fault(self, report: FaultReport) -> None:
         error = report.error()
-        if report.replica == self.replica or error is None:
-            return None
-        if self.supervisor.report_peer_fault(report.engine, report.url, error):
+        if error is not None and self.supervisor.report_peer_fault(report.engine, report.url,
+                                                                   error):
             self.counts["faults_acted_on"] += 1
             log.info("engine %s: out of rotation, replica %s saw it fail (%s)", report.engine,
                      report.replica, report.message, extra={"engine": report.engine})
-        return None
 
-    def _on_placements(self, data: bytes) -> None:
-        message = decode(Placements, data)
-        if message is None:
-            return self._malformed("placements")
-        if message.replica == self.replica:
-            return None
+    def _on_placements(self, message: Placements) -> None:
         now = time.monotonic()
         for engine, hashes in message.each():
             self.placements.from_peer(engine, hashes, now)
-        return None
-
-    # -- KV index snapshots -------------------------------------------------------------
-
-    async def _serve_snapshot(self, inbox: bytes, reply: str) -> None:
-        """A late sibling asks: say yes, then send our index to its inbox in chunks."""
-        if self.kv is None or not reply:
-            return
-        data = encode_snapshot(self.kv.snapshot(self.replica))  # one synchronous look
-        await self._publish(reply, b"ok")
-        target = inbox.decode(errors="replace")
-        for chunk in split(data):
-            await self._publish(target, chunk)
-        self.counts["snapshots_served"] += 1
-
-    async def _warm_start(self) -> None:
-        """Ask one sibling for its KV index; load it, or say why not (then start cold)."""
-        if self.kv is None:
-            self.warm = "no KV index"
-            return
-        import nats.errors
-
-        timeout = self.config.snapshot_timeout_s
-        nc = self._nc
-        inbox = nc.new_inbox()
-        chunks_tx, chunks_rx = trio.open_memory_channel[bytes](math.inf)
-
-        async def deliver(msg: Any) -> None:
-            chunks_tx.send_nowait(msg.data)
-
-        subscription = await trio_asyncio.aio_as_trio(nc.subscribe)(inbox, cb=deliver)
-        try:
-            with trio.move_on_after(timeout) as scope:
-                try:
-                    await trio_asyncio.aio_as_trio(nc.request)(
-                        self.subjects.snapshot, inbox.encode(), timeout=timeout
-                    )
-                except nats.errors.NoRespondersError:
-                    self.warm = "cold: no sibling to ask"
-                    return
-                except nats.errors.TimeoutError:
-                    self.warm = "cold: no sibling answered"
-                    return
-                assembly = Reassembly()
-                while not assembly.done:
-                    assembly.add(await chunks_rx.receive())
-                snapshot = decode_snapshot(assembly.data())
-            if scope.cancelled_caught:
-                self.warm = f"cold: the snapshot did not arrive within {timeout:g}s"
-                return
-        except (ValueError, msgspec.DecodeError) as exc:
-            self.warm = f"cold: a malformed snapshot ({exc})"
-            return
-        finally:
-            try:
-                await trio_asyncio.aio_as_trio(subscription.unsubscribe)()
-            except Exception as exc:
-                log.debug("replicas: unsubscribe: %s", exc)
-        refused = self.kv.offer(snapshot)
-        blocks = sum(len(rank) for rank in snapshot.ranks)
-        if refused is not None:
-            self.warm = f"refused {snapshot.replica}'s snapshot: {refused}"
-            log.warning("replicas: %s", self.warm)
-        else:
-            self.warm = (f"from {snapshot.replica}: {len(snapshot.ranks)} rank(s), "
-                         f"{blocks} blocks")
-            log.info("replicas: KV index warm %s", self.warm)
-
-    # -- stored responses ---------------------------------------------------------------
-
-    async def fetch(self, holder: str, response_id: str, owner: str) -> StoredResponse | None:
-        """``owner``'s stored response a sibling holds; None if it does not, is gone or is
-        silent.
-
-        The sibling says yes or no to the request, then sends the record to
-        our inbox in chunks (a long conversation outgrows a NATS message).
-        """
-        nc = self._nc
-        if nc is None or not self.connected:
-            return None
-        inbox = nc.new_inbox()
-        chunks_tx, chunks_rx = trio.open_memory_channel[bytes](math.inf)
-
-        async def deliver(msg: Any) -> None:
-            chunks_tx.send_nowait(msg.data)
-
-        try:
-            subscription = await trio_asyncio.aio_as_trio(nc.subscribe)(inbox, cb=deliver)
-        except Exception as exc:
-            log.debug("replicas: subscribe: %s", exc)
-            return None
-        try:
-            with trio.move_on_after(RESPONSE_TIMEOUT_S * 2):
-                answer = await self._ask(holder, ResponseQuery(self.replica, "get", response_id,
-                                                               inbox, owner))
-                if answer != b"ok":
-                    return None
-                assembly = Reassembly()
-                while not assembly.done:
-                    assembly.add(await chunks_rx.receive())
-                record = decode_record(assembly.data())
-                if record is None or record.id != response_id or record.owner != owner:
-                    self._malformed("stored response")
-                    return None
-                self.counts["responses_fetched"] += 1
-                return record
-            self._fetch_failed(response_id, "its chunks did not arrive")
-            return None
-        except ValueError:
-            self._malformed("stored response")
-            return None
-        finally:
-            try:
-                await trio_asyncio.aio_as_trio(subscription.unsubscribe)()
-            except Exception as exc:
-                log.debug("replicas: unsubscribe: %s", exc)
-
-    async def delete(self, holder: str, response_id: str, owner: str) -> bool:
-        """Ask the sibling that holds ``owner``'s stored response to drop it; True if it did."""
-        query = ResponseQuery(self.replica, "delete", response_id, owner=owner)
-        return await self._ask(holder, query) == b"1"
-
-    async def cancel(self, holder: str, response_id: str, owner: str) -> str | None:
-        """Ask the sibling that runs ``owner``'s background response to cancel it; its
-        answer (openai/response_store.py ``ResponseStore.cancel``), None if it does not hold
-        it."""
-        query = ResponseQuery(self.replica, "cancel", response_id, owner=owner)
-        answer = await self._ask(holder, query)
-        return answer.decode() if answer else None
-
-    async def _ask(self, holder: str, query: ResponseQuery) -> bytes | None:
-        """The holder's answer to ``query``; None if nobody answers for ``holder``."""
-        if self._nc is None or not self.connected:
-            return None
-        import nats.errors
-
-        try:
-            with trio.fail_after(RESPONSE_TIMEOUT_S * 2):  # nats' own timeout comes first
-                msg = await trio_asyncio.aio_as_trio(self._nc.request)(
-                    self.subjects.responses(holder), encode(query), timeout=RESPONSE_TIMEOUT_S,
-                )
-        except nats.errors.NoRespondersError:
-            return None  # nobody answers for that holder any more: its responses went with it
-        except (nats.errors.Error, trio.TooSlowError, OSError) as exc:
-            self._fetch_failed(query.id, exc.__class__.__name__)
-            return None
-        data: bytes = msg.data
-        return data
-
-    def _fetch_failed(self, response_id: str, why: str) -> None:
-        self.counts["response_fetches_failed"] += 1
-        log.warning("replicas: no answer about stored response %s from the replica holding it "
-                    "(%s)", response_id, why)
-
-    async def _serve_response(self, data: bytes, reply: str) -> None:
-        store = self.responses
-        query = decode(ResponseQuery, data)
-        if query is None or store is None or not reply:
-            return self._malformed("stored-response query")
-        if query.op == "get":
-            record = store.get(query.id, query.owner)
-            if record is None or not query.inbox:
-                await self._publish(reply, b"")
-                return None
-            data = encode_record(record)  # one synchronous look
-            await self._publish(reply, b"ok")
-            for chunk in split(data, self.chunk_bytes):
-                await self._publish(query.inbox, chunk)
-        elif query.op == "delete":
-            await self._publish(reply, b"1" if store.delete(query.id, query.owner) else b"0")
-        elif query.op == "cancel":  # answered once the response has ended (or soon)
-            answer: str | None = CANCELLED  # the cancel is under way if it takes longer
-            with trio.move_on_after(RESPONSE_TIMEOUT_S / 2):
-                answer = await store.cancel(query.id, query.owner)
-            await self._publish(reply, (answer or "").encode())
-        else:
-            return self._malformed("stored-response query")
-        self.counts["responses_served"] += 1
-        return None
-
-    # -- metrics ------------------------------------------------------------------------
-
-    def _export(self) -> None:
-        if self.metrics is not None:
-            self.metrics.replica_degraded.set(1 if self.degraded else 0)
-            self.metrics.replica_peers.set(len(self.peers))

@@ -112,7 +112,7 @@ class Lineage(msgspec.Struct, frozen=True):
 
 
 class RemoteResponses(Protocol):
-    """A sibling process's store, reached by its holder tag (control/replicas.py).
+    """A sibling process's store, reached by its holder tag (control/response_rpc.py).
 
     Each call names the owner asking; the sibling answers as its own store
     does, so another owner's response is not held.

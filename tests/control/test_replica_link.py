@@ -20,7 +20,7 @@ import trio.testing
 import trio_asyncio
 
 from direct_frontend.control.bus import NatsRefused
-from direct_frontend.control.replica_wire import LoadReport, ResponseQuery, encode
+from direct_frontend.control.replica_wire import LoadReport, ResponseQuery
 from direct_frontend.control.replicas import ReplicaLink
 from direct_frontend.control.supervisor import Supervisor
 from direct_frontend.errors import EngineError, ErrorKind
@@ -91,12 +91,12 @@ def test_what_was_placed_offline_goes_again_to_each_sibling_heard_anew_within_a_
         share.put_back(list(offline))  # placed while the link was down
         link._keep_backlog()  # the link is back
         assert share.take() == offline  # sent at once, to the siblings already back
-        link._on_load(encode(LoadReport.of("late", 1, {})))
+        link._on_load(LoadReport.of("late", 1, {}))
         assert share.take() == offline  # again, for the sibling back after that
-        link._on_load(encode(LoadReport.of("late", 2, {})))
+        link._on_load(LoadReport.of("late", 2, {}))
         assert share.take() == []  # once per sibling
         clock.jump(link.config.peer_timeout_s + 0.1)
-        link._on_load(encode(LoadReport.of("later", 1, {})))
+        link._on_load(LoadReport.of("later", 1, {}))
         assert share.take() == []
 
     trio.run(main, clock=clock)
@@ -240,9 +240,9 @@ def test_two_fleets_on_one_server_never_hear_each_other(server: NatsServer,
     load and faults; ``b`` hears nothing of them, and cannot reach ``a``'s stored responses."""
 
     async def body() -> None:
-        a1 = _link(_config(server, cluster="a"), "a1")
+        a1 = _link(_config(server, cluster="a"), "a1", store=True)
         a2 = _link(_config(server, cluster="a"), "a2", store=True)
-        b1 = _link(_config(server, cluster="b"), "b1")
+        b1 = _link(_config(server, cluster="b"), "b1", store=True)
         async with trio.open_nursery() as nursery:
             for link in (a1, a2, b1):
                 await nursery.start(link.run)
@@ -255,10 +255,10 @@ def test_two_fleets_on_one_server_never_hear_each_other(server: NatsServer,
             await trio.testing.wait_all_tasks_blocked()
             assert b1.counts["received"] == 0 and len(b1.peers) == 0
             assert a2.counts["faults_shared"] == 1  # out on a's subjects, before b1's ping
-            assert a2.responses is not None
-            holder = a2.responses.holder
-            assert await b1._ask(holder, ResponseQuery("b1", "delete", "resp_x")) is None
-            assert await a1._ask(holder, ResponseQuery("a1", "delete", "resp_x")) == b"0"
+            assert a1.stored is not None and a2.stored is not None and b1.stored is not None
+            holder = a2.stored.store.holder
+            assert await b1.stored._ask(holder, ResponseQuery("b1", "delete", "resp_x")) is None
+            assert await a1.stored._ask(holder, ResponseQuery("a1", "delete", "resp_x")) == b"0"
             nursery.cancel_scope.cancel()
 
     _on_loop(body)
