@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import math
 import random
 import statistics
 from dataclasses import dataclass, field
@@ -40,6 +41,7 @@ import trio.testing
 from direct_frontend.fleet.schema import TenantConfig, TenantsConfig
 from direct_frontend.openai.types import Tier
 from direct_frontend.pipeline.admission import Admission, AdmissionConfig, Rejected
+from direct_frontend.pipeline.preempt import Hold
 
 #: what every request costs besides its wait (a first token from an idle engine)
 OVERHEAD_S = 0.005
@@ -56,6 +58,7 @@ class Run:
     #: those that ended while every load still sent (the queue's drain after is left out)
     served_while: collections.Counter[str] = field(default_factory=collections.Counter)
     used: float = 0.0  # slot-seconds held over slot-seconds there were
+    preempted: collections.Counter[str] = field(default_factory=collections.Counter)
 
 
 async def serve(admission: Admission, args: argparse.Namespace, loads: list[Load],
@@ -72,25 +75,44 @@ async def serve(admission: Admission, args: argparse.Namespace, loads: list[Load
     busy = 0.0
     until = trio.current_time() + args.seconds
 
-    async def request(tenant: str, tier: Tier) -> None:
+    async def decode(hold: Hold, left: float, resumed: bool) -> float:
+        """Run ``left`` seconds of decode on the least loaded engine, preemptible; what is
+        left when it was preempted (0: it ended). A resumed request prefills again first."""
         nonlocal busy
+        engine = min(range(args.engines), key=lambda e: (in_flight[e], e))
+        in_flight[engine] += 1
+        try:
+            async with engines[engine]:
+                if resumed:
+                    await trio.sleep(OVERHEAD_S)
+                began = trio.current_time()
+                with trio.CancelScope() as scope:
+                    hold.running(lambda: scope.cancel() is None,
+                                 lambda: int((trio.current_time() - began) * 1000))
+                    await trio.sleep(left)
+                hold.running(None)
+                ran = trio.current_time() - began
+                busy += ran
+                return left - ran if scope.cancelled_caught else 0.0
+        finally:
+            in_flight[engine] -= 1
+
+    async def request(tenant: str, tier: Tier) -> None:
         asked = trio.current_time()
         try:
-            async with admission.slot(1, tenant, tier):
-                engine = min(range(args.engines), key=lambda e: (in_flight[e], e))
-                in_flight[engine] += 1
-                try:
-                    async with engines[engine]:
-                        run.ttft[tenant].append(trio.current_time() - asked + OVERHEAD_S)
-                        held = (flex_duration if tier == "flex" else duration) * jitter.uniform(
-                            1 - args.jitter, 1 + args.jitter)
-                        await trio.sleep(held)
-                        busy += held
-                        run.served[tenant] += 1
-                        if trio.current_time() <= until:
-                            run.served_while[tenant] += 1
-                finally:
-                    in_flight[engine] -= 1
+            async with admission.slot(1, tenant, tier) as hold:
+                run.ttft[tenant].append(trio.current_time() - asked + OVERHEAD_S)
+                left = (flex_duration if tier == "flex" else duration) * jitter.uniform(
+                    1 - args.jitter, 1 + args.jitter)
+                left = await decode(hold, left, False)
+                while left > 0:
+                    run.preempted[tenant] += 1
+                    if not await admission.requeue(hold, math.inf):
+                        return
+                    left = await decode(hold, left, True)
+                run.served[tenant] += 1
+                if trio.current_time() <= until:
+                    run.served_while[tenant] += 1
         except Rejected:
             run.refused[tenant] += 1
 
@@ -113,7 +135,8 @@ def simulate(args: argparse.Namespace, loads: list[Load], seed: int,
              warm: list[Load] | None = None, tenants: TenantsConfig | None = None) -> Run:
     """``loads`` on a new Admission (after ``warm`` alone, if given), under the mock clock."""
     slots = args.engines * args.slots
-    config = AdmissionConfig(slots, 4 * slots, 30.0, 600.0, args.reserve or max(1, slots // 8))
+    config = AdmissionConfig(slots, 4 * slots, 30.0, 600.0, args.reserve or max(1, slots // 8),
+                             args.preempt, args.max_preemptions)
 
     async def main() -> Run:
         admission = Admission(config, tenants=tenants)
@@ -156,6 +179,10 @@ def main() -> None:
                         help="tiers: a flex request's tokens (0: --tokens)")
     parser.add_argument("--jitter", type=float, default=0.0,
                         help="each request's decode varies by up to this fraction")
+    parser.add_argument("--no-preempt", dest="preempt", action="store_false",
+                        help="[frontend.limits] preempt = false")
+    parser.add_argument("--max-preemptions", type=int, default=2,
+                        help="[frontend.limits] max_preemptions")
     args = parser.parse_args()
     seeds = range(args.seed, args.seed + args.seeds)
     print(f"sim_admission {args.mode}: {args.engines} engines x {args.slots} slots, "
@@ -166,14 +193,18 @@ def main() -> None:
         alone: list[float] = []
         beside: list[float] = []
         used = []
+        preempted = served = 0
         for seed in seeds:
             alone += simulate(args, [quiet], seed).ttft["quiet"]
             run = simulate(args, [quiet, ("flood", args.flood_factor, "default")], seed,
                            warm=[quiet])
             beside += run.ttft["quiet"]
             used.append(run.used)
+            preempted += run.preempted["flood"]
+            served += run.served["flood"]
         line("quiet alone", alone)
-        line("beside the flood", beside, f"  utilisation {statistics.mean(used):.3f}")
+        line("beside the flood", beside, f"  utilisation {statistics.mean(used):.3f}, "
+             f"{preempted / max(served, 1):.1%} of the flood's preempted")
     elif args.mode == "tiers":
         app: Load = ("app", args.load, "default")
         alone, beside, flex = [], [], []

@@ -219,7 +219,11 @@ class LimitsConfig:
     that they get a 429. A ``service_tier: "flex"`` request may wait
     ``flex_queue_timeout_s``, and is admitted only while ``flex_reserve``
     slots stay free after it for the interactive tiers (absent: an eighth of
-    ``max_in_flight``, at least 1).
+    ``max_in_flight``, at least 1). With ``preempt``, a request of a tenant
+    short of its fair share that finds no slot takes one running request of
+    a tenant past its share off its engine; that one resumes token-exactly
+    when a slot frees, and gives way at most ``max_preemptions`` times
+    (pipeline/preempt.py).
     """
 
     max_in_flight: int = setting(1024, AT_LEAST_ONE)
@@ -227,6 +231,8 @@ class LimitsConfig:
     queue_timeout_s: float = setting(10.0, NON_NEGATIVE)
     flex_queue_timeout_s: float = setting(600.0, NON_NEGATIVE)
     flex_reserve: int | None = setting(None, NON_NEGATIVE)
+    preempt: bool = True
+    max_preemptions: int = setting(2, NON_NEGATIVE)
 
     @property
     def flex_reserve_slots(self) -> int:

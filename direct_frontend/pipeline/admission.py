@@ -26,13 +26,14 @@ flex request holds its slot), so their next burst finds room; it may wait
 ``flex_queue_timeout_s``, and a full queue refuses (or pushes out) flex
 first.
 
-What this cannot do is make room that is not there: a slot ends when its
-request does. A quiet tenant's requests arrive at random, and several at
-once find the slots left free taken; they wait for the next request to
-end. Without taking a running request off its engine (preemption), the
-only cure is more slots left free, which costs the fleet what they would
-have served (scripts/bench_fairness.py measures both in real time,
-scripts/sim_admission.py in virtual time).
+A slot ends when its request does, so a quiet tenant's requests that
+arrive several at once find the slots left free taken. With ``preempt`` on
+(the default), such a request, short of its tenant's share, takes a
+running request of the tenant most past its share off its engine
+(pipeline/preempt.py says which, and what bounds it); that one waits for
+a slot again first in its tenant's line (:meth:`Admission.requeue`) and
+goes on where it stopped. scripts/sim_admission.py measures the policy in
+virtual time, scripts/bench_fairness.py in real time.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from direct_frontend.fleet.schema import LimitsConfig, TenantsConfig
 from direct_frontend.openai.errors import OpenAIHTTPError, rate_limited
 from direct_frontend.openai.types import TIERS, Tier
 from direct_frontend.pipeline.fair import FairQueue, Waiter
+from direct_frontend.pipeline.preempt import Hold, new_hold, preempt_for
 from direct_frontend.pipeline.shares import Shares
 from direct_frontend.pipeline.tenancy import Tenants
 
@@ -75,11 +77,15 @@ class AdmissionConfig:
     flex_queue_timeout_s: float = 600.0
     #: slots a flex request leaves free for the interactive tiers when admitted
     flex_reserve: int = 1
+    #: a request short of its tenant's share may take a running one off its engine
+    preempt: bool = False
+    max_preemptions: int = 2  # times one request may be taken off its engine
 
 
 def admission_config(limits: LimitsConfig) -> AdmissionConfig:
     return AdmissionConfig(limits.max_in_flight, limits.max_queue, limits.queue_timeout_s,
-                           limits.flex_queue_timeout_s, limits.flex_reserve_slots)
+                           limits.flex_queue_timeout_s, limits.flex_reserve_slots,
+                           limits.preempt, limits.max_preemptions)
 
 
 class Rejected(Exception):
@@ -133,6 +139,9 @@ class Admission:
         self._flex = 0  # the slots flex holds
         self._flex_hold = 1.0  # how long a flex request holds its slots (an average)
         self._pushed_out: dict[Waiter, str] = {}  # refused to make room, and why
+        self._holds: dict[Hold, None] = {}  # the admitted requests of one slot, in order
+        #: slots being freed by preemption, by the tenant they go to (its first waiting)
+        self._claims: collections.Counter[str] = collections.Counter()
         #: the most slots a tenant past its share leaves free for the others (see _fits)
         self._headroom = config.max_in_flight // 4
         #: background work's share of the slots (:meth:`background_slot`)
@@ -171,7 +180,7 @@ class Admission:
 
     @contextlib.asynccontextmanager
     async def background_slot(self, flow: str = "",
-                              tier: Tier = "default") -> AsyncIterator[None]:
+                              tier: Tier = "default") -> AsyncIterator[Hold]:
         """One slot for work no client waits on (a background response) of ``flow``.
 
         Such work holds at most half the slots: however much of it is asked
@@ -183,16 +192,17 @@ class Admission:
         if wait.cancelled_caught:
             raise self._refused(flow, tier, "timeout", "timed out waiting for a free slot")
         try:
-            async with self.slot(1, flow, tier):
-                yield
+            async with self.slot(1, flow, tier) as hold:
+                yield hold
         finally:
             self._background.release()
 
     @contextlib.asynccontextmanager
     async def slot(self, count: int = 1, flow: str = "",
-                   tier: Tier = "default") -> AsyncIterator[None]:
+                   tier: Tier = "default") -> AsyncIterator[Hold]:
         """Hold ``count`` in-flight slots (one per choice) for ``flow`` at ``tier`` for the
-        duration of the block.
+        duration of the block; the :class:`Hold` it gives may be preempted while its
+        request runs on an engine (:meth:`Hold.running`), and then :meth:`requeue`.
 
         A request of more choices than ``max_in_flight`` takes every slot, so
         it waits for the daemon to drain rather than never running. The
@@ -211,12 +221,17 @@ class Admission:
         if self.observer is not None:
             self.observer.admitted(self.tenants.label(flow), tier, waited)
         granted = trio.current_time()
+        hold = new_hold(flow, count, tier, granted)
+        if count == 1:
+            self._holds[hold] = None
         try:
-            yield
+            yield hold
         finally:
+            self._holds.pop(hold, None)
             if tier == "flex":
                 self._flex_hold += (trio.current_time() - granted - self._flex_hold) / 8
-            self._release(flow, count, tier)
+            if hold.held:  # not while it waits for them again (it left that wait)
+                self._release(flow, count, tier)
 
     def _ahead(self, tier: Tier) -> bool:
         """Whether a request waits that goes before a new one of ``tier`` (its own tier's,
@@ -262,14 +277,14 @@ class Admission:
             except Rejected:
                 self._leave(waiter, granted, count)
                 raise
+        if self.config.preempt and tier != "flex" and count == 1 and preempt_for(
+                self._holds, self._shares, flow, tier, queue.waiting(flow) - 1,
+                self._queued.__getitem__, trio.current_time(),
+                self.config.max_preemptions) is not None:
+            self._claims[flow] += 1  # the slot it frees is this tenant's
         try:
             with trio.move_on_after(self._timeout(tier)):
-                if tier != "flex":
-                    await granted.wait()
-                while not granted.is_set():  # the interactive peak decays with no event
-                    with trio.move_on_after(self._memory() / 4):
-                        await granted.wait()
-                    self._dispatch()
+                await self._granted(granted, tier)
         except BaseException:
             self._leave(waiter, granted, count)
             raise
@@ -279,6 +294,40 @@ class Admission:
         if not granted.is_set():
             self._leave(waiter, granted, count)
             raise self._refused(flow, tier, "timeout", "timed out waiting for a free slot")
+        return True
+
+    async def _granted(self, granted: trio.Event, tier: Tier) -> None:
+        """Wait for ``granted``; flex dispatches again as the interactive peak decays."""
+        if tier != "flex":
+            await granted.wait()
+        while not granted.is_set():  # the interactive peak decays with no event
+            with trio.move_on_after(self._memory() / 4):
+                await granted.wait()
+            self._dispatch()
+
+    async def requeue(self, hold: Hold, until: float) -> bool:
+        """``hold`` was preempted and its request is off its engine: give its slots to the
+        waiting, then wait for them again, first in its tenant's line, with no queue cap and
+        no timeout but ``until`` (its request's own deadline). True once it holds them
+        again; False when ``until`` passed first (it holds none then)."""
+        flow, count, tier = hold.flow, hold.count, hold.tier
+        hold.held = hold.asked = False
+        self._release(flow, count, tier)
+        waiter = self._queues[tier].push_first(flow, count, tier)
+        self._queued[flow] += 1
+        granted = self._wake[waiter] = trio.Event()
+        self._dispatch()
+        try:
+            with trio.move_on_at(until):
+                await self._granted(granted, tier)
+        except BaseException:
+            self._leave(waiter, granted, count)
+            raise
+        if not granted.is_set():
+            self._leave(waiter, granted, count)
+            return False
+        hold.held = True
+        hold.granted = trio.current_time()
         return True
 
     def _push_out(self, flow: str, tier: Tier) -> None:
@@ -294,24 +343,30 @@ class Admission:
         """
         for later in reversed(TIERS[TIERS.index(tier) + 1:]):
             queue = self._queues[later]
-            if queue:
-                self._evict(queue, queue.longest()[0], "the request queue is full, and a "
-                            "request of a higher service tier took this one's place")
+            if queue and self._evict(queue, queue.longest()[0], "the request queue is full, "
+                                     "and a request of a higher service tier took this one's "
+                                     "place"):
                 return
         queue = self._queues[tier]
         longest, places = queue.longest()
         if longest == flow or places <= queue.waiting(flow):
             raise self._refused(flow, tier, "queue_full", "the request queue is full")
-        self._evict(queue, longest, "the request queue is full, and this tenant holds the "
-                    "most of it")
+        if not self._evict(queue, longest, "the request queue is full, and this tenant holds "
+                           "the most of it"):
+            raise self._refused(flow, tier, "queue_full", "the request queue is full")
 
-    def _evict(self, queue: FairQueue, flow: str, reason: str) -> None:
+    def _evict(self, queue: FairQueue, flow: str, reason: str) -> bool:
+        """Push ``flow``'s newest request out of ``queue``; False if it may not be (a
+        preempted request waiting to go on: its stream is open)."""
         victim = queue.newest(flow)
+        if victim.resumed:
+            return False
         queue.cancel(victim)
         self._unqueued(flow)
         self._pushed_out[victim] = reason
         self._refused(flow, victim.tier, "pushed_out", reason)  # type: ignore[arg-type]
         self._wake.pop(victim).set()
+        return True
 
     def _leave(self, waiter: Waiter, granted: trio.Event, count: int) -> None:
         """A wait that ends without its slots: out of the queue, or, granted meanwhile,
@@ -338,8 +393,7 @@ class Admission:
         most a quarter of the slots in all). Alone, or with everyone at its
         share, a tenant takes every slot: the queue stays work-conserving.
         """
-        cap = self.tenants.max_in_flight(flow)
-        if cap and self._held.get(flow, 0) + count > max(cap, count):
+        if self._capped(flow, count):
             return False
         if tier == "flex":
             slots = self.config.max_in_flight
@@ -364,6 +418,11 @@ class Admission:
                 if short >= wanted:
                     break
         return self._free - count >= min(short, self._headroom)
+
+    def _capped(self, flow: str, count: int) -> bool:
+        """Whether ``count`` more slots would put ``flow`` past its ``max_in_flight``."""
+        cap = self.tenants.max_in_flight(flow)
+        return bool(cap) and self._held.get(flow, 0) + count > max(cap, count)
 
     def _shares_of(self, tier: Tier) -> tuple[Shares, ...]:
         """The accounts a request of ``tier`` counts in: priority in both, default in its
@@ -391,12 +450,12 @@ class Admission:
             self._held[flow] = held
         else:
             del self._held[flow]
+        now = trio.current_time()
         for shares in self._shares_of(tier):
-            shares.add(flow, count)
+            shares.add(flow, count, now)
         if tier == "flex":
             self._flex += count
         else:
-            now = trio.current_time()
             peak = self._interactive_peak(now)
             self._interactive += count
             self._peak = (max(peak, self._interactive), now)
@@ -415,6 +474,8 @@ class Admission:
             if waiter.cost > self._free:
                 return  # it keeps its turn
             queue.pop(waiter)
+            if self._claims[waiter.flow] > 0:
+                self._claims[waiter.flow] -= 1
             self._unqueued(waiter.flow)
             self._grant(waiter.flow, waiter.cost, waiter.tier)  # type: ignore[arg-type]
             self._wake.pop(waiter).set()
@@ -424,10 +485,19 @@ class Admission:
         for tier in TIERS:
             queue = self._queues[tier]
             if queue:
-                waiter = queue.next(lambda head: self._fits(
+                waiter = self._claimed(queue) or queue.next(lambda head: self._fits(
                     head.flow, head.cost, head.tier))  # type: ignore[arg-type]
                 if waiter is not None:
                     return queue, waiter
+        return None
+
+    def _claimed(self, queue: FairQueue) -> Waiter | None:
+        """The first waiting request of a tenant a preemption frees a slot for, if one is
+        free and its tenant is under its cap: it goes first, whatever the shares say."""
+        for flow, claims in self._claims.items():
+            head = queue.head(flow) if claims else None
+            if head is not None and head.cost <= self._free and not self._capped(flow, 1):
+                return head
         return None
 
     def _unqueued(self, flow: str) -> None:
@@ -437,3 +507,4 @@ class Admission:
             self._queued[flow] = left
         else:
             del self._queued[flow]
+            self._claims.pop(flow, None)

@@ -38,6 +38,7 @@ class Waiter:
     start: float = 0.0
     finish: float = 0.0
     tier: str = ""
+    resumed: bool = False  # a preempted request waiting to go on (pipeline/preempt.py)
 
 
 class FairQueue:
@@ -65,8 +66,13 @@ class FairQueue:
                    key=lambda item: item[1], default=("", 0))
 
     def newest(self, flow: str) -> Waiter:
-        """``flow``'s last request in line (it has one)."""
+        """``flow``'s last request in line (it has one; a preempted one waits first)."""
         return self._queues[flow][-1]
+
+    def head(self, flow: str) -> Waiter | None:
+        """``flow``'s first request in line (None: it has none waiting)."""
+        line = self._queues.get(flow)
+        return line[0] if line else None
 
     def flows(self) -> collections.abc.ItemsView[str, collections.deque[Waiter]]:
         """Each flow with requests waiting, and its line."""
@@ -79,6 +85,18 @@ class FairQueue:
                         start + cost / max(self.weight(flow), 1e-9), tier)
         self._last_finish[flow] = waiter.finish
         self._queues.setdefault(flow, collections.deque()).append(waiter)
+        self._len += 1
+        return waiter
+
+    def push_first(self, flow: str, cost: int, tier: str = "") -> Waiter:
+        """Queue a preempted request of ``flow`` first in its flow's line, at the tag its
+        head has (or the queue's virtual time): it was charged its share when first
+        admitted, so its flow's later tags do not move."""
+        line = self._queues.setdefault(flow, collections.deque())
+        start = line[0].start if line else self.virtual_time
+        waiter = Waiter(flow, cost, next(self._seq), start,
+                        start + cost / max(self.weight(flow), 1e-9), tier, resumed=True)
+        line.appendleft(waiter)
         self._len += 1
         return waiter
 
@@ -105,7 +123,7 @@ class FairQueue:
         share to a request that never ran.
         """
         queue = self._queues.get(waiter.flow)
-        last = queue is not None and queue[-1] is waiter
+        last = queue is not None and queue[-1] is waiter and not waiter.resumed
         self._remove(waiter)
         if last:
             self._last_finish[waiter.flow] = waiter.start

@@ -6,7 +6,11 @@ the tenants active now (those that asked within :data:`ACTIVE_S`); it is
 slots for each tenant owed some (pipeline/admission.py): as many as that
 tenant's requests in flight vary by, the square root of how many it holds
 (a tenant sending at random holds a count that varies so, as a Poisson
-count does), at least one. Times are passed in, so it runs under any clock.
+count does), at least one. A tenant's *usage* is the slots it held,
+averaged over the last :data:`USAGE_S` (decaying): what preemption judges
+(pipeline/preempt.py), since a tenant that sends at random holds more than
+its share now and then while using far less. Times are passed in, so it
+runs under any clock.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from collections.abc import Callable, KeysView
 
 #: a tenant that asked this recently is active: its share is set aside for it
 ACTIVE_S = 10.0
+#: the time constant of a tenant's usage (the slots it held, averaged, decaying)
+USAGE_S = 5.0
 
 
 class Shares:
@@ -29,6 +35,7 @@ class Shares:
         self._seen: collections.OrderedDict[str, float] = collections.OrderedDict()
         self._seen_weight = 0.0  # the active tenants' weights, summed
         self._held: dict[str, int] = {}
+        self._usage: dict[str, tuple[float, float]] = {}  # (the average, when brought up)
 
     def held(self, flow: str) -> int:
         """The slots ``flow`` holds now (those counted here)."""
@@ -66,13 +73,24 @@ class Shares:
         it is owed."""
         return min(self.owed(flow), self.room(flow))
 
-    def add(self, flow: str, count: int) -> None:
-        """``flow`` holds ``count`` more slots (fewer if negative)."""
+    def usage(self, flow: str, now: float) -> float:
+        """The slots ``flow`` held, averaged over the last :data:`USAGE_S` up to ``now``."""
+        average, since = self._usage.get(flow, (0.0, now))
+        held = self._held.get(flow, 0)
+        return held + (average - held) * math.exp((since - now) / USAGE_S)
+
+    def add(self, flow: str, count: int, now: float = 0.0) -> None:
+        """``flow`` holds ``count`` more slots (fewer if negative) from ``now`` on."""
+        usage = self.usage(flow, now)
         held = self._held.get(flow, 0) + count
         if held:
             self._held[flow] = held
         else:
             self._held.pop(flow, None)
+        if held or usage > 0.01:
+            self._usage[flow] = (usage, now)
+        else:  # idle long enough: forgotten (the map stays the size of those that matter)
+            self._usage.pop(flow, None)
 
     def _forget_idle(self, now: float) -> None:
         """Forget the tenants that asked nothing within :data:`ACTIVE_S` (oldest first: the
