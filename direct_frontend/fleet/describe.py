@@ -138,6 +138,8 @@ def to_jsonable(cfg: FleetConfig, *, redact: bool = True) -> dict[str, JsonValue
                 "queue_timeout_s": frontend.limits.queue_timeout_s,
                 "flex_queue_timeout_s": frontend.limits.flex_queue_timeout_s,
                 "flex_reserve": frontend.limits.flex_reserve,
+                "preempt": frontend.limits.preempt,
+                "max_preemptions": frontend.limits.max_preemptions,
             },
             "tracing": {
                 "otlp_endpoint": _optional(shown, tracing.otlp_endpoint),
@@ -237,6 +239,8 @@ def model_json(model: ModelConfig) -> dict[str, JsonValue]:
             "queue_timeout_s": limits.queue_timeout_s,
             "flex_queue_timeout_s": limits.flex_queue_timeout_s,
             "flex_reserve": limits.flex_reserve,
+            "preempt": limits.preempt,
+            "max_preemptions": limits.max_preemptions,
         },
         "max_adapters_per_engine": model.max_adapters_per_engine,
         "adapter": adapters,

@@ -78,7 +78,7 @@ class AdmissionConfig:
     #: slots a flex request leaves free for the interactive tiers when admitted
     flex_reserve: int = 1
     #: a request short of its tenant's share may take a running one off its engine
-    preempt: bool = False
+    preempt: bool = True
     max_preemptions: int = 2  # times one request may be taken off its engine
 
 
@@ -278,7 +278,8 @@ class Admission:
                 self._leave(waiter, granted, count)
                 raise
         if self.config.preempt and tier != "flex" and count == 1 and preempt_for(
-                self._holds, self._shares, flow, tier, queue.waiting(flow) - 1,
+                self._holds, self._shares, flow, tier,
+                queue.waiting(flow) - 1 - self._claims[flow],
                 self._queued.__getitem__, trio.current_time(),
                 self.config.max_preemptions) is not None:
             self._claims[flow] += 1  # the slot it frees is this tenant's

@@ -28,8 +28,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import logging
 import re
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 
 from direct_frontend.engines.neutral import EngineEvent, Finished, GenerateCall
 from direct_frontend.errors import EngineError, ErrorKind, NoEngineAvailable
@@ -48,6 +49,8 @@ from direct_frontend.pipeline.failover import (
 from direct_frontend.pipeline.preprocess import PreparedRequest
 from direct_frontend.pipeline.settings import Settings
 from direct_frontend.routing.policies import Placement
+
+log = logging.getLogger("direct_frontend.http")  # the request log's name, as it always was
 
 #: why a constrained stream is not migrated (failover.py), as the metric's reason
 UNMIGRATABLE_CONSTRAINT = "constraint"
@@ -235,15 +238,36 @@ class Attempt:
             self.phase = _MOVING
         return phase is _WAITING
 
+    def leave(self, cut_short: Callable[[], object]) -> None:
+        """A planned migration: leave the engine at the next safe point (``cut_short``
+        interrupts a wait on it now)."""
+        if self.move():
+            cut_short()
+
+    def give_way(self, cut_short: Callable[[], object]) -> bool:
+        """Its admission preempts it for another tenant: it leaves the engine as a planned
+        migration does (True), unless it is past relaying or moving already (False)."""
+        phase = self.phase
+        if phase is not _WAITING and phase is not _RELAYING:
+            return False
+        self.leave(cut_short)
+        return True
+
     def interrupted(self, now: float) -> EngineError:
         """What ended this attempt before its output did: a move, the deadline or a stall."""
         engine = self.placement.engine.name
         if self.phase is Phase.MOVING:
             return EngineError(ErrorKind.DRAINING, "the engine is draining", engine=engine)
         if now >= self.deadline:
-            self._to(Phase.TIMED_OUT)  # the whole request's time is up: no retry
-            return EngineError(ErrorKind.CANCELLED, "request_timeout_s passed", engine=engine)
+            return self.expired()
         return EngineError(ErrorKind.TIMEOUT, "the stream stalled", engine=engine)
+
+    def expired(self) -> EngineError:
+        """The whole request's time is up (on an engine, or waiting for a slot again after
+        a preemption): no further attempt."""
+        self._to(Phase.TIMED_OUT)
+        return EngineError(ErrorKind.CANCELLED, "request_timeout_s passed",
+                           engine=self.placement.engine.name)
 
     # -- the next attempt -----------------------------------------------------------------
 
@@ -357,6 +381,18 @@ class Attempt:
     def _give_up(self) -> None:
         if self.phase is not Phase.TIMED_OUT:
             self._to(Phase.FAILED)
+
+    def log(self, error: EngineError, outcome: str, produced: int) -> None:
+        """Log the move after ``error`` (``outcome``: retried or migrated) to this attempt's
+        engine, ``produced`` tokens into the output."""
+        to = self.placement.engine.name
+        extra = {"engine": error.engine, "to_engine": to}
+        if error.kind is ErrorKind.DRAINING:
+            log.info("moved a stream off draining engine %s to %s after %d tokens",
+                     error.engine, to, produced, extra=extra)
+        else:
+            log.warning("engine %s failed (%s); %s on %s after %d tokens",
+                        error.engine, error, outcome, to, produced, extra=extra)
 
     def error_for(self, error: EngineError) -> OpenAIHTTPError:
         """What the client is told when the request gave up after ``error``."""

@@ -113,14 +113,14 @@ def preempt_for(holds: Collection[Hold], shares: Mapping[Tier, Shares], flow: st
                 ahead: int, waiting: Callable[[str], int], now: float,
                 max_preemptions: int) -> Hold | None:
     """A request of ``flow`` at ``tier`` (an interactive one, whose ``shares`` account is
-    there) waits for a slot, with ``ahead`` of its tenant's requests before it; ``waiting``:
-    how many requests a tenant has waiting. The running request asked off its engine for
-    it (:func:`choose_victim`), or None.
+    there) waits for a slot, with ``ahead`` of its tenant's requests before it that no
+    preemption frees a slot for; ``waiting``: how many requests a tenant has waiting. The
+    running request asked off its engine for it (:func:`choose_victim`), or None.
 
-    Its tenant must be owed a slot: its usage (what it held lately) at least one slot
-    short of its share, so that two tenants that both use theirs never take slots from each
-    other back and forth on the noise, and no more of its requests waiting than its count
-    in flight varies by (a burst, not a backlog). A victim's tenant must be past its share
+    Its tenant must be owed a slot: its usage (what it held lately) short of its share,
+    and no more of its requests waiting than its count in flight varies by (a burst, not a
+    backlog: two backlogged tenants never take slots from each other back and forth on the
+    noise of their usage). A victim's tenant must be past its share
     (by its usage or what it holds now), or have requests waiting: a tenant that asks for
     less than its share is served in full before one that asks for more gets more (max-min
     fairness), and a tenant just arrived has no usage yet to be judged by.
@@ -128,7 +128,7 @@ def preempt_for(holds: Collection[Hold], shares: Mapping[Tier, Shares], flow: st
     account = shares[tier]
     for each in shares.values():
         each.active(now)  # the shares below are of the tenants active now
-    if len(account.active(now)) < 2 or account.usage(flow, now) + 1 > account.share(flow) \
+    if len(account.active(now)) < 2 or account.usage(flow, now) >= account.share(flow) \
             or ahead >= account.room(flow):
         return None
     giving = collections.Counter(hold.flow for hold in holds if hold.asked)

@@ -48,6 +48,7 @@ from direct_frontend.pipeline.parsing import (
     parser_names,
 )
 from direct_frontend.pipeline.postprocess import OutputProcessor
+from direct_frontend.pipeline.preempt import Hold
 from direct_frontend.pipeline.preprocess import PreparedRequest, build_call, token_budget
 from direct_frontend.pipeline.relay_events import Batch, Emit, Failed
 from direct_frontend.pipeline.settings import Settings
@@ -58,8 +59,7 @@ from direct_frontend.text.model_dir import TextModel
 
 log = logging.getLogger("direct_frontend.http")  # the request log's name, as it always was
 
-# The per-batch check uses it: an enum attribute lookup costs ~100 ns in Python 3.11.
-_MOVING = Phase.MOVING
+_MOVING = Phase.MOVING  # the per-batch check's: an enum attribute lookup costs ~100 ns
 
 
 class EventQueue(Protocol):
@@ -71,7 +71,7 @@ class EventQueue(Protocol):
 class RelayState:
     """The decisions of one request's relay (sans-IO): its attempts, output and budget."""
 
-    __slots__ = ("attempt", "budget", "last_out", "output", "started", "trace")
+    __slots__ = ("attempt", "budget", "hold", "last_out", "output", "started", "trace")
 
     def __init__(self, attempt: Attempt, output: OutputTrack,
                  budget: ThinkingBudget | None = None, *, started: float = 0.0,
@@ -82,6 +82,14 @@ class RelayState:
         self.started = started  # perf_counter() at the start, for the time to first token
         self.last_out = 0.0  # perf_counter() at the last output handed on (0: none yet)
         self.trace = trace  # None unless tracing is on
+        self.hold: Hold | None = None  # its admission slot, while it may be preempted
+
+    def preemptible(self, hold: Hold) -> None:
+        """Let ``hold``'s admission queue take the request off its engine while it runs
+        (pipeline/preempt.py), unless its continuation would lose something: a structured-
+        output constraint's state, or a reasoning budget's count."""
+        if self.budget is None and self.attempt.failover.unmigratable is None:
+            self.hold = hold
 
     # -- one batch ------------------------------------------------------------------------
 
@@ -275,7 +283,11 @@ class Relay:
                     return None
             except EngineError as error:
                 try:
-                    await self._after(state, error)
+                    hold = state.hold
+                    if hold is not None and hold.asked and error.kind is ErrorKind.DRAINING:
+                        await self._requeue(state, hold, error)
+                    else:
+                        await self._after(state, error)
                 except EngineError as last:
                     log.warning("request failed on engine %s: %s", last.engine, last)
                     return state.failed(last)
@@ -294,13 +306,19 @@ class Relay:
             stall_timeout_s=attempt.stall_timeout_s,
         ) as engine_call:  # on a decode engine: its prefill leg first (P/D)
             movers = placement.engine.load.movers
+            hold = state.hold
             with trio.CancelScope() as stall:
-                move = functools.partial(_move_off, attempt, stall)
+                move = functools.partial(attempt.leave, stall.cancel)
                 movers.add(move)
+                if hold is not None:  # its admission may ask it off too (a preemption)
+                    hold.running(functools.partial(attempt.give_way, stall.cancel),
+                                 lambda: state.output.completion_tokens)
                 try:
                     closing = await self._relay(state, engine_call, stall, emit)
                 finally:
                     movers.discard(move)
+                    if hold is not None:
+                        hold.running(None)
             if stall.cancelled_caught:  # the stall watch fired, or a move cut a wait short
                 raise attempt.interrupted(trio.current_time())
         if closing is None:
@@ -375,6 +393,18 @@ class Relay:
         await emit(output.finished(batch))  # the final bytes go out before any Abort
         return True
 
+    async def _requeue(self, state: RelayState, hold: Hold, error: EngineError) -> None:
+        """Preempted and off its engine: wait for a slot again, then go on from its tokens
+        where the policy places it (pipeline/preempt.py); failover if no engine takes it."""
+        attempt = state.attempt
+        self.metrics.engine_request(attempt.placement.engine.name, "preempted")
+        if not await attempt.settings.admission.requeue(hold, attempt.deadline):
+            raise attempt.expired()
+        try:
+            state.resume(self.dispatcher)
+        except EngineError:
+            await self._after(state, error)
+
     async def _after(self, state: RelayState, error: EngineError) -> None:
         """What follows a failure: the next attempt (placed once an engine serves, after a
         backoff). Raises the last :class:`EngineError` when the request gives up."""
@@ -389,7 +419,7 @@ class Relay:
             await self.wait_for_engine(attempt.engine_wait, place)
         outcome = "retried" if decision is Decision.RETRY else "migrated"
         metrics.engine_request(engine.name, outcome)
-        _log_attempt(error, outcome, state)
+        attempt.log(error, outcome, state.output.completion_tokens)
         if state.trace is not None:
             state.trace.moved(outcome, error, engine.name, attempt.placement.engine.name,
                               state.output.completion_tokens)
@@ -467,25 +497,3 @@ class Relay:
                 "model output the %s parser could not read came back as content",
                 ", ".join(name for name, _ in bad), extra={"parser": bad[0][0]},
             )
-
-
-def _move_off(attempt: Attempt, stall: trio.CancelScope) -> None:
-    """A planned migration: leave this engine at the next safe point."""
-    if attempt.move():
-        stall.cancel()
-
-
-def _log_attempt(error: EngineError, outcome: str, state: RelayState) -> None:
-    to = state.attempt.placement.engine.name
-    produced = state.output.completion_tokens
-    if error.kind is ErrorKind.DRAINING:
-        log.info(
-            "moved a stream off draining engine %s to %s after %d tokens",
-            error.engine, to, produced, extra={"engine": error.engine, "to_engine": to},
-        )
-    else:
-        log.warning(
-            "engine %s failed (%s); %s on %s after %d tokens",
-            error.engine, error, outcome, to, produced,
-            extra={"engine": error.engine, "to_engine": to},
-        )

@@ -55,6 +55,7 @@ from direct_frontend.pipeline.admission import Rejected, saturated
 from direct_frontend.pipeline.choices import Choices
 from direct_frontend.pipeline.embed import embed_all
 from direct_frontend.pipeline.models import ModelTable, ServedModel
+from direct_frontend.pipeline.preempt import Hold
 from direct_frontend.pipeline.preprocess import (
     Kind,
     PreparedRequest,
@@ -139,9 +140,10 @@ class Later:
         try:
             try:
                 async with settings.admission.background_slot(
-                        self._tenant, served_tier(prepared.request)):
+                        self._tenant, served_tier(prepared.request)) as hold:
                     await sink(ADMITTED)
                     state = await relay.begin(settings, prepared)
+                    state.preemptible(hold)
                     await sink(Placed(len(prepared.input_ids)))
                     ok = False
                     try:
@@ -211,11 +213,11 @@ class Stair:
                 trace.enter("admission")
             try:
                 async with settings.admission.slot(request.n * len(prompts), tenant,
-                                                   served_tier(request)):
+                                                   served_tier(request)) as hold:
                     if trace is not None:
                         trace.leave()
                     await sink(ADMITTED)
-                    await _relay(served.relay, settings, prompts, trace, sink)
+                    await _relay(served.relay, settings, prompts, trace, sink, hold)
             except Rejected as rejected:
                 raise saturated(rejected) from None
             return None
@@ -355,12 +357,14 @@ def _model(models: ModelTable, name: str) -> ServedModel:
 
 
 async def _relay(relay: Relay, settings: Settings, prompts: Sequence[PreparedRequest],
-                 trace: RequestTrace | None, sink: Sink) -> None:
+                 trace: RequestTrace | None, sink: Sink, hold: Hold) -> None:
     """Place the request's choices, relay them into ``sink`` and settle them (not when
-    cancelled: the client left, and its output is no one's)."""
+    cancelled: the client left, and its output is no one's). One choice may be preempted
+    while it runs (``hold``: its admission slot)."""
     prepared = prompts[0]
     if prepared.request.n == 1 and len(prompts) == 1:
         state = await relay.begin(settings, prepared, trace)
+        state.preemptible(hold)
         await sink(Placed(len(prepared.input_ids)))
         failed = await relay.until_end(state, sink)
         if failed is not None:

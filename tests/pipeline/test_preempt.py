@@ -1,0 +1,242 @@
+"""Preemption in the admission queue: who gives way to whom, and how often (sans-IO, mock clock).
+
+Each request here is a task that holds its slot for its run and may be asked off its
+"engine" the way the relay is (:meth:`Hold.running`): it then waits for a slot again
+(:meth:`Admission.requeue`) and runs what it had left.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import pytest
+import trio
+import trio.testing
+
+from direct_frontend.openai.types import Tier
+from direct_frontend.pipeline.admission import Admission, AdmissionConfig, Rejected
+from direct_frontend.pipeline.preempt import Hold, choose_victim, new_hold
+
+
+def config(slots: int, preempt: bool = True, max_preemptions: int = 2,
+           queue: int = 100) -> AdmissionConfig:
+    return AdmissionConfig(max_in_flight=slots, max_queue=queue, queue_timeout_s=60,
+                           flex_reserve=0, preempt=preempt, max_preemptions=max_preemptions)
+
+
+class Log:
+    def __init__(self) -> None:
+        self.events: list[tuple[float, str, str]] = []  # (when, name, what)
+
+    def add(self, name: str, what: str) -> None:
+        self.events.append((trio.current_time(), name, what))
+
+    def of(self, what: str) -> list[str]:
+        return [name for _, name, w in self.events if w == what]
+
+    def when(self, name: str, what: str) -> float:
+        return next(t for t, n, w in self.events if n == name and w == what)
+
+
+async def run(admission: Admission, log: Log, name: str, flow: str, seconds: float,
+              tier: Tier = "default", *, deadline: float = math.inf) -> None:
+    """Hold a slot for ``seconds`` of work (its tokens: a thousand a second), preemptible;
+    after a preemption wait for a slot again, then do what is left."""
+    try:
+        async with admission.slot(1, flow, tier) as hold:
+            log.add(name, "start")
+            left = seconds
+            while True:
+                began = trio.current_time()
+                done = seconds - left
+                with trio.CancelScope() as scope:
+                    hold.running(lambda: scope.cancel() is None, functools.partial(
+                        lambda done, began: int((done + trio.current_time() - began) * 1000),
+                        done, began))
+                    await trio.sleep(left)
+                hold.running(None)
+                left -= trio.current_time() - began
+                if not scope.cancelled_caught:
+                    break
+                log.add(name, "preempted")
+                if not await admission.requeue(hold, deadline):
+                    log.add(name, "expired")
+                    return
+                log.add(name, "resumed")
+            log.add(name, "end")
+    except Rejected:
+        log.add(name, "refused")
+
+
+async def flood(nursery: trio.Nursery, admission: Admission, log: Log, count: int,
+                flow: str = "flood", tier: Tier = "default", seconds: float = 10.0,
+                stagger: float = 0.1) -> None:
+    """``count`` requests of ``flow``, one every ``stagger`` s (the last started the
+    latest, with the least work done)."""
+    for k in range(count):
+        nursery.start_soon(run, admission, log, f"{flow}{k}", flow, seconds, tier)
+        await trio.sleep(stagger)
+
+
+async def test_a_quiet_tenant_takes_the_latest_flood_request_off_and_it_resumes_first(
+        autojump_clock: trio.testing.MockClock) -> None:
+    """Four slots, all the flood's, with more of its requests waiting: the quiet tenant's
+    request preempts the flood's latest (fewest tokens) and starts at once; the preempted
+    one goes on before the flood's other waiting requests when the next slot frees."""
+    admission = Admission(config(4))
+    log = Log()
+    async with trio.open_nursery() as nursery:
+        await flood(nursery, admission, log, 6)
+        assert log.of("start") == ["flood0", "flood1", "flood2", "flood3"]
+        quiet_at = trio.current_time()
+        nursery.start_soon(run, admission, log, "quiet", "quiet", 1.0)
+        await trio.testing.wait_all_tasks_blocked()
+        assert log.of("preempted") == ["flood3"]
+        assert log.when("quiet", "start") == quiet_at  # no wait
+    # the next slot the flood may have goes to the preempted request, not to flood4
+    assert log.of("resumed") == ["flood3"]
+    assert log.when("flood3", "resumed") == log.when("flood0", "end")
+    assert log.when("flood4", "start") > log.when("flood3", "resumed")
+    assert admission.in_flight == 0 and admission.waiting == 0
+
+
+async def test_each_waiting_request_preempts_at_most_one(
+        autojump_clock: trio.testing.MockClock) -> None:
+    """Eight slots of the flood; the quiet tenant sends two at once: each takes one flood
+    request off (two in all, not more), and both start at once."""
+    admission = Admission(config(8))
+    log = Log()
+    async with trio.open_nursery() as nursery:
+        await flood(nursery, admission, log, 12)
+        nursery.start_soon(run, admission, log, "q1", "quiet", 1.0)
+        nursery.start_soon(run, admission, log, "q2", "quiet", 1.0)
+        await trio.testing.wait_all_tasks_blocked()
+        assert sorted(log.of("preempted")) == ["flood6", "flood7"]
+        assert {"q1", "q2"} <= set(log.of("start"))
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_priority_request_never_gives_way_to_a_default_one(
+        autojump_clock: trio.testing.MockClock) -> None:
+    """Every slot held at priority by a backlogged tenant: a default request of another
+    waits its turn instead of preempting one; at default the same tenant gives way."""
+    for tier, preempted in (("priority", []), ("default", ["flood3"])):
+        admission = Admission(config(4))
+        log = Log()
+        async with trio.open_nursery() as nursery:
+            await flood(nursery, admission, log, 6, tier=tier)  # type: ignore[arg-type]
+            nursery.start_soon(run, admission, log, "quiet", "quiet", 1.0)
+            await trio.testing.wait_all_tasks_blocked()
+            assert log.of("preempted") == preempted, tier
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_request_gives_way_at_most_max_preemptions_times(
+        autojump_clock: trio.testing.MockClock) -> None:
+    """One slot, a flood request in it and more waiting; quiet requests arrive one after
+    another: the flood request is preempted once (the cap), then quiet waits its turn."""
+    admission = Admission(config(1, max_preemptions=1))
+    log = Log()
+    async with trio.open_nursery() as nursery:
+        await flood(nursery, admission, log, 3, seconds=5.0)
+        for k in range(3):
+            nursery.start_soon(run, admission, log, f"q{k}", "quiet", 0.5)
+            await trio.sleep(1.0)
+        nursery.cancel_scope.cancel()
+    assert log.of("preempted") == ["flood0"]
+    assert log.of("start")[:2] == ["flood0", "q0"]
+    assert "q1" not in log.of("start")[:3]  # it waited for the flood request to end
+
+
+async def test_tenants_that_both_use_their_share_never_preempt_each_other(
+        autojump_clock: trio.testing.MockClock) -> None:
+    """Two backlogged tenants of equal weight share eight slots for a minute, each request
+    a second long: neither is ever short of its share by its usage, so none is preempted."""
+    admission = Admission(config(8))
+    log = Log()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(flood, nursery, admission, log, 240, "a", "default", 1.0, 0.25)
+        nursery.start_soon(flood, nursery, admission, log, 240, "b", "default", 1.0, 0.25)
+    assert len(log.of("end")) == 480
+    # only while they start (no usage yet to judge by), a handful at most
+    assert len(log.of("preempted")) <= 4
+
+
+async def test_off_no_request_is_preempted(autojump_clock: trio.testing.MockClock) -> None:
+    admission = Admission(config(4, preempt=False))
+    log = Log()
+    async with trio.open_nursery() as nursery:
+        await flood(nursery, admission, log, 6)
+        nursery.start_soon(run, admission, log, "quiet", "quiet", 1.0)
+        await trio.testing.wait_all_tasks_blocked()
+        assert log.of("preempted") == [] and "quiet" not in log.of("start")
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_preempted_request_waits_no_longer_than_its_deadline(
+        autojump_clock: trio.testing.MockClock) -> None:
+    """Preempted, it waits for a slot again until its own deadline (not the queue's
+    timeout), then holds none, and the queue is left as it was."""
+    admission = Admission(config(1))
+    log = Log()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(functools.partial(run, admission, log, "victim", "flood", 10.0,
+                                             deadline=trio.current_time() + 2.0))
+        await trio.sleep(0.1)
+        nursery.start_soon(run, admission, log, "flood1", "flood", 1.0)
+        await trio.sleep(0.1)
+        nursery.start_soon(run, admission, log, "quiet", "quiet", 5.0)  # holds the slot 5 s
+        await trio.testing.wait_all_tasks_blocked()
+        assert log.of("preempted") == ["victim"]
+    assert log.when("victim", "expired") == 2.0
+    assert log.of("end") == ["quiet", "flood1"]
+    assert admission.in_flight == 0 and admission.waiting == 0
+
+
+def test_the_victim_is_of_the_latest_tier_then_most_over_then_least_work() -> None:
+    """The order :func:`choose_victim` takes running requests in, and what it skips."""
+    holds = [new_hold(flow, 1, tier, 0.0) for flow, tier in (
+        ("a", "default"), ("b", "default"), ("b", "default"), ("c", "flex"),
+        ("d", "priority"))]
+    work = {id(hold): k * 10 for k, hold in enumerate(holds)}
+    for hold in holds:
+        hold.running(lambda: True, lambda h=hold: work[id(h)])  # type: ignore[misc]
+    over = {"a": 1.0, "b": 2.0, "c": 1.0, "d": 5.0}
+
+    def pick(flow: str, tier: Tier) -> Hold | None:
+        return choose_victim(holds, flow, tier, lambda h: over[h.flow], 2)
+
+    assert pick("q", "default") is holds[3]  # flex first
+    holds[3].asked = True
+    assert pick("q", "default") is holds[1]  # then the most over, the least work of its
+    holds[1].preemptions = 2  # capped
+    assert pick("q", "default") is holds[2]
+    assert pick("b", "default") is holds[0]  # never the waiter's own tenant
+    over.update(a=0.0, b=0.0)  # not past their shares
+    assert pick("q", "default") is None  # the priority request is not the default's
+    assert pick("q", "priority") is holds[4]
+    holds[4].running(None)  # off its engine: nothing to preempt
+    assert pick("q", "priority") is None
+
+
+@pytest.mark.parametrize("preempt", [True, False])
+async def test_the_quiet_tenant_waits_only_with_preemption_off(
+        autojump_clock: trio.testing.MockClock, preempt: bool) -> None:
+    """The bench's shape in small: two slots flooded, a quiet request every 3 s for a
+    minute; with preemption none of them waits."""
+    admission = Admission(config(2, preempt=preempt))
+    log = Log()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(flood, nursery, admission, log, 100, "flood", "default", 1.0, 0.6)
+        await trio.sleep(0.05)
+        for k in range(20):
+            asked = trio.current_time()
+            nursery.start_soon(run, admission, log, f"q{k}", "quiet", 0.2)
+            await trio.testing.wait_all_tasks_blocked()
+            log.add(f"q{k}", "waited" if f"q{k}" not in log.of("start") or
+                    log.when(f"q{k}", "start") > asked else "at once")
+            await trio.sleep(3.0)
+        nursery.cancel_scope.cancel()
+    waited = log.of("waited")
+    assert (waited == []) if preempt else (len(waited) >= 10)
