@@ -109,6 +109,7 @@ def fleet_text(args: argparse.Namespace, port: int,
         max_queue = {4 * args.engines * args.slots_per_engine}
         queue_timeout_s = 30
         {"" if args.flex_reserve is None else f"flex_reserve = {args.flex_reserve}"}
+        preempt = {"true" if args.preempt else "false"}
 
         [frontend.tenants]
         """) + tenants + "\n" + engines
@@ -196,6 +197,9 @@ async def phase(base: str, args: argparse.Namespace, capacity_rps: float,
     return quiet, flood, elapsed
 
 
+#: the streams taken off their engines for another tenant, in /metrics
+_PREEMPTED = re.compile(r'^direct_frontend_engine_requests_total\{[^}]*outcome="preempted"'
+                        r'[^}]*\} (\S+)$', re.M)
 #: the quiet tenant's admission waits in /metrics: every tier's, of any model
 _WAITS = re.compile(r'^direct_frontend_tenant_wait_seconds_(bucket|count)\{(.*)\} (\S+)$', re.M)
 
@@ -273,6 +277,8 @@ def main() -> None:
     parser.add_argument("--tiers", action="store_true", help="the service tiers' phases")
     parser.add_argument("--flex-reserve", type=int, default=None,
                         help="[frontend.limits] flex_reserve (default: the daemon's)")
+    parser.add_argument("--no-preempt", dest="preempt", action="store_false",
+                        help="[frontend.limits] preempt = false (the daemon's default: true)")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--routing", default="least_loaded",
                         help="the fleet's [frontend.routing] policy")
@@ -310,6 +316,8 @@ def main() -> None:
             alone, _, _ = asyncio.run(phase(base, args, capacity_rps, None, 0))
             fair, flooded, fair_s = asyncio.run(
                 phase(base, args, capacity_rps, FLOOD_KEY, args.flood_factor))
+            preempted = sum(float(n) for n in _PREEMPTED.findall(
+                httpx.get(base + "/metrics").text))
             fifo, fifo_flood, fifo_s = asyncio.run(
                 phase(base, args, capacity_rps, QUIET_KEY, args.flood_factor))
     header("flood")
@@ -324,7 +332,8 @@ def main() -> None:
           f"refused ({fair.refused + fair.failed}), utilisation >= 90 % of one queue's "
           f"({fair_use / fifo_use:.2f})")
     print(f"(median quiet TTFT alone {statistics.median(alone.ttft) * 1000:.1f} ms over "
-          f"{len(alone.ttft)} requests; {len(fair.ttft)} beside the flood)")
+          f"{len(alone.ttft)} requests; {len(fair.ttft)} beside the flood; "
+          f"{preempted:.0f} of the flood's {len(flooded.ttft)} streams preempted)")
 
 
 if __name__ == "__main__":

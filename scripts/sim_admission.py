@@ -61,55 +61,63 @@ class Run:
     preempted: collections.Counter[str] = field(default_factory=collections.Counter)
 
 
+class Engines:
+    """The fleet as FIFO slots, placed on fewest-in-flight; ``busy``: the decode seconds run."""
+
+    def __init__(self, engines: int, slots: int) -> None:
+        self.slots = [trio.Semaphore(slots) for _ in range(engines)]
+        self.in_flight = [0] * engines
+        self.busy = 0.0
+
+    async def decode(self, hold: Hold, total: float, left: float) -> float:
+        """Run ``left`` of ``total`` seconds of decode on the least loaded engine, with
+        ``hold`` preemptible meanwhile; what is left when it was preempted (0: it ended). A
+        resumed request (``left < total``) prefills again first."""
+        in_flight = self.in_flight
+        engine = min(range(len(in_flight)), key=lambda e: (in_flight[e], e))
+        in_flight[engine] += 1
+        try:
+            async with self.slots[engine]:
+                if left < total:
+                    await trio.sleep(OVERHEAD_S)
+                began = trio.current_time()
+                with trio.CancelScope() as scope:
+                    hold.running(lambda: scope.cancel() is None, lambda: int(
+                        (total - left + trio.current_time() - began) * 1000))
+                    await trio.sleep(left)
+                hold.running(None)
+                ran = trio.current_time() - began
+                self.busy += ran
+                return left - ran if scope.cancelled_caught else 0.0
+        finally:
+            in_flight[engine] -= 1
+
+
 async def serve(admission: Admission, args: argparse.Namespace, loads: list[Load],
                 seed: int) -> Run:
     """Open-loop Poisson arrivals of every load for ``--seconds``, each request holding a
     slot of the least loaded engine for its decode; waits for the last to end."""
     run = Run()
-    engines = [trio.Semaphore(args.slots) for _ in range(args.engines)]
-    in_flight = [0] * args.engines
+    fleet = Engines(args.engines, args.slots)
     duration = args.tokens * args.token_ms / 1000
     flex_duration = (args.flex_tokens or args.tokens) * args.token_ms / 1000
     capacity_rps = args.engines * args.slots / duration
     jitter = random.Random(seed + 100)
-    busy = 0.0
     until = trio.current_time() + args.seconds
-
-    async def decode(hold: Hold, left: float, resumed: bool) -> float:
-        """Run ``left`` seconds of decode on the least loaded engine, preemptible; what is
-        left when it was preempted (0: it ended). A resumed request prefills again first."""
-        nonlocal busy
-        engine = min(range(args.engines), key=lambda e: (in_flight[e], e))
-        in_flight[engine] += 1
-        try:
-            async with engines[engine]:
-                if resumed:
-                    await trio.sleep(OVERHEAD_S)
-                began = trio.current_time()
-                with trio.CancelScope() as scope:
-                    hold.running(lambda: scope.cancel() is None,
-                                 lambda: int((trio.current_time() - began) * 1000))
-                    await trio.sleep(left)
-                hold.running(None)
-                ran = trio.current_time() - began
-                busy += ran
-                return left - ran if scope.cancelled_caught else 0.0
-        finally:
-            in_flight[engine] -= 1
 
     async def request(tenant: str, tier: Tier) -> None:
         asked = trio.current_time()
         try:
             async with admission.slot(1, tenant, tier) as hold:
                 run.ttft[tenant].append(trio.current_time() - asked + OVERHEAD_S)
-                left = (flex_duration if tier == "flex" else duration) * jitter.uniform(
+                total = (flex_duration if tier == "flex" else duration) * jitter.uniform(
                     1 - args.jitter, 1 + args.jitter)
-                left = await decode(hold, left, False)
+                left = await fleet.decode(hold, total, total)
                 while left > 0:
                     run.preempted[tenant] += 1
                     if not await admission.requeue(hold, math.inf):
                         return
-                    left = await decode(hold, left, True)
+                    left = await fleet.decode(hold, total, left)
                 run.served[tenant] += 1
                 if trio.current_time() <= until:
                     run.served_while[tenant] += 1
@@ -127,7 +135,7 @@ async def serve(admission: Admission, args: argparse.Namespace, loads: list[Load
     async with trio.open_nursery() as nursery:
         for index, (tenant, share, tier) in enumerate(loads):
             nursery.start_soon(arrivals, tenant, share, tier, random.Random(seed + index))
-    run.used = busy / ((trio.current_time() - started) * args.engines * args.slots)
+    run.used = fleet.busy / ((trio.current_time() - started) * args.engines * args.slots)
     return run
 
 

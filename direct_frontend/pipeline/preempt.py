@@ -118,9 +118,11 @@ def preempt_for(holds: Collection[Hold], shares: Mapping[Tier, Shares], flow: st
     running request asked off its engine for it (:func:`choose_victim`), or None.
 
     Its tenant must be owed a slot: its usage (what it held lately) short of its share,
-    and no more of its requests waiting than its count in flight varies by (a burst, not a
+    no more of its requests waiting than its count in flight varies by (a burst, not a
     backlog: two backlogged tenants never take slots from each other back and forth on the
-    noise of their usage). A victim's tenant must be past its share
+    noise of their usage), and what it would hold with them past its share by no more than
+    that either (a tenant just arrived, whose usage is still near nothing, takes its share
+    and its variance, not every slot). A victim's tenant must be past its share
     (by its usage or what it holds now), or have requests waiting: a tenant that asks for
     less than its share is served in full before one that asks for more gets more (max-min
     fairness), and a tenant just arrived has no usage yet to be judged by.
@@ -128,8 +130,9 @@ def preempt_for(holds: Collection[Hold], shares: Mapping[Tier, Shares], flow: st
     account = shares[tier]
     for each in shares.values():
         each.active(now)  # the shares below are of the tenants active now
-    if len(account.active(now)) < 2 or account.usage(flow, now) >= account.share(flow) \
-            or ahead >= account.room(flow):
+    share, room = account.share(flow), account.room(flow)
+    if len(account.active(now)) < 2 or account.usage(flow, now) >= share or ahead >= room \
+            or account.held(flow) + ahead + 1 > share + room:
         return None
     giving = collections.Counter(hold.flow for hold in holds if hold.asked)
 
