@@ -17,6 +17,7 @@ import trio.testing
 from direct_frontend.openai.types import Tier
 from direct_frontend.pipeline.admission import Admission, AdmissionConfig, Rejected
 from direct_frontend.pipeline.preempt import Hold, choose_victim, new_hold
+from direct_frontend.pipeline.shares import USAGE_S, Shares
 
 
 def config(slots: int, preempt: bool = True, max_preemptions: int = 2,
@@ -240,3 +241,17 @@ async def test_the_quiet_tenant_waits_only_with_preemption_off(
         nursery.cancel_scope.cancel()
     waited = log.of("waited")
     assert (waited == []) if preempt else (len(waited) >= 10)
+
+
+def test_a_tenants_usage_is_what_it_held_averaged_over_the_last_seconds() -> None:
+    """Usage follows what a tenant holds with the time constant USAGE_S, and is forgotten
+    once it is idle long enough."""
+    shares = Shares(8, lambda flow: 1.0)
+    shares.add("a", 4, 0.0)
+    assert shares.usage("a", 0.0) == 0.0
+    assert shares.usage("a", USAGE_S) == pytest.approx(4 * (1 - math.exp(-1)))
+    shares.add("a", -4, 100 * USAGE_S)  # long since at 4
+    assert shares.usage("a", 100 * USAGE_S) == pytest.approx(4.0)
+    assert shares.usage("a", 101 * USAGE_S) == pytest.approx(4 * math.exp(-1))
+    shares.add("a", 0, 200 * USAGE_S)
+    assert shares.usage("a", 200 * USAGE_S) == 0.0 and not shares._usage

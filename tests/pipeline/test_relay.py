@@ -27,6 +27,7 @@ from direct_frontend.pipeline.dispatch import Dispatcher
 from direct_frontend.pipeline.failover import Decision
 from direct_frontend.pipeline.output_track import OutputTrack
 from direct_frontend.pipeline.postprocess import OutputProcessor
+from direct_frontend.pipeline.preempt import new_hold
 from direct_frontend.pipeline.preprocess import PreparedRequest, build_call
 from direct_frontend.pipeline.relay import RelayState
 from direct_frontend.pipeline.relay_events import Batch, Usage
@@ -258,3 +259,48 @@ def test_output_held_at_a_budget_with_no_block_open_goes_on_or_is_made_again(
     assert state.next_attempt(gone(None), dispatcher, 100.0) is Decision.MIGRATE
     assert state.budget.held is None  # ... unless its engine fails: the next one makes it again
     assert state.attempt.call.input_ids == PROMPT + ids[:2]
+
+
+# -- preemption ------------------------------------------------------------------------------
+
+
+def test_a_preempted_stream_leaves_at_a_safe_point_and_goes_on_from_its_tokens(
+    text_model: TextModel,
+) -> None:
+    """Asked off its engine while it relays (no wait to cut), it leaves at the next safe
+    point; it then continues from its tokens (the prompt and them), each token once; a
+    finished one no longer gives way."""
+    state, dispatcher = relay_state(text_model, two_engines(), max_tokens=12)
+    hold = new_hold("flood", 1, "default", 0.0)
+    state.preemptible(hold)
+    assert state.hold is hold
+    ids = word_ids(text_model, "hello there world at sea")
+    first = state.take(TokenDelta(ids[:3]), Queued())
+    cut: list[bool] = []
+    assert state.attempt.give_way(lambda: cut.append(True))
+    assert state.attempt.phase is Phase.MOVING and cut == []  # relaying: no wait to cut
+    assert state.attempt.interrupted(100.0).kind is ErrorKind.DRAINING
+    state.resume(dispatcher)
+    assert state.attempt.call.input_ids == PROMPT + ids[:3]
+    assert state.attempt.call.sampling.max_tokens == 12 - 3
+    rest = state.take(TokenDelta(ids[3:]), Queued(Finished(FinishReason.STOP, 4, 2)))
+    assert first.text + rest.text == "hello there world at sea"
+    assert state.output.processor.generated_ids == ids
+    assert not state.attempt.give_way(lambda: cut.append(True))  # finished
+    assert cut == []
+
+
+def test_a_wait_on_the_engine_is_cut_short_by_a_preemption(text_model: TextModel) -> None:
+    state, _ = relay_state(text_model, two_engines())
+    state.attempt.wait(100.0)
+    cut: list[bool] = []
+    assert state.attempt.give_way(lambda: cut.append(True)) and cut == [True]
+
+
+def test_only_a_stream_a_continuation_loses_nothing_of_may_be_preempted(
+    text_model: TextModel,
+) -> None:
+    for kwargs in ({"constraint": REGEX, "temperature": 0.0}, {"budget": 8}):
+        state, _ = relay_state(text_model, two_engines(), **kwargs)  # type: ignore[arg-type]
+        state.preemptible(new_hold("flood", 1, "default", 0.0))
+        assert state.hold is None, kwargs
