@@ -17,7 +17,9 @@ admission slot (from ``/metrics``: what admission costs it, apart from the
 rest of the path), the tokens each tenant was served per second and the
 fleet's utilisation (tokens served over capacity) in phases 2 and 3.
 ``--weights 3:1`` instead floods with both keys at once, weighted 3:1, and
-prints the split of the tokens served. ``--tiers`` runs the service tiers
+prints the split of the tokens served. ``--no-preempt`` runs the daemon with
+``[frontend.limits] preempt = false`` (the last line counts the flood's streams preempted
+otherwise). ``--tiers`` runs the service tiers
 instead: the quiet tenant (allowed ``priority``) sends at ``--quiet-share``
 (0.6 of capacity by default there) alone, then beside a ``flex`` flood (a
 batch on idle capacity: the interactive TTFT should hardly move), then

@@ -7,6 +7,9 @@ machine's noise (a p99 of about 40 requests is their maximum). This runs the sam
 for a request's decode and the fewest-in-flight placement of ``least_loaded``: no HTTP, no
 noise, any number of seconds and seeds, so a policy's figures are exact and repeatable. What
 it leaves out (the daemon's own latency) is what the real bench adds to every request.
+Preemption runs as the relay's does: a request asked off its engine stops, waits for a slot
+again (``Admission.requeue``) and runs what it had left after a prefill's time (the first
+token's); ``--no-preempt`` and ``--max-preemptions`` set the knobs.
 
 Modes:
 

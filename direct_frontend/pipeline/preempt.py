@@ -11,19 +11,21 @@ from the tokens it produced (a continuation of the client's prompt and
 them, whose prefix the engine most likely still has cached), so its
 client's stream goes on unbroken and token-exact.
 
-What bounds the waste (each rule measured with scripts/sim_admission.py):
+What bounds the waste (measured with scripts/sim_admission.py):
 
 - only a waiting request of a tenant below its share (by its usage: the
   slots it held lately, averaged), with no slot free, asks for one, once
   (one slot, at an interactive tier; :func:`preempt_for` says when);
-- only a request of a tenant past its share (or holding more and
-  backlogged) at the waiter's tier or a later one is taken (a
+- only a request of a tenant past its share (or backlogged: with
+  requests of its own waiting) at the waiter's tier or a later one is taken (a
   ``priority`` request never gives way to a ``default`` one; ``flex``
   gives way first), never one of the waiter's own tenant;
 - of those, the tenant most past its share gives one, and of its requests
   the one that has produced the fewest tokens (on a tie, the latest
   started): it has the least context to prefill again, the most left to
-  run, and the least chance of ending by itself soon;
+  run, and the least chance of ending by itself soon (in virtual time,
+  where a second prefill costs the same whatever came before, fewest,
+  most and oldest did equally well);
 - a request gives way at most ``max_preemptions`` times, and only while it
   streams from an engine with nothing that a continuation would lose (one
   choice, no structured-output constraint, no reasoning budget).
@@ -38,9 +40,6 @@ from collections.abc import Callable, Collection, Iterable, Mapping
 
 from direct_frontend.openai.types import TIERS, Tier
 from direct_frontend.pipeline.shares import Shares
-
-#: a hold that leaves no engine (nothing running it may be preempted): ``leave`` unset
-NOT_RUNNING = None
 
 
 @dataclasses.dataclass(eq=False, slots=True)
@@ -63,7 +62,7 @@ class Hold:
     held: bool = True
     asked: bool = False
     preemptions: int = 0
-    leave: Callable[[], bool] | None = NOT_RUNNING
+    leave: Callable[[], bool] | None = None
     work: Callable[[], int] = lambda: 0
 
     def running(self, leave: Callable[[], bool] | None,
