@@ -130,7 +130,8 @@ def preempt_for(holds: Collection[Hold], shares: Mapping[Tier, Shares], flow: st
     for each in shares.values():
         each.active(now)  # the shares below are of the tenants active now
     share, room = account.share(flow), account.room(flow)
-    if len(account.active(now)) < 2 or account.usage(flow, now) >= share or ahead >= room \
+    everyone = shares.get("default", account)  # priority tenants count at default too
+    if len(everyone.active(now)) < 2 or account.usage(flow, now) >= share or ahead >= room \
             or account.held(flow) + ahead + 1 > share + room:
         return None
     giving = collections.Counter(hold.flow for hold in holds if hold.asked)

@@ -121,15 +121,19 @@ async def test_each_waiting_request_preempts_at_most_one(
 async def test_a_priority_request_never_gives_way_to_a_default_one(
         autojump_clock: trio.testing.MockClock) -> None:
     """Every slot held at priority by a backlogged tenant: a default request of another
-    waits its turn instead of preempting one; at default the same tenant gives way."""
-    for tier, preempted in (("priority", []), ("default", ["flood3"])):
+    waits its turn instead of preempting one; at default the same tenant gives way, to a
+    default request or a priority one."""
+    cases: list[tuple[Tier, Tier, list[str]]] = [
+        ("priority", "default", []), ("default", "default", ["flood3"]),
+        ("default", "priority", ["flood3"])]
+    for tier, quiet_tier, preempted in cases:
         admission = Admission(config(4))
         log = Log()
         async with trio.open_nursery() as nursery:
-            await flood(nursery, admission, log, 6, tier=tier)  # type: ignore[arg-type]
-            nursery.start_soon(run, admission, log, "quiet", "quiet", 1.0)
+            await flood(nursery, admission, log, 6, tier=tier)
+            nursery.start_soon(run, admission, log, "quiet", "quiet", 1.0, quiet_tier)
             await trio.testing.wait_all_tasks_blocked()
-            assert log.of("preempted") == preempted, tier
+            assert log.of("preempted") == preempted, (tier, quiet_tier)
             nursery.cancel_scope.cancel()
 
 
