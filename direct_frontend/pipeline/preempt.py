@@ -130,8 +130,9 @@ def preempt_for(holds: Collection[Hold], shares: Mapping[Tier, Shares], flow: st
     for each in shares.values():
         each.active(now)  # the shares below are of the tenants active now
     share, room = account.share(flow), account.room(flow)
-    everyone = shares.get("default", account)  # priority tenants count at default too
-    if len(everyone.active(now)) < 2 or account.usage(flow, now) >= share or ahead >= room \
+    # alone at the interactive tiers (priority tenants count at default too): flex only
+    alone = len(shares.get("default", account).active(now)) < 2
+    if account.usage(flow, now) >= share or ahead >= room \
             or account.held(flow) + ahead + 1 > share + room:
         return None
     giving = collections.Counter(hold.flow for hold in holds if hold.asked)
@@ -139,6 +140,8 @@ def preempt_for(holds: Collection[Hold], shares: Mapping[Tier, Shares], flow: st
     def excess(hold: Hold) -> float:
         if hold.tier == "flex":  # it has no share, and gives way to any interactive tier
             return 1.0
+        if alone:
+            return 0.0
         theirs, other = shares[hold.tier], hold.flow
         held = theirs.held(other) - giving[other]
         over = max(theirs.usage(other, now) - giving[other], held) - theirs.share(other)

@@ -137,6 +137,24 @@ async def test_a_priority_request_never_gives_way_to_a_default_one(
             nursery.cancel_scope.cancel()
 
 
+async def test_flex_gives_way_to_an_interactive_tenant_even_alone(
+        autojump_clock: trio.testing.MockClock) -> None:
+    """Every slot held by flex work (a batch on idle capacity) with more of it waiting: an
+    interactive request, its tenant the only one at the interactive tiers, takes one flex
+    request off its engine and starts at once."""
+    admission = Admission(config(4))
+    log = Log()
+    async with trio.open_nursery() as nursery:
+        await flood(nursery, admission, log, 6, "batch", "flex")
+        assert len(log.of("start")) == 4
+        asked = trio.current_time()
+        nursery.start_soon(run, admission, log, "app", "app", 1.0)
+        await trio.testing.wait_all_tasks_blocked()
+        assert log.of("preempted") == ["batch3"]
+        assert log.when("app", "start") == asked
+        nursery.cancel_scope.cancel()
+
+
 async def test_a_request_gives_way_at_most_max_preemptions_times(
         autojump_clock: trio.testing.MockClock) -> None:
     """One slot, a flood request in it and more waiting; quiet requests arrive one after
