@@ -140,8 +140,6 @@ class Admission:
         self._flex_hold = 1.0  # how long a flex request holds its slots (an average)
         self._pushed_out: dict[Waiter, str] = {}  # refused to make room, and why
         self._holds: dict[Hold, None] = {}  # the admitted requests of one slot, in order
-        #: slots being freed by preemption, by the tenant they go to (its first waiting)
-        self._claims: collections.Counter[str] = collections.Counter()
         #: the most slots a tenant past its share leaves free for the others (see _fits)
         self._headroom = config.max_in_flight // 4
         #: background work's share of the slots (:meth:`background_slot`)
@@ -279,10 +277,10 @@ class Admission:
                 raise
         if self.config.preempt and tier != "flex" and count == 1 and preempt_for(
                 self._holds, self._shares, flow, tier,
-                queue.waiting(flow) - 1 - self._claims[flow],
+                queue.waiting(flow) - 1 - queue.claims(flow),
                 self._queued.__getitem__, trio.current_time(),
                 self.config.max_preemptions) is not None:
-            self._claims[flow] += 1  # the slot it frees is this tenant's
+            queue.claim(flow)  # the slot it frees is this tenant's
         try:
             with trio.move_on_after(self._timeout(tier)):
                 await self._granted(granted, tier)
@@ -475,8 +473,6 @@ class Admission:
             if waiter.cost > self._free:
                 return  # it keeps its turn
             queue.pop(waiter)
-            if self._claims[waiter.flow] > 0:
-                self._claims[waiter.flow] -= 1
             self._unqueued(waiter.flow)
             self._grant(waiter.flow, waiter.cost, waiter.tier)  # type: ignore[arg-type]
             self._wake.pop(waiter).set()
@@ -486,19 +482,11 @@ class Admission:
         for tier in TIERS:
             queue = self._queues[tier]
             if queue:
-                waiter = self._claimed(queue) or queue.next(lambda head: self._fits(
-                    head.flow, head.cost, head.tier))  # type: ignore[arg-type]
+                waiter = queue.claimed(lambda head: head.cost <= self._free and not (
+                    self._capped(head.flow, head.cost))) or queue.next(lambda head: self._fits(
+                        head.flow, head.cost, head.tier))  # type: ignore[arg-type]
                 if waiter is not None:
                     return queue, waiter
-        return None
-
-    def _claimed(self, queue: FairQueue) -> Waiter | None:
-        """The first waiting request of a tenant a preemption frees a slot for, if one is
-        free and its tenant is under its cap: it goes first, whatever the shares say."""
-        for flow, claims in self._claims.items():
-            head = queue.head(flow) if claims else None
-            if head is not None and head.cost <= self._free and not self._capped(flow, 1):
-                return head
         return None
 
     def _unqueued(self, flow: str) -> None:
@@ -508,4 +496,3 @@ class Admission:
             self._queued[flow] = left
         else:
             del self._queued[flow]
-            self._claims.pop(flow, None)

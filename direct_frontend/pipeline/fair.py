@@ -51,6 +51,8 @@ class FairQueue:
         self._last_finish: dict[str, float] = {}
         self._seq = itertools.count()
         self._len = 0
+        #: slots being freed by preemption for a flow's first request waiting, by flow
+        self._claims: collections.Counter[str] = collections.Counter()
 
     def __len__(self) -> int:
         return self._len
@@ -69,10 +71,22 @@ class FairQueue:
         """``flow``'s last request in line (it has one; a preempted one waits first)."""
         return self._queues[flow][-1]
 
-    def head(self, flow: str) -> Waiter | None:
-        """``flow``'s first request in line (None: it has none waiting)."""
-        line = self._queues.get(flow)
-        return line[0] if line else None
+    def claim(self, flow: str) -> None:
+        """A preemption frees a slot for ``flow``'s first request in line: it goes first
+        (:meth:`claimed`) when a slot is free, whatever its tag."""
+        self._claims[flow] += 1
+
+    def claims(self, flow: str) -> int:
+        """How many slots being freed are ``flow``'s (:meth:`claim`)."""
+        return self._claims.get(flow, 0)
+
+    def claimed(self, eligible: Callable[[Waiter], bool]) -> Waiter | None:
+        """The first request in line of a flow a slot is being freed for, if ``eligible``."""
+        for flow in self._claims:
+            head = self._queues[flow][0]
+            if eligible(head):
+                return head
+        return None
 
     def flows(self) -> collections.abc.ItemsView[str, collections.deque[Waiter]]:
         """Each flow with requests waiting, and its line."""
@@ -111,7 +125,14 @@ class FairQueue:
         return best
 
     def pop(self, waiter: Waiter) -> None:
-        """``waiter`` is admitted: the queue's virtual time moves to its start."""
+        """``waiter`` is admitted (its flow's claim, if any, taken): the queue's virtual time
+        moves to its start."""
+        claims = self._claims.get(waiter.flow)
+        if claims:
+            if claims > 1:
+                self._claims[waiter.flow] = claims - 1
+            else:
+                del self._claims[waiter.flow]
         self._remove(waiter)
         self.virtual_time = max(self.virtual_time, waiter.start)
 
@@ -140,6 +161,7 @@ class FairQueue:
         self._len -= 1
         if not queue:
             del self._queues[waiter.flow]
+            self._claims.pop(waiter.flow, None)  # none left to take a slot freed for it
             if len(self._last_finish) > 4 * (len(self._queues) + 64):
                 self._forget_idle()
 
