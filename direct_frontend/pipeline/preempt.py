@@ -80,9 +80,10 @@ def new_hold(flow: str, count: int, tier: Tier, now: float) -> Hold:
 
 
 def choose_victim(holds: Iterable[Hold], flow: str, tier: Tier,
-                  excess: Callable[[Hold], float], max_preemptions: int) -> Hold | None:
+                  excess: Callable[[Hold], float], max_preemptions: int,
+                  declined: Collection[Hold] = ()) -> Hold | None:
     """The running request to take off its engine for a waiter of ``flow`` at ``tier``, or
-    None (never one of ``flow``'s own).
+    None (never one of ``flow``'s own, nor one in ``declined``).
 
     ``excess(hold)``: how far past its share the hold's tenant is at the
     hold's tier, less the slots it is already giving back (not past it: 0
@@ -94,7 +95,7 @@ def choose_victim(holds: Iterable[Hold], flow: str, tier: Tier,
     best_key: tuple[int, float, int, int] | None = None
     for hold in holds:
         if hold.leave is None or hold.asked or hold.preemptions >= max_preemptions or (
-                hold.flow == flow):
+                hold.flow == flow) or hold in declined:
             continue
         rank = TIERS.index(hold.tier)
         if rank < first:
@@ -149,9 +150,13 @@ def preempt_for(holds: Collection[Hold], shares: Mapping[Tier, Shares], flow: st
             return over
         return 1e-3 * held if waiting(other) else 0.0  # its demand is past what it holds
 
-    chosen = choose_victim(holds, flow, tier, excess, max_preemptions)
-    if chosen is None or chosen.leave is None or not chosen.leave():
-        return None
-    chosen.asked = True
-    chosen.preemptions += 1
-    return chosen
+    declined: set[Hold] = set()  # those past relaying already (ending by themselves)
+    while (chosen := choose_victim(holds, flow, tier, excess, max_preemptions,
+                                   declined)) is not None:
+        assert chosen.leave is not None
+        if chosen.leave():
+            chosen.asked = True
+            chosen.preemptions += 1
+            return chosen
+        declined.add(chosen)
+    return None

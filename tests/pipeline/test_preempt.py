@@ -16,7 +16,7 @@ import trio.testing
 
 from direct_frontend.openai.types import Tier
 from direct_frontend.pipeline.admission import Admission, AdmissionConfig, Rejected
-from direct_frontend.pipeline.preempt import Hold, choose_victim, new_hold
+from direct_frontend.pipeline.preempt import Hold, choose_victim, new_hold, preempt_for
 from direct_frontend.pipeline.shares import USAGE_S, Shares
 
 
@@ -277,3 +277,21 @@ def test_a_tenants_usage_is_what_it_held_averaged_over_the_last_seconds() -> Non
     assert shares.usage("a", 101 * USAGE_S) == pytest.approx(4 * math.exp(-1))
     shares.add("a", 0, 200 * USAGE_S)
     assert shares.usage("a", 200 * USAGE_S) == 0.0 and not shares._usage
+
+
+def test_a_request_past_relaying_is_passed_over_for_the_next() -> None:
+    """The first choice declines (it is ending by itself): the next is asked, and only one
+    is preempted for the waiter."""
+    shares = {tier: Shares(4, lambda flow: 1.0) for tier in ("priority", "default")}
+    for account in shares.values():
+        account.saw("flood", 0.0)
+        account.saw("quiet", 0.0)
+        account.add("flood", 4, 0.0)
+    asked: list[int] = []
+    holds = [new_hold("flood", 1, "default", 0.0) for _ in range(4)]
+    for k, hold in enumerate(holds):
+        hold.running(functools.partial(lambda k: asked.append(k) is None and k != 3, k),
+                     functools.partial(lambda k: 10 - k, k))  # the latest has done the least
+    chosen = preempt_for(holds, shares, "quiet", "default", 0, lambda flow: 5, 1.0, 2)  # type: ignore[arg-type]
+    assert asked == [3, 2] and chosen is holds[2]
+    assert [h.asked for h in holds] == [False, False, True, False]
