@@ -295,3 +295,30 @@ def test_a_request_past_relaying_is_passed_over_for_the_next() -> None:
     chosen = preempt_for(holds, shares, "quiet", "default", 0, lambda flow: 5, 1.0, 2)  # type: ignore[arg-type]
     assert asked == [3, 2] and chosen is holds[2]
     assert [h.asked for h in holds] == [False, False, True, False]
+
+
+async def test_a_preempted_request_whose_client_leaves_leaves_nothing_behind(
+        autojump_clock: trio.testing.MockClock) -> None:
+    """Cancelled while it waits for a slot again: out of the queue, no slot given back twice,
+    and the next request of its tenant takes the slot in its place."""
+    admission = Admission(config(1))
+    log = Log()
+    client = trio.CancelScope()
+
+    async def victim() -> None:
+        with client:
+            await run(admission, log, "victim", "flood", 10.0)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(victim)
+        await trio.sleep(0.1)
+        nursery.start_soon(run, admission, log, "flood1", "flood", 1.0)
+        await trio.sleep(0.1)
+        nursery.start_soon(run, admission, log, "quiet", "quiet", 1.0)
+        await trio.testing.wait_all_tasks_blocked()
+        assert log.of("preempted") == ["victim"] and admission.waiting == 2
+        client.cancel()  # the victim's client leaves while it waits
+        await trio.testing.wait_all_tasks_blocked()
+        assert admission.waiting == 1 and admission.in_flight == 1
+    assert log.of("end") == ["quiet", "flood1"]
+    assert admission.in_flight == 0 and admission.waiting == 0
