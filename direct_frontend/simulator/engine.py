@@ -35,7 +35,7 @@ from direct_frontend.simulator.core import (
 )
 from direct_frontend.simulator.faults import FaultInjector, FaultPlan, FaultStats
 from direct_frontend.simulator.kv_publisher import KvEventPublisher, SimKvEvents
-from direct_frontend.simulator.kvcache import SimPrefixCache
+from direct_frontend.simulator.kvcache import HashStyle, SimPrefixCache
 from direct_frontend.simulator.lora import LoraSlots
 from direct_frontend.simulator.model import SimModel, TimingModel
 from direct_frontend.simulator.servicers import servicer_for
@@ -225,16 +225,12 @@ class SimEngine:
         )
         self.core = SimCore(self.config, self.model, self.timing)
         # Each rank's prefix cache (and KV events when a port is given; 0 picks one): kvcache.py.
+        capacity = max(1, kv_capacity_blocks or self.config.kv_pool_tokens // cache_block)
+        style: HashStyle = "sglang" if kind == "sglang" else "vllm"
         self.kv_ranks = [
             SimKvEvents(
-                kind,
-                block_size=cache_block,
-                capacity_blocks=kv_capacity_blocks or self.config.kv_pool_tokens // cache_block,
-                enabled=enable_prefix_cache,
-                events_port=kv_events_port,
-                replay_port=kv_replay_port,
-                rank=rank,
-                dp_size=dp_size,
+                kind, SimPrefixCache(capacity, cache_block, style, enabled=enable_prefix_cache),
+                events_port=kv_events_port, replay_port=kv_replay_port, rank=rank, dp_size=dp_size,
             )
             for rank in range(dp_size)
         ]
