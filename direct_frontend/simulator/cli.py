@@ -21,59 +21,6 @@ from direct_frontend.simulator.faults import FaultPlan, parse_status
 from direct_frontend.simulator.model import TimingModel
 
 
-def build_engine(
-    kind: EngineKind,
-    *,
-    model_dir: str | None = None,
-    vocab_size: int | None = None,
-    eos_token_id: int | None = None,
-    served_model_name: str | None = None,
-    context_length: int = 4096,
-    role: SimRole = "both",
-    prefill_us_per_token: float = 0.0,
-    decode_us_per_token: float = 0.0,
-    max_running: int = 256,
-    eos_probability: float = 0.02,
-    seed: int = 0,
-    faults: FaultPlan | None = None,
-    options: dict[str, Any] | None = None,
-) -> SimEngine:
-    """An engine from a tokenizer directory, or from an explicit vocabulary size and EOS.
-
-    ``options`` are further :class:`SimEngine` arguments (KV-event ports, block size...).
-    """
-    extra = options or {}
-    timing = TimingModel(prefill_us_per_token, decode_us_per_token, max_running)
-    if model_dir is not None:
-        return SimEngine.from_model_dir(
-            kind,
-            model_dir,
-            served_model_name=served_model_name,
-            context_length=context_length,
-            role=role,
-            timing=timing,
-            eos_probability=eos_probability,
-            seed=seed,
-            faults=faults,
-            **extra,
-        )
-    if vocab_size is None or eos_token_id is None:
-        raise ValueError("give either model_dir, or both vocab_size and eos_token_id")
-    return SimEngine(
-        kind,
-        served_model_name=served_model_name or "sim",
-        vocab_size=vocab_size,
-        eos_token_id=eos_token_id,
-        context_length=context_length,
-        role=role,
-        timing=timing,
-        eos_probability=eos_probability,
-        seed=seed,
-        faults=faults,
-        **extra,
-    )
-
-
 def fault_plan(
     *,
     die_after: int | None = None,
@@ -160,22 +107,21 @@ def run(
         pass
     else:
         raise RuntimeError("run() owns its event loop; embed SimEngine on a running loop instead")
-    engine = build_engine(
-        kind,
-        model_dir=model_dir,
-        vocab_size=vocab_size,
-        eos_token_id=eos_token_id,
-        served_model_name=served_model_name,
-        context_length=context_length,
-        role=role,
-        prefill_us_per_token=prefill_us_per_token,
-        decode_us_per_token=decode_us_per_token,
-        max_running=max_running,
-        eos_probability=eos_probability,
-        seed=seed,
-        faults=faults,
-        options=options,
-    )
+    # the further SimEngine arguments: KV-event ports, block size...
+    settings: dict[str, Any] = {
+        "context_length": context_length, "role": role, "eos_probability": eos_probability,
+        "seed": seed, "faults": faults, **(options or {}),
+        "timing": TimingModel(prefill_us_per_token, decode_us_per_token, max_running),
+    }
+    if model_dir is not None:
+        engine = SimEngine.from_model_dir(
+            kind, model_dir, served_model_name=served_model_name, **settings
+        )
+    elif vocab_size is None or eos_token_id is None:
+        raise ValueError("give either model_dir, or both vocab_size and eos_token_id")
+    else:
+        engine = SimEngine(kind, served_model_name=served_model_name or "sim",
+                           vocab_size=vocab_size, eos_token_id=eos_token_id, **settings)
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(_serve(engine, host, port, control_port))  # ok: standalone simulator process
 
