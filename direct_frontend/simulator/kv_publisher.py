@@ -30,7 +30,7 @@ import collections
 import contextlib
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Generic, Literal, TypeVar
 
 import msgspec
@@ -166,71 +166,88 @@ _encode = msgspec.msgpack.encode
 
 def vllm_batch(events: Sequence[CacheEvent], ts: float, rank: int | None = 0) -> bytes:
     """A vLLM 0.32.0 payload: removals one event per hash, stores as one event per run."""
-    out: list[VllmBlockStored | VllmBlockRemoved | VllmAllBlocksCleared] = []
-    for event in events:
-        if isinstance(event, StoredRun):
-            out.append(
-                VllmBlockStored(
-                    block_hashes=event.block_hashes,
-                    parent_block_hash=event.parent_block_hash,
-                    token_ids=event.token_ids,
-                    block_size=event.block_size,
-                    lora_id=None,
-                    medium="GPU",
-                    lora_name=None,
-                    extra_keys=(event.extra_keys if any(event.extra_keys)
-                                else [None] * len(event.block_hashes)),
-                    group_idx=0,
-                    kv_cache_spec_kind="full_attention",
-                )
-            )
-        elif isinstance(event, RemovedBlocks):
-            out.extend(VllmBlockRemoved([h], "GPU", group_idx=0) for h in event.block_hashes)
-        elif isinstance(event, CacheCleared):
-            out.append(VllmAllBlocksCleared())
+    out = _translate(events, _vllm_stored, _vllm_removed, VllmAllBlocksCleared)
     return _encode(_EventBatch(ts, out, rank))
 
 
 def sglang_batch(events: Sequence[CacheEvent], ts: float, rank: int | None = None) -> bytes:
     """An SGLang 0.5.23 payload: one store per page, each chained to the previous page."""
-    out: list[SglangBlockStored | SglangBlockRemoved | SglangAllBlocksCleared] = []
-    for event in events:
-        if isinstance(event, StoredRun):
-            parent = event.parent_block_hash
-            size = event.block_size
-            for i, h in enumerate(event.block_hashes):
-                assert isinstance(h, int) and (parent is None or isinstance(parent, int))
-                page = event.token_ids[i * size : (i + 1) * size]
-                out.append(SglangBlockStored([h], parent, page, size, None))
-                parent = h
-        elif isinstance(event, RemovedBlocks):
-            out.append(SglangBlockRemoved([h for h in event.block_hashes if isinstance(h, int)]))
-        elif isinstance(event, CacheCleared):
-            out.append(SglangAllBlocksCleared())
+    out: list[SglangBlockStored | SglangBlockRemoved | SglangAllBlocksCleared] = _translate(
+        events, _sglang_stored, _sglang_removed, SglangAllBlocksCleared
+    )
     return _encode(SglangEventBatch(ts, out, rank))
 
 
 def legacy_batch(events: Sequence[CacheEvent], ts: float, rank: int | None = 0) -> bytes:
     """The older tag-first array layout, vLLM's field order."""
-    out: list[LegacyBlockStored | LegacyBlockRemoved | LegacyAllBlocksCleared] = []
+    out = _translate(events, _legacy_stored, _legacy_removed, LegacyAllBlocksCleared)
+    return _encode(_EventBatch(ts, out, rank))
+
+
+def _translate(
+    events: Sequence[CacheEvent],
+    stored: Callable[[StoredRun], Iterable[_Event]],
+    removed: Callable[[RemovedBlocks], Iterable[_Event]],
+    cleared: Callable[[], _Event],
+) -> list[_Event]:
+    """A step's cache events in one layout's events, in order."""
+    out: list[_Event] = []
     for event in events:
         if isinstance(event, StoredRun):
-            out.append(
-                LegacyBlockStored(
-                    event.block_hashes,
-                    event.parent_block_hash,
-                    event.token_ids,
-                    event.block_size,
-                    None,
-                    "GPU",
-                    None,
-                )
-            )
+            out.extend(stored(event))
         elif isinstance(event, RemovedBlocks):
-            out.append(LegacyBlockRemoved(list(event.block_hashes), "GPU"))
+            out.extend(removed(event))
         elif isinstance(event, CacheCleared):
-            out.append(LegacyAllBlocksCleared())
-    return _encode(_EventBatch(ts, out, rank))
+            out.append(cleared())
+    return out
+
+
+def _vllm_stored(run: StoredRun) -> tuple[VllmBlockStored]:
+    """One store per run, with one nil extra key per block where no image keys it."""
+    return (
+        VllmBlockStored(
+            block_hashes=run.block_hashes,
+            parent_block_hash=run.parent_block_hash,
+            token_ids=run.token_ids,
+            block_size=run.block_size,
+            lora_id=None,
+            medium="GPU",
+            lora_name=None,
+            extra_keys=(run.extra_keys if any(run.extra_keys)
+                        else [None] * len(run.block_hashes)),
+            group_idx=0,
+            kv_cache_spec_kind="full_attention",
+        ),
+    )
+
+
+def _vllm_removed(blocks: RemovedBlocks) -> Iterator[VllmBlockRemoved]:
+    return (VllmBlockRemoved([h], "GPU", group_idx=0) for h in blocks.block_hashes)
+
+
+def _sglang_stored(run: StoredRun) -> Iterator[SglangBlockStored]:
+    parent = run.parent_block_hash
+    size = run.block_size
+    for i, h in enumerate(run.block_hashes):
+        assert isinstance(h, int) and (parent is None or isinstance(parent, int))
+        page = run.token_ids[i * size : (i + 1) * size]
+        yield SglangBlockStored([h], parent, page, size, None)
+        parent = h
+
+
+def _sglang_removed(blocks: RemovedBlocks) -> tuple[SglangBlockRemoved]:
+    return (SglangBlockRemoved([h for h in blocks.block_hashes if isinstance(h, int)]),)
+
+
+def _legacy_stored(run: StoredRun) -> tuple[LegacyBlockStored]:
+    stored = LegacyBlockStored(
+        run.block_hashes, run.parent_block_hash, run.token_ids, run.block_size, None, "GPU", None
+    )
+    return (stored,)
+
+
+def _legacy_removed(blocks: RemovedBlocks) -> tuple[LegacyBlockRemoved]:
+    return (LegacyBlockRemoved(list(blocks.block_hashes), "GPU"),)
 
 
 _ENCODERS = {"vllm": vllm_batch, "sglang": sglang_batch, "legacy": legacy_batch}
