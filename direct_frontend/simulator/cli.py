@@ -12,7 +12,7 @@ import contextlib
 import signal
 import sys
 from collections.abc import Sequence
-from typing import Any, get_args
+from typing import Any, TypedDict, Unpack, get_args
 
 from direct_frontend.simulator.control import serve_control
 from direct_frontend.simulator.core import EngineKind, SimRole
@@ -21,22 +21,27 @@ from direct_frontend.simulator.faults import FaultPlan, parse_status
 from direct_frontend.simulator.model import TimingModel
 
 
-def fault_plan(
-    *,
-    die_after: int | None = None,
-    hang_after: int | None = None,
-    status: str | None = None,
-    status_after: int = 0,
-    token_delay_ms: float = 0.0,
-    only_request: int | None = None,
-) -> FaultPlan | None:
-    """The plan the ``--fault-*`` flags describe, or None when they describe none."""
+class FaultFlags(TypedDict, total=False):
+    """The ``--fault-*`` flags: a :class:`FaultPlan` in a command line's units (unset: none)."""
+
+    fault_die_after: int | None
+    fault_hang_after: int | None
+    fault_status: str | None  # a gRPC status name or number
+    fault_status_after: int
+    fault_token_delay_ms: float
+    fault_only_request: int | None
+
+
+def fault_plan(**flags: Unpack[FaultFlags]) -> FaultPlan | None:
+    """The plan the flags describe, or None when they describe none."""
+    status = flags.get("fault_status")
+    only_request = flags.get("fault_only_request")
     plan = FaultPlan(
-        die_after_tokens=die_after,
-        hang_after_tokens=hang_after,
+        die_after_tokens=flags.get("fault_die_after"),
+        hang_after_tokens=flags.get("fault_hang_after"),
         status=parse_status(status) if status else None,
-        status_after_tokens=status_after,
-        token_delay_s=token_delay_ms / 1000,
+        status_after_tokens=flags.get("fault_status_after", 0),
+        token_delay_s=flags.get("fault_token_delay_ms", 0.0) / 1000,
         only_request=only_request,
     )
     return None if plan == FaultPlan(only_request=only_request) else plan
@@ -78,29 +83,17 @@ def run(
     max_running: int = 256,
     eos_probability: float = 0.02,
     seed: int = 0,
-    fault_die_after: int | None = None,
-    fault_hang_after: int | None = None,
-    fault_status: str | None = None,
-    fault_status_after: int = 0,
-    fault_token_delay_ms: float = 0.0,
-    fault_only_request: int | None = None,
     control_port: int | None = None,
     options: dict[str, Any] | None = None,
+    **fault_flags: Unpack[FaultFlags],
 ) -> None:
     """Serve one simulated engine until SIGINT/SIGTERM; only for a standalone process.
 
-    The ``fault_*`` options set the engine's initial :class:`FaultPlan`;
+    The ``fault_*`` flags set the engine's initial :class:`FaultPlan`;
     ``control_port`` (0 picks one) serves the JSON-lines control channel of
     :mod:`direct_frontend.simulator.control` on the same host.
     """
-    faults = fault_plan(
-        die_after=fault_die_after,
-        hang_after=fault_hang_after,
-        status=fault_status,
-        status_after=fault_status_after,
-        token_delay_ms=fault_token_delay_ms,
-        only_request=fault_only_request,
-    )
+    faults = fault_plan(**fault_flags)
     try:
         asyncio.get_running_loop()
     except RuntimeError:
