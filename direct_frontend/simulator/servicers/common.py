@@ -1,9 +1,12 @@
-"""What the simulated servicers share: the checks every engine makes, and common.proto's RPCs.
+"""What the simulated servicers share: the checks every engine makes, the RPC handlers whose
+one reply each kind writes (model and server info, health, a one-request Abort), and
+common.proto's RPCs.
 
-Only what is the same on every contract is written here (or the same on both
-contracts smg-grpc-servicer serves, SGLang's and vLLM's); each kind's module
-keeps its own messages and quirks, so a difference between engines stays
-visible as a difference between modules.
+Only what is the same on every contract is written here, or on the contracts
+that share it (SGLang's and vLLM's as smg-grpc-servicer serves both; SGLang's
+and TRT-LLM's Abort of one request); each kind's module keeps its own messages
+and quirks, so a difference between engines stays visible as a difference
+between modules.
 """
 
 from __future__ import annotations
