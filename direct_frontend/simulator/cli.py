@@ -12,7 +12,7 @@ import contextlib
 import signal
 import sys
 from collections.abc import Sequence
-from typing import Any, get_args
+from typing import Any, TypedDict, Unpack, get_args
 
 from direct_frontend.simulator.control import serve_control
 from direct_frontend.simulator.core import EngineKind, SimRole
@@ -21,75 +21,27 @@ from direct_frontend.simulator.faults import FaultPlan, parse_status
 from direct_frontend.simulator.model import TimingModel
 
 
-def build_engine(
-    kind: EngineKind,
-    *,
-    model_dir: str | None = None,
-    vocab_size: int | None = None,
-    eos_token_id: int | None = None,
-    served_model_name: str | None = None,
-    context_length: int = 4096,
-    role: SimRole = "both",
-    prefill_us_per_token: float = 0.0,
-    decode_us_per_token: float = 0.0,
-    max_running: int = 256,
-    eos_probability: float = 0.02,
-    seed: int = 0,
-    faults: FaultPlan | None = None,
-    options: dict[str, Any] | None = None,
-) -> SimEngine:
-    """An engine from a tokenizer directory, or from an explicit vocabulary size and EOS.
+class FaultFlags(TypedDict, total=False):
+    """The ``--fault-*`` flags: a :class:`FaultPlan` in a command line's units (unset: none)."""
 
-    ``options`` are further :class:`SimEngine` arguments (KV-event ports, block size...).
-    """
-    extra = options or {}
-    timing = TimingModel(prefill_us_per_token, decode_us_per_token, max_running)
-    if model_dir is not None:
-        return SimEngine.from_model_dir(
-            kind,
-            model_dir,
-            served_model_name=served_model_name,
-            context_length=context_length,
-            role=role,
-            timing=timing,
-            eos_probability=eos_probability,
-            seed=seed,
-            faults=faults,
-            **extra,
-        )
-    if vocab_size is None or eos_token_id is None:
-        raise ValueError("give either model_dir, or both vocab_size and eos_token_id")
-    return SimEngine(
-        kind,
-        served_model_name=served_model_name or "sim",
-        vocab_size=vocab_size,
-        eos_token_id=eos_token_id,
-        context_length=context_length,
-        role=role,
-        timing=timing,
-        eos_probability=eos_probability,
-        seed=seed,
-        faults=faults,
-        **extra,
-    )
+    fault_die_after: int | None
+    fault_hang_after: int | None
+    fault_status: str | None  # a gRPC status name or number
+    fault_status_after: int
+    fault_token_delay_ms: float
+    fault_only_request: int | None
 
 
-def fault_plan(
-    *,
-    die_after: int | None = None,
-    hang_after: int | None = None,
-    status: str | None = None,
-    status_after: int = 0,
-    token_delay_ms: float = 0.0,
-    only_request: int | None = None,
-) -> FaultPlan | None:
-    """The plan the ``--fault-*`` flags describe, or None when they describe none."""
+def fault_plan(**flags: Unpack[FaultFlags]) -> FaultPlan | None:
+    """The plan the flags describe, or None when they describe none."""
+    status = flags.get("fault_status")
+    only_request = flags.get("fault_only_request")
     plan = FaultPlan(
-        die_after_tokens=die_after,
-        hang_after_tokens=hang_after,
+        die_after_tokens=flags.get("fault_die_after"),
+        hang_after_tokens=flags.get("fault_hang_after"),
         status=parse_status(status) if status else None,
-        status_after_tokens=status_after,
-        token_delay_s=token_delay_ms / 1000,
+        status_after_tokens=flags.get("fault_status_after", 0),
+        token_delay_s=flags.get("fault_token_delay_ms", 0.0) / 1000,
         only_request=only_request,
     )
     return None if plan == FaultPlan(only_request=only_request) else plan
@@ -131,51 +83,38 @@ def run(
     max_running: int = 256,
     eos_probability: float = 0.02,
     seed: int = 0,
-    fault_die_after: int | None = None,
-    fault_hang_after: int | None = None,
-    fault_status: str | None = None,
-    fault_status_after: int = 0,
-    fault_token_delay_ms: float = 0.0,
-    fault_only_request: int | None = None,
     control_port: int | None = None,
     options: dict[str, Any] | None = None,
+    **fault_flags: Unpack[FaultFlags],
 ) -> None:
     """Serve one simulated engine until SIGINT/SIGTERM; only for a standalone process.
 
-    The ``fault_*`` options set the engine's initial :class:`FaultPlan`;
+    The ``fault_*`` flags set the engine's initial :class:`FaultPlan`;
     ``control_port`` (0 picks one) serves the JSON-lines control channel of
     :mod:`direct_frontend.simulator.control` on the same host.
     """
-    faults = fault_plan(
-        die_after=fault_die_after,
-        hang_after=fault_hang_after,
-        status=fault_status,
-        status_after=fault_status_after,
-        token_delay_ms=fault_token_delay_ms,
-        only_request=fault_only_request,
-    )
+    faults = fault_plan(**fault_flags)
     try:
         asyncio.get_running_loop()
     except RuntimeError:
         pass
     else:
         raise RuntimeError("run() owns its event loop; embed SimEngine on a running loop instead")
-    engine = build_engine(
-        kind,
-        model_dir=model_dir,
-        vocab_size=vocab_size,
-        eos_token_id=eos_token_id,
-        served_model_name=served_model_name,
-        context_length=context_length,
-        role=role,
-        prefill_us_per_token=prefill_us_per_token,
-        decode_us_per_token=decode_us_per_token,
-        max_running=max_running,
-        eos_probability=eos_probability,
-        seed=seed,
-        faults=faults,
-        options=options,
-    )
+    # the further SimEngine arguments: KV-event ports, block size...
+    settings: dict[str, Any] = {
+        "context_length": context_length, "role": role, "eos_probability": eos_probability,
+        "seed": seed, "faults": faults, **(options or {}),
+        "timing": TimingModel(prefill_us_per_token, decode_us_per_token, max_running),
+    }
+    if model_dir is not None:
+        engine = SimEngine.from_model_dir(
+            kind, model_dir, served_model_name=served_model_name, **settings
+        )
+    elif vocab_size is None or eos_token_id is None:
+        raise ValueError("give either model_dir, or both vocab_size and eos_token_id")
+    else:
+        engine = SimEngine(kind, served_model_name=served_model_name or "sim",
+                           vocab_size=vocab_size, eos_token_id=eos_token_id, **settings)
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(_serve(engine, host, port, control_port))  # ok: standalone simulator process
 

@@ -27,7 +27,7 @@ import json
 import random
 import re
 import string
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from re import _constants as sre  # type: ignore[attr-defined]
 from re import _parser as sre_parse  # type: ignore[attr-defined]
 from typing import Any
@@ -131,33 +131,44 @@ def _nodes(nodes: Any, rng: random.Random, groups: dict[int, str]) -> str:
 
 
 def _node(op: Any, arg: Any, rng: random.Random, groups: dict[int, str]) -> str:
-    if op is sre.LITERAL:
-        return chr(arg)
-    if op is sre.NOT_LITERAL:
-        return next(c for c in _ANY if ord(c) != arg)
-    if op is sre.ANY:
-        return rng.choice(_ANY)
-    if op is sre.IN:
-        return _in_class(arg, rng)
-    if op is sre.BRANCH:
-        return _nodes(rng.choice(arg[1]), rng, groups)
-    if op is sre.SUBPATTERN:
-        group, _, _, body = arg
-        text = _nodes(body, rng, groups)
-        if group is not None:
-            groups[group] = text
-        return text
-    if op in (sre.MAX_REPEAT, sre.MIN_REPEAT, getattr(sre, "POSSESSIVE_REPEAT", sre.MAX_REPEAT)):
-        low, high, body = arg
-        top = low + _MAX_EXTRA_REPEATS if high is sre.MAXREPEAT else min(high, low + 3)
-        return "".join(_nodes(body, rng, groups) for _ in range(rng.randint(low, top)))
-    if op is sre.AT:
-        return ""  # anchors: the whole text is the match anyway
-    if op is sre.GROUPREF:
-        return groups.get(arg, "")
-    if op is sre.CATEGORY:
-        return _category(arg, rng)
-    raise Unsupported(f"the simulator cannot write text for the regex construct {op}")
+    write = _WRITERS.get(op)
+    if write is None:
+        raise Unsupported(f"the simulator cannot write text for the regex construct {op}")
+    return write(arg, rng, groups)
+
+
+def _subpattern(arg: Any, rng: random.Random, groups: dict[int, str]) -> str:
+    """A group's text, remembered under its number for a later back-reference."""
+    group, _, _, body = arg
+    text = _nodes(body, rng, groups)
+    if group is not None:
+        groups[group] = text
+    return text
+
+
+def _repeat(arg: Any, rng: random.Random, groups: dict[int, str]) -> str:
+    """A few repetitions: up to a few more than the least, an unbounded one included."""
+    low, high, body = arg
+    top = low + _MAX_EXTRA_REPEATS if high is sre.MAXREPEAT else min(high, low + 3)
+    return "".join(_nodes(body, rng, groups) for _ in range(rng.randint(low, top)))
+
+
+_Writer = Callable[[Any, random.Random, dict[int, str]], str]
+#: each parsed regex construct's writer (anchors write nothing: the whole text is the match)
+_WRITERS: dict[Any, _Writer] = {
+    sre.LITERAL: lambda arg, rng, groups: chr(arg),
+    sre.NOT_LITERAL: lambda arg, rng, groups: next(c for c in _ANY if ord(c) != arg),
+    sre.ANY: lambda arg, rng, groups: rng.choice(_ANY),
+    sre.IN: lambda arg, rng, groups: _in_class(arg, rng),
+    sre.BRANCH: lambda arg, rng, groups: _nodes(rng.choice(arg[1]), rng, groups),
+    sre.SUBPATTERN: _subpattern,
+    sre.MAX_REPEAT: _repeat,
+    sre.MIN_REPEAT: _repeat,
+    getattr(sre, "POSSESSIVE_REPEAT", sre.MAX_REPEAT): _repeat,
+    sre.AT: lambda arg, rng, groups: "",
+    sre.GROUPREF: lambda arg, rng, groups: groups.get(arg, ""),
+    sre.CATEGORY: lambda arg, rng, groups: _category(arg, rng),
+}
 
 
 def _category(category: Any, rng: random.Random) -> str:
@@ -212,6 +223,17 @@ def _class_source(items: Any) -> list[str]:
 # -- JSON schemas ---------------------------------------------------------------------------
 
 
+def _check_writable(schema: Any, depth: int) -> None:
+    """Refuse a subschema that is no object, nests too deeply, or uses a keyword not written."""
+    if not isinstance(schema, dict):
+        raise InvalidConstraint(f"a subschema is an object, not {json.dumps(schema)}")
+    if depth > 16:
+        raise Unsupported("the schema nests (or refers to itself) too deeply to write")
+    for keyword in _UNSUPPORTED_SCHEMA:
+        if keyword in schema:
+            raise Unsupported(f"the simulator cannot write JSON for the keyword '{keyword}'")
+
+
 class _SchemaWriter:
     """Writes one value of a schema (the subset in the module docstring)."""
 
@@ -223,13 +245,7 @@ class _SchemaWriter:
     def value(self, schema: Any, depth: int) -> Any:
         if schema is True or schema == {}:
             return self.rng.choice(_WORDS)
-        if not isinstance(schema, dict):
-            raise InvalidConstraint(f"a subschema is an object, not {json.dumps(schema)}")
-        if depth > 16:
-            raise Unsupported("the schema nests (or refers to itself) too deeply to write")
-        for keyword in _UNSUPPORTED_SCHEMA:
-            if keyword in schema:
-                raise Unsupported(f"the simulator cannot write JSON for the keyword '{keyword}'")
+        _check_writable(schema, depth)
         if "$ref" in schema:
             return self.value(self._resolve(schema["$ref"]), depth + 1)
         if "const" in schema:

@@ -242,6 +242,20 @@ class _Slots:
         self.used -= 1
 
 
+def _produce(job: Job, generation: Generation) -> tuple[int, ...]:
+    """One decode step of ``job``: its delta (``generation.finish`` says whether it ended).
+
+    A sequence already finished (a zero-token budget: prefill only) adds an
+    empty delta; a token that fills a block gets that block cached.
+    """
+    if generation.finish is not None:
+        return ()
+    token_id = generation.step()
+    if job.kv is not None and job.cache is not None:
+        job.cache.extend(job.kv, token_id)
+    return (token_id,)
+
+
 class SimCore:
     """Runs sequences for one engine: FIFO admission, paced steps, abort, stats."""
 
@@ -375,30 +389,14 @@ class SimCore:
         Client cancellation propagates as ``CancelledError`` after the slot
         and the registration are given back.
         """
-        signal = job.signal
         job.rank = rank = self._place(job)
         if job.cache is None and self.kv_caches:
             job.cache = self.kv_caches[rank]
         if not job.internal:
             _keep(self.stats.rank_of, job.request_id, rank)
-        slots = self._slots[rank]
         self._register(job)
         try:
-            finish: Finish | None = None
-            if await slots.acquire(signal):
-                try:
-                    self._set_state(job, JobState.RUNNING)
-                    cache = job.cache
-                    if cache is not None and not job.internal:
-                        job.kv = cache.admit(job.prompt_ids, job.media)
-                        # a decode leg's KV may have arrived from a prefill engine already
-                        job.cached_tokens = max(job.cached_tokens, job.kv.cached_tokens)
-                    if not job.aborted:
-                        finish = await self._generate(job, emit)
-                finally:
-                    if job.kv is not None and cache is not None:
-                        cache.release(job.kv)
-                    slots.release()
+            finish = await self._run_in_slot(job, emit, self._slots[rank])
             if not job.internal:
                 if finish is None:
                     self.stats.aborted += 1
@@ -414,9 +412,29 @@ class SimCore:
             self._set_state(job, JobState.DONE)
             self._unregister(job)
 
+    async def _run_in_slot(self, job: Job, emit: Emit | None, slots: _Slots) -> Finish | None:
+        """Hold one of the rank's slots while the sequence runs (None: aborted first)."""
+        if not await slots.acquire(job.signal):
+            return None
+        cache = job.cache
+        try:
+            self._set_state(job, JobState.RUNNING)
+            if cache is not None and not job.internal:
+                job.kv = cache.admit(job.prompt_ids, job.media)
+                # a decode leg's KV may have arrived from a prefill engine already
+                job.cached_tokens = max(job.cached_tokens, job.kv.cached_tokens)
+            if job.aborted:
+                return None
+            if self.steps:
+                return await self._generate_in_steps(job, emit)
+            return await self._generate(job, emit)
+        finally:
+            if job.kv is not None and cache is not None:
+                cache.release(job.kv)
+            slots.release()
+
     async def _generate(self, job: Job, emit: Emit | None) -> Finish | None:
-        if self.steps:
-            return await self._generate_in_steps(job, emit)
+        """Generate on the timing model's clock: the prefill, then one decode interval a token."""
         generation = job.generation
         timing = self.timing
         instant = timing.instant
@@ -441,23 +459,18 @@ class SimCore:
                     await asyncio.sleep(0)
             if job.aborted:
                 return None
-            if generation.finish is not None:  # a zero-token budget: prefill only
-                if emit is not None:
-                    await emit((), generation.finish)
-                return generation.finish
-            token_id = generation.step()
-            if job.kv is not None and job.cache is not None:
-                job.cache.extend(job.kv, token_id)  # a block that fills gets cached
+            delta = _produce(job, generation)
+            finish = generation.finish
             if emit is not None:
-                await emit((token_id,), generation.finish)
-            if generation.finish is not None:
-                return generation.finish
+                await emit(delta, finish)
+            if finish is not None:
+                return finish
             deadline += decode
 
     async def _generate_in_steps(self, job: Job, emit: Emit | None) -> Finish | None:
         """:meth:`_generate` with the rank's batched steps pacing every token."""
-        generation = job.generation
         steps = self.steps[job.rank or 0]
+        generation = job.generation
         seat = steps.join(generation.prompt_len - job.cached_tokens,
                           generation.criteria.max_tokens - len(generation.output_ids))
         try:
@@ -467,17 +480,12 @@ class SimCore:
                     await asyncio.wait((job.signal,), timeout=extra)
                 if not await seat.take(job.signal) or job.aborted:
                     return None
-                if generation.finish is not None:  # a zero-token budget: prefill only
-                    if emit is not None:
-                        await emit((), generation.finish)
-                    return generation.finish
-                token_id = generation.step()
-                if job.kv is not None and job.cache is not None:
-                    job.cache.extend(job.kv, token_id)
+                delta = _produce(job, generation)
+                finish = generation.finish
                 if emit is not None:
-                    await emit((token_id,), generation.finish)
-                if generation.finish is not None:
-                    return generation.finish
+                    await emit(delta, finish)
+                if finish is not None:
+                    return finish
         finally:
             steps.leave(seat)
 

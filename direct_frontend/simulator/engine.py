@@ -35,7 +35,7 @@ from direct_frontend.simulator.core import (
 )
 from direct_frontend.simulator.faults import FaultInjector, FaultPlan, FaultStats
 from direct_frontend.simulator.kv_publisher import KvEventPublisher, SimKvEvents
-from direct_frontend.simulator.kvcache import SimPrefixCache
+from direct_frontend.simulator.kvcache import HashStyle, SimPrefixCache
 from direct_frontend.simulator.lora import LoraSlots
 from direct_frontend.simulator.model import SimModel, TimingModel
 from direct_frontend.simulator.servicers import servicer_for
@@ -102,6 +102,26 @@ class _Server(grpclib.server.Server):
                 processor.close("Server closed")
 
 
+def _check_shape(kind: EngineKind, role: SimRole, context_length: int, embedding_dim: int,
+                 dp_size: int) -> None:
+    """Refuse an engine no stock engine of ``kind`` could be, with ``ValueError``."""
+    trtllm = kind == "trtllm"
+    rules = (  # in order: the first broken one is reported
+        (kind not in get_args(EngineKind), f"unknown engine kind {kind!r}"),
+        (role not in get_args(SimRole), f"unknown role {role!r}"),
+        (trtllm and role != "both", "the TRT-LLM contract has no disaggregation role"),
+        (embedding_dim < 0, "embedding_dim must not be negative"),
+        (trtllm and bool(embedding_dim), "the TRT-LLM contract serves no embeddings"),
+        (context_length < 2, "context_length must be at least 2"),
+        (dp_size < 1, "dp_size must be at least 1"),
+        (trtllm and dp_size != 1,
+         "the TRT-LLM contract has no data-parallel rank: dp_size must be 1"),
+    )
+    for broken, message in rules:
+        if broken:
+            raise ValueError(message)
+
+
 class SimEngine:
     """A simulated SGLang, vLLM or TensorRT-LLM engine on a real gRPC port.
 
@@ -159,22 +179,7 @@ class SimEngine:
         embedding_dim: int = 0,
         dp_size: int = 1,
     ) -> None:
-        if kind not in get_args(EngineKind):
-            raise ValueError(f"unknown engine kind {kind!r}")
-        if role not in get_args(SimRole):
-            raise ValueError(f"unknown role {role!r}")
-        if kind == "trtllm" and role != "both":
-            raise ValueError("the TRT-LLM contract has no disaggregation role")
-        if embedding_dim < 0:
-            raise ValueError("embedding_dim must not be negative")
-        if kind == "trtllm" and embedding_dim:
-            raise ValueError("the TRT-LLM contract serves no embeddings")
-        if context_length < 2:
-            raise ValueError("context_length must be at least 2")
-        if dp_size < 1:
-            raise ValueError("dp_size must be at least 1")
-        if kind == "trtllm" and dp_size != 1:
-            raise ValueError("the TRT-LLM contract has no data-parallel rank: dp_size must be 1")
+        _check_shape(kind, role, context_length, embedding_dim, dp_size)
         disaggregated = role != "both"
         self.kind: EngineKind = kind
         self.model = SimModel(
@@ -220,16 +225,12 @@ class SimEngine:
         )
         self.core = SimCore(self.config, self.model, self.timing)
         # Each rank's prefix cache (and KV events when a port is given; 0 picks one): kvcache.py.
+        capacity = max(1, kv_capacity_blocks or self.config.kv_pool_tokens // cache_block)
+        style: HashStyle = "sglang" if kind == "sglang" else "vllm"
         self.kv_ranks = [
             SimKvEvents(
-                kind,
-                block_size=cache_block,
-                capacity_blocks=kv_capacity_blocks or self.config.kv_pool_tokens // cache_block,
-                enabled=enable_prefix_cache,
-                events_port=kv_events_port,
-                replay_port=kv_replay_port,
-                rank=rank,
-                dp_size=dp_size,
+                kind, SimPrefixCache(capacity, cache_block, style, enabled=enable_prefix_cache),
+                events_port=kv_events_port, replay_port=kv_replay_port, rank=rank, dp_size=dp_size,
             )
             for rank in range(dp_size)
         ]

@@ -28,9 +28,10 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import time
-from collections.abc import Sequence
-from typing import Any, Literal
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, Generic, Literal, TypeVar
 
 import msgspec
 import trio
@@ -39,7 +40,6 @@ import zmq
 from direct_frontend.simulator.kvcache import (
     CacheCleared,
     CacheEvent,
-    HashStyle,
     RemovedBlocks,
     SimPrefixCache,
     StoredRun,
@@ -59,14 +59,16 @@ _END_SEQ = b"\xff" * 8
 _Hash = int | bytes
 
 
-# -- vLLM 0.32.0 (vllm/distributed/kv_events.py) -------------------------------
+# -- vLLM: 0.32.0 (vllm/distributed/kv_events.py) and the legacy layout -----------
+# The legacy layout is the older releases' tag-first arrays. Its events carry the
+# fields vLLM's still begin with, declared as they were rather than with defaults
+# (msgspec writes trailing defaults of array_like structs); this reproduces
+# docs/kv-events.md §12.2. vLLM 0.32.0 writes tagged maps with ``omit_defaults``.
 
 
-class _VllmEvent(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
-    pass
+class _StoredFields(msgspec.Struct, gc=False):
+    """The fields every vLLM layout's ``BlockStored`` begins with."""
 
-
-class VllmBlockStored(_VllmEvent, tag="BlockStored"):
     block_hashes: list[_Hash]
     parent_block_hash: _Hash | None
     token_ids: list[int]
@@ -74,6 +76,16 @@ class VllmBlockStored(_VllmEvent, tag="BlockStored"):
     lora_id: int | None
     medium: str | None
     lora_name: str | None
+
+
+class _RemovedFields(msgspec.Struct, gc=False):
+    """The fields every vLLM layout's ``BlockRemoved`` begins with."""
+
+    block_hashes: list[_Hash]
+    medium: str | None
+
+
+class VllmBlockStored(_StoredFields, tag="BlockStored", omit_defaults=True):
     extra_keys: list[Any] | None = None
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
@@ -83,66 +95,47 @@ class VllmBlockStored(_VllmEvent, tag="BlockStored"):
     session_id: str | None = None
 
 
-class VllmBlockRemoved(_VllmEvent, tag="BlockRemoved"):
-    block_hashes: list[_Hash]
-    medium: str | None
+class VllmBlockRemoved(_RemovedFields, tag="BlockRemoved", omit_defaults=True):
     group_idx: int | None = None
     locality: str | None = None
     ownership: str | None = None
 
 
-class VllmAllBlocksCleared(_VllmEvent, tag="AllBlocksCleared"):
+class VllmAllBlocksCleared(msgspec.Struct, tag="AllBlocksCleared", gc=False):
+    """A tagged map with no fields: SGLang 0.5.23 writes the same bytes."""
+
+
+class LegacyBlockStored(_StoredFields, tag="BlockStored", array_like=True):
     pass
 
 
-class VllmEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+class LegacyBlockRemoved(_RemovedFields, tag="BlockRemoved", array_like=True):
+    pass
+
+
+class LegacyAllBlocksCleared(msgspec.Struct, tag="AllBlocksCleared", array_like=True, gc=False):
+    pass
+
+
+_Event = TypeVar("_Event")
+
+
+class _EventBatch(msgspec.Struct, Generic[_Event], array_like=True, omit_defaults=True, gc=False):
+    """vLLM's batch, either layout: ``[ts, events, data_parallel_rank]`` (a nil rank left off)."""
+
     ts: float
-    events: list[VllmBlockStored | VllmBlockRemoved | VllmAllBlocksCleared]
+    events: list[_Event]
     data_parallel_rank: int | None = None
 
 
-# -- the legacy layout: tag-first arrays, the fields of the releases that used it --
-# (msgspec writes trailing defaults of array_like structs, so the older field set is
-# declared as it was rather than with defaults; this reproduces docs/kv-events.md §12.2.)
-
-
-class _LegacyEvent(msgspec.Struct, tag=True, array_like=True, gc=False):
-    pass
-
-
-class LegacyBlockStored(_LegacyEvent, tag="BlockStored"):
-    block_hashes: list[_Hash]
-    parent_block_hash: _Hash | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-
-
-class LegacyBlockRemoved(_LegacyEvent, tag="BlockRemoved"):
-    block_hashes: list[_Hash]
-    medium: str | None
-
-
-class LegacyAllBlocksCleared(_LegacyEvent, tag="AllBlocksCleared"):
-    pass
-
-
-class LegacyEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    ts: float
-    events: list[LegacyBlockStored | LegacyBlockRemoved | LegacyAllBlocksCleared]
-    data_parallel_rank: int | None = None
+VllmEventBatch = _EventBatch[VllmBlockStored | VllmBlockRemoved | VllmAllBlocksCleared]
+LegacyEventBatch = _EventBatch[LegacyBlockStored | LegacyBlockRemoved | LegacyAllBlocksCleared]
 
 
 # -- SGLang 0.5.23 (sglang/srt/disaggregation/kv_events.py) --------------------
 
 
-class _SglangEvent(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
-    pass
-
-
-class SglangBlockStored(_SglangEvent, tag="BlockStored"):
+class SglangBlockStored(msgspec.Struct, tag="BlockStored", omit_defaults=True, gc=False):
     block_hashes: list[int]
     parent_block_hash: int | None
     token_ids: list[int]
@@ -154,18 +147,17 @@ class SglangBlockStored(_SglangEvent, tag="BlockStored"):
     lora_name: str | None = None
 
 
-class SglangBlockRemoved(_SglangEvent, tag="BlockRemoved"):
+class SglangBlockRemoved(msgspec.Struct, tag="BlockRemoved", omit_defaults=True, gc=False):
     block_hashes: list[int]
     medium: str | None = None
 
 
-class SglangAllBlocksCleared(_SglangEvent, tag="AllBlocksCleared"):
-    pass
+SglangAllBlocksCleared = VllmAllBlocksCleared
 
 
 class SglangEventBatch(msgspec.Struct, array_like=True, gc=False):
     ts: float
-    events: list[SglangBlockStored | SglangBlockRemoved | SglangAllBlocksCleared]
+    events: list[SglangBlockStored | SglangBlockRemoved | VllmAllBlocksCleared]
     attn_dp_rank: int | None = None  # always on the wire, nil when unset
 
 
@@ -174,76 +166,94 @@ _encode = msgspec.msgpack.encode
 
 def vllm_batch(events: Sequence[CacheEvent], ts: float, rank: int | None = 0) -> bytes:
     """A vLLM 0.32.0 payload: removals one event per hash, stores as one event per run."""
-    out: list[VllmBlockStored | VllmBlockRemoved | VllmAllBlocksCleared] = []
-    for event in events:
-        if isinstance(event, StoredRun):
-            out.append(
-                VllmBlockStored(
-                    block_hashes=event.block_hashes,
-                    parent_block_hash=event.parent_block_hash,
-                    token_ids=event.token_ids,
-                    block_size=event.block_size,
-                    lora_id=None,
-                    medium="GPU",
-                    lora_name=None,
-                    extra_keys=(event.extra_keys if any(event.extra_keys)
-                                else [None] * len(event.block_hashes)),
-                    group_idx=0,
-                    kv_cache_spec_kind="full_attention",
-                )
-            )
-        elif isinstance(event, RemovedBlocks):
-            out.extend(VllmBlockRemoved([h], "GPU", group_idx=0) for h in event.block_hashes)
-        elif isinstance(event, CacheCleared):
-            out.append(VllmAllBlocksCleared())
-    return _encode(VllmEventBatch(ts, out, rank))
+    out = _translate(events, _vllm_stored, _vllm_removed, VllmAllBlocksCleared)
+    return _encode(_EventBatch(ts, out, rank))
 
 
 def sglang_batch(events: Sequence[CacheEvent], ts: float, rank: int | None = None) -> bytes:
     """An SGLang 0.5.23 payload: one store per page, each chained to the previous page."""
-    out: list[SglangBlockStored | SglangBlockRemoved | SglangAllBlocksCleared] = []
-    for event in events:
-        if isinstance(event, StoredRun):
-            parent = event.parent_block_hash
-            size = event.block_size
-            for i, h in enumerate(event.block_hashes):
-                assert isinstance(h, int) and (parent is None or isinstance(parent, int))
-                page = event.token_ids[i * size : (i + 1) * size]
-                out.append(SglangBlockStored([h], parent, page, size, None))
-                parent = h
-        elif isinstance(event, RemovedBlocks):
-            out.append(SglangBlockRemoved([h for h in event.block_hashes if isinstance(h, int)]))
-        elif isinstance(event, CacheCleared):
-            out.append(SglangAllBlocksCleared())
+    out: list[SglangBlockStored | SglangBlockRemoved | SglangAllBlocksCleared] = _translate(
+        events, _sglang_stored, _sglang_removed, SglangAllBlocksCleared
+    )
     return _encode(SglangEventBatch(ts, out, rank))
 
 
 def legacy_batch(events: Sequence[CacheEvent], ts: float, rank: int | None = 0) -> bytes:
     """The older tag-first array layout, vLLM's field order."""
-    out: list[LegacyBlockStored | LegacyBlockRemoved | LegacyAllBlocksCleared] = []
+    out = _translate(events, _legacy_stored, _legacy_removed, LegacyAllBlocksCleared)
+    return _encode(_EventBatch(ts, out, rank))
+
+
+def _translate(
+    events: Sequence[CacheEvent],
+    stored: Callable[[StoredRun], Iterable[_Event]],
+    removed: Callable[[RemovedBlocks], Iterable[_Event]],
+    cleared: Callable[[], _Event],
+) -> list[_Event]:
+    """A step's cache events in one layout's events, in order."""
+    out: list[_Event] = []
     for event in events:
         if isinstance(event, StoredRun):
-            out.append(
-                LegacyBlockStored(
-                    event.block_hashes,
-                    event.parent_block_hash,
-                    event.token_ids,
-                    event.block_size,
-                    None,
-                    "GPU",
-                    None,
-                )
-            )
+            out.extend(stored(event))
         elif isinstance(event, RemovedBlocks):
-            out.append(LegacyBlockRemoved(list(event.block_hashes), "GPU"))
+            out.extend(removed(event))
         elif isinstance(event, CacheCleared):
-            out.append(LegacyAllBlocksCleared())
-    return _encode(LegacyEventBatch(ts, out, rank))
+            out.append(cleared())
+    return out
+
+
+def _vllm_stored(run: StoredRun) -> tuple[VllmBlockStored]:
+    """One store per run, with one nil extra key per block where no image keys it."""
+    return (
+        VllmBlockStored(
+            block_hashes=run.block_hashes,
+            parent_block_hash=run.parent_block_hash,
+            token_ids=run.token_ids,
+            block_size=run.block_size,
+            lora_id=None,
+            medium="GPU",
+            lora_name=None,
+            extra_keys=(run.extra_keys if any(run.extra_keys)
+                        else [None] * len(run.block_hashes)),
+            group_idx=0,
+            kv_cache_spec_kind="full_attention",
+        ),
+    )
+
+
+def _vllm_removed(blocks: RemovedBlocks) -> Iterator[VllmBlockRemoved]:
+    return (VllmBlockRemoved([h], "GPU", group_idx=0) for h in blocks.block_hashes)
+
+
+def _sglang_stored(run: StoredRun) -> Iterator[SglangBlockStored]:
+    parent = run.parent_block_hash
+    size = run.block_size
+    for i, h in enumerate(run.block_hashes):
+        assert isinstance(h, int) and (parent is None or isinstance(parent, int))
+        page = run.token_ids[i * size : (i + 1) * size]
+        yield SglangBlockStored([h], parent, page, size, None)
+        parent = h
+
+
+def _sglang_removed(blocks: RemovedBlocks) -> tuple[SglangBlockRemoved]:
+    return (SglangBlockRemoved([h for h in blocks.block_hashes if isinstance(h, int)]),)
+
+
+def _legacy_stored(run: StoredRun) -> tuple[LegacyBlockStored]:
+    stored = LegacyBlockStored(
+        run.block_hashes, run.parent_block_hash, run.token_ids, run.block_size, None, "GPU", None
+    )
+    return (stored,)
+
+
+def _legacy_removed(blocks: RemovedBlocks) -> tuple[LegacyBlockRemoved]:
+    return (LegacyBlockRemoved(list(blocks.block_hashes), "GPU"),)
 
 
 _ENCODERS = {"vllm": vllm_batch, "sglang": sglang_batch, "legacy": legacy_batch}
 
 
+@dataclasses.dataclass(eq=False)
 class KvEventPublisher:
     """One engine rank's PUB socket and replay ROUTER.
 
@@ -251,37 +261,31 @@ class KvEventPublisher:
     :attr:`replay_port`); ``replay_port`` None serves no replay. ``dp_rank`` is
     stamped on every batch (vLLM always names its rank; SGLang without DP
     attention sends nil: pass None). ``replay_frames`` selects the reply form
-    (4: current engines, 3: older ones). Test helpers:
-    :meth:`drop_next` loses batches on the PUB only (a forced gap the replay
-    can fill), :meth:`forget_history` empties the replay buffer (history loss).
+    (4: current engines, 3: older ones). ``buffer_steps`` batches are kept for
+    replay. Test helpers: :meth:`drop_next` loses batches on the PUB only (a
+    forced gap the replay can fill), :meth:`forget_history` empties the replay
+    buffer (history loss).
     """
 
-    def __init__(
-        self,
-        kind: PublisherKind,
-        *,
-        host: str = "127.0.0.1",
-        port: int = 0,
-        replay_port: int | None = None,
-        topic: bytes = b"",
-        buffer_steps: int = 10_000,
-        hwm: int = 100_000,
-        dp_rank: int | None = 0,
-        replay_frames: Literal[3, 4] = 4,
-    ) -> None:
-        if kind not in _ENCODERS:
-            raise ValueError(f"unknown KV event publisher kind {kind!r}")
-        self.kind: PublisherKind = kind
-        self.host = host
-        self.port = port
-        self.replay_port = replay_port
-        self.topic = topic
-        self.hwm = hwm
-        self.dp_rank = dp_rank
-        self.replay_frames = replay_frames
-        self.published = 0
-        self.replay_requests = 0
-        self._encode = _ENCODERS[kind]
+    kind: PublisherKind
+    _: dataclasses.KW_ONLY
+    host: str = "127.0.0.1"
+    port: int = 0
+    replay_port: int | None = None
+    topic: bytes = b""
+    buffer_steps: dataclasses.InitVar[int] = 10_000
+    hwm: int = 100_000
+    dp_rank: int | None = 0
+    replay_frames: Literal[3, 4] = 4
+    #: batches published (those :meth:`drop_next` held back included)
+    published: int = dataclasses.field(default=0, init=False)
+    #: replay requests answered
+    replay_requests: int = dataclasses.field(default=0, init=False)
+
+    def __post_init__(self, buffer_steps: int) -> None:
+        if self.kind not in _ENCODERS:
+            raise ValueError(f"unknown KV event publisher kind {self.kind!r}")
+        self._encode = _ENCODERS[self.kind]
         self._seq = 0
         self._drop = 0
         self._history: collections.deque[tuple[int, bytes]] = collections.deque(
@@ -470,10 +474,8 @@ class SimKvEvents:
     def __init__(
         self,
         kind: str,
+        cache: SimPrefixCache,
         *,
-        block_size: int,
-        capacity_blocks: int,
-        enabled: bool = True,
         events_port: int | None = None,
         replay_port: int | None = None,
         rank: int = 0,
@@ -483,9 +485,8 @@ class SimKvEvents:
             raise ValueError("kv_replay_port needs kv_events_port")
         if events_port is not None and kind not in ("vllm", "sglang"):
             raise ValueError(f"a simulated {kind} engine publishes no KV events")
-        style: HashStyle = "sglang" if kind == "sglang" else "vllm"
         self.kind = kind
-        self.cache = SimPrefixCache(max(1, capacity_blocks), block_size, style, enabled=enabled)
+        self.cache = cache
         self.events_port = _offset(events_port, rank)
         self.replay_port = _offset(replay_port, rank)
         self.rank = rank

@@ -80,39 +80,16 @@ def check_inputs(mm: Any, prompt: Sequence[int], *, inline: bool, merge_size: in
     ranges = [(p.offset, p.length) for p in mm.mm_placeholders]
     if not ranges:
         raise _refuse("no mm_placeholders")
-    if not mm.HasField("pixel_values"):
-        raise _refuse("no pixel_values")
-    pixels = mm.pixel_values
-    _elements(pixels, "pixel_values", inline)
-    if raw_pixels and pixels.dtype != "uint8":
-        raise _refuse(f"pixel_values are {pixels.dtype}, but this engine normalises on device "
-                      "and takes raw uint8 pixels")
+    pixels = _pixels(mm, inline, raw_pixels)
     if not mm.HasField("im_token_id"):
         raise _refuse("no im_token_id")
-    token = mm.im_token_id
-    end = 0
-    for offset, length in ranges:
-        if offset < end or length < 1 or offset + length > len(prompt):
-            raise _refuse(f"placeholder ({offset}, {length}) overlaps another or leaves the "
-                          f"prompt of {len(prompt)} tokens")
-        if any(prompt[i] != token for i in range(offset, offset + length)):
-            raise _refuse(f"placeholder ({offset}, {length}) is not a run of token {token}")
-        end = offset + length
+    _check_placeholders(ranges, prompt, mm.im_token_id)
     tensors = dict(mm.model_specific_tensors)
     for name, tensor in tensors.items():
         _elements(tensor, name, inline)
     grid = tensors.get("image_grid_thw")
     if grid is not None:
-        if list(grid.shape) != [len(ranges), 3]:
-            raise _refuse(f"image_grid_thw has shape {list(grid.shape)} for {len(ranges)} images")
-        values = _ints(grid, inline)
-        patches = [values[i] * values[i + 1] * values[i + 2] for i in range(0, len(values), 3)]
-        if len(pixels.shape) != 2 or pixels.shape[0] != sum(patches):
-            raise _refuse(f"pixel_values has shape {list(pixels.shape)} for {sum(patches)} "
-                          "patches")
-        for (offset, length), count in zip(ranges, patches, strict=True):
-            if length * merge_size * merge_size != count:
-                raise _refuse(f"placeholder at {offset} has {length} tokens for {count} patches")
+        _check_grid(grid, pixels, ranges, inline, merge_size)
     elif pixels.shape[0] != len(ranges):
         raise _refuse(f"pixel_values has {pixels.shape[0]} images for {len(ranges)} "
                       "placeholders")
@@ -122,6 +99,46 @@ def check_inputs(mm: Any, prompt: Sequence[int], *, inline: bool, merge_size: in
     if not hashes:  # SGLang's contract carries none: key by position alone
         hashes = [f"image-{i}" for i in range(len(ranges))]
     return tuple((h, offset, length) for h, (offset, length) in zip(hashes, ranges, strict=True))
+
+
+def _pixels(mm: Any, inline: bool, raw_pixels: bool) -> Any:
+    """``pixel_values``, present, filled, and raw ``uint8`` where the engine normalises."""
+    if not mm.HasField("pixel_values"):
+        raise _refuse("no pixel_values")
+    pixels = mm.pixel_values
+    _elements(pixels, "pixel_values", inline)
+    if raw_pixels and pixels.dtype != "uint8":
+        raise _refuse(f"pixel_values are {pixels.dtype}, but this engine normalises on device "
+                      "and takes raw uint8 pixels")
+    return pixels
+
+
+def _check_placeholders(ranges: Sequence[tuple[int, int]], prompt: Sequence[int],
+                        token: int) -> None:
+    """Each run in the prompt, after the previous one, and all ``token``."""
+    end = 0
+    for offset, length in ranges:
+        if offset < end or length < 1 or offset + length > len(prompt):
+            raise _refuse(f"placeholder ({offset}, {length}) overlaps another or leaves the "
+                          f"prompt of {len(prompt)} tokens")
+        if any(prompt[i] != token for i in range(offset, offset + length)):
+            raise _refuse(f"placeholder ({offset}, {length}) is not a run of token {token}")
+        end = offset + length
+
+
+def _check_grid(grid: Any, pixels: Any, ranges: Sequence[tuple[int, int]], inline: bool,
+                merge_size: int) -> None:
+    """Qwen-VL: one ``t, h, w`` row per image, a pixel row per patch, a token per merged patch."""
+    if list(grid.shape) != [len(ranges), 3]:
+        raise _refuse(f"image_grid_thw has shape {list(grid.shape)} for {len(ranges)} images")
+    values = _ints(grid, inline)
+    patches = [values[i] * values[i + 1] * values[i + 2] for i in range(0, len(values), 3)]
+    if len(pixels.shape) != 2 or pixels.shape[0] != sum(patches):
+        raise _refuse(f"pixel_values has shape {list(pixels.shape)} for {sum(patches)} "
+                      "patches")
+    for (offset, length), count in zip(ranges, patches, strict=True):
+        if length * merge_size * merge_size != count:
+            raise _refuse(f"placeholder at {offset} has {length} tokens for {count} patches")
 
 
 def block_extra_keys(media: Sequence[MediaKey], block_size: int,

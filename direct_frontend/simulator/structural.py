@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import random
 import re
+from collections.abc import Callable
 from typing import Any
 
 from direct_frontend.simulator.constraints import (
@@ -95,39 +96,47 @@ def _ends_text(end: Any) -> list[str]:
 def _ends(fmt: Any, text: str, at: int) -> set[int]:
     """Every position where ``fmt`` started at ``at`` of ``text`` can end."""
     kind = _kind(fmt)
-    if kind == "const_string":
-        value = fmt["value"]
-        return {at + len(value)} if text.startswith(value, at) else set()
-    if kind == "json_schema":
-        try:
-            value, end = _DECODER.raw_decode(text, at)
-        except ValueError:
-            return set()
-        limit = fmt.get("max_whitespace_cnt")
-        if limit is not None and _longest_space(text, at, end) > limit:
-            return set()
-        return {end} if conforms(value, fmt["json_schema"], fmt["json_schema"]) else set()
-    if kind == "regex":
-        pattern = re.compile(fmt["pattern"])
-        return {j for j in range(at, len(text) + 1) if pattern.fullmatch(text, at, j)}
-    if kind == "any_text":
-        return set(range(at, len(text) + 1))
-    if kind == "sequence":
-        positions = {at}
-        for element in fmt["elements"]:
-            positions = {end for start in positions for end in _ends(element, text, start)}
-        return positions
-    if kind == "or":
-        return {end for element in fmt["elements"] for end in _ends(element, text, at)}
-    if kind == "tag":
-        if not text.startswith(fmt["begin"], at):
-            return set()
-        inside = _ends(fmt["content"], text, at + len(fmt["begin"]))
-        return {k + len(end) for k in inside for end in _ends_text(fmt["end"])
-                if text.startswith(end, k)}
-    if kind == "tags_with_separator":
-        return _tags_ends(fmt, text, at)
-    raise Unsupported(f"the simulator cannot read the structural tag format '{kind}'")
+    ends = _ENDS.get(kind)
+    if ends is None:
+        raise Unsupported(f"the simulator cannot read the structural tag format '{kind}'")
+    return ends(fmt, text, at)
+
+
+def _const_ends(fmt: dict[str, Any], text: str, at: int) -> set[int]:
+    value = fmt["value"]
+    return {at + len(value)} if text.startswith(value, at) else set()
+
+
+def _json_ends(fmt: dict[str, Any], text: str, at: int) -> set[int]:
+    """Where the one JSON value at ``at`` ends, if it conforms and its whitespace is in bounds."""
+    try:
+        value, end = _DECODER.raw_decode(text, at)
+    except ValueError:
+        return set()
+    limit = fmt.get("max_whitespace_cnt")
+    if limit is not None and _longest_space(text, at, end) > limit:
+        return set()
+    return {end} if conforms(value, fmt["json_schema"], fmt["json_schema"]) else set()
+
+
+def _regex_ends(fmt: dict[str, Any], text: str, at: int) -> set[int]:
+    pattern = re.compile(fmt["pattern"])
+    return {j for j in range(at, len(text) + 1) if pattern.fullmatch(text, at, j)}
+
+
+def _sequence_ends(fmt: dict[str, Any], text: str, at: int) -> set[int]:
+    positions = {at}
+    for element in fmt["elements"]:
+        positions = {end for start in positions for end in _ends(element, text, start)}
+    return positions
+
+
+def _tag_ends(fmt: dict[str, Any], text: str, at: int) -> set[int]:
+    if not text.startswith(fmt["begin"], at):
+        return set()
+    inside = _ends(fmt["content"], text, at + len(fmt["begin"]))
+    return {k + len(end) for k in inside for end in _ends_text(fmt["end"])
+            if text.startswith(end, k)}
 
 
 def _longest_space(text: str, start: int, end: int) -> int:
@@ -184,6 +193,19 @@ def _write(fmt: Any, rng: random.Random) -> str:
     raise Unsupported(f"the simulator cannot write text for the structural tag format '{kind}'")
 
 
+_ENDS: dict[str, Callable[[dict[str, Any], str, int], set[int]]] = {
+    "const_string": _const_ends,
+    "json_schema": _json_ends,
+    "regex": _regex_ends,
+    "any_text": lambda fmt, text, at: set(range(at, len(text) + 1)),
+    "sequence": _sequence_ends,
+    "or": lambda fmt, text, at: {end for element in fmt["elements"]
+                                 for end in _ends(element, text, at)},
+    "tag": _tag_ends,
+    "tags_with_separator": lambda fmt, text, at: _tags_ends(fmt, text, at),
+}
+
+
 # -- JSON schemas, checked -----------------------------------------------------------------
 
 _TYPES: dict[str, Any] = {
@@ -202,6 +224,16 @@ def conforms(value: Any, schema: Any, root: Any, depth: int = 0) -> bool:
         for part in str(schema["$ref"]).removeprefix("#/").split("/"):
             node = node.get(part) if isinstance(node, dict) else None
         return conforms(value, node, root, depth + 1)
+    if not _keywords_hold(value, schema, root, depth):
+        return False
+    for shape, holds in _SHAPES:
+        if isinstance(value, shape):
+            return holds(value, schema, root, depth)
+    return _number_holds(value, schema)
+
+
+def _keywords_hold(value: Any, schema: dict[str, Any], root: Any, depth: int) -> bool:
+    """``const``, ``enum``, ``anyOf``/``oneOf`` (one branch of each) and ``type``."""
     if "const" in schema and value != schema["const"]:
         return False
     if "enum" in schema and value not in schema["enum"]:
@@ -211,30 +243,46 @@ def conforms(value: Any, schema: Any, root: Any, depth: int = 0) -> bool:
                                           for sub in schema[branches]):
             return False
     kinds = schema.get("type")
-    if kinds is not None:
-        names = kinds if isinstance(kinds, list) else [kinds]
-        if not any(_is(value, name) for name in names):
-            return False
-    if isinstance(value, dict):
-        properties = schema.get("properties", {})
-        if any(name not in value for name in schema.get("required", ())):
-            return False
-        if schema.get("additionalProperties") is False and set(value) - set(properties):
-            return False
-        return all(conforms(v, properties[k], root, depth + 1)
-                   for k, v in value.items() if k in properties)
-    if isinstance(value, list):
-        if not schema.get("minItems", 0) <= len(value) <= schema.get("maxItems", len(value)):
-            return False
-        return all(conforms(v, schema.get("items", {}), root, depth + 1) for v in value)
-    if isinstance(value, str):
-        if not schema.get("minLength", 0) <= len(value) <= schema.get("maxLength", len(value)):
-            return False
-        return "pattern" not in schema or re.search(schema["pattern"], value) is not None
+    if kinds is None:
+        return True
+    names = kinds if isinstance(kinds, list) else [kinds]
+    return any(_is(value, name) for name in names)
+
+
+def _object_holds(value: dict[str, Any], schema: dict[str, Any], root: Any, depth: int) -> bool:
+    properties = schema.get("properties", {})
+    if any(name not in value for name in schema.get("required", ())):
+        return False
+    if schema.get("additionalProperties") is False and set(value) - set(properties):
+        return False
+    return all(conforms(v, properties[k], root, depth + 1)
+               for k, v in value.items() if k in properties)
+
+
+def _array_holds(value: list[Any], schema: dict[str, Any], root: Any, depth: int) -> bool:
+    if not schema.get("minItems", 0) <= len(value) <= schema.get("maxItems", len(value)):
+        return False
+    return all(conforms(v, schema.get("items", {}), root, depth + 1) for v in value)
+
+
+def _string_holds(value: str, schema: dict[str, Any], root: Any, depth: int) -> bool:
+    if not schema.get("minLength", 0) <= len(value) <= schema.get("maxLength", len(value)):
+        return False
+    return "pattern" not in schema or re.search(schema["pattern"], value) is not None
+
+
+def _number_holds(value: Any, schema: dict[str, Any]) -> bool:
+    """A number's bounds; anything else (a bool, null) has none to break."""
     if isinstance(value, int | float) and not isinstance(value, bool):
         low, high = schema.get("minimum", value), schema.get("maximum", value)
         return bool(low <= value <= high)
     return True
+
+
+#: what a value of each JSON shape must satisfy beyond the keywords (numbers: their bounds)
+_SHAPES: tuple[tuple[type, Callable[[Any, dict[str, Any], Any, int], bool]], ...] = (
+    (dict, _object_holds), (list, _array_holds), (str, _string_holds),
+)
 
 
 def _is(value: Any, name: str) -> bool:

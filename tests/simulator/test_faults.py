@@ -448,8 +448,8 @@ def test_plan_validation_and_parsing() -> None:
         FaultPlan(die_after_tokens=-1)
     with pytest.raises(ValueError):
         FaultPlan(status=Status.OK)
-    assert fault_plan() is None and fault_plan(only_request=2) is None
-    assert fault_plan(status="UNAVAILABLE", token_delay_ms=20) == FaultPlan(
+    assert fault_plan() is None and fault_plan(fault_only_request=2) is None
+    assert fault_plan(fault_status="UNAVAILABLE", fault_token_delay_ms=20) == FaultPlan(
         status=Status.UNAVAILABLE, token_delay_s=0.02
     )
     assert plan_from_json({"hang_after_tokens": 1, "status": "INTERNAL"}) == FaultPlan(

@@ -181,9 +181,9 @@ def test_disabled_cache_does_nothing() -> None:
 
 def test_trtllm_gets_a_cache_but_no_publisher() -> None:
     with pytest.raises(ValueError, match="no KV events"):
-        SimKvEvents("trtllm", block_size=16, capacity_blocks=10, events_port=0)
+        SimKvEvents("trtllm", SimPrefixCache(10, 16, "vllm"), events_port=0)
     with pytest.raises(ValueError, match="needs kv_events_port"):
-        SimKvEvents("vllm", block_size=16, capacity_blocks=10, replay_port=0)
+        SimKvEvents("vllm", SimPrefixCache(10, 16, "vllm"), replay_port=0)
 
 
 # -- over gRPC ----------------------------------------------------------------------------

