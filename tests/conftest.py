@@ -34,6 +34,7 @@ _compile_once()
 
 from direct_frontend.text.demo_model import build_model_dir  # noqa: E402
 from direct_frontend.text.model_dir import TextModel  # noqa: E402
+from tests.support.order import longest_first  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -78,3 +79,9 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[Any]) -> 
         shown = str(report.longrepr)
         if _sendable(shown) != shown:
             report.longrepr = _sendable(shown)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The files that take longest run first, so the workers finish together
+    (tests/support/order.py; pyproject's addopts keep xdist from reordering them)."""
+    items[:] = longest_first(items)
