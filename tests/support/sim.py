@@ -53,15 +53,17 @@ async def until(predicate: Callable[[], bool], within: float = 5.0) -> None:
         await asyncio.sleep(0.005)
 
 
-def run_trio(body: Callable[[], Awaitable[T]], timeout: float = 60.0) -> T:
-    """One test body under Trio with a trio-asyncio loop (the daemon's arrangement)."""
+def run_trio(body: Callable[[], Awaitable[T]], timeout: float = 60.0,
+             clock: trio.abc.Clock | None = None) -> T:
+    """One test body under Trio with a trio-asyncio loop (the daemon's arrangement), on
+    ``clock`` if given (the asyncio loop's timers follow Trio's clock)."""
 
     async def main() -> T:
         with trio.fail_after(timeout):
             async with trio_asyncio.open_loop():
                 return await body()
 
-    return trio.run(main)
+    return trio.run(main, clock=clock)
 
 
 async def until_trio(predicate: Callable[[], bool], within: float = 10.0, what: str = "") -> None:
