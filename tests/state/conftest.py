@@ -20,6 +20,17 @@ def postgres() -> Iterator[PostgresServer]:
         yield server
 
 
+@pytest.fixture(scope="session")
+def migrated(postgres: PostgresServer) -> str:
+    """The name of a database the store's migrations ran on (from empty), which each test's
+    store copies: a copy is ready in half the time migrating a new one takes."""
+    name = postgres.create()
+    store = PostgresStore(postgres.dsn(name))
+    assert store.migrate() == 0  # it was empty
+    store.close()
+    return name
+
+
 class Clock:
     """Wall time the test moves."""
 
@@ -42,7 +53,8 @@ def sql(request: pytest.FixtureRequest, tmp_path: Path, clock: Clock) -> Iterato
         store = SqliteStore(tmp_path / "state" / "store.db", clock=clock)
     else:
         server: PostgresServer = request.getfixturevalue("postgres")
-        store = PostgresStore(server.new_database(), clock=clock)
+        template: str = request.getfixturevalue("migrated")
+        store = PostgresStore(server.new_database(template), clock=clock)
     store.migrate()
     yield store
     store.close()

@@ -77,18 +77,21 @@ class PostgresServer:
                 assert time.monotonic() < deadline, "postgres did not start"
                 time.sleep(0.05)
 
-    def new_database(self) -> str:
-        """A fresh, empty database; its DSN."""
-        return self.dsn(self._create())
+    def new_database(self, template: str | None = None) -> str:
+        """A fresh database, empty or a copy of the database named ``template`` (which no
+        one may be connected to); its DSN."""
+        return self.dsn(self.create(template))
 
     def new_url(self) -> str:
         """A fresh, empty database; its postgresql:// URL (as a fleet file's dsn)."""
-        return f"postgresql://postgres@127.0.0.1:{self.port}/{self._create()}"
+        return f"postgresql://postgres@127.0.0.1:{self.port}/{self.create()}"
 
-    def _create(self) -> str:
+    def create(self, template: str | None = None) -> str:
+        """A fresh database, empty or a copy of ``template``; its name."""
         name = "t_" + secrets.token_hex(6)
+        copied = "" if template is None else f" TEMPLATE {template}"
         with psycopg.connect(self.dsn(), autocommit=True) as conn:
-            conn.execute(f"CREATE DATABASE {name}")
+            conn.execute(f"CREATE DATABASE {name}{copied}")
         return name
 
     def stop(self, mode: str = "fast") -> None:
