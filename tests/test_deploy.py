@@ -289,7 +289,8 @@ def test_the_dockerfile_healthcheck_asks_health_with_python(tmp_path: Path) -> N
             pass
 
     with http.server.HTTPServer(("127.0.0.1", 0), Handler) as server:
-        threading.Thread(target=server.serve_forever, daemon=True).start()
+        threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.02},
+                         daemon=True).start()  # polled often: the stop waits no half second
         url = f"http://127.0.0.1:{server.server_port}/health"
         try:
             results = []

@@ -80,7 +80,9 @@ class ImageServer:
 @contextlib.contextmanager
 def image_server(host: str = "127.0.0.1") -> Iterator[ImageServer]:
     server = ImageServer(host)
-    thread = threading.Thread(target=server.httpd.serve_forever, daemon=True)
+    # polled often, so the stop at the end of the block does not wait half a second
+    thread = threading.Thread(target=server.httpd.serve_forever, kwargs={"poll_interval": 0.02},
+                              daemon=True)
     thread.start()
     try:
         yield server
