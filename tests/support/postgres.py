@@ -2,7 +2,7 @@
 
 ``.ci/run`` installs the package. The server runs from a fresh data directory (a copy of
 one that initdb made for the process) in a temporary folder: in memory, ``/dev/shm``, where
-there is one, since the suite never crashes the machine and a disk would add only time (a
+there is one with room, since the suite never crashes the machine and a disk would add only time (a
 tenth of a second to each database copied, seconds to the folder's removal on a busy
 machine). It listens on a free loopback port, runs as the ``postgres`` user when the tests
 run as root (PostgreSQL refuses to run as root), and is polled until it accepts a
@@ -30,8 +30,10 @@ from tests.support.daemon import free_port
 
 #: the user the server runs as when the tests run as root (Debian's package creates it)
 SERVER_USER = "postgres"
-#: where the data directory goes when this folder exists (else the temporary folder)
+#: where the data directory goes when this folder is there with room to spare (a container's
+#: /dev/shm may be 64 MiB; a run's databases take hundreds), else the temporary folder
 IN_MEMORY = Path("/dev/shm")
+IN_MEMORY_FREE = 2 << 30
 #: a data directory initdb made, which this process copies for each server it starts (initdb
 #: takes a second, a copy a tenth); removed when the process exits
 _made_by_initdb: list[Path] = []
@@ -44,6 +46,14 @@ def binaries() -> Path | None:
         return Path(found[-1]).parent
     initdb = shutil.which("initdb")
     return None if initdb is None else Path(initdb).parent
+
+
+def _roomy(folder: Path) -> bool:
+    """``folder`` is there, writable, with :data:`IN_MEMORY_FREE` bytes free."""
+    try:
+        return os.access(folder, os.W_OK) and shutil.disk_usage(folder).free >= IN_MEMORY_FREE
+    except OSError:
+        return False
 
 
 class PostgresServer:
@@ -60,7 +70,7 @@ class PostgresServer:
 
     def _folder(self, prefix: str) -> Path:
         """A new folder the server's user owns."""
-        where = IN_MEMORY if IN_MEMORY.is_dir() and os.access(IN_MEMORY, os.W_OK) else None
+        where = IN_MEMORY if _roomy(IN_MEMORY) else None
         folder = Path(tempfile.mkdtemp(prefix=prefix, dir=where))
         if self._as:
             user = pwd.getpwnam(SERVER_USER)
