@@ -1,9 +1,9 @@
 """A real PostgreSQL server for the durable store's tests (Debian's ``postgresql`` package).
 
-``.ci/run`` installs the package. The server runs from a fresh data directory (a copy of
-one that initdb made for the process) in a temporary folder: in memory, ``/dev/shm``, where
-there is one with room, since the suite never crashes the machine and a disk would add only time (a
-tenth of a second to each database copied, seconds to the folder's removal on a busy
+``.ci/run`` installs the package. The server runs from a fresh data directory (a copy of one
+that initdb made for the process) in a temporary folder: in memory, ``/dev/shm``, where
+there is one with room, since the suite never crashes the machine and a disk would add only
+time (a tenth of a second to each database copied, seconds to the folder's removal on a busy
 machine). It listens on a free loopback port, runs as the ``postgres`` user when the tests
 run as root (PostgreSQL refuses to run as root), and is polled until it accepts a
 connection. Each test gets a database of its own (:meth:`PostgresServer.new_database`).
