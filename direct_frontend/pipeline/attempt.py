@@ -278,7 +278,8 @@ class Attempt:
         ``generated``: the output's tokens so far; ``remaining``: its token
         budget left. Re-raises ``error`` when the request gives up.
         """
-        name = error.engine = error.engine or self.placement.engine.name
+        error = error.at(self.placement.engine.name)
+        name = error.engine
         engine = self.placement.engine
         # the stint it failed in; another leg's (a prefill engine) as the catalog has it
         stint = engine if name == engine.name else next(

@@ -163,11 +163,12 @@ async def _call(
                                     None if span is None else span.metadata)
         return dialect.embedding(reply)
     except EngineError as error:
-        error.engine = error.engine or engine.name
-        failure = error
-        if error.kind.engine_is_down:
-            faults.report_fault(engine, error)
-        raise
+        failure = error.at(engine.name)
+        if failure.kind.engine_is_down:
+            faults.report_fault(engine, failure)
+        if failure is error:
+            raise
+        raise failure from None
     finally:
         engine.load.end(prompt, placement.blocks)
         if placement.prefilled is not None:

@@ -67,8 +67,7 @@ async def run_leg(
     try:
         rpc = dialect.generate(call)  # a value the contract cannot carry is refused here
     except EngineError as refused:
-        refused.engine = engine.name
-        raise
+        raise refused.at(engine.name) from None
     decoder = dialect.stream_decoder(call)
     prompt = len(call.input_ids)
     trace = call.trace
@@ -85,12 +84,14 @@ async def run_leg(
             engine_call = EngineCall(engine, call, receiver)
             yield engine_call
     except EngineError as error:
-        error.engine = error.engine or engine.name
-        if error.engine == engine.name:  # not another leg's failure passing through
-            failure = error
-            if error.kind.engine_is_down:
-                faults.report_fault(engine, error)
-        raise
+        named = error.at(engine.name)
+        if named.engine == engine.name:  # not another leg's failure passing through
+            failure = named
+            if named.kind.engine_is_down:
+                faults.report_fault(engine, named)
+        if named is error:
+            raise
+        raise named from None
     finally:
         engine.load.end(prompt, blocks, call.dp_rank)
         if span is not None:

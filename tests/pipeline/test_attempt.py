@@ -259,7 +259,8 @@ def test_a_failure_after_output_migrates_with_the_tokens_produced() -> None:
     attempt, dispatcher = attempt_on(two_engines())
     error = EngineError(ErrorKind.TIMEOUT, "the stream stalled")  # no engine named: this one
     assert attempt.next_attempt(error, dispatcher, 100.0, OUTPUT, 13) is Decision.MIGRATE
-    assert error.engine == "a" and attempt.failover.tried == {"a"}
+    assert attempt.failed is not None and attempt.failed.engine == "a"
+    assert attempt.failover.tried == {"a"}
     assert attempt.call.input_ids == PROMPT + OUTPUT
     assert attempt.call.sampling.max_tokens == 13
     assert attempt.continued  # the engine's prompt is no longer the client's
