@@ -21,6 +21,7 @@ import trio
 
 from direct_frontend.http.asgi import JSON, Headers, Send, encode_json, log, send_body
 from direct_frontend.http.query import list_page
+from direct_frontend.openai import lists
 from direct_frontend.openai.errors import (
     OpenAIHTTPError,
     invalid_request,
@@ -222,13 +223,7 @@ async def respond_input_items(store: ResponseStore, response_id: str, owner: str
             raise invalid_request(f"No input item with id '{after}' in response "
                                   f"'{response_id}'.", "after")
         start = ids.index(after) + 1
-    page = items[start:start + limit]
-    page_ids = ids[start:start + limit]
-    body = b'{"object":"list","data":[%b],"first_id":%b,"last_id":%b,"has_more":%b}' % (
-        b",".join(page),
-        msgspec.json.encode(page_ids[0] if page_ids else None),
-        msgspec.json.encode(page_ids[-1] if page_ids else None),
-        b"true" if start + limit < len(items) else b"false",
-    )
+    page = list(zip(ids[start:start + limit], items[start:start + limit], strict=True))
+    body = lists.list_page(page, start + limit < len(items))
     await send_body(send, 200, body, JSON, headers)
     return 200

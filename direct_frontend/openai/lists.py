@@ -10,9 +10,9 @@ import msgspec
 _encode: Final = msgspec.json.Encoder().encode
 
 
-def list_page(entries: Sequence[tuple[str, bytes]], has_more: bool) -> bytes:
+def list_page(entries: Sequence[tuple[str | None, bytes]], has_more: bool) -> bytes:
     """``{"object": "list", "data", "first_id", "last_id", "has_more"}`` of ``entries``,
-    each an object's id and its JSON."""
+    each an object's id (None: ``null``) and its JSON."""
     return b'{"object":"list","data":[%b],"first_id":%b,"last_id":%b,"has_more":%b}' % (
         b",".join(data for _, data in entries),
         _encode(entries[0][0] if entries else None),
