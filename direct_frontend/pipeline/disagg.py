@@ -88,9 +88,8 @@ def role_policies(policy: Policy) -> tuple[Policy, Policy]:
     a decode engine receives its KV by transfer, so it goes least loaded.
     """
     if isinstance(policy, KvAware):
-        prefill = KvAware(policy.knobs, policy.exact)
-        prefill.uses_events = policy.uses_events  # the live set, shared
-        prefill.diverged = policy.diverged
+        prefill = KvAware(policy.knobs, policy.exact,  # the live sets, shared
+                          uses_events=policy.uses_events, diverged=policy.diverged)
         return prefill, LeastLoaded()
     if isinstance(policy, LeastLoaded):
         return LeastLoaded(), LeastLoaded()

@@ -31,12 +31,13 @@ class ApproxPrefixIndex:
     other routers sent, and eviction order under pinning.
     """
 
-    def __init__(self, ttl_s: float, max_blocks: int, capacity_blocks: int = 0) -> None:
+    def __init__(self, ttl_s: float, max_blocks: int, capacity_blocks: int = 0, *,
+                 on_record: Callable[[str, Sequence[int]], None] | None = None) -> None:
         self.ttl_s = ttl_s
         self.max_blocks = max_blocks
         #: told of every placement this router makes (replicas share them); a peer's
         #: placements come in through :meth:`record_peer`, which does not tell it
-        self.on_record: Callable[[str, Sequence[int]], None] | None = None
+        self.on_record = on_record
         #: every engine's capacity in blocks (0: unknown), unless :attr:`capacities` says
         self.capacity_blocks = capacity_blocks
         #: engine → its own capacity in blocks (discovery's), over ``capacity_blocks``

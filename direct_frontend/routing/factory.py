@@ -30,14 +30,12 @@ def make_policy(
     if routing.policy in ("round_robin", "least_loaded"):
         bare: Policy = RoundRobin() if routing.policy == "round_robin" else LeastLoaded()
         return Affine(bare) if routing.session_key else bare
+    knobs = routing.kv_aware
     kind = CacheAffinity if routing.policy == "cache_affinity" else KvAware
-    policy = kind(routing.kv_aware, exact)
+    approx = None if placements is None else placements.new_index(
+        knobs.approx_ttl_s, knobs.approx_max_blocks, knobs.approx_capacity_blocks)
+    affinity = None
     if routing.session_key or routing.cold_prefix_home:
-        policy.affinity = SessionAffinity(routing.session_weight,
-                                          sessions=bool(routing.session_key),
-                                          cold_prefixes=routing.cold_prefix_home)
-    policy.uses_events = live
-    policy.diverged = diverged
-    if placements is not None:
-        placements.attach(policy.approx)
-    return policy
+        affinity = SessionAffinity(routing.session_weight, sessions=bool(routing.session_key),
+                                   cold_prefixes=routing.cold_prefix_home)
+    return kind(knobs, exact, approx, uses_events=live, diverged=diverged, affinity=affinity)

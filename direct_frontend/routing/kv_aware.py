@@ -99,6 +99,9 @@ class KvAware:
         clock: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
         tie_start: int | None = None,
+        uses_events: Collection[int] = (),
+        diverged: Collection[int] = (),
+        affinity: SessionAffinity | None = None,
     ) -> None:
         self.clock = clock
         self.knobs = knobs
@@ -106,17 +109,17 @@ class KvAware:
         self.approx = approx or ApproxPrefixIndex(
             knobs.approx_ttl_s, knobs.approx_max_blocks, knobs.approx_capacity_blocks)
         #: incarnations whose overlap comes from KV events
-        self.uses_events: Collection[int] = ()
+        self.uses_events = uses_events
         #: of those, incarnations whose predictions drifted from the engine's reports
         #: (routing/hitrate.py): routed by the approximate memory instead
-        self.diverged: Collection[int] = ()
+        self.diverged = diverged
         self._rng = rng or random.Random()
         #: ties (no engine cheaper) go round robin from here (policies.spread_start)
         self._tie = spread_start() if tie_start is None else tie_start
         self.spills = 0  # load-guard overrides, exported as a metric
         self.queue = PrefillQueue()
         #: the session-affinity term of the cost (routing/affinity.py); None: no such term
-        self.affinity: SessionAffinity | None = None
+        self.affinity = affinity
         #: the most blocks any engine was seen holding: its capacity when none is configured
         self._peak = 0
         #: engine name → the (incarnation, life) what we remember of it belongs to (:meth:`fence`)

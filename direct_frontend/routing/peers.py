@@ -126,10 +126,12 @@ class PlacementShare:
         #: called on each new placement, so the link can send it now rather than next tick
         self.notify: Callable[[], None] | None = None
 
-    def attach(self, approx: ApproxPrefixIndex) -> None:
-        """A new policy's index: its placements go out, peers' come in to it."""
-        approx.on_record = self._placed
+    def new_index(self, ttl_s: float, max_blocks: int,
+                  capacity_blocks: int = 0) -> ApproxPrefixIndex:
+        """A new policy's approximate index: its placements go out, peers' come in to it."""
+        approx = ApproxPrefixIndex(ttl_s, max_blocks, capacity_blocks, on_record=self._placed)
         self._indexes.add(approx)
+        return approx
 
     def _placed(self, engine: str, hashes: Sequence[int]) -> None:
         self._queue([(engine, tuple(hashes))])

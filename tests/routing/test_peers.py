@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from direct_frontend.engines.neutral import EngineInfo, EngineRole
 from direct_frontend.fleet.schema import RoutingConfig
-from direct_frontend.routing.approx import ApproxPrefixIndex
 from direct_frontend.routing.catalog import Catalog, EngineHandle
 from direct_frontend.routing.factory import make_policy
 from direct_frontend.routing.peers import (
@@ -73,8 +72,7 @@ def test_local_loads_sum_an_engines_incarnations() -> None:
 
 def test_placements_go_out_and_peers_come_in_without_echo() -> None:
     share = PlacementShare(max_pending=2)
-    approx = ApproxPrefixIndex(ttl_s=60, max_blocks=100)
-    share.attach(approx)
+    approx = share.new_index(ttl_s=60, max_blocks=100)
     approx.record("a", [11, 12], now=0.0)
     share.from_peer("b", [21, 22], now=0.0)
     assert share.take() == [("a", (11, 12))]  # the peer's placement is not sent back
@@ -86,8 +84,7 @@ def test_placements_go_out_and_peers_come_in_without_echo() -> None:
 
 def test_a_failed_send_is_put_back_before_newer_placements_and_the_oldest_drop_first() -> None:
     share = PlacementShare(max_pending=3)
-    approx = ApproxPrefixIndex(ttl_s=60, max_blocks=100)
-    share.attach(approx)
+    approx = share.new_index(ttl_s=60, max_blocks=100)
     approx.record("a", [1], now=0.0)
     approx.record("a", [2], now=0.0)
     failed = share.take()
@@ -102,8 +99,7 @@ def test_a_failed_send_is_put_back_before_newer_placements_and_the_oldest_drop_f
 
 def test_every_live_policy_index_hears_a_peer() -> None:
     share = PlacementShare()
-    one, two = (ApproxPrefixIndex(ttl_s=60, max_blocks=100) for _ in range(2))
-    share.attach(one)
-    share.attach(two)  # a second model's policy
+    one = share.new_index(ttl_s=60, max_blocks=100)
+    two = share.new_index(ttl_s=60, max_blocks=100)  # a second model's policy
     share.from_peer("b", [5, 6], now=0.0)
     assert one.lookup_at([5, 6], now=1.0) == two.lookup_at([5, 6], now=1.0) == {"b": 2}
