@@ -202,9 +202,10 @@ async def _assemble(
                            link=link,
                            adapt=None if worker is None else partial(worker_fleet, role=worker))
     tracing = _open_tracing(fleet.frontend.tracing)
-    app = App(control, metrics, tracing, responses, durable, limiter)
-    if worker is not None:
-        app.metrics_view = partial(merged_metrics, worker)
+    app = App(control, metrics, tracing, responses, durable, limiter,
+              metrics_view=None if worker is None else partial(merged_metrics, worker))
+    if responses is not None:  # built after the store, each holding it
+        responses.connect(app.background, None if link is None else link.stored)
     return _Parts(metrics, supervisor, link, share, control, app, durable, tracing)
 
 
@@ -280,13 +281,13 @@ async def _open_responses(fleet: FleetConfig,
     config = fleet.frontend.responses
     if not config.store:
         return None, None
+    durable = await open_durable(config, fleet.source)
     store = ResponseStore(config.max_bytes, config.ttl_s,
                           max_bytes_per_owner=config.max_bytes_per_owner,
-                          on_evict=metrics.response_evicted)
+                          on_evict=metrics.response_evicted,
+                          durable=None if config.backend == "memory" else durable,
+                          conversations=durable)
     metrics.watch_responses(lambda: len(store), lambda: store.bytes)
-    durable = await open_durable(config, fleet.source)
-    if config.backend != "memory":
-        store.durable = durable
     return store, durable
 
 

@@ -104,10 +104,9 @@ class ReplicaLink:
         )
         #: shares ``kv``'s index with a sibling that starts late, and warms it from one
         self.kv_share = None if kv is None else KvShare(self, kv, config.snapshot_timeout_s)
-        #: asks siblings for the stored responses they hold, and answers for ``responses``
-        self.stored: ResponseRpc | None = None
-        if responses is not None:  # its siblings find what it holds through us
-            self.stored = responses.remote = ResponseRpc(self, responses)
+        #: asks siblings for the stored responses they hold (``responses``' remote stores,
+        #: given to it by the daemon), and answers for ``responses``
+        self.stored = None if responses is None else ResponseRpc(self, responses)
         self.session = NatsSession(config, self.replica, lost=self._disconnected,
                                    back=self._reconnected)
         self.peers = PeerLoads(config.peer_timeout_s)

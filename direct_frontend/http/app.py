@@ -88,6 +88,7 @@ class App:
         responses: ResponseStore | None = None,
         durable: Durable | None = None,
         limiter: RateLimiter | None = None,
+        metrics_view: Callable[[bytes], Awaitable[bytes]] | None = None,
     ) -> None:
         self.control = control
         #: the tenants' rate limits in this process (their siblings' spending heard by
@@ -103,8 +104,6 @@ class App:
             responses, metrics, config.max_background_per_owner, config.lease_s)
         #: conversations, in the durable store (None: the server keeps nothing)
         self.conversations = durable
-        if responses is not None:
-            responses.conversations = durable
         self.metrics = metrics
         #: every model request's walk (pipeline/serve.py), and the handler that feeds it
         self.stair = Stair(self.limiter, metrics)
@@ -121,7 +120,7 @@ class App:
         self.batches = Batches(self.batch_runner)
         self.bound_urls: list[str] = []
         #: ``run --workers``: every worker's metrics as one scrape, from this one's text
-        self.metrics_view: Callable[[bytes], Awaitable[bytes]] | None = None
+        self.metrics_view = metrics_view
         self.http_stopped = trio.Event()
         self.started_at = int(time.time())
         self._routes: dict[str, dict[str, Handler]] = {

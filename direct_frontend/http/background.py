@@ -201,8 +201,6 @@ class BackgroundResponses:
         self._runs: dict[str, _Run] = {}
         self._per_owner: dict[str, int] = {}  # an owner's responses queued or running here
         self._nursery: trio.Nursery | None = None
-        store.live = self.record
-        store.canceller = self.cancel
         metrics.watch_background(lambda: len(self._runs))
 
     def __len__(self) -> int:

@@ -86,7 +86,7 @@ async def find(store: ResponseStore, response_id: str, owner: str) -> StoredResp
             remote, holder = sibling
             record = await remote.fetch(holder, response_id, owner)
         return record
-    live = None if store.live is None else store.live(response_id)
+    live = None if store.running is None else store.running.record(response_id)
     if live is not None:
         return live if live.owner == owner else None
     try:
@@ -110,7 +110,7 @@ async def keep(store: ResponseStore, record: StoredResponse, running: bool = Fal
     database (if the store has one) before this returns, then cached; False when it was not
     stored (the answer must say so)."""
     durable = store.durable
-    if durable is None:  # a running record is seen live (store.live), not kept
+    if durable is None:  # a running record is seen live (store.running), not kept
         return running or store.put(record)
     if not await durable.put(record, running, lineage):
         return False

@@ -41,7 +41,7 @@ import dataclasses
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Final, Protocol
 
 import msgspec
@@ -166,10 +166,16 @@ class ConversationLog(Protocol):
                         items: Sequence[Item]) -> bool: ...
 
 
-#: a running background response's record as it is now (None: no such response runs here)
-Live = Callable[[str], "StoredResponse | None"]
-#: cancels a background response this process runs: its :data:`Cancelled` answer
-Canceller = Callable[[str], Awaitable[str | None]]
+class Running(Protocol):
+    """The background responses this process runs (http/background.py)."""
+
+    def record(self, response_id: str) -> StoredResponse | None:
+        """A running response's record as it is now; None: no such response runs here."""
+        ...
+
+    async def cancel(self, response_id: str) -> str | None:
+        """Cancel a response running here: :data:`CANCELLED` once it has ended."""
+        ...
 
 
 def new_response_id(holder: str = "") -> str:
@@ -206,35 +212,46 @@ class ResponseStore:
     """This process's stored responses: at most ``max_bytes``, none older than ``ttl_s``.
 
     ``max_bytes_per_owner``: no owner holds more (None: the whole budget, so
-    a server with one owner uses all of it).
+    a server with one owner uses all of it). ``durable``: the database behind
+    this store (None: this memory is all there is); ``conversations``: where a
+    response that names a conversation adds its turn. The background
+    responses and the siblings' stores each hold this store, so they come
+    after it, through :meth:`connect`.
     """
 
     def __init__(self, max_bytes: int, ttl_s: float, *, holder: str | None = None,
                  max_bytes_per_owner: int | None = None,
                  clock: Callable[[], float] = time.monotonic,
-                 on_evict: Callable[[], None] | None = None) -> None:
+                 on_evict: Callable[[], None] | None = None,
+                 durable: DurableResponses | None = None,
+                 conversations: ConversationLog | None = None) -> None:
         self.max_bytes = max_bytes
         self.owner_cap = min(max_bytes, max_bytes_per_owner or max_bytes)
         self.ttl_s = ttl_s
         self.on_evict = on_evict  # a record left early, for the budget (a metric counts it)
         self.holder = holder or secrets.token_hex(HOLDER_CHARS // 2)
         self.clock = clock
-        #: a sibling's store (set when a replica link runs)
-        self.remote: RemoteResponses | None = None
-        #: the background responses running here, as they are now (http/background.py)
-        self.live: Live | None = None
-        #: cancels one of them (http/background.py)
-        self.canceller: Canceller | None = None
         #: the database behind this store (None: this memory is all there is)
-        self.durable: DurableResponses | None = None
+        self.durable = durable
         #: where a response that names a conversation adds its turn (state/shell.py)
-        self.conversations: ConversationLog | None = None
+        self.conversations = conversations
+        #: the background responses running here, as they are now (:meth:`connect`)
+        self.running: Running | None = None
+        #: the siblings' stores, reached by holder tag (:meth:`connect`; None: no link)
+        self.remote: RemoteResponses | None = None
         self.bytes = 0
         self.evicted = 0
         self._records: OrderedDict[str, tuple[StoredResponse, float]] = OrderedDict()
         self._owners: dict[str, _Owner] = {}
         #: (owner, id() of a held bytes object) -> it, and its holders
         self._held: dict[tuple[str, int], _Held] = {}
+
+    def connect(self, running: Running | None, remote: RemoteResponses | None) -> None:
+        """Give the store the objects built after it that hold it: the background responses
+        ``running`` here, and the ``remote`` stores of the sibling processes (the replica
+        link's). Called once, by the daemon that built them, before any task runs."""
+        self.running = running
+        self.remote = remote
 
     def __len__(self) -> int:
         return len(self._records)
@@ -294,8 +311,8 @@ class ResponseStore:
         last kept record.
         """
         record: StoredResponse | None = None
-        if self.live is not None:
-            record = self.live(response_id)
+        if self.running is not None:
+            record = self.running.record(response_id)
         if record is None:
             entry = self._records.get(response_id)
             if entry is None:
@@ -315,8 +332,8 @@ class ResponseStore:
             return None
         if not record.background:
             return NOT_BACKGROUND
-        if record.running and self.canceller is not None:
-            return await self.canceller(response_id)
+        if record.running and self.running is not None:
+            return await self.running.cancel(response_id)
         return CANCELLED
 
     def delete(self, response_id: str, owner: str) -> bool:

@@ -139,12 +139,16 @@ async def test_a_running_background_response_is_seen_as_it_is_now_and_cancelled_
     running = {"resp_bg": now}
     cancelled: list[str] = []
 
-    async def cancel(response_id: str) -> str | None:
-        cancelled.append(response_id)
-        running.pop(response_id)
-        return CANCELLED
+    class Runner:
+        def record(self, response_id: str) -> StoredResponse | None:
+            return running.get(response_id)
 
-    store.live, store.canceller = running.get, cancel
+        async def cancel(self, response_id: str) -> str | None:
+            cancelled.append(response_id)
+            running.pop(response_id)
+            return CANCELLED
+
+    store.connect(Runner(), None)
     assert store.get("resp_bg", A) is now and now.running  # the runner's view, not the last put
     assert await store.cancel("resp_bg", A) == CANCELLED and cancelled == ["resp_bg"]
     assert store.get("resp_bg", A) is kept

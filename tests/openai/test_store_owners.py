@@ -35,11 +35,15 @@ async def test_a_running_response_is_its_owners_alone() -> None:
                                       background=True)
     cancelled: list[str] = []
 
-    async def cancel(response_id: str) -> str | None:
-        cancelled.append(response_id)
-        return CANCELLED
+    class Runner:
+        def record(self, response_id: str) -> StoredResponse | None:
+            return running if response_id == "resp_bg" else None
 
-    store.live, store.canceller = {"resp_bg": running}.get, cancel
+        async def cancel(self, response_id: str) -> str | None:
+            cancelled.append(response_id)
+            return CANCELLED
+
+    store.connect(Runner(), None)
     assert store.get("resp_bg", BOB) is None and await store.cancel("resp_bg", BOB) is None
     assert cancelled == []
     assert store.get("resp_bg", ALICE) is running

@@ -40,8 +40,7 @@ def _writer(path: Path, ack: int, seed: int) -> None:
     async def main() -> None:
         durable = Durable(SqliteStore(path, connections=3), ttl_s=3600, lease_s=30)
         await durable.open()
-        store = ResponseStore(1 << 20, 3600)
-        store.durable = durable
+        store = ResponseStore(1 << 20, 3600, durable=durable)
 
         async def responses(owner: str) -> None:
             """Chains of follow-ups, each stored as what it adds to the one before."""

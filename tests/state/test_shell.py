@@ -64,8 +64,7 @@ async def test_a_follow_up_reads_only_what_others_added(tmp_path: Path) -> None:
 
 async def test_a_cached_response_another_process_deleted_is_gone(tmp_path: Path) -> None:
     mine, theirs, _ = await open_pair(tmp_path / "s.db")
-    store = ResponseStore(1 << 20, 60)
-    store.durable = theirs
+    store = ResponseStore(1 << 20, 60, durable=theirs)
     record = StoredResponse("resp_x", b'{"id":"resp_x"}', (), (), owner="k1")
     assert await keep(store, record)
     assert await find(store, "resp_x", "k1") == record
@@ -93,8 +92,7 @@ async def test_a_database_that_fails_says_not_stored(tmp_path: Path) -> None:
     path = tmp_path / "s.db"
     durable = Durable(SqliteStore(path), ttl_s=60, lease_s=30)
     await durable.open()
-    store = ResponseStore(1 << 20, 60)
-    store.durable = durable
+    store = ResponseStore(1 << 20, 60, durable=durable)
 
     def broken(*args: Any) -> None:
         raise __import__("sqlite3").OperationalError("disk I/O error")
