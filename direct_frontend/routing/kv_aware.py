@@ -106,7 +106,7 @@ class KvAware:
         self.clock = clock
         self.knobs = knobs
         self.exact = exact
-        self.approx = approx or ApproxPrefixIndex(
+        self.approx = approx if approx is not None else ApproxPrefixIndex(
             knobs.approx_ttl_s, knobs.approx_max_blocks, knobs.approx_capacity_blocks)
         #: incarnations whose overlap comes from KV events
         self.uses_events = uses_events

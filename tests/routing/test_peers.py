@@ -6,6 +6,7 @@ from direct_frontend.engines.neutral import EngineInfo, EngineRole
 from direct_frontend.fleet.schema import RoutingConfig
 from direct_frontend.routing.catalog import Catalog, EngineHandle
 from direct_frontend.routing.factory import make_policy
+from direct_frontend.routing.kv_aware import KvAware
 from direct_frontend.routing.peers import (
     PeerLoads,
     PlacementShare,
@@ -103,3 +104,15 @@ def test_every_live_policy_index_hears_a_peer() -> None:
     two = share.new_index(ttl_s=60, max_blocks=100)  # a second model's policy
     share.from_peer("b", [5, 6], now=0.0)
     assert one.lookup_at([5, 6], now=1.0) == two.lookup_at([5, 6], now=1.0) == {"b": 2}
+
+
+def test_a_kv_aware_policy_made_with_the_share_sends_its_placements_and_hears_its_peers() -> None:
+    share = PlacementShare()
+    policy = make_policy(RoutingConfig(policy="kv_aware", cold_prefix_home=True),
+                         live={1, 2}, placements=share, diverged={2})
+    assert isinstance(policy, KvAware) and policy.affinity is not None
+    assert policy.uses_events == {1, 2} and policy.diverged == {2}
+    policy.approx.record("a", [11, 12], now=0.0)
+    share.from_peer("b", [21], now=0.0)
+    assert share.take() == [("a", (11, 12))]
+    assert policy.approx.lookup_at([21], now=1.0) == {"b": 1}
