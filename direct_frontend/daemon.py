@@ -45,7 +45,7 @@ from direct_frontend.control.kv_plane import KvPlane
 from direct_frontend.control.model_builder import ModelBuilder
 from direct_frontend.control.rate_share import RateShare
 from direct_frontend.control.reload import ControlPlane, file_digest, kv_block_size
-from direct_frontend.control.replicas import ReplicaLink
+from direct_frontend.control.replicas import LinkNews, ReplicaLink
 from direct_frontend.control.supervisor import Supervisor
 from direct_frontend.control.workers import (
     WorkerRole,
@@ -57,7 +57,7 @@ from direct_frontend.control.workers import (
     worker_replicas,
 )
 from direct_frontend.fleet.preflight import TextModelKey
-from direct_frontend.fleet.schema import FleetConfig, TracingConfig
+from direct_frontend.fleet.schema import FleetConfig, ReplicasConfig, TracingConfig
 from direct_frontend.fleet.watch import POLL_INTERVAL_S, FileStamp, stamp_of, watch_file
 from direct_frontend.http import coalesce, keepalive
 from direct_frontend.http.app import App
@@ -180,8 +180,11 @@ async def _assemble(
     """Every long-lived object, wired; the tokenizers loaded and the durable store open."""
     metrics = Metrics()
     kv = KvPlane(KvIndex(kv_block_size(fleet)), metrics)
-    supervisor = Supervisor(fleet, kv=kv)
-    placements = PlacementShare()
+    replicas = _replicas(fleet, worker)
+    news = None if replicas is None else LinkNews()  # what wakes the link, built before it
+    supervisor = Supervisor(fleet, kv=kv,
+                            on_load_change=None if news is None else news.load_changed)
+    placements = PlacementShare(notify=None if news is None else news.urgent)
     builder = ModelBuilder(
         supervisor, metrics,
         lambda routing, exact: make_policy(
@@ -192,7 +195,11 @@ async def _assemble(
     )
     await builder.load(fleet)
     responses, durable = await _open_responses(fleet, metrics)
-    link = _replica_link(fleet, worker, supervisor, placements, kv, responses)
+    link = None if replicas is None or news is None else ReplicaLink(
+        replicas, supervisor, placements, news, kv=kv,
+        replica_id=None if worker is None else f"worker{worker.index}-{os.getpid()}",
+        responses=responses,
+    )
     limiter = RateLimiter(fleet.frontend.tenants)  # the tenants' rate limits
     # made before the link runs: it subscribes to the subject the share speaks on
     share = None if link is None else RateShare(
@@ -209,21 +216,12 @@ async def _assemble(
     return _Parts(metrics, supervisor, link, share, control, app, durable, tracing)
 
 
-def _replica_link(
-    fleet: FleetConfig, worker: WorkerRole | None, supervisor: Supervisor,
-    placements: PlacementShare, kv: KvPlane, responses: ResponseStore | None,
-) -> ReplicaLink | None:
-    """The link to the sibling replicas (a worker's: to its siblings), if any."""
+def _replicas(fleet: FleetConfig, worker: WorkerRole | None) -> ReplicasConfig | None:
+    """What the link to the sibling replicas (a worker's: to its siblings) is; None: none."""
     replicas = fleet.frontend.replicas
     if worker is not None:
         replicas = worker_replicas(replicas, worker)
-    if replicas.nats is None:
-        return None
-    return ReplicaLink(
-        replicas, supervisor, placements, kv=kv,
-        replica_id=None if worker is None else f"worker{worker.index}-{os.getpid()}",
-        responses=responses,
-    )
+    return None if replicas.nats is None else replicas
 
 
 async def _start_control(nursery: trio.Nursery, parts: _Parts, fleet: FleetConfig) -> None:

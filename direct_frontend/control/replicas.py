@@ -82,14 +82,60 @@ Inbound = tuple[str, bytes, str]  # subject, data, reply subject
 _Word = TypeVar("_Word", LoadReport, FaultReport, Placements)
 
 
+class LinkNews:
+    """What wakes the link before its next tick: news to send at once (a placement, a
+    fault, a sibling heard anew) or a change of this replica's load.
+
+    Built before the supervisor and the placement share, which are told to call
+    :meth:`load_changed` and :meth:`urgent`, and before the link that waits on it.
+    """
+
+    def __init__(self) -> None:
+        self._wake = trio.Event()
+        self._urgent = False  # news to send at once
+        self._change_pending = False  # a change of load woke the link; its report is not out yet
+
+    def urgent(self) -> None:
+        self._urgent = True
+        self._wake.set()
+
+    def load_changed(self) -> None:
+        if not self._change_pending:  # one wake per report, however many changes it carries
+            self._change_pending = True
+            self._wake.set()
+
+    async def heard(self, deadline: float) -> bool:
+        """Until news or ``deadline`` (Trio's clock); True: news woke us."""
+        with trio.move_on_at(deadline):
+            await self._wake.wait()
+        if not self._wake.is_set():
+            return False
+        self._wake = trio.Event()
+        return True
+
+    def take_urgent(self) -> bool:
+        """Whether news to send at once came since the last call."""
+        urgent, self._urgent = self._urgent, False
+        return urgent
+
+    def take_change(self) -> bool:
+        """Whether a change of load came since the last call (the report now carries it)."""
+        change, self._change_pending = self._change_pending, False
+        return change
+
+
 class ReplicaLink:
-    """One replica's side of the link; :meth:`run` owns the NATS connection."""
+    """One replica's side of the link; :meth:`run` owns the NATS connection.
+
+    ``news`` is the one ``supervisor`` and ``placements`` were built to wake.
+    """
 
     def __init__(
         self,
         config: ReplicasConfig,
         supervisor: Supervisor,
         placements: PlacementShare,
+        news: LinkNews,
         *,
         kv: KvPlane | None = None,
         replica_id: str | None = None,
@@ -98,6 +144,7 @@ class ReplicaLink:
         self.config = config
         self.supervisor = supervisor
         self.placements = placements
+        self.news = news
         self.subjects = Subjects(config.cluster)
         self.replica = replica_id or (
             f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
@@ -129,12 +176,7 @@ class ReplicaLink:
         self._last_sent: Loads | None = None
         self._last_sent_at = -math.inf
         self._last_change_sent_at = -math.inf  # a report that a change of load woke
-        self._wake = trio.Event()  # news to send before the next tick
-        self._urgent = False  # a placement or a fault: sent at once
-        self._change_pending = False  # a change of load woke us; its report is not out yet
         supervisor.fault_listeners.append(self._on_fault)
-        supervisor.on_load_change = self._on_load_change
-        placements.notify = self._on_urgent
 
     # -- the view ---------------------------------------------------------------------
 
@@ -173,16 +215,7 @@ class ReplicaLink:
     def _on_fault(self, engine: EngineHandle, error: EngineError) -> None:
         if len(self._faults) < MAX_PENDING_FAULTS:
             self._faults.append(FaultReport.of(self.replica, engine.name, engine.url, error))
-            self._on_urgent()
-
-    def _on_urgent(self) -> None:
-        self._urgent = True
-        self._wake.set()
-
-    def _on_load_change(self) -> None:
-        if not self._change_pending:  # one wake per report, however many changes it carries
-            self._change_pending = True
-            self._wake.set()
+            self.news.urgent()
 
     # -- the task -----------------------------------------------------------------------
 
@@ -299,8 +332,7 @@ class ReplicaLink:
         heartbeat = self.config.peer_timeout_s / 3
         while True:
             now = time.monotonic()
-            if self._change_pending:  # this round's report carries every change so far
-                self._change_pending = False
+            if self.news.take_change():  # this round's report carries every change so far
                 self._last_change_sent_at = trio.current_time()
             if now > self._backlog_until:
                 self._backlog = []
@@ -342,13 +374,9 @@ class ReplicaLink:
         interval = self.config.publish_interval_s
         tick = trio.current_time() + interval
         while True:
-            with trio.move_on_at(tick):
-                await self._wake.wait()
-            if not self._wake.is_set():
+            if not await self.news.heard(tick):
                 return  # the tick
-            self._wake = trio.Event()
-            if self._urgent:
-                self._urgent = False
+            if self.news.take_urgent():
                 await trio.lowlevel.checkpoint()  # the request that placed it books its load
                 return
             now = trio.current_time()
@@ -419,7 +447,7 @@ class ReplicaLink:
                 self._last_sent = None
                 if self._backlog and time.monotonic() < self._backlog_until:
                     self.placements.put_back(self._backlog)  # nor of what we placed offline
-                self._on_urgent()
+                self.news.urgent()
         self._apply_peers()
 
     def _apply_peers(self) -> None:

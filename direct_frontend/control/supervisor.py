@@ -86,7 +86,8 @@ class Supervisor:
     outgoing ones included (by incarnation, which is never reused).
     """
 
-    def __init__(self, fleet: FleetConfig, *, kv: KvPlane | None = None) -> None:
+    def __init__(self, fleet: FleetConfig, *, kv: KvPlane | None = None,
+                 on_load_change: Callable[[], None] | None = None) -> None:
         self.fleet = fleet
         self.kv = kv
         self.children: dict[str, EngineChild] = {}
@@ -96,7 +97,7 @@ class Supervisor:
         #: told of every transport fault a request of ours saw (the replica link shares them)
         self.fault_listeners: list[FaultListener] = []
         #: told whenever a serving engine's in-flight count changes (the replica link)
-        self.on_load_change: Callable[[], None] | None = None
+        self.on_load_change = on_load_change
         self._incarnation_numbers = itertools.count(1)
         self._exits: dict[int, _Exit] = {}
         self._changed = _Pulse()  # any engine state or the catalog changed

@@ -117,14 +117,15 @@ class PlacementShare:
     replaced policy lets go of its own).
     """
 
-    def __init__(self, max_pending: int = 4096) -> None:
+    def __init__(self, max_pending: int = 4096,
+                 notify: Callable[[], None] | None = None) -> None:
         self.max_pending = max_pending
         self._indexes: weakref.WeakSet[ApproxPrefixIndex] = weakref.WeakSet()
         self._outbox: collections.deque[tuple[str, tuple[int, ...]]] = collections.deque(
             maxlen=max_pending)
         self.dropped = 0
         #: called on each new placement, so the link can send it now rather than next tick
-        self.notify: Callable[[], None] | None = None
+        self.notify = notify
 
     def new_index(self, ttl_s: float, max_blocks: int,
                   capacity_blocks: int = 0) -> ApproxPrefixIndex:

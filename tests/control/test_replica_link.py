@@ -21,7 +21,7 @@ import trio_asyncio
 
 from direct_frontend.control.bus import NatsRefused
 from direct_frontend.control.replica_wire import LoadReport, ResponseQuery
-from direct_frontend.control.replicas import ReplicaLink
+from direct_frontend.control.replicas import LinkNews, ReplicaLink
 from direct_frontend.control.supervisor import Supervisor
 from direct_frontend.errors import EngineError, ErrorKind
 from direct_frontend.fleet.schema import FleetConfig, FrontendConfig, ReplicasConfig
@@ -41,7 +41,9 @@ def _link(config: ReplicasConfig | None = None, replica: str = "r", *,
                         source=Path("/fleet.toml"))
     if config is None:
         config = ReplicasConfig(nats="nats://127.0.0.1:1", publish_interval_s=INTERVAL_S)
-    return ReplicaLink(config, Supervisor(fleet), PlacementShare(), replica_id=replica,
+    news = LinkNews()
+    return ReplicaLink(config, Supervisor(fleet, on_load_change=news.load_changed),
+                       PlacementShare(notify=news.urgent), news, replica_id=replica,
                        responses=ResponseStore(1 << 20, 60.0) if store else None)
 
 
@@ -69,7 +71,7 @@ def test_news_that_arrives_as_the_tick_passes_never_waits_a_negative_time(
             await trio.testing.wait_all_tasks_blocked()  # it waits for news or its tick
             clock.jump(INTERVAL_S * 2)  # the tick passes …
             link._last_change_sent_at = trio.current_time()  # … a change just went out …
-            link._on_load_change()  # … and another wakes the link before it runs again
+            link.news.load_changed()  # … and another wakes the link before it runs again
             with trio.fail_after(1):
                 await done.wait()
 

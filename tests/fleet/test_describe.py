@@ -14,7 +14,7 @@ import trio
 import trio.testing
 
 from direct_frontend import daemon
-from direct_frontend.control.replicas import ReplicaLink
+from direct_frontend.control.replicas import LinkNews, ReplicaLink
 from direct_frontend.fleet.describe import describe_fleet, to_jsonable
 from direct_frontend.fleet.load import FleetError, parse_fleet
 from direct_frontend.routing.peers import PlacementShare
@@ -57,8 +57,9 @@ def test_credentials_in_urls_reach_no_output(caplog: pytest.LogCaptureFixture) -
     # the reload's own diff still sees the real values (a rotated password is a change)
     assert NATS_PASSWORD in str(to_jsonable(fleet, redact=False))
     # the "replicas" of GET /fleet, and the log lines of the link and of tracing at start
-    stub: Any = types.SimpleNamespace(fault_listeners=[], on_load_change=None)
-    link = ReplicaLink(fleet.frontend.replicas, stub, PlacementShare(), replica_id="r1")
+    stub: Any = types.SimpleNamespace(fault_listeners=[])
+    link = ReplicaLink(fleet.frontend.replicas, stub, PlacementShare(), LinkNews(),
+                       replica_id="r1")
     status = cast(dict[str, Any], link.status())
     assert status["nats"] == "nats://<redacted>@nats.example:4222"
     with caplog.at_level(logging.INFO):
@@ -73,8 +74,9 @@ def test_the_replica_link_logs_its_nats_url_without_the_password(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     fleet = parse_fleet(FLEET.replace("nats.example:4222", "127.0.0.1:1"), Path("fleet.toml"))
-    stub: Any = types.SimpleNamespace(fault_listeners=[], on_load_change=None)
-    link = ReplicaLink(fleet.frontend.replicas, stub, PlacementShare(), replica_id="r1")
+    stub: Any = types.SimpleNamespace(fault_listeners=[])
+    link = ReplicaLink(fleet.frontend.replicas, stub, PlacementShare(), LinkNews(),
+                       replica_id="r1")
     with caplog.at_level(logging.INFO):
         # nothing listens there: the client retries until its time is up (on a mock clock)
         assert not run_trio(link._connect, clock=trio.testing.MockClock(autojump_threshold=0))
