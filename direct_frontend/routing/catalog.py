@@ -62,9 +62,12 @@ class EngineLoad:
         gained = max(self.peers_most_since, self.peer_in_flight) - self.peers_at_report
         return max(0, self.others_reported - gained) if gained > 0 else self.others_reported
 
-    def peers_say(self, requests: int) -> None:
-        """Our sibling replicas have ``requests`` in flight here (routing/peers.py)."""
+    def peers_say(self, requests: int, blocks: frozenset[int] = frozenset()) -> None:
+        """Our sibling replicas have ``requests`` in flight here, holding ``blocks``
+        (routing/peers.py)."""
         self.peer_in_flight = requests
+        self.peer_active = blocks
+        self.peer_blocks = len(blocks)
         if requests > self.peers_most_since:
             self.peers_most_since = requests
 

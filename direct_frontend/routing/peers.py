@@ -45,11 +45,7 @@ def apply_peer_loads(
 ) -> None:
     """Set every engine's peer counters to what the peers say (none where they say nothing)."""
     for engine in engines:
-        requests, blocks = totals.get(engine.name, _NONE)
-        load = engine.load
-        load.peers_say(requests)
-        load.peer_active = blocks
-        load.peer_blocks = len(blocks)
+        engine.load.peers_say(*totals.get(engine.name, _NONE))
 
 
 @dataclasses.dataclass(slots=True)
