@@ -94,6 +94,7 @@ class EngineChild:
         incarnation: int,
         on_change: Callable[[EngineChild, EngineState], None],
         models: Callable[[], Sequence[ModelConfig]] = tuple,
+        on_load_change: Callable[[], None] | None = None,
     ) -> None:
         self.cfg = cfg
         #: the fleet's models as they are now (a reload may change them); checked at each join
@@ -117,7 +118,7 @@ class EngineChild:
         #: whether the last (re)join found a restarted engine (the KV plane then resyncs)
         self.restarted_at_join = False
         self.channel: EngineChannel | None = None
-        self.load = EngineLoad()
+        self.load = EngineLoad(on_change=on_load_change)  # its in-flight changes: told there
         self._wake = trio.Event()
         #: failed tries to join since this incarnation last started joining
         self.join_failures = 0

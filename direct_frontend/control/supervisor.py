@@ -209,7 +209,7 @@ class Supervisor:
     def _new_child(self, cfg: EngineConfig) -> EngineChild:
         child = EngineChild(
             cfg, self.fleet.frontend, next(self._incarnation_numbers), self._on_change,
-            lambda: self.fleet.models,
+            lambda: self.fleet.models, self.on_load_change,
         )
         child.hurry_up(self._nothing_serves)
         self.children[cfg.name] = child
@@ -415,8 +415,6 @@ class Supervisor:
             if child.state is EngineState.SERVING and child.handle is not None
         )
         if serving != self.catalog.engines:
-            for handle in serving:
-                handle.load.on_change = self.on_load_change
             self.catalog = Catalog(self.catalog.version + 1, serving)
             self._changed.fire()
         if self._nothing_serves != (not serving):

@@ -29,11 +29,12 @@ def fleet_of(model_dir: Path, tmp_path: Path, port: int, probe: str = "") -> Fle
     return parse_fleet(fleet_text(model_dir, [engine], probe=probe), tmp_path / "fleet.toml")
 
 
-def supervised(fleet: FleetConfig, body: Callable[[Supervisor], Awaitable[None]]) -> None:
+def supervised(fleet: FleetConfig, body: Callable[[Supervisor], Awaitable[None]],
+               on_load_change: Callable[[], None] | None = None) -> None:
     """Run ``body`` beside a started supervisor of ``fleet``; everything stops afterwards."""
 
     async def main() -> None:
-        supervisor = Supervisor(fleet)
+        supervisor = Supervisor(fleet, on_load_change=on_load_change)
         async with trio.open_nursery() as nursery:
             await nursery.start(supervisor.run)
             await body(supervisor)
@@ -77,6 +78,9 @@ def test_the_data_plane_can_wait_for_an_engine_and_for_the_next_catalog(
             with trio.move_on_after(0.2) as waited:
                 await supervisor.wait_for_catalog(catalog.version)
             assert waited.cancelled_caught  # no change, no wake-up
+            handle.load.begin(10)
+            handle.load.end(10)
+            assert len(load_changes) == 2  # the replica link hears each change of its load
 
             async def fault_soon() -> None:  # runs once the wait below has begun
                 supervisor.report_fault(handle, EngineError(ErrorKind.UNAVAILABLE, "gone"))
@@ -92,7 +96,8 @@ def test_the_data_plane_can_wait_for_an_engine_and_for_the_next_catalog(
         finally:
             await stop_engine(engine)
 
-    supervised(fleet_of(model_dir, tmp_path, port), body)
+    load_changes: list[None] = []
+    supervised(fleet_of(model_dir, tmp_path, port), body, lambda: load_changes.append(None))
 
 
 def test_while_no_engine_serves_one_that_is_out_is_tried_without_backoff(
