@@ -34,7 +34,7 @@ from direct_frontend.openai.errors import (
 )
 from direct_frontend.pipeline.engine_wait import EngineWait, all_saturated, timed_out
 from direct_frontend.pipeline.failover import Decision, FailoverState
-from direct_frontend.pipeline.leg import FaultSink
+from direct_frontend.pipeline.leg import FaultSink, engine_failure
 from direct_frontend.pipeline.relay import Relay
 from direct_frontend.pipeline.settings import Settings
 from direct_frontend.routing.catalog import Catalog, EngineHandle
@@ -163,9 +163,7 @@ async def _call(
                                     None if span is None else span.metadata)
         return dialect.embedding(reply)
     except EngineError as error:
-        failure = error.at(engine.name)
-        if failure.kind.engine_is_down:
-            faults.report_fault(engine, failure)
+        failure = engine_failure(faults, engine, error)
         if failure is error:
             raise
         raise failure from None

@@ -84,11 +84,9 @@ async def run_leg(
             engine_call = EngineCall(engine, call, receiver)
             yield engine_call
     except EngineError as error:
-        named = error.at(engine.name)
+        named = engine_failure(faults, engine, error)
         if named.engine == engine.name:  # not another leg's failure passing through
             failure = named
-            if named.kind.engine_is_down:
-                faults.report_fault(engine, named)
         if named is error:
             raise
         raise named from None
@@ -101,6 +99,15 @@ async def run_leg(
         reachable = failure is None or failure.kind not in UNREACHABLE
         if not decoder.finished and not natural_end and reachable:
             await _abort(channel, dialect, call.request_id)
+
+
+def engine_failure(faults: FaultSink, engine: EngineHandle, error: EngineError) -> EngineError:
+    """``error`` naming ``engine`` if it names no engine yet (:meth:`EngineError.at`);
+    when it is ``engine``'s and takes the engine down, reported to ``faults``."""
+    named = error.at(engine.name)
+    if named.engine == engine.name and named.kind.engine_is_down:
+        faults.report_fault(engine, named)
+    return named
 
 
 async def abort_request(engine: EngineHandle, request_id: str) -> None:
