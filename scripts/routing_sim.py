@@ -570,10 +570,8 @@ def make_policy(mode: str, knobs: KvAwareKnobs, index: KvIndex, engines: int,
     if mode == "least_loaded":
         return LeastLoaded(start=0)
     kind = CacheAffinity if mode == "cache_affinity" else KvAware
-    policy = kind(knobs, index, clock=clock, rng=random.Random(0), tie_start=0)
-    if mode != "approximate":
-        policy.uses_events = set(range(engines))
-    return policy
+    return kind(knobs, index, clock=clock, rng=random.Random(0), tie_start=0,
+                uses_events=() if mode == "approximate" else set(range(engines)))
 
 
 def run(point: Point, seed: int, mode: str, knobs: dict[str, Any] | None = None,
