@@ -122,8 +122,7 @@ def test_each_role_has_its_own_round_robin_and_honours_exclusions() -> None:
 def test_role_policies_follow_the_fleet_policy() -> None:
     prefill, decode = role_policies(LeastLoaded())
     assert isinstance(prefill, LeastLoaded) and isinstance(decode, LeastLoaded)
-    kv = KvAware(KvAwareKnobs(block_size=4))
-    kv.uses_events = {7}
+    kv = KvAware(KvAwareKnobs(block_size=4), uses_events={7})
     prefill, decode = role_policies(kv)
     # the prefix cache that saves work is the prefill engine's; decode goes least loaded
     assert isinstance(prefill, KvAware) and prefill.knobs == kv.knobs

@@ -117,9 +117,7 @@ PROMPT = list(range(100, 132))  # 8 blocks of 4
 
 
 def keyed_kv_aware(weight: float) -> KvAware:
-    policy = KvAware(KvAwareKnobs(block_size=BS))
-    policy.affinity = SessionAffinity(weight)
-    return policy
+    return KvAware(KvAwareKnobs(block_size=BS), affinity=SessionAffinity(weight))
 
 
 def test_kv_aware_sends_a_cold_session_to_its_home_on_every_replica() -> None:
@@ -149,10 +147,10 @@ def test_a_large_kv_overlap_outweighs_the_session_home() -> None:
     catalog = Catalog(1, tuple(handle(n, i + 1) for i, n in enumerate(names)))
     hashes = prefix_hashes(PROMPT, BS)
     for blocks, expected in ((len(hashes), "b"), (1, "a")):
-        policy = KvAware(KvAwareKnobs(block_size=BS), Holding(2, blocks))  # b holds it
-        policy.uses_events = {1, 2, 3}
-        # one cached block saves (1 + 2) blocks (the index tells no occupancy: full) < 6
-        policy.affinity = SessionAffinity(6)
+        # b holds it; one cached block saves (1 + 2) blocks (the index tells no occupancy:
+        # full) < 6
+        policy = KvAware(KvAwareKnobs(block_size=BS), Holding(2, blocks), uses_events={1, 2, 3},
+                         affinity=SessionAffinity(6))
         placed = policy.choose(catalog, view(PROMPT, key))
         assert placed is not None and placed.engine.name == expected, blocks
 
@@ -216,8 +214,8 @@ def test_a_cold_prefix_goes_to_the_same_engine_on_every_replica() -> None:
         prompt = list(range(start, start + 32))
         chosen = set()
         for incarnation in (1, 5):
-            policy = KvAware(KvAwareKnobs(block_size=BS))
-            policy.affinity = SessionAffinity(8, sessions=False, cold_prefixes=True)
+            policy = KvAware(KvAwareKnobs(block_size=BS),
+                             affinity=SessionAffinity(8, sessions=False, cold_prefixes=True))
             catalog = Catalog(1, tuple(handle(n, incarnation + i) for i, n in enumerate(names)))
             placed = policy.choose(catalog, view(prompt, "ignored: sessions are off"))
             assert placed is not None
@@ -226,8 +224,8 @@ def test_a_cold_prefix_goes_to_the_same_engine_on_every_replica() -> None:
 
 
 def test_a_known_prefix_is_not_sent_to_its_cold_home() -> None:
-    policy = KvAware(KvAwareKnobs(block_size=BS))
-    policy.affinity = SessionAffinity(8, sessions=False, cold_prefixes=True)
+    policy = KvAware(KvAwareKnobs(block_size=BS),
+                     affinity=SessionAffinity(8, sessions=False, cold_prefixes=True))
     catalog = Catalog(1, (handle("a", 1), handle("b", 2), handle("c", 3)))
     hashes = prefix_hashes(PROMPT, BS)
     home = preferred(f"prefix:{hashes[0]:x}", catalog.engines)

@@ -38,8 +38,7 @@ def test_a_drifting_engine_is_routed_approximately_and_the_others_not() -> None:
     diverged: set[int] = set()
     watch = HitRateWatch(Metrics(), diverged)
     good, bad = engine("a", 1), engine("b", 2)
-    policy = KvAware(KvAwareKnobs())
-    policy.uses_events, policy.diverged = {1, 2}, diverged
+    policy = KvAware(KvAwareKnobs(), uses_events={1, 2}, diverged=diverged)
     for _ in range(60):
         watch.record(1000, 1000, good)
         watch.record(1400, 1000, bad)  # the approximate-mode 1.4×
