@@ -372,8 +372,10 @@ def simulate_engine(
     ] = None,
 ) -> None:
     """Serve a simulated engine speaking the stock gRPC contract of --kind."""
+    from direct_frontend.simulator.cli import fault_plan
     from direct_frontend.simulator.cli import run as run_simulator
-    from direct_frontend.simulator.core import EngineKind, SimRole
+    from direct_frontend.simulator.model import TimingModel
+    from direct_frontend.simulator.settings import EngineConfig, EngineKind, SimRole
     from direct_frontend.text.demo_model import BUNDLED_DIR
 
     kinds, roles = get_args(EngineKind), get_args(SimRole)
@@ -390,25 +392,22 @@ def simulate_engine(
     model_dir = BUNDLED_DIR if model_dir is None else model_dir
     if not (model_dir / "tokenizer.json").is_file():
         raise typer.BadParameter(f"{model_dir}: no tokenizer.json there", param_hint="--model-dir")
+    config = EngineConfig.from_model_dir(
+        cast(EngineKind, kind), model_dir, served_model_name=served_model_name,
+        context_length=context_length, role=cast(SimRole, role),
+        timing=TimingModel(prefill_us_per_token, decode_us_per_token, max_running),
+        eos_probability=eos_probability, unit_probability=multibyte_probability,
+        block_size=block_size, page_size=block_size, kv_capacity_blocks=kv_capacity_blocks,
+        kv_events_port=kv_events_port, kv_replay_port=kv_replay_port,
+        embedding_dim=embedding_dim, dp_size=dp_size,
+    )
+    faults = fault_plan(
+        fault_die_after=fault_die_after, fault_hang_after=fault_hang_after,
+        fault_status=fault_status, fault_status_after=fault_status_after,
+        fault_token_delay_ms=fault_token_delay_ms, fault_only_request=fault_only_request,
+    )
     try:
-        run_simulator(
-            kind=cast(EngineKind, kind), host=host, port=port, model_dir=str(model_dir),
-            served_model_name=served_model_name, context_length=context_length,
-            prefill_us_per_token=prefill_us_per_token, decode_us_per_token=decode_us_per_token,
-            max_running=max_running, eos_probability=eos_probability,
-            role=cast(SimRole, role),
-            fault_die_after=fault_die_after, fault_hang_after=fault_hang_after,
-            fault_status=fault_status, fault_status_after=fault_status_after,
-            fault_token_delay_ms=fault_token_delay_ms, fault_only_request=fault_only_request,
-            control_port=control_port,
-            options={
-                "block_size": block_size, "page_size": block_size,
-                "kv_capacity_blocks": kv_capacity_blocks,
-                "kv_events_port": kv_events_port, "kv_replay_port": kv_replay_port,
-                "embedding_dim": embedding_dim, "dp_size": dp_size,
-                "unit_probability": multibyte_probability,
-            },
-        )
+        run_simulator(config, host, port, faults=faults, control_port=control_port)
     except OSError as exc:  # a busy or unknown address: the machine's answer, not a bug
         reason = exc.strerror or str(exc)
         typer.echo(f"direct-frontend simulate-engine: cannot listen on {host}:{port}: {reason}",

@@ -5,8 +5,8 @@ deterministic token model and a simple timing model, so the router can be
 tested end to end without GPUs.
 """
 
-from direct_frontend.simulator.core import EngineKind, EngineStats, SimRole
-from direct_frontend.simulator.engine import SimEngine, TokenizerFacts, read_tokenizer_dir
+from direct_frontend.simulator.core import EngineStats
+from direct_frontend.simulator.engine import SimEngine
 from direct_frontend.simulator.faults import FaultPlan, FaultStats
 from direct_frontend.simulator.model import (
     Finish,
@@ -16,9 +16,17 @@ from direct_frontend.simulator.model import (
     StopCriteria,
     TimingModel,
 )
+from direct_frontend.simulator.settings import (
+    EngineConfig,
+    EngineKind,
+    SimRole,
+    TokenizerFacts,
+    read_tokenizer_dir,
+)
 from direct_frontend.simulator.vocab import TextVocab
 
 __all__ = [
+    "EngineConfig",
     "EngineKind",
     "EngineStats",
     "FaultPlan",

@@ -15,10 +15,10 @@ from collections.abc import Sequence
 from typing import Any, TypedDict, Unpack, get_args
 
 from direct_frontend.simulator.control import serve_control
-from direct_frontend.simulator.core import EngineKind, SimRole
 from direct_frontend.simulator.engine import SimEngine
 from direct_frontend.simulator.faults import FaultPlan, parse_status
 from direct_frontend.simulator.model import TimingModel
+from direct_frontend.simulator.settings import EngineConfig, EngineKind, SimRole
 
 
 class FaultFlags(TypedDict, total=False):
@@ -68,55 +68,45 @@ async def _serve(engine: SimEngine, host: str, port: int, control_port: int | No
 
 
 def run(
-    kind: EngineKind,
+    config: EngineConfig,
     host: str,
     port: int,
     *,
-    model_dir: str | None = None,
-    vocab_size: int | None = None,
-    eos_token_id: int | None = None,
-    served_model_name: str | None = None,
-    context_length: int = 4096,
-    role: SimRole = "both",
-    prefill_us_per_token: float = 0.0,
-    decode_us_per_token: float = 0.0,
-    max_running: int = 256,
-    eos_probability: float = 0.02,
-    seed: int = 0,
+    faults: FaultPlan | None = None,
     control_port: int | None = None,
-    options: dict[str, Any] | None = None,
-    **fault_flags: Unpack[FaultFlags],
 ) -> None:
     """Serve one simulated engine until SIGINT/SIGTERM; only for a standalone process.
 
-    The ``fault_*`` flags set the engine's initial :class:`FaultPlan`;
-    ``control_port`` (0 picks one) serves the JSON-lines control channel of
+    ``faults`` is the engine's initial :class:`FaultPlan`; ``control_port``
+    (0 picks one) serves the JSON-lines control channel of
     :mod:`direct_frontend.simulator.control` on the same host.
     """
-    faults = fault_plan(**fault_flags)
     try:
         asyncio.get_running_loop()
     except RuntimeError:
         pass
     else:
         raise RuntimeError("run() owns its event loop; embed SimEngine on a running loop instead")
-    # the further SimEngine arguments: KV-event ports, block size...
-    settings: dict[str, Any] = {
-        "context_length": context_length, "role": role, "eos_probability": eos_probability,
-        "seed": seed, "faults": faults, **(options or {}),
-        "timing": TimingModel(prefill_us_per_token, decode_us_per_token, max_running),
-    }
-    if model_dir is not None:
-        engine = SimEngine.from_model_dir(
-            kind, model_dir, served_model_name=served_model_name, **settings
-        )
-    elif vocab_size is None or eos_token_id is None:
-        raise ValueError("give either model_dir, or both vocab_size and eos_token_id")
-    else:
-        engine = SimEngine(kind, served_model_name=served_model_name or "sim",
-                           vocab_size=vocab_size, eos_token_id=eos_token_id, **settings)
+    engine = SimEngine(config, faults=faults)
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(_serve(engine, host, port, control_port))  # ok: standalone simulator process
+
+
+def _config(args: argparse.Namespace) -> EngineConfig:
+    """The engine the parsed command line describes."""
+    settings: dict[str, Any] = {
+        "context_length": args.context_length, "role": args.role,
+        "eos_probability": args.eos_probability, "seed": args.seed,
+        "embedding_dim": args.embedding_dim,
+        "timing": TimingModel(args.prefill_us_per_token, args.decode_us_per_token,
+                              args.max_running),
+    }
+    if args.model_dir is not None:
+        return EngineConfig.from_model_dir(
+            args.kind, args.model_dir, served_model_name=args.served_model_name, **settings
+        )
+    return EngineConfig(args.kind, args.served_model_name or "sim", args.vocab_size,
+                        args.eos_token_id, **settings)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -169,30 +159,12 @@ def main(argv: Sequence[str] | None = None) -> None:
             parse_status(args.fault_status)
         except ValueError as exc:
             parser.error(str(exc))
-    run(
-        args.kind,
-        args.host,
-        args.port,
-        model_dir=args.model_dir,
-        vocab_size=args.vocab_size,
-        eos_token_id=args.eos_token_id,
-        served_model_name=args.served_model_name,
-        context_length=args.context_length,
-        role=args.role,
-        prefill_us_per_token=args.prefill_us_per_token,
-        decode_us_per_token=args.decode_us_per_token,
-        max_running=args.max_running,
-        eos_probability=args.eos_probability,
-        seed=args.seed,
-        fault_die_after=args.fault_die_after,
-        fault_hang_after=args.fault_hang_after,
-        fault_status=args.fault_status,
-        fault_status_after=args.fault_status_after,
-        fault_token_delay_ms=args.fault_token_delay_ms,
-        fault_only_request=args.fault_only_request,
-        control_port=args.control_port,
-        options={"embedding_dim": args.embedding_dim} if args.embedding_dim else None,
+    plan = fault_plan(
+        fault_die_after=args.fault_die_after, fault_hang_after=args.fault_hang_after,
+        fault_status=args.fault_status, fault_status_after=args.fault_status_after,
+        fault_token_delay_ms=args.fault_token_delay_ms, fault_only_request=args.fault_only_request,
     )
+    run(_config(args), args.host, args.port, faults=plan, control_port=args.control_port)
 
 
 if __name__ == "__main__":

@@ -16,18 +16,16 @@ import dataclasses
 import enum
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Literal
+from typing import Any
 
 from direct_frontend.simulator.faults import FaultPlan
 from direct_frontend.simulator.kvcache import KvAllocation, SimPrefixCache
 from direct_frontend.simulator.logprobs import RequestLogprobs
 from direct_frontend.simulator.lora import LoraSlots
-from direct_frontend.simulator.model import Finish, Generation, SimModel, StopCriteria, TimingModel
+from direct_frontend.simulator.model import Finish, Generation, SimModel, StopCriteria
 from direct_frontend.simulator.scripted import ScriptBook
+from direct_frontend.simulator.settings import EngineConfig
 from direct_frontend.simulator.steps import StepLoop
-
-EngineKind = Literal["sglang", "vllm", "trtllm"]
-SimRole = Literal["both", "prefill", "decode"]
 
 # Instant engines yield to the loop this often so other streams and
 # cancellations still get a turn during a long generation.
@@ -36,64 +34,6 @@ _YIELD_EVERY = 32
 Emit = Callable[[Sequence[int], Finish | None], Awaitable[None]]
 """Called with each new delta (one token, or none for a zero-token finish) and
 the finish once the sequence has ended."""
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class EngineConfig:
-    """What an engine reports about itself and the limits it enforces."""
-
-    kind: EngineKind
-    served_model_name: str
-    model_path: str
-    vocab_size: int
-    eos_token_id: int
-    context_length: int
-    kv_pool_tokens: int  # SGLang reports this as "max_context_length", like the real server
-    role: SimRole = "both"
-    page_size: int = 1  # SGLang --page-size
-    block_size: int = 16  # vLLM cache_config.block_size
-    kv_connector: str = ""
-    kv_engine_id: str = ""
-    bootstrap_port: int = 8998
-    trtllm_reported_max_len: int = 1024  # TRT-LLM max_input_len / max_seq_len as reported
-    trtllm_empty_finish_reason: bool = False
-    tokenizer_path: str = ""
-    bos_token_id: int = 0
-    pad_token_id: int = 0
-    health_timeout: float = 20.0
-    #: vLLM: False reports uptime_seconds 0, as the stock servicer 0.14.1 does (its
-    #: restarts then show only in its KV events and its connections)
-    report_uptime: bool = True
-    #: the prefix cache's size in tokens, reported as ``max_total_num_tokens`` (0: the pool's)
-    kv_capacity_tokens: int = 0
-    #: vLLM: False answers GetLoads UNIMPLEMENTED, as a servicer without it would
-    serve_get_loads: bool = True
-    #: above 0 an embedding model of that many dimensions (vLLM ``--runner pooling``, SGLang
-    #: ``--is-embedding``): it answers Embed and refuses Generate; 0 a generation model
-    embedding_dim: int = 0
-    #: data-parallel ranks behind the one server (vLLM ``--data-parallel-size``, SGLang
-    #: ``--dp``), each with its own batch limit and prefix cache; the limits above are per rank
-    dp_size: int = 1
-
-    @property
-    def is_generation(self) -> bool:
-        """What GetModelInfo reports: False for an embedding model."""
-        return self.embedding_dim == 0
-
-    @property
-    def kv_reported_capacity(self) -> int:
-        """What ``max_total_num_tokens`` reports: the KV pool, which is the prefix cache."""
-        return self.kv_capacity_tokens or self.kv_pool_tokens
-
-    @property
-    def sglang_max_req_len(self) -> int:
-        """SGLang's cap on prompt plus output (one below the window and the pool)."""
-        return min(self.context_length - 1, self.kv_pool_tokens - 1)
-
-    @property
-    def sglang_max_req_input_len(self) -> int:
-        """SGLang's prompt limit: ``max_req_len - 5``."""
-        return self.sglang_max_req_len - 5
 
 
 @dataclasses.dataclass(slots=True)
@@ -259,7 +199,8 @@ def _produce(job: Job, generation: Generation) -> tuple[int, ...]:
 class SimCore:
     """Runs sequences for one engine: FIFO admission, paced steps, abort, stats."""
 
-    def __init__(self, config: EngineConfig, model: SimModel, timing: TimingModel) -> None:
+    def __init__(self, config: EngineConfig, model: SimModel) -> None:
+        timing = config.timing
         self.config = config
         self.model = model
         self.timing = timing

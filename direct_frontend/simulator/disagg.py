@@ -172,7 +172,7 @@ def vllm_leg(core: SimCore, request: Any, prompt_tokens: int) -> Handoff:
         role == "prefill"
         and params is not None
         and params.get("do_remote_decode") is True
-        and core.config.kv_connector != "MooncakeConnector"
+        and core.config.connector != "MooncakeConnector"
     ):
         attached = _attached.get(core)
         count = math.ceil(prompt_tokens / core.config.block_size)

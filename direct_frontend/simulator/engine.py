@@ -9,37 +9,29 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 import uuid
 import weakref
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, get_args
+from typing import Any
 
 import grpclib.const
 import grpclib.protocol
 import grpclib.server
 from google.protobuf import empty_pb2
 from grpclib import GRPCError, Status
-from tokenizers import Tokenizer
 
 from direct_frontend.simulator import disagg as _disagg
 from direct_frontend.simulator import faults as _faults
-from direct_frontend.simulator.core import (
-    EngineConfig,
-    EngineKind,
-    EngineStats,
-    SimCore,
-    SimRole,
-)
+from direct_frontend.simulator.core import EngineStats, SimCore
 from direct_frontend.simulator.faults import FaultInjector, FaultPlan, FaultStats
 from direct_frontend.simulator.kv_publisher import KvEventPublisher, SimKvEvents
 from direct_frontend.simulator.kvcache import HashStyle, SimPrefixCache
 from direct_frontend.simulator.lora import LoraSlots
-from direct_frontend.simulator.model import SimModel, TimingModel
+from direct_frontend.simulator.model import SimModel
 from direct_frontend.simulator.servicers import servicer_for
-from direct_frontend.simulator.vocab import TextVocab
+from direct_frontend.simulator.settings import EngineConfig, EngineKind
 
 
 class _QuietCancels(logging.Filter):
@@ -102,26 +94,6 @@ class _Server(grpclib.server.Server):
                 processor.close("Server closed")
 
 
-def _check_shape(kind: EngineKind, role: SimRole, context_length: int, embedding_dim: int,
-                 dp_size: int) -> None:
-    """Refuse an engine no stock engine of ``kind`` could be, with ``ValueError``."""
-    trtllm = kind == "trtllm"
-    rules = (  # in order: the first broken one is reported
-        (kind not in get_args(EngineKind), f"unknown engine kind {kind!r}"),
-        (role not in get_args(SimRole), f"unknown role {role!r}"),
-        (trtllm and role != "both", "the TRT-LLM contract has no disaggregation role"),
-        (embedding_dim < 0, "embedding_dim must not be negative"),
-        (trtllm and bool(embedding_dim), "the TRT-LLM contract serves no embeddings"),
-        (context_length < 2, "context_length must be at least 2"),
-        (dp_size < 1, "dp_size must be at least 1"),
-        (trtllm and dp_size != 1,
-         "the TRT-LLM contract has no data-parallel rank: dp_size must be 1"),
-    )
-    for broken, message in rules:
-        if broken:
-            raise ValueError(message)
-
-
 class SimEngine:
     """A simulated SGLang, vLLM or TensorRT-LLM engine on a real gRPC port.
 
@@ -130,114 +102,47 @@ class SimEngine:
     :attr:`healthy` to False to make health checks fail, and :attr:`faults`
     to make it die, hang, slow down or fail (see :mod:`.faults`).
 
-    ``dp_size`` N > 1 serves N data-parallel ranks behind the one server, as
-    vLLM ``--data-parallel-size N`` (internal load balancing) or SGLang ``--dp N``
+    ``config.dp_size`` N > 1 serves N data-parallel ranks behind the one server,
+    as vLLM ``--data-parallel-size N`` (internal load balancing) or SGLang ``--dp N``
     do: each rank has its own batch limit, prefix cache and KV-event publisher
-    (:attr:`kv_ranks`; with ``kv_events_port`` P rank r publishes on P + r, its
-    replay on ``kv_replay_port`` + r). A vLLM request's ``data_parallel_rank``
-    pins it (SGLang's, as its stock servicer, is not read); an unpinned one goes
-    to the rank with the fewest waiting plus running requests, ties in turn;
-    ``stats.rank_of`` says where each ran. The KV sizes
-    (``kv_capacity_blocks``, ``kv_pool_tokens``) and ``max_running`` are per rank.
+    (:attr:`kv_ranks`). A vLLM request's ``data_parallel_rank`` pins it (SGLang's,
+    as its stock servicer, is not read); an unpinned one goes to the rank with the
+    fewest waiting plus running requests, ties in turn; ``stats.rank_of`` says
+    where each ran.
     """
 
-    def __init__(
-        self,
-        kind: EngineKind,
-        *,
-        served_model_name: str,
-        model_path: str = "sim",
-        vocab_size: int,
-        eos_token_id: int,
-        special_ids: Iterable[int] = frozenset(),
-        context_length: int = 4096,
-        role: SimRole = "both",
-        timing: TimingModel | None = None,
-        seed: int = 0,
-        eos_probability: float = 0.02,
-        kv_pool_tokens: int | None = None,
-        page_size: int = 1,
-        block_size: int = 16,
-        kv_connector: str | None = None,
-        trtllm_reported_max_len: int = 1024,
-        trtllm_empty_finish_reason: bool = False,
-        tokenizer_path: str = "",
-        bos_token_id: int = 0,
-        pad_token_id: int = 0,
-        health_timeout: float = 20.0,
-        report_uptime: bool = True,
-        serve_get_loads: bool = True,
-        text_vocab: TextVocab | None = None,
-        unit_probability: float = 0.05,
-        faults: FaultPlan | None = None,
-        enable_prefix_cache: bool = True,
-        kv_capacity_blocks: int | None = None,
-        kv_events_port: int | None = None,
-        kv_replay_port: int | None = None,
-        max_loras: int = 0,
-        lora_load_s: float = 0.05,
-        embedding_dim: int = 0,
-        dp_size: int = 1,
-    ) -> None:
-        _check_shape(kind, role, context_length, embedding_dim, dp_size)
-        disaggregated = role != "both"
-        self.kind: EngineKind = kind
+    def __init__(self, config: EngineConfig, *, faults: FaultPlan | None = None) -> None:
+        """An engine set up as ``config`` says, with ``faults`` as its initial live plan."""
+        if config.disaggregated and not config.kv_engine_id:  # each engine its own NIXL id
+            config = dataclasses.replace(config, kv_engine_id=str(uuid.uuid4()))
+        self.kind: EngineKind = config.kind
+        self.config = config
         self.model = SimModel(
-            vocab_size,
-            eos_token_id,
-            special_ids,
-            eos_probability,
-            seed,
-            text=text_vocab,
-            unit_probability=unit_probability,
+            config.vocab_size,
+            config.eos_token_id,
+            config.special_ids,
+            config.eos_probability,
+            config.seed,
+            text=config.text_vocab,
+            unit_probability=config.unit_probability,
         )
-        self.timing = timing if timing is not None else TimingModel()
-        cache_block = page_size if kind == "sglang" else block_size
-        self.config = EngineConfig(
-            kind=kind,
-            served_model_name=served_model_name,
-            model_path=model_path,
-            vocab_size=vocab_size,
-            eos_token_id=eos_token_id,
-            context_length=context_length,
-            # Deliberately not the window: SGLang reports this as max_context_length.
-            kv_pool_tokens=kv_pool_tokens if kv_pool_tokens is not None else 8 * context_length,
-            role=role,
-            page_size=page_size,
-            block_size=block_size,
-            kv_connector=(
-                kv_connector
-                if kv_connector is not None
-                else ("NixlConnector" if disaggregated else "")
-            ),
-            kv_engine_id=str(uuid.uuid4()) if disaggregated else "",
-            trtllm_reported_max_len=trtllm_reported_max_len,
-            trtllm_empty_finish_reason=trtllm_empty_finish_reason,
-            tokenizer_path=tokenizer_path,
-            bos_token_id=bos_token_id,
-            pad_token_id=pad_token_id,
-            health_timeout=health_timeout,
-            report_uptime=report_uptime,
-            kv_capacity_tokens=(kv_capacity_blocks or 0) * cache_block,
-            serve_get_loads=serve_get_loads,
-            embedding_dim=embedding_dim,
-            dp_size=dp_size,
-        )
-        self.core = SimCore(self.config, self.model, self.timing)
+        self.core = SimCore(config, self.model)
         # Each rank's prefix cache (and KV events when a port is given; 0 picks one): kvcache.py.
-        capacity = max(1, kv_capacity_blocks or self.config.kv_pool_tokens // cache_block)
-        style: HashStyle = "sglang" if kind == "sglang" else "vllm"
+        style: HashStyle = "sglang" if config.kind == "sglang" else "vllm"
         self.kv_ranks = [
             SimKvEvents(
-                kind, SimPrefixCache(capacity, cache_block, style, enabled=enable_prefix_cache),
-                events_port=kv_events_port, replay_port=kv_replay_port, rank=rank, dp_size=dp_size,
+                config.kind,
+                SimPrefixCache(config.cache_capacity_blocks, config.cache_block, style,
+                               enabled=config.enable_prefix_cache),
+                events_port=config.kv_events_port, replay_port=config.kv_replay_port,
+                rank=rank, dp_size=config.dp_size,
             )
-            for rank in range(dp_size)
+            for rank in range(config.dp_size)
         ]
         self.kv = self.kv_ranks[0]  # rank 0's, what a single-rank engine has
         self.core.kv_caches = [rank.cache for rank in self.kv_ranks]
-        if max_loras > 0 and kind == "sglang":  # the one contract with LoadLoRAAdapter
-            self.core.loras = LoraSlots(max_loras, lora_load_s, self._adapter_cache)
+        if config.max_loras > 0 and config.kind == "sglang":  # the contract with LoadLoRAAdapter
+            self.core.loras = LoraSlots(config.max_loras, config.lora_load_s, self._adapter_cache)
         self._injector = FaultInjector(self.core)
         if faults is not None:
             self._injector.install(faults)
@@ -254,43 +159,11 @@ class SimEngine:
 
     @classmethod
     def from_model_dir(
-        cls,
-        kind: EngineKind,
-        model_dir: str | Path,
-        *,
-        served_model_name: str | None = None,
-        vocab_size: int | None = None,
-        **options: Any,
+        cls, kind: EngineKind, model_dir: str | Path, *, faults: FaultPlan | None = None,
+        **settings: Any,
     ) -> SimEngine:
-        """An engine whose vocabulary, EOS and special ids match a HF tokenizer directory.
-
-        Reads ``tokenizer.json`` plus ``generation_config.json`` /
-        ``tokenizer_config.json``, so sampled ids decode to real words with the
-        frontend's tokenizer. Output is valid text, as a real model's is: only
-        ids that decode cleanly, plus whole multi-token characters (pass
-        ``text_vocab=None`` to sample every ordinary id). ``vocab_size``
-        overrides the tokenizer's; ``options`` are the other constructor arguments.
-        """
-        facts = read_tokenizer_dir(model_dir)
-        directory = str(Path(model_dir).resolve())
-        if "text_vocab" not in options:
-            options["text_vocab"] = TextVocab.from_model_dir(
-                directory, special_ids=facts.special_ids
-            )
-        options.setdefault("model_path", directory)
-        options.setdefault("tokenizer_path", directory)
-        if facts.bos_token_id is not None:
-            options.setdefault("bos_token_id", facts.bos_token_id)
-        if facts.pad_token_id is not None:
-            options.setdefault("pad_token_id", facts.pad_token_id)
-        return cls(
-            kind,
-            served_model_name=served_model_name or Path(directory).name,
-            vocab_size=facts.vocab_size if vocab_size is None else vocab_size,
-            eos_token_id=facts.eos_token_id,
-            special_ids=facts.special_ids,
-            **options,
-        )
+        """An engine of :meth:`EngineConfig.from_model_dir` ``(kind, model_dir, **settings)``."""
+        return cls(EngineConfig.from_model_dir(kind, model_dir, **settings), faults=faults)
 
     # -- observation ------------------------------------------------------------
 
@@ -466,63 +339,3 @@ class SimEngine:
         finally:
             self.close()
             await self.wait_closed()
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class TokenizerFacts:
-    """What a simulated engine needs to know about a real tokenizer."""
-
-    vocab_size: int
-    eos_token_id: int
-    special_ids: frozenset[int]
-    bos_token_id: int | None = None
-    pad_token_id: int | None = None
-
-
-def read_tokenizer_dir(model_dir: str | Path) -> TokenizerFacts:
-    """Vocabulary size, EOS, BOS/PAD and special ids of a HF tokenizer directory.
-
-    EOS comes from ``generation_config.json`` (the first id when it is a
-    list), else from ``tokenizer_config.json``'s ``eos_token``.
-    """
-    root = Path(model_dir)
-    tokenizer = Tokenizer.from_file(str(root / "tokenizer.json"))
-    vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
-    special_ids = {
-        token_id
-        for token_id, added in tokenizer.get_added_tokens_decoder().items()
-        if added.special
-    }
-    generation = _read_json(root / "generation_config.json")
-    tokenizer_config = _read_json(root / "tokenizer_config.json")
-
-    def token_id(key: str) -> int | None:
-        value = generation.get(f"{key}_token_id")
-        if isinstance(value, list):
-            value = value[0] if value else None
-        if isinstance(value, int):
-            return value
-        token = tokenizer_config.get(f"{key}_token")
-        if isinstance(token, Mapping):
-            token = token.get("content")
-        if isinstance(token, str):
-            return tokenizer.token_to_id(token)
-        return None
-
-    eos = token_id("eos")
-    if eos is None:
-        raise ValueError(f"no EOS token id found in {root}")
-    return TokenizerFacts(
-        vocab_size=vocab_size,
-        eos_token_id=eos,
-        special_ids=frozenset(special_ids),
-        bos_token_id=token_id("bos"),
-        pad_token_id=token_id("pad"),
-    )
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        return {}
-    value = json.loads(path.read_text(encoding="utf-8"))
-    return value if isinstance(value, dict) else {}

@@ -424,7 +424,7 @@ def test_new_simulator_settings_restart_the_simulator_after_the_old_one_drains(
         wait_for(lambda: new.state.value == "serving", 10, "the new incarnation to serve")
         assert old.state.value == "gone"
         assert sup.simulators["s"] is not old_sim and old_sim.core.closing
-        assert sup.simulators["s"].timing.decode_us_per_token == 0
+        assert sup.simulators["s"].config.timing.decode_us_per_token == 0
 
 
 def test_a_drain_that_outlasts_drain_timeout_s_ends_anyway(

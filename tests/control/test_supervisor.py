@@ -19,7 +19,7 @@ from direct_frontend.control.supervisor import Supervisor
 from direct_frontend.errors import EngineError, ErrorKind
 from direct_frontend.fleet.load import parse_fleet
 from direct_frontend.fleet.schema import FleetConfig
-from direct_frontend.simulator import SimEngine
+from direct_frontend.simulator import EngineConfig, SimEngine
 from tests.support.daemon import fleet_text, free_port
 from tests.support.sim import EOS, HOST, VOCAB, run_trio, until_trio
 
@@ -44,8 +44,7 @@ def supervised(fleet: FleetConfig, body: Callable[[Supervisor], Awaitable[None]]
 
 
 async def start_engine(port: int, served_model_name: str = "demo") -> SimEngine:
-    engine = SimEngine("sglang", served_model_name=served_model_name, vocab_size=VOCAB,
-                       eos_token_id=EOS)
+    engine = SimEngine(EngineConfig("sglang", served_model_name, VOCAB, EOS))
     await trio_asyncio.aio_as_trio(engine.start)(HOST, port)
     return engine
 
@@ -182,7 +181,7 @@ def test_an_engine_of_another_kind_is_named_as_the_likely_cause(
 
     async def body(supervisor: Supervisor) -> None:
         child = supervisor.children["e"]
-        engine = SimEngine("vllm", served_model_name="demo", vocab_size=VOCAB, eos_token_id=EOS)
+        engine = SimEngine(EngineConfig("vllm", "demo", VOCAB, EOS))
         await trio_asyncio.aio_as_trio(engine.start)(HOST, port)
         try:
             await until_trio(lambda: "UNIMPLEMENTED" in child.last_error,

@@ -19,16 +19,15 @@ from direct_frontend.protos import sglang_scheduler_pb2 as sg
 from direct_frontend.protos import vllm_engine_pb2 as vl
 from direct_frontend.protos.sglang_scheduler_grpc import SglangSchedulerStub
 from direct_frontend.protos.vllm_engine_grpc import VllmEngineStub
-from direct_frontend.simulator import SimEngine, disagg
-from direct_frontend.simulator.core import SimRole
+from direct_frontend.simulator import EngineConfig, SimEngine, SimRole, disagg
 from tests.support.sim import connected, run, until
 
 PROMPT = list(range(10, 50))  # 40 tokens
 
 
 def engine(kind: Any, role: SimRole) -> AbstractAsyncContextManager[tuple[SimEngine, Channel]]:
-    return connected(SimEngine(kind, served_model_name="m", vocab_size=500, eos_token_id=2,
-                               role=role, eos_probability=0.0, block_size=16))
+    return connected(SimEngine(EngineConfig(kind, "m", 500, 2, role=role, eos_probability=0.0,
+                                            block_size=16)))
 
 
 def vllm_request(rid: str, max_tokens: int, params: str | None = None) -> vl.GenerateRequest:

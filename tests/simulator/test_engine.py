@@ -36,6 +36,7 @@ from direct_frontend.protos.sglang_scheduler_grpc import SglangSchedulerStub
 from direct_frontend.protos.trtllm_service_grpc import TrtllmServiceStub
 from direct_frontend.protos.vllm_engine_grpc import VllmEngineStub
 from direct_frontend.simulator import (
+    EngineConfig,
     EngineKind,
     Generation,
     SimEngine,
@@ -619,7 +620,7 @@ def test_sglang_health_and_info() -> None:
 
             info = await stub.GetModelInfo(sglang_scheduler_pb2.GetModelInfoRequest())
             assert info.served_model_name == "sim-model" and info.model_path == "sim"
-            assert info.max_context_length == engine.config.kv_pool_tokens != 2048
+            assert info.max_context_length == engine.config.pool_tokens != 2048
             assert info.max_req_input_len == 2047 - 5
             assert info.vocab_size == VOCAB and list(info.eos_token_ids) == [EOS]
             assert info.is_generation
@@ -630,7 +631,7 @@ def test_sglang_health_and_info() -> None:
             assert args["disaggregation_bootstrap_port"] == 8998
             assert args["context_length"] == 2048 and args["page_size"] == 16
             assert server.server_type == "grpc"
-            assert server.max_total_num_tokens == engine.config.kv_pool_tokens
+            assert server.max_total_num_tokens == engine.config.pool_tokens
             assert abs(server.start_time.ToSeconds() - time.time()) < 60
             assert 0 <= server.uptime_seconds < 60
 
@@ -789,9 +790,9 @@ def test_an_out_of_range_rank_is_refused_before_anything_runs() -> None:
 def test_dp_size_must_be_positive_and_trtllm_has_one_rank() -> None:
     model: dict[str, Any] = {"served_model_name": "m", "vocab_size": VOCAB, "eos_token_id": EOS}
     with pytest.raises(ValueError, match="at least 1"):
-        SimEngine("vllm", dp_size=0, **model)
+        EngineConfig("vllm", dp_size=0, **model)
     with pytest.raises(ValueError, match="dp_size must be 1"):
-        SimEngine("trtllm", dp_size=2, **model)
+        EngineConfig("trtllm", dp_size=2, **model)
 
 
 def test_unpinned_requests_go_to_the_least_loaded_rank_and_loads_are_per_rank() -> None:
@@ -918,7 +919,7 @@ def test_cli_serves_until_sigterm() -> None:
 
 def test_embedded_engines_need_a_running_loop_and_start_fast() -> None:
     async def body() -> float:
-        engine = SimEngine("vllm", served_model_name="m", vocab_size=VOCAB, eos_token_id=EOS)
+        engine = SimEngine(EngineConfig("vllm", "m", VOCAB, EOS))
         started = time.perf_counter()
         await engine.start("127.0.0.1", 0)
         elapsed = time.perf_counter() - started

@@ -22,7 +22,7 @@ from grpclib.exceptions import StreamTerminatedError
 from direct_frontend.protos import sglang_scheduler_pb2, vllm_engine_pb2
 from direct_frontend.protos.sglang_scheduler_grpc import SglangSchedulerStub
 from direct_frontend.protos.vllm_engine_grpc import VllmEngineStub
-from direct_frontend.simulator import EngineKind, SimEngine, TimingModel
+from direct_frontend.simulator import EngineConfig, EngineKind, SimEngine, TimingModel
 from direct_frontend.simulator.cli import fault_plan
 from direct_frontend.simulator.control import control_request, plan_from_json
 from direct_frontend.simulator.core import JobState
@@ -418,7 +418,7 @@ def test_restart_drops_everything_and_comes_back_on_the_same_port() -> None:
 
 def test_restart_keeps_serve_forever_running() -> None:
     async def body() -> None:
-        engine = SimEngine("trtllm", served_model_name="m", vocab_size=VOCAB, eos_token_id=EOS)
+        engine = SimEngine(EngineConfig("trtllm", "m", VOCAB, EOS))
         ready = asyncio.Event()
         server = asyncio.ensure_future(engine.serve_forever("127.0.0.1", 0, ready=ready.set))
         await ready.wait()

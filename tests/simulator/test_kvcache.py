@@ -34,7 +34,7 @@ from direct_frontend.protos import (
 from direct_frontend.protos.sglang_scheduler_grpc import SglangSchedulerStub
 from direct_frontend.protos.trtllm_service_grpc import TrtllmServiceStub
 from direct_frontend.protos.vllm_engine_grpc import VllmEngineStub
-from direct_frontend.simulator import EngineKind, SimEngine, TimingModel
+from direct_frontend.simulator import EngineConfig, EngineKind, SimEngine, TimingModel
 from direct_frontend.simulator.kv_publisher import SimKvEvents
 from direct_frontend.simulator.kvcache import (
     CacheCleared,
@@ -251,7 +251,7 @@ async def generate(
 
 def new_engine(kind: EngineKind, **options: Any) -> SimEngine:
     """An engine of this file's model (not yet started)."""
-    return SimEngine(kind, served_model_name="m", vocab_size=VOCAB, eos_token_id=EOS, **options)
+    return SimEngine(EngineConfig(kind, "m", VOCAB, EOS, **options))
 
 
 LONG = [(7 * i + 11) % 1900 + 10 for i in range(256)]  # 16 blocks of 16

@@ -25,7 +25,7 @@ from direct_frontend.protos import (
 from direct_frontend.protos.sglang_scheduler_grpc import SglangSchedulerStub
 from direct_frontend.protos.trtllm_service_grpc import TrtllmServiceStub
 from direct_frontend.protos.vllm_engine_grpc import VllmEngineStub
-from direct_frontend.simulator import EngineKind, SimEngine
+from direct_frontend.simulator import EngineConfig, EngineKind, SimEngine
 from direct_frontend.simulator.embedding import embedding_of
 from direct_frontend.simulator.servicers import (
     SglangServicer,
@@ -74,7 +74,7 @@ REFUSALS: list[tuple[EngineKind, str, Any, str]] = [
 def test_each_kind_gets_its_own_servicer() -> None:
     expected = {"sglang": SglangServicer, "vllm": VllmServicer, "trtllm": TrtllmServicer}
     for kind, servicer in expected.items():
-        engine = SimEngine(kind, served_model_name="m", vocab_size=VOCAB, eos_token_id=EOS)
+        engine = SimEngine(EngineConfig(kind, "m", VOCAB, EOS))
         assert type(servicer_for(engine.core)) is servicer
 
 
@@ -246,11 +246,9 @@ def test_embed_refuses_what_generate_refuses(kind: EngineKind) -> None:
 
 def test_a_trtllm_engine_cannot_be_an_embedding_model() -> None:
     with pytest.raises(ValueError, match="serves no embeddings"):
-        SimEngine("trtllm", served_model_name="m", vocab_size=VOCAB, eos_token_id=EOS,
-                  embedding_dim=DIM)
+        EngineConfig("trtllm", "m", VOCAB, EOS, embedding_dim=DIM)
     with pytest.raises(ValueError, match="must not be negative"):
-        SimEngine("vllm", served_model_name="m", vocab_size=VOCAB, eos_token_id=EOS,
-                  embedding_dim=-1)
+        EngineConfig("vllm", "m", VOCAB, EOS, embedding_dim=-1)
 
 
 @pytest.mark.parametrize(("kind", "asked_as"), [("vllm", "sglang"), ("sglang", "trtllm"),

@@ -25,7 +25,7 @@ import trio
 import trio_asyncio
 from grpclib.client import Channel
 
-from direct_frontend.simulator import EngineKind, SimEngine
+from direct_frontend.simulator import EngineConfig, EngineKind, FaultPlan, SimEngine
 
 HOST = "127.0.0.1"
 #: the tests' small model: vocabulary size, EOS and the special ids the model never samples
@@ -97,7 +97,7 @@ async def connected(engine: SimEngine) -> AsyncIterator[tuple[SimEngine, Channel
 
 
 def serving(
-    kind: EngineKind, **options: Any
+    kind: EngineKind, *, faults: FaultPlan | None = None, **options: Any
 ) -> contextlib.AbstractAsyncContextManager[tuple[SimEngine, Channel]]:
     """An engine of the tests' small model (``options`` may change any of it) and a channel."""
     model: dict[str, Any] = {
@@ -106,7 +106,7 @@ def serving(
         "eos_token_id": EOS,
         "special_ids": SPECIAL,
     }
-    return connected(SimEngine(kind, **{**model, **options}))
+    return connected(SimEngine(EngineConfig(kind, **{**model, **options}), faults=faults))
 
 
 @contextlib.asynccontextmanager

