@@ -94,7 +94,9 @@ class PromptIds(tuple[int, ...]):
     ids begin with (the prompt cache knows, having built these ids from those);
     :func:`prefix_hashes` takes the blocks within ``known`` from there instead of
     hashing them again, and keeps what it computes in ``chains`` for the prompts
-    built from this one. A plain tuple otherwise: slicing or adding gives a tuple.
+    built from this one. Adding ids to them (a prompt and its answer) gives
+    ids that begin with them, so their blocks are taken from these; slicing gives
+    a plain tuple.
     """
 
     chains: dict[tuple[int, int, str | None], list[int]]
@@ -109,6 +111,9 @@ class PromptIds(tuple[int, ...]):
         self.source = source
         self.known = known if source is not None else 0
         return self
+
+    def __add__(self, other: tuple[int, ...]) -> PromptIds:  # type: ignore[override]
+        return PromptIds(tuple.__add__(self, other), self.chains, len(self))
 
 
 def prefix_hashes(

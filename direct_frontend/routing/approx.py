@@ -10,11 +10,17 @@ from __future__ import annotations
 
 import collections
 import itertools
-from collections.abc import Callable, Sequence
+import math
+import operator
+from collections.abc import Callable, Iterable, Sequence
 
 from direct_frontend.routing.catalog import EngineHandle
 
 __all__ = ["ApproxPrefixIndex", "best_of", "memory_names", "rank_memory"]
+
+def _drain(calls: Iterable[object]) -> None:
+    """Run a lazy map to its end in C (a deque that keeps nothing)."""
+    collections.deque(calls, maxlen=0)
 
 
 class ApproxPrefixIndex:
@@ -52,18 +58,26 @@ class ApproxPrefixIndex:
         self.record_peer(engine, hashes, now)
 
     def record_peer(self, engine: str, hashes: Sequence[int], now: float) -> None:
-        """Remember a placement (a sibling replica's, or our own via :meth:`record`)."""
+        """Remember a placement (a sibling replica's, or our own via :meth:`record`).
+
+        Each hash ends up newest, in order, held by ``engine`` until the new
+        expiry. The per-block steps run as bulk maps in C (a prompt has
+        thousands of blocks): hashes already known get the engine's expiry,
+        new ones their holders, then all move to the end in order (only needed
+        when some were known: new ones go in at the end in order).
+        """
         expiry = now + self.ttl_s
         entries = self._entries
-        get = entries.get
-        move = entries.move_to_end
-        for h in hashes:
-            holders = get(h)
-            if holders is None:
-                entries[h] = {engine: expiry}
-            else:
-                holders[engine] = expiry
-                move(h)
+        size = len(entries)
+        found = list(map(entries.get, hashes))
+        known = [holders for holders in found if holders is not None]
+        _drain(map(operator.setitem, known, itertools.repeat(engine), itertools.repeat(expiry)))
+        if len(known) < len(found):
+            fresh = itertools.compress(hashes, map(operator.is_, found, itertools.repeat(None)))
+            holders = {engine: expiry}
+            entries.update(zip(fresh, map(dict.copy, itertools.repeat(holders)), strict=False))
+        if known or len(entries) - size != len(hashes):
+            _drain(map(entries.move_to_end, hashes))
         while len(entries) > self.max_blocks:
             entries.popitem(last=False)
         capacity = self.capacity_of(engine)
@@ -89,9 +103,7 @@ class ApproxPrefixIndex:
         size = len(lru)
         lru.update(zip(reversed(hashes), itertools.repeat(None)))
         if len(lru) - size != len(hashes):  # some were there: put them all in touch order
-            move = lru.move_to_end
-            for h in reversed(hashes):
-                move(h)
+            _drain(map(lru.move_to_end, reversed(hashes)))
         entries = self._entries
         get = entries.get
         pop = lru.popitem
@@ -104,20 +116,22 @@ class ApproxPrefixIndex:
                     del entries[h]
 
     def lookup_at(self, hashes: Sequence[int], now: float) -> dict[str, int]:
+        """Per engine, how many leading ``hashes`` it holds unexpired (holding none: absent)."""
+        entries = self._entries
+        first = entries.get(hashes[0]) if hashes else None
         result: dict[str, int] = {}
-        alive: set[str] | None = None
-        for depth, h in enumerate(hashes):
-            holders = self._entries.get(h)
-            here = {e for e, expiry in holders.items() if expiry > now} if holders else set()
-            if alive is not None:
-                here &= alive
-            for gone in (alive or set()) - here:
-                result[gone] = depth
-            if not here:
-                return result
-            alive = here
-        for engine in alive or ():
-            result[engine] = len(hashes)
+        if not first:
+            return result
+        found = list(map(entries.get, hashes))
+        for engine, expiry in first.items():
+            if expiry <= now:
+                continue
+            depth = 1
+            for holders in itertools.islice(found, 1, None):
+                if holders is None or holders.get(engine, -math.inf) <= now:
+                    break
+                depth += 1
+            result[engine] = depth
         return result
 
     def held(self, engine: str) -> int | None:

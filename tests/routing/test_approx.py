@@ -1,0 +1,80 @@
+"""The approximate memory's bookkeeping, against a block-by-block reference (sans-IO)."""
+
+from __future__ import annotations
+
+import collections
+import random
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from direct_frontend.routing.approx import ApproxPrefixIndex
+
+
+class Reference:
+    """The memory as one ordered-dict step per block: what the bulk steps must equal."""
+
+    def __init__(self, ttl_s: float, max_blocks: int, capacity: int) -> None:
+        self.ttl_s, self.max_blocks, self.capacity = ttl_s, max_blocks, capacity
+        self.entries: collections.OrderedDict[int, dict[str, float]] = collections.OrderedDict()
+        self.lru: dict[str, collections.OrderedDict[int, None]] = {}
+
+    def record(self, engine: str, hashes: list[int], now: float) -> None:
+        for h in hashes:
+            self.entries.setdefault(h, {})[engine] = now + self.ttl_s
+            self.entries.move_to_end(h)
+        while len(self.entries) > self.max_blocks:
+            self.entries.popitem(last=False)
+        if self.capacity:
+            lru = self.lru.setdefault(engine, collections.OrderedDict())
+            for h in reversed(hashes):
+                lru[h] = None
+                lru.move_to_end(h)
+            while len(lru) > self.capacity:
+                h = lru.popitem(last=False)[0]
+                holders = self.entries.get(h)
+                if holders is not None:
+                    holders.pop(engine, None)
+                    if not holders:
+                        del self.entries[h]
+
+    def lookup(self, hashes: list[int], now: float) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for engine in {e for holders in self.entries.values() for e in holders}:
+            depth = 0
+            for h in hashes:
+                if self.entries.get(h, {}).get(engine, -1.0) <= now:
+                    break
+                depth += 1
+            if depth:
+                out[engine] = depth
+        return out
+
+
+chains = st.lists(st.integers(0, 30), min_size=0, max_size=12)
+
+
+@settings(max_examples=150, deadline=None)
+@given(steps=st.lists(st.tuples(st.sampled_from("abc"), chains, st.integers(0, 3)),
+                      max_size=25),
+       max_blocks=st.integers(1, 40), capacity=st.sampled_from([0, 3, 10]),
+       seed=st.integers(0, 1000))
+def test_bulk_record_and_lookup_equal_the_block_by_block_reference(
+        steps: list[tuple[str, list[int], int]], max_blocks: int, capacity: int,
+        seed: int) -> None:
+    """Known and new blocks mixed, repeated hashes, the cap and the LRU model: same order,
+    same holders and expiries, same lookups."""
+    memory = ApproxPrefixIndex(ttl_s=2.0, max_blocks=max_blocks, capacity_blocks=capacity)
+    reference = Reference(2.0, max_blocks, capacity)
+    rng = random.Random(seed)
+    now = 0.0
+    for engine, hashes, advance in steps:
+        now += advance
+        memory.record(engine, hashes, now)
+        reference.record(engine, hashes, now)
+        assert list(memory._entries.items()) == list(reference.entries.items())
+        assert {e: list(lru) for e, lru in memory._lru.items()} == {
+            e: list(lru) for e, lru in reference.lru.items()}
+        probe = [*hashes[: rng.randint(0, len(hashes))], rng.randint(0, 30)]
+        for at in (now, now + 1.5, now + 2.5):
+            assert memory.lookup_at(probe, at) == reference.lookup(probe, at)
