@@ -516,7 +516,7 @@ def report(results: dict[str, Any]) -> str:
             lines.append(f"  {name:<12} first 10 {f:7.2f}, last 10 {la:7.2f}, last/first "
                          f"{la / f:.2f}; by turn: " + " ".join(f"{x:.1f}" for x in per_turn))
     if "profile" in results:
-        lines.append("[unique, candidate] " + bo.report_profile(results["profile"]))
+        lines.append("[candidate] " + bo.report_profile(results["profile"]))
     for label in ("huge", "huge_no_context"):
         if label in results:
             lines.append(f"{label.replace('_', ' ')}: {results['huge_count']} concurrent "
@@ -556,7 +556,16 @@ async def run(args: argparse.Namespace, sides: list[bo.Side], tmp: pathlib.Path,
                     profiler.stop()
                 results["profile"] = bo.summarize_profile(args.profile)
         if "agent" in modes:
-            results["agent"] = await agent(servers, prose, args)
+            profiler = None
+            if args.profile is not None and "unique" not in modes:  # the candidate's turns, sampled
+                profiler = bo.Profiler(servers[0].child.pid, args.profile, args.profile_rate)
+            try:
+                results["agent"] = await agent(servers[:1] if profiler else servers, prose, args)
+            finally:
+                if profiler is not None:
+                    profiler.stop()
+            if profiler is not None:
+                results["profile"] = bo.summarize_profile(args.profile)
         if "huge" in modes:
             results["huge"] = await huge([s for s in servers if s.name != "smg"], prose, args,
                                          f"{args.long_context}-token context")

@@ -9,14 +9,19 @@ engine's requests are remembered rank by rank, as each rank has a cache of its o
 from __future__ import annotations
 
 import collections
+import functools
 import itertools
 import math
 import operator
 from collections.abc import Callable, Iterable, Sequence
+from typing import Final, cast
 
 from direct_frontend.routing.catalog import EngineHandle
 
 __all__ = ["ApproxPrefixIndex", "best_of", "memory_names", "rank_memory"]
+
+_known: Final = functools.partial(operator.is_not, None)
+
 
 def _drain(calls: Iterable[object]) -> None:
     """Run a lazy map to its end in C (a deque that keeps nothing)."""
@@ -122,13 +127,15 @@ class ApproxPrefixIndex:
         result: dict[str, int] = {}
         if not first:
             return result
-        found = list(map(entries.get, hashes))
+        # the holders of the leading hashes anyone was sent (a C loop up to the first unknown)
+        found = cast("list[dict[str, float]]",
+                     list(itertools.takewhile(_known, map(entries.get, hashes))))
         for engine, expiry in first.items():
             if expiry <= now:
                 continue
             depth = 1
             for holders in itertools.islice(found, 1, None):
-                if holders is None or holders.get(engine, -math.inf) <= now:
+                if holders.get(engine, -math.inf) <= now:
                     break
                 depth += 1
             result[engine] = depth
