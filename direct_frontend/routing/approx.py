@@ -14,13 +14,41 @@ import itertools
 import math
 import operator
 from collections.abc import Callable, Iterable, Sequence
-from typing import Final, cast
+from typing import Any, Final
 
 from direct_frontend.routing.catalog import EngineHandle
 
 __all__ = ["ApproxPrefixIndex", "best_of", "memory_names", "rank_memory"]
 
 _known: Final = functools.partial(operator.is_not, None)
+
+
+#: who holds a block until when: one engine as a pair (shared by all the blocks of one
+#: record), or several as {engine: expiry}
+Holders = tuple[str, float] | dict[str, float]
+_ENGINE: Final[Callable[[Any], object]] = operator.itemgetter(0)
+
+
+def _pairs(holders: Holders) -> Iterable[tuple[str, float]]:
+    """Each (engine, expiry) of ``holders``."""
+    return (holders,) if type(holders) is tuple else holders.items()  # type: ignore[union-attr]
+
+
+def _joined(holders: Holders | None, mine: tuple[str, float]) -> Holders:
+    """``holders`` with ``mine`` (an engine and its new expiry) among them."""
+    if holders is None:
+        return mine
+    if type(holders) is tuple:
+        if holders[0] == mine[0]:
+            return mine
+        return {holders[0]: holders[1], mine[0]: mine[1]}
+    holders[mine[0]] = mine[1]  # type: ignore[index]
+    return holders
+
+
+def holders_of(holders: Holders | None) -> dict[str, float]:
+    """``holders`` as {engine: expiry}."""
+    return {} if holders is None else dict(_pairs(holders))
 
 
 def _drain(calls: Iterable[object]) -> None:
@@ -53,8 +81,8 @@ class ApproxPrefixIndex:
         self.capacity_blocks = capacity_blocks
         #: engine → its own capacity in blocks (discovery's), over ``capacity_blocks``
         self.capacities: dict[str, int] = {}
-        # prefix hash → {engine: expiry}; insertion order ≈ age, for the cap
-        self._entries: collections.OrderedDict[int, dict[str, float]] = collections.OrderedDict()
+        # prefix hash → its holders; insertion order ≈ age, for the cap
+        self._entries: collections.OrderedDict[int, Holders] = collections.OrderedDict()
         self._lru: dict[str, collections.OrderedDict[int, None]] = {}
 
     def record(self, engine: str, hashes: Sequence[int], now: float) -> None:
@@ -66,22 +94,21 @@ class ApproxPrefixIndex:
         """Remember a placement (a sibling replica's, or our own via :meth:`record`).
 
         Each hash ends up newest, in order, held by ``engine`` until the new
-        expiry. The per-block steps run as bulk maps in C (a prompt has
-        thousands of blocks): hashes already known get the engine's expiry,
-        new ones their holders, then all move to the end in order (only needed
-        when some were known: new ones go in at the end in order).
+        expiry. A prompt has thousands of blocks, so the usual case (each block
+        new, or held by ``engine`` alone) is a few bulk steps in C: one shared
+        holder pair for all, then, when some were known, all moved to the end
+        in order. Blocks other engines hold too take a step each.
         """
-        expiry = now + self.ttl_s
+        mine = (engine, now + self.ttl_s)
         entries = self._entries
         size = len(entries)
         found = list(map(entries.get, hashes))
-        known = [holders for holders in found if holders is not None]
-        _drain(map(operator.setitem, known, itertools.repeat(engine), itertools.repeat(expiry)))
-        if len(known) < len(found):
-            fresh = itertools.compress(hashes, map(operator.is_, found, itertools.repeat(None)))
-            holders = {engine: expiry}
-            entries.update(zip(fresh, map(dict.copy, itertools.repeat(holders)), strict=False))
-        if known or len(entries) - size != len(hashes):
+        if dict in set(map(type, found)) or not {mine[0]}.issuperset(
+                map(_ENGINE, filter(None, found))):
+            entries.update(zip(hashes, map(_joined, found, itertools.repeat(mine)), strict=True))
+        else:
+            entries.update(zip(hashes, itertools.repeat(mine)))
+        if len(entries) - size != len(hashes):  # some were known: all newest, in order
             _drain(map(entries.move_to_end, hashes))
         while len(entries) > self.max_blocks:
             entries.popitem(last=False)
@@ -115,7 +142,12 @@ class ApproxPrefixIndex:
         for _ in range(len(lru) - capacity):
             h = pop(False)[0]
             holders = get(h)
-            if holders is not None:
+            if holders is None:
+                continue
+            if isinstance(holders, tuple):
+                if holders[0] == engine:
+                    del entries[h]
+            else:
                 holders.pop(engine, None)
                 if not holders:
                     del entries[h]
@@ -128,14 +160,16 @@ class ApproxPrefixIndex:
         if not first:
             return result
         # the holders of the leading hashes anyone was sent (a C loop up to the first unknown)
-        found = cast("list[dict[str, float]]",
-                     list(itertools.takewhile(_known, map(entries.get, hashes))))
-        for engine, expiry in first.items():
+        found = list(itertools.takewhile(_known, map(entries.get, hashes)))
+        for engine, expiry in _pairs(first):
             if expiry <= now:
                 continue
             depth = 1
             for holders in itertools.islice(found, 1, None):
-                if holders.get(engine, -math.inf) <= now:
+                if type(holders) is tuple:
+                    if holders[0] != engine or holders[1] <= now:
+                        break
+                elif holders.get(engine, -math.inf) <= now:  # type: ignore[union-attr]
                     break
                 depth += 1
             result[engine] = depth
@@ -150,8 +184,13 @@ class ApproxPrefixIndex:
 
     def forget_engine(self, engine: str) -> None:
         self._lru.pop(engine, None)
-        for holders in self._entries.values():
-            holders.pop(engine, None)
+        entries = self._entries
+        for h, holders in list(entries.items()):
+            if isinstance(holders, tuple):
+                if holders[0] == engine:
+                    entries[h] = {}  # (held by no one now, still counted for the cap)
+            else:
+                holders.pop(engine, None)
 
     def __len__(self) -> int:
         return len(self._entries)

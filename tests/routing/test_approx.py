@@ -8,7 +8,7 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from direct_frontend.routing.approx import ApproxPrefixIndex
+from direct_frontend.routing.approx import ApproxPrefixIndex, holders_of
 
 
 class Reference:
@@ -38,6 +38,11 @@ class Reference:
                     if not holders:
                         del self.entries[h]
 
+    def forget(self, engine: str) -> None:
+        self.lru.pop(engine, None)
+        for holders in self.entries.values():
+            holders.pop(engine, None)
+
     def lookup(self, hashes: list[int], now: float) -> dict[str, int]:
         out: dict[str, int] = {}
         for engine in {e for holders in self.entries.values() for e in holders}:
@@ -62,17 +67,21 @@ chains = st.lists(st.integers(0, 30), min_size=0, max_size=12)
 def test_bulk_record_and_lookup_equal_the_block_by_block_reference(
         steps: list[tuple[str, list[int], int]], max_blocks: int, capacity: int,
         seed: int) -> None:
-    """Known and new blocks mixed, repeated hashes, the cap and the LRU model: same order,
-    same holders and expiries, same lookups."""
+    """Known and new blocks mixed, blocks several engines hold, repeated hashes, the cap,
+    the LRU model and forgotten engines: same order, same holders and expiries, same lookups."""
     memory = ApproxPrefixIndex(ttl_s=2.0, max_blocks=max_blocks, capacity_blocks=capacity)
     reference = Reference(2.0, max_blocks, capacity)
     rng = random.Random(seed)
     now = 0.0
     for engine, hashes, advance in steps:
         now += advance
+        if advance == 3 and not hashes:  # now and then an engine is forgotten
+            memory.forget_engine(engine)
+            reference.forget(engine)
         memory.record(engine, hashes, now)
         reference.record(engine, hashes, now)
-        assert list(memory._entries.items()) == list(reference.entries.items())
+        assert [(h, holders_of(held)) for h, held in memory._entries.items()] == list(
+            reference.entries.items())
         assert {e: list(lru) for e, lru in memory._lru.items()} == {
             e: list(lru) for e, lru in reference.lru.items()}
         probe = [*hashes[: rng.randint(0, len(hashes))], rng.randint(0, 30)]
