@@ -32,6 +32,7 @@ __all__ = [
     "MediaKey",
     "PromptIds",
     "block_content_hash",
+    "extend_hashes",
     "mm_block_extras",
     "namespace_seed",
     "prefix_hashes",
@@ -94,9 +95,7 @@ class PromptIds(tuple[int, ...]):
     ids begin with (the prompt cache knows, having built these ids from those);
     :func:`prefix_hashes` takes the blocks within ``known`` from there instead of
     hashing them again, and keeps what it computes in ``chains`` for the prompts
-    built from this one. Adding ids to them (a prompt and its answer) gives
-    ids that begin with them, so their blocks are taken from these; slicing gives
-    a plain tuple.
+    built from this one. A plain tuple otherwise: slicing or adding gives a tuple.
     """
 
     chains: dict[tuple[int, int, str | None], list[int]]
@@ -111,9 +110,6 @@ class PromptIds(tuple[int, ...]):
         self.source = source
         self.known = known if source is not None else 0
         return self
-
-    def __add__(self, other: tuple[int, ...]) -> PromptIds:  # type: ignore[override]
-        return PromptIds(tuple.__add__(self, other), self.chains, len(self))
 
 
 def prefix_hashes(
@@ -159,13 +155,31 @@ def prefix_hashes(
         h = _xxh3(data[:step] + _salt_bytes(cache_salt), h)
         out.append(h)
         offset = step
-    for at in range(offset, len(data), step):  # (bytes slices: memoryview ones are no faster)
-        h = _xxh3(data[at : at + step], h)
-        out.append(h)
+    _chain_on(out, data, offset, step, h)
     if chains is not None:
         chains[key] = out
         return list(out)
     return out
+
+
+def extend_hashes(known: Sequence[int], token_ids: Sequence[int], block_size: int) -> list[int]:
+    """:func:`prefix_hashes` of ``token_ids`` (no adapter, salt or images), given ``known``,
+    the hashes of their first blocks (a prompt's, when ``token_ids`` are it and its answer):
+    only the blocks after those are hashed."""
+    out = list(known)
+    data = array.array(
+        "I", token_ids[len(out) * block_size : len(token_ids) // block_size * block_size]
+    ).tobytes()
+    _chain_on(out, data, 0, block_size * 4, out[-1] if out else ROOT_SEED)
+    return out
+
+
+def _chain_on(out: list[int], data: bytes, offset: int, step: int, h: int) -> None:
+    """Append to ``out`` the chained hash of each ``step`` bytes of ``data`` from ``offset``,
+    the chain going on from ``h``."""
+    for at in range(offset, len(data), step):  # (bytes slices: memoryview ones are no faster)
+        h = _xxh3(data[at : at + step], h)
+        out.append(h)
 
 
 def _media_prefix_hashes(

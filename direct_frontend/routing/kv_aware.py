@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from direct_frontend.fleet.schema import KvAwareKnobs
 from direct_frontend.kv.keys import incarnation_of, index_key
-from direct_frontend.kv.prefix import prefix_hashes
+from direct_frontend.kv.prefix import extend_hashes, prefix_hashes
 from direct_frontend.routing.approx import ApproxPrefixIndex, best_of, memory_names, rank_memory
 from direct_frontend.routing.catalog import Catalog, EngineHandle
 from direct_frontend.routing.policies import Placement, RequestView, spread_start
@@ -306,13 +306,14 @@ class KvAware:
         # until the engine's events show its last block stored, its first token, or its end
         queued = len(hashes) - max(held, steer.get(chosen.name, 0))
         media = request.media_keys
+        prompt = request.input_ids
         if queued <= 0:
             return Placement(chosen, tuple(hashes), predicted, spilled, dp_rank=rank,
-                             media_keys=media)
+                             media_keys=media, prompt=prompt)
         token = self.queue.add(chosen.name, hashes, queued, now)
         return Placement(chosen, tuple(hashes), predicted, spilled,
                          functools.partial(self._prefilled, chosen.name, token), rank,
-                         media_keys=media)
+                         media_keys=media, prompt=prompt)
 
     def _prefilled(self, engine: str, token: int) -> None:
         self.queue.prefilled(engine, token, self.clock())
@@ -456,7 +457,18 @@ class KvAware:
         if placement.prefilled is not None:
             placement.prefilled()
         self._remember(rank_memory(placement.engine.name, placement.dp_rank),
-                       self.hashes(token_ids, placement.media_keys), self.clock())
+                       self.answered_hashes(placement, token_ids), self.clock())
+
+    def answered_hashes(self, placement: Placement, token_ids: Sequence[int]) -> list[int]:
+        """The block hashes of ``token_ids``: where they begin with the placed prompt, its
+        hashes and then those of the blocks after it (one comparison instead of hashing
+        the prompt again)."""
+        prompt = placement.prompt
+        size = len(prompt)
+        if (placement.blocks and not placement.media_keys and len(token_ids) >= size
+                and isinstance(token_ids, tuple) and token_ids[:size] == prompt):
+            return extend_hashes(placement.blocks, token_ids, self.knobs.block_size)
+        return self.hashes(token_ids, placement.media_keys)
 
     def _remember(self, engine: str, hashes: Sequence[int], now: float) -> None:
         self.approx.record(engine, hashes, now)

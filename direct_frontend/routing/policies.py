@@ -49,6 +49,9 @@ class Placement:
     dp_rank: int | None = None
     #: the request's images' KV keys (:attr:`RequestView.media_keys`), for what it leaves
     media_keys: tuple[tuple[str, int, int], ...] = ()
+    #: the prompt placed, whose block hashes ``blocks`` are (KV-aware routing): what the
+    #: engine holds at the end is hashed on from them
+    prompt: Sequence[int] = ()
 
 
 class Policy(Protocol):

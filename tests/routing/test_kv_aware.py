@@ -229,6 +229,31 @@ def test_on_complete_remembers_the_answer_only_where_no_kv_events_flow() -> None
     assert policy.overlaps(whole, policy.clock(), (a, b)) == {"a": len(whole)}
 
 
+@pytest.mark.parametrize("prompt_len", [3, 4, 17, 32])
+def test_the_answer_is_hashed_on_from_the_prompt_exactly(prompt_len: int) -> None:
+    """Prompt and answer hash as if hashed whole; ids that do not begin with the placed
+    prompt (or a list, or images) are hashed whole."""
+    rng = random.Random(prompt_len)
+    prompt = tuple(rng.randrange(1000) for _ in range(prompt_len))
+    policy = KvAware(KvAwareKnobs(block_size=BS))
+    placement = policy.choose(Catalog(1, (handle("a"),)), RequestView(prompt, 16))
+    assert placement is not None
+    for answer in [(), (5,), tuple(range(9))]:
+        ids = prompt + answer
+        assert policy.answered_hashes(placement, ids) == prefix_hashes(ids, BS)
+        assert policy.answered_hashes(placement, list(ids)) == prefix_hashes(ids, BS)
+        other = (prompt[0] + 1, *prompt[1:], *answer)
+        assert policy.answered_hashes(placement, other) == prefix_hashes(other, BS)
+    shorter = prompt[:-1]
+    assert policy.answered_hashes(placement, shorter) == prefix_hashes(shorter, BS)
+    media = (("img", 0, 2),)
+    pictured = policy.choose(Catalog(1, (handle("a"),)), RequestView(prompt, 16, None, media))
+    assert pictured is not None
+    pictured_ids = (*prompt, 1, 2, 3, 4)
+    assert policy.answered_hashes(pictured, pictured_ids) == prefix_hashes(
+        pictured_ids, BS, media=media)
+
+
 def test_a_queued_prefill_counts_until_the_events_show_it_stored() -> None:
     index = FakeIndex({"a": HASHES[:2]})
     policy = KvAware(KvAwareKnobs(block_size=BS, memory_weight=0, in_flight_weight=0), index)
