@@ -25,6 +25,7 @@ from tokenizers import Tokenizer
 from direct_frontend.json_files import read_object
 from direct_frontend.text.detokenize import IncrementalDetokenizer
 from direct_frontend.text.encoder import Encoder
+from direct_frontend.text.template_env import TemplateEnvironment
 from direct_frontend.text.token_bound import ByteLevelBound
 from direct_frontend.text.token_bytes import TokenBytes, byte_level_bytes
 
@@ -94,7 +95,7 @@ class _GenerationTag(jinja2.ext.Extension):
 
 
 def _new_environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(
+    env = TemplateEnvironment(
         trim_blocks=True,
         lstrip_blocks=True,
         extensions=[jinja2.ext.loopcontrols, _GenerationTag],
