@@ -51,7 +51,7 @@ class Placement:
     media_keys: tuple[tuple[str, int, int], ...] = ()
     #: the prompt placed, whose block hashes ``blocks`` are (KV-aware routing): what the
     #: engine holds at the end is hashed on from them
-    prompt: Sequence[int] = ()
+    prompt: Sequence[int] = dataclasses.field(default=(), compare=False, repr=False)
 
 
 class Policy(Protocol):
