@@ -341,6 +341,12 @@ async def _watch_signals(
                 root.cancel()
 
 
+#: container allocations (net of frees) between collections of the youngest generation;
+#: CPython's 700 runs one every few requests here, each walking every live object of the
+#: requests in flight
+YOUNG_COLLECTION_THRESHOLD = 10_000
+
+
 def _freeze_startup_heap() -> None:
     """Take what startup built (modules, tokenizers, templates, the fleet's objects) out of
     the cyclic collector's walks.
@@ -352,6 +358,7 @@ def _freeze_startup_heap() -> None:
     """
     gc.collect()
     gc.freeze()
+    gc.set_threshold(YOUNG_COLLECTION_THRESHOLD, *gc.get_threshold()[1:])
 
 
 def run_daemon(
