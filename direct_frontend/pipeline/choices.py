@@ -38,8 +38,9 @@ import trio
 
 from direct_frontend.observability.tracing import RequestTrace
 from direct_frontend.pipeline.preprocess import PreparedRequest
-from direct_frontend.pipeline.relay import Relay, RelayState
+from direct_frontend.pipeline.relay import Relay
 from direct_frontend.pipeline.relay_events import Emit, Failed, RelayEvent, Usage
+from direct_frontend.pipeline.relay_state import RelayState
 from direct_frontend.pipeline.settings import Settings
 
 #: the writer of several choices' events: the choice's index, then the event

@@ -27,8 +27,9 @@ What bounds the waste (measured with scripts/sim_admission.py):
   where a second prefill costs the same whatever came before, fewest,
   most and oldest did equally well);
 - a request gives way at most ``max_preemptions`` times, and only while it
-  streams from an engine with nothing that a continuation would lose (one
-  choice, no structured-output constraint, no reasoning budget).
+  streams from an engine with nothing that a continuation would lose or
+  change (one choice, no structured-output constraint, no reasoning budget,
+  no seed, no frequency or presence penalty).
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ another engine before the first token, or migrate it after: continue on
 another engine from the tokens already produced. The client sees one
 unbroken stream.
 
-:class:`RelayState` is the request's decisions, with no I/O, in three
+:class:`~direct_frontend.pipeline.relay_state.RelayState` is the request's
+decisions, with no I/O, in three
 objects with one job each: its attempts across engines
 (:mod:`~direct_frontend.pipeline.attempt`), its output
 (:mod:`~direct_frontend.pipeline.output_track`) and its reasoning budget
@@ -25,13 +26,11 @@ import functools
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
-from typing import Protocol
+from collections.abc import Callable
 
 import trio
 
-from direct_frontend.engines.neutral import EngineEvent, TokenDelta
-from direct_frontend.errors import EngineError, ErrorKind
+from direct_frontend.errors import EngineError
 from direct_frontend.observability.metrics import Metrics, ModelSeries
 from direct_frontend.observability.tracing import RequestTrace
 from direct_frontend.openai.types import ChatRequest, CompletionRequest
@@ -51,6 +50,7 @@ from direct_frontend.pipeline.postprocess import OutputProcessor
 from direct_frontend.pipeline.preempt import Hold
 from direct_frontend.pipeline.preprocess import PreparedRequest, build_call, token_budget
 from direct_frontend.pipeline.relay_events import Batch, Emit, Failed
+from direct_frontend.pipeline.relay_state import RelayState
 from direct_frontend.pipeline.settings import Settings
 from direct_frontend.pipeline.thinking import ThinkingBudget
 from direct_frontend.routing.hitrate import HitRateWatch
@@ -60,139 +60,6 @@ from direct_frontend.text.model_dir import TextModel
 log = logging.getLogger("direct_frontend.http")  # the request log's name, as it always was
 
 _MOVING = Phase.MOVING  # the per-batch check's: an enum attribute lookup costs ~100 ns
-
-
-class EventQueue(Protocol):
-    """The events an engine call has already delivered (an ``EventReceiver``'s sync side)."""
-
-    def receive_nowait(self) -> EngineEvent | None: ...
-
-
-class RelayState:
-    """The decisions of one request's relay (sans-IO): its attempts, output and budget."""
-
-    __slots__ = ("attempt", "budget", "hold", "last_out", "output", "started", "trace")
-
-    def __init__(self, attempt: Attempt, output: OutputTrack,
-                 budget: ThinkingBudget | None = None, *, started: float = 0.0,
-                 trace: RequestTrace | None = None) -> None:
-        self.attempt = attempt
-        self.output = output
-        self.budget = budget  # None: no reasoning budget to keep
-        self.started = started  # perf_counter() at the start, for the time to first token
-        self.last_out = 0.0  # perf_counter() at the last output handed on (0: none yet)
-        self.trace = trace  # None unless tracing is on
-        self.hold: Hold | None = None  # its admission slot, while it may be preempted
-
-    def preemptible(self, hold: Hold) -> None:
-        """Let ``hold``'s admission queue take the request off its engine while it runs
-        (pipeline/preempt.py), unless its continuation would lose something: a structured-
-        output constraint's state, or a reasoning budget's count."""
-        if self.budget is None and self.attempt.failover.unmigratable is None:
-            self.hold = hold
-
-    # -- one batch ------------------------------------------------------------------------
-
-    def take(self, event: EngineEvent | None, queue: EventQueue) -> Batch:
-        """Take ``event`` (the wait's result) and every event already queued behind it.
-
-        Consecutive token deltas are merged into one call of the output
-        processor (the per-call cost dominates at high token rates).
-        """
-        attempt = self.attempt
-        attempt.relaying()
-        output = self.output
-        before = output.completion_tokens
-        budget = self.budget
-        pieces: list[str] = []
-        tokens: list[int] = []
-        while event is not None:
-            event = self._admit(event, before, len(tokens))
-            if event is None:
-                break
-            if not isinstance(event, TokenDelta):  # the engine's last event
-                if not (tokens and output.feed(tokens, pieces)):
-                    output.finish(event, pieces)
-                tokens = []
-                break
-            tokens.extend(event.token_ids)
-            if budget is not None and budget.held is not None:
-                break  # the budget's end: the rest waits for the verdict
-            try:
-                event = queue.receive_nowait()
-            except EngineError as error:  # surfaces after the tokens before it are taken
-                attempt.pending_error = error
-                break
-        if tokens:
-            output.feed(tokens, pieces)
-        return self._batch("".join(pieces), output.completion_tokens - before)
-
-    def _admit(self, event: EngineEvent, produced: int, merged: int) -> EngineEvent | None:
-        """``event`` as the output takes it: less what a replay repeats (None: the replay
-        differs), up to the reasoning budget; ``produced``, ``merged``: the output's tokens
-        before this batch, and the batch's before ``event``."""
-        attempt = self.attempt
-        if attempt.replaying:
-            replayed = attempt.replayed(event, produced)
-            if replayed is None:
-                return None
-            event = replayed
-        budget = self.budget
-        if budget is not None and budget.limit is not None:
-            event = budget.cut(event, produced, merged)
-        self.output.note(event, attempt.continued)
-        return event
-
-    def _batch(self, text: str, tokens: int) -> Batch:
-        batch = self.output.batch(text, tokens)
-        if self.output.final is not None:
-            self.attempt.finished()
-        return batch
-
-    def failed(self, error: EngineError) -> Failed:
-        """The event of a request that gave up after ``error``."""
-        return Failed(self.attempt.error_for(error), self.output.usage())
-
-    # -- the reasoning budget -------------------------------------------------------------
-
-    def thinking_due(self) -> str | None:
-        """The marker that closes the reasoning block once its budget is spent (every
-        batch handed on was parsed); None until then."""
-        budget, parser = self.budget, self.output.parser
-        if budget is None or parser is None:
-            return None
-        return budget.due(self.output.completion_tokens, parser)
-
-    def close_thinking(self, ids: Sequence[int]) -> Batch:
-        """Put ``ids`` (the closing marker) in the output as if the engine had sent them."""
-        assert self.budget is not None
-        self.budget.closed()
-        output = self.output
-        before = output.completion_tokens
-        pieces: list[str] = []
-        output.unsampled(ids, pieces)
-        return self._batch("".join(pieces), output.completion_tokens - before)
-
-    def resume(self, dispatcher: Dispatcher) -> None:
-        """Continue the output after its closed block, where the policy places it."""
-        processor = self.output.processor
-        self.attempt.resume(dispatcher, processor.generated_ids, processor.remaining_tokens)
-
-    # -- the next attempt -----------------------------------------------------------------
-
-    def next_attempt(self, error: EngineError, dispatcher: Dispatcher, now: float) -> Decision:
-        """Decide what follows ``error`` and place it (:meth:`Attempt.next_attempt`)."""
-        if self.budget is not None:
-            self.budget.drop()
-        processor = self.output.processor
-        return self.attempt.next_attempt(error, dispatcher, now, processor.generated_ids,
-                                         processor.remaining_tokens)
-
-    def place(self, dispatcher: Dispatcher, now: float) -> Placement | None:
-        """Place the attempt the last failure asked for (:meth:`Attempt.place`)."""
-        processor = self.output.processor
-        return self.attempt.place(dispatcher, now, processor.generated_ids,
-                                  processor.remaining_tokens)
 
 
 class Relay:
@@ -284,8 +151,8 @@ class Relay:
             except EngineError as error:
                 try:
                     hold = state.hold
-                    if hold is not None and hold.asked and error.kind is ErrorKind.DRAINING:
-                        await self._requeue(state, hold, error)
+                    if hold is not None and hold.asked:
+                        await self._asked_off(state, hold, error)
                     else:
                         await self._after(state, error)
                 except EngineError as last:
@@ -393,11 +260,22 @@ class Relay:
         await emit(output.finished(batch))  # the final bytes go out before any Abort
         return True
 
+    async def _asked_off(self, state: RelayState, hold: Hold, error: EngineError) -> None:
+        """The attempt ended after its admission asked the request off its engine: requeued,
+        or a failover that keeps its slots (:meth:`RelayState.asked_off`)."""
+        failure = state.asked_off(hold, error)
+        if failure is None:
+            await self._requeue(state, hold, error)
+        else:
+            await self._after(state, failure)
+
     async def _requeue(self, state: RelayState, hold: Hold, error: EngineError) -> None:
         """Preempted and off its engine: wait for a slot again, then go on from its tokens
         where the policy places it (pipeline/preempt.py); failover if no engine takes it."""
         attempt = state.attempt
         self.metrics.engine_request(attempt.placement.engine.name, "preempted")
+        if trio.current_time() >= attempt.deadline:  # no time left to continue it in
+            raise attempt.expired()
         if not await attempt.settings.admission.requeue(hold, attempt.deadline):
             raise attempt.expired()
         try:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -29,8 +30,8 @@ from direct_frontend.pipeline.output_track import OutputTrack
 from direct_frontend.pipeline.postprocess import OutputProcessor
 from direct_frontend.pipeline.preempt import new_hold
 from direct_frontend.pipeline.preprocess import PreparedRequest, build_call
-from direct_frontend.pipeline.relay import RelayState
 from direct_frontend.pipeline.relay_events import Batch, Usage
+from direct_frontend.pipeline.relay_state import RelayState
 from direct_frontend.pipeline.settings import Settings
 from direct_frontend.pipeline.thinking import ThinkingBudget
 from direct_frontend.routing.catalog import Catalog
@@ -70,6 +71,7 @@ def relay_state(
     constraint: Constraint | None = None,
     temperature: float = 1.0,
     budget: int | None = None,
+    sampling: dict[str, Any] | None = None,
 ) -> tuple[RelayState, Dispatcher]:
     """A request placed on the catalog's first engine, as the relay starts it; with a
     ``budget``, its reply is read by the qwen3 reasoning parser."""
@@ -88,6 +90,8 @@ def relay_state(
     if constraint is not None:
         call = dataclasses.replace(call, sampling=dataclasses.replace(
             call.sampling, constraint=constraint, temperature=temperature))
+    if sampling is not None:
+        call = dataclasses.replace(call, sampling=dataclasses.replace(call.sampling, **sampling))
     parser = None if budget is None else ChoiceParser(reasoning_parser="qwen3")
     output = OutputTrack(request, PROMPT, processor, parser, logprobs=logprobs is not None)
     attempt = Attempt(settings, prepared, placement, call, now=100.0)
@@ -300,7 +304,39 @@ def test_a_wait_on_the_engine_is_cut_short_by_a_preemption(text_model: TextModel
 def test_only_a_stream_a_continuation_loses_nothing_of_may_be_preempted(
     text_model: TextModel,
 ) -> None:
-    for kwargs in ({"constraint": REGEX, "temperature": 0.0}, {"budget": 8}):
+    """Not a constrained one, one with a reasoning budget, one with a seed (a continuation
+    starts its random stream again) or with output-only penalties (a continuation has its
+    tokens in the prompt)."""
+    for kwargs in ({"constraint": REGEX, "temperature": 0.0}, {"budget": 8},
+                   {"sampling": {"seed": 7}}, {"sampling": {"frequency_penalty": 0.5}},
+                   {"sampling": {"presence_penalty": -0.5}}):
         state, _ = relay_state(text_model, two_engines(), **kwargs)  # type: ignore[arg-type]
         state.preemptible(new_hold("flood", 1, "default", 0.0))
         assert state.hold is None, kwargs
+    state, _ = relay_state(text_model, two_engines(), sampling={"repetition_penalty": 1.2})
+    state.preemptible(hold := new_hold("flood", 1, "default", 0.0))
+    assert state.hold is hold  # applied to the prompt's tokens too: a continuation keeps it
+
+
+def test_asked_off_it_requeues_only_when_it_left_for_that(text_model: TextModel) -> None:
+    """A preempted request waits for its slots again only when it left its engine for the
+    preemption; when the engine failed first (its error kept behind the batch), or the call
+    ended otherwise, it fails over from that failure, keeps its slots and is no longer asked
+    off (it may be asked again, and is counted as past its share)."""
+    state, _ = relay_state(text_model, two_engines())
+    hold = new_hold("flood", 1, "default", 0.0)
+    state.preemptible(hold)
+    hold.asked = True
+    assert state.attempt.give_way(lambda: None)
+    draining = state.attempt.interrupted(100.0)
+    assert draining.kind is ErrorKind.DRAINING
+    assert state.asked_off(hold, draining) is None and hold.asked  # left for it: requeue
+
+    broken = gone(None)
+    state.attempt.pending_error = broken  # the engine failed in the batch before it left
+    assert state.asked_off(hold, draining) is broken and not hold.asked
+
+    hold.asked = True
+    state.attempt.pending_error = None
+    stalled = gone(None)
+    assert state.asked_off(hold, stalled) is stalled and not hold.asked
