@@ -763,6 +763,17 @@ def details(results: Sequence[dict[str, Any]]) -> str:
 # -- main -----------------------------------------------------------------------------------
 
 
+def parse_knobs(parser: argparse.ArgumentParser, knobs: Sequence[str]) -> dict[str, str]:
+    """The ``--knob NAME=VALUE`` options, by name (a malformed one is the parser's error)."""
+    parsed: dict[str, str] = {}
+    for knob in knobs:
+        name, eq, value = knob.partition("=")
+        if not eq or not re.fullmatch(r"[a-z_]+", name.strip()):
+            parser.error(f"--knob {knob!r} is not NAME=VALUE")
+        parsed[name.strip()] = value.strip()
+    return parsed
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {MODES}")
@@ -804,12 +815,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error(f"unknown mode(s) {sorted(unknown)}; choose from {MODES}")
     if len(args.user_tokens) != 2 or args.user_tokens[0] > args.user_tokens[1]:
         p.error("--user-tokens is LO-HI")
-    args.knobs = {}
-    for knob in args.knob:
-        name, eq, value = knob.partition("=")
-        if not eq or not re.fullmatch(r"[a-z_]+", name.strip()):
-            p.error(f"--knob {knob!r} is not NAME=VALUE")
-        args.knobs[name.strip()] = value.strip()
+    args.knobs = parse_knobs(p, args.knob)
     if args.repeat < 1:
         p.error("--repeat must be at least 1")
     return args

@@ -38,7 +38,6 @@ import math
 import os
 import pathlib
 import random
-import re
 import shutil
 import statistics
 import sys
@@ -67,6 +66,7 @@ from bench_routing import (
     machine_busy_seconds,
     metric_sum,
     one_turn,
+    parse_knobs,
     parse_metrics,
     wait_all_serving,
 )
@@ -433,12 +433,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if set(args.modes) - set(MODES):
         p.error(f"unknown mode(s); choose from {MODES}")
     args.seeds = [int(s) for s in args.seeds.split(",") if s]
-    args.knobs = {}
-    for knob in args.knob:
-        name, eq, value = knob.partition("=")
-        if not eq or not re.fullmatch(r"[a-z_]+", name.strip()):
-            p.error(f"--knob {knob!r} is not NAME=VALUE")
-        args.knobs[name.strip()] = value.strip()
+    args.knobs = parse_knobs(p, args.knob)
     return args
 
 
