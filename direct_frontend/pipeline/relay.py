@@ -217,6 +217,11 @@ class Relay:
                 event = None if budget is None else budget.release()
                 if event is None:
                     event = await receiver.receive()
+                    if stall.cancel_called:
+                        # cut short (a move, or the stall watch) after the event was handed
+                        # to this task but before it ran: the event is not taken, or the
+                        # next checkpoint, the write, would drop what the output counted
+                        break
                 stall.deadline = math.inf
                 batch = state.take(event, receiver)
                 if prefilled is not None:  # this attempt's first output
