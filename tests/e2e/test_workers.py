@@ -149,15 +149,16 @@ def test_two_workers_serve_one_port_and_one_scrape_counts_both(service: Service)
         r = http.post(base + "/v1/completions", json=body)
         assert r.status_code == 200, r.text
 
-    def both_counted() -> bool:
-        text = fresh_get(base + "/metrics").text
-        return all(metric(text, "direct_frontend_requests_total", w) > 0 for w in "01")
+    scraped: list[str] = []
 
-    wait_for(both_counted, timeout=10, what="both workers' requests in one scrape")
-    text = fresh_get(base + "/metrics").text
-    assert text.count("# TYPE direct_frontend_requests_total counter") == 1
-    served = sum(metric(text, "direct_frontend_requests_total", w) for w in "01")
-    assert served >= 30  # every request, and the scrapes, counted once
+    def all_counted() -> bool:
+        # a sibling's figures are as of its last write (each second): wait for that one
+        scraped.append(fresh_get(base + "/metrics").text)
+        counts = [metric(scraped[-1], "direct_frontend_requests_total", w) for w in "01"]
+        return all(counts) and sum(counts) >= 30  # every request, and the scrapes
+
+    wait_for(all_counted, timeout=10, what="both workers' requests in one scrape")
+    assert scraped[-1].count("# TYPE direct_frontend_requests_total counter") == 1
 
     # a stored response is found whichever worker a follow-up's connection reaches
     ask = {"model": "demo", "max_output_tokens": 2}
