@@ -9,17 +9,18 @@ minutes.
 
 Engines: a prefix cache of ``capacity`` blocks with LRU eviction (a block's
 chain is touched tail first, so a prefix's tail goes before its root, as
-vLLM's free-block queue does; blocks of running requests are pinned), and a
-step loop like vLLM's chunked prefill: each step prefills up to ``chunk``
-tokens of the admitted requests (first come, first served) and decodes one
-token of every decoding request, and lasts ``step_ms + prefill_us × prefill
-tokens + decode_us × decoding requests`` — so prefill slows with concurrent
-prefills (they share the chunk budget) and with the decode batch, and decode
-slows with batch size and with prefills. At most ``max_running`` requests are
-admitted; the rest wait. The cache hit is looked up when a request is
-admitted; computed blocks enter the cache (BlockStored events to the router's
-index) when its prefill ends, the answer's blocks when it finishes; evictions
-are BlockRemoved events.
+vLLM's free-block queue does; blocks of running requests are pinned), and
+the simulated engines' own chunked-prefill steps (``StepLoop`` of
+``direct_frontend/simulator/steps.py``, played in virtual time): each step
+prefills up to ``chunk`` tokens of the admitted requests (first come, first
+served) and decodes one token of every decoding request, and lasts
+``step_ms + prefill_us × prefill tokens + decode_us × decoding requests`` —
+so prefill slows with concurrent prefills (they share the chunk budget) and
+with the decode batch, and decode slows with batch size and with prefills.
+At most ``max_running`` requests are admitted; the rest wait. The cache hit
+is looked up when a request is admitted; computed blocks enter the cache
+(BlockStored events to the router's index) when its prefill ends, the
+answer's blocks when it finishes; evictions are BlockRemoved events.
 
 Workload: ``tenants`` × ``users`` users; each tenant has one system prompt
 (``system_tokens``) its users share (tenants picked with Zipf ``skew`` when a
@@ -44,6 +45,7 @@ import bisect
 import collections
 import dataclasses
 import heapq
+import itertools
 import json
 import math
 import random
@@ -62,6 +64,8 @@ from direct_frontend.routing.catalog import Catalog, EngineHandle
 from direct_frontend.routing.hitrate import HitRateMonitor
 from direct_frontend.routing.kv_aware import KvAware
 from direct_frontend.routing.policies import LeastLoaded, Placement, Policy, RequestView, RoundRobin
+from direct_frontend.simulator.model import TimingModel
+from direct_frontend.simulator.steps import Seat, StepLoop
 
 MODES = ("round_robin", "least_loaded", "cache_affinity", "kv-events", "approximate")
 OURS = "kv-events"
@@ -133,6 +137,12 @@ class Point:
         """One cache's size: one engine's, or one rank's of a data-parallel engine."""
         return max(1, round(self.cache * self.working_set_blocks() / self.caches))
 
+    def timing(self) -> TimingModel:
+        """The engines' steps, as the simulator's engines run them (simulator/steps.py)."""
+        return TimingModel(prefill_us_per_token=self.prefill_us, decode_us_per_token=self.decode_us,
+                           max_running=self.max_running, chunk_tokens=self.chunk,
+                           step_us=self.step_ms * 1e3)
+
     def capacity_rps(self) -> float:
         """Requests/s the fleet serves if only each new message were prefilled (batch 16)."""
         prefill_s = (self.mean_user + self.block_size) * self.prefill_us * 1e-6
@@ -163,8 +173,6 @@ class Request:
     placement: Placement | None = None
     engine: int = -1
     cached_tokens: int = 0
-    to_prefill: int = 0
-    to_decode: int = 0
     ttft: float = math.nan
     pinned: list[int] = dataclasses.field(default_factory=list)  # in chain order
     #: under an oracle, the blocks it finds cached (else the engine looks them up)
@@ -206,7 +214,13 @@ class Workload:
 
 
 class ModelEngine:
-    """One engine in virtual time: an LRU block cache and a chunked-prefill step loop."""
+    """One engine in virtual time: an LRU block cache, and the simulator's scheduler steps.
+
+    The steps are the simulated engines' own (:class:`StepLoop`, the engine double the
+    live bench runs): each prefills up to ``chunk`` tokens of the admitted requests, first
+    come first served, and decodes one token of every request past its prefill. Admission
+    (at most ``max_running``, the cache lookup then) and the cache are the model's.
+    """
 
     def __init__(self, point: Point, number: int, publish: Callable[[str, Any], None],
                  rank: int = 0) -> None:
@@ -216,10 +230,12 @@ class ModelEngine:
         self.capacity: float = point.capacity_blocks()
         self.lru: collections.OrderedDict[int, None] = collections.OrderedDict()  # unpinned
         self.pins: dict[int, int] = {}
-        self.tokens_of: dict[int, tuple[int, int, list[int]]] = {}  # hash → (parent, i, tokens)
         self.waiting: collections.deque[Request] = collections.deque()
-        self.prefilling: collections.deque[Request] = collections.deque()
-        self.decoding: list[Request] = []
+        self.steps = StepLoop(point.timing())
+        #: the admitted requests by their seats in the steps (admission order)
+        self.running: dict[Seat, Request] = {}
+        #: the decode batch of the step under way
+        self.decoded: list[Seat] = []
         #: when the step under way ends (None: none is)
         self.step_end: float | None = None
         self.evictions = 0
@@ -227,6 +243,11 @@ class ModelEngine:
 
     def __contains__(self, h: int) -> bool:
         return h in self.lru or h in self.pins
+
+    @property
+    def queued(self) -> int:
+        """Requests waiting or running here."""
+        return len(self.waiting) + len(self.running)
 
     def arrive(self, request: Request) -> None:
         self.requests += 1
@@ -287,71 +308,55 @@ class ModelEngine:
 
     def admit(self) -> None:
         p = self.point
-        while self.waiting and len(self.prefilling) + len(self.decoding) < p.max_running:
+        while self.waiting and len(self.running) < p.max_running:
             request = self.waiting.popleft()
             held = request.bound_blocks
             if held is None:
                 held = held_blocks(self, request.hashes)
             cached = cacheable(p, request, held)
             request.cached_tokens = cached
-            request.to_prefill = len(request.tokens) - cached
-            request.to_decode = len(request.answer)
             for h in request.hashes[: cached // p.block_size]:
                 self._pin(h)
                 request.pinned.append(h)
-            self.prefilling.append(request)
+            seat = self.steps.admit(len(request.tokens) - cached, len(request.answer))
+            self.running[seat] = request
 
     def begin_step(self, now: float) -> float:
         """Start one step at ``now``; returns when it ends (then call :meth:`finish_step`)."""
-        p = self.point
         self.admit()
-        budget = p.chunk
-        prefilled = 0
-        for request in self.prefilling:
-            if budget <= 0:
-                break
-            take = min(budget, request.to_prefill)
-            request.to_prefill -= take
-            budget -= take
-            prefilled += take
-        self.step_end = now + step_seconds(p, prefilled, len(self.decoding))
+        prefilled, self.decoded = self.steps.plan()
+        self.step_end = now + self.steps.step_seconds(prefilled, len(self.decoded))
         return self.step_end
 
     def finish_step(self) -> tuple[list[Request], list[Request]]:
         """The step's effects: the requests that got their first token, and those done."""
         p = self.point
+        steps = self.steps
         self.step_end = None
+        prefilled = list(itertools.takewhile(lambda seat: seat.left <= 0, steps.prefilling))
+        steps.finish(self.decoded)
+        ended = [seat for seat in self.decoded if seat.given >= seat.wanted]
         first: list[Request] = []
-        done = []
-        still = []
-        for request in self.decoding:
-            request.to_decode -= 1
-            (done if request.to_decode <= 0 else still).append(request)
-        self.decoding = still
-        while self.prefilling and self.prefilling[0].to_prefill <= 0:
-            request = self.prefilling.popleft()
+        for seat in prefilled:
+            request = self.running[seat]
             first.append(request)
             self._store(request, request.hashes, request.tokens)
-            request.to_decode -= 1
-            if request.to_decode <= 0:
-                done.append(request)
-            else:
-                self.decoding.append(request)
-        for request in done:
+            if seat.given >= seat.wanted:
+                ended.append(seat)
+        done = []
+        for seat in ended:
+            steps.leave(seat)
+            request = self.running.pop(seat)
             whole = request.tokens + request.answer
             self._store(request, prefix_hashes(whole, p.block_size), whole)
             self._unpin(request.pinned)
             request.pinned = []
+            done.append(request)
         return first, done
 
     @property
     def busy(self) -> bool:
-        return bool(self.waiting or self.prefilling or self.decoding)
-
-
-def step_seconds(point: Point, prefilled: int, decoding: int) -> float:
-    return (point.step_ms * 1e-3 + prefilled * point.prefill_us * 1e-6
-            + decoding * point.decode_us * 1e-6)
+        return bool(self.waiting or self.running)
 
 
 def held_blocks(cache: Container[int], hashes: Sequence[int],
@@ -368,46 +373,50 @@ def held_blocks(cache: Container[int], hashes: Sequence[int],
 def first_token_in(engine: ModelEngine, request: Request, now: float) -> float:
     """Seconds until ``request``'s first token if it joined ``engine``'s queue at ``now``.
 
-    The engine's own steps played forward on a copy of its queue, the blocks
+    The engine's own steps played forward on a copy of its seats, the blocks
     each prefill stores included: exact when nothing else arrives there
     before that token and nothing it would find is evicted meanwhile.
     """
     p = engine.point
-    # [to prefill, to decode, the request's prompt blocks] per request, in the engine's order
-    prefilling = [[r.to_prefill, r.to_decode, r.hashes] for r in engine.prefilling]
-    decoding = [r.to_decode for r in engine.decoding]
+    steps = StepLoop(engine.steps.timing)
+    copies: dict[Seat, Seat] = {}
+    hashes: dict[Seat, list[int]] = {}  # each copied seat's prompt blocks
+    for seat, running in engine.running.items():
+        copy = copies[seat] = Seat(seat.left, seat.wanted)
+        copy.given = seat.given
+        hashes[copy] = running.hashes
+        if seat in engine.steps.decoding:
+            steps.decoding[copy] = None
+        else:
+            steps.prefilling.append(copy)
     waiting = [*engine.waiting, request]
     stored: set[int] = set()  # stored by the prefills played forward
+    target: Seat | None = None
     t = now
-    if engine.step_end is not None:  # the step under way: its prefill is already counted
+    # the step under way (its prefill already planned), else none to finish
+    decoded = None if engine.step_end is None else [copies[seat] for seat in engine.decoded]
+    if engine.step_end is not None:
         t = engine.step_end
-    else:
-        decoding = [d + 1 for d in decoding]  # no step to finish: nothing is decremented
     while True:
-        # the end of a step (the one under way first), as finish_step
-        decoding = [d - 1 for d in decoding if d > 1]
-        while prefilling and prefilling[0][0] <= 0:
-            _, to_decode, hashes = prefilling.pop(0)
-            if hashes is request.hashes:
-                return t - now
-            stored.update(hashes)
-            if to_decode > 1:
-                decoding.append(to_decode - 1)
+        if decoded is not None:  # the end of a step, as ModelEngine.finish_step
+            ready = list(itertools.takewhile(lambda seat: seat.left <= 0, steps.prefilling))
+            steps.finish(decoded)
+            for seat in ready:
+                if seat is target:
+                    return t - now
+                stored.update(hashes[seat])
+            for seat in [s for s in steps.decoding if s.given >= s.wanted]:
+                steps.leave(seat)
         # the next step, as begin_step (admit looks its hits up then)
-        while waiting and len(prefilling) + len(decoding) < p.max_running:
+        while waiting and len(steps.prefilling) + len(steps.decoding) < p.max_running:
             r = waiting.pop(0)
             held = held_blocks(engine, r.hashes, stored)
-            prefilling.append([len(r.tokens) - cacheable(p, r, held), len(r.answer), r.hashes])
-        budget = p.chunk
-        prefilled = 0
-        for entry in prefilling:
-            if budget <= 0:
-                break
-            take = min(budget, entry[0])
-            entry[0] -= take
-            budget -= take
-            prefilled += take
-        t += step_seconds(p, prefilled, len(decoding))
+            seat = steps.admit(len(r.tokens) - cacheable(p, r, held), len(r.answer))
+            hashes[seat] = r.hashes
+            if r is request:
+                target = seat
+        prefilled, decoded = steps.plan()
+        t += steps.step_seconds(prefilled, len(decoded))
 
 
 class ExactGreedy:
@@ -547,20 +556,96 @@ class Oracle:
         expected = self.requests[request.rid]
         assert (expected.tokens, expected.answer) == (request.tokens, request.answer)
         request.bound_blocks = self.hits[request.rid]
-        request.to_prefill = len(request.tokens) - cacheable(
-            self.point, request, request.bound_blocks)
 
     def choose(self, engines: Sequence[ModelEngine]) -> int:
-        def requests(n: int) -> int:
-            e = engines[n]
-            return len(e.waiting) + len(e.prefilling) + len(e.decoding)
-
-        return min(range(len(engines)), key=lambda n: (requests(n), n))
+        return min(range(len(engines)), key=lambda n: (engines[n].queued, n))
 
 
 # -- one run -----------------------------------------------------------------
 
-_SEND, _STEP = 0, 1
+class VirtualTime:
+    """The event loop every model run plays: requests sent at their times, engines in steps.
+
+    The caller schedules sends (:meth:`send_at`), and for each, when its time
+    comes, makes the request and places it (:meth:`dispatch`); the loop runs
+    the engines' steps, stamps each request's first token (and tells its
+    placement, as the relay does), and at each request's end takes it off its
+    engine's load and tells the policy what the engine now holds.
+    """
+
+    SEND, STEP = 0, 1
+
+    def __init__(self, engines: Sequence[ModelEngine], policy: Policy | None,
+                 dp_ranks: int = 1) -> None:
+        self.engines = engines
+        self.policy = policy
+        self.dp_ranks = dp_ranks
+        self.now = 0.0  # the policies' clock
+        self.finished: list[Request] = []
+        self._heap: list[tuple[float, int, int, Any]] = []
+        self._seq = 0
+        self._stepping = [False] * len(engines)
+
+    def _push(self, t: float, kind: int, obj: Any) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (t, self._seq, kind, obj))
+
+    def send_at(self, t: float, sender: Any) -> None:
+        """``sender`` sends its next request at ``t`` (the ``send`` callback of :meth:`run`)."""
+        self._push(t, self.SEND, sender)
+
+    def dispatch(self, request: Request, placement: Placement) -> None:
+        """``request`` goes where ``placement`` says (the engine's balancer picks an unpinned
+        rank)."""
+        request.placement = placement
+        handle = placement.engine
+        handle.load.begin(len(request.tokens), placement.blocks, placement.dp_rank)
+        request.engine = handle.incarnation
+        dp = self.dp_ranks
+        rank = placement.dp_rank
+        if rank is None:
+            rank = balanced_rank(self.engines, request.engine, dp)
+        n = request.engine * dp + rank
+        self.engines[n].arrive(request)
+        if not self._stepping[n]:
+            self._stepping[n] = True
+            self._push(self.engines[n].begin_step(self.now), self.STEP, n)
+
+    def run(self, send: Callable[[float, Any], None],
+            done: Callable[[float, Request], None] | None = None) -> list[Request]:
+        """Until nothing is left to send or step; the requests that ended, in order.
+
+        ``send(t, sender)``: a scheduled send is due; ``done(t, request)``: a request ended.
+        """
+        while self._heap:
+            t, _, kind, obj = heapq.heappop(self._heap)
+            self.now = t
+            if kind == self.SEND:
+                send(t, obj)
+            else:
+                self._step(t, obj, done)
+        return self.finished
+
+    def _step(self, t: float, n: int, done: Callable[[float, Request], None] | None) -> None:
+        engine = self.engines[n]
+        first, ended = engine.finish_step()
+        for request in first:
+            request.ttft = t - request.arrival
+            if request.placement is not None and request.placement.prefilled is not None:
+                request.placement.prefilled()  # as the relay does at the first token
+        for request in ended:
+            placement = request.placement
+            assert placement is not None
+            placement.engine.load.end(len(request.tokens), placement.blocks, placement.dp_rank)
+            if self.policy is not None:
+                self.policy.on_complete(placement, tuple(request.tokens + request.answer))
+            if done is not None:
+                done(t, request)
+            self.finished.append(request)
+        if engine.busy:
+            self._push(engine.begin_step(t), self.STEP, n)
+        else:
+            self._stepping[n] = False
 
 
 def make_policy(mode: str, knobs: KvAwareKnobs, index: KvIndex, engines: int,
@@ -610,85 +695,51 @@ def run(point: Point, seed: int, mode: str, knobs: dict[str, Any] | None = None,
                      dp_ranks=tuple(range(dp)) if dp > 1 and mode != UNPINNED else ())
         for n in range(point.engines))
     catalog = Catalog(1, handles)
-    now = [0.0]
+    clock = VirtualTime(engines, None, dp)
     policy = (None if oracle is not None or greedy is not None else
               make_policy(mode, KvAwareKnobs(block_size=bs, **(knobs or {})), index,
-                          point.engines, lambda: now[0]))
+                          point.engines, lambda: clock.now))
+    clock.policy = policy
     monitors = [HitRateMonitor() for _ in range(point.engines)]
     diverged: set[int] = set()
-    heap: list[tuple[float, int, int, Any]] = []
-    seq = 0
-
-    def push(t: float, kind: int, obj: Any) -> None:
-        nonlocal seq
-        seq += 1
-        heapq.heappush(heap, (t, seq, kind, obj))
-
     for user in workload.users:
-        push(user.next_at, _SEND, user)
+        clock.send_at(user.next_at, user)
     issued = 0
-    finished: list[Request] = []
-    stepping = [False] * len(engines)
     predicted_total = 0
-    while heap:
-        t, _, kind, obj = heapq.heappop(heap)
-        now[0] = t
-        if kind == _SEND:
-            if issued >= point.requests:
-                continue
-            user: User = obj
-            request = workload.next_request(user, issued, t)
-            issued += 1
-            push(t + user.rng.expovariate(1 / workload.think_s), _SEND, user)
-            if oracle is not None:
-                request.hashes = prefix_hashes(request.tokens, bs)  # its hits are set: unused
-                oracle.bound(request)
-                placement = Placement(handles[oracle.choose(engines)])
-            elif greedy is not None:
-                request.hashes = prefix_hashes(request.tokens, bs)
-                placement = Placement(handles[greedy.choose(request, t)], tuple(request.hashes))
-            else:
-                assert policy is not None
-                chosen = policy.choose(catalog, RequestView(tuple(request.tokens),
-                                                            len(request.answer)))
-                assert chosen is not None
-                placement = chosen
-                request.hashes = (list(placement.blocks) if placement.blocks
-                                  else prefix_hashes(request.tokens, bs))
-            request.placement = placement
-            handle = placement.engine
-            handle.load.begin(len(request.tokens), placement.blocks, placement.dp_rank)
-            request.engine = handle.incarnation
-            n = request.engine * dp + (balanced_rank(engines, request.engine, dp)
-                                       if placement.dp_rank is None else placement.dp_rank)
-            engines[n].arrive(request)
-            if not stepping[n]:
-                stepping[n] = True
-                push(engines[n].begin_step(t), _STEP, n)
+
+    def send(t: float, user: User) -> None:
+        nonlocal issued
+        if issued >= point.requests:
+            return
+        request = workload.next_request(user, issued, t)
+        issued += 1
+        clock.send_at(t + user.rng.expovariate(1 / workload.think_s), user)
+        if oracle is not None:
+            request.hashes = prefix_hashes(request.tokens, bs)  # its hits are set: unused
+            oracle.bound(request)
+            placement = Placement(handles[oracle.choose(engines)])
+        elif greedy is not None:
+            request.hashes = prefix_hashes(request.tokens, bs)
+            placement = Placement(handles[greedy.choose(request, t)], tuple(request.hashes))
         else:
-            engine = engines[obj]
-            first, done = engine.finish_step()
-            for request in first:
-                request.ttft = t - request.arrival
-                if request.placement is not None and request.placement.prefilled is not None:
-                    request.placement.prefilled()  # as the relay does at the first token
-            for request in done:
-                placement = request.placement
-                assert placement is not None
-                placement.engine.load.end(len(request.tokens), placement.blocks,
-                                          placement.dp_rank)
-                if policy is not None:
-                    policy.on_complete(placement, tuple(request.tokens + request.answer))
-                if placement.predicted_cached_tokens is not None:
-                    predicted_total += placement.predicted_cached_tokens
-                    if monitors[request.engine].record(placement.predicted_cached_tokens,
-                                                       request.cached_tokens):
-                        diverged.add(request.engine)
-                finished.append(request)
-            if engine.busy:
-                push(engine.begin_step(t), _STEP, obj)
-            else:
-                stepping[obj] = False
+            assert policy is not None
+            chosen = policy.choose(catalog, RequestView(tuple(request.tokens),
+                                                        len(request.answer)))
+            assert chosen is not None
+            placement = chosen
+            request.hashes = (list(placement.blocks) if placement.blocks
+                              else prefix_hashes(request.tokens, bs))
+        clock.dispatch(request, placement)
+
+    def done(t: float, request: Request) -> None:
+        nonlocal predicted_total
+        predicted = request.placement.predicted_cached_tokens if request.placement else None
+        if predicted is not None:
+            predicted_total += predicted
+            if monitors[request.engine].record(predicted, request.cached_tokens):
+                diverged.add(request.engine)
+
+    finished = clock.run(send, done)
     ttft = sorted(r.ttft * 1e3 for r in finished)
     prompt = sum(len(r.tokens) for r in finished)
     cached = sum(r.cached_tokens for r in finished)
@@ -713,11 +764,7 @@ def balanced_rank(engines: Sequence[ModelEngine], number: int, dp: int) -> int:
     vLLM's internal data-parallel balancer weighs each rank's waiting and
     running requests; no cache enters it.
     """
-    def requests(rank: int) -> int:
-        e = engines[number * dp + rank]
-        return len(e.waiting) + len(e.prefilling) + len(e.decoding)
-
-    return min(range(dp), key=lambda rank: (requests(rank), rank))
+    return min(range(dp), key=lambda rank: (engines[number * dp + rank].queued, rank))
 
 
 def pct(sorted_values: Sequence[float], q: float) -> float:

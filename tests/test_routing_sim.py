@@ -93,7 +93,7 @@ def test_the_exact_greedy_estimate_is_the_first_token_the_engine_then_gives(
     engine.arrive(late)
     actual = _step_until_first_token(sim, engine, late, 0.0)
     assert estimate == pytest.approx(actual)
-    assert actual > sim.step_seconds(point, 256, 0)  # it did queue behind the others
+    assert actual > engine.steps.step_seconds(256, 0)  # it did queue behind the others
     # an idle engine: its own prefill, one chunk per step
     idle = sim.ModelEngine(point, 1, lambda key, event: None)
     alone = requests[6]
