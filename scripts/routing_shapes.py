@@ -91,6 +91,9 @@ class Shape:
     decode_us: float = 600.0
     chunk_tokens: int = 2048
     max_running: int = 32
+    #: the modelled engines store a prompt's blocks when they admit it, as the live bench's
+    #: simulated engines do (False: when its prefill ends, as vLLM does)
+    store_at_admission: bool = True
 
     def cache_of(self, engine: int) -> int:
         """Engine ``engine``'s prefix cache in tokens (a whole number of blocks)."""
@@ -106,7 +109,7 @@ class Shape:
         return Point(engines=self.engines, block_size=self.block_size,
                      step_ms=self.step_us / 1e3, prefill_us=self.prefill_us,
                      decode_us=self.decode_us, chunk=self.chunk_tokens,
-                     max_running=self.max_running)
+                     max_running=self.max_running, store_at_admission=self.store_at_admission)
 
     def working_set_tokens(self) -> float:
         """Every system prompt, plus the sessions running at once at half their length.

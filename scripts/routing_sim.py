@@ -19,8 +19,9 @@ so prefill slows with concurrent prefills (they share the chunk budget) and
 with the decode batch, and decode slows with batch size and with prefills.
 At most ``max_running`` requests are admitted; the rest wait. The cache hit
 is looked up when a request is admitted; computed blocks enter the cache
-(BlockStored events to the router's index) when its prefill ends, the
-answer's blocks when it finishes; evictions are BlockRemoved events.
+(BlockStored events to the router's index) when its prefill ends (or, with
+``store_at_admission``, when it is admitted, as the simulated engines store
+them), the answer's blocks when it finishes; evictions are BlockRemoved events.
 
 Workload: ``tenants`` × ``users`` users; each tenant has one system prompt
 (``system_tokens``) its users share (tenants picked with Zipf ``skew`` when a
@@ -109,6 +110,9 @@ class Point:
     #: data-parallel ranks per engine: each a cache and a step loop of its own behind one
     #: handle (``max_running`` and the cache are per rank, as a real engine's are)
     dp_ranks: int = 1
+    #: the engines store a prompt's blocks (and announce them) when they admit it, as the
+    #: simulated engines do (simulator/kvcache.py), not when its prefill ends, as vLLM does
+    store_at_admission: bool = False
 
     def label(self) -> str:
         ranks = f" · {self.engines} engines × {self.dp_ranks} ranks" if self.dp_ranks > 1 else ""
@@ -320,6 +324,8 @@ class ModelEngine:
                 request.pinned.append(h)
             seat = self.steps.admit(len(request.tokens) - cached, len(request.answer))
             self.running[seat] = request
+            if p.store_at_admission:
+                self._store(request, request.hashes, request.tokens)
 
     def begin_step(self, now: float) -> float:
         """Start one step at ``now``; returns when it ends (then call :meth:`finish_step`)."""
@@ -340,7 +346,8 @@ class ModelEngine:
         for seat in prefilled:
             request = self.running[seat]
             first.append(request)
-            self._store(request, request.hashes, request.tokens)
+            if not p.store_at_admission:
+                self._store(request, request.hashes, request.tokens)
             if seat.given >= seat.wanted:
                 ended.append(seat)
         done = []
@@ -413,6 +420,8 @@ def first_token_in(engine: ModelEngine, request: Request, now: float) -> float:
             held = held_blocks(engine, r.hashes, stored)
             seat = steps.admit(len(r.tokens) - cacheable(p, r, held), len(r.answer))
             hashes[seat] = r.hashes
+            if p.store_at_admission:
+                stored.update(r.hashes)
             if r is request:
                 target = seat
         prefilled, decoded = steps.plan()

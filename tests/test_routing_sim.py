@@ -115,3 +115,28 @@ def test_pinned_ranks_keep_conversations_and_predictions_where_the_engine_would_
     assert pinned["hit_rate"] > unpinned["hit_rate"]
     with pytest.raises(ValueError, match="one rank"):
         sim.run(point, 1, sim.ORACLE)
+
+
+def test_engines_that_store_at_admission_announce_a_prompt_before_its_first_token(
+        sim: ModuleType) -> None:
+    """As the simulated engines do (the live bench's); vLLM-like ones when the prefill ends."""
+    for at_admission in (False, True):
+        point = sim.Point(tenants=1, users=1, chunk=256, cache=50.0,
+                          store_at_admission=at_admission)
+        workload = sim.Workload(point, seed=1)
+        request = workload.next_request(workload.users[0], 0, 0.0)
+        request.hashes = sim.prefix_hashes(request.tokens, point.block_size)
+        events: list[object] = []
+        engine = sim.ModelEngine(point, 0, lambda key, event, seen=events: seen.append(event))
+        engine.arrive(request)
+        engine.begin_step(0.0)  # admits it; its prompt needs several chunks
+        stored = [e for e in events if isinstance(e, sim.BlockStored)]
+        assert bool(stored) is at_admission
+        while True:
+            first, _ = engine.finish_step()
+            if first:
+                break
+            engine.begin_step(0.0)
+        assert first == [request]
+        assert {h for e in events if isinstance(e, sim.BlockStored)
+                for h in e.block_hashes} == set(request.hashes)
