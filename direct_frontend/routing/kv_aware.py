@@ -22,10 +22,11 @@ caches it twice), and a new prefix goes where there is room (with a fixed
 weight instead, each new tenant goes to whichever engine is idle that instant,
 and the partition that makes never heals). The queue is our own accounting
 (routing/prefill_queue.py): a request's miss counts from its dispatch until
-its prefill is done, which the engine's KV events show (its last prompt block
-stored) and its first token shows for every engine (:attr:`Placement.prefilled`,
-called by the relay, also when an attempt ends with no output); one never heard
-of again stops counting after ``PREFILL_FORGET_S``. Where KV events
+its prefill is done, which its first token shows (:attr:`Placement.prefilled`,
+called by the relay, also when an attempt ends with no output); not the KV
+events, which show a prompt's blocks when the engine admits it or schedules its
+last chunk, before its prefill ends. One never heard of again stops counting
+after ``PREFILL_FORGET_S``. Where KV events
 flow, the overlap steered by also counts, at ``memory_weight``, the blocks
 of requests we sent an engine that its events have not shown yet
 (:meth:`KvAware.remembered`), and nothing it was sent before them. No engine
