@@ -93,6 +93,18 @@ def test_load_guard_stops_herding_on_a_hot_prefix() -> None:
     assert chosen.spilled
 
 
+def test_the_load_guard_spills_to_a_second_home_of_the_prefix_not_the_idlest_engine() -> None:
+    index = FakeIndex({"b": HASHES, "c": HASHES[:6]})
+    knobs = KvAwareKnobs(block_size=BS, balance_abs_threshold=2, balance_rel_threshold=1.5,
+                         overlap_weight=100, in_flight_weight=0)
+    policy = KvAware(knobs, index)
+    policy.uses_events = {1, 2, 3}
+    # b holds the prefix and is far above the mean (5); c most of it; a is idle and cold
+    catalog = Catalog(1, (handle("a", 0), handle("b", 12), handle("c", 3)))
+    chosen = policy.choose(catalog, view(PROMPT))
+    assert chosen is not None and chosen.engine.name == "c" and chosen.spilled
+
+
 def test_ties_go_to_the_less_loaded_engine_and_exclusions_hold() -> None:
     policy = KvAware(KvAwareKnobs(block_size=BS), FakeIndex({}))
     catalog = Catalog(1, (handle("a", 2), handle("b", 1)))
