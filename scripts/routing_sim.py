@@ -377,17 +377,12 @@ def held_blocks(cache: Container[int], hashes: Sequence[int],
     return held
 
 
-def first_token_in(engine: ModelEngine, request: Request, now: float) -> float:
-    """Seconds until ``request``'s first token if it joined ``engine``'s queue at ``now``.
-
-    The engine's own steps played forward on a copy of its seats, the blocks
-    each prefill stores included: exact when nothing else arrives there
-    before that token and nothing it would find is evicted meanwhile.
-    """
-    p = engine.point
+def copy_steps(engine: ModelEngine) -> tuple[StepLoop, dict[Seat, Seat], dict[Seat, list[int]]]:
+    """A copy of ``engine``'s steps to play forward: the copy, each seat's copy, and each
+    copied seat's prompt blocks."""
     steps = StepLoop(engine.steps.timing)
     copies: dict[Seat, Seat] = {}
-    hashes: dict[Seat, list[int]] = {}  # each copied seat's prompt blocks
+    hashes: dict[Seat, list[int]] = {}
     for seat, running in engine.running.items():
         copy = copies[seat] = Seat(seat.left, seat.wanted)
         copy.given = seat.given
@@ -396,6 +391,18 @@ def first_token_in(engine: ModelEngine, request: Request, now: float) -> float:
             steps.decoding[copy] = None
         else:
             steps.prefilling.append(copy)
+    return steps, copies, hashes
+
+
+def first_token_in(engine: ModelEngine, request: Request, now: float) -> float:
+    """Seconds until ``request``'s first token if it joined ``engine``'s queue at ``now``.
+
+    The engine's own steps played forward on a copy of its seats, the blocks
+    each prefill stores included: exact when nothing else arrives there
+    before that token and nothing it would find is evicted meanwhile.
+    """
+    p = engine.point
+    steps, copies, hashes = copy_steps(engine)
     waiting = [*engine.waiting, request]
     stored: set[int] = set()  # stored by the prefills played forward
     target: Seat | None = None
