@@ -13,9 +13,9 @@ extends its session's previous one, and a hot tenant's sessions share its
 system prompt.
 
 :func:`run_virtual` plays a shape against engines modelled in virtual time
-(``routing_sim.ModelEngine``: LRU block caches, the simulator's chunked-prefill
-steps) in the grid's event loop (``routing_sim.VirtualTime``), with the real
-policy objects, and the pooled-LRU reference (every engine's cache as one LRU,
+(``routing_model.ModelEngine``: LRU block caches, the simulator's
+chunked-prefill steps) in the grid's event loop (``routing_model.VirtualTime``),
+with the real policy objects, and the pooled-LRU reference (every engine's cache as one LRU,
 each request on the least-loaded engine: what partitioning perfectly would
 leave to gain). The live bench (``routing_live.py``) plays the same
 sessions, seed for seed, against the real daemon and simulated engines whose
@@ -32,15 +32,8 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-from routing_sim import (
-    ModelEngine,
-    Point,
-    Request,
-    VirtualTime,
-    held_blocks,
-    make_policy,
-    pct,
-)
+from routing_model import ModelEngine, Request, VirtualTime, held_blocks
+from routing_sim import Point, make_policy, pct
 
 from direct_frontend.engines.neutral import EngineInfo, EngineRole
 from direct_frontend.fleet.schema import KvAwareKnobs
