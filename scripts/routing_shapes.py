@@ -13,10 +13,11 @@ extends its session's previous one, and a hot tenant's sessions share its
 system prompt.
 
 :func:`run_virtual` plays a shape against engines modelled in virtual time
-(``routing_sim.ModelEngine``: LRU block caches, chunked-prefill steps) with the
-real policy objects, and the pooled-LRU reference (every engine's cache as one
-LRU, each request on the least-loaded engine: what partitioning perfectly
-would leave to gain). The live bench (``routing_live.py``) plays the same
+(``routing_model.ModelEngine``: LRU block caches, the simulator's
+chunked-prefill steps) in the grid's event loop (``routing_model.VirtualTime``),
+with the real policy objects, and the pooled-LRU reference (every engine's cache as one LRU,
+each request on the least-loaded engine: what partitioning perfectly would
+leave to gain). The live bench (``routing_live.py``) plays the same
 sessions, seed for seed, against the real daemon and simulated engines whose
 steps are these (``direct_frontend/simulator/steps.py``), so the two rank the
 policies on the same traffic.
@@ -25,14 +26,14 @@ policies on the same traffic.
 from __future__ import annotations
 
 import dataclasses
-import heapq
 import math
 import random
 import statistics
 from collections.abc import Sequence
 from typing import Any
 
-from routing_sim import ModelEngine, Point, Request, held_blocks, make_policy, pct
+from routing_model import ModelEngine, Request, VirtualTime, held_blocks
+from routing_sim import Point, make_policy, pct
 
 from direct_frontend.engines.neutral import EngineInfo, EngineRole
 from direct_frontend.fleet.schema import KvAwareKnobs
@@ -83,6 +84,9 @@ class Shape:
     decode_us: float = 600.0
     chunk_tokens: int = 2048
     max_running: int = 32
+    #: the modelled engines store a prompt's blocks when they admit it, as the live bench's
+    #: simulated engines do (False: when its prefill ends, as vLLM does)
+    store_at_admission: bool = True
 
     def cache_of(self, engine: int) -> int:
         """Engine ``engine``'s prefix cache in tokens (a whole number of blocks)."""
@@ -98,7 +102,7 @@ class Shape:
         return Point(engines=self.engines, block_size=self.block_size,
                      step_ms=self.step_us / 1e3, prefill_us=self.prefill_us,
                      decode_us=self.decode_us, chunk=self.chunk_tokens,
-                     max_running=self.max_running)
+                     max_running=self.max_running, store_at_admission=self.store_at_admission)
 
     def working_set_tokens(self) -> float:
         """Every system prompt, plus the sessions running at once at half their length.
@@ -207,8 +211,6 @@ def sessions(shape: Shape, seed: int) -> list[Session]:
 
 # -- virtual time ----------------------------------------------------------------
 
-_SEND, _STEP = 0, 1
-
 
 def run_virtual(shape: Shape, seed: int, mode: str,
                 knobs: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -236,84 +238,52 @@ def run_virtual(shape: Shape, seed: int, mode: str,
                      context_length=None, transport=None)
         for n in range(shape.engines))
     catalog = Catalog(1, handles)
-    now = [0.0]
+    clock = VirtualTime(engines, None)
     policy = None if pooled else make_policy(
         mode, KvAwareKnobs(block_size=bs, **(knobs or {})), index, shape.engines,
-        lambda: now[0])
-    heap: list[tuple[float, int, int, Any]] = []
-    seq = 0
-
-    def push(t: float, kind: int, obj: Any) -> None:
-        nonlocal seq
-        seq += 1
-        heapq.heappush(heap, (t, seq, kind, obj))
-
+        lambda: clock.now)
+    clock.policy = policy
     state: dict[int, tuple[Session, list[int], int]] = {}  # number → (session, history, turn)
     for session in sessions(shape, seed):
         state[session.number] = (session, list(systems[session.tenant]), 0)
-        push(session.start, _SEND, session.number)
-    stepping = [False] * len(engines)
-    finished: list[Request] = []
+        clock.send_at(session.start, session.number)
     issued = 0
-    while heap:
-        t, _, kind, obj = heapq.heappop(heap)
-        now[0] = t
-        if kind == _SEND:
-            session, history, k = state[obj]
-            turn = session.turns[k]
-            message = [rng.randrange(10, 30_000) for _ in range(turn.message + TEMPLATE_TOKENS)]
-            answer = [rng.randrange(10, 30_000) for _ in range(turn.answer + TEMPLATE_TOKENS)]
-            tokens = history + message
-            request = Request(issued, session, tokens, answer[:turn.answer], t)  # type: ignore[arg-type]
-            issued += 1
-            state[obj] = (session, tokens + answer, k)
-            request.hashes = prefix_hashes(tokens, bs)
-            if pooled:
-                request.bound_blocks = held_blocks(pool, request.hashes)
-                for h in reversed(prefix_hashes(tokens + answer, bs)):
-                    pool.pop(h, None)
-                    pool[h] = None  # most recent last
-                while len(pool) > pool_capacity:
-                    del pool[next(iter(pool))]
-                busy = [len(e.waiting) + len(e.prefilling) + len(e.decoding) for e in engines]
-                placement = Placement(handles[min(range(len(engines)),
-                                                  key=lambda n: (busy[n], n))])
-            else:
-                assert policy is not None
-                chosen = policy.choose(catalog, RequestView(tuple(tokens), turn.answer))
-                assert chosen is not None
-                placement = chosen
-            request.placement = placement
-            placement.engine.load.begin(len(tokens), placement.blocks)
-            n = request.engine = placement.engine.incarnation
-            engines[n].arrive(request)
-            if not stepping[n]:
-                stepping[n] = True
-                push(engines[n].begin_step(t), _STEP, n)
+
+    def send(t: float, number: int) -> None:
+        nonlocal issued
+        session, history, k = state[number]
+        turn = session.turns[k]
+        message = [rng.randrange(10, 30_000) for _ in range(turn.message + TEMPLATE_TOKENS)]
+        answer = [rng.randrange(10, 30_000) for _ in range(turn.answer + TEMPLATE_TOKENS)]
+        tokens = history + message
+        request = Request(issued, session, tokens, answer[:turn.answer], t)  # type: ignore[arg-type]
+        issued += 1
+        state[number] = (session, tokens + answer, k)
+        request.hashes = prefix_hashes(tokens, bs)
+        if pooled:
+            request.bound_blocks = held_blocks(pool, request.hashes)
+            for h in reversed(prefix_hashes(tokens + answer, bs)):
+                pool.pop(h, None)
+                pool[h] = None  # most recent last
+            while len(pool) > pool_capacity:
+                del pool[next(iter(pool))]
+            placement = Placement(handles[min(range(len(engines)),
+                                              key=lambda n: (engines[n].queued, n))])
         else:
-            engine = engines[obj]
-            first, done = engine.finish_step()
-            for request in first:
-                request.ttft = t - request.arrival
-                placement = request.placement
-                if placement is not None and placement.prefilled is not None:
-                    placement.prefilled()
-            for request in done:
-                placement = request.placement
-                assert placement is not None
-                placement.engine.load.end(len(request.tokens), placement.blocks)
-                if policy is not None:
-                    policy.on_complete(placement, tuple(request.tokens + request.answer))
-                finished.append(request)
-                number = request.user.number  # type: ignore[attr-defined]
-                session, history, k = state[number]
-                if k + 1 < len(session.turns):
-                    state[number] = (session, history, k + 1)
-                    push(t + session.turns[k + 1].think_s, _SEND, number)
-            if engine.busy:
-                push(engine.begin_step(t), _STEP, obj)
-            else:
-                stepping[obj] = False
+            assert policy is not None
+            chosen = policy.choose(catalog, RequestView(tuple(tokens), turn.answer))
+            assert chosen is not None
+            placement = chosen
+        clock.dispatch(request, placement)
+
+    def done(t: float, request: Request) -> None:
+        number = request.user.number  # type: ignore[attr-defined]
+        session, history, k = state[number]
+        if k + 1 < len(session.turns):
+            state[number] = (session, history, k + 1)
+            clock.send_at(t + session.turns[k + 1].think_s, number)
+
+    finished = clock.run(send, done)
     return figures(mode, seed, finished, engines, policy, shape.prefill_us)
 
 

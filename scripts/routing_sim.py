@@ -7,19 +7,22 @@ route an open-loop multi-turn workload to engines modelled in virtual time, so
 every figure is deterministic for a seed and a grid of dozens of points runs in
 minutes.
 
-Engines: a prefix cache of ``capacity`` blocks with LRU eviction (a block's
+Engines (``routing_model.py``, the same for the live shapes): a prefix cache of
+``capacity`` blocks with LRU eviction (a block's
 chain is touched tail first, so a prefix's tail goes before its root, as
-vLLM's free-block queue does; blocks of running requests are pinned), and a
-step loop like vLLM's chunked prefill: each step prefills up to ``chunk``
-tokens of the admitted requests (first come, first served) and decodes one
-token of every decoding request, and lasts ``step_ms + prefill_us × prefill
-tokens + decode_us × decoding requests`` — so prefill slows with concurrent
-prefills (they share the chunk budget) and with the decode batch, and decode
-slows with batch size and with prefills. At most ``max_running`` requests are
-admitted; the rest wait. The cache hit is looked up when a request is
-admitted; computed blocks enter the cache (BlockStored events to the router's
-index) when its prefill ends, the answer's blocks when it finishes; evictions
-are BlockRemoved events.
+vLLM's free-block queue does; blocks of running requests are pinned), and
+the simulated engines' own chunked-prefill steps (``StepLoop`` of
+``direct_frontend/simulator/steps.py``, played in virtual time): each step
+prefills up to ``chunk`` tokens of the admitted requests (first come, first
+served) and decodes one token of every decoding request, and lasts
+``step_ms + prefill_us × prefill tokens + decode_us × decoding requests`` —
+so prefill slows with concurrent prefills (they share the chunk budget) and
+with the decode batch, and decode slows with batch size and with prefills.
+At most ``max_running`` requests are admitted; the rest wait. The cache hit
+is looked up when a request is admitted; computed blocks enter the cache
+(BlockStored events to the router's index) when its prefill ends (or, with
+``store_at_admission``, when it is admitted, as the simulated engines store
+them), the answer's blocks when it finishes; evictions are BlockRemoved events.
 
 Workload: ``tenants`` × ``users`` users; each tenant has one system prompt
 (``system_tokens``) its users share (tenants picked with Zipf ``skew`` when a
@@ -39,7 +42,6 @@ length, divided by the engines).
 from __future__ import annotations
 
 import argparse
-import array
 import bisect
 import collections
 import dataclasses
@@ -48,20 +50,21 @@ import json
 import math
 import random
 import statistics
-from collections.abc import Callable, Container, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
+
+from routing_model import ExactGreedy, ModelEngine, Request, VirtualTime, held_blocks
 
 from direct_frontend.engines.neutral import EngineInfo, EngineRole
 from direct_frontend.fleet.schema import KvAwareKnobs
-from direct_frontend.kv.events import BlockRemoved, BlockStored
 from direct_frontend.kv.index import KvIndex
-from direct_frontend.kv.keys import index_key
 from direct_frontend.kv.prefix import prefix_hashes
 from direct_frontend.routing.cache_affinity import CacheAffinity
 from direct_frontend.routing.catalog import Catalog, EngineHandle
 from direct_frontend.routing.hitrate import HitRateMonitor
 from direct_frontend.routing.kv_aware import KvAware
 from direct_frontend.routing.policies import LeastLoaded, Placement, Policy, RequestView, RoundRobin
+from direct_frontend.simulator.model import TimingModel
 
 MODES = ("round_robin", "least_loaded", "cache_affinity", "kv-events", "approximate")
 OURS = "kv-events"
@@ -105,6 +108,9 @@ class Point:
     #: data-parallel ranks per engine: each a cache and a step loop of its own behind one
     #: handle (``max_running`` and the cache are per rank, as a real engine's are)
     dp_ranks: int = 1
+    #: the engines store a prompt's blocks (and announce them) when they admit it, as the
+    #: simulated engines do (simulator/kvcache.py), not when its prefill ends, as vLLM does
+    store_at_admission: bool = False
 
     def label(self) -> str:
         ranks = f" · {self.engines} engines × {self.dp_ranks} ranks" if self.dp_ranks > 1 else ""
@@ -133,6 +139,12 @@ class Point:
         """One cache's size: one engine's, or one rank's of a data-parallel engine."""
         return max(1, round(self.cache * self.working_set_blocks() / self.caches))
 
+    def timing(self) -> TimingModel:
+        """The engines' steps, as the simulator's engines run them (simulator/steps.py)."""
+        return TimingModel(prefill_us_per_token=self.prefill_us, decode_us_per_token=self.decode_us,
+                           max_running=self.max_running, chunk_tokens=self.chunk,
+                           step_us=self.step_ms * 1e3)
+
     def capacity_rps(self) -> float:
         """Requests/s the fleet serves if only each new message were prefilled (batch 16)."""
         prefill_s = (self.mean_user + self.block_size) * self.prefill_us * 1e-6
@@ -150,25 +162,6 @@ class User:
     history: list[int] = dataclasses.field(default_factory=list)
     turn: int = 0
     next_at: float = 0.0  # when the user sends first
-
-
-@dataclasses.dataclass(slots=True)
-class Request:
-    rid: int
-    user: User
-    tokens: list[int]
-    answer: list[int]
-    arrival: float
-    hashes: list[int] = dataclasses.field(default_factory=list)
-    placement: Placement | None = None
-    engine: int = -1
-    cached_tokens: int = 0
-    to_prefill: int = 0
-    to_decode: int = 0
-    ttft: float = math.nan
-    pinned: list[int] = dataclasses.field(default_factory=list)  # in chain order
-    #: under an oracle, the blocks it finds cached (else the engine looks them up)
-    bound_blocks: int | None = None
 
 
 class Workload:
@@ -200,238 +193,6 @@ class Workload:
         user.history = tokens + answer
         user.turn = (user.turn + 1) % p.turns
         return Request(rid, user, tokens, answer, now)
-
-
-# -- engines -----------------------------------------------------------------
-
-
-class ModelEngine:
-    """One engine in virtual time: an LRU block cache and a chunked-prefill step loop."""
-
-    def __init__(self, point: Point, number: int, publish: Callable[[str, Any], None],
-                 rank: int = 0) -> None:
-        self.point = point
-        self.key = index_key(number, rank)  # one rank of engine ``number``
-        self.publish = publish  # (index key, event) → the router's KV index
-        self.capacity: float = point.capacity_blocks()
-        self.lru: collections.OrderedDict[int, None] = collections.OrderedDict()  # unpinned
-        self.pins: dict[int, int] = {}
-        self.tokens_of: dict[int, tuple[int, int, list[int]]] = {}  # hash → (parent, i, tokens)
-        self.waiting: collections.deque[Request] = collections.deque()
-        self.prefilling: collections.deque[Request] = collections.deque()
-        self.decoding: list[Request] = []
-        #: when the step under way ends (None: none is)
-        self.step_end: float | None = None
-        self.evictions = 0
-        self.requests = 0
-
-    def __contains__(self, h: int) -> bool:
-        return h in self.lru or h in self.pins
-
-    def arrive(self, request: Request) -> None:
-        self.requests += 1
-        self.waiting.append(request)
-
-    def _pin(self, h: int) -> None:
-        if h in self.lru:
-            del self.lru[h]
-        self.pins[h] = self.pins.get(h, 0) + 1
-
-    def _unpin(self, hashes: Sequence[int]) -> None:
-        for h in reversed(hashes):  # tail first: the root ends up most recent
-            left = self.pins[h] - 1
-            if left:
-                self.pins[h] = left
-            else:
-                del self.pins[h]
-                self.lru[h] = None
-
-    def _store(self, request: Request, hashes: Sequence[int], tokens: Sequence[int]) -> None:
-        """The request's full blocks ``hashes`` are cached now (pinned); new ones are stored."""
-        held = len(request.pinned)  # its leading blocks already pinned
-        new: list[int] = []
-        first = 0
-        for i in range(held, len(hashes)):
-            h = hashes[i]
-            if h in self:
-                if new:
-                    self._emit(new, hashes[first - 1] if first else None, tokens, first)
-                    new = []
-                self._pin(h)
-            else:
-                if not new:
-                    first = i
-                new.append(h)
-                self.pins[h] = 1
-            request.pinned.append(h)
-        if new:
-            self._emit(new, hashes[first - 1] if first else None, tokens, first)
-        self._evict()
-
-    def _emit(self, new: list[int], parent: int | None, tokens: Sequence[int], first: int) -> None:
-        bs = self.point.block_size
-        self.publish(self.key, BlockStored(
-            block_hashes=tuple(new), parent_block_hash=parent,
-            token_ids=array.array("I", tokens[first * bs:(first + len(new)) * bs]),
-            block_size=bs, medium="GPU",
-        ))
-
-    def _evict(self) -> None:
-        gone = []
-        while len(self.lru) + len(self.pins) > self.capacity and self.lru:
-            h, _ = self.lru.popitem(last=False)
-            gone.append(h)
-        if gone:
-            self.evictions += len(gone)
-            self.publish(self.key, BlockRemoved(tuple(gone), medium="GPU"))
-
-    def admit(self) -> None:
-        p = self.point
-        while self.waiting and len(self.prefilling) + len(self.decoding) < p.max_running:
-            request = self.waiting.popleft()
-            held = request.bound_blocks
-            if held is None:
-                held = held_blocks(self, request.hashes)
-            cached = cacheable(p, request, held)
-            request.cached_tokens = cached
-            request.to_prefill = len(request.tokens) - cached
-            request.to_decode = len(request.answer)
-            for h in request.hashes[: cached // p.block_size]:
-                self._pin(h)
-                request.pinned.append(h)
-            self.prefilling.append(request)
-
-    def begin_step(self, now: float) -> float:
-        """Start one step at ``now``; returns when it ends (then call :meth:`finish_step`)."""
-        p = self.point
-        self.admit()
-        budget = p.chunk
-        prefilled = 0
-        for request in self.prefilling:
-            if budget <= 0:
-                break
-            take = min(budget, request.to_prefill)
-            request.to_prefill -= take
-            budget -= take
-            prefilled += take
-        self.step_end = now + step_seconds(p, prefilled, len(self.decoding))
-        return self.step_end
-
-    def finish_step(self) -> tuple[list[Request], list[Request]]:
-        """The step's effects: the requests that got their first token, and those done."""
-        p = self.point
-        self.step_end = None
-        first: list[Request] = []
-        done = []
-        still = []
-        for request in self.decoding:
-            request.to_decode -= 1
-            (done if request.to_decode <= 0 else still).append(request)
-        self.decoding = still
-        while self.prefilling and self.prefilling[0].to_prefill <= 0:
-            request = self.prefilling.popleft()
-            first.append(request)
-            self._store(request, request.hashes, request.tokens)
-            request.to_decode -= 1
-            if request.to_decode <= 0:
-                done.append(request)
-            else:
-                self.decoding.append(request)
-        for request in done:
-            whole = request.tokens + request.answer
-            self._store(request, prefix_hashes(whole, p.block_size), whole)
-            self._unpin(request.pinned)
-            request.pinned = []
-        return first, done
-
-    @property
-    def busy(self) -> bool:
-        return bool(self.waiting or self.prefilling or self.decoding)
-
-
-def step_seconds(point: Point, prefilled: int, decoding: int) -> float:
-    return (point.step_ms * 1e-3 + prefilled * point.prefill_us * 1e-6
-            + decoding * point.decode_us * 1e-6)
-
-
-def held_blocks(cache: Container[int], hashes: Sequence[int],
-                also: Container[int] = ()) -> int:
-    """The leading blocks of ``hashes`` in ``cache`` (an engine's, or a pooled one) or ``also``."""
-    held = 0
-    for h in hashes:
-        if h not in cache and h not in also:
-            break
-        held += 1
-    return held
-
-
-def first_token_in(engine: ModelEngine, request: Request, now: float) -> float:
-    """Seconds until ``request``'s first token if it joined ``engine``'s queue at ``now``.
-
-    The engine's own steps played forward on a copy of its queue, the blocks
-    each prefill stores included: exact when nothing else arrives there
-    before that token and nothing it would find is evicted meanwhile.
-    """
-    p = engine.point
-    # [to prefill, to decode, the request's prompt blocks] per request, in the engine's order
-    prefilling = [[r.to_prefill, r.to_decode, r.hashes] for r in engine.prefilling]
-    decoding = [r.to_decode for r in engine.decoding]
-    waiting = [*engine.waiting, request]
-    stored: set[int] = set()  # stored by the prefills played forward
-    t = now
-    if engine.step_end is not None:  # the step under way: its prefill is already counted
-        t = engine.step_end
-    else:
-        decoding = [d + 1 for d in decoding]  # no step to finish: nothing is decremented
-    while True:
-        # the end of a step (the one under way first), as finish_step
-        decoding = [d - 1 for d in decoding if d > 1]
-        while prefilling and prefilling[0][0] <= 0:
-            _, to_decode, hashes = prefilling.pop(0)
-            if hashes is request.hashes:
-                return t - now
-            stored.update(hashes)
-            if to_decode > 1:
-                decoding.append(to_decode - 1)
-        # the next step, as begin_step (admit looks its hits up then)
-        while waiting and len(prefilling) + len(decoding) < p.max_running:
-            r = waiting.pop(0)
-            held = held_blocks(engine, r.hashes, stored)
-            prefilling.append([len(r.tokens) - cacheable(p, r, held), len(r.answer), r.hashes])
-        budget = p.chunk
-        prefilled = 0
-        for entry in prefilling:
-            if budget <= 0:
-                break
-            take = min(budget, entry[0])
-            entry[0] -= take
-            budget -= take
-            prefilled += take
-        t += step_seconds(p, prefilled, len(decoding))
-
-
-class ExactGreedy:
-    """A reference, not a policy: each request to the engine where its own first token comes first.
-
-    It knows what no router can: every engine's exact queue, batch and cache
-    at the instant the request is sent (:func:`first_token_in`). It has no
-    foresight, so it is what the best use of the present can give greedily; a
-    policy that also weighs what a placement evicts for later requests can
-    beat it, and does on some points.
-    """
-
-    def __init__(self, engines: Sequence[ModelEngine]) -> None:
-        self.engines = engines
-
-    def choose(self, request: Request, now: float) -> int:
-        return min(range(len(self.engines)),
-                   key=lambda n: (first_token_in(self.engines[n], request, now), n))
-
-
-def cacheable(point: Point, request: Request, held: int) -> int:
-    """Prompt tokens ``held`` leading cached blocks save (the last prompt token is computed)."""
-    bs = point.block_size
-    return min(held * bs, (len(request.tokens) - 1) // bs * bs)
 
 
 # -- the oracles: bounds, not policies ---------------------------------------
@@ -547,21 +308,12 @@ class Oracle:
         expected = self.requests[request.rid]
         assert (expected.tokens, expected.answer) == (request.tokens, request.answer)
         request.bound_blocks = self.hits[request.rid]
-        request.to_prefill = len(request.tokens) - cacheable(
-            self.point, request, request.bound_blocks)
 
     def choose(self, engines: Sequence[ModelEngine]) -> int:
-        def requests(n: int) -> int:
-            e = engines[n]
-            return len(e.waiting) + len(e.prefilling) + len(e.decoding)
-
-        return min(range(len(engines)), key=lambda n: (requests(n), n))
+        return min(range(len(engines)), key=lambda n: (engines[n].queued, n))
 
 
 # -- one run -----------------------------------------------------------------
-
-_SEND, _STEP = 0, 1
-
 
 def make_policy(mode: str, knobs: KvAwareKnobs, index: KvIndex, engines: int,
                 clock: Callable[[], float]) -> Policy:
@@ -610,85 +362,51 @@ def run(point: Point, seed: int, mode: str, knobs: dict[str, Any] | None = None,
                      dp_ranks=tuple(range(dp)) if dp > 1 and mode != UNPINNED else ())
         for n in range(point.engines))
     catalog = Catalog(1, handles)
-    now = [0.0]
+    clock = VirtualTime(engines, None, dp)
     policy = (None if oracle is not None or greedy is not None else
               make_policy(mode, KvAwareKnobs(block_size=bs, **(knobs or {})), index,
-                          point.engines, lambda: now[0]))
+                          point.engines, lambda: clock.now))
+    clock.policy = policy
     monitors = [HitRateMonitor() for _ in range(point.engines)]
     diverged: set[int] = set()
-    heap: list[tuple[float, int, int, Any]] = []
-    seq = 0
-
-    def push(t: float, kind: int, obj: Any) -> None:
-        nonlocal seq
-        seq += 1
-        heapq.heappush(heap, (t, seq, kind, obj))
-
     for user in workload.users:
-        push(user.next_at, _SEND, user)
+        clock.send_at(user.next_at, user)
     issued = 0
-    finished: list[Request] = []
-    stepping = [False] * len(engines)
     predicted_total = 0
-    while heap:
-        t, _, kind, obj = heapq.heappop(heap)
-        now[0] = t
-        if kind == _SEND:
-            if issued >= point.requests:
-                continue
-            user: User = obj
-            request = workload.next_request(user, issued, t)
-            issued += 1
-            push(t + user.rng.expovariate(1 / workload.think_s), _SEND, user)
-            if oracle is not None:
-                request.hashes = prefix_hashes(request.tokens, bs)  # its hits are set: unused
-                oracle.bound(request)
-                placement = Placement(handles[oracle.choose(engines)])
-            elif greedy is not None:
-                request.hashes = prefix_hashes(request.tokens, bs)
-                placement = Placement(handles[greedy.choose(request, t)], tuple(request.hashes))
-            else:
-                assert policy is not None
-                chosen = policy.choose(catalog, RequestView(tuple(request.tokens),
-                                                            len(request.answer)))
-                assert chosen is not None
-                placement = chosen
-                request.hashes = (list(placement.blocks) if placement.blocks
-                                  else prefix_hashes(request.tokens, bs))
-            request.placement = placement
-            handle = placement.engine
-            handle.load.begin(len(request.tokens), placement.blocks, placement.dp_rank)
-            request.engine = handle.incarnation
-            n = request.engine * dp + (balanced_rank(engines, request.engine, dp)
-                                       if placement.dp_rank is None else placement.dp_rank)
-            engines[n].arrive(request)
-            if not stepping[n]:
-                stepping[n] = True
-                push(engines[n].begin_step(t), _STEP, n)
+
+    def send(t: float, user: User) -> None:
+        nonlocal issued
+        if issued >= point.requests:
+            return
+        request = workload.next_request(user, issued, t)
+        issued += 1
+        clock.send_at(t + user.rng.expovariate(1 / workload.think_s), user)
+        if oracle is not None:
+            request.hashes = prefix_hashes(request.tokens, bs)  # its hits are set: unused
+            oracle.bound(request)
+            placement = Placement(handles[oracle.choose(engines)])
+        elif greedy is not None:
+            request.hashes = prefix_hashes(request.tokens, bs)
+            placement = Placement(handles[greedy.choose(request, t)], tuple(request.hashes))
         else:
-            engine = engines[obj]
-            first, done = engine.finish_step()
-            for request in first:
-                request.ttft = t - request.arrival
-                if request.placement is not None and request.placement.prefilled is not None:
-                    request.placement.prefilled()  # as the relay does at the first token
-            for request in done:
-                placement = request.placement
-                assert placement is not None
-                placement.engine.load.end(len(request.tokens), placement.blocks,
-                                          placement.dp_rank)
-                if policy is not None:
-                    policy.on_complete(placement, tuple(request.tokens + request.answer))
-                if placement.predicted_cached_tokens is not None:
-                    predicted_total += placement.predicted_cached_tokens
-                    if monitors[request.engine].record(placement.predicted_cached_tokens,
-                                                       request.cached_tokens):
-                        diverged.add(request.engine)
-                finished.append(request)
-            if engine.busy:
-                push(engine.begin_step(t), _STEP, obj)
-            else:
-                stepping[obj] = False
+            assert policy is not None
+            chosen = policy.choose(catalog, RequestView(tuple(request.tokens),
+                                                        len(request.answer)))
+            assert chosen is not None
+            placement = chosen
+            request.hashes = (list(placement.blocks) if placement.blocks
+                              else prefix_hashes(request.tokens, bs))
+        clock.dispatch(request, placement)
+
+    def done(t: float, request: Request) -> None:
+        nonlocal predicted_total
+        predicted = request.placement.predicted_cached_tokens if request.placement else None
+        if predicted is not None:
+            predicted_total += predicted
+            if monitors[request.engine].record(predicted, request.cached_tokens):
+                diverged.add(request.engine)
+
+    finished = clock.run(send, done)
     ttft = sorted(r.ttft * 1e3 for r in finished)
     prompt = sum(len(r.tokens) for r in finished)
     cached = sum(r.cached_tokens for r in finished)
@@ -705,19 +423,6 @@ def run(point: Point, seed: int, mode: str, knobs: dict[str, Any] | None = None,
         "rate_rps": len(finished) / max(1e-9, max(r.arrival for r in finished)
                                         - min(r.arrival for r in finished)),
     }
-
-
-def balanced_rank(engines: Sequence[ModelEngine], number: int, dp: int) -> int:
-    """The rank an engine's own balancer gives an unpinned request: its fewest requests.
-
-    vLLM's internal data-parallel balancer weighs each rank's waiting and
-    running requests; no cache enters it.
-    """
-    def requests(rank: int) -> int:
-        e = engines[number * dp + rank]
-        return len(e.waiting) + len(e.prefilling) + len(e.decoding)
-
-    return min(range(dp), key=lambda rank: (requests(rank), rank))
 
 
 def pct(sorted_values: Sequence[float], q: float) -> float:

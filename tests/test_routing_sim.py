@@ -16,18 +16,31 @@ from types import ModuleType
 
 import pytest
 
+from direct_frontend.kv.events import BlockStored
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def sim() -> ModuleType:
-    path = ROOT / "scripts" / "routing_sim.py"
-    spec = importlib.util.spec_from_file_location("routing_sim", path)
+def _load(name: str) -> ModuleType:
+    path = ROOT / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture(scope="module")
+def model() -> ModuleType:
+    """``scripts/routing_model.py``: the modelled engines and the event loop."""
+    return _load("routing_model")
+
+
+@pytest.fixture(scope="module")
+def sim(model: ModuleType) -> ModuleType:
+    """``scripts/routing_sim.py`` (it imports its sibling ``routing_model``)."""
+    return _load("routing_sim")
 
 
 def test_the_oracle_hits_what_earlier_requests_carried_and_what_fits(sim: ModuleType) -> None:
@@ -76,12 +89,12 @@ def _step_until_first_token(sim: ModuleType, engine: object, request: object, no
 
 
 def test_the_exact_greedy_estimate_is_the_first_token_the_engine_then_gives(
-        sim: ModuleType) -> None:
+        sim: ModuleType, model: ModuleType) -> None:
     """``first_token_in`` plays the engine forward exactly: it must match the engine itself."""
     # two tenants: requests ahead store the system prompt the late one then finds; room for all
     point = sim.Point(tenants=2, users=4, max_running=3, chunk=256, cache=50.0)
     workload = sim.Workload(point, seed=3)
-    engine = sim.ModelEngine(point, 0, lambda key, event: None)
+    engine = model.ModelEngine(point, 0, lambda key, event: None)
     requests = [workload.next_request(user, rid, 0.0) for rid, user in enumerate(workload.users)]
     for request in requests:
         request.hashes = sim.prefix_hashes(request.tokens, point.block_size)
@@ -89,15 +102,15 @@ def test_the_exact_greedy_estimate_is_the_first_token_the_engine_then_gives(
     for request in busy:  # more than it runs at once: some wait, one step is under way
         engine.arrive(request)
     engine.begin_step(0.0)
-    estimate = sim.first_token_in(engine, late, 0.0)
+    estimate = model.first_token_in(engine, late, 0.0)
     engine.arrive(late)
     actual = _step_until_first_token(sim, engine, late, 0.0)
     assert estimate == pytest.approx(actual)
-    assert actual > sim.step_seconds(point, 256, 0)  # it did queue behind the others
+    assert actual > engine.steps.step_seconds(256, 0)  # it did queue behind the others
     # an idle engine: its own prefill, one chunk per step
-    idle = sim.ModelEngine(point, 1, lambda key, event: None)
+    idle = model.ModelEngine(point, 1, lambda key, event: None)
     alone = requests[6]
-    estimate = sim.first_token_in(idle, alone, 0.0)
+    estimate = model.first_token_in(idle, alone, 0.0)
     idle.arrive(alone)
     assert estimate == pytest.approx(_step_until_first_token(sim, idle, alone, 0.0))
 
@@ -115,3 +128,28 @@ def test_pinned_ranks_keep_conversations_and_predictions_where_the_engine_would_
     assert pinned["hit_rate"] > unpinned["hit_rate"]
     with pytest.raises(ValueError, match="one rank"):
         sim.run(point, 1, sim.ORACLE)
+
+
+def test_engines_that_store_at_admission_announce_a_prompt_before_its_first_token(
+        sim: ModuleType, model: ModuleType) -> None:
+    """As the simulated engines do (the live bench's); vLLM-like ones when the prefill ends."""
+    for at_admission in (False, True):
+        point = sim.Point(tenants=1, users=1, chunk=256, cache=50.0,
+                          store_at_admission=at_admission)
+        workload = sim.Workload(point, seed=1)
+        request = workload.next_request(workload.users[0], 0, 0.0)
+        request.hashes = sim.prefix_hashes(request.tokens, point.block_size)
+        events: list[object] = []
+        engine = model.ModelEngine(point, 0, lambda key, event, seen=events: seen.append(event))
+        engine.arrive(request)
+        engine.begin_step(0.0)  # admits it; its prompt needs several chunks
+        stored = [e for e in events if isinstance(e, BlockStored)]
+        assert bool(stored) is at_admission
+        while True:
+            first, _ = engine.finish_step()
+            if first:
+                break
+            engine.begin_step(0.0)
+        assert first == [request]
+        assert {h for e in events if isinstance(e, BlockStored)
+                for h in e.block_hashes} == set(request.hashes)

@@ -22,10 +22,11 @@ caches it twice), and a new prefix goes where there is room (with a fixed
 weight instead, each new tenant goes to whichever engine is idle that instant,
 and the partition that makes never heals). The queue is our own accounting
 (routing/prefill_queue.py): a request's miss counts from its dispatch until
-its prefill is done, which the engine's KV events show (its last prompt block
-stored) and its first token shows for every engine (:attr:`Placement.prefilled`,
-called by the relay, also when an attempt ends with no output); one never heard
-of again stops counting after ``PREFILL_FORGET_S``. Where KV events
+its prefill is done, which its first token shows (:attr:`Placement.prefilled`,
+called by the relay, also when an attempt ends with no output); not the KV
+events, which show a prompt's blocks when the engine admits it or schedules its
+last chunk, before its prefill ends. One never heard of again stops counting
+after ``PREFILL_FORGET_S``. Where KV events
 flow, the overlap steered by also counts, at ``memory_weight``, the blocks
 of requests we sent an engine that its events have not shown yet
 (:meth:`KvAware.remembered`), and nothing it was sent before them. No engine
@@ -33,8 +34,10 @@ speed enters, so no knob depends on the hardware.
 
 argmin at ``temperature == 0`` (ties → fewer requests in flight → round robin),
 else softmax sampling over the min–max-normalised costs. A load guard (smg's
-imbalance gate) spills a request to the least-loaded engine when the chosen
-one is far above the mean: a safety net, as the queue terms balance.
+imbalance gate) spills a request when the chosen engine is far above the
+mean: a safety net, as the queue terms balance. It spills to the cheapest
+engine under the guard (a second home of the prefix, or room for one), not to
+the least loaded, which would scatter a hot prefix over every engine.
 ``cache_affinity`` (routing/cache_affinity.py) is the baseline these defaults
 were measured against (``scripts/routing_sim.py``).
 
@@ -445,11 +448,13 @@ class KvAware:
         chosen = self._pick(candidates, costs)
         loads = [e.load.fleet_in_flight for e in candidates]
         mean = sum(loads) / len(loads)
-        if (
-            chosen.load.fleet_in_flight > mean * knobs.balance_rel_threshold
-            and chosen.load.fleet_in_flight > mean + knobs.balance_abs_threshold
-        ):
-            return min(candidates, key=lambda e: e.load.fleet_in_flight), True
+        limit = max(mean * knobs.balance_rel_threshold, mean + knobs.balance_abs_threshold)
+        if chosen.load.fleet_in_flight > limit:
+            # the cheapest engine under the guard: where the prefix has a second home, or
+            # room for one (the least loaded would scatter the prefix)
+            under = [(c, e) for c, e in zip(costs, candidates, strict=True)
+                     if e.load.fleet_in_flight <= limit]
+            return self._pick([e for _, e in under], [c for c, _ in under]), True
         return chosen, False
 
     def on_complete(self, placement: Placement, token_ids: Sequence[int]) -> None:

@@ -31,7 +31,7 @@ class PrefillQueue:
     index yet, but cached before a request sent after it is prefilled (engines
     prefill first come, first served), and after its prefill, cached where the
     events have not said so yet. Its blocks count in the queue (:meth:`depth`)
-    only until its prefill is done.
+    until its prefill is done (its first token), events or not.
     """
 
     def __init__(self) -> None:
@@ -87,8 +87,13 @@ class PrefillQueue:
     def depth(self, engine: str, now: float, stored: Callable[[int], bool] | None) -> int:
         """Blocks still to prefill; ``stored(h)``: the engine's events show block ``h`` stored.
 
-        ``stored`` None: the engine has no events, so a prefilled request's
-        blocks are pending no longer.
+        A request counts until its first token (:meth:`prefilled`): engines
+        announce a prompt's blocks when they admit it (SGLang's radix tree, the
+        simulated engines) or schedule its last chunk (vLLM), before its
+        prefill ends, so the events showing its last block stored say it is
+        under way, not done. From then its blocks are in the index and pending
+        no longer. ``stored`` None: the engine has no events, so a prefilled
+        request's blocks are pending no longer.
         """
         queued = self._queued.get(engine)
         if not queued:
@@ -99,12 +104,16 @@ class PrefillQueue:
                 break
             self._drop(engine, token)
         total = 0
-        for token, (hashes, blocks, _, landed) in list(queued.items()):
-            if landed is not None and (stored is None or now - landed > LANDED_FORGET_S):
-                self._drop(engine, token)  # prefilled, and no events to wait for (any more)
-            elif stored is not None and stored(hashes[-1]):
-                self._drop(engine, token)  # the events show it stored
-            else:
-                total += blocks
+        for token, entry in list(queued.items()):
+            hashes, blocks, _, landed = entry
+            shown = bool(hashes) and stored is not None and stored(hashes[-1])
+            if landed is not None and (
+                    stored is None or not hashes or shown or now - landed > LANDED_FORGET_S):
+                self._drop(engine, token)  # prefilled, and stored or no events to wait for
+                continue
+            if shown:  # the index holds its blocks from here on: pending no longer
+                remove_all(self._pending[engine], hashes)
+                entry[0] = ()
+            total += blocks  # queued until its first token, whatever the events say
         return total
 

@@ -9,7 +9,8 @@ served, and decodes one token of every request past its prefill, and it lasts
 
 So a prefill waits for the prefills admitted before it, a long one stalls the
 decode batch, and decoding slows as the batch grows: the contention a router
-must weigh. ``scripts/routing_sim.py`` models the same steps in virtual time.
+must weigh. ``scripts/routing_sim.py`` plays these steps (this :class:`StepLoop`)
+in virtual time.
 
 A request holds a :class:`Seat` from its admission (its batch slot) to its end;
 each step end gives every seat it served a turn: the first token after the

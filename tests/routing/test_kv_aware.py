@@ -93,6 +93,18 @@ def test_load_guard_stops_herding_on_a_hot_prefix() -> None:
     assert chosen.spilled
 
 
+def test_the_load_guard_spills_to_a_second_home_of_the_prefix_not_the_idlest_engine() -> None:
+    index = FakeIndex({"b": HASHES, "c": HASHES[:6]})
+    knobs = KvAwareKnobs(block_size=BS, balance_abs_threshold=2, balance_rel_threshold=1.5,
+                         overlap_weight=100, in_flight_weight=0)
+    policy = KvAware(knobs, index)
+    policy.uses_events = {1, 2, 3}
+    # b holds the prefix and is far above the mean (5); c most of it; a is idle and cold
+    catalog = Catalog(1, (handle("a", 0), handle("b", 12), handle("c", 3)))
+    chosen = policy.choose(catalog, view(PROMPT))
+    assert chosen is not None and chosen.engine.name == "c" and chosen.spilled
+
+
 def test_ties_go_to_the_less_loaded_engine_and_exclusions_hold() -> None:
     policy = KvAware(KvAwareKnobs(block_size=BS), FakeIndex({}))
     catalog = Catalog(1, (handle("a", 2), handle("b", 1)))
@@ -254,16 +266,20 @@ def test_the_answer_is_hashed_on_from_the_prompt_exactly(prompt_len: int) -> Non
         pictured_ids, BS, media=media)
 
 
-def test_a_queued_prefill_counts_until_the_events_show_it_stored() -> None:
+def test_a_queued_prefill_counts_until_its_first_token_whatever_the_events_show() -> None:
+    """Engines announce a prompt's blocks when they admit it, before its prefill ends."""
     index = FakeIndex({"a": HASHES[:2]})
     policy = KvAware(KvAwareKnobs(block_size=BS, memory_weight=0, in_flight_weight=0), index)
     policy.uses_events = {1, 2}
     catalog = Catalog(1, (handle("a"), handle("b")))
     a = catalog.engines[0]
     first = policy.choose(catalog, view(PROMPT))
-    assert first is not None and first.engine is a
+    assert first is not None and first.engine is a and first.prefilled is not None
     assert policy.queue.depth("a", 0.0, policy._stored_at(a)) == 6  # its 6 uncached blocks
-    index.held["g1r0"] = set(HASHES)  # once the events show it stored, it is off the queue
+    index.held["g1r0"] = set(HASHES)  # the events show it stored: admitted, still prefilling
+    assert policy.queue.depth("a", 0.0, policy._stored_at(a)) == 6
+    assert policy.queue.pending("a", HASHES) == 0  # the index says it from here on
+    first.prefilled()  # its first token
     assert policy.queue.depth("a", 0.0, policy._stored_at(a)) == 0
 
 
@@ -611,7 +627,7 @@ def test_a_burst_of_one_new_prefix_queues_behind_its_first_request() -> None:
         assert follower.predicted_cached_tokens == 0  # pending steers, never predicts
     home = first.engine.name
     index.held = {f"g{first.engine.incarnation}r0": set(HASHES)}  # the events show it now
-    assert policy.queue.depth(home, policy.clock(), policy._stored_at(first.engine)) == 0
+    assert policy.queue.depth(home, policy.clock(), policy._stored_at(first.engine)) > 0
     assert policy.queue.pending(home, HASHES) == 0  # the index says it from here on
 
 
