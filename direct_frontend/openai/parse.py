@@ -10,8 +10,8 @@ Numeric bounds are the OpenAI API's documented ranges where it has them, else
 the widest type any engine contract carries the field in (docs/engine-contracts.md:
 token counts and ids are uint32 everywhere, floats are float32); each engine
 kind's dialect refuses what its own contract cannot carry. A body nested
-deeper than :data:`MAX_JSON_DEPTH` is refused before it is decoded, so no
-client can make the decoder (or a chat template after it) recurse without end.
+deeper than :data:`MAX_JSON_DEPTH` is refused before it becomes a request, so
+no client can make a chat template or the code after it recurse without end.
 """
 
 from __future__ import annotations
@@ -230,43 +230,32 @@ def _from_validation_error(exc: msgspec.ValidationError) -> OpenAIHTTPError:
     return invalid_request(f"Invalid {kind} for '{param}': {_lower_first(detail)}.", param)
 
 
-#: every byte but quotes and brackets, deleted by ``bytes.translate``; ``{}`` read as ``[]``
-_NOT_STRUCTURE: Final = bytes(b for b in range(256) if b not in b'"[]{}')
-_AS_SQUARE: Final = bytes.maketrans(b"{}", b"[]")
+def nested_deeper_than(value: object, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Whether decoded JSON ``value`` nests arrays and objects deeper than ``limit`` (the
+    outermost one is level 1).
 
-
-def nesting_depth_exceeds(body: bytes, limit: int = MAX_JSON_DEPTH) -> bool:
-    """Whether the JSON in ``body`` nests arrays and objects deeper than ``limit``.
-
-    A scan of the raw bytes in C-speed steps (no Python loop per byte): a body
-    with at most ``limit`` opening brackets (almost every request) costs two
-    ``count`` calls. Otherwise strings are cut out (escaped backslashes, then
-    escaped quotes, then what is between quotes), leaving the brackets,
-    and empty pairs are removed one level per pass: after ``limit`` passes a
-    pair left means a deeper nest; a run of more than ``limit`` opening
-    brackets (an unclosed nest) is found on the way. Malformed JSON that is
-    not too deep is left for the decoder to name.
+    Visits containers only, so its cost grows with a body's arrays and objects, never
+    with its strings: a megabyte prompt in one message costs a few steps.
     """
-    if body.count(b"[") + body.count(b"{") <= limit:
-        return False
-    if b"\\" in body:
-        body = body.replace(b"\\\\", b"").replace(b'\\"', b"")
-    # Quotes and brackets only; two adjacent quotes go together (an empty string, or
-    # the nothing between two strings), so what is left between quotes is in strings.
-    structure = body.translate(_AS_SQUARE, _NOT_STRUCTURE).replace(b'""', b"")
-    brackets = b"".join(structure.split(b'"')[::2]) if b'"' in structure else structure
-    too_deep = b"[" * (limit + 1)
-    for _ in range(limit):
-        if too_deep in brackets:
+    level = [value] if type(value) is dict or type(value) is list else []
+    depth = 0
+    while level:
+        depth += 1
+        if depth > limit:
             return True
-        shallower = brackets.replace(b"[]", b"")  # the innermost level of every nest
-        if len(shallower) == len(brackets):
-            return False
-        brackets = shallower
-    return b"[]" in brackets
+        inner: list[Any] = []
+        for container in level:
+            items = container.values() if type(container) is dict else container
+            inner += [x for x in items if type(x) is dict or type(x) is list]
+        level = inner
+    return False
 
 
 _object_decoder: Final = msgspec.json.Decoder(dict[str, Any])
+#: any JSON as Python values; the second reads a number beyond a double as ±inf, so the
+#: typed conversion after it names the field that holds it
+_plain_decoder: Final = msgspec.json.Decoder()
+_plain_inf_decoder: Final = msgspec.json.Decoder(float_hook=float)
 
 
 def read_json_object(body: bytes) -> dict[str, Any]:
@@ -274,13 +263,40 @@ def read_json_object(body: bytes) -> dict[str, Any]:
     return _decode(_object_decoder, body)
 
 
-def _decode(decoder: msgspec.json.Decoder[_W], body: bytes) -> _W:
-    if nesting_depth_exceeds(body):
-        raise invalid_request(
-            f"The request body nests arrays and objects more than {MAX_JSON_DEPTH} levels deep."
-        )
+def _too_deep() -> OpenAIHTTPError:
+    return invalid_request(
+        f"The request body nests arrays and objects more than {MAX_JSON_DEPTH} levels deep."
+    )
+
+
+def _decode_nested(decoder: msgspec.json.Decoder[_W], body: bytes) -> _W:
+    """A body with many arrays and objects: read as plain JSON, its depth checked, then
+    converted to ``decoder``'s type (no slower than decoding it typed, and a typed decode
+    skips unknown fields unchecked). msgspec bounds its own recursion by the interpreter's
+    limit, a depth far beyond ours: a RecursionError is the same refusal."""
     try:
-        return decoder.decode(body)
+        try:
+            value = _plain_decoder.decode(body)
+        except msgspec.ValidationError:  # a number beyond a double
+            value = _plain_inf_decoder.decode(body)
+    except RecursionError:
+        raise _too_deep() from None
+    if nested_deeper_than(value):
+        raise _too_deep()
+    request: _W = msgspec.convert(value, decoder.type)
+    return request
+
+
+def _decode(decoder: msgspec.json.Decoder[_W], body: bytes) -> _W:
+    """``body`` as ``decoder``'s type, or a 400 naming what is wrong with it.
+
+    A body with no more arrays and objects than :data:`MAX_JSON_DEPTH` (two byte counts,
+    brackets in strings included) cannot nest deeper and is decoded typed in one pass.
+    """
+    try:
+        if body.count(b"[") + body.count(b"{") <= MAX_JSON_DEPTH:
+            return decoder.decode(body)
+        return _decode_nested(decoder, body)
     except msgspec.ValidationError as exc:
         raise _from_validation_error(exc) from None
     except msgspec.DecodeError as exc:
