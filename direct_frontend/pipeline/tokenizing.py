@@ -130,7 +130,7 @@ class Tokenizing:
         """A 400 when ``known`` tokens and ``text``'s certainly exceed the fleet's context."""
         limit = context_limit(self.catalog())
         if limit is not None and known + len(text) >= limit:  # else no bound can prove it
-            fewest = known + self.text_model.fewest_tokens(text)
+            fewest = known + self.text_model.fewest_tokens(text, limit - known)
             if fewest >= limit:
                 raise context_length_exceeded(fewest, limit, param, at_least=True)
 
