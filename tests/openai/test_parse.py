@@ -681,6 +681,17 @@ def test_a_body_nested_beyond_the_limit_is_refused() -> None:
         assert f"more than {MAX_JSON_DEPTH} levels" in err.message
 
 
+def test_a_large_body_is_read_and_checked_the_same() -> None:
+    """From 64 KiB a body skips the bracket count: read as plain JSON, depth checked."""
+    text = "word [ " * 20_000
+    large = chat(messages=[{"role": "user", "content": text}])
+    assert len(large) > 64 << 10
+    assert parse_chat_request(large).messages[0].content == text
+    deep = large.replace(b'"model"', b'"x": ' + nest(MAX_JSON_DEPTH) + b', "model"')
+    assert f"more than {MAX_JSON_DEPTH} levels" in chat_error(deep).message
+    assert "not valid JSON" in chat_error(large[:-1]).message
+
+
 @pytest.mark.parametrize("where", ["response_format", "tools", "messages"])
 def test_a_nest_too_deep_in_a_kept_field_is_refused(where: str) -> None:
     deep = json.loads(nest(MAX_JSON_DEPTH))
