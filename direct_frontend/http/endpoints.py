@@ -152,7 +152,7 @@ async def _previous(context: Context, response_id: str) -> StoredResponse:
 
 
 async def _off_loop(context: Context, parse: Callable[[bytes], _R], body: bytes) -> _R:
-    """``parse(body)``; a large body in a worker thread (≈ 8 ms per MB), off the loop."""
+    """``parse(body)``; a large body in a worker thread (≈ 1 ms per MB), off the loop."""
     if len(body) < PARSE_INLINE_BYTES:
         return parse(body)
     return await trio.to_thread.run_sync(parse, body, limiter=context.parsing)

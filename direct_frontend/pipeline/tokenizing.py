@@ -53,8 +53,8 @@ RENDER_INLINE_CHARS = 1 << 20
 #: shorter chats are tokenized whole, and not kept for their prefix: tokenizing them costs
 #: ≈ 10 µs, less than looking for a prefix does
 PREFIX_MIN_CHARS = 8192
-#: request bodies of fewer bytes are parsed on the loop (JSON with its nesting check: ≈ 8 ms
-#: per MB of code-like text at worst)
+#: request bodies of fewer bytes are parsed on the loop (JSON with its depth check: ≈ 1 ms
+#: per MB)
 PARSE_INLINE_BYTES = 256 << 10
 
 
