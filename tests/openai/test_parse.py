@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from direct_frontend.engines.neutral import SamplingOptions
 from direct_frontend.errors import EngineError, ErrorKind
+from direct_frontend.openai.body import MAX_JSON_DEPTH, nested_deeper_than
 from direct_frontend.openai.errors import (
     OpenAIHTTPError,
     context_length_exceeded,
@@ -28,10 +29,8 @@ from direct_frontend.openai.errors import (
 )
 from direct_frontend.openai.parse import (
     FLOAT32_MAX,
-    MAX_JSON_DEPTH,
     MAX_STOP_CHARS,
     UINT32_MAX,
-    nested_deeper_than,
     parse_chat_request,
     parse_completion_request,
     parse_embedding_request,
