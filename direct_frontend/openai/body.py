@@ -74,8 +74,8 @@ def nested_deeper_than(value: object, limit: int = MAX_JSON_DEPTH) -> bool:
 
 
 _object_decoder: Final = msgspec.json.Decoder(dict[str, Any])
-#: any JSON as Python values; the second reads a number beyond a double as ±inf, so the
-#: typed conversion after it names the field that holds it
+#: any JSON as Python values; the second reads a number beyond a double as ±inf (for the
+#: depth check only: the typed decode then refuses it where a field keeps it)
 _plain_decoder: Final = msgspec.json.Decoder()
 _plain_inf_decoder: Final = msgspec.json.Decoder(float_hook=float)
 
@@ -93,18 +93,21 @@ def _too_deep() -> OpenAIHTTPError:
 
 def _decode_nested(decoder: msgspec.json.Decoder[_W], body: bytes) -> _W:
     """A body with many arrays and objects: read as plain JSON, its depth checked, then
-    converted to ``decoder``'s type (no slower than decoding it typed, and a typed decode
-    skips unknown fields unchecked). msgspec bounds its own recursion by the interpreter's
+    converted to ``decoder``'s type (about as fast as decoding it typed, which would skip
+    unknown fields unchecked). msgspec bounds its own recursion by the interpreter's
     limit, a depth far beyond ours: a RecursionError is the same refusal."""
+    beyond_double = False
     try:
         try:
             value = _plain_decoder.decode(body)
         except msgspec.ValidationError:  # a number beyond a double
-            value = _plain_inf_decoder.decode(body)
+            value, beyond_double = _plain_inf_decoder.decode(body), True
     except RecursionError:
         raise _too_deep() from None
     if nested_deeper_than(value):
         raise _too_deep()
+    if beyond_double:  # refused, naming its field, where one keeps it (±inf fits Any)
+        return decoder.decode(body)
     request: _W = msgspec.convert(value, decoder.type)
     return request
 

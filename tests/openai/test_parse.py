@@ -721,7 +721,12 @@ def test_wrong_values_in_a_body_of_many_brackets_are_named() -> None:
     assert chat_error(chat(**many, max_tokens="x")).param == "max_tokens"
     assert chat_error(chat(**many, messages=[])).param == "messages"
     beyond = chat(**many).replace(b'"model"', b'"temperature": 1e999, "model"')
-    assert chat_error(beyond).param == "temperature"  # read as inf, refused where it is
+    assert chat_error(beyond).param == "temperature"  # refused where it is
+    schema = {"type": "json_schema", "json_schema": {"name": "n", "schema": {"maximum": 1.5}}}
+    kept = chat(**many, response_format=schema).replace(b"1.5", b"1e999")
+    assert (chat_error(kept).param or "").startswith("response_format")  # as a typed decode says
+    ignored = chat(**many).replace(b'"model"', b'"x": [1e999], "model"')
+    assert len(parse_chat_request(ignored).tools) == 30  # an unknown field's, as ever
     assert "not valid JSON" in chat_error(chat(**many)[:-1]).message
 
 
