@@ -42,7 +42,7 @@ from direct_frontend.pipeline.tokenizing import (
     new_tokenize_limiter,
     render,
 )
-from direct_frontend.routing.catalog import EngineHandle
+from direct_frontend.routing.catalog import Catalog, EngineHandle
 
 __all__ = [  # the tokenizing names callers import from here too
     "INLINE_CHARS", "Tokenizing", "context_limit", "message_dict", "new_holding_limiter",
@@ -222,6 +222,16 @@ def _ids(ids: Sequence[int]) -> tuple[int, ...]:
 
 def _prompt_param(kind: Kind) -> str:
     return "messages" if kind == "chat" else "prompt"
+
+
+def refuse_beyond_every_engine(counts: Sequence[int], catalog: Catalog, kind: Kind) -> None:
+    """A 400 for a prompt of as many tokens as the largest context of ``catalog`` or more:
+    :func:`token_budget` would refuse it on every engine, after admission and routing,
+    whose work grows with the prompt (block hashes, the KV index, the engine request)."""
+    limit = context_limit(catalog)
+    longest = max(counts, default=0)
+    if limit is not None and longest >= limit:
+        raise context_length_exceeded(longest, limit, _prompt_param(kind))
 
 
 def token_budget(prepared: PreparedRequest, engine: EngineHandle, default_max: int) -> int:
