@@ -109,7 +109,8 @@ def context_limit(catalog: Catalog) -> int | None:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Tokenizing:
-    """How a daemon tokenizes: its model, the fleet it serves, one limiter for all requests.
+    """How a daemon tokenizes: its model, the fleet it serves, its limiters (shared by all
+    requests: tokenizing, and rendering with bounding).
 
     Made once per daemon (per model). The fleet's largest context
     (:func:`context_limit`) is read only for a large prompt, the one case that needs it.
