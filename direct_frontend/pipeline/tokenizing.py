@@ -233,7 +233,8 @@ async def chat_ids(tokenizing: Tokenizing, prompt: str, cuts: list[int]) -> Prom
     and kept for the next turn's.
 
     The prompt is tokenized piece by piece between its cuts (one call: the
-    encoder works on the pieces at once), which gives its ids at every cut.
+    encoder works on the pieces at once), which gives its ids at every cut. A
+    prompt of the fleet's largest context or more is not kept (it will be refused).
     """
     reuse = tokenizing.prefixes.find(prompt, cuts)
     start = 0 if reuse is None else reuse.cut
@@ -261,8 +262,10 @@ async def chat_ids(tokenizing: Tokenizing, prompt: str, cuts: list[int]) -> Prom
     head: tuple[int, ...] = () if reuse is None else reuse.entry.ids[:known]
     ids = PromptIds(head + tuple(rest), None if reuse is None else reuse.entry.ids.chains,
                     known)
-    tokenizing.prefixes.put(Rendered(prompt, ids, cuts, counts),
-                            None if reuse is None else reuse.entry)
+    limit = context_limit(tokenizing.catalog())
+    if limit is None or total < limit:  # one no engine can hold is refused: no next turn
+        tokenizing.prefixes.put(Rendered(prompt, ids, cuts, counts),
+                                None if reuse is None else reuse.entry)
     return ids
 
 

@@ -278,3 +278,19 @@ def test_a_prompt_no_engine_can_hold_is_refused_before_admission() -> None:
         refused.value.message)
     unknown = Catalog(1, (engine("a", context_length=4096), engine("c", context_length=None)))
     refuse_beyond_every_engine((100_000,), unknown, "chat")  # c's limit is unknown: c decides
+
+
+async def test_a_chat_no_engine_can_hold_is_not_kept_for_its_prefix(
+    text_model: TextModel,
+) -> None:
+    """Its next turn would be refused too: it would only take the cache's room."""
+    from tests.support.fleet import engine
+
+    words = "the router reads a request and renders the chat template " * 400
+    fits = Catalog(1, (engine("a", context_length=131_072),))
+    small = Catalog(1, (engine("a", context_length=1024),))
+    for catalog, kept in ((fits, 1), (small, 0)):
+        tokenizing = Tokenizing(text_model, lambda c=catalog: c, prefix_min_chars=0)
+        prepared = await _prepare_chat(tokenizing, _chat(words))
+        assert len(prepared.input_ids) > 1024
+        assert len(tokenizing.prefixes) == kept
