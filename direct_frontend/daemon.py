@@ -32,6 +32,7 @@ import gc
 import logging
 import os
 import signal
+import sys
 import time
 import warnings
 from collections.abc import Mapping
@@ -361,6 +362,13 @@ def _freeze_startup_heap() -> None:
     gc.set_threshold(YOUNG_COLLECTION_THRESHOLD, *gc.get_threshold()[1:])
 
 
+#: how long a thread holding the GIL keeps it while another waits for it (CPython's default
+#: is 5 ms). The event loop shares the GIL with worker threads preparing large prompts
+#: (rendering and bounding hold it), and takes it back after every system call: at 5 ms a
+#: ``GET /health`` that makes three of them could wait 15 ms behind one such thread.
+GIL_SWITCH_INTERVAL_S = 0.001
+
+
 def run_daemon(
     fleet: FleetConfig, *, watch: bool = True,
     text_models: Mapping[TextModelKey, TextModel] | None = None,
@@ -368,6 +376,7 @@ def run_daemon(
 ) -> int:
     """Blocking entry point for ``direct-frontend run``; returns the exit code."""
     interval = POLL_INTERVAL_S if watch else None
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     trio.run(partial(serve_fleet, fleet, watch_interval_s=interval, text_models=text_models,
                      worker=worker, freeze_startup_heap=True))
     return 0

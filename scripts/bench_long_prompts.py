@@ -39,6 +39,7 @@ import os
 import pathlib
 import random
 import re
+import shlex
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -258,8 +259,10 @@ async def start_daemons(sides: Sequence[bo.Side], kind: str, ports: Sequence[int
         state = tmp / f"state-{tag}-{side.name}"  # a store of its own (schemas differ by rev)
         state.mkdir(parents=True, exist_ok=True)
         env["STATE_DIRECTORY"] = str(state)
+        cmd = (shlex.split(args.daemon_cmd) if args.daemon_cmd and side.name == "candidate"
+               else bo.cli_argv())
         child = bo.Child(f"daemon {tag} ({side.name})", [
-            *bo.cli_argv(), "run", str(fleet), "--log-level", "WARNING"],
+            *cmd, "run", str(fleet), "--log-level", "WARNING"],
             tmp / f"daemon-{tag}-{side.name}.log", env)
         children.append(child)
         await bo.wait_ready(child, listen)

@@ -54,9 +54,9 @@ HTTP_FROM_PIPELINE: dict[str, frozenset[str]] = {
     # model list's entries
     "direct_frontend.pipeline.settings": frozenset({"Settings"}),
     "direct_frontend.pipeline.models": frozenset({"ModelCard", "ModelTable"}),
-    # how large a body is parsed off the loop, and the one-per-core limiter it waits on
+    # how large a body is parsed off the loop, and the one-at-a-time limiter it waits on
     "direct_frontend.pipeline.tokenizing": frozenset({
-        "PARSE_INLINE_BYTES", "new_tokenize_limiter"}),
+        "PARSE_INLINE_BYTES", "new_holding_limiter"}),
 }
 
 

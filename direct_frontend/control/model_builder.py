@@ -40,7 +40,11 @@ from direct_frontend.pipeline.dispatch import Dispatcher, WaitableFleet
 from direct_frontend.pipeline.media import MediaProfile, media_profile
 from direct_frontend.pipeline.models import ModelTable, ServedModel
 from direct_frontend.pipeline.parsing import model_parsers, parser_problems
-from direct_frontend.pipeline.preprocess import Tokenizing, new_tokenize_limiter
+from direct_frontend.pipeline.preprocess import (
+    Tokenizing,
+    new_holding_limiter,
+    new_tokenize_limiter,
+)
 from direct_frontend.pipeline.relay import Relay
 from direct_frontend.pipeline.settings import Settings
 from direct_frontend.pipeline.tokenizing import give_large_buffers_back
@@ -127,6 +131,8 @@ class ModelBuilder:
         #: adds to the one set the policies read
         self.diverged: set[int] = set() if diverged is None else diverged
         self.limiter = new_tokenize_limiter()
+        #: rendering and bounding large chats, daemon-wide: one at a time (they hold the GIL)
+        self.holding = new_holding_limiter()
         give_large_buffers_back()  # a burst of large prompts leaves no resident heap behind
         #: image decodes and preprocessing, daemon-wide (pipeline/media.py)
         self.decode_limiter = new_decode_limiter()
@@ -233,7 +239,8 @@ class ModelBuilder:
                           HitRateWatch(self.metrics, self.diverged),
                           self.metrics.model_series(config.name), parsers)
             tokenizing = Tokenizing(text_model, lambda: fleet.catalog, self.limiter,
-                                    media=self._media(config, text_model))
+                                    media=self._media(config, text_model),
+                                    holding=self.holding)
         return ServedModel(config, settings, relay, tokenizing, key)
 
     def _media(self, config: ModelConfig, text_model: TextModel) -> MediaProfile | None:

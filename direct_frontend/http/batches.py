@@ -27,9 +27,9 @@ from direct_frontend.openai.batches import (
     page,
     parse_create,
 )
+from direct_frontend.openai.body import read_json_object
 from direct_frontend.openai.errors import invalid_request, rate_limited
 from direct_frontend.openai.files import BATCH, file_not_found
-from direct_frontend.openai.parse import read_json_object
 from direct_frontend.state.batch_sql import OwnerFull
 
 PATH: Final = "/v1/batches"

@@ -17,6 +17,7 @@ from typing import Final, TypeVar
 from direct_frontend.http.asgi import Scope
 from direct_frontend.http.query import list_page
 from direct_frontend.http.stored_responses import unavailable
+from direct_frontend.openai.body import read_json_object
 from direct_frontend.openai.conversations import (
     Conversation,
     conversation_not_found,
@@ -27,7 +28,6 @@ from direct_frontend.openai.conversations import (
     page,
 )
 from direct_frontend.openai.errors import OpenAIHTTPError, invalid_request
-from direct_frontend.openai.parse import read_json_object
 from direct_frontend.state.shell import Durable
 from direct_frontend.state.sql import InvalidItem, StoreError
 

@@ -49,6 +49,7 @@ from direct_frontend.http.stream import Renderer, Writer
 from direct_frontend.observability.logging import current_request_id, new_request_id
 from direct_frontend.observability.metrics import Metrics
 from direct_frontend.observability.tracing import RequestTrace, Tracing
+from direct_frontend.openai.body import read_json_object
 from direct_frontend.openai.conversations import conversation_id_of
 from direct_frontend.openai.errors import (
     OpenAIHTTPError,
@@ -64,7 +65,6 @@ from direct_frontend.openai.parse import (
     parse_detokenize_request,
     parse_embedding_request,
     parse_tokenize_request,
-    read_json_object,
 )
 from direct_frontend.openai.response_store import ResponseStore, StoredResponse, decode_items
 from direct_frontend.openai.responses_api import (
@@ -76,7 +76,7 @@ from direct_frontend.openai.types import ChatRequest, CompletionRequest
 from direct_frontend.pipeline.serve import Ask, EmbedAsk, Later, Stair
 from direct_frontend.pipeline.serve_events import Prepared
 from direct_frontend.pipeline.settings import Settings
-from direct_frontend.pipeline.tokenizing import PARSE_INLINE_BYTES, new_tokenize_limiter
+from direct_frontend.pipeline.tokenizing import PARSE_INLINE_BYTES, new_holding_limiter
 from direct_frontend.state.shell import Durable
 
 _R = TypeVar("_R")
@@ -101,8 +101,8 @@ class Context:
     responses: ResponseStore | None
     conversations: Durable | None
     metrics: Metrics
-    #: large bodies are parsed in worker threads, one per core at a time (more would only
-    #: queue the event loop behind them for the GIL)
+    #: large bodies are parsed in worker threads, one at a time: decoding holds the GIL
+    #: throughout (pipeline/tokenizing.py ``new_holding_limiter``)
     parsing: trio.CapacityLimiter
 
 
@@ -152,7 +152,7 @@ async def _previous(context: Context, response_id: str) -> StoredResponse:
 
 
 async def _off_loop(context: Context, parse: Callable[[bytes], _R], body: bytes) -> _R:
-    """``parse(body)``; a large body in a worker thread (≈ 8 ms per MB), off the loop."""
+    """``parse(body)``; a large body in a worker thread (≈ 1 ms per MB), off the loop."""
     if len(body) < PARSE_INLINE_BYTES:
         return parse(body)
     return await trio.to_thread.run_sync(parse, body, limiter=context.parsing)
@@ -215,7 +215,7 @@ class Generation:
         self.responses = responses
         self.conversations = conversations
         self.background = background
-        self.parsing = new_tokenize_limiter()
+        self.parsing = new_holding_limiter()
 
     def context(self, owner: str) -> Context:
         return Context(owner, self.responses, self.conversations, self.metrics, self.parsing)

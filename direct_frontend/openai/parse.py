@@ -9,16 +9,15 @@ public requests (:mod:`.types`). Every failure is an
 Numeric bounds are the OpenAI API's documented ranges where it has them, else
 the widest type any engine contract carries the field in (docs/engine-contracts.md:
 token counts and ids are uint32 everywhere, floats are float32); each engine
-kind's dialect refuses what its own contract cannot carry. A body nested
-deeper than :data:`MAX_JSON_DEPTH` is refused before it is decoded, so no
-client can make the decoder (or a chat template after it) recurse without end.
+kind's dialect refuses what its own contract cannot carry. Bodies are read
+by :func:`~direct_frontend.openai.body.decode_body`, which also refuses one
+nested too deep.
 """
 
 from __future__ import annotations
 
 import json
-import re
-from typing import Annotated, Any, Final, Literal, TypeVar
+from typing import Annotated, Any, Final, Literal
 
 import msgspec
 
@@ -30,12 +29,11 @@ from direct_frontend.engines.neutral import (
     ConstraintKind,
 )
 from direct_frontend.multimodal.parts import DETAILS, ImagePart
+from direct_frontend.openai.body import decode_body
 from direct_frontend.openai.errors import OpenAIHTTPError, invalid_request
 from direct_frontend.openai.parsers.forced import named_call_schema, required_calls_schema
 from direct_frontend.openai.structured import EXTENSIONS, constraint_of
 from direct_frontend.openai.types import (
-    ROLES,
-    SERVICE_TIERS,
     ChatMessage,
     ChatRequest,
     CompletionRequest,
@@ -48,9 +46,6 @@ from direct_frontend.openai.types import (
     Tool,
     ToolCall,
 )
-
-#: how deeply a body's arrays and objects may nest (a real request needs about 10)
-MAX_JSON_DEPTH: Final = 64
 
 _Count = Annotated[int, msgspec.Meta(ge=1, le=UINT32_MAX)]
 _NonNegCount = Annotated[int, msgspec.Meta(ge=0, le=UINT32_MAX)]
@@ -191,105 +186,11 @@ class _DetokenizeWire(msgspec.Struct, kw_only=True):
     tokens: list[_TokenId]
 
 
-_W = TypeVar("_W", bound=msgspec.Struct | dict[str, Any])
-
 _chat_decoder: Final = msgspec.json.Decoder(_ChatWire)
 _completion_decoder: Final = msgspec.json.Decoder(_CompletionWire)
 _embedding_decoder: Final = msgspec.json.Decoder(_EmbeddingWire)
 _tokenize_decoder: Final = msgspec.json.Decoder(_TokenizeWire)
 _detokenize_decoder: Final = msgspec.json.Decoder(_DetokenizeWire)
-
-_MISSING_FIELD = re.compile(r"Object missing required field `([^`]*)`")
-
-
-def _lower_first(text: str) -> str:
-    """msgspec's sentence, continued after a colon: "Expected…" → "expected…", "JSON…" stays."""
-    if text[1:2].isupper():  # an acronym
-        return text
-    return text[:1].lower() + text[1:]
-
-
-def _from_validation_error(exc: msgspec.ValidationError) -> OpenAIHTTPError:
-    """Turn msgspec's ``"<detail> - at `$.a[0].b`"`` into a message and an OpenAI param."""
-    detail, sep, where = str(exc).rpartition(" - at `")
-    if not sep:
-        detail, where = str(exc), "$`"
-    path = where.rstrip("`")
-    param: str | None = path[2:] if path.startswith("$.") else None
-    missing = _MISSING_FIELD.fullmatch(detail)
-    if missing is not None:
-        param = f"{param}.{missing.group(1)}" if param else missing.group(1)
-        return invalid_request(f"Missing required parameter: '{param}'.", param)
-    if param is None:
-        return invalid_request(f"The request body must be a JSON object: {_lower_first(detail)}.")
-    if detail.startswith("Invalid enum value") and param.endswith(".role"):
-        detail += f"; expected one of {', '.join(ROLES)}"
-    if detail.startswith("Invalid enum value") and param == "service_tier":
-        detail += f"; expected one of {', '.join(SERVICE_TIERS)}"
-    kind = "type" if ", got `" in detail else "value"
-    return invalid_request(f"Invalid {kind} for '{param}': {_lower_first(detail)}.", param)
-
-
-#: every byte but quotes and brackets, deleted by ``bytes.translate``; ``{}`` read as ``[]``
-_NOT_STRUCTURE: Final = bytes(b for b in range(256) if b not in b'"[]{}')
-_AS_SQUARE: Final = bytes.maketrans(b"{}", b"[]")
-
-
-def nesting_depth_exceeds(body: bytes, limit: int = MAX_JSON_DEPTH) -> bool:
-    """Whether the JSON in ``body`` nests arrays and objects deeper than ``limit``.
-
-    A scan of the raw bytes in C-speed steps (no Python loop per byte): a body
-    with at most ``limit`` opening brackets (almost every request) costs two
-    ``count`` calls. Otherwise strings are cut out (escaped backslashes, then
-    escaped quotes, then what is between quotes), leaving the brackets,
-    and empty pairs are removed one level per pass: after ``limit`` passes a
-    pair left means a deeper nest; a run of more than ``limit`` opening
-    brackets (an unclosed nest) is found on the way. Malformed JSON that is
-    not too deep is left for the decoder to name.
-    """
-    if body.count(b"[") + body.count(b"{") <= limit:
-        return False
-    if b"\\" in body:
-        body = body.replace(b"\\\\", b"").replace(b'\\"', b"")
-    # Quotes and brackets only; two adjacent quotes go together (an empty string, or
-    # the nothing between two strings), so what is left between quotes is in strings.
-    structure = body.translate(_AS_SQUARE, _NOT_STRUCTURE).replace(b'""', b"")
-    brackets = b"".join(structure.split(b'"')[::2]) if b'"' in structure else structure
-    too_deep = b"[" * (limit + 1)
-    for _ in range(limit):
-        if too_deep in brackets:
-            return True
-        shallower = brackets.replace(b"[]", b"")  # the innermost level of every nest
-        if len(shallower) == len(brackets):
-            return False
-        brackets = shallower
-    return b"[]" in brackets
-
-
-_object_decoder: Final = msgspec.json.Decoder(dict[str, Any])
-
-
-def read_json_object(body: bytes) -> dict[str, Any]:
-    """A body as a JSON object, for the APIs read into a chat body (Responses, Messages)."""
-    return _decode(_object_decoder, body)
-
-
-def _decode(decoder: msgspec.json.Decoder[_W], body: bytes) -> _W:
-    if nesting_depth_exceeds(body):
-        raise invalid_request(
-            f"The request body nests arrays and objects more than {MAX_JSON_DEPTH} levels deep."
-        )
-    try:
-        return decoder.decode(body)
-    except msgspec.ValidationError as exc:
-        raise _from_validation_error(exc) from None
-    except msgspec.DecodeError as exc:
-        if not body.strip():
-            raise invalid_request("The request body is empty; expected a JSON object.") from None
-        raise invalid_request(
-            f"The request body is not valid JSON: {_lower_first(str(exc))}."
-        ) from None
-
 
 def _unsupported(what: str, param: str) -> OpenAIHTTPError:
     return invalid_request(f"{what} is not supported yet.", param)
@@ -457,7 +358,7 @@ def _message(i: int, m: _MessageWire) -> ChatMessage:
 
 def parse_chat_request(body: bytes) -> ChatRequest:
     """Validate a chat completions body; raises :class:`OpenAIHTTPError` (400) on any problem."""
-    w = _decode(_chat_decoder, body)
+    w = decode_body(_chat_decoder, body)
     common = _common(w)
     if w.top_logprobs is not None and not w.logprobs:
         raise invalid_request(
@@ -594,7 +495,7 @@ def _token_ids(ids: list[Any], where: str) -> tuple[int, ...]:
 
 def parse_completion_request(body: bytes) -> CompletionRequest:
     """Validate a (legacy) completions body; raises :class:`OpenAIHTTPError` (400)."""
-    w = _decode(_completion_decoder, body)
+    w = decode_body(_completion_decoder, body)
     common = _common(w)
     if w.logprobs is True:
         raise invalid_request(
@@ -638,7 +539,7 @@ MAX_EMBEDDING_INPUTS: Final = 2048
 
 def parse_embedding_request(body: bytes) -> EmbeddingRequest:
     """Validate a ``POST /v1/embeddings`` body; raises :class:`OpenAIHTTPError` (400)."""
-    w = _decode(_embedding_decoder, body)
+    w = decode_body(_embedding_decoder, body)
     inputs = _prompts(w.input, "input")
     if len(inputs) > MAX_EMBEDDING_INPUTS:
         raise invalid_request(
@@ -658,7 +559,7 @@ def parse_embedding_request(body: bytes) -> EmbeddingRequest:
 
 def parse_tokenize_request(body: bytes) -> TokenizeRequest:
     """Validate a ``POST /tokenize`` body: exactly one of ``prompt`` and ``messages``."""
-    w = _decode(_tokenize_decoder, body)
+    w = decode_body(_tokenize_decoder, body)
     if (w.prompt is None) == (w.messages is None):
         raise invalid_request("Send exactly one of 'prompt' and 'messages'.",
                               "messages" if w.messages is not None else "prompt")
@@ -679,5 +580,5 @@ def parse_tokenize_request(body: bytes) -> TokenizeRequest:
 
 def parse_detokenize_request(body: bytes) -> DetokenizeRequest:
     """Validate a ``POST /detokenize`` body."""
-    w = _decode(_detokenize_decoder, body)
+    w = decode_body(_detokenize_decoder, body)
     return DetokenizeRequest(model=w.model, tokens=tuple(w.tokens))

@@ -24,8 +24,9 @@ from typing import Any, Final
 
 import msgspec
 
+from direct_frontend.openai.body import read_json_object
 from direct_frontend.openai.errors import invalid_request
-from direct_frontend.openai.parse import parse_chat_request, read_json_object
+from direct_frontend.openai.parse import parse_chat_request
 from direct_frontend.openai.response_store import Lineage
 from direct_frontend.openai.types import ChatRequest
 

@@ -38,13 +38,15 @@ from direct_frontend.pipeline.tokenizing import (
     context_limit,
     function_dict,
     message_dict,
+    new_holding_limiter,
     new_tokenize_limiter,
     render,
 )
-from direct_frontend.routing.catalog import EngineHandle
+from direct_frontend.routing.catalog import Catalog, EngineHandle
 
 __all__ = [  # the tokenizing names callers import from here too
-    "INLINE_CHARS", "Tokenizing", "context_limit", "message_dict", "new_tokenize_limiter",
+    "INLINE_CHARS", "Tokenizing", "context_limit", "message_dict", "new_holding_limiter",
+    "new_tokenize_limiter",
 ]
 
 Kind = Literal["chat", "completion"]
@@ -142,8 +144,7 @@ async def chat_prompt_ids(
     if size < RENDER_INLINE_CHARS:
         prompt, cuts = render(text_model, request, add_generation_prompt)
     else:
-        prompt, cuts = await tokenizing.off_loop(tokenizing.render_bounded, request,
-                                                 add_generation_prompt)
+        prompt, cuts = await tokenizing.render_off_loop(request, add_generation_prompt)
     ids: tuple[int, ...]
     if cuts is None or add_special_tokens or len(prompt) < tokenizing.prefix_min_chars:
         ids = PromptIds(await tokenizing.encode(prompt, "messages",
@@ -221,6 +222,16 @@ def _ids(ids: Sequence[int]) -> tuple[int, ...]:
 
 def _prompt_param(kind: Kind) -> str:
     return "messages" if kind == "chat" else "prompt"
+
+
+def refuse_beyond_every_engine(counts: Sequence[int], catalog: Catalog, kind: Kind) -> None:
+    """A 400 for a prompt of as many tokens as the largest context of ``catalog`` or more:
+    :func:`token_budget` would refuse it on every engine, after admission and routing,
+    whose work grows with the prompt (block hashes, the KV index, the engine request)."""
+    limit = context_limit(catalog)
+    longest = max(counts, default=0)
+    if limit is not None and longest >= limit:
+        raise context_length_exceeded(longest, limit, _prompt_param(kind))
 
 
 def token_budget(prepared: PreparedRequest, engine: EngineHandle, default_max: int) -> int:

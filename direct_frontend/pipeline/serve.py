@@ -62,6 +62,7 @@ from direct_frontend.pipeline.preprocess import (
     chat_prompt_ids,
     prepare_each,
     prompt_ids,
+    refuse_beyond_every_engine,
     truncated_to_fit,
 )
 from direct_frontend.pipeline.ratelimit import (
@@ -197,6 +198,7 @@ class Stair:
             prompts = (await truncated_to_fit(first, served.tokenizing, limit,
                                               first.request.max_tokens or 1),)
         counts = tuple(len(p.input_ids) for p in prompts)
+        refuse_beyond_every_engine(counts, served.catalog, ask.kind)
         if trace is not None:
             trace.leave(prompt_tokens=sum(counts))
         await sink(Prepared(prompts[0].request, ask.request_id, counts,

@@ -4,10 +4,11 @@
   characters to tokenize (≈ 1 ms of fastokens' work, ids included) or
   :data:`INLINE_CHARS` with tokenizers (≈ 1 ms); chats of less than
   :data:`RENDER_INLINE_CHARS` are rendered there too (≈ 1 ms at most).
-- Larger ones are rendered, bounded and tokenized in worker threads, at most one
-  per core at a time (:func:`new_tokenize_limiter`), so ``/health`` and every
-  stream keep being served meanwhile. The encoders release the GIL while they
-  work; Jinja holds it, but as Python code it yields it every switch interval.
+- Larger ones are rendered, bounded and tokenized in worker threads, so
+  ``/health`` and every stream keep being served meanwhile: tokenized at most one
+  per core at a time (:func:`new_tokenize_limiter`; the encoders release the GIL
+  while they work), rendered and bounded one at a time (:func:`new_holding_limiter`:
+  Jinja and the bound hold the GIL, yielding it to the loop every switch interval).
 - Before a large text is tokenized, a prompt that certainly cannot fit the
   fleet's largest context is refused from its bytes (``TextModel.fewest_tokens``).
 - A chat prompt's ids (of :data:`PREFIX_MIN_CHARS` or more) reuse the ids of the
@@ -53,8 +54,8 @@ RENDER_INLINE_CHARS = 1 << 20
 #: shorter chats are tokenized whole, and not kept for their prefix: tokenizing them costs
 #: ≈ 10 µs, less than looking for a prefix does
 PREFIX_MIN_CHARS = 8192
-#: request bodies of fewer bytes are parsed on the loop (JSON with its nesting check: ≈ 8 ms
-#: per MB of code-like text at worst)
+#: request bodies of fewer bytes are parsed on the loop (JSON with its depth check: ≈ 1 ms
+#: per MB)
 PARSE_INLINE_BYTES = 256 << 10
 
 
@@ -89,6 +90,15 @@ def new_tokenize_limiter() -> trio.CapacityLimiter:
     return trio.CapacityLimiter(cores())
 
 
+def new_holding_limiter() -> trio.CapacityLimiter:
+    """The limiter for work that holds the GIL throughout (decoding a large body, rendering
+    and bounding a large chat): one thread at a time. More would not run together anyway,
+    only take turns with each other and with the event loop for the GIL, and a thread the
+    OS preempts while holding it stalls the loop; with one, 8 concurrent 1.6 MB prompts
+    lag the loop about half as much at worst, and take about 10 % longer in all."""
+    return trio.CapacityLimiter(1)
+
+
 def context_limit(catalog: Catalog) -> int | None:
     """The largest context a serving engine offers; None if one has no limit, or none serves."""
     limits = [engine.context_length for engine in catalog.engines]
@@ -99,7 +109,8 @@ def context_limit(catalog: Catalog) -> int | None:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Tokenizing:
-    """How a daemon tokenizes: its model, the fleet it serves, one limiter for all requests.
+    """How a daemon tokenizes: its model, the fleet it serves, its limiters (shared by all
+    requests: tokenizing, and rendering with bounding).
 
     Made once per daemon (per model). The fleet's largest context
     (:func:`context_limit`) is read only for a large prompt, the one case that needs it.
@@ -116,6 +127,8 @@ class Tokenizing:
     prefix_min_chars: int = PREFIX_MIN_CHARS
     #: how the model takes images (None: it takes none)
     media: MediaProfile | None = None
+    #: rendering and bounding a large chat (:func:`new_holding_limiter`)
+    holding: trio.CapacityLimiter = dataclasses.field(default_factory=new_holding_limiter)
 
     @property
     def inline_chars(self) -> int:
@@ -126,11 +139,17 @@ class Tokenizing:
         """``fn(*args)`` in a worker thread, under the daemon's limiter."""
         return await trio.to_thread.run_sync(fn, *args, limiter=self.limiter)
 
+    async def render_off_loop(self, request: ChatRequest, add_generation_prompt: bool
+                              ) -> tuple[str, list[int] | None]:
+        """:meth:`render_bounded` in a worker thread, one at a time (it holds the GIL)."""
+        return await trio.to_thread.run_sync(self.render_bounded, request,
+                                             add_generation_prompt, limiter=self.holding)
+
     def refuse_beyond(self, text: str, known: int, param: str) -> None:
         """A 400 when ``known`` tokens and ``text``'s certainly exceed the fleet's context."""
         limit = context_limit(self.catalog())
         if limit is not None and known + len(text) >= limit:  # else no bound can prove it
-            fewest = known + self.text_model.fewest_tokens(text)
+            fewest = known + self.text_model.fewest_tokens(text, limit - known)
             if fewest >= limit:
                 raise context_length_exceeded(fewest, limit, param, at_least=True)
 
@@ -214,7 +233,8 @@ async def chat_ids(tokenizing: Tokenizing, prompt: str, cuts: list[int]) -> Prom
     and kept for the next turn's.
 
     The prompt is tokenized piece by piece between its cuts (one call: the
-    encoder works on the pieces at once), which gives its ids at every cut.
+    encoder works on the pieces at once), which gives its ids at every cut. A
+    prompt of the fleet's largest context or more is not kept (it will be refused).
     """
     reuse = tokenizing.prefixes.find(prompt, cuts)
     start = 0 if reuse is None else reuse.cut
@@ -242,8 +262,10 @@ async def chat_ids(tokenizing: Tokenizing, prompt: str, cuts: list[int]) -> Prom
     head: tuple[int, ...] = () if reuse is None else reuse.entry.ids[:known]
     ids = PromptIds(head + tuple(rest), None if reuse is None else reuse.entry.ids.chains,
                     known)
-    tokenizing.prefixes.put(Rendered(prompt, ids, cuts, counts),
-                            None if reuse is None else reuse.entry)
+    limit = context_limit(tokenizing.catalog())
+    if limit is None or total < limit:  # one no engine can hold is refused: no next turn
+        tokenizing.prefixes.put(Rendered(prompt, ids, cuts, counts),
+                                None if reuse is None else reuse.entry)
     return ids
 
 

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from direct_frontend.engines.neutral import SamplingOptions
 from direct_frontend.errors import EngineError, ErrorKind
+from direct_frontend.openai.body import MAX_JSON_DEPTH, nested_deeper_than
 from direct_frontend.openai.errors import (
     OpenAIHTTPError,
     context_length_exceeded,
@@ -28,10 +29,8 @@ from direct_frontend.openai.errors import (
 )
 from direct_frontend.openai.parse import (
     FLOAT32_MAX,
-    MAX_JSON_DEPTH,
     MAX_STOP_CHARS,
     UINT32_MAX,
-    nesting_depth_exceeds,
     parse_chat_request,
     parse_completion_request,
     parse_embedding_request,
@@ -671,7 +670,7 @@ def nest(depth: int, inner: bytes = b"1") -> bytes:
     return b'{"k":' * depth + inner + b"}" * depth
 
 
-def test_a_body_nested_beyond_the_limit_is_refused_before_decoding() -> None:
+def test_a_body_nested_beyond_the_limit_is_refused() -> None:
     inside = nest(MAX_JSON_DEPTH - 1)  # the body's own object makes the limit exactly
     parse_chat_request(chat().replace(b'"model"', b'"x": ' + inside + b', "model"'))
     for depth in (MAX_JSON_DEPTH, 1000, 100_000):  # 1000 once overflowed the decoder's stack
@@ -681,22 +680,72 @@ def test_a_body_nested_beyond_the_limit_is_refused_before_decoding() -> None:
         assert f"more than {MAX_JSON_DEPTH} levels" in err.message
 
 
+def test_a_large_body_is_read_and_checked_the_same() -> None:
+    """From 64 KiB a body skips the bracket count: read as plain JSON, depth checked."""
+    text = "word [ " * 20_000
+    large = chat(messages=[{"role": "user", "content": text}])
+    assert len(large) > 64 << 10
+    assert parse_chat_request(large).messages[0].content == text
+    deep = large.replace(b'"model"', b'"x": ' + nest(MAX_JSON_DEPTH) + b', "model"')
+    assert f"more than {MAX_JSON_DEPTH} levels" in chat_error(deep).message
+    assert "not valid JSON" in chat_error(large[:-1]).message
+
+
+@pytest.mark.parametrize("where", ["response_format", "tools", "messages"])
+def test_a_nest_too_deep_in_a_kept_field_is_refused(where: str) -> None:
+    deep = json.loads(nest(MAX_JSON_DEPTH))
+    fields: dict[str, Any] = {
+        "response_format": {"response_format": {"type": "json_schema", "json_schema": deep}},
+        "tools": {"tools": [{"type": "function", "function": {"name": "f", "parameters": deep}}]},
+        "messages": {"messages": [{"role": "user", "content": "hi", "x": deep}]},
+    }[where]
+    err = chat_error(chat(**fields))
+    assert f"more than {MAX_JSON_DEPTH} levels" in err.message
+    assert err.param is None
+
+
+def test_a_body_of_many_brackets_reads_as_one_of_few() -> None:
+    text = "[{" * 100 + '\\"'
+    body = chat(messages=[{"role": "user", "content": text}], tools=[WEATHER] * 30,
+                temperature=0.5, stop=["]", "}"])
+    assert body.count(b"[") + body.count(b"{") > MAX_JSON_DEPTH  # not the one typed pass
+    request = parse_chat_request(body)
+    assert request.messages[0].content == text
+    assert len(request.tools) == 30
+    assert request.tools[0] == parse_chat_request(chat(tools=[WEATHER])).tools[0]
+    assert (request.temperature, request.stop) == (0.5, ("]", "}"))
+
+
+def test_wrong_values_in_a_body_of_many_brackets_are_named() -> None:
+    many = {"tools": [WEATHER] * 30}
+    assert chat_error(chat(**many, max_tokens="x")).param == "max_tokens"
+    assert chat_error(chat(**many, messages=[])).param == "messages"
+    beyond = chat(**many).replace(b'"model"', b'"temperature": 1e999, "model"')
+    assert chat_error(beyond).param == "temperature"  # refused where it is
+    schema = {"type": "json_schema", "json_schema": {"name": "n", "schema": {"maximum": 1.5}}}
+    kept = chat(**many, response_format=schema).replace(b"1.5", b"1e999")
+    assert (chat_error(kept).param or "").startswith("response_format")  # as a typed decode says
+    ignored = chat(**many).replace(b'"model"', b'"x": [1e999], "model"')
+    assert len(parse_chat_request(ignored).tools) == 30  # an unknown field's, as ever
+    assert "not valid JSON" in chat_error(chat(**many)[:-1]).message
+
+
 @pytest.mark.parametrize(
-    ("body", "deep"),
+    ("value", "deep"),
     [
-        (b"[" * 5 + b"]" * 5, False),
-        (b"[" * 6 + b"]" * 6, True),
-        (b"[[],[],[],[],[],[],[],[],[],[]]", False),  # many brackets, shallow
-        (b"[[[[[1]]]],[[[[[1]]]]]]", True),  # deep after a shallow start
-        (b'{"a": "[[[[[[[[[[{{{{{{"}', False),  # brackets in a string
-        (b'{"a": "\\"[[[[[[[[[[", "b": [1]}', False),  # after an escaped quote
-        (b'{"a": "\\\\", "b": [[[[[[1]]]]]]}', True),  # an escaped backslash ends the string
-        (b"[[[[[[[", True),  # unbalanced but already too deep
-        (b"]]]]]]][", False),  # malformed: the decoder names it
+        ([[[[[]]]]], False),
+        ([[[[[[]]]]]], True),
+        ([[], [], [], [], [], [], [], [], [], []], False),  # many, shallow
+        ([[[[[1]]]], [[[[[1]]]]]], True),  # deep after a shallow start
+        ({"a": "[[[[[[[[[[{{{{{{"}, False),  # brackets in a string
+        ({"a": {"b": {"c": {"d": {"e": 1}}}}}, False),
+        ({"a": {"b": {"c": {"d": {"e": {}}}}}}, True),
+        ("[[[[[[[[", False),
+        (1, False),
     ],
 )
-def test_nesting_depth_scan(body: bytes, deep: bool) -> None:
-    assert nesting_depth_exceeds(body, 5) is deep
+def test_nested_deeper_than(value: Any, deep: bool) -> None:
+    assert nested_deeper_than(value, 5) is deep
 
 
 def depth_by_walking(body: bytes) -> int:
@@ -731,9 +780,9 @@ json_values = st.recursive(
 
 @settings(max_examples=300, derandomize=True, database=None)
 @given(value=json_values, limit=st.integers(0, 8))
-def test_the_depth_scan_agrees_with_a_plain_walk(value: Any, limit: int) -> None:
+def test_the_depth_check_agrees_with_a_plain_walk(value: Any, limit: int) -> None:
     body = json.dumps(value).encode()
-    assert nesting_depth_exceeds(body, limit) is (depth_by_walking(body) > limit)
+    assert nested_deeper_than(json.loads(body), limit) is (depth_by_walking(body) > limit)
 
 
 @pytest.mark.parametrize(

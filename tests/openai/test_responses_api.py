@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
+from direct_frontend.openai.body import read_json_object
 from direct_frontend.openai.errors import OpenAIHTTPError
-from direct_frontend.openai.parse import read_json_object
 from direct_frontend.openai.response_store import decode_items
 from direct_frontend.openai.responses_api import parse_responses_request
 

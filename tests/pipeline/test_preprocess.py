@@ -17,6 +17,7 @@ from direct_frontend.pipeline.preprocess import (
     droppable_turns,
     prepare,
     prompt_ids,
+    refuse_beyond_every_engine,
 )
 from direct_frontend.routing.catalog import Catalog
 from direct_frontend.text.model_dir import TextModel
@@ -262,3 +263,34 @@ async def test_a_prompt_its_bytes_prove_too_long_is_refused_untokenized(
         await prepare(kind, request, "id", tokenizing)  # type: ignore[arg-type]
     assert refused.value.code == "context_length_exceeded"
     assert "at least" in refused.value.message  # the bound's figure: nothing was tokenized
+
+
+def test_a_prompt_no_engine_can_hold_is_refused_before_admission() -> None:
+    """At the largest context of the fleet or beyond: every engine's budget would refuse it."""
+    from tests.support.fleet import engine
+
+    catalog = Catalog(1, (engine("a", context_length=4096), engine("b", context_length=8192)))
+    refuse_beyond_every_engine((100, 8191), catalog, "chat")  # engine b holds it
+    with pytest.raises(OpenAIHTTPError) as refused:
+        refuse_beyond_every_engine((100, 8192), catalog, "completion")
+    assert (refused.value.code, refused.value.param) == ("context_length_exceeded", "prompt")
+    assert "maximum context length is 8192 tokens, but the prompt has 8192" in (
+        refused.value.message)
+    unknown = Catalog(1, (engine("a", context_length=4096), engine("c", context_length=None)))
+    refuse_beyond_every_engine((100_000,), unknown, "chat")  # c's limit is unknown: c decides
+
+
+async def test_a_chat_no_engine_can_hold_is_not_kept_for_its_prefix(
+    text_model: TextModel,
+) -> None:
+    """Its next turn would be refused too: it would only take the cache's room."""
+    from tests.support.fleet import engine
+
+    words = "the router reads a request and renders the chat template " * 400
+    fits = Catalog(1, (engine("a", context_length=131_072),))
+    small = Catalog(1, (engine("a", context_length=1024),))
+    for catalog, kept in ((fits, 1), (small, 0)):
+        tokenizing = Tokenizing(text_model, lambda c=catalog: c, prefix_min_chars=0)
+        prepared = await _prepare_chat(tokenizing, _chat(words))
+        assert len(prepared.input_ids) > 1024
+        assert len(tokenizing.prefixes) == kept

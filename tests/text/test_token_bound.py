@@ -66,3 +66,39 @@ def test_counting_in_chunks_stays_a_lower_bound(text_model: TextModel, text: str
         token_bound.CHUNK = saved
     assert chunked <= len(text_model.encode(text))
     assert whole - len(text.encode()) // 7 <= chunked <= whole
+
+
+@settings(max_examples=100, deadline=None)
+@given(text=st.lists(PIECES, max_size=60).map("".join), enough=st.integers(1, 80),
+       chunk=st.sampled_from([3, 7, 1 << 18]))
+def test_counting_stops_at_enough_and_says_so(text_model: TextModel, text: str, enough: int,
+                                              chunk: int) -> None:
+    """Below ``enough`` the bound is the whole count's; at or past it, at least ``enough``."""
+    import direct_frontend.text.token_bound as token_bound
+
+    assert text_model.byte_bound is not None
+    saved = token_bound.CHUNK
+    token_bound.CHUNK = chunk
+    try:
+        whole = text_model.byte_bound.fewest(text.encode())
+        early = text_model.byte_bound.fewest(text.encode(), enough)
+    finally:
+        token_bound.CHUNK = saved
+    if whole < enough:
+        assert early == whole
+    else:
+        assert enough <= early <= whole
+
+
+def test_counting_stops_at_the_chunk_that_reaches_enough() -> None:
+    import direct_frontend.text.token_bound as token_bound
+
+    bound = ByteLevelBound.of([b"a", b"b", b" ", b"ab", b" ab", b"abababab"])
+    assert bound is not None
+    saved = token_bound.CHUNK
+    token_bound.CHUNK = 6  # "ab ab " per chunk: two pairs each
+    try:
+        assert bound.fewest(b"ab " * 100) == 101  # "ab", 99 " ab", " "
+        assert bound.fewest(b"ab " * 100, 5) == 5  # two chunks, not fifty
+    finally:
+        token_bound.CHUNK = saved
