@@ -46,6 +46,25 @@ def _joined(holders: Holders | None, mine: tuple[str, float]) -> Holders:
     return holders
 
 
+def _put_newest(d: dict[int, Any], keys: Sequence[int], values: Iterable[Any], *,
+                fresh: bool) -> None:
+    """Put each of ``keys`` newest in ``d`` with its value, in order, as one move-to-end per
+    key would (a key that repeats ends where it occurs last); ``fresh``: none is in ``d``.
+
+    A plain dict keeps insertion order and moves nothing, so known keys are taken
+    out first; all of it in C.
+    """
+    if not fresh:
+        _drain(map(d.pop, keys, itertools.repeat(None)))
+    size = len(d)
+    d.update(zip(keys, values, strict=False))
+    if len(d) - size != len(keys):  # a key repeats: where it occurs last
+        order = list(dict.fromkeys(reversed(keys)))
+        order.reverse()
+        held = list(map(d.pop, order))
+        d.update(zip(order, held, strict=True))
+
+
 def holders_of(holders: Holders | None) -> dict[str, float]:
     """``holders`` as {engine: expiry}."""
     return {} if holders is None else dict(_pairs(holders))
@@ -81,9 +100,10 @@ class ApproxPrefixIndex:
         self.capacity_blocks = capacity_blocks
         #: engine → its own capacity in blocks (discovery's), over ``capacity_blocks``
         self.capacities: dict[str, int] = {}
-        # prefix hash → its holders; insertion order ≈ age, for the cap
-        self._entries: collections.OrderedDict[int, Holders] = collections.OrderedDict()
-        self._lru: dict[str, collections.OrderedDict[int, None]] = {}
+        # prefix hash → its holders; insertion order is age (oldest first), for the cap
+        self._entries: dict[int, Holders] = {}
+        # engine → the hashes its LRU model holds, least recently touched first
+        self._lru: dict[str, dict[int, None]] = {}
 
     def record(self, engine: str, hashes: Sequence[int], now: float) -> None:
         if self.on_record is not None and hashes:
@@ -96,22 +116,22 @@ class ApproxPrefixIndex:
         Each hash ends up newest, in order, held by ``engine`` until the new
         expiry. A prompt has thousands of blocks, so the usual case (each block
         new, or held by ``engine`` alone) is a few bulk steps in C: one shared
-        holder pair for all, then, when some were known, all moved to the end
-        in order. Blocks other engines hold too take a step each.
+        holder pair for all; when some were known, all taken out first, to go
+        back in newest. Blocks other engines hold too take a step each.
         """
         mine = (engine, now + self.ttl_s)
         entries = self._entries
-        size = len(entries)
         found = list(map(entries.get, hashes))
-        if dict in set(map(type, found)) or not {mine[0]}.issuperset(
+        values: Iterable[Holders]
+        if dict in set(map(type, found)) or not {engine}.issuperset(
                 map(_ENGINE, filter(None, found))):
-            entries.update(zip(hashes, map(_joined, found, itertools.repeat(mine)), strict=True))
+            values = list(map(_joined, found, itertools.repeat(mine)))
         else:
-            entries.update(zip(hashes, itertools.repeat(mine)))
-        if len(entries) - size != len(hashes):  # some were known: all newest, in order
-            _drain(map(entries.move_to_end, hashes))
-        while len(entries) > self.max_blocks:
-            entries.popitem(last=False)
+            values = itertools.repeat(mine)
+        _put_newest(entries, hashes, values, fresh=found.count(None) == len(found))
+        excess = len(entries) - self.max_blocks
+        if excess > 0:
+            _drain(map(entries.__delitem__, list(itertools.islice(entries, excess))))
         capacity = self.capacity_of(engine)
         if capacity:
             self._touch(engine, hashes, capacity)
@@ -128,27 +148,37 @@ class ApproxPrefixIndex:
         """Touch ``hashes`` tail first in ``engine``'s LRU; forget what falls out of it.
 
         New blocks go in with one bulk update (in C); only when some were there
-        already is every block moved to the end in touch order, as if each had
-        been touched in turn.
+        already are they all taken out and put back in touch order, as if each
+        had been touched in turn. What falls out goes in bulk too.
         """
-        lru = self._lru.setdefault(engine, collections.OrderedDict())
+        lru = self._lru.setdefault(engine, {})
+        touched = hashes[::-1]
         size = len(lru)
-        lru.update(zip(reversed(hashes), itertools.repeat(None)))
-        if len(lru) - size != len(hashes):  # some were there: put them all in touch order
-            _drain(map(lru.move_to_end, reversed(hashes)))
+        lru.update(zip(touched, itertools.repeat(None)))
+        if len(lru) - size != len(touched):  # some were there: all newest, in touch order
+            _put_newest(lru, touched, itertools.repeat(None), fresh=False)
+        excess = len(lru) - capacity
+        if excess > 0:
+            gone = list(itertools.islice(lru, excess))
+            _drain(map(lru.__delitem__, gone))
+            self._let_go(engine, gone)
+
+    def _let_go(self, engine: str, gone: Sequence[int]) -> None:
+        """``engine`` no longer holds ``gone`` (its LRU forgot them): forget its claim on each."""
         entries = self._entries
-        get = entries.get
-        pop = lru.popitem
-        for _ in range(len(lru) - capacity):
-            h = pop(False)[0]
-            holders = get(h)
+        found = list(map(entries.get, gone))
+        if set(map(type, found)) <= {tuple}:  # the usual case, in C: held by one engine each
+            _drain(map(entries.__delitem__, itertools.compress(
+                gone, map(operator.eq, map(_ENGINE, found), itertools.repeat(engine)))))
+            return
+        for h, holders in zip(gone, found, strict=True):
             if holders is None:
                 continue
-            if isinstance(holders, tuple):
+            if type(holders) is tuple:
                 if holders[0] == engine:
                     del entries[h]
             else:
-                holders.pop(engine, None)
+                holders.pop(engine, None)  # type: ignore[union-attr]
                 if not holders:
                     del entries[h]
 
