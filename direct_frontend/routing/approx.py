@@ -117,15 +117,20 @@ class ApproxPrefixIndex:
         expiry. A prompt has thousands of blocks, so the usual case (each block
         new, or held by ``engine`` alone) is a few bulk steps in C: one shared
         holder pair for all; when some were known, all taken out first, to go
-        back in newest. Blocks other engines hold too take a step each.
+        back in newest. Blocks other engines hold too (a shared system prompt's)
+        are joined one by one, the others keep the shared pair.
         """
         mine = (engine, now + self.ttl_s)
         entries = self._entries
         found = list(map(entries.get, hashes))
         values: Iterable[Holders]
         if dict in set(map(type, found)) or not {engine}.issuperset(
-                map(_ENGINE, filter(None, found))):
-            values = list(map(_joined, found, itertools.repeat(mine)))
+                map(_ENGINE, filter(None, found))):  # some held by others too: joined there
+            joined: list[Holders] = [mine] * len(found)
+            for i, holders in enumerate(found):
+                if holders is not None and (type(holders) is not tuple or holders[0] != engine):
+                    joined[i] = _joined(holders, mine)
+            values = joined
         else:
             values = itertools.repeat(mine)
         _put_newest(entries, hashes, values, fresh=found.count(None) == len(found))
