@@ -152,16 +152,20 @@ class ApproxPrefixIndex:
     def _touch(self, engine: str, hashes: Sequence[int], capacity: int) -> None:
         """Touch ``hashes`` tail first in ``engine``'s LRU; forget what falls out of it.
 
-        New blocks go in with one bulk update (in C); only when some were there
-        already are they all taken out and put back in touch order, as if each
-        had been touched in turn. What falls out goes in bulk too.
+        New blocks go in with one bulk update (in C); when some were there
+        already (always, when the first touched was) they are all taken out and
+        put back in touch order, as if each had been touched in turn. What falls
+        out goes in bulk too.
         """
         lru = self._lru.setdefault(engine, {})
         touched = hashes[::-1]
-        size = len(lru)
-        lru.update(zip(touched, itertools.repeat(None)))
-        if len(lru) - size != len(touched):  # some were there: all newest, in touch order
+        if touched and touched[0] in lru:  # a prompt sent again (or its answer): all known
             _put_newest(lru, touched, itertools.repeat(None), fresh=False)
+        else:
+            size = len(lru)
+            lru.update(zip(touched, itertools.repeat(None)))
+            if len(lru) - size != len(touched):  # some were there: all newest, in touch order
+                _put_newest(lru, touched, itertools.repeat(None), fresh=False)
         excess = len(lru) - capacity
         if excess > 0:
             gone = list(itertools.islice(lru, excess))

@@ -29,11 +29,10 @@ BS = 4
 GENERATION = {"a": 1, "b": 2, "c": 3}
 
 
-def handle(name: str, in_flight: int = 0, active_blocks: int = 0) -> EngineHandle:
+def handle(name: str, in_flight: int = 0) -> EngineHandle:
     h = EngineHandle(name, "vllm", f"grpc://{name}:1", GENERATION[name], EngineRole.BOTH,
                      EngineInfo("demo"), 4096, None)
     h.load.in_flight = in_flight
-    h.load.active_blocks = {10_000 + i: 1 for i in range(active_blocks)}
     return h
 
 
@@ -76,7 +75,7 @@ def test_decode_load_outweighs_a_small_overlap() -> None:
     index = FakeIndex({"b": HASHES[:1]})
     policy = KvAware(KvAwareKnobs(block_size=BS), index)
     policy.uses_events = {1, 2}
-    catalog = Catalog(1, (handle("a"), handle("b", in_flight=3, active_blocks=10)))
+    catalog = Catalog(1, (handle("a"), handle("b", in_flight=3)))
     chosen = policy.choose(catalog, view(PROMPT))
     assert chosen is not None and chosen.engine.name == "a"
 
@@ -191,12 +190,15 @@ def test_ranks_of_one_engine_combine_and_other_incarnations_do_not_count() -> No
 def test_blocks_shared_by_requests_in_flight_count_once() -> None:
     h = handle("a")
     h.load.begin(32, HASHES)
-    h.load.begin(32, HASHES)
-    assert len(h.load.active_blocks) == len(HASHES)
+    h.load.begin(32, list(HASHES))  # an equal sequence, not the same one
+    h.load.begin(32, HASHES[:3])
+    assert h.load.active_blocks == {**dict.fromkeys(HASHES, 2), **dict.fromkeys(HASHES[:3], 3)}
     assert h.load.new_blocks(HASHES) == 0 and h.load.new_blocks([1, 2]) == 2
+    h.load.end(32, list(HASHES))
+    h.load.end(32, HASHES[:3])
+    assert h.load.active_blocks == dict.fromkeys(HASHES, 1)
     h.load.end(32, HASHES)
-    h.load.end(32, HASHES)
-    assert h.load.active_blocks == {}
+    assert h.load.active_blocks == {} and not h.load.holding
 
 
 def test_a_busy_engine_holding_the_prefix_wins_until_its_load_outweighs_the_saving() -> None:
