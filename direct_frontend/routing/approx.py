@@ -46,25 +46,6 @@ def _joined(holders: Holders | None, mine: tuple[str, float]) -> Holders:
     return holders
 
 
-def _put_newest(d: dict[int, Any], keys: Sequence[int], values: Iterable[Any], *,
-                fresh: bool) -> None:
-    """Put each of ``keys`` newest in ``d`` with its value, in order, as one move-to-end per
-    key would (a key that repeats ends where it occurs last); ``fresh``: none is in ``d``.
-
-    A plain dict keeps insertion order and moves nothing, so known keys are taken
-    out first; all of it in C.
-    """
-    if not fresh:
-        _drain(map(d.pop, keys, itertools.repeat(None)))
-    size = len(d)
-    d.update(zip(keys, values, strict=False))
-    if len(d) - size != len(keys):  # a key repeats: where it occurs last
-        order = list(dict.fromkeys(reversed(keys)))
-        order.reverse()
-        held = list(map(d.pop, order))
-        d.update(zip(order, held, strict=True))
-
-
 def holders_of(holders: Holders | None) -> dict[str, float]:
     """``holders`` as {engine: expiry}."""
     return {} if holders is None else dict(_pairs(holders))
@@ -100,10 +81,10 @@ class ApproxPrefixIndex:
         self.capacity_blocks = capacity_blocks
         #: engine → its own capacity in blocks (discovery's), over ``capacity_blocks``
         self.capacities: dict[str, int] = {}
-        # prefix hash → its holders; insertion order is age (oldest first), for the cap
-        self._entries: dict[int, Holders] = {}
+        # prefix hash → its holders; insertion order ≈ age, for the cap
+        self._entries: collections.OrderedDict[int, Holders] = collections.OrderedDict()
         # engine → the hashes its LRU model holds, least recently touched first
-        self._lru: dict[str, dict[int, None]] = {}
+        self._lru: dict[str, collections.OrderedDict[int, None]] = {}
 
     def record(self, engine: str, hashes: Sequence[int], now: float) -> None:
         if self.on_record is not None and hashes:
@@ -116,9 +97,9 @@ class ApproxPrefixIndex:
         Each hash ends up newest, in order, held by ``engine`` until the new
         expiry. A prompt has thousands of blocks, so the usual case (each block
         new, or held by ``engine`` alone) is a few bulk steps in C: one shared
-        holder pair for all; when some were known, all taken out first, to go
-        back in newest. Blocks other engines hold too (a shared system prompt's)
-        are joined one by one, the others keep the shared pair.
+        holder pair for all, then, when some were known, all moved to the end
+        in order. Blocks other engines hold too (a shared system prompt's) are
+        joined one by one, the others keep the shared pair.
         """
         mine = (engine, now + self.ttl_s)
         entries = self._entries
@@ -133,7 +114,10 @@ class ApproxPrefixIndex:
             values = joined
         else:
             values = itertools.repeat(mine)
-        _put_newest(entries, hashes, values, fresh=found.count(None) == len(found))
+        size = len(entries)
+        entries.update(zip(hashes, values, strict=False))
+        if len(entries) - size != len(hashes):  # some were known: all newest, in order
+            _drain(map(entries.move_to_end, hashes))
         excess = len(entries) - self.max_blocks
         if excess > 0:
             _drain(map(entries.__delitem__, list(itertools.islice(entries, excess))))
@@ -152,20 +136,16 @@ class ApproxPrefixIndex:
     def _touch(self, engine: str, hashes: Sequence[int], capacity: int) -> None:
         """Touch ``hashes`` tail first in ``engine``'s LRU; forget what falls out of it.
 
-        New blocks go in with one bulk update (in C); when some were there
-        already (always, when the first touched was) they are all taken out and
-        put back in touch order, as if each had been touched in turn. What falls
-        out goes in bulk too.
+        New blocks go in with one bulk update (in C); only when some were there
+        already is every block moved to the end in touch order, as if each had
+        been touched in turn. What falls out goes in bulk too (an ordered dict's
+        oldest are found without a scan).
         """
-        lru = self._lru.setdefault(engine, {})
-        touched = hashes[::-1]
-        if touched and touched[0] in lru:  # a prompt sent again (or its answer): all known
-            _put_newest(lru, touched, itertools.repeat(None), fresh=False)
-        else:
-            size = len(lru)
-            lru.update(zip(touched, itertools.repeat(None)))
-            if len(lru) - size != len(touched):  # some were there: all newest, in touch order
-                _put_newest(lru, touched, itertools.repeat(None), fresh=False)
+        lru = self._lru.setdefault(engine, collections.OrderedDict())
+        size = len(lru)
+        lru.update(zip(reversed(hashes), itertools.repeat(None)))
+        if len(lru) - size != len(hashes):  # some were there: put them all in touch order
+            _drain(map(lru.move_to_end, reversed(hashes)))
         excess = len(lru) - capacity
         if excess > 0:
             gone = list(itertools.islice(lru, excess))
