@@ -615,6 +615,19 @@ def test_an_outgoing_incarnation_still_serving_is_no_restart() -> None:
     assert policy.approx.lookup_at(HASHES, policy.clock()) == {"a": len(HASHES)}
 
 
+def test_without_events_a_queued_prefill_counts_in_depth_but_not_as_pending() -> None:
+    """Pending blocks steer only engines whose events flow: without them nothing tallies them
+    (the approximate memory already says where the prompt went)."""
+    policy = KvAware(KvAwareKnobs(block_size=BS))
+    catalog = Catalog(1, (handle("a"), handle("b")))
+    placed = policy.choose(catalog, view(PROMPT))
+    assert placed is not None and placed.prefilled is not None
+    home = placed.engine.name
+    assert policy.queue.depth(home, policy.clock(), None) == len(HASHES)
+    assert policy.queue.pending(home, HASHES) == 0
+    assert policy.approx.lookup_at(HASHES, policy.clock()) == {home: len(HASHES)}
+
+
 def test_a_burst_of_one_new_prefix_queues_behind_its_first_request() -> None:
     """The events show nothing before a prefill: what is pending there steers the followers."""
     index = FakeIndex({})
