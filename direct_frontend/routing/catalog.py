@@ -13,7 +13,6 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from direct_frontend.engines.neutral import EngineInfo, EngineRole
-from direct_frontend.routing.tally import add_all
 
 
 @dataclasses.dataclass(eq=False, slots=True)
@@ -143,20 +142,14 @@ class EngineLoad:
             return id(blocks)
         return next(k for k, (b, _) in self.holding.items() if b == blocks)
 
-    @property
-    def active_blocks(self) -> dict[int, int]:
-        """KV blocks (prefix hashes) the requests in flight occupy, each with how many hold
-        it (counted once however many requests share it: the sibling replicas are told
-        the set)."""
-        counts: dict[int, int] = {}
-        for blocks, n in self.holding.values():
-            for _ in range(n):
-                add_all(counts, blocks)
-        return counts
+    def active_set(self) -> frozenset[int]:
+        """The KV blocks the requests in flight occupy, each once (what the sibling replicas
+        are told): one union in C."""
+        return frozenset().union(*[blocks for blocks, _ in self.holding.values()])
 
     def new_blocks(self, blocks: Sequence[int]) -> int:
         """How many of ``blocks`` are not already held by a request in flight (any replica's)."""
-        active = self.active_blocks
+        active = self.active_set()
         peer = self.peer_active
         if peer:
             return sum(1 for block in blocks if block not in active and block not in peer)
