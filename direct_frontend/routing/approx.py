@@ -46,6 +46,24 @@ def _joined(holders: Holders | None, mine: tuple[str, float]) -> Holders:
     return holders
 
 
+def _joined_runs(found: list[Holders | None], mine: tuple[str, float]) -> list[Holders]:
+    """Each of ``found`` joined with ``mine``, a run of one holder at a time.
+
+    Blocks recorded together share their holder, so the runs are few: those of
+    no holder or of ``mine``'s engine alone take ``mine`` in bulk; the others
+    are joined one by one (each block gets a holder of its own).
+    """
+    out: list[Holders] = []
+    for _, same in itertools.groupby(found, key=id):
+        run = list(same)
+        holders = run[0]
+        if holders is None or (type(holders) is tuple and holders[0] == mine[0]):
+            out.extend(itertools.repeat(mine, len(run)))
+        else:
+            out.extend(_joined(h, mine) for h in run)
+    return out
+
+
 def holders_of(holders: Holders | None) -> dict[str, float]:
     """``holders`` as {engine: expiry}."""
     return {} if holders is None else dict(_pairs(holders))
@@ -107,11 +125,7 @@ class ApproxPrefixIndex:
         values: Iterable[Holders]
         if dict in set(map(type, found)) or not {engine}.issuperset(
                 map(_ENGINE, filter(None, found))):  # some held by others too: joined there
-            joined: list[Holders] = [mine] * len(found)
-            for i, holders in enumerate(found):
-                if holders is not None and (type(holders) is not tuple or holders[0] != engine):
-                    joined[i] = _joined(holders, mine)
-            values = joined
+            values = _joined_runs(found, mine)
         else:
             values = itertools.repeat(mine)
         size = len(entries)
@@ -178,19 +192,24 @@ class ApproxPrefixIndex:
         result: dict[str, int] = {}
         if not first:
             return result
-        # the holders of the leading hashes anyone was sent (a C loop up to the first unknown)
-        found = list(itertools.takewhile(_known, map(entries.get, hashes)))
+        # the holders of the leading hashes anyone was sent (a C loop up to the first unknown),
+        # as runs of one holder (blocks recorded together share theirs): a step per run
+        found = itertools.takewhile(_known, map(entries.get, itertools.islice(hashes, 1, None)))
+        runs = []
+        for _, same in itertools.groupby(found, key=id):
+            run = list(same)
+            runs.append((run[0], len(run)))
         for engine, expiry in _pairs(first):
             if expiry <= now:
                 continue
             depth = 1
-            for holders in itertools.islice(found, 1, None):
+            for holders, blocks in runs:
                 if type(holders) is tuple:
                     if holders[0] != engine or holders[1] <= now:
                         break
                 elif holders.get(engine, -math.inf) <= now:  # type: ignore[union-attr]
                     break
-                depth += 1
+                depth += blocks
             result[engine] = depth
         return result
 
