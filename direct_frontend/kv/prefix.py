@@ -227,7 +227,11 @@ def stored_hashes(event: BlockStored, block_size: int, seed: int) -> list[int]:
     lora = event.lora_name
     salt = event.cache_salt if event.parent_block_hash is None else None
     h = seed
-    out = []
+    out: list[int] = []
+    whole = len(event.block_hashes) * step
+    if len(data) >= whole and (not salt if extras is None else extras.count(None) == len(extras)):
+        _chain_on(out, data[:whole] if len(data) > whole else data, 0, step, h)  # nothing mixed in
+        return out
     for i in range(len(event.block_hashes)):
         chunk = data[i * step : (i + 1) * step]
         if extras is not None:
