@@ -160,6 +160,15 @@ class KvIndex:
     def _place(self, state: _Engine, engine_hashes: Sequence[int], ours: Sequence[int]) -> int:
         """Map each engine hash to our prefix hash on ``state``; returns the new entries."""
         blocks = state.blocks
+        size = len(blocks)
+        if (len(engine_hashes) == len(ours)
+                and list(map(blocks.get, engine_hashes)).count(None) == len(engine_hashes)):
+            # the usual store (blocks new to this engine): in bulk, in C
+            blocks.update(zip(engine_hashes, ours, strict=True))
+            if len(blocks) - size == len(ours):
+                return self._placed(state, ours)
+            for engine_hash in engine_hashes:  # one repeats: placed one by one, as a store goes
+                blocks.pop(engine_hash, None)
         new = []
         for engine_hash, h in zip(engine_hashes, ours, strict=True):
             old = blocks.get(engine_hash)
@@ -171,10 +180,14 @@ class KvIndex:
                 continue
             blocks[engine_hash] = h
             new.append(h)
+        return self._placed(state, new)
+
+    def _placed(self, state: _Engine, new: Sequence[int]) -> int:
+        """``new`` (our prefix hashes) placed on ``state``: held in the table and counted."""
         self._prefixes.hold(new, state.bit, state.aliases)
         self._total += len(new)
-        if len(blocks) > state.peak:
-            state.peak = len(blocks)
+        if len(state.blocks) > state.peak:
+            state.peak = len(state.blocks)
         return len(new)
 
     def remove(self, engine: str, event: BlockRemoved) -> int:
