@@ -21,6 +21,11 @@ contract, which SMG speaks):
   its contract); a first burst warms the server up, the second is measured
   (RSS before it, at its peak and a second after it: what a burst leaves).
 
+``--long-policy`` sets the daemons' routing policy (SMG's follows it),
+``--long-kv-events`` has the SGLang engines publish KV events the daemons
+subscribe to (``kv_aware`` then routes by the exact index), and
+``--daemon-cmd`` (e.g. a profiling wrapper) starts the candidate daemon.
+
 Each phase reports the server's CPU per request (utime+stime of its process,
 all threads, less what the ``/health`` probes cost it: measured per probe when
 the server starts), TTFT p50/p99, the event loop's worst stall (``GET /health``
@@ -219,42 +224,59 @@ async def calibrate_probe(server: Server, probes: int = 300) -> None:
     server.probe_cpu = (bo.proc_cpu_seconds(server.child.pid) - cpu) / probes
 
 
+#: an engine's gRPC port → its KV events' publisher and replay ports (engines that publish)
+KvPorts = dict[int, tuple[int, int]]
+
+
 def long_fleet(listen: int, engines: Sequence[tuple[str, int]], policy: str,
-               context: int | None) -> str:
+               context: int | None, kv: KvPorts | None = None) -> str:
     lines = ["[frontend]", f'listen = "{HOST}:{listen}"', f'served_model_name = "{MODEL}"',
              f"tokenizer = {json.dumps(str(bo.MODEL_DIR))}", "",
              "[frontend.routing]", f'policy = "{policy}"', ""]
     for i, (kind, port) in enumerate(engines):
         lines += ["[[engine]]", f'name = "engine-{i}"', f'url = "grpc://{HOST}:{port}"',
-                  f'kind = "{kind}"', ""]
+                  f'kind = "{kind}"']
+        if kv and port in kv:
+            events, replay = kv[port]
+            lines += [f'kv_events = ["tcp://{HOST}:{events}"]',
+                      f'kv_replay = ["tcp://{HOST}:{replay}"]']
+        lines.append("")
     del context  # the engines report it (or not)
     return "\n".join(lines)
 
 
 async def start_engines(kind: str, count: int, context: int, tmp: pathlib.Path,
-                        children: list[bo.Child], tag: str) -> list[int]:
+                        children: list[bo.Child], tag: str, kv_events: bool = False,
+                        ) -> tuple[list[int], KvPorts]:
     ports = bo.free_ports(count)
+    kv: KvPorts = {}
     for i, port in enumerate(ports):
+        extra: list[str] = []
+        if kv_events:
+            events, replay = bo.free_ports(2)
+            kv[port] = (events, replay)
+            extra = ["--kv-events-port", str(events), "--kv-replay-port", str(replay)]
         child = bo.Child(f"engine {tag}-{i}", [
             *bo.cli_argv(), "simulate-engine", "--kind", kind, "--host", HOST, "--port", str(port),
             "--model-dir", str(bo.MODEL_DIR), "--served-model-name", MODEL,
             "--prefill-us-per-token", "0", "--decode-us-per-token", "0",
             "--eos-probability", "0", "--max-running", "256", "--context-length", str(context),
+            *extra,
         ], tmp / f"engine-{tag}-{i}.log")
         children.append(child)
         await bo.wait_for_port(child, port)
-    return ports
+    return ports, kv
 
 
 async def start_daemons(sides: Sequence[bo.Side], kind: str, ports: Sequence[int],
                         args: argparse.Namespace, tmp: pathlib.Path, children: list[bo.Child],
-                        tag: str) -> list[Server]:
+                        tag: str, kv: KvPorts | None = None) -> list[Server]:
     servers = []
     for side in sides:
         (listen,) = bo.free_ports(1)
         fleet = tmp / f"fleet-{tag}-{side.name}.toml"
         fleet.write_text(long_fleet(listen, [(kind, p) for p in ports], args.long_policy,
-                                    args.long_context))
+                                    args.long_context, kv))
         env = dict(os.environ) if side.source is None else bo.daemon_env(side.source)
         state = tmp / f"state-{tag}-{side.name}"  # a store of its own (schemas differ by rev)
         state.mkdir(parents=True, exist_ok=True)
@@ -479,6 +501,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--long-policy", default="kv_aware",
                    help="the daemons' routing policy (SMG: cache_aware for kv_aware, else "
                         "round_robin)")
+    g.add_argument("--long-kv-events", action="store_true",
+                   help="the SGLang engines publish KV events and the daemons subscribe (the "
+                        "exact index instead of the approximate memory, with kv_aware)")
     g.add_argument("--agent-conversations", type=int, default=4)
     g.add_argument("--agent-turns", type=int, default=40)
     g.add_argument("--agent-result-tokens", type=int, default=500)
@@ -543,9 +568,9 @@ async def run(args: argparse.Namespace, sides: list[bo.Side], tmp: pathlib.Path,
                                "concurrency": args.long_concurrency, "turns": args.agent_turns,
                                "huge_count": args.huge_count, "huge_bytes": args.huge_bytes}
     if modes & {"unique", "agent", "huge"}:
-        ports = await start_engines("sglang", args.long_engines, args.long_context, tmp,
-                                    children, "sglang")
-        servers = await start_daemons(sides, "sglang", ports, args, tmp, children, "sglang")
+        ports, kv = await start_engines("sglang", args.long_engines, args.long_context, tmp,
+                                        children, "sglang", args.long_kv_events)
+        servers = await start_daemons(sides, "sglang", ports, args, tmp, children, "sglang", kv)
         if args.smg and modes & {"unique", "agent"}:
             servers.append(await start_smg(args.smg, ports, args, tmp, children))
         results["probe_cpu_us"] = {s.name: s.probe_cpu * 1e6 for s in servers}
@@ -575,7 +600,7 @@ async def run(args: argparse.Namespace, sides: list[bo.Side], tmp: pathlib.Path,
         for server in servers:
             server.child.stop()
     if "huge" in modes:
-        ports = await start_engines("trtllm", 1, args.long_context, tmp, children, "trtllm")
+        ports, _ = await start_engines("trtllm", 1, args.long_context, tmp, children, "trtllm")
         servers = await start_daemons(sides, "trtllm", ports, args, tmp, children, "trtllm")
         results["huge_no_context"] = await huge(servers, prose, args, "no context reported")
         for server in servers:

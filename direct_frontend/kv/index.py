@@ -29,6 +29,7 @@ from direct_frontend.kv.events import (
 from direct_frontend.kv.filters import DEVICE_TIERS, removal_indexed, store_rejection
 from direct_frontend.kv.prefix import namespace_seed, prefix_hashes, stored_hashes
 from direct_frontend.kv.regroup import Regrouper, compatible
+from direct_frontend.kv.runs import continues, merged
 from direct_frontend.kv.table import COMPACT_MIN, HASH_BYTES, PrefixTable, let_go_extra
 
 __all__ = ["KvIndex", "KvIndexStats"]
@@ -113,16 +114,42 @@ class KvIndex:
         self.apply_events(engine, batch.events)
 
     def apply_events(self, engine: str, events: Iterable[KvEvent]) -> None:
-        """Apply events in order (a batch's, or a test's), then sweep a little."""
+        """Apply events in order (a batch's, or a test's), then sweep a little.
+
+        A run of stores each of the one before's child (SGLang's one per page)
+        is stored as one where that ends the same (kv/runs.py).
+        """
+        run: list[BlockStored] = []
         for event in events:
             if isinstance(event, BlockStored):
-                self.store(engine, event)
-            elif isinstance(event, BlockRemoved):
+                if run and not continues(run[-1], event):
+                    self._store_run(engine, run)
+                    run = []
+                run.append(event)
+                continue
+            if run:
+                self._store_run(engine, run)
+                run = []
+            if isinstance(event, BlockRemoved):
                 self.remove(engine, event)
             elif isinstance(event, AllBlocksCleared):
                 self.clear_engine(engine)
+        if run:
+            self._store_run(engine, run)
         if self._prefixes.sweeping:
             self.sweep()
+
+    def _store_run(self, engine: str, run: Sequence[BlockStored]) -> None:
+        """Store ``run`` as one where :func:`merged` says that ends the same, else one by one."""
+        if len(run) > 1:
+            state = self._engines.get(engine)
+            one = merged(run, {} if state is None else state.blocks,
+                         self.max_blocks - self._total, self.block_size, self.tiers)
+            if one is not None:
+                self.store(engine, one)
+                return
+        for event in run:
+            self.store(engine, event)
 
     def store(self, engine: str, event: BlockStored) -> int:
         """Index a BlockStored after the docs/kv-events.md §10 filters; returns blocks added."""
@@ -160,6 +187,15 @@ class KvIndex:
     def _place(self, state: _Engine, engine_hashes: Sequence[int], ours: Sequence[int]) -> int:
         """Map each engine hash to our prefix hash on ``state``; returns the new entries."""
         blocks = state.blocks
+        size = len(blocks)
+        if (len(engine_hashes) == len(ours)
+                and list(map(blocks.get, engine_hashes)).count(None) == len(engine_hashes)):
+            # the usual store (blocks new to this engine): in bulk, in C
+            blocks.update(zip(engine_hashes, ours, strict=True))
+            if len(blocks) - size == len(ours):
+                return self._placed(state, ours)
+            for engine_hash in engine_hashes:  # one repeats: placed one by one, as a store goes
+                blocks.pop(engine_hash, None)
         new = []
         for engine_hash, h in zip(engine_hashes, ours, strict=True):
             old = blocks.get(engine_hash)
@@ -171,10 +207,14 @@ class KvIndex:
                 continue
             blocks[engine_hash] = h
             new.append(h)
+        return self._placed(state, new)
+
+    def _placed(self, state: _Engine, new: Sequence[int]) -> int:
+        """``new`` (our prefix hashes) placed on ``state``: held in the table and counted."""
         self._prefixes.hold(new, state.bit, state.aliases)
         self._total += len(new)
-        if len(blocks) > state.peak:
-            state.peak = len(blocks)
+        if len(state.blocks) > state.peak:
+            state.peak = len(state.blocks)
         return len(new)
 
     def remove(self, engine: str, event: BlockRemoved) -> int:

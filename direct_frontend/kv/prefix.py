@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import array
 from collections.abc import Iterable, Sequence
-from typing import Final
+from typing import Any, Final
 
 import msgspec
 import xxhash
@@ -96,19 +96,30 @@ class PromptIds(tuple[int, ...]):
     :func:`prefix_hashes` takes the blocks within ``known`` from there instead of
     hashing them again, and keeps what it computes in ``chains`` for the prompts
     built from this one. A plain tuple otherwise: slicing or adding gives a tuple.
+
+    ``built``: where an engine dialect keeps the id list it made of these ids
+    (by its own key), for the prompts built from this one, which copy their
+    first ``known`` ids from ``built_source`` (the earlier prompt's ``built``)
+    instead of converting them again; None where no prompt will be built from
+    these ids (they are not kept for a conversation's next turn).
     """
 
     chains: dict[tuple[int, int, str | None], list[int]]
     source: dict[tuple[int, int, str | None], list[int]] | None
     known: int
+    built: dict[str, Any] | None
+    built_source: dict[str, Any] | None
 
     def __new__(cls, ids: Iterable[int],
                 source: dict[tuple[int, int, str | None], list[int]] | None = None,
-                known: int = 0) -> PromptIds:
+                known: int = 0, *, built_source: dict[str, Any] | None = None,
+                keep_built: bool = False) -> PromptIds:
         self = super().__new__(cls, ids)
         self.chains = {}
         self.source = source
         self.known = known if source is not None else 0
+        self.built = {} if keep_built else None
+        self.built_source = built_source if self.known else None
         return self
 
 
@@ -216,7 +227,11 @@ def stored_hashes(event: BlockStored, block_size: int, seed: int) -> list[int]:
     lora = event.lora_name
     salt = event.cache_salt if event.parent_block_hash is None else None
     h = seed
-    out = []
+    out: list[int] = []
+    whole = len(event.block_hashes) * step
+    if len(data) >= whole and (not salt if extras is None else extras.count(None) == len(extras)):
+        _chain_on(out, data[:whole] if len(data) > whole else data, 0, step, h)  # nothing mixed in
+        return out
     for i in range(len(event.block_hashes)):
         chunk = data[i * step : (i + 1) * step]
         if extras is not None:

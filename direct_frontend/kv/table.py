@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+import operator
 import sys
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Final
@@ -75,12 +76,20 @@ class PrefixTable:
         blocks with one prefix hash).
         """
         table = self._table
-        for h in hashes:
-            mask = table.get(h, 0)
-            if mask & bit:
-                aliases[h] = aliases.get(h, 0) + 1
-            else:
-                table[h] = mask | bit
+        hashes = hashes if isinstance(hashes, list | tuple) else list(hashes)
+        masks = list(map(table.get, hashes, itertools.repeat(0)))
+        if len(set(hashes)) == len(hashes) and not any(
+                map(operator.and_, masks, itertools.repeat(bit))):
+            # the usual store (a prompt's distinct prefixes, none held yet): in bulk, in C
+            table.update(zip(hashes, map(operator.or_, masks, itertools.repeat(bit)),
+                             strict=False))
+        else:
+            for h in hashes:
+                mask = table.get(h, 0)
+                if mask & bit:
+                    aliases[h] = aliases.get(h, 0) + 1
+                else:
+                    table[h] = mask | bit
         if len(table) > self._peak:
             self._peak = len(table)
 

@@ -84,7 +84,9 @@ PREFIX_MAX_BYTES = 64 << 20
 PREFIX_MAX_ENTRY_BYTES = 16 << 20
 #: prompts kept per first piece (a system prompt many conversations share)
 PREFIX_PER_KEY = 8
-_PREFIX_BYTES_PER_ID = 48
+#: an id's share of a kept prompt: the tuple's slot and int, its share of the hash chains,
+#: and of the engine request's id lists kept for the next turn (4 bytes each, two kinds)
+_PREFIX_BYTES_PER_ID = 56
 #: a prompt's key is at most this much of its first piece (hashing more costs, finds no more)
 HEAD_CHARS = 1024
 

@@ -261,7 +261,8 @@ async def chat_ids(tokenizing: Tokenizing, prompt: str, cuts: list[int]) -> Prom
         rest.extend(piece)
     head: tuple[int, ...] = () if reuse is None else reuse.entry.ids[:known]
     ids = PromptIds(head + tuple(rest), None if reuse is None else reuse.entry.ids.chains,
-                    known)
+                    known, built_source=None if reuse is None else reuse.entry.ids.built,
+                    keep_built=True)
     limit = context_limit(tokenizing.catalog())
     if limit is None or total < limit:  # one no engine can hold is refused: no next turn
         tokenizing.prefixes.put(Rendered(prompt, ids, cuts, counts),

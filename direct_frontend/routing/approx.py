@@ -46,6 +46,24 @@ def _joined(holders: Holders | None, mine: tuple[str, float]) -> Holders:
     return holders
 
 
+def _joined_runs(found: list[Holders | None], mine: tuple[str, float]) -> list[Holders]:
+    """Each of ``found`` joined with ``mine``, a run of one holder at a time.
+
+    Blocks recorded together share their holder, so the runs are few: those of
+    no holder or of ``mine``'s engine alone take ``mine`` in bulk; the others
+    are joined one by one (each block gets a holder of its own).
+    """
+    out: list[Holders] = []
+    for _, same in itertools.groupby(found, key=id):
+        run = list(same)
+        holders = run[0]
+        if holders is None or (type(holders) is tuple and holders[0] == mine[0]):
+            out.extend(itertools.repeat(mine, len(run)))
+        else:
+            out.extend(_joined(h, mine) for h in run)
+    return out
+
+
 def holders_of(holders: Holders | None) -> dict[str, float]:
     """``holders`` as {engine: expiry}."""
     return {} if holders is None else dict(_pairs(holders))
@@ -83,6 +101,7 @@ class ApproxPrefixIndex:
         self.capacities: dict[str, int] = {}
         # prefix hash → its holders; insertion order ≈ age, for the cap
         self._entries: collections.OrderedDict[int, Holders] = collections.OrderedDict()
+        # engine → the hashes its LRU model holds, least recently touched first
         self._lru: dict[str, collections.OrderedDict[int, None]] = {}
 
     def record(self, engine: str, hashes: Sequence[int], now: float) -> None:
@@ -97,21 +116,25 @@ class ApproxPrefixIndex:
         expiry. A prompt has thousands of blocks, so the usual case (each block
         new, or held by ``engine`` alone) is a few bulk steps in C: one shared
         holder pair for all, then, when some were known, all moved to the end
-        in order. Blocks other engines hold too take a step each.
+        in order. Blocks other engines hold too (a shared system prompt's) are
+        joined one by one, the others keep the shared pair.
         """
         mine = (engine, now + self.ttl_s)
         entries = self._entries
-        size = len(entries)
         found = list(map(entries.get, hashes))
-        if dict in set(map(type, found)) or not {mine[0]}.issuperset(
-                map(_ENGINE, filter(None, found))):
-            entries.update(zip(hashes, map(_joined, found, itertools.repeat(mine)), strict=True))
+        values: Iterable[Holders]
+        if dict in set(map(type, found)) or not {engine}.issuperset(
+                map(_ENGINE, filter(None, found))):  # some held by others too: joined there
+            values = _joined_runs(found, mine)
         else:
-            entries.update(zip(hashes, itertools.repeat(mine)))
+            values = itertools.repeat(mine)
+        size = len(entries)
+        entries.update(zip(hashes, values, strict=False))
         if len(entries) - size != len(hashes):  # some were known: all newest, in order
             _drain(map(entries.move_to_end, hashes))
-        while len(entries) > self.max_blocks:
-            entries.popitem(last=False)
+        excess = len(entries) - self.max_blocks
+        if excess > 0:
+            _drain(map(entries.__delitem__, list(itertools.islice(entries, excess))))
         capacity = self.capacity_of(engine)
         if capacity:
             self._touch(engine, hashes, capacity)
@@ -129,26 +152,36 @@ class ApproxPrefixIndex:
 
         New blocks go in with one bulk update (in C); only when some were there
         already is every block moved to the end in touch order, as if each had
-        been touched in turn.
+        been touched in turn. What falls out goes in bulk too (an ordered dict's
+        oldest are found without a scan).
         """
         lru = self._lru.setdefault(engine, collections.OrderedDict())
         size = len(lru)
         lru.update(zip(reversed(hashes), itertools.repeat(None)))
         if len(lru) - size != len(hashes):  # some were there: put them all in touch order
             _drain(map(lru.move_to_end, reversed(hashes)))
+        excess = len(lru) - capacity
+        if excess > 0:
+            gone = list(itertools.islice(lru, excess))
+            _drain(map(lru.__delitem__, gone))
+            self._let_go(engine, gone)
+
+    def _let_go(self, engine: str, gone: Sequence[int]) -> None:
+        """``engine`` no longer holds ``gone`` (its LRU forgot them): forget its claim on each."""
         entries = self._entries
-        get = entries.get
-        pop = lru.popitem
-        for _ in range(len(lru) - capacity):
-            h = pop(False)[0]
-            holders = get(h)
+        found = list(map(entries.get, gone))
+        if set(map(type, found)) <= {tuple}:  # the usual case, in C: held by one engine each
+            _drain(map(entries.__delitem__, itertools.compress(
+                gone, map(operator.eq, map(_ENGINE, found), itertools.repeat(engine)))))
+            return
+        for h, holders in zip(gone, found, strict=True):
             if holders is None:
                 continue
-            if isinstance(holders, tuple):
+            if type(holders) is tuple:
                 if holders[0] == engine:
                     del entries[h]
             else:
-                holders.pop(engine, None)
+                holders.pop(engine, None)  # type: ignore[union-attr]
                 if not holders:
                     del entries[h]
 
@@ -159,19 +192,24 @@ class ApproxPrefixIndex:
         result: dict[str, int] = {}
         if not first:
             return result
-        # the holders of the leading hashes anyone was sent (a C loop up to the first unknown)
-        found = list(itertools.takewhile(_known, map(entries.get, hashes)))
+        # the holders of the leading hashes anyone was sent (a C loop up to the first unknown),
+        # as runs of one holder (blocks recorded together share theirs): a step per run
+        found = itertools.takewhile(_known, map(entries.get, itertools.islice(hashes, 1, None)))
+        runs = []
+        for _, same in itertools.groupby(found, key=id):
+            run = list(same)
+            runs.append((run[0], len(run)))
         for engine, expiry in _pairs(first):
             if expiry <= now:
                 continue
             depth = 1
-            for holders in itertools.islice(found, 1, None):
+            for holders, blocks in runs:
                 if type(holders) is tuple:
                     if holders[0] != engine or holders[1] <= now:
                         break
                 elif holders.get(engine, -math.inf) <= now:  # type: ignore[union-attr]
                     break
-                depth += 1
+                depth += blocks
             result[engine] = depth
         return result
 

@@ -13,7 +13,6 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from direct_frontend.engines.neutral import EngineInfo, EngineRole
-from direct_frontend.routing.tally import add_all, remove_all
 
 
 @dataclasses.dataclass(eq=False, slots=True)
@@ -96,9 +95,9 @@ class EngineLoad:
             move()
         return len(movers)
 
-    #: KV blocks (prefix hashes) the requests in flight occupy, counted once however
-    #: many requests share them: the decode load a KV-aware policy weighs
-    active_blocks: dict[int, int] = dataclasses.field(default_factory=dict)
+    #: the KV blocks (prefix hashes) of the requests in flight: id of a request's blocks
+    #: → [those blocks, how many requests in flight hold that very sequence]
+    holding: dict[int, list[Any]] = dataclasses.field(default_factory=dict)
     #: data-parallel rank → our requests in flight pinned to it (KV-aware routing's)
     rank_in_flight: dict[int, int] = dataclasses.field(default_factory=dict)
     #: data-parallel rank → the engine's other requests there, as of its last report
@@ -112,7 +111,12 @@ class EngineLoad:
         self.in_flight += 1
         self.prompt_tokens_in_flight += prompt_tokens
         self.requests_total += 1
-        add_all(self.active_blocks, blocks)
+        if blocks:  # (one step, not one per block: the multiset is made when asked for)
+            held = self.holding.get(id(blocks))
+            if held is None:
+                self.holding[id(blocks)] = [blocks, 1]
+            else:
+                held[1] += 1
         if self.on_change is not None:
             self.on_change()
 
@@ -121,13 +125,31 @@ class EngineLoad:
             self.rank_in_flight[rank] -= 1
         self.in_flight -= 1
         self.prompt_tokens_in_flight -= prompt_tokens
-        remove_all(self.active_blocks, blocks)
+        if blocks:
+            key = self._key_of(blocks)
+            held = self.holding[key]
+            held[1] -= 1
+            if not held[1]:
+                del self.holding[key]
         if self.on_change is not None:
             self.on_change()
 
+    def _key_of(self, blocks: Sequence[int]) -> int:
+        """Where :attr:`holding` keeps ``blocks``: the same sequence :meth:`begin` was given,
+        else an equal one."""
+        held = self.holding.get(id(blocks))
+        if held is not None and held[0] is blocks:
+            return id(blocks)
+        return next(k for k, (b, _) in self.holding.items() if b == blocks)
+
+    def active_set(self) -> frozenset[int]:
+        """The KV blocks the requests in flight occupy, each once (what the sibling replicas
+        are told): one union in C."""
+        return frozenset().union(*[blocks for blocks, _ in self.holding.values()])
+
     def new_blocks(self, blocks: Sequence[int]) -> int:
         """How many of ``blocks`` are not already held by a request in flight (any replica's)."""
-        active = self.active_blocks
+        active = self.active_set()
         peer = self.peer_active
         if peer:
             return sum(1 for block in blocks if block not in active and block not in peer)

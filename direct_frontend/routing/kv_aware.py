@@ -313,7 +313,7 @@ class KvAware:
         if queued <= 0:
             return Placement(chosen, tuple(hashes), predicted, spilled, dp_rank=rank,
                              media_keys=media, prompt=prompt)
-        token = self.queue.add(chosen.name, hashes, queued, now)
+        token = self.queue.add(chosen.name, hashes, queued, now, self.by_events(chosen))
         return Placement(chosen, tuple(hashes), predicted, spilled,
                          functools.partial(self._prefilled, chosen.name, token), rank,
                          media_keys=media, prompt=prompt)

@@ -36,7 +36,7 @@ def local_loads(engines: Iterable[EngineHandle]) -> Loads:
     for engine in engines:
         load = engine.load
         requests, blocks = out.get(engine.name, _NONE)
-        out[engine.name] = (requests + load.in_flight, blocks | load.active_blocks.keys())
+        out[engine.name] = (requests + load.in_flight, blocks | load.active_set())
     return out
 
 

@@ -36,18 +36,27 @@ class PrefillQueue:
 
     def __init__(self) -> None:
         #: engine → token → [the request's prompt block hashes, blocks to prefill (0 once
-        #: prefilled), sent at, prefilled at (None: not yet)]
+        #: prefilled), sent at, prefilled at (None: not yet), whether they count as pending]
         self._queued: dict[str, collections.OrderedDict[int, list[Any]]] = {}
         #: engine → block hash → how many pending requests' prompts hold it
         self._pending: dict[str, dict[int, int]] = {}
         self._next = 0
 
-    def add(self, engine: str, hashes: Sequence[int], blocks: int, now: float) -> int:
+    def add(self, engine: str, hashes: Sequence[int], blocks: int, now: float,
+            pending: bool = True) -> int:
+        """Queue one request's prompt blocks on ``engine``; the token to call it prefilled by.
+
+        ``pending`` False: its blocks do not count in :meth:`pending` (asked only of
+        engines whose KV events flow; without them the approximate memory, which
+        records each placement as it is made, says what is there), which saves a
+        step per block.
+        """
         self._next += 1
         entry = tuple(hashes)
         self._queued.setdefault(engine, collections.OrderedDict())[self._next] = [
-            entry, blocks, now, None]
-        add_all(self._pending.setdefault(engine, {}), entry)
+            entry, blocks, now, None, pending]
+        if pending:
+            add_all(self._pending.setdefault(engine, {}), entry)
         return self._next
 
     def prefilled(self, engine: str, token: int, now: float) -> None:
@@ -65,7 +74,9 @@ class PrefillQueue:
             entry[1], entry[3] = 0, now
 
     def _drop(self, engine: str, token: int) -> None:
-        remove_all(self._pending[engine], self._queued[engine].pop(token)[0])
+        hashes, *_, pending = self._queued[engine].pop(token)
+        if pending:
+            remove_all(self._pending[engine], hashes)
 
     def forget(self, engine: str) -> None:
         """``engine``'s process is new: what we queued on the old one will never be heard of."""
@@ -99,20 +110,21 @@ class PrefillQueue:
         if not queued:
             return 0
         while queued:  # oldest first: forget what we will never hear of again
-            token, (_, _, sent, _) = next(iter(queued.items()))
+            token, (_, _, sent, _, _) = next(iter(queued.items()))
             if now - sent <= PREFILL_FORGET_S:
                 break
             self._drop(engine, token)
         total = 0
         for token, entry in list(queued.items()):
-            hashes, blocks, _, landed = entry
+            hashes, blocks, _, landed, pending = entry
             shown = bool(hashes) and stored is not None and stored(hashes[-1])
             if landed is not None and (
                     stored is None or not hashes or shown or now - landed > LANDED_FORGET_S):
                 self._drop(engine, token)  # prefilled, and stored or no events to wait for
                 continue
             if shown:  # the index holds its blocks from here on: pending no longer
-                remove_all(self._pending[engine], hashes)
+                if pending:
+                    remove_all(self._pending[engine], hashes)
                 entry[0] = ()
             total += blocks  # queued until its first token, whatever the events say
         return total

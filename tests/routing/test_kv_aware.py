@@ -29,11 +29,10 @@ BS = 4
 GENERATION = {"a": 1, "b": 2, "c": 3}
 
 
-def handle(name: str, in_flight: int = 0, active_blocks: int = 0) -> EngineHandle:
+def handle(name: str, in_flight: int = 0) -> EngineHandle:
     h = EngineHandle(name, "vllm", f"grpc://{name}:1", GENERATION[name], EngineRole.BOTH,
                      EngineInfo("demo"), 4096, None)
     h.load.in_flight = in_flight
-    h.load.active_blocks = {10_000 + i: 1 for i in range(active_blocks)}
     return h
 
 
@@ -76,7 +75,7 @@ def test_decode_load_outweighs_a_small_overlap() -> None:
     index = FakeIndex({"b": HASHES[:1]})
     policy = KvAware(KvAwareKnobs(block_size=BS), index)
     policy.uses_events = {1, 2}
-    catalog = Catalog(1, (handle("a"), handle("b", in_flight=3, active_blocks=10)))
+    catalog = Catalog(1, (handle("a"), handle("b", in_flight=3)))
     chosen = policy.choose(catalog, view(PROMPT))
     assert chosen is not None and chosen.engine.name == "a"
 
@@ -191,12 +190,15 @@ def test_ranks_of_one_engine_combine_and_other_incarnations_do_not_count() -> No
 def test_blocks_shared_by_requests_in_flight_count_once() -> None:
     h = handle("a")
     h.load.begin(32, HASHES)
-    h.load.begin(32, HASHES)
-    assert len(h.load.active_blocks) == len(HASHES)
+    h.load.begin(32, list(HASHES))  # an equal sequence, not the same one
+    h.load.begin(32, HASHES[:3])
+    assert h.load.active_set() == set(HASHES)
     assert h.load.new_blocks(HASHES) == 0 and h.load.new_blocks([1, 2]) == 2
+    h.load.end(32, list(HASHES))
+    h.load.end(32, HASHES[:3])
+    assert h.load.active_set() == set(HASHES)  # one request still holds them
     h.load.end(32, HASHES)
-    h.load.end(32, HASHES)
-    assert h.load.active_blocks == {}
+    assert h.load.active_set() == frozenset() and not h.load.holding
 
 
 def test_a_busy_engine_holding_the_prefix_wins_until_its_load_outweighs_the_saving() -> None:
@@ -611,6 +613,19 @@ def test_an_outgoing_incarnation_still_serving_is_no_restart() -> None:
     assert policy.approx.lookup_at(HASHES, policy.clock()) == {"a": len(HASHES)}
     policy.choose(Catalog(2, (old, new)), view([*PROMPT, 1]))
     assert policy.approx.lookup_at(HASHES, policy.clock()) == {"a": len(HASHES)}
+
+
+def test_without_events_a_queued_prefill_counts_in_depth_but_not_as_pending() -> None:
+    """Pending blocks steer only engines whose events flow: without them nothing tallies them
+    (the approximate memory already says where the prompt went)."""
+    policy = KvAware(KvAwareKnobs(block_size=BS))
+    catalog = Catalog(1, (handle("a"), handle("b")))
+    placed = policy.choose(catalog, view(PROMPT))
+    assert placed is not None and placed.prefilled is not None
+    home = placed.engine.name
+    assert policy.queue.depth(home, policy.clock(), None) == len(HASHES)
+    assert policy.queue.pending(home, HASHES) == 0
+    assert policy.approx.lookup_at(HASHES, policy.clock()) == {home: len(HASHES)}
 
 
 def test_a_burst_of_one_new_prefix_queues_behind_its_first_request() -> None:

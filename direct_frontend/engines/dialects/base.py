@@ -96,6 +96,40 @@ class OptionalFields(Protocol):
     def prompt_logprobs(self) -> int | None: ...
 
 
+#: ids shared with an earlier prompt below this are converted again rather than copied
+COPY_MIN_IDS = 1024
+
+
+def fill_prompt(tokenized: Any, field: str, text: str, ids: Sequence[int], key: str) -> None:
+    """Set a contract's tokenized input (``tokenized``, built in place) to ``text`` and ``ids``
+    (its repeated ``field``).
+
+    Ids that begin with an earlier prompt's (a conversation's next turn:
+    ``PromptIds`` that know their shared prefix) start from a copy of the list
+    made of that prompt's ids (protobuf copies it in C), cut to the shared part,
+    so only the new ids are converted one by one: the equal list, in time for
+    what is new. Where these ids keep what was made of them, a copy of the list
+    is kept (under ``key``) for the next turn's.
+    """
+    earlier = getattr(ids, "built_source", None)
+    known = getattr(ids, "known", 0)
+    copied = None if earlier is None or known < COPY_MIN_IDS else earlier.get(key)
+    listed = getattr(tokenized, field)
+    if copied is not None and len(getattr(copied, field)) >= known:
+        listed.extend(getattr(copied, field))  # (list to list: a copy in C)
+        del listed[known:]
+        listed.extend(ids[known:])
+    else:
+        listed.extend(ids)
+    tokenized.original_text = text
+    tokenized.SetInParent()  # (present even when empty, as when set from a dict)
+    built = getattr(ids, "built", None)
+    if built is not None:  # the list alone (not the text, not the request)
+        kept = type(tokenized)()
+        getattr(kept, field).extend(listed)
+        built[key] = kept
+
+
 def missing_capability(capabilities: Capabilities, sampling: OptionalFields) -> str | None:
     """The request field ``sampling`` sets that a kind with ``capabilities`` cannot carry.
 

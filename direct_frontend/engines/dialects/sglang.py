@@ -63,6 +63,7 @@ from direct_frontend.engines.dialects.base import (
     choice_regex,
     classify_exception,
     engine_aborted,
+    fill_prompt,
 )
 from direct_frontend.engines.dialects.smg import (
     SmgDialect,
@@ -140,11 +141,9 @@ class SglangDialect(SmgDialect):
             params[field] = value
         # Sub-messages as dicts: protobuf builds them in place instead of copying.
         request = pb.GenerateRequest(
-            request_id=call.request_id,
-            tokenized={"original_text": call.original_text, "input_ids": call.input_ids},
-            sampling_params=params,
-            stream=call.stream,
+            request_id=call.request_id, sampling_params=params, stream=call.stream,
         )
+        fill_prompt(request.tokenized, "input_ids", call.original_text, call.input_ids, "sglang")
         if s.logprobs is not None:  # logprobs: one top count serves output and prompt
             request.return_logprob = True
             request.top_logprobs_num = max(s.logprobs, s.prompt_logprobs or 0)

@@ -61,6 +61,7 @@ from direct_frontend.engines.dialects.base import (
     Source,
     StreamDecoder,
     choice_regex,
+    fill_prompt,
 )
 from direct_frontend.engines.dialects.smg import (
     LOGPROB_FLOOR,
@@ -256,7 +257,6 @@ class TrtllmDialect(SmgDialect):
             config["seed"] = s.seed & 0xFFFFFFFFFFFFFFFF  # uint64
         request = pb.GenerateRequest(
             request_id=call.request_id,
-            tokenized={"original_text": call.original_text, "input_token_ids": call.input_ids},
             sampling_config=config,
             # at least 1: whether 0 returns the sampled token's logprob is unconfirmed
             output_config=None if s.logprobs is None else {"logprobs": max(1, s.logprobs)},
@@ -265,6 +265,8 @@ class TrtllmDialect(SmgDialect):
             stop_token_ids=s.stop_token_ids,
             ignore_eos=s.ignore_eos,
         )
+        fill_prompt(request.tokenized, "input_token_ids", call.original_text, call.input_ids,
+                    "trtllm")
         guided = None if s.constraint is None else guided_decoding(s.constraint)
         if guided is not None:
             request.guided_decoding.guide_type, request.guided_decoding.guide = guided

@@ -59,6 +59,7 @@ from direct_frontend.engines.dialects.base import (
     Rpc,
     Source,
     bootstrap_address,
+    fill_prompt,
 )
 from direct_frontend.engines.dialects.smg import (
     SmgDialect,
@@ -218,13 +219,14 @@ class VllmDialect(SmgDialect):
         media = call.media
         refs = None if media is None else _media_refs(media)
         request = pb.GenerateRequest(
-            request_id=call.request_id,
-            tokenized={"original_text": call.original_text,
-                       "input_ids": call.input_ids if refs is None or media is None
-                       else media.anchor_ids(call.input_ids)},
-            sampling_params=params,
-            stream=call.stream,
+            request_id=call.request_id, sampling_params=params, stream=call.stream,
         )
+        if refs is None or media is None:
+            fill_prompt(request.tokenized, "input_ids", call.original_text, call.input_ids,
+                        "vllm")
+        else:
+            request.tokenized.original_text = call.original_text
+            request.tokenized.input_ids.extend(media.anchor_ids(call.input_ids))
         if call.dp_rank is not None:
             request.data_parallel_rank = call.dp_rank
         pd = call.disaggregation
