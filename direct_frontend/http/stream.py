@@ -169,21 +169,24 @@ class Writer:
             await self._step(event)
 
     async def _step(self, event: StairEvent) -> None:
-        """The stair's events before the output (and an embeddings response's vectors)."""
-        if isinstance(event, Resolved):
+        """The stair's events before the output (and an embeddings response's vectors).
+
+        Told apart by their exact type, as :meth:`__call__` does: the events are final
+        structs, and this runs several times per request."""
+        if type(event) is Resolved:
             self.model = event
-        elif isinstance(event, Prepared):
+        elif type(event) is Prepared:
             self.prepared = event
-        elif isinstance(event, Charged):
+        elif type(event) is Charged:
             if event.standing is not None:
                 self.headers += headers_of(event.standing, anthropic=self.anthropic,
                                            wall_now=time.time())
-        elif isinstance(event, Admitted):
+        elif type(event) is Admitted:
             self.renderer = renderer = self.render(self.prepared)
             self.streamed = renderer.streamed
             assert self._nursery is not None
             self._nursery.start_soon(self._client.run, self._receive, self._nursery.cancel_scope)
-        elif isinstance(event, Embedded):
+        elif type(event) is Embedded:
             await self._last(self.renderer.embedded(event), True)
 
     async def _last(self, data: bytes, last: bool) -> None:

@@ -65,14 +65,18 @@ class RelayState:
         attempt = self.attempt
         attempt.relaying()
         output = self.output
+        note = output.note
+        continued = attempt.continued  # set between attempts only
         before = output.completion_tokens
         budget = self.budget
         pieces: list[str] = []
         tokens: list[int] = []
         while event is not None:
-            event = self._admit(event, before, len(tokens))
-            if event is None:
-                break
+            if attempt.replaying or (budget is not None and budget.limit is not None):
+                event = self._admit(event, before, len(tokens))
+                if event is None:
+                    break
+            note(event, continued)
             if not isinstance(event, TokenDelta):  # the engine's last event
                 if not (tokens and output.feed(tokens, pieces)):
                     output.finish(event, pieces)
@@ -91,9 +95,10 @@ class RelayState:
         return self._batch("".join(pieces), output.completion_tokens - before)
 
     def _admit(self, event: EngineEvent, produced: int, merged: int) -> EngineEvent | None:
-        """``event`` as the output takes it: less what a replay repeats (None: the replay
-        differs), up to the reasoning budget; ``produced``, ``merged``: the output's tokens
-        before this batch, and the batch's before ``event``."""
+        """``event`` as the output takes it, while a replay or a reasoning budget is on: less
+        what a replay repeats (None: the replay differs), up to the reasoning budget;
+        ``produced``, ``merged``: the output's tokens before this batch, and the batch's
+        before ``event``."""
         attempt = self.attempt
         if attempt.replaying:
             replayed = attempt.replayed(event, produced)
@@ -103,7 +108,6 @@ class RelayState:
         budget = self.budget
         if budget is not None and budget.limit is not None:
             event = budget.cut(event, produced, merged)
-        self.output.note(event, attempt.continued)
         return event
 
     def _batch(self, text: str, tokens: int) -> Batch:
