@@ -67,29 +67,38 @@ class RelayState:
         output = self.output
         note = output.note
         continued = attempt.continued  # set between attempts only
+        each = output.notes_each(continued)  # else the batch's last event is noted alone
+        last: EngineEvent | None = None
         before = output.completion_tokens
         budget = self.budget
         pieces: list[str] = []
         tokens: list[int] = []
-        while event is not None:
-            if attempt.replaying or (budget is not None and budget.limit is not None):
-                event = self._admit(event, before, len(tokens))
-                if event is None:
+        try:
+            while event is not None:
+                if attempt.replaying or (budget is not None and budget.limit is not None):
+                    event = self._admit(event, before, len(tokens))
+                    if event is None:
+                        break
+                if each:
+                    note(event, continued)
+                else:
+                    last = event
+                if not isinstance(event, TokenDelta):  # the engine's last event
+                    if not (tokens and output.feed(tokens, pieces)):
+                        output.finish(event, pieces)
+                    tokens = []
                     break
-            note(event, continued)
-            if not isinstance(event, TokenDelta):  # the engine's last event
-                if not (tokens and output.feed(tokens, pieces)):
-                    output.finish(event, pieces)
-                tokens = []
-                break
-            tokens.extend(event.token_ids)
-            if budget is not None and budget.held is not None:
-                break  # the budget's end: the rest waits for the verdict
-            try:
-                event = queue.receive_nowait()
-            except EngineError as error:  # surfaces after the tokens before it are taken
-                attempt.pending_error = error
-                break
+                tokens.extend(event.token_ids)
+                if budget is not None and budget.held is not None:
+                    break  # the budget's end: the rest waits for the verdict
+                try:
+                    event = queue.receive_nowait()
+                except EngineError as error:  # surfaces after the tokens before it are taken
+                    attempt.pending_error = error
+                    break
+        finally:
+            if last is not None:
+                note(last, continued)
         if tokens:
             output.feed(tokens, pieces)
         return self._batch("".join(pieces), output.completion_tokens - before)

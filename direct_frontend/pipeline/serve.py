@@ -183,8 +183,9 @@ class Stair:
         tenant = named_in_body(settings.frontend.tenants, ask.tenant, request.user,
                                request.safety_identifier)
         # the tier it is served at (what its response reports): its tenant's to have
-        request = msgspec.structs.replace(request, service_tier=settings.admission.tier(
-            tenant, request.service_tier))
+        tier = settings.admission.tier(tenant, request.service_tier)
+        if tier != request.service_tier:
+            request = msgspec.structs.replace(request, service_tier=tier)
         trace = ask.trace
         if trace is not None:
             trace.model(request.model)
