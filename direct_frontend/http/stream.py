@@ -143,11 +143,8 @@ class Writer:
         if type(event) is Batch:
             data = self.renderer.batch(event, index)
             if self.streamed:
-                out = self.out
-                out += data
-                if out:
-                    body = bytes(out)
-                    out.clear()
+                body = self._taken(data)
+                if body:
                     await self._send({"type": "http.response.body", "body": body,
                                       "more_body": True})
         elif type(event) is Opened:
@@ -189,13 +186,21 @@ class Writer:
         elif type(event) is Embedded:
             await self._last(self.renderer.embedded(event), True)
 
+    def _taken(self, data: bytes) -> bytes:
+        """What is rendered and not yet sent, with ``data`` after it, taken to be sent (as
+        it is, when nothing waited before it)."""
+        out = self.out
+        if not out:
+            return data
+        out += data
+        body = bytes(out)
+        out.clear()
+        return body
+
     async def _last(self, data: bytes, last: bool) -> None:
         if self.streamed:
-            out = self.out
-            out += data
-            if out or last:
-                body = bytes(out)
-                out.clear()
+            body = self._taken(data)
+            if body or last:
                 await self._send({"type": "http.response.body", "body": body,
                                   "more_body": not last})
                 self.ended = last
