@@ -249,7 +249,10 @@ class Admission:
     def _ahead(self, tier: Tier) -> bool:
         """Whether a request waits that goes before a new one of ``tier`` (its own tier's,
         or a tier first served)."""
-        return any(queue.size for queue in self._before[tier])
+        waiting = 0
+        for queue in self._before[tier]:  # a loop: no generator made per request
+            waiting += queue.size
+        return waiting > 0
 
     def _timeout(self, tier: Tier) -> float:
         config = self.config
