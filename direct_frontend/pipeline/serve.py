@@ -89,9 +89,9 @@ from direct_frontend.pipeline.tenancy import named_in_body
 from direct_frontend.routing.affinity import routing_key
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Ask:
-    """A parsed generation request, as the HTTP shell hands it to the stair."""
+class Ask(msgspec.Struct, frozen=True):
+    """A parsed generation request, as the HTTP shell hands it to the stair (a struct: one
+    is made per request, and a frozen dataclass's fields are set one call at a time)."""
 
     request: ChatRequest | CompletionRequest
     kind: Kind  # its prompt: a chat's messages, or a completion's prompt
