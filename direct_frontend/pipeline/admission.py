@@ -133,13 +133,11 @@ class Admission:
         #: the spare slots follow (a tier leaves spares for its own and earlier tiers only)
         self._shares = {tier: Shares(config.max_in_flight, self.tenants.weight)
                         for tier in INTERACTIVE}
-        #: the accounts a request of each tier counts in: priority in both, default in its
-        #: own, flex in none
+        #: the accounts a request of each tier counts in (priority both, default its own)
         self._accounts: dict[Tier, tuple[Shares, ...]] = {
             "priority": tuple(self._shares.values()), "default": (self._shares["default"],),
             "flex": ()}
-        #: the queues a new request of each tier waits behind: its own tier's and those of
-        #: the tiers served first
+        #: the queues a new request of each tier waits behind: its own, those served first
         self._before: dict[Tier, tuple[FairQueue, ...]] = {
             tier: tuple(self._queues[first] for first in TIERS[:TIERS.index(tier) + 1])
             for tier in TIERS}
@@ -148,8 +146,7 @@ class Admission:
         self._peak = (0.0, 0.0)  # (the peak, when it was last brought up to date)
         self._flex = 0  # the slots flex holds
         self._flex_hold = 1.0  # how long a flex request holds its slots (an average)
-        #: how long the interactive tiers' peak is remembered (:func:`_peak_memory`)
-        self._memory = _peak_memory(self._flex_hold)
+        self._memory = _peak_memory(self._flex_hold)  # how long the interactive peak lasts
         self._pushed_out: dict[Waiter, str] = {}  # refused to make room, and why
         self._holds: dict[Hold, None] = {}  # the admitted requests of one slot, in order
         #: the most slots a tenant past its share leaves free for the others (see _fits)
@@ -220,16 +217,15 @@ class Admission:
         request of several choices is not passed over for ever.
         """
         count = min(count, self.config.max_in_flight)
-        granted = waited_from = trio.current_time()
+        granted = now = trio.current_time()
         for shares in self._accounts[tier]:
-            shares.saw(flow, waited_from)
+            shares.saw(flow, now)
         waited = 0.0  # admitted at once: none at all (the histogram's 0 bucket says so)
-        if not self._ahead(tier) and self._free >= count and self._fits(flow, count, tier,
-                                                                         waited_from):
-            self._count(flow, count, tier, waited_from)
+        if not self._ahead(tier) and self._free >= count and self._fits(flow, count, tier, now):
+            self._count(flow, count, tier, now)
         else:
             if await self._wait(flow, count, tier):
-                waited = trio.current_time() - waited_from
+                waited = trio.current_time() - now
             granted = trio.current_time()
         if self.observer is not None:
             self.observer.admitted(self.tenants.label(flow), tier, waited)
@@ -414,9 +410,8 @@ class Admission:
             return self._free - count >= reserve and self._flex + count <= max(room, count)
         if tier == "default":  # room for the tenants at priority, whatever its own share
             first = self._shares["priority"]
-            at_first = first.active(now)
-            ahead = sum(first.room(other) for other in at_first if other != flow) \
-                if at_first else 0
+            at_first = first.active(now)  # no generator made while none is active there
+            ahead = sum(first.room(o) for o in at_first if o != flow) if at_first else 0
             if self._free - count < min(ahead, self._headroom):
                 return False
         shares = self._shares[tier]
@@ -501,6 +496,5 @@ class Admission:
 
 
 def _peak_memory(flex_hold: float) -> float:
-    """How long the interactive tiers' peak is remembered: a few flex requests' holds
-    (``flex_hold``: how long one holds its slots)."""
+    """How long the interactive tiers' peak is remembered: a few flex holds (each so long)."""
     return min(max(PEAK_HOLDS * flex_hold, PEAK_S[0]), PEAK_S[1])
