@@ -12,6 +12,8 @@ import enum
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+import msgspec
+
 if TYPE_CHECKING:
     from direct_frontend.multimodal.payload import MediaPayload
     from direct_frontend.observability.tracing import RequestTrace
@@ -168,9 +170,12 @@ class FinishReason(enum.Enum):
     ERROR = "error"  # the engine failed the request
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class TokenDelta:
-    """New output tokens, in order; never a repeat of tokens already reported."""
+class TokenDelta(msgspec.Struct, frozen=True):
+    """New output tokens, in order; never a repeat of tokens already reported.
+
+    A struct, as :class:`Finished` is: one is made per engine message, and a frozen
+    dataclass sets its fields one call at a time (``msgspec.structs.replace`` copies one).
+    """
 
     token_ids: tuple[int, ...]
     prompt_tokens: int = 0
@@ -182,8 +187,7 @@ class TokenDelta:
     prompt_logprobs: PromptLogprobs | None = None
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Finished:
+class Finished(msgspec.Struct, frozen=True):
     """The terminal event of a stream: carries the final usage and why it ended.
 
     ``token_ids`` holds tokens not yet reported by a :class:`TokenDelta` (the

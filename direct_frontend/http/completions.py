@@ -79,7 +79,7 @@ class CompletionsRenderer(Renderer):
     async def finished(self, event: Finished, index: int) -> tuple[bytes, bool]:
         choice = self._choices[index]
         self._ends[index] = event
-        done = all(end is not None for end in self._ends)
+        done = None not in self._ends
         if not self.streamed:
             choice.collect(event.last)
             if not done:

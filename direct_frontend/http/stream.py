@@ -143,11 +143,8 @@ class Writer:
         if type(event) is Batch:
             data = self.renderer.batch(event, index)
             if self.streamed:
-                out = self.out
-                out += data
-                if out:
-                    body = bytes(out)
-                    out.clear()
+                body = self._taken(data)
+                if body:
                     await self._send({"type": "http.response.body", "body": body,
                                       "more_body": True})
         elif type(event) is Opened:
@@ -169,30 +166,41 @@ class Writer:
             await self._step(event)
 
     async def _step(self, event: StairEvent) -> None:
-        """The stair's events before the output (and an embeddings response's vectors)."""
-        if isinstance(event, Resolved):
+        """The stair's events before the output (and an embeddings response's vectors).
+
+        Told apart by their exact type, as :meth:`__call__` does: the events are final
+        structs, and this runs several times per request."""
+        if type(event) is Resolved:
             self.model = event
-        elif isinstance(event, Prepared):
+        elif type(event) is Prepared:
             self.prepared = event
-        elif isinstance(event, Charged):
+        elif type(event) is Charged:
             if event.standing is not None:
                 self.headers += headers_of(event.standing, anthropic=self.anthropic,
                                            wall_now=time.time())
-        elif isinstance(event, Admitted):
+        elif type(event) is Admitted:
             self.renderer = renderer = self.render(self.prepared)
             self.streamed = renderer.streamed
             assert self._nursery is not None
             self._nursery.start_soon(self._client.run, self._receive, self._nursery.cancel_scope)
-        elif isinstance(event, Embedded):
+        elif type(event) is Embedded:
             await self._last(self.renderer.embedded(event), True)
+
+    def _taken(self, data: bytes) -> bytes:
+        """What is rendered and not yet sent, with ``data`` after it, taken to be sent (as
+        it is, when nothing waited before it)."""
+        out = self.out
+        if not out:
+            return data
+        out += data
+        body = bytes(out)
+        out.clear()
+        return body
 
     async def _last(self, data: bytes, last: bool) -> None:
         if self.streamed:
-            out = self.out
-            out += data
-            if out or last:
-                body = bytes(out)
-                out.clear()
+            body = self._taken(data)
+            if body or last:
                 await self._send({"type": "http.response.body", "body": body,
                                   "more_body": not last})
                 self.ended = last

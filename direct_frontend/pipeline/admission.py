@@ -133,11 +133,20 @@ class Admission:
         #: the spare slots follow (a tier leaves spares for its own and earlier tiers only)
         self._shares = {tier: Shares(config.max_in_flight, self.tenants.weight)
                         for tier in INTERACTIVE}
+        #: the accounts a request of each tier counts in (priority both, default its own)
+        self._accounts: dict[Tier, tuple[Shares, ...]] = {
+            "priority": tuple(self._shares.values()), "default": (self._shares["default"],),
+            "flex": ()}
+        #: the queues a new request of each tier waits behind: its own, those served first
+        self._before: dict[Tier, tuple[FairQueue, ...]] = {
+            tier: tuple(self._queues[first] for first in TIERS[:TIERS.index(tier) + 1])
+            for tier in TIERS}
         #: the interactive tiers' slots now, and the most of them held lately (decaying)
         self._interactive = 0
         self._peak = (0.0, 0.0)  # (the peak, when it was last brought up to date)
         self._flex = 0  # the slots flex holds
         self._flex_hold = 1.0  # how long a flex request holds its slots (an average)
+        self._memory = _peak_memory(self._flex_hold)  # how long the interactive peak lasts
         self._pushed_out: dict[Waiter, str] = {}  # refused to make room, and why
         self._holds: dict[Hold, None] = {}  # the admitted requests of one slot, in order
         #: the most slots a tenant past its share leaves free for the others (see _fits)
@@ -208,17 +217,18 @@ class Admission:
         request of several choices is not passed over for ever.
         """
         count = min(count, self.config.max_in_flight)
-        waited_from = trio.current_time()
-        for shares in self._shares_of(tier):
-            shares.saw(flow, waited_from)
+        granted = now = trio.current_time()
+        for shares in self._accounts[tier]:
+            shares.saw(flow, now)
         waited = 0.0  # admitted at once: none at all (the histogram's 0 bucket says so)
-        if not self._ahead(tier) and self._free >= count and self._fits(flow, count, tier):
-            self._grant(flow, count, tier)
-        elif await self._wait(flow, count, tier):
-            waited = trio.current_time() - waited_from
+        if not self._ahead(tier) and self._free >= count and self._fits(flow, count, tier, now):
+            self._count(flow, count, tier, now)
+        else:
+            if await self._wait(flow, count, tier):
+                waited = trio.current_time() - now
+            granted = trio.current_time()
         if self.observer is not None:
             self.observer.admitted(self.tenants.label(flow), tier, waited)
-        granted = trio.current_time()
         hold = new_hold(flow, count, tier, granted)
         if count == 1:
             self._holds[hold] = None
@@ -228,18 +238,17 @@ class Admission:
             self._holds.pop(hold, None)
             if tier == "flex":
                 self._flex_hold += (trio.current_time() - granted - self._flex_hold) / 8
+                self._memory = _peak_memory(self._flex_hold)
             if hold.held:  # not while it waits for them again (it left that wait)
                 self._release(flow, count, tier)
 
     def _ahead(self, tier: Tier) -> bool:
         """Whether a request waits that goes before a new one of ``tier`` (its own tier's,
         or a tier first served)."""
-        for first in TIERS:
-            if self._queues[first]:
-                return True
-            if first == tier:
-                return False
-        return False
+        waiting = 0
+        for queue in self._before[tier]:  # a loop: no generator made per request
+            waiting += queue.size
+        return waiting > 0
 
     def _timeout(self, tier: Tier) -> float:
         config = self.config
@@ -300,7 +309,7 @@ class Admission:
         if tier != "flex":
             await granted.wait()
         while not granted.is_set():  # the interactive peak decays with no event
-            with trio.move_on_after(self._memory() / 4):
+            with trio.move_on_after(self._memory / 4):
                 await granted.wait()
             self._dispatch()
 
@@ -378,8 +387,8 @@ class Admission:
             del self._wake[waiter]
             self._dispatch()  # it may have held the others back (a turn it could not take)
 
-    def _fits(self, flow: str, count: int, tier: Tier) -> bool:
-        """Whether ``flow`` may hold ``count`` more slots at ``tier``.
+    def _fits(self, flow: str, count: int, tier: Tier, now: float) -> bool:
+        """Whether ``flow`` may hold ``count`` more slots at ``tier`` at ``now``.
 
         Under its cap; flex only while ``flex_reserve`` slots stay free after
         it and it stays out of the interactive tiers' recent peak. An
@@ -397,12 +406,12 @@ class Admission:
         if tier == "flex":
             slots = self.config.max_in_flight
             reserve = min(self.config.flex_reserve, slots - count)
-            room = slots - reserve - round(self._interactive_peak(trio.current_time()))
+            room = slots - reserve - round(self._interactive_peak(now))
             return self._free - count >= reserve and self._flex + count <= max(room, count)
-        now = trio.current_time()
         if tier == "default":  # room for the tenants at priority, whatever its own share
             first = self._shares["priority"]
-            ahead = sum(first.room(other) for other in first.active(now) if other != flow)
+            at_first = first.active(now)  # no generator made while none is active there
+            ahead = sum(first.room(o) for o in at_first if o != flow) if at_first else 0
             if self._free - count < min(ahead, self._headroom):
                 return False
         shares = self._shares[tier]
@@ -423,34 +432,22 @@ class Admission:
         cap = self.tenants.max_in_flight(flow)
         return bool(cap) and self._held.get(flow, 0) + count > max(cap, count)
 
-    def _shares_of(self, tier: Tier) -> tuple[Shares, ...]:
-        """The accounts a request of ``tier`` counts in: priority in both, default in its
-        own, flex in none."""
-        if tier == "priority":
-            return tuple(self._shares.values())
-        return (self._shares["default"],) if tier == "default" else ()
-
-    def _memory(self) -> float:
-        """How long the interactive tiers' peak is remembered: a few flex requests' holds."""
-        return min(max(PEAK_HOLDS * self._flex_hold, PEAK_S[0]), PEAK_S[1])
-
     def _interactive_peak(self, now: float) -> float:
         """The most slots the interactive tiers held lately: the peak decays towards what
-        they hold now over :meth:`_memory`."""
+        they hold now over :attr:`_memory`."""
         peak, since = self._peak
         held = self._interactive
-        return held + max(0.0, peak - held) * math.exp(-(now - since) / self._memory())
+        return held + max(0.0, peak - held) * math.exp(-(now - since) / self._memory)
 
-    def _count(self, flow: str, count: int, tier: Tier) -> None:
-        """``flow`` holds ``count`` more slots at ``tier`` (fewer if negative)."""
+    def _count(self, flow: str, count: int, tier: Tier, now: float) -> None:
+        """``flow`` holds ``count`` more slots at ``tier`` (fewer if negative) from ``now``."""
         self._free -= count
         held = self._held.get(flow, 0) + count
         if held:
             self._held[flow] = held
         else:
             del self._held[flow]
-        now = trio.current_time()
-        for shares in self._shares_of(tier):
+        for shares in self._accounts[tier]:
             shares.add(flow, count, now)
         if tier == "flex":
             self._flex += count
@@ -459,11 +456,8 @@ class Admission:
             self._interactive += count
             self._peak = (max(peak, self._interactive), now)
 
-    def _grant(self, flow: str, count: int, tier: Tier) -> None:
-        self._count(flow, count, tier)
-
     def _release(self, flow: str, count: int, tier: Tier) -> None:
-        self._count(flow, -count, tier)
+        self._count(flow, -count, tier, trio.current_time())
         self._dispatch()
 
     def _dispatch(self) -> None:
@@ -474,17 +468,20 @@ class Admission:
                 return  # it keeps its turn
             queue.pop(waiter)
             self._unqueued(waiter.flow)
-            self._grant(waiter.flow, waiter.cost, waiter.tier)  # type: ignore[arg-type]
+            self._count(waiter.flow, waiter.cost, waiter.tier,  # type: ignore[arg-type]
+                        trio.current_time())
             self._wake.pop(waiter).set()
 
     def _next(self) -> tuple[FairQueue, Waiter] | None:
         """The waiting request whose turn it is: of the first tier with one that fits."""
-        for tier in TIERS:
-            queue = self._queues[tier]
-            if queue:
+        if not self._queued:  # none waits (it counts every queue's requests)
+            return None
+        now = trio.current_time()
+        for queue in self._queues.values():  # in the order the tiers are served
+            if queue.size:
                 waiter = queue.claimed(lambda head: head.cost <= self._free and not (
                     self._capped(head.flow, head.cost))) or queue.next(lambda head: self._fits(
-                        head.flow, head.cost, head.tier))  # type: ignore[arg-type]
+                        head.flow, head.cost, head.tier, now))  # type: ignore[arg-type]
                 if waiter is not None:
                     return queue, waiter
         return None
@@ -496,3 +493,8 @@ class Admission:
             self._queued[flow] = left
         else:
             del self._queued[flow]
+
+
+def _peak_memory(flex_hold: float) -> float:
+    """How long the interactive tiers' peak is remembered: a few flex holds (each so long)."""
+    return min(max(PEAK_HOLDS * flex_hold, PEAK_S[0]), PEAK_S[1])

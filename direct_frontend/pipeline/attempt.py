@@ -26,11 +26,12 @@ per-batch path are checked as they happen.
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import logging
 import re
 from collections.abc import Callable, Collection
+
+import msgspec
 
 from direct_frontend.engines.neutral import EngineEvent, Finished, GenerateCall
 from direct_frontend.errors import EngineError, ErrorKind, NoEngineAvailable
@@ -222,7 +223,7 @@ class Attempt:
         self.replaying = expected[n:]
         if not n:
             return event
-        return dataclasses.replace(event, token_ids=ids[n:], logprobs=event.logprobs[n:])
+        return msgspec.structs.replace(event, token_ids=ids[n:], logprobs=event.logprobs[n:])
 
     # -- leaving an engine ----------------------------------------------------------------
 

@@ -50,12 +50,13 @@ class FairQueue:
         self._queues: dict[str, collections.deque[Waiter]] = {}
         self._last_finish: dict[str, float] = {}
         self._seq = itertools.count()
-        self._len = 0
+        #: how many requests wait (read it rather than ``len()`` where it is checked often)
+        self.size = 0
         #: slots being freed by preemption for a flow's first request waiting, by flow
         self._claims: collections.Counter[str] = collections.Counter()
 
     def __len__(self) -> int:
-        return self._len
+        return self.size
 
     def waiting(self, flow: str) -> int:
         """How many of ``flow``'s requests wait."""
@@ -99,7 +100,7 @@ class FairQueue:
                         start + cost / max(self.weight(flow), 1e-9), tier)
         self._last_finish[flow] = waiter.finish
         self._queues.setdefault(flow, collections.deque()).append(waiter)
-        self._len += 1
+        self.size += 1
         return waiter
 
     def push_first(self, flow: str, cost: int, tier: str = "") -> Waiter:
@@ -111,7 +112,7 @@ class FairQueue:
         waiter = Waiter(flow, cost, next(self._seq), start,
                         start + cost / max(self.weight(flow), 1e-9), tier, resumed=True)
         line.appendleft(waiter)
-        self._len += 1
+        self.size += 1
         return waiter
 
     def next(self, eligible: Callable[[Waiter], bool] = lambda waiter: True) -> Waiter | None:
@@ -158,7 +159,7 @@ class FairQueue:
             queue.popleft()
         else:
             queue.remove(waiter)
-        self._len -= 1
+        self.size -= 1
         if not queue:
             del self._queues[waiter.flow]
             self._claims.pop(waiter.flow, None)  # none left to take a slot freed for it

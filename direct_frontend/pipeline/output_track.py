@@ -84,6 +84,13 @@ class OutputTrack:
             if event.prompt_logprobs is not None and self.prompt_logprobs is None:
                 self.prompt_logprobs = event.prompt_logprobs
 
+    def notes_each(self, continued: bool) -> bool:
+        """Whether :meth:`note` must hear every event of a batch (in order): with logprobs
+        kept, or for a continuation (whose cache hits are not the client's prompt's: the count
+        noted first stays). Else each event's cached tokens replace the last's, so the batch's
+        last event is enough."""
+        return self.logprobs is not None or continued
+
     def feed(self, token_ids: list[int], pieces: list[str]) -> bool:
         """Feed merged token ids to the processor, their text to ``pieces``; True once the
         output is finished."""

@@ -9,9 +9,10 @@ and a stream migrated to another engine continues from :attr:`generated_ids`.
 from __future__ import annotations
 
 import bisect
-import dataclasses
 from collections.abc import Collection, Sequence
 from typing import Literal, Protocol
+
+import msgspec
 
 from direct_frontend.engines.neutral import FinishReason
 from direct_frontend.text.stops import StopStringMatcher
@@ -34,9 +35,9 @@ class Detokenizer(Protocol):
     def flush(self) -> str: ...
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class OutputStep:
-    """The result of feeding the processor: text to send and whether output is complete.
+class OutputStep(msgspec.Struct, frozen=True):
+    """The result of feeding the processor: text to send and whether output is complete
+    (a struct: one is made per batch of tokens).
 
     ``finish_reason`` and ``stop_reason`` are set once ``finished``;
     ``stop_reason`` is the stop string or stop token id behind a "stop", or

@@ -60,19 +60,26 @@ class RelayState:
         """Take ``event`` (the wait's result) and every event already queued behind it.
 
         Consecutive token deltas are merged into one call of the output
-        processor (the per-call cost dominates at high token rates).
+        processor (the per-call cost dominates at high token rates). Each event
+        goes through :meth:`_admit` while a replay, a reasoning budget or the
+        output needs it (:meth:`_each`); else the batch's last event alone is
+        noted, which is the same (each event's cached tokens replace the last's).
         """
         attempt = self.attempt
         attempt.relaying()
         output = self.output
         before = output.completion_tokens
         budget = self.budget
+        each = self._each()
+        last: EngineEvent | None = None
         pieces: list[str] = []
         tokens: list[int] = []
         while event is not None:
-            event = self._admit(event, before, len(tokens))
-            if event is None:
-                break
+            if each:
+                event = self._admit(event, before, len(tokens))
+                if event is None:
+                    break
+            last = event
             if not isinstance(event, TokenDelta):  # the engine's last event
                 if not (tokens and output.feed(tokens, pieces)):
                     output.finish(event, pieces)
@@ -86,14 +93,25 @@ class RelayState:
             except EngineError as error:  # surfaces after the tokens before it are taken
                 attempt.pending_error = error
                 break
+        if last is not None and not each:
+            output.note(last, attempt.continued)
         if tokens:
             output.feed(tokens, pieces)
         return self._batch("".join(pieces), output.completion_tokens - before)
 
+    def _each(self) -> bool:
+        """Whether this batch's events each go through :meth:`_admit`: a replay or a
+        reasoning budget is on, or the output notes every event
+        (:meth:`~direct_frontend.pipeline.output_track.OutputTrack.notes_each`); none of
+        these starts within a batch."""
+        attempt, budget = self.attempt, self.budget
+        return bool(attempt.replaying) or self.output.notes_each(attempt.continued) or (
+            budget is not None and budget.limit is not None)
+
     def _admit(self, event: EngineEvent, produced: int, merged: int) -> EngineEvent | None:
         """``event`` as the output takes it: less what a replay repeats (None: the replay
-        differs), up to the reasoning budget; ``produced``, ``merged``: the output's tokens
-        before this batch, and the batch's before ``event``."""
+        differs), up to the reasoning budget, noted; ``produced``, ``merged``: the output's
+        tokens before this batch, and the batch's before ``event``."""
         attempt = self.attempt
         if attempt.replaying:
             replayed = attempt.replayed(event, produced)

@@ -48,6 +48,7 @@ from direct_frontend.openai.types import (
     CompletionRequest,
     DetokenizeRequest,
     EmbeddingRequest,
+    Tier,
     TokenizeRequest,
     served_tier,
 )
@@ -88,9 +89,9 @@ from direct_frontend.pipeline.tenancy import named_in_body
 from direct_frontend.routing.affinity import routing_key
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Ask:
-    """A parsed generation request, as the HTTP shell hands it to the stair."""
+class Ask(msgspec.Struct, frozen=True):
+    """A parsed generation request, as the HTTP shell hands it to the stair (a struct: one
+    is made per request, and a frozen dataclass's fields are set one call at a time)."""
 
     request: ChatRequest | CompletionRequest
     kind: Kind  # its prompt: a chat's messages, or a completion's prompt
@@ -183,8 +184,7 @@ class Stair:
         tenant = named_in_body(settings.frontend.tenants, ask.tenant, request.user,
                                request.safety_identifier)
         # the tier it is served at (what its response reports): its tenant's to have
-        request = msgspec.structs.replace(request, service_tier=settings.admission.tier(
-            tenant, request.service_tier))
+        request = _at_tier(request, settings.admission.tier(tenant, request.service_tier))
         trace = ask.trace
         if trace is not None:
             trace.model(request.model)
@@ -349,6 +349,14 @@ class Tokens:
     ids: tuple[int, ...]
     context_length: int | None
     strings: list[str | None] | None = None
+
+
+def _at_tier(request: ChatRequest | CompletionRequest,
+             tier: Tier) -> ChatRequest | CompletionRequest:
+    """``request`` served at ``tier`` (copied only when that changes it)."""
+    if tier == request.service_tier:
+        return request
+    return msgspec.structs.replace(request, service_tier=tier)
 
 
 def _model(models: ModelTable, name: str) -> ServedModel:

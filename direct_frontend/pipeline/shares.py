@@ -50,8 +50,10 @@ class Shares:
 
     def active(self, now: float) -> KeysView[str]:
         """The tenants that asked within :data:`ACTIVE_S` of ``now``."""
-        self._forget_idle(now)
-        return self._seen.keys()
+        seen = self._seen
+        if seen and next(iter(seen.values())) < now - ACTIVE_S:  # one to forget at least
+            self._forget_idle(now)
+        return seen.keys()
 
     def share(self, flow: str) -> float:
         """``flow``'s share of the slots among the active tenants (call :meth:`active` first)."""

@@ -12,7 +12,7 @@ dropped when the block is closed there, taken next when no block is open.
 
 from __future__ import annotations
 
-import dataclasses
+import msgspec
 
 from direct_frontend.engines.neutral import EngineEvent, TokenDelta
 from direct_frontend.pipeline.parsing import ChoiceOutputParser, open_reasoning_close
@@ -40,7 +40,7 @@ class ThinkingBudget:
         ids = event.token_ids
         if room >= len(ids) or room < 0 or (room == 0 and not merged):
             return event  # within it; or a batch that starts at it (a budget of 0) is taken
-        self.held = dataclasses.replace(event, token_ids=ids[room:],
+        self.held = msgspec.structs.replace(event, token_ids=ids[room:],
                                         logprobs=event.logprobs[room:])
         return TokenDelta(ids[:room], event.prompt_tokens, event.completion_tokens,
                           event.cached_tokens, event.logprobs[:room], event.prompt_logprobs)
