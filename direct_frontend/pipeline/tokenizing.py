@@ -67,9 +67,11 @@ def cores() -> int:
         return os.cpu_count() or 1
 
 
-#: glibc's mallopt parameter, and the size from which buffers are always the OS's
+#: glibc's mallopt parameter, and the size from which buffers are always the OS's: above
+#: the 256 KiB that asyncio's socket reads allocate for every receive (at 256 KiB each engine
+#: read would map, fault in and unmap its buffer)
 _M_MMAP_THRESHOLD = -3
-LARGE_BUFFER = 256 << 10
+LARGE_BUFFER = 512 << 10
 
 
 def give_large_buffers_back() -> None:
