@@ -20,8 +20,9 @@ __all__ = ["continues", "merged"]
 
 
 def continues(previous: BlockStored, event: BlockStored) -> bool:
-    """Whether ``event`` stores the child of ``previous``'s last block."""
-    return event.parent_block_hash == previous.block_hashes[-1]
+    """Whether ``event`` stores the child of ``previous``'s last block (a store of no
+    blocks, such as an offload placeholder, has none to continue)."""
+    return bool(previous.block_hashes) and event.parent_block_hash == previous.block_hashes[-1]
 
 
 def merged(run: Sequence[BlockStored], blocks: Mapping[int, int], room: int, block_size: int,

@@ -366,9 +366,10 @@ class KvAware:
         candidates: Sequence[EngineHandle],
         request_blocks: int,
         overlaps: dict[str, int],
-        queued: Sequence[int],
+        unshown: Sequence[int],
     ) -> dict[str, float]:
-        """Per engine, how full its cache would be with this request's miss stored (0–1).
+        """Per engine, how full its cache would be with this request's miss stored (0–1);
+        ``unshown``: per candidate, the blocks of its queued prefills its events do not show yet.
 
         Against the engine's capacity (:meth:`capacity_of`: the fleet file's, else
         discovery's), else the most blocks any engine was seen holding (caches of
@@ -381,10 +382,10 @@ class KvAware:
         full = {e.name: 1.0 for e in candidates}  # unknown: full, as a cache is in steady state
         by_events = self.held() if self.uses_events else None
         known: dict[str, int] = {}
-        for e, depth in zip(candidates, queued, strict=True):
+        for e, coming in zip(candidates, unshown, strict=True):
             if self.by_events(e):  # what it holds, and what it is about to hold
                 if by_events is not None:
-                    known[e.name] = by_events.get(e.incarnation, 0) + depth
+                    known[e.name] = by_events.get(e.incarnation, 0) + coming
             elif (modelled := self.modelled_held(e)) is not None:
                 known[e.name] = modelled
         if not known:
@@ -427,9 +428,11 @@ class KvAware:
         now = self.clock()
         costs = []
         stored_at = [self._stored_at(e) for e in candidates]
-        queued = [self.queue.depth(e.name, now, stored)
+        depths = [self.queue.depths(e.name, now, stored)
                   for e, stored in zip(candidates, stored_at, strict=True)]
-        fullness = self.fullness(candidates, request_blocks, overlaps, queued)
+        queued = [depth for depth, _ in depths]
+        fullness = self.fullness(candidates, request_blocks, overlaps,
+                                 [unshown for _, unshown in depths])
         for e, stored, depth in zip(candidates, stored_at, queued, strict=True):
             # without events half the weight (measured: routing_sim's grid, README)
             in_flight = knobs.in_flight_weight * (1.0 if stored is not None else 0.5)

@@ -96,7 +96,14 @@ class PrefillQueue:
         return n
 
     def depth(self, engine: str, now: float, stored: Callable[[int], bool] | None) -> int:
-        """Blocks still to prefill; ``stored(h)``: the engine's events show block ``h`` stored.
+        """Blocks still to prefill (:meth:`depths`)."""
+        return self.depths(engine, now, stored)[0]
+
+    def depths(self, engine: str, now: float,
+               stored: Callable[[int], bool] | None) -> tuple[int, int]:
+        """Blocks still to prefill, and of those the blocks the engine's events do not show
+        stored yet (what the engine is about to hold beyond what the index says);
+        ``stored(h)``: the engine's events show block ``h`` stored.
 
         A request counts until its first token (:meth:`prefilled`): engines
         announce a prompt's blocks when they admit it (SGLang's radix tree, the
@@ -108,13 +115,13 @@ class PrefillQueue:
         """
         queued = self._queued.get(engine)
         if not queued:
-            return 0
+            return 0, 0
         while queued:  # oldest first: forget what we will never hear of again
             token, (_, _, sent, _, _) = next(iter(queued.items()))
             if now - sent <= PREFILL_FORGET_S:
                 break
             self._drop(engine, token)
-        total = 0
+        total = unshown = 0
         for token, entry in list(queued.items()):
             hashes, blocks, _, landed, pending = entry
             shown = bool(hashes) and stored is not None and stored(hashes[-1])
@@ -126,6 +133,8 @@ class PrefillQueue:
                 if pending:
                     remove_all(self._pending[engine], hashes)
                 entry[0] = ()
+            elif hashes:
+                unshown += blocks
             total += blocks  # queued until its first token, whatever the events say
-        return total
+        return total, unshown
 

@@ -14,7 +14,7 @@ from direct_frontend.kv.index import KvIndex
 BS = 4
 
 # (kind, engine hash, parent choice, token, extra keys, medium)
-steps = st.lists(st.tuples(st.sampled_from(["store"] * 8 + ["remove", "clear"]),
+steps = st.lists(st.tuples(st.sampled_from(["store"] * 8 + ["remove", "clear", "empty"]),
                            st.integers(1, 12),
                            st.sampled_from(["chain"] * 8 + ["none", "other"]),
                            st.integers(0, 3),
@@ -25,7 +25,8 @@ steps = st.lists(st.tuples(st.sampled_from(["store"] * 8 + ["remove", "clear"]),
 
 def events_of(raw: list[tuple[str, int, str, int, Any, str | None]]) -> list[KvEvent]:
     """Mostly chains of one-page stores (SGLang's), with repeats, unknown and missing
-    parents, extra keys, another tier, removals and clears between."""
+    parents, extra keys, another tier, removals, clears and stores of no blocks (offload
+    placeholders) between."""
     out: list[KvEvent] = []
     last: int | None = None
     for kind, h, parent, token, extra, medium in raw:
@@ -33,6 +34,8 @@ def events_of(raw: list[tuple[str, int, str, int, Any, str | None]]) -> list[KvE
             out.append(BlockRemoved((h,)))
         elif kind == "clear":
             out.append(AllBlocksCleared())
+        elif kind == "empty":
+            out.append(BlockStored((), last, array.array("I"), 0))
         else:
             up = last if parent == "chain" else None if parent == "none" else h + 20
             out.append(BlockStored((h,), up, array.array("I", [token] * BS), BS,
@@ -51,6 +54,9 @@ def state(index: KvIndex) -> object:
 @example(raw=[("store", 5, "none", 1, None, None), ("store", 1, "none", 0, None, None),
               ("store", 5, "chain", 2, None, None), ("store", 6, "chain", 3, None, None)],
          room=1000)  # a run through a block stored before under another prefix
+@example(raw=[("store", 1, "none", 0, None, None), ("empty", 0, "chain", 0, None, None),
+              ("store", 2, "chain", 1, None, None)],
+         room=1000)  # a store of no blocks inside a batch: nothing to continue
 @example(raw=[("store", h, "chain", h % 4, None, None) for h in range(1, 6)],
          room=3)  # a run longer than the room left: evicted from between its stores
 def test_applying_a_batch_equals_storing_each_event(

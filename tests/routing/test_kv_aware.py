@@ -278,8 +278,10 @@ def test_a_queued_prefill_counts_until_its_first_token_whatever_the_events_show(
     first = policy.choose(catalog, view(PROMPT))
     assert first is not None and first.engine is a and first.prefilled is not None
     assert policy.queue.depth("a", 0.0, policy._stored_at(a)) == 6  # its 6 uncached blocks
+    assert policy.queue.depths("a", 0.0, policy._stored_at(a)) == (6, 6)
     index.held["g1r0"] = set(HASHES)  # the events show it stored: admitted, still prefilling
-    assert policy.queue.depth("a", 0.0, policy._stored_at(a)) == 6
+    # queued still, but about to hold nothing beyond what the index shows (counted once)
+    assert policy.queue.depths("a", 0.0, policy._stored_at(a)) == (6, 0)
     assert policy.queue.pending("a", HASHES) == 0  # the index says it from here on
     first.prefilled()  # its first token
     assert policy.queue.depth("a", 0.0, policy._stored_at(a)) == 0
