@@ -265,10 +265,10 @@ async def chat_ids(tokenizing: Tokenizing, prompt: str, cuts: list[int]) -> Prom
     ids = PromptIds(head + tuple(rest), None if reuse is None else reuse.entry.ids.chains,
                     known, built_source=None if reuse is None else reuse.entry.ids.built,
                     keep_built=True)
-    limit = context_limit(tokenizing.catalog())
-    if limit is None or total < limit:  # one no engine can hold is refused: no next turn
-        tokenizing.prefixes.put(Rendered(prompt, ids, cuts, counts),
-                                None if reuse is None else reuse.entry)
+    # kept even when no engine can hold it: a Responses chat with truncation "auto" is cut to
+    # fit, not refused, and its next turn shares this prefix
+    tokenizing.prefixes.put(Rendered(prompt, ids, cuts, counts),
+                            None if reuse is None else reuse.entry)
     return ids
 
 

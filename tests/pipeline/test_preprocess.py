@@ -280,17 +280,17 @@ def test_a_prompt_no_engine_can_hold_is_refused_before_admission() -> None:
     refuse_beyond_every_engine((100_000,), unknown, "chat")  # c's limit is unknown: c decides
 
 
-async def test_a_chat_no_engine_can_hold_is_not_kept_for_its_prefix(
+async def test_a_chat_no_engine_can_hold_is_kept_for_its_prefix(
     text_model: TextModel,
 ) -> None:
-    """Its next turn would be refused too: it would only take the cache's room."""
+    """A Responses chat with truncation "auto" is cut to fit, not refused: its next turn
+    shares the whole prefix, so it is kept however long it is."""
     from tests.support.fleet import engine
 
     words = "the router reads a request and renders the chat template " * 400
-    fits = Catalog(1, (engine("a", context_length=131_072),))
-    small = Catalog(1, (engine("a", context_length=1024),))
-    for catalog, kept in ((fits, 1), (small, 0)):
+    for limit in (131_072, 1024):
+        catalog = Catalog(1, (engine("a", context_length=limit),))
         tokenizing = Tokenizing(text_model, lambda c=catalog: c, prefix_min_chars=0)
         prepared = await _prepare_chat(tokenizing, _chat(words))
         assert len(prepared.input_ids) > 1024
-        assert len(tokenizing.prefixes) == kept
+        assert len(tokenizing.prefixes) == 1
