@@ -7,8 +7,9 @@
 - Larger ones are rendered, bounded and tokenized in worker threads, so
   ``/health`` and every stream keep being served meanwhile: tokenized at most one
   per core at a time (:func:`new_tokenize_limiter`; the encoders release the GIL
-  while they work), rendered and bounded one at a time (:func:`new_holding_limiter`:
-  Jinja and the bound hold the GIL, yielding it to the loop every switch interval).
+  while they work; a text that is not a chat is bounded there too), a chat
+  rendered and bounded one at a time (:func:`new_holding_limiter`: Jinja and the
+  bound hold the GIL, yielding it to the loop every switch interval).
 - Before a large text is tokenized, a prompt that certainly cannot fit the
   fleet's largest context is refused from its bytes (``TextModel.fewest_tokens``).
 - A chat prompt's ids (of :data:`PREFIX_MIN_CHARS` or more) reuse the ids of the
