@@ -1,8 +1,9 @@
 """The neutral request and event types: the only engine vocabulary above the dialects.
 
-Plain frozen dataclasses with no I/O, so dispatch, migration and postprocess
-are tested with data alone. A dialect turns a :class:`GenerateCall` into its
-engine's proto and that engine's stream back into :data:`EngineEvent` items.
+Frozen values (dataclasses, and msgspec structs for the per-message events)
+with no I/O, so dispatch, migration and postprocess are tested with data alone.
+A dialect turns a :class:`GenerateCall` into its engine's proto and that
+engine's stream back into :data:`EngineEvent` items.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ _GROUP_BOUNDS = (2, 4, 8)
 #: bytes counted per C call (≈ 0.05 ms each): a worker thread holds the GIL no longer, and
 #: each pass's temporaries stay below the size from which the daemon has glibc map buffers
 #: from the OS one by one (pipeline/tokenizing.py), which would add a map, its page faults
-#: and an unmap to every pass (≈ 40 % more at 256 KiB)
+#: and an unmap to every pass (≈ 40 % more for passes of that size)
 CHUNK = 64 << 10
 
 
