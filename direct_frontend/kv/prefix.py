@@ -122,6 +122,12 @@ class PromptIds(tuple[int, ...]):
         self.built_source = built_source if self.known else None
         return self
 
+    def take_built_source(self) -> dict[str, Any] | None:
+        """``built_source``, let go of: once copied from, the earlier prompt's lists are not
+        held alive by this one (the prefix cache's room counts only its kept entries')."""
+        source, self.built_source = self.built_source, None
+        return source
+
 
 def prefix_hashes(
     token_ids: Sequence[int] | array.array[int],

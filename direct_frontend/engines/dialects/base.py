@@ -111,7 +111,8 @@ def fill_prompt(tokenized: Any, field: str, text: str, ids: Sequence[int], key: 
     what is new. Where these ids keep what was made of them, a copy of the list
     is kept (under ``key``) for the next turn's.
     """
-    earlier = getattr(ids, "built_source", None)
+    take = getattr(ids, "take_built_source", None)
+    earlier = None if take is None else take()
     known = getattr(ids, "known", 0)
     copied = None if earlier is None or known < COPY_MIN_IDS else earlier.get(key)
     listed = getattr(tokenized, field)
