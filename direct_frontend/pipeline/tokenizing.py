@@ -236,8 +236,7 @@ async def chat_ids(tokenizing: Tokenizing, prompt: str, cuts: list[int]) -> Prom
     and kept for the next turn's.
 
     The prompt is tokenized piece by piece between its cuts (one call: the
-    encoder works on the pieces at once), which gives its ids at every cut. A
-    prompt of the fleet's largest context or more is not kept (it will be refused).
+    encoder works on the pieces at once), which gives its ids at every cut.
     """
     reuse = tokenizing.prefixes.find(prompt, cuts)
     start = 0 if reuse is None else reuse.cut
