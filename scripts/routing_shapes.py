@@ -32,6 +32,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
+from routing_cached import CachedEngine
 from routing_model import ModelEngine, Request, VirtualTime, held_blocks
 from routing_sim import Point, make_policy, pct
 
@@ -84,6 +85,11 @@ class Shape:
     decode_us: float = 600.0
     chunk_tokens: int = 2048
     max_running: int = 32
+    #: the model only: how late the router's index hears of a cache change (KV events over
+    #: ZMQ, then the daemon's own event loop), and how long after a request is sent it is
+    #: routed and reaches its engine (the daemon's own work on it)
+    event_lag_s: float = 0.0
+    daemon_s: float = 0.0
     #: the modelled engines store a prompt's blocks when they admit it, as the live bench's
     #: simulated engines do (False: when its prefill ends, as vLLM does)
     store_at_admission: bool = True
@@ -222,11 +228,19 @@ def run_virtual(shape: Shape, seed: int, mode: str,
     bs = shape.block_size
     index = KvIndex(bs)
 
-    def publish(key: str, event: Any) -> None:
-        index.apply_events(key, (event,))
+    lag = shape.event_lag_s
 
-    engines = [ModelEngine(point, n, publish) for n in range(shape.engines)]
+    def publish(key: str, event: Any) -> None:
+        if lag > 0:  # the router hears of it later (transport, its own event loop)
+            clock.later(clock.now + lag, lambda: index.apply_events(key, (event,)))
+        else:
+            index.apply_events(key, (event,))
+
     pooled = mode == POOLED_LRU
+    # the simulated engines' own caches (pages of the shape's size), but for the reference
+    engines = [ModelEngine(point, n, publish) if pooled
+               else CachedEngine(point, n, publish, shape.page_size, shape.cache_of(n))
+               for n in range(shape.engines)]
     pool: dict[int, None] = {}  # one LRU over every engine's blocks (the reference)
     pool_capacity = sum(shape.capacity_blocks(n) for n in range(shape.engines))
     for n, engine in enumerate(engines):
@@ -260,9 +274,17 @@ def run_virtual(shape: Shape, seed: int, mode: str,
         issued += 1
         state[number] = (session, tokens + answer, k)
         request.hashes = prefix_hashes(tokens, bs)
+        if shape.daemon_s > 0:  # the daemon's own work before it routes and sends
+            clock.later(t + shape.daemon_s, lambda: route(request, turn.answer, tokens + answer))
+        else:
+            route(request, turn.answer, tokens + answer)
+
+    def route(request: Request, answer_tokens: int, whole: list[int]) -> None:
+        """``request`` placed (``whole``: its prompt and answer as the next turn carries them)."""
+        tokens = request.tokens
         if pooled:
             request.bound_blocks = held_blocks(pool, request.hashes)
-            for h in reversed(prefix_hashes(tokens + answer, bs)):
+            for h in reversed(prefix_hashes(whole, bs)):
                 pool.pop(h, None)
                 pool[h] = None  # most recent last
             while len(pool) > pool_capacity:
@@ -271,7 +293,7 @@ def run_virtual(shape: Shape, seed: int, mode: str,
                                               key=lambda n: (engines[n].queued, n))])
         else:
             assert policy is not None
-            chosen = policy.choose(catalog, RequestView(tuple(tokens), turn.answer))
+            chosen = policy.choose(catalog, RequestView(tuple(tokens), answer_tokens))
             assert chosen is not None
             placement = chosen
         clock.dispatch(request, placement)
