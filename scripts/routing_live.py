@@ -322,10 +322,10 @@ def ranking(rows: dict[str, dict[str, Any]], key: str) -> list[str]:
 
 
 def print_shape(shape: Shape, live: dict[str, dict[str, Any]],
-                virtual: dict[str, dict[str, Any]]) -> dict[str, Any]:
+                virtual: dict[str, dict[str, Any]], model_seeds: Sequence[int]) -> dict[str, Any]:
     print(f"\n## {shape.describe()}", flush=True)
     print("| mode | TTFT mean | p90 | p99 (ms) | seeds' mean / p90 | hit | seeds' hit | prefill "
-          "(ms) | evictions | per engine | model: mean / p90 / hit |")
+          f"(ms) | evictions | per engine | model, {len(model_seeds)} seeds: mean / p90 / hit |")
     print("|---|---:|---:|---:|---|---:|---|---:|---:|---|---|")
     for mode in [*MODES, POOLED_LRU]:
         r, v = live.get(mode), virtual.get(mode)
@@ -536,7 +536,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 live = asyncio.run(live_rows(shape, args, tokenizer, words, tmp / shape.name))
             failed |= any(r.get("error_count") or r.get("status") not in ("ok", None)
                           for r in live.values())
-            verdicts.append(print_shape(shape, live, virtual))
+            verdicts.append(print_shape(shape, live, virtual, args.model_seeds))
             if args.json:
                 print(json.dumps({"shape": dataclasses.asdict(shape), "live": live,
                                   "model": virtual, "verdict": verdicts[-1]},
