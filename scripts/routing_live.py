@@ -12,8 +12,11 @@ history, sessions starting open-loop, each turn ``think`` seconds after the
 previous answer. Modes: ``round_robin``, ``least_loaded``, ``cache_affinity``
 (KV events), ``kv-events`` (``kv_aware`` with KV events) and ``approximate``
 (``kv_aware`` without). The same sessions also play in virtual time
-(``routing_shapes.run_virtual``), so each table shows where the model ranks
-the modes as the real run does, and the pooled-LRU reference.
+(``routing_shapes.run_virtual``), over more seeds (``--model-seeds``: one
+run is chaotic, a request placed a millisecond later moves the rest), so
+each table shows where the model ranks the modes as the real run does
+(pairs of modes under 10 % apart on both sides count as level), and the
+pooled-LRU reference.
 
 Figures per mode: TTFT (client-side, sent → first content token) mean, p90
 and p99 over both seeds, and each seed's mean and p90 (their spread is the
@@ -33,6 +36,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -43,7 +47,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import httpx
@@ -318,10 +322,10 @@ def ranking(rows: dict[str, dict[str, Any]], key: str) -> list[str]:
 
 
 def print_shape(shape: Shape, live: dict[str, dict[str, Any]],
-                virtual: dict[str, dict[str, Any]]) -> dict[str, Any]:
+                virtual: dict[str, dict[str, Any]], model_seeds: Sequence[int]) -> dict[str, Any]:
     print(f"\n## {shape.describe()}", flush=True)
     print("| mode | TTFT mean | p90 | p99 (ms) | seeds' mean / p90 | hit | seeds' hit | prefill "
-          "(ms) | evictions | per engine | model: mean / p90 / hit |")
+          f"(ms) | evictions | per engine | model, {len(model_seeds)} seeds: mean / p90 / hit |")
     print("|---|---:|---:|---:|---|---:|---|---:|---:|---|---|")
     for mode in [*MODES, POOLED_LRU]:
         r, v = live.get(mode), virtual.get(mode)
@@ -360,6 +364,8 @@ def verdict(shape: Shape, live: dict[str, dict[str, Any]],
             "p90_ratio": best_p90 / ours["ttft_p90_ms"], "hit_gap": ours["hit_rate"] - best_hit,
             "ranking": ranking(rows, "ttft_mean_ms"),
             "hit_ranking": ranking(rows, "hit_rate")[::-1],
+            "means": {m: rows[m]["ttft_mean_ms"] for m in ranking(rows, "ttft_mean_ms")},
+            "hits": {m: rows[m]["hit_rate"] for m in ranking(rows, "hit_rate")},
         }
         means = ours.get("seed_means", [])
         if len(means) > 1:  # how far the seeds' means lie apart: below it, a gap is noise
@@ -397,10 +403,33 @@ def summary(v: dict[str, Any]) -> str:
         parts.append(text)
     live, model = v.get("live"), v.get("model")
     if live and model:
+        ttft = crossed(live["means"], model["means"], lambda a, b: b / a - 1, MARGIN)
+        hits = crossed(live["hits"], model["hits"], lambda a, b: b - a, HIT_MARGIN)
         parts.append(
-            f"TTFT rankings {'agree' if live['ranking'] == model['ranking'] else 'DIFFER'}, "
-            f"hit rankings {'agree' if live['hit_ranking'] == model['hit_ranking'] else 'DIFFER'}")
+            f"TTFT rankings {'agree' if not ttft else 'DIFFER on ' + ', '.join(ttft)} "
+            f"(modes under {100 * MARGIN:.0f} % apart on both sides count as level), "
+            f"hit rankings {'agree' if not hits else 'DIFFER on ' + ', '.join(hits)} "
+            f"(level under {100 * HIT_MARGIN:.0f} point)")
     return "\n  - ".join(parts)
+
+
+#: TTFT means closer than this (relative) are level: the seeds' noise
+MARGIN = 0.10
+#: hit rates closer than this (absolute) are level
+HIT_MARGIN = 0.01
+
+
+def crossed(one: dict[str, float], other: dict[str, float],
+            gap: Callable[[float, float], float], margin: float) -> list[str]:
+    """The pairs of modes ``one`` and ``other`` order oppositely where either of them
+    puts the two ``margin`` or more apart (``gap(a, b)``: by how much b is above a)."""
+    out = []
+    for a, b in itertools.combinations([m for m in one if m in other], 2):
+        x, y = gap(one[a], one[b]), gap(other[a], other[b])
+        if x * y < 0 and max(abs(x), abs(y)) >= margin:
+            low, high = (a, b) if x > 0 else (b, a)
+            out.append(f"{low} < {high} ({x:+.2f} vs {y:+.2f})")
+    return out
 
 
 # -- main --------------------------------------------------------------------------------
@@ -413,6 +442,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help=f"the shapes {', '.join(QUICK)} only")
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {MODES}")
     p.add_argument("--seeds", default="1,2")
+    p.add_argument("--model-seeds", default="1,2,3,4,5,6,7,8",
+                   help="the virtual-time model's seeds (a run of one is chaotic: a request "
+                        "placed a millisecond later moves the rest, so it takes more seeds than "
+                        "the live run to rank modes that lie 10 %% apart)")
+    p.add_argument("--daemon-ms", type=float, default=None,
+                   help="the model's delay from a request's send to its engine (default: "
+                        "each shape's)")
+    p.add_argument("--event-lag-ms", type=float, default=None,
+                   help="the model's delay from a cache change to the router's index")
     p.add_argument("--kind", choices=("sglang", "vllm"), default="sglang",
                    help="the engines' contract (sglang: what SMG speaks too)")
     p.add_argument("--knob", action="append", default=[], metavar="NAME=VALUE",
@@ -433,13 +471,18 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if set(args.modes) - set(MODES):
         p.error(f"unknown mode(s); choose from {MODES}")
     args.seeds = [int(s) for s in args.seeds.split(",") if s]
+    args.model_seeds = [int(s) for s in args.model_seeds.split(",") if s]
     args.knobs = parse_knobs(p, args.knob)
     return args
 
 
 def virtual_rows(shape: Shape, args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     knobs = {k: float(v) if "." in v or "e" in v else int(v) for k, v in args.knobs.items()}
-    return {mode: pooled([run_virtual(shape, seed, mode, knobs) for seed in args.seeds])
+    if args.daemon_ms is not None:
+        shape = dataclasses.replace(shape, daemon_s=args.daemon_ms / 1e3)
+    if args.event_lag_ms is not None:
+        shape = dataclasses.replace(shape, event_lag_s=args.event_lag_ms / 1e3)
+    return {mode: pooled([run_virtual(shape, seed, mode, knobs) for seed in args.model_seeds])
             for mode in [*args.modes, POOLED_LRU]}
 
 
@@ -493,7 +536,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 live = asyncio.run(live_rows(shape, args, tokenizer, words, tmp / shape.name))
             failed |= any(r.get("error_count") or r.get("status") not in ("ok", None)
                           for r in live.values())
-            verdicts.append(print_shape(shape, live, virtual))
+            verdicts.append(print_shape(shape, live, virtual, args.model_seeds))
             if args.json:
                 print(json.dumps({"shape": dataclasses.asdict(shape), "live": live,
                                   "model": virtual, "verdict": verdicts[-1]},

@@ -304,7 +304,7 @@ class VirtualTime:
     engine's load and tells the policy what the engine now holds.
     """
 
-    SEND, STEP = 0, 1
+    SEND, STEP, LATER = 0, 1, 2
 
     def __init__(self, engines: Sequence[ModelEngine], policy: Policy | None,
                  dp_ranks: int = 1) -> None:
@@ -324,6 +324,10 @@ class VirtualTime:
     def send_at(self, t: float, sender: Any) -> None:
         """``sender`` sends its next request at ``t`` (the ``send`` callback of :meth:`run`)."""
         self._push(t, self.SEND, sender)
+
+    def later(self, t: float, action: Callable[[], None]) -> None:
+        """``action()`` at ``t`` (e.g. a KV event reaching the router late)."""
+        self._push(t, self.LATER, action)
 
     def dispatch(self, request: Request, placement: Placement) -> None:
         """``request`` goes where ``placement`` says (the engine's balancer picks an unpinned
@@ -353,6 +357,8 @@ class VirtualTime:
             self.now = t
             if kind == self.SEND:
                 send(t, obj)
+            elif kind == self.LATER:
+                obj()
             else:
                 self._step(t, obj, done)
         return self.finished

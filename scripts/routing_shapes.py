@@ -13,14 +13,20 @@ extends its session's previous one, and a hot tenant's sessions share its
 system prompt.
 
 :func:`run_virtual` plays a shape against engines modelled in virtual time
-(``routing_model.ModelEngine``: LRU block caches, the simulator's
-chunked-prefill steps) in the grid's event loop (``routing_model.VirtualTime``),
-with the real policy objects, and the pooled-LRU reference (every engine's cache as one LRU,
-each request on the least-loaded engine: what partitioning perfectly would
-leave to gain). The live bench (``routing_live.py``) plays the same
-sessions, seed for seed, against the real daemon and simulated engines whose
-steps are these (``direct_frontend/simulator/steps.py``), so the two rank the
-policies on the same traffic.
+(``routing_cached.CachedEngine``: the simulated engines' own prefix cache,
+pages of the shape's size, and their chunked-prefill steps) in the grid's
+event loop (``routing_model.VirtualTime``), with the real policy objects and
+the real KV index, each request reaching its engine ``daemon_s`` after it is
+sent; and the pooled-LRU reference (every engine's cache as one LRU of the
+router's blocks, each request on the least-loaded engine: what partitioning
+perfectly would leave to gain). The live bench (``routing_live.py``) plays
+the same sessions, seed for seed, against the real daemon and simulated
+engines whose steps and caches are these (``direct_frontend/simulator/``),
+so the two rank the policies on the same traffic. What the model leaves
+out: the answer travels back as text and is tokenized again (offline, the
+next prompt keeps every token of ~95 % of answers and loses 1–2 of the
+rest), the foreign load the daemon reads from the engines, and the CPU the
+processes spend, but for the fixed ``daemon_s``.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
+from routing_cached import CachedEngine
 from routing_model import ModelEngine, Request, VirtualTime, held_blocks
 from routing_sim import Point, make_policy, pct
 
@@ -84,6 +91,15 @@ class Shape:
     decode_us: float = 600.0
     chunk_tokens: int = 2048
     max_running: int = 32
+    #: the model only: how late the router's index hears of a cache change (KV events over
+    #: ZMQ, then the daemon's own event loop; up to 50 ms changes nothing measurable)
+    event_lag_s: float = 0.0
+    #: the model only: how long after a request is sent it is routed and reaches its engine
+    #: (the client's and the daemon's own work on it). The live run's TTFT on the roomy
+    #: shape, where nearly everything is cached, is ~10 ms above the model's without it; half
+    #: of that is taken to come before the engine (the rest, the first token's way back,
+    #: moves no decision)
+    daemon_s: float = 0.005
     #: the modelled engines store a prompt's blocks when they admit it, as the live bench's
     #: simulated engines do (False: when its prefill ends, as vLLM does)
     store_at_admission: bool = True
@@ -222,11 +238,19 @@ def run_virtual(shape: Shape, seed: int, mode: str,
     bs = shape.block_size
     index = KvIndex(bs)
 
-    def publish(key: str, event: Any) -> None:
-        index.apply_events(key, (event,))
+    lag = shape.event_lag_s
 
-    engines = [ModelEngine(point, n, publish) for n in range(shape.engines)]
+    def publish(key: str, event: Any) -> None:
+        if lag > 0:  # the router hears of it later (transport, its own event loop)
+            clock.later(clock.now + lag, lambda: index.apply_events(key, (event,)))
+        else:
+            index.apply_events(key, (event,))
+
     pooled = mode == POOLED_LRU
+    # the simulated engines' own caches (pages of the shape's size), but for the reference
+    engines = [ModelEngine(point, n, publish) if pooled
+               else CachedEngine(point, n, publish, shape.page_size, shape.cache_of(n))
+               for n in range(shape.engines)]
     pool: dict[int, None] = {}  # one LRU over every engine's blocks (the reference)
     pool_capacity = sum(shape.capacity_blocks(n) for n in range(shape.engines))
     for n, engine in enumerate(engines):
@@ -260,9 +284,17 @@ def run_virtual(shape: Shape, seed: int, mode: str,
         issued += 1
         state[number] = (session, tokens + answer, k)
         request.hashes = prefix_hashes(tokens, bs)
+        if shape.daemon_s > 0:  # the daemon's own work before it routes and sends
+            clock.later(t + shape.daemon_s, lambda: route(request, turn.answer, tokens + answer))
+        else:
+            route(request, turn.answer, tokens + answer)
+
+    def route(request: Request, answer_tokens: int, whole: list[int]) -> None:
+        """``request`` placed (``whole``: its prompt and answer as the next turn carries them)."""
+        tokens = request.tokens
         if pooled:
             request.bound_blocks = held_blocks(pool, request.hashes)
-            for h in reversed(prefix_hashes(tokens + answer, bs)):
+            for h in reversed(prefix_hashes(whole, bs)):
                 pool.pop(h, None)
                 pool[h] = None  # most recent last
             while len(pool) > pool_capacity:
@@ -271,7 +303,7 @@ def run_virtual(shape: Shape, seed: int, mode: str,
                                               key=lambda n: (engines[n].queued, n))])
         else:
             assert policy is not None
-            chosen = policy.choose(catalog, RequestView(tuple(tokens), turn.answer))
+            chosen = policy.choose(catalog, RequestView(tuple(tokens), answer_tokens))
             assert chosen is not None
             placement = chosen
         clock.dispatch(request, placement)

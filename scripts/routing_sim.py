@@ -7,7 +7,8 @@ route an open-loop multi-turn workload to engines modelled in virtual time, so
 every figure is deterministic for a seed and a grid of dozens of points runs in
 minutes.
 
-Engines (``routing_model.py``, the same for the live shapes): a prefix cache of
+Engines (``routing_model.py``; the live shapes' run the simulated engines' own
+cache instead, ``routing_cached.py``): a prefix cache of
 ``capacity`` blocks with LRU eviction (a block's
 chain is touched tail first, so a prefix's tail goes before its root, as
 vLLM's free-block queue does; blocks of running requests are pinned), and

@@ -153,3 +153,39 @@ def test_engines_that_store_at_admission_announce_a_prompt_before_its_first_toke
         assert first == [request]
         assert {h for e in events if isinstance(e, BlockStored)
                 for h in e.block_hashes} == set(request.hashes)
+
+
+@pytest.fixture(scope="module")
+def cached(model: ModuleType) -> ModuleType:
+    """``scripts/routing_cached.py``: the live shapes' engines, on the simulator's own cache."""
+    return _load("routing_cached")
+
+
+def test_the_live_shapes_engines_hit_by_the_page_and_store_what_fits(
+        sim: ModuleType, model: ModuleType, cached: ModuleType) -> None:
+    """Pages of one token hit to the token, the router's index sees them in its own blocks,
+    and a prompt that finds every page pinned stores no more, as the simulated engines do."""
+    from direct_frontend.kv.index import KvIndex
+
+    point = sim.Point(engines=1, block_size=16, chunk=4096)
+    index = KvIndex(16)
+    engine = cached.CachedEngine(point, 0, lambda key, e: index.apply_events(key, (e,)),
+                                 page_size=1, capacity_tokens=48)
+    prompt = list(range(100, 140))  # 40 tokens: two of the router's blocks and 8 more
+    first = model.Request(0, None, prompt, [7, 8], 0.0)
+    engine.arrive(first)  # looked up and stored on arrival, before any step
+    hashes = sim.prefix_hashes(prompt, 16)
+    assert index.lookup_hashes(hashes) == {engine.key: 2}
+    follow = model.Request(1, None, [*prompt[:37], 1, 2, 3], [9], 0.0)
+    engine.arrive(follow)
+    assert (first.cached_tokens, follow.cached_tokens) == (0, 37)  # to the token, not the block
+    # 48 pages, 40 + 3 pinned: a third prompt stores 5 of its pages and then nothing
+    third = model.Request(2, None, list(range(500, 540)), [5], 0.0)
+    engine.arrive(third)
+    assert len(engine.cache) == 48 and engine.evictions == 0
+    while engine.busy:
+        engine.begin_step(0.0)
+        engine.finish_step()
+    again = model.Request(3, None, list(range(500, 540)), [5], 0.0)
+    engine.arrive(again)
+    assert again.cached_tokens == 5
