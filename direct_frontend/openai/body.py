@@ -112,21 +112,40 @@ def _decode_nested(decoder: msgspec.json.Decoder[_W], body: bytes) -> _W:
     return request
 
 
-#: from this size a body is always read by :func:`_decode_nested`: counting its brackets
-#: first would cost about as much as reading it (≈ 0.7 ms per MB)
-_COUNT_BELOW_BYTES: Final = 64 << 10
+#: below this size a body's brackets are counted in two passes (cheaper there than finding
+#: them one by one)
+_COUNT_BELOW_BYTES: Final = 4 << 10
+
+
+def few_brackets(body: bytes, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Whether ``body`` holds at most ``limit`` ``[`` and ``{`` together (brackets in strings
+    included): then it cannot nest deeper than ``limit``.
+
+    A large body is searched bracket by bracket (memchr), stopping past ``limit``:
+    a few µs whatever its size, where counting every bracket would pass over all
+    of it (≈ 0.5 ms per MB for each kind).
+    """
+    if len(body) < _COUNT_BELOW_BYTES:
+        return body.count(b"[") + body.count(b"{") <= limit
+    left = limit
+    for bracket in (b"[", b"{"):
+        at = body.find(bracket)
+        while at != -1:
+            left -= 1
+            if left < 0:
+                return False
+            at = body.find(bracket, at + 1)
+    return True
 
 
 def decode_body(decoder: msgspec.json.Decoder[_W], body: bytes) -> _W:
     """``body`` as ``decoder``'s type, or a 400 naming what is wrong with it.
 
-    A small body with no more arrays and objects than :data:`MAX_JSON_DEPTH` (two
-    byte counts, brackets in strings included) cannot nest deeper and is decoded
-    typed in one pass.
+    A body with no more arrays and objects than :data:`MAX_JSON_DEPTH`
+    (:func:`few_brackets`) cannot nest deeper and is decoded typed in one pass.
     """
     try:
-        if len(body) < _COUNT_BELOW_BYTES and (
-                body.count(b"[") + body.count(b"{") <= MAX_JSON_DEPTH):
+        if few_brackets(body):
             return decoder.decode(body)
         return _decode_nested(decoder, body)
     except msgspec.ValidationError as exc:
