@@ -39,7 +39,7 @@ from direct_frontend.kv.prefix import PromptIds
 from direct_frontend.openai.errors import context_length_exceeded, invalid_request
 from direct_frontend.openai.types import ChatMessage, ChatRequest
 from direct_frontend.pipeline.media import MediaProfile
-from direct_frontend.pipeline.prompt_cache import PrefixCache, PromptCache, Rendered
+from direct_frontend.pipeline.prompt_cache import HEAD_CHARS, PrefixCache, PromptCache, Rendered
 from direct_frontend.routing.catalog import Catalog
 from direct_frontend.text.model_dir import ChatTemplateError, TextModel
 
@@ -214,10 +214,15 @@ def chat_chars(request: ChatRequest) -> int:
     return total
 
 
-def render(text_model: TextModel, request: ChatRequest, add_generation_prompt: bool
-           ) -> tuple[str, list[int] | None]:
+def render(text_model: TextModel, request: ChatRequest, add_generation_prompt: bool,
+           prefixes: PrefixCache | None = None) -> tuple[str, list[int] | None]:
     """A chat's prompt text and its cuts (text/encoder.py ``boundaries``); a template
-    failure is the client's 400."""
+    failure is the client's 400.
+
+    With ``prefixes`` (on the event loop only), a prompt that begins with a kept
+    one (a conversation's previous turn) takes that one's cuts and scans only the
+    rest for its own.
+    """
     try:
         prompt = text_model.render_chat(
             [message_dict(m) for m in request.messages],
@@ -228,7 +233,15 @@ def render(text_model: TextModel, request: ChatRequest, add_generation_prompt: b
         )
     except ChatTemplateError as exc:
         raise invalid_request(str(exc), "messages") from None
-    return prompt, text_model.encoder.boundaries(prompt)
+    encoder = text_model.encoder
+    if prefixes is None:
+        return prompt, encoder.boundaries(prompt)
+    # (the cuts of its first HEAD_CHARS, exact for added tokens shorter than that many more)
+    early = encoder.boundaries(prompt[: 2 * HEAD_CHARS])
+    earlier = None if early is None else prefixes.extended_by(prompt, early)
+    if earlier is None:
+        return prompt, encoder.boundaries(prompt)
+    return prompt, encoder.boundaries_after(prompt, len(earlier.text), earlier.cuts)
 
 
 async def chat_ids(tokenizing: Tokenizing, prompt: str, cuts: list[int]) -> PromptIds:
