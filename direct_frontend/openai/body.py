@@ -128,7 +128,7 @@ def few_brackets(body: bytes, limit: int = MAX_JSON_DEPTH) -> bool:
     if len(body) < _COUNT_BELOW_BYTES:
         return body.count(b"[") + body.count(b"{") <= limit
     left = limit
-    for bracket in (b"[", b"{"):
+    for bracket in (b"{", b"["):  # (objects first: most bodies hold more of them)
         at = body.find(bracket)
         while at != -1:
             left -= 1
