@@ -274,15 +274,33 @@ async def chat_ids(tokenizing: Tokenizing, prompt: str, cuts: list[int]) -> Prom
             counts.append(total)
         total += len(piece)
         rest.extend(piece)
-    head: tuple[int, ...] = () if reuse is None else reuse.entry.ids[:known]
-    ids = PromptIds(head + tuple(rest), None if reuse is None else reuse.entry.ids.chains,
-                    known, built_source=None if reuse is None else reuse.entry.ids.built,
-                    keep_built=True)
+    if reuse is None:
+        ids = PromptIds(rest, keep_built=True)
+    else:
+        earlier = reuse.entry.ids
+        whole, known = joined(earlier, known, rest)
+        ids = PromptIds(whole, earlier.chains, known, built_source=earlier.built,
+                        keep_built=True)
     # kept even when no engine can hold it: a Responses chat with truncation "auto" is cut to
     # fit, not refused, and its next turn shares this prefix
     tokenizing.prefixes.put(Rendered(prompt, ids, cuts, counts),
                             None if reuse is None else reuse.entry)
     return ids
+
+
+def joined(earlier: tuple[int, ...], known: int, rest: list[int]) -> tuple[tuple[int, ...], int]:
+    """The first ``known`` ids of ``earlier`` and then ``rest``, and how many ids they share
+    with ``earlier`` from its start.
+
+    Where ``rest`` begins with the rest of ``earlier`` (a conversation's next
+    turn, after the generation prompt the last one ended with), the ids are
+    ``earlier`` whole and what follows: one copy of the prefix, not a slice of it
+    and then another, and all of ``earlier`` shared.
+    """
+    tail = len(earlier) - known
+    if tail <= len(rest) and rest[:tail] == list(earlier[known:]):
+        return earlier + tuple(rest[tail:]), len(earlier)
+    return earlier[:known] + tuple(rest), known
 
 
 def function_dict(tool: object) -> dict[str, object]:
