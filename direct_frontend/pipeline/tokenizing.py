@@ -17,7 +17,9 @@
   ``PrefixCache``): a conversation's
   next turn tokenizes only its new part, exactly as a whole tokenization would
   (text/encoder.py says why), and its ids (kv/prefix.py ``PromptIds``) take the
-  block hashes of that prefix from the earlier prompt's.
+  block hashes of that prefix from the earlier prompt's. Where it begins with a
+  kept prompt whole, that one's cuts are taken too and only the rest is scanned
+  for added tokens.
 
 The caches are read and written on the event loop only; worker threads compute.
 """
