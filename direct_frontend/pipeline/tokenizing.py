@@ -177,6 +177,20 @@ class Tokenizing:
         self.refuse_beyond("".join(pieces), known, "messages")
         return self.text_model.encoder.encode_batch(pieces)
 
+    def cuts(self, prompt: str) -> list[int] | None:
+        """A rendered chat's cuts (text/encoder.py ``boundaries``); one that begins with a
+        kept prompt (a conversation's previous turn) takes that one's and scans only the
+        rest. Reads the prefix cache: on the event loop only."""
+        encoder = self.text_model.encoder
+        if len(prompt) < self.prefix_min_chars:  # (never kept, nor does it extend a kept one)
+            return encoder.boundaries(prompt)
+        # (the cuts of its first HEAD_CHARS, exact for added tokens shorter than that many more)
+        early = encoder.boundaries(prompt[: 2 * HEAD_CHARS])
+        earlier = None if early is None else self.prefixes.extended_by(prompt, early)
+        if earlier is None:
+            return encoder.boundaries(prompt)
+        return encoder.boundaries_after(prompt, len(earlier.text), earlier.cuts)
+
     def render_bounded(self, request: ChatRequest, add_generation_prompt: bool
                        ) -> tuple[str, list[int] | None]:
         """:func:`render`, then a 400 if the prompt certainly cannot fit (a worker thread's
@@ -217,13 +231,13 @@ def chat_chars(request: ChatRequest) -> int:
 
 
 def render(text_model: TextModel, request: ChatRequest, add_generation_prompt: bool,
-           prefixes: PrefixCache | None = None) -> tuple[str, list[int] | None]:
+           tokenizing: Tokenizing | None = None) -> tuple[str, list[int] | None]:
     """A chat's prompt text and its cuts (text/encoder.py ``boundaries``); a template
     failure is the client's 400.
 
-    With ``prefixes`` (on the event loop only), a prompt that begins with a kept
-    one (a conversation's previous turn) takes that one's cuts and scans only the
-    rest for its own.
+    With ``tokenizing`` (on the event loop only), the cuts come from
+    :meth:`Tokenizing.cuts`: a conversation's next prompt scans only what follows
+    its previous one.
     """
     try:
         prompt = text_model.render_chat(
@@ -235,15 +249,9 @@ def render(text_model: TextModel, request: ChatRequest, add_generation_prompt: b
         )
     except ChatTemplateError as exc:
         raise invalid_request(str(exc), "messages") from None
-    encoder = text_model.encoder
-    if prefixes is None:
-        return prompt, encoder.boundaries(prompt)
-    # (the cuts of its first HEAD_CHARS, exact for added tokens shorter than that many more)
-    early = encoder.boundaries(prompt[: 2 * HEAD_CHARS])
-    earlier = None if early is None else prefixes.extended_by(prompt, early)
-    if earlier is None:
-        return prompt, encoder.boundaries(prompt)
-    return prompt, encoder.boundaries_after(prompt, len(earlier.text), earlier.cuts)
+    if tokenizing is None:
+        return prompt, text_model.encoder.boundaries(prompt)
+    return prompt, tokenizing.cuts(prompt)
 
 
 async def chat_ids(tokenizing: Tokenizing, prompt: str, cuts: list[int]) -> PromptIds:

@@ -82,6 +82,7 @@ def test_the_longest_kept_prompt_a_text_begins_with_is_found_by_its_early_cuts()
     assert cache.extended_by("<s>sys<u>hi<a>ok<u>more", [0, 6]) is long
     assert cache.extended_by("<s>sys<u>hi<u>more", [0, 6, 11]) is short
     assert cache.extended_by("<s>sys<u>h", [0, 6]) is None  # no kept one is its prefix
+    assert cache.extended_by("<s>sys<u>hX<a>ok<u>more", [0, 6]) is None  # same head, then not
     assert cache.extended_by("<s>sya<u>hi<a>ok", [0, 6]) is None  # another first piece
     # a first piece longer than HEAD_CHARS: keyed by that much of it
     sys_prompt = "<s>" + "y" * 2000
