@@ -169,6 +169,17 @@ class PrefixCache:
         self.reused_tokens += best.tokens
         return best
 
+    def extended_by(self, text: str, early: Sequence[int]) -> Rendered | None:
+        """The longest kept prompt that ``text`` begins with, among those of its first
+        piece; ``early``: ``text``'s cuts up to :data:`HEAD_CHARS` at least (which
+        give that piece). A look-up only: no hit or miss is counted."""
+        head = _head(text, [*early[:1], HEAD_CHARS] if len(early) < 2 else early)
+        best: Rendered | None = None
+        for entry in self._by_head.get(head or "", ()):
+            if (best is None or len(entry.text) > len(best.text)) and text.startswith(entry.text):
+                best = entry
+        return best
+
     def put(self, entry: Rendered, replaces: Rendered | None = None) -> None:
         """Keep ``entry``; ``replaces``, a kept prompt that is a prefix of it, leaves (its
         every cut is ``entry``'s too)."""

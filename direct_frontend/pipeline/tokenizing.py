@@ -17,7 +17,9 @@
   ``PrefixCache``): a conversation's
   next turn tokenizes only its new part, exactly as a whole tokenization would
   (text/encoder.py says why), and its ids (kv/prefix.py ``PromptIds``) take the
-  block hashes of that prefix from the earlier prompt's.
+  block hashes of that prefix from the earlier prompt's. Where it begins with a
+  kept prompt whole, that one's cuts are taken too and only the rest is scanned
+  for added tokens.
 
 The caches are read and written on the event loop only; worker threads compute.
 """
@@ -39,7 +41,7 @@ from direct_frontend.kv.prefix import PromptIds
 from direct_frontend.openai.errors import context_length_exceeded, invalid_request
 from direct_frontend.openai.types import ChatMessage, ChatRequest
 from direct_frontend.pipeline.media import MediaProfile
-from direct_frontend.pipeline.prompt_cache import PrefixCache, PromptCache, Rendered
+from direct_frontend.pipeline.prompt_cache import HEAD_CHARS, PrefixCache, PromptCache, Rendered
 from direct_frontend.routing.catalog import Catalog
 from direct_frontend.text.model_dir import ChatTemplateError, TextModel
 
@@ -175,6 +177,20 @@ class Tokenizing:
         self.refuse_beyond("".join(pieces), known, "messages")
         return self.text_model.encoder.encode_batch(pieces)
 
+    def cuts(self, prompt: str) -> list[int] | None:
+        """A rendered chat's cuts (text/encoder.py ``boundaries``); one that begins with a
+        kept prompt (a conversation's previous turn) takes that one's and scans only the
+        rest. Reads the prefix cache: on the event loop only."""
+        encoder = self.text_model.encoder
+        if len(prompt) < self.prefix_min_chars:  # (never kept, nor does it extend a kept one)
+            return encoder.boundaries(prompt)
+        # (the cuts of its first HEAD_CHARS, exact for added tokens shorter than that many more)
+        early = encoder.boundaries(prompt[: 2 * HEAD_CHARS])
+        earlier = None if early is None else self.prefixes.extended_by(prompt, early)
+        if earlier is None:
+            return encoder.boundaries(prompt)
+        return encoder.boundaries_after(prompt, len(earlier.text), earlier.cuts)
+
     def render_bounded(self, request: ChatRequest, add_generation_prompt: bool
                        ) -> tuple[str, list[int] | None]:
         """:func:`render`, then a 400 if the prompt certainly cannot fit (a worker thread's
@@ -214,10 +230,15 @@ def chat_chars(request: ChatRequest) -> int:
     return total
 
 
-def render(text_model: TextModel, request: ChatRequest, add_generation_prompt: bool
-           ) -> tuple[str, list[int] | None]:
+def render(text_model: TextModel, request: ChatRequest, add_generation_prompt: bool,
+           tokenizing: Tokenizing | None = None) -> tuple[str, list[int] | None]:
     """A chat's prompt text and its cuts (text/encoder.py ``boundaries``); a template
-    failure is the client's 400."""
+    failure is the client's 400.
+
+    With ``tokenizing`` (on the event loop only), the cuts come from
+    :meth:`Tokenizing.cuts`: a conversation's next prompt scans only what follows
+    its previous one.
+    """
     try:
         prompt = text_model.render_chat(
             [message_dict(m) for m in request.messages],
@@ -228,7 +249,9 @@ def render(text_model: TextModel, request: ChatRequest, add_generation_prompt: b
         )
     except ChatTemplateError as exc:
         raise invalid_request(str(exc), "messages") from None
-    return prompt, text_model.encoder.boundaries(prompt)
+    if tokenizing is None:
+        return prompt, text_model.encoder.boundaries(prompt)
+    return prompt, tokenizing.cuts(prompt)
 
 
 async def chat_ids(tokenizing: Tokenizing, prompt: str, cuts: list[int]) -> PromptIds:
@@ -261,15 +284,33 @@ async def chat_ids(tokenizing: Tokenizing, prompt: str, cuts: list[int]) -> Prom
             counts.append(total)
         total += len(piece)
         rest.extend(piece)
-    head: tuple[int, ...] = () if reuse is None else reuse.entry.ids[:known]
-    ids = PromptIds(head + tuple(rest), None if reuse is None else reuse.entry.ids.chains,
-                    known, built_source=None if reuse is None else reuse.entry.ids.built,
-                    keep_built=True)
+    if reuse is None:
+        ids = PromptIds(rest, keep_built=True)
+    else:
+        earlier = reuse.entry.ids
+        whole, known = joined(earlier, known, rest)
+        ids = PromptIds(whole, earlier.chains, known, built_source=earlier.built,
+                        keep_built=True)
     # kept even when no engine can hold it: a Responses chat with truncation "auto" is cut to
     # fit, not refused, and its next turn shares this prefix
     tokenizing.prefixes.put(Rendered(prompt, ids, cuts, counts),
                             None if reuse is None else reuse.entry)
     return ids
+
+
+def joined(earlier: tuple[int, ...], known: int, rest: list[int]) -> tuple[tuple[int, ...], int]:
+    """The first ``known`` ids of ``earlier`` and then ``rest``, and how many ids they share
+    with ``earlier`` from its start.
+
+    Where ``rest`` begins with the rest of ``earlier`` (a conversation's next
+    turn, after the generation prompt the last one ended with), the ids are
+    ``earlier`` whole and what follows: one copy of the prefix, not a slice of it
+    and then another, and all of ``earlier`` shared.
+    """
+    tail = len(earlier) - known
+    if tail <= len(rest) and rest[:tail] == list(earlier[known:]):
+        return earlier + tuple(rest[tail:]), len(earlier)
+    return earlier[:known] + tuple(rest), known
 
 
 def function_dict(tool: object) -> dict[str, object]:

@@ -25,6 +25,7 @@ or BPE dropout) have no boundaries (None).
 from __future__ import annotations
 
 import array
+import bisect
 import logging
 import os
 import re
@@ -149,6 +150,15 @@ class Encoder:
             return None
         return self._splitter.starts(text, start)
 
+    def boundaries_after(self, text: str, shared: int, earlier: Sequence[int]
+                         ) -> list[int] | None:
+        """:meth:`boundaries` of ``text``, given ``earlier``: those of a text its first
+        ``shared`` characters are (a conversation's previous prompt); only what
+        follows is scanned. None as :meth:`boundaries` gives it."""
+        if self._splitter is None:
+            return None
+        return self._splitter.starts_after(text, shared, earlier)
+
 
 class _Splitter:
     """Finds the added tokens the way tokenizers' added vocabulary does: leftmost first,
@@ -157,6 +167,7 @@ class _Splitter:
     def __init__(self, contents: Iterable[str]) -> None:
         ordered = sorted({c for c in contents if c}, key=len, reverse=True)
         self._pattern = re.compile("|".join(re.escape(c) for c in ordered))
+        self._longest = len(ordered[0]) if ordered else 1
         self._firsts = sorted({c[0] for c in ordered})
 
     def starts(self, text: str, start: int) -> list[int]:
@@ -178,6 +189,26 @@ class _Splitter:
             if found is not None:
                 out.append(at)
                 free = found.end()
+        return out
+
+    def starts_after(self, text: str, shared: int, earlier: Sequence[int]) -> list[int]:
+        """:meth:`starts` of ``text`` from 0, given ``earlier``, those of ``text[:shared]``.
+
+        Whether an added token matches at a position depends on the text from
+        there to the longest token's length only: below ``shared`` less that
+        length, the scan of the earlier text found what this one's finds, and it
+        goes on from the end of the last match found there.
+        """
+        safe = max(0, shared - self._longest + 1)
+        kept = bisect.bisect_left(earlier, safe)
+        out = list(earlier[:kept])
+        free = safe
+        if out:
+            found = self._pattern.match(text, out[-1])
+            if found is None:  # (not ``text[:shared]``'s starts: scanned whole)
+                return self.starts(text, 0)
+            free = max(free, found.end())
+        out += self.starts(text, free)
         return out
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -70,14 +71,31 @@ def _strftime_now(fmt: str) -> str:
 def _tojson(
     value: object,
     ensure_ascii: bool = False,
-    indent: int | None = None,
+    indent: int | str | None = None,
     separators: tuple[str, str] | None = None,
     sort_keys: bool = False,
 ) -> str:
-    """Plain ``json.dumps``, as transformers uses: jinja's own tojson HTML-escapes ``<>&'``."""
-    return json.dumps(
-        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
+    """Plain ``json.dumps``, as transformers uses: jinja's own tojson HTML-escapes ``<>&'``.
+
+    The same text as ``json.dumps`` with these arguments, from an encoder made once per
+    set of arguments (``json.dumps`` makes one per call unless every argument is its
+    default, and templates call this for every tool call of every message).
+    """
+    try:
+        encoder = _json_encoder(ensure_ascii, indent, separators, sort_keys)
+    except TypeError:  # an unhashable argument (separators as a list)
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
+                          separators=separators, sort_keys=sort_keys)
+    return encoder.encode(value)
+
+
+@functools.lru_cache(maxsize=16)
+def _json_encoder(ensure_ascii: bool, indent: int | str | None,
+                  separators: tuple[str, str] | None, sort_keys: bool) -> json.JSONEncoder:
+    """The encoder ``json.dumps`` makes for these arguments (it keeps no state between
+    calls: one serves every thread)."""
+    return json.JSONEncoder(ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                            sort_keys=sort_keys)
 
 
 class _GenerationTag(jinja2.ext.Extension):

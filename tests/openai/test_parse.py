@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import json
+import random
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from direct_frontend.engines.neutral import SamplingOptions
 from direct_frontend.errors import EngineError, ErrorKind
-from direct_frontend.openai.body import MAX_JSON_DEPTH, nested_deeper_than
+from direct_frontend.openai.body import MAX_JSON_DEPTH, few_brackets, nested_deeper_than
 from direct_frontend.openai.errors import (
     OpenAIHTTPError,
     context_length_exceeded,
@@ -680,8 +681,23 @@ def test_a_body_nested_beyond_the_limit_is_refused() -> None:
         assert f"more than {MAX_JSON_DEPTH} levels" in err.message
 
 
+@settings(max_examples=200, deadline=None)
+@given(brackets=st.integers(0, 3 * MAX_JSON_DEPTH), size=st.sampled_from([0, 3000, 5000, 70_000]),
+       seed=st.integers(0, 2**32))
+@example(brackets=MAX_JSON_DEPTH, size=5000, seed=0)
+@example(brackets=MAX_JSON_DEPTH + 1, size=5000, seed=0)
+def test_few_brackets_counts_them_at_every_size(brackets: int, size: int, seed: int) -> None:
+    """Counted or found one by one (from 4 KiB), brackets in any order and place."""
+    rng = random.Random(seed)
+    body = bytearray(b"x" * size)
+    for _ in range(brackets):
+        body.insert(rng.randrange(len(body) + 1), rng.choice(b"[{"))
+    whole = bytes(body)
+    assert few_brackets(whole) == (whole.count(b"[") + whole.count(b"{") <= MAX_JSON_DEPTH)
+
+
 def test_a_large_body_is_read_and_checked_the_same() -> None:
-    """From 64 KiB a body skips the bracket count: read as plain JSON, depth checked."""
+    """A large body of many brackets: read as plain JSON, depth checked."""
     text = "word [ " * 20_000
     large = chat(messages=[{"role": "user", "content": text}])
     assert len(large) > 64 << 10

@@ -19,7 +19,7 @@ from tokenizers import Tokenizer
 from direct_frontend.kv.prefix import PromptIds, prefix_hashes
 from direct_frontend.openai.parse import parse_chat_request
 from direct_frontend.pipeline.preprocess import chat_prompt_ids
-from direct_frontend.pipeline.tokenizing import Tokenizing
+from direct_frontend.pipeline.tokenizing import Tokenizing, joined
 from direct_frontend.routing.catalog import Catalog
 from direct_frontend.text.model_dir import TextModel
 
@@ -137,6 +137,8 @@ def test_every_turn_has_the_ids_of_a_whole_tokenization(
             assert prefix_hashes(ids, 4) == prefix_hashes(tuple(ids), 4)
             assert prefix_hashes(ids, 4, cache_salt="s") == prefix_hashes(tuple(ids), 4,
                                                                           cache_salt="s")
+            for kept in tokenizing.prefixes._lru.values():  # cuts taken from a prefix's too
+                assert kept.cuts == model.encoder.boundaries(kept.text)
         return tokenizing.prefixes.hits
 
     for name, model in models.items():
@@ -178,3 +180,36 @@ async def test_short_chats_are_tokenized_whole_and_not_kept(models: dict[str, Te
     long = [{"role": "system", "content": "Be brief. " * 1000}, *short[1:]]
     await _ids(tokenizing, long)
     assert len(tokenizing.prefixes) == 1
+
+
+@settings(max_examples=300, deadline=None)
+@given(earlier=st.lists(st.integers(0, 5), max_size=12), data=st.data())
+def test_joined_ids_are_the_shared_prefix_and_the_rest(earlier: list[int],
+                                                       data: st.DataObject) -> None:
+    """Whatever the rest, the ids are the earlier ones' first ``known`` and then it; all of
+    the earlier ones are shared only where the rest goes on with them."""
+    known = data.draw(st.integers(0, len(earlier)))
+    rest = data.draw(st.one_of(
+        st.lists(st.integers(0, 5), max_size=8),
+        st.lists(st.integers(0, 5), max_size=4).map(lambda more: earlier[known:] + more)))
+    prior = PromptIds(earlier)
+    whole, shared = joined(prior, known, rest)
+    assert type(whole) is tuple and list(whole) == earlier[:known] + rest
+    assert whole[:shared] == tuple(earlier[:shared]) and shared >= known
+    assert (shared == len(earlier)) is (rest[:len(earlier) - known] == earlier[known:])
+
+
+async def test_a_next_turn_that_goes_on_from_the_last_shares_all_of_it(
+        models: dict[str, TextModel]) -> None:
+    """The last prompt's generation prompt is where the answer goes on: its every id is
+    shared (so its block hashes and engine ids are taken whole)."""
+    model = models["chatml"]
+    tokenizing = Tokenizing(model, lambda: Catalog(), prefix_min_chars=0)
+    base = [{"role": "system", "content": "Be brief. " * 50},
+            {"role": "user", "content": "Read the file."}]
+    first = await _ids(tokenizing, base)
+    grown = [*base, {"role": "assistant", "content": "It is empty."},
+             {"role": "user", "content": "Thanks."}]
+    ids = await _ids(tokenizing, grown)
+    assert isinstance(ids, PromptIds) and ids.known == len(first)
+    assert list(ids) == _whole(model, grown)

@@ -72,6 +72,26 @@ def test_a_prefix_is_found_at_the_last_cut_both_share() -> None:
     assert (cache.hits, cache.misses) == (3, 1)
 
 
+def test_the_longest_kept_prompt_a_text_begins_with_is_found_by_its_early_cuts() -> None:
+    cache = PrefixCache()
+    short = _rendered("<s>sys<u>hi", [0, 6], 5)
+    long = _rendered("<s>sys<u>hi<a>ok", [0, 6, 11], 8)
+    other = _rendered("<s>sys<u>ho<a>", [0, 6, 11], 7)
+    for entry in (long, short, other):
+        cache.put(entry)
+    assert cache.extended_by("<s>sys<u>hi<a>ok<u>more", [0, 6]) is long
+    assert cache.extended_by("<s>sys<u>hi<u>more", [0, 6, 11]) is short
+    assert cache.extended_by("<s>sys<u>h", [0, 6]) is None  # no kept one is its prefix
+    assert cache.extended_by("<s>sys<u>hX<a>ok<u>more", [0, 6]) is None  # same head, then not
+    assert cache.extended_by("<s>sya<u>hi<a>ok", [0, 6]) is None  # another first piece
+    # a first piece longer than HEAD_CHARS: keyed by that much of it
+    sys_prompt = "<s>" + "y" * 2000
+    kept = _rendered(sys_prompt + "<u>hi", [0, 2003], 600)
+    cache.put(kept)
+    assert cache.extended_by(kept.text + "<a>", [0]) is kept
+    assert (cache.hits, cache.misses) == (0, 0)  # look-ups, not uses
+
+
 def test_the_prefix_cache_is_bounded_and_drops_what_a_longer_prompt_covers() -> None:
     cache = PrefixCache(max_bytes=10_000)
     first = _rendered("<s>sys<u>" + "x" * 100, [0, 6], 50)

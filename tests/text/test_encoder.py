@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
 from direct_frontend.text.demo_model import corpus
-from direct_frontend.text.encoder import Encoder
+from direct_frontend.text.encoder import Encoder, _Splitter
 from direct_frontend.text.model_dir import TextModel
 
 SPECIALS = ("<|im_start|>", "<|im_end|>", "<|endoftext|>", "<think>", "</think>")
@@ -101,6 +101,38 @@ def test_pieces_between_added_tokens_tokenize_to_the_whole(
         # every cut starts an added token: the first id of its piece is one
         added = set(model._tokenizer.get_added_tokens_decoder())
         assert all(ids[0] in added for a, ids in zip(ends, encoded, strict=False) if a in cuts)
+
+
+@settings(max_examples=200, deadline=None)
+@given(text=TEXTS, more=TEXTS, at=st.integers(0, 10_000))
+def test_boundaries_after_a_shared_prefix_are_the_whole_scans(
+    models_under_test: dict[str, TextModel], text: str, more: str, at: int
+) -> None:
+    """Given the cuts of the text's first part, the rest is scanned: the same cuts, also
+    where an added token straddles the end of the part or a longer one starts before it."""
+    whole = text + more
+    shared = at % (len(whole) + 1)
+    for model in models_under_test.values():
+        encoder = model.encoder
+        earlier = encoder.boundaries(whole[:shared])
+        assert earlier is not None
+        assert encoder.boundaries_after(whole, shared, earlier) == encoder.boundaries(whole)
+
+
+#: added tokens that overlap: one begins another, one ends where another begins
+_OVERLAPPING = ("<a>", "<a><b>", "b><c", "<c>x", "x")
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=st.lists(st.sampled_from([*_OVERLAPPING, "<", ">", "a", "b", "<a", "c>"]),
+                     max_size=30).map("".join), at=st.integers(0, 1000))
+def test_starts_after_a_prefix_are_the_whole_scans_with_overlapping_tokens(
+    text: str, at: int
+) -> None:
+    splitter = _Splitter(_OVERLAPPING)
+    shared = at % (len(text) + 1)
+    earlier = splitter.starts(text[:shared], 0)
+    assert splitter.starts_after(text, shared, earlier) == splitter.starts(text, 0)
 
 
 def test_no_cuts_where_an_added_token_takes_the_space_before_it(

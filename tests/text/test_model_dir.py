@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from tokenizers import pre_tokenizers
 
 from direct_frontend.text.demo_model import build_model_dir
-from direct_frontend.text.model_dir import ChatTemplateError, ModelDirError, TextModel
+from direct_frontend.text.model_dir import ChatTemplateError, ModelDirError, TextModel, _tojson
 
 # Characters rare in the demo corpus, so their bytes are split over several tokens.
 RARE_CHARS = "🦜🧬🪐😀漢鬱東∑"
@@ -194,6 +194,27 @@ def test_template_globals_filters_and_variables(model_dir: Path, tmp_path: Path)
         extra={"enable_thinking": False, "add_generation_prompt": "ignored"},
     )
     assert rendered == '[one]|<|im_end|>|False|False|4|{"k": "<&>"}|True'
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner,
+                                                                 max_size=3),
+    max_leaves=8,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(value=_JSON, ensure_ascii=st.booleans(), indent=st.sampled_from([None, 2, "\t"]),
+       separators=st.sampled_from([None, (",", ":"), [", ", ": "]]), sort_keys=st.booleans())
+def test_tojson_is_json_dumps(value: object, ensure_ascii: bool, indent: int | str | None,
+                              separators: tuple[str, str] | None, sort_keys: bool) -> None:
+    """The template filter's text is json.dumps' for every argument set, each encoder made
+    once being used again (twice in a row, and across argument sets)."""
+    want = json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+    for _ in range(2):
+        assert _tojson(value, ensure_ascii, indent, separators, sort_keys) == want
 
 
 def test_named_templates_pick_tool_use_when_tools_given(model_dir: Path, tmp_path: Path) -> None:
