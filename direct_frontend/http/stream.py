@@ -160,13 +160,14 @@ class Writer:
                 await self._last(*await self.renderer.finished(event, index))
             else:  # a body is written once the walk is over (its engine calls closed)
                 self.ends.append((event, index))
-        elif type(event) is Failed:
-            self.failed = event.error
+        elif type(event) is Embedded:
+            await self._last(self.renderer.embedded(event), True)
         else:
-            await self._step(event)
+            self._step(event)
 
-    async def _step(self, event: StairEvent) -> None:
-        """The stair's events before the output (and an embeddings response's vectors).
+    def _step(self, event: StairEvent) -> None:
+        """The stair's events that write nothing: those before the output, and a failure
+        (answered at the end). A plain call: no coroutine made for each of them.
 
         Told apart by their exact type, as :meth:`__call__` does: the events are final
         structs, and this runs several times per request."""
@@ -183,8 +184,8 @@ class Writer:
             self.streamed = renderer.streamed
             assert self._nursery is not None
             self._nursery.start_soon(self._client.run, self._receive, self._nursery.cancel_scope)
-        elif type(event) is Embedded:
-            await self._last(self.renderer.embedded(event), True)
+        elif type(event) is Failed:
+            self.failed = event.error
 
     def _taken(self, data: bytes) -> bytes:
         """What is rendered and not yet sent, with ``data`` after it, taken to be sent (as

@@ -53,6 +53,7 @@ from direct_frontend.openai.types import TIERS, Tier
 from direct_frontend.pipeline.fair import FairQueue, Waiter
 from direct_frontend.pipeline.preempt import Hold, new_hold, preempt_for
 from direct_frontend.pipeline.shares import Shares
+from direct_frontend.pipeline.slot import Slot
 from direct_frontend.pipeline.tenancy import Tenants
 
 #: the tiers whose requests a client waits on (flex takes what they leave)
@@ -186,8 +187,7 @@ class Admission:
             raise self._refused(flow, tier, "queue_full", "the request queue is full")
 
     @contextlib.asynccontextmanager
-    async def background_slot(self, flow: str = "",
-                              tier: Tier = "default") -> AsyncIterator[Hold]:
+    async def background_slot(self, flow: str = "", tier: Tier = "default") -> AsyncIterator[Hold]:
         """One slot for work no client waits on (a background response) of ``flow``.
 
         Such work holds at most half the slots: however much of it is asked
@@ -204,19 +204,19 @@ class Admission:
         finally:
             self._background.release()
 
-    @contextlib.asynccontextmanager
-    async def slot(self, count: int = 1, flow: str = "",
-                   tier: Tier = "default") -> AsyncIterator[Hold]:
-        """Hold ``count`` in-flight slots (one per choice) for ``flow`` at ``tier`` for the
-        duration of the block; the :class:`Hold` it gives may be preempted while its
-        request runs on an engine (:meth:`Hold.running`), and then :meth:`requeue`.
+    def slot(self, count: int = 1, flow: str = "", tier: Tier = "default") -> Slot:
+        """``count`` in-flight slots (one per choice) for ``flow`` at ``tier``, held in an
+        ``async with`` block; its :class:`Hold` may be preempted while its request runs on
+        an engine (:meth:`Hold.running`), and then :meth:`requeue`.
 
-        A request of more choices than ``max_in_flight`` takes every slot, so
-        it waits for the daemon to drain rather than never running. The
-        request chosen next keeps its turn until enough slots are free, so a
-        request of several choices is not passed over for ever.
+        A request of more choices than ``max_in_flight`` takes every slot, so it waits for
+        the daemon to drain rather than never running. The request chosen next keeps its
+        turn until enough slots are free, so one of several choices is not passed over.
         """
-        count = min(count, self.config.max_in_flight)
+        return Slot(self, min(count, self.config.max_in_flight), flow, tier)
+
+    async def admit(self, count: int, flow: str, tier: Tier) -> Hold:
+        """A :class:`Slot`'s way in: ``count`` slots held for ``flow`` at ``tier``."""
         granted = now = trio.current_time()
         for shares in self._accounts[tier]:
             shares.saw(flow, now)
@@ -232,19 +232,19 @@ class Admission:
         hold = new_hold(flow, count, tier, granted)
         if count == 1:
             self._holds[hold] = None
-        try:
-            yield hold
-        finally:
-            self._holds.pop(hold, None)
-            if tier == "flex":
-                self._flex_hold += (trio.current_time() - granted - self._flex_hold) / 8
-                self._memory = _peak_memory(self._flex_hold)
-            if hold.held:  # not while it waits for them again (it left that wait)
-                self._release(flow, count, tier)
+        return hold
+
+    def vacate(self, hold: Hold, granted: float) -> None:
+        """A :class:`Slot`'s way out, whatever ended it (``granted``: its first admission)."""
+        self._holds.pop(hold, None)
+        if hold.tier == "flex":
+            self._flex_hold += (trio.current_time() - granted - self._flex_hold) / 8
+            self._memory = _peak_memory(self._flex_hold)
+        if hold.held:  # not while it waits for them again (it left that wait)
+            self._release(hold.flow, hold.count, hold.tier)
 
     def _ahead(self, tier: Tier) -> bool:
-        """Whether a request waits that goes before a new one of ``tier`` (its own tier's,
-        or a tier first served)."""
+        """Whether a request of ``tier`` or of a tier served first waits (before its own)."""
         waiting = 0
         for queue in self._before[tier]:  # a loop: no generator made per request
             waiting += queue.size
@@ -285,8 +285,7 @@ class Admission:
                 self._leave(waiter, granted, count)
                 raise
         if self.config.preempt and tier != "flex" and count == 1 and preempt_for(
-                self._holds, self._shares, flow, tier,
-                queue.waiting(flow) - 1 - queue.claims(flow),
+                self._holds, self._shares, flow, tier, queue.waiting(flow) - 1 - queue.claims(flow),
                 self._queued.__getitem__, trio.current_time(),
                 self.config.max_preemptions) is not None:
             queue.claim(flow)  # the slot it frees is this tenant's
@@ -498,3 +497,4 @@ class Admission:
 def _peak_memory(flex_hold: float) -> float:
     """How long the interactive tiers' peak is remembered: a few flex holds (each so long)."""
     return min(max(PEAK_HOLDS * flex_hold, PEAK_S[0]), PEAK_S[1])
+

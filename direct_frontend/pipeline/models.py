@@ -37,10 +37,10 @@ def with_defaults(request: Request, defaults: SamplingDefaults) -> Request:
     A chat request that names no thinking budget gets its ``reasoning_effort``'s
     (``effort_budgets``), else the model's ``thinking_token_budget``.
     """
-    changes: dict[str, object] = {
+    changes: dict[str, object] = {  # the model's default read first: mostly none is set
         name: value
         for name in _SAMPLING_FIELDS
-        if getattr(request, name) is None and (value := getattr(defaults, name)) is not None
+        if (value := getattr(defaults, name)) is not None and getattr(request, name) is None
     }
     if isinstance(request, ChatRequest) and request.thinking_token_budget is None:
         budget = defaults.effort_budgets.of(request.reasoning_effort)

@@ -83,8 +83,10 @@ class Shares:
 
     def add(self, flow: str, count: int, now: float = 0.0) -> None:
         """``flow`` holds ``count`` more slots (fewer if negative) from ``now`` on."""
-        usage = self.usage(flow, now)
-        held = self._held.get(flow, 0) + count
+        before = self._held.get(flow, 0)
+        average, since = self._usage.get(flow, (0.0, now))  # its usage(): no call per request
+        usage = before + (average - before) * math.exp((since - now) / USAGE_S)
+        held = before + count
         if held:
             self._held[flow] = held
         else:

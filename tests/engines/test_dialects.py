@@ -334,6 +334,20 @@ def test_a_field_the_contract_lacks_is_refused_naming_it(kind: str, missing: str
     assert raised.value.kind is ErrorKind.BAD_REQUEST and raised.value.param == missing
 
 
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("temperature", float("nan")), ("min_p", float("inf")), ("repetition_penalty", 1e39)],
+)
+def test_a_sampling_float_no_float32_holds_is_refused_naming_it(field: str,
+                                                                 value: float) -> None:
+    """The wire carries sampling floats as float32: NaN, infinities and larger values are
+    the client's 400, naming the field, never a protobuf error."""
+    sampling = dataclasses.replace(PLAIN, **{field: value})
+    with pytest.raises(EngineError) as raised:
+        dialect_for("sglang").generate(GenerateCall("r", PROMPT, sampling))
+    assert raised.value.kind is ErrorKind.BAD_REQUEST and raised.value.param == field
+
+
 def test_a_pinned_rank_reaches_the_contract_and_an_unpinned_call_names_none() -> None:
     dialect = dialect_for("vllm")
     pinned = dialect.generate(GenerateCall("r", PROMPT, PLAIN, dp_rank=1)).request
