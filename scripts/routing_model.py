@@ -375,7 +375,8 @@ class VirtualTime:
             assert placement is not None
             placement.engine.load.end(len(request.tokens), placement.blocks, placement.dp_rank)
             if self.policy is not None:
-                self.policy.on_complete(placement, tuple(request.tokens + request.answer))
+                prompt = placement.prompt or tuple(request.tokens)  # the placed one: no copy
+                self.policy.on_complete(placement, prompt, tuple(request.answer))
             if done is not None:
                 done(t, request)
             self.finished.append(request)

@@ -179,14 +179,12 @@ def prefix_hashes(
     return out
 
 
-def extend_hashes(known: Sequence[int], token_ids: Sequence[int], block_size: int) -> list[int]:
-    """:func:`prefix_hashes` of ``token_ids`` (no adapter, salt or images), given ``known``,
-    the hashes of their first blocks (a prompt's, when ``token_ids`` are it and its answer):
-    only the blocks after those are hashed."""
+def extend_hashes(known: Sequence[int], rest: Sequence[int], block_size: int) -> list[int]:
+    """:func:`prefix_hashes` of some token ids (no adapter, salt or images), given ``known``,
+    the hashes of their first blocks (a prompt's, when the ids are it and its answer), and
+    ``rest``, the ids after those blocks: only the blocks of ``rest`` are hashed."""
     out = list(known)
-    data = array.array(
-        "I", token_ids[len(out) * block_size : len(token_ids) // block_size * block_size]
-    ).tobytes()
+    data = array.array("I", rest[: len(rest) // block_size * block_size]).tobytes()
     _chain_on(out, data, 0, block_size * 4, out[-1] if out else ROOT_SEED)
     return out
 

@@ -139,8 +139,9 @@ class AdapterPolicy:
             return None  # preloaded only: no engine can be given it
         return self.inner.choose(catalog, request, exclude)
 
-    def on_complete(self, placement: Placement, token_ids: Sequence[int]) -> None:
-        self.inner.on_complete(placement, token_ids)
+    def on_complete(self, placement: Placement, prompt: Sequence[int],
+                    answer: Sequence[int]) -> None:
+        self.inner.on_complete(placement, prompt, answer)
 
 
 class AdapterDispatcher(Dispatcher):

@@ -88,12 +88,13 @@ class Dispatcher:
             raise NoEngineAvailable("no engine is serving")
         return placement
 
-    def complete(self, policy: Policy, placement: Placement, token_ids: Sequence[int]) -> None:
+    def complete(self, policy: Policy, placement: Placement, prompt: Sequence[int],
+                 answer: Sequence[int]) -> None:
         """A request ended well at ``placement``: tell the policy that placed it."""
         if placement.engine.role is EngineRole.DECODE:
-            self.disagg.decode_policy.on_complete(placement, token_ids)
+            self.disagg.decode_policy.on_complete(placement, prompt, answer)
         else:
-            policy.on_complete(placement, token_ids)
+            policy.on_complete(placement, prompt, answer)
 
     def run(
         self,

@@ -362,10 +362,8 @@ class Relay:
         if not ok:
             return
         placement = attempt.placement
-        self.dispatcher.complete(
-            attempt.settings.policy, placement,
-            prepared.input_ids + output.processor.generated_ids,
-        )
+        self.dispatcher.complete(attempt.settings.policy, placement, prepared.input_ids,
+                                 output.processor.generated_ids)
         predicted = placement.predicted_cached_tokens
         if predicted is not None and not failover.tried:
             self.hit_rate.record(predicted, output.cached_tokens or 0, placement.engine)

@@ -124,5 +124,6 @@ class Affine:
                          (e for e in catalog.aggregated if e.name not in exclude))
         return None if home is None else self._placements.of(catalog, home)
 
-    def on_complete(self, placement: Placement, token_ids: Sequence[int]) -> None:
-        self.inner.on_complete(placement, token_ids)
+    def on_complete(self, placement: Placement, prompt: Sequence[int],
+                    answer: Sequence[int]) -> None:
+        self.inner.on_complete(placement, prompt, answer)

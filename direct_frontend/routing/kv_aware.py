@@ -460,23 +460,35 @@ class KvAware:
             return self._pick([e for _, e in under], [c for c, _ in under]), True
         return chosen, False
 
-    def on_complete(self, placement: Placement, token_ids: Sequence[int]) -> None:
+    def on_complete(self, placement: Placement, prompt: Sequence[int],
+                    answer: Sequence[int]) -> None:
         """The engine holds these tokens' blocks now (prompt + answer): remembered, and dequeued."""
         if placement.prefilled is not None:
             placement.prefilled()
         self._remember(rank_memory(placement.engine.name, placement.dp_rank),
-                       self.answered_hashes(placement, token_ids), self.clock())
+                       self.answered_hashes(placement, prompt, answer), self.clock())
 
-    def answered_hashes(self, placement: Placement, token_ids: Sequence[int]) -> list[int]:
-        """The block hashes of ``token_ids``: where they begin with the placed prompt, its
-        hashes and then those of the blocks after it (one comparison instead of hashing
-        the prompt again)."""
-        prompt = placement.prompt
-        size = len(prompt)
-        if (placement.blocks and not placement.media_keys and len(token_ids) >= size
-                and isinstance(token_ids, tuple) and token_ids[:size] == prompt):
-            return extend_hashes(placement.blocks, token_ids, self.knobs.block_size)
-        return self.hashes(token_ids, placement.media_keys)
+    def answered_hashes(self, placement: Placement, prompt: Sequence[int],
+                        answer: Sequence[int]) -> list[int]:
+        """The block hashes of ``prompt`` and ``answer``, whole.
+
+        Where they begin with the placed prompt: its hashes, then those of the
+        blocks after it. The placed prompt is most often ``prompt`` itself
+        (one identity check, and only its last partial block is copied);
+        a continuation's was the prompt and part of the answer (one
+        comparison). Neither hashes the prompt again.
+        """
+        placed, blocks = placement.prompt, placement.blocks
+        block = self.knobs.block_size
+        if blocks and not placement.media_keys:
+            start = len(blocks) * block
+            if prompt is placed:
+                return extend_hashes(blocks, (*prompt[start:], *answer), block)
+            whole = (*prompt, *answer)
+            if len(whole) >= len(placed) and whole[: len(placed)] == tuple(placed):
+                return extend_hashes(blocks, whole[start:], block)
+            return self.hashes(whole, placement.media_keys)
+        return self.hashes((*prompt, *answer), placement.media_keys)
 
     def _remember(self, engine: str, hashes: Sequence[int], now: float) -> None:
         self.approx.record(engine, hashes, now)

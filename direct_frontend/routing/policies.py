@@ -61,8 +61,10 @@ class Policy(Protocol):
         self, catalog: Catalog, request: RequestView, exclude: Collection[str] = ()
     ) -> Placement | None: ...
 
-    def on_complete(self, placement: Placement, token_ids: Sequence[int]) -> None:
-        """A request placed at ``placement`` ended well; ``token_ids``: its prompt and answer."""
+    def on_complete(self, placement: Placement, prompt: Sequence[int],
+                    answer: Sequence[int]) -> None:
+        """A request placed at ``placement`` ended well; ``prompt``, ``answer``: its token ids
+        (apart: most policies learn nothing from them, and joining a long prompt costs)."""
 
 
 class BarePlacements:
@@ -109,7 +111,8 @@ class _TakingTurns:
         self._turn = spread_start() if start is None else start
         self._placements = BarePlacements()
 
-    def on_complete(self, placement: Placement, token_ids: Sequence[int]) -> None:
+    def on_complete(self, placement: Placement, prompt: Sequence[int],
+                    answer: Sequence[int]) -> None:
         """Nothing to learn: the choice did not depend on what engines hold."""
 
 

@@ -55,9 +55,9 @@ def test_completion_reaches_the_policy_that_placed_the_request() -> None:
     whole = prefix_hashes(PROMPT + answer, 4)
     pair = dispatcher.choose(policy, PROMPT, 16)
     assert pair.engine.name == "d"
-    dispatcher.complete(policy, pair, PROMPT + answer)
+    dispatcher.complete(policy, pair, PROMPT, answer)
     assert policy.overlaps(whole, policy.clock(), catalog.engines) == {}  # not the fleet's
     aggregated = dispatcher.choose(policy, PROMPT, 16, exclude={"p"})
-    dispatcher.complete(policy, aggregated, PROMPT + answer)
+    dispatcher.complete(policy, aggregated, PROMPT, answer)
     assert policy.overlaps(whole, policy.clock(), catalog.engines) == {"a": len(whole)}
     assert isinstance(dispatcher.disagg.decode_policy, LeastLoaded)

@@ -239,32 +239,42 @@ def test_on_complete_remembers_the_answer_only_where_no_kv_events_flow() -> None
     for engine in (a, b):
         placement = policy.choose(Catalog(1, (engine,)), view(PROMPT))
         assert placement is not None
-        policy.on_complete(placement, [*PROMPT, *answer])
+        policy.on_complete(placement, PROMPT, answer)
     assert policy.overlaps(whole, policy.clock(), (a, b)) == {"a": len(whole)}
 
 
 @pytest.mark.parametrize("prompt_len", [3, 4, 17, 32])
 def test_the_answer_is_hashed_on_from_the_prompt_exactly(prompt_len: int) -> None:
-    """Prompt and answer hash as if hashed whole; ids that do not begin with the placed
-    prompt (or a list, or images) are hashed whole."""
+    """Prompt and answer hash as if hashed whole: the placed prompt itself, an equal copy,
+    ids that go on from it (a continuation placed with part of its answer), and ids that
+    do not begin with it (or images) alike."""
     rng = random.Random(prompt_len)
     prompt = tuple(rng.randrange(1000) for _ in range(prompt_len))
     policy = KvAware(KvAwareKnobs(block_size=BS))
     placement = policy.choose(Catalog(1, (handle("a"),)), RequestView(prompt, 16))
-    assert placement is not None
-    for answer in [(), (5,), tuple(range(9))]:
+    assert placement is not None and placement.prompt is prompt
+    for answer in [(), (5,), tuple(range(9)), tuple(range(2 * BS + 3))]:
         ids = prompt + answer
-        assert policy.answered_hashes(placement, ids) == prefix_hashes(ids, BS)
-        assert policy.answered_hashes(placement, list(ids)) == prefix_hashes(ids, BS)
-        other = (prompt[0] + 1, *prompt[1:], *answer)
-        assert policy.answered_hashes(placement, other) == prefix_hashes(other, BS)
+        assert policy.answered_hashes(placement, prompt, answer) == prefix_hashes(ids, BS)
+        assert policy.answered_hashes(placement, list(prompt), list(answer)) == prefix_hashes(
+            ids, BS)
+        assert policy.answered_hashes(placement, prompt[:-1], prompt[-1:] + answer) == (
+            prefix_hashes(ids, BS))
+        other = (prompt[0] + 1, *prompt[1:])
+        assert policy.answered_hashes(placement, other, answer) == prefix_hashes(
+            other + answer, BS)
     shorter = prompt[:-1]
-    assert policy.answered_hashes(placement, shorter) == prefix_hashes(shorter, BS)
+    assert policy.answered_hashes(placement, shorter, ()) == prefix_hashes(shorter, BS)
+    continued = policy.choose(Catalog(1, (handle("a"),)), RequestView((*prompt, 1, 2, 3), 16))
+    assert continued is not None
+    for answer in [(1, 2, 3), (1, 2, 3, *range(2 * BS))]:
+        assert policy.answered_hashes(continued, prompt, answer) == prefix_hashes(
+            prompt + answer, BS)
     media = (("img", 0, 2),)
     pictured = policy.choose(Catalog(1, (handle("a"),)), RequestView(prompt, 16, None, media))
     assert pictured is not None
     pictured_ids = (*prompt, 1, 2, 3, 4)
-    assert policy.answered_hashes(pictured, pictured_ids) == prefix_hashes(
+    assert policy.answered_hashes(pictured, prompt, (1, 2, 3, 4)) == prefix_hashes(
         pictured_ids, BS, media=media)
 
 
@@ -294,7 +304,7 @@ def test_the_memory_of_what_was_sent_steers_but_never_predicts() -> None:
     catalog = Catalog(1, (handle("a"), handle("b")))
     first = policy.choose(catalog, view(PROMPT))
     assert first is not None
-    policy.on_complete(first, PROMPT)  # done, but its events have not arrived yet
+    policy.on_complete(first, PROMPT, ())  # done, but its events have not arrived yet
     again = policy.choose(catalog, view([*PROMPT, 7, 7, 7, 7]))
     assert again is not None and again.engine is first.engine
     assert again.predicted_cached_tokens == 0  # the events show nothing cached there
@@ -336,12 +346,12 @@ def test_without_events_the_prediction_follows_the_lru_model_and_the_home_steers
     catalog = Catalog(1, (handle("a"), handle("b")))
     first = policy.choose(catalog, view(PROMPT))
     assert first is not None
-    policy.on_complete(first, PROMPT)
+    policy.on_complete(first, PROMPT, ())
     other = list(range(700, 732))  # 8 more blocks there: the model says the first prompt is gone
     elsewhere = {e.name for e in catalog.engines} - {first.engine.name}
     placed = policy.choose(catalog, view(other), exclude=elsewhere)
     assert placed is not None and placed.engine is first.engine
-    policy.on_complete(placed, other)
+    policy.on_complete(placed, other, ())
     again = policy.choose(catalog, view(PROMPT))
     assert again is not None and again.engine is first.engine  # its home steers …
     assert again.predicted_cached_tokens == 0  # … but it is predicted evicted there
@@ -424,7 +434,7 @@ def test_a_requests_prefill_leaves_the_queue_at_its_first_token() -> None:
     assert policy.queue.depth("a", now, None) == len(HASHES)  # all 8 blocks to prefill
     placed.prefilled()
     assert policy.queue.depth("a", now, None) == 0  # decoding now: its prefill is done
-    policy.on_complete(placed, PROMPT)  # and its end changes nothing more
+    policy.on_complete(placed, PROMPT, ())  # and its end changes nothing more
     assert policy.queue.depth("a", now, None) == 0
     again = policy.choose(catalog, view(PROMPT), exclude={"b"})
     assert again is not None and again.prefilled is None  # all cached there: nothing queued
@@ -436,11 +446,11 @@ def test_without_events_a_reported_capacity_turns_the_lru_model_on() -> None:
     first = policy.choose(catalog, view(PROMPT), exclude={"b"})
     assert first is not None and first.engine.name == "a"
     assert policy.approx.capacities == {"a": 8} and policy.approx.held("b") is None
-    policy.on_complete(first, PROMPT)
+    policy.on_complete(first, PROMPT, ())
     other = list(range(700, 732))  # 8 more blocks there: the model says PROMPT is gone from a
     placed = policy.choose(catalog, view(other), exclude={"b"})
     assert placed is not None
-    policy.on_complete(placed, other)
+    policy.on_complete(placed, other, ())
     again = policy.choose(catalog, view(PROMPT), exclude={"b"})
     assert again is not None and again.predicted_cached_tokens == 0
 
@@ -527,7 +537,7 @@ def test_without_events_the_approximate_memory_pins_and_models_each_rank() -> No
     catalog = Catalog(1, (ranked("a", in_flight={0: 1}),))
     first = policy.choose(catalog, view(PROMPT))
     assert first is not None and first.dp_rank == 1 and first.predicted_cached_tokens == 0
-    policy.on_complete(first, (*PROMPT, 7, 7, 7, 7))
+    policy.on_complete(first, PROMPT, (7, 7, 7, 7))
     again = policy.choose(Catalog(1, (ranked("a"),)), view([*PROMPT, 7, 7, 7, 7, 1]))
     assert again is not None and again.dp_rank == 1 and again.predicted_cached_tokens == 36
     other = policy.choose(Catalog(1, (ranked("a"),)), view(list(range(500, 532))))
@@ -659,7 +669,7 @@ def test_a_prefix_the_events_showed_and_then_evicted_is_not_credited() -> None:
     first.prefilled()
     home, other = first.engine, ({"a", "b"} - {first.engine.name}).pop()
     index.held = {f"g{home.incarnation}r0": set(HASHES)}
-    policy.on_complete(first, PROMPT)
+    policy.on_complete(first, PROMPT, ())
     assert policy.queue.depth(home.name, policy.clock(), policy._stored_at(home)) == 0
     # evicted there since; the other engine caches half the prompt meanwhile
     index.held = {f"g{GENERATION[other]}r0": set(HASHES[:4])}
