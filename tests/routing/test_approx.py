@@ -87,3 +87,45 @@ def test_bulk_record_and_lookup_equal_the_block_by_block_reference(
         probe = [*hashes[: rng.randint(0, len(hashes))], rng.randint(0, 30)]
         for at in (now, now + 1.5, now + 2.5):
             assert memory.lookup_at(probe, at) == reference.lookup(probe, at)
+
+
+fresh_chains = st.lists(st.integers(0, 200), min_size=0, max_size=12, unique=True)
+
+
+@settings(max_examples=150, deadline=None)
+@given(steps=st.lists(st.tuples(st.sampled_from("ab"), fresh_chains, st.integers(0, 3),
+                                st.booleans(), st.integers(0, 12)), max_size=30),
+       max_blocks=st.integers(1, 60), capacity=st.sampled_from([0, 4, 12, 100]),
+       seed=st.integers(0, 1000))
+def test_a_placement_extended_by_its_answer_equals_the_reference(
+        steps: list[tuple[str, list[int], int, bool, int]], max_blocks: int, capacity: int,
+        seed: int) -> None:
+    """A prompt recorded again with its answer (``head``: the prompt's blocks) extends its
+    placement where that is exact; any hint, right or wrong, leaves what the reference
+    leaves, and each placement's count of blocks it alone holds stays true."""
+    memory = ApproxPrefixIndex(ttl_s=2.0, max_blocks=max_blocks, capacity_blocks=capacity)
+    reference = Reference(2.0, max_blocks, capacity)
+    rng = random.Random(seed)
+    now = 0.0
+    last: dict[str, list[int]] = {}
+    for engine, more, advance, extend, hint in steps:
+        now += advance
+        if advance == 3 and not more and not extend:
+            memory.forget_engine(engine)
+            reference.forget(engine)
+        prompt = last.get(engine, [])
+        hashes = [*prompt, *more] if extend else more
+        head = len(prompt) if extend else min(hint, len(hashes))
+        memory.record(engine, hashes, now, head)
+        reference.record(engine, hashes, now)
+        last[engine] = hashes
+        assert [(h, holders_of(held)) for h, held in memory._entries.items()] == list(
+            reference.entries.items())
+        assert {e: list(lru) for e, lru in memory._lru.items()} == {
+            e: list(lru) for e, lru in reference.lru.items()}
+        alone = collections.Counter(id(held) for held in memory._blocks.values())
+        for placed in memory._ages.placed:
+            assert placed.sole == alone[id(placed)]
+        probe = [*hashes[: rng.randint(0, len(hashes))], rng.randint(0, 200)]
+        for at in (now, now + 1.5, now + 2.5):
+            assert memory.lookup_at(probe, at) == reference.lookup(probe, at)

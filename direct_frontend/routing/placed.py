@@ -1,0 +1,234 @@
+"""The approximate memory's records: one per placement, shared by all its blocks (sans-IO).
+
+A placement of a prompt's thousand blocks is one :class:`Placed`; each block
+points at the latest placement that sent it to each engine (its holders). The
+memory's two orders, every block's age (for the cap) and each engine's LRU
+model, are orders of placements: a :class:`Book` lists them oldest first, and
+a block is where its latest placement put it (within one, in the placement's
+order). So a placement is one bulk dict update per block, not a linked node
+per block and order; what falls out of an order is found by walking its oldest
+placements and keeping the blocks still theirs, a C loop per placement.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import math
+import operator
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, Final
+
+__all__ = ["Book", "Holders", "Joint", "Placed", "Still", "claim", "holders_of",
+           "joined_runs", "joints_at", "same_as", "tags", "unheld"]
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class Placed:
+    """One placement: ``keys`` (its blocks, each at its last place) sent to ``engine``.
+
+    ``back``: the blocks in the engine's LRU touch order (tail first, each at its
+    last place there), when the engine's LRU is modelled; ``tag`` is then the
+    engine while the placement counts in that LRU (None once the engine is forgotten).
+    """
+
+    engine: str
+    expiry: float
+    seq: int
+    keys: tuple[int, ...]
+    back: tuple[int, ...] = ()
+    tag: str | None = None
+    #: its blocks as placed (``keys`` as the age order lists them may be fewer since)
+    prompt: tuple[int, ...] = ()
+    #: blocks whose holders are this placement itself (it alone holds them)
+    sole: int = 0
+    #: blocks where it joined a :class:`Joint` (some may have moved on since)
+    joints: list[int] = dataclasses.field(default_factory=list)
+
+    def forget(self) -> None:
+        """The engine is forgotten: this placement holds nothing, anywhere, any more."""
+        self.expiry = -math.inf
+        self.tag = None
+
+
+class Joint(dict[str, Placed]):
+    """A block's holders when several engines hold it: {engine: its latest placement},
+    and the latest placement of all (``age``: where the block is in the age order)."""
+
+    __slots__ = ("age",)
+
+    def __init__(self, *placed: Placed) -> None:
+        super().__init__((p.engine, p) for p in placed)
+        self.age = placed[-1]
+
+
+#: a block's holders: one placement (one engine, its age too), or a :class:`Joint`
+Holders = Placed | Joint
+_SLACK: Final = 4096  # listed blocks a book may carry beyond twice its live ones
+
+
+def claim(holders: Holders | None, engine: str) -> Placed | None:
+    """``engine``'s latest placement among ``holders``."""
+    if holders is None:
+        return None
+    if type(holders) is Placed:
+        return holders if holders.engine == engine else None
+    return holders.get(engine)  # type: ignore[union-attr]
+
+
+def holders_of(holders: Holders | None) -> dict[str, float]:
+    """``holders`` as {engine: expiry}, forgotten engines left out."""
+    if holders is None:
+        return {}
+    if type(holders) is Placed:
+        return {holders.engine: holders.expiry} if holders.expiry > -math.inf else {}
+    return {e: p.expiry for e, p in holders.items()  # type: ignore[union-attr]
+            if p.expiry > -math.inf}
+
+
+def _joined(holders: Holders | None, mine: Placed) -> Holders:
+    """``holders`` with ``mine`` among them (as its engine's latest)."""
+    if holders is None:
+        return mine
+    if type(holders) is Placed:
+        if holders.engine == mine.engine:
+            return mine
+        return Joint(holders, mine)
+    holders[mine.engine] = mine  # type: ignore[index]
+    holders.age = mine  # type: ignore[union-attr]
+    return holders
+
+
+def joined_runs(keys: Sequence[int], found: list[Holders | None], mine: Placed
+                ) -> list[Holders]:
+    """Each of ``found`` (the holders of ``keys``) joined with ``mine``, a run of one
+    holder at a time.
+
+    Blocks placed together share their holder, so the runs are few: those of
+    no holder or of ``mine``'s engine alone take ``mine`` in bulk; the others
+    are joined one by one (each block gets a Joint of its own), and each
+    placement in a Joint notes the block (:attr:`Placed.joints`).
+    """
+    out: list[Holders] = []
+    at = 0
+    for _, same in itertools.groupby(found, key=id):
+        run = list(same)
+        holders = run[0]
+        if holders is None or (type(holders) is Placed and holders.engine == mine.engine):
+            out.extend(itertools.repeat(mine, len(run)))
+        else:
+            for h, one in zip(keys[at:at + len(run)], run, strict=True):
+                if type(one) is Placed:
+                    one.joints.append(h)
+                mine.joints.append(h)
+                out.append(_joined(one, mine))
+        at += len(run)
+    return out
+
+
+#: a book's view of a placement: which of its blocks it orders (``keys`` or ``back``)
+Listing = Callable[[Placed], tuple[int, ...]]
+#: of some blocks a placement lists in a book's order, those it still holds there, in order
+Still = Callable[[list[int], Placed], list[int]]
+
+
+class Book:
+    """Placements oldest first: one order of blocks (see the module docstring).
+
+    ``listing`` says which blocks of a placement the order lists, in order;
+    the owner says, in bulk, which blocks a placement still holds there.
+    """
+
+    __slots__ = ("_head", "_listed", "listing", "placed")
+
+    def __init__(self, listing: Listing) -> None:
+        self.listing = listing
+        self.placed: collections.deque[Placed] = collections.deque()
+        self._head = 0  # blocks of the oldest placement already walked past
+        self._listed = 0  # blocks the placements list from the head on
+
+    def add(self, placed: Placed) -> None:
+        self.placed.append(placed)
+        self._listed += len(self.listing(placed))
+
+    def remove(self, placed: Placed) -> None:
+        """Take ``placed`` out, if here (to add it again, changed, as the newest; a placement
+        none of whose blocks is here any more may have been walked past or filtered out)."""
+        first = bool(self.placed) and self.placed[0] is placed
+        try:
+            self.placed.remove(placed)
+        except ValueError:
+            return
+        self._listed -= len(self.listing(placed)) - (self._head if first else 0)
+        if first:
+            self._head = 0
+
+    def needs_filter(self, live: int) -> bool:
+        """Whether the listed blocks outnumber ``live`` enough to filter (:meth:`filter`)."""
+        return self._listed > 2 * live + _SLACK
+
+    def pop_oldest(self, count: int, still: Still
+                   ) -> list[int]:
+        """Walk past the ``count`` oldest blocks still placed (``still``: of some listed
+        blocks of a placement, those it still holds here, in order); returns them."""
+        out: list[int] = []
+        placed = self.placed
+        while len(out) < count and placed:
+            p = placed[0]
+            listed = self.listing(p)
+            start = self._head
+            end = min(len(listed), start + count - len(out))
+            out.extend(still(list(listed[start:end]), p))
+            self._listed -= end - start
+            if end == len(listed):
+                placed.popleft()
+                self._head = 0
+            else:
+                self._head = end
+        return out
+
+    def walk(self, still: Still) -> Iterator[int]:
+        """The blocks still placed, oldest first (for inspection and tests)."""
+        for n, p in enumerate(self.placed):
+            yield from still(list(self.listing(p)[self._head if n == 0 else 0:]), p)
+
+    def filter(self, still: Still,
+               relist: Callable[[Placed, tuple[int, ...]], None]) -> None:
+        """Let each placement list only the blocks it still holds here (``relist`` sets that)."""
+        kept: collections.deque[Placed] = collections.deque()
+        listed = 0
+        for n, p in enumerate(self.placed):
+            live = still(list(self.listing(p)[self._head if n == 0 else 0:]), p)
+            if live:
+                relist(p, tuple(live))
+                kept.append(p)
+                listed += len(live)
+        self.placed = kept
+        self._head = 0
+        self._listed = listed
+
+
+def same_as(found: Iterable[Any], p: Placed) -> Iterator[bool]:
+    """For each of ``found``, whether it is ``p`` itself (a C loop)."""
+    return map(operator.is_, found, itertools.repeat(p))
+
+
+def unheld(found: Iterable[Holders | None]) -> None:
+    """The blocks whose holders were ``found`` are held otherwise now (or not at all): each
+    placement among them holds that many fewer alone (a step per run of one holder)."""
+    for _, same in itertools.groupby(found, key=id):
+        run = list(same)
+        if type(run[0]) is Placed:
+            run[0].sole -= len(run)
+
+
+def joints_at(found: Sequence[Holders | None]) -> list[int]:
+    """Where among ``found`` the holders are a :class:`Joint` (a C loop; they are few)."""
+    return list(itertools.compress(range(len(found)), map(
+        operator.is_, map(type, found), itertools.repeat(Joint))))
+
+
+def tags(found: Iterable[Holders | None]) -> Iterator[str | None]:
+    """Each of ``found``'s LRU tag where it is one placement, else None (a C loop)."""
+    return map(getattr, found, itertools.repeat("tag"), itertools.repeat(None))
