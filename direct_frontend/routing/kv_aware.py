@@ -465,7 +465,8 @@ class KvAware:
         if placement.prefilled is not None:
             placement.prefilled()
         self._remember(rank_memory(placement.engine.name, placement.dp_rank),
-                       self.answered_hashes(placement, token_ids), self.clock())
+                       self.answered_hashes(placement, token_ids), self.clock(),
+                       len(placement.blocks))
 
     def answered_hashes(self, placement: Placement, token_ids: Sequence[int]) -> list[int]:
         """The block hashes of ``token_ids``: where they begin with the placed prompt, its
@@ -478,8 +479,11 @@ class KvAware:
             return extend_hashes(placement.blocks, token_ids, self.knobs.block_size)
         return self.hashes(token_ids, placement.media_keys)
 
-    def _remember(self, engine: str, hashes: Sequence[int], now: float) -> None:
-        self.approx.record(engine, hashes, now)
+    def _remember(self, engine: str, hashes: Sequence[int], now: float, head: int = 0) -> None:
+        """Record a placement in the approximate memory; ``head``: how many leading hashes
+        were the placement's that this one extends (its prompt's, these being it and its
+        answer), which the memory then extends in a step per new block."""
+        self.approx.record(engine, hashes, now, head)
 
     def _pick(self, candidates: Sequence[EngineHandle], costs: Sequence[float]) -> EngineHandle:
         low, high = min(costs), max(costs)
