@@ -135,13 +135,13 @@ class ApproxPrefixIndex:
                   lru: _Lru | None) -> bool:
         """Whether ``hashes`` extend the placement of their first ``head`` and it was done.
 
-        That placement must be ``engine``'s latest of each of its blocks, which
-        are exactly those ``head``, holding them alone or in a Joint (so nothing
-        else of ``engine``'s points at it), in the LRU model exactly when there
-        is one, and the rest must be new blocks (and no orphans about): then
-        placing ``hashes`` anew would leave what this leaves, the placement
-        moved to the newest end of each order with the rest after its blocks
-        and a new expiry, in a step per new block or Joint, not per block.
+        That placement must be ``engine``'s, placed on exactly those ``head``
+        blocks, each held by it alone or by a Joint (so no other placement holds
+        one alone), in the LRU model exactly when there is one, and the rest
+        must be new blocks (and no orphans about): then placing ``hashes`` anew
+        would leave what this leaves, the placement moved to the newest end of
+        each order with the rest after its blocks, a new expiry, and its engine's
+        claim in each Joint, in a step per new block or Joint, not per block.
         """
         blocks = self._blocks
         placed = claim(blocks.get(hashes[head - 1]), engine) if head <= len(hashes) else None
@@ -149,8 +149,7 @@ class ApproxPrefixIndex:
                 or placed.expiry == -math.inf or (lru is not None) != (placed.tag == engine)
                 or placed.prompt != tuple(itertools.islice(hashes, head))):
             return False
-        joints = [h for h in dict.fromkeys(placed.joints)
-                  if type(held := blocks.get(h)) is Joint and held.get(engine) is placed]
+        joints = [h for h in dict.fromkeys(placed.joints) if type(blocks.get(h)) is Joint]
         if placed.sole + len(joints) != head:
             return False
         more = tuple(itertools.islice(hashes, head, None))
@@ -165,14 +164,18 @@ class ApproxPrefixIndex:
         placed.keys = placed.prompt = placed.prompt + more
         placed.sole += len(more)
         placed.joints = joints
+        joining = len(more)
         for h in joints:
-            blocks[h].age = placed  # type: ignore[union-attr]
+            joint: Joint = blocks[h]  # type: ignore[assignment]
+            before = joint.get(engine)
+            joining += before is None or before.tag != engine
+            joint[engine] = joint.age = placed
         blocks.update(zip(more, itertools.repeat(placed)))
         self._ages.add(placed)
         if lru is not None:
             placed.back = placed.keys[::-1]
             lru.book.add(placed)
-            lru.count += len(more)
+            lru.count += joining
         return True
 
     def _place(self, engine: str, hashes: Sequence[int], now: float, lru: _Lru | None) -> None:
