@@ -30,6 +30,7 @@ from direct_frontend.routing.placed import (
     same_as,
     tags,
     unheld,
+    without,
 )
 
 __all__ = ["ApproxPrefixIndex", "best_of", "holders_of", "memory_names", "rank_memory"]
@@ -233,9 +234,9 @@ class ApproxPrefixIndex:
                 self._let_go(engine, lru.book.pop_oldest(excess, self._lru_still(engine)))
                 lru.count -= excess
             if lru.book.needs_filter(lru.count):
-                lru.book.filter(self._lru_still(engine), _relist_back)
+                lru.book.filter(self._lru_still(engine), _relist_back, self._lru_known(engine))
         if self._ages.needs_filter(len(blocks)):
-            self._ages.filter(self._age_still, _relist_keys)
+            self._ages.filter(self._age_still, _relist_keys, self._age_known)
 
     def _lru_of(self, engine: str, capacity: int) -> _Lru | None:
         """``engine``'s LRU model when its capacity is known (made on first use), else None
@@ -299,6 +300,34 @@ class ApproxPrefixIndex:
             return list(itertools.compress(keys, live))
 
         return still
+
+    def _age_known(self, placed: Placed, listing: tuple[int, ...]) -> tuple[int, ...] | None:
+        """Of the blocks ``placed`` lists in the age order, those still its, told without a
+        walk where its count says (None: a walk must tell). Its age's blocks are those it
+        holds alone and the Joints whose age it is (noted in :attr:`Placed.joints`), all
+        among those it lists; where the others are Joints it left, they are dropped."""
+        blocks = self._blocks
+        return _known_live(placed, listing, [
+            type(held := blocks.get(h)) is Joint and held.age is placed
+            for h in dict.fromkeys(placed.joints)])
+
+    def _lru_known(self, engine: str) -> Callable[[Placed, tuple[int, ...]],
+                                                  tuple[int, ...] | None]:
+        """:meth:`_age_known` for ``engine``'s LRU model: a placement holds there the blocks
+        it holds alone and the Joints where it is the engine's (with orphans about, a walk
+        must tell)."""
+
+        def known(placed: Placed, listing: tuple[int, ...]) -> tuple[int, ...] | None:
+            if placed.tag != engine:
+                return ()
+            if self._orphans:
+                return None
+            blocks = self._blocks
+            return _known_live(placed, listing, [
+                type(held := blocks.get(h)) is Joint and held.get(engine) is placed
+                for h in dict.fromkeys(placed.joints)])
+
+        return known
 
     def _forget_oldest(self, count: int) -> None:
         """The cap: forget the ``count`` oldest blocks; what an LRU model holds stays there."""
@@ -438,6 +467,19 @@ class ApproxPrefixIndex:
 def _placements(holders: Holders) -> Iterable[Placed]:
     """Each placement among ``holders``."""
     return (holders,) if type(holders) is Placed else holders.values()  # type: ignore[union-attr]
+
+
+def _known_live(placed: Placed, listing: tuple[int, ...], joined: list[bool]
+                ) -> tuple[int, ...] | None:
+    """Of ``listing``, the blocks ``placed`` still holds (``joined``: for each of its noted
+    Joints, whether it still holds that one), where its counts tell (else None)."""
+    live = placed.sole + sum(joined)
+    if live == len(listing):
+        return listing
+    if not live:
+        return ()
+    return without(listing, live, itertools.compress(
+        dict.fromkeys(placed.joints), map(operator.not_, joined)))
 
 
 def _relist_keys(placed: Placed, keys: tuple[int, ...]) -> None:

@@ -21,7 +21,8 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Final
 
 __all__ = ["Book", "Holders", "Joint", "Placed", "Still", "claim", "holders_of",
-           "joined_runs", "joints_at", "same_as", "tags", "unheld"]
+           "joined_runs", "joints_at", "same_as", "tags", "unheld",
+           "without"]
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -193,20 +194,49 @@ class Book:
         for n, p in enumerate(self.placed):
             yield from still(list(self.listing(p)[self._head if n == 0 else 0:]), p)
 
-    def filter(self, still: Still,
-               relist: Callable[[Placed, tuple[int, ...]], None]) -> None:
-        """Let each placement list only the blocks it still holds here (``relist`` sets that)."""
+    def filter(self, still: Still, relist: Callable[[Placed, tuple[int, ...]], None],
+               known: Callable[[Placed, tuple[int, ...]], tuple[int, ...] | None]) -> None:
+        """Let each placement list only the blocks it still holds here (``relist`` sets that).
+
+        ``known``: of a placement's listed blocks, those it still holds, told
+        without a walk (None: its blocks are walked).
+        """
         kept: collections.deque[Placed] = collections.deque()
         listed = 0
         for n, p in enumerate(self.placed):
-            live = still(list(self.listing(p)[self._head if n == 0 else 0:]), p)
-            if live:
-                relist(p, tuple(live))
-                kept.append(p)
-                listed += len(live)
+            listing = self.listing(p)
+            live = known(p, listing) if n or not self._head else None
+            if live is None:
+                live = tuple(still(list(listing[self._head if n == 0 else 0:]), p))
+            if not live:
+                continue
+            if live is not listing:
+                relist(p, live)
+            kept.append(p)
+            listed += len(live)
         self.placed = kept
         self._head = 0
         self._listed = listed
+
+
+def without(listing: tuple[int, ...], live: int, stale: Iterable[int]) -> tuple[int, ...] | None:
+    """``listing`` without ``stale``'s blocks, where that leaves ``live`` blocks (else None:
+    some other listed block is not held either)."""
+    at = []
+    for h in stale:
+        try:
+            at.append(listing.index(h))
+        except ValueError:
+            continue
+    if live + len(at) != len(listing):
+        return None
+    out: list[int] = []
+    start = 0
+    for i in sorted(at):
+        out.extend(listing[start:i])
+        start = i + 1
+    out.extend(listing[start:])
+    return tuple(out)
 
 
 def same_as(found: Iterable[Any], p: Placed) -> Iterator[bool]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import random
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -132,3 +133,39 @@ def test_a_placement_extended_by_its_answer_equals_the_reference(
         probe = [*hashes[: rng.randint(0, len(hashes))], rng.randint(0, 200)]
         for at in (now, now + 1.5, now + 2.5):
             assert memory.lookup_at(probe, at) == reference.lookup(probe, at)
+
+
+@pytest.mark.parametrize(("max_blocks", "capacity", "pool"), [
+    (1 << 20, 40, 3000),  # the LRU models forget; the age order's lists are filtered
+    (1 << 20, 0, 600),  # no LRU: the same blocks placed again and again, filtered
+    (300, 60, 3000),  # the cap forgets what the LRU models still hold
+    (1 << 20, 5000, 300),  # the LRU models never full: their lists are filtered
+])
+def test_a_long_run_with_filtered_orders_equals_the_reference(
+        max_blocks: int, capacity: int, pool: int) -> None:
+    """Thousands of placements, prompts sharing a root and extended by their answers, some
+    engines forgotten: the orders' lists are filtered many times over, and the memory
+    still equals the block-by-block reference."""
+    rng = random.Random(max_blocks + capacity + pool)
+    memory = ApproxPrefixIndex(ttl_s=50.0, max_blocks=max_blocks, capacity_blocks=capacity)
+    reference = Reference(50.0, max_blocks, capacity)
+    now = 0.0
+    for step in range(3000):
+        now += rng.random()
+        engine = rng.choice("abc")
+        if rng.random() < 0.002:
+            memory.forget_engine(engine)
+            reference.forget(engine)
+        prompt = [pool + 1, *rng.sample(range(pool), rng.randint(1, 14))]
+        memory.record(engine, prompt, now)
+        reference.record(engine, prompt, now)
+        answered = [*prompt, pool + 2 + step]
+        memory.record(engine, answered, now + 0.5, len(prompt))
+        reference.record(engine, answered, now + 0.5)
+        if step % 100 == 0 or step == 2999:
+            assert [(h, holders_of(held)) for h, held in memory._entries.items()] == list(
+                reference.entries.items())
+            assert {e: list(lru) for e, lru in memory._lru.items()} == {
+                e: list(lru) for e, lru in reference.lru.items()}
+            for at in (now, now + 40, now + 60):
+                assert memory.lookup_at(answered, at) == reference.lookup(answered, at)
