@@ -188,11 +188,12 @@ class ApproxPrefixIndex:
         repeated = len(set(keys)) != len(keys) if unknown < len(keys) else None
         self._seq += 1
         mine = Placed(engine, now + self.ttl_s, self._seq, keys)
-        plain = Joint not in set(map(type, found))
+        present: list[Holders] = list(filter(None, found))  # (the known blocks' holders)
+        plain = Joint not in set(map(type, present))
         joining = None  # blocks new to the LRU model: when all are new, as many as went in
         if lru is not None and (repeated is not None or self._orphans):
-            joining = self._joining(engine, keys, found, repeated is not False)
-        if plain and {engine}.issuperset(map(_ENGINE, filter(None, found))):
+            joining = self._joining(engine, keys, found, present, repeated is not False)
+        if plain and {engine}.issuperset(map(_ENGINE, present)):
             values: Iterable[Holders] = itertools.repeat(mine)
         else:  # some held by others too: joined there (which changes their Joint in place)
             values = joined_runs(keys, found, mine)
@@ -201,7 +202,7 @@ class ApproxPrefixIndex:
             last = dict(zip(keys, found, strict=True))  # (a repeated block's holders once)
             unheld(last.values())
         else:
-            unheld(found)
+            unheld(present)
         blocks.update(zip(keys, values, strict=False))
         if repeated is None:
             repeated = len(blocks) - size != len(keys)  # (new ones repeated)
@@ -252,13 +253,14 @@ class ApproxPrefixIndex:
         return lru
 
     def _joining(self, engine: str, keys: Sequence[int], found: list[Holders | None],
-                 repeated: bool) -> int:
+                 present: list[Holders], repeated: bool) -> int:
         """How many of ``keys`` (distinct) are new to ``engine``'s LRU model (``found``:
-        their holders): a C count over the placements, a step per :class:`Joint`."""
+        their holders, ``present`` those not None): a C count over the placements, a step
+        per :class:`Joint`."""
         if not repeated and not self._orphans:
-            members = list(tags(found)).count(engine)
-            for at in joints_at(found):
-                mine = found[at].get(engine)  # type: ignore[union-attr]
+            members = list(tags(present)).count(engine)
+            for at in joints_at(present):
+                mine = present[at].get(engine)  # type: ignore[union-attr]
                 members += mine is not None and mine.tag == engine
             return len(keys) - members
         held = dict(zip(keys, found, strict=True))
