@@ -156,10 +156,7 @@ class ApproxPrefixIndex:
         more = tuple(itertools.islice(hashes, head, None))
         if more and (any(map(blocks.__contains__, more)) or len(set(more)) != len(more)):
             return False
-        self._seq += 1
-        self._ages.remove(placed)
-        if lru is not None:
-            lru.book.remove(placed)
+        self._seq += 1  # (its entries in the books list nothing from now on)
         placed.seq = self._seq
         placed.expiry = now + self.ttl_s
         placed.keys = placed.prompt = placed.prompt + more

@@ -138,61 +138,62 @@ class Book:
     """Placements oldest first: one order of blocks (see the module docstring).
 
     ``listing`` says which blocks of a placement the order lists, in order;
-    the owner says, in bulk, which blocks a placement still holds there.
+    the owner says, in bulk, which blocks a placement still holds there. A
+    placement added again (extended: its ``seq`` moved on) leaves its earlier
+    entry behind, which lists nothing any more (so adding one is a step, not a
+    search).
     """
 
-    __slots__ = ("_head", "_listed", "listing", "placed")
+    __slots__ = ("_head", "_listed", "entries", "listing")
 
     def __init__(self, listing: Listing) -> None:
         self.listing = listing
-        self.placed: collections.deque[Placed] = collections.deque()
-        self._head = 0  # blocks of the oldest placement already walked past
-        self._listed = 0  # blocks the placements list from the head on
+        #: (placement, its seq when added, what it listed then), oldest first
+        self.entries: collections.deque[tuple[Placed, int, tuple[int, ...]]] = (
+            collections.deque())
+        self._head = 0  # blocks of the oldest entry already walked past
+        self._listed = 0  # blocks the entries list from the head on
 
     def add(self, placed: Placed) -> None:
-        self.placed.append(placed)
-        self._listed += len(self.listing(placed))
-
-    def remove(self, placed: Placed) -> None:
-        """Take ``placed`` out, if here (to add it again, changed, as the newest; a placement
-        none of whose blocks is here any more may have been walked past or filtered out)."""
-        first = bool(self.placed) and self.placed[0] is placed
-        try:
-            self.placed.remove(placed)
-        except ValueError:
-            return
-        self._listed -= len(self.listing(placed)) - (self._head if first else 0)
-        if first:
-            self._head = 0
+        listed = self.listing(placed)
+        self.entries.append((placed, placed.seq, listed))
+        self._listed += len(listed)
 
     def needs_filter(self, live: int) -> bool:
         """Whether the listed blocks outnumber ``live`` enough to filter (:meth:`filter`)."""
         return self._listed > 2 * live + _SLACK
 
-    def pop_oldest(self, count: int, still: Still
-                   ) -> list[int]:
+    def pop_oldest(self, count: int, still: Still) -> list[int]:
         """Walk past the ``count`` oldest blocks still placed (``still``: of some listed
         blocks of a placement, those it still holds here, in order); returns them."""
         out: list[int] = []
-        placed = self.placed
-        while len(out) < count and placed:
-            p = placed[0]
-            listed = self.listing(p)
+        entries = self.entries
+        while len(out) < count and entries:
+            p, seq, listed = entries[0]
             start = self._head
-            end = min(len(listed), start + count - len(out))
-            out.extend(still(list(listed[start:end]), p))
+            end = len(listed) if p.seq != seq else min(len(listed), start + count - len(out))
+            if p.seq == seq:
+                out.extend(still(list(listed[start:end]), p))
             self._listed -= end - start
             if end == len(listed):
-                placed.popleft()
+                entries.popleft()
                 self._head = 0
             else:
                 self._head = end
         return out
 
+    def current(self) -> Iterator[tuple[Placed, tuple[int, ...]]]:
+        """Each placement's entry that still lists, with what it lists from the head on."""
+        for n, (p, seq, listed) in enumerate(self.entries):
+            if p.seq == seq:
+                yield p, listed[self._head:] if n == 0 and self._head else listed
+            elif n == 0:
+                continue
+
     def walk(self, still: Still) -> Iterator[int]:
         """The blocks still placed, oldest first (for inspection and tests)."""
-        for n, p in enumerate(self.placed):
-            yield from still(list(self.listing(p)[self._head if n == 0 else 0:]), p)
+        for p, listed in self.current():
+            yield from still(list(listed), p)
 
     def filter(self, still: Still, relist: Callable[[Placed, tuple[int, ...]], None],
                known: Callable[[Placed, tuple[int, ...]], tuple[int, ...] | None]) -> None:
@@ -201,20 +202,20 @@ class Book:
         ``known``: of a placement's listed blocks, those it still holds, told
         without a walk (None: its blocks are walked).
         """
-        kept: collections.deque[Placed] = collections.deque()
+        kept: collections.deque[tuple[Placed, int, tuple[int, ...]]] = collections.deque()
         listed = 0
-        for n, p in enumerate(self.placed):
-            listing = self.listing(p)
-            live = known(p, listing) if n or not self._head else None
+        partial = self._head and self.entries and self.entries[0][0].seq == self.entries[0][1]
+        for n, (p, listing) in enumerate(self.current()):
+            live = None if n == 0 and partial else known(p, listing)
             if live is None:
-                live = tuple(still(list(listing[self._head if n == 0 else 0:]), p))
+                live = tuple(still(list(listing), p))
             if not live:
                 continue
-            if live is not listing:
+            if live is not listing or (n == 0 and partial):
                 relist(p, live)
-            kept.append(p)
+            kept.append((p, p.seq, live))
             listed += len(live)
-        self.placed = kept
+        self.entries = kept
         self._head = 0
         self._listed = listed
 

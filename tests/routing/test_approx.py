@@ -128,7 +128,7 @@ def test_a_placement_extended_by_its_answer_equals_the_reference(
         assert {e: list(lru) for e, lru in memory._lru.items()} == {
             e: list(lru) for e, lru in reference.lru.items()}
         alone = collections.Counter(id(held) for held in memory._blocks.values())
-        for placed in memory._ages.placed:
+        for placed, _ in memory._ages.current():
             assert placed.sole == alone[id(placed)]
         probe = [*hashes[: rng.randint(0, len(hashes))], rng.randint(0, 200)]
         for at in (now, now + 1.5, now + 2.5):
