@@ -37,6 +37,9 @@ __all__ = ["ApproxPrefixIndex", "best_of", "holders_of", "memory_names", "rank_m
 
 _known: Final = functools.partial(operator.is_not, None)
 _ENGINE: Final[Callable[[Any], object]] = operator.attrgetter("engine")
+#: of the blocks a placement lists in an order, those still its there, told without a walk
+#: where its counts tell (None: a walk must tell)
+Known = Callable[[Placed, tuple[int, ...]], tuple[int, ...] | None]
 
 
 def _drain(calls: Iterable[object]) -> None:
@@ -58,13 +61,16 @@ def _lru_listing(placed: Placed) -> tuple[int, ...]:
 
 
 class _Lru:
-    """One engine's LRU model: its placements in touch order, and how many blocks it holds."""
+    """One engine's LRU model: its placements in touch order, how many blocks it holds,
+    and which of a placement's blocks it still holds (``still``, ``known``: made once)."""
 
-    __slots__ = ("book", "count")
+    __slots__ = ("book", "count", "known", "still")
 
-    def __init__(self) -> None:
+    def __init__(self, still: Still, known: Known) -> None:
         self.book = Book(_lru_listing)
         self.count = 0
+        self.still = still
+        self.known = known
 
 
 class ApproxPrefixIndex:
@@ -229,10 +235,10 @@ class ApproxPrefixIndex:
         if lru is not None:
             excess = lru.count - capacity
             if excess > 0:
-                self._let_go(engine, lru.book.pop_oldest(excess, self._lru_still(engine)))
+                self._let_go(engine, lru.book.pop_oldest(excess, lru.still))
                 lru.count -= excess
             if lru.book.needs_filter(lru.count):
-                lru.book.filter(self._lru_still(engine), _relist_back, self._lru_known(engine))
+                lru.book.filter(lru.still, _relist_back, lru.known)
         if self._ages.needs_filter(len(blocks)):
             self._ages.filter(self._age_still, _relist_keys, self._age_known)
 
@@ -246,7 +252,7 @@ class ApproxPrefixIndex:
             return None
         lru = self._lrus.get(engine)
         if lru is None:
-            lru = self._lrus[engine] = _Lru()
+            lru = self._lrus[engine] = _Lru(self._lru_still(engine), self._lru_known(engine))
         return lru
 
     def _joining(self, engine: str, keys: Sequence[int], found: list[Holders | None],
@@ -280,6 +286,8 @@ class ApproxPrefixIndex:
     def _age_still(self, keys: list[int], placed: Placed) -> list[int]:
         """Of ``keys``, those whose latest placement is ``placed`` (their age is its)."""
         found = list(map(self._blocks.get, keys))
+        if found.count(placed) == len(found):  # (all held by it alone: the usual case)
+            return keys
         live = list(same_as(found, placed))
         for at in joints_at(found):
             live[at] = found[at].age is placed  # type: ignore[union-attr]
@@ -290,6 +298,8 @@ class ApproxPrefixIndex:
 
         def still(keys: list[int], placed: Placed) -> list[int]:
             found = list(map(self._blocks.get, keys))
+            if found.count(placed) == len(found):  # (all held by it alone: the usual case)
+                return keys
             if self._orphans:
                 return [h for h, f in zip(keys, found, strict=True)
                         if self._claim(engine, h, f) is placed]
@@ -310,8 +320,7 @@ class ApproxPrefixIndex:
             type(held := blocks.get(h)) is Joint and held.age is placed
             for h in dict.fromkeys(placed.joints)])
 
-    def _lru_known(self, engine: str) -> Callable[[Placed, tuple[int, ...]],
-                                                  tuple[int, ...] | None]:
+    def _lru_known(self, engine: str) -> Known:
         """:meth:`_age_known` for ``engine``'s LRU model: a placement holds there the blocks
         it holds alone and the Joints where it is the engine's (with orphans about, a walk
         must tell)."""
@@ -460,7 +469,7 @@ class ApproxPrefixIndex:
     @property
     def _lru(self) -> dict[str, list[int]]:
         """Each LRU model's blocks, least recently touched first (inspection and tests)."""
-        return {e: list(lru.book.walk(self._lru_still(e))) for e, lru in self._lrus.items()}
+        return {e: list(lru.book.walk(lru.still)) for e, lru in self._lrus.items()}
 
 
 def _placements(holders: Holders) -> Iterable[Placed]:

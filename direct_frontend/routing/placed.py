@@ -67,6 +67,7 @@ class Joint(dict[str, Placed]):
 #: a block's holders: one placement (one engine, its age too), or a :class:`Joint`
 Holders = Placed | Joint
 _SLACK: Final = 4096  # listed blocks a book may carry beyond twice its live ones
+_WINDOW: Final = 8  # blocks walked past what :meth:`Book.pop_oldest` needs
 
 
 def claim(holders: Holders | None, engine: str) -> Placed | None:
@@ -155,8 +156,13 @@ class Book:
         self._listed = 0  # blocks the entries list from the head on
 
     def add(self, placed: Placed) -> None:
+        """List ``placed`` newest; where it is the newest entry already (extended before
+        any other placement came), that entry is replaced rather than left behind."""
         listed = self.listing(placed)
-        self.entries.append((placed, placed.seq, listed))
+        entries = self.entries
+        if entries and entries[-1][0] is placed and (len(entries) > 1 or not self._head):
+            self._listed -= len(entries.pop()[2])
+        entries.append((placed, placed.seq, listed))
         self._listed += len(listed)
 
     def needs_filter(self, live: int) -> bool:
@@ -171,9 +177,16 @@ class Book:
         while len(out) < count and entries:
             p, seq, listed = entries[0]
             start = self._head
-            end = len(listed) if p.seq != seq else min(len(listed), start + count - len(out))
-            if p.seq == seq:
-                out.extend(still(list(listed[start:end]), p))
+            end = len(listed)
+            if p.seq == seq:  # (a window of a few more, so dead blocks cost no extra walk)
+                need = count - len(out)
+                live = still(list(listed[start:start + need + _WINDOW]), p)
+                if len(live) > need:
+                    del live[need:]
+                    end = listed.index(live[-1], start) + 1
+                else:
+                    end = min(end, start + need + _WINDOW)
+                out.extend(live)
             self._listed -= end - start
             if end == len(listed):
                 entries.popleft()
