@@ -33,7 +33,7 @@ from direct_frontend.routing.placed import (
     without,
 )
 
-__all__ = ["ApproxPrefixIndex", "best_of", "holders_of", "memory_names", "rank_memory"]
+__all__ = ["ApproxPrefixIndex", "best_of", "memory_names", "rank_memory"]
 
 _known: Final = functools.partial(operator.is_not, None)
 _ENGINE: Final[Callable[[Any], object]] = operator.attrgetter("engine")
@@ -460,15 +460,14 @@ class ApproxPrefixIndex:
     def __len__(self) -> int:
         return len(self._blocks)
 
-    @property
-    def _entries(self) -> collections.OrderedDict[int, Holders]:
-        """The blocks oldest first with their holders (inspection and tests)."""
+    def blocks_oldest_first(self) -> list[tuple[int, dict[str, float]]]:
+        """Each block, oldest first, with its holders as {engine: expiry} (an inspection
+        view, a walk of every placement)."""
         blocks = self._blocks
-        return collections.OrderedDict((h, blocks[h]) for h in self._ages.walk(self._age_still))
+        return [(h, holders_of(blocks[h])) for h in self._ages.walk(self._age_still)]
 
-    @property
-    def _lru(self) -> dict[str, list[int]]:
-        """Each LRU model's blocks, least recently touched first (inspection and tests)."""
+    def lru_orders(self) -> dict[str, list[int]]:
+        """Each LRU model's blocks, least recently touched first (an inspection view)."""
         return {e: list(lru.book.walk(lru.still)) for e, lru in self._lrus.items()}
 
 

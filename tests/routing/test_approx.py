@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from direct_frontend.routing.approx import ApproxPrefixIndex, holders_of
+from direct_frontend.routing.approx import ApproxPrefixIndex
 
 
 class Reference:
@@ -81,9 +81,8 @@ def test_bulk_record_and_lookup_equal_the_block_by_block_reference(
             reference.forget(engine)
         memory.record(engine, hashes, now)
         reference.record(engine, hashes, now)
-        assert [(h, holders_of(held)) for h, held in memory._entries.items()] == list(
-            reference.entries.items())
-        assert {e: list(lru) for e, lru in memory._lru.items()} == {
+        assert memory.blocks_oldest_first() == list(reference.entries.items())
+        assert memory.lru_orders() == {
             e: list(lru) for e, lru in reference.lru.items()}
         probe = [*hashes[: rng.randint(0, len(hashes))], rng.randint(0, 30)]
         for at in (now, now + 1.5, now + 2.5):
@@ -123,9 +122,8 @@ def test_a_placement_extended_by_its_answer_equals_the_reference(
         memory.record(engine, hashes, now, head)
         reference.record(engine, hashes, now)
         last[engine] = hashes
-        assert [(h, holders_of(held)) for h, held in memory._entries.items()] == list(
-            reference.entries.items())
-        assert {e: list(lru) for e, lru in memory._lru.items()} == {
+        assert memory.blocks_oldest_first() == list(reference.entries.items())
+        assert memory.lru_orders() == {
             e: list(lru) for e, lru in reference.lru.items()}
         alone = collections.Counter(id(held) for held in memory._blocks.values())
         for placed, _ in memory._ages.current():
@@ -163,9 +161,8 @@ def test_a_long_run_with_filtered_orders_equals_the_reference(
         memory.record(engine, answered, now + 0.5, len(prompt))
         reference.record(engine, answered, now + 0.5)
         if step % 100 == 0 or step == 2999:
-            assert [(h, holders_of(held)) for h, held in memory._entries.items()] == list(
-                reference.entries.items())
-            assert {e: list(lru) for e, lru in memory._lru.items()} == {
+            assert memory.blocks_oldest_first() == list(reference.entries.items())
+            assert memory.lru_orders() == {
                 e: list(lru) for e, lru in reference.lru.items()}
             for at in (now, now + 40, now + 60):
                 assert memory.lookup_at(answered, at) == reference.lookup(answered, at)
