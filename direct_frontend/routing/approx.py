@@ -37,6 +37,7 @@ __all__ = ["ApproxPrefixIndex", "best_of", "memory_names", "rank_memory"]
 
 _known: Final = functools.partial(operator.is_not, None)
 _ENGINE: Final[Callable[[Any], object]] = operator.attrgetter("engine")
+_FEW: Final = 8  # blocks fewer than this are cheaper in a Python loop than in bulk C calls
 #: of the blocks a placement lists in an order, those still its there, told without a walk
 #: where its counts tell (None: a walk must tell)
 Known = Callable[[Placed, tuple[int, ...]], tuple[int, ...] | None]
@@ -288,6 +289,9 @@ class ApproxPrefixIndex:
         found = list(map(self._blocks.get, keys))
         if found.count(placed) == len(found):  # (all held by it alone: the usual case)
             return keys
+        if len(found) < _FEW:
+            return [h for h, f in zip(keys, found, strict=True)
+                    if f is placed or (type(f) is Joint and f.age is placed)]
         live = list(same_as(found, placed))
         for at in joints_at(found):
             live[at] = found[at].age is placed  # type: ignore[union-attr]
@@ -303,6 +307,9 @@ class ApproxPrefixIndex:
             if self._orphans:
                 return [h for h, f in zip(keys, found, strict=True)
                         if self._claim(engine, h, f) is placed]
+            if len(found) < _FEW:
+                return [h for h, f in zip(keys, found, strict=True)
+                        if f is placed or (type(f) is Joint and f.get(engine) is placed)]
             live = list(same_as(found, placed))
             for at in joints_at(found):
                 live[at] = found[at].get(engine) is placed  # type: ignore[union-attr]
@@ -355,7 +362,7 @@ class ApproxPrefixIndex:
         """``engine`` no longer holds ``gone`` (its LRU forgot them): forget its claim on each."""
         blocks = self._blocks
         found = list(map(blocks.get, gone))
-        if self._orphans:
+        if self._orphans or len(gone) < _FEW:
             self._let_go_each(engine, gone, found)
             return
         # the walk found each this engine's: in C but for the Joints
@@ -370,7 +377,8 @@ class ApproxPrefixIndex:
 
     def _let_go_each(self, engine: str, gone: Sequence[int],
                      found: Sequence[Holders | None]) -> None:
-        """:meth:`_let_go` block by block, orphans about: each block's claim where it is."""
+        """:meth:`_let_go` block by block (orphans about, or a few blocks): each block's
+        claim where it is."""
         orphans = self._orphans
         for h, holders in zip(gone, found, strict=True):
             orphan = orphans.get(h)
