@@ -38,6 +38,7 @@ __all__ = ["ApproxPrefixIndex", "best_of", "memory_names", "rank_memory"]
 _known: Final = functools.partial(operator.is_not, None)
 _ENGINE: Final[Callable[[Any], object]] = operator.attrgetter("engine")
 _FEW: Final = 8  # blocks fewer than this are cheaper in a Python loop than in bulk C calls
+_SHORT: Final = 16  # a placement of fewer blocks than this is cheaper made block by block
 #: of the blocks a placement lists in an order, those still its there, told without a walk
 #: where its counts tell (None: a walk must tell)
 Known = Callable[[Placed, tuple[int, ...]], tuple[int, ...] | None]
@@ -186,12 +187,15 @@ class ApproxPrefixIndex:
     def _place(self, engine: str, hashes: Sequence[int], now: float, lru: _Lru | None) -> None:
         """Record ``hashes`` as a new placement (:meth:`record_peer`)."""
         blocks = self._blocks
-        found = list(map(blocks.get, hashes))
-        unknown = found.count(None)
         keys = tuple(hashes)
-        repeated = len(set(keys)) != len(keys) if unknown < len(keys) else None
         self._seq += 1
         mine = Placed(engine, now + self.ttl_s, self._seq, keys)
+        if len(keys) < _SHORT and not self._orphans and len(set(keys)) == len(keys):
+            self._place_short(mine, lru)
+            return
+        found = list(map(blocks.get, hashes))
+        unknown = found.count(None)
+        repeated = len(set(keys)) != len(keys) if unknown < len(keys) else None
         present: list[Holders] = list(filter(None, found))  # (the known blocks' holders)
         plain = Joint not in set(map(type, present))
         joining = None  # blocks new to the LRU model: when all are new, as many as went in
@@ -226,6 +230,42 @@ class ApproxPrefixIndex:
             mine.back = _last_places(reversed(keys)) if repeated else keys[::-1]
             lru.book.add(mine)
             lru.count += joining or 0
+
+    def _place_short(self, mine: Placed, lru: _Lru | None) -> None:
+        """:meth:`_place` block by block, for a few distinct blocks and no orphans (cheaper
+        than its bulk steps there): each block's holders joined with ``mine``, their
+        placements holding it alone no more, and the blocks new to the LRU model counted."""
+        blocks = self._blocks
+        engine = mine.engine
+        joining = sole = 0
+        for h in mine.keys:
+            held = blocks.get(h)
+            if held is None or (type(held) is Placed and held.engine == engine):
+                if held is not None:
+                    held.sole -= 1
+                    joining -= held.tag == engine
+                blocks[h] = mine
+                sole += 1
+                joining += 1
+                continue
+            if type(held) is Placed:
+                held.sole -= 1
+                held.joints.append(h)
+                blocks[h] = Joint(held, mine)
+                joining += 1
+            else:
+                before = held.get(engine)  # type: ignore[union-attr]
+                joining += before is None or before.tag != engine
+                held[engine] = held.age = mine  # type: ignore[index,union-attr]
+            mine.joints.append(h)
+        mine.prompt = mine.keys
+        mine.sole = sole
+        self._ages.add(mine)
+        if lru is not None:
+            mine.tag = engine
+            mine.back = mine.keys[::-1]
+            lru.book.add(mine)
+            lru.count += joining
 
     def _settle(self, engine: str, lru: _Lru | None, capacity: int) -> None:
         """After a placement: the cap, ``engine``'s LRU model, the books' garbage."""

@@ -166,3 +166,28 @@ def test_a_long_run_with_filtered_orders_equals_the_reference(
                 e: list(lru) for e, lru in reference.lru.items()}
             for at in (now, now + 40, now + 60):
                 assert memory.lookup_at(answered, at) == reference.lookup(answered, at)
+
+
+@pytest.mark.parametrize(("max_blocks", "capacity"), [(1 << 20, 150), (1 << 20, 0), (400, 150)])
+def test_long_prompts_placed_in_bulk_equal_the_reference(max_blocks: int, capacity: int) -> None:
+    """Prompts of 16 to 40 blocks (placed in bulk steps, where short ones go block by block),
+    sharing a root and other engines' blocks, extended by their answers: the memory equals
+    the block-by-block reference."""
+    rng = random.Random(max_blocks + capacity)
+    memory = ApproxPrefixIndex(ttl_s=50.0, max_blocks=max_blocks, capacity_blocks=capacity)
+    reference = Reference(50.0, max_blocks, capacity)
+    now = 0.0
+    for step in range(600):
+        now += rng.random()
+        engine = rng.choice("abc")
+        prompt = [1000, *rng.sample(range(1000), rng.randint(15, 39))]
+        memory.record(engine, prompt, now)
+        reference.record(engine, prompt, now)
+        answered = [*prompt, 1001 + step]
+        memory.record(engine, answered, now + 0.5, len(prompt))
+        reference.record(engine, answered, now + 0.5)
+        if step % 50 == 0 or step == 599:
+            assert memory.blocks_oldest_first() == list(reference.entries.items())
+            assert memory.lru_orders() == {
+                e: list(lru) for e, lru in reference.lru.items()}
+            assert memory.lookup_at(answered, now) == reference.lookup(answered, now)
