@@ -37,7 +37,7 @@ __all__ = ["ApproxPrefixIndex", "best_of", "memory_names", "rank_memory"]
 
 _known: Final = functools.partial(operator.is_not, None)
 _ENGINE: Final[Callable[[Any], object]] = operator.attrgetter("engine")
-_FEW: Final = 8  # blocks fewer than this are cheaper in a Python loop than in bulk C calls
+_FEW: Final = 16  # blocks fewer than this are cheaper in a Python loop than in bulk C calls
 _SHORT: Final = 16  # a placement of fewer blocks than this is cheaper made block by block
 #: of the blocks a placement lists in an order, those still its there, told without a walk
 #: where its counts tell (None: a walk must tell)
