@@ -27,10 +27,12 @@ from direct_frontend.routing.placed import (
     holders_of,
     joined_runs,
     joints_at,
+    known_live,
+    last_places,
+    placements,
     same_as,
     tags,
     unheld,
-    without,
 )
 
 __all__ = ["ApproxPrefixIndex", "best_of", "memory_names", "rank_memory"]
@@ -49,19 +51,6 @@ def _drain(calls: Iterable[object]) -> None:
     collections.deque(calls, maxlen=0)
 
 
-def _last_places(keys: Iterable[int]) -> tuple[int, ...]:
-    """``keys`` with each repeated one at its last place only."""
-    return tuple(reversed(dict.fromkeys(reversed(list(keys)))))
-
-
-def _age_listing(placed: Placed) -> tuple[int, ...]:
-    return placed.keys
-
-
-def _lru_listing(placed: Placed) -> tuple[int, ...]:
-    return placed.back
-
-
 class _Lru:
     """One engine's LRU model: its placements in touch order, how many blocks it holds,
     and which of a placement's blocks it still holds (``still``, ``known``: made once)."""
@@ -69,7 +58,7 @@ class _Lru:
     __slots__ = ("book", "count", "known", "still")
 
     def __init__(self, still: Still, known: Known) -> None:
-        self.book = Book(_lru_listing)
+        self.book = Book("back")
         self.count = 0
         self.still = still
         self.known = known
@@ -107,7 +96,7 @@ class ApproxPrefixIndex:
         #: engine → its own capacity in blocks (discovery's), over ``capacity_blocks``
         self.capacities: dict[str, int] = {}
         self._blocks: dict[int, Holders] = {}  # prefix hash → its holders
-        self._ages = Book(_age_listing)  # by each block's latest placement, for the cap
+        self._ages = Book("keys")  # by each block's latest placement, for the cap
         self._lrus: dict[str, _Lru] = {}  # engine → its LRU model
         self._orphans: dict[int, dict[str, Placed]] = {}  # forgotten by the cap, not by an LRU
         self._seq = 0
@@ -217,7 +206,7 @@ class ApproxPrefixIndex:
             if joining is None:
                 joining = len(blocks) - size
         if repeated:
-            mine.keys = _last_places(keys)
+            mine.keys = last_places(keys)
         mine.prompt = mine.keys
         if type(values) is not list:
             mine.sole = len(mine.keys)
@@ -227,7 +216,7 @@ class ApproxPrefixIndex:
         self._ages.add(mine)
         if lru is not None:  # (before the cap, which keeps what an LRU model holds)
             mine.tag = engine
-            mine.back = _last_places(reversed(keys)) if repeated else keys[::-1]
+            mine.back = last_places(reversed(keys)) if repeated else keys[::-1]
             lru.book.add(mine)
             lru.count += joining or 0
 
@@ -279,9 +268,9 @@ class ApproxPrefixIndex:
                 self._let_go(engine, lru.book.pop_oldest(excess, lru.still))
                 lru.count -= excess
             if lru.book.needs_filter(lru.count):
-                lru.book.filter(lru.still, _relist_back, lru.known)
+                lru.book.filter(lru.still, lru.known)
         if self._ages.needs_filter(len(blocks)):
-            self._ages.filter(self._age_still, _relist_keys, self._age_known)
+            self._ages.filter(self._age_still, self._age_known)
 
     def _lru_of(self, engine: str, capacity: int) -> _Lru | None:
         """``engine``'s LRU model when its capacity is known (made on first use), else None
@@ -363,7 +352,7 @@ class ApproxPrefixIndex:
         holds alone and the Joints whose age it is (noted in :attr:`Placed.joints`), all
         among those it lists; where the others are Joints it left, they are dropped."""
         blocks = self._blocks
-        return _known_live(placed, listing, [
+        return known_live(placed, listing, [
             type(held := blocks.get(h)) is Joint and held.age is placed
             for h in dict.fromkeys(placed.joints)])
 
@@ -378,7 +367,7 @@ class ApproxPrefixIndex:
             if self._orphans:
                 return None
             blocks = self._blocks
-            return _known_live(placed, listing, [
+            return known_live(placed, listing, [
                 type(held := blocks.get(h)) is Joint and held.get(engine) is placed
                 for h in dict.fromkeys(placed.joints)])
 
@@ -394,7 +383,7 @@ class ApproxPrefixIndex:
             return
         orphans = self._orphans
         for h, holders in zip(gone, found, strict=True):
-            members = {p.engine: p for p in _placements(holders) if p.tag is not None}
+            members = {p.engine: p for p in placements(holders) if p.tag is not None}
             if members:
                 orphans.setdefault(h, {}).update(members)
 
@@ -461,7 +450,7 @@ class ApproxPrefixIndex:
         for _, same in itertools.groupby(found, key=id):
             run = list(same)
             runs.append((run[0], len(run)))
-        for first_placed in _placements(first):
+        for first_placed in placements(first):
             engine = first_placed.engine
             if first_placed.expiry <= now:
                 continue
@@ -517,32 +506,6 @@ class ApproxPrefixIndex:
     def lru_orders(self) -> dict[str, list[int]]:
         """Each LRU model's blocks, least recently touched first (an inspection view)."""
         return {e: list(lru.book.walk(lru.still)) for e, lru in self._lrus.items()}
-
-
-def _placements(holders: Holders) -> Iterable[Placed]:
-    """Each placement among ``holders``."""
-    return (holders,) if type(holders) is Placed else holders.values()  # type: ignore[union-attr]
-
-
-def _known_live(placed: Placed, listing: tuple[int, ...], joined: list[bool]
-                ) -> tuple[int, ...] | None:
-    """Of ``listing``, the blocks ``placed`` still holds (``joined``: for each of its noted
-    Joints, whether it still holds that one), where its counts tell (else None)."""
-    live = placed.sole + sum(joined)
-    if live == len(listing):
-        return listing
-    if not live:
-        return ()
-    return without(listing, live, itertools.compress(
-        dict.fromkeys(placed.joints), map(operator.not_, joined)))
-
-
-def _relist_keys(placed: Placed, keys: tuple[int, ...]) -> None:
-    placed.keys = keys
-
-
-def _relist_back(placed: Placed, keys: tuple[int, ...]) -> None:
-    placed.back = keys
 
 
 def rank_memory(engine: str, rank: int | None) -> str:

@@ -18,11 +18,11 @@ import itertools
 import math
 import operator
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, Final
+from typing import Any, Final, Literal
 
 __all__ = ["Book", "Holders", "Joint", "Placed", "Still", "claim", "holders_of",
-           "joined_runs", "joints_at", "same_as", "tags", "unheld",
-           "without"]
+           "joined_runs", "joints_at", "known_live", "last_places", "placements", "same_as",
+           "tags", "unheld", "without"]
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -129,8 +129,6 @@ def joined_runs(keys: Sequence[int], found: list[Holders | None], mine: Placed
     return out
 
 
-#: a book's view of a placement: which of its blocks it orders (``keys`` or ``back``)
-Listing = Callable[[Placed], tuple[int, ...]]
 #: of some blocks a placement lists in a book's order, those it still holds there, in order
 Still = Callable[[list[int], Placed], list[int]]
 
@@ -138,16 +136,17 @@ Still = Callable[[list[int], Placed], list[int]]
 class Book:
     """Placements oldest first: one order of blocks (see the module docstring).
 
-    ``listing`` says which blocks of a placement the order lists, in order;
-    the owner says, in bulk, which blocks a placement still holds there. A
-    placement added again (extended: its ``seq`` moved on) leaves its earlier
-    entry behind, which lists nothing any more (so adding one is a step, not a
-    search).
+    ``listing`` names the field of a placement that lists its blocks in this
+    order (``keys`` or ``back``); the owner says, in bulk, which blocks a
+    placement still holds there. A placement added again (extended: its ``seq``
+    moved on) leaves its earlier entry behind, which lists nothing any more (so
+    adding one is a step, not a search), unless that entry is the newest: then
+    it is replaced.
     """
 
     __slots__ = ("_head", "_listed", "entries", "listing")
 
-    def __init__(self, listing: Listing) -> None:
+    def __init__(self, listing: Literal["keys", "back"]) -> None:
         self.listing = listing
         #: (placement, its seq when added, what it listed then), oldest first
         self.entries: collections.deque[tuple[Placed, int, tuple[int, ...]]] = (
@@ -158,7 +157,7 @@ class Book:
     def add(self, placed: Placed) -> None:
         """List ``placed`` newest; where it is the newest entry already (extended before
         any other placement came), that entry is replaced rather than left behind."""
-        listed = self.listing(placed)
+        listed: tuple[int, ...] = getattr(placed, self.listing)
         entries = self.entries
         if entries and entries[-1][0] is placed and (len(entries) > 1 or not self._head):
             self._listed -= len(entries.pop()[2])
@@ -208,9 +207,9 @@ class Book:
         for p, listed in self.current():
             yield from still(list(listed), p)
 
-    def filter(self, still: Still, relist: Callable[[Placed, tuple[int, ...]], None],
+    def filter(self, still: Still,
                known: Callable[[Placed, tuple[int, ...]], tuple[int, ...] | None]) -> None:
-        """Let each placement list only the blocks it still holds here (``relist`` sets that).
+        """Let each placement list only the blocks it still holds here.
 
         ``known``: of a placement's listed blocks, those it still holds, told
         without a walk (None: its blocks are walked).
@@ -225,7 +224,7 @@ class Book:
             if not live:
                 continue
             if live is not listing or (n == 0 and partial):
-                relist(p, live)
+                setattr(p, self.listing, live)
             kept.append((p, p.seq, live))
             listed += len(live)
         self.entries = kept
@@ -276,3 +275,26 @@ def joints_at(found: Sequence[Holders | None]) -> list[int]:
 def tags(found: Iterable[Holders | None]) -> Iterator[str | None]:
     """Each of ``found``'s LRU tag where it is one placement, else None (a C loop)."""
     return map(getattr, found, itertools.repeat("tag"), itertools.repeat(None))
+
+
+def placements(holders: Holders) -> Iterable[Placed]:
+    """Each placement among ``holders``."""
+    return (holders,) if type(holders) is Placed else holders.values()  # type: ignore[union-attr]
+
+
+def last_places(keys: Iterable[int]) -> tuple[int, ...]:
+    """``keys`` with each repeated one at its last place only."""
+    return tuple(reversed(dict.fromkeys(reversed(list(keys)))))
+
+
+def known_live(placed: Placed, listing: tuple[int, ...], joined: list[bool]
+               ) -> tuple[int, ...] | None:
+    """Of ``listing``, the blocks ``placed`` still holds (``joined``: for each of its noted
+    Joints, whether it still holds that one), where its counts tell (else None)."""
+    live = placed.sole + sum(joined)
+    if live == len(listing):
+        return listing
+    if not live:
+        return ()
+    return without(listing, live, itertools.compress(
+        dict.fromkeys(placed.joints), map(operator.not_, joined)))
