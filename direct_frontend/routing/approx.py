@@ -3,12 +3,14 @@
 For engines that publish no KV events it stands in for the KV index: a
 placement is remembered for a while, and where an engine's prefix cache size
 is known its share is modelled as that engine's own LRU. A data-parallel
-engine's requests are remembered rank by rank, as each rank has a cache of its own.
+engine's requests are remembered rank by rank (routing/catalog.py's
+:func:`memory_names`), as each rank has a cache of its own.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import itertools
 import math
@@ -16,52 +18,42 @@ import operator
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Final
 
-from direct_frontend.routing.catalog import EngineHandle
 from direct_frontend.routing.placed import (
+    FEW,
     Book,
     Holders,
     Joint,
+    Known,
     Placed,
     Still,
     claim,
+    held_by,
     holders_of,
     joined_runs,
     joints_at,
     known_live,
     last_places,
     placements,
-    same_as,
     tags,
     unheld,
 )
 
-__all__ = ["ApproxPrefixIndex", "best_of", "memory_names", "rank_memory"]
+__all__ = ["ApproxPrefixIndex", "best_of"]
 
 _known: Final = functools.partial(operator.is_not, None)
 _ENGINE: Final[Callable[[Any], object]] = operator.attrgetter("engine")
-_FEW: Final = 16  # blocks fewer than this are cheaper in a Python loop than in bulk C calls
-_SHORT: Final = 16  # a placement of fewer blocks than this is cheaper made block by block
-#: of the blocks a placement lists in an order, those still its there, told without a walk
-#: where its counts tell (None: a walk must tell)
-Known = Callable[[Placed, tuple[int, ...]], tuple[int, ...] | None]
+_AGE: Final = operator.attrgetter("age")
 
 
-def _drain(calls: Iterable[object]) -> None:
-    """Run a lazy map to its end in C (a deque that keeps nothing)."""
-    collections.deque(calls, maxlen=0)
-
-
+@dataclasses.dataclass(slots=True, eq=False)
 class _Lru:
-    """One engine's LRU model: its placements in touch order, how many blocks it holds,
-    and which of a placement's blocks it still holds (``still``, ``known``: made once)."""
+    """One engine's LRU model: which of a placement's blocks it still holds (``still``,
+    ``known``: made once), its placements in touch order, and how many blocks it holds."""
 
-    __slots__ = ("book", "count", "known", "still")
-
-    def __init__(self, still: Still, known: Known) -> None:
-        self.book = Book("back")
-        self.count = 0
-        self.still = still
-        self.known = known
+    still: Still
+    known: Known
+    book: Book = dataclasses.field(default_factory=functools.partial(Book, "back"))
+    count: int = 0
 
 
 class ApproxPrefixIndex:
@@ -111,10 +103,10 @@ class ApproxPrefixIndex:
         """Remember a placement (a sibling replica's, or our own via :meth:`record`).
 
         Each hash ends up newest, in order, held by ``engine`` until the new
-        expiry: one :class:`Placed` that every block points at, set with one
-        bulk dict update (in C) in the usual case (each block new, or held by
-        ``engine`` alone); blocks other engines hold too (a shared system
-        prompt's) are joined one by one. ``head``: how many leading hashes are
+        expiry: one :class:`Placed` that every block points at, set block by
+        block for a short prompt, else in bulk (one C dict update where each block
+        is new or ``engine``'s alone; blocks other engines hold too, a shared
+        system prompt's, joined one by one). ``head``: how many leading hashes are
         likely one earlier placement's (a prompt's, these being it and its
         answer); where that placement alone still holds exactly them, it is
         extended by the rest and made the newest instead (:meth:`_extended`).
@@ -123,10 +115,8 @@ class ApproxPrefixIndex:
         lru = self._lru_of(engine, capacity)
         if not hashes:
             return
-        if head and self._extended(engine, hashes, now, head, lru):
-            self._settle(engine, lru, capacity)
-            return
-        self._place(engine, hashes, now, lru)
+        if not (head and self._extended(engine, hashes, now, head, lru)):
+            self._place(engine, hashes, now, lru)
         self._settle(engine, lru, capacity)
 
     def _extended(self, engine: str, hashes: Sequence[int], now: float, head: int,
@@ -179,7 +169,7 @@ class ApproxPrefixIndex:
         keys = tuple(hashes)
         self._seq += 1
         mine = Placed(engine, now + self.ttl_s, self._seq, keys)
-        if len(keys) < _SHORT and not self._orphans and len(set(keys)) == len(keys):
+        if len(keys) < FEW and not self._orphans and len(set(keys)) == len(keys):
             self._place_short(mine, lru)
             return
         found = list(map(blocks.get, hashes))
@@ -296,13 +286,9 @@ class ApproxPrefixIndex:
                 mine = present[at].get(engine)  # type: ignore[union-attr]
                 members += mine is not None and mine.tag == engine
             return len(keys) - members
-        held = dict(zip(keys, found, strict=True))
-        return sum(1 for h, holders in held.items() if not self._member(engine, h, holders))
-
-    def _member(self, engine: str, h: int, holders: Holders | None) -> bool:
-        """Whether ``h`` (held by ``holders``) is in ``engine``'s LRU model."""
-        mine = self._claim(engine, h, holders)
-        return mine is not None and mine.tag == engine
+        held = dict(zip(keys, found, strict=True))  # (members: claimed, tagged its engine's)
+        return sum(1 for h, holders in held.items()
+                   if getattr(self._claim(engine, h, holders), "tag", None) != engine)
 
     def _claim(self, engine: str, h: int, holders: Holders | None) -> Placed | None:
         """``engine``'s latest placement of ``h``: its holders', else an orphan's."""
@@ -315,34 +301,18 @@ class ApproxPrefixIndex:
 
     def _age_still(self, keys: list[int], placed: Placed) -> list[int]:
         """Of ``keys``, those whose latest placement is ``placed`` (their age is its)."""
-        found = list(map(self._blocks.get, keys))
-        if found.count(placed) == len(found):  # (all held by it alone: the usual case)
-            return keys
-        if len(found) < _FEW:
-            return [h for h, f in zip(keys, found, strict=True)
-                    if f is placed or (type(f) is Joint and f.age is placed)]
-        live = list(same_as(found, placed))
-        for at in joints_at(found):
-            live[at] = found[at].age is placed  # type: ignore[union-attr]
-        return list(itertools.compress(keys, live))
+        return held_by(keys, list(map(self._blocks.get, keys)), placed, _AGE)
 
     def _lru_still(self, engine: str) -> Still:
         """Of a placement's ``keys``, those ``engine``'s LRU model holds where it put them."""
+        in_joint = operator.methodcaller("get", engine)
 
         def still(keys: list[int], placed: Placed) -> list[int]:
             found = list(map(self._blocks.get, keys))
-            if found.count(placed) == len(found):  # (all held by it alone: the usual case)
-                return keys
-            if self._orphans:
+            if self._orphans and found.count(placed) != len(found):
                 return [h for h, f in zip(keys, found, strict=True)
                         if self._claim(engine, h, f) is placed]
-            if len(found) < _FEW:
-                return [h for h, f in zip(keys, found, strict=True)
-                        if f is placed or (type(f) is Joint and f.get(engine) is placed)]
-            live = list(same_as(found, placed))
-            for at in joints_at(found):
-                live[at] = found[at].get(engine) is placed  # type: ignore[union-attr]
-            return list(itertools.compress(keys, live))
+            return held_by(keys, found, placed, in_joint)
 
         return still
 
@@ -391,7 +361,7 @@ class ApproxPrefixIndex:
         """``engine`` no longer holds ``gone`` (its LRU forgot them): forget its claim on each."""
         blocks = self._blocks
         found = list(map(blocks.get, gone))
-        if self._orphans or len(gone) < _FEW:
+        if self._orphans or len(gone) < FEW:
             self._let_go_each(engine, gone, found)
             return
         # the walk found each this engine's: in C but for the Joints
@@ -402,7 +372,7 @@ class ApproxPrefixIndex:
             gone = list(itertools.compress(gone, map(
                 operator.is_not, map(type, found), itertools.repeat(Joint))))
         unheld(found)  # (a Joint's run changes nothing)
-        _drain(map(blocks.__delitem__, gone))
+        collections.deque(map(blocks.__delitem__, gone), maxlen=0)  # (in C, keeping nothing)
 
     def _let_go_each(self, engine: str, gone: Sequence[int],
                      found: Sequence[Holders | None]) -> None:
@@ -508,26 +478,9 @@ class ApproxPrefixIndex:
         return {e: list(lru.book.walk(lru.still)) for e, lru in self._lrus.items()}
 
 
-def rank_memory(engine: str, rank: int | None) -> str:
-    """The approximate memory's name for what was sent to ``engine``'s rank (None: the engine)."""
-    return engine if rank is None else f"{engine}#dp{rank}"
-
-
-def memory_names(engine: EngineHandle) -> tuple[str, ...]:
-    """Where the approximate memory keeps what was sent to ``engine``: one per pinned rank.
-
-    Each rank has a cache of its own, so a data-parallel engine's requests are
-    remembered (and its LRU modelled) rank by rank.
-    """
-    if not engine.dp_ranks:
-        return (engine.name,)
-    return tuple(rank_memory(engine.name, rank) for rank in engine.dp_ranks)
-
-
 
 def best_of(found: dict[str, int], names: Sequence[str]) -> int:
     """The most blocks any of ``names`` holds in a lookup's answer."""
     if len(names) == 1:
         return found.get(names[0], 0)
     return max(found.get(name, 0) for name in names)
-

@@ -58,8 +58,8 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 from direct_frontend.fleet.schema import KvAwareKnobs
 from direct_frontend.kv.keys import incarnation_of, index_key
 from direct_frontend.kv.prefix import extend_hashes, prefix_hashes
-from direct_frontend.routing.approx import ApproxPrefixIndex, best_of, memory_names, rank_memory
-from direct_frontend.routing.catalog import Catalog, EngineHandle
+from direct_frontend.routing.approx import ApproxPrefixIndex, best_of
+from direct_frontend.routing.catalog import Catalog, EngineHandle, memory_names, rank_memory
 from direct_frontend.routing.policies import Placement, RequestView, spread_start
 from direct_frontend.routing.prefill_queue import PrefillQueue
 

@@ -20,9 +20,9 @@ import operator
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Final, Literal
 
-__all__ = ["Book", "Holders", "Joint", "Placed", "Still", "claim", "holders_of",
-           "joined_runs", "joints_at", "known_live", "last_places", "placements", "same_as",
-           "tags", "unheld", "without"]
+__all__ = ["FEW", "Book", "Holders", "Joint", "Known", "Placed", "Still", "claim", "held_by",
+           "holders_of", "joined_runs", "joints_at", "known_live", "last_places", "placements",
+           "same_as", "tags", "unheld", "without"]
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -66,6 +66,9 @@ class Joint(dict[str, Placed]):
 
 #: a block's holders: one placement (one engine, its age too), or a :class:`Joint`
 Holders = Placed | Joint
+#: fewer blocks than this are cheaper placed, let go of or told still held one by one in
+#: a Python loop than in the bulk C steps
+FEW: Final = 16
 _SLACK: Final = 4096  # listed blocks a book may carry beyond twice its live ones
 _WINDOW: Final = 8  # blocks walked past what :meth:`Book.pop_oldest` needs
 
@@ -131,6 +134,9 @@ def joined_runs(keys: Sequence[int], found: list[Holders | None], mine: Placed
 
 #: of some blocks a placement lists in a book's order, those it still holds there, in order
 Still = Callable[[list[int], Placed], list[int]]
+#: of the blocks a placement lists in a book's order, those still its there, told without
+#: a walk where its counts tell (None: a walk must tell)
+Known = Callable[[Placed, tuple[int, ...]], tuple[int, ...] | None]
 
 
 class Book:
@@ -207,8 +213,7 @@ class Book:
         for p, listed in self.current():
             yield from still(list(listed), p)
 
-    def filter(self, still: Still,
-               known: Callable[[Placed, tuple[int, ...]], tuple[int, ...] | None]) -> None:
+    def filter(self, still: Still, known: Known) -> None:
         """Let each placement list only the blocks it still holds here.
 
         ``known``: of a placement's listed blocks, those it still holds, told
@@ -298,3 +303,18 @@ def known_live(placed: Placed, listing: tuple[int, ...], joined: list[bool]
         return ()
     return without(listing, live, itertools.compress(
         dict.fromkeys(placed.joints), map(operator.not_, joined)))
+
+
+def held_by(keys: list[int], found: list[Holders | None], placed: Placed,
+            in_joint: Callable[[Joint], Placed | None]) -> list[int]:
+    """Of ``keys`` (``found``: their holders), those ``placed`` holds: it alone, or where it
+    is ``in_joint`` of their Joint (a C count in the usual case, all its alone)."""
+    if found.count(placed) == len(found):
+        return keys
+    if len(found) < FEW:
+        return [h for h, f in zip(keys, found, strict=True)
+                if f is placed or (type(f) is Joint and in_joint(f) is placed)]
+    live = list(same_as(found, placed))
+    for at in joints_at(found):
+        live[at] = in_joint(found[at]) is placed  # type: ignore[arg-type]
+    return list(itertools.compress(keys, live))
