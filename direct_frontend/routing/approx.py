@@ -135,12 +135,12 @@ class ApproxPrefixIndex:
         placed = claim(blocks.get(hashes[head - 1]), engine) if head <= len(hashes) else None
         if (placed is None or self._orphans or len(placed.prompt) != head
                 or placed.expiry == -math.inf or (lru is not None) != (placed.tag == engine)
-                or placed.prompt != tuple(itertools.islice(hashes, head))):
+                or placed.prompt != tuple(hashes[:head])):
             return False
         joints = [h for h in dict.fromkeys(placed.joints) if type(blocks.get(h)) is Joint]
         if placed.sole + len(joints) != head:
             return False
-        more = tuple(itertools.islice(hashes, head, None))
+        more = tuple(hashes[head:])
         if more and (any(map(blocks.__contains__, more)) or len(set(more)) != len(more)):
             return False
         self._seq += 1  # (its entries in the books list nothing from now on)
@@ -359,11 +359,11 @@ class ApproxPrefixIndex:
 
     def _let_go(self, engine: str, gone: Sequence[int]) -> None:
         """``engine`` no longer holds ``gone`` (its LRU forgot them): forget its claim on each."""
+        if self._orphans or len(gone) < FEW:
+            self._let_go_each(engine, gone)
+            return
         blocks = self._blocks
         found = list(map(blocks.get, gone))
-        if self._orphans or len(gone) < FEW:
-            self._let_go_each(engine, gone, found)
-            return
         # the walk found each this engine's: in C but for the Joints
         joints = joints_at(found)
         for at in joints:
@@ -374,12 +374,13 @@ class ApproxPrefixIndex:
         unheld(found)  # (a Joint's run changes nothing)
         collections.deque(map(blocks.__delitem__, gone), maxlen=0)  # (in C, keeping nothing)
 
-    def _let_go_each(self, engine: str, gone: Sequence[int],
-                     found: Sequence[Holders | None]) -> None:
+    def _let_go_each(self, engine: str, gone: Sequence[int]) -> None:
         """:meth:`_let_go` block by block (orphans about, or a few blocks): each block's
         claim where it is."""
         orphans = self._orphans
-        for h, holders in zip(gone, found, strict=True):
+        get = self._blocks.get
+        for h in gone:
+            holders = get(h)
             orphan = orphans.get(h)
             if orphan is not None and orphan.pop(engine, None) is not None and not orphan:
                 del orphans[h]
