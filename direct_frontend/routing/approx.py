@@ -3,12 +3,14 @@
 For engines that publish no KV events it stands in for the KV index: a
 placement is remembered for a while, and where an engine's prefix cache size
 is known its share is modelled as that engine's own LRU. A data-parallel
-engine's requests are remembered rank by rank, as each rank has a cache of its own.
+engine's requests are remembered rank by rank (routing/catalog.py's
+:func:`memory_names`), as each rank has a cache of its own.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import itertools
 import math
@@ -16,62 +18,42 @@ import operator
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Final
 
-from direct_frontend.routing.catalog import EngineHandle
+from direct_frontend.routing.placed import (
+    FEW,
+    Book,
+    Holders,
+    Joint,
+    Known,
+    Placed,
+    Still,
+    claim,
+    held_by,
+    holders_of,
+    joined_runs,
+    joints_at,
+    known_live,
+    last_places,
+    placements,
+    tags,
+    unheld,
+)
 
-__all__ = ["ApproxPrefixIndex", "best_of", "memory_names", "rank_memory"]
+__all__ = ["ApproxPrefixIndex", "best_of"]
 
 _known: Final = functools.partial(operator.is_not, None)
+_ENGINE: Final[Callable[[Any], object]] = operator.attrgetter("engine")
+_AGE: Final = operator.attrgetter("age")
 
 
-#: who holds a block until when: one engine as a pair (shared by all the blocks of one
-#: record), or several as {engine: expiry}
-Holders = tuple[str, float] | dict[str, float]
-_ENGINE: Final[Callable[[Any], object]] = operator.itemgetter(0)
+@dataclasses.dataclass(slots=True, eq=False)
+class _Lru:
+    """One engine's LRU model: which of a placement's blocks it still holds (``still``,
+    ``known``: made once), its placements in touch order, and how many blocks it holds."""
 
-
-def _pairs(holders: Holders) -> Iterable[tuple[str, float]]:
-    """Each (engine, expiry) of ``holders``."""
-    return (holders,) if type(holders) is tuple else holders.items()  # type: ignore[union-attr]
-
-
-def _joined(holders: Holders | None, mine: tuple[str, float]) -> Holders:
-    """``holders`` with ``mine`` (an engine and its new expiry) among them."""
-    if holders is None:
-        return mine
-    if type(holders) is tuple:
-        if holders[0] == mine[0]:
-            return mine
-        return {holders[0]: holders[1], mine[0]: mine[1]}
-    holders[mine[0]] = mine[1]  # type: ignore[index]
-    return holders
-
-
-def _joined_runs(found: list[Holders | None], mine: tuple[str, float]) -> list[Holders]:
-    """Each of ``found`` joined with ``mine``, a run of one holder at a time.
-
-    Blocks recorded together share their holder, so the runs are few: those of
-    no holder or of ``mine``'s engine alone take ``mine`` in bulk; the others
-    are joined one by one (each block gets a holder of its own).
-    """
-    out: list[Holders] = []
-    for _, same in itertools.groupby(found, key=id):
-        run = list(same)
-        holders = run[0]
-        if holders is None or (type(holders) is tuple and holders[0] == mine[0]):
-            out.extend(itertools.repeat(mine, len(run)))
-        else:
-            out.extend(_joined(h, mine) for h in run)
-    return out
-
-
-def holders_of(holders: Holders | None) -> dict[str, float]:
-    """``holders`` as {engine: expiry}."""
-    return {} if holders is None else dict(_pairs(holders))
-
-
-def _drain(calls: Iterable[object]) -> None:
-    """Run a lazy map to its end in C (a deque that keeps nothing)."""
-    collections.deque(calls, maxlen=0)
+    still: Still
+    known: Known
+    book: Book = dataclasses.field(default_factory=functools.partial(Book, "back"))
+    count: int = 0
 
 
 class ApproxPrefixIndex:
@@ -86,6 +68,12 @@ class ApproxPrefixIndex:
     evict leaves first) and the least recently sent blocks beyond the capacity
     are forgotten, as the engine forgets them. What it cannot know: prefixes
     other routers sent, and eviction order under pinning.
+
+    Each placement is one record (routing/placed.py) that its blocks point at:
+    the age order and the LRU orders are orders of placements. A block the cap
+    forgot while an LRU model still holds it stays in that model (an orphan:
+    invisible to lookups, counted and evicted in its LRU as before). An engine
+    whose capacity becomes unknown again loses its LRU model.
     """
 
     def __init__(self, ttl_s: float, max_blocks: int, capacity_blocks: int = 0, *,
@@ -99,45 +87,317 @@ class ApproxPrefixIndex:
         self.capacity_blocks = capacity_blocks
         #: engine → its own capacity in blocks (discovery's), over ``capacity_blocks``
         self.capacities: dict[str, int] = {}
-        # prefix hash → its holders; insertion order ≈ age, for the cap
-        self._entries: collections.OrderedDict[int, Holders] = collections.OrderedDict()
-        # engine → the hashes its LRU model holds, least recently touched first
-        self._lru: dict[str, collections.OrderedDict[int, None]] = {}
+        self._blocks: dict[int, Holders] = {}  # prefix hash → its holders
+        self._ages = Book("keys")  # by each block's latest placement, for the cap
+        self._lrus: dict[str, _Lru] = {}  # engine → its LRU model
+        self._orphans: dict[int, dict[str, Placed]] = {}  # forgotten by the cap, not by an LRU
+        self._seq = 0
 
-    def record(self, engine: str, hashes: Sequence[int], now: float) -> None:
+    def record(self, engine: str, hashes: Sequence[int], now: float, head: int = 0) -> None:
+        """Remember our own placement (:meth:`record_peer`), and tell :attr:`on_record`."""
         if self.on_record is not None and hashes:
             self.on_record(engine, hashes)
-        self.record_peer(engine, hashes, now)
+        self.record_peer(engine, hashes, now, head)
 
-    def record_peer(self, engine: str, hashes: Sequence[int], now: float) -> None:
+    def record_peer(self, engine: str, hashes: Sequence[int], now: float, head: int = 0) -> None:
         """Remember a placement (a sibling replica's, or our own via :meth:`record`).
 
         Each hash ends up newest, in order, held by ``engine`` until the new
-        expiry. A prompt has thousands of blocks, so the usual case (each block
-        new, or held by ``engine`` alone) is a few bulk steps in C: one shared
-        holder pair for all, then, when some were known, all moved to the end
-        in order. Blocks other engines hold too (a shared system prompt's) are
-        joined one by one, the others keep the shared pair.
+        expiry: one :class:`Placed` that every block points at, set block by
+        block for a short prompt, else in bulk (one C dict update where each block
+        is new or ``engine``'s alone; blocks other engines hold too, a shared
+        system prompt's, joined one by one). ``head``: how many leading hashes are
+        likely one earlier placement's (a prompt's, these being it and its
+        answer); where that placement alone still holds exactly them, it is
+        extended by the rest and made the newest instead (:meth:`_extended`).
         """
-        mine = (engine, now + self.ttl_s)
-        entries = self._entries
-        found = list(map(entries.get, hashes))
-        values: Iterable[Holders]
-        if dict in set(map(type, found)) or not {engine}.issuperset(
-                map(_ENGINE, filter(None, found))):  # some held by others too: joined there
-            values = _joined_runs(found, mine)
-        else:
-            values = itertools.repeat(mine)
-        size = len(entries)
-        entries.update(zip(hashes, values, strict=False))
-        if len(entries) - size != len(hashes):  # some were known: all newest, in order
-            _drain(map(entries.move_to_end, hashes))
-        excess = len(entries) - self.max_blocks
-        if excess > 0:
-            _drain(map(entries.__delitem__, list(itertools.islice(entries, excess))))
         capacity = self.capacity_of(engine)
-        if capacity:
-            self._touch(engine, hashes, capacity)
+        lru = self._lru_of(engine, capacity)
+        if not hashes:
+            return
+        if not (head and self._extended(engine, hashes, now, head, lru)):
+            self._place(engine, hashes, now, lru)
+        self._settle(engine, lru, capacity)
+
+    def _extended(self, engine: str, hashes: Sequence[int], now: float, head: int,
+                  lru: _Lru | None) -> bool:
+        """Whether ``hashes`` extend the placement of their first ``head`` and it was done.
+
+        That placement must be ``engine``'s, placed on exactly those ``head``
+        blocks, each held by it alone or by a Joint (so no other placement holds
+        one alone), in the LRU model exactly when there is one, and the rest
+        must be new blocks (and no orphans about): then placing ``hashes`` anew
+        would leave what this leaves, the placement moved to the newest end of
+        each order with the rest after its blocks, a new expiry, and its engine's
+        claim in each Joint, in a step per new block or Joint, not per block.
+        """
+        blocks = self._blocks
+        placed = claim(blocks.get(hashes[head - 1]), engine) if head <= len(hashes) else None
+        if (placed is None or self._orphans or len(placed.prompt) != head
+                or placed.expiry == -math.inf or (lru is not None) != (placed.tag == engine)
+                or placed.prompt != tuple(hashes[:head])):
+            return False
+        joints = [h for h in dict.fromkeys(placed.joints) if type(blocks.get(h)) is Joint]
+        if placed.sole + len(joints) != head:
+            return False
+        more = tuple(hashes[head:])
+        if more and (any(map(blocks.__contains__, more)) or len(set(more)) != len(more)):
+            return False
+        self._seq += 1  # (its entries in the books list nothing from now on)
+        placed.seq = self._seq
+        placed.expiry = now + self.ttl_s
+        placed.keys = placed.prompt = placed.prompt + more
+        placed.sole += len(more)
+        placed.joints = joints
+        joining = len(more)
+        for h in joints:
+            joint: Joint = blocks[h]  # type: ignore[assignment]
+            before = joint.get(engine)
+            joining += before is None or before.tag != engine
+            joint[engine] = joint.age = placed
+        blocks.update(zip(more, itertools.repeat(placed)))
+        self._ages.add(placed)
+        if lru is not None:
+            placed.back = placed.keys[::-1]
+            lru.book.add(placed)
+            lru.count += joining
+        return True
+
+    def _place(self, engine: str, hashes: Sequence[int], now: float, lru: _Lru | None) -> None:
+        """Record ``hashes`` as a new placement (:meth:`record_peer`)."""
+        blocks = self._blocks
+        keys = tuple(hashes)
+        self._seq += 1
+        mine = Placed(engine, now + self.ttl_s, self._seq, keys)
+        if len(keys) < FEW and not self._orphans and len(set(keys)) == len(keys):
+            self._place_short(mine, lru)
+            return
+        found = list(map(blocks.get, hashes))
+        unknown = found.count(None)
+        repeated = len(set(keys)) != len(keys) if unknown < len(keys) else None
+        present: list[Holders] = list(filter(None, found))  # (the known blocks' holders)
+        plain = Joint not in set(map(type, present))
+        joining = None  # blocks new to the LRU model: when all are new, as many as went in
+        if lru is not None and (repeated is not None or self._orphans):
+            joining = self._joining(engine, keys, found, present, repeated is not False)
+        if plain and {engine}.issuperset(map(_ENGINE, present)):
+            values: Iterable[Holders] = itertools.repeat(mine)
+        else:  # some held by others too: joined there (which changes their Joint in place)
+            values = joined_runs(keys, found, mine)
+        size = len(blocks)
+        if repeated:
+            last = dict(zip(keys, found, strict=True))  # (a repeated block's holders once)
+            unheld(last.values())
+        else:
+            unheld(present)
+        blocks.update(zip(keys, values, strict=False))
+        if repeated is None:
+            repeated = len(blocks) - size != len(keys)  # (new ones repeated)
+            if joining is None:
+                joining = len(blocks) - size
+        if repeated:
+            mine.keys = last_places(keys)
+        mine.prompt = mine.keys
+        if type(values) is not list:
+            mine.sole = len(mine.keys)
+        else:  # (where a block repeats, its last holders are its)
+            mine.sole = (list(dict(zip(keys, values, strict=True)).values()) if repeated
+                         else values).count(mine)
+        self._ages.add(mine)
+        if lru is not None:  # (before the cap, which keeps what an LRU model holds)
+            mine.tag = engine
+            mine.back = last_places(reversed(keys)) if repeated else keys[::-1]
+            lru.book.add(mine)
+            lru.count += joining or 0
+
+    def _place_short(self, mine: Placed, lru: _Lru | None) -> None:
+        """:meth:`_place` block by block, for a few distinct blocks and no orphans (cheaper
+        than its bulk steps there): each block's holders joined with ``mine``, their
+        placements holding it alone no more, and the blocks new to the LRU model counted."""
+        blocks = self._blocks
+        engine = mine.engine
+        joining = sole = 0
+        for h in mine.keys:
+            held = blocks.get(h)
+            if held is None or (type(held) is Placed and held.engine == engine):
+                if held is not None:
+                    held.sole -= 1
+                    joining -= held.tag == engine
+                blocks[h] = mine
+                sole += 1
+                joining += 1
+                continue
+            if type(held) is Placed:
+                held.sole -= 1
+                held.joints.append(h)
+                blocks[h] = Joint(held, mine)
+                joining += 1
+            else:
+                before = held.get(engine)  # type: ignore[union-attr]
+                joining += before is None or before.tag != engine
+                held[engine] = held.age = mine  # type: ignore[index,union-attr]
+            mine.joints.append(h)
+        mine.prompt = mine.keys
+        mine.sole = sole
+        self._ages.add(mine)
+        if lru is not None:
+            mine.tag = engine
+            mine.back = mine.keys[::-1]
+            lru.book.add(mine)
+            lru.count += joining
+
+    def _settle(self, engine: str, lru: _Lru | None, capacity: int) -> None:
+        """After a placement: the cap, ``engine``'s LRU model, the books' garbage."""
+        blocks = self._blocks
+        excess = len(blocks) - self.max_blocks
+        if excess > 0:
+            self._forget_oldest(excess)
+        if lru is not None:
+            excess = lru.count - capacity
+            if excess > 0:
+                self._let_go(engine, lru.book.pop_oldest(excess, lru.still))
+                lru.count -= excess
+            if lru.book.needs_filter(lru.count):
+                lru.book.filter(lru.still, lru.known)
+        if self._ages.needs_filter(len(blocks)):
+            self._ages.filter(self._age_still, self._age_known)
+
+    def _lru_of(self, engine: str, capacity: int) -> _Lru | None:
+        """``engine``'s LRU model when its capacity is known (made on first use), else None
+        (and a model kept from when it was known is let go of)."""
+        if not capacity:
+            gone = self._lrus.pop(engine, None)
+            if gone is not None:
+                self._untag(engine)
+            return None
+        lru = self._lrus.get(engine)
+        if lru is None:
+            lru = self._lrus[engine] = _Lru(self._lru_still(engine), self._lru_known(engine))
+        return lru
+
+    def _joining(self, engine: str, keys: Sequence[int], found: list[Holders | None],
+                 present: list[Holders], repeated: bool) -> int:
+        """How many of ``keys`` (distinct) are new to ``engine``'s LRU model (``found``:
+        their holders, ``present`` those not None): a C count over the placements, a step
+        per :class:`Joint`."""
+        if not repeated and not self._orphans:
+            members = list(tags(present)).count(engine)
+            for at in joints_at(present):
+                mine = present[at].get(engine)  # type: ignore[union-attr]
+                members += mine is not None and mine.tag == engine
+            return len(keys) - members
+        held = dict(zip(keys, found, strict=True))  # (members: claimed, tagged its engine's)
+        return sum(1 for h, holders in held.items()
+                   if getattr(self._claim(engine, h, holders), "tag", None) != engine)
+
+    def _claim(self, engine: str, h: int, holders: Holders | None) -> Placed | None:
+        """``engine``'s latest placement of ``h``: its holders', else an orphan's."""
+        mine = claim(holders, engine)
+        if mine is None and self._orphans:
+            orphan = self._orphans.get(h)
+            if orphan is not None:
+                mine = orphan.get(engine)
+        return mine
+
+    def _age_still(self, keys: list[int], placed: Placed) -> list[int]:
+        """Of ``keys``, those whose latest placement is ``placed`` (their age is its)."""
+        return held_by(keys, list(map(self._blocks.get, keys)), placed, _AGE)
+
+    def _lru_still(self, engine: str) -> Still:
+        """Of a placement's ``keys``, those ``engine``'s LRU model holds where it put them."""
+        in_joint = operator.methodcaller("get", engine)
+
+        def still(keys: list[int], placed: Placed) -> list[int]:
+            found = list(map(self._blocks.get, keys))
+            if self._orphans and found.count(placed) != len(found):
+                return [h for h, f in zip(keys, found, strict=True)
+                        if self._claim(engine, h, f) is placed]
+            return held_by(keys, found, placed, in_joint)
+
+        return still
+
+    def _age_known(self, placed: Placed, listing: tuple[int, ...]) -> tuple[int, ...] | None:
+        """Of the blocks ``placed`` lists in the age order, those still its, told without a
+        walk where its count says (None: a walk must tell). Its age's blocks are those it
+        holds alone and the Joints whose age it is (noted in :attr:`Placed.joints`), all
+        among those it lists; where the others are Joints it left, they are dropped."""
+        blocks = self._blocks
+        return known_live(placed, listing, [
+            type(held := blocks.get(h)) is Joint and held.age is placed
+            for h in dict.fromkeys(placed.joints)])
+
+    def _lru_known(self, engine: str) -> Known:
+        """:meth:`_age_known` for ``engine``'s LRU model: a placement holds there the blocks
+        it holds alone and the Joints where it is the engine's (with orphans about, a walk
+        must tell)."""
+
+        def known(placed: Placed, listing: tuple[int, ...]) -> tuple[int, ...] | None:
+            if placed.tag != engine:
+                return ()
+            if self._orphans:
+                return None
+            blocks = self._blocks
+            return known_live(placed, listing, [
+                type(held := blocks.get(h)) is Joint and held.get(engine) is placed
+                for h in dict.fromkeys(placed.joints)])
+
+        return known
+
+    def _forget_oldest(self, count: int) -> None:
+        """The cap: forget the ``count`` oldest blocks; what an LRU model holds stays there."""
+        blocks = self._blocks
+        gone = self._ages.pop_oldest(count, self._age_still)
+        found = list(map(blocks.pop, gone))
+        unheld(found)
+        if not self._lrus:
+            return
+        orphans = self._orphans
+        for h, holders in zip(gone, found, strict=True):
+            members = {p.engine: p for p in placements(holders) if p.tag is not None}
+            if members:
+                orphans.setdefault(h, {}).update(members)
+
+    def _let_go(self, engine: str, gone: Sequence[int]) -> None:
+        """``engine`` no longer holds ``gone`` (its LRU forgot them): forget its claim on each."""
+        if self._orphans or len(gone) < FEW:
+            self._let_go_each(engine, gone)
+            return
+        blocks = self._blocks
+        found = list(map(blocks.get, gone))
+        # the walk found each this engine's: in C but for the Joints
+        joints = joints_at(found)
+        for at in joints:
+            self._leave_joint(engine, gone[at], found[at])  # type: ignore[arg-type]
+        if joints:
+            gone = list(itertools.compress(gone, map(
+                operator.is_not, map(type, found), itertools.repeat(Joint))))
+        unheld(found)  # (a Joint's run changes nothing)
+        collections.deque(map(blocks.__delitem__, gone), maxlen=0)  # (in C, keeping nothing)
+
+    def _let_go_each(self, engine: str, gone: Sequence[int]) -> None:
+        """:meth:`_let_go` block by block (orphans about, or a few blocks): each block's
+        claim where it is."""
+        orphans = self._orphans
+        get = self._blocks.get
+        for h in gone:
+            holders = get(h)
+            orphan = orphans.get(h)
+            if orphan is not None and orphan.pop(engine, None) is not None and not orphan:
+                del orphans[h]
+            if holders is None:
+                continue
+            if isinstance(holders, Joint):
+                self._leave_joint(engine, h, holders)
+            elif holders.engine == engine or holders.expiry == -math.inf:
+                del self._blocks[h]  # this engine's, or a forgotten one's: nobody's now
+                holders.sole -= 1
+
+    def _leave_joint(self, engine: str, h: int, holders: Joint) -> None:
+        """``engine`` lets go of ``h``, which ``holders`` hold: gone once only the forgotten
+        hold it."""
+        holders.pop(engine, None)
+        if all(p.expiry == -math.inf for p in holders.values()):
+            del self._blocks[h]
 
     def capacity_of(self, engine: str) -> int:
         """``engine``'s prefix cache in blocks as this model knows it (0: unknown)."""
@@ -147,69 +407,34 @@ class ApproxPrefixIndex:
         """Whether some engine's LRU is modelled (so entries are forgotten before they expire)."""
         return bool(self.capacity_blocks or self.capacities)
 
-    def _touch(self, engine: str, hashes: Sequence[int], capacity: int) -> None:
-        """Touch ``hashes`` tail first in ``engine``'s LRU; forget what falls out of it.
-
-        New blocks go in with one bulk update (in C); only when some were there
-        already is every block moved to the end in touch order, as if each had
-        been touched in turn. What falls out goes in bulk too (an ordered dict's
-        oldest are found without a scan).
-        """
-        lru = self._lru.setdefault(engine, collections.OrderedDict())
-        size = len(lru)
-        lru.update(zip(reversed(hashes), itertools.repeat(None)))
-        if len(lru) - size != len(hashes):  # some were there: put them all in touch order
-            _drain(map(lru.move_to_end, reversed(hashes)))
-        excess = len(lru) - capacity
-        if excess > 0:
-            gone = list(itertools.islice(lru, excess))
-            _drain(map(lru.__delitem__, gone))
-            self._let_go(engine, gone)
-
-    def _let_go(self, engine: str, gone: Sequence[int]) -> None:
-        """``engine`` no longer holds ``gone`` (its LRU forgot them): forget its claim on each."""
-        entries = self._entries
-        found = list(map(entries.get, gone))
-        if set(map(type, found)) <= {tuple}:  # the usual case, in C: held by one engine each
-            _drain(map(entries.__delitem__, itertools.compress(
-                gone, map(operator.eq, map(_ENGINE, found), itertools.repeat(engine)))))
-            return
-        for h, holders in zip(gone, found, strict=True):
-            if holders is None:
-                continue
-            if type(holders) is tuple:
-                if holders[0] == engine:
-                    del entries[h]
-            else:
-                holders.pop(engine, None)  # type: ignore[union-attr]
-                if not holders:
-                    del entries[h]
-
     def lookup_at(self, hashes: Sequence[int], now: float) -> dict[str, int]:
         """Per engine, how many leading ``hashes`` it holds unexpired (holding none: absent)."""
-        entries = self._entries
-        first = entries.get(hashes[0]) if hashes else None
+        blocks = self._blocks
+        first = blocks.get(hashes[0]) if hashes else None
         result: dict[str, int] = {}
         if not first:
             return result
         # the holders of the leading hashes anyone was sent (a C loop up to the first unknown),
-        # as runs of one holder (blocks recorded together share theirs): a step per run
-        found = itertools.takewhile(_known, map(entries.get, itertools.islice(hashes, 1, None)))
+        # as runs of one holder (blocks placed together share theirs): a step per run
+        found = itertools.takewhile(_known, map(blocks.get, itertools.islice(hashes, 1, None)))
         runs = []
         for _, same in itertools.groupby(found, key=id):
             run = list(same)
             runs.append((run[0], len(run)))
-        for engine, expiry in _pairs(first):
-            if expiry <= now:
+        for first_placed in placements(first):
+            engine = first_placed.engine
+            if first_placed.expiry <= now:
                 continue
             depth = 1
-            for holders, blocks in runs:
-                if type(holders) is tuple:
-                    if holders[0] != engine or holders[1] <= now:
+            for holders, count in runs:
+                if type(holders) is Placed:
+                    if holders.engine != engine or holders.expiry <= now:
                         break
-                elif holders.get(engine, -math.inf) <= now:  # type: ignore[union-attr]
-                    break
-                depth += blocks
+                else:
+                    mine = holders.get(engine)  # type: ignore[union-attr]
+                    if mine is None or mine.expiry <= now:
+                        break
+                depth += count
             result[engine] = depth
         return result
 
@@ -217,38 +442,41 @@ class ApproxPrefixIndex:
         """Blocks the LRU model says ``engine`` holds (None: no capacity, no model)."""
         if not self.capacity_of(engine):
             return None
-        lru = self._lru.get(engine)
-        return 0 if lru is None else len(lru)
+        lru = self._lrus.get(engine)
+        return 0 if lru is None else lru.count
 
     def forget_engine(self, engine: str) -> None:
-        self._lru.pop(engine, None)
-        entries = self._entries
-        for h, holders in list(entries.items()):
-            if isinstance(holders, tuple):
-                if holders[0] == engine:
-                    entries[h] = {}  # (held by no one now, still counted for the cap)
-            else:
-                holders.pop(engine, None)
+        """``engine`` holds nothing (a restart): its placements are forgotten, its LRU model
+        too; the blocks stay counted for the cap."""
+        self._lrus.pop(engine, None)
+        for holders in self._blocks.values():
+            mine = claim(holders, engine)
+            if mine is not None:
+                mine.forget()
+        self._untag(engine)
+
+    def _untag(self, engine: str) -> None:
+        """Let go of ``engine``'s orphans and of its placements' LRU membership."""
+        for holders in self._blocks.values():
+            mine = claim(holders, engine)
+            if mine is not None:
+                mine.tag = None
+        for h, orphan in list(self._orphans.items()):
+            if orphan.pop(engine, None) is not None and not orphan:
+                del self._orphans[h]
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._blocks)
 
+    def blocks_oldest_first(self) -> list[tuple[int, dict[str, float]]]:
+        """Each block, oldest first, with its holders as {engine: expiry} (an inspection
+        view, a walk of every placement)."""
+        blocks = self._blocks
+        return [(h, holders_of(blocks[h])) for h in self._ages.walk(self._age_still)]
 
-
-def rank_memory(engine: str, rank: int | None) -> str:
-    """The approximate memory's name for what was sent to ``engine``'s rank (None: the engine)."""
-    return engine if rank is None else f"{engine}#dp{rank}"
-
-
-def memory_names(engine: EngineHandle) -> tuple[str, ...]:
-    """Where the approximate memory keeps what was sent to ``engine``: one per pinned rank.
-
-    Each rank has a cache of its own, so a data-parallel engine's requests are
-    remembered (and its LRU modelled) rank by rank.
-    """
-    if not engine.dp_ranks:
-        return (engine.name,)
-    return tuple(rank_memory(engine.name, rank) for rank in engine.dp_ranks)
+    def lru_orders(self) -> dict[str, list[int]]:
+        """Each LRU model's blocks, least recently touched first (an inspection view)."""
+        return {e: list(lru.book.walk(lru.still)) for e, lru in self._lrus.items()}
 
 
 
@@ -257,4 +485,3 @@ def best_of(found: dict[str, int], names: Sequence[str]) -> int:
     if len(names) == 1:
         return found.get(names[0], 0)
     return max(found.get(name, 0) for name in names)
-

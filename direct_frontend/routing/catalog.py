@@ -221,3 +221,19 @@ class Catalog:
         if role is None:
             return self.engines
         return tuple(e for e in self.engines if e.role in (role, EngineRole.BOTH))
+
+
+def rank_memory(engine: str, rank: int | None) -> str:
+    """The approximate memory's name for what was sent to ``engine``'s rank (None: the engine)."""
+    return engine if rank is None else f"{engine}#dp{rank}"
+
+
+def memory_names(engine: EngineHandle) -> tuple[str, ...]:
+    """Where the approximate memory keeps what was sent to ``engine``: one per pinned rank.
+
+    Each rank has a cache of its own, so a data-parallel engine's requests are
+    remembered (and its LRU modelled) rank by rank.
+    """
+    if not engine.dp_ranks:
+        return (engine.name,)
+    return tuple(rank_memory(engine.name, rank) for rank in engine.dp_ranks)

@@ -58,8 +58,8 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 from direct_frontend.fleet.schema import KvAwareKnobs
 from direct_frontend.kv.keys import incarnation_of, index_key
 from direct_frontend.kv.prefix import extend_hashes, prefix_hashes
-from direct_frontend.routing.approx import ApproxPrefixIndex, best_of, memory_names, rank_memory
-from direct_frontend.routing.catalog import Catalog, EngineHandle
+from direct_frontend.routing.approx import ApproxPrefixIndex, best_of
+from direct_frontend.routing.catalog import Catalog, EngineHandle, memory_names, rank_memory
 from direct_frontend.routing.policies import Placement, RequestView, spread_start
 from direct_frontend.routing.prefill_queue import PrefillQueue
 
@@ -466,18 +466,14 @@ class KvAware:
         if placement.prefilled is not None:
             placement.prefilled()
         self._remember(rank_memory(placement.engine.name, placement.dp_rank),
-                       self.answered_hashes(placement, prompt, answer), self.clock())
+                       self.answered_hashes(placement, prompt, answer), self.clock(),
+                       len(placement.blocks))
 
     def answered_hashes(self, placement: Placement, prompt: Sequence[int],
                         answer: Sequence[int]) -> list[int]:
-        """The block hashes of ``prompt`` and ``answer``, whole.
-
-        Where they begin with the placed prompt: its hashes, then those of the
-        blocks after it. The placed prompt is most often ``prompt`` itself
-        (one identity check, and only its last partial block is copied);
-        a continuation's was the prompt and part of the answer (one
-        comparison). Neither hashes the prompt again.
-        """
+        """The block hashes of ``prompt`` + ``answer``: where they begin with the placed prompt
+        (most often ``prompt`` itself; a continuation's is longer), its hashes and then
+        those of the blocks after it, without joining or hashing the prompt again."""
         placed, blocks = placement.prompt, placement.blocks
         block = self.knobs.block_size
         if blocks and not placement.media_keys:
@@ -490,8 +486,10 @@ class KvAware:
             return self.hashes(whole, placement.media_keys)
         return self.hashes((*prompt, *answer), placement.media_keys)
 
-    def _remember(self, engine: str, hashes: Sequence[int], now: float) -> None:
-        self.approx.record(engine, hashes, now)
+    def _remember(self, engine: str, hashes: Sequence[int], now: float, head: int = 0) -> None:
+        """Record a placement; ``head``: the leading hashes of the one it extends (a prompt's,
+        these being it and its answer), which the memory extends in a step per new block."""
+        self.approx.record(engine, hashes, now, head)
 
     def _pick(self, candidates: Sequence[EngineHandle], costs: Sequence[float]) -> EngineHandle:
         low, high = min(costs), max(costs)
