@@ -133,6 +133,33 @@ def test_a_placement_extended_by_its_answer_equals_the_reference(
             assert memory.lookup_at(probe, at) == reference.lookup(probe, at)
 
 
+def play_against_the_reference(memory: ApproxPrefixIndex, reference: Reference,
+                               rng: random.Random, steps: int, pool: int, sizes: tuple[int, int],
+                               forget: float = 0.0) -> None:
+    """Place ``steps`` prompts of ``sizes`` blocks drawn from ``pool`` on a shared root, each
+    extended by its answer, now and then forgetting an engine (``forget``: the chance per
+    step); every so often the memory equals the block-by-block reference."""
+    now = 0.0
+    for step in range(steps):
+        now += rng.random()
+        engine = rng.choice("abc")
+        if rng.random() < forget:
+            memory.forget_engine(engine)
+            reference.forget(engine)
+        prompt = [pool + 1, *rng.sample(range(pool), rng.randint(*sizes))]
+        memory.record(engine, prompt, now)
+        reference.record(engine, prompt, now)
+        answered = [*prompt, pool + 2 + step]
+        memory.record(engine, answered, now + 0.5, len(prompt))
+        reference.record(engine, answered, now + 0.5)
+        if step % 100 == 0 or step == steps - 1:
+            assert memory.blocks_oldest_first() == list(reference.entries.items())
+            assert memory.lru_orders() == {
+                e: list(lru) for e, lru in reference.lru.items()}
+            for at in (now, now + 40, now + 60):
+                assert memory.lookup_at(answered, at) == reference.lookup(answered, at)
+
+
 @pytest.mark.parametrize(("max_blocks", "capacity", "pool"), [
     (1 << 20, 40, 3000),  # the LRU models forget; the age order's lists are filtered
     (1 << 20, 0, 600),  # no LRU: the same blocks placed again and again, filtered
@@ -145,27 +172,9 @@ def test_a_long_run_with_filtered_orders_equals_the_reference(
     engines forgotten: the orders' lists are filtered many times over, and the memory
     still equals the block-by-block reference."""
     rng = random.Random(max_blocks + capacity + pool)
-    memory = ApproxPrefixIndex(ttl_s=50.0, max_blocks=max_blocks, capacity_blocks=capacity)
-    reference = Reference(50.0, max_blocks, capacity)
-    now = 0.0
-    for step in range(3000):
-        now += rng.random()
-        engine = rng.choice("abc")
-        if rng.random() < 0.002:
-            memory.forget_engine(engine)
-            reference.forget(engine)
-        prompt = [pool + 1, *rng.sample(range(pool), rng.randint(1, 14))]
-        memory.record(engine, prompt, now)
-        reference.record(engine, prompt, now)
-        answered = [*prompt, pool + 2 + step]
-        memory.record(engine, answered, now + 0.5, len(prompt))
-        reference.record(engine, answered, now + 0.5)
-        if step % 100 == 0 or step == 2999:
-            assert memory.blocks_oldest_first() == list(reference.entries.items())
-            assert memory.lru_orders() == {
-                e: list(lru) for e, lru in reference.lru.items()}
-            for at in (now, now + 40, now + 60):
-                assert memory.lookup_at(answered, at) == reference.lookup(answered, at)
+    play_against_the_reference(
+        ApproxPrefixIndex(ttl_s=50.0, max_blocks=max_blocks, capacity_blocks=capacity),
+        Reference(50.0, max_blocks, capacity), rng, 3000, pool, (1, 14), forget=0.002)
 
 
 @pytest.mark.parametrize(("max_blocks", "capacity"), [(1 << 20, 150), (1 << 20, 0), (400, 150)])
@@ -174,20 +183,6 @@ def test_long_prompts_placed_in_bulk_equal_the_reference(max_blocks: int, capaci
     sharing a root and other engines' blocks, extended by their answers: the memory equals
     the block-by-block reference."""
     rng = random.Random(max_blocks + capacity)
-    memory = ApproxPrefixIndex(ttl_s=50.0, max_blocks=max_blocks, capacity_blocks=capacity)
-    reference = Reference(50.0, max_blocks, capacity)
-    now = 0.0
-    for step in range(600):
-        now += rng.random()
-        engine = rng.choice("abc")
-        prompt = [1000, *rng.sample(range(1000), rng.randint(15, 39))]
-        memory.record(engine, prompt, now)
-        reference.record(engine, prompt, now)
-        answered = [*prompt, 1001 + step]
-        memory.record(engine, answered, now + 0.5, len(prompt))
-        reference.record(engine, answered, now + 0.5)
-        if step % 50 == 0 or step == 599:
-            assert memory.blocks_oldest_first() == list(reference.entries.items())
-            assert memory.lru_orders() == {
-                e: list(lru) for e, lru in reference.lru.items()}
-            assert memory.lookup_at(answered, now) == reference.lookup(answered, now)
+    play_against_the_reference(
+        ApproxPrefixIndex(ttl_s=50.0, max_blocks=max_blocks, capacity_blocks=capacity),
+        Reference(50.0, max_blocks, capacity), rng, 600, 999, (15, 39))
