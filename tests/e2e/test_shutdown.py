@@ -1,8 +1,7 @@
 """Graceful shutdown: in-flight streams finish, new connections are refused, exit code 0.
 
 Waits are on events (a port refusing, a process ending, a stream's bytes); their bounds
-only end a broken run, and are wide because a daemon process starting on a loaded machine
-spends many seconds importing before it logs anything.
+only end a broken run (``PROCESS_S``).
 """
 
 from __future__ import annotations
@@ -23,6 +22,7 @@ from direct_frontend.simulator import SimEngine
 from direct_frontend.simulator.faults import FaultPlan
 from direct_frontend.simulator.model import TimingModel
 from tests.support.daemon import (
+    PROCESS_S,
     Daemon,
     fleet_text,
     free_port,
@@ -36,9 +36,6 @@ from tests.support.sim import EngineThread
 DAEMON = str(Path(sys.executable).with_name("direct-frontend"))
 SLOW = {"decode_us_per_token": 20000, "prefill_us_per_token": 0, "eos_probability": 0.0}
 BODY = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "stream": True}
-#: the bounds of waits for a daemon process: to serve, and to end
-START_S = 60
-EXIT_S = 60
 
 
 def refused(port: int) -> bool:
@@ -69,7 +66,7 @@ def daemon_process(
             return False
 
     try:
-        wait_for(lambda: ready() or proc.poll() is not None, START_S, "the daemon to serve")
+        wait_for(lambda: ready() or proc.poll() is not None, PROCESS_S, "the daemon to serve")
         assert proc.poll() is None, f"the daemon exited with {proc.returncode} before serving"
         yield proc, url
     finally:
@@ -102,13 +99,13 @@ def test_sigterm_lets_the_stream_finish_then_exits_0(model_dir: Path, tmp_path: 
             lines = stream.iter_lines()
             head = [next(lines) for _ in range(3)]  # the stream is under way
             proc.send_signal(signal.SIGTERM)
-            wait_for(lambda: refused(port), EXIT_S, "new connections to be refused")
+            wait_for(lambda: refused(port), PROCESS_S, "new connections to be refused")
             assert proc.poll() is None  # the stream is held: the daemon waits for it
             held.engine.faults = FaultPlan()  # the rest of the stream at once
             text = "\n".join([*head, *lines])
         assert text.rstrip().endswith("data: [DONE]")
         assert '"finish_reason":"length"' in text and '"error"' not in text
-        assert proc.wait(EXIT_S) == 0
+        assert proc.wait(PROCESS_S) == 0
         assert proc.stderr is not None
         stderr = proc.stderr.read().decode()
     assert "received SIGTERM: shutting down" in stderr
@@ -125,9 +122,9 @@ def test_a_second_signal_stops_at_once(model_dir: Path, tmp_path: Path) -> None:
             next(lines)
             proc.send_signal(signal.SIGINT)
             # the first is handled (two pending signals of a kind would be one)
-            wait_for(lambda: refused(port), EXIT_S, "new connections to be refused")
+            wait_for(lambda: refused(port), PROCESS_S, "new connections to be refused")
             proc.send_signal(signal.SIGINT)
-            assert proc.wait(EXIT_S) == 0
+            assert proc.wait(PROCESS_S) == 0
             with pytest.raises(httpx.RemoteProtocolError):  # cut short: the daemon stopped
                 "\n".join(lines)
         assert proc.stderr is not None
