@@ -48,14 +48,15 @@ def refused(port: int) -> bool:
 
 @contextlib.contextmanager
 def daemon_process(
-    model_dir: Path, tmp_path: Path, engine: dict[str, Any],
+    model_dir: Path, tmp_path: Path, engine: dict[str, Any], **fleet: str,
 ) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
-    """``direct-frontend run`` of one engine, serving; killed on the way out if still alive."""
+    """``direct-frontend run`` of one engine (``fleet``: more of :func:`fleet_text`'s options),
+    serving; killed on the way out if still alive."""
     port = free_port()
-    fleet = tmp_path / "fleet.toml"
-    fleet.write_text(fleet_text(model_dir, [engine]).replace(
+    path = tmp_path / "fleet.toml"
+    path.write_text(fleet_text(model_dir, [engine], **fleet).replace(
         'listen = "127.0.0.1:0"', f'listen = "127.0.0.1:{port}"'))
-    proc = subprocess.Popen([DAEMON, "run", str(fleet)], stdout=subprocess.DEVNULL,
+    proc = subprocess.Popen([DAEMON, "run", str(path)], stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
 
@@ -79,35 +80,37 @@ def daemon_process(
 
 @contextlib.contextmanager
 def held_engine(model_dir: Path) -> Iterator[EngineThread]:
-    """An engine beside the daemon whose streams crawl (a token every 0.1 s) until
+    """An engine beside the daemon whose streams crawl (a token every 0.05 s) until
     ``engine.faults = FaultPlan()`` lets the rest out at once."""
     engine = SimEngine.from_model_dir(
         "sglang", model_dir, served_model_name="demo", timing=TimingModel(),
-        eos_probability=0.0, faults=FaultPlan(token_delay_s=0.1),
+        eos_probability=0.0, faults=FaultPlan(token_delay_s=0.05),
     )
     with EngineThread(engine) as running:
         yield running
 
 
 def test_sigterm_lets_the_stream_finish_then_exits_0(model_dir: Path, tmp_path: Path) -> None:
-    with held_engine(model_dir) as held, daemon_process(model_dir, tmp_path, {
-        "name": "held", "url": f"grpc://127.0.0.1:{held.engine.port}", "kind": "sglang",
-    }) as (proc, url), httpx.Client(timeout=30) as client:
-        port = int(url.rsplit(":", 1)[1])
-        with client.stream("POST", url + "/v1/chat/completions",
-                           json={**BODY, "max_tokens": 600}) as stream:  # held: 60 s of tokens
-            lines = stream.iter_lines()
-            head = [next(lines) for _ in range(3)]  # the stream is under way
-            proc.send_signal(signal.SIGTERM)
-            wait_for(lambda: refused(port), PROCESS_S, "new connections to be refused")
-            assert proc.poll() is None  # the stream is held: the daemon waits for it
-            held.engine.faults = FaultPlan()  # the rest of the stream at once
-            text = "\n".join([*head, *lines])
-        assert text.rstrip().endswith("data: [DONE]")
-        assert '"finish_reason":"length"' in text and '"error"' not in text
-        assert proc.wait(PROCESS_S) == 0
-        assert proc.stderr is not None
-        stderr = proc.stderr.read().decode()
+    with held_engine(model_dir) as held:
+        table = {"name": "held", "url": f"grpc://127.0.0.1:{held.engine.port}", "kind": "sglang"}
+        # its health checks crawl too (a 1-token generation): a wide probe timeout
+        with daemon_process(model_dir, tmp_path, table, probe="interval_s = 0.2\ntimeout_s = 5.0"
+                            ) as (proc, url), httpx.Client(timeout=30) as client:
+            port = int(url.rsplit(":", 1)[1])
+            with client.stream("POST", url + "/v1/chat/completions",
+                               json={**BODY, "max_tokens": 1200}) as stream:  # held: 60 s
+                lines = stream.iter_lines()
+                head = [next(lines) for _ in range(3)]  # the stream is under way
+                proc.send_signal(signal.SIGTERM)
+                wait_for(lambda: refused(port), PROCESS_S, "new connections to be refused")
+                assert proc.poll() is None  # the stream is held: the daemon waits for it
+                held.engine.faults = FaultPlan()  # the rest of the stream at once
+                text = "\n".join([*head, *lines])
+            assert text.rstrip().endswith("data: [DONE]")
+            assert '"finish_reason":"length"' in text and '"error"' not in text
+            assert proc.wait(PROCESS_S) == 0
+            assert proc.stderr is not None
+            stderr = proc.stderr.read().decode()
     assert "received SIGTERM: shutting down" in stderr
     assert "Traceback" not in stderr, stderr
 
