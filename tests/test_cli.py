@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.support.daemon import fleet_text, free_port, sim_engine, wait_for
+from tests.support.daemon import PROCESS_S, fleet_text, free_port, sim_engine, wait_for
 from tests.support.http import http
 from tests.support.sim import run as run_async
 
@@ -195,7 +195,7 @@ def daemon(fleet: Path) -> Iterator[tuple[str, list[str]]]:
 
     log: list[str] = []
     try:
-        wait_for(ready, 30, "the daemon to serve")
+        wait_for(ready, PROCESS_S, "the daemon to serve")
         yield url, log
     finally:
         if proc.poll() is None:

@@ -431,11 +431,19 @@ class SimCore:
             steps.leave(seat)
 
     async def probe(self) -> bool:
-        """A one-token generation through the normal queue, as SGLang's HealthCheck does."""
+        """A one-token generation through the normal queue, as SGLang's HealthCheck does.
+
+        A cancelled probe raises ``CancelledError`` whenever the cancellation comes: the
+        generation runs in the caller's task under ``asyncio.timeout``. (Python 3.11's
+        ``asyncio.wait_for`` runs it in a task of its own and returns its result when
+        both end in one loop pass, dropping the cancellation; grpclib then logs the
+        handler's reply on the reset stream as "Failed to handle cancellation".)
+        """
         self.stats.health_checks += 1
         job = self.new_job("HEALTH_CHECK", (0,), StopCriteria(max_tokens=1), internal=True)
         try:
-            finish = await asyncio.wait_for(self.run(job, None), self.config.health_timeout)
+            async with asyncio.timeout(self.config.health_timeout):
+                finish = await self.run(job, None)
         except TimeoutError:
             return False
         return finish is not None

@@ -136,8 +136,9 @@ async def sglang_leg(core: SimCore, request: Any, prompt_tokens: int) -> Handoff
     key = (asyncio.get_running_loop(), params.bootstrap_host, params.bootstrap_port)
     bootstrap = _bootstraps.get(key)
     if bootstrap is not None:  # the prefill engine is ours to watch
-        try:
-            await asyncio.wait_for(bootstrap.room(room).wait(), ROOM_WAIT_S)
+        try:  # asyncio.timeout, not wait_for: a cancelled call stays cancelled (core.probe)
+            async with asyncio.timeout(ROOM_WAIT_S):
+                await bootstrap.room(room).wait()
         except TimeoutError:
             raise GRPCError(
                 Status.INTERNAL,

@@ -20,7 +20,14 @@ from pathlib import Path
 import httpx
 import trio
 
-from tests.support.daemon import fleet_text, free_port, running_daemon, sim_engine, wait_for
+from tests.support.daemon import (
+    PROCESS_S,
+    fleet_text,
+    free_port,
+    running_daemon,
+    sim_engine,
+    wait_for,
+)
 from tests.support.http import http
 
 DAEMON = str(Path(sys.executable).with_name("direct-frontend"))
@@ -50,7 +57,7 @@ def daemon_process(tmp_path: Path, model_dir: Path) -> Iterator[tuple[str, int]]
             return False
 
     try:
-        wait_for(ready, 30, "the daemon to serve")
+        wait_for(ready, PROCESS_S, "the daemon to serve")
         yield url, proc.pid
     finally:
         proc.send_signal(signal.SIGTERM)

@@ -22,7 +22,7 @@ import openai
 import pytest
 
 from direct_frontend.state.sqlite import SqliteStore
-from tests.support.daemon import fleet_text, free_port, sim_engine, wait_for
+from tests.support.daemon import PROCESS_S, fleet_text, free_port, sim_engine, wait_for
 from tests.support.http import http, sdk_http
 from tests.support.postgres import PostgresServer, running_postgres
 
@@ -55,7 +55,7 @@ class Process:
             except httpx.TransportError:
                 return False
 
-        wait_for(ready, 30, "the daemon to serve")
+        wait_for(ready, PROCESS_S, "the daemon to serve")
         return self
 
     def kill(self) -> None:

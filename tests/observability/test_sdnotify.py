@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from direct_frontend.observability.sdnotify import Notifier, monotonic_usec
-from tests.support.daemon import fleet_text, free_port, sim_engine, wait_for
+from tests.support.daemon import PROCESS_S, fleet_text, free_port, sim_engine, wait_for
 from tests.support.http import http
 
 DAEMON = str(Path(sys.executable).with_name("direct-frontend"))
@@ -27,7 +27,7 @@ def notify_socket(address: str) -> Iterator[socket.socket]:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     with sock:
         sock.bind(address)
-        sock.settimeout(10)
+        sock.settimeout(PROCESS_S)  # the first message comes once the daemon serves
         yield sock
 
 
@@ -102,7 +102,8 @@ def test_the_daemon_notifies_ready_watchdog_reloading_and_stopping(
                 return sum("WATCHDOG" in m for m in seen) >= 2 and any(
                     m.get("STATUS", "").startswith("1/1 engines serving") for m in seen)
 
-            wait_for(pinged_and_serving, 5, "watchdog pings and the engine serving in STATUS")
+            wait_for(pinged_and_serving, PROCESS_S,
+                     "watchdog pings and the engine serving in STATUS")
             proc.send_signal(signal.SIGHUP)
             messages = _until(sock, "READY")
             reloading = next(m for m in messages if "RELOADING" in m)
@@ -111,7 +112,7 @@ def test_the_daemon_notifies_ready_watchdog_reloading_and_stopping(
             proc.send_signal(signal.SIGTERM)
             messages = _until(sock, "STOPPING")
             assert messages[-1] == {"STOPPING": "1", "STATUS": "stopping"}
-            assert proc.wait(15) == 0
+            assert proc.wait(PROCESS_S) == 0
         finally:
             if proc.poll() is None:
                 proc.kill()

@@ -125,3 +125,26 @@ def test_sglang_decode_gives_up_on_a_room_that_never_comes(
             assert len((await sglang_generate(d, elsewhere)).output_ids) == 8
 
     run(body())
+
+
+def test_a_decode_leg_cancelled_as_its_room_comes_stays_cancelled() -> None:
+    """The cancel and the prefill's KV in one loop pass: the cancel wins, as grpclib needs
+    (a handler that carries on after its stream was reset is logged as a failure)."""
+    async def body() -> None:
+        prefill = SimEngine(EngineConfig("sglang", "m", 500, 2, role="prefill"))
+        decode = SimEngine(EngineConfig("sglang", "m", 500, 2, role="decode"))
+        disagg.attach(prefill.core, "127.0.0.1")  # what start does, without its sockets
+        try:
+            request = sglang_request("r", 8, prefill.config.bootstrap_port)
+            waiting = asyncio.ensure_future(disagg.sglang_leg(decode.core, request, len(PROMPT)))
+            await until(lambda: "r" in decode.stats.kv_params_received)
+            await asyncio.sleep(0)  # the leg waits for its room
+            handoff = await disagg.sglang_leg(prefill.core, request, len(PROMPT))
+            handoff.prefilled()
+            waiting.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await waiting
+        finally:
+            disagg.detach(prefill.core)
+
+    run(body())

@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import hashlib
 import io
+import itertools
 import time
 import zipfile
 from collections.abc import AsyncIterator, Sequence
@@ -604,6 +605,26 @@ def test_timing_paces_first_token_and_decode() -> None:
 
 
 # -- health and discovery -----------------------------------------------------
+
+
+def test_a_health_probe_cancelled_at_any_step_stays_cancelled() -> None:
+    """Cancelled after each loop pass in turn, until it ends on its own, the probe raises
+    ``CancelledError``: a HealthCheck handler whose stream was reset never replies on it."""
+    async def body() -> None:
+        core = SimEngine(EngineConfig("sglang", "m", VOCAB, EOS)).core
+        for passes in itertools.count():
+            probe = asyncio.ensure_future(core.probe())
+            for _ in range(passes):
+                await asyncio.sleep(0)
+            if probe.done():
+                assert probe.result() is True  # it ran to its end: every earlier cut was tried
+                return
+            probe.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await probe
+
+    run(body())
+
 
 
 def test_sglang_health_and_info() -> None:

@@ -85,6 +85,12 @@ def free_ports(count: int) -> int:
             return base
 
 
+#: how long a daemon process (``direct-frontend run``) may take to serve, or to end once told:
+#: a bound that only ends a broken run, wide because on a loaded 2-core machine the
+#: process's imports alone have taken over 20 s
+PROCESS_S = 60.0
+
+
 def wait_for(predicate: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
     """Poll until ``predicate`` holds; fail with ``what`` after ``timeout``."""
     deadline = time.monotonic() + timeout
