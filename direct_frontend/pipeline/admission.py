@@ -497,4 +497,3 @@ class Admission:
 def _peak_memory(flex_hold: float) -> float:
     """How long the interactive tiers' peak is remembered: a few flex holds (each so long)."""
     return min(max(PEAK_HOLDS * flex_hold, PEAK_S[0]), PEAK_S[1])
-

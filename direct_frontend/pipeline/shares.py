@@ -77,15 +77,12 @@ class Shares:
 
     def usage(self, flow: str, now: float) -> float:
         """The slots ``flow`` held, averaged over the last :data:`USAGE_S` up to ``now``."""
-        average, since = self._usage.get(flow, (0.0, now))
-        held = self._held.get(flow, 0)
-        return held + (average - held) * math.exp((since - now) / USAGE_S)
+        return _decayed(self._held.get(flow, 0), self._usage.get(flow), now)
 
     def add(self, flow: str, count: int, now: float = 0.0) -> None:
         """``flow`` holds ``count`` more slots (fewer if negative) from ``now`` on."""
         before = self._held.get(flow, 0)
-        average, since = self._usage.get(flow, (0.0, now))  # its usage(): no call per request
-        usage = before + (average - before) * math.exp((since - now) / USAGE_S)
+        usage = _decayed(before, self._usage.get(flow), now)
         held = before + count
         if held:
             self._held[flow] = held
@@ -107,3 +104,12 @@ class Shares:
             del self._seen[flow]
             self._seen_weight = (self._seen_weight - self.weight(flow)) if self._seen \
                 else 0.0  # none left: no rounding carried over
+
+
+def _decayed(held: int, average_since: tuple[float, float] | None, now: float) -> float:
+    """The average of what was held, as of ``now``: the ``(average, since)`` kept, decayed
+    towards ``held`` (held since then) over :data:`USAGE_S`; 0 with none kept."""
+    if average_since is None:
+        return 0.0
+    average, since = average_since
+    return held + (average - held) * math.exp((since - now) / USAGE_S)
