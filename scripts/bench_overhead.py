@@ -10,7 +10,7 @@ the client costs little next to the server. At concurrency 1 a pure-asyncio
 grpclib client also streams ``Generate`` from the engine directly, for the
 added latency.
 
-The daemon's CPU (utime+stime from ``/proc/<pid>/stat``) per request is the
+The daemon's CPU (its threads' schedstat, to the nanosecond) per request is the
 figure to trust on a shared machine; latencies and throughput move with other
 load (the "other load" row). So the script runs every cell in ``--rounds``
 rounds and reports medians, and with ``--baseline REV`` runs a second daemon
@@ -165,7 +165,16 @@ class Child:
 
 
 def proc_cpu_seconds(pid: int) -> float:
-    """utime+stime (fields 14, 15) in seconds; the comm field may contain spaces."""
+    """The CPU time of the process's live threads, to the nanosecond (schedstat), else
+    utime+stime (fields 14, 15 of /proc/<pid>/stat, in 10 ms ticks: at concurrency 1 a
+    phase's tick is about 4 % of a request's CPU). A thread that ends within a phase takes
+    its time with it (the daemon's threads outlive a phase: trio keeps idle ones 10 s)."""
+    total = 0
+    for stat in pathlib.Path(f"/proc/{pid}/task").glob("*/schedstat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            total += int(stat.read_text().split()[0])
+    if total:
+        return total / 1e9
     stat = pathlib.Path(f"/proc/{pid}/stat").read_text()
     fields = stat[stat.rindex(")") + 2 :].split()
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
