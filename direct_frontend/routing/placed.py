@@ -5,8 +5,8 @@ points at the latest placement that sent it to each engine (its holders). The
 memory's two orders, every block's age (for the cap) and each engine's LRU
 model, are orders of placements: a :class:`Book` lists them oldest first, and
 a block is where its latest placement put it (within one, in the placement's
-order). So a placement is one bulk dict update per block, not a linked node
-per block and order; what falls out of an order is found by walking its oldest
+order). So a placement is one bulk dict update, not a linked node per block
+and order; what falls out of an order is found by walking its oldest
 placements and keeping the blocks still theirs, a C loop per placement.
 """
 
@@ -17,7 +17,7 @@ import dataclasses
 import itertools
 import math
 import operator
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Final, Literal
 
 __all__ = ["FEW", "Book", "Holders", "Joint", "Known", "Placed", "Still", "claim", "held_by",
@@ -73,7 +73,7 @@ _SLACK: Final = 4096  # listed blocks a book may carry beyond twice its live one
 _WINDOW: Final = 8  # blocks walked past what :meth:`Book.pop_oldest` needs
 
 
-def claim(holders: Holders | None, engine: str) -> Placed | None:
+def claim(holders: Placed | Mapping[str, Placed] | None, engine: str) -> Placed | None:
     """``engine``'s latest placement among ``holders``."""
     if holders is None:
         return None
@@ -205,8 +205,6 @@ class Book:
         for n, (p, seq, listed) in enumerate(self.entries):
             if p.seq == seq:
                 yield p, listed[self._head:] if n == 0 and self._head else listed
-            elif n == 0:
-                continue
 
     def walk(self, still: Still) -> Iterator[int]:
         """The blocks still placed, oldest first (for inspection and tests)."""
@@ -282,7 +280,7 @@ def tags(found: Iterable[Holders | None]) -> Iterator[str | None]:
     return map(getattr, found, itertools.repeat("tag"), itertools.repeat(None))
 
 
-def placements(holders: Holders) -> Iterable[Placed]:
+def placements(holders: Placed | Mapping[str, Placed]) -> Iterable[Placed]:
     """Each placement among ``holders``."""
     return (holders,) if type(holders) is Placed else holders.values()  # type: ignore[union-attr]
 
