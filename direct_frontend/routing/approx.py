@@ -28,7 +28,6 @@ from direct_frontend.routing.placed import (
     Still,
     claim,
     held_by,
-    holders_of,
     joined_runs,
     joints_at,
     known_live,
@@ -43,11 +42,8 @@ __all__ = ["ApproxPrefixIndex", "best_of"]
 _known: Final = functools.partial(operator.is_not, None)
 _ENGINE: Final[Callable[[Any], object]] = operator.attrgetter("engine")
 _AGE: Final = operator.attrgetter("age")
-
-
-def _leave_lru(placed: Placed) -> None:
-    """``placed`` counts in no LRU model any more."""
-    placed.tag = None
+_ENGINES: Final = itertools.repeat("engine")
+_NONES: Final = itertools.repeat(None)
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -274,7 +270,7 @@ class ApproxPrefixIndex:
         if not capacity:
             gone = self._lrus.pop(engine, None)
             if gone is not None:
-                self._untag(engine, _leave_lru)
+                self._untag(engine, Placed.leave_lru)
             return None
         lru = self._lrus.get(engine)
         if lru is None:
@@ -369,26 +365,22 @@ class ApproxPrefixIndex:
                 _known, tags(found))))
             return
         for h, holders in zip(gone, found, strict=True):
-            members = {p.engine: p for p in placements(holders) if p.tag is not None}
-            before = orphans.get(h)
-            if before is not None:
-                members = {p.engine: p for p in placements(before)} | members
+            claims = [*placements(orphans[h]), *placements(holders)] if h in orphans else [
+                *placements(holders)]
+            members = {p.engine: p for p in claims if p.tag is not None}
             if members:
                 orphans[h] = members.popitem()[1] if len(members) == 1 else members
 
     def _let_go(self, engine: str, gone: Sequence[int]) -> None:
         """``engine`` no longer holds ``gone`` (its LRU forgot them): forget its claim on each."""
         blocks = self._blocks
-        if len(gone) < FEW:
-            self._let_go_each(engine, gone)
+        orphaned = self._orphaned(gone)
+        if orphaned and blocks.keys().isdisjoint(gone) and {engine} == set(map(
+                getattr, map(self._orphans.get, gone), _ENGINES, _NONES)):  # (its orphans alone)
+            collections.deque(map(self._orphans.__delitem__, gone), maxlen=0)
             return
-        if self._orphaned(gone):
-            orphans = list(map(self._orphans.get, gone))
-            if (blocks.keys().isdisjoint(gone) and set(map(type, orphans)) == {Placed}
-                    and {engine} == set(map(_ENGINE, orphans))):  # (each only its orphan)
-                collections.deque(map(self._orphans.__delitem__, gone), maxlen=0)
-            else:
-                self._let_go_each(engine, gone)
+        if orphaned or len(gone) < FEW:
+            self._let_go_each(engine, gone)
             return
         found = list(map(blocks.get, gone))
         # the walk found each this engine's: in C but for the Joints
@@ -498,16 +490,6 @@ class ApproxPrefixIndex:
 
     def __len__(self) -> int:
         return len(self._blocks)
-
-    def blocks_oldest_first(self) -> list[tuple[int, dict[str, float]]]:
-        """Each block, oldest first, with its holders as {engine: expiry} (an inspection
-        view, a walk of every placement)."""
-        blocks = self._blocks
-        return [(h, holders_of(blocks[h])) for h in self._ages.walk(self._age_still)]
-
-    def lru_orders(self) -> dict[str, list[int]]:
-        """Each LRU model's blocks, least recently touched first (an inspection view)."""
-        return {e: list(lru.book.walk(lru.still)) for e, lru in self._lrus.items()}
 
 
 def best_of(found: dict[str, int], names: Sequence[str]) -> int:

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Final, Literal
 
 __all__ = ["FEW", "Book", "Holders", "Joint", "Known", "Placed", "Still", "claim", "held_by",
-           "holders_of", "joined_runs", "joints_at", "known_live", "last_places", "placements",
+           "joined_runs", "joints_at", "known_live", "last_places", "placements",
            "same_as", "tags", "unheld", "without"]
 
 
@@ -40,12 +40,30 @@ class Placed:
     keys: tuple[int, ...]
     back: tuple[int, ...] = ()
     tag: str | None = None
-    #: its blocks as placed (``keys`` as the age order lists them may be fewer since)
+    #: its blocks as placed, while an extension may take it (``keys`` as the age order
+    #: lists them may be fewer since); () once none can (:meth:`spent`)
     prompt: tuple[int, ...] = ()
     #: blocks whose holders are this placement itself (it alone holds them)
     sole: int = 0
     #: blocks where it joined a :class:`Joint` (some may have moved on since)
     joints: list[int] = dataclasses.field(default_factory=list)
+
+    def spent(self) -> None:
+        """Let go of ``prompt`` where no extension can take this placement any more.
+
+        An extension needs each block placed held by it alone (``sole``) or a
+        :class:`Joint` it noted (``joints``). Outside an extension ``sole`` only
+        falls and a noted block only moves from alone to a Joint (the sum stays), so
+        once the sum is below the blocks placed it stays there: the tuple (a
+        whole conversation's for each turn whose answer the next turn did not
+        resend) is kept no longer.
+        """
+        if self.prompt and self.sole + len(set(self.joints)) < len(self.prompt):
+            self.prompt = ()
+
+    def leave_lru(self) -> None:
+        """Its engine's LRU is modelled no more: this placement counts in none."""
+        self.tag = None
 
     def forget(self) -> None:
         """The engine is forgotten: this placement holds nothing, anywhere, any more."""
@@ -80,16 +98,6 @@ def claim(holders: Placed | Mapping[str, Placed] | None, engine: str) -> Placed 
     if type(holders) is Placed:
         return holders if holders.engine == engine else None
     return holders.get(engine)  # type: ignore[union-attr]
-
-
-def holders_of(holders: Holders | None) -> dict[str, float]:
-    """``holders`` as {engine: expiry}, forgotten engines left out."""
-    if holders is None:
-        return {}
-    if type(holders) is Placed:
-        return {holders.engine: holders.expiry} if holders.expiry > -math.inf else {}
-    return {e: p.expiry for e, p in holders.items()  # type: ignore[union-attr]
-            if p.expiry > -math.inf}
 
 
 def _joined(holders: Holders | None, mine: Placed) -> Holders:
@@ -206,11 +214,6 @@ class Book:
             if p.seq == seq:
                 yield p, listed[self._head:] if n == 0 and self._head else listed
 
-    def walk(self, still: Still) -> Iterator[int]:
-        """The blocks still placed, oldest first (for inspection and tests)."""
-        for p, listed in self.current():
-            yield from still(list(listed), p)
-
     def filter(self, still: Still, known: Known) -> None:
         """Let each placement list only the blocks it still holds here.
 
@@ -221,6 +224,7 @@ class Book:
         listed = 0
         partial = self._head and self.entries and self.entries[0][0].seq == self.entries[0][1]
         for n, (p, listing) in enumerate(self.current()):
+            p.spent()
             live = None if n == 0 and partial else known(p, listing)
             if live is None:
                 live = tuple(still(list(listing), p))
