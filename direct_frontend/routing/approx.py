@@ -153,7 +153,7 @@ class ApproxPrefixIndex:
         joining = len(more)
         for h in joints:
             joint: Joint = blocks[h]  # type: ignore[assignment]
-            before = joint.get(engine)
+            before = self._claim(engine, h, joint)  # (its orphan, if the cap forgot it)
             joining += before is None or before.tag != engine
             joint[engine] = joint.age = placed
         blocks.update(zip(more, itertools.repeat(placed)))

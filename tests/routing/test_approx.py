@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from direct_frontend.routing.approx import ApproxPrefixIndex
-from direct_frontend.routing.placed import FEW, Placed, placements
+from direct_frontend.routing.placed import FEW, Placed, claim, placements
 
 
 def oldest_first(memory: ApproxPrefixIndex) -> list[tuple[int, dict[str, float]]]:
@@ -255,6 +255,28 @@ def test_the_cap_leaves_orphans_an_lru_model_lets_go_of_in_bulk() -> None:
         assert memory.held(engine) == len(reference.lru[engine])
         assert_orphans_held(memory)
     assert memory._orphans
+
+
+def test_an_extension_over_a_block_its_engine_holds_as_an_orphan() -> None:
+    """A prompt's first block is forgotten by the cap while its engine's LRU model still holds
+    it, then placed by other engines (a new Joint; the prompt's other blocks are Joints too):
+    the prompt recorded again extends its placement, and the block counts in the model once,
+    as the reference says."""
+    memory = ApproxPrefixIndex(ttl_s=50.0, max_blocks=20, capacity_blocks=12)
+    reference = Reference(50.0, 20, 12)
+    long = [37, 9, 18, 4, 27, 12, 10, 20, 1, 3, 22, 13, 6, 23, 11, 26, 8, 21, 17, 24, 0]
+    steps = [("b", [37, 22, 23], 0), ("c", long, 0), ("c", [37], 0), ("d", [37], 0),
+             ("b", [37, 22, 23], 3)]
+    for now, (engine, hashes, head) in enumerate(steps):
+        memory.record(engine, hashes, now, head)
+        reference.record(engine, hashes, now)
+        assert oldest_first(memory) == list(reference.entries.items())
+        assert lru_orders(memory) == {e: list(lru) for e, lru in reference.lru.items()}
+        assert {e: memory.held(e) for e in "bcd"} == {
+            e: len(reference.lru.get(e, ())) for e in "bcd"}
+        if now == 0:
+            first = memory._blocks[37]
+    assert claim(memory._blocks[37], "b") is first  # (extended, not placed anew)
 
 
 def test_an_empty_record_settles_a_shrunk_capacity() -> None:
