@@ -73,8 +73,9 @@ class ApproxPrefixIndex:
     Each placement is one record (routing/placed.py) that its blocks point at:
     the age order and the LRU orders are orders of placements. A block the cap
     forgot while an LRU model still holds it stays in that model (an orphan:
-    invisible to lookups, counted and evicted in its LRU as any block it holds). An engine
-    whose capacity becomes unknown again loses its LRU model.
+    invisible to lookups, counted and evicted in its LRU as any block it holds;
+    only a placement touching one takes block-by-block steps). An engine whose
+    capacity becomes unknown again loses its LRU model.
     """
 
     def __init__(self, ttl_s: float, max_blocks: int, capacity_blocks: int = 0, *,
@@ -329,6 +330,7 @@ class ApproxPrefixIndex:
         holds alone and the Joints whose age it is (noted in :attr:`Placed.joints`), all
         among those it lists; where the others are Joints it left, they are dropped."""
         blocks = self._blocks
+        placed.spent(blocks)  # (a filter's pass: its prompt let go of once its blocks moved on)
         return known_live(placed, listing, [
             type(held := blocks.get(h)) is Joint and held.age is placed
             for h in dict.fromkeys(placed.joints)])
@@ -394,7 +396,7 @@ class ApproxPrefixIndex:
         collections.deque(map(blocks.__delitem__, gone), maxlen=0)  # (in C, keeping nothing)
 
     def _let_go_each(self, engine: str, gone: Sequence[int]) -> None:
-        """:meth:`_let_go` block by block (orphans about, or a few blocks): each block's
+        """:meth:`_let_go` block by block (some are orphans, or a few blocks): each block's
         claim where it is."""
         orphans = self._orphans
         get = self._blocks.get
@@ -479,8 +481,7 @@ class ApproxPrefixIndex:
         self._untag(engine, Placed.forget)
 
     def _untag(self, engine: str, leave: Callable[[Placed], None]) -> None:
-        """Let go of ``engine``'s orphans, and ``leave`` each of its placements the blocks
-        point at (out of its LRU model, or forgotten outright)."""
+        """Let go of ``engine``'s orphans; ``leave`` each of its placements its blocks name."""
         for holders in self._blocks.values():
             mine = claim(holders, engine)
             if mine is not None:

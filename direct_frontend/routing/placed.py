@@ -41,24 +41,30 @@ class Placed:
     back: tuple[int, ...] = ()
     tag: str | None = None
     #: its blocks as placed, while an extension may take it (``keys`` as the age order
-    #: lists them may be fewer since); () once none can (:meth:`spent`)
+    #: lists them may be fewer since); () once its blocks moved on (:meth:`spent`)
     prompt: tuple[int, ...] = ()
     #: blocks whose holders are this placement itself (it alone holds them)
     sole: int = 0
     #: blocks where it joined a :class:`Joint` (some may have moved on since)
     joints: list[int] = dataclasses.field(default_factory=list)
 
-    def spent(self) -> None:
-        """Let go of ``prompt`` where no extension can take this placement any more.
+    def spent(self, blocks: Mapping[int, Placed | Joint]) -> None:
+        """Let go of ``prompt`` once fewer of the blocks placed are still this placement's
+        than it placed: those it holds alone (``sole``) and the noted Joints among
+        ``blocks`` (each block's holders) whose claim for its engine is still it.
 
-        An extension needs each block placed held by it alone (``sole``) or a
-        :class:`Joint` it noted (``joints``). Outside an extension ``sole`` only
-        falls and a noted block only moves from alone to a Joint (the sum stays), so
-        once the sum is below the blocks placed it stays there: the tuple (a
-        whole conversation's for each turn whose answer the next turn did not
-        resend) is kept no longer.
+        An extension could still take Joints its engine's later placements claim
+        (placing anew would leave the same), but it is a shortcut for the answer
+        that follows a prompt, and a placement whose blocks have moved on (a
+        conversation's earlier turn, whose answer the next turn did not resend) would
+        otherwise keep its whole conversation's tuple.
         """
-        if self.prompt and self.sole + len(set(self.joints)) < len(self.prompt):
+        if not self.prompt:
+            return
+        claimed = sum(type(held := blocks.get(h)) is Joint
+                      and held.get(self.engine) is self
+                      for h in set(self.joints))
+        if self.sole + claimed < len(self.prompt):
             self.prompt = ()
 
     def leave_lru(self) -> None:
@@ -224,7 +230,6 @@ class Book:
         listed = 0
         partial = self._head and self.entries and self.entries[0][0].seq == self.entries[0][1]
         for n, (p, listing) in enumerate(self.current()):
-            p.spent()
             live = None if n == 0 and partial else known(p, listing)
             if live is None:
                 live = tuple(still(list(listing), p))

@@ -337,23 +337,26 @@ def test_a_short_placement_is_made_block_by_block(monkeypatch: pytest.MonkeyPatc
     assert len(calls) == 3
 
 
-def test_turns_whose_answer_is_not_sent_back_keep_no_whole_conversations() -> None:
-    """Conversations whose next turn leaves out the last answer (a reasoning model's): each
-    turn's placement lives on through its answer's blocks, but keeps no copy of the whole
-    conversation; the blocks placements keep as placed stay within a small multiple of
-    the blocks remembered, and the latest turn's answer still extends its prompt's."""
+@pytest.mark.parametrize("engines", ["a", "ab"])
+def test_turns_whose_answer_is_not_sent_back_keep_no_whole_conversations(engines: str) -> None:
+    """Conversations whose next turn leaves out the last answer (a reasoning model's), on one
+    engine or turn by turn on two: each turn's placement lives on through its answer's
+    blocks, but keeps no copy of the whole conversation; the blocks placements keep as
+    placed stay within a small multiple of the blocks remembered, and each turn's answer
+    still extends its prompt's placement."""
     memory = ApproxPrefixIndex(ttl_s=1e9, max_blocks=1 << 20)
     ids = iter(range(1, 1 << 30))
     now = 0.0
     for _ in range(5):
         prompt = [next(ids) for _ in range(50)]
-        for _ in range(60):
+        for turn in range(60):
             now += 1
             prompt = [*prompt, *(next(ids) for _ in range(10))]
-            memory.record("a", prompt, now)
+            engine = engines[turn % len(engines)]
+            memory.record(engine, prompt, now)
             placed = memory._blocks[prompt[-1]]
             answer = [next(ids) for _ in range(10)]
-            memory.record("a", [*prompt, *answer], now, len(prompt))
+            memory.record(engine, [*prompt, *answer], now, len(prompt))
             assert memory._blocks[answer[-1]] is placed
     kept = sum(len(p.prompt) for p in live_placements(memory))
     assert kept <= 2 * len(memory)
