@@ -28,7 +28,6 @@ from direct_frontend.routing.placed import (
     Still,
     claim,
     held_by,
-    holders_of,
     joined_runs,
     joints_at,
     known_live,
@@ -43,6 +42,8 @@ __all__ = ["ApproxPrefixIndex", "best_of"]
 _known: Final = functools.partial(operator.is_not, None)
 _ENGINE: Final[Callable[[Any], object]] = operator.attrgetter("engine")
 _AGE: Final = operator.attrgetter("age")
+_ENGINES: Final = itertools.repeat("engine")
+_NONES: Final = itertools.repeat(None)
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -72,8 +73,9 @@ class ApproxPrefixIndex:
     Each placement is one record (routing/placed.py) that its blocks point at:
     the age order and the LRU orders are orders of placements. A block the cap
     forgot while an LRU model still holds it stays in that model (an orphan:
-    invisible to lookups, counted and evicted in its LRU as before). An engine
-    whose capacity becomes unknown again loses its LRU model.
+    invisible to lookups, counted and evicted in its LRU as any block it holds;
+    only a placement touching one takes block-by-block steps). An engine whose
+    capacity becomes unknown again loses its LRU model.
     """
 
     def __init__(self, ttl_s: float, max_blocks: int, capacity_blocks: int = 0, *,
@@ -90,7 +92,8 @@ class ApproxPrefixIndex:
         self._blocks: dict[int, Holders] = {}  # prefix hash → its holders
         self._ages = Book("keys")  # by each block's latest placement, for the cap
         self._lrus: dict[str, _Lru] = {}  # engine → its LRU model
-        self._orphans: dict[int, dict[str, Placed]] = {}  # forgotten by the cap, not by an LRU
+        # forgotten by the cap, not by an LRU: the claims on it, one placement or {engine: it}
+        self._orphans: dict[int, Placed | dict[str, Placed]] = {}
         self._seq = 0
 
     def record(self, engine: str, hashes: Sequence[int], now: float, head: int = 0) -> None:
@@ -113,11 +116,9 @@ class ApproxPrefixIndex:
         """
         capacity = self.capacity_of(engine)
         lru = self._lru_of(engine, capacity)
-        if not hashes:
-            return
-        if not (head and self._extended(engine, hashes, now, head, lru)):
+        if hashes and not (head and self._extended(engine, hashes, now, head, lru)):
             self._place(engine, hashes, now, lru)
-        self._settle(engine, lru, capacity)
+        self._settle(engine, lru, capacity)  # (an empty one too: a capacity may have shrunk)
 
     def _extended(self, engine: str, hashes: Sequence[int], now: float, head: int,
                   lru: _Lru | None) -> bool:
@@ -126,14 +127,14 @@ class ApproxPrefixIndex:
         That placement must be ``engine``'s, placed on exactly those ``head``
         blocks, each held by it alone or by a Joint (so no other placement holds
         one alone), in the LRU model exactly when there is one, and the rest
-        must be new blocks (and no orphans about): then placing ``hashes`` anew
+        must be new blocks (none an orphan): then placing ``hashes`` anew
         would leave what this leaves, the placement moved to the newest end of
         each order with the rest after its blocks, a new expiry, and its engine's
         claim in each Joint, in a step per new block or Joint, not per block.
         """
         blocks = self._blocks
         placed = claim(blocks.get(hashes[head - 1]), engine) if head <= len(hashes) else None
-        if (placed is None or self._orphans or len(placed.prompt) != head
+        if (placed is None or len(placed.prompt) != head
                 or placed.expiry == -math.inf or (lru is not None) != (placed.tag == engine)
                 or placed.prompt != tuple(hashes[:head])):
             return False
@@ -141,7 +142,8 @@ class ApproxPrefixIndex:
         if placed.sole + len(joints) != head:
             return False
         more = tuple(hashes[head:])
-        if more and (any(map(blocks.__contains__, more)) or len(set(more)) != len(more)):
+        if more and (any(map(blocks.__contains__, more)) or len(set(more)) != len(more)
+                     or self._orphaned(more)):
             return False
         self._seq += 1  # (its entries in the books list nothing from now on)
         placed.seq = self._seq
@@ -152,7 +154,7 @@ class ApproxPrefixIndex:
         joining = len(more)
         for h in joints:
             joint: Joint = blocks[h]  # type: ignore[assignment]
-            before = joint.get(engine)
+            before = self._claim(engine, h, joint)  # (its orphan, if the cap forgot it)
             joining += before is None or before.tag != engine
             joint[engine] = joint.age = placed
         blocks.update(zip(more, itertools.repeat(placed)))
@@ -169,7 +171,8 @@ class ApproxPrefixIndex:
         keys = tuple(hashes)
         self._seq += 1
         mine = Placed(engine, now + self.ttl_s, self._seq, keys)
-        if len(keys) < FEW and not self._orphans and len(set(keys)) == len(keys):
+        touched = self._orphaned(keys)
+        if len(keys) < FEW and not touched and len(set(keys)) == len(keys):
             self._place_short(mine, lru)
             return
         found = list(map(blocks.get, hashes))
@@ -178,8 +181,8 @@ class ApproxPrefixIndex:
         present: list[Holders] = list(filter(None, found))  # (the known blocks' holders)
         plain = Joint not in set(map(type, present))
         joining = None  # blocks new to the LRU model: when all are new, as many as went in
-        if lru is not None and (repeated is not None or self._orphans):
-            joining = self._joining(engine, keys, found, present, repeated is not False)
+        if lru is not None and (repeated is not None or touched):
+            joining = self._joining(engine, keys, found, present, repeated is not False or touched)
         if plain and {engine}.issuperset(map(_ENGINE, present)):
             values: Iterable[Holders] = itertools.repeat(mine)
         else:  # some held by others too: joined there (which changes their Joint in place)
@@ -211,7 +214,7 @@ class ApproxPrefixIndex:
             lru.count += joining or 0
 
     def _place_short(self, mine: Placed, lru: _Lru | None) -> None:
-        """:meth:`_place` block by block, for a few distinct blocks and no orphans (cheaper
+        """:meth:`_place` block by block, for a few distinct blocks, no orphan (cheaper
         than its bulk steps there): each block's holders joined with ``mine``, their
         placements holding it alone no more, and the blocks new to the LRU model counted."""
         blocks = self._blocks
@@ -268,7 +271,7 @@ class ApproxPrefixIndex:
         if not capacity:
             gone = self._lrus.pop(engine, None)
             if gone is not None:
-                self._untag(engine)
+                self._untag(engine, Placed.leave_lru)
             return None
         lru = self._lrus.get(engine)
         if lru is None:
@@ -276,11 +279,11 @@ class ApproxPrefixIndex:
         return lru
 
     def _joining(self, engine: str, keys: Sequence[int], found: list[Holders | None],
-                 present: list[Holders], repeated: bool) -> int:
-        """How many of ``keys`` (distinct) are new to ``engine``'s LRU model (``found``:
-        their holders, ``present`` those not None): a C count over the placements, a step
-        per :class:`Joint`."""
-        if not repeated and not self._orphans:
+                 present: list[Holders], walk: bool) -> int:
+        """How many of ``keys`` are new to ``engine``'s LRU model (``found``: their holders,
+        ``present`` those not None): a C count over the placements, a step per
+        :class:`Joint`; ``walk``: some repeat or are orphans, so a step per block."""
+        if not walk:
             members = list(tags(present)).count(engine)
             for at in joints_at(present):
                 mine = present[at].get(engine)  # type: ignore[union-attr]
@@ -294,10 +297,12 @@ class ApproxPrefixIndex:
         """``engine``'s latest placement of ``h``: its holders', else an orphan's."""
         mine = claim(holders, engine)
         if mine is None and self._orphans:
-            orphan = self._orphans.get(h)
-            if orphan is not None:
-                mine = orphan.get(engine)
+            mine = claim(self._orphans.get(h), engine)
         return mine
+
+    def _orphaned(self, keys: Iterable[int]) -> bool:
+        """Whether any of ``keys`` is an orphan (a C loop; none at all without orphans)."""
+        return bool(self._orphans) and not self._orphans.keys().isdisjoint(keys)
 
     def _age_still(self, keys: list[int], placed: Placed) -> list[int]:
         """Of ``keys``, those whose latest placement is ``placed`` (their age is its)."""
@@ -309,7 +314,10 @@ class ApproxPrefixIndex:
 
         def still(keys: list[int], placed: Placed) -> list[int]:
             found = list(map(self._blocks.get, keys))
-            if self._orphans and found.count(placed) != len(found):
+            if found.count(placed) != len(found) and self._orphaned(keys):
+                if found.count(None) == len(found) and list(map(
+                        self._orphans.get, keys)).count(placed) == len(keys):
+                    return keys  # (all orphans, its alone: the cap's usual leftovers)
                 return [h for h, f in zip(keys, found, strict=True)
                         if self._claim(engine, h, f) is placed]
             return held_by(keys, found, placed, in_joint)
@@ -322,19 +330,20 @@ class ApproxPrefixIndex:
         holds alone and the Joints whose age it is (noted in :attr:`Placed.joints`), all
         among those it lists; where the others are Joints it left, they are dropped."""
         blocks = self._blocks
+        placed.spent(blocks)  # (a filter's pass: its prompt let go of once its blocks moved on)
         return known_live(placed, listing, [
             type(held := blocks.get(h)) is Joint and held.age is placed
             for h in dict.fromkeys(placed.joints)])
 
     def _lru_known(self, engine: str) -> Known:
         """:meth:`_age_known` for ``engine``'s LRU model: a placement holds there the blocks
-        it holds alone and the Joints where it is the engine's (with orphans about, a walk
-        must tell)."""
+        it holds alone and the Joints where it is the engine's (where it lists an orphan, a
+        walk must tell)."""
 
         def known(placed: Placed, listing: tuple[int, ...]) -> tuple[int, ...] | None:
             if placed.tag != engine:
                 return ()
-            if self._orphans:
+            if self._orphaned(listing):
                 return None
             blocks = self._blocks
             return known_live(placed, listing, [
@@ -352,17 +361,29 @@ class ApproxPrefixIndex:
         if not self._lrus:
             return
         orphans = self._orphans
+        if Joint not in set(map(type, found)) and orphans.keys().isdisjoint(gone):
+            # (in C: each held by one placement, none an orphan already)
+            orphans.update(itertools.compress(zip(gone, found, strict=True), map(
+                _known, tags(found))))
+            return
         for h, holders in zip(gone, found, strict=True):
-            members = {p.engine: p for p in placements(holders) if p.tag is not None}
+            claims = [*placements(orphans[h]), *placements(holders)] if h in orphans else [
+                *placements(holders)]
+            members = {p.engine: p for p in claims if p.tag is not None}
             if members:
-                orphans.setdefault(h, {}).update(members)
+                orphans[h] = members.popitem()[1] if len(members) == 1 else members
 
     def _let_go(self, engine: str, gone: Sequence[int]) -> None:
         """``engine`` no longer holds ``gone`` (its LRU forgot them): forget its claim on each."""
-        if self._orphans or len(gone) < FEW:
+        blocks = self._blocks
+        orphaned = self._orphaned(gone)
+        if orphaned and blocks.keys().isdisjoint(gone) and {engine} == set(map(
+                getattr, map(self._orphans.get, gone), _ENGINES, _NONES)):  # (its orphans alone)
+            collections.deque(map(self._orphans.__delitem__, gone), maxlen=0)
+            return
+        if orphaned or len(gone) < FEW:
             self._let_go_each(engine, gone)
             return
-        blocks = self._blocks
         found = list(map(blocks.get, gone))
         # the walk found each this engine's: in C but for the Joints
         joints = joints_at(found)
@@ -375,15 +396,14 @@ class ApproxPrefixIndex:
         collections.deque(map(blocks.__delitem__, gone), maxlen=0)  # (in C, keeping nothing)
 
     def _let_go_each(self, engine: str, gone: Sequence[int]) -> None:
-        """:meth:`_let_go` block by block (orphans about, or a few blocks): each block's
+        """:meth:`_let_go` block by block (some are orphans, or a few blocks): each block's
         claim where it is."""
         orphans = self._orphans
         get = self._blocks.get
         for h in gone:
             holders = get(h)
-            orphan = orphans.get(h)
-            if orphan is not None and orphan.pop(engine, None) is not None and not orphan:
-                del orphans[h]
+            if h in orphans:
+                self._unorphan(engine, h)
             if holders is None:
                 continue
             if isinstance(holders, Joint):
@@ -391,6 +411,15 @@ class ApproxPrefixIndex:
             elif holders.engine == engine or holders.expiry == -math.inf:
                 del self._blocks[h]  # this engine's, or a forgotten one's: nobody's now
                 holders.sole -= 1
+
+    def _unorphan(self, engine: str, h: int) -> None:
+        """``engine``'s claim on the orphan ``h`` is let go of (it may hold none)."""
+        orphan = self._orphans[h]
+        if type(orphan) is Placed:
+            if orphan.engine == engine:
+                del self._orphans[h]
+        elif orphan.pop(engine, None) is not None and not orphan:  # type: ignore[union-attr]
+            del self._orphans[h]
 
     def _leave_joint(self, engine: str, h: int, holders: Joint) -> None:
         """``engine`` lets go of ``h``, which ``holders`` hold: gone once only the forgotten
@@ -449,35 +478,19 @@ class ApproxPrefixIndex:
         """``engine`` holds nothing (a restart): its placements are forgotten, its LRU model
         too; the blocks stay counted for the cap."""
         self._lrus.pop(engine, None)
-        for holders in self._blocks.values():
-            mine = claim(holders, engine)
-            if mine is not None:
-                mine.forget()
-        self._untag(engine)
+        self._untag(engine, Placed.forget)
 
-    def _untag(self, engine: str) -> None:
-        """Let go of ``engine``'s orphans and of its placements' LRU membership."""
+    def _untag(self, engine: str, leave: Callable[[Placed], None]) -> None:
+        """Let go of ``engine``'s orphans; ``leave`` each of its placements its blocks name."""
         for holders in self._blocks.values():
             mine = claim(holders, engine)
             if mine is not None:
-                mine.tag = None
-        for h, orphan in list(self._orphans.items()):
-            if orphan.pop(engine, None) is not None and not orphan:
-                del self._orphans[h]
+                leave(mine)
+        for h in [h for h, o in self._orphans.items() if claim(o, engine) is not None]:
+            self._unorphan(engine, h)
 
     def __len__(self) -> int:
         return len(self._blocks)
-
-    def blocks_oldest_first(self) -> list[tuple[int, dict[str, float]]]:
-        """Each block, oldest first, with its holders as {engine: expiry} (an inspection
-        view, a walk of every placement)."""
-        blocks = self._blocks
-        return [(h, holders_of(blocks[h])) for h in self._ages.walk(self._age_still)]
-
-    def lru_orders(self) -> dict[str, list[int]]:
-        """Each LRU model's blocks, least recently touched first (an inspection view)."""
-        return {e: list(lru.book.walk(lru.still)) for e, lru in self._lrus.items()}
-
 
 
 def best_of(found: dict[str, int], names: Sequence[str]) -> int:

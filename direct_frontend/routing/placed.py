@@ -5,8 +5,8 @@ points at the latest placement that sent it to each engine (its holders). The
 memory's two orders, every block's age (for the cap) and each engine's LRU
 model, are orders of placements: a :class:`Book` lists them oldest first, and
 a block is where its latest placement put it (within one, in the placement's
-order). So a placement is one bulk dict update per block, not a linked node
-per block and order; what falls out of an order is found by walking its oldest
+order). So a placement is one bulk dict update, not a linked node per block
+and order; what falls out of an order is found by walking its oldest
 placements and keeping the blocks still theirs, a C loop per placement.
 """
 
@@ -17,11 +17,11 @@ import dataclasses
 import itertools
 import math
 import operator
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Final, Literal
 
 __all__ = ["FEW", "Book", "Holders", "Joint", "Known", "Placed", "Still", "claim", "held_by",
-           "holders_of", "joined_runs", "joints_at", "known_live", "last_places", "placements",
+           "joined_runs", "joints_at", "known_live", "last_places", "placements",
            "same_as", "tags", "unheld", "without"]
 
 
@@ -40,12 +40,36 @@ class Placed:
     keys: tuple[int, ...]
     back: tuple[int, ...] = ()
     tag: str | None = None
-    #: its blocks as placed (``keys`` as the age order lists them may be fewer since)
+    #: its blocks as placed, while an extension may take it (``keys`` as the age order
+    #: lists them may be fewer since); () once its blocks moved on (:meth:`spent`)
     prompt: tuple[int, ...] = ()
     #: blocks whose holders are this placement itself (it alone holds them)
     sole: int = 0
     #: blocks where it joined a :class:`Joint` (some may have moved on since)
     joints: list[int] = dataclasses.field(default_factory=list)
+
+    def spent(self, blocks: Mapping[int, Placed | Joint]) -> None:
+        """Let go of ``prompt`` once fewer of the blocks placed are still this placement's
+        than it placed: those it holds alone (``sole``) and the noted Joints among
+        ``blocks`` (each block's holders) whose claim for its engine is still it.
+
+        An extension could still take Joints its engine's later placements claim
+        (placing anew would leave the same), but it is a shortcut for the answer
+        that follows a prompt, and a placement whose blocks have moved on (a
+        conversation's earlier turn, whose answer the next turn did not resend) would
+        otherwise keep its whole conversation's tuple.
+        """
+        if not self.prompt:
+            return
+        claimed = sum(type(held := blocks.get(h)) is Joint
+                      and held.get(self.engine) is self
+                      for h in set(self.joints))
+        if self.sole + claimed < len(self.prompt):
+            self.prompt = ()
+
+    def leave_lru(self) -> None:
+        """Its engine's LRU is modelled no more: this placement counts in none."""
+        self.tag = None
 
     def forget(self) -> None:
         """The engine is forgotten: this placement holds nothing, anywhere, any more."""
@@ -73,23 +97,13 @@ _SLACK: Final = 4096  # listed blocks a book may carry beyond twice its live one
 _WINDOW: Final = 8  # blocks walked past what :meth:`Book.pop_oldest` needs
 
 
-def claim(holders: Holders | None, engine: str) -> Placed | None:
+def claim(holders: Placed | Mapping[str, Placed] | None, engine: str) -> Placed | None:
     """``engine``'s latest placement among ``holders``."""
     if holders is None:
         return None
     if type(holders) is Placed:
         return holders if holders.engine == engine else None
     return holders.get(engine)  # type: ignore[union-attr]
-
-
-def holders_of(holders: Holders | None) -> dict[str, float]:
-    """``holders`` as {engine: expiry}, forgotten engines left out."""
-    if holders is None:
-        return {}
-    if type(holders) is Placed:
-        return {holders.engine: holders.expiry} if holders.expiry > -math.inf else {}
-    return {e: p.expiry for e, p in holders.items()  # type: ignore[union-attr]
-            if p.expiry > -math.inf}
 
 
 def _joined(holders: Holders | None, mine: Placed) -> Holders:
@@ -205,13 +219,6 @@ class Book:
         for n, (p, seq, listed) in enumerate(self.entries):
             if p.seq == seq:
                 yield p, listed[self._head:] if n == 0 and self._head else listed
-            elif n == 0:
-                continue
-
-    def walk(self, still: Still) -> Iterator[int]:
-        """The blocks still placed, oldest first (for inspection and tests)."""
-        for p, listed in self.current():
-            yield from still(list(listed), p)
 
     def filter(self, still: Still, known: Known) -> None:
         """Let each placement list only the blocks it still holds here.
@@ -282,7 +289,7 @@ def tags(found: Iterable[Holders | None]) -> Iterator[str | None]:
     return map(getattr, found, itertools.repeat("tag"), itertools.repeat(None))
 
 
-def placements(holders: Holders) -> Iterable[Placed]:
+def placements(holders: Placed | Mapping[str, Placed]) -> Iterable[Placed]:
     """Each placement among ``holders``."""
     return (holders,) if type(holders) is Placed else holders.values()  # type: ignore[union-attr]
 

@@ -3,13 +3,48 @@
 from __future__ import annotations
 
 import collections
+import math
 import random
+from collections.abc import Callable, Iterator
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from direct_frontend.routing.approx import ApproxPrefixIndex
+from direct_frontend.routing.placed import FEW, Placed, claim, placements
+
+
+def oldest_first(memory: ApproxPrefixIndex) -> list[tuple[int, dict[str, float]]]:
+    """Each block, oldest first, with its holders as {engine: expiry} (forgotten engines
+    left out): a walk of the age order's placements, each keeping the blocks still its."""
+    blocks = memory._blocks
+    return [(h, {p.engine: p.expiry for p in placements(blocks[h]) if p.expiry > -math.inf})
+            for placed, listed in memory._ages.current()
+            for h in memory._age_still(list(listed), placed)]
+
+
+def lru_orders(memory: ApproxPrefixIndex) -> dict[str, list[int]]:
+    """Each LRU model's blocks, least recently touched first (a walk of its placements)."""
+    return {e: [h for placed, listed in lru.book.current() for h in lru.still(list(listed), placed)]
+            for e, lru in memory._lrus.items()}
+
+
+def assert_orphans_held(memory: ApproxPrefixIndex) -> None:
+    """Each orphan is claimed only by engines whose LRU model still holds it."""
+    orders = {e: set(order) for e, order in lru_orders(memory).items()}
+    for h, orphan in memory._orphans.items():
+        assert all(h in orders.get(p.engine, ()) for p in placements(orphan))
+
+
+def live_placements(memory: ApproxPrefixIndex) -> Iterator[Placed]:
+    """Each placement the memory still reaches: its blocks', its orphans', its books'."""
+    seen: dict[int, Placed] = {}
+    for holders in [*memory._blocks.values(), *memory._orphans.values()]:
+        seen.update((id(p), p) for p in placements(holders))
+    for book in [memory._ages, *(lru.book for lru in memory._lrus.values())]:
+        seen.update((id(p), p) for p, _, _ in book.entries)
+    return iter(seen.values())
 
 
 class Reference:
@@ -17,6 +52,7 @@ class Reference:
 
     def __init__(self, ttl_s: float, max_blocks: int, capacity: int) -> None:
         self.ttl_s, self.max_blocks, self.capacity = ttl_s, max_blocks, capacity
+        self.capacities: dict[str, int] = {}
         self.entries: collections.OrderedDict[int, dict[str, float]] = collections.OrderedDict()
         self.lru: dict[str, collections.OrderedDict[int, None]] = {}
 
@@ -26,12 +62,15 @@ class Reference:
             self.entries.move_to_end(h)
         while len(self.entries) > self.max_blocks:
             self.entries.popitem(last=False)
-        if self.capacity:
+        capacity = self.capacities.get(engine) or self.capacity
+        if not capacity:  # (an engine whose size is unknown again: its LRU model let go of)
+            self.lru.pop(engine, None)
+        else:
             lru = self.lru.setdefault(engine, collections.OrderedDict())
             for h in reversed(hashes):
                 lru[h] = None
                 lru.move_to_end(h)
-            while len(lru) > self.capacity:
+            while len(lru) > capacity:
                 h = lru.popitem(last=False)[0]
                 holders = self.entries.get(h)
                 if holders is not None:
@@ -60,30 +99,38 @@ class Reference:
 chains = st.lists(st.integers(0, 30), min_size=0, max_size=12)
 
 
-@settings(max_examples=150, deadline=None)
-@given(steps=st.lists(st.tuples(st.sampled_from("abc"), chains, st.integers(0, 3)),
-                      max_size=25),
+@settings(max_examples=200, deadline=None)
+@given(steps=st.lists(st.tuples(st.sampled_from("abc"), chains, st.integers(0, 3),
+                                st.sampled_from([None, None, None, 0, 2, 5, 40]),
+                                st.booleans()), max_size=25),
        max_blocks=st.integers(1, 40), capacity=st.sampled_from([0, 3, 10]),
        seed=st.integers(0, 1000))
 def test_bulk_record_and_lookup_equal_the_block_by_block_reference(
-        steps: list[tuple[str, list[int], int]], max_blocks: int, capacity: int,
-        seed: int) -> None:
+        steps: list[tuple[str, list[int], int, int | None, bool]], max_blocks: int,
+        capacity: int, seed: int) -> None:
     """Known and new blocks mixed, blocks several engines hold, repeated hashes, the cap,
-    the LRU model and forgotten engines: same order, same holders and expiries, same lookups."""
+    the LRU model, an engine's own capacity set, shrunk or unknown again (an empty record
+    too), a peer's placements and forgotten engines: same order, same holders and expiries,
+    same LRU orders and counts, same lookups."""
     memory = ApproxPrefixIndex(ttl_s=2.0, max_blocks=max_blocks, capacity_blocks=capacity)
     reference = Reference(2.0, max_blocks, capacity)
     rng = random.Random(seed)
     now = 0.0
-    for engine, hashes, advance in steps:
+    for engine, hashes, advance, size, peer in steps:
         now += advance
         if advance == 3 and not hashes:  # now and then an engine is forgotten
             memory.forget_engine(engine)
             reference.forget(engine)
-        memory.record(engine, hashes, now)
+        if size is not None:  # its own size as discovery tells it (0: unknown again)
+            memory.capacities[engine] = reference.capacities[engine] = size
+        (memory.record_peer if peer else memory.record)(engine, hashes, now)
         reference.record(engine, hashes, now)
-        assert memory.blocks_oldest_first() == list(reference.entries.items())
-        assert memory.lru_orders() == {
-            e: list(lru) for e, lru in reference.lru.items()}
+        assert oldest_first(memory) == list(reference.entries.items())
+        assert lru_orders(memory) == {e: list(lru) for e, lru in reference.lru.items()}
+        assert_orphans_held(memory)
+        for e in "abc":
+            size = reference.capacities.get(e) or capacity
+            assert memory.held(e) == (len(reference.lru.get(e, ())) if size else None)
         probe = [*hashes[: rng.randint(0, len(hashes))], rng.randint(0, 30)]
         for at in (now, now + 1.5, now + 2.5):
             assert memory.lookup_at(probe, at) == reference.lookup(probe, at)
@@ -122,8 +169,8 @@ def test_a_placement_extended_by_its_answer_equals_the_reference(
         memory.record(engine, hashes, now, head)
         reference.record(engine, hashes, now)
         last[engine] = hashes
-        assert memory.blocks_oldest_first() == list(reference.entries.items())
-        assert memory.lru_orders() == {
+        assert oldest_first(memory) == list(reference.entries.items())
+        assert lru_orders(memory) == {
             e: list(lru) for e, lru in reference.lru.items()}
         alone = collections.Counter(id(held) for held in memory._blocks.values())
         for placed, _ in memory._ages.current():
@@ -153,9 +200,12 @@ def play_against_the_reference(memory: ApproxPrefixIndex, reference: Reference,
         memory.record(engine, answered, now + 0.5, len(prompt))
         reference.record(engine, answered, now + 0.5)
         if step % 100 == 0 or step == steps - 1:
-            assert memory.blocks_oldest_first() == list(reference.entries.items())
-            assert memory.lru_orders() == {
+            assert oldest_first(memory) == list(reference.entries.items())
+            assert lru_orders(memory) == {
                 e: list(lru) for e, lru in reference.lru.items()}
+            assert {e: memory.held(e) for e in reference.lru} == {
+                e: len(lru) for e, lru in reference.lru.items()}
+            assert_orphans_held(memory)
             for at in (now, now + 40, now + 60):
                 assert memory.lookup_at(answered, at) == reference.lookup(answered, at)
 
@@ -186,3 +236,127 @@ def test_long_prompts_placed_in_bulk_equal_the_reference(max_blocks: int, capaci
     play_against_the_reference(
         ApproxPrefixIndex(ttl_s=50.0, max_blocks=max_blocks, capacity_blocks=capacity),
         Reference(50.0, max_blocks, capacity), rng, 600, 999, (15, 39))
+
+
+def test_the_cap_leaves_orphans_an_lru_model_lets_go_of_in_bulk() -> None:
+    """The cap below what the LRU models hold: blocks it forgets stay in the models
+    (orphans) until they fall out of them, then are let go of as a whole placement's, and
+    placed again they count in the model anew."""
+    memory = ApproxPrefixIndex(ttl_s=50.0, max_blocks=40, capacity_blocks=60)
+    reference = Reference(50.0, 40, 60)
+    prompts = [list(range(n * 20, n * 20 + 20)) for n in range(8)]
+    steps = [("a", prompt) for prompt in prompts] + [("a", prompts[0]), ("a", prompts[1]),
+                                                     ("b", prompts[2])]
+    for now, (engine, prompt) in enumerate(steps):
+        memory.record(engine, prompt, now)
+        reference.record(engine, prompt, now)
+        assert oldest_first(memory) == list(reference.entries.items())
+        assert lru_orders(memory) == {e: list(lru) for e, lru in reference.lru.items()}
+        assert memory.held(engine) == len(reference.lru[engine])
+        assert_orphans_held(memory)
+    assert memory._orphans
+
+
+def test_an_extension_over_a_block_its_engine_holds_as_an_orphan() -> None:
+    """A prompt's first block is forgotten by the cap while its engine's LRU model still holds
+    it, then placed by other engines (a new Joint; the prompt's other blocks are Joints too):
+    the prompt recorded again extends its placement, and the block counts in the model once,
+    as the reference says."""
+    memory = ApproxPrefixIndex(ttl_s=50.0, max_blocks=20, capacity_blocks=12)
+    reference = Reference(50.0, 20, 12)
+    long = [37, 9, 18, 4, 27, 12, 10, 20, 1, 3, 22, 13, 6, 23, 11, 26, 8, 21, 17, 24, 0]
+    steps = [("b", [37, 22, 23], 0), ("c", long, 0), ("c", [37], 0), ("d", [37], 0),
+             ("b", [37, 22, 23], 3)]
+    for now, (engine, hashes, head) in enumerate(steps):
+        memory.record(engine, hashes, now, head)
+        reference.record(engine, hashes, now)
+        assert oldest_first(memory) == list(reference.entries.items())
+        assert lru_orders(memory) == {e: list(lru) for e, lru in reference.lru.items()}
+        assert {e: memory.held(e) for e in "bcd"} == {
+            e: len(reference.lru.get(e, ())) for e in "bcd"}
+        if now == 0:
+            first = memory._blocks[37]
+    assert claim(memory._blocks[37], "b") is first  # (extended, not placed anew)
+
+
+def test_an_empty_record_settles_a_shrunk_capacity() -> None:
+    """An engine's size shrinks between placements: its next record, empty or not, forgets
+    its least recently sent blocks down to the new size."""
+    memory = ApproxPrefixIndex(ttl_s=50.0, max_blocks=100, capacity_blocks=0)
+    memory.capacities["a"] = 10
+    memory.record("a", [1, 2, 3, 4], 0.0)
+    memory.capacities["a"] = 3
+    memory.record("a", [], 1.0)
+    assert memory.held("a") == 3
+    assert memory.lookup_at([1, 2, 3, 4], 1.0) == {"a": 3}
+
+
+@pytest.mark.parametrize("size", [3, FEW + 5])
+@pytest.mark.parametrize("capacity", [0, 100])
+def test_an_answer_extends_its_prompts_placement(size: int, capacity: int) -> None:
+    """A prompt recorded, then its prompt + answer with the prompt's blocks as ``head``: the
+    one placement is extended (every block points at it), not a second one made."""
+    memory = ApproxPrefixIndex(ttl_s=50.0, max_blocks=1000, capacity_blocks=capacity)
+    prompt = list(range(size))
+    memory.record("a", prompt, 0.0)
+    placed = memory._blocks[0]
+    memory.record("a", [*prompt, 500, 501], 1.0, len(prompt))
+    assert all(memory._blocks[h] is placed for h in [*prompt, 500, 501])
+    assert placed.expiry == 51.0
+    assert memory.held("a") == (size + 2 if capacity else None)
+
+
+def spy(monkeypatch: pytest.MonkeyPatch, name: str) -> list[int]:
+    """Count the calls of ``ApproxPrefixIndex``'s method ``name`` (it still runs)."""
+    calls: list[int] = []
+    method: Callable[..., None] = getattr(ApproxPrefixIndex, name)
+
+    def counted(self: ApproxPrefixIndex, *args: object) -> None:
+        calls.append(1)
+        method(self, *args)
+
+    monkeypatch.setattr(ApproxPrefixIndex, name, counted)
+    return calls
+
+
+def test_a_short_placement_is_made_block_by_block(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under FEW distinct blocks, none an orphan, a placement takes the block-by-block
+    step; FEW blocks, a repeated block or an orphan among them take the bulk steps."""
+    calls = spy(monkeypatch, "_place_short")
+    memory = ApproxPrefixIndex(ttl_s=50.0, max_blocks=20, capacity_blocks=100)
+    memory.record("a", list(range(FEW - 1)), 0.0)
+    memory.record("b", list(range(5)), 0.0)  # (some another engine holds: Joints)
+    assert len(calls) == 2
+    memory.record("a", list(range(100, 100 + FEW)), 1.0)
+    memory.record("a", [200, 201, 200], 1.0)
+    assert len(calls) == 2
+    assert memory._orphans  # (the cap forgot blocks the LRU model still holds)
+    memory.record("b", [next(iter(memory._orphans)), 300], 2.0)
+    assert len(calls) == 2
+    memory.record("b", [301, 302], 2.0)
+    assert len(calls) == 3
+
+
+@pytest.mark.parametrize("engines", ["a", "ab"])
+def test_turns_whose_answer_is_not_sent_back_keep_no_whole_conversations(engines: str) -> None:
+    """Conversations whose next turn leaves out the last answer (a reasoning model's), on one
+    engine or turn by turn on two: each turn's placement lives on through its answer's
+    blocks, but keeps no copy of the whole conversation; the blocks placements keep as
+    placed stay within a small multiple of the blocks remembered, and each turn's answer
+    still extends its prompt's placement."""
+    memory = ApproxPrefixIndex(ttl_s=1e9, max_blocks=1 << 20)
+    ids = iter(range(1, 1 << 30))
+    now = 0.0
+    for _ in range(5):
+        prompt = [next(ids) for _ in range(50)]
+        for turn in range(60):
+            now += 1
+            prompt = [*prompt, *(next(ids) for _ in range(10))]
+            engine = engines[turn % len(engines)]
+            memory.record(engine, prompt, now)
+            placed = memory._blocks[prompt[-1]]
+            answer = [next(ids) for _ in range(10)]
+            memory.record(engine, [*prompt, *answer], now, len(prompt))
+            assert memory._blocks[answer[-1]] is placed
+    kept = sum(len(p.prompt) for p in live_placements(memory))
+    assert kept <= 2 * len(memory)
