@@ -12,7 +12,7 @@ contract, which SMG speaks):
 - ``agent``: ``--agent-conversations`` conversations of ``--agent-turns``
   turns, run in lockstep (turn t of every conversation at once), each turn
   adding an assistant tool call and a tool result of about
-  ``--agent-result-tokens`` tokens; CPU per turn (schedstat: exact to the
+  ``--agent-result-tokens`` tokens; CPU per turn (the process CPU clock: exact to the
   nanosecond, where the 10 ms ticks would round a turn away), and the last ten
   turns' against the first ten's;
 - ``huge``: ``--huge-count`` concurrent chat prompts of ``--huge-bytes``
@@ -118,17 +118,6 @@ TOOLS = [{"type": "function", "function": {
 
 
 # -- watchers -----------------------------------------------------------------------------
-
-
-def thread_cpu_seconds(pid: int) -> float:
-    """The CPU time of the process's live threads, in nanoseconds' resolution (schedstat):
-    for windows too short for /proc/<pid>/stat's 10 ms ticks (a thread that ends within the
-    window takes its time with it)."""
-    total = 0
-    for stat in pathlib.Path(f"/proc/{pid}/task").glob("*/schedstat"):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            total += int(stat.read_text().split()[0])
-    return total / 1e9
 
 
 class HealthProbe:
@@ -453,11 +442,11 @@ async def agent(servers: Sequence[Server], prose: Prose, args: argparse.Namespac
         per_turn = []
         for turn in range(args.agent_turns):
             bodies = [chat_body(conv[turn], args.long_stream) for conv in convs]
-            cpu = thread_cpu_seconds(server.child.pid)
+            cpu = bo.proc_cpu_seconds(server.child.pid)
             await asyncio.gather(*(
                 streamed(bo.HttpConnection(server.port, b"", args.long_stream), b)
                 for b in bodies))
-            per_turn.append((thread_cpu_seconds(server.child.pid) - cpu) * 1e3 / k)
+            per_turn.append((bo.proc_cpu_seconds(server.child.pid) - cpu) * 1e3 / k)
         out[server.name] = per_turn
         first, last = per_turn[:10], per_turn[-10:]
         print(f"  agent, {server.name}: first 10 turns {sum(first) / len(first):.2f} ms, last 10 "
