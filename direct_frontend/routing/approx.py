@@ -432,10 +432,6 @@ class ApproxPrefixIndex:
         """``engine``'s prefix cache in blocks as this model knows it (0: unknown)."""
         return self.capacities.get(engine) or self.capacity_blocks
 
-    def models_capacity(self) -> bool:
-        """Whether some engine's LRU is modelled (so entries are forgotten before they expire)."""
-        return bool(self.capacity_blocks or self.capacities)
-
     def lookup_at(self, hashes: Sequence[int], now: float) -> dict[str, int]:
         """Per engine, how many leading ``hashes`` it holds unexpired (holding none: absent)."""
         blocks = self._blocks
