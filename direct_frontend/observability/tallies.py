@@ -75,7 +75,7 @@ class _Labelled:
     def _new(self) -> object:
         raise NotImplementedError
 
-    def remove(self, *values: str) -> None:
+    def remove(self, *values: object) -> None:
         """Drop the series of these label values (a ``KeyError`` if there is none)."""
         del self._children[tuple(str(v) for v in values)]
 
@@ -90,7 +90,7 @@ class CounterFamily(_Labelled, Collector):
     def _new(self) -> Tally:
         return Tally()
 
-    def labels(self, *values: str) -> Tally:
+    def labels(self, *values: object) -> Tally:
         child = self._child(tuple(str(v) for v in values))
         assert isinstance(child, Tally)
         return child
@@ -129,7 +129,7 @@ class HistogramFamily(_Labelled, Collector):
     def _new(self) -> Buckets:
         return Buckets(self._bounds)
 
-    def labels(self, *values: str) -> Buckets:
+    def labels(self, *values: object) -> Buckets:
         child = self._child(tuple(str(v) for v in values))
         assert isinstance(child, Buckets)
         return child
