@@ -38,6 +38,7 @@ from direct_frontend.http.asgi import (
 from direct_frontend.http.background import BackgroundResponses, follow
 from direct_frontend.http.completions import CompletionsRenderer
 from direct_frontend.http.control_view import ControlView
+from direct_frontend.http.disconnect import disconnect_of
 from direct_frontend.http.embeddings import EmbeddingsRenderer
 from direct_frontend.http.identity import Caller, caller_of, owner_of
 from direct_frontend.http.internal import Answer, Exchange
@@ -359,7 +360,7 @@ class Generation:
         trace = None if tracing is None else tracing.begin(
             scope["path"], scope["headers"], request_id)
         writer = Writer(send, receive, [(b"x-request-id", request_id.encode())], self.metrics,
-                        anthropic=anthropic)
+                        anthropic=anthropic, disconnect=disconnect_of(scope))
         status = 500
         try:
             status = await walk(writer, request_id, trace)

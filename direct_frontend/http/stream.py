@@ -16,10 +16,13 @@ runs the stair. What the bytes say is the endpoint's :class:`Renderer`
   choice finished and its engine calls closed (a call left early is
   aborted first).
 
-From its admission on, the request runs beside a disconnect watcher:
+From its admission on, the request runs beside a disconnect watch:
 hypercorn drops sends to a gone client silently, so without it the engine
 would keep generating; a request waiting for an engine ends at once when
-its client leaves (status 499). The answers before any output (a refusal,
+its client leaves (status 499). Where the server tells the disconnect as
+it happens (http/disconnect.py) the writer's own cancel scope is the
+watch; elsewhere a task beside the request reads ``receive``
+(:class:`ClientWatch`). The answers before any output (a refusal,
 the rate limits' headers) are the writer's too.
 """
 
@@ -27,7 +30,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import trio
 
@@ -41,6 +44,7 @@ from direct_frontend.http.asgi import (
     send_body,
     send_error,
 )
+from direct_frontend.http.disconnect import Disconnect
 from direct_frontend.http.rate_limits import headers_of, over_limit
 from direct_frontend.observability.metrics import Metrics
 from direct_frontend.openai.errors import OpenAIHTTPError, internal_error
@@ -115,12 +119,13 @@ def _no_renderer(prepared: Prepared | None) -> Renderer:
 class Writer:
     """One request's writer (the stair's sink); see the module's text."""
 
-    __slots__ = ("_client", "_nursery", "_receive", "_send", "anthropic", "ended", "ends",
-                 "failed", "headers", "metrics", "model", "out", "prepared", "render",
-                 "renderer", "started", "streamed")
+    __slots__ = ("_bug", "_client", "_disconnect", "_nursery", "_receive", "_result", "_scope",
+                 "_send", "_status", "anthropic", "ended", "ends", "failed", "headers",
+                 "metrics", "model", "out", "prepared", "render", "renderer", "started",
+                 "streamed")
 
     def __init__(self, send: Send, receive: Receive, headers: Headers, metrics: Metrics, *,
-                 anthropic: bool = False) -> None:
+                 anthropic: bool = False, disconnect: Disconnect | None = None) -> None:
         self._send = send
         self._receive = receive
         self.headers = headers  # every answer's (the rate limits' join them when known)
@@ -136,8 +141,14 @@ class Writer:
         self.failed: OpenAIHTTPError | None = None
         self.out = bytearray()  # what is rendered and not yet sent
         self.ends: list[tuple[Finished, int]] = []  # a full response's finished choices
+        #: the server's disconnect, if it tells one (else a ClientWatch task reads receive)
+        self._disconnect = disconnect
         self._client = ClientWatch()
         self._nursery: trio.Nursery | None = None
+        self._scope: trio.CancelScope | None = None  # the walk's, with a Disconnect
+        self._status = 200
+        self._result: object = None
+        self._bug: Exception | None = None
 
     async def __call__(self, event: StairEvent, index: int = 0) -> None:
         if type(event) is Batch:
@@ -182,8 +193,13 @@ class Writer:
         elif type(event) is Admitted:
             self.renderer = renderer = self.render(self.prepared)
             self.streamed = renderer.streamed
-            assert self._nursery is not None
-            self._nursery.start_soon(self._client.run, self._receive, self._nursery.cancel_scope)
+            if self._disconnect is not None:
+                assert self._scope is not None
+                self._disconnect.watch(self._scope)
+            else:
+                assert self._nursery is not None
+                self._nursery.start_soon(self._client.run, self._receive,
+                                         self._nursery.cancel_scope)
         elif type(event) is Failed:
             self.failed = event.error
 
@@ -220,34 +236,43 @@ class Writer:
         here and ended as a failure. 499: the client left.
         """
         self.render = render
-        status = 200
-        result: _T | None = None
-        bug: Exception | None = None
-        async with trio.open_nursery() as nursery:
-            self._nursery = nursery
-            try:
-                result = await walk(self)
-            except OpenAIHTTPError as err:
-                self.failed = err
-            except RateLimited as limited:
-                self.failed = over_limit(limited.refusal, anthropic=self.anthropic,
-                                         wall_now=time.time())
-            except Exception as exc:
-                if not self.started:
-                    bug = exc
-                else:
-                    log.exception("unexpected error while streaming")
-                    self.failed = internal_error()
-                    status = 500
-            if bug is None:
-                status = await self._end(status)
-            nursery.cancel_scope.cancel()
-        if self._client.gone:
+        disconnect = self._disconnect
+        if disconnect is None:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                await self._walk(walk)
+                nursery.cancel_scope.cancel()
+            gone = self._client.gone
+        else:  # no task: the server cancels this scope when the client leaves
+            with trio.CancelScope() as self._scope:
+                await self._walk(walk)
+            gone = disconnect.left()
+        if gone:
             self.metrics.request_cancelled()
             return 499, None
-        if bug is not None:
-            raise bug
-        return status, result
+        if self._bug is not None:
+            raise self._bug
+        return self._status, cast("_T | None", self._result)
+
+    async def _walk(self, walk: Callable[[Writer], Awaitable[object]]) -> None:
+        """:meth:`run`'s walk and its end, under its watch: the status, what ``walk``
+        returned and an unexpected error before the head, kept on the writer."""
+        try:
+            self._result = await walk(self)
+        except OpenAIHTTPError as err:
+            self.failed = err
+        except RateLimited as limited:
+            self.failed = over_limit(limited.refusal, anthropic=self.anthropic,
+                                     wall_now=time.time())
+        except Exception as exc:
+            if not self.started:
+                self._bug = exc
+            else:
+                log.exception("unexpected error while streaming")
+                self.failed = internal_error()
+                self._status = 500
+        if self._bug is None:
+            self._status = await self._end(self._status)
 
     async def refuse(self, err: OpenAIHTTPError) -> int:
         """Answer a refusal met before the stair (the body, its parse): its HTTP error."""
