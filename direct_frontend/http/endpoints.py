@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Final, TypeVar
 
+import msgspec
 import trio
 
 from direct_frontend.http import conversations
@@ -83,8 +84,7 @@ from direct_frontend.state.shell import Durable
 _R = TypeVar("_R")
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Parsed:
+class Parsed(msgspec.Struct, frozen=True):
     """A model endpoint's body, read: the request the stair walks, and what else it said."""
 
     request: ChatRequest | CompletionRequest
@@ -93,8 +93,7 @@ class Parsed:
     responses: ResponsesRequest | None = None  # a Responses request, whole
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Context:
+class Context(msgspec.Struct, frozen=True):
     """What an endpoint's parse and renderer may use besides the body: the stores and the
     owner of what the request stores and reads."""
 
