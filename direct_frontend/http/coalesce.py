@@ -37,6 +37,7 @@ it is in use is part of :func:`~direct_frontend.observability.shims.shims_active
 from __future__ import annotations
 
 import inspect
+from collections.abc import Coroutine
 from typing import Any
 
 import hypercorn.protocol
@@ -63,12 +64,20 @@ class FinalBodyHTTPStream(HTTPStream):
     final_body = False
     disconnect: Disconnect | None = None
 
-    async def handle(self, event: Any) -> None:
-        if isinstance(event, StreamClosed) and not self.closed and not self.final_body and (
-                self.disconnect is not None):
-            self.disconnect.fire()  # a disconnect after the last body is no client leaving
-        await super().handle(event)
-        if isinstance(event, Request) and not self.closed:
+    def handle(self, event: Any) -> Coroutine[Any, Any, None]:
+        """hypercorn's own coroutine for ``event`` (a plain function: no coroutine of ours
+        in between), but for a request's start; a close before the last body fires the
+        request's disconnect first (one after it is no client leaving)."""
+        if isinstance(event, Request):
+            return self._start(event)
+        if isinstance(event, StreamClosed) and self.disconnect is not None and not (
+                self.closed or self.final_body):
+            self.disconnect.fire()
+        return HTTPStream.handle(self, event)
+
+    async def _start(self, event: Request) -> None:
+        await HTTPStream.handle(self, event)
+        if not self.closed:
             # the app's task is started, not run yet (nothing has yielded since): it finds
             # the extension in its scope
             extensions: dict[str, Any] = self.scope["extensions"]

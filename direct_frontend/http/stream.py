@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
-from typing import TypeVar, cast
+from typing import TypeVar
 
 import trio
 
@@ -119,10 +119,9 @@ def _no_renderer(prepared: Prepared | None) -> Renderer:
 class Writer:
     """One request's writer (the stair's sink); see the module's text."""
 
-    __slots__ = ("_bug", "_client", "_disconnect", "_nursery", "_receive", "_result", "_scope",
-                 "_send", "_status", "anthropic", "ended", "ends", "failed", "headers",
-                 "metrics", "model", "out", "prepared", "render", "renderer", "started",
-                 "streamed")
+    __slots__ = ("_disconnect", "_nursery", "_receive", "_scope", "_send", "anthropic", "ended",
+                 "ends", "failed", "headers", "metrics", "model", "out", "prepared", "render",
+                 "renderer", "started", "streamed")
 
     def __init__(self, send: Send, receive: Receive, headers: Headers, metrics: Metrics, *,
                  anthropic: bool = False, disconnect: Disconnect | None = None) -> None:
@@ -143,12 +142,8 @@ class Writer:
         self.ends: list[tuple[Finished, int]] = []  # a full response's finished choices
         #: the server's disconnect, if it tells one (else a ClientWatch task reads receive)
         self._disconnect = disconnect
-        self._client = ClientWatch()
-        self._nursery: trio.Nursery | None = None
-        self._scope: trio.CancelScope | None = None  # the walk's, with a Disconnect
-        self._status = 200
-        self._result: object = None
-        self._bug: Exception | None = None
+        self._nursery: trio.Nursery | None = None  # the ClientWatch task's
+        self._scope: trio.CancelScope | None = None  # the walk's, cancelled if the client leaves
 
     async def __call__(self, event: StairEvent, index: int = 0) -> None:
         if type(event) is Batch:
@@ -193,13 +188,11 @@ class Writer:
         elif type(event) is Admitted:
             self.renderer = renderer = self.render(self.prepared)
             self.streamed = renderer.streamed
-            if self._disconnect is not None:
-                assert self._scope is not None
-                self._disconnect.watch(self._scope)
-            else:
-                assert self._nursery is not None
-                self._nursery.start_soon(self._client.run, self._receive,
-                                         self._nursery.cancel_scope)
+            assert self._disconnect is not None and self._scope is not None
+            self._disconnect.watch(self._scope)
+            if self._nursery is not None:  # no server tells the disconnect: read it
+                self._nursery.start_soon(ClientWatch().run, self._receive,
+                                         self._disconnect.fire)
         elif type(event) is Failed:
             self.failed = event.error
 
@@ -235,44 +228,54 @@ class Writer:
         is raised (the app answers it with a 500 and logs it), after it logged
         here and ended as a failure. 499: the client left.
         """
-        self.render = render
         disconnect = self._disconnect
-        if disconnect is None:
-            async with trio.open_nursery() as nursery:
-                self._nursery = nursery
-                await self._walk(walk)
-                nursery.cancel_scope.cancel()
-            gone = self._client.gone
-        else:  # no task: the server cancels this scope when the client leaves
-            with trio.CancelScope() as self._scope:
-                await self._walk(walk)
-            gone = disconnect.left()
-        if gone:
+        if disconnect is None:  # the server does not tell it: a task beside reads receive
+            return await self._beside_watch(render, walk)
+        self.render = render
+        status = 200
+        result: _T | None = None
+        bug: Exception | None = None
+        with trio.CancelScope() as self._scope:  # cancelled when the client leaves
+            try:
+                result = await walk(self)
+            except OpenAIHTTPError as err:
+                self.failed = err
+            except RateLimited as limited:
+                self.failed = over_limit(limited.refusal, anthropic=self.anthropic,
+                                         wall_now=time.time())
+            except Exception as exc:
+                if not self.started:
+                    bug = exc
+                else:
+                    log.exception("unexpected error while streaming")
+                    self.failed = internal_error()
+                    status = 500
+            if bug is None:
+                status = await self._end(status)
+        if disconnect.left():
             self.metrics.request_cancelled()
             return 499, None
-        if self._bug is not None:
-            raise self._bug
-        return self._status, cast("_T | None", self._result)
+        if bug is not None:
+            raise bug
+        return status, result
 
-    async def _walk(self, walk: Callable[[Writer], Awaitable[object]]) -> None:
-        """:meth:`run`'s walk and its end, under its watch: the status, what ``walk``
-        returned and an unexpected error before the head, kept on the writer."""
-        try:
-            self._result = await walk(self)
-        except OpenAIHTTPError as err:
-            self.failed = err
-        except RateLimited as limited:
-            self.failed = over_limit(limited.refusal, anthropic=self.anthropic,
-                                     wall_now=time.time())
-        except Exception as exc:
-            if not self.started:
-                self._bug = exc
-            else:
-                log.exception("unexpected error while streaming")
-                self.failed = internal_error()
-                self._status = 500
-        if self._bug is None:
-            self._status = await self._end(self._status)
+    async def _beside_watch(self, render: Render,
+                            walk: Callable[[Writer], Awaitable[_T]]) -> tuple[int, _T | None]:
+        """:meth:`run` beside a :class:`ClientWatch` task that reads ``receive`` (started at
+        the admission); its unexpected error raised as it is, after the task."""
+        self._disconnect = Disconnect()
+        ran: tuple[int, _T | None] = (500, None)
+        bug: Exception | None = None
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            try:
+                ran = await self.run(render, walk)
+            except Exception as exc:
+                bug = exc
+            nursery.cancel_scope.cancel()
+        if bug is not None:
+            raise bug
+        return ran
 
     async def refuse(self, err: OpenAIHTTPError) -> int:
         """Answer a refusal met before the stair (the body, its parse): its HTTP error."""
@@ -299,7 +302,7 @@ class Writer:
         return status
 
 class ClientWatch:
-    """Whether a response's client left: :meth:`run` beside the response cancels ``scope``
+    """Whether a response's client left: :meth:`run` beside the response calls ``left``
     when it does (``gone``), and ends quietly once the response is complete."""
 
     __slots__ = ("gone",)
@@ -307,9 +310,9 @@ class ClientWatch:
     def __init__(self) -> None:
         self.gone = False
 
-    async def run(self, receive: Receive, scope: trio.CancelScope) -> None:
+    async def run(self, receive: Receive, left: Callable[[], None]) -> None:
         while (kind := (await receive())["type"]) != "http.disconnect":
             if kind == RESPONSE_DONE:
                 return  # nothing left to watch: ending here is cheaper than being cancelled
         self.gone = True
-        scope.cancel()
+        left()
