@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from functools import partial
+from typing import Generic, TypeVar
 
 from prometheus_client.metrics_core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -54,57 +56,56 @@ class Buckets:
         self.sum += amount
 
 
-class _Labelled:
-    """A family's label children by their values (none: one child, made at once)."""
+_C = TypeVar("_C")  # a child: Tally or Buckets
 
-    def __init__(self, name: str, documentation: str, labelnames: Sequence[str]) -> None:
+
+class _Labelled(Generic[_C]):
+    """A family's label children by their values (without labels: one child, made at once)."""
+
+    def __init__(self, name: str, documentation: str, labelnames: Sequence[str],
+                 new: Callable[[], _C]) -> None:
         self._name = name
         self._doc = documentation
         self._labelnames = tuple(labelnames)
-        self._children: dict[tuple[str, ...], object] = {}
+        self._new: Callable[[], _C] = new
+        self._children: dict[tuple[str, ...], _C] = {}
+        self._only: _C | None = None if self._labelnames else self.labels()
 
-    def _child(self, values: tuple[str, ...]) -> object:
-        child = self._children.get(values)
+    def labels(self, *values: object) -> _C:
+        """The child of these label values (made on first use)."""
+        key = tuple(str(v) for v in values)
+        child = self._children.get(key)
         if child is None:
-            if len(values) != len(self._labelnames):
+            if len(key) != len(self._labelnames):
                 raise ValueError(f"{self._name} takes the labels {self._labelnames}, "
-                                 f"got {len(values)} values")
-            child = self._children[values] = self._new()
+                                 f"got {len(key)} values")
+            child = self._children[key] = self._new()
         return child
-
-    def _new(self) -> object:
-        raise NotImplementedError
 
     def remove(self, *values: object) -> None:
         """Drop the series of these label values (a ``KeyError`` if there is none)."""
         del self._children[tuple(str(v) for v in values)]
 
+    def _sole(self) -> _C:
+        """The one child of a family without labels."""
+        if self._only is None:
+            raise ValueError(f"{self._name} has labels: update one of its children")
+        return self._only
 
-class CounterFamily(_Labelled, Collector):
+
+class CounterFamily(_Labelled[Tally], Collector):
     """A counter, with labels or without: ``labels(...).inc()``, or ``inc()``."""
 
     def __init__(self, name: str, documentation: str, labelnames: Sequence[str] = ()) -> None:
-        super().__init__(name, documentation, labelnames)
-        self._only = None if self._labelnames else self.labels()
-
-    def _new(self) -> Tally:
-        return Tally()
-
-    def labels(self, *values: object) -> Tally:
-        child = self._child(tuple(str(v) for v in values))
-        assert isinstance(child, Tally)
-        return child
+        super().__init__(name, documentation, labelnames, Tally)
 
     def inc(self, amount: float = 1.0) -> None:
         """Count on a family without labels."""
-        if self._only is None:
-            raise ValueError(f"{self._name} has labels: count on one of its children")
-        self._only.inc(amount)
+        self._sole().inc(amount)
 
     def collect(self) -> Iterable[Metric]:
         family = CounterMetricFamily(self._name, self._doc, labels=self._labelnames)
         for values, child in self._children.items():
-            assert isinstance(child, Tally)
             family.add_metric(values, child.value)
         yield family
 
@@ -112,38 +113,26 @@ class CounterFamily(_Labelled, Collector):
         yield CounterMetricFamily(self._name, self._doc, labels=self._labelnames)
 
 
-class HistogramFamily(_Labelled, Collector):
+class HistogramFamily(_Labelled[Buckets], Collector):
     """A histogram, with labels or without: ``labels(...).observe(x)``, or ``observe(x)``."""
 
     def __init__(self, name: str, documentation: str, labelnames: Sequence[str] = (), *,
                  buckets: Sequence[float]) -> None:
-        super().__init__(name, documentation, labelnames)
         bounds = [float(b) for b in buckets]
         if bounds != sorted(bounds):
             raise ValueError("Buckets not in sorted order")
-        self._bounds = tuple(b for b in bounds if b != math.inf)
-        self._le = (*(floatToGoString(b) for b in self._bounds),  # type: ignore[no-untyped-call]
+        finite = tuple(b for b in bounds if b != math.inf)
+        self._le = (*(floatToGoString(b) for b in finite),  # type: ignore[no-untyped-call]
                     "+Inf")
-        self._only = None if self._labelnames else self.labels()
-
-    def _new(self) -> Buckets:
-        return Buckets(self._bounds)
-
-    def labels(self, *values: object) -> Buckets:
-        child = self._child(tuple(str(v) for v in values))
-        assert isinstance(child, Buckets)
-        return child
+        super().__init__(name, documentation, labelnames, partial(Buckets, finite))
 
     def observe(self, amount: float) -> None:
         """Observe on a family without labels."""
-        if self._only is None:
-            raise ValueError(f"{self._name} has labels: observe on one of its children")
-        self._only.observe(amount)
+        self._sole().observe(amount)
 
     def collect(self) -> Iterable[Metric]:
         family = HistogramMetricFamily(self._name, self._doc, labels=self._labelnames)
         for values, child in self._children.items():
-            assert isinstance(child, Buckets)
             total = 0
             cumulative: list[tuple[str, float]] = []
             for le, count in zip(self._le, child.counts, strict=True):
