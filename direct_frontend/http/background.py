@@ -417,7 +417,7 @@ async def follow(service: BackgroundResponses, response_id: str, owner: str, aft
     events: Sequence[bytes]
     client = ClientWatch()
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(client.run, receive, nursery.cancel_scope)
+        nursery.start_soon(client.run, receive, nursery.cancel_scope.cancel)
         while True:
             if run is not None:
                 wake = run.wake

@@ -21,6 +21,11 @@ message is its last (``more_body`` false), and the protocol then holds those
 bytes for the end of the body that hypercorn sends right after, in the same
 call: a streamed response of one batch goes out in one write instead of three.
 
+The stream also hands each request a
+:class:`~direct_frontend.http.disconnect.Disconnect` in its scope, which it
+fires when the connection closes before the last body: the app's writer
+watches its client with it instead of with a task reading ``receive``.
+
 Our app always follows ``http.response.start`` with a body message at once
 (:func:`~direct_frontend.http.asgi.send_body`, the relay's first output), so
 nothing is delayed. Only HTTP/1.1 is affected (hypercorn's h2 protocol is
@@ -32,15 +37,17 @@ it is in use is part of :func:`~direct_frontend.observability.shims.shims_active
 from __future__ import annotations
 
 import inspect
+from collections.abc import Coroutine
 from typing import Any
 
 import hypercorn.protocol
 from hypercorn.events import Event, RawData
-from hypercorn.protocol.events import Body, EndBody, Response
+from hypercorn.protocol.events import Body, EndBody, Request, Response, StreamClosed
 from hypercorn.protocol.events import Event as StreamEvent
 from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.protocol.http_stream import HTTPStream
 
+from direct_frontend.http.disconnect import DISCONNECT, Disconnect
 from direct_frontend.observability.shims import ShimStatus, gate, register
 
 SHIM = "hypercorn_coalesce"
@@ -49,10 +56,32 @@ CHECKED = ("0.18.0",)
 
 
 class FinalBodyHTTPStream(HTTPStream):
-    """hypercorn's HTTP stream, noting when the app sends its last body message."""
+    """hypercorn's HTTP stream, noting when the app sends its last body message; and giving
+    the app a :class:`~direct_frontend.http.disconnect.Disconnect` it fires when the
+    connection closes before that (so no task of the app's has to wait for it)."""
 
     #: the body being sent now is the response's last: its end follows in the same call
     final_body = False
+    disconnect: Disconnect | None = None
+
+    def handle(self, event: Any) -> Coroutine[Any, Any, None]:
+        """hypercorn's own coroutine for ``event`` (a plain function: no coroutine of ours
+        in between), but for a request's start; a close before the last body fires the
+        request's disconnect first (one after it is no client leaving)."""
+        if isinstance(event, Request):
+            return self._start(event)
+        if isinstance(event, StreamClosed) and self.disconnect is not None and not (
+                self.closed or self.final_body):
+            self.disconnect.fire()
+        return HTTPStream.handle(self, event)
+
+    async def _start(self, event: Request) -> None:
+        await HTTPStream.handle(self, event)
+        if not self.closed:
+            # the app's task is started, not run yet (nothing has yielded since): it finds
+            # the extension in its scope
+            extensions: dict[str, Any] = self.scope["extensions"]
+            extensions[DISCONNECT] = self.disconnect = Disconnect()
 
     async def app_send(self, message: Any) -> None:
         if (
@@ -127,6 +156,9 @@ def _shape_problem() -> str | None:
         HTTPStream, "_send_closed"
     ):
         return "HTTPStream.app_send is not a coroutine function, or it has no _send_closed"
+    if not inspect.iscoroutinefunction(HTTPStream.handle) or "spawn_app" not in (
+            HTTPStream.handle.__code__.co_names):
+        return "HTTPStream.handle is not a coroutine function that starts the app"
     if "send" not in inspect.signature(H11Protocol.__init__).parameters:
         return "H11Protocol no longer writes through a send callable"
     return None

@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Final, TypeVar
 
+import msgspec
 import trio
 
 from direct_frontend.http import conversations
@@ -38,6 +39,7 @@ from direct_frontend.http.asgi import (
 from direct_frontend.http.background import BackgroundResponses, follow
 from direct_frontend.http.completions import CompletionsRenderer
 from direct_frontend.http.control_view import ControlView
+from direct_frontend.http.disconnect import disconnect_of
 from direct_frontend.http.embeddings import EmbeddingsRenderer
 from direct_frontend.http.identity import Caller, caller_of, owner_of
 from direct_frontend.http.internal import Answer, Exchange
@@ -82,8 +84,7 @@ from direct_frontend.state.shell import Durable
 _R = TypeVar("_R")
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Parsed:
+class Parsed(msgspec.Struct, frozen=True):
     """A model endpoint's body, read: the request the stair walks, and what else it said."""
 
     request: ChatRequest | CompletionRequest
@@ -92,8 +93,7 @@ class Parsed:
     responses: ResponsesRequest | None = None  # a Responses request, whole
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Context:
+class Context(msgspec.Struct, frozen=True):
     """What an endpoint's parse and renderer may use besides the body: the stores and the
     owner of what the request stores and reads."""
 
@@ -359,7 +359,7 @@ class Generation:
         trace = None if tracing is None else tracing.begin(
             scope["path"], scope["headers"], request_id)
         writer = Writer(send, receive, [(b"x-request-id", request_id.encode())], self.metrics,
-                        anthropic=anthropic)
+                        anthropic=anthropic, disconnect=disconnect_of(scope))
         status = 500
         try:
             status = await walk(writer, request_id, trace)

@@ -14,9 +14,10 @@ one key reach another key's objects.
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from typing import Final
+
+import msgspec
 
 from direct_frontend.fleet.keys import key_identity, narrowed, tenant_flow
 from direct_frontend.fleet.schema import AuthConfig, FrontendConfig
@@ -48,8 +49,7 @@ def client_request_id(scope: Scope) -> str | None:
     return value.decode() if value and CLIENT_REQUEST_ID.fullmatch(value) else None
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Caller:
+class Caller(msgspec.Struct, frozen=True):
     """Who sent a request: the owner of what it stores, and the tenant whose share of the
     admission queue it takes (``[frontend.tenants]``: the owner, unless a header names one;
     a body field may name another once the body is read, pipeline/tenancy.py

@@ -190,9 +190,13 @@ class PromptClosingTCPServer(TCPServer):
     _idle_timer: trio.CancelScope | None = None
 
     async def _read_data(self) -> None:
+        timeout = self.config.read_timeout  # none by default: then no timeout scope per read
         while True:
             try:
-                with trio.fail_after(self.config.read_timeout or math.inf):
+                if timeout:
+                    with trio.fail_after(timeout):
+                        data = await self.stream.receive_some(MAX_RECV)
+                else:
                     data = await self.stream.receive_some(MAX_RECV)
             except (trio.ClosedResourceError, trio.BrokenResourceError, trio.TooSlowError):
                 break

@@ -16,10 +16,13 @@ runs the stair. What the bytes say is the endpoint's :class:`Renderer`
   choice finished and its engine calls closed (a call left early is
   aborted first).
 
-From its admission on, the request runs beside a disconnect watcher:
+From its admission on, the request runs beside a disconnect watch:
 hypercorn drops sends to a gone client silently, so without it the engine
 would keep generating; a request waiting for an engine ends at once when
-its client leaves (status 499). The answers before any output (a refusal,
+its client leaves (status 499). Where the server tells the disconnect as
+it happens (http/disconnect.py) the writer's own cancel scope is the
+watch; elsewhere a task beside the request reads ``receive``
+(:class:`ClientWatch`). The answers before any output (a refusal,
 the rate limits' headers) are the writer's too.
 """
 
@@ -41,6 +44,7 @@ from direct_frontend.http.asgi import (
     send_body,
     send_error,
 )
+from direct_frontend.http.disconnect import Disconnect
 from direct_frontend.http.rate_limits import headers_of, over_limit
 from direct_frontend.observability.metrics import Metrics
 from direct_frontend.openai.errors import OpenAIHTTPError, internal_error
@@ -115,12 +119,12 @@ def _no_renderer(prepared: Prepared | None) -> Renderer:
 class Writer:
     """One request's writer (the stair's sink); see the module's text."""
 
-    __slots__ = ("_client", "_nursery", "_receive", "_send", "anthropic", "ended", "ends",
-                 "failed", "headers", "metrics", "model", "out", "prepared", "render",
+    __slots__ = ("_disconnect", "_nursery", "_receive", "_scope", "_send", "anthropic", "ended",
+                 "ends", "failed", "headers", "metrics", "model", "out", "prepared", "render",
                  "renderer", "started", "streamed")
 
     def __init__(self, send: Send, receive: Receive, headers: Headers, metrics: Metrics, *,
-                 anthropic: bool = False) -> None:
+                 anthropic: bool = False, disconnect: Disconnect | None = None) -> None:
         self._send = send
         self._receive = receive
         self.headers = headers  # every answer's (the rate limits' join them when known)
@@ -136,8 +140,10 @@ class Writer:
         self.failed: OpenAIHTTPError | None = None
         self.out = bytearray()  # what is rendered and not yet sent
         self.ends: list[tuple[Finished, int]] = []  # a full response's finished choices
-        self._client = ClientWatch()
-        self._nursery: trio.Nursery | None = None
+        #: the server's disconnect, if it tells one (else a ClientWatch task reads receive)
+        self._disconnect = disconnect
+        self._nursery: trio.Nursery | None = None  # the ClientWatch task's
+        self._scope: trio.CancelScope | None = None  # the walk's, cancelled if the client leaves
 
     async def __call__(self, event: StairEvent, index: int = 0) -> None:
         if type(event) is Batch:
@@ -182,8 +188,11 @@ class Writer:
         elif type(event) is Admitted:
             self.renderer = renderer = self.render(self.prepared)
             self.streamed = renderer.streamed
-            assert self._nursery is not None
-            self._nursery.start_soon(self._client.run, self._receive, self._nursery.cancel_scope)
+            assert self._disconnect is not None and self._scope is not None
+            self._disconnect.watch(self._scope)
+            if self._nursery is not None:  # no server tells the disconnect: read it
+                self._nursery.start_soon(ClientWatch().run, self._receive,
+                                         self._disconnect.fire)
         elif type(event) is Failed:
             self.failed = event.error
 
@@ -219,12 +228,14 @@ class Writer:
         is raised (the app answers it with a 500 and logs it), after it logged
         here and ended as a failure. 499: the client left.
         """
+        disconnect = self._disconnect
+        if disconnect is None:  # the server does not tell it: a task beside reads receive
+            return await self._beside_watch(render, walk)
         self.render = render
         status = 200
         result: _T | None = None
         bug: Exception | None = None
-        async with trio.open_nursery() as nursery:
-            self._nursery = nursery
+        with trio.CancelScope() as self._scope:  # cancelled when the client leaves
             try:
                 result = await walk(self)
             except OpenAIHTTPError as err:
@@ -241,13 +252,30 @@ class Writer:
                     status = 500
             if bug is None:
                 status = await self._end(status)
-            nursery.cancel_scope.cancel()
-        if self._client.gone:
+        if disconnect.left():
             self.metrics.request_cancelled()
             return 499, None
         if bug is not None:
             raise bug
         return status, result
+
+    async def _beside_watch(self, render: Render,
+                            walk: Callable[[Writer], Awaitable[_T]]) -> tuple[int, _T | None]:
+        """:meth:`run` beside a :class:`ClientWatch` task that reads ``receive`` (started at
+        the admission); its unexpected error raised as it is, after the task."""
+        self._disconnect = Disconnect()
+        ran: tuple[int, _T | None] = (500, None)
+        bug: Exception | None = None
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            try:
+                ran = await self.run(render, walk)
+            except Exception as exc:
+                bug = exc
+            nursery.cancel_scope.cancel()
+        if bug is not None:
+            raise bug
+        return ran
 
     async def refuse(self, err: OpenAIHTTPError) -> int:
         """Answer a refusal met before the stair (the body, its parse): its HTTP error."""
@@ -274,7 +302,7 @@ class Writer:
         return status
 
 class ClientWatch:
-    """Whether a response's client left: :meth:`run` beside the response cancels ``scope``
+    """Whether a response's client left: :meth:`run` beside the response calls ``left``
     when it does (``gone``), and ends quietly once the response is complete."""
 
     __slots__ = ("gone",)
@@ -282,9 +310,9 @@ class ClientWatch:
     def __init__(self) -> None:
         self.gone = False
 
-    async def run(self, receive: Receive, scope: trio.CancelScope) -> None:
+    async def run(self, receive: Receive, left: Callable[[], None]) -> None:
         while (kind := (await receive())["type"]) != "http.disconnect":
             if kind == RESPONSE_DONE:
                 return  # nothing left to watch: ending here is cheaper than being cancelled
         self.gone = True
-        scope.cancel()
+        left()

@@ -20,10 +20,8 @@ from typing import Any, Final, Generic, Literal, TypeVar, get_args, overload
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
-    Counter,
     Gauge,
     GCCollector,
-    Histogram,
     PlatformCollector,
     ProcessCollector,
     disable_created_metrics,
@@ -36,6 +34,7 @@ from direct_frontend import __version__
 from direct_frontend.errors import ErrorKind
 from direct_frontend.observability import descriptors
 from direct_frontend.observability.shims import ShimStatus, shims_active
+from direct_frontend.observability.tallies import Buckets, CounterFamily, HistogramFamily, Tally
 
 PREFIX: Final = "direct_frontend_"
 
@@ -57,9 +56,6 @@ INTER_TOKEN_BUCKETS: Final = (
     0.0005, 0.001, 0.002, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05,
     0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
 )  # fmt: skip
-
-
-_M = TypeVar("_M", Counter, Gauge)
 
 
 class PerTokenHistogram(Collector):
@@ -152,16 +148,16 @@ class _Family(Generic[_F]):
         return self._build(PREFIX + self.name, registry)
 
 
-def _counter(doc: str, *labels: str) -> _Family[Counter]:
-    return _Family(lambda name, r: Counter(name, doc, labels, registry=r))
+def _counter(doc: str, *labels: str) -> _Family[CounterFamily]:
+    return _registered(lambda name: CounterFamily(name, doc, labels))
 
 
 def _gauge(doc: str, *labels: str) -> _Family[Gauge]:
     return _Family(lambda name, r: Gauge(name, doc, labels, registry=r))
 
 
-def _histogram(doc: str, *labels: str, buckets: Sequence[float]) -> _Family[Histogram]:
-    return _Family(lambda name, r: Histogram(name, doc, labels, buckets=buckets, registry=r))
+def _histogram(doc: str, *labels: str, buckets: Sequence[float]) -> _Family[HistogramFamily]:
+    return _registered(lambda name: HistogramFamily(name, doc, labels, buckets=buckets))
 
 
 def _registered(make: Callable[[str], _F]) -> _Family[_F]:
@@ -310,11 +306,14 @@ class Metrics:
         self.open_fds.set_function(descriptors.open_count)
         self.max_fds.set_function(descriptors.soft_limit)
         self._models: dict[str, ModelSeries] = {}
-        self._requests: dict[tuple[str, int], Counter] = {}
-        self._durations: dict[str, Histogram] = {}
-        self._engine_labels: dict[str, set[tuple[Counter | Gauge, tuple[str, ...]]]] = {}
+        self._requests: dict[tuple[str, int], Tally] = {}
+        self._durations: dict[str, Buckets] = {}
+        self._engine_labels: dict[str, set[tuple[CounterFamily | Gauge, tuple[str, ...]]]] = {}
         #: engine_requests_total's children by (engine, outcome): counted on every request
-        self._engine_requests: dict[tuple[str, str], Counter] = {}
+        self._engine_requests: dict[tuple[str, str], Tally] = {}
+        #: requests being served: a plain count, read at scrape time (two updates a request)
+        self._in_flight = 0
+        self.in_flight_requests.set_function(lambda: self._in_flight)
 
     # -- requests --------------------------------------------------------------
 
@@ -341,7 +340,7 @@ class Metrics:
 
     def request_started(self) -> None:
         """Count a request in flight; pair with :meth:`request_finished`."""
-        self.in_flight_requests.inc()
+        self._in_flight += 1
 
     def request_finished(
         self, endpoint: str, status: int, duration: float, *, was_in_flight: bool = True
@@ -351,7 +350,7 @@ class Metrics:
         ``was_in_flight``: False for one never counted by :meth:`request_started`.
         """
         if was_in_flight:
-            self.in_flight_requests.dec()
+            self._in_flight -= 1
         key = (endpoint, status)
         counter = self._requests.get(key)
         if counter is None:
@@ -416,7 +415,11 @@ class Metrics:
 
     # -- engines ---------------------------------------------------------------
 
-    def _child(self, metric: _M, engine: str, *rest: str) -> _M:
+    @overload
+    def _child(self, metric: Gauge, engine: str, *rest: str) -> Gauge: ...
+    @overload
+    def _child(self, metric: CounterFamily, engine: str, *rest: str) -> Tally: ...
+    def _child(self, metric: Gauge | CounterFamily, engine: str, *rest: str) -> Gauge | Tally:
         self._engine_labels.setdefault(engine, set()).add((metric, rest))
         return metric.labels(engine, *rest)
 
@@ -526,12 +529,12 @@ class ModelSeries:
         self._depth = metrics.admission_queue_depth.labels(model)
         self._wait = metrics.admission_wait_seconds.labels(model)
         self.statuses: set[int] = set()
-        self._by_status: dict[int, Counter] = {}  # the children, looked up once per status
+        self._by_status: dict[int, Tally] = {}  # the children, looked up once per status
         self._metrics = metrics
         #: (tenant, tier) -> its wait histogram's and admitted counter's children
-        self._by_tenant: dict[tuple[str, str], tuple[Histogram, Counter]] = {}
+        self._by_tenant: dict[tuple[str, str], tuple[Buckets, Tally]] = {}
         self.tenant_keys: set[tuple[str, str]] = set()  # every (tenant, tier) with a series
-        self._refusals: dict[tuple[str, str, str], Counter] = {}
+        self._refusals: dict[tuple[str, str, str], Tally] = {}
         self.refusal_keys: set[tuple[str, str, str]] = set()
 
     def request(self, status: int) -> None:

@@ -17,6 +17,7 @@ nested too deep.
 from __future__ import annotations
 
 import json
+import operator
 from typing import Annotated, Any, Final, Literal
 
 import msgspec
@@ -196,6 +197,11 @@ def _unsupported(what: str, param: str) -> OpenAIHTTPError:
     return invalid_request(f"{what} is not supported yet.", param)
 
 
+_EXTENSION_NAMES: Final = tuple(name for name, _ in EXTENSIONS)
+#: a body's :data:`EXTENSIONS` fields, read at once (a tuple, None where unset)
+_EXTENSION_VALUES: Final = operator.attrgetter(*_EXTENSION_NAMES)
+
+
 def _common(w: _WireBase) -> dict[str, Any]:
     """Checks shared by both endpoints; returns the normalised shared fields."""
     stream = bool(w.stream)
@@ -204,10 +210,14 @@ def _common(w: _WireBase) -> dict[str, Any]:
             "The 'stream_options' parameter is only allowed when 'stream' is true.",
             "stream_options",
         )
-    constraint = constraint_of(
+    extensions = _EXTENSION_VALUES(w)
+    constraint = None if (  # none asked for (the usual case): nothing to read
+        w.response_format is None and w.structured_outputs is None
+        and extensions.count(None) == len(extensions)
+    ) else constraint_of(
         w.response_format,
         w.structured_outputs,
-        {name: getattr(w, name) for name, _ in EXTENSIONS},
+        dict(zip(_EXTENSION_NAMES, extensions, strict=True)),
     )
     if isinstance(w.stop, str):
         stop: tuple[str, ...] = (w.stop,)
@@ -474,9 +484,14 @@ def _prompts(raw: str | list[Any], param: str = "prompt") -> tuple[Prompt, ...]:
     return tuple(prompts)
 
 
+_INT = {int}  # a token id's exact type (a bool is not one)
+
+
 def _token_ids(ids: list[Any], where: str) -> tuple[int, ...]:
     if not ids:
         raise invalid_request(f"'{where}' must not be empty.", where)
+    if set(map(type, ids)) == _INT and min(ids) >= 0 and max(ids) <= UINT32_MAX:
+        return tuple(ids)  # every id checked at once, in C: the usual case
     for k, tok in enumerate(ids):
         if type(tok) is not int or tok < 0:
             raise invalid_request(

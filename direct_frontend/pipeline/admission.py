@@ -436,7 +436,9 @@ class Admission:
         they hold now over :attr:`_memory`."""
         peak, since = self._peak
         held = self._interactive
-        return held + max(0.0, peak - held) * math.exp(-(now - since) / self._memory)
+        if peak <= held:  # nothing above what they hold to decay (as the formula gives)
+            return held + 0.0
+        return held + (peak - held) * math.exp(-(now - since) / self._memory)
 
     def _count(self, flow: str, count: int, tier: Tier, now: float) -> None:
         """``flow`` holds ``count`` more slots at ``tier`` (fewer if negative) from ``now``."""

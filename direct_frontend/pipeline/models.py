@@ -13,6 +13,7 @@ requests finish under it. The control plane builds both
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Iterable, Iterator
 
 import msgspec
@@ -29,6 +30,7 @@ from direct_frontend.routing.catalog import Catalog
 
 Request = ChatRequest | CompletionRequest
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+_SAMPLING_DEFAULTS = operator.attrgetter(*_SAMPLING_FIELDS)  # a model's, as one tuple
 
 
 def with_defaults(request: Request, defaults: SamplingDefaults) -> Request:
@@ -37,11 +39,11 @@ def with_defaults(request: Request, defaults: SamplingDefaults) -> Request:
     A chat request that names no thinking budget gets its ``reasoning_effort``'s
     (``effort_budgets``), else the model's ``thinking_token_budget``.
     """
-    changes: dict[str, object] = {  # the model's default read first: mostly none is set
-        name: value
-        for name in _SAMPLING_FIELDS
-        if (value := getattr(defaults, name)) is not None and getattr(request, name) is None
-    }
+    changes: dict[str, object] = {}
+    values = _SAMPLING_DEFAULTS(defaults)  # the model's defaults read first: mostly none is set
+    if values.count(None) != len(values):
+        changes = {name: value for name, value in zip(_SAMPLING_FIELDS, values, strict=True)
+                   if value is not None and getattr(request, name) is None}
     if isinstance(request, ChatRequest) and request.thinking_token_budget is None:
         budget = defaults.effort_budgets.of(request.reasoning_effort)
         if budget is None:

@@ -192,8 +192,7 @@ class Stair:
         key = routing_key(settings.frontend.routing.session_key, ask.headers, request.user,
                           request.prompt_cache_key)
         prompts = await prepare_each(ask.kind, request, ask.request_id, served.tokenizing, key)
-        limit = served.context_length
-        if ask.truncate and limit is not None:
+        if ask.truncate and (limit := served.context_length) is not None:
             first = prompts[0]
             prompts = (await truncated_to_fit(first, served.tokenizing, limit,
                                               first.request.max_tokens or 1),)

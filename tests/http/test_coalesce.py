@@ -15,12 +15,13 @@ import pytest
 import trio
 from hypercorn.config import Config
 from hypercorn.events import Closed, RawData, Updated
-from hypercorn.protocol.events import Body, EndBody, Response, StreamClosed
+from hypercorn.protocol.events import Body, EndBody, Request, Response, StreamClosed
 from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.protocol.http_stream import HTTPStream
 from hypercorn.trio.worker_context import WorkerContext
 
 from direct_frontend.http import coalesce
+from direct_frontend.http.disconnect import disconnect_of
 from direct_frontend.observability.shims import ShimStatus, shims_active
 from tests.support.daemon import Daemon, fleet_text, running_daemon, sim_engine
 from tests.support.http import http
@@ -139,6 +140,50 @@ async def test_the_stream_notes_only_a_last_body_without_trailers() -> None:
     )
     await trailing.app_send({"type": "http.response.body", "body": b"b"})
     assert not trailing.final_body  # its end comes with the trailers, not now
+
+
+class Spawner:
+    """hypercorn's task group, as a stream uses it: the app's scope and its messages kept."""
+
+    def __init__(self) -> None:
+        self.scopes: list[Any] = []
+        self.put: list[Any] = []
+
+    async def spawn_app(self, app: Any, config: Any, scope: Any, send: Any) -> Any:
+        self.scopes.append(scope)
+
+        async def app_put(message: Any) -> None:
+            self.put.append(message)
+
+        return app_put
+
+
+async def test_the_stream_fires_its_disconnect_when_it_closes_before_its_last_body() -> None:
+    async def send(event: Any) -> None:
+        pass
+
+    def served(spawner: Spawner) -> coalesce.FinalBodyHTTPStream:
+        return coalesce.FinalBodyHTTPStream(
+            None, Config(), WorkerContext(None), spawner, False, None, None, send, 1  # type: ignore[arg-type]
+        )
+
+    request = Request(stream_id=1, headers=[], http_version="1.1", method="POST",
+                      raw_path=b"/v1/completions", state={})
+    left = Spawner()
+    stream = served(left)
+    await stream.handle(request)
+    disconnect = disconnect_of(left.scopes[0])
+    assert disconnect is not None and not disconnect.gone
+    await stream.handle(StreamClosed(stream_id=1))
+    assert disconnect.gone and left.put == [{"type": "http.disconnect"}]  # told both ways
+    answered = Spawner()
+    stream = served(answered)
+    await stream.handle(request)
+    await stream.app_send({"type": "http.response.start", "status": 200, "headers": []})
+    await stream.app_send({"type": "http.response.body", "body": b"done"})
+    await stream.handle(StreamClosed(stream_id=1))  # the connection recycled after it
+    disconnect = disconnect_of(answered.scopes[0])
+    assert disconnect is not None and not disconnect.gone
 
 
 def test_an_empty_body_goes_out_with_the_head() -> None:

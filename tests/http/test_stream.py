@@ -20,6 +20,7 @@ from openai.types.chat import ChatCompletionChunk
 
 from direct_frontend.http.asgi import Message
 from direct_frontend.http.completions import CompletionsRenderer
+from direct_frontend.http.disconnect import Disconnect
 from direct_frontend.http.stream import Renderer, Writer
 from direct_frontend.observability.metrics import Metrics
 from direct_frontend.openai.errors import engine_failed
@@ -77,7 +78,7 @@ class Client:
 
 def run(client: Client, events: list[tuple[StairEvent, int]] | Callable[[Writer], Awaitable[None]],
         render: Callable[[Prepared | None], Renderer], *,
-        anthropic: bool = False) -> tuple[int, object]:
+        anthropic: bool = False, disconnect: Disconnect | None = None) -> tuple[int, object]:
     """The writer's status and result after the stair ``events`` describe."""
     async def walk(writer: Writer) -> str:
         assert not callable(events)
@@ -87,7 +88,7 @@ def run(client: Client, events: list[tuple[StairEvent, int]] | Callable[[Writer]
 
     async def main() -> tuple[int, object]:
         writer = Writer(client.send, client.receive, [(b"x-request-id", b"r1")], Metrics(),
-                        anthropic=anthropic)
+                        anthropic=anthropic, disconnect=disconnect)
         return await writer.run(render, events if callable(events) else walk)
 
     return trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
@@ -192,6 +193,62 @@ def test_a_client_that_leaves_cancels_the_walk_from_its_admission(
     client = Client(leaves=True)
     assert run(client, walk, lambda p: CompletionsRenderer("completion", ready)) == (499, None)
     assert reached == ["admitted"] and client.sent == []
+
+
+class Unread(Client):
+    """A client whose ``receive`` no one may read: its server tells its disconnect."""
+
+    async def receive(self) -> Message:
+        raise AssertionError("the writer read receive although its server tells the disconnect")
+
+
+@pytest.mark.parametrize("when", ["before", "while"])
+def test_a_disconnect_the_server_tells_cancels_the_walk_from_its_admission(
+    text_model: TextModel, when: str,
+) -> None:
+    """No task reads ``receive``: the server fires the :class:`Disconnect`, before the
+    admission (it is watched from there on) or while the request waits for an engine."""
+    ready = prepared(text_model, {"prompt": "hi"})
+    reached: list[str] = []
+    disconnect = Disconnect()
+
+    async def walk(writer: Writer) -> None:
+        if when == "before":
+            disconnect.fire()
+        for event, _ in start(ready)[:3]:
+            await writer(event)
+        reached.append("admitted")
+        if when == "while":
+            disconnect.fire()
+        await trio.sleep(3600)  # waiting for an engine
+        reached.append("placed")
+
+    client = Unread()
+    assert run(client, walk, lambda p: CompletionsRenderer("completion", ready),
+               disconnect=disconnect) == (499, None)
+    assert reached == ["admitted"] and client.sent == []
+
+
+def test_a_disconnect_before_the_admission_of_a_refused_request_is_its_refusal(
+    text_model: TextModel,
+) -> None:
+    """Not watched yet: the refusal is answered and counted as itself, not as a client
+    that left; a request that ends without one is answered as usual."""
+    ready = prepared(text_model, {"prompt": "hi"})
+    failed = Failed(engine_failed("gone"), Usage(PROMPT, 0))
+    disconnect = Disconnect()
+    disconnect.fire()
+    client = Unread()
+    status, _ = run(client, [(ready, 0), (failed, 0)],
+                    lambda p: CompletionsRenderer("completion", ready), disconnect=disconnect)
+    assert status == client.status == failed.error.status
+    quiet = Unread()
+    status, result = run(quiet, [*start(ready), (Opened(Usage(PROMPT, 0), "a"), 0),
+                                 (finished(batch("ok", 1), 1), 0)],
+                         lambda p: CompletionsRenderer("completion", ready),
+                         disconnect=Disconnect())
+    assert (status, result) == (200, "walked")
+    assert Completion.model_validate_json(quiet.body).choices[0].text == "ok"
 
 
 def test_an_unexpected_error_before_the_head_is_raised_and_after_it_ends_the_stream(

@@ -15,6 +15,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import math
+import operator
 import random
 from collections.abc import Sequence
 from typing import Any, ClassVar, Protocol
@@ -256,6 +257,7 @@ _FLOATS = (
     "temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty",
     "repetition_penalty",
 )
+_FLOAT_VALUES = operator.attrgetter(*_FLOATS)
 
 
 def _refused(param: str, value: object, limit: str) -> EngineError:
@@ -287,8 +289,10 @@ def check_limits(call: GenerateCall, limits: WireLimits) -> None:
             raise _refused(f"stop_token_ids[{i}]", token, f"the token ids 0..{limits.token_id}")
     if not 0 <= s.top_k <= UINT32_MAX:
         raise _refused("top_k", s.top_k, f"the engine's range 0..{UINT32_MAX}")
-    for name in _FLOATS:
-        value = getattr(s, name)
+    values = _FLOAT_VALUES(s)
+    if all(map(math.isfinite, values)) and max(map(abs, values)) <= FLOAT32_MAX:
+        return  # all of them at once, in C: the usual case
+    for name, value in zip(_FLOATS, values, strict=True):
         if not (math.isfinite(value) and abs(value) <= FLOAT32_MAX):
             raise _refused(name, value, "what a float32 holds")
 
