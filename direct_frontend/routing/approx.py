@@ -175,7 +175,8 @@ class ApproxPrefixIndex:
         if len(keys) < FEW and not touched and len(set(keys)) == len(keys):
             self._place_short(mine, lru)
             return
-        found = list(map(blocks.get, hashes))
+        size = len(blocks)
+        found = self._found(keys, mine)
         unknown = found.count(None)
         repeated = len(set(keys)) != len(keys) if unknown < len(keys) else None
         present: list[Holders] = list(filter(None, found))  # (the known blocks' holders)
@@ -187,13 +188,13 @@ class ApproxPrefixIndex:
             values: Iterable[Holders] = itertools.repeat(mine)
         else:  # some held by others too: joined there (which changes their Joint in place)
             values = joined_runs(keys, found, mine)
-        size = len(blocks)
         if repeated:
             last = dict(zip(keys, found, strict=True))  # (a repeated block's holders once)
             unheld(last.values())
         else:
             unheld(present)
-        blocks.update(zip(keys, values, strict=False))
+        if present:  # (where none was known, each holds ``mine`` already)
+            blocks.update(zip(keys, values, strict=False))
         if repeated is None:
             repeated = len(blocks) - size != len(keys)  # (new ones repeated)
             if joining is None:
@@ -212,6 +213,21 @@ class ApproxPrefixIndex:
             mine.back = last_places(reversed(keys)) if repeated else keys[::-1]
             lru.book.add(mine)
             lru.count += joining or 0
+
+    def _found(self, keys: tuple[int, ...], mine: Placed) -> list[Holders | None]:
+        """Each of ``keys``' holders before ``mine`` (None: a new block), which every new
+        block holds from here on: one C pass that looks each up and puts ``mine`` on the
+        new ones (where all are new, as the placement leaves them; where new ones follow
+        known ones, a C step tells them apart)."""
+        found: list[Any] = list(map(self._blocks.setdefault, keys, itertools.repeat(mine)))
+        new = found.count(mine)
+        if not new:
+            return found
+        first = found.index(mine)
+        if new == len(found) - first:  # (new from there on: a conversation's next turn)
+            found[first:] = itertools.repeat(None, new)
+            return found
+        return [None if f is mine else f for f in found]
 
     def _place_short(self, mine: Placed, lru: _Lru | None) -> None:
         """:meth:`_place` block by block, for a few distinct blocks, no orphan (cheaper
@@ -384,16 +400,17 @@ class ApproxPrefixIndex:
         if orphaned or len(gone) < FEW:
             self._let_go_each(engine, gone)
             return
-        found = list(map(blocks.get, gone))
-        # the walk found each this engine's: in C but for the Joints
-        joints = joints_at(found)
-        for at in joints:
-            self._leave_joint(engine, gone[at], found[at])  # type: ignore[arg-type]
-        if joints:
-            gone = list(itertools.compress(gone, map(
-                operator.is_not, map(type, found), itertools.repeat(Joint))))
+        # the walk found each this engine's: each taken out in C, a Joint put back and left
+        found = list(map(blocks.pop, gone))
+        first = found[0]
+        if type(first) is Placed and found.count(first) == len(found):
+            first.sole -= len(found)  # (the usual: blocks one placement held alone)
+            return
+        for at in joints_at(found):
+            h, joint = gone[at], found[at]
+            blocks[h] = joint
+            self._leave_joint(engine, h, joint)  # type: ignore[arg-type]
         unheld(found)  # (a Joint's run changes nothing)
-        collections.deque(map(blocks.__delitem__, gone), maxlen=0)  # (in C, keeping nothing)
 
     def _let_go_each(self, engine: str, gone: Sequence[int]) -> None:
         """:meth:`_let_go` block by block (some are orphans, or a few blocks): each block's
