@@ -176,10 +176,14 @@ class ApproxPrefixIndex:
             self._place_short(mine, lru)
             return
         size = len(blocks)
-        found = self._found(keys, mine)
+        found, tail = self._found(keys, mine)
+        # the blocks before ``tail`` may change holders; those after it are new, all ``mine``'s
+        new_tail = len(blocks) - size if tail < len(keys) else 0
+        head, before = (keys, found) if tail == len(keys) else (keys[:tail], found[:tail])
         unknown = found.count(None)
-        repeated = len(set(keys)) != len(keys) if unknown < len(keys) else None
-        present: list[Holders] = list(filter(None, found))  # (the known blocks' holders)
+        repeated = (len(set(head)) != len(head) or new_tail != len(keys) - tail
+                    if unknown < len(keys) else None)
+        present: list[Holders] = list(filter(None, before))  # (the known blocks' holders)
         plain = Joint not in set(map(type, present))
         joining = None  # blocks new to the LRU model: when all are new, as many as went in
         if lru is not None and (repeated is not None or touched):
@@ -187,14 +191,14 @@ class ApproxPrefixIndex:
         if plain and {engine}.issuperset(map(_ENGINE, present)):
             values: Iterable[Holders] = itertools.repeat(mine)
         else:  # some held by others too: joined there (which changes their Joint in place)
-            values = joined_runs(keys, found, mine)
+            values = joined_runs(head, before, mine)
         if repeated:
             last = dict(zip(keys, found, strict=True))  # (a repeated block's holders once)
             unheld(last.values())
         else:
             unheld(present)
-        if present:  # (where none was known, each holds ``mine`` already)
-            blocks.update(zip(keys, values, strict=False))
+        if present:  # (the new blocks hold ``mine`` already)
+            blocks.update(zip(head, values, strict=False))
         if repeated is None:
             repeated = len(blocks) - size != len(keys)  # (new ones repeated)
             if joining is None:
@@ -202,11 +206,8 @@ class ApproxPrefixIndex:
         if repeated:
             mine.keys = last_places(keys)
         mine.prompt = mine.keys
-        if type(values) is not list:
-            mine.sole = len(mine.keys)
-        else:  # (where a block repeats, its last holders are its)
-            mine.sole = (list(dict(zip(keys, values, strict=True)).values()) if repeated
-                         else values).count(mine)
+        mine.sole = len(mine.keys) if type(values) is not list else new_tail + _sole(
+            mine, head, values, repeated)
         self._ages.add(mine)
         if lru is not None:  # (before the cap, which keeps what an LRU model holds)
             mine.tag = engine
@@ -214,20 +215,24 @@ class ApproxPrefixIndex:
             lru.book.add(mine)
             lru.count += joining or 0
 
-    def _found(self, keys: tuple[int, ...], mine: Placed) -> list[Holders | None]:
+    def _found(self, keys: tuple[int, ...], mine: Placed) -> tuple[list[Holders | None], int]:
         """Each of ``keys``' holders before ``mine`` (None: a new block), which every new
-        block holds from here on: one C pass that looks each up and puts ``mine`` on the
-        new ones (where all are new, as the placement leaves them; where new ones follow
-        known ones, a C step tells them apart)."""
+        block holds from here on, and where a tail of only new blocks begins (``len(keys)``:
+        none, or new blocks among known ones).
+
+        One C pass looks each up and puts ``mine`` on the new ones; where all
+        are new, or only a tail (a conversation's next turn, or a new prompt after
+        a shared head), C steps tell them apart.
+        """
         found: list[Any] = list(map(self._blocks.setdefault, keys, itertools.repeat(mine)))
         new = found.count(mine)
         if not new:
-            return found
+            return found, len(found)
         first = found.index(mine)
-        if new == len(found) - first:  # (new from there on: a conversation's next turn)
+        if new == len(found) - first:
             found[first:] = itertools.repeat(None, new)
-            return found
-        return [None if f is mine else f for f in found]
+            return found, first
+        return [None if f is mine else f for f in found], len(found)
 
     def _place_short(self, mine: Placed, lru: _Lru | None) -> None:
         """:meth:`_place` block by block, for a few distinct blocks, no orphan (cheaper
@@ -274,7 +279,7 @@ class ApproxPrefixIndex:
         if lru is not None:
             excess = lru.count - capacity
             if excess > 0:
-                self._let_go(engine, lru.book.pop_oldest(excess, lru.still))
+                self._let_go(engine, lru.book.pop_oldest(excess, lru.still, lru.known))
                 lru.count -= excess
             if lru.book.needs_filter(lru.count):
                 lru.book.filter(lru.still, lru.known)
@@ -504,6 +509,13 @@ class ApproxPrefixIndex:
 
     def __len__(self) -> int:
         return len(self._blocks)
+
+
+def _sole(mine: Placed, keys: Sequence[int], values: list[Holders], repeated: bool) -> int:
+    """Of ``keys``, placed with ``values`` as their holders, how many ``mine`` holds alone
+    (where a block repeats, its last holders are its)."""
+    return (list(dict(zip(keys, values, strict=True)).values()) if repeated
+            else values).count(mine)
 
 
 def best_of(found: dict[str, int], names: Sequence[str]) -> int:

@@ -188,16 +188,23 @@ class Book:
         """Whether the listed blocks outnumber ``live`` enough to filter (:meth:`filter`)."""
         return self._listed > 2 * live + _SLACK
 
-    def pop_oldest(self, count: int, still: Still) -> list[int]:
+    def pop_oldest(self, count: int, still: Still, known: Known | None = None) -> list[int]:
         """Walk past the ``count`` oldest blocks still placed (``still``: of some listed
-        blocks of a placement, those it still holds here, in order); returns them."""
+        blocks of a placement, those it still holds here, in order); returns them.
+
+        ``known`` (as :meth:`filter`'s): where it tells that a placement not walked
+        into yet still holds every block it lists, they are taken without a walk.
+        """
         out: list[int] = []
         entries = self.entries
         while len(out) < count and entries:
             p, seq, listed = entries[0]
             start = self._head
             end = len(listed)
-            if p.seq == seq:  # (a window of a few more, so dead blocks cost no extra walk)
+            if p.seq == seq and not start and known is not None and known(p, listed) is listed:
+                end = min(end, count - len(out))
+                out.extend(listed[:end])
+            elif p.seq == seq:  # (a window of a few more, so dead blocks cost no extra walk)
                 need = count - len(out)
                 live = still(list(listed[start:start + need + _WINDOW]), p)
                 if len(live) > need:
