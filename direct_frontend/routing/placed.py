@@ -192,8 +192,8 @@ class Book:
         """Walk past the ``count`` oldest blocks still placed (``still``: of some listed
         blocks of a placement, those it still holds here, in order); returns them.
 
-        ``known`` (as :meth:`filter`'s): where it tells that a placement not walked
-        into yet still holds every block it lists, they are taken without a walk.
+        ``known`` (as :meth:`filter`'s): where it tells which blocks a placement not
+        walked into yet still holds, they are taken without a walk.
         """
         out: list[int] = []
         entries = self.entries
@@ -201,9 +201,13 @@ class Book:
             p, seq, listed = entries[0]
             start = self._head
             end = len(listed)
-            if p.seq == seq and not start and known is not None and known(p, listed) is listed:
-                end = min(end, count - len(out))
-                out.extend(listed[:end])
+            held = None if start or known is None or p.seq != seq else known(p, listed)
+            if held is not None:
+                need = count - len(out)
+                if len(held) > need:
+                    held = held[:need]
+                    end = listed.index(held[-1]) + 1
+                out.extend(held)
             elif p.seq == seq:  # (a window of a few more, so dead blocks cost no extra walk)
                 need = count - len(out)
                 live = still(list(listed[start:start + need + _WINDOW]), p)
