@@ -107,9 +107,10 @@ class ApproxPrefixIndex:
 
         Each hash ends up newest, in order, held by ``engine`` until the new
         expiry: one :class:`Placed` that every block points at, set block by
-        block for a short prompt, else in bulk (one C dict update where each block
-        is new or ``engine``'s alone; blocks other engines hold too, a shared
-        system prompt's, joined one by one). ``head``: how many leading hashes are
+        block for a short prompt, else in bulk (one C pass puts it on the new
+        blocks as it looks each up; the known ones, a shared system prompt's, are
+        then updated in one C step where each is ``engine``'s alone, else joined
+        one by one). ``head``: how many leading hashes are
         likely one earlier placement's (a prompt's, these being it and its
         answer); where that placement alone still holds exactly them, it is
         extended by the rest and made the newest instead (:meth:`_extended`).
