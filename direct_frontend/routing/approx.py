@@ -412,11 +412,17 @@ class ApproxPrefixIndex:
         if type(first) is Placed and found.count(first) == len(found):
             first.sole -= len(found)  # (the usual: blocks one placement held alone)
             return
-        for at in joints_at(found):
-            h, joint = gone[at], found[at]
-            blocks[h] = joint
-            self._leave_joint(engine, h, joint)  # type: ignore[arg-type]
-        unheld(found)  # (a Joint's run changes nothing)
+        at = 0
+        for _, same in itertools.groupby(found, key=id):  # (runs of one holder: a step each)
+            run = list(same)
+            holders = run[0]
+            if type(holders) is Placed:
+                holders.sole -= len(run)
+            else:  # a Joint: put back, and left
+                for h in gone[at:at + len(run)]:
+                    blocks[h] = holders
+                    self._leave_joint(engine, h, holders)  # type: ignore[arg-type]
+            at += len(run)
 
     def _let_go_each(self, engine: str, gone: Sequence[int]) -> None:
         """:meth:`_let_go` block by block (some are orphans, or a few blocks): each block's
