@@ -4,14 +4,15 @@ Builds the policy as the daemon does (``make_policy`` from ``[frontend.routing]`
 ``policy = "kv_aware"``, no KV events: the approximate memory, with each
 engine's capacity as discovery reports it) over ``--engines`` engines, then
 routes ``--requests`` unique prompts of about ``--tokens`` token ids that
-share a ``--head`` of ids (a chat template's), ``--concurrency`` at a time:
-each placement is begun on its engine, prefilled, and completed with a
+share a ``--head`` of ids (a chat template's), ``--concurrency`` at a time,
+each made just before it is routed (as a tokenized prompt is; the making is
+not timed): each placement is begun on its engine, prefilled, and completed with a
 16-token answer (``on_complete``) once ``--concurrency`` newer ones are out.
 That is the routing work a long prompt costs (hashing its blocks, the
 memory's lookup, placement and LRU, the answer's extension), without the
 HTTP, tokenizing and engine work around it.
 
-Prints the CPU (``time.process_time``) per request, the median of
+Prints the CPU (``time.process_time`` around the routing calls) per request, the median of
 ``--rounds`` rounds, each round a fresh process per side run in alternating
 order; with ``--baseline REV`` (a git revision or a directory holding a
 ``direct_frontend`` package, as bench_overhead.py takes it) the ratio too.
@@ -54,16 +55,14 @@ def route(args: argparse.Namespace) -> float:
     rng = random.Random(args.seed)
     head = [rng.randrange(1, 150_000) for _ in range(args.head)]
     warm = args.requests // 4
-    prompts = []
-    for _ in range(warm + args.requests):
-        body = array.array("I", rng.randbytes(4 * (args.tokens + rng.randrange(200))))
-        prompts.append(PromptIds(head + [x % 150_000 + 1 for x in body]))
-    answers = [[rng.randrange(1, 150_000) for _ in range(ANSWER)] for _ in prompts]
     inflight: list[tuple[object, PromptIds, list[int]]] = []
-    start = 0.0
-    for i, (prompt, answer) in enumerate(zip(prompts, answers, strict=True)):
-        if i == warm:
-            start = time.process_time()
+    spent = 0.0
+    for i in range(warm + args.requests):
+        # made just before it is routed (as a tokenized prompt is), its making not timed
+        body = array.array("I", rng.randbytes(4 * (args.tokens + rng.randrange(200))))
+        prompt = PromptIds(head + [x % 150_000 + 1 for x in body])
+        answer = [rng.randrange(1, 150_000) for _ in range(ANSWER)]
+        start = time.process_time()
         placement = policy.choose(catalog, RequestView(prompt, ANSWER))
         assert placement is not None
         placement.engine.load.begin(len(prompt), placement.blocks, placement.dp_rank)
@@ -74,7 +73,9 @@ def route(args: argparse.Namespace) -> float:
             done, ids, out = inflight.pop(0)
             done.engine.load.end(len(ids), done.blocks, done.dp_rank)  # type: ignore[attr-defined]
             policy.on_complete(done, ids, out)  # type: ignore[arg-type]
-    return float((time.process_time() - start) / args.requests * 1000)
+        if i >= warm:
+            spent += time.process_time() - start
+    return float(spent / args.requests * 1000)
 
 
 def main() -> None:
