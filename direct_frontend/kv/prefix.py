@@ -19,6 +19,7 @@ token ids, the same way for stored blocks and for requests (docs/kv-events.md §
 from __future__ import annotations
 
 import array
+import struct
 from collections.abc import Iterable, Sequence
 from typing import Any, Final
 
@@ -163,13 +164,13 @@ def prefix_hashes(
         if source is not None:
             reused = source.get(key, [])[: token_ids.known // block_size]  # type: ignore[union-attr]
     start = len(reused)
-    data = array.array("I", token_ids[start * block_size : n_blocks * block_size]).tobytes()
+    data = _u32_bytes(token_ids, start * block_size, n_blocks * block_size)
     step = block_size * 4
     h = reused[-1] if reused else root
     out = reused
     offset = 0
     if start == 0 and cache_salt:
-        h = _xxh3(data[:step] + _salt_bytes(cache_salt), h)
+        h = _xxh3(bytes(data[:step]) + _salt_bytes(cache_salt), h)
         out.append(h)
         offset = step
     _chain_on(out, data, offset, step, h)
@@ -184,17 +185,28 @@ def extend_hashes(known: Sequence[int], rest: Sequence[int], block_size: int) ->
     the hashes of their first blocks (a prompt's, when the ids are it and its answer), and
     ``rest``, the ids after those blocks: only the blocks of ``rest`` are hashed."""
     out = list(known)
-    data = array.array("I", rest[: len(rest) // block_size * block_size]).tobytes()
+    data = _u32_bytes(rest, 0, len(rest) // block_size * block_size)
     _chain_on(out, data, 0, block_size * 4, out[-1] if out else ROOT_SEED)
     return out
 
 
-def _chain_on(out: list[int], data: bytes, offset: int, step: int, h: int) -> None:
-    """Append to ``out`` the chained hash of each ``step`` bytes of ``data`` from ``offset``,
-    the chain going on from ``h``."""
-    for at in range(offset, len(data), step):  # (bytes slices: memoryview ones are no faster)
-        h = _xxh3(data[at : at + step], h)
-        out.append(h)
+def _u32_bytes(token_ids: Sequence[int] | array.array[int], start: int, end: int
+               ) -> memoryview:
+    """Ids ``start:end`` as little-endian u32 bytes (the slice is a plain tuple or list,
+    which ``array`` converts in one C pass; a tuple subclass it converts item by item)."""
+    return memoryview(array.array("I", token_ids[start:end])).cast("B")
+
+
+def _chain_on(out: list[int], data: bytes | memoryview, offset: int, step: int, h: int) -> None:
+    """Append to ``out`` the chained hash of each whole ``step`` bytes of ``data`` from
+    ``offset``, the chain going on from ``h``.
+
+    The blocks are cut in C (``struct.iter_unpack``) and the chain is one
+    comprehension: per block, one XXH3 call and no other Python call.
+    """
+    end = offset + (len(data) - offset) // step * step
+    blocks = struct.iter_unpack(f"{step}s", memoryview(data)[offset:end])
+    out += [h := _xxh3(block, h) for (block,) in blocks]
 
 
 def _media_prefix_hashes(

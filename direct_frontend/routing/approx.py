@@ -107,9 +107,10 @@ class ApproxPrefixIndex:
 
         Each hash ends up newest, in order, held by ``engine`` until the new
         expiry: one :class:`Placed` that every block points at, set block by
-        block for a short prompt, else in bulk (one C dict update where each block
-        is new or ``engine``'s alone; blocks other engines hold too, a shared
-        system prompt's, joined one by one). ``head``: how many leading hashes are
+        block for a short prompt, else in bulk (one C pass puts it on the new
+        blocks as it looks each up; the known ones, a shared system prompt's, are
+        then updated in one C step where each is ``engine``'s alone, else joined
+        one by one). ``head``: how many leading hashes are
         likely one earlier placement's (a prompt's, these being it and its
         answer); where that placement alone still holds exactly them, it is
         extended by the rest and made the newest instead (:meth:`_extended`).
@@ -175,10 +176,15 @@ class ApproxPrefixIndex:
         if len(keys) < FEW and not touched and len(set(keys)) == len(keys):
             self._place_short(mine, lru)
             return
-        found = list(map(blocks.get, hashes))
+        size = len(blocks)
+        found, tail = self._found(keys, mine)
+        # the blocks before ``tail`` may change holders; those after it are new, all ``mine``'s
+        new_tail = len(blocks) - size if tail < len(keys) else 0
+        head, before = (keys, found) if tail == len(keys) else (keys[:tail], found[:tail])
         unknown = found.count(None)
-        repeated = len(set(keys)) != len(keys) if unknown < len(keys) else None
-        present: list[Holders] = list(filter(None, found))  # (the known blocks' holders)
+        repeated = (len(set(head)) != len(head) or new_tail != len(keys) - tail
+                    if unknown < len(keys) else None)
+        present: list[Holders] = list(filter(None, before))  # (the known blocks' holders)
         plain = Joint not in set(map(type, present))
         joining = None  # blocks new to the LRU model: when all are new, as many as went in
         if lru is not None and (repeated is not None or touched):
@@ -186,14 +192,14 @@ class ApproxPrefixIndex:
         if plain and {engine}.issuperset(map(_ENGINE, present)):
             values: Iterable[Holders] = itertools.repeat(mine)
         else:  # some held by others too: joined there (which changes their Joint in place)
-            values = joined_runs(keys, found, mine)
-        size = len(blocks)
+            values = joined_runs(head, before, mine)
         if repeated:
             last = dict(zip(keys, found, strict=True))  # (a repeated block's holders once)
             unheld(last.values())
         else:
             unheld(present)
-        blocks.update(zip(keys, values, strict=False))
+        if present:  # (the new blocks hold ``mine`` already)
+            blocks.update(zip(head, values, strict=False))
         if repeated is None:
             repeated = len(blocks) - size != len(keys)  # (new ones repeated)
             if joining is None:
@@ -201,17 +207,33 @@ class ApproxPrefixIndex:
         if repeated:
             mine.keys = last_places(keys)
         mine.prompt = mine.keys
-        if type(values) is not list:
-            mine.sole = len(mine.keys)
-        else:  # (where a block repeats, its last holders are its)
-            mine.sole = (list(dict(zip(keys, values, strict=True)).values()) if repeated
-                         else values).count(mine)
+        mine.sole = len(mine.keys) if type(values) is not list else new_tail + _sole(
+            mine, head, values, repeated)
         self._ages.add(mine)
         if lru is not None:  # (before the cap, which keeps what an LRU model holds)
             mine.tag = engine
             mine.back = last_places(reversed(keys)) if repeated else keys[::-1]
             lru.book.add(mine)
             lru.count += joining or 0
+
+    def _found(self, keys: tuple[int, ...], mine: Placed) -> tuple[list[Holders | None], int]:
+        """Each of ``keys``' holders before ``mine`` (None: a new block), which every new
+        block holds from here on, and where a tail of only new blocks begins (``len(keys)``:
+        none, or new blocks among known ones).
+
+        One C pass looks each up and puts ``mine`` on the new ones; where all
+        are new, or only a tail (a conversation's next turn, or a new prompt after
+        a shared head), C steps tell them apart.
+        """
+        found: list[Any] = list(map(self._blocks.setdefault, keys, itertools.repeat(mine)))
+        new = found.count(mine)
+        if not new:
+            return found, len(found)
+        first = found.index(mine)
+        if new == len(found) - first:
+            found[first:] = itertools.repeat(None, new)
+            return found, first
+        return [None if f is mine else f for f in found], len(found)
 
     def _place_short(self, mine: Placed, lru: _Lru | None) -> None:
         """:meth:`_place` block by block, for a few distinct blocks, no orphan (cheaper
@@ -258,7 +280,7 @@ class ApproxPrefixIndex:
         if lru is not None:
             excess = lru.count - capacity
             if excess > 0:
-                self._let_go(engine, lru.book.pop_oldest(excess, lru.still))
+                self._let_go(engine, lru.book.pop_oldest(excess, lru.still, lru.known))
                 lru.count -= excess
             if lru.book.needs_filter(lru.count):
                 lru.book.filter(lru.still, lru.known)
@@ -384,16 +406,23 @@ class ApproxPrefixIndex:
         if orphaned or len(gone) < FEW:
             self._let_go_each(engine, gone)
             return
-        found = list(map(blocks.get, gone))
-        # the walk found each this engine's: in C but for the Joints
-        joints = joints_at(found)
-        for at in joints:
-            self._leave_joint(engine, gone[at], found[at])  # type: ignore[arg-type]
-        if joints:
-            gone = list(itertools.compress(gone, map(
-                operator.is_not, map(type, found), itertools.repeat(Joint))))
-        unheld(found)  # (a Joint's run changes nothing)
-        collections.deque(map(blocks.__delitem__, gone), maxlen=0)  # (in C, keeping nothing)
+        # the walk found each this engine's: each taken out in C, a Joint put back and left
+        found = list(map(blocks.pop, gone))
+        first = found[0]
+        if type(first) is Placed and found.count(first) == len(found):
+            first.sole -= len(found)  # (the usual: blocks one placement held alone)
+            return
+        at = 0
+        for _, same in itertools.groupby(found, key=id):  # (runs of one holder: a step each)
+            run = list(same)
+            holders = run[0]
+            if type(holders) is Placed:
+                holders.sole -= len(run)
+            else:  # a Joint: put back, and left
+                for h in gone[at:at + len(run)]:
+                    blocks[h] = holders
+                    self._leave_joint(engine, h, holders)  # type: ignore[arg-type]
+            at += len(run)
 
     def _let_go_each(self, engine: str, gone: Sequence[int]) -> None:
         """:meth:`_let_go` block by block (some are orphans, or a few blocks): each block's
@@ -487,6 +516,13 @@ class ApproxPrefixIndex:
 
     def __len__(self) -> int:
         return len(self._blocks)
+
+
+def _sole(mine: Placed, keys: Sequence[int], values: list[Holders], repeated: bool) -> int:
+    """Of ``keys``, placed with ``values`` as their holders, how many ``mine`` holds alone
+    (where a block repeats, its last holders are its)."""
+    return (list(dict(zip(keys, values, strict=True)).values()) if repeated
+            else values).count(mine)
 
 
 def best_of(found: dict[str, int], names: Sequence[str]) -> int:

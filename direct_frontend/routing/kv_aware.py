@@ -291,7 +291,8 @@ class KvAware:
         knobs = self.knobs
         self.fence(candidates)
         self.learn_capacities(candidates)
-        hashes = self.hashes(request.input_ids, request.media_keys)
+        # (one tuple, which the placement, the memory and the queue share rather than copy)
+        hashes = tuple(self.hashes(request.input_ids, request.media_keys))
         by_key = self.exact_lookup(hashes)
         approx = self.approx.lookup_at(hashes, now) if hashes else {}
         overlaps = self.overlaps(hashes, now, candidates, by_key, approx)
@@ -311,10 +312,10 @@ class KvAware:
         media = request.media_keys
         prompt = request.input_ids
         if queued <= 0:
-            return Placement(chosen, tuple(hashes), predicted, spilled, dp_rank=rank,
+            return Placement(chosen, hashes, predicted, spilled, dp_rank=rank,
                              media_keys=media, prompt=prompt)
         token = self.queue.add(chosen.name, hashes, queued, now, self.by_events(chosen))
-        return Placement(chosen, tuple(hashes), predicted, spilled,
+        return Placement(chosen, hashes, predicted, spilled,
                          functools.partial(self._prefilled, chosen.name, token), rank,
                          media_keys=media, prompt=prompt)
 

@@ -188,16 +188,27 @@ class Book:
         """Whether the listed blocks outnumber ``live`` enough to filter (:meth:`filter`)."""
         return self._listed > 2 * live + _SLACK
 
-    def pop_oldest(self, count: int, still: Still) -> list[int]:
+    def pop_oldest(self, count: int, still: Still, known: Known | None = None) -> list[int]:
         """Walk past the ``count`` oldest blocks still placed (``still``: of some listed
-        blocks of a placement, those it still holds here, in order); returns them."""
+        blocks of a placement, those it still holds here, in order); returns them.
+
+        ``known`` (as :meth:`filter`'s): where it tells which blocks a placement not
+        walked into yet still holds, they are taken without a walk.
+        """
         out: list[int] = []
         entries = self.entries
         while len(out) < count and entries:
             p, seq, listed = entries[0]
             start = self._head
             end = len(listed)
-            if p.seq == seq:  # (a window of a few more, so dead blocks cost no extra walk)
+            held = None if start or known is None or p.seq != seq else known(p, listed)
+            if held is not None:
+                need = count - len(out)
+                if len(held) > need:
+                    held = held[:need]
+                    end = listed.index(held[-1]) + 1
+                out.extend(held)
+            elif p.seq == seq:  # (a window of a few more, so dead blocks cost no extra walk)
                 need = count - len(out)
                 live = still(list(listed[start:start + need + _WINDOW]), p)
                 if len(live) > need:

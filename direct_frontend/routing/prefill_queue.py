@@ -8,6 +8,7 @@ are also cached there for the requests sent after it.
 from __future__ import annotations
 
 import collections
+import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -88,12 +89,7 @@ class PrefillQueue:
         pending = self._pending.get(engine)
         if not pending:
             return 0
-        n = 0
-        for h in hashes:
-            if h not in pending:
-                break
-            n += 1
-        return n
+        return len(list(itertools.takewhile(pending.__contains__, hashes)))  # (a C loop)
 
     def depth(self, engine: str, now: float, stored: Callable[[int], bool] | None) -> int:
         """Blocks still to prefill (:meth:`depths`)."""

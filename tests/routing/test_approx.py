@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import itertools
 import math
 import random
 from collections.abc import Callable, Iterator
@@ -236,6 +237,94 @@ def test_long_prompts_placed_in_bulk_equal_the_reference(max_blocks: int, capaci
     play_against_the_reference(
         ApproxPrefixIndex(ttl_s=50.0, max_blocks=max_blocks, capacity_blocks=capacity),
         Reference(50.0, max_blocks, capacity), rng, 600, 999, (15, 39))
+
+
+@pytest.mark.parametrize(("max_blocks", "capacity"), [
+    (1 << 20, 120), (150, 120), (1 << 20, 0), (60, 30), (150, 80)])
+def test_conversations_and_prompts_on_shared_heads_equal_the_reference(
+        max_blocks: int, capacity: int) -> None:
+    """Conversations growing turn by turn (their blocks known up to a tail of new ones) and
+    new prompts after a head of one or three shared blocks, some repeating blocks, on three
+    engines, each extended by its answer and placed in bulk, the LRU models letting go across
+    placements, the cap leaving orphans, now and then an engine forgotten: the memory equals
+    the block-by-block reference at every step."""
+    rng = random.Random(max_blocks + capacity)
+    memory = ApproxPrefixIndex(ttl_s=50.0, max_blocks=max_blocks, capacity_blocks=capacity)
+    reference = Reference(50.0, max_blocks, capacity)
+    fresh = itertools.count(1000)
+    heads = [[next(fresh) for _ in range(n)] for n in (1, 3)]
+    talks = [[next(fresh) for _ in range(16)] for _ in range(4)]
+    now = 0.0
+    for _ in range(120):
+        now += rng.random()
+        engine = rng.choice("abc")
+        talk = rng.randrange(len(talks))
+        kind = rng.random()
+        if kind < 0.02:
+            memory.forget_engine(engine)
+            reference.forget(engine)
+        if kind < 0.5:
+            talks[talk] += [next(fresh) for _ in range(rng.randint(0, 12))]
+            prompt = list(talks[talk])
+        elif kind < 0.9:
+            prompt = [*rng.choice(heads), *(next(fresh) for _ in range(rng.randint(14, 40)))]
+        else:  # some blocks repeated
+            prompt = [*talks[talk], *talks[talk][:rng.randint(1, 5)], next(fresh)]
+        memory.record(engine, prompt, now)
+        reference.record(engine, prompt, now)
+        answered = [*prompt, next(fresh)]
+        memory.record(engine, answered, now, len(prompt))
+        reference.record(engine, answered, now)
+        if prompt[0] == talks[talk][0]:
+            talks[talk] = answered
+        assert oldest_first(memory) == list(reference.entries.items())
+        assert lru_orders(memory) == {e: list(lru) for e, lru in reference.lru.items()}
+        assert {e: memory.held(e) for e in reference.lru} == {
+            e: len(lru) for e, lru in reference.lru.items()}
+        assert_orphans_held(memory)
+        for probe in (answered, talks[0], [*heads[1], 5]):
+            assert memory.lookup_at(probe, now) == reference.lookup(probe, now)
+
+
+@pytest.mark.parametrize("seed", [9, 92, 5])
+def test_random_traces_of_long_placements_equal_the_reference(seed: int) -> None:
+    """Random traces of placements up to ~80 blocks (prompts after a shared head, growing
+    conversations, answers extending the last placement, repeated blocks, forgotten engines)
+    under a random capacity and cap: every lookup equals the block-by-block reference's."""
+    rng = random.Random(seed)
+    capacity, max_blocks = rng.choice([0, 30, 80, 200]), rng.choice([60, 150, 10_000])
+    memory = ApproxPrefixIndex(ttl_s=5.0, max_blocks=max_blocks, capacity_blocks=capacity)
+    reference = Reference(5.0, max_blocks, capacity)
+    talks = [[rng.getrandbits(64) for _ in range(rng.randint(1, 40))] for _ in range(6)]
+    heads = [[rng.getrandbits(64) for _ in range(rng.randint(1, 3))] for _ in range(2)]
+    now = 0.0
+    last: dict[str, list[int]] = {}
+    for _ in range(300):
+        now += rng.random() * 0.2
+        engine, kind, head = rng.choice("abc"), rng.random(), 0
+        if kind < 0.35:
+            hashes = rng.choice(heads) + [rng.getrandbits(64) for _ in range(rng.randint(0, 40))]
+        elif kind < 0.6:
+            at = rng.randrange(len(talks))
+            talks[at] = talks[at] + [rng.getrandbits(64) for _ in range(rng.randint(0, 20))]
+            hashes = list(talks[at])
+        elif kind < 0.8 and last:
+            engine, before = rng.choice(list(last.items()))
+            hashes = before + [rng.getrandbits(64) for _ in range(rng.randint(0, 3))]
+            head = len(before)
+        elif kind < 0.85:
+            memory.forget_engine(engine)
+            reference.forget(engine)
+            continue
+        else:
+            talk = rng.choice(talks)
+            hashes = talk + talk[:rng.randint(0, 5)] + [
+                rng.getrandbits(64) for _ in range(rng.randint(0, 30))]
+        memory.record(engine, hashes, now, head)
+        reference.record(engine, hashes, now)
+        last[engine] = hashes
+        for probe in [*talks, *heads, hashes, hashes[:len(hashes) // 2]]:
+            assert memory.lookup_at(probe, now) == reference.lookup(probe, now)
 
 
 def test_the_cap_leaves_orphans_an_lru_model_lets_go_of_in_bulk() -> None:

@@ -1,0 +1,83 @@
+"""A request's prefix hashes equal the chain docs/kv-events.md defines, however computed (sans-IO).
+
+The reference below hashes block by block, as the definition reads; the
+module cuts and chains the blocks in bulk and reuses a known prefix's chain.
+"""
+
+from __future__ import annotations
+
+import array
+
+import msgspec
+import pytest
+import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from direct_frontend.kv.prefix import PromptIds, extend_hashes, namespace_seed, prefix_hashes
+
+BS = 4
+U32 = st.integers(0, 2**32 - 1)
+
+
+def reference(tokens: list[int], block_size: int, lora: str | None = None,
+              salt: str | None = None) -> list[int]:
+    """``h_i = XXH3_64(block_i as LE u32 [+ the salt, block 0 only], seed=h_{i-1})``."""
+    h = 1337 if lora is None else (1337 + xxhash.xxh3_64_intdigest(lora.encode())) % 2**64
+    out = []
+    for i in range(len(tokens) // block_size):
+        data = array.array("I", tokens[i * block_size:(i + 1) * block_size]).tobytes()
+        if i == 0 and salt:
+            data += msgspec.msgpack.encode([salt])
+        h = xxhash.xxh3_64_intdigest(data, h)
+        out.append(h)
+    return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(tokens=st.lists(U32, max_size=14 * BS), salt=st.sampled_from([None, "s1"]),
+       lora=st.sampled_from([None, "ad"]), block_size=st.sampled_from([1, BS, 16]))
+def test_the_chain_is_the_definitions(tokens: list[int], salt: str | None, lora: str | None,
+                                      block_size: int) -> None:
+    """A list, a tuple and an array of ids, salted or not, under an adapter or not, any size
+    of block, a partial tail or none: the reference's hashes."""
+    expected = reference(tokens, block_size, lora, salt)
+    for ids in (tokens, tuple(tokens), array.array("I", tokens)):
+        assert prefix_hashes(ids, block_size, lora_name=lora, cache_salt=salt) == expected
+    assert namespace_seed(lora) == (1337 if lora is None else
+                                    (1337 + xxhash.xxh3_64_intdigest(b"ad")) % 2**64)
+
+
+@settings(max_examples=200, deadline=None)
+@given(tokens=st.lists(U32, max_size=12 * BS), more=st.lists(U32, max_size=6 * BS),
+       known=st.integers(0, 14 * BS), salt=st.sampled_from([None, "s1"]))
+def test_ids_that_know_their_prefix_chain_on_from_it(
+        tokens: list[int], more: list[int], known: int, salt: str | None) -> None:
+    """Ids built from an earlier prompt (:class:`PromptIds`) take its chain for the blocks they
+    share and hash the rest: the reference's hashes of the whole, and asked twice, the same."""
+    earlier = PromptIds(tokens)
+    assert prefix_hashes(earlier, BS, cache_salt=salt) == reference(tokens, BS, salt=salt)
+    shared = min(known, len(tokens))
+    later = PromptIds([*tokens[:shared], *more], earlier.chains, shared)
+    expected = reference([*tokens[:shared], *more], BS, salt=salt)
+    assert prefix_hashes(later, BS, cache_salt=salt) == expected
+    assert prefix_hashes(later, BS, cache_salt=salt) == expected
+
+
+@settings(max_examples=200, deadline=None)
+@given(prompt=st.lists(U32, max_size=10 * BS), answer=st.lists(U32, max_size=4 * BS))
+def test_extending_a_prompts_hashes_by_its_answer_hashes_the_whole(
+        prompt: list[int], answer: list[int]) -> None:
+    """The prompt's full blocks' hashes, then the ids after them: the whole's hashes."""
+    known = prefix_hashes(prompt, BS)
+    rest = [*prompt[len(known) * BS:], *answer]
+    assert extend_hashes(known, rest, BS) == reference([*prompt, *answer], BS)
+
+
+def test_ids_after_the_last_full_block_are_not_hashed() -> None:
+    """An id no u32 holds in the partial tail is not hashed, so it is no error; within the
+    blocks it is (the KV index then asks nothing)."""
+    assert prefix_hashes([1, 2, 3, 4, 2**40], BS) == reference([1, 2, 3, 4], BS)
+    assert extend_hashes([], [1, 2, 3, 4, -1], BS) == reference([1, 2, 3, 4], BS)
+    with pytest.raises(OverflowError):
+        prefix_hashes([1, 2, 2**40, 4, 5], BS)
