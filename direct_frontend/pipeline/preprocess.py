@@ -142,7 +142,7 @@ async def chat_prompt_ids(
     if hit is not None:
         return hit
     if size < RENDER_INLINE_CHARS:
-        prompt, cuts = render(text_model, request, add_generation_prompt, tokenizing)
+        prompt, cuts = render(text_model, request, add_generation_prompt, tokenizing, size)
     else:
         prompt, cuts = await tokenizing.render_off_loop(request, add_generation_prompt)
     ids: tuple[int, ...]

@@ -42,6 +42,7 @@ from direct_frontend.openai.errors import context_length_exceeded, invalid_reque
 from direct_frontend.openai.types import ChatMessage, ChatRequest
 from direct_frontend.pipeline.media import MediaProfile
 from direct_frontend.pipeline.prompt_cache import HEAD_CHARS, PrefixCache, PromptCache, Rendered
+from direct_frontend.pipeline.render_cache import TurnCache, render_turns
 from direct_frontend.routing.catalog import Catalog
 from direct_frontend.text.model_dir import ChatTemplateError, TextModel
 
@@ -128,6 +129,8 @@ class Tokenizing:
     prompts: PromptCache = dataclasses.field(default_factory=PromptCache)
     #: rendered chats, for the prefix the next turn of their conversation shares
     prefixes: PrefixCache = dataclasses.field(default_factory=PrefixCache)
+    #: the template's output over conversations' earlier messages, for their next turn's
+    turns: TurnCache = dataclasses.field(default_factory=TurnCache)
     #: chats shorter than this are tokenized whole (:data:`PREFIX_MIN_CHARS`)
     prefix_min_chars: int = PREFIX_MIN_CHARS
     #: how the model takes images (None: it takes none)
@@ -231,22 +234,34 @@ def chat_chars(request: ChatRequest) -> int:
 
 
 def render(text_model: TextModel, request: ChatRequest, add_generation_prompt: bool,
-           tokenizing: Tokenizing | None = None) -> tuple[str, list[int] | None]:
+           tokenizing: Tokenizing | None = None, size: int = 0) -> tuple[str, list[int] | None]:
     """A chat's prompt text and its cuts (text/encoder.py ``boundaries``); a template
     failure is the client's 400.
 
-    With ``tokenizing`` (on the event loop only), the cuts come from
-    :meth:`Tokenizing.cuts`: a conversation's next prompt scans only what follows
-    its previous one.
+    With ``tokenizing`` (on the event loop only), a chat of two messages or more that
+    hold ``size`` characters, :attr:`Tokenizing.prefix_min_chars` or more, renders only
+    the messages that follow those a recent render began with (pipeline/render_cache.py), and the
+    cuts come from :meth:`Tokenizing.cuts`: a conversation's next prompt scans only
+    what follows its previous one.
     """
+    tools: list[dict[str, object]] | None = (
+        [{"type": t.type, "function": function_dict(t)} for t in request.tools]
+        if request.offers_tools else None)
     try:
-        prompt = text_model.render_chat(
-            [message_dict(m) for m in request.messages],
-            add_generation_prompt=add_generation_prompt,
-            tools=[{"type": t.type, "function": function_dict(t)} for t in request.tools]
-            if request.offers_tools else None,
-            extra=request.chat_template_kwargs,
-        )
+        # (a chat of one message has no earlier ones to take)
+        split = (None if tokenizing is None or size < tokenizing.prefix_min_chars
+                 or len(request.messages) < 2 else text_model.split_template(tools))
+        if split is not None:
+            assert tokenizing is not None
+            prompt = render_turns(tokenizing.turns, text_model, split, request.messages,
+                                  message_dict, tools, request.tools if tools else (),
+                                  request.chat_template_kwargs, add_generation_prompt)
+        else:
+            prompt = text_model.render_chat(
+                [message_dict(m) for m in request.messages],
+                add_generation_prompt=add_generation_prompt, tools=tools,
+                extra=request.chat_template_kwargs,
+            )
     except ChatTemplateError as exc:
         raise invalid_request(str(exc), "messages") from None
     if tokenizing is None:

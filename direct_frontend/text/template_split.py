@@ -1,0 +1,203 @@
+"""A chat template split around its loop over the messages, where each message's piece of
+the prompt provably depends on that message alone.
+
+A chat template's render is the output of its top-level statements, one after
+the other. When the template sets nothing (no ``set``, macro, block, import or
+``do``: no statement leaves state for a later one), each statement's output
+depends on the template's variables only, so the render is the concatenation
+of each statement rendered on its own. :func:`split_template` finds templates
+whose messages are read by one top-level ``{% for message in messages %}`` (no
+filter, no ``else``, no ``break``) whose body reads, besides template
+variables, only its message and ``loop.first``, ``loop.last``, ``loop.index``
+and ``loop.index0``, never ``messages``. Then an iteration's output is a
+function of its message, its position and whether it is first or last, and the
+loop's output over ``messages[a:b]`` can be rendered alone: :class:`SplitTemplate`
+renders the loop over a slice with its positions shifted (``loop.index0`` reads
+``a + `` the slice's), ``loop.first`` true only at 0 and ``loop.last`` only at
+the conversation's end. A conversation's next turn then renders its new
+messages only, and takes the earlier ones' pieces from the last turn's
+(pipeline/render_cache.py). Any other template has no split (None) and is
+rendered whole.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Mapping
+from typing import Any, Final
+
+import jinja2
+from jinja2 import nodes
+
+__all__ = ["SplitTemplate", "split_template"]
+
+#: the loop attributes an iteration may read, and how the slice's become the whole's
+_LOOP_ATTRIBUTES: Final = frozenset({"first", "last", "index", "index0"})
+#: statements that leave state for later ones, or reach other templates
+_STATEFUL: Final = (nodes.Assign, nodes.AssignBlock, nodes.Macro, nodes.CallBlock,
+                    nodes.Block, nodes.Extends, nodes.Include, nodes.Import, nodes.FromImport,
+                    nodes.ExprStmt, nodes.Scope, nodes.OverlayScope, nodes.EvalContextModifier,
+                    nodes.ScopedEvalContextModifier, nodes.With)
+#: the variables the slice's loop reads: where it starts, whether it holds the first and the
+#: last message of the conversation (names no template variable can take: they begin "__")
+OFFSET, HEAD, TAIL = "__df_offset", "__df_head", "__df_tail"
+
+
+class _NotSplittable(Exception):
+    """The template does not have the shape :func:`split_template` proves."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class SplitTemplate:
+    """A chat template as what precedes its message loop, the loop, and what follows.
+
+    ``render_chat``'s output equals ``head + loop(0, n) + tail``, with each
+    rendered on the same variables, ``loop(a, b)`` on ``messages[a:b]``.
+    """
+
+    head: jinja2.Template
+    loop: jinja2.Template
+    tail: jinja2.Template
+    #: whether ``head`` and ``tail`` read the messages only as ``messages[0]``, or whether
+    #: there are any: then two conversations with the same first message (and variables)
+    #: have the same ``head`` and ``tail``
+    edges_by_first: bool
+
+    def render_loop(self, variables: Mapping[str, object], messages: list[dict[str, object]],
+                    offset: int, last: bool) -> str:
+        """The loop's output over ``messages``, the conversation's from ``offset`` on; ``last``:
+        whether its last message is the conversation's."""
+        return self.loop.render({**variables, "messages": messages, OFFSET: offset,
+                                 HEAD: offset == 0, TAIL: last})
+
+
+def split_template(env: jinja2.Environment, source: str) -> SplitTemplate | None:
+    """``source`` split (see the module's docstring), or None where that is not proven."""
+    try:
+        parsed = env.parse(source)
+        at = _the_message_loop(parsed.body)
+        loop = parsed.body[at]
+        assert isinstance(loop, nodes.For)
+        _check_outside(parsed.body[:at] + parsed.body[at + 1:])
+        loop.body = [_shifted(node) for node in loop.body]
+    except _NotSplittable:
+        return None
+    head, tail = env.parse(source).body[:at], env.parse(source).body[at + 1:]
+    return SplitTemplate(_compiled(env, head), _compiled(env, [loop]), _compiled(env, tail),
+                         _first_message_only([*head, *tail]))
+
+
+def _compiled(env: jinja2.Environment, body: list[nodes.Node]) -> jinja2.Template:
+    tree = nodes.Template(body, lineno=1)
+    tree.set_environment(env)
+    return env.from_string(tree)  # (jinja compiles a tree too)
+
+
+def _the_message_loop(body: list[nodes.Node]) -> int:
+    """Where the one top-level ``for <name> in messages`` of the template is."""
+    found = [i for i, node in enumerate(body) if isinstance(node, nodes.For)
+             and isinstance(node.iter, nodes.Name) and node.iter.name == "messages"]
+    if len(found) != 1:
+        raise _NotSplittable
+    loop = body[found[0]]
+    assert isinstance(loop, nodes.For)
+    if (not isinstance(loop.target, nodes.Name) or loop.else_ or loop.test is not None
+            or loop.recursive or loop.target.name in ("messages", "loop")):
+        raise _NotSplittable
+    return found[0]
+
+
+def _check_outside(body: list[nodes.Node]) -> None:
+    """What surrounds the loop may read anything, set nothing."""
+    for node in body:
+        for inner in _walk(node):
+            if isinstance(inner, _STATEFUL):
+                raise _NotSplittable
+
+
+def _first_message_only(body: list[nodes.Node]) -> bool:
+    """Whether ``body`` reads ``messages`` only as ``messages[0]`` or as a truth value (in a
+    test, under ``not``, or left of ``and``, whose value is then its right side's)."""
+    for parent in body:
+        for node in _walk(parent):
+            for child in node.iter_child_nodes():
+                if (isinstance(child, nodes.Name) and child.name == "messages"
+                        and not _first_or_truth(child, node)):
+                    return False
+    return True
+
+
+def _first_or_truth(name: nodes.Name, parent: nodes.Node) -> bool:
+    if isinstance(parent, nodes.Getitem):
+        arg = parent.arg
+        return (parent.node is name and isinstance(arg, nodes.Const) and type(arg.value) is int
+                and arg.value == 0)
+    if isinstance(parent, nodes.If | nodes.CondExpr):
+        return parent.test is name
+    if isinstance(parent, nodes.And):
+        return parent.left is name
+    return isinstance(parent, nodes.Not)
+
+
+def _walk(node: nodes.Node) -> Iterator[nodes.Node]:
+    yield node
+    for child in node.iter_child_nodes():
+        yield from _walk(child)
+
+
+def _shifted(node: nodes.Node) -> nodes.Node:
+    """An iteration's statement with the loop's position read as the conversation's; a
+    :class:`_NotSplittable` if it sets anything, reads ``messages`` or another loop
+    attribute, or breaks out of the loop."""
+    if isinstance(node, (*_STATEFUL, nodes.Break)):
+        raise _NotSplittable
+    if isinstance(node, nodes.Name) and node.name in ("messages", OFFSET, HEAD, TAIL):
+        raise _NotSplittable
+    if isinstance(node, nodes.Name) and node.name == "loop":
+        raise _NotSplittable  # (the loop whole, not one of the attributes below)
+    if isinstance(node, nodes.Getattr) and _is_loop(node.node):
+        return _loop_attribute(node)
+    if isinstance(node, nodes.For):  # its body's ``loop`` is its own
+        node.iter = _shifted(node.iter)
+        _check_inner(node)
+        return node
+    for field, value in node.iter_fields():
+        if isinstance(value, nodes.Node):
+            setattr(node, field, _shifted(value))
+        elif isinstance(value, list):
+            setattr(node, field, [_shifted(v) if isinstance(v, nodes.Node) else v
+                                  for v in value])
+    return node
+
+
+def _check_inner(loop: nodes.For) -> None:
+    """An inner loop may break out of itself, and read its own ``loop`` freely: neither
+    reaches the message loop; it may not set anything nor read ``messages``."""
+    if isinstance(loop.target, nodes.Name) and loop.target.name == "loop":
+        raise _NotSplittable
+    for part in (*loop.body, *loop.else_, *([loop.test] if loop.test else [])):
+        for inner in _walk(part):
+            if isinstance(inner, _STATEFUL) or (
+                    isinstance(inner, nodes.Name) and inner.name in ("messages", OFFSET,
+                                                                     HEAD, TAIL)):
+                raise _NotSplittable
+    if loop.recursive:
+        raise _NotSplittable
+
+
+def _is_loop(node: Any) -> bool:
+    return isinstance(node, nodes.Name) and node.name == "loop"
+
+
+def _loop_attribute(node: nodes.Getattr) -> nodes.Expr:
+    """``loop.<attribute>`` as the whole conversation's loop reads it."""
+    if node.attr not in _LOOP_ATTRIBUTES:
+        raise _NotSplittable
+    lineno = node.lineno
+    own = nodes.Getattr(nodes.Name("loop", "load", lineno=lineno), node.attr, "load",
+                        lineno=lineno)
+    if node.attr == "first":
+        return nodes.And(own, nodes.Name(HEAD, "load", lineno=lineno), lineno=lineno)
+    if node.attr == "last":
+        return nodes.And(own, nodes.Name(TAIL, "load", lineno=lineno), lineno=lineno)
+    return nodes.Add(own, nodes.Name(OFFSET, "load", lineno=lineno), lineno=lineno)
