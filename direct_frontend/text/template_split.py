@@ -9,7 +9,9 @@ of each statement rendered on its own. :func:`split_template` finds templates
 whose messages are read by one top-level ``{% for message in messages %}`` (no
 filter, no ``else``, no ``break``) whose body reads, besides template
 variables, only its message and ``loop.first``, ``loop.last``, ``loop.index``
-and ``loop.index0``, never ``messages``. Then an iteration's output is a
+and ``loop.index0``, never ``messages``, and sets names only (Jinja starts each
+iteration from the template's variables: what one sets, the next does not see),
+no namespace's attribute. Then an iteration's output is a
 function of its message, its position and whether it is first or last, and the
 loop's output over ``messages[a:b]`` can be rendered alone: :class:`SplitTemplate`
 renders the loop over a slice with its positions shifted (``loop.index0`` reads
@@ -38,6 +40,10 @@ _STATEFUL: Final = (nodes.Assign, nodes.AssignBlock, nodes.Macro, nodes.CallBloc
                     nodes.Block, nodes.Extends, nodes.Include, nodes.Import, nodes.FromImport,
                     nodes.ExprStmt, nodes.Scope, nodes.OverlayScope, nodes.EvalContextModifier,
                     nodes.ScopedEvalContextModifier, nodes.With)
+#: what an iteration may not hold: a ``set`` of a name is the iteration's own (each starts
+#: from the template's variables), a ``set`` of a namespace's attribute outlives it
+_STATEFUL_IN_LOOP: Final = (*(kind for kind in _STATEFUL
+                              if kind not in (nodes.Assign, nodes.AssignBlock)), nodes.NSRef)
 #: the variables the slice's loop reads: where it starts, whether it holds the first and the
 #: last message of the conversation (names no template variable can take: they begin "__")
 OFFSET, HEAD, TAIL = "__df_offset", "__df_head", "__df_tail"
@@ -147,9 +153,9 @@ def _walk(node: nodes.Node) -> Iterator[nodes.Node]:
 
 def _shifted(node: nodes.Node) -> nodes.Node:
     """An iteration's statement with the loop's position read as the conversation's; a
-    :class:`_NotSplittable` if it sets anything, reads ``messages`` or another loop
-    attribute, or breaks out of the loop."""
-    if isinstance(node, (*_STATEFUL, nodes.Break)):
+    :class:`_NotSplittable` if it sets a namespace's attribute (or ``loop``), reads
+    ``messages`` or another loop attribute, or breaks out of the loop."""
+    if isinstance(node, (*_STATEFUL_IN_LOOP, nodes.Break)):
         raise _NotSplittable
     if isinstance(node, nodes.Name) and node.name in ("messages", OFFSET, HEAD, TAIL):
         raise _NotSplittable
@@ -172,12 +178,13 @@ def _shifted(node: nodes.Node) -> nodes.Node:
 
 def _check_inner(loop: nodes.For) -> None:
     """An inner loop may break out of itself, and read its own ``loop`` freely: neither
-    reaches the message loop; it may not set anything nor read ``messages``."""
+    reaches the message loop; it may set names (its iteration's own) but not a namespace's
+    attribute, and not read ``messages``."""
     if isinstance(loop.target, nodes.Name) and loop.target.name == "loop":
         raise _NotSplittable
     for part in (*loop.body, *loop.else_, *([loop.test] if loop.test else [])):
         for inner in _walk(part):
-            if isinstance(inner, _STATEFUL) or (
+            if isinstance(inner, _STATEFUL_IN_LOOP) or (
                     isinstance(inner, nodes.Name) and inner.name in ("messages", OFFSET,
                                                                      HEAD, TAIL)):
                 raise _NotSplittable

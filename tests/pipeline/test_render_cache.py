@@ -61,20 +61,38 @@ COUNTING = (
     "{{- (messages | length | string) + ' messages\\n' }}"
     "{%- for m in messages %}{{- m.role + ': ' + (m.content or '') + '\\n' }}{%- endfor %}"
 )
-# Shapes the split must leave whole: a variable set in the loop, the previous item.
+# Names set in an iteration (read before they are set too: each iteration starts afresh).
 SETS_IN_LOOP = (
-    "{%- for m in messages %}{%- set c = m.content or '' %}{{- m.role + c }}{%- endfor %}"
+    "{%- for m in messages %}{{- c or '' }}{%- if m.role == 'user' %}"
+    "{%- set c = '(after a user) ' %}{%- endif %}{%- set text = m.content or '' %}"
+    "{%- for call in m.tool_calls or [] %}{%- set text = text + call.function.name %}"
+    "{%- endfor %}{{- m.role + text }}{%- endfor %}"
+)
+# Shapes the split must leave whole: a namespace set in the loop, the previous item, and
+# Llama 3's own template (its loop goes over a variable set to the messages first).
+NAMESPACE = (
+    "{%- for m in messages %}{%- set ns = namespace(text=m.content or '') %}"
+    "{%- set ns.text = ns.text + '!' %}{{- ns.text }}{%- endfor %}"
+)
+LLAMA3 = (
+    "{% set loop_messages = messages %}{% for message in loop_messages %}"
+    "{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'"
+    "+ message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}"
+    "{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}"
+    "{% endif %}"
 )
 PREVIOUS = (
     "{%- for m in messages %}{%- if loop.previtem and loop.previtem.role == m.role %}+"
     "{%- endif %}{{- m.role + (m.content or '') }}{%- endfor %}"
 )
-SPLIT = {"demo": True, "llama3": True, "positions": True, "alternating": True,
-         "counting": True, "qwen3": False, "qwen25": False, "sets_in_loop": False,
-         "previous": False}
-SOURCES = {"llama3": LLAMA3_LIKE, "positions": POSITIONS, "alternating": ALTERNATING,
-           "counting": COUNTING, "qwen3": QWEN3_LIKE, "qwen25": QWEN25_LIKE,
-           "sets_in_loop": SETS_IN_LOOP, "previous": PREVIOUS}
+SPLIT = {"demo": True, "llama3_like": True, "positions": True, "alternating": True,
+         "counting": True, "sets_in_loop": True, "qwen3": False, "qwen25": False,
+         "namespace": False, "previous": False, "llama3": False}
+SOURCES = {"llama3_like": LLAMA3_LIKE, "positions": POSITIONS, "alternating": ALTERNATING,
+           "counting": COUNTING, "sets_in_loop": SETS_IN_LOOP, "qwen3": QWEN3_LIKE,
+           "qwen25": QWEN25_LIKE, "namespace": NAMESPACE, "previous": PREVIOUS,
+           "llama3": LLAMA3}
 
 
 @pytest.fixture(scope="module")
