@@ -9,7 +9,8 @@ of each statement rendered on its own. :func:`split_template` finds templates
 whose messages are read by one top-level ``{% for message in messages %}`` (no
 filter, no ``else``, no ``break``) whose body reads, besides template
 variables, only its message and ``loop.first``, ``loop.last``, ``loop.index``
-and ``loop.index0``, never ``messages``, and sets names only (Jinja starts each
+and ``loop.index0``, never ``messages`` (nor a name set to them before the loop, as Llama 3's
+``loop_messages``), and sets names only (Jinja starts each
 iteration from the template's variables: what one sets, the next does not see),
 no namespace's attribute. Then an iteration's output is a
 function of its message, its position and whether it is first or last, and the
@@ -80,15 +81,20 @@ class SplitTemplate:
 def split_template(env: jinja2.Environment, source: str) -> SplitTemplate | None:
     """``source`` split (see the module's docstring), or None where that is not proven."""
     try:
-        parsed = env.parse(source)
-        at = _the_message_loop(parsed.body)
-        loop = parsed.body[at]
+        parsed = env.parse(source).body
+        aliases = _aliases(parsed)
+        at = _the_message_loop(parsed, aliases)
+        loop = parsed[at]
         assert isinstance(loop, nodes.For)
-        _check_outside(parsed.body[:at] + parsed.body[at + 1:])
-        loop.body = [_shifted(node) for node in loop.body]
+        closed = frozenset({"messages", *aliases, OFFSET, HEAD, TAIL})
+        _check_outside([n for n in parsed[:at] + parsed[at + 1:] if not _is_alias(n)], closed)
+        loop.iter = nodes.Name("messages", "load", lineno=loop.iter.lineno)
+        loop.body = [_shifted(node, closed) for node in loop.body]
     except _NotSplittable:
         return None
-    head, tail = env.parse(source).body[:at], env.parse(source).body[at + 1:]
+    fresh = env.parse(source).body
+    head = [node for node in fresh[:at] if not _is_alias(node)]
+    tail = fresh[at + 1:]
     return SplitTemplate(_compiled(env, head), _compiled(env, [loop]), _compiled(env, tail),
                          _first_message_only([*head, *tail]))
 
@@ -99,25 +105,45 @@ def _compiled(env: jinja2.Environment, body: list[nodes.Node]) -> jinja2.Templat
     return env.from_string(tree)  # (jinja compiles a tree too)
 
 
-def _the_message_loop(body: list[nodes.Node]) -> int:
-    """Where the one top-level ``for <name> in messages`` of the template is."""
+def _is_alias(node: nodes.Node) -> bool:
+    """Whether ``node`` is ``{% set <name> = messages %}`` (Llama 3's ``loop_messages``)."""
+    return (isinstance(node, nodes.Assign) and isinstance(node.target, nodes.Name)
+            and isinstance(node.node, nodes.Name) and node.node.name == "messages")
+
+
+def _aliases(body: list[nodes.Node]) -> set[str]:
+    """The names top-level statements set to the messages, each once, before anything else
+    sets them (nothing else may: :func:`_check_outside`, :func:`_shifted`)."""
+    names = [node.target.name for node in body if _is_alias(node)]  # type: ignore[attr-defined]
+    if len(names) != len(set(names)):
+        raise _NotSplittable
+    return set(names)
+
+
+def _the_message_loop(body: list[nodes.Node], aliases: set[str]) -> int:
+    """Where the one top-level ``for <name> in messages`` (or in an alias of them, set
+    before it) of the template is."""
     found = [i for i, node in enumerate(body) if isinstance(node, nodes.For)
-             and isinstance(node.iter, nodes.Name) and node.iter.name == "messages"]
+             and isinstance(node.iter, nodes.Name) and node.iter.name in {"messages", *aliases}]
     if len(found) != 1:
         raise _NotSplittable
     loop = body[found[0]]
-    assert isinstance(loop, nodes.For)
+    assert isinstance(loop, nodes.For) and isinstance(loop.iter, nodes.Name)
+    set_before = {node.target.name for node in body[:found[0]]  # type: ignore[attr-defined]
+                  if _is_alias(node)}
     if (not isinstance(loop.target, nodes.Name) or loop.else_ or loop.test is not None
-            or loop.recursive or loop.target.name in ("messages", "loop")):
+            or loop.recursive or loop.target.name in ("messages", "loop", *aliases)
+            or loop.iter.name not in {"messages", *set_before}):
         raise _NotSplittable
     return found[0]
 
 
-def _check_outside(body: list[nodes.Node]) -> None:
-    """What surrounds the loop may read anything, set nothing."""
+def _check_outside(body: list[nodes.Node], closed: frozenset[str]) -> None:
+    """What surrounds the loop may read anything but the messages' aliases, set nothing."""
     for node in body:
         for inner in _walk(node):
-            if isinstance(inner, _STATEFUL):
+            if isinstance(inner, _STATEFUL) or (
+                    isinstance(inner, nodes.Name) and inner.name in closed - {"messages"}):
                 raise _NotSplittable
 
 
@@ -151,42 +177,40 @@ def _walk(node: nodes.Node) -> Iterator[nodes.Node]:
         yield from _walk(child)
 
 
-def _shifted(node: nodes.Node) -> nodes.Node:
+def _shifted(node: nodes.Node, closed: frozenset[str]) -> nodes.Node:
     """An iteration's statement with the loop's position read as the conversation's; a
-    :class:`_NotSplittable` if it sets a namespace's attribute (or ``loop``), reads
-    ``messages`` or another loop attribute, or breaks out of the loop."""
+    :class:`_NotSplittable` if it sets a namespace's attribute (or ``loop``), reads a
+    ``closed`` name (the messages) or a loop attribute but those shifted, or breaks out of
+    the loop."""
     if isinstance(node, (*_STATEFUL_IN_LOOP, nodes.Break)):
         raise _NotSplittable
-    if isinstance(node, nodes.Name) and node.name in ("messages", OFFSET, HEAD, TAIL):
-        raise _NotSplittable
-    if isinstance(node, nodes.Name) and node.name == "loop":
-        raise _NotSplittable  # (the loop whole, not one of the attributes below)
+    if isinstance(node, nodes.Name) and (node.name in closed or node.name == "loop"):
+        raise _NotSplittable  # (for ``loop``: the loop whole, not one of its attributes)
     if isinstance(node, nodes.Getattr) and _is_loop(node.node):
         return _loop_attribute(node)
     if isinstance(node, nodes.For):  # its body's ``loop`` is its own
-        node.iter = _shifted(node.iter)
-        _check_inner(node)
+        node.iter = _shifted(node.iter, closed)
+        _check_inner(node, closed)
         return node
     for field, value in node.iter_fields():
         if isinstance(value, nodes.Node):
-            setattr(node, field, _shifted(value))
+            setattr(node, field, _shifted(value, closed))
         elif isinstance(value, list):
-            setattr(node, field, [_shifted(v) if isinstance(v, nodes.Node) else v
+            setattr(node, field, [_shifted(v, closed) if isinstance(v, nodes.Node) else v
                                   for v in value])
     return node
 
 
-def _check_inner(loop: nodes.For) -> None:
+def _check_inner(loop: nodes.For, closed: frozenset[str]) -> None:
     """An inner loop may break out of itself, and read its own ``loop`` freely: neither
     reaches the message loop; it may set names (its iteration's own) but not a namespace's
-    attribute, and not read ``messages``."""
+    attribute, and not read a ``closed`` name."""
     if isinstance(loop.target, nodes.Name) and loop.target.name == "loop":
         raise _NotSplittable
     for part in (*loop.body, *loop.else_, *([loop.test] if loop.test else [])):
         for inner in _walk(part):
             if isinstance(inner, _STATEFUL_IN_LOOP) or (
-                    isinstance(inner, nodes.Name) and inner.name in ("messages", OFFSET,
-                                                                     HEAD, TAIL)):
+                    isinstance(inner, nodes.Name) and inner.name in closed):
                 raise _NotSplittable
     if loop.recursive:
         raise _NotSplittable

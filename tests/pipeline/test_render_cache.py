@@ -17,7 +17,8 @@ from direct_frontend.openai.parse import parse_chat_request
 from direct_frontend.openai.types import ChatRequest
 from direct_frontend.pipeline.render_cache import TurnCache, Turns, render_turns
 from direct_frontend.pipeline.tokenizing import function_dict, message_dict
-from direct_frontend.text.model_dir import ChatTemplateError, TextModel
+from direct_frontend.text.model_dir import ChatTemplateError, TextModel, _new_environment
+from direct_frontend.text.template_split import split_template
 
 from .test_incremental import LLAMA3_LIKE, QWEN3_LIKE, TEXT
 
@@ -88,7 +89,7 @@ PREVIOUS = (
 )
 SPLIT = {"demo": True, "llama3_like": True, "positions": True, "alternating": True,
          "counting": True, "sets_in_loop": True, "qwen3": False, "qwen25": False,
-         "namespace": False, "previous": False, "llama3": False}
+         "namespace": False, "previous": False, "llama3": True}
 SOURCES = {"llama3_like": LLAMA3_LIKE, "positions": POSITIONS, "alternating": ALTERNATING,
            "counting": COUNTING, "sets_in_loop": SETS_IN_LOOP, "qwen3": QWEN3_LIKE,
            "qwen25": QWEN25_LIKE, "namespace": NAMESPACE, "previous": PREVIOUS,
@@ -112,6 +113,34 @@ def test_the_templates_that_split_are_those_proven(models: dict[str, TextModel])
     assert demo is not None and demo.edges_by_first  # messages[0] only, before its loop
     counting = models["counting"].split_template(None)
     assert counting is not None and not counting.edges_by_first
+
+
+@pytest.mark.parametrize(("source", "splits"), [
+    ("{% for m in messages %}{{ m.content }}{% endfor %}", True),
+    ("{% set a = messages %}{% for m in a %}{{ m.content }}{% endfor %}", True),
+    ("{% for m in a %}{{ m.content }}{% endfor %}{% set a = messages %}", False),  # after
+    ("{% set a = messages %}{% for m in a %}{{ m.content }}{% endfor %}{{ a | length }}",
+     False),  # the alias read outside the loop
+    ("{% set a = messages %}{% set a = messages %}{% for m in a %}{% endfor %}", False),
+    ("{% set x = 1 %}{% for m in messages %}{{ x }}{% endfor %}", False),  # a set outside
+    ("{% if 1 %}{% set x = 1 %}{% endif %}{% for m in messages %}{% endfor %}", False),
+    ("{% for m in messages %}{{ m }}{% endfor %}{% for m in messages %}{% endfor %}", False),
+    ("{% for m in messages if m.role != 'system' %}{{ m }}{% endfor %}", False),
+    ("{% for m in messages %}{{ m }}{% else %}none{% endfor %}", False),
+    ("{% for m in messages %}{% if m %}{% break %}{% endif %}{% endfor %}", False),
+    ("{% for m in messages %}{% for c in m.c %}{% break %}{% endfor %}{% endfor %}", True),
+    ("{% for m in messages %}{{ loop.length }}{% endfor %}", False),
+    ("{% for m in messages %}{{ loop.nextitem }}{% endfor %}", False),
+    ("{% for m in messages %}{{ loop }}{% endfor %}", False),
+    ("{% for m in messages %}{{ messages[0] }}{% endfor %}", False),
+    ("{% for m in messages %}{% set loop = 1 %}{% endfor %}", False),
+    ("{% for m in messages %}{% macro f() %}{% endmacro %}{% endfor %}", False),
+    ("{% for m in messages %}{% include 'x' %}{% endfor %}", False),
+    ("{% if messages %}{% for m in messages %}{% endfor %}{% endif %}", False),  # not on top
+])
+def test_which_shapes_split(source: str, splits: bool) -> None:
+    env = _new_environment()
+    assert (split_template(env, source) is not None) is splits
 
 
 @st.composite
