@@ -23,7 +23,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 
 from direct_frontend.openai.types import ChatMessage
-from direct_frontend.text.model_dir import TextModel, template_errors
+from direct_frontend.text.model_dir import TextModel, template_error
 from direct_frontend.text.template_split import SplitTemplate
 
 #: the cache's budget (each entry counted as twice its text: the text, and its messages)
@@ -139,13 +139,15 @@ def render_turns(cache: TurnCache, model: TextModel, split: SplitTemplate,
     fresh = [view(m) for m in messages[k:]]
     views = fresh if earlier is None else earlier.views + fresh
     variables = model.template_variables(views, add_generation_prompt, tools, extra)
-    with template_errors():
+    try:
         if earlier is None or not split.edges_by_first:
             head, tail = split.head.render(variables), split.tail.render(variables)
         else:  # (the same first message and variables)
             head, tail = earlier.head, earlier.tail
         middle = split.render_loop(variables, views[k:n - 1], k, False) if n - 1 > k else ""
         end = split.render_loop(variables, views[n - 1:], n - 1, True)
+    except Exception as exc:
+        raise template_error(exc) from exc
     done = middle if earlier is None else earlier.text + middle
     cache.put(Turns(setting, tuple(messages[:n - 1]), views[:n - 1], done, head, tail), earlier)
     return "".join((head, done, end, tail))

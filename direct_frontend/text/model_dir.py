@@ -12,7 +12,7 @@ import contextlib
 import datetime
 import functools
 import json
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -316,18 +316,14 @@ def _compile_templates(sources: Mapping[str, str],
     return templates
 
 
-@contextlib.contextmanager
-def template_errors() -> Iterator[None]:
+def template_error(exc: Exception) -> ChatTemplateError:
     """A chat template's failure as :class:`ChatTemplateError` (the client's 400)."""
-    try:
-        yield
-    except jinja2.TemplateError as exc:
+    if isinstance(exc, jinja2.TemplateError):
         # raise_exception() lands here with the template's own wording.
-        raise ChatTemplateError(exc.message or type(exc).__name__) from exc
-    except Exception as exc:
-        # Templates index and concatenate client data freely; a TypeError
-        # on e.g. null content is the request's fault, not the server's.
-        raise ChatTemplateError(f"chat template failed on these messages: {exc}") from exc
+        return ChatTemplateError(exc.message or type(exc).__name__)
+    # Templates index and concatenate client data freely; a TypeError
+    # on e.g. null content is the request's fault, not the server's.
+    return ChatTemplateError(f"chat template failed on these messages: {exc}")
 
 
 class TextModel:
@@ -509,8 +505,10 @@ class TextModel:
         """
         template = self._pick_template(tools)
         variables = self.template_variables(messages, add_generation_prompt, tools, extra)
-        with template_errors():
+        try:
             return template.render(variables)
+        except Exception as exc:
+            raise template_error(exc) from exc
 
     def template_variables(self, messages: list[dict[str, object]], add_generation_prompt: bool,
                            tools: list[dict[str, object]] | None,
