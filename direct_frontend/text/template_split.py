@@ -2,25 +2,25 @@
 the prompt provably depends on that message alone.
 
 A chat template's render is the output of its top-level statements, one after
-the other. When the template sets nothing (no ``set``, macro, block, import or
-``do``: no statement leaves state for a later one), each statement's output
-depends on the template's variables only, so the render is the concatenation
-of each statement rendered on its own. :func:`split_template` finds templates
-whose messages are read by one top-level ``{% for message in messages %}`` (no
+the other. When none of them leaves state for a later one (no ``set``, macro,
+block, import or ``do`` outside the message loop, but a name set to the
+messages themselves, as Llama 3's ``loop_messages``), each one's output depends
+on the template's variables only, and the render is the concatenation of each
+statement rendered on its own. :func:`split_template` finds templates whose
+messages are read by one top-level ``{% for message in messages %}`` (no
 filter, no ``else``, no ``break``) whose body reads, besides template
 variables, only its message and ``loop.first``, ``loop.last``, ``loop.index``
-and ``loop.index0``, never ``messages`` (nor a name set to them before the loop, as Llama 3's
-``loop_messages``), and sets names only (Jinja starts each
-iteration from the template's variables: what one sets, the next does not see),
-no namespace's attribute. Then an iteration's output is a
-function of its message, its position and whether it is first or last, and the
-loop's output over ``messages[a:b]`` can be rendered alone: :class:`SplitTemplate`
-renders the loop over a slice with its positions shifted (``loop.index0`` reads
-``a + `` the slice's), ``loop.first`` true only at 0 and ``loop.last`` only at
-the conversation's end. A conversation's next turn then renders its new
-messages only, and takes the earlier ones' pieces from the last turn's
-(pipeline/render_cache.py). Any other template has no split (None) and is
-rendered whole.
+and ``loop.index0`` (never ``messages`` nor a name for them), and sets names
+only, not a namespace's attribute: Jinja starts each iteration from the
+template's variables, so what one sets the next does not see. Then an
+iteration's output is a function of its message, its position and whether it
+is first or last, and the loop's output over ``messages[a:b]`` can be rendered
+alone: :class:`SplitTemplate` renders the loop over a slice with its positions
+shifted (``loop.index0`` reads ``a +`` the slice's), ``loop.first`` true only
+at 0 and ``loop.last`` only at the conversation's end. A conversation's next
+turn then renders its new messages only, and takes the earlier ones' pieces
+from the last turn's (pipeline/render_cache.py). Any other template has no
+split (None) and is rendered whole.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ _STATEFUL: Final = (nodes.Assign, nodes.AssignBlock, nodes.Macro, nodes.CallBloc
 _STATEFUL_IN_LOOP: Final = (*(kind for kind in _STATEFUL
                               if kind not in (nodes.Assign, nodes.AssignBlock)), nodes.NSRef)
 #: the variables the slice's loop reads: where it starts, whether it holds the first and the
-#: last message of the conversation (names no template variable can take: they begin "__")
+#: last message of the conversation (a template that reads these names has no split)
 OFFSET, HEAD, TAIL = "__df_offset", "__df_head", "__df_tail"
 
 
