@@ -108,7 +108,7 @@ async def _media_prompt(
         raise refuse_images(request.model, request.images)
 
     async def encode(text: str) -> list[int]:
-        return list(await tokenizing.encode(text, "messages", add_special_tokens=False))
+        return await tokenizing.encode(text, "messages", add_special_tokens=False)
 
     return await media_prompt(
         request, tokenizing.text_model, profile, [message_dict(m) for m in request.messages],

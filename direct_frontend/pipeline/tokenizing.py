@@ -161,20 +161,19 @@ class Tokenizing:
             if fewest >= limit:
                 raise context_length_exceeded(fewest, limit, param, at_least=True)
 
-    async def encode(self, text: str, param: str, *, add_special_tokens: bool
-                     ) -> tuple[int, ...]:
-        """Token ids of ``text``; a 400 without tokenizing when it certainly cannot fit."""
+    async def encode(self, text: str, param: str, *, add_special_tokens: bool) -> list[int]:
+        """Token ids of ``text`` (a new list); a 400 without tokenizing when it certainly
+        cannot fit."""
         if len(text) < self.inline_chars:
-            return tuple(self.text_model.encode(text, add_special_tokens=add_special_tokens))
+            return self.text_model.encode(text, add_special_tokens=add_special_tokens)
         return await self.off_loop(self._encode_large, text, param, add_special_tokens)
 
-    def _encode_large(self, text: str, param: str, add_special_tokens: bool
-                      ) -> tuple[int, ...]:
+    def _encode_large(self, text: str, param: str, add_special_tokens: bool) -> list[int]:
         self.refuse_beyond(text, 0, param)
         return self.text_model.encoder.encode_batch([text],
                                                     add_special_tokens=add_special_tokens)[0]
 
-    def encode_rest(self, pieces: list[str], known: int) -> list[tuple[int, ...]]:
+    def encode_rest(self, pieces: list[str], known: int) -> list[list[int]]:
         """The ids of a chat's pieces after ``known`` tokens, once the bound allows (a
         worker thread's call)."""
         self.refuse_beyond("".join(pieces), known, "messages")
