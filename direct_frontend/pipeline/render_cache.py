@@ -28,9 +28,9 @@ from direct_frontend.text.template_split import SplitTemplate
 
 #: the cache's budget (each entry counted as twice its text: the text, and its messages)
 MAX_BYTES = 32 << 20
-#: entries kept per first message (a system prompt many conversations share)
+#: entries kept per first two messages
 PER_KEY = 8
-#: the characters of a first message's text that entries are found by
+#: the characters of each of the first two messages' text that entries are found by
 KEY_CHARS = 1024
 
 View = dict[str, object]
@@ -58,9 +58,10 @@ class Turns:
 
 
 class TurnCache:
-    """The loop's output over conversations' earlier messages, by their first message's
-    start (:data:`KEY_CHARS`); at most
-    :data:`MAX_BYTES`, the least recently used leaving first."""
+    """The loop's output over conversations' earlier messages, found by their first two
+    messages' starts (:data:`KEY_CHARS` of each: many conversations share a system prompt,
+    few their first request too); at most :data:`MAX_BYTES`, the least recently used
+    leaving first."""
 
     def __init__(self, max_bytes: int = MAX_BYTES) -> None:
         self.max_bytes = max_bytes
@@ -68,7 +69,7 @@ class TurnCache:
         self.hits = 0
         self.misses = 0
         self._lru: collections.OrderedDict[int, Turns] = collections.OrderedDict()
-        self._by_first: dict[tuple[str, str], list[Turns]] = {}
+        self._by_start: dict[Key, list[Turns]] = {}
 
     def __len__(self) -> int:
         return len(self._lru)
@@ -77,10 +78,11 @@ class TurnCache:
         """The kept entry of ``setting`` with the most of ``messages``' first messages (not
         all: the last is rendered as the last), or None."""
         best: Turns | None = None
-        for entry in self._same_first(messages):
+        for entry in (*self._by_start.get(_key(messages[:2]), ()),
+                      *self._by_start.get(_key(messages[:1]), ())):
             k = len(entry.messages)
             if (k < len(messages) and (best is None or k > len(best.messages))
-                    and entry.setting == setting and entry.messages == tuple(messages[:k])):
+                    and entry.setting == setting and entry.messages == messages[:k]):
                 best = entry
         if best is None:
             self.misses += 1
@@ -95,7 +97,7 @@ class TurnCache:
             self._drop(replaces)
         if not entry.messages or entry.cost > self.max_bytes:
             return
-        same = self._by_first.setdefault(_key(entry.messages[0]), [])
+        same = self._by_start.setdefault(_key(entry.messages[:2]), [])
         same.append(entry)
         self._lru[id(entry)] = entry
         self.size += entry.cost
@@ -104,24 +106,24 @@ class TurnCache:
         while self.size > self.max_bytes and self._lru:
             self._drop(next(iter(self._lru.values())))
 
-    def _same_first(self, messages: Sequence[ChatMessage]) -> list[Turns]:
-        return self._by_first.get(_key(messages[0]), []) if messages else []
-
     def _drop(self, entry: Turns) -> None:
         if self._lru.pop(id(entry), None) is None:
             return
         self.size -= entry.cost
-        key = _key(entry.messages[0])
-        same = self._by_first[key]
+        key = _key(entry.messages[:2])
+        same = self._by_start[key]
         same.remove(entry)
         if not same:
-            del self._by_first[key]
+            del self._by_start[key]
 
 
-def _key(first: ChatMessage) -> tuple[str, str]:
-    """What entries are found by: their first message's role and the start of its text
-    (hashing more costs, finds no more; :meth:`TurnCache.find` compares the rest)."""
-    return first.role, (first.content or "")[:KEY_CHARS]
+Key = tuple[tuple[str, str], ...]
+
+
+def _key(first: Sequence[ChatMessage]) -> Key:
+    """What entries are found by: the role and the start of the text of their first
+    messages (hashing more costs, finds no more; :meth:`TurnCache.find` compares all)."""
+    return tuple((m.role, (m.content or "")[:KEY_CHARS]) for m in first)
 
 
 def render_turns(cache: TurnCache, model: TextModel, split: SplitTemplate,

@@ -262,3 +262,24 @@ def test_the_cache_keeps_its_budget() -> None:
                         "", ""))
         assert cache.size <= 4000
         assert cache.size == sum(e.cost for e in cache._lru.values())
+
+
+def test_conversations_sharing_a_system_prompt_keep_their_own_turns(
+        models: dict[str, TextModel]) -> None:
+    """More conversations than an entry list holds share the system prompt: each one's next
+    turn still finds its own (they differ from their first request on)."""
+    model = models["demo"]
+    split = model.split_template(None)
+    assert split is not None
+    cache = TurnCache()
+    system = {"role": "system", "content": "You are a coding agent. " * 100}
+    turns = [[system, {"role": "user", "content": f"Task {i}"}] for i in range(20)]
+    for _ in range(3):
+        for messages in turns:
+            messages += [{"role": "assistant", "content": "Reading."},
+                         {"role": "user", "content": "Go on."}]
+            request = _request(messages, False, None)
+            prompt = render_turns(cache, model, split, request.messages, message_dict, None,
+                                  (), None, True)
+            assert prompt == model.render_chat([message_dict(m) for m in request.messages])
+    assert cache.misses == 20 and cache.hits == 40
