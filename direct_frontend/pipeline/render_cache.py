@@ -1,17 +1,20 @@
 """A conversation's next turn renders its new messages only: the earlier ones' part of the
 prompt is taken from the last turn's render.
 
-Where the chat template's per-message pieces depend on their message and
-position alone (text/template_split.py proves it from the template's syntax),
-the prompt of ``messages`` is ``head + loop(0, n) + tail``, and ``loop(0, n)``
-is ``loop(0, k) + loop(k, n)`` for any ``k`` (with the last piece rendered as
-the last). :class:`TurnCache` keeps, per conversation, the loop's output over
-its messages but the last (each rendered as not last), and the messages
-themselves: a request whose first ``k`` messages equal a kept entry's (and
-whose tools, template variables and generation-prompt flag are the same)
-renders ``head``, messages ``k`` to ``n`` and ``tail`` only. The messages are
-compared by value (each a frozen struct, compared in C), so the text is exactly
-the whole render's.
+Where the chat template's per-message pieces depend on their message, position
+and the messages they read alone (text/template_split.py proves it from the
+template's syntax), the prompt of ``messages`` is ``head + loop(0, n) +
+tail``, and ``loop(0, n)`` is ``loop(0, k) + loop(k, n)`` for any ``k`` (with
+the last piece rendered as the last). :class:`TurnCache` keeps, per
+conversation, the loop's output over its messages but the last (each rendered
+as not last) and the messages it was made from: those, and the next ones its
+pieces read (a tool result's piece reading the message after it, say). A
+request that begins with a kept entry's messages (and whose tools, template
+variables and generation-prompt flag are the same) renders ``head``, the
+messages after the kept pieces and ``tail`` only; pieces that read the
+messages otherwise (their number, from their end) are not kept. The messages
+are compared by value (each a frozen struct, compared in C), so the text is
+exactly the whole render's; a failure renders the whole, which says what fails.
 
 Sans-IO; one cache per served model, read and written on the event loop only.
 """
@@ -23,7 +26,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 
 from direct_frontend.openai.types import ChatMessage
-from direct_frontend.text.model_dir import TextModel, template_error
+from direct_frontend.text.model_dir import TextModel
 from direct_frontend.text.template_split import SplitTemplate
 
 #: the cache's budget (each entry counted as twice its text: the text, and its messages)
@@ -41,11 +44,13 @@ Setting = tuple[SplitTemplate, object, object, bool]
 
 @dataclasses.dataclass(eq=False, slots=True)
 class Turns:
-    """A conversation's first messages, their template views, and the loop's output over
-    them (none of them the conversation's last)."""
+    """The loop's output over a conversation's first ``count`` messages (none of them its
+    last), their template views, and the first messages it was read from (those and
+    the next ones its iterations read)."""
 
     setting: Setting
     messages: tuple[ChatMessage, ...]
+    count: int
     views: list[View]
     text: str
     #: the template's output before and after its loop, for this conversation's variables
@@ -80,9 +85,10 @@ class TurnCache:
         best: Turns | None = None
         for entry in (*self._by_start.get(_key(messages[:2]), ()),
                       *self._by_start.get(_key(messages[:1]), ())):
-            k = len(entry.messages)
-            if (k < len(messages) and (best is None or k > len(best.messages))
-                    and entry.setting == setting and entry.messages == messages[:k]):
+            read = len(entry.messages)
+            if (entry.count < len(messages) and read <= len(messages)
+                    and (best is None or entry.count > best.count)
+                    and entry.setting == setting and entry.messages == messages[:read]):
                 best = entry
         if best is None:
             self.misses += 1
@@ -136,7 +142,7 @@ def render_turns(cache: TurnCache, model: TextModel, split: SplitTemplate,
     a ``ChatTemplateError``. ``tools_key``: what decides ``tools`` (compared, not hashed)."""
     setting: Setting = (split, tools_key, extra, add_generation_prompt)
     earlier = cache.find(setting, messages)
-    k = 0 if earlier is None else len(earlier.messages)
+    k = 0 if earlier is None else earlier.count
     n = len(messages)
     fresh = [view(m) for m in messages[k:]]
     views = fresh if earlier is None else earlier.views + fresh
@@ -146,10 +152,15 @@ def render_turns(cache: TurnCache, model: TextModel, split: SplitTemplate,
             head, tail = split.head.render(variables), split.tail.render(variables)
         else:  # (the same first message and variables)
             head, tail = earlier.head, earlier.tail
-        middle = split.render_loop(variables, views[k:n - 1], k, False) if n - 1 > k else ""
-        end = split.render_loop(variables, views[n - 1:], n - 1, True)
-    except Exception as exc:
-        raise template_error(exc) from exc
+        middle, reach = (split.render_loop(variables, views, k, n - 1, False) if n - 1 > k
+                         else ("", -1))
+        end, _ = split.render_loop(variables, views, n - 1, n, True)
+    except Exception:  # (the whole render says what fails, and how)
+        return model.render_chat(views, add_generation_prompt=add_generation_prompt,
+                                 tools=tools, extra=extra)
     done = middle if earlier is None else earlier.text + middle
-    cache.put(Turns(setting, tuple(messages[:n - 1]), views[:n - 1], done, head, tail), earlier)
+    if reach is not None:  # (else what it rendered read more than the messages before)
+        read = max(n - 1, reach + 1, 0 if earlier is None else len(earlier.messages))
+        cache.put(Turns(setting, tuple(messages[:read]), n - 1, views[:n - 1], done, head,
+                        tail), earlier)
     return "".join((head, done, end, tail))

@@ -1,5 +1,5 @@
 """A chat template split around its loop over the messages, where each message's piece of
-the prompt provably depends on that message alone.
+the prompt provably depends on that message, its position, and the messages it reads.
 
 A chat template's render is the output of its top-level statements, one after
 the other. When none of them leaves state for a later one (no ``set``, macro,
@@ -9,24 +9,27 @@ on the template's variables only, and the render is the concatenation of each
 statement rendered on its own. :func:`split_template` finds templates whose
 messages are read by one top-level ``{% for message in messages %}`` (no
 filter, no ``else``, no ``break``) whose body reads, besides template
-variables, only its message and ``loop.first``, ``loop.last``, ``loop.index``
-and ``loop.index0`` (never ``messages`` nor a name for them), and sets names
-only, not a namespace's attribute: Jinja starts each iteration from the
-template's variables, so what one sets the next does not see. Then an
-iteration's output is a function of its message, its position and whether it
-is first or last, and the loop's output over ``messages[a:b]`` can be rendered
-alone: :class:`SplitTemplate` renders the loop over a slice with its positions
-shifted (``loop.index0`` reads ``a +`` the slice's), ``loop.first`` true only
-at 0 and ``loop.last`` only at the conversation's end. A conversation's next
-turn then renders its new messages only, and takes the earlier ones' pieces
-from the last turn's (pipeline/render_cache.py). Any other template has no
-split (None) and is rendered whole.
+variables and the messages, only its message and ``loop.first``,
+``loop.last``, ``loop.index`` and ``loop.index0``, and sets names only, not a
+namespace's attribute: Jinja starts each iteration from the template's
+variables, so what one sets the next does not see. Then an iteration's output
+is a function of its message, its position, whether it is first or last, and
+what it reads of the messages, and the loop's output over ``messages[a:b]``
+can be rendered alone: :class:`SplitTemplate` renders the loop over a slice
+with its positions shifted (``loop.index0`` reads ``a +`` the slice's),
+``loop.first`` true only at 0 and ``loop.last`` only at the conversation's
+end, and its reads of the messages noted (:class:`Reads`: the furthest one it
+indexed, or that it read them otherwise). A conversation's next turn then
+renders its new messages only, and takes the earlier ones' pieces from the
+last turn's where the messages they read are the same
+(pipeline/render_cache.py). Any other template has no split (None) and is
+rendered whole.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Final
 
 import jinja2
@@ -48,6 +51,8 @@ _STATEFUL_IN_LOOP: Final = (*(kind for kind in _STATEFUL
 #: the variables the slice's loop reads: where it starts, whether it holds the first and the
 #: last message of the conversation (a template that reads these names has no split)
 OFFSET, HEAD, TAIL = "__df_offset", "__df_head", "__df_tail"
+#: the conversation's messages as an iteration reads them (:class:`Reads`)
+ALL = "__df_all"
 
 
 class _NotSplittable(Exception):
@@ -69,13 +74,72 @@ class SplitTemplate:
     #: there are any: then two conversations with the same first message (and variables)
     #: have the same ``head`` and ``tail``
     edges_by_first: bool
+    #: whether an iteration reads ``messages`` (its neighbours, as Qwen2.5's tool results)
+    reads_messages: bool
 
     def render_loop(self, variables: Mapping[str, object], messages: list[dict[str, object]],
-                    offset: int, last: bool) -> str:
-        """The loop's output over ``messages``, the conversation's from ``offset`` on; ``last``:
-        whether its last message is the conversation's."""
-        return self.loop.render({**variables, "messages": messages, OFFSET: offset,
-                                 HEAD: offset == 0, TAIL: last})
+                    start: int, stop: int, last: bool) -> tuple[str, int | None]:
+        """The loop's output over ``messages[start:stop]`` (the conversation's ``messages``),
+        and the furthest message an iteration read besides its own (-1: none; None: it
+        read something else of them, their number say, or from their end); ``last``:
+        whether ``messages[stop - 1]`` is the conversation's last."""
+        reads = Reads(messages) if self.reads_messages else None
+        text = self.loop.render({**variables, "messages": messages[start:stop], OFFSET: start,
+                                 HEAD: start == 0, TAIL: last, ALL: reads})
+        return text, (-1 if reads is None else reads.furthest())
+
+
+class Reads(Sequence[dict[str, object]]):
+    """A conversation's messages as an iteration reads them: ``messages[i]`` notes the
+    furthest ``i``; anything else (their number, a slice, a negative or missing index,
+    iterating, printing them) notes that the output depends on them all."""
+
+    __slots__ = ("_furthest", "_items", "_whole")  # (a template reads no ``_`` attribute)
+
+    def __init__(self, items: list[dict[str, object]]) -> None:
+        self._items = items
+        self._furthest = -1
+        self._whole = False
+
+    def furthest(self) -> int | None:
+        return None if self._whole else self._furthest
+
+    def __getitem__(self, i: Any) -> Any:
+        if type(i) is int and 0 <= i < len(self._items):
+            self._furthest = max(self._furthest, i)
+        else:
+            self._whole = True
+        return self._items[i]
+
+    def __len__(self) -> int:
+        self._whole = True
+        return len(self._items)
+
+    def __iter__(self) -> Iterator[dict[str, object]]:
+        self._whole = True
+        return iter(self._items)
+
+    def __contains__(self, item: object) -> bool:
+        self._whole = True
+        return item in self._items
+
+    def __reversed__(self) -> Iterator[dict[str, object]]:
+        self._whole = True
+        return reversed(self._items)
+
+    def __bool__(self) -> bool:
+        self._whole = True
+        return bool(self._items)
+
+    def __eq__(self, other: object) -> bool:
+        self._whole = True
+        return self._items == other
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        self._whole = True
+        return repr(self._items)
 
 
 def split_template(env: jinja2.Environment, source: str) -> SplitTemplate | None:
@@ -86,17 +150,30 @@ def split_template(env: jinja2.Environment, source: str) -> SplitTemplate | None
         at = _the_message_loop(parsed, aliases)
         loop = parsed[at]
         assert isinstance(loop, nodes.For)
-        closed = frozenset({"messages", *aliases, OFFSET, HEAD, TAIL})
-        _check_outside([n for n in parsed[:at] + parsed[at + 1:] if not _is_alias(n)], closed)
+        names = frozenset({"messages", *aliases})
+        _check_outside([n for n in parsed[:at] + parsed[at + 1:] if not _is_alias(n)],
+                       names | _OURS)
         loop.iter = nodes.Name("messages", "load", lineno=loop.iter.lineno)
-        loop.body = [_shifted(node, closed) for node in loop.body]
+        loop.body = [_shifted(node, names) for node in loop.body]
     except _NotSplittable:
         return None
+    reads = _renamed(loop.body, names)
     fresh = env.parse(source).body
     head = [node for node in fresh[:at] if not _is_alias(node)]
     tail = fresh[at + 1:]
     return SplitTemplate(_compiled(env, head), _compiled(env, [loop]), _compiled(env, tail),
-                         _first_message_only([*head, *tail]))
+                         _first_message_only([*head, *tail]), reads)
+
+
+def _renamed(body: list[nodes.Node], names: frozenset[str]) -> bool:
+    """The iteration's reads of the messages (``names``) made reads of :data:`ALL`; whether
+    there are any."""
+    found = False
+    for node in body:
+        for inner in _walk(node):
+            if isinstance(inner, nodes.Name) and inner.name in names:
+                inner.name, found = ALL, True
+    return found
 
 
 def _compiled(env: jinja2.Environment, body: list[nodes.Node]) -> jinja2.Template:
@@ -177,41 +254,51 @@ def _walk(node: nodes.Node) -> Iterator[nodes.Node]:
         yield from _walk(child)
 
 
-def _shifted(node: nodes.Node, closed: frozenset[str]) -> nodes.Node:
+#: the names the split's templates read that no template may
+_OURS: Final = frozenset({OFFSET, HEAD, TAIL, ALL})
+
+
+def _refused(node: nodes.Node, names: frozenset[str]) -> bool:
+    """Whether an iteration may not hold ``node``: a statement that outlives it, a name of
+    ours, a ``set`` of the messages (``names``)."""
+    if isinstance(node, _STATEFUL_IN_LOOP):
+        return True
+    return isinstance(node, nodes.Name) and (
+        node.name in _OURS or (node.name in names and node.ctx != "load"))
+
+
+def _shifted(node: nodes.Node, names: frozenset[str]) -> nodes.Node:
     """An iteration's statement with the loop's position read as the conversation's; a
-    :class:`_NotSplittable` if it sets a namespace's attribute (or ``loop``), reads a
-    ``closed`` name (the messages) or a loop attribute but those shifted, or breaks out of
-    the loop."""
-    if isinstance(node, (*_STATEFUL_IN_LOOP, nodes.Break)):
+    :class:`_NotSplittable` if it sets a namespace's attribute, ``loop`` or the messages
+    (``names``), reads a loop attribute but those shifted, or breaks out of the loop."""
+    if _refused(node, names) or isinstance(node, nodes.Break):
         raise _NotSplittable
-    if isinstance(node, nodes.Name) and (node.name in closed or node.name == "loop"):
-        raise _NotSplittable  # (for ``loop``: the loop whole, not one of its attributes)
+    if isinstance(node, nodes.Name) and node.name == "loop":
+        raise _NotSplittable  # (the loop whole, not one of its attributes)
     if isinstance(node, nodes.Getattr) and _is_loop(node.node):
         return _loop_attribute(node)
     if isinstance(node, nodes.For):  # its body's ``loop`` is its own
-        node.iter = _shifted(node.iter, closed)
-        _check_inner(node, closed)
+        node.iter = _shifted(node.iter, names)
+        _check_inner(node, names)
         return node
     for field, value in node.iter_fields():
         if isinstance(value, nodes.Node):
-            setattr(node, field, _shifted(value, closed))
+            setattr(node, field, _shifted(value, names))
         elif isinstance(value, list):
-            setattr(node, field, [_shifted(v, closed) if isinstance(v, nodes.Node) else v
+            setattr(node, field, [_shifted(v, names) if isinstance(v, nodes.Node) else v
                                   for v in value])
     return node
 
 
-def _check_inner(loop: nodes.For, closed: frozenset[str]) -> None:
+def _check_inner(loop: nodes.For, names: frozenset[str]) -> None:
     """An inner loop may break out of itself, and read its own ``loop`` freely: neither
     reaches the message loop; it may set names (its iteration's own) but not a namespace's
-    attribute, and not read a ``closed`` name."""
+    attribute nor the messages (``names``)."""
     if isinstance(loop.target, nodes.Name) and loop.target.name == "loop":
         raise _NotSplittable
     for part in (*loop.body, *loop.else_, *([loop.test] if loop.test else [])):
-        for inner in _walk(part):
-            if isinstance(inner, _STATEFUL_IN_LOOP) or (
-                    isinstance(inner, nodes.Name) and inner.name in closed):
-                raise _NotSplittable
+        if any(_refused(inner, names) for inner in _walk(part)):
+            raise _NotSplittable
     if loop.recursive:
         raise _NotSplittable
 

@@ -23,7 +23,8 @@ from direct_frontend.text.template_split import split_template
 from .test_incremental import LLAMA3_LIKE, QWEN3_LIKE, TEXT
 
 # Qwen2.5's tool results: consecutive ones share one user turn, so a result's piece reads
-# its neighbours (and the last one's changes once another follows).
+# its neighbours (and the last one's changes once another follows): what an iteration reads
+# of the messages is noted, and the next turn takes the text only if those are the same.
 QWEN25_LIKE = (
     "{%- for message in messages %}"
     "{%- if message.role == 'tool' %}"
@@ -69,6 +70,12 @@ SETS_IN_LOOP = (
     "{%- for call in m.tool_calls or [] %}{%- set text = text + call.function.name %}"
     "{%- endfor %}{{- m.role + text }}{%- endfor %}"
 )
+# The number of messages read in the loop: it splits, but nothing is kept (each turn's text
+# differs all along).
+READS_ALL = (
+    "{%- for m in messages %}{{- loop.index ~ '/' ~ (messages | length) ~ ' ' }}"
+    "{{- m.role + (m.content or '') + '\\n' }}{%- endfor %}"
+)
 # Shapes the split must leave whole: a namespace set in the loop, the previous item, and
 # Llama 3's own template (its loop goes over a variable set to the messages first).
 NAMESPACE = (
@@ -88,12 +95,14 @@ PREVIOUS = (
     "{%- endif %}{{- m.role + (m.content or '') }}{%- endfor %}"
 )
 SPLIT = {"demo": True, "llama3_like": True, "positions": True, "alternating": True,
-         "counting": True, "sets_in_loop": True, "qwen3": False, "qwen25": False,
-         "namespace": False, "previous": False, "llama3": True}
+         "counting": True, "sets_in_loop": True, "qwen25": True, "reads_all": True,
+         "llama3": True, "qwen3": False, "namespace": False, "previous": False}
+#: the split templates whose next turn takes the last one's text
+KEEPS = {name for name, splits in SPLIT.items() if splits} - {"reads_all"}
 SOURCES = {"llama3_like": LLAMA3_LIKE, "positions": POSITIONS, "alternating": ALTERNATING,
-           "counting": COUNTING, "sets_in_loop": SETS_IN_LOOP, "qwen3": QWEN3_LIKE,
-           "qwen25": QWEN25_LIKE, "namespace": NAMESPACE, "previous": PREVIOUS,
-           "llama3": LLAMA3}
+           "counting": COUNTING, "sets_in_loop": SETS_IN_LOOP, "qwen25": QWEN25_LIKE,
+           "reads_all": READS_ALL, "llama3": LLAMA3, "qwen3": QWEN3_LIKE,
+           "namespace": NAMESPACE, "previous": PREVIOUS}
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +141,10 @@ def test_the_templates_that_split_are_those_proven(models: dict[str, TextModel])
     ("{% for m in messages %}{{ loop.length }}{% endfor %}", False),
     ("{% for m in messages %}{{ loop.nextitem }}{% endfor %}", False),
     ("{% for m in messages %}{{ loop }}{% endfor %}", False),
-    ("{% for m in messages %}{{ messages[0] }}{% endfor %}", False),
+    ("{% for m in messages %}{{ messages[loop.index0 + 1] }}{% endfor %}", True),  # noted
+    ("{% set a = messages %}{% for m in a %}{{ a[loop.index0] }}{% endfor %}", True),
+    ("{% for m in messages %}{% set messages = 1 %}{% endfor %}", False),
+    ("{% for m in messages %}{{ __df_all }}{% endfor %}", False),  # a name of ours
     ("{% for m in messages %}{% set loop = 1 %}{% endfor %}", False),
     ("{% for m in messages %}{% macro f() %}{% endmacro %}{% endfor %}", False),
     ("{% for m in messages %}{% include 'x' %}{% endfor %}", False),
@@ -206,24 +218,30 @@ def test_every_turn_renders_as_the_whole_template_does(
     models: dict[str, TextModel], messages: list[dict[str, Any]],
     branch: list[dict[str, Any]], data: st.DataObject,
 ) -> None:
-    """Turn after turn, a branch off the middle, and the same turns again (from the cache):
-    the prompt is the whole render's, or fails with the same error."""
+    """Turn after turn, a branch off the middle, the same turns again (from the cache), and
+    the last one with another last message: the prompt is the whole render's, or fails with
+    the same error."""
     middle = len(messages) // 2 + 1
     steps = [messages[:k] for k in range(1, len(messages) + 1)]
-    steps += [messages[:middle] + branch[1:], *steps]
+    # a branch, the same turns again, and the last turn's last message replaced (a tool
+    # result where there was none, say: the piece before it reads it in some templates)
+    steps += [messages[:middle] + branch[1:], *steps, messages[:-1] + branch[-1:]]
     chosen = [data.draw(SETTINGS) for _ in steps]
     for name, model in models.items():
         cache = TurnCache()
         for step, (tools, extra, generation) in zip(steps, chosen, strict=True):
             whole, incremental = _both(model, cache, _request(step, tools, extra), generation)
             assert incremental == whole, name
-        kept = not whole.startswith("error: ")  # (the last step: the whole conversation)
+        whole, incremental = _both(model, cache, _request(messages, *chosen[-1][:2]),
+                                   chosen[-1][2])
+        assert incremental == whole, name
+        kept = not whole.startswith("error: ")
         hits = cache.hits
         tools, extra, generation = chosen[-1]
         nxt = [*messages, {"role": "user", "content": "next"}]
         whole, incremental = _both(model, cache, _request(nxt, tools, extra), generation)
         assert incremental == whole, name
-        if SPLIT[name] and kept:  # the next turn took the earlier ones' text
+        if name in KEEPS and kept:  # the next turn took the earlier ones' text
             assert cache.hits == hits + 1, name
 
 
@@ -258,8 +276,8 @@ def test_the_cache_keeps_its_budget() -> None:
         request = _request([{"role": "system", "content": f"s{i % 3}"},
                             {"role": "user", "content": "x" * 300 * (i % 4)},
                             {"role": "user", "content": "y"}], False, None)
-        cache.put(Turns((split, (), None, True), request.messages[:2], [], "t" * 400 * (i % 4),
-                        "", ""))
+        cache.put(Turns((split, (), None, True), request.messages[:2], 2, [],
+                        "t" * 400 * (i % 4), "", ""))
         assert cache.size <= 4000
         assert cache.size == sum(e.cost for e in cache._lru.values())
 
