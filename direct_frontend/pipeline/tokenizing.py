@@ -239,8 +239,8 @@ def render(text_model: TextModel, request: ChatRequest, add_generation_prompt: b
 
     With ``tokenizing`` (on the event loop only), a chat of two messages or more that
     hold ``size`` characters, :attr:`Tokenizing.prefix_min_chars` or more, renders only
-    the messages that follow those a recent render began with (pipeline/render_cache.py), and the
-    cuts come from :meth:`Tokenizing.cuts`: a conversation's next prompt scans only
+    the messages after those a recent render began with (pipeline/render_cache.py), and
+    the cuts come from :meth:`Tokenizing.cuts`: a conversation's next prompt scans only
     what follows its previous one.
     """
     tools: list[dict[str, object]] | None = (

@@ -316,7 +316,7 @@ def _compile_templates(sources: Mapping[str, str],
     return templates
 
 
-def template_error(exc: Exception) -> ChatTemplateError:
+def _template_error(exc: Exception) -> ChatTemplateError:
     """A chat template's failure as :class:`ChatTemplateError` (the client's 400)."""
     if isinstance(exc, jinja2.TemplateError):
         # raise_exception() lands here with the template's own wording.
@@ -508,7 +508,7 @@ class TextModel:
         try:
             return template.render(variables)
         except Exception as exc:
-            raise template_error(exc) from exc
+            raise _template_error(exc) from exc
 
     def template_variables(self, messages: list[dict[str, object]], add_generation_prompt: bool,
                            tools: list[dict[str, object]] | None,

@@ -145,6 +145,13 @@ class Reads(Sequence[dict[str, object]]):
 def split_template(env: jinja2.Environment, source: str) -> SplitTemplate | None:
     """``source`` split (see the module's docstring), or None where that is not proven."""
     try:
+        return _split(env, source)
+    except Exception:  # (a shape the proof cannot read, or Jinja compiles otherwise: whole)
+        return None
+
+
+def _split(env: jinja2.Environment, source: str) -> SplitTemplate | None:
+    try:
         parsed = env.parse(source).body
         aliases = _aliases(parsed)
         at = _the_message_loop(parsed, aliases)
