@@ -58,6 +58,9 @@ RENDER_INLINE_CHARS = 1 << 20
 #: shorter chats are tokenized whole, and not kept for their prefix: tokenizing them costs
 #: ≈ 10 µs, less than looking for a prefix does
 PREFIX_MIN_CHARS = 8192
+#: chats of fewer messages are rendered whole, not from an earlier turn's: a render's own cost
+#: (≈ 15 µs of Jinja's) and the look-up's are as much as rendering ≈ 16 messages costs
+TURNS_MIN_MESSAGES = 16
 #: request bodies of fewer bytes are parsed on the loop (JSON with its depth check: ≈ 1 ms
 #: per MB)
 PARSE_INLINE_BYTES = 256 << 10
@@ -131,6 +134,8 @@ class Tokenizing:
     prefixes: PrefixCache = dataclasses.field(default_factory=PrefixCache)
     #: the template's output over conversations' earlier messages, for their next turn's
     turns: TurnCache = dataclasses.field(default_factory=TurnCache)
+    #: chats of fewer messages are rendered whole (:data:`TURNS_MIN_MESSAGES`)
+    turns_min_messages: int = TURNS_MIN_MESSAGES
     #: chats shorter than this are tokenized whole (:data:`PREFIX_MIN_CHARS`)
     prefix_min_chars: int = PREFIX_MIN_CHARS
     #: how the model takes images (None: it takes none)
@@ -237,19 +242,20 @@ def render(text_model: TextModel, request: ChatRequest, add_generation_prompt: b
     """A chat's prompt text and its cuts (text/encoder.py ``boundaries``); a template
     failure is the client's 400.
 
-    With ``tokenizing`` (on the event loop only), a chat of two messages or more that
-    hold ``size`` characters, :attr:`Tokenizing.prefix_min_chars` or more, renders only
-    the messages after those a recent render began with (pipeline/render_cache.py), and
-    the cuts come from :meth:`Tokenizing.cuts`: a conversation's next prompt scans only
-    what follows its previous one.
+    With ``tokenizing`` (on the event loop only), a chat of
+    :attr:`Tokenizing.turns_min_messages` messages or more that hold ``size``
+    characters, :attr:`Tokenizing.prefix_min_chars` or more, renders only the messages
+    after those a recent render began with (pipeline/render_cache.py), and the cuts
+    come from :meth:`Tokenizing.cuts`: a conversation's next prompt scans only what
+    follows its previous one.
     """
     tools: list[dict[str, object]] | None = (
         [{"type": t.type, "function": function_dict(t)} for t in request.tools]
         if request.offers_tools else None)
     try:
-        # (a chat of one message has no earlier ones to take)
         split = (None if tokenizing is None or size < tokenizing.prefix_min_chars
-                 or len(request.messages) < 2 else text_model.split_template(tools))
+                 or len(request.messages) < tokenizing.turns_min_messages
+                 else text_model.split_template(tools))
         if split is not None:
             assert tokenizing is not None
             prompt = render_turns(tokenizing.turns, text_model, split, request.messages,
