@@ -108,7 +108,7 @@ async def _media_prompt(
         raise refuse_images(request.model, request.images)
 
     async def encode(text: str) -> list[int]:
-        return list(await tokenizing.encode(text, "messages", add_special_tokens=False))
+        return await tokenizing.encode(text, "messages", add_special_tokens=False)
 
     return await media_prompt(
         request, tokenizing.text_model, profile, [message_dict(m) for m in request.messages],
@@ -142,7 +142,7 @@ async def chat_prompt_ids(
     if hit is not None:
         return hit
     if size < RENDER_INLINE_CHARS:
-        prompt, cuts = render(text_model, request, add_generation_prompt, tokenizing)
+        prompt, cuts = render(text_model, request, add_generation_prompt, tokenizing, size)
     else:
         prompt, cuts = await tokenizing.render_off_loop(request, add_generation_prompt)
     ids: tuple[int, ...]

@@ -42,6 +42,7 @@ from direct_frontend.openai.errors import context_length_exceeded, invalid_reque
 from direct_frontend.openai.types import ChatMessage, ChatRequest
 from direct_frontend.pipeline.media import MediaProfile
 from direct_frontend.pipeline.prompt_cache import HEAD_CHARS, PrefixCache, PromptCache, Rendered
+from direct_frontend.pipeline.render_cache import TurnCache, render_turns
 from direct_frontend.routing.catalog import Catalog
 from direct_frontend.text.model_dir import ChatTemplateError, TextModel
 
@@ -57,6 +58,9 @@ RENDER_INLINE_CHARS = 1 << 20
 #: shorter chats are tokenized whole, and not kept for their prefix: tokenizing them costs
 #: ≈ 10 µs, less than looking for a prefix does
 PREFIX_MIN_CHARS = 8192
+#: chats of fewer messages are rendered whole, not from an earlier turn's: a render's own cost
+#: (≈ 15 µs of Jinja's) and the look-up's are as much as rendering ≈ 16 messages costs
+TURNS_MIN_MESSAGES = 16
 #: request bodies of fewer bytes are parsed on the loop (JSON with its depth check: ≈ 1 ms
 #: per MB)
 PARSE_INLINE_BYTES = 256 << 10
@@ -128,6 +132,10 @@ class Tokenizing:
     prompts: PromptCache = dataclasses.field(default_factory=PromptCache)
     #: rendered chats, for the prefix the next turn of their conversation shares
     prefixes: PrefixCache = dataclasses.field(default_factory=PrefixCache)
+    #: the template's output over conversations' earlier messages, for their next turn's
+    turns: TurnCache = dataclasses.field(default_factory=TurnCache)
+    #: chats of fewer messages are rendered whole (:data:`TURNS_MIN_MESSAGES`)
+    turns_min_messages: int = TURNS_MIN_MESSAGES
     #: chats shorter than this are tokenized whole (:data:`PREFIX_MIN_CHARS`)
     prefix_min_chars: int = PREFIX_MIN_CHARS
     #: how the model takes images (None: it takes none)
@@ -158,20 +166,19 @@ class Tokenizing:
             if fewest >= limit:
                 raise context_length_exceeded(fewest, limit, param, at_least=True)
 
-    async def encode(self, text: str, param: str, *, add_special_tokens: bool
-                     ) -> tuple[int, ...]:
-        """Token ids of ``text``; a 400 without tokenizing when it certainly cannot fit."""
+    async def encode(self, text: str, param: str, *, add_special_tokens: bool) -> list[int]:
+        """Token ids of ``text`` (a new list); a 400 without tokenizing when it certainly
+        cannot fit."""
         if len(text) < self.inline_chars:
-            return tuple(self.text_model.encode(text, add_special_tokens=add_special_tokens))
+            return self.text_model.encode(text, add_special_tokens=add_special_tokens)
         return await self.off_loop(self._encode_large, text, param, add_special_tokens)
 
-    def _encode_large(self, text: str, param: str, add_special_tokens: bool
-                      ) -> tuple[int, ...]:
+    def _encode_large(self, text: str, param: str, add_special_tokens: bool) -> list[int]:
         self.refuse_beyond(text, 0, param)
         return self.text_model.encoder.encode_batch([text],
                                                     add_special_tokens=add_special_tokens)[0]
 
-    def encode_rest(self, pieces: list[str], known: int) -> list[tuple[int, ...]]:
+    def encode_rest(self, pieces: list[str], known: int) -> list[list[int]]:
         """The ids of a chat's pieces after ``known`` tokens, once the bound allows (a
         worker thread's call)."""
         self.refuse_beyond("".join(pieces), known, "messages")
@@ -231,22 +238,35 @@ def chat_chars(request: ChatRequest) -> int:
 
 
 def render(text_model: TextModel, request: ChatRequest, add_generation_prompt: bool,
-           tokenizing: Tokenizing | None = None) -> tuple[str, list[int] | None]:
+           tokenizing: Tokenizing | None = None, size: int = 0) -> tuple[str, list[int] | None]:
     """A chat's prompt text and its cuts (text/encoder.py ``boundaries``); a template
     failure is the client's 400.
 
-    With ``tokenizing`` (on the event loop only), the cuts come from
-    :meth:`Tokenizing.cuts`: a conversation's next prompt scans only what follows
-    its previous one.
+    With ``tokenizing`` (on the event loop only), a chat of
+    :attr:`Tokenizing.turns_min_messages` messages or more that hold ``size``
+    characters, :attr:`Tokenizing.prefix_min_chars` or more, renders only the messages
+    after those a recent render began with (pipeline/render_cache.py), and the cuts
+    come from :meth:`Tokenizing.cuts`: a conversation's next prompt scans only what
+    follows its previous one.
     """
+    tools: list[dict[str, object]] | None = (
+        [{"type": t.type, "function": function_dict(t)} for t in request.tools]
+        if request.offers_tools else None)
     try:
-        prompt = text_model.render_chat(
-            [message_dict(m) for m in request.messages],
-            add_generation_prompt=add_generation_prompt,
-            tools=[{"type": t.type, "function": function_dict(t)} for t in request.tools]
-            if request.offers_tools else None,
-            extra=request.chat_template_kwargs,
-        )
+        split = (None if tokenizing is None or size < tokenizing.prefix_min_chars
+                 or len(request.messages) < tokenizing.turns_min_messages
+                 else text_model.split_template(tools))
+        if split is not None:
+            assert tokenizing is not None
+            prompt = render_turns(tokenizing.turns, text_model, split, request.messages,
+                                  message_dict, tools, request.tools if tools else (),
+                                  request.chat_template_kwargs, add_generation_prompt)
+        else:
+            prompt = text_model.render_chat(
+                [message_dict(m) for m in request.messages],
+                add_generation_prompt=add_generation_prompt, tools=tools,
+                extra=request.chat_template_kwargs,
+            )
     except ChatTemplateError as exc:
         raise invalid_request(str(exc), "messages") from None
     if tokenizing is None:

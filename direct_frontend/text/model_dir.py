@@ -27,6 +27,7 @@ from direct_frontend.json_files import read_object
 from direct_frontend.text.detokenize import IncrementalDetokenizer
 from direct_frontend.text.encoder import Encoder
 from direct_frontend.text.template_env import TemplateEnvironment
+from direct_frontend.text.template_split import SplitTemplate, split_template
 from direct_frontend.text.token_bound import ByteLevelBound
 from direct_frontend.text.token_bytes import TokenBytes, byte_level_bytes
 
@@ -315,6 +316,16 @@ def _compile_templates(sources: Mapping[str, str],
     return templates
 
 
+def _template_error(exc: Exception) -> ChatTemplateError:
+    """A chat template's failure as :class:`ChatTemplateError` (the client's 400)."""
+    if isinstance(exc, jinja2.TemplateError):
+        # raise_exception() lands here with the template's own wording.
+        return ChatTemplateError(exc.message or type(exc).__name__)
+    # Templates index and concatenate client data freely; a TypeError
+    # on e.g. null content is the request's fault, not the server's.
+    return ChatTemplateError(f"chat template failed on these messages: {exc}")
+
+
 class TextModel:
     """Tokenizer, chat templates and special tokens of one model; immutable once loaded.
 
@@ -356,6 +367,11 @@ class TextModel:
         self.encoder = encoder or Encoder(tokenizer, {}, "")
         self._tokenizer = tokenizer
         self._templates = dict(templates)
+        #: the templates split around their message loop, where that is proven
+        self._splits: dict[str, SplitTemplate | None] = {} if templates_read_clock else {
+            name: split_template(template.environment, (template_sources or {})[name])
+            for name, template in self._templates.items() if name in (template_sources or {})
+        }
         self.max_position_embeddings = max_position_embeddings
 
         self._template_tokens: dict[str, str] = {}
@@ -488,21 +504,31 @@ class TextModel:
         the messages, tools or generation-prompt flag.
         """
         template = self._pick_template(tools)
+        variables = self.template_variables(messages, add_generation_prompt, tools, extra)
+        try:
+            return template.render(variables)
+        except Exception as exc:
+            raise _template_error(exc) from exc
+
+    def template_variables(self, messages: list[dict[str, object]], add_generation_prompt: bool,
+                           tools: list[dict[str, object]] | None,
+                           extra: dict[str, object] | None) -> dict[str, object]:
+        """What a chat template renders on (:meth:`render_chat`'s arguments)."""
         variables: dict[str, object] = {**self._template_tokens}
         if extra:
             variables.update((k, v) for k, v in extra.items() if k not in _RESERVED_TEMPLATE_VARS)
         variables["messages"] = messages
         variables["tools"] = tools
         variables["add_generation_prompt"] = add_generation_prompt
-        try:
-            return template.render(variables)
-        except jinja2.TemplateError as exc:
-            # raise_exception() lands here with the template's own wording.
-            raise ChatTemplateError(exc.message or type(exc).__name__) from exc
-        except Exception as exc:
-            # Templates index and concatenate client data freely; a TypeError
-            # on e.g. null content is the request's fault, not the server's.
-            raise ChatTemplateError(f"chat template failed on these messages: {exc}") from exc
+        return variables
+
+    def split_template(self, tools: object) -> SplitTemplate | None:
+        """The template :meth:`render_chat` renders with ``tools``, split around its message
+        loop (text/template_split.py); None where it has no split, or reads the clock."""
+        self._pick_template(tools)  # (its errors)
+        if tools and "tool_use" in self._templates:
+            return self._splits.get("tool_use")
+        return self._splits.get("default")
 
     def _pick_template(self, tools: object) -> jinja2.Template:
         if not self._templates:

@@ -126,7 +126,8 @@ def test_every_turn_has_the_ids_of_a_whole_tokenization(
     prefix was reused; the block hashes are those of the ids hashed afresh."""
 
     async def check(model: TextModel) -> int:
-        tokenizing = Tokenizing(model, lambda: Catalog(), prefix_min_chars=0)
+        tokenizing = Tokenizing(model, lambda: Catalog(), prefix_min_chars=0,
+                                turns_min_messages=2)
         middle = len(conversation) // 2 + 1
         steps = [conversation[:k] for k in range(1, len(conversation) + 1)]
         steps.append(conversation[:middle] + branch[1:])  # a branch shares the early turns

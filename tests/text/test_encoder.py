@@ -82,7 +82,7 @@ def test_the_encoder_gives_tokenizers_ids(models_under_test: dict[str, TextModel
         assert encoder.encode(text) == _reference(model, text)
         assert encoder.encode(text, add_special_tokens=True) == _reference(model, text, True)
         assert encoder.encode_batch([text, text[::-1]]) == [
-            tuple(_reference(model, text)), tuple(_reference(model, text[::-1]))]
+            _reference(model, text), _reference(model, text[::-1])]
 
 
 @settings(max_examples=150, deadline=None)

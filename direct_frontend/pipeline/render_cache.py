@@ -1,0 +1,166 @@
+"""A conversation's next turn renders its new messages only: the earlier ones' part of the
+prompt is taken from the last turn's render.
+
+Where the chat template's per-message pieces depend on their message, position
+and the messages they read alone (text/template_split.py proves it from the
+template's syntax), the prompt of ``messages`` is ``head + loop(0, n) +
+tail``, and ``loop(0, n)`` is ``loop(0, k) + loop(k, n)`` for any ``k`` (with
+the last piece rendered as the last). :class:`TurnCache` keeps, per
+conversation, the loop's output over its messages but the last (each rendered
+as not last) and the messages it was made from: those, and the next ones its
+pieces read (a tool result's piece reading the message after it, say). A
+request that begins with a kept entry's messages (and whose tools, template
+variables and generation-prompt flag are the same) renders ``head``, the
+messages after the kept pieces and ``tail`` only; pieces that read the
+messages otherwise (their number, from their end) are not kept. The messages
+are compared by value (each a frozen struct, compared in C), so the text is
+exactly the whole render's; a failure renders the whole, which says what fails.
+
+Sans-IO; one cache per served model, read and written on the event loop only.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Callable, Sequence
+
+from direct_frontend.openai.types import ChatMessage
+from direct_frontend.text.model_dir import TextModel
+from direct_frontend.text.template_split import SplitTemplate
+
+#: the cache's budget (each entry counted as twice its text: the text, and its messages)
+MAX_BYTES = 32 << 20
+#: entries kept per first two messages
+PER_KEY = 8
+#: the characters of each of the first two messages' text that entries are found by
+KEY_CHARS = 1024
+
+View = dict[str, object]
+#: what decides a render besides the messages: the split template, the tools' declarations,
+#: the template variables, the generation-prompt flag
+Setting = tuple[SplitTemplate, object, object, bool]
+
+
+@dataclasses.dataclass(eq=False, slots=True)
+class Turns:
+    """The loop's output over a conversation's first ``count`` messages (none of them its
+    last), their template views, and the first messages it was read from (those and
+    the next ones its iterations read)."""
+
+    setting: Setting
+    messages: tuple[ChatMessage, ...]
+    count: int
+    views: list[View]
+    text: str
+    #: the template's output before and after its loop, for this conversation's variables
+    head: str
+    tail: str
+
+    @property
+    def cost(self) -> int:
+        return 2 * len(self.text) + 64 * len(self.messages)
+
+
+class TurnCache:
+    """The loop's output over conversations' earlier messages, found by their first two
+    messages' starts (:data:`KEY_CHARS` of each: many conversations share a system prompt,
+    few their first request too); at most :data:`MAX_BYTES`, the least recently used
+    leaving first."""
+
+    def __init__(self, max_bytes: int = MAX_BYTES) -> None:
+        self.max_bytes = max_bytes
+        self.size = 0
+        self.hits = 0
+        self.misses = 0
+        self._lru: collections.OrderedDict[int, Turns] = collections.OrderedDict()
+        self._by_start: dict[Key, list[Turns]] = {}
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def find(self, setting: Setting, messages: Sequence[ChatMessage]) -> Turns | None:
+        """The kept entry of ``setting`` with the most of ``messages``' first messages (not
+        all: the last is rendered as the last), or None."""
+        best: Turns | None = None
+        for entry in (*self._by_start.get(_key(messages[:2]), ()),
+                      *self._by_start.get(_key(messages[:1]), ())):
+            read = len(entry.messages)
+            if (entry.count < len(messages) and read <= len(messages)
+                    and (best is None or entry.count > best.count)
+                    and entry.setting == setting and entry.messages == messages[:read]):
+                best = entry
+        if best is None:
+            self.misses += 1
+            return None
+        self.hits += 1
+        self._lru.move_to_end(id(best))
+        return best
+
+    def put(self, entry: Turns, replaces: Turns | None = None) -> None:
+        """Keep ``entry``; ``replaces`` (an entry it goes on from) leaves."""
+        if replaces is not None:
+            self._drop(replaces)
+        if not entry.messages or entry.cost > self.max_bytes:
+            return
+        same = self._by_start.setdefault(_key(entry.messages[:2]), [])
+        same.append(entry)
+        self._lru[id(entry)] = entry
+        self.size += entry.cost
+        if len(same) > PER_KEY:
+            self._drop(same[0])
+        while self.size > self.max_bytes and self._lru:
+            self._drop(next(iter(self._lru.values())))
+
+    def _drop(self, entry: Turns) -> None:
+        if self._lru.pop(id(entry), None) is None:
+            return
+        self.size -= entry.cost
+        key = _key(entry.messages[:2])
+        same = self._by_start[key]
+        same.remove(entry)
+        if not same:
+            del self._by_start[key]
+
+
+Key = tuple[tuple[str, str], ...]
+
+
+def _key(first: Sequence[ChatMessage]) -> Key:
+    """What entries are found by: the role and the start of the text of their first
+    messages (hashing more costs, finds no more; :meth:`TurnCache.find` compares all)."""
+    return tuple((m.role, (m.content or "")[:KEY_CHARS]) for m in first)
+
+
+def render_turns(cache: TurnCache, model: TextModel, split: SplitTemplate,
+                 messages: Sequence[ChatMessage], view: Callable[[ChatMessage], View],
+                 tools: list[View] | None, tools_key: object, extra: dict[str, object] | None,
+                 add_generation_prompt: bool) -> str:
+    """The prompt ``model.render_chat`` gives ``messages`` (``view`` makes a message's template
+    view), rendering only the messages after the longest run of first ones kept in
+    ``cache``, which keeps this conversation's for its next turn; a template's failure is
+    a ``ChatTemplateError``. ``tools_key``: what decides ``tools`` (compared, not hashed)."""
+    setting: Setting = (split, tools_key, extra, add_generation_prompt)
+    earlier = cache.find(setting, messages)
+    k = 0 if earlier is None else earlier.count
+    n = len(messages)
+    fresh = [view(m) for m in messages[k:]]
+    views = fresh if earlier is None else earlier.views + fresh
+    variables = model.template_variables(views, add_generation_prompt, tools, extra)
+    try:
+        if earlier is None or not split.edges_by_first:
+            head, tail = split.head.render(variables), split.tail.render(variables)
+        else:  # (the same first message and variables)
+            head, tail = earlier.head, earlier.tail
+        middle, reach = (split.render_loop(variables, views, k, n - 1, False) if n - 1 > k
+                         else ("", -1))
+        end, _ = split.render_loop(variables, views, n - 1, n, True)
+    except Exception:  # (the whole render says what fails, and how)
+        return model.render_chat(views, add_generation_prompt=add_generation_prompt,
+                                 tools=tools, extra=extra)
+    done = middle if earlier is None else earlier.text + middle
+    if reach is not None:  # (else what it rendered read more than the messages before)
+        read = max(n - 1, reach + 1, 0 if earlier is None else len(earlier.messages))
+        cache.put(Turns(setting, tuple(messages[:read]), n - 1, views[:n - 1], done, head,
+                        tail), earlier)
+    return "".join((head, done, end, tail))
