@@ -500,9 +500,9 @@ class KvAware:
 
         Ties go to the largest prefix cache in ``room`` (each candidate's capacity
         in blocks; empty: no preference), then to the fewest requests in flight,
-        then round robin. Of two full caches the larger one's least recently used
-        blocks are older, so what a miss evicts there is less likely to be read
-        again: a new prefix that costs the same everywhere goes there.
+        then round robin. Under the same traffic a larger cache's least recently
+        used blocks are older, so what a miss evicts there is less likely to be
+        read again: a new prefix that costs the same everywhere goes there.
         """
         low, high = min(costs), max(costs)
         if self.knobs.temperature <= 0 or high - low < 1e-9:
