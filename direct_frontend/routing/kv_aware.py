@@ -449,7 +449,7 @@ class KvAware:
             if key is not None:
                 costs = self.affinity.costs(key, candidates, costs)
         # -- end of session affinity -----------------------------------------------------
-        room = [self.capacity_of(e) for e in candidates]
+        room = [self.capacity_of(e) or self._peak for e in candidates]  # as fullness reads it
         chosen = self._pick(candidates, costs, room)
         loads = [e.load.fleet_in_flight for e in candidates]
         mean = sum(loads) / len(loads)
