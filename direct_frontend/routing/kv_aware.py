@@ -32,7 +32,8 @@ of requests we sent an engine that its events have not shown yet
 (:meth:`KvAware.remembered`), and nothing it was sent before them. No engine
 speed enters, so no knob depends on the hardware.
 
-argmin at ``temperature == 0`` (ties → fewer requests in flight → round robin),
+argmin at ``temperature == 0`` (ties → the larger prefix cache → fewer requests
+in flight → round robin),
 else softmax sampling over the min–max-normalised costs. A load guard (smg's
 imbalance gate) spills a request when the chosen engine is far above the
 mean: a safety net, as the queue terms balance. It spills to the cheapest
@@ -449,16 +450,18 @@ class KvAware:
             if key is not None:
                 costs = self.affinity.costs(key, candidates, costs)
         # -- end of session affinity -----------------------------------------------------
-        chosen = self._pick(candidates, costs)
+        room = [self.capacity_of(e) or self._peak for e in candidates]  # as fullness reads it
+        chosen = self._pick(candidates, costs, room)
         loads = [e.load.fleet_in_flight for e in candidates]
         mean = sum(loads) / len(loads)
         limit = max(mean * knobs.balance_rel_threshold, mean + knobs.balance_abs_threshold)
         if chosen.load.fleet_in_flight > limit:
             # the cheapest engine under the guard: where the prefix has a second home, or
             # room for one (the least loaded would scatter the prefix)
-            under = [(c, e) for c, e in zip(costs, candidates, strict=True)
+            under = [(c, e, r) for c, e, r in zip(costs, candidates, room, strict=True)
                      if e.load.fleet_in_flight <= limit]
-            return self._pick([e for _, e in under], [c for c, _ in under]), True
+            return self._pick([e for _, e, _ in under], [c for c, _, _ in under],
+                              [r for _, _, r in under]), True
         return chosen, False
 
     def on_complete(self, placement: Placement, prompt: Sequence[int],
@@ -492,10 +495,25 @@ class KvAware:
         these being it and its answer), which the memory extends in a step per new block."""
         self.approx.record(engine, hashes, now, head)
 
-    def _pick(self, candidates: Sequence[EngineHandle], costs: Sequence[float]) -> EngineHandle:
+    def _pick(self, candidates: Sequence[EngineHandle], costs: Sequence[float],
+              room: Sequence[int] = ()) -> EngineHandle:
+        """The cheapest engine (``temperature`` 0), else a softmax sample over the costs.
+
+        Ties go to the largest prefix cache in ``room`` (each candidate's capacity
+        in blocks; empty: no preference), then to the fewest requests in flight,
+        then round robin. Under the same traffic a larger cache's least recently
+        used blocks are older, so what a miss evicts there is less likely to be
+        read again: a new prefix that costs the same everywhere goes there.
+        """
         low, high = min(costs), max(costs)
         if self.knobs.temperature <= 0 or high - low < 1e-9:
-            best = [e for e, c in zip(candidates, costs, strict=True) if c - low < 1e-5]
+            if room and min(room) != max(room):  # caches of different sizes
+                cheapest = [(r, e) for e, c, r in zip(candidates, costs, room, strict=True)
+                            if c - low < 1e-5]
+                largest = max(r for r, _ in cheapest)
+                best = [e for r, e in cheapest if r == largest]
+            else:
+                best = [e for e, c in zip(candidates, costs, strict=True) if c - low < 1e-5]
             least = min(e.load.fleet_in_flight for e in best)
             tied = [e for e in best if e.load.fleet_in_flight == least]
             self._tie += 1

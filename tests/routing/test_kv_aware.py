@@ -425,6 +425,31 @@ def test_an_engines_capacity_is_the_fleet_files_else_what_discovery_reported() -
     assert chosen is not None and chosen.engine.name == "b"  # a new prefix: where there is room
 
 
+def test_a_tie_between_full_caches_goes_to_the_larger_every_time() -> None:
+    index = KvIndex(BS)
+    stored(index, "a", list(range(1000, 1160)))  # a full: 40 blocks of 40
+    stored(index, "b", list(range(2000, 2320)))  # b full: 80 blocks of 80
+    policy = KvAware(KvAwareKnobs(block_size=BS), index)
+    policy.uses_events = {1, 2}
+    engines = (sized("a", 40 * BS), sized("b", 80 * BS))
+    assert policy.fullness(engines, 8, {}, (0, 0)) == {"a": 1.0, "b": 1.0}  # the same price
+    for n in range(4):  # not round robin: new prefixes, each costing the same on both
+        prompt = [3000 + 100 * n + k for k in range(32)]
+        chosen = policy.choose(Catalog(1, engines), view(prompt), exclude=())
+        assert chosen is not None and chosen.engine.name == "b"
+        assert chosen.prefilled is not None
+        chosen.prefilled()  # its prefill is done: b's queue is empty again
+    # equal caches: round robin as before
+    even = (sized("a", 40 * BS), sized("b", 40 * BS))
+    names = set()
+    for n in range(2):
+        chosen = policy.choose(Catalog(1, even), view([5000 + 100 * n + k for k in range(32)]))
+        assert chosen is not None and chosen.prefilled is not None
+        chosen.prefilled()
+        names.add(chosen.engine.name)
+    assert names == {"a", "b"}
+
+
 def test_a_requests_prefill_leaves_the_queue_at_its_first_token() -> None:
     policy = KvAware(KvAwareKnobs(block_size=BS))  # no events: nothing else would tell
     catalog = Catalog(1, (handle("a"), handle("b")))
