@@ -19,6 +19,7 @@ token ids, the same way for stored blocks and for requests (docs/kv-events.md §
 from __future__ import annotations
 
 import array
+import ctypes
 import struct
 from collections.abc import Iterable, Sequence
 from typing import Any, Final
@@ -89,6 +90,14 @@ def mm_block_extras(media: Sequence[MediaKey], block_size: int,
     return extras
 
 
+#: from this many ids on, :class:`PromptIds` leave the cyclic collector's walks
+UNTRACKED_MIN_IDS: Final = 512
+
+_gc_untrack: Final = ctypes.pythonapi.PyObject_GC_UnTrack
+_gc_untrack.argtypes = (ctypes.py_object,)
+_gc_untrack.restype = None
+
+
 class PromptIds(tuple[int, ...]):
     """A prompt's token ids that remember their prefix hashes, and whose they share.
 
@@ -103,6 +112,14 @@ class PromptIds(tuple[int, ...]):
     first ``known`` ids from ``built_source`` (the earlier prompt's ``built``)
     instead of converting them again; None where no prompt will be built from
     these ids (they are not kept for a conversation's next turn).
+
+    Long ids are out of the cyclic collector's walks (``PyObject_GC_UnTrack``):
+    a tuple subclass is never untracked by the collector itself (it untracks
+    only exact tuples of untracked items), so each collection would walk every
+    id of every prompt kept for a next turn. Untracking is sound because no
+    reference cycle passes through one: what it holds (hash chains, id lists,
+    their dicts) never refers back to it, and its own references still keep
+    what it holds reachable for the collector.
     """
 
     chains: dict[tuple[int, int, str | None], list[int]]
@@ -121,6 +138,8 @@ class PromptIds(tuple[int, ...]):
         self.known = known if source is not None else 0
         self.built = {} if keep_built else None
         self.built_source = built_source if self.known else None
+        if len(self) >= UNTRACKED_MIN_IDS:
+            _gc_untrack(self)
         return self
 
     def take_built_source(self) -> dict[str, Any] | None:

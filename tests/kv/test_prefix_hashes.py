@@ -7,6 +7,7 @@ module cuts and chains the blocks in bulk and reuses a known prefix's chain.
 from __future__ import annotations
 
 import array
+import gc
 
 import msgspec
 import pytest
@@ -14,7 +15,13 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from direct_frontend.kv.prefix import PromptIds, extend_hashes, namespace_seed, prefix_hashes
+from direct_frontend.kv.prefix import (
+    UNTRACKED_MIN_IDS,
+    PromptIds,
+    extend_hashes,
+    namespace_seed,
+    prefix_hashes,
+)
 
 BS = 4
 U32 = st.integers(0, 2**32 - 1)
@@ -81,3 +88,17 @@ def test_ids_after_the_last_full_block_are_not_hashed() -> None:
     assert extend_hashes([], [1, 2, 3, 4, -1], BS) == reference([1, 2, 3, 4], BS)
     with pytest.raises(OverflowError):
         prefix_hashes([1, 2, 2**40, 4, 5], BS)
+
+
+def test_long_ids_are_out_of_the_collectors_walks_and_keep_what_they_hold() -> None:
+    """Long :class:`PromptIds` are not walked by the cyclic collector (a tuple subclass never
+    leaves its walks by itself); what only they hold survives a collection, hashed on from."""
+    tokens = [7 + i % 1000 for i in range(UNTRACKED_MIN_IDS + 3 * BS)]
+    earlier = PromptIds(tokens)
+    assert not gc.is_tracked(earlier)
+    assert gc.is_tracked(PromptIds(tokens[:UNTRACKED_MIN_IDS - 1]))
+    hashes = prefix_hashes(earlier, BS)
+    later = PromptIds([*tokens, 1, 2, 3, 4], earlier.chains, len(tokens))
+    del earlier  # its chains now live only through ``later.source``
+    gc.collect()
+    assert prefix_hashes(later, BS) == [*hashes, *reference([*tokens, 1, 2, 3, 4], BS)[-1:]]
