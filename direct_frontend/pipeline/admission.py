@@ -129,7 +129,9 @@ class Admission:
         self._queues = {tier: FairQueue(self.tenants.weight) for tier in TIERS}
         self._queued: collections.Counter[str] = collections.Counter()  # per flow, every tier
         self._wake: dict[Waiter, trio.Event] = {}
-        self._held: dict[str, int] = {}  # slots each flow holds, every tier
+        self._held: dict[str, int] = {}  # slots each flow holds, every tier (when capped)
+        #: whether any flow has a cap of its own: without one, what each holds is not kept
+        self._caps = self.tenants.any_cap()
         #: the slots each tenant holds at priority, and at priority or default: the shares
         #: the spare slots follow (a tier leaves spares for its own and earlier tiers only)
         self._shares = {tier: Shares(config.max_in_flight, self.tenants.weight)
@@ -400,7 +402,7 @@ class Admission:
         most a quarter of the slots in all). Alone, or with everyone at its
         share, a tenant takes every slot: the queue stays work-conserving.
         """
-        if self._capped(flow, count):
+        if self._caps and self._capped(flow, count):
             return False
         if tier == "flex":
             slots = self.config.max_in_flight
@@ -443,23 +445,31 @@ class Admission:
     def _count(self, flow: str, count: int, tier: Tier, now: float) -> None:
         """``flow`` holds ``count`` more slots at ``tier`` (fewer if negative) from ``now``."""
         self._free -= count
-        held = self._held.get(flow, 0) + count
-        if held:
-            self._held[flow] = held
-        else:
-            del self._held[flow]
+        if self._caps:
+            held = self._held.get(flow, 0) + count
+            if held:
+                self._held[flow] = held
+            else:
+                del self._held[flow]
         for shares in self._accounts[tier]:
             shares.add(flow, count, now)
         if tier == "flex":
             self._flex += count
+            return
+        interactive = self._interactive + count
+        if count > 0 and self._peak[0] <= interactive:
+            # the peak as of now lies between what they held and the peak kept, so at most
+            # what they hold now: that is the peak (no decay to work out)
+            peak = float(interactive)
         else:
-            peak = self._interactive_peak(now)
-            self._interactive += count
-            self._peak = (max(peak, self._interactive), now)
+            peak = max(self._interactive_peak(now), interactive)
+        self._interactive = interactive
+        self._peak = (peak, now)
 
     def _release(self, flow: str, count: int, tier: Tier) -> None:
         self._count(flow, -count, tier, trio.current_time())
-        self._dispatch()
+        if self._queued:  # someone waits for the slots (else there is no one to grant)
+            self._dispatch()
 
     def _dispatch(self) -> None:
         """Grant free slots to the waiting requests: by tier, and in fair order within one."""
