@@ -158,7 +158,12 @@ class Writer:
         step = _STEPS.get(type(event))
         if step is not None:  # an event that writes nothing: a plain call, by its type
             step(self, event)
-        elif type(event) is Opened:
+        else:
+            await self._output(event, index)
+
+    async def _output(self, event: StairEvent, index: int) -> None:
+        """A choice's first output, its end, or an embeddings response's vectors."""
+        if type(event) is Opened:
             data = self.renderer.opened(event, index)
             if self.streamed:
                 if not self.started:

@@ -49,7 +49,7 @@ from direct_frontend.pipeline.parsing import (
 from direct_frontend.pipeline.postprocess import OutputProcessor
 from direct_frontend.pipeline.preempt import Hold
 from direct_frontend.pipeline.preprocess import PreparedRequest, build_call, token_budget
-from direct_frontend.pipeline.relay_events import Batch, Emit, Failed
+from direct_frontend.pipeline.relay_events import Batch, Emit, Failed, Finished, Opened
 from direct_frontend.pipeline.relay_state import RelayState
 from direct_frontend.pipeline.settings import Settings
 from direct_frontend.pipeline.thinking import ThinkingBudget
@@ -227,8 +227,13 @@ class Relay:
                 if prefilled is not None:  # this attempt's first output
                     prefilled()  # its prefill is off the engine's queue
                     prefilled = None
-                if await self._hand_on(state, batch, engine_call, emit):
+                opened = self._timed(state, batch)
+                if opened is not None:  # the request's first output: its Opened before it
+                    await emit(opened)
+                if state.output.final is not None:  # it completes the output
+                    await emit(self._finished(state, batch, engine_call))
                     return None
+                await emit(batch)
                 if budget is not None and budget.limit is not None:
                     closing = state.thinking_due()
                     if closing is not None:
@@ -238,32 +243,31 @@ class Relay:
                 prefilled()
         raise attempt.interrupted(trio.current_time())
 
-    async def _hand_on(self, state: RelayState, batch: Batch, engine_call: EngineCall,
-                       emit: Emit) -> bool:
-        """Hand ``batch`` on (after the request's :class:`Opened`, with its first output);
-        True when it completes the output."""
+    def _timed(self, state: RelayState, batch: Batch) -> Opened | None:
+        """Time ``batch``'s output: the request's first (its :class:`Opened`, handed on
+        before it), or the next tokens (None). Plain calls, no coroutine per batch."""
         now = time.perf_counter()
-        metrics = self.metrics
-        if state.last_out == 0.0:
-            ttft = now - state.started
-            metrics.observe_ttft(ttft)
-            if self.series is not None:
-                self.series.first_token(ttft)
-            if state.trace is not None:
-                state.trace.first_token()
-            await emit(state.output.opened(state.attempt.placement.engine.name, self.text_model))
-        elif batch.tokens:
-            metrics.observe_inter_token(now - state.last_out, batch.tokens)
+        last_out = state.last_out
         state.last_out = now
-        output = state.output
-        if output.final is None:
-            await emit(batch)
-            return False
+        if last_out != 0.0:
+            if batch.tokens:
+                self.metrics.observe_inter_token(now - last_out, batch.tokens)
+            return None
+        ttft = now - state.started
+        self.metrics.observe_ttft(ttft)
+        if self.series is not None:
+            self.series.first_token(ttft)
+        if state.trace is not None:
+            state.trace.first_token()
+        return state.output.opened(state.attempt.placement.engine.name, self.text_model)
+
+    def _finished(self, state: RelayState, batch: Batch, engine_call: EngineCall) -> Finished:
+        """The last batch, which completes the output: the engine call needs no Abort when
+        the engine ends it by itself."""
         engine = state.attempt.placement.engine
-        engine_call.ends_by_itself = output.ends_by_itself(engine)
-        metrics.engine_request(engine.name, "ok")
-        await emit(output.finished(batch))  # the final bytes go out before any Abort
-        return True
+        engine_call.ends_by_itself = state.output.ends_by_itself(engine)
+        self.metrics.engine_request(engine.name, "ok")
+        return state.output.finished(batch)  # its bytes go out before any Abort
 
     async def _asked_off(self, state: RelayState, hold: Hold, error: EngineError) -> None:
         """The attempt ended after its admission asked the request off its engine: requeued,
