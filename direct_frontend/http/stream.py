@@ -158,11 +158,17 @@ class Writer:
         step = _STEPS.get(type(event))
         if step is not None:  # an event that writes nothing: a plain call, by its type
             step(self, event)
+        elif type(event) is Finished:  # its write may wait on the client: no frame more
+            if self.streamed:
+                await self._last(*await self.renderer.finished(event, index))
+            else:  # a body is written once the walk is over (its engine calls closed)
+                self.ends.append((event, index))
         else:
             await self._output(event, index)
 
     async def _output(self, event: StairEvent, index: int) -> None:
-        """A choice's first output, its end, or an embeddings response's vectors."""
+        """A choice's first output (a stream's head goes with it), or an embeddings
+        response's vectors."""
         if type(event) is Opened:
             data = self.renderer.opened(event, index)
             if self.streamed:
@@ -171,11 +177,6 @@ class Writer:
                                       "headers": [*SSE_HEADERS, *self.headers]})
                     self.started = True
                 self.out += data
-        elif type(event) is Finished:
-            if self.streamed:
-                await self._last(*await self.renderer.finished(event, index))
-            else:  # a body is written once the walk is over (its engine calls closed)
-                self.ends.append((event, index))
         elif type(event) is Embedded:
             await self._last(self.renderer.embedded(event), True)
 
