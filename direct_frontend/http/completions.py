@@ -58,11 +58,11 @@ class CompletionsRenderer(Renderer):
                 self._chunks = [ChunkRenderer(kind, prepared.request_id, request.model,
                                               created, request.include_usage, index, tier)
                                 for index in range(count)]
+            #: each choice's output tokens so far, and each prompt's cached tokens
+            self._completion = [0] * count
+            self._cached = [0] * prompts
         self._roles = True  # every choice announces its role first (chat), before any output
         self._continuous = request.include_usage and request.continuous_usage_stats
-        #: each choice's output tokens so far, and each prompt's cached tokens
-        self._completion = [0] * count
-        self._cached = [0] * prompts
         self._ends: list[Finished | None] = [None] * count
 
     def opened(self, event: Opened, index: int) -> bytes:
@@ -89,6 +89,14 @@ class CompletionsRenderer(Renderer):
 
     async def finished(self, event: Finished, index: int) -> tuple[bytes, bool]:
         choice = self._choices[index]
+        if self.streamed and len(self._choices) == 1:  # a stream of one choice: it ends
+            chunks = self._chunks[0]
+            usage = event.usage
+            return (choice.chunk(chunks, self._continuous, event.last)
+                    + chunks.finish(event.finish_reason, event.stop_reason)
+                    + chunks.usage(usage.prompt_tokens, usage.completion_tokens,
+                                   usage.cached_tokens)
+                    + chunks.done()), True
         self._ends[index] = event
         done = None not in self._ends
         if not self.streamed:
@@ -102,13 +110,6 @@ class CompletionsRenderer(Renderer):
                                   int(time.time()), outputs, self._usage(event),
                                   served_tier(request)), True
         chunks = self._chunks[index]
-        if len(self._choices) == 1:
-            usage = event.usage
-            return (choice.chunk(chunks, self._continuous, event.last)
-                    + chunks.finish(event.finish_reason, event.stop_reason)
-                    + chunks.usage(usage.prompt_tokens, usage.completion_tokens,
-                                   usage.cached_tokens)
-                    + chunks.done()), True
         out = (choice.chunk(chunks, False, event.last, self._so_far(index, event.last))
                + chunks.finish(event.finish_reason, event.stop_reason))
         if done:  # the last choice: usage and [DONE] go with it
