@@ -262,7 +262,7 @@ class Writer:
                     log.exception("unexpected error while streaming")
                     self.failed = internal_error()
                     status = 500
-            if bug is None:
+            if bug is None and (self.failed is not None or self.ends):  # else nothing to end
                 status = await self._end(status)
         if disconnect.left():
             self.metrics.request_cancelled()
