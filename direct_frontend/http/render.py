@@ -98,21 +98,9 @@ class ChunkRenderer:
     has one renderer per choice (``index``).
     """
 
-    __slots__ = (
-        "_delta_prefix",
-        "_delta_suffix",
-        "_finish_prefix",
-        "_finish_suffix",
-        "_head",
-        "_include_usage",
-        "_logprobs_prefix",
-        "_logprobs_suffix",
-        "_role",
-        "_text_prefix",
-        "_text_suffix",
-        "_text_suffix_open",
-        "kind",
-    )
+    __slots__ = ("_delta_prefix", "_delta_suffix", "_finish_prefix", "_finish_suffix", "_head",
+                 "_include_usage", "_logprobs_prefix", "_logprobs_suffix", "_role",
+                 "_text_prefix", "_text_suffix", "_text_suffix_open", "kind")
 
     def __init__(
         self, kind: Kind, request_id: str, model: str, created: int, include_usage: bool,

@@ -43,7 +43,6 @@ import contextlib
 import dataclasses
 import math
 from collections.abc import AsyncIterator
-from typing import Literal, Protocol
 
 import trio
 
@@ -53,7 +52,7 @@ from direct_frontend.openai.types import TIERS, Tier
 from direct_frontend.pipeline.fair import FairQueue, Waiter
 from direct_frontend.pipeline.preempt import Hold, new_hold, preempt_for
 from direct_frontend.pipeline.shares import Shares
-from direct_frontend.pipeline.slot import Slot
+from direct_frontend.pipeline.slot import AdmissionObserver, Reason, Slot
 from direct_frontend.pipeline.tenancy import Tenants
 
 #: the tiers whose requests a client waits on (flex takes what they leave)
@@ -63,10 +62,6 @@ INTERACTIVE: tuple[Tier, ...] = ("priority", "default")
 #: over a few such stretches), and its bounds in seconds: flex stays out of what they used lately
 PEAK_HOLDS = 4
 PEAK_S = (0.25, 10.0)
-
-#: why a request was not admitted (the ``reason`` label of the refusals counted)
-Reason = Literal["queue_full", "tenant_queue_full", "pushed_out", "timeout"]
-
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class AdmissionConfig:
@@ -101,14 +96,6 @@ class Rejected(Exception):
 def saturated(rejected: Rejected) -> OpenAIHTTPError:
     """The 429 for a request the admission queue would not take."""
     return rate_limited(f"The frontend is saturated: {rejected.reason}.", retry_after=1)
-
-
-class AdmissionObserver(Protocol):
-    """Hears each admission and refusal, by the tenant's label (never a key) and tier."""
-
-    def admitted(self, tenant: str, tier: Tier, waited: float) -> None: ...
-
-    def refused(self, tenant: str, tier: Tier, reason: Reason) -> None: ...
 
 
 class Admission:
