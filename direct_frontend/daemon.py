@@ -319,7 +319,8 @@ async def _serve_http(
     shims.log_report(log)  # which hot-path shims are in use, and if not, why (ADR 0002)
     try:
         await serve(app, config,  # type: ignore[arg-type]
-                    shutdown_trigger=shutdown.wait, task_status=task_status)
+                    shutdown_trigger=shutdown.wait, task_status=task_status,
+                    mode="asgi")  # its __call__ is a plain function returning the coroutine
     finally:
         app.http_stopped.set()
 

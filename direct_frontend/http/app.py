@@ -139,22 +139,28 @@ class App:
             "/fleet/reload": {"POST": self._fleet_reload},
         }
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "lifespan":
-            await lifespan(receive, send)
-            return
+    def __call__(self, scope: Scope, receive: Receive, send: Send) -> Awaitable[None]:
+        """The ASGI app: the coroutine that serves ``scope``. A plain function, so that no
+        coroutine of ours stands between the server's and the request's for as long as the
+        request runs (the server is told this is an ASGI app: daemon.py)."""
+        kind = scope["type"]
+        if kind == "lifespan":
+            return lifespan(receive, send)
         settings = self.control.settings
-        if scope["type"] == "websocket":
-            await admin.websocket(self.control, settings.frontend, scope, receive, send)
-            return
-        if scope["type"] != "http":
-            return
+        if kind == "websocket":
+            return admin.websocket(self.control, settings.frontend, scope, receive, send)
+        if kind != "http":
+            return _ignored()
         path = scope["path"]
         if not (path.startswith(MESSAGES_PATH) or (
                 path.startswith("/v1/models") and from_anthropic(scope))):
-            await self._http(settings, scope, receive, send)
-            return
-        shape = error_shape.set(anthropic_error_body)  # every error of it, 401 included
+            return self._http(settings, scope, receive, send)
+        return self._anthropic(settings, scope, receive, send)
+
+    async def _anthropic(self, settings: Settings, scope: Scope, receive: Receive,
+                         send: Send) -> None:
+        """An Anthropic-shaped request: every error of it in Anthropic's shape, 401 included."""
+        shape = error_shape.set(anthropic_error_body)
         try:
             await self._http(settings, scope, receive, send)
         finally:
@@ -318,3 +324,7 @@ class App:
         except ClientGone:
             self.metrics.request_cancelled()
             return 499
+
+
+async def _ignored() -> None:
+    """What a connection of a kind the app does not serve gets: nothing."""

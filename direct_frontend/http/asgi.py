@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import operator
 from collections.abc import Awaitable, Callable, MutableMapping
 from contextvars import ContextVar
 from typing import Any, Final
@@ -45,6 +46,8 @@ encode_json: Final = msgspec.json.Encoder().encode
 #: what the app's ``receive`` gives instead of the ``http.disconnect`` hypercorn
 #: sends once the response is complete (see :meth:`ResponseProgress.receiving`)
 RESPONSE_DONE = "direct_frontend.response_done"
+_REQUEST_ID: Final = b"x-request-id"
+_NAME: Final = operator.itemgetter(0)  # a header's name
 
 
 class ClientGone(Exception):
@@ -75,15 +78,19 @@ class ResponseProgress:
         if message["type"] == "http.response.start":
             self.started = True
             headers = list(message.get("headers", ()))
-            named = [i for i, (name, _) in enumerate(headers) if name == b"x-request-id"]
-            if not named or self.replace:
-                for i in reversed(named):
-                    del headers[i]
-                headers.append((b"x-request-id", self.request_id))
-                message = {**message, "headers": headers}
+            # a handler's own x-request-id stays, unless the client's replaces it (the names
+            # are looked through in C: every response starts here)
+            if self.replace or _REQUEST_ID not in map(_NAME, headers):
+                message = {**message, "headers": self._with_id(headers)}
         elif message["type"] == "http.response.body" and not message.get("more_body", False):
             self.finished = True
         await self._send(message)
+
+    def _with_id(self, headers: Headers) -> list[tuple[bytes, bytes]]:
+        """``headers`` with :attr:`request_id` as their only ``x-request-id``."""
+        out = [header for header in headers if header[0] != _REQUEST_ID]
+        out.append((_REQUEST_ID, self.request_id))
+        return out
 
     def receiving(self, receive: Receive) -> Receive:
         """``receive``, with the disconnect that follows a finished response hidden.

@@ -35,25 +35,34 @@ class CompletionsRenderer(Renderer):
 
     def __init__(self, kind: Kind, prepared: Prepared) -> None:
         request = prepared.request
-        count = request.n * len(prepared.prompt_tokens)
+        prompts = len(prepared.prompt_tokens)
+        count = request.n * prompts
         self._kind: Kind = kind
         self._prepared = prepared
-        self.streamed = request.stream
+        self.streamed = streamed = request.stream
         chat = kind == "chat"
         asked = request.logprobs is not None
-        self._choices = [_Choice(asked, chat, prepared.token_bytes) for _ in range(count)]
+        token_bytes = prepared.token_bytes
         self._chunks: list[ChunkRenderer] = []
-        if self.streamed:
-            created = int(time.time())
-            tier = served_tier(request)
-            self._chunks = [ChunkRenderer(kind, prepared.request_id, request.model, created,
-                                          request.include_usage, index, tier)
-                            for index in range(count)]
+        if count == 1:  # no comprehension's frame for the common request of one choice
+            self._choices = [_Choice(asked, chat, token_bytes)]
+            if streamed:
+                self._chunks = [ChunkRenderer(kind, prepared.request_id, request.model,
+                                              int(time.time()), request.include_usage, 0,
+                                              served_tier(request))]
+        else:
+            self._choices = [_Choice(asked, chat, token_bytes) for _ in range(count)]
+            if streamed:
+                created = int(time.time())
+                tier = served_tier(request)
+                self._chunks = [ChunkRenderer(kind, prepared.request_id, request.model,
+                                              created, request.include_usage, index, tier)
+                                for index in range(count)]
+            #: each choice's output tokens so far, and each prompt's cached tokens
+            self._completion = [0] * count
+            self._cached = [0] * prompts
         self._roles = True  # every choice announces its role first (chat), before any output
         self._continuous = request.include_usage and request.continuous_usage_stats
-        #: each choice's output tokens so far, and each prompt's cached tokens
-        self._completion = [0] * count
-        self._cached = [0] * len(prepared.prompt_tokens)
         self._ends: list[Finished | None] = [None] * count
 
     def opened(self, event: Opened, index: int) -> bytes:
@@ -63,7 +72,9 @@ class CompletionsRenderer(Renderer):
             return b""
         head = b""
         if self._roles:
-            head = b"".join(chunks.role_chunk() for chunks in self._chunks)
+            chunks = self._chunks
+            head = (chunks[0].role_chunk() if len(chunks) == 1
+                    else b"".join([renderer.role_chunk() for renderer in chunks]))
             self._roles = False
         return head + choice.opened(event, self._chunks[index])
 
@@ -78,6 +89,14 @@ class CompletionsRenderer(Renderer):
 
     async def finished(self, event: Finished, index: int) -> tuple[bytes, bool]:
         choice = self._choices[index]
+        if self.streamed and len(self._choices) == 1:  # a stream of one choice: it ends
+            chunks = self._chunks[0]
+            usage = event.usage
+            return (choice.chunk(chunks, self._continuous, event.last)
+                    + chunks.finish(event.finish_reason, event.stop_reason)
+                    + chunks.usage(usage.prompt_tokens, usage.completion_tokens,
+                                   usage.cached_tokens)
+                    + chunks.done()), True
         self._ends[index] = event
         done = None not in self._ends
         if not self.streamed:
@@ -91,13 +110,6 @@ class CompletionsRenderer(Renderer):
                                   int(time.time()), outputs, self._usage(event),
                                   served_tier(request)), True
         chunks = self._chunks[index]
-        if len(self._choices) == 1:
-            usage = event.usage
-            return (choice.chunk(chunks, self._continuous, event.last)
-                    + chunks.finish(event.finish_reason, event.stop_reason)
-                    + chunks.usage(usage.prompt_tokens, usage.completion_tokens,
-                                   usage.cached_tokens)
-                    + chunks.done()), True
         out = (choice.chunk(chunks, False, event.last, self._so_far(index, event.last))
                + chunks.finish(event.finish_reason, event.stop_reason))
         if done:  # the last choice: usage and [DONE] go with it

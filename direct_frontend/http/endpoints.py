@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Awaitable, Callable
 from functools import partial
+from types import TracebackType
 from typing import Final, TypeVar
 
 import msgspec
@@ -50,7 +51,7 @@ from direct_frontend.http.stored_responses import find
 from direct_frontend.http.stream import Renderer, Writer
 from direct_frontend.observability.logging import current_request_id, new_request_id
 from direct_frontend.observability.metrics import Metrics
-from direct_frontend.observability.tracing import RequestTrace, Tracing
+from direct_frontend.observability.tracing import Tracing
 from direct_frontend.openai.body import read_json_object
 from direct_frontend.openai.conversations import conversation_id_of
 from direct_frontend.openai.errors import (
@@ -201,6 +202,52 @@ ENDPOINTS: Final[dict[str, Endpoint]] = {
 }
 
 
+class _Traced:
+    """A model's request under its id and trace, with its writer: an ``async with`` block
+    around its walk (which runs in the handler's own frame), whose :attr:`status` the walk
+    sets. A refusal before the stair (its body, its parse) is answered; whatever ends the
+    block, the trace ends and the model's series counts the request, with its status."""
+
+    __slots__ = ("_generation", "_scope", "_token", "request_id", "status", "trace", "writer")
+
+    def __init__(self, generation: Generation, scope: Scope, receive: Receive, send: Send, *,
+                 anthropic: bool = False) -> None:
+        self._generation = generation
+        self._scope = scope
+        self.request_id = request_id = current_request_id.get() or new_request_id()  # set on
+        self._token = current_request_id.set(request_id)  # arrival; reset when it is over
+        tracing = generation.tracing
+        self.trace = None if tracing is None else tracing.begin(
+            scope["path"], scope["headers"], request_id)
+        self.writer = Writer(send, receive, [(b"x-request-id", request_id.encode())],
+                             generation.metrics, anthropic=anthropic,
+                             disconnect=disconnect_of(scope))
+        self.status = 500
+
+    async def __aenter__(self) -> _Traced:
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> bool:
+        try:
+            if isinstance(exc, OpenAIHTTPError):
+                self.status = await self.writer.refuse(exc)
+                return True
+            if isinstance(exc, ClientGone):
+                self._generation.metrics.request_cancelled()
+                self.status = 499
+                return True
+            return False
+        finally:
+            current_request_id.reset(self._token)
+            model = self.writer.model
+            if model is not None:
+                model.series.request(self.status)
+                self._scope[MODEL_KEY] = model.model  # the access log's
+            if self.trace is not None:
+                self.trace.end(self.status)
+
+
 class Generation:
     """The model endpoints' handler: one request read, parsed and handed to the stair."""
 
@@ -229,40 +276,38 @@ class Generation:
         """
         caller = caller_of(settings.frontend, scope) if caller is None else caller
         context = self.context(caller.owner)
-
-        async def walk(writer: Writer, request_id: str, trace: RequestTrace | None) -> int:
+        async with _Traced(self, scope, receive, send, anthropic=endpoint.anthropic) as traced:
+            writer = traced.writer
             body = await read_body(receive, settings.frontend.max_body_bytes,
                                    settings.frontend.body_timeout_s)
             parsed = await endpoint.parse(context, body)
-            ask = Ask(parsed.request, endpoint.kind, self.control.models, request_id,
-                      caller.tenant, scope["headers"], trace, parsed.truncate,
+            ask = Ask(parsed.request, endpoint.kind, self.control.models, traced.request_id,
+                      caller.tenant, scope["headers"], traced.trace, parsed.truncate,
                       parsed.background)
             status, later = await writer.run(partial(endpoint.render, context, parsed),
                                              partial(self.stair.serve, ask))
-            if later is None:
-                return status
-            assert parsed.responses is not None and writer.prepared is not None
-            return await self._background(later, writer.prepared, parsed.responses, caller,
-                                          receive, send, writer.headers)
-
-        return await self._traced(scope, receive, send, walk, anthropic=endpoint.anthropic)
+            if later is not None:
+                assert parsed.responses is not None and writer.prepared is not None
+                status = await self._background(later, writer.prepared, parsed.responses,
+                                                caller, receive, send, writer.headers)
+            traced.status = status  # once the request's answer is all out
+        return traced.status
 
     async def embeddings(self, settings: Settings, scope: Scope, receive: Receive,
                          send: Send, caller: Caller | None = None) -> int:
         """One embeddings request; the HTTP status."""
         tenant = (caller_of(settings.frontend, scope) if caller is None else caller).tenant
-
-        async def walk(writer: Writer, request_id: str, trace: RequestTrace | None) -> int:
+        async with _Traced(self, scope, receive, send) as traced:
             body = await read_body(receive, settings.frontend.max_body_bytes,
                                    settings.frontend.body_timeout_s)
             request = parse_embedding_request(body)
             renderer = EmbeddingsRenderer(request)
-            ask = EmbedAsk(request, self.control.models, request_id, tenant,
-                           scope["headers"], trace)
-            status, _ = await writer.run(lambda _: renderer, partial(self.stair.embed, ask))
-            return status
-
-        return await self._traced(scope, receive, send, walk)
+            ask = EmbedAsk(request, self.control.models, traced.request_id, tenant,
+                           scope["headers"], traced.trace)
+            status, _ = await traced.writer.run(lambda _: renderer,
+                                                partial(self.stair.embed, ask))
+            traced.status = status
+        return traced.status
 
     async def serve_line(self, path: str, body: bytes, caller: Caller) -> Answer:
         """One batch line through its endpoint's own handler, in this process
@@ -342,41 +387,6 @@ class Generation:
 
         return await from_body(settings.frontend, receive, send, answer,
                                self.metrics.request_cancelled)
-
-    async def _traced(
-        self, scope: Scope, receive: Receive, send: Send,
-        walk: Callable[[Writer, str, RequestTrace | None], Awaitable[int]], *,
-        anthropic: bool = False,
-    ) -> int:
-        """A model's request under its id and trace, with its writer; a refusal before its
-        stair (its body, its parse) answered.
-
-        The trace ends, and the model's series counts the request, with its status.
-        """
-        request_id = current_request_id.get() or new_request_id()  # set on arrival
-        token = current_request_id.set(request_id)
-        tracing = self.tracing
-        trace = None if tracing is None else tracing.begin(
-            scope["path"], scope["headers"], request_id)
-        writer = Writer(send, receive, [(b"x-request-id", request_id.encode())], self.metrics,
-                        anthropic=anthropic, disconnect=disconnect_of(scope))
-        status = 500
-        try:
-            status = await walk(writer, request_id, trace)
-        except OpenAIHTTPError as err:
-            status = await writer.refuse(err)
-        except ClientGone:
-            self.metrics.request_cancelled()
-            status = 499
-        finally:
-            current_request_id.reset(token)
-            model = writer.model
-            if model is not None:
-                model.series.request(status)
-                scope[MODEL_KEY] = model.model  # the access log's
-            if trace is not None:
-                trace.end(status)
-        return status
 
     async def _background(self, later: Later, prepared: Prepared, request: ResponsesRequest,
                           caller: Caller, receive: Receive, send: Send,

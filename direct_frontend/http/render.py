@@ -15,7 +15,7 @@ import base64
 import sys
 import time
 from collections.abc import Iterable, Sequence
-from typing import Any, Final, Literal
+from typing import Any, Final, Literal, NamedTuple
 
 import msgspec
 
@@ -52,6 +52,41 @@ def _usage_json(prompt: int, completion: int, cached: int) -> bytes:
     )
 
 
+class _Shape(NamedTuple):
+    """The bytes of a chunk that depend only on its kind and ``include_usage``: what
+    follows a choice's head, and its suffixes (built once, at import)."""
+
+    id_prefix: str
+    obj: bytes  # the ``object`` field, JSON-encoded
+    text: bytes  # after the choice's head: a text chunk's up to its text
+    finish: bytes  # after the choice's head: the finishing chunk's up to its reason
+    role: bytes  # after the choice's head: the role chunk's (b"": none)
+    #: text, logprobs prefix, logprobs, finish, delta, text before a usage
+    suffixes: tuple[bytes, bytes, bytes, bytes, bytes, bytes]
+
+
+def _shape(kind: Kind, include_usage: bool) -> _Shape:
+    tail = b"]" + (b',"usage":null' if include_usage else b"") + _SSE_END
+    chat = kind == "chat"
+    text_suffix = (b"}" if chat else b"") + b',"logprobs":null,"finish_reason":null}' + tail
+    return _Shape(
+        "chatcmpl-" if chat else "cmpl-",
+        b'"chat.completion.chunk"' if chat else b'"text_completion"',
+        b'"delta":{"content":' if chat else b'"text":',
+        b'"delta":{},"logprobs":null,' if chat else b'"text":"","logprobs":null,',
+        b'"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}'
+        + tail if chat else b"",
+        (text_suffix, b'},"logprobs":' if chat else b',"logprobs":',
+         b',"finish_reason":null}' + tail, b"}" + tail,
+         b',"logprobs":null,"finish_reason":null}' + tail,
+         text_suffix[: -len(tail)] + b'],"usage":'),
+    )
+
+
+_SHAPES: Final = {(kind, usage): _shape(kind, usage)
+                  for kind in ("chat", "completion") for usage in (False, True)}
+
+
 class ChunkRenderer:
     """Renders the SSE events of one streamed response.
 
@@ -63,64 +98,32 @@ class ChunkRenderer:
     has one renderer per choice (``index``).
     """
 
-    __slots__ = (
-        "_delta_prefix",
-        "_delta_suffix",
-        "_finish_prefix",
-        "_finish_suffix",
-        "_head",
-        "_include_usage",
-        "_logprobs_prefix",
-        "_logprobs_suffix",
-        "_role",
-        "_text_prefix",
-        "_text_suffix",
-        "_text_suffix_open",
-        "kind",
-    )
+    __slots__ = ("_delta_prefix", "_delta_suffix", "_finish_prefix", "_finish_suffix", "_head",
+                 "_include_usage", "_logprobs_prefix", "_logprobs_suffix", "_role",
+                 "_text_prefix", "_text_suffix", "_text_suffix_open", "kind")
 
     def __init__(
         self, kind: Kind, request_id: str, model: str, created: int, include_usage: bool,
         index: int = 0, service_tier: str = "default",
     ) -> None:
-        if kind not in ("chat", "completion"):
+        shape = _SHAPES.get((kind, include_usage))
+        if shape is None:
             raise ValueError(f"unknown response kind {kind!r}")
         self.kind: Kind = kind
         self._include_usage = include_usage
-        obj = b"chat.completion.chunk" if kind == "chat" else b"text_completion"
-        self._head = (
-            b'data: {"id":%b,"object":"%b","created":%d,"model":%b,"service_tier":%b,'
-            % (
-                _encode(_response_id(kind, request_id)),
-                obj,
-                created,
-                _encode(model),
-                _encode(service_tier),
-            )
-            + b'"system_fingerprint":null,"choices":['
+        self._head = head = (
+            b'data: {"id":%b,"object":%b,"created":%d,"model":%b,"service_tier":%b,'
+            b'"system_fingerprint":null,"choices":['
+            % (_encode(shape.id_prefix + request_id), shape.obj, created, _encode(model),
+               _encode(service_tier))
         )
-        tail = b"]" + (b',"usage":null' if include_usage else b"") + _SSE_END
-        choice = self._head + b'{"index":%d,' % index
-        self._logprobs_suffix = b',"finish_reason":null}' + tail
-        if kind == "chat":
-            self._text_prefix = choice + b'"delta":{"content":'
-            self._text_suffix = b'},"logprobs":null,"finish_reason":null}' + tail
-            self._logprobs_prefix = b'},"logprobs":'
-            self._finish_prefix = choice + b'"delta":{},"logprobs":null,'
-            self._role = (
-                choice + b'"delta":{"role":"assistant","content":""},'
-                b'"logprobs":null,"finish_reason":null}' + tail
-            )
-        else:
-            self._text_prefix = choice + b'"text":'
-            self._text_suffix = b',"logprobs":null,"finish_reason":null}' + tail
-            self._logprobs_prefix = b',"logprobs":'
-            self._finish_prefix = choice + b'"text":"","logprobs":null,'
-            self._role = b""
-        self._finish_suffix = b"}" + tail
+        choice = head + b'{"index":%d,' % index
+        self._text_prefix = choice + shape.text
+        self._finish_prefix = choice + shape.finish
         self._delta_prefix = choice + b'"delta":'
-        self._delta_suffix = b',"logprobs":null,"finish_reason":null}' + tail
-        self._text_suffix_open = self._text_suffix[: -len(tail)] + b'],"usage":'
+        self._role = choice + shape.role if shape.role else b""
+        (self._text_suffix, self._logprobs_prefix, self._logprobs_suffix, self._finish_suffix,
+         self._delta_suffix, self._text_suffix_open) = shape.suffixes
 
     def text(self, delta: str) -> bytes:
         """One chunk carrying new text (``delta.content`` or ``text``)."""

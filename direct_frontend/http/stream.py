@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import trio
 
@@ -55,6 +55,7 @@ from direct_frontend.pipeline.serve_events import (
     Admitted,
     Charged,
     Embedded,
+    Placed,
     Prepared,
     Resolved,
     StairEvent,
@@ -146,14 +147,29 @@ class Writer:
         self._scope: trio.CancelScope | None = None  # the walk's, cancelled if the client leaves
 
     async def __call__(self, event: StairEvent, index: int = 0) -> None:
-        if type(event) is Batch:
+        if type(event) is Batch:  # the one event per batch of tokens: told first
             data = self.renderer.batch(event, index)
             if self.streamed:
                 body = self._taken(data)
                 if body:
                     await self._send({"type": "http.response.body", "body": body,
                                       "more_body": True})
-        elif type(event) is Opened:
+            return
+        step = _STEPS.get(type(event))
+        if step is not None:  # an event that writes nothing: a plain call, by its type
+            step(self, event)
+        elif type(event) is Finished:  # its write may wait on the client: no frame more
+            if self.streamed:
+                await self._last(*await self.renderer.finished(event, index))
+            else:  # a body is written once the walk is over (its engine calls closed)
+                self.ends.append((event, index))
+        else:
+            await self._output(event, index)
+
+    async def _output(self, event: StairEvent, index: int) -> None:
+        """A choice's first output (a stream's head goes with it), or an embeddings
+        response's vectors."""
+        if type(event) is Opened:
             data = self.renderer.opened(event, index)
             if self.streamed:
                 if not self.started:
@@ -161,40 +177,36 @@ class Writer:
                                       "headers": [*SSE_HEADERS, *self.headers]})
                     self.started = True
                 self.out += data
-        elif type(event) is Finished:
-            if self.streamed:
-                await self._last(*await self.renderer.finished(event, index))
-            else:  # a body is written once the walk is over (its engine calls closed)
-                self.ends.append((event, index))
         elif type(event) is Embedded:
             await self._last(self.renderer.embedded(event), True)
-        else:
-            self._step(event)
 
-    def _step(self, event: StairEvent) -> None:
-        """The stair's events that write nothing: those before the output, and a failure
-        (answered at the end). A plain call: no coroutine made for each of them.
+    # -- the stair's events that write nothing (those before the output, and a failure,
+    # answered at the end), told apart by their exact type (the events are final structs)
 
-        Told apart by their exact type, as :meth:`__call__` does: the events are final
-        structs, and this runs several times per request."""
-        if type(event) is Resolved:
-            self.model = event
-        elif type(event) is Prepared:
-            self.prepared = event
-        elif type(event) is Charged:
-            if event.standing is not None:
-                self.headers += headers_of(event.standing, anthropic=self.anthropic,
-                                           wall_now=time.time())
-        elif type(event) is Admitted:
-            self.renderer = renderer = self.render(self.prepared)
-            self.streamed = renderer.streamed
-            assert self._disconnect is not None and self._scope is not None
-            self._disconnect.watch(self._scope)
-            if self._nursery is not None:  # no server tells the disconnect: read it
-                self._nursery.start_soon(ClientWatch().run, self._receive,
-                                         self._disconnect.fire)
-        elif type(event) is Failed:
-            self.failed = event.error
+    def _resolved(self, event: Resolved) -> None:
+        self.model = event
+
+    def _prepared(self, event: Prepared) -> None:
+        self.prepared = event
+
+    def _charged(self, event: Charged) -> None:
+        if event.standing is not None:
+            self.headers += headers_of(event.standing, anthropic=self.anthropic,
+                                       wall_now=time.time())
+
+    def _admitted(self, event: Admitted) -> None:
+        self.renderer = renderer = self.render(self.prepared)
+        self.streamed = renderer.streamed
+        assert self._disconnect is not None and self._scope is not None
+        self._disconnect.watch(self._scope)
+        if self._nursery is not None:  # no server tells the disconnect: read it
+            self._nursery.start_soon(ClientWatch().run, self._receive, self._disconnect.fire)
+
+    def _placed(self, event: Placed) -> None:
+        pass
+
+    def _failed(self, event: Failed) -> None:
+        self.failed = event.error
 
     def _taken(self, data: bytes) -> bytes:
         """What is rendered and not yet sent, with ``data`` after it, taken to be sent (as
@@ -250,7 +262,7 @@ class Writer:
                     log.exception("unexpected error while streaming")
                     self.failed = internal_error()
                     status = 500
-            if bug is None:
+            if bug is None and (self.failed is not None or self.ends):  # else nothing to end
                 status = await self._end(status)
         if disconnect.left():
             self.metrics.request_cancelled()
@@ -300,6 +312,14 @@ class Writer:
                               "more_body": False})
             self.ended = True
         return status
+
+
+#: the writer's step for each event that writes nothing, by the event's exact type
+_STEPS: dict[type, Callable[[Writer, Any], None]] = {
+    Resolved: Writer._resolved, Prepared: Writer._prepared, Charged: Writer._charged,
+    Admitted: Writer._admitted, Placed: Writer._placed, Failed: Writer._failed,
+}
+
 
 class ClientWatch:
     """Whether a response's client left: :meth:`run` beside the response calls ``left``

@@ -43,7 +43,6 @@ import contextlib
 import dataclasses
 import math
 from collections.abc import AsyncIterator
-from typing import Literal, Protocol
 
 import trio
 
@@ -53,7 +52,7 @@ from direct_frontend.openai.types import TIERS, Tier
 from direct_frontend.pipeline.fair import FairQueue, Waiter
 from direct_frontend.pipeline.preempt import Hold, new_hold, preempt_for
 from direct_frontend.pipeline.shares import Shares
-from direct_frontend.pipeline.slot import Slot
+from direct_frontend.pipeline.slot import AdmissionObserver, Reason, Slot
 from direct_frontend.pipeline.tenancy import Tenants
 
 #: the tiers whose requests a client waits on (flex takes what they leave)
@@ -63,10 +62,6 @@ INTERACTIVE: tuple[Tier, ...] = ("priority", "default")
 #: over a few such stretches), and its bounds in seconds: flex stays out of what they used lately
 PEAK_HOLDS = 4
 PEAK_S = (0.25, 10.0)
-
-#: why a request was not admitted (the ``reason`` label of the refusals counted)
-Reason = Literal["queue_full", "tenant_queue_full", "pushed_out", "timeout"]
-
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class AdmissionConfig:
@@ -103,14 +98,6 @@ def saturated(rejected: Rejected) -> OpenAIHTTPError:
     return rate_limited(f"The frontend is saturated: {rejected.reason}.", retry_after=1)
 
 
-class AdmissionObserver(Protocol):
-    """Hears each admission and refusal, by the tenant's label (never a key) and tier."""
-
-    def admitted(self, tenant: str, tier: Tier, waited: float) -> None: ...
-
-    def refused(self, tenant: str, tier: Tier, reason: Reason) -> None: ...
-
-
 class Admission:
     """The cap and its queues: one per tier, each fair between tenants.
 
@@ -129,7 +116,9 @@ class Admission:
         self._queues = {tier: FairQueue(self.tenants.weight) for tier in TIERS}
         self._queued: collections.Counter[str] = collections.Counter()  # per flow, every tier
         self._wake: dict[Waiter, trio.Event] = {}
-        self._held: dict[str, int] = {}  # slots each flow holds, every tier
+        self._held: dict[str, int] = {}  # slots each flow holds, every tier (when capped)
+        #: whether any flow has a cap of its own: without one, what each holds is not kept
+        self._caps = self.tenants.any_cap()
         #: the slots each tenant holds at priority, and at priority or default: the shares
         #: the spare slots follow (a tier leaves spares for its own and earlier tiers only)
         self._shares = {tier: Shares(config.max_in_flight, self.tenants.weight)
@@ -400,7 +389,7 @@ class Admission:
         most a quarter of the slots in all). Alone, or with everyone at its
         share, a tenant takes every slot: the queue stays work-conserving.
         """
-        if self._capped(flow, count):
+        if self._caps and self._capped(flow, count):
             return False
         if tier == "flex":
             slots = self.config.max_in_flight
@@ -443,23 +432,31 @@ class Admission:
     def _count(self, flow: str, count: int, tier: Tier, now: float) -> None:
         """``flow`` holds ``count`` more slots at ``tier`` (fewer if negative) from ``now``."""
         self._free -= count
-        held = self._held.get(flow, 0) + count
-        if held:
-            self._held[flow] = held
-        else:
-            del self._held[flow]
+        if self._caps:
+            held = self._held.get(flow, 0) + count
+            if held:
+                self._held[flow] = held
+            else:
+                del self._held[flow]
         for shares in self._accounts[tier]:
             shares.add(flow, count, now)
         if tier == "flex":
             self._flex += count
+            return
+        interactive = self._interactive + count
+        if count > 0 and self._peak[0] <= interactive:
+            # the peak as of now lies between what they held and the peak kept, so at most
+            # what they hold now: that is the peak (no decay to work out)
+            peak = float(interactive)
         else:
-            peak = self._interactive_peak(now)
-            self._interactive += count
-            self._peak = (max(peak, self._interactive), now)
+            peak = max(self._interactive_peak(now), interactive)
+        self._interactive = interactive
+        self._peak = (peak, now)
 
     def _release(self, flow: str, count: int, tier: Tier) -> None:
         self._count(flow, -count, tier, trio.current_time())
-        self._dispatch()
+        if self._queued:  # someone waits for the slots (else there is no one to grant)
+            self._dispatch()
 
     def _dispatch(self) -> None:
         """Grant free slots to the waiting requests: by tier, and in fair order within one."""

@@ -78,6 +78,7 @@ class Phase(enum.Enum):
 
 # The per-batch checks use these: an enum attribute lookup costs ~100 ns in Python 3.11.
 _RELAYING, _WAITING, _MOVING = Phase.RELAYING, Phase.WAITING, Phase.MOVING
+_FINISHED = Phase.FINISHED
 
 _PLACED = frozenset({Phase.RELAYING, Phase.NO_ENGINE, Phase.FAILED, Phase.TIMED_OUT})
 
@@ -193,8 +194,10 @@ class Attempt:
             self.phase = _RELAYING
 
     def finished(self) -> None:
-        """The output is complete."""
-        self._to(Phase.FINISHED)
+        """The output is complete (from relaying, a legal move: no table looked up)."""
+        if self.phase is not _RELAYING:
+            check_transition(self.phase, _FINISHED)
+        self.phase = _FINISHED
 
     def replayed(self, event: EngineEvent, produced: int) -> EngineEvent | None:
         """``event`` less the tokens a replay repeats; None once it differs (the error is kept).

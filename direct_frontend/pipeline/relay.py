@@ -49,7 +49,7 @@ from direct_frontend.pipeline.parsing import (
 from direct_frontend.pipeline.postprocess import OutputProcessor
 from direct_frontend.pipeline.preempt import Hold
 from direct_frontend.pipeline.preprocess import PreparedRequest, build_call, token_budget
-from direct_frontend.pipeline.relay_events import Batch, Emit, Failed
+from direct_frontend.pipeline.relay_events import Batch, Emit, Failed, Finished, Opened
 from direct_frontend.pipeline.relay_state import RelayState
 from direct_frontend.pipeline.settings import Settings
 from direct_frontend.pipeline.thinking import ThinkingBudget
@@ -143,54 +143,49 @@ class Relay:
 
     async def until_end(self, state: RelayState, emit: Emit) -> Failed | None:
         """Drive the request to its end; ``emit`` gets every event but a :class:`Failed`,
-        which is returned (None: the output is complete)."""
+        which is returned (None: the output is complete).
+
+        Each turn is one engine call, relayed here (no frame of its own between the
+        request and its output's writer); it raises :class:`EngineError` when the call
+        failed or was cut short (a stall, the request's deadline, a move off a draining
+        engine), and what follows is :meth:`_recover`'s.
+        """
         while True:
             try:
-                if await self._attempt(state, emit):
+                attempt = state.attempt
+                placement = attempt.placement
+                closing: str | None = None  # the reasoning block's marker, once spent
+                async with self.dispatcher.run(
+                    placement, attempt.call, exclude=attempt.excluded,
+                    stall_timeout_s=attempt.stall_timeout_s,
+                ) as engine_call:  # on a decode engine: its prefill leg first (P/D)
+                    movers = placement.engine.load.movers
+                    hold = state.hold
+                    with trio.CancelScope() as stall:
+                        move = functools.partial(attempt.leave, stall.cancel)
+                        movers.add(move)
+                        if hold is not None:  # its admission may ask it off too (preemption)
+                            hold.running(functools.partial(attempt.give_way, stall.cancel),
+                                         lambda: state.output.completion_tokens)
+                        try:
+                            closing = await self._relay(state, engine_call, stall, emit)
+                        finally:
+                            movers.discard(move)
+                            if hold is not None:
+                                hold.running(None)
+                    if stall.cancelled_caught:  # the stall watch fired, or a move cut a wait
+                        raise attempt.interrupted(trio.current_time())
+                if closing is None or await self._close_thinking(state, closing, emit):
                     return None
             except EngineError as error:
-                try:
-                    hold = state.hold
-                    if hold is not None and hold.asked:
-                        await self._asked_off(state, hold, error)
-                    else:
-                        await self._after(state, error)
-                except EngineError as last:
-                    log.warning("request failed on engine %s: %s", last.engine, last)
-                    return state.failed(last)
+                failed = await self._recover(state, error)
+                if failed is not None:
+                    return failed
 
-    async def _attempt(self, state: RelayState, emit: Emit) -> bool:
-        """One engine call, relayed; True once the output is complete.
-
-        Raises :class:`EngineError` when the call failed or was cut short (a
-        stall, the request's deadline, a move off a draining engine).
-        """
-        attempt = state.attempt
-        placement = attempt.placement
-        closing: str | None = None  # the reasoning block's marker, when its budget is spent
-        async with self.dispatcher.run(
-            placement, attempt.call, exclude=attempt.excluded,
-            stall_timeout_s=attempt.stall_timeout_s,
-        ) as engine_call:  # on a decode engine: its prefill leg first (P/D)
-            movers = placement.engine.load.movers
-            hold = state.hold
-            with trio.CancelScope() as stall:
-                move = functools.partial(attempt.leave, stall.cancel)
-                movers.add(move)
-                if hold is not None:  # its admission may ask it off too (a preemption)
-                    hold.running(functools.partial(attempt.give_way, stall.cancel),
-                                 lambda: state.output.completion_tokens)
-                try:
-                    closing = await self._relay(state, engine_call, stall, emit)
-                finally:
-                    movers.discard(move)
-                    if hold is not None:
-                        hold.running(None)
-            if stall.cancelled_caught:  # the stall watch fired, or a move cut a wait short
-                raise attempt.interrupted(trio.current_time())
-        if closing is None:
-            return True
-        # the engine call is aborted: the rest of the reply follows the closed block
+    async def _close_thinking(self, state: RelayState, closing: str, emit: Emit) -> bool:
+        """The reply spent its reasoning budget inside its block, and its engine call is
+        aborted: ``closing`` (the block's marker) handed on, then the rest of the reply
+        placed to follow it; True when the output is complete with it."""
         batch = state.close_thinking(self.text_model.encode(f"\n{closing}\n\n"))
         self.metrics.reasoning_budget_closed_total.inc()
         if state.output.final is not None:
@@ -199,6 +194,20 @@ class Relay:
         await emit(batch)
         state.resume(self.dispatcher)
         return False
+
+    async def _recover(self, state: RelayState, error: EngineError) -> Failed | None:
+        """What follows an engine call that ended in ``error``: the next attempt, placed
+        (None), or the request's :class:`Failed` once it gives up."""
+        try:
+            hold = state.hold
+            if hold is not None and hold.asked:
+                await self._asked_off(state, hold, error)
+            else:
+                await self._after(state, error)
+        except EngineError as last:
+            log.warning("request failed on engine %s: %s", last.engine, last)
+            return state.failed(last)
+        return None
 
     async def _relay(self, state: RelayState, engine_call: EngineCall, stall: trio.CancelScope,
                      emit: Emit) -> str | None:
@@ -227,8 +236,13 @@ class Relay:
                 if prefilled is not None:  # this attempt's first output
                     prefilled()  # its prefill is off the engine's queue
                     prefilled = None
-                if await self._hand_on(state, batch, engine_call, emit):
+                opened = self._timed(state, batch)
+                if opened is not None:  # the request's first output: its Opened before it
+                    await emit(opened)
+                if state.output.final is not None:  # it completes the output
+                    await emit(self._finished(state, batch, engine_call))
                     return None
+                await emit(batch)
                 if budget is not None and budget.limit is not None:
                     closing = state.thinking_due()
                     if closing is not None:
@@ -238,32 +252,31 @@ class Relay:
                 prefilled()
         raise attempt.interrupted(trio.current_time())
 
-    async def _hand_on(self, state: RelayState, batch: Batch, engine_call: EngineCall,
-                       emit: Emit) -> bool:
-        """Hand ``batch`` on (after the request's :class:`Opened`, with its first output);
-        True when it completes the output."""
+    def _timed(self, state: RelayState, batch: Batch) -> Opened | None:
+        """Time ``batch``'s output: the request's first (its :class:`Opened`, handed on
+        before it), or the next tokens (None). Plain calls, no coroutine per batch."""
         now = time.perf_counter()
-        metrics = self.metrics
-        if state.last_out == 0.0:
-            ttft = now - state.started
-            metrics.observe_ttft(ttft)
-            if self.series is not None:
-                self.series.first_token(ttft)
-            if state.trace is not None:
-                state.trace.first_token()
-            await emit(state.output.opened(state.attempt.placement.engine.name, self.text_model))
-        elif batch.tokens:
-            metrics.observe_inter_token(now - state.last_out, batch.tokens)
+        last_out = state.last_out
         state.last_out = now
-        output = state.output
-        if output.final is None:
-            await emit(batch)
-            return False
+        if last_out != 0.0:
+            if batch.tokens:
+                self.metrics.observe_inter_token(now - last_out, batch.tokens)
+            return None
+        ttft = now - state.started
+        self.metrics.observe_ttft(ttft)
+        if self.series is not None:
+            self.series.first_token(ttft)
+        if state.trace is not None:
+            state.trace.first_token()
+        return state.output.opened(state.attempt.placement.engine.name, self.text_model)
+
+    def _finished(self, state: RelayState, batch: Batch, engine_call: EngineCall) -> Finished:
+        """The last batch, which completes the output: the engine call needs no Abort when
+        the engine ends it by itself."""
         engine = state.attempt.placement.engine
-        engine_call.ends_by_itself = output.ends_by_itself(engine)
-        metrics.engine_request(engine.name, "ok")
-        await emit(output.finished(batch))  # the final bytes go out before any Abort
-        return True
+        engine_call.ends_by_itself = state.output.ends_by_itself(engine)
+        self.metrics.engine_request(engine.name, "ok")
+        return state.output.finished(batch)  # its bytes go out before any Abort
 
     async def _asked_off(self, state: RelayState, hold: Hold, error: EngineError) -> None:
         """The attempt ended after its admission asked the request off its engine: requeued,

@@ -12,8 +12,9 @@ from __future__ import annotations
 import dataclasses
 
 from direct_frontend.fleet.schema import FrontendConfig
-from direct_frontend.pipeline.admission import Admission, AdmissionObserver, admission_config
+from direct_frontend.pipeline.admission import Admission, admission_config
 from direct_frontend.pipeline.failover import FailoverConfig
+from direct_frontend.pipeline.slot import AdmissionObserver
 from direct_frontend.routing.policies import Policy
 
 

@@ -1,4 +1,5 @@
-"""An admission slot's ``async with`` block (pipeline/admission.py ``Admission.slot``).
+"""An admission slot's ``async with`` block (pipeline/admission.py ``Admission.slot``), and
+what the admission hears and tells about its refusals.
 
 A class rather than an ``asynccontextmanager``: every request enters one, and
 an async generator's block costs about 1 µs more (the generator, its
@@ -7,10 +8,21 @@ finalizer hooks, the wrapper's frames).
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Literal, Protocol
 
 from direct_frontend.openai.types import Tier
 from direct_frontend.pipeline.preempt import Hold
+
+#: why a request was not admitted (the ``reason`` label of the refusals counted)
+Reason = Literal["queue_full", "tenant_queue_full", "pushed_out", "timeout"]
+
+
+class AdmissionObserver(Protocol):
+    """Hears each admission and refusal, by the tenant's label (never a key) and tier."""
+
+    def admitted(self, tenant: str, tier: Tier, waited: float) -> None: ...
+
+    def refused(self, tenant: str, tier: Tier, reason: Reason) -> None: ...
 
 
 class Admits(Protocol):

@@ -46,6 +46,11 @@ class Tenants:
         return self.config.max_in_flight if tenant is None else (
             tenant.max_in_flight or self.config.max_in_flight)
 
+    def any_cap(self) -> bool:
+        """Whether some flow may hold fewer slots than the model's limit allows."""
+        return bool(self.config.max_in_flight) or any(
+            tenant.max_in_flight for tenant in self._listed.values())
+
     def max_queue(self, flow: str) -> int:
         """The most requests of ``flow`` that may wait (0: no cap but the model's)."""
         tenant = self._listed.get(flow)

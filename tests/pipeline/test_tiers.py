@@ -196,6 +196,14 @@ def test_priority_is_served_to_the_tenants_that_may_have_it() -> None:
     assert everyone.tier("kbronze", "priority") == "default"
 
 
+def test_a_cap_is_known_whether_every_tenant_has_it_or_one_listed() -> None:
+    listed = (TenantConfig(api_key_env="GOLD", flow="kgold"),)
+    assert not Tenants(TenantsConfig(tenant=listed)).any_cap()
+    assert Tenants(TenantsConfig(max_in_flight=2, tenant=listed)).any_cap()
+    capped = (*listed, TenantConfig(api_key_env="BRONZE", flow="kbronze", max_in_flight=1))
+    assert Tenants(TenantsConfig(tenant=capped)).any_cap()
+
+
 def test_labels_are_names_never_keys_and_bounded() -> None:
     tenants = Tenants(TenantsConfig(header="x-team", max_series=2, tenant=(
         TenantConfig(name="search", flow="h:search"),)))
