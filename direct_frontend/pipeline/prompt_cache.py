@@ -22,6 +22,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from direct_frontend.kv.prefix import PromptIds
+from direct_frontend.pipeline.grouped_lru import GroupedLru
 
 #: the cache's budget: key, text and ids counted (ids at ~36 bytes each: a tuple slot + an int)
 MAX_BYTES = 16 << 20
@@ -119,7 +120,7 @@ class Reuse:
     tokens: int
 
 
-class PrefixCache:
+class PrefixCache(GroupedLru[str, Rendered]):
     """Rendered chat prompts kept for the prefix the next turn of their conversation shares.
 
     A conversation's next request renders to the last one's text plus what is
@@ -135,23 +136,15 @@ class PrefixCache:
 
     def __init__(self, max_bytes: int = PREFIX_MAX_BYTES,
                  max_entry_bytes: int = PREFIX_MAX_ENTRY_BYTES) -> None:
-        self.max_bytes = max_bytes
+        super().__init__(max_bytes, PREFIX_PER_KEY)
         self.max_entry_bytes = max_entry_bytes
-        self.size = 0
-        self.hits = 0
-        self.misses = 0
         self.reused_tokens = 0
-        self._lru: collections.OrderedDict[int, Rendered] = collections.OrderedDict()
-        self._by_head: dict[str, list[Rendered]] = {}
-
-    def __len__(self) -> int:
-        return len(self._lru)
 
     def find(self, text: str, cuts: Sequence[int]) -> Reuse | None:
         """The kept prompt sharing the longest prefix with ``text`` (whose cuts are
         ``cuts``) that ends at a cut of both; None if none shares a whole piece."""
         head = _head(text, cuts)
-        found = None if head is None else self._by_head.get(head)
+        found = None if head is None else self.group(head)
         if not found:
             self.misses += 1
             return None
@@ -164,7 +157,7 @@ class PrefixCache:
         if best is None:
             self.misses += 1
             return None
-        self._lru.move_to_end(id(best.entry))
+        self.touch(best.entry)
         self.hits += 1
         self.reused_tokens += best.tokens
         return best
@@ -175,7 +168,7 @@ class PrefixCache:
         give that piece). A look-up only: no hit or miss is counted."""
         head = _head(text, [*early[:1], HEAD_CHARS] if len(early) < 2 else early)
         best: Rendered | None = None
-        for entry in self._by_head.get(head or "", ()):
+        for entry in self.group(head or ""):
             if (best is None or len(entry.text) > len(best.text)) and text.startswith(entry.text):
                 best = entry
         return best
@@ -188,26 +181,8 @@ class PrefixCache:
         if head is None or cost > self.max_entry_bytes:
             return
         if replaces is not None and entry.text.startswith(replaces.text):
-            self._drop(replaces)
-        self._lru[id(entry)] = entry
-        same = self._by_head.setdefault(head, [])
-        same.append(entry)
-        self.size += cost
-        if len(same) > PREFIX_PER_KEY:
-            self._drop(same[0])
-        while self.size > self.max_bytes and self._lru:
-            self._drop(next(iter(self._lru.values())))
-
-    def _drop(self, entry: Rendered) -> None:
-        if self._lru.pop(id(entry), None) is None:
-            return
-        self.size -= entry.cost
-        head = _head(entry.text, entry.cuts)
-        same = self._by_head.get(head or "")
-        if same is not None:
-            same.remove(entry)
-            if not same:
-                del self._by_head[head or ""]
+            self.drop(replaces)
+        self.keep(head, entry)
 
 
 def _head(text: str, cuts: Sequence[int]) -> str | None:

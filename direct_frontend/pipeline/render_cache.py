@@ -21,11 +21,11 @@ Sans-IO; one cache per served model, read and written on the event loop only.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 from collections.abc import Callable, Sequence
 
 from direct_frontend.openai.types import ChatMessage
+from direct_frontend.pipeline.grouped_lru import GroupedLru
 from direct_frontend.text.model_dir import TextModel
 from direct_frontend.text.template_split import SplitTemplate
 
@@ -40,6 +40,8 @@ View = dict[str, object]
 #: what decides a render besides the messages: the split template, the tools' declarations,
 #: the template variables, the generation-prompt flag
 Setting = tuple[SplitTemplate, object, object, bool]
+#: what entries are found by (:func:`_key`)
+Key = tuple[tuple[str, str], ...]
 
 
 @dataclasses.dataclass(eq=False, slots=True)
@@ -62,29 +64,21 @@ class Turns:
         return 2 * len(self.text) + 64 * len(self.messages)
 
 
-class TurnCache:
+class TurnCache(GroupedLru[Key, Turns]):
     """The loop's output over conversations' earlier messages, found by their first two
     messages' starts (:data:`KEY_CHARS` of each: many conversations share a system prompt,
     few their first request too); at most :data:`MAX_BYTES`, the least recently used
     leaving first."""
 
     def __init__(self, max_bytes: int = MAX_BYTES) -> None:
-        self.max_bytes = max_bytes
-        self.size = 0
-        self.hits = 0
-        self.misses = 0
-        self._lru: collections.OrderedDict[int, Turns] = collections.OrderedDict()
-        self._by_start: dict[Key, list[Turns]] = {}
-
-    def __len__(self) -> int:
-        return len(self._lru)
+        super().__init__(max_bytes, PER_KEY)
 
     def find(self, setting: Setting, messages: Sequence[ChatMessage]) -> Turns | None:
         """The kept entry of ``setting`` with the most of ``messages``' first messages (not
         all: the last is rendered as the last), or None."""
         best: Turns | None = None
-        for entry in (*self._by_start.get(_key(messages[:2]), ()),
-                      *self._by_start.get(_key(messages[:1]), ())):
+        for entry in (*self.group(_key(messages[:2])),
+                      *self.group(_key(messages[:1]))):
             read = len(entry.messages)
             if (entry.count < len(messages) and read <= len(messages)
                     and (best is None or entry.count > best.count)
@@ -94,36 +88,17 @@ class TurnCache:
             self.misses += 1
             return None
         self.hits += 1
-        self._lru.move_to_end(id(best))
+        self.touch(best)
         return best
 
     def put(self, entry: Turns, replaces: Turns | None = None) -> None:
         """Keep ``entry``; ``replaces`` (an entry it goes on from) leaves."""
         if replaces is not None:
-            self._drop(replaces)
-        if not entry.messages or entry.cost > self.max_bytes:
-            return
-        same = self._by_start.setdefault(_key(entry.messages[:2]), [])
-        same.append(entry)
-        self._lru[id(entry)] = entry
-        self.size += entry.cost
-        if len(same) > PER_KEY:
-            self._drop(same[0])
-        while self.size > self.max_bytes and self._lru:
-            self._drop(next(iter(self._lru.values())))
-
-    def _drop(self, entry: Turns) -> None:
-        if self._lru.pop(id(entry), None) is None:
-            return
-        self.size -= entry.cost
-        key = _key(entry.messages[:2])
-        same = self._by_start[key]
-        same.remove(entry)
-        if not same:
-            del self._by_start[key]
+            self.drop(replaces)
+        if entry.messages and entry.cost <= self.max_bytes:
+            self.keep(_key(entry.messages[:2]), entry)
 
 
-Key = tuple[tuple[str, str], ...]
 
 
 def _key(first: Sequence[ChatMessage]) -> Key:

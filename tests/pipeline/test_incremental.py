@@ -138,7 +138,7 @@ def test_every_turn_has_the_ids_of_a_whole_tokenization(
             assert prefix_hashes(ids, 4) == prefix_hashes(tuple(ids), 4)
             assert prefix_hashes(ids, 4, cache_salt="s") == prefix_hashes(tuple(ids), 4,
                                                                           cache_salt="s")
-            for kept in tokenizing.prefixes._lru.values():  # cuts taken from a prefix's too
+            for kept in tokenizing.prefixes.kept():  # cuts taken from a prefix's too
                 assert kept.cuts == model.encoder.boundaries(kept.text)
         return tokenizing.prefixes.hits
 

@@ -279,7 +279,7 @@ def test_the_cache_keeps_its_budget() -> None:
         cache.put(Turns((split, (), None, True), request.messages[:2], 2, [],
                         "t" * 400 * (i % 4), "", ""))
         assert cache.size <= 4000
-        assert cache.size == sum(e.cost for e in cache._lru.values())
+        assert cache.size == sum(e.cost for e in cache.kept())
 
 
 def test_conversations_sharing_a_system_prompt_keep_their_own_turns(
