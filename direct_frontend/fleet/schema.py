@@ -126,6 +126,9 @@ class KvAwareKnobs:
     balance_abs_threshold: float = setting(32.0, NON_NEGATIVE)
     # … and this many times the mean
     balance_rel_threshold: float = setting(1.5, NON_NEGATIVE)
+    # … or, where the chosen engine's prefill queue is over this many blocks (twice the fleet's
+    # mean, 3 requests or more), when it has twice the mean and 2 above it (0: never)
+    balance_backlog_blocks: float = setting(64.0, NON_NEGATIVE)
     # where KV events flow, a block a request we sent an engine is storing there (its events
     # have not shown it yet) counts this much of a cached one
     memory_weight: float = setting(1.0, Rules(at_least=0, at_most=1))

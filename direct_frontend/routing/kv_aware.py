@@ -36,7 +36,8 @@ argmin at ``temperature == 0`` (ties → the larger prefix cache → fewer reque
 in flight → round robin),
 else softmax sampling over the min–max-normalised costs. A load guard (smg's
 imbalance gate) spills a request when the chosen engine is far above the
-mean: a safety net, as the queue terms balance. It spills to the cheapest
+mean (a safety net, as the queue terms balance), or just above it where
+its prefill queue is a backlog (:meth:`KvAware.guard_line`). It spills to the cheapest
 engine under the guard (a second home of the prefix, or room for one), not to
 the least loaded, which would scatter a hot prefix over every engine.
 ``cache_affinity`` (routing/cache_affinity.py) is the baseline these defaults
@@ -66,6 +67,17 @@ from direct_frontend.routing.prefill_queue import PrefillQueue
 
 if TYPE_CHECKING:
     from direct_frontend.routing.affinity import SessionAffinity
+
+
+#: the load guard's line where the chosen engine's prefill queue is a backlog
+#: (:meth:`KvAware.guard_line`): this many times the mean requests in flight …
+BACKLOG_REL = 2.0
+#: … and this many over it
+BACKLOG_ABS = 2.0
+#: a backlog is also this many times the fleet's mean prefill queue …
+BACKLOG_QUEUE_REL = 2.0
+#: … and of this many requests at least
+BACKLOG_REQUESTS = 3
 
 
 class OverlapSource(Protocol):
@@ -453,8 +465,8 @@ class KvAware:
         room = [self.capacity_of(e) or self._peak for e in candidates]  # as fullness reads it
         chosen = self._pick(candidates, costs, room)
         loads = [e.load.fleet_in_flight for e in candidates]
-        mean = sum(loads) / len(loads)
-        limit = max(mean * knobs.balance_rel_threshold, mean + knobs.balance_abs_threshold)
+        limit = self.guard_line(loads, queued, candidates.index(chosen),
+                                self.queue.requests(chosen.name))
         if chosen.load.fleet_in_flight > limit:
             # the cheapest engine under the guard: where the prefix has a second home, or
             # room for one (the least loaded would scatter the prefix)
@@ -463,6 +475,37 @@ class KvAware:
             return self._pick([e for _, e, _ in under], [c for c, _, _ in under],
                               [r for _, _, r in under]), True
         return chosen, False
+
+    def guard_line(self, loads: Sequence[int], queued: Sequence[int], chosen: int,
+                   waiting: int) -> float:
+        """The requests in flight on candidate ``chosen`` above which the load guard spills.
+
+        ``loads``, ``queued``: every candidate's requests in flight and prefill
+        queue (blocks); ``waiting``: the requests in the chosen one's queue. The
+        line is far above the mean load (``balance_rel_threshold`` × it and
+        ``balance_abs_threshold`` over it), but where the chosen engine's
+        prefill queue is a backlog (more than ``balance_backlog_blocks``,
+        :data:`BACKLOG_QUEUE_REL` × the fleet's mean queue, and of at least
+        :data:`BACKLOG_REQUESTS` requests: one new conversation's prompt is
+        no burst) it is just above the mean (:data:`BACKLOG_REL` × it and
+        :data:`BACKLOG_ABS` over it, if that is lower). A backlog is a burst of prompts one
+        engine holds little of (a hot tenant's sessions starting, agent turns
+        carrying tool output) that every request sent there waits behind;
+        the cost's queue term weighs that backlog against the whole shared
+        prefix a second engine would prefill, once, and so keeps the burst on
+        one engine. The guard moves it to the cheapest engine under the
+        line, which then holds the hot prefix too. Chat turns queue too little
+        to make a backlog, so the line stays where it was for them.
+        """
+        knobs = self.knobs
+        mean = sum(loads) / len(loads)
+        line = max(mean * knobs.balance_rel_threshold, mean + knobs.balance_abs_threshold)
+        backlog = knobs.balance_backlog_blocks
+        depth = queued[chosen]
+        if (backlog and depth > backlog and waiting >= BACKLOG_REQUESTS
+                and depth > BACKLOG_QUEUE_REL * sum(queued) / len(queued)):
+            return min(line, max(mean * BACKLOG_REL, mean + BACKLOG_ABS))
+        return line
 
     def on_complete(self, placement: Placement, prompt: Sequence[int],
                     answer: Sequence[int]) -> None:

@@ -95,6 +95,11 @@ class PrefillQueue:
         """Blocks still to prefill (:meth:`depths`)."""
         return self.depths(engine, now, stored)[0]
 
+    def requests(self, engine: str) -> int:
+        """Requests in ``engine``'s queue as of its last :meth:`depths`: those still to
+        prefill, and those prefilled whose blocks its events have not shown yet."""
+        return len(self._queued.get(engine, ()))
+
     def depths(self, engine: str, now: float,
                stored: Callable[[int], bool] | None) -> tuple[int, int]:
         """Blocks still to prefill, and of those the blocks the engine's events do not show

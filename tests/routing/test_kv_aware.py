@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import array
+import dataclasses
 import random
 from pathlib import Path
 
@@ -102,6 +103,30 @@ def test_the_load_guard_spills_to_a_second_home_of_the_prefix_not_the_idlest_eng
     catalog = Catalog(1, (handle("a", 0), handle("b", 12), handle("c", 3)))
     chosen = policy.choose(catalog, view(PROMPT))
     assert chosen is not None and chosen.engine.name == "c" and chosen.spilled
+
+
+def test_a_prefill_backlog_moves_a_hot_prefix_to_a_second_engine() -> None:
+    def spread(knobs: KvAwareKnobs, queue: list[int]) -> tuple[str, bool]:
+        policy = KvAware(knobs, FakeIndex({"b": HASHES}), clock=lambda: 0.0)
+        policy.uses_events = {1, 2, 3}
+        # b holds the prefix and has 3 requests above the mean (2): under the usual line
+        catalog = Catalog(1, (handle("a", 1), handle("b", 5), handle("c", 0)))
+        calm = policy.choose(catalog, view(PROMPT))
+        assert calm is not None and calm.engine.name == "b" and not calm.spilled
+        for n, blocks in enumerate(queue):  # other prompts b has still to prefill
+            policy.queue.add("b", [900 + n], blocks, 0.0)
+        busy = policy.choose(catalog, view(PROMPT))
+        assert busy is not None
+        return busy.engine.name, busy.spilled
+
+    knobs = KvAwareKnobs(block_size=BS, overlap_weight=100)
+    # the cost still prefers b (its queue weighs less than prefilling the prefix elsewhere);
+    # a backlog of requests lowers the guard's line, which moves this one to the cheapest
+    # engine under it
+    assert spread(knobs, [40, 40, 40]) == ("c", True)
+    assert spread(knobs, [130]) == ("b", False)  # one long prompt is no burst
+    assert spread(dataclasses.replace(knobs, balance_backlog_blocks=0), [40, 40, 40]) == (
+        "b", False)
 
 
 def test_ties_go_to_the_less_loaded_engine_and_exclusions_hold() -> None:
