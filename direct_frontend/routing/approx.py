@@ -552,13 +552,16 @@ def memory_keys(hashes: Sequence[int], unit: int) -> Sequence[int]:
     """The memory's keys for a prompt's engine-block prefix hashes: one per ``unit`` blocks.
 
     A prefix hash names its whole prefix, so the hash of every ``unit``-th
-    block keys the prefix up to it; a last, partial run of blocks is keyed by
-    the prompt's last hash, so a prompt shorter than ``unit`` blocks is
-    remembered too (and matches another only where their blocks are the same).
+    block keys the prefix up to it; the blocks after the last whole run are
+    not remembered. A prompt shorter than ``unit`` blocks is keyed by its last
+    hash, so it is remembered too (and matches only a prompt of the same
+    blocks). Only then: a partial run's key would be left behind, counted as a
+    whole unit, by every next turn or answer, which the measured routing
+    (scripts/routing_sim.py) showed costs more than the blocks it matches.
     """
     keys = hashes[unit - 1::unit]
-    if len(hashes) % unit:
-        return [*keys, hashes[-1]]
+    if not keys and hashes:
+        return hashes[-1:]
     return keys
 
 

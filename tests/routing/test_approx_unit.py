@@ -15,8 +15,8 @@ PROMPT = list(range(100, 140))  # 10 blocks of 4
 HASHES = prefix_hashes(PROMPT, BS)
 
 
-def test_memory_keys_are_every_unit_th_hash_and_a_partial_tail() -> None:
-    assert memory_keys(HASHES, 4) == [HASHES[3], HASHES[7], HASHES[9]]
+def test_memory_keys_are_every_unit_th_hash_or_a_short_prompts_last() -> None:
+    assert memory_keys(HASHES, 4) == [HASHES[3], HASHES[7]]
     assert memory_keys(HASHES[:8], 4) == [HASHES[3], HASHES[7]]
     assert memory_keys(HASHES[:3], 4) == [HASHES[2]]  # shorter than one memory block
     assert memory_keys(HASHES, 1) == HASHES
@@ -26,8 +26,8 @@ def test_memory_keys_are_every_unit_th_hash_and_a_partial_tail() -> None:
 def test_lookups_answer_in_engine_blocks_to_the_unit() -> None:
     memory = ApproxPrefixIndex(60, 1000, unit=4)
     memory.record("a", HASHES, now=0)
-    assert memory.lookup_at(HASHES, 1) == {"a": 10}  # the partial tail matched: all of them
-    assert len(memory) == 3
+    assert memory.lookup_at(HASHES, 1) == {"a": 8}  # to the unit: the last 2 are not kept
+    assert len(memory) == 2
     other = prefix_hashes([*PROMPT[:36], 1, 2, 3, 4, 5, 6, 7, 8], BS)  # 9 blocks shared of 11
     assert memory.lookup_at(other, 1) == {"a": 8}  # to the unit: 2 memory blocks
     assert memory.lookup_at(HASHES[:3], 1) == {}  # a partial block matches only itself
@@ -55,18 +55,18 @@ def handle(name: str, incarnation: int) -> EngineHandle:
 def test_kv_aware_predicts_the_cached_tokens_in_engine_blocks() -> None:
     policy = KvAware(KvAwareKnobs(block_size=BS, approx_unit_blocks=4, in_flight_weight=0))
     catalog = Catalog(1, (handle("a", 1), handle("b", 2)))
-    first = policy.choose(catalog, RequestView(tuple(PROMPT), 8))
-    assert first is not None and first.predicted_cached_tokens == 0
-    assert first.prefilled is not None
-    first.prefilled()  # (its prefill done: no queue there)
-    assert len(first.blocks) == 10  # the placement keeps the engine's own block hashes
-    # 4096 tokens of cache: 1024 blocks of 4, 256 memory blocks; 3 held: 12 engine blocks
-    assert policy.approx.held(first.engine.name) == 12
-    again = policy.choose(catalog, RequestView((*PROMPT, 1), 8))
-    assert again is not None and again.engine is first.engine
-    assert again.predicted_cached_tokens == 40  # all 10 blocks: the tail matched too
-    if again.prefilled is not None:
-        again.prefilled()
-    longer = policy.choose(catalog, RequestView((*PROMPT, *range(5)), 8))
-    assert longer is not None and longer.engine is first.engine
-    assert longer.predicted_cached_tokens == 32  # to the unit: 2 memory blocks of 4
+
+    def place(ids: list[int], cached: int) -> str:
+        placed = policy.choose(catalog, RequestView(tuple(ids), 8))
+        assert placed is not None and placed.predicted_cached_tokens == cached
+        assert len(placed.blocks) == len(ids) // BS  # the engine's own block hashes
+        if placed.prefilled is not None:
+            placed.prefilled()  # (its prefill done: no queue there)
+        return placed.engine.name
+
+    first = place(PROMPT, 0)
+    # 4096 tokens of cache: 1024 blocks of 4, 256 memory blocks; 2 held: 8 engine blocks
+    assert policy.approx.held(first) == 8
+    assert place([*PROMPT, 1], 32) == first  # to the unit: 2 memory blocks of 4
+    short = place(PROMPT[:12], 0)  # 3 blocks, less than a unit: its own key, not a prefix
+    assert place([*PROMPT[:12], 1], 12) == short  # a short prompt is remembered whole
