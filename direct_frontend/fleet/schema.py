@@ -137,6 +137,9 @@ class KvAwareKnobs:
     # an engine's prefix-cache capacity in blocks, for the approximate memory's LRU model
     # (0: unknown, trust the TTL)
     approx_capacity_blocks: int = setting(0, NON_NEGATIVE)
+    # engine blocks per block of the approximate memory: it models only what was sent, so a
+    # coarser unit costs less per prompt block and matches to this many blocks
+    approx_unit_blocks: int = setting(8, AT_LEAST_ONE)
 
 
 #: ``session_key`` entries: ``header:<name>`` (case-insensitive), ``user`` or

@@ -37,7 +37,7 @@ from direct_frontend.routing.placed import (
     unheld,
 )
 
-__all__ = ["ApproxPrefixIndex", "best_of"]
+__all__ = ["ApproxPrefixIndex", "best_of", "memory_keys"]
 
 _known: Final = functools.partial(operator.is_not, None)
 _ENGINE: Final[Callable[[Any], object]] = operator.attrgetter("engine")
@@ -76,12 +76,22 @@ class ApproxPrefixIndex:
     invisible to lookups, counted and evicted in its LRU as any block it holds;
     only a placement touching one takes block-by-block steps). An engine whose
     capacity becomes unknown again loses its LRU model.
+
+    It models only what was sent, so it need not know the engine's blocks one
+    by one: its unit is ``unit`` engine blocks (:func:`memory_keys`), which
+    divides its per-block work by ``unit`` and resolves matches to ``unit``
+    blocks. Its interface speaks engine blocks: hashes per engine block in,
+    leading engine blocks out; capacities, the cap and counts held are in
+    engine blocks too, converted at the boundary.
     """
 
     def __init__(self, ttl_s: float, max_blocks: int, capacity_blocks: int = 0, *,
-                 on_record: Callable[[str, Sequence[int]], None] | None = None) -> None:
+                 on_record: Callable[[str, Sequence[int]], None] | None = None,
+                 unit: int = 1) -> None:
         self.ttl_s = ttl_s
         self.max_blocks = max_blocks
+        #: engine blocks per memory block (:func:`memory_keys`)
+        self.unit = max(1, unit)
         #: told of every placement this router makes (replicas share them); a peer's
         #: placements come in through :meth:`record_peer`, which does not tell it
         self.on_record = on_record
@@ -115,7 +125,13 @@ class ApproxPrefixIndex:
         answer); where that placement alone still holds exactly them, it is
         extended by the rest and made the newest instead (:meth:`_extended`).
         """
+        unit = self.unit
+        if unit > 1:
+            hashes = memory_keys(hashes, unit)
+            head = -(-head // unit)
         capacity = self.capacity_of(engine)
+        if capacity:  # (in memory blocks)
+            capacity = max(1, capacity // unit)
         lru = self._lru_of(engine, capacity)
         if hashes and not (head and self._extended(engine, hashes, now, head, lru)):
             self._place(engine, hashes, now, lru)
@@ -274,7 +290,7 @@ class ApproxPrefixIndex:
     def _settle(self, engine: str, lru: _Lru | None, capacity: int) -> None:
         """After a placement: the cap, ``engine``'s LRU model, the books' garbage."""
         blocks = self._blocks
-        excess = len(blocks) - self.max_blocks
+        excess = len(blocks) - max(1, self.max_blocks // self.unit)
         if excess > 0:
             self._forget_oldest(excess)
         if lru is not None:
@@ -458,11 +474,24 @@ class ApproxPrefixIndex:
             del self._blocks[h]
 
     def capacity_of(self, engine: str) -> int:
-        """``engine``'s prefix cache in blocks as this model knows it (0: unknown)."""
+        """``engine``'s prefix cache in engine blocks as this model knows it (0: unknown)."""
         return self.capacities.get(engine) or self.capacity_blocks
 
     def lookup_at(self, hashes: Sequence[int], now: float) -> dict[str, int]:
-        """Per engine, how many leading ``hashes`` it holds unexpired (holding none: absent)."""
+        """Per engine, how many leading ``hashes`` it holds unexpired (holding none: absent).
+
+        In engine blocks: the memory blocks matched × :attr:`unit`, all of
+        ``hashes`` where the last (partial) memory block matched too.
+        """
+        unit = self.unit
+        if unit > 1 and hashes:
+            found = self._lookup(memory_keys(hashes, unit), now)
+            whole = len(hashes)
+            return {engine: min(depth * unit, whole) for engine, depth in found.items()}
+        return self._lookup(hashes, now)
+
+    def _lookup(self, hashes: Sequence[int], now: float) -> dict[str, int]:
+        """:meth:`lookup_at` in memory blocks (``hashes``: memory keys)."""
         blocks = self._blocks
         first = blocks.get(hashes[0]) if hashes else None
         result: dict[str, int] = {}
@@ -493,11 +522,11 @@ class ApproxPrefixIndex:
         return result
 
     def held(self, engine: str) -> int | None:
-        """Blocks the LRU model says ``engine`` holds (None: no capacity, no model)."""
+        """Engine blocks the LRU model says ``engine`` holds (None: no capacity, no model)."""
         if not self.capacity_of(engine):
             return None
         lru = self._lrus.get(engine)
-        return 0 if lru is None else lru.count
+        return 0 if lru is None else lru.count * self.unit
 
     def forget_engine(self, engine: str) -> None:
         """``engine`` holds nothing (a restart): its placements are forgotten, its LRU model
@@ -515,7 +544,25 @@ class ApproxPrefixIndex:
             self._unorphan(engine, h)
 
     def __len__(self) -> int:
+        """The memory blocks remembered (engine blocks ÷ :attr:`unit`, rounded up per prompt)."""
         return len(self._blocks)
+
+
+def memory_keys(hashes: Sequence[int], unit: int) -> Sequence[int]:
+    """The memory's keys for a prompt's engine-block prefix hashes: one per ``unit`` blocks.
+
+    A prefix hash names its whole prefix, so the hash of every ``unit``-th
+    block keys the prefix up to it; the blocks after the last whole run are
+    not remembered. A prompt shorter than ``unit`` blocks is keyed by its last
+    hash, so it is remembered too (and matches only a prompt of the same
+    blocks). Only then: a partial run's key would be left behind, counted as a
+    whole unit, by every next turn or answer, which the measured routing
+    (scripts/routing_sim.py) showed costs more than the blocks it matches.
+    """
+    keys = hashes[unit - 1::unit]
+    if not keys and hashes:
+        return hashes[-1:]
+    return keys
 
 
 def _sole(mine: Placed, keys: Sequence[int], values: list[Holders], repeated: bool) -> int:

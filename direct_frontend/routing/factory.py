@@ -33,7 +33,8 @@ def make_policy(
     knobs = routing.kv_aware
     kind = CacheAffinity if routing.policy == "cache_affinity" else KvAware
     approx = None if placements is None else placements.new_index(
-        knobs.approx_ttl_s, knobs.approx_max_blocks, knobs.approx_capacity_blocks)
+        knobs.approx_ttl_s, knobs.approx_max_blocks, knobs.approx_capacity_blocks,
+        knobs.approx_unit_blocks)
     affinity = None
     if routing.session_key or routing.cold_prefix_home:
         affinity = SessionAffinity(routing.session_weight, sessions=bool(routing.session_key),

@@ -123,7 +123,8 @@ class KvAware:
         self.knobs = knobs
         self.exact = exact
         self.approx = approx if approx is not None else ApproxPrefixIndex(
-            knobs.approx_ttl_s, knobs.approx_max_blocks, knobs.approx_capacity_blocks)
+            knobs.approx_ttl_s, knobs.approx_max_blocks, knobs.approx_capacity_blocks,
+            unit=knobs.approx_unit_blocks)
         #: incarnations whose overlap comes from KV events
         self.uses_events = uses_events
         #: of those, incarnations whose predictions drifted from the engine's reports

@@ -124,9 +124,13 @@ class PlacementShare:
         self.notify = notify
 
     def new_index(self, ttl_s: float, max_blocks: int,
-                  capacity_blocks: int = 0) -> ApproxPrefixIndex:
-        """A new policy's approximate index: its placements go out, peers' come in to it."""
-        approx = ApproxPrefixIndex(ttl_s, max_blocks, capacity_blocks, on_record=self._placed)
+                  capacity_blocks: int = 0, unit: int = 1) -> ApproxPrefixIndex:
+        """A new policy's approximate index: its placements go out, peers' come in to it.
+
+        Placements travel as engine-block hashes, which each index keys at its own unit.
+        """
+        approx = ApproxPrefixIndex(ttl_s, max_blocks, capacity_blocks, on_record=self._placed,
+                                   unit=unit)
         self._indexes.add(approx)
         return approx
 

@@ -224,7 +224,8 @@ def test_a_cold_prefix_goes_to_the_same_engine_on_every_replica() -> None:
 
 
 def test_a_known_prefix_is_not_sent_to_its_cold_home() -> None:
-    policy = KvAware(KvAwareKnobs(block_size=BS),
+    # (a memory block of one engine block: a longer prompt matches a 3-block prefix)
+    policy = KvAware(KvAwareKnobs(block_size=BS, approx_unit_blocks=1),
                      affinity=SessionAffinity(8, sessions=False, cold_prefixes=True))
     catalog = Catalog(1, (handle("a", 1), handle("b", 2), handle("c", 3)))
     hashes = prefix_hashes(PROMPT, BS)

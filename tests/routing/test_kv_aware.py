@@ -256,7 +256,7 @@ def test_a_placement_carries_the_blocks_and_never_predicts_the_last_prompt_token
 
 
 def test_on_complete_remembers_the_answer_only_where_no_kv_events_flow() -> None:
-    answer = [9] * (2 * BS)
+    answer = [9] * (8 * BS)  # (a memory block of 8 engine blocks: the answer is one)
     whole = prefix_hashes([*PROMPT, *answer], BS)
     policy = KvAware(KvAwareKnobs(block_size=BS))
     policy.uses_events = {2}  # b publishes KV events, a does not
@@ -583,7 +583,9 @@ def test_ranks_are_not_pinned_with_one_rank_or_by_policies_that_read_no_cache() 
 
 def test_without_events_the_approximate_memory_pins_and_models_each_rank() -> None:
     """What we sent rank 1 is remembered as rank 1's: its follow-up goes there, predicted so."""
-    policy = KvAware(KvAwareKnobs(block_size=BS, approx_capacity_blocks=1000))
+    # (a memory block of one engine block: the answer's one block is remembered)
+    policy = KvAware(KvAwareKnobs(block_size=BS, approx_capacity_blocks=1000,
+                                  approx_unit_blocks=1))
     catalog = Catalog(1, (ranked("a", in_flight={0: 1}),))
     first = policy.choose(catalog, view(PROMPT))
     assert first is not None and first.dp_rank == 1 and first.predicted_cached_tokens == 0
