@@ -139,7 +139,7 @@ class KvAwareKnobs:
     approx_capacity_blocks: int = setting(0, NON_NEGATIVE)
     # engine blocks per block of the approximate memory: it models only what was sent, so a
     # coarser unit costs less per prompt block and matches to this many blocks
-    approx_unit_blocks: int = setting(8, AT_LEAST_ONE)
+    approx_unit_blocks: int = setting(4, AT_LEAST_ONE)
 
 
 #: ``session_key`` entries: ``header:<name>`` (case-insensitive), ``user`` or
