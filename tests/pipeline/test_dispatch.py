@@ -47,7 +47,7 @@ def test_a_pair_is_placed_by_its_decode_engine_and_predicts_nothing() -> None:
 
 
 def test_completion_reaches_the_policy_that_placed_the_request() -> None:
-    policy = KvAware(KvAwareKnobs(block_size=4))
+    policy = KvAware(KvAwareKnobs(block_size=4, approx_unit_blocks=1))  # block by block
     catalog = Catalog(1, (engine("a", incarnation=1), engine("p", EngineRole.PREFILL, 2),
                           engine("d", EngineRole.DECODE, 3)))
     dispatcher = Dispatcher(Fleet(catalog))
