@@ -23,6 +23,9 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
+from typing import Final
+
+import msgspec
 
 from direct_frontend.openai.types import ChatMessage
 from direct_frontend.pipeline.grouped_lru import GroupedLru
@@ -37,9 +40,10 @@ PER_KEY = 8
 KEY_CHARS = 1024
 
 View = dict[str, object]
-#: what decides a render besides the messages: the split template, the tools' declarations,
-#: the template variables, the generation-prompt flag
-Setting = tuple[SplitTemplate, object, object, bool]
+#: what decides a render besides the messages: the split template, the tools' declarations and
+#: the template variables (as JSON: ``1 == 1.0 == True`` in Python, not in a template's
+#: output), the generation-prompt flag
+Setting = tuple[SplitTemplate, bytes, bool]
 #: what entries are found by (:func:`_key`)
 Key = tuple[tuple[str, str], ...]
 
@@ -107,6 +111,9 @@ def _key(first: Sequence[ChatMessage]) -> Key:
     return tuple((m.role, (m.content or "")[:KEY_CHARS]) for m in first)
 
 
+_ENCODE: Final = msgspec.json.Encoder().encode
+
+
 def render_turns(cache: TurnCache, model: TextModel, split: SplitTemplate,
                  messages: Sequence[ChatMessage], view: Callable[[ChatMessage], View],
                  tools: list[View] | None, tools_key: object, extra: dict[str, object] | None,
@@ -114,8 +121,14 @@ def render_turns(cache: TurnCache, model: TextModel, split: SplitTemplate,
     """The prompt ``model.render_chat`` gives ``messages`` (``view`` makes a message's template
     view), rendering only the messages after the longest run of first ones kept in
     ``cache``, which keeps this conversation's for its next turn; a template's failure is
-    a ``ChatTemplateError``. ``tools_key``: what decides ``tools`` (compared, not hashed)."""
-    setting: Setting = (split, tools_key, extra, add_generation_prompt)
+    a ``ChatTemplateError``. ``tools_key``: what decides ``tools`` (compared as JSON)."""
+    try:
+        exact = _ENCODE((tools_key, extra))
+    except (TypeError, ValueError):  # (not JSON: no reuse)
+        return model.render_chat([view(m) for m in messages],
+                                 add_generation_prompt=add_generation_prompt, tools=tools,
+                                 extra=extra)
+    setting: Setting = (split, exact, add_generation_prompt)
     earlier = cache.find(setting, messages)
     k = 0 if earlier is None else earlier.count
     n = len(messages)

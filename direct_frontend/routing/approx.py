@@ -128,7 +128,7 @@ class ApproxPrefixIndex:
         unit = self.unit
         if unit > 1:
             hashes = memory_keys(hashes, unit)
-            head = -(-head // unit)
+            head //= unit  # (the earlier placement's keys: one per whole unit)
         capacity = self.capacity_of(engine)
         if capacity:  # (in memory blocks)
             capacity = max(1, capacity // unit)
@@ -480,8 +480,8 @@ class ApproxPrefixIndex:
     def lookup_at(self, hashes: Sequence[int], now: float) -> dict[str, int]:
         """Per engine, how many leading ``hashes`` it holds unexpired (holding none: absent).
 
-        In engine blocks: the memory blocks matched × :attr:`unit`, all of
-        ``hashes`` where the last (partial) memory block matched too.
+        In engine blocks: the memory blocks matched × :attr:`unit`; all of
+        ``hashes`` for a prompt shorter than one unit that matched its one key.
         """
         unit = self.unit
         if unit > 1 and hashes:

@@ -155,6 +155,8 @@ def _split(env: jinja2.Environment, source: str) -> SplitTemplate | None:
         parsed = env.parse(source).body
         aliases = _aliases(parsed)
         at = _the_message_loop(parsed, aliases)
+        if any(_is_alias(node) for node in parsed[at + 1:]):  # (the loop sees it undefined)
+            raise _NotSplittable
         loop = parsed[at]
         assert isinstance(loop, nodes.For)
         names = frozenset({"messages", *aliases})
@@ -284,8 +286,10 @@ def _shifted(node: nodes.Node, names: frozenset[str]) -> nodes.Node:
         raise _NotSplittable  # (the loop whole, not one of its attributes)
     if isinstance(node, nodes.Getattr) and _is_loop(node.node):
         return _loop_attribute(node)
-    if isinstance(node, nodes.For):  # its body's ``loop`` is its own
-        node.iter = _shifted(node.iter, names)
+    if isinstance(node, nodes.For):  # its body's ``loop`` is its own; not its filter's
+        node.iter = _shifted(node.iter, names)  # nor its ``else``'s: those are the message loop's
+        node.test = None if node.test is None else _shifted(node.test, names)
+        node.else_ = [_shifted(inner, names) for inner in node.else_]
         _check_inner(node, names)
         return node
     for field, value in node.iter_fields():
@@ -298,12 +302,13 @@ def _shifted(node: nodes.Node, names: frozenset[str]) -> nodes.Node:
 
 
 def _check_inner(loop: nodes.For, names: frozenset[str]) -> None:
-    """An inner loop may break out of itself, and read its own ``loop`` freely: neither
-    reaches the message loop; it may set names (its iteration's own) but not a namespace's
-    attribute nor the messages (``names``)."""
+    """An inner loop's body may break out of it, and read its own ``loop`` freely: neither
+    reaches the message loop (its filter and ``else`` do: :func:`_shifted`); it may set
+    names (its iteration's own) but not a namespace's attribute nor the messages
+    (``names``)."""
     if isinstance(loop.target, nodes.Name) and loop.target.name == "loop":
         raise _NotSplittable
-    for part in (*loop.body, *loop.else_, *([loop.test] if loop.test else [])):
+    for part in loop.body:
         if any(_refused(inner, names) for inner in _walk(part)):
             raise _NotSplittable
     if loop.recursive:

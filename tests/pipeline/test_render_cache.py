@@ -301,3 +301,32 @@ def test_conversations_sharing_a_system_prompt_keep_their_own_turns(
                                   (), None, True)
             assert prompt == model.render_chat([message_dict(m) for m in request.messages])
     assert cache.misses == 20 and cache.hits == 40
+
+
+@pytest.mark.parametrize("source", [
+    # an inner loop's ``else`` and filter read the message loop's ``loop``; a ``break`` in
+    # its ``else`` breaks the message loop
+    "{% for m in messages %}{% for x in [] %}{% else %}<{{ loop.index0 }}>{% endfor %}"
+    "{{ m.content }}{% endfor %}",
+    "{% for m in messages %}{% for x in [1, 2] if loop.last %}{{ x }}{% endfor %}|"
+    "{% endfor %}",
+    "{% for m in messages %}{{ loop.index0 }}{% for x in [] %}{% else %}{% break %}"
+    "{% endfor %}{% endfor %}",
+    # an alias set after the loop is undefined inside it
+    "{% for m in messages %}{{ x }}{{ m.content }}{% endfor %}{% set x = messages %}",
+    # a template variable Python calls equal to another (1 == 1.0 == True) renders as itself
+    "{{ flag }}{% for m in messages %}{{ m.content }}{% endfor %}{{ flag }}",
+])
+def test_shapes_the_proof_must_see_render_as_the_whole_template(
+    model_dir: Path, tmp_path: Path, source: str,
+) -> None:
+    (tmp_path / "t.jinja").write_text(source)
+    model = TextModel.load(model_dir, chat_template=tmp_path / "t.jinja")
+    cache = TurnCache()
+    turns = [{"role": "system", "content": "s"}, {"role": "user", "content": "u1"},
+             {"role": "assistant", "content": "a1"}, {"role": "user", "content": "u2"},
+             {"role": "assistant", "content": "a2"}, {"role": "user", "content": "u3"}]
+    for k, flag in zip(range(2, len(turns) + 1), [1, True, 1.0, 1, True], strict=True):
+        whole, incremental = _both(model, cache, _request(turns[:k], False, {"flag": flag}),
+                                   True)
+        assert incremental == whole, (k, flag)

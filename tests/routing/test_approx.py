@@ -395,6 +395,21 @@ def test_an_answer_extends_its_prompts_placement(size: int, capacity: int) -> No
     assert memory.held("a") == (size + 2 if capacity else None)
 
 
+@pytest.mark.parametrize("size", [8, 10, 11])
+def test_an_answer_extends_its_prompts_placement_in_units(size: int) -> None:
+    """With units of 4 blocks, a prompt whose blocks are no multiple of 4 is extended too:
+    its placement holds one key per whole unit, which the answer's record goes on from."""
+    memory = ApproxPrefixIndex(ttl_s=50.0, max_blocks=1000, capacity_blocks=400, unit=4)
+    prompt = list(range(size))
+    memory.record("a", prompt, 0.0)
+    placed = memory._blocks[3]
+    whole = [*prompt, *range(500, 506)]
+    memory.record("a", whole, 1.0, len(prompt))
+    assert all(memory._blocks[h] is placed for h in whole[3::4])
+    assert placed.expiry == 51.0
+    assert memory.lookup_at(whole, 2.0) == {"a": len(whole) // 4 * 4}
+
+
 def spy(monkeypatch: pytest.MonkeyPatch, name: str) -> list[int]:
     """Count the calls of ``ApproxPrefixIndex``'s method ``name`` (it still runs)."""
     calls: list[int] = []
