@@ -12,7 +12,6 @@ from one Trio thread.
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Final, Generic, Literal, TypeVar, get_args, overload
@@ -27,7 +26,7 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
-from prometheus_client.metrics_core import GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from direct_frontend import __version__
@@ -58,40 +57,16 @@ INTER_TOKEN_BUCKETS: Final = (
 )  # fmt: skip
 
 
-class PerTokenHistogram(Collector):
-    """A label-less histogram that can record ``n`` equal observations at once.
-
-    Exposed with the standard ``_bucket``/``_sum``/``_count`` series, so it
-    reads like any Prometheus histogram.
-    """
+class PerTokenHistogram(HistogramFamily):
+    """A label-less histogram that can record ``n`` equal observations at once."""
 
     def __init__(self, name: str, documentation: str, buckets: Sequence[float]) -> None:
-        bounds = sorted(float(b) for b in buckets if b != float("inf"))
-        self._name = name
-        self._doc = documentation
-        self._bounds = tuple(bounds)
-        self._le = (*(repr(b) for b in bounds), "+Inf")  # Go float format for these bounds
-        self._counts = [0] * (len(bounds) + 1)
-        self._sum = 0.0
+        super().__init__(name, documentation, buckets=buckets)
 
     def observe(self, gap: float, n: int = 1) -> None:
         """Record ``n`` tokens that arrived together after ``gap`` seconds: ``gap/n`` each."""
         if n > 0:
-            self._counts[bisect.bisect_left(self._bounds, gap / n)] += n
-            self._sum += gap
-
-    def collect(self) -> Iterable[Metric]:
-        """Cumulative buckets, as the exposition format wants."""
-        total = 0
-        buckets: list[tuple[str, float]] = []
-        for le, count in zip(self._le, self._counts, strict=True):
-            total += count
-            buckets.append((le, total))
-        yield HistogramMetricFamily(self._name, self._doc, buckets=buckets, sum_value=self._sum)
-
-    def describe(self) -> Iterable[Metric]:
-        """Names only, so registering does not call :meth:`collect`."""
-        yield HistogramMetricFamily(self._name, self._doc, labels=())
+            self._sole().observe_spread(gap, n)
 
 
 class ShimGauge(Collector):

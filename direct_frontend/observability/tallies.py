@@ -55,6 +55,11 @@ class Buckets:
         self.counts[bisect.bisect_left(self._bounds, amount)] += 1
         self.sum += amount
 
+    def observe_spread(self, total: float, n: int) -> None:
+        """``n`` equal observations that add up to ``total``, in one step."""
+        self.counts[bisect.bisect_left(self._bounds, total / n)] += n
+        self.sum += total
+
 
 _C = TypeVar("_C")  # a child: Tally or Buckets
 
