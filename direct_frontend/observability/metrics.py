@@ -60,9 +60,6 @@ INTER_TOKEN_BUCKETS: Final = (
 class PerTokenHistogram(HistogramFamily):
     """A label-less histogram that can record ``n`` equal observations at once."""
 
-    def __init__(self, name: str, documentation: str, buckets: Sequence[float]) -> None:
-        super().__init__(name, documentation, buckets=buckets)
-
     def observe(self, gap: float, n: int = 1) -> None:
         """Record ``n`` tokens that arrived together after ``gap`` seconds: ``gap/n`` each."""
         if n > 0:
@@ -182,7 +179,7 @@ class Metrics:
         "Time from request start to the first token.", buckets=TTFT_BUCKETS)
     inter_token_latency_seconds = _registered(lambda name: PerTokenHistogram(
         name, "Gap between streamed tokens (a chunk's gap split evenly over its tokens).",
-        INTER_TOKEN_BUCKETS))
+        buckets=INTER_TOKEN_BUCKETS))
     in_flight_requests = _gauge("Requests being served now.")
     engine_state = _gauge(
         "1 for the engine's current state, 0 for the others.", "engine", "state")

@@ -103,8 +103,6 @@ class TurnCache(GroupedLru[Key, Turns]):
             self.keep(_key(entry.messages[:2]), entry)
 
 
-
-
 def _key(first: Sequence[ChatMessage]) -> Key:
     """What entries are found by: the role and the start of the text of their first
     messages (hashing more costs, finds no more; :meth:`TurnCache.find` compares all)."""

@@ -369,24 +369,20 @@ class ApproxPrefixIndex:
         among those it lists; where the others are Joints it left, they are dropped."""
         blocks = self._blocks
         placed.spent(blocks)  # (a filter's pass: its prompt let go of once its blocks moved on)
-        return known_live(placed, listing, [
-            type(held := blocks.get(h)) is Joint and held.age is placed
-            for h in dict.fromkeys(placed.joints)])
+        return known_live(placed, listing, blocks, _AGE)
 
     def _lru_known(self, engine: str) -> Known:
         """:meth:`_age_known` for ``engine``'s LRU model: a placement holds there the blocks
         it holds alone and the Joints where it is the engine's (where it lists an orphan, a
         walk must tell)."""
+        in_joint = operator.methodcaller("get", engine)
 
         def known(placed: Placed, listing: tuple[int, ...]) -> tuple[int, ...] | None:
             if placed.tag != engine:
                 return ()
             if self._orphaned(listing):
                 return None
-            blocks = self._blocks
-            return known_live(placed, listing, [
-                type(held := blocks.get(h)) is Joint and held.get(engine) is placed
-                for h in dict.fromkeys(placed.joints)])
+            return known_live(placed, listing, self._blocks, in_joint)
 
         return known
 

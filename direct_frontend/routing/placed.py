@@ -310,10 +310,12 @@ def last_places(keys: Iterable[int]) -> tuple[int, ...]:
     return tuple(reversed(dict.fromkeys(reversed(list(keys)))))
 
 
-def known_live(placed: Placed, listing: tuple[int, ...], joined: list[bool]
-               ) -> tuple[int, ...] | None:
-    """Of ``listing``, the blocks ``placed`` still holds (``joined``: for each of its noted
-    Joints, whether it still holds that one), where its counts tell (else None)."""
+def known_live(placed: Placed, listing: tuple[int, ...], blocks: Mapping[int, Holders],
+               in_joint: Callable[[Joint], Placed | None]) -> tuple[int, ...] | None:
+    """Of ``listing``, the blocks ``placed`` still holds, where its counts tell (else None):
+    those it holds alone, and its noted Joints in ``blocks`` where it is ``in_joint``."""
+    joined = [type(held := blocks.get(h)) is Joint and in_joint(held) is placed
+              for h in dict.fromkeys(placed.joints)]
     live = placed.sole + sum(joined)
     if live == len(listing):
         return listing

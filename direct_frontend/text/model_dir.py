@@ -368,8 +368,9 @@ class TextModel:
         self._tokenizer = tokenizer
         self._templates = dict(templates)
         #: the templates split around their message loop, where that is proven
-        self._splits: dict[str, SplitTemplate | None] = {} if templates_read_clock else {
-            name: split_template(template.environment, (template_sources or {})[name])
+        self._splits: dict[jinja2.Template, SplitTemplate | None]
+        self._splits = {} if templates_read_clock else {
+            template: split_template(template.environment, (template_sources or {})[name])
             for name, template in self._templates.items() if name in (template_sources or {})
         }
         self.max_position_embeddings = max_position_embeddings
@@ -525,10 +526,7 @@ class TextModel:
     def split_template(self, tools: object) -> SplitTemplate | None:
         """The template :meth:`render_chat` renders with ``tools``, split around its message
         loop (text/template_split.py); None where it has no split, or reads the clock."""
-        self._pick_template(tools)  # (its errors)
-        if tools and "tool_use" in self._templates:
-            return self._splits.get("tool_use")
-        return self._splits.get("default")
+        return self._splits.get(self._pick_template(tools))
 
     def _pick_template(self, tools: object) -> jinja2.Template:
         if not self._templates:

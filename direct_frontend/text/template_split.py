@@ -166,10 +166,9 @@ def _split(env: jinja2.Environment, source: str) -> SplitTemplate | None:
         loop.body = [_shifted(node, names) for node in loop.body]
     except _NotSplittable:
         return None
-    reads = _renamed(loop.body, names)
-    fresh = env.parse(source).body
-    head = [node for node in fresh[:at] if not _is_alias(node)]
-    tail = fresh[at + 1:]
+    reads = _renamed(loop.body, names)  # (what surrounds the loop is as parsed)
+    head = [node for node in parsed[:at] if not _is_alias(node)]
+    tail = parsed[at + 1:]
     return SplitTemplate(_compiled(env, head), _compiled(env, [loop]), _compiled(env, tail),
                          _first_message_only([*head, *tail]), reads)
 
