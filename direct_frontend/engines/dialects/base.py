@@ -51,6 +51,8 @@ class Rpc:
     request: Any
     response_type: type[Any]
     optional: bool = False
+    #: the request's prompt ids whose encoding is ready up to ``known`` (:func:`encode_request`)
+    runs: IdRuns | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -101,26 +103,57 @@ class OptionalFields(Protocol):
 COPY_MIN_IDS = 1024
 
 
-def fill_prompt(tokenized: Any, field: str, text: str, ids: Sequence[int], key: str) -> None:
+#: where a prompt's kept encoding of its ids is, beside its kept list (``key`` + this)
+RUNS_KEY = " runs"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class IdRuns:
+    """A generate request's prompt ids of which the first ``known`` are encoded already.
+
+    ``runs``: those ids as the encoding of a message of the ids' type holding
+    them alone (packed runs of ``field``, one per turn that added some);
+    ``source``: the kept message whose ``field`` holds exactly them (what the
+    request's list is put back from once encoded).
+    """
+
+    field: str
+    known: int
+    total: int
+    runs: bytes
+    source: Any
+    #: the request's field that holds the ids' message (every contract's)
+    sub: str = "tokenized"
+
+
+def fill_prompt(tokenized: Any, field: str, text: str, ids: Sequence[int], key: str
+                ) -> IdRuns | None:
     """Set a contract's tokenized input (``tokenized``, built in place) to ``text`` and ``ids``
-    (its repeated ``field``).
+    (its repeated ``field``); the :class:`IdRuns` that let the request be encoded without
+    encoding the ids it shares with an earlier prompt again, or None.
 
     Ids that begin with an earlier prompt's (a conversation's next turn:
     ``PromptIds`` that know their shared prefix) start from a copy of the list
     made of that prompt's ids (protobuf copies it in C), cut to the shared part,
     so only the new ids are converted one by one: the equal list, in time for
     what is new. Where these ids keep what was made of them, a copy of the list
-    is kept (under ``key``) for the next turn's.
+    is kept (under ``key``) for the next turn's, and, where the earlier prompt's
+    ids are all shared, their encoding and the new ids' (under ``key`` +
+    :data:`RUNS_KEY`): a conversation's next request encodes only what is new.
     """
     take = getattr(ids, "take_built_source", None)
     earlier = None if take is None else take()
     known = getattr(ids, "known", 0)
     copied = None if earlier is None or known < COPY_MIN_IDS else earlier.get(key)
     listed = getattr(tokenized, field)
+    runs: bytes | None = None
     if copied is not None and len(getattr(copied, field)) >= known:
         listed.extend(getattr(copied, field))  # (list to list: a copy in C)
         del listed[known:]
         listed.extend(ids[known:])
+        if len(getattr(copied, field)) == known:  # (all of the earlier prompt's ids)
+            assert earlier is not None
+            runs = earlier.get(key + RUNS_KEY) or copied.SerializeToString()
     else:
         listed.extend(ids)
     tokenized.original_text = text
@@ -130,6 +163,56 @@ def fill_prompt(tokenized: Any, field: str, text: str, ids: Sequence[int], key: 
         kept = type(tokenized)()
         getattr(kept, field).extend(listed)
         built[key] = kept
+        if runs is not None:
+            new = type(tokenized)()
+            added = getattr(new, field)
+            added.extend(listed)
+            del added[:known]
+            built[key + RUNS_KEY] = runs + new.SerializeToString()
+    if runs is None:
+        return None
+    return IdRuns(field, known, len(listed), runs, copied)
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value >= 0x80:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def encode_request(request: Any, runs: IdRuns | None) -> bytes:
+    """``request`` encoded; with ``runs``, its first ids taken from their ready encoding.
+
+    The encoding holds the ids' message twice: first with the ready runs of
+    the first ``known`` ids, then, within the request, with the text and the
+    rest. A protobuf parser merges the two, appending the second's ids to the
+    first's: the same message, with only the new ids encoded. A request whose
+    list changed since it was built is encoded whole.
+    """
+    if runs is None:
+        data: bytes = request.SerializeToString()
+        return data
+    sub = getattr(request, runs.sub)
+    live = getattr(sub, runs.field)
+    source = getattr(runs.source, runs.field)
+    if len(live) != runs.total or len(source) != runs.known:
+        data = request.SerializeToString()
+        return data
+    held = type(sub)()
+    rest = getattr(held, runs.field)
+    del live[: runs.known]
+    rest.extend(live)  # (list to list: a copy in C)
+    try:
+        data = request.SerializeToString()
+    finally:  # the request's list as it was
+        del live[:]
+        live.extend(source)
+        live.extend(rest)
+    number = request.DESCRIPTOR.fields_by_name[runs.sub].number
+    return b"".join((_varint(number << 3 | 2), _varint(len(runs.runs)), runs.runs, data))
 
 
 def missing_capability(capabilities: Capabilities, sampling: OptionalFields) -> str | None:
