@@ -7,7 +7,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from direct_frontend.engines.dialects import dialect_for
-from direct_frontend.engines.dialects.base import COPY_MIN_IDS, Rpc, encode_request
+from direct_frontend.engines.dialects.base import (
+    COPY_MIN_IDS,
+    RUNS_KEY,
+    RUNS_MAX_PIECES,
+    Rpc,
+    encode_request,
+)
 from direct_frontend.engines.grpclib_reader import EncodedCodec
 from direct_frontend.engines.neutral import GenerateCall, SamplingOptions
 from direct_frontend.kv.prefix import PromptIds
@@ -64,28 +70,28 @@ def built(ids: tuple[int, ...], text: str, kind: str = "sglang") -> Rpc:
 
 
 @settings(max_examples=40, deadline=None)
-@given(first=st.integers(COPY_MIN_IDS - 2, 2500), at_end=st.lists(st.booleans(), min_size=4,
-                                                                   max_size=4),
+@given(first=st.integers(COPY_MIN_IDS - 2, 2500),
+       cuts=st.lists(st.integers(0, 40), min_size=1, max_size=RUNS_MAX_PIECES + 4),
        new=st.lists(st.integers(0, 2**32 - 1), max_size=40),
-       kinds=st.lists(st.sampled_from(sorted(FIELDS)), min_size=4, max_size=4))
-def test_a_next_turns_encoding_is_its_request(first: int, at_end: list[bool], new: list[int],
+       kinds=st.lists(st.sampled_from(sorted(FIELDS)), min_size=RUNS_MAX_PIECES + 5,
+                      max_size=RUNS_MAX_PIECES + 5))
+def test_a_next_turns_encoding_is_its_request(first: int, cuts: list[int], new: list[int],
                                               kinds: list[str]) -> None:
-    """Turn after turn (sharing all of the last one's ids, or a part), what the transport
-    sends parses to the request the dialect built, whose list is left as it was."""
+    """Turn after turn (sharing all of the last one's ids, or all but its last ``cut``), on
+    engines of one kind or several, in more turns than a kept encoding has pieces: what the
+    transport sends parses to the request the dialect built, whose list is left as it was."""
     ids = PromptIds(range(first), keep_built=True)
-    used = 0
-    for turn in range(4):
+    for turn, cut in enumerate([0, *cuts]):
         if turn:
-            ids = next_turn(ids, len(ids) if at_end[turn] else len(ids) - 1, [*new, turn])
+            ids = next_turn(ids, max(len(ids) - cut, 0), [*new, turn])
         rpc = built(ids, f"t{turn}", kinds[turn])
         whole = rpc.request.SerializeToString()
         data = encode_request(rpc.request, rpc.runs)
         assert type(rpc.request).FromString(data) == rpc.request
         assert rpc.request.SerializeToString() == whole
         assert list(getattr(rpc.request.tokenized, FIELDS[kinds[turn]])) == list(ids)
-        used += rpc.runs is not None and data != whole
-    if at_end[1] and kinds[1] == kinds[0] and first >= COPY_MIN_IDS:
-        assert used  # (the second turn's first ids were not encoded again)
+        shared = turn and kinds[turn] == kinds[turn - 1] and ids.known >= COPY_MIN_IDS
+        assert (rpc.runs is not None) == bool(shared)
 
 
 def test_a_list_changed_after_building_is_encoded_whole() -> None:
@@ -115,3 +121,29 @@ def test_each_next_turn_encodes_only_its_new_ids() -> None:
             data = encode_request(rpc.request, rpc.runs)
             assert data != rpc.request.SerializeToString()
             assert type(rpc.request).FromString(data) == rpc.request
+
+
+def test_a_turn_that_renders_the_last_one_anew_encodes_only_from_there() -> None:
+    """Sharing all but the last turn's last ids, a turn encodes those of the last turn's
+    piece that it shares and its own, not the turns before."""
+    ids = PromptIds(range(COPY_MIN_IDS + 10), keep_built=True)
+    built(ids, "a")
+    ids = next_turn(ids, len(ids), list(range(300)))
+    first = built(ids, "b").runs
+    assert first is not None and len(first.pieces) == 1
+    ids = next_turn(ids, len(ids) - 7, [1, 2, 3])
+    rpc = built(ids, "c")
+    assert rpc.runs is not None and rpc.runs.pieces[0] == first.pieces[0]
+    assert len(rpc.runs.pieces) == 2 and len(rpc.runs.pieces[1]) < 3 * 300
+    assert type(rpc.request).FromString(encode_request(rpc.request, rpc.runs)) == rpc.request
+
+
+def test_a_long_conversations_kept_encoding_stays_in_few_pieces() -> None:
+    ids = PromptIds(range(COPY_MIN_IDS + 10), keep_built=True)
+    built(ids, "a")
+    for turn in range(RUNS_MAX_PIECES + 5):
+        ids = next_turn(ids, len(ids), [turn] * 3)
+        rpc = built(ids, "b")
+        assert rpc.runs is not None and len(rpc.runs.pieces) <= RUNS_MAX_PIECES
+        assert ids.built is not None and len(ids.built["sglang" + RUNS_KEY]) <= RUNS_MAX_PIECES
+        assert type(rpc.request).FromString(encode_request(rpc.request, rpc.runs)) == rpc.request

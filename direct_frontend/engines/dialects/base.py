@@ -105,25 +105,56 @@ COPY_MIN_IDS = 1024
 
 #: where a prompt's kept encoding of its ids is, beside its kept list (``key`` + this)
 RUNS_KEY = " runs"
+#: a kept encoding is in at most this many pieces (the oldest are joined into one)
+RUNS_MAX_PIECES = 16
+
+#: an encoding of ids in pieces: (ids from the start to this piece's end, the piece), each
+#: piece the encoding of a message of the ids' type holding its ids alone (a packed run)
+Runs = tuple[tuple[int, bytes], ...]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class IdRuns:
     """A generate request's prompt ids of which the first ``known`` are encoded already.
 
-    ``runs``: those ids as the encoding of a message of the ids' type holding
-    them alone (packed runs of ``field``, one per turn that added some);
-    ``source``: the kept message whose ``field`` holds exactly them (what the
+    ``pieces``: those ids' encoding (:data:`Runs`' pieces, in order);
+    ``source``: the kept message whose ``field`` begins with them (what the
     request's list is put back from once encoded).
     """
 
     field: str
     known: int
     total: int
-    runs: bytes
+    pieces: tuple[bytes, ...]
     source: Any
     #: the request's field that holds the ids' message (every contract's)
     sub: str = "tokenized"
+
+
+def _shared_runs(earlier: dict[str, Any], key: str, copied: Any, field: str, known: int
+                 ) -> Runs:
+    """The encoding of the first ``known`` ids of ``copied`` (the earlier prompt's kept list):
+    the earlier prompt's kept pieces that end within them, and what is left encoded now."""
+    kept: Runs = earlier.get(key + RUNS_KEY, ())
+    whole = tuple(piece for piece in kept if piece[0] <= known)
+    done = whole[-1][0] if whole else 0
+    if done == known:
+        return whole
+    part = type(copied)()
+    ids = getattr(part, field)
+    ids.extend(getattr(copied, field))  # (list to list: a copy in C)
+    del ids[known:]
+    del ids[:done]
+    return (*whole, (known, part.SerializeToString()))
+
+
+def _bounded(runs: Runs) -> Runs:
+    """``runs`` in at most :data:`RUNS_MAX_PIECES` pieces: beyond, the oldest are joined into
+    one, leaving half as many (a copy of the oldest every so many turns, not every turn)."""
+    if len(runs) <= RUNS_MAX_PIECES:
+        return runs
+    cut = len(runs) - RUNS_MAX_PIECES // 2 + 1
+    return ((runs[cut - 1][0], b"".join(piece for _, piece in runs[:cut])), *runs[cut:])
 
 
 def fill_prompt(tokenized: Any, field: str, text: str, ids: Sequence[int], key: str
@@ -137,23 +168,23 @@ def fill_prompt(tokenized: Any, field: str, text: str, ids: Sequence[int], key: 
     made of that prompt's ids (protobuf copies it in C), cut to the shared part,
     so only the new ids are converted one by one: the equal list, in time for
     what is new. Where these ids keep what was made of them, a copy of the list
-    is kept (under ``key``) for the next turn's, and, where the earlier prompt's
-    ids are all shared, their encoding and the new ids' (under ``key`` +
-    :data:`RUNS_KEY`): a conversation's next request encodes only what is new.
+    is kept (under ``key``) for the next turn's, and their encoding, in pieces
+    (under ``key`` + :data:`RUNS_KEY`): a conversation's next request encodes
+    only the ids it does not share, and those of the earlier prompt's last
+    piece that it shares (a template that renders the last turn anew).
     """
     take = getattr(ids, "take_built_source", None)
     earlier = None if take is None else take()
     known = getattr(ids, "known", 0)
     copied = None if earlier is None or known < COPY_MIN_IDS else earlier.get(key)
     listed = getattr(tokenized, field)
-    runs: bytes | None = None
+    shared: Runs | None = None
     if copied is not None and len(getattr(copied, field)) >= known:
         listed.extend(getattr(copied, field))  # (list to list: a copy in C)
         del listed[known:]
         listed.extend(ids[known:])
-        if len(getattr(copied, field)) == known:  # (all of the earlier prompt's ids)
-            assert earlier is not None
-            runs = earlier.get(key + RUNS_KEY) or copied.SerializeToString()
+        assert earlier is not None
+        shared = _shared_runs(earlier, key, copied, field, known)
     else:
         listed.extend(ids)
     tokenized.original_text = text
@@ -163,15 +194,15 @@ def fill_prompt(tokenized: Any, field: str, text: str, ids: Sequence[int], key: 
         kept = type(tokenized)()
         getattr(kept, field).extend(listed)
         built[key] = kept
-        if runs is not None:
+        if shared is not None:
             new = type(tokenized)()
             added = getattr(new, field)
             added.extend(listed)
             del added[:known]
-            built[key + RUNS_KEY] = runs + new.SerializeToString()
-    if runs is None:
+            built[key + RUNS_KEY] = _bounded((*shared, (len(listed), new.SerializeToString())))
+    if shared is None:
         return None
-    return IdRuns(field, known, len(listed), runs, copied)
+    return IdRuns(field, known, len(listed), tuple(piece for _, piece in shared), copied)
 
 
 def _varint(value: int) -> bytes:
@@ -186,9 +217,9 @@ def _varint(value: int) -> bytes:
 def encode_request(request: Any, runs: IdRuns | None) -> bytes:
     """``request`` encoded; with ``runs``, its first ids taken from their ready encoding.
 
-    The encoding holds the ids' message twice: first with the ready runs of
-    the first ``known`` ids, then, within the request, with the text and the
-    rest. A protobuf parser merges the two, appending the second's ids to the
+    The encoding holds the ids' message twice: first with the ready pieces
+    of the first ``known`` ids, then, within the request, with the text and
+    the rest. A protobuf parser merges the two, appending the second's ids to the
     first's: the same message, with only the new ids encoded. A request whose
     list changed since it was built is encoded whole.
     """
@@ -198,7 +229,7 @@ def encode_request(request: Any, runs: IdRuns | None) -> bytes:
     sub = getattr(request, runs.sub)
     live = getattr(sub, runs.field)
     source = getattr(runs.source, runs.field)
-    if len(live) != runs.total or len(source) != runs.known:
+    if len(live) != runs.total or len(source) < runs.known:
         data = request.SerializeToString()
         return data
     held = type(sub)()
@@ -210,9 +241,11 @@ def encode_request(request: Any, runs: IdRuns | None) -> bytes:
     finally:  # the request's list as it was
         del live[:]
         live.extend(source)
+        del live[runs.known:]
         live.extend(rest)
     number = request.DESCRIPTOR.fields_by_name[runs.sub].number
-    return b"".join((_varint(number << 3 | 2), _varint(len(runs.runs)), runs.runs, data))
+    size = sum(map(len, runs.pieces))
+    return b"".join((_varint(number << 3 | 2), _varint(size), *runs.pieces, data))
 
 
 def missing_capability(capabilities: Capabilities, sampling: OptionalFields) -> str | None:
