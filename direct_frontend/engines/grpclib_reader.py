@@ -138,7 +138,7 @@ class MessageReader:
         codec, message_type = call._codec, call._recv_type
         self._decode: Callable[[bytes], Any] = (
             message_type.FromString  # what ProtoCodec.decode calls, one call less per message
-            if type(codec) is ProtoCodec
+            if type(codec) in PROTO_CODECS
             else functools.partial(codec.decode, message_type=message_type)
         )
         self._chunks: list[bytes] = []  # received bytes not yet cut into messages
@@ -161,7 +161,8 @@ class MessageReader:
                 and call._wrapper is not None
                 and callable(call._codec.decode)
                 and call._recv_type is not None
-                and (type(call._codec) is not ProtoCodec or callable(call._recv_type.FromString))
+                and (type(call._codec) not in PROTO_CODECS
+                     or callable(call._recv_type.FromString))
             )
         except AttributeError:
             ok = False
@@ -240,6 +241,21 @@ class MessageReader:
                 self._size += size
             elif not ack_size and self._buffer._eof and self._queue.empty():
                 self._ended = True
+
+
+class EncodedCodec(ProtoCodec):
+    """grpclib's protobuf codec that also sends a request encoded already (``bytes``: the
+    transport encodes a generate request whose first ids' encoding is ready, dialects/base.py
+    ``encode_request``); it decodes as ProtoCodec does."""
+
+    def encode(self, message: Any, message_type: Any) -> bytes:
+        if type(message) is bytes:
+            return message
+        return super().encode(message, message_type)
+
+
+#: codecs that decode exactly as grpclib's ProtoCodec (``message_type.FromString``)
+PROTO_CODECS: frozenset[type[Any]] = frozenset((ProtoCodec, EncodedCodec))
 
 
 def _connection_transport(channel: Any) -> Any:

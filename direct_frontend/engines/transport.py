@@ -29,8 +29,8 @@ from grpclib.client import Channel, UnaryStreamMethod, UnaryUnaryMethod
 from grpclib.config import Configuration
 from h2.connection import H2Connection
 
-from direct_frontend.engines.dialects.base import Dialect, Rpc, StreamDecoder
-from direct_frontend.engines.grpclib_reader import MessageReader, one_write
+from direct_frontend.engines.dialects.base import Dialect, Rpc, StreamDecoder, encode_request
+from direct_frontend.engines.grpclib_reader import EncodedCodec, MessageReader, one_write
 from direct_frontend.engines.neutral import EngineEvent
 from direct_frontend.errors import EngineError
 
@@ -112,7 +112,7 @@ class EngineChannel:
         self.host = host
         self.port = port
         self.dialect = dialect
-        self._channel = Channel(host, port, config=KEEPALIVE)
+        self._channel = Channel(host, port, config=KEEPALIVE, codec=EncodedCodec())
         self.connections_opened = 0  # proves reloads keep untouched connections
         self._last_protocol: object = None
 
@@ -176,7 +176,9 @@ class EngineChannel:
                 try:
                     async with method.open(timeout=deadline_s, metadata=metadata) as call:
                         # HEADERS and DATA: one socket write
-                        await one_write(self._channel, call.send_message(rpc.request, end=True))
+                        message = rpc.request if rpc.runs is None else encode_request(
+                            rpc.request, rpc.runs)
+                        await one_write(self._channel, call.send_message(message, end=True))
                         self._note_connection()
                         await call.recv_initial_metadata()
                         reader = MessageReader.attach(call)

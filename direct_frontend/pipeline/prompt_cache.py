@@ -87,7 +87,8 @@ PREFIX_MAX_ENTRY_BYTES = 16 << 20
 PREFIX_PER_KEY = 8
 #: an id's share of a kept prompt: the tuple's slot and int, its share of the hash chains,
 #: and of the engine request's id lists kept for the next turn (4 bytes each, two kinds)
-_PREFIX_BYTES_PER_ID = 56
+#: and of their encodings (3 bytes each for ids below 2**21, two kinds)
+_PREFIX_BYTES_PER_ID = 62
 #: a prompt's key is at most this much of its first piece (hashing more costs, finds no more)
 HEAD_CHARS = 1024
 

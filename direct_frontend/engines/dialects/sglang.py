@@ -143,7 +143,8 @@ class SglangDialect(SmgDialect):
         request = pb.GenerateRequest(
             request_id=call.request_id, sampling_params=params, stream=call.stream,
         )
-        fill_prompt(request.tokenized, "input_ids", call.original_text, call.input_ids, "sglang")
+        runs = fill_prompt(request.tokenized, "input_ids", call.original_text, call.input_ids,
+                           "sglang")
         if s.logprobs is not None:  # logprobs: one top count serves output and prompt
             request.return_logprob = True
             request.top_logprobs_num = max(s.logprobs, s.prompt_logprobs or 0)
@@ -159,7 +160,7 @@ class SglangDialect(SmgDialect):
             request.disaggregated_params.bootstrap_room = pd.bootstrap_room
         if call.media is not None:
             mm_inputs(request.mm_inputs, call.media)
-        return Rpc(f"{SERVICE}/Generate", request, pb.GenerateResponse)
+        return Rpc(f"{SERVICE}/Generate", request, pb.GenerateResponse, runs=runs)
 
     def abort(self, request_id: str, reason: str = "") -> Rpc:
         request = pb.AbortRequest(request_id=request_id, reason=reason or "client cancelled")

@@ -265,12 +265,12 @@ class TrtllmDialect(SmgDialect):
             stop_token_ids=s.stop_token_ids,
             ignore_eos=s.ignore_eos,
         )
-        fill_prompt(request.tokenized, "input_token_ids", call.original_text, call.input_ids,
-                    "trtllm")
+        runs = fill_prompt(request.tokenized, "input_token_ids", call.original_text,
+                           call.input_ids, "trtllm")
         guided = None if s.constraint is None else guided_decoding(s.constraint)
         if guided is not None:
             request.guided_decoding.guide_type, request.guided_decoding.guide = guided
-        return Rpc(f"{SERVICE}/Generate", request, pb.GenerateResponse)
+        return Rpc(f"{SERVICE}/Generate", request, pb.GenerateResponse, runs=runs)
 
     def stream_decoder(self, call: GenerateCall) -> StreamDecoder:
         return TrtllmStreamDecoder(call.sampling.max_tokens, call.sampling.logprobs)

@@ -221,9 +221,10 @@ class VllmDialect(SmgDialect):
         request = pb.GenerateRequest(
             request_id=call.request_id, sampling_params=params, stream=call.stream,
         )
+        runs = None
         if refs is None or media is None:
-            fill_prompt(request.tokenized, "input_ids", call.original_text, call.input_ids,
-                        "vllm")
+            runs = fill_prompt(request.tokenized, "input_ids", call.original_text, call.input_ids,
+                               "vllm")
         else:
             request.tokenized.original_text = call.original_text
             request.tokenized.input_ids.extend(media.anchor_ids(call.input_ids))
@@ -234,7 +235,7 @@ class VllmDialect(SmgDialect):
             request.kv_transfer_params_json = pd.kv_transfer_params_json  # verbatim (§9.2)
         if media is not None:
             _attach_media(request, media, refs)
-        return Rpc(f"{SERVICE}/Generate", request, pb.GenerateResponse)
+        return Rpc(f"{SERVICE}/Generate", request, pb.GenerateResponse, runs=runs)
 
     def media_ref_schemes(self, info: EngineInfo) -> frozenset[str] | None:
         """A servicer with a media processor (``GetServerInfo.mm_processor`` not empty)
