@@ -133,9 +133,21 @@ class ApproxPrefixIndex:
         if capacity:  # (in memory blocks)
             capacity = max(1, capacity // unit)
         lru = self._lru_of(engine, capacity)
-        if hashes and not (head and self._extended(engine, hashes, now, head, lru)):
-            self._place(engine, hashes, now, lru)
+        if hashes:
+            head = head or self._continued(engine, hashes)
+            if not (head and self._extended(engine, hashes, now, head, lru)):
+                self._place(engine, hashes, now, lru)
         self._settle(engine, lru, capacity)  # (an empty one too: a capacity may have shrunk)
+
+    def _continued(self, engine: str, hashes: Sequence[int]) -> int:
+        """How many leading ``hashes`` may be the whole prompt of ``engine``'s placement of
+        the first (a conversation's earlier turn, with its answer): that placement's prompt
+        length, where ``hashes`` are at least as long (0: none); :meth:`_extended` checks."""
+        placed = claim(self._blocks.get(hashes[0]), engine)
+        if placed is None:
+            return 0
+        n = len(placed.prompt)
+        return n if n <= len(hashes) else 0
 
     def _extended(self, engine: str, hashes: Sequence[int], now: float, head: int,
                   lru: _Lru | None) -> bool:
@@ -493,9 +505,10 @@ class ApproxPrefixIndex:
         result: dict[str, int] = {}
         if not first:
             return result
+        start = self._whole(first, hashes) or 1  # (leading hashes held by ``first`` alone)
         # the holders of the leading hashes anyone was sent (a C loop up to the first unknown),
         # as runs of one holder (blocks placed together share theirs): a step per run
-        found = itertools.takewhile(_known, map(blocks.get, itertools.islice(hashes, 1, None)))
+        found = itertools.takewhile(_known, map(blocks.get, itertools.islice(hashes, start, None)))
         runs = []
         for _, same in itertools.groupby(found, key=id):
             run = list(same)
@@ -504,7 +517,7 @@ class ApproxPrefixIndex:
             engine = first_placed.engine
             if first_placed.expiry <= now:
                 continue
-            depth = 1
+            depth = start
             for holders, count in runs:
                 if type(holders) is Placed:
                     if holders.engine != engine or holders.expiry <= now:
@@ -516,6 +529,23 @@ class ApproxPrefixIndex:
                 depth += count
             result[engine] = depth
         return result
+
+    @staticmethod
+    def _whole(first: Holders, hashes: Sequence[int]) -> int:
+        """How many leading ``hashes`` are the prompt of ``first``, the first's holders, which
+        holds each of them alone (0: not so, or not told without a walk).
+
+        A conversation's next turn begins with its last turn's placement (a prompt
+        and its answer), which holds its blocks alone until they move on (its
+        ``sole`` count says): those are compared in one C step, not looked up.
+        """
+        if type(first) is not Placed:
+            return 0
+        prompt = first.prompt
+        n = len(prompt)
+        if not n or first.sole != n or n > len(hashes):
+            return 0
+        return n if prompt == tuple(hashes[:n]) else 0
 
     def held(self, engine: str) -> int | None:
         """Engine blocks the LRU model says ``engine`` holds (None: no capacity, no model)."""

@@ -464,3 +464,32 @@ def test_turns_whose_answer_is_not_sent_back_keep_no_whole_conversations(engines
             assert memory._blocks[answer[-1]] is placed
     kept = sum(len(p.prompt) for p in live_placements(memory))
     assert kept <= 2 * len(memory)
+
+
+def test_a_conversations_next_turn_extends_its_last_placement_and_equals_the_reference() -> None:
+    """A turn that begins with the last turn's prompt and answer, on the same engine, extends
+    that placement (one record moved to the newest end, the new blocks after it); another
+    engine's placement of it, or one that diverges inside it, is placed anew. Either way
+    the memory equals the block-by-block reference, and a lookup of the turn finds the
+    blocks the placement holds alone in one step as the reference finds them."""
+    memory = ApproxPrefixIndex(ttl_s=50.0, max_blocks=1 << 20, capacity_blocks=200)
+    reference = Reference(50.0, 1 << 20, 200)
+    fresh = itertools.count(1000)
+    talk = [next(fresh) for _ in range(20)]
+    now = 0.0
+    for turn, engine in enumerate("aaabab"):
+        now += 1.0
+        prompt = [*talk, *(next(fresh) for _ in range(6))]
+        before = claim(memory._blocks.get(talk[0]), engine)
+        for probe in (prompt, talk, [*talk[:5], 7]):
+            assert memory.lookup_at(probe, now) == reference.lookup(probe, now)
+        memory.record(engine, prompt, now)
+        reference.record(engine, prompt, now)
+        after = claim(memory._blocks.get(prompt[-1]), engine)
+        assert (after is before) == (turn in (1, 2)), turn
+        answered = [*prompt, next(fresh)]
+        memory.record(engine, answered, now, len(prompt))
+        reference.record(engine, answered, now)
+        talk = answered if turn != 3 else [*answered[:10], next(fresh)]  # (diverges in it)
+        assert oldest_first(memory) == list(reference.entries.items())
+        assert lru_orders(memory) == {e: list(lru) for e, lru in reference.lru.items()}
