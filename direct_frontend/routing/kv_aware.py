@@ -59,7 +59,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from direct_frontend.fleet.schema import KvAwareKnobs
 from direct_frontend.kv.keys import incarnation_of, index_key
-from direct_frontend.kv.prefix import extend_hashes, prefix_hashes
+from direct_frontend.kv.prefix import extend_hashes, prompt_hashes
 from direct_frontend.routing.approx import ApproxPrefixIndex, best_of
 from direct_frontend.routing.catalog import Catalog, EngineHandle, memory_names, rank_memory
 from direct_frontend.routing.policies import Placement, RequestView, spread_start
@@ -191,8 +191,8 @@ class KvAware:
                 approx.capacities[name] = blocks
 
     def hashes(self, input_ids: Sequence[int],
-               media: Sequence[tuple[str, int, int]] = ()) -> list[int]:
-        return prefix_hashes(input_ids, self.knobs.block_size, media=media)
+               media: Sequence[tuple[str, int, int]] = ()) -> tuple[int, ...]:
+        return prompt_hashes(input_ids, self.knobs.block_size, media=media)
 
     def by_events(self, engine: EngineHandle) -> bool:
         """Whether ``engine``'s overlap comes from its KV events (else the approximate memory)."""
@@ -306,7 +306,7 @@ class KvAware:
         self.fence(candidates)
         self.learn_capacities(candidates)
         # (one tuple, which the placement, the memory and the queue share rather than copy)
-        hashes = tuple(self.hashes(request.input_ids, request.media_keys))
+        hashes = self.hashes(request.input_ids, request.media_keys)
         by_key = self.exact_lookup(hashes)
         approx = self.approx.lookup_at(hashes, now) if hashes else {}
         overlaps = self.overlaps(hashes, now, candidates, by_key, approx)
@@ -518,7 +518,7 @@ class KvAware:
                        len(placement.blocks))
 
     def answered_hashes(self, placement: Placement, prompt: Sequence[int],
-                        answer: Sequence[int]) -> list[int]:
+                        answer: Sequence[int]) -> tuple[int, ...]:
         """The block hashes of ``prompt`` + ``answer``: where they begin with the placed prompt
         (most often ``prompt`` itself; a continuation's is longer), its hashes and then
         those of the blocks after it, without joining or hashing the prompt again."""

@@ -21,6 +21,7 @@ from direct_frontend.kv.prefix import (
     extend_hashes,
     namespace_seed,
     prefix_hashes,
+    prompt_hashes,
 )
 
 BS = 4
@@ -72,20 +73,44 @@ def test_ids_that_know_their_prefix_chain_on_from_it(
 
 
 @settings(max_examples=200, deadline=None)
+@given(turns=st.lists(st.tuples(st.integers(0, 12 * BS), st.lists(U32, max_size=6 * BS)),
+                      min_size=1, max_size=6),
+       first=st.lists(U32, max_size=10 * BS))
+def test_a_conversations_turns_hash_only_their_new_blocks_and_equal_the_definition(
+        turns: list[tuple[int, list[int]]], first: list[int]) -> None:
+    """Turn after turn, each built from the last (its first ``keep`` ids known, a whole
+    block or not, then new ids), as the prompt cache builds them: each turn's tuple equals
+    the reference's hashes of its ids, is the one tuple it keeps (asked again, the same
+    object), and begins with the very hashes of the blocks it shares with the last."""
+    ids = PromptIds(first)
+    hashes = prompt_hashes(ids, BS)
+    assert hashes == tuple(reference(first, BS))
+    for keep, new in turns:
+        known = min(keep, len(ids))
+        later = PromptIds([*ids[:known], *new], ids.chains, known)
+        got = prompt_hashes(later, BS)
+        assert got == tuple(reference(list(later), BS))
+        assert prompt_hashes(later, BS) is got
+        shared = min(known // BS, len(hashes))
+        assert all(a is b for a, b in zip(got[:shared], hashes, strict=False))
+        ids, hashes = later, got
+
+
+@settings(max_examples=200, deadline=None)
 @given(prompt=st.lists(U32, max_size=10 * BS), answer=st.lists(U32, max_size=4 * BS))
 def test_extending_a_prompts_hashes_by_its_answer_hashes_the_whole(
         prompt: list[int], answer: list[int]) -> None:
     """The prompt's full blocks' hashes, then the ids after them: the whole's hashes."""
     known = prefix_hashes(prompt, BS)
     rest = [*prompt[len(known) * BS:], *answer]
-    assert extend_hashes(known, rest, BS) == reference([*prompt, *answer], BS)
+    assert extend_hashes(tuple(known), rest, BS) == tuple(reference([*prompt, *answer], BS))
 
 
 def test_ids_after_the_last_full_block_are_not_hashed() -> None:
     """An id no u32 holds in the partial tail is not hashed, so it is no error; within the
     blocks it is (the KV index then asks nothing)."""
     assert prefix_hashes([1, 2, 3, 4, 2**40], BS) == reference([1, 2, 3, 4], BS)
-    assert extend_hashes([], [1, 2, 3, 4, -1], BS) == reference([1, 2, 3, 4], BS)
+    assert extend_hashes((), [1, 2, 3, 4, -1], BS) == tuple(reference([1, 2, 3, 4], BS))
     with pytest.raises(OverflowError):
         prefix_hashes([1, 2, 2**40, 4, 5], BS)
 
