@@ -36,6 +36,7 @@ __all__ = [
     "block_content_hash",
     "extend_hashes",
     "mm_block_extras",
+    "more_hashes",
     "namespace_seed",
     "prefix_hashes",
     "prompt_hashes",
@@ -229,9 +230,14 @@ def extend_hashes(known: tuple[int, ...], rest: Sequence[int], block_size: int
     """:func:`prefix_hashes` of some token ids (no adapter, salt or images), given ``known``,
     the hashes of their first blocks (a prompt's, when the ids are it and its answer), and
     ``rest``, the ids after those blocks: only the blocks of ``rest`` are hashed."""
-    more = _chain(rest, 0, len(rest) // block_size, block_size,
-                  known[-1] if known else ROOT_SEED, None)
-    return known + tuple(more)
+    return known + more_hashes(known, rest, block_size)
+
+
+def more_hashes(known: Sequence[int], rest: Sequence[int], block_size: int) -> tuple[int, ...]:
+    """The hashes :func:`extend_hashes` adds to ``known``: those of ``rest``'s whole blocks,
+    chained on from ``known``'s last (none: from the root)."""
+    return tuple(_chain(rest, 0, len(rest) // block_size, block_size,
+                        known[-1] if known else ROOT_SEED, None))
 
 
 def _u32_bytes(token_ids: Sequence[int] | array.array[int], start: int, end: int

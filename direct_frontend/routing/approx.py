@@ -105,6 +105,9 @@ class ApproxPrefixIndex:
         # forgotten by the cap, not by an LRU: the claims on it, one placement or {engine: it}
         self._orphans: dict[int, Placed | dict[str, Placed]] = {}
         self._seq = 0
+        #: the last tuple of hashes keyed and its keys (a placement's hashes are looked up,
+        #: then recorded, then extended by its answer's: keyed once)
+        self._keyed: tuple[Sequence[int], Sequence[int]] = ((), ())
 
     def record(self, engine: str, hashes: Sequence[int], now: float, head: int = 0) -> None:
         """Remember our own placement (:meth:`record_peer`), and tell :attr:`on_record`."""
@@ -127,17 +130,54 @@ class ApproxPrefixIndex:
         """
         unit = self.unit
         if unit > 1:
-            hashes = memory_keys(hashes, unit)
+            hashes = self._keys(hashes)
             head //= unit  # (the earlier placement's keys: one per whole unit)
+        lru, capacity = self._model(engine)
+        if hashes:
+            head = head or self._continued(engine, hashes)
+            if not (head and self._extended(engine, tuple(hashes[:head]), hashes[head:], now,
+                                            lru)):
+                self._place(engine, hashes, now, lru)
+        self._settle(engine, lru, capacity)  # (an empty one too: a capacity may have shrunk)
+
+    def record_answer(self, engine: str, hashes: tuple[int, ...], more: tuple[int, ...],
+                      now: float) -> None:
+        """:meth:`record` of ``hashes + more`` with ``hashes`` as its head: ``hashes`` a placed
+        prompt's, ``more`` the hashes of its answer's blocks after them.
+
+        Where the prompt's placement is extended (:meth:`_extended`), only
+        ``more`` is keyed and its keys looked up: the prompt's keys are those
+        it was recorded with, and the whole is not joined.
+        """
+        unit = self.unit
+        if self.on_record is not None or len(hashes) < unit:  # (peers hear the whole)
+            self.record(engine, hashes + more, now, len(hashes))
+            return
+        keys = self._keys(hashes)
+        # the whole's keys after the prompt's: every ``unit``-th block of the whole
+        new = more[(unit - 1 - len(hashes)) % unit::unit] if unit > 1 else more
+        lru, capacity = self._model(engine)
+        if not self._extended(engine, tuple(keys), new, now, lru):
+            self._place(engine, (*keys, *new), now, lru)
+        self._settle(engine, lru, capacity)
+
+    def _keys(self, hashes: Sequence[int]) -> Sequence[int]:
+        """:func:`memory_keys` of ``hashes`` (the same tuple again: the same keys)."""
+        keyed = self._keyed
+        if keyed[0] is hashes or self.unit == 1:
+            return hashes if self.unit == 1 else keyed[1]
+        keys = memory_keys(hashes, self.unit)
+        if type(hashes) is tuple:
+            self._keyed = (hashes, keys)
+        return keys
+
+    def _model(self, engine: str) -> tuple[_Lru | None, int]:
+        """``engine``'s LRU model (:meth:`_lru_of`) and its capacity in memory blocks."""
+        unit = self.unit
         capacity = self.capacity_of(engine)
         if capacity:  # (in memory blocks)
             capacity = max(1, capacity // unit)
-        lru = self._lru_of(engine, capacity)
-        if hashes:
-            head = head or self._continued(engine, hashes)
-            if not (head and self._extended(engine, hashes, now, head, lru)):
-                self._place(engine, hashes, now, lru)
-        self._settle(engine, lru, capacity)  # (an empty one too: a capacity may have shrunk)
+        return self._lru_of(engine, capacity), capacity
 
     def _continued(self, engine: str, hashes: Sequence[int]) -> int:
         """How many leading ``hashes`` may be the whole prompt of ``engine``'s placement of
@@ -149,9 +189,9 @@ class ApproxPrefixIndex:
         n = len(placed.prompt)
         return n if n <= len(hashes) else 0
 
-    def _extended(self, engine: str, hashes: Sequence[int], now: float, head: int,
-                  lru: _Lru | None) -> bool:
-        """Whether ``hashes`` extend the placement of their first ``head`` and it was done.
+    def _extended(self, engine: str, prompt: tuple[int, ...], extra: Sequence[int],
+                  now: float, lru: _Lru | None) -> bool:
+        """Whether ``prompt`` + ``extra`` extend the placement of ``prompt`` and it was done.
 
         That placement must be ``engine``'s, placed on exactly those ``head``
         blocks, each held by it alone or by a Joint (so no other placement holds
@@ -162,15 +202,16 @@ class ApproxPrefixIndex:
         claim in each Joint, in a step per new block or Joint, not per block.
         """
         blocks = self._blocks
-        placed = claim(blocks.get(hashes[head - 1]), engine) if head <= len(hashes) else None
+        head = len(prompt)
+        placed = claim(blocks.get(prompt[-1]), engine) if head else None
         if (placed is None or len(placed.prompt) != head
                 or placed.expiry == -math.inf or (lru is not None) != (placed.tag == engine)
-                or placed.prompt != tuple(hashes[:head])):
+                or (placed.prompt is not prompt and placed.prompt != prompt)):
             return False
         joints = [h for h in dict.fromkeys(placed.joints) if type(blocks.get(h)) is Joint]
         if placed.sole + len(joints) != head:
             return False
-        more = tuple(hashes[head:])
+        more = tuple(extra)
         if more and (any(map(blocks.__contains__, more)) or len(set(more)) != len(more)
                      or self._orphaned(more)):
             return False
@@ -493,7 +534,7 @@ class ApproxPrefixIndex:
         """
         unit = self.unit
         if unit > 1 and hashes:
-            found = self._lookup(memory_keys(hashes, unit), now)
+            found = self._lookup(self._keys(hashes), now)
             whole = len(hashes)
             return {engine: min(depth * unit, whole) for engine, depth in found.items()}
         return self._lookup(hashes, now)
