@@ -129,6 +129,7 @@ class ApproxPrefixIndex:
         extended by the rest and made the newest instead (:meth:`_extended`).
         """
         unit = self.unit
+        origin = hashes
         if unit > 1:
             hashes = self._keys(hashes)
             head //= unit  # (the earlier placement's keys: one per whole unit)
@@ -137,7 +138,9 @@ class ApproxPrefixIndex:
             head = head or self._continued(engine, hashes)
             if not (head and self._extended(engine, tuple(hashes[:head]), hashes[head:], now,
                                             lru)):
-                self._place(engine, hashes, now, lru)
+                mine = self._place(engine, hashes, now, lru)
+                if len(mine.prompt) == len(hashes):  # (no block repeated: its keys, in order)
+                    mine.origin = origin
         self._settle(engine, lru, capacity)  # (an empty one too: a capacity may have shrunk)
 
     def record_answer(self, engine: str, hashes: tuple[int, ...], more: tuple[int, ...],
@@ -153,11 +156,14 @@ class ApproxPrefixIndex:
         if self.on_record is not None or len(hashes) < unit:  # (peers hear the whole)
             self.record(engine, hashes + more, now, len(hashes))
             return
-        keys = self._keys(hashes)
+        # the prompt's placement, found by its last key, knows its keys while it holds them
+        placed = claim(self._blocks.get(hashes[len(hashes) // unit * unit - 1]), engine)
+        keys = placed.prompt if placed is not None and placed.origin is hashes else tuple(
+            self._keys(hashes))
         # the whole's keys after the prompt's: every ``unit``-th block of the whole
         new = more[(unit - 1 - len(hashes)) % unit::unit] if unit > 1 else more
         lru, capacity = self._model(engine)
-        if not self._extended(engine, tuple(keys), new, now, lru):
+        if not self._extended(engine, keys, new, now, lru):
             self._place(engine, (*keys, *new), now, lru)
         self._settle(engine, lru, capacity)
 
@@ -217,6 +223,7 @@ class ApproxPrefixIndex:
             return False
         self._seq += 1  # (its entries in the books list nothing from now on)
         placed.seq = self._seq
+        placed.origin = None
         placed.expiry = now + self.ttl_s
         placed.keys = placed.prompt = placed.prompt + more
         placed.sole += len(more)
@@ -235,8 +242,9 @@ class ApproxPrefixIndex:
             lru.count += joining
         return True
 
-    def _place(self, engine: str, hashes: Sequence[int], now: float, lru: _Lru | None) -> None:
-        """Record ``hashes`` as a new placement (:meth:`record_peer`)."""
+    def _place(self, engine: str, hashes: Sequence[int], now: float, lru: _Lru | None
+               ) -> Placed:
+        """Record ``hashes`` as a new placement (:meth:`record_peer`); returns it."""
         blocks = self._blocks
         keys = tuple(hashes)
         self._seq += 1
@@ -244,7 +252,7 @@ class ApproxPrefixIndex:
         touched = self._orphaned(keys)
         if len(keys) < FEW and not touched and len(set(keys)) == len(keys):
             self._place_short(mine, lru)
-            return
+            return mine
         size = len(blocks)
         found, tail = self._found(keys, mine)
         # the blocks before ``tail`` may change holders; those after it are new, all ``mine``'s
@@ -284,6 +292,7 @@ class ApproxPrefixIndex:
             mine.back = last_places(reversed(keys)) if repeated else keys[::-1]
             lru.book.add(mine)
             lru.count += joining or 0
+        return mine
 
     def _found(self, keys: tuple[int, ...], mine: Placed) -> tuple[list[Holders | None], int]:
         """Each of ``keys``' holders before ``mine`` (None: a new block), which every new

@@ -47,6 +47,9 @@ class Placed:
     sole: int = 0
     #: blocks where it joined a :class:`Joint` (some may have moved on since)
     joints: list[int] = dataclasses.field(default_factory=list)
+    #: the engine-block hashes whose memory keys ``prompt`` is, until it changes (its
+    #: answer is recorded on them without keying them again); None: not known
+    origin: Sequence[int] | None = None
 
     def spent(self, blocks: Mapping[int, Placed | Joint]) -> None:
         """Let go of ``prompt`` once fewer of the blocks placed are still this placement's
@@ -66,6 +69,7 @@ class Placed:
                       for h in set(self.joints))
         if self.sole + claimed < len(self.prompt):
             self.prompt = ()
+            self.origin = None
 
     def leave_lru(self) -> None:
         """Its engine's LRU is modelled no more: this placement counts in none."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import array
 import gc
+import random
 
 import msgspec
 import pytest
@@ -127,3 +128,18 @@ def test_long_ids_are_out_of_the_collectors_walks_and_keep_what_they_hold() -> N
     del earlier  # its chains now live only through ``later.source``
     gc.collect()
     assert prefix_hashes(later, BS) == [*hashes, *reference([*tokens, 1, 2, 3, 4], BS)[-1:]]
+
+
+@pytest.mark.parametrize("block_size", [1, BS, 16])
+def test_long_ids_cut_in_runs_of_blocks_chain_as_the_definition(block_size: int) -> None:
+    """Ids of hundreds of blocks (cut many blocks at a time, then the rest one by one), with
+    a partial tail or none, whole and on from a known prefix: the reference's hashes."""
+    rng = random.Random(block_size)
+    for blocks in (63, 64, 65, 128, 200, 331):
+        tokens = [rng.randrange(2**32) for _ in range(blocks * block_size + blocks % 3)]
+        expected = reference(tokens, block_size)
+        assert prefix_hashes(tokens, block_size) == expected
+        earlier = PromptIds(tokens[: len(tokens) // 2])
+        prompt_hashes(earlier, block_size)
+        later = PromptIds(tokens, earlier.chains, len(earlier))
+        assert prompt_hashes(later, block_size) == tuple(expected)
