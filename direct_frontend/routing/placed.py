@@ -208,9 +208,9 @@ class Book:
             held = None if start or known is None or p.seq != seq else known(p, listed)
             if held is not None:
                 need = count - len(out)
-                if len(held) > need:
+                if len(held) > need:  # (all it lists held: they end where the need does)
+                    end = need if held is listed else listed.index(held[need - 1]) + 1
                     held = held[:need]
-                    end = listed.index(held[-1]) + 1
                 out.extend(held)
             elif p.seq == seq:  # (a window of a few more, so dead blocks cost no extra walk)
                 need = count - len(out)
