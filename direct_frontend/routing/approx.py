@@ -163,9 +163,35 @@ class ApproxPrefixIndex:
         # the whole's keys after the prompt's: every ``unit``-th block of the whole
         new = more[(unit - 1 - len(hashes)) % unit::unit] if unit > 1 else more
         lru, capacity = self._model(engine)
-        if not self._extended(engine, keys, new, now, lru):
+        if not (self._answered(engine, keys, new, now, lru) if new
+                else self._extended(engine, keys, (), now, lru)):
             self._place(engine, (*keys, *new), now, lru)
         self._settle(engine, lru, capacity)
+
+    def _answered(self, engine: str, prompt: tuple[int, ...], answer: Sequence[int],
+                  now: float, lru: _Lru | None) -> bool:
+        """Whether the placement of ``prompt`` was extended by ``answer`` (new blocks, its
+        answer's), as a placement of their own after it, and it was done.
+
+        Placing both anew would leave them newest, in order, in the age order,
+        and the answer's before the prompt's in the LRU model's (touched tail
+        first): the prompt's placement is extended by nothing (moved to the
+        newest end) and the answer's placed after it, then the LRU model's two
+        newest change places. Kept apart, a next turn that does not send the
+        answer again (an agent's tool result follows the prompt) extends the
+        prompt's placement alone, as placing it anew leaves the answer's blocks
+        where they are; one that does takes them back (:meth:`_extended`).
+        """
+        if (len(answer) >= FEW or any(map(self._blocks.__contains__, answer))
+                or len(set(answer)) != len(answer) or self._orphaned(answer)
+                or not self._extended(engine, prompt, (), now, lru)):
+            return False
+        placed = claim(self._blocks.get(prompt[-1]), engine)
+        assert placed is not None
+        placed.answer = self._place(engine, answer, now, lru)
+        if lru is not None:
+            lru.book.swap_newest()
+        return True
 
     def _keys(self, hashes: Sequence[int]) -> Sequence[int]:
         """:func:`memory_keys` of ``hashes`` (the same tuple again: the same keys)."""
@@ -218,29 +244,54 @@ class ApproxPrefixIndex:
         if placed.sole + len(joints) != head:
             return False
         more = tuple(extra)
-        if more and (any(map(blocks.__contains__, more)) or len(set(more)) != len(more)
-                     or self._orphaned(more)):
+        taken = self._taken_back(placed, more)
+        if taken is None:
+            return False
+        fresh = more[len(taken):]
+        if fresh and (any(map(blocks.__contains__, fresh)) or len(set(fresh)) != len(fresh)
+                      or self._orphaned(fresh)):
             return False
         self._seq += 1  # (its entries in the books list nothing from now on)
         placed.seq = self._seq
-        placed.origin = None
+        placed.origin = placed.answer = None
+        if taken:  # its answer's blocks are its own again; their placement holds none
+            answer: Placed = blocks[taken[0]]  # type: ignore[assignment]
+            self._seq += 1
+            answer.seq = self._seq
+            answer.sole = 0
+            answer.prompt = ()
+            blocks.update(zip(taken, itertools.repeat(placed)))
         placed.expiry = now + self.ttl_s
         placed.keys = placed.prompt = placed.prompt + more
         placed.sole += len(more)
         placed.joints = joints
-        joining = len(more)
+        joining = len(fresh)  # (its answer's blocks were in its engine's LRU model)
         for h in joints:
             joint: Joint = blocks[h]  # type: ignore[assignment]
             before = self._claim(engine, h, joint)  # (its orphan, if the cap forgot it)
             joining += before is None or before.tag != engine
             joint[engine] = joint.age = placed
-        blocks.update(zip(more, itertools.repeat(placed)))
+        blocks.update(zip(fresh, itertools.repeat(placed)))
         self._ages.add(placed)
         if lru is not None:
             placed.back = placed.keys[::-1]
             lru.book.add(placed)
             lru.count += joining
         return True
+
+    @staticmethod
+    def _taken_back(placed: Placed, more: tuple[int, ...]) -> tuple[int, ...] | None:
+        """Of ``more`` (what extends ``placed``), the leading blocks its answer's placement
+        holds, to take back: all of that placement's, held by it alone where ``placed``'s
+        engine holds them (() where ``more`` does not begin with them; None: it does, but
+        they are not all so held, and placing anew must tell)."""
+        answer = placed.answer
+        if answer is None or not answer.prompt or more[:len(answer.prompt)] != answer.prompt:
+            return ()
+        if (answer.sole != len(answer.prompt) or answer.engine != placed.engine
+                or answer.expiry == -math.inf or answer.tag != placed.tag):
+            return None
+        return answer.prompt
 
     def _place(self, engine: str, hashes: Sequence[int], now: float, lru: _Lru | None
                ) -> Placed:

@@ -50,6 +50,9 @@ class Placed:
     #: the engine-block hashes whose memory keys ``prompt`` is, until it changes (its
     #: answer is recorded on them without keying them again); None: not known
     origin: Sequence[int] | None = None
+    #: the placement of its answer's blocks, placed with it (a next turn that sends them
+    #: again takes them back: routing/approx.py ``_answered``)
+    answer: Placed | None = None
 
     def spent(self, blocks: Mapping[int, Placed | Joint]) -> None:
         """Let go of ``prompt`` once fewer of the blocks placed are still this placement's
@@ -187,6 +190,13 @@ class Book:
             self._listed -= len(entries.pop()[2])
         entries.append((placed, placed.seq, listed))
         self._listed += len(listed)
+
+    def swap_newest(self) -> None:
+        """The two newest entries change places (neither is the oldest, partly walked)."""
+        entries = self.entries
+        assert len(entries) > 2 or not self._head
+        newest = entries.pop()
+        entries.insert(len(entries) - 1, newest)
 
     def needs_filter(self, live: int) -> bool:
         """Whether the listed blocks outnumber ``live`` enough to filter (:meth:`filter`)."""

@@ -108,7 +108,9 @@ def test_an_answer_recorded_on_its_prompts_hashes_leaves_what_the_whole_leaves()
                 split.record_answer(engine, prompt, more, now)
             else:
                 split.record(engine, answered, now)
-            talks[talk] = [*ids, *answer] if rng.random() < 0.8 else ids[: len(ids) // 2]
+            # the next turn sends the answer again, or not (an agent's tool result follows the
+            # prompt), or goes on from within the prompt
+            talks[talk] = rng.choice([[*ids, *answer], [*ids, *answer], ids, ids[: len(ids) // 2]])
             assert oldest_first(split) == oldest_first(whole)
             assert lru_orders(split) == lru_orders(whole)
             assert {e: split.held(e) for e in "ab"} == {e: whole.held(e) for e in "ab"}
