@@ -27,6 +27,7 @@ from direct_frontend.routing.placed import (
     Placed,
     Still,
     claim,
+    held_alone,
     held_by,
     joined_runs,
     joints_at,
@@ -34,6 +35,7 @@ from direct_frontend.routing.placed import (
     last_places,
     placements,
     tags,
+    taken_back,
     unheld,
 )
 
@@ -244,7 +246,7 @@ class ApproxPrefixIndex:
         if placed.sole + len(joints) != head:
             return False
         more = tuple(extra)
-        taken = self._taken_back(placed, more)
+        taken = taken_back(placed, more)
         if taken is None:
             return False
         fresh = more[len(taken):]
@@ -278,20 +280,6 @@ class ApproxPrefixIndex:
             lru.book.add(placed)
             lru.count += joining
         return True
-
-    @staticmethod
-    def _taken_back(placed: Placed, more: tuple[int, ...]) -> tuple[int, ...] | None:
-        """Of ``more`` (what extends ``placed``), the leading blocks its answer's placement
-        holds, to take back: all of that placement's, held by it alone where ``placed``'s
-        engine holds them (() where ``more`` does not begin with them; None: it does, but
-        they are not all so held, and placing anew must tell)."""
-        answer = placed.answer
-        if answer is None or not answer.prompt or more[:len(answer.prompt)] != answer.prompt:
-            return ()
-        if (answer.sole != len(answer.prompt) or answer.engine != placed.engine
-                or answer.expiry == -math.inf or answer.tag != placed.tag):
-            return None
-        return answer.prompt
 
     def _place(self, engine: str, hashes: Sequence[int], now: float, lru: _Lru | None
                ) -> Placed:
@@ -606,7 +594,7 @@ class ApproxPrefixIndex:
         result: dict[str, int] = {}
         if not first:
             return result
-        start = self._whole(first, hashes) or 1  # (leading hashes held by ``first`` alone)
+        start = held_alone(first, hashes) or 1  # (leading hashes held by ``first`` alone)
         # the holders of the leading hashes anyone was sent (a C loop up to the first unknown),
         # as runs of one holder (blocks placed together share theirs): a step per run
         found = itertools.takewhile(_known, map(blocks.get, itertools.islice(hashes, start, None)))
@@ -630,23 +618,6 @@ class ApproxPrefixIndex:
                 depth += count
             result[engine] = depth
         return result
-
-    @staticmethod
-    def _whole(first: Holders, hashes: Sequence[int]) -> int:
-        """How many leading ``hashes`` are the prompt of ``first``, the first's holders, which
-        holds each of them alone (0: not so, or not told without a walk).
-
-        A conversation's next turn begins with its last turn's placement (a prompt
-        and its answer), which holds its blocks alone until they move on (its
-        ``sole`` count says): those are compared in one C step, not looked up.
-        """
-        if type(first) is not Placed:
-            return 0
-        prompt = first.prompt
-        n = len(prompt)
-        if not n or first.sole != n or n > len(hashes):
-            return 0
-        return n if prompt == tuple(hashes[:n]) else 0
 
     def held(self, engine: str) -> int | None:
         """Engine blocks the LRU model says ``engine`` holds (None: no capacity, no model)."""

@@ -20,9 +20,9 @@ import operator
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Final, Literal
 
-__all__ = ["FEW", "Book", "Holders", "Joint", "Known", "Placed", "Still", "claim", "held_by",
-           "joined_runs", "joints_at", "known_live", "last_places", "placements",
-           "same_as", "tags", "unheld", "without"]
+__all__ = ["FEW", "Book", "Holders", "Joint", "Known", "Placed", "Still", "claim", "held_alone",
+           "held_by", "joined_runs", "joints_at", "known_live", "last_places", "placements",
+           "same_as", "tags", "taken_back", "unheld", "without"]
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -352,3 +352,34 @@ def held_by(keys: list[int], found: list[Holders | None], placed: Placed,
     for at in joints_at(found):
         live[at] = in_joint(found[at]) is placed  # type: ignore[arg-type]
     return list(itertools.compress(keys, live))
+
+
+def held_alone(first: Holders, hashes: Sequence[int]) -> int:
+    """How many leading ``hashes`` are the prompt of ``first``, the first's holders, which
+    holds each of them alone (0: not so, or not told without a walk).
+
+    A conversation's next turn begins with its last turn's placement, which
+    holds its blocks alone until they move on (its ``sole`` count says): those
+    are compared in one C step, not looked up.
+    """
+    if type(first) is not Placed:
+        return 0
+    prompt = first.prompt
+    n = len(prompt)
+    if not n or first.sole != n or n > len(hashes):
+        return 0
+    return n if prompt == tuple(hashes[:n]) else 0
+
+
+def taken_back(placed: Placed, more: tuple[int, ...]) -> tuple[int, ...] | None:
+    """Of ``more`` (what extends ``placed``), the leading blocks its answer's placement
+    holds, to take back: all of that placement's, held by it alone where ``placed``'s
+    engine holds them (() where ``more`` does not begin with them; None: it does, but
+    they are not all so held, and placing anew must tell)."""
+    answer = placed.answer
+    if answer is None or not answer.prompt or more[:len(answer.prompt)] != answer.prompt:
+        return ()
+    if (answer.sole != len(answer.prompt) or answer.engine != placed.engine
+            or answer.expiry == -math.inf or answer.tag != placed.tag):
+        return None
+    return answer.prompt
