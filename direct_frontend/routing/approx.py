@@ -138,11 +138,12 @@ class ApproxPrefixIndex:
         lru, capacity = self._model(engine)
         if hashes:
             head = head or self._continued(engine, hashes)
-            if not (head and self._extended(engine, tuple(hashes[:head]), hashes[head:], now,
-                                            lru)):
+            if head and self._extended(engine, tuple(hashes[:head]), hashes[head:], now, lru):
+                mine = claim(self._blocks.get(hashes[-1]), engine)
+            else:
                 mine = self._place(engine, hashes, now, lru)
-                if len(mine.prompt) == len(hashes):  # (no block repeated: its keys, in order)
-                    mine.origin = origin
+            if mine is not None and len(mine.prompt) == len(hashes):  # (its keys, in order)
+                mine.origin = origin
         self._settle(engine, lru, capacity)  # (an empty one too: a capacity may have shrunk)
 
     def record_answer(self, engine: str, hashes: tuple[int, ...], more: tuple[int, ...],
