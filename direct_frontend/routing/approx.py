@@ -110,6 +110,9 @@ class ApproxPrefixIndex:
         #: the last tuple of hashes keyed and its keys (a placement's hashes are looked up,
         #: then recorded, then extended by its answer's: keyed once)
         self._keyed: tuple[Sequence[int], Sequence[int]] = ((), ())
+        #: the last lookup's keys and the prompt it found them to begin with (a placement's,
+        #: which its record then extends: compared once)
+        self._matched: tuple[tuple[int, ...], Sequence[int]] = ((), ())
 
     def record(self, engine: str, hashes: Sequence[int], now: float, head: int = 0) -> None:
         """Remember our own placement (:meth:`record_peer`), and tell :attr:`on_record`."""
@@ -138,7 +141,9 @@ class ApproxPrefixIndex:
         lru, capacity = self._model(engine)
         if hashes:
             head = head or self._continued(engine, hashes)
-            if head and self._extended(engine, tuple(hashes[:head]), hashes[head:], now, lru):
+            matched, keys = self._matched
+            prompt = matched if keys is hashes and len(matched) == head else tuple(hashes[:head])
+            if head and self._extended(engine, prompt, hashes[head:], now, lru):
                 mine = claim(self._blocks.get(hashes[-1]), engine)
             else:
                 mine = self._place(engine, hashes, now, lru)
@@ -595,7 +600,10 @@ class ApproxPrefixIndex:
         result: dict[str, int] = {}
         if not first:
             return result
-        start = held_alone(first, hashes) or 1  # (leading hashes held by ``first`` alone)
+        start = held_alone(first, hashes)  # (leading hashes held by ``first`` alone)
+        if start and type(hashes) is tuple:  # (immutable: the record may trust the match)
+            self._matched = (first.prompt, hashes)  # type: ignore[union-attr]
+        start = start or 1
         # the holders of the leading hashes anyone was sent (a C loop up to the first unknown),
         # as runs of one holder (blocks placed together share theirs): a step per run
         found = itertools.takewhile(_known, map(blocks.get, itertools.islice(hashes, start, None)))

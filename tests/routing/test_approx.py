@@ -520,6 +520,8 @@ def test_answers_recorded_on_their_prompts_equal_the_reference(
             memory.forget_engine(engine)
             reference.forget(engine)
         prompt = tuple([*talks[talk], *(next(fresh) for _ in range(rng.randint(0, 8)))])
+        # (looked up first, as a routed prompt is: its record trusts what the lookup matched)
+        assert memory.lookup_at(prompt, now) == reference.lookup(list(prompt), now)
         memory.record(engine, prompt, now)
         reference.record(engine, list(prompt), now)
         if rng.random() < 0.15:  # the same prompt on another engine before the answer
