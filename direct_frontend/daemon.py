@@ -189,7 +189,9 @@ async def _assemble(
     news = None if replicas is None else LinkNews()  # what wakes the link, built before it
     supervisor = Supervisor(fleet, kv=kv,
                             on_load_change=None if news is None else news.load_changed)
-    placements = PlacementShare(notify=None if news is None else news.urgent)
+    # placements go to sibling replicas only: without them none is queued (each would hold
+    # its prompt's every block hash until the outbox's bound let go of it)
+    placements = None if news is None else PlacementShare(notify=news.urgent)
     builder = ModelBuilder(
         supervisor, metrics,
         lambda routing, exact: make_policy(
@@ -200,7 +202,7 @@ async def _assemble(
     )
     await builder.load(fleet)
     responses, durable = await _open_responses(fleet, metrics)
-    link = None if replicas is None or news is None else ReplicaLink(
+    link = None if replicas is None or news is None or placements is None else ReplicaLink(
         replicas, supervisor, placements, news, kv=kv,
         replica_id=None if worker is None else f"worker{worker.index}-{os.getpid()}",
         responses=responses,

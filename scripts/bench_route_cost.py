@@ -12,12 +12,21 @@ That is the routing work a long prompt costs (hashing its blocks, the
 memory's lookup, placement and LRU, the answer's extension), without the
 HTTP, tokenizing and engine work around it.
 
+With ``--agent``: ``--conversations`` conversations of ``--turns`` turns
+instead, routed in lockstep (turn t of every conversation, then their
+answers), each turn the last one's prompt, its ``ANSWER``-id answer and
+``--step`` new ids (a tool result), made as the prompt cache makes it (a
+:class:`PromptIds` that knows the last prompt was its start). What grows
+with the history there is what the routing path redoes for the blocks it
+already saw: the figure is the CPU per request of the first ten turns and of
+the last ten, and their ratio.
+
 Prints the CPU (``time.process_time`` around the routing calls) per request, the median of
 ``--rounds`` rounds, each round a fresh process per side run in alternating
 order; with ``--baseline REV`` (a git revision or a directory holding a
 ``direct_frontend`` package, as bench_overhead.py takes it) the ratio too.
 
-Run: ``PYTHONPATH=$PWD python scripts/bench_route_cost.py --baseline main``.
+Run: ``PYTHONPATH=$PWD python scripts/bench_route_cost.py --baseline main [--agent]``.
 """
 
 from __future__ import annotations
@@ -32,26 +41,33 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import Any
 
 ANSWER = 16
 
 
-def route(args: argparse.Namespace) -> float:
-    """One side's run in this process: CPU ms per routed request (after a warm-up)."""
+def fleet(args: argparse.Namespace) -> tuple[Any, Any]:
+    """The ``kv_aware`` policy as the daemon makes it, and a catalog of ``--engines``."""
     from direct_frontend.engines.neutral import EngineInfo, EngineRole
     from direct_frontend.fleet.schema import RoutingConfig
-    from direct_frontend.kv.prefix import PromptIds
     from direct_frontend.routing.catalog import Catalog, EngineHandle
     from direct_frontend.routing.factory import make_policy
-    from direct_frontend.routing.policies import RequestView
 
     def handle(i: int) -> EngineHandle:
         info = EngineInfo("demo", role=EngineRole.BOTH, kv_capacity_tokens=args.capacity_tokens)
         return EngineHandle(f"engine-{i}", "sglang", f"grpc://engine-{i}:1", i + 1,
                             EngineRole.BOTH, info, 131_072, None)
 
-    policy = make_policy(RoutingConfig(policy="kv_aware"))
-    catalog = Catalog(1, tuple(handle(i) for i in range(args.engines)))
+    return (make_policy(RoutingConfig(policy="kv_aware")),
+            Catalog(1, tuple(handle(i) for i in range(args.engines))))
+
+
+def route(args: argparse.Namespace) -> float:
+    """One side's run in this process: CPU ms per routed request (after a warm-up)."""
+    from direct_frontend.kv.prefix import PromptIds
+    from direct_frontend.routing.policies import RequestView
+
+    policy, catalog = fleet(args)
     rng = random.Random(args.seed)
     head = [rng.randrange(1, 150_000) for _ in range(args.head)]
     warm = args.requests // 4
@@ -78,6 +94,45 @@ def route(args: argparse.Namespace) -> float:
     return float(spent / args.requests * 1000)
 
 
+def route_agent(args: argparse.Namespace) -> list[float]:
+    """One side's agent run in this process: CPU ms per request of each turn."""
+    from direct_frontend.kv.prefix import PromptIds
+    from direct_frontend.routing.policies import RequestView
+
+    policy, catalog = fleet(args)
+    rng = random.Random(args.seed)
+
+    def fresh(n: int) -> list[int]:
+        return [x % 150_000 + 1 for x in array.array("I", rng.randbytes(4 * n))]
+
+    head = fresh(args.head)
+    prompts = [PromptIds(head + fresh(args.step), keep_built=True)
+               for _ in range(args.conversations)]
+    per_turn = []
+    for _ in range(args.turns):
+        spent = 0.0
+        answers = [fresh(ANSWER) for _ in prompts]
+        start = time.process_time()
+        placed = []
+        for prompt in prompts:
+            placement = policy.choose(catalog, RequestView(prompt, ANSWER))
+            assert placement is not None
+            placement.engine.load.begin(len(prompt), placement.blocks, placement.dp_rank)
+            if placement.prefilled is not None:
+                placement.prefilled()
+            placed.append(placement)
+        for placement, prompt, answer in zip(placed, prompts, answers, strict=True):
+            placement.engine.load.end(len(prompt), placement.blocks, placement.dp_rank)
+            policy.on_complete(placement, prompt, answer)
+        spent += time.process_time() - start
+        per_turn.append(spent / len(prompts) * 1000)
+        # the next turn: as the prompt cache makes it (this prompt known, the rest new)
+        prompts = [PromptIds(prompt + tuple(answer + fresh(args.step)), prompt.chains,
+                             len(prompt), keep_built=True)
+                   for prompt, answer in zip(prompts, answers, strict=True)]
+    return per_turn
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--requests", type=int, default=200)
@@ -91,10 +146,15 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--baseline", default=None, metavar="REV_OR_DIR")
+    p.add_argument("--agent", action="store_true",
+                   help="agent conversations growing each turn instead of unique prompts")
+    p.add_argument("--conversations", type=int, default=4)
+    p.add_argument("--turns", type=int, default=40)
+    p.add_argument("--step", type=int, default=500, help="new ids per turn (a tool result)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
-        print(json.dumps(route(args)))
+        print(json.dumps(route_agent(args) if args.agent else route(args)))
         return
     sides = {"candidate": pathlib.Path(__file__).resolve().parent.parent}
     if args.baseline is not None:
@@ -106,13 +166,17 @@ def main() -> None:
     if "--baseline" in child:  # (the child is one side; it takes no baseline)
         at = child.index("--baseline")
         del child[at:at + 2]
-    figures: dict[str, list[float]] = {name: [] for name in sides}
+    runs: dict[str, list[Any]] = {name: [] for name in sides}
     for round_no in range(args.rounds):
         order = list(sides.items()) if round_no % 2 == 0 else list(sides.items())[::-1]
         for name, source in order:
             env = dict(os.environ, PYTHONPATH=str(source))
             out = subprocess.run(child, env=env, check=True, capture_output=True, text=True)
-            figures[name].append(json.loads(out.stdout))
+            runs[name].append(json.loads(out.stdout))
+    if args.agent:
+        report_agent(args, runs)
+        return
+    figures: dict[str, list[float]] = runs
     medians = {name: statistics.median(values) for name, values in figures.items()}
     print(f"kv_aware routing path, {args.requests} unique prompts of ~{args.tokens} ids "
           f"({args.head} shared), {args.engines} engines, c={args.concurrency}; "
@@ -122,6 +186,24 @@ def main() -> None:
         print(f"  {name:<10} {value:.3f} ms CPU / request   ({rounds})")
     if "baseline" in medians:
         print(f"  candidate / baseline: {medians['candidate'] / medians['baseline']:.2f}")
+
+
+def report_agent(args: argparse.Namespace, runs: dict[str, list[list[float]]]) -> None:
+    """Per side, the median over rounds of each turn's CPU; the first ten turns' mean, the
+    last ten's, and their ratio (and the last ten's against the baseline's)."""
+    print(f"kv_aware routing path, {args.conversations} agent conversations of {args.turns} "
+          f"turns (+{args.step} ids and a {ANSWER}-id answer a turn), {args.engines} engines; "
+          f"medians of {args.rounds} rounds:")
+    last_of = {}
+    for name, rounds in runs.items():
+        turns = [statistics.median(values) for values in zip(*rounds, strict=True)]
+        first, last = statistics.fmean(turns[:10]), statistics.fmean(turns[-10:])
+        last_of[name] = last
+        print(f"  {name:<10} first 10 turns {first:.3f} ms, last 10 {last:.3f} ms CPU / request"
+              f"   last / first {last / first:.2f}")
+    if "baseline" in last_of:
+        print(f"  last 10, candidate / baseline: "
+              f"{last_of['candidate'] / last_of['baseline']:.2f}")
 
 
 if __name__ == "__main__":

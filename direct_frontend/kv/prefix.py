@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import array
 import ctypes
+import functools
 import struct
 from collections.abc import Iterable, Sequence
 from typing import Any, Final
@@ -36,8 +37,10 @@ __all__ = [
     "block_content_hash",
     "extend_hashes",
     "mm_block_extras",
+    "more_hashes",
     "namespace_seed",
     "prefix_hashes",
+    "prompt_hashes",
     "stored_hashes",
 ]
 
@@ -122,14 +125,14 @@ class PromptIds(tuple[int, ...]):
     what it holds reachable for the collector.
     """
 
-    chains: dict[tuple[int, int, str | None], list[int]]
-    source: dict[tuple[int, int, str | None], list[int]] | None
+    chains: dict[tuple[int, int, str | None], tuple[int, ...]]
+    source: dict[tuple[int, int, str | None], tuple[int, ...]] | None
     known: int
     built: dict[str, Any] | None
     built_source: dict[str, Any] | None
 
     def __new__(cls, ids: Iterable[int],
-                source: dict[tuple[int, int, str | None], list[int]] | None = None,
+                source: dict[tuple[int, int, str | None], tuple[int, ...]] | None = None,
                 known: int = 0, *, built_source: dict[str, Any] | None = None,
                 keep_built: bool = False) -> PromptIds:
         self = super().__new__(cls, ids)
@@ -171,42 +174,71 @@ def prefix_hashes(
         return []
     if media:  # (images key blocks of their own: hashed whole, never taken from a prefix)
         return _media_prefix_hashes(token_ids, block_size, lora_name, cache_salt, media)
-    root = namespace_seed(lora_name)
-    reused: list[int] = []
-    chains = getattr(token_ids, "chains", None)
-    if chains is not None:
-        key = (block_size, root, cache_salt or None)
-        have = chains.get(key)
-        if have is not None:
-            return list(have)
-        source = token_ids.source  # type: ignore[union-attr]
-        if source is not None:
-            reused = source.get(key, [])[: token_ids.known // block_size]  # type: ignore[union-attr]
-    start = len(reused)
-    data = _u32_bytes(token_ids, start * block_size, n_blocks * block_size)
+    if isinstance(token_ids, PromptIds):
+        return list(_kept_chain(token_ids, block_size, namespace_seed(lora_name), cache_salt))
+    return _chain(token_ids, 0, n_blocks, block_size, namespace_seed(lora_name), cache_salt)
+
+
+def prompt_hashes(token_ids: Sequence[int], block_size: int,
+                  media: Sequence[MediaKey] = ()) -> tuple[int, ...]:
+    """:func:`prefix_hashes` (no adapter or salt) as a tuple: :class:`PromptIds` give the one
+    they keep (asked again, the same tuple), which the prompts built from them start from."""
+    if isinstance(token_ids, PromptIds) and not media and len(token_ids) >= block_size:
+        return _kept_chain(token_ids, block_size, ROOT_SEED, None)
+    return tuple(prefix_hashes(token_ids, block_size, media=media))
+
+
+def _kept_chain(token_ids: PromptIds, block_size: int, root: int, cache_salt: str | None
+                ) -> tuple[int, ...]:
+    """``token_ids``' chain, kept in its ``chains``; the blocks within its ``known`` prefix
+    taken from its source's, so only the rest is hashed, and the whole is one copy."""
+    key = (block_size, root, cache_salt or None)
+    have = token_ids.chains.get(key)
+    if have is not None:
+        return have
+    reused: tuple[int, ...] = ()
+    source = token_ids.source
+    if source is not None:
+        reused = source.get(key, ())
+        shared = token_ids.known // block_size
+        if shared < len(reused):
+            reused = reused[:shared]
+    new = _chain(token_ids, len(reused), len(token_ids) // block_size, block_size,
+                 reused[-1] if reused else root, cache_salt)
+    out = reused + tuple(new) if reused else tuple(new)
+    token_ids.chains[key] = out
+    return out
+
+
+def _chain(token_ids: Sequence[int] | array.array[int], start: int, end: int, block_size: int,
+           h: int, cache_salt: str | None) -> list[int]:
+    """The chained hashes of blocks ``start:end`` of ``token_ids``, going on from ``h`` (the
+    hash of the block before, or the root); a cache salt is mixed into block 0."""
+    data = _u32_bytes(token_ids, start * block_size, end * block_size)
     step = block_size * 4
-    h = reused[-1] if reused else root
-    out = reused
+    out: list[int] = []
     offset = 0
-    if start == 0 and cache_salt:
+    if start == 0 and cache_salt and data:
         h = _xxh3(bytes(data[:step]) + _salt_bytes(cache_salt), h)
         out.append(h)
         offset = step
     _chain_on(out, data, offset, step, h)
-    if chains is not None:
-        chains[key] = out
-        return list(out)
     return out
 
 
-def extend_hashes(known: Sequence[int], rest: Sequence[int], block_size: int) -> list[int]:
+def extend_hashes(known: tuple[int, ...], rest: Sequence[int], block_size: int
+                  ) -> tuple[int, ...]:
     """:func:`prefix_hashes` of some token ids (no adapter, salt or images), given ``known``,
     the hashes of their first blocks (a prompt's, when the ids are it and its answer), and
     ``rest``, the ids after those blocks: only the blocks of ``rest`` are hashed."""
-    out = list(known)
-    data = _u32_bytes(rest, 0, len(rest) // block_size * block_size)
-    _chain_on(out, data, 0, block_size * 4, out[-1] if out else ROOT_SEED)
-    return out
+    return known + more_hashes(known, rest, block_size)
+
+
+def more_hashes(known: Sequence[int], rest: Sequence[int], block_size: int) -> tuple[int, ...]:
+    """The hashes :func:`extend_hashes` adds to ``known``: those of ``rest``'s whole blocks,
+    chained on from ``known``'s last (none: from the root)."""
+    return tuple(_chain(rest, 0, len(rest) // block_size, block_size,
+                        known[-1] if known else ROOT_SEED, None))
 
 
 def _u32_bytes(token_ids: Sequence[int] | array.array[int], start: int, end: int
@@ -216,16 +248,31 @@ def _u32_bytes(token_ids: Sequence[int] | array.array[int], start: int, end: int
     return memoryview(array.array("I", token_ids[start:end])).cast("B")
 
 
+#: blocks :func:`_chain_on` cuts at once (one C call makes this many of them)
+_RUN: Final = 64
+
+
+@functools.cache
+def _runs(step: int) -> struct.Struct:
+    """The layout of :data:`_RUN` blocks of ``step`` bytes."""
+    return struct.Struct(f"{step}s" * _RUN)
+
+
 def _chain_on(out: list[int], data: bytes | memoryview, offset: int, step: int, h: int) -> None:
     """Append to ``out`` the chained hash of each whole ``step`` bytes of ``data`` from
     ``offset``, the chain going on from ``h``.
 
-    The blocks are cut in C (``struct.iter_unpack``) and the chain is one
-    comprehension: per block, one XXH3 call and no other Python call.
+    The blocks are cut in C (``struct``: :data:`_RUN` at a time, then the rest
+    one by one) and the chain is one comprehension: per block, one XXH3 call
+    and no other Python call.
     """
+    view = memoryview(data)
+    runs = offset + (len(data) - offset) // (step * _RUN) * step * _RUN
     end = offset + (len(data) - offset) // step * step
-    blocks = struct.iter_unpack(f"{step}s", memoryview(data)[offset:end])
-    out += [h := _xxh3(block, h) for (block,) in blocks]
+    if runs > offset:
+        out += [h := _xxh3(block, h)
+                for run in _runs(step).iter_unpack(view[offset:runs]) for block in run]
+    out += [h := _xxh3(block, h) for (block,) in struct.iter_unpack(f"{step}s", view[runs:end])]
 
 
 def _media_prefix_hashes(

@@ -27,6 +27,7 @@ from direct_frontend.routing.placed import (
     Placed,
     Still,
     claim,
+    held_alone,
     held_by,
     joined_runs,
     joints_at,
@@ -34,6 +35,7 @@ from direct_frontend.routing.placed import (
     last_places,
     placements,
     tags,
+    taken_back,
     unheld,
 )
 
@@ -105,6 +107,12 @@ class ApproxPrefixIndex:
         # forgotten by the cap, not by an LRU: the claims on it, one placement or {engine: it}
         self._orphans: dict[int, Placed | dict[str, Placed]] = {}
         self._seq = 0
+        #: the last tuple of hashes keyed and its keys (a placement's hashes are looked up,
+        #: then recorded, then extended by its answer's: keyed once)
+        self._keyed: tuple[Sequence[int], Sequence[int]] = ((), ())
+        #: the last lookup's keys and the prompt it found them to begin with (a placement's,
+        #: which its record then extends: compared once)
+        self._matched: tuple[tuple[int, ...], Sequence[int]] = ((), ())
 
     def record(self, engine: str, hashes: Sequence[int], now: float, head: int = 0) -> None:
         """Remember our own placement (:meth:`record_peer`), and tell :attr:`on_record`."""
@@ -126,20 +134,104 @@ class ApproxPrefixIndex:
         extended by the rest and made the newest instead (:meth:`_extended`).
         """
         unit = self.unit
+        origin = hashes
         if unit > 1:
-            hashes = memory_keys(hashes, unit)
+            hashes = self._keys(hashes)
             head //= unit  # (the earlier placement's keys: one per whole unit)
+        lru, capacity = self._model(engine)
+        if hashes:
+            head = head or self._continued(engine, hashes)
+            matched, keys = self._matched
+            prompt = matched if keys is hashes and len(matched) == head else tuple(hashes[:head])
+            if head and self._extended(engine, prompt, hashes[head:], now, lru):
+                mine = claim(self._blocks.get(hashes[-1]), engine)
+            else:
+                mine = self._place(engine, hashes, now, lru)
+            if mine is not None and len(mine.prompt) == len(hashes):  # (its keys, in order)
+                mine.origin = origin
+        self._settle(engine, lru, capacity)  # (an empty one too: a capacity may have shrunk)
+
+    def record_answer(self, engine: str, hashes: tuple[int, ...], more: tuple[int, ...],
+                      now: float) -> None:
+        """:meth:`record` of ``hashes + more`` with ``hashes`` as its head: ``hashes`` a placed
+        prompt's, ``more`` the hashes of its answer's blocks after them.
+
+        Where the prompt's placement is extended (:meth:`_extended`), only
+        ``more`` is keyed and its keys looked up: the prompt's keys are those
+        it was recorded with, and the whole is not joined.
+        """
+        unit = self.unit
+        if self.on_record is not None or len(hashes) < unit:  # (peers hear the whole)
+            self.record(engine, hashes + more, now, len(hashes))
+            return
+        # the prompt's placement, found by its last key, knows its keys while it holds them
+        placed = claim(self._blocks.get(hashes[len(hashes) // unit * unit - 1]), engine)
+        keys = placed.prompt if placed is not None and placed.origin is hashes else tuple(
+            self._keys(hashes))
+        # the whole's keys after the prompt's: every ``unit``-th block of the whole
+        new = more[(unit - 1 - len(hashes)) % unit::unit] if unit > 1 else more
+        lru, capacity = self._model(engine)
+        if not (self._answered(engine, keys, new, now, lru) if new
+                else self._extended(engine, keys, (), now, lru)):
+            self._place(engine, (*keys, *new), now, lru)
+        self._settle(engine, lru, capacity)
+
+    def _answered(self, engine: str, prompt: tuple[int, ...], answer: Sequence[int],
+                  now: float, lru: _Lru | None) -> bool:
+        """Whether the placement of ``prompt`` was extended by ``answer`` (new blocks, its
+        answer's), as a placement of their own after it, and it was done.
+
+        Placing both anew would leave them newest, in order, in the age order,
+        and the answer's before the prompt's in the LRU model's (touched tail
+        first): the prompt's placement is extended by nothing (moved to the
+        newest end) and the answer's placed after it, then the LRU model's two
+        newest change places. Kept apart, a next turn that does not send the
+        answer again (an agent's tool result follows the prompt) extends the
+        prompt's placement alone, as placing it anew leaves the answer's blocks
+        where they are; one that does takes them back (:meth:`_extended`).
+        """
+        if (len(answer) >= FEW or any(map(self._blocks.__contains__, answer))
+                or len(set(answer)) != len(answer) or self._orphaned(answer)
+                or not self._extended(engine, prompt, (), now, lru)):
+            return False
+        placed = claim(self._blocks.get(prompt[-1]), engine)
+        assert placed is not None
+        placed.answer = self._place(engine, answer, now, lru)
+        if lru is not None:
+            lru.book.swap_newest()
+        return True
+
+    def _keys(self, hashes: Sequence[int]) -> Sequence[int]:
+        """:func:`memory_keys` of ``hashes`` (the same tuple again: the same keys)."""
+        keyed = self._keyed
+        if keyed[0] is hashes or self.unit == 1:
+            return hashes if self.unit == 1 else keyed[1]
+        keys = memory_keys(hashes, self.unit)
+        if type(hashes) is tuple:
+            self._keyed = (hashes, keys)
+        return keys
+
+    def _model(self, engine: str) -> tuple[_Lru | None, int]:
+        """``engine``'s LRU model (:meth:`_lru_of`) and its capacity in memory blocks."""
+        unit = self.unit
         capacity = self.capacity_of(engine)
         if capacity:  # (in memory blocks)
             capacity = max(1, capacity // unit)
-        lru = self._lru_of(engine, capacity)
-        if hashes and not (head and self._extended(engine, hashes, now, head, lru)):
-            self._place(engine, hashes, now, lru)
-        self._settle(engine, lru, capacity)  # (an empty one too: a capacity may have shrunk)
+        return self._lru_of(engine, capacity), capacity
 
-    def _extended(self, engine: str, hashes: Sequence[int], now: float, head: int,
-                  lru: _Lru | None) -> bool:
-        """Whether ``hashes`` extend the placement of their first ``head`` and it was done.
+    def _continued(self, engine: str, hashes: Sequence[int]) -> int:
+        """How many leading ``hashes`` may be the whole prompt of ``engine``'s placement of
+        the first (a conversation's earlier turn, with its answer): that placement's prompt
+        length, where ``hashes`` are at least as long (0: none); :meth:`_extended` checks."""
+        placed = claim(self._blocks.get(hashes[0]), engine)
+        if placed is None:
+            return 0
+        n = len(placed.prompt)
+        return n if n <= len(hashes) else 0
+
+    def _extended(self, engine: str, prompt: tuple[int, ...], extra: Sequence[int],
+                  now: float, lru: _Lru | None) -> bool:
+        """Whether ``prompt`` + ``extra`` extend the placement of ``prompt`` and it was done.
 
         That placement must be ``engine``'s, placed on exactly those ``head``
         blocks, each held by it alone or by a Joint (so no other placement holds
@@ -150,31 +242,44 @@ class ApproxPrefixIndex:
         claim in each Joint, in a step per new block or Joint, not per block.
         """
         blocks = self._blocks
-        placed = claim(blocks.get(hashes[head - 1]), engine) if head <= len(hashes) else None
+        head = len(prompt)
+        placed = claim(blocks.get(prompt[-1]), engine) if head else None
         if (placed is None or len(placed.prompt) != head
                 or placed.expiry == -math.inf or (lru is not None) != (placed.tag == engine)
-                or placed.prompt != tuple(hashes[:head])):
+                or (placed.prompt is not prompt and placed.prompt != prompt)):
             return False
         joints = [h for h in dict.fromkeys(placed.joints) if type(blocks.get(h)) is Joint]
         if placed.sole + len(joints) != head:
             return False
-        more = tuple(hashes[head:])
-        if more and (any(map(blocks.__contains__, more)) or len(set(more)) != len(more)
-                     or self._orphaned(more)):
+        more = tuple(extra)
+        taken = taken_back(placed, more)
+        if taken is None:
+            return False
+        fresh = more[len(taken):]
+        if fresh and (any(map(blocks.__contains__, fresh)) or len(set(fresh)) != len(fresh)
+                      or self._orphaned(fresh)):
             return False
         self._seq += 1  # (its entries in the books list nothing from now on)
         placed.seq = self._seq
+        placed.origin = placed.answer = None
+        if taken:  # its answer's blocks are its own again; their placement holds none
+            answer: Placed = blocks[taken[0]]  # type: ignore[assignment]
+            self._seq += 1
+            answer.seq = self._seq
+            answer.sole = 0
+            answer.prompt = ()
+            blocks.update(zip(taken, itertools.repeat(placed)))
         placed.expiry = now + self.ttl_s
         placed.keys = placed.prompt = placed.prompt + more
         placed.sole += len(more)
         placed.joints = joints
-        joining = len(more)
+        joining = len(fresh)  # (its answer's blocks were in its engine's LRU model)
         for h in joints:
             joint: Joint = blocks[h]  # type: ignore[assignment]
             before = self._claim(engine, h, joint)  # (its orphan, if the cap forgot it)
             joining += before is None or before.tag != engine
             joint[engine] = joint.age = placed
-        blocks.update(zip(more, itertools.repeat(placed)))
+        blocks.update(zip(fresh, itertools.repeat(placed)))
         self._ages.add(placed)
         if lru is not None:
             placed.back = placed.keys[::-1]
@@ -182,8 +287,9 @@ class ApproxPrefixIndex:
             lru.count += joining
         return True
 
-    def _place(self, engine: str, hashes: Sequence[int], now: float, lru: _Lru | None) -> None:
-        """Record ``hashes`` as a new placement (:meth:`record_peer`)."""
+    def _place(self, engine: str, hashes: Sequence[int], now: float, lru: _Lru | None
+               ) -> Placed:
+        """Record ``hashes`` as a new placement (:meth:`record_peer`); returns it."""
         blocks = self._blocks
         keys = tuple(hashes)
         self._seq += 1
@@ -191,7 +297,7 @@ class ApproxPrefixIndex:
         touched = self._orphaned(keys)
         if len(keys) < FEW and not touched and len(set(keys)) == len(keys):
             self._place_short(mine, lru)
-            return
+            return mine
         size = len(blocks)
         found, tail = self._found(keys, mine)
         # the blocks before ``tail`` may change holders; those after it are new, all ``mine``'s
@@ -231,6 +337,7 @@ class ApproxPrefixIndex:
             mine.back = last_places(reversed(keys)) if repeated else keys[::-1]
             lru.book.add(mine)
             lru.count += joining or 0
+        return mine
 
     def _found(self, keys: tuple[int, ...], mine: Placed) -> tuple[list[Holders | None], int]:
         """Each of ``keys``' holders before ``mine`` (None: a new block), which every new
@@ -481,7 +588,7 @@ class ApproxPrefixIndex:
         """
         unit = self.unit
         if unit > 1 and hashes:
-            found = self._lookup(memory_keys(hashes, unit), now)
+            found = self._lookup(self._keys(hashes), now)
             whole = len(hashes)
             return {engine: min(depth * unit, whole) for engine, depth in found.items()}
         return self._lookup(hashes, now)
@@ -493,9 +600,13 @@ class ApproxPrefixIndex:
         result: dict[str, int] = {}
         if not first:
             return result
+        start = held_alone(first, hashes)  # (leading hashes held by ``first`` alone)
+        if start and type(hashes) is tuple:  # (immutable: the record may trust the match)
+            self._matched = (first.prompt, hashes)  # type: ignore[union-attr]
+        start = start or 1
         # the holders of the leading hashes anyone was sent (a C loop up to the first unknown),
         # as runs of one holder (blocks placed together share theirs): a step per run
-        found = itertools.takewhile(_known, map(blocks.get, itertools.islice(hashes, 1, None)))
+        found = itertools.takewhile(_known, map(blocks.get, itertools.islice(hashes, start, None)))
         runs = []
         for _, same in itertools.groupby(found, key=id):
             run = list(same)
@@ -504,7 +615,7 @@ class ApproxPrefixIndex:
             engine = first_placed.engine
             if first_placed.expiry <= now:
                 continue
-            depth = 1
+            depth = start
             for holders, count in runs:
                 if type(holders) is Placed:
                     if holders.engine != engine or holders.expiry <= now:

@@ -44,7 +44,12 @@ class Divergence:
 
 
 class HitRateMonitor:
-    """Rolling comparison of predicted vs reported cached tokens."""
+    """Rolling comparison of predicted vs reported cached tokens.
+
+    The window's sums over its relevant requests (those with a prediction or a
+    report) are kept as requests come and leave, so a request costs a step,
+    not a pass over the window.
+    """
 
     def __init__(self, window: int = 100, min_requests: int = 60, tolerance: float = 0.15) -> None:
         self.window: collections.deque[tuple[int, int]] = collections.deque(maxlen=window)
@@ -52,20 +57,37 @@ class HitRateMonitor:
         self.tolerance = tolerance
         self.predicted_total = 0
         self.actual_total = 0
+        self._relevant = 0  # the window's requests with a prediction or a report
+        self._predicted = 0  # their predictions' sum
+        self._actual = 0  # their reports' sum
 
     def record(self, predicted_tokens: int, actual_tokens: int) -> Divergence | None:
         """Add one finished request; returns a :class:`Divergence` while the window drifts."""
         self.predicted_total += predicted_tokens
         self.actual_total += actual_tokens
-        self.window.append((predicted_tokens, actual_tokens))
+        window = self.window
+        if window and len(window) == window.maxlen:
+            self._count(*window[0], -1)  # (the oldest leaves as this one comes)
+        window.append((predicted_tokens, actual_tokens))
+        self._count(predicted_tokens, actual_tokens, 1)
         return self.check()
 
+    def _count(self, predicted: int, actual: int, sign: int) -> None:
+        if predicted or actual:
+            self._relevant += sign
+            self._predicted += sign * predicted
+            self._actual += sign * actual
+
+    def clear(self) -> None:
+        """Empty the window (what it judges starts afresh)."""
+        self.window.clear()
+        self._relevant = self._predicted = self._actual = 0
+
     def check(self) -> Divergence | None:
-        relevant = [(p, a) for p, a in self.window if p or a]
-        if len(relevant) < self.min_requests:
+        relevant = self._relevant
+        if relevant < self.min_requests:
             return None
-        predicted = sum(p for p, _ in relevant)
-        actual = sum(a for _, a in relevant)
+        predicted, actual = self._predicted, self._actual
         scale = max(predicted, actual, 1)
         if abs(predicted - actual) / scale <= self.tolerance:
             return None
@@ -81,9 +103,9 @@ class HitRateMonitor:
                 "not configured for some engines, or the block size is too large"
             )
         return Divergence(
-            predicted, actual, len(relevant),
+            predicted, actual, relevant,
             f"KV routing prediction diverges from the engines: predicted {predicted} cached "
-            f"tokens, engines reported {actual} over the last {len(relevant)} requests; {cause}",
+            f"tokens, engines reported {actual} over the last {relevant} requests; {cause}",
         )
 
 
@@ -124,7 +146,7 @@ class HitRateWatch:
         divergence = monitor.record(predicted, reported)
         if divergence is not None and engine is not None and key not in self.diverged:
             self.diverged.add(key)
-            monitor.window.clear()  # judge what it is routed by now afresh
+            monitor.clear()  # judge what it is routed by now afresh
             log.warning("engine %s: %s; routing it by the approximate prefix memory from now on",
                         engine.name, divergence.message, extra={
                             "engine": engine.name, "predicted_tokens": divergence.predicted,

@@ -59,7 +59,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from direct_frontend.fleet.schema import KvAwareKnobs
 from direct_frontend.kv.keys import incarnation_of, index_key
-from direct_frontend.kv.prefix import extend_hashes, prefix_hashes
+from direct_frontend.kv.prefix import more_hashes, prompt_hashes
 from direct_frontend.routing.approx import ApproxPrefixIndex, best_of
 from direct_frontend.routing.catalog import Catalog, EngineHandle, memory_names, rank_memory
 from direct_frontend.routing.policies import Placement, RequestView, spread_start
@@ -191,8 +191,8 @@ class KvAware:
                 approx.capacities[name] = blocks
 
     def hashes(self, input_ids: Sequence[int],
-               media: Sequence[tuple[str, int, int]] = ()) -> list[int]:
-        return prefix_hashes(input_ids, self.knobs.block_size, media=media)
+               media: Sequence[tuple[str, int, int]] = ()) -> tuple[int, ...]:
+        return prompt_hashes(input_ids, self.knobs.block_size, media=media)
 
     def by_events(self, engine: EngineHandle) -> bool:
         """Whether ``engine``'s overlap comes from its KV events (else the approximate memory)."""
@@ -306,7 +306,7 @@ class KvAware:
         self.fence(candidates)
         self.learn_capacities(candidates)
         # (one tuple, which the placement, the memory and the queue share rather than copy)
-        hashes = tuple(self.hashes(request.input_ids, request.media_keys))
+        hashes = self.hashes(request.input_ids, request.media_keys)
         by_key = self.exact_lookup(hashes)
         approx = self.approx.lookup_at(hashes, now) if hashes else {}
         overlaps = self.overlaps(hashes, now, candidates, by_key, approx)
@@ -513,26 +513,39 @@ class KvAware:
         """The engine holds these tokens' blocks now (prompt + answer): remembered, and dequeued."""
         if placement.prefilled is not None:
             placement.prefilled()
-        self._remember(rank_memory(placement.engine.name, placement.dp_rank),
-                       self.answered_hashes(placement, prompt, answer), self.clock(),
-                       len(placement.blocks))
+        engine = rank_memory(placement.engine.name, placement.dp_rank)
+        more = self.answer_blocks(placement, prompt, answer)
+        if more is None:
+            self._remember(engine, self.hashes((*prompt, *answer), placement.media_keys),
+                           self.clock(), len(placement.blocks))
+        else:  # (the prompt's placement extended by the answer's blocks: the whole not joined)
+            self.approx.record_answer(engine, placement.blocks, more, self.clock())
 
     def answered_hashes(self, placement: Placement, prompt: Sequence[int],
-                        answer: Sequence[int]) -> list[int]:
-        """The block hashes of ``prompt`` + ``answer``: where they begin with the placed prompt
-        (most often ``prompt`` itself; a continuation's is longer), its hashes and then
-        those of the blocks after it, without joining or hashing the prompt again."""
+                        answer: Sequence[int]) -> tuple[int, ...]:
+        """The block hashes of ``prompt`` + ``answer``."""
+        more = self.answer_blocks(placement, prompt, answer)
+        if more is None:
+            return self.hashes((*prompt, *answer), placement.media_keys)
+        return placement.blocks + more
+
+    def answer_blocks(self, placement: Placement, prompt: Sequence[int],
+                      answer: Sequence[int]) -> tuple[int, ...] | None:
+        """The hashes of the blocks of ``prompt`` + ``answer`` after the placed prompt's, where
+        they begin with the placed prompt (most often ``prompt`` itself; a continuation's is
+        longer): hashed on from its hashes, without joining or hashing the prompt again.
+        None where they do not begin with it (or images key its blocks)."""
         placed, blocks = placement.prompt, placement.blocks
+        if not blocks or placement.media_keys:
+            return None
         block = self.knobs.block_size
-        if blocks and not placement.media_keys:
-            start = len(blocks) * block
-            if prompt is placed:
-                return extend_hashes(blocks, (*prompt[start:], *answer), block)
-            whole = (*prompt, *answer)
-            if len(whole) >= len(placed) and whole[: len(placed)] == tuple(placed):
-                return extend_hashes(blocks, whole[start:], block)
-            return self.hashes(whole, placement.media_keys)
-        return self.hashes((*prompt, *answer), placement.media_keys)
+        start = len(blocks) * block
+        if prompt is placed:
+            return more_hashes(blocks, (*prompt[start:], *answer), block)
+        whole = (*prompt, *answer)
+        if len(whole) >= len(placed) and whole[: len(placed)] == tuple(placed):
+            return more_hashes(blocks, whole[start:], block)
+        return None
 
     def _remember(self, engine: str, hashes: Sequence[int], now: float, head: int = 0) -> None:
         """Record a placement; ``head``: the leading hashes of the one it extends (a prompt's,

@@ -20,9 +20,9 @@ import operator
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Final, Literal
 
-__all__ = ["FEW", "Book", "Holders", "Joint", "Known", "Placed", "Still", "claim", "held_by",
-           "joined_runs", "joints_at", "known_live", "last_places", "placements",
-           "same_as", "tags", "unheld", "without"]
+__all__ = ["FEW", "Book", "Holders", "Joint", "Known", "Placed", "Still", "claim", "held_alone",
+           "held_by", "joined_runs", "joints_at", "known_live", "last_places", "placements",
+           "same_as", "tags", "taken_back", "unheld", "without"]
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -47,6 +47,12 @@ class Placed:
     sole: int = 0
     #: blocks where it joined a :class:`Joint` (some may have moved on since)
     joints: list[int] = dataclasses.field(default_factory=list)
+    #: the engine-block hashes whose memory keys ``prompt`` is, until it changes (its
+    #: answer is recorded on them without keying them again); None: not known
+    origin: Sequence[int] | None = None
+    #: the placement of its answer's blocks, placed with it (a next turn that sends them
+    #: again takes them back: routing/approx.py ``_answered``)
+    answer: Placed | None = None
 
     def spent(self, blocks: Mapping[int, Placed | Joint]) -> None:
         """Let go of ``prompt`` once fewer of the blocks placed are still this placement's
@@ -66,6 +72,7 @@ class Placed:
                       for h in set(self.joints))
         if self.sole + claimed < len(self.prompt):
             self.prompt = ()
+            self.origin = None
 
     def leave_lru(self) -> None:
         """Its engine's LRU is modelled no more: this placement counts in none."""
@@ -184,6 +191,13 @@ class Book:
         entries.append((placed, placed.seq, listed))
         self._listed += len(listed)
 
+    def swap_newest(self) -> None:
+        """The two newest entries change places (neither is the oldest, partly walked)."""
+        entries = self.entries
+        assert len(entries) > 2 or not self._head
+        newest = entries.pop()
+        entries.insert(len(entries) - 1, newest)
+
     def needs_filter(self, live: int) -> bool:
         """Whether the listed blocks outnumber ``live`` enough to filter (:meth:`filter`)."""
         return self._listed > 2 * live + _SLACK
@@ -204,9 +218,9 @@ class Book:
             held = None if start or known is None or p.seq != seq else known(p, listed)
             if held is not None:
                 need = count - len(out)
-                if len(held) > need:
+                if len(held) > need:  # (all it lists held: they end where the need does)
+                    end = need if held is listed else listed.index(held[need - 1]) + 1
                     held = held[:need]
-                    end = listed.index(held[-1]) + 1
                 out.extend(held)
             elif p.seq == seq:  # (a window of a few more, so dead blocks cost no extra walk)
                 need = count - len(out)
@@ -338,3 +352,34 @@ def held_by(keys: list[int], found: list[Holders | None], placed: Placed,
     for at in joints_at(found):
         live[at] = in_joint(found[at]) is placed  # type: ignore[arg-type]
     return list(itertools.compress(keys, live))
+
+
+def held_alone(first: Holders, hashes: Sequence[int]) -> int:
+    """How many leading ``hashes`` are the prompt of ``first``, the first's holders, which
+    holds each of them alone (0: not so, or not told without a walk).
+
+    A conversation's next turn begins with its last turn's placement, which
+    holds its blocks alone until they move on (its ``sole`` count says): those
+    are compared in one C step, not looked up.
+    """
+    if type(first) is not Placed:
+        return 0
+    prompt = first.prompt
+    n = len(prompt)
+    if not n or first.sole != n or n > len(hashes):
+        return 0
+    return n if prompt == tuple(hashes[:n]) else 0
+
+
+def taken_back(placed: Placed, more: tuple[int, ...]) -> tuple[int, ...] | None:
+    """Of ``more`` (what extends ``placed``), the leading blocks its answer's placement
+    holds, to take back: all of that placement's, held by it alone where ``placed``'s
+    engine holds them (() where ``more`` does not begin with them; None: it does, but
+    they are not all so held, and placing anew must tell)."""
+    answer = placed.answer
+    if answer is None or not answer.prompt or more[:len(answer.prompt)] != answer.prompt:
+        return ()
+    if (answer.sole != len(answer.prompt) or answer.engine != placed.engine
+            or answer.expiry == -math.inf or answer.tag != placed.tag):
+        return None
+    return answer.prompt

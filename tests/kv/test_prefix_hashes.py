@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import array
 import gc
+import random
 
 import msgspec
 import pytest
@@ -21,6 +22,7 @@ from direct_frontend.kv.prefix import (
     extend_hashes,
     namespace_seed,
     prefix_hashes,
+    prompt_hashes,
 )
 
 BS = 4
@@ -72,20 +74,44 @@ def test_ids_that_know_their_prefix_chain_on_from_it(
 
 
 @settings(max_examples=200, deadline=None)
+@given(turns=st.lists(st.tuples(st.integers(0, 12 * BS), st.lists(U32, max_size=6 * BS)),
+                      min_size=1, max_size=6),
+       first=st.lists(U32, max_size=10 * BS))
+def test_a_conversations_turns_hash_only_their_new_blocks_and_equal_the_definition(
+        turns: list[tuple[int, list[int]]], first: list[int]) -> None:
+    """Turn after turn, each built from the last (its first ``keep`` ids known, a whole
+    block or not, then new ids), as the prompt cache builds them: each turn's tuple equals
+    the reference's hashes of its ids, is the one tuple it keeps (asked again, the same
+    object), and begins with the very hashes of the blocks it shares with the last."""
+    ids = PromptIds(first)
+    hashes = prompt_hashes(ids, BS)
+    assert hashes == tuple(reference(first, BS))
+    for keep, new in turns:
+        known = min(keep, len(ids))
+        later = PromptIds([*ids[:known], *new], ids.chains, known)
+        got = prompt_hashes(later, BS)
+        assert got == tuple(reference(list(later), BS))
+        assert prompt_hashes(later, BS) is got
+        shared = min(known // BS, len(hashes))
+        assert all(a is b for a, b in zip(got[:shared], hashes, strict=False))
+        ids, hashes = later, got
+
+
+@settings(max_examples=200, deadline=None)
 @given(prompt=st.lists(U32, max_size=10 * BS), answer=st.lists(U32, max_size=4 * BS))
 def test_extending_a_prompts_hashes_by_its_answer_hashes_the_whole(
         prompt: list[int], answer: list[int]) -> None:
     """The prompt's full blocks' hashes, then the ids after them: the whole's hashes."""
     known = prefix_hashes(prompt, BS)
     rest = [*prompt[len(known) * BS:], *answer]
-    assert extend_hashes(known, rest, BS) == reference([*prompt, *answer], BS)
+    assert extend_hashes(tuple(known), rest, BS) == tuple(reference([*prompt, *answer], BS))
 
 
 def test_ids_after_the_last_full_block_are_not_hashed() -> None:
     """An id no u32 holds in the partial tail is not hashed, so it is no error; within the
     blocks it is (the KV index then asks nothing)."""
     assert prefix_hashes([1, 2, 3, 4, 2**40], BS) == reference([1, 2, 3, 4], BS)
-    assert extend_hashes([], [1, 2, 3, 4, -1], BS) == reference([1, 2, 3, 4], BS)
+    assert extend_hashes((), [1, 2, 3, 4, -1], BS) == tuple(reference([1, 2, 3, 4], BS))
     with pytest.raises(OverflowError):
         prefix_hashes([1, 2, 2**40, 4, 5], BS)
 
@@ -102,3 +128,18 @@ def test_long_ids_are_out_of_the_collectors_walks_and_keep_what_they_hold() -> N
     del earlier  # its chains now live only through ``later.source``
     gc.collect()
     assert prefix_hashes(later, BS) == [*hashes, *reference([*tokens, 1, 2, 3, 4], BS)[-1:]]
+
+
+@pytest.mark.parametrize("block_size", [1, BS, 16])
+def test_long_ids_cut_in_runs_of_blocks_chain_as_the_definition(block_size: int) -> None:
+    """Ids of hundreds of blocks (cut many blocks at a time, then the rest one by one), with
+    a partial tail or none, whole and on from a known prefix: the reference's hashes."""
+    rng = random.Random(block_size)
+    for blocks in (63, 64, 65, 128, 200, 331):
+        tokens = [rng.randrange(2**32) for _ in range(blocks * block_size + blocks % 3)]
+        expected = reference(tokens, block_size)
+        assert prefix_hashes(tokens, block_size) == expected
+        earlier = PromptIds(tokens[: len(tokens) // 2])
+        prompt_hashes(earlier, block_size)
+        later = PromptIds(tokens, earlier.chains, len(earlier))
+        assert prompt_hashes(later, block_size) == tuple(expected)

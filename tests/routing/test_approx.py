@@ -464,3 +464,85 @@ def test_turns_whose_answer_is_not_sent_back_keep_no_whole_conversations(engines
             assert memory._blocks[answer[-1]] is placed
     kept = sum(len(p.prompt) for p in live_placements(memory))
     assert kept <= 2 * len(memory)
+
+
+def test_a_conversations_next_turn_extends_its_last_placement_and_equals_the_reference() -> None:
+    """A turn that begins with the last turn's prompt and answer, on the same engine, extends
+    that placement (one record moved to the newest end, the new blocks after it); another
+    engine's placement of it, or one that diverges inside it, is placed anew. Either way
+    the memory equals the block-by-block reference, and a lookup of the turn finds the
+    blocks the placement holds alone in one step as the reference finds them."""
+    memory = ApproxPrefixIndex(ttl_s=50.0, max_blocks=1 << 20, capacity_blocks=200)
+    reference = Reference(50.0, 1 << 20, 200)
+    fresh = itertools.count(1000)
+    talk = [next(fresh) for _ in range(20)]
+    now = 0.0
+    for turn, engine in enumerate("aaabab"):
+        now += 1.0
+        prompt = [*talk, *(next(fresh) for _ in range(6))]
+        before = claim(memory._blocks.get(talk[0]), engine)
+        for probe in (prompt, talk, [*talk[:5], 7]):
+            assert memory.lookup_at(probe, now) == reference.lookup(probe, now)
+        memory.record(engine, prompt, now)
+        reference.record(engine, prompt, now)
+        after = claim(memory._blocks.get(prompt[-1]), engine)
+        assert (after is before) == (turn in (1, 2)), turn
+        answered = [*prompt, next(fresh)]
+        memory.record(engine, answered, now, len(prompt))
+        reference.record(engine, answered, now)
+        talk = answered if turn != 3 else [*answered[:10], next(fresh)]  # (diverges in it)
+        assert oldest_first(memory) == list(reference.entries.items())
+        assert lru_orders(memory) == {e: list(lru) for e, lru in reference.lru.items()}
+
+
+@pytest.mark.parametrize(("max_blocks", "capacity"), [
+    (1 << 20, 120), (1 << 20, 0), (150, 120), (60, 30), (1 << 20, 25)])
+def test_answers_recorded_on_their_prompts_equal_the_reference(
+        max_blocks: int, capacity: int) -> None:
+    """Prompts recorded, then their answers on their hashes (``record_answer``: a placement
+    of the answer's blocks of their own, after the prompt's), next turns sending the answer
+    again or not (an agent's tool result follows the prompt) or going on from within the
+    prompt, on three engines, some prompts placed on another engine before their answer,
+    engines forgotten now and then, the LRU models and the cap letting go: the memory
+    equals the block-by-block reference at every step, and each placement's count of the
+    blocks it alone holds stays true."""
+    rng = random.Random(max_blocks + capacity)
+    memory = ApproxPrefixIndex(ttl_s=50.0, max_blocks=max_blocks, capacity_blocks=capacity)
+    reference = Reference(50.0, max_blocks, capacity)
+    fresh = itertools.count(1000)
+    talks: list[list[int]] = [[next(fresh) for _ in range(rng.randint(1, 20))] for _ in range(4)]
+    now = 0.0
+    for _ in range(200):
+        now += rng.random()
+        engine = rng.choice("abc")
+        talk = rng.randrange(len(talks))
+        if rng.random() < 0.02:
+            memory.forget_engine(engine)
+            reference.forget(engine)
+        prompt = tuple([*talks[talk], *(next(fresh) for _ in range(rng.randint(0, 8)))])
+        # (looked up first, as a routed prompt is: its record trusts what the lookup matched)
+        assert memory.lookup_at(prompt, now) == reference.lookup(list(prompt), now)
+        memory.record(engine, prompt, now)
+        reference.record(engine, list(prompt), now)
+        if rng.random() < 0.15:  # the same prompt on another engine before the answer
+            other = rng.choice([e for e in "abc" if e != engine])
+            memory.record(other, prompt, now)
+            reference.record(other, list(prompt), now)
+        more = tuple(next(fresh) for _ in range(rng.choice([0, 1, 1, 2, 3, 20])))
+        if prompt:
+            memory.record_answer(engine, prompt, more, now)
+        else:
+            memory.record(engine, more, now)
+        reference.record(engine, [*prompt, *more], now)
+        talks[talk] = rng.choice([[*prompt, *more], [*prompt, *more], list(prompt),
+                                  list(prompt[: len(prompt) // 2])])
+        assert oldest_first(memory) == list(reference.entries.items())
+        assert lru_orders(memory) == {e: list(lru) for e, lru in reference.lru.items()}
+        assert {e: memory.held(e) for e in reference.lru} == {
+            e: len(lru) for e, lru in reference.lru.items()}
+        alone = collections.Counter(id(held) for held in memory._blocks.values())
+        for placed in live_placements(memory):
+            assert placed.sole == alone[id(placed)]
+        assert_orphans_held(memory)
+        for probe in (*talks, [*prompt, *more]):
+            assert memory.lookup_at(probe, now) == reference.lookup(probe, now)

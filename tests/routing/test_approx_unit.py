@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
+import random
+
 from direct_frontend.engines.neutral import EngineInfo, EngineRole
 from direct_frontend.fleet.schema import KvAwareKnobs
 from direct_frontend.kv.prefix import prefix_hashes
@@ -9,6 +12,7 @@ from direct_frontend.routing.approx import ApproxPrefixIndex, memory_keys
 from direct_frontend.routing.catalog import Catalog, EngineHandle
 from direct_frontend.routing.kv_aware import KvAware
 from direct_frontend.routing.policies import RequestView
+from tests.routing.test_approx import lru_orders, oldest_first
 
 BS = 4
 PROMPT = list(range(100, 140))  # 10 blocks of 4
@@ -70,3 +74,44 @@ def test_kv_aware_predicts_the_cached_tokens_in_engine_blocks() -> None:
     assert place([*PROMPT, 1], 32) == first  # to the unit: 2 memory blocks of 4
     short = place(PROMPT[:12], 0)  # 3 blocks, less than a unit: its own key, not a prefix
     assert place([*PROMPT[:12], 1], 12) == short  # a short prompt is remembered whole
+
+
+def test_an_answer_recorded_on_its_prompts_hashes_leaves_what_the_whole_leaves() -> None:
+    """A prompt's placement extended by its answer's hashes alone (``record_answer``) leaves
+    the memory as recording the joined whole with the prompt as its head does, at units of
+    1 to 4 blocks, prompts and answers of any length against the unit, conversations
+    building on their last turn, an answer to a prompt whose placement moved on, and
+    capacities that evict."""
+    for unit, capacity in itertools.product((1, 2, 4), (0, 24, 400)):
+        rng = random.Random(unit * 1000 + capacity)
+        whole = ApproxPrefixIndex(60, 500, capacity_blocks=capacity, unit=unit)
+        split = ApproxPrefixIndex(60, 500, capacity_blocks=capacity, unit=unit)
+        talks: list[list[int]] = [[] for _ in range(3)]
+        now = 0.0
+        for _ in range(150):
+            now += 0.5
+            engine = rng.choice("ab")
+            talk = rng.randrange(3)
+            ids = [*talks[talk], *(rng.randrange(10_000) for _ in range(rng.randint(0, 30)))]
+            prompt = tuple(prefix_hashes(ids, BS))
+            answer = [rng.randrange(10_000) for _ in range(rng.randint(0, 12))]
+            answered = tuple(prefix_hashes([*ids, *answer], BS))
+            more = answered[len(prompt):]
+            for memory in (whole, split):
+                memory.record(engine, prompt, now)
+            if rng.random() < 0.2:  # another placement of the prompt on the other engine first
+                other = "b" if engine == "a" else "a"
+                for memory in (whole, split):
+                    memory.record(other, prompt, now)
+            whole.record(engine, answered, now, len(prompt))
+            if prompt:
+                split.record_answer(engine, prompt, more, now)
+            else:
+                split.record(engine, answered, now)
+            # the next turn sends the answer again, or not (an agent's tool result follows the
+            # prompt), or goes on from within the prompt
+            talks[talk] = rng.choice([[*ids, *answer], [*ids, *answer], ids, ids[: len(ids) // 2]])
+            assert oldest_first(split) == oldest_first(whole)
+            assert lru_orders(split) == lru_orders(whole)
+            assert {e: split.held(e) for e in "ab"} == {e: whole.held(e) for e in "ab"}
+            assert split.lookup_at(answered, now) == whole.lookup_at(answered, now)

@@ -47,3 +47,22 @@ def test_a_drifting_engine_is_routed_approximately_and_the_others_not() -> None:
     assert watch.metrics.kv_prediction_diverged._value.get() == 1
     watch.forget(2)
     assert policy.by_events(bad)
+
+
+def test_the_window_judges_what_it_holds_as_requests_come_and_leave() -> None:
+    """The sums kept request by request are those of the window's requests (zeros too,
+    which count as nothing), through the window's turnover and a clear."""
+    rng = random.Random(3)
+    monitor = HitRateMonitor(window=20, min_requests=5)
+    for n in range(400):
+        if n == 250:
+            monitor.clear()
+        predicted, reported = rng.choice([(0, 0), (0, 64), (64, 0), (500, 400), (300, 300)])
+        got = monitor.record(predicted, reported)
+        relevant = [(p, a) for p, a in monitor.window if p or a]
+        p_sum, a_sum = sum(p for p, _ in relevant), sum(a for _, a in relevant)
+        drifts = (len(relevant) >= 5
+                  and abs(p_sum - a_sum) / max(p_sum, a_sum, 1) > monitor.tolerance)
+        assert (got is not None) == drifts, n
+        if got is not None:
+            assert (got.predicted, got.actual, got.requests) == (p_sum, a_sum, len(relevant))

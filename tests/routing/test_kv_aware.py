@@ -5,6 +5,7 @@ from __future__ import annotations
 import array
 import dataclasses
 import random
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -273,6 +274,10 @@ def test_the_answer_is_hashed_on_from_the_prompt_exactly(prompt_len: int) -> Non
     """Prompt and answer hash as if hashed whole: the placed prompt itself, an equal copy,
     ids that go on from it (a continuation placed with part of its answer), and ids that
     do not begin with it (or images) alike."""
+    def whole(ids: tuple[int, ...], block_size: int,
+              media: Sequence[tuple[str, int, int]] = ()) -> tuple[int, ...]:
+        return tuple(prefix_hashes(ids, block_size, media=media))
+
     rng = random.Random(prompt_len)
     prompt = tuple(rng.randrange(1000) for _ in range(prompt_len))
     policy = KvAware(KvAwareKnobs(block_size=BS))
@@ -280,26 +285,26 @@ def test_the_answer_is_hashed_on_from_the_prompt_exactly(prompt_len: int) -> Non
     assert placement is not None and placement.prompt is prompt
     for answer in [(), (5,), tuple(range(9)), tuple(range(2 * BS + 3))]:
         ids = prompt + answer
-        assert policy.answered_hashes(placement, prompt, answer) == prefix_hashes(ids, BS)
-        assert policy.answered_hashes(placement, list(prompt), list(answer)) == prefix_hashes(
+        assert policy.answered_hashes(placement, prompt, answer) == whole(ids, BS)
+        assert policy.answered_hashes(placement, list(prompt), list(answer)) == whole(
             ids, BS)
         assert policy.answered_hashes(placement, prompt[:-1], prompt[-1:] + answer) == (
-            prefix_hashes(ids, BS))
+            whole(ids, BS))
         other = (prompt[0] + 1, *prompt[1:])
-        assert policy.answered_hashes(placement, other, answer) == prefix_hashes(
+        assert policy.answered_hashes(placement, other, answer) == whole(
             other + answer, BS)
     shorter = prompt[:-1]
-    assert policy.answered_hashes(placement, shorter, ()) == prefix_hashes(shorter, BS)
+    assert policy.answered_hashes(placement, shorter, ()) == whole(shorter, BS)
     continued = policy.choose(Catalog(1, (handle("a"),)), RequestView((*prompt, 1, 2, 3), 16))
     assert continued is not None
     for answer in [(1, 2, 3), (1, 2, 3, *range(2 * BS))]:
-        assert policy.answered_hashes(continued, prompt, answer) == prefix_hashes(
+        assert policy.answered_hashes(continued, prompt, answer) == whole(
             prompt + answer, BS)
     media = (("img", 0, 2),)
     pictured = policy.choose(Catalog(1, (handle("a"),)), RequestView(prompt, 16, None, media))
     assert pictured is not None
     pictured_ids = (*prompt, 1, 2, 3, 4)
-    assert policy.answered_hashes(pictured, prompt, (1, 2, 3, 4)) == prefix_hashes(
+    assert policy.answered_hashes(pictured, prompt, (1, 2, 3, 4)) == whole(
         pictured_ids, BS, media=media)
 
 
