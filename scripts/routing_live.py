@@ -302,6 +302,8 @@ def pooled(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "ttft_mean_ms": statistics.fmean(ttft), "ttft_p90_ms": pct(ttft, 90),
         "ttft_p99_ms": pct(ttft, 99),
         "seed_means": [r["ttft_mean_ms"] for r in ok], "seed_p90s": [r["ttft_p90_ms"] for r in ok],
+        "seed_sums": [sum(r["ttft_ms"]) for r in ok],
+        "seed_counts": [len(r["ttft_ms"]) for r in ok],
         "hit_rate": sum(r["cached_tokens"] for r in ok) / max(
             1, sum(r["prompt_tokens"] for r in ok)),
         "seed_hits": [r["hit_rate"] for r in ok],
@@ -373,6 +375,9 @@ def verdict(shape: Shape, live: dict[str, dict[str, Any]],
         if "cache_affinity" in rows:
             entry["vs_cache_affinity"] = rows["cache_affinity"]["ttft_mean_ms"] / ours[
                 "ttft_mean_ms"]
+            band = seed_band(rows["cache_affinity"], ours)
+            if band is not None:
+                entry["vs_cache_affinity_band"] = band
         if "approximate" in rows:
             entry["approx_over_events"] = rows["approximate"]["ttft_mean_ms"] / ours[
                 "ttft_mean_ms"]
@@ -381,6 +386,35 @@ def verdict(shape: Shape, live: dict[str, dict[str, Any]],
                 "ttft_mean_ms"]
         out[name] = entry
     return out
+
+
+#: resamples of the seeds for :func:`seed_band`, and the band's share of them (5–95 %)
+BAND_RESAMPLES = 2000
+BAND = (0.05, 0.95)
+
+
+def seed_band(one: dict[str, Any], other: dict[str, Any]) -> tuple[float, float] | None:
+    """``one``'s pooled TTFT mean over ``other``'s, as the seeds alone move it (5–95 %).
+
+    The same seeds are drawn, with replacement, for both modes, as many as
+    were played, and each draw's pooled means compared: how far the ratio
+    lies from the one measured only because of which seeds were played
+    (where each tenant's sessions land decides a run). None under 3 seeds.
+    """
+    sums: list[list[float]] = [one.get("seed_sums", []), other.get("seed_sums", [])]
+    counts: list[list[int]] = [one.get("seed_counts", []), other.get("seed_counts", [])]
+    n = len(sums[0])
+    if n < 3 or {n} != {*map(len, sums), *map(len, counts)}:
+        return None
+    rng = random.Random(0)
+    ratios = []
+    for _ in range(BAND_RESAMPLES):
+        draw = [rng.randrange(n) for _ in range(n)]
+        mine = sum(sums[0][i] for i in draw) / sum(counts[0][i] for i in draw)
+        theirs = sum(sums[1][i] for i in draw) / sum(counts[1][i] for i in draw)
+        ratios.append(mine / theirs)
+    ratios.sort()
+    return ratios[int(BAND[0] * len(ratios))], ratios[int(BAND[1] * len(ratios)) - 1]
 
 
 def summary(v: dict[str, Any]) -> str:
@@ -395,6 +429,9 @@ def summary(v: dict[str, Any]) -> str:
             text += f" (ours' seeds' means {100 * e['seed_spread']:.0f} % apart)"
         if "vs_cache_affinity" in e:
             text += f", vs cache_affinity ×{e['vs_cache_affinity']:.2f}"
+            if "vs_cache_affinity_band" in e:
+                low, high = e["vs_cache_affinity_band"]
+                text += f" (seeds resampled: ×{low:.2f}–{high:.2f})"
         if "approx_over_events" in e:
             text += f", approximate/events ×{e['approx_over_events']:.2f}"
         if "room" in e:
