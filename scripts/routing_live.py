@@ -490,6 +490,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         "each shape's)")
     p.add_argument("--event-lag-ms", type=float, default=None,
                    help="the model's delay from a cache change to the router's index")
+    p.add_argument("--engine-slowdown", type=float, default=1.0,
+                   help="the model's engines' step, prefill and decode times × this (what a "
+                        "busy CPU does to the live engines; 1.1 puts the tight chat's modelled "
+                        "p90 on the live one)")
     p.add_argument("--kind", choices=("sglang", "vllm"), default="sglang",
                    help="the engines' contract (sglang: what SMG speaks too)")
     p.add_argument("--knob", action="append", default=[], metavar="NAME=VALUE",
@@ -500,6 +504,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--json", action="store_true", help="also one JSON line per shape")
     p.add_argument("--keep-logs", action="store_true")
     args = p.parse_args(argv)
+    if not args.engine_slowdown > 0:
+        p.error("--engine-slowdown: a factor above 0")
     names = [s.name for s in all_shapes()]
     chosen = args.shapes.split(",") if args.shapes else list(QUICK if args.quick else names)
     unknown = set(chosen) - set(names)
@@ -533,6 +539,11 @@ def virtual_rows(shape: Shape, args: argparse.Namespace) -> dict[str, dict[str, 
         shape = dataclasses.replace(shape, daemon_s=args.daemon_ms / 1e3)
     if args.event_lag_ms is not None:
         shape = dataclasses.replace(shape, event_lag_s=args.event_lag_ms / 1e3)
+    if args.engine_slowdown != 1.0:
+        slow = args.engine_slowdown
+        shape = dataclasses.replace(shape, step_us=shape.step_us * slow,
+                                    prefill_us=shape.prefill_us * slow,
+                                    decode_us=shape.decode_us * slow)
     return {mode: pooled([run_virtual(shape, seed, mode, knobs) for seed in args.model_seeds])
             for mode in [*args.modes, POOLED_LRU]}
 
