@@ -27,6 +27,7 @@ import trio
 import trio_asyncio
 from grpclib.client import Channel, UnaryStreamMethod, UnaryUnaryMethod
 from grpclib.config import Configuration
+from grpclib.encoding.proto import ProtoStatusDetailsCodec, _googleapis_available
 from h2.connection import H2Connection
 
 from direct_frontend.engines.dialects.base import Dialect, Rpc, StreamDecoder, encode_request
@@ -112,7 +113,11 @@ class EngineChannel:
         self.host = host
         self.port = port
         self.dialect = dialect
-        self._channel = Channel(host, port, config=KEEPALIVE, codec=EncodedCodec())
+        # (a codec given, grpclib no longer adds its status details codec where googleapis'
+        # protos are installed: added here as it would)
+        details = ProtoStatusDetailsCodec() if _googleapis_available() else None
+        self._channel = Channel(host, port, config=KEEPALIVE, codec=EncodedCodec(),
+                                status_details_codec=details)
         self.connections_opened = 0  # proves reloads keep untouched connections
         self._last_protocol: object = None
 

@@ -115,12 +115,20 @@ class ApproxPrefixIndex:
         self._matched: tuple[tuple[int, ...], Sequence[int]] = ((), ())
 
     def record(self, engine: str, hashes: Sequence[int], now: float, head: int = 0) -> None:
-        """Remember our own placement (:meth:`record_peer`), and tell :attr:`on_record`."""
+        """Remember our own placement (:meth:`record_peer`), and tell :attr:`on_record`.
+
+        A prompt's placement (``head`` 0) with no replicas to tell keeps ``hashes``
+        as its ``origin``, which its answer's record reads (:meth:`record_answer`);
+        no other placement keeps them: nothing would read them, and they are
+        ``unit`` times its keys, outside the memory's cap.
+        """
         if self.on_record is not None and hashes:
             self.on_record(engine, hashes)
-        self.record_peer(engine, hashes, now, head)
+        self.record_peer(engine, hashes, now, head,
+                         keep_origin=self.on_record is None and not head)
 
-    def record_peer(self, engine: str, hashes: Sequence[int], now: float, head: int = 0) -> None:
+    def record_peer(self, engine: str, hashes: Sequence[int], now: float, head: int = 0, *,
+                    keep_origin: bool = False) -> None:
         """Remember a placement (a sibling replica's, or our own via :meth:`record`).
 
         Each hash ends up newest, in order, held by ``engine`` until the new
@@ -147,8 +155,8 @@ class ApproxPrefixIndex:
                 mine = claim(self._blocks.get(hashes[-1]), engine)
             else:
                 mine = self._place(engine, hashes, now, lru)
-            if mine is not None and len(mine.prompt) == len(hashes):  # (its keys, in order)
-                mine.origin = origin
+            if keep_origin and mine is not None and len(mine.prompt) == len(hashes):
+                mine.origin = origin  # (its keys, in order, are those of ``origin``)
         self._settle(engine, lru, capacity)  # (an empty one too: a capacity may have shrunk)
 
     def record_answer(self, engine: str, hashes: tuple[int, ...], more: tuple[int, ...],
@@ -233,10 +241,10 @@ class ApproxPrefixIndex:
                   now: float, lru: _Lru | None) -> bool:
         """Whether ``prompt`` + ``extra`` extend the placement of ``prompt`` and it was done.
 
-        That placement must be ``engine``'s, placed on exactly those ``head``
+        That placement must be ``engine``'s, placed on exactly ``prompt``'s
         blocks, each held by it alone or by a Joint (so no other placement holds
-        one alone), in the LRU model exactly when there is one, and the rest
-        must be new blocks (none an orphan): then placing ``hashes`` anew
+        one alone), in the LRU model exactly when there is one, and ``extra``
+        must be new blocks (none an orphan): then placing the two anew
         would leave what this leaves, the placement moved to the newest end of
         each order with the rest after its blocks, a new expiry, and its engine's
         claim in each Joint, in a step per new block or Joint, not per block.

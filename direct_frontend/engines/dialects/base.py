@@ -51,7 +51,8 @@ class Rpc:
     request: Any
     response_type: type[Any]
     optional: bool = False
-    #: the request's prompt ids whose encoding is ready up to ``known`` (:func:`encode_request`)
+    #: the request's prompt ids whose encoding is ready up to ``known`` (:func:`encode_request`);
+    #: with it, ``request`` is not changed once built
     runs: IdRuns | None = None
 
 
@@ -220,8 +221,12 @@ def encode_request(request: Any, runs: IdRuns | None) -> bytes:
     The encoding holds the ids' message twice: first with the ready pieces
     of the first ``known`` ids, then, within the request, with the text and
     the rest. A protobuf parser merges the two, appending the second's ids to the
-    first's: the same message, with only the new ids encoded. A request whose
-    list changed since it was built is encoded whole.
+    first's: the same message, with only the new ids encoded.
+
+    With ``runs``, ``request`` is not changed after it was built (every
+    attempt builds its own): its first ``known`` ids go out as their ready
+    encoding, and its list is put back from ``runs.source``. Only a change of
+    its length is noticed (that request is encoded whole).
     """
     if runs is None:
         data: bytes = request.SerializeToString()
