@@ -2010,6 +2010,36 @@ def frontend_checks(
         expect(got[0] != got[1], f"both choices are {got[0]!r}")
         return f"two choices = the engine's samples with seeds {seed}, {seed + 1}; usage exact"
 
+    def next_turns() -> str:
+        # Long enough for the daemon to keep each turn's ids for the next (a rendered chat of
+        # 8,192 characters or more: pipeline/tokenizing.py) and to send the ids a turn shares
+        # with the last one as that turn's encoding (1,024 ids or more: engines/dialects/base.py)
+        words = " ".join(f"queue{i % 97} holds request{i}" for i in range(360))
+        msgs = [{"role": "user", "content": "Summarise this log: " + words}]
+        seen: list[str] = []
+        last: list[int] = []
+        for turn in range(3):
+            ids = texts.chat_ids(msgs)
+            shared = common_prefix(last, ids)
+            expect(len(ids) + 8 <= MAX_MODEL_LEN, f"turn {turn}: {len(ids)} ids is too long")
+            expect(turn == 0 or shared >= 1024, f"turn {turn} shares only {shared} ids")
+            r = oa.chat.completions.create(model=served, messages=msgs, temperature=0,
+                                           max_tokens=8)
+            text = r.choices[0].message.content or ""
+            _expect_usage(r.usage, len(ids), 8, f"turn {turn}")
+            details = r.usage.prompt_tokens_details
+            cached = getattr(details, "cached_tokens", 0) if details is not None else 0
+            expect(turn == 0 or (cached or 0) >= shared // BLOCK_SIZE * BLOCK_SIZE,
+                   f"turn {turn}: the engine found {cached} of the {shared} shared ids cached")
+            direct = client.generate(f"rv-turn-direct-{turn}", ids, 8, stream=False)
+            own = texts.decode(direct["tokens"])
+            expect(own == text, f"turn {turn}: {text!r}, the engine's own output {own!r}")
+            seen.append(f"{len(ids)} ids ({shared} shared, {cached} cached)")
+            msgs = [*msgs, {"role": "assistant", "content": text},
+                    {"role": "user", "content": f"And queue{turn}? " + words[: 200 * (turn + 1)]}]
+            last = ids
+        return "; ".join(seen) + ": each the engine's own output for the whole prompt"
+
     report.check("frontend: /v1/models", models)
     report.check("frontend: chat, stream == non-stream, usage", chat_same)
     report.check("frontend: n=2, each choice the engine's own seeded sample", two_choices)
@@ -2018,6 +2048,8 @@ def frontend_checks(
     report.check("frontend: max_tokens (finish length, exact count)", max_tokens)
     report.check("frontend: client disconnect aborts the engine request", cancel)
     report.check("frontend: prefix cache hit -> usage cached_tokens", cached_tokens)
+    report.check("frontend: a conversation's next turns (their shared ids sent as the last "
+                 "turn's encoding) answer as the engine does", next_turns)
     report.check("frontend: logprobs/top_logprobs carry the engine's values", lambda: (
         _logprobs_check(oa, client, texts, served, chat_msgs, comp_prompt)
     ))
