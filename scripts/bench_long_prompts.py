@@ -12,7 +12,8 @@ contract, which SMG speaks):
 - ``agent``: ``--agent-conversations`` conversations of ``--agent-turns``
   turns, run in lockstep (turn t of every conversation at once), each turn
   adding an assistant tool call and a tool result of about
-  ``--agent-result-tokens`` tokens; CPU per turn (the process CPU clock: exact to the
+  ``--agent-result-tokens`` tokens (``--agent-one-at-a-time``: a turn's requests
+  sent one after another); CPU per turn (the process CPU clock: exact to the
   nanosecond, where the 10 ms ticks would round a turn away), and the last ten
   turns' against the first ten's;
 - ``huge``: ``--huge-count`` concurrent chat prompts of ``--huge-bytes``
@@ -443,9 +444,13 @@ async def agent(servers: Sequence[Server], prose: Prose, args: argparse.Namespac
         for turn in range(args.agent_turns):
             bodies = [chat_body(conv[turn], args.long_stream) for conv in convs]
             cpu = bo.proc_cpu_seconds(server.child.pid)
-            await asyncio.gather(*(
-                streamed(bo.HttpConnection(server.port, b"", args.long_stream), b)
-                for b in bodies))
+            sends = (streamed(bo.HttpConnection(server.port, b"", args.long_stream), b)
+                     for b in bodies)
+            if args.agent_one_at_a_time:
+                for send in sends:
+                    await send
+            else:
+                await asyncio.gather(*sends)
             per_turn.append((bo.proc_cpu_seconds(server.child.pid) - cpu) * 1e3 / k)
         out[server.name] = per_turn
         first, last = per_turn[:10], per_turn[-10:]
@@ -496,6 +501,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--agent-conversations", type=int, default=4)
     g.add_argument("--agent-turns", type=int, default=40)
     g.add_argument("--agent-result-tokens", type=int, default=500)
+    g.add_argument("--agent-one-at-a-time", action="store_true",
+                   help="send a turn's requests one after another, not at once: the "
+                        "conversations' held state the same, no requests in flight together")
     g.add_argument("--huge-count", type=int, default=8)
     g.add_argument("--huge-bytes", type=int, default=1_600_000)
     g.add_argument("--probe-ms", type=float, default=10.0, help="GET /health every this long")
