@@ -16,7 +16,9 @@ previous answer. Modes: ``round_robin``, ``least_loaded``, ``cache_affinity``
 run is chaotic, a request placed a millisecond later moves the rest), so
 each table shows where the model ranks the modes as the real run does
 (pairs of modes under 10 % apart on both sides count as level), and the
-pooled-LRU reference.
+pooled-LRU reference. For the modes with KV events, how late the daemon's
+index was behind the engines (its ``direct_frontend_kv_event_lag_seconds``,
+scraped at the end of each run; p50 and p99 interpolated within its buckets).
 
 Figures per mode: TTFT (client-side, sent → first content token) mean, p90
 and p99 over both seeds, and each seed's mean and p90 (their spread is the
@@ -274,7 +276,60 @@ async def run_mode(mode: str, seed: int, fleet: Fleet, plays: Sequence[Session],
                                                                           strict=True)),
         "per_engine": [a["requests"] - b["requests"] for a, b in zip(after, before, strict=True)],
         "wall_s": wall, "cores_busy": busy / max(1e-9, wall), "cores": cpu,
+        "lag_buckets": lag_buckets(metrics),
     }
+
+
+LAG = "direct_frontend_kv_event_lag_seconds"
+
+
+def lag_buckets(samples: Sequence[tuple[str, dict[str, str], float]]) -> dict[str, float]:
+    """The daemon's KV-event lag histogram, every engine's together: cumulative count by
+    ``le``, and the observations' ``sum`` (empty without KV events)."""
+    out: dict[str, float] = {}
+    for name, labels, value in samples:
+        if name == LAG + "_bucket":
+            out[labels["le"]] = out.get(labels["le"], 0.0) + value
+        elif name == LAG + "_sum":
+            out["sum"] = out.get("sum", 0.0) + value
+    return out
+
+
+def add_buckets(runs: Sequence[dict[str, float]]) -> dict[str, float]:
+    total: dict[str, float] = {}
+    for run in runs:
+        for key, value in run.items():
+            total[key] = total.get(key, 0.0) + value
+    return total
+
+
+def lag_figures(buckets: dict[str, float]) -> dict[str, float] | None:
+    """p50, p99 (interpolated within a bucket, as Prometheus' ``histogram_quantile``) and mean
+    of the index's lag behind the engines, in ms, and the live batches counted."""
+    bounds = sorted((float(le), count) for le, count in buckets.items() if le != "sum")
+    if not bounds or bounds[-1][1] == 0:
+        return None
+    n = bounds[-1][1]
+
+    def quantile(q: float) -> float:
+        lower, below = 0.0, 0.0
+        for le, count in bounds:
+            if count >= q * n:
+                if math.isinf(le):
+                    return lower  # above the largest finite bound: a lower bound
+                return lower + (le - lower) * (q * n - below) / max(count - below, 1e-12)
+            lower, below = le, count
+        return lower  # (not reached: the +Inf bucket holds n)
+
+    return {"p50_ms": 1e3 * quantile(0.5), "p99_ms": 1e3 * quantile(0.99),
+            "mean_ms": 1e3 * buckets.get("sum", 0.0) / n, "batches": n}
+
+
+def lag_text(buckets: dict[str, float]) -> str:
+    f = lag_figures(buckets)
+    return "" if f is None else (
+        f"index lag p50 {f['p50_ms']:.1f} p99 {f['p99_ms']:.1f} mean {f['mean_ms']:.1f} ms over "
+        f"{f['batches']:.0f} live batches")
 
 
 def cpu_split(daemon: Child, fleet: Fleet) -> dict[str, float]:
@@ -312,6 +367,7 @@ def pooled(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "per_engine": ok[0]["per_engine"], "requests": sum(r["requests"] for r in ok),
         "error_count": sum(r.get("error_count", 0) for r in ok),
         "cores_busy": max((r.get("cores_busy", 0.0) for r in ok), default=0.0),
+        "lag_buckets": add_buckets([r.get("lag_buckets", {}) for r in ok]),
     }
 
 
@@ -345,6 +401,10 @@ def print_shape(shape: Shape, live: dict[str, dict[str, Any]],
               f"{', '.join(f'{h:.3f}' for h in r['seed_hits'])} | {r['prefill_ms']:.1f} | "
               f"{r['evictions']:.0f} | "
               f"{r['per_engine']} | {model} |")
+    for mode in MODES:
+        lag = lag_text(live.get(mode, {}).get("lag_buckets", {}))
+        if lag:
+            print(f"\n{mode}: {lag} (the daemon's {LAG}, its seeds pooled)")
     return verdict(shape, live, virtual)
 
 
@@ -568,6 +628,7 @@ async def live_rows(shape: Shape, args: argparse.Namespace, tokenizer: Tokenizer
                       f"requests, per engine {r['per_engine']}, {r['wall_s']:.0f} s, cores busy "
                       f"{r['cores_busy']:.2f} (ours: daemon {r['cores']['daemon']:.2f}, engines "
                       f"{r['cores']['engines']:.2f}, client {r['cores']['client']:.2f})"
+                      + (f", {lag}" if (lag := lag_text(r["lag_buckets"])) else "")
                       + (f", {r['error_count']} ERRORS {r['errors'][:2]}" if r["error_count"]
                          else "") + ("" if r["status"] == "ok" else f" ⚠ {r['status']}"),
                       flush=True)

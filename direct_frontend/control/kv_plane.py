@@ -83,6 +83,7 @@ class KvPlane:
             )
             return
         keys = [index_key(child.incarnation, rank) for rank in range(len(cfg.kv_events))]
+        lag = self.metrics.kv_event_lag(child.name).observe if self.metrics is not None else None
         try:
             async with trio.open_nursery() as nursery:
                 for rank, endpoint in enumerate(cfg.kv_events):
@@ -93,6 +94,7 @@ class KvPlane:
                             run_kv_subscriber, keys[rank], endpoint, replay, self.index, page,
                             on_malformed=functools.partial(self._malformed, child.name),
                             on_restart=functools.partial(self._restarted, child, rank),
+                            on_lag=lag,
                             warm_next_seq=self._load_warm(keys[rank]),
                         )
                     )

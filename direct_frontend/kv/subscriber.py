@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import time
 from collections.abc import Callable
 from typing import Final
 
@@ -118,16 +119,22 @@ class _Shell:
     on_malformed: Callable[[str], None]
     on_clear: Callable[[str, ClearReason], None] | None
     on_restart: Callable[[str], None] | None
+    on_lag: Callable[[float], None] | None
     replay_scope: trio.CancelScope | None = None
     logged_malformed: bool = False
     dropped: bool = False  # the SUB lost its connection and has not reconnected
 
     # -- actions -----------------------------------------------------------
 
-    def run(self, actions: list[Action[bytes]]) -> None:
+    def run(self, actions: list[Action[bytes]], live: int = -1) -> None:
+        """Carry out ``actions``; ``live`` is the seq of the live message that caused them.
+
+        Only that message's own batch is live when applied; the others are
+        replayed or were held back during a replay (catch-up, not lag).
+        """
         for action in actions:
             if isinstance(action, Apply):
-                self.apply(action.seq, action.item)
+                self.apply(action.seq, action.item, action.seq == live)
             elif isinstance(action, ClearEngine):
                 self.index.clear_engine(self.sub.engine_id)
                 if action.reason not in ("start",):
@@ -148,7 +155,7 @@ class _Shell:
             self.replay_scope.cancel()
             self.replay_scope = None
 
-    def apply(self, seq: int, payload: bytes) -> None:
+    def apply(self, seq: int, payload: bytes, live: bool = False) -> None:
         try:
             batch = decode_payload(payload, seq=seq)
         except KvDecodeError as exc:
@@ -157,6 +164,9 @@ class _Shell:
         if batch.malformed_events:
             self.malformed(f"{batch.malformed_events} malformed event(s) in batch {seq}")
         self.index.apply(self.sub.engine_id, batch)
+        if live and self.on_lag is not None:
+            lag = time.time() - batch.ts  # both wall clocks: skew between hosts is in it
+            self.on_lag(lag if lag > 0.0 else 0.0)
 
     def publisher_restarted(self) -> None:
         self.sub.publisher_restarts += 1
@@ -199,7 +209,7 @@ class _Shell:
         except KvDecodeError as exc:
             self.malformed(str(exc))
             return False
-        self.run(self.sub.tracker.on_live(seq, frames[2]))
+        self.run(self.sub.tracker.on_live(seq, frames[2]), seq)
         return False
 
     async def replay(self, scope: trio.CancelScope, start: int, attempt: int) -> None:
@@ -283,6 +293,7 @@ async def run_kv_subscriber(
     on_malformed: Callable[[str], None],
     on_clear: Callable[[str, ClearReason], None] | None = None,
     on_restart: Callable[[str], None] | None = None,
+    on_lag: Callable[[float], None] | None = None,
     topic: bytes = b"",
     replay_timeout: float = 5.0,
     max_buffer: int = 100_000,
@@ -299,6 +310,11 @@ async def run_kv_subscriber(
     Malformed messages are reported through ``on_malformed(engine_id)`` and
     skipped; every index clear through ``on_clear(engine_id, reason)``; each time
     the publisher starts over (a new process) through ``on_restart(engine_id)``.
+    ``on_lag(seconds)`` gets, for each live batch, how long after the engine
+    stamped it the index held it (wall clocks, at least 0): how stale the
+    index is. Batches a replay brings, or held back while one ran, are not
+    reported: they measure catching up after a gap, which the gap's clear or
+    replay already tells.
     Returns only by cancellation; the engine's entries stay in the index (call
     ``index.clear_engine`` or ``remove_engine`` when fencing it). With
     ``warm_next_seq`` the index already holds a sibling's entries for
@@ -328,7 +344,7 @@ async def run_kv_subscriber(
         async with trio.open_nursery() as nursery:
             shell = _Shell(
                 subscription, index, ctx, nursery, replay_timeout, on_malformed, on_clear,
-                on_restart,
+                on_restart, on_lag,
             )
             subscription._resync = lambda: shell.run(tracker.start())
             nursery.start_soon(shell.monitor, monitor)

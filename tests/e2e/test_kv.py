@@ -53,6 +53,8 @@ def test_requests_sharing_a_prefix_follow_the_cache(model_dir: Path, tmp_path: P
         daemon.wait_serving(3)
         kv = daemon.supervisor.kv
         wait_for(lambda: len(kv.live) == 3, what="three KV subscriptions")
+        wait_for(lambda: all(s.tracker.state != "replaying" for s in kv.subscriptions.values()),
+                 what="the start-up replays done")  # (what they bring is no lag)
         sims = daemon.supervisor.simulators
         system = list(range(300, 300 + 160))  # ten full blocks shared by every request
         first = complete(daemon, [*system, 1, 2, 3])
@@ -70,6 +72,9 @@ def test_requests_sharing_a_prefix_follow_the_cache(model_dir: Path, tmp_path: P
         assert predicted == reported == 6 * 160
         assert metric(daemon, "direct_frontend_kv_index_blocks") >= 10
         assert metric(daemon, "direct_frontend_kv_prediction_diverged") == 0
+        lagged = re.findall(rf'^direct_frontend_kv_event_lag_seconds_count{{engine="{holder}"}} '
+                            r"(\S+)$", http.get(daemon.url + "/metrics").text, re.M)
+        assert float(lagged[0]) >= 1  # the live batches that taught the index the prefix
         # an evaluation harness's batch sharing a few-shot prefix: every prompt finds it cached
         batch = [[*system, 60 + i, 7, 8] for i in range(4)]
         usage = complete(daemon, batch)["usage"]

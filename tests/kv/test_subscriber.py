@@ -11,6 +11,7 @@ import contextlib
 import functools
 import random
 import socket
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -58,12 +59,14 @@ class Subscribed:
     """A running subscriber and what it reported."""
 
     def __init__(
-        self, sub: KvSubscription, malformed: list[str], clears: list[str], restarts: list[str]
+        self, sub: KvSubscription, malformed: list[str], clears: list[str], restarts: list[str],
+        lags: list[float],
     ) -> None:
         self.sub = sub
         self.malformed = malformed
         self.clears = clears
         self.restarts = restarts  # engine ids, one per publisher restart
+        self.lags = lags  # seconds, one per live batch applied
 
 
 @contextlib.asynccontextmanager
@@ -76,6 +79,7 @@ async def subscribed(
     malformed: list[str] = []
     clears: list[str] = []
     restarts: list[str] = []
+    lags: list[float] = []
     async with trio.open_nursery() as nursery:
         sub = await nursery.start(
             functools.partial(
@@ -88,10 +92,11 @@ async def subscribed(
                 on_malformed=malformed.append,
                 on_clear=lambda engine, reason: clears.append(reason),
                 on_restart=restarts.append,
+                on_lag=lags.append,
                 **options,
             )
         )
-        yield Subscribed(sub, malformed, clears, restarts)
+        yield Subscribed(sub, malformed, clears, restarts, lags)
         nursery.cancel_scope.cancel()
 
 
@@ -119,6 +124,64 @@ def test_startup_replay_indexes_an_idle_engines_history() -> None:
                 await until(lambda: indexed(index, 0, 1, 2, 3, 4), what="history replayed")
                 assert s.sub.replay_messages == 5 and s.sub.tracker.next_seq == 5
                 assert s.clears == ["start"] and s.malformed == []
+
+    run(body)
+
+
+def test_live_batches_report_their_lag_and_replayed_ones_do_not() -> None:
+    async def body() -> None:
+        index = KvIndex(BS)
+        async with publishing() as pub:
+            for i in range(5):
+                pub.publish([block(i)])
+            async with subscribed(index, pub.endpoint, pub.replay_endpoint) as s:
+                await until(lambda: s.sub.tracker.state == "live" and indexed(index, 0, 4),
+                            what="history replayed")
+                assert s.lags == []  # catching up is not lag
+                await warm_up(pub, s)  # (what waited for the replay is not lag either)
+                live = len(s.lags)
+                before = time.time()
+                last = pub.publish([block(pub.next_seq)])
+                await until(functools.partial(indexed, index, last), what="a live batch")
+                after = time.time()
+                assert len(s.lags) == live + 1
+                assert 0.0 <= s.lags[-1] <= after - before  # stamped at publish, after `before`
+
+    run(body)
+
+
+def test_lag_is_from_the_batchs_stamp_and_never_negative() -> None:
+    """A batch stamped in the past (a slow or skewed engine), and one stamped in the future."""
+
+    async def body() -> None:
+        from direct_frontend.simulator.kv_publisher import vllm_batch
+
+        index = KvIndex(BS)
+        context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        pub = context.socket(zmq.PUB)
+        try:
+            port = pub.bind_to_random_port("tcp://127.0.0.1")
+            async with subscribed(index, f"tcp://127.0.0.1:{port}", None) as s:
+                seq = 0
+                while s.sub.messages == 0:  # until the SUB is connected; stamped now
+                    pub.send_multipart([b"", seq.to_bytes(8, "big"),
+                                        vllm_batch([block(seq)], time.time())])
+                    seq += 1
+                    await trio.sleep(0.005)
+                await until(lambda: s.sub.tracker.next_seq == seq, what="caught up")
+                seen = len(s.lags)
+                assert seen >= 1 and all(lag >= 0.0 for lag in s.lags)
+                stamped = time.time() - 30.0
+                pub.send_multipart([b"", seq.to_bytes(8, "big"),
+                                    vllm_batch([block(seq)], stamped)])
+                pub.send_multipart([b"", (seq + 1).to_bytes(8, "big"),
+                                    vllm_batch([block(seq + 1)], time.time() + 3600.0)])
+                await until(functools.partial(indexed, index, seq, seq + 1), what="both")
+                late, early = s.lags[seen:]
+                assert 30.0 <= late <= time.time() - stamped
+                assert early == 0.0
+        finally:
+            pub.close(linger=0)
 
     run(body)
 

@@ -109,7 +109,13 @@ def test_engine_state_is_one_hot_and_forget_engine_drops_series() -> None:
     m.set_engine_state("e1", "draining")
     m.set_engine_state("e2", "serving")
     m.engine_error("e1", "protocol")
+    m.kv_event_lag("e1").observe(0.003)
+    m.kv_event_lag("e1").observe(0.3)
     text = m.render()[0].decode()
+    lag = "direct_frontend_kv_event_lag_seconds"
+    assert sample(text, lag + "_bucket", engine="e1", le="0.005") == 1
+    assert sample(text, lag + "_bucket", engine="e1", le="+Inf") == 2
+    assert sample(text, lag + "_sum", engine="e1") == 0.303
     for state in ENGINE_STATES:
         want = 1 if state == "draining" else 0
         assert sample(text, "direct_frontend_engine_state", engine="e1", state=state) == want
