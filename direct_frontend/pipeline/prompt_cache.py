@@ -140,19 +140,25 @@ class PrefixCache(GroupedLru[str, Rendered]):
         super().__init__(max_bytes, PREFIX_PER_KEY)
         self.max_entry_bytes = max_entry_bytes
         self.reused_tokens = 0
+        #: the last :meth:`extended_by`'s text (that very object) and the kept prompt it
+        #: begins with: :meth:`find` of that text takes the match as proven (both are
+        #: immutable) instead of comparing the whole prefix again
+        self._proven: tuple[str, Rendered] | None = None
 
     def find(self, text: str, cuts: Sequence[int]) -> Reuse | None:
         """The kept prompt sharing the longest prefix with ``text`` (whose cuts are
         ``cuts``) that ends at a cut of both; None if none shares a whole piece."""
+        proven, self._proven = self._proven, None
         head = _head(text, cuts)
         found = None if head is None else self.group(head)
         if not found:
             self.misses += 1
             return None
+        whole = proven[1] if proven is not None and proven[0] is text else None
         at = set(cuts)
         best: Reuse | None = None
         for entry in reversed(found):
-            reuse = _shared(text, at, entry)
+            reuse = _shared(text, at, entry, entry is whole)
             if reuse is not None and (best is None or reuse.tokens > best.tokens):
                 best = reuse
         if best is None:
@@ -166,12 +172,14 @@ class PrefixCache(GroupedLru[str, Rendered]):
     def extended_by(self, text: str, early: Sequence[int]) -> Rendered | None:
         """The longest kept prompt that ``text`` begins with, among those of its first
         piece; ``early``: ``text``'s cuts up to :data:`HEAD_CHARS` at least (which
-        give that piece). A look-up only: no hit or miss is counted."""
+        give that piece). A look-up only: no hit or miss is counted; the next
+        :meth:`find` of ``text`` takes the match as proven."""
         head = _head(text, [*early[:1], HEAD_CHARS] if len(early) < 2 else early)
         best: Rendered | None = None
         for entry in self.group(head or ""):
             if (best is None or len(entry.text) > len(best.text)) and text.startswith(entry.text):
                 best = entry
+        self._proven = None if best is None else (text, best)
         return best
 
     def put(self, entry: Rendered, replaces: Rendered | None = None) -> None:
@@ -194,10 +202,11 @@ def _head(text: str, cuts: Sequence[int]) -> str | None:
     return text[: min(ends[0], HEAD_CHARS)] if ends else None
 
 
-def _shared(text: str, at: set[int], entry: Rendered) -> Reuse | None:
-    """The longest prefix of ``text`` that ``entry`` shares, ending at a cut of both."""
+def _shared(text: str, at: set[int], entry: Rendered, whole: bool = False) -> Reuse | None:
+    """The longest prefix of ``text`` that ``entry`` shares, ending at a cut of both;
+    ``whole``: ``text`` is known to begin with ``entry``'s text."""
     cuts, counts = entry.cuts, entry.counts
-    if text.startswith(entry.text):
+    if whole or text.startswith(entry.text):
         if len(entry.text) in at:
             return Reuse(entry, len(entry.text), len(entry.ids))
         high = len(cuts)  # every cut is shared

@@ -58,14 +58,17 @@ class Turns:
     messages: tuple[ChatMessage, ...]
     count: int
     views: list[View]
-    text: str
+    #: the loop's output, in the pieces successive turns rendered (joined once, in the prompt)
+    pieces: tuple[str, ...]
+    #: their length in all
+    chars: int
     #: the template's output before and after its loop, for this conversation's variables
     head: str
     tail: str
 
     @property
     def cost(self) -> int:
-        return 2 * len(self.text) + 64 * len(self.messages)
+        return 2 * self.chars + 64 * len(self.messages)
 
 
 class TurnCache(GroupedLru[Key, Turns]):
@@ -144,9 +147,10 @@ def render_turns(cache: TurnCache, model: TextModel, split: SplitTemplate,
     except Exception:  # (the whole render says what fails, and how)
         return model.render_chat(views, add_generation_prompt=add_generation_prompt,
                                  tools=tools, extra=extra)
-    done = middle if earlier is None else earlier.text + middle
+    done = (middle,) if earlier is None else (*earlier.pieces, middle)
     if reach is not None:  # (else what it rendered read more than the messages before)
         read = max(n - 1, reach + 1, 0 if earlier is None else len(earlier.messages))
-        cache.put(Turns(setting, tuple(messages[:read]), n - 1, views[:n - 1], done, head,
-                        tail), earlier)
-    return "".join((head, done, end, tail))
+        chars = len(middle) + (0 if earlier is None else earlier.chars)
+        cache.put(Turns(setting, tuple(messages[:read]), n - 1, views[:n - 1], done, chars,
+                        head, tail), earlier)
+    return "".join((head, *done, end, tail))

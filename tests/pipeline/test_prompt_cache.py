@@ -92,6 +92,32 @@ def test_the_longest_kept_prompt_a_text_begins_with_is_found_by_its_early_cuts()
     assert (cache.hits, cache.misses) == (0, 0)  # look-ups, not uses
 
 
+def test_find_takes_a_match_extended_by_proved_for_that_text_only() -> None:
+    cache = PrefixCache()
+    kept = _rendered("<s>sys<u>hi<a>", [0, 6, 11], 7)
+    cache.put(kept)
+    text = "".join(["<s>sys<u>hi<a>", "<u>more"])
+    assert cache.extended_by(text, [0, 6]) is kept
+    # another text of the same length that does not begin with the kept one: compared
+    other = "".join(["<s>sys<u>ho<a>", "<u>more"])
+    reuse = cache.find(other, [0, 6, 11, 14])
+    assert reuse is not None and (reuse.cut, reuse.tokens) == (6, 3)
+    # for the text it was made for: what a fresh look-up finds
+    assert cache.extended_by(text, [0, 6]) is kept
+    reuse = cache.find(text, [0, 6, 11, 14])
+    assert reuse is not None and (reuse.entry, reuse.cut, reuse.tokens) == (kept, 14, 7)
+    fresh = PrefixCache()
+    fresh.put(kept)
+    again = fresh.find(text, [0, 6, 11, 14])
+    assert again is not None and (again.entry, again.cut, again.tokens) == (kept, 14, 7)
+    # a proof left over is not taken by a later text that merely equals it
+    assert cache.extended_by(text, [0, 6]) is kept
+    assert cache.find(other, [0, 6, 11, 14]) is not None
+    equal = "".join(["<s>sys<u>hi<a>", "<u>more"])
+    reuse = cache.find(equal, [0, 6, 11, 14])
+    assert reuse is not None and (reuse.cut, reuse.tokens) == (14, 7)
+
+
 def test_the_prefix_cache_is_bounded_and_drops_what_a_longer_prompt_covers() -> None:
     cache = PrefixCache(max_bytes=10_000)
     first = _rendered("<s>sys<u>" + "x" * 100, [0, 6], 50)

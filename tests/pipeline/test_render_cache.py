@@ -277,7 +277,7 @@ def test_the_cache_keeps_its_budget() -> None:
                             {"role": "user", "content": "x" * 300 * (i % 4)},
                             {"role": "user", "content": "y"}], False, None)
         cache.put(Turns((split, (), None, True), request.messages[:2], 2, [],
-                        "t" * 400 * (i % 4), "", ""))
+                        ("t" * 400 * (i % 4),), 400 * (i % 4), "", ""))
         assert cache.size <= 4000
         assert cache.size == sum(e.cost for e in cache.kept())
 
