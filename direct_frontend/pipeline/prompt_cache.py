@@ -142,7 +142,8 @@ class PrefixCache(GroupedLru[str, Rendered]):
         self.reused_tokens = 0
         #: the last :meth:`extended_by`'s text (that very object) and the kept prompt it
         #: begins with: :meth:`find` of that text takes the match as proven (both are
-        #: immutable) instead of comparing the whole prefix again
+        #: immutable) instead of comparing the whole prefix again; held until the next
+        #: :meth:`find` or :meth:`extended_by` (one prompt at most, outside the budget)
         self._proven: tuple[str, Rendered] | None = None
 
     def find(self, text: str, cuts: Sequence[int]) -> Reuse | None:

@@ -147,7 +147,8 @@ def render_turns(cache: TurnCache, model: TextModel, split: SplitTemplate,
     except Exception:  # (the whole render says what fails, and how)
         return model.render_chat(views, add_generation_prompt=add_generation_prompt,
                                  tools=tools, extra=extra)
-    done = (middle,) if earlier is None else (*earlier.pieces, middle)
+    done = ((middle,) if earlier is None else (*earlier.pieces, middle) if middle
+            else earlier.pieces)  # (the same conversation again adds no piece)
     if reach is not None:  # (else what it rendered read more than the messages before)
         read = max(n - 1, reach + 1, 0 if earlier is None else len(earlier.messages))
         chars = len(middle) + (0 if earlier is None else earlier.chars)

@@ -330,3 +330,22 @@ def test_shapes_the_proof_must_see_render_as_the_whole_template(
         whole, incremental = _both(model, cache, _request(turns[:k], False, {"flag": flag}),
                                    True)
         assert incremental == whole, (k, flag)
+
+
+def test_the_same_conversation_again_keeps_as_many_pieces(models: dict[str, TextModel]) -> None:
+    """A conversation sent again as it was (a retry, another choice, a count of its tokens)
+    renders nothing new: its kept entry stays as it was, not one empty piece longer each
+    time (pieces the budget does not count, copied and joined on every later turn)."""
+    model = models["demo"]
+    split = model.split_template(None)
+    assert split is not None
+    cache = TurnCache()
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Read."},
+                {"role": "assistant", "content": "Done."}, {"role": "user", "content": "More."}]
+    request = _request(messages, False, None)
+    for _ in range(50):
+        prompt = render_turns(cache, model, split, request.messages, message_dict, None, (),
+                              None, True)
+        assert prompt == model.render_chat([message_dict(m) for m in request.messages])
+    (kept,) = cache.kept()
+    assert len(kept.pieces) <= 2, len(kept.pieces)
