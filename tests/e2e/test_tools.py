@@ -342,7 +342,15 @@ def test_a_reload_changes_a_models_parser_and_refuses_an_unknown_one(
         assert not refused["ok"] and "unknown parser 'hermez'" in json.dumps(refused)
         assert read_full(client, "m", "[hermes]")[0].tool_calls  # the running fleet serves on
         fleet_file.write_text(text("none"))
+        running = simulators(daemon)["sim-m"]
         assert http.post(daemon.url + "/fleet/reload").json()["ok"]
+        # the model's engine starts anew with its new settings (its simulator too, unscripted):
+        # waited for, not raced (the old one may answer first on a quiet machine only)
+        wait_for(lambda: simulators(daemon).get("sim-m") not in (None, running), 10.0,
+                 "the reloaded engine's simulator")
+        daemon.wait_serving(1)
+        for sim in simulators(daemon).values():
+            sim.core.scripts = ScriptBook(tokenizer, SCRIPTS)
         message, finish = read_full(client, "m", "[hermes]")
         assert message.tool_calls is None and message.content == SCRIPTS["[hermes]"]
         assert finish == "stop"
