@@ -12,7 +12,7 @@ import functools
 import random
 import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import trio
@@ -21,7 +21,7 @@ import zmq
 
 from direct_frontend.kv.index import KvIndex
 from direct_frontend.kv.subscriber import KvSubscription, run_kv_subscriber
-from direct_frontend.simulator.kv_publisher import KvEventPublisher, PublisherKind
+from direct_frontend.simulator.kv_publisher import KvEventPublisher, PublisherKind, vllm_batch
 from direct_frontend.simulator.kvcache import CacheCleared, StoredRun
 from tests.support.sim import run_trio as run
 from tests.support.sim import until_trio as until
@@ -112,18 +112,27 @@ async def warm_up(pub: KvEventPublisher, s: Subscribed) -> None:
     await until(lambda: s.sub.tracker.next_seq == pub.next_seq, what="caught up")
 
 
+@contextlib.asynccontextmanager
+async def history_then_subscribed(
+    index: KvIndex,
+) -> AsyncIterator[tuple[KvEventPublisher, Subscribed]]:
+    """An engine that cached five blocks (seqs 0–4) before we subscribed, then went quiet."""
+    async with publishing() as pub:
+        for i in range(5):
+            pub.publish([block(i)])
+        async with subscribed(index, pub.endpoint, pub.replay_endpoint) as s:
+            yield pub, s
+
+
 def test_startup_replay_indexes_an_idle_engines_history() -> None:
     """An engine that cached blocks before we subscribed, then went quiet."""
 
     async def body() -> None:
         index = KvIndex(BS)
-        async with publishing() as pub:
-            for i in range(5):
-                pub.publish([block(i)])
-            async with subscribed(index, pub.endpoint, pub.replay_endpoint) as s:
-                await until(lambda: indexed(index, 0, 1, 2, 3, 4), what="history replayed")
-                assert s.sub.replay_messages == 5 and s.sub.tracker.next_seq == 5
-                assert s.clears == ["start"] and s.malformed == []
+        async with history_then_subscribed(index) as (_, s):
+            await until(lambda: indexed(index, 0, 1, 2, 3, 4), what="history replayed")
+            assert s.sub.replay_messages == 5 and s.sub.tracker.next_seq == 5
+            assert s.clears == ["start"] and s.malformed == []
 
     run(body)
 
@@ -131,57 +140,60 @@ def test_startup_replay_indexes_an_idle_engines_history() -> None:
 def test_live_batches_report_their_lag_and_replayed_ones_do_not() -> None:
     async def body() -> None:
         index = KvIndex(BS)
-        async with publishing() as pub:
-            for i in range(5):
-                pub.publish([block(i)])
-            async with subscribed(index, pub.endpoint, pub.replay_endpoint) as s:
-                await until(lambda: s.sub.tracker.state == "live" and indexed(index, 0, 4),
-                            what="history replayed")
-                assert s.lags == []  # catching up is not lag
-                await warm_up(pub, s)  # (what waited for the replay is not lag either)
-                live = len(s.lags)
-                before = time.time()
-                last = pub.publish([block(pub.next_seq)])
-                await until(functools.partial(indexed, index, last), what="a live batch")
-                after = time.time()
-                assert len(s.lags) == live + 1
-                assert 0.0 <= s.lags[-1] <= after - before  # stamped at publish, after `before`
+        async with history_then_subscribed(index) as (pub, s):
+            await until(lambda: s.sub.tracker.state == "live" and indexed(index, 0, 4),
+                        what="history replayed")
+            assert s.lags == []  # catching up is not lag
+            await warm_up(pub, s)  # (what waited for the replay is not lag either)
+            live = len(s.lags)
+            before = time.time()
+            last = pub.publish([block(pub.next_seq)])
+            await until(functools.partial(indexed, index, last), what="a live batch")
+            after = time.time()
+            assert len(s.lags) == live + 1
+            assert 0.0 <= s.lags[-1] <= after - before  # stamped at publish, after `before`
 
     run(body)
+
+
+@contextlib.contextmanager
+def bare_pub() -> Iterator[tuple[zmq.Socket[bytes], int]]:
+    """A PUB socket on a free loopback port, no publisher logic (the test sends each frame)."""
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+    pub = context.socket(zmq.PUB)
+    try:
+        yield pub, pub.bind_to_random_port("tcp://127.0.0.1")
+    finally:
+        pub.close(linger=0)
+
+
+def send_batch(pub: zmq.Socket[bytes], seq: int, stamp: float) -> None:
+    """One vLLM batch of one block (``block(seq)``) stamped ``stamp``, under ``seq``."""
+    pub.send_multipart([b"", seq.to_bytes(8, "big"), vllm_batch([block(seq)], stamp)])
 
 
 def test_lag_is_from_the_batchs_stamp_and_never_negative() -> None:
     """A batch stamped in the past (a slow or skewed engine), and one stamped in the future."""
 
     async def body() -> None:
-        from direct_frontend.simulator.kv_publisher import vllm_batch
-
         index = KvIndex(BS)
-        context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-        pub = context.socket(zmq.PUB)
-        try:
-            port = pub.bind_to_random_port("tcp://127.0.0.1")
+        with bare_pub() as (pub, port):
             async with subscribed(index, f"tcp://127.0.0.1:{port}", None) as s:
                 seq = 0
                 while s.sub.messages == 0:  # until the SUB is connected; stamped now
-                    pub.send_multipart([b"", seq.to_bytes(8, "big"),
-                                        vllm_batch([block(seq)], time.time())])
+                    send_batch(pub, seq, time.time())
                     seq += 1
                     await trio.sleep(0.005)
                 await until(lambda: s.sub.tracker.next_seq == seq, what="caught up")
                 seen = len(s.lags)
                 assert seen >= 1 and all(lag >= 0.0 for lag in s.lags)
                 stamped = time.time() - 30.0
-                pub.send_multipart([b"", seq.to_bytes(8, "big"),
-                                    vllm_batch([block(seq)], stamped)])
-                pub.send_multipart([b"", (seq + 1).to_bytes(8, "big"),
-                                    vllm_batch([block(seq + 1)], time.time() + 3600.0)])
+                send_batch(pub, seq, stamped)
+                send_batch(pub, seq + 1, time.time() + 3600.0)
                 await until(functools.partial(indexed, index, seq, seq + 1), what="both")
                 late, early = s.lags[seen:]
                 assert 30.0 <= late <= time.time() - stamped
                 assert early == 0.0
-        finally:
-            pub.close(linger=0)
 
     run(body)
 
@@ -409,17 +421,12 @@ def test_a_silent_replay_endpoint_times_out_and_live_events_still_flow() -> None
 def test_malformed_messages_are_counted_and_skipped() -> None:
     async def body() -> None:
         index = KvIndex(BS)
-        context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-        pub = context.socket(zmq.PUB)
-        try:
-            port = pub.bind_to_random_port("tcp://127.0.0.1")
+        with bare_pub() as (pub, port):
             seq = 0
 
             def send_good() -> int:
                 nonlocal seq
-                from direct_frontend.simulator.kv_publisher import vllm_batch
-
-                pub.send_multipart([b"", seq.to_bytes(8, "big"), vllm_batch([block(seq)], 0.0)])
+                send_batch(pub, seq, 0.0)
                 seq += 1
                 return seq - 1
 
@@ -435,8 +442,6 @@ def test_malformed_messages_are_counted_and_skipped() -> None:
                 await until(lambda: indexed(index, last), what="good message after bad ones")
                 assert len(s.malformed) == 3 and set(s.malformed) == {"e"}
                 assert s.sub.malformed == 3 and "gap" not in s.clears
-        finally:
-            pub.close(linger=0)
 
     run(body)
 
