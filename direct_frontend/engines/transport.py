@@ -181,8 +181,7 @@ class EngineChannel:
                 try:
                     async with method.open(timeout=deadline_s, metadata=metadata) as call:
                         # HEADERS and DATA: one socket write
-                        message = rpc.request if rpc.runs is None else encode_request(
-                            rpc.request, rpc.runs)
+                        message = encode_request(rpc.request, rpc.runs)
                         await one_write(self._channel, call.send_message(message, end=True))
                         self._note_connection()
                         await call.recv_initial_metadata()

@@ -211,9 +211,10 @@ class ApproxPrefixIndex:
 
     def _keys(self, hashes: Sequence[int]) -> Sequence[int]:
         """:func:`memory_keys` of ``hashes`` (the same tuple again: the same keys)."""
-        keyed = self._keyed
-        if keyed[0] is hashes or self.unit == 1:
-            return hashes if self.unit == 1 else keyed[1]
+        if self.unit == 1:
+            return hashes
+        if self._keyed[0] is hashes:
+            return self._keyed[1]
         keys = memory_keys(hashes, self.unit)
         if type(hashes) is tuple:
             self._keyed = (hashes, keys)

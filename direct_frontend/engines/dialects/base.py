@@ -141,12 +141,19 @@ def _shared_runs(earlier: dict[str, Any], key: str, copied: Any, field: str, kno
     done = whole[-1][0] if whole else 0
     if done == known:
         return whole
-    part = type(copied)()
-    ids = getattr(part, field)
-    ids.extend(getattr(copied, field))  # (list to list: a copy in C)
-    del ids[known:]
-    del ids[:done]
-    return (*whole, (known, part.SerializeToString()))
+    return (*whole, (known, _encoded(type(copied), field, getattr(copied, field), done, known)))
+
+
+def _encoded(message_type: type[Any], field: str, ids: Any, start: int, end: int) -> bytes:
+    """The encoding of ``ids[start:end]`` (a protobuf id list) as a ``message_type`` that holds
+    them alone in its ``field`` (a packed run)."""
+    part = message_type()
+    listed = getattr(part, field)
+    listed.extend(ids)  # (list to list: a copy in C)
+    del listed[end:]
+    del listed[:start]
+    data: bytes = part.SerializeToString()
+    return data
 
 
 def _bounded(runs: Runs) -> Runs:
@@ -196,11 +203,8 @@ def fill_prompt(tokenized: Any, field: str, text: str, ids: Sequence[int], key: 
         getattr(kept, field).extend(listed)
         built[key] = kept
         if shared is not None:
-            new = type(tokenized)()
-            added = getattr(new, field)
-            added.extend(listed)
-            del added[:known]
-            built[key + RUNS_KEY] = _bounded((*shared, (len(listed), new.SerializeToString())))
+            added = _encoded(type(tokenized), field, listed, known, len(listed))
+            built[key + RUNS_KEY] = _bounded((*shared, (len(listed), added)))
     if shared is None:
         return None
     return IdRuns(field, known, len(listed), tuple(piece for _, piece in shared), copied)
