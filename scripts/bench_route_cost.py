@@ -64,8 +64,8 @@ def fleet(args: argparse.Namespace) -> tuple[Any, Any]:
 
 def route(args: argparse.Namespace) -> float:
     """One side's run in this process: CPU ms per routed request (after a warm-up)."""
-    from direct_frontend.kv.prefix import PromptIds
     from direct_frontend.routing.policies import RequestView
+    from direct_frontend.text.prompt_ids import PromptIds
 
     policy, catalog = fleet(args)
     rng = random.Random(args.seed)
@@ -96,8 +96,8 @@ def route(args: argparse.Namespace) -> float:
 
 def route_agent(args: argparse.Namespace) -> list[float]:
     """One side's agent run in this process: CPU ms per request of each turn."""
-    from direct_frontend.kv.prefix import PromptIds
     from direct_frontend.routing.policies import RequestView
+    from direct_frontend.text.prompt_ids import PromptIds
 
     policy, catalog = fleet(args)
     rng = random.Random(args.seed)
@@ -106,7 +106,7 @@ def route_agent(args: argparse.Namespace) -> list[float]:
         return [x % 150_000 + 1 for x in array.array("I", rng.randbytes(4 * n))]
 
     head = fresh(args.head)
-    prompts = [PromptIds(head + fresh(args.step), keep_built=True)
+    prompts = [PromptIds(head + fresh(args.step), keep_encoded=True)
                for _ in range(args.conversations)]
     per_turn = []
     for _ in range(args.turns):
@@ -128,7 +128,7 @@ def route_agent(args: argparse.Namespace) -> list[float]:
         per_turn.append(spent / len(prompts) * 1000)
         # the next turn: as the prompt cache makes it (this prompt known, the rest new)
         prompts = [PromptIds(prompt + tuple(answer + fresh(args.step)), prompt.chains,
-                             len(prompt), keep_built=True)
+                             len(prompt), keep_encoded=True)
                    for prompt, answer in zip(prompts, answers, strict=True)]
     return per_turn
 

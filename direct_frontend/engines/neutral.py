@@ -111,7 +111,7 @@ class GenerateCall:
     """
 
     request_id: str
-    input_ids: tuple[int, ...]
+    input_ids: Sequence[int]
     sampling: SamplingOptions
     stream: bool = True
     original_text: str = ""
@@ -133,7 +133,7 @@ class EmbedCall:
     """One input to embed on one engine (an embedding model's), as token ids."""
 
     request_id: str
-    input_ids: tuple[int, ...]
+    input_ids: Sequence[int]
     original_text: str = ""
 
 

@@ -30,7 +30,8 @@ from grpclib.config import Configuration
 from grpclib.encoding.proto import ProtoStatusDetailsCodec, _googleapis_available
 from h2.connection import H2Connection
 
-from direct_frontend.engines.dialects.base import Dialect, Rpc, StreamDecoder, encode_request
+from direct_frontend.engines.dialects.base import Dialect, Rpc, StreamDecoder
+from direct_frontend.engines.dialects.ids import encode_request
 from direct_frontend.engines.grpclib_reader import EncodedCodec, MessageReader, one_write
 from direct_frontend.engines.neutral import EngineEvent
 from direct_frontend.errors import EngineError

@@ -19,21 +19,20 @@ token ids, the same way for stored blocks and for requests (docs/kv-events.md §
 from __future__ import annotations
 
 import array
-import ctypes
 import functools
 import struct
-from collections.abc import Iterable, Sequence
-from typing import Any, Final
+from collections.abc import Sequence
+from typing import Final
 
 import msgspec
 import xxhash
 
 from direct_frontend.kv.events import MASK64, BlockStored
+from direct_frontend.text.prompt_ids import PromptIds
 
 __all__ = [
     "ROOT_SEED",
     "MediaKey",
-    "PromptIds",
     "block_content_hash",
     "extend_hashes",
     "mm_block_extras",
@@ -91,65 +90,6 @@ def mm_block_extras(media: Sequence[MediaKey], block_size: int,
                 keys = extras[block] = []
             keys.append([identifier, offset - block * block_size])
     return extras
-
-
-#: from this many ids on, :class:`PromptIds` leave the cyclic collector's walks
-UNTRACKED_MIN_IDS: Final = 512
-
-_gc_untrack: Final = ctypes.pythonapi.PyObject_GC_UnTrack
-_gc_untrack.argtypes = (ctypes.py_object,)
-_gc_untrack.restype = None
-
-
-class PromptIds(tuple[int, ...]):
-    """A prompt's token ids that remember their prefix hashes, and whose they share.
-
-    ``source`` is the chains of an earlier prompt whose first ``known`` ids these
-    ids begin with (the prompt cache knows, having built these ids from those);
-    :func:`prefix_hashes` takes the blocks within ``known`` from there instead of
-    hashing them again, and keeps what it computes in ``chains`` for the prompts
-    built from this one. A plain tuple otherwise: slicing or adding gives a tuple.
-
-    ``built``: where an engine dialect keeps the id list it made of these ids
-    (by its own key), for the prompts built from this one, which copy their
-    first ``known`` ids from ``built_source`` (the earlier prompt's ``built``)
-    instead of converting them again; None where no prompt will be built from
-    these ids (they are not kept for a conversation's next turn).
-
-    Long ids are out of the cyclic collector's walks (``PyObject_GC_UnTrack``):
-    a tuple subclass is never untracked by the collector itself (it untracks
-    only exact tuples of untracked items), so each collection would walk every
-    id of every prompt kept for a next turn. Untracking is sound because no
-    reference cycle passes through one: what it holds (hash chains, id lists,
-    their dicts) never refers back to it, and its own references still keep
-    what it holds reachable for the collector.
-    """
-
-    chains: dict[tuple[int, int, str | None], tuple[int, ...]]
-    source: dict[tuple[int, int, str | None], tuple[int, ...]] | None
-    known: int
-    built: dict[str, Any] | None
-    built_source: dict[str, Any] | None
-
-    def __new__(cls, ids: Iterable[int],
-                source: dict[tuple[int, int, str | None], tuple[int, ...]] | None = None,
-                known: int = 0, *, built_source: dict[str, Any] | None = None,
-                keep_built: bool = False) -> PromptIds:
-        self = super().__new__(cls, ids)
-        self.chains = {}
-        self.source = source
-        self.known = known if source is not None else 0
-        self.built = {} if keep_built else None
-        self.built_source = built_source if self.known else None
-        if len(self) >= UNTRACKED_MIN_IDS:
-            _gc_untrack(self)
-        return self
-
-    def take_built_source(self) -> dict[str, Any] | None:
-        """``built_source``, let go of: once copied from, the earlier prompt's lists are not
-        held alive by this one (the prefix cache's room counts only its kept entries')."""
-        source, self.built_source = self.built_source, None
-        return source
 
 
 def prefix_hashes(
@@ -243,8 +183,10 @@ def more_hashes(known: Sequence[int], rest: Sequence[int], block_size: int) -> t
 
 def _u32_bytes(token_ids: Sequence[int] | array.array[int], start: int, end: int
                ) -> memoryview:
-    """Ids ``start:end`` as little-endian u32 bytes (the slice is a plain tuple or list,
-    which ``array`` converts in one C pass; a tuple subclass it converts item by item)."""
+    """Ids ``start:end`` as u32 bytes: :class:`PromptIds`' own, else converted (the slice is
+    a plain tuple or list, which ``array`` converts in one C pass)."""
+    if isinstance(token_ids, PromptIds):
+        return memoryview(token_ids.raw)[4 * start:4 * end]
     return memoryview(array.array("I", token_ids[start:end])).cast("B")
 
 
@@ -281,7 +223,7 @@ def _media_prefix_hashes(
 ) -> list[int]:
     n_blocks = len(token_ids) // block_size
     extras = mm_block_extras(media, block_size, n_blocks)
-    data = array.array("I", token_ids[: n_blocks * block_size]).tobytes()
+    data = bytes(_u32_bytes(token_ids, 0, n_blocks * block_size))
     step = block_size * 4
     h = namespace_seed(lora_name)
     out = []

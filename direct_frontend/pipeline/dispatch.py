@@ -66,7 +66,7 @@ class Dispatcher:
     def choose(
         self,
         policy: Policy,
-        input_ids: tuple[int, ...],
+        input_ids: Sequence[int],
         max_tokens: int,
         exclude: Collection[str] = (),
         routing_key: str | None = None,

@@ -58,7 +58,7 @@ def not_embedding(model: str) -> OpenAIHTTPError:
 
 async def embed_all(
     relay: Relay, settings: Settings, model: str, request_id: str,
-    inputs: Sequence[tuple[str, tuple[int, ...]]], routing_key: str | None = None,
+    inputs: Sequence[tuple[str, Sequence[int]]], routing_key: str | None = None,
     at_once: int | None = None, trace: RequestTrace | None = None,
 ) -> list[Embedding]:
     """Embed every ``(text, token ids)`` input, in order; raises the first one's HTTP error.

@@ -46,7 +46,7 @@ class OutputTrack:
     )
 
     def __init__(
-        self, request: ChatRequest | CompletionRequest, prompt_ids: tuple[int, ...],
+        self, request: ChatRequest | CompletionRequest, prompt_ids: Sequence[int],
         processor: OutputProcessor, parser: ChoiceOutputParser | None = None, *,
         logprobs: bool = False,
     ) -> None:
@@ -202,9 +202,9 @@ class OutputTrack:
         skip = request.skip_special_tokens
         text = prompt if isinstance(prompt, str) else text_model.decode(prompt, skip)
         if self.logprobs is None:
-            return Echo(text, self.prompt_ids)
+            return Echo(text, tuple(self.prompt_ids))
         push = text_model.new_detokenizer(skip_special_tokens=skip).push
-        ids = self.prompt_ids
+        ids = tuple(self.prompt_ids)
         return Echo(text, ids, self.prompt_logprobs, prompt_offsets(push, ids))
 
 

@@ -13,7 +13,6 @@ from typing import Literal
 import msgspec
 
 from direct_frontend.engines.neutral import GenerateCall
-from direct_frontend.kv.prefix import PromptIds
 from direct_frontend.multimodal.payload import MediaPayload
 from direct_frontend.observability.tracing import RequestTrace
 from direct_frontend.openai.errors import (
@@ -43,6 +42,7 @@ from direct_frontend.pipeline.tokenizing import (
     render,
 )
 from direct_frontend.routing.catalog import Catalog, EngineHandle
+from direct_frontend.text.prompt_ids import PromptIds
 
 __all__ = [  # the tokenizing names callers import from here too
     "INLINE_CHARS", "Tokenizing", "context_limit", "message_dict", "new_holding_limiter",
@@ -59,7 +59,7 @@ class PreparedRequest:
     kind: Kind
     request_id: str
     request: ChatRequest | CompletionRequest
-    input_ids: tuple[int, ...]
+    input_ids: Sequence[int]
     prompt_text: str
     #: the session's routing key (``[frontend.routing] session_key``), if it carries one
     routing_key: str | None = None
@@ -101,7 +101,7 @@ async def prepare(
 
 async def _media_prompt(
     request: ChatRequest, tokenizing: Tokenizing, *, add_generation_prompt: bool = True,
-) -> tuple[str, tuple[int, ...], MediaPayload]:
+) -> tuple[str, Sequence[int], MediaPayload]:
     """A chat with images through pipeline/media.py; a 400 if the model takes none."""
     profile = tokenizing.media
     if profile is None or not profile.takes_images:
@@ -120,7 +120,7 @@ async def _media_prompt(
 async def chat_prompt_ids(
     request: ChatRequest, tokenizing: Tokenizing, *, add_generation_prompt: bool = True,
     add_special_tokens: bool = False,
-) -> tuple[str, tuple[int, ...]]:
+) -> tuple[str, Sequence[int]]:
     """A chat's messages (and tools) through the chat template, as (prompt text, token ids).
 
     The template writes the special tokens itself, so the tokenizer adds none
@@ -145,10 +145,10 @@ async def chat_prompt_ids(
         prompt, cuts = render(text_model, request, add_generation_prompt, tokenizing, size)
     else:
         prompt, cuts = await tokenizing.render_off_loop(request, add_generation_prompt)
-    ids: tuple[int, ...]
+    ids: Sequence[int]
     if cuts is None or add_special_tokens or len(prompt) < tokenizing.prefix_min_chars:
-        ids = PromptIds(await tokenizing.encode(prompt, "messages",
-                                                add_special_tokens=add_special_tokens))
+        ids = await tokenizing.encode_ids(prompt, "messages",
+                                          add_special_tokens=add_special_tokens)
     else:
         ids = await chat_ids(tokenizing, prompt, cuts)
     if key is not None:
@@ -158,7 +158,7 @@ async def chat_prompt_ids(
 
 async def prompt_ids(
     prompt: Prompt, param: str, tokenizing: Tokenizing, *, cached: bool = True,
-) -> tuple[str, tuple[int, ...]]:
+) -> tuple[str, Sequence[int]]:
     """A completions prompt or an embeddings input as (its text, its token ids).
 
     Text is tokenized with the model's special tokens (BOS), as the engines'
@@ -172,7 +172,7 @@ async def prompt_ids(
         hit = cache.get(prompt) if cached else None
         if hit is not None:
             return prompt, hit[1]
-        ids = PromptIds(await tokenizing.encode(prompt, param, add_special_tokens=True))
+        ids = await tokenizing.encode_ids(prompt, param, add_special_tokens=True)
         if cached:
             cache.put(prompt, prompt, ids)
         return prompt, ids
@@ -215,9 +215,9 @@ def _chat_key(request: ChatRequest) -> bytes:
     )
 
 
-def _ids(ids: Sequence[int]) -> tuple[int, ...]:
+def _ids(ids: Sequence[int]) -> Sequence[int]:
     """``ids`` as a tuple; :class:`PromptIds` as they are (their hash chains go with them)."""
-    return ids if isinstance(ids, tuple) else tuple(ids)
+    return ids if isinstance(ids, (tuple, PromptIds)) else tuple(ids)
 
 
 def _prompt_param(kind: Kind) -> str:

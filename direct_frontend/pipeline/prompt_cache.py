@@ -21,16 +21,18 @@ import collections
 import dataclasses
 from collections.abc import Sequence
 
-from direct_frontend.kv.prefix import PromptIds
 from direct_frontend.pipeline.grouped_lru import GroupedLru
+from direct_frontend.text.prompt_ids import PromptIds
 
-#: the cache's budget: key, text and ids counted (ids at ~36 bytes each: a tuple slot + an int)
+#: the cache's budget: key, text and ids counted (PromptIds at ~8 bytes an id: 4 as u32 and a
+#: share of their hash chains; other ids at ~36: a tuple slot and an int)
 MAX_BYTES = 16 << 20
 #: longer prompts are not kept (they are rarely repeated exactly, and would crowd out the rest)
 MAX_ENTRY_CHARS = 32 << 10
-_BYTES_PER_ID = 36
+_BYTES_PER_ID = 8
+_BYTES_PER_INT = 36
 
-Entry = tuple[str, tuple[int, ...]]
+Entry = tuple[str, Sequence[int]]
 
 
 class PromptCache:
@@ -57,7 +59,7 @@ class PromptCache:
         self.hits += 1
         return entry
 
-    def put(self, key: bytes | str, text: str, ids: tuple[int, ...]) -> None:
+    def put(self, key: bytes | str, text: str, ids: Sequence[int]) -> None:
         """Keep ``key``'s entry, unless it is too long or empty (a refused prompt); the oldest
         leave to make room."""
         if not ids or len(text) > self.max_entry_chars or len(key) > 2 * self.max_entry_chars:
@@ -75,20 +77,21 @@ class PromptCache:
             self.size -= _cost(oldest, *entry)
 
 
-def _cost(key: bytes | str, text: str, ids: tuple[int, ...]) -> int:
-    return len(key) + len(text) + _BYTES_PER_ID * len(ids)
+def _cost(key: bytes | str, text: str, ids: Sequence[int]) -> int:
+    per_id = _BYTES_PER_ID if isinstance(ids, PromptIds) else _BYTES_PER_INT
+    return len(key) + len(text) + per_id * len(ids)
 
 
-#: the prefix cache's budget (text, ids and cuts counted; ids at ~48 bytes: slot, int, hashes)
+#: the prefix cache's budget (text, ids and cuts counted; ids at ~12 bytes: u32, hashes, encoding)
 PREFIX_MAX_BYTES = 64 << 20
 #: longer prompts are not kept for their prefix
 PREFIX_MAX_ENTRY_BYTES = 16 << 20
 #: prompts kept per first piece (a system prompt many conversations share)
 PREFIX_PER_KEY = 8
-#: an id's share of a kept prompt: the tuple's slot and int, its share of the hash chains,
-#: and of the engine request's id lists kept for the next turn (4 bytes each, two kinds)
-#: and of their encodings (3 bytes each for ids below 2**21, two kinds)
-_PREFIX_BYTES_PER_ID = 62
+#: an id's share of a kept prompt: its 4 bytes, its share of the hash chains (an 8-byte slot
+#: and a 32-byte int a block, two block sizes), and of the encoding kept for the next turn's
+#: engine request (3 bytes for ids below 2**21)
+_PREFIX_BYTES_PER_ID = 12
 #: a prompt's key is at most this much of its first piece (hashing more costs, finds no more)
 HEAD_CHARS = 1024
 

@@ -37,7 +37,6 @@ from typing import TypeVar
 
 import trio
 
-from direct_frontend.kv.prefix import PromptIds
 from direct_frontend.openai.errors import context_length_exceeded, invalid_request
 from direct_frontend.openai.types import ChatMessage, ChatRequest
 from direct_frontend.pipeline.media import MediaProfile
@@ -45,6 +44,7 @@ from direct_frontend.pipeline.prompt_cache import HEAD_CHARS, PrefixCache, Promp
 from direct_frontend.pipeline.render_cache import TurnCache, render_turns
 from direct_frontend.routing.catalog import Catalog
 from direct_frontend.text.model_dir import ChatTemplateError, TextModel
+from direct_frontend.text.prompt_ids import PromptIds
 
 T = TypeVar("T")
 
@@ -178,11 +178,26 @@ class Tokenizing:
         return self.text_model.encoder.encode_batch([text],
                                                     add_special_tokens=add_special_tokens)[0]
 
-    def encode_rest(self, pieces: list[str], known: int) -> list[list[int]]:
-        """The ids of a chat's pieces after ``known`` tokens, once the bound allows (a
-        worker thread's call)."""
+    async def encode_ids(self, text: str, param: str, *, add_special_tokens: bool
+                         ) -> PromptIds:
+        """:meth:`encode` as :class:`PromptIds`: a large text's ids are never made ints."""
+        if len(text) < self.inline_chars:
+            return PromptIds(self.text_model.encode(text,
+                                                       add_special_tokens=add_special_tokens))
+        return PromptIds(await self.off_loop(self._encode_large_raw, text, param,
+                                             add_special_tokens))
+
+    def _encode_large_raw(self, text: str, param: str, add_special_tokens: bool) -> bytes:
+        self.refuse_beyond(text, 0, param)
+        raw, _ = self.text_model.encoder.encode_batch_raw([text],
+                                                          add_special_tokens=add_special_tokens)
+        return raw
+
+    def encode_rest(self, pieces: list[str], known: int) -> tuple[bytes, list[int]]:
+        """The ids of a chat's pieces after ``known`` tokens, once the bound allows, as
+        u32 bytes and each piece's count (a worker thread's call)."""
         self.refuse_beyond("".join(pieces), known, "messages")
-        return self.text_model.encoder.encode_batch(pieces)
+        return self.text_model.encoder.encode_batch_raw(pieces)
 
     def cuts(self, prompt: str) -> list[int] | None:
         """A rendered chat's cuts (text/encoder.py ``boundaries``); one that begins with a
@@ -293,24 +308,22 @@ async def chat_ids(tokenizing: Tokenizing, prompt: str, cuts: list[int]) -> Prom
     pieces = [prompt[a:b] for a, b in itertools.pairwise(ends)]
     known = 0 if reuse is None else reuse.tokens
     if len(prompt) - start < tokenizing.inline_chars:
-        encoded = tokenizing.text_model.encoder.encode_batch(pieces)
+        raw, sizes = tokenizing.text_model.encoder.encode_batch_raw(pieces)
     else:
-        encoded = await tokenizing.off_loop(tokenizing.encode_rest, pieces, known)
+        raw, sizes = await tokenizing.off_loop(tokenizing.encode_rest, pieces, known)
     counts = [] if reuse is None else reuse.entry.counts[:first]
     total = known
-    rest: list[int] = []
-    for k, piece in enumerate(encoded):
+    for k, size in enumerate(sizes):
         if k >= lead:  # piece k starts at a cut
             counts.append(total)
-        total += len(piece)
-        rest.extend(piece)
+        total += size
     if reuse is None:
-        ids = PromptIds(rest, keep_built=True)
+        ids = PromptIds(raw, keep_encoded=True)
     else:
         earlier = reuse.entry.ids
-        whole, known = joined(earlier, known, rest)
-        ids = PromptIds(whole, earlier.chains, known, built_source=earlier.built,
-                        keep_built=True)
+        whole, known = joined(earlier, known, raw)
+        ids = PromptIds(whole, earlier.chains, known, encoded_source=earlier.encoded,
+                        keep_encoded=True)
     # kept even when no engine can hold it: a Responses chat with truncation "auto" is cut to
     # fit, not refused, and its next turn shares this prefix
     tokenizing.prefixes.put(Rendered(prompt, ids, cuts, counts),
@@ -318,19 +331,19 @@ async def chat_ids(tokenizing: Tokenizing, prompt: str, cuts: list[int]) -> Prom
     return ids
 
 
-def joined(earlier: tuple[int, ...], known: int, rest: list[int]) -> tuple[tuple[int, ...], int]:
-    """The first ``known`` ids of ``earlier`` and then ``rest``, and how many ids they share
-    with ``earlier`` from its start.
+def joined(earlier: PromptIds, known: int, rest: bytes) -> tuple[bytes, int]:
+    """The first ``known`` ids of ``earlier`` and then ``rest`` (u32 bytes), and how many
+    ids they share with ``earlier`` from its start.
 
     Where ``rest`` begins with the rest of ``earlier`` (a conversation's next
     turn, after the generation prompt the last one ended with), the ids are
-    ``earlier`` whole and what follows: one copy of the prefix, not a slice of it
-    and then another, and all of ``earlier`` shared.
+    ``earlier`` whole and what follows, and all of ``earlier`` is shared.
     """
-    tail = len(earlier) - known
-    if tail <= len(rest) and rest[:tail] == list(earlier[known:]):
-        return earlier + tuple(rest[tail:]), len(earlier)
-    return earlier[:known] + tuple(rest), known
+    raw = earlier.raw
+    tail = len(raw) - 4 * known
+    if tail <= len(rest) and memoryview(rest)[:tail] == memoryview(raw)[4 * known:]:
+        return raw + rest[tail:], len(earlier)
+    return raw[:4 * known] + rest, known
 
 
 def function_dict(tool: object) -> dict[str, object]:

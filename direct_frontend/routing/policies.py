@@ -22,7 +22,7 @@ from direct_frontend.routing.catalog import Catalog, EngineHandle
 class RequestView:
     """What a policy may know about a request."""
 
-    input_ids: tuple[int, ...]
+    input_ids: Sequence[int]
     max_tokens: int
     #: the session's routing key (routing/affinity.py), when the request carries one
     routing_key: str | None = None

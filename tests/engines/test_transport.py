@@ -27,16 +27,15 @@ from grpclib.utils import Wrapper
 
 from direct_frontend.engines import grpclib_reader, transport
 from direct_frontend.engines.dialects import dialect_for
-from direct_frontend.engines.dialects.base import COPY_MIN_IDS
 from direct_frontend.engines.dialects.sglang import SglangDialect
 from direct_frontend.engines.grpclib_reader import MessageReader
 from direct_frontend.engines.neutral import GenerateCall, SamplingOptions
 from direct_frontend.engines.transport import BATCH_MAX, EngineChannel, EventReceiver
 from direct_frontend.errors import EngineError, ErrorKind
-from direct_frontend.kv.prefix import PromptIds
 from direct_frontend.observability.shims import shims_active
 from direct_frontend.protos import sglang_scheduler_pb2 as pb
 from direct_frontend.simulator import EngineConfig, SimEngine
+from direct_frontend.text.prompt_ids import PromptIds
 from tests.support.daemon import Daemon, fleet_text, free_port, running_daemon, sim_engine
 from tests.support.http import http
 from tests.support.metrics import sample
@@ -578,14 +577,14 @@ def test_an_http2_connection_remembers_a_bounded_number_of_closed_streams() -> N
 @pytest.mark.parametrize("kind", ["sglang", "vllm"])
 def test_a_next_turn_reaches_the_engine_with_exactly_its_ids(kind: str) -> None:
     """A conversation's next turns go out with the last turn's encoding of the ids they share
-    (dialects/base.py ``encode_request``); the engine's prompt logprobs name every prompt
+    (dialects/ids.py ``encode_request``); the engine's prompt logprobs name every prompt
     token it read: the ids, in order."""
     dialect = dialect_for(kind)
     rng = random.Random(7)
 
     async def echoed(channel: EngineChannel, call: GenerateCall) -> list[int]:
         rpc = dialect.generate(call)
-        assert (rpc.runs is not None) == bool(getattr(call.input_ids, "known", 0))
+        assert rpc.runs is not None  # (PromptIds: held encoded, not in the request's list)
         positions: list[int] = []
         async with channel.stream(rpc, dialect.stream_decoder(call)) as events:
             while (event := await events.receive()) is not None:
@@ -598,13 +597,13 @@ def test_a_next_turn_reaches_the_engine_with_exactly_its_ids(kind: str) -> None:
         async with started_from_trio(engine):
             channel = EngineChannel(HOST, engine.port, dialect)
             try:
-                ids = PromptIds([rng.randrange(4, VOCAB) for _ in range(COPY_MIN_IDS + 40)],
-                                keep_built=True)
+                ids = PromptIds([rng.randrange(4, VOCAB) for _ in range(1064)],
+                                keep_encoded=True)
                 for turn in range(3):
                     if turn:
                         new = [rng.randrange(4, VOCAB) for _ in range(30)]
                         ids = PromptIds((*ids, *new), ids.chains, len(ids),
-                                        built_source=ids.built, keep_built=True)
+                                        encoded_source=ids.encoded, keep_encoded=True)
                     call = GenerateCall(f"{kind}-{turn}", ids, SamplingOptions(
                         max_tokens=1, logprobs=0, prompt_logprobs=0), original_text="t")
                     assert await echoed(channel, call) == list(ids)[1:]

@@ -17,13 +17,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from direct_frontend.kv.prefix import (
-    UNTRACKED_MIN_IDS,
-    PromptIds,
     extend_hashes,
     namespace_seed,
     prefix_hashes,
     prompt_hashes,
 )
+from direct_frontend.text.prompt_ids import PromptIds
 
 BS = 4
 U32 = st.integers(0, 2**32 - 1)
@@ -116,16 +115,40 @@ def test_ids_after_the_last_full_block_are_not_hashed() -> None:
         prefix_hashes([1, 2, 2**40, 4, 5], BS)
 
 
-def test_long_ids_are_out_of_the_collectors_walks_and_keep_what_they_hold() -> None:
-    """Long :class:`PromptIds` are not walked by the cyclic collector (a tuple subclass never
-    leaves its walks by itself); what only they hold survives a collection, hashed on from."""
-    tokens = [7 + i % 1000 for i in range(UNTRACKED_MIN_IDS + 3 * BS)]
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 2**32 - 1), max_size=40), st.integers(-50, 50),
+       st.integers(-50, 50), st.sampled_from([None, 1, 2, -1]))
+def test_prompt_ids_read_as_the_tuple_of_their_ids(tokens: list[int], start: int, stop: int,
+                                                   step: int | None) -> None:
+    """Held as u32 bytes, read as a tuple: length, items, slices, iteration, equality,
+    adding, and the hash of an equal tuple."""
+    ids, same = PromptIds(tokens), tuple(tokens)
+    assert len(ids) == len(same) and list(ids) == tokens and ids.ints() == same
+    assert ids[start:stop:step] == same[start:stop:step]
+    for at in (start, stop):
+        if -len(same) <= at < len(same):
+            assert ids[at] == same[at]
+        else:
+            with pytest.raises(IndexError):
+                ids[at]
+    assert ids == same and ids == PromptIds(ids.raw) and ids != list(same)
+    assert hash(ids) == hash(same)
+    assert ids + (1,) == (*same, 1) and (1,) + ids == (1, *same)  # noqa: RUF005
+    assert PromptIds(array.array("I", tokens).tobytes()) == ids
+
+
+def test_prompt_ids_from_bytes_are_whole_u32s() -> None:
+    with pytest.raises(ValueError, match="divisible by 4"):
+        PromptIds(b"\x01\x00\x00")
+
+
+def test_a_later_prompt_hashes_on_from_what_only_it_holds() -> None:
+    """Once the earlier prompt is gone, its chains live on through the later one's source."""
+    tokens = [7 + i % 1000 for i in range(512 + 3 * BS)]
     earlier = PromptIds(tokens)
-    assert not gc.is_tracked(earlier)
-    assert gc.is_tracked(PromptIds(tokens[:UNTRACKED_MIN_IDS - 1]))
     hashes = prefix_hashes(earlier, BS)
     later = PromptIds([*tokens, 1, 2, 3, 4], earlier.chains, len(tokens))
-    del earlier  # its chains now live only through ``later.source``
+    del earlier
     gc.collect()
     assert prefix_hashes(later, BS) == [*hashes, *reference([*tokens, 1, 2, 3, 4], BS)[-1:]]
 

@@ -5,6 +5,7 @@ line changes every turn."""
 
 from __future__ import annotations
 
+import array
 import json
 import shutil
 from pathlib import Path
@@ -16,12 +17,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
-from direct_frontend.kv.prefix import PromptIds, prefix_hashes
+from direct_frontend.kv.prefix import prefix_hashes
 from direct_frontend.openai.parse import parse_chat_request
 from direct_frontend.pipeline.preprocess import chat_prompt_ids
 from direct_frontend.pipeline.tokenizing import Tokenizing, joined
 from direct_frontend.routing.catalog import Catalog
 from direct_frontend.text.model_dir import TextModel
+from direct_frontend.text.prompt_ids import PromptIds
 
 # ChatML with Qwen3's habit: an assistant turn's reasoning is rendered only after the
 # last user message, so a new user turn re-renders the earlier answers without it.
@@ -194,8 +196,9 @@ def test_joined_ids_are_the_shared_prefix_and_the_rest(earlier: list[int],
         st.lists(st.integers(0, 5), max_size=8),
         st.lists(st.integers(0, 5), max_size=4).map(lambda more: earlier[known:] + more)))
     prior = PromptIds(earlier)
-    whole, shared = joined(prior, known, rest)
-    assert type(whole) is tuple and list(whole) == earlier[:known] + rest
+    raw, shared = joined(prior, known, array.array("I", rest).tobytes())
+    whole = PromptIds(raw)
+    assert list(whole) == earlier[:known] + rest
     assert whole[:shared] == tuple(earlier[:shared]) and shared >= known
     assert (shared == len(earlier)) is (rest[:len(earlier) - known] == earlier[known:])
 

@@ -3,8 +3,8 @@ prefix cache's longest shared cut."""
 
 from __future__ import annotations
 
-from direct_frontend.kv.prefix import PromptIds
 from direct_frontend.pipeline.prompt_cache import PrefixCache, PromptCache, Rendered
+from direct_frontend.text.prompt_ids import PromptIds
 
 
 def test_a_kept_prompt_is_found_and_counted() -> None:

@@ -24,6 +24,7 @@ from urllib.parse import urlsplit
 from grpclib.const import Status
 from grpclib.exceptions import GRPCError, ProtocolError, StreamTerminatedError
 
+from direct_frontend.engines.dialects.ids import IdRuns
 from direct_frontend.engines.neutral import (
     FLOAT32_MAX,
     INT32_MAX,
@@ -51,8 +52,8 @@ class Rpc:
     request: Any
     response_type: type[Any]
     optional: bool = False
-    #: the request's prompt ids whose encoding is ready up to ``known`` (:func:`encode_request`);
-    #: with it, ``request`` is not changed once built
+    #: the request's prompt ids, held encoded rather than in its list
+    #: (engines/dialects/ids.py :func:`~direct_frontend.engines.dialects.ids.encode_request`)
     runs: IdRuns | None = None
 
 
@@ -98,163 +99,6 @@ class OptionalFields(Protocol):
 
     @property
     def prompt_logprobs(self) -> int | None: ...
-
-
-#: ids shared with an earlier prompt below this are converted again rather than copied
-COPY_MIN_IDS = 1024
-
-
-#: where a prompt's kept encoding of its ids is, beside its kept list (``key`` + this)
-RUNS_KEY = " runs"
-#: a kept encoding is in at most this many pieces (the oldest are joined into one)
-RUNS_MAX_PIECES = 16
-
-#: an encoding of ids in pieces: (ids from the start to this piece's end, the piece), each
-#: piece the encoding of a message of the ids' type holding its ids alone (a packed run)
-Runs = tuple[tuple[int, bytes], ...]
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class IdRuns:
-    """A generate request's prompt ids of which the first ``known`` are encoded already.
-
-    ``pieces``: those ids' encoding (:data:`Runs`' pieces, in order);
-    ``source``: the kept message whose ``field`` begins with them (what the
-    request's list is put back from once encoded).
-    """
-
-    field: str
-    known: int
-    total: int
-    pieces: tuple[bytes, ...]
-    source: Any
-    #: the request's field that holds the ids' message (every contract's)
-    sub: str = "tokenized"
-
-
-def _shared_runs(earlier: dict[str, Any], key: str, copied: Any, field: str, known: int
-                 ) -> Runs:
-    """The encoding of the first ``known`` ids of ``copied`` (the earlier prompt's kept list):
-    the earlier prompt's kept pieces that end within them, and what is left encoded now."""
-    kept: Runs = earlier.get(key + RUNS_KEY, ())
-    whole = tuple(piece for piece in kept if piece[0] <= known)
-    done = whole[-1][0] if whole else 0
-    if done == known:
-        return whole
-    return (*whole, (known, _encoded(type(copied), field, getattr(copied, field), done, known)))
-
-
-def _encoded(message_type: type[Any], field: str, ids: Any, start: int, end: int) -> bytes:
-    """The encoding of ``ids[start:end]`` (a protobuf id list) as a ``message_type`` that holds
-    them alone in its ``field`` (a packed run)."""
-    part = message_type()
-    listed = getattr(part, field)
-    listed.extend(ids)  # (list to list: a copy in C)
-    del listed[end:]
-    del listed[:start]
-    data: bytes = part.SerializeToString()
-    return data
-
-
-def _bounded(runs: Runs) -> Runs:
-    """``runs`` in at most :data:`RUNS_MAX_PIECES` pieces: beyond, the oldest are joined into
-    one, leaving half as many (a copy of the oldest every so many turns, not every turn)."""
-    if len(runs) <= RUNS_MAX_PIECES:
-        return runs
-    cut = len(runs) - RUNS_MAX_PIECES // 2 + 1
-    return ((runs[cut - 1][0], b"".join(piece for _, piece in runs[:cut])), *runs[cut:])
-
-
-def fill_prompt(tokenized: Any, field: str, text: str, ids: Sequence[int], key: str
-                ) -> IdRuns | None:
-    """Set a contract's tokenized input (``tokenized``, built in place) to ``text`` and ``ids``
-    (its repeated ``field``); the :class:`IdRuns` that let the request be encoded without
-    encoding the ids it shares with an earlier prompt again, or None.
-
-    Ids that begin with an earlier prompt's (a conversation's next turn:
-    ``PromptIds`` that know their shared prefix) start from a copy of the list
-    made of that prompt's ids (protobuf copies it in C), cut to the shared part,
-    so only the new ids are converted one by one: the equal list, in time for
-    what is new. Where these ids keep what was made of them, a copy of the list
-    is kept (under ``key``) for the next turn's, and their encoding, in pieces
-    (under ``key`` + :data:`RUNS_KEY`): a conversation's next request encodes
-    only the ids it does not share, and those of the earlier prompt's last
-    piece that it shares (a template that renders the last turn anew).
-    """
-    take = getattr(ids, "take_built_source", None)
-    earlier = None if take is None else take()
-    known = getattr(ids, "known", 0)
-    copied = None if earlier is None or known < COPY_MIN_IDS else earlier.get(key)
-    listed = getattr(tokenized, field)
-    shared: Runs | None = None
-    if copied is not None and len(getattr(copied, field)) >= known:
-        listed.extend(getattr(copied, field))  # (list to list: a copy in C)
-        del listed[known:]
-        listed.extend(ids[known:])
-        assert earlier is not None
-        shared = _shared_runs(earlier, key, copied, field, known)
-    else:
-        listed.extend(ids)
-    tokenized.original_text = text
-    tokenized.SetInParent()  # (present even when empty, as when set from a dict)
-    built = getattr(ids, "built", None)
-    if built is not None:  # the list alone (not the text, not the request)
-        kept = type(tokenized)()
-        getattr(kept, field).extend(listed)
-        built[key] = kept
-        if shared is not None:
-            added = _encoded(type(tokenized), field, listed, known, len(listed))
-            built[key + RUNS_KEY] = _bounded((*shared, (len(listed), added)))
-    if shared is None:
-        return None
-    return IdRuns(field, known, len(listed), tuple(piece for _, piece in shared), copied)
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value >= 0x80:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-def encode_request(request: Any, runs: IdRuns | None) -> bytes:
-    """``request`` encoded; with ``runs``, its first ids taken from their ready encoding.
-
-    The encoding holds the ids' message twice: first with the ready pieces
-    of the first ``known`` ids, then, within the request, with the text and
-    the rest. A protobuf parser merges the two, appending the second's ids to the
-    first's: the same message, with only the new ids encoded.
-
-    With ``runs``, ``request`` is not changed after it was built (every
-    attempt builds its own): its first ``known`` ids go out as their ready
-    encoding, and its list is put back from ``runs.source``. Only a change of
-    its length is noticed (that request is encoded whole).
-    """
-    if runs is None:
-        data: bytes = request.SerializeToString()
-        return data
-    sub = getattr(request, runs.sub)
-    live = getattr(sub, runs.field)
-    source = getattr(runs.source, runs.field)
-    if len(live) != runs.total or len(source) < runs.known:
-        data = request.SerializeToString()
-        return data
-    held = type(sub)()
-    rest = getattr(held, runs.field)
-    del live[: runs.known]
-    rest.extend(live)  # (list to list: a copy in C)
-    try:
-        data = request.SerializeToString()
-    finally:  # the request's list as it was
-        del live[:]
-        live.extend(source)
-        del live[runs.known:]
-        live.extend(rest)
-    number = request.DESCRIPTOR.fields_by_name[runs.sub].number
-    size = sum(map(len, runs.pieces))
-    return b"".join((_varint(number << 3 | 2), _varint(size), *runs.pieces, data))
 
 
 def missing_capability(capabilities: Capabilities, sampling: OptionalFields) -> str | None:

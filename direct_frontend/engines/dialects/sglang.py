@@ -63,8 +63,8 @@ from direct_frontend.engines.dialects.base import (
     choice_regex,
     classify_exception,
     engine_aborted,
-    fill_prompt,
 )
+from direct_frontend.engines.dialects.ids import fill_prompt
 from direct_frontend.engines.dialects.smg import (
     SmgDialect,
     SmgStreamDecoder,
@@ -143,8 +143,7 @@ class SglangDialect(SmgDialect):
         request = pb.GenerateRequest(
             request_id=call.request_id, sampling_params=params, stream=call.stream,
         )
-        runs = fill_prompt(request.tokenized, "input_ids", call.original_text, call.input_ids,
-                           "sglang")
+        runs = fill_prompt(request.tokenized, "input_ids", call.original_text, call.input_ids)
         if s.logprobs is not None:  # logprobs: one top count serves output and prompt
             request.return_logprob = True
             request.top_logprobs_num = max(s.logprobs, s.prompt_logprobs or 0)

@@ -61,8 +61,8 @@ from direct_frontend.engines.dialects.base import (
     Source,
     StreamDecoder,
     choice_regex,
-    fill_prompt,
 )
+from direct_frontend.engines.dialects.ids import fill_prompt
 from direct_frontend.engines.dialects.smg import (
     LOGPROB_FLOOR,
     SmgDialect,
@@ -266,7 +266,7 @@ class TrtllmDialect(SmgDialect):
             ignore_eos=s.ignore_eos,
         )
         runs = fill_prompt(request.tokenized, "input_token_ids", call.original_text,
-                           call.input_ids, "trtllm")
+                           call.input_ids)
         guided = None if s.constraint is None else guided_decoding(s.constraint)
         if guided is not None:
             request.guided_decoding.guide_type, request.guided_decoding.guide = guided

@@ -59,8 +59,8 @@ from direct_frontend.engines.dialects.base import (
     Rpc,
     Source,
     bootstrap_address,
-    fill_prompt,
 )
+from direct_frontend.engines.dialects.ids import fill_prompt
 from direct_frontend.engines.dialects.smg import (
     SmgDialect,
     SmgStreamDecoder,
@@ -223,8 +223,7 @@ class VllmDialect(SmgDialect):
         )
         runs = None
         if refs is None or media is None:
-            runs = fill_prompt(request.tokenized, "input_ids", call.original_text, call.input_ids,
-                               "vllm")
+            runs = fill_prompt(request.tokenized, "input_ids", call.original_text, call.input_ids)
         else:
             request.tokenized.original_text = call.original_text
             request.tokenized.input_ids.extend(media.anchor_ids(call.input_ids))
