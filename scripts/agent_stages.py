@@ -85,8 +85,7 @@ def instrument() -> None:
 
     import direct_frontend.http.endpoints as endpoints
     from direct_frontend.engines import transport
-    from direct_frontend.engines.dialects import sglang
-    from direct_frontend.kv import prefix
+    from direct_frontend.engines.dialects import ids, sglang
     from direct_frontend.pipeline import preprocess, prompt_cache, render_cache, tokenizing
     from direct_frontend.pipeline.dispatch import Dispatcher
     from direct_frontend.text import encoder
@@ -111,9 +110,9 @@ def instrument() -> None:
         for name in ("find", "get", "put"):
             if name in vars(cache):
                 wrap(cache, name, f"{cache.__name__}.{name}")
-    for name in ("encode_batch", "boundaries", "boundaries_after"):
+    for name in ("encode_batch_raw", "boundaries", "boundaries_after"):
         wrap(encoder.Encoder, name, f"Encoder.{name}")
-    wrap(prefix.PromptIds, "__new__", "PromptIds.__new__")
+    wrap(ids, "packed_varints", "packed_varints")
     wrap(sglang.SglangDialect, "build", "dialect.build")
     wrap(transport, "encode_request", "encode_request")
     wrap(Dispatcher, "choose", "Dispatcher.choose")
