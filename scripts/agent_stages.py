@@ -154,5 +154,9 @@ if __name__ == "__main__":
     from direct_frontend.cli import main
 
     sys.argv = ["direct-frontend", *sys.argv[1:]]
-    main()  # (a daemon that fails to start says why, and exits as it would)
+    try:
+        main()  # (a daemon that fails to start says why, and exits as it would)
+    except SystemExit as end:
+        if end.code:
+            raise
     dump()
