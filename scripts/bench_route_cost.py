@@ -62,16 +62,27 @@ def fleet(args: argparse.Namespace) -> tuple[Any, Any]:
             Catalog(1, tuple(handle(i) for i in range(args.engines))))
 
 
+def prompt_ids_type() -> Any:
+    """``PromptIds`` where this side's tree keeps them (``text/`` since they hold u32 bytes,
+    ``kv/prefix.py`` before)."""
+    try:
+        from direct_frontend.text.prompt_ids import PromptIds
+    except ImportError:
+        from direct_frontend.kv.prefix import PromptIds  # type: ignore[attr-defined]
+    return PromptIds
+
+
 def route(args: argparse.Namespace) -> float:
     """One side's run in this process: CPU ms per routed request (after a warm-up)."""
     from direct_frontend.routing.policies import RequestView
-    from direct_frontend.text.prompt_ids import PromptIds
+
+    PromptIds = prompt_ids_type()
 
     policy, catalog = fleet(args)
     rng = random.Random(args.seed)
     head = [rng.randrange(1, 150_000) for _ in range(args.head)]
     warm = args.requests // 4
-    inflight: list[tuple[object, PromptIds, list[int]]] = []
+    inflight: list[tuple[object, Any, list[int]]] = []
     spent = 0.0
     for i in range(warm + args.requests):
         # made just before it is routed (as a tokenized prompt is), its making not timed
@@ -88,7 +99,7 @@ def route(args: argparse.Namespace) -> float:
         if len(inflight) > args.concurrency:
             done, ids, out = inflight.pop(0)
             done.engine.load.end(len(ids), done.blocks, done.dp_rank)  # type: ignore[attr-defined]
-            policy.on_complete(done, ids, out)  # type: ignore[arg-type]
+            policy.on_complete(done, ids, out)
         if i >= warm:
             spent += time.process_time() - start
     return float(spent / args.requests * 1000)
@@ -97,7 +108,8 @@ def route(args: argparse.Namespace) -> float:
 def route_agent(args: argparse.Namespace) -> list[float]:
     """One side's agent run in this process: CPU ms per request of each turn."""
     from direct_frontend.routing.policies import RequestView
-    from direct_frontend.text.prompt_ids import PromptIds
+
+    PromptIds = prompt_ids_type()
 
     policy, catalog = fleet(args)
     rng = random.Random(args.seed)
@@ -106,8 +118,7 @@ def route_agent(args: argparse.Namespace) -> list[float]:
         return [x % 150_000 + 1 for x in array.array("I", rng.randbytes(4 * n))]
 
     head = fresh(args.head)
-    prompts = [PromptIds(head + fresh(args.step), keep_encoded=True)
-               for _ in range(args.conversations)]
+    prompts = [PromptIds(head + fresh(args.step)) for _ in range(args.conversations)]
     per_turn = []
     for _ in range(args.turns):
         spent = 0.0
@@ -128,7 +139,7 @@ def route_agent(args: argparse.Namespace) -> list[float]:
         per_turn.append(spent / len(prompts) * 1000)
         # the next turn: as the prompt cache makes it (this prompt known, the rest new)
         prompts = [PromptIds(prompt + tuple(answer + fresh(args.step)), prompt.chains,
-                             len(prompt), keep_encoded=True)
+                             len(prompt))
                    for prompt, answer in zip(prompts, answers, strict=True)]
     return per_turn
 
