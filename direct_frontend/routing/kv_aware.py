@@ -310,7 +310,7 @@ class KvAware:
         by_key = self.exact_lookup(hashes)
         approx = self.approx.lookup_at(hashes, now) if hashes else {}
         overlaps = self.overlaps(hashes, now, candidates, by_key, approx)
-        steer = self.remembered(overlaps, hashes, candidates) if self.memory else overlaps
+        steer = self.remembered(overlaps, hashes, candidates, now) if self.memory else overlaps
         chosen, spilled = self.select(candidates, request, hashes, steer)
         if spilled:
             self.spills += 1
@@ -338,14 +338,16 @@ class KvAware:
 
     def remembered(
         self, overlaps: dict[str, int], hashes: Sequence[int], candidates: Sequence[EngineHandle],
+        now: float,
     ) -> dict[str, int]:
         """Overlaps to steer by: with events, also what is pending there, at ``memory_weight``.
 
         An engine's KV events show a block only once it is stored, so what a
         request we sent is prefilling there (and, after its prefill, what the
-        events have not shown yet) counts too (:meth:`PrefillQueue.pending`):
-        a burst of one new prefix queues behind its first request instead of
-        prefilling it on every engine. Nothing beyond: a prefix sent somewhere
+        events have not shown yet, for the events' lag: ``LANDED_FORGET_S``)
+        counts too (:meth:`PrefillQueue.pending`): a burst of one new prefix
+        queues behind its first request instead of prefilling it on every
+        engine. Nothing beyond: a prefix sent somewhere
         long ago and evicted since is not there (crediting it sent requests to
         engines that had evicted their prefix). Without events the approximate
         memory, which records each placement when it is made, already says it.
@@ -357,7 +359,7 @@ class KvAware:
         for engine in candidates:
             if not self.by_events(engine):
                 continue
-            blocks = int(self.queue.pending(engine.name, hashes) * weight)
+            blocks = int(self.queue.pending(engine.name, hashes, now) * weight)
             if blocks > out.get(engine.name, 0):
                 out[engine.name] = blocks
         return out

@@ -18,9 +18,14 @@ __all__ = ["LANDED_FORGET_S", "PREFILL_FORGET_S", "PrefillQueue"]
 
 #: a queued prefill nobody heard of again (its request failed early) stops counting after this
 PREFILL_FORGET_S = 60.0
-#: a prefilled request's blocks the KV events never showed (stored and evicted in between, or
-#: never stored: a cache full of running requests) stop counting as pending after this
-LANDED_FORGET_S = 5.0
+#: a prefilled request's blocks the KV events have not shown stop counting as pending this
+#: long after its first token. Engines publish a prompt's blocks when they admit it or schedule
+#: its last chunk, before its first token, so by then only the events' way to the index (a few
+#: ms) can hide them; what is still not shown after that was never stored (a cache full of
+#: running requests' blocks has no room for the prompt's tail) or was evicted before the index
+#: was read, and crediting it sends the prompt's followers where its prefix is not (in a tight
+#: cache a tenant's system prompt can be gone within a second)
+LANDED_FORGET_S = 0.25
 
 
 class PrefillQueue:
@@ -31,8 +36,9 @@ class PrefillQueue:
     block stored, its blocks are *pending* there (:meth:`pending`): not in the
     index yet, but cached before a request sent after it is prefilled (engines
     prefill first come, first served), and after its prefill, cached where the
-    events have not said so yet. Its blocks count in the queue (:meth:`depth`)
-    until its prefill is done (its first token), events or not.
+    events have not said so yet, for ``LANDED_FORGET_S`` at most. Its blocks
+    count in the queue (:meth:`depth`) until its prefill is done (its first
+    token), events or not.
     """
 
     def __init__(self) -> None:
@@ -41,6 +47,9 @@ class PrefillQueue:
         self._queued: dict[str, collections.OrderedDict[int, list[Any]]] = {}
         #: engine → block hash → how many pending requests' prompts hold it
         self._pending: dict[str, dict[int, int]] = {}
+        #: engine → (prefilled at, token) of its prefilled pending entries, oldest first: what
+        #: :meth:`pending` lets go of once ``LANDED_FORGET_S`` is past (some dropped already)
+        self._landed: dict[str, collections.deque[tuple[float, int]]] = {}
         self._next = 0
 
     def add(self, engine: str, hashes: Sequence[int], blocks: int, now: float,
@@ -73,6 +82,19 @@ class PrefillQueue:
         entry = None if queued is None else queued.get(token)
         if entry is not None and entry[3] is None:
             entry[1], entry[3] = 0, now
+            if entry[4]:
+                self._landed.setdefault(engine, collections.deque()).append((now, token))
+
+    def _expire(self, engine: str, now: float) -> None:
+        """Drop ``engine``'s prefilled entries older than ``LANDED_FORGET_S`` (a step each)."""
+        landed = self._landed.get(engine)
+        if not landed:
+            return
+        queued = self._queued[engine]
+        while landed and now - landed[0][0] > LANDED_FORGET_S:
+            _, token = landed.popleft()
+            if token in queued:
+                self._drop(engine, token)
 
     def _drop(self, engine: str, token: int) -> None:
         hashes, *_, pending = self._queued[engine].pop(token)
@@ -83,9 +105,12 @@ class PrefillQueue:
         """``engine``'s process is new: what we queued on the old one will never be heard of."""
         self._queued.pop(engine, None)
         self._pending.pop(engine, None)
+        self._landed.pop(engine, None)
 
-    def pending(self, engine: str, hashes: Sequence[int]) -> int:
-        """The leading blocks of ``hashes`` that requests we sent ``engine`` are storing."""
+    def pending(self, engine: str, hashes: Sequence[int], now: float) -> int:
+        """The leading blocks of ``hashes`` that requests we sent ``engine`` are storing
+        (those prefilled more than ``LANDED_FORGET_S`` before ``now`` no longer)."""
+        self._expire(engine, now)
         pending = self._pending.get(engine)
         if not pending:
             return 0
@@ -114,6 +139,7 @@ class PrefillQueue:
         no longer. ``stored`` None: the engine has no events, so a prefilled
         request's blocks are pending no longer.
         """
+        self._expire(engine, now)
         queued = self._queued.get(engine)
         if not queued:
             return 0, 0

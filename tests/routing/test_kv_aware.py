@@ -322,7 +322,7 @@ def test_a_queued_prefill_counts_until_its_first_token_whatever_the_events_show(
     index.held["g1r0"] = set(HASHES)  # the events show it stored: admitted, still prefilling
     # queued still, but about to hold nothing beyond what the index shows (counted once)
     assert policy.queue.depths("a", 0.0, policy._stored_at(a)) == (6, 0)
-    assert policy.queue.pending("a", HASHES) == 0  # the index says it from here on
+    assert policy.queue.pending("a", HASHES, policy.clock()) == 0  # the index says it from here on
     first.prefilled()  # its first token
     assert policy.queue.depth("a", 0.0, policy._stored_at(a)) == 0
 
@@ -667,7 +667,7 @@ def test_a_restarted_engine_is_forgotten_whole(replaced: str) -> None:
                            EngineInfo("demo"), 4096, None)
     again = policy.choose(Catalog(2, (now, other)), view([*PROMPT, 7, 7, 7, 7]))
     assert again is not None and again.engine is other
-    assert policy.queue.pending(home.name, HASHES) == 0
+    assert policy.queue.pending(home.name, HASHES, policy.clock()) == 0
     assert policy.queue.depth(home.name, policy.clock(), None) == 0
     assert home.name not in policy.approx.lookup_at(HASHES, policy.clock())
 
@@ -693,7 +693,7 @@ def test_without_events_a_queued_prefill_counts_in_depth_but_not_as_pending() ->
     assert placed is not None and placed.prefilled is not None
     home = placed.engine.name
     assert policy.queue.depth(home, policy.clock(), None) == len(HASHES)
-    assert policy.queue.pending(home, HASHES) == 0
+    assert policy.queue.pending(home, HASHES, policy.clock()) == 0
     assert policy.approx.lookup_at(HASHES, policy.clock()) == {home: len(HASHES)}
 
 
@@ -712,7 +712,7 @@ def test_a_burst_of_one_new_prefix_queues_behind_its_first_request() -> None:
     home = first.engine.name
     index.held = {f"g{first.engine.incarnation}r0": set(HASHES)}  # the events show it now
     assert policy.queue.depth(home, policy.clock(), policy._stored_at(first.engine)) > 0
-    assert policy.queue.pending(home, HASHES) == 0  # the index says it from here on
+    assert policy.queue.pending(home, HASHES, policy.clock()) == 0  # the index says it from here on
 
 
 def test_a_prefix_the_events_showed_and_then_evicted_is_not_credited() -> None:
@@ -732,3 +732,33 @@ def test_a_prefix_the_events_showed_and_then_evicted_is_not_credited() -> None:
     index.held = {f"g{GENERATION[other]}r0": set(HASHES[:4])}
     again = policy.choose(catalog, view([*PROMPT, 7, 7, 7, 7]))
     assert again is not None and again.engine.name == other
+
+
+@pytest.mark.parametrize(("after_s", "steered"), [(0.05, True), (1.0, False)])
+def test_a_prefilled_prompt_the_events_never_showed_stops_steering_soon(
+        after_s: float, steered: bool) -> None:
+    """Past its first token, only the events' way to the index can hide a prompt's blocks.
+
+    The engine could not store the prompt (its cache full of running
+    requests' blocks) or evicted it before the index was read: its events
+    never show it. Within a lag of the events it still steers a follower
+    there (pending, at ``memory_weight``); a second later the follower goes
+    where the events show half of it.
+    """
+    now = [0.0]
+    index = FakeIndex({})
+    policy = KvAware(KvAwareKnobs(block_size=BS), index, clock=lambda: now[0])
+    policy.uses_events = {1, 2}
+    catalog = Catalog(1, (handle("a"), handle("b")))
+    first = policy.choose(catalog, view(PROMPT))
+    assert first is not None and first.prefilled is not None
+    home = first.engine
+    other = ({"a", "b"} - {home.name}).pop()
+    now[0] = 0.2
+    first.prefilled()  # its first token; the events never show its blocks
+    index.held = {f"g{GENERATION[other]}r0": set(HASHES[:4])}
+    now[0] += after_s
+    follower = policy.choose(catalog, view([*PROMPT, 7, 7, 7, 7]))
+    assert follower is not None
+    assert (follower.engine is home) is steered
+    assert follower.predicted_cached_tokens == (0 if steered else 4 * BS)
