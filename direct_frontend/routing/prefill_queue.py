@@ -47,8 +47,8 @@ class PrefillQueue:
         self._queued: dict[str, collections.OrderedDict[int, list[Any]]] = {}
         #: engine → block hash → how many pending requests' prompts hold it
         self._pending: dict[str, dict[int, int]] = {}
-        #: engine → (prefilled at, token) of its prefilled pending entries, oldest first: what
-        #: :meth:`pending` lets go of once ``LANDED_FORGET_S`` is past (some dropped already)
+        #: engine → (prefilled at, token) of its prefilled entries, oldest first: let go of
+        #: once ``LANDED_FORGET_S`` is past (:meth:`_expire`; some are dropped already)
         self._landed: dict[str, collections.deque[tuple[float, int]]] = {}
         self._next = 0
 
@@ -59,8 +59,10 @@ class PrefillQueue:
         ``pending`` False: its blocks do not count in :meth:`pending` (asked only of
         engines whose KV events flow; without them the approximate memory, which
         records each placement as it is made, says what is there), which saves a
-        step per block.
+        step per block. What is past its time on ``engine`` goes first (:meth:`_prune`),
+        so a queue whose depth nobody asks (``cache_affinity``'s) stays bounded too.
         """
+        self._prune(engine, now)
         self._next += 1
         entry = tuple(hashes)
         self._queued.setdefault(engine, collections.OrderedDict())[self._next] = [
@@ -75,15 +77,14 @@ class PrefillQueue:
         Its blocks stay pending until the events show them, for at most
         ``LANDED_FORGET_S`` (on an engine without events, until the next
         :meth:`depth`). A placement carries this as :attr:`Placement.prefilled`;
-        a request that never gets that far is forgotten by :meth:`depth` after
-        ``PREFILL_FORGET_S``.
+        a request that never gets that far is forgotten by :meth:`depth` or the
+        engine's next :meth:`add` after ``PREFILL_FORGET_S``.
         """
         queued = self._queued.get(engine)
         entry = None if queued is None else queued.get(token)
         if entry is not None and entry[3] is None:
             entry[1], entry[3] = 0, now
-            if entry[4]:
-                self._landed.setdefault(engine, collections.deque()).append((now, token))
+            self._landed.setdefault(engine, collections.deque()).append((now, token))
 
     def _expire(self, engine: str, now: float) -> None:
         """Drop ``engine``'s prefilled entries older than ``LANDED_FORGET_S`` (a step each)."""
@@ -95,6 +96,17 @@ class PrefillQueue:
             _, token = landed.popleft()
             if token in queued:
                 self._drop(engine, token)
+
+    def _prune(self, engine: str, now: float) -> None:
+        """Drop what ``engine``'s queue holds past its time: prefilled entries after
+        ``LANDED_FORGET_S``, any entry after ``PREFILL_FORGET_S`` (oldest first)."""
+        self._expire(engine, now)
+        queued = self._queued.get(engine)
+        while queued:  # oldest first: forget what we will never hear of again
+            token, (_, _, sent, _, _) = next(iter(queued.items()))
+            if now - sent <= PREFILL_FORGET_S:
+                break
+            self._drop(engine, token)
 
     def _drop(self, engine: str, token: int) -> None:
         hashes, *_, pending = self._queued[engine].pop(token)
@@ -139,15 +151,10 @@ class PrefillQueue:
         no longer. ``stored`` None: the engine has no events, so a prefilled
         request's blocks are pending no longer.
         """
-        self._expire(engine, now)
+        self._prune(engine, now)
         queued = self._queued.get(engine)
         if not queued:
             return 0, 0
-        while queued:  # oldest first: forget what we will never hear of again
-            token, (_, _, sent, _, _) = next(iter(queued.items()))
-            if now - sent <= PREFILL_FORGET_S:
-                break
-            self._drop(engine, token)
         total = unshown = 0
         for token, entry in list(queued.items()):
             hashes, blocks, _, landed, pending = entry
