@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from direct_frontend.engines.dialects import dialect_for
 from direct_frontend.engines.dialects.base import Rpc
 from direct_frontend.engines.dialects.ids import (
+    PACKED_MIN_IDS,
     RUNS_MAX_PIECES,
     encode_request,
     packed_varints,
@@ -54,9 +55,12 @@ def test_packed_varints_are_protobufs(ids: list[int]) -> None:
 
 
 def test_every_width_of_id_round_trips() -> None:
+    """Through the packed path (narrow ids, and wide ones) and, for few ids, the list."""
     edges = [0, 1, 127, 128, 16383, 16384, 2**21 - 1, 2**21, 2**28 - 1, 2**28, 2**32 - 1]
-    assert sent(PromptIds(edges), "e")[0] == edges
-    assert sent(PromptIds(edges[:7]), "e")[0] == edges[:7]
+    for ids in (edges * 100, edges[:7] * 200, edges, edges[:7]):
+        rpc = built(PromptIds(ids), "e")
+        assert (rpc.runs is not None) == (len(ids) >= PACKED_MIN_IDS)
+        assert sent(PromptIds(ids), "e")[0] == ids
 
 
 @settings(max_examples=40, deadline=None)
@@ -75,15 +79,17 @@ def test_each_turns_ids_equal_its_own(first: int, cut: int, new: list[int], turn
         assert sent(ids, f"t{turn}", kinds[turn]) == (list(ids), f"t{turn}")
 
 
-def test_plain_ids_fill_the_requests_list() -> None:
-    """Ids that are no PromptIds (a client's token ids) go in the message's own list."""
-    rpc = built((5, 6, 7), "p")
-    assert rpc.runs is None and list(rpc.request.tokenized.input_ids) == [5, 6, 7]
-    assert encode_request(rpc.request, rpc.runs) == rpc.request.SerializeToString()
+def test_plain_ids_and_few_fill_the_requests_list() -> None:
+    """Ids that are no PromptIds (a client's token ids), and few PromptIds, go in the
+    message's own list."""
+    for ids in ((5, 6, 7), PromptIds([5, 6, 7]), PromptIds(range(PACKED_MIN_IDS - 1))):
+        rpc = built(ids, "p")
+        assert rpc.runs is None and list(rpc.request.tokenized.input_ids) == list(ids)
+        assert encode_request(rpc.request, rpc.runs) == rpc.request.SerializeToString()
 
 
 def test_a_request_of_held_ids_leaves_its_list_empty_and_its_text_in_place() -> None:
-    rpc = built(PromptIds([9, 300, 70000]), "q", "trtllm")
+    rpc = built(PromptIds([9, 300, 70000] * PACKED_MIN_IDS), "q", "trtllm")
     assert rpc.runs is not None and not rpc.request.tokenized.input_token_ids
     assert rpc.request.tokenized.original_text == "q"
     assert sent(PromptIds([]), "", "vllm") == ([], "")
@@ -132,9 +138,9 @@ def test_a_turn_that_renders_the_last_one_anew_encodes_only_from_there() -> None
 
 
 def test_another_attempt_takes_the_encoding_made_for_the_first() -> None:
-    earlier = PromptIds(range(500), keep_encoded=True)
+    earlier = PromptIds(range(1000), keep_encoded=True)
     built(earlier, "a")
-    later = next_turn(earlier, 500, [1, 2])
+    later = next_turn(earlier, 1000, [1, 2])
     once = built(later, "b").runs
     again = built(later, "b", "vllm").runs
     assert once is not None and again is not None and again.pieces == once.pieces
