@@ -245,8 +245,8 @@ class MessageReader:
 
 class EncodedCodec(ProtoCodec):
     """grpclib's protobuf codec that also sends a request encoded already (``bytes``: the
-    transport encodes each streaming request itself, dialects/base.py ``encode_request``, a
-    next turn's first ids taken from their ready encoding); it decodes as ProtoCodec does."""
+    transport encodes each streaming request itself, dialects/ids.py ``encode_request``, a
+    long prompt's ids put in from their ready encoding); it decodes as ProtoCodec does."""
 
     def encode(self, message: Any, message_type: Any) -> bytes:
         if type(message) is bytes:

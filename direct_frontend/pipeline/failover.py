@@ -161,7 +161,7 @@ def continuation(call: GenerateCall, generated: tuple[int, ...], attempt: int) -
     return dataclasses.replace(
         call,
         request_id=f"{call.request_id.split('~')[0]}~{attempt}",
-        input_ids=(*call.input_ids, *generated),
+        input_ids=(*call.input_ids, *generated) if generated else call.input_ids,
         sampling=sampling,
     )
 

@@ -24,12 +24,12 @@ from collections.abc import Sequence
 from direct_frontend.pipeline.grouped_lru import GroupedLru
 from direct_frontend.text.prompt_ids import PromptIds
 
-#: the cache's budget: key, text and ids counted (PromptIds at ~8 bytes an id: 4 as u32 and a
+#: the cache's budget: key, text and ids counted (PromptIds at ~10 bytes an id: 4 as u32 and a
 #: share of their hash chains; other ids at ~36: a tuple slot and an int)
 MAX_BYTES = 16 << 20
 #: longer prompts are not kept (they are rarely repeated exactly, and would crowd out the rest)
 MAX_ENTRY_CHARS = 32 << 10
-_BYTES_PER_ID = 8
+_BYTES_PER_ID = 10
 _BYTES_PER_INT = 36
 
 Entry = tuple[str, Sequence[int]]
@@ -82,16 +82,16 @@ def _cost(key: bytes | str, text: str, ids: Sequence[int]) -> int:
     return len(key) + len(text) + per_id * len(ids)
 
 
-#: the prefix cache's budget (text, ids and cuts counted; ids at ~12 bytes: u32, hashes, encoding)
+#: the prefix cache's budget (text, ids and cuts counted; ids at ~13 bytes: u32, hashes, encoding)
 PREFIX_MAX_BYTES = 64 << 20
 #: longer prompts are not kept for their prefix
 PREFIX_MAX_ENTRY_BYTES = 16 << 20
 #: prompts kept per first piece (a system prompt many conversations share)
 PREFIX_PER_KEY = 8
 #: an id's share of a kept prompt: its 4 bytes, its share of the hash chains (an 8-byte slot
-#: and a 32-byte int a block, two block sizes), and of the encoding kept for the next turn's
-#: engine request (3 bytes for ids below 2**21)
-_PREFIX_BYTES_PER_ID = 12
+#: and a 36-byte int a block, two block sizes of 16), and of the encoding kept for the next
+#: turn's engine request (3 bytes for ids below 2**21)
+_PREFIX_BYTES_PER_ID = 13
 #: a prompt's key is at most this much of its first piece (hashing more costs, finds no more)
 HEAD_CHARS = 1024
 

@@ -16,7 +16,7 @@
   longest prefix it shares with a chat rendered recently (pipeline/prompt_cache.py
   ``PrefixCache``): a conversation's
   next turn tokenizes only its new part, exactly as a whole tokenization would
-  (text/encoder.py says why), and its ids (kv/prefix.py ``PromptIds``) take the
+  (text/encoder.py says why), and its ids (text/prompt_ids.py ``PromptIds``) take the
   block hashes of that prefix from the earlier prompt's. Where it begins with a
   kept prompt whole, that one's cuts are taken too and only the rest is scanned
   for added tokens.
@@ -53,6 +53,9 @@ T = TypeVar("T")
 INLINE_CHARS_FAST = 256 << 10
 #: the same with tokenizers, ~50× slower (≈ 1 ms at most)
 INLINE_CHARS = 4096
+#: from this many characters on, a prompt's ids come as the tokenizer's u32 bytes (where
+#: fewer, its list of ints costs less than the flat call and the conversion to bytes)
+RAW_MIN_CHARS = 2048
 #: chats whose messages hold fewer characters are rendered on the loop (Jinja: ≈ 1 ms per MiB)
 RENDER_INLINE_CHARS = 1 << 20
 #: shorter chats are tokenized whole, and not kept for their prefix: tokenizing them costs
@@ -180,10 +183,15 @@ class Tokenizing:
 
     async def encode_ids(self, text: str, param: str, *, add_special_tokens: bool
                          ) -> PromptIds:
-        """:meth:`encode` as :class:`PromptIds`: a large text's ids are never made ints."""
-        if len(text) < self.inline_chars:
+        """:meth:`encode` as :class:`PromptIds`: the ids of a text of
+        :data:`RAW_MIN_CHARS` or more are never made ints."""
+        if len(text) < min(RAW_MIN_CHARS, self.inline_chars):
             return PromptIds(self.text_model.encode(text,
-                                                       add_special_tokens=add_special_tokens))
+                                                    add_special_tokens=add_special_tokens))
+        if len(text) < self.inline_chars:
+            raw, _ = self.text_model.encoder.encode_batch_raw(
+                [text], add_special_tokens=add_special_tokens)
+            return PromptIds(raw)
         return PromptIds(await self.off_loop(self._encode_large_raw, text, param,
                                              add_special_tokens))
 
@@ -341,7 +349,7 @@ def joined(earlier: PromptIds, known: int, rest: bytes) -> tuple[bytes, int]:
     """
     raw = earlier.raw
     tail = len(raw) - 4 * known
-    if tail <= len(rest) and memoryview(rest)[:tail] == memoryview(raw)[4 * known:]:
+    if tail <= len(rest) and rest.startswith(memoryview(raw)[4 * known:]):  # (a memcmp)
         return raw + rest[tail:], len(earlier)
     return raw[:4 * known] + rest, known
 

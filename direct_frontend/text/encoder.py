@@ -7,10 +7,11 @@ file and agrees with ``tokenizers`` on every probe text (:data:`PROBES`, the
 model's added tokens, and whatever the caller adds, such as a rendered chat);
 otherwise ``tokenizers`` encodes, as it always decodes.
 
-Both libraries release the GIL inside their batch calls (fastokens' ``encode_batch``
-for the tokenizing, not for making the ids' lists; ``encode_batch_fast``), which is what
-:meth:`Encoder.encode_batch` calls, from a worker thread; :meth:`Encoder.encode` holds
-the GIL and is for short texts.
+Both libraries release the GIL inside their batch calls (fastokens' ``encode_batch`` and
+``encode_batch_flat`` for the tokenizing, not for making the ids' lists;
+``encode_batch_fast``), which is what :meth:`Encoder.encode_batch` and
+:meth:`Encoder.encode_batch_raw` call, from a worker thread where the text is large;
+:meth:`Encoder.encode` holds the GIL and is for short texts.
 
 :meth:`Encoder.boundaries` finds where the tokenizer's added tokens start (the
 ones matched on the raw text, before normalizing: chat templates' special
@@ -34,6 +35,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 from tokenizers import Tokenizer
+
+from direct_frontend.text.prompt_ids import u32_bytes
 
 log = logging.getLogger(__name__)
 
@@ -147,17 +150,18 @@ class Encoder:
 
     def encode_batch_raw(self, texts: Sequence[str], *, add_special_tokens: bool = False
                          ) -> tuple[bytes, list[int]]:
-        """The ids of the texts end to end as u32 bytes (this machine's order), and how many
-        each text has; no int is made where fastokens encodes (its flat output). The GIL
-        is released while fastokens or tokenizers encode (a worker thread's call)."""
+        """The ids of the texts end to end as little-endian u32 bytes, and how many each text
+        has; no int is made where fastokens encodes (its flat output). The GIL is released
+        while fastokens or tokenizers encode."""
         if self._fast is None:
             made = self._hf.encode_batch_fast(list(texts), add_special_tokens=add_special_tokens)
-            ids = array.array("I")
+            ids: list[int] = []
             counts = []
             for encoding in made:
-                ids.extend(encoding.ids)
-                counts.append(len(encoding.ids))
-            return ids.tobytes(), counts
+                one = encoding.ids  # (each read makes a new list)
+                ids += one
+                counts.append(len(one))
+            return u32_bytes(ids), counts
         flat, offsets = self._fast.encode_batch_flat(list(texts),
                                                      add_special_tokens=add_special_tokens)
         ends = array.array("Q", offsets)

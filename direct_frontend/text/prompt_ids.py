@@ -10,10 +10,15 @@ from __future__ import annotations
 
 import array
 import struct
+import sys
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Final, overload
 
-__all__ = ["PromptIds", "Runs", "u32_ids"]
+__all__ = ["PromptIds", "Runs", "u32_bytes", "u32_ids"]
+
+#: ids are held little-endian, as fastokens writes them and as block hashes read them
+#: (kv/prefix.py); ``array`` writes this machine's order
+_SWAP: Final = sys.byteorder == "big"
 
 
 #: a kept encoding of ids in pieces: (ids from the start to this piece's end, the piece),
@@ -22,22 +27,34 @@ Runs = tuple[tuple[int, bytes], ...]
 
 
 def u32_ids(data: bytes | memoryview) -> array.array[int]:
-    """Ids stored as u32 bytes (this machine's order, as ``array`` writes them), as an array."""
+    """Ids held as little-endian u32 bytes, as an array."""
     out = array.array("I")
     out.frombytes(data)
+    if _SWAP:
+        out.byteswap()
     return out
 
 
+def u32_bytes(ids: Iterable[int]) -> bytes:
+    """Ids (ints) as little-endian u32 bytes."""
+    out = array.array("I", ids)
+    if _SWAP:
+        out.byteswap()
+    return out.tobytes()
+
+
 class PromptIds(Sequence[int]):
-    """A prompt's token ids, held as u32 bytes (``raw``), that remember their prefix hashes
-    and whose they share.
+    """A prompt's token ids, held as little-endian u32 bytes (``raw``), that remember their
+    prefix hashes and whose they share.
 
     The ids are not held as Python ints: a long prompt's ids are hashed
     (kv/prefix.py ``prefix_hashes``), counted and encoded into the engine request
     (engines/dialects/ids.py) from these bytes, and each of those would
     otherwise cost a pass of per-int work (≈ 15 ns an id, 18k ids a prompt).
     Reading an id, or iterating, converts on demand; a slice is a tuple of its
-    ids alone, and adding gives a tuple, so callers see a plain sequence.
+    ids alone, and adding gives a tuple, so callers see a plain sequence (equal to,
+    and hashed as, the tuple of its ids). It is no tuple, though: an encoder that
+    takes tuples (msgspec, JSON) takes ``tuple(ids)``.
 
     ``source`` is the chains of an earlier prompt whose first ``known`` ids these
     ids begin with (the prompt cache knows, having built these ids from those);
@@ -61,14 +78,17 @@ class PromptIds(Sequence[int]):
     encoded: Runs | None
     encoded_source: Runs | None
 
-    def __init__(self, ids: bytes | Iterable[int],
+    def __init__(self, ids: bytes | bytearray | memoryview | Iterable[int],
                  source: dict[tuple[int, int, str | None], tuple[int, ...]] | None = None,
                  known: int = 0, *, encoded_source: Runs | None = None,
                  keep_encoded: bool = False) -> None:
-        """``ids``: u32 bytes (this machine's order, as the tokenizer gives them), or ints."""
-        raw = ids if isinstance(ids, bytes) else array.array("I", ids).tobytes()
+        """``ids``: little-endian u32 bytes (as the tokenizer gives them), or ints."""
+        raw = (bytes(ids) if isinstance(ids, (bytes, bytearray, memoryview))
+               else u32_bytes(ids))
         if len(raw) % 4:
             raise ValueError("prompt ids as bytes are whole u32s: a length divisible by 4")
+        if not 0 <= known <= len(raw) >> 2:
+            raise ValueError(f"{known} known ids of {len(raw) >> 2}")
         self.raw = raw
         self.chains = {}
         self.source = source
@@ -131,4 +151,4 @@ class PromptIds(Sequence[int]):
         return source
 
 
-_U32: Final = struct.Struct("I")
+_U32: Final = struct.Struct("<I")

@@ -20,7 +20,7 @@ from tokenizers import Tokenizer
 from direct_frontend.kv.prefix import prefix_hashes
 from direct_frontend.openai.parse import parse_chat_request
 from direct_frontend.pipeline.preprocess import chat_prompt_ids
-from direct_frontend.pipeline.tokenizing import Tokenizing, joined
+from direct_frontend.pipeline.tokenizing import RAW_MIN_CHARS, Tokenizing, joined
 from direct_frontend.routing.catalog import Catalog
 from direct_frontend.text.model_dir import TextModel
 from direct_frontend.text.prompt_ids import PromptIds
@@ -201,6 +201,19 @@ def test_joined_ids_are_the_shared_prefix_and_the_rest(earlier: list[int],
     assert list(whole) == earlier[:known] + rest
     assert whole[:shared] == tuple(earlier[:shared]) and shared >= known
     assert (shared == len(earlier)) is (rest[:len(earlier) - known] == earlier[known:])
+
+
+@pytest.mark.parametrize("chars", [10, RAW_MIN_CHARS - 1, RAW_MIN_CHARS, 3 * RAW_MIN_CHARS])
+async def test_a_texts_ids_are_its_list_of_ids_however_made(models: dict[str, TextModel],
+                                                            chars: int) -> None:
+    """Short texts' ids come as a list of ints, longer ones' as the tokenizer's u32 bytes:
+    the same ids, special tokens added or not."""
+    model = models["chatml"]
+    tokenizing = Tokenizing(model, lambda: Catalog())
+    text = ("Read the file, then <|im_start|>say what it holds. " * chars)[:chars]
+    for special in (False, True):
+        ids = await tokenizing.encode_ids(text, "prompt", add_special_tokens=special)
+        assert list(ids) == model.encode(text, add_special_tokens=special)
 
 
 async def test_a_next_turn_that_goes_on_from_the_last_shares_all_of_it(

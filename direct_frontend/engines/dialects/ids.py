@@ -2,9 +2,10 @@
 
 Every contract holds a prompt's ids in a packed ``repeated uint32`` of its
 ``tokenized`` message. Filled from Python ints, protobuf converts each id
-(≈ 15 ns) and then encodes it again; :class:`~direct_frontend.kv.prefix.PromptIds`
-hold their ids as u32 bytes instead, which numpy turns into the packed varints
-in a few vectorised passes (≈ 5 ns an id), never making an int. Such a
+(≈ 15 ns) and then encodes it again; :class:`~direct_frontend.text.prompt_ids.PromptIds`
+hold their ids as u32 bytes instead, which NumPy turns into the packed varints
+in a few vectorised passes (≈ 5–8 ns an id), never making an int (below
+:data:`PACKED_MIN_IDS` ids the list is filled: NumPy's fixed cost is more). Such a
 request's own list stays empty: :func:`encode_request` puts the ids' message
 before the request's encoding, and a protobuf parser merges the two
 occurrences of the ``tokenized`` field into one message (its text from the
@@ -60,14 +61,14 @@ def varint(value: int) -> bytes:
 
 
 def packed_varints(raw: bytes | memoryview) -> bytes:
-    """The packed varints of the u32 ids ``raw`` holds (this machine's order), vectorised.
+    """The packed varints of the little-endian u32 ids ``raw`` holds, vectorised.
 
     Ids below 2**21 (every vocabulary in use) take at most three bytes: each
     id's bytes are spread into a u32 with their continuation bits set, and
     the bytes each id does not use are dropped in one pass. Larger ids take
     the general path (up to five bytes, in a u64).
     """
-    ids = np.frombuffer(raw, dtype=np.uint32)
+    ids = np.frombuffer(raw, dtype="<u4")
     if not ids.size:
         return b""
     if (ids >= 1 << 21).any():
