@@ -133,8 +133,9 @@ class PrefillQueue:
         return self.depths(engine, now, stored)[0]
 
     def requests(self, engine: str) -> int:
-        """Requests in ``engine``'s queue as of its last :meth:`depths`: those still to
-        prefill, and those prefilled whose blocks its events have not shown yet."""
+        """Requests in ``engine``'s queue as of its last pruning (:meth:`add`,
+        :meth:`pending`, :meth:`depths`): those still to prefill, and those prefilled whose
+        blocks its events have not shown yet."""
         return len(self._queued.get(engine, ()))
 
     def depths(self, engine: str, now: float,
