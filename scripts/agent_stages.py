@@ -42,7 +42,7 @@ parsed = 0
 spent: dict[str, dict[int, float]] = collections.defaultdict(
     lambda: collections.defaultdict(float))
 calls: dict[str, collections.Counter[int]] = collections.defaultdict(collections.Counter)
-marks: dict[int, tuple[float, float, float, float]] = {}
+marks: dict[int, tuple[float, ...]] = {}
 _gc_start = [0.0]
 
 
@@ -52,7 +52,8 @@ def turn() -> int:
 
 def mark(at: int) -> None:
     usage = resource.getrusage(resource.RUSAGE_SELF)
-    marks[at] = (usage.ru_utime, usage.ru_stime, time.thread_time(), time.process_time())
+    marks[at] = (usage.ru_utime, usage.ru_stime, time.thread_time(), time.process_time(),
+                 usage.ru_minflt, usage.ru_nvcsw, usage.ru_nivcsw)
 
 
 def wrap(owner: Any, name: str, label: str) -> None:
@@ -120,7 +121,48 @@ def instrument() -> None:
         wrap(h2.connection.H2Connection, name, f"h2.{name}")
     for name in ("receive_data", "next_event", "send"):
         wrap(h11.Connection, name, f"h11.{name}")
+    # the I/O under the coroutines: socket calls (their kernel time included), the engine
+    # connections' reads (asyncio: h2 and grpclib under them) and writes, trio's epoll
+    import asyncio.selector_events as selector_events
+    import socket
+
+    from trio._core._io_epoll import EpollIOManager
+
+    for name in ("send", "recv", "recv_into", "sendmsg"):
+        wrap(socket.socket, name, f"socket.{name}")
+    for name in ("write", "_read_ready__data_received", "_read_ready__get_buffer"):
+        if hasattr(selector_events._SelectorSocketTransport, name):
+            wrap(selector_events._SelectorSocketTransport, name, f"asyncio.{name}")
+    wrap(EpollIOManager, "get_events", "trio.epoll get_events")
     gc.callbacks.append(on_gc)
+    if os.environ.get("TASK_STEPS"):  # each Trio task step's CPU, by the task's name
+        import trio
+
+        run = trio.run
+
+        def instrumented(*args: Any, **kwargs: Any) -> Any:
+            return run(*args, instruments=[TaskSteps()], **kwargs)
+
+        trio.run = instrumented
+
+
+class TaskSteps:
+    """A Trio instrument: the thread CPU of every task step, by the task's name."""
+
+    def __init__(self) -> None:
+        self.start = 0.0
+
+    def before_task_step(self, task: Any) -> None:
+        self.start = time.thread_time()
+
+    def after_task_step(self, task: Any) -> None:
+        label = "task " + _short_task(task.name)
+        spent[label][turn()] += time.thread_time() - self.start
+        calls[label][turn()] += 1
+
+
+def _short_task(name: str) -> str:
+    return name.replace("direct_frontend.", "").replace("<locals>.", "")[-60:]
 
 
 def per_request(counter: dict[int, float] | collections.Counter[int], turns: tuple[int, int]
@@ -132,10 +174,14 @@ def dump(*_: object) -> None:
     mark(-(-parsed // K))
     lines = [f"requests {parsed}, {K} per turn; per request, turns 5-14 (A), 30-39 (B)"]
     if all(t in marks for t in A + B):
-        for i, name in enumerate(("utime", "stime", "main thread", "process")):
+        for i, name in enumerate(("utime", "stime", "main thread", "process", "minor faults",
+                                  "voluntary switches", "involuntary switches")):
             a = (marks[A[1]][i] - marks[A[0]][i]) / ((A[1] - A[0]) * K)
             b = (marks[B[1]][i] - marks[B[0]][i]) / ((B[1] - B[0]) * K)
-            lines.append(f"{name:32s} A {a * 1e3:8.3f} ms  B {b * 1e3:8.3f} ms")
+            if i < 4:
+                lines.append(f"{name:32s} A {a * 1e3:8.3f} ms  B {b * 1e3:8.3f} ms")
+            else:
+                lines.append(f"{name:32s} A {a:8.1f}     B {b:8.1f}")
     rows = [(per_request(spent[label], B) - per_request(spent[label], A), label)
             for label in spent]
     for grows, label in sorted(rows, reverse=True):
