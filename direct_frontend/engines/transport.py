@@ -32,7 +32,12 @@ from h2.connection import H2Connection
 
 from direct_frontend.engines.dialects.base import Dialect, Rpc, StreamDecoder
 from direct_frontend.engines.dialects.ids import encode_request
-from direct_frontend.engines.grpclib_reader import EncodedCodec, MessageReader, one_write
+from direct_frontend.engines.grpclib_reader import (
+    EncodedCodec,
+    MessageReader,
+    one_write,
+    send_request,
+)
 from direct_frontend.engines.neutral import EngineEvent
 from direct_frontend.errors import EngineError
 
@@ -183,7 +188,7 @@ class EngineChannel:
                     async with method.open(timeout=deadline_s, metadata=metadata) as call:
                         # HEADERS and DATA: one socket write
                         message = encode_request(rpc.request, rpc.runs)
-                        await one_write(self._channel, call.send_message(message, end=True))
+                        await one_write(self._channel, send_request(call, message))
                         self._note_connection()
                         await call.recv_initial_metadata()
                         reader = MessageReader.attach(call)

@@ -24,6 +24,9 @@ import trio_asyncio
 from grpclib.encoding.proto import ProtoCodec
 from grpclib.protocol import Buffer
 from grpclib.utils import Wrapper
+from h2.config import H2Configuration
+from h2.connection import H2Connection
+from h2.settings import SettingCodes
 
 from direct_frontend.engines import grpclib_reader, transport
 from direct_frontend.engines.dialects import dialect_for
@@ -234,6 +237,79 @@ def test_a_client_stream_of_another_shape_turns_the_reader_off(
     status = grpclib_reader.check()
     assert not status.active
     assert status.reason.endswith("grpclib's streams no longer use _stream, _wrapper")
+
+
+# -- send_framed: a large request's DATA frames -------------------------------------------
+
+
+def _h2_stream(frame_size: int) -> Any:
+    """A client HTTP/2 stream as grpclib holds one (its connection after the server's
+    settings, HEADERS sent), writing to a list."""
+    client = H2Connection(H2Configuration(client_side=True))
+    server = H2Connection(H2Configuration(client_side=False))
+    client.initiate_connection()
+    server.initiate_connection()
+    server.update_settings({SettingCodes.MAX_FRAME_SIZE: frame_size,
+                            SettingCodes.INITIAL_WINDOW_SIZE: 1 << 20})
+    server.increment_flow_control_window(1 << 20)
+    server.receive_data(client.data_to_send())
+    client.receive_data(server.data_to_send())
+    client.send_headers(1, [(":method", "POST"), (":path", "/p"), (":scheme", "http"),
+                            (":authority", "a")])
+    written: list[bytes] = [client.data_to_send()]
+    event = asyncio.Event()
+    event.set()
+    connection = SimpleNamespace(write_ready=event, data_sent=0,
+                                 data_send_process=lambda: None)
+    return SimpleNamespace(id=1, _h2_connection=client, connection=connection, data_sent=0,
+                           window_updated=asyncio.Event(),
+                           _transport=SimpleNamespace(write=written.append), written=written,
+                           server=server)
+
+
+@pytest.mark.parametrize("size", [100, 16_384, 2 * 16_384, 2 * 16_384 + 1, 5 * 16_384,
+                                  5 * 16_384 + 7, 300_000])
+@pytest.mark.parametrize("frame_size", [16_384, 20_000])
+def test_framed_data_is_what_h2_would_send_frame_by_frame(size: int, frame_size: int) -> None:
+    """The same bytes on the wire as grpclib's own loop, and the same flow-control windows
+    after it, for messages of one frame to many."""
+    data = random.Random(size).randbytes(size)
+    ours, theirs = _h2_stream(frame_size), _h2_stream(frame_size)
+    asyncio.run(grpclib_reader.send_framed(ours, data, end_stream=True))
+    asyncio.run(grpclib.protocol.Stream.send_data(theirs, data, end_stream=True))
+    assert b"".join(ours.written) == b"".join(theirs.written)
+    for stream in (ours, theirs):
+        conn = stream._h2_connection
+        assert (conn.outbound_flow_control_window, conn.streams[1].outbound_flow_control_window,
+                stream.data_sent) == (
+            theirs._h2_connection.outbound_flow_control_window,
+            theirs._h2_connection.streams[1].outbound_flow_control_window, size)
+    assert ours._h2_connection.streams[1].state_machine.state == \
+        theirs._h2_connection.streams[1].state_machine.state
+
+
+def test_a_message_beyond_the_window_waits_for_it_as_grpclib_does() -> None:
+    """More than the flow-control window allows: grpclib's own loop, which sends what the
+    window allows and waits for it to open."""
+    stream = _h2_stream(16_384)
+    conn = stream._h2_connection
+    window = conn.local_flow_control_window(1)
+    data = bytes(window + 40_000)
+
+    async def main() -> None:
+        sending = asyncio.ensure_future(grpclib_reader.send_framed(stream, data, True))
+        await asyncio.sleep(0.01)
+        assert not sending.done() and stream.data_sent == window  # the window, then waits
+        server = stream.server  # the peer reads it all and opens both windows
+        server.receive_data(b"".join(stream.written))
+        server.increment_flow_control_window(1 << 20)
+        server.increment_flow_control_window(1 << 20, stream_id=1)
+        conn.receive_data(server.data_to_send())
+        stream.window_updated.set()  # (what grpclib does on the WINDOW_UPDATE)
+        await asyncio.wait_for(sending, 5)
+
+    asyncio.run(main())
+    assert stream.data_sent == len(data)
 
 
 # -- one_write: a call's HEADERS and DATA in one socket write ---------------------------------
@@ -574,8 +650,12 @@ def test_an_http2_connection_remembers_a_bounded_number_of_closed_streams() -> N
     assert len(conn._closed_streams) == transport.H2_CLOSED_STREAMS_KEPT
 
 
-@pytest.mark.parametrize("kind", ["sglang", "vllm"])
-def test_a_next_turn_reaches_the_engine_with_exactly_its_ids(kind: str) -> None:
+@pytest.mark.parametrize(("kind", "first", "text"), [
+    ("sglang", 1064, "t"), ("vllm", 1064, "t"),
+    ("sglang", 30_000, "t" * 70_000),  # (requests of many HTTP/2 frames: send_framed's)
+])
+def test_a_next_turn_reaches_the_engine_with_exactly_its_ids(kind: str, first: int,
+                                                             text: str) -> None:
     """A conversation's next turns go out with the last turn's encoding of the ids they share
     (dialects/ids.py ``encode_request``); the engine's prompt logprobs name every prompt
     token it read: the ids, in order."""
@@ -593,11 +673,12 @@ def test_a_next_turn_reaches_the_engine_with_exactly_its_ids(kind: str) -> None:
         return positions
 
     async def body() -> None:
-        engine = SimEngine(EngineConfig(kind, "m", VOCAB, EOS, eos_probability=0.0))
+        engine = SimEngine(EngineConfig(kind, "m", VOCAB, EOS, eos_probability=0.0,
+                                        context_length=max(4096, 2 * first)))
         async with started_from_trio(engine):
             channel = EngineChannel(HOST, engine.port, dialect)
             try:
-                ids = PromptIds([rng.randrange(4, VOCAB) for _ in range(1064)],
+                ids = PromptIds([rng.randrange(4, VOCAB) for _ in range(first)],
                                 keep_encoded=True)
                 for turn in range(3):
                     if turn:
@@ -605,7 +686,7 @@ def test_a_next_turn_reaches_the_engine_with_exactly_its_ids(kind: str) -> None:
                         ids = PromptIds((*ids, *new), ids.chains, len(ids),
                                         encoded_source=ids.encoded, keep_encoded=True)
                     call = GenerateCall(f"{kind}-{turn}", ids, SamplingOptions(
-                        max_tokens=1, logprobs=0, prompt_logprobs=0), original_text="t")
+                        max_tokens=1, logprobs=0, prompt_logprobs=0), original_text=text)
                     assert await echoed(channel, call) == list(ids)[1:]
             finally:
                 channel.close()
