@@ -36,7 +36,7 @@ from typing import Any, Protocol
 
 from tokenizers import Tokenizer
 
-from direct_frontend.text.prompt_ids import u32_bytes
+from direct_frontend.text.prompt_ids import u32_bytes, u32_ids
 
 log = logging.getLogger(__name__)
 
@@ -87,12 +87,6 @@ def _load_fast(spec_text: str) -> _Fast | None:
     return fast  # type: ignore[no-any-return]
 
 
-def _flat_ids(data: bytes) -> array.array[int]:
-    ids = array.array("I")
-    ids.frombytes(data)
-    return ids
-
-
 class Encoder:
     """A model's encoder: fastokens when it agrees with tokenizers, else tokenizers."""
 
@@ -121,7 +115,7 @@ class Encoder:
         texts = list(texts)
         for special in (False, True):
             flat, offsets = self._fast.encode_batch_flat(texts, add_special_tokens=special)
-            ids, ends = _flat_ids(flat), array.array("Q", offsets)
+            ids, ends = u32_ids(flat), array.array("Q", offsets)
             want = self._hf.encode_batch_fast(texts, add_special_tokens=special)
             for i, encoding in enumerate(want):
                 if ids[ends[i]:ends[i + 1]].tolist() != encoding.ids:
