@@ -237,7 +237,7 @@ def long_fleet(listen: int, engines: Sequence[tuple[str, int]], policy: str,
 
 async def start_engines(kind: str, count: int, context: int, tmp: pathlib.Path,
                         children: list[bo.Child], tag: str, kv_events: bool = False,
-                        ) -> tuple[list[int], KvPorts]:
+                        decode_us: float = 0.0) -> tuple[list[int], KvPorts]:
     ports = bo.free_ports(count)
     kv: KvPorts = {}
     for i, port in enumerate(ports):
@@ -249,7 +249,7 @@ async def start_engines(kind: str, count: int, context: int, tmp: pathlib.Path,
         child = bo.Child(f"engine {tag}-{i}", [
             *bo.cli_argv(), "simulate-engine", "--kind", kind, "--host", HOST, "--port", str(port),
             "--model-dir", str(bo.MODEL_DIR), "--served-model-name", MODEL,
-            "--prefill-us-per-token", "0", "--decode-us-per-token", "0",
+            "--prefill-us-per-token", "0", "--decode-us-per-token", str(decode_us),
             "--eos-probability", "0", "--max-running", "256", "--context-length", str(context),
             *extra,
         ], tmp / f"engine-{tag}-{i}.log")
@@ -498,6 +498,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--long-kv-events", action="store_true",
                    help="the SGLang engines publish KV events and the daemons subscribe (the "
                         "exact index instead of the approximate memory, with kv_aware)")
+    g.add_argument("--long-decode-us", type=float, default=0.0,
+                   help="the SGLang engines' decode time per token (default: none). With none a "
+                        "request's tokens leave the simulator as fast as its own loop sends "
+                        "them, so how many reads they take grows with what else it is busy "
+                        "with (parsing and hashing the other long prompts); a real engine "
+                        "spaces them by its decode steps")
     g.add_argument("--agent-conversations", type=int, default=4)
     g.add_argument("--agent-turns", type=int, default=40)
     g.add_argument("--agent-result-tokens", type=int, default=500)
@@ -566,7 +572,8 @@ async def run(args: argparse.Namespace, sides: list[bo.Side], tmp: pathlib.Path,
                                "huge_count": args.huge_count, "huge_bytes": args.huge_bytes}
     if modes & {"unique", "agent", "huge"}:
         ports, kv = await start_engines("sglang", args.long_engines, args.long_context, tmp,
-                                        children, "sglang", args.long_kv_events)
+                                        children, "sglang", args.long_kv_events,
+                                        args.long_decode_us)
         servers = await start_daemons(sides, "sglang", ports, args, tmp, children, "sglang", kv)
         if args.smg and modes & {"unique", "agent"}:
             servers.append(await start_smg(args.smg, ports, args, tmp, children))
