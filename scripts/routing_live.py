@@ -414,9 +414,14 @@ def verdict(shape: Shape, live: dict[str, dict[str, Any]],
     out: dict[str, Any] = {"shape": shape.name}
     for name, rows in (("live", live), ("model", virtual)):
         ours = rows.get(OURS)
+        if ours is None or ours.get("status") == "unavailable":
+            continue
+        approx = rows.get("approximate")
+        if approx is not None and approx.get("status") != "unavailable":
+            out[f"{name}_vs_approximate"] = versus_approximate(approx, ours)
         others = [r for m, r in rows.items() if m in MODES and m not in (OURS, "approximate")
                   and r.get("status") != "unavailable"]
-        if ours is None or ours.get("status") == "unavailable" or not others:
+        if not others:
             continue
         best = min(others, key=lambda r: r["ttft_mean_ms"])
         best_p90 = min(r["ttft_p90_ms"] for r in others)
@@ -446,6 +451,38 @@ def verdict(shape: Shape, live: dict[str, dict[str, Any]],
                 "ttft_mean_ms"]
         out[name] = entry
     return out
+
+
+def versus_approximate(approx: dict[str, Any], ours: dict[str, Any]) -> dict[str, Any]:
+    """Approximate's pooled TTFT mean over ours, with the band the seeds alone move it in
+    (:func:`seed_band`), and ours' hit rate minus approximate's: pooled, and each seed's
+    difference's mean with its standard error (the same seeds played by both modes, so a
+    gap under two standard errors is the seeds' noise, not the modes')."""
+    entry: dict[str, Any] = {
+        "ttft_ratio": approx["ttft_mean_ms"] / ours["ttft_mean_ms"],
+        "hit_gap": ours["hit_rate"] - approx["hit_rate"],
+    }
+    band = seed_band(approx, ours)
+    if band is not None:
+        entry["ttft_band"] = band
+    mine, theirs = ours.get("seed_hits", []), approx.get("seed_hits", [])
+    gaps = [a - b for a, b in zip(mine, theirs, strict=True)] if len(mine) == len(theirs) else []
+    if len(gaps) > 1:
+        entry["seed_hit_gap"] = (statistics.fmean(gaps),
+                                 statistics.stdev(gaps) / math.sqrt(len(gaps)))
+    return entry
+
+
+def approximate_text(e: dict[str, Any]) -> str:
+    """One line of :func:`versus_approximate`'s figures."""
+    text = f"approximate/ours mean ×{e['ttft_ratio']:.2f}"
+    if "ttft_band" in e:
+        text += f" (seeds resampled: ×{e['ttft_band'][0]:.2f}–{e['ttft_band'][1]:.2f})"
+    text += f", hit ours − approximate {e['hit_gap']:+.3f}"
+    if "seed_hit_gap" in e:
+        mean, error = e["seed_hit_gap"]
+        text += f" (per seed {mean:+.3f} ± {error:.3f} s.e.)"
+    return text
 
 
 #: resamples of the seeds for :func:`seed_band`, and the band's share of them (5–95 %)
@@ -498,6 +535,9 @@ def summary(v: dict[str, Any]) -> str:
             text += f", pooled-LRU room ×{e['room']:.2f}"
         text += f"; ranking {' < '.join(e['ranking'])}"
         parts.append(text)
+    for name in ("live", "model"):
+        if (e := v.get(f"{name}_vs_approximate")) is not None:
+            parts.append(f"{name}: {approximate_text(e)}")
     live, model = v.get("live"), v.get("model")
     if live and model:
         ttft = crossed(live["means"], model["means"], lambda a, b: b / a - 1, MARGIN)

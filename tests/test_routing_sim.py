@@ -189,3 +189,35 @@ def test_the_live_shapes_engines_hit_by_the_page_and_store_what_fits(
     again = model.Request(3, None, list(range(500, 540)), [5], 0.0)
     engine.arrive(again)
     assert again.cached_tokens == 5
+
+
+@pytest.fixture(scope="module")
+def live(sim: ModuleType) -> ModuleType:
+    """``scripts/routing_live.py``: the live bench's report (``bench_routing`` puts the
+    scripts' directory on ``sys.path``, where its siblings import each other from)."""
+    _load("bench_routing")
+    return _load("routing_live")
+
+
+def test_the_default_against_approximate_states_the_seeds_noise(live: ModuleType) -> None:
+    """Approximate's TTFT over ours comes with the band the seeds move it in, and the hit gap
+    with each seed's difference's mean and standard error (the same seeds, paired)."""
+    def row(sums: list[float], hits: list[float]) -> dict[str, object]:
+        counts = [10] * len(sums)
+        return {"ttft_mean_ms": sum(sums) / sum(counts), "seed_sums": sums,
+                "seed_counts": counts, "hit_rate": sum(hits) / len(hits), "seed_hits": hits}
+
+    ours = row([500.0, 600.0, 700.0, 800.0], [0.80, 0.82, 0.84, 0.86])
+    approx = row([500.0, 660.0, 700.0, 720.0], [0.81, 0.82, 0.83, 0.88])
+    e = live.versus_approximate(approx, ours)
+    assert e["ttft_ratio"] == pytest.approx(2580 / 2600)
+    low, high = e["ttft_band"]
+    assert low <= e["ttft_ratio"] <= high < 1.1
+    mean, error = e["seed_hit_gap"]
+    assert mean == pytest.approx(-0.005)
+    # gaps -0.01, 0, +0.01, -0.02: sample s.d. √(0.0005 / 3) over √4
+    assert error == pytest.approx(math.sqrt(0.0005 / 3) / 2)
+    text = live.approximate_text(e)
+    assert "(per seed -0.005 ± 0.006 s.e.)" in text and "seeds resampled" in text
+    # seeds that do not pair (one mode lost a seed) give no per-seed figure
+    assert "seed_hit_gap" not in live.versus_approximate(row([500.0] * 3, [0.8] * 3), ours)
