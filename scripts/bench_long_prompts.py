@@ -3,8 +3,8 @@
 Workloads (``--long unique,agent,huge``), each run against every side in the
 same run, in alternating order: the candidate daemon, the ``--baseline REV``
 daemon, and with ``--smg PATH`` an SMG router (``smg launch``) in front of the
-same simulated engines (zero engine time; the simulator serves SGLang's gRPC
-contract, which SMG speaks):
+same simulated engines (zero engine time unless ``--long-decode-us``; the
+simulator serves SGLang's gRPC contract, which SMG speaks):
 
 - ``unique``: unique chat prompts of about ``--long-tokens`` tokens (one user
   message of fresh words), each streamed ``--long-stream`` tokens, at
@@ -499,7 +499,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the SGLang engines publish KV events and the daemons subscribe (the "
                         "exact index instead of the approximate memory, with kv_aware)")
     g.add_argument("--long-decode-us", type=float, default=0.0,
-                   help="the SGLang engines' decode time per token (default: none). With none a "
+                   help="the simulated engines' (SGLang and TensorRT-LLM) decode time per "
+                        "token, µs (default: none). With none a "
                         "request's tokens leave the simulator as fast as its own loop sends "
                         "them, so how many reads they take grows with what else it is busy "
                         "with (parsing and hashing the other long prompts); a real engine "
@@ -520,7 +521,7 @@ def _ratio(a: float, b: float) -> str:
 
 
 def report(results: dict[str, Any]) -> str:
-    lines = []
+    lines = [f"engines' decode time: {results.get('decode_us', 0.0):g} µs per token"]
     if "unique" in results:
         u = results["unique"]
         names = list(u)
@@ -569,7 +570,8 @@ async def run(args: argparse.Namespace, sides: list[bo.Side], tmp: pathlib.Path,
     prose = Prose()
     results: dict[str, Any] = {"rounds": args.rounds, "tokens": args.long_tokens,
                                "concurrency": args.long_concurrency, "turns": args.agent_turns,
-                               "huge_count": args.huge_count, "huge_bytes": args.huge_bytes}
+                               "huge_count": args.huge_count, "huge_bytes": args.huge_bytes,
+                               "decode_us": args.long_decode_us}
     if modes & {"unique", "agent", "huge"}:
         ports, kv = await start_engines("sglang", args.long_engines, args.long_context, tmp,
                                         children, "sglang", args.long_kv_events,
@@ -604,7 +606,8 @@ async def run(args: argparse.Namespace, sides: list[bo.Side], tmp: pathlib.Path,
         for server in servers:
             server.child.stop()
     if "huge" in modes:
-        ports, _ = await start_engines("trtllm", 1, args.long_context, tmp, children, "trtllm")
+        ports, _ = await start_engines("trtllm", 1, args.long_context, tmp, children, "trtllm",
+                                       decode_us=args.long_decode_us)
         servers = await start_daemons(sides, "trtllm", ports, args, tmp, children, "trtllm")
         results["huge_no_context"] = await huge(servers, prose, args, "no context reported")
         for server in servers:

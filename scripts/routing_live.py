@@ -362,6 +362,7 @@ def pooled(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "hit_rate": sum(r["cached_tokens"] for r in ok) / max(
             1, sum(r["prompt_tokens"] for r in ok)),
         "seed_hits": [r["hit_rate"] for r in ok],
+        "seed_ids": [r.get("seed", i) for i, r in enumerate(ok)],
         "prefill_ms": statistics.fmean(r.get("prefill_ms", math.nan) for r in ok),
         "evictions": statistics.fmean(r["evictions"] for r in ok),
         "per_engine": ok[0]["per_engine"], "requests": sum(r["requests"] for r in ok),
@@ -437,16 +438,13 @@ def verdict(shape: Shape, live: dict[str, dict[str, Any]],
         means = ours.get("seed_means", [])
         if len(means) > 1:  # how far the seeds' means lie apart: below it, a gap is noise
             entry["seed_spread"] = (max(means) - min(means)) / statistics.fmean(means)
-        if "cache_affinity" in rows:
-            entry["vs_cache_affinity"] = rows["cache_affinity"]["ttft_mean_ms"] / ours[
-                "ttft_mean_ms"]
-            band = seed_band(rows["cache_affinity"], ours)
+        affinity = rows.get("cache_affinity")
+        if affinity is not None and affinity.get("status") != "unavailable":
+            entry["vs_cache_affinity"] = affinity["ttft_mean_ms"] / ours["ttft_mean_ms"]
+            band = seed_band(affinity, ours)
             if band is not None:
                 entry["vs_cache_affinity_band"] = band
-        if "approximate" in rows:
-            entry["approx_over_events"] = rows["approximate"]["ttft_mean_ms"] / ours[
-                "ttft_mean_ms"]
-        if POOLED_LRU in rows and "cache_affinity" in rows:
+        if "vs_cache_affinity" in entry and POOLED_LRU in rows:
             entry["room"] = rows["cache_affinity"]["ttft_mean_ms"] / rows[POOLED_LRU][
                 "ttft_mean_ms"]
         out[name] = entry
@@ -456,8 +454,9 @@ def verdict(shape: Shape, live: dict[str, dict[str, Any]],
 def versus_approximate(approx: dict[str, Any], ours: dict[str, Any]) -> dict[str, Any]:
     """Approximate's pooled TTFT mean over ours, with the band the seeds alone move it in
     (:func:`seed_band`), and ours' hit rate minus approximate's: pooled, and each seed's
-    difference's mean with its standard error (the same seeds played by both modes, so a
-    gap under two standard errors is the seeds' noise, not the modes')."""
+    difference's mean with its standard error over the seeds both modes played (paired:
+    a gap within t(n − 1) standard errors, ≈ 3 for 4 seeds, ≈ 2 for 20, is the seeds'
+    noise, not the modes')."""
     entry: dict[str, Any] = {
         "ttft_ratio": approx["ttft_mean_ms"] / ours["ttft_mean_ms"],
         "hit_gap": ours["hit_rate"] - approx["hit_rate"],
@@ -465,12 +464,21 @@ def versus_approximate(approx: dict[str, Any], ours: dict[str, Any]) -> dict[str
     band = seed_band(approx, ours)
     if band is not None:
         entry["ttft_band"] = band
-    mine, theirs = ours.get("seed_hits", []), approx.get("seed_hits", [])
-    gaps = [a - b for a, b in zip(mine, theirs, strict=True)] if len(mine) == len(theirs) else []
+    mine, theirs = paired(ours, approx, "seed_hits")
+    gaps = [a - b for a, b in zip(mine, theirs, strict=True)]
     if len(gaps) > 1:
         entry["seed_hit_gap"] = (statistics.fmean(gaps),
-                                 statistics.stdev(gaps) / math.sqrt(len(gaps)))
+                                 statistics.stdev(gaps) / math.sqrt(len(gaps)), len(gaps))
     return entry
+
+
+def paired(one: dict[str, Any], other: dict[str, Any], key: str) -> tuple[list[Any], list[Any]]:
+    """Two rows' per-seed ``key`` over the seeds both played, in the same order (a mode
+    that lost a seed drops it from the other's too)."""
+    mine = dict(zip(one.get("seed_ids", []), one.get(key, []), strict=False))
+    theirs = dict(zip(other.get("seed_ids", []), other.get(key, []), strict=False))
+    common = [seed for seed in mine if seed in theirs]
+    return [mine[seed] for seed in common], [theirs[seed] for seed in common]
 
 
 def approximate_text(e: dict[str, Any]) -> str:
@@ -480,8 +488,8 @@ def approximate_text(e: dict[str, Any]) -> str:
         text += f" (seeds resampled: ×{e['ttft_band'][0]:.2f}–{e['ttft_band'][1]:.2f})"
     text += f", hit ours − approximate {e['hit_gap']:+.3f}"
     if "seed_hit_gap" in e:
-        mean, error = e["seed_hit_gap"]
-        text += f" (per seed {mean:+.3f} ± {error:.3f} s.e.)"
+        mean, error, seeds = e["seed_hit_gap"]
+        text += f" (per seed {mean:+.3f} ± {error:.3f} s.e., {seeds} seeds)"
     return text
 
 
@@ -496,12 +504,13 @@ def seed_band(one: dict[str, Any], other: dict[str, Any]) -> tuple[float, float]
     The same seeds are drawn, with replacement, for both modes, as many as
     were played, and each draw's pooled means compared: how far the ratio
     lies from the one measured only because of which seeds were played
-    (where each tenant's sessions land decides a run). None under 3 seeds.
+    (where each tenant's sessions land decides a run). Seeds only one mode
+    played are left out; None under 3 seeds both played.
     """
-    sums: list[list[float]] = [one.get("seed_sums", []), other.get("seed_sums", [])]
-    counts: list[list[int]] = [one.get("seed_counts", []), other.get("seed_counts", [])]
+    sums = paired(one, other, "seed_sums")
+    counts = paired(one, other, "seed_counts")
     n = len(sums[0])
-    if n < 3 or {n} != {*map(len, sums), *map(len, counts)}:
+    if n < 3:
         return None
     rng = random.Random(0)
     ratios = []
@@ -529,8 +538,6 @@ def summary(v: dict[str, Any]) -> str:
             if "vs_cache_affinity_band" in e:
                 low, high = e["vs_cache_affinity_band"]
                 text += f" (seeds resampled: ×{low:.2f}–{high:.2f})"
-        if "approx_over_events" in e:
-            text += f", approximate/events ×{e['approx_over_events']:.2f}"
         if "room" in e:
             text += f", pooled-LRU room ×{e['room']:.2f}"
         text += f"; ranking {' < '.join(e['ranking'])}"

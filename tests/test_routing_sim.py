@@ -11,6 +11,7 @@ import dataclasses
 import importlib.util
 import math
 import sys
+import types
 from pathlib import Path
 from types import ModuleType
 
@@ -202,22 +203,41 @@ def live(sim: ModuleType) -> ModuleType:
 def test_the_default_against_approximate_states_the_seeds_noise(live: ModuleType) -> None:
     """Approximate's TTFT over ours comes with the band the seeds move it in, and the hit gap
     with each seed's difference's mean and standard error (the same seeds, paired)."""
-    def row(sums: list[float], hits: list[float]) -> dict[str, object]:
+    def row(sums: list[float], hits: list[float], seeds: list[int] | None = None,
+            mode: str = "approximate") -> dict[str, object]:
         counts = [10] * len(sums)
-        return {"ttft_mean_ms": sum(sums) / sum(counts), "seed_sums": sums,
-                "seed_counts": counts, "hit_rate": sum(hits) / len(hits), "seed_hits": hits}
+        return {"mode": mode, "ttft_mean_ms": sum(sums) / sum(counts), "ttft_p90_ms": 100.0,
+                "seed_sums": sums, "seed_counts": counts, "hit_rate": sum(hits) / len(hits),
+                "seed_hits": hits, "seed_ids": seeds or list(range(1, len(sums) + 1))}
 
-    ours = row([500.0, 600.0, 700.0, 800.0], [0.80, 0.82, 0.84, 0.86])
-    approx = row([500.0, 660.0, 700.0, 720.0], [0.81, 0.82, 0.83, 0.88])
+    ours = row([500.0, 600.0, 700.0, 800.0], [0.80, 0.82, 0.84, 0.86], mode=live.OURS)
+    approx = row([750.0, 990.0, 1050.0, 1080.0], [0.81, 0.82, 0.83, 0.88])
     e = live.versus_approximate(approx, ours)
-    assert e["ttft_ratio"] == pytest.approx(2580 / 2600)
-    low, high = e["ttft_band"]
-    assert low <= e["ttft_ratio"] <= high < 1.1
-    mean, error = e["seed_hit_gap"]
-    assert mean == pytest.approx(-0.005)
+    assert e["ttft_ratio"] == pytest.approx(3870 / 2600)
+    low, high = e["ttft_band"]  # approximate's over ours, not the other way round
+    assert 1.3 < low <= e["ttft_ratio"] <= high < 1.7
+    assert e["ttft_band"] == live.seed_band(approx, ours)
+    mean, error, seeds = e["seed_hit_gap"]
+    assert (mean, seeds) == (pytest.approx(-0.005), 4)
     # gaps -0.01, 0, +0.01, -0.02: sample s.d. √(0.0005 / 3) over √4
     assert error == pytest.approx(math.sqrt(0.0005 / 3) / 2)
     text = live.approximate_text(e)
-    assert "(per seed -0.005 ± 0.006 s.e.)" in text and "seeds resampled" in text
-    # seeds that do not pair (one mode lost a seed) give no per-seed figure
-    assert "seed_hit_gap" not in live.versus_approximate(row([500.0] * 3, [0.8] * 3), ours)
+    assert "(per seed -0.005 ± 0.006 s.e., 4 seeds)" in text and "seeds resampled" in text
+    # each mode lost a different seed: only the seeds both played pair up
+    lost = live.versus_approximate(row([990.0, 1050.0, 1080.0], [0.82, 0.83, 0.88], [2, 3, 4]),
+                                   row([500.0, 600.0, 700.0], [0.80, 0.82, 0.84], [1, 2, 3],
+                                       mode=live.OURS))
+    mean, _, seeds = lost["seed_hit_gap"]
+    assert (mean, seeds) == (pytest.approx(0.005), 2)  # seeds 2 and 3: 0.82 − 0.82, 0.84 − 0.83
+    assert "ttft_band" not in lost  # two seeds in common: no band
+    # a run of only the two modes still says it
+    verdict = live.verdict(types.SimpleNamespace(name="two modes"),
+                           {live.OURS: ours, "approximate": approx}, {})
+    assert "live: approximate/ours mean ×1.49" in live.summary(verdict)
+    # a mode that could not run leaves the others' figures
+    rows = {live.OURS: ours, "approximate": approx,
+            "cache_affinity": {"mode": "cache_affinity", "status": "unavailable"},
+            "round_robin": row([900.0] * 4, [0.5] * 4, mode="round_robin")}
+    verdict = live.verdict(types.SimpleNamespace(name="one lost"), rows, {})
+    assert verdict["live"]["best_other"] == "round_robin"
+    assert "vs_cache_affinity" not in verdict["live"]
