@@ -6,9 +6,13 @@ shared system prompt on every engine), then times what the router pays:
 
 - per request: hashing a 4k-token prompt and looking it up (hit, shared, miss);
 - per block of KV events: decoding the msgpack, applying stores and removals;
-- fencing: clearing one engine.
+- fencing: clearing one engine;
+- per batch of KV events as the engines publish them (``--events-only`` runs just
+  this): an SGLang chain of one-page stores (page 1, re-cut into our blocks), and a
+  vLLM step as the live routing bench sees it (one store of a run of blocks and
+  one single-hash removal event per evicted block), decoded and applied.
 
-Run: ``python scripts/bench_kv_index.py [--blocks 1000000] [--engines 8]``.
+Run: ``python scripts/bench_kv_index.py [--blocks 1000000] [--engines 8] [--events-only]``.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ import msgspec
 
 from direct_frontend.kv.events import BlockRemoved, BlockStored, decode_payload
 from direct_frontend.kv.index import KvIndex
+from direct_frontend.simulator.kv_publisher import sglang_batch, vllm_batch
+from direct_frontend.simulator.kvcache import RemovedBlocks, StoredRun
 
 BS = 16
 PROMPT_BLOCKS = 256  # 4096 tokens
@@ -68,8 +74,13 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=1_000_000)
     parser.add_argument("--engines", type=int, default=8)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--events-only", action="store_true",
+                        help="only the per-batch KV event cases (no 1M-block fill)")
     args = parser.parse_args()
     rng = random.Random(args.seed)
+    event_batches(rng)
+    if args.events_only:
+        return
     engines = [f"engine-{i}" for i in range(args.engines)]
     index = KvIndex(BS, max_blocks=args.blocks * 2)
     system = [rng.randrange(150_000) for _ in range(SYSTEM_BLOCKS * BS)]
@@ -165,6 +176,50 @@ def main() -> None:
     print(f"clear_engine of {n:,} blocks: {cleared * 1e6:,.1f} µs (bit retired), then "
           f"{len(steps)} sweep steps of p50 {statistics.median(steps) * 1e3:.2f} ms "
           f"({sum(steps) / n * 1e9:,.0f} ns/block in all)")
+
+
+def event_batches(rng: random.Random, repeat: int = 200) -> None:
+    """Decode and apply per batch, for the batch shapes the engines publish."""
+    print(f"per batch of KV events (median of {repeat}; index block size {BS}):")
+    cases = (
+        ("sglang, 1024 one-token pages chained", _sglang_case(rng, 1024, 1)),
+        ("sglang, 64 pages of 16 chained", _sglang_case(rng, 64, BS)),
+        ("vllm, store 8 blocks + 8 removals", _vllm_case(rng, 8, 8)),
+        ("vllm, store 64 blocks + 64 removals", _vllm_case(rng, 64, 64)),
+    )
+    for name, (store, remove, blocks) in cases:
+        index = KvIndex(BS)
+        decodes, applies = [], []
+        for _ in range(repeat):
+            start = time.perf_counter()
+            batch = decode_payload(store)
+            mid = time.perf_counter()
+            index.apply("bench", batch)
+            applies.append(time.perf_counter() - mid)
+            decodes.append(mid - start)
+            index.apply("bench", decode_payload(remove))  # back to empty, untimed
+        assert len(index) == 0, "the removals did not undo the stores"
+        decode, apply = statistics.median(decodes) * 1e6, statistics.median(applies) * 1e6
+        print(f"  {name:38s} {len(store):7,} B  decode {decode:8.1f} µs  apply {apply:8.1f} µs"
+              f"  = {(decode + apply) / blocks:6.2f} µs per page/block")
+
+
+def _sglang_case(rng: random.Random, pages: int, size: int) -> tuple[bytes, bytes, int]:
+    """One chain of ``pages`` one-page stores (SGLang's signed hashes) and their removal."""
+    hashes: list[int | bytes] = [rng.randrange(-(2**63), 2**63) for _ in range(pages)]
+    tokens = [rng.randrange(150_000) for _ in range(pages * size)]
+    store = sglang_batch([StoredRun(hashes, None, tokens, size)], time.time())
+    return store, sglang_batch([RemovedBlocks(hashes)], time.time()), pages
+
+
+def _vllm_case(rng: random.Random, blocks: int, removals: int) -> tuple[bytes, bytes, int]:
+    """A vLLM step: one store of ``blocks`` and ``removals`` single-block removal events
+    (of blocks the index never held), then the store's removal."""
+    hashes: list[int | bytes] = [rng.randrange(2**64) for _ in range(blocks)]
+    gone: list[int | bytes] = [rng.randrange(2**64) for _ in range(removals)]
+    tokens = [rng.randrange(150_000) for _ in range(blocks * BS)]
+    store = vllm_batch([StoredRun(hashes, None, tokens, BS), RemovedBlocks(gone)], time.time())
+    return store, vllm_batch([RemovedBlocks(hashes)], time.time()), blocks
 
 
 def _stored(hashes: list[int], parent: int | None, tokens: list[int]) -> BlockStored:
