@@ -64,14 +64,18 @@ class KvDecodeError(ValueError):
         self.seq = seq
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class BlockStored:
+class BlockStored(msgspec.Struct, frozen=True, gc=False):
     """Full blocks that entered an engine's prefix cache, in prefix order.
 
     ``token_ids`` holds all listed blocks' tokens as a u32 array (cheap to hash
     and compact). ``bigram`` marks SGLang Eagle ``[t, t+1]`` pairs: their first
     elements are kept in ``token_ids`` but the index skips such events
     (docs/kv-events.md §10, UNCONFIRMED layout).
+
+    The event records are frozen msgspec structs rather than dataclasses: a
+    page-1 engine publishes one store per token, and a struct is built in C
+    (a frozen dataclass sets each of its fields through a Python call).
+    Copy one with :func:`msgspec.structs.replace`.
     """
 
     block_hashes: tuple[int, ...]
@@ -92,8 +96,7 @@ class BlockStored:
     bigram: bool = False
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class BlockRemoved:
+class BlockRemoved(msgspec.Struct, frozen=True, gc=False):
     """Blocks evicted from one tier of an engine's cache (one removal per physical copy)."""
 
     block_hashes: tuple[int, ...]
@@ -103,16 +106,14 @@ class BlockRemoved:
     ownership: str | None = None
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class AllBlocksCleared:
+class AllBlocksCleared(msgspec.Struct, frozen=True, gc=False):
     """The engine (this rank) dropped its whole prefix cache."""
 
 
 KvEvent: TypeAlias = BlockStored | BlockRemoved | AllBlocksCleared
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class KvEventBatch:
+class KvEventBatch(msgspec.Struct, frozen=True, gc=False):
     """One published batch: the events of one engine step, with its frame metadata.
 
     ``unknown_events`` counts events of a type we do not know (ignored by the

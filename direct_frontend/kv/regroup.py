@@ -30,6 +30,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+import msgspec
 import xxhash
 
 from direct_frontend.kv.events import MASK64, BlockRemoved, BlockStored
@@ -72,7 +73,7 @@ class Regrouper:
     def removed(self, event: BlockRemoved) -> BlockRemoved | None:
         """Our blocks that ``event``'s page removals take away (None: none)."""
         if self.page_size > self.block_size:
-            return dataclasses.replace(
+            return msgspec.structs.replace(
                 event, block_hashes=tuple(h for page in event.block_hashes
                                           for h in self._parts(page))
             )
@@ -82,7 +83,7 @@ class Regrouper:
             entry = self._pages.pop(page, None)
             if entry is not None and entry.depth == k:
                 gone.append(page)
-        return dataclasses.replace(event, block_hashes=tuple(gone)) if gone else None
+        return msgspec.structs.replace(event, block_hashes=tuple(gone)) if gone else None
 
     def clear(self) -> None:
         self._pages = {}
@@ -131,7 +132,7 @@ class Regrouper:
             complete.append(last)
         if not complete:
             return []
-        return [dataclasses.replace(
+        return [msgspec.structs.replace(
             event, block_hashes=tuple(complete), parent_block_hash=first_anchor, token_ids=tokens,
             block_size=self.block_size,
             extra_keys=tuple(block_extras) if any(block_extras) else None,
@@ -161,7 +162,7 @@ class Regrouper:
         m = self.page_size // self.block_size
         parent = event.parent_block_hash
         extras = event.extra_keys
-        return dataclasses.replace(
+        return msgspec.structs.replace(
             event,
             block_hashes=tuple(h for page in event.block_hashes for h in self._parts(page)),
             parent_block_hash=None if parent is None else self._parts(parent)[-1],

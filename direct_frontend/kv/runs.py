@@ -10,8 +10,9 @@ that is certain to leave the index exactly as the stores one by one would.
 from __future__ import annotations
 
 import array
-import dataclasses
 from collections.abc import Mapping, Sequence, Set
+
+import msgspec
 
 from direct_frontend.kv.events import BlockStored
 from direct_frontend.kv.filters import store_rejection
@@ -52,4 +53,4 @@ def merged(run: Sequence[BlockStored], blocks: Mapping[int, int], room: int, blo
     tokens = array.array(first.token_ids.typecode)
     for event in run:
         tokens.extend(event.token_ids)
-    return dataclasses.replace(first, block_hashes=tuple(hashes), token_ids=tokens)
+    return msgspec.structs.replace(first, block_hashes=tuple(hashes), token_ids=tokens)
