@@ -20,7 +20,7 @@ import array
 import dataclasses
 import sys
 from collections.abc import Sequence
-from typing import Any, Final, TypeAlias
+from typing import Any, Final, TypeAlias, cast
 
 import msgspec
 
@@ -208,7 +208,24 @@ _RANK_KEYS: Final = ("data_parallel_rank", "attn_dp_rank", "dp_rank")
 
 
 def decode_payload(payload: bytes, *, seq: int = 0, topic: bytes = b"") -> KvEventBatch:
-    """Decode a msgpack batch: a 3- or 2-element array, or a map keyed by field name."""
+    """Decode a msgpack batch: a 3- or 2-element array, or a map keyed by field name.
+
+    The layouts today's engines publish (an array batch of tagged-map events)
+    are decoded typed, in C (:func:`_decode_typed`); anything that does not fit
+    those types exactly (map batches, tag-first arrays, unknown or damaged
+    events) takes the general path, which gives the same result for what both
+    read and is the one that reports damage.
+    """
+    typed = _decode_typed(payload)
+    if typed is None:
+        return _decode_general(payload, seq, topic)
+    ts, items, rank = typed
+    decoded, malformed = _convert_typed(items)
+    return KvEventBatch(seq, ts, decoded, rank, topic, 0, malformed)
+
+
+def _decode_general(payload: bytes, seq: int, topic: bytes) -> KvEventBatch:
+    """:func:`decode_payload` through a generic msgpack decode and per-event reading."""
     try:
         raw = _decode_msgpack(payload)
     except (msgspec.DecodeError, ValueError) as exc:
@@ -388,3 +405,114 @@ def _opt_int(value: object) -> int | None:
     if value is None or type(value) is int:
         return value
     raise ValueError(f"expected an int or nil, got {type(value).__name__}")
+
+
+# -- typed fast path ----------------------------------------------------------
+# The wire types of tagged-map events (vLLM 0.32, SGLang 0.5.23) in an array
+# batch. msgspec checks every field's type in C, so a decode that succeeds holds
+# exactly the values the general path would accept field by field; what the
+# types cannot say (u32 tokens, a non-negative block size, non-empty hash bytes)
+# is checked per event below, with the general path's outcome (one malformed
+# event counted). Unknown fields are ignored by both paths.
+
+_Hash = int | bytes
+
+
+class _WireStored(msgspec.Struct, tag="BlockStored", gc=False):
+    block_hashes: list[_Hash]
+    token_ids: list[int]
+    block_size: int
+    parent_block_hash: _Hash | None = None
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+    cache_salt: str | None = None
+
+
+class _WireRemoved(msgspec.Struct, tag="BlockRemoved", gc=False):
+    block_hashes: list[_Hash]
+    medium: str | None = None
+    group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+
+
+class _WireCleared(msgspec.Struct, tag="AllBlocksCleared", gc=False):
+    pass
+
+
+class _WireBatch(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[_WireStored | _WireRemoved | _WireCleared]
+    rank: int | None = None
+    # msgspec ignores trailing array elements; one here means more than 3 (malformed)
+    beyond: msgspec.Raw | msgspec.UnsetType = msgspec.UNSET
+
+
+_decode_wire: Final = msgspec.msgpack.Decoder(_WireBatch).decode
+_WireEvent: TypeAlias = _WireStored | _WireRemoved | _WireCleared
+
+
+def _decode_typed(payload: bytes) -> tuple[float, list[_WireEvent], int | None] | None:
+    """The batch decoded typed, or None where it does not fit the wire types."""
+    try:
+        batch = _decode_wire(payload)
+    except (msgspec.DecodeError, ValueError):
+        return None
+    if batch.beyond is not msgspec.UNSET:
+        return None
+    return batch.ts, batch.events, batch.rank
+
+
+def _convert_typed(items: list[_WireEvent]) -> tuple[tuple[KvEvent, ...], int]:
+    """Typed wire events as our events, and how many were malformed."""
+    decoded: list[KvEvent] = []
+    malformed = 0
+    for item in items:
+        try:
+            if type(item) is _WireStored:
+                decoded.append(_typed_stored(item))
+            elif type(item) is _WireRemoved:
+                decoded.append(BlockRemoved(_wire_hashes(item.block_hashes), item.medium,
+                                            item.group_idx, item.locality, item.ownership))
+            else:
+                decoded.append(AllBlocksCleared())
+        except (ValueError, TypeError, OverflowError):
+            malformed += 1
+    return tuple(decoded), malformed
+
+
+def _typed_stored(e: _WireStored) -> BlockStored:
+    tokens = array.array("I", e.token_ids)  # validates ints within u32, in C
+    if e.block_size < 0:
+        raise ValueError("block_size is negative")
+    parent = e.parent_block_hash
+    extra = e.extra_keys
+    return BlockStored(
+        _wire_hashes(e.block_hashes), None if parent is None else normalise_hash(parent), tokens,
+        e.block_size, e.lora_id, e.medium, e.lora_name, None if extra is None else tuple(extra),
+        e.group_idx, e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window, e.locality,
+        e.ownership, e.session_id, e.cache_salt)
+
+
+def _wire_hashes(raw: list[_Hash]) -> tuple[int, ...]:
+    """:func:`normalise_hash` of each, with no Python call per hash where all are ints
+    (msgpack ints lie within -2^63..2^64-1, so one at least 0 is already a u64)."""
+    if len(raw) == 1:
+        only = raw[0]
+        return (only & MASK64,) if type(only) is int else (normalise_hash(only),)
+    try:
+        low = min(raw)  # TypeError: ints and bytes mixed; ValueError: none
+    except (TypeError, ValueError):
+        return tuple(map(normalise_hash, raw))
+    if type(low) is not int:
+        return tuple(map(normalise_hash, raw))
+    ints = cast("list[int]", raw)  # all ints: min() of a mixed list raises
+    return tuple(ints) if low >= 0 else tuple([h & MASK64 for h in ints])
