@@ -117,27 +117,62 @@ class KvIndex:
         """Apply events in order (a batch's, or a test's), then sweep a little.
 
         A run of stores each of the one before's child (SGLang's one per page)
-        is stored as one where that ends the same (kv/runs.py).
+        is stored as one where that ends the same (kv/runs.py); removals in a
+        row (vLLM's one per block) are taken as one where that ends the same.
         """
-        run: list[BlockStored] = []
+        stores: list[BlockStored] = []
+        removals: list[BlockRemoved] = []
         for event in events:
             if isinstance(event, BlockStored):
-                if run and not continues(run[-1], event):
-                    self._store_run(engine, run)
-                    run = []
-                run.append(event)
-                continue
-            if run:
-                self._store_run(engine, run)
-                run = []
-            if isinstance(event, BlockRemoved):
-                self.remove(engine, event)
+                if removals:
+                    self._remove_run(engine, removals)
+                    removals = []
+                elif stores and not continues(stores[-1], event):
+                    self._store_run(engine, stores)
+                    stores = []
+                stores.append(event)
+            elif isinstance(event, BlockRemoved):
+                if stores:
+                    self._store_run(engine, stores)
+                    stores = []
+                removals.append(event)
             elif isinstance(event, AllBlocksCleared):
+                self._flush(engine, stores, removals)
+                stores, removals = [], []
                 self.clear_engine(engine)
-        if run:
-            self._store_run(engine, run)
+        self._flush(engine, stores, removals)
         if self._prefixes.sweeping:
             self.sweep()
+
+    def _flush(self, engine: str, stores: list[BlockStored], removals: list[BlockRemoved]
+               ) -> None:
+        if stores:
+            self._store_run(engine, stores)
+        if removals:
+            self._remove_run(engine, removals)
+
+    def _remove_run(self, engine: str, run: Sequence[BlockRemoved]) -> None:
+        """Removals in a row as one, else one by one.
+
+        Taken one by one, each frees its blocks in order, then offers the dicts
+        a rebuild (:meth:`_compact`); as one, the blocks go in the same order,
+        so only a rebuild could fall elsewhere: the run is one where none can
+        happen on the way (nor is an engine's page re-cut in between).
+        """
+        state = self._engines.get(engine)
+        if len(run) > 1 and state is not None and engine not in self._regroupers:
+            tiers = self.tiers
+            hashes = [h for event in run if removal_indexed(event, tiers)
+                      for h in event.block_hashes]
+            if not (self._prefixes.may_compact(len(hashes)) or (
+                    state.peak > COMPACT_MIN
+                    and len(state.blocks) - len(hashes) < state.peak // 4)):
+                gone = self._unstore(state, hashes)
+                self._prefixes.unhold(gone, state.bit, state.aliases)
+                self._total -= len(gone)
+                return
+        for event in run:
+            self.remove(engine, event)
 
     def _store_run(self, engine: str, run: Sequence[BlockStored]) -> None:
         """Store ``run`` as one where :func:`merged` says that ends the same, else one by one."""

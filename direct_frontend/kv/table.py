@@ -130,9 +130,13 @@ class PrefixTable:
                 self.compact()
         return done
 
+    def may_compact(self, removed: int) -> bool:
+        """Whether :meth:`compact` could rebuild the table once up to ``removed`` more go."""
+        return self._peak > COMPACT_MIN and len(self._table) - removed < self._peak // 4
+
     def compact(self) -> None:
         """Rebuild the table once removals left it mostly empty: CPython never shrinks a dict."""
-        if self._peak > COMPACT_MIN and len(self._table) < self._peak // 4:
+        if self.may_compact(0):
             self._table = dict(self._table)
             self._peak = len(self._table)
 
