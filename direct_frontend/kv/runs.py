@@ -10,6 +10,7 @@ that is certain to leave the index exactly as the stores one by one would.
 from __future__ import annotations
 
 import array
+import operator
 from collections.abc import Mapping, Sequence, Set
 
 import msgspec
@@ -46,11 +47,37 @@ def merged(run: Sequence[BlockStored], blocks: Mapping[int, int], room: int, blo
             or (first.parent_block_hash is not None and first.parent_block_hash not in blocks)
             or list(map(blocks.get, hashes)).count(None) != len(hashes)):
         return None
-    for event in run:
-        if (event.extra_keys is not None or event.lora_name != first.lora_name
-                or store_rejection(event, block_size, tiers) is not None):
-            return None
+    if not _each_fits(run, block_size, tiers):
+        return None
     tokens = array.array(first.token_ids.typecode)
     for event in run:
         tokens.extend(event.token_ids)
     return msgspec.structs.replace(first, block_hashes=tuple(hashes), token_ids=tokens)
+
+
+#: the fields the filters and the hashing read that a run's stores must share
+_SHARED = operator.attrgetter("bigram", "group_idx", "kv_cache_spec_kind", "locality", "medium",
+                              "block_size", "lora_name")
+_EXTRA = operator.attrgetter("extra_keys")
+_HASHES = operator.attrgetter("block_hashes")
+_TOKENS = operator.attrgetter("token_ids")
+
+
+def _each_fits(run: Sequence[BlockStored], block_size: int, tiers: Set[str]) -> bool:
+    """Whether every store passes the filters, with no extra keys and the first's adapter.
+
+    The usual run (pages alike in all but their blocks) is checked in C: the
+    first store through the filters, then that the others share its fields and
+    each has tokens for its blocks (a parent inside its own blocks or a block
+    twice is ruled out by :func:`merged`'s checks of the whole run). Any other
+    run is checked store by store.
+    """
+    first = run[0]
+    if list(map(_EXTRA, run)).count(None) != len(run):
+        return False
+    if len(set(map(_SHARED, run))) == 1:
+        sizes = list(map(len, map(_HASHES, run)))
+        return (store_rejection(first, block_size, tiers) is None and 0 not in sizes
+                and list(map(len, map(_TOKENS, run))) == [n * block_size for n in sizes])
+    return all(event.lora_name == first.lora_name
+               and store_rejection(event, block_size, tiers) is None for event in run)
