@@ -175,8 +175,15 @@ class KvIndex:
             self.remove(engine, event)
 
     def _store_run(self, engine: str, run: Sequence[BlockStored]) -> None:
-        """Store ``run`` as one where :func:`merged` says that ends the same, else one by one."""
+        """Store ``run`` as one where :func:`merged` says that ends the same, else one by one.
+
+        Pages of another size than ours never merge (the filters turn them
+        down); they go to :meth:`_store_pages`.
+        """
         if len(run) > 1:
+            if run[0].block_size != self.block_size:
+                self._store_pages(engine, run)
+                return
             state = self._engines.get(engine)
             one = merged(run, {} if state is None else state.blocks,
                          self.max_blocks - self._total, self.block_size, self.tiers)
@@ -185,6 +192,38 @@ class KvIndex:
                 return
         for event in run:
             self.store(engine, event)
+
+    def _store_pages(self, engine: str, run: Sequence[BlockStored]) -> None:
+        """A chain of pages to re-cut: through the regrouper page by page, the blocks they
+        complete stored after as runs.
+
+        One by one, each page's completed blocks are stored before the next page
+        is re-cut; the regrouper never reads the index, so storing them later, in
+        the same order, ends the same. Pages the regrouper does not take go
+        through :meth:`store`, in their place.
+        """
+        blocks: list[BlockStored] = []
+        for event in run:
+            regrouper = self._regroupers.get(engine)
+            if (regrouper is not None and regrouper.page_size == event.block_size
+                    and store_rejection(event, self.block_size, self.tiers) == "block_size"):
+                blocks += regrouper.stored(event)
+                continue
+            self._store_chained(engine, blocks)
+            blocks = []
+            self.store(engine, event)
+        self._store_chained(engine, blocks)
+
+    def _store_chained(self, engine: str, stores: Sequence[BlockStored]) -> None:
+        """Stores in order, each run of a store's children after it as one (:meth:`_store_run`)."""
+        run: list[BlockStored] = []
+        for event in stores:
+            if run and not continues(run[-1], event):
+                self._store_run(engine, run)
+                run = []
+            run.append(event)
+        if run:
+            self._store_run(engine, run)
 
     def store(self, engine: str, event: BlockStored) -> int:
         """Index a BlockStored after the docs/kv-events.md §10 filters; returns blocks added."""
