@@ -19,7 +19,7 @@ from __future__ import annotations
 import array
 import dataclasses
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Final, TypeAlias, cast
 
 import msgspec
@@ -416,51 +416,39 @@ def _opt_int(value: object) -> int | None:
 # event counted). Unknown fields are ignored by both paths.
 
 _Hash = int | bytes
+#: our fields' types (as annotated) → as the engines write them
+_WIRE_TYPES: Final[dict[str, Any]] = {
+    "tuple[int, ...]": list[_Hash], "array.array[int]": list[int],
+    "tuple[Any, ...] | None": list[Any], "int": int, "int | None": int, "str | None": str,
+}
 
 
-class _WireStored(msgspec.Struct, tag="BlockStored", gc=False):
-    block_hashes: list[_Hash]
-    token_ids: list[int]
-    block_size: int
-    parent_block_hash: _Hash | None = None
-    lora_id: int | None = None
-    medium: str | None = None
-    lora_name: str | None = None
-    extra_keys: list[Any] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
-    session_id: str | None = None
-    cache_salt: str | None = None
+def _wire_struct(record: type[msgspec.Struct]) -> Any:
+    """A tagged-map wire type with ``record``'s fields in its order (its flag ``bigram``
+    aside), each nil when missing (a nil where a value is needed is a malformed event,
+    as on the general path), typed as the engines write them: a hash an int or bytes
+    (``parent_block_hash`` too), arrays as lists."""
+    fields = [(name, (_Hash if name == "parent_block_hash" else _WIRE_TYPES[hint]) | None, None)
+              for name, hint in record.__annotations__.items() if hint != "bool"]
+    return msgspec.defstruct(f"_Wire{record.__name__}", fields, tag=record.__name__, gc=False)
 
 
-class _WireRemoved(msgspec.Struct, tag="BlockRemoved", gc=False):
-    block_hashes: list[_Hash]
-    medium: str | None = None
-    group_idx: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
+_WireStored: Final = _wire_struct(BlockStored)
+_WireRemoved: Final = _wire_struct(BlockRemoved)
 
 
-class _WireCleared(msgspec.Struct, tag="AllBlocksCleared", gc=False):
-    pass
-
-
-class _WireBatch(msgspec.Struct, array_like=True, gc=False):
-    ts: float
-    events: list[_WireStored | _WireRemoved | _WireCleared]
-    rank: int | None = None
+_WireCleared: Final = msgspec.defstruct("_WireCleared", [], tag="AllBlocksCleared", gc=False)
+_list: Any = list  # subscripted with runtime types, which a type checker cannot see
+_WireBatch: Final = msgspec.defstruct("_WireBatch", [
+    ("ts", float), ("events", _list[_WireStored | _WireRemoved | _WireCleared]),
+    ("rank", int | None, None),
     # msgspec ignores trailing array elements; one here means more than 3 (malformed)
-    beyond: msgspec.Raw | msgspec.UnsetType = msgspec.UNSET
+    ("beyond", msgspec.Raw | msgspec.UnsetType, msgspec.UNSET),
+], array_like=True, gc=False)
+_decode_wire: Final[Callable[[bytes], Any]] = msgspec.msgpack.Decoder(_WireBatch).decode
 
 
-_decode_wire: Final = msgspec.msgpack.Decoder(_WireBatch).decode
-_WireEvent: TypeAlias = _WireStored | _WireRemoved | _WireCleared
-
-
-def _decode_typed(payload: bytes) -> tuple[float, list[_WireEvent], int | None] | None:
+def _decode_typed(payload: bytes) -> tuple[float, list[Any], int | None] | None:
     """The batch decoded typed, or None where it does not fit the wire types."""
     try:
         batch = _decode_wire(payload)
@@ -471,7 +459,7 @@ def _decode_typed(payload: bytes) -> tuple[float, list[_WireEvent], int | None] 
     return batch.ts, batch.events, batch.rank
 
 
-def _convert_typed(items: list[_WireEvent]) -> tuple[tuple[KvEvent, ...], int]:
+def _convert_typed(items: list[Any]) -> tuple[tuple[KvEvent, ...], int]:
     """Typed wire events as our events, and how many were malformed."""
     decoded: list[KvEvent] = []
     malformed = 0
@@ -480,8 +468,8 @@ def _convert_typed(items: list[_WireEvent]) -> tuple[tuple[KvEvent, ...], int]:
             if type(item) is _WireStored:
                 decoded.append(_typed_stored(item))
             elif type(item) is _WireRemoved:
-                decoded.append(BlockRemoved(_wire_hashes(item.block_hashes), item.medium,
-                                            item.group_idx, item.locality, item.ownership))
+                hashes, *rest = msgspec.structs.astuple(item)
+                decoded.append(BlockRemoved(_wire_hashes(hashes), *rest))
             else:
                 decoded.append(AllBlocksCleared())
         except (ValueError, TypeError, OverflowError):
@@ -489,7 +477,8 @@ def _convert_typed(items: list[_WireEvent]) -> tuple[tuple[KvEvent, ...], int]:
     return tuple(decoded), malformed
 
 
-def _typed_stored(e: _WireStored) -> BlockStored:
+def _typed_stored(e: Any) -> BlockStored:
+    """A wire store as ours; a nil hash list, token list or block size raises TypeError."""
     tokens = array.array("I", e.token_ids)  # validates ints within u32, in C
     if e.block_size < 0:
         raise ValueError("block_size is negative")

@@ -117,8 +117,6 @@ class Regrouper:
             if depth == k:
                 done.append(page)
                 depth, anchor = 0, page
-        if not done:
-            return []
         tokens = array.array("I")
         block_extras: list[Any] = []
         complete: list[int] = []
