@@ -468,8 +468,8 @@ def _convert_typed(items: list[Any]) -> tuple[tuple[KvEvent, ...], int]:
             if type(item) is _WireStored:
                 decoded.append(_typed_stored(item))
             elif type(item) is _WireRemoved:
-                hashes, *rest = msgspec.structs.astuple(item)
-                decoded.append(BlockRemoved(_wire_hashes(hashes), *rest))
+                decoded.append(BlockRemoved(_wire_hashes(item.block_hashes), item.medium,
+                                            item.group_idx, item.locality, item.ownership))
             else:
                 decoded.append(AllBlocksCleared())
         except (ValueError, TypeError, OverflowError):
