@@ -72,10 +72,8 @@ class BlockStored(msgspec.Struct, frozen=True, gc=False):
     elements are kept in ``token_ids`` but the index skips such events
     (docs/kv-events.md §10, UNCONFIRMED layout).
 
-    The event records are frozen msgspec structs rather than dataclasses: a
-    page-1 engine publishes one store per token, and a struct is built in C
-    (a frozen dataclass sets each of its fields through a Python call).
-    Copy one with :func:`msgspec.structs.replace`.
+    The event records are frozen msgspec structs, built in C: a page-1 engine
+    publishes one store per token. Copy one with :func:`msgspec.structs.replace`.
     """
 
     block_hashes: tuple[int, ...]
@@ -230,6 +228,8 @@ def _decode_general(payload: bytes, seq: int, topic: bytes) -> KvEventBatch:
         raw = _decode_msgpack(payload)
     except (msgspec.DecodeError, ValueError) as exc:
         raise KvDecodeError(f"payload is not msgpack: {exc}", seq=seq) from None
+    except RecursionError:  # (msgspec bounds its nesting by the interpreter's limit)
+        raise KvDecodeError("payload nests too deep", seq=seq) from None
     ts, events, rank = _batch_fields(raw, seq)
     decoded, unknown, malformed = _decode_events(events)
     return KvEventBatch(
@@ -452,7 +452,7 @@ def _decode_typed(payload: bytes) -> tuple[float, list[Any], int | None] | None:
     """The batch decoded typed, or None where it does not fit the wire types."""
     try:
         batch = _decode_wire(payload)
-    except (msgspec.DecodeError, ValueError):
+    except (msgspec.DecodeError, ValueError, RecursionError):
         return None
     if batch.beyond is not msgspec.UNSET:
         return None
@@ -468,8 +468,10 @@ def _convert_typed(items: list[Any]) -> tuple[tuple[KvEvent, ...], int]:
             if type(item) is _WireStored:
                 decoded.append(_typed_stored(item))
             elif type(item) is _WireRemoved:
-                decoded.append(BlockRemoved(_wire_hashes(item.block_hashes), item.medium,
-                                            item.group_idx, item.locality, item.ownership))
+                decoded.append(BlockRemoved(
+                    block_hashes=_wire_hashes(item.block_hashes), medium=item.medium,
+                    group_idx=item.group_idx, locality=item.locality,
+                    ownership=item.ownership))
             else:
                 decoded.append(AllBlocksCleared())
         except (ValueError, TypeError, OverflowError):
@@ -485,10 +487,13 @@ def _typed_stored(e: Any) -> BlockStored:
     parent = e.parent_block_hash
     extra = e.extra_keys
     return BlockStored(
-        _wire_hashes(e.block_hashes), None if parent is None else normalise_hash(parent), tokens,
-        e.block_size, e.lora_id, e.medium, e.lora_name, None if extra is None else tuple(extra),
-        e.group_idx, e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window, e.locality,
-        e.ownership, e.session_id, e.cache_salt)
+        block_hashes=_wire_hashes(e.block_hashes),
+        parent_block_hash=None if parent is None else normalise_hash(parent),
+        token_ids=tokens, block_size=e.block_size, lora_id=e.lora_id, medium=e.medium,
+        lora_name=e.lora_name, extra_keys=None if extra is None else tuple(extra),
+        group_idx=e.group_idx, kv_cache_spec_kind=e.kv_cache_spec_kind,
+        kv_cache_spec_sliding_window=e.kv_cache_spec_sliding_window, locality=e.locality,
+        ownership=e.ownership, session_id=e.session_id, cache_salt=e.cache_salt)
 
 
 def _wire_hashes(raw: list[_Hash]) -> tuple[int, ...]:

@@ -280,6 +280,9 @@ def test_bigram_tokens_are_flagged() -> None:
         [b"", bytes(8), msgspec.msgpack.encode([1.0, {"not": "a list"}, 0])],
         [b"", bytes(8), msgspec.msgpack.encode([1.0, [], "rank"])],
         [b"", bytes(8), VECTOR_MAP[:-5]],  # truncated
+        [b"", bytes(8), b"\x91" * 100_000 + b"\xc0"],  # nested beyond the interpreter's limit
+        # the same inside the events of a batch the typed path would read
+        [b"", bytes(8), b"\x93" + msgspec.msgpack.encode(1.0) + b"\x91" * 100_000 + b"\xc0\x00"],
     ],
 )
 def test_structural_damage_raises_one_error(frames: list[bytes]) -> None:

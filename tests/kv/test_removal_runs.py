@@ -72,6 +72,22 @@ def test_a_run_that_shrinks_the_dicts_rebuilds_them_where_one_by_one_would() -> 
     assert batched._engines["e"].peak < n  # the test went past a rebuild
 
 
+def test_a_run_that_shrinks_one_engines_dict_alone_rebuilds_it_where_one_by_one_would(
+) -> None:
+    """Another engine keeps the shared table full, so only this engine's own dict comes
+    due for a rebuild on the way: the run is still taken one by one there."""
+    n = COMPACT_MIN * 2
+    events: list[KvEvent] = [store(1, n)]
+    events += [BlockRemoved((h,), "GPU") for h in range(1, n + 1 - COMPACT_MIN // 4)]
+    batched, single = KvIndex(BS), KvIndex(BS)
+    for index in (batched, single):
+        index.apply_events("x", [store(1, n, token=2)])  # other prefixes, in the shared table
+    batched.apply_events("e", events)
+    one_by_one(single, events)
+    assert state(batched) == state(single)
+    assert batched._engines["e"].peak < n  # the engine's dict was rebuilt on the way
+
+
 def test_a_run_of_removals_that_cannot_shrink_the_dicts_is_taken_as_one() -> None:
     """The usual run (a few of many blocks) frees each block it names, once."""
     index = KvIndex(BS)
