@@ -219,7 +219,8 @@ def decode_payload(payload: bytes, *, seq: int = 0, topic: bytes = b"") -> KvEve
         return _decode_general(payload, seq, topic)
     ts, items, rank = typed
     decoded, malformed = _convert_typed(items)
-    return KvEventBatch(seq, ts, decoded, rank, topic, 0, malformed)
+    return KvEventBatch(seq=seq, ts=ts, events=decoded, dp_rank=rank, topic=topic,
+                        malformed_events=malformed)
 
 
 def _decode_general(payload: bytes, seq: int, topic: bytes) -> KvEventBatch:
