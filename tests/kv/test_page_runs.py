@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from direct_frontend.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 from direct_frontend.kv.index import KvIndex
+from tests.support.kv_index import both_ways
 
 BS = 4
 
@@ -56,18 +57,7 @@ def test_applying_a_batch_of_pages_equals_storing_each_page(
         raw: list[tuple[str, int, str, int, int, str | None]], room: int) -> None:
     """Entries, the regrouper's pages, the shared table, counters and skips: all equal,
     also when the index is near its cap."""
-    events = events_of(raw)
-    batched, single = KvIndex(BS, max_blocks=room), KvIndex(BS, max_blocks=room)
-    batched.apply_events("e", events)
-    for event in events:
-        if isinstance(event, BlockStored):
-            single.store("e", event)
-        elif isinstance(event, BlockRemoved):
-            single.remove("e", event)
-        else:
-            single.clear_engine("e")
-    if single._prefixes.sweeping:
-        single.sweep()
+    batched, single = both_ways(events_of(raw), BS, room)
     assert state(batched) == state(single)
 
 

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from direct_frontend.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 from direct_frontend.kv.index import KvIndex
 from direct_frontend.kv.table import COMPACT_MIN
+from tests.support.kv_index import both_ways, one_by_one
 
 BS = 2
 
@@ -19,18 +20,6 @@ def state(index: KvIndex) -> object:
     (which sees when a dict was rebuilt)."""
     engines = {name: (s.blocks, s.copies, s.aliases, s.peak) for name, s in index._engines.items()}
     return (engines, index._prefixes._table, index._prefixes._peak, index.stats())
-
-
-def one_by_one(index: KvIndex, events: list[KvEvent]) -> None:
-    for event in events:
-        if isinstance(event, BlockStored):
-            index.store("e", event)
-        elif isinstance(event, BlockRemoved):
-            index.remove("e", event)
-        else:
-            index.clear_engine("e")
-    if index._prefixes.sweeping:
-        index.sweep()
 
 
 def store(first: int, n: int, token: int = 1) -> BlockStored:
@@ -53,9 +42,7 @@ step = st.one_of(
 def test_a_run_of_removals_equals_removing_each(events: list[KvEvent]) -> None:
     """Single- and multi-block removals of known, unknown and twice-stored blocks, of
     other tiers and groups, between stores and clears: the index ends the same."""
-    batched, single = KvIndex(BS), KvIndex(BS)
-    batched.apply_events("e", events)
-    one_by_one(single, events)
+    batched, single = both_ways(events, BS)
     assert state(batched) == state(single)
 
 
@@ -65,9 +52,7 @@ def test_a_run_that_shrinks_the_dicts_rebuilds_them_where_one_by_one_would() -> 
     n = COMPACT_MIN * 2
     events: list[KvEvent] = [store(1, n)]
     events += [BlockRemoved((h,), "GPU") for h in range(1, n + 1 - COMPACT_MIN // 4)]
-    batched, single = KvIndex(BS), KvIndex(BS)
-    batched.apply_events("e", events)
-    one_by_one(single, events)
+    batched, single = both_ways(events, BS)
     assert state(batched) == state(single)
     assert batched._engines["e"].peak < n  # the test went past a rebuild
 
