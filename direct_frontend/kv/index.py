@@ -30,7 +30,7 @@ from direct_frontend.kv.filters import DEVICE_TIERS, removal_indexed, store_reje
 from direct_frontend.kv.prefix import namespace_seed, prefix_hashes, stored_hashes
 from direct_frontend.kv.regroup import Regrouper, compatible
 from direct_frontend.kv.runs import continues, merged
-from direct_frontend.kv.table import COMPACT_MIN, HASH_BYTES, PrefixTable, let_go_extra
+from direct_frontend.kv.table import HASH_BYTES, PrefixTable, due_for_rebuild, let_go_extra
 
 __all__ = ["KvIndex", "KvIndexStats"]
 
@@ -127,13 +127,10 @@ class KvIndex:
                 if removals:
                     self._remove_run(engine, removals)
                     removals = []
-                elif stores and not continues(stores[-1], event):
-                    self._store_run(engine, stores)
-                    stores = []
                 stores.append(event)
             elif isinstance(event, BlockRemoved):
                 if stores:
-                    self._store_run(engine, stores)
+                    self._store_chained(engine, stores)
                     stores = []
                 removals.append(event)
             elif isinstance(event, AllBlocksCleared):
@@ -147,7 +144,7 @@ class KvIndex:
     def _flush(self, engine: str, stores: list[BlockStored], removals: list[BlockRemoved]
                ) -> None:
         if stores:
-            self._store_run(engine, stores)
+            self._store_chained(engine, stores)
         if removals:
             self._remove_run(engine, removals)
 
@@ -164,9 +161,8 @@ class KvIndex:
             tiers = self.tiers
             hashes = [h for event in run if removal_indexed(event, tiers)
                       for h in event.block_hashes]
-            if not (self._prefixes.may_compact(len(hashes)) or (
-                    state.peak > COMPACT_MIN
-                    and len(state.blocks) - len(hashes) < state.peak // 4)):
+            if not (self._prefixes.may_compact(len(hashes))
+                    or due_for_rebuild(len(state.blocks) - len(hashes), state.peak)):
                 gone = self._unstore(state, hashes)
                 self._prefixes.unhold(gone, state.bit, state.aliases)
                 self._total -= len(gone)
@@ -488,7 +484,7 @@ class KvIndex:
 
     def _compact(self, state: _Engine) -> None:
         """Rebuild dicts that removals left mostly empty: CPython never shrinks them."""
-        if state.peak > COMPACT_MIN and len(state.blocks) < state.peak // 4:
+        if due_for_rebuild(len(state.blocks), state.peak):
             state.blocks = dict(state.blocks)
             state.copies = dict(state.copies)
             state.aliases = dict(state.aliases)

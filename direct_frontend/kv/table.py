@@ -18,10 +18,16 @@ import sys
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Final
 
-__all__ = ["COMPACT_MIN", "HASH_BYTES", "PrefixTable"]
+__all__ = ["COMPACT_MIN", "HASH_BYTES", "PrefixTable", "due_for_rebuild"]
 
 HASH_BYTES: Final = sys.getsizeof(1 << 63)  # a hash as a Python int
 COMPACT_MIN: Final = 4096  # smaller dicts are not worth rebuilding
+
+
+def due_for_rebuild(size: int, peak: int) -> bool:
+    """Whether a dict that held ``peak`` entries and holds ``size`` is worth rebuilding:
+    CPython never shrinks a dict, so one mostly emptied keeps its peak's memory."""
+    return peak > COMPACT_MIN and size < peak // 4
 
 
 @dataclasses.dataclass(slots=True)
@@ -132,7 +138,7 @@ class PrefixTable:
 
     def may_compact(self, removed: int) -> bool:
         """Whether :meth:`compact` could rebuild the table once up to ``removed`` more go."""
-        return self._peak > COMPACT_MIN and len(self._table) - removed < self._peak // 4
+        return due_for_rebuild(len(self._table) - removed, self._peak)
 
     def compact(self) -> None:
         """Rebuild the table once removals left it mostly empty: CPython never shrinks a dict."""
