@@ -119,8 +119,9 @@ class KvAwareKnobs:
     # … plus this much × how full the engine's cache would be with it stored: a block stored
     # in a full cache evicts someone else's, who prefills it again
     eviction_weight: float = setting(2.0, NON_NEGATIVE)
-    # blocks of prefill one request in flight is worth (its decode slows every step)
-    in_flight_weight: float = setting(8.0, NON_NEGATIVE)
+    # blocks of prefill one request in flight is worth (its decode slows every step), the same
+    # whether the overlap comes from KV events or the approximate memory
+    in_flight_weight: float = setting(4.0, NON_NEGATIVE)
     temperature: float = setting(0.0, NON_NEGATIVE)
     # the load guard spills when the chosen engine has this many requests above the mean …
     balance_abs_threshold: float = setting(32.0, NON_NEGATIVE)

@@ -6,8 +6,7 @@ Cost per engine, lower is better, in blocks of prefill work::
              × blocks to prefill there (request blocks − cached leading blocks)
          + prefill queue there (blocks we sent it that it has not prefilled yet)
          + in_flight_weight × requests in flight there, sibling replicas' and other
-           clients' included (routing/peers.py; each decode slows every step;
-           half that without KV events: measured better there, scripts/routing_sim.py)
+           clients' included (routing/peers.py; each decode slows every step)
 
 These terms are what TTFT is made of on an engine that prefills first come,
 first served: the request waits for the queue ahead of it, then prefills its
@@ -450,14 +449,12 @@ class KvAware:
         queued = [depth for depth, _ in depths]
         fullness = self.fullness(candidates, request_blocks, overlaps,
                                  [unshown for _, unshown in depths])
-        for e, stored, depth in zip(candidates, stored_at, queued, strict=True):
-            # without events half the weight (measured: routing_sim's grid, README)
-            in_flight = knobs.in_flight_weight * (1.0 if stored is not None else 0.5)
+        for e, depth in zip(candidates, queued, strict=True):
             miss = request_blocks - overlaps.get(e.name, 0)
             costs.append(
                 (knobs.overlap_weight + knobs.eviction_weight * fullness.get(e.name, 0.0)) * miss
                 + depth
-                + in_flight * e.load.fleet_in_flight
+                + knobs.in_flight_weight * e.load.fleet_in_flight
             )
         # -- session affinity (routing/affinity.py): a term of its own ------------------
         if self.affinity is not None:

@@ -228,14 +228,14 @@ def test_blocks_shared_by_requests_in_flight_count_once() -> None:
 
 
 def test_a_busy_engine_holding_the_prefix_wins_until_its_load_outweighs_the_saving() -> None:
-    """8 cached blocks save (1 + 2) × 8 = 24 blocks of work; each request in flight costs 8.
+    """8 cached blocks save (1 + 2) × 8 = 24 blocks of work; each request in flight costs 4.
 
     The fake index tells no occupancy, so both engines count as full (eviction term whole).
     """
     index = FakeIndex({"b": HASHES})
     policy = KvAware(KvAwareKnobs(block_size=BS), index)
     policy.uses_events = {1, 2}
-    for in_flight, winner in ((2, "b"), (4, "a")):
+    for in_flight, winner in ((5, "b"), (7, "a")):
         catalog = Catalog(in_flight, (handle("a"), handle("b", in_flight=in_flight)))
         chosen = policy.choose(catalog, view(PROMPT))
         assert chosen is not None and chosen.engine.name == winner, in_flight
@@ -566,12 +566,12 @@ def test_a_new_prefix_goes_to_the_idler_rank_and_a_held_one_stays_until_its_rank
     assert placement is not None and placement.dp_rank == 1  # nothing cached: the idler
     assert placement.predicted_cached_tokens == 0
     stored_on(index, "a", 0, PROMPT)  # 8 blocks on rank 0; the last is always recomputed
-    # rank 1 would prefill all 8 blocks, at (1 + 3 × 8/1000) each, against 8 per request in
-    # flight on rank 0: one there still costs less, two do not
-    busy = {0: 1}
+    # rank 1 would prefill all 8 blocks, at (1 + 2 × 8/1000) each (≈ 8.1), against 4 per
+    # request in flight on rank 0: two there still cost less, three do not
+    busy = {0: 2}
     placement = policy.choose(Catalog(1, (ranked("a", in_flight=busy),)), view(PROMPT))
     assert placement is not None and placement.dp_rank == 0
-    placement = policy.choose(Catalog(1, (ranked("a", in_flight={0: 2}),)), view(PROMPT))
+    placement = policy.choose(Catalog(1, (ranked("a", in_flight={0: 3}),)), view(PROMPT))
     assert placement is not None and placement.dp_rank == 1
 
 
