@@ -443,9 +443,7 @@ class KvAware:
         request_blocks = math.ceil(len(request.input_ids) / knobs.block_size)
         now = self.clock()
         costs = []
-        stored_at = [self._stored_at(e) for e in candidates]
-        depths = [self.queue.depths(e.name, now, stored)
-                  for e, stored in zip(candidates, stored_at, strict=True)]
+        depths = [self.queue.depths(e.name, now, self._stored_at(e)) for e in candidates]
         queued = [depth for depth, _ in depths]
         fullness = self.fullness(candidates, request_blocks, overlaps,
                                  [unshown for _, unshown in depths])

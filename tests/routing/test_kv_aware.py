@@ -213,6 +213,21 @@ def test_ranks_of_one_engine_combine_and_other_incarnations_do_not_count() -> No
     assert policy.overlaps(HASHES, 0.0, catalog.engines) == {"b": 5}
 
 
+def test_without_events_a_request_in_flight_weighs_as_much_as_with_them() -> None:
+    """The approximate memory's engines pay the same ``in_flight_weight`` (4) per request in
+    flight: b, remembered holding the prompt, saves (1 + 2) × 8 = 24 blocks, so it wins with 5
+    in flight (20) and loses with 7 (28)."""
+    policy = KvAware(KvAwareKnobs(block_size=BS))
+    first = policy.choose(Catalog(1, (handle("a"), handle("b"))), view(PROMPT), exclude={"a"})
+    assert first is not None and first.engine.name == "b"
+    if first.prefilled is not None:
+        first.prefilled()
+    for in_flight, winner in ((5, "b"), (7, "a")):
+        catalog = Catalog(1, (handle("a"), handle("b", in_flight=in_flight)))
+        chosen = policy.choose(catalog, view(PROMPT))
+        assert chosen is not None and chosen.engine.name == winner, in_flight
+
+
 def test_blocks_shared_by_requests_in_flight_count_once() -> None:
     h = handle("a")
     h.load.begin(32, HASHES)
@@ -397,13 +412,13 @@ def stored(index: KvIndex, engine: str, tokens: list[int]) -> None:
 
 def test_a_new_prefix_goes_where_the_cache_has_room_even_if_a_little_busier() -> None:
     """a is full (40 of 40 blocks): storing 8 there costs (1 + 3) × 8 = 32; b, at 8 of 40,
-    costs (1 + 3 × 0.2) × 8 = 12.8, plus 2 requests in flight × 8 = 28.8: still cheaper."""
+    costs (1 + 3 × 0.2) × 8 = 12.8, plus 4 requests in flight × 4 = 28.8: still cheaper."""
     index = KvIndex(BS)
     stored(index, "a", list(range(1000, 1160)))  # 40 blocks
     policy = KvAware(KvAwareKnobs(block_size=BS, approx_capacity_blocks=40,
                                   eviction_weight=3), index)
     policy.uses_events = {1, 2}
-    catalog = Catalog(1, (handle("a"), handle("b", in_flight=2)))
+    catalog = Catalog(1, (handle("a"), handle("b", in_flight=4)))
     chosen = policy.choose(catalog, view(PROMPT))
     assert chosen is not None and chosen.engine.name == "b"
     without = KvAware(KvAwareKnobs(block_size=BS, approx_capacity_blocks=40,
