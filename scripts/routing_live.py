@@ -444,9 +444,8 @@ def verdict(shape: Shape, live: dict[str, dict[str, Any]],
             band = seed_band(affinity, ours)
             if band is not None:
                 entry["vs_cache_affinity_band"] = band
-        if "vs_cache_affinity" in entry and POOLED_LRU in rows:
-            entry["room"] = rows["cache_affinity"]["ttft_mean_ms"] / rows[POOLED_LRU][
-                "ttft_mean_ms"]
+            if POOLED_LRU in rows:
+                entry["room"] = affinity["ttft_mean_ms"] / rows[POOLED_LRU]["ttft_mean_ms"]
         out[name] = entry
     return out
 
